@@ -1,0 +1,110 @@
+"""Counts the bytes of tensor storages allocated inside a block of CPU code.
+
+A :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every aten op.
+A storage first seen as an op *output* was allocated inside the block; a storage
+first seen as an op *input* existed before (weights, inputs, caches) and is never
+counted. A ``weakref.finalize`` on each counted storage subtracts its bytes when
+it is freed. Sizes are rounded up to 512 bytes, as CUDA's caching allocator does,
+so CPU and CUDA peaks are in the same units. The result depends only on the ops
+run and their shapes, so the same call twice gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["BLOCK_BYTES", "StorageTracker", "round_block"]
+
+BLOCK_BYTES = 512
+"""CUDA's caching allocator hands out blocks in multiples of 512 bytes."""
+
+
+def round_block(nbytes: int) -> int:
+    """Rounds ``nbytes`` up to a whole number of 512-byte blocks (0 stays 0)."""
+    return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
+
+
+class StorageTracker(TorchDispatchMode):
+    """Tracks live and peak bytes of storages allocated while the mode is active.
+
+    Args:
+        limit_bytes: if given, raise :class:`torch.OutOfMemoryError` as soon as the
+            live bytes allocated inside the block exceed it, as a device with that
+            much free memory would.
+    """
+
+    def __init__(self, limit_bytes: int | None = None) -> None:
+        super().__init__()
+        self.limit_bytes = limit_bytes
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._counted: dict[int, int] = {}  # storage key -> counted bytes
+        self._preexisting: set[int] = set()
+        self._finalizers: list[weakref.finalize] = []
+        self._lock = threading.Lock()
+
+    # -- bookkeeping -------------------------------------------------------
+    def _watch(self, storage: torch.UntypedStorage, key: int) -> None:
+        self._finalizers.append(weakref.finalize(storage, self._freed, key))
+
+    def _freed(self, key: int) -> None:
+        with self._lock:
+            self._preexisting.discard(key)
+            self.current_bytes -= self._counted.pop(key, 0)
+
+    def _see(self, tensor: torch.Tensor, is_output: bool) -> None:
+        if tensor.is_meta or tensor.layout != torch.strided:
+            return
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        with self._lock:
+            if key in self._preexisting:
+                return
+            size = round_block(storage.nbytes())
+            if key in self._counted:
+                # resize_ and out= ops can grow a storage in place.
+                self.current_bytes += size - self._counted[key]
+                self._counted[key] = size
+            elif is_output:
+                self._counted[key] = size
+                self.current_bytes += size
+                self._watch(storage, key)
+            else:
+                self._preexisting.add(key)
+                self._watch(storage, key)
+            if self.current_bytes > self.peak_bytes:
+                self.peak_bytes = self.current_bytes
+            over = self.limit_bytes is not None and self.current_bytes > self.limit_bytes
+        if over:
+            raise torch.OutOfMemoryError(
+                f"dynabatch CPU tracker: {self.current_bytes} bytes allocated exceed "
+                f"limit_bytes={self.limit_bytes}"
+            )
+
+    # -- dispatch ----------------------------------------------------------
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None):
+        kwargs = kwargs or {}
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                self._see(leaf, is_output=False)
+        out = func(*args, **kwargs)
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                self._see(leaf, is_output=True)
+        return out
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return super().__exit__(*exc)
+        finally:
+            # Storages that outlive the block (the call's outputs) no longer
+            # need watching; drop the finalizers so nothing is kept alive.
+            for fin in self._finalizers:
+                fin.detach()
+            self._finalizers.clear()

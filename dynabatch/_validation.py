@@ -1,0 +1,65 @@
+"""Argument checks shared by every public entry point.
+
+Every message follows one template, ``"{name} should be {rule}, but got
+{name}={value!r}"``, so that a user sees the argument, the rule and the value.
+Wrong types raise :class:`TypeError`, wrong values :class:`ValueError`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+__all__ = [
+    "bad_type",
+    "bad_value",
+    "check_fraction",
+    "check_positive_int",
+    "check_positive_number",
+]
+
+
+def _got(name: str, value: Any) -> str:
+    return f"{name}={value!r}"
+
+
+def bad_value(name: str, rule: str, value: Any) -> ValueError:
+    """Builds the ValueError for ``name`` breaking ``rule``."""
+    return ValueError(f"{name} should be {rule}, but got {_got(name, value)}")
+
+
+def bad_type(name: str, rule: str, value: Any) -> TypeError:
+    """Builds the TypeError for ``name`` breaking ``rule``; the type is named."""
+    return TypeError(
+        f"{name} should be {rule}, but got {_got(name, value)} of type {type(value).__name__}"
+    )
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """Returns ``value`` if it is an int >= 1 (bool is refused)."""
+    rule = "a positive integer"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise bad_type(name, rule, value)
+    if value < 1:
+        raise bad_value(name, rule, value)
+    return int(value)
+
+
+def check_positive_number(name: str, value: Any) -> float:
+    """Returns ``value`` as float if it is a real number > 0 (bool is refused)."""
+    rule = "a positive number"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise bad_type(name, rule, value)
+    if not value > 0:  # also refuses NaN
+        raise bad_value(name, rule, value)
+    return float(value)
+
+
+def check_fraction(name: str, value: Any) -> float:
+    """Returns ``value`` as float if it is a real number in [0, 1]."""
+    rule = "a number in [0, 1]"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise bad_type(name, rule, value)
+    if not 0.0 <= value <= 1.0:  # also refuses NaN
+        raise bad_value(name, rule, value)
+    return float(value)

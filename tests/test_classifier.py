@@ -1,0 +1,124 @@
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import joblib
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sklearn.ensemble import HistGradientBoostingClassifier
+from sklearn.linear_model import LogisticRegression
+
+from dynabatch.classifier import BUNDLED_CLASSIFIER, SpikeClassifier, load_classifier
+from dynabatch.features import FEATURE_NAMES, compute_features
+
+TRAIN_DIR = Path(__file__).resolve().parents[1] / "train_classifier"
+
+
+def test_importing_dynabatch_does_not_load_the_classifier():
+    code = "import dynabatch, dynabatch.classifier as c; print(c._bundled.cache_info().currsize)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0"
+
+
+def test_bundled_classifier_loads_once_and_gives_probabilities():
+    clf = load_classifier()
+    assert load_classifier() is clf
+    f = compute_features(256, 256, 8, 1800, token_size_y=[200, 100, 30], batch_size_y=[8, 16, 48],
+                         total_tokens_y=[1500, 1400, 1300])
+    p = clf.predict_spike_proba(f)
+    assert p.shape == (3,)
+    assert ((p >= 0) & (p <= 1)).all()
+
+
+def test_bundled_metadata_matches_the_files():
+    meta = json.loads(BUNDLED_CLASSIFIER.with_suffix(".json").read_text())
+    assert meta["feature_names"] == list(FEATURE_NAMES)
+    assert meta["classifier_sha256"] == hashlib.sha256(BUNDLED_CLASSIFIER.read_bytes()).hexdigest()
+    sys.path.insert(0, str(TRAIN_DIR))
+    try:
+        from train_classifier import data_files, sha256_files
+    finally:
+        sys.path.remove(str(TRAIN_DIR))
+    # the bundled classifier was trained on exactly the committed profiles
+    assert meta["training_data"]["sha256"] == sha256_files(data_files(TRAIN_DIR / "data"))
+    assert len(meta["training_data"]["families"]) >= 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tok_y=st.integers(1, 512),
+    bs_y=st.integers(1, 512),
+    fill=st.floats(0.05, 1.0),
+    grow=st.integers(1, 256),
+)
+def test_more_rows_at_the_same_length_never_lowers_the_spike_probability(tok_y, bs_y, fill, grow):
+    # The physics is certain: adding rows never needs less memory; the bundled
+    # classifier is trained with monotonic constraints, so the planner can rely on it.
+    clf = load_classifier()
+    tot = int(bs_y * tok_y * fill)
+    added = int(grow * tok_y * fill)
+    f = compute_features(512, 512, 16, 16 * 500, token_size_y=[tok_y, tok_y], batch_size_y=[bs_y, bs_y + grow],
+                         total_tokens_y=[tot, tot + added])
+    p = clf.predict_spike_proba(f)
+    assert p[1] >= p[0]
+
+
+def test_a_path_loads_a_users_classifier(tmp_path):
+    rng = np.random.default_rng(0)
+    X = rng.random((200, 13))
+    est = LogisticRegression().fit(X, (X[:, 5] > 0.5).astype(int))
+    path = tmp_path / "mine.pkl"
+    joblib.dump(est, path)
+    clf = load_classifier(path)
+    assert isinstance(clf, SpikeClassifier)
+    np.testing.assert_allclose(clf.predict_spike_proba(X[:5]), est.predict_proba(X[:5])[:, 1])
+    assert load_classifier(str(path)).predict_spike_proba(X[:1]).shape == (1,)
+
+
+def test_an_estimator_object_is_wrapped_and_a_wrapper_passes_through():
+    rng = np.random.default_rng(1)
+    X = rng.random((100, 13))
+    est = LogisticRegression().fit(X, (X[:, 0] > 0.5).astype(int))
+    clf = load_classifier(est)
+    assert clf.estimator is est
+    assert load_classifier(clf) is clf
+
+
+def test_feature_names_that_do_not_match_are_refused():
+    import pandas as pd
+
+    rng = np.random.default_rng(2)
+    X = pd.DataFrame(rng.random((100, 13)), columns=[f"f{i}" for i in range(13)])
+    est = HistGradientBoostingClassifier(max_iter=5).fit(X, (X["f0"] > 0.5).astype(int))
+    with pytest.raises(ValueError, match=r"classifier should be fitted on the features \['max_input_length'.*"
+                                         r"but got classifier=\['f0'"):
+        load_classifier(est)
+
+
+def test_an_estimator_fitted_on_another_number_of_features_is_refused():
+    rng = np.random.default_rng(3)
+    X = rng.random((50, 5))
+    est = LogisticRegression().fit(X, (X[:, 0] > 0.5).astype(int))
+    with pytest.raises(ValueError, match="classifier should be fitted on 13 features, but got classifier='5 features'"):
+        load_classifier(est)
+
+
+def test_things_that_are_not_classifiers_are_refused():
+    with pytest.raises(TypeError, match="classifier should be a path or a fitted estimator with predict_proba, "
+                                        "but got classifier=42 of type int"):
+        load_classifier(42)
+
+
+def test_a_missing_path_is_a_clear_error(tmp_path):
+    missing = tmp_path / "nope.pkl"
+    with pytest.raises(ValueError, match="classifier should be the path of an existing classifier file"):
+        load_classifier(missing)
+
+
+def test_features_of_the_wrong_shape_are_refused():
+    with pytest.raises(ValueError, match=r"features should be an array of shape \(n, 13\), but got features=\(4,\)"):
+        load_classifier().predict_spike_proba(np.zeros(4))

@@ -1,0 +1,69 @@
+"""The two training scripts, run as a user runs them."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from dynabatch.classifier import load_classifier
+from dynabatch.features import compute_features
+
+TRAIN_DIR = Path(__file__).resolve().parents[1] / "train_classifier"
+GENERATE = TRAIN_DIR / "generate_training_data.py"
+TRAIN = TRAIN_DIR / "train_classifier.py"
+
+
+def _run(script, *args):
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, check=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def _options(script):
+    src = script.read_text()
+    return sorted(set(re.findall(r'add_argument\("(--[a-z-]+)"', src)))
+
+
+@pytest.mark.parametrize("script", [GENERATE, TRAIN], ids=lambda p: p.name)
+def test_help_documents_every_option(script):
+    out = _run(script, "--help").stdout
+    options = _options(script)
+    assert len(options) >= 5
+    for option in options:
+        assert option in out, option
+
+
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profiles")
+    _run(GENERATE, "--models", "minilm-l6,marian-2l", "--max-input-lengths", "64", "--base-batch-sizes", "2",
+         "--n-texts", "120", "--max-new-tokens", "2", "--threads", "2", "--out", str(out))
+    return out
+
+
+def test_generator_writes_raw_measurements_of_real_runs(profiles):
+    frame = pd.concat([pd.read_csv(p) for p in sorted(profiles.glob("*.csv.gz"))])
+    assert set(frame["model"]) == {"minilm-l6", "marian-2l"}
+    assert set(frame["task"]) == {"forward", "generate"}
+    ok = frame[frame["status"] == "ok"]
+    assert (ok["peak_bytes"] > 0).all()
+    first = ok[ok["position"] == 0]
+    assert (first["peak_bytes"] == first["first_peak_bytes"]).all()
+    assert (first["batch_size"] == 2).all()
+    # candidates span the first batch size up to several times it, on both sides of the 0.9 line
+    assert ok["batch_size"].max() >= 4 * 2
+    ratio = ok["peak_bytes"] / ok["first_peak_bytes"]
+    assert (ratio < 0.9).any() and (ratio > 0.9).any()
+    assert (ok["paddings"] == ok["batch_size"] * ok["token_size"] - ok["total_tokens"]).all()
+
+
+def test_training_on_the_generated_profiles_gives_a_loadable_classifier(profiles, tmp_path):
+    out = _run(TRAIN, "--data", str(profiles), "--out", str(tmp_path), "--max-iter", "20")
+    assert "held-out model" in out.stdout and "ALL" in out.stdout
+    clf = load_classifier(tmp_path / "classifier.pkl")
+    assert clf.metadata["training_data"]["models"] == ["marian-2l", "minilm-l6"]
+    p = clf.predict_spike_proba(compute_features(64, 64, 2, 120, [64, 10], [16, 2], [1000, 15]))
+    assert p[0] > p[1]
