@@ -4,7 +4,11 @@ The public surface is listed in ``__all__``; everything else is internal.
 """
 
 from dynabatch.classifier import SpikeClassifier, load_classifier
+from dynabatch.collate import Batch, TokenCollator
 from dynabatch.features import FEATURE_NAMES, compute_features
+from dynabatch.loader import build_dynamic_batch_dataloader
+from dynabatch.order import restore_order
+from dynabatch.planner import plan_batch_sizes, plan_batches
 from dynabatch.profiling import (
     PeakMemory,
     collect_cuda_peak_alloc,
@@ -12,17 +16,28 @@ from dynabatch.profiling import (
     is_out_of_memory_error,
     track_peak_memory,
 )
+from dynabatch.sampler import DynamicBatchSampler
+from dynabatch.tokenize import TokenizedTexts, tokenize_texts
 
 __version__ = "0.2.0.dev0"
 
 __all__ = [
     "FEATURE_NAMES",
+    "Batch",
+    "DynamicBatchSampler",
     "PeakMemory",
     "SpikeClassifier",
+    "TokenCollator",
+    "TokenizedTexts",
+    "build_dynamic_batch_dataloader",
     "collect_cuda_peak_alloc",
     "collect_peak_alloc",
     "compute_features",
     "is_out_of_memory_error",
     "load_classifier",
+    "plan_batch_sizes",
+    "plan_batches",
+    "restore_order",
+    "tokenize_texts",
     "track_peak_memory",
 ]

@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch._tree_eval import compile_trees
 from dynabatch._validation import bad_type, bad_value
-from dynabatch.features import FEATURE_NAMES
+from dynabatch.features import FEATURE_NAMES, compute_features
 
 __all__ = ["BUNDLED_CLASSIFIER", "SpikeClassifier", "load_classifier"]
 
@@ -66,6 +67,33 @@ class SpikeClassifier:
         self.estimator = estimator
         self.metadata = dict(metadata or {})
         self._named = names is not None
+        self._compiled = None
+        self._compiled = compile_trees(estimator, _probe_features(), self.predict_spike_proba)
+
+    @property
+    def monotone_in_rows(self) -> bool:
+        """Whether adding rows to a candidate can never lower its spike probability.
+
+        True when the estimator was fitted with a ``+1`` monotonic constraint on
+        every feature that grows with the candidate's rows (as the bundled
+        classifier is). The planner then checks a candidate size with two
+        probabilities instead of all smaller candidates.
+        """
+        cst = getattr(self.estimator, "monotonic_cst", None)
+        if cst is None:
+            return False
+        if isinstance(cst, dict):
+            signs = [cst.get(name, 0) for name in _GROWS_WITH_ROWS]
+        else:
+            signs = [list(cst)[FEATURE_NAMES.index(name)] for name in _GROWS_WITH_ROWS]
+        return all(sign == 1 for sign in signs)
+
+    def _as_input(self, features: np.ndarray):
+        if self._named:
+            import pandas as pd
+
+            return pd.DataFrame(features, columns=list(FEATURE_NAMES), copy=False)
+        return features
 
     def predict_spike_proba(self, features: np.ndarray) -> np.ndarray:
         """Returns, for each row of ``features`` (``(n, 13)``), the probability of a spike."""
@@ -74,14 +102,31 @@ class SpikeClassifier:
             raise bad_value("features", f"an array of shape (n, {len(FEATURE_NAMES)})", features.shape)
         if features.shape[0] == 0:
             return np.empty(0, dtype=np.float64)
-        if self._named:
-            import pandas as pd
-
-            features = pd.DataFrame(features, columns=list(FEATURE_NAMES), copy=False)
-        return np.asarray(self.estimator.predict_proba(features))[:, 1]
+        if self._compiled is not None:
+            return self._compiled.predict_proba1(features)
+        return np.asarray(self.estimator.predict_proba(self._as_input(features)))[:, 1]
 
     def __repr__(self) -> str:
         return f"SpikeClassifier({type(self.estimator).__name__}, trained={self.metadata.get('trained_on', '?')})"
+
+
+_GROWS_WITH_ROWS = ("batch_size_y", "batch_size_diff", "total_tokens_y", "total_token_size_diff", "paddings_y",
+                    "total_paddings_diff")
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_features() -> np.ndarray:
+    """Realistic feature rows (first batches and candidates of many shapes) to check compiled trees on."""
+    rng = np.random.default_rng(0)
+    n = 512
+    max_len = rng.choice([64, 128, 256, 512, 1024], size=n)
+    tok_x = np.maximum(1, (max_len * rng.uniform(0.3, 1.0, n)).astype(int))
+    bs_x = rng.choice([1, 4, 8, 16, 64, 128, 256, 512], size=n)
+    tot_x = (bs_x * tok_x * rng.uniform(0.5, 1.0, n)).astype(int)
+    tok_y = np.maximum(1, (tok_x * rng.uniform(0.01, 1.0, n)).astype(int))
+    bs_y = np.ceil(bs_x * rng.uniform(1.0, 8.0, n)).astype(int)
+    tot_y = (bs_y * tok_y * rng.uniform(0.3, 1.0, n)).astype(int)
+    return compute_features(max_len, tok_x, bs_x, tot_x, tok_y, bs_y, tot_y)
 
 
 def _read_metadata(pkl: Path) -> dict:

@@ -1,0 +1,132 @@
+"""``build_dynamic_batch_dataloader``: texts in, a standard DataLoader of memory-safe batches out.
+
+The stages, each its own module: :func:`~dynabatch.tokenize.tokenize_texts`
+(every text tokenized once) -> :func:`~dynabatch.planner.plan_batches` (sorted
+longest first, sizes chosen by the spike classifier) ->
+:class:`~dynabatch.sampler.DynamicBatchSampler` (order, epochs, resumption) ->
+:class:`~dynabatch.collate.TokenCollator` (padded tensors from the token store).
+
+Example:
+    >>> from transformers import AutoTokenizer
+    >>> from dynabatch import build_dynamic_batch_dataloader
+    >>> from dynabatch.demo import kjv_passages, minilm_path
+    >>> tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    >>> texts = kjv_passages()[:500]
+    >>> loader = build_dynamic_batch_dataloader(texts, tokenizer, batch_size=8, max_input_token_length=128,
+    ...                                         num_workers=0)
+    >>> batch = next(iter(loader))
+    >>> sorted(batch), batch["input_ids"].shape[0]
+    (['attention_mask', 'input_ids', 'token_type_ids'], 8)
+    >>> sum(len(b.indices) for b in loader)
+    500
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset
+
+from dynabatch._validation import bad_type, bad_value
+from dynabatch.collate import TokenCollator
+from dynabatch.planner import plan_batches
+from dynabatch.sampler import DynamicBatchSampler
+from dynabatch.tokenize import tokenize_texts, validate_texts
+
+__all__ = ["build_dynamic_batch_dataloader"]
+
+logger = logging.getLogger(__name__)
+
+
+class _Positions(Dataset):
+    """Item ``i`` is ``i``: the collator builds the batch from the token store."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def build_dynamic_batch_dataloader(
+    texts: Any,
+    tokenizer: Any,
+    batch_size: int,
+    max_input_token_length: int,
+    threshold: float = 0.025,
+    shuffle: bool = False,
+    num_workers: int = 4,
+    batch_start_range: float = 1.0,
+    batch_end_range: float = 6.0,
+    steps: int = 50,
+    *,
+    classifier: Any = None,
+    seed: int = 0,
+    progress: bool = False,
+    **tokenizer_kwargs: Any,
+) -> DataLoader:
+    """Builds a DataLoader whose batches grow as texts get shorter, under the first batch's peak memory.
+
+    Args:
+        texts: the input strings (list, tuple, pandas Series, ``datasets`` column).
+        tokenizer: a Hugging Face tokenizer with a pad token.
+        batch_size: rows of the first batch, the ``batch_size`` longest texts;
+            every batch has at least this many rows (but the last).
+        max_input_token_length: truncation limit per text, in tokens.
+        threshold: highest spike probability a chosen batch size may have.
+        shuffle: shuffle the batch order (the first, hardest batch stays first).
+        num_workers: DataLoader worker processes (0: batches built in the main process).
+        batch_start_range: smallest candidate size, as a multiple of ``batch_size`` (>= 1).
+        batch_end_range: largest candidate size, as a multiple of ``batch_size``.
+        steps: number of candidate sizes between the two.
+        classifier: the spike classifier: ``None`` for the bundled one, a path
+            to a trusted joblib file, or a fitted estimator.
+        seed: seeds the shuffled order.
+        progress: show a progress bar while tokenizing.
+        **tokenizer_kwargs: passed to the tokenizer (e.g. ``add_special_tokens=False``);
+            ``pad_to_multiple_of`` rounds each batch's width up.
+
+    Returns:
+        A plain :class:`torch.utils.data.DataLoader`. Each batch is a
+        :class:`~dynabatch.collate.Batch`: a dict of tensors (``input_ids``,
+        ``attention_mask`` and the tokenizer's other outputs) that
+        ``model(**batch)`` and ``model.generate(**batch)`` take, with
+        ``batch.indices`` (input positions of its rows) and ``batch.texts``.
+        Put per-batch outputs back in input order with
+        :func:`~dynabatch.order.restore_order`.
+    """
+    items = validate_texts(texts)
+    if isinstance(num_workers, bool) or not isinstance(num_workers, numbers.Integral):
+        raise bad_type("num_workers", "a non-negative integer", num_workers)
+    if num_workers < 0:
+        raise bad_value("num_workers", "a non-negative integer", num_workers)
+    if not isinstance(shuffle, bool):
+        raise bad_type("shuffle", "a bool", shuffle)
+    pad_to_multiple_of = tokenizer_kwargs.pop("pad_to_multiple_of", None)
+    if getattr(tokenizer, "pad_token_id", None) is None:
+        raise ValueError(
+            "tokenizer should have a pad token (set one, e.g. tokenizer.pad_token = tokenizer.eos_token), "
+            "but got tokenizer.pad_token_id=None"
+        )
+    tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress, **tokenizer_kwargs)
+    batches = plan_batches(
+        tokenized.lengths,
+        batch_size,
+        max_input_token_length,
+        classifier=classifier,
+        threshold=threshold,
+        batch_start_range=batch_start_range,
+        batch_end_range=batch_end_range,
+        steps=steps,
+    )
+    sampler = DynamicBatchSampler(batches, shuffle=shuffle, seed=seed)
+    collator = TokenCollator.from_tokenizer(tokenized, tokenizer, texts=items, pad_to_multiple_of=pad_to_multiple_of)
+    sizes = [len(b) for b in batches]
+    logger.info("planned %d texts into %d batches (first %d rows, largest %d)", len(items), len(batches),
+                sizes[0], max(sizes))
+    return DataLoader(_Positions(len(items)), batch_sampler=sampler, collate_fn=collator, num_workers=num_workers)
