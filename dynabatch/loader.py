@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dynabatch._validation import bad_type, bad_value
 from dynabatch.collate import TokenCollator
-from dynabatch.planner import plan_batches
+from dynabatch.planner import check_plan_arguments, plan_batches
 from dynabatch.sampler import DynamicBatchSampler
 from dynabatch.tokenize import tokenize_texts, validate_texts
 
@@ -101,6 +101,7 @@ def build_dynamic_batch_dataloader(
         :func:`~dynabatch.order.restore_order`.
     """
     items = validate_texts(texts)
+    check_plan_arguments(batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps)
     if isinstance(num_workers, bool) or not isinstance(num_workers, numbers.Integral):
         raise bad_type("num_workers", "a non-negative integer", num_workers)
     if num_workers < 0:

@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import math
 import numbers
 from typing import Any
 
@@ -42,11 +43,12 @@ from dynabatch._validation import bad_type, bad_value, check_fraction, check_pos
 from dynabatch.classifier import SpikeClassifier, load_classifier
 from dynabatch.features import compute_features
 
-__all__ = ["candidate_sizes", "plan_batch_sizes", "plan_batches"]
+__all__ = ["candidate_sizes", "check_plan_arguments", "plan_batch_sizes", "plan_batches"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_SPECULATION = 1024
+_MAX_BATCH = 2**40  # candidate sizes stay exact in int64 and float64
 
 
 def candidate_sizes(batch_size: int, batch_start_range: float, batch_end_range: float, steps: int) -> np.ndarray:
@@ -60,15 +62,31 @@ def candidate_sizes(batch_size: int, batch_start_range: float, batch_end_range: 
     return np.unique(sizes.astype(np.int64))
 
 
-def _check_ranges(batch_start_range: Any, batch_end_range: Any, steps: Any) -> int:
+def check_plan_arguments(
+    batch_size: Any,
+    max_input_token_length: Any,
+    threshold: Any,
+    batch_start_range: Any,
+    batch_end_range: Any,
+    steps: Any,
+) -> tuple[int, int, float, float, float, int]:
+    """Validates the planning arguments (so a loader can refuse them before tokenizing)."""
+    batch_size = check_positive_int("batch_size", batch_size)
+    max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
+    threshold = check_fraction("threshold", threshold)
     for name, value in (("batch_start_range", batch_start_range), ("batch_end_range", batch_end_range)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise bad_type(name, "a number >= 1", value)
-    if not batch_start_range >= 1:
-        raise bad_value("batch_start_range", "a number >= 1 (the first batch is the smallest)", batch_start_range)
-    if not batch_end_range >= batch_start_range:
-        raise bad_value("batch_end_range", f"a number >= batch_start_range={batch_start_range!r}", batch_end_range)
-    return check_positive_int("steps", steps)
+    if not (batch_start_range >= 1 and math.isfinite(batch_start_range)):
+        raise bad_value("batch_start_range", "a finite number >= 1 (the first batch is the smallest)",
+                        batch_start_range)
+    if not (batch_end_range >= batch_start_range and math.isfinite(batch_end_range)):
+        raise bad_value("batch_end_range", f"a finite number >= batch_start_range={batch_start_range!r}",
+                        batch_end_range)
+    if batch_size * batch_end_range > _MAX_BATCH:
+        raise bad_value("batch_end_range", f"at most {_MAX_BATCH} / batch_size={batch_size}", batch_end_range)
+    steps = check_positive_int("steps", steps)
+    return batch_size, max_input_token_length, threshold, float(batch_start_range), float(batch_end_range), steps
 
 
 def _as_lengths(lengths: Any, max_input_token_length: int) -> np.ndarray:
@@ -172,10 +190,9 @@ def plan_batch_sizes(
     ``sorted_lengths[sum(sizes[:i]):sum(sizes[:i + 1])]``. See
     :func:`plan_batches` for the arguments.
     """
-    batch_size = check_positive_int("batch_size", batch_size)
-    max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
-    threshold = check_fraction("threshold", threshold)
-    steps = _check_ranges(batch_start_range, batch_end_range, steps)
+    batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps = check_plan_arguments(
+        batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps
+    )
     lengths = _as_lengths(sorted_lengths, max_input_token_length)
     if len(lengths) > 1 and (np.diff(lengths) > 0).any():
         raise bad_value("sorted_lengths", "sorted longest first", "an unsorted array")
@@ -221,4 +238,4 @@ def plan_batches(
     sizes = plan_batch_sizes(arr[order], batch_size, max_input_token_length, classifier=classifier,
                              threshold=threshold, batch_start_range=batch_start_range,
                              batch_end_range=batch_end_range, steps=steps)
-    return np.split(order, np.cumsum(sizes)[:-1])
+    return np.split(order, np.cumsum(sizes)[:-1]) if len(sizes) else []

@@ -100,8 +100,15 @@ class DynamicBatchSampler(Sampler[list[int]]):
             yield self.batches[i].tolist()
 
     def set_epoch(self, epoch: int) -> None:
-        """Sets the epoch, which with the seed decides the shuffled order."""
-        self.epoch = _check_int("epoch", epoch, 0)
+        """Sets the epoch, which with the seed decides the shuffled order.
+
+        A resume point loaded with :meth:`load_state_dict` holds only for the
+        epoch it was saved in; moving to another epoch starts it from the beginning.
+        """
+        epoch = _check_int("epoch", epoch, 0)
+        if epoch != self.epoch:
+            self._resume_at = 0
+        self.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the current epoch, plus what identifies the plan and the order."""

@@ -1,0 +1,59 @@
+"""The examples and the planning benchmark, run as a user runs them (small sizes, offline)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EMBED = ROOT / "examples" / "embed_kjv.py"
+SEQ2SEQ = ROOT / "examples" / "seq2seq_generate.py"
+PLAN_SPEED = ROOT / "benchmarks" / "plan_speed.py"
+
+# One thread: the runs are small and CI machines are often shared, where two
+# OpenMP threads fighting other processes for two cores are several times slower.
+COMPARISON_HEADER = r"method\s+batches\s+largest batch\s+padding eff\.\s+wall time\s+texts/s"
+RUNS = {
+    "embed_kjv": (EMBED, ["--n-texts", "300", "--max-length", "64", "--threads", "1"],
+                  [COMPARISON_HEADER, r"\ndynabatch\s+\d+", r"speed-up of dynabatch",
+                   r"max abs difference \S+ \(OK"]),
+    "seq2seq_generate": (SEQ2SEQ, ["--n-texts", "60", "--max-length", "64", "--threads", "1"],
+                         [COMPARISON_HEADER, r"\ndynabatch\s+\d+", r"speed-up of dynabatch",
+                          r"\b60/60 rows equal \(OK"]),
+    "plan_speed": (PLAN_SPEED, ["--n-texts", "2000", "--n-lengths", "20000", "--repeats", "1"],
+                   [r"stage\s+size\s+best time\s+texts/s\s+note", r"machine: ",
+                    r"plan_batches\(batch_size=16\)\s+20,000 lengths", r"plan_batches\(batch_size=64\)",
+                    r"QUOTED"]),
+}
+
+
+def _run(script, *args):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300)
+
+
+def _options(script):
+    return sorted(set(re.findall(r'add_argument\(\s*"(--[a-z-]+)"', script.read_text())))
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_script_runs_and_prints_its_table(name):
+    script, args, patterns = RUNS[name]
+    result = _run(script, *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for pattern in patterns:
+        assert re.search(pattern, result.stdout), (pattern, result.stdout)
+
+
+@pytest.mark.parametrize("script", [EMBED, SEQ2SEQ, PLAN_SPEED], ids=lambda p: p.name)
+def test_help_documents_every_option(script):
+    result = _run(script, "--help")
+    assert result.returncode == 0, result.stderr
+    options = _options(script)
+    assert len(options) >= 4
+    for option in options:
+        assert option in result.stdout, option
