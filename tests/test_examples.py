@@ -17,10 +17,10 @@ PLAN_SPEED = ROOT / "benchmarks" / "plan_speed.py"
 # OpenMP threads fighting other processes for two cores are several times slower.
 COMPARISON_HEADER = r"method\s+batches\s+largest batch\s+padding eff\.\s+wall time\s+texts/s"
 RUNS = {
-    "embed_kjv": (EMBED, ["--n-texts", "300", "--max-length", "64", "--threads", "1"],
+    "embed_kjv": (EMBED, ["--n-texts", "300", "--max-length", "48", "--threads", "1"],
                   [COMPARISON_HEADER, r"\ndynabatch\s+\d+", r"speed-up of dynabatch",
                    r"max abs difference \S+ \(OK"]),
-    "seq2seq_generate": (SEQ2SEQ, ["--n-texts", "60", "--max-length", "64", "--threads", "1"],
+    "seq2seq_generate": (SEQ2SEQ, ["--n-texts", "60", "--max-length", "48", "--threads", "1"],
                          [COMPARISON_HEADER, r"\ndynabatch\s+\d+", r"speed-up of dynabatch",
                           r"\b60/60 rows equal \(OK"]),
     "plan_speed": (PLAN_SPEED, ["--n-texts", "2000", "--n-lengths", "20000", "--repeats", "1"],
