@@ -40,40 +40,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from dataclasses import dataclass
 from functools import partial
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
 
-from dynabatch import build_dynamic_batch_dataloader, restore_order  # noqa: E402
 from dynabatch.demo import kjv_passages, minilm_path, vary_lengths  # noqa: E402
 
+import _common  # noqa: E402  (examples/ is sys.path[0] when the example runs as a script)
+
 TOLERANCE = 1e-4
-
-
-@dataclass(frozen=True)
-class RunStats:
-    """What one loader did over all texts."""
-
-    method: str
-    n_texts: int
-    batches: int
-    largest_batch: int
-    real_tokens: int
-    padded_cells: int
-    seconds: float
-
-    @property
-    def padding_efficiency(self) -> float:
-        return self.real_tokens / self.padded_cells
-
-    @property
-    def texts_per_second(self) -> float:
-        return self.n_texts / self.seconds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,22 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "with dynabatch; print a comparison table and check that both give the same embeddings.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--n-texts", type=int, default=500,
-                        help="number of KJV texts, cut to 1..--max-words words (log-uniform lengths)")
-    parser.add_argument("--max-words", type=int, default=200, help="longest text, in words")
-    parser.add_argument("--batch-size", type=int, default=32,
-                        help="rows per batch of the plain loader; rows of dynabatch's first (longest) batch")
-    parser.add_argument("--max-length", type=int, default=256, help="truncation limit per text, in tokens")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch.set_num_threads(THREADS); None keeps torch's own setting (on a busy "
-                        "machine 1 is often fastest)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the text sampling")
+    _common.add_text_options(parser, n_texts=500, max_length_help="truncation limit per text, in tokens")
+    _common.add_run_options(parser)
     args = parser.parse_args(argv)
-    for name in ("n_texts", "max_words", "batch_size", "max_length"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} should be a positive integer, but got {getattr(args, name)}")
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads should be a positive integer, but got {args.threads}")
+    _common.check_positive(parser, args, ("n_texts", "max_words", "batch_size", "max_length", "threads"))
     return args
 
 
@@ -112,61 +77,6 @@ def embed(model: torch.nn.Module, batch) -> torch.Tensor:
     return mean_pool(hidden, batch["attention_mask"])
 
 
-def pad_with_tokenizer(batch_texts: list[str], tokenizer, max_length: int):
-    return tokenizer(batch_texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-
-
-def run_loader(model: torch.nn.Module, loader) -> tuple[list[torch.Tensor], list, int, int, int]:
-    """Embeds every batch: (per-batch embeddings, per-batch indices, largest batch, real tokens, padded cells)."""
-    outputs, indices = [], []
-    largest = real = cells = 0
-    for batch in loader:
-        mask = batch["attention_mask"]
-        largest = max(largest, mask.shape[0])
-        real += int(mask.sum())
-        cells += mask.numel()
-        outputs.append(embed(model, batch))
-        indices.append(getattr(batch, "indices", None))
-    return outputs, indices, largest, real, cells
-
-
-def run_plain(model, tokenizer, texts: list[str], batch_size: int, max_length: int) -> tuple[RunStats, torch.Tensor]:
-    start = time.perf_counter()
-    loader = DataLoader(texts, batch_size=batch_size, shuffle=False,
-                        collate_fn=partial(pad_with_tokenizer, tokenizer=tokenizer, max_length=max_length))
-    outputs, _, largest, real, cells = run_loader(model, loader)
-    embeddings = torch.cat(outputs)
-    seconds = time.perf_counter() - start
-    return RunStats("plain DataLoader", len(texts), len(outputs), largest, real, cells, seconds), embeddings
-
-
-def run_dynabatch(model, tokenizer, texts: list[str], batch_size: int,
-                  max_length: int) -> tuple[RunStats, torch.Tensor, float]:
-    """Returns the stats, the embeddings in input order and the setup (tokenize + plan) seconds."""
-    start = time.perf_counter()
-    loader = build_dynamic_batch_dataloader(texts, tokenizer, batch_size, max_length, num_workers=0)
-    setup = time.perf_counter() - start
-    outputs, indices, largest, real, cells = run_loader(model, loader)
-    embeddings = torch.stack(restore_order(outputs, indices))
-    seconds = time.perf_counter() - start
-    return RunStats("dynabatch", len(texts), len(outputs), largest, real, cells, seconds), embeddings, setup
-
-
-def warm_up(model, tokenizer, texts: list[str], max_length: int) -> None:
-    """One small forward call, so neither timed run pays for the first call's set-up."""
-    embed(model, pad_with_tokenizer(texts[:2], tokenizer, max_length))
-
-
-def print_table(runs: list[RunStats]) -> None:
-    header = (f"{'method':<18} {'batches':>8} {'largest batch':>14} {'padding eff.':>13} {'wall time':>10} "
-              f"{'texts/s':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in runs:
-        print(f"{r.method:<18} {r.batches:>8} {r.largest_batch:>14} {r.padding_efficiency:>12.1%} "
-              f"{r.seconds:>9.2f}s {r.texts_per_second:>9.1f}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads is not None:
@@ -179,28 +89,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(texts)} KJV texts (1..{args.max_words} words), all-MiniLM-L6-v2, batch_size={args.batch_size}, "
           f"max_length={args.max_length}, torch threads={torch.get_num_threads()}\n")
 
+    step = partial(embed, model)
     with torch.inference_mode():
-        warm_up(model, tokenizer, texts, args.max_length)
-        plain, plain_emb = run_plain(model, tokenizer, texts, args.batch_size, args.max_length)
-        dyn, dyn_emb, setup = run_dynabatch(model, tokenizer, texts, args.batch_size, args.max_length)
+        _common.warm_up(step, tokenizer, texts, args.max_length)
+        plain, plain_emb = _common.run_plain(step, torch.cat, tokenizer, texts, args.batch_size, args.max_length)
+        dyn, dyn_emb, setup = _common.run_dynabatch(step, torch.stack, tokenizer, texts, args.batch_size,
+                                                    args.max_length)
 
-    print_table([plain, dyn])
-    print(f"\nspeed-up of dynabatch over the plain loader: {plain.seconds / dyn.seconds:.2f}x "
-          f"(dynabatch time includes {setup:.2f}s to tokenize, load the classifier and plan)")
+    _common.print_comparison(plain, dyn, setup)
 
     if dyn_emb.shape != plain_emb.shape:
         print(f"error: dynabatch gave embeddings of shape {tuple(dyn_emb.shape)}, the plain loader "
               f"{tuple(plain_emb.shape)}", file=sys.stderr)
         return 1
     diff = (dyn_emb - plain_emb).abs().max().item()
-    ok = diff < TOLERANCE
-    print(f"embeddings restored to input order vs plain loader: max abs difference {diff:.2e} "
-          f"({'OK' if ok else 'FAIL'}, tolerance {TOLERANCE:g})")
-    if not ok:
-        print(f"error: dynabatch embeddings differ from the plain loader's by {diff:.2e} >= {TOLERANCE:g}",
-              file=sys.stderr)
-        return 1
-    return 0
+    return _common.report_check(
+        diff < TOLERANCE,
+        f"embeddings restored to input order vs plain loader: max abs difference {diff:.2e}",
+        f"dynabatch embeddings differ from the plain loader's by {diff:.2e} >= {TOLERANCE:g}",
+        note=f", tolerance {TOLERANCE:g}",
+    )
 
 
 if __name__ == "__main__":

@@ -40,41 +40,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-from dataclasses import dataclass
 from functools import partial
+from itertools import chain
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
 
-from dynabatch import build_dynamic_batch_dataloader, restore_order  # noqa: E402
 from dynabatch.demo import kjv_passages, minilm_path, vary_lengths  # noqa: E402
+
+import _common  # noqa: E402  (examples/ is sys.path[0] when the example runs as a script)
 
 PAD_TOKEN_ID = 0
 EOS_TOKEN_ID = 102  # [SEP] of the MiniLM tokenizer
-
-
-@dataclass(frozen=True)
-class RunStats:
-    """What one loader did over all texts."""
-
-    method: str
-    n_texts: int
-    batches: int
-    largest_batch: int
-    real_tokens: int
-    padded_cells: int
-    seconds: float
-
-    @property
-    def padding_efficiency(self) -> float:
-        return self.real_tokens / self.padded_cells
-
-    @property
-    def texts_per_second(self) -> float:
-        return self.n_texts / self.seconds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,24 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "both generate the same tokens.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--n-texts", type=int, default=800,
-                        help="number of KJV texts, cut to 1..--max-words words (log-uniform lengths)")
-    parser.add_argument("--max-words", type=int, default=200, help="longest text, in words")
-    parser.add_argument("--batch-size", type=int, default=32,
-                        help="rows per batch of the plain loader; rows of dynabatch's first (longest) batch")
-    parser.add_argument("--max-length", type=int, default=256, help="truncation limit per input text, in tokens")
+    _common.add_text_options(parser, n_texts=800, max_length_help="truncation limit per input text, in tokens")
     parser.add_argument("--new-tokens", type=int, default=8,
                         help="tokens generated per text (max_new_tokens = min_new_tokens)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch.set_num_threads(THREADS); None keeps torch's own setting (on a busy "
-                        "machine 1 is often fastest)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the text sampling")
+    _common.add_run_options(parser)
     args = parser.parse_args(argv)
-    for name in ("n_texts", "max_words", "batch_size", "max_length", "new_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} should be a positive integer, but got {getattr(args, name)}")
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads should be a positive integer, but got {args.threads}")
+    _common.check_positive(parser, args, ("n_texts", "max_words", "batch_size", "max_length", "new_tokens", "threads"))
     return args
 
 
@@ -135,10 +101,6 @@ def generate(model: torch.nn.Module, batch, new_tokens: int) -> torch.Tensor:
                           num_beams=1)
 
 
-def pad_with_tokenizer(batch_texts: list[str], tokenizer, max_length: int):
-    return tokenizer(batch_texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-
-
 def strip_padding(row: torch.Tensor) -> list[int]:
     """The generated ids without trailing padding (the leading decoder start token is kept)."""
     ids = row.tolist()
@@ -148,55 +110,9 @@ def strip_padding(row: torch.Tensor) -> list[int]:
     return ids[:end]
 
 
-def run_loader(model: torch.nn.Module, loader, new_tokens: int) -> tuple[list[torch.Tensor], list, int, int, int]:
-    """Generates for every batch: (per-batch outputs, per-batch indices, largest batch, real tokens, padded cells)."""
-    outputs, indices = [], []
-    largest = real = cells = 0
-    for batch in loader:
-        mask = batch["attention_mask"]
-        largest = max(largest, mask.shape[0])
-        real += int(mask.sum())
-        cells += mask.numel()
-        outputs.append(generate(model, batch, new_tokens))
-        indices.append(getattr(batch, "indices", None))
-    return outputs, indices, largest, real, cells
-
-
-def run_plain(model, tokenizer, texts: list[str], args: argparse.Namespace) -> tuple[RunStats, list[list[int]]]:
-    start = time.perf_counter()
-    loader = DataLoader(texts, batch_size=args.batch_size, shuffle=False,
-                        collate_fn=partial(pad_with_tokenizer, tokenizer=tokenizer, max_length=args.max_length))
-    outputs, _, largest, real, cells = run_loader(model, loader, args.new_tokens)
-    rows = [strip_padding(row) for out in outputs for row in out]
-    seconds = time.perf_counter() - start
-    return RunStats("plain DataLoader", len(texts), len(outputs), largest, real, cells, seconds), rows
-
-
-def run_dynabatch(model, tokenizer, texts: list[str],
-                  args: argparse.Namespace) -> tuple[RunStats, list[list[int]], float]:
-    """Returns the stats, the generated rows in input order and the setup (tokenize + plan) seconds."""
-    start = time.perf_counter()
-    loader = build_dynamic_batch_dataloader(texts, tokenizer, args.batch_size, args.max_length, num_workers=0)
-    setup = time.perf_counter() - start
-    outputs, indices, largest, real, cells = run_loader(model, loader, args.new_tokens)
-    rows = [strip_padding(row) for row in restore_order(outputs, indices)]
-    seconds = time.perf_counter() - start
-    return RunStats("dynabatch", len(texts), len(outputs), largest, real, cells, seconds), rows, setup
-
-
-def warm_up(model, tokenizer, texts: list[str], args: argparse.Namespace) -> None:
-    """One small generate call, so neither timed run pays for the first call's set-up."""
-    generate(model, pad_with_tokenizer(texts[:2], tokenizer, args.max_length), args.new_tokens)
-
-
-def print_table(runs: list[RunStats]) -> None:
-    header = (f"{'method':<18} {'batches':>8} {'largest batch':>14} {'padding eff.':>13} {'wall time':>10} "
-              f"{'texts/s':>9}")
-    print(header)
-    print("-" * len(header))
-    for r in runs:
-        print(f"{r.method:<18} {r.batches:>8} {r.largest_batch:>14} {r.padding_efficiency:>12.1%} "
-              f"{r.seconds:>9.2f}s {r.texts_per_second:>9.1f}")
+def strip_rows(rows) -> list[list[int]]:
+    """Every generated row, without its trailing padding."""
+    return [strip_padding(row) for row in rows]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,24 +130,22 @@ def main(argv: list[str] | None = None) -> int:
           f"(d_model 256, 2+2 layers, vocab 58101), {args.new_tokens} new tokens greedy, "
           f"batch_size={args.batch_size}, max_length={args.max_length}, torch threads={torch.get_num_threads()}\n")
 
+    step = partial(generate, model, new_tokens=args.new_tokens)
     with torch.inference_mode():
-        warm_up(model, tokenizer, texts, args)
-        plain, plain_rows = run_plain(model, tokenizer, texts, args)
-        dyn, dyn_rows, setup = run_dynabatch(model, tokenizer, texts, args)
+        _common.warm_up(step, tokenizer, texts, args.max_length)
+        plain, plain_rows = _common.run_plain(step, lambda outputs: strip_rows(chain.from_iterable(outputs)),
+                                              tokenizer, texts, args.batch_size, args.max_length)
+        dyn, dyn_rows, setup = _common.run_dynabatch(step, strip_rows, tokenizer, texts, args.batch_size,
+                                                     args.max_length)
 
-    print_table([plain, dyn])
-    print(f"\nspeed-up of dynabatch over the plain loader: {plain.seconds / dyn.seconds:.2f}x "
-          f"(dynabatch time includes {setup:.2f}s to tokenize, load the classifier and plan)")
+    _common.print_comparison(plain, dyn, setup)
 
     equal = sum(a == b for a, b in zip(plain_rows, dyn_rows))
-    ok = len(plain_rows) == len(dyn_rows) == len(texts) and equal == len(texts)
-    print(f"generated tokens restored to input order vs plain loader: {equal}/{len(texts)} rows equal "
-          f"({'OK' if ok else 'FAIL'})")
-    if not ok:
-        print(f"error: {len(texts) - equal} of {len(texts)} rows differ between dynabatch and the plain loader",
-              file=sys.stderr)
-        return 1
-    return 0
+    return _common.report_check(
+        len(plain_rows) == len(dyn_rows) == len(texts) and equal == len(texts),
+        f"generated tokens restored to input order vs plain loader: {equal}/{len(texts)} rows equal",
+        f"{len(texts) - equal} of {len(texts)} rows differ between dynabatch and the plain loader",
+    )
 
 
 if __name__ == "__main__":

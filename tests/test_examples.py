@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EMBED = ROOT / "examples" / "embed_kjv.py"
 SEQ2SEQ = ROOT / "examples" / "seq2seq_generate.py"
 PLAN_SPEED = ROOT / "benchmarks" / "plan_speed.py"
+COMMON = ROOT / "examples" / "_common.py"  # options both examples share
 
 # One thread: the runs are small and CI machines are often shared, where two
 # OpenMP threads fighting other processes for two cores are several times slower.
@@ -37,7 +38,11 @@ def _run(script, *args):
 
 
 def _options(script):
-    return sorted(set(re.findall(r'add_argument\(\s*"(--[a-z-]+)"', script.read_text())))
+    """The options the script declares, with the shared ones when it imports examples/_common.py."""
+    text = script.read_text()
+    if re.search(r"^import _common\b", text, re.MULTILINE):
+        text += COMMON.read_text()
+    return sorted(set(re.findall(r'add_argument\(\s*"(--[a-z-]+)"', text)))
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
