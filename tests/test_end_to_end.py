@@ -26,15 +26,6 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from dynabatch.demo import minilm_path
-
-    return AutoTokenizer.from_pretrained(minilm_path())
-
-
 def _texts(n, max_words, seed):
     from dynabatch.demo import kjv_passages, vary_lengths
 

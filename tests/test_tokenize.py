@@ -10,15 +10,6 @@ MAX_LEN = 64
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from dynabatch.demo import minilm_path
-
-    return AutoTokenizer.from_pretrained(minilm_path())
-
-
-@pytest.fixture(scope="module")
 def texts():
     from dynabatch.demo import kjv_passages, vary_lengths
 

@@ -168,9 +168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a batch is a spike when its peak exceeds this fraction of the first batch's (default: 0.9)")
     p.add_argument("--threshold", type=float, default=0.025,
                    help="spike probability at or below which a batch counts as predicted safe (default: 0.025)")
-    p.add_argument("--max-iter", type=int, default=300, help="boosting iterations (default: 300)")
+    p.add_argument("--max-iter", type=int, default=100, help="boosting iterations (default: 100)")
     p.add_argument("--learning-rate", type=float, default=0.1, help="boosting learning rate (default: 0.1)")
-    p.add_argument("--max-leaf-nodes", type=int, default=31, help="leaves per tree (default: 31)")
+    p.add_argument("--max-leaf-nodes", type=int, default=15, help="leaves per tree (default: 15)")
     p.add_argument("--skip-held-out", action="store_true", help="fit the final model only, no evaluation")
     return p.parse_args(argv)
 
