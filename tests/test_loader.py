@@ -399,3 +399,13 @@ def test_a_classifier_fitted_on_other_feature_names(tokenizer, texts):
 def test_a_classifier_of_the_wrong_type(tokenizer, texts):
     with pytest.raises(TypeError, match=r"^classifier should be a path or a fitted estimator with predict_proba, but got classifier=42 of type int$"):
         _load(texts[:10], tokenizer, classifier=42)
+
+
+def test_a_hugging_face_datasets_column_is_accepted(tokenizer, texts):
+    datasets = pytest.importorskip("datasets")
+    column = datasets.Dataset.from_dict({"text": texts[:40]})["text"]
+    loader = _load(column, tokenizer)
+    seen = sorted(i for batch in loader for i in batch.indices.tolist())
+    assert seen == list(range(40))
+    for batch in loader:
+        assert batch.texts == [texts[i] for i in batch.indices.tolist()]
