@@ -1,7 +1,11 @@
 """The spike classifier: how likely a candidate batch is to exceed 90% of the first batch's peak.
 
 The bundled classifier (``dynabatch/models/classifier.pkl``) is loaded lazily,
-on first use, never at import. A user's classifier can be given as a path (a
+on first use, never at import, and only after its sha256 matches
+``classifier.json``. If it cannot be used (it was pickled by another
+scikit-learn version, or the file is damaged), dynabatch warns once, refits it
+from the bundled profiles (``profiles.csv.gz``, seconds) and caches the result
+in :func:`cache_dir`, keyed by versions and hashes. A user's classifier can be given as a path (a
 joblib file) or as a fitted estimator with ``predict_proba``.
 
 Unpickling runs code: load only files you trust. dynabatch never loads a path
@@ -21,9 +25,11 @@ Example:
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +39,7 @@ from dynabatch._tree_eval import compile_trees
 from dynabatch._validation import bad_type, bad_value
 from dynabatch.features import FEATURE_NAMES, compute_features
 
-__all__ = ["BUNDLED_CLASSIFIER", "SpikeClassifier", "load_classifier"]
+__all__ = ["BUNDLED_CLASSIFIER", "SpikeClassifier", "cache_dir", "load_classifier"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,10 +151,77 @@ def _load_path(path: Path) -> SpikeClassifier:
     return SpikeClassifier(joblib.load(path), _read_metadata(path))
 
 
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def cache_dir() -> Path:
+    """Where a refitted bundled classifier is kept: ``$DYNABATCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/dynabatch``,
+    else ``~/.cache/dynabatch``."""
+    explicit = os.environ.get("DYNABATCH_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dynabatch"
+
+
+def _bundled_problem(meta: dict) -> str | None:
+    """Why the bundled pickle should not be unpickled here, or None."""
+    import sklearn
+
+    if not meta:
+        return "has no classifier.json"
+    if _sha256(BUNDLED_CLASSIFIER) != meta.get("classifier_sha256"):
+        return "does not match the sha256 in classifier.json"
+    if meta.get("sklearn_version") != sklearn.__version__:
+        return f"was trained with scikit-learn {meta.get('sklearn_version')} and this is scikit-learn {sklearn.__version__}"
+    return None
+
+
+def _refit_bundled(meta: dict, problem: str) -> SpikeClassifier:
+    """Refits the bundled classifier from the bundled profiles (seconds), cached per versions and hashes."""
+    import joblib
+    import pandas as pd
+    import sklearn
+
+    from dynabatch._training import candidate_rows, fit_spike_classifier
+
+    profiles = BUNDLED_CLASSIFIER.parent / "profiles.csv.gz"
+    if not profiles.is_file() or _sha256(profiles) != meta.get("profiles_sha256"):
+        raise RuntimeError(f"the bundled spike classifier {problem}, and the bundled profiles to refit it from "
+                           f"are missing or damaged ({profiles}); reinstall dynabatch")
+    key = hashlib.sha256(json.dumps([sklearn.__version__, meta["profiles_sha256"], meta["params"],
+                                     meta["spike_ratio"]], sort_keys=True).encode()).hexdigest()[:16]
+    cached = cache_dir() / f"classifier-{key}.pkl"
+    warnings.warn(f"dynabatch: the bundled spike classifier {problem}; using one refitted from the bundled "
+                  f"profiles (cached at {cached})", RuntimeWarning, stacklevel=4)
+    if cached.is_file():
+        try:
+            return SpikeClassifier(joblib.load(cached), meta)
+        except Exception as exc:  # a damaged cache entry is refitted below
+            logger.warning("cached classifier %s unusable (%s); refitting", cached, exc)
+    estimator = fit_spike_classifier(candidate_rows(pd.read_csv(profiles)), meta["spike_ratio"], **meta["params"])
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.tmp")
+        joblib.dump(estimator, partial)
+        os.replace(partial, cached)
+    except OSError as exc:
+        logger.warning("could not cache the refitted classifier at %s: %s", cached, exc)
+    return SpikeClassifier(estimator, meta)
+
+
 @functools.lru_cache(maxsize=1)
 def _bundled() -> SpikeClassifier:
+    """The bundled classifier, verified before it is unpickled; refitted (once, with a warning) if it cannot be used."""
     logger.debug("loading the bundled spike classifier from %s", BUNDLED_CLASSIFIER)
-    return _load_path(BUNDLED_CLASSIFIER)
+    meta = _read_metadata(BUNDLED_CLASSIFIER)
+    problem = _bundled_problem(meta) if BUNDLED_CLASSIFIER.is_file() else "is missing"
+    if problem is None:
+        try:
+            return _load_path(BUNDLED_CLASSIFIER)
+        except Exception as exc:
+            problem = f"could not be loaded ({type(exc).__name__}: {exc})"
+    return _refit_bundled(meta, problem)
 
 
 def load_classifier(classifier: str | os.PathLike | Any | None = None) -> SpikeClassifier:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.linear_model import LogisticRegression
 
+from dynabatch._training import sha256_files
 from dynabatch.classifier import BUNDLED_CLASSIFIER, SpikeClassifier, load_classifier
 from dynabatch.features import FEATURE_NAMES, compute_features
 
@@ -38,13 +39,10 @@ def test_bundled_metadata_matches_the_files():
     meta = json.loads(BUNDLED_CLASSIFIER.with_suffix(".json").read_text())
     assert meta["feature_names"] == list(FEATURE_NAMES)
     assert meta["classifier_sha256"] == hashlib.sha256(BUNDLED_CLASSIFIER.read_bytes()).hexdigest()
-    sys.path.insert(0, str(TRAIN_DIR))
-    try:
-        from train_classifier import data_files, sha256_files
-    finally:
-        sys.path.remove(str(TRAIN_DIR))
     # the bundled classifier was trained on exactly the committed profiles
-    assert meta["training_data"]["sha256"] == sha256_files(data_files(TRAIN_DIR / "data"))
+    assert meta["training_data"]["sha256"] == sha256_files(sorted((TRAIN_DIR / "data").glob("*.csv.gz")))
+    assert meta["profiles_sha256"] == hashlib.sha256(
+        BUNDLED_CLASSIFIER.with_name("profiles.csv.gz").read_bytes()).hexdigest()
     assert len(meta["training_data"]["families"]) >= 3
 
 
@@ -122,3 +120,83 @@ def test_a_missing_path_is_a_clear_error(tmp_path):
 def test_features_of_the_wrong_shape_are_refused():
     with pytest.raises(ValueError, match=r"features should be an array of shape \(n, 13\), but got features=\(4,\)"):
         load_classifier().predict_spike_proba(np.zeros(4))
+
+
+# --- the bundled classifier never breaks a user -------------------------------------------------
+
+
+@pytest.fixture
+def bundled_copy(tmp_path, monkeypatch):
+    """A copy of the bundled files that a test may damage, and an empty cache directory."""
+    import shutil
+
+    import dynabatch.classifier as module
+
+    folder = tmp_path / "models"
+    shutil.copytree(BUNDLED_CLASSIFIER.parent, folder)
+    monkeypatch.setattr(module, "BUNDLED_CLASSIFIER", folder / "classifier.pkl")
+    monkeypatch.setenv("DYNABATCH_CACHE_DIR", str(tmp_path / "cache"))
+    module._bundled.cache_clear()
+    yield folder
+    module._bundled.cache_clear()
+
+
+def _probe():
+    from dynabatch.classifier import _probe_features
+
+    return _probe_features()
+
+
+def _edit_metadata(folder, **changes):
+    path = folder / "classifier.json"
+    meta = json.loads(path.read_text())
+    meta.update(changes)
+    path.write_text(json.dumps(meta))
+
+
+def test_another_sklearn_version_refits_the_same_classifier_once_with_a_warning(bundled_copy, tmp_path):
+    expected = load_classifier(bundled_copy / "classifier.pkl").predict_spike_proba(_probe())
+    _edit_metadata(bundled_copy, sklearn_version="0.0.1")
+    with pytest.warns(RuntimeWarning, match="trained with scikit-learn 0.0.1 .*refitted from the bundled profiles"):
+        clf = load_classifier()
+    # same rows, same parameters, deterministic fit: the very same predictions
+    np.testing.assert_allclose(clf.predict_spike_proba(_probe()), expected, atol=1e-12)
+    assert list((tmp_path / "cache").glob("classifier-*.pkl"))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_classifier() is clf  # warned once, then cached in the process
+
+
+def test_a_damaged_pickle_is_never_unpickled_and_is_replaced(bundled_copy, monkeypatch):
+    import joblib
+
+    (bundled_copy / "classifier.pkl").write_bytes(b"not a pickle")
+    calls = []
+    monkeypatch.setattr(joblib, "load", lambda *a, **k: calls.append(a) or pytest.fail("unpickled"))
+    with pytest.warns(RuntimeWarning, match="does not match the sha256 in classifier.json"):
+        clf = load_classifier()
+    assert calls == []
+    assert clf.predict_spike_proba(_probe()).shape == (len(_probe()),)
+
+
+def test_the_refitted_classifier_is_reused_from_the_cache(bundled_copy, monkeypatch):
+    import dynabatch._training as training
+    import dynabatch.classifier as module
+
+    _edit_metadata(bundled_copy, sklearn_version="0.0.1")
+    with pytest.warns(RuntimeWarning):
+        first = load_classifier().predict_spike_proba(_probe())
+    module._bundled.cache_clear()  # a new process, as it were
+    monkeypatch.setattr(training, "fit_spike_classifier", lambda *a, **k: pytest.fail("refitted again"))
+    with pytest.warns(RuntimeWarning):
+        again = load_classifier().predict_spike_proba(_probe())
+    np.testing.assert_array_equal(first, again)
+
+
+def test_damaged_profiles_leave_a_clear_error(bundled_copy):
+    _edit_metadata(bundled_copy, sklearn_version="0.0.1")
+    (bundled_copy / "profiles.csv.gz").write_bytes(b"damaged")
+    with pytest.raises(RuntimeError, match="bundled profiles to refit it from are missing or damaged"):
+        load_classifier()

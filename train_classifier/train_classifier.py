@@ -34,31 +34,22 @@ import joblib
 import numpy as np
 import pandas as pd
 import sklearn
-from sklearn.ensemble import HistGradientBoostingClassifier
 
-from dynabatch.features import FEATURE_NAMES, compute_features
+from dynabatch._training import (
+    MONOTONIC,
+    PROFILE_COLUMNS,
+    candidate_rows,
+    features_of,
+    fit_spike_classifier,
+    sha256_files,
+)
+from dynabatch.features import FEATURE_NAMES
 
 logger = logging.getLogger("train_classifier")
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_DATA = HERE / "data"
 DEFAULT_OUT = HERE.parent / "dynabatch" / "models"
-
-MONOTONIC = {
-    "max_input_length": 0,
-    "token_size_x": -1,
-    "token_size_y": 1,
-    "token_size_diff": 1,
-    "batch_size_x": -1,
-    "batch_size_y": 1,
-    "batch_size_diff": 1,
-    "total_tokens_x": -1,
-    "total_tokens_y": 1,
-    "total_token_size_diff": 1,
-    "paddings_x": -1,
-    "paddings_y": 1,
-    "total_paddings_diff": 1,
-}
 
 
 def data_files(folder: Path) -> list[Path]:
@@ -68,48 +59,17 @@ def data_files(folder: Path) -> list[Path]:
     return files
 
 
-def sha256_files(files: list[Path]) -> str:
-    """One digest over the files' names and bytes, in name order."""
-    h = hashlib.sha256()
-    for f in sorted(files, key=lambda p: p.name):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
-
-
 def load_rows(files: list[Path]) -> pd.DataFrame:
     """The measured candidate batches of all files, with their measured ratio."""
     frame = pd.concat([pd.read_csv(f) for f in files], ignore_index=True)
     counts = frame["status"].value_counts().to_dict()
     logger.info("read %d rows from %d files; status counts %s", len(frame), len(files), counts)
-    frame = frame[(frame["status"] == "ok") & (frame["position"] > 0)].copy()
-    frame["ratio"] = frame["peak_bytes"] / frame["first_peak_bytes"]
-    return frame.reset_index(drop=True)
+    return candidate_rows(frame)
 
 
-def features_of(frame: pd.DataFrame) -> pd.DataFrame:
-    values = compute_features(
-        max_input_length=frame["max_input_length"].to_numpy(),
-        token_size_x=frame["first_token_size"].to_numpy(),
-        batch_size_x=frame["first_batch_size"].to_numpy(),
-        total_tokens_x=frame["first_total_tokens"].to_numpy(),
-        token_size_y=frame["token_size"].to_numpy(),
-        batch_size_y=frame["batch_size"].to_numpy(),
-        total_tokens_y=frame["total_tokens"].to_numpy(),
-    )
-    return pd.DataFrame(values, columns=list(FEATURE_NAMES))
-
-
-def make_estimator(args: argparse.Namespace) -> HistGradientBoostingClassifier:
-    return HistGradientBoostingClassifier(
-        max_iter=args.max_iter,
-        learning_rate=args.learning_rate,
-        max_leaf_nodes=args.max_leaf_nodes,
-        l2_regularization=1.0,
-        monotonic_cst=[MONOTONIC[name] for name in FEATURE_NAMES],
-        early_stopping=False,
-        random_state=0,
-    )
+def fit(rows: pd.DataFrame, args: argparse.Namespace):
+    return fit_spike_classifier(rows, args.spike_ratio, max_iter=args.max_iter, learning_rate=args.learning_rate,
+                                max_leaf_nodes=args.max_leaf_nodes)
 
 
 def metrics(ratio: np.ndarray, proba: np.ndarray, threshold: float, spike_ratio: float) -> dict:
@@ -127,18 +87,18 @@ def metrics(ratio: np.ndarray, proba: np.ndarray, threshold: float, spike_ratio:
     }
 
 
-def held_out(frame: pd.DataFrame, X: pd.DataFrame, y: np.ndarray, args: argparse.Namespace) -> dict:
-    """Leave-one-model-out: for each model, fit on the others and score it."""
+def held_out(rows: pd.DataFrame, by: str, args: argparse.Namespace) -> dict:
+    """For each value of column ``by`` (model or family): fit on the other rows, score its rows."""
     results = {}
     pooled_ratio, pooled_proba = [], []
-    for model in sorted(frame["model"].unique()):
-        test = (frame["model"] == model).to_numpy()
-        if (~test).sum() == 0 or len(np.unique(y[~test])) < 2:
+    for group in sorted(rows[by].unique()):
+        test = (rows[by] == group).to_numpy()
+        train = rows[~test]
+        if train.empty or train["ratio"].gt(args.spike_ratio).nunique() < 2:
             continue
-        est = make_estimator(args).fit(X[~test], y[~test])
-        proba = est.predict_proba(X[test])[:, 1]
-        ratio = frame.loc[test, "ratio"].to_numpy()
-        results[model] = metrics(ratio, proba, args.threshold, args.spike_ratio)
+        proba = fit(train, args).predict_proba(features_of(rows[test]))[:, 1]
+        ratio = rows.loc[test, "ratio"].to_numpy()
+        results[group] = metrics(ratio, proba, args.threshold, args.spike_ratio)
         pooled_ratio.append(ratio)
         pooled_proba.append(proba)
     if pooled_ratio:
@@ -147,15 +107,17 @@ def held_out(frame: pd.DataFrame, X: pd.DataFrame, y: np.ndarray, args: argparse
     return results
 
 
-def print_table(results: dict) -> None:
-    head = f"{'held-out model':<16}{'rows':>6}{'spikes':>8}{'recall':>8}{'pred.safe':>10}{'false-safe':>11}" \
+def print_table(title: str, results: dict) -> None:
+    print(title)
+    head = f"{'held out':<16}{'rows':>6}{'spikes':>8}{'recall':>8}{'pred.safe':>10}{'false-safe':>11}" \
            f"{'ratio>1':>9}{'max ratio safe':>16}"
     print(head)
     print("-" * len(head))
-    for model, m in results.items():
+    for group, m in results.items():
         mx = m["max_ratio_predicted_safe"]
-        print(f"{model:<16}{m['rows']:>6}{m['spikes']:>8}{m['spike_recall']:>8.3f}{m['predicted_safe']:>10}"
+        print(f"{group:<16}{m['rows']:>6}{m['spikes']:>8}{m['spike_recall']:>8.3f}{m['predicted_safe']:>10}"
               f"{m['false_safe_rate']:>11.4f}{m['over_budget_rate']:>9.4f}{('-' if mx is None else f'{mx:.3f}'):>16}")
+    print()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -179,41 +141,47 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args = parse_args(argv)
     files = data_files(args.data)
-    frame = load_rows(files)
-    X = features_of(frame)
-    y = (frame["ratio"] > args.spike_ratio).to_numpy().astype(int)
-    if len(np.unique(y)) < 2:
+    rows = load_rows(files)
+    if rows["ratio"].gt(args.spike_ratio).nunique() < 2:
         raise SystemExit("the profiles hold only one class; profile more settings")
-    results = {} if args.skip_held_out else held_out(frame, X, y, args)
-    if results:
-        print(f"leave-one-model-out at threshold {args.threshold} (spike = ratio > {args.spike_ratio}):")
-        print_table(results)
-    estimator = make_estimator(args).fit(X, y)
+    results = {}
+    if not args.skip_held_out:
+        where = f"at threshold {args.threshold} (spike = measured ratio > {args.spike_ratio})"
+        for by in ("model", "family"):
+            results[by] = held_out(rows, by, args)
+            print_table(f"leave-one-{by}-out {where}:", results[by])
+    estimator = fit(rows, args)
     args.out.mkdir(parents=True, exist_ok=True)
     pkl = args.out / "classifier.pkl"
     joblib.dump(estimator, pkl)
+    # A compact copy of the training rows ships with the package: if the pickle
+    # cannot be used (another scikit-learn, a damaged file) dynabatch refits from it.
+    profiles = args.out / "profiles.csv.gz"
+    rows.loc[:, list(PROFILE_COLUMNS)].to_csv(profiles, index=False, compression={"method": "gzip", "mtime": 0})
     meta = {
         "sklearn_version": sklearn.__version__,
         "feature_names": list(FEATURE_NAMES),
         "monotonic_cst": MONOTONIC,
         "spike_ratio": args.spike_ratio,
         "threshold": args.threshold,
-        "params": {k: v for k, v in estimator.get_params().items() if k != "monotonic_cst"},
+        "params": {"max_iter": args.max_iter, "learning_rate": args.learning_rate,
+                   "max_leaf_nodes": args.max_leaf_nodes},
         "classifier_sha256": hashlib.sha256(pkl.read_bytes()).hexdigest(),
+        "profiles_sha256": hashlib.sha256(profiles.read_bytes()).hexdigest(),
         "training_data": {
             "files": [f.name for f in files],
             "sha256": sha256_files(files),
-            "rows": int(len(frame)),
-            "spikes": int(y.sum()),
-            "models": sorted(frame["model"].unique().tolist()),
-            "families": sorted(frame["family"].unique().tolist()),
-            "devices": sorted(frame["device"].unique().tolist()),
+            "rows": int(len(rows)),
+            "spikes": int(rows["ratio"].gt(args.spike_ratio).sum()),
+            "models": sorted(rows["model"].unique().tolist()),
+            "families": sorted(rows["family"].unique().tolist()),
+            "devices": sorted(rows["device"].unique().tolist()),
         },
-        "trained_on": ", ".join(f"{d}:{m}" for d, m in sorted(set(zip(frame["device"], frame["model"])))),
+        "trained_on": ", ".join(f"{d}:{m}" for d, m in sorted(set(zip(rows["device"], rows["model"])))),
         "held_out_metrics": results,
     }
     (args.out / "classifier.json").write_text(json.dumps(meta, indent=2, default=str) + "\n", encoding="utf-8")
-    logger.info("wrote %s and %s", pkl, args.out / "classifier.json")
+    logger.info("wrote %s, %s and %s", pkl, profiles, args.out / "classifier.json")
     return 0
 
 
