@@ -61,8 +61,11 @@ def test_generator_writes_raw_measurements_of_real_runs(profiles):
 
 
 def test_training_on_the_generated_profiles_gives_a_loadable_classifier(profiles, tmp_path):
-    out = _run(TRAIN, "--data", str(profiles), "--out", str(tmp_path), "--max-iter", "20")
-    assert "held-out model" in out.stdout and "ALL" in out.stdout
+    report = tmp_path / "REPORT.md"
+    out = _run(TRAIN, "--data", str(profiles), "--out", str(tmp_path), "--max-iter", "20", "--report", str(report))
+    assert "Leave-one-model-out" in out.stdout and "| ALL |" in out.stdout
+    text = report.read_text()
+    assert "Leave-one-family-out" in text and "| marian-2l |" in text and "unsafe picks" in text
     clf = load_classifier(tmp_path / "classifier.pkl")
     assert clf.metadata["training_data"]["models"] == ["marian-2l", "minilm-l6"]
     p = clf.predict_spike_proba(compute_features(64, 64, 2, 120, [64, 10], [16, 2], [1000, 15]))

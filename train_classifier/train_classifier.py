@@ -11,10 +11,17 @@ where the physics is certain: more rows, more tokens or longer rows in the
 candidate never need less memory (+1); a larger first batch never has a smaller
 peak, so it never makes a spike likelier (-1).
 
-Before the final fit, every model is held out in turn (trained on the others,
-evaluated on it): the printed table gives, at ``--threshold``, the spike
-recall, the false-safe rate (predicted safe, measured ratio > spike ratio) and
-the over-budget rate (predicted safe, measured ratio > 1.0).
+Before the final fit, every model and then every family is held out in turn
+(fitted on the others, evaluated on it). At ``--threshold`` the tables give, per
+measured candidate, the spike recall, the false-safe rate (predicted safe,
+measured ratio > spike ratio) and the over-budget rate (predicted safe, measured
+ratio > 1.0); and per profiled position, what the planner's rule would pick
+among the measured candidates: unsafe picks (measured ratio > 1.0: the first
+batch's peak exceeded), spike picks (> spike ratio), and growth, the pick's
+size over the oracle's (the largest measured candidate with ratio <= spike
+ratio); positions where even the smallest candidate is a spike leave no
+choice and are counted apart. The tables and the probability calibration are written to
+``--report`` (REPORT.md beside this script).
 
 Example:
     python train_classifier/train_classifier.py                # bundled data -> dynabatch/models/
@@ -72,10 +79,38 @@ def fit(rows: pd.DataFrame, args: argparse.Namespace):
                                 max_leaf_nodes=args.max_leaf_nodes)
 
 
-def metrics(ratio: np.ndarray, proba: np.ndarray, threshold: float, spike_ratio: float) -> dict:
+def planner_picks(rows: pd.DataFrame, proba: np.ndarray, threshold: float, spike_ratio: float) -> pd.DataFrame:
+    """What the planner's rule picks at each profiled position, next to the oracle.
+
+    At each (run, position) the measured candidates are taken smallest first;
+    the pick is the largest one with it and every smaller one predicted safe
+    (or the smallest, the fallback). The oracle is the largest measured
+    candidate whose measured ratio is <= ``spike_ratio`` (or the smallest).
+    """
+    scored = rows.assign(proba=proba).sort_values(["run", "position", "batch_size"])
+    out = []
+    for (_, _), group in scored.groupby(["run", "position"], sort=False):
+        safe = (group["proba"] <= threshold).to_numpy()
+        k = len(safe) if safe.all() else int(np.argmin(safe))
+        pick = group.iloc[max(k - 1, 0)]
+        fits = np.nonzero((group["ratio"] <= spike_ratio).to_numpy())[0]
+        oracle = group.iloc[fits[-1]] if len(fits) else group.iloc[0]
+        forced = group["ratio"].iloc[0] > spike_ratio  # even the smallest candidate is a spike
+        out.append((pick["batch_size"], pick["ratio"], oracle["batch_size"], forced))
+    return pd.DataFrame(out, columns=["pick_size", "pick_ratio", "oracle_size", "forced"])
+
+
+def metrics(rows: pd.DataFrame, proba: np.ndarray, threshold: float, spike_ratio: float) -> dict:
+    """Row metrics (each measured candidate) and pick metrics (what the planner would choose)."""
+    ratio = rows["ratio"].to_numpy()
     spike = ratio > spike_ratio
     safe = proba <= threshold
     n_safe = int(safe.sum())
+    every = planner_picks(rows, proba, threshold, spike_ratio)
+    picks = every[~every["forced"]]
+    growth = picks["pick_size"] / picks["oracle_size"]
+    observed = [(lo, hi, spike[(proba >= lo) & (proba < hi)]) for lo, hi in
+                ((0, threshold), (threshold, 0.25), (0.25, 0.75), (0.75, 1.0001))]
     return {
         "rows": int(len(ratio)),
         "spikes": int(spike.sum()),
@@ -84,40 +119,93 @@ def metrics(ratio: np.ndarray, proba: np.ndarray, threshold: float, spike_ratio:
         "false_safe_rate": float((safe & spike).sum() / max(n_safe, 1)),
         "over_budget_rate": float((safe & (ratio > 1.0)).sum() / max(n_safe, 1)),
         "max_ratio_predicted_safe": float(ratio[safe].max()) if n_safe else None,
+        "positions": int(len(picks)),
+        "forced_positions": int(every["forced"].sum()),
+        "unsafe_picks": int((picks["pick_ratio"] > 1.0).sum()),
+        "spike_picks": int((picks["pick_ratio"] > spike_ratio).sum()),
+        "growth_mean": float(growth.mean()),
+        "growth_p10": float(growth.quantile(0.1)),
+        "calibration": [{"proba": f"[{lo:g}, {min(hi, 1):g})", "rows": int(len(obs)),
+                         "spike_rate": float(obs.mean()) if len(obs) else None} for lo, hi, obs in observed],
     }
 
 
 def held_out(rows: pd.DataFrame, by: str, args: argparse.Namespace) -> dict:
     """For each value of column ``by`` (model or family): fit on the other rows, score its rows."""
     results = {}
-    pooled_ratio, pooled_proba = [], []
+    pooled_rows, pooled_proba = [], []
     for group in sorted(rows[by].unique()):
         test = (rows[by] == group).to_numpy()
         train = rows[~test]
         if train.empty or train["ratio"].gt(args.spike_ratio).nunique() < 2:
             continue
         proba = fit(train, args).predict_proba(features_of(rows[test]))[:, 1]
-        ratio = rows.loc[test, "ratio"].to_numpy()
-        results[group] = metrics(ratio, proba, args.threshold, args.spike_ratio)
-        pooled_ratio.append(ratio)
+        results[group] = metrics(rows[test], proba, args.threshold, args.spike_ratio)
+        pooled_rows.append(rows[test])
         pooled_proba.append(proba)
-    if pooled_ratio:
-        results["ALL"] = metrics(np.concatenate(pooled_ratio), np.concatenate(pooled_proba), args.threshold,
+    if pooled_rows:
+        results["ALL"] = metrics(pd.concat(pooled_rows), np.concatenate(pooled_proba), args.threshold,
                                  args.spike_ratio)
     return results
 
 
-def print_table(title: str, results: dict) -> None:
-    print(title)
-    head = f"{'held out':<16}{'rows':>6}{'spikes':>8}{'recall':>8}{'pred.safe':>10}{'false-safe':>11}" \
-           f"{'ratio>1':>9}{'max ratio safe':>16}"
-    print(head)
-    print("-" * len(head))
+def table(title: str, results: dict) -> str:
+    """A markdown table of held-out results."""
+    lines = [f"#### {title}", "",
+             "| held out | rows | spikes | spike recall | predicted safe | false-safe | ratio>1 among safe | "
+             "positions | unsafe picks | spike picks | growth mean | growth p10 | forced |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for group, m in results.items():
-        mx = m["max_ratio_predicted_safe"]
-        print(f"{group:<16}{m['rows']:>6}{m['spikes']:>8}{m['spike_recall']:>8.3f}{m['predicted_safe']:>10}"
-              f"{m['false_safe_rate']:>11.4f}{m['over_budget_rate']:>9.4f}{('-' if mx is None else f'{mx:.3f}'):>16}")
-    print()
+        lines.append(
+            f"| {group} | {m['rows']} | {m['spikes']} | {m['spike_recall']:.3f} | {m['predicted_safe']} | "
+            f"{m['false_safe_rate']:.3f} | {m['over_budget_rate']:.3f} | {m['positions']} | {m['unsafe_picks']} | "
+            f"{m['spike_picks']} ({m['spike_picks'] / max(m['positions'], 1):.1%}) | {m['growth_mean']:.2f} | "
+            f"{m['growth_p10']:.2f} | {m['forced_positions']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(path: Path, files: list[Path], rows: pd.DataFrame, results: dict, args: argparse.Namespace) -> None:
+    """REPORT.md: the data, the held-out tables and the calibration, regenerated by every run."""
+    where = f"at threshold {args.threshold}, spike = measured ratio > {args.spike_ratio}"
+    data = rows.groupby(["device", "family", "model"]).agg(
+        rows=("ratio", "size"), spikes=("ratio", lambda r: int((r > args.spike_ratio).sum())),
+        first_batch_sizes=("first_batch_size", lambda b: ",".join(map(str, sorted(b.unique())))),
+        max_input_lengths=("max_input_length", lambda m: ",".join(map(str, sorted(m.unique())))),
+    ).reset_index()
+    lines = [
+        "# Spike classifier: held-out evaluation",
+        "",
+        "Written by `python train_classifier/train_classifier.py` from the profiles in "
+        f"`{args.data.name}/` ({', '.join(f.name for f in files)}); do not edit by hand.",
+        "",
+        "## Data (measured candidate batches)",
+        "",
+        "| device | family | model | rows | spikes | first batch sizes | max input lengths |",
+        "|---|---|---|---:|---:|---|---|",
+        *[f"| {r.device} | {r.family} | {r.model} | {r.rows} | {r.spikes} | {r.first_batch_sizes} | "
+          f"{r.max_input_lengths} |" for r in data.itertuples()],
+        "",
+        "## Held out",
+        "",
+        "Per candidate: *spike recall* (spikes predicted unsafe), *false-safe* (predicted safe, ratio > "
+        f"{args.spike_ratio}), *ratio>1 among safe*. Per position, what the planner's rule picks among the "
+        "measured candidates: *unsafe picks* (ratio > 1.0: the first batch's peak exceeded), *spike picks*, "
+        "*growth* (pick size / largest measured candidate with ratio <= "
+        f"{args.spike_ratio}). *Forced* positions, where even the smallest candidate (`batch_size` rows) "
+        f"measured above {args.spike_ratio} (e.g. right after the first batch, with texts as long as its own), "
+        "leave the planner no choice; they are counted apart and left out of the pick columns.",
+        "",
+    ]
+    for by, by_group in results.items():
+        lines.append(table(f"Leave-one-{by}-out {where}", by_group))
+    lines += ["## Calibration (leave-one-family-out, all families pooled)", "",
+              "| predicted spike probability | rows | measured spike rate |", "|---|---:|---:|"]
+    for cell in results["family"]["ALL"]["calibration"]:
+        rate = "-" if cell["spike_rate"] is None else f"{cell['spike_rate']:.3f}"
+        lines.append(f"| {cell['proba']} | {cell['rows']} | {rate} |")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    logger.info("wrote %s", path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,7 +221,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-iter", type=int, default=100, help="boosting iterations (default: 100)")
     p.add_argument("--learning-rate", type=float, default=0.1, help="boosting learning rate (default: 0.1)")
     p.add_argument("--max-leaf-nodes", type=int, default=15, help="leaves per tree (default: 15)")
-    p.add_argument("--skip-held-out", action="store_true", help="fit the final model only, no evaluation")
+    p.add_argument("--report", type=Path, default=HERE / "REPORT.md",
+                   help=f"markdown report of the held-out evaluation (default: {HERE / 'REPORT.md'})")
+    p.add_argument("--skip-held-out", action="store_true", help="fit the final model only, no evaluation or report")
     return p.parse_args(argv)
 
 
@@ -149,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         where = f"at threshold {args.threshold} (spike = measured ratio > {args.spike_ratio})"
         for by in ("model", "family"):
             results[by] = held_out(rows, by, args)
-            print_table(f"leave-one-{by}-out {where}:", results[by])
+            print(table(f"Leave-one-{by}-out {where}", results[by]))
+        write_report(args.report, files, rows, results, args)
     estimator = fit(rows, args)
     args.out.mkdir(parents=True, exist_ok=True)
     pkl = args.out / "classifier.pkl"
