@@ -151,10 +151,10 @@ class _Planner:
             if k >= 0:
                 # Is the safe prefix still k at the positions this size would reach?
                 # Candidates below k must be safe and candidate k (if any) unsafe.
-                size = int(cands[k - 1]) if k else self.batch_size
+                step = int(cands[k - 1]) if k else self.batch_size
                 lo = max(k - 1, 0) if monotone else 0
                 check = cands[lo : k + 1]
-                starts = pos + size * np.arange(1, width + 1, dtype=np.int64)
+                starts = pos + step * np.arange(1, width + 1, dtype=np.int64)
                 starts = starts[starts + cands[-1] <= n]
             proba = self._proba(np.concatenate([np.full(len(caps), pos), np.repeat(starts, len(check))]),
                                 np.concatenate([caps, np.tile(check, len(starts))]))
@@ -162,7 +162,7 @@ class _Planner:
             size = int(caps[found - 1]) if found else min(self.batch_size, n - pos)
             out.append(size)
             pos += size
-            if len(starts) and found == k:
+            if len(starts) and found == k:  # the size is step again: the speculation applies
                 spec = proba[len(caps) :].reshape(len(starts), len(check)) <= self.threshold
                 holds = (spec == (np.arange(lo, lo + len(check)) < k)).all(axis=1)
                 hits = len(holds) if holds.all() else int(np.argmin(holds))
