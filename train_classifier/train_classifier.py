@@ -197,7 +197,9 @@ def write_report(path: Path, files: list[Path], rows: pd.DataFrame, results: dic
         "",
     ]
     for by, by_group in results.items():
-        lines.append(table(f"Leave-one-{by}-out {where}", by_group))
+        title = f"In sample (the final classifier on its training rows) {where}" if by.startswith("in-sample") \
+            else f"Leave-one-{by}-out {where}"
+        lines.append(table(title, by_group))
     lines += ["## Calibration (leave-one-family-out, all families pooled)", "",
               "| predicted spike probability | rows | measured spike rate |", "|---|---:|---:|"]
     for cell in results["family"]["ALL"]["calibration"]:
@@ -240,8 +242,17 @@ def main(argv: list[str] | None = None) -> int:
         for by in ("model", "family"):
             results[by] = held_out(rows, by, args)
             print(table(f"Leave-one-{by}-out {where}", results[by]))
-        write_report(args.report, files, rows, results, args)
     estimator = fit(rows, args)
+    if not args.skip_held_out:
+        # The final classifier on its own training positions: what the bundled planner does on models it knows.
+        proba = estimator.predict_proba(features_of(rows))[:, 1]
+        results["in-sample model"] = {
+            **{m: metrics(rows[rows["model"] == m], proba[(rows["model"] == m).to_numpy()], args.threshold,
+                          args.spike_ratio) for m in sorted(rows["model"].unique())},
+            "ALL": metrics(rows, proba, args.threshold, args.spike_ratio),
+        }
+        print(table(f"In sample (the final classifier on its training rows) {where}", results["in-sample model"]))
+        write_report(args.report, files, rows, results, args)
     args.out.mkdir(parents=True, exist_ok=True)
     pkl = args.out / "classifier.pkl"
     joblib.dump(estimator, pkl)
