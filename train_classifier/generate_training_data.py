@@ -18,8 +18,10 @@ cap (compute time) or the memory cap (host memory) is written with its status
 invented.
 
 Models are built from transformers configs with random weights (memory depends
-on shapes, not on trained values) with realistic widths and vocabularies and
-reduced depth, plus the real all-MiniLM-L6-v2 weights.
+on shapes, not on trained values) with realistic widths and vocabularies (30k
+to 256k) and reduced depth, plus the real all-MiniLM-L6-v2 weights. Settings
+off the defaults (beams, attention kernels, dtype, new tokens) are recorded in
+every row and written to files of their own (``cpu-marian-2l-beams4-eager.csv.gz``).
 
 Example:
     python train_classifier/generate_training_data.py --models minilm-l6 \
@@ -101,8 +103,58 @@ def model_specs() -> dict[str, ModelSpec]:
         T5ForConditionalGeneration,
     )
 
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        M2M100Config,
+        M2M100ForConditionalGeneration,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        XLMRobertaConfig,
+        XLMRobertaModel,
+    )
+
     specs = [
         ModelSpec("minilm-l6", "bert", "encoder", _minilm, token_cap=32768),
+        ModelSpec(
+            "xlm-r-base-2l",
+            "xlm-roberta",
+            "encoder",
+            _random_init(XLMRobertaConfig, XLMRobertaModel, vocab_size=250002, hidden_size=768, num_hidden_layers=2,
+                         num_attention_heads=12, intermediate_size=3072, max_position_embeddings=1026,
+                         pad_token_id=1),
+            token_cap=32768,
+        ),
+        ModelSpec(
+            "bart-base-2l",
+            "bart",
+            "encoder-decoder",
+            _random_init(BartConfig, BartForConditionalGeneration, vocab_size=50265, d_model=768, encoder_layers=2,
+                         decoder_layers=2, encoder_ffn_dim=3072, decoder_ffn_dim=3072, encoder_attention_heads=12,
+                         decoder_attention_heads=12, max_position_embeddings=1024, pad_token_id=0,
+                         eos_token_id=102, decoder_start_token_id=0, forced_eos_token_id=None),
+            token_cap=16384,
+        ),
+        ModelSpec(
+            "nllb-2l",
+            "m2m100",
+            "encoder-decoder",
+            _random_init(M2M100Config, M2M100ForConditionalGeneration, vocab_size=256206, d_model=1024,
+                         encoder_layers=2, decoder_layers=2, encoder_ffn_dim=4096, decoder_ffn_dim=4096,
+                         encoder_attention_heads=16, decoder_attention_heads=16, max_position_embeddings=1024,
+                         pad_token_id=0, eos_token_id=102, decoder_start_token_id=0),
+            token_cap=8192,
+        ),
+        ModelSpec(
+            "qwen2-0.5b-1l",
+            "qwen2",
+            "decoder",
+            _random_init(Qwen2Config, Qwen2ForCausalLM, vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=1, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=2048, tie_word_embeddings=True, pad_token_id=0, eos_token_id=102,
+                         bos_token_id=101),
+            token_cap=8192,
+        ),
         ModelSpec(
             "bert-base-2l",
             "bert",
@@ -169,12 +221,16 @@ class Runner:
     """Runs one model on batches of tokenized texts and measures peak activation memory."""
 
     def __init__(self, spec: ModelSpec, tokenizer, device: torch.device, dtype: torch.dtype,
-                 max_new_tokens: int, memory_cap: int | None) -> None:
+                 max_new_tokens: int, memory_cap: int | None, num_beams: int = 1,
+                 attn_implementation: str | None = None) -> None:
         self.spec = spec
         self.device = device
         self.max_new_tokens = max_new_tokens
         self.memory_cap = memory_cap
+        self.num_beams = num_beams
         self.model = spec.build().to(device=device, dtype=dtype).eval()
+        if attn_implementation is not None:
+            self.model.set_attn_implementation(attn_implementation)
         self.pad_id = tokenizer.pad_token_id
         self.left = spec.kind == "decoder"
 
@@ -192,7 +248,7 @@ class Runner:
         if self.spec.task == "forward":
             return self.model(**inputs)
         return self.model.generate(**inputs, max_new_tokens=self.max_new_tokens,
-                                   min_new_tokens=self.max_new_tokens, do_sample=False, num_beams=1)
+                                   min_new_tokens=self.max_new_tokens, do_sample=False, num_beams=self.num_beams)
 
     def measure(self, ids: list[list[int]]) -> tuple[str, int | None, float]:
         """Returns (status, peak bytes or None, seconds)."""
@@ -272,6 +328,20 @@ def profile_run(runner: Runner, texts: list[str], tokenizer, max_len: int, base:
     ]
 
 
+def settings_suffix(args: argparse.Namespace) -> str:
+    """File-name part for settings off the defaults, so runs with other settings get files of their own."""
+    parts = []
+    if args.num_beams != 1:
+        parts.append(f"beams{args.num_beams}")
+    if args.attn_implementation:
+        parts.append(args.attn_implementation)
+    if args.dtype != "float32":
+        parts.append(args.dtype)
+    if args.max_new_tokens != 8:
+        parts.append(f"new{args.max_new_tokens}")
+    return "".join(f"-{p}" for p in parts)
+
+
 def run_texts(source: str, n: int, seed: int) -> list[str]:
     """A sample of ``n`` real texts: KJV passages as they are, or cut to 1-500 words."""
     passages = kjv_passages()
@@ -289,6 +359,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", default=",".join(specs),
                    help=f"comma-separated models to profile (default: all of {', '.join(specs)})")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run and measure (default: cpu)")
+    p.add_argument("--num-beams", type=int, default=1, help="beam search width for generate (default: 1, greedy)")
+    p.add_argument("--attn-implementation", default=None, choices=["sdpa", "eager"],
+                   help="attention kernels (default: the model's own, sdpa in transformers 5)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="model and activation dtype (default: float32)")
     p.add_argument("--max-input-lengths", default=",".join(map(str, MAX_INPUT_LENGTHS)),
@@ -337,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     specs = model_specs()
     for name in args.models.split(","):
         spec = specs[name]
-        runner = Runner(spec, tokenizer, device, dtype, args.max_new_tokens, memory_cap)
+        runner = Runner(spec, tokenizer, device, dtype, args.max_new_tokens, memory_cap, args.num_beams,
+                        args.attn_implementation)
         token_cap = int(spec.token_cap * args.token_scale)
         frames = []
         run_id = 0
@@ -356,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                 for col, val in [("model", name), ("family", spec.family), ("kind", spec.kind),
                                  ("task", spec.task), ("device", device.type), ("dtype", args.dtype),
                                  ("attn_implementation", runner.model.config._attn_implementation),
-                                 ("num_beams", 1),
+                                 ("num_beams", args.num_beams if spec.task == "generate" else 1),
                                  ("max_new_tokens", args.max_new_tokens if spec.task == "generate" else 0),
                                  ("max_input_length", max_len), ("base_batch_size", base),
                                  ("text_source", source), ("seed", seed),
@@ -368,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                 logger.info("%s max_len=%d base=%d %s: %s in %.1fs", name, max_len, base, source, counts,
                             time.perf_counter() - start)
         if frames:
-            path = args.out / f"{device.type}-{name}.csv.gz"
+            path = args.out / f"{device.type}-{name}{settings_suffix(args)}.csv.gz"
             pd.concat(frames, ignore_index=True).to_csv(path, index=False)
             logger.info("wrote %s", path)
         del runner
