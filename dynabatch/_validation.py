@@ -14,6 +14,7 @@ __all__ = [
     "bad_type",
     "bad_value",
     "check_fraction",
+    "check_non_negative_int",
     "check_positive_int",
     "check_positive_number",
 ]
@@ -41,6 +42,16 @@ def check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise bad_type(name, rule, value)
     if value < 1:
+        raise bad_value(name, rule, value)
+    return int(value)
+
+
+def check_non_negative_int(name: str, value: Any) -> int:
+    """Returns ``value`` if it is an int >= 0 (bool is refused)."""
+    rule = "a non-negative integer"
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise bad_type(name, rule, value)
+    if value < 0:
         raise bad_value(name, rule, value)
     return int(value)
 

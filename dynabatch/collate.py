@@ -35,11 +35,22 @@ import torch
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.tokenize import TokenizedTexts, validate_texts
 
-__all__ = ["Batch", "TokenCollator"]
+__all__ = ["Batch", "TokenCollator", "pad_token_id_of"]
 
 logger = logging.getLogger(__name__)
 
 _PADDING_SIDES = ("right", "left")
+
+
+def pad_token_id_of(tokenizer: Any) -> int:
+    """The tokenizer's pad token id; a clear error, with the usual fix, when it has none."""
+    pad_token_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_token_id is None:
+        raise ValueError(
+            "tokenizer should have a pad token (set one, e.g. tokenizer.pad_token = tokenizer.eos_token), "
+            "but got tokenizer.pad_token_id=None"
+        )
+    return pad_token_id
 
 
 class Batch(dict):
@@ -154,12 +165,7 @@ class TokenCollator:
         Raises:
             ValueError: the tokenizer has no pad token.
         """
-        pad_token_id = getattr(tokenizer, "pad_token_id", None)
-        if pad_token_id is None:
-            raise ValueError(
-                "tokenizer should have a pad token (set one, e.g. tokenizer.pad_token = tokenizer.eos_token), "
-                "but got tokenizer.pad_token_id=None"
-            )
+        pad_token_id = pad_token_id_of(tokenizer)
         pad_values = {}
         pad_token_type_id = getattr(tokenizer, "pad_token_type_id", None)
         if "token_type_ids" in tokenized.extras and isinstance(pad_token_type_id, numbers.Integral):

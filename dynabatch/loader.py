@@ -24,13 +24,12 @@ Example:
 from __future__ import annotations
 
 import logging
-import numbers
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from dynabatch._validation import bad_type, bad_value
-from dynabatch.collate import TokenCollator
+from dynabatch._validation import bad_type, check_non_negative_int
+from dynabatch.collate import TokenCollator, pad_token_id_of
 from dynabatch.planner import check_plan_arguments, plan_batches
 from dynabatch.sampler import DynamicBatchSampler
 from dynabatch.tokenize import tokenize_texts, validate_texts
@@ -102,18 +101,11 @@ def build_dynamic_batch_dataloader(
     """
     items = validate_texts(texts)
     check_plan_arguments(batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps)
-    if isinstance(num_workers, bool) or not isinstance(num_workers, numbers.Integral):
-        raise bad_type("num_workers", "a non-negative integer", num_workers)
-    if num_workers < 0:
-        raise bad_value("num_workers", "a non-negative integer", num_workers)
+    check_non_negative_int("num_workers", num_workers)
     if not isinstance(shuffle, bool):
         raise bad_type("shuffle", "a bool", shuffle)
     pad_to_multiple_of = tokenizer_kwargs.pop("pad_to_multiple_of", None)
-    if getattr(tokenizer, "pad_token_id", None) is None:
-        raise ValueError(
-            "tokenizer should have a pad token (set one, e.g. tokenizer.pad_token = tokenizer.eos_token), "
-            "but got tokenizer.pad_token_id=None"
-        )
+    pad_token_id_of(tokenizer)  # refuse a tokenizer without pad token before tokenizing
     tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress, **tokenizer_kwargs)
     batches = plan_batches(
         tokenized.lengths,

@@ -23,13 +23,12 @@ Example:
 from __future__ import annotations
 
 import hashlib
-import numbers
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 from torch.utils.data import Sampler
 
-from dynabatch._validation import bad_type, bad_value
+from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 
 __all__ = ["DynamicBatchSampler"]
 
@@ -40,14 +39,6 @@ def _fingerprint(batches: list[np.ndarray]) -> str:
     if batches:
         digest.update(np.concatenate(batches).astype(np.int64).tobytes())
     return digest.hexdigest()[:16]
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise bad_type(name, f"an integer >= {minimum}", value)
-    if value < minimum:
-        raise bad_value(name, f"an integer >= {minimum}", value)
-    return int(value)
 
 
 class DynamicBatchSampler(Sampler[list[int]]):
@@ -74,7 +65,7 @@ class DynamicBatchSampler(Sampler[list[int]]):
             raise bad_type("batches", "a sequence of sequences of input positions", batches)
         if not isinstance(shuffle, bool):
             raise bad_type("shuffle", "a bool", shuffle)
-        self.seed = _check_int("seed", seed, 0)
+        self.seed = check_non_negative_int("seed", seed)
         self.shuffle = shuffle
         self.batches = [np.asarray(b, dtype=np.int64) for b in batches]
         self.fingerprint = _fingerprint(self.batches)
@@ -105,7 +96,7 @@ class DynamicBatchSampler(Sampler[list[int]]):
         A resume point loaded with :meth:`load_state_dict` holds only for the
         epoch it was saved in; moving to another epoch starts it from the beginning.
         """
-        epoch = _check_int("epoch", epoch, 0)
+        epoch = check_non_negative_int("epoch", epoch)
         if epoch != self.epoch:
             self._resume_at = 0
         self.epoch = epoch
@@ -141,7 +132,7 @@ class DynamicBatchSampler(Sampler[list[int]]):
         for key in ("shuffle", "seed"):
             if state[key] != getattr(self, key):
                 raise bad_value(f"state[{key!r}]", f"{getattr(self, key)!r} as in this sampler", state[key])
-        self.epoch = _check_int("state['epoch']", state["epoch"], 0)
-        self._resume_at = self._done = _check_int("state['batches_done']", state["batches_done"], 0)
+        self.epoch = check_non_negative_int("state['epoch']", state["epoch"])
+        self._resume_at = self._done = check_non_negative_int("state['batches_done']", state["batches_done"])
         if self._resume_at > len(self.batches):
             raise bad_value("state['batches_done']", f"at most {len(self.batches)}", self._resume_at)

@@ -205,11 +205,11 @@ def test_load_state_dict_refuses_bad_positions():
     with pytest.raises(ValueError, match=r"^state\['batches_done'\] should be at most 50, but got state\['batches_done'\]=51$"):
         sampler.load_state_dict(state)
     state["batches_done"] = -1
-    with pytest.raises(ValueError, match=r"^state\['batches_done'\] should be an integer >= 0, but got state\['batches_done'\]=-1$"):
+    with pytest.raises(ValueError, match=r"^state\['batches_done'\] should be a non-negative integer, but got state\['batches_done'\]=-1$"):
         sampler.load_state_dict(state)
     state["batches_done"] = 0
     state["epoch"] = "1"
-    with pytest.raises(TypeError, match=r"^state\['epoch'\] should be an integer >= 0, but got state\['epoch'\]='1' of type str$"):
+    with pytest.raises(TypeError, match=r"^state\['epoch'\] should be a non-negative integer, but got state\['epoch'\]='1' of type str$"):
         sampler.load_state_dict(state)
 
 
@@ -224,20 +224,20 @@ def test_bad_shuffle():
 
 
 def test_bad_seed():
-    with pytest.raises(ValueError, match=r"^seed should be an integer >= 0, but got seed=-1$"):
+    with pytest.raises(ValueError, match=r"^seed should be a non-negative integer, but got seed=-1$"):
         DynamicBatchSampler(PLAN, seed=-1)
-    with pytest.raises(TypeError, match=r"^seed should be an integer >= 0, but got seed=1\.5 of type float$"):
+    with pytest.raises(TypeError, match=r"^seed should be a non-negative integer, but got seed=1\.5 of type float$"):
         DynamicBatchSampler(PLAN, seed=1.5)
-    with pytest.raises(TypeError, match=r"^seed should be an integer >= 0, but got seed=True of type bool$"):
+    with pytest.raises(TypeError, match=r"^seed should be a non-negative integer, but got seed=True of type bool$"):
         DynamicBatchSampler(PLAN, seed=True)
     assert DynamicBatchSampler(PLAN, seed=np.int64(3)).seed == 3
 
 
 def test_bad_epoch():
     sampler = DynamicBatchSampler(PLAN, shuffle=True)
-    with pytest.raises(ValueError, match=r"^epoch should be an integer >= 0, but got epoch=-1$"):
+    with pytest.raises(ValueError, match=r"^epoch should be a non-negative integer, but got epoch=-1$"):
         sampler.set_epoch(-1)
-    with pytest.raises(TypeError, match=r"^epoch should be an integer >= 0, but got epoch=1\.0 of type float$"):
+    with pytest.raises(TypeError, match=r"^epoch should be a non-negative integer, but got epoch=1\.0 of type float$"):
         sampler.set_epoch(1.0)
     assert sampler.epoch == 0
 
