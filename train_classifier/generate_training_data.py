@@ -47,8 +47,10 @@ import numpy as np
 import pandas as pd
 import torch
 
+from dynabatch.collate import TokenCollator
 from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
 from dynabatch.profiling import is_out_of_memory_error, track_peak_memory
+from dynabatch.tokenize import tokenize_texts
 
 logger = logging.getLogger("generate_training_data")
 
@@ -204,7 +206,7 @@ def model_specs() -> dict[str, ModelSpec]:
 
 
 @dataclasses.dataclass
-class Batch:
+class Shape:
     """Shape of one measured batch."""
 
     position: int
@@ -220,7 +222,7 @@ class Batch:
 class Runner:
     """Runs one model on batches of tokenized texts and measures peak activation memory."""
 
-    def __init__(self, spec: ModelSpec, tokenizer, device: torch.device, dtype: torch.dtype,
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
                  max_new_tokens: int, memory_cap: int | None, num_beams: int = 1,
                  attn_implementation: str | None = None) -> None:
         self.spec = spec
@@ -231,18 +233,12 @@ class Runner:
         self.model = spec.build().to(device=device, dtype=dtype).eval()
         if attn_implementation is not None:
             self.model.set_attn_implementation(attn_implementation)
-        self.pad_id = tokenizer.pad_token_id
-        self.left = spec.kind == "decoder"
+        self.padding_side = "left" if spec.kind == "decoder" else "right"
 
-    def _inputs(self, ids: list[list[int]]) -> dict[str, torch.Tensor]:
-        width = max(len(row) for row in ids)
-        input_ids = torch.full((len(ids), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(ids), width), dtype=torch.long)
-        for i, row in enumerate(ids):
-            sl = slice(width - len(row), width) if self.left else slice(0, len(row))
-            input_ids[i, sl] = torch.tensor(row, dtype=torch.long)
-            mask[i, sl] = 1
-        return {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device)}
+    def inputs(self, collator: TokenCollator, positions: np.ndarray) -> dict[str, torch.Tensor]:
+        """The batch at ``positions``, padded by dynabatch's own collator, as the model gets it."""
+        batch = collator(positions)
+        return {key: batch[key].to(self.device) for key in ("input_ids", "attention_mask")}
 
     def _call(self, inputs: dict[str, torch.Tensor]):
         if self.spec.task == "forward":
@@ -250,9 +246,8 @@ class Runner:
         return self.model.generate(**inputs, max_new_tokens=self.max_new_tokens,
                                    min_new_tokens=self.max_new_tokens, do_sample=False, num_beams=self.num_beams)
 
-    def measure(self, ids: list[list[int]]) -> tuple[str, int | None, float]:
+    def measure(self, inputs: dict[str, torch.Tensor]) -> tuple[str, int | None, float]:
         """Returns (status, peak bytes or None, seconds)."""
-        inputs = self._inputs(ids)
         limit = self.memory_cap if self.device.type == "cpu" else None
         start = time.perf_counter()
         try:
@@ -271,21 +266,24 @@ class Runner:
 def profile_run(runner: Runner, texts: list[str], tokenizer, max_len: int, base: int,
                 token_cap: int) -> list[dict]:
     """Measures the first batch and the candidates of one run; returns the rows."""
-    enc = tokenizer(texts, truncation=True, max_length=max_len, add_special_tokens=True)["input_ids"]
-    order = sorted(range(len(enc)), key=lambda i: -len(enc[i]))
-    ids = [enc[i] for i in order]
-    lengths = np.array([len(r) for r in ids])
+    tokenized = tokenize_texts(texts, tokenizer, max_len)
+    collator = TokenCollator(tokenized, pad_token_id=tokenizer.pad_token_id, padding_side=runner.padding_side)
+    order = np.argsort(-tokenized.lengths, kind="stable")  # longest first, as the planner sorts
+    lengths = tokenized.lengths[order]
 
-    def shape(pos: int, size: int) -> Batch:
+    def shape(pos: int, size: int) -> Shape:
         rows = lengths[pos : pos + size]
-        return Batch(pos, len(rows), int(rows.max()), int(rows.sum()))
+        return Shape(pos, len(rows), int(rows.max()), int(rows.sum()))
+
+    def measure(pos: int, size: int) -> tuple[str, int | None, float]:
+        return runner.measure(runner.inputs(collator, order[pos : pos + size]))
 
     first = shape(0, base)
     if first.batch_size * first.token_size > token_cap:
         logger.info("skip run: first batch %dx%d above token cap", first.batch_size, first.token_size)
         return []
-    runner.measure(ids[:base])  # warm-up: lazily built buffers are not counted in what follows
-    status, first_peak, secs = runner.measure(ids[:base])
+    measure(0, base)  # warm-up: lazily built buffers are not counted in what follows
+    status, first_peak, secs = measure(0, base)
     if status != "ok":
         logger.info("skip run: first batch over memory cap")
         return []
@@ -296,14 +294,14 @@ def profile_run(runner: Runner, texts: list[str], tokenizer, max_len: int, base:
         if len(hits):
             positions.append(base + int(hits[0]))
     for pos in sorted(set(positions)):
-        sizes = sorted({min(math.ceil(m * base), len(ids) - pos) for m in MULTIPLES})
+        sizes = sorted({min(math.ceil(m * base), len(order) - pos) for m in MULTIPLES})
         over = 0
         for size in sizes:
             cand = shape(pos, size)
             if cand.batch_size * cand.token_size > token_cap:
                 rows.append((cand, "token_cap", None, 0.0))
                 continue
-            status, peak, secs = runner.measure(ids[pos : pos + size])
+            status, peak, secs = measure(pos, size)
             rows.append((cand, status, peak, secs))
             over = over + 1 if status != "ok" or peak > first_peak else 0
             if over == 2:
@@ -410,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = model_specs()
     for name in args.models.split(","):
         spec = specs[name]
-        runner = Runner(spec, tokenizer, device, dtype, args.max_new_tokens, memory_cap, args.num_beams,
+        runner = Runner(spec, device, dtype, args.max_new_tokens, memory_cap, args.num_beams,
                         args.attn_implementation)
         token_cap = int(spec.token_cap * args.token_scale)
         frames = []
