@@ -36,24 +36,22 @@ def bad_type(name: str, rule: str, value: Any) -> TypeError:
     )
 
 
-def check_positive_int(name: str, value: Any) -> int:
-    """Returns ``value`` if it is an int >= 1 (bool is refused)."""
-    rule = "a positive integer"
+def _check_int(name: str, value: Any, rule: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise bad_type(name, rule, value)
-    if value < 1:
+    if value < minimum:
         raise bad_value(name, rule, value)
     return int(value)
+
+
+def check_positive_int(name: str, value: Any) -> int:
+    """Returns ``value`` if it is an int >= 1 (bool is refused)."""
+    return _check_int(name, value, "a positive integer", 1)
 
 
 def check_non_negative_int(name: str, value: Any) -> int:
     """Returns ``value`` if it is an int >= 0 (bool is refused)."""
-    rule = "a non-negative integer"
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise bad_type(name, rule, value)
-    if value < 0:
-        raise bad_value(name, rule, value)
-    return int(value)
+    return _check_int(name, value, "a non-negative integer", 0)
 
 
 def check_positive_number(name: str, value: Any) -> float:
