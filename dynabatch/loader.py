@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dynabatch._validation import bad_type, check_non_negative_int
 from dynabatch.collate import TokenCollator, pad_token_id_of
+from dynabatch.features import ModelShape
 from dynabatch.planner import check_plan_arguments, plan_batches
 from dynabatch.sampler import DynamicBatchSampler
 from dynabatch.tokenize import tokenize_texts, validate_texts
@@ -65,6 +66,7 @@ def build_dynamic_batch_dataloader(
     steps: int = 50,
     *,
     classifier: Any = None,
+    model_shape: Any = None,
     seed: int = 0,
     progress: bool = False,
     **tokenizer_kwargs: Any,
@@ -85,6 +87,10 @@ def build_dynamic_batch_dataloader(
         steps: number of candidate sizes between the two.
         classifier: the spike classifier: ``None`` for the bundled one, a path
             to a trusted joblib file, or a fitted estimator.
+        model_shape: what the planner may know of the model and the call,
+            ``ModelShape.from_model(model, max_new_tokens=..., num_beams=...)``:
+            plans with the shape-aware classifier, safer and larger batches on
+            models unlike the profiled ones. ``None``: the spec's 13 features.
         seed: seeds the shuffled order.
         progress: show a progress bar while tokenizing.
         **tokenizer_kwargs: passed to the tokenizer (e.g. ``add_special_tokens=False``);
@@ -104,6 +110,8 @@ def build_dynamic_batch_dataloader(
     check_non_negative_int("num_workers", num_workers)
     if not isinstance(shuffle, bool):
         raise bad_type("shuffle", "a bool", shuffle)
+    if model_shape is not None and not isinstance(model_shape, ModelShape):
+        raise bad_type("model_shape", "a ModelShape (ModelShape.from_model(model, ...)) or None", model_shape)
     pad_to_multiple_of = tokenizer_kwargs.pop("pad_to_multiple_of", None)
     pad_token_id_of(tokenizer)  # refuse a tokenizer without pad token before tokenizing
     tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress, **tokenizer_kwargs)
@@ -116,6 +124,7 @@ def build_dynamic_batch_dataloader(
         batch_start_range=batch_start_range,
         batch_end_range=batch_end_range,
         steps=steps,
+        model_shape=model_shape,
     )
     sampler = DynamicBatchSampler(batches, shuffle=shuffle, seed=seed)
     collator = TokenCollator.from_tokenizer(tokenized, tokenizer, texts=items, pad_to_multiple_of=pad_to_multiple_of)

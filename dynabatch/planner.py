@@ -39,9 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_fraction, check_positive_int
+from dynabatch._validation import (
+    bad_type,
+    bad_value,
+    check_fraction,
+    check_positive_int,
+)
 from dynabatch.classifier import SpikeClassifier, load_classifier
-from dynabatch.features import compute_features
+from dynabatch.features import ModelShape, compute_features
 
 __all__ = ["candidate_sizes", "check_plan_arguments", "plan_batch_sizes", "plan_batches"]
 
@@ -105,11 +110,24 @@ def _as_lengths(lengths: Any, max_input_token_length: int) -> np.ndarray:
     return arr
 
 
+def _classifier_for(classifier: Any, model_shape: Any) -> SpikeClassifier:
+    """The classifier to plan with, checked to take the shape exactly when one is given."""
+    if model_shape is not None and not isinstance(model_shape, ModelShape):
+        raise bad_type("model_shape", "a ModelShape or None", model_shape)
+    clf = load_classifier(classifier, shape=model_shape is not None)
+    if clf.uses_shape and model_shape is None:
+        raise bad_value("model_shape", "a ModelShape for a classifier fitted on memory_ratio_estimate", None)
+    if model_shape is not None and not clf.uses_shape:
+        raise bad_value("classifier", "fitted on memory_ratio_estimate when model_shape is given",
+                        f"a classifier of {len(clf.feature_names)} features")
+    return clf
+
+
 class _Planner:
     """State of one planning pass over lengths sorted longest first."""
 
     def __init__(self, sorted_lengths: np.ndarray, batch_size: int, max_len: int, clf: SpikeClassifier,
-                 threshold: float, cands: np.ndarray) -> None:
+                 threshold: float, cands: np.ndarray, shape: ModelShape | None = None) -> None:
         self.lengths = sorted_lengths
         self.n = len(sorted_lengths)
         self.prefix = np.concatenate([[0], np.cumsum(sorted_lengths)])
@@ -118,6 +136,7 @@ class _Planner:
         self.clf = clf
         self.threshold = threshold
         self.cands = cands
+        self.shape = shape
         self.first = min(batch_size, self.n)
         self.calls = 0
 
@@ -125,7 +144,7 @@ class _Planner:
         stops = np.minimum(starts + sizes, self.n)
         f = compute_features(
             self.max_len, self.lengths[0], self.first, self.prefix[self.first],
-            self.lengths[starts], stops - starts, self.prefix[stops] - self.prefix[starts],
+            self.lengths[starts], stops - starts, self.prefix[stops] - self.prefix[starts], shape=self.shape,
         )
         self.calls += 1
         return self.clf.predict_spike_proba(f)
@@ -183,6 +202,7 @@ def plan_batch_sizes(
     batch_start_range: float = 1.0,
     batch_end_range: float = 6.0,
     steps: int = 50,
+    model_shape: ModelShape | None = None,
 ) -> np.ndarray:
     """Plans batch sizes over lengths already sorted longest first.
 
@@ -196,8 +216,9 @@ def plan_batch_sizes(
     lengths = _as_lengths(sorted_lengths, max_input_token_length)
     if len(lengths) > 1 and (np.diff(lengths) > 0).any():
         raise bad_value("sorted_lengths", "sorted longest first", "an unsorted array")
-    planner = _Planner(lengths, batch_size, max_input_token_length, load_classifier(classifier), threshold,
-                       candidate_sizes(batch_size, batch_start_range, batch_end_range, steps))
+    clf = _classifier_for(classifier, model_shape)
+    planner = _Planner(lengths, batch_size, max_input_token_length, clf, threshold,
+                       candidate_sizes(batch_size, batch_start_range, batch_end_range, steps), model_shape)
     sizes = planner.sizes()
     logger.debug("planned %d texts into %d batches with %d classifier calls", len(lengths), len(sizes),
                  planner.calls)
@@ -214,6 +235,7 @@ def plan_batches(
     batch_start_range: float = 1.0,
     batch_end_range: float = 6.0,
     steps: int = 50,
+    model_shape: ModelShape | None = None,
 ) -> list[np.ndarray]:
     """Plans batches of input positions from token lengths (in input order).
 
@@ -227,6 +249,10 @@ def plan_batches(
         batch_start_range: smallest candidate, as a multiple of ``batch_size`` (>= 1).
         batch_end_range: largest candidate, as a multiple of ``batch_size``.
         steps: number of candidate multiples between the two.
+        model_shape: the model and call (:meth:`ModelShape.from_model
+            <dynabatch.features.ModelShape.from_model>`); plans with the
+            shape-aware classifier, which holds on more model families (see
+            ``train_classifier/REPORT.md``). ``None``: the spec's 13 features.
 
     Returns:
         One int64 array of input positions per batch, longest texts first;
@@ -237,5 +263,5 @@ def plan_batches(
     order = np.argsort(-arr, kind="stable")
     sizes = plan_batch_sizes(arr[order], batch_size, max_input_token_length, classifier=classifier,
                              threshold=threshold, batch_start_range=batch_start_range,
-                             batch_end_range=batch_end_range, steps=steps)
+                             batch_end_range=batch_end_range, steps=steps, model_shape=model_shape)
     return np.split(order, np.cumsum(sizes)[:-1]) if len(sizes) else []

@@ -13,8 +13,19 @@ from sklearn.ensemble import HistGradientBoostingClassifier
 from sklearn.linear_model import LogisticRegression
 
 from dynabatch._training import sha256_files
-from dynabatch.classifier import BUNDLED_CLASSIFIER, SpikeClassifier, load_classifier
-from dynabatch.features import FEATURE_NAMES, compute_features
+from dynabatch.classifier import (
+    BUNDLED_CLASSIFIER,
+    BUNDLED_SHAPE_CLASSIFIER,
+    SpikeClassifier,
+    _probe_features,
+    load_classifier,
+)
+from dynabatch.features import (
+    FEATURE_NAMES,
+    SHAPE_FEATURE_NAMES,
+    ModelShape,
+    compute_features,
+)
 
 TRAIN_DIR = Path(__file__).resolve().parents[1] / "train_classifier"
 
@@ -101,7 +112,7 @@ def test_an_estimator_fitted_on_another_number_of_features_is_refused():
     rng = np.random.default_rng(3)
     X = rng.random((50, 5))
     est = LogisticRegression().fit(X, (X[:, 0] > 0.5).astype(int))
-    with pytest.raises(ValueError, match="classifier should be fitted on 13 features, but got classifier='5 features'"):
+    with pytest.raises(ValueError, match="classifier should be fitted on 13 or 14 features, but got classifier='5 features'"):
         load_classifier(est)
 
 
@@ -135,6 +146,7 @@ def bundled_copy(tmp_path, monkeypatch):
     folder = tmp_path / "models"
     shutil.copytree(BUNDLED_CLASSIFIER.parent, folder)
     monkeypatch.setattr(module, "BUNDLED_CLASSIFIER", folder / "classifier.pkl")
+    monkeypatch.setattr(module, "BUNDLED_SHAPE_CLASSIFIER", folder / "classifier-shape.pkl")
     monkeypatch.setenv("DYNABATCH_CACHE_DIR", str(tmp_path / "cache"))
     module._bundled.cache_clear()
     yield folder
@@ -142,8 +154,6 @@ def bundled_copy(tmp_path, monkeypatch):
 
 
 def _probe():
-    from dynabatch.classifier import _probe_features
-
     return _probe_features()
 
 
@@ -200,3 +210,48 @@ def test_damaged_profiles_leave_a_clear_error(bundled_copy):
     (bundled_copy / "profiles.csv.gz").write_bytes(b"damaged")
     with pytest.raises(RuntimeError, match="bundled profiles to refit it from are missing or damaged"):
         load_classifier()
+
+
+# --- the shape-aware classifier ------------------------------------------------------------------
+
+
+def test_bundled_shape_classifier_metadata_matches_the_files():
+    meta = json.loads(BUNDLED_SHAPE_CLASSIFIER.with_suffix(".json").read_text())
+    assert meta["shape"] is True and meta["feature_names"] == list(SHAPE_FEATURE_NAMES)
+    assert meta["classifier_sha256"] == hashlib.sha256(BUNDLED_SHAPE_CLASSIFIER.read_bytes()).hexdigest()
+    assert meta["training_data"] == json.loads(BUNDLED_CLASSIFIER.with_suffix(".json").read_text())["training_data"]
+
+
+def test_shape_classifier_takes_fourteen_features_and_the_plain_one_thirteen():
+    plain, shaped = load_classifier(), load_classifier(shape=True)
+    assert not plain.uses_shape and shaped.uses_shape and shaped.monotone_in_rows
+    f = compute_features(128, 128, 8, 1024, [64], [16], [900], shape=ModelShape(32000, 512, max_new_tokens=8))
+    assert shaped.predict_spike_proba(f).shape == (1,)
+    with pytest.raises(ValueError, match=r"features should be an array of shape \(n, 13\)"):
+        plain.predict_spike_proba(f)
+
+
+def test_the_shape_tells_a_large_vocabulary_from_a_small_one():
+    # Twice the rows at a quarter of the length: half the tokens. For a forward pass that is no spike; for
+    # a generate call whose logits dwarf the hidden states (a 256k vocabulary, 512-wide) it is one.
+    clf = load_classifier(shape=True)
+    args = {"max_input_length": 256, "token_size_x": 256, "batch_size_x": 8, "total_tokens_x": 2048, "token_size_y": [64],
+                "batch_size_y": [16], "total_tokens_y": [1024]}
+    forward = clf.predict_spike_proba(compute_features(**args, shape=ModelShape(32000, 1024)))
+    generate = clf.predict_spike_proba(compute_features(**args, shape=ModelShape(256000, 512, max_new_tokens=64)))
+    assert forward[0] < 0.025 < generate[0]
+
+
+def test_a_damaged_shape_pickle_is_refitted_from_the_profiles(bundled_copy, tmp_path):
+    expected = load_classifier(bundled_copy / "classifier-shape.pkl").predict_spike_proba(_probe_features(True))
+    (bundled_copy / "classifier-shape.pkl").write_bytes(b"damaged")
+    with pytest.warns(RuntimeWarning, match="classifier-shape.pkl does not match the sha256 in classifier-shape.json"):
+        clf = load_classifier(shape=True)
+    assert clf.uses_shape
+    np.testing.assert_allclose(clf.predict_spike_proba(_probe_features(True)), expected, atol=1e-12)
+    assert list((tmp_path / "cache").glob("classifier-shape-*.pkl"))
+
+
+def test_load_classifier_refuses_a_non_bool_shape():
+    with pytest.raises(TypeError, match="shape should be a bool, but got shape='yes'"):
+        load_classifier(shape="yes")

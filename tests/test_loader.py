@@ -391,7 +391,8 @@ def test_a_classifier_fitted_on_other_feature_names(tokenizer, texts):
     columns = [f"x{i}" for i in range(len(FEATURE_NAMES))]
     X = pd.DataFrame(np.random.default_rng(0).normal(size=(20, len(columns))), columns=columns)
     clf = LogisticRegression().fit(X, np.arange(20) % 2)
-    expected = re.escape(f"classifier should be fitted on the features {list(FEATURE_NAMES)}, but got classifier={columns}")
+    expected = re.escape(f"classifier should be fitted on the features {list(FEATURE_NAMES)} (and optionally "
+                         f"'memory_ratio_estimate'), but got classifier={columns}")
     with pytest.raises(ValueError, match=rf"^{expected}$"):
         _load(texts[:10], tokenizer, classifier=clf)
 
@@ -409,3 +410,24 @@ def test_a_hugging_face_datasets_column_is_accepted(tokenizer, texts):
     assert seen == list(range(40))
     for batch in loader:
         assert batch.texts == [texts[i] for i in batch.indices.tolist()]
+
+
+def test_the_model_shape_plans_with_the_shape_aware_classifier(tokenizer):
+    from dynabatch import ModelShape
+    from dynabatch.demo import kjv_passages
+
+    texts = kjv_passages()[:3000]
+    forward = build_dynamic_batch_dataloader(texts, tokenizer, 8, 128, num_workers=0,
+                                             model_shape=ModelShape(30522, 384))
+    beams = build_dynamic_batch_dataloader(texts, tokenizer, 8, 128, num_workers=0,
+                                           model_shape=ModelShape(256206, 1024, max_new_tokens=64, num_beams=4))
+    for loader in (forward, beams):
+        assert sorted(i for b in loader.batch_sampler for i in b) == list(range(len(texts)))
+    # a per-row part that length does not shrink (logits of 4 beams over 256k tokens) means smaller batches
+    assert len(beams) > len(forward)
+
+
+def test_a_model_instead_of_its_shape_is_refused_before_tokenizing(tokenizer):
+    with pytest.raises(TypeError, match=r"model_shape should be a ModelShape \(ModelShape.from_model\(model, "
+                                        r"\.\.\.\)\) or None, but got model_shape='t5-small'"):
+        build_dynamic_batch_dataloader(["a"], tokenizer, 1, 8, model_shape="t5-small")

@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 from sklearn.tree import DecisionTreeClassifier
 
 from dynabatch.classifier import SpikeClassifier, load_classifier
-from dynabatch.features import compute_features
+from dynabatch.features import ModelShape, compute_features
 from dynabatch.planner import candidate_sizes, plan_batch_sizes, plan_batches
 
 
@@ -42,7 +42,7 @@ def non_monotone():
     return load_classifier(DecisionTreeClassifier(max_depth=8, random_state=0).fit(f, rng.integers(0, 2, 3000)))
 
 
-def reference_sizes(lengths, batch_size, max_len, clf, threshold=0.025, start=1.0, end=6.0, steps=50):
+def reference_sizes(lengths, batch_size, max_len, clf, threshold=0.025, start=1.0, end=6.0, steps=50, shape=None):
     """The rule of the spec, batch by batch, with every candidate asked: what the planner must equal."""
     n = len(lengths)
     prefix = np.concatenate([[0], np.cumsum(lengths)])
@@ -53,7 +53,7 @@ def reference_sizes(lengths, batch_size, max_len, clf, threshold=0.025, start=1.
         caps = np.unique(np.minimum(cands, n - pos))
         p = clf.predict_spike_proba(compute_features(max_len, lengths[0], first, prefix[first],
                                                      np.full(len(caps), lengths[pos]), caps,
-                                                     prefix[pos + caps] - prefix[pos]))
+                                                     prefix[pos + caps] - prefix[pos], shape=shape))
         k = 0
         while k < len(caps) and p[k] <= threshold:
             k += 1
@@ -209,3 +209,55 @@ def test_plan_equals_the_rule_on_realistic_lengths(bundled, counting, batch_size
     sizes = plan_batch_sizes(lengths, batch_size, max_len, classifier=counting)
     assert sizes.tolist() == reference_sizes(lengths, batch_size, max_len, bundled)
     assert counting.calls <= len(sizes) - 1  # at most one classifier call per planned batch
+
+
+# --- planning with the model's shape -------------------------------------------------------------
+
+shapes = st.builds(ModelShape, vocab_size=st.sampled_from([30522, 50257, 151936, 256206]),
+                   hidden_size=st.sampled_from([384, 768, 1024, 4096]), max_new_tokens=st.sampled_from([0, 8, 128]),
+                   num_beams=st.sampled_from([1, 4]))
+
+
+@pytest.fixture(scope="module")
+def shaped():
+    return load_classifier(shape=True)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=length_lists, batch_size=st.integers(1, 64), shape=shapes)
+def test_a_plan_with_the_model_shape_equals_the_rule(shaped, data, batch_size, shape):
+    max_len, raw = data
+    lengths = np.asarray(raw)
+    batches = plan_batches(lengths, batch_size, max_len, model_shape=shape)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(lengths)))
+    assert len(batches[0]) == min(batch_size, len(lengths))
+    assert [len(b) for b in batches] == reference_sizes(np.sort(lengths)[::-1], batch_size, max_len, shaped,
+                                                        shape=shape)
+
+
+def test_a_forward_pass_grows_further_than_a_generate_call_with_a_large_vocabulary():
+    lengths = np.random.default_rng(0).integers(1, 129, size=5000)
+    forward = plan_batches(lengths, 16, 128, model_shape=ModelShape(32000, 1024))
+    generate = plan_batches(lengths, 16, 128, model_shape=ModelShape(256206, 1024, max_new_tokens=64, num_beams=4))
+    assert len(forward) < len(generate)
+    assert max(map(len, forward)) > max(map(len, generate))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"model_shape": (32000, 512)}, TypeError, (r"model_shape should be a ModelShape or None, but got "
+                                                    r"model_shape=\(32000, 512\)")),
+        ({"model_shape": ModelShape(32000, 512), "classifier": "bundled-13"}, ValueError,
+         ("classifier should be fitted on memory_ratio_estimate when model_shape is given, but got "
+         "classifier='a classifier of 13 features'")),
+        ({"classifier": "bundled-shape"}, ValueError,
+         ("model_shape should be a ModelShape for a classifier fitted on memory_ratio_estimate, but got "
+         "model_shape=None")),
+    ],
+)
+def test_the_shape_and_the_classifier_must_agree(kwargs, error, match):
+    named = {"bundled-13": load_classifier(), "bundled-shape": load_classifier(shape=True)}
+    kwargs = {k: named.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
+    with pytest.raises(error, match=match):
+        plan_batches(np.arange(100) % 60, 8, 64, **kwargs)

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from dynabatch.classifier import load_classifier
-from dynabatch.features import compute_features
+from dynabatch.features import ModelShape, compute_features
 
 TRAIN_DIR = Path(__file__).resolve().parents[1] / "train_classifier"
 GENERATE = TRAIN_DIR / "generate_training_data.py"
@@ -63,10 +63,17 @@ def test_generator_writes_raw_measurements_of_real_runs(profiles):
 def test_training_on_the_generated_profiles_gives_a_loadable_classifier(profiles, tmp_path):
     report = tmp_path / "REPORT.md"
     out = _run(TRAIN, "--data", str(profiles), "--out", str(tmp_path), "--max-iter", "20", "--report", str(report))
-    assert "Leave-one-model-out" in out.stdout and "| ALL |" in out.stdout
+    assert "13 features: leave-one-model-out" in out.stdout and "+shape: leave-one-model-out" in out.stdout
+    assert "| ALL |" in out.stdout
     text = report.read_text()
     assert "Leave-one-family-out" in text and "| marian-2l |" in text and "unsafe picks" in text
+    assert "## Before / after: the model's shape" in text and "held-out families" in text
     clf = load_classifier(tmp_path / "classifier.pkl")
     assert clf.metadata["training_data"]["models"] == ["marian-2l", "minilm-l6"]
     p = clf.predict_spike_proba(compute_features(64, 64, 2, 120, [64, 10], [16, 2], [1000, 15]))
+    assert p[0] > p[1]
+    shaped = load_classifier(tmp_path / "classifier-shape.pkl")
+    assert shaped.uses_shape and shaped.metadata["shape"] is True
+    f = compute_features(64, 64, 2, 120, [64, 10], [16, 2], [1000, 15], shape=ModelShape(58101, 512, 2))
+    p = shaped.predict_spike_proba(f)
     assert p[0] > p[1]

@@ -37,8 +37,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -48,7 +48,7 @@ import pandas as pd
 import torch
 
 from dynabatch.collate import TokenCollator
-from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
+from dynabatch.demo import joke_texts, kjv_passages, minilm_path, vary_lengths
 from dynabatch.profiling import is_out_of_memory_error, track_peak_memory
 from dynabatch.tokenize import tokenize_texts
 
@@ -93,25 +93,22 @@ def _minilm() -> torch.nn.Module:
 def model_specs() -> dict[str, ModelSpec]:
     """The profiled models: realistic widths and vocabularies, reduced depth."""
     from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
         BertConfig,
         BertModel,
         GPT2Config,
         GPT2LMHeadModel,
         LlamaConfig,
         LlamaForCausalLM,
-        MarianConfig,
-        MarianMTModel,
-        T5Config,
-        T5ForConditionalGeneration,
-    )
-
-    from transformers import (
-        BartConfig,
-        BartForConditionalGeneration,
         M2M100Config,
         M2M100ForConditionalGeneration,
+        MarianConfig,
+        MarianMTModel,
         Qwen2Config,
         Qwen2ForCausalLM,
+        T5Config,
+        T5ForConditionalGeneration,
         XLMRobertaConfig,
         XLMRobertaModel,
     )
@@ -340,15 +337,18 @@ def settings_suffix(args: argparse.Namespace) -> str:
     return "".join(f"-{p}" for p in parts)
 
 
+TEXT_SOURCES = ("kjv", "kjv-varied", "jokes", "jokes-varied")
+
+
 def run_texts(source: str, n: int, seed: int) -> list[str]:
-    """A sample of ``n`` real texts: KJV passages as they are, or cut to 1-500 words."""
-    passages = kjv_passages()
-    if source == "kjv":
-        rng = np.random.default_rng(seed)
-        return [passages[i] for i in rng.choice(len(passages), size=n, replace=False)]
-    if source == "kjv-varied":
+    """A sample of ``n`` real texts: KJV passages or pyjokes' jokes as they are, or cut to 1-500 words."""
+    if source not in TEXT_SOURCES:
+        raise ValueError(f"text source should be one of {TEXT_SOURCES}, but got source={source!r}")
+    passages = kjv_passages() if source.startswith("kjv") else joke_texts()
+    if source.endswith("-varied"):
         return vary_lengths(passages, n=n, max_words=500, seed=seed)
-    raise ValueError(f"text source should be 'kjv' or 'kjv-varied', but got source={source!r}")
+    rng = np.random.default_rng(seed)
+    return [passages[i] for i in rng.choice(len(passages), size=n, replace=len(passages) < n)]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -368,8 +368,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated first-batch sizes; runs whose first batch is over the token cap are "
                         "skipped (default: 1,4,8,64,128,256,512)")
     p.add_argument("--sources", default="kjv-varied,kjv",
-                   help="text samples: 'kjv' (passages as they are) and/or 'kjv-varied' (cut to 1-500 words "
-                        "log-uniformly); settings take them in turn (default: kjv-varied,kjv)")
+                   help="text samples: 'kjv' (passages as they are), 'jokes' (pyjokes, 13 languages) and their "
+                        "'-varied' forms (cut or joined to 1-500 words log-uniformly); settings take them in turn "
+                        "(default: kjv-varied,kjv)")
     p.add_argument("--every-source", action="store_true",
                    help="profile every setting on every source instead of taking sources in turn")
     p.add_argument("--n-texts", type=int, default=3000, help="texts per run (default: 3000)")
@@ -387,6 +388,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.models.split(",")) - set(specs))
     if unknown:
         p.error(f"--models has unknown names {unknown}; choose from {sorted(specs)}")
+    unknown = sorted(set(args.sources.split(",")) - set(TEXT_SOURCES))
+    if unknown:
+        p.error(f"--sources has unknown names {unknown}; choose from {list(TEXT_SOURCES)}")
     return args
 
 

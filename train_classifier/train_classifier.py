@@ -11,6 +11,12 @@ where the physics is certain: more rows, more tokens or longer rows in the
 candidate never need less memory (+1); a larger first batch never has a smaller
 peak, so it never makes a spike likelier (-1).
 
+Two classifiers are trained: over the spec's 13 ratio features
+(``classifier.pkl``, used when the planner knows nothing of the model) and over
+those and ``memory_ratio_estimate``, from the model's shape
+(``classifier-shape.pkl``, used when the user passes a ``ModelShape``). The
+report shows both, so the second's gain on held-out families is measured.
+
 Before the final fit, every model and then every family is held out in turn
 (fitted on the others, evaluated on it). At ``--threshold`` the tables give, per
 measured candidate, the spike recall, the false-safe rate (predicted safe,
@@ -46,11 +52,11 @@ from dynabatch._training import (
     MONOTONIC,
     PROFILE_COLUMNS,
     candidate_rows,
+    feature_names,
     features_of,
     fit_spike_classifier,
     sha256_files,
 )
-from dynabatch.features import FEATURE_NAMES
 
 logger = logging.getLogger("train_classifier")
 
@@ -71,12 +77,20 @@ def load_rows(files: list[Path]) -> pd.DataFrame:
     frame = pd.concat([pd.read_csv(f) for f in files], ignore_index=True)
     counts = frame["status"].value_counts().to_dict()
     logger.info("read %d rows from %d files; status counts %s", len(frame), len(files), counts)
-    return candidate_rows(frame)
+    rows = candidate_rows(frame)
+    rows["setting"] = (rows["dtype"].str.replace("float", "fp").str.replace("bfloat", "bf") + " "
+                       + rows["attn_implementation"] + " b" + rows["num_beams"].astype(str) + " new"
+                       + rows["max_new_tokens"].astype(str))
+    return rows
 
 
-def fit(rows: pd.DataFrame, args: argparse.Namespace):
-    return fit_spike_classifier(rows, args.spike_ratio, max_iter=args.max_iter, learning_rate=args.learning_rate,
-                                max_leaf_nodes=args.max_leaf_nodes)
+VARIANTS = {False: "classifier", True: "classifier-shape"}
+"""File stem of each classifier, by whether it takes the model's shape."""
+
+
+def fit(rows: pd.DataFrame, args: argparse.Namespace, shape: bool):
+    return fit_spike_classifier(rows, args.spike_ratio, shape=shape, max_iter=args.max_iter,
+                                learning_rate=args.learning_rate, max_leaf_nodes=args.max_leaf_nodes)
 
 
 def planner_picks(rows: pd.DataFrame, proba: np.ndarray, threshold: float, spike_ratio: float) -> pd.DataFrame:
@@ -112,25 +126,25 @@ def metrics(rows: pd.DataFrame, proba: np.ndarray, threshold: float, spike_ratio
     observed = [(lo, hi, spike[(proba >= lo) & (proba < hi)]) for lo, hi in
                 ((0, threshold), (threshold, 0.25), (0.25, 0.75), (0.75, 1.0001))]
     return {
-        "rows": int(len(ratio)),
+        "rows": len(ratio),
         "spikes": int(spike.sum()),
         "spike_recall": float((~safe & spike).sum() / max(spike.sum(), 1)),
         "predicted_safe": n_safe,
         "false_safe_rate": float((safe & spike).sum() / max(n_safe, 1)),
         "over_budget_rate": float((safe & (ratio > 1.0)).sum() / max(n_safe, 1)),
         "max_ratio_predicted_safe": float(ratio[safe].max()) if n_safe else None,
-        "positions": int(len(picks)),
+        "positions": len(picks),
         "forced_positions": int(every["forced"].sum()),
         "unsafe_picks": int((picks["pick_ratio"] > 1.0).sum()),
         "spike_picks": int((picks["pick_ratio"] > spike_ratio).sum()),
         "growth_mean": float(growth.mean()),
         "growth_p10": float(growth.quantile(0.1)),
-        "calibration": [{"proba": f"[{lo:g}, {min(hi, 1):g})", "rows": int(len(obs)),
+        "calibration": [{"proba": f"[{lo:g}, {min(hi, 1):g})", "rows": len(obs),
                          "spike_rate": float(obs.mean()) if len(obs) else None} for lo, hi, obs in observed],
     }
 
 
-def held_out(rows: pd.DataFrame, by: str, args: argparse.Namespace) -> dict:
+def held_out(rows: pd.DataFrame, by: str, args: argparse.Namespace, shape: bool) -> dict:
     """For each value of column ``by`` (model or family): fit on the other rows, score its rows."""
     results = {}
     pooled_rows, pooled_proba = [], []
@@ -139,7 +153,7 @@ def held_out(rows: pd.DataFrame, by: str, args: argparse.Namespace) -> dict:
         train = rows[~test]
         if train.empty or train["ratio"].gt(args.spike_ratio).nunique() < 2:
             continue
-        proba = fit(train, args).predict_proba(features_of(rows[test]))[:, 1]
+        proba = fit(train, args, shape).predict_proba(features_of(rows[test], shape))[:, 1]
         results[group] = metrics(rows[test], proba, args.threshold, args.spike_ratio)
         pooled_rows.append(rows[test])
         pooled_proba.append(proba)
@@ -152,8 +166,8 @@ def held_out(rows: pd.DataFrame, by: str, args: argparse.Namespace) -> dict:
 def table(title: str, results: dict) -> str:
     """A markdown table of held-out results."""
     lines = [f"#### {title}", "",
-             "| held out | rows | spikes | spike recall | predicted safe | false-safe | ratio>1 among safe | "
-             "positions | unsafe picks | spike picks | growth mean | growth p10 | forced |",
+             ("| held out | rows | spikes | spike recall | predicted safe | false-safe | ratio>1 among safe | "
+             "positions | unsafe picks | spike picks | growth mean | growth p10 | forced |"),
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for group, m in results.items():
         lines.append(
@@ -164,49 +178,100 @@ def table(title: str, results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(path: Path, files: list[Path], rows: pd.DataFrame, results: dict, args: argparse.Namespace) -> None:
-    """REPORT.md: the data, the held-out tables and the calibration, regenerated by every run."""
+def comparison(results: dict[bool, dict]) -> str:
+    """Before/after per held-out family: the 13 features alone, then with the model's shape."""
+    lines = [("| held out family | positions | unsafe picks: 13 / +shape | spike picks: 13 / +shape | "
+             "growth mean: 13 / +shape | growth p10: 13 / +shape |"), "|---|---:|---:|---:|---:|---:|"]
+    before, after = results[False]["family"], results[True]["family"]
+    for group in before:
+        b, a = before[group], after[group]
+        lines.append(f"| {group} | {b['positions']} | {b['unsafe_picks']} / {a['unsafe_picks']} | "
+                     f"{b['spike_picks'] / max(b['positions'], 1):.1%} / {a['spike_picks'] / max(a['positions'], 1):.1%}"
+                     f" | {b['growth_mean']:.2f} / {a['growth_mean']:.2f} | {b['growth_p10']:.2f} / "
+                     f"{a['growth_p10']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def targets(results: dict) -> str:
+    """Which held-out families meet the targets: 0 unsafe picks, <= 1% spike picks, growth mean >= 0.85."""
+    met, missed = [], []
+    for group, m in results["family"].items():
+        if group == "ALL":
+            continue
+        reasons = []
+        if m["unsafe_picks"]:
+            reasons.append(f"{m['unsafe_picks']} unsafe picks")
+        if m["spike_picks"] > 0.01 * m["positions"]:
+            reasons.append(f"{m['spike_picks'] / m['positions']:.1%} spike picks")
+        if m["growth_mean"] < 0.85:
+            reasons.append(f"growth mean {m['growth_mean']:.2f}")
+        (missed if reasons else met).append(f"{group} ({', '.join(reasons)})" if reasons else group)
+    return (f"Targets (0 unsafe picks, <= 1% spike picks, growth mean >= 0.85) met by {len(met)} of "
+            f"{len(met) + len(missed)} held-out families: {', '.join(met) or 'none'}. Missed: "
+            f"{'; '.join(missed) or 'none'}.\n")
+
+
+def write_report(path: Path, files: list[Path], rows: pd.DataFrame, results: dict[bool, dict],
+                 args: argparse.Namespace) -> None:
+    """REPORT.md: the data, the held-out tables of both classifiers and the calibration, regenerated by every run."""
     where = f"at threshold {args.threshold}, spike = measured ratio > {args.spike_ratio}"
     data = rows.groupby(["device", "family", "model"]).agg(
         rows=("ratio", "size"), spikes=("ratio", lambda r: int((r > args.spike_ratio).sum())),
         first_batch_sizes=("first_batch_size", lambda b: ",".join(map(str, sorted(b.unique())))),
         max_input_lengths=("max_input_length", lambda m: ",".join(map(str, sorted(m.unique())))),
+        settings=("setting", lambda s: ", ".join(sorted(s.unique()))),
+        sources=("text_source", lambda s: ", ".join(sorted(s.unique()))),
     ).reset_index()
     lines = [
         "# Spike classifier: held-out evaluation",
         "",
-        "Written by `python train_classifier/train_classifier.py` from the profiles in "
-        f"`{args.data.name}/` ({', '.join(f.name for f in files)}); do not edit by hand.",
+        ("Written by `python train_classifier/train_classifier.py` from the profiles in "
+        f"`{args.data.name}/` ({', '.join(f.name for f in files)}); do not edit by hand."),
         "",
         "## Data (measured candidate batches)",
         "",
-        "| device | family | model | rows | spikes | first batch sizes | max input lengths |",
-        "|---|---|---|---:|---:|---|---|",
-        *[f"| {r.device} | {r.family} | {r.model} | {r.rows} | {r.spikes} | {r.first_batch_sizes} | "
-          f"{r.max_input_lengths} |" for r in data.itertuples()],
+        "Settings: dtype, attention, beams (`bN`), new tokens (`newN`, 0: forward) and text sources.",
         "",
+        "| device | family | model | rows | spikes | first batch sizes | max input lengths | settings | texts |",
+        "|---|---|---|---:|---:|---|---|---|---|",
+        *[f"| {r.device} | {r.family} | {r.model} | {r.rows} | {r.spikes} | {r.first_batch_sizes} | "
+          f"{r.max_input_lengths} | {r.settings} | {r.sources} |" for r in data.itertuples()],
+        "",
+        "## Before / after: the model's shape (leave-one-family-out)",
+        "",
+        ("*13*: the spec's ratio features, what the planner uses when it is told nothing of the model. "
+        "*+shape*: with `memory_ratio_estimate`, from `ModelShape.from_model(model, max_new_tokens=..., "
+        "num_beams=...)` passed as `model_shape=` (see `dynabatch/features.py`)."),
+        "",
+        comparison(results),
+        "13 features: " + targets(results[False]),
+        "+shape: " + targets(results[True]),
         "## Held out",
         "",
-        "Per candidate: *spike recall* (spikes predicted unsafe), *false-safe* (predicted safe, ratio > "
+        ("Per candidate: *spike recall* (spikes predicted unsafe), *false-safe* (predicted safe, ratio > "
         f"{args.spike_ratio}), *ratio>1 among safe*. Per position, what the planner's rule picks among the "
         "measured candidates: *unsafe picks* (ratio > 1.0: the first batch's peak exceeded), *spike picks*, "
         "*growth* (pick size / largest measured candidate with ratio <= "
         f"{args.spike_ratio}). *Forced* positions, where even the smallest candidate (`batch_size` rows) "
         f"measured above {args.spike_ratio} (e.g. right after the first batch, with texts as long as its own), "
-        "leave the planner no choice; they are counted apart and left out of the pick columns.",
+        "leave the planner no choice; they are counted apart and left out of the pick columns."),
         "",
     ]
-    for by, by_group in results.items():
-        title = f"In sample (the final classifier on its training rows) {where}" if by.startswith("in-sample") \
-            else f"Leave-one-{by}-out {where}"
-        lines.append(table(title, by_group))
-    lines += ["## Calibration (leave-one-family-out, all families pooled)", "",
-              "| predicted spike probability | rows | measured spike rate |", "|---|---:|---:|"]
-    for cell in results["family"]["ALL"]["calibration"]:
-        rate = "-" if cell["spike_rate"] is None else f"{cell['spike_rate']:.3f}"
-        lines.append(f"| {cell['proba']} | {cell['rows']} | {rate} |")
+    for shape, label in ((False, "13 features"), (True, "with the model's shape")):
+        lines += [f"### {label}", ""]
+        for by, by_group in results[shape].items():
+            title = f"In sample (the final classifier on its training rows) {where}" if by.startswith("in-sample") \
+                else f"Leave-one-{by}-out {where}"
+            lines.append(table(title, by_group))
+    for shape, label in ((False, "13 features"), (True, "with the model's shape")):
+        lines += [f"## Calibration, {label} (leave-one-family-out, all families pooled)", "",
+                  "| predicted spike probability | rows | measured spike rate |", "|---|---:|---:|"]
+        for cell in results[shape]["family"]["ALL"]["calibration"]:
+            rate = "-" if cell["spike_rate"] is None else f"{cell['spike_rate']:.3f}"
+            lines.append(f"| {cell['proba']} | {cell['rows']} | {rate} |")
+        lines.append("")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    path.write_text("\n".join(lines), encoding="utf-8")
     logger.info("wrote %s", path)
 
 
@@ -229,41 +294,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    args = parse_args(argv)
-    files = data_files(args.data)
-    rows = load_rows(files)
-    if rows["ratio"].gt(args.spike_ratio).nunique() < 2:
-        raise SystemExit("the profiles hold only one class; profile more settings")
+def evaluate(rows: pd.DataFrame, estimator, args: argparse.Namespace, shape: bool) -> dict:
+    """Held-out tables (by model, by family) and the final classifier in sample."""
+    where = f"at threshold {args.threshold} (spike = measured ratio > {args.spike_ratio})"
+    label = "+shape" if shape else "13 features"
     results = {}
-    if not args.skip_held_out:
-        where = f"at threshold {args.threshold} (spike = measured ratio > {args.spike_ratio})"
-        for by in ("model", "family"):
-            results[by] = held_out(rows, by, args)
-            print(table(f"Leave-one-{by}-out {where}", results[by]))
-    estimator = fit(rows, args)
-    if not args.skip_held_out:
-        # The final classifier on its own training positions: what the bundled planner does on models it knows.
-        proba = estimator.predict_proba(features_of(rows))[:, 1]
-        results["in-sample model"] = {
-            **{m: metrics(rows[rows["model"] == m], proba[(rows["model"] == m).to_numpy()], args.threshold,
-                          args.spike_ratio) for m in sorted(rows["model"].unique())},
-            "ALL": metrics(rows, proba, args.threshold, args.spike_ratio),
-        }
-        print(table(f"In sample (the final classifier on its training rows) {where}", results["in-sample model"]))
-        write_report(args.report, files, rows, results, args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    pkl = args.out / "classifier.pkl"
+    for by in ("model", "family"):
+        results[by] = held_out(rows, by, args, shape)
+        print(table(f"{label}: leave-one-{by}-out {where}", results[by]))
+    # The final classifier on its own training positions: what the bundled planner does on models it knows.
+    proba = estimator.predict_proba(features_of(rows, shape))[:, 1]
+    results["in-sample model"] = {
+        **{m: metrics(rows[rows["model"] == m], proba[(rows["model"] == m).to_numpy()], args.threshold,
+                      args.spike_ratio) for m in sorted(rows["model"].unique())},
+        "ALL": metrics(rows, proba, args.threshold, args.spike_ratio),
+    }
+    print(table(f"{label}: in sample {where}", results["in-sample model"]))
+    return results
+
+
+def write_classifier(out: Path, stem: str, estimator, shape: bool, files: list[Path], rows: pd.DataFrame,
+                     profiles: Path, results: dict, args: argparse.Namespace) -> None:
+    """``<stem>.pkl`` and its metadata ``<stem>.json`` (versions, hashes, features, held-out figures)."""
+    pkl = out / f"{stem}.pkl"
     joblib.dump(estimator, pkl)
-    # A compact copy of the training rows ships with the package: if the pickle
-    # cannot be used (another scikit-learn, a damaged file) dynabatch refits from it.
-    profiles = args.out / "profiles.csv.gz"
-    rows.loc[:, list(PROFILE_COLUMNS)].to_csv(profiles, index=False, compression={"method": "gzip", "mtime": 0})
+    names = feature_names(shape)
     meta = {
         "sklearn_version": sklearn.__version__,
-        "feature_names": list(FEATURE_NAMES),
-        "monotonic_cst": MONOTONIC,
+        "shape": shape,
+        "feature_names": list(names),
+        "monotonic_cst": {name: MONOTONIC[name] for name in names},
         "spike_ratio": args.spike_ratio,
         "threshold": args.threshold,
         "params": {"max_iter": args.max_iter, "learning_rate": args.learning_rate,
@@ -273,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         "training_data": {
             "files": [f.name for f in files],
             "sha256": sha256_files(files),
-            "rows": int(len(rows)),
+            "rows": len(rows),
             "spikes": int(rows["ratio"].gt(args.spike_ratio).sum()),
             "models": sorted(rows["model"].unique().tolist()),
             "families": sorted(rows["family"].unique().tolist()),
@@ -282,8 +342,29 @@ def main(argv: list[str] | None = None) -> int:
         "trained_on": ", ".join(f"{d}:{m}" for d, m in sorted(set(zip(rows["device"], rows["model"])))),
         "held_out_metrics": results,
     }
-    (args.out / "classifier.json").write_text(json.dumps(meta, indent=2, default=str) + "\n", encoding="utf-8")
-    logger.info("wrote %s, %s and %s", pkl, profiles, args.out / "classifier.json")
+    (out / f"{stem}.json").write_text(json.dumps(meta, indent=2, default=str) + "\n", encoding="utf-8")
+    logger.info("wrote %s and %s", pkl, out / f"{stem}.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    args = parse_args(argv)
+    files = data_files(args.data)
+    rows = load_rows(files)
+    if rows["ratio"].gt(args.spike_ratio).nunique() < 2:
+        raise SystemExit("the profiles hold only one class; profile more settings")
+    args.out.mkdir(parents=True, exist_ok=True)
+    # A compact copy of the training rows ships with the package: if a pickle
+    # cannot be used (another scikit-learn, a damaged file) dynabatch refits from it.
+    profiles = args.out / "profiles.csv.gz"
+    rows.loc[:, list(PROFILE_COLUMNS)].to_csv(profiles, index=False, compression={"method": "gzip", "mtime": 0})
+    results = {}
+    for shape, stem in VARIANTS.items():
+        estimator = fit(rows, args, shape)
+        results[shape] = {} if args.skip_held_out else evaluate(rows, estimator, args, shape)
+        write_classifier(args.out, stem, estimator, shape, files, rows, profiles, results[shape], args)
+    if not args.skip_held_out:
+        write_report(args.report, files, rows, results, args)
     return 0
 
 
