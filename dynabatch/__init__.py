@@ -16,6 +16,8 @@ from dynabatch.profiling import (
     is_out_of_memory_error,
     track_peak_memory,
 )
+from dynabatch.report import BatchRecord, RunReport
+from dynabatch.runner import BatchOutOfMemoryError, RunResult, run
 from dynabatch.sampler import DynamicBatchSampler
 from dynabatch.tokenize import TokenizedTexts, tokenize_texts
 
@@ -25,9 +27,13 @@ __all__ = [
     "FEATURE_NAMES",
     "SHAPE_FEATURE_NAMES",
     "Batch",
+    "BatchOutOfMemoryError",
+    "BatchRecord",
     "DynamicBatchSampler",
     "ModelShape",
     "PeakMemory",
+    "RunReport",
+    "RunResult",
     "SpikeClassifier",
     "TokenCollator",
     "TokenizedTexts",
@@ -40,6 +46,7 @@ __all__ = [
     "plan_batch_sizes",
     "plan_batches",
     "restore_order",
+    "run",
     "tokenize_texts",
     "track_peak_memory",
 ]
