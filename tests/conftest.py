@@ -15,3 +15,14 @@ def tokenizer():
     from dynabatch.demo import minilm_path
 
     return AutoTokenizer.from_pretrained(minilm_path())
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models on a busy machine: one torch thread avoids oversubscription (and is many times faster)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -17,13 +17,7 @@ MAX_LEN = 64
 NEW_TOKENS = 5
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models on a busy machine: one thread avoids oversubscription and is many times faster.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _texts(n, max_words, seed):
