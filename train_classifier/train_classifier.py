@@ -78,7 +78,8 @@ def load_rows(files: list[Path]) -> pd.DataFrame:
     counts = frame["status"].value_counts().to_dict()
     logger.info("read %d rows from %d files; status counts %s", len(frame), len(files), counts)
     rows = candidate_rows(frame)
-    rows["setting"] = (rows["dtype"].str.replace("float", "fp").str.replace("bfloat", "bf") + " "
+    dtypes = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    rows["setting"] = (rows["dtype"].map(dtypes).fillna(rows["dtype"]) + " "
                        + rows["attn_implementation"] + " b" + rows["num_beams"].astype(str) + " new"
                        + rows["max_new_tokens"].astype(str))
     return rows
