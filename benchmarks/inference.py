@@ -76,7 +76,8 @@ it: the reference batch is then not the costliest of its shape (on the CPU, a
 batch without padding skips MiniLM's attention mask, 1 MiB at 16 x 256).
 
 ``RESULTS.md`` holds a title and this explanation, then one section per
-workload and device (e.g. ``## encoder (all-MiniLM-L6-v2 forward) on cpu``)
+workload, length limit and device (e.g. ``## encoder (all-MiniLM-L6-v2 forward, max_length 256) on
+cpu``)
 with the exact command, the machine and the date of the run that produced it.
 When the file exists, only the sections this run produced are replaced; the
 others (say, GPU sections from another machine) are kept.
@@ -260,7 +261,8 @@ def encoder_workload(args: argparse.Namespace) -> Workload:
 
     model = AutoModel.from_pretrained(minilm_path()).eval().to(args.device)
     return Workload(
-        name="encoder", heading=f"encoder (all-MiniLM-L6-v2 forward) on {args.device}", model=model,
+        name="encoder", heading=f"encoder (all-MiniLM-L6-v2 forward, max_length {args.max_length or 256}) on {args.device}",
+        model=model,
         fn=lambda batch: model(**batch).last_hidden_state[:, 0], same_row=_rows_close,
         n_texts=args.n_texts or 2000, batch_size=args.batch_size or 16, max_length=args.max_length or 256,
     )
@@ -275,7 +277,9 @@ def generate_workload(args: argparse.Namespace) -> Workload:
                               max_new_tokens=new, min_new_tokens=new, do_sample=False, num_beams=1)
 
     return Workload(
-        name="generate", heading=f"generate (Marian-shaped encoder-decoder, greedy {new} tokens) on {args.device}",
+        name="generate",
+        heading=(f"generate (Marian-shaped encoder-decoder, greedy {new} tokens, max_length "
+                 f"{args.max_length or 128}) on {args.device}"),
         model=model, fn=fn, same_row=_rows_equal, n_texts=args.n_texts or 800, batch_size=args.batch_size or 16,
         max_length=args.max_length or 128, new_tokens=new, tokenizer_kwargs={"return_token_type_ids": False},
     )

@@ -1,22 +1,22 @@
 """Measured mode: batch sizes corrected by the peak memory of the batches already run.
 
-The classifier's plan is the prior. Once batches have been measured, the
-memory of a batch of ``r`` rows ``w`` tokens wide is modelled as
-``r * (a + b * w)``: a part per row whatever its length (logits over the
-vocabulary, the KV cache of generated tokens, beams) and a part per token.
-``a`` and ``b`` are fitted by least squares (non-negative) to the measured
-peaks per row, then scaled up so the model is never below any measurement.
-While every measured batch has the same width, a row is taken to cost what
-the costliest measured row did, whatever its length (a shorter row never
-costs more): safe, and exact for memory that is all per row.
-Texts run longest first, so the next batch's width is the length of the text
-it starts with, and the largest ``r`` whose predicted peak stays at or under
-``target`` (0.9) times the first batch's measured peak is the size: smaller
-than planned after a spike, larger where the plan left memory unused. It
-never goes below the first batch's rows (the planner's own floor) unless that
-many would exceed the first batch's peak itself. Growth per step is bounded
-(``max_growth`` times the last size) so the model never extrapolates far
-beyond what it has seen.
+The classifier's plan is the prior. Once a batch has been measured, its peak
+per row bounds what a row costs in every later batch: texts run longest first
+and a shorter row never needs more memory, so a later batch of ``r`` rows
+peaks at most at ``r`` times the last measured peak per row. The next batch
+takes the most rows whose bound stays at or under ``target`` (0.9) times the
+first batch's measured peak: fewer than planned after a spike, more where the
+plan left memory unused. As texts get shorter each measurement lowers the
+bound and the batches grow, one batch behind the lengths. It never goes below
+the first batch's rows (the planner's own floor) unless that many would exceed
+the first batch's peak itself, and growth per step is bounded (``max_growth``
+times the last size).
+
+No curve is fitted: a line through the measured peaks extrapolated to shorter
+texts under-predicts whenever memory falls less than linearly with length (a
+``generate`` call's per-row logits and new tokens), and on a real
+encoder-decoder it let batches reach 1.08x the first batch's peak; the bound
+cannot be exceeded if memory grows with rows and with length.
 
 Pure numpy over lengths and measured bytes: :func:`dynabatch.run` feeds it
 (``adapt=True``) with CUDA memory statistics or the CPU tracker.
@@ -28,13 +28,14 @@ Example:
     >>> fb = MemoryFeedback(lengths, planned_sizes=[4] * 61)
     >>> fb.next_size(0)  # nothing measured yet: the plan
     4
-    >>> fb.observe(rows=4, width=100, peak_bytes=4 * (1000 + 10 * 100))  # the first batch: the budget
-    >>> fb.next_size(4)  # one width seen: 2000 bytes a row at any length; 3.6 rows fit, the floor is 4
+    >>> fb.observe(rows=4, peak_bytes=8000)  # the first batch: the budget, 2000 bytes a row
+    >>> fb.next_size(4)  # 0.9 * 8000 / 2000 = 3.6 rows fit; the floor is the first batch's 4
     4
-    >>> fb.observe(rows=4, width=50, peak_bytes=4 * (1000 + 10 * 50))
-    >>> fb.next_size(8)  # 0.9 * 8000 bytes / (1000 + 10 * 50) per row = 4.8
+    >>> fb.observe(rows=4, peak_bytes=6000)  # shorter rows: 1500 bytes each
+    >>> fb.next_size(8, last_size=4)  # 0.9 * 8000 / 1500 = 4.8
     4
-    >>> fb.next_size(44)  # 0.9 * 8000 / (1000 + 10 * 10) = 6.5 rows, plan says 4
+    >>> fb.observe(rows=4, peak_bytes=4400)  # 1100 bytes a row
+    >>> fb.next_size(12, last_size=4)  # 0.9 * 8000 / 1100 = 6.5
     6
 """
 
@@ -68,7 +69,8 @@ class MemoryFeedback:
 
     Attributes:
         budget_: the first batch's measured peak bytes (``None`` until observed).
-        per_row_, per_token_: the fitted model, bytes (``None`` until a batch is measured).
+        row_bytes_: the last measured peak per row, the bound on a row of any later
+            batch (``None`` until a batch is measured).
     """
 
     def __init__(self, sorted_lengths: Sequence[int], planned_sizes: Sequence[int], *, target: float = 0.9,
@@ -86,49 +88,25 @@ class MemoryFeedback:
             raise bad_value("max_growth", "at least 1", max_growth)
         self._plan_starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         self._plan_sizes = sizes
-        self._rows: list[int] = []
-        self._widths: list[int] = []
-        self._peaks: list[float] = []
         self.budget_: float | None = None
         self.floor_: int = int(sizes[0]) if len(sizes) else 1
-        self.per_row_: float | None = None
-        self.per_token_: float | None = None
+        self.row_bytes_: float | None = None
 
     def planned_size(self, start: int) -> int:
         """The plan's size for the batch that holds sorted position ``start``."""
         i = int(np.searchsorted(self._plan_starts, start, side="right")) - 1
         return int(self._plan_sizes[max(i, 0)])
 
-    def observe(self, rows: int, width: int, peak_bytes: float) -> None:
-        """Records a measured batch; the first one observed is the budget."""
+    def observe(self, rows: int, peak_bytes: float) -> None:
+        """Records a measured batch (run in order, longest first); the first one observed is the budget."""
         rows = check_non_negative_int("rows", rows)
-        width = check_non_negative_int("width", width)
         if not (peak_bytes >= 0 and np.isfinite(peak_bytes)):
             raise bad_value("peak_bytes", "a finite number >= 0", peak_bytes)
         if rows == 0:
             return
         if self.budget_ is None:
             self.budget_ = float(peak_bytes)
-        self._rows.append(rows)
-        self._widths.append(width)
-        self._peaks.append(float(peak_bytes))
-        self._fit()
-
-    def _fit(self) -> None:
-        widths = np.asarray(self._widths, dtype=np.float64)
-        per_row = np.asarray(self._peaks) / np.asarray(self._rows, dtype=np.float64)
-        if len(np.unique(widths)) < 2:
-            self.per_row_, self.per_token_ = float(per_row.max()), 0.0
-            return
-        design = np.stack([np.ones_like(widths), widths], axis=1)
-        (a, b), *_ = np.linalg.lstsq(design, per_row, rcond=None)
-        if b < 0:  # memory never shrinks with width: all per row
-            a, b = per_row.max(), 0.0
-        elif a < 0:  # nor is it negative per row: all per token
-            a, b = 0.0, float((per_row / np.maximum(widths, 1.0)).max())
-        predicted = a + b * widths
-        scale = max(1.0, float((per_row / np.maximum(predicted, 1e-12)).max()))
-        self.per_row_, self.per_token_ = float(a * scale), float(b * scale)
+        self.row_bytes_ = float(peak_bytes) / rows
 
     def next_size(self, start: int, last_size: int | None = None) -> int:
         """Rows for the batch starting at sorted position ``start``.
@@ -141,14 +119,13 @@ class MemoryFeedback:
         if remaining <= 0:
             return 0
         plan = min(self.planned_size(start), remaining)
-        if self.per_row_ is None or self.budget_ is None:
+        if self.row_bytes_ is None or self.budget_ is None:
             return plan
-        cost = max(self.per_row_ + self.per_token_ * float(self.lengths[start]), 1e-12)
+        cost = max(self.row_bytes_, 1e-12)
         fits = int(self.target * self.budget_ // cost)
         floor = min(self.floor_, int(self.budget_ // cost))  # batch_size rows, unless over the budget itself
         cap = int(self.max_growth * (last_size or plan))
         size = max(1, min(max(fits, floor), cap, remaining))
         if size != plan:
-            logger.debug("measured mode: %d rows at sorted position %d (plan %d, model fits %d)", size, start,
-                         plan, fits)
+            logger.debug("measured mode: %d rows at sorted position %d (plan %d, %d fit)", size, start, plan, fits)
         return size

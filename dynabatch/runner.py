@@ -546,11 +546,9 @@ class _Feedback:
         if self.last is not None:
             item, seen = self.last
             record = runner.report.records[-1] if len(runner.report.records) > seen else None
-            if record is not None and record.peak_bytes is not None and not record.oom_splits \
-                    and not record.pre_split:
-                rows, width = self.source.shape(item)
-                if rows == record.rows:
-                    self.model.observe(rows, width, record.peak_bytes)
+            whole = record is not None and not record.oom_splits and not record.pre_split
+            if whole and record.peak_bytes is not None and len(item.positions) == record.rows:
+                self.model.observe(record.rows, record.peak_bytes)
         size = self.model.next_size(self.start, None if self.last is None else len(self.last[0].positions))
         if size == 0:
             return None
@@ -654,7 +652,8 @@ def run(
         adapt: measured mode (needs a dynabatch loader, one process): every
             batch's peak is measured (on ``measure_memory``'s device, else
             ``device``, else the CPU tracker) and the batches not yet run are
-            re-sized so their predicted peak stays at or under 0.9 of the first
+            re-sized so that, at the last measured peak per row (a bound, since
+            rows only get shorter), they stay at or under 0.9 of the first
             batch's: smaller than planned after a spike, larger where the plan
             leaves memory unused (see :mod:`dynabatch.feedback`). Batches then
             run longest first, whatever the loader's ``shuffle``.

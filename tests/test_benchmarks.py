@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "inference.py"
 METHODS = ["plain DataLoader", "sorted, fixed batch size", "token budget", "dynabatch", "dynabatch + model shape",
            "dynabatch measured"]
-KEPT = "## encoder (all-MiniLM-L6-v2 forward) on cuda\n\nkept from another machine\n"
+KEPT = "## encoder (all-MiniLM-L6-v2 forward, max_length 256) on cuda\n\nkept from another machine\n"
 
 
 def test_inference_benchmark_prints_every_method_and_keeps_other_sections(tmp_path):
@@ -20,7 +20,7 @@ def test_inference_benchmark_prints_every_method_and_keeps_other_sections(tmp_pa
     result = subprocess.run([sys.executable, str(SCRIPT), "--n-texts", "40", "--threads", "1", "--out", str(out)],
                             check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    for heading in ("## encoder (all-MiniLM-L6-v2 forward) on cpu", "## generate (Marian-shaped"):
+    for heading in ("## encoder (all-MiniLM-L6-v2 forward, max_length 256) on cpu", "## generate (Marian-shaped"):
         assert heading in result.stdout
     for method in METHODS:
         rows = re.findall(rf"^\| {re.escape(method)} \|.*\| (yes|no[^|]*|reference) \| "
@@ -31,4 +31,4 @@ def test_inference_benchmark_prints_every_method_and_keeps_other_sections(tmp_pa
     written = out.read_text()
     assert written.startswith("# dynabatch inference benchmark")
     assert KEPT.strip() in written and written.count("## ") == 3
-    assert "## encoder (all-MiniLM-L6-v2 forward) on cpu" in written
+    assert "## encoder (all-MiniLM-L6-v2 forward, max_length 256) on cpu" in written
