@@ -5,7 +5,12 @@ The public surface is listed in ``__all__``; everything else is internal.
 
 from dynabatch.classifier import SpikeClassifier, load_classifier
 from dynabatch.collate import Batch, TokenCollator
-from dynabatch.features import FEATURE_NAMES, SHAPE_FEATURE_NAMES, ModelShape, compute_features
+from dynabatch.features import (
+    FEATURE_NAMES,
+    SHAPE_FEATURE_NAMES,
+    ModelShape,
+    compute_features,
+)
 from dynabatch.loader import build_dynamic_batch_dataloader
 from dynabatch.order import restore_order
 from dynabatch.planner import plan_batch_sizes, plan_batches
