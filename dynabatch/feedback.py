@@ -89,7 +89,7 @@ class MemoryFeedback:
         self._plan_starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         self._plan_sizes = sizes
         self.budget_: float | None = None
-        self.floor_: int = int(sizes[0]) if len(sizes) else 1
+        self._floor = int(sizes[0]) if len(sizes) else 1  # the planner's smallest batch
         self.row_bytes_: float | None = None
 
     def planned_size(self, start: int) -> int:
@@ -123,7 +123,7 @@ class MemoryFeedback:
             return plan
         cost = max(self.row_bytes_, 1e-12)
         fits = int(self.target * self.budget_ // cost)
-        floor = min(self.floor_, int(self.budget_ // cost))  # batch_size rows, unless over the budget itself
+        floor = min(self._floor, int(self.budget_ // cost))  # batch_size rows, unless over the budget itself
         cap = int(self.max_growth * (last_size or plan))
         size = max(1, min(max(fits, floor), cap, remaining))
         if size != plan:

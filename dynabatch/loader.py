@@ -30,8 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dynabatch._validation import bad_type, check_non_negative_int
 from dynabatch.collate import TokenCollator, pad_token_id_of
-from dynabatch.features import ModelShape
-from dynabatch.planner import check_plan_arguments, plan_batches
+from dynabatch.planner import check_model_shape, check_plan_arguments, plan_batches
 from dynabatch.sampler import DynamicBatchSampler
 from dynabatch.tokenize import tokenize_texts, validate_texts
 
@@ -110,8 +109,7 @@ def build_dynamic_batch_dataloader(
     check_non_negative_int("num_workers", num_workers)
     if not isinstance(shuffle, bool):
         raise bad_type("shuffle", "a bool", shuffle)
-    if model_shape is not None and not isinstance(model_shape, ModelShape):
-        raise bad_type("model_shape", "a ModelShape (ModelShape.from_model(model, ...)) or None", model_shape)
+    check_model_shape(model_shape)
     pad_to_multiple_of = tokenizer_kwargs.pop("pad_to_multiple_of", None)
     pad_token_id_of(tokenizer)  # refuse a tokenizer without pad token before tokenizing
     tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress, **tokenizer_kwargs)

@@ -48,7 +48,7 @@ from dynabatch._validation import (
 from dynabatch.classifier import SpikeClassifier, load_classifier
 from dynabatch.features import ModelShape, compute_features
 
-__all__ = ["candidate_sizes", "check_plan_arguments", "plan_batch_sizes", "plan_batches"]
+__all__ = ["candidate_sizes", "check_model_shape", "check_plan_arguments", "plan_batch_sizes", "plan_batches"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,11 +110,16 @@ def _as_lengths(lengths: Any, max_input_token_length: int) -> np.ndarray:
     return arr
 
 
+def check_model_shape(model_shape: Any) -> ModelShape | None:
+    """Validates ``model_shape`` (so a loader can refuse it before tokenizing)."""
+    if model_shape is not None and not isinstance(model_shape, ModelShape):
+        raise bad_type("model_shape", "a ModelShape (ModelShape.from_model(model, ...)) or None", model_shape)
+    return model_shape
+
+
 def _classifier_for(classifier: Any, model_shape: Any) -> SpikeClassifier:
     """The classifier to plan with, checked to take the shape exactly when one is given."""
-    if model_shape is not None and not isinstance(model_shape, ModelShape):
-        raise bad_type("model_shape", "a ModelShape or None", model_shape)
-    clf = load_classifier(classifier, shape=model_shape is not None)
+    clf = load_classifier(classifier, shape=check_model_shape(model_shape) is not None)
     if clf.uses_shape and model_shape is None:
         raise bad_value("model_shape", "a ModelShape for a classifier fitted on memory_ratio_estimate", None)
     if model_shape is not None and not clf.uses_shape:

@@ -246,8 +246,9 @@ def test_a_forward_pass_grows_further_than_a_generate_call_with_a_large_vocabula
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"model_shape": (32000, 512)}, TypeError, (r"model_shape should be a ModelShape or None, but got "
-                                                    r"model_shape=\(32000, 512\)")),
+        ({"model_shape": (32000, 512)}, TypeError,
+         (r"model_shape should be a ModelShape \(ModelShape.from_model\(model, \.\.\.\)\) or None, but got "
+          r"model_shape=\(32000, 512\)")),
         ({"model_shape": ModelShape(32000, 512), "classifier": "bundled-13"}, ValueError,
          ("classifier should be fitted on memory_ratio_estimate when model_shape is given, but got "
          "classifier='a classifier of 13 features'")),
