@@ -185,7 +185,7 @@ def imbalance(costs: Sequence[float], world_size: int) -> float:
     if total == 0:
         return 1.0
     loads = [float(arr[share].sum()) for share in _assign(arr, world_size)]
-    return max(loads) / (total / world_size)
+    return max(loads) * world_size / total  # not / (total / W): that underflows for tiny totals
 
 
 def shard_batches(costs: Sequence[float], world_size: int, rank: int) -> list[int]:

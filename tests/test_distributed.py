@@ -97,6 +97,7 @@ def test_bound_is_tight_and_better_than_round_robin():
     assert balance([5.0], 2) == [[0], []]
     assert shard_batches([5.0], 2, 1) == [-1]
     assert imbalance([5.0], 2) == 2.0  # = 1 + (W - 1) * c_max / T
+    assert imbalance([5e-324], 2) == 2.0  # a subnormal total must not underflow the mean load to 0
     costs = [9, 7, 6, 5, 4, 3, 2]
     assert balance(costs, 2) == [[0, 3, 5, 6], [1, 2, 4]]
     assert imbalance(costs, 3) < 1.09
