@@ -58,7 +58,10 @@ all reach ``max_length`` it has no padding, and on the CPU MiniLM then skips
 its attention mask, which a padded batch of the same shape builds (1 MiB, 1.5%
 more at 16 x 256). Columns:
 
-* wall s, rows/s, speed-up vs plain (plain's wall time / the method's);
+* wall s, rows/s, speed-up vs plain (plain's wall time / the method's); with
+  ``--repeats N`` every method runs N times, each round in another (rotated)
+  method order, and wall s is the median (min-max in brackets), rows/s and the
+  speed-up follow from the medians; batches and peaks are the first round's;
 * batches, largest batch (rows), padding efficiency (real tokens / padded cells);
 * max peak / ref: the largest per-batch peak over the reference peak;
   batches > ref: how many batches peaked above 1.0 x the reference;
@@ -202,12 +205,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads(THREADS)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the model runs and memory is measured")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per method, in a rotated method order each round; wall s is the median")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="markdown file to write; its sections for other workloads or devices are kept")
     args = parser.parse_args(argv)
     args.workloads = _names(args.workloads, tuple(WORKLOADS), "--workloads", parser)
     args.methods = [m for m in METHODS if m in _names(args.methods, tuple(METHODS), "--methods", parser)]
-    for name in ("n_texts", "batch_size", "max_length", "new_tokens", "threads"):
+    for name in ("n_texts", "batch_size", "max_length", "new_tokens", "threads", "repeats"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} should be a positive integer, but got {value}")
@@ -361,6 +366,7 @@ class MethodRun:
     method: str
     seconds: float
     result: Any
+    spread: tuple[float, float] | None = None  # min and max wall s over --repeats runs (seconds: their median)
 
     @property
     def records(self) -> list:
@@ -444,6 +450,7 @@ class Row:
     over: int
     over_no_larger: int  # batches above the reference peak though no larger (rows and width) than its batch
     same_as_plain: str
+    spread: tuple[float, float] | None = None
 
     @property
     def within(self) -> bool:
@@ -480,7 +487,7 @@ def table_row(run_: MethodRun, plain: MethodRun | None, ref: Reference,
         largest=max(r.rows for r in run_.records), padding_efficiency=real / cells if cells else 0.0,
         max_ratio=max(r.peak_bytes for r in records) / ref.peak_bytes if records and ref.peak_bytes else float("nan"),
         over=len(over), over_no_larger=sum(ref.no_larger(r) for r in over),
-        same_as_plain=compare_outputs(run_, plain, same_row),
+        same_as_plain=compare_outputs(run_, plain, same_row), spread=run_.spread,
     )
 
 
@@ -490,7 +497,8 @@ def markdown_table(rows: list[Row]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * 8 + "---|---|"]
     for r in rows:
         speedup = f"{r.speedup:.2f}x" if r.speedup is not None else "n/a"
-        cells = [r.method, f"{r.seconds:.2f}", f"{r.rows_per_s:.1f}", speedup, str(r.batches), str(r.largest),
+        wall = f"{r.seconds:.2f}" + (f" ({r.spread[0]:.2f}-{r.spread[1]:.2f})" if r.spread else "")
+        cells = [r.method, wall, f"{r.rows_per_s:.1f}", speedup, str(r.batches), str(r.largest),
                  f"{r.padding_efficiency:.1%}", f"{r.max_ratio:.3f}", str(r.over), r.same_as_plain, r.verdict]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -563,6 +571,7 @@ def section(work: Workload, rows: list[Row], ref: Reference, context: dict[str, 
         f"- command: `{context['command']}`",
         f"- machine: {context['machine']}",
         f"- date: {context['date']}",
+        f"- wall s: {context['timing']}",
         (f"- {work.n_texts} KJV texts (1-{MAX_WORDS} words), batch_size {work.batch_size}, "
          f"max_length {work.max_length}; reference peak (the costliest batch of at most {ref.rows} rows x "
          f"{ref.width} tokens, the shape of dynabatch's first batch): {ref.peak_bytes / 2**20:.2f} MiB; one-off classifier load (excluded): {context['load_s']}"),
@@ -595,14 +604,24 @@ def merge_results(path: Path, new_sections: list[str]) -> str:
 # --- main -----------------------------------------------------------------------------------------------------------
 
 
-def run_workload(work: Workload, methods: list[str], tokenizer: Any, device: str) -> tuple[list[Row], Reference]:
+def run_workload(work: Workload, methods: list[str], tokenizer: Any, device: str,
+                 repeats: int = 1) -> tuple[list[Row], Reference]:
     texts = vary_lengths(kjv_passages(), n=work.n_texts, max_words=MAX_WORDS, seed=TEXT_SEED)
     warm_up(texts, tokenizer, work, device)
     runs: dict[str, MethodRun] = {}
-    for method in methods:
-        runs[method] = run_method(method, texts, tokenizer, work, device)
-        logger.info("%s / %s: %.2f s, %d batches", work.name, METHODS[method], runs[method].seconds,
-                    len(runs[method].records))
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for round_ in range(repeats):
+        shift = round_ % len(methods)  # each method runs early in one round and late in another
+        for method in methods[shift:] + methods[:shift]:
+            done = run_method(method, texts, tokenizer, work, device)
+            times[method].append(done.seconds)
+            runs.setdefault(method, done)  # batches, peaks and rows: the first round's
+            logger.info("%s / %s (round %d): %.2f s, %d batches", work.name, METHODS[method], round_ + 1,
+                        done.seconds, len(done.records))
+    if repeats > 1:
+        for method, run_ in runs.items():
+            spread = (min(times[method]), max(times[method]))
+            runs[method] = dataclasses.replace(run_, seconds=float(np.median(times[method])), spread=spread)
     ref = reference_batch(runs, texts, tokenizer, work, device)
     # What a fixed batch_size must fit: the costliest batch of at most the reference batch's rows and width.
     same = [rec.peak_bytes for r in runs.values() for rec in r.records if ref.no_larger(rec) and rec.peak_bytes]
@@ -627,12 +646,15 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_description(args.device),
         "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
         "load_s": f"{load_classifiers():.2f} s",
+        "timing": ("one run per method" if args.repeats == 1 else
+                   f"the median of {args.repeats} runs per method (min-max in brackets), each round in a "
+                   "rotated method order"),
     }
     sections = []
     for name in args.workloads:
         work = WORKLOADS[name](args)
         logger.info("%s: %d texts, methods %s", name, work.n_texts, ", ".join(args.methods))
-        rows, ref = run_workload(work, args.methods, tokenizer, args.device)
+        rows, ref = run_workload(work, args.methods, tokenizer, args.device, args.repeats)
         text = section(work, rows, ref, context)
         print(text)
         sections.append(text)

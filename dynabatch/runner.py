@@ -35,30 +35,21 @@ Example:
 from __future__ import annotations
 
 import gc
-import hashlib
-import json
 import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import torch
 
-from dynabatch._rows import (
-    batch_shape,
-    halves,
-    json_line,
-    real_tokens,
-    split_rows,
-    take_rows,
-    to_json_value,
-)
-from dynabatch._validation import bad_type, bad_value
-from dynabatch.collate import Batch, TokenCollator
+from dynabatch._resume import FORMAT, ResultsFile, rank_path
+from dynabatch._rows import batch_shape, halves, real_tokens, split_rows
+from dynabatch._source import Item, Source
+from dynabatch._validation import bad_type, bad_value, check_non_negative_int
+from dynabatch.collate import Batch
 from dynabatch.profiling import is_out_of_memory_error, track_peak_memory
 from dynabatch.report import BatchRecord, RunReport
 
@@ -67,7 +58,6 @@ __all__ = ["BatchOutOfMemoryError", "RunResult", "run"]
 logger = logging.getLogger(__name__)
 
 _ON_OOM = ("raise", "skip")
-_FORMAT = "dynabatch.run/1"
 
 
 class RunResult(list):
@@ -108,249 +98,6 @@ class BatchOutOfMemoryError(RuntimeError):
         return type(self), (str(self),), {"position": self.position, "partial": self.partial}
 
 
-@dataclass
-class _Item:
-    """One planned batch: its number in the plan and its input positions (or the batch itself)."""
-
-    number: int
-    positions: np.ndarray
-    batch: Batch | None = None  # plain iterables: the batch as it came; dynabatch loaders: built when run
-
-
-def _is_dynabatch_loader(loader: Any) -> bool:
-    from torch.utils.data import DataLoader
-
-    from dynabatch.loader import _Positions
-    from dynabatch.sampler import DynamicBatchSampler
-
-    return (
-        isinstance(loader, DataLoader)
-        and isinstance(loader.batch_sampler, DynamicBatchSampler)
-        and isinstance(loader.collate_fn, TokenCollator)
-        and isinstance(loader.dataset, _Positions)
-    )
-
-
-def _positions_of(batch: Any, loader: Any) -> np.ndarray:
-    indices = getattr(batch, "indices", None)
-    if indices is None or not isinstance(batch, dict):
-        raise TypeError(
-            "loader should be a dynabatch DataLoader or an iterable of dynabatch Batches (dicts of tensors with "
-            f".indices, the input positions of their rows), but got loader={_short_repr(loader)} yielding a batch "
-            f"of type {type(batch).__name__}" + ("" if indices is None else " (not a dict of tensors)")
-        )
-    return torch.as_tensor(indices).detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
-
-
-def _short_repr(value: Any, limit: int = 80) -> str:
-    text = " ".join(repr(value).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class _Source:
-    """The batches to run, as a queue of :class:`_Item` s.
-
-    For a dynabatch loader every item is known up front (positions from its
-    batch sampler, tensors built by its collator when the item runs), so the
-    queue ``pending`` can be re-planned while the run goes on. Other iterables
-    are streamed (``stream``) unless they must be read whole.
-    """
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-        self.collator: TokenCollator | None = None
-        self.plan_fingerprint: str | None = None
-        self.pending: deque[_Item] = deque()
-        self.stream: Iterator[_Item] | None = None
-        if _is_dynabatch_loader(loader):
-            self.collator = loader.collate_fn
-            self.n_inputs: int | None = len(self.collator.tokenized)
-            self.plan_fingerprint = loader.batch_sampler.fingerprint
-            for number, positions in enumerate(loader.batch_sampler):
-                self.pending.append(_Item(number, np.asarray(positions, dtype=np.int64)))
-        else:
-            if isinstance(loader, (str, bytes, dict)) or not isinstance(loader, Iterable):
-                raise bad_type("loader", "a dynabatch DataLoader or an iterable of dynabatch Batches", loader)
-            self.n_inputs = None
-            self.stream = self._items(loader)
-        collate = getattr(loader, "collate_fn", None)
-        pad = getattr(collate, "pad_token_id", None)
-        self.pad_token_id = int(pad) if isinstance(pad, (int, np.integer)) and not isinstance(pad, bool) else None
-        side = getattr(collate, "padding_side", None)
-        self.padding_side = side if side in ("left", "right") else None
-        multiple = getattr(collate, "pad_to_multiple_of", None)
-        self.pad_to_multiple_of = multiple if isinstance(multiple, int) else None
-
-    def _items(self, batches: Iterable[Any]) -> Iterator[_Item]:
-        for number, batch in enumerate(batches):
-            yield _Item(number, _positions_of(batch, self.loader), batch)
-
-    def next_item(self) -> _Item | None:
-        if self.pending:
-            return self.pending.popleft()
-        if self.stream is not None:
-            item = next(self.stream, None)
-            if item is not None:
-                return item
-            self.stream = None
-        return None
-
-    def materialize(self) -> None:
-        """Reads a streamed iterable whole into the queue."""
-        if self.stream is not None:
-            self.pending.extend(self.stream)
-            self.stream = None
-            self.n_inputs = max((int(i.positions.max()) + 1 for i in self.pending if i.positions.size), default=0)
-
-    def build(self, item: _Item) -> Batch:
-        if item.batch is not None:
-            return item.batch
-        return self.collator(item.positions)
-
-    def shape(self, item: _Item) -> tuple[int, int]:
-        """Planned ``(rows, width)`` of an item, without building its tensors."""
-        if item.batch is not None:
-            return batch_shape(item.batch)
-        lengths = self.collator.tokenized.lengths[item.positions]
-        width = int(lengths.max()) if lengths.size else 0
-        if self.pad_to_multiple_of:
-            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        return len(item.positions), width
-
-    def restrict(self, item: _Item, keep: np.ndarray) -> _Item:
-        """The item with only the rows at ``keep`` (row numbers within it)."""
-        if item.batch is None:
-            return _Item(item.number, item.positions[keep])
-        batch = take_rows(
-            item.batch,
-            torch.from_numpy(keep),
-            padding_side=self.padding_side,
-            pad_to_multiple_of=self.pad_to_multiple_of,
-        )
-        return _Item(item.number, item.positions[keep], batch)
-
-    def fingerprint(self) -> str:
-        """A sha256 identifying the inputs and the plan (reads a streamed iterable once more, or whole)."""
-        digest = hashlib.sha256(_FORMAT.encode())
-        if self.collator is not None:
-            tokenized = self.collator.tokenized
-            digest.update(np.ascontiguousarray(tokenized.offsets, dtype=np.int64).tobytes())
-            digest.update(np.ascontiguousarray(tokenized.input_ids).tobytes())
-            for key in sorted(tokenized.extras):
-                digest.update(key.encode())
-                digest.update(np.ascontiguousarray(tokenized.extras[key]).tobytes())
-            settings = [
-                self.collator.pad_token_id,
-                self.collator.padding_side,
-                self.collator.pad_to_multiple_of,
-                dict(sorted(self.collator.pad_values.items())),
-                self.plan_fingerprint,
-            ]
-            digest.update(json.dumps(settings).encode())
-            return digest.hexdigest()
-        # Another iterable: the digest of its batches (their positions and tensors), in any order.
-        if self.stream is not None and isinstance(self.loader, Iterator):
-            self.materialize()  # a one-shot iterator can be read only once
-        batches = (i.batch for i in self.pending) if self.stream is None else iter(self.loader)
-        parts, n = [], 0
-        for batch in batches:
-            positions = _positions_of(batch, self.loader)
-            part = hashlib.sha256(positions.tobytes())
-            for key in sorted(batch):
-                value = batch[key]
-                if isinstance(value, torch.Tensor):
-                    part.update(key.encode())
-                    part.update(value.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
-            parts.append(part.digest())
-            n = max(n, int(positions.max()) + 1 if positions.size else 0)
-        if self.n_inputs is None:
-            self.n_inputs = n
-        for part in sorted(parts):
-            digest.update(part)
-        return digest.hexdigest()
-
-
-# --- the results file --------------------------------------------------------------------------------
-
-
-class _ResultsFile:
-    """The JSONL file of ``output_path``: a header line, then one line per finished batch."""
-
-    def __init__(self, path: str, header: dict[str, Any]) -> None:
-        self.path = path
-        self.done: dict[int, Any] = {}
-        data = b""
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                data = f.read()
-        complete = data.rfind(b"\n") + 1  # anything after the last newline was cut off mid-write
-        lines = data[:complete].splitlines()
-        if complete < len(data):
-            logger.warning(
-                "output_path=%r ends with a line cut off mid-write (%d bytes); ignoring it", path, len(data) - complete
-            )
-        if lines:
-            self._check_header(lines[0], header)
-            for number, line in enumerate(lines[1:], start=2):
-                self._load_line(number, line, header["n_inputs"])
-        with open(path, "r+b" if data else "wb") as f:
-            f.truncate(complete if lines else 0)
-        self.file = open(path, "ab")  # noqa: SIM115 (closed by close())
-        if not lines:
-            self.append(json_line(header))
-        elif self.done:
-            logger.info(
-                "resuming from output_path=%r: %d of %d inputs already done", path, len(self.done), header["n_inputs"]
-            )
-
-    def _check_header(self, line: bytes, header: dict[str, Any]) -> None:
-        try:
-            found = json.loads(line)
-        except ValueError:
-            found = None
-        keys = ("format", "n_inputs", "fingerprint")
-        if not isinstance(found, dict) or any(found.get(k) != header[k] for k in keys):
-            what = {k: found.get(k) for k in keys} if isinstance(found, dict) else "no dynabatch header"
-            raise ValueError(
-                f"output_path should be a new file or the results file of these same inputs and plan "
-                f"({header['n_inputs']} inputs, fingerprint {header['fingerprint'][:16]}...), but got "
-                f"output_path={self.path!r} holding {what}: use another output_path, or delete the file to start over"
-            )
-
-    def _load_line(self, number: int, line: bytes, n_inputs: int) -> None:
-        try:
-            record = json.loads(line)
-            positions, results = record["positions"], record["results"]
-            ok = isinstance(positions, list) and isinstance(results, list) and len(positions) == len(results)
-            ok = ok and all(isinstance(p, int) and 0 <= p < n_inputs for p in positions)
-        except (ValueError, KeyError, TypeError):
-            ok = False
-        if not ok:
-            raise ValueError(
-                f"output_path should hold dynabatch results lines, but got output_path={self.path!r} whose line "
-                f"{number} is not one ({line[:80]!r}); use another output_path, or delete the file to start over"
-            )
-        self.done.update(zip(positions, results))
-
-    def append(self, line: str) -> None:
-        self.file.write(line.encode() + b"\n")
-        self.file.flush()
-        os.fsync(self.file.fileno())
-
-    def write(self, positions: list[int], results: list[Any]) -> list[Any]:
-        """Appends one finished batch; returns the results as read back from JSON."""
-        values = [to_json_value(r, "result") for r in results]
-        line = json_line({"positions": positions, "results": values})
-        self.append(line)
-        return json.loads(line)["results"]
-
-    def close(self) -> None:
-        self.file.close()
-
-
-# --- the run -------------------------------------------------------------------------------------------
-
-
 def _free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -363,12 +110,12 @@ class _Runner:
     def __init__(
         self,
         fn: Callable[[Batch], Any],
-        source: _Source,
+        source: Source,
         *,
         device: Any,
         on_oom: str,
         memory_device: Any,
-        results_file: _ResultsFile | None,
+        results_file: ResultsFile | None,
         bar: Any,
     ) -> None:
         self.fn = fn
@@ -382,6 +129,7 @@ class _Runner:
         self.failed: list[int] = []
         self.failed_shapes: list[tuple[int, int]] = []
         self.report = RunReport()
+        self.measured: list[tuple[int, int]] = []  # (rows, peak bytes) of each call of the last item that ran
         self.started = time.perf_counter()
         self.tokens = 0
 
@@ -412,7 +160,7 @@ class _Runner:
     def _halves(self, piece: Batch) -> tuple[Batch, Batch]:
         return halves(piece, padding_side=self.source.padding_side, pad_to_multiple_of=self.source.pad_to_multiple_of)
 
-    def run_item(self, item: _Item) -> None:
+    def run_item(self, item: Item) -> None:
         start = time.perf_counter()
         batch = self.source.build(item)
         rows, width = batch_shape(batch)
@@ -421,6 +169,7 @@ class _Runner:
         )
         positions: list[int] = []
         results: list[Any] = []
+        self.measured = []
         stack = [batch]
         del batch
         try:
@@ -487,6 +236,7 @@ class _Runner:
                     continue
                 if peak is not None:
                     record.peak_bytes = peak if record.peak_bytes is None else max(record.peak_bytes, peak)
+                    self.measured.append((piece_rows, peak))
                 record.padded_tokens += piece_rows * piece_width
                 positions.extend(piece.indices.tolist())
                 results.extend(rows_out)
@@ -495,7 +245,7 @@ class _Runner:
             stack.clear()
         self._finish(item, record, positions, results, start)
 
-    def _finish(self, item: _Item, record: BatchRecord, positions: list[int], results: list[Any], start: float) -> None:
+    def _finish(self, item: Item, record: BatchRecord, positions: list[int], results: list[Any], start: float) -> None:
         if self.results_file is not None and positions:
             results = self.results_file.write(positions, results)
         self.results.update(zip(positions, results))
@@ -529,7 +279,7 @@ def _brief(error: BaseException | None) -> str:
 class _Feedback:
     """Measured mode: hands out batches sized by :class:`~dynabatch.feedback.MemoryFeedback` from the peaks so far."""
 
-    def __init__(self, source: _Source, loader: Any) -> None:
+    def __init__(self, source: Source, loader: Any) -> None:
         from dynabatch.feedback import MemoryFeedback
 
         batches = loader.batch_sampler.batches  # plan order: sorted longest first
@@ -540,19 +290,21 @@ class _Feedback:
         source.pending.clear()
         self.start = 0
         self.number = 0
-        self.last: tuple[_Item, int] | None = None  # the item handed out and the records before it
+        self.last: tuple[Item, int] | None = None  # the item handed out and the records before it
 
-    def next_item(self, runner: _Runner) -> _Item | None:
+    def next_item(self, runner: _Runner) -> Item | None:
         if self.last is not None:
             item, seen = self.last
             record = runner.report.records[-1] if len(runner.report.records) > seen else None
-            whole = record is not None and not record.oom_splits and not record.pre_split
-            if whole and record.peak_bytes is not None and len(item.positions) == record.rows:
-                self.model.observe(record.rows, record.peak_bytes)
+            if record is not None and runner.measured and len(item.positions) == record.rows:
+                # A batch split after running out of memory (or before) ran as several calls: the largest
+                # peak is what fitted (the budget, if first), the costliest row the bound for later rows.
+                self.model.observe(*max(runner.measured, key=lambda call: call[1]))
+                self.model.observe(*max(runner.measured, key=lambda call: call[1] / call[0]))
         size = self.model.next_size(self.start, None if self.last is None else len(self.last[0].positions))
         if size == 0:
             return None
-        item = _Item(self.number, self.order[self.start : self.start + size])
+        item = Item(self.number, self.order[self.start : self.start + size])
         self.start += size
         self.number += 1
         self.last = (item, len(runner.report.records))
@@ -583,10 +335,6 @@ def _check_arguments(
         raise bad_type("distributed", "None (auto), True or False", distributed)
 
 
-def _rank_path(path: str, rank: int, world_size: int) -> str:
-    root, ext = os.path.splitext(path)
-    return f"{root}.rank{rank}-of-{world_size}{ext}"
-
 
 def run(
     fn: Callable[[Batch], Any],
@@ -599,6 +347,7 @@ def run(
     progress: bool = True,
     distributed: bool | None = None,
     adapt: bool = False,
+    pad_token_id: int | None = None,
 ) -> RunResult:
     """Calls ``fn(batch)`` on every batch of ``loader`` and returns one result per input, in input order.
 
@@ -655,8 +404,14 @@ def run(
             re-sized so that, at the last measured peak per row (a bound, since
             rows only get shorter), they stay at or under 0.9 of the first
             batch's: smaller than planned after a spike, larger where the plan
-            leaves memory unused (see :mod:`dynabatch.feedback`). Batches then
-            run longest first, whatever the loader's ``shuffle``.
+            leaves memory unused (see :mod:`dynabatch.feedback`). A batch split
+            after running out of memory counts by its parts: the largest peak
+            that fitted (the budget, if it was the first batch) and the costliest
+            row. Batches then run longest first, whatever the loader's ``shuffle``.
+        pad_token_id: the pad id stripped from token-id rows (see ``fn``);
+            ``None`` takes the loader's collator's (a dynabatch loader always
+            has one). Give it for a plain iterable of batches whose ``generate``
+            rows should lose their padding.
 
     Returns:
         A :class:`RunResult`: a list with one result per input position, plus
@@ -670,6 +425,8 @@ def run(
         BatchOutOfMemoryError: with ``on_oom="raise"``, a single row that ran out of memory.
     """
     _check_arguments(fn, device, output_path, on_oom, measure_memory, progress, distributed, adapt)
+    if pad_token_id is not None:
+        pad_token_id = check_non_negative_int("pad_token_id", pad_token_id)
     memory_device = None
     if adapt and measure_memory is False:
         measure_memory = True
@@ -685,7 +442,7 @@ def run(
         rank, world_size = world()
         distributed = world_size > 1
 
-    source = _Source(loader)
+    source = Source(loader, pad_token_id)
     if adapt and source.collator is None:
         raise bad_value("adapt", "False for a loader that is not a dynabatch DataLoader (measured mode re-plans "
                         "its batches)", adapt)
@@ -708,9 +465,9 @@ def run(
     if output_path is not None:
         path = os.fspath(output_path)
         if distributed:
-            path = _rank_path(path, rank, world_size)
-        header = {"format": _FORMAT, "n_inputs": source.n_inputs, "fingerprint": fingerprint}
-        results_file = _ResultsFile(path, header)
+            path = rank_path(path, rank, world_size)
+        header = {"format": FORMAT, "n_inputs": source.n_inputs, "fingerprint": fingerprint}
+        results_file = ResultsFile(path, header)
 
     bar = None
     if progress:

@@ -32,3 +32,21 @@ def test_inference_benchmark_prints_every_method_and_keeps_other_sections(tmp_pa
     assert written.startswith("# dynabatch inference benchmark")
     assert KEPT.strip() in written and written.count("## ") == 3
     assert "## encoder (all-MiniLM-L6-v2 forward, max_length 256) on cpu" in written
+
+
+def test_repeats_report_the_median_and_spread_of_every_method(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    args = ["--workloads", "encoder", "--methods", "plain,dynabatch", "--repeats", "3", "--n-texts", "24",
+            "--threads", "1", "--out", str(out)]
+    result = subprocess.run([sys.executable, str(SCRIPT), *args], check=False, capture_output=True, text=True,
+                            env=env, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "- wall s: the median of 3 runs per method" in result.stdout
+    for method in ("plain DataLoader", "dynabatch"):
+        match = re.search(rf"^\| {re.escape(method)} \| ([\d.]+) \(([\d.]+)-([\d.]+)\) \|", result.stdout,
+                          re.MULTILINE)
+        assert match, result.stdout
+        median, low, high = map(float, match.groups())
+        assert low <= median <= high
+    assert result.stderr.count("(round ") == 6, result.stderr  # each method once per round

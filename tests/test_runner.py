@@ -214,6 +214,23 @@ def test_decoder_only_generate_rows_have_no_padding_and_equal_generating_alone(t
         assert len(widths) > 5  # rows of one batch have their own lengths
 
 
+def test_a_plain_iterable_of_generate_batches_takes_the_pad_id_from_the_caller(tokenizer, llama, texts):
+    left = copy.deepcopy(tokenizer)
+    left.padding_side = "left"
+    loader = _load(texts[:24], left, return_token_type_ids=False)
+    with torch.no_grad():
+        want = run(lambda b: _greedy(llama, **b), loader, progress=False)
+        batches = list(loader)  # no collator to read the pad id from
+        kept = run(lambda b: _greedy(llama, **b), batches, progress=False)
+        got = run(lambda b: _greedy(llama, **b), batches, pad_token_id=left.pad_token_id, progress=False)
+    assert [r.tolist() for r in got] == [r.tolist() for r in want]
+    assert any(r[0] == left.pad_token_id for r in kept)  # without it, rows keep the batch's padding
+    with pytest.raises(ValueError, match="pad_token_id should be a non-negative integer, but got pad_token_id=-1"):
+        run(_lengths, batches, pad_token_id=-1, progress=False)
+    with pytest.raises(TypeError, match="pad_token_id should be a non-negative integer, but got pad_token_id=0.0"):
+        run(_lengths, batches, pad_token_id=0.0, progress=False)
+
+
 @pytest.fixture(scope="module")
 def marian():
     from transformers import MarianConfig, MarianMTModel
@@ -391,22 +408,29 @@ def test_split_batches_give_the_same_model_outputs(tokenizer, minilm, texts):
     assert max(w for _, w in fn.calls) == MAX_LEN and len({w for r, w in fn.calls if r <= 2}) > 3
 
 
-def test_a_genuine_cpu_out_of_memory_is_recovered(tokenizer, minilm, same_width_texts):
-    texts = same_width_texts[:60]
-    loader = _load(texts, tokenizer, max_input_token_length=24)
+def _embed_under_a_real_limit(minilm, loader):
+    """MiniLM's first-token embedding under a CPU tracker limit that 2 rows of the first batch fit and 4 do not."""
     first = next(iter(loader))
+    peaks = {}
     with torch.no_grad():
-        peaks = {}
         for rows in (2, 4):
             with track_peak_memory("cpu") as mem:
                 minilm(**take_rows(first, range(rows)))
             peaks[rows] = mem.peak_bytes
-        limit = (peaks[2] + peaks[4]) // 2  # 2 rows fit, 4 rows do not
+    limit = (peaks[2] + peaks[4]) // 2
 
-        def limited(batch):
-            with track_peak_memory("cpu", limit_bytes=limit):
-                return minilm(**batch).last_hidden_state[:, 0]
+    def limited(batch):
+        with track_peak_memory("cpu", limit_bytes=limit):
+            return minilm(**batch).last_hidden_state[:, 0]
 
+    limited.limit = limit
+    return limited
+
+
+def test_a_genuine_cpu_out_of_memory_is_recovered(tokenizer, minilm, same_width_texts):
+    loader = _load(same_width_texts[:60], tokenizer, max_input_token_length=24)
+    limited = _embed_under_a_real_limit(minilm, loader)
+    with torch.no_grad():
         got = run(limited, loader, progress=False)
         want = run(lambda b: minilm(**b).last_hidden_state[:, 0], loader, progress=False)
     assert got.report.oom_events >= 1 and got.report.pre_split_batches >= 1 and got.failed == []
@@ -700,6 +724,24 @@ def test_measured_mode_shrinks_batches_whose_rows_cost_more_than_their_tokens(to
     assert max(r.peak_bytes for r in planned.report.records) > budget  # threshold=1.0: the plan overshoots
     _later_batches_fit(measured.report, batch_size=4)
     assert [r.tolist() for r in measured] == [r.tolist() for r in planned]
+
+
+def test_measured_mode_learns_from_the_halves_of_a_batch_that_ran_out_of_memory(
+    tokenizer, minilm, same_width_texts
+):
+    # A real CPU out-of-memory error: 2 rows fit under the limit, the first batch's 4 rows do not. The halves'
+    # peaks are measured, so measured mode sizes every later batch to fit instead of splitting each one.
+    loader = _load(same_width_texts[:60], tokenizer, max_input_token_length=24)
+    limited = _embed_under_a_real_limit(minilm, loader)
+    with torch.no_grad():
+        got = run(limited, loader, adapt=True, progress=False)
+        want = run(lambda b: minilm(**b).last_hidden_state[:, 0], loader, progress=False)
+    report = got.report
+    assert report.records[0].oom_splits == 1 and report.budget_bytes < limited.limit  # what fitted is the budget
+    assert report.oom_events == 1 and report.pre_split_batches == 0 and got.failed == []
+    assert {r.rows for r in report.records[1:]} <= {1, 2}
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
 def test_measured_mode_needs_a_dynabatch_loader(tokenizer, texts):
