@@ -96,5 +96,6 @@ class ResultsFile:
 
 
 def rank_path(path: str, rank: int, world_size: int) -> str:
+    """Each rank's own results file under ``torch.distributed``: ``out.jsonl`` -> ``out.rank0-of-2.jsonl``."""
     root, ext = os.path.splitext(path)
     return f"{root}.rank{rank}-of-{world_size}{ext}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from dynabatch._rows import batch_shape, take_rows
 from dynabatch._validation import bad_type
 from dynabatch.collate import Batch, TokenCollator
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class Item:
@@ -34,6 +37,7 @@ class Item:
 
 
 def is_dynabatch_loader(loader: Any) -> bool:
+    """Whether ``loader`` came from :func:`~dynabatch.loader.build_dynamic_batch_dataloader` (its plan is readable)."""
     from torch.utils.data import DataLoader
 
     from dynabatch.loader import _Positions
@@ -47,7 +51,36 @@ def is_dynabatch_loader(loader: Any) -> bool:
     )
 
 
+def unwrap_prepared(loader: Any) -> Any:
+    """The dynabatch loader inside one passed through ``accelerate``'s ``prepare``, else ``loader`` itself.
+
+    ``Accelerator.prepare`` wraps a DataLoader (``DataLoaderShard`` or
+    ``DataLoaderDispatcher``) whose ``base_dataloader`` holds the original
+    batch sampler, sharded (``BatchSamplerShard``) or not. :func:`dynabatch.run`
+    shards the plan across ranks itself, by cost, so it reads the whole plan
+    from under the wrapper rather than run one rank's share of it sharded again.
+    """
+    base = getattr(loader, "base_dataloader", None)
+    if base is None or is_dynabatch_loader(loader):
+        return loader
+    from torch.utils.data import DataLoader
+
+    from dynabatch.sampler import DynamicBatchSampler
+
+    sampler = getattr(base, "batch_sampler", None)
+    if not isinstance(sampler, DynamicBatchSampler):
+        sampler = getattr(sampler, "batch_sampler", None)  # accelerate's BatchSamplerShard keeps the original here
+    if not isinstance(sampler, DynamicBatchSampler):
+        return loader
+    unwrapped = DataLoader(base.dataset, batch_sampler=sampler, collate_fn=base.collate_fn, num_workers=0)
+    if not is_dynabatch_loader(unwrapped):
+        return loader
+    logger.info("loader was prepared by accelerate: running the whole dynabatch plan under it (run shards it itself)")
+    return unwrapped
+
+
 def positions_of(batch: Any, loader: Any) -> np.ndarray:
+    """The input positions of ``batch``'s rows (its ``.indices``), or a ``TypeError`` naming ``loader``."""
     indices = getattr(batch, "indices", None)
     if indices is None or not isinstance(batch, dict):
         raise TypeError(

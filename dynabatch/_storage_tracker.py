@@ -78,8 +78,7 @@ class StorageTracker(TorchDispatchMode):
             else:
                 self._preexisting.add(key)
                 self._watch(storage, key)
-            if self.current_bytes > self.peak_bytes:
-                self.peak_bytes = self.current_bytes
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
             over = self.limit_bytes is not None and self.current_bytes > self.limit_bytes
         if over:
             raise torch.OutOfMemoryError(
@@ -99,7 +98,7 @@ class StorageTracker(TorchDispatchMode):
                 self._see(leaf, is_output=True)
         return out
 
-    def __exit__(self, *exc: Any) -> Any:
+    def __exit__(self, *exc: object) -> Any:
         try:
             return super().__exit__(*exc)
         finally:

@@ -15,8 +15,8 @@ multiclass, or a scikit-learn whose internals differ.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

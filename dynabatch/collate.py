@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import numbers
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -24,8 +24,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import TypeVar
 
 import torch
 

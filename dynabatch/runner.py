@@ -47,7 +47,7 @@ import torch
 
 from dynabatch._resume import FORMAT, ResultsFile, rank_path
 from dynabatch._rows import batch_shape, halves, real_tokens, split_rows
-from dynabatch._source import Item, Source
+from dynabatch._source import Item, Source, unwrap_prepared
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.collate import Batch
 from dynabatch.profiling import is_out_of_memory_error, track_peak_memory
@@ -397,7 +397,9 @@ def run(
             initialized with more than one process; ``True``/``False`` force it.
             Distributed: each rank runs its share of the batches, balanced by
             cost (rows x width), and rank 0 gathers every result; other ranks
-            get only their own rows (``None`` elsewhere).
+            get only their own rows (``None`` elsewhere). Under ``accelerate``
+            pass the loader as it is; one passed through
+            ``Accelerator.prepare`` is unwrapped, its whole plan sharded once.
         adapt: measured mode (needs a dynabatch loader, one process): every
             batch's peak is measured (on ``measure_memory``'s device, else
             ``device``, else the CPU tracker) and the batches not yet run are
@@ -442,6 +444,7 @@ def run(
         rank, world_size = world()
         distributed = world_size > 1
 
+    loader = unwrap_prepared(loader)
     source = Source(loader, pad_token_id)
     if adapt and source.collator is None:
         raise bad_value("adapt", "False for a loader that is not a dynabatch DataLoader (measured mode re-plans "

@@ -23,7 +23,8 @@ Example:
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler

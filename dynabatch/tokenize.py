@@ -34,8 +34,9 @@ import itertools
 import logging
 import operator
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

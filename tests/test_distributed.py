@@ -378,3 +378,80 @@ def test_two_gloo_ranks_run_matches_one_process(two_ranks, tokenizer):
     assert len(own) == 200
     assert 0 < sum(r is not None for r in own) < 200
     assert all(r is None or r == e for r, e in zip(own, expected))
+
+
+# --------------------------------------------------------------------------- accelerate, launched by torchrun
+
+_ACCELERATE_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+
+    import torch
+    from accelerate import Accelerator
+    from transformers import AutoModel, AutoTokenizer
+
+    import dynabatch
+    from dynabatch.demo import kjv_passages, minilm_path
+
+    accelerator = Accelerator(cpu=True)  # sets up torch.distributed from torchrun's environment
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    model = AutoModel.from_pretrained(minilm_path()).eval()
+    loader = dynabatch.build_dynamic_batch_dataloader(kjv_passages()[:120], tokenizer, batch_size=4,
+                                                      max_input_token_length=64, num_workers=0)
+    with torch.no_grad():
+        rows = dynabatch.run(lambda b: model(**b).last_hidden_state[:, 0], loader, device=accelerator.device,
+                             progress=False)
+        # A loader passed through prepare, as accelerate users do: run still shards the whole plan once.
+        prepared = dynabatch.run(lambda b: model(**b).last_hidden_state[:, 0], accelerator.prepare(loader),
+                                 device=accelerator.device, progress=False)
+    report = {
+        "prepared": [None if r is None else r.tolist() for r in prepared], "prepared_ran": prepared.report.rows,
+        "rank": accelerator.process_index, "world": accelerator.num_processes,
+        "distributed_type": accelerator.distributed_type.name, "backend": accelerator.state.backend,
+        "rows": [None if r is None else r.tolist() for r in rows], "ran": rows.report.rows,
+    }
+    with open(os.path.join(sys.argv[1], f"rank{accelerator.process_index}.json"), "w") as f:
+        json.dump(report, f)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def accelerate_ranks(tmp_path_factory):
+    """Two CPU processes started by torchrun (what ``accelerate launch --multi_gpu`` runs), set up by Accelerator."""
+    pytest.importorskip("accelerate")
+    out = tmp_path_factory.mktemp("accelerate")
+    script = out / "worker.py"
+    script.write_text(_ACCELERATE_WORKER)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(_free_port()), str(script), str(out)]
+    log = out / "torchrun.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=240,
+                              check=False)
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_under_accelerate_rank_0_gets_every_row_of_a_one_process_run(accelerate_ranks, tokenizer):
+    from transformers import AutoModel
+
+    import dynabatch
+    from dynabatch.demo import kjv_passages, minilm_path
+
+    rank0, rank1 = accelerate_ranks
+    assert (rank0["world"], rank0["distributed_type"], rank0["backend"]) == (2, "MULTI_CPU", "gloo")
+    model = AutoModel.from_pretrained(minilm_path()).eval()
+    loader = dynabatch.build_dynamic_batch_dataloader(kjv_passages()[:120], tokenizer, batch_size=4,
+                                                      max_input_token_length=64, num_workers=0)
+    with torch.no_grad():
+        single = run(lambda b: model(**b).last_hidden_state[:, 0], loader, progress=False)
+    assert len(rank0["rows"]) == 120
+    for got, want in zip(rank0["rows"], single):
+        torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=0)
+    # Disjoint shares: rank 1 returns only the rows it ran; together the two ran every input once.
+    mine = [p for p, r in enumerate(rank1["rows"]) if r is not None]
+    assert 0 < len(mine) == rank1["ran"] and rank0["ran"] + rank1["ran"] == 120
+    for rank in accelerate_ranks:
+        assert rank["prepared"] == rank["rows"] and rank["prepared_ran"] == rank["ran"]
