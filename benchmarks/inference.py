@@ -73,7 +73,8 @@ more at 16 x 256). Columns:
 Under each table a line per dynabatch method checks the targets: at least 2x
 the plain method's speed; faster than every baseline (1-3) that stays within
 the first batch's peak (a baseline that is faster only by exceeding the peak
-is reported as such); 0 batches above the first batch's peak. A note follows
+is reported as such; with ``--repeats``, overlapping min-max ranges are called
+within noise); 0 batches above the first batch's peak. A note follows
 when batches no larger (rows and width) than the reference batch peaked above
 it: the reference batch is then not the costliest of its shape (on the CPU, a
 batch without padding skips MiniLM's attention mask, 1 MiB at 16 x 256).
@@ -518,8 +519,11 @@ def target_line(dyn: Row, plain: Row | None, baselines: list[Row]) -> str:
     safe = [b for b in baselines if b.within]
     if safe:
         best = min(safe, key=lambda b: b.seconds)
+        noise = ""
+        if dyn.spread and best.spread and dyn.spread[0] <= best.spread[1] and best.spread[0] <= dyn.spread[1]:
+            noise = ", but within noise: their min-max ranges overlap"
         parts.append(f"faster than every baseline within the peak ({dyn.seconds:.2f} s vs the fastest, "
-                     f"{best.method}, {best.seconds:.2f} s: {_met(dyn.seconds < best.seconds)})")
+                     f"{best.method}, {best.seconds:.2f} s: {_met(dyn.seconds < best.seconds)}{noise})")
     else:
         parts.append("faster than every baseline within the peak: n/a (none stays within it)")
     parts.append(f"{_batches(dyn.over)} above the first batch's peak (max {dyn.max_ratio:.3f}x: "

@@ -50,3 +50,36 @@ def test_repeats_report_the_median_and_spread_of_every_method(tmp_path):
         median, low, high = map(float, match.groups())
         assert low <= median <= high
     assert result.stderr.count("(round ") == 6, result.stderr  # each method once per round
+
+
+def _benchmark_module():
+    import importlib.util
+
+    sys.path.insert(0, str(ROOT / "examples"))  # the script imports examples/seq2seq_generate.py, as when run
+    try:
+        spec = importlib.util.spec_from_file_location("benchmark_inference", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    return module
+
+
+def test_a_win_inside_overlapping_ranges_is_called_noise():
+    bench = _benchmark_module()
+
+    def row(method, seconds, spread, over=0):
+        return bench.Row(method=method, seconds=seconds, rows_per_s=1.0, speedup=2.5, batches=1, largest=1,
+                         padding_efficiency=1.0, max_ratio=1.0, over=over, over_no_larger=0, same_as_plain="yes",
+                         spread=spread)
+
+    plain = row("plain DataLoader", 50.0, (49.0, 51.0))
+    sorted_ = row("sorted, fixed batch size", 22.7, (22.3, 22.8))
+    close = bench.target_line(row("dynabatch", 22.5, (21.8, 22.6)), plain, [sorted_])
+    assert ("(22.50 s vs the fastest, sorted, fixed batch size, 22.70 s: met, but within noise: their min-max "
+            "ranges overlap)") in close
+    clear = bench.target_line(row("dynabatch", 20.0, (19.5, 20.5)), plain, [sorted_])
+    assert "20.00 s vs the fastest, sorted, fixed batch size, 22.70 s: met)" in clear
+    one_run = bench.target_line(row("dynabatch", 22.5, None), plain, [row("sorted, fixed batch size", 22.7, None)])
+    assert "noise" not in one_run
