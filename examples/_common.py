@@ -151,7 +151,7 @@ def run_plain(step: Step, finish: Callable[[list[torch.Tensor]], Any], tokenizer
 
 
 def run_dynabatch(step: Step, finish: Callable[[list[torch.Tensor]], Any], tokenizer, texts: list[str],
-                  batch_size: int, max_length: int) -> tuple[RunStats, Any, float]:
+                  batch_size: int, max_length: int, **loader_kwargs: Any) -> tuple[RunStats, Any, float]:
     """Times ``build_dynamic_batch_dataloader`` over ``texts``, tokenizing and planning included.
 
     Args:
@@ -161,12 +161,15 @@ def run_dynabatch(step: Step, finish: Callable[[list[torch.Tensor]], Any], token
         texts: The texts, in input order.
         batch_size: Rows of the first (longest) batch.
         max_length: Truncation limit per text, in tokens.
+        **loader_kwargs: More keywords of ``build_dynamic_batch_dataloader``
+            (such as ``model_shape``).
 
     Returns:
         The stats, ``finish``'s result and the setup (tokenize + plan) seconds.
     """
     start = time.perf_counter()
-    loader = build_dynamic_batch_dataloader(texts, tokenizer, batch_size, max_length, num_workers=0)
+    loader = build_dynamic_batch_dataloader(texts, tokenizer, batch_size, max_length, num_workers=0,
+                                            **loader_kwargs)
     setup = time.perf_counter() - start
     outputs, indices, largest, real, cells = run_loader(step, loader)
     result = finish(restore_order(outputs, indices))

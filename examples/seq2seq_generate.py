@@ -14,8 +14,10 @@ Both loaders run in one process, on the same texts and the same model:
 
 * plain: ``torch.utils.data.DataLoader`` over the texts in input order with a
   fixed ``batch_size``, each batch padded by the tokenizer in ``collate_fn``;
-* dynabatch: ``build_dynamic_batch_dataloader`` (longest texts first, batches
-  growing as texts get shorter, under the first batch's peak memory).
+* dynabatch: ``build_dynamic_batch_dataloader(..., model_shape=ModelShape.from_model(
+  model, max_new_tokens=8))`` (longest texts first, batches growing as texts
+  get shorter, under the first batch's peak memory; the model's shape tells the
+  planner that every generated row carries its own logits).
 
 Each batch runs ``model.generate(**batch, max_new_tokens=8, min_new_tokens=8,
 do_sample=False, num_beams=1)`` under ``torch.inference_mode()``. The script
@@ -48,6 +50,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import torch  # noqa: E402
 
+from dynabatch import ModelShape  # noqa: E402
 from dynabatch.demo import kjv_passages, minilm_path, vary_lengths  # noqa: E402
 
 import _common  # noqa: E402  (examples/ is sys.path[0] when the example runs as a script)
@@ -136,8 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         _common.warm_up(step, tokenizer, texts, args.max_length)
         plain, plain_rows = _common.run_plain(step, lambda outputs: strip_rows(chain.from_iterable(outputs)),
                                               tokenizer, texts, args.batch_size, args.max_length)
+        # generate: every row carries its logits, so the planner is told the model's shape (see the README).
+        shape = ModelShape.from_model(model, max_new_tokens=args.new_tokens)
         dyn, dyn_rows, setup = _common.run_dynabatch(step, strip_rows, tokenizer, texts, args.batch_size,
-                                                     args.max_length)
+                                                     args.max_length, model_shape=shape)
 
     _common.print_comparison(plain, dyn, setup)
 
