@@ -59,6 +59,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import logging
 import numbers
@@ -424,3 +425,29 @@ def gather_results(positions: list[int], results: list, n_inputs: int) -> list |
             out[p] = value
     logger.debug("gathered %d results from %d ranks", n, size)
     return out
+
+
+def _check_same_batches(batches: Sequence[np.ndarray]) -> None:
+    """Collective: raises the same ``ValueError`` on every rank unless all ranks hold the same batches.
+
+    :func:`dynabatch.run` shards the batches across ranks itself, so each rank
+    must be given all of them (the same loader); a per-rank share would be
+    sharded twice. Compares a sha256 of every batch's input positions.
+    """
+    _, size = world()
+    if size == 1:
+        return
+    digest = hashlib.sha256()
+    for positions in batches:
+        arr = np.ascontiguousarray(positions, dtype=np.int64)
+        digest.update(len(arr).to_bytes(8, "little"))
+        digest.update(arr.tobytes())
+    everyone: list = [None] * size
+    torch.distributed.all_gather_object(everyone, (len(batches), digest.hexdigest()))
+    other = next((r for r, mine in enumerate(everyone) if mine != everyone[0]), None)
+    if other is not None:
+        raise ValueError(
+            "loader should yield the same batches on every rank (run shards them across the ranks itself), but "
+            f"got {everyone[other][0]} batches on rank {other} and {everyone[0][0]} on rank 0 that differ; pass "
+            "every rank the whole loader, not its own share"
+        )

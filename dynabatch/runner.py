@@ -397,9 +397,10 @@ def run(
             initialized with more than one process; ``True``/``False`` force it.
             Distributed: each rank runs its share of the batches, balanced by
             cost (rows x width), and rank 0 gathers every result; other ranks
-            get only their own rows (``None`` elsewhere). Under ``accelerate``
-            pass the loader as it is; one passed through
-            ``Accelerator.prepare`` is unwrapped, its whole plan sharded once.
+            get only their own rows (``None`` elsewhere). Every rank must be
+            given the same, whole loader (a per-rank share is refused on every
+            rank). Under ``accelerate`` pass the loader as it is; one passed
+            through ``Accelerator.prepare`` is unwrapped, its whole plan sharded once.
         adapt: measured mode (needs a dynabatch loader, one process): every
             batch's peak is measured (on ``measure_memory``'s device, else
             ``device``, else the CPU tracker) and the batches not yet run are
@@ -455,10 +456,11 @@ def run(
     if output_path is not None:
         fingerprint = source.fingerprint()  # before sharding: it covers every batch
     if distributed:
-        from dynabatch.distributed import shard_batches
+        from dynabatch.distributed import _check_same_batches, shard_batches
 
         source.materialize()
         items = list(source.pending)
+        _check_same_batches([i.positions for i in items])
         costs = [float(rows * width) for rows, width in map(source.shape, items)]
         share = shard_batches(costs, world_size, rank)
         source.pending = deque(items[b] for b in share if b >= 0)

@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -275,6 +276,14 @@ _WORKER = textwrap.dedent(
                                                           max_input_token_length=64, num_workers=0)
         result = run(lambda b: b["input_ids"].sum(dim=1), loader, progress=False)
         report["runner"] = [None if r is None else int(r) for r in result]
+        batches = list(loader)  # a plain iterable of the same batches on every rank
+        result = run(lambda b: b["input_ids"].sum(dim=1), batches, progress=False)
+        report["runner_iterable"] = [None if r is None else int(r) for r in result]
+        try:  # each rank handed its own share: refused on every rank, none left waiting
+            run(lambda b: b["input_ids"].sum(dim=1), batches[rank::2], progress=False)
+            report["per_rank_share"] = None
+        except ValueError as exc:
+            report["per_rank_share"] = str(exc)
 
     dist.barrier()
     dist.destroy_process_group()
@@ -378,6 +387,16 @@ def test_two_gloo_ranks_run_matches_one_process(two_ranks, tokenizer):
     assert len(own) == 200
     assert 0 < sum(r is not None for r in own) < 200
     assert all(r is None or r == e for r, e in zip(own, expected))
+    assert two_ranks[0]["runner_iterable"] == expected
+
+
+@pytest.mark.skipif(not RUNNER_AVAILABLE, reason="dynabatch.runner.run is not there yet")
+def test_two_gloo_ranks_refuse_a_loader_already_split_per_rank(two_ranks):
+    messages = [r["per_rank_share"] for r in two_ranks]
+    assert messages[0] == messages[1]
+    assert re.fullmatch(r"loader should yield the same batches on every rank \(run shards them across the ranks "
+                        r"itself\), but got \d+ batches on rank 1 and \d+ on rank 0 that differ; pass every rank "
+                        r"the whole loader, not its own share", messages[0])
 
 
 # --------------------------------------------------------------------------- accelerate, launched by torchrun
