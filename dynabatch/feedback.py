@@ -99,14 +99,27 @@ class MemoryFeedback:
 
     def observe(self, rows: int, peak_bytes: float) -> None:
         """Records a measured batch (run in order, longest first); the first one observed is the budget."""
-        rows = check_non_negative_int("rows", rows)
-        if not (peak_bytes >= 0 and np.isfinite(peak_bytes)):
-            raise bad_value("peak_bytes", "a finite number >= 0", peak_bytes)
-        if rows == 0:
+        self.observe_parts([(rows, peak_bytes)])
+
+    def observe_parts(self, parts: Sequence[tuple[int, float]]) -> None:
+        """Records a batch that ran as several calls, each ``(rows, peak_bytes)``.
+
+        A batch split after running out of memory runs in parts: the largest
+        part's peak is what fitted (the budget, if it is the first batch), and
+        the costliest row of any part bounds the rows of later batches.
+        """
+        measured = []
+        for rows, peak_bytes in parts:
+            rows = check_non_negative_int("rows", rows)
+            if not (peak_bytes >= 0 and np.isfinite(peak_bytes)):
+                raise bad_value("peak_bytes", "a finite number >= 0", peak_bytes)
+            if rows:
+                measured.append((rows, float(peak_bytes)))
+        if not measured:
             return
         if self.budget_ is None:
-            self.budget_ = float(peak_bytes)
-        self.row_bytes_ = float(peak_bytes) / rows
+            self.budget_ = max(peak for _, peak in measured)
+        self.row_bytes_ = max(peak / rows for rows, peak in measured)
 
     def next_size(self, start: int, last_size: int | None = None) -> int:
         """Rows for the batch starting at sorted position ``start``.

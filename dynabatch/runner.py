@@ -296,11 +296,8 @@ class _Feedback:
         if self.last is not None:
             item, seen = self.last
             record = runner.report.records[-1] if len(runner.report.records) > seen else None
-            if record is not None and runner.measured and len(item.positions) == record.rows:
-                # A batch split after running out of memory (or before) ran as several calls: the largest
-                # peak is what fitted (the budget, if first), the costliest row the bound for later rows.
-                self.model.observe(*max(runner.measured, key=lambda call: call[1]))
-                self.model.observe(*max(runner.measured, key=lambda call: call[1] / call[0]))
+            if record is not None and len(item.positions) == record.rows:
+                self.model.observe_parts(runner.measured)  # one call, or the parts of a split batch
         size = self.model.next_size(self.start, None if self.last is None else len(self.last[0].positions))
         if size == 0:
             return None
@@ -313,7 +310,7 @@ class _Feedback:
 
 def _check_arguments(
     fn: Any, device: Any, output_path: Any, on_oom: Any, measure_memory: Any, progress: Any, distributed: Any,
-    adapt: Any = False,
+    adapt: Any = False, pad_token_id: Any = None,
 ) -> None:
     if not isinstance(adapt, bool):
         raise bad_type("adapt", "a bool", adapt)
@@ -333,6 +330,8 @@ def _check_arguments(
         raise bad_type("progress", "a bool", progress)
     if distributed is not None and not isinstance(distributed, bool):
         raise bad_type("distributed", "None (auto), True or False", distributed)
+    if pad_token_id is not None:
+        check_non_negative_int("pad_token_id", pad_token_id)
 
 
 
@@ -427,9 +426,7 @@ def run(
             results, or ``fn`` results that do not match the batch's rows.
         BatchOutOfMemoryError: with ``on_oom="raise"``, a single row that ran out of memory.
     """
-    _check_arguments(fn, device, output_path, on_oom, measure_memory, progress, distributed, adapt)
-    if pad_token_id is not None:
-        pad_token_id = check_non_negative_int("pad_token_id", pad_token_id)
+    _check_arguments(fn, device, output_path, on_oom, measure_memory, progress, distributed, adapt, pad_token_id)
     memory_device = None
     if adapt and measure_memory is False:
         measure_memory = True

@@ -196,9 +196,15 @@ def _greedy(model, **inputs):
     )
 
 
-def test_decoder_only_generate_rows_have_no_padding_and_equal_generating_alone(tokenizer, llama, texts):
+@pytest.fixture(scope="module")
+def left(tokenizer):
+    """The tokenizer padding on the left, as decoder-only generate needs."""
     left = copy.deepcopy(tokenizer)
     left.padding_side = "left"
+    return left
+
+
+def test_decoder_only_generate_rows_have_no_padding_and_equal_generating_alone(left, llama, texts):
     some = texts[:40]
     loader = _load(some, left, return_token_type_ids=False)
     with torch.no_grad():
@@ -214,9 +220,7 @@ def test_decoder_only_generate_rows_have_no_padding_and_equal_generating_alone(t
         assert len(widths) > 5  # rows of one batch have their own lengths
 
 
-def test_a_plain_iterable_of_generate_batches_takes_the_pad_id_from_the_caller(tokenizer, llama, texts):
-    left = copy.deepcopy(tokenizer)
-    left.padding_side = "left"
+def test_a_plain_iterable_of_generate_batches_takes_the_pad_id_from_the_caller(left, llama, texts):
     loader = _load(texts[:24], left, return_token_type_ids=False)
     with torch.no_grad():
         want = run(lambda b: _greedy(llama, **b), loader, progress=False)
