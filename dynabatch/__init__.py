@@ -3,28 +3,28 @@
 The public surface is listed in ``__all__``; everything else is internal.
 """
 
-from dynabatch.classifier import SpikeClassifier, load_classifier
-from dynabatch.collate import Batch, TokenCollator
-from dynabatch.features import (
+from dynabatch.memory.classifier import SpikeClassifier, load_classifier
+from dynabatch.data.collate import Batch, TokenCollator
+from dynabatch.memory.features import (
     FEATURE_NAMES,
     SHAPE_FEATURE_NAMES,
     ModelShape,
     compute_features,
 )
-from dynabatch.loader import build_dynamic_batch_dataloader
-from dynabatch.order import restore_order
-from dynabatch.planner import plan_batch_sizes, plan_batches
-from dynabatch.profiling import (
+from dynabatch.inference.loader import build_dynamic_batch_dataloader
+from dynabatch.data.order import restore_order
+from dynabatch.sampling.planner import plan_batch_sizes, plan_batches
+from dynabatch.memory.measure import (
     PeakMemory,
     collect_cuda_peak_alloc,
     collect_peak_alloc,
     is_out_of_memory_error,
     track_peak_memory,
 )
-from dynabatch.report import BatchRecord, RunReport
-from dynabatch.runner import BatchOutOfMemoryError, RunResult, run
-from dynabatch.sampler import DynamicBatchSampler
-from dynabatch.tokenize import TokenizedTexts, tokenize_texts
+from dynabatch.inference.report import BatchRecord, RunReport
+from dynabatch.inference.runner import BatchOutOfMemoryError, RunResult, run
+from dynabatch.sampling.sampler import DynamicBatchSampler
+from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts
 
 __version__ = "0.2.0.dev0"
 

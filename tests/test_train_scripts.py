@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from dynabatch.classifier import load_classifier
-from dynabatch.features import ModelShape, compute_features
+from dynabatch.memory.classifier import load_classifier
+from dynabatch.memory.features import ModelShape, compute_features
 
 TRAIN_DIR = Path(__file__).resolve().parents[1] / "train_classifier"
 GENERATE = TRAIN_DIR / "generate_training_data.py"

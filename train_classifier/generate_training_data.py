@@ -6,13 +6,13 @@ is the ``base`` longest texts; then, at positions along the sorted list where
 the texts are a given fraction of the longest, candidate batches of about 1x to
 8x ``base`` rows are run for real (``generate`` for encoder-decoder and
 decoder-only models, the forward pass for encoders) and their peak activation
-memory is measured with :mod:`dynabatch.profiling`. At each position the
+memory is measured with :mod:`dynabatch.memory.measure`. At each position the
 candidates go up in size until two in a row exceed the first batch's peak, so
 both sides of the 0.9 boundary are seen without spending time deep in the
 unsafe region.
 
 Every row holds raw measurements only (features are computed at training time
-by :func:`dynabatch.features.compute_features`). A candidate above the token
+by :func:`dynabatch.memory.features.compute_features`). A candidate above the token
 cap (compute time) or the memory cap (host memory) is written with its status
 (``token_cap`` / ``memory_cap``) and no peak: skipped and counted, never
 invented.
@@ -47,10 +47,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from dynabatch.collate import TokenCollator
+from dynabatch.data.collate import TokenCollator
 from dynabatch.demo import joke_texts, kjv_passages, minilm_path, vary_lengths
-from dynabatch.profiling import is_out_of_memory_error, track_peak_memory
-from dynabatch.tokenize import tokenize_texts
+from dynabatch.memory.measure import is_out_of_memory_error, track_peak_memory
+from dynabatch.data.tokenization import tokenize_texts
 
 logger = logging.getLogger("generate_training_data")
 

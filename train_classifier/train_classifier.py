@@ -2,7 +2,7 @@
 
 Reads every ``*.csv.gz`` written by ``generate_training_data.py``, keeps the
 measured candidate batches (``status == "ok"``, the first batch itself left
-out), computes features with :func:`dynabatch.features.compute_features`
+out), computes features with :func:`dynabatch.memory.features.compute_features`
 (the planner's own function) and labels a batch 1 when its peak activation
 exceeds ``--spike-ratio`` (0.90) of its first batch's.
 
@@ -48,7 +48,7 @@ import numpy as np
 import pandas as pd
 import sklearn
 
-from dynabatch._training import (
+from dynabatch.memory.classifier_fit import (
     MONOTONIC,
     PROFILE_COLUMNS,
     candidate_rows,
@@ -242,7 +242,7 @@ def write_report(path: Path, files: list[Path], rows: pd.DataFrame, results: dic
         "",
         ("*13*: the spec's ratio features, what the planner uses when it is told nothing of the model. "
         "*+shape*: with `memory_ratio_estimate`, from `ModelShape.from_model(model, max_new_tokens=..., "
-        "num_beams=...)` passed as `model_shape=` (see `dynabatch/features.py`)."),
+        "num_beams=...)` passed as `model_shape=` (see `dynabatch/memory/features.py`)."),
         "",
         comparison(results),
         "13 features: " + targets(results[False]),

@@ -1,0 +1,1 @@
+"""Text data: tokenizing and sorting texts, collating batches, putting results back in input order."""

@@ -1,0 +1,286 @@
+"""The tokenize stage: every text tokenized once, into one flat token store.
+
+:func:`tokenize_texts` calls the tokenizer once per chunk of texts (a batched
+call, so a fast tokenizer encodes the chunk in parallel) and keeps the result
+as a :class:`TokenizedTexts`: one flat ``int32`` array of token ids in input
+order plus ``offsets``, instead of a million small Python lists. Planning reads
+:attr:`TokenizedTexts.lengths`; the collate stage
+(:class:`dynabatch.data.collate.TokenCollator`) pads batches straight from the store,
+so the tokenizer never runs twice on a text.
+
+Texts are truncated to ``max_input_token_length`` tokens, special tokens
+included, exactly as ``tokenizer(texts, truncation=True, max_length=...)``
+would; ``tokenizer_kwargs`` (e.g. ``add_special_tokens=False``) are passed on
+to every call.
+
+Example:
+    >>> from transformers import AutoTokenizer
+    >>> from dynabatch.demo import minilm_path
+    >>> from dynabatch.data.tokenization import tokenize_texts
+    >>> tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    >>> tokens = tokenize_texts(["In the beginning", "", "And God said"], tokenizer, max_input_token_length=4)
+    >>> len(tokens), tokens.lengths.tolist()
+    (3, [4, 2, 4])
+    >>> tokens.row(1).tolist()  # [CLS] [SEP]
+    [101, 102]
+    >>> sorted(tokens.extras)
+    ['token_type_ids']
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import itertools
+import logging
+import operator
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dynabatch._validation import bad_type, bad_value, check_positive_int
+
+__all__ = ["FORBIDDEN_TOKENIZER_KWARGS", "TokenizedTexts", "tokenize_texts", "validate_texts"]
+
+logger = logging.getLogger(__name__)
+
+FORBIDDEN_TOKENIZER_KWARGS: dict[str, str] = {
+    "max_length": "dynabatch sets it from max_input_token_length",
+    "truncation": "dynabatch always truncates to max_input_token_length",
+    "padding": "dynabatch pads each batch itself",
+    "pad_to_multiple_of": "set it on the collator instead",
+    "return_tensors": "dynabatch builds the tensors of each batch itself",
+    "return_attention_mask": "dynabatch builds the attention mask of each batch itself",
+    "return_overflowing_tokens": "dynabatch keeps one row per text",
+    "is_split_into_words": "dynabatch takes one str per text",
+}
+"""Tokenizer arguments the loader owns, with the reason each is refused."""
+
+_SKIPPED_KEYS = frozenset({"input_ids", "attention_mask", "special_tokens_mask", "offset_mapping", "length"})
+
+_TEXTS_RULE = "a list of str (or a tuple, pandas Series, numpy array or other non-str sequence of str)"
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class TokenizedTexts:
+    """Token ids of many texts, stored flat.
+
+    Attributes:
+        input_ids: ``int32``, every text's token ids concatenated in input order.
+        offsets: ``int64`` of shape ``(n + 1,)`` with ``offsets[0] == 0``; text
+            ``i`` is ``input_ids[offsets[i]:offsets[i + 1]]``.
+        extras: other per-token outputs of the tokenizer (e.g.
+            ``"token_type_ids"``), flat ``int32`` arrays sharing ``offsets``.
+            The attention mask is not stored: it is all ones before padding.
+    """
+
+    input_ids: np.ndarray
+    offsets: np.ndarray
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        offsets = self.offsets
+        if not isinstance(offsets, np.ndarray) or offsets.ndim != 1 or offsets.size < 1:
+            raise bad_type("offsets", "a 1-D numpy array of n + 1 ints", offsets)
+        if offsets[0] != 0 or offsets[-1] != len(self.input_ids):
+            raise bad_value(
+                "offsets", f"an array from 0 to len(input_ids)={len(self.input_ids)}", offsets
+            )
+        for key, values in self.extras.items():
+            if len(values) != len(self.input_ids):
+                raise bad_value(
+                    f"len(extras[{key!r}])", f"len(input_ids)={len(self.input_ids)}", len(values)
+                )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(texts={len(self)}, tokens={len(self.input_ids)}, extras={sorted(self.extras)})"
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Number of tokens of each text, ``int64`` (special tokens included)."""
+        return np.diff(self.offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, i: int) -> np.ndarray:
+        """Token ids of text ``i`` (a view into :attr:`input_ids`); negative ``i`` counts from the end."""
+        n = len(self)
+        i = operator.index(i)
+        if not -n <= i < n:
+            raise IndexError(f"i should be in range(-{n}, {n}), but got i={i!r}")
+        if i < 0:
+            i += n
+        return self.input_ids[self.offsets[i] : self.offsets[i + 1]]
+
+
+def validate_texts(texts: Any) -> list[str]:
+    """Checks that ``texts`` is a non-empty sequence of str and returns it as a list.
+
+    Accepts a list or tuple, a pandas Series, a 1-D numpy array, or any other
+    non-str :class:`collections.abc.Sequence` (a Hugging Face ``datasets``
+    column is one). Empty strings and duplicates are valid texts.
+
+    Raises:
+        TypeError: ``texts`` is not such a sequence (a bare str, a generator,
+            an int), or one of its items is not a str (the message names its
+            position).
+        ValueError: ``texts`` is empty.
+    """
+    if isinstance(texts, list):
+        items = texts
+    elif isinstance(texts, tuple):
+        items = list(texts)
+    elif isinstance(texts, np.ndarray):
+        if texts.ndim != 1:
+            raise bad_type("texts", _TEXTS_RULE, texts)
+        items = texts.tolist()
+    elif "pandas" in sys.modules and isinstance(texts, sys.modules["pandas"].Series):
+        items = texts.tolist()
+    elif isinstance(texts, collections.abc.Sequence) and not isinstance(texts, (str, bytes, bytearray)):
+        items = list(texts)
+    else:
+        raise bad_type("texts", _TEXTS_RULE, texts)
+    if not items:
+        raise bad_value("texts", "a non-empty sequence of str", texts)
+    types = set(map(type, items))
+    if types == {str}:
+        return items
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise bad_type(f"texts[{i}]", "a str", item)
+    # Only str subclasses (e.g. numpy.str_) are left: hand the tokenizer plain str.
+    return [item if type(item) is str else str.__str__(item) for item in items]
+
+
+def _check_tokenizer_kwargs(tokenizer_kwargs: dict[str, Any]) -> None:
+    for key, reason in FORBIDDEN_TOKENIZER_KWARGS.items():
+        if key in tokenizer_kwargs:
+            raise ValueError(
+                f"tokenizer_kwargs should not set {key!r} ({reason}), "
+                f"but got tokenizer_kwargs={tokenizer_kwargs!r}"
+            )
+
+
+def _flatten(rows: Any, total: int) -> np.ndarray:
+    return np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=total)
+
+
+def tokenize_texts(
+    texts: Any,
+    tokenizer: Callable[..., Any],
+    max_input_token_length: int,
+    *,
+    chunk_size: int = 8192,
+    progress: bool = False,
+    **tokenizer_kwargs: Any,
+) -> TokenizedTexts:
+    """Tokenizes every text once, truncated to ``max_input_token_length`` tokens.
+
+    The tokenizer is called once per chunk of ``chunk_size`` texts as
+    ``tokenizer(chunk, truncation=True, max_length=max_input_token_length,
+    padding=False, return_attention_mask=False, **tokenizer_kwargs)``, so
+    special tokens are counted unless ``add_special_tokens=False`` is passed.
+
+    Args:
+        texts: the texts, see :func:`validate_texts`.
+        tokenizer: a Hugging Face tokenizer, or any callable that takes a list
+            of str and returns a mapping whose ``"input_ids"`` holds one list
+            of ids per text.
+        max_input_token_length: the truncation limit, in tokens.
+        chunk_size: texts per tokenizer call.
+        progress: show a tqdm progress bar over the chunks.
+        **tokenizer_kwargs: passed to every tokenizer call, and to be applied
+            the same way when batches are built; the arguments the loader owns
+            (:data:`FORBIDDEN_TOKENIZER_KWARGS`) are refused.
+
+    Returns:
+        The token store; extra per-token outputs such as ``token_type_ids``
+        are kept in :attr:`TokenizedTexts.extras`.
+
+    Raises:
+        TypeError: bad ``texts``, a non-callable ``tokenizer``, or a tokenizer
+            that does not return a mapping with ``"input_ids"``.
+        ValueError: empty ``texts``, a non-positive limit or chunk size, or a
+            refused key in ``tokenizer_kwargs``.
+    """
+    items = validate_texts(texts)
+    if not callable(tokenizer):
+        raise bad_type(
+            "tokenizer",
+            "a callable tokenizer (e.g. a Hugging Face PreTrainedTokenizerBase) returning a mapping with 'input_ids'",
+            tokenizer,
+        )
+    max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    _check_tokenizer_kwargs(tokenizer_kwargs)
+
+    from tqdm.auto import tqdm
+
+    n = len(items)
+    id_chunks: list[np.ndarray] = []
+    length_chunks: list[np.ndarray] = []
+    extra_chunks: dict[str, list[np.ndarray]] | None = None
+    starts = range(0, n, chunk_size)
+    for start in tqdm(starts, desc="tokenizing", unit="chunk", disable=not progress):
+        chunk = items[start : start + chunk_size]
+        encoded = tokenizer(
+            chunk,
+            truncation=True,
+            max_length=max_input_token_length,
+            padding=False,
+            return_attention_mask=False,
+            **tokenizer_kwargs,
+        )
+        if not isinstance(encoded, collections.abc.Mapping):
+            raise TypeError(
+                "type(tokenizer(texts)) should be a mapping with 'input_ids', "
+                f"but got type(tokenizer(texts))={type(encoded)!r}"
+            )
+        if "input_ids" not in encoded:
+            raise bad_value("tokenizer(texts).keys()", "a collection including 'input_ids'", sorted(encoded.keys()))
+        rows = encoded["input_ids"]
+        if len(rows) != len(chunk):
+            raise bad_value("len(tokenizer(texts)['input_ids'])", f"{len(chunk)}, one row per text", len(rows))
+        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(chunk))
+        total = int(lengths.sum())
+        id_chunks.append(_flatten(rows, total))
+        length_chunks.append(lengths)
+
+        # Other per-token outputs (token_type_ids, ...): kept when every chunk has them.
+        found: dict[str, np.ndarray] = {}
+        for key, values in encoded.items():
+            if key in _SKIPPED_KEYS or not isinstance(values, collections.abc.Sequence):
+                continue
+            try:
+                if len(values) != len(chunk) or sum(map(len, values)) != total:
+                    continue
+            except TypeError:  # one value per text, not per token
+                continue
+            found[key] = _flatten(values, total)
+        if extra_chunks is None:
+            extra_chunks = {key: [values] for key, values in found.items()}
+        else:
+            for key in list(extra_chunks):
+                if key in found:
+                    extra_chunks[key].append(found[key])
+                else:
+                    del extra_chunks[key]
+
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.concatenate(length_chunks), out=offsets[1:])
+    input_ids = id_chunks[0] if len(id_chunks) == 1 else np.concatenate(id_chunks)
+    extras = {
+        key: values[0] if len(values) == 1 else np.concatenate(values)
+        for key, values in (extra_chunks or {}).items()
+    }
+    logger.debug(
+        "tokenized %d texts into %d tokens (max_input_token_length=%d, extras=%s)",
+        n,
+        len(input_ids),
+        max_input_token_length,
+        sorted(extras),
+    )
+    return TokenizedTexts(input_ids=input_ids, offsets=offsets, extras=extras)

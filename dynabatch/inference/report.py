@@ -1,0 +1,301 @@
+"""What a :func:`dynabatch.inference.runner.run` did, batch by batch: sizes, padding, time, memory, OOM recovery.
+
+A :class:`RunReport` holds one :class:`BatchRecord` per batch that ran, the
+memory budget (the first batch's peak, when memory was measured) and summary
+figures: throughput, padding efficiency, out-of-memory events, and how far the
+later batches' peaks went past the budget. :meth:`RunReport.to_json` saves it,
+:meth:`RunReport.from_json` reads it back, and :meth:`RunReport.plot` draws it
+(needs the ``plot`` extra: ``pip install dynabatch[plot]``).
+
+Example:
+    >>> from dynabatch.inference.report import BatchRecord, RunReport
+    >>> report = RunReport([
+    ...     BatchRecord(batch=0, rows=4, width=10, real_tokens=36, padded_tokens=40, seconds=0.5, peak_bytes=1000),
+    ...     BatchRecord(batch=1, rows=8, width=5, real_tokens=32, padded_tokens=40, seconds=0.5, peak_bytes=1100),
+    ... ], budget_bytes=1000)
+    >>> report.rows, report.rows_per_s, report.padding_efficiency, report.max_peak_ratio, report.batches_over_budget
+    (12, 12.0, 0.85, 1.1, 1)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from dynabatch._validation import bad_type
+
+__all__ = ["BatchRecord", "RunReport"]
+
+_TARGET = 0.9  # the planner keeps batches under 90% of the first batch's peak
+
+
+@dataclass
+class BatchRecord:
+    """One batch of a run.
+
+    Attributes:
+        batch: the batch's number in the plan (the loader's order).
+        rows: rows of the batch as planned (the rows it ran, when a resumed run ran only some).
+        width: its padded length, in tokens.
+        real_tokens: tokens that are not padding (the attention mask's sum).
+        padded_tokens: tokens of the padded tensors that ran to completion:
+            ``rows * width``, or less when the batch was split into narrower pieces.
+        seconds: wall time of the batch, failed attempts and splits included.
+        peak_bytes: the largest peak activation memory of its calls, ``None``
+            unless memory was measured.
+        oom_splits: times a piece of it ran out of memory and was split in halves.
+        pre_split: split before it was tried, being at least as large as a
+            shape that had run out of memory.
+        oom_events: out-of-memory errors it raised (splits plus single rows that failed).
+        failed_rows: rows that ran out of memory on their own and were skipped.
+    """
+
+    batch: int
+    rows: int
+    width: int
+    real_tokens: int
+    padded_tokens: int
+    seconds: float
+    peak_bytes: int | None = None
+    oom_splits: int = 0
+    pre_split: bool = False
+    oom_events: int = 0
+    failed_rows: int = 0
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+@dataclass
+class RunReport:
+    """Per-batch records of a run and its summary figures.
+
+    Attributes:
+        records: one :class:`BatchRecord` per batch that ran, in the order they ran.
+        budget_bytes: the first batch's peak bytes, the budget later batches
+            are measured against; ``None`` when memory was not measured.
+    """
+
+    records: list[BatchRecord] = field(default_factory=list)
+    budget_bytes: int | None = None
+
+    @property
+    def rows(self) -> int:
+        """Rows that ran."""
+        return sum(r.rows for r in self.records)
+
+    @property
+    def batches(self) -> int:
+        """Batches that ran."""
+        return len(self.records)
+
+    @property
+    def seconds(self) -> float:
+        """Total wall time of the batches."""
+        return sum(r.seconds for r in self.records)
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens that were not padding."""
+        return sum(r.real_tokens for r in self.records)
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens of the padded tensors that ran to completion."""
+        return sum(r.padded_tokens for r in self.records)
+
+    @property
+    def rows_per_s(self) -> float | None:
+        """Rows per second (``None`` before any time was spent)."""
+        return _ratio(self.rows, self.seconds)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Real (not padding) tokens per second."""
+        return _ratio(self.real_tokens, self.seconds)
+
+    @property
+    def padding_efficiency(self) -> float | None:
+        """Real tokens over padded tokens: 1.0 when nothing was padding."""
+        return _ratio(self.real_tokens, self.padded_tokens)
+
+    @property
+    def oom_events(self) -> int:
+        """Out-of-memory errors caught and recovered from (or skipped)."""
+        return sum(r.oom_events for r in self.records)
+
+    @property
+    def oom_splits(self) -> int:
+        """Batches or pieces split in halves after running out of memory."""
+        return sum(r.oom_splits for r in self.records)
+
+    @property
+    def pre_split_batches(self) -> int:
+        """Batches split before they were tried, as large as a shape that had failed."""
+        return sum(bool(r.pre_split) for r in self.records)
+
+    @property
+    def failed_rows(self) -> int:
+        """Rows skipped because they ran out of memory on their own."""
+        return sum(r.failed_rows for r in self.records)
+
+    @property
+    def peak_ratios(self) -> list[float | None]:
+        """Each batch's peak over the budget (``None`` where not measured)."""
+        return [None if r.peak_bytes is None else _ratio(r.peak_bytes, self.budget_bytes or 0) for r in self.records]
+
+    @property
+    def max_peak_ratio(self) -> float | None:
+        """The largest peak over the budget; ``None`` when memory was not measured."""
+        ratios = [r for r in self.peak_ratios if r is not None]
+        return max(ratios) if ratios else None
+
+    @property
+    def batches_over_budget(self) -> int:
+        """Batches whose peak went past the budget (ratio above 1.0)."""
+        return sum(1 for r in self.peak_ratios if r is not None and r > 1.0)
+
+    def summary(self) -> dict[str, Any]:
+        """The summary figures as a dict (JSON-ready)."""
+        return {
+            "rows": self.rows,
+            "batches": self.batches,
+            "seconds": self.seconds,
+            "rows_per_s": self.rows_per_s,
+            "tokens_per_s": self.tokens_per_s,
+            "real_tokens": self.real_tokens,
+            "padded_tokens": self.padded_tokens,
+            "padding_efficiency": self.padding_efficiency,
+            "oom_events": self.oom_events,
+            "oom_splits": self.oom_splits,
+            "pre_split_batches": self.pre_split_batches,
+            "failed_rows": self.failed_rows,
+            "budget_bytes": self.budget_bytes,
+            "max_peak_ratio": self.max_peak_ratio,
+            "batches_over_budget": self.batches_over_budget,
+        }
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        """Writes the summary and every batch record to ``path`` as JSON."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise bad_type("path", "a str or os.PathLike", path)
+        data = {"summary": self.summary(), "batches": [asdict(r) for r in self.records]}
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> RunReport:
+        """Reads a report written by :meth:`to_json`."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise bad_type("path", "a str or os.PathLike", path)
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        names = {f.name for f in fields(BatchRecord)}
+        records = [BatchRecord(**{k: v for k, v in r.items() if k in names}) for r in data["batches"]]
+        return cls(records, budget_bytes=data["summary"].get("budget_bytes"))
+
+    def plot(self, path: str | os.PathLike, *, title: str | None = None) -> None:
+        """Draws the run into a PNG at ``path``: batch sizes, padding and peak memory per batch.
+
+        Three panels share the batch-number axis: rows per batch (batches that
+        ran out of memory or were split up front marked), padded over real
+        tokens, and each batch's peak relative to the first batch's (the
+        budget, line at 1.0; the planner's target, line at 0.9).
+
+        Raises:
+            ImportError: matplotlib is not installed (``pip install dynabatch[plot]``).
+        """
+        if not isinstance(path, (str, os.PathLike)):
+            raise bad_type("path", "a str or os.PathLike", path)
+        try:
+            from matplotlib.figure import Figure
+        except ImportError as exc:
+            raise ImportError(
+                "RunReport.plot needs matplotlib, which is not installed: pip install dynabatch[plot]"
+            ) from exc
+
+        numbers = [r.batch for r in self.records]
+        fig = Figure(figsize=(9, 8.5), layout="constrained")  # no pyplot: no global state, any backend
+        ax_rows, ax_pad, ax_mem = fig.subplots(3, 1, sharex=True)
+        summary = self.summary()
+        headline = title or "dynabatch run"
+        rate = f"{summary['rows_per_s']:.1f} rows/s" if summary["rows_per_s"] else "no time measured"
+        efficiency = summary["padding_efficiency"]
+        efficiency_text = f"{efficiency:.0%} of tokens real" if efficiency is not None else "no tokens"
+        fig.suptitle(
+            f"{headline}: {summary['rows']} rows in {summary['batches']} batches, {rate}, {efficiency_text}, "
+            f"{summary['oom_events']} OOM events",
+            fontsize=11,
+        )
+
+        ax_rows.set_title("Batch size")
+        ax_rows.bar(numbers, [r.rows for r in self.records], width=0.8, color="tab:blue", label="rows")
+        oom = [r for r in self.records if r.oom_events]
+        if oom:
+            ax_rows.scatter(
+                [r.batch for r in oom],
+                [r.rows for r in oom],
+                marker="x",
+                color="tab:red",
+                s=40,
+                zorder=3,
+                label="ran out of memory (split)",
+            )
+        pre = [r for r in self.records if r.pre_split]
+        if pre:
+            top = max(r.rows for r in self.records)
+            ax_rows.scatter(
+                [r.batch for r in pre],
+                [r.rows + 0.06 * top for r in pre],
+                marker="v",
+                color="tab:orange",
+                s=40,
+                zorder=3,
+                label="split before trying (as large as a failed shape)",
+            )
+        ax_rows.set_ylabel("rows")
+        if self.records:
+            ax_rows.set_ylim(0, 1.45 * max(r.rows for r in self.records))  # room for the legend above the bars
+        ax_rows.legend(loc="upper left", fontsize=8, ncol=3)
+
+        ax_pad.set_title("Padding")
+        ratios = [r.padded_tokens / r.real_tokens if r.real_tokens else float("nan") for r in self.records]
+        ax_pad.plot(numbers, ratios, marker=".", color="tab:green", label="padded / real tokens")
+        ax_pad.axhline(1.0, color="gray", linestyle=":", linewidth=1, label="no padding")
+        ax_pad.set_ylabel("padded / real tokens")
+        ax_pad.legend(loc="best", fontsize=8)
+
+        ax_mem.set_title("Peak memory relative to the first batch")
+        measured = [(n, p) for n, p in zip(numbers, self.peak_ratios) if p is not None]
+        if measured:
+            ax_mem.plot(
+                [n for n, _ in measured],
+                [p for _, p in measured],
+                marker=".",
+                color="tab:purple",
+                label="peak / first batch's peak",
+            )
+            ax_mem.axhline(1.0, color="tab:red", linestyle="--", linewidth=1, label="budget (1.0)")
+            ax_mem.axhline(_TARGET, color="tab:orange", linestyle=":", linewidth=1, label=f"target ({_TARGET})")
+            ax_mem.legend(loc="best", fontsize=8)
+        else:
+            ax_mem.text(
+                0.5,
+                0.5,
+                "memory not measured (run with measure_memory=True)",
+                ha="center",
+                va="center",
+                transform=ax_mem.transAxes,
+                color="gray",
+            )
+            ax_mem.set_yticks([])
+        ax_mem.set_ylabel("peak / budget")
+        ax_mem.set_xlabel("batch number")
+        if not numbers:
+            for ax in (ax_rows, ax_pad):
+                ax.text(0.5, 0.5, "no batches ran", ha="center", va="center", transform=ax.transAxes, color="gray")
+        fig.savefig(path, dpi=110)

@@ -1,0 +1,279 @@
+"""The spike classifier: how likely a candidate batch is to exceed 90% of the first batch's peak.
+
+The bundled classifier (``dynabatch/models/classifier.pkl``) is loaded lazily,
+on first use, never at import, and only after its sha256 matches
+``classifier.json``. If it cannot be used (it was pickled by another
+scikit-learn version, or the file is damaged), dynabatch warns once, refits it
+from the bundled profiles (``profiles.csv.gz``, seconds) and caches the result
+in :func:`cache_dir`, keyed by versions and hashes. A user's classifier can be given as a path (a
+joblib file) or as a fitted estimator with ``predict_proba``.
+
+Two classifiers are bundled: ``classifier.pkl`` over the spec's 13 features,
+and ``classifier-shape.pkl`` over those and ``memory_ratio_estimate``, for
+when the planner is told the model's shape
+(:class:`~dynabatch.memory.features.ModelShape`); ``load_classifier(shape=True)``
+returns the second.
+
+Unpickling runs code: load only files you trust. dynabatch never loads a path
+it was not given explicitly.
+
+Example:
+    >>> from dynabatch.memory.classifier import load_classifier
+    >>> from dynabatch.memory.features import compute_features
+    >>> clf = load_classifier()
+    >>> f = compute_features(128, 128, 8, 1024, token_size_y=[120, 120], batch_size_y=[8, 64],
+    ...                      total_tokens_y=[900, 7000])
+    >>> p = clf.predict_spike_proba(f)
+    >>> bool(p[0] < p[1])  # eight times the rows at nearly the same length is likelier to spike
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dynabatch.memory._tree_eval import compile_trees
+from dynabatch._validation import bad_type, bad_value
+from dynabatch.memory.features import FEATURE_NAMES, SHAPE_FEATURE_NAMES, compute_features
+
+__all__ = ["BUNDLED_CLASSIFIER", "BUNDLED_SHAPE_CLASSIFIER", "SpikeClassifier", "cache_dir", "load_classifier"]
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_CLASSIFIER = Path(__file__).resolve().parent.parent / "models" / "classifier.pkl"
+"""Path of the classifier shipped with dynabatch; its metadata is ``classifier.json`` beside it."""
+
+BUNDLED_SHAPE_CLASSIFIER = BUNDLED_CLASSIFIER.with_name("classifier-shape.pkl")
+"""Path of the shipped classifier over :data:`~dynabatch.memory.features.SHAPE_FEATURE_NAMES` (``classifier-shape.json``)."""
+
+
+class SpikeClassifier:
+    """Wraps a fitted binary classifier over :data:`~dynabatch.memory.features.FEATURE_NAMES` (or the shape features).
+
+    Args:
+        estimator: a fitted scikit-learn style classifier with ``predict_proba``
+            and classes ``[0, 1]`` (1 = spike). If it records the feature names
+            it was fitted on (``feature_names_in_``) they must equal
+            :data:`FEATURE_NAMES` or :data:`SHAPE_FEATURE_NAMES`; otherwise it
+            must take 13 (or 14) features.
+        metadata: what is known of how it was trained (``classifier.json``).
+
+    Attributes:
+        feature_names: the columns it takes, :data:`FEATURE_NAMES` or :data:`SHAPE_FEATURE_NAMES`.
+    """
+
+    def __init__(self, estimator: Any, metadata: dict | None = None) -> None:
+        if not callable(getattr(estimator, "predict_proba", None)):
+            raise bad_type("classifier", "a path or a fitted estimator with predict_proba", estimator)
+        names = getattr(estimator, "feature_names_in_", None)
+        if names is not None and tuple(names) not in (FEATURE_NAMES, SHAPE_FEATURE_NAMES):
+            raise bad_value("classifier", f"fitted on the features {list(FEATURE_NAMES)} (and optionally "
+                            f"{SHAPE_FEATURE_NAMES[-1]!r})", list(names))
+        n_features = getattr(estimator, "n_features_in_", len(FEATURE_NAMES))
+        if n_features not in (len(FEATURE_NAMES), len(SHAPE_FEATURE_NAMES)):
+            raise bad_value("classifier", f"fitted on {len(FEATURE_NAMES)} or {len(SHAPE_FEATURE_NAMES)} features",
+                            f"{n_features} features")
+        self.feature_names = SHAPE_FEATURE_NAMES if n_features == len(SHAPE_FEATURE_NAMES) else FEATURE_NAMES
+        classes = getattr(estimator, "classes_", None)
+        if classes is not None and list(classes) != [0, 1]:
+            raise bad_value("classifier", "a binary classifier with classes [0, 1]", list(classes))
+        self.estimator = estimator
+        self.metadata = dict(metadata or {})
+        self._named = names is not None
+        self._compiled = None
+        self._compiled = compile_trees(estimator, _probe_features(self.uses_shape), self.predict_spike_proba)
+
+    @property
+    def uses_shape(self) -> bool:
+        """Whether it takes ``memory_ratio_estimate`` (plans need a :class:`~dynabatch.memory.features.ModelShape`)."""
+        return self.feature_names == SHAPE_FEATURE_NAMES
+
+    @property
+    def monotone_in_rows(self) -> bool:
+        """Whether adding rows to a candidate can never lower its spike probability.
+
+        True when the estimator was fitted with a ``+1`` monotonic constraint on
+        every feature that grows with the candidate's rows (as the bundled
+        classifier is). The planner then checks a candidate size with two
+        probabilities instead of all smaller candidates.
+        """
+        cst = getattr(self.estimator, "monotonic_cst", None)
+        if cst is None:
+            return False
+        grows = _GROWS_WITH_ROWS + (("memory_ratio_estimate",) if self.uses_shape else ())
+        if isinstance(cst, dict):
+            signs = [cst.get(name, 0) for name in grows]
+        else:
+            signs = [list(cst)[self.feature_names.index(name)] for name in grows]
+        return all(sign == 1 for sign in signs)
+
+    def _as_input(self, features: np.ndarray):
+        if self._named:
+            import pandas as pd
+
+            return pd.DataFrame(features, columns=list(self.feature_names), copy=False)
+        return features
+
+    def predict_spike_proba(self, features: np.ndarray) -> np.ndarray:
+        """Returns, for each row of ``features`` (``(n, 13)``, or ``(n, 14)`` with shape), the probability of a spike."""
+        features = np.asarray(features, dtype=np.float64)
+        if features.ndim != 2 or features.shape[1] != len(self.feature_names):
+            raise bad_value("features", f"an array of shape (n, {len(self.feature_names)})", features.shape)
+        if features.shape[0] == 0:
+            return np.empty(0, dtype=np.float64)
+        if self._compiled is not None:
+            return self._compiled.predict_proba1(features)
+        return np.asarray(self.estimator.predict_proba(self._as_input(features)))[:, 1]
+
+    def __repr__(self) -> str:
+        return f"SpikeClassifier({type(self.estimator).__name__}, trained={self.metadata.get('trained_on', '?')})"
+
+
+_GROWS_WITH_ROWS = ("batch_size_y", "batch_size_diff", "total_tokens_y", "total_token_size_diff", "paddings_y",
+                    "total_paddings_diff")
+
+
+@functools.lru_cache(maxsize=2)
+def _probe_features(shape: bool = False) -> np.ndarray:
+    """Realistic feature rows (first batches and candidates of many shapes) to check compiled trees on."""
+    rng = np.random.default_rng(0)
+    n = 512
+    max_len = rng.choice([64, 128, 256, 512, 1024], size=n)
+    tok_x = np.maximum(1, (max_len * rng.uniform(0.3, 1.0, n)).astype(int))
+    bs_x = rng.choice([1, 4, 8, 16, 64, 128, 256, 512], size=n)
+    tot_x = (bs_x * tok_x * rng.uniform(0.5, 1.0, n)).astype(int)
+    tok_y = np.maximum(1, (tok_x * rng.uniform(0.01, 1.0, n)).astype(int))
+    bs_y = np.ceil(bs_x * rng.uniform(1.0, 8.0, n)).astype(int)
+    tot_y = (bs_y * tok_y * rng.uniform(0.3, 1.0, n)).astype(int)
+    if not shape:
+        return compute_features(max_len, tok_x, bs_x, tot_x, tok_y, bs_y, tot_y)
+    return compute_features(max_len, tok_x, bs_x, tot_x, tok_y, bs_y, tot_y,
+                            vocab_size=rng.choice([30522, 32000, 50257, 151936, 256206], size=n),
+                            hidden_size=rng.choice([384, 512, 768, 1024, 2048], size=n),
+                            max_new_tokens=rng.choice([0, 8, 64, 256], size=n), num_beams=rng.choice([1, 4], size=n))
+
+
+def _read_metadata(pkl: Path) -> dict:
+    meta = pkl.with_suffix(".json")
+    if not meta.is_file():
+        return {}
+    with open(meta, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def _load_path(path: Path) -> SpikeClassifier:
+    import joblib
+
+    if not path.is_file():
+        raise bad_value("classifier", "the path of an existing classifier file", str(path))
+    return SpikeClassifier(joblib.load(path), _read_metadata(path))
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def cache_dir() -> Path:
+    """Where a refitted bundled classifier is kept: ``$DYNABATCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/dynabatch``,
+    else ``~/.cache/dynabatch``."""
+    explicit = os.environ.get("DYNABATCH_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dynabatch"
+
+
+def _bundled_problem(pkl: Path, meta: dict) -> str | None:
+    """Why the bundled pickle should not be unpickled here, or None."""
+    import sklearn
+
+    if not meta:
+        return f"has no {pkl.with_suffix('.json').name}"
+    if _sha256(pkl) != meta.get("classifier_sha256"):
+        return f"does not match the sha256 in {pkl.with_suffix('.json').name}"
+    if meta.get("sklearn_version") != sklearn.__version__:
+        return f"was trained with scikit-learn {meta.get('sklearn_version')} and this is scikit-learn {sklearn.__version__}"
+    return None
+
+
+def _refit_bundled(pkl: Path, meta: dict, problem: str) -> SpikeClassifier:
+    """Refits a bundled classifier from the bundled profiles (seconds), cached per versions and hashes."""
+    import joblib
+    import pandas as pd
+    import sklearn
+
+    from dynabatch.memory.classifier_fit import candidate_rows, fit_spike_classifier
+
+    profiles = pkl.parent / "profiles.csv.gz"
+    shape = bool(meta.get("shape", False))
+    if not profiles.is_file() or _sha256(profiles) != meta.get("profiles_sha256"):
+        raise RuntimeError(f"the bundled spike classifier {problem}, and the bundled profiles to refit it from "
+                           f"are missing or damaged ({profiles}); reinstall dynabatch")
+    key = hashlib.sha256(json.dumps([sklearn.__version__, meta["profiles_sha256"], meta["params"],
+                                     meta["spike_ratio"], shape], sort_keys=True).encode()).hexdigest()[:16]
+    cached = cache_dir() / f"{pkl.stem}-{key}.pkl"
+    warnings.warn(f"dynabatch: the bundled spike classifier {pkl.name} {problem}; using one refitted from the bundled "
+                  f"profiles (cached at {cached})", RuntimeWarning, stacklevel=4)
+    if cached.is_file():
+        try:
+            return SpikeClassifier(joblib.load(cached), meta)
+        except Exception as exc:  # a damaged cache entry is refitted below
+            logger.warning("cached classifier %s unusable (%s); refitting", cached, exc)
+    estimator = fit_spike_classifier(candidate_rows(pd.read_csv(profiles)), meta["spike_ratio"], shape=shape,
+                                     **meta["params"])
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.tmp")
+        joblib.dump(estimator, partial)
+        os.replace(partial, cached)
+    except OSError as exc:
+        logger.warning("could not cache the refitted classifier at %s: %s", cached, exc)
+    return SpikeClassifier(estimator, meta)
+
+
+@functools.lru_cache(maxsize=2)
+def _bundled(shape: bool = False) -> SpikeClassifier:
+    """A bundled classifier, verified before it is unpickled; refitted (once, with a warning) if it cannot be used."""
+    pkl = BUNDLED_SHAPE_CLASSIFIER if shape else BUNDLED_CLASSIFIER
+    logger.debug("loading the bundled spike classifier from %s", pkl)
+    meta = _read_metadata(pkl)
+    problem = _bundled_problem(pkl, meta) if pkl.is_file() else "is missing"
+    if problem is None:
+        try:
+            return _load_path(pkl)
+        except Exception as exc:
+            problem = f"could not be loaded ({type(exc).__name__}: {exc})"
+    return _refit_bundled(pkl, meta, problem)
+
+
+def load_classifier(classifier: str | os.PathLike | Any | None = None, *, shape: bool = False) -> SpikeClassifier:
+    """Returns the spike classifier to plan with.
+
+    Args:
+        classifier: ``None`` for the bundled classifier (loaded once, on first
+            use); a path to a joblib file (unpickling runs code: trusted files
+            only); a fitted estimator; or a :class:`SpikeClassifier`.
+        shape: with ``classifier=None``, the bundled shape-aware classifier
+            (for plans given a :class:`~dynabatch.memory.features.ModelShape`).
+
+    Raises:
+        TypeError: for anything else.
+        ValueError: for a missing file or an estimator fitted on other features.
+    """
+    if not isinstance(shape, bool):
+        raise bad_type("shape", "a bool", shape)
+    if classifier is None:
+        return _bundled(shape)
+    if isinstance(classifier, SpikeClassifier):
+        return classifier
+    if isinstance(classifier, (str, os.PathLike)):
+        return _load_path(Path(classifier))
+    return SpikeClassifier(classifier)

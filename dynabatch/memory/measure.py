@@ -1,0 +1,185 @@
+"""Peak activation memory of a block of work, on CUDA or on the CPU.
+
+*Peak activation memory* is the most memory the block had allocated at any one
+time beyond what was allocated before it started: weights, persistent buffers
+and inputs already placed on the device are not counted.
+
+* CUDA: ``torch.cuda`` memory statistics (peak reset, allocated before, maximum
+  allocated after).
+* CPU: a dispatch-mode tracker of tensor storages (see ``_storage_tracker``),
+  rounded to CUDA's 512-byte blocks; deterministic for a given call.
+
+Example:
+    >>> import torch
+    >>> from dynabatch.memory.measure import track_peak_memory
+    >>> weight = torch.ones(256, 256)
+    >>> with track_peak_memory("cpu") as mem:
+    ...     out = (weight @ weight).relu()
+    >>> mem.peak_bytes  # two 256x256 float32 results, weights not counted
+    524288
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from dynabatch.memory._storage_tracker import StorageTracker
+from dynabatch._validation import bad_type, bad_value, check_positive_int
+
+__all__ = [
+    "PeakMemory",
+    "collect_cuda_peak_alloc",
+    "collect_peak_alloc",
+    "is_out_of_memory_error",
+    "track_peak_memory",
+]
+
+logger = logging.getLogger(__name__)
+
+Data = TypeVar("Data")
+Feature = TypeVar("Feature")
+
+_CPU_OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+
+
+@dataclass
+class PeakMemory:
+    """What :func:`track_peak_memory` measured; ``peak_bytes`` is set when the block ends."""
+
+    device: torch.device
+    peak_bytes: int | None = None
+
+
+def _as_measurable_device(device: str | torch.device) -> torch.device:
+    if not isinstance(device, (str, torch.device)):
+        raise bad_type("device", "a str or torch.device", device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise bad_value("device", "a valid torch device such as 'cpu' or 'cuda:0'", device) from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise bad_value("device", "a 'cpu' or 'cuda' device (the devices whose memory can be measured)", device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise bad_value("device", "an available device (torch.cuda.is_available() is False)", device)
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def is_out_of_memory_error(exc: BaseException) -> bool:
+    """Tells whether ``exc`` is an out-of-memory error of CUDA or of the CPU allocator."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _CPU_OOM_MESSAGES)
+
+
+@contextlib.contextmanager
+def track_peak_memory(device: str | torch.device = "cpu", *, limit_bytes: int | None = None) -> Iterator[PeakMemory]:
+    """Measures the peak activation memory of the block it wraps.
+
+    Args:
+        device: a ``cpu`` or ``cuda`` device; the block's work must run there.
+        limit_bytes: CPU only. Raise :class:`torch.OutOfMemoryError` as soon as
+            the block holds more than this many bytes, as a device with that
+            much free memory would.
+
+    Yields:
+        A :class:`PeakMemory` whose ``peak_bytes`` is filled in when the block
+        ends (also when it raises).
+
+    Raises:
+        ValueError: for a device that cannot be measured, or ``limit_bytes`` on CUDA.
+    """
+    dev = _as_measurable_device(device)
+    result = PeakMemory(dev)
+    if limit_bytes is not None:
+        limit_bytes = check_positive_int("limit_bytes", limit_bytes)
+    if dev.type == "cpu":
+        tracker = StorageTracker(limit_bytes=limit_bytes)
+        try:
+            with tracker:
+                yield result
+        finally:
+            result.peak_bytes = tracker.peak_bytes
+        return
+    if limit_bytes is not None:
+        raise bad_value("limit_bytes", "None on a CUDA device (the device's own memory is the limit)", limit_bytes)
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)
+    try:
+        yield result
+    finally:
+        torch.cuda.synchronize(dev)
+        result.peak_bytes = max(0, torch.cuda.max_memory_allocated(dev) - before)
+
+
+def collect_peak_alloc(
+    dataset: Iterable[Data],
+    work: Callable[[Data], Feature],
+    device: str | torch.device,
+    cleanup: Callable[[], None] | None = None,
+) -> tuple[list[Feature | None], list[int | None]]:
+    """Runs ``work`` on every item and records its peak activation memory.
+
+    The API of bionemo's ``collect_cuda_peak_alloc``, on CUDA and on the CPU.
+    An item whose ``work`` runs out of memory is kept in place: its feature and
+    its peak are ``None`` (a warning is logged), so both lists stay aligned with
+    ``dataset``. Any other error propagates. ``cleanup`` runs after every item,
+    in a ``finally`` block, before garbage collection.
+
+    Args:
+        dataset: the items to run.
+        work: does the work for one item and returns its feature.
+        device: where ``work`` runs (``cpu`` or ``cuda``).
+        cleanup: called after each item to drop references ``work`` holds.
+
+    Returns:
+        ``(features, peaks)``, one entry per item; peaks are bytes.
+
+    Example:
+        >>> import torch
+        >>> from dynabatch.memory.measure import collect_peak_alloc
+        >>> feats, peaks = collect_peak_alloc([1, 4], lambda n: torch.zeros(n, 128).sum().item() + n, "cpu")
+        >>> feats, peaks
+        ([1.0, 4.0], [1024, 2560])
+    """
+    dev = _as_measurable_device(device)
+    if not callable(work):
+        raise bad_type("work", "a callable", work)
+    if cleanup is not None and not callable(cleanup):
+        raise bad_type("cleanup", "a callable or None", cleanup)
+    features: list[Feature | None] = []
+    peaks: list[int | None] = []
+    for position, data in enumerate(dataset):
+        try:
+            with track_peak_memory(dev) as mem:
+                feature = work(data)
+        except Exception as exc:
+            if not is_out_of_memory_error(exc):
+                raise
+            logger.warning("item %d ran out of memory; recorded with peak None: %s", position, exc)
+            features.append(None)
+            peaks.append(None)
+        else:
+            features.append(feature)
+            peaks.append(mem.peak_bytes)
+        finally:
+            if cleanup is not None:
+                cleanup()
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    return features, peaks
+
+
+collect_cuda_peak_alloc = collect_peak_alloc
+"""Alias under bionemo's name; works on the CPU too."""

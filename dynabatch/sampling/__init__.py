@@ -1,0 +1,1 @@
+"""Batch planning: pure planning functions over lengths and the thin torch samplers over them."""

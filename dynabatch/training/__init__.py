@@ -1,0 +1,1 @@
+"""Training: memory-aware training steps, the Trainer integration and the monitor."""

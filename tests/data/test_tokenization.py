@@ -1,0 +1,275 @@
+import logging
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dynabatch.data.tokenization import FORBIDDEN_TOKENIZER_KWARGS, TokenizedTexts, tokenize_texts, validate_texts
+
+MAX_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def texts():
+    from dynabatch.demo import kjv_passages, vary_lengths
+
+    return vary_lengths(kjv_passages(), n=300, max_words=200, seed=0)
+
+
+def _reference_lengths(tokenizer, texts, max_length, **kwargs):
+    return [len(tokenizer(t, truncation=True, max_length=max_length, **kwargs)["input_ids"]) for t in texts]
+
+
+# --- tokenize_texts on a real tokenizer -------------------------------------------------------------
+
+
+def test_lengths_equal_the_tokenizer_on_each_text(tokenizer, texts):
+    tokens = tokenize_texts(texts, tokenizer, MAX_LEN)
+    assert len(tokens) == len(texts)
+    assert tokens.lengths.tolist() == _reference_lengths(tokenizer, texts, MAX_LEN)
+    assert tokens.lengths.dtype == np.int64
+
+
+def test_long_texts_are_truncated_to_the_limit_special_tokens_included(tokenizer, texts):
+    tokens = tokenize_texts(texts, tokenizer, MAX_LEN)
+    assert tokens.lengths.max() == MAX_LEN
+    untruncated = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    assert max(untruncated) > MAX_LEN
+    longest = int(np.argmax(untruncated))
+    assert tokens.row(longest)[0] == tokenizer.cls_token_id
+    assert tokens.row(longest)[-1] == tokenizer.sep_token_id
+
+
+def test_rows_are_the_token_ids_in_input_order(tokenizer, texts):
+    tokens = tokenize_texts(texts, tokenizer, MAX_LEN, chunk_size=7)  # many chunks, one uneven
+    expected = tokenizer(texts, truncation=True, max_length=MAX_LEN)
+    for i in range(len(texts)):
+        assert tokens.row(i).tolist() == expected["input_ids"][i]
+    assert tokens.row(-1).tolist() == expected["input_ids"][-1]
+    flat_types = [v for row in expected["token_type_ids"] for v in row]
+    assert tokens.extras["token_type_ids"].tolist() == flat_types
+
+
+def test_store_layout(tokenizer, texts):
+    tokens = tokenize_texts(texts, tokenizer, MAX_LEN)
+    assert tokens.input_ids.dtype == np.int32
+    assert tokens.offsets.dtype == np.int64
+    assert tokens.offsets.shape == (len(texts) + 1,)
+    assert tokens.offsets[0] == 0 and tokens.offsets[-1] == len(tokens.input_ids)
+    assert set(tokens.extras) == {"token_type_ids"}  # no attention mask stored
+    assert tokens.extras["token_type_ids"].dtype == np.int32
+    assert np.shares_memory(tokens.row(3), tokens.input_ids)
+
+
+def test_chunk_size_does_not_change_the_result(tokenizer, texts):
+    one = tokenize_texts(texts, tokenizer, MAX_LEN)
+    many = tokenize_texts(texts, tokenizer, MAX_LEN, chunk_size=16)
+    assert np.array_equal(one.input_ids, many.input_ids)
+    assert np.array_equal(one.offsets, many.offsets)
+
+
+def test_add_special_tokens_false_applies(tokenizer, texts):
+    with_special = tokenize_texts(texts, tokenizer, MAX_LEN)
+    without = tokenize_texts(texts, tokenizer, MAX_LEN, add_special_tokens=False)
+    assert without.lengths.tolist() == _reference_lengths(tokenizer, texts, MAX_LEN, add_special_tokens=False)
+    assert without.lengths.tolist() != with_special.lengths.tolist()
+    assert tokenizer.cls_token_id not in without.input_ids
+
+
+def test_empty_strings_and_duplicates_are_kept(tokenizer):
+    texts = ["", "And God said", "", "And God said"]
+    tokens = tokenize_texts(texts, tokenizer, MAX_LEN)
+    assert tokens.lengths.tolist() == [2, 5, 2, 5]
+    assert tokens.row(1).tolist() == tokens.row(3).tolist()
+    bare = tokenize_texts(texts, tokenizer, MAX_LEN, add_special_tokens=False)
+    assert bare.lengths.tolist() == [0, 3, 0, 3]
+    assert bare.row(0).size == 0
+
+
+def test_pandas_series_and_tuple_give_the_same_store(tokenizer, texts):
+    base = tokenize_texts(texts[:20], tokenizer, MAX_LEN)
+    for variant in (pd.Series(texts[:20], index=range(100, 120)), tuple(texts[:20]), np.array(texts[:20], dtype=object)):
+        other = tokenize_texts(variant, tokenizer, MAX_LEN)
+        assert np.array_equal(other.input_ids, base.input_ids)
+        assert np.array_equal(other.offsets, base.offsets)
+
+
+def test_one_batched_call_per_chunk_with_the_loader_arguments():
+    calls = []
+
+    def fake(batch, **kwargs):
+        calls.append((list(batch), kwargs))
+        return {"input_ids": [[1] * len(t) for t in batch], "length": [len(t) for t in batch]}
+
+    tokens = tokenize_texts(["a", "bb", "ccc", "dddd", "e"], fake, 3, chunk_size=2, add_special_tokens=False)
+    assert [batch for batch, _ in calls] == [["a", "bb"], ["ccc", "dddd"], ["e"]]
+    assert calls[0][1] == {
+        "truncation": True, "max_length": 3, "padding": False, "return_attention_mask": False,
+        "add_special_tokens": False,
+    }
+    assert tokens.lengths.tolist() == [1, 2, 3, 4, 1]  # the fake ignores truncation
+    assert tokens.extras == {}  # "length" is one value per text, not per token
+
+
+def test_an_extra_missing_from_one_chunk_is_dropped():
+    def fake(batch, **kwargs):
+        out = {"input_ids": [[7] * len(t) for t in batch]}
+        if batch[0] == "a":
+            out["token_type_ids"] = [[0] * len(t) for t in batch]
+        return out
+
+    tokens = tokenize_texts(["a", "bb", "ccc"], fake, 8, chunk_size=2)
+    assert tokens.extras == {}
+
+
+def test_logs_at_debug(tokenizer, caplog):
+    with caplog.at_level(logging.DEBUG, logger="dynabatch.data.tokenization"):
+        tokenize_texts(["In the beginning", ""], tokenizer, MAX_LEN)
+    assert "tokenized 2 texts into 7 tokens" in caplog.text
+
+
+def test_progress_bar_is_off_by_default(tokenizer, capsys):
+    tokenize_texts(["In the beginning"], tokenizer, MAX_LEN)
+    assert capsys.readouterr().err == ""
+    tokenize_texts(["In the beginning"], tokenizer, MAX_LEN, progress=True)
+    assert "tokenizing" in capsys.readouterr().err
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", sorted(FORBIDDEN_TOKENIZER_KWARGS))
+def test_loader_owned_kwargs_are_refused(tokenizer, key):
+    with pytest.raises(ValueError, match=rf"tokenizer_kwargs should not set '{key}' \(.*\), but got tokenizer_kwargs=\{{'{key}': 10\}}"):
+        tokenize_texts(["a"], tokenizer, MAX_LEN, **{key: 10})
+
+
+def test_max_length_message_names_the_limit_argument(tokenizer):
+    with pytest.raises(ValueError, match=r"^tokenizer_kwargs should not set 'max_length' \(dynabatch sets it from max_input_token_length\), but got tokenizer_kwargs=\{'max_length': 10\}$"):
+        tokenize_texts(["a"], tokenizer, MAX_LEN, max_length=10)
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (-3, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_bad_max_input_token_length(tokenizer, value, error):
+    with pytest.raises(error, match=rf"max_input_token_length should be a positive integer, but got max_input_token_length={value!r}"):
+        tokenize_texts(["a"], tokenizer, value)
+
+
+def test_bad_chunk_size(tokenizer):
+    with pytest.raises(ValueError, match=r"chunk_size should be a positive integer, but got chunk_size=0"):
+        tokenize_texts(["a"], tokenizer, MAX_LEN, chunk_size=0)
+
+
+def test_a_tokenizer_that_is_not_callable():
+    with pytest.raises(TypeError, match=r"tokenizer should be a callable tokenizer .*, but got tokenizer='bert' of type str"):
+        tokenize_texts(["a"], "bert", MAX_LEN)
+
+
+def test_a_tokenizer_that_returns_no_mapping():
+    with pytest.raises(TypeError, match=r"type\(tokenizer\(texts\)\) should be a mapping with 'input_ids', but got type\(tokenizer\(texts\)\)=<class 'list'>"):
+        tokenize_texts(["a"], lambda batch, **kw: [[1]], MAX_LEN)
+
+
+def test_a_tokenizer_that_returns_no_input_ids():
+    with pytest.raises(ValueError, match=r"tokenizer\(texts\)\.keys\(\) should be a collection including 'input_ids', but got tokenizer\(texts\)\.keys\(\)=\['ids'\]"):
+        tokenize_texts(["a"], lambda batch, **kw: {"ids": [[1]]}, MAX_LEN)
+
+
+def test_a_tokenizer_that_returns_the_wrong_number_of_rows():
+    with pytest.raises(ValueError, match=r"len\(tokenizer\(texts\)\['input_ids'\]\) should be 2, one row per text, but got len\(tokenizer\(texts\)\['input_ids'\]\)=1"):
+        tokenize_texts(["a", "b"], lambda batch, **kw: {"input_ids": [[1]]}, MAX_LEN)
+
+
+# --- validate_texts ---------------------------------------------------------------------------------
+
+
+def test_validate_texts_returns_a_list():
+    assert validate_texts(["a", "", "a"]) == ["a", "", "a"]
+    assert validate_texts(("a", "b")) == ["a", "b"]
+    assert validate_texts(pd.Series(["x", "y"], index=[5, 3])) == ["x", "y"]
+    converted = validate_texts(np.array(["a", "bc"]))
+    assert converted == ["a", "bc"] and all(type(t) is str for t in converted)
+
+
+def test_validate_texts_takes_any_non_str_sequence():
+    class Column:  # like a Hugging Face datasets column
+        def __init__(self, values):
+            self._values = values
+
+        def __len__(self):
+            return len(self._values)
+
+        def __getitem__(self, i):
+            return self._values[i]
+
+    import collections.abc
+
+    collections.abc.Sequence.register(Column)
+    assert validate_texts(Column(["a", "b"])) == ["a", "b"]
+
+
+def test_validate_texts_turns_str_subclasses_into_str():
+    out = validate_texts([np.str_("a"), "b"])
+    assert out == ["a", "b"] and [type(t) for t in out] == [str, str]
+
+
+@pytest.mark.parametrize(
+    "value, shown",
+    [("a text", "'a text' of type str"), (42, "42 of type int"), ({"a"}, r"\{'a'\} of type set"),
+     (None, "None of type NoneType")],
+)
+def test_validate_texts_refuses_non_sequences(value, shown):
+    with pytest.raises(TypeError, match=rf"texts should be a list of str \(.*\), but got texts={shown}"):
+        validate_texts(value)
+
+
+def test_validate_texts_refuses_a_generator():
+    with pytest.raises(TypeError, match=r"texts should be a list of str .*, but got texts=<generator .* of type generator"):
+        validate_texts(t for t in ["a"])
+
+
+def test_validate_texts_refuses_empty():
+    with pytest.raises(ValueError, match=r"^texts should be a non-empty sequence of str, but got texts=\[\]$"):
+        validate_texts([])
+    with pytest.raises(ValueError, match=r"texts should be a non-empty sequence of str, but got texts=\(\)"):
+        validate_texts(())
+
+
+def test_validate_texts_names_the_first_non_str_item():
+    with pytest.raises(TypeError, match=r"^texts\[3\] should be a str, but got texts\[3\]=None of type NoneType$"):
+        validate_texts(["a", "b", "", None, 5])
+    with pytest.raises(TypeError, match=r"texts\[1\] should be a str, but got texts\[1\]=nan of type float"):
+        validate_texts(pd.Series(["a", float("nan")]))
+
+
+def test_tokenize_texts_validates_texts(tokenizer):
+    with pytest.raises(TypeError, match=r"texts\[0\] should be a str, but got texts\[0\]=b'a' of type bytes"):
+        tokenize_texts([b"a"], tokenizer, MAX_LEN)
+
+
+def test_validate_texts_is_fast_on_a_million_texts():
+    import time
+
+    texts = ["some text"] * 1_000_000
+    start = time.perf_counter()
+    assert validate_texts(texts) is texts
+    assert time.perf_counter() - start < 1.0
+
+
+# --- TokenizedTexts ---------------------------------------------------------------------------------
+
+
+def test_tokenized_texts_row_bounds():
+    tokens = TokenizedTexts(np.arange(5, dtype=np.int32), np.array([0, 2, 2, 5]), {})
+    assert len(tokens) == 3
+    assert tokens.lengths.tolist() == [2, 0, 3]
+    assert tokens.row(2).tolist() == [2, 3, 4]
+    with pytest.raises(IndexError, match=r"i should be in range\(-3, 3\), but got i=3"):
+        tokens.row(3)
+
+
+def test_tokenized_texts_checks_its_layout():
+    with pytest.raises(ValueError, match=r"offsets should be an array from 0 to len\(input_ids\)=5, but got offsets="):
+        TokenizedTexts(np.arange(5, dtype=np.int32), np.array([0, 2, 4]), {})
+    with pytest.raises(ValueError, match=r"len\(extras\['token_type_ids'\]\) should be len\(input_ids\)=5, but got len\(extras\['token_type_ids'\]\)=4"):
+        TokenizedTexts(np.arange(5, dtype=np.int32), np.array([0, 5]), {"token_type_ids": np.zeros(4, np.int32)})

@@ -1,0 +1,476 @@
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynabatch.inference.distributed import (
+    balance,
+    batch_costs,
+    gather_results,
+    imbalance,
+    shard_batches,
+    world,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+try:
+    from dynabatch.inference.runner import run
+
+    RUNNER_AVAILABLE = True
+except ImportError:  # the runner is written alongside this module
+    RUNNER_AVAILABLE = False
+
+
+def _reference(costs, world_size):
+    """The count-capped greedy written plainly: O(n * world_size)."""
+    n = len(costs)
+    cap = -(-n // world_size)
+    loads, shares = [0.0] * world_size, [[] for _ in range(world_size)]
+    for b in sorted(range(n), key=lambda b: (-costs[b], b)):
+        r = min((q for q in range(world_size) if len(shares[q]) < cap), key=lambda q: (loads[q], q))
+        shares[r].append(b)
+        loads[r] += costs[b]
+    return [sorted(s) for s in shares]
+
+
+costs_strategy = st.one_of(
+    st.lists(st.floats(0, 1e6, allow_nan=False, allow_infinity=False), max_size=80),
+    st.lists(st.integers(0, 10_000), max_size=80),
+    st.lists(st.sampled_from([0, 1, 2, 3, 50, 100]), max_size=80),  # many ties and zeros
+)
+world_strategy = st.integers(1, 12)
+
+
+# --------------------------------------------------------------------------- shard_batches / balance
+
+
+@settings(deadline=None, max_examples=150)
+@given(costs=costs_strategy, world_size=world_strategy)
+def test_every_batch_once_equal_steps_plan_order(costs, world_size):
+    n = len(costs)
+    steps = [shard_batches(costs, world_size, r) for r in range(world_size)]
+    assert {len(s) for s in steps} == {math.ceil(n / world_size)}
+    ran = sorted(b for s in steps for b in s if b != -1)
+    assert ran == list(range(n))
+    assert sum(s.count(-1) for s in steps) == world_size * math.ceil(n / world_size) - n < world_size
+    for s in steps:
+        mine = [b for b in s if b != -1]
+        assert s == mine + [-1] * (len(s) - len(mine))  # batches first, padding last
+        assert mine == sorted(mine)  # in plan order
+    assert [[b for b in s if b != -1] for s in steps] == balance(costs, world_size)
+
+
+@settings(deadline=None, max_examples=150)
+@given(costs=costs_strategy, world_size=world_strategy)
+def test_max_load_within_the_lpt_bound(costs, world_size):
+    # max load <= T/W + (1 - 1/W) * c_max (proof sketch in the module docstring); tight for one batch.
+    loads = [math.fsum(costs[b] for b in share) for share in balance(costs, world_size)]
+    total = math.fsum(costs)
+    c_max = max(costs, default=0)
+    bound = total / world_size + (1 - 1 / world_size) * c_max
+    assert max(loads, default=0) <= bound * (1 + 1e-9) + 1e-9
+    assert imbalance(costs, world_size) <= (1 + (world_size - 1) * c_max / total if total else 1.0) + 1e-9
+
+
+@settings(deadline=None, max_examples=100)
+@given(costs=costs_strategy, world_size=world_strategy)
+def test_deterministic_and_matches_the_plain_greedy(costs, world_size):
+    shares = balance(costs, world_size)
+    assert balance(list(costs), world_size) == shares
+    assert balance(np.asarray(costs, dtype=np.float64), world_size) == shares
+    assert balance(tuple(costs), world_size) == shares
+    assert shares == _reference([float(c) for c in costs], world_size)
+
+
+def test_bound_is_tight_and_better_than_round_robin():
+    assert balance([5.0], 2) == [[0], []]
+    assert shard_batches([5.0], 2, 1) == [-1]
+    assert imbalance([5.0], 2) == 2.0  # = 1 + (W - 1) * c_max / T
+    assert imbalance([5e-324], 2) == 2.0  # a subnormal total must not underflow the mean load to 0
+    costs = [9, 7, 6, 5, 4, 3, 2]
+    assert balance(costs, 2) == [[0, 3, 5, 6], [1, 2, 4]]
+    assert imbalance(costs, 3) < 1.09
+
+
+def test_edge_cases():
+    assert shard_batches([], 3, 2) == []
+    assert balance([], 2) == [[], []]
+    assert imbalance([], 4) == 1.0
+    assert imbalance([0, 0, 0], 2) == 1.0
+    assert shard_batches([1, 1, 1], 1, 0) == [0, 1, 2]
+    assert [shard_batches([1.0], 3, r) for r in range(3)] == [[0], [-1], [-1]]
+    assert [shard_batches([0, 0, 0, 0], 2, r) for r in range(2)] == [[0, 1], [2, 3]]  # cap keeps steps equal
+    assert shard_batches(torch.tensor([1.0, 2.0, 3.0]), 2, 0) == [2, -1]
+    assert shard_batches(np.array([3, 2, 1], dtype=np.int32), np.int64(2), np.int64(1)) == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"world_size": 0, "rank": 0}, ValueError, r"^world_size should be a positive integer, but got world_size=0$"),
+        ({"world_size": 2.0, "rank": 0}, TypeError,
+         r"^world_size should be a positive integer, but got world_size=2.0 of type float$"),
+        ({"world_size": True, "rank": 0}, TypeError, r"world_size=True of type bool"),
+        ({"world_size": 2, "rank": 2}, ValueError,
+         r"^rank should be a non-negative integer less than world_size=2, but got rank=2$"),
+        ({"world_size": 2, "rank": -1}, ValueError, r"^rank should be a non-negative integer, but got rank=-1$"),
+        ({"world_size": 2, "rank": "0"}, TypeError, r"^rank should be a non-negative integer, but got rank='0' of type str$"),
+    ],
+)
+def test_shard_argument_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        shard_batches([1.0, 2.0], **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("costs", "error", "match"),
+    [
+        ([1.0, float("nan")], ValueError, r"^costs\[1\] should be a finite non-negative number, but got costs\[1\]=nan$"),
+        ([1, -2, 3], ValueError, r"^costs\[1\] should be a finite non-negative number, but got costs\[1\]=-2.0$"),
+        ([float("inf")], ValueError, r"costs\[0\]=inf$"),
+        ([1, "2"], TypeError, r"^costs\[1\] should be a finite non-negative number, but got costs\[1\]='2' of type str$"),
+        ([1, True], TypeError, r"costs\[1\]=True of type bool"),
+        ([1, None], TypeError, r"costs\[1\]=None of type NoneType"),
+        (None, TypeError, (r"^costs should be a 1-D sequence of finite non-negative numbers, one per batch, but got "
+                          r"costs=None of type NoneType$")),
+        ("12", TypeError, r"costs='12' of type str"),
+        ({1: 2}, TypeError, r"costs=\{1: 2\} of type dict"),
+        (np.ones((2, 2)), ValueError, r"costs='array of shape \(2, 2\)'"),
+        (np.array([True, False]), TypeError, r"costs\[0\]=.*True.* of type bool"),
+    ],
+)
+def test_cost_errors(costs, error, match):
+    with pytest.raises(error, match=match):
+        shard_batches(costs, 2, 0)
+    with pytest.raises(error, match=match):
+        balance(costs, 2)
+
+
+def test_batch_costs_are_rows_times_padded_width():
+    lengths = np.random.default_rng(0).integers(1, 129, size=300)
+    from dynabatch.sampling.planner import plan_batches
+
+    batches = plan_batches(lengths, batch_size=4, max_input_token_length=128)
+    costs = batch_costs(batches, lengths)
+    assert costs == [float(len(b) * lengths[b].max()) for b in batches]
+    assert batch_costs([[], [0]], [7]) == [0.0, 7.0]
+    with pytest.raises(ValueError, match=r"^batches\[0\] should be positions in range\(len\(lengths\)=1\)"):
+        batch_costs([[1]], [7])
+    with pytest.raises(TypeError, match=r"^batches should be"):
+        batch_costs(None, [7])
+
+
+# --------------------------------------------------------------------------- gather_results, one process
+
+
+def test_world_without_a_process_group():
+    assert world() == (0, 1)
+
+
+def test_gather_in_one_process_reorders():
+    assert gather_results([2, 0, 1], ["c", "a", "b"], 3) == ["a", "b", "c"]
+    assert gather_results(np.array([1, 0]), (torch.tensor(1), torch.tensor(0)), 2) == [torch.tensor(0),
+                                                                                      torch.tensor(1)]
+    assert gather_results(torch.tensor([0]), [None], 1) == [None]
+    assert gather_results([], [], 0) == []
+
+
+@pytest.mark.parametrize(
+    ("positions", "results", "n", "error", "match"),
+    [
+        ([0, 1, 1, 3, 3], list("abcde"), 4, ValueError,
+         (r"^positions should each be computed exactly once, but got 2 computed more than once \(first few: "
+         r"1 \(ranks \[0, 0\]\), 3 \(ranks \[0, 0\]\)\)$")),
+        ([0, 3], ["a", "d"], 4, ValueError,
+         r"^positions should cover range\(n_inputs=4\), but got 2 missing \(first few: 1, 2\)$"),
+        ([], [], 9, ValueError, r"but got 9 missing \(first few: 0, 1, 2, 3, 4, \.\.\.\)$"),
+        ([0, 4, -1], [1, 2, 3], 4, ValueError,
+         (r"^positions should be in range\(n_inputs=4\), but got 2 outside it \(first few: 4 \(rank 0\), "
+         r"-1 \(rank 0\)\)$")),
+        ([0, 1], ["a"], 2, ValueError,
+         r"^len\(results\) should be len\(positions\)=2, one result per position, but got len\(results\)=1$"),
+        ([0], "a", 1, TypeError, r"^results should be a list with one result per position, but got results='a'"),
+        ([0.0], ["a"], 1, TypeError, r"^positions should be a 1-D list, numpy array or tensor of int input positions"),
+        (None, [], 0, TypeError, r"positions=None of type NoneType"),
+        ([0], ["a"], -1, ValueError, r"^n_inputs should be a non-negative integer, but got n_inputs=-1$"),
+        ([0], ["a"], 1.0, TypeError, r"n_inputs=1.0 of type float"),
+    ],
+)
+def test_gather_errors_in_one_process(positions, results, n, error, match):
+    with pytest.raises(error, match=match):
+        gather_results(positions, results, n)
+
+
+# --------------------------------------------------------------------------- two gloo processes
+
+_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from dynabatch.inference.distributed import batch_costs, gather_results, shard_batches, world
+    from dynabatch.sampling.planner import plan_batches
+
+    rank, out, with_runner = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    report = {"world": list(world())}
+
+    for n in (300, 296):  # 67 and 66 batches: odd and even
+        lengths = np.random.default_rng(0).integers(1, 129, size=n)
+        batches = plan_batches(lengths, batch_size=4, max_input_token_length=128)
+        steps = shard_batches(batch_costs(batches, lengths), 2, rank)
+        positions, results = [], []
+        for b in steps:
+            if b >= 0:
+                for p in batches[b].tolist():
+                    positions.append(p)
+                    results.append((p * 2, f"text {p}", torch.tensor([p, rank])))
+            dist.all_reduce(torch.ones(1))  # a collective every step: hangs if step counts differ
+        gathered = gather_results(positions, results, n)
+        report[str(n)] = {
+            "n_batches": len(batches), "steps": steps,
+            "gathered": None if gathered is None else [
+                [a, s, t.tolist(), t.device.type] for a, s, t in gathered],
+        }
+
+    errors = {  # name: (positions, results, n_inputs) per rank
+        "overlap": (([0, 1, 2], [0, 1, 2], 4), ([2, 3], [2, 3], 4)),
+        "missing": (([0], [0], 4), ([3], [3], 4)),
+        "type_on_rank_1": (([0, 1], [0, 1], 3), ([2], "x", 3)),
+        "n_inputs_differ": (([0, 1], [0, 1], 4), ([2, 3], [2, 3], 5)),
+        "unpicklable_on_rank_1": (([0], [0], 2), ([1], [lambda: 1], 2)),
+    }
+    for name, args in errors.items():
+        try:
+            gather_results(*args[rank])
+            report[name] = None
+        except (TypeError, ValueError) as exc:
+            report[name] = [type(exc).__name__, str(exc)]
+    report["after_errors"] = gather_results([rank], [rank], 2)  # nothing is left hanging
+
+    if with_runner:
+        from transformers import AutoTokenizer
+
+        import dynabatch
+        from dynabatch.demo import kjv_passages, minilm_path
+        from dynabatch.inference.runner import run
+
+        tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+        texts = kjv_passages()[:200]
+        loader = dynabatch.build_dynamic_batch_dataloader(texts, tokenizer, batch_size=4,
+                                                          max_input_token_length=64, num_workers=0)
+        result = run(lambda b: b["input_ids"].sum(dim=1), loader, progress=False)
+        report["runner"] = [None if r is None else int(r) for r in result]
+        batches = list(loader)  # a plain iterable of the same batches on every rank
+        result = run(lambda b: b["input_ids"].sum(dim=1), batches, progress=False)
+        report["runner_iterable"] = [None if r is None else int(r) for r in result]
+        try:  # each rank handed its own share: refused on every rank, none left waiting
+            run(lambda b: b["input_ids"].sum(dim=1), batches[rank::2], progress=False)
+            report["per_rank_share"] = None
+        except ValueError as exc:
+            report["per_rank_share"] = str(exc)
+
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    """
+)
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Runs the worker on two gloo CPU processes; returns their reports."""
+    out = tmp_path_factory.mktemp("gloo")
+    script = out / "worker.py"
+    script.write_text(_WORKER)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
+               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    logs = [out / f"rank{rank}.log" for rank in range(2)]
+    procs = []
+    for rank in range(2):
+        with open(logs[rank], "w") as log:  # files, not pipes: a full pipe would stall a rank mid-collective
+            procs.append(subprocess.Popen(
+                [sys.executable, str(script), str(rank), str(out), "1" if RUNNER_AVAILABLE else "0"],
+                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+            ))
+    deadline = time.monotonic() + 120
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{logs[rank].read_text()[-4000:]}"
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("n", [300, 296])
+def test_two_gloo_ranks_gather_every_result_in_input_order(two_ranks, n):
+    rank0, rank1 = (r[str(n)] for r in two_ranks)
+    assert rank0["n_batches"] % 2 == (1 if n == 300 else 0)
+    assert len(rank0["steps"]) == len(rank1["steps"]) == math.ceil(rank0["n_batches"] / 2)
+    assert sorted(b for b in rank0["steps"] + rank1["steps"] if b >= 0) == list(range(rank0["n_batches"]))
+    assert rank1["gathered"] is None
+    gathered = rank0["gathered"]
+    assert len(gathered) == n
+    assert [g[:2] for g in gathered] == [[p * 2, f"text {p}"] for p in range(n)]
+    assert [g[2][0] for g in gathered] == list(range(n))
+    assert {g[2][1] for g in gathered} == {0, 1}  # both ranks computed some
+    assert {g[3] for g in gathered} == {"cpu"}
+
+
+def test_two_gloo_ranks_world(two_ranks):
+    assert [r["world"] for r in two_ranks] == [[0, 2], [1, 2]]
+
+
+def test_two_gloo_ranks_raise_the_same_error_together(two_ranks):
+    rank0, rank1 = two_ranks
+    for name in ("overlap", "missing", "type_on_rank_1", "n_inputs_differ", "unpicklable_on_rank_1"):
+        assert rank0[name] == rank1[name], name
+    assert rank0["overlap"] == ["ValueError", ("positions should each be computed exactly once across ranks, but got "
+                                "1 computed more than once (first few: 2 (ranks [0, 1]))")]
+    assert rank0["missing"] == ["ValueError", ("positions should cover range(n_inputs=4) across ranks, but got 2 "
+                                "missing (first few: 1, 2)")]
+    assert rank0["type_on_rank_1"] == ["TypeError", ("results should be a list with one result per position, but got "
+                                       "results='x' of type str (on rank 1 of 2)")]
+    assert rank0["n_inputs_differ"] == ["ValueError", ("n_inputs should be the same on every rank, but got "
+                                        "n_inputs=5 on rank 1 and n_inputs=4 on rank 0")]
+    kind, message = rank0["unpicklable_on_rank_1"]
+    assert kind == "TypeError"
+    assert message.startswith("results should be picklable to send to rank 0, but got ")
+    assert message.endswith(" (on rank 1 of 2)")
+    assert rank0["after_errors"] == [0, 1]
+    assert rank1["after_errors"] is None
+
+
+@pytest.mark.skipif(not RUNNER_AVAILABLE, reason="dynabatch.inference.runner.run is not there yet")
+def test_two_gloo_ranks_run_matches_one_process(two_ranks, tokenizer):
+    import dynabatch
+    from dynabatch.demo import kjv_passages
+
+    texts = kjv_passages()[:200]
+    loader = dynabatch.build_dynamic_batch_dataloader(texts, tokenizer, batch_size=4, max_input_token_length=64,
+                                                      num_workers=0)
+    single = run(lambda b: b["input_ids"].sum(dim=1), loader, progress=False)
+    expected = [int(r) for r in single]
+    assert len(expected) == 200
+    assert two_ranks[0]["runner"] == expected
+    # rank 1 gets only its own rows: the ones it ran, None elsewhere; the two shares cover every input.
+    own = two_ranks[1]["runner"]
+    assert len(own) == 200
+    assert 0 < sum(r is not None for r in own) < 200
+    assert all(r is None or r == e for r, e in zip(own, expected))
+    assert two_ranks[0]["runner_iterable"] == expected
+
+
+@pytest.mark.skipif(not RUNNER_AVAILABLE, reason="dynabatch.inference.runner.run is not there yet")
+def test_two_gloo_ranks_refuse_a_loader_already_split_per_rank(two_ranks):
+    messages = [r["per_rank_share"] for r in two_ranks]
+    assert messages[0] == messages[1]
+    assert re.fullmatch(r"loader should yield the same batches on every rank \(run shards them across the ranks "
+                        r"itself\), but got \d+ batches on rank 1 and \d+ on rank 0 that differ; pass every rank "
+                        r"the whole loader, not its own share", messages[0])
+
+
+# --------------------------------------------------------------------------- accelerate, launched by torchrun
+
+_ACCELERATE_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+
+    import torch
+    from accelerate import Accelerator
+    from transformers import AutoModel, AutoTokenizer
+
+    import dynabatch
+    from dynabatch.demo import kjv_passages, minilm_path
+
+    accelerator = Accelerator(cpu=True)  # sets up torch.distributed from torchrun's environment
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    model = AutoModel.from_pretrained(minilm_path()).eval()
+    loader = dynabatch.build_dynamic_batch_dataloader(kjv_passages()[:120], tokenizer, batch_size=4,
+                                                      max_input_token_length=64, num_workers=0)
+    with torch.no_grad():
+        rows = dynabatch.run(lambda b: model(**b).last_hidden_state[:, 0], loader, device=accelerator.device,
+                             progress=False)
+        # A loader passed through prepare, as accelerate users do: run still shards the whole plan once.
+        prepared = dynabatch.run(lambda b: model(**b).last_hidden_state[:, 0], accelerator.prepare(loader),
+                                 device=accelerator.device, progress=False)
+    report = {
+        "prepared": [None if r is None else r.tolist() for r in prepared], "prepared_ran": prepared.report.rows,
+        "rank": accelerator.process_index, "world": accelerator.num_processes,
+        "distributed_type": accelerator.distributed_type.name, "backend": accelerator.state.backend,
+        "rows": [None if r is None else r.tolist() for r in rows], "ran": rows.report.rows,
+    }
+    with open(os.path.join(sys.argv[1], f"rank{accelerator.process_index}.json"), "w") as f:
+        json.dump(report, f)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def accelerate_ranks(tmp_path_factory):
+    """Two CPU processes started by torchrun (what ``accelerate launch --multi_gpu`` runs), set up by Accelerator."""
+    pytest.importorskip("accelerate")
+    out = tmp_path_factory.mktemp("accelerate")
+    script = out / "worker.py"
+    script.write_text(_ACCELERATE_WORKER)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(_free_port()), str(script), str(out)]
+    log = out / "torchrun.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=240,
+                              check=False)
+    assert proc.returncode == 0, log.read_text()[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_under_accelerate_rank_0_gets_every_row_of_a_one_process_run(accelerate_ranks, tokenizer):
+    from transformers import AutoModel
+
+    import dynabatch
+    from dynabatch.demo import kjv_passages, minilm_path
+
+    rank0, rank1 = accelerate_ranks
+    assert (rank0["world"], rank0["distributed_type"], rank0["backend"]) == (2, "MULTI_CPU", "gloo")
+    model = AutoModel.from_pretrained(minilm_path()).eval()
+    loader = dynabatch.build_dynamic_batch_dataloader(kjv_passages()[:120], tokenizer, batch_size=4,
+                                                      max_input_token_length=64, num_workers=0)
+    with torch.no_grad():
+        single = run(lambda b: model(**b).last_hidden_state[:, 0], loader, progress=False)
+    assert len(rank0["rows"]) == 120
+    for got, want in zip(rank0["rows"], single):
+        torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=0)
+    # Disjoint shares: rank 1 returns only the rows it ran; together the two ran every input once.
+    mine = [p for p, r in enumerate(rank1["rows"]) if r is not None]
+    assert 0 < len(mine) == rank1["ran"] and rank0["ran"] + rank1["ran"] == 120
+    for rank in accelerate_ranks:
+        assert rank["prepared"] == rank["rows"] and rank["prepared_ran"] == rank["ran"]

@@ -1,0 +1,433 @@
+import copy
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from dynabatch import Batch, build_dynamic_batch_dataloader
+from dynabatch.memory.features import FEATURE_NAMES
+
+MAX_LEN = 64
+BATCH_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def texts():
+    from dynabatch.demo import kjv_passages, vary_lengths
+
+    varied = vary_lengths(kjv_passages(), n=150, max_words=80, seed=2)
+    # Duplicates (of a long and of a short text) and empty strings are valid texts.
+    return varied + ["", varied[0], "And God said", "", "And God said", varied[0]]
+
+
+def _lengths(tokenizer, texts, max_len=MAX_LEN, **kwargs):
+    return [len(tokenizer(t, truncation=True, max_length=max_len, **kwargs)["input_ids"]) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def lengths(tokenizer, texts):
+    return _lengths(tokenizer, texts)
+
+
+def _load(texts, tokenizer, **kwargs):
+    kwargs.setdefault("batch_size", BATCH_SIZE)
+    kwargs.setdefault("max_input_token_length", MAX_LEN)
+    kwargs.setdefault("num_workers", 0)
+    return build_dynamic_batch_dataloader(texts, tokenizer, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def batches(tokenizer, texts):
+    return list(_load(texts, tokenizer))
+
+
+def _all_indices(batches):
+    return sorted(i for b in batches for i in b.indices.tolist())
+
+
+# --- the DataLoader ---------------------------------------------------------------------------------
+
+
+def test_returns_a_plain_dataloader(tokenizer, texts):
+    loader = _load(texts, tokenizer)
+    assert type(loader) is DataLoader
+    assert loader.num_workers == 0
+    assert _load(texts, tokenizer, num_workers=2).num_workers == 2
+    assert len(loader) == len(list(loader)) > 1
+
+
+def test_worker_processes_give_the_same_batches(tokenizer, texts, batches):
+    with_workers = list(_load(texts, tokenizer, num_workers=2))
+    assert [b.indices.tolist() for b in with_workers] == [b.indices.tolist() for b in batches]
+    for got, want in zip(with_workers, batches):
+        assert isinstance(got, Batch)
+        assert got.texts == want.texts
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_every_text_comes_out_exactly_once(texts, batches):
+    assert _all_indices(batches) == list(range(len(texts)))
+    assert all(isinstance(b, Batch) and b.indices.dtype == torch.long for b in batches)
+
+
+def test_fewer_texts_than_batch_size_make_one_batch(tokenizer):
+    few = ["In the beginning", "", "And God said, Let there be light"]
+    (batch,) = list(_load(few, tokenizer, batch_size=8))
+    assert sorted(batch.indices.tolist()) == [0, 1, 2]
+    assert batch.indices.tolist() == [2, 0, 1]  # longest first
+    assert batch.texts == [few[2], few[0], few[1]]
+    assert batch["attention_mask"].sum(dim=1).tolist() == [10, 5, 2]
+
+
+def test_a_single_text(tokenizer):
+    (batch,) = list(_load(["In the beginning"], tokenizer))
+    assert batch["input_ids"].tolist() == [[101, 1999, 1996, 2927, 102]]
+    assert batch.indices.tolist() == [0]
+
+
+def test_first_batch_is_the_batch_size_longest_texts(batches, lengths):
+    first = batches[0].indices.tolist()
+    assert len(first) == BATCH_SIZE
+    rest = [lengths[i] for b in batches[1:] for i in b.indices.tolist()]
+    assert min(lengths[i] for i in first) >= max(rest)
+    assert batches[0]["input_ids"].shape == (BATCH_SIZE, MAX_LEN)  # these texts are truncated to the limit
+
+
+def test_later_batches_have_at_least_batch_size_rows_but_the_last(batches, texts):
+    sizes = [len(b.indices) for b in batches]
+    assert all(size >= BATCH_SIZE for size in sizes[:-1])
+    assert 1 <= sizes[-1]
+    assert max(sizes) > BATCH_SIZE  # batches grow as texts get shorter
+    assert max(sizes) <= math.ceil(BATCH_SIZE * 6.0)  # batch_end_range's default
+    assert sum(sizes) == len(texts)
+
+
+def test_batches_run_longest_to_shortest(batches, lengths):
+    widths = [b["input_ids"].shape[1] for b in batches]
+    assert widths == sorted(widths, reverse=True)
+
+
+# --- shapes and contents ----------------------------------------------------------------------------
+
+
+def test_collated_rows_are_the_truncated_tokenization(tokenizer, texts, batches, lengths):
+    for batch in batches:
+        rows = batch.indices.tolist()
+        assert batch["input_ids"].shape[1] == max(lengths[i] for i in rows)
+        assert batch["attention_mask"].sum(dim=1).tolist() == [lengths[i] for i in rows]
+        for row, i in zip(batch["input_ids"].tolist(), rows):
+            expected = tokenizer(texts[i], truncation=True, max_length=MAX_LEN)["input_ids"]
+            assert row == expected + [tokenizer.pad_token_id] * (len(row) - len(expected))
+
+
+def test_the_batch_is_tensors_only_and_knows_its_texts(texts, batches):
+    for batch in batches:
+        assert sorted(batch) == ["attention_mask", "input_ids", "token_type_ids"]
+        assert all(isinstance(value, torch.Tensor) and value.dtype == torch.long for value in batch.values())
+        assert batch.texts == [texts[i] for i in batch.indices.tolist()]
+
+
+def test_tokenizer_kwargs_apply_to_planning_and_collating(tokenizer, texts):
+    # A limit no text reaches, so that dropping the special tokens shrinks every row by exactly 2.
+    limit = 256
+    with_special = _lengths(tokenizer, texts, limit)
+    assert max(with_special) < limit
+    batches = list(_load(texts, tokenizer, max_input_token_length=limit, add_special_tokens=False))
+    assert _all_indices(batches) == list(range(len(texts)))
+    for batch in batches:
+        rows = batch.indices.tolist()
+        shrunk = [with_special[i] - 2 for i in rows]
+        assert batch["attention_mask"].sum(dim=1).tolist() == shrunk
+        assert batch["input_ids"].shape[1] == max(shrunk)
+        ids = batch["input_ids"][batch["attention_mask"].bool()]
+        assert not ({tokenizer.cls_token_id, tokenizer.sep_token_id} & set(ids.tolist()))
+
+
+def test_tokenizer_kwargs_can_drop_token_type_ids(tokenizer, texts):
+    batch = next(iter(_load(texts[:20], tokenizer, return_token_type_ids=False)))
+    assert sorted(batch) == ["attention_mask", "input_ids"]
+
+
+@pytest.mark.parametrize("multiple", [8, 5])
+def test_pad_to_multiple_of(tokenizer, texts, lengths, multiple):
+    batches = list(_load(texts, tokenizer, pad_to_multiple_of=multiple))
+    assert _all_indices(batches) == list(range(len(texts)))
+    for batch in batches:
+        rows = batch.indices.tolist()
+        width = batch["input_ids"].shape[1]
+        assert width % multiple == 0
+        assert width - multiple < max(lengths[i] for i in rows) <= width
+        assert batch["attention_mask"].sum(dim=1).tolist() == [lengths[i] for i in rows]
+
+
+def test_left_padding_follows_the_tokenizer(tokenizer, texts, lengths):
+    left = copy.deepcopy(tokenizer)
+    left.padding_side = "left"
+    for batch in list(_load(texts, left))[:5]:
+        expected = left(batch.texts, padding=True, truncation=True, max_length=MAX_LEN, return_tensors="pt")
+        assert all(torch.equal(batch[k], expected[k]) for k in expected)
+
+
+# --- input containers -------------------------------------------------------------------------------
+
+
+def test_pandas_series_input_uses_positions_not_labels(tokenizer, texts, batches):
+    import pandas as pd
+
+    series = pd.Series(texts, index=range(1000, 1000 + len(texts)))
+    got = list(_load(series, tokenizer))
+    assert [b.indices.tolist() for b in got] == [b.indices.tolist() for b in batches]
+    for batch in got:
+        assert batch.texts == [series.iloc[i] for i in batch.indices.tolist()]
+
+
+def test_tuple_and_numpy_input(tokenizer, texts, batches):
+    for container in (tuple(texts), np.array(texts)):
+        got = list(_load(container, tokenizer))
+        assert [b.indices.tolist() for b in got] == [b.indices.tolist() for b in batches]
+        assert all(type(t) is str for b in got for t in b.texts)
+
+
+# --- shuffle and the classifier ---------------------------------------------------------------------
+
+
+def test_shuffle_keeps_the_first_batch_first_and_is_seeded(tokenizer, texts, batches):
+    planned = [b.indices.tolist() for b in batches]
+    shuffled = [b.indices.tolist() for b in _load(texts, tokenizer, shuffle=True, seed=3)]
+    assert shuffled[0] == planned[0]
+    assert sorted(shuffled) == sorted(planned)
+    assert shuffled != planned
+    again = [b.indices.tolist() for b in _load(texts, tokenizer, shuffle=True, seed=3)]
+    assert again == shuffled
+
+
+def test_resuming_mid_epoch_through_the_dataloader(tokenizer, texts):
+    loader = _load(texts, tokenizer, shuffle=True, seed=5)
+    loader.batch_sampler.set_epoch(2)
+    it = iter(loader)
+    seen = [next(it).indices.tolist() for _ in range(3)]
+    state = loader.batch_sampler.state_dict()
+    assert state["batches_done"] == 3  # num_workers=0: nothing is fetched ahead
+    rest = [b.indices.tolist() for b in it]
+
+    again = _load(texts, tokenizer, shuffle=True, seed=5)
+    again.batch_sampler.load_state_dict(state)
+    assert [b.indices.tolist() for b in again] == rest
+    assert sorted(seen + rest) == sorted(b.indices.tolist() for b in again)  # then a full epoch
+
+
+def test_a_saved_position_is_refused_for_other_texts(tokenizer, texts):
+    state = _load(texts, tokenizer).batch_sampler.state_dict()
+    other = _load(texts[:-1], tokenizer)
+    with pytest.raises(ValueError, match=r"^state should come from the same plan .*: the texts, tokenizer or planning arguments differ$"):
+        other.batch_sampler.load_state_dict(state)
+
+
+class _Constant:
+    """An estimator whose spike probability is always ``p``."""
+
+    def __init__(self, p):
+        self.p = p
+
+    def predict_proba(self, X):
+        n = len(X)
+        return np.column_stack([np.full(n, 1 - self.p), np.full(n, self.p)])
+
+
+def test_a_classifier_that_always_spikes_keeps_batch_size(tokenizer, texts):
+    sizes = [len(b.indices) for b in _load(texts, tokenizer, classifier=_Constant(0.9))]
+    assert sizes == [BATCH_SIZE] * (len(texts) // BATCH_SIZE) + ([len(texts) % BATCH_SIZE] if len(texts) % BATCH_SIZE else [])
+
+
+def test_a_classifier_that_never_spikes_takes_the_largest_candidate(tokenizer, texts):
+    batches = list(_load(texts, tokenizer, classifier=_Constant(0.0), batch_end_range=3.0))
+    sizes = [len(b.indices) for b in batches]
+    assert sizes[0] == BATCH_SIZE
+    assert all(size == 3 * BATCH_SIZE for size in sizes[1:-1])
+    assert 1 <= sizes[-1] <= 3 * BATCH_SIZE
+    assert _all_indices(batches) == list(range(len(texts)))
+
+
+def test_threshold_decides_what_is_safe(tokenizer, texts):
+    # p=0.5: unsafe under the default threshold, safe under threshold=0.5.
+    unsafe = [len(b.indices) for b in _load(texts, tokenizer, classifier=_Constant(0.5))]
+    safe = [len(b.indices) for b in _load(texts, tokenizer, classifier=_Constant(0.5), threshold=0.5)]
+    assert max(unsafe[:-1]) == BATCH_SIZE
+    assert max(safe) == 6 * BATCH_SIZE
+
+
+def test_a_classifier_fitted_on_the_feature_names(tokenizer, texts):
+    import pandas as pd
+    from sklearn.linear_model import LogisticRegression
+
+    X = pd.DataFrame(np.random.default_rng(0).uniform(1, 100, size=(40, len(FEATURE_NAMES))), columns=list(FEATURE_NAMES))
+    clf = LogisticRegression().fit(X, np.arange(40) % 2)
+    batches = list(_load(texts, tokenizer, classifier=clf))
+    assert len(batches[0].indices) == BATCH_SIZE
+    assert _all_indices(batches) == list(range(len(texts)))
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+
+def test_empty_texts(tokenizer):
+    with pytest.raises(ValueError, match=r"^texts should be a non-empty sequence of str, but got texts=\[\]$"):
+        _load([], tokenizer)
+    with pytest.raises(ValueError, match=r"^texts should be a non-empty sequence of str, but got texts=\(\)$"):
+        _load((), tokenizer)
+
+
+def test_texts_of_the_wrong_type(tokenizer):
+    with pytest.raises(TypeError, match=r"^texts should be a list of str \(or a tuple, pandas Series, numpy array or other non-str sequence of str\), but got texts='In the beginning' of type str$"):
+        _load("In the beginning", tokenizer)
+    with pytest.raises(TypeError, match=r"^texts should be a list of str .*, but got texts=<generator object .*> of type generator$"):
+        _load((t for t in ["a", "b"]), tokenizer)
+
+
+def test_a_non_str_item_is_named_by_position(tokenizer):
+    with pytest.raises(TypeError, match=r"^texts\[2\] should be a str, but got texts\[2\]=3 of type int$"):
+        _load(["a", "b", 3, "d"], tokenizer)
+    with pytest.raises(TypeError, match=r"^texts\[1\] should be a str, but got texts\[1\]=None of type NoneType$"):
+        _load(["a", None], tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "got"),
+    [
+        (0, ValueError, r"batch_size=0"),
+        (-1, ValueError, r"batch_size=-1"),
+        (2.5, TypeError, r"batch_size=2\.5 of type float"),
+        (True, TypeError, r"batch_size=True of type bool"),
+    ],
+)
+def test_bad_batch_size(tokenizer, texts, value, error, got):
+    with pytest.raises(error, match=rf"^batch_size should be a positive integer, but got {got}$"):
+        _load(texts[:10], tokenizer, batch_size=value)
+
+
+def test_bad_max_input_token_length(tokenizer, texts):
+    with pytest.raises(ValueError, match=r"^max_input_token_length should be a positive integer, but got max_input_token_length=0$"):
+        _load(texts[:10], tokenizer, max_input_token_length=0)
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5])
+def test_bad_threshold(tokenizer, texts, value):
+    with pytest.raises(ValueError, match=rf"^threshold should be a number in \[0, 1\], but got threshold={re.escape(repr(value))}$"):
+        _load(texts[:10], tokenizer, threshold=value)
+
+
+def test_bad_ranges_and_steps(tokenizer, texts):
+    with pytest.raises(ValueError, match=r"^batch_start_range should be a finite number >= 1 \(the first batch is the smallest\), but got batch_start_range=0\.5$"):
+        _load(texts[:10], tokenizer, batch_start_range=0.5)
+    with pytest.raises(ValueError, match=r"^batch_end_range should be a finite number >= batch_start_range=2\.0, but got batch_end_range=1\.5$"):
+        _load(texts[:10], tokenizer, batch_start_range=2.0, batch_end_range=1.5)
+    with pytest.raises(ValueError, match=r"^steps should be a positive integer, but got steps=0$"):
+        _load(texts[:10], tokenizer, steps=0)
+
+
+@pytest.mark.parametrize("value", [float("inf"), 1e30])
+def test_a_non_finite_or_huge_batch_end_range_is_refused(tokenizer, texts, value):
+    with pytest.raises(ValueError, match=r"^batch_end_range should be (a finite number|at most)"):
+        _load(texts[:10], tokenizer, batch_end_range=value)
+
+
+def test_planning_arguments_are_checked_before_any_tokenizing(texts):
+    def tokenizer(*args, **kwargs):
+        raise AssertionError("tokenized before the arguments were checked")
+
+    tokenizer.pad_token_id = 0
+    with pytest.raises(ValueError, match=r"^batch_size should be a positive integer, but got batch_size=0$"):
+        build_dynamic_batch_dataloader(texts[:10], tokenizer, batch_size=0, max_input_token_length=16)
+
+
+def test_a_missing_classifier_file(tokenizer, texts, tmp_path):
+    missing = str(tmp_path / "nope.pkl")
+    with pytest.raises(ValueError, match=rf"^classifier should be the path of an existing classifier file, but got classifier={re.escape(repr(missing))}$"):
+        _load(texts[:10], tokenizer, classifier=missing)
+
+
+def test_bad_num_workers_and_shuffle(tokenizer, texts):
+    with pytest.raises(ValueError, match=r"^num_workers should be a non-negative integer, but got num_workers=-1$"):
+        _load(texts[:10], tokenizer, num_workers=-1)
+    with pytest.raises(TypeError, match=r"^num_workers should be a non-negative integer, but got num_workers=1\.0 of type float$"):
+        _load(texts[:10], tokenizer, num_workers=1.0)
+    with pytest.raises(TypeError, match=r"^shuffle should be a bool, but got shuffle='yes' of type str$"):
+        _load(texts[:10], tokenizer, shuffle="yes")
+
+
+def test_tokenizer_without_pad_token(tokenizer, texts):
+    no_pad = copy.deepcopy(tokenizer)
+    no_pad.pad_token = None
+    assert no_pad.pad_token_id is None
+    with pytest.raises(ValueError, match=r"^tokenizer should have a pad token \(set one, e\.g\. tokenizer\.pad_token = tokenizer\.eos_token\), but got tokenizer\.pad_token_id=None$"):
+        _load(texts[:10], no_pad)
+    # The fix the message suggests works.
+    no_pad.pad_token = no_pad.sep_token
+    assert _all_indices(list(_load(texts[:10], no_pad))) == list(range(10))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "reason"),
+    [
+        ("max_length", 10, "dynabatch sets it from max_input_token_length"),
+        ("padding", True, "dynabatch pads each batch itself"),
+        ("truncation", False, "dynabatch always truncates to max_input_token_length"),
+        ("return_tensors", "pt", "dynabatch builds the tensors of each batch itself"),
+    ],
+)
+def test_forbidden_tokenizer_kwargs(tokenizer, texts, key, value, reason):
+    pattern = rf"^tokenizer_kwargs should not set '{key}' \({reason}\), but got tokenizer_kwargs={re.escape(repr({key: value}))}$"
+    with pytest.raises(ValueError, match=pattern):
+        _load(texts[:10], tokenizer, **{key: value})
+
+
+def test_a_classifier_fitted_on_other_feature_names(tokenizer, texts):
+    import pandas as pd
+    from sklearn.linear_model import LogisticRegression
+
+    columns = [f"x{i}" for i in range(len(FEATURE_NAMES))]
+    X = pd.DataFrame(np.random.default_rng(0).normal(size=(20, len(columns))), columns=columns)
+    clf = LogisticRegression().fit(X, np.arange(20) % 2)
+    expected = re.escape(f"classifier should be fitted on the features {list(FEATURE_NAMES)} (and optionally "
+                         f"'memory_ratio_estimate'), but got classifier={columns}")
+    with pytest.raises(ValueError, match=rf"^{expected}$"):
+        _load(texts[:10], tokenizer, classifier=clf)
+
+
+def test_a_classifier_of_the_wrong_type(tokenizer, texts):
+    with pytest.raises(TypeError, match=r"^classifier should be a path or a fitted estimator with predict_proba, but got classifier=42 of type int$"):
+        _load(texts[:10], tokenizer, classifier=42)
+
+
+def test_a_hugging_face_datasets_column_is_accepted(tokenizer, texts):
+    datasets = pytest.importorskip("datasets")
+    column = datasets.Dataset.from_dict({"text": texts[:40]})["text"]
+    loader = _load(column, tokenizer)
+    seen = sorted(i for batch in loader for i in batch.indices.tolist())
+    assert seen == list(range(40))
+    for batch in loader:
+        assert batch.texts == [texts[i] for i in batch.indices.tolist()]
+
+
+def test_the_model_shape_plans_with_the_shape_aware_classifier(tokenizer):
+    from dynabatch import ModelShape
+    from dynabatch.demo import kjv_passages
+
+    texts = kjv_passages()[:3000]
+    forward = build_dynamic_batch_dataloader(texts, tokenizer, 8, 128, num_workers=0,
+                                             model_shape=ModelShape(30522, 384))
+    beams = build_dynamic_batch_dataloader(texts, tokenizer, 8, 128, num_workers=0,
+                                           model_shape=ModelShape(256206, 1024, max_new_tokens=64, num_beams=4))
+    for loader in (forward, beams):
+        assert sorted(i for b in loader.batch_sampler for i in b) == list(range(len(texts)))
+    # a per-row part that length does not shrink (logits of 4 beams over 256k tokens) means smaller batches
+    assert len(beams) > len(forward)
+
+
+def test_a_model_instead_of_its_shape_is_refused_before_tokenizing(tokenizer):
+    with pytest.raises(TypeError, match=r"model_shape should be a ModelShape \(ModelShape.from_model\(model, "
+                                        r"\.\.\.\)\) or None, but got model_shape='t5-small'"):
+        build_dynamic_batch_dataloader(["a"], tokenizer, 1, 8, model_shape="t5-small")

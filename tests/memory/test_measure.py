@@ -1,0 +1,172 @@
+import os
+
+import pytest
+import torch
+
+from dynabatch.memory.measure import (
+    collect_cuda_peak_alloc,
+    collect_peak_alloc,
+    is_out_of_memory_error,
+    track_peak_memory,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    transformers = pytest.importorskip("transformers")
+    from dynabatch.demo import kjv_passages, minilm_path
+
+    path = minilm_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModel.from_pretrained(path).eval()
+    return tok, model, kjv_passages()[:16]
+
+
+def _forward_peak(tok, model, texts):
+    batch = tok(texts, padding=True, return_tensors="pt")
+    with torch.inference_mode(), track_peak_memory("cpu") as mem:
+        model(**batch)
+    return mem.peak_bytes
+
+
+def test_cpu_peak_is_deterministic_on_a_real_model(minilm):
+    tok, model, texts = minilm
+    first = _forward_peak(tok, model, texts[:8])
+    assert first > 0
+    assert _forward_peak(tok, model, texts[:8]) == first
+
+
+def test_larger_batch_of_the_same_texts_measures_larger(minilm):
+    tok, model, texts = minilm
+    assert _forward_peak(tok, model, texts[:4] * 2) > _forward_peak(tok, model, texts[:4])
+
+
+def test_weights_and_inputs_are_not_counted():
+    layer = torch.nn.Linear(2048, 2048, bias=False)  # 16 MiB of weights
+    x = torch.ones(2, 2048)
+    with torch.inference_mode(), track_peak_memory() as mem:
+        layer(x)
+    assert mem.peak_bytes == 2 * 2048 * 4  # only the output, already a multiple of 512
+
+
+def test_sizes_round_up_to_cuda_blocks_and_freed_storages_are_released():
+    x = torch.ones(1000)
+    with track_peak_memory() as mem:
+        a = x + 1  # 4000 bytes -> 4096
+        del a
+        b = x + 2  # reuses nothing, but a is gone: peak stays one block run
+        c = b.view(10, 100)  # a view allocates nothing
+    assert mem.peak_bytes == 4096
+    assert c.shape == (10, 100)
+
+
+def test_peak_counts_tensors_alive_together():
+    x = torch.ones(1000)
+    with track_peak_memory() as mem:
+        a = x + 1
+        b = x + 2
+    assert mem.peak_bytes == 2 * 4096
+    assert a.sum() + b.sum() > 0
+
+
+def test_limit_bytes_raises_an_out_of_memory_error():
+    x = torch.ones(1024)
+    with pytest.raises(torch.OutOfMemoryError, match="limit_bytes=5000") as info:
+        with track_peak_memory("cpu", limit_bytes=5000):
+            kept = [x + 1]
+            kept.append(kept[0] + 1)  # 8192 bytes live > 5000
+    assert is_out_of_memory_error(info.value)
+    assert len(kept) == 1  # the second allocation was refused
+
+
+def test_is_out_of_memory_error_recognises_the_cpu_allocator_message():
+    assert is_out_of_memory_error(RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory: you tried"))
+    assert not is_out_of_memory_error(RuntimeError("shape mismatch"))
+    assert not is_out_of_memory_error(ValueError("DefaultCPUAllocator: can't allocate memory"))
+
+
+@pytest.mark.parametrize(
+    ("device", "error", "match"),
+    [
+        ("mps", ValueError, r"device should be a 'cpu' or 'cuda' device .*but got device='mps'"),
+        ("not-a-device", ValueError, r"device should be a valid torch device .*but got device='not-a-device'"),
+        (3, TypeError, r"device should be a str or torch.device, but got device=3 of type int"),
+    ],
+)
+def test_devices_that_cannot_be_measured_are_refused(device, error, match):
+    with pytest.raises(error, match=match):
+        with track_peak_memory(device):
+            pass
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message when CUDA is missing")
+def test_cuda_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"torch.cuda.is_available\(\) is False.*device='cuda'"):
+        with track_peak_memory("cuda"):
+            pass
+
+
+@pytest.mark.parametrize("limit", [0, -5])
+def test_limit_bytes_must_be_positive(limit):
+    with pytest.raises(ValueError, match=rf"limit_bytes should be a positive integer, but got limit_bytes={limit}"):
+        with track_peak_memory("cpu", limit_bytes=limit):
+            pass
+
+
+def test_collect_peak_alloc_records_out_of_memory_items_and_always_cleans_up():
+    cleaned = []
+
+    def work(n):
+        with track_peak_memory("cpu", limit_bytes=10_000):
+            torch.zeros(n, 1024)  # n * 4 KiB
+        return n
+
+    features, peaks = collect_peak_alloc([1, 4, 2], work, "cpu", cleanup=lambda: cleaned.append(1))
+    assert features == [1, None, 2]
+    assert peaks == [4096, None, 8192]
+    assert len(cleaned) == 3
+
+
+def test_collect_peak_alloc_propagates_other_errors_after_cleanup():
+    cleaned = []
+
+    def work(n):
+        raise KeyError(n)
+
+    with pytest.raises(KeyError):
+        collect_peak_alloc([1], work, "cpu", cleanup=lambda: cleaned.append(1))
+    assert cleaned == [1]
+
+
+def test_bionemo_name_is_the_same_function():
+    assert collect_cuda_peak_alloc is collect_peak_alloc
+
+
+def test_collect_peak_alloc_checks_its_callables():
+    with pytest.raises(TypeError, match="work should be a callable, but got work=3 of type int"):
+        collect_peak_alloc([1], 3, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_peak_excludes_what_was_allocated_before():
+    weights = torch.ones(4096, 4096, device="cuda")
+    with track_peak_memory("cuda") as mem:
+        out = weights[:2] * 2
+    assert mem.peak_bytes == 2 * 4096 * 4
+    assert out.shape == (2, 4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cpu_tracker_agrees_with_cuda_on_a_linear_stack():
+    layers = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 512))
+    x = torch.ones(64, 512)
+    with torch.inference_mode(), track_peak_memory("cpu") as cpu:
+        layers(x)
+    layers, x = layers.cuda(), x.cuda()
+    with torch.inference_mode(), track_peak_memory("cuda") as gpu:
+        layers(x)
+    assert gpu.peak_bytes == cpu.peak_bytes

@@ -1,0 +1,264 @@
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from sklearn.tree import DecisionTreeClassifier
+
+from dynabatch.memory.classifier import SpikeClassifier, load_classifier
+from dynabatch.memory.features import ModelShape, compute_features
+from dynabatch.sampling.planner import candidate_sizes, plan_batch_sizes, plan_batches
+
+
+class CountingClassifier(SpikeClassifier):
+    """A real classifier that counts how often the planner asks it."""
+
+    def __init__(self, inner: SpikeClassifier) -> None:
+        self.calls = self.rows = 0
+        super().__init__(inner.estimator, inner.metadata)
+        self.calls = self.rows = 0
+
+    def predict_spike_proba(self, features):
+        self.calls += 1
+        self.rows += len(features)
+        return super().predict_spike_proba(features)
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_classifier()
+
+
+@pytest.fixture(scope="module")
+def counting(bundled):
+    return CountingClassifier(bundled)
+
+
+@pytest.fixture(scope="module")
+def non_monotone():
+    # A tree fitted on noise: its spike probability jumps up and down with the batch size.
+    rng = np.random.default_rng(0)
+    f = compute_features(rng.integers(16, 512, 3000), rng.integers(1, 512, 3000), rng.integers(1, 64, 3000), 0,
+                         rng.integers(1, 512, 3000), rng.integers(1, 600, 3000), 0)
+    return load_classifier(DecisionTreeClassifier(max_depth=8, random_state=0).fit(f, rng.integers(0, 2, 3000)))
+
+
+def reference_sizes(lengths, batch_size, max_len, clf, threshold=0.025, start=1.0, end=6.0, steps=50, shape=None):
+    """The rule of the spec, batch by batch, with every candidate asked: what the planner must equal."""
+    n = len(lengths)
+    prefix = np.concatenate([[0], np.cumsum(lengths)])
+    first = min(batch_size, n)
+    cands = candidate_sizes(batch_size, start, end, steps)
+    out, pos = [first], first
+    while pos < n:
+        caps = np.unique(np.minimum(cands, n - pos))
+        p = clf.predict_spike_proba(compute_features(max_len, lengths[0], first, prefix[first],
+                                                     np.full(len(caps), lengths[pos]), caps,
+                                                     prefix[pos + caps] - prefix[pos], shape=shape))
+        k = 0
+        while k < len(caps) and p[k] <= threshold:
+            k += 1
+        size = int(caps[k - 1]) if k else min(batch_size, n - pos)
+        out.append(size)
+        pos += size
+    return out
+
+
+length_lists = st.integers(1, 1024).flatmap(
+    lambda max_len: st.tuples(
+        st.just(max_len),
+        st.lists(st.integers(0, max_len), min_size=1, max_size=1500),
+    )
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=length_lists, batch_size=st.integers(1, 96), threshold=st.sampled_from([0.0, 0.01, 0.025, 0.1, 0.5, 1.0]))
+def test_plan_equals_the_batch_by_batch_rule(bundled, counting, data, batch_size, threshold):
+    max_len, raw = data
+    lengths = np.asarray(raw)
+    clf = counting
+    clf.calls = clf.rows = 0
+    batches = plan_batches(lengths, batch_size, max_len, classifier=clf, threshold=threshold)
+    sizes = [len(b) for b in batches]
+
+    # every input position exactly once
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(lengths)))
+    # the first batch is the batch_size longest texts
+    first = batches[0]
+    assert len(first) == min(batch_size, len(lengths))
+    assert lengths[first].min() >= np.sort(lengths)[::-1][len(first) - 1]
+    # batches run longest first
+    flat = lengths[np.concatenate(batches)]
+    assert (np.diff(flat) <= 0).all()
+    # every size is a candidate, the fallback batch_size, or what remained
+    cands = set(candidate_sizes(batch_size, 1.0, 6.0, 50).tolist())
+    assert all(s in cands or s == batch_size or i == len(sizes) - 1 for i, s in enumerate(sizes))
+    # exactly the rule, asked candidate by candidate (monotone choice, no safe island)
+    assert sizes == reference_sizes(np.sort(lengths)[::-1], batch_size, max_len, bundled, threshold)
+    # never more classifier calls than batches, never a call per text
+    assert clf.calls <= max(len(sizes) - 1, 0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=length_lists, batch_size=st.integers(1, 64))
+def test_a_non_monotone_classifier_still_gets_the_smallest_unsafe_cut(non_monotone, data, batch_size):
+    max_len, raw = data
+    lengths = np.sort(np.asarray(raw))[::-1]
+    assert not non_monotone.monotone_in_rows
+    sizes = plan_batch_sizes(lengths, batch_size, max_len, classifier=non_monotone, threshold=0.5)
+    assert sizes.tolist() == reference_sizes(lengths, batch_size, max_len, non_monotone, 0.5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(data=length_lists, batch_size=st.integers(1, 64), steps=st.integers(1, 80),
+       start=st.floats(1.0, 3.0), span=st.floats(0.0, 6.0))
+def test_candidate_ranges_are_honoured(bundled, data, batch_size, steps, start, span):
+    max_len, raw = data
+    lengths = np.sort(np.asarray(raw))[::-1]
+    sizes = plan_batch_sizes(lengths, batch_size, max_len, batch_start_range=start, batch_end_range=start + span,
+                             steps=steps)
+    assert sizes.sum() == len(lengths)
+    cands = candidate_sizes(batch_size, start, start + span, steps)
+    assert sizes[1:-1].max(initial=0) <= cands[-1]
+    assert sizes.tolist() == reference_sizes(lengths, batch_size, max_len, bundled, 0.025, start, start + span, steps)
+
+
+def test_planning_is_deterministic():
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 256, 20_000)
+    a = plan_batches(lengths, 16, 256)
+    b = plan_batches(lengths.copy(), 16, 256)
+    assert [x.tolist() for x in a] == [x.tolist() for x in b]
+
+
+def test_shorter_texts_get_larger_batches():
+    rng = np.random.default_rng(1)
+    lengths = np.concatenate([np.full(64, 512), rng.integers(4, 40, 20_000)])
+    sizes = plan_batch_sizes(np.sort(lengths)[::-1], 32, 512)
+    assert sizes[0] == 32
+    assert sizes[1:-1].max() > 32
+
+
+def test_a_first_batch_without_padding_still_lets_batches_grow():
+    # 200 texts cut at the limit, then short ones: the published version never grew here.
+    lengths = np.concatenate([np.full(200, 128), np.full(5000, 12)])
+    sizes = plan_batch_sizes(lengths, 16, 128)
+    assert sizes[-2] > 16
+
+
+def test_unsafe_everywhere_falls_back_to_batch_size():
+    lengths = np.full(100, 64)
+    sizes = plan_batch_sizes(lengths, 8, 64, threshold=0.0)
+    assert sizes.tolist() == [8] * 12 + [4]
+
+
+def test_threshold_one_takes_the_largest_candidate():
+    sizes = plan_batch_sizes(np.full(1000, 10), 10, 64, threshold=1.0, batch_end_range=6.0)
+    assert sizes.tolist()[:3] == [10, 60, 60]
+
+
+def test_fewer_texts_than_batch_size_is_one_batch():
+    assert [b.tolist() for b in plan_batches([3, 9, 5], 8, 16)] == [[1, 2, 0]]
+
+
+def test_empty_lengths_plan_nothing():
+    assert plan_batches([], 8, 16) == []
+
+
+def test_ties_keep_input_order():
+    batches = plan_batches([5, 5, 5, 5], 2, 8)
+    assert batches[0].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"batch_size": 0}, ValueError, "batch_size should be a positive integer, but got batch_size=0"),
+        ({"batch_size": True}, TypeError, "batch_size should be a positive integer, but got batch_size=True"),
+        ({"batch_size": 2.0}, TypeError, "batch_size should be a positive integer, but got batch_size=2.0"),
+        ({"max_input_token_length": 0}, ValueError, "max_input_token_length should be a positive integer"),
+        ({"threshold": 1.5}, ValueError, r"threshold should be a number in \[0, 1\], but got threshold=1.5"),
+        ({"threshold": -0.1}, ValueError, r"threshold should be a number in \[0, 1\], but got threshold=-0.1"),
+        ({"batch_start_range": 0.5}, ValueError, "batch_start_range should be a finite number >= 1"),
+        ({"batch_end_range": 0.9}, ValueError, "batch_end_range should be a finite number >= batch_start_range=1.0"),
+        ({"steps": 0}, ValueError, "steps should be a positive integer, but got steps=0"),
+        ({"lengths": [1, 99]}, ValueError, r"lengths should be at most max_input_token_length=16 .*lengths=99"),
+        ({"lengths": [1, -2]}, ValueError, "lengths should be non-negative token counts, but got lengths=-2"),
+        ({"lengths": [1.5]}, ValueError, "lengths should be a 1-D array of integer token counts"),
+        ({"lengths": "abc"}, TypeError, "lengths should be a 1-D array of token counts"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, match):
+    args = {"lengths": [3, 2, 1], "batch_size": 2, "max_input_token_length": 16, **kwargs}
+    with pytest.raises(error, match=match):
+        plan_batches(**args)
+
+
+def test_unsorted_lengths_are_refused_by_plan_batch_sizes():
+    with pytest.raises(ValueError, match="sorted_lengths should be sorted longest first"):
+        plan_batch_sizes(np.array([1, 5]), 1, 8)
+
+
+@pytest.mark.parametrize("batch_size", [1, 8, 64])
+@pytest.mark.parametrize("max_len", [128, 512])
+def test_plan_equals_the_rule_on_realistic_lengths(bundled, counting, batch_size, max_len):
+    # Long runs of equal sizes are where the planner speculates; check it against the rule there.
+    rng = np.random.default_rng(batch_size + max_len)
+    lengths = np.sort(np.minimum(rng.lognormal(3.3, 0.9, 20_000).astype(int) + 2, max_len))[::-1]
+    counting.calls = 0
+    sizes = plan_batch_sizes(lengths, batch_size, max_len, classifier=counting)
+    assert sizes.tolist() == reference_sizes(lengths, batch_size, max_len, bundled)
+    assert counting.calls <= len(sizes) - 1  # at most one classifier call per planned batch
+
+
+# --- planning with the model's shape -------------------------------------------------------------
+
+shapes = st.builds(ModelShape, vocab_size=st.sampled_from([30522, 50257, 151936, 256206]),
+                   hidden_size=st.sampled_from([384, 768, 1024, 4096]), max_new_tokens=st.sampled_from([0, 8, 128]),
+                   num_beams=st.sampled_from([1, 4]))
+
+
+@pytest.fixture(scope="module")
+def shaped():
+    return load_classifier(shape=True)
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=length_lists, batch_size=st.integers(1, 64), shape=shapes)
+def test_a_plan_with_the_model_shape_equals_the_rule(shaped, data, batch_size, shape):
+    max_len, raw = data
+    lengths = np.asarray(raw)
+    batches = plan_batches(lengths, batch_size, max_len, model_shape=shape)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(lengths)))
+    assert len(batches[0]) == min(batch_size, len(lengths))
+    assert [len(b) for b in batches] == reference_sizes(np.sort(lengths)[::-1], batch_size, max_len, shaped,
+                                                        shape=shape)
+
+
+def test_a_forward_pass_grows_further_than_a_generate_call_with_a_large_vocabulary():
+    lengths = np.random.default_rng(0).integers(1, 129, size=5000)
+    forward = plan_batches(lengths, 16, 128, model_shape=ModelShape(32000, 1024))
+    generate = plan_batches(lengths, 16, 128, model_shape=ModelShape(256206, 1024, max_new_tokens=64, num_beams=4))
+    assert len(forward) < len(generate)
+    assert max(map(len, forward)) > max(map(len, generate))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"model_shape": (32000, 512)}, TypeError,
+         (r"model_shape should be a ModelShape \(ModelShape.from_model\(model, \.\.\.\)\) or None, but got "
+          r"model_shape=\(32000, 512\)")),
+        ({"model_shape": ModelShape(32000, 512), "classifier": "bundled-13"}, ValueError,
+         ("classifier should be fitted on memory_ratio_estimate when model_shape is given, but got "
+         "classifier='a classifier of 13 features'")),
+        ({"classifier": "bundled-shape"}, ValueError,
+         ("model_shape should be a ModelShape for a classifier fitted on memory_ratio_estimate, but got "
+         "model_shape=None")),
+    ],
+)
+def test_the_shape_and_the_classifier_must_agree(kwargs, error, match):
+    named = {"bundled-13": load_classifier(), "bundled-shape": load_classifier(shape=True)}
+    kwargs = {k: named.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
+    with pytest.raises(error, match=match):
+        plan_batches(np.arange(100) % 60, 8, 64, **kwargs)
