@@ -1,5 +1,7 @@
 """The two training scripts, run as a user runs them."""
 
+import hashlib
+import json
 import os
 import re
 import subprocess
@@ -9,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from dynabatch.memory._tree_eval import CompiledTrees
 from dynabatch.memory.classifier import load_classifier
 from dynabatch.memory.features import ModelShape, compute_features
 
@@ -70,6 +73,13 @@ def test_training_on_the_generated_profiles_gives_a_loadable_classifier(profiles
     assert "## Before / after: the model's shape" in text and "held-out families" in text
     clf = load_classifier(tmp_path / "classifier.pkl")
     assert clf.metadata["training_data"]["models"] == ["marian-2l", "minilm-l6"]
+    # beside each pickle, its compiled trees, tied to it and checked by the script: what dynabatch loads
+    for stem in ("classifier", "classifier-shape"):
+        meta = json.loads((tmp_path / f"{stem}.json").read_text())
+        trees, source = CompiledTrees.load(tmp_path / f"{stem}.npz")
+        assert source == meta["classifier_sha256"] == hashlib.sha256((tmp_path / f"{stem}.pkl").read_bytes()).hexdigest()
+        assert meta["compiled_sha256"] == hashlib.sha256((tmp_path / f"{stem}.npz").read_bytes()).hexdigest()
+    assert isinstance(clf.estimator, CompiledTrees)
     p = clf.predict_spike_proba(compute_features(64, 64, 2, 120, [64, 10], [16, 2], [1000, 15]))
     assert p[0] > p[1]
     shaped = load_classifier(tmp_path / "classifier-shape.pkl")
@@ -77,3 +87,25 @@ def test_training_on_the_generated_profiles_gives_a_loadable_classifier(profiles
     f = compute_features(64, 64, 2, 120, [64, 10], [16, 2], [1000, 15], shape=ModelShape(58101, 512, 2))
     p = shaped.predict_spike_proba(f)
     assert p[0] > p[1]
+
+
+def test_compile_only_writes_the_compiled_trees_of_existing_pickles(tmp_path):
+    import importlib.util
+    import shutil
+
+    from dynabatch.memory.classifier import BUNDLED_CLASSIFIER
+
+    spec = importlib.util.spec_from_file_location("train_classifier_script", TRAIN)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for stem in ("classifier", "classifier-shape"):
+        for suffix in (".pkl", ".json"):
+            shutil.copy(BUNDLED_CLASSIFIER.with_name(stem + suffix), tmp_path)
+    assert script.main(["--compile-only", "--out", str(tmp_path)]) == 0
+    for stem in ("classifier", "classifier-shape"):
+        # the same bytes as the bundled .npz and .json: compiling is deterministic
+        assert (tmp_path / f"{stem}.npz").read_bytes() == BUNDLED_CLASSIFIER.with_name(f"{stem}.npz").read_bytes()
+        assert (tmp_path / f"{stem}.json").read_text() == BUNDLED_CLASSIFIER.with_name(f"{stem}.json").read_text()
+    (tmp_path / "classifier.pkl").write_bytes(b"someone else's pickle")
+    with pytest.raises(SystemExit, match="does not match the classifier_sha256 in classifier.json; not unpickling it"):
+        script.main(["--compile-only", "--out", str(tmp_path)])

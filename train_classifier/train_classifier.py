@@ -1,4 +1,4 @@
-"""Trains the spike classifier from profiled batches and writes classifier.pkl + classifier.json.
+"""Trains the spike classifier from profiled batches and writes classifier.pkl, .npz and .json.
 
 Reads every ``*.csv.gz`` written by ``generate_training_data.py``, keeps the
 measured candidate batches (``status == "ok"``, the first batch itself left
@@ -29,9 +29,17 @@ ratio); positions where even the smallest candidate is a spike leave no
 choice and are counted apart. The tables and the probability calibration are written to
 ``--report`` (REPORT.md beside this script).
 
+Beside each pickle goes its compiled form (``classifier.npz``: the same trees
+as plain arrays, tied to the pickle's sha256), what dynabatch loads at run time
+without unpickling or importing scikit-learn. It is read back and checked
+against the estimator's own predictions before the script moves on.
+``--compile-only`` writes it for pickles already in ``--out`` (trained by an
+earlier version of this script) without retraining.
+
 Example:
     python train_classifier/train_classifier.py                # bundled data -> dynabatch/models/
     python train_classifier/train_classifier.py --data /tmp/profiles --out /tmp/clf
+    python train_classifier/train_classifier.py --compile-only --out /tmp/clf   # .npz for existing pickles
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import numpy as np
 import pandas as pd
 import sklearn
 
+from dynabatch.memory.classifier import write_compiled
 from dynabatch.memory.classifier_fit import (
     MONOTONIC,
     PROFILE_COLUMNS,
@@ -281,7 +290,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, default=DEFAULT_DATA,
                    help=f"folder of *.csv.gz profiles (default: {DEFAULT_DATA})")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                   help=f"folder to write classifier.pkl and classifier.json (default: {DEFAULT_OUT})")
+                   help=f"folder to write classifier.pkl, .npz and .json (default: {DEFAULT_OUT})")
     p.add_argument("--spike-ratio", type=float, default=0.9,
                    help="a batch is a spike when its peak exceeds this fraction of the first batch's (default: 0.9)")
     p.add_argument("--threshold", type=float, default=0.025,
@@ -292,6 +301,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report", type=Path, default=HERE / "REPORT.md",
                    help=f"markdown report of the held-out evaluation (default: {HERE / 'REPORT.md'})")
     p.add_argument("--skip-held-out", action="store_true", help="fit the final model only, no evaluation or report")
+    p.add_argument("--compile-only", action="store_true",
+                   help="no training: write the compiled .npz beside the pickles already in --out (and record it "
+                        "in their .json)")
     return p.parse_args(argv)
 
 
@@ -316,9 +328,11 @@ def evaluate(rows: pd.DataFrame, estimator, args: argparse.Namespace, shape: boo
 
 def write_classifier(out: Path, stem: str, estimator, shape: bool, files: list[Path], rows: pd.DataFrame,
                      profiles: Path, results: dict, args: argparse.Namespace) -> None:
-    """``<stem>.pkl`` and its metadata ``<stem>.json`` (versions, hashes, features, held-out figures)."""
+    """``<stem>.pkl``, its compiled trees ``<stem>.npz`` (checked) and its metadata ``<stem>.json`` (versions,
+    hashes, features, held-out figures)."""
     pkl = out / f"{stem}.pkl"
     joblib.dump(estimator, pkl)
+    compiled_sha256 = write_compiled(estimator, pkl)
     names = feature_names(shape)
     meta = {
         "sklearn_version": sklearn.__version__,
@@ -330,6 +344,7 @@ def write_classifier(out: Path, stem: str, estimator, shape: bool, files: list[P
         "params": {"max_iter": args.max_iter, "learning_rate": args.learning_rate,
                    "max_leaf_nodes": args.max_leaf_nodes},
         "classifier_sha256": hashlib.sha256(pkl.read_bytes()).hexdigest(),
+        "compiled_sha256": compiled_sha256,
         "profiles_sha256": hashlib.sha256(profiles.read_bytes()).hexdigest(),
         "training_data": {
             "files": [f.name for f in files],
@@ -344,12 +359,39 @@ def write_classifier(out: Path, stem: str, estimator, shape: bool, files: list[P
         "held_out_metrics": results,
     }
     (out / f"{stem}.json").write_text(json.dumps(meta, indent=2, default=str) + "\n", encoding="utf-8")
-    logger.info("wrote %s and %s", pkl, out / f"{stem}.json")
+    logger.info("wrote %s, %s and %s", pkl, pkl.with_suffix(".npz"), out / f"{stem}.json")
+
+
+def compile_only(out: Path) -> None:
+    """Writes ``<stem>.npz`` beside each ``<stem>.pkl`` already in ``out`` and records it in ``<stem>.json``.
+
+    The pickle is unpickled only if it is the file its .json describes (sha256) and was written by this
+    scikit-learn version.
+    """
+    for stem in VARIANTS.values():
+        pkl, meta_path = out / f"{stem}.pkl", out / f"{stem}.json"
+        if not pkl.is_file() or not meta_path.is_file():
+            raise SystemExit(f"--compile-only needs {pkl.name} and {meta_path.name} in {out}")
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if hashlib.sha256(pkl.read_bytes()).hexdigest() != meta.get("classifier_sha256"):
+            raise SystemExit(f"{pkl} does not match the classifier_sha256 in {meta_path.name}; not unpickling it")
+        if meta.get("sklearn_version") != sklearn.__version__:
+            raise SystemExit(f"{pkl} was written by scikit-learn {meta.get('sklearn_version')}, this is "
+                             f"{sklearn.__version__}: retrain it instead")
+        compiled_sha256 = write_compiled(joblib.load(pkl), pkl)
+        items = [(key, value) for key, value in meta.items() if key != "compiled_sha256"]
+        at = [key for key, _ in items].index("classifier_sha256") + 1
+        meta = dict([*items[:at], ("compiled_sha256", compiled_sha256), *items[at:]])
+        meta_path.write_text(json.dumps(meta, indent=2, default=str) + "\n", encoding="utf-8")
+        logger.info("wrote %s and recorded it in %s", pkl.with_suffix(".npz"), meta_path)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args = parse_args(argv)
+    if args.compile_only:
+        compile_only(args.out)
+        return 0
     files = data_files(args.data)
     rows = load_rows(files)
     if rows["ratio"].gt(args.spike_ratio).nunique() < 2:
