@@ -1,0 +1,379 @@
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import RandomSampler, SequentialSampler
+
+from dynabatch.sampling.multipack import (
+    MultipackBatchSampler,
+    allocate_sequentially,
+    ffd_check,
+    pack_group,
+    pack_parallel,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _sampler(lengths, batch_size=2, batch_max_len=64, **kwargs):
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = (SequentialSampler if kwargs.get("sequential") else RandomSampler)(range(len(lengths)))
+    return MultipackBatchSampler(order, batch_size, batch_max_len, lengths, **kwargs)
+
+
+def _flat(batches):
+    return [i for batch in batches for b in batch for i in b]
+
+
+def _brute_ffd(lengths, capacity, bin_size=10**9):
+    """FFD written plainly: a list of bins scanned left to right."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # sorted() is stable
+    room, bins = [], []
+    for i in order:
+        for b in range(len(bins)):
+            if room[b] >= lengths[i] and len(bins[b]) < bin_size:
+                room[b] -= lengths[i]
+                bins[b].append(i)
+                break
+        else:
+            room.append(capacity - lengths[i])
+            bins.append([i])
+    return bins
+
+
+lengths_st = st.lists(st.integers(1, 64), min_size=0, max_size=120)
+
+
+# --------------------------------------------------------------------------- the seed's functions
+
+
+@settings(deadline=None, max_examples=80)
+@given(lengths=lengths_st, bin_size=st.integers(1, 6), offset=st.integers(0, 50))
+def test_pack_group_is_ffd(lengths, bin_size, offset):
+    bins = pack_group(np.array(lengths, dtype=np.int64), offset, 64, max(len(lengths), 1), bin_size)
+    assert bins == [[i + offset for i in b] for b in _brute_ffd(lengths, 64, bin_size)]
+
+
+@settings(deadline=None, max_examples=60)
+@given(lengths=lengths_st, group_size=st.integers(1, 50), bin_size=st.integers(1, 8))
+def test_pack_parallel_packs_each_group_alone(lengths, group_size, bin_size):
+    arr = np.array(lengths, dtype=np.int64)
+    bins = pack_parallel(arr, bin_capacity=64, group_size=group_size, bin_size=bin_size, num_processes=1)
+    expected = []
+    for g0 in range(0, len(lengths), group_size):
+        expected += pack_group(arr[g0 : g0 + group_size], g0, 64, group_size, bin_size)
+    assert bins == expected
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(arr[b].sum() <= 64 and len(b) <= bin_size for b in bins)
+
+
+def test_pack_parallel_same_bins_whatever_num_processes():
+    lengths = np.random.default_rng(0).integers(1, 300, size=5000)
+    one = pack_parallel(lengths, 512, group_size=700, bin_size=20, num_processes=1)
+    assert pack_parallel(lengths, 512, group_size=700, bin_size=20, num_processes=3) == one
+
+
+@settings(deadline=None, max_examples=80)
+@given(lengths=lengths_st, num_bins=st.integers(0, 12))
+def test_ffd_check_agrees_with_ffd(lengths, num_bins):
+    assert ffd_check(np.array(lengths, dtype=np.int64), 64, num_bins) == (len(_brute_ffd(lengths, 64)) <= num_bins)
+
+
+def test_pack_group_safe_mode_refuses_instead_of_skipping():
+    lengths = np.array([6, 6, 6])
+    with pytest.raises(ValueError, match=r"max_bins should be enough bins .* but got max_bins=2"):
+        pack_group(lengths, 0, bin_capacity=10, max_bins=2, bin_size=200)
+    assert pack_group(lengths, 0, bin_capacity=10, max_bins=2, bin_size=200, safe_mode=False) == [[0], [1], [2]]
+
+
+@settings(deadline=None, max_examples=60)
+@given(lengths=lengths_st, num_ranks=st.integers(1, 4), bin_size=st.integers(1, 6))
+def test_allocate_sequentially_keeps_order(lengths, num_ranks, bin_size):
+    arr = np.array(lengths, dtype=np.int64)
+    every = []
+    for rank in range(num_ranks):
+        mine, used, slots = allocate_sequentially(arr, rank, 64, num_ranks, bin_size=bin_size)
+        every.append(mine)
+        assert used == sum(lengths)
+    bins = [b for k in range(max(map(len, every), default=0)) for share in every if k < len(share) for b in [share[k]]]
+    assert [i for b in bins for i in b] == list(range(len(lengths)))
+    assert slots == len(bins) * 64
+    assert all(arr[b].sum() <= 64 and len(b) <= bin_size for b in bins)
+    # a new bin only when the next sequence does not fit (or the bin is full)
+    for prev, nxt in zip(bins, bins[1:]):
+        assert arr[prev].sum() + arr[nxt[0]] > 64 or len(prev) == bin_size
+
+
+def test_functions_refuse_bad_input():
+    with pytest.raises(ValueError, match=r"sequence_lengths\[1\] should be at most the bin capacity 10 tokens"):
+        pack_parallel(np.array([3, 11]), 10, group_size=10, bin_size=5)
+    with pytest.raises(TypeError, match="sequence_lengths should be a 1-D integer array"):
+        ffd_check(np.array([1.5, 2.0]), 10, 2)
+    with pytest.raises(ValueError, match="group_size should be a positive integer, but got group_size=0"):
+        pack_parallel(np.array([3]), 10, group_size=0, bin_size=5)
+    with pytest.raises(ValueError, match=r"rank should be in \[0, num_ranks=2\), but got rank=2"):
+        allocate_sequentially(np.array([3]), 2, 10, 2)
+
+
+# --------------------------------------------------------------------------- the sampler
+
+
+def test_seed_api_signature_and_defaults():
+    import inspect
+
+    params = inspect.signature(MultipackBatchSampler.__init__).parameters
+    assert list(params) == [
+        "self", "sampler", "batch_size", "batch_max_len", "lengths", "packing_efficiency_estimate", "drop_last",
+        "num_count_samples", "sequential", "group_size", "bin_size", "num_processes", "safe_mode",
+        "mp_start_method", "kwargs",
+    ]
+    defaults = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+    assert defaults == {
+        "packing_efficiency_estimate": 1.0, "drop_last": True, "num_count_samples": 4, "sequential": False,
+        "group_size": 100000, "bin_size": 200, "num_processes": None, "safe_mode": True, "mp_start_method": "fork",
+    }
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    lengths=st.lists(st.integers(1, 64), min_size=1, max_size=150),
+    batch_size=st.integers(1, 4),
+    bin_size=st.integers(1, 8),
+    group_size=st.integers(1, 60),
+    drop_last=st.booleans(),
+    sequential=st.booleans(),
+    seed=st.integers(0, 3),
+)
+def test_bins_respect_limits_and_nothing_is_lost(lengths, batch_size, bin_size, group_size, drop_last, sequential, seed):
+    arr = np.array(lengths)
+    sampler = _sampler(arr, batch_size, 64, bin_size=bin_size, group_size=group_size, drop_last=drop_last,
+                       sequential=sequential, seed=seed)
+    batches = list(sampler)
+    assert len(batches) == len(sampler)
+    assert all(1 <= len(batch) <= batch_size for batch in batches)
+    assert all(arr[b].sum() <= 64 and 1 <= len(b) <= bin_size for batch in batches for b in batch)
+    seen = _flat(batches)
+    assert len(seen) == len(set(seen))  # no index twice
+    assert len(seen) + sampler.num_samples_dropped == len(arr)  # only drop_last drops, and it is counted
+    if drop_last:
+        assert all(len(batch) == batch_size for batch in batches)
+    else:
+        assert sampler.num_samples_dropped == 0
+
+
+@settings(deadline=None, max_examples=40)
+@given(lengths=st.lists(st.integers(1, 64), min_size=1, max_size=100), bin_size=st.integers(1, 8))
+def test_sequential_mode_keeps_sampler_order(lengths, bin_size):
+    sampler = MultipackBatchSampler(SequentialSampler(range(len(lengths))), 3, 64, np.array(lengths),
+                                    drop_last=False, sequential=True, bin_size=bin_size)
+    assert _flat(sampler) == list(range(len(lengths)))
+
+
+def test_same_batches_for_same_seed_and_epoch_whatever_num_processes():
+    lengths = np.random.default_rng(1).integers(1, 500, size=3000)
+    base = _sampler(lengths, 4, 512, group_size=400, seed=7)
+    base.set_epoch(2)
+    other = _sampler(lengths, 4, 512, group_size=400, seed=7, num_processes=2)
+    other.set_epoch(2)
+    assert list(base) == list(other)
+    base.set_epoch(3)
+    assert list(base) != list(other)  # a new epoch, a new order
+    assert list(_sampler(lengths, 4, 512, group_size=400, seed=8)) != list(other)
+
+
+def test_efficiency_len_and_gather_without_process_group():
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(300), 1.0, 20000), 8, 4096).astype(np.int64)
+    sampler = _sampler(lengths, 8, 4096)
+    batches = sampler.generate_batches(set_stats=True)
+    assert len(sampler) == len(batches) == sampler.num_batches() == sampler.gather_len_batches(len(batches))
+    assert sampler.efficiency() == pytest.approx(
+        sum(lengths[b].sum() for batch in batches for b in batch) / (8 * len(batches) * 4096))
+    assert sampler.efficiency() > 0.98
+    assert 0.97 < sampler.gather_efficiency() <= sampler.efficiency()
+    assert sampler.total_token_slots == 8 * len(batches) * 4096
+
+
+def test_drop_last_is_counted_and_logged(caplog):
+    sampler = _sampler([4] * 5, batch_size=2, batch_max_len=8, sequential=False)
+    with caplog.at_level(logging.INFO, logger="dynabatch.sampling.multipack"):
+        batches = sampler.generate_batches(set_stats=True)
+    assert len(batches) == 1 and sampler.num_samples_dropped == 1
+    assert sampler.total_token_slots == 2 * 8  # the dropped bin is not counted
+    assert "drop_last dropped 1 samples" in caplog.text
+    kept = _sampler([4] * 5, batch_size=2, batch_max_len=8, drop_last=False)
+    assert [len(b) for b in kept] == [2, 1] and kept.num_samples_dropped == 0
+
+
+def test_oversized_sequence_errors_or_truncates():
+    with pytest.raises(ValueError, match=r"lengths\[2\] should be at most the bin capacity 10 tokens "
+                                         r"\(batch_max_len=10; pass oversized='truncate' to cut it\), "
+                                         r"but got lengths\[2\]=11"):
+        _sampler([3, 4, 11], batch_max_len=10)
+    sampler = _sampler([3, 4, 11], batch_max_len=10, oversized="truncate", drop_last=False)
+    assert sorted(_flat(sampler)) == [0, 1, 2]
+    assert sampler.lengths.tolist() == [3, 4, 10]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"batch_max_len": 0}, ValueError, "batch_max_len should be a positive integer, but got batch_max_len=0"),
+        ({"batch_max_len": -5}, ValueError, "batch_max_len should be a positive integer, but got batch_max_len=-5"),
+        ({"batch_size": 0}, ValueError, "batch_size should be a positive integer, but got batch_size=0"),
+        ({"lengths": np.array([[1, 2], [3, 4]])}, ValueError, r"lengths should be a 1-D integer array .*shape \(2, 2\)"),
+        ({"lengths": np.array([1.0, 2.0, 3.0, 4.0])}, TypeError, "lengths should be a 1-D integer array"),
+        ({"lengths": "1234"}, TypeError, "lengths should be a 1-D integer array"),
+        ({"lengths": np.array([1, 2, 3])}, ValueError, r"sampler should cover as many items as lengths \(3\), "
+                                                       r"but got len\(sampler\)=4"),
+        ({"lengths": np.array([1, 0, 3, 4])}, ValueError, r"lengths\[1\] should be a positive sequence length"),
+        ({"bin_size": 0}, ValueError, "bin_size should be a positive integer, but got bin_size=0"),
+        ({"drop_last": "yes"}, TypeError, "drop_last should be a bool"),
+        ({"oversized": "drop"}, ValueError, "oversized should be 'error' or 'truncate', but got oversized='drop'"),
+        ({"rank": 2, "num_replicas": 2}, ValueError, r"rank should be in \[0, num_replicas=2\), but got rank=2"),
+    ],
+)
+def test_bad_input_is_named(kwargs, error, match):
+    args = {"sampler": list(range(4)), "batch_size": 2, "batch_max_len": 8, "lengths": np.array([1, 2, 3, 4])}
+    with pytest.raises(error, match=match):
+        MultipackBatchSampler(**{**args, **kwargs})
+
+
+def test_unknown_keyword_is_ignored_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="dynabatch.sampling.multipack"):
+        MultipackBatchSampler(list(range(3)), 1, 8, np.array([1, 2, 3]), curriculum=True)
+    assert "ignores the keyword arguments ['curriculum']" in caplog.text
+
+
+# --------------------------------------------------------------------------- sharding and resumption
+
+
+@settings(deadline=None, max_examples=50)
+@given(
+    n=st.integers(1, 120),
+    world=st.integers(1, 4),
+    batch_size=st.integers(1, 3),
+    drop_last=st.booleans(),
+    data=st.data(),
+)
+def test_ranks_get_equal_counts_and_disjoint_indices(n, world, batch_size, drop_last, data):
+    lengths = np.array(data.draw(st.lists(st.integers(1, 40), min_size=n, max_size=n)))
+    if not drop_last and n < world:
+        with pytest.raises(ValueError, match="num_replicas should be at most the number of samples"):
+            len(_sampler(lengths, batch_size, 40, drop_last=False, num_replicas=world, rank=0))
+        return
+    ranks = [_sampler(lengths, batch_size, 40, drop_last=drop_last, num_replicas=world, rank=r) for r in range(world)]
+    shares = [list(r) for r in ranks]
+    assert len({len(s) for s in shares}) == 1
+    seen = [i for s in shares for i in _flat(s)]
+    assert len(seen) == len(set(seen))
+    assert len(seen) + ranks[0].num_samples_dropped == n
+    assert all(lengths[b].sum() <= 40 for s in shares for batch in s for b in batch)
+    dealt = _sampler(lengths, batch_size, 40, drop_last=drop_last, num_replicas=world, rank=0, shard=False)
+    assert list(dealt)[0::world] == shares[0]  # shard=False: every rank's batch in turn
+
+
+@settings(deadline=None, max_examples=40)
+@given(n=st.integers(1, 80), stop=st.integers(0, 40), epoch=st.integers(0, 3), sequential=st.booleans())
+def test_resume_mid_epoch_loses_and_repeats_nothing(n, stop, epoch, sequential):
+    lengths = np.random.default_rng(n).integers(1, 30, size=n)
+    first = _sampler(lengths, 2, 32, seed=3, sequential=sequential, drop_last=False)
+    first.set_epoch(epoch)
+    full = list(first)
+    it = iter(first)
+    taken = [next(it) for _ in range(min(stop, len(full)))]
+    state = json.loads(json.dumps(first.state_dict()))  # survives a JSON checkpoint
+    resumed = _sampler(lengths, 2, 32, seed=3, sequential=sequential, drop_last=False)
+    resumed.load_state_dict(state)
+    assert taken + list(resumed) == full
+    assert list(resumed) == full  # the resume point holds once
+
+
+def test_resume_refuses_other_data_settings_or_order():
+    lengths = np.arange(1, 30)
+    state = _sampler(lengths, 2, 32).state_dict()
+    with pytest.raises(ValueError, match="state should come from a sampler over the same lengths"):
+        _sampler(lengths, 3, 32).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"state\['seed'\] should be 0 as in this sampler, but got state\['seed'\]=1"):
+        _sampler(lengths, 2, 32).load_state_dict({**state, "seed": 1})
+    shuffled = MultipackBatchSampler(list(np.random.default_rng(5).permutation(29)), 2, 32, lengths)
+    with pytest.raises(ValueError, match="pass a deterministic sampler"):
+        shuffled.load_state_dict(state)
+    with pytest.raises(TypeError, match="state should be a dict"):
+        _sampler(lengths, 2, 32).load_state_dict([1])
+
+
+_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import RandomSampler
+    from dynabatch.sampling.multipack import MultipackBatchSampler
+
+    rank, out = int(sys.argv[1]), sys.argv[2]
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    report = {}
+    for n, drop_last in ((301, False), (301, True), (2, False)):
+        lengths = np.random.default_rng(n).integers(1, 200, size=n)
+        sampler = MultipackBatchSampler(RandomSampler(range(n)), 3, 256, lengths, drop_last=drop_last)
+        sampler.set_epoch(1)
+        batches = []
+        for batch in sampler:
+            batches.append(batch)
+            dist.all_reduce(torch.ones(1))  # a collective every step: hangs if the counts differ
+        report[f"{n}-{drop_last}"] = {
+            "batches": batches, "dropped": sampler.num_samples_dropped,
+            "len": sampler.gather_len_batches(len(sampler)), "eff": sampler.gather_efficiency(),
+        }
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(report, f)
+    """
+)
+
+
+def test_two_gloo_ranks_equal_batch_counts_disjoint_indices(tmp_path):
+    (tmp_path / "worker.py").write_text(_WORKER)
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, str(tmp_path / "worker.py")]
+    with open(tmp_path / "rank1.log", "w") as log:  # a file: a full pipe would stall rank 1 mid-collective
+        other = subprocess.Popen([*command, "1", str(tmp_path)], cwd=REPO, env=env, stdout=log, stderr=log)
+    try:
+        first = subprocess.run([*command, "0", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
+                               timeout=150)
+        other.wait(timeout=60)
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert other.returncode == 0, (tmp_path / "rank1.log").read_text()[-4000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for key, n in (("301-False", 301), ("301-True", 301), ("2-False", 2)):
+        a, b = reports[0][key], reports[1][key]
+        assert len(a["batches"]) == len(b["batches"]) == a["len"] == b["len"] > 0
+        ia, ib = _flat(a["batches"]), _flat(b["batches"])
+        assert not set(ia) & set(ib)
+        assert Counter(ia + ib).most_common(1)[0][1] == 1
+        assert len(ia) + len(ib) + a["dropped"] == n
+        assert a["dropped"] == b["dropped"]
+        assert a["eff"] == b["eff"]
+    assert reports[0]["301-False"]["dropped"] == 0
