@@ -1,0 +1,375 @@
+"""Out-of-memory safety for training (seed 001's ``OOMGuardian`` and ``GradientCheckpointManager``).
+
+:func:`guarded_step` runs one micro-batch's forward and backward. If it runs
+out of memory, the batch is split in halves (trailing padding trimmed) and
+each half is run, recursively, so the optimizer still receives the gradient
+of the whole batch:
+
+* the step function must normalise its loss by the item count of the whole
+  optimizer step (not of the micro-batch), so the halves' losses sum to the
+  whole batch's;
+* an out-of-memory error in the *backward* may strike after some parameters
+  already accumulated this batch's gradient. Their post-accumulate hooks tell
+  which; those parameters are frozen while the halves run, so no gradient is
+  counted twice and none is lost.
+
+The :class:`OOMGuardian` remembers, per task and length, the row count that
+ran after a split, and later batches of that task at that length or longer
+are split before they run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dynabatch._validation import bad_type, bad_value, check_positive_number
+from dynabatch.memory.guard import call_guarded, free_memory
+
+__all__ = ["GradientCheckpointManager", "GuardedResult", "OOMGuardian", "guarded_step", "split_batch"]
+
+logger = logging.getLogger(__name__)
+
+_MB = float(2**20)
+_GB = float(2**30)
+
+
+def _check_margin(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_type("memory_margin_percent", "a number in [0, 1)", value)
+    if not 0.0 <= value < 1.0:
+        raise bad_value("memory_margin_percent", "a number in [0, 1) (a fraction: 0.10 is 10%)", value)
+    return float(value)
+
+
+class OOMGuardian:
+    """Keeps training steps inside the device's memory.
+
+    Args:
+        device: the training device.
+        memory_margin_percent: fraction of the budget kept free, in [0, 1).
+        max_memory_mb: the budget for a step's peak memory in MB; by default
+            the device's free memory (CUDA) or available RAM (CPU).
+        predictor: a calibrated :class:`~dynabatch.MemoryPredictor` for
+            :meth:`estimate_safe_batch_size`.
+        simulate_limit: CPU only: run guarded steps under the CPU tracker's
+            ``limit_bytes`` = ``max_memory_mb``, so going over it raises a real
+            out-of-memory error, as on a device of that size.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device = "cuda:0",
+        memory_margin_percent: float = 0.10,
+        *,
+        max_memory_mb: float | None = None,
+        predictor: Any = None,
+        simulate_limit: bool = False,
+    ) -> None:
+        if not isinstance(device, (str, torch.device)):
+            raise bad_type("device", "a str or torch.device", device)
+        self.device = torch.device(device)
+        self.memory_margin_percent = _check_margin(memory_margin_percent)
+        self.max_memory_mb = None if max_memory_mb is None else check_positive_number("max_memory_mb", max_memory_mb)
+        self.predictor = predictor
+        if simulate_limit and (self.device.type != "cpu" or self.max_memory_mb is None):
+            raise bad_value("simulate_limit", "False unless device is the CPU and max_memory_mb is set", simulate_limit)
+        self.simulate_limit = bool(simulate_limit)
+        self.num_out_of_memory = 0
+        self._safe_rows: dict[Hashable, list[tuple[int, int]]] = {}  # task -> [(length, rows that ran)]
+
+    # -- budget --------------------------------------------------------------
+    def budget_bytes(self) -> float:
+        """The memory a step may use: ``max_memory_mb``, else what the device has free now."""
+        if self.max_memory_mb is not None:
+            return self.max_memory_mb * _MB
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return float(free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+    def usable_bytes(self) -> float:
+        """The budget minus the safety margin."""
+        return self.budget_bytes() * (1.0 - self.memory_margin_percent)
+
+    @property
+    def limit_bytes(self) -> int | None:
+        """The CPU tracker's limit when simulating a device, else ``None``."""
+        return int(self.max_memory_mb * _MB) if self.simulate_limit else None
+
+    def preflight_check(self, predicted_memory_gb: float) -> bool:
+        """True if a step predicted to need ``predicted_memory_gb`` fits the budget minus the margin."""
+        predicted = check_positive_number("predicted_memory_gb", predicted_memory_gb) if predicted_memory_gb else 0.0
+        fits = predicted * _GB <= self.usable_bytes()
+        if not fits:
+            logger.warning(
+                "preflight: %.3f GB predicted, %.3f GB usable", predicted, self.usable_bytes() / _GB
+            )
+        return fits
+
+    def emergency_cleanup(self) -> None:
+        """Frees what can be freed: garbage collection and CUDA's cached blocks."""
+        free_memory()
+
+    # -- remembered sizes ----------------------------------------------------
+    def record_out_of_memory(self, task_types: Sequence[Hashable], length: int, rows_that_ran: int) -> None:
+        """Remembers that batches of these tasks at ``length`` run with ``rows_that_ran`` rows."""
+        self.num_out_of_memory += 1
+        for task in set(task_types):
+            entries = self._safe_rows.setdefault(task, [])
+            entries.append((int(length), int(rows_that_ran)))
+
+    def remembered_batch_size(self, task_types: Sequence[Hashable], length: int) -> int | None:
+        """The fewest rows that ran for any of these tasks at this length or shorter, or ``None``."""
+        sizes = [
+            rows
+            for task in set(task_types)
+            for known_length, rows in self._safe_rows.get(task, ())
+            if known_length <= length
+        ]
+        return min(sizes) if sizes else None
+
+    def estimate_safe_batch_size(self, task_type: Hashable, seq_length: float | None = None) -> int:
+        """Most rows of ``task_type`` predicted to fit the budget minus the margin (0 if none fits).
+
+        Uses the predictor (at the task's typical length unless ``seq_length``
+        is given) and never exceeds a size remembered after an out-of-memory error.
+        """
+        remembered = self.remembered_batch_size([task_type], int(seq_length or 0) if seq_length else 2**31)
+        if self.predictor is None:
+            if remembered is None:
+                raise bad_value("predictor", "a calibrated MemoryPredictor (OOMGuardian(predictor=...))", None)
+            return remembered
+        length = self.predictor.typical_length(task_type) if seq_length is None else float(seq_length)
+        usable = self.usable_bytes()
+
+        def fits(rows: int) -> bool:
+            return float(self.predictor.predict_bytes(task_type, rows, length)) <= usable
+
+        if not fits(1):
+            return 0
+        high = 1
+        while fits(high * 2) and high < 2**30:
+            high *= 2
+        low, high = high, high * 2  # fits(low), not fits(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if fits(mid) else (low, mid)
+        return low if remembered is None else min(low, remembered)
+
+
+def split_batch(batch: dict[str, Any], sizes: Sequence[int]) -> list[dict[str, Any]]:
+    """Cuts a collated batch into consecutive row groups of ``sizes``; trailing padding is trimmed.
+
+    Tensors and lists whose first dimension is the row count are cut; other
+    values are shared. With right padding (an ``attention_mask`` whose last
+    column is empty) each part is cut to its own longest row.
+    """
+    rows = _rows(batch)
+    if sum(sizes) != rows:
+        raise bad_value("sizes", f"row counts summing to the batch's {rows} rows", list(sizes))
+    parts, start = [], 0
+    for size in sizes:
+        part = {
+            k: v[start : start + size] if _is_row_field(v, rows) else v for k, v in batch.items()
+        }
+        parts.append(_trim_right_padding(part))
+        start += size
+    return parts
+
+
+def _rows(batch: dict[str, Any]) -> int:
+    for value in batch.values():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            return int(value.shape[0])
+    raise bad_type("batch", "a dict with at least one tensor", batch)
+
+
+def _is_row_field(value: Any, rows: int) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dim() >= 1 and value.shape[0] == rows
+    return isinstance(value, list) and len(value) == rows
+
+
+def _trim_right_padding(part: dict[str, Any]) -> dict[str, Any]:
+    mask = part.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] == 0 or bool(mask[:, -1].any()):
+        return part
+    used = int(mask.any(dim=0).nonzero().max()) + 1 if bool(mask.any()) else 1
+    width = mask.shape[1]
+    return {
+        k: v[:, :used] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == width else v
+        for k, v in part.items()
+    }
+
+
+@dataclass
+class GuardedResult:
+    """What :func:`guarded_step` ran: each part's step output, rows and measured peak (in order)."""
+
+    outputs: list[Any] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    peaks: list[int | None] = field(default_factory=list)
+    splits: int = 0
+    early_gradients: int = 0
+    """Parameters whose gradient had arrived when a backward ran out of memory (frozen for the halves)."""
+
+
+@contextlib.contextmanager
+def _frozen(params: list[nn.Parameter]) -> Iterator[None]:
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+def guarded_step(
+    step: Callable[[dict[str, Any]], Any],
+    batch: dict[str, Any],
+    parameters: Sequence[nn.Parameter],
+    *,
+    guardian: OOMGuardian | None = None,
+    task_types: Sequence[Hashable] = (),
+    measure_on: str | torch.device | None = None,
+) -> GuardedResult:
+    """Runs ``step(batch)`` (forward + backward); on out-of-memory, runs it in halves.
+
+    Args:
+        step: does forward, loss and ``backward`` for a batch; its loss must be
+            normalised by the whole optimizer step's item count.
+        batch: a collated batch (dict of tensors and per-row lists).
+        parameters: the model's parameters (to see which got gradients before an error).
+        guardian: remembers the sizes that ran, splits known-too-big batches
+            first, and supplies the simulated CPU limit.
+        task_types: the batch's tasks, for the guardian's memory.
+        measure_on: measure each part's peak on this device (``None``: don't).
+
+    Raises:
+        torch.OutOfMemoryError: a single row does not fit.
+    """
+    params = [p for p in parameters if p.requires_grad]
+    result = GuardedResult()
+    rows = _rows(batch)
+    length = int(batch["input_ids"].shape[1]) if isinstance(batch.get("input_ids"), torch.Tensor) else 0
+    known = guardian.remembered_batch_size(task_types, length) if guardian is not None else None
+    if known is not None and rows > known:
+        sizes = [known] * (rows // known) + ([rows % known] if rows % known else [])
+        parts = split_batch(batch, sizes)
+        result.splits += len(parts) - 1
+    else:
+        parts = [batch]
+    for part in parts:
+        _run(step, part, params, guardian, task_types, measure_on, result)
+    return result
+
+
+def _run(step, batch, params, guardian, task_types, measure_on, result: GuardedResult) -> None:
+    fired: set[int] = set()
+    handles = [p.register_post_accumulate_grad_hook(lambda p: fired.add(id(p))) for p in params]
+    limit = guardian.limit_bytes if guardian is not None else None
+    measure = measure_on if measure_on is not None or limit is None else "cpu"
+    try:
+        attempt = call_guarded(step, batch, measure_on=measure, limit_bytes=limit)
+    finally:
+        for handle in handles:
+            handle.remove()
+    rows = _rows(batch)
+    if attempt.error is None:
+        result.outputs.append(attempt.output)
+        result.rows.append(rows)
+        result.peaks.append(attempt.peak_bytes)
+        return
+    if rows == 1:
+        raise attempt.error
+    done = [p for p in params if id(p) in fired]
+    todo = [p for p in params if id(p) not in fired]
+    half = rows // 2
+    length = int(batch["input_ids"].shape[1]) if isinstance(batch.get("input_ids"), torch.Tensor) else 0
+    logger.warning("out of memory on %d rows x %d; running it as %d + %d rows", rows, length, half, rows - half)
+    if guardian is not None:
+        guardian.record_out_of_memory(task_types, length, half)
+    result.splits += 1
+    result.early_gradients += len(done)
+    with _frozen(done):
+        for part in split_batch(batch, [half, rows - half]):
+            _run(step, part, todo, guardian, task_types, measure_on, result)
+
+
+class GradientCheckpointManager:
+    """Turns activation (gradient) checkpointing on and off for HF and plain torch models."""
+
+    @staticmethod
+    def enable_gradient_checkpointing(model: nn.Module) -> bool:
+        """Recomputes activations in the backward instead of keeping them; True if enabled.
+
+        HF models use their own switch (and stop caching keys and values). A
+        plain torch model gets each block of its largest ``ModuleList`` or
+        ``Sequential`` wrapped in ``torch.utils.checkpoint``.
+        """
+        if not isinstance(model, nn.Module):
+            raise bad_type("model", "a torch.nn.Module", model)
+        if getattr(model, "supports_gradient_checkpointing", False):
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            if getattr(getattr(model, "config", None), "use_cache", False):
+                model.config.use_cache = False
+            return True
+        blocks = _largest_block_list(model)
+        if blocks is None:
+            logger.warning("%s has no ModuleList or Sequential of blocks to checkpoint", type(model).__name__)
+            return False
+        for block in blocks:
+            if not hasattr(block, "_dynabatch_forward"):
+                block._dynabatch_forward = block.forward
+                block.forward = _checkpointed(block._dynabatch_forward)
+        return True
+
+    @staticmethod
+    def disable_gradient_checkpointing(model: nn.Module) -> None:
+        """Undoes :meth:`enable_gradient_checkpointing`."""
+        if getattr(model, "supports_gradient_checkpointing", False):
+            if hasattr(model, "activation_checkpointing_disable"):
+                model.activation_checkpointing_disable()
+            else:
+                model.gradient_checkpointing_disable()
+            return
+        for module in model.modules():
+            if hasattr(module, "_dynabatch_forward"):
+                module.forward = module._dynabatch_forward
+                del module._dynabatch_forward
+
+    @staticmethod
+    def is_enabled(model: nn.Module) -> bool:
+        """Whether checkpointing is on (either kind)."""
+        if any(hasattr(m, "_dynabatch_forward") for m in model.modules()):
+            return True
+        return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def _largest_block_list(model: nn.Module) -> nn.Module | None:
+    lists = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 1]
+    return max(lists, key=len) if lists else None
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    from torch.utils.checkpoint import checkpoint
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run

@@ -1,0 +1,220 @@
+"""The whole multi-task run in one call (seed 001's ``HeterogeneousTrainingConfig`` and pipeline).
+
+:meth:`DynamicBatchingTrainingPipeline.train` calibrates a
+:class:`~dynabatch.MemoryPredictor` on the real model's training step (a few
+probe batches per task, measured), builds the :class:`~dynabatch.OOMGuardian`,
+the :class:`~dynabatch.DynamicBatchingMonitor` and the
+:class:`~dynabatch.DynamicBatchingTrainer`, and trains. The monitor's files go
+to ``<output_dir>/training_metrics/``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+import torch
+
+from dynabatch._validation import bad_type, bad_value
+from dynabatch.training.guard import GradientCheckpointManager, OOMGuardian
+from dynabatch.training.monitor import DynamicBatchingMonitor
+from dynabatch.training.predictor import MemoryPredictor
+from dynabatch.training.sampler import read_task_metadata
+from dynabatch.training.trainer import DynamicBatchingTrainer
+
+__all__ = ["DynamicBatchingTrainingPipeline", "HeterogeneousTrainingConfig"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class HeterogeneousTrainingConfig:
+    """Settings of a memory-aware multi-task run; defaults are seed 001's where it shows them.
+
+    ``task_distribution`` and ``initial_task_loss_weights`` default to ``None``:
+    the tasks found in the data, each weighing 1.0 (seed 001's example values
+    for its tasks T1-T3). ``max_steps=-1`` lets ``num_epochs`` decide (seed
+    001 shows 10000 for its long runs). ``simulate_memory_limit`` (CPU only)
+    makes going over ``max_memory_mb`` a real out-of-memory error.
+    """
+
+    # memory
+    max_memory_mb: float = 30000
+    memory_margin_percent: float = 0.10
+    enable_gradient_checkpointing: bool = False
+    simulate_memory_limit: bool = False
+    # batches
+    base_batch_size: int = 16
+    target_batch_size: int | None = 32
+    gradient_accumulation_steps: int = 2
+    use_gradient_accumulation: bool = True
+    task_diversity_weight: float = 0.5
+    batch_size_normalizer: str = "tokens"
+    # tasks
+    task_distribution: dict[Hashable, float] | None = None
+    initial_task_loss_weights: dict[Hashable, float] | None = None
+    use_grad_norm_balancing: bool = False
+    grad_norm_alpha: float = 1.5
+    # training
+    num_epochs: int = 3
+    learning_rate: float = 5e-5
+    warmup_steps: int = 500
+    max_steps: int = -1
+    seed: int = 42
+    logging_steps: int = 10
+    save_steps: int | None = None
+    output_dir: str = "./dynamic_training_outputs"
+    resume_from_checkpoint: str | bool | None = None
+    # calibration
+    calibration_batch_sizes: tuple[int, ...] | None = None
+    calibration_length_quantiles: tuple[float, ...] = (0.5, 1.0)
+    extra_training_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _probe_batches(dataset: Any, tasks: list, lengths: np.ndarray, collator: Any, sizes, quantiles):
+    """(task, batch) probes of real samples: per task, rows x length quantiles, and the same
+    rows padded to the dataset's longest length (mixed batches pad a task's samples that far)."""
+    longest = int(lengths.max())
+    padded = copy.copy(collator)
+    padded.pad_to_multiple_of = longest  # every probe of this collator is exactly `longest` wide
+    probes = []
+    for task in dict.fromkeys(tasks):
+        mine = np.array([i for i, t in enumerate(tasks) if t == task])
+        mine = mine[np.argsort(lengths[mine], kind="stable")]
+        for q in quantiles:
+            end = max(int(round(q * (len(mine) - 1))) + 1, 1)
+            for rows in sizes:
+                rows = min(rows, len(mine))
+                pick = [dataset[int(i)] for i in mine[max(end - rows, 0) : max(end - rows, 0) + rows]]
+                probes.append((task, collator(pick)))
+                if q == quantiles[-1] and lengths[mine].max() < longest:
+                    probes.append((task, padded(pick)))
+    return probes
+
+
+class DynamicBatchingTrainingPipeline:
+    """Calibrate, guard, monitor and train: ``DynamicBatchingTrainingPipeline(config, model, tokenizer).train(...)``.
+
+    Args:
+        config: a :class:`HeterogeneousTrainingConfig`.
+        model: a transformers model (or any model the HF ``Trainer`` takes) returning logits.
+        tokenizer: pads batches (its ``pad_token_id``) and is saved with checkpoints.
+    """
+
+    def __init__(self, config: HeterogeneousTrainingConfig, model: torch.nn.Module, tokenizer: Any) -> None:
+        if not isinstance(config, HeterogeneousTrainingConfig):
+            raise bad_type("config", "a HeterogeneousTrainingConfig", config)
+        if not isinstance(model, torch.nn.Module):
+            raise bad_type("model", "a torch.nn.Module", model)
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.predictor = MemoryPredictor(self.device)
+        self.guardian: OOMGuardian | None = None
+        self.monitor: DynamicBatchingMonitor | None = None
+        self.trainer: DynamicBatchingTrainer | None = None
+
+    def _training_args(self, has_eval: bool):
+        from transformers import TrainingArguments
+
+        c = self.config
+        kwargs: dict[str, Any] = {
+            "output_dir": c.output_dir,
+            "num_train_epochs": c.num_epochs,
+            "learning_rate": c.learning_rate,
+            "warmup_steps": c.warmup_steps,
+            "max_steps": c.max_steps,
+            "per_device_train_batch_size": c.base_batch_size,
+            "per_device_eval_batch_size": c.base_batch_size,
+            "gradient_accumulation_steps": 1,
+            "seed": c.seed,
+            "logging_steps": c.logging_steps,
+            "save_strategy": "steps" if c.save_steps else "no",
+            "eval_strategy": "epoch" if has_eval else "no",
+            "use_cpu": self.device.type == "cpu",
+            "report_to": [],
+            "remove_unused_columns": False,
+            "disable_tqdm": True,
+        }
+        if c.save_steps:
+            kwargs["save_steps"] = c.save_steps
+        kwargs.update(c.extra_training_args)
+        return TrainingArguments(**kwargs)
+
+    def train(self, train_dataset: Any, eval_dataset: Any = None) -> dict[str, Any]:
+        """Calibrates on the real training step, then trains; returns what happened.
+
+        Returns:
+            ``train_output`` (HF ``TrainOutput``), ``report`` (the monitor's
+            training report), ``calibration_accuracy`` (per task),
+            ``eval_metrics`` (when an eval dataset was given) and ``metrics_dir``.
+        """
+        c = self.config
+        tasks, lengths = read_task_metadata(train_dataset)
+        if c.task_distribution is not None:
+            unknown = [t for t in c.task_distribution if t not in set(tasks)]
+            if unknown:
+                raise bad_value("config.task_distribution", f"a dict over the data's tasks (unknown: {unknown})", c.task_distribution)
+        if c.enable_gradient_checkpointing:
+            GradientCheckpointManager.enable_gradient_checkpointing(self.model)
+        self.guardian = OOMGuardian(
+            self.device, c.memory_margin_percent, max_memory_mb=c.max_memory_mb, predictor=self.predictor,
+            simulate_limit=c.simulate_memory_limit,
+        )
+        self.monitor = DynamicBatchingMonitor(os.path.join(c.output_dir, "training_metrics"))
+        self.trainer = DynamicBatchingTrainer(
+            model=self.model,
+            args=self._training_args(eval_dataset is not None),
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=self.tokenizer,
+            memory_predictor=self.predictor,
+            oom_guardian=self.guardian,
+            batch_size_normalizer=c.batch_size_normalizer,
+            task_loss_weights=c.initial_task_loss_weights,
+            use_gradient_accumulation=c.use_gradient_accumulation,
+            target_batch_size=c.target_batch_size or c.base_batch_size * c.gradient_accumulation_steps,
+            task_diversity_weight=c.task_diversity_weight,
+            use_grad_norm_balancing=c.use_grad_norm_balancing,
+            grad_norm_alpha=c.grad_norm_alpha,
+            monitor=self.monitor,
+        )
+        if not c.resume_from_checkpoint:
+            self.calibrate(train_dataset, tasks, lengths)
+        train_output = self.trainer.train(resume_from_checkpoint=c.resume_from_checkpoint)
+        result = {
+            "train_output": train_output,
+            "report": self.monitor.generate_report() if self.monitor.batches else None,
+            "calibration_accuracy": self.predictor.get_calibration_accuracy(),
+            "metrics_dir": self.monitor.output_dir,
+        }
+        if eval_dataset is not None:
+            result["eval_metrics"] = self.trainer.evaluate()
+        return result
+
+    def calibrate(self, dataset: Any, tasks: list, lengths: np.ndarray) -> int:
+        """Measures the real training step on probe batches of every task; returns how many ran."""
+        c = self.config
+        b = c.base_batch_size
+        sizes = c.calibration_batch_sizes or tuple(sorted({1, max(b // 4, 1), max(b // 2, 1), b}))
+        trainer = self.trainer
+        model = trainer.model.to(self.device)
+        model.train()
+
+        def step(batch: dict[str, Any]) -> None:
+            batch = trainer._prepare_inputs(batch)
+            loss, _, _ = trainer._micro_loss(model, batch)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        model.zero_grad(set_to_none=True)
+        probes = _probe_batches(dataset, tasks, lengths, trainer.data_collator, sizes, c.calibration_length_quantiles)
+        measured = self.predictor.calibrate(step, probes)
+        logger.info("calibrated on %d probe batches: %s", measured, self.predictor.get_calibration_accuracy())
+        return measured

@@ -1,0 +1,421 @@
+"""``DynamicBatchingTrainer``: HF ``Trainer`` with memory-aware multi-task steps (seed 001).
+
+Each item of the training dataloader is one optimizer step: micro-batches
+planned under the memory budget by :class:`~dynabatch.MemoryAwareBatchSampler`,
+grouped until they hold ``target_batch_size`` samples. ``training_step`` runs
+them one by one through :func:`~dynabatch.training.guard.guarded_step`
+(an out-of-memory error splits a micro-batch and the gradient stays that of
+the whole step), with the loss of :mod:`dynabatch.training.loss`: task-weighted
+and normalised by the whole step's token (or sample) count. HF's own loop then
+clips, steps the optimizer, logs, evaluates and checkpoints as usual, with
+``gradient_accumulation_steps=1`` (the accumulation happens inside the step).
+
+Logged per logging step: ``loss``, ``loss_<task>`` (unweighted mean per task)
+and, with GradNorm, ``weight_<task>``. A checkpoint also holds
+``dynabatch_state.json`` (the predictor the plan was made from, the task
+weights), so a resumed run replays the same plan and HF's skipping of the
+steps already done repeats no sample.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Hashable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.sampling.base import PlannedBatchSampler
+from dynabatch.sampling.memory_aware import plan_memory_aware_batches
+from dynabatch.training.collate import METADATA_KEYS, HeterogeneousCollator
+from dynabatch.training.gradnorm import GradNormBalancer, shared_parameter
+from dynabatch.training.guard import OOMGuardian, guarded_step
+from dynabatch.training.loss import check_normalization, count_items, per_sample_losses, weighted_loss_sum
+from dynabatch.training.monitor import BatchMetrics, DynamicBatchingMonitor
+from dynabatch.training.predictor import MB, MemoryPredictor
+from dynabatch.training.sampler import MemoryAwareBatchSampler, StepBatchSampler, read_task_metadata, split_step
+
+__all__ = ["DynamicBatchingTrainer"]
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "dynabatch_state.json"
+
+
+class _CountPlan(PlannedBatchSampler):
+    """Micro-batches of at most ``batch_size`` rows and no memory model (no predictor given)."""
+
+    def __init__(self, task_ids: np.ndarray, lengths: np.ndarray, batch_size: int, weight: float, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.task_ids, self.lengths, self.batch_size, self.weight = task_ids, lengths, batch_size, weight
+
+    def plan(self, epoch: int) -> list[np.ndarray]:
+        return plan_memory_aware_batches(
+            self.task_ids, self.lengths, lambda c, n: 0.0, 1.0, batch_size=self.batch_size,
+            task_diversity_weight=self.weight, shuffle=self.shuffle, seed=self.seed, epoch=epoch,
+        )
+
+    def identity(self) -> list[Any]:
+        return [self.task_ids, self.lengths, self.batch_size, self.weight]
+
+
+class _Indexed(torch.utils.data.Dataset):
+    """Hands the collator (index, sample) pairs, and the step separator through."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx: int) -> tuple[int, Any]:
+        return (idx, None) if idx < 0 else (idx, self.dataset[idx])
+
+
+class _MonitorCallback(TrainerCallback):
+    def __init__(self, trainer: DynamicBatchingTrainer) -> None:
+        self.trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.trainer._epoch_samples = self.trainer._epoch_steps = 0
+        if self.trainer.monitor is not None:
+            self.trainer.monitor.start_epoch()
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        if t.monitor is not None:
+            t.monitor.end_epoch(total_samples=t._epoch_samples, total_batches=t._epoch_steps)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.trainer.monitor is not None and self.trainer.monitor.batches:
+            self.trainer.monitor.generate_report()
+            self.trainer.monitor.plot_task_comparison()
+
+
+class DynamicBatchingTrainer(Trainer):
+    """HF ``Trainer`` whose steps are memory-planned, OOM-guarded, task-weighted micro-batches.
+
+    Args:
+        *args, **kwargs: those of ``transformers.Trainer``. The default data
+            collator is a :class:`~dynabatch.HeterogeneousCollator` of the
+            ``processing_class`` (tokenizer).
+        memory_predictor: a calibrated :class:`~dynabatch.MemoryPredictor`; it
+            plans the micro-batches and learns from every measured step.
+            Without one, micro-batches are ``per_device_train_batch_size`` rows.
+        oom_guardian: an :class:`~dynabatch.OOMGuardian`: its ``max_memory_mb``
+            and margin are the plan's budget, it remembers sizes that ran after
+            an out-of-memory error (and simulates a device limit on the CPU).
+        batch_size_normalizer: ``"tokens"`` (default) or ``"samples"``: what a
+            step's loss is the mean over (see :mod:`dynabatch.training.loss`).
+        task_loss_weights: weight of each task's loss (tasks not named weigh 1).
+        use_gradient_accumulation: accumulate micro-batches until ``target_batch_size``
+            samples per optimizer step; otherwise every micro-batch is a step.
+        target_batch_size: samples per optimizer step; default
+            ``per_device_train_batch_size * gradient_accumulation_steps``.
+        max_memory_mb: the budget, when no guardian gives one.
+        task_diversity_weight: the sampler's task mix (0 single-task ... 1 global mix).
+        use_grad_norm_balancing, grad_norm_alpha, grad_norm_lr: GradNorm on the task weights.
+        monitor: a :class:`~dynabatch.DynamicBatchingMonitor` fed one record per step.
+        measure_memory: measure every micro-batch's peak (CUDA statistics or the CPU tracker).
+        size_field: the metadata field holding a sample's size (default: its length).
+
+    Raises:
+        ValueError: ``task_loss_weights`` names a task absent from the training
+            data, or a weight is negative; a bad ``batch_size_normalizer``.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        memory_predictor: MemoryPredictor | None = None,
+        oom_guardian: OOMGuardian | None = None,
+        batch_size_normalizer: str | None = "tokens",
+        task_loss_weights: dict[Hashable, float] | None = None,
+        use_gradient_accumulation: bool = True,
+        target_batch_size: int | None = None,
+        max_memory_mb: float | None = None,
+        task_diversity_weight: float = 0.5,
+        use_grad_norm_balancing: bool = False,
+        grad_norm_alpha: float = 1.5,
+        grad_norm_lr: float = 0.025,
+        monitor: DynamicBatchingMonitor | None = None,
+        measure_memory: bool = True,
+        size_field: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        given_collator = kwargs.get("data_collator", args[2] if len(args) > 2 else None)
+        super().__init__(*args, **kwargs)
+        if given_collator is None:
+            pad = getattr(self.processing_class, "pad_token_id", None)
+            if pad is None:
+                pad = getattr(getattr(self.model, "config", None), "pad_token_id", None) or 0
+            self.data_collator = HeterogeneousCollator(self.processing_class, pad_token_id=pad)
+        if memory_predictor is not None and not isinstance(memory_predictor, MemoryPredictor):
+            raise bad_type("memory_predictor", "a MemoryPredictor or None", memory_predictor)
+        if oom_guardian is not None and not isinstance(oom_guardian, OOMGuardian):
+            raise bad_type("oom_guardian", "an OOMGuardian or None", oom_guardian)
+        if monitor is not None and not isinstance(monitor, DynamicBatchingMonitor):
+            raise bad_type("monitor", "a DynamicBatchingMonitor or None", monitor)
+        self.memory_predictor = memory_predictor
+        self.oom_guardian = oom_guardian
+        self.normalization = check_normalization("tokens" if batch_size_normalizer is None else batch_size_normalizer)
+        self.use_gradient_accumulation = bool(use_gradient_accumulation)
+        gas = self.args.gradient_accumulation_steps
+        if target_batch_size is None:
+            target_batch_size = self.args.per_device_train_batch_size * gas
+        self.target_batch_size = check_positive_int("target_batch_size", target_batch_size)
+        if gas != 1:
+            logger.info("accumulating to target_batch_size=%d inside each step; gradient_accumulation_steps -> 1", target_batch_size)
+            self.args.gradient_accumulation_steps = 1
+        self.max_memory_mb = max_memory_mb
+        if max_memory_mb is None and oom_guardian is not None:
+            self.max_memory_mb = oom_guardian.max_memory_mb
+        self.task_diversity_weight = task_diversity_weight
+        self.size_field = size_field
+        self.monitor = monitor
+        self.measure_memory = bool(measure_memory)
+        self._train_tasks: list[Hashable] | None = None
+        if self.train_dataset is not None:
+            tasks, lengths = read_task_metadata(self.train_dataset, size_field)
+            self._train_tasks, self._train_lengths = tasks, lengths
+        self.task_weights = self._check_weights(task_loss_weights)
+        self._balancer = None
+        if use_grad_norm_balancing:
+            self._balancer = GradNormBalancer(shared_parameter(self.model), alpha=grad_norm_alpha, lr=grad_norm_lr)
+        self._plan_predictor_state: dict[str, Any] | None = None
+        self._resume_dir: str | None = None
+        self._sampler: MemoryAwareBatchSampler | None = None
+        self._epoch_samples = self._epoch_steps = 0
+        self._log_task: dict[Hashable, list[float]] = {}
+        self.trained_indices: list[list[int]] = []
+        self.add_callback(_MonitorCallback(self))
+
+    def _check_weights(self, weights: dict[Hashable, float] | None) -> dict[Hashable, float]:
+        if weights is None:
+            return {t: 1.0 for t in dict.fromkeys(self._train_tasks or [])}
+        if not isinstance(weights, dict):
+            raise bad_type("task_loss_weights", "a dict of task type -> weight", weights)
+        known = list(dict.fromkeys(self._train_tasks or []))
+        if self._train_tasks is not None:
+            unknown = [t for t in weights if t not in known]
+            if unknown:
+                raise bad_value(
+                    "task_loss_weights",
+                    f"a dict over the training data's tasks {known} (unknown: {unknown})",
+                    weights,
+                )
+        for task, w in weights.items():
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+                raise bad_value(f"task_loss_weights[{task!r}]", "a finite number >= 0", w)
+        return {**{t: 1.0 for t in known}, **{t: float(w) for t, w in weights.items()}}
+
+    # -- data ----------------------------------------------------------------
+    def _set_signature_columns_if_needed(self) -> None:
+        super()._set_signature_columns_if_needed()
+        self._signature_columns = list(dict.fromkeys([*self._signature_columns, *METADATA_KEYS]))
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+        self._resume_dir = resume_from_checkpoint or None
+        if self._resume_dir and os.path.isfile(os.path.join(self._resume_dir, STATE_FILE)):
+            with open(os.path.join(self._resume_dir, STATE_FILE)) as fh:
+                saved = json.load(fh)
+            self._plan_predictor_state = saved.get("plan_predictor")
+            if self.memory_predictor is not None and saved.get("predictor") is not None:
+                self.memory_predictor.load_state_dict(saved["predictor"])
+            self.task_weights.update({_key(self.task_weights, k): v for k, v in saved["task_weights"].items()})
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def get_train_dataloader(self) -> DataLoader:
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        tasks, lengths = self._train_tasks, self._train_lengths
+        shard = {"shuffle": True, "seed": self.args.seed, "shard": self.accelerator.num_processes == 1}
+        rows = self.args.per_device_train_batch_size
+        if self.memory_predictor is not None and self.max_memory_mb is not None:
+            plan_predictor = self.memory_predictor
+            if self._plan_predictor_state is not None:  # resuming: plan exactly as the saved run did
+                plan_predictor = MemoryPredictor(self.memory_predictor.device)
+                plan_predictor.load_state_dict(self._plan_predictor_state)
+            else:
+                self._plan_predictor_state = self.memory_predictor.state_dict()
+            margin = self.oom_guardian.memory_margin_percent if self.oom_guardian is not None else 0.10
+            micro = MemoryAwareBatchSampler(
+                None, rows, self.max_memory_mb, task_diversity_weight=self.task_diversity_weight,
+                predictor=plan_predictor, memory_margin=margin, task_types=tasks, lengths=lengths, **shard,
+            )
+            self._sampler = micro
+        else:
+            names = list(dict.fromkeys(tasks))
+            ids = np.array([names.index(t) for t in tasks], dtype=np.int64)
+            micro = _CountPlan(ids, lengths, rows, self.task_diversity_weight, **shard)
+        steps = StepBatchSampler(micro, self.target_batch_size if self.use_gradient_accumulation else None)
+        loader = DataLoader(
+            _Indexed(self.train_dataset),
+            batch_sampler=steps,
+            collate_fn=self._collate_step,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+        return self.accelerator.prepare(loader)
+
+    def _collate_step(self, items: list[tuple[int, Any]]) -> dict[str, Any]:
+        indices = split_step([i for i, _ in items])
+        samples = {i: s for i, s in items if i >= 0}
+        return {
+            "micro_batches": [self.data_collator([samples[i] for i in group]) for group in indices],
+            "sample_indices": indices,
+        }
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        if "micro_batches" in inputs:
+            return sum(super(DynamicBatchingTrainer, self).floating_point_ops(mb) for mb in inputs["micro_batches"])
+        return super().floating_point_ops(inputs)
+
+    # -- loss ----------------------------------------------------------------
+    def _shift(self) -> bool:
+        return bool(getattr(self, "_loss_shifts_labels", False))
+
+    def _micro_loss(self, model: torch.nn.Module, batch: dict[str, Any]):
+        """Weighted loss sum, per-task (sum tensor, item count), per-sample losses, rows' items."""
+        tasks = batch.get("task_type") or [None] * int(batch["labels"].shape[0])
+        inputs = {k: v for k, v in batch.items() if k not in METADATA_KEYS and k != "labels"}
+        outputs = model(**inputs)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        sums, counts = per_sample_losses(logits, batch["labels"], shift=self._shift())
+        weights = torch.tensor([self.task_weights.get(t, 1.0) for t in tasks], dtype=torch.float32)
+        total = weighted_loss_sum(sums, counts, weights, self.normalization)
+        per_task: dict[Hashable, tuple[torch.Tensor, float]] = {}
+        for task in dict.fromkeys(tasks):
+            rows = torch.tensor([t == task for t in tasks], device=sums.device)
+            ones = torch.ones_like(weights)
+            part = weighted_loss_sum(sums[rows], counts[rows], ones[rows.cpu()], self.normalization)
+            items = float(counts[rows].sum()) if self.normalization == "tokens" else float((counts[rows] > 0).sum())
+            per_task[task] = (part, items)
+        return total, per_task, outputs
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Task-weighted loss of one (evaluation) batch, normalised by its own items."""
+        if "labels" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        batch = dict(inputs)
+        total, _, outputs = self._micro_loss(model, batch)
+        items = count_items(batch["labels"], shift=self._shift(), normalization=self.normalization)
+        loss = total / max(items, 1)
+        return (loss, outputs) if return_outputs else loss
+
+    # -- the step ------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        micro_batches = [self._prepare_inputs(mb) for mb in inputs["micro_batches"]]
+        total_items = sum(
+            count_items(mb["labels"], shift=self._shift(), normalization=self.normalization) for mb in micro_batches
+        )
+        total_items = max(total_items, 1)
+        params = [p for p in model.parameters() if p.requires_grad]
+        step_loss = 0.0
+        task_sum: dict[Hashable, float] = {}
+        task_items: dict[Hashable, float] = {}
+        peaks, splits, predicted = [], 0, []
+        fresh = all(p.grad is None for p in params)
+
+        def step(batch: dict[str, Any]):
+            with self.compute_loss_context_manager():
+                total, per_task, _ = self._micro_loss(model, batch)
+            if self._balancer is not None:
+                self._balancer.accumulate({t: s for t, (s, _) in per_task.items()}, {t: n for t, (_, n) in per_task.items()})
+            loss = total / total_items
+            if loss.requires_grad:
+                self.accelerator.backward(loss)
+            return float(loss.detach()), {t: (float(s.detach()), n) for t, (s, n) in per_task.items()}
+
+        device = self.args.device if self.measure_memory and self.args.device.type in ("cpu", "cuda") else None
+        for i, (mb, idx) in enumerate(zip(micro_batches, inputs["sample_indices"])):
+            tasks = mb.get("task_type") or []
+            last = i == len(micro_batches) - 1
+            ctx = self.accelerator.no_sync(model) if not last else _null()
+            with ctx:
+                result = guarded_step(step, mb, params, guardian=self.oom_guardian, task_types=tasks, measure_on=device)
+            for loss, per_task in result.outputs:
+                step_loss += loss
+                for task, (s, n) in per_task.items():
+                    task_sum[task] = task_sum.get(task, 0.0) + s
+                    task_items[task] = task_items.get(task, 0.0) + n
+            splits += result.splits
+            peaks.extend(p for p in result.peaks if p is not None)
+            if self._sampler is not None:
+                predicted.append(self._sampler.predicted_mb(idx))
+            rows, length = mb["input_ids"].shape if "input_ids" in mb else (len(idx), 0)
+            if (
+                self.memory_predictor is not None and fresh and i == 0 and result.splits == 0
+                and result.peaks[0] is not None and len(set(tasks)) == 1
+            ):
+                self.memory_predictor.record_actual_memory(tasks[0], result.peaks[0] / MB, int(rows), int(length))
+        if self._balancer is not None:
+            self.task_weights = self._balancer.step(self.task_weights)
+        per_task_loss = {t: task_sum[t] / max(task_items[t], 1.0) for t in task_sum}
+        for task, loss in per_task_loss.items():
+            self._log_task.setdefault(task, []).append(loss)
+        flat = [i for group in inputs["sample_indices"] for i in group]
+        self.trained_indices.append(flat)
+        self._epoch_samples += len(flat)
+        self._epoch_steps += 1
+        if self.monitor is not None:
+            self.monitor.record_batch(BatchMetrics(
+                batch_idx=len(self.monitor.batches), timestamp=time.time(),
+                task_types=[t for mb in micro_batches for t in (mb.get("task_type") or [])],
+                batch_size=len(flat), loss=step_loss, per_task_loss=per_task_loss,
+                memory_allocated_mb=max(peaks) / MB if peaks else 0.0,
+                predicted_memory_mb=max(predicted) if predicted else None,
+                num_micro_batches=len(micro_batches), oom_splits=splits, num_tokens=int(total_items),
+                padded_length=max(int(mb["input_ids"].shape[1]) for mb in micro_batches if "input_ids" in mb),
+                learning_rate=self._get_learning_rate() if self.lr_scheduler is not None else None,
+                task_weights=dict(self.task_weights), epoch=int(self.state.epoch or 0),
+            ))
+        return torch.tensor(step_loss, device=self.args.device)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:
+            for task, losses in self._log_task.items():
+                logs[f"loss_{task}"] = float(np.mean(losses))
+            if self._balancer is not None:
+                logs.update({f"weight_{t}": w for t, w in self.task_weights.items()})
+            self._log_task = {}
+        super().log(logs, start_time)
+
+    # -- checkpoints ---------------------------------------------------------
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save and os.path.isdir(folder):
+            state = {
+                "plan_predictor": self._plan_predictor_state,
+                "predictor": self.memory_predictor.state_dict() if self.memory_predictor is not None else None,
+                "task_weights": {str(k): v for k, v in self.task_weights.items()},
+            }
+            with open(os.path.join(folder, STATE_FILE), "w") as fh:
+                json.dump(state, fh)
+
+
+def _key(weights: dict[Hashable, float], saved: str) -> Hashable:
+    return next((k for k in weights if str(k) == saved), saved)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
