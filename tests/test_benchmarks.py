@@ -83,3 +83,39 @@ def test_a_win_inside_overlapping_ranges_is_called_noise():
     assert "20.00 s vs the fastest, sorted, fixed batch size, 22.70 s: met)" in clear
     one_run = bench.target_line(row("dynabatch", 22.5, None), plain, [row("sorted, fixed batch size", 22.7, None)])
     assert "noise" not in one_run
+
+
+# --- benchmarks/plan_speed.py ----------------------------------------------------------------------
+
+PLAN_SPEED = ROOT / "benchmarks" / "plan_speed.py"
+
+
+def test_plan_speed_prints_cold_start_and_planning_rows_and_writes_only_where_asked(tmp_path):
+    watched = [ROOT / "README.md", *sorted((ROOT / "benchmarks").glob("*.md"))]
+    before = {path: path.stat().st_mtime_ns for path in watched}
+    out = tmp_path / "plan_speed.md"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    args = ["--n-texts", "300", "--n-lengths", "3000", "--batch-sizes", "4,16", "--repeats", "1", "--cold-texts", "400",
+            "--cold-repeats", "1", "--output", str(out)]
+    result = subprocess.run([sys.executable, str(PLAN_SPEED), *args], check=False, capture_output=True, text=True,
+                            env=env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    table = result.stdout
+    assert re.search(r"^\| `import dynabatch` after them \| 2 fresh processes \| [\d.]+ s \([\d.]+-[\d.]+\) \| - \| "
+                     r"target <= 0.3 s: (OK|MISSED) \|$", table, re.MULTILINE), table
+    # the first build in a fresh process, against the first raw call in another, on the same 400 passages;
+    # the bundled classifier comes from its compiled trees: scikit-learn is never imported
+    assert re.search(r"^\| first `build_dynamic_batch_dataloader\(texts, tokenizer, 16, 256\)` \| 400 KJV passages \| "
+                     r"[\d.]+ s \| [\d,]+ \| [\d.]+x the raw call, target <= 1.3x: (OK|MISSED); scikit-learn not "
+                     r"imported \|$", table, re.MULTILINE), table
+    assert "| first raw `tokenizer(texts, truncation=True, max_length=256)` | 400 KJV passages |" in table
+    for batch_size in (4, 16):
+        assert re.search(rf"^\| `plan_batches`, `batch_size={batch_size}` \| 3,000 lengths \| [\d.]+ s \| [\d,]+ \| "
+                         r"[\d,]+ batches, largest \d+; target <= 0.5 s is for 1,000,000 lengths \|$", table,
+                         re.MULTILINE), table
+    assert re.search(r"^\| `tokenize_texts` \(length stage \+ flat token store\) \| 300 texts \| .* target <= 1.3x: "
+                     r"(OK|MISSED) \|$", table, re.MULTILINE)
+    assert "`python benchmarks/plan_speed.py --n-texts 300" in table  # the command that made it
+    assert out.read_text() == table.strip("\n") + "\n"  # --output writes what was printed
+    assert list(tmp_path.iterdir()) == [out]  # and nothing else
+    assert {path: path.stat().st_mtime_ns for path in watched} == before  # no committed file touched
