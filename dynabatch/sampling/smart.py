@@ -296,14 +296,15 @@ class SmartBatchSampler(PlannedBatchSampler):
     ) -> None:
         super().__init__(shuffle=shuffle, seed=seed, num_replicas=num_replicas, rank=rank, shard=shard)
         self.lengths, self.fields = as_lengths(lengths)
+        self._named = dict(zip(self.fields, self.lengths.T))  # what plan_constrained reads, names kept
         self.constraint = as_constraint(constraint)
         self.window_batches = None if window_batches is None else check_positive_int("window_batches", window_batches)
 
     def plan(self, epoch: int) -> list[np.ndarray]:
         return plan_constrained(
-            self.lengths, self.constraint, window_batches=self.window_batches,
+            self._named, self.constraint, window_batches=self.window_batches,
             shuffle=self.shuffle, seed=self.seed, epoch=epoch,
         )
 
     def identity(self) -> list[Any]:
-        return [self.lengths, repr(self.constraint), self.window_batches]
+        return [self.lengths, self.fields, repr(self.constraint), self.window_batches]

@@ -52,7 +52,7 @@ constraints_st = st.one_of(
     st.builds(TokenBudget, st.integers(200, 600), st.one_of(st.none(), st.integers(1, 20)),
               combine=st.sampled_from(["each", "sum"])),
     st.builds(MemoryBudget, st.just(_LinearMemory()), st.floats(2e4, 2e5),
-              margin=st.floats(0, 0.5), batch_size=st.one_of(st.none(), st.integers(1, 30))),
+              memory_margin=st.floats(0, 0.5), batch_size=st.one_of(st.none(), st.integers(1, 30))),
     st.builds(AllOf, st.builds(FixedBatchSize, st.integers(1, 12)),
               st.builds(LengthDifference, st.integers(0, 20), st.integers(1, 12))),
 )
@@ -122,9 +122,9 @@ def test_token_budget_sum_counts_both_fields():
 def test_memory_budget_uses_the_models_prediction_and_margin():
     model = _LinearMemory(fixed=0.0, per_token=1.0)  # bytes = rows * length
     lengths = np.full(20, 10)
-    assert [len(b) for b in plan_constrained(lengths, MemoryBudget(model, 100, margin=0.0), window_batches=None)] \
+    assert [len(b) for b in plan_constrained(lengths, MemoryBudget(model, 100, memory_margin=0.0), window_batches=None)] \
         == [10, 10]
-    assert [len(b) for b in plan_constrained(lengths, MemoryBudget(model, 100, margin=0.5), window_batches=None)] \
+    assert [len(b) for b in plan_constrained(lengths, MemoryBudget(model, 100, memory_margin=0.5), window_batches=None)] \
         == [5, 5, 5, 5]
 
 
@@ -132,7 +132,7 @@ def test_memory_budget_uses_the_models_prediction_and_margin():
     "constraint, match",
     [
         (TokenBudget(50), r"constraint should be satisfiable by every single row, but row 1 \(lengths=60\)"),
-        (MemoryBudget(_LinearMemory(0.0, 1.0), 50, margin=0.0), "row 1 \\(lengths=60\\) breaks it alone"),
+        (MemoryBudget(_LinearMemory(0.0, 1.0), 50, memory_margin=0.0), "row 1 \\(lengths=60\\) breaks it alone"),
     ],
 )
 def test_a_row_that_breaks_the_budget_alone_is_refused(constraint, match):
@@ -150,8 +150,14 @@ def test_a_row_that_breaks_the_budget_alone_is_refused(constraint, match):
         (lambda: TokenBudget(0), ValueError, "max_tokens should be a positive integer"),
         (lambda: TokenBudget(10, combine="max"), ValueError, "combine should be 'each' or 'sum', but got combine='max'"),
         (lambda: MemoryBudget(object(), 1e9), TypeError, r"memory_model should be an object with predict"),
-        (lambda: MemoryBudget(_LinearMemory(), -1), ValueError, "max_memory should be a positive number"),
-        (lambda: MemoryBudget(_LinearMemory(), 1e9, margin=1.0), ValueError, "margin should be a fraction below 1"),
+        (lambda: MemoryBudget(_LinearMemory(), -1), ValueError, "max_memory should be a number of bytes > 0"),
+        (lambda: MemoryBudget(_LinearMemory(), "12XB"), ValueError, "max_memory should be a number of bytes > 0"),
+        (lambda: MemoryBudget(_LinearMemory()), ValueError, "max_memory should be given, or None with reference_batch"),
+        (lambda: MemoryBudget(_LinearMemory(), 1e9, reference_batch=(4, 8)), ValueError, "not both"),
+        (lambda: MemoryBudget(_LinearMemory(), reference_batch=(0, 8)), ValueError,
+         r"reference_batch\[0\] should be a positive integer"),
+        (lambda: MemoryBudget(_LinearMemory(), 1e9, memory_margin=1.0), ValueError,
+         r"memory_margin should be a number in \[0, 1\)"),
         (lambda: MemoryBudget(_LinearMemory(), 1e9, field=-1), ValueError, "field should be a non-negative integer"),
         (lambda: AllOf(), ValueError, "constraints should be at least one constraint"),
         (lambda: as_constraint("tokens"), TypeError, "constraint should be a constraint"),
@@ -160,6 +166,14 @@ def test_a_row_that_breaks_the_budget_alone_is_refused(constraint, match):
 def test_bad_constraint_arguments(build, error, match):
     with pytest.raises(error, match=match):
         build()
+
+
+def test_memory_budget_relative_to_a_reference_batch_and_as_a_size():
+    model = _LinearMemory(fixed=0.0, per_token=1.0)  # bytes = rows * length
+    relative = MemoryBudget(model, reference_batch=(4, 50), memory_margin=0.0)  # 200 bytes
+    assert relative.budget_bytes == 200
+    assert [len(b) for b in plan_constrained(np.full(40, 20), relative, window_batches=None)] == [10] * 4
+    assert MemoryBudget(model, "1KiB", memory_margin=0.5).budget_bytes == 512
 
 
 def test_memory_budget_field_beyond_the_key_fields_is_refused():

@@ -119,7 +119,7 @@ _WORKER = textwrap.dedent(
         "fixed": FixedBatchSize(7),
         "difference": LengthDifference(3, 16),
         "tokens": TokenBudget(700, 32),
-        "memory": MemoryBudget(memory, 30000, margin=0.1),
+        "memory": MemoryBudget(memory, 30000, memory_margin=0.1),
     }
     lengths = np.random.default_rng(1).integers(1, 64, size=301)
     report = {}
