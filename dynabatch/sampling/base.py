@@ -96,12 +96,13 @@ def fingerprint(parts: Iterable[Any]) -> str:
     return digest.hexdigest()[:16]
 
 
-def split_for_replicas(batches: list[np.ndarray], num_replicas: int) -> list[np.ndarray]:
-    """Splits the batches with the most rows in halves until their number is a multiple of ``num_replicas``.
+def split_for_replicas(batches: list[np.ndarray], num_replicas: int, min_batches: int = 0) -> list[np.ndarray]:
+    """Splits the batches with the most rows until their number is a multiple of ``num_replicas``.
 
-    Every index stays exactly once; a split batch is replaced in place by its
-    two contiguous halves. At most ``num_replicas - 1`` splits when the plan
-    has at least ``num_replicas`` batches.
+    Every index stays exactly once; a batch split in ``k`` is replaced in place
+    by its ``k`` contiguous parts. At most ``num_replicas - 1`` splits when the
+    plan has at least ``num_replicas`` batches; more when ``min_batches`` (per
+    replica) asks for more batches than the plan has.
 
     Raises:
         ValueError: fewer indices than ``num_replicas`` (a rank would get nothing).
@@ -112,14 +113,16 @@ def split_for_replicas(batches: list[np.ndarray], num_replicas: int) -> list[np.
         [[0, 1], [2, 3], [4]]
     """
     num_replicas = check_positive_int("num_replicas", num_replicas)
-    missing = (-len(batches)) % num_replicas
+    target = max(len(batches), min_batches * num_replicas)
+    missing = target + (-target) % num_replicas - len(batches)
     if len(batches) == 0 or missing == 0:
         return list(batches)
     total = sum(len(b) for b in batches)
     if total < len(batches) + missing:
         raise bad_value(
             "num_replicas",
-            f"at most the number of samples ({total}) so that every rank gets a batch",
+            f"at most the number of samples ({total}) so that every rank gets {missing + len(batches)} "
+            f"batches in all",
             num_replicas,
         )
     pieces = [1] * len(batches)
@@ -219,6 +222,7 @@ class PlannedBatchSampler(Sampler[list[int]], ABC):
         if self.rank >= self.num_replicas:
             raise bad_value("rank", f"in [0, num_replicas={self.num_replicas})", rank)
         self.epoch = 0
+        self.min_batches = 0
         self._done = 0
         self._resume_at = 0
         self._cache: tuple[int, list[np.ndarray]] | None = None
@@ -246,7 +250,7 @@ class PlannedBatchSampler(Sampler[list[int]], ABC):
         epoch = self.epoch if epoch is None else check_non_negative_int("epoch", epoch)
         if self._cache is None or self._cache[0] != epoch:
             planned = [np.asarray(b, dtype=np.int64) for b in self.plan(epoch)]
-            planned = split_for_replicas(planned, self.num_replicas)
+            planned = split_for_replicas(planned, self.num_replicas, self.min_batches)
             order = order_steps(len(planned), self.num_replicas, shuffle=self.shuffle, seed=self.seed, epoch=epoch)
             if self.shard:
                 order = order[self.rank :: self.num_replicas]
@@ -255,6 +259,21 @@ class PlannedBatchSampler(Sampler[list[int]], ABC):
 
     def __len__(self) -> int:
         return len(self.epoch_batches())
+
+    def set_min_batches(self, min_batches: int) -> None:
+        """Every epoch yields at least ``min_batches`` batches per rank (the largest batches are split).
+
+        For a loop that fixes the steps per epoch once, like the HF ``Trainer``
+        (``len`` of the first epoch): pass the most batches any epoch has
+        (:meth:`max_len`), so no epoch ends before its batches do.
+        """
+        self.min_batches = check_non_negative_int("min_batches", min_batches)
+        self._cache = None
+
+    def max_len(self, epochs: int) -> int:
+        """The most batches per rank any of epochs ``0 .. epochs - 1`` has (planning each)."""
+        epochs = check_positive_int("epochs", epochs)
+        return max(len(self.epoch_batches(e)) for e in range(epochs))
 
     def __iter__(self) -> Iterator[list[int]]:
         batches = self.epoch_batches()
@@ -285,6 +304,7 @@ class PlannedBatchSampler(Sampler[list[int]], ABC):
             "seed": self.seed,
             "num_replicas": self.num_replicas,
             "shard": self.shard,
+            "min_batches": self.min_batches,
             "epoch": self.epoch,
             "batches_done": self._done,
         }
@@ -303,7 +323,8 @@ class PlannedBatchSampler(Sampler[list[int]], ABC):
         missing = keys - set(state)
         if missing:
             raise bad_value("state", f"a dict with the keys of state_dict() (missing {sorted(missing)})", state)
-        for key in ("shuffle", "seed", "num_replicas", "shard"):
+        state = {"min_batches": 0, **state}  # states saved before min_batches existed
+        for key in ("shuffle", "seed", "num_replicas", "shard", "min_batches"):
             if state[key] != getattr(self, key):
                 raise bad_value(f"state[{key!r}]", f"{getattr(self, key)!r} as in this sampler", state[key])
         if state["fingerprint"] != self.fingerprint:

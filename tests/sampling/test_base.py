@@ -136,3 +136,40 @@ def test_bad_arguments(kwargs, error, match):
 def test_fingerprint_tells_dtype_and_shape_apart():
     assert fingerprint([np.arange(4)]) != fingerprint([np.arange(4).reshape(2, 2)])
     assert fingerprint([np.arange(4)]) != fingerprint([np.arange(4, dtype=np.int32)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=sizes_st, world=st.integers(1, 3), floor=st.integers(0, 40))
+def test_min_batches_splits_batches_up_to_a_floor_and_loses_nothing(sizes, world, floor):
+    total = sum(sizes)
+    per_rank = []
+    for rank in range(world):
+        s = _Chunks(sizes, num_replicas=world, rank=rank)
+        needed = max(len(sizes), floor * world)
+        if total < needed + (-needed) % world:
+            with pytest.raises(ValueError, match="num_replicas should be at most the number of samples"):
+                s.set_min_batches(floor)
+                s.epoch_batches()
+            return
+        s.set_min_batches(floor)
+        per_rank.append(list(s))
+    assert len({len(b) for b in per_rank}) == 1 and len(per_rank[0]) >= floor
+    assert sorted(i for batches in per_rank for b in batches for i in b) == list(range(total))
+    # every batch is a contiguous part of one planned chunk
+    edges = np.cumsum([0, *sizes])
+    for batches in per_rank:
+        for b in batches:
+            chunk = np.searchsorted(edges, b[0], side="right")
+            assert b[-1] < edges[chunk] and b == list(range(b[0], b[0] + len(b)))
+
+
+def test_max_len_makes_every_epoch_as_long_as_the_longest():
+    s = _Chunks([5, 1, 1, 1])  # rotates: every epoch has 4 batches; floor 6 splits the 5-row chunk
+    assert s.max_len(3) == 4
+    s.set_min_batches(6)
+    assert len(s) == 6 and sorted(i for b in s for i in b) == list(range(8))
+    state = s.state_dict()
+    with pytest.raises(ValueError, match=r"state\['min_batches'\] should be 0 as in this sampler"):
+        _Chunks([5, 1, 1, 1]).load_state_dict(state)
+    legacy = {k: v for k, v in _Chunks([5, 1, 1, 1]).state_dict().items() if k != "min_batches"}
+    _Chunks([5, 1, 1, 1]).load_state_dict(legacy)
