@@ -25,15 +25,14 @@ Behaviour on the edge cases, as bionemo's:
 from __future__ import annotations
 
 import numbers
-import struct
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Dict, List, NamedTuple, Optional, Type
 
-import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from dynabatch.sampling._bucket_draw import draw_bucket, mcg_powers
 from dynabatch.sampling.size_aware import _ArgumentError, _described
 
 __all__ = ["BucketBatchSampler", "Buckets", "create_buckets"]
@@ -160,70 +159,6 @@ def create_buckets(sizes: torch.Tensor, max_width: int, min_bucket_count: int) -
             bucket_sizes.append(count)
         start = stop
     return Buckets(torch.tensor(boundaries), torch.tensor(bucket_sizes))
-
-
-# Picking a bucket. bionemo draws it with torch.multinomial(probabilities, 1, generator), which is
-# argmax(probabilities / q) for exponential variates q. The torch it documented its outputs with
-# drew q on the CPU through MKL: one 32-bit word w of the generator's Mersenne Twister seeds an
-# MCG31m1 stream (x_0 = w mod (2**31 - 1), or 1 if that is 0; x_k = a**k x_0 mod (2**31 - 1)) and
-# q_k = -ln(x_k / (2**31 - 1)). Later torch builds draw q differently, so the same seed gives other
-# batches; drawing q as that torch did keeps bionemo's documented outputs (and is the same
-# exponential race, so every bucket is still picked with probability proportional to its weight).
-_MCG31_MODULUS = 2**31 - 1
-_MCG31_MULTIPLIER = 1132489760
-
-
-def _mcg_powers(n: int) -> np.ndarray:
-    """``a**k mod m`` for ``k < n``, the MCG31m1 multipliers of a stream's first ``n`` values."""
-    powers = np.empty(max(n, 1), dtype=np.uint64)
-    power = 1
-    for k in range(len(powers)):
-        powers[k] = power
-        power = power * _MCG31_MULTIPLIER % _MCG31_MODULUS
-    return powers
-
-
-_TWISTER: List[np.random.RandomState] = []  # one reusable RandomState, for the twist every 624 words
-
-
-def _temper(y: int) -> int:
-    y ^= y >> 11
-    y ^= (y << 7) & 0x9D2C5680
-    y ^= (y << 15) & 0xEFC60000
-    return y ^ (y >> 18)
-
-
-def _next_word(generator: torch.Generator) -> int:
-    """Consumes and returns the generator's next 32-bit Mersenne Twister output.
-
-    torch's CPU generator state is ``seed (u64), left (i32), seeded (i32), next (u64), state[624] (u64 each)``;
-    the next output is ``state[next]`` tempered, unless ``left == 1``, when the state is regenerated first.
-    """
-    state = generator.get_state().numpy()
-    left, next_index = struct.unpack_from("<i4xQ", state, 8)
-    if left > 1:
-        (raw,) = struct.unpack_from("<I", state, 24 + 8 * next_index)
-        word = _temper(raw)
-    else:
-        if not _TWISTER:
-            _TWISTER.append(np.random.RandomState(0))
-        key = np.frombuffer(state, dtype=np.uint64, count=624, offset=24).astype(np.uint32)
-        _TWISTER[0].set_state(("MT19937", key, 624))
-        word = int(_TWISTER[0].randint(0, 2**32, dtype=np.uint64))
-    consumed = int(torch.empty(1, dtype=torch.int32).random_(generator=generator))  # the same word, mod 2**31
-    if consumed != word % 2**31:
-        raise RuntimeError("unexpected torch.Generator state layout: cannot draw buckets as bionemo does")
-    return word
-
-
-def _draw_bucket(weights: torch.Tensor, generator: Optional[torch.Generator], powers: np.ndarray) -> int:
-    """Index of a bucket drawn with probability ``weights[k] / weights.sum()``, as bionemo's torch drew it."""
-    if generator is None or generator.device.type != "cpu":
-        return int(torch.multinomial(weights, 1, generator=generator))
-    start = _next_word(generator) % _MCG31_MODULUS or 1
-    stream = (np.uint64(start) * powers[: len(weights)]) % np.uint64(_MCG31_MODULUS)
-    exponential = torch.from_numpy(-np.log(stream / _MCG31_MODULUS)).to(weights.dtype)
-    return int(torch.argmax(weights / exponential))
 
 
 def _check_kwargs(name: str, value: Any) -> Dict[str, Any]:
@@ -434,7 +369,8 @@ class BucketBatchSampler(Sampler[List[int]]):
                 f"{len(sizes) - self.num_samples} elements are outside the buckets provided and will be skipped",
                 stacklevel=2,
             )
-        self._mcg_powers = _mcg_powers(self.num_buckets)
+        self._mcg_powers = mcg_powers(self.num_buckets)
+        self._skip, self._yielded, self._epoch_start = 0, 0, None  # state_dict / load_state_dict
         self.base_batch_samplers: List[Sampler] = [
             base_batch_sampler_class(self.bucket_element_indices[k], **shared, **self.base_batch_sampler_individual_kwargs[k])
             for k in range(self.num_buckets)
@@ -459,6 +395,8 @@ class BucketBatchSampler(Sampler[List[int]]):
         Yields:
             A batch of indices of elements whose sizes are in one bucket range.
         """
+        skip, self._skip = self._skip, 0
+        self._epoch_start, self._yielded = self._snapshot(), 0
         if self.shuffle:
             for indices in self.bucket_element_indices:  # in place: the base samplers hold these lists
                 permutation = torch.randperm(len(indices), generator=self.generator).tolist()
@@ -468,7 +406,7 @@ class BucketBatchSampler(Sampler[List[int]]):
         total = self.num_samples
         while total > 0:
             if self.shuffle:
-                bucket = _draw_bucket(remaining / total, self.generator, self._mcg_powers)
+                bucket = draw_bucket(remaining / total, self.generator, self._mcg_powers)
             else:
                 bucket = int(torch.argmax((remaining > 0).to(torch.int64)))
             try:
@@ -479,4 +417,54 @@ class BucketBatchSampler(Sampler[List[int]]):
                 continue
             remaining[bucket] -= len(batch)
             total -= len(batch)
+            self._yielded += 1
+            if skip:  # resuming: these batches were yielded before the state was saved
+                skip -= 1
+                continue
             yield batch
+        self._epoch_start = None
+
+    def _snapshot(self) -> Dict[str, Any]:
+        return {
+            "generator": None if self.generator is None else self.generator.get_state(),
+            "bucket_element_indices": [list(indices) for indices in self.bucket_element_indices],
+        }
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Where iteration is, for :meth:`load_state_dict` to resume without losing or repeating a batch.
+
+        Mid-epoch (an iterator of this sampler has started and not finished), the
+        state is the epoch's start (generator state and bucket orders) and the
+        number of batches yielded so far; otherwise it is the start of the next
+        epoch. With a ``DataLoader`` that prefetches (``num_workers > 0``), set
+        ``"batches_yielded"`` to the number of batches actually consumed. An
+        extra of dynabatch's (bionemo has no state); base batch samplers are
+        assumed to be deterministic given their index list (as
+        ``BatchSampler`` and ``SizeAwareBatchSampler`` are).
+        """
+        if self._epoch_start is None:
+            return {"epoch_start": self._snapshot(), "batches_yielded": 0, "num_samples": self.num_samples}
+        return {"epoch_start": self._epoch_start, "batches_yielded": self._yielded, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restores a :meth:`state_dict`: the next iterator resumes after its ``batches_yielded`` batches.
+
+        Raises:
+            ValueError: the state is of a sampler over other elements or buckets.
+        """
+        start = state_dict.get("epoch_start") if isinstance(state_dict, dict) else None
+        orders = start.get("bucket_element_indices") if isinstance(start, dict) else None
+        mine = [sorted(indices) for indices in self.bucket_element_indices]
+        if orders is None or [sorted(o) for o in orders] != mine or state_dict.get("num_samples") != self.num_samples:
+            raise ValueError("state_dict should be a state_dict() of a BucketBatchSampler over the same elements and "
+                             "buckets, but got one that differs")
+        skip = state_dict.get("batches_yielded", 0)
+        if isinstance(skip, bool) or not isinstance(skip, numbers.Integral) or skip < 0:
+            raise ValueError(f"state_dict['batches_yielded'] should be a non-negative int, but got {skip!r}")
+        for indices, order in zip(self.bucket_element_indices, orders):
+            indices[:] = order  # in place: the base samplers hold these lists
+        if start["generator"] is not None:
+            if self.generator is None:
+                self.generator = torch.Generator()
+            self.generator.set_state(start["generator"])
+        self._skip, self._epoch_start = int(skip), None

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader
 
 from dynabatch import BucketBatchSampler, Buckets, SizeAwareBatchSampler, create_buckets
-from dynabatch.sampling.bucket import _draw_bucket, _mcg_powers
+from dynabatch.sampling._bucket_draw import draw_bucket, mcg_powers
 
 
 def _bbs(sizes, boundaries, batch_sizes=(2, 3, 5), **kwargs):
@@ -209,9 +209,9 @@ def test_float_sizes_and_boundaries_and_a_data_loader():
 
 def test_bucket_draw_follows_the_weights():
     generator = torch.Generator().manual_seed(0)
-    powers = _mcg_powers(3)
+    powers = mcg_powers(3)
     weights = torch.tensor([1.0, 0.0, 3.0]) / 4
-    draws = [_draw_bucket(weights, generator, powers) for _ in range(3000)]  # > 624: crosses twists
+    draws = [draw_bucket(weights, generator, powers) for _ in range(3000)]  # > 624: crosses twists
     assert draws.count(1) == 0
     assert abs(draws.count(2) / 3000 - 0.75) < 0.03
 
@@ -258,3 +258,58 @@ class _no_warning:
 
     def __exit__(self, *exc):
         return self._catch.__exit__(*exc)
+
+
+# ---------------------------------------------------------------- state_dict / load_state_dict (dynabatch extra)
+
+
+def _resume_sampler(seed=5, base=BatchSampler):
+    sizes = torch.randint(0, 60, (120,), generator=torch.Generator().manual_seed(2))
+    if base is BatchSampler:
+        return _bbs(sizes, torch.tensor([0, 10, 30, 60]), batch_sizes=(7, 5, 3),
+                    generator=torch.Generator().manual_seed(seed))
+    return BucketBatchSampler(sizes, torch.tensor([0, 10, 30, 60]), SizeAwareBatchSampler,
+                              {"sizeof": sizes.tolist(), "max_total_size": 100},
+                              generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("base", [BatchSampler, SizeAwareBatchSampler])
+@pytest.mark.parametrize("stop_after", [0, 1, 9])
+def test_resume_mid_epoch_loses_and_repeats_nothing(base, stop_after):
+    reference = _resume_sampler(base=base)
+    epochs = [list(reference), list(reference)]
+
+    sampler = _resume_sampler(base=base)
+    first = list(sampler)
+    assert first == epochs[0]
+    it = iter(sampler)
+    seen = [next(it) for _ in range(stop_after)]
+    state = sampler.state_dict()
+    assert state["batches_yielded"] == stop_after
+
+    restored = _resume_sampler(seed=99, base=base)  # another seed: the state must override it
+    restored.load_state_dict(state)
+    rest = list(restored)
+    assert seen + rest == epochs[1]
+    assert list(restored) == list(reference)  # and the epoch after follows as without the interruption
+
+
+def test_state_dict_between_epochs_starts_the_next_epoch():
+    reference = _resume_sampler()
+    epochs = [list(reference), list(reference)]
+    sampler = _resume_sampler()
+    list(sampler)
+    state = sampler.state_dict()
+    assert state["batches_yielded"] == 0
+    restored = _resume_sampler(seed=3)
+    restored.load_state_dict(state)
+    assert list(restored) == epochs[1]
+
+
+def test_load_state_dict_refuses_a_state_of_other_elements():
+    state = _resume_sampler().state_dict()
+    other = _bbs(torch.arange(25), torch.tensor([0, 6, 15, 25]))
+    with pytest.raises(ValueError, match="state_dict should be a state_dict\\(\\) of a BucketBatchSampler over the same"):
+        other.load_state_dict(state)
+    with pytest.raises(ValueError, match="batches_yielded'\\] should be a non-negative int"):
+        _resume_sampler().load_state_dict({**state, "batches_yielded": -1})
