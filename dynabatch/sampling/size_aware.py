@@ -174,7 +174,7 @@ def _exceeds(size: Any, limit: Any, data: Any) -> bool:
     except TypeError as exc:
         raise TypeError(
             f"sizeof should return a number comparable with max_total_size={limit!r}, but got "
-            f"{_described(size)} for data={_short(data)}: {exc}"
+            f"{_described(size)} for data={_short(data)} (not int or float: {exc})"
         ) from exc
 
 
