@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +105,8 @@ class CompiledTrees:
         The same trees always give the same bytes (members are stamped 1980-01-01), and the file is
         written beside and then moved into place, so a reader never sees half of it.
         """
+        import zipfile
+
         path = Path(path)
         arrays = {
             "format_version": np.int64(FORMAT_VERSION),

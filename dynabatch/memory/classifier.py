@@ -233,8 +233,8 @@ def _from_compiled(pkl: Path, sha: str, meta: dict) -> SpikeClassifier | None:
         return SpikeClassifier(trees, meta)
     cached = _cached_compiled(pkl, sha)
     if why != "is missing":
-        warnings.warn(f"dynabatch: {beside} {why}; it is not used: {pkl.name} is compiled again and cached at "
-                      f"{cached}", RuntimeWarning, stacklevel=5)
+        warnings.warn(f"dynabatch: {beside} {why}; it is not used: {pkl.name} is compiled instead (once, cached "
+                      f"at {cached})", RuntimeWarning, stacklevel=5)
     trees, cached_why = _read_compiled(cached, sha)
     if trees is not None:
         return SpikeClassifier(trees, meta)

@@ -310,7 +310,7 @@ def test_compiled_trees_of_another_pickle_are_refused_with_a_warning(bundled_cop
     # A user copies in a new pickle and .json but leaves the old .npz: the old trees must not be used.
     expected = _users_classifier(bundled_copy, shape=True)
     with pytest.warns(RuntimeWarning, match=r"classifier-shape.npz was compiled from another pickle .*it is not "
-                                            r"used: classifier-shape.pkl is compiled again"):
+                                            r"used: classifier-shape.pkl is compiled instead \(once, cached at "):
         clf = load_classifier(shape=True)
     np.testing.assert_allclose(clf.predict_spike_proba(_probe_features(True)), expected, rtol=0, atol=1e-15)
     assert list(own_cache.glob("classifier-shape-*.npz"))
@@ -324,7 +324,7 @@ def test_damaged_compiled_trees_are_refused_and_compiled_again(bundled_copy, rec
     if not recorded:
         _edit_metadata(bundled_copy, compiled_sha256=None)
     why = "does not match the compiled_sha256 of its .json" if recorded else "is damaged"
-    with pytest.warns(RuntimeWarning, match=rf"classifier.npz {why}.*classifier.pkl is compiled again"):
+    with pytest.warns(RuntimeWarning, match=rf"classifier.npz {why}.*classifier.pkl is compiled instead"):
         clf = load_classifier()
     np.testing.assert_array_equal(clf.predict_spike_proba(_probe()), expected)
     _new_process()  # the next process warns about the package's file, and reads the cache: no unpickling
