@@ -49,7 +49,7 @@ import torch
 
 from dynabatch.data.collate import TokenCollator
 from dynabatch.demo import joke_texts, kjv_passages, minilm_path, vary_lengths
-from dynabatch.memory.measure import is_out_of_memory_error, track_peak_memory
+from dynabatch.memory.guard import call_guarded
 from dynabatch.data.tokenization import tokenize_texts
 
 logger = logging.getLogger("generate_training_data")
@@ -247,17 +247,16 @@ class Runner:
         """Returns (status, peak bytes or None, seconds)."""
         limit = self.memory_cap if self.device.type == "cpu" else None
         start = time.perf_counter()
-        try:
-            with torch.inference_mode(), track_peak_memory(self.device, limit_bytes=limit) as mem:
-                out = self._call(inputs)
-                del out
-        except Exception as exc:
-            if not is_out_of_memory_error(exc):
-                raise
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+        with torch.inference_mode():
+            attempt = call_guarded(self._call, inputs, measure_on=self.device, limit_bytes=limit, finish=_drop)
+        if attempt.error is not None:
             return "memory_cap", None, time.perf_counter() - start
-        return "ok", mem.peak_bytes, time.perf_counter() - start
+        return "ok", attempt.peak_bytes, time.perf_counter() - start
+
+
+def _drop(output) -> None:
+    """The call's output is not kept: only its peak memory is."""
+    return None
 
 
 def profile_run(runner: Runner, texts: list[str], tokenizer, max_len: int, base: int,

@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import numbers
 from collections.abc import Mapping, Sequence
@@ -36,7 +37,17 @@ import torch
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.tokenization import TokenizedTexts, validate_texts
 
-__all__ = ["Batch", "TokenCollator", "pad_token_id_of"]
+__all__ = [
+    "Batch",
+    "TokenCollator",
+    "batch_shape",
+    "fingerprint_batches",
+    "halves",
+    "pad_token_id_of",
+    "padded_width",
+    "real_tokens",
+    "take_rows",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -208,9 +219,7 @@ class TokenCollator:
         starts = offsets[pos]
         lengths = offsets[pos + 1] - starts
         rows = len(pos)
-        width = int(lengths.max())
-        if self.pad_to_multiple_of is not None:
-            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        width = padded_width(int(lengths.max()), self.pad_to_multiple_of)
 
         # The real cells of the padded rectangle, row by row, are exactly the
         # rows' tokens in order (on either side), so one gather from the store
@@ -237,3 +246,104 @@ class TokenCollator:
             data[key] = padded(values, self.pad_values[key])
         texts = None if self.texts is None else [self.texts[i] for i in pos.tolist()]
         return Batch(data, indices=torch.from_numpy(pos.copy()), texts=texts)
+
+
+def padded_width(longest: int, pad_to_multiple_of: int | None = None) -> int:
+    """The width a batch is padded to: its longest row, rounded up to ``pad_to_multiple_of`` when given.
+
+    Example:
+        >>> padded_width(13), padded_width(13, 8), padded_width(0, 8)
+        (13, 16, 0)
+    """
+    if not pad_to_multiple_of:
+        return int(longest)
+    return -(-int(longest) // pad_to_multiple_of) * pad_to_multiple_of
+
+
+def fingerprint_batches(batches: Sequence[Any]) -> str:
+    """A sha256 (hex) of batches of input positions: every batch's size, then every position in order.
+
+    Example:
+        >>> fingerprint_batches([[2, 0], [1]]) == fingerprint_batches([[2, 0], [1]]) != fingerprint_batches([[2], [0, 1]])
+        True
+    """
+    arrays = [np.asarray(b, dtype=np.int64).reshape(-1) for b in batches]
+    digest = hashlib.sha256(np.asarray([len(a) for a in arrays], dtype=np.int64).tobytes())
+    if arrays:
+        digest.update(np.concatenate(arrays).tobytes())
+    return digest.hexdigest()
+
+
+def batch_shape(batch: Batch) -> tuple[int, int]:
+    """``(rows, width)`` of a batch: its number of positions and its padded length."""
+    rows = len(batch.indices)
+    for key in ("attention_mask", "input_ids"):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor) and value.ndim >= 2:
+            return rows, int(value.shape[1])
+    widths = [int(v.shape[1]) for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim >= 2]
+    return rows, max(widths, default=0)
+
+
+def real_tokens(batch: Batch) -> int:
+    """Tokens that are not padding: the attention mask's sum (rows x width without a mask)."""
+    mask = batch.get("attention_mask")
+    if isinstance(mask, torch.Tensor):
+        return int(mask.sum())
+    rows, width = batch_shape(batch)
+    return rows * width
+
+
+def take_rows(
+    batch: Batch,
+    rows: Sequence[int] | torch.Tensor,
+    *,
+    padding_side: str | None = None,
+    pad_to_multiple_of: int | None = None,
+) -> Batch:
+    """The batch of the given rows (row numbers within ``batch``), trimmed to its longest row.
+
+    Every tensor of the mapping whose first dimension is the batch's rows is
+    indexed on it, and so are ``indices`` and ``texts``. The width is then cut
+    to the columns the attention mask uses (the columns of the padding side go),
+    rounded up to ``pad_to_multiple_of`` when given: what collating those rows
+    would give.
+
+    Args:
+        batch: the batch to take rows from.
+        rows: row numbers within ``batch``, in the order wanted.
+        padding_side: ``"left"`` or ``"right"``; ``None`` infers it from the mask.
+        pad_to_multiple_of: the collator's rounding of widths, if any.
+    """
+    n, width = batch_shape(batch)
+    index = torch.as_tensor(rows, dtype=torch.long)
+    data: dict[str, Any] = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == n:
+            value = value[index.to(value.device)]
+        data[key] = value
+    mask = data.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[1] == width and len(index):
+        used = torch.nonzero(mask.bool().any(dim=0)).flatten().tolist()
+        first, stop = (used[0], used[-1] + 1) if used else (0, 0)
+        keep = min(width, padded_width(stop - first, pad_to_multiple_of))
+        left = padding_side == "left" if padding_side is not None else first > 0
+        start = max(0, stop - keep) if left else min(first, width - keep)
+        if keep < width:
+            for key, value in data.items():
+                if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == width:
+                    data[key] = value[:, start : start + keep]
+    texts = None if batch.texts is None else [batch.texts[i] for i in index.tolist()]
+    return Batch(data, indices=torch.as_tensor(batch.indices, dtype=torch.long)[index], texts=texts)
+
+
+def halves(
+    batch: Batch, *, padding_side: str | None = None, pad_to_multiple_of: int | None = None
+) -> tuple[Batch, Batch]:
+    """Rows ``[:h]`` and ``[h:]`` (``h = rows // 2``), each trimmed to its longest row (see :func:`take_rows`)."""
+    rows, _ = batch_shape(batch)
+    if rows < 2:
+        raise bad_value("len(batch.indices)", "at least 2 to split a batch in halves", rows)
+    h = rows // 2
+    options = {"padding_side": padding_side, "pad_to_multiple_of": pad_to_multiple_of}
+    return take_rows(batch, range(h), **options), take_rows(batch, range(h, rows), **options)

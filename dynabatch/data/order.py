@@ -36,25 +36,36 @@ import torch
 
 from dynabatch._validation import bad_type, bad_value
 
-__all__ = ["restore_order"]
+__all__ = ["POSITIONS_RULE", "as_positions", "restore_order"]
 
 logger = logging.getLogger(__name__)
 
 _OUTPUT_RULE = "a torch.Tensor, numpy array, list or tuple with one item per row"
 
 
-def _as_positions(name: str, value: Any) -> np.ndarray:
-    rule = "a 1-D torch tensor, numpy array or list of int positions"
+POSITIONS_RULE = "a 1-D torch tensor, numpy array or list of int positions"
+
+
+def as_positions(name: str, value: Any, rule: str = POSITIONS_RULE, *, shape_in_message: bool = False) -> np.ndarray:
+    """``value`` (a tensor, numpy array, list, tuple or range of int) as a 1-D int64 array; errors name ``name``.
+
+    An array of another shape is refused showing the value (or its shape, with ``shape_in_message``).
+
+    Example:
+        >>> import torch
+        >>> as_positions("indices", torch.tensor([3, 1])).tolist()
+        [3, 1]
+    """
     if isinstance(value, torch.Tensor):
         array = value.detach().cpu().numpy()
-    elif isinstance(value, (np.ndarray, list, tuple)):
+    elif isinstance(value, (np.ndarray, list, tuple, range)):
         array = np.asarray(value)
     else:
         raise bad_type(name, rule, value)
-    if array.ndim != 1:
-        raise bad_value(name, rule, value)
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)
+    if array.ndim != 1:
+        raise bad_value(name, rule, f"array of shape {array.shape}" if shape_in_message else value)
     if not np.issubdtype(array.dtype, np.integer):
         raise bad_type(name, rule, value)
     return array.astype(np.int64, copy=False)
@@ -104,7 +115,7 @@ def restore_order(outputs: Sequence[Any], indices: Sequence[Any]) -> list:
     positions: list[np.ndarray] = []
     for b, (output, index) in enumerate(zip(outputs, indices)):
         batch_rows = _rows(f"outputs[{b}]", output)
-        batch_positions = _as_positions(f"indices[{b}]", index)
+        batch_positions = as_positions(f"indices[{b}]", index)
         if len(batch_rows) != len(batch_positions):
             raise bad_value(
                 f"len(outputs[{b}])",

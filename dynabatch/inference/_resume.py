@@ -1,5 +1,8 @@
 """The JSONL results file of ``run(..., output_path=...)``, which lets a killed run resume.
 
+:func:`fingerprint` identifies the inputs and plan; :class:`ResultsFile` is the
+file; :func:`to_json_value` and :func:`json_line` are how results are stored.
+
 Line 1 is a header: the format, the number of inputs and a sha256 of the
 inputs and plan. Every later line is one finished batch,
 ``{"positions": [...], "results": [...]}``, appended, flushed and fsynced. A
@@ -8,16 +11,60 @@ file from other inputs is refused; a last line cut off mid-write is dropped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import numbers
 import os
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from dynabatch.inference._rows import json_line, to_json_value
+import numpy as np
+import torch
+
+from dynabatch._validation import bad_type
+from dynabatch.data.collate import fingerprint_batches
+from dynabatch.inference._queue import positions_of
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "dynabatch.run/1"
+
+
+def to_json_value(value: Any, name: str = "result") -> Any:
+    """``value`` as ``json`` stores it: tensors and arrays as nested lists, tuples as lists.
+
+    Raises:
+        TypeError: a value ``json`` cannot store (the type is named).
+    """
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)  # NaN and Infinity too: json writes and reads them
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [to_json_value(item, f"{name}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise bad_type(f"{name} keys", "str (JSON object keys)", key)
+            out[key] = to_json_value(item, f"{name}[{key!r}]")
+        return out
+    raise TypeError(
+        f"{name} should be JSON-storable with output_path set (a tensor, numpy array, number, str, None, "
+        f"or a list or dict of those), but got a {name} of type {type(value).__name__}"
+    )
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """One compact JSON line (NaN and Infinity allowed, as ``json`` reads them back)."""
+    return json.dumps(record, separators=(",", ":"))
 
 
 class ResultsFile:
@@ -99,3 +146,49 @@ def rank_path(path: str, rank: int, world_size: int) -> str:
     """Each rank's own results file under ``torch.distributed``: ``out.jsonl`` -> ``out.rank0-of-2.jsonl``."""
     root, ext = os.path.splitext(path)
     return f"{root}.rank{rank}-of-{world_size}{ext}"
+
+
+def fingerprint(queue: Any) -> str:
+    """A sha256 identifying a :class:`~dynabatch.inference._queue.BatchQueue`'s inputs and plan.
+
+    A streamed iterable is read once more, or whole when it is a one-shot iterator.
+    """
+    digest = hashlib.sha256(FORMAT.encode())
+    digest.update(json.dumps(queue.pad_token_id).encode())  # it changes what token-id rows keep
+    collator = queue.collator
+    if collator is not None:
+        tokenized = collator.tokenized
+        digest.update(np.ascontiguousarray(tokenized.offsets, dtype=np.int64).tobytes())
+        digest.update(np.ascontiguousarray(tokenized.input_ids).tobytes())
+        for key in sorted(tokenized.extras):
+            digest.update(key.encode())
+            digest.update(np.ascontiguousarray(tokenized.extras[key]).tobytes())
+        settings = [
+            collator.pad_token_id,
+            collator.padding_side,
+            collator.pad_to_multiple_of,
+            dict(sorted(collator.pad_values.items())),
+            queue.plan.sampler.fingerprint,
+        ]
+        digest.update(json.dumps(settings).encode())
+        return digest.hexdigest()
+    # Another iterable: the digest of its batches (their positions and tensors), in any order.
+    if queue.stream is not None and isinstance(queue.loader, Iterator):
+        queue.materialize()  # a one-shot iterator can be read only once
+    batches = (i.batch for i in queue.pending) if queue.stream is None else iter(queue.loader)
+    parts, n = [], 0
+    for batch in batches:
+        positions = positions_of(batch, queue.loader)
+        part = hashlib.sha256(fingerprint_batches([positions]).encode())
+        for key in sorted(batch):
+            value = batch[key]
+            if isinstance(value, torch.Tensor):
+                part.update(key.encode())
+                part.update(value.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
+        parts.append(part.digest())
+        n = max(n, int(positions.max()) + 1 if positions.size else 0)
+    if queue.n_inputs is None:
+        queue.n_inputs = n
+    for part in sorted(parts):
+        digest.update(part)
+    return digest.hexdigest()

@@ -1,88 +1,36 @@
-"""Sharding a batch plan over the ranks of a ``torch.distributed`` job.
+"""Collectives of a ``torch.distributed`` run: :func:`world`, :func:`gather_results`, and sharding a queue.
 
-Every rank plans the same batches from the same lengths (the planner is
-deterministic), so no batch or position ever travels between ranks: each rank
-calls :func:`shard_batches` with the same predicted costs and gets its own share
-of batch numbers, runs them, and :func:`gather_results` brings the results to
-rank 0 in input order.
-
-Design:
-
-* **Equal steps.** Every rank gets exactly ``ceil(n / world_size)`` steps; a
-  rank with fewer batches gets ``-1`` steps (no batch) at the end. Code run per
-  step or after the loop often holds a collective (an FSDP forward gathers
-  parameters, a progress ``all_reduce``, the final gather); if one rank left the
-  loop early, the others would wait in that collective forever. With equal
-  steps every rank reaches each collective the same number of times. At most
-  ``world_size - 1`` steps are padding in the whole job.
-* **Balanced by cost.** The job takes as long as its slowest rank. A plan's
-  batches differ in cost (the first holds the longest texts, later batches
-  have more rows of shorter texts), so dealing them out round-robin can pile up
-  expensive batches on one rank. :func:`balance` runs longest-processing-time
-  greedy with a count cap: batches by predicted cost, most expensive first
-  (ties by batch number), each to the rank with the least total cost among the
-  ranks that still have fewer than ``ceil(n / world_size)`` batches (ties by
-  rank). Costs are predictions such as rows x padded width
-  (:func:`batch_costs`); any non-negative figure works.
-* **Plan order on each rank.** Each rank runs its batches in ascending batch
-  number, i.e. in plan order: the rank holding batch 0 starts with the hardest
-  batch of the job (whose peak memory is the budget), so an out-of-memory error
-  shows on the first step, and every rank starts with its longest texts.
-* **No communication.** The assignment depends only on the costs and the world
-  size, so every rank computes the same one on its own.
-
-Balance guarantee: with ``W`` ranks, total cost ``T`` and largest cost
-``c_max``, the most loaded rank carries at most ``T / W + (1 - 1/W) * c_max``;
-so :func:`imbalance` (max over mean rank load) is at most
-``1 + (W - 1) * c_max / T``, and the most loaded rank is within a factor
-``2 - 1/W`` of the best possible assignment. The bound is tight (one batch,
-two ranks). Proof sketch: call a rank's load without its first (largest)
-batch its tail. While a rank ``q`` is not full, every rank's tail stays at
-most ``q``'s load (a batch goes to the least loaded open rank and is no larger
-than that rank's first batch). When ``q`` fills (``k = ceil(n / W)`` batches)
-with smallest batch ``y``, a rank ``p`` with ``c`` batches has
-``tail(p) + (k - c) * y <= load(q)`` (pair ``p``'s batches with ``q``'s
-earlier, no smaller ones), which stays true as ``p`` takes batches no larger
-than ``y``. So at the end every tail is at most every load, and
-``T >= (W - 1) * tail(p) + load(p)``.
-
-Example:
-    >>> from dynabatch.inference.distributed import balance, shard_batches
-    >>> costs = [9, 7, 6, 5, 4, 3, 2]  # one predicted cost per batch, plan order
-    >>> shard_batches(costs, world_size=2, rank=0)
-    [0, 3, 5, 6]
-    >>> shard_batches(costs, world_size=2, rank=1)  # same step count, -1: no batch
-    [1, 2, 4, -1]
-    >>> [sum(costs[b] for b in share) for share in balance(costs, 2)]
-    [19, 17]
+Which rank runs which batch is decided without communicating, by
+:func:`~dynabatch.inference.sharding.shard_batches` (re-exported here with
+:func:`~dynabatch.inference.sharding.balance`, :func:`~dynabatch.inference.sharding.batch_costs`
+and :func:`~dynabatch.inference.sharding.imbalance`); this module holds what
+talks between ranks: checking every rank has the same batches, and bringing
+every rank's results to rank 0 in input order.
 """
 
 from __future__ import annotations
 
-import hashlib
-import heapq
 import logging
-import numbers
 import pickle
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from dynabatch._validation import (
-    bad_type,
-    bad_value,
-    check_non_negative_int,
-    check_positive_int,
-)
+from dynabatch._validation import bad_type, bad_value, check_non_negative_int
+from dynabatch.data.collate import fingerprint_batches
+from dynabatch.data.order import as_positions
+from dynabatch.inference.outputs import to_cpu
+from dynabatch.inference.sharding import balance, batch_costs, imbalance, shard_batches
 
 __all__ = ["balance", "batch_costs", "gather_results", "imbalance", "shard_batches", "world"]
 
 logger = logging.getLogger(__name__)
 
-_COST_RULE = "a finite non-negative number"
 _FEW = 5  # how many offending positions an error message names
+_POSITIONS_RULE = "a 1-D list, numpy array or tensor of int input positions"
 
 
 def world() -> tuple[int, int]:
@@ -99,187 +47,6 @@ def world() -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
-
-
-def _as_costs(costs: Any) -> np.ndarray:
-    rule = "a 1-D sequence of finite non-negative numbers, one per batch"
-    if isinstance(costs, torch.Tensor):
-        costs = costs.detach().cpu().numpy()
-    if isinstance(costs, (str, bytes)) or not isinstance(costs, (Sequence, np.ndarray)):
-        raise bad_type("costs", rule, costs)
-    try:
-        arr = np.asarray(costs)
-    except ValueError:  # ragged nesting
-        raise bad_value("costs", rule, costs) from None
-    if arr.ndim != 1:
-        raise bad_value("costs", rule, f"array of shape {arr.shape}")
-    if not isinstance(costs, np.ndarray) or arr.dtype.kind not in "iuf":  # a list may hide a bool among ints
-        for i, value in enumerate(costs):
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-                raise bad_type(f"costs[{i}]", _COST_RULE, value)
-    arr = arr.astype(np.float64)
-    bad = np.flatnonzero(~(np.isfinite(arr) & (arr >= 0)))
-    if bad.size:
-        i = int(bad[0])
-        raise bad_value(f"costs[{i}]", _COST_RULE, float(arr[i]))
-    return arr
-
-
-def _assign(costs: np.ndarray, world_size: int) -> list[list[int]]:
-    """Count-capped LPT greedy; each rank's batch numbers ascending."""
-    n = len(costs)
-    cap = -(-n // world_size)
-    shares: list[list[int]] = [[] for _ in range(world_size)]
-    heap = [(0.0, r) for r in range(world_size)]  # (load, rank) of the ranks not yet full
-    for b in np.argsort(-costs, kind="stable").tolist():  # most expensive first, ties by batch number
-        load, r = heapq.heappop(heap)
-        shares[r].append(b)
-        if len(shares[r]) < cap:
-            heapq.heappush(heap, (load + float(costs[b]), r))
-    for share in shares:
-        share.sort()
-    return shares
-
-
-def balance(costs: Sequence[float], world_size: int) -> list[list[int]]:
-    """Returns every rank's batch numbers: ``world_size`` lists, each ascending.
-
-    Args:
-        costs: predicted cost of every batch, in plan order (e.g. rows x padded
-            width, see :func:`batch_costs`); finite and non-negative.
-        world_size: number of ranks.
-
-    Returns:
-        ``shares[r]``: the batches rank ``r`` runs, in plan order, at most
-        ``ceil(len(costs) / world_size)`` each; every batch is in exactly one
-        list. See the module docstring for the algorithm and its guarantee.
-
-    Raises:
-        TypeError: ``costs`` not a sequence of numbers, ``world_size`` not an int.
-        ValueError: a cost negative or not finite, ``world_size`` < 1.
-
-    Example:
-        >>> from dynabatch.inference.distributed import balance
-        >>> balance([5, 1, 1, 1, 4], 2)  # loads 5 + 1 and 1 + 1 + 4
-        [[0, 2], [1, 3, 4]]
-    """
-    arr = _as_costs(costs)
-    world_size = check_positive_int("world_size", world_size)
-    return _assign(arr, world_size)
-
-
-def imbalance(costs: Sequence[float], world_size: int) -> float:
-    """Returns max over mean rank load of :func:`balance`'s assignment.
-
-    1.0 is perfect balance (also returned when all costs are 0 or there are
-    none); the value is at most ``1 + (world_size - 1) * max(costs) / sum(costs)``.
-    It is the time the job takes relative to a perfect split, if costs are exact.
-
-    Example:
-        >>> from dynabatch.inference.distributed import imbalance
-        >>> round(imbalance([9, 7, 6, 5, 4, 3, 2], 2), 4)  # loads 19 and 17
-        1.0556
-    """
-    arr = _as_costs(costs)
-    world_size = check_positive_int("world_size", world_size)
-    total = float(arr.sum())
-    if total == 0:
-        return 1.0
-    loads = [float(arr[share].sum()) for share in _assign(arr, world_size)]
-    return max(loads) * world_size / total  # not / (total / W): that underflows for tiny totals
-
-
-def shard_batches(costs: Sequence[float], world_size: int, rank: int) -> list[int]:
-    """Returns the batch numbers ``rank`` runs, one per step; ``-1`` for a step with no batch.
-
-    Every rank gets ``ceil(len(costs) / world_size)`` steps, its batches first
-    in plan order, then ``-1`` steps. Deterministic: every rank computes the
-    same assignment from the same costs without communicating.
-
-    Args:
-        costs: predicted cost of every batch, in plan order (e.g. rows x padded
-            width, see :func:`batch_costs`); finite and non-negative; the same
-            on every rank.
-        world_size: number of ranks.
-        rank: this rank, ``0 <= rank < world_size``.
-
-    Raises:
-        TypeError: ``costs`` not a sequence of numbers, ``world_size`` or
-            ``rank`` not an int.
-        ValueError: a cost negative or not finite, ``world_size`` < 1, ``rank``
-            negative or not below ``world_size``.
-
-    Example:
-        >>> from dynabatch.inference.distributed import shard_batches
-        >>> shard_batches([3.0, 2.0, 2.0], world_size=2, rank=0)
-        [0, -1]
-    """
-    arr = _as_costs(costs)
-    world_size = check_positive_int("world_size", world_size)
-    rank = check_non_negative_int("rank", rank)
-    if rank >= world_size:
-        raise bad_value("rank", f"a non-negative integer less than world_size={world_size}", rank)
-    shares = _assign(arr, world_size)
-    steps = -(-len(arr) // world_size)
-    mine = shares[rank]
-    if logger.isEnabledFor(logging.DEBUG):
-        loads = [float(arr[share].sum()) for share in shares]
-        mean = sum(loads) / world_size
-        logger.debug("rank %d of %d: %d of %d batches in %d steps, load %.4g, max/mean load %.4f",
-                     rank, world_size, len(mine), len(arr), steps, loads[rank],
-                     max(loads) / mean if mean else 1.0)
-    return mine + [-1] * (steps - len(mine))
-
-
-def batch_costs(batches: Sequence[Any], lengths: Any) -> list[float]:
-    """Returns rows x padded width (the longest length in the batch) of every batch.
-
-    A simple predicted cost for :func:`shard_batches`: the number of token
-    slots the model processes, padding included.
-
-    Args:
-        batches: one sequence of input positions per batch (as from
-            :func:`~dynabatch.sampling.planner.plan_batches`).
-        lengths: the token length of every input.
-
-    Example:
-        >>> from dynabatch.inference.distributed import batch_costs
-        >>> batch_costs([[1, 2], [0, 3, 4]], [3, 9, 8, 2, 2])
-        [18.0, 9.0]
-    """
-    if isinstance(batches, (str, bytes)) or not isinstance(batches, (Sequence, np.ndarray)):
-        raise bad_type("batches", "a sequence of position arrays, one per batch", batches)
-    arr = np.asarray(lengths)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise bad_value("lengths", "a 1-D array of integer token lengths", f"array of dtype {arr.dtype} and shape "
-                        f"{arr.shape}")
-    out = []
-    for i, batch in enumerate(batches):
-        pos = np.asarray(batch, dtype=np.int64) if len(batch) else np.zeros(0, dtype=np.int64)
-        if pos.size and (pos.min() < 0 or pos.max() >= len(arr)):
-            raise bad_value(f"batches[{i}]", f"positions in range(len(lengths)={len(arr)})", batch)
-        out.append(float(len(pos) * (int(arr[pos].max()) if pos.size else 0)))
-    return out
-
-
-# --------------------------------------------------------------------------- gathering
-
-
-def _as_positions(positions: Any) -> np.ndarray:
-    rule = "a 1-D list, numpy array or tensor of int input positions"
-    if isinstance(positions, torch.Tensor):
-        arr = positions.detach().cpu().numpy()
-    elif isinstance(positions, (list, tuple, np.ndarray, range)):
-        arr = np.asarray(positions)
-    else:
-        raise bad_type("positions", rule, positions)
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1:
-        raise bad_value("positions", rule, f"array of shape {arr.shape}")
-    if arr.dtype.kind not in "iu":
-        raise bad_type("positions", rule, positions)
-    return arr.astype(np.int64, copy=False)
 
 
 def _few(values: Sequence[Any]) -> str:
@@ -316,16 +83,12 @@ def _check_cover(shares: list[np.ndarray], n: int) -> None:
 
 def _check_local(positions: Any, results: Any, n_inputs: Any) -> tuple[np.ndarray, int]:
     n = check_non_negative_int("n_inputs", n_inputs)
-    pos = _as_positions(positions)
+    pos = as_positions("positions", positions, _POSITIONS_RULE, shape_in_message=True)
     if not isinstance(results, (list, tuple)):
         raise bad_type("results", "a list with one result per position", results)
     if len(results) != len(pos):
         raise bad_value("len(results)", f"len(positions)={len(pos)}, one result per position", len(results))
     return pos, n
-
-
-def _to_cpu(value: Any) -> Any:
-    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
 def _prepare(positions: Any, results: Any, n_inputs: Any) -> tuple[tuple, bytes | None, Exception | None]:
@@ -341,7 +104,7 @@ def _prepare(positions: Any, results: Any, n_inputs: Any) -> tuple[tuple, bytes 
         message = str(exc) if kind is not RuntimeError else f"{type(exc).__name__}: {exc}"
         return (None, None, (kind, message)), None, exc
     try:
-        blob = pickle.dumps([_to_cpu(value) for value in results], protocol=pickle.HIGHEST_PROTOCOL)
+        blob = pickle.dumps([to_cpu(value) for value in results], protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # noqa: BLE001 (sent to every rank and raised there)
         message = f"results should be picklable to send to rank 0, but got {type(exc).__name__}: {exc}"
         return (None, None, (TypeError, message)), None, exc
@@ -432,18 +195,13 @@ def _check_same_batches(batches: Sequence[np.ndarray]) -> None:
 
     :func:`dynabatch.run` shards the batches across ranks itself, so each rank
     must be given all of them (the same loader); a per-rank share would be
-    sharded twice. Compares a sha256 of every batch's input positions.
+    sharded twice. Compares a sha256 of the batches' input positions.
     """
     _, size = world()
     if size == 1:
         return
-    digest = hashlib.sha256()
-    for positions in batches:
-        arr = np.ascontiguousarray(positions, dtype=np.int64)
-        digest.update(len(arr).to_bytes(8, "little"))
-        digest.update(arr.tobytes())
     everyone: list = [None] * size
-    torch.distributed.all_gather_object(everyone, (len(batches), digest.hexdigest()))
+    torch.distributed.all_gather_object(everyone, (len(batches), fingerprint_batches(batches)))
     other = next((r for r, mine in enumerate(everyone) if mine != everyone[0]), None)
     if other is not None:
         raise ValueError(
@@ -451,3 +209,14 @@ def _check_same_batches(batches: Sequence[np.ndarray]) -> None:
             f"got {everyone[other][0]} batches on rank {other} and {everyone[0][0]} on rank 0 that differ; pass "
             "every rank the whole loader, not its own share"
         )
+
+
+def shard_queue(queue: Any, rank: int, world_size: int) -> None:
+    """Collective: keeps in ``queue`` only this rank's share of its batches, balanced by cost (rows x width)."""
+    queue.materialize()
+    items = list(queue.pending)
+    _check_same_batches([i.positions for i in items])
+    costs = [float(rows * width) for rows, width in map(queue.shape, items)]
+    share = shard_batches(costs, world_size, rank)
+    queue.pending = deque(items[b] for b in share if b >= 0)
+    logger.info("rank %d of %d: %d of %d batches", rank, world_size, len(queue.pending), len(items))

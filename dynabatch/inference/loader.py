@@ -1,10 +1,14 @@
 """``build_dynamic_batch_dataloader``: texts in, a standard DataLoader of memory-safe batches out.
 
 The stages, each its own module: :func:`~dynabatch.data.tokenization.tokenize_texts`
-(every text tokenized once) -> :func:`~dynabatch.sampling.planner.plan_batches` (sorted
-longest first, sizes chosen by the spike classifier) ->
+(every text tokenized once) -> :class:`~dynabatch.sampling.planner.BatchPlanner` (sorted
+longest first, sizes chosen by the spike classifier or a memory model) ->
 :class:`~dynabatch.sampling.sampler.DynamicBatchSampler` (order, epochs, resumption) ->
 :class:`~dynabatch.data.collate.TokenCollator` (padded tensors from the token store).
+
+The loader carries its plan openly: ``loader.plan`` is a :class:`LoaderPlan`
+(the planner, the sampler and the collator), which :func:`dynabatch.run` reads
+to build, re-plan or shard batches before their tensors exist.
 
 Example:
     >>> from transformers import AutoTokenizer
@@ -19,22 +23,27 @@ Example:
     (['attention_mask', 'input_ids', 'token_type_ids'], 8)
     >>> sum(len(b.indices) for b in loader)
     500
+    >>> len(loader.plan.planner.batches()) == len(loader)
+    True
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
 from dynabatch._validation import bad_type, check_non_negative_int
 from dynabatch.data.collate import TokenCollator, pad_token_id_of
-from dynabatch.sampling.planner import check_model_shape, check_plan_arguments, plan_batches
-from dynabatch.sampling.sampler import DynamicBatchSampler
 from dynabatch.data.tokenization import tokenize_texts, validate_texts
+from dynabatch.memory.shape import resolve_model_shape
+from dynabatch.sampling.estimators import make_estimator
+from dynabatch.sampling.planner import BatchPlanner, PlanSettings
+from dynabatch.sampling.sampler import DynamicBatchSampler
 
-__all__ = ["build_dynamic_batch_dataloader"]
+__all__ = ["LoaderPlan", "build_dynamic_batch_dataloader", "plan_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +59,45 @@ class _Positions(Dataset):
 
     def __getitem__(self, i: int) -> int:
         return i
+
+
+@dataclass
+class LoaderPlan:
+    """What a dynabatch DataLoader is made of, attached to it as ``loader.plan``.
+
+    Attributes:
+        planner: the :class:`~dynabatch.sampling.planner.BatchPlanner` that made the plan
+            (and re-sizes batches from measured peaks in ``run(adapt=True)``).
+        sampler: the :class:`~dynabatch.sampling.sampler.DynamicBatchSampler` (the loader's ``batch_sampler``).
+        collator: the :class:`~dynabatch.data.collate.TokenCollator` (the loader's ``collate_fn``).
+    """
+
+    planner: BatchPlanner
+    sampler: DynamicBatchSampler
+    collator: TokenCollator
+
+
+def plan_of(loader: Any) -> LoaderPlan | None:
+    """The :class:`LoaderPlan` of a dynabatch loader, also under ``accelerate``'s ``prepare``; else ``None``.
+
+    ``Accelerator.prepare`` returns a new DataLoader whose batch sampler wraps
+    the original one (``BatchSamplerShard``; the unwrapped loader is its
+    ``base_dataloader``). The plan is attached to the loader and to its
+    :class:`~dynabatch.sampling.sampler.DynamicBatchSampler`, so it is found
+    under such a wrapper: :func:`dynabatch.run` shards the whole plan across
+    ranks itself, by cost, rather than run one rank's share sharded again.
+    """
+    plan = getattr(loader, "plan", None)
+    if isinstance(plan, LoaderPlan):
+        return plan
+    for holder in (loader, getattr(loader, "base_dataloader", None)):
+        sampler = getattr(holder, "batch_sampler", None)
+        for candidate in (sampler, getattr(sampler, "batch_sampler", None)):  # BatchSamplerShard keeps it here
+            plan = getattr(candidate, "plan", None) if isinstance(candidate, DynamicBatchSampler) else None
+            if isinstance(plan, LoaderPlan):
+                logger.info("loader was prepared by accelerate: running the whole dynabatch plan under it")
+                return plan
+    return None
 
 
 def build_dynamic_batch_dataloader(
@@ -68,6 +116,11 @@ def build_dynamic_batch_dataloader(
     model_shape: Any = None,
     seed: int = 0,
     progress: bool = False,
+    memory_model: Any = None,
+    max_memory: Any = None,
+    memory_margin: float = 0.10,
+    granularity: int | None = None,
+    model: Any = None,
     **tokenizer_kwargs: Any,
 ) -> DataLoader:
     """Builds a DataLoader whose batches grow as texts get shorter, under the first batch's peak memory.
@@ -92,11 +145,26 @@ def build_dynamic_batch_dataloader(
             models unlike the profiled ones. ``None``: the spec's 13 features.
         seed: seeds the shuffled order.
         progress: show a progress bar while tokenizing.
+        memory_model: a calibrated ``MemoryModel`` (``dynabatch.calibrate`` or
+            ``MemoryModel.load``): batches are then sized by its predicted peaks
+            instead of the spike classifier (``threshold`` and the candidate
+            ranges are not used). ``None``: the classifier.
+        max_memory: with ``memory_model``, the budget: ``None`` (relative: the
+            predicted peak of the first batch of ``batch_size`` longest texts),
+            bytes, or a string such as ``"12GB"`` or ``"80%"`` (of the CUDA
+            device's free memory).
+        memory_margin: with ``memory_model``, every batch's predicted peak stays
+            at or under ``(1 - memory_margin)`` times the budget; in ``[0, 1)``.
+        granularity: with ``memory_model``, batch sizes are multiples of it (when at least it).
+        model: the model the batches are for (a ``transformers`` model or
+            config): its :class:`~dynabatch.memory.shape.ModelShape` is read from
+            it (a forward call; pass ``model_shape`` for ``generate`` settings).
         **tokenizer_kwargs: passed to the tokenizer (e.g. ``add_special_tokens=False``);
             ``pad_to_multiple_of`` rounds each batch's width up.
 
     Returns:
-        A plain :class:`torch.utils.data.DataLoader`. Each batch is a
+        A plain :class:`torch.utils.data.DataLoader`, with its plan as
+        ``loader.plan`` (a :class:`LoaderPlan`). Each batch is a
         :class:`~dynabatch.data.collate.Batch`: a dict of tensors (``input_ids``,
         ``attention_mask`` and the tokenizer's other outputs) that
         ``model(**batch)`` and ``model.generate(**batch)`` take, with
@@ -105,28 +173,23 @@ def build_dynamic_batch_dataloader(
         :func:`~dynabatch.data.order.restore_order`.
     """
     items = validate_texts(texts)
-    check_plan_arguments(batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps)
+    settings = PlanSettings(batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps,
+                            resolve_model_shape(model_shape, model))
     check_non_negative_int("num_workers", num_workers)
     if not isinstance(shuffle, bool):
         raise bad_type("shuffle", "a bool", shuffle)
-    check_model_shape(model_shape)
+    estimator = make_estimator(classifier, memory_model, max_memory=max_memory, memory_margin=memory_margin,
+                               granularity=granularity)
     pad_to_multiple_of = tokenizer_kwargs.pop("pad_to_multiple_of", None)
     pad_token_id_of(tokenizer)  # refuse a tokenizer without pad token before tokenizing
     tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress, **tokenizer_kwargs)
-    batches = plan_batches(
-        tokenized.lengths,
-        batch_size,
-        max_input_token_length,
-        classifier=classifier,
-        threshold=threshold,
-        batch_start_range=batch_start_range,
-        batch_end_range=batch_end_range,
-        steps=steps,
-        model_shape=model_shape,
-    )
+    planner = BatchPlanner(tokenized.lengths, settings, estimator)
+    batches = planner.batches()
     sampler = DynamicBatchSampler(batches, shuffle=shuffle, seed=seed)
     collator = TokenCollator.from_tokenizer(tokenized, tokenizer, texts=items, pad_to_multiple_of=pad_to_multiple_of)
     sizes = [len(b) for b in batches]
     logger.info("planned %d texts into %d batches (first %d rows, largest %d)", len(items), len(batches),
                 sizes[0], max(sizes))
-    return DataLoader(_Positions(len(items)), batch_sampler=sampler, collate_fn=collator, num_workers=num_workers)
+    loader = DataLoader(_Positions(len(items)), batch_sampler=sampler, collate_fn=collator, num_workers=num_workers)
+    loader.plan = sampler.plan = LoaderPlan(planner, sampler, collator)
+    return loader

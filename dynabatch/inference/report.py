@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from dynabatch._validation import bad_type
+from dynabatch.memory.features import SPIKE_RATIO
 
 __all__ = ["BatchRecord", "RunReport"]
 
-_TARGET = 0.9  # the planner keeps batches under 90% of the first batch's peak
 
 
 @dataclass
@@ -280,7 +280,7 @@ class RunReport:
                 label="peak / first batch's peak",
             )
             ax_mem.axhline(1.0, color="tab:red", linestyle="--", linewidth=1, label="budget (1.0)")
-            ax_mem.axhline(_TARGET, color="tab:orange", linestyle=":", linewidth=1, label=f"target ({_TARGET})")
+            ax_mem.axhline(SPIKE_RATIO, color="tab:orange", linestyle=":", linewidth=1, label=f"target ({SPIKE_RATIO})")
             ax_mem.legend(loc="best", fontsize=8)
         else:
             ax_mem.text(

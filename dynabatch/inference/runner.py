@@ -11,11 +11,17 @@ order, plus a :class:`~dynabatch.inference.report.RunReport` of what each batch 
 * ``output_path`` appends each finished batch to a JSONL file; a rerun with the
   same inputs and path runs only what is missing (a killed run resumes).
 * ``measure_memory`` records each batch's peak memory against the first's;
-  ``adapt=True`` closes the loop: the sizes of batches not yet run follow the
-  measured peaks (:class:`~dynabatch.memory.feedback.MemoryFeedback`), the
-  classifier's plan being the prior.
+  ``adapt=True`` closes the loop: the loader's
+  :class:`~dynabatch.sampling.planner.BatchPlanner` is told each measured peak
+  and sizes every next batch (the plan being the prior; a memory model is
+  refined by every peak).
 * Under ``torch.distributed``, each rank runs a cost-balanced share of the
   batches and rank 0 gathers every result.
+
+The loop: :class:`~dynabatch.inference._queue.BatchQueue` hands out the next
+batch, :class:`~dynabatch.inference._execute.Executor` runs it (splitting on
+out-of-memory errors) and records it, and measured peaks go back to the queue's
+planner.
 
 Example:
     >>> from transformers import AutoTokenizer
@@ -34,278 +40,25 @@ Example:
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
-import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
-from dynabatch.inference._resume import FORMAT, ResultsFile, rank_path
-from dynabatch.inference._rows import batch_shape, halves, real_tokens, split_rows
-from dynabatch.inference._source import Item, Source, unwrap_prepared
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.data.collate import Batch
-from dynabatch.memory.measure import is_out_of_memory_error, track_peak_memory
-from dynabatch.inference.report import BatchRecord, RunReport
+from dynabatch.inference._execute import Executor
+from dynabatch.inference._queue import BatchQueue
+from dynabatch.inference._resume import FORMAT, ResultsFile, fingerprint, rank_path
+from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
 
 __all__ = ["BatchOutOfMemoryError", "RunResult", "run"]
 
 logger = logging.getLogger(__name__)
 
 _ON_OOM = ("raise", "skip")
-
-
-class RunResult(list):
-    """One result per input text, in input order, with what the run did.
-
-    A plain ``list`` otherwise: ``result[p]`` belongs to input ``p``.
-
-    Attributes:
-        report: the :class:`~dynabatch.inference.report.RunReport` of the batches that ran.
-        failed: sorted input positions that ran out of memory on their own and
-            were skipped (``on_oom="skip"``); their results are ``None``.
-    """
-
-    def __init__(
-        self, results: Iterable[Any] = (), *, report: RunReport | None = None, failed: Iterable[int] = ()
-    ) -> None:
-        super().__init__(results)
-        self.report = report if report is not None else RunReport()
-        self.failed = sorted(failed)
-
-
-class BatchOutOfMemoryError(RuntimeError):
-    """A single row ran out of memory on its own (``on_oom="raise"``).
-
-    Chained from the original out-of-memory error.
-
-    Attributes:
-        position: the input position of the row.
-        partial: the :class:`RunResult` so far: finished rows filled, the others ``None``.
-    """
-
-    def __init__(self, message: str, *, position: int | None = None, partial: RunResult | None = None) -> None:
-        super().__init__(message)
-        self.position = position
-        self.partial = partial
-
-    def __reduce__(self) -> tuple:
-        return type(self), (str(self),), {"position": self.position, "partial": self.partial}
-
-
-def _free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-class _Runner:
-    """Runs items one at a time: OOM splitting, the learned failed shapes, records and results."""
-
-    def __init__(
-        self,
-        fn: Callable[[Batch], Any],
-        source: Source,
-        *,
-        device: Any,
-        on_oom: str,
-        memory_device: Any,
-        results_file: ResultsFile | None,
-        bar: Any,
-    ) -> None:
-        self.fn = fn
-        self.source = source
-        self.device = device
-        self.on_oom = on_oom
-        self.memory_device = memory_device
-        self.results_file = results_file
-        self.bar = bar
-        self.results: dict[int, Any] = {}
-        self.failed: list[int] = []
-        self.failed_shapes: list[tuple[int, int]] = []
-        self.report = RunReport()
-        self.measured: list[tuple[int, int]] = []  # (rows, peak bytes) of each call of the last item that ran
-        self.started = time.perf_counter()
-        self.tokens = 0
-
-    def _dominated(self, rows: int, width: int) -> tuple[int, int] | None:
-        for failed_rows, failed_width in self.failed_shapes:
-            if rows >= failed_rows and width >= failed_width:
-                return failed_rows, failed_width
-        return None
-
-    def _attempt(self, piece: Batch) -> tuple[list | None, int | None, BaseException | None]:
-        """Rows of ``fn(piece)`` and its peak bytes, or the out-of-memory error it raised."""
-        try:
-            moved = piece.to(self.device) if self.device is not None else piece
-            if self.memory_device is not None:
-                with track_peak_memory(self.memory_device) as mem:
-                    output = self.fn(moved)
-                peak = mem.peak_bytes
-            else:
-                output = self.fn(moved)
-                peak = None
-            rows = split_rows(output, piece, pad_token_id=self.source.pad_token_id)
-        except Exception as exc:
-            if not is_out_of_memory_error(exc):
-                raise
-            return None, None, exc
-        return rows, peak, None
-
-    def _halves(self, piece: Batch) -> tuple[Batch, Batch]:
-        return halves(piece, padding_side=self.source.padding_side, pad_to_multiple_of=self.source.pad_to_multiple_of)
-
-    def run_item(self, item: Item) -> None:
-        start = time.perf_counter()
-        batch = self.source.build(item)
-        rows, width = batch_shape(batch)
-        record = BatchRecord(
-            batch=item.number, rows=rows, width=width, real_tokens=real_tokens(batch), padded_tokens=0, seconds=0.0
-        )
-        positions: list[int] = []
-        results: list[Any] = []
-        self.measured = []
-        stack = [batch]
-        del batch
-        try:
-            while stack:
-                piece = stack.pop()
-                piece_rows, piece_width = batch_shape(piece)
-                failed_shape = self._dominated(piece_rows, piece_width) if piece_rows > 1 else None
-                if failed_shape is not None:
-                    record.pre_split = True
-                    logger.info(
-                        "batch %d: splitting %d rows x %d tokens before trying it, as large as %d x %d "
-                        "which ran out of memory",
-                        item.number,
-                        piece_rows,
-                        piece_width,
-                        *failed_shape,
-                    )
-                    stack.extend(reversed(self._halves(piece)))
-                    continue
-                rows_out, peak, error = self._attempt(piece)
-                if error is not None:
-                    record.oom_events += 1
-                    self.failed_shapes.append((piece_rows, piece_width))
-                    if piece_rows > 1:
-                        first, second = self._halves(piece)
-                        logger.warning(
-                            "batch %d: %d rows x %d tokens ran out of memory (%s); retrying as %d + %d rows",
-                            item.number,
-                            piece_rows,
-                            piece_width,
-                            _brief(error),
-                            len(first.indices),
-                            len(second.indices),
-                        )
-                        error = None  # its traceback holds the failed call's tensors
-                        _free_memory()
-                        record.oom_splits += 1
-                        stack.extend([second, first])
-                        continue
-                    position = int(piece.indices[0])
-                    if self.on_oom == "raise":
-                        self._finish(item, record, positions, results, start)
-                        partial = self.result()
-                        raise BatchOutOfMemoryError(
-                            f"input position {position} ran out of memory on its own (1 row x {piece_width} "
-                            f"tokens, batch {item.number}), so it cannot be split further: {_brief(error)}; "
-                            "the error's .partial holds the finished rows; on_oom='skip' skips such rows",
-                            position=position,
-                            partial=partial,
-                        ) from error
-                    error = None
-                    _free_memory()
-                    logger.warning(
-                        "batch %d: input position %d ran out of memory on its own (1 row x %d tokens); "
-                        "skipping it (result None)",
-                        item.number,
-                        position,
-                        piece_width,
-                    )
-                    record.failed_rows += 1
-                    self.failed.append(position)
-                    self.results[position] = None
-                    self._progress(1, 0)
-                    continue
-                if peak is not None:
-                    record.peak_bytes = peak if record.peak_bytes is None else max(record.peak_bytes, peak)
-                    self.measured.append((piece_rows, peak))
-                record.padded_tokens += piece_rows * piece_width
-                positions.extend(piece.indices.tolist())
-                results.extend(rows_out)
-                self._progress(piece_rows, real_tokens(piece))
-        finally:
-            stack.clear()
-        self._finish(item, record, positions, results, start)
-
-    def _finish(self, item: Item, record: BatchRecord, positions: list[int], results: list[Any], start: float) -> None:
-        if self.results_file is not None and positions:
-            results = self.results_file.write(positions, results)
-        self.results.update(zip(positions, results))
-        record.seconds = time.perf_counter() - start
-        self.report.records.append(record)
-        if self.report.budget_bytes is None and record.peak_bytes is not None:
-            self.report.budget_bytes = record.peak_bytes
-
-    def _progress(self, rows: int, tokens: int) -> None:
-        if self.bar is None:
-            return
-        self.tokens += tokens
-        elapsed = time.perf_counter() - self.started
-        self.bar.update(rows)
-        if elapsed > 0:
-            self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tokens/s", refresh=False)
-
-    def result(self, n_inputs: int | None = None) -> RunResult:
-        n = n_inputs if n_inputs is not None else self.source.n_inputs
-        if n is None:
-            n = max(self.results, default=-1) + 1
-        values = [self.results.get(p) for p in range(n)]
-        return RunResult(values, report=self.report, failed=self.failed)
-
-
-def _brief(error: BaseException | None) -> str:
-    text = str(error).strip().splitlines()[0] if error is not None and str(error).strip() else type(error).__name__
-    return f"{type(error).__name__}: {text[:200]}"
-
-
-class _Feedback:
-    """Measured mode: hands out batches sized by :class:`~dynabatch.memory.feedback.MemoryFeedback` from the peaks so far."""
-
-    def __init__(self, source: Source, loader: Any) -> None:
-        from dynabatch.memory.feedback import MemoryFeedback
-
-        batches = loader.batch_sampler.batches  # plan order: sorted longest first
-        self.order = np.concatenate(batches) if batches else np.empty(0, dtype=np.int64)
-        lengths = source.collator.tokenized.lengths[self.order]
-        self.model = MemoryFeedback(lengths, [len(b) for b in batches])
-        self.source = source
-        source.pending.clear()
-        self.start = 0
-        self.number = 0
-        self.last: tuple[Item, int] | None = None  # the item handed out and the records before it
-
-    def next_item(self, runner: _Runner) -> Item | None:
-        if self.last is not None:
-            item, seen = self.last
-            record = runner.report.records[-1] if len(runner.report.records) > seen else None
-            if record is not None and len(item.positions) == record.rows:
-                self.model.observe_parts(runner.measured)  # one call, or the parts of a split batch
-        size = self.model.next_size(self.start, None if self.last is None else len(self.last[0].positions))
-        if size == 0:
-            return None
-        item = Item(self.number, self.order[self.start : self.start + size])
-        self.start += size
-        self.number += 1
-        self.last = (item, len(runner.report.records))
-        return item
 
 
 def _check_arguments(
@@ -333,6 +86,65 @@ def _check_arguments(
     if pad_token_id is not None:
         check_non_negative_int("pad_token_id", pad_token_id)
 
+
+def _memory_device(measure_memory: Any, adapt: bool, device: Any) -> Any:
+    """The device to measure each call's peak on, or ``None`` (measured mode always measures)."""
+    if adapt and measure_memory is False:
+        measure_memory = True
+    if measure_memory is False:
+        return None
+    return (device if device is not None else "cpu") if measure_memory is True else measure_memory
+
+
+def _world(distributed: bool | None) -> tuple[int, int, bool]:
+    """``(rank, world_size, distributed)``: distributed only under a process group of more than one rank."""
+    if distributed is None:
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed:
+        return 0, 1, False
+    from dynabatch.inference.distributed import world
+
+    rank, world_size = world()
+    return rank, world_size, world_size > 1
+
+
+def _results_file(output_path: Any, queue: BatchQueue, digest: str | None, rank: int, world_size: int,
+                  distributed: bool) -> ResultsFile | None:
+    if output_path is None:
+        return None
+    path = os.fspath(output_path)
+    if distributed:
+        path = rank_path(path, rank, world_size)
+    return ResultsFile(path, {"format": FORMAT, "n_inputs": queue.n_inputs, "fingerprint": digest})
+
+
+def _progress_bar(loader: Any, queue: BatchQueue, results_file: ResultsFile | None) -> Any:
+    from tqdm.auto import tqdm
+
+    total = sum(len(i.positions) for i in queue.pending) if queue.stream is None else queue.n_inputs
+    if queue.planner is not None:
+        total = queue.total_rows
+    if total is None:
+        try:
+            total = len(loader.dataset) or None
+        except (AttributeError, TypeError):
+            total = None
+    if total is not None and results_file is not None:
+        total = max(0, total - len(results_file.done))  # the bar counts the rows that run now
+    return tqdm(total=total, unit="row", desc="dynabatch", dynamic_ncols=True)
+
+
+def _gathered(executor: Executor, mine: list[int], n_inputs: int | None) -> RunResult:
+    """Under torch.distributed: every result on rank 0, in input order; this rank's own rows elsewhere."""
+    from dynabatch.inference.distributed import gather_results
+
+    result = executor.result()
+    gathered = gather_results(mine, [result[p] for p in mine], n_inputs)
+    failed = set(executor.failed)
+    flags = gather_results(mine, [p in failed for p in mine], n_inputs)
+    if gathered is None:  # not rank 0: only this rank's rows
+        return RunResult(result, report=executor.report, failed=executor.failed)
+    return RunResult(gathered, report=executor.report, failed=[p for p, f in enumerate(flags) if f])
 
 
 def run(
@@ -403,10 +215,15 @@ def run(
         adapt: measured mode (needs a dynabatch loader, one process): every
             batch's peak is measured (on ``measure_memory``'s device, else
             ``device``, else the CPU tracker) and the batches not yet run are
-            re-sized so that, at the last measured peak per row (a bound, since
-            rows only get shorter), they stay at or under 0.9 of the first
-            batch's: smaller than planned after a spike, larger where the plan
-            leaves memory unused (see :mod:`dynabatch.memory.feedback`). A batch split
+            re-sized by the loader's planner so that, at the last measured peak
+            per row (a bound, since rows only get shorter), they stay at or
+            under 0.9 of the first batch's: smaller than planned after a spike,
+            larger where the plan leaves memory unused (see
+            :mod:`dynabatch.memory.feedback`). With a loader planned by a
+            ``memory_model``, the model is refined by every measured peak and
+            sizes the batches at ``1 - memory_margin`` of the budget; save it
+            afterwards (``memory_model.save(path)``) so the next job on the same
+            model starts calibrated. A batch split
             after running out of memory counts by its parts: the largest peak
             that fitted (the budget, if it was the first batch) and the costliest
             row. Batches then run longest first, whatever the loader's ``shuffle``.
@@ -427,99 +244,30 @@ def run(
         BatchOutOfMemoryError: with ``on_oom="raise"``, a single row that ran out of memory.
     """
     _check_arguments(fn, device, output_path, on_oom, measure_memory, progress, distributed, adapt, pad_token_id)
-    memory_device = None
-    if adapt and measure_memory is False:
-        measure_memory = True
-    if measure_memory is not False:
-        memory_device = (device if device is not None else "cpu") if measure_memory is True else measure_memory
-
-    rank, world_size = 0, 1
-    if distributed is None:
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if distributed:
-        from dynabatch.inference.distributed import world
-
-        rank, world_size = world()
-        distributed = world_size > 1
-
-    loader = unwrap_prepared(loader)
-    source = Source(loader, pad_token_id)
-    if adapt and source.collator is None:
-        raise bad_value("adapt", "False for a loader that is not a dynabatch DataLoader (measured mode re-plans "
-                        "its batches)", adapt)
+    memory_device = _memory_device(measure_memory, adapt, device)
+    rank, world_size, distributed = _world(distributed)
+    queue = BatchQueue(loader, pad_token_id, adapt=adapt)
     if adapt and distributed:
         raise bad_value("adapt", "False under torch.distributed (each rank's share is fixed up front)", adapt)
-    fingerprint = None
-    if output_path is not None:
-        fingerprint = source.fingerprint()  # before sharding: it covers every batch
+    digest = fingerprint(queue) if output_path is not None else None  # before sharding: it covers every batch
     if distributed:
-        from dynabatch.inference.distributed import _check_same_batches, shard_batches
+        from dynabatch.inference.distributed import shard_queue
 
-        source.materialize()
-        items = list(source.pending)
-        _check_same_batches([i.positions for i in items])
-        costs = [float(rows * width) for rows, width in map(source.shape, items)]
-        share = shard_batches(costs, world_size, rank)
-        source.pending = deque(items[b] for b in share if b >= 0)
-        logger.info("rank %d of %d: %d of %d batches", rank, world_size, len(source.pending), len(items))
-
-    results_file = None
-    if output_path is not None:
-        path = os.fspath(output_path)
-        if distributed:
-            path = rank_path(path, rank, world_size)
-        header = {"format": FORMAT, "n_inputs": source.n_inputs, "fingerprint": fingerprint}
-        results_file = ResultsFile(path, header)
-
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        total = sum(len(i.positions) for i in source.pending) if source.stream is None else source.n_inputs
-        if total is None:
-            try:
-                total = len(loader.dataset) or None
-            except (AttributeError, TypeError):
-                total = None
-        if total is not None and results_file is not None:
-            total = max(0, total - len(results_file.done))  # the bar counts the rows that run now
-        bar = tqdm(total=total, unit="row", desc="dynabatch", dynamic_ncols=True)
-
-    runner = _Runner(
-        fn, source, device=device, on_oom=on_oom, memory_device=memory_device, results_file=results_file, bar=bar
-    )
-    mine: list[int] = []
-    feedback = _Feedback(source, loader) if adapt else None
+        shard_queue(queue, rank, world_size)
+    results_file = _results_file(output_path, queue, digest, rank, world_size, distributed)
+    bar = _progress_bar(loader, queue, results_file) if progress else None
+    executor = Executor(fn, queue, device=device, on_oom=on_oom, memory_device=memory_device,
+                        results_file=results_file, bar=bar)
+    mine: list[int] = []  # every input position this rank answers for
     try:
-        while (item := source.next_item() if feedback is None else feedback.next_item(runner)) is not None:
-            if results_file is not None and results_file.done:
-                done = np.fromiter(
-                    (p in results_file.done for p in item.positions.tolist()), dtype=bool, count=len(item.positions)
-                )
-                for p in item.positions[done].tolist():
-                    runner.results[p] = results_file.done[p]
-                mine.extend(item.positions[done].tolist())
-                if done.all():
-                    continue
-                if done.any():
-                    item = source.restrict(item, np.flatnonzero(~done))
+        while (item := queue.next_item()) is not None:
             mine.extend(item.positions.tolist())
-            runner.run_item(item)
+            todo = executor.skip_done(item)  # rows a resumed run already has
+            if todo is not None:
+                queue.observe(todo, executor.run_item(todo))
     finally:
         if bar is not None:
             bar.close()
         if results_file is not None:
             results_file.close()
-
-    result = runner.result()
-    if not distributed:
-        return result
-    from dynabatch.inference.distributed import gather_results
-
-    n = source.n_inputs
-    gathered = gather_results(mine, [result[p] for p in mine], n)
-    failed = set(runner.failed)
-    flags = gather_results(mine, [p in failed for p in mine], n)
-    if gathered is None:  # not rank 0: only this rank's rows
-        return RunResult(result, report=runner.report, failed=runner.failed)
-    return RunResult(gathered, report=runner.report, failed=[p for p, f in enumerate(flags) if f])
+    return _gathered(executor, mine, queue.n_inputs) if distributed else executor.result()

@@ -44,20 +44,17 @@ classifier, trained against measured memory, not a memory figure itself.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 import numpy as np
 from numpy.typing import ArrayLike
 
-from dynabatch._validation import (
-    bad_type,
-    bad_value,
-    check_non_negative_int,
-    check_positive_int,
-)
+from dynabatch._validation import bad_type, bad_value
+from dynabatch.memory.shape import ModelShape
 
-__all__ = ["FEATURE_NAMES", "SHAPE_FEATURE_NAMES", "ModelShape", "compute_features"]
+__all__ = ["FEATURE_NAMES", "SHAPE_FEATURE_NAMES", "SPIKE_RATIO", "ModelShape", "compute_features"]
+
+SPIKE_RATIO = 0.9
+"""A batch *spikes* when its peak memory exceeds this fraction of the first batch's: the line the
+classifier is trained on, the planner and measured mode keep under, and the report draws."""
 
 FEATURE_NAMES: tuple[str, ...] = (
     "max_input_length",
@@ -78,55 +75,6 @@ FEATURE_NAMES: tuple[str, ...] = (
 
 SHAPE_FEATURE_NAMES: tuple[str, ...] = (*FEATURE_NAMES, "memory_ratio_estimate")
 """Column order of :func:`compute_features` given a :class:`ModelShape`: the 13 and the estimate."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """What the planner may know of the model and the call: enough for ``memory_ratio_estimate``.
-
-    Args:
-        vocab_size: rows of the output embedding (logits per generated token).
-        hidden_size: width of the model's hidden states.
-        max_new_tokens: tokens ``generate`` adds per row; 0 for a forward call.
-        num_beams: beams per row of ``generate``.
-
-    Example:
-        >>> from transformers import GPT2Config
-        >>> ModelShape.from_model(GPT2Config(), max_new_tokens=32)
-        ModelShape(vocab_size=50257, hidden_size=768, max_new_tokens=32, num_beams=1)
-    """
-
-    vocab_size: int
-    hidden_size: int
-    max_new_tokens: int = 0
-    num_beams: int = 1
-
-    def __post_init__(self) -> None:
-        check_positive_int("vocab_size", self.vocab_size)
-        check_positive_int("hidden_size", self.hidden_size)
-        check_non_negative_int("max_new_tokens", self.max_new_tokens)
-        check_positive_int("num_beams", self.num_beams)
-
-    @classmethod
-    def from_model(cls, model: Any, *, max_new_tokens: int = 0, num_beams: int = 1) -> ModelShape:
-        """Reads the shape from a transformers model (or its config) and the call's settings.
-
-        Args:
-            model: a ``transformers`` model or ``PretrainedConfig``; for
-                multimodal or composite configs the text part is read.
-            max_new_tokens: what ``generate`` will be called with; 0 for ``model(**batch)``.
-            num_beams: what ``generate`` will be called with.
-
-        Raises:
-            TypeError: if ``model`` has no transformers config.
-        """
-        config = getattr(model, "config", model)
-        text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
-        vocab_size = getattr(text, "vocab_size", None)
-        hidden_size = getattr(text, "hidden_size", None)
-        if vocab_size is None or hidden_size is None:
-            raise bad_type("model", "a transformers model or config with vocab_size and hidden_size", model)
-        return cls(int(vocab_size), int(hidden_size), max_new_tokens, num_beams)
 
 
 def compute_features(

@@ -52,6 +52,7 @@ from dynabatch._validation import (
     check_non_negative_int,
     check_positive_number,
 )
+from dynabatch.memory.features import SPIKE_RATIO
 
 __all__ = ["MemoryFeedback"]
 
@@ -73,7 +74,7 @@ class MemoryFeedback:
             batch (``None`` until a batch is measured).
     """
 
-    def __init__(self, sorted_lengths: Sequence[int], planned_sizes: Sequence[int], *, target: float = 0.9,
+    def __init__(self, sorted_lengths: Sequence[int], planned_sizes: Sequence[int], *, target: float = SPIKE_RATIO,
                  max_growth: float = 2.0) -> None:
         self.lengths = np.asarray(sorted_lengths, dtype=np.int64)
         if self.lengths.ndim != 1 or (len(self.lengths) > 1 and (np.diff(self.lengths) > 0).any()):

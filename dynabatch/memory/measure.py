@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -30,8 +29,9 @@ from typing import TypeVar
 
 import torch
 
-from dynabatch.memory._storage_tracker import StorageTracker
 from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.memory._storage_tracker import StorageTracker
+from dynabatch.memory.guard import call_guarded, is_out_of_memory_error
 
 __all__ = [
     "PeakMemory",
@@ -45,8 +45,6 @@ logger = logging.getLogger(__name__)
 
 Data = TypeVar("Data")
 Feature = TypeVar("Feature")
-
-_CPU_OOM_MESSAGES = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
 
 
 @dataclass
@@ -72,13 +70,6 @@ def _as_measurable_device(device: str | torch.device) -> torch.device:
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     return dev
-
-
-def is_out_of_memory_error(exc: BaseException) -> bool:
-    """Tells whether ``exc`` is an out-of-memory error of CUDA or of the CPU allocator."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _CPU_OOM_MESSAGES)
 
 
 @contextlib.contextmanager
@@ -160,24 +151,11 @@ def collect_peak_alloc(
     features: list[Feature | None] = []
     peaks: list[int | None] = []
     for position, data in enumerate(dataset):
-        try:
-            with track_peak_memory(dev) as mem:
-                feature = work(data)
-        except Exception as exc:
-            if not is_out_of_memory_error(exc):
-                raise
-            logger.warning("item %d ran out of memory; recorded with peak None: %s", position, exc)
-            features.append(None)
-            peaks.append(None)
-        else:
-            features.append(feature)
-            peaks.append(mem.peak_bytes)
-        finally:
-            if cleanup is not None:
-                cleanup()
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+        attempt = call_guarded(work, data, measure_on=dev, cleanup=cleanup, free_after=True)
+        if attempt.error is not None:
+            logger.warning("item %d ran out of memory; recorded with peak None: %s", position, attempt.error)
+        features.append(attempt.output)
+        peaks.append(attempt.peak_bytes)
     return features, peaks
 
 

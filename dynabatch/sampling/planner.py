@@ -1,5 +1,14 @@
 """The batch planner: token lengths in, batches of input positions out. Pure numpy.
 
+:class:`BatchPlanner` is the one place that decides batches: given the lengths,
+the :class:`PlanSettings` and an estimator (the spike classifier, with or
+without model shape, or a calibrated memory model; see
+:mod:`dynabatch.sampling.estimators`) it gives the whole plan up front
+(:meth:`~BatchPlanner.batches`, what the loader serves) or batch after batch,
+told each measured peak (:meth:`~BatchPlanner.next_batch` and
+:meth:`~BatchPlanner.observe`, what ``run(adapt=True)`` uses).
+:func:`plan_batches` and :func:`plan_batch_sizes` are the functional forms.
+
 Texts are sorted longest first (stable). The first batch is exactly
 ``batch_size`` texts, the longest: the hardest batch, whose peak memory is the
 budget. For every later batch starting at sorted position ``p`` the candidate
@@ -11,13 +20,8 @@ smaller candidate* are at or below ``threshold`` (no safe island above an unsafe
 candidate), or ``batch_size`` when none is safe.
 
 Features come from prefix sums of the sorted lengths, so no Python loop runs
-over texts. Consecutive batches usually take the same size, so the planner
-speculates: one classifier call checks the exact candidates at the current
-position together with, for the next positions the current size would reach,
-whether that size is still the choice there. With a classifier that is monotone
-in the candidate's rows (the bundled one) two probabilities decide that;
-otherwise every candidate up to one past that size is checked. Each call yields
-at least one batch, and the result is exactly the batch-by-batch rule above.
+over texts, and few classifier calls give exactly the batch-by-batch rule above
+(see :mod:`dynabatch.sampling.estimators`).
 
 Example:
     >>> import numpy as np
@@ -32,27 +36,24 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import (
-    bad_type,
-    bad_value,
-    check_fraction,
-    check_positive_int,
-)
-from dynabatch.memory.classifier import SpikeClassifier, load_classifier
-from dynabatch.memory.features import ModelShape, compute_features
+from dynabatch._validation import bad_type, bad_value, check_fraction, check_positive_int
+from dynabatch.memory.feedback import MemoryFeedback
+from dynabatch.memory.shape import ModelShape, check_model_shape
+from dynabatch.sampling.estimators import SpikeEstimator
 
-__all__ = ["candidate_sizes", "check_model_shape", "check_plan_arguments", "plan_batch_sizes", "plan_batches"]
+__all__ = ["BatchPlanner", "PlanSettings", "candidate_sizes", "plan_batch_sizes", "plan_batches"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_SPECULATION = 1024
 _MAX_BATCH = 2**40  # candidate sizes stay exact in int64 and float64
 
 
@@ -67,31 +68,58 @@ def candidate_sizes(batch_size: int, batch_start_range: float, batch_end_range: 
     return np.unique(sizes.astype(np.int64))
 
 
-def check_plan_arguments(
-    batch_size: Any,
-    max_input_token_length: Any,
-    threshold: Any,
-    batch_start_range: Any,
-    batch_end_range: Any,
-    steps: Any,
-) -> tuple[int, int, float, float, float, int]:
-    """Validates the planning arguments (so a loader can refuse them before tokenizing)."""
-    batch_size = check_positive_int("batch_size", batch_size)
-    max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
-    threshold = check_fraction("threshold", threshold)
-    for name, value in (("batch_start_range", batch_start_range), ("batch_end_range", batch_end_range)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise bad_type(name, "a number >= 1", value)
-    if not (batch_start_range >= 1 and math.isfinite(batch_start_range)):
-        raise bad_value("batch_start_range", "a finite number >= 1 (the first batch is the smallest)",
-                        batch_start_range)
-    if not (batch_end_range >= batch_start_range and math.isfinite(batch_end_range)):
-        raise bad_value("batch_end_range", f"a finite number >= batch_start_range={batch_start_range!r}",
-                        batch_end_range)
-    if batch_size * batch_end_range > _MAX_BATCH:
-        raise bad_value("batch_end_range", f"at most {_MAX_BATCH} / batch_size={batch_size}", batch_end_range)
-    steps = check_positive_int("steps", steps)
-    return batch_size, max_input_token_length, threshold, float(batch_start_range), float(batch_end_range), steps
+@dataclasses.dataclass(frozen=True)
+class PlanSettings:
+    """The planner's settings, validated once when made.
+
+    Args:
+        batch_size: rows of the first (longest, hardest) batch; the smallest batch size.
+        max_input_token_length: the truncation limit the lengths were cut at.
+        threshold: the highest spike probability a chosen candidate may have.
+        batch_start_range: smallest candidate, as a multiple of ``batch_size`` (>= 1).
+        batch_end_range: largest candidate, as a multiple of ``batch_size``.
+        steps: number of candidate multiples between the two.
+        model_shape: the model and call (:meth:`ModelShape.from_model
+            <dynabatch.memory.shape.ModelShape.from_model>`), or ``None``.
+
+    Example:
+        >>> PlanSettings(batch_size=10, max_input_token_length=64, batch_end_range=2.0, steps=5).candidates.tolist()
+        [10, 13, 15, 18, 20]
+    """
+
+    batch_size: int
+    max_input_token_length: int
+    threshold: float = 0.025
+    batch_start_range: float = 1.0
+    batch_end_range: float = 6.0
+    steps: int = 50
+    model_shape: ModelShape | None = None
+
+    def __post_init__(self) -> None:
+        batch_size = check_positive_int("batch_size", self.batch_size)
+        set_ = object.__setattr__
+        set_(self, "batch_size", batch_size)
+        set_(self, "max_input_token_length", check_positive_int("max_input_token_length", self.max_input_token_length))
+        set_(self, "threshold", check_fraction("threshold", self.threshold))
+        start, end = self.batch_start_range, self.batch_end_range
+        for name, value in (("batch_start_range", start), ("batch_end_range", end)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise bad_type(name, "a number >= 1", value)
+        if not (start >= 1 and math.isfinite(start)):
+            raise bad_value("batch_start_range", "a finite number >= 1 (the first batch is the smallest)", start)
+        if not (end >= start and math.isfinite(end)):
+            raise bad_value("batch_end_range", f"a finite number >= batch_start_range={start!r}", end)
+        if batch_size * end > _MAX_BATCH:
+            raise bad_value("batch_end_range", f"at most {_MAX_BATCH} / batch_size={batch_size}", end)
+        set_(self, "batch_start_range", float(start))
+        set_(self, "batch_end_range", float(end))
+        set_(self, "steps", check_positive_int("steps", self.steps))
+        check_model_shape(self.model_shape)
+
+    @property
+    def candidates(self) -> np.ndarray:
+        """The candidate batch sizes, ascending (:func:`candidate_sizes`)."""
+        return candidate_sizes(self.batch_size, self.batch_start_range, self.batch_end_range, self.steps)
 
 
 def _as_lengths(lengths: Any, max_input_token_length: int) -> np.ndarray:
@@ -110,91 +138,107 @@ def _as_lengths(lengths: Any, max_input_token_length: int) -> np.ndarray:
     return arr
 
 
-def check_model_shape(model_shape: Any) -> ModelShape | None:
-    """Validates ``model_shape`` (so a loader can refuse it before tokenizing)."""
-    if model_shape is not None and not isinstance(model_shape, ModelShape):
-        raise bad_type("model_shape", "a ModelShape (ModelShape.from_model(model, ...)) or None", model_shape)
-    return model_shape
+def _longest_first(lengths: np.ndarray, max_input_token_length: int) -> np.ndarray:
+    """Positions sorted longest first, ties in input order (a radix sort when lengths fit in 16 bits)."""
+    if max_input_token_length < 2**15:
+        return np.argsort((max_input_token_length - lengths).astype(np.int16), kind="stable")
+    return np.argsort(-lengths, kind="stable")
 
 
-def _classifier_for(classifier: Any, model_shape: Any) -> SpikeClassifier:
-    """The classifier to plan with, checked to take the shape exactly when one is given."""
-    clf = load_classifier(classifier, shape=check_model_shape(model_shape) is not None)
-    if clf.uses_shape and model_shape is None:
-        raise bad_value("model_shape", "a ModelShape for a classifier fitted on memory_ratio_estimate", None)
-    if model_shape is not None and not clf.uses_shape:
-        raise bad_value("classifier", "fitted on memory_ratio_estimate when model_shape is given",
-                        f"a classifier of {len(clf.feature_names)} features")
-    return clf
+class BatchPlanner:
+    """Decides every batch over token lengths: the whole plan up front, or the next batch from measured peaks.
 
+    Args:
+        lengths: token count of every text (input order), truncated, special tokens included.
+        settings: the :class:`PlanSettings`.
+        estimator: how memory is judged (:mod:`dynabatch.sampling.estimators`):
+            ``None`` for the bundled spike classifier (shape-aware when the
+            settings carry a ``model_shape``).
 
-class _Planner:
-    """State of one planning pass over lengths sorted longest first."""
+    Up front, :meth:`batches` is the plan. Online, :meth:`next_batch` hands out
+    the batches in plan order (longest first) and :meth:`observe` takes each
+    batch's measured peak: the first measured batch's peak is the budget, and
+    later batches are re-sized to stay at or under the estimator's ``target``
+    times it, bounded by the last measured peak per row (a classifier; see
+    :class:`~dynabatch.memory.feedback.MemoryFeedback`) or predicted by the
+    memory model, which each measured peak refines.
 
-    def __init__(self, sorted_lengths: np.ndarray, batch_size: int, max_len: int, clf: SpikeClassifier,
-                 threshold: float, cands: np.ndarray, shape: ModelShape | None = None) -> None:
-        self.lengths = sorted_lengths
-        self.n = len(sorted_lengths)
-        self.prefix = np.concatenate([[0], np.cumsum(sorted_lengths)])
-        self.batch_size = batch_size
-        self.max_len = max_len
-        self.clf = clf
-        self.threshold = threshold
-        self.cands = cands
-        self.shape = shape
-        self.first = min(batch_size, self.n)
-        self.calls = 0
+    Example:
+        >>> import numpy as np
+        >>> planner = BatchPlanner(np.array([3, 9, 8, 2, 2, 7]), PlanSettings(batch_size=2, max_input_token_length=9))
+        >>> [b.tolist() for b in planner.batches()]  # longest first: lengths 9 8 | 7 3 | 2 2
+        [[1, 2], [5, 0], [3, 4]]
+        >>> planner.next_batch().tolist()  # online: the plan's first batch
+        [1, 2]
+        >>> planner.observe(rows=2, padded_length=9, peak_bytes=1000)  # its peak: the budget, 500 a row
+        >>> planner.next_batch().tolist()  # 0.9 * 1000 / 500 rows fit, and never fewer than batch_size
+        [5, 0]
+        >>> planner.observe(rows=2, padded_length=7, peak_bytes=300)  # 150 a row: 6 fit, 2 remain
+        >>> planner.next_batch().tolist(), planner.next_batch()
+        ([3, 4], None)
+    """
 
-    def _proba(self, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-        stops = np.minimum(starts + sizes, self.n)
-        f = compute_features(
-            self.max_len, self.lengths[0], self.first, self.prefix[self.first],
-            self.lengths[starts], stops - starts, self.prefix[stops] - self.prefix[starts], shape=self.shape,
-        )
-        self.calls += 1
-        return self.clf.predict_spike_proba(f)
-
-    def _safe_prefix(self, proba: np.ndarray) -> int:
-        """How many leading candidates are safe before the first unsafe one."""
-        unsafe = np.nonzero(proba > self.threshold)[0]
-        return int(unsafe[0]) if len(unsafe) else len(proba)
+    def __init__(self, lengths: Any, settings: PlanSettings, estimator: Any = None) -> None:
+        if not isinstance(settings, PlanSettings):
+            raise bad_type("settings", "a PlanSettings", settings)
+        self.settings = settings
+        self.lengths = _as_lengths(lengths, settings.max_input_token_length)
+        self.order = _longest_first(self.lengths, settings.max_input_token_length)
+        self.sorted_lengths = self.lengths[self.order]
+        self.estimator = SpikeEstimator() if estimator is None else estimator
+        self._sizes: np.ndarray | None = None
+        self.restart()
 
     def sizes(self) -> np.ndarray:
-        if self.n == 0:
-            return np.empty(0, dtype=np.int64)
-        out = [self.first]
-        pos = self.first
-        n, cands = self.n, self.cands
-        monotone = self.clf.monotone_in_rows
-        k = -1  # safe prefix of the last uncapped choice, to speculate on; -1: none
-        width = 4  # speculative positions per call
-        while pos < n:
-            caps = np.unique(np.minimum(cands, n - pos))
-            starts = np.empty(0, dtype=np.int64)
-            check = np.empty(0, dtype=np.int64)
-            if k >= 0:
-                # Is the safe prefix still k at the positions this size would reach?
-                # Candidates below k must be safe and candidate k (if any) unsafe.
-                step = int(cands[k - 1]) if k else self.batch_size
-                lo = max(k - 1, 0) if monotone else 0
-                check = cands[lo : k + 1]
-                starts = pos + step * np.arange(1, width + 1, dtype=np.int64)
-                starts = starts[starts + cands[-1] <= n]
-            proba = self._proba(np.concatenate([np.full(len(caps), pos), np.repeat(starts, len(check))]),
-                                np.concatenate([caps, np.tile(check, len(starts))]))
-            found = self._safe_prefix(proba[: len(caps)])
-            size = int(caps[found - 1]) if found else min(self.batch_size, n - pos)
-            out.append(size)
-            pos += size
-            if len(starts) and found == k:  # the size is step again: the speculation applies
-                spec = proba[len(caps) :].reshape(len(starts), len(check)) <= self.threshold
-                holds = (spec == (np.arange(lo, lo + len(check)) < k)).all(axis=1)
-                hits = len(holds) if holds.all() else int(np.argmin(holds))
-                out.extend([size] * hits)
-                pos += size * hits
-                width = min(2 * width, _MAX_SPECULATION) if hits == len(holds) else max(4, 2 * hits)
-            k = found if len(caps) == len(cands) else -1
-        return np.asarray(out, dtype=np.int64)
+        """The plan's batch sizes over :attr:`sorted_lengths`, in order (computed once)."""
+        if self._sizes is None:
+            self._sizes = np.asarray(self.estimator.plan_sizes(self.sorted_lengths, self.settings), dtype=np.int64)
+        return self._sizes
+
+    def batches(self) -> list[np.ndarray]:
+        """The plan: one int64 array of input positions per batch, longest texts first."""
+        bounds = np.concatenate([[0], np.cumsum(self.sizes())]).tolist()
+        order = self.order
+        return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def restart(self) -> None:
+        """Starts handing out batches from the first again (what was learned is kept)."""
+        self._start = 0
+        self._last: int | None = None
+        self._feedback: MemoryFeedback | None = None
+
+    def next_batch(self) -> np.ndarray | None:
+        """The input positions of the next batch, sized from the peaks observed so far; ``None`` when done."""
+        if self._feedback is None:
+            self._feedback = MemoryFeedback(self.sorted_lengths, self.sizes(), target=self.estimator.target)
+        start, feedback = self._start, self._feedback
+        remaining = len(self.sorted_lengths) - start
+        if remaining <= 0:
+            return None
+        rows = None
+        if feedback.budget_ is not None:
+            rows = self.estimator.rows_within(int(self.sorted_lengths[start]), feedback.budget_, int(self.sizes()[0]))
+        if rows is None:
+            size = feedback.next_size(start, self._last)
+        else:
+            cap = int(feedback.max_growth * (self._last or feedback.planned_size(start)))
+            size = max(1, min(rows, cap, remaining))
+        self._start += size
+        self._last = size
+        return self.order[start : start + size]
+
+    def observe(self, rows: int, padded_length: int, peak_bytes: float) -> None:
+        """Records the measured peak of the batch handed out last (rows of at most ``padded_length`` tokens)."""
+        self.observe_parts([(rows, padded_length, peak_bytes)])
+
+    def observe_parts(self, parts: Sequence[tuple[int, int, float]]) -> None:
+        """Records a batch that ran as several calls (split after running out of memory), each ``(rows, width, peak)``."""
+        if self._feedback is None:
+            self._feedback = MemoryFeedback(self.sorted_lengths, self.sizes(), target=self.estimator.target)
+        self._feedback.observe_parts([(rows, peak) for rows, _, peak in parts])
+        for rows, width, peak in parts:
+            if rows:
+                self.estimator.observe(rows, width, peak)
 
 
 def plan_batch_sizes(
@@ -215,19 +259,12 @@ def plan_batch_sizes(
     ``sorted_lengths[sum(sizes[:i]):sum(sizes[:i + 1])]``. See
     :func:`plan_batches` for the arguments.
     """
-    batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps = check_plan_arguments(
-        batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps
-    )
-    lengths = _as_lengths(sorted_lengths, max_input_token_length)
+    settings = PlanSettings(batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps,
+                            model_shape)
+    lengths = _as_lengths(sorted_lengths, settings.max_input_token_length)
     if len(lengths) > 1 and (np.diff(lengths) > 0).any():
         raise bad_value("sorted_lengths", "sorted longest first", "an unsorted array")
-    clf = _classifier_for(classifier, model_shape)
-    planner = _Planner(lengths, batch_size, max_input_token_length, clf, threshold,
-                       candidate_sizes(batch_size, batch_start_range, batch_end_range, steps), model_shape)
-    sizes = planner.sizes()
-    logger.debug("planned %d texts into %d batches with %d classifier calls", len(lengths), len(sizes),
-                 planner.calls)
-    return sizes
+    return SpikeEstimator(classifier).plan_sizes(lengths, settings)
 
 
 def plan_batches(
@@ -255,7 +292,7 @@ def plan_batches(
         batch_end_range: largest candidate, as a multiple of ``batch_size``.
         steps: number of candidate multiples between the two.
         model_shape: the model and call (:meth:`ModelShape.from_model
-            <dynabatch.memory.features.ModelShape.from_model>`); plans with the
+            <dynabatch.memory.shape.ModelShape.from_model>`); plans with the
             shape-aware classifier, which holds on more model families (see
             ``train_classifier/REPORT.md``). ``None``: the spec's 13 features.
 
@@ -263,10 +300,6 @@ def plan_batches(
         One int64 array of input positions per batch, longest texts first;
         every position appears exactly once.
     """
-    max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
-    arr = _as_lengths(lengths, max_input_token_length)
-    order = np.argsort(-arr, kind="stable")
-    sizes = plan_batch_sizes(arr[order], batch_size, max_input_token_length, classifier=classifier,
-                             threshold=threshold, batch_start_range=batch_start_range,
-                             batch_end_range=batch_end_range, steps=steps, model_shape=model_shape)
-    return np.split(order, np.cumsum(sizes)[:-1]) if len(sizes) else []
+    settings = PlanSettings(batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps,
+                            model_shape)
+    return BatchPlanner(lengths, settings, SpikeEstimator(classifier)).batches()

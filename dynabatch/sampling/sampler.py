@@ -22,7 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -30,16 +29,9 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
+from dynabatch.data.collate import fingerprint_batches
 
 __all__ = ["DynamicBatchSampler"]
-
-
-def _fingerprint(batches: list[np.ndarray]) -> str:
-    digest = hashlib.sha256()
-    digest.update(np.asarray([len(b) for b in batches], dtype=np.int64).tobytes())
-    if batches:
-        digest.update(np.concatenate(batches).astype(np.int64).tobytes())
-    return digest.hexdigest()[:16]
 
 
 class DynamicBatchSampler(Sampler[list[int]]):
@@ -59,6 +51,10 @@ class DynamicBatchSampler(Sampler[list[int]]):
     ones your loop has consumed; to resume exactly, save the state with
     ``num_workers=0`` or correct ``state["batches_done"]`` to the number you
     consumed.
+
+    A sampler made by :func:`~dynabatch.inference.loader.build_dynamic_batch_dataloader`
+    also carries the loader's plan as ``sampler.plan`` (found under wrappers such
+    as ``accelerate``'s), else ``None``.
     """
 
     def __init__(self, batches: Sequence[Sequence[int]], *, shuffle: bool = False, seed: int = 0) -> None:
@@ -69,10 +65,11 @@ class DynamicBatchSampler(Sampler[list[int]]):
         self.seed = check_non_negative_int("seed", seed)
         self.shuffle = shuffle
         self.batches = [np.asarray(b, dtype=np.int64) for b in batches]
-        self.fingerprint = _fingerprint(self.batches)
+        self.fingerprint = fingerprint_batches(self.batches)[:16]
         self.epoch = 0
         self._done = 0  # batches handed out in the current epoch
         self._resume_at = 0
+        self.plan: Any = None
 
     def __len__(self) -> int:
         return len(self.batches)

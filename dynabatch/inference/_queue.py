@@ -1,0 +1,147 @@
+"""The batches :func:`dynabatch.run` runs, as a queue: :class:`BatchQueue`.
+
+A dynabatch DataLoader carries its plan (``loader.plan``), so its batches are
+known up front as input positions, and their tensors are built by its collator
+only when a batch runs: the distributed split can reorder them, and in measured
+mode (``adapt=True``) the loader's :class:`~dynabatch.sampling.planner.BatchPlanner`
+hands out every next batch, told each measured peak. Any other iterable of
+:class:`~dynabatch.data.collate.Batch` is streamed as it comes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dynabatch._validation import bad_type, bad_value
+from dynabatch.data.collate import Batch, batch_shape, padded_width, take_rows
+from dynabatch.inference.loader import plan_of
+
+
+@dataclass
+class Item:
+    """One planned batch: its number in the plan and its input positions (or the batch itself)."""
+
+    number: int
+    positions: np.ndarray
+    batch: Batch | None = None  # plain iterables: the batch as it came; dynabatch loaders: built when run
+    whole: bool = True  # False once rows already done (resumed) are taken out
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def positions_of(batch: Any, loader: Any) -> np.ndarray:
+    """The input positions of ``batch``'s rows (its ``.indices``), or a ``TypeError`` naming ``loader``."""
+    indices = getattr(batch, "indices", None)
+    if indices is None or not isinstance(batch, dict):
+        raise TypeError(
+            "loader should be a dynabatch DataLoader or an iterable of dynabatch Batches (dicts of tensors with "
+            f".indices, the input positions of their rows), but got loader={short_repr(loader)} yielding a batch "
+            f"of type {type(batch).__name__}" + ("" if indices is None else " (not a dict of tensors)")
+        )
+    return torch.as_tensor(indices).detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
+
+
+class BatchQueue:
+    """The batches to run, as a queue of :class:`Item` s.
+
+    Args:
+        loader: a dynabatch DataLoader (its ``plan``), or any iterable of batches.
+        pad_token_id: the pad id of token-id outputs; ``None`` takes the collator's.
+        adapt: measured mode: the loader's planner sizes every next batch from
+            the peaks given to :meth:`observe`.
+    """
+
+    def __init__(self, loader: Any, pad_token_id: int | None = None, *, adapt: bool = False) -> None:
+        self.loader = loader
+        self.plan = plan_of(loader)
+        self.pending: deque[Item] = deque()
+        self.stream: Iterator[Item] | None = None
+        self.planner = None
+        self.number = 0
+        if self.plan is not None:
+            self.collator: Any = self.plan.collator
+            self.n_inputs: int | None = len(self.collator.tokenized)
+            for number, positions in enumerate(self.plan.sampler):
+                self.pending.append(Item(number, np.asarray(positions, dtype=np.int64)))
+        else:
+            if isinstance(loader, (str, bytes, dict)) or not isinstance(loader, Iterable):
+                raise bad_type("loader", "a dynabatch DataLoader or an iterable of dynabatch Batches", loader)
+            if adapt:
+                raise bad_value("adapt", "False for a loader that is not a dynabatch DataLoader (measured mode "
+                                "re-plans its batches)", adapt)
+            self.collator = None
+            self.n_inputs = None
+            self.stream = (Item(n, positions_of(b, loader), b) for n, b in enumerate(loader))
+        collate = self.collator if self.collator is not None else getattr(loader, "collate_fn", None)
+        pad = getattr(collate, "pad_token_id", None) if pad_token_id is None else pad_token_id
+        self.pad_token_id = int(pad) if isinstance(pad, (int, np.integer)) and not isinstance(pad, bool) else None
+        side = getattr(collate, "padding_side", None)
+        self.padding_side = side if side in ("left", "right") else None
+        multiple = getattr(collate, "pad_to_multiple_of", None)
+        self.pad_to_multiple_of = multiple if isinstance(multiple, int) else None
+        self.total_rows = sum(len(i.positions) for i in self.pending) if self.plan is not None else None
+        if adapt:
+            self.planner = self.plan.planner
+            self.planner.restart()
+            self.pending.clear()  # batches run longest first, sized as the run goes
+
+    def next_item(self) -> Item | None:
+        if self.planner is not None:
+            positions = self.planner.next_batch()
+            if positions is None:
+                return None
+            self.number += 1
+            return Item(self.number - 1, positions)
+        if self.pending:
+            return self.pending.popleft()
+        if self.stream is not None:
+            item = next(self.stream, None)
+            if item is not None:
+                return item
+            self.stream = None
+        return None
+
+    def observe(self, item: Item, parts: list[tuple[int, int, int]]) -> None:
+        """Measured mode: tells the planner the peaks of an item that ran whole, ``(rows, width, peak)`` per call."""
+        if self.planner is not None and item.whole:
+            self.planner.observe_parts(parts)
+
+    def materialize(self) -> None:
+        """Reads a streamed iterable whole into the queue."""
+        if self.stream is not None:
+            self.pending.extend(self.stream)
+            self.stream = None
+            self.n_inputs = max((int(i.positions.max()) + 1 for i in self.pending if i.positions.size), default=0)
+
+    def build(self, item: Item) -> Batch:
+        if item.batch is not None:
+            return item.batch
+        return self.collator(item.positions)
+
+    def shape(self, item: Item) -> tuple[int, int]:
+        """Planned ``(rows, width)`` of an item, without building its tensors."""
+        if item.batch is not None:
+            return batch_shape(item.batch)
+        lengths = self.collator.tokenized.lengths[item.positions]
+        return len(item.positions), padded_width(int(lengths.max()) if lengths.size else 0, self.pad_to_multiple_of)
+
+    def restrict(self, item: Item, keep: np.ndarray) -> Item:
+        """The item with only the rows at ``keep`` (row numbers within it)."""
+        if item.batch is None:
+            return Item(item.number, item.positions[keep], whole=False)
+        batch = take_rows(
+            item.batch,
+            torch.from_numpy(keep),
+            padding_side=self.padding_side,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        )
+        return Item(item.number, item.positions[keep], batch, whole=False)

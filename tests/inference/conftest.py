@@ -1,0 +1,63 @@
+"""Fixtures of the ``run`` tests: real texts, real MiniLM, a tiny random-weight Marian.
+
+The helpers the test modules share live in ``runner_helpers.py`` beside this file; its folder is
+put on ``sys.path`` here, since tests are imported with ``--import-mode=importlib``.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="module")
+def texts():
+    from dynabatch.demo import kjv_passages, vary_lengths
+
+    varied = vary_lengths(kjv_passages(), n=100, max_words=50, seed=7)
+    return varied + [varied[3], "", "And God said"]  # a duplicate, an empty string
+
+
+@pytest.fixture(scope="module")
+def same_width_texts():
+    # KJV passages mostly exceed 24 tokens: most batches are truncated to the same width, 24.
+    from dynabatch.demo import kjv_passages
+
+    return kjv_passages()[:120]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    from transformers import AutoModel
+
+    from dynabatch.demo import minilm_path
+
+    return AutoModel.from_pretrained(minilm_path()).eval()
+
+
+@pytest.fixture(scope="module")
+def marian():
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(
+        vocab_size=30522,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        decoder_start_token_id=0,
+        eos_token_id=102,
+        forced_eos_token_id=None,
+        init_std=1.0,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return MarianMTModel(config).eval()

@@ -1,0 +1,47 @@
+"""``run`` on real batches of real texts: argument checks. Models are real (see conftest.py); nothing of dynabatch is mocked.
+"""
+
+import pickle
+
+import pytest
+import torch
+
+from dynabatch import (
+    RunReport,
+    RunResult,
+    run,
+)
+from runner_helpers import MAX_LEN, NEW_TOKENS, _cpu_oom, _embed_under_a_real_limit, _fails_at, _lengths, _load, _oom_over  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# --- argument checks ---------------------------------------------------------------------------------
+
+
+def test_bad_arguments_are_named(tokenizer, texts):
+    loader = _load(texts[:10], tokenizer)
+    with pytest.raises(TypeError, match="fn should be a callable taking a batch, but got fn='model' of type str"):
+        run("model", loader)
+    with pytest.raises(ValueError, match=r"on_oom should be one of \('raise', 'skip'\), but got on_oom='ignore'"):
+        run(_lengths, loader, on_oom="ignore")
+    with pytest.raises(TypeError, match="output_path should be None, a str or an os.PathLike.*of type int"):
+        run(_lengths, loader, output_path=3)
+    with pytest.raises(TypeError, match="progress should be a bool"):
+        run(_lengths, loader, progress="yes")
+    plain = [{"input_ids": torch.ones(2, 3, dtype=torch.long)}]
+    with pytest.raises(
+        TypeError,
+        match=r"loader should be a dynabatch DataLoader or an iterable of dynabatch Batches"
+        r".*but got loader=\[\{'input_ids': tensor.* yielding a batch of type dict",
+    ):
+        run(_lengths, plain, progress=False)
+    with pytest.raises(TypeError, match="loader should be"):
+        run(_lengths, 42, progress=False)
+
+
+def test_run_result_pickles_with_its_report(tokenizer, texts):
+    result = run(_lengths, _load(texts[:10], tokenizer), progress=False)
+    again = pickle.loads(pickle.dumps(result))
+    assert isinstance(again, RunResult) and isinstance(again.report, RunReport)
+    assert again.report.rows == 10 and again.failed == []

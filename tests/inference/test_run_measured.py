@@ -1,0 +1,109 @@
+"""``run`` on real batches of real texts: memory measurement and measured mode. Models are real (see conftest.py); nothing of dynabatch is mocked.
+"""
+
+
+import pytest
+import torch
+
+from dynabatch import (
+    run,
+)
+from runner_helpers import MAX_LEN, NEW_TOKENS, _cpu_oom, _embed_under_a_real_limit, _fails_at, _lengths, _load, _oom_over  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# --- memory measurement ------------------------------------------------------------------------------
+
+
+def test_measure_memory_records_each_batch_against_the_first(tokenizer, texts):
+    loader = _load(texts, tokenizer)
+
+    def allocate(batch):
+        hidden = torch.ones(*batch["input_ids"].shape, 64)
+        return (hidden * batch["attention_mask"].unsqueeze(-1)).sum(1)
+
+    result = run(allocate, loader, measure_memory=True, progress=False)
+    report = result.report
+    peaks = [r.peak_bytes for r in report.records]
+    assert all(p > 0 for p in peaks) and report.budget_bytes == peaks[0]
+    assert report.peak_ratios[0] == 1.0
+    assert report.max_peak_ratio == max(peaks) / peaks[0]
+    assert report.batches_over_budget == sum(p > peaks[0] for p in peaks)
+
+
+
+
+# --- measured mode: the plan corrected by measured peaks ---------------------------------------------------
+
+
+def test_measured_mode_grows_a_timid_plan_and_keeps_results(tokenizer, minilm):
+    from dynabatch.demo import kjv_passages, vary_lengths
+
+    texts = vary_lengths(kjv_passages(), n=300, max_words=120, seed=3)
+    loader = _load(texts, tokenizer, batch_size=4, max_input_token_length=128)
+
+    def embed(batch):
+        return minilm(**batch).last_hidden_state[:, 0]
+
+    with torch.no_grad():
+        planned = run(embed, loader, measure_memory=True, progress=False)
+        measured = run(embed, loader, adapt=True, progress=False)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(planned, measured))
+    report = measured.report
+    assert report.budget_bytes == report.records[0].peak_bytes  # measured on the CPU tracker by default
+    assert report.batches < planned.report.batches
+    assert max(r.rows for r in report.records) > max(r.rows for r in planned.report.records)
+    _later_batches_fit(report, batch_size=4)
+
+
+def _later_batches_fit(report, batch_size):
+    """After the first two batches (the plan's: nothing to fit yet), a batch grown past ``batch_size`` stays
+    under the first batch's peak, and one of ``batch_size`` rows (the floor, at nearly the first batch's
+    width) within 2% of it: real peaks of equal shapes differ a little with the content."""
+    for r in report.records[2:]:
+        assert r.peak_bytes <= report.budget_bytes * (1.0 if r.rows > batch_size else 1.02), r
+
+
+def test_measured_mode_shrinks_batches_whose_rows_cost_more_than_their_tokens(tokenizer, marian, texts):
+    # Greedy generate over a 30k vocabulary with a 32-wide model: the logits of every row dwarf its hidden
+    # states, so rows cost about the same whatever their length. Measured mode keeps every batch fitted
+    # after the first two under the first batch's peak.
+    loader = _load(texts, tokenizer, batch_size=4, return_token_type_ids=False, threshold=1.0)
+
+    def generate(batch):
+        return marian.generate(**batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+    with torch.no_grad():
+        planned = run(generate, loader, measure_memory=True, progress=False)
+        measured = run(generate, loader, adapt=True, progress=False)
+    budget = planned.report.budget_bytes
+    assert max(r.peak_bytes for r in planned.report.records) > budget  # threshold=1.0: the plan overshoots
+    _later_batches_fit(measured.report, batch_size=4)
+    assert [r.tolist() for r in measured] == [r.tolist() for r in planned]
+
+
+def test_measured_mode_learns_from_the_halves_of_a_batch_that_ran_out_of_memory(
+    tokenizer, minilm, same_width_texts
+):
+    # A real CPU out-of-memory error: 2 rows fit under the limit, the first batch's 4 rows do not. The halves'
+    # peaks are measured, so measured mode sizes every later batch to fit instead of splitting each one.
+    loader = _load(same_width_texts[:60], tokenizer, max_input_token_length=24)
+    limited = _embed_under_a_real_limit(minilm, loader)
+    with torch.no_grad():
+        got = run(limited, loader, adapt=True, progress=False)
+        want = run(lambda b: minilm(**b).last_hidden_state[:, 0], loader, progress=False)
+    report = got.report
+    assert report.records[0].oom_splits == 1 and report.budget_bytes < limited.limit  # what fitted is the budget
+    assert report.oom_events == 1 and report.pre_split_batches == 0 and got.failed == []
+    assert {r.rows for r in report.records[1:]} <= {1, 2}
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_measured_mode_needs_a_dynabatch_loader(tokenizer, texts):
+    batches = list(_load(texts[:10], tokenizer))
+    with pytest.raises(ValueError, match=r"adapt should be False for a loader that is not a dynabatch DataLoader"):
+        run(_lengths, batches, adapt=True, progress=False)
+    with pytest.raises(TypeError, match="adapt should be a bool, but got adapt='yes'"):
+        run(_lengths, batches, adapt="yes", progress=False)

@@ -1,0 +1,106 @@
+"""``run`` on real batches of real texts: out-of-memory recovery. Models are real (see conftest.py); nothing of dynabatch is mocked.
+"""
+
+import logging
+
+import pytest
+import torch
+
+from dynabatch import (
+    BatchOutOfMemoryError,
+    RunResult,
+    run,
+)
+from runner_helpers import MAX_LEN, NEW_TOKENS, _cpu_oom, _embed_under_a_real_limit, _fails_at, _lengths, _load, _oom_over  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# --- out-of-memory recovery --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def same_width(tokenizer, same_width_texts):
+    """A loader whose first batches all have one shape, and its results without out-of-memory errors."""
+    loader = _load(same_width_texts, tokenizer, max_input_token_length=24)
+    return loader, run(_lengths, loader, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("max_rows", "error"), [(1, None), (2, _cpu_oom), (3, None)], ids=["1-cuda-oom", "2-cpu-allocator", "3-cuda-oom"]
+)
+def test_out_of_memory_batches_are_split_and_later_ones_pre_split(
+    same_width, same_width_texts, max_rows, error, caplog
+):
+    loader, want = same_width
+    shapes = [(len(b.indices), b["input_ids"].shape[1]) for b in loader]
+    would_fail = sum(rows > max_rows for rows, _ in shapes)
+    fn = _oom_over(_lengths, max_rows, error)
+    with caplog.at_level(logging.INFO, logger="dynabatch.inference"):
+        got = run(fn, loader, progress=False)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert got.failed == []
+    report = got.report
+    assert report.oom_events == sum(rows > max_rows for rows, _ in fn.calls)  # every failed call counted
+    assert report.oom_splits == report.oom_events  # each was split (none was a single row)
+    # The plan learns: batches as large as a failed shape are split before they are tried.
+    assert shapes.count(shapes[0]) > 10 and report.pre_split_batches >= shapes.count(shapes[0]) - 1
+    assert report.oom_events < would_fail
+    assert fn.calls.count(shapes[0]) == 1  # only the first batch of that shape was tried whole
+    assert [r.pre_split for r in report.records][1 : shapes.count(shapes[0])] == [True] * (shapes.count(shapes[0]) - 1)
+    assert report.rows == len(same_width_texts)
+    logged = caplog.text
+    assert "ran out of memory" in logged and "before trying it" in logged
+
+
+def test_split_batches_give_the_same_model_outputs(tokenizer, minilm, texts):
+    loader = _load(texts[:60], tokenizer)
+    with torch.no_grad():
+        want = run(lambda b: minilm(**b).last_hidden_state[:, 0], loader, progress=False)
+        fn = _oom_over(lambda b: minilm(**b).last_hidden_state[:, 0], 2)
+        got = run(fn, loader, progress=False)
+    assert got.report.oom_events > 0
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    # Halves are trimmed to their longest row, never wider than the batch they came from.
+    assert max(w for _, w in fn.calls) == MAX_LEN and len({w for r, w in fn.calls if r <= 2}) > 3
+
+
+def test_a_genuine_cpu_out_of_memory_is_recovered(tokenizer, minilm, same_width_texts):
+    loader = _load(same_width_texts[:60], tokenizer, max_input_token_length=24)
+    limited = _embed_under_a_real_limit(minilm, loader)
+    with torch.no_grad():
+        got = run(limited, loader, progress=False)
+        want = run(lambda b: minilm(**b).last_hidden_state[:, 0], loader, progress=False)
+    assert got.report.oom_events >= 1 and got.report.pre_split_batches >= 1 and got.failed == []
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_a_single_row_that_fails_raises_with_the_partial_result(tokenizer, texts):
+    loader = _load(texts, tokenizer)
+    want = run(_lengths, loader, progress=False)
+    position = int(loader.batch_sampler.batches[2][1])  # in the third batch
+    with pytest.raises(BatchOutOfMemoryError, match=rf"input position {position} ran out of memory") as info:
+        run(_fails_at(_lengths, position), loader, progress=False)
+    error = info.value
+    assert isinstance(error, RuntimeError) and error.position == position
+    assert isinstance(error.__cause__, torch.OutOfMemoryError)
+    partial = error.partial
+    assert isinstance(partial, RunResult) and len(partial) == len(texts) and partial[position] is None
+    finished = [p for p, r in enumerate(partial) if r is not None]
+    first_two = sorted(int(p) for b in loader.batch_sampler.batches[:2] for p in b)
+    assert set(first_two) < set(finished)  # the batches before it, and the rows of its batch that ran
+    assert all(torch.equal(partial[p], want[p]) for p in finished)
+
+
+def test_a_single_row_that_fails_is_skipped(tokenizer, texts, caplog):
+    loader = _load(texts, tokenizer)
+    want = run(_lengths, loader, progress=False)
+    position = int(loader.batch_sampler.batches[1][0])
+    with caplog.at_level(logging.WARNING, logger="dynabatch.inference"):
+        got = run(_fails_at(_lengths, position), loader, on_oom="skip", progress=False)
+    assert got.failed == [position] and got[position] is None
+    assert all(torch.equal(got[p], want[p]) for p in range(len(texts)) if p != position)
+    assert got.report.failed_rows == 1 and got.report.oom_events == got.report.oom_splits + 1
+    assert f"input position {position} ran out of memory on its own" in caplog.text
