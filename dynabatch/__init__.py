@@ -21,6 +21,8 @@ from dynabatch.memory.measure import (
     is_out_of_memory_error,
     track_peak_memory,
 )
+from dynabatch.memory.calibrate import calibrate
+from dynabatch.memory.model import MemoryModel
 from dynabatch.inference.report import BatchRecord, RunReport
 from dynabatch.inference.runner import BatchOutOfMemoryError, RunResult, run
 from dynabatch.sampling.sampler import DynamicBatchSampler
@@ -35,6 +37,7 @@ __all__ = [
     "BatchOutOfMemoryError",
     "BatchRecord",
     "DynamicBatchSampler",
+    "MemoryModel",
     "ModelShape",
     "PeakMemory",
     "RunReport",
@@ -43,6 +46,7 @@ __all__ = [
     "TokenCollator",
     "TokenizedTexts",
     "build_dynamic_batch_dataloader",
+    "calibrate",
     "collect_cuda_peak_alloc",
     "collect_peak_alloc",
     "compute_features",

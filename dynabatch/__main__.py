@@ -1,0 +1,173 @@
+"""Command line: ``python -m dynabatch calibrate --model PATH ...`` writes a calibrated memory model.
+
+Example (a local Hugging Face model folder; nothing is downloaded)::
+
+    python -m dynabatch calibrate --model ./my-model --task generate --max-new-tokens 64 \\
+        --batch-size 16 --max-length 512 -o mm.json --plot mm.png
+
+``--task``: ``generate`` (greedy ``model.generate`` of exactly ``--max-new-tokens``
+tokens), ``forward`` (``model(**batch)``) or ``train`` (a forward with
+``labels = input_ids`` and ``loss.backward()``; gradients are dropped after each
+probe). The fit table is printed; ``--plot`` draws measured against predicted
+peaks (needs the ``plot`` extra, matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+TASKS = ("generate", "forward", "train")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dynabatch", description="dynabatch command line tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cal = sub.add_parser("calibrate", help="measure a model on probe batches and save its memory model as JSON",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    cal.add_argument("--model", required=True, help="a local Hugging Face model folder (offline)")
+    cal.add_argument("--tokenizer", default=None, help="tokenizer folder; default: --model")
+    cal.add_argument("--task", choices=TASKS, default="generate")
+    cal.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per row (--task generate)")
+    cal.add_argument("--num-beams", type=int, default=1, help="beams of generate (--task generate)")
+    cal.add_argument("--batch-size", type=int, required=True, help="rows of the loader's first batch")
+    cal.add_argument("--max-length", type=int, required=True, help="the loader's max_input_token_length")
+    cal.add_argument("-o", "--output", type=Path, required=True, help="where to write the memory model (JSON)")
+    cal.add_argument("--plot", type=Path, default=None, help="write predicted vs measured peaks as a PNG")
+    cal.add_argument("--device", default="cpu", help="where the model runs and is measured ('cpu', 'cuda:0')")
+    cal.add_argument("--dtype", default=None, help="load the weights in this dtype (e.g. bfloat16)")
+    cal.add_argument("--texts", type=Path, default=None, help="a text file, one text a line, to draw probes from")
+    cal.add_argument("--max-probes", type=int, default=40)
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    if not Path(args.model).is_dir():
+        parser.error(f"--model should be a local model folder, but got --model={args.model!r}")
+    kwargs = {}
+    if args.dtype is not None:
+        dtype = getattr(torch, args.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            parser.error(f"--dtype should be a torch dtype such as float16 or bfloat16, but got --dtype={args.dtype!r}")
+        kwargs["dtype"] = dtype
+    config = AutoConfig.from_pretrained(args.model)
+    if args.task == "forward":
+        auto = AutoModel
+    else:
+        auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    model = auto.from_pretrained(args.model, **kwargs).to(args.device)
+    model.train(args.task == "train")
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if args.task != "forward" and not getattr(config, "is_encoder_decoder", False):
+        tokenizer.padding_side = "left"  # decoder-only generation and causal training pad on the left
+    return model, tokenizer
+
+
+def _work(model: Any, args: argparse.Namespace) -> tuple[Any, Any]:
+    import inspect
+
+    import torch
+
+    accepted = set(inspect.signature(model.forward).parameters)
+
+    def inputs(batch: Any) -> dict[str, Any]:
+        return {k: v for k, v in batch.items() if k in accepted}
+
+    if args.task == "generate":
+        def work(batch: Any) -> Any:
+            with torch.inference_mode():
+                return model.generate(**inputs(batch), max_new_tokens=args.max_new_tokens,
+                                      min_new_tokens=args.max_new_tokens, num_beams=args.num_beams, do_sample=False)
+        return work, None
+    if args.task == "forward":
+        def work(batch: Any) -> Any:
+            with torch.inference_mode():
+                return model(**inputs(batch))
+        return work, None
+
+    def work(batch: Any) -> Any:
+        data = inputs(batch)
+        labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+        model(**data, labels=labels).loss.backward()
+
+    def cleanup() -> None:
+        model.zero_grad(set_to_none=True)
+
+    return work, cleanup
+
+
+def plot(mm: Any, path: Path) -> None:
+    """Measured against predicted peak of every probe, in MiB (the diagonal is a perfect fit)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [p for p in mm.probes_ if not p["out_of_memory"]]
+    measured = [p["peak_bytes"] / 2**20 for p in done]
+    predicted = [p["predicted_bytes"] / 2**20 for p in done]
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    points = ax.scatter(measured, predicted, c=[p["padded_length"] for p in done], cmap="viridis", s=28)
+    top = max(measured + predicted) * 1.05
+    ax.plot([0, top], [0, top], color="grey", linewidth=1, linestyle="--", label="predicted = measured")
+    ax.set_xlabel("measured peak (MiB)")
+    ax.set_ylabel("predicted peak (MiB)")
+    name = (mm.model_info or {}).get("name", "")
+    ax.set_title(f"{Path(str(name)).name}: largest leave-one-out error {mm.loo_error_:.1%}", fontsize=10)
+    fig.colorbar(points, ax=ax, label="padded length (tokens)")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def calibrate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    for name in ("max_new_tokens", "num_beams", "batch_size", "max_length", "max_probes"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} should be a positive integer, but got {getattr(args, name)}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from dynabatch.memory.calibrate import calibrate
+
+    texts = None
+    if args.texts is not None:
+        if not args.texts.is_file():
+            parser.error(f"--texts should be a text file, but got --texts={str(args.texts)!r}")
+        texts = [line for line in args.texts.read_text(encoding="utf-8").splitlines() if line.strip()]
+    model, tokenizer = _load(args, parser)
+    work, cleanup = _work(model, args)
+    mm = calibrate(work, tokenizer, batch_size=args.batch_size, max_input_token_length=args.max_length,
+                   measure_memory=args.device, device=args.device, model=model, texts=texts, cleanup=cleanup,
+                   max_probes=args.max_probes, seed=args.seed, progress=not args.no_progress)
+    mm.metadata.update(task=args.task, max_new_tokens=args.max_new_tokens if args.task == "generate" else 0,
+                       num_beams=args.num_beams)
+    mm.save(args.output)
+    print(mm.report())
+    print(f"calibrated in {mm.metadata['seconds']:.1f} s; wrote {args.output}")
+    if args.plot is not None:
+        plot(mm, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    sub = parser._subparsers._group_actions[0].choices[args.command]  # the subcommand's parser, for its errors
+    return calibrate_command(args, sub)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,510 @@
+"""A calibrated memory model: a batch's peak bytes from its rows and padded length.
+
+A batch's peak activation memory is, at every instant of the work, a sum of
+tensors whose sizes are products of the rows ``r``, the padded length ``L``
+and constants of the model (hidden size, vocabulary, new tokens). The peak is
+the largest of those sums over the work's phases (prefill, the decoding steps'
+logits, the encoder's attention, ...). :class:`MemoryModel` fits
+
+``peak(r, L) = c0 + c1 L + c2 L^2 + r (c3 + c4 L + c5 L^2 + sum_k d_k max(L - K_k, 0))``
+
+with every coefficient >= 0, by non-negative least squares on the relative
+error (``scipy.optimize.nnls``). The hinge terms ``r max(L - K, 0)`` at knots
+``K`` (the probed lengths) let a later phase take over above a length: a sum of
+such terms with non-negative weights is how a maximum of phases looks. Every
+term grows with ``r`` and ``L``, so the prediction does too, and for a fixed
+length it is linear in ``r``: :meth:`MemoryModel.max_rows` is closed form.
+
+The probes are kept (:attr:`MemoryModel.probes_`); a probe that ran out of
+memory is a lower bound when the bytes it exceeded are known, and caps the rows
+at its length and longer either way. :meth:`MemoryModel.observe` adds a measured
+point and refits (how ``run(adapt=True)`` refines the model online).
+
+Example:
+    >>> from dynabatch.memory.model import MemoryModel
+    >>> mm = MemoryModel(device="cpu")
+    >>> for rows, length in [(4, 8), (4, 32), (16, 8), (8, 64), (32, 16), (2, 64)]:
+    ...     _ = mm.observe(rows, length, 1000 + rows * (200 + 10 * length))
+    >>> round(float(mm.predict(10, 40)))  # 1000 + 10 * (200 + 400)
+    7000
+    >>> int(mm.max_rows(40, 7000)), int(mm.max_rows(40, 6999))
+    (10, 9)
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import logging
+import math
+import numbers
+import platform
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dynabatch._validation import bad_type, bad_value, check_positive_int
+
+__all__ = ["MemoryModel", "describe_model", "library_versions"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "dynabatch.MemoryModel"
+FORMAT_VERSION = 1
+MAX_ROWS = 2**40
+"""What :meth:`MemoryModel.max_rows` answers when rows cost nothing (no row term was needed)."""
+_MAX_KNOTS = 12
+_ROWS_EXTRAPOLATION = 2.0  # warn beyond this many times the most rows probed
+_BASE_TERMS = ("1", "length", "length^2", "rows", "rows*length", "rows*length^2")
+_LIBRARIES = ("dynabatch", "torch", "transformers", "numpy", "scipy")
+
+
+def library_versions() -> dict[str, str]:
+    """Python's and the installed versions of the libraries a measured peak depends on."""
+    out = {"python": platform.python_version()}
+    for name in _LIBRARIES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def describe_model(model: Any) -> dict[str, Any] | None:
+    """What identifies a model in a saved memory model: name, class, parameter count and dtype.
+
+    ``model`` is a torch module (a ``transformers`` model), a name, or ``None``.
+
+    Example:
+        >>> import torch
+        >>> describe_model(torch.nn.Linear(3, 2))
+        {'name': 'Linear', 'class': 'Linear', 'parameters': 8, 'dtype': 'torch.float32'}
+        >>> describe_model("my-model")
+        {'name': 'my-model'}
+    """
+    if model is None:
+        return None
+    if isinstance(model, (str, Path)):
+        return {"name": str(model)}
+    params = list(model.parameters()) if callable(getattr(model, "parameters", None)) else []
+    if not params and getattr(model, "config", None) is None:
+        raise bad_type("model", "a torch module (e.g. a transformers model), a name, or None", model)
+    config = getattr(model, "config", None)
+    name = getattr(config, "_name_or_path", "") or type(model).__name__
+    return {
+        "name": str(name),
+        "class": type(model).__name__,
+        "parameters": int(sum(p.numel() for p in params)),
+        "dtype": str(params[0].dtype) if params else None,
+    }
+
+
+def _as_counts(name: str, value: Any) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.dtype == bool or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+        raise bad_type(name, "a number or an array of numbers", value)
+    arr = arr.astype(np.float64)
+    if arr.size and not (np.isfinite(arr).all() and arr.min() >= 0):
+        raise bad_value(name, "finite and >= 0", value)
+    return arr
+
+
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, np.integer):
+        value = int(value)
+    return check_positive_int(name, value)
+
+
+class MemoryModel:
+    """Peak activation bytes of a batch as a function of its rows and padded length.
+
+    Built by :func:`dynabatch.calibrate`, loaded by :meth:`load`, or grown point
+    by point with :meth:`observe`. The fitted attributes end with ``_``.
+
+    Args:
+        device: the device the peaks were measured on (``"cpu"``, ``"cuda:0"``).
+        model: the model the peaks are of (recorded by :func:`describe_model`).
+        knots: the lengths where a phase may take over; ``None`` takes the
+            lengths measured (at most 12 of them, spread geometrically).
+        metadata: free-form settings to keep with the model (batch size, task, ...).
+
+    Attributes:
+        coef_: the non-negative coefficient of every term, in bytes.
+        terms_: the terms' names (``"rows*length"``, ``"rows*(length-64)+"``, ...).
+        probes_: one dict per probe: ``rows``, ``padded_length``, ``peak_bytes``
+            (``None`` if it ran out of memory without a known bound),
+            ``out_of_memory``, ``source``, and ``predicted_bytes``.
+        loo_errors_: each measured probe's leave-one-probe-out relative error
+            (prediction of the model fitted without it, over its peak, minus 1).
+        loo_error_: the largest absolute value of ``loo_errors_``.
+    """
+
+    def __init__(self, *, device: Any = None, model: Any = None, knots: Any = None,
+                 metadata: dict[str, Any] | None = None) -> None:
+        self.device = None if device is None else str(device)
+        self.model_info = describe_model(model) if not isinstance(model, dict) else dict(model)
+        self.knots = None if knots is None else sorted({int(k) for k in knots})
+        self.metadata = dict(metadata or {})
+        self.versions = library_versions()
+        self.probes_: list[dict[str, Any]] = []
+        self.coef_ = np.zeros(0)
+        self.terms_: list[str] = []
+        self._knots_used: list[int] = []
+        self._loo: np.ndarray | None = None
+        self._warned = False
+
+    # -- the terms ---------------------------------------------------------
+    def _knots_for(self, lengths: np.ndarray) -> list[int]:
+        distinct = np.unique(lengths)
+        if self.knots is not None:
+            inner = [k for k in self.knots if distinct.size and distinct.min() < k < distinct.max()]
+            return inner
+        inner = distinct[1:-1]
+        if len(inner) > _MAX_KNOTS:
+            picks = np.unique(np.round(np.geomspace(1, len(inner), _MAX_KNOTS)).astype(int) - 1)
+            inner = inner[picks]
+        return [int(k) for k in inner]
+
+    def _design(self, rows: np.ndarray, length: np.ndarray, knots: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Row-free part and per-row part of every term, shape ``(..., terms)`` each."""
+        one = np.ones_like(length)
+        zero = np.zeros_like(length)
+        free = [one, length, length**2, zero, zero, zero]
+        per_row = [zero, zero, zero, one, length, length**2]
+        for k in knots:
+            free.append(zero)
+            per_row.append(np.maximum(length - k, 0.0))
+        return np.stack(free, axis=-1), np.stack(per_row, axis=-1)
+
+    def _matrix(self, rows: np.ndarray, length: np.ndarray, knots: list[int]) -> np.ndarray:
+        free, per_row = self._design(rows, length, knots)
+        return free + rows[..., None] * per_row
+
+    # -- fitting -----------------------------------------------------------
+    def _points(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Rows, lengths, bytes and whether each is a lower bound, for the probes with bytes."""
+        usable = [p for p in self.probes_ if p["peak_bytes"] is not None]
+        rows = np.array([p["rows"] for p in usable], dtype=np.float64)
+        length = np.array([p["padded_length"] for p in usable], dtype=np.float64)
+        peak = np.array([p["peak_bytes"] for p in usable], dtype=np.float64)
+        bound = np.array([bool(p["out_of_memory"]) for p in usable], dtype=bool)
+        return rows, length, peak, bound
+
+    def _solve(self, x: np.ndarray, y: np.ndarray, bound: np.ndarray) -> np.ndarray:
+        """Non-negative least squares on relative errors; violated lower bounds join with growing weight."""
+        from scipy.optimize import nnls
+
+        weight = np.where(bound, 0.0, 1.0) / np.maximum(y, 1.0)
+        for _ in range(10):
+            use = weight > 0
+            a = x[use] * weight[use, None]
+            scale = a.max(axis=0)
+            scale[scale <= 0] = 1.0
+            solution, _ = nnls(a / scale, y[use] * weight[use], maxiter=50 * x.shape[1])
+            coef = solution / scale
+            violated = bound & (x @ coef < y * (1 - 1e-4))
+            if not violated.any():
+                break
+            weight[violated] = np.maximum(weight[violated] * 10, 1.0 / np.maximum(y[violated], 1.0))
+        return coef
+
+    def _refit(self) -> None:
+        rows, length, peak, bound = self._points()
+        self._loo = None
+        if not (~bound).any():
+            self.coef_ = np.zeros(0)
+            self.terms_ = []
+            self._knots_used = []
+            return
+        knots = self._knots_for(length[~bound])
+        self._knots_used = knots
+        self.terms_ = list(_BASE_TERMS) + [f"rows*(length-{k})+" for k in knots]
+        self.coef_ = self._solve(self._matrix(rows, length, knots), peak, bound)
+        predicted = self.predict_unchecked(
+            np.array([p["rows"] for p in self.probes_], dtype=np.float64),
+            np.array([p["padded_length"] for p in self.probes_], dtype=np.float64),
+        )
+        for probe, value in zip(self.probes_, predicted.tolist()):
+            probe["predicted_bytes"] = value
+
+    def fit(self, rows: Any, padded_length: Any, peak_bytes: Any, out_of_memory: Any = None,
+            *, source: str = "user") -> MemoryModel:
+        """Replaces the probes with these measured points and fits.
+
+        Args:
+            rows, padded_length, peak_bytes: one value per point (``peak_bytes``
+                ``None`` for an out-of-memory point whose bound is unknown).
+            out_of_memory: per point, whether it ran out of memory (its bytes,
+                if given, are then a lower bound).
+            source: recorded with every point.
+
+        Returns:
+            ``self``.
+        """
+        rows_list, lengths, peaks = list(rows), list(padded_length), list(peak_bytes)
+        ooms = [False] * len(rows_list) if out_of_memory is None else list(out_of_memory)
+        if not len(rows_list) == len(lengths) == len(peaks) == len(ooms):
+            raise bad_value("padded_length, peak_bytes, out_of_memory", f"of len(rows)={len(rows_list)} each",
+                            (len(lengths), len(peaks), len(ooms)))
+        self.probes_ = []
+        for r, length, peak, oom in zip(rows_list, lengths, peaks, ooms):
+            self._add(r, length, peak, bool(oom), source)
+        self._refit()
+        return self
+
+    def _add(self, rows: Any, padded_length: Any, peak_bytes: Any, out_of_memory: bool, source: str,
+             extra: dict[str, Any] | None = None) -> None:
+        rows = _check_count("rows", rows)
+        padded_length = _check_count("padded_length", padded_length)
+        if peak_bytes is not None:
+            if isinstance(peak_bytes, bool) or not isinstance(peak_bytes, numbers.Real) or not (
+                    math.isfinite(peak_bytes) and peak_bytes >= 0):
+                raise bad_value("peak_bytes", "a finite number of bytes >= 0 (or None when out of memory)",
+                                peak_bytes)
+            peak_bytes = int(peak_bytes)
+        elif not out_of_memory:
+            raise bad_value("peak_bytes", "a number of bytes for a point that did not run out of memory", None)
+        for probe in self.probes_:  # the same shape twice: keep the larger peak (on CUDA peaks vary a little)
+            if (probe["rows"], probe["padded_length"], probe["out_of_memory"]) == (rows, padded_length,
+                                                                                   out_of_memory):
+                if peak_bytes is not None and (probe["peak_bytes"] is None or peak_bytes > probe["peak_bytes"]):
+                    probe["peak_bytes"] = peak_bytes
+                return
+        probe = {"rows": rows, "padded_length": padded_length, "peak_bytes": peak_bytes,
+                 "out_of_memory": bool(out_of_memory), "source": source}
+        probe.update(extra or {})
+        self.probes_.append(probe)
+
+    def observe(self, rows: Any, padded_length: Any, peak_bytes: Any = None, *, out_of_memory: bool = False,
+                source: str = "observed", **extra: Any) -> MemoryModel:
+        """Adds one measured point and refits.
+
+        Args:
+            rows: the batch's rows.
+            padded_length: its padded length (width), in tokens.
+            peak_bytes: its measured peak; with ``out_of_memory=True`` the bytes
+                it was known to exceed (a lower bound), or ``None``.
+            out_of_memory: the batch ran out of memory: over any budget at this
+                shape, so :meth:`max_rows` stays below ``rows`` at this length and longer.
+            source: recorded with the point (``"calibrate"``, ``"run"``, ...).
+            **extra: more fields to keep with the point (e.g. ``seconds``).
+
+        Returns:
+            ``self``.
+        """
+        if not isinstance(out_of_memory, bool):
+            raise bad_type("out_of_memory", "a bool", out_of_memory)
+        self._add(rows, padded_length, peak_bytes, out_of_memory, source, extra)
+        self._refit()
+        return self
+
+    # -- predicting --------------------------------------------------------
+    def _check_fitted(self) -> None:
+        if not len(self.coef_):
+            raise RuntimeError("this MemoryModel has no measured point yet: build it with dynabatch.calibrate, "
+                               "MemoryModel.load or observe()")
+
+    def _ranges(self) -> tuple[float, float]:
+        rows, length, _, bound = self._points()
+        return float(rows[~bound].max()), float(length[~bound].max())
+
+    def _warn_extrapolation(self, rows: np.ndarray | None, length: np.ndarray) -> None:
+        if self._warned or not length.size:
+            return
+        max_rows, max_length = self._ranges()
+        far_rows = rows is not None and rows.size and float(rows.max()) > _ROWS_EXTRAPOLATION * max_rows
+        if float(length.max()) > max_length or far_rows:
+            self._warned = True
+            what = (f"padded_length={int(length.max())} beyond the longest probed ({int(max_length)})"
+                    if float(length.max()) > max_length else
+                    f"rows={int(rows.max())} beyond {_ROWS_EXTRAPOLATION:g}x the most probed ({int(max_rows)})")
+            warnings.warn(f"MemoryModel extrapolates: {what}; calibrate with a larger max_input_token_length or "
+                          "batch_size to cover it (warned once)", UserWarning, stacklevel=3)
+
+    def _parts(self, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The row-free bytes and the bytes per row at each length (terms with a zero coefficient skipped)."""
+        c = self.coef_.tolist()
+        fixed = np.full(length.shape, c[0]) if c[0] else np.zeros(length.shape)
+        slope = np.full(length.shape, c[3]) if c[3] else np.zeros(length.shape)
+        for target, weight, power in ((fixed, c[1], 1), (fixed, c[2], 2), (slope, c[4], 1), (slope, c[5], 2)):
+            if weight:
+                target += weight * (length if power == 1 else length * length)
+        for knot, weight in zip(self._knots_used, c[len(_BASE_TERMS):]):
+            if weight:
+                slope += weight * np.maximum(length - knot, 0.0)
+        return fixed, slope
+
+    def predict_unchecked(self, rows: np.ndarray, padded_length: np.ndarray) -> np.ndarray:
+        """:meth:`predict` without argument checks or warnings (float arrays in)."""
+        fixed, slope = self._parts(np.asarray(padded_length, dtype=np.float64))
+        return fixed + rows * slope
+
+    def predict(self, rows: Any, padded_length: Any) -> np.ndarray:
+        """Predicted peak bytes, float64, broadcast over ``rows`` and ``padded_length``."""
+        self._check_fitted()
+        r, length = np.broadcast_arrays(_as_counts("rows", rows), _as_counts("padded_length", padded_length))
+        self._warn_extrapolation(r, length)
+        return self.predict_unchecked(r, length)
+
+    def max_rows(self, padded_length: Any, budget_bytes: Any) -> np.ndarray:
+        """The most rows at ``padded_length`` predicted at or under ``budget_bytes`` (0 if none), int64.
+
+        Closed form (the prediction is linear in rows at a given length),
+        broadcast over both arguments. A shape that ran out of memory caps the
+        rows below its own at its length and longer.
+        """
+        self._check_fitted()
+        length, budget = np.broadcast_arrays(_as_counts("padded_length", padded_length),
+                                             np.asarray(budget_bytes, dtype=np.float64))
+        rows = self.max_rows_unchecked(length, budget)
+        self._warn_extrapolation(rows.astype(np.float64), length)
+        return rows
+
+    def max_rows_unchecked(self, length: np.ndarray, budget: np.ndarray) -> np.ndarray:
+        """:meth:`max_rows` without argument checks or warnings (float arrays in)."""
+        fixed, slope = self._parts(length)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            rows = np.floor((budget - fixed) / slope)
+        rows = np.where(slope > 0, rows, np.where(fixed <= budget, MAX_ROWS, 0))
+        rows = np.clip(np.nan_to_num(rows, nan=0.0, posinf=MAX_ROWS), 0, MAX_ROWS).astype(np.int64)
+        # floor() of a float quotient can be one off: settle it against the prediction itself.
+        rows = np.where((rows > 0) & (fixed + rows * slope > budget), rows - 1, rows)
+        rows = np.where((rows < MAX_ROWS) & (fixed + (rows + 1) * slope <= budget), rows + 1, rows)
+        for probe in self.probes_:
+            if probe["out_of_memory"]:
+                rows = np.where(length >= probe["padded_length"], np.minimum(rows, probe["rows"] - 1), rows)
+        return rows
+
+    # -- quality -----------------------------------------------------------
+    @property
+    def loo_errors_(self) -> np.ndarray:
+        if self._loo is None:
+            rows, length, peak, bound = self._points()
+            measured = np.flatnonzero(~bound)
+            errors = np.full(len(measured), np.nan)
+            if len(measured) > 1:
+                knots = self._knots_for(length[~bound])
+                x = self._matrix(rows, length, knots)
+                for j, i in enumerate(measured):
+                    keep = np.ones(len(rows), dtype=bool)
+                    keep[i] = False
+                    coef = self._solve(x[keep], peak[keep], bound[keep])
+                    errors[j] = float(x[i] @ coef) / max(peak[i], 1.0) - 1.0
+            self._loo = errors
+        return self._loo
+
+    @property
+    def loo_error_(self) -> float:
+        errors = self.loo_errors_
+        return float(np.nanmax(np.abs(errors))) if np.isfinite(errors).any() else float("nan")
+
+    def report(self) -> str:
+        """The probe table (measured against predicted, leave-one-out error) and the fitted terms."""
+        self._check_fitted()
+        loo = iter(self.loo_errors_.tolist())
+        lines = [f"{'rows':>6} {'length':>6} {'measured MiB':>13} {'predicted MiB':>14} {'error':>7} "
+                 f"{'LOO error':>9}  source"]
+        for p in self.probes_:
+            measured = "" if p["peak_bytes"] is None else f"{p['peak_bytes'] / 2**20:.2f}"
+            error = loo_error = ""
+            if p["out_of_memory"]:
+                measured = ("> " + measured) if measured else "OOM"
+            elif p["peak_bytes"]:
+                error = f"{p['predicted_bytes'] / p['peak_bytes'] - 1:+.1%}"
+                value = next(loo)
+                loo_error = "" if math.isnan(value) else f"{value:+.1%}"
+            lines.append(f"{p['rows']:>6} {p['padded_length']:>6} {measured:>13} "
+                         f"{p['predicted_bytes'] / 2**20:>14.2f} {error:>7} {loo_error:>9}  {p['source']}")
+        used = [f"{c:.4g} * {t}" for c, t in zip(self.coef_.tolist(), self.terms_) if c > 0]
+        lines.append(f"peak bytes = {' + '.join(used) or '0'}")
+        lines.append(f"largest leave-one-probe-out error: {self.loo_error_:.1%} over "
+                     f"{int(np.isfinite(self.loo_errors_).sum())} probes; device {self.device}")
+        return "\n".join(lines)
+
+    summary = report
+
+    def __repr__(self) -> str:
+        name = (self.model_info or {}).get("name")
+        return f"MemoryModel(model={name!r}, device={self.device!r}, probes={len(self.probes_)})"
+
+    # -- saving ------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document :meth:`save` writes."""
+        keep = ("rows", "padded_length", "peak_bytes", "out_of_memory", "source", "seconds")
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "saved": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "model": self.model_info,
+            "device": self.device,
+            "dtype": (self.model_info or {}).get("dtype"),
+            "versions": self.versions,
+            "metadata": self.metadata,
+            "knots": self.knots,
+            "terms": self.terms_,
+            "coef": self.coef_.tolist(),
+            "loo_error": None if math.isnan(self.loo_error_) else self.loo_error_,
+            "probes": [{k: p[k] for k in keep if k in p} for p in self.probes_],
+        }
+
+    def save(self, path: str | Path) -> None:
+        """Writes the model as JSON: model, dtype, device, library versions, the probes and the fit."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryModel:
+        """The model of a :meth:`to_dict` document, refitted from its probes."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise bad_value("data", f"a document with format={FORMAT!r}",
+                            data.get("format") if isinstance(data, dict) else data)
+        mm = cls(device=data.get("device"), model=data.get("model"), knots=data.get("knots"),
+                 metadata=data.get("metadata"))
+        mm.versions = dict(data.get("versions") or {})
+        for p in data.get("probes", []):
+            extra = {k: v for k, v in p.items() if k not in ("rows", "padded_length", "peak_bytes",
+                                                             "out_of_memory", "source")}
+            mm._add(p["rows"], p["padded_length"], p["peak_bytes"], bool(p["out_of_memory"]),
+                    p.get("source", "user"), extra)
+        mm._refit()
+        return mm
+
+    @classmethod
+    def load(cls, path: str | Path, *, model: Any = None, device: Any = None) -> MemoryModel:
+        """Reads a model :meth:`save` wrote; warns if it was made for another ``model`` or ``device``."""
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise bad_value("path", "a JSON file written by MemoryModel.save", str(path)) from exc
+        mm = cls.from_dict(data)
+        current = library_versions()
+        changed = {k: (v, current.get(k)) for k, v in mm.versions.items() if k in ("torch", "transformers")
+                   and current.get(k) != v}
+        if changed:
+            logger.info("memory model %s was measured with %s; installed now: %s", path, changed, current)
+        mm.check(model=model, device=device)
+        return mm
+
+    def check(self, model: Any = None, device: Any = None) -> list[str]:
+        """Warns (and returns the messages) where ``model`` or ``device`` differ from what was calibrated."""
+        problems = []
+        if device is not None and self.device is not None:
+            import torch
+
+            if torch.device(str(device)).type != torch.device(self.device).type:
+                problems.append(f"device={str(device)!r} differs from the device the memory model was measured "
+                                f"on ({self.device!r}); its peaks may not hold there: calibrate on this device")
+        if model is not None and self.model_info is not None:
+            given = describe_model(model)
+            differ = [k for k in ("name", "class", "parameters", "dtype")
+                      if k in given and k in self.model_info and given[k] != self.model_info[k]]
+            if differ:
+                mine = {k: self.model_info[k] for k in differ}
+                theirs = {k: given[k] for k in differ}
+                problems.append(f"model={theirs} differs from the model the memory model was measured on "
+                                f"({mine}): calibrate for this model")
+        for problem in problems:
+            warnings.warn(problem, UserWarning, stacklevel=2)
+        return problems

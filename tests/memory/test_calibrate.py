@@ -1,0 +1,165 @@
+"""calibrate(): probes built like loader batches, peaks measured for real, out-of-memory as data, the fit."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import dynabatch
+from dynabatch import calibrate
+from dynabatch.memory.calibrate import probe_lengths
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _blocks(nbytes):
+    return -(-nbytes // 512) * 512
+
+
+def known_work(batch):
+    """Allocations that follow a known formula: a prefill phase, then a decode phase (as in generate)."""
+    rows, length = batch["input_ids"].shape
+    hidden = torch.ones(rows, length, 64)  # rows * length * 256 bytes
+    scores = torch.ones(rows, length, length)  # rows * length^2 * 4 bytes
+    del hidden, scores
+    logits = torch.ones(rows, 2000)  # rows * 8000 bytes
+    cache = torch.ones(rows, length, 8)  # rows * length * 32 bytes
+    return logits, cache
+
+
+def known_peak(rows, length):
+    prefill = _blocks(rows * length * 256) + _blocks(rows * length * length * 4)
+    decode = _blocks(rows * 8000) + _blocks(rows * length * 32)
+    return max(prefill, decode)
+
+
+def test_fit_recovers_a_known_memory_function_within_2_percent(tokenizer):
+    mm = calibrate(known_work, tokenizer, batch_size=8, max_input_token_length=128, progress=False)
+    assert mm.device == "cpu"
+    measured = [p for p in mm.probes_ if not p["out_of_memory"]]
+    assert all(p["peak_bytes"] == known_peak(p["rows"], p["padded_length"]) for p in measured)  # real bytes
+    assert {p["padded_length"] for p in measured} >= set(probe_lengths(128))
+    assert mm.loo_error_ < 0.05  # leaving out a probe near the phase change moves the fit there most
+    # Wherever the planner looks: batch_size rows, and the rows it would plan under the first batch's peak.
+    budget = 0.9 * float(mm.predict(8, 128))
+    for length in range(4, 129):
+        for rows in (8, int(mm.max_rows(length, budget))):
+            assert float(mm.predict(rows, length)) == pytest.approx(known_peak(rows, length), rel=0.02)
+    assert "LOO error" in mm.report() and mm.metadata["batch_size"] == 8
+
+
+def test_probes_look_like_loader_batches(tokenizer):
+    left = copy.deepcopy(tokenizer)
+    left.padding_side = "left"
+    seen = []
+
+    def work(batch):
+        assert isinstance(batch, dynabatch.Batch)
+        seen.append({k: v.clone() for k, v in batch.items()})
+        return torch.ones(batch["input_ids"].shape[0], 100).sum()
+
+    texts = ["Beautiful is better than ugly.", "Explicit is better than implicit.", "Simple is better."]
+    mm = calibrate(work, left, batch_size=4, max_input_token_length=32, texts=texts, progress=False)
+    allowed = set(left(texts)["input_ids"][0] + left(texts)["input_ids"][1] + left(texts)["input_ids"][2])
+    for batch in seen:
+        mask = batch["attention_mask"]
+        assert set(batch) == {"input_ids", "attention_mask", "token_type_ids"}
+        assert mask[:, -1].all() and not mask.all()  # left padded, and padded
+        assert set(batch["input_ids"][mask.bool()].tolist()) <= allowed
+    widths = sorted({p["padded_length"] for p in mm.probes_})
+    assert widths[0] == 4 and widths[-1] == 32
+
+
+def test_out_of_memory_probes_are_data_not_a_crash(tokenizer):
+    limit = known_peak(8, 64) + 512  # the (8 rows, 128 tokens) probe cannot fit: a smaller simulated device
+    mm = calibrate(known_work, tokenizer, batch_size=8, max_input_token_length=128, limit_bytes=limit,
+                   progress=False)
+    failed = [p for p in mm.probes_ if p["out_of_memory"]]
+    assert failed and all(p["peak_bytes"] == limit for p in failed)  # the limit it exceeded: a lower bound
+    assert all(p["peak_bytes"] <= limit for p in mm.probes_ if not p["out_of_memory"])
+    assert int(mm.max_rows(128, 1e12)) < 8  # the failed shape caps the rows at its length
+    assert float(mm.predict(8, 128)) >= limit * 0.999
+
+
+def test_an_injected_out_of_memory_error_is_recorded(tokenizer):
+    def work(batch):
+        rows, length = batch["input_ids"].shape
+        if rows * length > 600:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return known_work(batch)
+
+    mm = calibrate(work, tokenizer, batch_size=4, max_input_token_length=256, progress=False)
+    failed = [(p["rows"], p["padded_length"]) for p in mm.probes_ if p["out_of_memory"]]
+    assert failed and all(r * length > 600 for r, length in failed)
+    assert all(p["peak_bytes"] is None for p in mm.probes_ if p["out_of_memory"])
+    assert not any(r >= 4 and length >= 256 for r, length in [(p["rows"], p["padded_length"]) for p in mm.probes_
+                                                              if not p["out_of_memory"]])
+
+
+def test_work_that_fails_on_every_probe(tokenizer):
+    def broken(batch):
+        raise ValueError("no such argument: token_type_ids")
+
+    with pytest.raises(RuntimeError, match=r"work raised ValueError on a probe batch of 2 rows x 4 tokens: no such"):
+        calibrate(broken, tokenizer, batch_size=4, max_input_token_length=16, progress=False)
+    with pytest.raises(RuntimeError, match=r"work ran out of memory on every probe, even 4 rows x 4 tokens"):
+        calibrate(known_work, tokenizer, batch_size=4, max_input_token_length=16, limit_bytes=512, progress=False)
+    with pytest.raises(ValueError, match="measure_memory should be the device work runs on"):
+        calibrate(lambda batch: None, tokenizer, batch_size=4, max_input_token_length=16, progress=False)
+
+
+def test_bad_arguments(tokenizer):
+    kwargs = dict(batch_size=4, max_input_token_length=16, progress=False)
+    with pytest.raises(TypeError, match="work should be a callable"):
+        calibrate("model", tokenizer, **kwargs)
+    with pytest.raises(ValueError, match="batch_size should be a positive integer, but got batch_size=0"):
+        calibrate(known_work, tokenizer, batch_size=0, max_input_token_length=16)
+    with pytest.raises(ValueError, match=r"memory_margin should be a number in \[0, 1\), but got memory_margin=1"):
+        calibrate(known_work, tokenizer, memory_margin=1, **kwargs)
+    with pytest.raises(ValueError, match="lengths should be at most max_input_token_length=16"):
+        calibrate(known_work, tokenizer, lengths=[4, 32], **kwargs)
+    with pytest.raises(TypeError, match="measure_memory should be 'auto' or a device"):
+        calibrate(known_work, tokenizer, measure_memory=3, **kwargs)
+
+
+def test_real_minilm_forward_calibrates_in_seconds(tokenizer):
+    from transformers import AutoModel
+
+    from dynabatch.demo import minilm_path
+
+    model = AutoModel.from_pretrained(minilm_path()).eval()
+
+    def work(batch):
+        with torch.inference_mode():
+            return model(**batch).last_hidden_state[:, 0]
+
+    mm = calibrate(work, tokenizer, batch_size=4, max_input_token_length=64, model=model, max_probes=20,
+                   progress=False)
+    assert mm.metadata["seconds"] < 30
+    assert mm.loo_error_ < 0.05
+    assert mm.model_info["class"] == "BertModel" and mm.model_info["parameters"] > 20_000_000
+
+
+def test_tiny_encoder_decoder_generate_calibrates(tokenizer):
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(vocab_size=tokenizer.vocab_size, d_model=32, encoder_layers=1, decoder_layers=1,
+                          encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                          max_position_embeddings=128, pad_token_id=0, decoder_start_token_id=0, eos_token_id=102,
+                          forced_eos_token_id=None)
+    torch.manual_seed(0)
+    model = MarianMTModel(config).eval()
+
+    def work(batch):
+        with torch.inference_mode():
+            return model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                  max_new_tokens=4, min_new_tokens=4, do_sample=False)
+
+    mm = calibrate(work, tokenizer, batch_size=4, max_input_token_length=64, model=model, max_probes=20,
+                   progress=False)
+    assert mm.loo_error_ < 0.05
+    # Generating rows carry their logits: the per-row cost dominates at short lengths.
+    assert float(mm.predict(8, 4)) > 1.8 * float(mm.predict(4, 4))

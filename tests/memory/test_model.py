@@ -1,0 +1,171 @@
+"""MemoryModel: the fit, predictions, max_rows, online observations, out-of-memory points, JSON files."""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from dynabatch import MemoryModel
+from dynabatch.memory.model import describe_model
+
+GRID = [(r, L) for L in (4, 8, 16, 32, 64, 128, 256) for r in (16, 48)]
+
+
+def phases(rows, length):
+    """A maximum of two phases, as in generate: per-row logits vs a prefill growing with length."""
+    rows, length = np.asarray(rows, dtype=float), np.asarray(length, dtype=float)
+    decode = 300_000 + rows * (800_000 + 1_000 * length)
+    prefill = 200_000 + rows * (16_000 * length + 20 * length**2)
+    return np.maximum(decode, prefill)
+
+
+def fitted(points=GRID, formula=phases, **kwargs):
+    rows, lengths = zip(*points)
+    return MemoryModel(device="cpu", **kwargs).fit(rows, lengths, formula(rows, lengths).round())
+
+
+def test_fit_recovers_a_maximum_of_phases():
+    mm = fitted(knots=[4, 8, 16, 32, 48, 64, 128, 256], points=GRID + [(16, 48), (40, 48)])
+    assert mm.loo_error_ < 0.05
+    assert all(c >= 0 for c in mm.coef_) and len(mm.coef_) == len(mm.terms_)
+    # At the probed lengths, from half the fewest rows probed to twice the most: within 2%.
+    rows, lengths = np.meshgrid(np.arange(8, 97), [4, 8, 16, 32, 48, 64, 128, 256])
+    assert np.abs(mm.predict(rows, lengths) / phases(rows, lengths) - 1).max() < 0.02
+    # Between them the fit is a chord of a convex curve: it errs high (timid), never low (unsafe).
+    rows, lengths = np.meshgrid(np.arange(8, 97, 7), np.arange(4, 257))
+    error = mm.predict(rows, lengths) / phases(rows, lengths) - 1
+    assert error.min() > -0.005 and error.max() < 0.05
+
+
+def test_predict_broadcasts_and_is_float64():
+    mm = fitted()
+    out = mm.predict(np.array([[16], [32]]), np.array([8, 16, 32]))
+    assert out.shape == (2, 3) and out.dtype == np.float64
+    assert (np.diff(out, axis=0) > 0).all() and (np.diff(out, axis=1) >= 0).all()
+    assert mm.predict(16, 8).shape == ()
+
+
+@pytest.mark.filterwarnings("ignore:MemoryModel extrapolates")
+def test_max_rows_is_the_largest_count_under_the_budget():
+    mm = fitted()
+    lengths = np.arange(1, 257)
+    budget = 0.9 * float(mm.predict(16, 256))
+    rows = mm.max_rows(lengths, budget)
+    assert rows.dtype == np.int64
+    assert (mm.predict(rows, lengths) <= budget).all()
+    assert (mm.predict(rows + 1, lengths) > budget).all()
+    assert mm.max_rows(256, 1.0) == 0  # not even one row fits
+    # broadcast over budgets too
+    assert mm.max_rows(64, np.array([budget, 2 * budget])).tolist()[1] > mm.max_rows(64, budget)
+
+
+@pytest.mark.filterwarnings("ignore:MemoryModel extrapolates")
+def test_max_rows_plans_a_million_lengths_fast():
+    mm = fitted()
+    lengths = np.random.default_rng(0).integers(1, 257, size=1_000_000)
+    budget = float(mm.predict(16, 256))
+    mm.max_rows(lengths[:10], budget)
+    start = time.perf_counter()
+    rows = mm.max_rows(lengths, budget)
+    assert time.perf_counter() - start < 0.5
+    assert rows.shape == lengths.shape and rows.min() >= 16
+
+
+def test_observe_refits_online():
+    mm = MemoryModel()
+    for r, L in GRID[:3]:
+        mm.observe(r, L, float(phases(r, L)))
+    before = float(mm.predict(48, 256))
+    for r, L in GRID[3:]:
+        mm.observe(r, L, float(phases(r, L)), source="run")
+    assert abs(float(mm.predict(48, 256)) / float(phases(48, 256)) - 1) < 0.01
+    assert before != float(mm.predict(48, 256))
+    assert mm.probes_[-1]["source"] == "run" and len(mm.probes_) == len(GRID)
+    mm.observe(16, 4, float(phases(16, 4)) + 1000)  # the same shape again keeps the larger peak
+    assert len(mm.probes_) == len(GRID) and mm.probes_[0]["peak_bytes"] == int(phases(16, 4) + 1000)
+
+
+def test_an_out_of_memory_point_caps_rows_and_bounds_the_fit():
+    mm = fitted()
+    unbounded = int(mm.max_rows(64, 1e12))
+    mm.observe(100, 64, out_of_memory=True)  # bytes unknown (CUDA): a cap on rows at this length and longer
+    assert int(mm.max_rows(64, 1e12)) == 99 and int(mm.max_rows(256, 1e12)) == 99
+    assert int(mm.max_rows(32, 1e12)) > 99
+    assert unbounded > 99
+    # A known lower bound above the fit's prediction lifts the fit there.
+    low = fitted()
+    bound = 2 * float(low.predict(200, 200))
+    low.observe(200, 200, bound, out_of_memory=True)
+    assert float(low.predict(200, 200)) >= bound * 0.999
+    assert "OOM" in fitted().observe(100, 64, out_of_memory=True).report()
+
+
+def test_json_round_trip(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    mm = fitted(model=model, metadata={"batch_size": 16})
+    mm.observe(300, 8, out_of_memory=True)
+    path = tmp_path / "mm.json"
+    mm.save(path)
+    data = json.loads(path.read_text())
+    assert data["device"] == "cpu" and data["dtype"] == "torch.float32" and data["model"]["parameters"] == 20
+    assert {"torch", "numpy", "scipy", "python"} <= set(data["versions"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = MemoryModel.load(path, model=model, device="cpu")
+    assert loaded.probes_ == mm.probes_
+    assert np.allclose(loaded.coef_, mm.coef_) and loaded.terms_ == mm.terms_
+    lengths = np.arange(1, 257)
+    assert np.array_equal(loaded.max_rows(lengths, 5e7), mm.max_rows(lengths, 5e7))
+    assert loaded.metadata == {"batch_size": 16}
+
+
+def test_loading_for_another_device_or_model_warns(tmp_path):
+    path = tmp_path / "mm.json"
+    fitted(model=torch.nn.Linear(4, 4)).save(path)
+    with pytest.warns(UserWarning, match=r"device='cuda:0' differs .* \('cpu'\)"):
+        MemoryModel.load(path, device="cuda:0")
+    with pytest.warns(UserWarning, match=r"model=\{'parameters': 6\} differs"):
+        MemoryModel.load(path, model=torch.nn.Linear(2, 2))
+    mm = MemoryModel.load(path)
+    with pytest.warns(UserWarning, match="model="):
+        assert mm.check(model="another-model")
+
+
+def test_extrapolation_warns_once():
+    mm = fitted()
+    with pytest.warns(UserWarning, match=r"padded_length=512 beyond the longest probed \(256\)"):
+        mm.predict(16, 512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mm.predict(16, 1024)  # once per model
+    with pytest.warns(UserWarning, match=r"rows=\d+ beyond 2x the most probed \(48\)"):
+        fitted().max_rows(4, 1e10)
+
+
+def test_bad_input():
+    mm = fitted()
+    with pytest.raises(ValueError, match="rows should be finite and >= 0"):
+        mm.predict(-1, 8)
+    with pytest.raises(TypeError, match="padded_length should be a number or an array of numbers"):
+        mm.predict(1, "8")
+    with pytest.raises(ValueError, match="peak_bytes should be a number of bytes for a point that did not run out"):
+        mm.observe(4, 8)
+    with pytest.raises(ValueError, match="rows should be a positive integer, but got rows=0"):
+        mm.observe(0, 8, 100)
+    with pytest.raises(TypeError, match="out_of_memory should be a bool"):
+        mm.observe(4, 8, 100, out_of_memory="yes")
+    with pytest.raises(RuntimeError, match="no measured point yet"):
+        MemoryModel().predict(1, 1)
+    with pytest.raises(ValueError, match="path should be a JSON file written by MemoryModel.save"):
+        MemoryModel.load("/nonexistent/mm.json")
+
+
+def test_describe_model():
+    assert describe_model(None) is None
+    with pytest.raises(TypeError, match="model should be a torch module"):
+        describe_model(42)

@@ -1,0 +1,181 @@
+"""Planning to a memory budget: relative and absolute modes, granularity, max_memory parsing, bad input."""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynabatch import MemoryModel
+from dynabatch.sampling.budget import (
+    check_memory_margin,
+    parse_max_memory,
+    plan_batch_sizes_to_budget,
+    plan_batches_to_budget,
+    plan_to_budget,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:MemoryModel extrapolates")
+
+
+def _model(fixed=300_000.0, per_row=800_000.0, per_token=16_000.0):
+    shapes = [(r, L) for L in (1, 4, 16, 64, 256) for r in (1, 16, 64)]
+    rows, lengths = zip(*shapes)
+    peaks = [max(fixed + r * (per_row + 1_000 * L), r * per_token * L) for r, L in shapes]
+    return MemoryModel(device="cpu").fit(rows, lengths, peaks)
+
+
+MODEL = _model()
+
+
+def _starts(sizes):
+    return np.cumsum(np.r_[0, sizes[:-1]]).astype(int)
+
+
+lengths_st = st.lists(st.integers(1, 256), min_size=1, max_size=300)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=lengths_st, batch_size=st.integers(1, 40), margin=st.sampled_from([0.0, 0.1, 0.3]),
+       granularity=st.sampled_from([None, 1, 8]))
+def test_relative_mode(lengths, batch_size, margin, granularity):
+    arr = np.array(lengths)
+    batches = plan_batches_to_budget(arr, MODEL, batch_size=batch_size, memory_margin=margin, granularity=granularity)
+    flat = np.concatenate(batches)
+    assert sorted(flat.tolist()) == list(range(len(arr)))  # every index exactly once
+    order = np.argsort(-arr, kind="stable")
+    assert np.array_equal(flat, order)  # longest first, stable
+    assert len(batches[0]) == min(batch_size, len(arr))  # the first batch is the batch_size longest
+    budget = float(MODEL.predict(len(batches[0]), arr[order[0]]))
+    for batch in batches[1:]:
+        rows, width = len(batch), int(arr[batch].max())
+        assert rows >= batch_size or batch is batches[-1]
+        predicted = float(MODEL.predict(rows, width))
+        assert predicted <= budget * (1 + 1e-12)  # never above the first batch
+        if rows > batch_size:
+            assert predicted <= (1 - margin) * budget * (1 + 1e-12)  # grown batches keep the margin
+        if granularity and rows > batch_size and batch is not batches[-1]:
+            assert rows % granularity == 0
+    for batch in batches[1:-1]:  # as large as the budget allows
+        rows, width = len(batch), int(arr[batch].max())
+        step = granularity or 1
+        if rows >= batch_size:
+            assert float(MODEL.predict(rows + step, width)) > (1 - margin) * budget or rows < batch_size + step \
+                and float(MODEL.predict(batch_size + step, width)) > (1 - margin) * budget
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=lengths_st, budget_mib=st.floats(0.5, 400), margin=st.sampled_from([0.0, 0.1]))
+def test_absolute_mode(lengths, budget_mib, margin):
+    arr = np.array(lengths)
+    max_memory = budget_mib * 2**20
+    batches = plan_batches_to_budget(arr, MODEL, max_memory=max_memory, memory_margin=margin)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(arr)))
+    limit = (1 - margin) * max_memory
+    for batch in batches:
+        rows, width = len(batch), int(arr[batch].max())
+        predicted = float(MODEL.predict(rows, width))
+        assert predicted <= limit * (1 + 1e-12) or rows == 1  # only a single row may stand over the budget alone
+        if batch is not batches[-1]:
+            assert float(MODEL.predict(rows + 1, width)) > limit
+
+
+def test_a_row_over_an_absolute_budget_is_a_batch_alone_and_warned(caplog):
+    lengths = np.array([256, 256, 8, 8])
+    one_row = float(MODEL.predict(1, 256))
+    with caplog.at_level(logging.WARNING, logger="dynabatch.sampling.budget"):
+        sizes = plan_batch_sizes_to_budget(lengths, MODEL, max_memory=one_row / 2, memory_margin=0)
+    assert sizes.tolist()[:2] == [1, 1]
+    assert "2 texts are predicted above the memory budget" in caplog.text
+
+
+def test_when_batch_size_does_not_fit_the_margin_it_is_kept():
+    lengths = np.array([256] * 40)
+    sizes = plan_batch_sizes_to_budget(lengths, MODEL, batch_size=16, memory_margin=0.1)
+    assert sizes.tolist() == [16, 16, 8]  # 16 rows at 256 tokens are 1.0 x the budget: never fewer than batch_size
+
+
+def test_batches_grow_where_rows_are_cheap():
+    lengths = np.array([256] * 16 + [8] * 2000)
+    sizes = plan_batch_sizes_to_budget(lengths, MODEL, batch_size=16)
+    budget = float(MODEL.predict(16, 256))
+    assert sizes[0] == 16 and sizes[1] == int(MODEL.max_rows(8, 0.9 * budget)) and sizes[1] > 16
+
+
+def test_plans_a_million_lengths_fast():
+    lengths = np.sort(np.random.default_rng(0).integers(1, 257, size=1_000_000))[::-1]
+    plan_batch_sizes_to_budget(lengths[:1000], MODEL, batch_size=16)
+    start = time.perf_counter()
+    sizes = plan_batch_sizes_to_budget(lengths, MODEL, batch_size=16)
+    assert time.perf_counter() - start < 0.5
+    assert sizes.sum() == 1_000_000
+
+
+def test_plan_to_budget_reads_a_planners_options():
+    options = SimpleNamespace(memory_model=MODEL, max_memory=None, memory_margin=0.1, granularity=4)
+    lengths = np.array([200] * 8 + [10] * 300)
+    assert np.array_equal(plan_to_budget(lengths, options, SimpleNamespace(batch_size=8)),
+                          plan_batch_sizes_to_budget(lengths, MODEL, batch_size=8, granularity=4))
+    assert plan_to_budget(np.array([], dtype=np.int64), options, 8).tolist() == []
+
+
+def test_parse_max_memory():
+    assert parse_max_memory("12GB") == 12e9
+    assert parse_max_memory("12gb") == 12e9
+    assert parse_max_memory("512MiB") == 512 * 2**20
+    assert parse_max_memory("1.5 GiB") == 1.5 * 2**30
+    assert parse_max_memory("100") == parse_max_memory(100) == 100.0
+    assert parse_max_memory(None) is None
+    for bad in ("12XB", "GB", "", "-1GB", "1e400", "twelve"):
+        with pytest.raises(ValueError, match=rf"max_memory should be a number of bytes > 0.*max_memory={bad!r}"):
+            parse_max_memory(bad)
+    for bad in (0, -5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="max_memory should be a number of bytes > 0"):
+            parse_max_memory(bad)
+    with pytest.raises(TypeError, match="max_memory should be .* of type bool"):
+        parse_max_memory(True)
+    with pytest.raises(ValueError, match=r"max_memory should be a percentage in \(0%, 100%\].*'150%'"):
+        parse_max_memory("150%")
+
+
+def test_a_percentage_is_of_the_cuda_devices_free_memory(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"max_memory should be bytes or a size such as '12GB' on the CPU .* "
+                                         r"max_memory='80%'"):
+        parse_max_memory("80%")
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (10 * 2**30, 16 * 2**30))
+    assert parse_max_memory("80%") == 8 * 2**30
+    assert parse_max_memory("50%", device="cuda:1") == 5 * 2**30
+    assert asked == [torch.device("cuda"), torch.device("cuda:1")]
+    with pytest.raises(ValueError, match="on the CPU .* max_memory='50%'"):
+        parse_max_memory("50%", device="cpu")
+
+
+def test_bad_input():
+    lengths = np.array([8, 4])
+    with pytest.raises(ValueError, match=r"memory_margin should be a number in \[0, 1\), but got memory_margin=1"):
+        plan_batch_sizes_to_budget(lengths, MODEL, batch_size=2, memory_margin=1)
+    with pytest.raises(ValueError, match=r"memory_margin should be a number in \[0, 1\), but got memory_margin=-0.1"):
+        check_memory_margin(-0.1)
+    with pytest.raises(TypeError, match="memory_margin should be a number"):
+        check_memory_margin("10%")
+    with pytest.raises(ValueError, match="max_memory should be a number of bytes > 0.*max_memory=0"):
+        plan_batch_sizes_to_budget(lengths, MODEL, max_memory=0)
+    with pytest.raises(ValueError, match="batch_size should be a positive integer in relative mode"):
+        plan_batch_sizes_to_budget(lengths, MODEL)
+    with pytest.raises(ValueError, match="sorted_lengths should be sorted longest first"):
+        plan_batch_sizes_to_budget(np.array([4, 8]), MODEL, batch_size=1)
+    with pytest.raises(TypeError, match="memory_model should be a MemoryModel"):
+        plan_batch_sizes_to_budget(lengths, object(), batch_size=1)
+    with pytest.raises(ValueError, match="granularity should be a positive integer, but got granularity=0"):
+        plan_batch_sizes_to_budget(lengths, MODEL, batch_size=1, granularity=0)
+    with pytest.raises(TypeError, match="lengths should be a 1-D array"):
+        plan_batches_to_budget("abc", MODEL, batch_size=1)

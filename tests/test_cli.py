@@ -1,0 +1,63 @@
+"""python -m dynabatch calibrate: a local model folder in, a memory model JSON (and a PNG) out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dynabatch import MemoryModel
+from dynabatch.__main__ import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path_factory.mktemp("tiny-gpt2")
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                        pad_token_id=0, eos_token_id=102, bos_token_id=101)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_calibrate_generate_writes_the_model_the_table_and_a_plot(model_dir, tmp_path, capsys):
+    out, png = tmp_path / "mm.json", tmp_path / "mm.png"
+    assert main(["calibrate", "--model", str(model_dir), "--task", "generate", "--max-new-tokens", "3",
+                 "--batch-size", "2", "--max-length", "32", "-o", str(out), "--plot", str(png), "--device", "cpu",
+                 "--max-probes", "16", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "measured MiB" in printed and "largest leave-one-probe-out error" in printed and str(out) in printed
+    data = json.loads(out.read_text())
+    assert data["metadata"]["task"] == "generate" and data["metadata"]["max_new_tokens"] == 3
+    assert data["model"]["class"] == "GPT2LMHeadModel" and data["device"] == "cpu"
+    mm = MemoryModel.load(out, device="cpu")
+    assert float(mm.predict(2, 32)) > 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_calibrate_train_step(model_dir, tmp_path):
+    out = tmp_path / "train.json"
+    assert main(["calibrate", "--model", str(model_dir), "--task", "train", "--batch-size", "2", "--max-length",
+                 "16", "-o", str(out), "--max-probes", "12", "--no-progress"]) == 0
+    assert MemoryModel.load(out).metadata["task"] == "train"
+
+
+def test_bad_options(model_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--model", str(tmp_path / "missing"), "--batch-size", "2", "--max-length", "16", "-o",
+              str(tmp_path / "x.json")])
+    assert "--model should be a local model folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--model", str(model_dir), "--batch-size", "0", "--max-length", "16", "-o",
+              str(tmp_path / "x.json")])
+    assert "--batch-size should be a positive integer, but got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--model", str(model_dir), "--task", "fly", "--batch-size", "2", "--max-length", "16",
+              "-o", str(tmp_path / "x.json")])
+    assert "invalid choice: 'fly'" in capsys.readouterr().err
