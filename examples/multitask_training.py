@@ -69,10 +69,8 @@ def build_model(tokenizer, hidden: int = 64, layers: int = 2, max_length: int = 
     return GPT2LMHeadModel(config)
 
 
-def measured_budget_mb(model, dataset: MultiTaskDataset, rows: int) -> float:
-    """Peak MB of one training step on the ``rows`` longest samples (CPU tracker)."""
-    order = np.argsort([-len(s["input_ids"]) for s in dataset.samples], kind="stable")[:rows]
-    batch = HeterogeneousCollator(pad_token_id=0)([dataset[int(i)] for i in order])
+def step_peak_mb(model, batch) -> float:
+    """Measured peak MB of one training step (forward, loss, backward) on ``batch`` (CPU tracker)."""
     model.zero_grad(set_to_none=True)
     with track_peak_memory("cpu") as mem:
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
@@ -81,17 +79,29 @@ def measured_budget_mb(model, dataset: MultiTaskDataset, rows: int) -> float:
     return mem.peak_bytes / 2**20
 
 
+def measured_budget_mb(model, dataset: MultiTaskDataset, rows: int) -> float:
+    """Peak MB of one training step on the ``rows`` longest samples (CPU tracker)."""
+    order = np.argsort([-len(s["input_ids"]) for s in dataset.samples], kind="stable")[:rows]
+    return step_peak_mb(model, HeterogeneousCollator(pad_token_id=0)([dataset[int(i)] for i in order]))
+
+
+def add_options(parser: argparse.ArgumentParser, budget_rows: int) -> None:
+    """The data, budget and optimizer options the example and the benchmark share."""
+    parser.add_argument("--n-per-task", type=int, default=64, help="samples per task")
+    parser.add_argument("--max-length", type=int, default=64, help="tokens per sample at most")
+    parser.add_argument("--target-batch-size", type=int, default=32, help="samples per optimizer step")
+    parser.add_argument("--budget-rows", type=int, default=budget_rows,
+                        help="longest samples whose measured peak is the budget")
+    parser.add_argument("--learning-rate", type=float, default=2e-3, help="AdamW learning rate")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", default="./dynamic_training_outputs", help="checkpoints and training_metrics/")
-    parser.add_argument("--n-per-task", type=int, default=96, help="samples per task")
-    parser.add_argument("--max-length", type=int, default=96, help="tokens per sample at most")
     parser.add_argument("--epochs", type=int, default=2, help="training epochs")
     parser.add_argument("--base-batch-size", type=int, default=16, help="rows per micro-batch at most")
-    parser.add_argument("--target-batch-size", type=int, default=32, help="samples per optimizer step")
-    parser.add_argument("--budget-rows", type=int, default=6, help="longest samples whose measured peak is the budget")
-    parser.add_argument("--learning-rate", type=float, default=2e-3, help="AdamW learning rate")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    add_options(parser, budget_rows=6)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -39,7 +39,8 @@ from dynabatch._validation import bad_type, bad_value, check_fraction, check_non
 __all__ = ["BatchBytes", "check_single_samples_fit", "plan_memory_aware_batches", "task_order"]
 
 BatchBytes = Callable[[np.ndarray, int], float]
-"""``batch_bytes(counts, padded_length) -> bytes``: the predicted peak of a batch."""
+"""``batch_bytes(counts, padded_length) -> bytes``: the predicted peak of a batch;
+``counts[k]`` is its rows of task ``k``, for ``k`` up to the largest task id planned."""
 
 
 def _as_int_array(name: str, values: object) -> np.ndarray:

@@ -71,7 +71,7 @@ class HeterogeneousTrainingConfig:
     output_dir: str = "./dynamic_training_outputs"
     resume_from_checkpoint: str | bool | None = None
     # calibration
-    calibration_batch_sizes: tuple[int, ...] | None = None
+    calibration_batch_sizes: tuple[int, ...] | None = None  # default: 2, base/4, base/2, base rows
     calibration_length_quantiles: tuple[float, ...] = (0.5, 1.0)
     extra_training_args: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -202,7 +202,9 @@ class DynamicBatchingTrainingPipeline:
         """Measures the real training step on probe batches of every task; returns how many ran."""
         c = self.config
         b = c.base_batch_size
-        sizes = c.calibration_batch_sizes or tuple(sorted({1, max(b // 4, 1), max(b // 2, 1), b}))
+        # Not 1 row: there a row-free phase (allocating the gradients) is the peak, and a batch
+        # that small is never what the budget is spent on.
+        sizes = c.calibration_batch_sizes or tuple(sorted({min(2, b), max(b // 4, 1), max(b // 2, 1), b}))
         trainer = self.trainer
         model = trainer.model.to(self.device)
         model.train()

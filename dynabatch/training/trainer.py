@@ -191,6 +191,7 @@ class DynamicBatchingTrainer(Trainer):
         self._balancer = None
         if use_grad_norm_balancing:
             self._balancer = GradNormBalancer(shared_parameter(self.model), alpha=grad_norm_alpha, lr=grad_norm_lr)
+        self._shifts: bool | None = None
         self._plan_predictor_state: dict[str, Any] | None = None
         self._resume_dir: str | None = None
         self._sampler: MemoryAwareBatchSampler | None = None
@@ -284,7 +285,15 @@ class DynamicBatchingTrainer(Trainer):
 
     # -- loss ----------------------------------------------------------------
     def _shift(self) -> bool:
-        return bool(getattr(self, "_loss_shifts_labels", False))
+        """Causal LM labels are shifted (what HF's own loss does for these models)."""
+        if self._shifts is None:
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            model = self.accelerator.unwrap_model(self.model)
+            causal = model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+            encoder_decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+            self._shifts = bool(getattr(self, "_loss_shifts_labels", False) or (causal and not encoder_decoder))
+        return self._shifts
 
     def _micro_loss(self, model: torch.nn.Module, batch: dict[str, Any]):
         """Weighted loss sum, per-task (sum tensor, item count), per-sample losses, rows' items."""

@@ -1,0 +1,91 @@
+"""MemoryAwareBatchSampler: seed 001's call, metadata, budget, epochs, resume, ranks and bad input."""
+
+import numpy as np
+import pytest
+
+from dynabatch import MemoryAwareBatchSampler, MemoryPredictor
+
+
+class _Data:
+    """A dataset with seed 001's get_sample_metadata (task and number of images, as in the seed)."""
+
+    def __init__(self, n=60):
+        self.samples = [{"subject_id": [i, i + 1] if i % 3 == 0 else i, "length": 8 + i % 24} for i in range(n)]
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, idx):
+        return self.samples[idx]
+
+    def get_sample_metadata(self, idx):
+        sample = self.samples[idx]
+        multi = isinstance(sample["subject_id"], list)
+        return {"task_type": "T3" if multi else "T1", "num_images": 2 if multi else 1, "length": sample["length"]}
+
+
+@pytest.fixture
+def predictor():
+    p = MemoryPredictor("cuda:0")  # a device name is only recorded: the peaks below are given in MB
+    for rows in (1, 2, 4, 8, 16):
+        for length in (8, 16, 32):
+            p.record_actual_memory("T1", 100 + 4.0 * rows * length, batch_size=rows, seq_length=length)
+            p.record_actual_memory("T3", 100 + 9.0 * rows * length, batch_size=rows, seq_length=length)
+    return p
+
+
+def test_seed_call_plans_under_budget_and_covers_every_index(predictor):
+    data = _Data()
+    sampler = MemoryAwareBatchSampler(dataset=data, batch_size=16, max_memory_mb=3000, shuffle=True,
+                                      task_diversity_weight=0.5)  # the seed's call: the active predictor
+    assert sampler.predictor is predictor
+    batches = list(sampler)
+    assert sorted(i for b in batches for i in b) == list(range(len(data)))
+    usable = 3000 * (1 - 0.10)
+    for b in batches:
+        assert len(b) <= 16
+        tasks = [data.get_sample_metadata(i)["task_type"] for i in b]
+        lengths = [data.get_sample_metadata(i)["length"] for i in b]
+        assert predictor.predict_batch_memory(tasks, lengths=lengths) * 1024 <= usable + 1e-6
+        assert sampler.predicted_mb(b) == pytest.approx(predictor.predict_batch_memory(tasks, lengths=lengths) * 1024)
+    sampler.set_epoch(1)
+    assert [list(b) for b in sampler] != batches  # a new order each epoch
+    sized = MemoryAwareBatchSampler(data, 16, 3000, size_field="num_images", seed=1)
+    assert set(sized.lengths.tolist()) == {1, 2}
+
+
+def test_resume_mid_epoch_and_equal_counts_on_ranks(predictor):
+    data = _Data(50)
+    sampler = MemoryAwareBatchSampler(data, 8, 1500, seed=4)
+    sampler.set_epoch(2)
+    it = iter(sampler)
+    first = [next(it) for _ in range(3)]
+    state = sampler.state_dict()
+    resumed = MemoryAwareBatchSampler(data, 8, 1500, seed=4)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert sorted(i for b in first + rest for i in b) == list(range(50))
+    ranks = [MemoryAwareBatchSampler(data, 8, 1500, seed=4, num_replicas=3, rank=r) for r in range(3)]
+    counts = [len(list(s)) for s in ranks]
+    assert len(set(counts)) == 1
+    assert sorted(i for s in ranks for b in s for i in b) == list(range(50))
+
+
+def test_bad_input_names_argument_and_value(predictor):
+    data = _Data(10)
+    with pytest.raises(ValueError, match=r"max_memory_mb should be a positive number, but got max_memory_mb=0"):
+        MemoryAwareBatchSampler(data, 4, 0)
+    with pytest.raises(ValueError, match=r"max_memory_mb should be at least what one sample needs \(task 'T3' at "
+                                         r"length 17 needs 253 MB within the margin\), but got max_memory_mb=200"):
+        MemoryAwareBatchSampler(data, 4, 200, memory_margin=0.0)
+    with pytest.raises(ValueError, match=r"memory_margin should be a number in \[0, 1\), but got memory_margin=1.0"):
+        MemoryAwareBatchSampler(data, 4, 3000, memory_margin=1.0)
+    bad = _Data(3)
+    bad.get_sample_metadata = lambda idx: {"num_images": 1}
+    with pytest.raises(ValueError, match=r"dataset.get_sample_metadata\(0\) should be a dict with a 'task_type' key, "
+                                         r"but got dataset.get_sample_metadata\(0\)=\{'num_images': 1\}"):
+        MemoryAwareBatchSampler(bad, 4, 3000)
+    with pytest.raises(ValueError, match=r"task_type should be a task with a measured training step .* but got task_type='T9'"):
+        MemoryAwareBatchSampler(None, 4, 3000, task_types=["T1", "T9"], lengths=[3, 4])
+    with pytest.raises(ValueError, match=r"task_diversity_weight should be a number in \[0, 1\]"):
+        MemoryAwareBatchSampler(data, 4, 3000, task_diversity_weight=-0.5)
