@@ -1,0 +1,175 @@
+"""The HF ``Trainer`` hook: train on the batches a dynabatch sampler plans.
+
+The ``Trainer`` builds its own training DataLoader of fixed-size batches.
+:class:`BatchSamplerTrainerMixin` overrides ``get_train_dataloader`` (the
+method transformers documents for custom loaders) to build it on your batch
+sampler instead, then hands it to ``accelerator.prepare`` as the ``Trainer``
+does. Mix it into any ``Trainer`` subclass (``Seq2SeqTrainer``, TRL's
+trainers, ...) or use :class:`BatchSamplerTrainer`::
+
+    sampler = SmartBatchSampler(tokens.lengths, TokenBudget(4096, 64), seed=args.seed,
+                                num_replicas=args.world_size, shard=args.world_size == 1)
+    trainer = BatchSamplerTrainer(model=model, args=args, train_dataset=tokens.dataset,
+                                  data_collator=TrainingCollator(tokenizer), train_batch_sampler=sampler)
+    trainer.train()
+
+``per_device_train_batch_size`` and ``group_by_length`` play no part: the
+sampler decides every batch.
+
+What the hook takes care of:
+
+* **Distributed / accelerate.** With several processes, accelerate puts its
+  ``BatchSamplerShard`` in front of a custom batch sampler and deals batch
+  ``i`` to rank ``i % world_size``. The sampler is therefore built with
+  ``num_replicas=world_size, shard=False``: it yields every rank's batches,
+  step by step, in a number that is a multiple of the world size, so the
+  dealer gives each rank exactly its share (equal counts, every sample once).
+  A sampler built otherwise is refused with the fix in the message.
+* **Steps per epoch.** The ``Trainer`` fixes the steps of every epoch from
+  ``len()`` of the first; a sampler whose epochs differ in batch count (smart
+  batching windows) is given a floor (:meth:`~dynabatch.sampling.base.PlannedBatchSampler.set_min_batches`)
+  equal to the most batches of any epoch to be trained, so no batch is left out.
+* **Epochs and resuming.** A callback sets the sampler's epoch at the start of
+  every epoch (accelerate does not forward ``set_epoch`` through its wrappers
+  on every path); the ``Trainer`` resumes mid-epoch by skipping the batches
+  already trained, which replays the same plan since it depends only on the
+  seed and the epoch. Each checkpoint holds the sampler's ``state_dict``
+  (``dynabatch_sampler.json``); resuming with other data or settings is refused.
+
+DeepSpeed runs through the same path (the ``Trainer`` prepares the loader with
+accelerate), see the README.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from typing import Any
+
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
+
+from dynabatch._validation import bad_type, bad_value
+from dynabatch.sampling.base import PlannedBatchSampler
+
+__all__ = ["SAMPLER_STATE_FILE", "BatchSamplerTrainer", "BatchSamplerTrainerMixin"]
+
+logger = logging.getLogger(__name__)
+
+SAMPLER_STATE_FILE = "dynabatch_sampler.json"
+"""The file in each checkpoint folder holding the sampler's ``state_dict``."""
+
+
+class _FollowEpochs(TrainerCallback):
+    """Sets the sampler's epoch at the start of every epoch; saves its state with each checkpoint."""
+
+    def __init__(self, sampler: PlannedBatchSampler) -> None:
+        self.sampler = sampler
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # state.epoch is the epoch and the share of it done (e.g. 1.5 when resuming mid-epoch 1).
+        self.sampler.set_epoch(int(math.floor((state.epoch or 0.0) + 1e-9)))
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if os.path.isdir(folder) and args.process_index == 0:
+            with open(os.path.join(folder, SAMPLER_STATE_FILE), "w") as f:
+                json.dump(self.sampler.state_dict(), f)
+
+
+class BatchSamplerTrainerMixin:
+    """Mix into a ``transformers.Trainer`` subclass to train on ``train_batch_sampler``'s batches.
+
+    Args:
+        train_batch_sampler: a :class:`~dynabatch.sampling.base.PlannedBatchSampler`
+            over ``train_dataset`` (e.g. :class:`~dynabatch.sampling.smart.SmartBatchSampler`);
+            with several processes built with ``num_replicas=args.world_size, shard=False``.
+        *args, **kwargs: the ``Trainer``'s own.
+    """
+
+    def __init__(self, *args: Any, train_batch_sampler: PlannedBatchSampler, **kwargs: Any) -> None:
+        if not isinstance(train_batch_sampler, PlannedBatchSampler):
+            raise bad_type("train_batch_sampler", "a dynabatch PlannedBatchSampler (e.g. SmartBatchSampler)",
+                           train_batch_sampler)
+        super().__init__(*args, **kwargs)
+        self.train_batch_sampler = train_batch_sampler
+        self.add_callback(_FollowEpochs(train_batch_sampler))
+
+    def _check_sampler_world(self) -> None:
+        sampler, world = self.train_batch_sampler, self.args.world_size
+        if world > 1 and (sampler.shard or sampler.num_replicas != world):
+            raise bad_value(
+                "train_batch_sampler",
+                f"built with num_replicas={world}, shard=False under {world} processes (accelerate deals the "
+                "batches to the ranks)",
+                f"a sampler with num_replicas={sampler.num_replicas}, shard={sampler.shard}",
+            )
+        if world == 1 and sampler.num_replicas != 1:
+            raise bad_value("train_batch_sampler", "built with num_replicas=1 in a single process",
+                            f"a sampler with num_replicas={sampler.num_replicas}")
+
+    def _epochs_to_plan(self) -> int:
+        args, sampler = self.args, self.train_batch_sampler
+        if args.max_steps and args.max_steps > 0:
+            per_epoch = max(1, len(sampler) // max(1, args.world_size if not sampler.shard else 1))
+            steps_per_epoch = max(1, per_epoch // args.gradient_accumulation_steps)
+            return max(1, math.ceil(args.max_steps / steps_per_epoch)) + 1
+        return max(1, math.ceil(args.num_train_epochs))
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The training DataLoader on ``train_batch_sampler``, prepared by accelerate."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        self._check_sampler_world()
+        sampler = self.train_batch_sampler
+        sampler.set_min_batches(0)
+        sampler.set_min_batches(sampler.max_len(self._epochs_to_plan()))
+        dataset, collator = self.train_dataset, self.data_collator
+        try:
+            import datasets
+        except ImportError:  # pragma: no cover - datasets is optional
+            datasets = None
+        if datasets is not None and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        params: dict[str, Any] = {
+            "batch_sampler": sampler,
+            "collate_fn": collator,
+            "num_workers": self.args.dataloader_num_workers,
+            "pin_memory": self.args.dataloader_pin_memory,
+            "persistent_workers": self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
+        }
+        if self.args.dataloader_num_workers > 0 and self.args.dataloader_prefetch_factor is not None:
+            params["prefetch_factor"] = self.args.dataloader_prefetch_factor
+        return self.accelerator.prepare(DataLoader(dataset, **params))
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; a checkpoint whose sampler state belongs to other data or settings is refused."""
+        folder = resume_from_checkpoint
+        if folder is True:
+            folder = get_last_checkpoint(self.args.output_dir)
+        if isinstance(folder, str):
+            path = os.path.join(folder, SAMPLER_STATE_FILE)
+            if os.path.isfile(path):
+                with open(path) as f:
+                    state = json.load(f)
+                fingerprint = self.train_batch_sampler.fingerprint
+                if state.get("fingerprint") != fingerprint:
+                    raise ValueError(
+                        f"resume_from_checkpoint should hold a sampler state for the same data and settings "
+                        f"(fingerprint {fingerprint!r}), but got {path} with "
+                        f"fingerprint={state.get('fingerprint')!r}: the dataset, lengths or constraint differ"
+                    )
+                for key in ("seed", "shuffle", "num_replicas"):
+                    if key in state and state[key] != getattr(self.train_batch_sampler, key):
+                        raise bad_value(f"train_batch_sampler.{key}", f"{state[key]!r} as in {path}",
+                                        getattr(self.train_batch_sampler, key))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+class BatchSamplerTrainer(BatchSamplerTrainerMixin, Trainer):
+    """``transformers.Trainer`` training on a dynabatch batch sampler (see :class:`BatchSamplerTrainerMixin`)."""

@@ -1,0 +1,197 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dynabatch.data.sources import tokenize_source
+from dynabatch.data.training_collate import TrainingCollator
+from dynabatch.demo import kjv_passages
+from dynabatch.sampling.constraints import LengthDifference, TokenBudget
+from dynabatch.sampling.smart import SmartBatchSampler
+
+REPO = Path(__file__).resolve().parents[2]
+N_ROWS = 64
+
+
+@pytest.fixture(scope="module")
+def tokens(tokenizer):
+    rows = [{"text": t, "row": i} for i, t in enumerate(kjv_passages()[:N_ROWS])]
+    return tokenize_source(rows, tokenizer, max_length=48, keep=["row"])
+
+
+class _Recording:
+    """The training collator, recording which rows each batch holds (the ``row`` column)."""
+
+    def __init__(self, tokenizer):
+        self.collate = TrainingCollator(tokenizer, labels_from="input_ids")
+        self.batches = []
+
+    def __call__(self, features):
+        self.batches.append(sorted(f["row"] for f in features))
+        return self.collate([{"input_ids": f["input_ids"]} for f in features])
+
+
+def _gpt2(vocab_size):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _trainer(tokenizer, tokens, out, sampler, **args):
+    from transformers import TrainingArguments
+
+    from dynabatch.training.hf import BatchSamplerTrainer
+
+    arguments = TrainingArguments(output_dir=str(out), num_train_epochs=2, learning_rate=3e-3, use_cpu=True,
+                                  report_to=[], remove_unused_columns=False, logging_steps=1, save_strategy="no",
+                                  log_level="error",
+                                  seed=0, disable_tqdm=True, **args)
+    collate = _Recording(tokenizer)
+    trainer = BatchSamplerTrainer(model=_gpt2(len(tokenizer)), args=arguments, train_dataset=tokens.dataset,
+                                  data_collator=collate, train_batch_sampler=sampler)
+    return trainer, collate
+
+
+def _sampler(tokens, **kw):
+    return SmartBatchSampler(tokens.lengths, TokenBudget(384, 16), window_batches=2, seed=1, **kw)
+
+
+@pytest.fixture(scope="module")
+def full_run(tokenizer, tokens, tmp_path_factory, one_thread):
+    """Two epochs with the Trainer, start to end: (trainer, recorded batches, sampler)."""
+    sampler = _sampler(tokens)
+    counts = [len(sampler.epoch_batches(e)) for e in range(2)]
+    trainer, collate = _trainer(tokenizer, tokens, tmp_path_factory.mktemp("full"), sampler)
+    trainer.train()
+    return trainer, collate.batches, sampler, counts
+
+
+def test_trainer_trains_every_row_once_per_epoch_and_the_loss_falls(tokens, full_run):
+    trainer, batches, sampler, counts = full_run
+    assert counts[0] < counts[1]  # the Trainer fixes the steps from epoch 0: the floor keeps epoch 1 whole
+    per_epoch = trainer.state.global_step // 2
+    assert per_epoch == counts[1]
+    epochs = [batches[:per_epoch], batches[per_epoch:]]
+    for share in epochs:
+        assert sorted(i for b in share for i in b) == list(range(N_ROWS))
+    assert epochs[0] != epochs[1]
+    for share, epoch in zip(epochs, range(2)):  # the sampler's own plan of that epoch, in order
+        assert share == [sorted(tokens.dataset[b.tolist()]["row"]) for b in sampler.epoch_batches(epoch)]
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert all(np.isfinite(losses)) and np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5
+
+
+def test_resuming_mid_epoch_replays_the_rest_of_the_plan(tokenizer, tokens, tmp_path, full_run):
+    from transformers import TrainerCallback
+
+    full, full_batches = full_run[:2]
+    stop_at = full.state.global_step // 2 + 3  # in the second epoch
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == stop_at:
+                control.should_save = control.should_training_stop = True
+
+    first, first_rows = _trainer(tokenizer, tokens, tmp_path / "run", _sampler(tokens))
+    first.add_callback(Stop())
+    first.train()
+    assert os.path.isfile(tmp_path / "run" / f"checkpoint-{stop_at}" / "dynabatch_sampler.json")
+    second, second_rows = _trainer(tokenizer, tokens, tmp_path / "run", _sampler(tokens))
+    second.train(resume_from_checkpoint=True)
+    # the stopped run collated one batch ahead of the step it stopped at; it was not trained
+    assert first_rows.batches[:stop_at] + second_rows.batches == full_batches  # nothing lost or repeated
+
+    other = SmartBatchSampler(tokens.lengths, LengthDifference(3, 12), seed=0)
+    third, _ = _trainer(tokenizer, tokens, tmp_path / "run", other)
+    with pytest.raises(ValueError, match="resume_from_checkpoint should hold a sampler state for the same data"):
+        third.train(resume_from_checkpoint=True)
+
+
+def test_refuses_a_sampler_sharded_for_another_world(tokenizer, tokens, tmp_path):
+    trainer, _ = _trainer(tokenizer, tokens, tmp_path, _sampler(tokens, num_replicas=2, rank=0))
+    with pytest.raises(ValueError, match="train_batch_sampler should be built with num_replicas=1 in a single"):
+        trainer.get_train_dataloader()
+    from dynabatch.training.hf import BatchSamplerTrainer
+
+    with pytest.raises(TypeError, match="train_batch_sampler should be a dynabatch PlannedBatchSampler"):
+        BatchSamplerTrainer(model=_gpt2(10), train_batch_sampler=[[0, 1]])
+
+
+# --------------------------------------------------------------------------- accelerate on two CPU processes
+
+_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+
+    import numpy as np
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from dynabatch.sampling.constraints import TokenBudget
+    from dynabatch.sampling.smart import SmartBatchSampler
+
+    out = sys.argv[1]
+    accelerator = Accelerator(cpu=True)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    lengths = np.random.default_rng(0).integers(1, 64, size=203)
+    dealt = SmartBatchSampler(lengths, TokenBudget(300, 16), seed=2, num_replicas=world, shard=False)
+    loader = accelerator.prepare(DataLoader(list(range(203)), batch_sampler=dealt, collate_fn=list))
+    report = {"world": [rank, world], "epochs": [], "own": []}
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        dealt.set_epoch(epoch)  # accelerate does not forward set_epoch to a wrapped batch sampler
+        report["epochs"].append([batch for batch in loader])
+        own = SmartBatchSampler(lengths, TokenBudget(300, 16), seed=2, num_replicas=world, rank=rank)
+        own.set_epoch(epoch)
+        report["own"].append(list(own))
+    accelerator.wait_for_everyone()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    """
+)
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_accelerate_on_two_processes_deals_each_rank_its_shard(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(rank),
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        with open(tmp_path / f"rank{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=REPO, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+    try:
+        for p in procs:
+            p.wait(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, p in enumerate(procs):
+        assert p.returncode == 0, (tmp_path / f"rank{rank}.log").read_text()[-4000:]
+    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [r["world"] for r in reports] == [[0, 2], [1, 2]]
+    for epoch in range(2):
+        shares = [r["epochs"][epoch] for r in reports]
+        assert len(shares[0]) == len(shares[1])
+        assert sorted(i for share in shares for b in share for i in b) == list(range(203))
+        for r in reports:  # what accelerate deals is exactly the rank's own shard
+            assert r["epochs"][epoch] == r["own"][epoch]
