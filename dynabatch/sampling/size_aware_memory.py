@@ -1,0 +1,275 @@
+"""A calibrated :class:`~dynabatch.memory.model.MemoryModel` as the sizes of bionemo's size-aware batching.
+
+bionemo's recipe is: measure peaks with ``collect_cuda_peak_alloc``, fit a
+memory model, batch with ``SizeAwareBatchSampler(sizeof=..., max_total_size=...)``.
+:func:`fit_memory_model` is the middle step: it turns the ``(features, peaks)``
+of :func:`~dynabatch.memory.measure.collect_peak_alloc` (or
+``collect_cuda_peak_alloc``) into a :class:`~dynabatch.memory.model.MemoryModel`.
+
+**What ``sizeof`` means here.** ``SizeAwareBatchSampler`` adds the sizes of a
+batch's elements, but a batch's memory is not purely additive: the model
+predicts a batch of ``r`` rows padded to length ``L`` to peak at
+
+``peak(r, L) = F(L) + r * S(L)``
+
+(``F`` the batch's fixed bytes, ``S`` the bytes of one more row; both grow with
+``L``). So an element's size is its **marginal bytes per row**, ``S(L)`` at the
+length ``L`` it is padded to, and the limit is the budget **minus the fixed
+part**, ``max_total_size = budget_bytes - F(L_max)``, ``L_max`` being the
+longest padded length a batch can have. Then ``sum of sizes <= max_total_size``
+is ``peak(r, L) <= budget_bytes`` whenever every row of a batch is padded to the
+length its size was computed at:
+
+* every batch padded to one length (``padding="max_length"``): pass
+  ``padded_length`` to :class:`MemorySizeof`;
+* pad-to-longest batches of similar lengths: :func:`bucket_memory_kwargs` gives
+  each bucket of a :class:`~dynabatch.sampling.bucket.BucketBatchSampler` a
+  ``SizeAwareBatchSampler`` sized at the bucket's longest length (this is exact
+  by the model, and the recommended way);
+* ``MemorySizeof(model, lengths)`` alone, with pad-to-longest and mixed
+  lengths in a batch, *undercounts* the padding of the shorter rows (they are
+  padded to the batch's longest): use it only where a batch's lengths are close.
+
+Example:
+    >>> import torch
+    >>> from dynabatch import BucketBatchSampler, SizeAwareBatchSampler, create_buckets
+    >>> from dynabatch.sampling.size_aware_memory import bucket_memory_kwargs, fit_memory_model
+    >>> shapes = [(r, n) for r in (1, 2, 4, 8) for n in (8, 16, 32, 64)]
+    >>> peaks = [1000 + 50 * n + r * (200 + 10 * n) for r, n in shapes]  # measured bytes, e.g.
+    >>> mm = fit_memory_model(shapes, peaks, device="cpu")
+    >>> lengths = torch.tensor([9, 12, 30, 31, 60, 64, 10, 33])
+    >>> buckets = create_buckets(lengths, max_width=16, min_bucket_count=2)
+    >>> kwargs = bucket_memory_kwargs(mm, lengths, buckets.bucket_boundaries, budget_bytes=6000)
+    >>> sampler = BucketBatchSampler(lengths, buckets.bucket_boundaries, SizeAwareBatchSampler,
+    ...                              base_batch_sampler_individual_kwargs=kwargs, shuffle=False)
+    >>> batches = list(sampler)  # buckets [9, 12) [12, 28) [28, 33) [33, 49) [49, 65)
+    >>> batches
+    [[0, 6], [1], [2, 3], [7], [4, 5]]
+    >>> all(mm.predict(len(b), int(lengths[b].max())) <= 6000 for b in batches)
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from dynabatch._validation import bad_type, bad_value, check_positive_int, check_positive_number
+from dynabatch.memory.model import MemoryModel
+
+__all__ = ["MemorySizeof", "bucket_memory_kwargs", "fit_memory_model"]
+
+logger = logging.getLogger(__name__)
+
+
+def _shape_of(feature: Any) -> tuple[Any, Any]:
+    if isinstance(feature, Mapping):
+        if "rows" in feature and "padded_length" in feature:
+            return feature["rows"], feature["padded_length"]
+    elif isinstance(feature, (tuple, list)) and len(feature) == 2:
+        return feature[0], feature[1]
+    raise bad_type(
+        "features", "a list of (rows, padded_length) pairs or of dicts with those keys (what work returned)", feature
+    )
+
+
+def fit_memory_model(
+    features: Iterable[Any], alloc_peaks: Iterable[Any], *, device: Any = None, model: Any = None
+) -> MemoryModel:
+    """Fits a :class:`~dynabatch.memory.model.MemoryModel` to what ``collect_peak_alloc`` returned.
+
+    ``work`` in ``collect_peak_alloc(dataset, work, device)`` should return the
+    shape of the batch it ran: ``(rows, padded_length)`` (``input_ids.shape``
+    is one) or a dict with those keys. Items that ran out of memory (feature
+    and peak ``None``) are left out, and logged. The fit is
+    ``MemoryModel.fit`` (non-negative least squares, see its docs).
+
+    Args:
+        features: the shapes, one per item.
+        alloc_peaks: the peak bytes, one per item.
+        device: the device the peaks were measured on (recorded).
+        model: the model they are of (recorded).
+
+    Returns:
+        The fitted model; ``predict(rows, padded_length)`` gives bytes.
+
+    Raises:
+        ValueError: lengths differ, or no item has both a shape and a peak.
+        TypeError: a feature is not a shape.
+    """
+    features, alloc_peaks = list(features), list(alloc_peaks)
+    if len(features) != len(alloc_peaks):
+        raise bad_value("alloc_peaks", f"one peak per feature ({len(features)})", f"<{len(alloc_peaks)} peaks>")
+    kept = [(_shape_of(f), p) for f, p in zip(features, alloc_peaks) if f is not None and p is not None]
+    if len(kept) < len(features):
+        logger.warning("fit_memory_model: %d of %d items left out (no shape or no peak: out of memory)",
+                       len(features) - len(kept), len(features))
+    if not kept:
+        raise bad_value("features", "at least one item with a shape and a peak", f"<{len(features)} items>")
+    rows = [int(shape[0]) for shape, _ in kept]
+    lengths = [int(shape[1]) for shape, _ in kept]
+    return MemoryModel(device=device, model=model).fit(rows, lengths, [p for _, p in kept], source="collect_peak_alloc")
+
+
+def _split(memory_model: Any, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``F(L)`` (fixed bytes) and ``S(L)`` (bytes per row) at every length, from ``predict`` alone."""
+    fixed = np.asarray(memory_model.predict(0, lengths), dtype=np.float64)
+    per_row = np.asarray(memory_model.predict(1, lengths), dtype=np.float64) - fixed
+    return fixed, np.maximum(per_row, 0.0)
+
+
+def _padded(lengths: np.ndarray, pad_to_multiple_of: int | None) -> np.ndarray:
+    if pad_to_multiple_of is None:
+        return lengths
+    return np.ceil(lengths / pad_to_multiple_of) * pad_to_multiple_of
+
+
+def _as_lengths(lengths: Any) -> np.ndarray:
+    arr = lengths.detach().cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
+    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
+        raise bad_type("lengths", "a 1D sequence of token counts", lengths)
+    arr = arr.astype(np.float64)
+    if arr.size and not (np.isfinite(arr).all() and arr.min() >= 1):
+        raise bad_value("lengths", "token counts >= 1", lengths)
+    return arr
+
+
+def _check_model(memory_model: Any) -> None:
+    if not callable(getattr(memory_model, "predict", None)):
+        raise bad_type("memory_model", "a fitted MemoryModel (an object with predict(rows, padded_length))",
+                       memory_model)
+
+
+class MemorySizeof:
+    """``sizeof`` for ``SizeAwareBatchSampler``: an element's bytes per row under a memory model.
+
+    ``MemorySizeof(mm, lengths)(i)`` is ``S(L_i)``, the predicted bytes one more
+    row of length ``L_i`` adds to a batch (``L_i`` is ``lengths[i]``, or
+    ``padded_length`` for every element, rounded up to ``pad_to_multiple_of``).
+    :meth:`max_total_size` is the matching limit, the budget minus the fixed
+    bytes of the longest batch. See the module docstring for when the sum is
+    exact.
+
+    Args:
+        memory_model: a fitted :class:`~dynabatch.memory.model.MemoryModel`.
+        lengths: every element's length in tokens (indexed by the sampler's indices).
+        padded_length: the length every batch is padded to, if it is fixed.
+        pad_to_multiple_of: the collator's ``pad_to_multiple_of``, if any.
+
+    Example:
+        >>> from dynabatch import SizeAwareBatchSampler
+        >>> from dynabatch.sampling.size_aware_memory import MemorySizeof, fit_memory_model
+        >>> shapes = [(r, n) for r in (1, 4, 16) for n in (16, 64, 128)]
+        >>> mm = fit_memory_model(shapes, [3000 + r * 40 * n for r, n in shapes])
+        >>> sizeof = MemorySizeof(mm, [128] * 10, padded_length=128)
+        >>> round(sizeof(0)), round(sizeof.max_total_size(30000))
+        (5120, 27000)
+        >>> list(SizeAwareBatchSampler(range(10), sizeof, sizeof.max_total_size(30000)))
+        [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    """
+
+    def __init__(self, memory_model: Any, lengths: Any, *, padded_length: int | None = None,
+                 pad_to_multiple_of: int | None = None) -> None:
+        _check_model(memory_model)
+        if pad_to_multiple_of is not None:
+            pad_to_multiple_of = check_positive_int("pad_to_multiple_of", pad_to_multiple_of)
+        own = _as_lengths(lengths)
+        if padded_length is not None:
+            padded_length = check_positive_int("padded_length", padded_length)
+            if own.size and own.max() > padded_length:
+                raise bad_value("padded_length", f">= the longest length ({int(own.max())})", padded_length)
+            own = np.full_like(own, padded_length)
+        self.memory_model = memory_model
+        self.lengths = _padded(own, pad_to_multiple_of)
+        distinct, inverse = np.unique(self.lengths, return_inverse=True)
+        fixed, per_row = _split(memory_model, distinct) if distinct.size else (distinct, distinct)
+        self._per_row = per_row[inverse].tolist()
+        self._longest_fixed = float(fixed.max()) if fixed.size else 0.0
+
+    def __call__(self, index: int) -> float:
+        """Bytes per row of element ``index`` at its padded length."""
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= index < len(self._per_row):
+            raise bad_value("index", f"an element index in [0, {len(self._per_row)})", index)
+        return self._per_row[index]
+
+    def __len__(self) -> int:
+        return len(self._per_row)
+
+    def max_total_size(self, budget_bytes: float) -> float:
+        """``budget_bytes`` minus the fixed bytes of a batch at the longest padded length.
+
+        Raises:
+            ValueError: the fixed bytes alone are over the budget (no batch fits).
+        """
+        budget = check_positive_number("budget_bytes", budget_bytes)
+        room = budget - self._longest_fixed
+        if not room > 0:
+            raise bad_value("budget_bytes", f"above the fixed bytes of the longest batch ({self._longest_fixed:.0f})",
+                            budget_bytes)
+        return room
+
+
+def bucket_memory_kwargs(memory_model: Any, lengths: Any, bucket_boundaries: Any, budget_bytes: float, *,
+                         pad_to_multiple_of: int | None = None) -> dict[str, list[Any]]:
+    """``base_batch_sampler_individual_kwargs`` giving each bucket a memory-sized ``SizeAwareBatchSampler``.
+
+    For ``BucketBatchSampler(lengths, bucket_boundaries, SizeAwareBatchSampler,
+    base_batch_sampler_individual_kwargs=...)``: in the bucket whose longest
+    element is ``L`` (rounded up to ``pad_to_multiple_of``), every element
+    costs ``S(L)`` and the limit is ``budget_bytes - F(L)``, so a batch of the
+    bucket, padded to its longest row (at most ``L``), is predicted at or under
+    ``budget_bytes``; that is ``memory_model.max_rows(L, budget_bytes)`` rows.
+
+    Args:
+        memory_model: a fitted :class:`~dynabatch.memory.model.MemoryModel`.
+        lengths: every element's length in tokens (the ``sizes`` of the bucket sampler).
+        bucket_boundaries: the bucket sampler's boundaries.
+        budget_bytes: the peak bytes a batch may reach.
+        pad_to_multiple_of: the collator's ``pad_to_multiple_of``, if any.
+
+    Returns:
+        ``{"sizeof": [...], "max_total_size": [...]}``, one entry per bucket.
+
+    Raises:
+        ValueError: one row of some non-empty bucket is already over the budget.
+    """
+    _check_model(memory_model)
+    budget = check_positive_number("budget_bytes", budget_bytes)
+    own = _as_lengths(lengths)
+    bounds = np.sort(_as_lengths(bucket_boundaries) if not isinstance(bucket_boundaries, torch.Tensor)
+                     else bucket_boundaries.detach().cpu().numpy().astype(np.float64))
+    sizeofs: list[Any] = []
+    limits: list[float] = []
+    for lower, upper in zip(bounds[:-1], bounds[1:]):
+        inside = own[(own >= lower) & (own < upper)]
+        if not inside.size:  # an empty bucket still gets a sampler: any valid arguments
+            sizeofs.append(_constant(0.0))
+            limits.append(budget)
+            continue
+        length = float(_padded(np.array([inside.max()]), pad_to_multiple_of)[0])
+        fixed, per_row = (float(v[0]) for v in _split(memory_model, np.array([length])))
+        if fixed + per_row > budget:
+            raise bad_value("budget_bytes", f"enough for one row of length {length:.0f} "
+                            f"({math.ceil(fixed + per_row)} bytes predicted)", budget_bytes)
+        sizeofs.append(_constant(per_row))
+        limits.append(budget - fixed)
+    return {"sizeof": sizeofs, "max_total_size": limits}
+
+
+class _constant:
+    """A sizeof giving every element of a bucket the same bytes per row (picklable, unlike a lambda)."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __call__(self, index: int) -> float:
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"<{self.value:.0f} bytes per row>"
