@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import tempfile
 import time
@@ -61,6 +62,9 @@ def main() -> None:
 
     sampler = MultipackBatchSampler(list(range(len(dataset))), batch_size=args.bins, batch_max_len=args.max_len,
                                     lengths=lengths, drop_last=False, seed=0)
+    # Trainer fixes the steps per epoch from the first epoch's len(); later epochs plan a few bins more or
+    # less, so every epoch is given at least the most batches any epoch has (none of its batches go unused).
+    sampler.set_min_batches(sampler.max_len(math.ceil(args.epochs)))
     collator = PackedCollator(pad_token_id=tokenizer.pad_token_id, block_mask="float",
                               return_flash_attn_kwargs=False)
     padded_steps = -(-len(dataset) // args.bins)

@@ -631,6 +631,7 @@ class MultipackBatchSampler(BatchSampler):
         self.total_tokens_used = 0
         self.total_token_slots = 0
         self.num_samples_dropped = 0
+        self.min_batches = 0
         self.len_across_ranks: int | None = None
         self._cache: tuple[int, list[list[list[int]]], str, int, int] | None = None
         self._stats_epoch: int | None = None
@@ -705,11 +706,12 @@ class MultipackBatchSampler(BatchSampler):
             starts, ends = starts[:keep], ends[:keep]
         else:
             self.num_samples_dropped = 0
-            n = starts.size
-            if n and (n < world or (size == 1 and n % world)):
-                starts, ends = _split_largest(starts, ends, -(-n // world) * world if size == 1 else world)
+        n = starts.size
+        per_rank = -(-n // world)  # bins of the fullest rank
+        count = max(-(-per_rank // size), self.min_batches) if n else 0  # batches per rank
+        if n // world < count:  # a rank would have fewer bins than batches: split the fullest bins
+            starts, ends = _split_largest(starts, ends, count * world)
         shares = [len(range(r, starts.size, world)) for r in range(world)]
-        count = max((-(-share // size) for share in shares), default=0)
         return starts, ends, [_deal(share, count, size) for share in shares]
 
     def generate_batches(self, set_stats: bool = False) -> list[list[list[int]]]:
@@ -769,6 +771,27 @@ class MultipackBatchSampler(BatchSampler):
     def __len__(self) -> int:
         return len(self.generate_batches())
 
+    def set_min_batches(self, min_batches: int) -> None:
+        """Every epoch yields at least ``min_batches`` batches per rank (extra ones have fewer bins).
+
+        For a loop that fixes the steps per epoch once, like the HF ``Trainer``
+        (``len`` of the first epoch): pass the most batches any epoch has
+        (:meth:`max_len`), so no epoch's last batches are left unused.
+        """
+        self.min_batches = check_non_negative_int("min_batches", min_batches)
+        self._cache = None
+
+    def max_len(self, epochs: int) -> int:
+        """The most batches per rank any of epochs ``0 .. epochs - 1`` has (planning each)."""
+        epochs = check_positive_int("epochs", epochs)
+        current, most = self.epoch, 0
+        for epoch in range(epochs):
+            self.epoch = epoch
+            most = max(most, len(self.generate_batches()))
+        self.epoch = current
+        self.generate_batches()  # the current epoch's plan (and num_samples_dropped) again
+        return most
+
     def num_batches(self) -> int:
         """The number of batches of this rank in the current epoch."""
         return len(self)
@@ -827,7 +850,7 @@ class MultipackBatchSampler(BatchSampler):
 
     def _identity(self) -> list[Any]:
         return [type(self).__name__, self.lengths, self.batch_size, self.batch_max_len, self.drop_last,
-                self.sequential, self.group_size, self.bin_size, self.oversized]
+                self.sequential, self.group_size, self.bin_size, self.oversized, self.min_batches]
 
     @property
     def fingerprint(self) -> str:

@@ -256,6 +256,31 @@ def test_unknown_keyword_is_ignored_with_a_warning(caplog):
     assert "ignores the keyword arguments ['curriculum']" in caplog.text
 
 
+@settings(deadline=None, max_examples=40)
+@given(n=st.integers(3, 60), world=st.integers(1, 3), batch_size=st.integers(1, 3), extra=st.integers(0, 30))
+def test_min_batches_for_loops_that_fix_the_steps_once(n, world, batch_size, extra):
+    lengths = np.random.default_rng(n).integers(1, 40, size=n)
+    ranks = [_sampler(lengths, batch_size, 40, drop_last=False, num_replicas=world, rank=r) for r in range(world)]
+    per_epoch = []
+    for epoch in range(4):
+        ranks[0].set_epoch(epoch)
+        per_epoch.append(len(list(ranks[0])))
+    ranks[0].set_epoch(0)
+    most = ranks[0].max_len(4)
+    assert most == max(per_epoch) and ranks[0].epoch == 0
+    wanted = min(most + extra, n // world)
+    for r in ranks:
+        r.set_min_batches(wanted)
+    for epoch in range(4):
+        shares = []
+        for r in ranks:
+            r.set_epoch(epoch)
+            shares.append(list(r))
+        assert {len(s) for s in shares} == {max(wanted, len(shares[0]))} and len(shares[0]) >= wanted
+        seen = sorted(i for s in shares for i in _flat(s))
+        assert seen == list(range(n))  # nothing lost or repeated by the extra batches
+
+
 # --------------------------------------------------------------------------- sharding and resumption
 
 
