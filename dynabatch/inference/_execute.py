@@ -48,6 +48,7 @@ class Executor:
         self.results: dict[int, Any] = {}
         self.failed: list[int] = []
         self.failed_shapes: list[tuple[int, int]] = []
+        self.item_failed_shapes: list[tuple[int, int]] = []  # (rows, width) that ran out of memory in the last item
         self.report = RunReport()
         self.started = time.perf_counter()
         self.tokens = 0
@@ -83,6 +84,7 @@ class Executor:
         positions: list[int] = []
         results: list[Any] = []
         measured: list[tuple[int, int, int]] = []
+        self.item_failed_shapes = []
         stack = [batch]
         del batch
         try:
@@ -123,6 +125,7 @@ class Executor:
         piece_rows, piece_width = batch_shape(piece)
         record.oom_events += 1
         self.failed_shapes.append((piece_rows, piece_width))
+        self.item_failed_shapes.append((piece_rows, piece_width))
         if piece_rows > 1:
             first, second = self._halves(piece)
             logger.warning("batch %d: %d rows x %d tokens ran out of memory (%s); retrying as %d + %d rows",

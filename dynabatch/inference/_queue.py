@@ -110,9 +110,14 @@ class BatchQueue:
             self.stream = None
         return None
 
-    def observe(self, item: Item, parts: list[tuple[int, int, int]]) -> None:
-        """Measured mode: tells the planner the peaks of an item that ran whole, ``(rows, width, peak)`` per call."""
-        if self.planner is not None and item.whole:
+    def observe(self, item: Item, parts: list[tuple[int, int, int]], failed: list[tuple[int, int]] = ()) -> None:
+        """Measured mode: tells the planner the peaks of an item that ran whole, ``(rows, width, peak)`` per call,
+        and the ``(rows, width)`` of every call that ran out of memory."""
+        if self.planner is None:
+            return
+        for rows, width in failed:
+            self.planner.observe_out_of_memory(rows, width)
+        if item.whole:
             self.planner.observe_parts(parts)
 
     def materialize(self) -> None:

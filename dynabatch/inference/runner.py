@@ -264,7 +264,7 @@ def run(
             mine.extend(item.positions.tolist())
             todo = executor.skip_done(item)  # rows a resumed run already has
             if todo is not None:
-                queue.observe(todo, executor.run_item(todo))
+                queue.observe(todo, executor.run_item(todo), executor.item_failed_shapes)
     finally:
         if bar is not None:
             bar.close()

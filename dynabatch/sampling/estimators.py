@@ -7,7 +7,8 @@ An estimator answers three questions over lengths sorted longest first:
   length fit under its budget, given the first batch's measured peak and rows,
   or ``None`` when it has no model of bytes (the planner then bounds rows by
   the last measured peak per row);
-* ``observe(rows, padded_length, peak_bytes)``: a measured peak, to refine itself.
+* ``observe(rows, padded_length, peak_bytes)`` and ``observe_out_of_memory(rows,
+  padded_length)``: a measured peak, or a shape that ran out of memory, to refine itself.
 
 :class:`SpikeEstimator` is the spike classifier (13 features, or 14 with a
 :class:`~dynabatch.memory.shape.ModelShape`); :class:`MemoryModelEstimator` is a
@@ -107,6 +108,9 @@ class SpikeEstimator:
     def observe(self, rows: int, padded_length: int, peak_bytes: float) -> None:
         """A classifier does not learn from measured peaks (the planner's bound does)."""
 
+    def observe_out_of_memory(self, rows: int, padded_length: int) -> None:
+        """A classifier does not learn from out-of-memory errors (the runner's split does)."""
+
 
 class MemoryModelEstimator:
     """A calibrated memory model behind a planner.
@@ -149,7 +153,12 @@ class MemoryModelEstimator:
         return rows if self.max_memory is not None else max(rows, floor)
 
     def observe(self, rows: int, padded_length: int, peak_bytes: float) -> None:
+        """Refits the memory model with a measured peak."""
         self.memory_model.observe(rows, padded_length, peak_bytes)
+
+    def observe_out_of_memory(self, rows: int, padded_length: int) -> None:
+        """Refits the memory model with a shape that ran out of memory (rows stay below it from then on)."""
+        self.memory_model.observe(rows, padded_length, None, out_of_memory=True)
 
 
 def make_estimator(

@@ -45,7 +45,12 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_fraction, check_positive_int
+from dynabatch._validation import (
+    bad_type,
+    bad_value,
+    check_fraction,
+    check_positive_int,
+)
 from dynabatch.memory.feedback import MemoryFeedback
 from dynabatch.memory.shape import ModelShape, check_model_shape
 from dynabatch.sampling.estimators import SpikeEstimator
@@ -239,6 +244,10 @@ class BatchPlanner:
         for rows, width, peak in parts:
             if rows:
                 self.estimator.observe(rows, width, peak)
+
+    def observe_out_of_memory(self, rows: int, padded_length: int) -> None:
+        """Records a call of ``rows`` x ``padded_length`` that ran out of memory (a memory model learns its cap)."""
+        self.estimator.observe_out_of_memory(rows, padded_length)
 
 
 def plan_batch_sizes(

@@ -431,3 +431,79 @@ def test_a_model_instead_of_its_shape_is_refused_before_tokenizing(tokenizer):
     with pytest.raises(TypeError, match=r"model_shape should be a ModelShape \(ModelShape.from_model\(model, "
                                         r"\.\.\.\)\) or None, but got model_shape='t5-small'"):
         build_dynamic_batch_dataloader(["a"], tokenizer, 1, 8, model_shape="t5-small")
+
+
+# --- the plan it carries; a memory model; the model itself ---------------------------------------------
+
+
+def test_the_loader_carries_its_plan(tokenizer, texts):
+    from dynabatch.inference.loader import LoaderPlan, plan_of
+
+    loader = _load(texts, tokenizer)
+    assert isinstance(loader.plan, LoaderPlan) and plan_of(loader) is loader.plan
+    assert loader.plan.sampler is loader.batch_sampler and loader.plan.collator is loader.collate_fn
+    assert [b.tolist() for b in loader.plan.planner.batches()] == [list(b) for b in loader.batch_sampler]
+    assert plan_of(list(loader)) is None
+
+
+def test_the_model_gives_its_shape(tokenizer, texts):
+    from transformers import BertConfig
+
+    from dynabatch import ModelShape
+
+    config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2)
+    by_model = _load(texts, tokenizer, model=config)
+    by_shape = _load(texts, tokenizer, model_shape=ModelShape.from_model(config))
+    assert by_model.plan.planner.settings.model_shape == ModelShape(30522, 64)
+    assert [list(b) for b in by_model.batch_sampler] == [list(b) for b in by_shape.batch_sampler]
+    with pytest.raises(ValueError, match=r"^model should be None when model_shape is given"):
+        _load(texts, tokenizer, model=config, model_shape=ModelShape(30522, 64))
+    with pytest.raises(TypeError, match=r"^model should be a transformers model or config"):
+        _load(texts, tokenizer, model="bert")
+
+
+def _memory_model(peak):
+    from dynabatch.memory.model import MemoryModel
+
+    shapes = [(4, 64), (4, 16), (16, 8), (8, 32), (2, 64), (32, 4), (16, 64), (256, 4), (128, 16)]
+    return MemoryModel().fit(*zip(*shapes), [peak(r, n) for r, n in shapes])
+
+
+def test_a_memory_model_plans_to_its_budget(tokenizer, texts):
+    from dynabatch.sampling.budget import plan_batches_to_budget
+
+    def peak(rows, length):
+        return 10_000 + rows * (300 + 20 * length)
+
+    mm = _memory_model(peak)
+    relative = _load(texts, tokenizer, memory_model=mm)
+    want = plan_batches_to_budget(relative.plan.planner.lengths, mm, batch_size=BATCH_SIZE)
+    assert [list(b) for b in relative.batch_sampler] == [b.tolist() for b in want]
+    budget = peak(BATCH_SIZE, max(relative.plan.planner.lengths))
+    for batch in relative:
+        rows, width = batch["input_ids"].shape
+        assert peak(rows, width) <= budget
+    absolute = _load(texts, tokenizer, memory_model=mm, max_memory=50_000, memory_margin=0.0, granularity=2)
+    for batch in absolute:
+        assert peak(*batch["input_ids"].shape) <= 50_000
+    assert sorted(i for b in absolute.batch_sampler for i in b) == list(range(len(texts)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"max_memory": "12GB"}, ValueError, r"^max_memory should be None without a memory_model"),
+        ({"memory_model": "mm", "max_memory": "12XB"}, ValueError, r"^max_memory should be .*'12XB'$"),
+        ({"memory_model": "mm", "max_memory": -1}, ValueError, r"^max_memory should be .*max_memory=-1$"),
+        ({"memory_model": "mm", "memory_margin": 1.0}, ValueError,
+         r"^memory_margin should be a number in \[0, 1\), but got memory_margin=1\.0$"),
+        ({"memory_model": "mm", "granularity": 0}, ValueError,
+         r"^granularity should be a positive integer, but got granularity=0$"),
+        ({"memory_model": {"coef": 1}}, TypeError, r"^memory_model should be a MemoryModel"),
+    ],
+)
+def test_bad_memory_options_are_named(tokenizer, kwargs, error, match):
+    if kwargs.get("memory_model") == "mm":
+        kwargs["memory_model"] = _memory_model(lambda r, n: 100 + r * n)
+    with pytest.raises(error, match=match):
+        build_dynamic_batch_dataloader(["a", "b"], tokenizer, 1, 8, **kwargs)

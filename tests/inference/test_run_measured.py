@@ -4,11 +4,21 @@
 
 import pytest
 import torch
+from runner_helpers import (  # noqa: F401
+    MAX_LEN,
+    NEW_TOKENS,
+    _cpu_oom,
+    _embed_under_a_real_limit,
+    _fails_at,
+    _lengths,
+    _load,
+    _oom_over,
+)
 
 from dynabatch import (
     run,
+    track_peak_memory,
 )
-from runner_helpers import MAX_LEN, NEW_TOKENS, _cpu_oom, _embed_under_a_real_limit, _fails_at, _lengths, _load, _oom_over  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,3 +117,33 @@ def test_measured_mode_needs_a_dynabatch_loader(tokenizer, texts):
         run(_lengths, batches, adapt=True, progress=False)
     with pytest.raises(TypeError, match="adapt should be a bool, but got adapt='yes'"):
         run(_lengths, batches, adapt="yes", progress=False)
+
+
+def test_measured_mode_refines_a_memory_model_that_can_be_saved(tokenizer, minilm, texts, tmp_path):
+    # The memory model comes from a few measured probes of the real model; run(adapt=True) adds every batch
+    # it measures, and the refined model is saved for the next job.
+    from dynabatch.memory.model import MemoryModel
+
+    mm = MemoryModel(device="cpu")
+    with torch.no_grad():
+        for rows, length in [(2, 8), (2, 48), (8, 16), (4, 32), (16, 4), (8, 48), (64, 4)]:
+            ids = torch.randint(1000, 2000, (rows, length))
+            with track_peak_memory("cpu") as mem:
+                minilm(input_ids=ids, attention_mask=torch.ones_like(ids))
+            mm.observe(rows, length, mem.peak_bytes)
+    probes = len(mm.probes_)
+    loader = _load(texts, tokenizer, batch_size=4, memory_model=mm)
+    embed = lambda b: minilm(**b).last_hidden_state[:, 0]  # noqa: E731
+    with torch.no_grad():
+        got = run(embed, loader, adapt=True, progress=False)
+        want = run(embed, loader, progress=False)
+    assert len(mm.probes_) > probes  # refined from the peaks measured
+    assert got.report.rows == len(texts) and got.failed == []
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    budget = got.report.budget_bytes
+    assert max(r.peak_bytes for r in got.report.records) <= 1.02 * budget
+    mm.save(tmp_path / "mm.json")
+    loaded = MemoryModel.load(tmp_path / "mm.json")
+    assert len(loaded.probes_) == len(mm.probes_)
+    assert float(loaded.predict(8, 32)) == pytest.approx(float(mm.predict(8, 32)))

@@ -4,16 +4,24 @@
 
 import pytest
 import torch
+from runner_helpers import (  # noqa: F401
+    MAX_LEN,
+    NEW_TOKENS,
+    _cpu_oom,
+    _embed_under_a_real_limit,
+    _fails_at,
+    _lengths,
+    _load,
+    _oom_over,
+)
 
 from dynabatch import (
     Batch,
 )
-from dynabatch.data.collate import halves, take_rows
+from dynabatch.data.collate import TokenCollator, halves, take_rows
+from dynabatch.data.tokenization import tokenize_texts
 from dynabatch.inference._resume import to_json_value
 from dynabatch.inference.outputs import split_rows
-from dynabatch.data.collate import TokenCollator
-from dynabatch.data.tokenization import tokenize_texts
-from runner_helpers import MAX_LEN, NEW_TOKENS, _cpu_oom, _embed_under_a_real_limit, _fails_at, _lengths, _load, _oom_over  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

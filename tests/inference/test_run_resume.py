@@ -10,6 +10,16 @@ import sys
 import textwrap
 
 import pytest
+from runner_helpers import (  # noqa: F401
+    MAX_LEN,
+    NEW_TOKENS,
+    _cpu_oom,
+    _embed_under_a_real_limit,
+    _fails_at,
+    _lengths,
+    _load,
+    _oom_over,
+)
 
 from dynabatch import (
     BatchOutOfMemoryError,
@@ -17,7 +27,6 @@ from dynabatch import (
     RunResult,
     run,
 )
-from runner_helpers import MAX_LEN, NEW_TOKENS, _cpu_oom, _embed_under_a_real_limit, _fails_at, _lengths, _load, _oom_over  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,7 +6,9 @@ from sklearn.tree import DecisionTreeClassifier
 
 from dynabatch.memory.classifier import SpikeClassifier, load_classifier
 from dynabatch.memory.features import ModelShape, compute_features
-from dynabatch.sampling.planner import candidate_sizes, plan_batch_sizes, plan_batches
+from dynabatch.memory.feedback import MemoryFeedback
+from dynabatch.sampling.estimators import make_estimator
+from dynabatch.sampling.planner import BatchPlanner, PlanSettings, candidate_sizes, plan_batch_sizes, plan_batches
 
 
 class CountingClassifier(SpikeClassifier):
@@ -262,3 +264,112 @@ def test_the_shape_and_the_classifier_must_agree(kwargs, error, match):
     kwargs = {k: named.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
     with pytest.raises(error, match=match):
         plan_batches(np.arange(100) % 60, 8, 64, **kwargs)
+
+
+# --- runs of equal lengths, and the planner object ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["bundled", "non_monotone"])
+@pytest.mark.parametrize("batch_size", [1, 16])
+def test_long_runs_of_equal_lengths_equal_the_rule_with_few_calls(request, which, batch_size):
+    # Few distinct lengths in long runs (the shortcut), with short runs between them (the exact steps).
+    clf = request.getfixturevalue(which)
+    rng = np.random.default_rng(batch_size)
+    values = np.sort(rng.choice(np.arange(1, 129), size=30, replace=False))[::-1]
+    counts = np.where(rng.random(30) < 0.5, rng.integers(1, 40, 30), rng.integers(200, 3000, 30))
+    lengths = np.repeat(values, counts)
+    counting = CountingClassifier(clf)
+    sizes = plan_batch_sizes(lengths, batch_size, 128, classifier=counting, threshold=0.5 if which == "non_monotone"
+                             else 0.025)
+    assert sizes.tolist() == reference_sizes(lengths, batch_size, 128, clf, 0.5 if which == "non_monotone" else 0.025)
+    assert counting.calls < len(sizes) / 4
+
+
+def test_a_million_lengths_need_few_classifier_rows(counting):
+    # What bounds the planning time: rows the trees evaluate (a run over 1M lengths asks for a few thousand).
+    lengths = np.random.default_rng(0).choice(np.minimum(np.random.default_rng(1).lognormal(3.5, 0.8, 5000)
+                                                         .astype(int) + 2, 256), 1_000_000)
+    counting.calls = counting.rows = 0
+    batches = plan_batches(lengths, 16, 256, classifier=counting)
+    assert sum(map(len, batches)) == 1_000_000
+    assert counting.rows < 20_000 and counting.calls < 1_000
+
+
+def test_plan_settings_are_validated_once_and_frozen():
+    settings = PlanSettings(batch_size=np.int64(8), max_input_token_length=64, batch_end_range=2)
+    assert settings.batch_size == 8 and type(settings.batch_size) is int and settings.batch_end_range == 2.0
+    assert settings.candidates.tolist() == candidate_sizes(8, 1.0, 2.0, 50).tolist()
+    with pytest.raises(Exception):  # frozen
+        settings.batch_size = 4
+    with pytest.raises(ValueError, match=r"^batch_size should be a positive integer, but got batch_size=0$"):
+        PlanSettings(batch_size=0, max_input_token_length=64)
+    with pytest.raises(TypeError, match=r"^settings should be a PlanSettings, but got settings=\{\} of type dict$"):
+        BatchPlanner([1, 2], {})
+
+
+def test_the_planner_serves_the_plan_and_then_batches_sized_by_measured_peaks():
+    lengths = np.random.default_rng(0).integers(1, 65, size=600)
+    settings = PlanSettings(batch_size=8, max_input_token_length=64)
+    planner = BatchPlanner(lengths, settings)
+    plan = planner.batches()
+    assert [b.tolist() for b in plan] == [b.tolist() for b in plan_batches(lengths, 8, 64)]
+    # Online, fed peaks proportional to rows x longest row: each batch as MemoryFeedback sizes it.
+    feedback = MemoryFeedback(np.sort(lengths)[::-1], [len(b) for b in plan])
+    seen, start, last = [], 0, None
+    while (batch := planner.next_batch()) is not None:
+        assert len(batch) == feedback.next_size(start, last)
+        peak = 100.0 * len(batch) * int(lengths[batch].max())
+        planner.observe(len(batch), int(lengths[batch].max()), peak)
+        feedback.observe(len(batch), peak)
+        seen.extend(batch.tolist())
+        start, last = start + len(batch), len(batch)
+    assert sorted(seen) == list(range(600))  # every position exactly once
+    planner.restart()
+    assert planner.next_batch().tolist() == plan[0].tolist()
+
+
+@pytest.mark.filterwarnings("ignore:MemoryModel extrapolates")
+def test_a_memory_model_behind_the_planner_is_refined_online():
+    from dynabatch.memory.model import MemoryModel
+    from dynabatch.sampling.budget import plan_batch_sizes_to_budget
+
+    def true_peak(rows, length):
+        return 1000 + rows * (50 + 4 * length)
+
+    shapes = [(8, 64), (8, 16), (32, 8), (16, 32), (4, 64), (64, 4)]
+    mm = MemoryModel().fit(*zip(*shapes), [true_peak(r, n) for r, n in shapes])
+    lengths = np.random.default_rng(1).integers(1, 65, size=2000)
+    planner = BatchPlanner(lengths, PlanSettings(batch_size=8, max_input_token_length=64),
+                           make_estimator(memory_model=mm, memory_margin=0.1))
+    sizes = planner.sizes()
+    assert sizes.tolist() == plan_batch_sizes_to_budget(np.sort(lengths)[::-1], mm, batch_size=8).tolist()
+    budget = true_peak(8, 64)
+    probes = len(mm.probes_)
+    while (batch := planner.next_batch()) is not None:
+        width = int(lengths[batch].max())
+        assert true_peak(len(batch), width) <= budget  # the model is exact here: never over the first batch's peak
+        planner.observe(len(batch), width, true_peak(len(batch), width))
+    assert len(mm.probes_) > probes  # every measured batch refined it
+    planner.observe_out_of_memory(500, 64)
+    assert mm.probes_[-1]["out_of_memory"] and int(mm.max_rows(64, 10**12)) < 500
+
+
+def test_memory_options_are_checked():
+    with pytest.raises(ValueError, match=r"^max_memory should be None without a memory_model"):
+        make_estimator(max_memory=10**9)
+    with pytest.raises(ValueError, match=r"^granularity should be None without a memory_model"):
+        make_estimator(granularity=8)
+    with pytest.raises(ValueError, match=r"^memory_margin should be a number in \[0, 1\), but got memory_margin=1$"):
+        make_estimator(memory_margin=1)
+    with pytest.raises(TypeError, match=r"^memory_model should be a MemoryModel"):
+        make_estimator(memory_model="mm.json")
+    from dynabatch.memory.model import MemoryModel
+
+    mm = MemoryModel().fit([1, 2, 4], [4, 8, 2], [10, 40, 20])
+    with pytest.raises(ValueError, match=r"^max_memory should be .*, but got max_memory='12XB'$"):
+        make_estimator(memory_model=mm, max_memory="12XB")
+    with pytest.raises(ValueError, match=r"^max_memory should be .*, but got max_memory=0$"):
+        make_estimator(memory_model=mm, max_memory=0)
+    with pytest.raises(ValueError, match=r"^classifier should be None when a memory_model is given"):
+        make_estimator(load_classifier(), mm)
+    assert make_estimator(memory_model=mm, max_memory="1KiB").max_memory == 1024
