@@ -66,13 +66,16 @@ def _next_word(generator: torch.Generator) -> int:
     return word
 
 
-def draw_bucket(weights: torch.Tensor, generator: Optional[torch.Generator], powers: np.ndarray) -> int:
-    """Index of a bucket drawn with probability ``weights[k] / weights.sum()``, as bionemo's torch drew it."""
+def draw_bucket(remaining: np.ndarray, total: int, generator: Optional[torch.Generator], powers: np.ndarray) -> int:
+    """A bucket drawn with probability ``remaining[k] / total``, as bionemo's torch drew it.
+
+    The arithmetic is torch's, in numpy: ``float32(remaining) / float32(total)`` divided by the
+    exponential variates cast to float32, and the first largest quotient.
+    """
+    weights = remaining.astype(np.float32) / np.float32(total)
     if generator is None or generator.device.type != "cpu":
-        return int(torch.multinomial(weights, 1, generator=generator))
+        return int(torch.multinomial(torch.from_numpy(weights), 1, generator=generator))
     start = _next_word(generator) % _MCG31_MODULUS or 1
     stream = (np.uint64(start) * powers[: len(weights)]) % np.uint64(_MCG31_MODULUS)
-    exponential = torch.from_numpy(-np.log(stream / _MCG31_MODULUS)).to(weights.dtype)
-    return int(torch.argmax(weights / exponential))
-
-
+    exponential = (-np.log(stream / _MCG31_MODULUS)).astype(np.float32)
+    return int(np.argmax(weights / exponential))

@@ -29,6 +29,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any, Dict, List, NamedTuple, Optional, Type
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -402,13 +403,13 @@ class BucketBatchSampler(Sampler[List[int]]):
                 permutation = torch.randperm(len(indices), generator=self.generator).tolist()
                 indices[:] = [indices[p] for p in permutation]
         batches = [iter(sampler) for sampler in self.base_batch_samplers]
-        remaining = self.bucket_sizes.clone()
+        remaining = self.bucket_sizes.numpy().copy()
         total = self.num_samples
         while total > 0:
             if self.shuffle:
-                bucket = draw_bucket(remaining / total, self.generator, self._mcg_powers)
+                bucket = draw_bucket(remaining, total, self.generator, self._mcg_powers)
             else:
-                bucket = int(torch.argmax((remaining > 0).to(torch.int64)))
+                bucket = int(np.argmax(remaining > 0))
             try:
                 batch = next(batches[bucket])
             except StopIteration:  # the base sampler dropped or skipped the rest of its bucket

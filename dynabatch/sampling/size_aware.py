@@ -107,6 +107,8 @@ def _look_up_mapping(table: Mapping[Any, Any]) -> Callable[[Any], Any]:
 
 def _look_up_sequence(table: Sequence[Any]) -> Callable[[Any], Any]:
     def size(index: Any) -> Any:
+        if index.__class__ is int and 0 <= index < len(table):  # the common case, fast
+            return table[index]
         missing = isinstance(index, numbers.Integral) and not 0 <= index < len(table)
         if not missing:
             try:
@@ -167,6 +169,11 @@ def _check_logger(name: str, value: Any) -> None:
 
 def _exceeds(size: Any, limit: Any, data: Any) -> bool:
     """``size > limit`` with a clear error for a size that is not a comparable number."""
+    if size.__class__ is int:  # the common case, fast
+        try:
+            return size > limit
+        except TypeError:
+            pass  # the limit is not comparable with an int: the general path says so
     if isinstance(size, numbers.Real) and math.isnan(size):
         raise ValueError(f"sizeof should return a number, but got NaN for data={_short(data)}")
     try:
