@@ -123,8 +123,9 @@ def plot(mm: Any, path: Path) -> None:
     ax.plot([0, top], [0, top], color="grey", linewidth=1, linestyle="--", label="predicted = measured")
     ax.set_xlabel("measured peak (MiB)")
     ax.set_ylabel("predicted peak (MiB)")
-    name = (mm.model_info or {}).get("name", "")
-    ax.set_title(f"{Path(str(name)).name}: largest leave-one-out error {mm.loo_error_:.1%}", fontsize=10)
+    name = Path(str((mm.model_info or {}).get("name") or "memory model")).name
+    ax.set_title(f"{name} on {mm.device}: {len(done)} probes, largest leave-one-out error {mm.loo_error_:.1%}",
+                 fontsize=9)
     fig.colorbar(points, ax=ax, label="padded length (tokens)")
     ax.legend(loc="upper left")
     fig.tight_layout()

@@ -150,6 +150,7 @@ class MemoryModel:
         self.metadata = dict(metadata or {})
         self.versions = library_versions()
         self.probes_: list[dict[str, Any]] = []
+        self._index: dict[tuple[int, int, bool], int] = {}
         self.coef_ = np.zeros(0)
         self.terms_: list[str] = []
         self._knots_used: list[int] = []
@@ -250,6 +251,7 @@ class MemoryModel:
             raise bad_value("padded_length, peak_bytes, out_of_memory", f"of len(rows)={len(rows_list)} each",
                             (len(lengths), len(peaks), len(ooms)))
         self.probes_ = []
+        self._index = {}
         for r, length, peak, oom in zip(rows_list, lengths, peaks, ooms):
             self._add(r, length, peak, bool(oom), source)
         self._refit()
@@ -267,12 +269,16 @@ class MemoryModel:
             peak_bytes = int(peak_bytes)
         elif not out_of_memory:
             raise bad_value("peak_bytes", "a number of bytes for a point that did not run out of memory", None)
-        for probe in self.probes_:  # the same shape twice: keep the larger peak (on CUDA peaks vary a little)
-            if (probe["rows"], probe["padded_length"], probe["out_of_memory"]) == (rows, padded_length,
-                                                                                   out_of_memory):
-                if peak_bytes is not None and (probe["peak_bytes"] is None or peak_bytes > probe["peak_bytes"]):
-                    probe["peak_bytes"] = peak_bytes
-                return
+        key = (rows, padded_length, out_of_memory)
+        index = {(p["rows"], p["padded_length"], p["out_of_memory"]): i for i, p in enumerate(self.probes_)} \
+            if len(self._index) != len(self.probes_) else self._index
+        self._index = index
+        if key in index:  # the same shape twice: keep the larger peak (on CUDA peaks vary a little)
+            probe = self.probes_[index[key]]
+            if peak_bytes is not None and (probe["peak_bytes"] is None or peak_bytes > probe["peak_bytes"]):
+                probe["peak_bytes"] = peak_bytes
+            return
+        index[key] = len(self.probes_)
         probe = {"rows": rows, "padded_length": padded_length, "peak_bytes": peak_bytes,
                  "out_of_memory": bool(out_of_memory), "source": source}
         probe.update(extra or {})

@@ -70,9 +70,9 @@ def test_max_rows_plans_a_million_lengths_fast():
     lengths = np.random.default_rng(0).integers(1, 257, size=1_000_000)
     budget = float(mm.predict(16, 256))
     mm.max_rows(lengths[:10], budget)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: the machine may be shared
     rows = mm.max_rows(lengths, budget)
-    assert time.perf_counter() - start < 0.5
+    assert time.process_time() - start < 0.5
     assert rows.shape == lengths.shape and rows.min() >= 16
 
 

@@ -111,9 +111,9 @@ def test_batches_grow_where_rows_are_cheap():
 def test_plans_a_million_lengths_fast():
     lengths = np.sort(np.random.default_rng(0).integers(1, 257, size=1_000_000))[::-1]
     plan_batch_sizes_to_budget(lengths[:1000], MODEL, batch_size=16)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: the machine may be shared
     sizes = plan_batch_sizes_to_budget(lengths, MODEL, batch_size=16)
-    assert time.perf_counter() - start < 0.5
+    assert time.process_time() - start < 0.5
     assert sizes.sum() == 1_000_000
 
 
