@@ -4,7 +4,8 @@ In one run the script measures, and prints as one markdown table:
 
 1. cold start, each in its own fresh Python process (``--cold-repeats``
    processes of each kind, in alternating order; the median is reported, with
-   the min-max), with an empty ``DYNABATCH_CACHE_DIR``:
+   the min-max), with an empty ``DYNABATCH_CACHE_DIR``, importing a copy of
+   dynabatch with compiled bytecode, as installed (see :func:`installed_copy`):
 
    a. what ``import dynabatch`` adds to ``import torch, transformers`` (both
       timed in the same process, one after the other; target <= 0.3 s);
@@ -83,7 +84,8 @@ else:
     dynabatch.build_dynamic_batch_dataloader(texts, tokenizer, batch_size, max_length, num_workers=0)
 end = time.perf_counter()
 print(json.dumps({"torch_transformers": imported - start, "dynabatch": with_dynabatch - imported,
-                  "call": end - begin, "texts": len(texts), "sklearn": "sklearn" in sys.modules}))
+                  "call": end - begin, "texts": len(texts), "sklearn": "sklearn" in sys.modules,
+                  "module": dynabatch.__file__}))
 """
 
 
@@ -172,19 +174,43 @@ def spread(values: list[float]) -> str:
     return f"{median:.2f} s" if len(values) == 1 else f"{median:.2f} s ({min(values):.2f}-{max(values):.2f})"
 
 
+def installed_copy(folder: Path) -> Path:
+    """A copy of the dynabatch package in ``folder/site`` with its bytecode compiled, as ``pip install`` leaves it.
+
+    The cold-start processes import it from there: their import time is then what an installed dynabatch costs,
+    also where ``PYTHONDONTWRITEBYTECODE`` is set (as on the machine this was written on, where every import of
+    the checkout would otherwise compile its modules from source). torch and transformers are imported as installed.
+    """
+    import compileall
+    import importlib.util
+    import shutil
+
+    source = Path(importlib.util.find_spec("dynabatch").origin).parent
+    site = folder / "site"
+    shutil.copytree(source, site / "dynabatch", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    if not compileall.compile_dir(site / "dynabatch", quiet=1):
+        raise RuntimeError(f"could not compile the copy of dynabatch in {site}")
+    return site
+
+
 def cold_runs(n_texts: int, max_length: int, repeats: int) -> dict[str, list[dict]]:
     """``repeats`` fresh processes timing the raw tokenizer call and as many timing the first build, alternating."""
     runs: dict[str, list[dict]] = {"raw": [], "build": []}
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "DYNABATCH_CACHE_DIR": cache}
+    with tempfile.TemporaryDirectory() as folder:
+        site = installed_copy(Path(folder))
+        path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "DYNABATCH_CACHE_DIR": str(Path(folder) / "cache"),
+               "PYTHONPATH": path}
         for i in range(repeats):
             for mode in ("raw", "build") if i % 2 == 0 else ("build", "raw"):
                 out = subprocess.run(
                     [sys.executable, "-c", _COLD_CHILD, mode, str(n_texts), str(max_length), str(COLD_BATCH_SIZE)],
-                    capture_output=True, text=True, env=env, check=False)
+                    capture_output=True, text=True, env=env, cwd=folder, check=False)
                 if out.returncode != 0:
                     raise RuntimeError(f"the cold-start process ({mode}) failed:\n{out.stderr}")
                 runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                if not runs[mode][-1]["module"].startswith(str(site)):
+                    raise RuntimeError(f"the cold-start process imported {runs[mode][-1]['module']}, not the copy")
                 print(f"cold start ({mode}, process {i + 1} of {repeats}): {runs[mode][-1]}", file=sys.stderr)
     return runs
 
@@ -296,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
          versus_quoted(1 / per_text)),
     ]
     command = " ".join(["python benchmarks/plan_speed.py", *(sys.argv[1:] if argv is None else argv)])
-    header = (f"`{command}`: cold start on {runs['raw'][0]['texts']:,} KJV passages (median of fresh processes, "
-              f"min-max); warm stages on {n:,} KJV texts of 1-{args.max_words} words, `max_length={m}`, best of "
+    header = (f"`{command}`: cold start on {runs['raw'][0]['texts']:,} KJV passages in fresh processes (median, "
+              f"min-max; dynabatch imported with its bytecode compiled, as installed, and an empty cache); warm stages on {n:,} KJV texts of 1-{args.max_words} words, `max_length={m}`, best of "
               f"{args.repeats}; planning on {k:,} lengths resampled from theirs (mean {tokenized.lengths.mean():.1f}, "
               f"truncated at {m}: {np.mean(tokenized.lengths == m):.1%}).")
     report = f"{machine_line()}\n\n{header}\n\n{markdown(rows)}\n"
