@@ -88,7 +88,7 @@ def run_dynabatch(example, tokenizer, dataset, budget_mb: float, args, out: str)
     config = HeterogeneousTrainingConfig(
         max_memory_mb=budget_mb, base_batch_size=args.max_rows, target_batch_size=args.target_batch_size,
         num_epochs=args.epochs, learning_rate=args.learning_rate, warmup_steps=2, logging_steps=10**6,
-        output_dir=out, seed=42,
+        output_dir=out, seed=42, task_diversity_weight=args.task_diversity_weight, sort_window=args.sort_window,
     )
     pipeline = DynamicBatchingTrainingPipeline(config, model, tokenizer)
     start = time.perf_counter()
@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=1, help="training epochs per run")
     parser.add_argument("--max-rows", type=int, default=64, help="dynabatch: rows per micro-batch at most")
+    parser.add_argument("--task-diversity-weight", type=float, default=0.5,
+                        help="dynabatch: 0 single-task micro-batches ... 1 the global task mix (seed 001: 0.5)")
+    parser.add_argument("--sort-window", type=int, default=None,
+                        help="dynabatch: sort each task's samples by length within windows of this many")
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs of each; medians are shown")
     parser.add_argument("--output-dir", default="/tmp/dynabatch_multitask_benchmark", help="scratch folder")
     example = _example()
@@ -137,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: {f: statistics.median(r[f] for r in v) for f in v[0] if v[0][f] is not None} for k, v in runs.items()}
     print(f"data: {len(dataset)} samples (joke / verse / passage), {args.epochs} epoch(s); budget {budget:.1f} MB "
           f"measured on {args.budget_rows} longest samples, usable {usable:.1f} MB; threads {args.threads}, "
-          f"repeats {args.repeats} (medians)")
+          f"repeats {args.repeats} (medians); dynabatch task_diversity_weight={args.task_diversity_weight}, "
+          f"sort_window={args.sort_window}")
     print(f"{'method':<10} {'rows/micro':>10} {'micro-batches':>13} {'opt. steps':>10} {'train s':>8} "
           f"{'samples/s':>9} {'peak MB':>8} {'peak/budget':>11} {'train loss':>10}")
     for name, m in med.items():

@@ -87,13 +87,19 @@ def check_single_samples_fit(
 
 
 def task_order(
-    task_ids: np.ndarray, task_diversity_weight: float, rng: np.random.Generator | None
+    task_ids: np.ndarray,
+    task_diversity_weight: float,
+    rng: np.random.Generator | None,
+    lengths: np.ndarray | None = None,
+    sort_window: int | None = None,
 ) -> np.ndarray:
     """The order samples are taken in: task runs (weight 0) to proportional interleaving (weight 1).
 
     Each sample gets a key mixing its task's block position with its spread
     position inside the task; ``rng`` shuffles within tasks and the task
-    order (``None``: input order, tasks by id).
+    order (``None``: input order, tasks by id). With ``sort_window``, each
+    task's (shuffled) samples are sorted by length within consecutive windows
+    of that many samples, so neighbours have similar lengths (less padding).
     """
     n = task_ids.size
     num_tasks = int(task_ids.max()) + 1 if n else 0
@@ -103,6 +109,11 @@ def task_order(
         where = np.flatnonzero(task_ids == task)
         if rng is not None:
             where = rng.permutation(where)
+        if sort_window is not None and lengths is not None:
+            where = np.concatenate([
+                chunk[np.argsort(lengths[chunk], kind="stable")]
+                for chunk in np.split(where, np.arange(sort_window, where.size, sort_window))
+            ]) if where.size else where
         rank[where] = np.arange(where.size)
     jitter = rng.uniform(0.0, 1.0, size=n) if rng is not None else np.full(n, 0.5)
     spread = (rank + jitter) / np.maximum(counts[task_ids], 1)  # in [0, 1): position inside the task
@@ -123,6 +134,7 @@ def plan_memory_aware_batches(
     shuffle: bool = True,
     seed: int = 0,
     epoch: int = 0,
+    sort_window: int | None = None,
 ) -> list[np.ndarray]:
     """Plans one epoch of batches (arrays of positions) under a memory budget.
 
@@ -139,6 +151,8 @@ def plan_memory_aware_batches(
             (:class:`dynabatch.MemoryAwareBatchSampler`) shuffles the batch order.
         seed: with ``epoch``, seeds a local generator (the global random state is untouched).
         epoch: the epoch being planned.
+        sort_window: sort each task's samples by length within windows of this many
+            (after shuffling): fewer padded tokens, batches still varied across the epoch.
 
     Returns:
         The batches; every position in ``range(len(task_ids))`` appears exactly once.
@@ -166,7 +180,9 @@ def plan_memory_aware_batches(
     check_single_samples_fit(task_ids, lengths, batch_bytes, max_bytes)
 
     num_tasks = int(task_ids.max()) + 1
-    order = task_order(task_ids, weight, rng if shuffle else None)
+    if sort_window is not None:
+        sort_window = check_positive_int("sort_window", sort_window)
+    order = task_order(task_ids, weight, rng if shuffle else None, lengths, sort_window)
     batches: list[np.ndarray] = []
     costs: list[float] = []
     counts = np.zeros(num_tasks, dtype=np.int64)

@@ -103,9 +103,7 @@ class HeterogeneousCollator:
         longest = max((t.numel() for t in tensors), default=0)
         if self.pad_to_multiple_of:
             longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        dtype = torch.result_type(tensors[0], tensors[0]) if tensors else torch.long
-        if all(not t.is_floating_point() for t in tensors):
-            dtype = torch.long
+        dtype = torch.float32 if any(t.is_floating_point() for t in tensors) else torch.long
         out = torch.full((len(tensors), longest), self._pad_value(key), dtype=dtype)
         for row, t in enumerate(tensors):
             if self.padding_side == "right":

@@ -16,8 +16,8 @@ Example:
     >>> new = gradnorm_update({"a": 1.0, "b": 1.0}, losses={"a": 1.0, "b": 1.0},
     ...                       initial_losses={"a": 2.0, "b": 1.0}, grad_norms={"a": 1.0, "b": 3.0},
     ...                       alpha=1.5, lr=0.1)
-    >>> {k: round(v, 4) for k, v in new.items()}  # "b" has the larger gradient and trains slower... both move
-    {'a': 1.1, 'b': 0.9}
+    >>> {k: round(v, 4) for k, v in new.items()}  # "a" halved its loss, "b" did not: "b" gains weight
+    {'a': 0.9167, 'b': 1.0833}
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ class HeterogeneousTrainingConfig:
     gradient_accumulation_steps: int = 2
     use_gradient_accumulation: bool = True
     task_diversity_weight: float = 0.5
+    sort_window: int | None = None
     batch_size_normalizer: str = "tokens"
     # tasks
     task_distribution: dict[Hashable, float] | None = None
@@ -181,6 +182,7 @@ class DynamicBatchingTrainingPipeline:
             use_gradient_accumulation=c.use_gradient_accumulation,
             target_batch_size=c.target_batch_size or c.base_batch_size * c.gradient_accumulation_steps,
             task_diversity_weight=c.task_diversity_weight,
+            sort_window=c.sort_window,
             use_grad_norm_balancing=c.use_grad_norm_balancing,
             grad_norm_alpha=c.grad_norm_alpha,
             monitor=self.monitor,
@@ -217,6 +219,13 @@ class DynamicBatchingTrainingPipeline:
 
         model.zero_grad(set_to_none=True)
         probes = _probe_batches(dataset, tasks, lengths, trainer.data_collator, sizes, c.calibration_length_quantiles)
-        measured = self.predictor.calibrate(step, probes)
+        probes.sort(key=lambda probe: probe[1]["input_ids"].numel())
+        limit = 1.5 * c.max_memory_mb * 2**20  # probing far above the budget teaches nothing the plan uses
+        measured = 0
+        for task, batch in probes:
+            rows, length = batch["input_ids"].shape
+            if task in self.predictor.task_types and float(self.predictor.predict_bytes(task, rows, length)) > limit:
+                continue
+            measured += self.predictor.calibrate(step, [(task, batch)])
         logger.info("calibrated on %d probe batches: %s", measured, self.predictor.get_calibration_accuracy())
         return measured

@@ -41,7 +41,7 @@ from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.sampling.memory_aware import check_single_samples_fit, plan_memory_aware_batches
 from dynabatch.training.predictor import MB, MemoryPredictor, active_predictor
 
-__all__ = ["MemoryAwareBatchSampler", "StepBatchSampler", "read_task_metadata", "STEP_SEPARATOR"]
+__all__ = ["STEP_SEPARATOR", "CountBatchSampler", "MemoryAwareBatchSampler", "StepBatchSampler", "read_task_metadata"]
 
 _SIZE_FIELDS = ("length", "seq_length", "num_tokens")
 
@@ -107,6 +107,8 @@ class MemoryAwareBatchSampler(PlannedBatchSampler):
         task_types, lengths: per-sample tasks and sizes, instead of reading the dataset.
         size_field: the metadata field holding a sample's size.
         is_training: plan with the predictor's training-step (or forward-only) fits.
+        sort_window: sort each task's shuffled samples by length within windows of
+            this many, so batches waste less on padding (``None``: no sorting).
         num_replicas, rank, shard: distributed sharding (see :class:`~dynabatch.sampling.base.PlannedBatchSampler`).
 
     Raises:
@@ -130,11 +132,13 @@ class MemoryAwareBatchSampler(PlannedBatchSampler):
         lengths: Sequence[int] | None = None,
         size_field: str | None = None,
         is_training: bool = True,
+        sort_window: int | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
         shard: bool = True,
     ) -> None:
         super().__init__(shuffle=shuffle, seed=seed, num_replicas=num_replicas, rank=rank, shard=shard)
+        self.sort_window = None if sort_window is None else check_positive_int("sort_window", sort_window)
         self.batch_size = check_positive_int("batch_size", batch_size)
         self.max_memory_mb = check_positive_number("max_memory_mb", max_memory_mb)
         if isinstance(memory_margin, bool) or not isinstance(memory_margin, (int, float)) or not 0 <= memory_margin < 1:
@@ -186,6 +190,7 @@ class MemoryAwareBatchSampler(PlannedBatchSampler):
             shuffle=self.shuffle,
             seed=self.seed,
             epoch=epoch,
+            sort_window=self.sort_window,
         )
 
     def identity(self) -> list[Any]:
@@ -195,6 +200,7 @@ class MemoryAwareBatchSampler(PlannedBatchSampler):
             self.batch_size,
             self.max_bytes,
             self.task_diversity_weight,
+            self.sort_window,
             np.asarray(self.batch_bytes.coefficients),
         ]
 
@@ -203,6 +209,23 @@ class MemoryAwareBatchSampler(PlannedBatchSampler):
         idx = np.asarray(indices, dtype=np.int64)
         counts = np.bincount(self.task_ids[idx], minlength=len(self.task_names))
         return self.batch_bytes(counts, int(self.lengths[idx].max())) / MB
+
+
+class CountBatchSampler(PlannedBatchSampler):
+    """Micro-batches of at most ``batch_size`` rows and no memory model (no predictor given)."""
+
+    def __init__(self, task_ids: np.ndarray, lengths: np.ndarray, batch_size: int, weight: float, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.task_ids, self.lengths, self.batch_size, self.weight = task_ids, lengths, batch_size, weight
+
+    def plan(self, epoch: int) -> list[np.ndarray]:
+        return plan_memory_aware_batches(
+            self.task_ids, self.lengths, lambda c, n: 0.0, 1.0, batch_size=self.batch_size,
+            task_diversity_weight=self.weight, shuffle=self.shuffle, seed=self.seed, epoch=epoch,
+        )
+
+    def identity(self) -> list[Any]:
+        return [self.task_ids, self.lengths, self.batch_size, self.weight]
 
 
 class StepBatchSampler(PlannedBatchSampler):

@@ -19,6 +19,7 @@ steps already done repeats no sample.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -34,38 +35,25 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
-from dynabatch.sampling.base import PlannedBatchSampler
-from dynabatch.sampling.memory_aware import plan_memory_aware_batches
 from dynabatch.training.collate import METADATA_KEYS, HeterogeneousCollator
 from dynabatch.training.gradnorm import GradNormBalancer, shared_parameter
 from dynabatch.training.guard import OOMGuardian, guarded_step
 from dynabatch.training.loss import check_normalization, count_items, per_sample_losses, weighted_loss_sum
 from dynabatch.training.monitor import BatchMetrics, DynamicBatchingMonitor
 from dynabatch.training.predictor import MB, MemoryPredictor
-from dynabatch.training.sampler import MemoryAwareBatchSampler, StepBatchSampler, read_task_metadata, split_step
+from dynabatch.training.sampler import (
+    CountBatchSampler,
+    MemoryAwareBatchSampler,
+    StepBatchSampler,
+    read_task_metadata,
+    split_step,
+)
 
 __all__ = ["DynamicBatchingTrainer"]
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "dynabatch_state.json"
-
-
-class _CountPlan(PlannedBatchSampler):
-    """Micro-batches of at most ``batch_size`` rows and no memory model (no predictor given)."""
-
-    def __init__(self, task_ids: np.ndarray, lengths: np.ndarray, batch_size: int, weight: float, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.task_ids, self.lengths, self.batch_size, self.weight = task_ids, lengths, batch_size, weight
-
-    def plan(self, epoch: int) -> list[np.ndarray]:
-        return plan_memory_aware_batches(
-            self.task_ids, self.lengths, lambda c, n: 0.0, 1.0, batch_size=self.batch_size,
-            task_diversity_weight=self.weight, shuffle=self.shuffle, seed=self.seed, epoch=epoch,
-        )
-
-    def identity(self) -> list[Any]:
-        return [self.task_ids, self.lengths, self.batch_size, self.weight]
 
 
 class _Indexed(torch.utils.data.Dataset):
@@ -127,6 +115,7 @@ class DynamicBatchingTrainer(Trainer):
         monitor: a :class:`~dynabatch.DynamicBatchingMonitor` fed one record per step.
         measure_memory: measure every micro-batch's peak (CUDA statistics or the CPU tracker).
         size_field: the metadata field holding a sample's size (default: its length).
+        sort_window: the sampler's length sorting window (see :class:`~dynabatch.MemoryAwareBatchSampler`).
 
     Raises:
         ValueError: ``task_loss_weights`` names a task absent from the training
@@ -150,6 +139,7 @@ class DynamicBatchingTrainer(Trainer):
         monitor: DynamicBatchingMonitor | None = None,
         measure_memory: bool = True,
         size_field: str | None = None,
+        sort_window: int | None = None,
         **kwargs: Any,
     ) -> None:
         given_collator = kwargs.get("data_collator", args[2] if len(args) > 2 else None)
@@ -181,6 +171,7 @@ class DynamicBatchingTrainer(Trainer):
             self.max_memory_mb = oom_guardian.max_memory_mb
         self.task_diversity_weight = task_diversity_weight
         self.size_field = size_field
+        self.sort_window = sort_window
         self.monitor = monitor
         self.measure_memory = bool(measure_memory)
         self._train_tasks: list[Hashable] | None = None
@@ -253,13 +244,14 @@ class DynamicBatchingTrainer(Trainer):
             margin = self.oom_guardian.memory_margin_percent if self.oom_guardian is not None else 0.10
             micro = MemoryAwareBatchSampler(
                 None, rows, self.max_memory_mb, task_diversity_weight=self.task_diversity_weight,
-                predictor=plan_predictor, memory_margin=margin, task_types=tasks, lengths=lengths, **shard,
+                predictor=plan_predictor, memory_margin=margin, task_types=tasks, lengths=lengths,
+                sort_window=self.sort_window, **shard,
             )
             self._sampler = micro
         else:
             names = list(dict.fromkeys(tasks))
             ids = np.array([names.index(t) for t in tasks], dtype=np.int64)
-            micro = _CountPlan(ids, lengths, rows, self.task_diversity_weight, **shard)
+            micro = CountBatchSampler(ids, lengths, rows, self.task_diversity_weight, **shard)
         steps = StepBatchSampler(micro, self.target_batch_size if self.use_gradient_accumulation else None)
         loader = DataLoader(
             _Indexed(self.train_dataset),
@@ -354,7 +346,7 @@ class DynamicBatchingTrainer(Trainer):
         for i, (mb, idx) in enumerate(zip(micro_batches, inputs["sample_indices"])):
             tasks = mb.get("task_type") or []
             last = i == len(micro_batches) - 1
-            ctx = self.accelerator.no_sync(model) if not last else _null()
+            ctx = self.accelerator.no_sync(model) if not last else contextlib.nullcontext()
             with ctx:
                 result = guarded_step(step, mb, params, guardian=self.oom_guardian, task_types=tasks, measure_on=device)
             for loss, per_task in result.outputs:
@@ -420,11 +412,3 @@ class DynamicBatchingTrainer(Trainer):
 
 def _key(weights: dict[Hashable, float], saved: str) -> Hashable:
     return next((k for k in weights if str(k) == saved), saved)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

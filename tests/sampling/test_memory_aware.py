@@ -24,15 +24,16 @@ def _linear(per_row):
     seed=st.integers(0, 5),
     weight=st.sampled_from([0.0, 0.3, 0.5, 1.0]),
     batch_size=st.one_of(st.none(), st.integers(1, 12)),
+    sort_window=st.one_of(st.none(), st.integers(1, 20)),
     data=st.data(),
 )
-def test_every_index_once_and_every_batch_under_budget(tasks, seed, weight, batch_size, data):
+def test_every_index_once_and_every_batch_under_budget(tasks, seed, weight, batch_size, sort_window, data):
     lengths = data.draw(st.lists(st.integers(1, 64), min_size=len(tasks), max_size=len(tasks)))
     tasks, lengths = np.array(tasks), np.array(lengths)
     cost = _linear([1.0, 2.0, 4.0])
     budget = data.draw(st.floats(100 + 4 * 64, 5000))
     plan = plan_memory_aware_batches(tasks, lengths, cost, budget, batch_size=batch_size,
-                                     task_diversity_weight=weight, seed=seed, epoch=seed)
+                                     task_diversity_weight=weight, seed=seed, epoch=seed, sort_window=sort_window)
     assert sorted(np.concatenate(plan).tolist()) == list(range(len(tasks)))
     costs = []
     for batch in plan:
@@ -67,6 +68,19 @@ def test_memory_decides_the_rows_per_task():
     plan = plan_memory_aware_batches(tasks, lengths, _linear([1, 1]), 500, task_diversity_weight=0.0, shuffle=False)
     rows = {int(tasks[b[0]]): len(b) for b in plan}
     assert rows == {0: 20, 1: 10}  # 100 + 40 * 10 = 500; 100 + 10 * 40 = 500
+
+
+def test_sort_window_cuts_padding():
+    rng = np.random.default_rng(0)
+    tasks, lengths = np.repeat([0, 1], 200), rng.integers(4, 64, size=400)
+
+    def padded(plan):
+        return sum(len(b) * int(lengths[b].max()) for b in plan)
+
+    kw = dict(batch_size=16, task_diversity_weight=0.0, seed=1)
+    plain = plan_memory_aware_batches(tasks, lengths, _linear([1, 1]), 1e9, **kw)
+    sorted_ = plan_memory_aware_batches(tasks, lengths, _linear([1, 1]), 1e9, sort_window=128, **kw)
+    assert padded(sorted_) < 0.8 * padded(plain)
 
 
 def test_shuffle_is_seeded_and_local():

@@ -142,3 +142,24 @@ def test_task_loss_weights_must_name_known_tasks(example, tokenizer, dataset, tm
     bad.samples[0]["task_type"] = None
     with pytest.raises(ValueError, match=r"dataset.get_sample_metadata\(0\) should be a dict with a 'task_type' key"):
         DynamicBatchingTrainer(model=model, args=args, train_dataset=bad)
+
+
+def test_without_predictor_with_evaluation_and_gradnorm(one_thread, example, tokenizer, dataset, tmp_path):
+    from transformers import TrainingArguments
+
+    model = example.build_model(tokenizer, hidden=32, max_length=32)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], max_steps=4, logging_steps=2,
+                             per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-3,
+                             save_strategy="no", disable_tqdm=True)  # remove_unused_columns left on
+    trainer = DynamicBatchingTrainer(model=model, args=args, train_dataset=dataset, eval_dataset=dataset,
+                                     processing_class=tokenizer, use_grad_norm_balancing=True, grad_norm_lr=0.5,
+                                     task_diversity_weight=1.0, measure_memory=False)
+    assert trainer.target_batch_size == 8 and trainer.args.gradient_accumulation_steps == 1
+    trainer.train()
+    assert all(len(step) >= 8 for step in trainer.trained_indices)  # micro-batches of 4 accumulated to 8
+    weights = trainer.task_weights
+    assert sum(weights.values()) == pytest.approx(3.0) and len(set(weights.values())) > 1
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert {"weight_joke", "loss_joke"} <= set(logged[-1])
+    metrics = trainer.evaluate()
+    assert 5 < metrics["eval_loss"] < 15
