@@ -113,3 +113,51 @@ def test_bucket_memory_kwargs_refuses_a_budget_below_one_row(model):
     kwargs = bucket_memory_kwargs(model, torch.tensor([8, 9]), torch.tensor([0, 32, 64]), 5000)
     assert kwargs["max_total_size"][1] == 5000  # the empty bucket gets valid placeholder arguments
     assert kwargs["sizeof"][1](0) == 0.0
+
+
+def test_a_small_model_trains_with_size_aware_batch_sampler_under_a_measured_budget(one_thread):
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from dynabatch import track_peak_memory
+
+    torch.manual_seed(0)
+    vocab, width, padded = 500, 32, 24
+    model = torch.nn.Sequential(torch.nn.Embedding(vocab, width), torch.nn.Linear(width, width), torch.nn.GELU(),
+                                torch.nn.Linear(width, vocab))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(ids):
+        logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1), ignore_index=0)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    step(torch.randint(1, vocab, (2, padded)))  # warm-up
+    shapes = [(r, padded) for r in (8, 16, 32)] + [(r, 12) for r in (16, 32)]
+    features, peaks = collect_peak_alloc(
+        shapes, lambda shape: (step(torch.randint(1, vocab, shape)), shape)[1], "cpu")
+    mm = fit_memory_model(features, peaks, device="cpu", model=model)
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(4, padded + 1, (120,), generator=generator).tolist()
+    texts = [torch.randint(1, vocab, (n,), generator=generator) for n in lengths]
+    budget = float(mm.predict(20, padded)) + 1  # a byte over 20 rows: float sums of 20 sizes reach it exactly
+    sizeof = MemorySizeof(mm, lengths, padded_length=padded)  # every batch padded to `padded` tokens
+    sampler = SizeAwareBatchSampler(RandomSampler(texts, generator=generator), sizeof, sizeof.max_total_size(budget))
+
+    def collate(rows):
+        out = torch.zeros(len(rows), padded, dtype=torch.long)
+        for i, row in enumerate(rows):
+            out[i, : len(row)] = row
+        return out
+
+    seen, losses = [], []
+    for ids in DataLoader(texts, batch_sampler=sampler, collate_fn=collate):
+        with track_peak_memory("cpu") as mem:
+            losses.append(step(ids))
+        assert mem.peak_bytes <= budget * (1 + mm.loo_error_ + 0.02)
+        seen.append(len(ids))
+    assert sum(seen) == 120 and max(seen) == 20  # every text once; full batches of the budget's rows
+    assert len(losses) == 6 and np.isfinite(losses).all()  # random tokens: the loss need not fall
