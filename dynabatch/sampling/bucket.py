@@ -372,6 +372,8 @@ class BucketBatchSampler(Sampler[List[int]]):
             )
         self._mcg_powers = mcg_powers(self.num_buckets)
         self._skip, self._yielded, self._epoch_start = 0, 0, None  # state_dict / load_state_dict
+        self._initial_orders = [list(indices) for indices in self.bucket_element_indices]  # set_epoch
+        self._base_seed = None if self.generator is None else self.generator.initial_seed()
         self.base_batch_samplers: List[Sampler] = [
             base_batch_sampler_class(self.bucket_element_indices[k], **shared, **self.base_batch_sampler_individual_kwargs[k])
             for k in range(self.num_buckets)
@@ -424,6 +426,29 @@ class BucketBatchSampler(Sampler[List[int]]):
                 continue
             yield batch
         self._epoch_start = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Makes the coming epoch's order depend only on ``epoch`` and the generator's initial seed.
+
+        An extra of dynabatch's, for distributed and resumed training: the bucket
+        orders go back to ascending indices and the generator is re-seeded with
+        ``initial_seed + epoch``, so ``set_epoch(0)`` gives the first epoch of a
+        fresh sampler, and every rank calling ``set_epoch(e)`` gets the same epoch
+        ``e`` whatever it iterated before. Without calls to ``set_epoch`` the
+        sampler behaves as bionemo's (each epoch continues the generator).
+        ``set_epoch`` is passed on to base batch samplers that have it.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral) or epoch < 0:
+            raise ValueError(f"epoch should be a non-negative int, but got epoch={epoch!r}")
+        for indices, initial in zip(self.bucket_element_indices, self._initial_orders):
+            indices[:] = initial  # in place: the base samplers hold these lists
+        if self.generator is not None and self._base_seed is not None:
+            self.generator.manual_seed(self._base_seed + int(epoch))
+        self._skip, self._epoch_start = 0, None
+        for sampler in self.base_batch_samplers:
+            set_epoch = getattr(sampler, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(epoch)
 
     def _snapshot(self) -> Dict[str, Any]:
         return {

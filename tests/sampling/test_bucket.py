@@ -314,3 +314,23 @@ def test_load_state_dict_refuses_a_state_of_other_elements():
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="batches_yielded'\\] should be a non-negative int"):
         _resume_sampler().load_state_dict({**state, "batches_yielded": -1})
+
+
+def test_set_epoch_makes_an_epoch_depend_only_on_the_seed_and_the_epoch():
+    fresh = [list(_resume_sampler(seed=5))]
+    a, b = _resume_sampler(seed=5), _resume_sampler(seed=5)
+    list(a), list(a), list(a)  # a has iterated three epochs, b none
+    a.set_epoch(0)
+    b.set_epoch(0)
+    assert list(a) == list(b) == fresh[0]  # set_epoch(0) is a fresh sampler's first epoch
+    a.set_epoch(4)
+    list(b)
+    b.set_epoch(4)
+    epoch4 = list(a)
+    assert epoch4 == list(b) and epoch4 != fresh[0]
+    assert sorted(i for batch in epoch4 for i in batch) == list(range(120))
+    with pytest.raises(ValueError, match="epoch should be a non-negative int, but got epoch=-1"):
+        a.set_epoch(-1)
+    unshuffled = _bbs(torch.arange(25), torch.tensor([0, 6, 15, 25]), shuffle=False)
+    unshuffled.set_epoch(2)
+    assert list(unshuffled)[0] == [0, 1]
