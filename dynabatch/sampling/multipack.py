@@ -88,92 +88,87 @@ _EXTRA_KWARGS = ("seed", "oversized", "num_replicas", "rank", "shard")
 
 
 @numba.njit(cache=True)
-def _ffd_assign(lengths, keys, key_max, capacity, max_bins, bin_size):  # pragma: no cover - compiled
-    """FFD of ``lengths`` into at most ``max_bins`` bins.
+def _pack_groups(lengths, keys, key_max, capacity, group_size, max_bins, bin_size):  # pragma: no cover - compiled
+    """First-fit-decreasing per group of ``group_size`` consecutive positions.
 
     ``keys`` order the sequences like ``lengths`` do, in ``[0, key_max]`` (the
-    lengths themselves, or their ranks when the capacity is huge), for a
-    counting sort. Returns ``(order, bins, n_bins)``: ``order`` the positions in
-    decreasing length (stable), ``bins[k]`` the bin of ``order[k]`` (-1: no room
-    in any of the ``max_bins`` bins), ``n_bins`` the bins opened. Bins are
-    numbered in the order they were opened; a sequence goes to the
-    lowest-numbered bin with room.
-    """
-    n = lengths.shape[0]
-    counts = np.zeros(key_max + 2, np.int64)
-    for i in range(n):
-        counts[keys[i]] += 1
-    start = np.empty(key_max + 2, np.int64)
-    pos = 0
-    for v in range(key_max + 1, -1, -1):
-        start[v] = pos
-        pos += counts[v]
-    order = np.empty(n, np.int64)
-    for i in range(n):
-        v = keys[i]
-        order[start[v]] = i
-        start[v] += 1
-    leaves = 1
-    while leaves < max(max_bins, 1):
-        leaves *= 2
-    tree = np.full(2 * leaves, -1, np.int64)  # max room below each node; -1 = closed
-    for b in range(max_bins):
-        tree[leaves + b] = capacity
-    for node in range(leaves - 1, 0, -1):
-        tree[node] = max(tree[2 * node], tree[2 * node + 1])
-    filled = np.zeros(max(max_bins, 1), np.int64)
-    bins = np.empty(n, np.int64)
-    n_bins = 0
-    for k in range(n):
-        size = lengths[order[k]]
-        if tree[1] < size:
-            bins[k] = -1
-            continue
-        node = 1
-        while node < leaves:
-            node = 2 * node if tree[2 * node] >= size else 2 * node + 1
-        b = node - leaves
-        bins[k] = b
-        if b + 1 > n_bins:
-            n_bins = b + 1
-        filled[b] += 1
-        tree[node] = tree[node] - size if filled[b] < bin_size else -1
-        node //= 2
-        while node >= 1:
-            tree[node] = max(tree[2 * node], tree[2 * node + 1])
-            node //= 2
-    return order, bins, n_bins
-
-
-@numba.njit(cache=True)
-def _pack_groups(lengths, keys, key_max, capacity, group_size, bin_size):  # pragma: no cover - compiled
-    """FFD per group of ``group_size`` consecutive positions; bins as ``(flat, offsets)``.
-
-    Bin ``j`` holds positions ``flat[offsets[j]:offsets[j + 1]]`` (largest first);
-    groups' bins follow each other in group order. Every position lands in a bin
-    (a group of ``g`` sequences may open up to ``g`` bins).
+    lengths, or their ranks when the capacity is huge), for a counting sort
+    (decreasing, stable). A max-segment tree over the group's bins (room left;
+    -1 for a bin not allowed or full) finds the lowest-numbered bin with room
+    in log time; at most ``max_bins`` bins per group, numbered in the order they
+    were opened. Returns ``(flat, offsets, unplaced)``: bin ``j`` holds
+    positions ``flat[offsets[j]:offsets[j + 1]]``, longest first, the groups'
+    bins one after the other; ``unplaced`` counts sequences that found no room
+    in ``max_bins`` bins (never, when ``max_bins >= group_size``).
     """
     n = lengths.shape[0]
     flat = np.empty(n, np.int64)
-    offsets = np.empty(n + 1, np.int64)
-    offsets[0] = 0
+    offsets = np.zeros(n + 1, np.int64)
+    order = np.empty(min(group_size, n) if n else 0, np.int64)
+    bins = np.empty(order.shape[0], np.int64)
+    counts = np.zeros(key_max + 2, np.int64)
+    start = np.empty(key_max + 2, np.int64)
+    leaves = 1
+    while leaves < max(min(max_bins, group_size), 1):
+        leaves *= 2
+    tree = np.empty(2 * leaves, np.int64)
+    filled = np.empty(leaves, np.int64)
     total_bins = 0
+    unplaced = 0
     for g0 in range(0, n, group_size):
         g1 = min(g0 + group_size, n)
-        order, bins, n_bins = _ffd_assign(lengths[g0:g1], keys[g0:g1], key_max, capacity, g1 - g0, bin_size)
-        counts = np.zeros(n_bins, np.int64)
-        for k in range(g1 - g0):
-            counts[bins[k]] += 1
-        fill = np.empty(n_bins, np.int64)
+        m = g1 - g0
+        counts[:] = 0
+        for i in range(g0, g1):
+            counts[keys[i]] += 1
+        pos = 0
+        for v in range(key_max + 1, -1, -1):
+            start[v] = pos
+            pos += counts[v]
+        for i in range(g0, g1):
+            v = keys[i]
+            order[start[v]] = i
+            start[v] += 1
+        limit = min(max_bins, m)
+        tree[:] = -1
+        for b in range(limit):
+            tree[leaves + b] = capacity
+        for node in range(leaves - 1, 0, -1):
+            tree[node] = max(tree[2 * node], tree[2 * node + 1])
+        filled[:] = 0
+        n_bins = 0
+        for k in range(m):
+            size = lengths[order[k]]
+            if tree[1] < size:
+                bins[k] = -1
+                unplaced += 1
+                continue
+            node = 1
+            while node < leaves:
+                node = 2 * node if tree[2 * node] >= size else 2 * node + 1
+            b = node - leaves
+            bins[k] = b
+            if b + 1 > n_bins:
+                n_bins = b + 1
+            filled[b] += 1
+            tree[node] = tree[node] - size if filled[b] < bin_size else -1
+            node //= 2
+            while node >= 1:
+                tree[node] = max(tree[2 * node], tree[2 * node + 1])
+                node //= 2
+        for k in range(m):
+            if bins[k] >= 0:
+                offsets[total_bins + bins[k] + 1] += 1
         for b in range(n_bins):
-            fill[b] = offsets[total_bins + b]
-            offsets[total_bins + b + 1] = offsets[total_bins + b] + counts[b]
-        for k in range(g1 - g0):
+            offsets[total_bins + b + 1] += offsets[total_bins + b]
+        fill = offsets[total_bins : total_bins + n_bins].copy()
+        for k in range(m):
             b = bins[k]
-            flat[fill[b]] = order[k] + g0
-            fill[b] += 1
+            if b >= 0:
+                flat[fill[b]] = order[k]
+                fill[b] += 1
         total_bins += n_bins
-    return flat, offsets[: total_bins + 1].copy()
+    return flat, offsets[: total_bins + 1].copy(), unplaced
 
 
 @numba.njit(cache=True)
@@ -234,14 +229,11 @@ def _sort_keys(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, int]:
     return ranks, int(ranks.max()) if ranks.size else 0
 
 
-def _ffd(lengths: np.ndarray, capacity: int, max_bins: int, bin_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+def _pack(lengths: np.ndarray, capacity: int, group_size: int, bin_size: int,
+          max_bins: int | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     keys, key_max = _sort_keys(lengths, capacity)
-    return _ffd_assign(lengths, keys, key_max, capacity, max_bins, bin_size)
-
-
-def _pack(lengths: np.ndarray, capacity: int, group_size: int, bin_size: int) -> tuple[np.ndarray, np.ndarray]:
-    keys, key_max = _sort_keys(lengths, capacity)
-    return _pack_groups(lengths, keys, key_max, capacity, group_size, bin_size)
+    limit = group_size if max_bins is None else max_bins
+    return _pack_groups(lengths, keys, key_max, capacity, group_size, limit, bin_size)
 
 
 def _bins_to_lists(flat: np.ndarray, offsets: np.ndarray, index: np.ndarray | None = None) -> list[list[int]]:
@@ -278,8 +270,7 @@ def ffd_check(sequence_lengths: np.ndarray, bin_capacity: int, num_bins: int) ->
         return True
     if num_bins == 0 or lengths.max() > capacity:
         return False
-    _, bins, _ = _ffd(lengths, capacity, num_bins, _NO_LIMIT)
-    return bool((bins >= 0).all())
+    return _pack(lengths, capacity, lengths.size, _NO_LIMIT, max_bins=num_bins)[2] == 0
 
 
 def pack_group(
@@ -328,21 +319,20 @@ def pack_group(
         raise bad_type("safe_mode", "a bool", safe_mode)
     _check_fits("sequence_lengths", lengths, capacity)
     limit = max_bins if safe_mode else max(max_bins, lengths.size)
-    _, bins, _ = _ffd(lengths, capacity, limit, bin_size)
-    if (bins < 0).any():
+    flat, offsets, unplaced = _pack(lengths, capacity, max(lengths.size, 1), bin_size, max_bins=limit)
+    if unplaced:
         raise bad_value(
             "max_bins",
-            f"enough bins for the group ({int((bins < 0).sum())} of {lengths.size} sequences found no room; "
+            f"enough bins for the group ({unplaced} of {lengths.size} sequences found no room; "
             "pass safe_mode=False to open more)",
             max_bins,
         )
-    flat, offsets = _pack(lengths, capacity, max(lengths.size, 1), bin_size)
     return [[i + offset for i in b] for b in _bins_to_lists(flat, offsets)]
 
 
 def _pack_chunk(args: tuple[np.ndarray, int, int, int]) -> tuple[np.ndarray, np.ndarray]:
     lengths, capacity, group_size, bin_size = args
-    return _pack(lengths, capacity, group_size, bin_size)
+    return _pack(lengths, capacity, group_size, bin_size)[:2]
 
 
 def _pack_arrays(
@@ -357,7 +347,7 @@ def _pack_arrays(
     n_groups = -(-lengths.size // group_size)
     workers = min(num_processes, n_groups)
     if workers <= 1:
-        return _pack(lengths, capacity, group_size, bin_size)
+        return _pack(lengths, capacity, group_size, bin_size)[:2]
     per = -(-n_groups // workers) * group_size  # whole groups per process, in order
     tasks = [(lengths[i : i + per], capacity, group_size, bin_size) for i in range(0, lengths.size, per)]
     context = None
