@@ -72,30 +72,34 @@ class HeterogeneousTrainingConfig:
     output_dir: str = "./dynamic_training_outputs"
     resume_from_checkpoint: str | bool | None = None
     # calibration
-    calibration_batch_sizes: tuple[int, ...] | None = None  # default: 2, base/4, base/2, base rows
+    calibration_batch_sizes: tuple[int, ...] | None = None  # default (2, base/4); then rows filling the budget
     calibration_length_quantiles: tuple[float, ...] = (0.5, 1.0)
     extra_training_args: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def _probe_batches(dataset: Any, tasks: list, lengths: np.ndarray, collator: Any, sizes, quantiles):
-    """(task, batch) probes of real samples: per task, rows x length quantiles, and the same
-    rows padded to the dataset's longest length (mixed batches pad a task's samples that far)."""
-    longest = int(lengths.max())
-    padded = copy.copy(collator)
-    padded.pad_to_multiple_of = longest  # every probe of this collator is exactly `longest` wide
-    probes = []
-    for task in dict.fromkeys(tasks):
-        mine = np.array([i for i, t in enumerate(tasks) if t == task])
-        mine = mine[np.argsort(lengths[mine], kind="stable")]
-        for q in quantiles:
-            end = max(int(round(q * (len(mine) - 1))) + 1, 1)
-            for rows in sizes:
-                rows = min(rows, len(mine))
-                pick = [dataset[int(i)] for i in mine[max(end - rows, 0) : max(end - rows, 0) + rows]]
-                probes.append((task, collator(pick)))
-                if q == quantiles[-1] and lengths[mine].max() < longest:
-                    probes.append((task, padded(pick)))
-    return probes
+class _Probes:
+    """Probe batches of real samples: per task, at length quantiles of the task, and padded to the
+    dataset's longest length (a mixed batch pads a task's samples that far)."""
+
+    def __init__(self, dataset: Any, tasks: list, lengths: np.ndarray, collator: Any, quantiles) -> None:
+        self.dataset, self.collator = dataset, collator
+        self.padded = copy.copy(collator)
+        self.padded.pad_to_multiple_of = int(lengths.max())  # exactly the longest length wide
+        self.groups = []  # (task, sample positions sorted by length, end of the window, padded?)
+        for task in dict.fromkeys(tasks):
+            mine = np.array([i for i, t in enumerate(tasks) if t == task])
+            mine = mine[np.argsort(lengths[mine], kind="stable")]
+            ends = sorted({max(int(round(q * (len(mine) - 1))) + 1, 1) for q in quantiles})
+            self.groups += [(task, mine, end, False) for end in ends]
+            if lengths[mine].max() < lengths.max():
+                self.groups.append((task, mine, len(mine), True))
+
+    def batch(self, group: int, rows: int) -> tuple[Any, Any]:
+        task, mine, end, padded = self.groups[group]
+        rows = min(rows, len(mine))
+        start = max(end - rows, 0)
+        picked = [self.dataset[int(i)] for i in mine[start : start + rows]]
+        return task, (self.padded if padded else self.collator)(picked)
 
 
 class DynamicBatchingTrainingPipeline:
@@ -200,13 +204,16 @@ class DynamicBatchingTrainingPipeline:
             result["eval_metrics"] = self.trainer.evaluate()
         return result
 
+    def _predicted(self, task: Hashable, rows: int, length: int) -> float:
+        return float(self.predictor.predict_bytes(task, rows, length))
+
     def calibrate(self, dataset: Any, tasks: list, lengths: np.ndarray) -> int:
         """Measures the real training step on probe batches of every task; returns how many ran."""
         c = self.config
         b = c.base_batch_size
         # Not 1 row: there a row-free phase (allocating the gradients) is the peak, and a batch
         # that small is never what the budget is spent on.
-        sizes = c.calibration_batch_sizes or tuple(sorted({min(2, b), max(b // 4, 1), max(b // 2, 1), b}))
+        sizes = c.calibration_batch_sizes or (min(2, b), max(b // 4, 2))
         trainer = self.trainer
         model = trainer.model.to(self.device)
         model.train()
@@ -218,14 +225,24 @@ class DynamicBatchingTrainingPipeline:
             model.zero_grad(set_to_none=True)
 
         model.zero_grad(set_to_none=True)
-        probes = _probe_batches(dataset, tasks, lengths, trainer.data_collator, sizes, c.calibration_length_quantiles)
-        probes.sort(key=lambda probe: probe[1]["input_ids"].numel())
-        limit = 1.5 * c.max_memory_mb * 2**20  # probing far above the budget teaches nothing the plan uses
+        probes = _Probes(dataset, tasks, lengths, trainer.data_collator, c.calibration_length_quantiles)
+        usable = c.max_memory_mb * 2**20 * (1 - c.memory_margin_percent)
         measured = 0
-        for task, batch in probes:
-            rows, length = batch["input_ids"].shape
-            if task in self.predictor.task_types and float(self.predictor.predict_bytes(task, rows, length)) > limit:
-                continue
-            measured += self.predictor.calibrate(step, [(task, batch)])
+        for group in range(len(probes.groups)):
+            # the given sizes first; then the rows that fill half and 90% of the budget at this
+            # length by those first measurements (where the plan spends it)
+            todo, done, extended = list(sizes), set(), False
+            while todo:
+                task, batch = probes.batch(group, todo.pop(0))
+                rows, length = batch["input_ids"].shape
+                known = task in self.predictor.task_types
+                # probing far above the budget teaches nothing the plan uses
+                if rows not in done and not (known and self._predicted(task, rows, length) > 1.5 * usable):
+                    measured += self.predictor.calibrate(step, [(task, batch)])
+                done.add(rows)
+                if not todo and not extended and task in self.predictor.task_types:
+                    extended = True
+                    per_row = self._predicted(task, rows, length) / rows
+                    todo = [max(3, min(b, int(f * usable / per_row))) for f in (0.5, 0.9)]
         logger.info("calibrated on %d probe batches: %s", measured, self.predictor.get_calibration_accuracy())
         return measured
