@@ -146,7 +146,7 @@ def test_a_small_model_fine_tunes_with_each_sampler(tokenizer, kjv_tokens, one_t
                        if p is not model.bert.embeddings.token_type_embeddings.weight)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss))
+            losses.append(loss.item())
             rows += len(batch["labels"])
     assert all(np.isfinite(losses))
     assert rows == 2 * len(kjv_tokens)
