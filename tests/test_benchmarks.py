@@ -91,14 +91,21 @@ PLAN_SPEED = ROOT / "benchmarks" / "plan_speed.py"
 
 
 def test_plan_speed_prints_cold_start_and_planning_rows_and_writes_only_where_asked(tmp_path):
-    watched = [ROOT / "README.md", *sorted((ROOT / "benchmarks").glob("*.md"))]
-    before = {path: path.stat().st_mtime_ns for path in watched}
+    # The script runs from a copy beside a README.md and a benchmarks/RESULTS.md of its own, in an empty working
+    # directory: whatever it wrote, relative to itself or to the working directory, would show.
+    (tmp_path / "benchmarks").mkdir()
+    script = tmp_path / "benchmarks" / "plan_speed.py"
+    script.write_text(PLAN_SPEED.read_text())
+    committed = {tmp_path / "README.md": "readme\n", tmp_path / "benchmarks" / "RESULTS.md": "results\n"}
+    for path, text in committed.items():
+        path.write_text(text)
+    (tmp_path / "work").mkdir()
     out = tmp_path / "plan_speed.md"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     args = ["--n-texts", "300", "--n-lengths", "3000", "--batch-sizes", "4,16", "--repeats", "1", "--cold-texts", "400",
             "--cold-repeats", "1", "--output", str(out)]
-    result = subprocess.run([sys.executable, str(PLAN_SPEED), *args], check=False, capture_output=True, text=True,
-                            env=env, cwd=tmp_path, timeout=300)
+    result = subprocess.run([sys.executable, str(script), *args], check=False, capture_output=True, text=True,
+                            env=env, cwd=tmp_path / "work", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     table = result.stdout
     assert re.search(r"^\| `import dynabatch` after them \| 2 fresh processes \| [\d.]+ s \([\d.]+-[\d.]+\) \| - \| "
@@ -117,5 +124,6 @@ def test_plan_speed_prints_cold_start_and_planning_rows_and_writes_only_where_as
                      r"(OK|MISSED) \|$", table, re.MULTILINE)
     assert "`python benchmarks/plan_speed.py --n-texts 300" in table  # the command that made it
     assert out.read_text() == table.strip("\n") + "\n"  # --output writes what was printed
-    assert list(tmp_path.iterdir()) == [out]  # and nothing else
-    assert {path: path.stat().st_mtime_ns for path in watched} == before  # no committed file touched
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert written == ["README.md", "benchmarks/RESULTS.md", "benchmarks/plan_speed.py", "plan_speed.md"]  # nothing else
+    assert {path: path.read_text() for path in committed} == committed
