@@ -255,7 +255,7 @@ def run_training(n_texts: int, steps: int) -> None:
     }
     print(f"## Training a random-weight Llama (hidden 64, 2 layers) on {len(ids):,} KJV passages, "
           f"{budget} token slots per step, {steps} steps each, 1 thread\n")
-    print(f"{'method':34s} {'steps/epoch':>11s} {'padding':>8s} {'real tokens/s':>14s}")
+    print(f"{'method':34s} {'steps/epoch':>11s} {'padding':>8s} {'tokens/s wall':>14s} {'tokens/s CPU':>14s}")
     for name, (per_epoch, batches) in methods.items():
         torch.manual_seed(0)
         config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
@@ -265,24 +265,25 @@ def run_training(n_texts: int, steps: int) -> None:
         model = LlamaForCausalLM(config)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         real = slots = 0
-        elapsed = 0.0
+        elapsed = np.zeros(2)
         for _ in range(steps):
             batch, real_tokens = next(batches)
-            start = time.perf_counter()
+            start = _clock()
             loss = model(**batch).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            elapsed += time.perf_counter() - start
+            elapsed += _clock() - start
             real += real_tokens
             slots += batch["input_ids"].numel()
-        print(f"{name:34s} {per_epoch:11,d} {1 - real / slots:8.1%} {real / elapsed:14,.0f}")
+        rate = real / elapsed
+        print(f"{name:34s} {per_epoch:11,d} {1 - real / slots:8.1%} {rate[0]:14,.0f} {rate[1]:14,.0f}")
     print()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=1_000_000, help="lengths to plan (part 1)")
+    parser.add_argument("--n", type=int, default=1_000_000, help="lengths to plan (part 1; 0 skips)")
     parser.add_argument("--n-texts", type=int, default=24408, help="KJV passages for part 2")
     parser.add_argument("--train-steps", type=int, default=8, help="optimizer steps per method (part 2; 0 skips)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
@@ -290,7 +291,8 @@ def main() -> None:
     if args.child:
         print(json.dumps(planning_rows(args.child)))
         return
-    run_planning(args.n)
+    if args.n:
+        run_planning(args.n)
     if args.train_steps:
         run_training(args.n_texts, args.train_steps)
 
