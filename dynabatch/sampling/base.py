@@ -26,6 +26,10 @@ deterministic for ``(seed, epoch)``. This base turns that plan into a
   :meth:`load_state_dict` continues that epoch exactly where it stopped, and
   refuses a state saved for other data, settings or world size.
 
+``set_min_batches(n)`` makes every epoch at least ``n`` batches per rank (more
+splits): for a loop that fixes the steps per epoch from the first epoch's
+``len()`` (the HF ``Trainer``) while a plan's batch count varies by epoch.
+
 ``shard=False`` yields every rank's batches, step by step (the batch for rank
 0, then rank 1, ...), a multiple of ``num_replicas`` in all: what a wrapper
 that deals batch ``i`` to rank ``i % num_replicas`` needs (accelerate's
