@@ -58,14 +58,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dynabatch.data.sources import tokenize_source  # noqa: E402
-from dynabatch.data.training_collate import TrainingCollator  # noqa: E402
-from dynabatch.demo import kjv_passages, minilm_path  # noqa: E402
-from dynabatch.memory.calibrate import calibrate  # noqa: E402
-from dynabatch.memory.measure import track_peak_memory  # noqa: E402
-from dynabatch.memory.model import MemoryModel  # noqa: E402
-from dynabatch.sampling.constraints import FixedBatchSize, LengthDifference, MemoryBudget, TokenBudget  # noqa: E402
-from dynabatch.sampling.smart import SmartBatchSampler, plan_constrained  # noqa: E402
+from dynabatch.data.sources import tokenize_source
+from dynabatch.data.training_collate import TrainingCollator
+from dynabatch.demo import kjv_passages, minilm_path
+from dynabatch.memory.calibrate import calibrate
+from dynabatch.memory.measure import track_peak_memory
+from dynabatch.memory.model import MemoryModel
+from dynabatch.sampling.constraints import (
+    FixedBatchSize,
+    LengthDifference,
+    MemoryBudget,
+    TokenBudget,
+)
+from dynabatch.sampling.smart import SmartBatchSampler, plan_constrained
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -196,21 +201,22 @@ def main(argv: list[str] | None = None) -> str:
     for name, constraint in constraints.items():
         plan_time[name] = (lambda c=constraint: plan_constrained(big, c, window_batches=args.window_batches))
 
+    probed = [p["rows"] for p in memory_model.probes_]
     lines = [
-        f"# Training-side batching: KJV ({len(texts):,} passages, MiniLM tokens <= {args.max_length}), "
-        f"batch size {b}",
+        (f"# Training-side batching: KJV ({len(texts):,} passages, MiniLM tokens <= {args.max_length}), "
+         f"batch size {b}"),
         "",
-        f"{platform.platform()}, python {platform.python_version()}, torch {torch.__version__}, "
+        (f"{platform.platform()}, python {platform.python_version()}, torch {torch.__version__}, "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, 1 torch thread; tokenizing "
         f"{tokenize_seconds:.1f} s. Peak memory model: {len(memory_model.probes_)} measured training steps "
-        f"(rows {min(p['rows'] for p in memory_model.probes_)}-{max(p['rows'] for p in memory_model.probes_)}), "
+        f"(rows {min(probed)}-{max(probed)}), "
         f"largest leave-one-out error {memory_model.loo_error_:.1%}; MemoryBudget plans to (1 - "
         f"{args.memory_margin:g}) x the predicted peak of {b} rows x {args.max_length} tokens = "
-        f"{budget.budget_bytes / 2**20:.2f} MiB.",
+        f"{budget.budget_bytes / 2**20:.2f} MiB."),
         "",
-        f"| method | padding efficiency | steps / epoch | largest batch (rows x width) | largest predicted peak "
+        (f"| method | padding efficiency | steps / epoch | largest batch (rows x width) | largest predicted peak "
         f"/ reference | measured peak MiB (vs shuffled) | training: steps | epoch s, median (min-max) | "
-        f"real tokens/s | speed-up | plan {args.n_plan:,} lengths (s) |",
+        f"real tokens/s | speed-up | plan {args.n_plan:,} lengths (s) |"),
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     # The measured peak (forward and backward) of each method's costliest batch by the model's prediction.
@@ -262,20 +268,21 @@ def main(argv: list[str] | None = None) -> str:
             f"{predicted.max() / budget.max_memory:.2f} | {peaks[name] / 2**20:.1f} "
             f"({peaks[name] / peaks['shuffled DataLoader']:.2f}x) | {len(train_plans[name])} | "
             f"{seconds_epoch:.1f} ({spread}) | {real / seconds_epoch:,.0f} | "
-            f"{epoch_seconds['shuffled DataLoader'] / seconds_epoch:.2f}x | {seconds:.2f}{'' if seconds <= 1 else ' (> 1 s)'} |"
+            f"{epoch_seconds['shuffled DataLoader'] / seconds_epoch:.2f}x | "
+            f"{seconds:.2f}{'' if seconds <= 1 else ' (> 1 s)'} |"
         )
     lines += [
         "",
-        "Padding efficiency = real tokens / (rows x width) over the epoch. Largest predicted peak / reference: "
+        ("Padding efficiency = real tokens / (rows x width) over the epoch. Largest predicted peak / reference: "
         "the MemoryModel's prediction for the epoch's costliest batch over its prediction for the reference, "
-        "the baselines' worst batch. Measured peak: the largest peak, measured by the CPU storage tracker over one forward "
-        "and backward, of the method's costliest batches by prediction, by padded tokens and by rows, "
+        "the baselines' worst batch. Measured peak: the largest peak, measured by the CPU storage tracker over "
+        "one forward and backward, of the method's costliest batches by prediction, by padded tokens and by rows, "
         "against the shuffled DataLoader's. Training: one whole epoch over the "
         f"first {len(subset):,} passages ({int(real):,} real tokens), planned by each method on them, after one "
         f"warm-up step: optimizer steps, wall-clock seconds (median, min-max, of {args.repeats} interleaved rounds "
         "in rotated order), real (non-padding) tokens per second, and the speed-up of the epoch time against "
         "the shuffled DataLoader's in this run. "
-        "Plan time: CPU seconds of this process, the epoch's batches of every planner from the lengths.",
+        "Plan time: CPU seconds of this process, the epoch's batches of every planner from the lengths."),
     ]
     table = "\n".join(lines)
     print(table)

@@ -71,7 +71,12 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Sampler
 
-from dynabatch._validation import bad_type, bad_value, check_non_negative_int, check_positive_int
+from dynabatch._validation import (
+    bad_type,
+    bad_value,
+    check_non_negative_int,
+    check_positive_int,
+)
 
 __all__ = ["PlannedBatchSampler", "fingerprint", "order_steps", "split_for_replicas"]
 

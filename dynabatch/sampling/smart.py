@@ -42,7 +42,12 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_non_negative_int, check_positive_int
+from dynabatch._validation import (
+    bad_type,
+    bad_value,
+    check_non_negative_int,
+    check_positive_int,
+)
 from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.sampling.constraints import Constraint, as_constraint, batch_cost
 

@@ -71,7 +71,7 @@ class _FollowEpochs(TrainerCallback):
 
     def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         # state.epoch is the epoch and the share of it done (e.g. 1.5 when resuming mid-epoch 1).
-        self.sampler.set_epoch(int(math.floor((state.epoch or 0.0) + 1e-9)))
+        self.sampler.set_epoch(math.floor((state.epoch or 0.0) + 1e-9))
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")

@@ -7,7 +7,12 @@ import torch
 from dynabatch.data.sources import tokenize_source
 from dynabatch.data.training_collate import TrainingCollator
 from dynabatch.demo import kjv_passages
-from dynabatch.sampling.constraints import FixedBatchSize, LengthDifference, MemoryBudget, TokenBudget
+from dynabatch.sampling.constraints import (
+    FixedBatchSize,
+    LengthDifference,
+    MemoryBudget,
+    TokenBudget,
+)
 from dynabatch.sampling.smart import SmartBatchSampler
 
 

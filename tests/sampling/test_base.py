@@ -1,9 +1,16 @@
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynabatch.sampling.base import PlannedBatchSampler, fingerprint, order_steps, split_for_replicas
+from dynabatch.sampling.base import (
+    PlannedBatchSampler,
+    fingerprint,
+    order_steps,
+    split_for_replicas,
+)
 
 
 class _Chunks(PlannedBatchSampler):
@@ -16,7 +23,7 @@ class _Chunks(PlannedBatchSampler):
     def plan(self, epoch):
         sizes = self.sizes[epoch % len(self.sizes):] + self.sizes[: epoch % len(self.sizes)]
         edges = np.cumsum([0, *sizes])
-        return [np.arange(a, b) for a, b in zip(edges[:-1], edges[1:])]
+        return [np.arange(a, b) for a, b in itertools.pairwise(edges)]
 
     def identity(self):
         return [np.asarray(self.sizes)]

@@ -1,3 +1,5 @@
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -90,7 +92,7 @@ def test_one_window_cuts_the_sorted_rows_into_maximal_batches(constraint, length
     position[order] = np.arange(len(array))
     runs = sorted(batches, key=lambda b: position[b[0]])
     assert np.concatenate(runs).tolist() == order.tolist()
-    for run, following in zip(runs, runs[1:]):
+    for run, following in itertools.pairwise(runs):
         assert _breaks(constraint, array[np.append(run, following[0])][:, None])
     costs = [len(b) * int(array[b].max()) for b in batches]
     if not isinstance(constraint, MemoryBudget):
