@@ -60,8 +60,12 @@ def main() -> None:
     dataset = [{"input_ids": x} for x in ids]
     lengths = np.array([len(x) for x in ids])
 
+    # Trainer's accelerate deals batch i to rank i % world size (its BatchSamplerShard): shard=False yields
+    # every rank's batches in turn, so under `accelerate launch` each rank gets as many batches as the others
+    # and indices of its own (one process here: the same as shard=True).
     sampler = MultipackBatchSampler(list(range(len(dataset))), batch_size=args.bins, batch_max_len=args.max_len,
-                                    lengths=lengths, drop_last=False, seed=0)
+                                    lengths=lengths, drop_last=False, seed=0,
+                                    num_replicas=int(os.environ.get("WORLD_SIZE", "1")), rank=0, shard=False)
     # Trainer fixes the steps per epoch from the first epoch's len(); later epochs plan a few bins more or
     # less, so every epoch is given at least the most batches any epoch has (none of its batches go unused).
     sampler.set_min_batches(sampler.max_len(math.ceil(args.epochs)))
