@@ -208,7 +208,11 @@ def run_training(n_texts: int, steps: int) -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from dynabatch.demo import kjv_passages, minilm_path
-    from dynabatch.packing import MultipackBatchSampler, PackedCollator, packed_dataloader
+    from dynabatch.packing import (
+        MultipackBatchSampler,
+        PackedCollator,
+        packed_dataloader,
+    )
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())

@@ -35,7 +35,11 @@ from dynabatch.sampling.multipack import (
     pack_group,
     pack_parallel,
 )
-from dynabatch.training.packed_loss import count_target_tokens, num_items_in_batch, packed_causal_lm_loss
+from dynabatch.training.packed_loss import (
+    count_target_tokens,
+    num_items_in_batch,
+    packed_causal_lm_loss,
+)
 
 __all__ = [
     "MultipackBatchSampler",

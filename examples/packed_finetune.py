@@ -23,7 +23,13 @@ import time
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import (
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainingArguments,
+)
 
 from dynabatch.demo import kjv_passages, minilm_path
 from dynabatch.packing import MultipackBatchSampler, PackedCollator, packed_dataloader

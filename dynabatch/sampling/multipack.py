@@ -59,6 +59,7 @@ import math
 import numbers
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from itertools import pairwise
 from multiprocessing import get_all_start_methods, get_context
 from typing import Any
 
@@ -148,8 +149,7 @@ def _pack_groups(lengths, keys, key_max, capacity, group_size, max_bins, bin_siz
                 node = 2 * node if tree[2 * node] >= size else 2 * node + 1
             b = node - leaves
             bins[k] = b
-            if b + 1 > n_bins:
-                n_bins = b + 1
+            n_bins = max(n_bins, b + 1)
             filled[b] += 1
             tree[node] = tree[node] - size if filled[b] < bin_size else -1
             node //= 2
@@ -239,7 +239,7 @@ def _pack(lengths: np.ndarray, capacity: int, group_size: int, bin_size: int,
 def _bins_to_lists(flat: np.ndarray, offsets: np.ndarray, index: np.ndarray | None = None) -> list[list[int]]:
     items = (flat if index is None else index[flat]).tolist()
     bounds = offsets.tolist()
-    return [items[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    return [items[a:b] for a, b in pairwise(bounds)]
 
 
 # --------------------------------------------------------------------------- the seed's functions
@@ -728,7 +728,7 @@ class MultipackBatchSampler(BatchSampler):
                 for r in ranks:
                     bins = [listed[a:b] for a, b in zip(first[r::world], last[r::world])]
                     cuts = np.cumsum([0, *deals[r]]).tolist()
-                    per_rank.append([bins[a:b] for a, b in zip(cuts[:-1], cuts[1:])])
+                    per_rank.append([bins[a:b] for a, b in pairwise(cuts)])
                 batches = [rank[k] for k in range(len(per_rank[0])) for rank in per_rank]
             finally:
                 if collecting:

@@ -1,7 +1,13 @@
 import numpy as np
 import pytest
 import torch
-from transformers import DataCollatorWithFlattening, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    DataCollatorWithFlattening,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from dynabatch.data.packing import PackedCollator, PackedDataset, packed_dataloader
 from dynabatch.sampling.multipack import MultipackBatchSampler

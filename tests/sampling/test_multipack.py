@@ -6,11 +6,11 @@ import subprocess
 import sys
 import textwrap
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import RandomSampler, SequentialSampler
@@ -111,7 +111,7 @@ def test_allocate_sequentially_keeps_order(lengths, num_ranks, bin_size):
     assert slots == len(bins) * 64
     assert all(arr[b].sum() <= 64 and len(b) <= bin_size for b in bins)
     # a new bin only when the next sequence does not fit (or the bin is full)
-    for prev, nxt in zip(bins, bins[1:]):
+    for prev, nxt in pairwise(bins):
         assert arr[prev].sum() + arr[nxt[0]] > 64 or len(prev) == bin_size
 
 
@@ -235,8 +235,8 @@ def test_oversized_sequence_errors_or_truncates():
         ({"lengths": np.array([[1, 2], [3, 4]])}, ValueError, r"lengths should be a 1-D integer array .*shape \(2, 2\)"),
         ({"lengths": np.array([1.0, 2.0, 3.0, 4.0])}, TypeError, "lengths should be a 1-D integer array"),
         ({"lengths": "1234"}, TypeError, "lengths should be a 1-D integer array"),
-        ({"lengths": np.array([1, 2, 3])}, ValueError, r"sampler should cover as many items as lengths \(3\), "
-                                                       r"but got len\(sampler\)=4"),
+        ({"lengths": np.array([1, 2, 3])}, ValueError,
+         r"sampler should cover as many items as lengths \(3\), but got len\(sampler\)=4"),
         ({"lengths": np.array([1, 0, 3, 4])}, ValueError, r"lengths\[1\] should be a positive sequence length"),
         ({"bin_size": 0}, ValueError, "bin_size should be a positive integer, but got bin_size=0"),
         ({"drop_last": "yes"}, TypeError, "drop_last should be a bool"),
@@ -383,7 +383,7 @@ def test_two_gloo_ranks_equal_batch_counts_disjoint_indices(tmp_path):
         other = subprocess.Popen([*command, "1", str(tmp_path)], cwd=REPO, env=env, stdout=log, stderr=log)
     try:
         first = subprocess.run([*command, "0", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
-                               timeout=150)
+                               timeout=150, check=False)
         other.wait(timeout=60)
     finally:
         if other.poll() is None:
