@@ -32,6 +32,7 @@ from torch import nn
 
 from dynabatch._validation import bad_type, bad_value, check_positive_number
 from dynabatch.memory.guard import call_guarded, free_memory
+from dynabatch.training.predictor import active_predictor
 
 __all__ = ["GradientCheckpointManager", "GuardedResult", "OOMGuardian", "guarded_step", "split_batch"]
 
@@ -58,7 +59,8 @@ class OOMGuardian:
         max_memory_mb: the budget for a step's peak memory in MB; by default
             the device's free memory (CUDA) or available RAM (CPU).
         predictor: a calibrated :class:`~dynabatch.MemoryPredictor` for
-            :meth:`estimate_safe_batch_size`.
+            :meth:`estimate_safe_batch_size`; by default the one that last
+            recorded a measurement in the process.
         simulate_limit: CPU only: run guarded steps under the CPU tracker's
             ``limit_bytes`` = ``max_memory_mb``, so going over it raises a real
             out-of-memory error, as on a device of that size.
@@ -91,6 +93,8 @@ class OOMGuardian:
         if self.max_memory_mb is not None:
             return self.max_memory_mb * _MB
         if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise bad_value("device", "an available CUDA device, or max_memory_mb= to check against", self.device)
             free, _ = torch.cuda.mem_get_info(self.device)
             return float(free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
         return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
@@ -143,15 +147,21 @@ class OOMGuardian:
         is given) and never exceeds a size remembered after an out-of-memory error.
         """
         remembered = self.remembered_batch_size([task_type], int(seq_length or 0) if seq_length else 2**31)
-        if self.predictor is None:
+        predictor = self.predictor if self.predictor is not None else active_predictor()
+        if predictor is None:
             if remembered is None:
-                raise bad_value("predictor", "a calibrated MemoryPredictor (OOMGuardian(predictor=...))", None)
+                raise bad_value(
+                    "predictor",
+                    "a calibrated MemoryPredictor (OOMGuardian(predictor=...); none has recorded a measurement "
+                    "in this process)",
+                    None,
+                )
             return remembered
-        length = self.predictor.typical_length(task_type) if seq_length is None else float(seq_length)
+        length = predictor.typical_length(task_type) if seq_length is None else float(seq_length)
         usable = self.usable_bytes()
 
         def fits(rows: int) -> bool:
-            return float(self.predictor.predict_bytes(task_type, rows, length)) <= usable
+            return float(predictor.predict_bytes(task_type, rows, length)) <= usable
 
         if not fits(1):
             return 0

@@ -6,7 +6,7 @@ mode (training step or forward only), the peaks it was told or measured, and
 fits the project's memory model to them
 (:class:`dynabatch.memory.model.MemoryModel`: non-negative terms in rows and
 padded length ``L``, refit at every observation), ``L`` being the padded
-length or any size field such as a number of images (0 when unknown). A batch
+length or any size field such as a number of images (1 when unknown). A batch
 mixing tasks is predicted as the row-weighted mix of each task's
 prediction at the batch's row count and padded length. Nothing is assumed:
 a task without a measurement cannot be predicted and says so.
@@ -69,7 +69,7 @@ def batch_shape(batch: Any) -> tuple[int, int]:
         tensor = next((v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
     if not isinstance(tensor, torch.Tensor):
         raise bad_type("batch", "a dict holding an input_ids tensor (rows x padded length)", batch)
-    return int(tensor.shape[0]), int(tensor.shape[1]) if tensor.dim() > 1 else 0
+    return int(tensor.shape[0]), int(tensor.shape[1]) if tensor.dim() > 1 else 1
 
 
 class _TaskFit:
@@ -140,7 +140,7 @@ class MemoryPredictor:
             task_type: the task (any hashable).
             actual_memory_mb: the measured peak in MB (``2**20`` bytes).
             batch_size: rows in the measured batch.
-            seq_length: padded length (or other size field); ``None`` when unknown.
+            seq_length: padded length (or other size field) >= 1; ``None`` when unknown (counted as 1).
             is_training: a training step (forward + backward) or a forward pass only.
         """
         _check_task(task_type)
@@ -149,9 +149,9 @@ class MemoryPredictor:
         if not math.isfinite(actual_memory_mb) or actual_memory_mb < 0:
             raise bad_value("actual_memory_mb", "a finite number >= 0", actual_memory_mb)
         rows = check_positive_int("batch_size", batch_size)
-        length = 0.0 if seq_length is None else float(seq_length)
-        if length < 0 or not math.isfinite(length) or length != int(length):
-            raise bad_value("seq_length", "None or a whole number >= 0", seq_length)
+        length = 1.0 if seq_length is None else float(seq_length)  # no size dimension: every sample is 1
+        if length < 1 or not math.isfinite(length) or length != int(length):
+            raise bad_value("seq_length", "None or a whole number >= 1", seq_length)
         length = int(length)
         key = (task_type, bool(is_training))
         if key not in self._fits:
@@ -194,7 +194,7 @@ class MemoryPredictor:
         return list(self._task_lengths)
 
     def typical_length(self, task_type: Hashable) -> float:
-        """Median recorded length of ``task_type`` (0 when lengths were not given)."""
+        """Median recorded length of ``task_type`` (1 when lengths were not given)."""
         self._fit_for(task_type, True, any_mode=True)
         return float(np.median(self._task_lengths[task_type]))
 

@@ -55,7 +55,7 @@ def read_task_metadata(dataset: Any, size_field: str | None = None) -> tuple[lis
     Reads ``dataset.get_sample_metadata(idx)`` when the dataset has it, else
     ``dataset[idx]`` (a dict). The size is ``size_field`` when named, else the
     first of ``length`` / ``seq_length`` / ``num_tokens``, else the length of
-    the sample's ``input_ids``, else 0.
+    the sample's ``input_ids``, else 1.
 
     Raises:
         ValueError: a sample's metadata has no ``task_type`` (its index is named).
@@ -65,7 +65,7 @@ def read_task_metadata(dataset: Any, size_field: str | None = None) -> tuple[lis
     has_meta = callable(getattr(dataset, "get_sample_metadata", None))
     source = "dataset.get_sample_metadata" if has_meta else "dataset.__getitem__"
     tasks: list[Hashable] = []
-    sizes = np.zeros(len(dataset), dtype=np.int64)
+    sizes = np.ones(len(dataset), dtype=np.int64)  # no size known: every sample counts 1
     for idx in range(len(dataset)):
         meta = dataset.get_sample_metadata(idx) if has_meta else dataset[idx]
         if not isinstance(meta, dict) or meta.get("task_type") is None:
@@ -150,7 +150,7 @@ class MemoryAwareBatchSampler(PlannedBatchSampler):
             tasks, sizes = read_task_metadata(dataset, size_field)
         else:
             tasks = list(task_types)
-            sizes = np.zeros(len(tasks), dtype=np.int64) if lengths is None else np.asarray(lengths, dtype=np.int64)
+            sizes = np.ones(len(tasks), dtype=np.int64) if lengths is None else np.asarray(lengths, dtype=np.int64)
             if len(sizes) != len(tasks):
                 raise bad_value("lengths", f"one length per task type ({len(tasks)})", f"<{len(sizes)} lengths>")
             for idx, task in enumerate(tasks):

@@ -249,6 +249,9 @@ class DynamicBatchingTrainer(Trainer):
             )
             self._sampler = micro
         else:
+            if self.memory_predictor is not None:
+                logger.warning("memory_predictor given without max_memory_mb (nor an oom_guardian with one): "
+                               "micro-batches of per_device_train_batch_size rows, not planned by memory")
             names = list(dict.fromkeys(tasks))
             ids = np.array([names.index(t) for t in tasks], dtype=np.int64)
             micro = CountBatchSampler(ids, lengths, rows, self.task_diversity_weight, **shard)
