@@ -163,3 +163,31 @@ def test_without_predictor_with_evaluation_and_gradnorm(one_thread, example, tok
     assert {"weight_joke", "loss_joke"} <= set(logged[-1])
     metrics = trainer.evaluate()
     assert 5 < metrics["eval_loss"] < 15
+
+
+def test_out_of_memory_inside_training_is_split_and_the_steps_are_unchanged(
+    one_thread, example, tokenizer, dataset, tmp_path
+):
+    from transformers import TrainingArguments
+
+    from dynabatch import DynamicBatchingMonitor, OOMGuardian
+
+    def run(guardian, out):
+        model = example.build_model(tokenizer, hidden=32, max_length=32)
+        args = TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], max_steps=4, learning_rate=1e-3,
+                                 per_device_train_batch_size=8, save_strategy="no", disable_tqdm=True)
+        monitor = DynamicBatchingMonitor(str(out / "metrics"))
+        trainer = DynamicBatchingTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                         oom_guardian=guardian, monitor=monitor, task_diversity_weight=1.0)
+        trainer.train()
+        return trainer, monitor
+
+    plain, plain_monitor = run(None, tmp_path / "plain")
+    probe = example.build_model(tokenizer, hidden=32, max_length=32)
+    limit = 0.6 * example.measured_budget_mb(probe, dataset, rows=8)  # a device too small for 8 long rows
+    guardian = OOMGuardian("cpu", max_memory_mb=limit, simulate_limit=True)
+    split, split_monitor = run(guardian, tmp_path / "split")
+    assert guardian.num_out_of_memory > 0 and sum(b.oom_splits for b in split_monitor.batches) > 0
+    assert split.trained_indices == plain.trained_indices
+    assert [b.loss for b in split_monitor.batches] == pytest.approx([b.loss for b in plain_monitor.batches], rel=1e-5)
+    assert max(b.memory_allocated_mb for b in split_monitor.batches) <= limit
