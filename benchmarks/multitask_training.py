@@ -33,7 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dynabatch import DynamicBatchingTrainingPipeline, HeterogeneousCollator, HeterogeneousTrainingConfig
+from dynabatch import (
+    DynamicBatchingTrainingPipeline,
+    HeterogeneousCollator,
+    HeterogeneousTrainingConfig,
+)
 from dynabatch.memory.measure import track_peak_memory
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -34,7 +34,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_fraction, check_non_negative_int, check_positive_int
+from dynabatch._validation import (
+    bad_type,
+    bad_value,
+    check_fraction,
+    check_non_negative_int,
+    check_positive_int,
+)
 
 __all__ = ["BatchBytes", "check_single_samples_fit", "plan_memory_aware_batches", "task_order"]
 

@@ -28,7 +28,7 @@ import torch
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 
-__all__ = ["HeterogeneousCollator", "METADATA_KEYS"]
+__all__ = ["METADATA_KEYS", "HeterogeneousCollator"]
 
 METADATA_KEYS = ("task_type",)
 """Fields always kept as lists, whatever their values."""

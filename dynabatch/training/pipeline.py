@@ -89,7 +89,7 @@ class _Probes:
         for task in dict.fromkeys(tasks):
             mine = np.array([i for i, t in enumerate(tasks) if t == task])
             mine = mine[np.argsort(lengths[mine], kind="stable")]
-            ends = sorted({max(int(round(q * (len(mine) - 1))) + 1, 1) for q in quantiles})
+            ends = sorted({max(round(q * (len(mine) - 1)) + 1, 1) for q in quantiles})
             self.groups += [(task, mine, end, False) for end in ends]
             if lengths[mine].max() < lengths.max():
                 self.groups.append((task, mine, len(mine), True))

@@ -36,9 +36,18 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_fraction, check_positive_int, check_positive_number
+from dynabatch._validation import (
+    bad_type,
+    bad_value,
+    check_fraction,
+    check_positive_int,
+    check_positive_number,
+)
 from dynabatch.sampling.base import PlannedBatchSampler
-from dynabatch.sampling.memory_aware import check_single_samples_fit, plan_memory_aware_batches
+from dynabatch.sampling.memory_aware import (
+    check_single_samples_fit,
+    plan_memory_aware_batches,
+)
 from dynabatch.training.predictor import MB, MemoryPredictor, active_predictor
 
 __all__ = ["STEP_SEPARATOR", "CountBatchSampler", "MemoryAwareBatchSampler", "StepBatchSampler", "read_task_metadata"]

@@ -38,7 +38,12 @@ from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.training.collate import METADATA_KEYS, HeterogeneousCollator
 from dynabatch.training.gradnorm import GradNormBalancer, shared_parameter
 from dynabatch.training.guard import OOMGuardian, guarded_step
-from dynabatch.training.loss import check_normalization, count_items, per_sample_losses, weighted_loss_sum
+from dynabatch.training.loss import (
+    check_normalization,
+    count_items,
+    per_sample_losses,
+    weighted_loss_sum,
+)
 from dynabatch.training.monitor import BatchMetrics, DynamicBatchingMonitor
 from dynabatch.training.predictor import MB, MemoryPredictor
 from dynabatch.training.sampler import (
@@ -282,7 +287,9 @@ class DynamicBatchingTrainer(Trainer):
     def _shift(self) -> bool:
         """Causal LM labels are shifted (what HF's own loss does for these models)."""
         if self._shifts is None:
-            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            from transformers.models.auto.modeling_auto import (
+                MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            )
 
             model = self.accelerator.unwrap_model(self.model)
             causal = model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()

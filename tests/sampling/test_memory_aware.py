@@ -77,7 +77,7 @@ def test_sort_window_cuts_padding():
     def padded(plan):
         return sum(len(b) * int(lengths[b].max()) for b in plan)
 
-    kw = dict(batch_size=16, task_diversity_weight=0.0, seed=1)
+    kw = {"batch_size": 16, "task_diversity_weight": 0.0, "seed": 1}
     plain = plan_memory_aware_batches(tasks, lengths, _linear([1, 1]), 1e9, **kw)
     sorted_ = plan_memory_aware_batches(tasks, lengths, _linear([1, 1]), 1e9, sort_window=128, **kw)
     assert padded(sorted_) < 0.8 * padded(plain)

@@ -5,7 +5,12 @@ import torch
 from torch import nn
 
 from dynabatch.memory.measure import track_peak_memory
-from dynabatch.training.guard import GradientCheckpointManager, OOMGuardian, guarded_step, split_batch
+from dynabatch.training.guard import (
+    GradientCheckpointManager,
+    OOMGuardian,
+    guarded_step,
+    split_batch,
+)
 from dynabatch.training.loss import count_items, per_sample_losses, weighted_loss_sum
 
 

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from dynabatch.training.gradnorm import gradnorm_update, shared_parameter
-from dynabatch.training.loss import check_normalization, count_items, per_sample_losses, weighted_loss_sum
+from dynabatch.training.loss import (
+    check_normalization,
+    count_items,
+    per_sample_losses,
+    weighted_loss_sum,
+)
 
 
 def _hand_token_losses(logits, labels, shift):

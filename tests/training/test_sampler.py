@@ -1,6 +1,5 @@
 """MemoryAwareBatchSampler: seed 001's call, metadata, budget, epochs, resume, ranks and bad input."""
 
-import numpy as np
 import pytest
 
 from dynabatch import MemoryAwareBatchSampler, MemoryPredictor

@@ -117,7 +117,9 @@ def test_quick_reference(tmp_path, tokenizer):
         num_epochs=3,
         predictor=predictor,
     )
-    assert f"Per batch: {estimates['per_batch_mb']:.0f}MB"
+    print(f"Per batch: {estimates['per_batch_mb']:.0f}MB")
+    print(f"Peak memory: {estimates['estimated_peak_memory_mb']:.0f}MB")
+    assert estimates['per_batch_mb'] > 0
     assert estimates['estimated_peak_memory_mb'] >= estimates['per_batch_mb']
 
     config = HeterogeneousTrainingConfig()

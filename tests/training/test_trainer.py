@@ -2,7 +2,6 @@
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -33,9 +32,9 @@ def dataset(example, tokenizer):
 
 
 def _config(out, budget, **kw):
-    base = dict(max_memory_mb=budget, base_batch_size=8, target_batch_size=4, num_epochs=3, learning_rate=3e-3,
-                warmup_steps=0, logging_steps=5, output_dir=str(out), save_steps=5,
-                calibration_batch_sizes=(2, 4, 8))
+    base = {"max_memory_mb": budget, "base_batch_size": 8, "target_batch_size": 4, "num_epochs": 3,
+            "learning_rate": 3e-3, "warmup_steps": 0, "logging_steps": 5, "output_dir": str(out), "save_steps": 5,
+            "calibration_batch_sizes": (2, 4, 8)}
     base.update(kw)
     return HeterogeneousTrainingConfig(**base)
 
