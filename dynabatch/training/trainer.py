@@ -261,6 +261,10 @@ class DynamicBatchingTrainer(Trainer):
             ids = np.array([names.index(t) for t in tasks], dtype=np.int64)
             micro = CountBatchSampler(ids, lengths, rows, self.task_diversity_weight, **shard)
         steps = StepBatchSampler(micro, self.target_batch_size if self.use_gradient_accumulation else None)
+        # HF fixes the steps of every epoch from len() of the first: give every epoch to be trained
+        # at least the most steps any of them plans (a longer one would lose its last steps).
+        steps.set_min_batches(0)
+        steps.set_min_batches(steps.max_len(self._epochs_to_plan(len(steps))))
         loader = DataLoader(
             _Indexed(self.train_dataset),
             batch_sampler=steps,
@@ -269,6 +273,11 @@ class DynamicBatchingTrainer(Trainer):
             pin_memory=self.args.dataloader_pin_memory,
         )
         return self.accelerator.prepare(loader)
+
+    def _epochs_to_plan(self, steps_per_epoch: int) -> int:
+        if self.args.max_steps and self.args.max_steps > 0:
+            return max(1, math.ceil(self.args.max_steps / max(1, steps_per_epoch))) + 1
+        return max(1, math.ceil(self.args.num_train_epochs))
 
     def _collate_step(self, items: list[tuple[int, Any]]) -> dict[str, Any]:
         indices = split_step([i for i, _ in items])
