@@ -5,15 +5,9 @@ import pickle
 
 import pytest
 import torch
-from runner_helpers import (  # noqa: F401
-    MAX_LEN,
-    NEW_TOKENS,
-    _cpu_oom,
-    _embed_under_a_real_limit,
-    _fails_at,
+from runner_helpers import (
     _lengths,
     _load,
-    _oom_over,
 )
 
 from dynabatch import (

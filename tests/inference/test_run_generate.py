@@ -5,15 +5,11 @@ import copy
 
 import pytest
 import torch
-from runner_helpers import (  # noqa: F401
+from runner_helpers import (
     MAX_LEN,
     NEW_TOKENS,
-    _cpu_oom,
-    _embed_under_a_real_limit,
-    _fails_at,
     _lengths,
     _load,
-    _oom_over,
 )
 
 from dynabatch import (

@@ -4,15 +4,11 @@
 
 import pytest
 import torch
-from runner_helpers import (  # noqa: F401
-    MAX_LEN,
+from runner_helpers import (
     NEW_TOKENS,
-    _cpu_oom,
     _embed_under_a_real_limit,
-    _fails_at,
     _lengths,
     _load,
-    _oom_over,
 )
 
 from dynabatch import (

@@ -5,9 +5,8 @@ import logging
 
 import pytest
 import torch
-from runner_helpers import (  # noqa: F401
+from runner_helpers import (
     MAX_LEN,
-    NEW_TOKENS,
     _cpu_oom,
     _embed_under_a_real_limit,
     _fails_at,

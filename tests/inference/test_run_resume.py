@@ -10,15 +10,10 @@ import sys
 import textwrap
 
 import pytest
-from runner_helpers import (  # noqa: F401
-    MAX_LEN,
-    NEW_TOKENS,
-    _cpu_oom,
-    _embed_under_a_real_limit,
+from runner_helpers import (
     _fails_at,
     _lengths,
     _load,
-    _oom_over,
 )
 
 from dynabatch import (
