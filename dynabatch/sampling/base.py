@@ -285,10 +285,15 @@ class PlannedBatchSampler(Sampler[list[int]], ABC):
         return max(len(self.epoch_batches(e)) for e in range(epochs))
 
     def __iter__(self) -> Iterator[list[int]]:
+        # A plain method, not a generator: the pass starts (and state_dict() reports its
+        # start) at iter(), not at the first next().
         batches = self.epoch_batches()
         start, self._resume_at = self._resume_at, 0
         self._done = start
-        for batch in batches[start:]:
+        return self._hand_out(batches[start:])
+
+    def _hand_out(self, batches: list[np.ndarray]) -> Iterator[list[int]]:
+        for batch in batches:
             self._done += 1
             yield batch.tolist()
 

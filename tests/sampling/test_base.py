@@ -180,3 +180,14 @@ def test_max_len_makes_every_epoch_as_long_as_the_longest():
         _Chunks([5, 1, 1, 1]).load_state_dict(state)
     legacy = {k: v for k, v in _Chunks([5, 1, 1, 1]).state_dict().items() if k != "min_batches"}
     _Chunks([5, 1, 1, 1]).load_state_dict(legacy)
+
+
+def test_state_saved_between_iter_and_the_first_batch_is_the_start_of_the_pass():
+    s = _Chunks([2, 2, 2, 2, 2], seed=3)
+    expected = list(s)  # a full pass: 5 of 5 handed out
+    it = iter(s)  # a new pass starts here, before any next()
+    state = s.state_dict()
+    assert state["batches_done"] == 0
+    resumed = _Chunks([2, 2, 2, 2, 2], seed=3)
+    resumed.load_state_dict(state)
+    assert list(resumed) == expected == list(it)
