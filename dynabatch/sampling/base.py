@@ -78,7 +78,15 @@ from dynabatch._validation import (
     check_positive_int,
 )
 
-__all__ = ["PlannedBatchSampler", "fingerprint", "order_steps", "split_for_replicas"]
+__all__ = [
+    "EpochPasses",
+    "PlannedBatchSampler",
+    "fingerprint",
+    "order_steps",
+    "process_group",
+    "resolve_world",
+    "split_for_replicas",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +180,8 @@ def order_steps(num_batches: int, num_replicas: int, *, shuffle: bool, seed: int
     return (step_order[:, None] * num_replicas + np.arange(num_replicas)[None, :]).ravel()
 
 
-def _process_group() -> tuple[int, int] | None:
+def process_group() -> tuple[int, int] | None:
+    """``(world_size, rank)`` of the initialised ``torch.distributed`` process group, or ``None``."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -180,7 +189,181 @@ def _process_group() -> tuple[int, int] | None:
     return None
 
 
-class PlannedBatchSampler(Sampler[list[int]], ABC):
+def resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """``(num_replicas, rank)`` checked; a ``None`` one is the process group's (else 1 and 0).
+
+    Example:
+        >>> resolve_world(None, None), resolve_world(4, 3)
+        ((1, 0), (4, 3))
+        >>> resolve_world(2, 2)
+        Traceback (most recent call last):
+        ...
+        ValueError: rank should be in [0, num_replicas=2), but got rank=2
+    """
+    group = process_group()
+    if num_replicas is None:
+        num_replicas = group[0] if group else 1
+    if rank is None:
+        rank = group[1] if group else 0
+    num_replicas = check_positive_int("num_replicas", num_replicas)
+    rank = check_non_negative_int("rank", rank)
+    if rank >= num_replicas:
+        raise bad_value("rank", f"in [0, num_replicas={num_replicas})", rank)
+    return num_replicas, rank
+
+
+class EpochPasses:
+    """Epochs, the position in one and resumption: what every dynabatch batch sampler shares.
+
+    A subclass sets ``seed``, ``num_replicas``, ``shard``, ``_cache`` (its plan
+    cache, ``None`` to replan) and calls :meth:`_start_epochs` in its
+    constructor, and implements :meth:`identity` and :meth:`_current_batches`.
+    ``iter()`` starts a pass at once (not at the first ``next()``), so a state
+    saved between the two is the pass's start.
+    """
+
+    seed: int
+    num_replicas: int
+    shard: bool
+    _cache: Any
+    #: state keys that must equal this sampler's attributes to load (besides the fingerprint).
+    _compared_state: tuple[str, ...] = ("seed", "num_replicas", "shard")
+    #: further keys a state must have (the ones :meth:`_extra_state` adds and checks).
+    _state_keys: tuple[str, ...] = ()
+    #: values of compared keys that states saved by older versions lack.
+    _state_defaults: dict[str, Any] = {}
+    #: how a fingerprint mismatch is explained: what must be the same, then what differs.
+    _same_what = "data and settings"
+    _differ_hint = ""
+
+    def _start_epochs(self) -> None:
+        self.epoch = 0
+        self.min_batches = 0
+        self._done = 0  # batches handed out in the current pass
+        self._resume_at = 0  # where the next pass starts (a loaded state)
+
+    def identity(self) -> Iterable[Any]:
+        """What the plan depends on (lengths arrays, settings): hashed into :attr:`fingerprint`."""
+        raise NotImplementedError
+
+    def _current_batches(self, for_pass: bool = False) -> list[Any]:
+        """The current epoch's batches for this sampler (``for_pass``: a pass over them begins)."""
+        raise NotImplementedError
+
+    def _output(self, batch: Any) -> Any:
+        return batch
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def _check_resumed_plan(self, state: dict[str, Any]) -> None:
+        """Called by :meth:`load_state_dict` once the state's epoch is planned."""
+
+    @property
+    def fingerprint(self) -> str:
+        """Digest of the class name and :meth:`identity`: a saved state only loads into a sampler with the same one."""
+        return fingerprint([type(self).__name__, *self.identity()])
+
+    def __len__(self) -> int:
+        return len(self._current_batches())
+
+    def __iter__(self) -> Iterator[Any]:
+        # A plain method, not a generator: the pass starts (and state_dict() reports its
+        # start) at iter(), not at the first next().
+        batches = self._current_batches(for_pass=True)
+        start, self._resume_at = self._resume_at, 0
+        self._done = start
+        return self._hand_out(batches[start:])
+
+    def _hand_out(self, batches: list[Any]) -> Iterator[Any]:
+        for batch in batches:
+            self._done += 1
+            yield self._output(batch)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Sets the epoch, which with the seed decides the plan and the order.
+
+        A resume point loaded with :meth:`load_state_dict` holds only for the
+        epoch it was saved in; moving to another epoch starts that epoch from
+        its beginning.
+        """
+        epoch = check_non_negative_int("epoch", epoch)
+        if epoch != self.epoch:
+            self._resume_at = 0
+            self._done = 0
+        self.epoch = epoch
+
+    def set_min_batches(self, min_batches: int) -> None:
+        """Every epoch yields at least ``min_batches`` batches per rank (the largest batches or bins are split).
+
+        For a loop that fixes the steps per epoch once, like the HF ``Trainer``
+        (``len`` of the first epoch): pass the most batches any epoch has
+        (:meth:`max_len`), so no epoch ends before its batches do.
+        """
+        self.min_batches = check_non_negative_int("min_batches", min_batches)
+        self._cache = None
+
+    def max_len(self, epochs: int) -> int:
+        """The most batches per rank any of epochs ``0 .. epochs - 1`` has (planning each)."""
+        epochs = check_positive_int("epochs", epochs)
+        current, most = self.epoch, 0
+        try:
+            for epoch in range(epochs):
+                self.epoch = epoch
+                most = max(most, len(self))
+        finally:
+            self.epoch = current
+        if current != epochs - 1:
+            len(self)  # the current epoch's plan (and what planning records) again
+        return most
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position in the current epoch, plus what identifies the data, the settings and the world size."""
+        state = {
+            "fingerprint": self.fingerprint,
+            "seed": self.seed,
+            "num_replicas": self.num_replicas,
+            "shard": self.shard,
+            "epoch": self.epoch,
+            "batches_done": self._done,
+        }
+        state.update(self._extra_state())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resumes from ``state``: the next iteration continues that epoch where it stopped.
+
+        Raises:
+            TypeError: ``state`` is not a dict.
+            ValueError: the state belongs to other data or settings, another
+                world size, or has a position past the epoch's end.
+        """
+        if not isinstance(state, dict):
+            raise bad_type("state", f"a dict from {type(self).__name__}.state_dict()", state)
+        keys = {"fingerprint", "epoch", "batches_done", *self._compared_state, *self._state_keys}
+        missing = keys - set(self._state_defaults) - set(state)
+        if missing:
+            raise bad_value("state", f"a dict with the keys of state_dict() (missing {sorted(missing)})", state)
+        state = {**self._state_defaults, **state}
+        for key in self._compared_state:
+            if state[key] != getattr(self, key):
+                raise bad_value(f"state[{key!r}]", f"{getattr(self, key)!r} as in this sampler", state[key])
+        if state["fingerprint"] != self.fingerprint:
+            raise ValueError(
+                f"state should come from a sampler over the same {self._same_what} (fingerprint "
+                f"{self.fingerprint!r}), but got state['fingerprint']={state['fingerprint']!r}{self._differ_hint}"
+            )
+        epoch = check_non_negative_int("state['epoch']", state["epoch"])
+        done = check_non_negative_int("state['batches_done']", state["batches_done"])
+        self.epoch = epoch
+        self._check_resumed_plan(state)
+        available = len(self)
+        if done > available:
+            raise bad_value("state['batches_done']", f"at most {available} (the batches of epoch {epoch})", done)
+        self._resume_at = self._done = done
+
+
+class PlannedBatchSampler(EpochPasses, Sampler[list[int]], ABC):
     """Base of the batch samplers over a pure plan: order, epochs, ``state_dict`` and sharding.
 
     Subclasses implement :meth:`plan` and :meth:`identity`.
@@ -206,6 +389,10 @@ class PlannedBatchSampler(Sampler[list[int]], ABC):
     ``state["batches_done"]`` to the number of batches your loop consumed.
     """
 
+    _compared_state = ("shuffle", "seed", "num_replicas", "shard", "min_batches")
+    _state_defaults = {"min_batches": 0}  # states saved before min_batches existed
+    _differ_hint = ": the lengths, the constraint or the planning arguments differ"
+
     def __init__(
         self,
         *,
@@ -221,19 +408,8 @@ class PlannedBatchSampler(Sampler[list[int]], ABC):
         self.shuffle = shuffle
         self.shard = shard
         self.seed = check_non_negative_int("seed", seed)
-        group = _process_group()
-        if num_replicas is None:
-            num_replicas = group[0] if group else 1
-        if rank is None:
-            rank = group[1] if group else 0
-        self.num_replicas = check_positive_int("num_replicas", num_replicas)
-        self.rank = check_non_negative_int("rank", rank)
-        if self.rank >= self.num_replicas:
-            raise bad_value("rank", f"in [0, num_replicas={self.num_replicas})", rank)
-        self.epoch = 0
-        self.min_batches = 0
-        self._done = 0
-        self._resume_at = 0
+        self.num_replicas, self.rank = resolve_world(num_replicas, rank)
+        self._start_epochs()
         self._cache: tuple[int, list[np.ndarray]] | None = None
 
     @abstractmethod
@@ -249,11 +425,6 @@ class PlannedBatchSampler(Sampler[list[int]], ABC):
     def identity(self) -> Iterable[Any]:
         """What the plan depends on (lengths arrays, settings): hashed into :attr:`fingerprint`."""
 
-    @property
-    def fingerprint(self) -> str:
-        """Digest of the class name and :meth:`identity`: a saved state only loads into a sampler with the same one."""
-        return fingerprint([type(self).__name__, *self.identity()])
-
     def epoch_batches(self, epoch: int | None = None) -> list[np.ndarray]:
         """The batches this sampler yields in ``epoch`` (default: the current one), in order."""
         epoch = self.epoch if epoch is None else check_non_negative_int("epoch", epoch)
@@ -266,91 +437,11 @@ class PlannedBatchSampler(Sampler[list[int]], ABC):
             self._cache = (epoch, [planned[i] for i in order.tolist()])
         return self._cache[1]
 
-    def __len__(self) -> int:
-        return len(self.epoch_batches())
+    def _current_batches(self, for_pass: bool = False) -> list[np.ndarray]:
+        return self.epoch_batches()
 
-    def set_min_batches(self, min_batches: int) -> None:
-        """Every epoch yields at least ``min_batches`` batches per rank (the largest batches are split).
+    def _output(self, batch: np.ndarray) -> list[int]:
+        return batch.tolist()
 
-        For a loop that fixes the steps per epoch once, like the HF ``Trainer``
-        (``len`` of the first epoch): pass the most batches any epoch has
-        (:meth:`max_len`), so no epoch ends before its batches do.
-        """
-        self.min_batches = check_non_negative_int("min_batches", min_batches)
-        self._cache = None
-
-    def max_len(self, epochs: int) -> int:
-        """The most batches per rank any of epochs ``0 .. epochs - 1`` has (planning each)."""
-        epochs = check_positive_int("epochs", epochs)
-        return max(len(self.epoch_batches(e)) for e in range(epochs))
-
-    def __iter__(self) -> Iterator[list[int]]:
-        # A plain method, not a generator: the pass starts (and state_dict() reports its
-        # start) at iter(), not at the first next().
-        batches = self.epoch_batches()
-        start, self._resume_at = self._resume_at, 0
-        self._done = start
-        return self._hand_out(batches[start:])
-
-    def _hand_out(self, batches: list[np.ndarray]) -> Iterator[list[int]]:
-        for batch in batches:
-            self._done += 1
-            yield batch.tolist()
-
-    def set_epoch(self, epoch: int) -> None:
-        """Sets the epoch, which with the seed decides the plan and the order.
-
-        A resume point loaded with :meth:`load_state_dict` holds only for the
-        epoch it was saved in; moving to another epoch starts that epoch from
-        its beginning.
-        """
-        epoch = check_non_negative_int("epoch", epoch)
-        if epoch != self.epoch:
-            self._resume_at = 0
-            self._done = 0
-        self.epoch = epoch
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position in the current epoch, plus what identifies the data, the settings and the world size."""
-        return {
-            "fingerprint": self.fingerprint,
-            "shuffle": self.shuffle,
-            "seed": self.seed,
-            "num_replicas": self.num_replicas,
-            "shard": self.shard,
-            "min_batches": self.min_batches,
-            "epoch": self.epoch,
-            "batches_done": self._done,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resumes from ``state``: the next iteration continues that epoch where it stopped.
-
-        Raises:
-            TypeError: ``state`` is not a dict.
-            ValueError: the state belongs to other data or settings, another
-                world size, or has a position past the epoch's end.
-        """
-        if not isinstance(state, dict):
-            raise bad_type("state", f"a dict from {type(self).__name__}.state_dict()", state)
-        keys = {"fingerprint", "shuffle", "seed", "num_replicas", "shard", "epoch", "batches_done"}
-        missing = keys - set(state)
-        if missing:
-            raise bad_value("state", f"a dict with the keys of state_dict() (missing {sorted(missing)})", state)
-        state = {"min_batches": 0, **state}  # states saved before min_batches existed
-        for key in ("shuffle", "seed", "num_replicas", "shard", "min_batches"):
-            if state[key] != getattr(self, key):
-                raise bad_value(f"state[{key!r}]", f"{getattr(self, key)!r} as in this sampler", state[key])
-        if state["fingerprint"] != self.fingerprint:
-            raise ValueError(
-                f"state should come from a sampler over the same data and settings (fingerprint "
-                f"{self.fingerprint!r}), but got state['fingerprint']={state['fingerprint']!r}: "
-                "the lengths, the constraint or the planning arguments differ"
-            )
-        epoch = check_non_negative_int("state['epoch']", state["epoch"])
-        done = check_non_negative_int("state['batches_done']", state["batches_done"])
-        self.epoch = epoch
-        available = len(self.epoch_batches())
-        if done > available:
-            raise bad_value("state['batches_done']", f"at most {available} (the batches of epoch {epoch})", done)
-        self._resume_at = self._done = done
+    def _extra_state(self) -> dict[str, Any]:
+        return {"shuffle": self.shuffle, "min_batches": self.min_batches}

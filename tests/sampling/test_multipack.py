@@ -325,6 +325,18 @@ def test_resume_mid_epoch_loses_and_repeats_nothing(n, stop, epoch, sequential):
     assert list(resumed) == full  # the resume point holds once
 
 
+def test_state_saved_between_iter_and_the_first_batch_is_the_start_of_the_pass():
+    lengths = np.random.default_rng(4).integers(1, 30, size=40)
+    sampler = _sampler(lengths, 2, 32, drop_last=False)
+    expected = list(sampler)  # a full pass
+    it = iter(sampler)  # a new pass starts here, before any next()
+    state = sampler.state_dict()
+    assert state["batches_done"] == 0
+    resumed = _sampler(lengths, 2, 32, drop_last=False)
+    resumed.load_state_dict(state)
+    assert list(resumed) == expected == list(it)
+
+
 def test_resume_refuses_other_data_settings_or_order():
     lengths = np.arange(1, 30)
     state = _sampler(lengths, 2, 32).state_dict()
