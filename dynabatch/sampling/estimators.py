@@ -281,7 +281,7 @@ class _SpikeSearch:
     def sizes(self) -> np.ndarray:
         if self.n == 0:
             return np.empty(0, dtype=np.int64)
-        out = [self.first]
+        out, counts = [self.first], [1]  # batch sizes, run-length encoded
         pos = self.first
         n, cands, cmax = self.n, self.cands, int(self.cands[-1])
         run_starts, long_starts, choices = self._runs()
@@ -295,7 +295,8 @@ class _SpikeSearch:
                 k = choices[int(self.lengths[pos])]
                 size = self._choice(k)
                 count = (end - cmax - pos) // size + 1
-                out.extend([size] * count)
+                out.append(size)
+                counts.append(count)
                 pos += size * count
                 continue
             caps = np.unique(np.minimum(cands, n - pos))
@@ -322,13 +323,15 @@ class _SpikeSearch:
                 found, spec_proba = self._safe_prefix(proba[: len(caps)]), proba[len(caps) :]
             size = int(caps[found - 1]) if found else min(self.batch_size, n - pos)
             out.append(size)
+            counts.append(1)
             pos += size
             if len(starts) and found == k:  # the size is step again: the speculation applies
                 spec = spec_proba.reshape(len(starts), len(check)) <= self.threshold
                 holds = (spec == (np.arange(lo, lo + len(check)) < k)).all(axis=1)
                 hits = len(holds) if holds.all() else int(np.argmin(holds))
-                out.extend([size] * hits)
+                out.append(size)
+                counts.append(hits)
                 pos += size * hits
                 width = min(2 * width, _MAX_SPECULATION) if hits == len(holds) else max(4, 2 * hits)
             k = found if len(caps) == len(cands) else -1
-        return np.asarray(out, dtype=np.int64)
+        return np.repeat(np.asarray(out, dtype=np.int64), counts)
