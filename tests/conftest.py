@@ -26,3 +26,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def run_two_ranks():
+    """``tests/_spawn.py``'s ``run_two_ranks``: a worker script on two local processes (gloo rendezvous)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_spawn", os.path.join(os.path.dirname(__file__), "_spawn.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.run_two_ranks

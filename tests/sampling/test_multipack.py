@@ -1,9 +1,5 @@
 import json
 import logging
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 from collections import Counter
 from itertools import pairwise
@@ -383,27 +379,8 @@ _WORKER = textwrap.dedent(
 )
 
 
-def test_two_gloo_ranks_equal_batch_counts_disjoint_indices(tmp_path):
-    (tmp_path / "worker.py").write_text(_WORKER)
-    with socket.socket() as probe:  # a free port for the rendezvous
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    command = [sys.executable, str(tmp_path / "worker.py")]
-    with open(tmp_path / "rank1.log", "w") as log:  # a file: a full pipe would stall rank 1 mid-collective
-        other = subprocess.Popen([*command, "1", str(tmp_path)], cwd=REPO, env=env, stdout=log, stderr=log)
-    try:
-        first = subprocess.run([*command, "0", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
-                               timeout=150, check=False)
-        other.wait(timeout=60)
-    finally:
-        if other.poll() is None:
-            other.kill()
-            other.wait()
-    assert first.returncode == 0, first.stderr[-4000:]
-    assert other.returncode == 0, (tmp_path / "rank1.log").read_text()[-4000:]
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+def test_two_gloo_ranks_equal_batch_counts_disjoint_indices(tmp_path, run_two_ranks):
+    reports = run_two_ranks(_WORKER, tmp_path)
     for key, n in (("301-False", 301), ("301-True", 301), ("2-False", 2)):
         a, b = reports[0][key], reports[1][key]
         assert len(a["batches"]) == len(b["batches"]) == a["len"] == b["len"] > 0

@@ -1,8 +1,4 @@
 import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -152,36 +148,9 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gloo_smart")
-    script = out / "worker.py"
-    script.write_text(_WORKER)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
-               OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    logs = [out / f"rank{rank}.log" for rank in range(2)]
-    procs = []
-    for rank in range(2):
-        with open(logs[rank], "w") as log:
-            procs.append(subprocess.Popen([sys.executable, str(script), str(rank), str(out)], cwd=REPO, env=env,
-                                          stdout=log, stderr=subprocess.STDOUT))
-    try:
-        for p in procs:
-            p.wait(timeout=120)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{logs[rank].read_text()[-4000:]}"
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+def two_ranks(tmp_path_factory, run_two_ranks):
+    return run_two_ranks(_WORKER, tmp_path_factory.mktemp("gloo_smart"))
 
 
 @pytest.mark.parametrize("name", ["fixed", "difference", "tokens", "memory"])

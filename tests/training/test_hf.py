@@ -1,8 +1,4 @@
-import json
 import os
-import socket
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -139,7 +135,7 @@ _WORKER = textwrap.dedent(
     from dynabatch.sampling.constraints import TokenBudget
     from dynabatch.sampling.smart import SmartBatchSampler
 
-    out = sys.argv[1]
+    out = sys.argv[2]
     accelerator = Accelerator(cpu=True)
     rank, world = accelerator.process_index, accelerator.num_processes
     lengths = np.random.default_rng(0).integers(1, 64, size=203)
@@ -160,34 +156,8 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_accelerate_on_two_processes_deals_each_rank_its_shard(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE="2", RANK=str(rank),
-                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-        with open(tmp_path / f"rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=REPO, env=env,
-                                          stdout=log, stderr=subprocess.STDOUT))
-    try:
-        for p in procs:
-            p.wait(timeout=120)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, p in enumerate(procs):
-        assert p.returncode == 0, (tmp_path / f"rank{rank}.log").read_text()[-4000:]
-    reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+def test_accelerate_on_two_processes_deals_each_rank_its_shard(tmp_path, run_two_ranks):
+    reports = run_two_ranks(_WORKER, tmp_path)
     assert [r["world"] for r in reports] == [[0, 2], [1, 2]]
     for epoch in range(2):
         shares = [r["epochs"][epoch] for r in reports]
