@@ -66,7 +66,7 @@ import heapq
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -231,7 +231,7 @@ class EpochPasses:
     #: further keys a state must have (the ones :meth:`_extra_state` adds and checks).
     _state_keys: tuple[str, ...] = ()
     #: values of compared keys that states saved by older versions lack.
-    _state_defaults: dict[str, Any] = {}
+    _state_defaults: ClassVar[dict[str, Any]] = {}
     #: how a fingerprint mismatch is explained: what must be the same, then what differs.
     _same_what = "data and settings"
     _differ_hint = ""
@@ -390,7 +390,7 @@ class PlannedBatchSampler(EpochPasses, Sampler[list[int]], ABC):
     """
 
     _compared_state = ("shuffle", "seed", "num_replicas", "shard", "min_batches")
-    _state_defaults = {"min_batches": 0}  # states saved before min_batches existed
+    _state_defaults: ClassVar[dict[str, Any]] = {"min_batches": 0}  # states saved before min_batches existed
     _differ_hint = ": the lengths, the constraint or the planning arguments differ"
 
     def __init__(

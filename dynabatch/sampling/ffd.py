@@ -22,7 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_non_negative_int, check_positive_int
+from dynabatch._validation import (
+    bad_type,
+    bad_value,
+    check_non_negative_int,
+    check_positive_int,
+)
 from dynabatch.sampling._ffd_kernels import bins_to_lists, pack, sequential_offsets
 
 __all__ = ["allocate_sequentially", "ffd_check", "pack_group", "pack_parallel"]

@@ -72,7 +72,12 @@ from dynabatch._validation import (
 )
 from dynabatch.sampling._ffd_kernels import pack as _pack  # noqa: F401  (benchmarks/packing.py times it alone)
 from dynabatch.sampling._ffd_kernels import sequential_offsets
-from dynabatch.sampling.base import EpochPasses, fingerprint, process_group, resolve_world
+from dynabatch.sampling.base import (
+    EpochPasses,
+    fingerprint,
+    process_group,
+    resolve_world,
+)
 from dynabatch.sampling.ffd import (
     allocate_sequentially,
     as_lengths,
