@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="time each warm stage this many times and keep the best")
     parser.add_argument("--cold-texts", type=int, default=24_408,
                         help="KJV passages (in canonical order, as they are) for the cold-start rows")
-    parser.add_argument("--cold-repeats", type=int, default=3,
+    parser.add_argument("--cold-repeats", type=int, default=5,
                         help="fresh processes of each kind (raw call, first build) for the cold-start rows")
     parser.add_argument("--seed", type=int, default=0, help="seed of the text sampling and the length resampling")
     parser.add_argument("--output", type=Path, default=None,
