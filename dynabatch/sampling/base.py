@@ -21,7 +21,8 @@ deterministic for ``(seed, epoch)``. This base turns that plan into a
   batches (neighbours in the plan, so of similar lengths: under DDP every rank
   waits for the slowest); the steps are what gets shuffled, and rank ``r``
   takes the ``r``-th batch of every step.
-* **Resumption.** :meth:`state_dict` records the epoch and the batches handed
+* **Resumption** (:class:`dynabatch.sampling.passes.EpochPasses`, shared with
+  the multipack sampler). :meth:`state_dict` records the epoch and the batches handed
   out so far plus a fingerprint of the data and settings;
   :meth:`load_state_dict` continues that epoch exactly where it stopped, and
   refuses a state saved for other data, settings or world size.
@@ -61,11 +62,10 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -77,40 +77,11 @@ from dynabatch._validation import (
     check_non_negative_int,
     check_positive_int,
 )
+from dynabatch.sampling.passes import EpochPasses, fingerprint, resolve_world
 
-__all__ = [
-    "EpochPasses",
-    "PlannedBatchSampler",
-    "fingerprint",
-    "order_steps",
-    "process_group",
-    "resolve_world",
-    "split_for_replicas",
-]
+__all__ = ["PlannedBatchSampler", "fingerprint", "order_steps", "split_for_replicas"]
 
 logger = logging.getLogger(__name__)
-
-
-def fingerprint(parts: Iterable[Any]) -> str:
-    """A short sha256 digest of arrays (dtype, shape and bytes) and other values (their repr).
-
-    Example:
-        >>> import numpy as np
-        >>> fingerprint([np.arange(3), "x"]) == fingerprint([np.arange(3), "x"])
-        True
-        >>> fingerprint([np.arange(3)]) == fingerprint([np.arange(4)])
-        False
-    """
-    digest = hashlib.sha256()
-    for part in parts:
-        if isinstance(part, np.ndarray):
-            array = np.ascontiguousarray(part)
-            digest.update(f"{array.dtype.str}{array.shape}".encode())
-            digest.update(array.tobytes())
-        else:
-            digest.update(repr(part).encode())
-        digest.update(b"\x00")
-    return digest.hexdigest()[:16]
 
 
 def split_for_replicas(batches: list[np.ndarray], num_replicas: int, min_batches: int = 0) -> list[np.ndarray]:
@@ -178,189 +149,6 @@ def order_steps(num_batches: int, num_replicas: int, *, shuffle: bool, seed: int
         rng = np.random.default_rng([seed, epoch])
         step_order = np.concatenate([[0], 1 + rng.permutation(steps - 1)])
     return (step_order[:, None] * num_replicas + np.arange(num_replicas)[None, :]).ravel()
-
-
-def process_group() -> tuple[int, int] | None:
-    """``(world_size, rank)`` of the initialised ``torch.distributed`` process group, or ``None``."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return None
-
-
-def resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
-    """``(num_replicas, rank)`` checked; a ``None`` one is the process group's (else 1 and 0).
-
-    Example:
-        >>> resolve_world(None, None), resolve_world(4, 3)
-        ((1, 0), (4, 3))
-        >>> resolve_world(2, 2)
-        Traceback (most recent call last):
-        ...
-        ValueError: rank should be in [0, num_replicas=2), but got rank=2
-    """
-    group = process_group()
-    if num_replicas is None:
-        num_replicas = group[0] if group else 1
-    if rank is None:
-        rank = group[1] if group else 0
-    num_replicas = check_positive_int("num_replicas", num_replicas)
-    rank = check_non_negative_int("rank", rank)
-    if rank >= num_replicas:
-        raise bad_value("rank", f"in [0, num_replicas={num_replicas})", rank)
-    return num_replicas, rank
-
-
-class EpochPasses:
-    """Epochs, the position in one and resumption: what every dynabatch batch sampler shares.
-
-    A subclass sets ``seed``, ``num_replicas``, ``shard``, ``_cache`` (its plan
-    cache, ``None`` to replan) and calls :meth:`_start_epochs` in its
-    constructor, and implements :meth:`identity` and :meth:`_current_batches`.
-    ``iter()`` starts a pass at once (not at the first ``next()``), so a state
-    saved between the two is the pass's start.
-    """
-
-    seed: int
-    num_replicas: int
-    shard: bool
-    _cache: Any
-    #: state keys that must equal this sampler's attributes to load (besides the fingerprint).
-    _compared_state: tuple[str, ...] = ("seed", "num_replicas", "shard")
-    #: further keys a state must have (the ones :meth:`_extra_state` adds and checks).
-    _state_keys: tuple[str, ...] = ()
-    #: values of compared keys that states saved by older versions lack.
-    _state_defaults: ClassVar[dict[str, Any]] = {}
-    #: how a fingerprint mismatch is explained: what must be the same, then what differs.
-    _same_what = "data and settings"
-    _differ_hint = ""
-
-    def _start_epochs(self) -> None:
-        self.epoch = 0
-        self.min_batches = 0
-        self._done = 0  # batches handed out in the current pass
-        self._resume_at = 0  # where the next pass starts (a loaded state)
-
-    def identity(self) -> Iterable[Any]:
-        """What the plan depends on (lengths arrays, settings): hashed into :attr:`fingerprint`."""
-        raise NotImplementedError
-
-    def _current_batches(self, for_pass: bool = False) -> list[Any]:
-        """The current epoch's batches for this sampler (``for_pass``: a pass over them begins)."""
-        raise NotImplementedError
-
-    def _output(self, batch: Any) -> Any:
-        return batch
-
-    def _extra_state(self) -> dict[str, Any]:
-        return {}
-
-    def _check_resumed_plan(self, state: dict[str, Any]) -> None:
-        """Called by :meth:`load_state_dict` once the state's epoch is planned."""
-
-    @property
-    def fingerprint(self) -> str:
-        """Digest of the class name and :meth:`identity`: a saved state only loads into a sampler with the same one."""
-        return fingerprint([type(self).__name__, *self.identity()])
-
-    def __len__(self) -> int:
-        return len(self._current_batches())
-
-    def __iter__(self) -> Iterator[Any]:
-        # A plain method, not a generator: the pass starts (and state_dict() reports its
-        # start) at iter(), not at the first next().
-        batches = self._current_batches(for_pass=True)
-        start, self._resume_at = self._resume_at, 0
-        self._done = start
-        return self._hand_out(batches[start:])
-
-    def _hand_out(self, batches: list[Any]) -> Iterator[Any]:
-        for batch in batches:
-            self._done += 1
-            yield self._output(batch)
-
-    def set_epoch(self, epoch: int) -> None:
-        """Sets the epoch, which with the seed decides the plan and the order.
-
-        A resume point loaded with :meth:`load_state_dict` holds only for the
-        epoch it was saved in; moving to another epoch starts that epoch from
-        its beginning.
-        """
-        epoch = check_non_negative_int("epoch", epoch)
-        if epoch != self.epoch:
-            self._resume_at = 0
-            self._done = 0
-        self.epoch = epoch
-
-    def set_min_batches(self, min_batches: int) -> None:
-        """Every epoch yields at least ``min_batches`` batches per rank (the largest batches or bins are split).
-
-        For a loop that fixes the steps per epoch once, like the HF ``Trainer``
-        (``len`` of the first epoch): pass the most batches any epoch has
-        (:meth:`max_len`), so no epoch ends before its batches do.
-        """
-        self.min_batches = check_non_negative_int("min_batches", min_batches)
-        self._cache = None
-
-    def max_len(self, epochs: int) -> int:
-        """The most batches per rank any of epochs ``0 .. epochs - 1`` has (planning each)."""
-        epochs = check_positive_int("epochs", epochs)
-        current, most = self.epoch, 0
-        try:
-            for epoch in range(epochs):
-                self.epoch = epoch
-                most = max(most, len(self))
-        finally:
-            self.epoch = current
-        if current != epochs - 1:
-            len(self)  # the current epoch's plan (and what planning records) again
-        return most
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position in the current epoch, plus what identifies the data, the settings and the world size."""
-        state = {
-            "fingerprint": self.fingerprint,
-            "seed": self.seed,
-            "num_replicas": self.num_replicas,
-            "shard": self.shard,
-            "epoch": self.epoch,
-            "batches_done": self._done,
-        }
-        state.update(self._extra_state())
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resumes from ``state``: the next iteration continues that epoch where it stopped.
-
-        Raises:
-            TypeError: ``state`` is not a dict.
-            ValueError: the state belongs to other data or settings, another
-                world size, or has a position past the epoch's end.
-        """
-        if not isinstance(state, dict):
-            raise bad_type("state", f"a dict from {type(self).__name__}.state_dict()", state)
-        keys = {"fingerprint", "epoch", "batches_done", *self._compared_state, *self._state_keys}
-        missing = keys - set(self._state_defaults) - set(state)
-        if missing:
-            raise bad_value("state", f"a dict with the keys of state_dict() (missing {sorted(missing)})", state)
-        state = {**self._state_defaults, **state}
-        for key in self._compared_state:
-            if state[key] != getattr(self, key):
-                raise bad_value(f"state[{key!r}]", f"{getattr(self, key)!r} as in this sampler", state[key])
-        if state["fingerprint"] != self.fingerprint:
-            raise ValueError(
-                f"state should come from a sampler over the same {self._same_what} (fingerprint "
-                f"{self.fingerprint!r}), but got state['fingerprint']={state['fingerprint']!r}{self._differ_hint}"
-            )
-        epoch = check_non_negative_int("state['epoch']", state["epoch"])
-        done = check_non_negative_int("state['batches_done']", state["batches_done"])
-        self.epoch = epoch
-        self._check_resumed_plan(state)
-        available = len(self)
-        if done > available:
-            raise bad_value("state['batches_done']", f"at most {available} (the batches of epoch {epoch})", done)
-        self._resume_at = self._done = done
 
 
 class PlannedBatchSampler(EpochPasses, Sampler[list[int]], ABC):

@@ -21,7 +21,7 @@ What this implementation adds to the reference:
   fresh order on every iteration, which would make ``len()``, resumption and
   the ranks disagree.
 * **Resumable and sharded**, with the conventions (and the code:
-  :class:`dynabatch.sampling.base.EpochPasses`) of
+  :class:`dynabatch.sampling.passes.EpochPasses`) of
   :class:`dynabatch.sampling.base.PlannedBatchSampler` (which cannot be the base
   class here: a batch is a list of bins, not a flat index array, and the seed's
   constructor wins): ``state_dict`` / ``load_state_dict`` resume mid-epoch;
@@ -72,12 +72,6 @@ from dynabatch._validation import (
 )
 from dynabatch.sampling._ffd_kernels import pack as _pack  # noqa: F401  (benchmarks/packing.py times it alone)
 from dynabatch.sampling._ffd_kernels import sequential_offsets
-from dynabatch.sampling.base import (
-    EpochPasses,
-    fingerprint,
-    process_group,
-    resolve_world,
-)
 from dynabatch.sampling.ffd import (
     allocate_sequentially,
     as_lengths,
@@ -86,6 +80,12 @@ from dynabatch.sampling.ffd import (
     pack_arrays,
     pack_group,
     pack_parallel,
+)
+from dynabatch.sampling.passes import (
+    EpochPasses,
+    fingerprint,
+    process_group,
+    resolve_world,
 )
 
 __all__ = ["MultipackBatchSampler", "allocate_sequentially", "ffd_check", "pack_group", "pack_parallel"]
@@ -179,7 +179,7 @@ class MultipackBatchSampler(EpochPasses, BatchSampler):
     ``len(sampler)`` is this rank's number of batches in the current epoch (the
     same on every rank). Call :meth:`set_epoch` before each epoch. Epochs,
     ``set_min_batches``, ``max_len``, ``state_dict`` and ``load_state_dict``
-    are :class:`~dynabatch.sampling.base.EpochPasses`'.
+    are :class:`~dynabatch.sampling.passes.EpochPasses`'.
     """
 
     _state_keys = ("order_fingerprint",)
