@@ -48,6 +48,17 @@ def _brute_ffd(lengths, capacity, bin_size=10**9):
     return bins
 
 
+def _needs_more_batches_than_samples(lengths, batch_max_len, world, batch_size, epoch):
+    """Without drop_last, equal non-empty batches per rank of at most batch_size bins are impossible.
+
+    E.g. 7 sequences that each fill a bin, 2 ranks, batch_size 1: 4 batches per
+    rank would need 8 bins, 3 per rank would drop one.
+    """
+    bins = _sampler(lengths, 1, batch_max_len, drop_last=False)  # one bin per batch: len() counts the bins
+    bins.set_epoch(epoch)
+    return -(-len(bins) // world // batch_size) * world > len(lengths)
+
+
 lengths_st = st.lists(st.integers(1, 64), min_size=0, max_size=120)
 
 
@@ -260,6 +271,10 @@ def test_min_batches_for_loops_that_fix_the_steps_once(n, world, batch_size, ext
     per_epoch = []
     for epoch in range(4):
         ranks[0].set_epoch(epoch)
+        if _needs_more_batches_than_samples(lengths, 40, world, batch_size, epoch):
+            with pytest.raises(ValueError, match="num_replicas should be at most the number of samples"):
+                len(ranks[0])
+            return
         per_epoch.append(len(list(ranks[0])))
     ranks[0].set_epoch(0)
     most = ranks[0].max_len(4)
@@ -290,7 +305,7 @@ def test_min_batches_for_loops_that_fix_the_steps_once(n, world, batch_size, ext
 )
 def test_ranks_get_equal_counts_and_disjoint_indices(n, world, batch_size, drop_last, data):
     lengths = np.array(data.draw(st.lists(st.integers(1, 40), min_size=n, max_size=n)))
-    if not drop_last and n < world:
+    if not drop_last and _needs_more_batches_than_samples(lengths, 40, world, batch_size, epoch=0):
         with pytest.raises(ValueError, match="num_replicas should be at most the number of samples"):
             len(_sampler(lengths, batch_size, 40, drop_last=False, num_replicas=world, rank=0))
         return
