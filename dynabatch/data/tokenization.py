@@ -141,6 +141,11 @@ def validate_texts(texts: Any) -> list[str]:
         items = texts.tolist()
     elif isinstance(texts, collections.abc.Sequence) and not isinstance(texts, (str, bytes, bytearray)):
         items = list(texts)
+    elif hasattr(texts, "shape") and hasattr(texts, "columns"):  # a DataFrame: name it, do not print it
+        raise TypeError(
+            f"texts should be {_TEXTS_RULE}; pick one column (e.g. frame['text']), but got "
+            f"texts=<{type(texts).__name__} of shape {tuple(texts.shape)}, columns {list(texts.columns)[:5]!r}>"
+        )
     else:
         raise bad_type("texts", _TEXTS_RULE, texts)
     if not items:

@@ -29,13 +29,17 @@ Example:
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
+import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
-from dynabatch._validation import bad_type, check_non_negative_int
+from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.data.collate import TokenCollator, pad_token_id_of
 from dynabatch.data.tokenization import tokenize_texts, validate_texts
 from dynabatch.memory.shape import resolve_model_shape
@@ -46,6 +50,96 @@ from dynabatch.sampling.sampler import DynamicBatchSampler
 __all__ = ["LoaderPlan", "build_dynamic_batch_dataloader", "plan_of"]
 
 logger = logging.getLogger(__name__)
+
+_UNSET_MODEL_MAX_LENGTH = 10**9  # Hugging Face sets a huge sentinel (int(1e30)) when the limit is unknown
+
+
+def _check_tokenizer(tokenizer: Any) -> None:
+    """Refuses what is not a tokenizer object (None, a model name) before any other check on it."""
+    if isinstance(tokenizer, str):
+        raise TypeError(
+            f"tokenizer should be a tokenizer object, not a model name: load it first with "
+            f"AutoTokenizer.from_pretrained({tokenizer!r}); but got tokenizer={tokenizer!r} of type str"
+        )
+    if not callable(tokenizer):
+        raise bad_type("tokenizer", "a tokenizer object (e.g. AutoTokenizer.from_pretrained(...))", tokenizer)
+
+
+def _accepted_keywords(tokenizer: Any) -> set[str] | None:
+    """Keywords a call of ``tokenizer`` takes; ``None`` when it takes any (a plain ``**kwargs`` callable).
+
+    A Hugging Face tokenizer's ``__call__`` ends in ``**kwargs`` but only uses
+    its named arguments and those of ``_encode_plus`` (e.g. ``split_special_tokens``).
+    """
+    names: set[str] = set()
+    takes_any = False
+    for function in (getattr(tokenizer, "__call__", tokenizer), getattr(tokenizer, "_encode_plus", None)):
+        if function is None:
+            continue
+        try:
+            parameters = inspect.signature(function).parameters.values()
+        except (TypeError, ValueError):  # no signature to read: accept anything
+            return None
+        for p in parameters:
+            if p.kind is p.VAR_KEYWORD:
+                takes_any = True
+            elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                names.add(p.name)
+    if takes_any and not hasattr(tokenizer, "_encode_plus"):
+        return None
+    return names - {"text", "self"}
+
+
+def _check_tokenizer_kwargs(tokenizer: Any, tokenizer_kwargs: dict[str, Any]) -> None:
+    """A misspelt keyword (``batchsize=8``) names itself instead of vanishing into the tokenizer call."""
+    accepted = _accepted_keywords(tokenizer)
+    if accepted is None:
+        return
+    own = set(inspect.signature(build_dynamic_batch_dataloader).parameters) - {"tokenizer_kwargs"}
+    for key in tokenizer_kwargs:
+        if key in accepted:
+            continue
+        close = difflib.get_close_matches(key, sorted(own | accepted), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(
+            f"build_dynamic_batch_dataloader() got an unexpected keyword argument {key!r}{hint}: extra keywords "
+            f"go to the tokenizer, and {type(tokenizer).__name__} does not take it; "
+            f"but got {key}={tokenizer_kwargs[key]!r}"
+        )
+
+
+def _check_length_fits(tokenizer: Any, max_input_token_length: int, tokenizer_kwargs: dict[str, Any]) -> None:
+    """``max_input_token_length`` leaves room for text after the special tokens, and fits the model."""
+    count_special = getattr(tokenizer, "num_special_tokens_to_add", None)
+    if tokenizer_kwargs.get("add_special_tokens", True) and callable(count_special):
+        special = count_special(pair=False)
+        if max_input_token_length <= special:
+            raise bad_value(
+                "max_input_token_length",
+                f"at least {special + 1} (the tokenizer adds {special} special tokens to every text)",
+                max_input_token_length,
+            )
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and limit < _UNSET_MODEL_MAX_LENGTH and max_input_token_length > limit:
+        warnings.warn(
+            f"max_input_token_length={max_input_token_length} is above the tokenizer's "
+            f"model_max_length={limit}: a model with {limit} positions fails on longer rows; "
+            f"pass max_input_token_length<={limit}",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _worker_count(num_workers: int) -> int:
+    """``num_workers`` capped at the cores this process may use (what torch's DataLoader warns above)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    if num_workers > cores:
+        logger.info("num_workers=%d capped at the %d available cores (torch warns above it)", num_workers, cores)
+        return cores
+    return num_workers
 
 
 class _Positions(Dataset):
@@ -127,13 +221,20 @@ def build_dynamic_batch_dataloader(
 
     Args:
         texts: the input strings (list, tuple, pandas Series, ``datasets`` column).
-        tokenizer: a Hugging Face tokenizer with a pad token.
+        tokenizer: a Hugging Face tokenizer object with a pad token (not a
+            model name: load it with ``AutoTokenizer.from_pretrained(name)``).
         batch_size: rows of the first batch, the ``batch_size`` longest texts;
             every batch has at least this many rows (but the last).
-        max_input_token_length: truncation limit per text, in tokens.
+        max_input_token_length: truncation limit per text, in tokens (special
+            tokens included, so more than the tokenizer adds; a value above the
+            tokenizer's ``model_max_length`` warns).
         threshold: highest spike probability a chosen batch size may have.
         shuffle: shuffle the batch order (the first, hardest batch stays first).
-        num_workers: DataLoader worker processes (0: batches built in the main process).
+        num_workers: DataLoader worker processes (0: batches built in the main
+            process, kept as 0). A value above the cores this process may use
+            (``len(os.sched_getaffinity(0))``) is capped at that count, with a
+            log line, so the default 4 does not trigger torch's worker-count
+            warning on a 2-core machine.
         batch_start_range: smallest candidate size, as a multiple of ``batch_size`` (>= 1).
         batch_end_range: largest candidate size, as a multiple of ``batch_size``.
         steps: number of candidate sizes between the two.
@@ -160,7 +261,9 @@ def build_dynamic_batch_dataloader(
             config): its :class:`~dynabatch.memory.shape.ModelShape` is read from
             it (a forward call; pass ``model_shape`` for ``generate`` settings).
         **tokenizer_kwargs: passed to the tokenizer (e.g. ``add_special_tokens=False``);
-            ``pad_to_multiple_of`` rounds each batch's width up.
+            ``pad_to_multiple_of`` rounds each batch's width up. A keyword the
+            tokenizer's call does not take (a typo such as ``batchsize``) raises
+            TypeError naming it.
 
     Returns:
         A plain :class:`torch.utils.data.DataLoader`, with its plan as
@@ -173,6 +276,8 @@ def build_dynamic_batch_dataloader(
         :func:`~dynabatch.data.order.restore_order`.
     """
     items = validate_texts(texts)
+    _check_tokenizer(tokenizer)
+    _check_tokenizer_kwargs(tokenizer, tokenizer_kwargs)
     settings = PlanSettings(batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps,
                             resolve_model_shape(model_shape, model))
     check_non_negative_int("num_workers", num_workers)
@@ -182,6 +287,7 @@ def build_dynamic_batch_dataloader(
                                granularity=granularity)
     pad_to_multiple_of = tokenizer_kwargs.pop("pad_to_multiple_of", None)
     pad_token_id_of(tokenizer)  # refuse a tokenizer without pad token before tokenizing
+    _check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
     tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress, **tokenizer_kwargs)
     planner = BatchPlanner(tokenized.lengths, settings, estimator)
     batches = planner.batches()
@@ -190,6 +296,7 @@ def build_dynamic_batch_dataloader(
     sizes = [len(b) for b in batches]
     logger.info("planned %d texts into %d batches (first %d rows, largest %d)", len(items), len(batches),
                 sizes[0], max(sizes))
-    loader = DataLoader(_Positions(len(items)), batch_sampler=sampler, collate_fn=collator, num_workers=num_workers)
+    loader = DataLoader(_Positions(len(items)), batch_sampler=sampler, collate_fn=collator,
+                        num_workers=_worker_count(num_workers))
     loader.plan = sampler.plan = LoaderPlan(planner, sampler, collator)
     return loader

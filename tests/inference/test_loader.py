@@ -1,6 +1,8 @@
 import copy
 import math
+import os
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -55,7 +57,7 @@ def test_returns_a_plain_dataloader(tokenizer, texts):
     loader = _load(texts, tokenizer)
     assert type(loader) is DataLoader
     assert loader.num_workers == 0
-    assert _load(texts, tokenizer, num_workers=2).num_workers == 2
+    assert _load(texts, tokenizer, num_workers=2).num_workers == min(2, len(os.sched_getaffinity(0)))
     assert len(loader) == len(list(loader)) > 1
 
 
@@ -507,3 +509,60 @@ def test_bad_memory_options_are_named(tokenizer, kwargs, error, match):
         kwargs["memory_model"] = _memory_model(lambda r, n: 100 + r * n)
     with pytest.raises(error, match=match):
         build_dynamic_batch_dataloader(["a", "b"], tokenizer, 1, 8, **kwargs)
+
+
+# --- the errors a new user hits (issue 15) ------------------------------------------------------------
+
+
+def test_a_missing_tokenizer_or_a_model_name_is_not_a_tokenizer(texts):
+    with pytest.raises(TypeError, match=r"^tokenizer should be a tokenizer object \(e\.g\. AutoTokenizer\.from_pretrained\(\.\.\.\)\), but got tokenizer=None of type NoneType$"):
+        build_dynamic_batch_dataloader(texts[:10], None, batch_size=4, max_input_token_length=MAX_LEN)
+    with pytest.raises(TypeError, match=r"^tokenizer should be a tokenizer object, not a model name: load it first with AutoTokenizer\.from_pretrained\('bert-base-uncased'\); but got tokenizer='bert-base-uncased' of type str$"):
+        build_dynamic_batch_dataloader(texts[:10], "bert-base-uncased", batch_size=4, max_input_token_length=MAX_LEN)
+
+
+@pytest.mark.parametrize("value", [1, 2])
+def test_a_limit_with_no_room_after_the_special_tokens(tokenizer, texts, value):
+    with pytest.raises(ValueError, match=rf"^max_input_token_length should be at least 3 \(the tokenizer adds 2 special tokens to every text\), but got max_input_token_length={value}$"):
+        _load(texts[:10], tokenizer, max_input_token_length=value)
+    # Without special tokens a single token per text is a valid (if odd) limit.
+    loader = _load(texts[:10], tokenizer, max_input_token_length=1, add_special_tokens=False)
+    assert {b["input_ids"].shape[1] for b in loader} == {1}
+
+
+def test_a_limit_above_the_model_max_length_warns(tokenizer, texts):
+    assert tokenizer.model_max_length == 512
+    with pytest.warns(UserWarning, match=r"^max_input_token_length=100000 is above the tokenizer's model_max_length=512: .* pass max_input_token_length<=512$"):
+        _load(texts[:10], tokenizer, max_input_token_length=100000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _load(texts[:10], tokenizer, max_input_token_length=512)
+
+
+def test_a_misspelt_keyword_is_named_not_swallowed(tokenizer, texts):
+    with pytest.raises(TypeError, match=r"^build_dynamic_batch_dataloader\(\) got an unexpected keyword argument 'batchsize' \(did you mean 'batch_size'\?\): extra keywords go to the tokenizer, and BertTokenizer does not take it; but got batchsize=8$"):
+        build_dynamic_batch_dataloader(texts[:10], tokenizer, batchsize=8, max_input_token_length=MAX_LEN, batch_size=4)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'add_special_token' \(did you mean 'add_special_tokens'\?\)"):
+        _load(texts[:10], tokenizer, add_special_token=False)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'frobnicate': extra keywords"):
+        _load(texts[:10], tokenizer, frobnicate=1)
+
+
+def test_a_dataframe_is_named_by_type_and_shape_not_printed(tokenizer, texts):
+    pandas = pytest.importorskip("pandas")
+    frame = pandas.DataFrame({"text": texts, "n": range(len(texts))})
+    with pytest.raises(TypeError, match=r"pick one column \(e\.g\. frame\['text'\]\), but got texts=<DataFrame of shape \(156, 2\), columns \['text', 'n'\]>$") as error:
+        _load(frame, tokenizer)
+    assert texts[0] not in str(error.value)
+    assert len(_load(frame["text"], tokenizer)) > 1  # the fix the message suggests works
+
+
+def test_the_default_num_workers_does_not_trigger_the_worker_count_warning(tokenizer, texts, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)  # a 2-core machine
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = build_dynamic_batch_dataloader(texts[:40], tokenizer, batch_size=4, max_input_token_length=MAX_LEN)
+        loader.check_worker_number_rationality()  # what torch runs when iteration starts
+    assert loader.num_workers == 2
+    assert not [w for w in caught if "worker" in str(w.message)]
+    assert _load(texts[:10], tokenizer, num_workers=0).num_workers == 0  # 0 stays 0
