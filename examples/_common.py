@@ -79,6 +79,9 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="torch.set_num_threads(THREADS); None keeps torch's own setting (on a busy "
                         "machine 1 is often fastest)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the text sampling")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed runs of each method, in alternating order after a warm-up of each; "
+                        "the fastest run of each is compared")
 
 
 def check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names: Iterable[str]) -> None:
@@ -100,11 +103,6 @@ def check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, na
 def pad_with_tokenizer(batch_texts: list[str], tokenizer, max_length: int):
     """The plain loader's ``collate_fn``: the texts tokenized and padded to the longest in the batch."""
     return tokenizer(batch_texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-
-
-def warm_up(step: Step, tokenizer, texts: list[str], max_length: int) -> None:
-    """One small model call, so neither timed run pays for the first call's set-up."""
-    step(pad_with_tokenizer(texts[:2], tokenizer, max_length))
 
 
 def run_loader(step: Step, loader) -> tuple[list[torch.Tensor], list, int, int, int]:
@@ -177,6 +175,51 @@ def run_dynabatch(step: Step, finish: Callable[[list[torch.Tensor]], Any], token
     return RunStats("dynabatch", len(texts), len(outputs), largest, real, cells, seconds), result, setup
 
 
+def compare(step: Step, plain_finish: Callable[[list[torch.Tensor]], Any],
+            dyn_finish: Callable[[list[torch.Tensor]], Any], tokenizer, texts: list[str], batch_size: int,
+            max_length: int, repeats: int, **loader_kwargs: Any) -> tuple[RunStats, Any, RunStats, Any, float]:
+    """Times both methods fairly: a warm-up of each, then ``repeats`` runs of each in alternating order.
+
+    The warm-up runs each method end to end on the ``2 * batch_size`` longest
+    texts, so one-off costs (the first model call at a large shape, the
+    allocator, thread pools, loading the spike classifier) land on neither
+    timed run. Round ``r`` runs the plain loader first when ``r`` is even and
+    dynabatch first when it is odd; each method's fastest run is kept.
+
+    Args:
+        step: The model call on one padded batch.
+        plain_finish: Turns the plain loader's per-batch outputs into its result.
+        dyn_finish: Turns dynabatch's output rows, in input order, into its result.
+        tokenizer: The tokenizer both methods use.
+        texts: The texts, in input order.
+        batch_size: Rows per plain batch; rows of dynabatch's first batch.
+        max_length: Truncation limit per text, in tokens.
+        repeats: Timed runs of each method.
+        **loader_kwargs: More keywords of ``build_dynamic_batch_dataloader``.
+
+    Returns:
+        The plain loader's fastest stats and result, dynabatch's fastest stats
+        and result, and the setup seconds of dynabatch's fastest run.
+    """
+    warm = sorted(texts, key=len)[-2 * batch_size:]
+    run_plain(step, plain_finish, tokenizer, warm, batch_size, max_length)
+    run_dynabatch(step, dyn_finish, tokenizer, warm, batch_size, max_length, **loader_kwargs)
+    plains, dyns = [], []
+    for r in range(repeats):
+        for method in (("plain", "dyn") if r % 2 == 0 else ("dyn", "plain")):
+            if method == "plain":
+                plains.append(run_plain(step, plain_finish, tokenizer, texts, batch_size, max_length))
+            else:
+                dyns.append(run_dynabatch(step, dyn_finish, tokenizer, texts, batch_size, max_length,
+                                          **loader_kwargs))
+    print(f"timed runs (after a warm-up of each, alternating order): plain "
+          f"{', '.join(f'{p[0].seconds:.2f}s' for p in plains)}; dynabatch "
+          f"{', '.join(f'{d[0].seconds:.2f}s' for d in dyns)}; fastest of each compared\n")
+    plain, plain_result = min(plains, key=lambda run: run[0].seconds)
+    dyn, dyn_result, setup = min(dyns, key=lambda run: run[0].seconds)
+    return plain, plain_result, dyn, dyn_result, setup
+
+
 def print_table(runs: Sequence[RunStats]) -> None:
     """Prints one row per run: batches, largest batch, padding efficiency, wall time, texts/s."""
     header = (f"{'method':<18} {'batches':>8} {'largest batch':>14} {'padding eff.':>13} {'wall time':>10} "
@@ -192,7 +235,8 @@ def print_comparison(plain: RunStats, dyn: RunStats, setup: float) -> None:
     """Prints the table of both runs and the speed-up of dynabatch over the plain loader."""
     print_table([plain, dyn])
     print(f"\nspeed-up of dynabatch over the plain loader: {plain.seconds / dyn.seconds:.2f}x "
-          f"(dynabatch time includes {setup:.2f}s to tokenize, load the classifier and plan)")
+          f"(fastest timed run of each; dynabatch's includes {setup:.2f}s to "
+          "tokenize and plan)")
 
 
 def report_check(ok: bool, result: str, error: str, note: str = "") -> int:

@@ -17,15 +17,19 @@ loader's: it exits with status 1 when the largest absolute difference is not
 below 1e-4.
 
 Wall times include everything each method does: the plain loader tokenizes in
-its ``collate_fn``; dynabatch's time includes tokenizing all texts, loading the
-spike classifier and planning. One warm-up forward call runs before both.
+its ``collate_fn``; dynabatch's time includes tokenizing all texts and planning.
+Timing is fair to both: each method first runs end to end on the
+``2 * --batch-size`` longest texts (a warm-up: the first model call at a
+large shape, the allocator, thread pools and the classifier load land on
+neither timed run), then each runs ``--repeats`` times (default 2) in
+alternating order, and the fastest run of each is compared.
 
-The default is 500 texts, not more, so the whole script takes about a minute
-on two CPU cores: all-MiniLM-L6-v2 runs at a few thousand tokens/s there, and
-the plain loader at ``batch_size`` 32 pads most batches to near the longest
-text (about four padded cells per real token). Measured on a 2-core machine
-shared with a background job: 67 s with ``--threads 1``, 86 s with torch's two
-threads (an idle machine is faster). Pass ``--n-texts 6000`` for a larger run
+The default is 500 texts, not more: all-MiniLM-L6-v2 runs at a few thousand
+tokens/s on two CPU cores, and the plain loader at ``batch_size`` 32 pads most
+batches to near the longest text (about four padded cells per real token).
+The whole script (a warm-up and two timed runs of each method) took about
+200 s with ``--threads 1`` on this project's 2-core machine shared with other
+jobs (an idle machine is faster). Pass ``--n-texts 6000`` for a larger run
 (roughly ten times as long).
 
 Needs the ``examples`` extra (``pip install dynabatch[examples]``); runs
@@ -63,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _common.add_text_options(parser, n_texts=500, max_length_help="truncation limit per text, in tokens")
     _common.add_run_options(parser)
     args = parser.parse_args(argv)
-    _common.check_positive(parser, args, ("n_texts", "max_words", "batch_size", "max_length", "threads"))
+    _common.check_positive(parser, args, ("n_texts", "max_words", "batch_size", "max_length", "threads", "repeats"))
     return args
 
 
@@ -92,10 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 
     step = partial(embed, model)
     with torch.inference_mode():
-        _common.warm_up(step, tokenizer, texts, args.max_length)
-        plain, plain_emb = _common.run_plain(step, torch.cat, tokenizer, texts, args.batch_size, args.max_length)
-        dyn, dyn_emb, setup = _common.run_dynabatch(step, torch.stack, tokenizer, texts, args.batch_size,
-                                                    args.max_length)
+        plain, plain_emb, dyn, dyn_emb, setup = _common.compare(step, torch.cat, torch.stack, tokenizer, texts,
+                                                                args.batch_size, args.max_length, args.repeats)
 
     _common.print_comparison(plain, dyn, setup)
 

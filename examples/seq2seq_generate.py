@@ -27,6 +27,10 @@ puts the dynabatch outputs back in input order with ``restore_order`` and
 compares them with the plain loader's token for token (trailing padding
 stripped). It exits with status 1 unless every row is equal.
 
+Timing is fair to both: each method first runs end to end on the
+``2 * --batch-size`` longest texts (a warm-up), then each runs ``--repeats``
+times (default 2) in alternating order; the fastest run of each is compared.
+
 With the defaults (800 texts) it took 47 s with ``--threads 1`` on a 2-core
 machine shared with a background job; with torch's two threads fighting that
 job for the cores it took 2 min 44 s, so on a shared machine pass
@@ -71,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tokens generated per text (max_new_tokens = min_new_tokens)")
     _common.add_run_options(parser)
     args = parser.parse_args(argv)
-    _common.check_positive(parser, args, ("n_texts", "max_words", "batch_size", "max_length", "new_tokens", "threads"))
+    _common.check_positive(parser, args, ("n_texts", "max_words", "batch_size", "max_length", "new_tokens", "threads",
+                                            "repeats"))
     return args
 
 
@@ -136,13 +141,11 @@ def main(argv: list[str] | None = None) -> int:
 
     step = partial(generate, model, new_tokens=args.new_tokens)
     with torch.inference_mode():
-        _common.warm_up(step, tokenizer, texts, args.max_length)
-        plain, plain_rows = _common.run_plain(step, lambda outputs: strip_rows(chain.from_iterable(outputs)),
-                                              tokenizer, texts, args.batch_size, args.max_length)
         # generate: every row carries its logits, so the planner is told the model's shape (see the README).
         shape = ModelShape.from_model(model, max_new_tokens=args.new_tokens)
-        dyn, dyn_rows, setup = _common.run_dynabatch(step, strip_rows, tokenizer, texts, args.batch_size,
-                                                     args.max_length, model_shape=shape)
+        plain, plain_rows, dyn, dyn_rows, setup = _common.compare(
+            step, lambda outputs: strip_rows(chain.from_iterable(outputs)), strip_rows, tokenizer, texts,
+            args.batch_size, args.max_length, args.repeats, model_shape=shape)
 
     _common.print_comparison(plain, dyn, setup)
 

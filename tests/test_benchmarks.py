@@ -17,7 +17,7 @@ def test_inference_benchmark_prints_every_method_and_keeps_other_sections(tmp_pa
     out = tmp_path / "RESULTS.md"
     out.write_text("# old title\n\n" + KEPT)  # a section of another device: a CPU rerun must keep it
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, str(SCRIPT), "--n-texts", "40", "--threads", "1", "--out", str(out)],
+    result = subprocess.run([sys.executable, str(SCRIPT), "--n-texts", "40", "--threads", "1", "--output", str(out)],
                             check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     for heading in ("## encoder (all-MiniLM-L6-v2 forward, max_length 256) on cpu", "## generate (Marian-shaped"):
@@ -34,14 +34,25 @@ def test_inference_benchmark_prints_every_method_and_keeps_other_sections(tmp_pa
     assert "## encoder (all-MiniLM-L6-v2 forward, max_length 256) on cpu" in written
 
 
-def test_repeats_report_the_median_and_spread_of_every_method(tmp_path):
-    out = tmp_path / "RESULTS.md"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+def test_repeats_report_the_median_and_spread_and_nothing_is_written_unless_asked(tmp_path):
+    # A copy of the script beside a committed benchmarks/RESULTS.md of its own, run from an empty directory,
+    # without --output: the tables go to stdout only, no file is written or changed.
+    (tmp_path / "benchmarks").mkdir()
+    script = tmp_path / "benchmarks" / "inference.py"
+    script.write_text(SCRIPT.read_text())
+    committed = tmp_path / "benchmarks" / "RESULTS.md"
+    committed.write_text("results\n")
+    (tmp_path / "work").mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")])}
     args = ["--workloads", "encoder", "--methods", "plain,dynabatch", "--repeats", "3", "--n-texts", "24",
-            "--threads", "1", "--out", str(out)]
-    result = subprocess.run([sys.executable, str(SCRIPT), *args], check=False, capture_output=True, text=True,
-                            env=env, cwd=ROOT, timeout=120)
+            "--threads", "1"]
+    result = subprocess.run([sys.executable, str(script), *args], check=False, capture_output=True, text=True,
+                            env=env, cwd=tmp_path / "work", timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+    written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and "__pycache__" not in str(p))
+    assert written == ["benchmarks/RESULTS.md", "benchmarks/inference.py"]
+    assert committed.read_text() == "results\n"
     assert "- wall s: the median of 3 runs per method" in result.stdout
     for method in ("plain DataLoader", "dynabatch"):
         match = re.search(rf"^\| {re.escape(method)} \| ([\d.]+) \(([\d.]+)-([\d.]+)\) \|", result.stdout,
