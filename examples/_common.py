@@ -15,6 +15,7 @@ the ``dynabatch`` package.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class RunStats:
     real_tokens: int
     padded_cells: int
     seconds: float
+    cpu_seconds: float  # CPU time of this process (all its threads): what other jobs on the machine barely move
 
     @property
     def padding_efficiency(self) -> float:
@@ -139,13 +141,13 @@ def run_plain(step: Step, finish: Callable[[list[torch.Tensor]], Any], tokenizer
     Returns:
         The stats and ``finish``'s result.
     """
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     loader = DataLoader(texts, batch_size=batch_size, shuffle=False,
                         collate_fn=partial(pad_with_tokenizer, tokenizer=tokenizer, max_length=max_length))
     outputs, _, largest, real, cells = run_loader(step, loader)
     result = finish(outputs)
-    seconds = time.perf_counter() - start
-    return RunStats("plain DataLoader", len(texts), len(outputs), largest, real, cells, seconds), result
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return RunStats("plain DataLoader", len(texts), len(outputs), largest, real, cells, seconds, cpu), result
 
 
 def run_dynabatch(step: Step, finish: Callable[[list[torch.Tensor]], Any], tokenizer, texts: list[str],
@@ -165,14 +167,14 @@ def run_dynabatch(step: Step, finish: Callable[[list[torch.Tensor]], Any], token
     Returns:
         The stats, ``finish``'s result and the setup (tokenize + plan) seconds.
     """
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     loader = build_dynamic_batch_dataloader(texts, tokenizer, batch_size, max_length, num_workers=0,
                                             **loader_kwargs)
     setup = time.perf_counter() - start
     outputs, indices, largest, real, cells = run_loader(step, loader)
     result = finish(restore_order(outputs, indices))
-    seconds = time.perf_counter() - start
-    return RunStats("dynabatch", len(texts), len(outputs), largest, real, cells, seconds), result, setup
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    return RunStats("dynabatch", len(texts), len(outputs), largest, real, cells, seconds, cpu), result, setup
 
 
 def compare(step: Step, plain_finish: Callable[[list[torch.Tensor]], Any],
@@ -184,7 +186,10 @@ def compare(step: Step, plain_finish: Callable[[list[torch.Tensor]], Any],
     texts, so one-off costs (the first model call at a large shape, the
     allocator, thread pools, loading the spike classifier) land on neither
     timed run. Round ``r`` runs the plain loader first when ``r`` is even and
-    dynabatch first when it is odd; each method's fastest run is kept.
+    dynabatch first when it is odd. Each method keeps its fastest wall time
+    and its least CPU time (``time.process_time``, all threads of this
+    process): on a machine other jobs share, wall times swing with their load
+    while CPU time measures the work each method did.
 
     Args:
         step: The model call on one padded batch.
@@ -198,8 +203,9 @@ def compare(step: Step, plain_finish: Callable[[list[torch.Tensor]], Any],
         **loader_kwargs: More keywords of ``build_dynamic_batch_dataloader``.
 
     Returns:
-        The plain loader's fastest stats and result, dynabatch's fastest stats
-        and result, and the setup seconds of dynabatch's fastest run.
+        The plain loader's stats and result, dynabatch's stats and result
+        (stats of the fastest run, with the least CPU time of all runs), and
+        the setup seconds of dynabatch's fastest run.
     """
     warm = sorted(texts, key=len)[-2 * batch_size:]
     run_plain(step, plain_finish, tokenizer, warm, batch_size, max_length)
@@ -212,31 +218,35 @@ def compare(step: Step, plain_finish: Callable[[list[torch.Tensor]], Any],
             else:
                 dyns.append(run_dynabatch(step, dyn_finish, tokenizer, texts, batch_size, max_length,
                                           **loader_kwargs))
-    print(f"timed runs (after a warm-up of each, alternating order): plain "
-          f"{', '.join(f'{p[0].seconds:.2f}s' for p in plains)}; dynabatch "
-          f"{', '.join(f'{d[0].seconds:.2f}s' for d in dyns)}; fastest of each compared\n")
+    def times(runs: list) -> str:
+        return ", ".join(f"{run[0].seconds:.2f}s ({run[0].cpu_seconds:.2f}s CPU)" for run in runs)
+
+    print(f"timed runs (after a warm-up of each, alternating order): plain {times(plains)}; "
+          f"dynabatch {times(dyns)}; fastest wall time and least CPU time of each compared\n")
     plain, plain_result = min(plains, key=lambda run: run[0].seconds)
     dyn, dyn_result, setup = min(dyns, key=lambda run: run[0].seconds)
+    plain = dataclasses.replace(plain, cpu_seconds=min(run[0].cpu_seconds for run in plains))
+    dyn = dataclasses.replace(dyn, cpu_seconds=min(run[0].cpu_seconds for run in dyns))
     return plain, plain_result, dyn, dyn_result, setup
 
 
 def print_table(runs: Sequence[RunStats]) -> None:
-    """Prints one row per run: batches, largest batch, padding efficiency, wall time, texts/s."""
+    """Prints one row per run: batches, largest batch, padding efficiency, wall time, texts/s, CPU time."""
     header = (f"{'method':<18} {'batches':>8} {'largest batch':>14} {'padding eff.':>13} {'wall time':>10} "
-              f"{'texts/s':>9}")
+              f"{'texts/s':>9} {'CPU time':>9}")
     print(header)
     print("-" * len(header))
     for r in runs:
         print(f"{r.method:<18} {r.batches:>8} {r.largest_batch:>14} {r.padding_efficiency:>12.1%} "
-              f"{r.seconds:>9.2f}s {r.texts_per_second:>9.1f}")
+              f"{r.seconds:>9.2f}s {r.texts_per_second:>9.1f} {r.cpu_seconds:>8.2f}s")
 
 
 def print_comparison(plain: RunStats, dyn: RunStats, setup: float) -> None:
     """Prints the table of both runs and the speed-up of dynabatch over the plain loader."""
     print_table([plain, dyn])
-    print(f"\nspeed-up of dynabatch over the plain loader: {plain.seconds / dyn.seconds:.2f}x "
-          f"(fastest timed run of each; dynabatch's includes {setup:.2f}s to "
-          "tokenize and plan)")
+    print(f"\nspeed-up of dynabatch over the plain loader: {plain.seconds / dyn.seconds:.2f}x in wall time, "
+          f"{plain.cpu_seconds / dyn.cpu_seconds:.2f}x in CPU time (the steadier figure on a shared machine; "
+          f"dynabatch's includes {setup:.2f}s to tokenize and plan)")
 
 
 def report_check(ok: bool, result: str, error: str, note: str = "") -> int:
