@@ -397,7 +397,7 @@ def _grow(prober: _Prober, mm: MemoryModel, grid: list[int], batch_size: int, me
         # At most 4x the most rows measured so far: a fit from few probes may be far off.
         most = max(p["rows"] for p in mm.probes_ if not p["out_of_memory"])
         rows = int(mm.max_rows_unchecked(np.array(float(length)), np.array(target())))
-        return int(min(cap, 4 * most, max(1, rows)))
+        return int(min(cap, 4 * most, max(2, rows)))  # two rows at least: a probe is padded as batches are
 
     for length in reversed(grid[:-1]):
         if prober.run_ >= max_probes:

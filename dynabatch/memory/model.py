@@ -8,12 +8,20 @@ logits, the encoder's attention, ...). :class:`MemoryModel` fits
 
 ``peak(r, L) = c0 + c1 L + c2 L^2 + r (c3 + c4 L + c5 L^2 + sum_k d_k max(L - K_k, 0))``
 
-with every coefficient >= 0, by non-negative least squares on the relative
-error (``scipy.optimize.nnls``). The hinge terms ``r max(L - K, 0)`` at knots
-``K`` (the probed lengths) let a later phase take over above a length: a sum of
-such terms with non-negative weights is how a maximum of phases looks. Every
-term grows with ``r`` and ``L``, so the prediction does too, and for a fixed
-length it is linear in ``r``: :meth:`MemoryModel.max_rows` is closed form.
+with every coefficient >= 0 and no measured point predicted under its bytes,
+at the least total relative over-prediction (a linear program,
+``scipy.optimize.linprog``): a fit that errs, errs high. The hinge terms
+``r max(L - K, 0)`` at knots ``K`` (the probed lengths) let a later phase take
+over above a length: a sum of such terms with non-negative weights is how a
+maximum of phases looks. Only as many knots are used as the points leave two
+spare degrees of freedom for (none from 8 points), so few probes do not overfit.
+
+Beyond the most rows ``R`` measured at a length or longer, a prediction is at
+least ``r * predict(R, L) / R``: each phase is ``a + r s`` with ``a >= 0``, so
+this bounds it, even where a row-free phase (a training step's optimizer update
+and weights' gradients) hid the per-row cost at the rows probed. Every term
+grows with ``r`` and ``L``, so the prediction does too, and for a fixed length
+it is piecewise linear in ``r``: :meth:`MemoryModel.max_rows` is closed form.
 
 The probes are kept (:attr:`MemoryModel.probes_`); a probe that ran out of
 memory is a lower bound when the bytes it exceeded are known, and caps the rows
@@ -23,11 +31,11 @@ point and refits (how ``run(adapt=True)`` refines the model online).
 Example:
     >>> from dynabatch.memory.model import MemoryModel
     >>> mm = MemoryModel(device="cpu")
-    >>> for rows, length in [(4, 8), (4, 32), (16, 8), (8, 64), (32, 16), (2, 64)]:
+    >>> for rows, length in [(4, 8), (4, 32), (16, 8), (16, 64), (32, 16), (2, 64)]:
     ...     _ = mm.observe(rows, length, 1000 + rows * (200 + 10 * length))
     >>> round(float(mm.predict(10, 40)))  # 1000 + 10 * (200 + 400)
     7000
-    >>> int(mm.max_rows(40, 7000)), int(mm.max_rows(40, 6999))
+    >>> int(mm.max_rows(40, 7001)), int(mm.max_rows(40, 6999))
     (10, 9)
 """
 
@@ -154,20 +162,49 @@ class MemoryModel:
         self.coef_ = np.zeros(0)
         self.terms_: list[str] = []
         self._knots_used: list[int] = []
+        self._reach = (np.zeros(0), np.zeros(0))  # measured lengths; the most rows measured at each or longer
         self._loo: np.ndarray | None = None
         self._warned = False
 
     # -- the terms ---------------------------------------------------------
     def _knots_for(self, lengths: np.ndarray) -> list[int]:
+        """Knots inside the measured lengths; at most as many as the points leave free (2 spare degrees)."""
         distinct = np.unique(lengths)
         if self.knots is not None:
-            inner = [k for k in self.knots if distinct.size and distinct.min() < k < distinct.max()]
-            return inner
-        inner = distinct[1:-1]
-        if len(inner) > _MAX_KNOTS:
-            picks = np.unique(np.round(np.geomspace(1, len(inner), _MAX_KNOTS)).astype(int) - 1)
+            inner = np.array([k for k in self.knots if distinct.size and distinct.min() < k < distinct.max()])
+            most = len(inner)
+        else:
+            inner = distinct[1:-1]
+            most = _MAX_KNOTS
+        most = min(most, max(0, len(lengths) - len(_BASE_TERMS) - 2))
+        if len(inner) > most:
+            picks = np.unique(np.round(np.geomspace(1, len(inner), most)).astype(int) - 1) if most else []
             inner = inner[picks]
         return [int(k) for k in inner]
+
+    def _set_reach(self, rows: np.ndarray, length: np.ndarray) -> None:
+        """Per measured length, the most rows measured at that length or longer."""
+        order = np.argsort(-length, kind="stable")
+        lengths, most = length[order], np.maximum.accumulate(rows[order])
+        last = np.r_[lengths[1:] != lengths[:-1], True]  # each length's last (its maximum is over all >= it)
+        self._reach = (lengths[last][::-1], most[last][::-1])
+
+    def _reach_at(self, length: np.ndarray, fixed: np.ndarray, slope: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The most rows ``R`` measured at ``length`` or longer (0: none) and the fit's bytes a row there.
+
+        A peak is a maximum of phases, each ``a + r s`` with ``a >= 0``, so
+        ``r * peak(R) / R`` bounds it for ``r >= R``: beyond the rows measured a
+        prediction is at least that, whatever small per-row cost the fit found
+        where a row-free phase (the optimizer step, weights' gradients) hid it.
+        """
+        lengths, most = self._reach
+        if not lengths.size:
+            return np.zeros(length.shape), np.zeros(length.shape)
+        i = np.searchsorted(lengths, length, side="left")
+        reach = np.where(i < lengths.size, most[np.minimum(i, lengths.size - 1)], 0.0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            per_row = np.where(reach > 0, (fixed + reach * slope) / reach, 0.0)
+        return reach, per_row
 
     def _design(self, rows: np.ndarray, length: np.ndarray, knots: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Row-free part and per-row part of every term, shape ``(..., terms)`` each."""
@@ -195,6 +232,25 @@ class MemoryModel:
         return rows, length, peak, bound
 
     def _solve(self, x: np.ndarray, y: np.ndarray, bound: np.ndarray) -> np.ndarray:
+        """The least total relative over-prediction with no point predicted under its bytes (a linear program).
+
+        A fit under a measured peak is how planned batches come out over the
+        budget, so every point (an out-of-memory one's known bytes included) is
+        a floor; least squares (below) only when the program finds no solution.
+        """
+        from scipy.optimize import linprog
+
+        weight = 1.0 / np.maximum(y, 1.0)
+        scale = np.abs(x).max(axis=0)
+        scale[scale <= 0] = 1.0
+        a = x / scale
+        result = linprog(c=(a * weight[:, None]).sum(axis=0), A_ub=-a * weight[:, None], b_ub=-y * weight,
+                         bounds=(0, None), method="highs")
+        if result.status == 0:
+            return np.maximum(result.x, 0.0) / scale
+        return self._least_squares(x, y, bound)
+
+    def _least_squares(self, x: np.ndarray, y: np.ndarray, bound: np.ndarray) -> np.ndarray:
         """Non-negative least squares on relative errors; violated lower bounds join with growing weight."""
         from scipy.optimize import nnls
 
@@ -216,12 +272,14 @@ class MemoryModel:
         rows, length, peak, bound = self._points()
         self._loo = None
         if not (~bound).any():
+            self._reach = (np.zeros(0), np.zeros(0))
             self.coef_ = np.zeros(0)
             self.terms_ = []
             self._knots_used = []
             return
         knots = self._knots_for(length[~bound])
         self._knots_used = knots
+        self._set_reach(rows[~bound], length[~bound])
         self.terms_ = list(_BASE_TERMS) + [f"rows*(length-{k})+" for k in knots]
         self.coef_ = self._solve(self._matrix(rows, length, knots), peak, bound)
         predicted = self.predict_unchecked(
@@ -345,8 +403,11 @@ class MemoryModel:
 
     def predict_unchecked(self, rows: np.ndarray, padded_length: np.ndarray) -> np.ndarray:
         """:meth:`predict` without argument checks or warnings (float arrays in)."""
-        fixed, slope = self._parts(np.asarray(padded_length, dtype=np.float64))
-        return fixed + rows * slope
+        length = np.asarray(padded_length, dtype=np.float64)
+        fixed, slope = self._parts(length)
+        reach, per_row = self._reach_at(length, fixed, slope)
+        fit = fixed + rows * slope
+        return np.where(rows > reach, np.maximum(fit, rows * per_row), fit)
 
     def predict(self, rows: Any, padded_length: Any) -> np.ndarray:
         """Predicted peak bytes, float64, broadcast over ``rows`` and ``padded_length``."""
@@ -379,6 +440,13 @@ class MemoryModel:
         # floor() of a float quotient can be one off: settle it against the prediction itself.
         rows = np.where((rows > 0) & (fixed + rows * slope > budget), rows - 1, rows)
         rows = np.where((rows < MAX_ROWS) & (fixed + (rows + 1) * slope <= budget), rows + 1, rows)
+        reach, per_row = self._reach_at(length, fixed, slope)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            capped = np.floor(budget / per_row)
+        capped = np.clip(np.nan_to_num(capped, nan=0.0, posinf=MAX_ROWS), 0, MAX_ROWS).astype(np.int64)
+        capped = np.where((capped > 0) & (capped * per_row > budget), capped - 1, capped)
+        rows = np.where((reach > 0) & (rows > reach), np.maximum(reach.astype(np.int64), np.minimum(rows, capped)),
+                        rows)
         for probe in self.probes_:
             if probe["out_of_memory"]:
                 rows = np.where(length >= probe["padded_length"], np.minimum(rows, probe["rows"] - 1), rows)

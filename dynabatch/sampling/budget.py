@@ -26,7 +26,7 @@ Example:
     >>> import numpy as np
     >>> from dynabatch.memory.model import MemoryModel
     >>> from dynabatch.sampling.budget import plan_batch_sizes_to_budget
-    >>> shapes = [(1, 8), (4, 64), (32, 16), (2, 128)]  # measured peaks: 1000 + 100 bytes a token
+    >>> shapes = [(1, 8), (4, 64), (32, 16), (4, 128)]  # measured peaks: 1000 + 100 bytes a token
     >>> mm = MemoryModel().fit(*zip(*shapes), [1000 + r * 100 * L for r, L in shapes])
     >>> lengths = np.array([128] * 4 + [64] * 8 + [16] * 40)
     >>> plan_batch_sizes_to_budget(lengths, mm, batch_size=4).tolist()  # 0.9 x (1000 + 4 x 12800) = 46980

@@ -169,3 +169,41 @@ def test_describe_model():
     assert describe_model(None) is None
     with pytest.raises(TypeError, match="model should be a torch module"):
         describe_model(42)
+
+
+# --------------------------------------------------------------------------- a real training step, measured
+
+
+def test_a_plan_from_a_fitted_training_step_stays_within_its_budget(tokenizer, one_thread):
+    """A training step's peak is max(optimizer step: row-free, activations): probes at few rows
+    sit on the flat part, their per-row cost looks tiny. Rows planned beyond the rows probed
+    must not trust it (the old fit planned 400 x 64 rows, measured 9.8x the budget)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from dynabatch.memory.measure import collect_peak_alloc
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=128, num_labels=2)
+    model = BertForSequenceClassification(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(0)
+
+    def step(shape):
+        rows, length = shape
+        ids = torch.randint(1000, len(tokenizer), (rows, length), generator=generator)
+        loss = model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=torch.zeros(rows, dtype=torch.long)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return shape
+
+    step((2, 8))  # the optimizer's state exists before anything is measured, as after the first step
+    shapes = [(rows, length) for rows in (2, 16) for length in (16, 32, 64, 128)]
+    _, peaks = collect_peak_alloc(shapes, step, "cpu")
+    mm = MemoryModel(device="cpu").fit(*zip(*shapes), peaks)
+    budget = float(mm.predict(16, 128))  # the longest batch probed: known to fit
+    plan = [(int(mm.max_rows(length, budget)), length) for length in (12, 24, 64)]
+    assert all(rows >= 16 for rows, _ in plan)  # at least the rows probed at the longer lengths
+    _, measured = collect_peak_alloc(plan, step, "cpu")
+    assert max(measured) <= 1.02 * budget, (plan, [m / budget for m in measured])
