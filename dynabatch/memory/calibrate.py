@@ -43,7 +43,6 @@ Example:
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
@@ -56,7 +55,7 @@ import torch
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.collate import Batch, TokenCollator
 from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts, validate_texts
-from dynabatch.memory.measure import is_out_of_memory_error, track_peak_memory
+from dynabatch.memory.guard import call_guarded, is_out_of_memory_error
 from dynabatch.memory.model import MemoryModel
 
 __all__ = ["calibrate", "probe_lengths"]
@@ -212,21 +211,7 @@ class _Prober:
 
     def warm_up(self, rows: int, length: int) -> None:
         batch = self.batch(rows, length)
-        try:
-            self._call(batch.to(self.device) if self.device is not None else batch)
-        except Exception as exc:
-            if not is_out_of_memory_error(exc):
-                raise
-        finally:
-            self._clean()
-
-    def _clean(self, out_of_memory: bool = False) -> None:
-        if self.cleanup is not None:
-            self.cleanup()
-        if out_of_memory:  # what the failed call held may sit in reference cycles of its traceback
-            gc.collect()
-            if self.memory_device.type == "cuda":
-                torch.cuda.empty_cache()
+        call_guarded(self._call, batch.to(self.device) if self.device is not None else batch, cleanup=self.cleanup)
 
     def probe(self, rows: int, length: int, phase: str) -> int | None:
         """Measures one probe; its peak, or ``None`` when it ran out of memory or a failed one dominates it."""
@@ -238,22 +223,16 @@ class _Prober:
         limit = self.limit_bytes if self.memory_device.type == "cpu" else None
         start = time.perf_counter()
         self.run_ += 1
-        peak, oom = None, False
-        try:
-            with track_peak_memory(self.memory_device, limit_bytes=limit) as mem:
-                self._call(moved)
-            peak = int(mem.peak_bytes)
-        except Exception as exc:
-            if not is_out_of_memory_error(exc):
-                raise
-            oom = True
+        attempt = call_guarded(self._call, moved, measure_on=self.memory_device, limit_bytes=limit,
+                               cleanup=self.cleanup)  # an out-of-memory error frees memory before it returns
+        del moved, batch
+        oom = attempt.error is not None
+        peak = None if oom else int(attempt.peak_bytes)
+        if oom:
             self.failed.append((rows, width))
             peak = limit  # the CPU tracker's limit is a known lower bound; CUDA's is not
             logger.info("probe of %d rows x %d tokens ran out of memory (%s): recorded, not grown further",
-                        rows, width, type(exc).__name__)
-        finally:
-            del moved, batch
-            self._clean(oom)
+                        rows, width, type(attempt.error).__name__)
         seconds = round(time.perf_counter() - start, 3)
         self.model.observe(rows, width, peak, out_of_memory=oom, source=f"calibrate:{phase}", seconds=seconds)
         self.measured += not oom
