@@ -41,13 +41,9 @@ Example:
 
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
-import json
 import logging
 import math
 import numbers
-import platform
 import warnings
 from pathlib import Path
 from typing import Any
@@ -55,59 +51,18 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.memory import _model_io
+from dynabatch.memory._model_io import describe_model, library_versions
 
 __all__ = ["MemoryModel", "describe_model", "library_versions"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "dynabatch.MemoryModel"
-FORMAT_VERSION = 1
 MAX_ROWS = 2**40
 """What :meth:`MemoryModel.max_rows` answers when rows cost nothing (no row term was needed)."""
 _MAX_KNOTS = 12
 _ROWS_EXTRAPOLATION = 2.0  # warn beyond this many times the most rows probed
 _BASE_TERMS = ("1", "length", "length^2", "rows", "rows*length", "rows*length^2")
-_LIBRARIES = ("dynabatch", "torch", "transformers", "numpy", "scipy")
-
-
-def library_versions() -> dict[str, str]:
-    """Python's and the installed versions of the libraries a measured peak depends on."""
-    out = {"python": platform.python_version()}
-    for name in _LIBRARIES:
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
-
-
-def describe_model(model: Any) -> dict[str, Any] | None:
-    """What identifies a model in a saved memory model: name, class, parameter count and dtype.
-
-    ``model`` is a torch module (a ``transformers`` model), a name, or ``None``.
-
-    Example:
-        >>> import torch
-        >>> describe_model(torch.nn.Linear(3, 2))
-        {'name': 'Linear', 'class': 'Linear', 'parameters': 8, 'dtype': 'torch.float32'}
-        >>> describe_model("my-model")
-        {'name': 'my-model'}
-    """
-    if model is None:
-        return None
-    if isinstance(model, (str, Path)):
-        return {"name": str(model)}
-    params = list(model.parameters()) if callable(getattr(model, "parameters", None)) else []
-    if not params and getattr(model, "config", None) is None:
-        raise bad_type("model", "a torch module (e.g. a transformers model), a name, or None", model)
-    config = getattr(model, "config", None)
-    name = getattr(config, "_name_or_path", "") or type(model).__name__
-    return {
-        "name": str(name),
-        "class": type(model).__name__,
-        "parameters": int(sum(p.numel() for p in params)),
-        "dtype": str(params[0].dtype) if params else None,
-    }
 
 
 def _as_counts(name: str, value: Any) -> np.ndarray:
@@ -507,78 +462,22 @@ class MemoryModel:
     # -- saving ------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The JSON document :meth:`save` writes."""
-        keep = ("rows", "padded_length", "peak_bytes", "out_of_memory", "source", "seconds")
-        return {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "saved": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "model": self.model_info,
-            "device": self.device,
-            "dtype": (self.model_info or {}).get("dtype"),
-            "versions": self.versions,
-            "metadata": self.metadata,
-            "knots": self.knots,
-            "terms": self.terms_,
-            "coef": self.coef_.tolist(),
-            "loo_error": None if math.isnan(self.loo_error_) else self.loo_error_,
-            "probes": [{k: p[k] for k in keep if k in p} for p in self.probes_],
-        }
+        return _model_io.to_dict(self)
 
     def save(self, path: str | Path) -> None:
         """Writes the model as JSON: model, dtype, device, library versions, the probes and the fit."""
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
+        _model_io.save(self, path)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MemoryModel:
         """The model of a :meth:`to_dict` document, refitted from its probes."""
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise bad_value("data", f"a document with format={FORMAT!r}",
-                            data.get("format") if isinstance(data, dict) else data)
-        mm = cls(device=data.get("device"), model=data.get("model"), knots=data.get("knots"),
-                 metadata=data.get("metadata"))
-        mm.versions = dict(data.get("versions") or {})
-        for p in data.get("probes", []):
-            extra = {k: v for k, v in p.items() if k not in ("rows", "padded_length", "peak_bytes",
-                                                             "out_of_memory", "source")}
-            mm._add(p["rows"], p["padded_length"], p["peak_bytes"], bool(p["out_of_memory"]),
-                    p.get("source", "user"), extra)
-        mm._refit()
-        return mm
+        return _model_io.from_dict(cls, data)
 
     @classmethod
     def load(cls, path: str | Path, *, model: Any = None, device: Any = None) -> MemoryModel:
         """Reads a model :meth:`save` wrote; warns if it was made for another ``model`` or ``device``."""
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise bad_value("path", "a JSON file written by MemoryModel.save", str(path)) from exc
-        mm = cls.from_dict(data)
-        current = library_versions()
-        changed = {k: (v, current.get(k)) for k, v in mm.versions.items() if k in ("torch", "transformers")
-                   and current.get(k) != v}
-        if changed:
-            logger.info("memory model %s was measured with %s; installed now: %s", path, changed, current)
-        mm.check(model=model, device=device)
-        return mm
+        return _model_io.load(cls, path, model=model, device=device)
 
     def check(self, model: Any = None, device: Any = None) -> list[str]:
         """Warns (and returns the messages) where ``model`` or ``device`` differ from what was calibrated."""
-        problems = []
-        if device is not None and self.device is not None:
-            import torch
-
-            if torch.device(str(device)).type != torch.device(self.device).type:
-                problems.append(f"device={str(device)!r} differs from the device the memory model was measured "
-                                f"on ({self.device!r}); its peaks may not hold there: calibrate on this device")
-        if model is not None and self.model_info is not None:
-            given = describe_model(model)
-            differ = [k for k in ("name", "class", "parameters", "dtype")
-                      if k in given and k in self.model_info and given[k] != self.model_info[k]]
-            if differ:
-                mine = {k: self.model_info[k] for k in differ}
-                theirs = {k: given[k] for k in differ}
-                problems.append(f"model={theirs} differs from the model the memory model was measured on "
-                                f"({mine}): calibrate for this model")
-        for problem in problems:
-            warnings.warn(problem, UserWarning, stacklevel=2)
-        return problems
+        return _model_io.check(self, model=model, device=device)

@@ -1,0 +1,146 @@
+"""A memory model's JSON file and what identifies it: the model, the device, the library versions.
+
+Private to :mod:`dynabatch.memory.model`: :class:`~dynabatch.memory.model.MemoryModel`'s
+``to_dict``, ``save``, ``from_dict``, ``load`` and ``check`` are these functions.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import logging
+import math
+import platform
+import warnings
+from pathlib import Path
+from typing import Any
+
+from dynabatch._validation import bad_type, bad_value
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "dynabatch.MemoryModel"
+FORMAT_VERSION = 1
+_LIBRARIES = ("dynabatch", "torch", "transformers", "numpy", "scipy")
+_PROBE_FIELDS = ("rows", "padded_length", "peak_bytes", "out_of_memory", "source")
+
+
+def library_versions() -> dict[str, str]:
+    """Python's and the installed versions of the libraries a measured peak depends on."""
+    out = {"python": platform.python_version()}
+    for name in _LIBRARIES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def describe_model(model: Any) -> dict[str, Any] | None:
+    """What identifies a model in a saved memory model: name, class, parameter count and dtype.
+
+    ``model`` is a torch module (a ``transformers`` model), a name, or ``None``.
+
+    Example:
+        >>> import torch
+        >>> describe_model(torch.nn.Linear(3, 2))
+        {'name': 'Linear', 'class': 'Linear', 'parameters': 8, 'dtype': 'torch.float32'}
+        >>> describe_model("my-model")
+        {'name': 'my-model'}
+    """
+    if model is None:
+        return None
+    if isinstance(model, (str, Path)):
+        return {"name": str(model)}
+    params = list(model.parameters()) if callable(getattr(model, "parameters", None)) else []
+    if not params and getattr(model, "config", None) is None:
+        raise bad_type("model", "a torch module (e.g. a transformers model), a name, or None", model)
+    config = getattr(model, "config", None)
+    name = getattr(config, "_name_or_path", "") or type(model).__name__
+    return {
+        "name": str(name),
+        "class": type(model).__name__,
+        "parameters": int(sum(p.numel() for p in params)),
+        "dtype": str(params[0].dtype) if params else None,
+    }
+
+
+def to_dict(mm: Any) -> dict[str, Any]:
+    """The JSON document of a memory model."""
+    keep = (*_PROBE_FIELDS, "seconds")
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "saved": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": mm.model_info,
+        "device": mm.device,
+        "dtype": (mm.model_info or {}).get("dtype"),
+        "versions": mm.versions,
+        "metadata": mm.metadata,
+        "knots": mm.knots,
+        "terms": mm.terms_,
+        "coef": mm.coef_.tolist(),
+        "loo_error": None if math.isnan(mm.loo_error_) else mm.loo_error_,
+        "probes": [{k: p[k] for k in keep if k in p} for p in mm.probes_],
+    }
+
+
+def save(mm: Any, path: str | Path) -> None:
+    """Writes :func:`to_dict` as JSON."""
+    Path(path).write_text(json.dumps(to_dict(mm), indent=1) + "\n", encoding="utf-8")
+
+
+def from_dict(cls: type, data: Any) -> Any:
+    """The ``cls`` model of a :func:`to_dict` document, refitted from its probes."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise bad_value("data", f"a document with format={FORMAT!r}",
+                        data.get("format") if isinstance(data, dict) else data)
+    mm = cls(device=data.get("device"), model=data.get("model"), knots=data.get("knots"),
+             metadata=data.get("metadata"))
+    mm.versions = dict(data.get("versions") or {})
+    for p in data.get("probes", []):
+        extra = {k: v for k, v in p.items() if k not in _PROBE_FIELDS}
+        mm._add(p["rows"], p["padded_length"], p["peak_bytes"], bool(p["out_of_memory"]),
+                p.get("source", "user"), extra)
+    mm._refit()
+    return mm
+
+
+def load(cls: type, path: str | Path, model: Any = None, device: Any = None) -> Any:
+    """Reads a file :func:`save` wrote; warns if it was made for another ``model`` or ``device``."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise bad_value("path", "a JSON file written by MemoryModel.save", str(path)) from exc
+    mm = from_dict(cls, data)
+    current = library_versions()
+    changed = {k: (v, current.get(k)) for k, v in mm.versions.items() if k in ("torch", "transformers")
+               and current.get(k) != v}
+    if changed:
+        logger.info("memory model %s was measured with %s; installed now: %s", path, changed, current)
+    check(mm, model=model, device=device, stacklevel=4)
+    return mm
+
+
+def check(mm: Any, model: Any = None, device: Any = None, stacklevel: int = 3) -> list[str]:
+    """Warns (and returns the messages) where ``model`` or ``device`` differ from what was calibrated."""
+    problems = []
+    if device is not None and mm.device is not None:
+        import torch
+
+        if torch.device(str(device)).type != torch.device(mm.device).type:
+            problems.append(f"device={str(device)!r} differs from the device the memory model was measured "
+                            f"on ({mm.device!r}); its peaks may not hold there: calibrate on this device")
+    if model is not None and mm.model_info is not None:
+        given = describe_model(model)
+        differ = [k for k in ("name", "class", "parameters", "dtype")
+                  if k in given and k in mm.model_info and given[k] != mm.model_info[k]]
+        if differ:
+            mine = {k: mm.model_info[k] for k in differ}
+            theirs = {k: given[k] for k in differ}
+            problems.append(f"model={theirs} differs from the model the memory model was measured on "
+                            f"({mine}): calibrate for this model")
+    for problem in problems:
+        warnings.warn(problem, UserWarning, stacklevel=stacklevel)
+    return problems
