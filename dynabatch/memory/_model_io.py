@@ -1,7 +1,7 @@
 """A memory model's JSON file and what identifies it: the model, the device, the library versions.
 
 Private to :mod:`dynabatch.memory.model`: :class:`~dynabatch.memory.model.MemoryModel`'s
-``to_dict``, ``save``, ``from_dict``, ``load`` and ``check`` are these functions.
+``report``, ``to_dict``, ``save``, ``from_dict``, ``load`` and ``check`` are these functions.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import platform
 import warnings
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from dynabatch._validation import bad_type, bad_value
 
@@ -64,6 +66,29 @@ def describe_model(model: Any) -> dict[str, Any] | None:
         "parameters": int(sum(p.numel() for p in params)),
         "dtype": str(params[0].dtype) if params else None,
     }
+
+
+def report(mm: Any) -> str:
+    """A fitted model's probe table (measured against predicted, leave-one-out error) and its terms."""
+    loo = iter(mm.loo_errors_.tolist())
+    lines = [f"{'rows':>6} {'length':>6} {'measured MiB':>13} {'predicted MiB':>14} {'error':>7} "
+             f"{'LOO error':>9}  source"]
+    for p in mm.probes_:
+        measured = "" if p["peak_bytes"] is None else f"{p['peak_bytes'] / 2**20:.2f}"
+        error = loo_error = ""
+        if p["out_of_memory"]:
+            measured = ("> " + measured) if measured else "OOM"
+        elif p["peak_bytes"]:
+            error = f"{p['predicted_bytes'] / p['peak_bytes'] - 1:+.1%}"
+            value = next(loo)
+            loo_error = "" if math.isnan(value) else f"{value:+.1%}"
+        lines.append(f"{p['rows']:>6} {p['padded_length']:>6} {measured:>13} "
+                     f"{p['predicted_bytes'] / 2**20:>14.2f} {error:>7} {loo_error:>9}  {p['source']}")
+    used = [f"{c:.4g} * {t}" for c, t in zip(mm.coef_.tolist(), mm.terms_) if c > 0]
+    lines.append(f"peak bytes = {' + '.join(used) or '0'}")
+    lines.append(f"largest leave-one-probe-out error: {mm.loo_error_:.1%} over "
+                 f"{int(np.isfinite(mm.loo_errors_).sum())} probes; device {mm.device}")
+    return "\n".join(lines)
 
 
 def to_dict(mm: Any) -> dict[str, Any]:

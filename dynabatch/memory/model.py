@@ -433,25 +433,7 @@ class MemoryModel:
     def report(self) -> str:
         """The probe table (measured against predicted, leave-one-out error) and the fitted terms."""
         self._check_fitted()
-        loo = iter(self.loo_errors_.tolist())
-        lines = [f"{'rows':>6} {'length':>6} {'measured MiB':>13} {'predicted MiB':>14} {'error':>7} "
-                 f"{'LOO error':>9}  source"]
-        for p in self.probes_:
-            measured = "" if p["peak_bytes"] is None else f"{p['peak_bytes'] / 2**20:.2f}"
-            error = loo_error = ""
-            if p["out_of_memory"]:
-                measured = ("> " + measured) if measured else "OOM"
-            elif p["peak_bytes"]:
-                error = f"{p['predicted_bytes'] / p['peak_bytes'] - 1:+.1%}"
-                value = next(loo)
-                loo_error = "" if math.isnan(value) else f"{value:+.1%}"
-            lines.append(f"{p['rows']:>6} {p['padded_length']:>6} {measured:>13} "
-                         f"{p['predicted_bytes'] / 2**20:>14.2f} {error:>7} {loo_error:>9}  {p['source']}")
-        used = [f"{c:.4g} * {t}" for c, t in zip(self.coef_.tolist(), self.terms_) if c > 0]
-        lines.append(f"peak bytes = {' + '.join(used) or '0'}")
-        lines.append(f"largest leave-one-probe-out error: {self.loo_error_:.1%} over "
-                     f"{int(np.isfinite(self.loo_errors_).sum())} probes; device {self.device}")
-        return "\n".join(lines)
+        return _model_io.report(self)
 
     summary = report
 
