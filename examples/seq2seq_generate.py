@@ -29,11 +29,13 @@ stripped). It exits with status 1 unless every row is equal.
 
 Timing is fair to both: each method first runs end to end on the
 ``2 * --batch-size`` longest texts (a warm-up), then each runs ``--repeats``
-times (default 2) in alternating order; the fastest run of each is compared.
+times (default 2) in alternating order; the fastest wall time and the least
+CPU time (``time.process_time``) of each are compared.
 
-With the defaults (800 texts) it took 47 s with ``--threads 1`` on a 2-core
-machine shared with a background job; with torch's two threads fighting that
-job for the cores it took 2 min 44 s, so on a shared machine pass
+With the defaults (800 texts; a warm-up and two timed runs of each method)
+it took about 2 min with ``--threads 1`` on a 2-core machine shared with
+other jobs; with torch's two threads fighting those jobs for the cores it is
+several times slower, so on a shared machine pass
 ``--threads 1`` (an idle machine is faster with two). Runs offline. Run it
 with::
 
