@@ -203,8 +203,8 @@ class MemoryBudget:
     Example:
         >>> import numpy as np
         >>> from dynabatch.memory.model import MemoryModel
-        >>> mm = MemoryModel().fit([1, 4, 8, 2], [8, 64, 16, 128], [1000 + r * 100 * L for r, L in
-        ...                                                        [(1, 8), (4, 64), (8, 16), (2, 128)]])
+        >>> mm = MemoryModel().fit([1, 8, 8, 4], [8, 64, 16, 128], [1000 + r * 100 * L for r, L in
+        ...                                                        [(1, 8), (8, 64), (8, 16), (4, 128)]])
         >>> budget = MemoryBudget(mm, reference_batch=(4, 128), memory_margin=0.0)
         >>> round(budget.budget_bytes)  # 1000 + 4 * 100 * 128
         52200
