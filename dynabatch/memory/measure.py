@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -159,5 +160,72 @@ def collect_peak_alloc(
     return features, peaks
 
 
-collect_cuda_peak_alloc = collect_peak_alloc
-"""Alias under bionemo's name; works on the CPU too."""
+def collect_cuda_peak_alloc(
+    dataset: Iterable[Data],
+    work: Callable[[Data], Feature],
+    device: torch.device,
+    cleanup: Callable[[], None] | None = None,
+) -> tuple[list[Feature], list[int]]:
+    """Collects CUDA peak memory allocation statistics for a given workflow (bionemo's API).
+
+    For every item, the CUDA peak statistics are reset, ``work(item)`` runs and
+    ``torch.cuda.memory_stats(device)["allocated_bytes.all.peak"]`` is recorded:
+    the *absolute* peak, weights and optimizer state included (as bionemo does;
+    :func:`collect_peak_alloc` records the peak beyond what was allocated before,
+    on CUDA or the CPU). An item whose ``work`` raises
+    ``torch.cuda.OutOfMemoryError`` is skipped (logged as a warning), so both
+    lists hold only the items that ran. After every item, in a ``finally``
+    block: ``cleanup()``, garbage collection, ``torch.cuda.empty_cache()`` and a
+    reset of the peak statistics. The first items may show smaller peaks
+    (uninitialised internal buffers); consider skipping them.
+
+    Args:
+        dataset: An iterable containing the input data.
+        work: A function that takes a data point and returns its feature; the
+            memory it allocates is tracked.
+        device: The target Torch CUDA device.
+        cleanup: A function called after each iteration to drop references held
+            by ``work``.
+
+    Returns:
+        ``(features, alloc_peaks)``: the features and peak bytes of the items that ran.
+
+    Raises:
+        ValueError: If the provided device is not a CUDA device.
+
+    Example:
+        >>> from dynabatch.memory.measure import collect_cuda_peak_alloc
+        >>> collect_cuda_peak_alloc([1], lambda n: n, torch.device("cpu"))
+        Traceback (most recent call last):
+        ...
+        ValueError: device should be a CUDA device, but got device=device(type='cpu')
+    """
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError):
+        raise bad_value("device", "a CUDA device", device) from None
+    if dev.type != "cuda":
+        raise bad_value("device", "a CUDA device", device)
+    if not callable(work):
+        raise bad_type("work", "a callable", work)
+    if cleanup is not None and not callable(cleanup):
+        raise bad_type("cleanup", "a callable or None", cleanup)
+    features: list[Feature] = []
+    alloc_peaks: list[int] = []
+    for position, data in enumerate(dataset):
+        try:
+            torch.cuda.reset_peak_memory_stats(dev)
+            feature = work(data)
+            alloc_peaks.append(int(torch.cuda.memory_stats(dev)["allocated_bytes.all.peak"]))
+            features.append(feature)
+        except torch.cuda.OutOfMemoryError as error:
+            logger.warning("item %d ran out of CUDA memory; skipped: %s", position, error)
+        finally:
+            del data
+            feature = None
+            if cleanup is not None:
+                cleanup()
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)
+    return features, alloc_peaks

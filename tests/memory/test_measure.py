@@ -140,8 +140,29 @@ def test_collect_peak_alloc_propagates_other_errors_after_cleanup():
     assert cleaned == [1]
 
 
-def test_bionemo_name_is_the_same_function():
-    assert collect_cuda_peak_alloc is collect_peak_alloc
+@pytest.mark.parametrize("device", ["cpu", torch.device("cpu"), "meta"])
+def test_collect_cuda_peak_alloc_refuses_a_device_that_is_not_cuda(device):
+    ran = []
+    with pytest.raises(ValueError, match=r"device should be a CUDA device, but got device="):
+        collect_cuda_peak_alloc([1, 2], ran.append, device)
+    assert ran == []  # refused before any work
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_collect_cuda_peak_alloc_records_absolute_peaks_and_skips_out_of_memory_items():
+    weights = torch.ones(1024, 1024, device="cuda")  # 4 MiB, counted in every absolute peak
+
+    def work(n):
+        if n < 0:
+            raise torch.cuda.OutOfMemoryError("injected")
+        return (weights[:n] * 2).shape[0]
+
+    cleaned = []
+    features, peaks = collect_cuda_peak_alloc([2, -1, 512], work, torch.device("cuda"), cleanup=lambda: cleaned.append(1))
+    assert features == [2, 512] and len(peaks) == 2 and cleaned == [1, 1, 1]
+    assert peaks[0] >= weights.numel() * 4 + 2 * 1024 * 4
+    assert peaks[1] >= peaks[0] + 510 * 1024 * 4
 
 
 def test_collect_peak_alloc_checks_its_callables():
