@@ -10,6 +10,8 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "bad_type",
     "bad_value",
@@ -17,6 +19,7 @@ __all__ = [
     "check_non_negative_int",
     "check_positive_int",
     "check_positive_number",
+    "check_token_lengths",
 ]
 
 
@@ -72,3 +75,14 @@ def check_fraction(name: str, value: Any) -> float:
     if not 0.0 <= value <= 1.0:  # also refuses NaN
         raise bad_value(name, rule, value)
     return float(value)
+
+
+def check_token_lengths(name: str, value: Any) -> np.ndarray:
+    """Returns ``value`` as a 1-D int64 array of non-negative token counts."""
+    arr = np.asarray(value)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise bad_value(name, "a 1-D array of integer token counts", f"array of dtype {arr.dtype} and shape {arr.shape}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and arr.min() < 0:
+        raise bad_value(name, "non-negative token counts", int(arr.min()))
+    return arr

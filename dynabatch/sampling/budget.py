@@ -45,7 +45,12 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch._validation import (
+    bad_type,
+    bad_value,
+    check_positive_int,
+    check_token_lengths,
+)
 
 __all__ = [
     "check_memory_margin",
@@ -146,13 +151,7 @@ def _check_model(memory_model: Any) -> Any:
 
 
 def _check_sorted(sorted_lengths: Any) -> np.ndarray:
-    arr = np.asarray(sorted_lengths)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise bad_value("sorted_lengths", "a 1-D array of integer token counts", f"array of dtype {arr.dtype} and "
-                        f"shape {arr.shape}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and arr.min() < 0:
-        raise bad_value("sorted_lengths", "non-negative token counts", int(arr.min()))
+    arr = check_token_lengths("sorted_lengths", sorted_lengths)
     if arr.size > 1 and (arr[1:] > arr[:-1]).any():
         raise bad_value("sorted_lengths", "sorted longest first", "an unsorted array")
     return arr

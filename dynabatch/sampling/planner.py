@@ -50,6 +50,7 @@ from dynabatch._validation import (
     bad_value,
     check_fraction,
     check_positive_int,
+    check_token_lengths,
 )
 from dynabatch.memory.feedback import MemoryFeedback
 from dynabatch.memory.shape import ModelShape, check_model_shape
@@ -130,13 +131,7 @@ class PlanSettings:
 def _as_lengths(lengths: Any, max_input_token_length: int) -> np.ndarray:
     if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
         raise bad_type("lengths", "a 1-D array of token counts", lengths)
-    arr = np.asarray(lengths)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise bad_value("lengths", "a 1-D array of integer token counts", f"array of dtype {arr.dtype} and shape "
-                        f"{arr.shape}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and arr.min() < 0:
-        raise bad_value("lengths", "non-negative token counts", int(arr.min()))
+    arr = check_token_lengths("lengths", lengths)
     if arr.size and arr.max() > max_input_token_length:
         raise bad_value("lengths", f"at most max_input_token_length={max_input_token_length} (truncated lengths)",
                         int(arr.max()))
