@@ -147,7 +147,7 @@ def tokenize_source(
     num_proc: int | None = None,
     batch_size: int = 1000,
     add_special_tokens: bool = True,
-    progress: bool = False,
+    progress: bool = True,
 ) -> TokenizedSource:
     """Reads ``source`` (see :func:`read_source`) and tokenizes its text fields.
 

@@ -179,7 +179,7 @@ def tokenize_texts(
     max_input_token_length: int,
     *,
     chunk_size: int = 8192,
-    progress: bool = False,
+    progress: bool = True,
     **tokenizer_kwargs: Any,
 ) -> TokenizedTexts:
     """Tokenizes every text once, truncated to ``max_input_token_length`` tokens.

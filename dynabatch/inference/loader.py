@@ -209,7 +209,7 @@ def build_dynamic_batch_dataloader(
     classifier: Any = None,
     model_shape: Any = None,
     seed: int = 0,
-    progress: bool = False,
+    progress: bool = True,
     memory_model: Any = None,
     max_memory: Any = None,
     memory_margin: float = 0.10,

@@ -124,7 +124,7 @@ def _long_texts(texts: list[str], tokenizer: Any, length: int, rng: np.random.Ge
             i += 1
             if len(parts) % 8 == 0 or len(parts) == len(texts):
                 joined = " ".join(parts)
-                if tokenize_texts([joined], tokenizer, length, **tokenizer_kwargs).lengths[0] >= length:
+                if tokenize_texts([joined], tokenizer, length, progress=False, **tokenizer_kwargs).lengths[0] >= length:
                     break
         pool.append(" ".join(parts))
     return pool
@@ -183,7 +183,7 @@ class _Prober:
         self.model = model
         self.bar = bar
         self.collators: dict[int, TokenCollator] = {}
-        self.store = tokenize_texts(pool, tokenizer, max_length, **tokenizer_kwargs)
+        self.store = tokenize_texts(pool, tokenizer, max_length, progress=False, **tokenizer_kwargs)
         self.suffix = _trailing_specials(self.store, tokenizer)
         self.failed: list[tuple[int, int]] = []
         self.measured = 0

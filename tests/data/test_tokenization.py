@@ -128,11 +128,11 @@ def test_logs_at_debug(tokenizer, caplog):
     assert "tokenized 2 texts into 7 tokens" in caplog.text
 
 
-def test_progress_bar_is_off_by_default(tokenizer, capsys):
+def test_progress_bar_is_on_by_default_and_turns_off(tokenizer, capsys):
     tokenize_texts(["In the beginning"], tokenizer, MAX_LEN)
-    assert capsys.readouterr().err == ""
-    tokenize_texts(["In the beginning"], tokenizer, MAX_LEN, progress=True)
     assert "tokenizing" in capsys.readouterr().err
+    tokenize_texts(["In the beginning"], tokenizer, MAX_LEN, progress=False)
+    assert capsys.readouterr().err == ""
 
 
 # --- errors -----------------------------------------------------------------------------------------

@@ -566,3 +566,10 @@ def test_the_default_num_workers_does_not_trigger_the_worker_count_warning(token
     assert loader.num_workers == 2
     assert not [w for w in caught if "worker" in str(w.message)]
     assert _load(texts[:10], tokenizer, num_workers=0).num_workers == 0  # 0 stays 0
+
+
+def test_the_builder_shows_progress_by_default_like_run(tokenizer, texts, capsys):
+    _load(texts[:10], tokenizer)
+    assert "tokenizing" in capsys.readouterr().err
+    _load(texts[:10], tokenizer, progress=False)
+    assert capsys.readouterr().err == ""
