@@ -15,12 +15,12 @@ the ``dynabatch`` package.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -81,7 +81,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="torch.set_num_threads(THREADS); None keeps torch's own setting (on a busy "
                         "machine 1 is often fastest)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the text sampling")
-    parser.add_argument("--repeats", type=int, default=2,
+    parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs of each method, in alternating order after a warm-up of each; "
                         "the fastest run of each is compared")
 
@@ -107,89 +107,118 @@ def pad_with_tokenizer(batch_texts: list[str], tokenizer, max_length: int):
     return tokenizer(batch_texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
 
 
-def run_loader(step: Step, loader) -> tuple[list[torch.Tensor], list, int, int, int]:
-    """Runs ``step`` on every batch of ``loader``.
+def _steps(step: Step, loader, n_texts: int,
+           finish: Callable[[list[torch.Tensor], list], Any]) -> Generator[float, None, Any]:
+    """Runs ``step`` on every batch of ``loader``, yielding the fraction of rows done after each batch.
 
-    Returns:
-        The per-batch outputs, the per-batch indices (``None`` for a plain
-        batch), the largest batch, the real tokens and the padded cells.
+    Returns (through ``StopIteration``) ``finish(outputs, indices)``, the
+    batch count, the largest batch, the real tokens and the padded cells.
     """
     outputs, indices = [], []
-    largest = real = cells = 0
+    largest = real = cells = rows = 0
     for batch in loader:
         mask = batch["attention_mask"]
         largest = max(largest, mask.shape[0])
         real += int(mask.sum())
         cells += mask.numel()
+        rows += mask.shape[0]
         outputs.append(step(batch))
         indices.append(getattr(batch, "indices", None))
-    return outputs, indices, largest, real, cells
+        yield rows / n_texts
+    return finish(outputs, indices), len(outputs), largest, real, cells
 
 
-def run_plain(step: Step, finish: Callable[[list[torch.Tensor]], Any], tokenizer, texts: list[str],
-              batch_size: int, max_length: int) -> tuple[RunStats, Any]:
-    """Times a plain ``DataLoader`` over ``texts`` in input order.
+def plain_run(step: Step, finish: Callable[[list[torch.Tensor]], Any], tokenizer, texts: list[str],
+              batch_size: int, max_length: int) -> Generator[float, None, tuple]:
+    """A plain ``DataLoader`` over ``texts`` in input order, a batch at a time (see :func:`_steps`).
 
     Args:
         step: The model call on one padded batch.
-        finish: Turns the per-batch outputs into the result (timed too).
+        finish: Turns the per-batch outputs into the result.
         tokenizer: Pads each batch in the loader's ``collate_fn``.
         texts: The texts, in input order.
         batch_size: Rows per batch.
         max_length: Truncation limit per text, in tokens.
-
-    Returns:
-        The stats and ``finish``'s result.
     """
-    start, cpu_start = time.perf_counter(), time.process_time()
     loader = DataLoader(texts, batch_size=batch_size, shuffle=False,
                         collate_fn=partial(pad_with_tokenizer, tokenizer=tokenizer, max_length=max_length))
-    outputs, _, largest, real, cells = run_loader(step, loader)
-    result = finish(outputs)
-    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    return RunStats("plain DataLoader", len(texts), len(outputs), largest, real, cells, seconds, cpu), result
+    return (yield from _steps(step, loader, len(texts), lambda outputs, _: finish(outputs)))
 
 
-def run_dynabatch(step: Step, finish: Callable[[list[torch.Tensor]], Any], tokenizer, texts: list[str],
-                  batch_size: int, max_length: int, **loader_kwargs: Any) -> tuple[RunStats, Any, float]:
-    """Times ``build_dynamic_batch_dataloader`` over ``texts``, tokenizing and planning included.
+def dynabatch_run(step: Step, finish: Callable[[list[torch.Tensor]], Any], tokenizer, texts: list[str],
+                  batch_size: int, max_length: int, **loader_kwargs: Any) -> Generator[float, None, tuple]:
+    """``build_dynamic_batch_dataloader`` over ``texts``, a batch at a time; tokenizing and planning are its first step.
 
     Args:
         step: The model call on one padded batch.
-        finish: Turns the output rows, restored to input order, into the result (timed too).
+        finish: Turns the output rows, restored to input order, into the result.
         tokenizer: Tokenizes the texts for dynabatch.
         texts: The texts, in input order.
         batch_size: Rows of the first (longest) batch.
         max_length: Truncation limit per text, in tokens.
         **loader_kwargs: More keywords of ``build_dynamic_batch_dataloader``
             (such as ``model_shape``).
+    """
+    loader = build_dynamic_batch_dataloader(texts, tokenizer, batch_size, max_length, num_workers=0, progress=False,
+                                            **loader_kwargs)
+    yield 0.0
+    return (yield from _steps(step, loader, len(texts),
+                              lambda outputs, indices: finish(restore_order(outputs, indices))))
+
+
+def interleave(runs: dict[str, Generator[float, None, tuple]],
+               expected: dict[str, float] | None = None) -> dict[str, tuple[Any, float, float, float]]:
+    """Advances several runs a batch at a time, always the one furthest behind; times each step of each.
+
+    A run's progress is its seconds so far over ``expected[name]`` (its
+    seconds in an earlier round) or, without an estimate, its fraction of
+    rows done. Advancing the run furthest behind keeps every run at the same
+    share of its work at any moment, so a slow or fast spell of a shared
+    machine falls on all of them alike instead of on whichever ran then.
 
     Returns:
-        The stats, ``finish``'s result and the setup (tokenize + plan) seconds.
+        For each name: the run's return value, its wall seconds and its CPU
+        seconds (``time.process_time``, all threads of this process), each
+        the sum over its steps, and the wall seconds of its first step.
     """
-    start, cpu_start = time.perf_counter(), time.process_time()
-    loader = build_dynamic_batch_dataloader(texts, tokenizer, batch_size, max_length, num_workers=0,
-                                            **loader_kwargs)
-    setup = time.perf_counter() - start
-    outputs, indices, largest, real, cells = run_loader(step, loader)
-    result = finish(restore_order(outputs, indices))
-    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    return RunStats("dynabatch", len(texts), len(outputs), largest, real, cells, seconds, cpu), result, setup
+    wall = dict.fromkeys(runs, 0.0)
+    cpu = dict.fromkeys(runs, 0.0)
+    progress = dict.fromkeys(runs, 0.0)
+    first: dict[str, float] = {}
+    done: dict[str, tuple[Any, float, float, float]] = {}
+    while len(done) < len(runs):
+        name = min((n for n in runs if n not in done), key=progress.__getitem__)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        try:
+            fraction = next(runs[name])
+            value = None
+        except StopIteration as stop:
+            fraction, value = 1.0, stop.value
+        seconds = time.perf_counter() - start
+        first.setdefault(name, seconds)
+        wall[name] += seconds
+        cpu[name] += time.process_time() - cpu_start
+        progress[name] = wall[name] / expected[name] if expected else fraction
+        if value is not None:
+            done[name] = (value, wall[name], cpu[name], first[name])
+    return done
 
 
 def compare(step: Step, plain_finish: Callable[[list[torch.Tensor]], Any],
             dyn_finish: Callable[[list[torch.Tensor]], Any], tokenizer, texts: list[str], batch_size: int,
             max_length: int, repeats: int, **loader_kwargs: Any) -> tuple[RunStats, Any, RunStats, Any, float]:
-    """Times both methods fairly: a warm-up of each, then ``repeats`` runs of each in alternating order.
+    """Times both methods fairly: a warm-up of each, then ``repeats`` rounds that interleave their batches.
 
     The warm-up runs each method end to end on the ``2 * batch_size`` longest
     texts, so one-off costs (the first model call at a large shape, the
     allocator, thread pools, loading the spike classifier) land on neither
-    timed run. Round ``r`` runs the plain loader first when ``r`` is even and
-    dynabatch first when it is odd. Each method keeps its fastest wall time
-    and its least CPU time (``time.process_time``, all threads of this
-    process): on a machine other jobs share, wall times swing with their load
-    while CPU time measures the work each method did.
+    timed run. In every timed round both methods run over all texts, a batch
+    of one then a batch of the other, each kept at the same share of its
+    work (:func:`interleave`; from the second round on, shares of the time
+    it took in the round before), so the load of other jobs on a shared
+    machine weighs on both alike. Each method's time is the sum over its own
+    batches; it keeps its fastest wall time and its least CPU time
+    (``time.process_time``, all threads of this process) over the rounds.
 
     Args:
         step: The model call on one padded batch.
@@ -199,34 +228,38 @@ def compare(step: Step, plain_finish: Callable[[list[torch.Tensor]], Any],
         texts: The texts, in input order.
         batch_size: Rows per plain batch; rows of dynabatch's first batch.
         max_length: Truncation limit per text, in tokens.
-        repeats: Timed runs of each method.
+        repeats: Timed rounds.
         **loader_kwargs: More keywords of ``build_dynamic_batch_dataloader``.
 
     Returns:
         The plain loader's stats and result, dynabatch's stats and result
-        (stats of the fastest run, with the least CPU time of all runs), and
-        the setup seconds of dynabatch's fastest run.
+        (stats of the fastest round, with the least CPU time of all rounds),
+        and the seconds dynabatch took to tokenize and plan in its fastest round.
     """
-    warm = sorted(texts, key=len)[-2 * batch_size:]
-    run_plain(step, plain_finish, tokenizer, warm, batch_size, max_length)
-    run_dynabatch(step, dyn_finish, tokenizer, warm, batch_size, max_length, **loader_kwargs)
-    plains, dyns = [], []
-    for r in range(repeats):
-        for method in (("plain", "dyn") if r % 2 == 0 else ("dyn", "plain")):
-            if method == "plain":
-                plains.append(run_plain(step, plain_finish, tokenizer, texts, batch_size, max_length))
-            else:
-                dyns.append(run_dynabatch(step, dyn_finish, tokenizer, texts, batch_size, max_length,
-                                          **loader_kwargs))
-    def times(runs: list) -> str:
-        return ", ".join(f"{run[0].seconds:.2f}s ({run[0].cpu_seconds:.2f}s CPU)" for run in runs)
+    def runs(subset: list[str]) -> dict[str, Generator[float, None, tuple]]:
+        return {"plain DataLoader": plain_run(step, plain_finish, tokenizer, subset, batch_size, max_length),
+                "dynabatch": dynabatch_run(step, dyn_finish, tokenizer, subset, batch_size, max_length,
+                                           **loader_kwargs)}
 
-    print(f"timed runs (after a warm-up of each, alternating order): plain {times(plains)}; "
-          f"dynabatch {times(dyns)}; fastest wall time and least CPU time of each compared\n")
-    plain, plain_result = min(plains, key=lambda run: run[0].seconds)
-    dyn, dyn_result, setup = min(dyns, key=lambda run: run[0].seconds)
-    plain = dataclasses.replace(plain, cpu_seconds=min(run[0].cpu_seconds for run in plains))
-    dyn = dataclasses.replace(dyn, cpu_seconds=min(run[0].cpu_seconds for run in dyns))
+    interleave(runs(sorted(texts, key=len)[-2 * batch_size:]))  # the warm-up
+    rounds, expected = [], None
+    for _ in range(repeats):
+        rounds.append(interleave(runs(texts), expected))
+        expected = {name: run[1] for name, run in rounds[-1].items()}
+
+    def stats(name: str) -> tuple[RunStats, Any, float]:
+        (result, batches, largest, real, cells), seconds, _, first = min((r[name] for r in rounds),
+                                                                         key=lambda run: run[1])
+        cpu = min(r[name][2] for r in rounds)
+        return RunStats(name, len(texts), batches, largest, real, cells, seconds, cpu), result, first
+
+    def times(name: str) -> str:
+        return ", ".join(f"{r[name][1]:.2f}s ({r[name][2]:.2f}s CPU)" for r in rounds)
+
+    print(f"timed rounds (after a warm-up of each; batches of the two methods interleaved): "
+          f"plain {times('plain DataLoader')}; dynabatch {times('dynabatch')}; "
+          f"fastest wall time and least CPU time of each compared\n")
+    (plain, plain_result, _), (dyn, dyn_result, setup) = stats("plain DataLoader"), stats("dynabatch")
     return plain, plain_result, dyn, dyn_result, setup
 
 

@@ -21,13 +21,16 @@ its ``collate_fn``; dynabatch's time includes tokenizing all texts and planning.
 Timing is fair to both: each method first runs end to end on the
 ``2 * --batch-size`` longest texts (a warm-up: the first model call at a
 large shape, the allocator, thread pools and the classifier load land on
-neither timed run), then each runs ``--repeats`` times (default 2) in
-alternating order, and the fastest run of each is compared.
+neither timed run), then ``--repeats`` timed rounds (default 3) each run
+both methods over all texts with their batches interleaved, each method kept
+at the same share of its work, so a slow spell of a shared machine weighs on
+both alike; each method's time is the sum over its own batches, and its
+fastest round is compared.
 
 The default is 500 texts, not more: all-MiniLM-L6-v2 runs at a few thousand
 tokens/s on two CPU cores, and the plain loader at ``batch_size`` 32 pads most
 batches to near the longest text (about four padded cells per real token).
-The whole script (a warm-up and two timed runs of each method) took about
+The whole script (a warm-up and three timed runs of each method) took about
 200 s with ``--threads 1`` on this project's 2-core machine shared with other
 jobs (an idle machine is faster). Pass ``--n-texts 6000`` for a larger run
 (roughly ten times as long).

@@ -28,11 +28,14 @@ compares them with the plain loader's token for token (trailing padding
 stripped). It exits with status 1 unless every row is equal.
 
 Timing is fair to both: each method first runs end to end on the
-``2 * --batch-size`` longest texts (a warm-up), then each runs ``--repeats``
-times (default 2) in alternating order; the fastest wall time and the least
-CPU time (``time.process_time``) of each are compared.
+``2 * --batch-size`` longest texts (a warm-up), then ``--repeats`` timed
+rounds (default 3) each run both methods over all texts with their batches
+interleaved (each method kept at the same share of its work, so the load of
+other jobs weighs on both alike); each method's time is the sum over its own
+batches, and the fastest wall time and the least CPU time
+(``time.process_time``) of each are compared.
 
-With the defaults (800 texts; a warm-up and two timed runs of each method)
+With the defaults (800 texts; a warm-up and three timed runs of each method)
 it took about 2 min with ``--threads 1`` on a 2-core machine shared with
 other jobs; with torch's two threads fighting those jobs for the cores it is
 several times slower, so on a shared machine pass
