@@ -178,6 +178,10 @@ def run(
             to keep rows exactly as they are. Tensors come back detached, on the CPU.
         loader: a DataLoader from :func:`~dynabatch.inference.loader.build_dynamic_batch_dataloader`,
             or any iterable of :class:`~dynabatch.data.collate.Batch` (``.indices`` required).
+            A dynabatch loader's batches are built here, in this process, from
+            its plan and token store (padding only, no tokenizer call), so
+            that a batch can be split or re-sized before its tensors exist:
+            the loader's ``num_workers`` start no processes under ``run``.
         device: where to move each batch (``batch.to(device)``) before ``fn``; ``None`` leaves it.
         output_path: a JSONL file to save each finished batch to (flushed and
             fsynced), headed by a fingerprint of the inputs and plan. Running
