@@ -71,8 +71,8 @@ def describe_model(model: Any) -> dict[str, Any] | None:
 def report(mm: Any) -> str:
     """A fitted model's probe table (measured against predicted, leave-one-out error) and its terms."""
     loo = iter(mm.loo_errors_.tolist())
-    lines = [f"{'rows':>6} {'length':>6} {'measured MiB':>13} {'predicted MiB':>14} {'error':>7} "
-             f"{'LOO error':>9}  source"]
+    lines = [(f"{'rows':>6} {'length':>6} {'measured MiB':>13} {'predicted MiB':>14} {'error':>7} "
+              f"{'LOO error':>9}  source")]
     for p in mm.probes_:
         measured = "" if p["peak_bytes"] is None else f"{p['peak_bytes'] / 2**20:.2f}"
         error = loo_error = ""

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
-from dynabatch.memory import _model_io
+from dynabatch.memory import _model_fit, _model_io
 from dynabatch.memory._model_io import describe_model, library_versions
 
 __all__ = ["MemoryModel", "describe_model", "library_versions"]
@@ -60,9 +60,7 @@ logger = logging.getLogger(__name__)
 
 MAX_ROWS = 2**40
 """What :meth:`MemoryModel.max_rows` answers when rows cost nothing (no row term was needed)."""
-_MAX_KNOTS = 12
 _ROWS_EXTRAPOLATION = 2.0  # warn beyond this many times the most rows probed
-_BASE_TERMS = ("1", "length", "length^2", "rows", "rows*length", "rows*length^2")
 
 
 def _as_counts(name: str, value: Any) -> np.ndarray:
@@ -121,62 +119,7 @@ class MemoryModel:
         self._loo: np.ndarray | None = None
         self._warned = False
 
-    # -- the terms ---------------------------------------------------------
-    def _knots_for(self, lengths: np.ndarray) -> list[int]:
-        """Knots inside the measured lengths; at most as many as the points leave free (2 spare degrees)."""
-        distinct = np.unique(lengths)
-        if self.knots is not None:
-            inner = np.array([k for k in self.knots if distinct.size and distinct.min() < k < distinct.max()])
-            most = len(inner)
-        else:
-            inner = distinct[1:-1]
-            most = _MAX_KNOTS
-        most = min(most, max(0, len(lengths) - len(_BASE_TERMS) - 2))
-        if len(inner) > most:
-            picks = np.unique(np.round(np.geomspace(1, len(inner), most)).astype(int) - 1) if most else []
-            inner = inner[picks]
-        return [int(k) for k in inner]
-
-    def _set_reach(self, rows: np.ndarray, length: np.ndarray) -> None:
-        """Per measured length, the most rows measured at that length or longer."""
-        order = np.argsort(-length, kind="stable")
-        lengths, most = length[order], np.maximum.accumulate(rows[order])
-        last = np.r_[lengths[1:] != lengths[:-1], True]  # each length's last (its maximum is over all >= it)
-        self._reach = (lengths[last][::-1], most[last][::-1])
-
-    def _reach_at(self, length: np.ndarray, fixed: np.ndarray, slope: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The most rows ``R`` measured at ``length`` or longer (0: none) and the fit's bytes a row there.
-
-        A peak is a maximum of phases, each ``a + r s`` with ``a >= 0``, so
-        ``r * peak(R) / R`` bounds it for ``r >= R``: beyond the rows measured a
-        prediction is at least that, whatever small per-row cost the fit found
-        where a row-free phase (the optimizer step, weights' gradients) hid it.
-        """
-        lengths, most = self._reach
-        if not lengths.size:
-            return np.zeros(length.shape), np.zeros(length.shape)
-        i = np.searchsorted(lengths, length, side="left")
-        reach = np.where(i < lengths.size, most[np.minimum(i, lengths.size - 1)], 0.0)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            per_row = np.where(reach > 0, (fixed + reach * slope) / reach, 0.0)
-        return reach, per_row
-
-    def _design(self, rows: np.ndarray, length: np.ndarray, knots: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Row-free part and per-row part of every term, shape ``(..., terms)`` each."""
-        one = np.ones_like(length)
-        zero = np.zeros_like(length)
-        free = [one, length, length**2, zero, zero, zero]
-        per_row = [zero, zero, zero, one, length, length**2]
-        for k in knots:
-            free.append(zero)
-            per_row.append(np.maximum(length - k, 0.0))
-        return np.stack(free, axis=-1), np.stack(per_row, axis=-1)
-
-    def _matrix(self, rows: np.ndarray, length: np.ndarray, knots: list[int]) -> np.ndarray:
-        free, per_row = self._design(rows, length, knots)
-        return free + rows[..., None] * per_row
-
-    # -- fitting -----------------------------------------------------------
+    # -- fitting (the machinery: dynabatch.memory._model_fit) ------------------
     def _points(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Rows, lengths, bytes and whether each is a lower bound, for the probes with bytes."""
         usable = [p for p in self.probes_ if p["peak_bytes"] is not None]
@@ -185,43 +128,6 @@ class MemoryModel:
         peak = np.array([p["peak_bytes"] for p in usable], dtype=np.float64)
         bound = np.array([bool(p["out_of_memory"]) for p in usable], dtype=bool)
         return rows, length, peak, bound
-
-    def _solve(self, x: np.ndarray, y: np.ndarray, bound: np.ndarray) -> np.ndarray:
-        """The least total relative over-prediction with no point predicted under its bytes (a linear program).
-
-        A fit under a measured peak is how planned batches come out over the
-        budget, so every point (an out-of-memory one's known bytes included) is
-        a floor; least squares (below) only when the program finds no solution.
-        """
-        from scipy.optimize import linprog
-
-        weight = 1.0 / np.maximum(y, 1.0)
-        scale = np.abs(x).max(axis=0)
-        scale[scale <= 0] = 1.0
-        a = x / scale
-        result = linprog(c=(a * weight[:, None]).sum(axis=0), A_ub=-a * weight[:, None], b_ub=-y * weight,
-                         bounds=(0, None), method="highs")
-        if result.status == 0:
-            return np.maximum(result.x, 0.0) / scale
-        return self._least_squares(x, y, bound)
-
-    def _least_squares(self, x: np.ndarray, y: np.ndarray, bound: np.ndarray) -> np.ndarray:
-        """Non-negative least squares on relative errors; violated lower bounds join with growing weight."""
-        from scipy.optimize import nnls
-
-        weight = np.where(bound, 0.0, 1.0) / np.maximum(y, 1.0)
-        for _ in range(10):
-            use = weight > 0
-            a = x[use] * weight[use, None]
-            scale = a.max(axis=0)
-            scale[scale <= 0] = 1.0
-            solution, _ = nnls(a / scale, y[use] * weight[use], maxiter=50 * x.shape[1])
-            coef = solution / scale
-            violated = bound & (x @ coef < y * (1 - 1e-4))
-            if not violated.any():
-                break
-            weight[violated] = np.maximum(weight[violated] * 10, 1.0 / np.maximum(y[violated], 1.0))
-        return coef
 
     def _refit(self) -> None:
         rows, length, peak, bound = self._points()
@@ -232,11 +138,11 @@ class MemoryModel:
             self.terms_ = []
             self._knots_used = []
             return
-        knots = self._knots_for(length[~bound])
+        knots = _model_fit.knots_for(length[~bound], self.knots)
         self._knots_used = knots
-        self._set_reach(rows[~bound], length[~bound])
-        self.terms_ = list(_BASE_TERMS) + [f"rows*(length-{k})+" for k in knots]
-        self.coef_ = self._solve(self._matrix(rows, length, knots), peak, bound)
+        self._reach = _model_fit.reach_table(rows[~bound], length[~bound])
+        self.terms_ = _model_fit.term_names(knots)
+        self.coef_ = _model_fit.solve(_model_fit.matrix(rows, length, knots), peak, bound)
         predicted = self.predict_unchecked(
             np.array([p["rows"] for p in self.probes_], dtype=np.float64),
             np.array([p["padded_length"] for p in self.probes_], dtype=np.float64),
@@ -343,24 +249,11 @@ class MemoryModel:
             warnings.warn(f"MemoryModel extrapolates: {what}; calibrate with a larger max_input_token_length or "
                           "batch_size to cover it (warned once)", UserWarning, stacklevel=3)
 
-    def _parts(self, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The row-free bytes and the bytes per row at each length (terms with a zero coefficient skipped)."""
-        c = self.coef_.tolist()
-        fixed = np.full(length.shape, c[0]) if c[0] else np.zeros(length.shape)
-        slope = np.full(length.shape, c[3]) if c[3] else np.zeros(length.shape)
-        for target, weight, power in ((fixed, c[1], 1), (fixed, c[2], 2), (slope, c[4], 1), (slope, c[5], 2)):
-            if weight:
-                target += weight * (length if power == 1 else length * length)
-        for knot, weight in zip(self._knots_used, c[len(_BASE_TERMS):]):
-            if weight:
-                slope += weight * np.maximum(length - knot, 0.0)
-        return fixed, slope
-
     def predict_unchecked(self, rows: np.ndarray, padded_length: np.ndarray) -> np.ndarray:
         """:meth:`predict` without argument checks or warnings (float arrays in)."""
         length = np.asarray(padded_length, dtype=np.float64)
-        fixed, slope = self._parts(length)
-        reach, per_row = self._reach_at(length, fixed, slope)
+        fixed, slope = _model_fit.parts(self.coef_, self._knots_used, length)
+        reach, per_row = _model_fit.reach_at(self._reach, length, fixed, slope)
         fit = fixed + rows * slope
         return np.where(rows > reach, np.maximum(fit, rows * per_row), fit)
 
@@ -387,7 +280,7 @@ class MemoryModel:
 
     def max_rows_unchecked(self, length: np.ndarray, budget: np.ndarray) -> np.ndarray:
         """:meth:`max_rows` without argument checks or warnings (float arrays in)."""
-        fixed, slope = self._parts(length)
+        fixed, slope = _model_fit.parts(self.coef_, self._knots_used, length)
         with np.errstate(divide="ignore", invalid="ignore"):
             rows = np.floor((budget - fixed) / slope)
         rows = np.where(slope > 0, rows, np.where(fixed <= budget, MAX_ROWS, 0))
@@ -395,7 +288,7 @@ class MemoryModel:
         # floor() of a float quotient can be one off: settle it against the prediction itself.
         rows = np.where((rows > 0) & (fixed + rows * slope > budget), rows - 1, rows)
         rows = np.where((rows < MAX_ROWS) & (fixed + (rows + 1) * slope <= budget), rows + 1, rows)
-        reach, per_row = self._reach_at(length, fixed, slope)
+        reach, per_row = _model_fit.reach_at(self._reach, length, fixed, slope)
         with np.errstate(divide="ignore", invalid="ignore"):
             capped = np.floor(budget / per_row)
         capped = np.clip(np.nan_to_num(capped, nan=0.0, posinf=MAX_ROWS), 0, MAX_ROWS).astype(np.int64)
@@ -412,17 +305,8 @@ class MemoryModel:
     def loo_errors_(self) -> np.ndarray:
         if self._loo is None:
             rows, length, peak, bound = self._points()
-            measured = np.flatnonzero(~bound)
-            errors = np.full(len(measured), np.nan)
-            if len(measured) > 1:
-                knots = self._knots_for(length[~bound])
-                x = self._matrix(rows, length, knots)
-                for j, i in enumerate(measured):
-                    keep = np.ones(len(rows), dtype=bool)
-                    keep[i] = False
-                    coef = self._solve(x[keep], peak[keep], bound[keep])
-                    errors[j] = float(x[i] @ coef) / max(peak[i], 1.0) - 1.0
-            self._loo = errors
+            knots = _model_fit.knots_for(length[~bound], self.knots)
+            self._loo = _model_fit.loo_errors(rows, length, peak, bound, knots)
         return self._loo
 
     @property

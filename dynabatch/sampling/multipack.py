@@ -32,7 +32,8 @@ What this implementation adds to the reference:
 The packing functions (``ffd_check``, ``pack_group``, ``pack_parallel``,
 ``allocate_sequentially``) live in :mod:`dynabatch.sampling.ffd` and are
 re-exported here under the seed's module; the compiled kernels (and why
-numba) in :mod:`dynabatch.sampling._ffd_kernels`.
+numba) in :mod:`dynabatch.sampling._ffd_kernels`; how the bins are shared
+among ranks (equal batch counts) in :mod:`dynabatch.sampling._multipack_ranks`.
 
 Example:
     >>> import numpy as np
@@ -51,12 +52,10 @@ Example:
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import numbers
 from collections.abc import Iterable
-from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -72,6 +71,11 @@ from dynabatch._validation import (
 )
 from dynabatch.sampling._ffd_kernels import pack as _pack  # noqa: F401  (benchmarks/packing.py times it alone)
 from dynabatch.sampling._ffd_kernels import sequential_offsets
+from dynabatch.sampling._multipack_ranks import (
+    rank_batches,
+    reduce_over_ranks,
+    share_bins,
+)
 from dynabatch.sampling.ffd import (
     allocate_sequentially,
     as_lengths,
@@ -81,58 +85,13 @@ from dynabatch.sampling.ffd import (
     pack_group,
     pack_parallel,
 )
-from dynabatch.sampling.passes import (
-    EpochPasses,
-    fingerprint,
-    process_group,
-    resolve_world,
-)
+from dynabatch.sampling.passes import EpochPasses, fingerprint, resolve_world
 
 __all__ = ["MultipackBatchSampler", "allocate_sequentially", "ffd_check", "pack_group", "pack_parallel"]
 
 LOG = logging.getLogger(__name__)
 
 _EXTRA_KWARGS = ("seed", "oversized", "num_replicas", "rank", "shard")
-
-
-def _reduce(value: float, op: str) -> float:
-    """``value`` reduced (min / max) over the ranks of the process group; itself without one."""
-    group = process_group()
-    if group is None or group[0] == 1:
-        return value
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
-    return float(tensor.item())
-
-
-def _split_largest(starts: np.ndarray, ends: np.ndarray, needed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Splits the bins (``items[start:end]``) with the most sequences in halves until there are ``needed``."""
-    starts, ends = starts.tolist(), ends.tolist()
-    while len(starts) < needed:
-        sizes = [e - s for s, e in zip(starts, ends)]
-        at = int(np.argmax(sizes)) if sizes else 0
-        if not sizes or sizes[at] < 2:
-            raise ValueError(
-                f"num_replicas should be at most the number of samples ({sum(sizes)}) so that every rank "
-                f"gets a batch without repeating one, but got {needed} bins needed; pass drop_last=True "
-                "or fewer ranks"
-            )
-        mid = starts[at] + -(-sizes[at] // 2)
-        starts.insert(at + 1, mid)
-        ends.insert(at, mid)
-    return np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
-
-
-def _deal(n_bins_rank: int, batches: int, batch_size: int) -> list[int]:
-    """Bins per batch: ``batches`` batches over ``n_bins_rank`` bins, full ones first, none empty."""
-    if batches == 0:
-        return []
-    full = batches if batch_size == 1 else min(batches, (n_bins_rank - batches) // (batch_size - 1))
-    rest, parts = n_bins_rank - full * batch_size, batches - full
-    return [batch_size] * full + [rest // parts + (1 if i < rest % parts else 0) for i in range(parts)]
 
 
 class MultipackBatchSampler(EpochPasses, BatchSampler):
@@ -298,7 +257,7 @@ class MultipackBatchSampler(EpochPasses, BatchSampler):
         return items, offsets[:-1], offsets[1:]
 
     def _distribute(self, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
-        """Drops (``drop_last``) or splits bins so every rank gets the same number of batches.
+        """Drops (``drop_last``) or splits bins (:func:`share_bins`) so every rank gets the same number of batches.
 
         Rank ``r`` gets bins ``r::num_replicas``; returns the bins and, per rank,
         the number of bins in each of its batches.
@@ -313,13 +272,7 @@ class MultipackBatchSampler(EpochPasses, BatchSampler):
             starts, ends = starts[:keep], ends[:keep]
         else:
             self.num_samples_dropped = 0
-        n = starts.size
-        per_rank = -(-n // world)  # bins of the fullest rank
-        count = max(-(-per_rank // size), self.min_batches) if n else 0  # batches per rank
-        if n // world < count:  # a rank would have fewer bins than batches: split the fullest bins
-            starts, ends = _split_largest(starts, ends, count * world)
-        shares = [len(range(r, starts.size, world)) for r in range(world)]
-        return starts, ends, [_deal(share, count, size) for share in shares]
+        return share_bins(starts, ends, world, size, self.min_batches)
 
     def generate_batches(self, set_stats: bool = False) -> list[list[list[int]]]:
         """Generate packed batches for training.
@@ -337,19 +290,7 @@ class MultipackBatchSampler(EpochPasses, BatchSampler):
             starts, ends, deals = self._distribute(starts, ends)
             world = self.num_replicas
             ranks = [self.rank] if self.shard else list(range(world))
-            listed, first, last = items.tolist(), starts.tolist(), ends.tolist()
-            per_rank = []
-            collecting = gc.isenabled()
-            gc.disable()  # ~10^5 new lists: the cyclic collector would scan them again and again
-            try:
-                for r in ranks:
-                    bins = [listed[a:b] for a, b in zip(first[r::world], last[r::world])]
-                    cuts = np.cumsum([0, *deals[r]]).tolist()
-                    per_rank.append([bins[a:b] for a, b in pairwise(cuts)])
-                batches = [rank[k] for k in range(len(per_rank[0])) for rank in per_rank]
-            finally:
-                if collecting:
-                    gc.enable()
+            batches = rank_batches(items.tolist(), starts, ends, deals, ranks, world)
             tokens = np.concatenate([[0], np.cumsum(self.lengths[items])])
             chosen = np.concatenate([np.arange(r, starts.size, world) for r in ranks])
             used = int((tokens[ends[chosen]] - tokens[starts[chosen]]).sum())
@@ -393,7 +334,7 @@ class MultipackBatchSampler(EpochPasses, BatchSampler):
             99.7% of the best rank's efficiency, rounded down to 0.5% (the
             reference floored to a whole number first, which gave 0.0).
         """
-        best = _reduce(self.efficiency(), "max")
+        best = reduce_over_ranks(self.efficiency(), "max")
         LOG.debug("sample packing efficiency across ranks: max %.4f", best)
         return math.floor(0.997 * best * 200.0) / 200.0
 
@@ -406,7 +347,7 @@ class MultipackBatchSampler(EpochPasses, BatchSampler):
         """
         if isinstance(num, bool) or not isinstance(num, numbers.Real):
             raise bad_type("num", "a number of batches", num)
-        least = math.floor(_reduce(num, "min"))
+        least = math.floor(reduce_over_ranks(num, "min"))
         LOG.info("gather_len_batches: %d (this rank: %s)", least, num)
         self.len_across_ranks = least
         return least
