@@ -34,13 +34,20 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-import reprlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, List, Optional, TypeVar, Union
 
-import numpy as np
-import torch
 from torch.utils.data import Sampler
+
+from dynabatch.sampling._size_aware_args import (
+    _ArgumentError,  # noqa: F401 (re-exported: bucket.py and bucket_utils.py import it from here)
+    _check_logger,
+    _check_max_total_size,
+    _described,
+    _exceeds,
+    _short,
+    _size_function,
+)
 
 __all__ = ["SizeAwareBatchSampler", "size_aware_batching"]
 
@@ -51,138 +58,11 @@ BatchCollated = TypeVar("BatchCollated")
 Real = Union[int, float]
 
 
-class _ArgumentError(ValueError, TypeError):
-    """A wrong argument where bionemo documents ValueError but a wrong *type* is a TypeError in Python.
-
-    Raised for arguments of the wrong type whose documented error is ValueError,
-    so that code written against either convention catches it.
-    """
-
-
-class _MissingSizeError(RuntimeError, LookupError):
-    """``sizeof`` (a mapping or a sequence) has no entry for an index."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
-
-
-class _MissingKeyError(_MissingSizeError, KeyError):
-    pass
-
-
-class _MissingIndexError(_MissingSizeError, IndexError):
-    pass
-
-
-def _short(value: Any) -> str:
-    return reprlib.repr(value)
-
-
-def _described(value: Any) -> str:
-    return f"{_short(value)} of type {type(value).__name__}"
-
-
-def _call_sizeof(function: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def size(data: Any) -> Any:
-        try:
-            return function(data)
-        except Exception as exc:
-            raise RuntimeError(f"sizeof raises error at data={_short(data)}: {exc}") from exc
-
-    return size
-
-
-def _look_up_mapping(table: Mapping[Any, Any]) -> Callable[[Any], Any]:
-    def size(index: Any) -> Any:
-        try:
-            return table[index]
-        except KeyError as exc:
-            raise _MissingKeyError(
-                f"sizeof raises error at data={_short(index)}: sizeof (a mapping of {len(table)} entries) "
-                f"has no entry for index {_short(index)}"
-            ) from exc
-
-    return size
-
-
-def _look_up_sequence(table: Sequence[Any]) -> Callable[[Any], Any]:
-    def size(index: Any) -> Any:
-        if index.__class__ is int and 0 <= index < len(table):  # the common case, fast
-            return table[index]
-        missing = isinstance(index, numbers.Integral) and not 0 <= index < len(table)
-        if not missing:
-            try:
-                return table[index]
-            except (IndexError, TypeError) as exc:
-                raise _MissingIndexError(
-                    f"sizeof raises error at data={_short(index)}: sizeof (a sequence of {len(table)} sizes) "
-                    f"cannot be indexed by {_described(index)}: {exc}"
-                ) from exc
-        raise _MissingIndexError(
-            f"sizeof raises error at data={_short(index)}: sizeof (a sequence of {len(table)} sizes) "
-            f"has no entry for index {index!r}; valid indices are 0..{len(table) - 1}"
-        )
-
-    return size
-
-
-def _size_function(sizeof: Any) -> Callable[[Any], Any]:
-    """``sizeof`` as a function of one element: callables are called, mappings and sequences indexed."""
-    if callable(sizeof):
-        return _call_sizeof(sizeof)
-    if isinstance(sizeof, Mapping):
-        return _look_up_mapping(sizeof)
-    if isinstance(sizeof, (torch.Tensor, np.ndarray)):
-        if sizeof.ndim != 1:
-            raise _ArgumentError(
-                f"sizeof must be a callable, a dictionary or a sequence container (a 1D tensor or array "
-                f"counts as one), but got sizeof with shape {tuple(sizeof.shape)}"
-            )
-        return _look_up_sequence(sizeof.tolist())
-    if isinstance(sizeof, Sequence) and not isinstance(sizeof, (str, bytes, bytearray)):
-        return _look_up_sequence(sizeof)
-    raise TypeError(
-        f"sizeof must be a callable, a dictionary or a sequence container, but got sizeof={_described(sizeof)}"
-    )
-
-
-def _check_max_total_size(max_total_size: Any) -> None:
-    """bionemo's rule for ``SizeAwareBatchSampler``: a positive int or float, else ValueError."""
-    rule = "a positive number"
-    if isinstance(max_total_size, bool) or not isinstance(max_total_size, numbers.Real):
-        raise _ArgumentError(f"max_total_size should be {rule}, but got max_total_size={_described(max_total_size)}")
-    if not max_total_size > 0:  # also refuses NaN
-        raise ValueError(f"max_total_size should be {rule}, but got max_total_size={max_total_size!r}")
-
-
 def _log(callback: Optional[Callable[[str], None]], level: int, message: str) -> None:
     if callback is not None:
         callback(message)
     else:
         logger.log(level, message)
-
-
-def _check_logger(name: str, value: Any) -> None:
-    if value is not None and not callable(value):
-        raise TypeError(f"{name} should be a callable taking a str or None, but got {name}={_described(value)}")
-
-
-def _exceeds(size: Any, limit: Any, data: Any) -> bool:
-    """``size > limit`` with a clear error for a size that is not a comparable number."""
-    if size.__class__ is int:  # the common case, fast
-        try:
-            return size > limit
-        except TypeError:
-            pass  # the limit is not comparable with an int: the general path says so
-    if isinstance(size, numbers.Real) and math.isnan(size):
-        raise ValueError(f"sizeof should return a number, but got NaN for data={_short(data)}")
-    try:
-        return bool(size > limit)
-    except TypeError as exc:
-        raise TypeError(
-            f"sizeof should return a number comparable with max_total_size={limit!r}, but got "
-            f"{_described(size)} for data={_short(data)} (not int or float: {exc})"
-        ) from exc
 
 
 def _greedy_batches(
@@ -334,7 +214,7 @@ class SizeAwareBatchSampler(Sampler[List[int]]):
 
     With a memory model, ``sizeof`` is an element's marginal cost and
     ``max_total_size`` the budget minus the batch's fixed cost: see
-    :func:`dynabatch.sampling.size_aware.memory_sizeof`.
+    :class:`dynabatch.sampling.size_aware_memory.MemorySizeof`.
 
     Example:
         >>> import torch

@@ -12,7 +12,8 @@ prediction at the batch's row count and padded length. Nothing is assumed:
 a task without a measurement cannot be predicted and says so.
 
 Units follow seed 001: measurements are recorded in MB (``2**20`` bytes) and
-predictions are returned in GB (``2**30`` bytes).
+predictions are returned in GB (``2**30`` bytes). One task's fit and
+:func:`batch_shape` are defined in ``_task_fit.py``.
 
 Example:
     >>> from dynabatch.training.predictor import MemoryPredictor
@@ -43,7 +44,7 @@ import torch
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.memory.guard import call_guarded
-from dynabatch.memory.model import MemoryModel
+from dynabatch.training._task_fit import _check_task, _TaskFit, batch_shape
 
 __all__ = ["GB", "MB", "MemoryPredictor", "active_predictor", "batch_shape", "estimate_training_memory"]
 
@@ -60,48 +61,6 @@ def active_predictor() -> MemoryPredictor | None:
     What :class:`~dynabatch.MemoryAwareBatchSampler` uses when it is not given one.
     """
     return _active[0]() if _active else None
-
-
-def batch_shape(batch: Any) -> tuple[int, int]:
-    """Rows and padded length of a collated batch (``input_ids`` or the first 2-D tensor)."""
-    tensor = batch.get("input_ids") if isinstance(batch, dict) else None
-    if tensor is None and isinstance(batch, dict):
-        tensor = next((v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
-    if not isinstance(tensor, torch.Tensor):
-        raise bad_type("batch", "a dict holding an input_ids tensor (rows x padded length)", batch)
-    return int(tensor.shape[0]), int(tensor.shape[1]) if tensor.dim() > 1 else 1
-
-
-class _TaskFit:
-    """The measured peaks of one (task, mode), fitted by a :class:`~dynabatch.memory.model.MemoryModel`."""
-
-    def __init__(self, device: torch.device, max_observations: int) -> None:
-        self.model = MemoryModel(device=device)
-        self.max_observations = max_observations
-
-    def add(self, rows: int, length: int, peak_bytes: float) -> None:
-        self.model.observe(rows, length, peak_bytes, source="measured")
-        if len(self.model.probes_) > self.max_observations:
-            del self.model.probes_[0]
-            self.model.fit(
-                [p["rows"] for p in self.model.probes_],
-                [p["padded_length"] for p in self.model.probes_],
-                [p["peak_bytes"] for p in self.model.probes_],
-                source="measured",
-            )
-
-    @property
-    def num_observations(self) -> int:
-        return len(self.model.probes_)
-
-    def predict(self, rows: Any, length: Any) -> np.ndarray:
-        r, n = np.broadcast_arrays(np.asarray(rows, dtype=np.float64), np.asarray(length, dtype=np.float64))
-        return self.model.predict_unchecked(r, n)
-
-    def loo_errors(self) -> np.ndarray:
-        """Leave-one-out relative errors (absolute values) of the measured points."""
-        errors = np.asarray(self.model.loo_errors_, dtype=np.float64)
-        return np.abs(errors[np.isfinite(errors)])
 
 
 class MemoryPredictor:
@@ -301,13 +260,7 @@ class MemoryPredictor:
         return {
             "device": str(self.device),
             "observations": [
-                {
-                    "task_type": t,
-                    "is_training": m,
-                    "rows": [p["rows"] for p in f.model.probes_],
-                    "lengths": [p["padded_length"] for p in f.model.probes_],
-                    "peaks": [p["peak_bytes"] for p in f.model.probes_],
-                }
+                {"task_type": t, "is_training": m, **dict(zip(("rows", "lengths", "peaks"), f.columns()))}
                 for (t, m), f in self._fits.items()
             ],
             "task_lengths": [[t, lengths] for t, lengths in self._task_lengths.items()],
@@ -341,11 +294,6 @@ class MemoryPredictor:
         predictor = cls(state.get("device", "cpu"))
         predictor.load_state_dict(state)
         return predictor
-
-
-def _check_task(task_type: Any) -> None:
-    if task_type is None or not isinstance(task_type, Hashable):
-        raise bad_type("task_type", "a hashable task type (not None)", task_type)
 
 
 def estimate_training_memory(
