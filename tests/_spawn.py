@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -22,8 +23,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_ranks(worker: str, out: Path, timeout: float = 150) -> list[dict]:
-    """Runs ``worker`` (Python source) as ``python worker.py RANK OUT`` on ranks 0 and 1; returns their reports.
+def run_two_ranks(worker: str, out: Path, timeout: float = 150, args: Sequence[str] = ()) -> list[dict]:
+    """Runs ``worker`` (Python source) as ``python worker.py RANK OUT *ARGS`` on ranks 0 and 1; returns their reports.
 
     Each rank gets the environment of ``torchrun`` / ``accelerate launch``
     (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE=2``, ``RANK``,
@@ -44,7 +45,7 @@ def run_two_ranks(worker: str, out: Path, timeout: float = 150) -> list[dict]:
         for rank in range(2):
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
             with open(logs[rank], "w") as log:
-                procs.append(subprocess.Popen([sys.executable, str(script), str(rank), str(out)], cwd=REPO, env=env,
+                procs.append(subprocess.Popen([sys.executable, str(script), str(rank), str(out), *args], cwd=REPO, env=env,
                                               stdout=log, stderr=subprocess.STDOUT))
         for p in procs:
             p.wait(timeout=timeout)

@@ -20,9 +20,7 @@ steps already done repeats no sample.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import os
 import time
 from collections.abc import Hashable
@@ -34,7 +32,16 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch._validation import bad_type, check_positive_int
+from dynabatch.training._trainer_plan import (
+    STATE_FILE,  # noqa: F401 (re-exported: the checkpoint file's name, importable from here as before)
+    IndexedDataset,
+    check_task_weights,
+    collate_step,
+    read_state,
+    step_sampler,
+    write_state,
+)
 from dynabatch.training.collate import METADATA_KEYS, HeterogeneousCollator
 from dynabatch.training.gradnorm import GradNormBalancer, shared_parameter
 from dynabatch.training.guard import OOMGuardian, guarded_step
@@ -46,32 +53,11 @@ from dynabatch.training.loss import (
 )
 from dynabatch.training.monitor import BatchMetrics, DynamicBatchingMonitor
 from dynabatch.training.predictor import MB, MemoryPredictor
-from dynabatch.training.sampler import (
-    CountBatchSampler,
-    MemoryAwareBatchSampler,
-    StepBatchSampler,
-    read_task_metadata,
-    split_step,
-)
+from dynabatch.training.sampler import MemoryAwareBatchSampler, read_task_metadata
 
 __all__ = ["DynamicBatchingTrainer"]
 
 logger = logging.getLogger(__name__)
-
-STATE_FILE = "dynabatch_state.json"
-
-
-class _Indexed(torch.utils.data.Dataset):
-    """Hands the collator (index, sample) pairs, and the step separator through."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, idx: int) -> tuple[int, Any]:
-        return (idx, None) if idx < 0 else (idx, self.dataset[idx])
 
 
 class _MonitorCallback(TrainerCallback):
@@ -183,7 +169,7 @@ class DynamicBatchingTrainer(Trainer):
         if self.train_dataset is not None:
             tasks, lengths = read_task_metadata(self.train_dataset, size_field)
             self._train_tasks, self._train_lengths = tasks, lengths
-        self.task_weights = self._check_weights(task_loss_weights)
+        self.task_weights = check_task_weights(task_loss_weights, self._train_tasks)
         self._balancer = None
         if use_grad_norm_balancing:
             self._balancer = GradNormBalancer(shared_parameter(self.model), alpha=grad_norm_alpha, lr=grad_norm_lr)
@@ -196,25 +182,6 @@ class DynamicBatchingTrainer(Trainer):
         self.trained_indices: list[list[int]] = []
         self.add_callback(_MonitorCallback(self))
 
-    def _check_weights(self, weights: dict[Hashable, float] | None) -> dict[Hashable, float]:
-        if weights is None:
-            return {t: 1.0 for t in dict.fromkeys(self._train_tasks or [])}
-        if not isinstance(weights, dict):
-            raise bad_type("task_loss_weights", "a dict of task type -> weight", weights)
-        known = list(dict.fromkeys(self._train_tasks or []))
-        if self._train_tasks is not None:
-            unknown = [t for t in weights if t not in known]
-            if unknown:
-                raise bad_value(
-                    "task_loss_weights",
-                    f"a dict over the training data's tasks {known} (unknown: {unknown})",
-                    weights,
-                )
-        for task, w in weights.items():
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-                raise bad_value(f"task_loss_weights[{task!r}]", "a finite number >= 0", w)
-        return {**{t: 1.0 for t in known}, **{t: float(w) for t, w in weights.items()}}
-
     # -- data ----------------------------------------------------------------
     def _set_signature_columns_if_needed(self) -> None:
         super()._set_signature_columns_if_needed()
@@ -224,21 +191,15 @@ class DynamicBatchingTrainer(Trainer):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
         self._resume_dir = resume_from_checkpoint or None
-        if self._resume_dir and os.path.isfile(os.path.join(self._resume_dir, STATE_FILE)):
-            with open(os.path.join(self._resume_dir, STATE_FILE)) as fh:
-                saved = json.load(fh)
+        saved = read_state(self._resume_dir, self.memory_predictor, self.task_weights)
+        if saved is not None:
             self._plan_predictor_state = saved.get("plan_predictor")
-            if self.memory_predictor is not None and saved.get("predictor") is not None:
-                self.memory_predictor.load_state_dict(saved["predictor"])
-            self.task_weights.update({_key(self.task_weights, k): v for k, v in saved["task_weights"].items()})
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def get_train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        tasks, lengths = self._train_tasks, self._train_lengths
-        shard = {"shuffle": True, "seed": self.args.seed, "shard": self.accelerator.num_processes == 1}
-        rows = self.args.per_device_train_batch_size
+        plan_predictor = None
         if self.memory_predictor is not None and self.max_memory_mb is not None:
             plan_predictor = self.memory_predictor
             if self._plan_predictor_state is not None:  # resuming: plan exactly as the saved run did
@@ -246,27 +207,21 @@ class DynamicBatchingTrainer(Trainer):
                 plan_predictor.load_state_dict(self._plan_predictor_state)
             else:
                 self._plan_predictor_state = self.memory_predictor.state_dict()
-            margin = self.oom_guardian.memory_margin_percent if self.oom_guardian is not None else 0.10
-            micro = MemoryAwareBatchSampler(
-                None, rows, self.max_memory_mb, task_diversity_weight=self.task_diversity_weight,
-                predictor=plan_predictor, memory_margin=margin, task_types=tasks, lengths=lengths,
-                sort_window=self.sort_window, **shard,
-            )
-            self._sampler = micro
-        else:
-            if self.memory_predictor is not None:
-                logger.warning("memory_predictor given without max_memory_mb (nor an oom_guardian with one): "
-                               "micro-batches of per_device_train_batch_size rows, not planned by memory")
-            names = list(dict.fromkeys(tasks))
-            ids = np.array([names.index(t) for t in tasks], dtype=np.int64)
-            micro = CountBatchSampler(ids, lengths, rows, self.task_diversity_weight, **shard)
-        steps = StepBatchSampler(micro, self.target_batch_size if self.use_gradient_accumulation else None)
-        # HF fixes the steps of every epoch from len() of the first: give every epoch to be trained
-        # at least the most steps any of them plans (a longer one would lose its last steps).
-        steps.set_min_batches(0)
-        steps.set_min_batches(steps.max_len(self._epochs_to_plan(len(steps))))
+        elif self.memory_predictor is not None:
+            logger.warning("memory_predictor given without max_memory_mb (nor an oom_guardian with one): "
+                           "micro-batches of per_device_train_batch_size rows, not planned by memory")
+        steps, self._sampler = step_sampler(
+            self._train_tasks, self._train_lengths, rows=self.args.per_device_train_batch_size,
+            target_batch_size=self.target_batch_size if self.use_gradient_accumulation else None,
+            task_diversity_weight=self.task_diversity_weight, seed=self.args.seed,
+            world_size=self.accelerator.num_processes, rank=self.accelerator.process_index,
+            max_steps=self.args.max_steps, num_train_epochs=self.args.num_train_epochs,
+            predictor=plan_predictor, max_memory_mb=self.max_memory_mb,
+            memory_margin=self.oom_guardian.memory_margin_percent if self.oom_guardian is not None else 0.10,
+            sort_window=self.sort_window,
+        )
         loader = DataLoader(
-            _Indexed(self.train_dataset),
+            IndexedDataset(self.train_dataset),
             batch_sampler=steps,
             collate_fn=self._collate_step,
             num_workers=self.args.dataloader_num_workers,
@@ -274,18 +229,8 @@ class DynamicBatchingTrainer(Trainer):
         )
         return self.accelerator.prepare(loader)
 
-    def _epochs_to_plan(self, steps_per_epoch: int) -> int:
-        if self.args.max_steps and self.args.max_steps > 0:
-            return max(1, math.ceil(self.args.max_steps / max(1, steps_per_epoch))) + 1
-        return max(1, math.ceil(self.args.num_train_epochs))
-
     def _collate_step(self, items: list[tuple[int, Any]]) -> dict[str, Any]:
-        indices = split_step([i for i, _ in items])
-        samples = {i: s for i, s in items if i >= 0}
-        return {
-            "micro_batches": [self.data_collator([samples[i] for i in group]) for group in indices],
-            "sample_indices": indices,
-        }
+        return collate_step(self.data_collator, items)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         if "micro_batches" in inputs:
@@ -420,14 +365,4 @@ class DynamicBatchingTrainer(Trainer):
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save and os.path.isdir(folder):
-            state = {
-                "plan_predictor": self._plan_predictor_state,
-                "predictor": self.memory_predictor.state_dict() if self.memory_predictor is not None else None,
-                "task_weights": {str(k): v for k, v in self.task_weights.items()},
-            }
-            with open(os.path.join(folder, STATE_FILE), "w") as fh:
-                json.dump(state, fh)
-
-
-def _key(weights: dict[Hashable, float], saved: str) -> Hashable:
-    return next((k for k in weights if str(k) == saved), saved)
+            write_state(folder, self._plan_predictor_state, self.memory_predictor, self.task_weights)

@@ -2,11 +2,9 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -293,42 +291,11 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+def two_ranks(tmp_path_factory, run_two_ranks):
     """Runs the worker on two gloo CPU processes; returns their reports."""
-    out = tmp_path_factory.mktemp("gloo")
-    script = out / "worker.py"
-    script.write_text(_WORKER)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
-               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    logs = [out / f"rank{rank}.log" for rank in range(2)]
-    procs = []
-    for rank in range(2):
-        with open(logs[rank], "w") as log:  # files, not pipes: a full pipe would stall a rank mid-collective
-            procs.append(subprocess.Popen(
-                [sys.executable, str(script), str(rank), str(out), "1" if RUNNER_AVAILABLE else "0"],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-            ))
-    deadline = time.monotonic() + 120
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{logs[rank].read_text()[-4000:]}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return run_two_ranks(_WORKER, tmp_path_factory.mktemp("gloo"), timeout=120,
+                         args=["1" if RUNNER_AVAILABLE else "0"])
 
 
 @pytest.mark.parametrize("n", [300, 296])
@@ -443,8 +410,8 @@ def accelerate_ranks(tmp_path_factory):
     script = out / "worker.py"
     script.write_text(_ACCELERATE_WORKER)
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), str(script), str(out)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+               str(out)]  # --standalone: a rendezvous on a free local port
     log = out / "torchrun.log"
     with open(log, "w") as f:
         proc = subprocess.run(command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=240,

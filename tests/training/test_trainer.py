@@ -190,3 +190,20 @@ def test_out_of_memory_inside_training_is_split_and_the_steps_are_unchanged(
     assert split.trained_indices == plain.trained_indices
     assert [b.loss for b in split_monitor.batches] == pytest.approx([b.loss for b in plain_monitor.batches], rel=1e-5)
     assert max(b.memory_allocated_mb for b in split_monitor.batches) <= limit
+
+
+def test_steps_dealt_to_two_ranks_are_whole_steps_every_sample_once():
+    # shard=False (accelerate deals the steps): the plan's steps, a multiple of the ranks, none halved
+    import numpy as np
+
+    from dynabatch.training._trainer_plan import step_sampler
+
+    tasks, lengths = ["a"] * 14 + ["b"] * 13, np.arange(1, 28)
+    for max_steps, epochs in ((-1, 3), (5, 1)):
+        steps, _ = step_sampler(tasks, lengths, rows=4, target_batch_size=8, task_diversity_weight=0.5, seed=0,
+                                world_size=2, max_steps=max_steps, num_train_epochs=epochs)
+        for epoch in range(3):
+            steps.set_epoch(epoch)
+            dealt = [[i for i in step if i != STEP_SEPARATOR] for step in steps]
+            assert len(dealt) % 2 == 0 and sorted(i for step in dealt for i in step) == list(range(27))
+            assert sum(len(step) < 8 for step in dealt) <= 1  # one short remainder, not every step split in two
