@@ -3,7 +3,10 @@
 Samples of a multi-task dataset carry different fields and lengths. The
 collator pads every variable-length field (lists of numbers or 1-D tensors) to
 the batch's longest, stacks equal-shape tensors and numbers, and keeps
-strings and other metadata (``task_type`` first of all) as lists.
+strings and other metadata (``task_type`` first of all) as lists. It is not
+:class:`~dynabatch.data.training_collate.TrainingCollator`, which takes only
+int token-id fields, the same keys in every row, and renames or derives
+``labels``: here fields may be missing (metadata), float and kept as strings.
 
 Example:
     >>> from dynabatch.training.collate import HeterogeneousCollator
@@ -27,6 +30,8 @@ from typing import Any
 import torch
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.data.collate import padded_width
+from dynabatch.data.training_collate import LABEL_PAD_ID
 
 __all__ = ["METADATA_KEYS", "HeterogeneousCollator"]
 
@@ -69,7 +74,7 @@ class HeterogeneousCollator:
         tokenizer: Any = None,
         *,
         pad_token_id: int | None = None,
-        label_pad_id: int = -100,
+        label_pad_id: int = LABEL_PAD_ID,
         pad_to_multiple_of: int | None = None,
         padding_side: str | None = None,
         metadata_keys: Sequence[str] = METADATA_KEYS,
@@ -100,9 +105,7 @@ class HeterogeneousCollator:
 
     def _pad(self, key: str, values: list[Any]) -> torch.Tensor:
         tensors = [torch.as_tensor(v) for v in values]
-        longest = max((t.numel() for t in tensors), default=0)
-        if self.pad_to_multiple_of:
-            longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        longest = padded_width(max((t.numel() for t in tensors), default=0), self.pad_to_multiple_of)
         dtype = torch.float32 if any(t.is_floating_point() for t in tensors) else torch.long
         out = torch.full((len(tensors), longest), self._pad_value(key), dtype=dtype)
         for row, t in enumerate(tensors):
