@@ -80,6 +80,21 @@ class _FollowEpochs(TrainerCallback):
                 json.dump(self.sampler.state_dict(), f)
 
 
+def _dealt_to(sampler: Any) -> int:
+    """How many ranks share what the sampler yields: ``num_replicas`` when accelerate deals it (``shard=False``)."""
+    return 1 if sampler.shard else sampler.num_replicas
+
+
+def _batches_per_rank(sampler: Any, epochs: int) -> int:
+    """The most batches one rank gets in any of epochs ``0 .. epochs - 1``: what ``set_min_batches`` takes.
+
+    With ``shard=False`` the sampler yields every rank's batches (a multiple
+    of ``num_replicas``) for accelerate to deal, so its ``max_len`` counts all
+    ranks' batches; a rank gets ``1 / num_replicas`` of them.
+    """
+    return sampler.max_len(epochs) // _dealt_to(sampler)
+
+
 class BatchSamplerTrainerMixin:
     """Mix into a ``transformers.Trainer`` subclass to train on ``train_batch_sampler``'s batches.
 
@@ -114,7 +129,7 @@ class BatchSamplerTrainerMixin:
     def _epochs_to_plan(self) -> int:
         args, sampler = self.args, self.train_batch_sampler
         if args.max_steps and args.max_steps > 0:
-            per_epoch = max(1, len(sampler) // max(1, args.world_size if not sampler.shard else 1))
+            per_epoch = max(1, len(sampler) // _dealt_to(sampler))
             steps_per_epoch = max(1, per_epoch // args.gradient_accumulation_steps)
             return max(1, math.ceil(args.max_steps / steps_per_epoch)) + 1
         return max(1, math.ceil(args.num_train_epochs))
@@ -126,7 +141,7 @@ class BatchSamplerTrainerMixin:
         self._check_sampler_world()
         sampler = self.train_batch_sampler
         sampler.set_min_batches(0)
-        sampler.set_min_batches(sampler.max_len(self._epochs_to_plan()))
+        sampler.set_min_batches(_batches_per_rank(sampler, self._epochs_to_plan()))
         dataset, collator = self.train_dataset, self.data_collator
         try:
             import datasets
