@@ -34,13 +34,13 @@ import torch
 from torch.utils.data import Sampler
 
 from dynabatch.sampling._bucket_draw import draw_bucket, mcg_powers
+from dynabatch.sampling._size_aware_args import _ArgumentError, _described
 from dynabatch.sampling.bucket_utils import (
     Buckets,
     _check_1d_tensor,
     _is_real_dtype,
     create_buckets,
 )
-from dynabatch.sampling.size_aware import _ArgumentError, _described
 
 __all__ = ["BucketBatchSampler", "Buckets", "create_buckets"]
 

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dynabatch.sampling.size_aware import _ArgumentError, _described
+from dynabatch.sampling._size_aware_args import _ArgumentError, _described
 
 __all__ = ["Buckets", "create_buckets"]
 

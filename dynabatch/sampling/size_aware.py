@@ -40,7 +40,6 @@ from typing import Any, List, Optional, TypeVar, Union
 from torch.utils.data import Sampler
 
 from dynabatch.sampling._size_aware_args import (
-    _ArgumentError,  # noqa: F401 (re-exported: bucket.py and bucket_utils.py import it from here)
     _check_logger,
     _check_max_total_size,
     _described,
