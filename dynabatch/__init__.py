@@ -3,17 +3,22 @@
 The public surface is listed in ``__all__``; everything else is internal.
 """
 
-from dynabatch.memory.classifier import SpikeClassifier, load_classifier
 from dynabatch.data.collate import Batch, TokenCollator
+from dynabatch.data.order import restore_order
+from dynabatch.data.sources import TokenizedSource, read_source, tokenize_source
+from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts
+from dynabatch.data.training_collate import TrainingCollator
+from dynabatch.inference.loader import build_dynamic_batch_dataloader
+from dynabatch.inference.report import BatchRecord, RunReport
+from dynabatch.inference.runner import BatchOutOfMemoryError, RunResult, run
+from dynabatch.memory.calibrate import calibrate
+from dynabatch.memory.classifier import SpikeClassifier, load_classifier
 from dynabatch.memory.features import (
     FEATURE_NAMES,
     SHAPE_FEATURE_NAMES,
     ModelShape,
     compute_features,
 )
-from dynabatch.inference.loader import build_dynamic_batch_dataloader
-from dynabatch.data.order import restore_order
-from dynabatch.sampling.planner import plan_batch_sizes, plan_batches
 from dynabatch.memory.measure import (
     PeakMemory,
     collect_cuda_peak_alloc,
@@ -21,19 +26,13 @@ from dynabatch.memory.measure import (
     is_out_of_memory_error,
     track_peak_memory,
 )
-from dynabatch.memory.calibrate import calibrate
 from dynabatch.memory.model import MemoryModel
-from dynabatch.inference.report import BatchRecord, RunReport
-from dynabatch.inference.runner import BatchOutOfMemoryError, RunResult, run
-from dynabatch.sampling.planner import BatchPlanner, PlanSettings
-from dynabatch.sampling.sampler import DynamicBatchSampler
-from dynabatch.sampling.bucket import BucketBatchSampler, Buckets, create_buckets
-from dynabatch.sampling.size_aware import SizeAwareBatchSampler, size_aware_batching
-from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts
-from dynabatch.data.sources import TokenizedSource, read_source, tokenize_source
-from dynabatch.data.training_collate import TrainingCollator
 from dynabatch.sampling.base import PlannedBatchSampler
+from dynabatch.sampling.bucket import BucketBatchSampler, Buckets, create_buckets
 from dynabatch.sampling.constraints import AllOf, FixedBatchSize, LengthDifference, MemoryBudget, TokenBudget
+from dynabatch.sampling.planner import BatchPlanner, PlanSettings, plan_batch_sizes, plan_batches
+from dynabatch.sampling.sampler import DynamicBatchSampler
+from dynabatch.sampling.size_aware import SizeAwareBatchSampler, size_aware_batching
 from dynabatch.sampling.smart import SmartBatchSampler, plan_constrained
 from dynabatch.training.collate import HeterogeneousCollator
 from dynabatch.training.dataset import MultiTaskDataset

@@ -73,7 +73,7 @@ def _accepted_keywords(tokenizer: Any) -> set[str] | None:
     """
     names: set[str] = set()
     takes_any = False
-    for function in (getattr(tokenizer, "__call__", tokenizer), getattr(tokenizer, "_encode_plus", None)):
+    for function in (tokenizer.__call__ if callable(tokenizer) else tokenizer, getattr(tokenizer, "_encode_plus", None)):
         if function is None:
             continue
         try:
@@ -96,7 +96,7 @@ def _check_tokenizer_kwargs(tokenizer: Any, tokenizer_kwargs: dict[str, Any]) ->
     if accepted is None:
         return
     own = set(inspect.signature(build_dynamic_batch_dataloader).parameters) - {"tokenizer_kwargs"}
-    for key in tokenizer_kwargs:
+    for key, value in tokenizer_kwargs.items():
         if key in accepted:
             continue
         close = difflib.get_close_matches(key, sorted(own | accepted), n=1)
@@ -104,7 +104,7 @@ def _check_tokenizer_kwargs(tokenizer: Any, tokenizer_kwargs: dict[str, Any]) ->
         raise TypeError(
             f"build_dynamic_batch_dataloader() got an unexpected keyword argument {key!r}{hint}: extra keywords "
             f"go to the tokenizer, and {type(tokenizer).__name__} does not take it; "
-            f"but got {key}={tokenizer_kwargs[key]!r}"
+            f"but got {key}={value!r}"
         )
 
 

@@ -47,6 +47,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -78,7 +79,7 @@ def probe_lengths(max_input_token_length: int, shortest: int = _MIN_LENGTH) -> l
     """
     out, length = [], float(max_input_token_length)
     while round(length) >= shortest:
-        out.append(int(round(length)))
+        out.append(round(length))
         length /= 2
     if not out or out[-1] > shortest:
         out.append(min(shortest, max_input_token_length))
@@ -385,10 +386,10 @@ def _grow(prober: _Prober, mm: MemoryModel, grid: list[int], batch_size: int, me
         if abs(rows - batch_size) > 0.1 * batch_size:
             prober.bar.total += 1
             prober.probe(rows, length, "budget")
-    pending = list(zip(grid[:-1], grid[1:]))
+    pending = list(pairwise(grid))
     while pending and prober.run_ < max_probes:
         low, high = pending.pop(0)
-        middle = int(round(math.sqrt(low * high)))
+        middle = round(math.sqrt(low * high))
         if middle <= low or middle >= high:
             continue
         rows = rows_at(middle)

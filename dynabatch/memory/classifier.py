@@ -249,7 +249,7 @@ def _refit_bundled(pkl: Path, meta: dict, problem: str) -> SpikeClassifier:
     if cached.is_file():
         try:
             return SpikeClassifier(joblib.load(cached), meta)
-        except Exception as exc:  # a damaged cache entry is refitted below
+        except Exception as exc:  # noqa: BLE001 - a damaged cache entry (any unpickling error) is refitted below
             logger.warning("cached classifier %s unusable (%s); refitting", cached, exc)
     estimator = fit_spike_classifier(candidate_rows(pd.read_csv(profiles)), meta["spike_ratio"], shape=shape,
                                      **meta["params"])
@@ -282,7 +282,7 @@ def _bundled(shape: bool = False) -> SpikeClassifier:
 
             try:
                 clf = SpikeClassifier(joblib.load(pkl), meta)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any unpickling error is reported as a problem
                 problem = f"could not be loaded ({type(exc).__name__}: {exc})"
             else:
                 _cache_compiled(clf, pkl, sha)

@@ -55,6 +55,7 @@ import logging
 import math
 import numbers
 from collections.abc import Iterable, Mapping
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -246,7 +247,7 @@ def bucket_memory_kwargs(memory_model: Any, lengths: Any, bucket_boundaries: Any
                      else bucket_boundaries.detach().cpu().numpy().astype(np.float64))
     sizeofs: list[Any] = []
     limits: list[float] = []
-    for lower, upper in zip(bounds[:-1], bounds[1:]):
+    for lower, upper in pairwise(bounds):
         inside = own[(own >= lower) & (own < upper)]
         if not inside.size:  # an empty bucket still gets a sampler: any valid arguments
             sizeofs.append(_constant(0.0))
