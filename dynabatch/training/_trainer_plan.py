@@ -11,6 +11,13 @@ the ranks by accelerate (``shard=False``: every rank's steps, a multiple of
 the world size, rank ``r`` taking the ``r``-th of each group), so every rank
 runs the same number of steps and every sample is trained once per epoch.
 
+Under several processes (DDP) a step's gradient is reduced once, whatever
+number of backward passes each rank ran (an out-of-memory split adds some):
+every backward runs without DDP's synchronisation and
+:func:`average_gradients` averages the accumulated gradients over the ranks
+afterwards (:func:`reduce_step`); :func:`sum_across_ranks` adds up counts
+and losses.
+
 The task loss weights are checked by :func:`check_task_weights`. A
 checkpoint holds :data:`STATE_FILE` (:func:`write_state` / :func:`read_state`):
 the predictor state the plan was made from, the predictor and the task
@@ -53,10 +60,13 @@ from dynabatch.training.sampler import (
 __all__ = [
     "STATE_FILE",
     "IndexedDataset",
+    "average_gradients",
     "check_task_weights",
     "collate_step",
     "read_state",
+    "reduce_step",
     "step_sampler",
+    "sum_across_ranks",
     "write_state",
 ]
 
@@ -209,3 +219,67 @@ def check_task_weights(
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise bad_value(f"task_loss_weights[{task!r}]", "a finite number >= 0", w)
     return {**{t: 1.0 for t in known}, **{t: float(w) for t, w in weights.items()}}
+
+
+def sum_across_ranks(values: Sequence[float], device: torch.device | str) -> list[float]:
+    """Element-wise sum of ``values`` over all processes: one ``all_reduce`` (float64) on ``device``."""
+    total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(total)
+    return total.tolist()
+
+
+def average_gradients(
+    params: Sequence[torch.nn.Parameter], on_some_rank: Sequence[bool], world_size: int,
+    bucket_bytes: int = 25 * 2**20,
+) -> None:
+    """Sets each parameter's gradient to the mean over the ranks of their accumulated gradients (as DDP does).
+
+    ``params`` must be the same list, in the same order, on every rank. A
+    parameter with ``on_some_rank`` false (no rank has a gradient for it)
+    keeps ``grad=None``; one that has a gradient on some ranks only counts
+    zeros for the others. Gradients travel in flat buckets of one dtype and
+    at most ``bucket_bytes`` (one ``all_reduce`` each, the same on every rank).
+    """
+    todo = [p for p, some in zip(params, on_some_rank) if some]
+    buckets: list[list[torch.nn.Parameter]] = []
+    size = 0
+    for p in todo:
+        if not buckets or p.dtype != buckets[-1][0].dtype or size + p.numel() * p.element_size() > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+    for bucket in buckets:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        torch.distributed.all_reduce(flat)
+        flat /= world_size
+        for p, part in zip(bucket, flat.split([p.numel() for p in bucket])):
+            if p.grad is None:
+                p.grad = part.view_as(p).clone()
+            else:
+                p.grad.copy_(part.view_as(p))
+
+
+def reduce_step(
+    step_loss: float, task_sum: dict[Hashable, float], task_items: dict[Hashable, float], tasks: Sequence[Hashable],
+    params: Sequence[torch.nn.Parameter] | None, world_size: int, device: torch.device | str,
+) -> tuple[float, dict[Hashable, float]]:
+    """The end of a step under several processes: its loss and per-task losses over all ranks, its one gradient reduction.
+
+    One ``all_reduce`` of [``step_loss``, each of ``tasks``' loss sum and item
+    count, which of ``params`` have a gradient]; then, when ``params`` are
+    given (DDP, all backward passes run without synchronisation), their
+    gradients are averaged over the ranks (:func:`average_gradients`).
+    ``tasks`` must be the same list on every rank. Returns the mean of the
+    ranks' ``step_loss`` and each task's loss sum over its item count, both
+    summed over the ranks (tasks with no items anywhere left out).
+    """
+    tasks = list(dict.fromkeys(tasks))
+    k = len(tasks)
+    values = [step_loss, *(task_sum.get(t, 0.0) for t in tasks), *(task_items.get(t, 0.0) for t in tasks)]
+    values += [float(p.grad is not None) for p in params or ()]
+    reduced = sum_across_ranks(values, device)
+    if params is not None:
+        average_gradients(params, [n > 0 for n in reduced[1 + 2 * k:]], world_size)
+    sums, counts = reduced[1:1 + k], reduced[1 + k:1 + 2 * k]
+    return reduced[0] / world_size, {t: s / n for t, s, n in zip(tasks, sums, counts) if n > 0}

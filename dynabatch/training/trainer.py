@@ -10,6 +10,18 @@ and normalised by the whole step's token (or sample) count. HF's own loop then
 clips, steps the optimizer, logs, evaluates and checkpoints as usual, with
 ``gradient_accumulation_steps=1`` (the accumulation happens inside the step).
 
+Under several processes, with ``args.average_tokens_across_devices`` (HF's
+default), a micro-batch's loss is ``total * W / N``, ``N`` the step's item
+count summed over the ``W`` ranks, so DDP's mean over the ranks gives the
+mean over ALL the step's target tokens, what one process would compute on
+their union (without it: each rank's own mean, averaged). Under DDP every
+backward runs under ``no_sync`` and the accumulated gradients are averaged
+over the ranks once per step, so an out-of-memory split on one rank (more
+backward passes there) neither hangs nor desynchronises the ranks. (Other
+wrappers, such as FSDP, keep the last micro-batch synchronised: a split in
+it is not covered.) The step loss HF logs and the monitor's losses are those
+over all ranks' tokens, the same on every rank.
+
 Logged per logging step: ``loss``, ``loss_<task>`` (unweighted mean per task)
 and, with GradNorm, ``weight_<task>``. A checkpoint also holds
 ``dynabatch_state.json`` (the predictor the plan was made from, the task
@@ -39,7 +51,9 @@ from dynabatch.training._trainer_plan import (
     check_task_weights,
     collate_step,
     read_state,
+    reduce_step,
     step_sampler,
+    sum_across_ranks,
     write_state,
 )
 from dynabatch.training.collate import METADATA_KEYS, HeterogeneousCollator
@@ -289,6 +303,11 @@ class DynamicBatchingTrainer(Trainer):
             count_items(mb["labels"], shift=self._shift(), normalization=self.normalization) for mb in micro_batches
         )
         total_items = max(total_items, 1)
+        world = self.accelerator.num_processes
+        scale, items = 1, total_items  # loss = total * scale / items: the step's mean over `items`
+        if world > 1 and getattr(self.args, "average_tokens_across_devices", True):
+            scale, items = world, max(sum_across_ranks([total_items], self.args.device)[0], 1.0)
+        ddp = world > 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel)
         params = [p for p in model.parameters() if p.requires_grad]
         step_loss = 0.0
         task_sum: dict[Hashable, float] = {}
@@ -301,7 +320,7 @@ class DynamicBatchingTrainer(Trainer):
                 total, per_task, _ = self._micro_loss(model, batch)
             if self._balancer is not None:
                 self._balancer.accumulate({t: s for t, (s, _) in per_task.items()}, {t: n for t, (_, n) in per_task.items()})
-            loss = total / total_items
+            loss = total / items if scale == 1 else total * scale / items
             if loss.requires_grad:
                 self.accelerator.backward(loss)
             return float(loss.detach()), {t: (float(s.detach()), n) for t, (s, n) in per_task.items()}
@@ -310,7 +329,7 @@ class DynamicBatchingTrainer(Trainer):
         for i, (mb, idx) in enumerate(zip(micro_batches, inputs["sample_indices"])):
             tasks = mb.get("task_type") or []
             last = i == len(micro_batches) - 1
-            ctx = self.accelerator.no_sync(model) if not last else contextlib.nullcontext()
+            ctx = self.accelerator.no_sync(model) if ddp or not last else contextlib.nullcontext()
             with ctx:
                 result = guarded_step(step, mb, params, guardian=self.oom_guardian, task_types=tasks, measure_on=device)
             for loss, per_task in result.outputs:
@@ -330,7 +349,12 @@ class DynamicBatchingTrainer(Trainer):
                 self.memory_predictor.record_actual_memory(tasks[0], result.peaks[0] / MB, int(rows), int(length))
         if self._balancer is not None:
             self.task_weights = self._balancer.step(self.task_weights)
-        per_task_loss = {t: task_sum[t] / max(task_items[t], 1.0) for t in task_sum}
+        if world > 1:
+            every_task = [*(self._train_tasks or []), None]  # the same list on every rank
+            step_loss, per_task_loss = reduce_step(step_loss, task_sum, task_items, every_task, params if ddp else None,
+                                                   world, self.args.device)
+        else:
+            per_task_loss = {t: task_sum[t] / max(task_items[t], 1.0) for t in task_sum}
         for task, loss in per_task_loss.items():
             self._log_task.setdefault(task, []).append(loss)
         flat = [i for group in inputs["sample_indices"] for i in group]

@@ -3,9 +3,11 @@
 import math
 import textwrap
 
+import pytest
+
 _WORKER = textwrap.dedent(
     """
-    import hashlib, json, os, sys
+    import copy, hashlib, json, os, sys
 
     import torch
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, TrainingArguments
@@ -47,14 +49,83 @@ _WORKER = textwrap.dedent(
         "logged": [e["loss"] for e in trainer.state.log_history if "loss" in e],
         "before": before, "after": {"weights": weights(trained), "loss": data_loss(trained)},
     }
+
+    # one SGD step (no momentum: the update is -lr * gradient), then the same step with an out-of-memory error
+    # injected into rank 1's backward of its last micro-batch (the guard splits it: that rank runs more backwards)
+    def sgd_step(inject):
+        torch.manual_seed(0)
+        m = GPT2LMHeadModel(model.config)
+        start = copy.deepcopy(m)
+        a = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], remove_unused_columns=False, max_steps=1,
+                              per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=LR,
+                              max_grad_norm=0.0, lr_scheduler_type="constant", save_strategy="no",
+                              disable_tqdm=True, logging_steps=1, seed=1)
+        t = DynamicBatchingTrainer(model=m, args=a, train_dataset=data, processing_class=tokenizer,
+                                   measure_memory=False, optimizers=(torch.optim.SGD(m.parameters(), lr=LR), None))
+        calls = []
+
+        def fail_in_last_micro_batch(grad):
+            calls.append(1)
+            if len(calls) == 2:
+                raise torch.OutOfMemoryError("injected: out of memory in the backward")
+            return grad
+
+        handle = m.transformer.h[0].mlp.c_fc.weight.register_hook(fail_in_last_micro_batch) if inject and rank == 1 else None
+        t.train()
+        if handle is not None:
+            handle.remove()
+        return start, t.accelerator.unwrap_model(t.model), t, len(calls)
+
+    LR = 0.5
+    start, plain, t, _ = sgd_step(inject=False)
+    _, split, t_split, backwards = sgd_step(inject=True)
+    both = [None, None]
+    torch.distributed.all_gather_object(both, t.trained_indices[0])
+    tokens = [sum(len(data.samples[i]["input_ids"]) - 1 for i in step) for step in both]
+
+    def reference(per_rank):  # one process: the loss over both ranks' samples, then w -= LR * grad
+        ref = copy.deepcopy(start)
+        sums = [sum(ref(input_ids=torch.tensor([data.samples[i]["input_ids"]]),
+                        labels=torch.tensor([data.samples[i]["input_ids"]])).loss * (len(data.samples[i]["input_ids"]) - 1)
+                    for i in step) for step in both]
+        loss = sum(s / n for s, n in zip(sums, tokens)) / 2 if per_rank else sum(sums) / sum(tokens)
+        loss.backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= LR * p.grad
+        return ref
+
+    def gap(m1, m2):
+        return max(float((p - q).abs().max()) for p, q in zip(m1.parameters(), m2.parameters()))
+
+    report["sgd"] = {
+        "tokens": tokens, "weights": weights(plain), "split_weights": weights(split),
+        "split_gap": gap(split, plain), "moved": gap(plain, start),
+        "backwards": backwards,
+        "logged": [e["loss"] for e in t.state.log_history if "loss" in e],
+        "logged_split": [e["loss"] for e in t_split.state.log_history if "loss" in e],
+    }
+    if rank == 0:
+        token_mean, rank_mean = reference(per_rank=False), reference(per_rank=True)
+        report["sgd"].update(gap_token_mean=gap(plain, token_mean), gap_rank_mean=gap(plain, rank_mean))
+        with torch.no_grad():
+            union = [data.samples[i]["input_ids"] for step in both for i in step]
+            report["sgd"]["union_loss"] = sum(float(start(input_ids=torch.tensor([ids]), labels=torch.tensor([ids])).loss)
+                                              * (len(ids) - 1) for ids in union) / sum(tokens)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     """
 )
 
 
-def test_two_gloo_ranks_train_disjoint_full_steps_in_lockstep_with_synced_weights(tmp_path, run_two_ranks):
-    rank0, rank1 = run_two_ranks(_WORKER, tmp_path)
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory, run_two_ranks):
+    """One launch of the two ranks: their reports (both tests below read them)."""
+    return run_two_ranks(_WORKER, tmp_path_factory.mktemp("ddp"))
+
+
+def test_two_gloo_ranks_train_disjoint_full_steps_in_lockstep_with_synced_weights(reports):
+    rank0, rank1 = reports
     assert [rank0["world"], rank1["world"]] == [[0, 2], [1, 2]]
     n, target = rank0["n"], rank0["target"]
     assert (n, target) == (27, 8)
@@ -75,3 +146,21 @@ def test_two_gloo_ranks_train_disjoint_full_steps_in_lockstep_with_synced_weight
     assert rank0["after"]["weights"] == rank1["after"]["weights"] != rank0["before"]["weights"]
     assert rank0["logged"] == rank1["logged"] and all(math.isfinite(v) for v in rank0["logged"])
     assert rank0["after"]["loss"] == rank1["after"]["loss"] < rank0["before"]["loss"] - 0.1
+
+
+def test_ddp_step_is_the_token_mean_over_all_ranks_and_one_reduction_even_after_an_oom_split(reports):
+    # one SGD step where the ranks' token counts differ: the gradient is that of the mean over ALL the step's
+    # target tokens (one process on the union of both ranks' samples), not the mean of each rank's own mean
+    sgd = [report["sgd"] for report in reports]
+    assert sgd[0]["tokens"] == sgd[1]["tokens"] and sgd[0]["tokens"][0] != sgd[0]["tokens"][1]
+    assert sgd[0]["weights"] == sgd[1]["weights"] and sgd[0]["moved"] > 1e-2
+    assert sgd[0]["gap_token_mean"] <= 1e-6
+    assert sgd[0]["gap_rank_mean"] > 1e-4  # the old rule (mean of the ranks' means) is far from it
+    # the logged loss is that token mean over both ranks (the same on both)
+    assert sgd[0]["logged"] == sgd[1]["logged"] == [pytest.approx(sgd[0]["union_loss"], rel=1e-5)]
+    # an out-of-memory split on rank 1 only (more backward passes there): both finish with identical
+    # weights, those of the run without the error
+    assert sgd[1]["backwards"] == 4 and sgd[0]["backwards"] == 0
+    assert sgd[0]["split_weights"] == sgd[1]["split_weights"]
+    assert sgd[0]["split_gap"] <= 1e-6 and sgd[1]["split_gap"] <= 1e-6
+    assert sgd[0]["logged_split"] == [pytest.approx(sgd[0]["logged"][0], rel=1e-6)]
