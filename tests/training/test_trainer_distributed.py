@@ -47,6 +47,8 @@ _WORKER = textwrap.dedent(
         "world": [args.process_index, args.world_size], "n": len(data), "target": trainer.target_batch_size,
         "global_step": trainer.state.global_step, "steps": trainer.trained_indices,
         "logged": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+        "task_logged": [{k: v for k, v in e.items() if k.startswith("loss_")} for e in trainer.state.log_history
+                        if "loss" in e],
         "before": before, "after": {"weights": weights(trained), "loss": data_loss(trained)},
     }
 
@@ -145,6 +147,9 @@ def test_two_gloo_ranks_train_disjoint_full_steps_in_lockstep_with_synced_weight
     assert rank0["before"]["weights"] == rank1["before"]["weights"]
     assert rank0["after"]["weights"] == rank1["after"]["weights"] != rank0["before"]["weights"]
     assert rank0["logged"] == rank1["logged"] and all(math.isfinite(v) for v in rank0["logged"])
+    # per-task losses are over both ranks' tokens too: the same on both ranks
+    assert rank0["task_logged"] == rank1["task_logged"]
+    assert all(set(e) <= {"loss_verse", "loss_passage"} and e for e in rank0["task_logged"])
     assert rank0["after"]["loss"] == rank1["after"]["loss"] < rank0["before"]["loss"] - 0.1
 
 
