@@ -112,7 +112,14 @@ class GradNormBalancer:
             self._count[task] = self._count.get(task, 0.0) + float(task_counts[task])
 
     def step(self, weights: dict[Hashable, float]) -> dict[Hashable, float]:
-        """Updates ``weights`` from the step's accumulated gradients, and starts a new step."""
+        """Updates ``weights`` from the step's accumulated gradients, and starts a new step.
+
+        Under ``torch.distributed`` (more than one process) every task's
+        gradient, loss sum and item count are first summed over the ranks, so
+        every rank computes the same new weights, those of the step's samples
+        on all ranks together. Every rank must call ``step`` once per step.
+        """
+        self._sum_across_ranks()
         losses = {t: self._loss[t] / max(self._count[t], 1.0) for t in self._loss}
         norms = {t: float(self._grads[t].norm()) / max(self._count[t], 1.0) for t in self._grads}
         for task, loss in losses.items():
@@ -122,3 +129,24 @@ class GradNormBalancer:
         self._loss.clear()
         self._count.clear()
         return new
+
+    def _sum_across_ranks(self) -> None:
+        """Sums every task's gradient, loss and count over the ranks (tasks a rank did not see count zero)."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        seen: list[list[Hashable]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(seen, list(self._grads))
+        tasks = list(dict.fromkeys(t for rank_tasks in seen for t in rank_tasks))  # rank order: the same everywhere
+        if not tasks:
+            return
+        zero = torch.zeros_like(self.parameter, dtype=torch.float64)
+        grads = torch.stack([self._grads[t].to(torch.float64) if t in self._grads else zero for t in tasks])
+        stats = torch.tensor([[self._loss.get(t, 0.0), self._count.get(t, 0.0)] for t in tasks],
+                             dtype=torch.float64, device=grads.device)
+        dist.all_reduce(grads)
+        dist.all_reduce(stats)
+        dtype = self.parameter.dtype
+        self._grads = {t: grads[i].to(dtype) for i, t in enumerate(tasks)}
+        self._loss = {t: float(stats[i, 0]) for i, t in enumerate(tasks)}
+        self._count = {t: float(stats[i, 1]) for i, t in enumerate(tasks)}
