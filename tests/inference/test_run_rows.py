@@ -65,10 +65,11 @@ def test_a_plain_iterable_of_batches_and_a_device(tokenizer, texts):
 
 
 def test_progress_bar_shows_rows_and_tokens_per_second(tokenizer, texts, capsys):
-    run(_lengths, _load(texts[:20], tokenizer), progress=True)
+    loader = _load(texts[:20], tokenizer, progress=False)
+    run(_lengths, loader, progress=True)
     err = capsys.readouterr().err
     assert "row/s" in err and "tokens/s" in err and f"{20}/{20}" in err
-    run(_lengths, _load(texts[:20], tokenizer), progress=False)
+    run(_lengths, loader, progress=False)
     assert capsys.readouterr().err == ""
 
 
