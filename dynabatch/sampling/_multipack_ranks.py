@@ -1,4 +1,4 @@
-"""How the multipack sampler shares an epoch's bins among ranks, and its reductions across them.
+"""How the multipack sampler shares an epoch's bins among ranks.
 
 Private to :mod:`dynabatch.sampling.multipack`. An epoch's bins are the
 dataset indices ``items`` and each bin's ``starts`` / ``ends`` into them.
@@ -6,8 +6,6 @@ dataset indices ``items`` and each bin's ``starts`` / ``ends`` into them.
 (:func:`split_largest`) until every rank gets the same number of batches;
 rank ``r`` gets bins ``r::num_replicas``, dealt into batches by :func:`deal`
 (full batches first, none empty) and listed by :func:`rank_batches`.
-:func:`reduce_over_ranks` is the min / max over the process group that
-``gather_efficiency`` and ``gather_len_batches`` use.
 
 This splitting is not :func:`dynabatch.sampling.base.split_for_replicas`: that
 one cuts a batch into ``k`` equal parts at once (6 rows in three: 2, 2, 2),
@@ -32,21 +30,6 @@ import gc
 from itertools import pairwise
 
 import numpy as np
-
-from dynabatch.sampling.passes import process_group
-
-
-def reduce_over_ranks(value: float, op: str) -> float:
-    """``value`` reduced (min / max) over the ranks of the process group; itself without one."""
-    group = process_group()
-    if group is None or group[0] == 1:
-        return value
-    import torch
-    import torch.distributed as dist
-
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
-    return float(tensor.item())
 
 
 def split_largest(starts: np.ndarray, ends: np.ndarray, needed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -71,11 +71,7 @@ from dynabatch._validation import (
 )
 from dynabatch.sampling._ffd_kernels import pack as _pack  # noqa: F401  (benchmarks/packing.py times it alone)
 from dynabatch.sampling._ffd_kernels import sequential_offsets
-from dynabatch.sampling._multipack_ranks import (
-    rank_batches,
-    reduce_over_ranks,
-    share_bins,
-)
+from dynabatch.sampling._multipack_ranks import rank_batches, share_bins
 from dynabatch.sampling.ffd import (
     allocate_sequentially,
     as_lengths,
@@ -85,7 +81,7 @@ from dynabatch.sampling.ffd import (
     pack_group,
     pack_parallel,
 )
-from dynabatch.sampling.passes import EpochPasses, fingerprint, resolve_world
+from dynabatch.sampling.passes import EpochPasses, fingerprint, reduce_across_ranks, resolve_world
 
 __all__ = ["MultipackBatchSampler", "allocate_sequentially", "ffd_check", "pack_group", "pack_parallel"]
 
@@ -334,7 +330,7 @@ class MultipackBatchSampler(EpochPasses, BatchSampler):
             99.7% of the best rank's efficiency, rounded down to 0.5% (the
             reference floored to a whole number first, which gave 0.0).
         """
-        best = reduce_over_ranks(self.efficiency(), "max")
+        (best,) = reduce_across_ranks([self.efficiency()], "max")
         LOG.debug("sample packing efficiency across ranks: max %.4f", best)
         return math.floor(0.997 * best * 200.0) / 200.0
 
@@ -347,7 +343,7 @@ class MultipackBatchSampler(EpochPasses, BatchSampler):
         """
         if isinstance(num, bool) or not isinstance(num, numbers.Real):
             raise bad_type("num", "a number of batches", num)
-        least = math.floor(reduce_over_ranks(num, "min"))
+        least = math.floor(reduce_across_ranks([num], "min")[0])
         LOG.info("gather_len_batches: %d (this rank: %s)", least, num)
         self.len_across_ranks = least
         return least

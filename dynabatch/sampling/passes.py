@@ -8,7 +8,7 @@ counts the batches handed out), ``set_min_batches`` / ``max_len``,
 ``state_dict`` / ``load_state_dict`` (resume mid-epoch; refuse a state of other
 data, settings or world size) and the :attr:`~EpochPasses.fingerprint`.
 :func:`resolve_world` gives ``(num_replicas, rank)`` defaulting to the process
-group's.
+group's; :func:`reduce_across_ranks` reduces a few numbers over its ranks.
 
 Example:
     >>> class Three(EpochPasses):
@@ -29,7 +29,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -41,7 +41,7 @@ from dynabatch._validation import (
     check_positive_int,
 )
 
-__all__ = ["EpochPasses", "fingerprint", "process_group", "resolve_world"]
+__all__ = ["EpochPasses", "fingerprint", "process_group", "reduce_across_ranks", "resolve_world"]
 
 
 def fingerprint(parts: Iterable[Any]) -> str:
@@ -73,6 +73,35 @@ def process_group() -> tuple[int, int] | None:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return None
+
+
+def reduce_across_ranks(values: Sequence[float], op: str = "sum") -> list[float]:
+    """``values`` reduced element-wise (``"sum"``, ``"min"`` or ``"max"``) over the process group's ranks.
+
+    One float64 ``all_reduce``, on the device the group's backend takes (the
+    current CUDA device under NCCL, else the CPU); without a process group
+    (or with one rank) the values themselves. Every rank must call it with as
+    many values.
+
+    Example:
+        >>> reduce_across_ranks([2, 3.5], "max")  # no process group here
+        [2.0, 3.5]
+    """
+    if op not in ("sum", "min", "max"):
+        raise bad_value("op", "one of 'sum', 'min', 'max'", op)
+    values = [float(v) for v in values]
+    group = process_group()
+    if group is None or group[0] == 1:
+        return values
+    import torch
+    import torch.distributed as dist
+
+    ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=ops[op])
+    return tensor.tolist()
 
 
 def resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -190,7 +219,12 @@ class EpochPasses:
         self._cache = None
 
     def max_len(self, epochs: int) -> int:
-        """The most batches per rank any of epochs ``0 .. epochs - 1`` has (planning each)."""
+        """The most batches per rank any of epochs ``0 .. epochs - 1`` has (planning each): what :meth:`set_min_batches` takes.
+
+        With ``shard=False`` the sampler yields every rank's batches (a
+        multiple of ``num_replicas``) for a wrapper to deal, and ``len`` counts
+        them all; a rank gets ``1 / num_replicas`` of them.
+        """
         epochs = check_positive_int("epochs", epochs)
         current, most = self.epoch, 0
         try:
@@ -201,7 +235,7 @@ class EpochPasses:
             self.epoch = current
         if current != epochs - 1:
             len(self)  # the current epoch's plan (and what planning records) again
-        return most
+        return most if self.shard else most // self.num_replicas
 
     def state_dict(self) -> dict[str, Any]:
         """The position in the current epoch, plus what identifies the data, the settings and the world size."""

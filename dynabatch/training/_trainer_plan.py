@@ -15,8 +15,8 @@ Under several processes (DDP) a step's gradient is reduced once, whatever
 number of backward passes each rank ran (an out-of-memory split adds some):
 every backward runs without DDP's synchronisation and
 :func:`average_gradients` averages the accumulated gradients over the ranks
-afterwards (:func:`reduce_step`); :func:`sum_across_ranks` adds up counts
-and losses.
+afterwards (:func:`reduce_step`); counts and losses are summed with
+:func:`dynabatch.sampling.passes.reduce_across_ranks`.
 
 The task loss weights are checked by :func:`check_task_weights`. A
 checkpoint holds :data:`STATE_FILE` (:func:`write_state` / :func:`read_state`):
@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from dynabatch._validation import bad_type, bad_value
+from dynabatch.sampling.passes import reduce_across_ranks
 from dynabatch.training.predictor import MemoryPredictor
 from dynabatch.training.sampler import (
     CountBatchSampler,
@@ -66,7 +67,6 @@ __all__ = [
     "read_state",
     "reduce_step",
     "step_sampler",
-    "sum_across_ranks",
     "write_state",
 ]
 
@@ -134,10 +134,10 @@ def step_sampler(
         ids = np.array([names.index(t) for t in tasks], dtype=np.int64)
         micro = CountBatchSampler(ids, lengths, rows, task_diversity_weight, **shard)
     steps = StepBatchSampler(micro, target_batch_size)
-    # Without sharding len() and max_len() count every rank's steps; set_min_batches is per rank.
+    # Without sharding len() counts every rank's steps (max_len and set_min_batches are per rank).
     ranks = 1 if steps.shard else steps.num_replicas
     epochs = epochs_to_plan(max_steps, num_train_epochs, len(steps) // ranks)
-    steps.set_min_batches(steps.max_len(epochs) // ranks)
+    steps.set_min_batches(steps.max_len(epochs))
     return steps, micro if isinstance(micro, MemoryAwareBatchSampler) else None
 
 
@@ -221,13 +221,6 @@ def check_task_weights(
     return {**{t: 1.0 for t in known}, **{t: float(w) for t, w in weights.items()}}
 
 
-def sum_across_ranks(values: Sequence[float], device: torch.device | str) -> list[float]:
-    """Element-wise sum of ``values`` over all processes: one ``all_reduce`` (float64) on ``device``."""
-    total = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(total)
-    return total.tolist()
-
-
 def average_gradients(
     params: Sequence[torch.nn.Parameter], on_some_rank: Sequence[bool], world_size: int,
     bucket_bytes: int = 25 * 2**20,
@@ -262,7 +255,7 @@ def average_gradients(
 
 def reduce_step(
     step_loss: float, task_sum: dict[Hashable, float], task_items: dict[Hashable, float], tasks: Sequence[Hashable],
-    params: Sequence[torch.nn.Parameter] | None, world_size: int, device: torch.device | str,
+    params: Sequence[torch.nn.Parameter] | None, world_size: int,
 ) -> tuple[float, dict[Hashable, float]]:
     """The end of a step under several processes: its loss and per-task losses over all ranks, its one gradient reduction.
 
@@ -278,7 +271,7 @@ def reduce_step(
     k = len(tasks)
     values = [step_loss, *(task_sum.get(t, 0.0) for t in tasks), *(task_items.get(t, 0.0) for t in tasks)]
     values += [float(p.grad is not None) for p in params or ()]
-    reduced = sum_across_ranks(values, device)
+    reduced = reduce_across_ranks(values)
     if params is not None:
         average_gradients(params, [n > 0 for n in reduced[1 + 2 * k:]], world_size)
     sums, counts = reduced[1:1 + k], reduced[1 + k:1 + 2 * k]

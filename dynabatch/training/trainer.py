@@ -45,6 +45,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from dynabatch._validation import bad_type, check_positive_int
+from dynabatch.sampling.passes import reduce_across_ranks
 from dynabatch.training._trainer_plan import (
     STATE_FILE,  # noqa: F401 (re-exported: the checkpoint file's name, importable from here as before)
     IndexedDataset,
@@ -53,7 +54,6 @@ from dynabatch.training._trainer_plan import (
     read_state,
     reduce_step,
     step_sampler,
-    sum_across_ranks,
     write_state,
 )
 from dynabatch.training.collate import METADATA_KEYS, HeterogeneousCollator
@@ -306,7 +306,7 @@ class DynamicBatchingTrainer(Trainer):
         world = self.accelerator.num_processes
         scale, items = 1, total_items  # loss = total * scale / items: the step's mean over `items`
         if world > 1 and getattr(self.args, "average_tokens_across_devices", True):
-            scale, items = world, max(sum_across_ranks([total_items], self.args.device)[0], 1.0)
+            scale, items = world, max(reduce_across_ranks([total_items])[0], 1.0)
         ddp = world > 1 and isinstance(model, torch.nn.parallel.DistributedDataParallel)
         params = [p for p in model.parameters() if p.requires_grad]
         step_loss = 0.0
@@ -352,7 +352,7 @@ class DynamicBatchingTrainer(Trainer):
         if world > 1:
             every_task = [*(self._train_tasks or []), None]  # the same list on every rank
             step_loss, per_task_loss = reduce_step(step_loss, task_sum, task_items, every_task, params if ddp else None,
-                                                   world, self.args.device)
+                                                   world)
         else:
             per_task_loss = {t: task_sum[t] / max(task_items[t], 1.0) for t in task_sum}
         for task, loss in per_task_loss.items():

@@ -1,6 +1,6 @@
 import pytest
 
-from dynabatch.sampling.passes import EpochPasses, resolve_world
+from dynabatch.sampling.passes import EpochPasses, reduce_across_ranks, resolve_world
 
 
 class _Epochs(EpochPasses):
@@ -46,3 +46,10 @@ def test_a_state_loads_only_into_the_same_class_and_keys():
         _Other().load_state_dict(state)
     with pytest.raises(ValueError, match=r"missing \['epoch'\]"):
         _Epochs().load_state_dict({k: v for k, v in state.items() if k != "epoch"})
+
+
+def test_reduce_across_ranks_without_a_process_group_is_the_values_and_refuses_other_ops():
+    # over two gloo ranks it is exercised by the multipack (min/max) and trainer (sum) two-process tests
+    assert reduce_across_ranks([2, 3.5], "min") == [2.0, 3.5]
+    with pytest.raises(ValueError, match=r"op should be one of 'sum', 'min', 'max', but got op='mean'"):
+        reduce_across_ranks([1.0], "mean")
