@@ -81,18 +81,8 @@ class _FollowEpochs(TrainerCallback):
 
 
 def _dealt_to(sampler: Any) -> int:
-    """How many ranks share what the sampler yields: ``num_replicas`` when accelerate deals it (``shard=False``)."""
+    """How many ranks share what the sampler yields (its ``len``): ``num_replicas`` when accelerate deals it (``shard=False``)."""
     return 1 if sampler.shard else sampler.num_replicas
-
-
-def _batches_per_rank(sampler: Any, epochs: int) -> int:
-    """The most batches one rank gets in any of epochs ``0 .. epochs - 1``: what ``set_min_batches`` takes.
-
-    With ``shard=False`` the sampler yields every rank's batches (a multiple
-    of ``num_replicas``) for accelerate to deal, so its ``max_len`` counts all
-    ranks' batches; a rank gets ``1 / num_replicas`` of them.
-    """
-    return sampler.max_len(epochs) // _dealt_to(sampler)
 
 
 class BatchSamplerTrainerMixin:
@@ -141,7 +131,7 @@ class BatchSamplerTrainerMixin:
         self._check_sampler_world()
         sampler = self.train_batch_sampler
         sampler.set_min_batches(0)
-        sampler.set_min_batches(_batches_per_rank(sampler, self._epochs_to_plan()))
+        sampler.set_min_batches(sampler.max_len(self._epochs_to_plan()))
         dataset, collator = self.train_dataset, self.data_collator
         try:
             import datasets

@@ -164,3 +164,24 @@ def test_two_ranks_see_every_sample_once_per_epoch_in_equal_counts(two_ranks, na
     assert ranks[0]["epochs"][0] != ranks[0]["epochs"][1]
     for r in ranks:  # resumed mid-epoch: the same batches, nothing lost or repeated
         assert r["resumed"] == r["epochs"][1]
+
+
+def test_max_len_is_per_rank_when_a_wrapper_deals_the_batches():
+    # shard=False under 2 processes: the sampler yields both ranks' batches, a rank gets half of them;
+    # asking for all of them per rank would halve every batch (twice the steps, half the rows each).
+    lengths = np.random.default_rng(0).integers(8, 300, 203)
+    dealt = SmartBatchSampler(lengths, TokenBudget(300, 16), seed=2, num_replicas=2, rank=0, shard=False)
+    own = SmartBatchSampler(lengths, TokenBudget(300, 16), seed=2, num_replicas=2, rank=0)
+
+    def lengths_by_epoch(sampler):
+        counts = []
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            counts.append(len(sampler))
+        return counts
+
+    per_rank = dealt.max_len(3)
+    assert per_rank == max(lengths_by_epoch(own))
+    planned = lengths_by_epoch(dealt)
+    dealt.set_min_batches(per_rank)
+    assert lengths_by_epoch(dealt) == planned  # nothing split further

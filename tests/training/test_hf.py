@@ -165,26 +165,3 @@ def test_accelerate_on_two_processes_deals_each_rank_its_shard(tmp_path, run_two
         assert sorted(i for share in shares for b in share for i in b) == list(range(203))
         for r in reports:  # what accelerate deals is exactly the rank's own shard
             assert r["epochs"][epoch] == r["own"][epoch]
-
-
-def test_a_sampler_accelerate_deals_is_not_split_to_reach_every_ranks_batches_per_rank():
-    # shard=False under 2 processes: the sampler yields both ranks' batches, a rank gets half of them;
-    # asking for all of them per rank would halve every batch (twice the steps, half the rows each).
-    from dynabatch.training.hf import _batches_per_rank
-
-    lengths = np.random.default_rng(0).integers(8, 300, 203)
-    dealt = SmartBatchSampler(lengths, TokenBudget(300, 16), seed=2, num_replicas=2, rank=0, shard=False)
-    own = SmartBatchSampler(lengths, TokenBudget(300, 16), seed=2, num_replicas=2, rank=0)
-
-    def lengths_by_epoch(sampler):
-        counts = []
-        for epoch in range(3):
-            sampler.set_epoch(epoch)
-            counts.append(len(sampler))
-        return counts
-
-    per_rank = _batches_per_rank(dealt, 3)
-    assert per_rank == max(lengths_by_epoch(own))
-    planned = lengths_by_epoch(dealt)
-    dealt.set_min_batches(per_rank)
-    assert lengths_by_epoch(dealt) == planned  # nothing split further
