@@ -305,8 +305,7 @@ class MemoryModel:
     def loo_errors_(self) -> np.ndarray:
         if self._loo is None:
             rows, length, peak, bound = self._points()
-            knots = _model_fit.knots_for(length[~bound], self.knots)
-            self._loo = _model_fit.loo_errors(rows, length, peak, bound, knots)
+            self._loo = _model_fit.loo_errors(rows, length, peak, bound, self._knots_used)  # the fit's own knots
         return self._loo
 
     @property
