@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from dynabatch._validation import bad_value
+from dynabatch.sampling.passes import process_group, reduce_across_ranks
 
 __all__ = ["GradNormBalancer", "gradnorm_update", "shared_parameter"]
 
@@ -132,21 +133,20 @@ class GradNormBalancer:
 
     def _sum_across_ranks(self) -> None:
         """Sums every task's gradient, loss and count over the ranks (tasks a rank did not see count zero)."""
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        group = process_group()
+        if group is None or group[0] == 1:
             return
-        seen: list[list[Hashable]] = [[] for _ in range(dist.get_world_size())]
+        dist = torch.distributed
+        seen: list[list[Hashable]] = [[] for _ in range(group[0])]
         dist.all_gather_object(seen, list(self._grads))
         tasks = list(dict.fromkeys(t for rank_tasks in seen for t in rank_tasks))  # rank order: the same everywhere
         if not tasks:
             return
         zero = torch.zeros_like(self.parameter, dtype=torch.float64)
         grads = torch.stack([self._grads[t].to(torch.float64) if t in self._grads else zero for t in tasks])
-        stats = torch.tensor([[self._loss.get(t, 0.0), self._count.get(t, 0.0)] for t in tasks],
-                             dtype=torch.float64, device=grads.device)
         dist.all_reduce(grads)
-        dist.all_reduce(stats)
+        stats = reduce_across_ranks([self._loss.get(t, 0.0) for t in tasks] + [self._count.get(t, 0.0) for t in tasks])
         dtype = self.parameter.dtype
         self._grads = {t: grads[i].to(dtype) for i, t in enumerate(tasks)}
-        self._loss = {t: float(stats[i, 0]) for i, t in enumerate(tasks)}
-        self._count = {t: float(stats[i, 1]) for i, t in enumerate(tasks)}
+        self._loss = dict(zip(tasks, stats[: len(tasks)]))
+        self._count = dict(zip(tasks, stats[len(tasks) :]))
