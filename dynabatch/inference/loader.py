@@ -73,7 +73,7 @@ def _accepted_keywords(tokenizer: Any) -> set[str] | None:
     """
     names: set[str] = set()
     takes_any = False
-    for function in (tokenizer.__call__ if callable(tokenizer) else tokenizer, getattr(tokenizer, "_encode_plus", None)):
+    for function in (tokenizer.__call__, getattr(tokenizer, "_encode_plus", None)):  # callable: _check_tokenizer ran
         if function is None:
             continue
         try:
