@@ -122,13 +122,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from dynabatch import (
-    Batch,
-    ModelShape,
-    build_dynamic_batch_dataloader,
-    load_classifier,
-    run,
-)
+from dynabatch import Batch, ModelShape, build_dynamic_batch_dataloader, run
+from dynabatch.memory.classifier import load_classifier
 from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -50,7 +50,8 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from dynabatch import ModelShape, TokenCollator, calibrate, plan_batches, tokenize_texts  # noqa: E402
+from dynabatch import ModelShape, TokenCollator, calibrate, tokenize_texts  # noqa: E402
+from dynabatch.sampling.planner import plan_batches
 from dynabatch.memory.measure import track_peak_memory  # noqa: E402
 from dynabatch.sampling.budget import plan_batches_to_budget  # noqa: E402
 

@@ -33,11 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dynabatch import (
-    DynamicBatchingTrainingPipeline,
-    HeterogeneousCollator,
-    HeterogeneousTrainingConfig,
-)
+from dynabatch.multitask import DynamicBatchingTrainingPipeline, HeterogeneousCollator, HeterogeneousTrainingConfig
 from dynabatch.memory.measure import track_peak_memory
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -271,7 +271,7 @@ def plan_verdict(seconds: float, n_lengths: int) -> str:
 def time_planner(lengths: np.ndarray, batch_sizes: list[int], max_length: int,
                  repeats: int) -> tuple[list[tuple[str, ...]], list[float]]:
     """Table rows and best seconds of ``plan_batches`` for each batch size (classifier already loaded)."""
-    from dynabatch import plan_batches
+    from dynabatch.sampling.planner import plan_batches
 
     rows, times = [], []
     k = len(lengths)
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from dynabatch import load_classifier
+    from dynabatch.memory.classifier import load_classifier
     from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())

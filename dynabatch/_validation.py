@@ -1,7 +1,8 @@
 """Argument checks shared by every public entry point.
 
 Every message follows one template, ``"{name} should be {rule}, but got
-{name}={value!r}"``, so that a user sees the argument, the rule and the value.
+{name}={value!r}"``, so that a user sees the argument, the rule and the value
+(a value whose repr is long is shown by its type, size and first characters).
 Wrong types raise :class:`TypeError`, wrong values :class:`ValueError`.
 """
 
@@ -16,15 +17,24 @@ __all__ = [
     "bad_type",
     "bad_value",
     "check_fraction",
+    "check_lengths",
     "check_non_negative_int",
     "check_positive_int",
     "check_positive_number",
-    "check_token_lengths",
 ]
 
 
+_LONGEST = 120  # a value whose repr is longer is described by its type and size instead (a str: 500)
+
+
 def _got(name: str, value: Any) -> str:
-    return f"{name}={value!r}"
+    text = repr(value)
+    if len(text) > (500 if isinstance(value, str) else _LONGEST):
+        size = f" of length {len(value)}" if hasattr(value, "__len__") else ""
+        shape = getattr(value, "shape", None)
+        size = f" of shape {tuple(shape)}" if shape is not None else size
+        text = f"<{type(value).__name__}{size}: {text[:60]}...>"
+    return f"{name}={text}"
 
 
 def bad_value(name: str, rule: str, value: Any) -> ValueError:
@@ -77,12 +87,42 @@ def check_fraction(name: str, value: Any) -> float:
     return float(value)
 
 
-def check_token_lengths(name: str, value: Any) -> np.ndarray:
-    """Returns ``value`` as a 1-D int64 array of non-negative token counts."""
+def check_lengths(name: str, value: Any, *, fields: bool = False, positive: bool = False,
+                  what: str = "token lengths") -> np.ndarray:
+    """The one check of token lengths: ``value`` as an int64 array, 1-D (or ``(n, k)`` key fields with ``fields``).
+
+    Lists, tuples, numpy arrays and tensors are taken (``what`` names the
+    values in the message, for integer ids checked the same way). A value that is not a
+    sequence of integers raises ``TypeError``; a wrong shape or a negative
+    (with ``positive``, a non-positive) length raises ``ValueError`` naming the
+    first bad element.
+
+    Example:
+        >>> check_lengths("lengths", [3, 0, 5]).tolist()
+        [3, 0, 5]
+        >>> check_lengths("lengths", [3, -1])
+        Traceback (most recent call last):
+        ...
+        ValueError: lengths[1] should be a non-negative length, but got lengths[1]=-1
+    """
+    shape_rule = "1-D or 2-D (one column per key field)" if fields else "1-D"
+    rule = f"a {shape_rule} sequence of integer {what}"
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise bad_type(name, rule, value)
+    if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor
+        value = value.detach().cpu().numpy()
     arr = np.asarray(value)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise bad_value(name, "a 1-D array of integer token counts", f"array of dtype {arr.dtype} and shape {arr.shape}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.size and arr.min() < 0:
-        raise bad_value(name, "non-negative token counts", int(arr.min()))
-    return arr
+    if arr.size == 0:
+        width = arr.shape[1] if fields and arr.ndim == 2 else None
+        return np.zeros((0, width) if width else 0, dtype=np.int64)
+    if arr.dtype == bool or not np.issubdtype(arr.dtype, np.integer):
+        raise bad_type(name, rule, value if arr.size <= 8 else f"<array of dtype {arr.dtype}>")
+    if arr.ndim not in ((1, 2) if fields else (1,)) or (arr.ndim == 2 and arr.shape[1] == 0):
+        raise bad_value(name, rule, f"<array of shape {arr.shape}>")
+    low = 1 if positive else 0
+    if arr.min() < low:
+        at = np.unravel_index(int(np.argmin(arr)), arr.shape)
+        where = f"{name}[{', '.join(str(int(i)) for i in at)}]"
+        noun = "length" if what == "token lengths" else what.rstrip("s")
+        raise bad_value(where, f"a positive {noun}" if positive else f"a non-negative {noun}", int(arr[at]))
+    return arr.astype(np.int64, copy=False)

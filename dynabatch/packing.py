@@ -20,9 +20,9 @@ Example:
     ...                                 lengths=np.array([5, 3, 2, 6]))
     >>> batch = next(iter(packed_dataloader(data, sampler, PackedCollator())))
     >>> batch["input_ids"].tolist()
-    [[1, 2, 3, 4, 5, 6, 1, 2], [1, 2, 3, 4, 5, 1, 2, 3]]
+    [[1, 2, 3, 4, 5, 1, 2, 3], [1, 2, 3, 4, 5, 6, 1, 2]]
     >>> batch["position_ids"].tolist()
-    [[0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 2, 3, 4, 0, 1, 2]]
+    [[0, 1, 2, 3, 4, 0, 1, 2], [0, 1, 2, 3, 4, 5, 0, 1]]
 """
 
 from __future__ import annotations

@@ -28,13 +28,8 @@ import time
 import numpy as np
 import torch
 
-from dynabatch import (
-    DynamicBatchingTrainingPipeline,
-    HeterogeneousCollator,
-    HeterogeneousTrainingConfig,
-    MultiTaskDataset,
-    track_peak_memory,
-)
+from dynabatch import track_peak_memory
+from dynabatch.multitask import DynamicBatchingTrainingPipeline, HeterogeneousCollator, HeterogeneousTrainingConfig, MultiTaskDataset
 from dynabatch.demo import joke_texts, kjv_passages, minilm_path
 
 

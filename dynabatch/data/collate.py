@@ -25,10 +25,10 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import numbers
 from collections.abc import Mapping, Sequence
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -41,11 +41,11 @@ __all__ = [
     "Batch",
     "TokenCollator",
     "batch_shape",
-    "fingerprint_batches",
     "halves",
     "pad_token_id_of",
     "padded_width",
     "real_tokens",
+    "split_rows",
     "take_rows",
 ]
 
@@ -248,41 +248,54 @@ class TokenCollator:
         return Batch(data, indices=torch.from_numpy(pos.copy()), texts=texts)
 
 
-def padded_width(longest: int, pad_to_multiple_of: int | None = None) -> int:
+def padded_width(longest: Any, pad_to_multiple_of: int | None = None) -> Any:
     """The width a batch is padded to: its longest row, rounded up to ``pad_to_multiple_of`` when given.
+
+    ``longest`` may be an int or a numpy array of them (one per batch).
 
     Example:
         >>> padded_width(13), padded_width(13, 8), padded_width(0, 8)
         (13, 16, 0)
     """
+    if isinstance(longest, np.ndarray):
+        return longest if not pad_to_multiple_of else -(-longest // pad_to_multiple_of) * pad_to_multiple_of
     if not pad_to_multiple_of:
         return int(longest)
     return -(-int(longest) // pad_to_multiple_of) * pad_to_multiple_of
 
 
-def fingerprint_batches(batches: Sequence[Any]) -> str:
-    """A sha256 (hex) of batches of input positions: every batch's size, then every position in order.
+def batch_shape(batch: Any) -> tuple[int, int]:
+    """``(rows, width)`` of a collated batch: its rows and its padded length.
+
+    A :class:`Batch` counts its ``indices``; any other mapping of tensors the
+    first dimension of its ``input_ids`` (else ``attention_mask``, else its
+    first tensor). The width is the second dimension of ``attention_mask`` or
+    ``input_ids`` (else the widest 2-D tensor; 1 for a batch without one).
 
     Example:
-        >>> fingerprint_batches([[2, 0], [1]]) == fingerprint_batches([[2, 0], [1]]) != fingerprint_batches([[2], [0, 1]])
-        True
+        >>> import torch
+        >>> batch_shape({"input_ids": torch.zeros(4, 16, dtype=torch.long)})
+        (4, 16)
     """
-    arrays = [np.asarray(b, dtype=np.int64).reshape(-1) for b in batches]
-    digest = hashlib.sha256(np.asarray([len(a) for a in arrays], dtype=np.int64).tobytes())
-    if arrays:
-        digest.update(np.concatenate(arrays).tobytes())
-    return digest.hexdigest()
-
-
-def batch_shape(batch: Batch) -> tuple[int, int]:
-    """``(rows, width)`` of a batch: its number of positions and its padded length."""
-    rows = len(batch.indices)
+    if not isinstance(batch, Mapping):
+        raise bad_type("batch", "a dict holding an input_ids tensor (rows x padded length)", batch)
+    tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.ndim >= 1}
+    indices = getattr(batch, "indices", None)
+    if indices is not None:
+        rows = len(indices)
+    else:
+        first = next((tensors[k] for k in ("input_ids", "attention_mask") if k in tensors), None)
+        if first is None and tensors:
+            first = next(iter(tensors.values()))
+        if first is None:
+            raise bad_type("batch", "a dict holding an input_ids tensor (rows x padded length)", batch)
+        rows = int(first.shape[0])
     for key in ("attention_mask", "input_ids"):
-        value = batch.get(key)
-        if isinstance(value, torch.Tensor) and value.ndim >= 2:
+        value = tensors.get(key)
+        if value is not None and value.ndim >= 2:
             return rows, int(value.shape[1])
-    widths = [int(v.shape[1]) for v in batch.values() if isinstance(v, torch.Tensor) and v.ndim >= 2]
-    return rows, max(widths, default=0)
+    widths = [int(v.shape[1]) for v in tensors.values() if v.ndim >= 2]
+    return rows, max(widths, default=0 if indices is not None else 1)
 
 
 def real_tokens(batch: Batch) -> int:
@@ -295,55 +308,85 @@ def real_tokens(batch: Batch) -> int:
 
 
 def take_rows(
-    batch: Batch,
+    batch: Mapping[str, Any],
     rows: Sequence[int] | torch.Tensor,
     *,
     padding_side: str | None = None,
     pad_to_multiple_of: int | None = None,
-) -> Batch:
+) -> Any:
     """The batch of the given rows (row numbers within ``batch``), trimmed to its longest row.
 
-    Every tensor of the mapping whose first dimension is the batch's rows is
-    indexed on it, and so are ``indices`` and ``texts``. The width is then cut
-    to the columns the attention mask uses (the columns of the padding side go),
+    The one way dynabatch cuts a collated batch (an out-of-memory split at
+    inference or in training, a rank's share). Every tensor of the mapping
+    whose first dimension is the batch's rows is indexed on it, and so is every
+    list of one item per row (per-row metadata such as ``task_type``) and a
+    :class:`Batch`'s ``indices`` and ``texts``. The width is then cut to the
+    columns the attention mask uses (the columns of the padding side go),
     rounded up to ``pad_to_multiple_of`` when given: what collating those rows
-    would give.
+    would give, with left or right padding.
 
     Args:
-        batch: the batch to take rows from.
+        batch: a :class:`Batch`, or any mapping of tensors (and per-row lists).
         rows: row numbers within ``batch``, in the order wanted.
         padding_side: ``"left"`` or ``"right"``; ``None`` infers it from the mask.
         pad_to_multiple_of: the collator's rounding of widths, if any.
+
+    Returns:
+        A :class:`Batch` for a :class:`Batch`, else a ``dict``.
     """
     n, width = batch_shape(batch)
     index = torch.as_tensor(rows, dtype=torch.long)
+    picked = index.tolist()
     data: dict[str, Any] = {}
     for key, value in batch.items():
         if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == n:
             value = value[index.to(value.device)]
+        elif isinstance(value, list) and len(value) == n:
+            value = [value[i] for i in picked]
         data[key] = value
     mask = data.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[1] == width and len(index):
         used = torch.nonzero(mask.bool().any(dim=0)).flatten().tolist()
         first, stop = (used[0], used[-1] + 1) if used else (0, 0)
-        keep = min(width, padded_width(stop - first, pad_to_multiple_of))
+        keep = min(width, max(1, padded_width(stop - first, pad_to_multiple_of)))
         left = padding_side == "left" if padding_side is not None else first > 0
         start = max(0, stop - keep) if left else min(first, width - keep)
         if keep < width:
             for key, value in data.items():
                 if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == width:
                     data[key] = value[:, start : start + keep]
-    texts = None if batch.texts is None else [batch.texts[i] for i in index.tolist()]
+    if not isinstance(batch, Batch):
+        return data
+    texts = None if batch.texts is None else [batch.texts[i] for i in picked]
     return Batch(data, indices=torch.as_tensor(batch.indices, dtype=torch.long)[index], texts=texts)
+
+
+def split_rows(batch: Mapping[str, Any], sizes: Sequence[int], *, padding_side: str | None = None,
+               pad_to_multiple_of: int | None = None) -> list[Any]:
+    """``batch`` cut into consecutive row groups of ``sizes`` (each trimmed, see :func:`take_rows`).
+
+    Example:
+        >>> import torch
+        >>> batch = {"input_ids": torch.tensor([[5, 6, 7], [8, 0, 0], [9, 9, 0]]),
+        ...          "attention_mask": torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]]), "task": ["a", "b", "c"]}
+        >>> [(p["input_ids"].tolist(), p["task"]) for p in split_rows(batch, [1, 2])]
+        [([[5, 6, 7]], ['a']), ([[8, 0], [9, 9]], ['b', 'c'])]
+    """
+    rows, _ = batch_shape(batch)
+    if sum(sizes) != rows or any(size < 1 for size in sizes):
+        raise bad_value("sizes", f"positive row counts summing to the batch's {rows} rows", list(sizes))
+    bounds = np.cumsum([0, *sizes]).tolist()
+    options = {"padding_side": padding_side, "pad_to_multiple_of": pad_to_multiple_of}
+    return [take_rows(batch, range(a, b), **options) for a, b in pairwise(bounds)]
 
 
 def halves(
     batch: Batch, *, padding_side: str | None = None, pad_to_multiple_of: int | None = None
-) -> tuple[Batch, Batch]:
+) -> tuple[Any, Any]:
     """Rows ``[:h]`` and ``[h:]`` (``h = rows // 2``), each trimmed to its longest row (see :func:`take_rows`)."""
     rows, _ = batch_shape(batch)
     if rows < 2:
-        raise bad_value("len(batch.indices)", "at least 2 to split a batch in halves", rows)
-    h = rows // 2
-    options = {"padding_side": padding_side, "pad_to_multiple_of": pad_to_multiple_of}
-    return take_rows(batch, range(h), **options), take_rows(batch, range(h, rows), **options)
+        raise bad_value("rows of batch", "at least 2 to split a batch in halves", rows)
+    first, second = split_rows(batch, [rows // 2, rows - rows // 2], padding_side=padding_side,
+                               pad_to_multiple_of=pad_to_multiple_of)
+    return first, second

@@ -13,17 +13,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from dynabatch.data.collate import Batch, batch_shape, halves, real_tokens
+from dynabatch.data.collate import Batch, batch_shape, halves, real_tokens, take_rows
 from dynabatch.inference._queue import BatchQueue, Item
 from dynabatch.inference._resume import ResultsFile
 from dynabatch.inference.outputs import split_rows
 from dynabatch.inference.report import BatchRecord, RunReport
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
 from dynabatch.memory.guard import call_guarded
+from dynabatch.sampling.ranks import reduce_across_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +35,25 @@ def _brief(error: BaseException | None) -> str:
     return f"{type(error).__name__}: {text[:200]}"
 
 
+@dataclass
+class _Done:
+    """What an item's finished calls gave: positions, results, and measured ``(rows, width, peak)``."""
+
+    positions: list[int] = field(default_factory=list)
+    results: list[Any] = field(default_factory=list)
+    measured: list[tuple[int, int, int]] = field(default_factory=list)
+
+
 class Executor:
-    """Runs items one at a time: OOM splitting, the learned failed shapes, records and results."""
+    """Runs items one at a time: OOM splitting, the learned failed shapes, records and results.
+
+    ``lockstep`` (several ranks): every rank makes the same number of completed
+    calls per item, so a ``fn`` with collectives never waits for a rank that
+    has left (see :meth:`run_item`).
+    """
 
     def __init__(self, fn: Callable[[Batch], Any], queue: BatchQueue, *, device: Any, on_oom: str,
-                 memory_device: Any, results_file: ResultsFile | None, bar: Any) -> None:
+                 memory_device: Any, results_file: ResultsFile | None, bar: Any, lockstep: bool = False) -> None:
         self.fn = fn
         self.queue = queue
         self.device = device
@@ -52,6 +68,10 @@ class Executor:
         self.report = RunReport()
         self.started = time.perf_counter()
         self.tokens = 0
+        self.lockstep = lockstep
+        self.stand_in_calls = 0
+        self._stand_in: Batch | None = None  # one row: the call a rank without work makes in a round
+        self._stand_in_ran = False  # whether that row ran already (else it is the first row planned)
 
     def skip_done(self, item: Item) -> Item | None:
         """The item without the rows the results file already holds (their results taken); ``None`` if none is left."""
@@ -75,53 +95,103 @@ class Executor:
         return halves(piece, padding_side=self.queue.padding_side, pad_to_multiple_of=self.queue.pad_to_multiple_of)
 
     def run_item(self, item: Item) -> list[tuple[int, int, int]]:
-        """Runs ``item`` (split as needed); returns ``(rows, width, peak bytes)`` of every measured call."""
+        """Runs ``item`` (split as needed); returns ``(rows, width, peak bytes)`` of every measured call.
+
+        In lockstep (several ranks, see :meth:`join_step`), the item runs in
+        rounds: each round every rank makes exactly one call that completes,
+        its next piece or, when it has none left while another rank has, a
+        stand-in call on one row it already ran (its result dropped). A piece
+        that runs out of memory is retried at once, in halves, within the round.
+        """
         start = time.perf_counter()
         batch = self.queue.build(item)
         rows, width = batch_shape(batch)
         record = BatchRecord(batch=item.number, rows=rows, width=width, real_tokens=real_tokens(batch),
                              padded_tokens=0, seconds=0.0)
-        positions: list[int] = []
-        results: list[Any] = []
-        measured: list[tuple[int, int, int]] = []
+        done = _Done()
         self.item_failed_shapes = []
+        if self.lockstep and self._stand_in is None:
+            self._stand_in = take_rows(batch, [0], padding_side=self.queue.padding_side,
+                                       pad_to_multiple_of=self.queue.pad_to_multiple_of)
         stack = [batch]
         del batch
         try:
-            while stack:
-                piece = stack.pop()
-                piece_rows, piece_width = batch_shape(piece)
-                failed_shape = self._dominated(piece_rows, piece_width) if piece_rows > 1 else None
-                if failed_shape is not None:
-                    record.pre_split = True
-                    logger.info("batch %d: splitting %d rows x %d tokens before trying it, as large as %d x %d "
-                                "which ran out of memory", item.number, piece_rows, piece_width, *failed_shape)
-                    stack.extend(reversed(self._halves(piece)))
-                    continue
-                attempt = call_guarded(
-                    self.fn, piece, measure_on=self.memory_device,
-                    prepare=(lambda b: b.to(self.device)) if self.device is not None else None,
-                    finish=lambda out, piece=piece: split_rows(out, piece, pad_token_id=self.queue.pad_token_id),
-                )
-                if attempt.error is not None:
-                    self._out_of_memory(item, record, piece, attempt.error, stack, positions, results, start)
-                    continue
-                if attempt.peak_bytes is not None:
-                    peak = attempt.peak_bytes
-                    record.peak_bytes = peak if record.peak_bytes is None else max(record.peak_bytes, peak)
-                    measured.append((piece_rows, piece_width, peak))
-                record.padded_tokens += piece_rows * piece_width
-                positions.extend(piece.indices.tolist())
-                results.extend(attempt.output)
-                self._progress(piece_rows, real_tokens(piece))
+            while self._round(bool(stack)):
+                if stack:
+                    self._call_one(item, record, stack, done, start)
+                else:
+                    self._call_stand_in()
         finally:
             stack.clear()
-        self._finish(record, positions, results, start)
-        return measured
+        self._finish(record, done.positions, done.results, start)
+        return done.measured
+
+    def join_step(self, item: Item) -> None:
+        """In lockstep: takes part in the rounds of a step whose rows this rank already has (a resumed run)."""
+        if not self.lockstep:
+            return
+        if self._stand_in is None:
+            first = self.queue.restrict(item, np.array([0]))
+            self._stand_in = self.queue.build(first)
+        while self._round(False):
+            self._call_stand_in()
+
+    def _round(self, have_work: bool) -> bool:
+        """Whether a round is to run: this rank has work, or (lockstep) any rank has."""
+        if not self.lockstep:
+            return have_work
+        (anyone,) = reduce_across_ranks([float(have_work)], "max")
+        return anyone > 0
+
+    def _call_stand_in(self) -> None:
+        self.stand_in_calls += 1
+        attempt = call_guarded(self.fn, self._stand_in,
+                               prepare=(lambda b: b.to(self.device)) if self.device is not None else None)
+        if attempt.error is not None:
+            logger.warning("a stand-in call (one row, to keep the ranks in step) ran out of memory: %s",
+                           _brief(attempt.error))
+
+    def _call_one(self, item: Item, record: BatchRecord, stack: list, done: _Done, start: float) -> None:
+        """Runs pieces off ``stack`` until one call completes (lockstep) or the stack is empty."""
+        while stack:
+            piece = stack.pop()
+            piece_rows, piece_width = batch_shape(piece)
+            failed_shape = self._dominated(piece_rows, piece_width) if piece_rows > 1 else None
+            if failed_shape is not None:
+                record.pre_split = True
+                logger.info("batch %d: splitting %d rows x %d tokens before trying it, as large as %d x %d "
+                            "which ran out of memory", item.number, piece_rows, piece_width, *failed_shape)
+                stack.extend(reversed(self._halves(piece)))
+                continue
+            attempt = call_guarded(
+                self.fn, piece, measure_on=self.memory_device,
+                prepare=(lambda b: b.to(self.device)) if self.device is not None else None,
+                finish=lambda out, piece=piece: split_rows(out, piece, pad_token_id=self.queue.pad_token_id),
+            )
+            if attempt.error is not None:
+                skipped = self._out_of_memory(item, record, piece, attempt.error, stack, done, start)
+                if skipped and self.lockstep and not stack:
+                    self._call_stand_in()  # the round still owes the other ranks a call
+                    return
+                continue
+            if attempt.peak_bytes is not None:
+                peak = attempt.peak_bytes
+                record.peak_bytes = peak if record.peak_bytes is None else max(record.peak_bytes, peak)
+                done.measured.append((piece_rows, piece_width, peak))
+            record.padded_tokens += piece_rows * piece_width
+            done.positions.extend(piece.indices.tolist())
+            done.results.extend(attempt.output)
+            self._progress(piece_rows, real_tokens(piece))
+            if self.lockstep:
+                if not self._stand_in_ran:  # a row that ran: what a stand-in call repeats
+                    self._stand_in_ran = True
+                    self._stand_in = take_rows(piece, [0], padding_side=self.queue.padding_side,
+                                               pad_to_multiple_of=self.queue.pad_to_multiple_of)
+                return
 
     def _out_of_memory(self, item: Item, record: BatchRecord, piece: Batch, error: BaseException, stack: list,
-                       positions: list[int], results: list[Any], start: float) -> None:
-        """Splits a piece that ran out of memory onto the stack, or raises / skips a single row."""
+                       done: _Done, start: float) -> bool:
+        """Splits a piece that ran out of memory onto the stack (``False``), or raises / skips a single row (``True``)."""
         piece_rows, piece_width = batch_shape(piece)
         record.oom_events += 1
         self.failed_shapes.append((piece_rows, piece_width))
@@ -133,10 +203,10 @@ class Executor:
                            len(second.indices))
             record.oom_splits += 1
             stack.extend([second, first])
-            return
+            return False
         position = int(piece.indices[0])
         if self.on_oom == "raise":
-            self._finish(record, positions, results, start)
+            self._finish(record, done.positions, done.results, start)
             raise BatchOutOfMemoryError(
                 f"input position {position} ran out of memory on its own (1 row x {piece_width} "
                 f"tokens, batch {item.number}), so it cannot be split further: {_brief(error)}; "
@@ -150,6 +220,7 @@ class Executor:
         self.failed.append(position)
         self.results[position] = None
         self._progress(1, 0)
+        return True
 
     def _finish(self, record: BatchRecord, positions: list[int], results: list[Any], start: float) -> None:
         if self.results_file is not None and positions:

@@ -10,6 +10,7 @@ hands out every next batch, told each measured peak. Any other iterable of
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ import torch
 from dynabatch._validation import bad_type, bad_value
 from dynabatch.data.collate import Batch, batch_shape, padded_width, take_rows
 from dynabatch.inference.loader import plan_of
+from dynabatch.sampling.ranks import deal, order_steps, split_for_replicas
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -120,6 +124,26 @@ class BatchQueue:
         if item.whole:
             self.planner.observe_parts(parts)
 
+    def shard(self, rank: int, world_size: int) -> None:
+        """Keeps only this rank's share of the batches: every rank the same number (the one routine of
+        :mod:`dynabatch.sampling.ranks`: the largest batches split, then dealt in steps of consecutive batches)."""
+        self.materialize()
+        items = list(self.pending)
+        sizes = [len(i.positions) for i in items]
+
+        def split(item: Item, parts: int) -> list[Item]:
+            return [self.restrict(item, keep, whole=True) for keep in np.array_split(np.arange(len(item.positions)),
+                                                                                  parts)]
+
+        items = split_for_replicas(items, world_size, samples=lambda item: len(item.positions), split=split)
+        order = order_steps(len(items), world_size, shuffle=False, seed=0, epoch=0)
+        mine = [items[i] for i in deal(order, world_size, rank).tolist()]
+        for number, item in enumerate(mine):
+            item.number = number
+        self.pending = deque(mine)
+        logger.info("rank %d of %d: %d batches (%d rows) of %d batches (%d rows)", rank, world_size, len(mine),
+                    sum(len(i.positions) for i in mine), len(sizes), sum(sizes))
+
     def materialize(self) -> None:
         """Reads a streamed iterable whole into the queue."""
         if self.stream is not None:
@@ -139,14 +163,14 @@ class BatchQueue:
         lengths = self.collator.tokenized.lengths[item.positions]
         return len(item.positions), padded_width(int(lengths.max()) if lengths.size else 0, self.pad_to_multiple_of)
 
-    def restrict(self, item: Item, keep: np.ndarray) -> Item:
-        """The item with only the rows at ``keep`` (row numbers within it)."""
+    def restrict(self, item: Item, keep: np.ndarray, *, whole: bool = False) -> Item:
+        """The item with only the rows at ``keep`` (row numbers within it); ``whole``: a batch of its own."""
         if item.batch is None:
-            return Item(item.number, item.positions[keep], whole=False)
+            return Item(item.number, item.positions[keep], whole=whole)
         batch = take_rows(
             item.batch,
             torch.from_numpy(keep),
             padding_side=self.padding_side,
             pad_to_multiple_of=self.pad_to_multiple_of,
         )
-        return Item(item.number, item.positions[keep], batch, whole=False)
+        return Item(item.number, item.positions[keep], batch, whole=whole)

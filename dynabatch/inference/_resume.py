@@ -1,17 +1,16 @@
 """The JSONL results file of ``run(..., output_path=...)``, which lets a killed run resume.
 
-:func:`fingerprint` identifies the inputs and plan; :class:`ResultsFile` is the
+:func:`fingerprint` identifies the inputs; :class:`ResultsFile` is the
 file; :func:`to_json_value` and :func:`json_line` are how results are stored.
 
-Line 1 is a header: the format, the number of inputs and a sha256 of the
-inputs and plan. Every later line is one finished batch,
+Line 1 is a header: the format, the number of inputs and a digest of the
+inputs (not of the plan: results are stored per input position). Every later line is one finished batch,
 ``{"positions": [...], "results": [...]}``, appended, flushed and fsynced. A
 file from other inputs is refused; a last line cut off mid-write is dropped.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import numbers
@@ -22,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dynabatch._digest import fingerprint as digest
 from dynabatch._validation import bad_type
-from dynabatch.data.collate import fingerprint_batches
 from dynabatch.inference._queue import positions_of
 
 logger = logging.getLogger(__name__)
@@ -106,8 +105,8 @@ class ResultsFile:
         if not isinstance(found, dict) or any(found.get(k) != header[k] for k in keys):
             what = {k: found.get(k) for k in keys} if isinstance(found, dict) else "no dynabatch header"
             raise ValueError(
-                f"output_path should be a new file or the results file of these same inputs and plan "
-                f"({header['n_inputs']} inputs, fingerprint {header['fingerprint'][:16]}...), but got "
+                f"output_path should be a new file or the results file of these same inputs "
+                f"({header['n_inputs']} inputs, fingerprint {header['fingerprint']}), but got "
                 f"output_path={self.path!r} holding {what}: use another output_path, or delete the file to start over"
             )
 
@@ -149,29 +148,24 @@ def rank_path(path: str, rank: int, world_size: int) -> str:
 
 
 def fingerprint(queue: Any) -> str:
-    """A sha256 identifying a :class:`~dynabatch.inference._queue.BatchQueue`'s inputs and plan.
+    """A digest identifying the inputs of a :class:`~dynabatch.inference._queue.BatchQueue`, not its plan.
 
-    A streamed iterable is read once more, or whole when it is a one-shot iterator.
+    For a dynabatch loader: the token store (every row's tokens and extras),
+    the collator's padding and the pad id token-id results are stripped of;
+    results are stored per input position, so a rerun with another plan (a
+    lower ``batch_size`` after running out of memory, another classifier, a
+    memory model) resumes the same file. Another iterable's batches are read
+    once more (whole when it is a one-shot iterator) and digested with their
+    positions and tensors, in any order.
     """
-    digest = hashlib.sha256(FORMAT.encode())
-    digest.update(json.dumps(queue.pad_token_id).encode())  # it changes what token-id rows keep
     collator = queue.collator
     if collator is not None:
         tokenized = collator.tokenized
-        digest.update(np.ascontiguousarray(tokenized.offsets, dtype=np.int64).tobytes())
-        digest.update(np.ascontiguousarray(tokenized.input_ids).tobytes())
-        for key in sorted(tokenized.extras):
-            digest.update(key.encode())
-            digest.update(np.ascontiguousarray(tokenized.extras[key]).tobytes())
-        settings = [
-            collator.pad_token_id,
-            collator.padding_side,
-            collator.pad_to_multiple_of,
-            dict(sorted(collator.pad_values.items())),
-            queue.plan.sampler.fingerprint,
-        ]
-        digest.update(json.dumps(settings).encode())
-        return digest.hexdigest()
+        extras = {key: np.asarray(tokenized.extras[key]) for key in sorted(tokenized.extras)}
+        settings = [collator.pad_token_id, collator.padding_side, collator.pad_to_multiple_of,
+                    dict(sorted(collator.pad_values.items()))]
+        return digest(FORMAT, queue.pad_token_id, np.asarray(tokenized.offsets, dtype=np.int64),
+                      np.asarray(tokenized.input_ids), extras, settings)
     # Another iterable: the digest of its batches (their positions and tensors), in any order.
     if queue.stream is not None and isinstance(queue.loader, Iterator):
         queue.materialize()  # a one-shot iterator can be read only once
@@ -179,16 +173,9 @@ def fingerprint(queue: Any) -> str:
     parts, n = [], 0
     for batch in batches:
         positions = positions_of(batch, queue.loader)
-        part = hashlib.sha256(fingerprint_batches([positions]).encode())
-        for key in sorted(batch):
-            value = batch[key]
-            if isinstance(value, torch.Tensor):
-                part.update(key.encode())
-                part.update(value.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes())
-        parts.append(part.digest())
+        tensors = {key: value for key, value in batch.items() if isinstance(value, torch.Tensor)}
+        parts.append(digest(positions, tensors))
         n = max(n, int(positions.max()) + 1 if positions.size else 0)
     if queue.n_inputs is None:
         queue.n_inputs = n
-    for part in sorted(parts):
-        digest.update(part)
-    return digest.hexdigest()
+    return digest(FORMAT, queue.pad_token_id, sorted(parts))

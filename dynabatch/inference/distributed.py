@@ -1,31 +1,30 @@
-"""Collectives of a ``torch.distributed`` run: :func:`world`, :func:`gather_results`, and sharding a queue.
+"""Collectives of a ``torch.distributed`` run: :func:`world`, :func:`gather_results`, :func:`check_same_batches`.
 
-Which rank runs which batch is decided without communicating, by
-:func:`~dynabatch.inference.sharding.shard_batches` (re-exported here with
-:func:`~dynabatch.inference.sharding.balance`, :func:`~dynabatch.inference.sharding.batch_costs`
-and :func:`~dynabatch.inference.sharding.imbalance`); this module holds what
-talks between ranks: checking every rank has the same batches, and bringing
-every rank's results to rank 0 in input order.
+Which rank runs which batch is decided without communicating, by the one
+routine every dynabatch sampler uses (:mod:`dynabatch.sampling.ranks`: every
+rank the same number of batches, the largest split, dealt in steps of
+consecutive batches); this module holds what talks between ranks: checking
+every rank has the same batches, and bringing every rank's results to rank 0
+in input order.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from dynabatch._digest import fingerprint
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
-from dynabatch.data.collate import fingerprint_batches
 from dynabatch.data.order import as_positions
 from dynabatch.inference.outputs import to_cpu
-from dynabatch.inference.sharding import balance, batch_costs, imbalance, shard_batches
+from dynabatch.sampling.ranks import resolve_world
 
-__all__ = ["balance", "batch_costs", "gather_results", "imbalance", "shard_batches", "world"]
+__all__ = ["check_same_batches", "gather_results", "world"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +42,8 @@ def world() -> tuple[int, int]:
         >>> world()  # no process group in a plain process
         (0, 1)
     """
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(), dist.get_world_size()
+    world_size, rank = resolve_world(None, None)
+    return rank, world_size
 
 
 def _few(values: Sequence[Any]) -> str:
@@ -190,33 +187,23 @@ def gather_results(positions: list[int], results: list, n_inputs: int) -> list |
     return out
 
 
-def _check_same_batches(batches: Sequence[np.ndarray]) -> None:
+def check_same_batches(batches: Sequence[np.ndarray]) -> None:
     """Collective: raises the same ``ValueError`` on every rank unless all ranks hold the same batches.
 
-    :func:`dynabatch.run` shards the batches across ranks itself, so each rank
-    must be given all of them (the same loader); a per-rank share would be
-    sharded twice. Compares a sha256 of the batches' input positions.
+    :func:`dynabatch.run` shares the batches among the ranks itself, so each
+    rank must be given all of them (the same loader); a per-rank share would be
+    shared out twice. Compares a digest of the batches' input positions.
     """
     _, size = world()
     if size == 1:
         return
     everyone: list = [None] * size
-    torch.distributed.all_gather_object(everyone, (len(batches), fingerprint_batches(batches)))
+    digest = fingerprint([np.asarray(b, dtype=np.int64) for b in batches])
+    torch.distributed.all_gather_object(everyone, (len(batches), digest))
     other = next((r for r, mine in enumerate(everyone) if mine != everyone[0]), None)
     if other is not None:
         raise ValueError(
-            "loader should yield the same batches on every rank (run shards them across the ranks itself), but "
+            "loader should yield the same batches on every rank (run shares them among the ranks itself), but "
             f"got {everyone[other][0]} batches on rank {other} and {everyone[0][0]} on rank 0 that differ; pass "
             "every rank the whole loader, not its own share"
         )
-
-
-def shard_queue(queue: Any, rank: int, world_size: int) -> None:
-    """Collective: keeps in ``queue`` only this rank's share of its batches, balanced by cost (rows x width)."""
-    queue.materialize()
-    items = list(queue.pending)
-    _check_same_batches([i.positions for i in items])
-    costs = [float(rows * width) for rows, width in map(queue.shape, items)]
-    share = shard_batches(costs, world_size, rank)
-    queue.pending = deque(items[b] for b in share if b >= 0)
-    logger.info("rank %d of %d: %d of %d batches", rank, world_size, len(queue.pending), len(items))

@@ -43,7 +43,7 @@ from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.data.collate import TokenCollator, pad_token_id_of
 from dynabatch.data.tokenization import tokenize_texts, validate_texts
 from dynabatch.memory.shape import resolve_model_shape
-from dynabatch.sampling.estimators import make_estimator
+from dynabatch.sampling.estimators import choose_estimator
 from dynabatch.sampling.planner import BatchPlanner, PlanSettings
 from dynabatch.sampling.sampler import DynamicBatchSampler
 
@@ -187,7 +187,7 @@ def plan_of(loader: Any) -> LoaderPlan | None:
     for holder in (loader, getattr(loader, "base_dataloader", None)):
         sampler = getattr(holder, "batch_sampler", None)
         for candidate in (sampler, getattr(sampler, "batch_sampler", None)):  # BatchSamplerShard keeps it here
-            plan = getattr(candidate, "plan", None) if isinstance(candidate, DynamicBatchSampler) else None
+            plan = getattr(candidate, "loader_plan", None) if isinstance(candidate, DynamicBatchSampler) else None
             if isinstance(plan, LoaderPlan):
                 logger.info("loader was prepared by accelerate: running the whole dynabatch plan under it")
                 return plan
@@ -278,25 +278,26 @@ def build_dynamic_batch_dataloader(
     items = validate_texts(texts)
     _check_tokenizer(tokenizer)
     _check_tokenizer_kwargs(tokenizer, tokenizer_kwargs)
+    pad_to_multiple_of = tokenizer_kwargs.pop("pad_to_multiple_of", None)
     settings = PlanSettings(batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps,
-                            resolve_model_shape(model_shape, model))
+                            resolve_model_shape(model_shape, model), pad_to_multiple_of)
     check_non_negative_int("num_workers", num_workers)
     if not isinstance(shuffle, bool):
         raise bad_type("shuffle", "a bool", shuffle)
-    estimator = make_estimator(classifier, memory_model, max_memory=max_memory, memory_margin=memory_margin,
-                               granularity=granularity)
-    pad_to_multiple_of = tokenizer_kwargs.pop("pad_to_multiple_of", None)
+    estimator = choose_estimator(classifier, memory_model, max_memory=max_memory, memory_margin=memory_margin,
+                                 granularity=granularity)
     pad_token_id_of(tokenizer)  # refuse a tokenizer without pad token before tokenizing
     _check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
     tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress, **tokenizer_kwargs)
     planner = BatchPlanner(tokenized.lengths, settings, estimator)
     batches = planner.batches()
     sampler = DynamicBatchSampler(batches, shuffle=shuffle, seed=seed)
-    collator = TokenCollator.from_tokenizer(tokenized, tokenizer, texts=items, pad_to_multiple_of=pad_to_multiple_of)
+    collator = TokenCollator.from_tokenizer(tokenized, tokenizer, texts=items,
+                                            pad_to_multiple_of=settings.pad_to_multiple_of)
     sizes = [len(b) for b in batches]
     logger.info("planned %d texts into %d batches (first %d rows, largest %d)", len(items), len(batches),
                 sizes[0], max(sizes))
     loader = DataLoader(_Positions(len(items)), batch_sampler=sampler, collate_fn=collator,
                         num_workers=_worker_count(num_workers))
-    loader.plan = sampler.plan = LoaderPlan(planner, sampler, collator)
+    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, collator)
     return loader

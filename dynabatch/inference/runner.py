@@ -184,9 +184,11 @@ def run(
             the loader's ``num_workers`` start no processes under ``run``.
         device: where to move each batch (``batch.to(device)``) before ``fn``; ``None`` leaves it.
         output_path: a JSONL file to save each finished batch to (flushed and
-            fsynced), headed by a fingerprint of the inputs and plan. Running
-            again with the same inputs and path runs only the rows not in the
-            file, so a killed run resumes; a line cut off mid-write is ignored.
+            fsynced), headed by a fingerprint of the inputs. Running again
+            with the same inputs and path runs only the rows not in the file,
+            so a killed run resumes, with the same plan or another (say a
+            lower ``batch_size`` after an out-of-memory error: results are
+            kept per input position); a line cut off mid-write is ignored.
             Results must be JSON-storable (tensors are stored as nested lists),
             and with ``output_path`` set **every** returned result is the JSON
             value, as stored (lists, numbers, str, dicts), whether it ran now or
@@ -210,12 +212,21 @@ def run(
         progress: show a ``tqdm`` progress bar (rows/s and tokens/s).
         distributed: ``None`` runs distributed when ``torch.distributed`` is
             initialized with more than one process; ``True``/``False`` force it.
-            Distributed: each rank runs its share of the batches, balanced by
-            cost (rows x width), and rank 0 gathers every result; other ranks
-            get only their own rows (``None`` elsewhere). Every rank must be
-            given the same, whole loader (a per-rank share is refused on every
-            rank). Under ``accelerate`` pass the loader as it is; one passed
-            through ``Accelerator.prepare`` is unwrapped, its whole plan sharded once.
+            Distributed: each rank runs its share of the batches (every rank
+            the same number: the largest split, then dealt in steps of
+            neighbouring batches, as every dynabatch sampler deals) and rank 0
+            gathers every result; other ranks get only their own rows (``None``
+            elsewhere). The ranks run in lockstep: every rank makes the same
+            number of calls of ``fn`` per batch, so collectives inside ``fn``
+            (FSDP, tensor parallelism) stay matched even when a rank splits a
+            batch that ran out of memory (it retries at once; a rank with
+            nothing left in a round calls ``fn`` on one row it already ran and
+            drops the result). That holds when the error strikes before ``fn``'s
+            first collective of the call; one raised between collectives leaves
+            the other ranks inside a collective no call can match. Every rank
+            must be given the same, whole loader (a per-rank share is refused on
+            every rank). Under ``accelerate`` pass the loader as it is; one passed
+            through ``Accelerator.prepare`` is unwrapped, its whole plan shared once.
         adapt: measured mode (needs a dynabatch loader, one process): every
             batch's peak is measured (on ``measure_memory``'s device, else
             ``device``, else the CPU tracker) and the batches not yet run are
@@ -255,13 +266,15 @@ def run(
         raise bad_value("adapt", "False under torch.distributed (each rank's share is fixed up front)", adapt)
     digest = fingerprint(queue) if output_path is not None else None  # before sharding: it covers every batch
     if distributed:
-        from dynabatch.inference.distributed import shard_queue
+        from dynabatch.inference.distributed import check_same_batches
 
-        shard_queue(queue, rank, world_size)
+        queue.materialize()
+        check_same_batches([i.positions for i in queue.pending])
+        queue.shard(rank, world_size)
     results_file = _results_file(output_path, queue, digest, rank, world_size, distributed)
     bar = _progress_bar(loader, queue, results_file) if progress else None
     executor = Executor(fn, queue, device=device, on_oom=on_oom, memory_device=memory_device,
-                        results_file=results_file, bar=bar)
+                        results_file=results_file, bar=bar, lockstep=distributed)
     mine: list[int] = []  # every input position this rank answers for
     try:
         while (item := queue.next_item()) is not None:
@@ -269,6 +282,8 @@ def run(
             todo = executor.skip_done(item)  # rows a resumed run already has
             if todo is not None:
                 queue.observe(todo, executor.run_item(todo), executor.item_failed_shapes)
+            else:
+                executor.join_step(item)
     finally:
         if bar is not None:
             bar.close()

@@ -56,6 +56,7 @@ import torch
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.collate import Batch, TokenCollator
 from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts, validate_texts
+from dynabatch.memory.budget import MemoryBudget
 from dynabatch.memory.guard import call_guarded, is_out_of_memory_error
 from dynabatch.memory.model import MemoryModel
 
@@ -376,7 +377,7 @@ def _grow(prober: _Prober, mm: MemoryModel, grid: list[int], batch_size: int, me
     def rows_at(length: int) -> int:
         # At most 4x the most rows measured so far: a fit from few probes may be far off.
         most = max(p["rows"] for p in mm.probes_ if not p["out_of_memory"])
-        rows = int(mm.max_rows_unchecked(np.array(float(length)), np.array(target())))
+        rows = int(MemoryBudget(mm, target(), memory_margin=0.0).max_rows(length))
         return int(min(cap, 4 * most, max(2, rows)))  # two rows at least: a probe is padded as batches are
 
     for length in reversed(grid[:-1]):

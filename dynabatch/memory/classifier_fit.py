@@ -24,7 +24,7 @@ __all__ = [
     "feature_names",
     "features_of",
     "fit_spike_classifier",
-    "make_estimator",
+    "new_classifier",
     "sha256_files",
 ]
 
@@ -104,7 +104,7 @@ def features_of(frame: pd.DataFrame, shape: bool = False) -> pd.DataFrame:
     return pd.DataFrame(values, columns=list(feature_names(shape)))
 
 
-def make_estimator(max_iter: int, learning_rate: float, max_leaf_nodes: int, shape: bool = False):
+def new_classifier(max_iter: int, learning_rate: float, max_leaf_nodes: int, shape: bool = False):
     """A HistGradientBoostingClassifier with the physics' monotonic constraints, deterministic."""
     from sklearn.ensemble import HistGradientBoostingClassifier
 
@@ -127,4 +127,4 @@ def fit_spike_classifier(rows: pd.DataFrame, spike_ratio: float = 0.9, shape: bo
     labels = (rows["ratio"] > spike_ratio).to_numpy().astype(int)
     if len(np.unique(labels)) < 2:
         raise ValueError("the profiles hold only one class (all spikes or none); profile more settings")
-    return make_estimator(**{**DEFAULT_PARAMS, **params}, shape=shape).fit(features_of(rows, shape), labels)
+    return new_classifier(**{**DEFAULT_PARAMS, **params}, shape=shape).fit(features_of(rows, shape), labels)

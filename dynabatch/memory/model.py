@@ -53,13 +53,12 @@ import numpy as np
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.memory import _model_fit, _model_io
 from dynabatch.memory._model_io import describe_model, library_versions
+from dynabatch.memory.budget import failed_cap, rows_under
 
 __all__ = ["MemoryModel", "describe_model", "library_versions"]
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 2**40
-"""What :meth:`MemoryModel.max_rows` answers when rows cost nothing (no row term was needed)."""
 _ROWS_EXTRAPOLATION = 2.0  # warn beyond this many times the most rows probed
 
 
@@ -269,36 +268,42 @@ class MemoryModel:
 
         Closed form (the prediction is linear in rows at a given length),
         broadcast over both arguments. A shape that ran out of memory caps the
-        rows below its own at its length and longer.
+        rows below its own at its length and longer (the rule of
+        :class:`~dynabatch.memory.budget.MemoryBudget`, which plans with this model).
         """
         self._check_fitted()
         length, budget = np.broadcast_arrays(_as_counts("padded_length", padded_length),
                                              np.asarray(budget_bytes, dtype=np.float64))
-        rows = self.max_rows_unchecked(length, budget)
+        rows = np.minimum(self.rows_within(length, budget), failed_cap(length, self.failed_shapes))
         self._warn_extrapolation(rows.astype(np.float64), length)
         return rows
 
-    def max_rows_unchecked(self, length: np.ndarray, budget: np.ndarray) -> np.ndarray:
-        """:meth:`max_rows` without argument checks or warnings (float arrays in)."""
+    def rows_within(self, length: np.ndarray, budget: np.ndarray) -> np.ndarray:
+        """The most rows the fit predicts within ``budget`` at each length (float arrays in, no checks, no caps)."""
         fixed, slope = _model_fit.parts(self.coef_, self._knots_used, length)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            rows = np.floor((budget - fixed) / slope)
-        rows = np.where(slope > 0, rows, np.where(fixed <= budget, MAX_ROWS, 0))
-        rows = np.clip(np.nan_to_num(rows, nan=0.0, posinf=MAX_ROWS), 0, MAX_ROWS).astype(np.int64)
-        # floor() of a float quotient can be one off: settle it against the prediction itself.
-        rows = np.where((rows > 0) & (fixed + rows * slope > budget), rows - 1, rows)
-        rows = np.where((rows < MAX_ROWS) & (fixed + (rows + 1) * slope <= budget), rows + 1, rows)
+        rows = rows_under(fixed, slope, budget)
         reach, per_row = _model_fit.reach_at(self._reach, length, fixed, slope)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            capped = np.floor(budget / per_row)
-        capped = np.clip(np.nan_to_num(capped, nan=0.0, posinf=MAX_ROWS), 0, MAX_ROWS).astype(np.int64)
-        capped = np.where((capped > 0) & (capped * per_row > budget), capped - 1, capped)
-        rows = np.where((reach > 0) & (rows > reach), np.maximum(reach.astype(np.int64), np.minimum(rows, capped)),
+        capped = rows_under(0.0, per_row, budget)  # beyond the rows measured: at least r * peak(R) / R
+        return np.where((reach > 0) & (rows > reach), np.maximum(reach.astype(np.int64), np.minimum(rows, capped)),
                         rows)
+
+    @property
+    def failed_shapes(self) -> list[tuple[int, int]]:
+        """``(rows, padded_length)`` of every probe that ran out of memory."""
+        return [(p["rows"], p["padded_length"]) for p in self.probes_ if p["out_of_memory"]]
+
+    def measured_peak(self, rows: int, padded_length: int) -> float | None:
+        """The measured peak bytes of exactly this shape, if a probe that fitted measured it (else ``None``)."""
         for probe in self.probes_:
-            if probe["out_of_memory"]:
-                rows = np.where(length >= probe["padded_length"], np.minimum(rows, probe["rows"] - 1), rows)
-        return rows
+            if (probe["rows"], probe["padded_length"]) == (rows, padded_length) and not probe["out_of_memory"] \
+                    and probe["peak_bytes"] is not None:
+                return float(probe["peak_bytes"])
+        return None
+
+    def key(self) -> tuple[Any, ...]:
+        """What identifies the model's predictions in a fingerprint: its terms, coefficients and failed shapes."""
+        return ("MemoryModel", self.terms_, np.asarray(self.coef_, dtype=np.float64), list(self._knots_used),
+                [np.asarray(a, dtype=np.float64) for a in self._reach], sorted(self.failed_shapes))
 
     # -- quality -----------------------------------------------------------
     @property

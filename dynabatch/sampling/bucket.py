@@ -86,7 +86,7 @@ class BucketBatchSampler(Sampler[List[int]]):
 
     Example:
         >>> import torch
-        >>> from dynabatch import BucketBatchSampler
+        >>> from dynabatch.size_aware import BucketBatchSampler
 
         >>> # Define the sizes for a dataset
         >>> sizes = torch.arange(25)
@@ -124,7 +124,7 @@ class BucketBatchSampler(Sampler[List[int]]):
         [[14, 9, 13], [23, 16, 20, 21, 15], [5, 0], [8, 10, 11], [17, 24, 22, 18, 19], [12, 6, 7], [4, 2], [3, 1]]
 
         >>> # Combine with SizeAwareBatchSampler to control the cost of each batch
-        >>> from dynabatch import SizeAwareBatchSampler
+        >>> from dynabatch.size_aware import SizeAwareBatchSampler
         >>> item_costs = sizes.tolist()
         >>> def cost_of_element(index):
         ...     return item_costs[index]

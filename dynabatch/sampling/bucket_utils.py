@@ -90,7 +90,7 @@ def create_buckets(sizes: torch.Tensor, max_width: int, min_bucket_count: int) -
 
     Example:
         >>> import torch
-        >>> from dynabatch import create_buckets
+        >>> from dynabatch.size_aware import create_buckets
 
         >>> sizes = torch.tensor([1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 22, 22, 22, 22])
         >>> buckets = create_buckets(sizes, max_width=5, min_bucket_count=10)

@@ -11,6 +11,13 @@ A constraint answers, vectorised, whether candidate batches fit:
 * ``row_cap(lengths)`` bounds the rows of any batch over these lengths
   (``(n, k)``), so the planner knows how far to search.
 * ``cost(rows, longest)`` (optional) ranks batches by load, so the heaviest goes first.
+* ``key()`` (optional) says what identifies the constraint in a sampler's
+  fingerprint (:func:`dynabatch._digest.fingerprint`); without it, its class and
+  public attributes do (never its ``repr``), so a state saved by one process
+  loads in the next.
+
+The memory constraint is :class:`~dynabatch.memory.budget.MemoryBudget`, the
+one memory budget of the library, a constraint as it is (re-exported here).
 
 Key fields: ``lengths`` may hold several fields (say source and target
 lengths); every rule applies to each field, except :class:`TokenBudget` with
@@ -32,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
-from dynabatch.sampling.budget import check_memory_margin, parse_max_memory
+from dynabatch.memory.budget import MemoryBudget
 
 __all__ = [
     "AllOf",
@@ -89,6 +96,9 @@ class FixedBatchSize:
     def cost(self, rows: np.ndarray, longest: np.ndarray) -> np.ndarray:
         return _padded_tokens(rows, longest)
 
+    def key(self) -> tuple[Any, ...]:
+        return ("FixedBatchSize", self.batch_size)
+
     def __repr__(self) -> str:
         return f"FixedBatchSize(batch_size={self.batch_size})"
 
@@ -121,6 +131,9 @@ class LengthDifference:
 
     def cost(self, rows: np.ndarray, longest: np.ndarray) -> np.ndarray:
         return _padded_tokens(rows, longest)
+
+    def key(self) -> tuple[Any, ...]:
+        return ("LengthDifference", self.max_diff, self.batch_size)
 
     def __repr__(self) -> str:
         return f"LengthDifference(max_diff={self.max_diff}, batch_size={self.batch_size})"
@@ -169,130 +182,11 @@ class TokenBudget:
     def cost(self, rows: np.ndarray, longest: np.ndarray) -> np.ndarray:
         return _padded_tokens(rows, longest)
 
+    def key(self) -> tuple[Any, ...]:
+        return ("TokenBudget", self.max_tokens, self.batch_size, self.combine)
+
     def __repr__(self) -> str:
         return f"TokenBudget(max_tokens={self.max_tokens}, batch_size={self.batch_size}, combine={self.combine!r})"
-
-
-class MemoryBudget:
-    """Predicted peak memory of a batch within a budget, from a fitted memory model.
-
-    Args:
-        memory_model: an object with ``predict(rows, padded_length)`` (bytes,
-            broadcasting over arrays), such as
-            :class:`dynabatch.memory.model.MemoryModel`.
-        max_memory: the budget: bytes, a size such as ``"12GB"`` or
-            ``"512MiB"``, or ``"80%"`` of the CUDA device's free memory (read
-            by :func:`dynabatch.sampling.budget.parse_max_memory`); ``None``
-            with ``reference_batch``.
-        memory_margin: share of the budget kept free for what the model does
-            not see (fragmentation, workspaces): batches are planned to
-            ``budget * (1 - memory_margin)``.
-        batch_size: most rows per batch, or ``None``.
-        field: which key field is the model's ``padded_length`` (default: the
-            first); with several fields, pass the one the model was fitted on.
-        reference_batch: ``(rows, padded_length)`` of a batch known to fit
-            (say the fixed batch size you trained with at your longest
-            length): a relative budget, its predicted peak. Exclusive with
-            ``max_memory``. The margin then applies to the whole predicted
-            peak, weights' gradients included: a reference known to fit
-            usually wants ``memory_margin=0``.
-
-    A single row predicted above the budget cannot be planned: the planner
-    raises (a training step must not be planned to run out of memory).
-
-    Example:
-        >>> import numpy as np
-        >>> from dynabatch.memory.model import MemoryModel
-        >>> mm = MemoryModel().fit([1, 8, 8, 4], [8, 64, 16, 128], [1000 + r * 100 * L for r, L in
-        ...                                                        [(1, 8), (8, 64), (8, 16), (4, 128)]])
-        >>> budget = MemoryBudget(mm, reference_batch=(4, 128), memory_margin=0.0)
-        >>> round(budget.budget_bytes)  # 1000 + 4 * 100 * 128
-        52200
-        >>> budget.fits(np.array([8, 9]), np.array([[64], [64]]), np.array([[1], [1]])).tolist()
-        [True, False]
-    """
-
-    def __init__(
-        self,
-        memory_model: Any,
-        max_memory: float | str | None = None,
-        *,
-        memory_margin: float = 0.1,
-        batch_size: int | None = None,
-        field: int = 0,
-        reference_batch: tuple[int, int] | None = None,
-    ) -> None:
-        if not callable(getattr(memory_model, "predict", None)):
-            raise bad_type("memory_model", "an object with predict(rows, padded_length) -> bytes", memory_model)
-        self.memory_model = memory_model
-        self.memory_margin = check_memory_margin(memory_margin)
-        self.batch_size = _optional_batch_size(batch_size)
-        if isinstance(field, bool) or not isinstance(field, (int, np.integer)) or field < 0:
-            raise bad_value("field", "a non-negative integer (a column of lengths)", field)
-        self.field = int(field)
-        if (max_memory is None) == (reference_batch is None):
-            raise bad_value("max_memory", "given, or None with reference_batch=(rows, padded_length), not both",
-                            max_memory)
-        if reference_batch is not None:
-            if not (isinstance(reference_batch, tuple) and len(reference_batch) == 2):
-                raise bad_type("reference_batch", "a tuple (rows, padded_length)", reference_batch)
-            rows = check_positive_int("reference_batch[0]", reference_batch[0])
-            length = check_positive_int("reference_batch[1]", reference_batch[1])
-            self.max_memory = float(np.asarray(memory_model.predict(rows, length), dtype=np.float64))
-        else:
-            self.max_memory = parse_max_memory(max_memory)
-        self.reference_batch = reference_batch
-
-    @property
-    def budget_bytes(self) -> float:
-        """``max_memory * (1 - memory_margin)``: what a planned batch may be predicted to use."""
-        return self.max_memory * (1.0 - self.memory_margin)
-
-    def _check_field(self, fields: int) -> None:
-        if self.field >= fields:
-            raise bad_value("field", f"below the number of key fields ({fields})", self.field)
-
-    def _predict(self, rows: np.ndarray, longest: np.ndarray) -> np.ndarray:
-        self._check_field(longest.shape[1])
-        # The planner's search asks about candidates it will not plan: no extrapolation warning for them
-        # (MemoryModel.predict_unchecked); row_cap's max_rows warns for what can be planned.
-        unchecked = getattr(self.memory_model, "predict_unchecked", None)
-        if callable(unchecked):
-            predicted = unchecked(rows.astype(np.float64), longest[:, self.field].astype(np.float64))
-        else:
-            predicted = self.memory_model.predict(rows, longest[:, self.field])
-        return np.broadcast_to(np.asarray(predicted, dtype=np.float64), rows.shape)
-
-    def fits(self, rows: np.ndarray, longest: np.ndarray, shortest: np.ndarray) -> np.ndarray:
-        ok = self._predict(rows, longest) <= self.budget_bytes
-        return ok if self.batch_size is None else ok & (rows <= self.batch_size)
-
-    def row_cap(self, lengths: np.ndarray) -> int:
-        n = len(lengths)
-        self._check_field(lengths.shape[1])
-        shortest = max(1, int(lengths[:, self.field].min()))
-        hi = n if self.batch_size is None else min(n, self.batch_size)
-        max_rows = getattr(self.memory_model, "max_rows", None)
-        if callable(max_rows):  # closed form (MemoryModel)
-            return max(1, min(hi, int(np.asarray(max_rows(shortest, self.budget_bytes)))))
-        lo, probe = 1, np.full((1, lengths.shape[1]), shortest)
-        while lo < hi:  # the most rows of the shortest length the model allows (monotone in rows)
-            mid = (lo + hi + 1) // 2
-            if self.fits(np.array([mid]), probe, probe)[0]:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def cost(self, rows: np.ndarray, longest: np.ndarray) -> np.ndarray:
-        return self._predict(rows, longest)
-
-    def __repr__(self) -> str:
-        # A fitted model's coefficients are part of what it plans: a refitted model is another constraint.
-        coef = getattr(self.memory_model, "coef_", None)
-        model = repr(self.memory_model) if coef is None else f"{self.memory_model!r} coef={np.asarray(coef).tolist()}"
-        return (f"MemoryBudget({model}, max_memory={self.max_memory:g}, memory_margin={self.memory_margin}, "
-                f"batch_size={self.batch_size}, field={self.field})")
 
 
 class AllOf:
@@ -321,6 +215,9 @@ class AllOf:
 
     def cost(self, rows: np.ndarray, longest: np.ndarray) -> np.ndarray:
         return batch_cost(self.constraints[0], rows, longest)
+
+    def key(self) -> tuple[Any, ...]:
+        return ("AllOf", list(self.constraints))  # each part by its own key (fingerprint reads it)
 
     def __repr__(self) -> str:
         return f"AllOf({', '.join(map(repr, self.constraints))})"

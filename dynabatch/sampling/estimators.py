@@ -11,8 +11,9 @@ An estimator answers three questions over lengths sorted longest first:
   padded_length)``: a measured peak, or a shape that ran out of memory, to refine itself.
 
 :class:`SpikeEstimator` is the spike classifier (13 features, or 14 with a
-:class:`~dynabatch.memory.shape.ModelShape`); :class:`MemoryModelEstimator` is a
-calibrated memory model (``MemoryModel``: ``predict``, ``max_rows``, ``observe``).
+:class:`~dynabatch.memory.shape.ModelShape`); :class:`BudgetEstimator` is a
+calibrated memory model (``MemoryModel``: ``predict``, ``max_rows``, ``observe``)
+and the :class:`~dynabatch.memory.budget.MemoryBudget` it plans under.
 
 The spike search. For a batch starting at sorted position ``p`` the candidates
 are :meth:`PlanSettings.candidates <dynabatch.sampling.planner.PlanSettings.candidates>`
@@ -49,13 +50,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.memory.budget import MemoryBudget, check_memory_margin, parse_memory
 from dynabatch.memory.classifier import SpikeClassifier, load_classifier
 from dynabatch.memory.features import SPIKE_RATIO, compute_features
 
 if TYPE_CHECKING:
     from dynabatch.sampling.planner import PlanSettings
 
-__all__ = ["MemoryModelEstimator", "SpikeEstimator", "make_estimator"]
+__all__ = ["BudgetEstimator", "SpikeEstimator", "choose_estimator"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,80 +114,92 @@ class SpikeEstimator:
         """A classifier does not learn from out-of-memory errors (the runner's split does)."""
 
 
-class MemoryModelEstimator:
-    """A calibrated memory model behind a planner.
+class BudgetEstimator:
+    """A calibrated memory model and its :class:`~dynabatch.memory.budget.MemoryBudget` behind a planner.
 
     Args:
         memory_model: has ``predict(rows, padded_length)``, ``max_rows(padded_length,
-            budget_bytes)`` and ``observe(rows, padded_length, peak_bytes)``.
+            budget_bytes)`` and ``observe(rows, padded_length, peak_bytes)`` (a ``MemoryModel``).
         max_memory: ``None`` (relative: the first batch of ``batch_size`` longest
-            texts sets the budget), or the budget in bytes.
+            texts sets the budget), or the budget (bytes or a size string).
         memory_margin: a batch's predicted peak stays at or under
             ``(1 - memory_margin)`` times the budget.
         granularity: batch sizes are multiples of it (when at least it).
+
+    Attributes:
+        budget: the plan's :class:`~dynabatch.memory.budget.MemoryBudget` (set by :meth:`plan_sizes`).
     """
 
-    def __init__(self, memory_model: Any, *, max_memory: float | None = None, memory_margin: float = 0.10,
+    def __init__(self, memory_model: Any, *, max_memory: Any = None, memory_margin: float = 0.10,
                  granularity: int | None = None) -> None:
         for method in ("predict", "max_rows", "observe"):
             if not callable(getattr(memory_model, method, None)):
                 raise bad_type("memory_model", "a MemoryModel (from dynabatch.calibrate or MemoryModel.load)",
                                memory_model)
         self.memory_model = memory_model
-        self.max_memory = max_memory
-        self.memory_margin = memory_margin
-        self.granularity = granularity
-        self.target = 1.0 - memory_margin
+        self.max_memory = parse_memory(max_memory)
+        self.memory_margin = check_memory_margin(memory_margin)
+        self.granularity = None if granularity is None else check_positive_int("granularity", granularity)
+        self.target = 1.0 - self.memory_margin
+        self.budget: MemoryBudget | None = None
+        self._floor = 0
 
     def plan_sizes(self, sorted_lengths: np.ndarray, settings: PlanSettings) -> np.ndarray:
-        """Batch sizes over ``sorted_lengths``: each the most rows predicted under the budget."""
-        from dynabatch.sampling.budget import plan_to_budget
+        """Batch sizes over ``sorted_lengths``: each the most rows the budget allows."""
+        from dynabatch.sampling.budget import plan_sizes_under
 
-        return plan_to_budget(sorted_lengths, self, settings)
+        n = len(sorted_lengths)
+        self._floor = 0 if self.max_memory is not None else min(settings.batch_size, n)
+        reference = (self._floor, max(1, int(sorted_lengths[0]))) if self._floor else None
+        self.budget = MemoryBudget(self.memory_model, self.max_memory if reference is None else None,
+                                   memory_margin=self.memory_margin, reference_batch=reference,
+                                   pad_to_multiple_of=settings.pad_to_multiple_of)
+        return plan_sizes_under(sorted_lengths, self.budget, first=self._floor, granularity=self.granularity)
 
-    def rows_within(self, padded_length: int, first_peak: float, floor: int) -> int:
-        """Rows of ``padded_length`` predicted at or under ``target`` x the budget: ``max_memory``, or
-        (relative) the first batch's measured peak, and then never fewer than ``floor`` (the first batch's rows)."""
-        budget = self.max_memory if self.max_memory is not None else first_peak
-        rows = int(np.asarray(self.memory_model.max_rows(int(padded_length), self.target * float(budget))))
+    def rows_within(self, longest: int, first_peak: float, floor: int) -> int:
+        """Rows whose longest is ``longest`` that the budget allows: ``max_memory``, or (relative) the first
+        batch's measured peak, and then never fewer than ``floor`` (the first batch's rows)."""
+        if self.budget is None:
+            raise RuntimeError("BudgetEstimator.rows_within before plan_sizes")
+        relative = self.max_memory is None
+        rows = int(self.budget.max_rows(int(longest), max_memory=first_peak if relative else None))
         if self.granularity and rows >= self.granularity:
             rows -= rows % self.granularity
-        return rows if self.max_memory is not None else max(rows, floor)
+        return max(rows, floor) if relative else rows
 
     def observe(self, rows: int, padded_length: int, peak_bytes: float) -> None:
         """Refits the memory model with a measured peak."""
         self.memory_model.observe(rows, padded_length, peak_bytes)
 
     def observe_out_of_memory(self, rows: int, padded_length: int) -> None:
-        """Refits the memory model with a shape that ran out of memory (rows stay below it from then on)."""
+        """Records a shape that ran out of memory in the model (kept when it is saved); the budget, which
+        reads the model's failed shapes, keeps rows below it from then on."""
         self.memory_model.observe(rows, padded_length, None, out_of_memory=True)
 
 
-def make_estimator(
+def choose_estimator(
     classifier: Any = None,
     memory_model: Any = None,
     *,
     max_memory: Any = None,
     memory_margin: Any = 0.10,
     granularity: Any = None,
-) -> SpikeEstimator | MemoryModelEstimator:
-    """The estimator for a loader's options: the spike classifier, or the memory model when one is given.
+) -> SpikeEstimator | BudgetEstimator:
+    """The estimator for a loader's options: the spike classifier, or the memory model's budget when one is given.
 
     ``max_memory`` is ``None``, bytes (> 0), or a string (``"12GB"``, ``"800MiB"``,
     ``"80%"`` of the CUDA device's free memory; see
-    :func:`~dynabatch.sampling.budget.parse_max_memory`); ``memory_margin`` is in ``[0, 1)``;
+    :func:`~dynabatch.memory.budget.parse_memory`); ``memory_margin`` is in ``[0, 1)``;
     ``granularity`` a positive int or ``None``. The memory options need a ``memory_model``.
 
     Example:
-        >>> type(make_estimator()).__name__
+        >>> type(choose_estimator()).__name__
         'SpikeEstimator'
-        >>> make_estimator(max_memory="12GB")
+        >>> choose_estimator(max_memory="12GB")
         Traceback (most recent call last):
         ...
         ValueError: max_memory should be None without a memory_model (the classifier plans relative to the first batch), but got max_memory='12GB'
     """
-    from dynabatch.sampling.budget import check_memory_margin, parse_max_memory
-
     memory_margin = check_memory_margin(memory_margin)
     if granularity is not None:
         granularity = check_positive_int("granularity", granularity)
@@ -198,8 +212,7 @@ def make_estimator(
     if classifier is not None:
         raise bad_value("classifier", "None when a memory_model is given (the memory model sizes the batches)",
                         classifier)
-    return MemoryModelEstimator(memory_model, max_memory=parse_max_memory(max_memory),
-                                memory_margin=memory_margin, granularity=granularity)
+    return BudgetEstimator(memory_model, max_memory=max_memory, memory_margin=memory_margin, granularity=granularity)
 
 
 class _SpikeSearch:
@@ -207,6 +220,7 @@ class _SpikeSearch:
 
     def __init__(self, sorted_lengths: np.ndarray, settings: PlanSettings, clf: SpikeClassifier) -> None:
         self.lengths = sorted_lengths
+        self.width = settings.width  # a batch's width: its longest row, padded as the collator pads it
         self.n = len(sorted_lengths)
         self.prefix = np.concatenate([[0], np.cumsum(sorted_lengths)])
         self.batch_size = settings.batch_size
@@ -223,8 +237,8 @@ class _SpikeSearch:
         if totals is None:
             totals = self.prefix[stops] - self.prefix[starts]
         f = compute_features(
-            self.max_len, self.lengths[0], self.first, self.prefix[self.first],
-            self.lengths[starts], stops - starts, totals, shape=self.shape,
+            self.max_len, self.width(self.lengths[0]), self.first, self.prefix[self.first],
+            self.width(self.lengths[starts]), stops - starts, totals, shape=self.shape,
         )
         self.calls += 1
         return self.clf.predict_spike_proba(f)

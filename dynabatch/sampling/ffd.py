@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_all_start_methods, get_context
-from typing import Any
 
 import numpy as np
 
 from dynabatch._validation import (
     bad_type,
     bad_value,
+    check_lengths,
     check_non_negative_int,
     check_positive_int,
 )
@@ -35,23 +35,6 @@ __all__ = ["allocate_sequentially", "ffd_check", "pack_group", "pack_parallel"]
 LOG = logging.getLogger(__name__)
 
 NO_LIMIT = np.iinfo(np.int64).max
-
-
-def as_lengths(name: str, values: Any) -> np.ndarray:
-    """A 1-D int64 array of non-negative lengths, or a clear error naming ``name``."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise bad_type(name, "a 1-D integer array of sequence lengths", values)
-    array = np.asarray(values)
-    if array.size == 0 and array.ndim == 1:
-        return array.astype(np.int64)
-    if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
-        raise bad_type(name, f"a 1-D integer array of sequence lengths (dtype {array.dtype})", values)
-    if array.ndim != 1:
-        raise bad_value(name, f"a 1-D integer array of sequence lengths (shape {array.shape})", values)
-    if array.min() < 0:
-        at = int(np.argmin(array))
-        raise bad_value(f"{name}[{at}]", "a non-negative sequence length", int(array[at]))
-    return array.astype(np.int64, copy=False)
 
 
 def check_fits(name: str, lengths: np.ndarray, capacity: int, hint: str = "") -> None:
@@ -79,7 +62,7 @@ def ffd_check(sequence_lengths: np.ndarray, bin_capacity: int, num_bins: int) ->
         >>> ffd_check(np.array([6, 5, 4, 3, 2]), 10, 2), ffd_check(np.array([6, 5, 4, 3, 3]), 10, 2)
         (True, False)
     """
-    lengths = as_lengths("sequence_lengths", sequence_lengths)
+    lengths = check_lengths("sequence_lengths", sequence_lengths)
     capacity = check_non_negative_int("bin_capacity", bin_capacity)
     num_bins = check_non_negative_int("num_bins", num_bins)
     if lengths.size == 0:
@@ -126,7 +109,7 @@ def pack_group(
         >>> pack_group(np.array([2, 7, 3, 5]), 0, bin_capacity=10, max_bins=4, bin_size=1)
         [[1], [3], [2], [0]]
     """
-    lengths = as_lengths("sequence_lengths", sequence_lengths)
+    lengths = check_lengths("sequence_lengths", sequence_lengths)
     offset = check_non_negative_int("group_offset", group_offset)
     capacity = check_non_negative_int("bin_capacity", bin_capacity)
     max_bins = check_non_negative_int("max_bins", max_bins)
@@ -222,7 +205,7 @@ def pack_parallel(
         >>> pack_parallel(np.array([2, 7, 3, 5, 9, 1]), bin_capacity=10, group_size=3, bin_size=200)
         [[1, 2], [0], [4, 5], [3]]
     """
-    lengths = as_lengths("sequence_lengths", sequence_lengths)
+    lengths = check_lengths("sequence_lengths", sequence_lengths)
     capacity = check_non_negative_int("bin_capacity", bin_capacity)
     group_size = check_positive_int("group_size", group_size)
     bin_size = check_positive_int("bin_size", bin_size)
@@ -266,7 +249,7 @@ def allocate_sequentially(
         >>> allocate_sequentially(np.array([4, 5, 3, 6, 2]), rank=0, bin_capacity=10, num_ranks=1)
         ([[0, 1], [2, 3], [4]], 20, 30)
     """
-    lengths = as_lengths("sequence_lengths", sequence_lengths)
+    lengths = check_lengths("sequence_lengths", sequence_lengths)
     num_ranks = check_positive_int("num_ranks", num_ranks)
     rank = check_non_negative_int("rank", rank)
     if rank >= num_ranks:

@@ -11,8 +11,11 @@ tunable task mix:
 
 Memory comes from ``batch_bytes(counts, padded_length)``, ``counts[k]`` being
 the rows of task ``k``; :meth:`dynabatch.MemoryPredictor.batch_memory_function`
-gives one fitted from measured peaks. Every index is planned exactly once; the batch
-predicted costliest comes first, so an out-of-memory error shows at step one.
+gives one fitted from measured peaks. Whether a batch fits is the
+:class:`~dynabatch.memory.budget.MemoryBudget`'s answer (the margin, the shapes
+that ran out of memory). Without a budget (memory not measured yet) batches are
+``batch_size`` rows. Every index is planned exactly once; the batch predicted
+costliest comes first, so an out-of-memory error shows at step one.
 
 Example:
     >>> import numpy as np
@@ -20,10 +23,10 @@ Example:
     >>> tasks = np.array([0, 0, 0, 0, 1, 1, 1, 1])
     >>> lengths = np.array([10, 10, 10, 10, 40, 40, 40, 40])
     >>> cost = lambda counts, length: 100 + counts.sum() * length  # bytes
-    >>> plan = plan_memory_aware_batches(tasks, lengths, cost, max_bytes=200, task_diversity_weight=0.0, shuffle=False)
+    >>> plan = plan_memory_aware_batches(tasks, lengths, cost, 200, task_diversity_weight=0.0, shuffle=False)
     >>> [b.tolist() for b in plan]  # the costliest (200 bytes) first
     [[4, 5], [0, 1, 2, 3], [6, 7]]
-    >>> mixed = plan_memory_aware_batches(tasks, lengths, cost, max_bytes=10_000, task_diversity_weight=1.0, batch_size=4)
+    >>> mixed = plan_memory_aware_batches(tasks, lengths, cost, 10_000, task_diversity_weight=1.0, batch_size=4)
     >>> [sorted(tasks[b].tolist()) for b in mixed]
     [[0, 0, 1, 1], [0, 0, 1, 1]]
 """
@@ -38,24 +41,23 @@ from dynabatch._validation import (
     bad_type,
     bad_value,
     check_fraction,
+    check_lengths,
     check_non_negative_int,
     check_positive_int,
 )
+from dynabatch.memory.budget import MemoryBudget, parse_memory
 
 __all__ = ["BatchBytes", "check_single_samples_fit", "plan_memory_aware_batches", "task_order"]
 
 BatchBytes = Callable[[np.ndarray, int], float]
+
+
+def _no_bytes(counts: np.ndarray, padded_length: int) -> float:
+    """No memory model: every batch costs nothing (``batch_size`` alone bounds it)."""
+    return 0.0
+
 """``batch_bytes(counts, padded_length) -> bytes``: the predicted peak of a batch;
 ``counts[k]`` is its rows of task ``k``, for ``k`` up to the largest task id planned."""
-
-
-def _as_int_array(name: str, values: object) -> np.ndarray:
-    arr = np.asarray(values)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise bad_type(name, "a 1-D array of integers", values)
-    if arr.size and arr.min() < 0:
-        raise bad_value(name, "non-negative integers", values)
-    return arr.astype(np.int64)
 
 
 def check_single_samples_fit(
@@ -132,8 +134,8 @@ def task_order(
 def plan_memory_aware_batches(
     task_ids: np.ndarray,
     lengths: np.ndarray,
-    batch_bytes: BatchBytes,
-    max_bytes: float,
+    batch_bytes: BatchBytes | None,
+    budget: MemoryBudget | float | None,
     *,
     batch_size: int | None = None,
     task_diversity_weight: float = 0.5,
@@ -148,8 +150,11 @@ def plan_memory_aware_batches(
         task_ids: task of each sample, as integers ``0..K-1``.
         lengths: length (or other size) of each sample; a batch is padded to its longest.
         batch_bytes: predicted peak bytes of a batch (see :data:`BatchBytes`);
-            it must not decrease when rows or length grow.
-        max_bytes: no batch is predicted above this.
+            it must not decrease when rows or length grow. ``None`` with ``budget=None``.
+        budget: what a batch may cost: a :class:`~dynabatch.memory.budget.MemoryBudget`
+            (its ``allows``: the margin, the shapes that ran out of memory), a
+            number of bytes (no margin), or ``None``: memory is not measured and
+            batches are ``batch_size`` rows.
         batch_size: at most this many rows per batch (``None``: memory alone decides).
         task_diversity_weight: 0 single-task batches ... 1 batches that mirror the global mix.
         shuffle: shuffle within tasks and the task order (seeded per epoch). The batch
@@ -164,26 +169,32 @@ def plan_memory_aware_batches(
         The batches; every position in ``range(len(task_ids))`` appears exactly once.
 
     Raises:
-        ValueError: a sample alone is predicted above ``max_bytes`` (its task is named),
+        ValueError: a sample alone is predicted above the budget (its task is named),
             or the arguments are out of range.
     """
-    task_ids = _as_int_array("task_ids", task_ids)
-    lengths = _as_int_array("lengths", lengths)
+    task_ids = check_lengths("task_ids", task_ids, what="task ids")
+    lengths = check_lengths("lengths", lengths)
     if lengths.size != task_ids.size:
         raise bad_value("lengths", f"one length per task id ({task_ids.size})", f"<{lengths.size} lengths>")
-    if not callable(batch_bytes):
-        raise bad_type("batch_bytes", "a callable (counts, padded_length) -> bytes", batch_bytes)
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, float, np.number)) or not max_bytes > 0:
-        raise bad_value("max_bytes", "a positive number", max_bytes)
     if batch_size is not None:
         batch_size = check_positive_int("batch_size", batch_size)
+    if budget is None:
+        if batch_size is None:
+            raise bad_value("batch_size", "a positive integer without a memory budget", batch_size)
+        batch_bytes = _no_bytes
+        budget = MemoryBudget(None, 1.0, memory_margin=0.0)  # every batch costs 0 bytes: batch_size decides
+    elif not isinstance(budget, MemoryBudget):
+        budget = MemoryBudget(None, parse_memory(budget, "budget"), memory_margin=0.0)
+    if not callable(batch_bytes):
+        raise bad_type("batch_bytes", "a callable (counts, padded_length) -> bytes", batch_bytes)
     weight = check_fraction("task_diversity_weight", task_diversity_weight)
     if not isinstance(shuffle, bool):
         raise bad_type("shuffle", "a bool", shuffle)
     rng = np.random.default_rng([check_non_negative_int("seed", seed), check_non_negative_int("epoch", epoch)])
     if task_ids.size == 0:
         return []
-    check_single_samples_fit(task_ids, lengths, batch_bytes, max_bytes)
+    check_single_samples_fit(task_ids, lengths, batch_bytes, budget.budget_bytes,
+                             name="budget", value=budget.max_memory)
 
     num_tasks = int(task_ids.max()) + 1
     if sort_window is not None:
@@ -203,7 +214,7 @@ def plan_memory_aware_batches(
             counts[task] -= 1
             full = batch_size is not None and len(current) >= batch_size
             other_task = weight == 0.0 and task_ids[current[-1]] != task
-            if not (full or other_task or new_cost > max_bytes):
+            if not (full or other_task or not budget.allows(len(current) + 1, new_padded, new_cost)):
                 current.append(i)
                 counts[task] += 1
                 padded, cost = new_padded, new_cost

@@ -20,20 +20,25 @@ What this implementation adds to the reference:
   ``np.random.default_rng([seed, epoch])``: torch's ``RandomSampler`` draws a
   fresh order on every iteration, which would make ``len()``, resumption and
   the ranks disagree.
-* **Resumable and sharded**, with the conventions (and the code:
-  :class:`dynabatch.sampling.passes.EpochPasses`) of
-  :class:`dynabatch.sampling.base.PlannedBatchSampler` (which cannot be the base
-  class here: a batch is a list of bins, not a flat index array, and the seed's
-  constructor wins): ``state_dict`` / ``load_state_dict`` resume mid-epoch;
-  ``num_replicas`` ranks get the same number of batches and disjoint indices,
-  without dropping anything unless ``drop_last``; ``shard=False`` yields every
-  rank's batches in turn for accelerate's round-robin dealer.
+* **Bins in random batches.** Unless ``sequential=True``, an epoch's bins are
+  shuffled (seeded by ``seed`` and the epoch) before they are grouped into
+  batches of ``batch_size`` bins, so a batch's composition does not follow the
+  packer's order (nor the lengths), and ``drop_last`` drops randomly composed
+  bins: at most one batch's worth per rank.
+* **Resumable and sharded** on the one sampler base,
+  :class:`dynabatch.sampling.base.PlannedBatchSampler` (a batch is a grouped
+  batch there: its groups are the bins): ``state_dict`` / ``load_state_dict``
+  resume mid-epoch; ``num_replicas`` ranks get the same number of batches and
+  disjoint indices, without dropping anything unless ``drop_last`` (a batch
+  split to even the counts is split between its bins first); ``shard=False``
+  yields every rank's batches in turn for accelerate's round-robin dealer, so
+  the HF ``Trainer`` hook (:class:`dynabatch.training.hf.BatchSamplerTrainer`)
+  takes it like any other dynabatch sampler.
 
 The packing functions (``ffd_check``, ``pack_group``, ``pack_parallel``,
 ``allocate_sequentially``) live in :mod:`dynabatch.sampling.ffd` and are
 re-exported here under the seed's module; the compiled kernels (and why
-numba) in :mod:`dynabatch.sampling._ffd_kernels`; how the bins are shared
-among ranks (equal batch counts) in :mod:`dynabatch.sampling._multipack_ranks`.
+numba) in :mod:`dynabatch.sampling._ffd_kernels`.
 
 Example:
     >>> import numpy as np
@@ -42,8 +47,8 @@ Example:
     >>> sampler = MultipackBatchSampler(list(range(8)), batch_size=2, batch_max_len=10,
     ...                                 lengths=lengths, drop_last=False)
     >>> batches = list(sampler)
-    >>> batches
-    [[[2, 3], [6, 1]], [[4, 5], [0, 7]]]
+    >>> batches  # bins (each within 10 tokens) in a seeded random order, two per batch
+    [[[0, 7], [6, 1]], [[4, 5], [2, 3]]]
     >>> all(lengths[b].sum() <= 10 for batch in batches for b in batch)
     True
     >>> len(sampler), round(sampler.efficiency(), 3)
@@ -62,26 +67,26 @@ import numpy as np
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from dynabatch._digest import fingerprint
 from dynabatch._validation import (
     bad_type,
     bad_value,
-    check_non_negative_int,
+    check_lengths,
     check_positive_int,
     check_positive_number,
 )
 from dynabatch.sampling._ffd_kernels import pack as _pack  # noqa: F401  (benchmarks/packing.py times it alone)
 from dynabatch.sampling._ffd_kernels import sequential_offsets
-from dynabatch.sampling._multipack_ranks import rank_batches, share_bins
+from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.sampling.ffd import (
     allocate_sequentially,
-    as_lengths,
     check_fits,
     ffd_check,
     pack_arrays,
     pack_group,
     pack_parallel,
 )
-from dynabatch.sampling.passes import EpochPasses, fingerprint, reduce_across_ranks, resolve_world
+from dynabatch.sampling.ranks import reduce_across_ranks
 
 __all__ = ["MultipackBatchSampler", "allocate_sequentially", "ffd_check", "pack_group", "pack_parallel"]
 
@@ -90,7 +95,7 @@ LOG = logging.getLogger(__name__)
 _EXTRA_KWARGS = ("seed", "oversized", "num_replicas", "rank", "shard")
 
 
-class MultipackBatchSampler(EpochPasses, BatchSampler):
+class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
     """Batch sampler class for efficient packing of variable-length sequences.
 
     This sampler packs sequences into fixed-capacity bins (batches) to maximize
@@ -134,11 +139,13 @@ class MultipackBatchSampler(EpochPasses, BatchSampler):
     ``len(sampler)`` is this rank's number of batches in the current epoch (the
     same on every rank). Call :meth:`set_epoch` before each epoch. Epochs,
     ``set_min_batches``, ``max_len``, ``state_dict`` and ``load_state_dict``
-    are :class:`~dynabatch.sampling.passes.EpochPasses`'.
+    are the base's (:class:`~dynabatch.sampling.base.PlannedBatchSampler`).
     """
 
     _state_keys = ("order_fingerprint",)
     _same_what = "lengths and packing settings"
+    _differ_hint = ""
+    yields_bins = True  # a batch is a list of bins: a DataLoader needs a PackedDataset (the Trainer hook wraps it)
 
     def __init__(
         self,
@@ -162,7 +169,14 @@ class MultipackBatchSampler(EpochPasses, BatchSampler):
         for name, value in (("drop_last", drop_last), ("sequential", sequential), ("safe_mode", safe_mode)):
             if not isinstance(value, bool):
                 raise bad_type(name, "a bool", value)
-        super().__init__(sampler, batch_size, drop_last)
+        unknown = sorted(set(kwargs) - set(_EXTRA_KWARGS))
+        if unknown:
+            LOG.warning("MultipackBatchSampler ignores the keyword arguments %s", unknown)
+        # The batches come in the order planned (bins are shuffled in the plan): the base does not reorder them.
+        PlannedBatchSampler.__init__(self, shuffle=False, seed=kwargs.get("seed", 0),
+                                     num_replicas=kwargs.get("num_replicas"), rank=kwargs.get("rank"),
+                                     shard=kwargs.get("shard", True))
+        BatchSampler.__init__(self, sampler, batch_size, drop_last)
         self.packing_efficiency_estimate = check_positive_number(
             "packing_efficiency_estimate", packing_efficiency_estimate or 1.0)
         if self.packing_efficiency_estimate > 1:
@@ -174,42 +188,29 @@ class MultipackBatchSampler(EpochPasses, BatchSampler):
         self.num_processes = None if num_processes is None else check_positive_int("num_processes", num_processes)
         self.safe_mode = safe_mode
         self.mp_start_method = mp_start_method
-
-        unknown = sorted(set(kwargs) - set(_EXTRA_KWARGS))
-        if unknown:
-            LOG.warning("MultipackBatchSampler ignores the keyword arguments %s", unknown)
-        self.seed = check_non_negative_int("seed", kwargs.get("seed", 0))
         self.oversized = kwargs.get("oversized", "error")
         if self.oversized not in ("error", "truncate"):
             raise bad_value("oversized", "'error' or 'truncate'", self.oversized)
-        self.shard = kwargs.get("shard", True)
-        if not isinstance(self.shard, bool):
-            raise bad_type("shard", "a bool", self.shard)
-        self.num_replicas, self.rank = resolve_world(kwargs.get("num_replicas"), kwargs.get("rank"))
 
         self.lengths = self._check_lengths(lengths)
         self._check_sampler(sampler)
         if self.sequential and not isinstance(sampler, SequentialSampler) and isinstance(sampler, RandomSampler):
             LOG.warning("sequential=True with a RandomSampler packs neighbours of a shuffled order")
 
-        self._start_epochs()
         self.total_tokens_used = 0
         self.total_token_slots = 0
         self.num_samples_dropped = 0
         self.len_across_ranks: int | None = None
-        self._cache: tuple[int, list[list[list[int]]], str, int, int] | None = None
+        self._orders: dict[int, str] = {}  # epoch -> digest of the sampler's order (a resumed plan must match)
         self._stats_epoch: int | None = None
 
     # ----------------------------------------------------------------- validation
 
     def _check_lengths(self, lengths: Any) -> np.ndarray:
-        array = as_lengths("lengths", lengths)
-        if array.size and array.min() < 1:
-            at = int(np.argmin(array))
-            raise bad_value(f"lengths[{at}]", "a positive sequence length", int(array[at]))
+        array = check_lengths("lengths", lengths, positive=True)
         if self.oversized == "error":
             check_fits("lengths", array, self.batch_max_len,
-                        f" (batch_max_len={self.batch_max_len}; pass oversized='truncate' to cut it)")
+                       f" (batch_max_len={self.batch_max_len}; pass oversized='truncate' to cut it)")
         return np.minimum(array, self.batch_max_len)
 
     def _check_sampler(self, sampler: Any) -> None:
@@ -252,23 +253,25 @@ class MultipackBatchSampler(EpochPasses, BatchSampler):
             items = order[flat]
         return items, offsets[:-1], offsets[1:]
 
-    def _distribute(self, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
-        """Drops (``drop_last``) or splits bins (:func:`share_bins`) so every rank gets the same number of batches.
-
-        Rank ``r`` gets bins ``r::num_replicas``; returns the bins and, per rank,
-        the number of bins in each of its batches.
-        """
-        world, size = self.num_replicas, self.batch_size
+    def plan(self, epoch: int) -> list[list[np.ndarray]]:
+        """The epoch's batches of ``batch_size`` bins: bins shuffled (unless ``sequential``), ``drop_last`` applied."""
+        order = self._order(epoch)
+        self._orders[epoch] = fingerprint(order)
+        items, starts, ends = self._plan_bins(order)
+        if not self.sequential:  # batches of randomly composed bins, not of the packer's neighbours
+            perm = np.random.default_rng([self.seed, epoch, 1]).permutation(starts.size)
+            starts, ends = starts[perm], ends[perm]
         if self.drop_last:
-            keep = starts.size // (world * size) * world * size
+            keep = starts.size // (self.num_replicas * self.batch_size) * self.num_replicas * self.batch_size
             self.num_samples_dropped = int((ends[keep:] - starts[keep:]).sum())
             if self.num_samples_dropped:
                 LOG.info("drop_last dropped %d samples (%d bins) of %d in epoch %d", self.num_samples_dropped,
-                         starts.size - keep, self.lengths.size, self.epoch)
+                         starts.size - keep, self.lengths.size, epoch)
             starts, ends = starts[:keep], ends[:keep]
         else:
             self.num_samples_dropped = 0
-        return share_bins(starts, ends, world, size, self.min_batches)
+        bins = [items[a:b] for a, b in zip(starts.tolist(), ends.tolist())]
+        return [bins[i : i + self.batch_size] for i in range(0, len(bins), self.batch_size)]
 
     def generate_batches(self, set_stats: bool = False) -> list[list[list[int]]]:
         """Generate packed batches for training.
@@ -280,29 +283,19 @@ class MultipackBatchSampler(EpochPasses, BatchSampler):
             list[list[list[int]]]: List of batches, where each batch contains
             multiple bins, and each bin contains multiple sequence indices.
         """
-        if self._cache is None or self._cache[0] != self.epoch:
-            order = self._order(self.epoch)
-            items, starts, ends = self._plan_bins(order)
-            starts, ends, deals = self._distribute(starts, ends)
-            world = self.num_replicas
-            ranks = [self.rank] if self.shard else list(range(world))
-            batches = rank_batches(items.tolist(), starts, ends, deals, ranks, world)
-            tokens = np.concatenate([[0], np.cumsum(self.lengths[items])])
-            chosen = np.concatenate([np.arange(r, starts.size, world) for r in ranks])
-            used = int((tokens[ends[chosen]] - tokens[starts[chosen]]).sum())
-            self._cache = (self.epoch, batches, fingerprint([order]), used, chosen.size * self.batch_max_len)
-            self._stats_epoch = None
-        batches = self._cache[1]
+        batches = self.epoch_batches()
         if set_stats and self._stats_epoch != self.epoch:
             self._stats_epoch = self.epoch
-            self.total_tokens_used += self._cache[3]
-            self.total_token_slots += self._cache[4]
-        return batches
+            bins = [b for batch in batches for b in batch]
+            self.total_tokens_used += int(sum(int(self.lengths[b].sum()) for b in bins))
+            self.total_token_slots += len(bins) * self.batch_max_len
+        return [self._output(batch) for batch in batches]
 
     # ----------------------------------------------------------------- the seed's methods
 
-    def _current_batches(self, for_pass: bool = False) -> list[list[list[int]]]:
-        return self.generate_batches(set_stats=for_pass)  # a pass counts in the efficiency statistics
+    def __iter__(self) -> Any:
+        self.generate_batches(set_stats=True)  # a pass counts in the efficiency statistics
+        return super().__iter__()
 
     def num_batches(self) -> int:
         """The number of batches of this rank in the current epoch."""
@@ -353,17 +346,17 @@ class MultipackBatchSampler(EpochPasses, BatchSampler):
     def identity(self) -> list[Any]:
         """The lengths and the packing settings (a saved state only loads into a sampler with equal ones)."""
         return [self.lengths, self.batch_size, self.batch_max_len, self.drop_last, self.sequential, self.group_size,
-                self.bin_size, self.oversized, self.min_batches]
+                self.bin_size, self.oversized]
 
     def _extra_state(self) -> dict[str, Any]:
-        self.generate_batches()
-        return {"order_fingerprint": self._cache[2]}  # type: ignore[index]
+        self.epoch_batches()
+        return {"order_fingerprint": self._orders[self.epoch]}
 
     def _check_resumed_plan(self, state: dict[str, Any]) -> None:
-        self.generate_batches()
-        if state["order_fingerprint"] != self._cache[2]:  # type: ignore[index]
+        self.epoch_batches()
+        if state["order_fingerprint"] != self._orders[self.epoch]:
             raise ValueError(
                 "state should come from a sampler that gave the same order in that epoch, but got "
-                f"state['order_fingerprint']={state['order_fingerprint']!r} (now {self._cache[2]!r}): "  # type: ignore[index]
+                f"state['order_fingerprint']={state['order_fingerprint']!r} (now {self._orders[self.epoch]!r}): "
                 "pass a deterministic sampler (a RandomSampler is seeded by seed and epoch)"
             )

@@ -49,9 +49,10 @@ from dynabatch._validation import (
     bad_type,
     bad_value,
     check_fraction,
+    check_lengths,
     check_positive_int,
-    check_token_lengths,
 )
+from dynabatch.data.collate import padded_width
 from dynabatch.memory.feedback import MemoryFeedback
 from dynabatch.memory.shape import ModelShape, check_model_shape
 from dynabatch.sampling.estimators import SpikeEstimator
@@ -87,6 +88,8 @@ class PlanSettings:
         steps: number of candidate multiples between the two.
         model_shape: the model and call (:meth:`ModelShape.from_model
             <dynabatch.memory.shape.ModelShape.from_model>`), or ``None``.
+        pad_to_multiple_of: the collator rounds each batch's width up to a
+            multiple of it; every estimator judges a batch at that padded width.
 
     Example:
         >>> PlanSettings(batch_size=10, max_input_token_length=64, batch_end_range=2.0, steps=5).candidates.tolist()
@@ -100,6 +103,7 @@ class PlanSettings:
     batch_end_range: float = 6.0
     steps: int = 50
     model_shape: ModelShape | None = None
+    pad_to_multiple_of: int | None = None
 
     def __post_init__(self) -> None:
         batch_size = check_positive_int("batch_size", self.batch_size)
@@ -121,6 +125,12 @@ class PlanSettings:
         set_(self, "batch_end_range", float(end))
         set_(self, "steps", check_positive_int("steps", self.steps))
         check_model_shape(self.model_shape)
+        if self.pad_to_multiple_of is not None:
+            set_(self, "pad_to_multiple_of", check_positive_int("pad_to_multiple_of", self.pad_to_multiple_of))
+
+    def width(self, longest: Any) -> Any:
+        """The width the collator pads a batch whose longest row is ``longest`` to (int or array)."""
+        return padded_width(longest, self.pad_to_multiple_of)
 
     @property
     def candidates(self) -> np.ndarray:
@@ -128,10 +138,8 @@ class PlanSettings:
         return candidate_sizes(self.batch_size, self.batch_start_range, self.batch_end_range, self.steps)
 
 
-def _as_lengths(lengths: Any, max_input_token_length: int) -> np.ndarray:
-    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
-        raise bad_type("lengths", "a 1-D array of token counts", lengths)
-    arr = check_token_lengths("lengths", lengths)
+def _truncated_lengths(lengths: Any, max_input_token_length: int) -> np.ndarray:
+    arr = check_lengths("lengths", lengths)
     if arr.size and arr.max() > max_input_token_length:
         raise bad_value("lengths", f"at most max_input_token_length={max_input_token_length} (truncated lengths)",
                         int(arr.max()))
@@ -182,7 +190,7 @@ class BatchPlanner:
         if not isinstance(settings, PlanSettings):
             raise bad_type("settings", "a PlanSettings", settings)
         self.settings = settings
-        self.lengths = _as_lengths(lengths, settings.max_input_token_length)
+        self.lengths = _truncated_lengths(lengths, settings.max_input_token_length)
         self.order = _longest_first(self.lengths, settings.max_input_token_length)
         self.sorted_lengths = self.lengths[self.order]
         self.estimator = SpikeEstimator() if estimator is None else estimator
@@ -274,7 +282,7 @@ def plan_batch_sizes(
     """
     settings = PlanSettings(batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps,
                             model_shape)
-    lengths = _as_lengths(sorted_lengths, settings.max_input_token_length)
+    lengths = _truncated_lengths(sorted_lengths, settings.max_input_token_length)
     if len(lengths) > 1 and (np.diff(lengths) > 0).any():
         raise bad_value("sorted_lengths", "sorted longest first", "an unsorted array")
     return SpikeEstimator(classifier).plan_sizes(lengths, settings)

@@ -166,7 +166,7 @@ def size_aware_batching(
     Example:
         >>> import torch
         >>> from torch.utils.data import default_collate
-        >>> from dynabatch import size_aware_batching
+        >>> from dynabatch.size_aware import size_aware_batching
 
         >>> # Define a sample dataset with torch.tensor
         >>> dataset = [torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([5, 6]),
@@ -217,7 +217,7 @@ class SizeAwareBatchSampler(Sampler[List[int]]):
 
     Example:
         >>> import torch
-        >>> from dynabatch import SizeAwareBatchSampler
+        >>> from dynabatch.size_aware import SizeAwareBatchSampler
 
         >>> # Define a sample dataset with torch.tensor
         >>> dataset = [torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([5, 6]),

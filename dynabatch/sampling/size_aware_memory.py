@@ -32,7 +32,7 @@ length its size was computed at:
 
 Example:
     >>> import torch
-    >>> from dynabatch import BucketBatchSampler, SizeAwareBatchSampler, create_buckets
+    >>> from dynabatch.size_aware import BucketBatchSampler, SizeAwareBatchSampler, create_buckets
     >>> from dynabatch.sampling.size_aware_memory import bucket_memory_kwargs, fit_memory_model
     >>> shapes = [(r, n) for r in (1, 2, 4, 8) for n in (8, 16, 32, 64)]
     >>> peaks = [1000 + 50 * n + r * (200 + 10 * n) for r, n in shapes]  # measured bytes, e.g.
@@ -61,7 +61,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dynabatch._validation import bad_type, bad_value, check_positive_int, check_positive_number
+from dynabatch._validation import bad_type, bad_value, check_lengths, check_positive_int, check_positive_number
+from dynabatch.memory.budget import MemoryBudget, failed_cap
 from dynabatch.memory.model import MemoryModel
 
 __all__ = ["MemorySizeof", "bucket_memory_kwargs", "fit_memory_model"]
@@ -118,53 +119,52 @@ def fit_memory_model(
     return MemoryModel(device=device, model=model).fit(rows, lengths, [p for _, p in kept], source="collect_peak_alloc")
 
 
-def _split(memory_model: Any, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``F(L)`` (fixed bytes) and ``S(L)`` (bytes per row) at every length, from ``predict`` alone."""
-    fixed = np.asarray(memory_model.predict(0, lengths), dtype=np.float64)
-    per_row = np.asarray(memory_model.predict(1, lengths), dtype=np.float64) - fixed
+def _check_budget(memory_model: Any, budget_bytes: Any = None, pad_to_multiple_of: int | None = None) -> MemoryBudget:
+    """The :class:`~dynabatch.memory.budget.MemoryBudget` to size elements under: ``memory_model`` as it is when
+    it is one, else a budget over that model (``budget_bytes``, no margin; 1 byte until a budget is known)."""
+    if isinstance(memory_model, MemoryBudget):
+        return memory_model
+    if not callable(getattr(memory_model, "predict", None)):
+        raise bad_type("memory_model", "a fitted MemoryModel or a MemoryBudget (an object with predict(rows, "
+                       "padded_length))", memory_model)
+    budget = 1.0 if budget_bytes is None else check_positive_number("budget_bytes", budget_bytes)
+    return MemoryBudget(memory_model, budget, memory_margin=0.0, pad_to_multiple_of=pad_to_multiple_of)
+
+
+def _split(budget: MemoryBudget, widths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``F(L)`` (fixed bytes) and ``S(L)`` (bytes per row) at every padded width, from the budget's predictions."""
+    fixed = budget.predict_at(0, widths)
+    per_row = budget.predict_at(1, widths) - fixed
     return fixed, np.maximum(per_row, 0.0)
 
 
-def _padded(lengths: np.ndarray, pad_to_multiple_of: int | None) -> np.ndarray:
-    if pad_to_multiple_of is None:
-        return lengths
-    return np.ceil(lengths / pad_to_multiple_of) * pad_to_multiple_of
-
-
-def _as_lengths(lengths: Any) -> np.ndarray:
-    arr = lengths.detach().cpu().numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths)
-    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)):
-        raise bad_type("lengths", "a 1D sequence of token counts", lengths)
-    arr = arr.astype(np.float64)
-    if arr.size and not (np.isfinite(arr).all() and arr.min() >= 1):
-        raise bad_value("lengths", "token counts >= 1", lengths)
-    return arr
-
-
-def _check_model(memory_model: Any) -> None:
-    if not callable(getattr(memory_model, "predict", None)):
-        raise bad_type("memory_model", "a fitted MemoryModel (an object with predict(rows, padded_length))",
-                       memory_model)
+def _as_lengths(name: str, lengths: Any) -> np.ndarray:
+    return check_lengths(name, lengths, positive=True)
 
 
 class MemorySizeof:
-    """``sizeof`` for ``SizeAwareBatchSampler``: an element's bytes per row under a memory model.
+    """``sizeof`` for ``SizeAwareBatchSampler``: an element's bytes per row under a memory budget.
 
     ``MemorySizeof(mm, lengths)(i)`` is ``S(L_i)``, the predicted bytes one more
     row of length ``L_i`` adds to a batch (``L_i`` is ``lengths[i]``, or
-    ``padded_length`` for every element, rounded up to ``pad_to_multiple_of``).
+    ``padded_length`` for every element, at the width the collator pads to).
     :meth:`max_total_size` is the matching limit, the budget minus the fixed
     bytes of the longest batch. See the module docstring for when the sum is
-    exact.
+    exact. Given a :class:`~dynabatch.memory.budget.MemoryBudget`, its budget,
+    margin, padding rule and failed shapes apply: an element at least as wide as
+    a shape that ran out of memory costs enough that fewer rows than that shape
+    fit.
 
     Args:
-        memory_model: a fitted :class:`~dynabatch.memory.model.MemoryModel`.
+        memory_model: a fitted :class:`~dynabatch.memory.model.MemoryModel`, or a
+            :class:`~dynabatch.memory.budget.MemoryBudget` over one.
         lengths: every element's length in tokens (indexed by the sampler's indices).
         padded_length: the length every batch is padded to, if it is fixed.
-        pad_to_multiple_of: the collator's ``pad_to_multiple_of``, if any.
+        pad_to_multiple_of: the collator's ``pad_to_multiple_of``, if any (a
+            budget's own rule when a budget is given).
 
     Example:
-        >>> from dynabatch import SizeAwareBatchSampler
+        >>> from dynabatch.size_aware import SizeAwareBatchSampler
         >>> from dynabatch.sampling.size_aware_memory import MemorySizeof, fit_memory_model
         >>> shapes = [(r, n) for r in (1, 4, 16) for n in (16, 64, 128)]
         >>> mm = fit_memory_model(shapes, [3000 + r * 40 * n for r, n in shapes])
@@ -177,21 +177,34 @@ class MemorySizeof:
 
     def __init__(self, memory_model: Any, lengths: Any, *, padded_length: int | None = None,
                  pad_to_multiple_of: int | None = None) -> None:
-        _check_model(memory_model)
         if pad_to_multiple_of is not None:
             pad_to_multiple_of = check_positive_int("pad_to_multiple_of", pad_to_multiple_of)
-        own = _as_lengths(lengths)
+        self.budget = _check_budget(memory_model, pad_to_multiple_of=pad_to_multiple_of)
+        self._given_budget = isinstance(memory_model, MemoryBudget)
+        own = _as_lengths("lengths", lengths)
         if padded_length is not None:
             padded_length = check_positive_int("padded_length", padded_length)
             if own.size and own.max() > padded_length:
                 raise bad_value("padded_length", f">= the longest length ({int(own.max())})", padded_length)
             own = np.full_like(own, padded_length)
-        self.memory_model = memory_model
-        self.lengths = _padded(own, pad_to_multiple_of)
-        distinct, inverse = np.unique(self.lengths, return_inverse=True)
-        fixed, per_row = _split(memory_model, distinct) if distinct.size else (distinct, distinct)
-        self._per_row = per_row[inverse].tolist()
+        self.memory_model = self.budget.memory_model
+        self.lengths = np.asarray(self.budget.width(own), dtype=np.int64)
+        self._distinct, inverse = np.unique(self.lengths, return_inverse=True)
+        fixed, per_row = _split(self.budget, self._distinct) if self._distinct.size else (
+            np.zeros(0), np.zeros(0))
+        self._inverse = inverse
+        self._fixed, self._per_row_bytes = fixed, per_row
         self._longest_fixed = float(fixed.max()) if fixed.size else 0.0
+        self._per_row = self._sizes(None).tolist()
+
+    def _sizes(self, room: float | None) -> np.ndarray:
+        """Each element's size; with ``room`` (the limit), raised where a failed shape caps the rows below
+        what the bytes alone allow, so no more rows than the cap fit in ``room``."""
+        sizes = self._per_row_bytes.copy()
+        if room is not None and self.budget.failed_shapes and sizes.size:
+            cap = failed_cap(self._distinct, self.budget.failed_shapes).astype(np.float64)
+            sizes = np.maximum(sizes, np.where(cap > 0, room / np.maximum(cap, 1) * (1 + 1e-12), np.inf))
+        return sizes[self._inverse] if sizes.size else sizes
 
     def __call__(self, index: int) -> float:
         """Bytes per row of element ``index`` at its padded length."""
@@ -202,36 +215,48 @@ class MemorySizeof:
     def __len__(self) -> int:
         return len(self._per_row)
 
-    def max_total_size(self, budget_bytes: float) -> float:
-        """``budget_bytes`` minus the fixed bytes of a batch at the longest padded length.
+    def max_total_size(self, budget_bytes: float | None = None) -> float:
+        """The budget minus the fixed bytes of a batch at the longest padded length.
+
+        Args:
+            budget_bytes: what a batch may use; default: the given budget's
+                ``budget_bytes`` (its margin applied).
 
         Raises:
             ValueError: the fixed bytes alone are over the budget (no batch fits).
         """
-        budget = check_positive_number("budget_bytes", budget_bytes)
+        if budget_bytes is None:
+            if not self._given_budget:
+                raise bad_value("budget_bytes", "a number of bytes (no MemoryBudget was given)", budget_bytes)
+            budget = self.budget.budget_bytes
+        else:
+            budget = check_positive_number("budget_bytes", budget_bytes)
         room = budget - self._longest_fixed
         if not room > 0:
             raise bad_value("budget_bytes", f"above the fixed bytes of the longest batch ({self._longest_fixed:.0f})",
                             budget_bytes)
+        if self.budget.failed_shapes:
+            self._per_row = self._sizes(room).tolist()
         return room
 
 
-def bucket_memory_kwargs(memory_model: Any, lengths: Any, bucket_boundaries: Any, budget_bytes: float, *,
-                         pad_to_multiple_of: int | None = None) -> dict[str, list[Any]]:
+def bucket_memory_kwargs(memory_model: Any, lengths: Any, bucket_boundaries: Any, budget_bytes: float | None = None,
+                         *, pad_to_multiple_of: int | None = None) -> dict[str, list[Any]]:
     """``base_batch_sampler_individual_kwargs`` giving each bucket a memory-sized ``SizeAwareBatchSampler``.
 
     For ``BucketBatchSampler(lengths, bucket_boundaries, SizeAwareBatchSampler,
     base_batch_sampler_individual_kwargs=...)``: in the bucket whose longest
-    element is ``L`` (rounded up to ``pad_to_multiple_of``), every element
-    costs ``S(L)`` and the limit is ``budget_bytes - F(L)``, so a batch of the
-    bucket, padded to its longest row (at most ``L``), is predicted at or under
-    ``budget_bytes``; that is ``memory_model.max_rows(L, budget_bytes)`` rows.
+    element is ``L`` (at its padded width), every element costs ``S(L)`` and the
+    limit is ``budget_bytes - F(L)``, so a batch of the bucket, padded to its
+    longest row (at most ``L``), is predicted at or under ``budget_bytes``; that
+    is the budget's ``max_rows(L)`` rows (fewer where a shape ran out of memory).
 
     Args:
-        memory_model: a fitted :class:`~dynabatch.memory.model.MemoryModel`.
+        memory_model: a fitted :class:`~dynabatch.memory.model.MemoryModel`, or a
+            :class:`~dynabatch.memory.budget.MemoryBudget` over one.
         lengths: every element's length in tokens (the ``sizes`` of the bucket sampler).
         bucket_boundaries: the bucket sampler's boundaries.
-        budget_bytes: the peak bytes a batch may reach.
+        budget_bytes: the peak bytes a batch may reach (default: a given budget's ``budget_bytes``).
         pad_to_multiple_of: the collator's ``pad_to_multiple_of``, if any.
 
     Returns:
@@ -240,26 +265,33 @@ def bucket_memory_kwargs(memory_model: Any, lengths: Any, bucket_boundaries: Any
     Raises:
         ValueError: one row of some non-empty bucket is already over the budget.
     """
-    _check_model(memory_model)
-    budget = check_positive_number("budget_bytes", budget_bytes)
-    own = _as_lengths(lengths)
-    bounds = np.sort(_as_lengths(bucket_boundaries) if not isinstance(bucket_boundaries, torch.Tensor)
-                     else bucket_boundaries.detach().cpu().numpy().astype(np.float64))
+    budget = _check_budget(memory_model, budget_bytes, pad_to_multiple_of)
+    if budget_bytes is None and not isinstance(memory_model, MemoryBudget):
+        raise bad_value("budget_bytes", "a number of bytes (no MemoryBudget was given)", budget_bytes)
+    limit = budget.budget_bytes if budget_bytes is None else check_positive_number("budget_bytes", budget_bytes)
+    own = _as_lengths("lengths", lengths)
+    bounds = bucket_boundaries.detach().cpu().numpy() if isinstance(bucket_boundaries, torch.Tensor) else \
+        np.asarray(bucket_boundaries)
+    if bounds.ndim != 1 or not np.issubdtype(bounds.dtype, np.number):
+        raise bad_type("bucket_boundaries", "a 1-D sequence of numbers", bucket_boundaries)
+    bounds = np.sort(bounds.astype(np.float64))
     sizeofs: list[Any] = []
     limits: list[float] = []
     for lower, upper in pairwise(bounds):
         inside = own[(own >= lower) & (own < upper)]
         if not inside.size:  # an empty bucket still gets a sampler: any valid arguments
             sizeofs.append(_constant(0.0))
-            limits.append(budget)
+            limits.append(limit)
             continue
-        length = float(_padded(np.array([inside.max()]), pad_to_multiple_of)[0])
-        fixed, per_row = (float(v[0]) for v in _split(memory_model, np.array([length])))
-        if fixed + per_row > budget:
-            raise bad_value("budget_bytes", f"enough for one row of length {length:.0f} "
-                            f"({math.ceil(fixed + per_row)} bytes predicted)", budget_bytes)
-        sizeofs.append(_constant(per_row))
-        limits.append(budget - fixed)
+        width = int(budget.width(int(inside.max())))
+        fixed, per_row = (float(v[0]) for v in _split(budget, np.array([width])))
+        if fixed + per_row > limit:
+            raise bad_value("budget_bytes", f"enough for one row of length {width} "
+                            f"({math.ceil(fixed + per_row)} bytes predicted)", limit)
+        rows = int(budget.max_rows(width, max_memory=limit / (1.0 - budget.memory_margin)))
+        room = limit - fixed
+        sizeofs.append(_constant(max(per_row, room / max(rows, 1) * (1 - 1e-12)) if rows else room))
+        limits.append(room)
     return {"sizeof": sizeofs, "max_total_size": limits}
 
 

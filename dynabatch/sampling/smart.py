@@ -45,6 +45,7 @@ import numpy as np
 from dynabatch._validation import (
     bad_type,
     bad_value,
+    check_lengths,
     check_non_negative_int,
     check_positive_int,
 )
@@ -73,35 +74,15 @@ def as_lengths(lengths: Any) -> tuple[np.ndarray, tuple[str, ...]]:
         if not lengths:
             raise bad_value("lengths", "a mapping with at least one field", lengths)
         names = tuple(str(k) for k in lengths)
-        columns = [_as_column(f"lengths[{k!r}]", v) for k, v in lengths.items()]
+        columns = [check_lengths(f"lengths[{k!r}]", v) for k, v in lengths.items()]
         sizes = {len(c) for c in columns}
         if len(sizes) > 1:
             raise bad_value("lengths", "fields of one length each", {k: len(c) for k, c in zip(names, columns)})
         return np.stack(columns, axis=1) if columns[0].size else np.zeros((0, len(columns)), np.int64), names
-    if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__len__"):
-        raise bad_type("lengths", "a sequence, an array or a mapping of non-negative integer lengths", lengths)
-    array = np.asarray(lengths)
+    array = check_lengths("lengths", lengths, fields=True)
     if array.ndim == 1:
-        return _as_column("lengths", array)[:, None], ("lengths",)
-    if array.ndim == 2:
-        columns = [_as_column(f"lengths[:, {j}]", array[:, j]) for j in range(array.shape[1])]
-        if not columns:
-            raise bad_value("lengths", "an array with at least one column", array.shape)
-        return np.stack(columns, axis=1), tuple(f"lengths[:, {j}]" for j in range(array.shape[1]))
-    raise bad_value("lengths", "1-D or 2-D (one column per key field)", f"an array of shape {array.shape}")
-
-
-def _as_column(name: str, values: Any) -> np.ndarray:
-    array = np.asarray(values)
-    if array.size == 0:
-        return np.zeros(0, np.int64)
-    if array.ndim != 1:
-        raise bad_value(name, "1-D", f"an array of shape {array.shape}")
-    if array.dtype == bool or not np.issubdtype(array.dtype, np.integer):
-        raise bad_type(name, "integer lengths", values if array.size < 8 else array.dtype)
-    if array.min() < 0:
-        raise bad_value(name, "non-negative", int(array.min()))
-    return array.astype(np.int64)
+        return array[:, None], ("lengths",)
+    return array, tuple(f"lengths[:, {j}]" for j in range(array.shape[1]))
 
 
 def _sparse_tables(values: np.ndarray, levels: int, op: Any) -> np.ndarray:
@@ -312,4 +293,4 @@ class SmartBatchSampler(PlannedBatchSampler):
         )
 
     def identity(self) -> list[Any]:
-        return [self.lengths, self.fields, repr(self.constraint), self.window_batches]
+        return [self.lengths, self.fields, self.constraint, self.window_batches]  # a constraint by its key()

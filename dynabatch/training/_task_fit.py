@@ -1,16 +1,8 @@
-"""What :class:`~dynabatch.training.predictor.MemoryPredictor` fits and reads: one task's measured peaks.
+"""What :class:`~dynabatch.training.predictor.MemoryPredictor` fits: one task's measured peaks.
 
 ``_TaskFit`` keeps the measured peaks of one (task, mode) and fits a
-:class:`~dynabatch.memory.model.MemoryModel` to them; :func:`batch_shape`
-reads a collated batch's rows and padded length; ``_check_task`` refuses a
-task type that cannot key a dict. ``batch_shape`` is importable from
-``dynabatch.training.predictor``.
-
-Example:
-    >>> import torch
-    >>> from dynabatch.training.predictor import batch_shape
-    >>> batch_shape({"input_ids": torch.zeros(4, 16, dtype=torch.long)})
-    (4, 16)
+:class:`~dynabatch.memory.model.MemoryModel` to them; ``_check_task`` refuses
+a task type that cannot key a dict.
 """
 
 from __future__ import annotations
@@ -24,17 +16,7 @@ import torch
 from dynabatch._validation import bad_type
 from dynabatch.memory.model import MemoryModel
 
-__all__ = ["batch_shape"]
-
-
-def batch_shape(batch: Any) -> tuple[int, int]:
-    """Rows and padded length of a collated batch (``input_ids`` or the first 2-D tensor)."""
-    tensor = batch.get("input_ids") if isinstance(batch, dict) else None
-    if tensor is None and isinstance(batch, dict):
-        tensor = next((v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), None)
-    if not isinstance(tensor, torch.Tensor):
-        raise bad_type("batch", "a dict holding an input_ids tensor (rows x padded length)", batch)
-    return int(tensor.shape[0]), int(tensor.shape[1]) if tensor.dim() > 1 else 1
+__all__: list[str] = []
 
 
 class _TaskFit:

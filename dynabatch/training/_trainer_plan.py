@@ -16,7 +16,7 @@ number of backward passes each rank ran (an out-of-memory split adds some):
 every backward runs without DDP's synchronisation and
 :func:`average_gradients` averages the accumulated gradients over the ranks
 afterwards (:func:`reduce_step`); counts and losses are summed with
-:func:`dynabatch.sampling.passes.reduce_across_ranks`.
+:func:`dynabatch.sampling.ranks.reduce_across_ranks`.
 
 The task loss weights are checked by :func:`check_task_weights`. A
 checkpoint holds :data:`STATE_FILE` (:func:`write_state` / :func:`read_state`):
@@ -49,10 +49,9 @@ import numpy as np
 import torch
 
 from dynabatch._validation import bad_type, bad_value
-from dynabatch.sampling.passes import reduce_across_ranks
+from dynabatch.sampling.ranks import reduce_across_ranks
 from dynabatch.training.predictor import MemoryPredictor
 from dynabatch.training.sampler import (
-    CountBatchSampler,
     MemoryAwareBatchSampler,
     StepBatchSampler,
     split_step,
@@ -123,22 +122,18 @@ def step_sampler(
             micro-batches under this memory budget (both predictor and budget given).
     """
     shard = {"shuffle": True, "seed": seed, "num_replicas": world_size, "rank": rank, "shard": world_size == 1}
-    micro: MemoryAwareBatchSampler | CountBatchSampler
-    if predictor is not None and max_memory_mb is not None:
-        micro = MemoryAwareBatchSampler(
-            None, rows, max_memory_mb, task_diversity_weight=task_diversity_weight, predictor=predictor,
-            memory_margin=memory_margin, task_types=tasks, lengths=lengths, sort_window=sort_window, **shard,
-        )
-    else:
-        names = list(dict.fromkeys(tasks))
-        ids = np.array([names.index(t) for t in tasks], dtype=np.int64)
-        micro = CountBatchSampler(ids, lengths, rows, task_diversity_weight, **shard)
+    planned = predictor is not None and max_memory_mb is not None
+    micro = MemoryAwareBatchSampler(
+        None, rows, max_memory_mb if planned else None, task_diversity_weight=task_diversity_weight,
+        predictor=predictor if planned else None, memory_margin=memory_margin, task_types=tasks, lengths=lengths,
+        sort_window=sort_window if planned else None, **shard,
+    )
     steps = StepBatchSampler(micro, target_batch_size)
     # Without sharding len() counts every rank's steps (max_len and set_min_batches are per rank).
     ranks = 1 if steps.shard else steps.num_replicas
     epochs = epochs_to_plan(max_steps, num_train_epochs, len(steps) // ranks)
     steps.set_min_batches(steps.max_len(epochs))
-    return steps, micro if isinstance(micro, MemoryAwareBatchSampler) else None
+    return steps, micro if micro.calibrated else None
 
 
 def epochs_to_plan(max_steps: int, num_train_epochs: float, steps_per_epoch: int) -> int:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dynabatch._validation import bad_value
-from dynabatch.sampling.passes import process_group, reduce_across_ranks
+from dynabatch.sampling.ranks import process_group, reduce_across_ranks
 
 __all__ = ["GradNormBalancer", "gradnorm_update", "shared_parameter"]
 

@@ -3,7 +3,8 @@
 :func:`guarded_step` runs one micro-batch's forward and backward. If it runs
 out of memory, the batch is split in halves (trailing padding trimmed) and
 each half is run, recursively, so the optimizer still receives the gradient
-of the whole batch:
+of the whole batch (the batch is cut by :func:`dynabatch.data.collate.split_rows`,
+the one splitter, which trims left or right padding):
 
 * the step function must normalise its loss by the item count of the whole
   optimizer step (not of the micro-batch), so the halves' losses sum to the
@@ -13,54 +14,50 @@ of the whole batch:
   which; those parameters are frozen while the halves run, so no gradient is
   counted twice and none is lost.
 
-The :class:`OOMGuardian` remembers, per task and length, the row count that
-ran after a split, and later batches of that task at that length or longer
-are split before they run.
+The :class:`OOMGuardian` remembers, per task, the shapes that ran out of
+memory, and later batches of that task at least as wide are split before they
+run to fewer rows than the one that failed (the rule of
+:class:`~dynabatch.memory.budget.MemoryBudget`, which also gives the
+guardian's budget and safe batch sizes).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from dynabatch._validation import bad_type, bad_value, check_positive_number
+from dynabatch.data.collate import batch_shape, split_rows
+from dynabatch.memory.budget import GB, MAX_ROWS, MB, MemoryBudget, check_memory_margin, failed_cap
 from dynabatch.memory.guard import call_guarded, free_memory
-from dynabatch.training.predictor import active_predictor
+from dynabatch.training.predictor import last_measured_predictor
 
-__all__ = ["GradientCheckpointManager", "GuardedResult", "OOMGuardian", "guarded_step", "split_batch"]
+__all__ = ["GradientCheckpointManager", "GuardedResult", "OOMGuardian", "guarded_step"]
 
 logger = logging.getLogger(__name__)
-
-_MB = float(2**20)
-_GB = float(2**30)
-
-
-def _check_margin(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_type("memory_margin_percent", "a number in [0, 1)", value)
-    if not 0.0 <= value < 1.0:
-        raise bad_value("memory_margin_percent", "a number in [0, 1) (a fraction: 0.10 is 10%)", value)
-    return float(value)
-
 
 class OOMGuardian:
     """Keeps training steps inside the device's memory.
 
     Args:
         device: the training device.
-        memory_margin_percent: fraction of the budget kept free, in [0, 1).
-        max_memory_mb: the budget for a step's peak memory in MB; by default
-            the device's free memory (CUDA) or available RAM (CPU).
+        memory_margin_percent: fraction of the budget kept free, in [0, 1)
+            (a fraction, despite the name: 0.10 keeps 10% free).
+        max_memory_mb: the budget for a step's peak memory in MB (10**6
+            bytes); by default the device's free memory (CUDA) or available
+            RAM (CPU).
         predictor: a calibrated :class:`~dynabatch.MemoryPredictor` for
             :meth:`estimate_safe_batch_size`; by default the one that last
-            recorded a measurement in the process.
+            recorded a measurement in the process (seed 001's call passes none).
         simulate_limit: CPU only: run guarded steps under the CPU tracker's
             ``limit_bytes`` = ``max_memory_mb``, so going over it raises a real
             out-of-memory error, as on a device of that size.
@@ -78,20 +75,20 @@ class OOMGuardian:
         if not isinstance(device, (str, torch.device)):
             raise bad_type("device", "a str or torch.device", device)
         self.device = torch.device(device)
-        self.memory_margin_percent = _check_margin(memory_margin_percent)
+        self.memory_margin_percent = check_memory_margin(memory_margin_percent, "memory_margin_percent")
         self.max_memory_mb = None if max_memory_mb is None else check_positive_number("max_memory_mb", max_memory_mb)
         self.predictor = predictor
         if simulate_limit and (self.device.type != "cpu" or self.max_memory_mb is None):
             raise bad_value("simulate_limit", "False unless device is the CPU and max_memory_mb is set", simulate_limit)
         self.simulate_limit = bool(simulate_limit)
         self.num_out_of_memory = 0
-        self._safe_rows: dict[Hashable, list[tuple[int, int]]] = {}  # task -> [(length, rows that ran)]
+        self._failed: dict[Hashable, list[tuple[int, int]]] = {}  # task -> [(rows, length) that ran out of memory]
 
     # -- budget --------------------------------------------------------------
     def budget_bytes(self) -> float:
         """The memory a step may use: ``max_memory_mb``, else what the device has free now."""
         if self.max_memory_mb is not None:
-            return self.max_memory_mb * _MB
+            return self.max_memory_mb * MB
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
                 raise bad_value("device", "an available CUDA device, or max_memory_mb= to check against", self.device)
@@ -99,23 +96,28 @@ class OOMGuardian:
             return float(free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
         return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
+    def budget(self, task_type: Hashable | None = None, model: Any = None) -> MemoryBudget:
+        """The :class:`~dynabatch.memory.budget.MemoryBudget` of a step now: :meth:`budget_bytes`, the margin,
+        and the shapes of ``task_type`` that ran out of memory; ``model`` predicts its bytes (optional)."""
+        return MemoryBudget(model, self.budget_bytes(), memory_margin=self.memory_margin_percent,
+                            failed_shapes=self._failed.get(task_type, ()))
+
     def usable_bytes(self) -> float:
         """The budget minus the safety margin."""
-        return self.budget_bytes() * (1.0 - self.memory_margin_percent)
+        return self.budget().budget_bytes
 
     @property
     def limit_bytes(self) -> int | None:
         """The CPU tracker's limit when simulating a device, else ``None``."""
-        return int(self.max_memory_mb * _MB) if self.simulate_limit else None
+        return int(self.max_memory_mb * MB) if self.simulate_limit else None
 
     def preflight_check(self, predicted_memory_gb: float) -> bool:
         """True if a step predicted to need ``predicted_memory_gb`` fits the budget minus the margin."""
         predicted = check_positive_number("predicted_memory_gb", predicted_memory_gb) if predicted_memory_gb else 0.0
-        fits = predicted * _GB <= self.usable_bytes()
+        usable = self.usable_bytes()
+        fits = predicted * GB <= usable
         if not fits:
-            logger.warning(
-                "preflight: %.3f GB predicted, %.3f GB usable", predicted, self.usable_bytes() / _GB
-            )
+            logger.warning("preflight: %.3f GB predicted, %.3f GB usable", predicted, usable / GB)
         return fits
 
     def emergency_cleanup(self) -> None:
@@ -123,32 +125,27 @@ class OOMGuardian:
         free_memory()
 
     # -- remembered sizes ----------------------------------------------------
-    def record_out_of_memory(self, task_types: Sequence[Hashable], length: int, rows_that_ran: int) -> None:
-        """Remembers that batches of these tasks at ``length`` run with ``rows_that_ran`` rows."""
+    def record_out_of_memory(self, task_types: Sequence[Hashable], length: int, rows: int) -> None:
+        """Remembers that a batch of ``rows`` rows of these tasks, ``length`` wide, ran out of memory."""
         self.num_out_of_memory += 1
         for task in set(task_types):
-            entries = self._safe_rows.setdefault(task, [])
-            entries.append((int(length), int(rows_that_ran)))
+            self._failed.setdefault(task, []).append((int(rows), int(length)))
 
     def remembered_batch_size(self, task_types: Sequence[Hashable], length: int) -> int | None:
-        """The fewest rows that ran for any of these tasks at this length or shorter, or ``None``."""
-        sizes = [
-            rows
-            for task in set(task_types)
-            for known_length, rows in self._safe_rows.get(task, ())
-            if known_length <= length
-        ]
-        return min(sizes) if sizes else None
+        """The most rows of these tasks at ``length`` that no remembered failure forbids, or ``None``."""
+        caps = [int(failed_cap(np.array(length), self._failed[t])) for t in set(task_types) if t in self._failed]
+        caps = [c for c in caps if c < MAX_ROWS]
+        return min(caps) if caps else None
 
     def estimate_safe_batch_size(self, task_type: Hashable, seq_length: float | None = None) -> int:
         """Most rows of ``task_type`` predicted to fit the budget minus the margin (0 if none fits).
 
         Uses the predictor (at the task's typical length unless ``seq_length``
-        is given) and never exceeds a size remembered after an out-of-memory error.
+        is given) through :meth:`budget`, so a shape that ran out of memory caps it.
         """
-        remembered = self.remembered_batch_size([task_type], int(seq_length or 0) if seq_length else 2**31)
-        predictor = self.predictor if self.predictor is not None else active_predictor()
+        predictor = self.predictor if self.predictor is not None else last_measured_predictor()
         if predictor is None:
+            remembered = self.remembered_batch_size([task_type], int(seq_length or 2**31))
             if remembered is None:
                 raise bad_value(
                     "predictor",
@@ -158,66 +155,21 @@ class OOMGuardian:
                 )
             return remembered
         length = predictor.typical_length(task_type) if seq_length is None else float(seq_length)
-        usable = self.usable_bytes()
-
-        def fits(rows: int) -> bool:
-            return float(predictor.predict_bytes(task_type, rows, length)) <= usable
-
-        if not fits(1):
-            return 0
-        high = 1
-        while fits(high * 2) and high < 2**30:
-            high *= 2
-        low, high = high, high * 2  # fits(low), not fits(high)
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (mid, high) if fits(mid) else (low, mid)
-        return low if remembered is None else min(low, remembered)
+        return int(self.budget(task_type, _TaskBytes(predictor, task_type)).max_rows(math.ceil(length)))
 
 
-def split_batch(batch: dict[str, Any], sizes: Sequence[int]) -> list[dict[str, Any]]:
-    """Cuts a collated batch into consecutive row groups of ``sizes``; trailing padding is trimmed.
+class _TaskBytes:
+    """One task of a predictor as the memory model of a budget: ``predict(rows, padded_length)`` in bytes."""
 
-    Tensors and lists whose first dimension is the row count are cut; other
-    values are shared. With right padding (an ``attention_mask`` whose last
-    column is empty) each part is cut to its own longest row.
-    """
-    rows = _rows(batch)
-    if sum(sizes) != rows:
-        raise bad_value("sizes", f"row counts summing to the batch's {rows} rows", list(sizes))
-    parts, start = [], 0
-    for size in sizes:
-        part = {
-            k: v[start : start + size] if _is_row_field(v, rows) else v for k, v in batch.items()
-        }
-        parts.append(_trim_right_padding(part))
-        start += size
-    return parts
+    def __init__(self, predictor: Any, task_type: Hashable) -> None:
+        self.predictor, self.task_type = predictor, task_type
+
+    def predict(self, rows: Any, padded_length: Any) -> Any:
+        return self.predictor.predict_bytes(self.task_type, rows, padded_length)
 
 
 def _rows(batch: dict[str, Any]) -> int:
-    for value in batch.values():
-        if isinstance(value, torch.Tensor) and value.dim() >= 1:
-            return int(value.shape[0])
-    raise bad_type("batch", "a dict with at least one tensor", batch)
-
-
-def _is_row_field(value: Any, rows: int) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.dim() >= 1 and value.shape[0] == rows
-    return isinstance(value, list) and len(value) == rows
-
-
-def _trim_right_padding(part: dict[str, Any]) -> dict[str, Any]:
-    mask = part.get("attention_mask")
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] == 0 or bool(mask[:, -1].any()):
-        return part
-    used = int(mask.any(dim=0).nonzero().max()) + 1 if bool(mask.any()) else 1
-    width = mask.shape[1]
-    return {
-        k: v[:, :used] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == width else v
-        for k, v in part.items()
-    }
+    return batch_shape(batch)[0]
 
 
 @dataclass
@@ -273,8 +225,7 @@ def guarded_step(
     length = int(batch["input_ids"].shape[1]) if isinstance(batch.get("input_ids"), torch.Tensor) else 0
     known = guardian.remembered_batch_size(task_types, length) if guardian is not None else None
     if known is not None and rows > known:
-        sizes = [known] * (rows // known) + ([rows % known] if rows % known else [])
-        parts = split_batch(batch, sizes)
+        parts = split_rows(batch, [len(p) for p in np.array_split(np.arange(rows), -(-rows // max(known, 1)))])
         result.splits += len(parts) - 1
     else:
         parts = [batch]
@@ -307,11 +258,11 @@ def _run(step, batch, params, guardian, task_types, measure_on, result: GuardedR
     length = int(batch["input_ids"].shape[1]) if isinstance(batch.get("input_ids"), torch.Tensor) else 0
     logger.warning("out of memory on %d rows x %d; running it as %d + %d rows", rows, length, half, rows - half)
     if guardian is not None:
-        guardian.record_out_of_memory(task_types, length, half)
+        guardian.record_out_of_memory(task_types, length, rows)
     result.splits += 1
     result.early_gradients += len(done)
     with _frozen(done):
-        for part in split_batch(batch, [half, rows - half]):
+        for part in split_rows(batch, [half, rows - half]):
             _run(step, part, todo, guardian, task_types, measure_on, result)
 
 

@@ -14,7 +14,16 @@ trainers, ...) or use :class:`BatchSamplerTrainer`::
     trainer.train()
 
 ``per_device_train_batch_size`` and ``group_by_length`` play no part: the
-sampler decides every batch.
+sampler decides every batch. Packing works the same way: pass a
+:class:`~dynabatch.sampling.multipack.MultipackBatchSampler` and a
+:class:`~dynabatch.data.packing.PackedCollator` as ``data_collator`` (each bin
+of a batch becomes one row)::
+
+    sampler = MultipackBatchSampler(RandomSampler(ds), batch_size=4, batch_max_len=2048, lengths=lengths,
+                                    num_replicas=args.world_size, shard=args.world_size == 1)
+    trainer = BatchSamplerTrainer(model=model, args=args, train_dataset=ds,
+                                  data_collator=PackedCollator(pad_token_id=tok.pad_token_id, block_mask="bool"),
+                                  train_batch_sampler=sampler)
 
 What the hook takes care of:
 
@@ -53,6 +62,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from dynabatch._validation import bad_type, bad_value
+from dynabatch.data.packing import PackedDataset
 from dynabatch.sampling.base import PlannedBatchSampler
 
 __all__ = ["SAMPLER_STATE_FILE", "BatchSamplerTrainer", "BatchSamplerTrainerMixin"]
@@ -137,10 +147,13 @@ class BatchSamplerTrainerMixin:
             import datasets
         except ImportError:  # pragma: no cover - datasets is optional
             datasets = None
+        bins = getattr(sampler, "yields_bins", False)  # a packing sampler: its batches are lists of bins
         if datasets is not None and isinstance(dataset, datasets.Dataset):
             dataset = self._remove_unused_columns(dataset, description="training")
-        else:
+        elif not bins:
             collator = self._get_collator_with_removed_columns(collator, description="training")
+        if bins:
+            dataset = PackedDataset(dataset)
         params: dict[str, Any] = {
             "batch_sampler": sampler,
             "collate_fn": collator,

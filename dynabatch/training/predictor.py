@@ -11,9 +11,10 @@ mixing tasks is predicted as the row-weighted mix of each task's
 prediction at the batch's row count and padded length. Nothing is assumed:
 a task without a measurement cannot be predicted and says so.
 
-Units follow seed 001: measurements are recorded in MB (``2**20`` bytes) and
-predictions are returned in GB (``2**30`` bytes). One task's fit and
-:func:`batch_shape` are defined in ``_task_fit.py``.
+Units follow seed 001's names in dynabatch's one convention
+(:mod:`dynabatch.memory.budget`): measurements are recorded in MB (10**6
+bytes) and predictions are returned in GB (10**9 bytes), as ``"MB"`` and
+``"GB"`` parse everywhere in dynabatch. One task's fit is in ``_task_fit.py``.
 
 Example:
     >>> from dynabatch.training.predictor import MemoryPredictor
@@ -21,9 +22,9 @@ Example:
     >>> for rows in (1, 2, 4, 8):
     ...     for length in (8, 16, 32):
     ...         predictor.record_actual_memory("T1", 10 + rows * 0.5 * length, batch_size=rows, seq_length=length)
-    >>> round(predictor.predict_sample_memory("T1", seq_length=32) * 1024, 3)  # GB -> MB
+    >>> round(predictor.predict_sample_memory("T1", seq_length=32) * 1000, 3)  # GB -> MB
     26.0
-    >>> round(predictor.predict_batch_memory(["T1"] * 4, lengths=[8, 16, 32, 32]) * 1024, 3)
+    >>> round(predictor.predict_batch_memory(["T1"] * 4, lengths=[8, 16, 32, 32]) * 1000, 3)
     74.0
     >>> predictor.get_calibration_accuracy()["T1"]["mean_abs_error_pct"] < 1e-6
     True
@@ -43,24 +44,27 @@ import numpy as np
 import torch
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.data.collate import batch_shape
+from dynabatch.memory.budget import GB, MB
 from dynabatch.memory.guard import call_guarded
-from dynabatch.training._task_fit import _check_task, _TaskFit, batch_shape
+from dynabatch.training._task_fit import _check_task, _TaskFit
 
-__all__ = ["GB", "MB", "MemoryPredictor", "active_predictor", "batch_shape", "estimate_training_memory"]
+__all__ = ["MemoryPredictor", "estimate_training_memory", "last_measured_predictor"]
 
 logger = logging.getLogger(__name__)
 
-MB = float(2**20)
-GB = float(2**30)
-_active: list[weakref.ref] = []
+_last: list[weakref.ref] = []
 
 
-def active_predictor() -> MemoryPredictor | None:
+def last_measured_predictor() -> MemoryPredictor | None:
     """The predictor that last recorded a measurement in this process (``None`` if none did).
 
-    What :class:`~dynabatch.MemoryAwareBatchSampler` uses when it is not given one.
+    Only the two calls seed 001 documents without a predictor argument read it:
+    :func:`estimate_training_memory` and ``OOMGuardian.estimate_safe_batch_size``
+    (each logs which predictor it used). Samplers never do: they plan with the
+    predictor they are given.
     """
-    return _active[0]() if _active else None
+    return _last[0]() if _last else None
 
 
 class MemoryPredictor:
@@ -97,7 +101,7 @@ class MemoryPredictor:
 
         Args:
             task_type: the task (any hashable).
-            actual_memory_mb: the measured peak in MB (``2**20`` bytes).
+            actual_memory_mb: the measured peak in MB (10**6 bytes).
             batch_size: rows in the measured batch.
             seq_length: padded length (or other size field) >= 1; ``None`` when unknown (counted as 1).
             is_training: a training step (forward + backward) or a forward pass only.
@@ -116,7 +120,7 @@ class MemoryPredictor:
         if key not in self._fits:
             self._fits[key] = _TaskFit(self.device, self.max_observations)
         self._fits[key].add(rows, length, float(actual_memory_mb) * MB)
-        _active[:] = [weakref.ref(self)]
+        _last[:] = [weakref.ref(self)]
         self._task_lengths.setdefault(task_type, []).append(length)
 
     def calibrate(
@@ -147,6 +151,11 @@ class MemoryPredictor:
         return measured
 
     # -- prediction --------------------------------------------------------
+    def has_measurement(self, task_type: Hashable, is_training: bool = True) -> bool:
+        """Whether ``task_type`` has a measured peak in that mode (so it can be predicted)."""
+        _check_task(task_type)
+        return (task_type, bool(is_training)) in self._fits
+
     @property
     def task_types(self) -> list[Hashable]:
         """Tasks with at least one measurement, in the order first seen."""
@@ -279,7 +288,7 @@ class MemoryPredictor:
         for task, lengths in state.get("task_lengths", []):
             self._task_lengths[task] = list(lengths)
         if self._fits:
-            _active[:] = [weakref.ref(self)]
+            _last[:] = [weakref.ref(self)]
 
     def save(self, path: str) -> None:
         """Writes :meth:`state_dict` as JSON."""
@@ -306,10 +315,13 @@ def estimate_training_memory(
 ) -> dict[str, Any]:
     """Plans memory and steps of a multi-task run (seed 001's ``estimate_training_memory``).
 
-    With a calibrated ``predictor`` the memory figures are its predictions for a
-    batch of ``batch_size`` rows mixing the tasks as ``task_distribution`` says,
-    padded to the longest typical length; without one they are ``None`` (there
-    is nothing measured to estimate from) and only the counts are filled in.
+    The memory figures are the predictor's predictions for a batch of
+    ``batch_size`` rows mixing the tasks as ``task_distribution`` says, padded
+    to the longest typical length. Without ``predictor`` (seed 001's call), the
+    predictor that last recorded a measurement in this process is used (and
+    logged); with none, a ``ValueError`` says how to measure. A task without a
+    measurement raises, naming it: nothing is predicted that was not measured.
+    Memory figures are in MB (10**6 bytes).
 
     Returns:
         ``per_sample_mb`` (per task), ``per_batch_mb``, ``estimated_peak_memory_mb``
@@ -337,7 +349,15 @@ def estimate_training_memory(
         "estimated_peak_memory_mb": None,
     }
     if predictor is None:
-        return out
+        predictor = last_measured_predictor()
+        if predictor is None:
+            raise ValueError(
+                "estimate_training_memory needs measured peaks, but got no predictor and no MemoryPredictor has "
+                "recorded a measurement in this process: measure first (MemoryPredictor.record_actual_memory(task, "
+                "mb, batch_size, seq_length), or MemoryPredictor.calibrate(step, batches)) and pass predictor="
+            )
+        logger.info("estimate_training_memory: using the MemoryPredictor on %s that last recorded a measurement",
+                    predictor.device)
     if not isinstance(predictor, MemoryPredictor):
         raise bad_type("predictor", "a MemoryPredictor or None", predictor)
     padded = max(predictor.typical_length(t) for t in tasks)

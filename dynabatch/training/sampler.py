@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -40,17 +41,22 @@ from dynabatch._validation import (
     bad_type,
     bad_value,
     check_fraction,
+    check_lengths,
     check_positive_int,
     check_positive_number,
 )
+from dynabatch.memory.budget import MB, MemoryBudget, check_memory_margin
 from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.sampling.memory_aware import (
+    BatchBytes,
     check_single_samples_fit,
     plan_memory_aware_batches,
 )
-from dynabatch.training.predictor import MB, MemoryPredictor, active_predictor
+from dynabatch.training.predictor import MemoryPredictor
 
-__all__ = ["STEP_SEPARATOR", "CountBatchSampler", "MemoryAwareBatchSampler", "StepBatchSampler", "read_task_metadata"]
+__all__ = ["STEP_SEPARATOR", "MemoryAwareBatchSampler", "StepBatchSampler", "read_task_metadata"]
+
+logger = logging.getLogger(__name__)
 
 _SIZE_FIELDS = ("length", "seq_length", "num_tokens")
 
@@ -105,32 +111,42 @@ class MemoryAwareBatchSampler(PlannedBatchSampler):
             with ``task_type``); may be ``None`` when ``task_types`` and
             ``lengths`` are given.
         batch_size: at most this many rows per batch.
-        max_memory_mb: the memory budget of one batch (training step) in MB.
+        max_memory_mb: the memory budget of one batch (training step) in MB
+            (10**6 bytes, as ``"MB"`` in every memory size dynabatch parses);
+            ``None``: no budget, batches of ``batch_size`` rows.
         shuffle: shuffle samples within tasks and the batch order each epoch.
         task_diversity_weight: 0 gives single-task batches, 1 batches that
             mirror the global task mix.
         seed: seeds all shuffling, with the epoch.
         predictor: a :class:`~dynabatch.MemoryPredictor` with measurements for
-            every task; by default the one that last recorded a measurement.
+            every task. Only the predictor passed here is used. Without one, or
+            while it lacks a measurement of some task, every batch is
+            ``batch_size`` rows (the task mix still applies) and one warning
+            says memory is not calibrated yet.
         memory_margin: fraction of ``max_memory_mb`` kept free, in [0, 1).
         task_types, lengths: per-sample tasks and sizes, instead of reading the dataset.
         size_field: the metadata field holding a sample's size.
         is_training: plan with the predictor's training-step (or forward-only) fits.
         sort_window: sort each task's shuffled samples by length within windows of
             this many, so batches waste less on padding (``None``: no sorting).
-        num_replicas, rank, shard: distributed sharding (see :class:`~dynabatch.sampling.base.PlannedBatchSampler`).
+        num_replicas, rank, shard: ranks (see :class:`~dynabatch.sampling.base.PlannedBatchSampler`).
+
+    Attributes:
+        budget: the :class:`~dynabatch.memory.budget.MemoryBudget` every batch is planned under
+            (``None`` without ``max_memory_mb``).
+        calibrated: whether batches are planned by predicted memory (else by ``batch_size``).
 
     Raises:
         ValueError: ``max_memory_mb`` <= 0, or below what one sample of a task
             needs (the task is named); a margin outside [0, 1); metadata without
-            ``task_type``; a task the predictor has no measurement for.
+            ``task_type``.
     """
 
     def __init__(
         self,
         dataset: Any,
         batch_size: int,
-        max_memory_mb: float,
+        max_memory_mb: float | None,
         shuffle: bool = True,
         task_diversity_weight: float = 0.5,
         seed: int = 0,
@@ -149,17 +165,17 @@ class MemoryAwareBatchSampler(PlannedBatchSampler):
         super().__init__(shuffle=shuffle, seed=seed, num_replicas=num_replicas, rank=rank, shard=shard)
         self.sort_window = None if sort_window is None else check_positive_int("sort_window", sort_window)
         self.batch_size = check_positive_int("batch_size", batch_size)
-        self.max_memory_mb = check_positive_number("max_memory_mb", max_memory_mb)
-        if isinstance(memory_margin, bool) or not isinstance(memory_margin, (int, float)) or not 0 <= memory_margin < 1:
-            raise bad_value("memory_margin", "a number in [0, 1)", memory_margin)
-        self.memory_margin = float(memory_margin)
+        self.max_memory_mb = None if max_memory_mb is None else check_positive_number("max_memory_mb", max_memory_mb)
+        self.memory_margin = check_memory_margin(memory_margin)
+        self.budget = None if max_memory_mb is None else MemoryBudget(None, self.max_memory_mb * MB,
+                                                                      memory_margin=self.memory_margin)
         self.task_diversity_weight = check_fraction("task_diversity_weight", task_diversity_weight)
         self.dataset = dataset
         if task_types is None:
             tasks, sizes = read_task_metadata(dataset, size_field)
         else:
             tasks = list(task_types)
-            sizes = np.ones(len(tasks), dtype=np.int64) if lengths is None else np.asarray(lengths, dtype=np.int64)
+            sizes = np.ones(len(tasks), dtype=np.int64) if lengths is None else check_lengths("lengths", lengths)
             if len(sizes) != len(tasks):
                 raise bad_value("lengths", f"one length per task type ({len(tasks)})", f"<{len(sizes)} lengths>")
             for idx, task in enumerate(tasks):
@@ -169,31 +185,33 @@ class MemoryAwareBatchSampler(PlannedBatchSampler):
         position = {t: k for k, t in enumerate(self.task_names)}
         self.task_ids = np.array([position[t] for t in tasks], dtype=np.int64)
         self.lengths = sizes
-        predictor = predictor if predictor is not None else active_predictor()
-        if predictor is None:
-            raise bad_value(
-                "predictor",
-                "a MemoryPredictor with measured peaks (none was given and none has recorded a "
-                "measurement in this process: call record_actual_memory or calibrate first)",
-                predictor,
-            )
-        if not isinstance(predictor, MemoryPredictor):
-            raise bad_type("predictor", "a MemoryPredictor", predictor)
+        if predictor is not None and not isinstance(predictor, MemoryPredictor):
+            raise bad_type("predictor", "a MemoryPredictor or None", predictor)
         self.predictor = predictor
         self.is_training = bool(is_training)
-        self.batch_bytes = predictor.batch_memory_function(self.task_names, self.is_training)
-        self.max_bytes = self.max_memory_mb * MB * (1.0 - self.memory_margin)
-        check_single_samples_fit(
-            self.task_ids, self.lengths, self.batch_bytes, self.max_bytes,
-            name="max_memory_mb", value=max_memory_mb, task_names=self.task_names, unit=("MB", MB),
-        )
+        unmeasured = [t for t in self.task_names if predictor is None or not predictor.has_measurement(t, is_training)]
+        self.calibrated = self.budget is not None and not unmeasured
+        self.batch_bytes: BatchBytes | None = None
+        if self.calibrated:
+            self.batch_bytes = predictor.batch_memory_function(self.task_names, self.is_training)
+            check_single_samples_fit(
+                self.task_ids, self.lengths, self.batch_bytes, self.budget.budget_bytes,
+                name="max_memory_mb", value=max_memory_mb, task_names=self.task_names, unit=("MB", MB),
+            )
+        elif self.task_names and self.budget is not None:
+            what = "no predictor was given" if predictor is None else (
+                f"the predictor has no {'training-step' if is_training else 'forward'} measurement of task(s) "
+                f"{unmeasured}")
+            logger.warning("memory is not calibrated yet (%s): batches of batch_size=%d rows, not planned by "
+                           "max_memory_mb; measure with MemoryPredictor.record_actual_memory or .calibrate and pass "
+                           "predictor=", what, self.batch_size)
 
     def plan(self, epoch: int) -> list[np.ndarray]:
         return plan_memory_aware_batches(
             self.task_ids,
             self.lengths,
             self.batch_bytes,
-            self.max_bytes,
+            self.budget if self.calibrated else None,
             batch_size=self.batch_size,
             task_diversity_weight=self.task_diversity_weight,
             shuffle=self.shuffle,
@@ -203,38 +221,16 @@ class MemoryAwareBatchSampler(PlannedBatchSampler):
         )
 
     def identity(self) -> list[Any]:
-        return [
-            self.task_ids,
-            self.lengths,
-            self.batch_size,
-            self.max_bytes,
-            self.task_diversity_weight,
-            self.sort_window,
-            np.asarray(self.batch_bytes.coefficients),
-        ]
+        return [self.task_ids, self.lengths, self.batch_size, self.task_diversity_weight, self.sort_window,
+                self.budget if self.calibrated else None, self.batch_bytes]
 
-    def predicted_mb(self, indices: Sequence[int]) -> float:
-        """Predicted peak of a batch of these indices, in MB."""
+    def predicted_mb(self, indices: Sequence[int]) -> float | None:
+        """Predicted peak of a batch of these indices, in MB (``None`` while memory is not calibrated)."""
+        if self.batch_bytes is None:
+            return None
         idx = np.asarray(indices, dtype=np.int64)
         counts = np.bincount(self.task_ids[idx], minlength=len(self.task_names))
         return self.batch_bytes(counts, int(self.lengths[idx].max())) / MB
-
-
-class CountBatchSampler(PlannedBatchSampler):
-    """Micro-batches of at most ``batch_size`` rows and no memory model (no predictor given)."""
-
-    def __init__(self, task_ids: np.ndarray, lengths: np.ndarray, batch_size: int, weight: float, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.task_ids, self.lengths, self.batch_size, self.weight = task_ids, lengths, batch_size, weight
-
-    def plan(self, epoch: int) -> list[np.ndarray]:
-        return plan_memory_aware_batches(
-            self.task_ids, self.lengths, lambda c, n: 0.0, 1.0, batch_size=self.batch_size,
-            task_diversity_weight=self.weight, shuffle=self.shuffle, seed=self.seed, epoch=epoch,
-        )
-
-    def identity(self) -> list[Any]:
-        return [self.task_ids, self.lengths, self.batch_size, self.weight]
 
 
 class StepBatchSampler(PlannedBatchSampler):
@@ -242,7 +238,9 @@ class StepBatchSampler(PlannedBatchSampler):
 
     Each yielded list is one step: the micro-batches' indices separated by
     :data:`STEP_SEPARATOR`. The last step of an epoch may hold fewer samples.
-    Order, resumption and sharding act on whole steps.
+    A step is a grouped batch of the base (its micro-batches are the groups):
+    order, resumption and ranks act on whole steps, and a step split to give
+    every rank the same number is split between micro-batches first.
     """
 
     def __init__(self, micro: PlannedBatchSampler, target_batch_size: int | None) -> None:
@@ -256,28 +254,26 @@ class StepBatchSampler(PlannedBatchSampler):
             "target_batch_size", target_batch_size
         )
 
-    def plan(self, epoch: int) -> list[np.ndarray]:
-        steps: list[np.ndarray] = []
+    def plan(self, epoch: int) -> list[list[np.ndarray]]:
+        steps: list[list[np.ndarray]] = []
         current: list[np.ndarray] = []
         rows = 0
         for batch in self.micro.plan(epoch):
             current.append(np.asarray(batch, dtype=np.int64))
             rows += len(batch)
             if self.target_batch_size is None or rows >= self.target_batch_size:
-                steps.append(_join(current))
+                steps.append(current)
                 current, rows = [], 0
         if current:
-            steps.append(_join(current))
+            steps.append(current)
         return steps
 
     def identity(self) -> list[Any]:
         return [self.micro.fingerprint, self.target_batch_size]
 
-
-def _join(batches: list[np.ndarray]) -> np.ndarray:
-    sep = np.array([STEP_SEPARATOR], dtype=np.int64)
-    parts = [p for b in batches for p in (b, sep)][:-1]
-    return np.concatenate(parts)
+    def _output(self, batch: list[np.ndarray]) -> list[int]:
+        sep = np.array([STEP_SEPARATOR], dtype=np.int64)
+        return np.concatenate([p for group in batch for p in (group, sep)][:-1]).tolist()
 
 
 def split_step(indices: Sequence[int]) -> list[list[int]]:

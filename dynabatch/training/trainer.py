@@ -45,7 +45,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from dynabatch._validation import bad_type, check_positive_int
-from dynabatch.sampling.passes import reduce_across_ranks
+from dynabatch.sampling.ranks import reduce_across_ranks
 from dynabatch.training._trainer_plan import (
     STATE_FILE,  # noqa: F401 (re-exported: the checkpoint file's name, importable from here as before)
     IndexedDataset,

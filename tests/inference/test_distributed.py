@@ -1,5 +1,4 @@
 import json
-import math
 import os
 import re
 import subprocess
@@ -10,164 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from dynabatch.inference.distributed import (
-    balance,
-    batch_costs,
-    gather_results,
-    imbalance,
-    shard_batches,
-    world,
-)
+from dynabatch.inference.distributed import gather_results, world
 
 REPO = Path(__file__).resolve().parents[2]
-try:
-    from dynabatch.inference.runner import run
-
-    RUNNER_AVAILABLE = True
-except ImportError:  # the runner is written alongside this module
-    RUNNER_AVAILABLE = False
-
-
-def _reference(costs, world_size):
-    """The count-capped greedy written plainly: O(n * world_size)."""
-    n = len(costs)
-    cap = -(-n // world_size)
-    loads, shares = [0.0] * world_size, [[] for _ in range(world_size)]
-    for b in sorted(range(n), key=lambda b: (-costs[b], b)):
-        r = min((q for q in range(world_size) if len(shares[q]) < cap), key=lambda q: (loads[q], q))
-        shares[r].append(b)
-        loads[r] += costs[b]
-    return [sorted(s) for s in shares]
-
-
-costs_strategy = st.one_of(
-    st.lists(st.floats(0, 1e6, allow_nan=False, allow_infinity=False), max_size=80),
-    st.lists(st.integers(0, 10_000), max_size=80),
-    st.lists(st.sampled_from([0, 1, 2, 3, 50, 100]), max_size=80),  # many ties and zeros
-)
-world_strategy = st.integers(1, 12)
-
-
-# --------------------------------------------------------------------------- shard_batches / balance
-
-
-@settings(deadline=None, max_examples=150)
-@given(costs=costs_strategy, world_size=world_strategy)
-def test_every_batch_once_equal_steps_plan_order(costs, world_size):
-    n = len(costs)
-    steps = [shard_batches(costs, world_size, r) for r in range(world_size)]
-    assert {len(s) for s in steps} == {math.ceil(n / world_size)}
-    ran = sorted(b for s in steps for b in s if b != -1)
-    assert ran == list(range(n))
-    assert sum(s.count(-1) for s in steps) == world_size * math.ceil(n / world_size) - n < world_size
-    for s in steps:
-        mine = [b for b in s if b != -1]
-        assert s == mine + [-1] * (len(s) - len(mine))  # batches first, padding last
-        assert mine == sorted(mine)  # in plan order
-    assert [[b for b in s if b != -1] for s in steps] == balance(costs, world_size)
-
-
-@settings(deadline=None, max_examples=150)
-@given(costs=costs_strategy, world_size=world_strategy)
-def test_max_load_within_the_lpt_bound(costs, world_size):
-    # max load <= T/W + (1 - 1/W) * c_max (proof sketch in the module docstring); tight for one batch.
-    loads = [math.fsum(costs[b] for b in share) for share in balance(costs, world_size)]
-    total = math.fsum(costs)
-    c_max = max(costs, default=0)
-    bound = total / world_size + (1 - 1 / world_size) * c_max
-    assert max(loads, default=0) <= bound * (1 + 1e-9) + 1e-9
-    assert imbalance(costs, world_size) <= (1 + (world_size - 1) * c_max / total if total else 1.0) + 1e-9
-
-
-@settings(deadline=None, max_examples=100)
-@given(costs=costs_strategy, world_size=world_strategy)
-def test_deterministic_and_matches_the_plain_greedy(costs, world_size):
-    shares = balance(costs, world_size)
-    assert balance(list(costs), world_size) == shares
-    assert balance(np.asarray(costs, dtype=np.float64), world_size) == shares
-    assert balance(tuple(costs), world_size) == shares
-    assert shares == _reference([float(c) for c in costs], world_size)
-
-
-def test_bound_is_tight_and_better_than_round_robin():
-    assert balance([5.0], 2) == [[0], []]
-    assert shard_batches([5.0], 2, 1) == [-1]
-    assert imbalance([5.0], 2) == 2.0  # = 1 + (W - 1) * c_max / T
-    assert imbalance([5e-324], 2) == 2.0  # a subnormal total must not underflow the mean load to 0
-    costs = [9, 7, 6, 5, 4, 3, 2]
-    assert balance(costs, 2) == [[0, 3, 5, 6], [1, 2, 4]]
-    assert imbalance(costs, 3) < 1.09
-
-
-def test_edge_cases():
-    assert shard_batches([], 3, 2) == []
-    assert balance([], 2) == [[], []]
-    assert imbalance([], 4) == 1.0
-    assert imbalance([0, 0, 0], 2) == 1.0
-    assert shard_batches([1, 1, 1], 1, 0) == [0, 1, 2]
-    assert [shard_batches([1.0], 3, r) for r in range(3)] == [[0], [-1], [-1]]
-    assert [shard_batches([0, 0, 0, 0], 2, r) for r in range(2)] == [[0, 1], [2, 3]]  # cap keeps steps equal
-    assert shard_batches(torch.tensor([1.0, 2.0, 3.0]), 2, 0) == [2, -1]
-    assert shard_batches(np.array([3, 2, 1], dtype=np.int32), np.int64(2), np.int64(1)) == [1, 2]
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"world_size": 0, "rank": 0}, ValueError, r"^world_size should be a positive integer, but got world_size=0$"),
-        ({"world_size": 2.0, "rank": 0}, TypeError,
-         r"^world_size should be a positive integer, but got world_size=2.0 of type float$"),
-        ({"world_size": True, "rank": 0}, TypeError, r"world_size=True of type bool"),
-        ({"world_size": 2, "rank": 2}, ValueError,
-         r"^rank should be a non-negative integer less than world_size=2, but got rank=2$"),
-        ({"world_size": 2, "rank": -1}, ValueError, r"^rank should be a non-negative integer, but got rank=-1$"),
-        ({"world_size": 2, "rank": "0"}, TypeError, r"^rank should be a non-negative integer, but got rank='0' of type str$"),
-    ],
-)
-def test_shard_argument_errors(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        shard_batches([1.0, 2.0], **kwargs)
-
-
-@pytest.mark.parametrize(
-    ("costs", "error", "match"),
-    [
-        ([1.0, float("nan")], ValueError, r"^costs\[1\] should be a finite non-negative number, but got costs\[1\]=nan$"),
-        ([1, -2, 3], ValueError, r"^costs\[1\] should be a finite non-negative number, but got costs\[1\]=-2.0$"),
-        ([float("inf")], ValueError, r"costs\[0\]=inf$"),
-        ([1, "2"], TypeError, r"^costs\[1\] should be a finite non-negative number, but got costs\[1\]='2' of type str$"),
-        ([1, True], TypeError, r"costs\[1\]=True of type bool"),
-        ([1, None], TypeError, r"costs\[1\]=None of type NoneType"),
-        (None, TypeError, (r"^costs should be a 1-D sequence of finite non-negative numbers, one per batch, but got "
-                          r"costs=None of type NoneType$")),
-        ("12", TypeError, r"costs='12' of type str"),
-        ({1: 2}, TypeError, r"costs=\{1: 2\} of type dict"),
-        (np.ones((2, 2)), ValueError, r"costs='array of shape \(2, 2\)'"),
-        (np.array([True, False]), TypeError, r"costs\[0\]=.*True.* of type bool"),
-    ],
-)
-def test_cost_errors(costs, error, match):
-    with pytest.raises(error, match=match):
-        shard_batches(costs, 2, 0)
-    with pytest.raises(error, match=match):
-        balance(costs, 2)
-
-
-def test_batch_costs_are_rows_times_padded_width():
-    lengths = np.random.default_rng(0).integers(1, 129, size=300)
-    from dynabatch.sampling.planner import plan_batches
-
-    batches = plan_batches(lengths, batch_size=4, max_input_token_length=128)
-    costs = batch_costs(batches, lengths)
-    assert costs == [float(len(b) * lengths[b].max()) for b in batches]
-    assert batch_costs([[], [0]], [7]) == [0.0, 7.0]
-    with pytest.raises(ValueError, match=r"^batches\[0\] should be positions in range\(len\(lengths\)=1\)"):
-        batch_costs([[1]], [7])
-    with pytest.raises(TypeError, match=r"^batches should be"):
-        batch_costs(None, [7])
+from dynabatch.inference.runner import run  # noqa: E402
 
 
 # --------------------------------------------------------------------------- gather_results, one process
@@ -221,27 +67,28 @@ _WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
 
-    from dynabatch.inference.distributed import batch_costs, gather_results, shard_batches, world
+    from dynabatch.inference.distributed import gather_results, world
     from dynabatch.sampling.planner import plan_batches
+    from dynabatch.sampling.sampler import DynamicBatchSampler
 
-    rank, out, with_runner = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+    rank, out = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", rank=rank, world_size=2)
     report = {"world": list(world())}
 
     for n in (300, 296):  # 67 and 66 batches: odd and even
         lengths = np.random.default_rng(0).integers(1, 129, size=n)
         batches = plan_batches(lengths, batch_size=4, max_input_token_length=128)
-        steps = shard_batches(batch_costs(batches, lengths), 2, rank)
-        positions, results = [], []
-        for b in steps:
-            if b >= 0:
-                for p in batches[b].tolist():
-                    positions.append(p)
-                    results.append((p * 2, f"text {p}", torch.tensor([p, rank])))
+        mine = DynamicBatchSampler(batches, num_replicas=None, rank=None)  # the process group's world
+        positions, results, steps = [], [], 0
+        for batch in mine:
+            for p in batch:
+                positions.append(p)
+                results.append((p * 2, f"text {p}", torch.tensor([p, rank])))
+            steps += 1
             dist.all_reduce(torch.ones(1))  # a collective every step: hangs if step counts differ
         gathered = gather_results(positions, results, n)
         report[str(n)] = {
-            "n_batches": len(batches), "steps": steps,
+            "n_batches": len(batches), "steps": steps, "positions": positions,
             "gathered": None if gathered is None else [
                 [a, s, t.tolist(), t.device.type] for a, s, t in gathered],
         }
@@ -261,28 +108,44 @@ _WORKER = textwrap.dedent(
             report[name] = [type(exc).__name__, str(exc)]
     report["after_errors"] = gather_results([rank], [rank], 2)  # nothing is left hanging
 
-    if with_runner:
-        from transformers import AutoTokenizer
+    from transformers import AutoTokenizer
 
-        import dynabatch
-        from dynabatch.demo import kjv_passages, minilm_path
-        from dynabatch.inference.runner import run
+    import dynabatch
+    from dynabatch.demo import kjv_passages, minilm_path
+    from dynabatch.inference.runner import run
 
-        tokenizer = AutoTokenizer.from_pretrained(minilm_path())
-        texts = kjv_passages()[:200]
-        loader = dynabatch.build_dynamic_batch_dataloader(texts, tokenizer, batch_size=4,
-                                                          max_input_token_length=64, num_workers=0)
-        result = run(lambda b: b["input_ids"].sum(dim=1), loader, progress=False)
-        report["runner"] = [None if r is None else int(r) for r in result]
-        batches = list(loader)  # a plain iterable of the same batches on every rank
-        result = run(lambda b: b["input_ids"].sum(dim=1), batches, progress=False)
-        report["runner_iterable"] = [None if r is None else int(r) for r in result]
-        try:  # each rank handed its own share: refused on every rank, none left waiting
-            run(lambda b: b["input_ids"].sum(dim=1), batches[rank::2], progress=False)
-            report["per_rank_share"] = None
-        except ValueError as exc:
-            report["per_rank_share"] = str(exc)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    texts = kjv_passages()[:200]
+    loader = dynabatch.build_dynamic_batch_dataloader(texts, tokenizer, batch_size=4,
+                                                      max_input_token_length=64, num_workers=0)
+    result = run(lambda b: b["input_ids"].sum(dim=1), loader, progress=False)
+    report["runner"] = [None if r is None else int(r) for r in result]
+    batches = list(loader)  # a plain iterable of the same batches on every rank
+    result = run(lambda b: b["input_ids"].sum(dim=1), batches, progress=False)
+    report["runner_iterable"] = [None if r is None else int(r) for r in result]
+    try:  # each rank handed its own share: refused on every rank, none left waiting
+        run(lambda b: b["input_ids"].sum(dim=1), batches[rank::2], progress=False)
+        report["per_rank_share"] = None
+    except ValueError as exc:
+        report["per_rank_share"] = str(exc)
 
+    # fn holds a collective (as an FSDP forward does); rank 1 runs out of memory on every call of more than
+    # 3 rows, before its collective, so it splits batches the other rank runs whole: the ranks still make the
+    # same number of calls, none waits for ever, and every row comes back.
+    calls = {"n": 0, "oom": 0}
+
+    def fn(batch):
+        rows = batch["input_ids"].shape[0]
+        if rank == 1 and rows > 3:
+            calls["oom"] += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        calls["n"] += 1
+        dist.all_reduce(torch.ones(1))
+        return batch["input_ids"].sum(dim=1)
+
+    result = run(fn, loader, progress=False)
+    report["lockstep"] = {"rows": [None if r is None else int(r) for r in result], "calls": calls["n"],
+                          "oom": calls["oom"], "ran": result.report.rows}
     dist.barrier()
     dist.destroy_process_group()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -294,16 +157,15 @@ _WORKER = textwrap.dedent(
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory, run_two_ranks):
     """Runs the worker on two gloo CPU processes; returns their reports."""
-    return run_two_ranks(_WORKER, tmp_path_factory.mktemp("gloo"), timeout=120,
-                         args=["1" if RUNNER_AVAILABLE else "0"])
+    return run_two_ranks(_WORKER, tmp_path_factory.mktemp("gloo"), timeout=120)
 
 
 @pytest.mark.parametrize("n", [300, 296])
 def test_two_gloo_ranks_gather_every_result_in_input_order(two_ranks, n):
     rank0, rank1 = (r[str(n)] for r in two_ranks)
     assert rank0["n_batches"] % 2 == (1 if n == 300 else 0)
-    assert len(rank0["steps"]) == len(rank1["steps"]) == math.ceil(rank0["n_batches"] / 2)
-    assert sorted(b for b in rank0["steps"] + rank1["steps"] if b >= 0) == list(range(rank0["n_batches"]))
+    assert rank0["steps"] == rank1["steps"] == -(-rank0["n_batches"] // 2)  # an odd plan gets one batch split
+    assert sorted(rank0["positions"] + rank1["positions"]) == list(range(n))
     assert rank1["gathered"] is None
     gathered = rank0["gathered"]
     assert len(gathered) == n
@@ -337,7 +199,6 @@ def test_two_gloo_ranks_raise_the_same_error_together(two_ranks):
     assert rank1["after_errors"] is None
 
 
-@pytest.mark.skipif(not RUNNER_AVAILABLE, reason="dynabatch.inference.runner.run is not there yet")
 def test_two_gloo_ranks_run_matches_one_process(two_ranks, tokenizer):
     import dynabatch
     from dynabatch.demo import kjv_passages
@@ -357,13 +218,27 @@ def test_two_gloo_ranks_run_matches_one_process(two_ranks, tokenizer):
     assert two_ranks[0]["runner_iterable"] == expected
 
 
-@pytest.mark.skipif(not RUNNER_AVAILABLE, reason="dynabatch.inference.runner.run is not there yet")
 def test_two_gloo_ranks_refuse_a_loader_already_split_per_rank(two_ranks):
     messages = [r["per_rank_share"] for r in two_ranks]
     assert messages[0] == messages[1]
-    assert re.fullmatch(r"loader should yield the same batches on every rank \(run shards them across the ranks "
+    assert re.fullmatch(r"loader should yield the same batches on every rank \(run shares them among the ranks "
                         r"itself\), but got \d+ batches on rank 1 and \d+ on rank 0 that differ; pass every rank "
                         r"the whole loader, not its own share", messages[0])
+
+
+def test_two_gloo_ranks_stay_in_lockstep_through_an_out_of_memory_split(two_ranks, tokenizer):
+    import dynabatch
+    from dynabatch.demo import kjv_passages
+
+    loader = dynabatch.build_dynamic_batch_dataloader(kjv_passages()[:200], tokenizer, batch_size=4,
+                                                      max_input_token_length=64, num_workers=0)
+    expected = [int(r) for r in run(lambda b: b["input_ids"].sum(dim=1), loader, progress=False)]
+    rank0, rank1 = (r["lockstep"] for r in two_ranks)
+    assert rank1["oom"] > 0  # the injected errors happened, on rank 1 only
+    assert rank0["oom"] == 0
+    assert rank0["calls"] == rank1["calls"]  # the collective inside fn ran as often on both: nobody hung
+    assert rank0["rows"] == expected  # rank 0 gathered every row, exact
+    assert rank0["ran"] + rank1["ran"] == 200
 
 
 # --------------------------------------------------------------------------- accelerate, launched by torchrun

@@ -224,7 +224,7 @@ def test_resuming_mid_epoch_through_the_dataloader(tokenizer, texts):
 def test_a_saved_position_is_refused_for_other_texts(tokenizer, texts):
     state = _load(texts, tokenizer).batch_sampler.state_dict()
     other = _load(texts[:-1], tokenizer)
-    with pytest.raises(ValueError, match=r"^state should come from the same plan .*: the texts, tokenizer or planning arguments differ$"):
+    with pytest.raises(ValueError, match=r"^state should come from a sampler over the same plan .*: the texts, tokenizer or planning arguments differ$"):
         other.batch_sampler.load_state_dict(state)
 
 

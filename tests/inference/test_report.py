@@ -6,7 +6,8 @@ import sys
 import pytest
 import torch
 
-from dynabatch import BatchRecord, RunReport, build_dynamic_batch_dataloader, run
+from dynabatch import build_dynamic_batch_dataloader, run
+from dynabatch.inference.report import BatchRecord, RunReport
 
 
 def _report(measured=True):

@@ -10,11 +10,8 @@ from runner_helpers import (
     _load,
 )
 
-from dynabatch import (
-    RunReport,
-    RunResult,
-    run,
-)
+from dynabatch import RunResult, run
+from dynabatch.inference.report import RunReport
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,9 +12,7 @@ from runner_helpers import (
     _load,
 )
 
-from dynabatch import (
-    run,
-)
+from dynabatch import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

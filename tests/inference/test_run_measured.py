@@ -11,10 +11,7 @@ from runner_helpers import (
     _load,
 )
 
-from dynabatch import (
-    run,
-    track_peak_memory,
-)
+from dynabatch import run, track_peak_memory
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,11 +15,7 @@ from runner_helpers import (
     _oom_over,
 )
 
-from dynabatch import (
-    BatchOutOfMemoryError,
-    RunResult,
-    run,
-)
+from dynabatch import BatchOutOfMemoryError, RunResult, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

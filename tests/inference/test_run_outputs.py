@@ -8,9 +8,7 @@ from runner_helpers import (
     MAX_LEN,
 )
 
-from dynabatch import (
-    Batch,
-)
+from dynabatch import Batch
 from dynabatch.data.collate import TokenCollator, halves, take_rows
 from dynabatch.data.tokenization import tokenize_texts
 from dynabatch.inference._resume import to_json_value

@@ -16,12 +16,8 @@ from runner_helpers import (
     _load,
 )
 
-from dynabatch import (
-    BatchOutOfMemoryError,
-    RunReport,
-    RunResult,
-    run,
-)
+from dynabatch import BatchOutOfMemoryError, RunResult, run
+from dynabatch.inference.report import RunReport
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -111,6 +107,27 @@ def test_resume_ignores_a_cut_line_and_runs_only_missing_rows(tokenizer, texts, 
     calls.clear()
     assert run(lambda b: calls.append(1) or _summary(b), loader, output_path=path, progress=False) == clean
     assert calls == []
+
+
+def test_resume_after_lowering_batch_size_keeps_every_row_done(tokenizer, texts, tmp_path):
+    # The usual reason to resume: batches ran out of memory, so the user plans smaller ones. Results are kept
+    # per input position, so the results file of the larger plan still counts: only the missing rows run.
+    from dynabatch import build_dynamic_batch_dataloader
+
+    path = tmp_path / "out.jsonl"
+    big = build_dynamic_batch_dataloader(texts, tokenizer, batch_size=8, max_input_token_length=32, num_workers=0,
+                                         progress=False)
+    clean = run(_summary, big, output_path=path, progress=False)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:3]) + "\n")  # the run was killed after two batches
+    done = {p for line in lines[1:3] for p in json.loads(line)["positions"]}
+    small = build_dynamic_batch_dataloader(texts, tokenizer, batch_size=2, max_input_token_length=32, num_workers=0,
+                                           progress=False)
+    calls = []
+    again = run(lambda b: calls.extend(b.indices.tolist()) or _summary(b), small, output_path=path, progress=False)
+    assert sorted(calls) == sorted(set(range(len(texts))) - done)  # the rows already done did not run again
+    assert again == clean
+    assert sorted(_file_positions(path)[1]) == list(range(len(texts)))
 
 
 def test_resume_with_a_plain_iterable_of_batches(tokenizer, texts, tmp_path):

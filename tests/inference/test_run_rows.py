@@ -10,11 +10,7 @@ from runner_helpers import (
     _load,
 )
 
-from dynabatch import (
-    RunResult,
-    restore_order,
-    run,
-)
+from dynabatch import RunResult, restore_order, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

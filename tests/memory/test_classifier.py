@@ -48,7 +48,8 @@ from transformers import AutoTokenizer
 from dynabatch.demo import kjv_passages, minilm_path
 tokenizer = AutoTokenizer.from_pretrained(minilm_path())
 loader = dynabatch.build_dynamic_batch_dataloader(kjv_passages()[:300], tokenizer, 8, 64, num_workers=0)
-shaped = dynabatch.plan_batches([60, 50, 40, 30, 20] * 20, 4, 64, model_shape=dynabatch.ModelShape(32000, 512, 8))
+from dynabatch.sampling.planner import plan_batches
+shaped = plan_batches([60, 50, 40, 30, 20] * 20, 4, 64, model_shape=dynabatch.ModelShape(32000, 512, 8))
 print(sum(len(b.indices) for b in loader), sum(map(len, shaped)), type(c.load_classifier().estimator).__name__)
 print(sorted(m for m in ("sklearn", "joblib", "pandas", "scipy") if m in sys.modules))
 """
@@ -273,14 +274,14 @@ def _users_classifier(folder, shape=False):
     an estimator over the spec's features (14 with shape), its pickle and its .json."""
     import sklearn
 
-    from dynabatch.memory.classifier_fit import make_estimator
+    from dynabatch.memory.classifier_fit import new_classifier
 
     names = list(SHAPE_FEATURE_NAMES if shape else FEATURE_NAMES)
     probe = _probe_features(shape)
     import pandas as pd
 
     labels = (probe[:, names.index("batch_size_diff")] > 3).astype(int)
-    estimator = make_estimator(max_iter=10, learning_rate=0.3, max_leaf_nodes=7, shape=shape)
+    estimator = new_classifier(max_iter=10, learning_rate=0.3, max_leaf_nodes=7, shape=shape)
     estimator.fit(pd.DataFrame(probe, columns=names), labels)
     stem = "classifier-shape" if shape else "classifier"
     pkl = folder / f"{stem}.pkl"
@@ -378,11 +379,11 @@ def test_a_compiled_file_loads_by_path_without_unpickling(no_unpickling):
 
 
 def test_a_users_pickle_path_is_unpickled_once(tmp_path, own_cache, monkeypatch):
-    from dynabatch.memory.classifier_fit import make_estimator
+    from dynabatch.memory.classifier_fit import new_classifier
 
     rng = np.random.default_rng(4)
     X = rng.random((300, 13))
-    est = make_estimator(max_iter=5, learning_rate=0.3, max_leaf_nodes=5).fit(X, (X[:, 5] > 0.5).astype(int))
+    est = new_classifier(max_iter=5, learning_rate=0.3, max_leaf_nodes=5).fit(X, (X[:, 5] > 0.5).astype(int))
     path = tmp_path / "mine.pkl"
     joblib.dump(est, path)
     first = load_classifier(path)

@@ -5,12 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynabatch.sampling.base import (
-    PlannedBatchSampler,
-    fingerprint,
-    order_steps,
-    split_for_replicas,
-)
+from dynabatch._digest import fingerprint
+from dynabatch.sampling.base import PlannedBatchSampler
+from dynabatch.sampling.ranks import order_steps, split_for_replicas
 
 
 class _Chunks(PlannedBatchSampler):
@@ -191,3 +188,36 @@ def test_state_saved_between_iter_and_the_first_batch_is_the_start_of_the_pass()
     resumed = _Chunks([2, 2, 2, 2, 2], seed=3)
     resumed.load_state_dict(state)
     assert list(resumed) == expected == list(it)
+
+
+class _Epochs(PlannedBatchSampler):
+    """Epoch ``e`` has ``e + 1`` one-row batches."""
+
+    def __init__(self):
+        super().__init__(shuffle=False)
+
+    def plan(self, epoch):
+        return [np.array([i]) for i in range(epoch + 1)]
+
+    def identity(self):
+        return ["epochs"]
+
+
+class _Other(_Epochs):
+    pass
+
+
+def test_max_len_plans_every_epoch_and_keeps_the_current_one_and_its_resume_point():
+    s = _Epochs()
+    s.set_epoch(1)
+    s.load_state_dict({**s.state_dict(), "batches_done": 1})
+    assert s.max_len(4) == 4
+    assert s.epoch == 1 and list(s) == [[1]]
+
+
+def test_a_state_loads_only_into_the_same_class_and_keys():
+    state = _Epochs().state_dict()
+    with pytest.raises(ValueError, match="state should come from a sampler over the same data and settings"):
+        _Other().load_state_dict(state)
+    with pytest.raises(ValueError, match=r"missing \['epoch'\]"):
+        _Epochs().load_state_dict({k: v for k, v in state.items() if k != "epoch"})

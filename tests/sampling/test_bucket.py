@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader
 
-from dynabatch import BucketBatchSampler, Buckets, SizeAwareBatchSampler, create_buckets
+from dynabatch import BucketBatchSampler, SizeAwareBatchSampler
+from dynabatch.size_aware import Buckets, create_buckets
 from dynabatch.sampling._bucket_draw import draw_bucket, mcg_powers
 
 

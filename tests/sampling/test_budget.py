@@ -13,13 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynabatch import MemoryModel
-from dynabatch.sampling.budget import (
-    check_memory_margin,
-    parse_max_memory,
-    plan_batch_sizes_to_budget,
-    plan_batches_to_budget,
-    plan_to_budget,
-)
+from dynabatch.memory.budget import MemoryBudget, check_memory_margin
+from dynabatch.memory.budget import parse_memory as parse_max_memory
+from dynabatch.sampling.budget import plan_batch_sizes_to_budget, plan_batches_to_budget
 
 pytestmark = pytest.mark.filterwarnings("ignore:MemoryModel extrapolates")
 
@@ -52,14 +48,18 @@ def test_relative_mode(lengths, batch_size, margin, granularity):
     order = np.argsort(-arr, kind="stable")
     assert np.array_equal(flat, order)  # longest first, stable
     assert len(batches[0]) == min(batch_size, len(arr))  # the first batch is the batch_size longest
-    budget = float(MODEL.predict(len(batches[0]), arr[order[0]]))
+    # The budget is the first batch's peak: measured when the model measured that very shape, else predicted.
+    budget = MemoryBudget(MODEL, reference_batch=(len(batches[0]), int(arr[order[0]]))).max_memory
+    assert budget == (MODEL.measured_peak(len(batches[0]), int(arr[order[0]]))
+                      or float(MODEL.predict(len(batches[0]), arr[order[0]])))
     for batch in batches[1:]:
         rows, width = len(batch), int(arr[batch].max())
         assert rows >= batch_size or batch is batches[-1]
         predicted = float(MODEL.predict(rows, width))
-        assert predicted <= budget * (1 + 1e-12)  # never above the first batch
         if rows > batch_size:
             assert predicted <= (1 - margin) * budget * (1 + 1e-12)  # grown batches keep the margin
+        else:  # the floor: no larger than the first batch in rows or width, so never above its peak
+            assert rows <= len(batches[0]) and width <= arr[order[0]]
         fits_one = float(MODEL.predict(granularity or 1, width)) <= (1 - margin) * budget
         if granularity and rows > batch_size and batch is not batches[-1] and fits_one:
             assert rows % granularity == 0  # rounded down to a multiple where one fits
@@ -118,12 +118,42 @@ def test_plans_a_million_lengths_fast():
     assert sizes.sum() == 1_000_000
 
 
-def test_plan_to_budget_reads_a_planners_options():
-    options = SimpleNamespace(memory_model=MODEL, max_memory=None, memory_margin=0.1, granularity=4)
-    lengths = np.array([200] * 8 + [10] * 300)
-    assert np.array_equal(plan_to_budget(lengths, options, SimpleNamespace(batch_size=8)),
-                          plan_batch_sizes_to_budget(lengths, MODEL, batch_size=8, granularity=4))
-    assert plan_to_budget(np.array([], dtype=np.int64), options, 8).tolist() == []
+def _slot_model(bytes_per_slot=100.0):
+    """A memory model of ``bytes_per_slot`` bytes per token slot (rows x padded width), fitted from points."""
+    shapes = [(r, L) for r in (1, 4, 16) for L in (8, 16, 64, 128)]
+    return MemoryModel().fit(*zip(*shapes), [bytes_per_slot * r * L for r, L in shapes])
+
+
+def test_batches_are_sized_at_the_width_the_collator_pads_to():
+    # 16 texts of 128 tokens, then 400 of 9 tokens that a pad_to_multiple_of=8 collator pads to 16.
+    mm = _slot_model()
+    lengths = np.array([128] * 16 + [9] * 400)
+    budget = float(mm.predict(16, 128))  # relative: the first batch of 16 x 128
+    for multiple in (None, 8):
+        sizes = plan_batch_sizes_to_budget(lengths, mm, batch_size=16, pad_to_multiple_of=multiple)
+        starts = np.cumsum(np.r_[0, sizes[:-1]])
+        widths = lengths[starts] if multiple is None else -(-lengths[starts] // multiple) * multiple
+        predicted = [float(mm.predict(r, w)) for r, w in zip(sizes, widths)]
+        if multiple is None:  # unpadded: 9-token rows, as planned
+            assert max(predicted[1:]) <= 0.9 * budget * (1 + 1e-9)
+        else:  # padded to 16: what really runs, and still within 0.9 of the budget
+            assert max(predicted[1:]) <= 0.9 * budget * (1 + 1e-9)
+            assert max(predicted[1:]) >= 0.8 * budget  # and not needlessly small
+    unaware = plan_batch_sizes_to_budget(lengths, mm, batch_size=16)
+    # The plan that ignores the padding runs its later batches at 16/9 of what it planned:
+    assert float(mm.predict(unaware[1], 16)) > 1.5 * 0.9 * budget
+
+
+def test_a_shape_that_ran_out_of_memory_is_never_planned():
+    mm = _slot_model()
+    mm.observe(8, 64, None, out_of_memory=True)
+    assert int(mm.max_rows(64, 1e9)) == 7
+    batches = plan_batches_to_budget(np.array([64] * 20 + [8] * 20), mm, max_memory=1e9, memory_margin=0.0)
+    lengths = np.array([64] * 20 + [8] * 20)
+    assert max(len(b) for b in batches if lengths[b].max() >= 64) <= 7
+    budget = MemoryBudget(mm, 1e9, memory_margin=0.0)
+    assert not budget.fits(np.array([8]), np.array([[64]]), np.array([[64]]))[0]
+    assert budget.fits(np.array([7]), np.array([[64]]), np.array([[64]]))[0]
 
 
 def test_parse_max_memory():
@@ -178,5 +208,5 @@ def test_bad_input():
         plan_batch_sizes_to_budget(lengths, object(), batch_size=1)
     with pytest.raises(ValueError, match="granularity should be a positive integer, but got granularity=0"):
         plan_batch_sizes_to_budget(lengths, MODEL, batch_size=1, granularity=0)
-    with pytest.raises(TypeError, match="lengths should be a 1-D array"):
+    with pytest.raises(TypeError, match="lengths should be a 1-D sequence of integer token lengths"):
         plan_batches_to_budget("abc", MODEL, batch_size=1)

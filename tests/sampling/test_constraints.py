@@ -151,7 +151,7 @@ def test_a_row_that_breaks_the_budget_alone_is_refused(constraint, match):
         (lambda: LengthDifference(1.5, 4), TypeError, "max_diff should be a non-negative integer"),
         (lambda: TokenBudget(0), ValueError, "max_tokens should be a positive integer"),
         (lambda: TokenBudget(10, combine="max"), ValueError, "combine should be 'each' or 'sum', but got combine='max'"),
-        (lambda: MemoryBudget(object(), 1e9), TypeError, r"memory_model should be an object with predict"),
+        (lambda: MemoryBudget(object(), 1e9), TypeError, r"memory_model should be a MemoryModel \(or any object with predict"),
         (lambda: MemoryBudget(_LinearMemory(), -1), ValueError, "max_memory should be a number of bytes > 0"),
         (lambda: MemoryBudget(_LinearMemory(), "12XB"), ValueError, "max_memory should be a number of bytes > 0"),
         (lambda: MemoryBudget(_LinearMemory()), ValueError, "max_memory should be given, or None with reference_batch"),
@@ -181,3 +181,16 @@ def test_memory_budget_relative_to_a_reference_batch_and_as_a_size():
 def test_memory_budget_field_beyond_the_key_fields_is_refused():
     with pytest.raises(ValueError, match=r"field should be below the number of key fields \(1\), but got field=1"):
         plan_constrained([1, 2, 3], MemoryBudget(_LinearMemory(), 1e9, field=1))
+
+
+def test_the_memory_budget_never_plans_a_shape_that_ran_out_of_memory():
+    from dynabatch.memory.model import MemoryModel
+
+    shapes = [(r, L) for r in (1, 8, 32) for L in (8, 32, 64)]
+    mm = MemoryModel().fit(*zip(*shapes), [1000 + 10 * r * L for r, L in shapes])
+    mm.observe(8, 64, None, out_of_memory=True)
+    assert int(mm.max_rows(64, 1e9)) == 7
+    lengths = np.array([64] * 20 + [8] * 20)
+    batches = plan_constrained(lengths, MemoryBudget(mm, 1e9, batch_size=32), window_batches=None, shuffle=False)
+    assert max(len(b) for b in batches if lengths[b].max() == 64) <= 7
+    assert sorted(np.concatenate(batches).tolist()) == list(range(40))

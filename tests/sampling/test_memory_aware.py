@@ -95,14 +95,14 @@ def test_shuffle_is_seeded_and_local():
 
 def test_bad_input_is_named():
     tasks, lengths = np.array([0, 1]), np.array([10, 50])
-    with pytest.raises(ValueError, match=r"max_bytes should be at least what one sample needs \(task 1 at length 50"):
+    with pytest.raises(ValueError, match=r"budget should be at least what one sample needs \(task 1 at length 50"):
         plan_memory_aware_batches(tasks, lengths, _linear([1, 2]), 150)
-    with pytest.raises(ValueError, match=r"max_bytes should be a positive number, but got max_bytes=0"):
+    with pytest.raises(ValueError, match=r"budget should be a number of bytes > 0.*, but got budget=0"):
         plan_memory_aware_batches(tasks, lengths, _linear([1, 2]), 0)
     with pytest.raises(ValueError, match=r"task_diversity_weight should be a number in \[0, 1\], but got task_diversity_weight=1.5"):
         plan_memory_aware_batches(tasks, lengths, _linear([1, 2]), 1000, task_diversity_weight=1.5)
     with pytest.raises(ValueError, match=r"lengths should be one length per task id \(2\)"):
         plan_memory_aware_batches(tasks, lengths[:1], _linear([1, 2]), 1000)
-    with pytest.raises(TypeError, match=r"task_ids should be a 1-D array of integers"):
+    with pytest.raises(TypeError, match=r"task_ids should be a 1-D sequence of integer task ids"):
         plan_memory_aware_batches(np.array([0.5]), np.array([3]), _linear([1]), 1000)
     assert plan_memory_aware_batches(np.array([], dtype=int), np.array([], dtype=int), _linear([1]), 10) == []

@@ -7,7 +7,7 @@ from sklearn.tree import DecisionTreeClassifier
 from dynabatch.memory.classifier import SpikeClassifier, load_classifier
 from dynabatch.memory.features import ModelShape, compute_features
 from dynabatch.memory.feedback import MemoryFeedback
-from dynabatch.sampling.estimators import make_estimator
+from dynabatch.sampling.estimators import choose_estimator
 from dynabatch.sampling.planner import BatchPlanner, PlanSettings, candidate_sizes, plan_batch_sizes, plan_batches
 
 
@@ -185,9 +185,9 @@ def test_ties_keep_input_order():
         ({"batch_end_range": 0.9}, ValueError, "batch_end_range should be a finite number >= batch_start_range=1.0"),
         ({"steps": 0}, ValueError, "steps should be a positive integer, but got steps=0"),
         ({"lengths": [1, 99]}, ValueError, r"lengths should be at most max_input_token_length=16 .*lengths=99"),
-        ({"lengths": [1, -2]}, ValueError, "lengths should be non-negative token counts, but got lengths=-2"),
-        ({"lengths": [1.5]}, ValueError, "lengths should be a 1-D array of integer token counts"),
-        ({"lengths": "abc"}, TypeError, "lengths should be a 1-D array of token counts"),
+        ({"lengths": [1, -2]}, ValueError, r"lengths\[1\] should be a non-negative length, but got lengths\[1\]=-2"),
+        ({"lengths": [1.5]}, TypeError, "lengths should be a 1-D sequence of integer token lengths"),
+        ({"lengths": "abc"}, TypeError, "lengths should be a 1-D sequence of integer token lengths"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, error, match):
@@ -340,7 +340,7 @@ def test_a_memory_model_behind_the_planner_is_refined_online():
     mm = MemoryModel().fit(*zip(*shapes), [true_peak(r, n) for r, n in shapes])
     lengths = np.random.default_rng(1).integers(1, 65, size=2000)
     planner = BatchPlanner(lengths, PlanSettings(batch_size=8, max_input_token_length=64),
-                           make_estimator(memory_model=mm, memory_margin=0.1))
+                           choose_estimator(memory_model=mm, memory_margin=0.1))
     sizes = planner.sizes()
     assert sizes.tolist() == plan_batch_sizes_to_budget(np.sort(lengths)[::-1], mm, batch_size=8).tolist()
     budget = true_peak(8, 64)
@@ -356,20 +356,20 @@ def test_a_memory_model_behind_the_planner_is_refined_online():
 
 def test_memory_options_are_checked():
     with pytest.raises(ValueError, match=r"^max_memory should be None without a memory_model"):
-        make_estimator(max_memory=10**9)
+        choose_estimator(max_memory=10**9)
     with pytest.raises(ValueError, match=r"^granularity should be None without a memory_model"):
-        make_estimator(granularity=8)
+        choose_estimator(granularity=8)
     with pytest.raises(ValueError, match=r"^memory_margin should be a number in \[0, 1\), but got memory_margin=1$"):
-        make_estimator(memory_margin=1)
+        choose_estimator(memory_margin=1)
     with pytest.raises(TypeError, match=r"^memory_model should be a MemoryModel"):
-        make_estimator(memory_model="mm.json")
+        choose_estimator(memory_model="mm.json")
     from dynabatch.memory.model import MemoryModel
 
     mm = MemoryModel().fit([1, 2, 4], [4, 8, 2], [10, 40, 20])
     with pytest.raises(ValueError, match=r"^max_memory should be .*, but got max_memory='12XB'$"):
-        make_estimator(memory_model=mm, max_memory="12XB")
+        choose_estimator(memory_model=mm, max_memory="12XB")
     with pytest.raises(ValueError, match=r"^max_memory should be .*, but got max_memory=0$"):
-        make_estimator(memory_model=mm, max_memory=0)
+        choose_estimator(memory_model=mm, max_memory=0)
     with pytest.raises(ValueError, match=r"^classifier should be None when a memory_model is given"):
-        make_estimator(load_classifier(), mm)
-    assert make_estimator(memory_model=mm, max_memory="1KiB").max_memory == 1024
+        choose_estimator(load_classifier(), mm)
+    assert choose_estimator(memory_model=mm, max_memory="1KiB").max_memory == 1024

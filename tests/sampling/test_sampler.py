@@ -165,14 +165,14 @@ def _state(plan=PLAN, **kwargs):
 def test_load_state_dict_refuses_another_plan():
     other = _plan(seed=1)
     sampler = DynamicBatchSampler(PLAN)
-    with pytest.raises(ValueError, match=rf"^state should come from the same plan \(fingerprint '{sampler.fingerprint}', 50 batches\), but got state\['fingerprint'\]='[0-9a-f]{{16}}': the texts, tokenizer or planning arguments differ$"):
+    with pytest.raises(ValueError, match=rf"^state should come from a sampler over the same plan \(fingerprint '{sampler.fingerprint}'\), but got state\['fingerprint'\]='[0-9a-f]{{16}}': the texts, tokenizer or planning arguments differ$"):
         sampler.load_state_dict(_state(other))
     # Same positions, other split into batches: still another plan.
     regrouped = [PLAN[0] + PLAN[1]] + PLAN[2:]
-    with pytest.raises(ValueError, match=r"^state should come from the same plan"):
+    with pytest.raises(ValueError, match=r"^state should come from a sampler over the same plan"):
         sampler.load_state_dict(_state(regrouped))
     # Same batches in another order: another plan too (batch 0 is the hardest).
-    with pytest.raises(ValueError, match=r"^state should come from the same plan"):
+    with pytest.raises(ValueError, match=r"^state should come from a sampler over the same plan"):
         sampler.load_state_dict(_state(PLAN[::-1]))
 
 
@@ -202,7 +202,7 @@ def test_load_state_dict_refuses_bad_positions():
     sampler = DynamicBatchSampler(PLAN)
     state = sampler.state_dict()
     state["batches_done"] = 51
-    with pytest.raises(ValueError, match=r"^state\['batches_done'\] should be at most 50, but got state\['batches_done'\]=51$"):
+    with pytest.raises(ValueError, match=r"^state\['batches_done'\] should be at most 50 \(the batches of epoch 0\), but got state\['batches_done'\]=51$"):
         sampler.load_state_dict(state)
     state["batches_done"] = -1
     with pytest.raises(ValueError, match=r"^state\['batches_done'\] should be a non-negative integer, but got state\['batches_done'\]=-1$"):
@@ -264,3 +264,22 @@ def test_works_as_the_batch_sampler_of_a_dataloader(shuffle):
     sampler.set_epoch(1)
     again = [batch.tolist() for batch in loader]
     assert (again != got) == shuffle
+
+
+def test_a_state_taken_right_after_moving_to_a_new_epoch_resumes_that_epoch_whole():
+    sampler = DynamicBatchSampler([[4, 2], [0], [1, 3]], shuffle=True, seed=0)
+    list(sampler)  # epoch 0, done
+    sampler.set_epoch(1)
+    state = sampler.state_dict()
+    assert state["epoch"] == 1 and state["batches_done"] == 0
+    resumed = DynamicBatchSampler([[4, 2], [0], [1, 3]], shuffle=True, seed=0)
+    resumed.load_state_dict(state)
+    assert list(resumed) == list(sampler)  # the whole of epoch 1, not nothing
+    assert sorted(i for b in list(resumed) for i in b) == [0, 1, 2, 3, 4]
+
+
+def test_the_plan_is_shared_among_ranks_in_equal_counts():
+    batches = [[0, 1, 2], [3, 4], [5], [6, 7]]
+    ranks = [list(DynamicBatchSampler(batches, num_replicas=3, rank=r)) for r in range(3)]
+    assert len({len(r) for r in ranks}) == 1
+    assert sorted(i for r in ranks for b in r for i in b) == list(range(8))

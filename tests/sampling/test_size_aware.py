@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, default_collate
 
-from dynabatch import SizeAwareBatchSampler, size_aware_batching
+from dynabatch import SizeAwareBatchSampler
+from dynabatch.size_aware import size_aware_batching
 
 
 def _greedy_reference(sizes, max_total_size):

@@ -6,7 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynabatch import BucketBatchSampler, SizeAwareBatchSampler, collect_peak_alloc, create_buckets
+from dynabatch import BucketBatchSampler, SizeAwareBatchSampler
+from dynabatch.memory.measure import collect_peak_alloc
+from dynabatch.size_aware import create_buckets
 from dynabatch.memory.model import MemoryModel
 from dynabatch.sampling.size_aware_memory import MemorySizeof, bucket_memory_kwargs, fit_memory_model
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dynabatch.sampling.constraints import FixedBatchSize, LengthDifference, TokenBudget
+from dynabatch.sampling.constraints import AllOf, FixedBatchSize, LengthDifference, TokenBudget
 from dynabatch.sampling.smart import SmartBatchSampler, as_lengths, plan_constrained
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,13 +70,13 @@ def test_a_dataloader_takes_it_as_batch_sampler():
 def test_lengths_as_mapping_2d_and_errors():
     array, names = as_lengths(np.array([[1, 2], [3, 4]]))
     assert array.shape == (2, 2) and names == ("lengths[:, 0]", "lengths[:, 1]")
-    with pytest.raises(TypeError, match="lengths should be integer lengths"):
+    with pytest.raises(TypeError, match=r"lengths should be a 1-D or 2-D \(one column per key field\) sequence of integer token lengths"):
         as_lengths([1.5, 2.0])
-    with pytest.raises(ValueError, match="lengths should be non-negative, but got lengths=-1"):
+    with pytest.raises(ValueError, match=r"lengths\[1\] should be a non-negative length, but got lengths\[1\]=-1"):
         as_lengths([3, -1])
     with pytest.raises(ValueError, match="lengths should be fields of one length each"):
         as_lengths({"a": [1, 2], "b": [1]})
-    with pytest.raises(TypeError, match="lengths should be a sequence, an array or a mapping"):
+    with pytest.raises(TypeError, match="lengths should be a 1-D or 2-D"):
         as_lengths(5)
     with pytest.raises(ValueError, match="window_batches should be a positive integer"):
         SmartBatchSampler([1, 2], FixedBatchSize(2), window_batches=0)
@@ -185,3 +185,45 @@ def test_max_len_is_per_rank_when_a_wrapper_deals_the_batches():
     planned = lengths_by_epoch(dealt)
     dealt.set_min_batches(per_rank)
     assert lengths_by_epoch(dealt) == planned  # nothing split further
+
+
+class _Rule:
+    """A constraint written to the documented protocol only (fits, row_cap): no key(), a default repr."""
+
+    def __init__(self, limit):
+        self.limit = limit
+
+    def fits(self, rows, longest, shortest):
+        return rows * longest[:, 0] <= self.limit
+
+    def row_cap(self, lengths):
+        return max(1, self.limit // max(1, int(lengths.min())))
+
+
+def test_a_users_constraint_resumes_in_another_sampler_with_the_same_settings():
+    first = SmartBatchSampler(LENGTHS, _Rule(512), seed=0)
+    it = iter(first)
+    next(it)
+    state = first.state_dict()
+    again = SmartBatchSampler(LENGTHS, _Rule(512), seed=0)  # a new object, as after a restart
+    again.load_state_dict(state)
+    assert list(again) == list(it)
+    with pytest.raises(ValueError, match="state should come from a sampler over the same data and settings"):
+        SmartBatchSampler(LENGTHS, _Rule(256), seed=0).load_state_dict(state)
+
+
+def test_the_fingerprint_is_the_same_in_another_process():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import numpy as np\nfrom dynabatch.sampling.smart import SmartBatchSampler\n"
+            "from dynabatch.sampling.constraints import AllOf, TokenBudget, LengthDifference\n"
+            "print(SmartBatchSampler(np.arange(1, 200) % 37, AllOf(TokenBudget(300), LengthDifference(4, 16)),"
+            " seed=2).fingerprint)")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    here = SmartBatchSampler(np.arange(1, 200) % 37, AllOf(TokenBudget(300), LengthDifference(4, 16)), seed=2)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == here.fingerprint

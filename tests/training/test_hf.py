@@ -165,3 +165,74 @@ def test_accelerate_on_two_processes_deals_each_rank_its_shard(tmp_path, run_two
         assert sorted(i for share in shares for b in share for i in b) == list(range(203))
         for r in reports:  # what accelerate deals is exactly the rank's own shard
             assert r["epochs"][epoch] == r["own"][epoch]
+
+
+# --------------------------------------------------------------------------- packing under the Trainer hook
+
+
+class _RecordingPacked:
+    """The packed collator, recording which rows each packed batch holds (the ``row`` column)."""
+
+    def __init__(self, tokenizer):
+        from dynabatch.data.packing import PackedCollator
+
+        self.collate = PackedCollator(pad_token_id=tokenizer.pad_token_id, block_mask="float",
+                                      return_flash_attn_kwargs=False)
+        self.batches = []
+
+    def __call__(self, bins):
+        self.batches.append(sorted(f["row"] for b in bins for f in b))
+        return self.collate([[{"input_ids": f["input_ids"]} for f in b] for b in bins])
+
+
+def _packing_trainer(tokenizer, tokens, out, **args):
+    from torch.utils.data import RandomSampler
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from dynabatch.sampling.multipack import MultipackBatchSampler
+    from dynabatch.training.hf import BatchSamplerTrainer
+
+    sampler = MultipackBatchSampler(RandomSampler(range(N_ROWS)), batch_size=2, batch_max_len=96,
+                                    lengths=tokens.lengths["input_ids"], drop_last=False, seed=3)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=96)
+    config._attn_implementation = "sdpa"
+    arguments = TrainingArguments(output_dir=str(out), num_train_epochs=2, learning_rate=3e-3, use_cpu=True,
+                                  report_to=[], remove_unused_columns=False, logging_steps=1, save_strategy="no",
+                                  log_level="error", seed=0, disable_tqdm=True, **args)
+    collate = _RecordingPacked(tokenizer)
+    trainer = BatchSamplerTrainer(model=LlamaForCausalLM(config), args=arguments, train_dataset=tokens.dataset,
+                                  data_collator=collate, train_batch_sampler=sampler)
+    return trainer, collate, sampler
+
+
+def test_packing_under_the_trainer_hook_trains_every_row_once_per_epoch_and_resumes(tokenizer, tokens, tmp_path,
+                                                                                   one_thread):
+    from transformers import TrainerCallback
+
+    full, full_rows, sampler = _packing_trainer(tokenizer, tokens, tmp_path / "full")
+    full.train()
+    per_epoch = full.state.global_step // 2
+    epochs = [full_rows.batches[:per_epoch], full_rows.batches[per_epoch:]]
+    for share in epochs:  # every packed row of the epoch trained once, nothing lost
+        assert sorted(i for b in share for i in b) == list(range(N_ROWS))
+    assert epochs[0] != epochs[1]  # a new packing and order each epoch (set_epoch reached the sampler)
+    losses = [h["loss"] for h in full.state.log_history if "loss" in h]
+    assert all(np.isfinite(losses)) and np.mean(losses[-3:]) < np.mean(losses[:3])
+
+    stop_at = per_epoch + 2  # mid-way through the second epoch
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == stop_at:
+                control.should_save = control.should_training_stop = True
+
+    first, first_rows, _ = _packing_trainer(tokenizer, tokens, tmp_path / "run")
+    first.add_callback(Stop())
+    first.train()
+    assert os.path.isfile(tmp_path / "run" / f"checkpoint-{stop_at}" / "dynabatch_sampler.json")
+    second, second_rows, _ = _packing_trainer(tokenizer, tokens, tmp_path / "run")
+    second.train(resume_from_checkpoint=True)
+    # the resumed run trains exactly the rest of the plan: no row repeated, none skipped
+    assert first_rows.batches[:stop_at] + second_rows.batches == full_rows.batches

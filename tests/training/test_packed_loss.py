@@ -3,7 +3,9 @@ import copy
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+from dynabatch.training.hf import BatchSamplerTrainer
 
 from dynabatch.packing import (
     MultipackBatchSampler,
@@ -92,15 +94,6 @@ def test_gradient_accumulation_over_packed_micro_batches_is_the_token_mean(one_t
     assert _close({name: p.grad for name, p in model.named_parameters()}, reference) > 1e-3
 
 
-class _PackedTrainer(Trainer):
-    def __init__(self, *args, batch_sampler, collator, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._packed = (batch_sampler, collator)
-
-    def get_train_dataloader(self):
-        return self.accelerator.prepare(packed_dataloader(self.train_dataset, *self._packed))
-
-
 def test_hf_trainer_step_with_packed_accumulation_follows_the_token_mean(one_thread, tmp_path):
     model, examples, lengths = _setup(1)
     reference = _reference_grads(model, examples)
@@ -112,8 +105,8 @@ def test_hf_trainer_step_with_packed_accumulation_follows_the_token_mean(one_thr
                              lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
                              save_strategy="no", logging_strategy="no", disable_tqdm=True)
     collator = PackedCollator(block_mask="float", return_flash_attn_kwargs=False)
-    trainer = _PackedTrainer(model=model, args=args, train_dataset=examples, batch_sampler=sampler,
-                             collator=collator)
+    trainer = BatchSamplerTrainer(model=model, args=args, train_dataset=examples, data_collator=collator,
+                                  train_batch_sampler=sampler)
     trainer.train()
     step = {name: before[name] - p.detach() for name, p in trainer.model.named_parameters()}  # lr 1: the gradient
     assert _close(step, reference) < 1e-4

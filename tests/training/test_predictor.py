@@ -5,9 +5,12 @@ import math
 import pytest
 import torch
 
-from dynabatch import MemoryPredictor, estimate_training_memory
+from dynabatch.multitask import MemoryPredictor, estimate_training_memory
 from dynabatch.training.collate import HeterogeneousCollator
-from dynabatch.training.predictor import GB, MB, active_predictor
+from dynabatch.memory.budget import GB, MB
+from dynabatch.multitask import OOMGuardian
+from dynabatch.training import predictor as predictor_module
+from dynabatch.training.predictor import last_measured_predictor
 
 
 def _linear_predictor():
@@ -30,7 +33,7 @@ def test_predictions_follow_the_measured_peaks():
     acc = p.get_calibration_accuracy()
     assert set(acc) == {"a", "b"} and all(v["mean_abs_error_pct"] < 1e-3 for v in acc.values())
     assert acc["a"]["num_measurements"] == 15
-    assert active_predictor() is p
+    assert last_measured_predictor() is p
 
 
 def test_state_round_trip_predicts_the_same(tmp_path):
@@ -58,10 +61,30 @@ def test_estimate_training_memory_from_the_predictor():
     assert est["samples_per_task"] == {"a": 2500, "b": 2500}
     assert est["per_batch_mb"] == pytest.approx(5 + 0.5 * 0.1 * 16 * 16 + 0.5 * 0.3 * 16 * 16, rel=1e-6)
     assert est["estimated_peak_memory_mb"] == pytest.approx(5 + 0.3 * 16 * 16, rel=1e-6)  # all-b batch
+    # seed 001's call passes no predictor: the one that last measured is used, and its numbers come back
     bare = estimate_training_memory(5000, {"a": 1.0}, 16, 3)
-    assert bare["per_batch_mb"] is None and bare["batches_per_epoch"] == 313
+    assert bare["per_batch_mb"] == pytest.approx(5 + 0.1 * 16 * 16, rel=1e-6) and bare["batches_per_epoch"] == 313
+    assert f"Per batch: {bare['per_batch_mb']:.0f}MB" == "Per batch: 31MB"
     with pytest.raises(ValueError, match=r"task_distribution should be non-negative fractions with a positive sum"):
         estimate_training_memory(10, {"a": -1.0}, 4, 1)
+
+
+def test_estimate_training_memory_with_nothing_measured_says_how_to_measure(monkeypatch):
+    monkeypatch.setattr(predictor_module, "_last", [])  # a fresh process: no predictor has measured anything
+    with pytest.raises(ValueError, match=r"estimate_training_memory needs measured peaks, .*record_actual_memory"):
+        estimate_training_memory(num_samples=5000, task_distribution={"T1": 0.4, "T2": 0.6}, batch_size=16,
+                                 num_epochs=3)
+
+
+def test_memory_units_are_those_of_every_memory_size_dynabatch_parses():
+    # MB = 10**6 bytes and GB = 10**9 bytes, as "12GB" and "800MB" parse everywhere (accelerate's convention)
+    assert (MB, GB) == (10**6, 10**9)
+    p = MemoryPredictor("cpu")
+    p.record_actual_memory("t", 1500.0)  # one row, 1500 MB
+    assert p.predict_sample_memory("t") == pytest.approx(1.5)  # GB
+    assert float(p.predict_bytes("t", 1, 1)) == pytest.approx(1.5e9)
+    assert OOMGuardian("cpu", max_memory_mb=2000).budget_bytes() == 2e9
+    assert OOMGuardian("cpu", max_memory_mb=2000, memory_margin_percent=0.25).usable_bytes() == pytest.approx(1.5e9)
 
 
 def test_unmeasured_task_and_bad_records_are_named():

@@ -2,7 +2,8 @@
 
 import pytest
 
-from dynabatch import MemoryAwareBatchSampler, MemoryPredictor
+from dynabatch import MemoryAwareBatchSampler
+from dynabatch.multitask import MemoryPredictor
 
 
 class _Data:
@@ -33,11 +34,26 @@ def predictor():
     return p
 
 
+def test_the_seed_call_before_any_measurement_plans_every_index_by_batch_size_and_warns_once(predictor, caplog):
+    # seed 001's call, with a measured predictor in the process that the sampler must not pick up by itself
+    data = _Data()
+    with caplog.at_level("WARNING", logger="dynabatch.training.sampler"):
+        sampler = MemoryAwareBatchSampler(dataset=data, batch_size=16, max_memory_mb=30000, shuffle=True,
+                                          task_diversity_weight=0.5)
+    assert sampler.predictor is None and not sampler.calibrated
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "memory is not calibrated yet (no predictor was given)" in warnings[0]
+    batches = list(sampler)
+    assert sorted(i for b in batches for i in b) == list(range(len(data)))
+    assert all(len(b) <= 16 for b in batches) and sum(len(b) == 16 for b in batches) >= len(data) // 16 - 2
+    assert sampler.predicted_mb(batches[0]) is None
+
+
 def test_seed_call_plans_under_budget_and_covers_every_index(predictor):
     data = _Data()
     sampler = MemoryAwareBatchSampler(dataset=data, batch_size=16, max_memory_mb=3000, shuffle=True,
-                                      task_diversity_weight=0.5)  # the seed's call: the active predictor
-    assert sampler.predictor is predictor
+                                      task_diversity_weight=0.5, predictor=predictor)
+    assert sampler.predictor is predictor and sampler.calibrated
     batches = list(sampler)
     assert sorted(i for b in batches for i in b) == list(range(len(data)))
     usable = 3000 * (1 - 0.10)
@@ -45,26 +61,27 @@ def test_seed_call_plans_under_budget_and_covers_every_index(predictor):
         assert len(b) <= 16
         tasks = [data.get_sample_metadata(i)["task_type"] for i in b]
         lengths = [data.get_sample_metadata(i)["length"] for i in b]
-        assert predictor.predict_batch_memory(tasks, lengths=lengths) * 1024 <= usable + 1e-6
-        assert sampler.predicted_mb(b) == pytest.approx(predictor.predict_batch_memory(tasks, lengths=lengths) * 1024)
+        assert predictor.predict_batch_memory(tasks, lengths=lengths) * 1000 <= usable + 1e-6  # GB -> MB
+        assert sampler.predicted_mb(b) == pytest.approx(predictor.predict_batch_memory(tasks, lengths=lengths) * 1000)
     sampler.set_epoch(1)
     assert [list(b) for b in sampler] != batches  # a new order each epoch
-    sized = MemoryAwareBatchSampler(data, 16, 3000, size_field="num_images", seed=1)
+    sized = MemoryAwareBatchSampler(data, 16, 3000, size_field="num_images", seed=1, predictor=predictor)
     assert set(sized.lengths.tolist()) == {1, 2}
 
 
 def test_resume_mid_epoch_and_equal_counts_on_ranks(predictor):
     data = _Data(50)
-    sampler = MemoryAwareBatchSampler(data, 8, 1500, seed=4)
+    sampler = MemoryAwareBatchSampler(data, 8, 1500, seed=4, predictor=predictor)
     sampler.set_epoch(2)
     it = iter(sampler)
     first = [next(it) for _ in range(3)]
     state = sampler.state_dict()
-    resumed = MemoryAwareBatchSampler(data, 8, 1500, seed=4)
+    resumed = MemoryAwareBatchSampler(data, 8, 1500, seed=4, predictor=predictor)
     resumed.load_state_dict(state)
     rest = list(resumed)
     assert sorted(i for b in first + rest for i in b) == list(range(50))
-    ranks = [MemoryAwareBatchSampler(data, 8, 1500, seed=4, num_replicas=3, rank=r) for r in range(3)]
+    ranks = [MemoryAwareBatchSampler(data, 8, 1500, seed=4, num_replicas=3, rank=r, predictor=predictor)
+             for r in range(3)]
     counts = [len(list(s)) for s in ranks]
     assert len(set(counts)) == 1
     assert sorted(i for s in ranks for b in s for i in b) == list(range(50))
@@ -76,7 +93,7 @@ def test_bad_input_names_argument_and_value(predictor):
         MemoryAwareBatchSampler(data, 4, 0)
     with pytest.raises(ValueError, match=r"max_memory_mb should be at least what one sample needs \(task 'T3' at "
                                          r"length 17 needs 253 MB within the margin\), but got max_memory_mb=200"):
-        MemoryAwareBatchSampler(data, 4, 200, memory_margin=0.0)
+        MemoryAwareBatchSampler(data, 4, 200, memory_margin=0.0, predictor=predictor)
     with pytest.raises(ValueError, match=r"memory_margin should be a number in \[0, 1\), but got memory_margin=1.0"):
         MemoryAwareBatchSampler(data, 4, 3000, memory_margin=1.0)
     bad = _Data(3)
@@ -84,7 +101,7 @@ def test_bad_input_names_argument_and_value(predictor):
     with pytest.raises(ValueError, match=r"dataset.get_sample_metadata\(0\) should be a dict with a 'task_type' key, "
                                          r"but got dataset.get_sample_metadata\(0\)=\{'num_images': 1\}"):
         MemoryAwareBatchSampler(bad, 4, 3000)
-    with pytest.raises(ValueError, match=r"task_type should be a task with a measured training step .* but got task_type='T9'"):
-        MemoryAwareBatchSampler(None, 4, 3000, task_types=["T1", "T9"], lengths=[3, 4])
+    unmeasured = MemoryAwareBatchSampler(None, 4, 3000, task_types=["T1", "T9"], lengths=[3, 4], predictor=predictor)
+    assert not unmeasured.calibrated  # T9 has no measurement: batches of batch_size, and a warning says why
     with pytest.raises(ValueError, match=r"task_diversity_weight should be a number in \[0, 1\]"):
         MemoryAwareBatchSampler(data, 4, 3000, task_diversity_weight=-0.5)

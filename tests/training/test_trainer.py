@@ -7,12 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynabatch import (
-    DynamicBatchingTrainer,
-    DynamicBatchingTrainingPipeline,
-    HeterogeneousTrainingConfig,
-    MultiTaskDataset,
-)
+from dynabatch.multitask import DynamicBatchingTrainer, DynamicBatchingTrainingPipeline, HeterogeneousTrainingConfig, MultiTaskDataset
 from dynabatch.training.sampler import STEP_SEPARATOR
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "multitask_training.py"
@@ -169,7 +164,7 @@ def test_out_of_memory_inside_training_is_split_and_the_steps_are_unchanged(
 ):
     from transformers import TrainingArguments
 
-    from dynabatch import DynamicBatchingMonitor, OOMGuardian
+    from dynabatch.multitask import DynamicBatchingMonitor, OOMGuardian
 
     def run(guardian, out):
         model = example.build_model(tokenizer, hidden=32, max_length=32)
@@ -207,3 +202,21 @@ def test_steps_dealt_to_two_ranks_are_whole_steps_every_sample_once():
             dealt = [[i for i in step if i != STEP_SEPARATOR] for step in steps]
             assert len(dealt) % 2 == 0 and sorted(i for step in dealt for i in step) == list(range(27))
             assert sum(len(step) < 8 for step in dealt) <= 1  # one short remainder, not every step split in two
+
+
+def test_every_rank_gets_a_step_with_samples_or_a_clear_error():
+    # step separators are not samples: 3 samples never give a rank an empty step
+    import numpy as np
+    import pytest
+
+    from dynabatch.training._trainer_plan import step_sampler
+    from dynabatch.training.sampler import split_step
+
+    steps, _ = step_sampler(["a"] * 3, np.array([5, 5, 5]), rows=1, target_batch_size=2, task_diversity_weight=0.0,
+                            seed=0, world_size=3)
+    dealt = [split_step(step) for step in steps]
+    assert len(dealt) % 3 == 0 and all(any(micro) for micro in dealt)
+    assert sorted(i for step in dealt for micro in step for i in micro) == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"num_replicas should be at most the number of samples \(3\)"):
+        step_sampler(["a"] * 3, np.array([5, 5, 5]), rows=1, target_batch_size=2, task_diversity_weight=0.0,
+                     seed=0, world_size=4)
