@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 import numbers
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
@@ -119,12 +118,25 @@ def _size_function(sizeof: Any) -> Callable[[Any], Any]:
     )
 
 
+def _is_nan(value: Any) -> bool:
+    """Whether ``value`` is a real NaN; safe for ints too large for a float (``math.isnan`` overflows)."""
+    return isinstance(value, numbers.Real) and value != value  # NaN is the only number unequal to itself
+
+
 def _check_max_total_size(max_total_size: Any) -> None:
-    """bionemo's rule for ``SizeAwareBatchSampler``: a positive int or float, else ValueError."""
-    rule = "a positive number"
+    """bionemo's check for ``SizeAwareBatchSampler``: a real number (int or float), else ValueError.
+
+    bionemo documents "ValueError if max_total_size is not a positive number" but
+    checks only that it is a real number, and its own tests construct samplers
+    with ``max_total_size=0`` (iterating one skips, with a warning, every element
+    of positive size). So 0 and negative values are accepted here. Refused, as
+    dynabatch's own stricter choices: a bool and NaN (NaN would put every element
+    in one batch, since no comparison with it is true).
+    """
+    rule = "a real number (int or float, not NaN)"
     if isinstance(max_total_size, bool) or not isinstance(max_total_size, numbers.Real):
         raise _ArgumentError(f"max_total_size should be {rule}, but got max_total_size={_described(max_total_size)}")
-    if not max_total_size > 0:  # also refuses NaN
+    if _is_nan(max_total_size):
         raise ValueError(f"max_total_size should be {rule}, but got max_total_size={max_total_size!r}")
 
 
@@ -140,7 +152,7 @@ def _exceeds(size: Any, limit: Any, data: Any) -> bool:
             return size > limit
         except TypeError:
             pass  # the limit is not comparable with an int: the general path says so
-    if isinstance(size, numbers.Real) and math.isnan(size):
+    if _is_nan(size):
         raise ValueError(f"sizeof should return a number, but got NaN for data={_short(data)}")
     try:
         return bool(size > limit)

@@ -25,6 +25,11 @@ Behaviour on the edge cases, as bionemo's:
   :class:`IndexError`. A size that cannot be compared with
   ``max_total_size`` (a string, None) raises :class:`TypeError`; a NaN size
   raises :class:`ValueError`.
+* ``max_total_size`` only has to be a real number: ``SizeAwareBatchSampler``
+  with 0 or a negative value constructs (bionemo documents a ValueError for a
+  non-positive value but does not raise one, and its tests rely on that), and
+  iterating it skips every element of positive size, with the warnings above.
+  NaN is refused with :class:`ValueError` (by both entry points).
 * ``SizeAwareBatchSampler`` has no ``__len__``: the number of batches is only
   known by building them.
 """
@@ -32,8 +37,6 @@ Behaviour on the edge cases, as bionemo's:
 from __future__ import annotations
 
 import logging
-import math
-import numbers
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, List, Optional, TypeVar, Union
 
@@ -44,6 +47,7 @@ from dynabatch.sampling._size_aware_args import (
     _check_max_total_size,
     _described,
     _exceeds,
+    _is_nan,
     _short,
     _size_function,
 )
@@ -138,7 +142,9 @@ def size_aware_batching(
     no batch) and reported through ``warn_logger`` (see the module docstring).
     ``max_total_size`` is not otherwise checked here (bionemo's function does
     not check it either): with ``max_total_size=0`` only size-0 elements are
-    batched. ``SizeAwareBatchSampler`` refuses a non-positive value.
+    batched. ``SizeAwareBatchSampler`` behaves the same way with 0 or a
+    negative value (as bionemo's); it refuses only a value that is not a real
+    number.
 
     Args:
         dataset: The input iterable.
@@ -183,7 +189,7 @@ def size_aware_batching(
         [tensor([[1, 2], [3, 4]]), tensor([[5, 6], [7, 8]]), tensor([[ 9, 10]])]
     """
     size_of = _size_function(sizeof)
-    if isinstance(max_total_size, numbers.Real) and math.isnan(max_total_size):
+    if _is_nan(max_total_size):
         raise ValueError(f"max_total_size should be a number, but got max_total_size={max_total_size!r}")
     if collate_fn is not None and not callable(collate_fn):
         raise TypeError(f"collate_fn should be a callable or None, but got collate_fn={_described(collate_fn)}")
@@ -261,7 +267,11 @@ class SizeAwareBatchSampler(Sampler[List[int]]):
         Raises:
             TypeError: If sampler is not an instance of Sampler or Iterable, or
                 if sizeof is not a callable, dictionary, or sequence container.
-            ValueError: If max_total_size is not a positive number.
+            ValueError: If max_total_size is not a real number (bionemo
+                documents "not a positive number" but checks only that it is a
+                real number, and so does this class: with 0 or a negative value
+                it constructs, and iterating it skips every element of positive
+                size, calling ``warn_logger`` for each). NaN is refused too.
         """
         if not (isinstance(sampler, Sampler) or (isinstance(sampler, Iterable) and not isinstance(sampler, str))):
             raise TypeError(

@@ -158,16 +158,60 @@ def test_sizeof_returning_nan_raises_value_error():
         list(size_aware_batching([0, 1], [1.0, float("nan")], 3))
 
 
-@pytest.mark.parametrize("max_total_size", [0, -1, -0.5, float("nan")])
-def test_sampler_refuses_non_positive_max_total_size(max_total_size):
-    with pytest.raises(ValueError, match=f"max_total_size should be a positive number, but got max_total_size={max_total_size!r}"):
-        SizeAwareBatchSampler(range(3), lambda i: 1, max_total_size)
+@pytest.mark.parametrize("max_total_size", [0, -1, -0.5])
+def test_sampler_with_a_non_positive_max_total_size_constructs_and_skips_every_sized_element(max_total_size):
+    # bionemo checks only that max_total_size is a real number (its docs promise more); its own
+    # tests build SizeAwareBatchSampler(sampler, sizeof, 0) and expect a warning per skipped element
+    warned, informed = [], []
+    sampler = SizeAwareBatchSampler(
+        SequentialSampler(range(4)), [10, 20, 30, 10], max_total_size,
+        info_logger=informed.append, warn_logger=warned.append,
+    )
+    for _ in range(2):  # every epoch the same, and the sampler stays usable
+        warned.clear()
+        assert list(sampler) == []
+        assert len(warned) == 5  # one per element, then the summary
+        assert f"Size of element 2 exceeds max_total_size (30 > {max_total_size}), skipping" in warned[2]
+        assert "0 samples were batched from 4" in warned[4]
+    assert "Batched 0 samples into 0 batches" in informed[-1]
+
+
+def test_sampler_with_max_total_size_zero_warns_through_warnings_warn_and_keeps_size_zero_elements():
+    sampler = SizeAwareBatchSampler(range(4), [0, 5, 0, 1], 0, warn_logger=warnings.warn)
+    with pytest.warns(UserWarning) as records:
+        assert list(sampler) == [[0, 2]]
+    messages = [str(r.message) for r in records]
+    assert len(messages) == 3
+    assert "Size of element 1 exceeds max_total_size (5 > 0), skipping" in messages[0]
+    assert "Size of element 3 exceeds max_total_size (1 > 0), skipping" in messages[1]
+    assert "2 samples were batched from 4" in messages[2]
+
+
+def test_sampler_with_max_total_size_zero_in_a_data_loader_gives_no_batch():
+    data = torch.arange(6.0)
+    loader = DataLoader(data, batch_sampler=SizeAwareBatchSampler(SequentialSampler(data), lambda i: 1, 0))
+    assert list(loader) == []
+
+
+_REAL_NUMBER_RULE = r"max_total_size should be a real number \(int or float, not NaN\), but got max_total_size="
+
+
+def test_sampler_refuses_a_nan_max_total_size():
+    with pytest.raises(ValueError, match=_REAL_NUMBER_RULE + "nan"):
+        SizeAwareBatchSampler(range(3), lambda i: 1, float("nan"))
 
 
 @pytest.mark.parametrize("max_total_size", ["10", None, True, {}])
 def test_sampler_refuses_a_non_number_max_total_size_with_value_error(max_total_size):
-    with pytest.raises(ValueError, match="max_total_size should be a positive number, but got max_total_size="):
+    with pytest.raises(ValueError, match=_REAL_NUMBER_RULE):
         SizeAwareBatchSampler(range(3), lambda i: 1, max_total_size)
+
+
+def test_max_total_size_beyond_the_float_range_is_accepted():
+    # an int too large for a float is still a real number (checking it for NaN must not overflow)
+    huge = 10**400
+    assert list(size_aware_batching([1, 2, 3], lambda x: x, huge)) == [[1, 2, 3]]
+    assert list(SizeAwareBatchSampler(range(3), [1, 2, 3], huge)) == [[0, 1, 2]]
 
 
 @pytest.mark.parametrize("sampler", ["not a sampler", 3, None])
