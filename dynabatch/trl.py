@@ -157,6 +157,9 @@ def _pack_table(table: Any, seq_length: int, bin_size: int, group_size: int, alg
         if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
             raise TypeError(f"dataset['{name}'] should be a list column (packing concatenates each example's "
                             f"values), but got dataset['{name}'] of type {column.type}: select the list columns first")
+        if column.null_count:
+            at = column.is_null().to_numpy(zero_copy_only=False).argmax()
+            raise bad_value(f"dataset['{name}'][{at}]", "a list of tokens", None)
         columns.append(column)
     lengths = pc.list_value_length(columns[0]).to_numpy(zero_copy_only=False).astype(np.int64)
     for name, column in zip(table.column_names[1:], columns[1:]):
@@ -181,10 +184,11 @@ def _pack_table(table: Any, seq_length: int, bin_size: int, group_size: int, alg
     flat, offsets = pack_arrays(lengths, seq_length, group_size, bin_size, 1, None, algorithm=algorithm, seed=seed)
     sizes = lengths[flat]
     token_ends = np.concatenate([[0], np.cumsum(sizes)])[offsets]  # each row's token boundaries
-    take = pa.array(flat)
     packed = []
-    for column in columns:
-        values = column.take(take).flatten()
+    for column in columns:  # the examples' values in packed order: one slice each (arrow's take on lists is ~10x slower)
+        starts = column.offsets.to_numpy()[flat].tolist()
+        values = pa.concat_arrays([column.values.slice(a, b) for a, b in zip(starts, sizes.tolist())] or
+                                  [column.values.slice(0, 0)])
         offset_type = np.int64 if pa.types.is_large_list(column.type) else np.int32
         packed.append(type(column).from_arrays(pa.array(token_ends.astype(offset_type)), values))
     seq_lengths = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(sizes.astype(np.int32)))

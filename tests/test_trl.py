@@ -68,6 +68,8 @@ def test_bad_input_is_named():
     empty = datasets.Dataset.from_dict({"input_ids": [[1], []]})
     with pytest.raises(ValueError, match=r"len\(dataset\['input_ids'\]\[1\]\) should be a positive sequence length"):
         pack_dataset(empty, 4)
+    with pytest.raises(ValueError, match=r"dataset\['input_ids'\]\[1\] should be a list of tokens, but got"):
+        pack_dataset(datasets.Dataset.from_dict({"input_ids": [[1], None]}), 4)
     uneven = datasets.Dataset.from_dict({"input_ids": [[1, 2]], "labels": [[1]]})
     with pytest.raises(ValueError, match=r"len\(dataset\['labels'\]\[0\]\) should be len\(dataset\['input_ids'\]\[0\]\)"):
         pack_dataset(uneven, 4)
