@@ -11,8 +11,8 @@ at most ``--capacity`` tokens (4096):
 * ``dynabatch FFD (algorithm="ffd")``: the same sampler with the exact
   first-fit-decreasing bins of the reference (and of dynabatch before);
 * ``dynabatch.trl.pack_dataset``: the dataset packed for TRL's ``SFTTrainer``
-  (list columns concatenated per row plus ``seq_lengths``), timed from the
-  ``datasets.Dataset`` to the packed one;
+  (list columns concatenated per row plus ``seq_lengths``; like TRL, no cap
+  on sequences per row), timed from the ``datasets.Dataset`` to the packed one;
 * ``TRL pack_dataset (bfd)``: ``trl.pack_dataset(dataset, 4096, strategy="bfd")``
   run as a user runs it on the same ``datasets.Dataset`` (best-fit decreasing
   per ``map`` batch of 1,000 rows, no cap on sequences per row);
@@ -244,8 +244,8 @@ def run(args: argparse.Namespace) -> None:
     pack_arrays(np.array([1, 2, 3]), 8, 3, 2, 1, None)  # load (or compile) every kernel before timing
     _first_fit_scan(np.array([1, 2, 3]), 8, 2)
     data = distributions(args.n, capacity)
-    print(f"## Packing {args.n:,} lengths into rows of {capacity} tokens (at most {BIN_SIZE} sequences per row for "
-          f"dynabatch and axolotl; drop_last batches of {BATCH} rows)\n")
+    print(f"## Packing {args.n:,} lengths into rows of {capacity} tokens (the samplers, dynabatch's and axolotl's: at "
+          f"most {BIN_SIZE} sequences per row, drop_last batches of {BATCH} rows; TRL and dynabatch.trl: no cap)\n")
     print(f"load average at the start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (seconds are wall time)\n")
     print("| distribution | method | rows | efficiency | dropped | seconds |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")

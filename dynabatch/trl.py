@@ -6,7 +6,8 @@ sequences per row. :func:`pack_dataset` here takes the same tokenized
 ``datasets.Dataset`` and returns the same format, packed by
 :func:`dynabatch.sampling.ffd.pack_arrays` (per group of ``group_size``
 sequences, first fit in a seeded shuffled order or longest first, whichever
-needs fewer rows; at most ``bin_size`` sequences per row): every list column
+needs fewer rows; like TRL, no cap on sequences per row unless ``bin_size``
+asks for one): every list column
 (``input_ids``, and ``labels`` / ``attention_mask`` / ... when present) is
 concatenated per row, and a ``seq_lengths`` column lists the lengths of the
 row's sequences, from which TRL's ``DataCollatorForLanguageModeling(padding_free=True)``
@@ -57,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int, check_positive_int
-from dynabatch.sampling.ffd import check_algorithm, pack_arrays
+from dynabatch.sampling.ffd import NO_LIMIT, check_algorithm, pack_arrays
 
 __all__ = ["pack_dataset"]
 
@@ -68,7 +69,7 @@ def pack_dataset(
     dataset: Any,
     seq_length: int,
     *,
-    bin_size: int = 200,
+    bin_size: int | None = None,
     group_size: int = 100000,
     algorithm: str = "auto",
     seed: int = 0,
@@ -89,7 +90,8 @@ def pack_dataset(
             ``labels``; select the columns to keep first
             (``dataset.select_columns([...])``).
         seq_length: tokens per packed row at most.
-        bin_size: sequences per packed row at most (axolotl's ``bin_size``).
+        bin_size: sequences per packed row at most (axolotl's ``bin_size``,
+            200 there); ``None``: no cap, as in TRL.
         group_size: examples packed together (each group on its own, in dataset order).
         algorithm: ``"auto"``, ``"ffd"`` or ``"shuffled"``, as in
             :func:`dynabatch.sampling.ffd.pack_group`.
@@ -124,7 +126,7 @@ def pack_dataset(
     if not isinstance(dataset, datasets.Dataset):
         raise bad_type("dataset", "a datasets.Dataset or DatasetDict of list columns", dataset)
     seq_length = check_positive_int("seq_length", seq_length)
-    bin_size = check_positive_int("bin_size", bin_size)
+    bin_size = NO_LIMIT if bin_size is None else check_positive_int("bin_size", bin_size)
     group_size = check_positive_int("group_size", group_size)
     algorithm = check_algorithm(algorithm)
     seed = check_non_negative_int("seed", seed)

@@ -41,8 +41,14 @@ def test_packed_rows_hold_every_example_once_in_trls_format(tokenized):
     inputs = Counter(tuple(x) for x in tokenized["input_ids"])
     assert Counter(_sequences(packed["input_ids"], packed["seq_lengths"])) == inputs
     assert Counter(_sequences(reference["input_ids"], reference["seq_lengths"])) == inputs
-    assert all(len(sizes) <= 200 for sizes in packed["seq_lengths"])
     assert len(packed) <= len(reference)  # at least as few rows as TRL's best-fit decreasing
+
+
+def test_no_cap_on_sequences_per_row_unless_asked():
+    tiny = datasets.Dataset.from_dict({"input_ids": [[7, 8]] * 600})  # 1,200 tokens: one row of 600 sequences
+    assert pack_dataset(tiny, 2048)["seq_lengths"] == [[2] * 600]
+    capped = pack_dataset(tiny, 2048, bin_size=200)["seq_lengths"]
+    assert capped == [[2] * 200] * 3
 
 
 def test_every_list_column_is_packed_alike_and_the_format_is_kept(tokenized):
