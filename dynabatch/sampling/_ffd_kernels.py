@@ -59,6 +59,7 @@ Example:
 
 from __future__ import annotations
 
+import gc
 from itertools import pairwise
 from typing import Any
 
@@ -299,4 +300,10 @@ def bins_to_lists(flat: np.ndarray, offsets: np.ndarray, index: np.ndarray | Non
     """The bins as lists of positions (or of ``index[position]``)."""
     items = (flat if index is None else index[flat]).tolist()
     bounds = offsets.tolist()
-    return [items[a:b] for a, b in pairwise(bounds)]
+    enabled = gc.isenabled()
+    gc.disable()  # the collector's passes over 100,000s of new lists cost 5x the building (0.31 s vs 0.06 s)
+    try:
+        return [items[a:b] for a, b in pairwise(bounds)]
+    finally:
+        if enabled:
+            gc.enable()
