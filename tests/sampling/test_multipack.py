@@ -288,11 +288,13 @@ def test_seed_api_signature_and_defaults():
     drop_last=st.booleans(),
     sequential=st.booleans(),
     seed=st.integers(0, 3),
+    algorithm=st.sampled_from(["auto", "ffd", "shuffled"]),
 )
-def test_bins_respect_limits_and_nothing_is_lost(lengths, batch_size, bin_size, group_size, drop_last, sequential, seed):
+def test_bins_respect_limits_and_nothing_is_lost(lengths, batch_size, bin_size, group_size, drop_last, sequential, seed,
+                                                 algorithm):
     arr = np.array(lengths)
     sampler = _sampler(arr, batch_size, 64, bin_size=bin_size, group_size=group_size, drop_last=drop_last,
-                       sequential=sequential, seed=seed)
+                       sequential=sequential, seed=seed, algorithm=algorithm)
     batches = list(sampler)
     assert len(batches) == len(sampler)
     assert all(1 <= len(batch) <= batch_size for batch in batches)
