@@ -138,3 +138,35 @@ def test_plan_speed_prints_cold_start_and_planning_rows_and_writes_only_where_as
     written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
     assert written == ["README.md", "benchmarks/RESULTS.md", "benchmarks/plan_speed.py", "plan_speed.md"]  # nothing else
     assert {path: path.read_text() for path in committed} == committed
+
+
+# --- benchmarks/packing.py -------------------------------------------------------------------------
+
+PACKING = ROOT / "benchmarks" / "packing.py"
+PACKING_METHODS = ["dynabatch MultipackBatchSampler", 'dynabatch FFD (algorithm="ffd")',
+                   "shuffled first fit (axolotl re-impl.)", "dynabatch.trl.pack_dataset", "TRL pack_dataset (bfd)"]
+PACKING_DISTRIBUTIONS = ["lognormal (median 300)", "real short text (KJV)", "many very short", "near capacity",
+                         "bimodal", "long tail (Pareto)"]
+
+
+def test_packing_benchmark_prints_one_table_of_every_method_on_every_distribution_and_the_cold_start():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, str(PACKING), "--n", "3000", "--cold-n", "20000"], check=False,
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    for distribution in PACKING_DISTRIBUTIONS:
+        effs = {}
+        for method in PACKING_METHODS:
+            row = re.search(rf"^\| {re.escape(distribution)} \| {re.escape(method)} \| ([\d,]+) \| ([\d.]+) \| "
+                            r"([\d,]+) \| [\d.]+ \|$", out, re.MULTILINE)
+            assert row, (distribution, method, out)
+            effs[method] = float(row.group(2))
+        assert effs["dynabatch MultipackBatchSampler"] >= effs['dynabatch FFD (algorithm="ffd")']  # never more bins
+        assert re.search(rf"^\| {re.escape(distribution)} \| [+-][\d.]+ \(best peer: .*\) \| [\d.]+x \| [\d.]+x \|$",
+                         out, re.MULTILINE), out
+    assert re.search(r"^Target: at or above the best efficiency on every distribution .*: (OK|MISSED)$", out, re.MULTILINE)
+    for call in ("pack_parallel(lengths, 4096, 100000, 200)", "MultipackBatchSampler(...).generate_batches()"):
+        assert re.search(rf"^- `{re.escape(call)}`: [\d.]+ / [\d.]+ s \(warm [\d.]+ s\); target <= 1.5 s: (OK|MISSED)$",
+                         out, re.MULTILINE), out
+    assert "`python benchmarks/packing.py --n 3000 --cold-n 20000`" in out

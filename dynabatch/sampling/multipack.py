@@ -2,9 +2,13 @@
 
 Several sequences are packed into one fixed-capacity row ("bin") of at most
 ``batch_max_len`` tokens and at most ``bin_size`` sequences; ``batch_size``
-bins make a batch. The planner is first-fit-decreasing (FFD) per group of
-``group_size`` sequences, as in axolotl; the functions and the sampler keep
-axolotl's names, argument order, defaults and return shapes (seed 004).
+bins make a batch. The planner packs each group of ``group_size`` sequences
+first fit, in a shuffled order (as axolotl does since 2025) or longest first
+(first-fit decreasing, FFD, as axolotl did before) when that needs fewer bins,
+so it never needs more bins than either (``algorithm="ffd"`` keeps the exact
+FFD bins; see :mod:`dynabatch.sampling._ffd_kernels`). The functions and the
+sampler keep axolotl's names, argument order, defaults and return shapes
+(seed 004).
 
 What this implementation adds to the reference:
 
@@ -48,7 +52,7 @@ Example:
     ...                                 lengths=lengths, drop_last=False)
     >>> batches = list(sampler)
     >>> batches  # bins (each within 10 tokens) in a seeded random order, two per batch
-    [[[0, 7], [6, 1]], [[4, 5], [2, 3]]]
+    [[[4, 5], [2, 7]], [[6], [1, 3, 0]]]
     >>> all(lengths[b].sum() <= 10 for batch in batches for b in batch)
     True
     >>> len(sampler), round(sampler.efficiency(), 3)
@@ -75,11 +79,11 @@ from dynabatch._validation import (
     check_positive_int,
     check_positive_number,
 )
-from dynabatch.sampling._ffd_kernels import pack as _pack  # noqa: F401  (benchmarks/packing.py times it alone)
 from dynabatch.sampling._ffd_kernels import sequential_offsets
 from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.sampling.ffd import (
     allocate_sequentially,
+    check_algorithm,
     check_fits,
     ffd_check,
     pack_arrays,
@@ -92,7 +96,7 @@ __all__ = ["MultipackBatchSampler", "allocate_sequentially", "ffd_check", "pack_
 
 LOG = logging.getLogger(__name__)
 
-_EXTRA_KWARGS = ("seed", "oversized", "num_replicas", "rank", "shard")
+_EXTRA_KWARGS = ("seed", "oversized", "num_replicas", "rank", "shard", "algorithm")
 
 
 class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
@@ -100,8 +104,9 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
 
     This sampler packs sequences into fixed-capacity bins (batches) to maximize
     GPU memory utilization and training throughput by reducing padding. It
-    supports both parallel packing (using FFD algorithm) and sequential packing
-    (preserving original sequence order). Each batch is a list of up to
+    supports both parallel packing (first fit per group, shuffled or longest
+    first, whichever needs fewer bins; the reference: the FFD algorithm) and
+    sequential packing (preserving original sequence order). Each batch is a list of up to
     ``batch_size`` bins, each bin a list of dataset indices.
 
     Args:
@@ -121,8 +126,8 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
             batch count from this many random packings; here the epoch's plan is
             deterministic, so ``len()`` is exact.
         sequential: pack in sampler order (a bin never mixes non-neighbours)
-            instead of FFD.
-        group_size: Sequences per FFD group.
+            instead of by groups.
+        group_size: Sequences per packing group.
         bin_size: Maximum number of sequences in one bin.
         num_processes: processes for packing the groups (``None``: this process).
         safe_mode: passed to :func:`pack_parallel`.
@@ -133,8 +138,13 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
             tokens: truncate it when collating, e.g.
             ``PackedCollator(max_length=batch_max_len)``), ``num_replicas`` and
             ``rank`` (default: the process group's), ``shard`` (``True``; ``False``
-            yields every rank's batches in turn, for accelerate's dealer). Other
-            keywords are ignored with a warning, as the reference ignores them.
+            yields every rank's batches in turn, for accelerate's dealer),
+            ``algorithm`` (``"auto"``: per group, first fit in a shuffled order
+            seeded by ``seed`` and the epoch, or longest first when that needs
+            fewer bins; ``"ffd"``: the reference's first-fit decreasing, its
+            exact bins; ``"shuffled"``: the shuffled order only, as axolotl
+            since 2025). Other keywords are ignored with a warning, as the
+            reference ignores them.
 
     ``len(sampler)`` is this rank's number of batches in the current epoch (the
     same on every rank). Call :meth:`set_epoch` before each epoch. Epochs,
@@ -188,6 +198,7 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
         self.num_processes = None if num_processes is None else check_positive_int("num_processes", num_processes)
         self.safe_mode = safe_mode
         self.mp_start_method = mp_start_method
+        self.algorithm = check_algorithm(kwargs.get("algorithm", "auto"))
         self.oversized = kwargs.get("oversized", "error")
         if self.oversized not in ("error", "truncate"):
             raise bad_value("oversized", "'error' or 'truncate'", self.oversized)
@@ -241,7 +252,7 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
             raise bad_value("sampler", f"yielding indices in [0, {self.lengths.size})", f"index {bad}")
         return order
 
-    def _plan_bins(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _plan_bins(self, order: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The epoch's bins: dataset indices ``items`` and each bin's ``starts`` / ``ends`` into them."""
         lengths = self.lengths[order]
         if self.sequential:
@@ -249,7 +260,8 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
             items = order
         else:
             flat, offsets = pack_arrays(lengths, self.batch_max_len, self.group_size, self.bin_size,
-                                         self.num_processes or 1, self.mp_start_method)
+                                         self.num_processes or 1, self.mp_start_method,
+                                         algorithm=self.algorithm, seed=[self.seed, epoch])
             items = order[flat]
         return items, offsets[:-1], offsets[1:]
 
@@ -257,7 +269,7 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
         """The epoch's batches of ``batch_size`` bins: bins shuffled (unless ``sequential``), ``drop_last`` applied."""
         order = self._order(epoch)
         self._orders[epoch] = fingerprint(order)
-        items, starts, ends = self._plan_bins(order)
+        items, starts, ends = self._plan_bins(order, epoch)
         if not self.sequential:  # batches of randomly composed bins, not of the packer's neighbours
             perm = np.random.default_rng([self.seed, epoch, 1]).permutation(starts.size)
             starts, ends = starts[perm], ends[perm]
@@ -346,7 +358,7 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
     def identity(self) -> list[Any]:
         """The lengths and the packing settings (a saved state only loads into a sampler with equal ones)."""
         return [self.lengths, self.batch_size, self.batch_max_len, self.drop_last, self.sequential, self.group_size,
-                self.bin_size, self.oversized]
+                self.bin_size, self.oversized, self.algorithm]
 
     def _extra_state(self) -> dict[str, Any]:
         self.epoch_batches()

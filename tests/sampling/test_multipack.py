@@ -1,3 +1,4 @@
+import bisect
 import json
 import logging
 import textwrap
@@ -11,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import RandomSampler, SequentialSampler
 
+from dynabatch.sampling._ffd_kernels import shuffle_noise
+from dynabatch.sampling.ffd import pack_arrays
 from dynabatch.sampling.multipack import (
     MultipackBatchSampler,
     allocate_sequentially,
@@ -34,7 +37,11 @@ def _flat(batches):
 
 def _brute_ffd(lengths, capacity, bin_size=10**9):
     """FFD written plainly: a list of bins scanned left to right."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # sorted() is stable
+    return _brute_first_fit(lengths, sorted(range(len(lengths)), key=lambda i: -lengths[i]), capacity, bin_size)
+
+
+def _brute_first_fit(lengths, order, capacity, bin_size=10**9):
+    """First fit in ``order`` written plainly (``sorted()`` above is stable: ties in position order)."""
     room, bins = [], []
     for i in order:
         for b in range(len(bins)):
@@ -45,6 +52,31 @@ def _brute_ffd(lengths, capacity, bin_size=10**9):
         else:
             room.append(capacity - lengths[i])
             bins.append([i])
+    return bins
+
+
+def _shuffled_order(m, seed):
+    """The order ``algorithm="shuffled"`` places a group of ``m`` in: Fisher-Yates with ``shuffle_noise``."""
+    noise, order = shuffle_noise(m, seed), list(range(m))
+    for k in range(m - 1, 0, -1):
+        j = int(noise[k] * (k + 1))
+        order[k], order[j] = order[j], order[k]
+    return order
+
+
+def _brute_bfd(lengths, capacity, bin_size=10**9):
+    """Best fit decreasing written plainly: the open bin with the least room that fits (a sorted list of rooms)."""
+    open_bins, bins = [], []  # (room, bin number) of bins that can take one more sequence
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        at = bisect.bisect_left(open_bins, (lengths[i], -1))
+        if at < len(open_bins):
+            room, b = open_bins.pop(at)
+        else:
+            room, b = capacity, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        if len(bins[b]) < bin_size:
+            bisect.insort(open_bins, (room - lengths[i], b))
     return bins
 
 
@@ -65,30 +97,117 @@ lengths_st = st.lists(st.integers(1, 64), min_size=0, max_size=120)
 # --------------------------------------------------------------------------- the seed's functions
 
 
+# lengths of every shape the packer meets: long tails, many very short ones (the bin_size cap binds), near capacity
+mixed_lengths_st = st.one_of(
+    lengths_st,
+    st.lists(st.integers(1, 4), max_size=150),
+    st.lists(st.one_of(st.integers(1, 3), st.integers(20, 64)), max_size=150),
+    st.lists(st.integers(30, 64), max_size=60),
+)
+
+
 @settings(deadline=None, max_examples=80)
 @given(lengths=lengths_st, bin_size=st.integers(1, 6), offset=st.integers(0, 50))
-def test_pack_group_is_ffd(lengths, bin_size, offset):
-    bins = pack_group(np.array(lengths, dtype=np.int64), offset, 64, max(len(lengths), 1), bin_size)
+def test_pack_group_ffd_flag_gives_the_reference_bins(lengths, bin_size, offset):
+    bins = pack_group(np.array(lengths, dtype=np.int64), offset, 64, max(len(lengths), 1), bin_size, algorithm="ffd")
     assert bins == [[i + offset for i in b] for b in _brute_ffd(lengths, 64, bin_size)]
 
 
-@settings(deadline=None, max_examples=60)
-@given(lengths=lengths_st, group_size=st.integers(1, 50), bin_size=st.integers(1, 8))
-def test_pack_parallel_packs_each_group_alone(lengths, group_size, bin_size):
+@settings(deadline=None, max_examples=80)
+@given(lengths=mixed_lengths_st, bin_size=st.integers(1, 8), seed=st.integers(0, 5))
+def test_pack_group_shuffled_flag_is_first_fit_in_the_seeded_order(lengths, bin_size, seed):
+    bins = pack_group(np.array(lengths, dtype=np.int64), 0, 64, max(len(lengths), 1), bin_size, algorithm="shuffled",
+                      seed=seed)
+    assert bins == _brute_first_fit(lengths, _shuffled_order(len(lengths), seed), 64, bin_size)
+
+
+@settings(deadline=None, max_examples=150)
+@given(lengths=mixed_lengths_st, bin_size=st.integers(1, 8), seed=st.integers(0, 5), offset=st.integers(0, 9))
+def test_pack_group_never_needs_more_bins_than_ffd_or_shuffled_first_fit(lengths, bin_size, seed, offset):
     arr = np.array(lengths, dtype=np.int64)
-    bins = pack_parallel(arr, bin_capacity=64, group_size=group_size, bin_size=bin_size, num_processes=1)
-    expected = []
-    for g0 in range(0, len(lengths), group_size):
-        expected += pack_group(arr[g0 : g0 + group_size], g0, 64, group_size, bin_size)
-    assert bins == expected
+    bins = pack_group(arr, offset, 64, max(len(lengths), 1), bin_size, seed=seed)
+    ffd = _brute_ffd(lengths, 64, bin_size)
+    shuffled = _brute_first_fit(lengths, _shuffled_order(len(lengths), seed), 64, bin_size)
+    assert len(bins) <= min(len(ffd), len(shuffled))
+    # it is one of the two, the shuffled one unless FFD needs fewer bins
+    assert bins == [[i + offset for i in b] for b in (ffd if len(ffd) < len(shuffled) else shuffled)]
+    assert sorted(i - offset for b in bins for i in b) == list(range(len(lengths)))  # each index exactly once
+    assert all(arr[[i - offset for i in b]].sum() <= 64 and 1 <= len(b) <= bin_size for b in bins)
+
+
+@settings(deadline=None, max_examples=60)
+@given(lengths=mixed_lengths_st, group_size=st.integers(1, 50), bin_size=st.integers(1, 8),
+       algorithm=st.sampled_from(["auto", "ffd", "shuffled"]))
+def test_pack_parallel_packs_each_group_alone(lengths, group_size, bin_size, algorithm):
+    arr = np.array(lengths, dtype=np.int64)
+    bins = pack_parallel(arr, bin_capacity=64, group_size=group_size, bin_size=bin_size, num_processes=1,
+                         algorithm=algorithm)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
-    assert all(arr[b].sum() <= 64 and len(b) <= bin_size for b in bins)
+    assert all(arr[b].sum() <= 64 and 1 <= len(b) <= bin_size for b in bins)
+    bounds = [0]  # each group's bins come after the previous group's and hold only its indices
+    for g0 in range(0, len(lengths), group_size):
+        mine = [b for b in bins if g0 <= b[0] < g0 + group_size]
+        assert all(g0 <= i < g0 + group_size for b in mine for i in b)
+        assert bins[bounds[-1] : bounds[-1] + len(mine)] == mine
+        bounds.append(bounds[-1] + len(mine))
+        ffd = pack_group(arr[g0 : g0 + group_size], g0, 64, group_size, bin_size, algorithm="ffd")
+        if algorithm == "ffd":
+            assert mine == ffd
+        elif algorithm == "auto":
+            assert len(mine) <= len(ffd)
 
 
 def test_pack_parallel_same_bins_whatever_num_processes():
     lengths = np.random.default_rng(0).integers(1, 300, size=5000)
-    one = pack_parallel(lengths, 512, group_size=700, bin_size=20, num_processes=1)
-    assert pack_parallel(lengths, 512, group_size=700, bin_size=20, num_processes=3) == one
+    for algorithm in ("auto", "ffd"):
+        one = pack_parallel(lengths, 512, group_size=700, bin_size=20, num_processes=1, algorithm=algorithm)
+        assert pack_parallel(lengths, 512, group_size=700, bin_size=20, num_processes=3, algorithm=algorithm) == one
+    assert pack_parallel(lengths, 512, group_size=700, bin_size=20, seed=1) != one  # another seed, another order
+
+
+def _efficiency(lengths, n_bins, capacity):
+    return lengths.sum() / (n_bins * capacity)
+
+
+_DISTRIBUTIONS = {  # 20,000 lengths each, 4096-token bins, 200 sequences per bin at most
+    "lognormal": lambda rng: np.clip(rng.lognormal(np.log(300), 1.0, 20000), 8, 4096),
+    "many very short": lambda rng: np.where(rng.random(20000) < 0.5, rng.integers(1, 10, 20000),
+                                            rng.lognormal(np.log(60), 0.8, 20000)),
+    "near capacity": lambda rng: rng.integers(1024, 4097, 20000),
+    "bimodal": lambda rng: np.where(rng.random(20000) < 0.7, rng.normal(60, 30, 20000),
+                                    rng.normal(1500, 400, 20000)),
+    "long tail": lambda rng: 16 * (1 + rng.pareto(1.1, 20000)),
+    "tiny": lambda rng: rng.integers(1, 40, 20000),
+}
+
+
+@pytest.mark.parametrize("name", list(_DISTRIBUTIONS))
+def test_auto_packs_at_least_as_well_as_ffd_bfd_and_shuffled_first_fit(name):
+    lengths = np.clip(_DISTRIBUTIONS[name](np.random.default_rng(0)), 1, 4096).astype(np.int64)
+    flat, offsets = pack_arrays(lengths, 4096, 100000, 200, 1, None, seed=0)
+    assert np.array_equal(np.sort(flat), np.arange(lengths.size))  # every index exactly once
+    sizes = np.add.reduceat(lengths[flat], offsets[:-1])
+    assert sizes.max() <= 4096 and np.diff(offsets).max() <= 200
+    ours = _efficiency(lengths, offsets.size - 1, 4096)
+    peers = {
+        "ffd": pack_arrays(lengths, 4096, 100000, 200, 1, None, algorithm="ffd")[1].size - 1,  # = _brute_ffd
+        "bfd": len(_brute_bfd(lengths.tolist(), 4096, 200)),
+        "shuffled first fit": pack_arrays(lengths, 4096, 100000, 200, 1, None, algorithm="shuffled", seed=1)[1].size - 1,
+    }
+    for peer, n_bins in peers.items():  # another seed for the shuffled peer: not the order auto tried
+        assert ours >= _efficiency(lengths, n_bins, 4096) - 0.002, (peer, ours)
+
+
+def test_auto_fills_the_bins_ffd_leaves_nearly_empty_under_the_bin_size_cap():
+    # Real short text: many sequences under 10 tokens. FFD places them last, when only new bins have room,
+    # 200 per bin: those bins are a fraction full. First fit in shuffled order mixes them in.
+    rng = np.random.default_rng(1)
+    lengths = np.where(rng.random(50000) < 0.4, rng.integers(2, 10, 50000),
+                       np.clip(rng.lognormal(np.log(60), 0.9, 50000), 10, 4096)).astype(np.int64)
+    ffd = pack_arrays(lengths, 4096, 100000, 200, 1, None, algorithm="ffd")[1].size - 1
+    auto = pack_arrays(lengths, 4096, 100000, 200, 1, None)[1].size - 1
+    assert _efficiency(lengths, ffd, 4096) < 0.95
+    assert _efficiency(lengths, auto, 4096) > 0.99
 
 
 @settings(deadline=None, max_examples=80)
@@ -101,7 +220,9 @@ def test_pack_group_safe_mode_refuses_instead_of_skipping():
     lengths = np.array([6, 6, 6])
     with pytest.raises(ValueError, match=r"max_bins should be enough bins .* but got max_bins=2"):
         pack_group(lengths, 0, bin_capacity=10, max_bins=2, bin_size=200)
-    assert pack_group(lengths, 0, bin_capacity=10, max_bins=2, bin_size=200, safe_mode=False) == [[0], [1], [2]]
+    assert sorted(pack_group(lengths, 0, bin_capacity=10, max_bins=2, bin_size=200, safe_mode=False)) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match=r"max_bins should be enough bins .* but got max_bins=2"):
+        pack_group(lengths, 0, bin_capacity=10, max_bins=2, bin_size=200, algorithm="shuffled")
 
 
 @settings(deadline=None, max_examples=60)
@@ -131,6 +252,12 @@ def test_functions_refuse_bad_input():
         pack_parallel(np.array([3]), 10, group_size=0, bin_size=5)
     with pytest.raises(ValueError, match=r"rank should be in \[0, num_ranks=2\), but got rank=2"):
         allocate_sequentially(np.array([3]), 2, 10, 2)
+    with pytest.raises(ValueError, match="algorithm should be 'auto', 'ffd' or 'shuffled', but got algorithm='bfd'"):
+        pack_parallel(np.array([3]), 10, group_size=10, bin_size=5, algorithm="bfd")
+    with pytest.raises(TypeError, match="algorithm should be 'auto', 'ffd' or 'shuffled', but got algorithm=None"):
+        pack_group(np.array([3]), 0, 10, 1, 5, algorithm=None)
+    with pytest.raises(ValueError, match="seed should be a non-negative integer, but got seed=-1"):
+        pack_group(np.array([3]), 0, 10, 1, 5, seed=-1)
 
 
 # --------------------------------------------------------------------------- the sampler
@@ -161,11 +288,13 @@ def test_seed_api_signature_and_defaults():
     drop_last=st.booleans(),
     sequential=st.booleans(),
     seed=st.integers(0, 3),
+    algorithm=st.sampled_from(["auto", "ffd", "shuffled"]),
 )
-def test_bins_respect_limits_and_nothing_is_lost(lengths, batch_size, bin_size, group_size, drop_last, sequential, seed):
+def test_bins_respect_limits_and_nothing_is_lost(lengths, batch_size, bin_size, group_size, drop_last, sequential, seed,
+                                                 algorithm):
     arr = np.array(lengths)
     sampler = _sampler(arr, batch_size, 64, bin_size=bin_size, group_size=group_size, drop_last=drop_last,
-                       sequential=sequential, seed=seed)
+                       sequential=sequential, seed=seed, algorithm=algorithm)
     batches = list(sampler)
     assert len(batches) == len(sampler)
     assert all(1 <= len(batch) <= batch_size for batch in batches)
@@ -251,12 +380,31 @@ def test_oversized_sequence_errors_or_truncates():
         ({"drop_last": "yes"}, TypeError, "drop_last should be a bool"),
         ({"oversized": "drop"}, ValueError, "oversized should be 'error' or 'truncate', but got oversized='drop'"),
         ({"rank": 2, "num_replicas": 2}, ValueError, r"rank should be in \[0, num_replicas=2\), but got rank=2"),
+        ({"algorithm": "first-fit"}, ValueError,
+         "algorithm should be 'auto', 'ffd' or 'shuffled', but got algorithm='first-fit'"),
     ],
 )
 def test_bad_input_is_named(kwargs, error, match):
     args = {"sampler": list(range(4)), "batch_size": 2, "batch_max_len": 8, "lengths": np.array([1, 2, 3, 4])}
     with pytest.raises(error, match=match):
         MultipackBatchSampler(**{**args, **kwargs})
+
+
+def test_algorithm_keyword_plans_each_epoch_order_with_that_packer():
+    lengths = np.random.default_rng(6).integers(1, 80, size=700)
+    for algorithm in ("ffd", "shuffled", "auto"):
+        sampler = _sampler(lengths, 1, 128, group_size=300, bin_size=12, seed=4, algorithm=algorithm, drop_last=False)
+        sampler.set_epoch(2)
+        order = np.random.default_rng([4, 2]).permutation(700)  # a RandomSampler's order (module docs)
+        expected = pack_parallel(lengths[order], 128, group_size=300, bin_size=12, algorithm=algorithm)
+        if algorithm != "ffd":  # the shuffle inside each group is seeded by seed and epoch
+            flat, offsets = pack_arrays(lengths[order], 128, 300, 12, 1, None, algorithm=algorithm, seed=[4, 2])
+            expected = [flat[a:b].tolist() for a, b in pairwise(offsets.tolist())]
+        # the packer's bins, then shuffled into batches (seeded by seed and epoch)
+        assert sorted(b for batch in sampler for b in batch) == sorted(order[b].tolist() for b in expected)
+    ffd = _sampler(lengths, 1, 128, bin_size=12, algorithm="ffd")
+    with pytest.raises(ValueError, match="state should come from a sampler over the same lengths"):
+        _sampler(lengths, 1, 128, bin_size=12).load_state_dict(ffd.state_dict())
 
 
 def test_unknown_keyword_is_ignored_with_a_warning(caplog):
