@@ -1,6 +1,6 @@
 """The JSONL results file of ``run(..., output_path=...)``, which lets a killed run resume.
 
-:func:`fingerprint` identifies the inputs; :class:`ResultsFile` is the
+:func:`inputs_digest` identifies the inputs; :class:`ResultsFile` is the
 file; :func:`to_json_value` and :func:`json_line` are how results are stored.
 
 Line 1 is a header: the format, the number of inputs and a digest of the
@@ -147,7 +147,7 @@ def rank_path(path: str, rank: int, world_size: int) -> str:
     return f"{root}.rank{rank}-of-{world_size}{ext}"
 
 
-def fingerprint(queue: Any) -> str:
+def inputs_digest(queue: Any) -> str:
     """A digest identifying the inputs of a :class:`~dynabatch.inference._queue.BatchQueue`, not its plan.
 
     For a dynabatch loader: the token store (every row's tokens and extras),

@@ -51,7 +51,7 @@ from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.data.collate import Batch
 from dynabatch.inference._execute import Executor
 from dynabatch.inference._queue import BatchQueue
-from dynabatch.inference._resume import FORMAT, ResultsFile, fingerprint, rank_path
+from dynabatch.inference._resume import FORMAT, ResultsFile, inputs_digest, rank_path
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
 
 __all__ = ["BatchOutOfMemoryError", "RunResult", "run"]
@@ -264,7 +264,7 @@ def run(
     queue = BatchQueue(loader, pad_token_id, adapt=adapt)
     if adapt and distributed:
         raise bad_value("adapt", "False under torch.distributed (each rank's share is fixed up front)", adapt)
-    digest = fingerprint(queue) if output_path is not None else None  # before sharding: it covers every batch
+    digest = inputs_digest(queue) if output_path is not None else None  # before sharding: it covers every batch
     if distributed:
         from dynabatch.inference.distributed import check_same_batches
 

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import numbers
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
@@ -120,7 +121,7 @@ def _size_function(sizeof: Any) -> Callable[[Any], Any]:
 
 def _is_nan(value: Any) -> bool:
     """Whether ``value`` is a real NaN; safe for ints too large for a float (``math.isnan`` overflows)."""
-    return isinstance(value, numbers.Real) and value != value  # NaN is the only number unequal to itself
+    return isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and math.isnan(value)
 
 
 def _check_max_total_size(max_total_size: Any) -> None:

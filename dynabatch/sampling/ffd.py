@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_all_start_methods, get_context
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +43,7 @@ from dynabatch._validation import (
     check_positive_int,
 )
 from dynabatch.sampling._ffd_kernels import ALGORITHMS, bins_to_lists, pack, sequential_offsets, shuffle_noise
+from dynabatch.sampling.ranks import deal
 
 __all__ = ["allocate_sequentially", "ffd_check", "pack_group", "pack_parallel"]
 
@@ -332,4 +334,4 @@ def allocate_sequentially(
     check_fits("sequence_lengths", lengths, capacity)
     offsets = sequential_offsets(lengths, capacity, cap)
     bins = bins_to_lists(np.arange(lengths.size), offsets)
-    return bins[rank::num_ranks], int(lengths.sum()), (offsets.size - 1) * capacity
+    return deal(bins, num_ranks, rank), int(lengths.sum()), (offsets.size - 1) * capacity
