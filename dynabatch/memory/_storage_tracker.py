@@ -44,6 +44,7 @@ class StorageTracker(TorchDispatchMode):
         self.limit_bytes = limit_bytes
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.segment_peak_bytes = 0  # the peak since the last mark()
         self._counted: dict[int, int] = {}  # storage key -> counted bytes
         self._preexisting: set[int] = set()
         self._finalizers: list[weakref.finalize] = []
@@ -78,13 +79,21 @@ class StorageTracker(TorchDispatchMode):
             else:
                 self._preexisting.add(key)
                 self._watch(storage, key)
-            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+            if self.current_bytes > self.segment_peak_bytes:
+                self.segment_peak_bytes = self.current_bytes
+                self.peak_bytes = max(self.peak_bytes, self.current_bytes)
             over = self.limit_bytes is not None and self.current_bytes > self.limit_bytes
         if over:
             raise torch.OutOfMemoryError(
                 f"dynabatch CPU tracker: {self.current_bytes} bytes allocated exceed "
                 f"limit_bytes={self.limit_bytes}"
             )
+
+    def mark(self) -> int:
+        """Ends a segment of the block: returns its peak; the next segment starts at the bytes held now."""
+        with self._lock:
+            peak, self.segment_peak_bytes = self.segment_peak_bytes, self.current_bytes
+        return peak
 
     # -- dispatch ----------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None):
