@@ -148,6 +148,7 @@ def calibrate_command(args: argparse.Namespace, parser: argparse.ArgumentParser)
     model, tokenizer = _load(args, parser)
     work, cleanup = _work(model, args)
     mm = calibrate(work, tokenizer, batch_size=args.batch_size, max_input_token_length=args.max_length,
+                   max_new_tokens=args.max_new_tokens if args.task == "generate" else None,
                    measure_memory=args.device, device=args.device, model=model, texts=texts, cleanup=cleanup,
                    max_probes=args.max_probes, seed=args.seed, progress=not args.no_progress)
     mm.metadata.update(task=args.task, max_new_tokens=args.max_new_tokens if args.task == "generate" else 0,
