@@ -29,15 +29,17 @@ model's positions. The design, in order:
 
 *Decoding steps.* Given ``max_new_tokens`` and ``model``, every probe is
 measured in segments, one per call of ``model``'s forward (the prefill, then
-one decoding step each; :meth:`~dynabatch.memory.measure.PeakMemory.mark`), and
-stops after the prefill and ``5`` decoding steps: a decoding step's peak grows
-linearly in the step (the KV cache and the generated ids gain a token a step),
-so the peak of all ``max_new_tokens`` steps is the largest segment measured or
-the last step's, extrapolated along that line at its steepest measured step
-(block rounding then errs high). The first base probe runs whole and checks
-this: when the extrapolation from its first steps falls under its measured
-peak, every probe runs whole. A 64-token ``generate`` then costs a probe 6
-forward calls instead of 64.
+one decoding step each; :meth:`~dynabatch.memory.measure.PeakMemory.mark`). A
+decoding step's peak grows linearly in the step, by the same bytes per row at
+every length (the KV cache and the generated ids gain a token a step). The first
+probe runs whole: its mean growth a step, per row, is measured, and its first
+steps extrapolated along that line must reach its measured peak (else every
+probe runs whole). Every later probe stops after the prefill and 2 decoding
+steps: its peak is the largest segment measured, or its last step's peak grown
+to ``max_new_tokens`` steps at the steeper of its own measured step and the
+first probe's growth for its rows. A 64-token ``generate`` then costs a probe 3
+forward calls instead of 64, and the probes' peaks are those of the whole call
+to within the 512-byte blocks of the tracker (high rather than low).
 
 A warm-up call (not measured) runs first. Token ids are drawn with a local,
 seeded generator from the tokenizer's vocabulary (special tokens excluded), or
@@ -85,7 +87,7 @@ logger = logging.getLogger(__name__)
 _POOL = 32  # distinct texts in the probe pool (rows cycle through them)
 _MIN_LENGTH = 4
 _MAX_ROWS_FACTOR = 64  # probes hold at most this many times batch_size rows
-_DECODING_STEPS = 3  # decoding steps a probe measures before the rest are extrapolated
+_DECODING_STEPS = 2  # decoding steps a probe measures before the rest are extrapolated
 _EXTRAPOLATION_SLACK = 1e-3  # the check probe's extrapolation may fall this far under its peak (block rounding)
 _UNSET_MODEL_MAX_LENGTH = 10**9  # Hugging Face sets a huge sentinel (int(1e30)) when the limit is unknown
 
@@ -366,7 +368,7 @@ class _Prober:
 
     def _steps_run(self, batch: Batch, stop_after: int | None,
                    mem: Any = None) -> int:
-        """Calls ``work`` counting ``hooked``'s forward calls (a segment of ``mem`` each); stops after ``stop_after``."""
+        """Calls ``work``, counting ``hooked``'s forward calls (a segment of ``mem`` each), ``stop_after`` at most."""
         calls = 0
 
         def hook(module: Any, args: Any) -> None:
@@ -494,8 +496,10 @@ def calibrate(
         max_new_tokens: the most tokens ``work`` generates per row (its
             ``generate``'s ``max_new_tokens``), or ``None`` for work that does
             not generate. With ``model`` given, each probe measures the prefill
-            and 5 decoding steps and extrapolates the rest (see the module
-            docs): seconds instead of minutes for a long ``generate``.
+            and 2 decoding steps and extrapolates the rest (see the module
+            docs): seconds instead of minutes for a long ``generate``. On a
+            shared CPU, ``torch.set_num_threads(1)`` speeds calibration up
+            many times (the probes are many small ops).
         measure_memory: ``"auto"`` (``device``, else ``model``'s device, else
             CUDA when available, else the CPU tracker) or the device to measure.
         texts: your own texts to draw probe tokens from; ``None`` draws token
