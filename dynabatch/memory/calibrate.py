@@ -32,7 +32,7 @@ measured in segments, one per call of ``model``'s forward (the prefill, then
 one decoding step each; :meth:`~dynabatch.memory.measure.PeakMemory.mark`). A
 decoding step's peak grows linearly in the step, by the same bytes per row at
 every length (the KV cache and the generated ids gain a token a step). The first
-probe runs whole: its mean growth a step, per row, is measured, and its first
+probe runs whole: its largest growth a step, per row, is measured, and its first
 steps extrapolated along that line must reach its measured peak (else every
 probe runs whole). Every later probe stops after the prefill and 2 decoding
 steps: its peak is the largest segment measured, or its last step's peak grown
@@ -338,7 +338,7 @@ class _Prober:
         self.steps = steps
         self.stop_after: int | None = None  # forward calls a probe runs; None: whole (until checked)
         self.checked = False  # the first probe that ran checks the extrapolation of decoding steps
-        self.step_bytes_per_row = 0.0  # the first probe's growth a decoding step, per row
+        self.step_bytes_per_row = 0.0  # the first probe's largest growth a decoding step, per row
         self.collators: dict[int, TokenCollator] = {}
         self.store = tokenize_texts(pool, tokenizer, max_length, progress=False, **tokenizer_kwargs)
         self.suffix = _trailing_specials(self.store, tokenizer)
@@ -404,7 +404,7 @@ class _Prober:
     def _check_steps(self, rows: int, segments: list[int], calls: int) -> None:
         """After the first probe (run whole): its decoding steps against ``max_new_tokens``, and the extrapolation.
 
-        The probe's mean growth a step, per row, is every later probe's least
+        The probe's largest growth a step, per row, is every later probe's least
         growth a step per row (a step adds the same KV cache and ids to each
         row at any length); truncated probes are allowed only where the
         extrapolation from its first steps reaches its measured peak.
@@ -416,7 +416,8 @@ class _Prober:
         if calls <= stop_after + 1:
             logger.info("work called model's forward %d times on the first probe: every probe runs whole", calls)
             return
-        self.step_bytes_per_row = max(0.0, (segments[calls] - segments[2]) / (calls - 2) / rows)
+        # Its steepest step: block rounding alternates a step's growth between two sizes; the larger errs high.
+        self.step_bytes_per_row = max(0.0, float(np.diff(np.asarray(segments[2:calls + 1])).max()) / rows)
         peak = max(segments)
         estimate = _extrapolate_steps(segments[:stop_after + 1], stop_after, calls, self.step_bytes_per_row * rows)
         if estimate < (1 - _EXTRAPOLATION_SLACK) * peak:
