@@ -223,9 +223,9 @@ def test_generate_probes_run_a_few_steps_and_still_bound_whole_calls(tiny_gpt2):
         width = int(batch["input_ids"].shape[1])
         predicted = float(mm.predict(rows, width))
         assert mem.peak_bytes * 0.999 <= predicted <= mem.peak_bytes * 1.15, (rows, width)
-        if (rows, width) in probed:  # the extrapolated peak is the whole call's, to a few 512-byte blocks
+        if (rows, width) in probed:  # the extrapolated peak: the whole call's, high by the 512-byte blocks' rounding
             recorded = next(p["peak_bytes"] for p in mm.probes_ if (p["rows"], p["padded_length"]) == (rows, width))
-            assert mem.peak_bytes <= recorded <= mem.peak_bytes * 1.005
+            assert mem.peak_bytes <= recorded <= mem.peak_bytes * 1.02
 
 
 def test_max_new_tokens_below_the_steps_work_runs(tiny_gpt2):
