@@ -78,13 +78,13 @@ def _check_writable(parser: argparse.ArgumentParser, flag: str, path: Path) -> N
 def _check_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
     """Every check that needs no model weights, before any is loaded; returns the model's config."""
     import torch
-    from transformers import AutoConfig
 
-    from dynabatch.memory.calibrate import check_positions
     from dynabatch.memory.measure import check_device
 
     if not Path(args.model).is_dir():
         parser.error(f"--model should be a local model folder, but got --model={args.model!r}")
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        parser.error(f"--tokenizer should be a local tokenizer folder, but got --tokenizer={args.tokenizer!r}")
     if args.texts is not None and not args.texts.is_file():
         parser.error(f"--texts should be a text file, but got --texts={str(args.texts)!r}")
     _check_writable(parser, "--output", args.output)
@@ -101,6 +101,10 @@ def _check_options(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(str(exc))
     if args.dtype is not None and not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         parser.error(f"--dtype should be a torch dtype such as float16 or bfloat16, but got --dtype={args.dtype!r}")
+    from transformers import AutoConfig
+
+    from dynabatch.memory.calibrate import check_positions
+
     try:
         config = AutoConfig.from_pretrained(args.model)
     except (OSError, ValueError) as exc:
