@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 
-_LONG_REPR = 200  # characters: a longer repr is shown by brief()
+_LONG_REPR = 1000  # characters: a longer (or multi-line) repr is shown by brief()
 _SHORT = reprlib.Repr()
 _SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 2, 40, 40
 _SHORT.maxdict = _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxset = _SHORT.maxfrozenset = 3
