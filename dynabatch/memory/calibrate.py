@@ -416,8 +416,9 @@ class _Prober:
         if calls <= stop_after + 1:
             logger.info("work called model's forward %d times on the first probe: every probe runs whole", calls)
             return
-        # Its steepest step: block rounding alternates a step's growth between two sizes; the larger errs high.
-        self.step_bytes_per_row = max(0.0, float(np.diff(np.asarray(segments[2:calls + 1])).max()) / rows)
+        # Its steepest step (block rounding alternates a step's growth between two sizes: the larger errs high),
+        # the last segment left out: it runs on to the end of work, after the decoding.
+        self.step_bytes_per_row = max(0.0, float(np.diff(np.asarray(segments[2:calls])).max()) / rows)
         peak = max(segments)
         estimate = _extrapolate_steps(segments[:stop_after + 1], stop_after, calls, self.step_bytes_per_row * rows)
         if estimate < (1 - _EXTRAPOLATION_SLACK) * peak:

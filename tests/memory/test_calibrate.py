@@ -236,6 +236,20 @@ def test_max_new_tokens_below_the_steps_work_runs(tiny_gpt2):
                   model=model, progress=False)
 
 
+def test_work_whose_peak_comes_after_its_decoding_steps_runs_every_probe_whole(tiny_gpt2):
+    model, tokenizer = tiny_gpt2
+    generate = _generate(model, 12)
+
+    def work(batch):  # generates, then holds more than any decoding step did: no line of steps reaches it
+        tokens = generate(batch)
+        return tokens, torch.ones(len(tokens), 2_000_000)
+
+    mm = calibrate(work, tokenizer, batch_size=2, max_input_token_length=16, max_new_tokens=12, model=model,
+                   max_probes=8, progress=False)
+    assert mm.metadata["forward_calls_measured"] is None  # the first probe's check found the late peak
+    assert all(p["peak_bytes"] >= p["rows"] * 8_000_000 for p in mm.probes_)
+
+
 # --- bad inputs fail before the first probe ---------------------------------------------------------------
 
 
