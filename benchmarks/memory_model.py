@@ -210,7 +210,7 @@ def run_workload(name: str, args: argparse.Namespace) -> tuple[str, list[Row], s
         torch.ones(1).sum()
     start = time.perf_counter()
     mm = calibrate(work, tok, batch_size=args.batch_size, max_input_token_length=args.max_length, model=model,
-                   progress=args.progress)
+                   max_new_tokens=new, progress=args.progress)
     calibration = time.perf_counter() - start
     print(mm.report(), file=sys.stderr)
 

@@ -10,6 +10,14 @@ tokens), ``forward`` (``model(**batch)``) or ``train`` (a forward with
 ``labels = input_ids`` and ``loss.backward()``; gradients are dropped after each
 probe). The fit table is printed; ``--plot`` draws measured against predicted
 peaks (needs the ``plot`` extra, matplotlib).
+
+Every option is checked before the model is loaded: the output paths can be
+written, matplotlib imports for ``--plot``, the device exists, the model's
+positions hold ``--max-length`` plus ``--max-new-tokens`` and the tokenizer's
+``model_max_length`` holds ``--max-length``; a bad one is a one-line error.
+On the CPU the probes run on one torch thread unless ``--threads`` says
+otherwise: a probe is many small ops, and on a shared machine more threads
+mostly wait on each other.
 """
 
 from __future__ import annotations
@@ -43,34 +51,95 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--texts", type=Path, default=None, help="a text file, one text a line, to draw probes from")
     cal.add_argument("--max-probes", type=int, default=40)
     cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--threads", type=int, default=None,
+                     help="torch CPU threads (default: 1 with a CPU --device, torch's default otherwise)")
     cal.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
-def _load(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, Any]:
+def _check_writable(parser: argparse.ArgumentParser, flag: str, path: Path) -> None:
+    """``path`` can be written (checked by opening it; a file made for the check is removed)."""
+    value = str(path)
+    if path.is_dir():
+        parser.error(f"{flag} should be a file to write, but got {flag}={value!r}, a folder")
+    if not path.parent.is_dir():
+        parser.error(f"{flag} should be a file in an existing folder, but got {flag}={value!r} "
+                     f"(no folder {str(path.parent)!r})")
+    existed = path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        parser.error(f"{flag} should be a file this user can write, but got {flag}={value!r} ({exc.strerror})")
+
+
+def _check_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """Every check that needs no model weights, before any is loaded; returns the model's config."""
     import torch
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from dynabatch.memory.measure import check_device
 
     if not Path(args.model).is_dir():
         parser.error(f"--model should be a local model folder, but got --model={args.model!r}")
-    kwargs = {}
-    if args.dtype is not None:
-        dtype = getattr(torch, args.dtype, None)
-        if not isinstance(dtype, torch.dtype):
-            parser.error(f"--dtype should be a torch dtype such as float16 or bfloat16, but got --dtype={args.dtype!r}")
-        kwargs["dtype"] = dtype
-    config = AutoConfig.from_pretrained(args.model)
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        parser.error(f"--tokenizer should be a local tokenizer folder, but got --tokenizer={args.tokenizer!r}")
+    if args.texts is not None and not args.texts.is_file():
+        parser.error(f"--texts should be a text file, but got --texts={str(args.texts)!r}")
+    _check_writable(parser, "--output", args.output)
+    if args.plot is not None:
+        _check_writable(parser, "--plot", args.plot)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            parser.error(f"--plot should be given with matplotlib installed (pip install 'dynabatch[plot]'), but got "
+                         f"--plot={str(args.plot)!r} and {exc}")
+    try:
+        check_device("--device", args.device)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.dtype is not None and not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+        parser.error(f"--dtype should be a torch dtype such as float16 or bfloat16, but got --dtype={args.dtype!r}")
+    from transformers import AutoConfig
+
+    from dynabatch.memory.calibrate import check_positions
+
+    try:
+        config = AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as exc:
+        parser.error(f"--model should be a Hugging Face model folder (with a config.json), but got "
+                     f"--model={args.model!r}: {str(exc).splitlines()[0]}")
+    new_tokens = args.max_new_tokens if args.task == "generate" else 0
+    try:
+        check_positions(config, args.max_length, new_tokens, length_name="--max-length", new_name="--max-new-tokens")
+    except ValueError as exc:
+        parser.error(str(exc))
+    return config
+
+
+def _load(args: argparse.Namespace, parser: argparse.ArgumentParser, config: Any) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    from dynabatch.memory.calibrate import check_model_max_length
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
+    try:
+        check_model_max_length(tokenizer, args.max_length, length_name="--max-length")
+    except ValueError as exc:
+        parser.error(str(exc))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if args.task != "forward" and not getattr(config, "is_encoder_decoder", False):
+        tokenizer.padding_side = "left"  # decoder-only generation and causal training pad on the left
+    kwargs = {} if args.dtype is None else {"dtype": getattr(torch, args.dtype)}
     if args.task == "forward":
         auto = AutoModel
     else:
         auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
     model = auto.from_pretrained(args.model, **kwargs).to(args.device)
     model.train(args.task == "train")
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if args.task != "forward" and not getattr(config, "is_encoder_decoder", False):
-        tokenizer.padding_side = "left"  # decoder-only generation and causal training pad on the left
     return model, tokenizer
 
 
@@ -134,22 +203,31 @@ def plot(mm: Any, path: Path) -> None:
 
 
 def calibrate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    for name in ("max_new_tokens", "num_beams", "batch_size", "max_length", "max_probes"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} should be a positive integer, but got {getattr(args, name)}")
+    for name in ("max_new_tokens", "num_beams", "batch_size", "max_length", "max_probes", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = f"--{name.replace('_', '-')}"
+            parser.error(f"{flag} should be a positive integer, but got {flag}={value}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    config = _check_options(args, parser)
+    import torch
+
     from dynabatch.memory.calibrate import calibrate
 
+    if args.threads is not None or torch.device(args.device).type == "cpu":
+        torch.set_num_threads(args.threads or 1)
     texts = None
     if args.texts is not None:
-        if not args.texts.is_file():
-            parser.error(f"--texts should be a text file, but got --texts={str(args.texts)!r}")
         texts = [line for line in args.texts.read_text(encoding="utf-8").splitlines() if line.strip()]
-    model, tokenizer = _load(args, parser)
+    model, tokenizer = _load(args, parser, config)
     work, cleanup = _work(model, args)
-    mm = calibrate(work, tokenizer, batch_size=args.batch_size, max_input_token_length=args.max_length,
-                   measure_memory=args.device, device=args.device, model=model, texts=texts, cleanup=cleanup,
-                   max_probes=args.max_probes, seed=args.seed, progress=not args.no_progress)
+    try:
+        mm = calibrate(work, tokenizer, batch_size=args.batch_size, max_input_token_length=args.max_length,
+                       max_new_tokens=args.max_new_tokens if args.task == "generate" else None,
+                       measure_memory=args.device, device=args.device, model=model, texts=texts, cleanup=cleanup,
+                       max_probes=args.max_probes, seed=args.seed, progress=not args.no_progress)
+    except (TypeError, ValueError, RuntimeError) as exc:  # dynabatch's messages name the option's argument
+        parser.error(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     mm.metadata.update(task=args.task, max_new_tokens=args.max_new_tokens if args.task == "generate" else 0,
                        num_beams=args.num_beams)
     mm.save(args.output)

@@ -1,14 +1,16 @@
 """Argument checks shared by every public entry point.
 
 Every message follows one template, ``"{name} should be {rule}, but got
-{name}={value!r}"``, so that a user sees the argument, the rule and the value
-(a value whose repr is long is shown by its type, size and first characters).
-Wrong types raise :class:`TypeError`, wrong values :class:`ValueError`.
+{name}={value!r}"``, so that a user sees the argument, the rule and the value.
+Wrong types raise :class:`TypeError`, wrong values :class:`ValueError`. A value
+whose repr is long (a dict of texts, a model) is shown by :func:`brief`: its
+type, its size and the start of its repr.
 """
 
 from __future__ import annotations
 
 import numbers
+import reprlib
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,7 @@ import numpy as np
 __all__ = [
     "bad_type",
     "bad_value",
+    "brief",
     "check_fraction",
     "check_lengths",
     "check_non_negative_int",
@@ -24,17 +27,44 @@ __all__ = [
 ]
 
 
-_LONGEST = 120  # a value whose repr is longer is described by its type and size instead (a str: 500)
+_LONG_REPR = 1000  # characters: a longer (or multi-line) repr is shown by brief()
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 2, 40, 40
+_SHORT.maxdict = _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxset = _SHORT.maxfrozenset = 3
+
+
+def brief(value: Any) -> str:
+    """``repr(value)``, or for a long or multi-line one its type, size and start.
+
+    Example:
+        >>> brief([1, 2, 3])
+        '[1, 2, 3]'
+        >>> brief("word " * 1000)
+        "<str of 5000 characters: 'word word word wo...rd word word word '>"
+        >>> brief(list(range(10**6)))
+        '<list of 1000000 items: [0, 1, 2, ...]>'
+    """
+    sized = isinstance(value, (str, bytes, list, tuple, dict, set, frozenset))
+    if not (sized and len(value) > _LONG_REPR):  # a huge container's repr is not even built
+        text = repr(value)
+        if len(text) <= _LONG_REPR and "\n" not in text:
+            return text
+    shape = getattr(value, "shape", None)
+    if isinstance(shape, tuple):
+        size = f" of shape {tuple(int(n) for n in shape)}"
+    else:
+        try:
+            count = len(value)
+            unit = "characters" if isinstance(value, (str, bytes)) else "item" if count == 1 else "items"
+            size = f" of {count} {unit}"
+        except TypeError:
+            size = ""
+    start = " ".join(_SHORT.repr(value).split()) if sized else ""
+    return f"<{type(value).__name__}{size}{': ' + start if start else ''}>"
 
 
 def _got(name: str, value: Any) -> str:
-    text = repr(value)
-    if len(text) > (500 if isinstance(value, str) else _LONGEST):
-        size = f" of length {len(value)}" if hasattr(value, "__len__") else ""
-        shape = getattr(value, "shape", None)
-        size = f" of shape {tuple(shape)}" if shape is not None else size
-        text = f"<{type(value).__name__}{size}: {text[:60]}...>"
-    return f"{name}={text}"
+    return f"{name}={brief(value)}"
 
 
 def bad_value(name: str, rule: str, value: Any) -> ValueError:

@@ -56,8 +56,60 @@ def test_bad_options(model_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["calibrate", "--model", str(model_dir), "--batch-size", "0", "--max-length", "16", "-o",
               str(tmp_path / "x.json")])
-    assert "--batch-size should be a positive integer, but got 0" in capsys.readouterr().err
+    assert "--batch-size should be a positive integer, but got --batch-size=0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["calibrate", "--model", str(model_dir), "--task", "fly", "--batch-size", "2", "--max-length", "16",
               "-o", str(tmp_path / "x.json")])
     assert "invalid choice: 'fly'" in capsys.readouterr().err
+
+
+def test_bad_inputs_fail_in_seconds_before_any_probe(model_dir, tmp_path, capsys, monkeypatch):
+    import sys
+    import time
+
+    import dynabatch.memory.calibrate
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("calibrate() ran: the bad input was not caught before the first probe")
+
+    monkeypatch.setattr(dynabatch.memory.calibrate, "calibrate", no_probe)
+    # A model folder with positions to spare but the tokenizer's model_max_length=512: a config, no weights.
+    from transformers import GPT2Config
+
+    wide = tmp_path / "wide"
+    GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=4096).save_pretrained(wide)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (wide / name).write_bytes((model_dir / name).read_bytes())
+    out = str(tmp_path / "mm.json")
+    base = ["calibrate", "--model", str(model_dir), "--batch-size", "2", "--no-progress"]
+    cases = [
+        ([*base, "--max-length", "48", "--max-new-tokens", "32", "-o", out],
+         "--max-length should be at most 32: the model's max_position_embeddings=64 positions hold the prompt and "
+         "the --max-new-tokens=32 new tokens, but got --max-length=48"),
+        (["calibrate", "--model", str(wide), "--batch-size", "2", "--max-length", "1000", "-o", out],
+         "--max-length should be at most the tokenizer's model_max_length=512"),
+        ([*base, "--max-length", "16", "-o", str(tmp_path / "no-such-folder" / "mm.json")],
+         "--output should be a file in an existing folder, but got --output="),
+        ([*base, "--max-length", "16", "-o", str(tmp_path)], "--output should be a file to write, but got --output="),
+        ([*base, "--max-length", "16", "-o", out, "--device", "gpu"],
+         "--device should be a valid torch device such as 'cpu' or 'cuda:0', but got --device='gpu'"),
+    ]
+    for argv, message in cases:
+        start = time.perf_counter()
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and message in err and "Traceback" not in err, err
+        assert time.perf_counter() - start < 5
+    # No GPU, no matplotlib: simulated.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        main([*base, "--max-length", "16", "-o", out, "--device", "cuda:0"])
+    assert ("--device should be an available device (torch.cuda.is_available() is False: no CUDA device here), "
+            "but got --device='cuda:0'") in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit):
+        main([*base, "--max-length", "16", "-o", out, "--plot", str(tmp_path / "mm.png")])
+    err = capsys.readouterr().err
+    assert "--plot should be given with matplotlib installed (pip install 'dynabatch[plot]'), but got --plot=" in err
+    assert not (tmp_path / "mm.json").exists() and not (tmp_path / "mm.png").exists()  # the checks leave no file

@@ -141,6 +141,8 @@ def validate_texts(texts: Any) -> list[str]:
         items = texts.tolist()
     elif isinstance(texts, collections.abc.Sequence) and not isinstance(texts, (str, bytes, bytearray)):
         items = list(texts)
+    elif isinstance(texts, collections.abc.Mapping):  # a dict of texts: say how to pass them, do not print them
+        raise bad_type("texts", f"{_TEXTS_RULE}; of a mapping, pass its texts (e.g. list(texts.values()))", texts)
     elif hasattr(texts, "shape") and hasattr(texts, "columns"):  # a DataFrame: name it, do not print it
         raise TypeError(
             f"texts should be {_TEXTS_RULE}; pick one column (e.g. frame['text']), but got "

@@ -91,9 +91,11 @@ class ResultsFile:
         self.file = open(path, "ab")  # noqa: SIM115 (closed by close())
         if not lines:
             self.append(json_line(header))
-        elif self.done:
-            logger.info(
-                "resuming from output_path=%r: %d of %d inputs already done", path, len(self.done), header["n_inputs"]
+        else:  # a warning, so that it shows by default: results come from a file, not from this run
+            n = header["n_inputs"]
+            logger.warning(
+                "resuming from output_path=%r: found %d of %d inputs already done; running the other %d "
+                "(delete the file to start over)", path, len(self.done), n, n - len(self.done)
             )
 
     def _check_header(self, line: bytes, header: dict[str, Any]) -> None:

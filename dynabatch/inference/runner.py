@@ -53,6 +53,7 @@ from dynabatch.inference._execute import Executor
 from dynabatch.inference._queue import BatchQueue
 from dynabatch.inference._resume import FORMAT, ResultsFile, inputs_digest, rank_path
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
+from dynabatch.memory.measure import check_device, check_measurable_device
 
 __all__ = ["BatchOutOfMemoryError", "RunResult", "run"]
 
@@ -69,8 +70,12 @@ def _check_arguments(
         raise bad_type("adapt", "a bool", adapt)
     if not callable(fn):
         raise bad_type("fn", "a callable taking a batch", fn)
-    if device is not None and not isinstance(device, (str, torch.device)):
-        raise bad_type("device", "None, a str or a torch.device", device)
+    if isinstance(fn, torch.nn.Module) and isinstance(getattr(fn, "main_input_name", None), str):
+        # A Hugging Face model takes tensors as keywords: model(batch) would fail inside its forward.
+        raise bad_type("fn", "a callable taking a dynabatch.Batch (a dict of tensors), such as "
+                       "lambda batch: model(**batch) or lambda batch: model.generate(**batch)", fn)
+    if device is not None:
+        check_device("device", device, "None, a str or a torch.device")
     if output_path is not None and not isinstance(output_path, (str, os.PathLike)):
         raise bad_type("output_path", "None, a str or an os.PathLike (a .jsonl file)", output_path)
     if not isinstance(on_oom, str):
@@ -79,6 +84,8 @@ def _check_arguments(
         raise bad_value("on_oom", f"one of {_ON_OOM}", on_oom)
     if not isinstance(measure_memory, (bool, str, torch.device)):
         raise bad_type("measure_memory", "a bool, or the device to measure (a str or torch.device)", measure_memory)
+    if not isinstance(measure_memory, bool):
+        check_measurable_device("measure_memory", measure_memory)
     if not isinstance(progress, bool):
         raise bad_type("progress", "a bool", progress)
     if distributed is not None and not isinstance(distributed, bool):

@@ -44,6 +44,7 @@ class StorageTracker(TorchDispatchMode):
         self.limit_bytes = limit_bytes
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.segment_peak_bytes = 0  # the peak since the last mark()
         self._counted: dict[int, int] = {}  # storage key -> counted bytes
         self._preexisting: set[int] = set()
         self._finalizers: list[weakref.finalize] = []
@@ -78,7 +79,9 @@ class StorageTracker(TorchDispatchMode):
             else:
                 self._preexisting.add(key)
                 self._watch(storage, key)
-            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+            if self.current_bytes > self.segment_peak_bytes:
+                self.segment_peak_bytes = self.current_bytes
+                self.peak_bytes = max(self.peak_bytes, self.current_bytes)
             over = self.limit_bytes is not None and self.current_bytes > self.limit_bytes
         if over:
             raise torch.OutOfMemoryError(
@@ -86,16 +89,31 @@ class StorageTracker(TorchDispatchMode):
                 f"limit_bytes={self.limit_bytes}"
             )
 
+    def mark(self) -> int:
+        """Ends a segment of the block: returns its peak; the next segment starts at the bytes held now."""
+        with self._lock:
+            peak, self.segment_peak_bytes = self.segment_peak_bytes, self.current_bytes
+        return peak
+
     # -- dispatch ----------------------------------------------------------
+    def _see_all(self, values: Any, is_output: bool) -> None:
+        # An aten op's arguments and results are tensors, scalars and lists or tuples of them: walked
+        # directly, which costs a fraction of a pytree flattening on every op (generate runs thousands).
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                self._see(value, is_output)
+            elif isinstance(value, (list, tuple)):
+                self._see_all(value, is_output)
+            elif isinstance(value, dict):
+                self._see_all(tree_leaves(value), is_output)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None):
         kwargs = kwargs or {}
-        for leaf in tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor):
-                self._see(leaf, is_output=False)
+        self._see_all(args, is_output=False)
+        if kwargs:
+            self._see_all(kwargs.values(), is_output=False)
         out = func(*args, **kwargs)
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self._see(leaf, is_output=True)
+        self._see_all((out,), is_output=True)
         return out
 
     def __exit__(self, *exc: object) -> Any:

@@ -25,8 +25,8 @@ import contextlib
 import gc
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -36,6 +36,8 @@ from dynabatch.memory.guard import call_guarded, is_out_of_memory_error
 
 __all__ = [
     "PeakMemory",
+    "check_device",
+    "check_measurable_device",
     "collect_cuda_peak_alloc",
     "collect_peak_alloc",
     "is_out_of_memory_error",
@@ -50,26 +52,74 @@ Feature = TypeVar("Feature")
 
 @dataclass
 class PeakMemory:
-    """What :func:`track_peak_memory` measured; ``peak_bytes`` is set when the block ends."""
+    """What :func:`track_peak_memory` measured; ``peak_bytes`` is set when the block ends.
+
+    :meth:`mark` splits the block into segments (e.g. one per decoding step of
+    ``generate``): ``segment_peaks`` holds each segment's peak, in bytes beyond
+    what was allocated when the block started, the last one appended when the
+    block ends; ``peak_bytes`` is their maximum.
+    """
 
     device: torch.device
     peak_bytes: int | None = None
+    segment_peaks: list[int] = field(default_factory=list)
+    _mark: Callable[[], int] | None = field(default=None, repr=False, compare=False)
+
+    def mark(self) -> None:
+        """Ends the current segment (its peak goes to ``segment_peaks``); a new one starts at the bytes held now."""
+        if self._mark is None:
+            raise RuntimeError("PeakMemory.mark() should be called inside its track_peak_memory block")
+        self.segment_peaks.append(self._mark())
 
 
-def _as_measurable_device(device: str | torch.device) -> torch.device:
-    if not isinstance(device, (str, torch.device)):
-        raise bad_type("device", "a str or torch.device", device)
+def _parse_device(name: str, value: Any, rule: str) -> torch.device:
+    if not isinstance(value, (str, torch.device)):
+        raise bad_type(name, rule, value)
     try:
-        dev = torch.device(device)
-    except RuntimeError as exc:
-        raise bad_value("device", "a valid torch device such as 'cpu' or 'cuda:0'", device) from exc
-    if dev.type not in ("cpu", "cuda"):
-        raise bad_value("device", "a 'cpu' or 'cuda' device (the devices whose memory can be measured)", device)
+        return torch.device(value)
+    except RuntimeError:
+        raise bad_value(name, "a valid torch device such as 'cpu' or 'cuda:0'", value) from None
+
+
+def check_device(name: str, value: Any, rule: str = "a str or torch.device") -> torch.device:
+    """``value`` as a :class:`torch.device` that this machine has; else an error naming ``name``.
+
+    Refuses, before any work starts, what would fail later inside torch: a
+    string torch cannot parse (``"gpu"``) and a CUDA (or other accelerator)
+    device this machine does not have (torch raises a bare ``AssertionError``
+    when a tensor is moved there).
+
+    Raises:
+        TypeError: ``value`` is not a str or torch.device (``rule`` says what is).
+        ValueError: torch cannot parse it, or the device is not available here.
+    """
+    dev = _parse_device(name, value, rule)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise bad_value("device", "an available device (torch.cuda.is_available() is False)", device)
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+            raise bad_value(name, "an available device (torch.cuda.is_available() is False: no CUDA device here)",
+                            value)
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise bad_value(name, f"an available device (this machine has {count} CUDA device(s), "
+                            f"cuda:0 to cuda:{count - 1})", value)
+    elif dev.type not in ("cpu", "meta"):
+        available = getattr(getattr(torch, dev.type, None), "is_available", None)
+        if callable(available) and not available():
+            raise bad_value(name, f"an available device (torch.{dev.type}.is_available() is False)", value)
+    return dev
+
+
+def check_measurable_device(name: str, value: Any, rule: str = "a str or torch.device") -> torch.device:
+    """:func:`check_device` for a device whose memory can be measured: the CPU or an available CUDA device.
+
+    A bare ``"cuda"`` becomes the current CUDA device (``cuda:0``).
+    """
+    dev = _parse_device(name, value, rule)
+    if dev.type not in ("cpu", "cuda"):
+        raise bad_value(name, "a 'cpu' or 'cuda' device (the devices whose memory can be measured)", value)
+    check_device(name, value, rule)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
@@ -90,16 +140,19 @@ def track_peak_memory(device: str | torch.device = "cpu", *, limit_bytes: int | 
     Raises:
         ValueError: for a device that cannot be measured, or ``limit_bytes`` on CUDA.
     """
-    dev = _as_measurable_device(device)
+    dev = check_measurable_device("device", device)
     result = PeakMemory(dev)
     if limit_bytes is not None:
         limit_bytes = check_positive_int("limit_bytes", limit_bytes)
     if dev.type == "cpu":
         tracker = StorageTracker(limit_bytes=limit_bytes)
+        result._mark = tracker.mark
         try:
             with tracker:
                 yield result
         finally:
+            result._mark = None
+            result.segment_peaks.append(tracker.segment_peak_bytes)
             result.peak_bytes = tracker.peak_bytes
         return
     if limit_bytes is not None:
@@ -107,11 +160,21 @@ def track_peak_memory(device: str | torch.device = "cpu", *, limit_bytes: int | 
     torch.cuda.synchronize(dev)
     torch.cuda.reset_peak_memory_stats(dev)
     before = torch.cuda.memory_allocated(dev)
+
+    def segment_peak() -> int:
+        # The allocator counts allocations as the host asks for them: no synchronization needed here.
+        peak = max(0, torch.cuda.max_memory_allocated(dev) - before)
+        torch.cuda.reset_peak_memory_stats(dev)  # the next segment's peak starts at what is held now
+        return peak
+
+    result._mark = segment_peak
     try:
         yield result
     finally:
         torch.cuda.synchronize(dev)
-        result.peak_bytes = max(0, torch.cuda.max_memory_allocated(dev) - before)
+        result._mark = None
+        result.segment_peaks.append(max(0, torch.cuda.max_memory_allocated(dev) - before))
+        result.peak_bytes = max(result.segment_peaks)
 
 
 def collect_peak_alloc(
@@ -144,7 +207,7 @@ def collect_peak_alloc(
         >>> feats, peaks
         ([1.0, 4.0], [1024, 2560])
     """
-    dev = _as_measurable_device(device)
+    dev = check_measurable_device("device", device)
     if not callable(work):
         raise bad_type("work", "a callable", work)
     if cleanup is not None and not callable(cleanup):

@@ -223,6 +223,16 @@ def test_validate_texts_refuses_non_sequences(value, shown):
         validate_texts(value)
 
 
+def test_validate_texts_refuses_a_dict_naming_the_fix_without_printing_it():
+    texts = {f"id {i}": "a long text of many words " * 3 for i in range(2000)}  # 164 KB of text
+    with pytest.raises(TypeError, match=r"texts should be a list of str \(.*\); of a mapping, pass its texts "
+                                        r"\(e.g. list\(texts.values\(\)\)\), but got texts=<dict of 2000 items: "
+                                        r"\{'id 0': 'a long text of ma...ext of many words ', .*\}> of type dict$",
+                       ) as info:
+        validate_texts(texts)
+    assert len(str(info.value)) < 500
+
+
 def test_validate_texts_refuses_a_generator():
     with pytest.raises(TypeError, match=r"texts should be a list of str .*, but got texts=<generator .* of type generator"):
         validate_texts(t for t in ["a"])

@@ -40,6 +40,26 @@ def test_bad_arguments_are_named(tokenizer, texts):
         run(_lengths, 42, progress=False)
 
 
+def test_a_model_a_missing_gpu_and_an_unknown_device_fail_before_any_batch(tokenizer, texts, monkeypatch):
+    from transformers import BertConfig, BertModel
+
+    loader = _load(texts[:10], tokenizer)
+    model = BertModel(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=32))
+    with pytest.raises(TypeError, match=r"fn should be a callable taking a dynabatch.Batch \(a dict of tensors\), such "
+                                        r"as lambda batch: model\(\*\*batch\) .*, but got fn=<BertModel> of type "
+                                        r"BertModel$"):
+        run(model, loader, progress=False)
+    with pytest.raises(ValueError, match=r"measure_memory should be a valid torch device such as 'cpu' or 'cuda:0', "
+                                         r"but got measure_memory='gpu'"):
+        run(_lengths, loader, measure_memory="gpu", progress=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU, wherever this runs
+    for name in ("device", "measure_memory"):
+        with pytest.raises(ValueError, match=rf"{name} should be an available device \(torch.cuda.is_available\(\) "
+                                             rf"is False: no CUDA device here\), but got {name}='cuda'"):
+            run(_lengths, loader, progress=False, **{name: "cuda"})
+
+
 def test_run_result_pickles_with_its_report(tokenizer, texts):
     result = run(_lengths, _load(texts[:10], tokenizer), progress=False)
     again = pickle.loads(pickle.dumps(result))

@@ -88,7 +88,7 @@ def test_a_killed_run_resumes_where_it_stopped(tokenizer, tmp_path):
     assert resumed[0]["length"] == len(tokenizer(texts[0], truncation=True, max_length=32)["input_ids"])
 
 
-def test_resume_ignores_a_cut_line_and_runs_only_missing_rows(tokenizer, texts, tmp_path):
+def test_resume_ignores_a_cut_line_and_runs_only_missing_rows(tokenizer, texts, tmp_path, caplog):
     loader = _load(texts, tokenizer)
     path = tmp_path / "out.jsonl"
     clean = run(_summary, loader, output_path=path, progress=False)
@@ -101,6 +101,9 @@ def test_resume_ignores_a_cut_line_and_runs_only_missing_rows(tokenizer, texts, 
     again = run(lambda b: calls.append(b.indices.tolist()) or _summary(b), loader, output_path=path, progress=False)
     planned = loader.batch_sampler.batches
     assert calls == [planned[0][2:].tolist(), planned[-1].tolist()]
+    missing = len(planned[0]) - 2 + len(planned[-1])
+    assert (f"resuming from output_path={str(path)!r}: found {len(texts) - missing} of {len(texts)} inputs already "
+            f"done; running the other {missing}") in caplog.text  # a warning: shown without any logging set up
     assert again == clean
     assert sorted(_file_positions(path)[1]) == list(range(len(texts)))
     # Everything done: nothing runs, the results are read back.

@@ -10,6 +10,7 @@ import torch
 
 import dynabatch
 from dynabatch import calibrate
+from dynabatch import TokenCollator, tokenize_texts
 from dynabatch.memory.calibrate import probe_lengths
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -163,3 +164,132 @@ def test_tiny_encoder_decoder_generate_calibrates(tokenizer):
     assert mm.loo_error_ < 0.05
     # Generating rows carry their logits: the per-row cost dominates at short lengths.
     assert float(mm.predict(8, 4)) > 1.8 * float(mm.predict(4, 4))
+
+
+# --- generate: a few decoding steps measured, the rest extrapolated --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=2, n_head=2, n_positions=128,
+                        pad_token_id=0, eos_token_id=102, bos_token_id=101)
+    model = GPT2LMHeadModel(config).eval()
+    left = copy.deepcopy(tokenizer)
+    left.padding_side = "left"
+    return model, left
+
+
+def _generate(model, new_tokens):
+    def work(batch):
+        with torch.inference_mode():
+            return model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return work
+
+
+def test_generate_probes_run_a_few_steps_and_still_bound_whole_calls(tiny_gpt2):
+    from dynabatch.memory.calibrate import _cut, _vocabulary_texts
+    from dynabatch.memory.measure import track_peak_memory
+
+    model, tokenizer = tiny_gpt2
+    new_tokens = 40
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        mm = calibrate(_generate(model, new_tokens), tokenizer, batch_size=4, max_input_token_length=64,
+                       max_new_tokens=new_tokens, model=model, max_probes=16, progress=False)
+    finally:
+        hook.remove()
+    probes = len(mm.probes_)
+    # The warm-up and every probe but the first (run whole, to check the extrapolation) stop after 3 forward
+    # calls, at the fourth's pre-hook (which this counter sees first).
+    assert mm.metadata["forward_calls_measured"] == 3
+    assert len(forwards) == 4 + new_tokens + 4 * (probes - 1)
+    assert mm.loo_error_ < 0.05
+
+    # Whole calls (all 40 steps) at probed shapes and at shapes never probed: never above the prediction.
+    rng = np.random.default_rng(1)
+    store = tokenize_texts(_vocabulary_texts(tokenizer, 140, rng), tokenizer, 64, progress=False)
+    probed = [(p["rows"], p["padded_length"]) for p in mm.probes_[1:4]]
+    budget = 0.9 * float(mm.predict(4, 64))
+    held_out = [(3, 37), (int(mm.max_rows(21, budget)), 21), (int(mm.max_rows(50, budget)), 50), (6, 59)]
+    for rows, length in probed + held_out:
+        batch = TokenCollator.from_tokenizer(_cut(store, length, 1), tokenizer)(np.arange(rows) % len(store))
+        with track_peak_memory("cpu") as mem:
+            _generate(model, new_tokens)(batch)
+        width = int(batch["input_ids"].shape[1])
+        predicted = float(mm.predict(rows, width))
+        assert mem.peak_bytes * 0.999 <= predicted <= mem.peak_bytes * 1.15, (rows, width)
+        if (rows, width) in probed:  # the extrapolated peak: the whole call's, high by the 512-byte blocks' rounding
+            recorded = next(p["peak_bytes"] for p in mm.probes_ if (p["rows"], p["padded_length"]) == (rows, width))
+            assert mem.peak_bytes <= recorded <= mem.peak_bytes * 1.02
+
+
+def test_max_new_tokens_below_the_steps_work_runs(tiny_gpt2):
+    model, tokenizer = tiny_gpt2
+    with pytest.raises(ValueError, match=r"max_new_tokens should be at least the decoding steps of work \(model's "
+                                         r"forward ran 12 times .*, but got max_new_tokens=8"):
+        calibrate(_generate(model, 12), tokenizer, batch_size=2, max_input_token_length=16, max_new_tokens=8,
+                  model=model, progress=False)
+
+
+def test_work_whose_peak_comes_after_its_decoding_steps_runs_every_probe_whole(tiny_gpt2):
+    model, tokenizer = tiny_gpt2
+    generate = _generate(model, 12)
+
+    def work(batch):  # generates, then holds more than any decoding step did: no line of steps reaches it
+        tokens = generate(batch)
+        return tokens, torch.ones(len(tokens), 2_000_000)
+
+    mm = calibrate(work, tokenizer, batch_size=2, max_input_token_length=16, max_new_tokens=12, model=model,
+                   max_probes=8, progress=False)
+    assert mm.metadata["forward_calls_measured"] is None  # the first probe's check found the late peak
+    assert all(p["peak_bytes"] >= p["rows"] * 8_000_000 for p in mm.probes_)
+
+
+# --- bad inputs fail before the first probe ---------------------------------------------------------------
+
+
+def test_bad_inputs_fail_before_any_probe(tokenizer, tiny_gpt2, monkeypatch):
+    import time
+
+    model, left = tiny_gpt2
+    calls = []
+
+    def work(batch):
+        calls.append(batch["input_ids"].shape)
+
+    kwargs = dict(batch_size=4, max_input_token_length=16, progress=False)
+    cases = [
+        (TypeError, r"tokenizer should be a tokenizer object .*, but got tokenizer=None of type NoneType",
+         dict(tokenizer=None)),
+        (ValueError, r"measure_memory should be a valid torch device such as 'cpu' or 'cuda:0', but got "
+                     r"measure_memory='gpu'", dict(measure_memory="gpu")),
+        (ValueError, r"lengths\[1\] should be a positive integer, but got lengths\[1\]=-3", dict(lengths=[4, -3])),
+        (ValueError, r"max_input_token_length should be at most the tokenizer's model_max_length=512 .*, but got "
+                     r"max_input_token_length=1000000", dict(max_input_token_length=10**6)),
+        (ValueError, r"max_input_token_length should be at most 96: the model's max_position_embeddings=128 "
+                     r"positions hold the prompt and the max_new_tokens=32 new tokens, but got "
+                     r"max_input_token_length=100", dict(max_input_token_length=100, max_new_tokens=32, model=model,
+                                                         tokenizer=left)),
+        (ValueError, r"max_new_tokens should be less than the model's max_position_embeddings=128 .*, but got "
+                     r"max_new_tokens=128", dict(max_new_tokens=128, model=model, tokenizer=left)),
+        (TypeError, r"texts should be a list of str .*; of a mapping, pass its texts "
+                    r"\(e.g. list\(texts.values\(\)\)\), but got texts=<dict of 2000 items: .*> of type dict",
+         dict(texts={f"t{i}": "word " * 80 for i in range(2000)})),
+    ]
+    for error, match, changes in cases:
+        arguments = {**kwargs, **changes}
+        start = time.perf_counter()
+        with pytest.raises(error, match=match) as info:
+            calibrate(work, arguments.pop("tokenizer", tokenizer), **arguments)
+        assert time.perf_counter() - start < 5 and len(str(info.value)) < 600
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("device", "measure_memory"):
+        with pytest.raises(ValueError, match=rf"{name} should be an available device \(torch.cuda.is_available\(\) "
+                                             rf"is False.*, but got {name}='cuda:0'"):
+            calibrate(work, tokenizer, **{name: "cuda:0"}, **kwargs)
+    assert calls == []  # work never ran

@@ -191,3 +191,55 @@ def test_cpu_tracker_agrees_with_cuda_on_a_linear_stack():
     with torch.inference_mode(), track_peak_memory("cuda") as gpu:
         layers(x)
     assert gpu.peak_bytes == cpu.peak_bytes
+
+
+def test_mark_splits_the_block_into_segments_on_the_cpu():
+    with track_peak_memory("cpu") as mem:
+        a = torch.zeros(256, 4)  # 4 KiB
+        mem.mark()
+        b = torch.zeros(512, 4)  # + 8 KiB while a is held
+        del b
+        mem.mark()
+        del a
+        c = torch.zeros(128, 4)  # 2 KiB
+        del c
+    assert mem.segment_peaks == [4096, 12288, 4096]  # the third segment starts at the 4 KiB still held
+    assert mem.peak_bytes == 12288
+    with pytest.raises(RuntimeError, match=r"PeakMemory.mark\(\) should be called inside its track_peak_memory"):
+        mem.mark()
+
+
+class _FakeCudaAllocator:
+    """torch.cuda's memory statistics over a counter, for the CUDA code path on a machine without a GPU."""
+
+    def __init__(self, monkeypatch, held=1000):
+        self.allocated = self.peak = held
+        for name, value in [("is_available", lambda: True), ("device_count", lambda: 1),
+                            ("current_device", lambda: 0), ("synchronize", lambda device=None: None),
+                            ("reset_peak_memory_stats", self.reset), ("memory_allocated", lambda d=None: self.allocated),
+                            ("max_memory_allocated", lambda d=None: self.peak)]:
+            monkeypatch.setattr(torch.cuda, name, value)
+
+    def reset(self, device=None):
+        self.peak = self.allocated
+
+    def alloc(self, n):
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, n):
+        self.allocated -= n
+
+
+def test_mark_on_cuda_reads_and_resets_the_allocator_peak(monkeypatch):
+    cuda = _FakeCudaAllocator(monkeypatch, held=1000)  # weights already held: never counted
+    with track_peak_memory("cuda") as mem:
+        cuda.alloc(500)
+        mem.mark()
+        cuda.alloc(300)
+        cuda.free(300)
+        mem.mark()
+        cuda.free(400)
+        cuda.alloc(50)
+    assert mem.device == torch.device("cuda", 0)
+    assert mem.segment_peaks == [500, 800, 500] and mem.peak_bytes == 800
