@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dynabatch._validation import bad_type, bad_value
+from dynabatch._validation import bad_type, bad_value, brief
 from dynabatch.data.collate import Batch, batch_shape, padded_width, take_rows
 from dynabatch.inference.loader import plan_of
 from dynabatch.sampling.ranks import deal, order_steps, split_for_replicas
@@ -37,18 +37,13 @@ class Item:
     whole: bool = True  # False once rows already done (resumed) are taken out
 
 
-def short_repr(value: Any, limit: int = 80) -> str:
-    text = " ".join(repr(value).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def positions_of(batch: Any, loader: Any) -> np.ndarray:
     """The input positions of ``batch``'s rows (its ``.indices``), or a ``TypeError`` naming ``loader``."""
     indices = getattr(batch, "indices", None)
     if indices is None or not isinstance(batch, dict):
         raise TypeError(
             "loader should be a dynabatch DataLoader or an iterable of dynabatch Batches (dicts of tensors with "
-            f".indices, the input positions of their rows), but got loader={short_repr(loader)} yielding a batch "
+            f".indices, the input positions of their rows), but got loader={brief(loader)} yielding a batch "
             f"of type {type(batch).__name__}" + ("" if indices is None else " (not a dict of tensors)")
         )
     return torch.as_tensor(indices).detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
