@@ -33,7 +33,7 @@ def test_bad_arguments_are_named(tokenizer, texts):
     with pytest.raises(
         TypeError,
         match=r"loader should be a dynabatch DataLoader or an iterable of dynabatch Batches"
-        r".*but got loader=\[\{'input_ids': tensor.* yielding a batch of type dict",
+        r".*but got loader=<list of 1 item: \[\{'input_ids': tensor.* yielding a batch of type dict",
     ):
         run(_lengths, plain, progress=False)
     with pytest.raises(TypeError, match="loader should be"):
