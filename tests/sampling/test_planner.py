@@ -97,8 +97,9 @@ def test_plan_equals_the_batch_by_batch_rule(bundled, counting, data, batch_size
     assert all(s in cands or s == batch_size or i == len(sizes) - 1 for i, s in enumerate(sizes))
     # exactly the rule, asked candidate by candidate (monotone choice, no safe island)
     assert sizes == reference_sizes(np.sort(lengths)[::-1], batch_size, max_len, bundled, threshold)
-    # never more classifier calls than batches, never a call per text
-    assert clf.calls <= max(len(sizes) - 1, 0)
+    # never a call per text: at most one per batch after the first, plus the bisection over the candidates
+    # that long runs of equal lengths share (a handful of calls for all of them at once)
+    assert clf.calls <= max(len(sizes) - 1, 0) + int(np.ceil(np.log2(len(cands)))) + 1
 
 
 @settings(max_examples=20, deadline=None)
