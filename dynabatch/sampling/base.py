@@ -79,10 +79,16 @@ __all__ = ["PlannedBatchSampler"]
 logger = logging.getLogger(__name__)
 
 
+def _as_index_array(values: Any) -> np.ndarray:
+    if isinstance(values, np.ndarray) and values.dtype == np.int64 and values.ndim == 1:
+        return values  # already what the plan needs: no copy (a packing plan has 100,000s of bins)
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
 def _as_batch(batch: Any) -> Any:
     if isinstance(batch, (list, tuple)) and batch and not np.isscalar(batch[0]):
-        return [np.asarray(group, dtype=np.int64).reshape(-1) for group in batch]
-    return np.asarray(batch, dtype=np.int64).reshape(-1)
+        return [_as_index_array(group) for group in batch]
+    return _as_index_array(batch)
 
 
 class PlannedBatchSampler(Sampler[list[int]], ABC):

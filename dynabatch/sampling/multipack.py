@@ -64,6 +64,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+from itertools import pairwise
 from collections.abc import Iterable
 from typing import Any
 
@@ -79,7 +80,7 @@ from dynabatch._validation import (
     check_positive_int,
     check_positive_number,
 )
-from dynabatch.sampling._ffd_kernels import sequential_offsets
+from dynabatch.sampling._ffd_kernels import bins_to_lists, sequential_offsets
 from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.sampling.ffd import (
     allocate_sequentially,
@@ -296,12 +297,16 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
             multiple bins, and each bin contains multiple sequence indices.
         """
         batches = self.epoch_batches()
+        bins = [b for batch in batches for b in batch]
+        flat = np.concatenate(bins) if bins else np.zeros(0, np.int64)
         if set_stats and self._stats_epoch != self.epoch:
             self._stats_epoch = self.epoch
-            bins = [b for batch in batches for b in batch]
-            self.total_tokens_used += int(sum(int(self.lengths[b].sum()) for b in bins))
+            self.total_tokens_used += int(self.lengths[flat].sum())
             self.total_token_slots += len(bins) * self.batch_max_len
-        return [self._output(batch) for batch in batches]
+        # every bin a list at once (one tolist, list slices): 100,000s of bins in a fraction of a second
+        as_lists = bins_to_lists(flat, np.cumsum([0, *map(len, bins)]))
+        bounds = np.cumsum([0, *map(len, batches)]).tolist()
+        return [as_lists[a:b] for a, b in pairwise(bounds)]
 
     # ----------------------------------------------------------------- the seed's methods
 
