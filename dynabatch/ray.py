@@ -611,15 +611,21 @@ def map_texts(
             enough batches per window that its partial last batch and its
             planning cost little, small enough to spread over the actors.
         actors: the actor pool: a size, or ``(min, max)`` to autoscale;
-            ``None``: one actor per ``num_gpus`` GPUs of the cluster, or per
-            ``num_cpus`` CPUs without GPUs.
+            ``None``: one actor per ``num_gpus`` GPUs of the cluster, or,
+            without GPUs, one per ``num_cpus`` CPUs but one CPU: Ray Data
+            starts the pool before the stages that feed it, and a pool that
+            holds every CPU leaves none for them (a ``read_parquet``), so the
+            job stalls. Ray is asked for the cluster's resources when it is
+            initialized; else this machine's CPUs and CUDA devices are counted.
         num_gpus: GPUs per actor; ``None``: 1 when the cluster has GPUs, else 0.
             With GPUs the predictor's ``device`` defaults to ``"cuda"``.
         num_cpus: CPUs per actor; ``None``: Ray Data's default (1).
         sort_by_length: sort the dataset by text length (characters), longest
             first, before the windows are cut, so that each window holds
-            texts of similar lengths. It costs a global sort, and the output
-            comes in that order (carry an id column to restore yours); see
+            texts of similar lengths. It costs a global sort, run here
+            (``materialize()``: the sorted rows are held in Ray's object
+            store before the actors start), and the output comes in that
+            order (carry an id column to restore yours); see
             ``benchmarks/ray_inference.py`` for whether it pays.
         ray_remote_args: more actor options (``max_restarts``,
             ``max_task_retries``, ``memory``, ...), passed to ``map_batches``.
@@ -648,9 +654,8 @@ def map_texts(
     cpus, gpus = _cluster_counts()
     if num_gpus is None:
         num_gpus = 1 if gpus >= 1 else 0
-    if actors is None:
-        per_actor = num_gpus if num_gpus else (num_cpus or 1)
-        actors = max(1, int((gpus if num_gpus else cpus) // per_actor))
+    if actors is None:  # without GPUs, one CPU stays free: a pool holding every CPU starves the reads and stalls
+        actors = max(1, int(gpus // num_gpus)) if num_gpus else max(1, int((cpus - 1) // (num_cpus or 1)))
     if isinstance(actors, tuple):
         if len(actors) != 2 or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 1 for a in actors) \
                 or actors[0] > actors[1]:
@@ -669,7 +674,10 @@ def map_texts(
         remote["num_cpus"] = num_cpus
     key = "__dynabatch_chars"
     if sort_by_length:
+        # Materialized before the actors start: a global sort is a barrier anyway, and the sort's tasks must not
+        # wait for CPUs the actor pool holds.
         ds = ds.map_batches(_CharLengths(text_column, key), batch_format="numpy").sort(key, descending=True)
+        ds = ds.materialize()
     logger.info("map_texts: windows of %d rows, %s actors, %s GPU(s) each%s", window, actors, num_gpus,
                 ", sorted by length" if sort_by_length else "")
     out = ds.map_batches(predictor_cls, fn_constructor_kwargs=kwargs, batch_size=window, compute=compute,

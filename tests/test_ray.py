@@ -438,7 +438,7 @@ def faulty_job(ray_cluster, held_out, tmp_path_factory):
 
     marker = tmp_path_factory.mktemp("ray") / "died"
     poison = held_out[11]
-    ds = ray_cluster.data.from_items([{"id": i, "text": t} for i, t in enumerate(held_out)])
+    ds = ray_cluster.data.from_items([{"id": i, "text": t} for i, t in enumerate(held_out)], override_num_blocks=8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # Ray 2.60 deprecates passing actor options so
         out = map_texts(ds, Faulty, batch_size=4, max_input_token_length=MAX_LEN, window=30, actors=2,
@@ -466,3 +466,29 @@ def test_injected_out_of_memory_is_survived_and_the_row_failing_alone_reported(f
 def test_an_actor_killed_mid_job_is_restarted_and_its_window_run_again(faulty_job):
     out, _, dead = faulty_job  # an actor died in its 2nd window (the marker holds its pid) ...
     assert len({row["pid"] for row in out} - {dead}) >= 2  # ... and a restarted one ran that window again
+
+
+class TokenCounts(DynamicBatchPredictor):
+    """A model-free predictor (the tokenizer only): each row's token count."""
+
+    def setup(self):
+        from transformers import AutoTokenizer
+
+        from dynabatch.demo import minilm_path
+
+        return AutoTokenizer.from_pretrained(minilm_path()), lambda b: b["attention_mask"].sum(dim=1)
+
+
+def test_map_texts_sorted_by_length_keeps_every_row_with_its_own_result(ray_cluster, held_out, tokenizer):
+    ds = ray_cluster.data.from_items([{"id": i, "body": t} for i, t in enumerate(held_out)], override_num_blocks=4)
+    out = map_texts(ds, TokenCounts, batch_size=8, max_input_token_length=MAX_LEN, window=40, actors=1,
+                    sort_by_length=True, text_column="body", output_column="tokens", learn_memory=False).take_all()
+    assert sorted(row["id"] for row in out) == list(range(len(held_out)))
+    assert all(sorted(row) == ["body", "id", "tokens"] for row in out)  # the sort key is dropped again
+    # Each window holds a run of the longest-first order (windows may come back in any order): the lengths
+    # rise at most at the 2 places where one window's rows end and another's begin.
+    lengths = [len(row["body"]) for row in out]
+    assert sum(b > a for a, b in zip(lengths, lengths[1:])) <= 2
+    for row in out:
+        assert row["body"] == held_out[row["id"]]
+        assert row["tokens"] == len(tokenizer(row["body"], truncation=True, max_length=MAX_LEN)["input_ids"])
