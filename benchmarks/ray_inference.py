@@ -75,8 +75,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's dynabatch, as the local workers get it
 
-from dynabatch.demo import kjv_passages, vary_lengths  # noqa: E402
-from dynabatch.ray import DynamicBatchPredictor, map_texts  # noqa: E402
+from dynabatch.demo import kjv_passages, vary_lengths
+from dynabatch.ray import DynamicBatchPredictor, map_texts
 
 logger = logging.getLogger("benchmarks.ray_inference")
 
@@ -204,8 +204,8 @@ def reference_peak(results: list[Result], batch_size: int) -> tuple[int, int]:
 def table(results: list[Result], batch_size: int) -> list[str]:
     reference, width = reference_peak(results, batch_size)
     fixed = results[0]
-    lines = ["| method | wall s | rows/s | busy rows/s | speed-up (wall / busy) | batches | largest batch | "
-             "padding efficiency | max peak / ref | batches > ref | outputs = fixed |",
+    lines = [("| method | wall s | rows/s | busy rows/s | speed-up (wall / busy) | batches | largest batch | "
+              "padding efficiency | max peak / ref | batches > ref | outputs = fixed |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         batches = r.batches

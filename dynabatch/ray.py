@@ -38,10 +38,11 @@ window, so that later windows are sized by what was measured instead of
 re-learned (see :class:`DynamicBatchPredictor`, "Planning a window").
 
 Faults are Ray's: an actor that dies is restarted (Ray Data's actor pools set
-``max_restarts=-1`` and ``max_task_retries=-1`` unless you pass others) and its
-window runs again on a live actor; a window's output depends only on its rows,
-so no row is lost or duplicated. A row that runs out of memory even alone
-raises :class:`~dynabatch.inference.results.BatchOutOfMemoryError` (``on_oom="raise"``,
+``max_restarts=-1`` and ``max_task_retries=-1`` unless you pass others) and the
+window it was running is run again; a window's output is made only from its own
+rows and comes back whole or not at all, so no row is lost or duplicated. A row
+that runs out of memory even alone raises
+:class:`~dynabatch.inference.results.BatchOutOfMemoryError` (``on_oom="raise"``,
 which fails the job) or is reported in an error column (``on_oom="skip"``).
 
 Ray is optional (``pip install dynabatch[ray]``): this module imports without
@@ -678,7 +679,7 @@ def map_texts(
         # wait for CPUs the actor pool holds.
         ds = ds.map_batches(_CharLengths(text_column, key), batch_format="numpy").sort(key, descending=True)
         ds = ds.materialize()
-    logger.info("map_texts: windows of %d rows, %s actors, %s GPU(s) each%s", window, actors, num_gpus,
+    logger.info("map_texts: windows of %d rows, %s actor(s), %s GPU(s) each%s", window, actors, num_gpus,
                 ", sorted by length" if sort_by_length else "")
     out = ds.map_batches(predictor_cls, fn_constructor_kwargs=kwargs, batch_size=window, compute=compute,
                          **remote)

@@ -9,6 +9,7 @@ by the session. Out-of-memory errors are injected by raising
 dynabatch or Ray is mocked.
 """
 
+import itertools
 import os
 import subprocess
 import sys
@@ -335,22 +336,19 @@ class Counting(Embed):
 @pytest.mark.parametrize(("kwargs", "error", "message"), [
     ({"batch_size": 0}, ValueError, "batch_size should be a positive integer, but got batch_size=0"),
     ({"batch_size": 8.0}, TypeError, "batch_size should be a positive integer, but got batch_size=8.0"),
-    ({"text_column": 3}, TypeError, "text_column should be a column name \\(a non-empty str\\), but got "
-                                    "text_column=3"),
-    ({"output_column": "text"}, ValueError, "output_column should be another column than text_column='text', "
-                                            "but got output_column='text'"),
+    ({"text_column": 3}, TypeError, "text_column should be a column name \\(a non-empty str\\), but got text_column=3"),
+    ({"output_column": "text"}, ValueError, ("output_column should be another column than text_column='text', "
+                                             "but got output_column='text'")),
     ({"on_oom": "ignore"}, ValueError, "on_oom should be one of \\('raise', 'skip'\\), but got on_oom='ignore'"),
     ({"on_oom": "skip", "error_column": "output"}, ValueError,
      "error_column should be another column than text_column and output_column, but got error_column='output'"),
-    ({"measure_memory": False}, ValueError, "measure_memory should be True, None or a device while "
-                                            "learn_memory=True"),
+    ({"measure_memory": False}, ValueError, "measure_memory should be True, None or a device while learn_memory=True"),
     ({"adapt": "yes"}, TypeError, "adapt should be None \\(run's default\\) or a bool, but got adapt='yes'"),
     ({"calibrate": True, "memory_model": "m.json"}, ValueError, "memory_model should be None with calibrate=True"),
     ({"memory_model": 3}, TypeError, "memory_model should be None, a MemoryModel, or the path of a saved one"),
-    ({"loader_kwargs": {"max_memory": "1GB"}}, ValueError, "loader_kwargs should be a dict without the keywords "
-                                                           "DynamicBatchPredictor sets itself"),
-    ({"calibrate_kwargs": {"max_probes": 4}}, ValueError, "calibrate_kwargs should be None without "
-                                                           "calibrate=True"),
+    ({"loader_kwargs": {"max_memory": "1GB"}}, ValueError, ("loader_kwargs should be a dict without the "
+                                                            "keywords DynamicBatchPredictor sets itself")),
+    ({"calibrate_kwargs": {"max_probes": 4}}, ValueError, "calibrate_kwargs should be None without calibrate=True"),
     ({"device": 0}, TypeError, "device should be None, a str or a torch.device, but got device=0"),
 ])
 def test_bad_arguments_are_refused_before_the_model_loads(kwargs, error, message):
@@ -488,7 +486,22 @@ def test_map_texts_sorted_by_length_keeps_every_row_with_its_own_result(ray_clus
     # Each window holds a run of the longest-first order (windows may come back in any order): the lengths
     # rise at most at the 2 places where one window's rows end and another's begin.
     lengths = [len(row["body"]) for row in out]
-    assert sum(b > a for a, b in zip(lengths, lengths[1:])) <= 2
+    assert sum(b > a for a, b in itertools.pairwise(lengths)) <= 2
     for row in out:
         assert row["body"] == held_out[row["id"]]
         assert row["tokens"] == len(tokenizer(row["body"], truncation=True, max_length=MAX_LEN)["input_ids"])
+
+
+def test_map_texts_picks_the_window_and_leaves_a_cpu_for_the_stages_that_feed_the_actors(ray_cluster, caplog):
+    import logging
+
+    ds = ray_cluster.data.from_items([{"text": "a"}])
+    with caplog.at_level(logging.INFO, logger="dynabatch.ray"):
+        mapped = map_texts(ds, Embed, batch_size=16, max_input_token_length=MAX_LEN)  # lazy: nothing runs
+    assert isinstance(mapped, ray_cluster.data.Dataset)
+    assert "map_texts: windows of 1024 rows, 1 actor(s), 0 GPU(s) each" in caplog.text  # 2 CPUs, no GPU
+    with pytest.raises(ValueError, match="actors should be a positive int or a \\(min, max\\) pair of them with "
+                                         "min <= max, but got actors=\\(3, 2\\)"):
+        map_texts(ds, Embed, batch_size=16, max_input_token_length=MAX_LEN, actors=(3, 2))
+    with pytest.raises(ValueError, match="num_gpus should be None or a number >= 0, but got num_gpus=-1"):
+        map_texts(ds, Embed, batch_size=16, max_input_token_length=MAX_LEN, num_gpus=-1)
