@@ -53,6 +53,7 @@ this module.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import numbers
 import os
@@ -265,7 +266,7 @@ class DynamicBatchPredictor:
     Example:
         Called directly on one window (what a Ray actor does with each):
 
-        >>> import numpy as np, torch
+        >>> import numpy as np
         >>> from transformers import AutoModel, AutoTokenizer
         >>> from dynabatch.demo import minilm_path
         >>> from dynabatch.ray import DynamicBatchPredictor
@@ -322,9 +323,8 @@ class DynamicBatchPredictor:
         if measure_memory is not None and not isinstance(measure_memory, (bool, str, torch.device)):
             raise bad_type("measure_memory", "None, a bool, or the device to measure (a str or torch.device)",
                            measure_memory)
-        for name, value in (("adapt", adapt),):
-            if value is not None and not isinstance(value, bool):
-                raise bad_type(name, "None (run's default) or a bool", value)
+        if adapt is not None and not isinstance(adapt, bool):
+            raise bad_type("adapt", "None (run's default) or a bool", adapt)
         for name, value in (("calibrate", calibrate), ("learn_memory", learn_memory),
                             ("inference_mode", inference_mode)):
             if not isinstance(value, bool):
@@ -408,15 +408,23 @@ class DynamicBatchPredictor:
         return str(self.device) if self.device is not None else "cpu"
 
     def _calibrate(self) -> MemoryModel:
+        import torch
+
         from dynabatch.memory.calibrate import calibrate
 
         options = dict(self.calibrate_kwargs)
         options.setdefault("device", self.device)
-        if self.measure_memory not in (None, True) and "measure_memory" not in options:
-            options["measure_memory"] = self.measure_memory
-        for key in ("pad_to_multiple_of",):
+        if isinstance(self.measure_memory, (str, torch.device)):
+            options.setdefault("measure_memory", self.measure_memory)
+        # Probes padded and tokenized as the windows' batches will be: the loader's margin, padding multiple and
+        # tokenizer keywords (those of loader_kwargs that are not the loader's own parameters).
+        own = inspect.signature(build_dynamic_batch_dataloader).parameters
+        for key in ("pad_to_multiple_of", "memory_margin"):
             if key in self.loader_kwargs:
                 options.setdefault(key, self.loader_kwargs[key])
+        tokenizer_kwargs = {k: v for k, v in self.loader_kwargs.items() if k not in own and k != "pad_to_multiple_of"}
+        if tokenizer_kwargs:
+            options.setdefault("tokenizer_kwargs", tokenizer_kwargs)
         with self._grad_mode():
             mm = calibrate(self.fn, self.tokenizer, batch_size=self.batch_size,
                            max_input_token_length=self.max_input_token_length, progress=False, **options)

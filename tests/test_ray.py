@@ -294,6 +294,12 @@ def test_generate_rows_lose_their_padding_and_equal_generating_alone(held_out):
             inputs = predictor.tok(text, truncation=True, max_length=48, return_tensors="pt",
                                    return_token_type_ids=False)
             assert row.tolist() == greedy(**inputs)[0].tolist(), text
+    # Calibrated in the actor: the probes are tokenized as the windows are (no token_type_ids, which generate
+    # would refuse), and the model plans the first window.
+    calibrated = Generate(batch_size=4, max_input_token_length=48, loader_kwargs={"return_token_type_ids": False},
+                          calibrate=True, calibrate_kwargs={"max_probes": 7})
+    again = calibrated(_window(texts))
+    assert [r.tolist() for r in again["output"]] == [r.tolist() for r in out["output"]]
 
 
 @pytest.mark.usefixtures("one_thread_module")
