@@ -685,24 +685,15 @@ def map_texts(
     if sort_by_length:
         # Materialized before the actors start: a global sort is a barrier anyway, and the sort's tasks must not
         # wait for CPUs the actor pool holds.
-        ds = ds.map_batches(_CharLengths(text_column, key), batch_format="numpy").sort(key, descending=True)
+        def char_lengths(table: Any) -> Any:  # nested: pickled by value, so the tasks do not import dynabatch
+            import pyarrow.compute as pc
+
+            return table.append_column(key, pc.utf8_length(table.column(text_column)))
+
+        ds = ds.map_batches(char_lengths, batch_format="pyarrow").sort(key, descending=True)
         ds = ds.materialize()
     logger.info("map_texts: windows of %d rows, %s actor(s), %s GPU(s) each%s", window, actors, num_gpus,
                 ", sorted by length" if sort_by_length else "")
     out = ds.map_batches(predictor_cls, fn_constructor_kwargs=kwargs, batch_size=window, compute=compute,
                          **remote)
     return out.drop_columns([key]) if sort_by_length else out
-
-
-class _CharLengths:
-    """Adds the text column's lengths in characters (what ``sort_by_length`` sorts by)."""
-
-    def __init__(self, text_column: str, key: str) -> None:
-        self.text_column = text_column
-        self.key = key
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        texts = batch[self.text_column]
-        out = dict(batch)
-        out[self.key] = np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts))
-        return out
