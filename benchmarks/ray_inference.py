@@ -14,8 +14,8 @@ once per method, and the script prints one markdown table:
    memory-safe batches and run with out-of-memory splitting; each actor carries
    its measured memory model from one window to the next;
 3. ``dynabatch, sorted`` (``--sort``): the same with ``sort_by_length=True``:
-   a global sort by text length before the windows are cut (the output then
-   comes in that order).
+   a global sort by text length before the windows are cut (the rows then
+   reach the actors longest first, not in the dataset's order).
 
 The model is the real all-MiniLM-L6-v2 (offline, from ``dynabatch.demo``),
 ``fn = model(**batch).last_hidden_state[:, 0]`` under ``torch.inference_mode()``;
@@ -226,8 +226,12 @@ def table(results: list[Result], batch_size: int) -> list[str]:
         plans = [w.get("plan") for w in r.windows]
         counts = {p: plans.count(p) for p in dict.fromkeys(plans)}
         replans = max((w.get("replans", 0) for w in r.windows), default=0)
-        lines.append(f"{r.method}: {len(r.windows)} windows planned {counts}; at most {replans} replanned per actor "
-                     "(a window with longer texts than measured).")
+        per_actor: dict[int, list[int]] = {}
+        for w in sorted(r.windows, key=lambda w: w["start"]):
+            per_actor.setdefault(w["pid"], []).append(sum(b["rows"] for b in w["batches"]))
+        lines.append(f"{r.method}: {len(r.windows)} windows planned {counts}, rows per window by actor "
+                     f"{list(per_actor.values())}; at most {replans} replanned per actor (a window with longer "
+                     "texts than measured).")
     return lines
 
 
@@ -247,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-texts", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--window", type=int, default=1024, help="rows per dynabatch window")
+    parser.add_argument("--window", type=int, default=1024, help="rows per dynabatch window (map_texts' default for batch_size 16)")
     parser.add_argument("--actors", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-gpus", type=float, default=0, help="GPUs per actor")

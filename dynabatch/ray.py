@@ -633,9 +633,9 @@ def map_texts(
             first, before the windows are cut, so that each window holds
             texts of similar lengths. It costs a global sort, run here
             (``materialize()``: the sorted rows are held in Ray's object
-            store before the actors start), and the output comes in that
-            order (carry an id column to restore yours); see
-            ``benchmarks/ray_inference.py`` for whether it pays.
+            store before the actors start), and the windows are cut from
+            that order, not yours (carry an id column to restore it); see
+            ``docs/ray.md`` for whether it pays.
         ray_remote_args: more actor options (``max_restarts``,
             ``max_task_retries``, ``memory``, ...), passed to ``map_batches``.
         **predictor_kwargs: the predictor's other arguments (``text_column``,
