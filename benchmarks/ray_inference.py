@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n-texts", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=256)
-    parser.add_argument("--window", type=int, default=1024, help="rows per dynabatch window (map_texts' default for batch_size 16)")
+    parser.add_argument("--window", type=int, default=1024,
+                        help="rows per dynabatch window (map_texts' default for batch_size 16)")
     parser.add_argument("--actors", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--num-gpus", type=float, default=0, help="GPUs per actor")

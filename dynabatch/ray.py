@@ -669,9 +669,12 @@ def map_texts(
         if len(actors) != 2 or not all(isinstance(a, int) and not isinstance(a, bool) and a >= 1 for a in actors) \
                 or actors[0] > actors[1]:
             raise bad_value("actors", "a positive int or a (min, max) pair of them with min <= max", actors)
-        compute = ray.data.ActorPoolStrategy(min_size=actors[0], max_size=actors[1])
+        pool = {"min_size": actors[0], "max_size": actors[1]}
     else:
-        compute = ray.data.ActorPoolStrategy(size=check_positive_int("actors", actors))
+        pool = {"size": check_positive_int("actors", actors)}
+    # One window in flight per actor: windows are large and few, and Ray Data's default (2) queues a second one on
+    # the first actor to start while the others are still loading their model, leaving them idle.
+    compute = ray.data.ActorPoolStrategy(**pool, max_tasks_in_flight_per_actor=1)
     if num_gpus and "device" not in predictor_kwargs:
         predictor_kwargs["device"] = "cuda"
     text_column = predictor_kwargs.get("text_column", "text")
