@@ -619,7 +619,9 @@ def map_texts(
             :func:`default_window` (64 first batches, 1,024 to 16,384 rows):
             enough batches per window that its partial last batch and its
             planning cost little, small enough to spread over the actors.
-        actors: the actor pool: a size, or ``(min, max)`` to autoscale;
+        actors: the actor pool (one window in flight per actor, so that a
+            few large windows spread over the actors): a size, or
+            ``(min, max)`` to autoscale;
             ``None``: one actor per ``num_gpus`` GPUs of the cluster, or,
             without GPUs, one per ``num_cpus`` CPUs but one CPU: Ray Data
             starts the pool before the stages that feed it, and a pool that
