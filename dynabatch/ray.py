@@ -80,6 +80,7 @@ _LOADER_OWN = ("texts", "tokenizer", "batch_size", "max_input_token_length", "pr
 _CALIBRATE_OWN = ("work", "tokenizer", "batch_size", "max_input_token_length", "progress")
 _LOOSE = 0.10  # a measured batch predicted more than this far above its peak tightens the model
 _TIGHTENING_POINTS = 8  # of those, at most this many per window (each is a refit)
+_TIGHTENING_PROBES = 256  # and none once the model holds this many points (a long job's model stays small)
 
 PLANS = ("relative", "model-relative", "measured")
 """How a window was planned (the ``plan`` of :meth:`DynamicBatchPredictor.window_done`):
@@ -208,9 +209,11 @@ class DynamicBatchPredictor:
 
     Every batch is measured while a model is being grown (``measure_memory``
     is ``True`` unless you name a device), and each measured batch that
-    tells the model something (a new length, a peak above its prediction, or
-    one well under it) is added to it; a batch that ran out of memory caps
-    the rows at its shape and longer. An actor that Ray restarts starts
+    tells the model something is added to it: a longer length than measured,
+    or a peak above its prediction (always), or one more than 10% under it
+    (at most 8 a window, until the model holds 256 points, so that a long
+    job's model stays small; each point is a refit). A batch that ran out of
+    memory caps the rows at its shape and longer. An actor that Ray restarts starts
     again from ``setup`` (and ``calibrate``) with what it was given.
 
     Args:
@@ -562,7 +565,8 @@ class DynamicBatchPredictor:
             if len(mm.coef_) and rec.width <= _measured_territory(mm):
                 predicted = float(mm.predict_unchecked(np.array([float(rec.rows)]), np.array([float(rec.width)]))[0])
                 if predicted >= rec.peak_bytes:  # the model already covers it
-                    if predicted <= (1 + _LOOSE) * rec.peak_bytes or tightening >= _TIGHTENING_POINTS:
+                    if (predicted <= (1 + _LOOSE) * rec.peak_bytes or tightening >= _TIGHTENING_POINTS
+                            or len(mm.probes_) >= _TIGHTENING_PROBES):
                         continue
                     tightening += 1
             mm.observe(rec.rows, rec.width, rec.peak_bytes, source="ray")
