@@ -141,18 +141,10 @@ def _rows(out):
     return [{key: out[key][i] for key in out} for i in range(len(out["id"]))]
 
 
-@pytest.fixture(scope="module")
-def one_thread_module():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # --- one actor's windows, in this process ---------------------------------------------------------------------
 
 
-@pytest.mark.usefixtures("one_thread_module")
+@pytest.mark.usefixtures("one_thread")
 def test_windows_come_back_in_place_exact_and_later_windows_are_planned_by_what_was_measured(held_out, alone):
     predictor = Recording(batch_size=8, max_input_token_length=MAX_LEN)
     got = []
@@ -180,7 +172,7 @@ def test_windows_come_back_in_place_exact_and_later_windows_are_planned_by_what_
     assert all(p["source"] == "ray" for p in predictor.memory_model.probes_)
 
 
-@pytest.mark.usefixtures("one_thread_module")
+@pytest.mark.usefixtures("one_thread")
 def test_a_window_with_longer_texts_than_measured_is_planned_to_its_own_first_batch(held_out, alone):
     short = sorted(held_out, key=len)
     predictor = Recording(batch_size=8, max_input_token_length=MAX_LEN)
@@ -197,7 +189,7 @@ def test_a_window_with_longer_texts_than_measured_is_planned_to_its_own_first_ba
     _assert_exact(_rows(first) + _rows(second) + _rows(third), alone)
 
 
-@pytest.mark.usefixtures("one_thread_module")
+@pytest.mark.usefixtures("one_thread")
 def test_injected_out_of_memory_is_split_and_a_row_failing_alone_goes_to_the_error_column(held_out, alone):
     poison = held_out[7]
     predictor = Faulty(batch_size=4, max_input_token_length=MAX_LEN, max_rows=6, poison=poison, on_oom="skip")
@@ -224,7 +216,7 @@ def test_injected_out_of_memory_is_split_and_a_row_failing_alone_goes_to_the_err
     assert [plan for plan, _, _ in predictor.log][1:] == ["measured", "measured"]
 
 
-@pytest.mark.usefixtures("one_thread_module")
+@pytest.mark.usefixtures("one_thread")
 def test_on_oom_raise_names_the_row(held_out):
     predictor = Faulty(batch_size=8, max_input_token_length=MAX_LEN, poison=held_out[3])
     with pytest.raises(BatchOutOfMemoryError, match=r"row 3 of this window ran out of memory on its own .*"
@@ -232,7 +224,7 @@ def test_on_oom_raise_names_the_row(held_out):
         predictor(_window(held_out[:20]))
 
 
-@pytest.mark.usefixtures("one_thread_module")
+@pytest.mark.usefixtures("one_thread")
 def test_a_calibrated_or_saved_memory_model_plans_the_first_window(held_out, alone, tmp_path):
     calibrated = Recording(batch_size=8, max_input_token_length=MAX_LEN, calibrate=True,
                            calibrate_kwargs={"max_probes": 8})
@@ -252,7 +244,7 @@ def test_a_calibrated_or_saved_memory_model_plans_the_first_window(held_out, alo
     assert len(given.probes_) == len(MemoryModel.load(path).probes_)  # the caller's object was not grown
 
 
-@pytest.mark.usefixtures("one_thread_module")
+@pytest.mark.usefixtures("one_thread")
 def test_without_learning_every_window_is_planned_on_its_own(held_out):
     predictor = Recording(batch_size=8, max_input_token_length=MAX_LEN, learn_memory=False)
     for start in (0, 20):
@@ -261,7 +253,7 @@ def test_without_learning_every_window_is_planned_on_its_own(held_out):
     assert predictor.memory_model is None and predictor.reference_bytes is None
 
 
-@pytest.mark.usefixtures("one_thread_module")
+@pytest.mark.usefixtures("one_thread")
 def test_generate_rows_lose_their_padding_and_equal_generating_alone(held_out):
     import copy
 
@@ -302,7 +294,7 @@ def test_generate_rows_lose_their_padding_and_equal_generating_alone(held_out):
     assert [r.tolist() for r in again["output"]] == [r.tolist() for r in out["output"]]
 
 
-@pytest.mark.usefixtures("one_thread_module")
+@pytest.mark.usefixtures("one_thread")
 def test_a_pandas_window_and_an_empty_window(held_out, alone):
     import pandas as pd
 
