@@ -41,8 +41,7 @@ def _blocks(text: str) -> list[tuple[str, int, str]]:
             if closing and closing.group("fence")[0] == fence[0] and len(closing.group("fence")) >= len(fence) \
                     and not closing.group("info").strip():
                 break
-            body.append(lines[i][len(opening.group("indent")):] if lines[i].startswith(opening.group("indent"))
-                        else lines[i])
+            body.append(lines[i].removeprefix(opening.group("indent")))
             i += 1
         blocks.append((opening.group("info").strip(), start + 1, "\n".join(body) + "\n"))
         i += 1
@@ -114,7 +113,7 @@ def one_torch_thread():
 def test_snippet_runs(code, tmp_path, monkeypatch, one_torch_thread):
     monkeypatch.chdir(tmp_path)  # a snippet that writes files writes them here
     namespace: dict = {"__name__": "__docs__"}
-    exec(compile(code, "<docs snippet>", "exec"), namespace)
+    exec(compile(code, "<docs snippet>", "exec"), namespace)  # noqa: S102 - the page's own code, by design
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
