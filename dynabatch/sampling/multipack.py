@@ -64,8 +64,8 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from itertools import pairwise
 from collections.abc import Iterable
+from itertools import pairwise
 from typing import Any
 
 import numpy as np

@@ -33,7 +33,10 @@ What the hook takes care of:
   ``num_replicas=world_size, shard=False``: it yields every rank's batches,
   step by step, in a number that is a multiple of the world size, so the
   dealer gives each rank exactly its share (equal counts, every sample once).
-  A sampler built otherwise is refused with the fix in the message.
+  A sampler built otherwise is refused with the fix in the message. The
+  dealer sees the sampler without its ``batch_size`` (if it has one), so a
+  smaller last batch of a step is dealt like any other (accelerate would
+  otherwise hold back or repeat such steps).
 * **Steps per epoch.** The ``Trainer`` fixes the steps of every epoch from
   ``len()`` of the first; a sampler whose epochs differ in batch count (smart
   batching windows) is given a floor (:meth:`~dynabatch.sampling.base.PlannedBatchSampler.set_min_batches`)
@@ -46,7 +49,7 @@ What the hook takes care of:
   (``dynabatch_sampler.json``); resuming with other data or settings is refused.
 
 DeepSpeed runs through the same path (the ``Trainer`` prepares the loader with
-accelerate), see the README.
+accelerate), see ``docs/distributed.md``.
 """
 
 from __future__ import annotations
@@ -55,9 +58,10 @@ import json
 import logging
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -88,6 +92,30 @@ class _FollowEpochs(TrainerCallback):
         if os.path.isdir(folder) and args.process_index == 0:
             with open(os.path.join(folder, SAMPLER_STATE_FILE), "w") as f:
                 json.dump(self.sampler.state_dict(), f)
+
+
+class _AnySize(Sampler):
+    """The sampler as accelerate's dealer must see it: batches of any size.
+
+    accelerate's ``BatchSamplerShard`` reads a batch sampler's ``batch_size``
+    and then yields a step only when its last batch has that many items, so the
+    batches of a sampler that has one (``MultipackBatchSampler``: bins;
+    ``MemoryAwareBatchSampler``: a most rows) would be withheld or repeated
+    whenever a batch is smaller. This view has no ``batch_size``; iteration,
+    ``len`` and ``set_epoch`` are the sampler's own.
+    """
+
+    def __init__(self, sampler: PlannedBatchSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
 
 
 def _dealt_to(sampler: Any) -> int:
@@ -155,7 +183,7 @@ class BatchSamplerTrainerMixin:
         if bins:
             dataset = PackedDataset(dataset)
         params: dict[str, Any] = {
-            "batch_sampler": sampler,
+            "batch_sampler": _AnySize(sampler),
             "collate_fn": collator,
             "num_workers": self.args.dataloader_num_workers,
             "pin_memory": self.args.dataloader_pin_memory,

@@ -236,3 +236,22 @@ def test_packing_under_the_trainer_hook_trains_every_row_once_per_epoch_and_resu
     second.train(resume_from_checkpoint=True)
     # the resumed run trains exactly the rest of the plan: no row repeated, none skipped
     assert first_rows.batches[:stop_at] + second_rows.batches == full_rows.batches
+
+
+def test_accelerate_deals_every_sample_once_whatever_the_batch_sizes():
+    # accelerate's dealer holds back a step whose last batch is smaller than the sampler's batch_size (a
+    # packing sampler's batches have up to batch_size bins): the hook shows it the sampler without one.
+    from accelerate.data_loader import BatchSamplerShard
+
+    from dynabatch.sampling.multipack import MultipackBatchSampler
+    from dynabatch.training.hf import _AnySize
+
+    lengths = np.random.default_rng(0).integers(5, 40, 203)
+    for drop_last in (False, True):
+        sampler = MultipackBatchSampler(list(range(203)), 4, 64, lengths, drop_last=drop_last, num_replicas=2,
+                                        shard=False)
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            dealt = [i for r in range(2) for batch in BatchSamplerShard(_AnySize(sampler), 2, r)
+                     for b in batch for i in b]
+            assert len(dealt) == len(set(dealt)) == 203 - sampler.num_samples_dropped
