@@ -178,8 +178,8 @@ def plan_of(loader: Any) -> LoaderPlan | None:
     the original one (``BatchSamplerShard``; the unwrapped loader is its
     ``base_dataloader``). The plan is attached to the loader and to its
     :class:`~dynabatch.sampling.sampler.DynamicBatchSampler`, so it is found
-    under such a wrapper: :func:`dynabatch.run` shards the whole plan across
-    ranks itself, by cost, rather than run one rank's share sharded again.
+    under such a wrapper: :func:`dynabatch.run` shares the whole plan among the
+    ranks itself rather than run one rank's share shared out again.
     """
     plan = getattr(loader, "plan", None)
     if isinstance(plan, LoaderPlan):

@@ -15,8 +15,9 @@ order, plus a :class:`~dynabatch.inference.report.RunReport` of what each batch 
   :class:`~dynabatch.sampling.planner.BatchPlanner` is told each measured peak
   and sizes every next batch (the plan being the prior; a memory model is
   refined by every peak).
-* Under ``torch.distributed``, each rank runs a cost-balanced share of the
-  batches and rank 0 gathers every result.
+* Under ``torch.distributed``, every rank runs the same number of the plan's
+  batches (the one routine of :mod:`dynabatch.sampling.ranks`), in lockstep,
+  and rank 0 gathers every result.
 
 The loop: :class:`~dynabatch.inference._queue.BatchQueue` hands out the next
 batch, :class:`~dynabatch.inference._execute.Executor` runs it (splitting on
