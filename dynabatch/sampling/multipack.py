@@ -213,7 +213,7 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
         self.total_token_slots = 0
         self.num_samples_dropped = 0
         self.len_across_ranks: int | None = None
-        self._orders: dict[int, str] = {}  # epoch -> digest of the sampler's order (a resumed plan must match)
+        self._last_order: tuple[int, np.ndarray] | None = None  # the last epoch planned and the sampler's order
         self._stats_epoch: int | None = None
 
     # ----------------------------------------------------------------- validation
@@ -269,7 +269,7 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
     def plan(self, epoch: int) -> list[list[np.ndarray]]:
         """The epoch's batches of ``batch_size`` bins: bins shuffled (unless ``sequential``), ``drop_last`` applied."""
         order = self._order(epoch)
-        self._orders[epoch] = fingerprint(order)
+        self._last_order = (epoch, order)  # digested only when a state is saved or loaded
         items, starts, ends = self._plan_bins(order, epoch)
         if not self.sequential:  # batches of randomly composed bins, not of the packer's neighbours
             perm = np.random.default_rng([self.seed, epoch, 1]).permutation(starts.size)
@@ -365,15 +365,18 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
         return [self.lengths, self.batch_size, self.batch_max_len, self.drop_last, self.sequential, self.group_size,
                 self.bin_size, self.oversized, self.algorithm]
 
+    def _order_fingerprint(self) -> str:
+        epoch, order = self._last_order if self._last_order is not None else (None, None)
+        return fingerprint(order if epoch == self.epoch else self._order(self.epoch))
+
     def _extra_state(self) -> dict[str, Any]:
-        self.epoch_batches()
-        return {"order_fingerprint": self._orders[self.epoch]}
+        return {"order_fingerprint": self._order_fingerprint()}
 
     def _check_resumed_plan(self, state: dict[str, Any]) -> None:
-        self.epoch_batches()
-        if state["order_fingerprint"] != self._orders[self.epoch]:
+        now = self._order_fingerprint()
+        if state["order_fingerprint"] != now:
             raise ValueError(
                 "state should come from a sampler that gave the same order in that epoch, but got "
-                f"state['order_fingerprint']={state['order_fingerprint']!r} (now {self._orders[self.epoch]!r}): "
+                f"state['order_fingerprint']={state['order_fingerprint']!r} (now {now!r}): "
                 "pass a deterministic sampler (a RandomSampler is seeded by seed and epoch)"
             )
