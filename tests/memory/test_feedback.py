@@ -109,11 +109,13 @@ def test_a_bad_measurement_is_refused():
 
 def test_a_batch_run_in_parts_sets_the_budget_and_bound_from_its_parts():
     fb = MemoryFeedback([4] * 6 + [2] * 30, [4] * 9)
-    fb.observe_parts([(2, 1200), (1, 700)])  # the first batch, split: 2 rows fitted at 1200 bytes
+    fb.observe_parts([(2, 4, 1200), (1, 4, 700)])  # the first batch, split: 2 rows fitted at 1200 bytes
     assert (fb.budget_, fb.row_bytes_) == (1200, 700)  # the largest part's peak; the costliest row
-    fb.observe_parts([(4, 2000)])
+    fb.observe_parts([(4, 2, 2000)])
     assert (fb.budget_, fb.row_bytes_) == (1200, 500)  # the budget stays the first batch's
     fb.observe_parts([])  # nothing measured: nothing changes
     assert (fb.budget_, fb.row_bytes_) == (1200, 500)
     with pytest.raises(ValueError, match="peak_bytes should be a finite number >= 0, but got peak_bytes=-1"):
-        fb.observe_parts([(1, 100), (1, -1)])
+        fb.observe_parts([(1, 2, 100), (1, 2, -1)])
+    with pytest.raises(ValueError, match=r"width should be None or a number >= 0 \(a padded width\), but got width=-2"):
+        fb.observe_parts([(1, -2, 100)])
