@@ -21,16 +21,20 @@ round rotates their order), under ``torch.inference_mode()``:
 *overhead vs plan* = defaults / plan - 1: the whole cost of the safe default
 on that workload (measuring, and batches re-sized, smaller after a spike and
 larger where the plan left memory unused); *measuring cost* = defaults /
-defaults' batches unmeasured - 1: the tracker's part alone. Wall s is the
-median of ``--rounds`` runs (min-max in brackets). The machine is shared
-(2 cores): the spread shows the noise.
+defaults' batches unmeasured - 1: the tracker's part alone. Both are given on
+wall seconds and on CPU seconds (``time.process_time``, this process's
+threads), medians of ``--rounds`` runs (min-max in brackets). On a machine
+shared with other jobs, wall time swings by 2x and more from run to run while
+CPU seconds do not, so the CPU figures are the ones to read there (with one
+torch thread, ``--threads 1``, the default, CPU seconds are the wall time of an
+idle machine).
 
 ``--schedule GAIN,DROP,GROWTH`` overrides the sparse-measuring constants of
 ``dynabatch.memory.feedback`` (an experiment knob; defaults: the library's).
 
 Run it with::
 
-    python benchmarks/default_overhead.py --rounds 5
+    python benchmarks/default_overhead.py --rounds 7
     python benchmarks/default_overhead.py --workloads generate --rounds 3 --schedule 0.1,0.5,2
 """
 
@@ -77,11 +81,16 @@ def workload(name: str, n_texts: int | None) -> tuple[Any, int, int, dict[str, A
     return generate, n_texts or 800, 128, {"return_token_type_ids": False}
 
 
-def timed(fn: Any, batches: Any, **kwargs: Any) -> tuple[float, Any]:
-    start = time.perf_counter()
+def timed(fn: Any, batches: Any, **kwargs: Any) -> tuple[tuple[float, float], Any]:
+    """``((wall s, CPU s), result)`` of one ``run``."""
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         result = run(fn, batches, progress=False, **kwargs)
-    return time.perf_counter() - start, result
+    return (time.perf_counter() - start, time.process_time() - cpu), result
+
+
+def _spread(values: list[float]) -> str:
+    return f"{float(np.median(values)):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def bench(name: str, args: argparse.Namespace, tokenizer: Any) -> str:
@@ -98,7 +107,7 @@ def bench(name: str, args: argparse.Namespace, tokenizer: Any) -> str:
 
     timed(fn, [collator(np.asarray(loader.plan.sampler.batches[-1]))], adapt=False, measure_memory=False)  # warm-up
     _, first = timed(recorded, loader)  # the defaults' calls, run once before the timed rounds
-    times: dict[str, list[float]] = {way: [] for way in WAYS}
+    times: dict[str, list[tuple[float, float]]] = {way: [] for way in WAYS}
     results: dict[str, Any] = {}
     for round_ in range(args.rounds):
         ways = WAYS[round_ % 3:] + WAYS[:round_ % 3]
@@ -111,22 +120,26 @@ def bench(name: str, args: argparse.Namespace, tokenizer: Any) -> str:
                 seconds, result = timed(fn, (collator(p) for p in calls), adapt=False, measure_memory=False)
             times[way].append(seconds)
             results.setdefault(way, result)
-            print(f"{name} round {round_ + 1}: {way}: {seconds:.2f} s", file=sys.stderr, flush=True)
-    median = {way: float(np.median(t)) for way, t in times.items()}
+            print(f"{name} round {round_ + 1}: {way}: {seconds[0]:.2f} s wall, {seconds[1]:.2f} s CPU", file=sys.stderr,
+                  flush=True)
+    wall = {way: [t[0] for t in ts] for way, ts in times.items()}
+    cpu = {way: [t[1] for t in ts] for way, ts in times.items()}
+
+    def change(clock: dict[str, list[float]], way: str, base: str) -> str:
+        return f"{float(np.median(clock[way])) / float(np.median(clock[base])) - 1:+.1%}"
+
     report = first.report
     measured = sum(r.peak_bytes is not None for r in report.records)
     lines = [f"### {name}", "",
              f"{n_texts} texts, max_length {max_length}, batch_size 16; the defaults ran {report.batches} batches "
              f"({measured} measured), the plan {len(loader)}", "",
-             "| way | wall s | batches | overhead vs plan | measuring cost |", "|---|---:|---:|---:|---:|"]
+             "| way | batches | wall s | CPU s | overhead vs plan (wall / CPU) | measuring cost (wall / CPU) |",
+             "|---|---:|---:|---:|---:|---:|"]
     for way in WAYS:
-        t = times[way]
-        batches = results[way].report.batches
-        vs_plan = median[way] / median["plan, unmeasured"] - 1
-        cost = median[way] / median["defaults' batches, unmeasured"] - 1
-        lines.append(f"| {way} | {median[way]:.2f} ({min(t):.2f}-{max(t):.2f}) | {batches} | {vs_plan:+.1%} "
-                     f"| {cost:+.1%} |" if way == "defaults" else
-                     f"| {way} | {median[way]:.2f} ({min(t):.2f}-{max(t):.2f}) | {batches} | {vs_plan:+.1%} | |")
+        vs_plan = f"{change(wall, way, WAYS[1])} / {change(cpu, way, WAYS[1])}"
+        cost = f"{change(wall, way, WAYS[2])} / {change(cpu, way, WAYS[2])}" if way == "defaults" else ""
+        lines.append(f"| {way} | {results[way].report.batches} | {_spread(wall[way])} | {_spread(cpu[way])} "
+                     f"| {vs_plan} | {cost} |")
     return "\n".join(lines)
 
 
@@ -136,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="encoder,generate", help="comma-separated: encoder, generate")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--n-texts", type=int, default=None, help="default 2000 (encoder), 800 (generate)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--schedule", default=None, help="GAIN,DROP,GROWTH of sparse measuring (experiment knob)")
     args = parser.parse_args(argv)
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
