@@ -104,16 +104,20 @@ def _memory_device(measure_memory: Any, adapt: bool | None, device: Any) -> Any:
     if measure_memory is not True and measure_memory is not None:
         return measure_memory
     target = _running_device(device)
-    if measure_memory is None and target.type not in ("cpu", "cuda"):
-        logger.info("run: batches run on %s, whose memory cannot be measured: they run as planned", target)
+    if measure_memory is None and (target is None or target.type not in ("cpu", "cuda")):
+        logger.info("run: batches run on %s, whose memory cannot be measured: they run as planned", device)
         return None
-    return target
+    return device if target is None else target
 
 
-def _running_device(device: Any) -> torch.device:
-    """Where the batches run: ``device``, else CUDA when a model holds CUDA memory, else the CPU."""
+def _running_device(device: Any) -> torch.device | None:
+    """Where the batches run: ``device`` (``None`` if torch cannot parse it), else CUDA when a model holds CUDA
+    memory, else the CPU."""
     if device is not None:
-        return torch.device(device)
+        try:
+            return torch.device(device)
+        except RuntimeError:
+            return None  # batch.to(device) names the error when the first batch runs
     if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.memory_allocated() > 0:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
