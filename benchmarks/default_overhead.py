@@ -51,16 +51,16 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-import dynabatch.memory.feedback as feedback  # noqa: E402
-from dynabatch import build_dynamic_batch_dataloader, run  # noqa: E402
-from dynabatch.demo import kjv_passages, minilm_path, vary_lengths  # noqa: E402
+from dynabatch import build_dynamic_batch_dataloader, run
+from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
+from dynabatch.memory import feedback
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-from seq2seq_generate import build_model as build_marian  # noqa: E402
+from seq2seq_generate import build_model as build_marian
 
 WAYS = ("defaults", "plan, unmeasured", "defaults' batches, unmeasured")
 
@@ -131,8 +131,8 @@ def bench(name: str, args: argparse.Namespace, tokenizer: Any) -> str:
     report = first.report
     measured = sum(r.peak_bytes is not None for r in report.records)
     lines = [f"### {name}", "",
-             f"{n_texts} texts, max_length {max_length}, batch_size 16; the defaults ran {report.batches} batches "
-             f"({measured} measured), the plan {len(loader)}", "",
+             (f"{n_texts} texts, max_length {max_length}, batch_size 16; the defaults ran {report.batches} batches "
+              f"({measured} measured), the plan {len(loader)}"), "",
              "| way | batches | wall s | CPU s | overhead vs plan (wall / CPU) | measuring cost (wall / CPU) |",
              "|---|---:|---:|---:|---:|---:|"]
     for way in WAYS:

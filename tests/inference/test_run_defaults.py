@@ -111,7 +111,7 @@ def test_defaults_keep_an_encoder_decoder_generate_under_the_first_batch_and_gro
 
 
 def test_on_the_cpu_the_defaults_measure_few_batches(seq2seq_runs):
-    *_, defaults, result, _ = seq2seq_runs
+    result = seq2seq_runs[4]
     records = result.report.records
     measured = [r for r in records if r.peak_bytes is not None]
     assert records[0].peak_bytes == result.report.budget_bytes  # the first batch is the budget
@@ -163,7 +163,7 @@ def test_explicit_false_keeps_the_plan_unmeasured(seq2seq_runs):
 def test_with_a_model_on_cuda_every_batch_is_measured_there(tokenizer, long_texts, monkeypatch):
     # No GPU here: CUDA "in use" (a model holds memory) is simulated; the measurements themselves are the CPU
     # tracker's, so the batches are real.
-    import dynabatch.memory.measure as measure
+    from dynabatch.memory import measure
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
