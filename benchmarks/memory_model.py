@@ -10,7 +10,12 @@ in every CPython), in one process:
 2. three plans of the same texts, base batch ``--batch-size``, ``--max-length``
    tokens: the memory model in relative mode (``plan_batches_to_budget``,
    margin 0.10), the bundled classifier (``plan_batches``) and the classifier
-   with ``model_shape=ModelShape.from_model(model, max_new_tokens=N)``;
+   with ``model_shape=ModelShape.from_model(model, max_new_tokens=N)``; and a
+   fourth, the README's first path with defaults:
+   ``build_dynamic_batch_dataloader(texts, tokenizer, batch_size, max_length)``
+   then ``dynabatch.run(work, loader)`` (only ``progress=False`` given), whose
+   batches are the calls ``work`` received (recorded by a wrapper that neither
+   measures nor changes them; the defaults measure what they measure);
 3. every batch of every plan run once, its peak measured by the CPU tracker
    (batches several plans share are measured once);
 4. a measured oracle: from the first batch on, each batch takes the most rows
@@ -50,7 +55,14 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from dynabatch import ModelShape, TokenCollator, calibrate, tokenize_texts  # noqa: E402
+from dynabatch import (  # noqa: E402
+    ModelShape,
+    TokenCollator,
+    build_dynamic_batch_dataloader,
+    calibrate,
+    run,
+    tokenize_texts,
+)
 from dynabatch.sampling.planner import plan_batches
 from dynabatch.memory.measure import track_peak_memory  # noqa: E402
 from dynabatch.sampling.budget import plan_batches_to_budget  # noqa: E402
@@ -194,6 +206,26 @@ def evaluate(method: str, batches: list[np.ndarray], m: Measurer, batch_size: in
                int((grown & (peaks > HIGH * first)).sum()), float(peaks.max() / first))
 
 
+def readme_first_path(work: Any, texts: list[str], tok: Any, args: argparse.Namespace) -> tuple[list[np.ndarray], str]:
+    """The batches ``run(work, loader)`` runs with its defaults on the README's loader, as the calls ``work`` got."""
+    loader = build_dynamic_batch_dataloader(texts, tok, args.batch_size, args.max_length, progress=False)
+    calls: list[np.ndarray] = []
+
+    def recorded(batch: Any) -> Any:
+        calls.append(batch.indices.numpy().copy())
+        return work(batch)
+
+    start = time.perf_counter()
+    result = run(recorded, loader, progress=False)
+    seconds = time.perf_counter() - start
+    report = result.report
+    measured = sum(r.peak_bytes is not None for r in report.records)
+    note = (f"README first path: {len(calls)} calls in {seconds:.1f} s, {measured} of {report.batches} batches "
+            f"measured by the defaults, {report.pre_split_batches} split before running")
+    print(note, file=sys.stderr)
+    return calls, note
+
+
 def run_workload(name: str, args: argparse.Namespace) -> tuple[str, list[Row], str]:
     model, tok, description = build(name)
     new = args.new_tokens
@@ -225,6 +257,7 @@ def run_workload(name: str, args: argparse.Namespace) -> tuple[str, list[Row], s
                                                  model_shape=ModelShape.from_model(model, max_new_tokens=new)),
     }
     order = np.concatenate(plans["memory model"])
+    plans["README first path, defaults"], default_note = readme_first_path(work, texts, tok, args)
     for plan in plans.values():  # every plan sorts the same way (stable, longest first)
         assert np.array_equal(np.concatenate(plan), order)
     print(f"{name}: calibrated in {calibration:.1f} s; measuring the plans' batches and the oracle", file=sys.stderr)
@@ -238,7 +271,7 @@ def run_workload(name: str, args: argparse.Namespace) -> tuple[str, list[Row], s
         row.growth = oracle / row.batches
     rows[0].calibration_s, rows[0].loo = calibration, mm.loo_error_
     note = (f"{len(texts)} texts, oracle {oracle} batches, {len(m.peaks)} batches measured, "
-            f"{len(mm.probes_)} probes")
+            f"{len(mm.probes_)} probes; {default_note}")
     return f"{name}: {description}", rows, note
 
 

@@ -170,3 +170,15 @@ def test_packing_benchmark_prints_one_table_of_every_method_on_every_distributio
         assert re.search(rf"^- `{re.escape(call)}`: [\d.]+ / [\d.]+ s \(warm [\d.]+ s\); target <= 1.5 s: (OK|MISSED)$",
                          out, re.MULTILINE), out
     assert "`python benchmarks/packing.py --n 3000 --cold-n 20000`" in out
+
+
+def test_default_overhead_benchmark_times_the_defaults_against_the_plan():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    script = ROOT / "benchmarks" / "default_overhead.py"
+    result = subprocess.run([sys.executable, str(script), "--workloads", "encoder", "--n-texts", "24", "--rounds", "1"],
+                            check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("Command: `python benchmarks/default_overhead.py --workloads encoder")
+    for way in ("defaults", "plan, unmeasured", "defaults' batches, unmeasured"):
+        assert re.search(rf"^\| {re.escape(way)} \| \d+ \| [\d.]+ \([\d.]+-[\d.]+\) \| [\d.]+ \([\d.]+-[\d.]+\) \| "
+                         r"[+-][\d.]+% / [+-][\d.]+% \|", result.stdout, re.MULTILINE), (way, result.stdout)

@@ -3,7 +3,11 @@
 :class:`Executor` runs an item through the out-of-memory guard
 (:func:`~dynabatch.memory.guard.call_guarded`): a piece that runs out of memory
 is split in halves and retried, down to one row; a piece at least as large
-(rows and width) as one that failed is split before it is tried. Each item
+(rows and width) as one that failed is split before it is tried, and so is (in
+guarded mode) a piece with more rows than the measured peaks keep under the
+first call's (:meth:`~dynabatch.inference._queue.BatchQueue.row_cap`), into
+the fewest equal parts that fit. Each piece is measured when the queue says
+so (:meth:`~dynabatch.inference._queue.BatchQueue.should_measure`). Each item
 leaves a :class:`~dynabatch.inference.report.BatchRecord` and its rows'
 results (appended to the results file when there is one).
 """
@@ -19,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch.data.collate import Batch, batch_shape, halves, real_tokens, take_rows
+from dynabatch.data.collate import split_rows as split_batch
 from dynabatch.inference._queue import BatchQueue, Item
 from dynabatch.inference._resume import ResultsFile
 from dynabatch.inference.outputs import split_rows
@@ -163,8 +168,20 @@ class Executor:
                             "which ran out of memory", item.number, piece_rows, piece_width, *failed_shape)
                 stack.extend(reversed(self._halves(piece)))
                 continue
+            cap = self.queue.row_cap(piece_width) if piece_rows > 1 else None
+            if cap is not None and piece_rows > cap:
+                parts = -(-piece_rows // max(cap, 1))
+                record.pre_split = True
+                logger.info("batch %d: splitting %d rows x %d tokens into %d parts before running it: the measured "
+                            "peaks keep at most %d rows of that width under the first batch's peak", item.number,
+                            piece_rows, piece_width, parts, cap)
+                sizes = [len(a) for a in np.array_split(np.arange(piece_rows), parts)]
+                stack.extend(reversed(split_batch(piece, sizes, padding_side=self.queue.padding_side,
+                                                  pad_to_multiple_of=self.queue.pad_to_multiple_of)))
+                continue
+            measure = self.memory_device is not None and self.queue.should_measure(piece_rows, piece_width)
             attempt = call_guarded(
-                self.fn, piece, measure_on=self.memory_device,
+                self.fn, piece, measure_on=self.memory_device if measure else None,
                 prepare=(lambda b: b.to(self.device)) if self.device is not None else None,
                 finish=lambda out, piece=piece: split_rows(out, piece, pad_token_id=self.queue.pad_token_id),
             )

@@ -6,6 +6,11 @@ only when a batch runs: the distributed split can reorder them, and in measured
 mode (``adapt=True``) the loader's :class:`~dynabatch.sampling.planner.BatchPlanner`
 hands out every next batch, told each measured peak. Any other iterable of
 :class:`~dynabatch.data.collate.Batch` is streamed as it comes.
+
+The queue holds the run's :class:`~dynabatch.memory.feedback.MemoryFeedback`
+(the planner's in measured mode, its own in guarded mode): it says which calls
+to measure (:meth:`BatchQueue.should_measure`) and, in guarded mode, how many
+rows a call may have (:meth:`BatchQueue.row_cap`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from dynabatch._validation import bad_type, bad_value, brief
 from dynabatch.data.collate import Batch, batch_shape, padded_width, take_rows
 from dynabatch.inference.loader import plan_of
+from dynabatch.memory.feedback import MemoryFeedback
 from dynabatch.sampling.ranks import deal, order_steps, split_for_replicas
 
 logger = logging.getLogger(__name__)
@@ -57,9 +63,14 @@ class BatchQueue:
         pad_token_id: the pad id of token-id outputs; ``None`` takes the collator's.
         adapt: measured mode: the loader's planner sizes every next batch from
             the peaks given to :meth:`observe`.
+        guard: guarded mode (exclusive with ``adapt``): the batches run as
+            they come, and a call whose measured bound exceeds the first
+            call's peak is split before it runs (:meth:`row_cap`).
+        sparse: measure only the calls the feedback names (the CPU tracker's cost).
     """
 
-    def __init__(self, loader: Any, pad_token_id: int | None = None, *, adapt: bool = False) -> None:
+    def __init__(self, loader: Any, pad_token_id: int | None = None, *, adapt: bool = False, guard: bool = False,
+                 sparse: bool = False) -> None:
         self.loader = loader
         self.plan = plan_of(loader)
         self.pending: deque[Item] = deque()
@@ -88,10 +99,19 @@ class BatchQueue:
         multiple = getattr(collate, "pad_to_multiple_of", None)
         self.pad_to_multiple_of = multiple if isinstance(multiple, int) else None
         self.total_rows = sum(len(i.positions) for i in self.pending) if self.plan is not None else None
+        self.guard = guard and not adapt
+        self.feedback: MemoryFeedback | None = None
+        self.first_rows: int | None = None  # guarded: the most rows of a call before any peak is measured
         if adapt:
             self.planner = self.plan.planner
-            self.planner.restart()
+            self.planner.restart(sparse=sparse)
             self.pending.clear()  # batches run longest first, sized as the run goes
+            self.feedback = self.planner.feedback
+        elif self.guard:
+            self.feedback = MemoryFeedback([], [], sparse=sparse)
+            if self.plan is not None and self.total_rows:
+                # The plan's first batch: its rows, at the longest width, bound any batch of no more rows.
+                self.first_rows = int(self.plan.planner.sizes()[0])
 
     def next_item(self) -> Item | None:
         if self.planner is not None:
@@ -109,10 +129,34 @@ class BatchQueue:
             self.stream = None
         return None
 
+    def should_measure(self, rows: int, width: int) -> bool:
+        """Whether a call of ``rows`` x ``width`` is to be measured (always, unless measuring is sparse)."""
+        return self.feedback is None or self.feedback.should_measure(rows, width)
+
+    def row_cap(self, width: int) -> int | None:
+        """Guarded mode: the most rows a call of padded ``width`` may have, or ``None`` for no cap.
+
+        Before any peak is measured: the plan's first batch's rows (a dynabatch
+        loader; its first batch is the longest, so fewer rows never cost more).
+        Then: the most rows the measured peaks bound at or under the first
+        call's peak (:meth:`~dynabatch.memory.feedback.MemoryFeedback.max_rows`);
+        ``None`` when no measured call at least as wide stays under it (a plain
+        iterable's batch wider than every batch measured so far runs as it comes).
+        """
+        if not self.guard:
+            return None
+        feedback = self.feedback
+        if feedback.budget_ is None:
+            return self.first_rows
+        return feedback.max_rows(width, feedback.budget_) or None
+
     def observe(self, item: Item, parts: list[tuple[int, int, int]], failed: list[tuple[int, int]] = ()) -> None:
-        """Measured mode: tells the planner the peaks of an item that ran whole, ``(rows, width, peak)`` per call,
-        and the ``(rows, width)`` of every call that ran out of memory."""
+        """Tells the feedback the peaks of an item's calls, ``(rows, width, peak)`` each, and the ``(rows, width)``
+        of every call that ran out of memory. Measured mode takes an item only when it ran whole (its planner
+        re-sizes from it); guarded mode takes every measured call."""
         if self.planner is None:
+            if self.feedback is not None:
+                self.feedback.observe_parts(parts)
             return
         for rows, width in failed:
             self.planner.observe_out_of_memory(rows, width)

@@ -265,6 +265,23 @@ def build_dynamic_batch_dataloader(
             tokenizer's call does not take (a typo such as ``batchsize``) raises
             TypeError naming it.
 
+    How safe the plan is depends on how it is run. The plan itself is an
+    estimate: the bundled spike classifier predicts which batch sizes stay
+    under 90% of the first batch's peak, and on models unlike the profiled
+    ones it can be wrong (held out, greedy ``generate`` over a large
+    vocabulary went up to 2.8x over the first batch's peak; see
+    ``benchmarks/RESULTS.md``). So a plain loop, ``for batch in loader:
+    model.generate(**batch)``, runs that estimate as it is. The safe ways:
+
+    * ``dynabatch.run(fn, loader)``: by default each batch's peak is measured
+      (CUDA allocator statistics; on the CPU a storage tracker, on the few
+      batches whose peak could let later ones grow) and later batches are
+      re-sized so that none exceeds the first batch's peak;
+    * ``memory_model=calibrate(...)``: batches sized by measured probes of
+      your model (``dynabatch.calibrate``);
+    * ``model_shape=`` (or ``model=``): the shape-aware classifier, closer
+      on unseen models, still an estimate.
+
     Returns:
         A plain :class:`torch.utils.data.DataLoader`, with its plan as
         ``loader.plan`` (a :class:`LoaderPlan`). Each batch is a

@@ -46,8 +46,9 @@ class BatchRecord:
         peak_bytes: the largest peak activation memory of its calls, ``None``
             unless memory was measured.
         oom_splits: times a piece of it ran out of memory and was split in halves.
-        pre_split: split before it was tried, being at least as large as a
-            shape that had run out of memory.
+        pre_split: split before it was tried: at least as large as a shape
+            that had run out of memory, or (guarded mode) bound by the measured
+            peaks above the first batch's.
         oom_events: out-of-memory errors it raised (splits plus single rows that failed).
         failed_rows: rows that ran out of memory on their own and were skipped.
     """
@@ -134,7 +135,7 @@ class RunReport:
 
     @property
     def pre_split_batches(self) -> int:
-        """Batches split before they were tried, as large as a shape that had failed."""
+        """Batches split before they were tried: as large as a shape that had failed, or bound above the budget."""
         return sum(bool(r.pre_split) for r in self.records)
 
     @property
@@ -255,7 +256,7 @@ class RunReport:
                 color="tab:orange",
                 s=40,
                 zorder=3,
-                label="split before trying (as large as a failed shape)",
+                label="split before trying (a failed shape, or over the bound)",
             )
         ax_rows.set_ylabel("rows")
         if self.records:

@@ -10,11 +10,16 @@ order, plus a :class:`~dynabatch.inference.report.RunReport` of what each batch 
   large (rows and width) as a shape that failed are split before they are tried.
 * ``output_path`` appends each finished batch to a JSONL file; a rerun with the
   same inputs and path runs only what is missing (a killed run resumes).
-* ``measure_memory`` records each batch's peak memory against the first's;
-  ``adapt=True`` closes the loop: the loader's
-  :class:`~dynabatch.sampling.planner.BatchPlanner` is told each measured peak
-  and sizes every next batch (the plan being the prior; a memory model is
-  refined by every peak).
+* By default no batch peaks above the first batch's peak: memory is measured
+  on the device the batches run on (CUDA allocator statistics, free; on the
+  CPU a storage tracker, measuring only the batches whose peak could let later
+  ones grow), and a dynabatch loader's batches are re-sized from the measured
+  peaks (measured mode: the plan is the prior, later batches bounded by the
+  measured peak per row); where batches cannot be re-planned (a plain
+  iterable, a shuffled loader, ``torch.distributed``) a batch the measured
+  peaks bound above the first's is split before it runs (guarded mode).
+  ``adapt=False`` runs the plan as it is; ``measure_memory`` records each
+  batch's peak against the first's.
 * Under ``torch.distributed``, every rank runs the same number of the plan's
   batches (the one routine of :mod:`dynabatch.sampling.ranks`), in lockstep,
   and rank 0 gathers every result.
@@ -53,6 +58,7 @@ from dynabatch.data.collate import Batch
 from dynabatch.inference._execute import Executor
 from dynabatch.inference._queue import BatchQueue
 from dynabatch.inference._resume import FORMAT, ResultsFile, inputs_digest, rank_path
+from dynabatch.inference.loader import plan_of
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
 from dynabatch.memory.measure import check_device, check_measurable_device
 
@@ -65,10 +71,10 @@ _ON_OOM = ("raise", "skip")
 
 def _check_arguments(
     fn: Any, device: Any, output_path: Any, on_oom: Any, measure_memory: Any, progress: Any, distributed: Any,
-    adapt: Any = False, pad_token_id: Any = None,
+    adapt: Any = None, pad_token_id: Any = None,
 ) -> None:
-    if not isinstance(adapt, bool):
-        raise bad_type("adapt", "a bool", adapt)
+    if adapt is not None and not isinstance(adapt, bool):
+        raise bad_type("adapt", "None (auto), True or False", adapt)
     if not callable(fn):
         raise bad_type("fn", "a callable taking a batch", fn)
     if isinstance(fn, torch.nn.Module) and isinstance(getattr(fn, "main_input_name", None), str):
@@ -83,9 +89,10 @@ def _check_arguments(
         raise bad_type("on_oom", f"one of {_ON_OOM}", on_oom)
     if on_oom not in _ON_OOM:
         raise bad_value("on_oom", f"one of {_ON_OOM}", on_oom)
-    if not isinstance(measure_memory, (bool, str, torch.device)):
-        raise bad_type("measure_memory", "a bool, or the device to measure (a str or torch.device)", measure_memory)
-    if not isinstance(measure_memory, bool):
+    if measure_memory is not None and not isinstance(measure_memory, (bool, str, torch.device)):
+        raise bad_type("measure_memory", "None (auto), a bool, or the device to measure (a str or torch.device)",
+                       measure_memory)
+    if isinstance(measure_memory, (str, torch.device)):
         check_measurable_device("measure_memory", measure_memory)
     if not isinstance(progress, bool):
         raise bad_type("progress", "a bool", progress)
@@ -95,13 +102,53 @@ def _check_arguments(
         check_non_negative_int("pad_token_id", pad_token_id)
 
 
-def _memory_device(measure_memory: Any, adapt: bool, device: Any) -> Any:
-    """The device to measure each call's peak on, or ``None`` (measured mode always measures)."""
+def _memory_device(measure_memory: Any, adapt: bool | None, device: Any) -> Any:
+    """The device to measure each call's peak on, or ``None`` (measured mode always measures; ``None`` is auto:
+    the device the batches run on, unless ``adapt=False``)."""
     if adapt and measure_memory is False:
         measure_memory = True
-    if measure_memory is False:
+    if measure_memory is False or (measure_memory is None and adapt is False):
         return None
-    return (device if device is not None else "cpu") if measure_memory is True else measure_memory
+    if measure_memory is not True and measure_memory is not None:
+        return measure_memory
+    target = _running_device(device)
+    if measure_memory is None and (target is None or target.type not in ("cpu", "cuda")):
+        logger.info("run: batches run on %s, whose memory cannot be measured: they run as planned", device)
+        return None
+    return device if target is None else target
+
+
+def _running_device(device: Any) -> torch.device | None:
+    """Where the batches run: ``device`` (``None`` if torch cannot parse it), else CUDA when a model holds CUDA
+    memory, else the CPU."""
+    if device is not None:
+        try:
+            return torch.device(device)
+        except RuntimeError:
+            return None  # batch.to(device) names the error when the first batch runs
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.memory_allocated() > 0:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _mode(queue_loader: Any, adapt: bool | None, measure_memory: Any, memory_device: Any,
+          distributed: bool) -> tuple[bool, bool, bool]:
+    """``(adapt, guard, sparse)``: measured mode, guarded mode, and whether to measure only some calls.
+
+    ``adapt=None`` (auto) with a device to measure: measured mode for a dynabatch
+    loader in plan order in one process, guarded mode otherwise. ``sparse``:
+    auto on the CPU (the tracker's cost), where a call the bound already covers
+    runs unmeasured.
+    """
+    if adapt is not None or memory_device is None:
+        return bool(adapt), False, False
+    plan = plan_of(queue_loader)
+    replannable = plan is not None and not distributed and not getattr(plan.sampler, "shuffle", False)
+    sparse = measure_memory is None and torch.device(memory_device).type == "cpu"
+    logger.info("run: %s, measuring %s on %s", "measured mode (batches re-sized from measured peaks)" if replannable
+                else "guarded mode (batches split where measured peaks bound them above the first's)",
+                "only calls that can let batches grow" if sparse else "every call", memory_device)
+    return replannable, not replannable, sparse
 
 
 def _world(distributed: bool | None) -> tuple[int, int, bool]:
@@ -162,10 +209,10 @@ def run(
     device: str | torch.device | None = None,
     output_path: str | os.PathLike | None = None,
     on_oom: str = "raise",
-    measure_memory: bool | str | torch.device = False,
+    measure_memory: bool | str | torch.device | None = None,
     progress: bool = True,
     distributed: bool | None = None,
-    adapt: bool = False,
+    adapt: bool | None = None,
     pad_token_id: int | None = None,
 ) -> RunResult:
     """Calls ``fn(batch)`` on every batch of ``loader`` and returns one result per input, in input order.
@@ -213,10 +260,16 @@ def run(
             is tried. Out-of-memory errors are ``torch.OutOfMemoryError`` and
             the CPU allocator's; every event and split is logged and counted
             in the report.
-        measure_memory: ``False``, or ``True`` / a device to measure each
-            call's peak memory on (``True``: ``device``, else ``"cpu"``), with
-            :func:`~dynabatch.memory.measure.track_peak_memory`; the first batch's
-            peak is the report's budget.
+        measure_memory: where each call's peak memory is measured, with
+            :func:`~dynabatch.memory.measure.track_peak_memory`; the first
+            measured call's peak is the report's budget. ``None`` (auto): the
+            device the batches run on (``device``; else CUDA when a model
+            holds CUDA memory; else the CPU), unless ``adapt=False``; on the
+            CPU only the calls that can let later batches grow are measured
+            (the tracker costs up to ~15% of a call; see ``adapt``). ``True``:
+            that device, every call. A device: that device, every call.
+            ``False``: nothing is measured (with ``adapt=None`` the plan runs
+            as it is).
         progress: show a ``tqdm`` progress bar (rows/s and tokens/s).
         distributed: ``None`` runs distributed when ``torch.distributed`` is
             initialized with more than one process; ``True``/``False`` force it.
@@ -235,21 +288,40 @@ def run(
             must be given the same, whole loader (a per-rank share is refused on
             every rank). Under ``accelerate`` pass the loader as it is; one passed
             through ``Accelerator.prepare`` is unwrapped, its whole plan shared once.
-        adapt: measured mode (needs a dynabatch loader, one process): every
-            batch's peak is measured (on ``measure_memory``'s device, else
-            ``device``, else the CPU tracker) and the batches not yet run are
-            re-sized by the loader's planner so that, at the last measured peak
-            per row (a bound, since rows only get shorter), they stay at or
-            under 0.9 of the first batch's: smaller than planned after a spike,
-            larger where the plan leaves memory unused (see
-            :mod:`dynabatch.memory.feedback`). With a loader planned by a
-            ``memory_model``, the model is refined by every measured peak and
-            sizes the batches at ``1 - memory_margin`` of the budget; save it
-            afterwards (``memory_model.save(path)``) so the next job on the same
-            model starts calibrated. A batch split
+        adapt: ``None`` (auto, the default) keeps every batch at or under the
+            first batch's measured peak whenever memory is measured (see
+            ``measure_memory``): measured mode for a dynabatch loader in plan
+            order in one process; guarded mode for a plain iterable of batches,
+            a shuffled loader, or under ``torch.distributed``, where batches
+            cannot be re-planned. ``True``: measured mode, every call measured.
+            ``False``: the batches as they come (a dynabatch loader's plan as
+            is: the classifier's estimate, which large-vocabulary ``generate``
+            calls can exceed; ``measure_memory`` then only records peaks).
+
+            Measured mode (needs a dynabatch loader, one process): the batches
+            not yet run are re-sized by the loader's planner so that, bounded
+            by the measured peak per row of batches at least as wide (a bound,
+            since rows only get shorter), they stay at or under 0.9 of the
+            first batch's: smaller than planned after a spike, larger where the
+            plan leaves memory unused (see :mod:`dynabatch.memory.feedback`).
+            With a loader planned by a ``memory_model``, the model is refined by
+            every measured peak and sizes the batches at ``1 - memory_margin``
+            of the budget; save it afterwards (``memory_model.save(path)``) so
+            the next job on the same model starts calibrated. A batch split
             after running out of memory counts by its parts: the largest peak
-            that fitted (the budget, if it was the first batch) and the costliest
-            row. Batches then run longest first, whatever the loader's ``shuffle``.
+            that fitted (the budget, if it was the first batch) and each part's
+            rows at its width. Batches run longest first.
+
+            Guarded mode: the batches run in their own order; a call whose
+            rows exceed what the measured calls at least as wide keep at or
+            under the first call's peak (``rows x`` their peak per row, or
+            their peak for fewer rows) is split into equal parts before it
+            runs (``pre_split`` in the report). A plain iterable's first batch
+            is its budget, and a batch wider than every call measured so far
+            runs as it comes (sort batches longest first to be covered). Under
+            ``torch.distributed`` each rank's budget is its own first call's
+            peak, that call capped at the plan's first-batch rows (so at most
+            the plan's first batch's peak); splitting stays in lockstep.
         pad_token_id: the pad id stripped from token-id rows (see ``fn``);
             ``None`` takes the loader's collator's (a dynabatch loader always
             has one). Give it for a plain iterable of batches whose ``generate``
@@ -269,7 +341,8 @@ def run(
     _check_arguments(fn, device, output_path, on_oom, measure_memory, progress, distributed, adapt, pad_token_id)
     memory_device = _memory_device(measure_memory, adapt, device)
     rank, world_size, distributed = _world(distributed)
-    queue = BatchQueue(loader, pad_token_id, adapt=adapt)
+    adapt, guard, sparse = _mode(loader, adapt, measure_memory, memory_device, distributed)
+    queue = BatchQueue(loader, pad_token_id, adapt=adapt, guard=guard, sparse=sparse)
     if adapt and distributed:
         raise bad_value("adapt", "False under torch.distributed (each rank's share is fixed up front)", adapt)
     digest = inputs_digest(queue) if output_path is not None else None  # before sharding: it covers every batch

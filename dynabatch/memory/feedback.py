@@ -1,16 +1,26 @@
 """Measured mode: batch sizes corrected by the peak memory of the batches already run.
 
 The classifier's plan is the prior. Once a batch has been measured, its peak
-per row bounds what a row costs in every later batch: texts run longest first
-and a shorter row never needs more memory, so a later batch of ``r`` rows
-peaks at most at ``r`` times the last measured peak per row. The next batch
-takes the most rows whose bound stays at or under ``target`` (0.9) times the
-first batch's measured peak: fewer than planned after a spike, more where the
-plan left memory unused. As texts get shorter each measurement lowers the
-bound and the batches grow, one batch behind the lengths. It never goes below
-the first batch's rows (the planner's own floor) unless that many would exceed
-the first batch's peak itself, and growth per step is bounded (``max_growth``
-times the last size).
+per row bounds what a row costs in every later batch at most as wide: a
+shorter row never needs more memory, so a batch of ``r`` rows no wider than a
+measured batch of ``r_m`` rows and peak ``p_m`` peaks at most at ``p_m`` (if
+``r <= r_m``) or ``r * p_m / r_m`` (if ``r > r_m``). :meth:`MemoryFeedback.bound`
+is that bound (the tightest over every measured batch at least as wide), and
+:meth:`MemoryFeedback.max_rows` the most rows it keeps under a limit (by
+:func:`~dynabatch.memory.budget.rows_under`, the one closed form of it).
+
+Texts run longest first, so every measured batch bounds every later one. The
+next batch takes the most rows whose bound stays at or under ``target`` (0.9)
+times the first batch's measured peak: fewer than planned after a spike, more
+where the plan left memory unused. As texts get shorter each measurement lowers
+the bound and the batches grow, one batch behind the lengths. It never goes
+below the first batch's rows (the planner's own floor) unless that many would
+exceed the first batch's peak itself, and growth per step is bounded
+(``max_growth`` times the last size).
+
+A run that cannot re-plan (batches in another order, a plain iterable,
+``torch.distributed``) uses the same bound at ``1.0`` times the first peak to
+split a batch before it runs (``dynabatch.run``'s guarded mode).
 
 No curve is fitted: a line through the measured peaks extrapolated to shorter
 texts under-predicts whenever memory falls less than linearly with length (a
@@ -18,8 +28,18 @@ texts under-predicts whenever memory falls less than linearly with length (a
 encoder-decoder it let batches reach 1.08x the first batch's peak; the bound
 cannot be exceeded if memory grows with rows and with length.
 
+Measuring need not be continuous (``sparse=True``, :meth:`MemoryFeedback.should_measure`):
+a batch the bound already covers can run unmeasured, since the bound stays
+valid for every narrower batch; measuring again only lets batches grow. A batch
+is measured when nothing measured covers it, when it has at least
+:data:`SPARSE_ROWS_GROWTH` times the rows of the batch whose measurement bounds
+it, when its width is at most :data:`SPARSE_MAX_DROP` of that batch's, or when
+the per-row peak at its width, extrapolated from the two measured widths
+nearest above it, would be :data:`SPARSE_GAIN` lower (the bound would loosen by
+that much). That extrapolation only decides *when* to measure, never what fits.
+
 Pure numpy over lengths and measured bytes: :func:`dynabatch.run` feeds it
-(``adapt=True``) with CUDA memory statistics or the CPU tracker.
+with CUDA memory statistics or the CPU tracker.
 
 Example:
     >>> import numpy as np
@@ -28,54 +48,69 @@ Example:
     >>> fb = MemoryFeedback(lengths, planned_sizes=[4] * 61)
     >>> fb.next_size(0)  # nothing measured yet: the plan
     4
-    >>> fb.observe(rows=4, peak_bytes=8000)  # the first batch: the budget, 2000 bytes a row
+    >>> fb.observe(rows=4, peak_bytes=8000, width=100)  # the first batch: the budget, 2000 bytes a row
     >>> fb.next_size(4)  # 0.9 * 8000 / 2000 = 3.6 rows fit; the floor is the first batch's 4
     4
-    >>> fb.observe(rows=4, peak_bytes=6000)  # shorter rows: 1500 bytes each
+    >>> fb.observe(rows=4, peak_bytes=6000, width=50)  # shorter rows: 1500 bytes each
     >>> fb.next_size(8, last_size=4)  # 0.9 * 8000 / 1500 = 4.8
     4
-    >>> fb.observe(rows=4, peak_bytes=4400)  # 1100 bytes a row
+    >>> fb.observe(rows=4, peak_bytes=4400, width=50)  # 1100 bytes a row
     >>> fb.next_size(12, last_size=4)  # 0.9 * 8000 / 1100 = 6.5
     6
+    >>> fb.bound(rows=8, width=50), fb.bound(rows=2, width=50), fb.max_rows(width=10, limit=8000)
+    (8800.0, 4400.0, 7)
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
 
 from dynabatch._validation import (
+    bad_type,
     bad_value,
     check_fraction,
     check_non_negative_int,
     check_positive_number,
 )
+from dynabatch.memory.budget import rows_under
 from dynabatch.memory.features import SPIKE_RATIO
 
-__all__ = ["MemoryFeedback"]
+__all__ = ["SPARSE_GAIN", "SPARSE_MAX_DROP", "SPARSE_ROWS_GROWTH", "MemoryFeedback"]
 
 logger = logging.getLogger(__name__)
 
+SPARSE_GAIN = 0.2
+"""Sparse measuring: measure a batch when its extrapolated per-row peak is this share below the bound's."""
+SPARSE_MAX_DROP = 0.5
+"""Sparse measuring: always measure a batch at most this share of the width of the batch that bounds it."""
+SPARSE_ROWS_GROWTH = 2.0
+"""Sparse measuring: always measure a batch with at least this many times the rows of the batch that bounds it."""
+
 
 class MemoryFeedback:
-    """Chooses the next batch size from the plan and the peaks measured so far.
+    """Chooses the next batch size from the plan and the peaks measured so far, and bounds any batch by them.
 
     Args:
-        sorted_lengths: token length of every text in run order (longest first).
+        sorted_lengths: token length of every text in run order (longest first);
+            empty for a run that only asks :meth:`bound` / :meth:`max_rows`.
         planned_sizes: the classifier's plan over ``sorted_lengths`` (sizes in order).
         target: largest predicted peak, as a fraction of the first batch's.
         max_growth: a batch has at most this many times the rows of the one before.
+        sparse: measure only the batches :meth:`should_measure` names (the
+            CPU tracker's cost); ``False``: every batch.
 
     Attributes:
         budget_: the first batch's measured peak bytes (``None`` until observed).
-        row_bytes_: the last measured peak per row, the bound on a row of any later
-            batch (``None`` until a batch is measured).
+        row_bytes_: the costliest row of the last measured batch (``None`` until a batch is measured).
     """
 
     def __init__(self, sorted_lengths: Sequence[int], planned_sizes: Sequence[int], *, target: float = SPIKE_RATIO,
-                 max_growth: float = 2.0) -> None:
+                 max_growth: float = 2.0, sparse: bool = False) -> None:
         self.lengths = np.asarray(sorted_lengths, dtype=np.int64)
         if self.lengths.ndim != 1 or (len(self.lengths) > 1 and (np.diff(self.lengths) > 0).any()):
             raise bad_value("sorted_lengths", "a 1-D array sorted longest first", "an unsorted array")
@@ -87,41 +122,125 @@ class MemoryFeedback:
         self.max_growth = check_positive_number("max_growth", max_growth)
         if self.max_growth < 1:
             raise bad_value("max_growth", "at least 1", max_growth)
+        if not isinstance(sparse, bool):
+            raise bad_type("sparse", "a bool", sparse)
+        self.sparse = sparse
         self._plan_starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         self._plan_sizes = sizes
         self.budget_: float | None = None
         self._floor = int(sizes[0]) if len(sizes) else 1  # the planner's smallest batch
         self.row_bytes_: float | None = None
+        self._measured: list[tuple[int, float, float]] = []  # (rows, width, peak) of every measured call
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def planned_size(self, start: int) -> int:
         """The plan's size for the batch that holds sorted position ``start``."""
         i = int(np.searchsorted(self._plan_starts, start, side="right")) - 1
         return int(self._plan_sizes[max(i, 0)])
 
-    def observe(self, rows: int, peak_bytes: float) -> None:
-        """Records a measured batch (run in order, longest first); the first one observed is the budget."""
-        self.observe_parts([(rows, peak_bytes)])
+    # -- measurements ----------------------------------------------------------------------------
+    def observe(self, rows: int, peak_bytes: float, *, width: float | None = None) -> None:
+        """Records a measured batch; the first one observed is the budget.
 
-    def observe_parts(self, parts: Sequence[tuple[int, float]]) -> None:
-        """Records a batch that ran as several calls, each ``(rows, peak_bytes)``.
+        Args:
+            rows: its rows.
+            peak_bytes: its measured peak.
+            width: its padded width; ``None``: at least as wide as every batch
+                asked about later (texts run longest first).
+        """
+        self.observe_parts([(rows, width, peak_bytes)])
+
+    def observe_parts(self, parts: Sequence[tuple[int, float | None, float]]) -> None:
+        """Records a batch that ran as several calls, each ``(rows, width, peak_bytes)`` (``width`` as in :meth:`observe`).
 
         A batch split after running out of memory runs in parts: the largest
         part's peak is what fitted (the budget, if it is the first batch), and
-        the costliest row of any part bounds the rows of later batches.
+        each part bounds the batches at most as wide as it. A first batch that
+        measured 0 bytes (nothing ran on the measured device) sets no budget.
         """
         measured = []
-        for rows, peak_bytes in parts:
+        for rows, width, peak_bytes in parts:
             rows = check_non_negative_int("rows", rows)
+            if width is None:
+                width = math.inf
+            elif isinstance(width, bool) or not isinstance(width, numbers.Real) or not width >= 0:
+                raise bad_value("width", "None or a number >= 0 (a padded width)", width)
             if not (peak_bytes >= 0 and np.isfinite(peak_bytes)):
                 raise bad_value("peak_bytes", "a finite number >= 0", peak_bytes)
             if rows:
-                measured.append((rows, float(peak_bytes)))
+                measured.append((rows, float(width), float(peak_bytes)))
         if not measured:
             return
         if self.budget_ is None:
-            self.budget_ = max(peak for _, peak in measured)
-        self.row_bytes_ = max(peak / rows for rows, peak in measured)
+            top = max(peak for _, _, peak in measured)
+            if top <= 0:
+                logger.warning("the first measured batch peaked at 0 bytes: nothing it does allocates on the "
+                               "measured device, so no budget is set (batches follow the plan); measure the "
+                               "device the batches run on (run(..., measure_memory=device))")
+                return
+            self.budget_ = top
+        self.row_bytes_ = max(peak / rows for rows, _, peak in measured)
+        self._measured.extend(measured)
+        self._arrays = None
 
+    def _columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._arrays is None:
+            rows, widths, peaks = zip(*self._measured) if self._measured else ((), (), ())
+            self._arrays = (np.asarray(rows, dtype=np.float64), np.asarray(widths, dtype=np.float64),
+                            np.asarray(peaks, dtype=np.float64))
+        return self._arrays
+
+    def _bounds(self, rows: int, width: float) -> np.ndarray:
+        """Each measurement's bound on ``rows`` x ``width`` (``inf`` where it is narrower)."""
+        r, w, p = self._columns()
+        bounds = np.where(rows <= r, p, rows * p / np.maximum(r, 1))
+        return np.where(w >= width, bounds, np.inf)
+
+    def bound(self, rows: int, width: float) -> float | None:
+        """The most a batch of ``rows`` rows and padded ``width`` can peak at, by the measured batches at least as
+        wide (memory grows with rows and with length); ``None`` when none is."""
+        if not self._measured:
+            return None
+        best = float(self._bounds(rows, width).min())
+        return best if math.isfinite(best) else None
+
+    def max_rows(self, width: float, limit: float) -> int:
+        """The most rows at padded ``width`` whose :meth:`bound` stays at or under ``limit`` (0 if none does)."""
+        if not self._measured:
+            return 0
+        r, w, p = self._columns()
+        # Rows up to r_m are bounded by p_m; beyond, by rows x p_m / r_m: rows_under's closed form.
+        rows = np.maximum(rows_under(0.0, p / r, limit), r.astype(np.int64))
+        rows = np.where((w >= width) & (p <= limit), rows, 0)
+        return int(rows.max())
+
+    def should_measure(self, rows: int, width: float) -> bool:
+        """Whether a batch of ``rows`` x ``width`` is to be measured: always unless :attr:`sparse` (see the module)."""
+        if not self.sparse or self.budget_ is None:
+            return True
+        bounds = self._bounds(rows, width)
+        m = int(np.argmin(bounds))
+        if not math.isfinite(bounds[m]):
+            return True  # nothing measured is as wide
+        r, w, p = self._columns()
+        if rows >= SPARSE_ROWS_GROWTH * r[m]:
+            return True
+        if not math.isfinite(w[m]):
+            return False
+        if width <= (1.0 - SPARSE_MAX_DROP) * w[m]:
+            return True
+        per_row = p / r
+        wider = np.flatnonzero((w > w[m]) & np.isfinite(w))
+        if len(wider):  # the per-row slope over width between w[m] and the nearest measured width above it
+            n = wider[np.argmin(w[wider])]
+            n = wider[w[wider] == w[n]][np.argmin(per_row[wider][w[wider] == w[n]])]
+            slope = max(0.0, (per_row[n] - per_row[m]) / (w[n] - w[m]))
+        else:  # one width measured: a per-row peak proportional to width
+            slope = per_row[m] / w[m] if w[m] > 0 else 0.0
+        expected = per_row[m] - slope * (w[m] - width)
+        return bool(expected <= (1.0 - SPARSE_GAIN) * per_row[m])
+
+    # -- measured mode's next batch -------------------------------------------------------------
     def next_size(self, start: int, last_size: int | None = None) -> int:
         """Rows for the batch starting at sorted position ``start``.
 
@@ -133,11 +252,11 @@ class MemoryFeedback:
         if remaining <= 0:
             return 0
         plan = min(self.planned_size(start), remaining)
-        if self.row_bytes_ is None or self.budget_ is None:
+        if self.budget_ is None:
             return plan
-        cost = max(self.row_bytes_, 1e-12)
-        fits = int(self.target * self.budget_ // cost)
-        floor = min(self._floor, int(self.budget_ // cost))  # batch_size rows, unless over the budget itself
+        width = int(self.lengths[start])
+        fits = self.max_rows(width, self.target * self.budget_)
+        floor = min(self._floor, self.max_rows(width, self.budget_))  # batch_size rows, unless over the budget itself
         cap = int(self.max_growth * (last_size or plan))
         size = max(1, min(max(fits, floor), cap, remaining))
         if size != plan:

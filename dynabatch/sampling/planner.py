@@ -218,17 +218,30 @@ class BatchPlanner:
             out.extend(self.order[offsets[a] : offsets[b]].reshape(b - a, size))
         return out
 
-    def restart(self) -> None:
-        """Starts handing out batches from the first again (what was learned is kept)."""
+    def restart(self, *, sparse: bool = False) -> None:
+        """Starts handing out batches from the first again (what the estimator learned is kept).
+
+        Args:
+            sparse: the :attr:`feedback` measures only the batches whose
+                measurement could let later ones grow (see
+                :meth:`~dynabatch.memory.feedback.MemoryFeedback.should_measure`).
+        """
         self._start = 0
         self._last: int | None = None
+        self._sparse = sparse
         self._feedback: MemoryFeedback | None = None
+
+    @property
+    def feedback(self) -> MemoryFeedback:
+        """The measured peaks of this pass (since :meth:`restart`) and the bound they set."""
+        if self._feedback is None:
+            self._feedback = MemoryFeedback(self.sorted_lengths, self.sizes(), target=self.estimator.target,
+                                            sparse=self._sparse)
+        return self._feedback
 
     def next_batch(self) -> np.ndarray | None:
         """The input positions of the next batch, sized from the peaks observed so far; ``None`` when done."""
-        if self._feedback is None:
-            self._feedback = MemoryFeedback(self.sorted_lengths, self.sizes(), target=self.estimator.target)
-        start, feedback = self._start, self._feedback
+        start, feedback = self._start, self.feedback
         remaining = len(self.sorted_lengths) - start
         if remaining <= 0:
             return None
@@ -250,9 +263,7 @@ class BatchPlanner:
 
     def observe_parts(self, parts: Sequence[tuple[int, int, float]]) -> None:
         """Records a batch that ran as several calls (split after running out of memory), each ``(rows, width, peak)``."""
-        if self._feedback is None:
-            self._feedback = MemoryFeedback(self.sorted_lengths, self.sizes(), target=self.estimator.target)
-        self._feedback.observe_parts([(rows, peak) for rows, _, peak in parts])
+        self.feedback.observe_parts(parts)
         for rows, width, peak in parts:
             if rows:
                 self.estimator.observe(rows, width, peak)

@@ -146,6 +146,38 @@ _WORKER = textwrap.dedent(
     result = run(fn, loader, progress=False)
     report["lockstep"] = {"rows": [None if r is None else int(r) for r in result], "calls": calls["n"],
                           "oom": calls["oom"], "ran": result.report.rows}
+
+    # The defaults under torch.distributed (guarded mode): fn's memory grows with rows (a 30k-vocabulary head
+    # per row), so the plan's grown batches peak far above its first; each rank splits them before they run.
+    from dynabatch import track_peak_memory
+    from dynabatch.demo import vary_lengths
+
+    torch.manual_seed(0)
+    embed, head = torch.nn.Embedding(len(tokenizer), 32), torch.nn.Linear(32, len(tokenizer))
+
+    def lm_head(batch):
+        with torch.no_grad():
+            top = head(embed(batch["input_ids"]).mean(1)).max(-1).values
+        return (batch["input_ids"] * batch["attention_mask"]).sum(1) + 0 * top.long()
+
+    seen = []
+    long_loader = dynabatch.build_dynamic_batch_dataloader(vary_lengths(kjv_passages(), n=160, max_words=64, seed=3),
+                                                           tokenizer, batch_size=4, max_input_token_length=64,
+                                                           num_workers=0)
+    result = run(lambda b: seen.append(b) or lm_head(b), long_loader, progress=False)
+
+    def peak(batch):
+        with track_peak_memory("cpu") as mem:
+            lm_head(batch)
+        return mem.peak_bytes
+
+    collate = long_loader.plan.collator
+    first = peak(collate(long_loader.plan.sampler.batches[0]))
+    report["guarded"] = {
+        "rows": [None if r is None else int(r) for r in result], "ran": result.report.rows,
+        "calls": [[len(b.indices), peak(b) / first] for b in seen], "pre_split": result.report.pre_split_batches,
+        "plan_max": max(peak(collate(b)) for b in long_loader.plan.sampler.batches) / first,
+    }
     dist.barrier()
     dist.destroy_process_group()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -239,6 +271,23 @@ def test_two_gloo_ranks_stay_in_lockstep_through_an_out_of_memory_split(two_rank
     assert rank0["calls"] == rank1["calls"]  # the collective inside fn ran as often on both: nobody hung
     assert rank0["rows"] == expected  # rank 0 gathered every row, exact
     assert rank0["ran"] + rank1["ran"] == 200
+
+
+def test_two_gloo_ranks_split_batches_their_measured_peaks_bound_above_the_first(two_ranks, tokenizer):
+    import dynabatch
+    from dynabatch.demo import kjv_passages, vary_lengths
+
+    loader = dynabatch.build_dynamic_batch_dataloader(vary_lengths(kjv_passages(), n=160, max_words=64, seed=3),
+                                                      tokenizer, batch_size=4, max_input_token_length=64,
+                                                      num_workers=0)
+    expected = [int((b["input_ids"] * b["attention_mask"]).sum()) for b in (loader.plan.collator([p])
+                                                                           for p in range(160))]
+    rank0, rank1 = (r["guarded"] for r in two_ranks)
+    assert rank0["plan_max"] > 1.2  # the plan as it is would go over its first batch's peak
+    assert rank0["rows"] == expected and rank0["ran"] + rank1["ran"] == 160  # every row once, in input order
+    assert rank0["pre_split"] + rank1["pre_split"] > 0
+    for rows, ratio in rank0["calls"] + rank1["calls"]:
+        assert ratio <= (1.0 if rows > 4 else 1.02), (rows, ratio)  # no call above the plan's first batch's peak
 
 
 # --------------------------------------------------------------------------- accelerate, launched by torchrun

@@ -91,14 +91,15 @@ def test_a_killed_run_resumes_where_it_stopped(tokenizer, tmp_path):
 def test_resume_ignores_a_cut_line_and_runs_only_missing_rows(tokenizer, texts, tmp_path, caplog):
     loader = _load(texts, tokenizer)
     path = tmp_path / "out.jsonl"
-    clean = run(_summary, loader, output_path=path, progress=False)
+    clean = run(_summary, loader, output_path=path, adapt=False, progress=False)  # the plan's batches
     lines = path.read_text().splitlines()
     # Batch 0 kept for two of its rows only; the last batch's line cut off mid-write.
     first = json.loads(lines[1])
     first = {"positions": first["positions"][:2], "results": first["results"][:2]}
     path.write_text("\n".join([lines[0], json.dumps(first), *lines[2:-1], lines[-1][:-7]]))
     calls = []
-    again = run(lambda b: calls.append(b.indices.tolist()) or _summary(b), loader, output_path=path, progress=False)
+    again = run(lambda b: calls.append(b.indices.tolist()) or _summary(b), loader, output_path=path, adapt=False,
+                progress=False)
     planned = loader.batch_sampler.batches
     assert calls == [planned[0][2:].tolist(), planned[-1].tolist()]
     missing = len(planned[0]) - 2 + len(planned[-1])

@@ -109,11 +109,40 @@ def test_a_bad_measurement_is_refused():
 
 def test_a_batch_run_in_parts_sets_the_budget_and_bound_from_its_parts():
     fb = MemoryFeedback([4] * 6 + [2] * 30, [4] * 9)
-    fb.observe_parts([(2, 1200), (1, 700)])  # the first batch, split: 2 rows fitted at 1200 bytes
+    fb.observe_parts([(2, 4, 1200), (1, 4, 700)])  # the first batch, split: 2 rows fitted at 1200 bytes
     assert (fb.budget_, fb.row_bytes_) == (1200, 700)  # the largest part's peak; the costliest row
-    fb.observe_parts([(4, 2000)])
+    fb.observe_parts([(4, 2, 2000)])
     assert (fb.budget_, fb.row_bytes_) == (1200, 500)  # the budget stays the first batch's
     fb.observe_parts([])  # nothing measured: nothing changes
     assert (fb.budget_, fb.row_bytes_) == (1200, 500)
     with pytest.raises(ValueError, match="peak_bytes should be a finite number >= 0, but got peak_bytes=-1"):
-        fb.observe_parts([(1, 100), (1, -1)])
+        fb.observe_parts([(1, 2, 100), (1, 2, -1)])
+    with pytest.raises(ValueError, match=r"width should be None or a number >= 0 \(a padded width\), but got width=-2"):
+        fb.observe_parts([(1, -2, 100)])
+
+
+def test_the_bound_takes_the_tightest_measured_batch_at_least_as_wide():
+    fb = MemoryFeedback([], [])
+    assert fb.bound(4, 10) is None and fb.max_rows(10, 1e9) == 0  # nothing measured
+    fb.observe_parts([(4, 100, 8000), (8, 50, 6000)])  # 2000 and 750 bytes a row
+    assert fb.budget_ == 8000
+    assert fb.bound(2, 100) == 8000  # fewer rows than measured: that batch's peak
+    assert fb.bound(6, 100) == 12000  # more: rows x its peak per row
+    assert fb.bound(6, 50) == 6000 and fb.bound(16, 40) == 12000  # the narrower measurement bounds narrower rows
+    assert fb.bound(1, 101) is None  # wider than anything measured
+    assert fb.max_rows(50, 8000) == 10 and fb.max_rows(60, 8000) == 4 and fb.max_rows(101, 8000) == 0
+    assert fb.max_rows(50, 5000) == 0  # every measured batch as wide peaked above it
+
+
+def test_sparse_measuring_skips_batches_the_bound_already_covers():
+    fb = MemoryFeedback([], [], sparse=True)
+    assert fb.should_measure(16, 256)  # nothing measured: the first batch
+    fb.observe(16, 16 * (50_000 + 100 * 256), width=256)  # 50,000 bytes a row and 100 a token
+    assert not fb.should_measure(16, 250)  # the bound would loosen by 2%: not worth the tracker
+    assert fb.should_measure(16, 200)  # by 22% (a row's peak taken as proportional to width)
+    assert fb.should_measure(32, 250)  # twice the rows of the batch that bounds it
+    fb.observe(16, 16 * (50_000 + 100 * 200), width=200)
+    # The per-row slope between the two widths (100 bytes a token) says 160 tokens only loosens the bound by 6%.
+    assert not fb.should_measure(16, 160)
+    assert fb.should_measure(16, 100)  # half the width: always
+    assert MemoryFeedback([], []).should_measure(16, 250)  # not sparse: every batch
