@@ -237,7 +237,9 @@ class DynamicBatchPredictor:
             and the device calibration and measurement use; ``None`` leaves it.
         measure_memory: ``run``'s ``measure_memory``; ``None``: ``True`` while a
             memory model is grown (``learn_memory``), else ``run``'s default.
-        adapt: ``run``'s ``adapt``; ``None``: ``run``'s default.
+        adapt: ``run``'s ``adapt``; ``None``: ``run``'s default, except that a
+            window planned by the memory model this actor grows runs as planned
+            (``adapt=False``: the model already learns from each of its batches).
         calibrate: run :func:`dynabatch.calibrate` on ``fn`` once in the actor,
             after ``setup``, and plan with that model from the first window.
         memory_model: a saved :class:`~dynabatch.memory.model.MemoryModel`
@@ -506,7 +508,7 @@ class DynamicBatchPredictor:
         self.replans += 1
         return self._loader(texts, replan), replan, width
 
-    def _run_options(self) -> dict[str, Any]:
+    def _run_options(self, plan: str) -> dict[str, Any]:
         options: dict[str, Any] = {"on_oom": self.on_oom, "progress": False}
         if self.device is not None:
             options["device"] = self.device
@@ -516,13 +518,17 @@ class DynamicBatchPredictor:
             options["measure_memory"] = True
         if self.adapt is not None:
             options["adapt"] = self.adapt
+        elif self._learning and plan != "relative":
+            # The window was planned by this actor's measured memory model, which learns from every batch in
+            # _learn: run keeps that plan rather than re-sizing it (and feeding the same model) a second time.
+            options["adapt"] = False
         return options
 
     def _run_window(self, texts: list[str]) -> RunResult:
         loader, plan, width = self._plan(texts)
         with self._grad_mode():
             try:
-                result = run(self.fn, loader, **self._run_options())
+                result = run(self.fn, loader, **self._run_options(plan))
             except BatchOutOfMemoryError as exc:
                 text = texts[exc.position] if exc.position is not None else ""
                 raise BatchOutOfMemoryError(
