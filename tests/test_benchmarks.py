@@ -8,8 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "inference.py"
-METHODS = ["plain DataLoader", "sorted, fixed batch size", "token budget", "dynabatch", "dynabatch + model shape",
-           "dynabatch measured"]
+METHODS = ["plain DataLoader", "sorted, fixed batch size", "token budget", "dynabatch", "dynabatch plan, adapt=False",
+           "dynabatch plan + model shape, adapt=False"]
 KEPT = "## encoder (all-MiniLM-L6-v2 forward, max_length 256) on cuda\n\nkept from another machine\n"
 
 
@@ -27,7 +27,7 @@ def test_inference_benchmark_prints_every_method_and_keeps_other_sections(tmp_pa
                           r"(within the first batch's peak|exceeds it \(\d+ batch(es)?, max [\d.]+x\)) \|$",
                           result.stdout, re.MULTILINE)
         assert len(rows) == 2, (method, result.stdout)  # one row per workload, with a verdict
-    assert "| reference |" in result.stdout and "Targets:" in result.stdout
+    assert "| reference |" in result.stdout and "Summary:" in result.stdout
     written = out.read_text()
     assert written.startswith("# dynabatch inference benchmark")
     assert KEPT.strip() in written and written.count("## ") == 3
