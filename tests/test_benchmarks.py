@@ -77,7 +77,7 @@ def _benchmark_module():
     return module
 
 
-def test_a_win_inside_overlapping_ranges_is_called_noise():
+def test_overlapping_ranges_are_called_out_in_the_summary():
     bench = _benchmark_module()
 
     def row(method, seconds, spread, over=0):
@@ -87,13 +87,13 @@ def test_a_win_inside_overlapping_ranges_is_called_noise():
 
     plain = row("plain DataLoader", 50.0, (49.0, 51.0))
     sorted_ = row("sorted, fixed batch size", 22.7, (22.3, 22.8))
-    close = bench.target_line(row("dynabatch", 22.5, (21.8, 22.6)), plain, [sorted_])
-    assert ("(22.50 s vs the fastest, sorted, fixed batch size, 22.70 s: met, but within noise: their min-max "
-            "ranges overlap)") in close
-    clear = bench.target_line(row("dynabatch", 20.0, (19.5, 20.5)), plain, [sorted_])
-    assert "20.00 s vs the fastest, sorted, fixed batch size, 22.70 s: met)" in clear
-    one_run = bench.target_line(row("dynabatch", 22.5, None), plain, [row("sorted, fixed batch size", 22.7, None)])
-    assert "noise" not in one_run
+    close = bench.summary_line(row("dynabatch", 22.5, (21.8, 22.6)), plain, [sorted_])
+    assert ("22.50 s against 22.70 s for the fastest baseline within the peak (sorted, fixed batch size, 1.01x; "
+            "their min-max ranges overlap)") in close
+    clear = bench.summary_line(row("dynabatch", 20.0, (19.5, 20.5)), plain, [sorted_])
+    assert "(sorted, fixed batch size, 1.14x)" in clear and "overlap" not in clear
+    one_run = bench.summary_line(row("dynabatch", 22.5, None), plain, [row("sorted, fixed batch size", 22.7, None)])
+    assert "overlap" not in one_run
 
 
 # --- benchmarks/plan_speed.py ----------------------------------------------------------------------
