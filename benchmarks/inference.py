@@ -126,8 +126,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from dynabatch import Batch, ModelShape, build_dynamic_batch_dataloader, run
-from dynabatch.memory.classifier import load_classifier
 from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
+from dynabatch.memory.classifier import load_classifier
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # the generate workload is the example's model, not a copy of it
