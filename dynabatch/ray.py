@@ -67,14 +67,13 @@ from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.report import RunReport
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
-from dynabatch.inference.runner import run
+from dynabatch.inference.runner import check_run_options, run
 from dynabatch.memory.model import MemoryModel
 
 __all__ = ["PLANS", "DynamicBatchPredictor", "default_window", "map_texts", "to_column"]
 
 logger = logging.getLogger(__name__)
 
-_ON_OOM = ("raise", "skip")
 _LOADER_OWN = ("texts", "tokenizer", "batch_size", "max_input_token_length", "progress", "num_workers",
                "memory_model", "max_memory")
 _CALIBRATE_OWN = ("work", "tokenizer", "batch_size", "max_input_token_length", "progress")
@@ -306,7 +305,6 @@ class DynamicBatchPredictor:
         loader_kwargs: dict[str, Any] | None = None,
         calibrate_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        import torch
 
         self.batch_size = check_positive_int("batch_size", batch_size)
         self.max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
@@ -315,21 +313,11 @@ class DynamicBatchPredictor:
         self.error_column = _check_column("error_column", error_column)
         if self.output_column == self.text_column:
             raise bad_value("output_column", f"another column than text_column={text_column!r}", output_column)
-        if not isinstance(on_oom, str):
-            raise bad_type("on_oom", f"one of {_ON_OOM}", on_oom)
-        if on_oom not in _ON_OOM:
-            raise bad_value("on_oom", f"one of {_ON_OOM}", on_oom)
+        check_run_options(device, on_oom, measure_memory, adapt)
         if on_oom == "skip" and self.error_column in (self.text_column, self.output_column):
             raise bad_value("error_column", "another column than text_column and output_column", error_column)
         self.on_oom = on_oom
-        if device is not None and not isinstance(device, (str, torch.device)):
-            raise bad_type("device", "None, a str or a torch.device", device)
         self.device = device
-        if measure_memory is not None and not isinstance(measure_memory, (bool, str, torch.device)):
-            raise bad_type("measure_memory", "None, a bool, or the device to measure (a str or torch.device)",
-                           measure_memory)
-        if adapt is not None and not isinstance(adapt, bool):
-            raise bad_type("adapt", "None (run's default) or a bool", adapt)
         for name, value in (("calibrate", calibrate), ("learn_memory", learn_memory),
                             ("inference_mode", inference_mode)):
             if not isinstance(value, bool):

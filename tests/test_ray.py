@@ -341,7 +341,7 @@ class Counting(Embed):
     ({"on_oom": "skip", "error_column": "output"}, ValueError,
      "error_column should be another column than text_column and output_column, but got error_column='output'"),
     ({"measure_memory": False}, ValueError, "measure_memory should be True, None or a device while learn_memory=True"),
-    ({"adapt": "yes"}, TypeError, "adapt should be None \\(run's default\\) or a bool, but got adapt='yes'"),
+    ({"adapt": "yes"}, TypeError, "adapt should be None \\(auto\\), True or False, but got adapt='yes'"),
     ({"calibrate": True, "memory_model": "m.json"}, ValueError, "memory_model should be None with calibrate=True"),
     ({"memory_model": 3}, TypeError, "memory_model should be None, a MemoryModel, or the path of a saved one"),
     ({"loader_kwargs": {"max_memory": "1GB"}}, ValueError, ("loader_kwargs should be a dict without the "

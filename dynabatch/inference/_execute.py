@@ -62,6 +62,7 @@ class Executor:
         self.fn = fn
         self.queue = queue
         self.device = device
+        self._prepare = (lambda b: b.to(device)) if device is not None else None  # moves each piece to device
         self.on_oom = on_oom
         self.memory_device = memory_device
         self.results_file = results_file
@@ -74,7 +75,6 @@ class Executor:
         self.started = time.perf_counter()
         self.tokens = 0
         self.lockstep = lockstep
-        self.stand_in_calls = 0
         self._stand_in: Batch | None = None  # one row: the call a rank without work makes in a round
         self._stand_in_ran = False  # whether that row ran already (else it is the first row planned)
 
@@ -149,9 +149,7 @@ class Executor:
         return anyone > 0
 
     def _call_stand_in(self) -> None:
-        self.stand_in_calls += 1
-        attempt = call_guarded(self.fn, self._stand_in,
-                               prepare=(lambda b: b.to(self.device)) if self.device is not None else None)
+        attempt = call_guarded(self.fn, self._stand_in, prepare=self._prepare)
         if attempt.error is not None:
             logger.warning("a stand-in call (one row, to keep the ranks in step) ran out of memory: %s",
                            _brief(attempt.error))
@@ -182,7 +180,7 @@ class Executor:
             measure = self.memory_device is not None and self.queue.should_measure(piece_rows, piece_width)
             attempt = call_guarded(
                 self.fn, piece, measure_on=self.memory_device if measure else None,
-                prepare=(lambda b: b.to(self.device)) if self.device is not None else None,
+                prepare=self._prepare,
                 finish=lambda out, piece=piece: split_rows(out, piece, pad_token_id=self.queue.pad_token_id),
             )
             if attempt.error is not None:

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from dynabatch._validation import bad_type, bad_value, brief
-from dynabatch.data.collate import Batch, batch_shape, padded_width, take_rows
-from dynabatch.inference.loader import plan_of
+from dynabatch.data.collate import Batch, take_rows
+from dynabatch.inference.loader import LoaderPlan
 from dynabatch.memory.feedback import MemoryFeedback
-from dynabatch.sampling.ranks import deal, order_steps, split_for_replicas
+from dynabatch.sampling.ranks import deal, split_for_replicas
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,9 @@ class BatchQueue:
     """The batches to run, as a queue of :class:`Item` s.
 
     Args:
-        loader: a dynabatch DataLoader (its ``plan``), or any iterable of batches.
+        loader: a dynabatch DataLoader, or any iterable of batches.
+        plan: the loader's :class:`~dynabatch.inference.loader.LoaderPlan`
+            (:func:`~dynabatch.inference.loader.plan_of`); ``None`` for an iterable of batches.
         pad_token_id: the pad id of token-id outputs; ``None`` takes the collator's.
         adapt: measured mode: the loader's planner sizes every next batch from
             the peaks given to :meth:`observe`.
@@ -69,10 +71,10 @@ class BatchQueue:
         sparse: measure only the calls the feedback names (the CPU tracker's cost).
     """
 
-    def __init__(self, loader: Any, pad_token_id: int | None = None, *, adapt: bool = False, guard: bool = False,
-                 sparse: bool = False) -> None:
+    def __init__(self, loader: Any, plan: LoaderPlan | None, pad_token_id: int | None = None, *, adapt: bool = False,
+                 guard: bool = False, sparse: bool = False) -> None:
         self.loader = loader
-        self.plan = plan_of(loader)
+        self.plan = plan
         self.pending: deque[Item] = deque()
         self.stream: Iterator[Item] | None = None
         self.planner = None
@@ -175,8 +177,7 @@ class BatchQueue:
                                                                                   parts)]
 
         items = split_for_replicas(items, world_size, samples=lambda item: len(item.positions), split=split)
-        order = order_steps(len(items), world_size, shuffle=False, seed=0, epoch=0)
-        mine = [items[i] for i in deal(order, world_size, rank).tolist()]
+        mine = deal(items, world_size, rank)
         for number, item in enumerate(mine):
             item.number = number
         self.pending = deque(mine)
@@ -194,13 +195,6 @@ class BatchQueue:
         if item.batch is not None:
             return item.batch
         return self.collator(item.positions)
-
-    def shape(self, item: Item) -> tuple[int, int]:
-        """Planned ``(rows, width)`` of an item, without building its tensors."""
-        if item.batch is not None:
-            return batch_shape(item.batch)
-        lengths = self.collator.tokenized.lengths[item.positions]
-        return len(item.positions), padded_width(int(lengths.max()) if lengths.size else 0, self.pad_to_multiple_of)
 
     def restrict(self, item: Item, keep: np.ndarray, *, whole: bool = False) -> Item:
         """The item with only the rows at ``keep`` (row numbers within it); ``whole``: a batch of its own."""

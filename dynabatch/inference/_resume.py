@@ -163,9 +163,8 @@ def inputs_digest(queue: Any) -> str:
     collator = queue.collator
     if collator is not None:
         tokenized = collator.tokenized
-        extras = {key: np.asarray(tokenized.extras[key]) for key in sorted(tokenized.extras)}
-        settings = [collator.pad_token_id, collator.padding_side, collator.pad_to_multiple_of,
-                    dict(sorted(collator.pad_values.items()))]
+        extras = {key: np.asarray(value) for key, value in tokenized.extras.items()}  # the digest sorts the keys
+        settings = [collator.pad_token_id, collator.padding_side, collator.pad_to_multiple_of, collator.pad_values]
         return digest(FORMAT, queue.pad_token_id, np.asarray(tokenized.offsets, dtype=np.int64),
                       np.asarray(tokenized.input_ids), extras, settings)
     # Another iterable: the digest of its batches (their positions and tensors), in any order.

@@ -58,7 +58,7 @@ from dynabatch.data.collate import Batch
 from dynabatch.inference._execute import Executor
 from dynabatch.inference._queue import BatchQueue
 from dynabatch.inference._resume import FORMAT, ResultsFile, inputs_digest, rank_path
-from dynabatch.inference.loader import plan_of
+from dynabatch.inference.loader import LoaderPlan, plan_of
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
 from dynabatch.memory.measure import check_device, check_measurable_device
 
@@ -69,22 +69,12 @@ logger = logging.getLogger(__name__)
 _ON_OOM = ("raise", "skip")
 
 
-def _check_arguments(
-    fn: Any, device: Any, output_path: Any, on_oom: Any, measure_memory: Any, progress: Any, distributed: Any,
-    adapt: Any = None, pad_token_id: Any = None,
-) -> None:
+def check_run_options(device: Any, on_oom: Any, measure_memory: Any, adapt: Any) -> None:
+    """Checks the options that say how :func:`run` runs the batches (also given ahead, as to a Ray predictor)."""
     if adapt is not None and not isinstance(adapt, bool):
         raise bad_type("adapt", "None (auto), True or False", adapt)
-    if not callable(fn):
-        raise bad_type("fn", "a callable taking a batch", fn)
-    if isinstance(fn, torch.nn.Module) and isinstance(getattr(fn, "main_input_name", None), str):
-        # A Hugging Face model takes tensors as keywords: model(batch) would fail inside its forward.
-        raise bad_type("fn", "a callable taking a dynabatch.Batch (a dict of tensors), such as "
-                       "lambda batch: model(**batch) or lambda batch: model.generate(**batch)", fn)
     if device is not None:
         check_device("device", device, "None, a str or a torch.device")
-    if output_path is not None and not isinstance(output_path, (str, os.PathLike)):
-        raise bad_type("output_path", "None, a str or an os.PathLike (a .jsonl file)", output_path)
     if not isinstance(on_oom, str):
         raise bad_type("on_oom", f"one of {_ON_OOM}", on_oom)
     if on_oom not in _ON_OOM:
@@ -94,6 +84,21 @@ def _check_arguments(
                        measure_memory)
     if isinstance(measure_memory, (str, torch.device)):
         check_measurable_device("measure_memory", measure_memory)
+
+
+def _check_arguments(
+    fn: Any, device: Any, output_path: Any, on_oom: Any, measure_memory: Any, progress: Any, distributed: Any,
+    adapt: Any = None, pad_token_id: Any = None,
+) -> None:
+    if not callable(fn):
+        raise bad_type("fn", "a callable taking a batch", fn)
+    if isinstance(fn, torch.nn.Module) and isinstance(getattr(fn, "main_input_name", None), str):
+        # A Hugging Face model takes tensors as keywords: model(batch) would fail inside its forward.
+        raise bad_type("fn", "a callable taking a dynabatch.Batch (a dict of tensors), such as "
+                       "lambda batch: model(**batch) or lambda batch: model.generate(**batch)", fn)
+    check_run_options(device, on_oom, measure_memory, adapt)
+    if output_path is not None and not isinstance(output_path, (str, os.PathLike)):
+        raise bad_type("output_path", "None, a str or an os.PathLike (a .jsonl file)", output_path)
     if not isinstance(progress, bool):
         raise bad_type("progress", "a bool", progress)
     if distributed is not None and not isinstance(distributed, bool):
@@ -131,7 +136,7 @@ def _running_device(device: Any) -> torch.device | None:
     return torch.device("cpu")
 
 
-def _mode(queue_loader: Any, adapt: bool | None, measure_memory: Any, memory_device: Any,
+def _mode(plan: LoaderPlan | None, adapt: bool | None, measure_memory: Any, memory_device: Any,
           distributed: bool) -> tuple[bool, bool, bool]:
     """``(adapt, guard, sparse)``: measured mode, guarded mode, and whether to measure only some calls.
 
@@ -142,7 +147,6 @@ def _mode(queue_loader: Any, adapt: bool | None, measure_memory: Any, memory_dev
     """
     if adapt is not None or memory_device is None:
         return bool(adapt), False, False
-    plan = plan_of(queue_loader)
     replannable = plan is not None and not distributed and not getattr(plan.sampler, "shuffle", False)
     sparse = measure_memory is None and torch.device(memory_device).type == "cpu"
     logger.info("run: %s, measuring %s on %s", "measured mode (batches re-sized from measured peaks)" if replannable
@@ -341,8 +345,9 @@ def run(
     _check_arguments(fn, device, output_path, on_oom, measure_memory, progress, distributed, adapt, pad_token_id)
     memory_device = _memory_device(measure_memory, adapt, device)
     rank, world_size, distributed = _world(distributed)
-    adapt, guard, sparse = _mode(loader, adapt, measure_memory, memory_device, distributed)
-    queue = BatchQueue(loader, pad_token_id, adapt=adapt, guard=guard, sparse=sparse)
+    plan = plan_of(loader)
+    adapt, guard, sparse = _mode(plan, adapt, measure_memory, memory_device, distributed)
+    queue = BatchQueue(loader, plan, pad_token_id, adapt=adapt, guard=guard, sparse=sparse)
     if adapt and distributed:
         raise bad_value("adapt", "False under torch.distributed (each rank's share is fixed up front)", adapt)
     digest = inputs_digest(queue) if output_path is not None else None  # before sharding: it covers every batch
