@@ -315,7 +315,9 @@ class MemoryBudget:
         budget minus the margin, at most ``batch_size`` rows, and no larger than a shape that failed."""
         rows, width = np.asarray(rows), np.asarray(width)
         ok = np.asarray(predicted_bytes, dtype=np.float64) <= self.budget_bytes
-        ok = ok & (rows <= failed_cap(width, self.failed_shapes))
+        failed = self.failed_shapes
+        if failed:  # planners ask per sample: no arrays built while nothing has failed
+            ok = ok & (rows <= failed_cap(width, failed))
         return ok if self.batch_size is None else ok & (rows <= self.batch_size)
 
     def max_rows(self, longest: Any, *, max_memory: float | None = None) -> np.ndarray:

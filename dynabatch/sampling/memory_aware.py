@@ -50,14 +50,13 @@ from dynabatch.memory.budget import MemoryBudget, parse_memory
 __all__ = ["BatchBytes", "check_single_samples_fit", "plan_memory_aware_batches", "task_order"]
 
 BatchBytes = Callable[[np.ndarray, int], float]
+"""``batch_bytes(counts, padded_length) -> bytes``: the predicted peak of a batch;
+``counts[k]`` is its rows of task ``k``, for ``k`` up to the largest task id planned."""
 
 
 def _no_bytes(counts: np.ndarray, padded_length: int) -> float:
     """No memory model: every batch costs nothing (``batch_size`` alone bounds it)."""
     return 0.0
-
-"""``batch_bytes(counts, padded_length) -> bytes``: the predicted peak of a batch;
-``counts[k]`` is its rows of task ``k``, for ``k`` up to the largest task id planned."""
 
 
 def check_single_samples_fit(
