@@ -138,8 +138,9 @@ def _split(budget: MemoryBudget, widths: np.ndarray) -> tuple[np.ndarray, np.nda
     return fixed, np.maximum(per_row, 0.0)
 
 
-def _as_lengths(name: str, lengths: Any) -> np.ndarray:
-    return check_lengths(name, lengths, positive=True)
+def _size_for_rows(room: Any, rows: Any) -> Any:
+    """The bytes per row at which exactly ``rows`` rows (at least 1) fit in ``room``: a shape's cap as a size."""
+    return room / np.maximum(rows, 1) * (1 - 1e-12)
 
 
 class MemorySizeof:
@@ -181,7 +182,7 @@ class MemorySizeof:
             pad_to_multiple_of = check_positive_int("pad_to_multiple_of", pad_to_multiple_of)
         self.budget = _check_budget(memory_model, pad_to_multiple_of=pad_to_multiple_of)
         self._given_budget = isinstance(memory_model, MemoryBudget)
-        own = _as_lengths("lengths", lengths)
+        own = check_lengths("lengths", lengths, positive=True)
         if padded_length is not None:
             padded_length = check_positive_int("padded_length", padded_length)
             if own.size and own.max() > padded_length:
@@ -192,8 +193,7 @@ class MemorySizeof:
         self._distinct, inverse = np.unique(self.lengths, return_inverse=True)
         fixed, per_row = _split(self.budget, self._distinct) if self._distinct.size else (
             np.zeros(0), np.zeros(0))
-        self._inverse = inverse
-        self._fixed, self._per_row_bytes = fixed, per_row
+        self._inverse, self._per_row_bytes = inverse, per_row
         self._longest_fixed = float(fixed.max()) if fixed.size else 0.0
         self._per_row = self._sizes(None).tolist()
 
@@ -203,7 +203,7 @@ class MemorySizeof:
         sizes = self._per_row_bytes.copy()
         if room is not None and self.budget.failed_shapes and sizes.size:
             cap = failed_cap(self._distinct, self.budget.failed_shapes).astype(np.float64)
-            sizes = np.maximum(sizes, np.where(cap > 0, room / np.maximum(cap, 1) * (1 + 1e-12), np.inf))
+            sizes = np.maximum(sizes, np.where(cap > 0, _size_for_rows(room, cap), np.inf))
         return sizes[self._inverse] if sizes.size else sizes
 
     def __call__(self, index: int) -> float:
@@ -269,7 +269,7 @@ def bucket_memory_kwargs(memory_model: Any, lengths: Any, bucket_boundaries: Any
     if budget_bytes is None and not isinstance(memory_model, MemoryBudget):
         raise bad_value("budget_bytes", "a number of bytes (no MemoryBudget was given)", budget_bytes)
     limit = budget.budget_bytes if budget_bytes is None else check_positive_number("budget_bytes", budget_bytes)
-    own = _as_lengths("lengths", lengths)
+    own = check_lengths("lengths", lengths, positive=True)
     bounds = bucket_boundaries.detach().cpu().numpy() if isinstance(bucket_boundaries, torch.Tensor) else \
         np.asarray(bucket_boundaries)
     if bounds.ndim != 1 or not np.issubdtype(bounds.dtype, np.number):
@@ -290,7 +290,7 @@ def bucket_memory_kwargs(memory_model: Any, lengths: Any, bucket_boundaries: Any
                             f"({math.ceil(fixed + per_row)} bytes predicted)", limit)
         rows = int(budget.max_rows(width, max_memory=limit / (1.0 - budget.memory_margin)))
         room = limit - fixed
-        sizeofs.append(_constant(max(per_row, room / max(rows, 1) * (1 - 1e-12)) if rows else room))
+        sizeofs.append(_constant(max(per_row, _size_for_rows(room, rows)) if rows else room))
         limits.append(room)
     return {"sizeof": sizeofs, "max_total_size": limits}
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from dynabatch import BucketBatchSampler, SizeAwareBatchSampler
 from dynabatch.memory.measure import collect_peak_alloc
 from dynabatch.size_aware import create_buckets
+from dynabatch.memory.budget import MemoryBudget
 from dynabatch.memory.model import MemoryModel
 from dynabatch.sampling.size_aware_memory import MemorySizeof, bucket_memory_kwargs, fit_memory_model
 
@@ -163,3 +164,18 @@ def test_a_small_model_trains_with_size_aware_batch_sampler_under_a_measured_bud
         seen.append(len(ids))
     assert sum(seen) == 120 and max(seen) == 20  # every text once; full batches of the budget's rows
     assert len(losses) == 6 and np.isfinite(losses).all()  # random tokens: the loss need not fall
+
+
+def test_a_shape_that_ran_out_of_memory_caps_both_sizeofs_at_the_budgets_max_rows(model):
+    budget = MemoryBudget(model, 10**9, memory_margin=0.0)  # bytes alone would allow hundreds of rows
+    budget.observe_out_of_memory(8, 64)
+    cap = int(budget.max_rows(64))
+    assert cap == 7
+    lengths = [64] * 20
+    sizeof = MemorySizeof(budget, lengths)
+    batches = list(SizeAwareBatchSampler(range(20), sizeof, sizeof.max_total_size()))
+    assert [len(b) for b in batches] == [7, 7, 6]  # the cap, not one row fewer
+    kwargs = bucket_memory_kwargs(budget, lengths, [1, 65])
+    bucketed = list(BucketBatchSampler(torch.tensor(lengths), torch.tensor([1, 65]), SizeAwareBatchSampler,
+                                       base_batch_sampler_individual_kwargs=kwargs, shuffle=False))
+    assert sorted(len(b) for b in bucketed) == [6, 7, 7]
