@@ -130,8 +130,9 @@ class MemoryFeedback:
         self.budget_: float | None = None
         self._floor = int(sizes[0]) if len(sizes) else 1  # the planner's smallest batch
         self.row_bytes_: float | None = None
-        self._measured: list[tuple[int, float, float]] = []  # (rows, width, peak) of every measured call
-        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        # (rows, width, peak) of every measured call, as columns grown in place (a run measures thousands)
+        self._table = np.empty((3, 64), dtype=np.float64)
+        self._n = 0
 
     def planned_size(self, start: int) -> int:
         """The plan's size for the batch that holds sorted position ``start``."""
@@ -180,15 +181,17 @@ class MemoryFeedback:
                 return
             self.budget_ = top
         self.row_bytes_ = max(peak / rows for rows, _, peak in measured)
-        self._measured.extend(measured)
-        self._arrays = None
+        end = self._n + len(measured)
+        if end > self._table.shape[1]:
+            grown = np.empty((3, max(end, 2 * self._table.shape[1])), dtype=np.float64)
+            grown[:, : self._n] = self._table[:, : self._n]
+            self._table = grown
+        self._table[:, self._n : end] = np.asarray(measured, dtype=np.float64).T
+        self._n = end
 
-    def _columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if self._arrays is None:
-            rows, widths, peaks = zip(*self._measured) if self._measured else ((), (), ())
-            self._arrays = (np.asarray(rows, dtype=np.float64), np.asarray(widths, dtype=np.float64),
-                            np.asarray(peaks, dtype=np.float64))
-        return self._arrays
+    def _columns(self) -> np.ndarray:
+        """The measured calls' rows, widths and peaks (three views)."""
+        return self._table[:, : self._n]
 
     def _bounds(self, rows: int, width: float) -> np.ndarray:
         """Each measurement's bound on ``rows`` x ``width`` (``inf`` where it is narrower)."""
@@ -199,14 +202,14 @@ class MemoryFeedback:
     def bound(self, rows: int, width: float) -> float | None:
         """The most a batch of ``rows`` rows and padded ``width`` can peak at, by the measured batches at least as
         wide (memory grows with rows and with length); ``None`` when none is."""
-        if not self._measured:
+        if not self._n:
             return None
         best = float(self._bounds(rows, width).min())
         return best if math.isfinite(best) else None
 
     def max_rows(self, width: float, limit: float) -> int:
         """The most rows at padded ``width`` whose :meth:`bound` stays at or under ``limit`` (0 if none does)."""
-        if not self._measured:
+        if not self._n:
             return 0
         r, w, p = self._columns()
         # Rows up to r_m are bounded by p_m; beyond, by rows x p_m / r_m: rows_under's closed form.
