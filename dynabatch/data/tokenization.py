@@ -116,6 +116,26 @@ class TokenizedTexts:
         return self.input_ids[self.offsets[i] : self.offsets[i + 1]]
 
 
+_UNSET_MODEL_MAX_LENGTH = 10**9  # Hugging Face sets a huge sentinel (int(1e30)) when the limit is unknown
+
+
+def check_tokenizer(tokenizer: Any) -> None:
+    """Refuses what is not a tokenizer object (None, a model name) before any other check on it."""
+    if isinstance(tokenizer, str):
+        raise TypeError(
+            f"tokenizer should be a tokenizer object, not a model name: load it first with "
+            f"AutoTokenizer.from_pretrained({tokenizer!r}); but got tokenizer={tokenizer!r} of type str"
+        )
+    if not callable(tokenizer):
+        raise bad_type("tokenizer", "a tokenizer object (e.g. AutoTokenizer.from_pretrained(...))", tokenizer)
+
+
+def model_max_length(tokenizer: Any) -> int | None:
+    """The tokenizer's ``model_max_length`` when it sets one; ``None`` when unset (Hugging Face's huge sentinel)."""
+    limit = getattr(tokenizer, "model_max_length", None)
+    return limit if isinstance(limit, int) and limit < _UNSET_MODEL_MAX_LENGTH else None
+
+
 def validate_texts(texts: Any) -> list[str]:
     """Checks that ``texts`` is a non-empty sequence of str and returns it as a list.
 

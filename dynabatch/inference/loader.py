@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.data.collate import TokenCollator, pad_token_id_of
-from dynabatch.data.tokenization import tokenize_texts, validate_texts
+from dynabatch.data.tokenization import check_tokenizer, model_max_length, tokenize_texts, validate_texts
 from dynabatch.memory.shape import resolve_model_shape
 from dynabatch.sampling.estimators import choose_estimator
 from dynabatch.sampling.planner import BatchPlanner, PlanSettings
@@ -51,18 +51,6 @@ __all__ = ["LoaderPlan", "build_dynamic_batch_dataloader", "plan_of"]
 
 logger = logging.getLogger(__name__)
 
-_UNSET_MODEL_MAX_LENGTH = 10**9  # Hugging Face sets a huge sentinel (int(1e30)) when the limit is unknown
-
-
-def _check_tokenizer(tokenizer: Any) -> None:
-    """Refuses what is not a tokenizer object (None, a model name) before any other check on it."""
-    if isinstance(tokenizer, str):
-        raise TypeError(
-            f"tokenizer should be a tokenizer object, not a model name: load it first with "
-            f"AutoTokenizer.from_pretrained({tokenizer!r}); but got tokenizer={tokenizer!r} of type str"
-        )
-    if not callable(tokenizer):
-        raise bad_type("tokenizer", "a tokenizer object (e.g. AutoTokenizer.from_pretrained(...))", tokenizer)
 
 
 def _accepted_keywords(tokenizer: Any) -> set[str] | None:
@@ -73,7 +61,7 @@ def _accepted_keywords(tokenizer: Any) -> set[str] | None:
     """
     names: set[str] = set()
     takes_any = False
-    for function in (tokenizer.__call__, getattr(tokenizer, "_encode_plus", None)):  # callable: _check_tokenizer ran
+    for function in (tokenizer.__call__, getattr(tokenizer, "_encode_plus", None)):  # callable: check_tokenizer ran
         if function is None:
             continue
         try:
@@ -119,8 +107,8 @@ def _check_length_fits(tokenizer: Any, max_input_token_length: int, tokenizer_kw
                 f"at least {special + 1} (the tokenizer adds {special} special tokens to every text)",
                 max_input_token_length,
             )
-    limit = getattr(tokenizer, "model_max_length", None)
-    if isinstance(limit, int) and limit < _UNSET_MODEL_MAX_LENGTH and max_input_token_length > limit:
+    limit = model_max_length(tokenizer)
+    if limit is not None and max_input_token_length > limit:
         warnings.warn(
             f"max_input_token_length={max_input_token_length} is above the tokenizer's "
             f"model_max_length={limit}: a model with {limit} positions fails on longer rows; "
@@ -293,7 +281,7 @@ def build_dynamic_batch_dataloader(
         :func:`~dynabatch.data.order.restore_order`.
     """
     items = validate_texts(texts)
-    _check_tokenizer(tokenizer)
+    check_tokenizer(tokenizer)
     _check_tokenizer_kwargs(tokenizer, tokenizer_kwargs)
     pad_to_multiple_of = tokenizer_kwargs.pop("pad_to_multiple_of", None)
     settings = PlanSettings(batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps,

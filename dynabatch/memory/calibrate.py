@@ -75,7 +75,13 @@ import torch
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.collate import Batch, TokenCollator, pad_token_id_of
-from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts, validate_texts
+from dynabatch.data.tokenization import (
+    TokenizedTexts,
+    check_tokenizer,
+    model_max_length,
+    tokenize_texts,
+    validate_texts,
+)
 from dynabatch.memory.budget import MemoryBudget
 from dynabatch.memory.guard import call_guarded, is_out_of_memory_error
 from dynabatch.memory.measure import check_device, check_measurable_device, track_peak_memory
@@ -90,7 +96,6 @@ _MIN_LENGTH = 4
 _MAX_ROWS_FACTOR = 64  # probes hold at most this many times batch_size rows
 _DECODING_STEPS = 2  # decoding steps a probe measures before the rest are extrapolated
 _EXTRAPOLATION_SLACK = 1e-3  # the check probe's extrapolation may fall this far under its peak (block rounding)
-_UNSET_MODEL_MAX_LENGTH = 10**9  # Hugging Face sets a huge sentinel (int(1e30)) when the limit is unknown
 
 
 def probe_lengths(max_input_token_length: int, shortest: int = _MIN_LENGTH) -> list[int]:
@@ -170,8 +175,8 @@ def check_model_max_length(tokenizer: Any, max_input_token_length: int, *,
     Raises:
         ValueError: ``max_input_token_length`` is above it.
     """
-    limit = getattr(tokenizer, "model_max_length", None)
-    if isinstance(limit, int) and limit < _UNSET_MODEL_MAX_LENGTH and max_input_token_length > limit:
+    limit = model_max_length(tokenizer)
+    if limit is not None and max_input_token_length > limit:
         raise bad_value(length_name, f"at most the tokenizer's model_max_length={limit} (the longest probe has "
                         f"that many tokens; set tokenizer.model_max_length if the model takes longer inputs)",
                         max_input_token_length)
@@ -204,9 +209,7 @@ def _check_lengths(lengths: Any, max_input_token_length: int) -> list[int]:
 
 
 def _check_tokenizer(tokenizer: Any, texts: Any) -> None:
-    from dynabatch.inference.loader import _check_tokenizer as check_tokenizer_object
-
-    check_tokenizer_object(tokenizer)
+    check_tokenizer(tokenizer)
     pad_token_id_of(tokenizer)
     if texts is None and not (isinstance(getattr(tokenizer, "vocab_size", None), int)
                               and callable(getattr(tokenizer, "decode", None))):
@@ -391,8 +394,7 @@ class _Prober:
         return calls
 
     def _measured(self, batch: Batch, stop_after: int | None) -> tuple[list[int], int]:
-        limit = self.limit_bytes if self.memory_device.type == "cpu" else None
-        with track_peak_memory(self.memory_device, limit_bytes=limit) as mem:
+        with track_peak_memory(self.memory_device, limit_bytes=self.limit_bytes) as mem:  # None off the CPU
             calls = self._steps_run(batch, stop_after, mem)
         return mem.segment_peaks, calls
 
@@ -444,7 +446,7 @@ class _Prober:
         peak = None
         if oom:
             self.failed.append((rows, width))
-            peak = self.limit_bytes if self.memory_device.type == "cpu" else None  # the CPU limit: a lower bound
+            peak = self.limit_bytes  # the CPU limit, a lower bound (None off the CPU: calibrate refuses it there)
             logger.info("probe of %d rows x %d tokens ran out of memory (%s): recorded, not grown further",
                         rows, width, type(attempt.error).__name__)
         else:
