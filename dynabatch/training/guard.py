@@ -168,10 +168,6 @@ class _TaskBytes:
         return self.predictor.predict_bytes(self.task_type, rows, padded_length)
 
 
-def _rows(batch: dict[str, Any]) -> int:
-    return batch_shape(batch)[0]
-
-
 @dataclass
 class GuardedResult:
     """What :func:`guarded_step` ran: each part's step output, rows and measured peak (in order)."""
@@ -221,7 +217,7 @@ def guarded_step(
     """
     params = [p for p in parameters if p.requires_grad]
     result = GuardedResult()
-    rows = _rows(batch)
+    rows, _ = batch_shape(batch)
     length = int(batch["input_ids"].shape[1]) if isinstance(batch.get("input_ids"), torch.Tensor) else 0
     known = guardian.remembered_batch_size(task_types, length) if guardian is not None else None
     if known is not None and rows > known:
@@ -244,7 +240,7 @@ def _run(step, batch, params, guardian, task_types, measure_on, result: GuardedR
     finally:
         for handle in handles:
             handle.remove()
-    rows = _rows(batch)
+    rows, _ = batch_shape(batch)
     if attempt.error is None:
         result.outputs.append(attempt.output)
         result.rows.append(rows)
