@@ -299,19 +299,29 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
         batches = self.epoch_batches()
         bins = [b for batch in batches for b in batch]
         flat = np.concatenate(bins) if bins else np.zeros(0, np.int64)
-        if set_stats and self._stats_epoch != self.epoch:
-            self._stats_epoch = self.epoch
-            self.total_tokens_used += int(self.lengths[flat].sum())
-            self.total_token_slots += len(bins) * self.batch_max_len
+        if set_stats:
+            self._count_stats(flat, len(bins))
         # every bin a list at once (one tolist, list slices): 100,000s of bins in a fraction of a second
         as_lists = bins_to_lists(flat, np.cumsum([0, *map(len, bins)]))
         bounds = np.cumsum([0, *map(len, batches)]).tolist()
         return [as_lists[a:b] for a, b in pairwise(bounds)]
 
+    def _count_stats(self, flat: np.ndarray | None = None, n_bins: int | None = None) -> None:
+        """Adds this epoch's tokens and token slots to the efficiency statistics, once per epoch."""
+        if self._stats_epoch == self.epoch:
+            return
+        if flat is None:
+            bins = [b for batch in self.epoch_batches() for b in batch]
+            flat = np.concatenate(bins) if bins else np.zeros(0, np.int64)
+            n_bins = len(bins)
+        self._stats_epoch = self.epoch
+        self.total_tokens_used += int(self.lengths[flat].sum())
+        self.total_token_slots += n_bins * self.batch_max_len
+
     # ----------------------------------------------------------------- the seed's methods
 
     def __iter__(self) -> Any:
-        self.generate_batches(set_stats=True)  # a pass counts in the efficiency statistics
+        self._count_stats()  # a pass counts in the efficiency statistics
         return super().__iter__()
 
     def num_batches(self) -> int:
@@ -325,7 +335,7 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
         Counts the epochs iterated so far (the current one if none was).
         """
         if self.total_token_slots == 0:
-            self.generate_batches(set_stats=True)
+            self._count_stats()
         if self.total_token_slots == 0:
             return 0.0
         return float(self.total_tokens_used / self.total_token_slots)
