@@ -47,7 +47,7 @@ import numpy as np
 from dynabatch._validation import bad_value, check_lengths, check_positive_int
 from dynabatch.memory.budget import MemoryBudget
 
-__all__ = ["plan_batch_sizes_to_budget", "plan_batches_to_budget", "plan_sizes_under"]
+__all__ = ["plan_batch_sizes_to_budget", "plan_batches_to_budget", "plan_budget", "plan_sizes_under"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +105,14 @@ def plan_sizes_under(lengths: np.ndarray, budget: MemoryBudget, *, first: int = 
     return out
 
 
+def plan_budget(sorted_lengths: np.ndarray, memory_model: Any, *, first: int, max_memory: Any,
+                memory_margin: float, pad_to_multiple_of: int | None, device: Any = None) -> MemoryBudget:
+    """A plan's budget: relative to its first batch (``first`` > 0 rows of the longest length), else ``max_memory``."""
+    reference = (min(first, len(sorted_lengths)), max(1, int(sorted_lengths[0]))) if first else None
+    return MemoryBudget(memory_model, None if reference else max_memory, memory_margin=memory_margin,
+                        reference_batch=reference, pad_to_multiple_of=pad_to_multiple_of, device=device)
+
+
 def plan_batch_sizes_to_budget(
     sorted_lengths: Any,
     memory_model: Any,
@@ -142,9 +150,8 @@ def plan_batch_sizes_to_budget(
         first = check_positive_int("batch_size", batch_size)
     if max_memory is None and len(lengths) == 0:
         return np.empty(0, dtype=np.int64)
-    reference = (min(first, len(lengths)), max(1, int(lengths[0]))) if first else None
-    budget = MemoryBudget(memory_model, max_memory, memory_margin=memory_margin, reference_batch=reference,
-                          pad_to_multiple_of=pad_to_multiple_of, device=device)
+    budget = plan_budget(lengths, memory_model, first=first, max_memory=max_memory, memory_margin=memory_margin,
+                         pad_to_multiple_of=pad_to_multiple_of, device=device)
     return plan_sizes_under(lengths, budget, first=first, granularity=granularity)
 
 

@@ -142,19 +142,15 @@ class BudgetEstimator:
         self.granularity = None if granularity is None else check_positive_int("granularity", granularity)
         self.target = 1.0 - self.memory_margin
         self.budget: MemoryBudget | None = None
-        self._floor = 0
 
     def plan_sizes(self, sorted_lengths: np.ndarray, settings: PlanSettings) -> np.ndarray:
         """Batch sizes over ``sorted_lengths``: each the most rows the budget allows."""
-        from dynabatch.sampling.budget import plan_sizes_under
+        from dynabatch.sampling.budget import plan_budget, plan_sizes_under
 
-        n = len(sorted_lengths)
-        self._floor = 0 if self.max_memory is not None else min(settings.batch_size, n)
-        reference = (self._floor, max(1, int(sorted_lengths[0]))) if self._floor else None
-        self.budget = MemoryBudget(self.memory_model, self.max_memory if reference is None else None,
-                                   memory_margin=self.memory_margin, reference_batch=reference,
-                                   pad_to_multiple_of=settings.pad_to_multiple_of)
-        return plan_sizes_under(sorted_lengths, self.budget, first=self._floor, granularity=self.granularity)
+        first = 0 if self.max_memory is not None else min(settings.batch_size, len(sorted_lengths))
+        self.budget = plan_budget(sorted_lengths, self.memory_model, first=first, max_memory=self.max_memory,
+                                  memory_margin=self.memory_margin, pad_to_multiple_of=settings.pad_to_multiple_of)
+        return plan_sizes_under(sorted_lengths, self.budget, first=first, granularity=self.granularity)
 
     def rows_within(self, longest: int, first_peak: float, floor: int) -> int:
         """Rows whose longest is ``longest`` that the budget allows: ``max_memory``, or (relative) the first
