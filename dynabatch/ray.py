@@ -166,13 +166,6 @@ def _columns(batch: Any) -> tuple[list[str], Any]:
                    batch)
 
 
-def _measured_territory(memory_model: MemoryModel) -> int:
-    """The longest padded length the memory model has a measured (not out-of-memory) point at; 0 if none."""
-    widths = [p["padded_length"] for p in memory_model.probes_
-              if p["peak_bytes"] is not None and not p["out_of_memory"]]
-    return max(widths, default=0)
-
-
 class DynamicBatchPredictor:
     """A ``map_batches`` callable class that runs each window of rows in memory-safe dynamic batches.
 
@@ -486,7 +479,7 @@ class DynamicBatchPredictor:
         width = int(next(iter(loader))["input_ids"].shape[1])  # longest first: the window's longest text
         if plan == "relative":
             return loader, plan, width
-        territory = _measured_territory(self.memory_model)
+        territory = self.memory_model.measured_length_
         fits = width <= territory and (plan != "measured" or width <= self.reference_width)
         if fits:
             return loader, plan, width
@@ -556,7 +549,7 @@ class DynamicBatchPredictor:
                 continue
             if rec.failed_rows or rec.peak_bytes is None or rec.peak_bytes <= 0:  # a row that failed alone
                 continue
-            if len(mm.coef_) and rec.width <= _measured_territory(mm):
+            if len(mm.coef_) and rec.width <= mm.measured_length_:
                 predicted = float(mm.predict_unchecked(np.array([float(rec.rows)]), np.array([float(rec.width)]))[0])
                 if predicted >= rec.peak_bytes:  # the model already covers it
                     if (predicted <= (1 + _LOOSE) * rec.peak_bytes or tightening >= _TIGHTENING_POINTS

@@ -97,6 +97,7 @@ class MemoryModel:
         probes_: one dict per probe: ``rows``, ``padded_length``, ``peak_bytes``
             (``None`` if it ran out of memory without a known bound),
             ``out_of_memory``, ``source``, and ``predicted_bytes``.
+        measured_length_: the longest padded length a probe that fitted measured.
         loo_errors_: each measured probe's leave-one-probe-out relative error
             (prediction of the model fitted without it, over its peak, minus 1).
         loo_error_: the largest absolute value of ``loo_errors_``.
@@ -286,6 +287,12 @@ class MemoryModel:
         capped = rows_under(0.0, per_row, budget)  # beyond the rows measured: at least r * peak(R) / R
         return np.where((reach > 0) & (rows > reach), np.maximum(reach.astype(np.int64), np.minimum(rows, capped)),
                         rows)
+
+    @property
+    def measured_length_(self) -> int:
+        """The longest padded length a probe that fitted measured (0 before any did)."""
+        lengths = self._reach[0]  # ascending, refitted with every probe
+        return int(lengths[-1]) if lengths.size else 0
 
     @property
     def failed_shapes(self) -> list[tuple[int, int]]:
