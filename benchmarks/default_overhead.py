@@ -59,26 +59,16 @@ from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
 from dynabatch.memory import feedback
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-from seq2seq_generate import build_model as build_marian
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from inference import MAX_WORDS, TEXT_SEED, WORKLOADS  # the workloads are inference.py's, not a copy of them
 
 WAYS = ("defaults", "plan, unmeasured", "defaults' batches, unmeasured")
 
 
-def workload(name: str, n_texts: int | None) -> tuple[Any, int, int, dict[str, Any]]:
-    """``(fn, n_texts, max_length, tokenizer kwargs)`` of one workload of ``benchmarks/inference.py``."""
-    if name == "encoder":
-        from transformers import AutoModel
-
-        model = AutoModel.from_pretrained(minilm_path()).eval()
-        return (lambda batch: model(**batch).last_hidden_state[:, 0]), n_texts or 2000, 256, {}
-    model = build_marian()
-
-    def generate(batch: Any) -> torch.Tensor:
-        return model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                              max_new_tokens=8, min_new_tokens=8, do_sample=False, num_beams=1)
-
-    return generate, n_texts or 800, 128, {"return_token_type_ids": False}
+def workload(name: str, n_texts: int | None) -> Any:
+    """One workload of ``benchmarks/inference.py`` with its defaults (8 new tokens for ``generate``), on the CPU."""
+    return WORKLOADS[name](argparse.Namespace(device="cpu", n_texts=n_texts, batch_size=None, max_length=None,
+                                              new_tokens=8))
 
 
 def timed(fn: Any, batches: Any, **kwargs: Any) -> tuple[tuple[float, float], Any]:
@@ -94,10 +84,11 @@ def _spread(values: list[float]) -> str:
 
 
 def bench(name: str, args: argparse.Namespace, tokenizer: Any) -> str:
-    fn, n_texts, max_length, kwargs = workload(name, args.n_texts)
-    texts = vary_lengths(kjv_passages(), n=n_texts, max_words=300, seed=0)
-    loader = build_dynamic_batch_dataloader(texts, tokenizer, 16, max_length, num_workers=0, progress=False,
-                                            **kwargs)
+    work = workload(name, args.n_texts)
+    fn, n_texts, max_length = work.fn, work.n_texts, work.max_length
+    texts = vary_lengths(kjv_passages(), n=n_texts, max_words=MAX_WORDS, seed=TEXT_SEED)
+    loader = build_dynamic_batch_dataloader(texts, tokenizer, work.batch_size, max_length, num_workers=0,
+                                            progress=False, **work.tokenizer_kwargs)
     collator = loader.plan.collator
     calls: list[np.ndarray] = []
 
@@ -131,7 +122,7 @@ def bench(name: str, args: argparse.Namespace, tokenizer: Any) -> str:
     report = first.report
     measured = sum(r.peak_bytes is not None for r in report.records)
     lines = [f"### {name}", "",
-             (f"{n_texts} texts, max_length {max_length}, batch_size 16; the defaults ran {report.batches} batches "
+             (f"{n_texts} texts, max_length {max_length}, batch_size {work.batch_size}; the defaults ran {report.batches} batches "
               f"({measured} measured), the plan {len(loader)}"), "",
              "| way | batches | wall s | CPU s | overhead vs plan (wall / CPU) | measuring cost (wall / CPU) |",
              "|---|---:|---:|---:|---:|---:|"]
