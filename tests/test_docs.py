@@ -98,19 +98,8 @@ def test_there_are_pages_and_snippets_to_test():
     assert len(SNIPPETS) >= 10
 
 
-@pytest.fixture
-def one_torch_thread():
-    """The snippets' models are tiny: one torch thread is fastest on a busy machine (restored after)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("code", SNIPPETS)
-def test_snippet_runs(code, tmp_path, monkeypatch, one_torch_thread):
+def test_snippet_runs(code, tmp_path, monkeypatch, one_thread):
     monkeypatch.chdir(tmp_path)  # a snippet that writes files writes them here
     namespace: dict = {"__name__": "__docs__"}
     exec(compile(code, "<docs snippet>", "exec"), namespace)  # noqa: S102 - the page's own code, by design

@@ -23,7 +23,7 @@ def quick_start():
     return namespace
 
 
-def test_quick_start_runs_and_gives_one_embedding_per_text(quick_start, capsys):
+def test_quick_start_runs_and_gives_one_embedding_per_text(quick_start):
     assert quick_start["embeddings"].shape == (1000, 384)
     report = quick_start["rows"].report
     assert report.rows == 1000 and report.batches < 1000 // 32  # batches grew beyond batch_size

@@ -85,19 +85,14 @@ def _within_first_peak(calls, ratios):
 
 
 @pytest.fixture(scope="module")
-def seq2seq_runs(tokenizer, long_texts):
+def seq2seq_runs(tokenizer, long_texts, one_thread):
     model = _seq2seq()
     loader = _loader(long_texts, tokenizer)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.no_grad():
-            plan = run(Recorder(model).generate, loader, adapt=False, measure_memory=True, progress=False)
-            defaults = Recorder(model)
-            result = run(defaults, loader, progress=False)
-            ratios = defaults.peaks()
-    finally:
-        torch.set_num_threads(threads)
+    with torch.no_grad():
+        plan = run(Recorder(model).generate, loader, adapt=False, measure_memory=True, progress=False)
+        defaults = Recorder(model)
+        result = run(defaults, loader, progress=False)
+        ratios = defaults.peaks()
     return model, loader, plan, defaults, result, ratios
 
 
