@@ -3,7 +3,7 @@
 The stages, each its own module: :func:`~dynabatch.data.tokenization.tokenize_texts`
 (every text tokenized once) -> :class:`~dynabatch.sampling.planner.BatchPlanner` (sorted
 longest first, sizes chosen by the spike classifier or a memory model) ->
-:class:`~dynabatch.sampling.sampler.DynamicBatchSampler` (order, epochs, resumption) ->
+:class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler` (order, epochs, resumption) ->
 :class:`~dynabatch.data.collate.TokenCollator` (padded tensors from the token store).
 
 The loader carries its plan openly: ``loader.plan`` is a :class:`LoaderPlan`
@@ -45,7 +45,7 @@ from dynabatch.data.tokenization import check_tokenizer, model_max_length, token
 from dynabatch.memory.shape import resolve_model_shape
 from dynabatch.sampling.estimators import choose_estimator
 from dynabatch.sampling.planner import BatchPlanner, PlanSettings
-from dynabatch.sampling.sampler import DynamicBatchSampler
+from dynabatch.sampling.inference_sampler import DynamicBatchSampler
 
 __all__ = ["LoaderPlan", "build_dynamic_batch_dataloader", "plan_of"]
 
@@ -150,7 +150,7 @@ class LoaderPlan:
     Attributes:
         planner: the :class:`~dynabatch.sampling.planner.BatchPlanner` that made the plan
             (and re-sizes batches from measured peaks in ``run(adapt=True)``).
-        sampler: the :class:`~dynabatch.sampling.sampler.DynamicBatchSampler` (the loader's ``batch_sampler``).
+        sampler: the :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler` (the loader's ``batch_sampler``).
         collator: the :class:`~dynabatch.data.collate.TokenCollator` (the loader's ``collate_fn``).
     """
 
@@ -165,7 +165,7 @@ def plan_of(loader: Any) -> LoaderPlan | None:
     ``Accelerator.prepare`` returns a new DataLoader whose batch sampler wraps
     the original one (``BatchSamplerShard``; the unwrapped loader is its
     ``base_dataloader``). The plan is attached to the loader and to its
-    :class:`~dynabatch.sampling.sampler.DynamicBatchSampler`, so it is found
+    :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler`, so it is found
     under such a wrapper: :func:`dynabatch.run` shares the whole plan among the
     ranks itself rather than run one rank's share shared out again.
     """

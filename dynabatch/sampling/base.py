@@ -4,7 +4,7 @@ A sampler supplies one pure function, :meth:`PlannedBatchSampler.plan`: the
 batches covering the dataset for an epoch, deterministic for ``(seed, epoch)``,
 and :meth:`~PlannedBatchSampler.identity`, what the plan depends on. This base
 turns the plan into a ``torch.utils.data.Sampler`` of batches, the same way for
-the inference loader's :class:`~dynabatch.sampling.sampler.DynamicBatchSampler`,
+the inference loader's :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler`,
 the :class:`~dynabatch.sampling.smart.SmartBatchSampler`, the multi-task
 ``MemoryAwareBatchSampler`` and its step sampler, and the
 :class:`~dynabatch.sampling.multipack.MultipackBatchSampler`:

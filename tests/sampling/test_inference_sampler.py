@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynabatch.sampling.sampler import DynamicBatchSampler
+from dynabatch.sampling.inference_sampler import DynamicBatchSampler
 
 
 def _plan(num_batches=50, seed=0):
