@@ -144,7 +144,7 @@ class PlannedBatchSampler(Sampler[list[int]], ABC):
         self.shuffle = shuffle
         self.shard = shard
         self.seed = check_non_negative_int("seed", seed)
-        self.num_replicas, self.rank = resolve_world(num_replicas, rank)
+        self.rank, self.num_replicas = resolve_world(rank, num_replicas)
         self.epoch = 0
         self.min_batches = 0
         self._done = 0  # batches handed out in the current pass
