@@ -65,7 +65,7 @@ from dynabatch import (  # noqa: E402
 )
 from dynabatch.sampling.planner import plan_batches
 from dynabatch.memory.measure import track_peak_memory  # noqa: E402
-from dynabatch.sampling.budget import plan_batches_to_budget  # noqa: E402
+from dynabatch.sampling.estimators import plan_batches_to_budget  # noqa: E402
 
 ABOVE_TOLERANCE = 1.02
 HIGH = 0.95

@@ -472,7 +472,7 @@ def _memory_model(peak):
 
 
 def test_a_memory_model_plans_to_its_budget(tokenizer, texts):
-    from dynabatch.sampling.budget import plan_batches_to_budget
+    from dynabatch.sampling.estimators import plan_batches_to_budget
 
     def peak(rows, length):
         return 10_000 + rows * (300 + 20 * length)

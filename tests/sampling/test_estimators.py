@@ -1,4 +1,4 @@
-"""Planning to a memory budget: relative and absolute modes, granularity, max_memory parsing, bad input."""
+"""BudgetEstimator and its functional forms: relative and absolute modes, granularity, tokens, max_memory parsing."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from dynabatch import MemoryModel
 from dynabatch.memory.budget import MemoryBudget, check_memory_margin
 from dynabatch.memory.budget import parse_memory as parse_max_memory
-from dynabatch.sampling.budget import plan_batch_sizes_to_budget, plan_batches_to_budget
+from dynabatch.sampling.estimators import plan_batch_sizes_to_budget, plan_batches_to_budget
 
 pytestmark = pytest.mark.filterwarnings("ignore:MemoryModel extrapolates")
 
@@ -89,7 +89,7 @@ def test_absolute_mode(lengths, budget_mib, margin):
 def test_a_row_over_an_absolute_budget_is_a_batch_alone_and_warned(caplog):
     lengths = np.array([256, 256, 8, 8])
     one_row = float(MODEL.predict(1, 256))
-    with caplog.at_level(logging.WARNING, logger="dynabatch.sampling.budget"):
+    with caplog.at_level(logging.WARNING, logger="dynabatch.sampling.estimators"):
         sizes = plan_batch_sizes_to_budget(lengths, MODEL, max_memory=one_row / 2, memory_margin=0)
     assert sizes.tolist()[:2] == [1, 1]
     assert "2 texts are predicted above the memory budget" in caplog.text
@@ -201,7 +201,8 @@ def test_bad_input():
         plan_batch_sizes_to_budget(lengths, MODEL, max_memory=0)
     with pytest.raises(ValueError, match="batch_size should be a positive integer in relative mode"):
         plan_batch_sizes_to_budget(lengths, MODEL)
-    with pytest.raises(ValueError, match="sorted_lengths should be sorted longest first"):
+    with pytest.raises(ValueError, match=r"^sorted_lengths\[1\] should be at most sorted_lengths\[0\]=4 \(sorted longest "
+                                         r"first\), but got sorted_lengths\[1\]=8$"):
         plan_batch_sizes_to_budget(np.array([4, 8]), MODEL, batch_size=1)
     with pytest.raises(TypeError, match="memory_model should be a MemoryModel"):
         plan_batch_sizes_to_budget(lengths, object(), batch_size=1)
