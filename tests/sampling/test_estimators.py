@@ -210,3 +210,29 @@ def test_bad_input():
         plan_batch_sizes_to_budget(lengths, MODEL, batch_size=1, granularity=0)
     with pytest.raises(TypeError, match="lengths should be a 1-D sequence of integer token lengths"):
         plan_batches_to_budget("abc", MODEL, batch_size=1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=lengths_st, batch_size=st.integers(1, 16), spare=st.floats(1.0, 6.0), absolute=st.booleans(),
+       multiple=st.sampled_from([None, 8]))
+def test_no_batch_exceeds_max_tokens_and_the_memory_rule_still_holds(lengths, batch_size, spare, absolute, multiple):
+    arr = np.array(lengths)
+    width = -(-int(arr.max()) // (multiple or 1)) * (multiple or 1)
+    first = 1 if absolute else min(batch_size, len(arr))
+    max_tokens = int(first * width * spare)
+    memory = {"max_memory": 2e8} if absolute else {"batch_size": batch_size}
+    batches = plan_batches_to_budget(arr, MODEL, max_tokens=max_tokens, pad_to_multiple_of=multiple, **memory)
+    uncapped = plan_batches_to_budget(arr, MODEL, pad_to_multiple_of=multiple, **memory)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(arr)))
+    padded = [len(b) * -(-int(arr[b].max()) // (multiple or 1)) * (multiple or 1) for b in batches]
+    assert max(padded) <= max_tokens
+    assert len(batches) >= len(uncapped)  # the cap only ever takes rows away from what memory allows
+    if not absolute:
+        assert len(batches[0]) == min(batch_size, len(arr))  # the first batch is still the batch_size longest
+
+
+def test_a_max_tokens_below_one_row_of_the_longest_text_is_refused_in_absolute_mode():
+    with pytest.raises(ValueError, match=r"^max_tokens should be at least 1 x 256 = 256 padded tokens \(the longest "
+                                         r"text, 256 tokens wide\); pass a larger max_tokens"):
+        plan_batch_sizes_to_budget(np.array([256, 8]), MODEL, max_memory=1e9, max_tokens=255)
+    assert plan_batch_sizes_to_budget(np.array([256, 8]), MODEL, max_memory=1e9, max_tokens=256).tolist() == [1, 1]

@@ -326,14 +326,25 @@ def test_a_token_cap_cuts_the_spike_choice_and_nothing_else(bundled, data, batch
     assert (sizes * np.maximum(lengths[starts], 1) <= max_tokens).all()
 
 
+def _memory_model():
+    """A memory model fitted to peaks of 4096 + rows x (500 + 30 x width) bytes."""
+    from dynabatch.memory.model import MemoryModel
+
+    shapes = [(r, w) for r in (1, 8, 32) for w in (8, 64, 320)]
+    return MemoryModel().fit(*zip(*shapes), [4096 + r * (500 + 30 * w) for r, w in shapes])
+
+
+@pytest.mark.filterwarnings("ignore:MemoryModel extrapolates")
 @settings(max_examples=40, deadline=None)
 @given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=400), batch_size=st.integers(1, 16),
-       spare=st.floats(1.0, 6.0), multiple=st.sampled_from([None, 8]), device=concave)
-def test_no_batch_exceeds_max_tokens_up_front_or_in_measured_mode(lengths, batch_size, spare, multiple, device):
+       spare=st.floats(1.0, 6.0), multiple=st.sampled_from([None, 8]), device=concave, model=st.booleans())
+def test_no_batch_exceeds_max_tokens_up_front_or_in_measured_mode(lengths, batch_size, spare, multiple, device, model):
     lengths = np.asarray(lengths)
     width = -(-int(lengths.max()) // (multiple or 1)) * (multiple or 1)
     max_tokens = int(min(batch_size, len(lengths)) * width * spare)
-    planner = BatchPlanner(lengths, PlanSettings(batch_size, 300, pad_to_multiple_of=multiple, max_tokens=max_tokens))
+    estimator = choose_estimator(memory_model=_memory_model()) if model else None  # the classifier or a model
+    planner = BatchPlanner(lengths, PlanSettings(batch_size, 300, pad_to_multiple_of=multiple, max_tokens=max_tokens),
+                           estimator)
 
     def tokens(batch):
         longest = int(lengths[batch].max())
