@@ -188,13 +188,12 @@ class BatchPlanner:
         longest = int(self.sorted_lengths[start])
         width = int(settings.width(longest))
         planned = self.planned_size(start)
-        cap = min(remaining, int(settings.max_growth * (last_size or planned)))
         tokens = settings.token_cap(longest)
-        if tokens is not None:
-            cap = min(cap, int(tokens))
+        cap = remaining if tokens is None else min(remaining, int(tokens))
         budget = feedback.budget_
-        if budget is None:  # nothing measured yet: the plan
+        if budget is None:  # nothing measured yet: the plan (which keeps the token cap)
             return int(settle_rows(planned, cap=cap))
+        cap = min(cap, int(settings.max_growth * (last_size or planned)))
         fits = estimator.rows_for_peak(longest, budget)
         if fits is None:
             fits = feedback.max_rows(width, estimator.target * budget)
