@@ -49,7 +49,7 @@ import torch
 
 from dynabatch.data.collate import TokenCollator
 from dynabatch.demo import joke_texts, kjv_passages, minilm_path, vary_lengths
-from dynabatch.memory.guard import call_guarded
+from dynabatch.memory.oom import call_guarded
 from dynabatch.data.tokenization import tokenize_texts
 
 logger = logging.getLogger("generate_training_data")

@@ -60,7 +60,7 @@ from dynabatch.inference._queue import BatchQueue
 from dynabatch.inference._resume import FORMAT, ResultsFile, inputs_digest, rank_path
 from dynabatch.inference.loader import LoaderPlan, plan_of
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
-from dynabatch.memory.measure import check_device, check_measurable_device
+from dynabatch.memory.device import check_device, check_measurable_device, device_in_use, measurable
 
 __all__ = ["BatchOutOfMemoryError", "RunResult", "run"]
 
@@ -117,23 +117,21 @@ def _memory_device(measure_memory: Any, adapt: bool | None, device: Any) -> Any:
     if measure_memory is not True and measure_memory is not None:
         return measure_memory
     target = _running_device(device)
-    if measure_memory is None and (target is None or target.type not in ("cpu", "cuda")):
+    if measure_memory is None and (target is None or not measurable(target)):
         logger.info("run: batches run on %s, whose memory cannot be measured: they run as planned", device)
         return None
     return device if target is None else target
 
 
 def _running_device(device: Any) -> torch.device | None:
-    """Where the batches run: ``device`` (``None`` if torch cannot parse it), else CUDA when a model holds CUDA
-    memory, else the CPU."""
+    """Where the batches run: ``device`` (``None`` if torch cannot parse it), else the accelerator on which a model
+    holds memory, else the CPU."""
     if device is not None:
         try:
             return torch.device(device)
         except RuntimeError:
             return None  # batch.to(device) names the error when the first batch runs
-    if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.memory_allocated() > 0:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return device_in_use() or torch.device("cpu")
 
 
 def _mode(plan: LoaderPlan | None, adapt: bool | None, measure_memory: Any, memory_device: Any,

@@ -52,7 +52,7 @@ class BatchMetrics:
 
     ``loss`` is the step's loss (weighted mean over its samples or tokens);
     ``per_task_loss`` the unweighted mean loss of each task in the step;
-    ``memory_allocated_mb`` the step's measured peak in MB (``2**20`` bytes).
+    ``memory_allocated_mb`` the step's measured peak in MB (10**6 bytes, :data:`~dynabatch.memory.units.MB`).
     """
 
     batch_idx: int

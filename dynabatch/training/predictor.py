@@ -46,7 +46,7 @@ import torch
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.collate import batch_shape
 from dynabatch.memory.budget import GB, MB
-from dynabatch.memory.guard import call_guarded
+from dynabatch.memory.oom import call_guarded
 from dynabatch.training._task_fit import _check_task, _TaskFit
 
 __all__ = ["MemoryPredictor", "estimate_training_memory", "last_measured_predictor"]
