@@ -69,7 +69,6 @@ class Executor:
         self.results: dict[int, Any] = {}
         self.failed: list[int] = []
         self.failed_shapes: list[tuple[int, int]] = []
-        self.item_failed_shapes: list[tuple[int, int]] = []  # (rows, width) that ran out of memory in the last item
         self.report = RunReport()
         self.started = time.perf_counter()
         self.tokens = 0
@@ -108,7 +107,6 @@ class Executor:
         record = BatchRecord(batch=item.number, rows=rows, width=width, real_tokens=real_tokens(batch),
                              padded_tokens=0, seconds=0.0)
         done = _Done()
-        self.item_failed_shapes = []
         if self.lockstep and self._stand_in is None:
             self._stand_in = take_rows(batch, [0], padding_side=self.queue.padding_side,
                                        pad_to_multiple_of=self.queue.pad_to_multiple_of)
@@ -202,7 +200,7 @@ class Executor:
         piece_rows, piece_width = batch_shape(piece)
         record.oom_events += 1
         self.failed_shapes.append((piece_rows, piece_width))
-        self.item_failed_shapes.append((piece_rows, piece_width))
+        self.queue.observe_out_of_memory(piece_rows, piece_width)
         if piece_rows > 1:
             first, second = self._split(piece, split_sizes(piece_rows))
             logger.warning("batch %d: %d rows x %d tokens ran out of memory (%s); retrying as %d + %d rows",

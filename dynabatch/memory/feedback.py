@@ -22,6 +22,12 @@ A run that cannot re-plan (batches in another order, a plain iterable,
 ``torch.distributed``) uses the same bound at ``1.0`` times the first peak to
 split a batch before it runs (``dynabatch.run``'s guarded mode).
 
+A call that runs out of memory lowers the limit later batches are planned
+under, whatever the measured peaks say: :meth:`MemoryFeedback.observe_out_of_memory`
+gives its bound to the :class:`~dynabatch.memory.oom.OutOfMemoryLimit`
+(the rule lives there), measured calls raise it again, and :meth:`MemoryFeedback.oom_cap`
+is the most rows it allows at a width.
+
 No curve is fitted: a line through the measured peaks extrapolated to shorter
 texts under-predicts whenever memory falls less than linearly with length (a
 ``generate`` call's per-row logits and new tokens), and on a real
@@ -79,6 +85,7 @@ from dynabatch._validation import (
 )
 from dynabatch.memory.budget import rows_under
 from dynabatch.memory.features import SPIKE_RATIO
+from dynabatch.memory.oom import OutOfMemoryLimit
 
 __all__ = ["SPARSE_GAIN", "SPARSE_MAX_DROP", "SPARSE_ROWS_GROWTH", "MemoryFeedback"]
 
@@ -107,6 +114,7 @@ class MemoryFeedback:
     Attributes:
         budget_: the first batch's measured peak bytes (``None`` until observed).
         row_bytes_: the costliest row of the last measured batch (``None`` until a batch is measured).
+        oom: what out-of-memory errors taught (:class:`~dynabatch.memory.oom.OutOfMemoryLimit`).
     """
 
     def __init__(self, sorted_lengths: Sequence[int], planned_sizes: Sequence[int], *, target: float = SPIKE_RATIO,
@@ -133,6 +141,7 @@ class MemoryFeedback:
         # (rows, width, peak) of every measured call, as columns grown in place (a run measures thousands)
         self._table = np.empty((3, 64), dtype=np.float64)
         self._n = 0
+        self.oom = OutOfMemoryLimit()
 
     def planned_size(self, start: int) -> int:
         """The plan's size for the batch that holds sorted position ``start``."""
@@ -188,6 +197,20 @@ class MemoryFeedback:
             self._table = grown
         self._table[:, self._n : end] = np.asarray(measured, dtype=np.float64).T
         self._n = end
+        for rows, width, _ in measured:  # measured successes raise what out-of-memory errors lowered
+            self.oom.observe_success(rows, self.bound(rows, width))
+
+    def observe_out_of_memory(self, rows: int, width: float) -> None:
+        """Records a call of ``rows`` x padded ``width`` that ran out of memory at its bound; one that nothing
+        measured bounds teaches nothing here (the shapes it dominates are still split before they run)."""
+        predicted = self.bound(rows, width)
+        if predicted is not None:
+            self.oom.observe_out_of_memory(rows, predicted)
+
+    def oom_cap(self, width: float) -> int | None:
+        """The most rows at padded ``width`` that out-of-memory errors allow (``None`` before any)."""
+        known = self.bound(1, width) is not None
+        return self.oom.max_rows(lambda limit: self.max_rows(width, limit) if known else None)
 
     def _columns(self) -> np.ndarray:
         """The measured calls' rows, widths and peaks (three views)."""
@@ -221,6 +244,8 @@ class MemoryFeedback:
         """Whether a batch of ``rows`` x ``width`` is to be measured: always unless :attr:`sparse` (see the module)."""
         if not self.sparse or self.budget_ is None:
             return True
+        if self.oom.above_fitted(rows, self.bound(rows, width) or 0.0):
+            return True  # a call above what ran since an out-of-memory error: measuring it raises the limit
         bounds = self._bounds(rows, width)
         m = int(np.argmin(bounds))
         if not math.isfinite(bounds[m]):

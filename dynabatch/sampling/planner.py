@@ -253,6 +253,9 @@ class BatchPlanner:
         else:
             cap = int(feedback.max_growth * (self._last or feedback.planned_size(start)))
             size = max(1, min(rows, cap, remaining))
+        learned = feedback.oom_cap(int(self.sorted_lengths[start]))  # what out-of-memory errors allow
+        if learned is not None:
+            size = min(size, learned)
         self._start += size
         self._last = size
         return self.order[start : start + size]
@@ -269,7 +272,10 @@ class BatchPlanner:
                 self.estimator.observe(rows, width, peak)
 
     def observe_out_of_memory(self, rows: int, padded_length: int) -> None:
-        """Records a call of ``rows`` x ``padded_length`` that ran out of memory (a memory model learns its cap)."""
+        """Records a call of ``rows`` x ``padded_length`` that ran out of memory: later batches are planned under
+        the lower limit it shows (:meth:`~dynabatch.memory.feedback.MemoryFeedback.observe_out_of_memory`), and a
+        memory model learns its cap."""
+        self.feedback.observe_out_of_memory(rows, padded_length)
         self.estimator.observe_out_of_memory(rows, padded_length)
 
 
