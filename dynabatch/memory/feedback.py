@@ -198,19 +198,25 @@ class MemoryFeedback:
         self._table[:, self._n : end] = np.asarray(measured, dtype=np.float64).T
         self._n = end
         for rows, width, _ in measured:  # measured successes raise what out-of-memory errors lowered
-            self.oom.observe_success(rows, self.bound(rows, width))
+            self.oom.observe_success(rows, self.row_bound(width))
 
     def observe_out_of_memory(self, rows: int, width: float) -> None:
-        """Records a call of ``rows`` x padded ``width`` that ran out of memory at its bound; one that nothing
-        measured bounds teaches nothing here (the shapes it dominates are still split before they run)."""
-        predicted = self.bound(rows, width)
-        if predicted is not None:
-            self.oom.observe_out_of_memory(rows, predicted)
+        """Records a call of ``rows`` x padded ``width`` that ran out of memory, predicted at :meth:`row_bound`
+        a row; one that nothing measured bounds teaches nothing here (the shapes it dominates are still split
+        before they run)."""
+        self.oom.observe_out_of_memory(rows, self.row_bound(width))
+
+    def row_bound(self, width: float) -> float | None:
+        """The least measured peak per row of the calls at least as wide as ``width`` (``None`` if none is)."""
+        if not self._n:
+            return None
+        r, w, p = self._columns()
+        wide = w >= width
+        return float((p[wide] / r[wide]).min()) if wide.any() else None
 
     def oom_cap(self, width: float) -> int | None:
         """The most rows at padded ``width`` that out-of-memory errors allow (``None`` before any)."""
-        known = self.bound(1, width) is not None
-        return self.oom.max_rows(lambda limit: self.max_rows(width, limit) if known else None)
+        return self.oom.max_rows(self.row_bound(width))
 
     def _columns(self) -> np.ndarray:
         """The measured calls' rows, widths and peaks (three views)."""
@@ -244,7 +250,7 @@ class MemoryFeedback:
         """Whether a batch of ``rows`` x ``width`` is to be measured: always unless :attr:`sparse` (see the module)."""
         if not self.sparse or self.budget_ is None:
             return True
-        if self.oom.above_fitted(rows, self.bound(rows, width) or 0.0):
+        if self.oom.above_fitted(rows, self.row_bound(width)):
             return True  # a call above what ran since an out-of-memory error: measuring it raises the limit
         bounds = self._bounds(rows, width)
         m = int(np.argmin(bounds))

@@ -173,8 +173,9 @@ def failed_cap(width: Any, failed: Sequence[tuple[int, int]]) -> np.ndarray:
 class OutOfMemoryLimit:
     """The limit out-of-memory errors set on the *predicted* peak of later calls.
 
-    Predictions are whoever plans the calls' (in :func:`dynabatch.run`, the
-    bound of :class:`~dynabatch.memory.feedback.MemoryFeedback`). The rule:
+    A call is predicted at its rows times its bytes a row, as the caller
+    predicts a row at the call's width (in :func:`dynabatch.run`, the measured
+    peak per row of :class:`~dynabatch.memory.feedback.MemoryFeedback`). The rule:
 
     * before any error there is no limit;
     * an error on ``rows`` rows predicted at ``p`` bytes means the real limit
@@ -183,26 +184,28 @@ class OutOfMemoryLimit:
       with width is not trusted below it, since the memory that failed the call
       may not shrink with width (a ``generate``'s logits, memory the tracker
       cannot see). The lowest failed prediction is never planned again;
-    * the limit lies between the highest prediction that ran since
-      (``fitted_bytes``, a measured success) and the lowest that failed
+    * right after an error the limit is half the failed prediction (the halves
+      the call is retried as); then it lies between the highest prediction that
+      ran since (``fitted_bytes``, a measured success) and the lowest that failed
       (``failed_bytes``): :data:`LIMIT_RISE` (a quarter) of the way up, and at
-      least one row's bytes above what ran, while that stays below what
-      failed. It rises only as measured successes come in, so batches grow
-      back towards the failed size and stop one row short of the lowest size
-      that failed; a quarter step overshoots rarely (at most 5 errors for any
-      real limit up to 300 rows, 3 for 24, after a failure at up to twice it).
+      least one row above what ran, while that stays below what failed. It
+      rises only as measured successes come in, so batches grow back towards
+      the failed size and stop one row short of the lowest size that failed; a
+      quarter step overshoots rarely (at most 5 errors for any real limit up to
+      300 rows, after a first failure at up to twice it).
 
     Example:
         >>> limit = OutOfMemoryLimit()
-        >>> limit.max_rows() is None  # nothing failed: no limit
+        >>> limit.max_rows(100.0) is None  # nothing failed: no limit
         True
-        >>> limit.observe_out_of_memory(rows=32, predicted_bytes=3200)  # 100 bytes a row at least from now on
-        >>> limit.observe_success(rows=16, predicted_bytes=1000)  # a half ran: predicted at 16 x 100
-        >>> limit.limit_bytes, limit.max_rows()  # a quarter of the way from 1600 (ran) to 3200 (failed)
+        >>> limit.observe_out_of_memory(rows=32, row_bytes=100.0)  # 100 bytes a row at least from now on
+        >>> limit.limit_bytes, limit.max_rows(50.0)  # the halves
+        (1600.0, 16)
+        >>> limit.observe_success(rows=16, row_bytes=60.0)  # a half ran: 16 rows at 100 bytes
+        >>> limit.limit_bytes, limit.max_rows(50.0)  # a quarter of the way from 1600 (ran) to 3200 (failed)
         (2000.0, 20)
-        >>> limit.observe_success(rows=20, predicted_bytes=1800)
-        >>> limit.max_rows(), limit.max_rows(lambda nbytes: 10)  # the planner's own rows under the limit, if fewer
-        (23, 10)
+        >>> limit.max_rows(250.0)  # at a width where a row costs more than the failed call's, fewer rows
+        8
     """
 
     def __init__(self) -> None:
@@ -211,15 +214,17 @@ class OutOfMemoryLimit:
         self.fitted_bytes = 0.0
         self.errors = 0
 
-    def predict(self, rows: int, predicted_bytes: float) -> float:
-        """A call's prediction as the limit judges it: at least ``rows`` times the failed calls' bytes a row."""
-        return max(float(predicted_bytes), rows * self.row_bytes)
+    def _bytes_a_row(self, row_bytes: float | None) -> float:
+        return max(float(row_bytes or 0.0), self.row_bytes)
 
-    def observe_out_of_memory(self, rows: int, predicted_bytes: float) -> None:
-        """A call of ``rows`` rows predicted at ``predicted_bytes`` ran out of memory."""
-        predicted = self.predict(rows, predicted_bytes)
+    def observe_out_of_memory(self, rows: int, row_bytes: float | None) -> None:
+        """A call of ``rows`` rows, predicted at ``row_bytes`` a row, ran out of memory."""
+        per_row = self._bytes_a_row(row_bytes)
+        if rows < 1 or per_row <= 0:
+            return
+        predicted = rows * per_row
         self.errors += 1
-        self.row_bytes = max(self.row_bytes, predicted / max(rows, 1))
+        self.row_bytes = per_row
         if self.failed_bytes is None or predicted < self.failed_bytes:
             self.failed_bytes = predicted
         if self.fitted_bytes >= self.failed_bytes:
@@ -227,11 +232,11 @@ class OutOfMemoryLimit:
         logger.info("out of memory at %d rows predicted at %.0f bytes: later calls are planned under %.0f bytes",
                     rows, predicted, self.limit_bytes)
 
-    def observe_success(self, rows: int, predicted_bytes: float) -> None:
-        """A measured call of ``rows`` rows predicted at ``predicted_bytes`` ran: the limit may rise to it."""
+    def observe_success(self, rows: int, row_bytes: float | None) -> None:
+        """A measured call of ``rows`` rows, predicted at ``row_bytes`` a row, ran: the limit may rise to it."""
         if self.failed_bytes is None or rows < 1:
             return
-        predicted = self.predict(rows, predicted_bytes)
+        predicted = rows * self._bytes_a_row(row_bytes)
         if self.fitted_bytes < predicted < self.failed_bytes:
             self.fitted_bytes = predicted
 
@@ -240,28 +245,24 @@ class OutOfMemoryLimit:
         """The most a later call may be predicted at (``None`` before any error)."""
         if self.failed_bytes is None:
             return None
+        if not self.fitted_bytes:
+            return self.failed_bytes / 2
         step = max(LIMIT_RISE * (self.failed_bytes - self.fitted_bytes), self.row_bytes)
         limit = self.fitted_bytes + step
         return limit if limit < self.failed_bytes else self.fitted_bytes
 
-    def above_fitted(self, rows: int, predicted_bytes: float) -> bool:
+    def above_fitted(self, rows: int, row_bytes: float | None) -> bool:
         """Whether a call would be predicted above every success since the errors (measuring it may raise the limit)."""
-        return self.failed_bytes is not None and self.predict(rows, predicted_bytes) > self.fitted_bytes
+        return self.failed_bytes is not None and rows * self._bytes_a_row(row_bytes) > self.fitted_bytes
 
-    def max_rows(self, rows_within: Callable[[float], int | None] | None = None) -> int | None:
-        """The most rows (at least 1) whose prediction stays at or under the limit; ``None`` before any error.
-
-        Args:
-            rows_within: the planner's most rows predicted at or under a number
-                of bytes (``None`` when it has no prediction there).
-        """
+    def max_rows(self, row_bytes: float | None) -> int | None:
+        """The most rows (at least 1), at ``row_bytes`` a row, whose prediction stays at or under the limit;
+        ``None`` before any error."""
         limit = self.limit_bytes
         if limit is None:
             return None
-        rows = MAX_ROWS if self.row_bytes <= 0 else int(limit // self.row_bytes)
-        if rows < MAX_ROWS and (rows + 1) * self.row_bytes <= limit:  # floor() of a float quotient can be one off
+        per_row = self._bytes_a_row(row_bytes)
+        rows = int(limit // per_row)
+        if (rows + 1) * per_row <= limit:  # floor() of a float quotient can be one off
             rows += 1
-        own = rows_within(limit) if rows_within is not None else None
-        if own is not None:
-            rows = min(rows, int(own))
-        return max(1, rows)
+        return max(1, min(rows, MAX_ROWS))

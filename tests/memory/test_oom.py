@@ -34,19 +34,20 @@ def test_a_failed_shape_dominates_exactly_the_shapes_at_least_as_large(failed, r
 def _errors_until_settled(real_rows, first_failure):
     """Calls sized by the limit on a device that fails above ``real_rows`` rows at any width, after a first failure
     at ``first_failure`` rows and its halves; the errors, and the rows the calls settle at."""
-    limit, cost = OutOfMemoryLimit(), 1000.0  # every row predicted at the same bytes (the floor)
-    limit.observe_out_of_memory(first_failure, first_failure * cost)
+    limit, per_row = OutOfMemoryLimit(), 1000.0  # every row predicted at the same bytes
+    limit.observe_out_of_memory(first_failure, per_row)
     for half in split_sizes(first_failure):
-        limit.observe_success(half, half * cost)
+        assert half <= limit.max_rows(per_row)  # the halves it is retried as run as they are
+        limit.observe_success(half, per_row)
     errors, sizes = 1, []
     for _ in range(200):
-        rows = limit.max_rows()
+        rows = limit.max_rows(per_row)
         sizes.append(rows)
         if rows > real_rows:
             errors += 1
-            limit.observe_out_of_memory(rows, rows * cost)
+            limit.observe_out_of_memory(rows, per_row)
         else:
-            limit.observe_success(rows, rows * cost)
+            limit.observe_success(rows, per_row)
     return errors, sizes
 
 
@@ -61,15 +62,16 @@ def test_after_an_error_calls_grow_back_to_the_most_that_fit_with_few_errors(rea
 
 def test_the_lower_limit_rises_only_on_successes_and_never_to_a_failed_prediction():
     limit = OutOfMemoryLimit()
-    limit.observe_out_of_memory(40, 4000.0)
-    assert limit.max_rows() == 10  # nothing ran since: a quarter of the failed prediction
-    limit.observe_success(20, 1500.0)  # predicted at 20 rows x 100 bytes, the failed call's bytes a row
-    assert limit.fitted_bytes == 2000.0 and limit.max_rows() == 25
-    limit.observe_success(50, 9000.0)  # above what failed: teaches nothing
-    assert limit.max_rows() == 25
-    limit.observe_out_of_memory(30, 1000.0)  # predicted low, but 30 rows cost 100 bytes each at least
-    assert limit.failed_bytes == 3000.0 and limit.row_bytes == 100.0 and limit.max_rows() == 22
-    assert limit.above_fitted(23, 0.0) and not limit.above_fitted(20, 0.0)
+    assert limit.max_rows(100.0) is None
+    limit.observe_out_of_memory(40, 100.0)
+    assert limit.max_rows(100.0) == 20  # nothing ran since: the halves
+    limit.observe_success(20, 75.0)  # predicted at 20 rows x 100 bytes, the failed call's bytes a row
+    assert limit.fitted_bytes == 2000.0 and limit.max_rows(10.0) == 25  # a narrower width's rows are no cheaper
+    limit.observe_success(50, 100.0)  # above what failed: teaches nothing
+    assert limit.max_rows(100.0) == 25 and limit.max_rows(200.0) == 12  # a costlier row: fewer rows
+    limit.observe_out_of_memory(30, 50.0)  # predicted low, but 30 rows cost 100 bytes each at least
+    assert limit.failed_bytes == 3000.0 and limit.row_bytes == 100.0 and limit.max_rows(100.0) == 22
+    assert limit.above_fitted(23, 0.0) and not limit.above_fitted(20, 0.0) and limit.errors == 2
 
 
 def test_call_guarded_returns_the_cpu_allocators_error_and_propagates_others():
