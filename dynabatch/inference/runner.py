@@ -11,7 +11,7 @@ order, plus a :class:`~dynabatch.inference.report.RunReport` of what each batch 
 * ``output_path`` appends each finished batch to a JSONL file; a rerun with the
   same inputs and path runs only what is missing (a killed run resumes).
 * By default no batch peaks above the first batch's peak: memory is measured
-  on the device the batches run on (CUDA allocator statistics, free; on the
+  on the device the batches run on (the allocator's statistics, free; on the
   CPU a storage tracker, measuring only the batches whose peak could let later
   ones grow), and a dynabatch loader's batches are re-sized from the measured
   peaks (measured mode: the plan is the prior, later batches bounded by the
@@ -259,14 +259,17 @@ def run(
             Larger batches are always split in halves (each trimmed to its
             longest row) and retried, and a later batch with at least the rows
             and the width of a shape that ran out of memory is split before it
-            is tried. Out-of-memory errors are ``torch.OutOfMemoryError`` and
-            the CPU allocator's; every event and split is logged and counted
-            in the report.
+            is tried. Later batches are also planned (measured mode) or split
+            (guarded mode) under the lower limit an error shows, which rises
+            again only on measured successes (:class:`~dynabatch.memory.oom.OutOfMemoryLimit`).
+            Out-of-memory errors are ``torch.OutOfMemoryError`` and each
+            device's own (:func:`~dynabatch.memory.device.is_out_of_memory_error`);
+            every event and split is logged and counted in the report.
         measure_memory: where each call's peak memory is measured, with
             :func:`~dynabatch.memory.measure.track_peak_memory`; the first
             measured call's peak is the report's budget. ``None`` (auto): the
-            device the batches run on (``device``; else CUDA when a model
-            holds CUDA memory; else the CPU), unless ``adapt=False``; on the
+            device the batches run on (``device``; else the accelerator on which a
+            model holds memory; else the CPU), unless ``adapt=False``; on the
             CPU only the calls that can let later batches grow are measured
             (the tracker costs up to ~15% of a call; see ``adapt``). ``True``:
             that device, every call. A device: that device, every call.

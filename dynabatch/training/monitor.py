@@ -1,4 +1,4 @@
-"""Metrics of a multi-task run: JSON files and plots (seed 001's ``DynamicBatchingMonitor``).
+"""Metrics of a multi-task run: JSON files and plots (the multi-task system's ``DynamicBatchingMonitor``).
 
 Files written to ``output_dir``:
 
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class BatchMetrics:
-    """What happened in one optimizer step (seed 001's fields first, then dynabatch's).
+    """What happened in one optimizer step (the multi-task system's fields first, then dynabatch's).
 
     ``loss`` is the step's loss (weighted mean over its samples or tokens);
     ``per_task_loss`` the unweighted mean loss of each task in the step;
