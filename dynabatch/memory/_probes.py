@@ -25,7 +25,7 @@ from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts
 from dynabatch.memory.device import is_out_of_memory_error
 from dynabatch.memory.measure import track_peak_memory
 from dynabatch.memory.model import MemoryModel
-from dynabatch.memory.oom import call_guarded
+from dynabatch.memory.oom import call_guarded, dominating
 from dynabatch.memory.units import MIB
 
 __all__ = ["DECODING_STEPS", "POOL", "Prober", "extrapolate_steps", "long_texts", "vocabulary_texts"]
@@ -248,7 +248,7 @@ class Prober:
 
     def probe(self, rows: int, length: int, phase: str) -> int | None:
         """Measures one probe; its peak, or ``None`` when it ran out of memory or a failed one dominates it."""
-        if any(rows >= r and length >= w for r, w in self.failed):
+        if dominating(self.failed, rows, length) is not None:
             return None
         batch = self.batch(rows, length)
         width = int(batch["input_ids"].shape[1])
