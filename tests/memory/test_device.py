@@ -103,8 +103,8 @@ def test_mps_reports_free_memory_but_cannot_be_measured(monkeypatch):
     monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
     assert free_bytes("mps") == 10000 and total_bytes("mps") == 16000
     assert device_in_use() == torch.device("mps") and default_accelerator() == torch.device("mps")
-    with pytest.raises(ValueError, match=r"device should be a device whose memory can be measured \('cuda', 'xpu', "
-                                         r"'cpu'\), but got device='mps'"):
+    with pytest.raises(ValueError, match=r"device should be a device whose memory can be measured \('cuda', .*'cpu'\), "
+                                         r"but got device='mps'"):
         with track_peak_memory("mps"):
             pass
 
@@ -115,7 +115,7 @@ def test_without_an_accelerator_the_cpu_is_the_device(monkeypatch):
     assert device_in_use() is None and default_accelerator() is None
     assert device.default_device() == torch.device("cpu")
     assert 0 < free_bytes("cpu") <= total_bytes("cpu")
-    with pytest.raises(ValueError, match=r"device should be a device of a type dynabatch knows \(cpu, cuda, mps, "
+    with pytest.raises(ValueError, match=r"device should be a device of a type dynabatch knows \(cpu, cuda, .*mps, "
                                          r"xpu\), but got device='meta'"):
         backend_of("meta")
 
