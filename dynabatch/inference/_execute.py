@@ -202,12 +202,11 @@ class Executor:
         self.failed_shapes.append((piece_rows, piece_width))
         self.queue.observe_out_of_memory(piece_rows, piece_width)
         if piece_rows > 1:
-            first, second = self._split(piece, split_sizes(piece_rows))
-            logger.warning("batch %d: %d rows x %d tokens ran out of memory (%s); retrying as %d + %d rows",
-                           item.number, piece_rows, piece_width, _brief(error), len(first.indices),
-                           len(second.indices))
+            sizes = split_sizes(piece_rows)
+            logger.warning("batch %d: %d rows x %d tokens ran out of memory (%s); retrying as %s rows",
+                           item.number, piece_rows, piece_width, _brief(error), " + ".join(map(str, sizes)))
             record.oom_splits += 1
-            stack.extend([second, first])
+            stack.extend(reversed(self._split(piece, sizes)))
             return False
         position = int(piece.indices[0])
         if self.on_oom == "raise":
