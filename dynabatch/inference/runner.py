@@ -60,7 +60,8 @@ from dynabatch.inference._queue import BatchQueue
 from dynabatch.inference._resume import FORMAT, ResultsFile, inputs_digest, rank_path
 from dynabatch.inference.loader import LoaderPlan, plan_of
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
-from dynabatch.memory.device import check_device, check_measurable_device, device_in_use, measurable
+from dynabatch.memory.device import device_in_use, measurable
+from dynabatch.memory.measure import check_device, check_measurable_device
 
 __all__ = ["BatchOutOfMemoryError", "RunResult", "run"]
 

@@ -18,7 +18,8 @@ import torch
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.collate import pad_token_id_of
 from dynabatch.data.tokenization import check_tokenizer, model_max_length
-from dynabatch.memory.device import check_measurable_device, default_device
+from dynabatch.memory.device import default_device
+from dynabatch.memory.measure import check_measurable_device
 
 __all__ = [
     "MIN_LENGTH",

@@ -85,7 +85,7 @@ from dynabatch.memory._calibrate_checks import (
 )
 from dynabatch.memory._probes import Prober, long_texts, vocabulary_texts
 from dynabatch.memory.budget import MemoryBudget
-from dynabatch.memory.device import check_device
+from dynabatch.memory.measure import check_device
 from dynabatch.memory.model import MemoryModel
 
 __all__ = ["calibrate", "check_model_max_length", "check_positions", "probe_lengths"]

@@ -60,8 +60,6 @@ __all__ = [
     "XpuBackend",
     "backend_of",
     "backends",
-    "check_device",
-    "check_measurable_device",
     "default_accelerator",
     "default_device",
     "device_count",
@@ -69,6 +67,7 @@ __all__ = [
     "free_bytes",
     "free_memory",
     "is_out_of_memory_error",
+    "known_backend",
     "measurable",
     "register_backend",
     "total_bytes",
@@ -301,6 +300,11 @@ def _as_device(device: Any) -> torch.device:
     return device if isinstance(device, torch.device) else torch.device(device)
 
 
+def known_backend(kind: str) -> DeviceBackend | None:
+    """The backend registered for device type ``kind`` (``"cuda"``), or ``None``."""
+    return _BACKENDS.get(kind)
+
+
 def backend_of(device: Any) -> DeviceBackend:
     """The backend of ``device`` (a str, a ``torch.device`` or a device type)."""
     kind = _as_device(device).type
@@ -311,7 +315,7 @@ def backend_of(device: Any) -> DeviceBackend:
 
 def measurable(device: Any) -> bool:
     """Whether the memory of ``device`` (a ``torch.device``) can be measured: its type has a measuring backend."""
-    backend = _BACKENDS.get(_as_device(device).type)
+    backend = known_backend(_as_device(device).type)
     return backend is not None and backend.measurable
 
 
@@ -369,56 +373,3 @@ def device_in_use() -> torch.device | None:
         if b.type != "cpu" and b.in_use():
             return b.current()
     return None
-
-
-def _parse_device(name: str, value: Any, rule: str) -> torch.device:
-    if not isinstance(value, (str, torch.device)):
-        raise bad_type(name, rule, value)
-    try:
-        return torch.device(value)
-    except RuntimeError:
-        raise bad_value(name, "a valid torch device such as 'cpu' or 'cuda:0'", value) from None
-
-
-def check_device(name: str, value: Any, rule: str = "a str or torch.device") -> torch.device:
-    """``value`` as a :class:`torch.device` that this machine has; else an error naming ``name``.
-
-    Refuses, before any work starts, what would fail later inside torch: a
-    string torch cannot parse (``"gpu"``) and an accelerator this machine does
-    not have (torch raises a bare ``AssertionError`` when a tensor is moved there).
-
-    Raises:
-        TypeError: ``value`` is not a str or torch.device (``rule`` says what is).
-        ValueError: torch cannot parse it, or the device is not available here.
-    """
-    dev = _parse_device(name, value, rule)
-    if dev.type in ("cpu", "meta"):
-        return dev
-    backend = _BACKENDS.get(dev.type)
-    if backend is None:  # a type without a backend: torch's own check, where its module has one
-        available = getattr(getattr(torch, dev.type, None), "is_available", None)
-        if callable(available) and not available():
-            raise bad_value(name, f"an available device (torch.{dev.type}.is_available() is False)", value)
-        return dev
-    if not backend.available():
-        raise bad_value(name, f"an available device (torch.{dev.type}.is_available() is False: no "
-                        f"{dev.type.upper()} device here)", value)
-    count = backend.count()
-    if dev.index is not None and dev.index >= count:
-        raise bad_value(name, f"an available device (this machine has {count} {dev.type.upper()} device(s), "
-                        f"{dev.type}:0 to {dev.type}:{count - 1})", value)
-    return dev
-
-
-def check_measurable_device(name: str, value: Any, rule: str = "a str or torch.device") -> torch.device:
-    """:func:`check_device` for a device whose memory can be measured (the CPU, CUDA, XPU).
-
-    A bare ``"cuda"`` becomes the current device of its type (``cuda:0``).
-    """
-    dev = _parse_device(name, value, rule)
-    backend = _BACKENDS.get(dev.type)
-    if backend is None or not backend.measurable:
-        measurable = ", ".join(repr(b.type) for b in backends() if b.measurable)
-        raise bad_value(name, f"a device whose memory can be measured ({measurable})", value)
-    check_device(name, value, rule)
-    return backend.current() if dev.index is None and dev.type != "cpu" else dev

@@ -27,18 +27,12 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
-from dynabatch.memory.device import (
-    backend_of,
-    check_device,
-    check_measurable_device,
-    free_memory,
-    is_out_of_memory_error,
-)
+from dynabatch.memory.device import backend_of, backends, free_memory, is_out_of_memory_error, known_backend
 
 __all__ = [
     "PeakMemory",
@@ -76,6 +70,59 @@ class PeakMemory:
         if self._mark is None:
             raise RuntimeError("PeakMemory.mark() should be called inside its track_peak_memory block")
         self.segment_peaks.append(self._mark())
+
+
+def _parse_device(name: str, value: Any, rule: str) -> torch.device:
+    if not isinstance(value, (str, torch.device)):
+        raise bad_type(name, rule, value)
+    try:
+        return torch.device(value)
+    except RuntimeError:
+        raise bad_value(name, "a valid torch device such as 'cpu' or 'cuda:0'", value) from None
+
+
+def check_device(name: str, value: Any, rule: str = "a str or torch.device") -> torch.device:
+    """``value`` as a :class:`torch.device` that this machine has; else an error naming ``name``.
+
+    Refuses, before any work starts, what would fail later inside torch: a
+    string torch cannot parse (``"gpu"``) and an accelerator this machine does
+    not have (torch raises a bare ``AssertionError`` when a tensor is moved there).
+
+    Raises:
+        TypeError: ``value`` is not a str or torch.device (``rule`` says what is).
+        ValueError: torch cannot parse it, or the device is not available here.
+    """
+    dev = _parse_device(name, value, rule)
+    if dev.type in ("cpu", "meta"):
+        return dev
+    backend = known_backend(dev.type)
+    if backend is None:  # a type without a backend: torch's own check, where its module has one
+        available = getattr(getattr(torch, dev.type, None), "is_available", None)
+        if callable(available) and not available():
+            raise bad_value(name, f"an available device (torch.{dev.type}.is_available() is False)", value)
+        return dev
+    if not backend.available():
+        raise bad_value(name, f"an available device (torch.{dev.type}.is_available() is False: no "
+                        f"{dev.type.upper()} device here)", value)
+    count = backend.count()
+    if dev.index is not None and dev.index >= count:
+        raise bad_value(name, f"an available device (this machine has {count} {dev.type.upper()} device(s), "
+                        f"{dev.type}:0 to {dev.type}:{count - 1})", value)
+    return dev
+
+
+def check_measurable_device(name: str, value: Any, rule: str = "a str or torch.device") -> torch.device:
+    """:func:`check_device` for a device whose memory can be measured (the CPU, CUDA, XPU).
+
+    A bare ``"cuda"`` becomes the current device of its type (``cuda:0``).
+    """
+    dev = _parse_device(name, value, rule)
+    backend = known_backend(dev.type)
+    if backend is None or not backend.measurable:
+        measurable = ", ".join(repr(b.type) for b in backends() if b.measurable)
+        raise bad_value(name, f"a device whose memory can be measured ({measurable})", value)
+    check_device(name, value, rule)
+    return backend.current() if dev.index is None and dev.type != "cpu" else dev
 
 
 @contextlib.contextmanager

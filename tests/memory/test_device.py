@@ -15,8 +15,6 @@ from dynabatch.memory import device
 from dynabatch.memory.device import (
     AllocatorBackend,
     backend_of,
-    check_device,
-    check_measurable_device,
     default_accelerator,
     device_in_use,
     free_bytes,
@@ -25,7 +23,7 @@ from dynabatch.memory.device import (
     register_backend,
     total_bytes,
 )
-from dynabatch.memory.measure import track_peak_memory
+from dynabatch.memory.measure import check_device, check_measurable_device, track_peak_memory
 
 
 class _FakeAllocator:
