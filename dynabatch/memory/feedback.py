@@ -24,9 +24,10 @@ split a batch before it runs (``dynabatch.run``'s guarded mode).
 
 A call that runs out of memory lowers the limit later batches are planned
 under, whatever the measured peaks say: :meth:`MemoryFeedback.observe_out_of_memory`
-gives its bound to the :class:`~dynabatch.memory.oom.OutOfMemoryLimit`
-(the rule lives there), measured calls raise it again, and :meth:`MemoryFeedback.oom_cap`
-is the most rows it allows at a width.
+gives its rows and the measured peak per row at its width (:meth:`MemoryFeedback.row_bound`)
+to the :class:`~dynabatch.memory.oom.OutOfMemoryLimit` (the rule lives there),
+measured calls raise the limit again, and :meth:`MemoryFeedback.oom_cap` is
+the most rows it allows at a width.
 
 No curve is fitted: a line through the measured peaks extrapolated to shorter
 texts under-predicts whenever memory falls less than linearly with length (a
@@ -197,8 +198,9 @@ class MemoryFeedback:
             self._table = grown
         self._table[:, self._n : end] = np.asarray(measured, dtype=np.float64).T
         self._n = end
-        for rows, width, _ in measured:  # measured successes raise what out-of-memory errors lowered
-            self.oom.observe_success(rows, self.row_bound(width))
+        if self.oom.failed_bytes is not None:  # measured successes raise what out-of-memory errors lowered
+            for rows, width, _ in measured:
+                self.oom.observe_success(rows, self.row_bound(width))
 
     def observe_out_of_memory(self, rows: int, width: float) -> None:
         """Records a call of ``rows`` x padded ``width`` that ran out of memory, predicted at :meth:`row_bound`
