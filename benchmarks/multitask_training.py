@@ -35,6 +35,7 @@ import torch
 
 from dynabatch.multitask import DynamicBatchingTrainingPipeline, HeterogeneousCollator, HeterogeneousTrainingConfig
 from dynabatch.memory.measure import track_peak_memory
+from dynabatch.memory.units import MB
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,7 +66,7 @@ def run_fixed(example, tokenizer, dataset, rows: int, accumulation: int, args, o
         def training_step(self, model, inputs, num_items_in_batch=None):
             with track_peak_memory("cpu") as mem:
                 loss = super().training_step(model, inputs, num_items_in_batch)
-            peaks.append(mem.peak_bytes / 2**20)
+            peaks.append(mem.peak_bytes / MB)
             return loss
 
     training_args = TrainingArguments(

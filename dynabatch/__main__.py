@@ -180,12 +180,14 @@ def plot(mm: Any, path: Path) -> None:
     """Measured against predicted peak of every probe, in MiB (the diagonal is a perfect fit)."""
     import matplotlib
 
+    from dynabatch.memory.units import MIB
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     done = [p for p in mm.probes_ if not p["out_of_memory"]]
-    measured = [p["peak_bytes"] / 2**20 for p in done]
-    predicted = [p["predicted_bytes"] / 2**20 for p in done]
+    measured = [p["peak_bytes"] / MIB for p in done]
+    predicted = [p["predicted_bytes"] / MIB for p in done]
     fig, ax = plt.subplots(figsize=(5.5, 5))
     points = ax.scatter(measured, predicted, c=[p["padded_length"] for p in done], cmap="viridis", s=28)
     top = max(measured + predicted) * 1.05

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 from dynabatch._lazy import lazy_attributes
 from dynabatch.training.collate import HeterogeneousCollator
 from dynabatch.training.dataset import MultiTaskDataset
-from dynabatch.training.guard import GradientCheckpointManager, OOMGuardian
 from dynabatch.training.monitor import BatchMetrics, DynamicBatchingMonitor
+from dynabatch.training.oom_guardian import GradientCheckpointManager, OOMGuardian
 from dynabatch.training.predictor import MemoryPredictor, estimate_training_memory
 from dynabatch.training.sampler import MemoryAwareBatchSampler
 

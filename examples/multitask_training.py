@@ -31,6 +31,7 @@ import torch
 from dynabatch import track_peak_memory
 from dynabatch.multitask import DynamicBatchingTrainingPipeline, HeterogeneousCollator, HeterogeneousTrainingConfig, MultiTaskDataset
 from dynabatch.demo import joke_texts, kjv_passages, minilm_path
+from dynabatch.memory.units import MB
 
 
 def task_texts(n_per_task: int, seed: int = 0) -> dict[str, list[str]]:
@@ -65,13 +66,13 @@ def build_model(tokenizer, hidden: int = 64, layers: int = 2, max_length: int = 
 
 
 def step_peak_mb(model, batch) -> float:
-    """Measured peak MB of one training step (forward, loss, backward) on ``batch`` (CPU tracker)."""
+    """Measured peak of one training step (forward, loss, backward) on ``batch``, in MB of 10**6 bytes (CPU tracker)."""
     model.zero_grad(set_to_none=True)
     with track_peak_memory("cpu") as mem:
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
         out.loss.backward()
     model.zero_grad(set_to_none=True)
-    return mem.peak_bytes / 2**20
+    return mem.peak_bytes / MB
 
 
 def measured_budget_mb(model, dataset: MultiTaskDataset, rows: int) -> float:

@@ -245,3 +245,14 @@ def test_the_packed_training_step_runs_and_checks_packed_against_padded_on_the_c
     for check in ("packed loss = padded loss", "every loss finite", "loss went down"):
         assert f"| {check} | ok |" in text
     assert re.search(r"\| peak memory of one step \| [\d,.]+ MiB \|", text)
+
+
+def test_oom_learning_benchmark_prints_both_modes():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    script = ROOT / "benchmarks" / "oom_learning.py"
+    result = subprocess.run([sys.executable, str(script), "--n-texts", "120"], check=False, capture_output=True,
+                            text=True, env=env, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for mode in ("measured (a dynabatch loader)", "guarded (batches of 40 rows)"):
+        assert re.search(rf"^\| {re.escape(mode)} \| \d+ \| \d+ \| \d+ \| \d+ \| (\d+|-) \| [\d.e+-]+ \| [\d.]+ \|$",
+                         result.stdout, re.MULTILINE), result.stdout

@@ -49,7 +49,8 @@ import torch
 
 from dynabatch.data.collate import TokenCollator
 from dynabatch.demo import joke_texts, kjv_passages, minilm_path, vary_lengths
-from dynabatch.memory.guard import call_guarded
+from dynabatch.memory.oom import call_guarded
+from dynabatch.memory.units import GIB
 from dynabatch.data.tokenization import tokenize_texts
 
 logger = logging.getLogger("generate_training_data")
@@ -376,9 +377,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=8, help="tokens generated per row, forced (default: 8)")
     p.add_argument("--token-scale", type=float, default=1.0,
                    help="multiplies each model's per-call token cap (compute time); use >1 on a GPU (default: 1)")
-    p.add_argument("--memory-cap-gb", type=float, default=6.0,
-                   help="CPU only: a call holding more activation memory than this is stopped and recorded as "
-                        "memory_cap (default: 6)")
+    p.add_argument("--memory-cap-gib", type=float, default=6.0,
+                   help="CPU only: a call holding more activation memory than this many GiB (2**30 bytes) is "
+                        "stopped and recorded as memory_cap (default: 6)")
     p.add_argument("--seed", type=int, default=0, help="seeds text sampling (default: 0)")
     p.add_argument("--out", type=Path, default=DATA_DIR,
                    help=f"folder for one <device>-<model>.csv.gz per model (default: {DATA_DIR})")
@@ -403,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    memory_cap = int(args.memory_cap_gb * 2**30) if device.type == "cpu" else None
+    memory_cap = int(args.memory_cap_gib * GIB) if device.type == "cpu" else None
     max_lens = [int(x) for x in args.max_input_lengths.split(",")]
     bases = [int(x) for x in args.base_batch_sizes.split(",")]
     sources = args.sources.split(",")

@@ -41,7 +41,6 @@ __all__ = [
     "Batch",
     "TokenCollator",
     "batch_shape",
-    "halves",
     "pad_token_id_of",
     "padded_width",
     "real_tokens",
@@ -378,15 +377,3 @@ def split_rows(batch: Mapping[str, Any], sizes: Sequence[int], *, padding_side: 
     bounds = np.cumsum([0, *sizes]).tolist()
     options = {"padding_side": padding_side, "pad_to_multiple_of": pad_to_multiple_of}
     return [take_rows(batch, range(a, b), **options) for a, b in pairwise(bounds)]
-
-
-def halves(
-    batch: Batch, *, padding_side: str | None = None, pad_to_multiple_of: int | None = None
-) -> tuple[Any, Any]:
-    """Rows ``[:h]`` and ``[h:]`` (``h = rows // 2``), each trimmed to its longest row (see :func:`take_rows`)."""
-    rows, _ = batch_shape(batch)
-    if rows < 2:
-        raise bad_value("rows of batch", "at least 2 to split a batch in halves", rows)
-    first, second = split_rows(batch, [rows // 2, rows - rows // 2], padding_side=padding_side,
-                               pad_to_multiple_of=pad_to_multiple_of)
-    return first, second

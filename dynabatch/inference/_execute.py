@@ -1,12 +1,11 @@
 """Running one batch for :func:`dynabatch.run`: out-of-memory splitting, records, results.
 
-:class:`Executor` runs an item through the out-of-memory guard
-(:func:`~dynabatch.memory.guard.call_guarded`): a piece that runs out of memory
-is split in halves and retried, down to one row; a piece at least as large
-(rows and width) as one that failed is split before it is tried, and so is (in
-guarded mode) a piece with more rows than the measured peaks keep under the
-first call's (:meth:`~dynabatch.inference._queue.BatchQueue.max_call_rows`), into
-the fewest equal parts that fit. Each piece is measured when the queue says
+:class:`Executor` runs an item through the out-of-memory guard and policy
+(:mod:`dynabatch.memory.oom`): a piece that runs out of memory is split in
+halves and retried, down to one row; a piece at least as large (rows and
+width) as one that failed is split before it is tried, and so is a piece with
+more rows than the queue allows (:meth:`~dynabatch.inference._queue.BatchQueue.max_call_rows`),
+into the fewest equal parts that fit. Each piece is measured when the queue says
 so (:meth:`~dynabatch.inference._queue.BatchQueue.should_measure`). Each item
 leaves a :class:`~dynabatch.inference.report.BatchRecord` and its rows'
 results (appended to the results file when there is one).
@@ -22,14 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch.data.collate import Batch, batch_shape, halves, real_tokens, take_rows
+from dynabatch.data.collate import Batch, batch_shape, real_tokens, take_rows
 from dynabatch.data.collate import split_rows as split_batch
 from dynabatch.inference._queue import BatchQueue, Item
 from dynabatch.inference._resume import ResultsFile
 from dynabatch.inference.outputs import RowSplitter
 from dynabatch.inference.report import BatchRecord, RunReport
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
-from dynabatch.memory.guard import call_guarded
+from dynabatch.memory.oom import call_guarded, dominating, equal_parts, split_sizes
 from dynabatch.sampling.ranks import reduce_across_ranks
 
 logger = logging.getLogger(__name__)
@@ -72,7 +71,6 @@ class Executor:
         self.results: dict[int, Any] = {}
         self.failed: list[int] = []
         self.failed_shapes: list[tuple[int, int]] = []
-        self.item_failed_shapes: list[tuple[int, int]] = []  # (rows, width) that ran out of memory in the last item
         self.report = RunReport()
         self.started = time.perf_counter()
         self.tokens = 0
@@ -92,14 +90,9 @@ class Executor:
             return None
         return self.queue.restrict(item, np.flatnonzero(~done)) if done.any() else item
 
-    def _dominated(self, rows: int, width: int) -> tuple[int, int] | None:
-        for failed_rows, failed_width in self.failed_shapes:
-            if rows >= failed_rows and width >= failed_width:
-                return failed_rows, failed_width
-        return None
-
-    def _halves(self, piece: Batch) -> tuple[Batch, Batch]:
-        return halves(piece, padding_side=self.queue.padding_side, pad_to_multiple_of=self.queue.pad_to_multiple_of)
+    def _split(self, piece: Batch, sizes: list[int]) -> list[Batch]:
+        return split_batch(piece, sizes, padding_side=self.queue.padding_side,
+                           pad_to_multiple_of=self.queue.pad_to_multiple_of)
 
     def run_item(self, item: Item) -> list[tuple[int, int, int]]:
         """Runs ``item`` (split as needed); returns ``(rows, width, peak bytes)`` of every measured call.
@@ -116,7 +109,6 @@ class Executor:
         record = BatchRecord(batch=item.number, rows=rows, width=width, real_tokens=real_tokens(batch),
                              padded_tokens=0, seconds=0.0)
         done = _Done()
-        self.item_failed_shapes = []
         if self.lockstep and self._stand_in is None:
             self._stand_in = take_rows(batch, [0], padding_side=self.queue.padding_side,
                                        pad_to_multiple_of=self.queue.pad_to_multiple_of)
@@ -161,23 +153,21 @@ class Executor:
         while stack:
             piece = stack.pop()
             piece_rows, piece_width = batch_shape(piece)
-            failed_shape = self._dominated(piece_rows, piece_width) if piece_rows > 1 else None
+            failed_shape = dominating(self.failed_shapes, piece_rows, piece_width) if piece_rows > 1 else None
             if failed_shape is not None:
                 record.pre_split = True
                 logger.info("batch %d: splitting %d rows x %d tokens before trying it, as large as %d x %d "
                             "which ran out of memory", item.number, piece_rows, piece_width, *failed_shape)
-                stack.extend(reversed(self._halves(piece)))
+                stack.extend(reversed(self._split(piece, split_sizes(piece_rows))))
                 continue
             cap = self.queue.max_call_rows(piece_width) if piece_rows > 1 else None
             if cap is not None and piece_rows > cap:
-                parts = -(-piece_rows // max(cap, 1))
+                sizes = equal_parts(piece_rows, cap)
                 record.pre_split = True
                 logger.info("batch %d: splitting %d rows x %d tokens into %d parts before running it: the measured "
-                            "peaks keep at most %d rows of that width under the first batch's peak", item.number,
-                            piece_rows, piece_width, parts, cap)
-                sizes = [len(a) for a in np.array_split(np.arange(piece_rows), parts)]
-                stack.extend(reversed(split_batch(piece, sizes, padding_side=self.queue.padding_side,
-                                                  pad_to_multiple_of=self.queue.pad_to_multiple_of)))
+                            "peaks and out-of-memory errors keep at most %d rows of that width", item.number,
+                            piece_rows, piece_width, len(sizes), cap)
+                stack.extend(reversed(self._split(piece, sizes)))
                 continue
             measure = self.memory_device is not None and self.queue.should_measure(piece_rows, piece_width)
             attempt = call_guarded(
@@ -212,14 +202,13 @@ class Executor:
         piece_rows, piece_width = batch_shape(piece)
         record.oom_events += 1
         self.failed_shapes.append((piece_rows, piece_width))
-        self.item_failed_shapes.append((piece_rows, piece_width))
+        self.queue.observe_out_of_memory(piece_rows, piece_width)
         if piece_rows > 1:
-            first, second = self._halves(piece)
-            logger.warning("batch %d: %d rows x %d tokens ran out of memory (%s); retrying as %d + %d rows",
-                           item.number, piece_rows, piece_width, _brief(error), len(first.indices),
-                           len(second.indices))
+            sizes = split_sizes(piece_rows)
+            logger.warning("batch %d: %d rows x %d tokens ran out of memory (%s); retrying as %s rows",
+                           item.number, piece_rows, piece_width, _brief(error), " + ".join(map(str, sizes)))
             record.oom_splits += 1
-            stack.extend([second, first])
+            stack.extend(reversed(self._split(piece, sizes)))
             return False
         position = int(piece.indices[0])
         if self.on_oom == "raise":

@@ -144,24 +144,35 @@ class BatchQueue:
         call's peak (:meth:`~dynabatch.memory.feedback.MemoryFeedback.max_rows`);
         ``None`` when no measured call at least as wide stays under it (a plain
         iterable's batch wider than every batch measured so far runs as it comes).
+        Either way no more than out-of-memory errors allow
+        (:meth:`~dynabatch.memory.feedback.MemoryFeedback.oom_cap`).
         """
         if not self.guard:
             return None
         feedback = self.feedback
+        learned = feedback.oom_cap(width)  # what out-of-memory errors allow
         if feedback.budget_ is None:
-            return self.first_rows
-        return feedback.max_rows(width, feedback.budget_) or None
+            caps = [self.first_rows, learned]
+        else:
+            caps = [feedback.max_rows(width, feedback.budget_) or None, learned]
+        caps = [c for c in caps if c is not None]
+        return min(caps) if caps else None
 
-    def observe_item(self, item: Item, parts: list[tuple[int, int, int]], failed: list[tuple[int, int]] = ()) -> None:
-        """Tells the feedback the peaks of an item's calls, ``(rows, width, peak)`` each, and the ``(rows, width)``
-        of every call that ran out of memory. Measured mode takes an item only when it ran whole (its planner
-        re-sizes from it); guarded mode takes every measured call."""
+    def observe_out_of_memory(self, rows: int, width: int) -> None:
+        """A call of ``rows`` x ``width`` ran out of memory: the calls after it, this item's remaining pieces
+        included, are sized (measured mode) or capped (guarded mode) under the lower limit it shows."""
+        if self.planner is not None:
+            self.planner.observe_out_of_memory(rows, width)
+        elif self.feedback is not None:
+            self.feedback.observe_out_of_memory(rows, width)
+
+    def observe_item(self, item: Item, parts: list[tuple[int, int, int]]) -> None:
+        """Tells the feedback the peaks of an item's calls, ``(rows, width, peak)`` each. Measured mode takes an
+        item only when it ran whole (its planner re-sizes from it); guarded mode takes every measured call."""
         if self.planner is None:
             if self.feedback is not None:
                 self.feedback.observe_parts(parts)
             return
-        for rows, width in failed:
-            self.planner.observe_out_of_memory(rows, width)
         if item.whole:
             self.planner.observe_parts(parts)
 

@@ -11,7 +11,7 @@ order, plus a :class:`~dynabatch.inference.report.RunReport` of what each batch 
 * ``output_path`` appends each finished batch to a JSONL file; a rerun with the
   same inputs and path runs only what is missing (a killed run resumes).
 * By default no batch peaks above the first batch's peak: memory is measured
-  on the device the batches run on (CUDA allocator statistics, free; on the
+  on the device the batches run on (the allocator's statistics, free; on the
   CPU a storage tracker, measuring only the batches whose peak could let later
   ones grow), and a dynabatch loader's batches are re-sized from the measured
   peaks (measured mode: the plan is the prior, later batches bounded by the
@@ -61,6 +61,7 @@ from dynabatch.inference._resume import FORMAT, ResultsFile, inputs_digest, rank
 from dynabatch.inference.loader import LoaderPlan, plan_of
 from dynabatch.inference.outputs import check_token_outputs
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
+from dynabatch.memory.device import device_in_use, measurable
 from dynabatch.memory.measure import check_device, check_measurable_device
 
 __all__ = ["BatchOutOfMemoryError", "RunResult", "run"]
@@ -119,23 +120,21 @@ def _memory_device(measure_memory: Any, adapt: bool | None, device: Any) -> Any:
     if measure_memory is not True and measure_memory is not None:
         return measure_memory
     target = _running_device(device)
-    if measure_memory is None and (target is None or target.type not in ("cpu", "cuda")):
+    if measure_memory is None and (target is None or not measurable(target)):
         logger.info("run: batches run on %s, whose memory cannot be measured: they run as planned", device)
         return None
     return device if target is None else target
 
 
 def _running_device(device: Any) -> torch.device | None:
-    """Where the batches run: ``device`` (``None`` if torch cannot parse it), else CUDA when a model holds CUDA
-    memory, else the CPU."""
+    """Where the batches run: ``device`` (``None`` if torch cannot parse it), else the accelerator on which a model
+    holds memory, else the CPU."""
     if device is not None:
         try:
             return torch.device(device)
         except RuntimeError:
             return None  # batch.to(device) names the error when the first batch runs
-    if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.memory_allocated() > 0:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return device_in_use() or torch.device("cpu")
 
 
 def _mode(plan: LoaderPlan | None, adapt: bool | None, measure_memory: Any, memory_device: Any,
@@ -270,14 +269,17 @@ def run(
             Larger batches are always split in halves (each trimmed to its
             longest row) and retried, and a later batch with at least the rows
             and the width of a shape that ran out of memory is split before it
-            is tried. Out-of-memory errors are ``torch.OutOfMemoryError`` and
-            the CPU allocator's; every event and split is logged and counted
-            in the report.
+            is tried. Later batches are also planned (measured mode) or split
+            (guarded mode) under the lower limit an error shows, which rises
+            again only on measured successes (:class:`~dynabatch.memory.oom.OutOfMemoryLimit`).
+            Out-of-memory errors are ``torch.OutOfMemoryError`` and each
+            device's own (:func:`~dynabatch.memory.device.is_out_of_memory_error`);
+            every event and split is logged and counted in the report.
         measure_memory: where each call's peak memory is measured, with
             :func:`~dynabatch.memory.measure.track_peak_memory`; the first
             measured call's peak is the report's budget. ``None`` (auto): the
-            device the batches run on (``device``; else CUDA when a model
-            holds CUDA memory; else the CPU), unless ``adapt=False``; on the
+            device the batches run on (``device``; else the accelerator on which a
+            model holds memory; else the CPU), unless ``adapt=False``; on the
             CPU only the calls that can let later batches grow are measured
             (the tracker costs up to ~15% of a call; see ``adapt``). ``True``:
             that device, every call. A device: that device, every call.
@@ -385,7 +387,7 @@ def run(
             mine.extend(item.positions.tolist())
             todo = executor.skip_done(item)  # rows a resumed run already has
             if todo is not None:
-                queue.observe_item(todo, executor.run_item(todo), executor.item_failed_shapes)
+                queue.observe_item(todo, executor.run_item(todo))
             else:
                 executor.join_step(item)
     finally:

@@ -1,4 +1,4 @@
-"""What a batch may cost: the one memory budget, and the one parser of memory sizes.
+"""What a batch may cost: the one memory budget.
 
 Every memory-aware path of dynabatch asks a :class:`MemoryBudget` whether a
 shape fits and how many rows fit at a padded width: the loader's
@@ -10,7 +10,7 @@ training ``OOMGuardian``. Nothing else computes a memory cap. A budget holds:
   such as :class:`~dynabatch.memory.model.MemoryModel`), or none when the
   caller predicts bytes itself and only asks :meth:`MemoryBudget.allows`;
 * the budget in bytes: absolute (``max_memory``: bytes, ``"12GB"``,
-  ``"512MiB"``, ``"80%"`` of the CUDA device's free memory), or relative to a
+  ``"512MiB"``, ``"80%"`` of an accelerator's free memory), or relative to a
   reference batch known to fit (``reference_batch=(rows, padded_length)``:
   its *measured* peak when the model holds a measurement of that very shape,
   else its predicted peak);
@@ -18,10 +18,12 @@ training ``OOMGuardian``. Nothing else computes a memory cap. A budget holds:
 * the padding rule of the collator (``pad_to_multiple_of``): a batch is judged
   at the width it will really have, not at its longest row;
 * the shapes that ran out of memory: a shape at least as large in rows and
-  width as one that failed does not fit, whatever the model predicts.
+  width as one that failed does not fit, whatever the model predicts (the
+  rule of :mod:`dynabatch.memory.oom`).
 
-Memory sizes are bytes inside; strings are parsed by :func:`parse_memory`
-alone, with ``"GB"`` = 10**9 bytes and ``"GiB"`` = 2**30 bytes (as accelerate).
+Memory sizes are bytes inside; strings are parsed by :func:`~dynabatch.memory.units.parse_memory`
+alone (re-exported here with the units), with ``"GB"`` = 10**9 bytes and
+``"GiB"`` = 2**30 bytes (as accelerate).
 
 Example:
     >>> import numpy as np
@@ -39,19 +41,20 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
 import numbers
-import re
 from typing import Any
 
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.collate import padded_width
+from dynabatch.memory.oom import MAX_ROWS, failed_cap
+from dynabatch.memory.units import GB, GIB, MB, MIB, parse_memory
 
 __all__ = [
     "GB",
     "GIB",
+    "MAX_ROWS",
     "MB",
     "MIB",
     "MemoryBudget",
@@ -61,86 +64,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-MB = 10.0**6
-"""A megabyte, as parsed from ``"MB"`` and meant by every ``*_mb`` argument: 10**6 bytes."""
-GB = 10.0**9
-"""A gigabyte, as parsed from ``"GB"`` and meant by every ``*_gb`` value: 10**9 bytes."""
-MIB = float(2**20)
-GIB = float(2**30)
-
-MAX_ROWS = 2**40
-"""The row count answered where rows cost nothing."""
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*|%)\s*$")
-_MEMORY_RULE = "a number of bytes > 0, a size such as '12GB' or '512MiB', or a percentage such as '80%' (CUDA)"
-
-
-def _free_cuda_bytes(device: Any) -> int:
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ValueError("no CUDA device")
-    dev = torch.device("cuda") if device is None else torch.device(device)
-    if dev.type != "cuda":
-        raise bad_value("device", "a CUDA device for a percentage of free memory", str(device))
-    free, _total = torch.cuda.mem_get_info(dev)
-    return int(free)
-
-
-def parse_memory(value: Any, name: str = "max_memory", *, device: Any = None) -> float | None:
-    """A memory size in bytes: the one parser of every memory size dynabatch takes.
-
-    Args:
-        value: ``None``; a number of bytes > 0; a string of a number and a unit
-            (``B``, ``KB``/``MB``/``GB``/``TB`` in powers of 1000,
-            ``KiB``/``MiB``/``GiB``/``TiB`` in powers of 1024, any case); or a
-            percentage in (0, 100] of the CUDA device's free memory
-            (``torch.cuda.mem_get_info``), which needs CUDA.
-        name: the argument's name, for error messages.
-        device: the CUDA device of a percentage (default: the current one).
-
-    Raises:
-        TypeError: not a number or str.
-        ValueError: not positive, an unknown unit, a percentage outside (0, 100]
-            or without a CUDA device.
-
-    Example:
-        >>> parse_memory("12GB"), parse_memory("512 MiB"), parse_memory(1e9)
-        (12000000000.0, 536870912.0, 1000000000.0)
-        >>> parse_memory("12XB")
-        Traceback (most recent call last):
-        ...
-        ValueError: max_memory should be a number of bytes > 0, a size such as '12GB' or '512MiB', or a percentage such as '80%' (CUDA), but got max_memory='12XB'
-    """
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
-        raise bad_type(name, _MEMORY_RULE, value)
-    if isinstance(value, str):
-        match = _SIZE.match(value)
-        unit = match.group(2).upper() if match else None
-        if match is None or (unit != "%" and unit not in _UNITS):
-            raise bad_value(name, _MEMORY_RULE, value)
-        number = float(match.group(1))
-        if unit == "%":
-            if not 0 < number <= 100:
-                raise bad_value(name, "a percentage in (0%, 100%] of the CUDA device's free memory", value)
-            try:
-                free = _free_cuda_bytes(device)
-            except ValueError as exc:
-                raise bad_value(name, "bytes or a size such as '12GB' on the CPU (a percentage is of a CUDA "
-                                "device's free memory)", value) from exc
-            nbytes = free * number / 100
-        else:
-            nbytes = number * _UNITS[unit]
-    else:
-        nbytes = float(value)
-    if not (nbytes > 0 and math.isfinite(nbytes)):
-        raise bad_value(name, _MEMORY_RULE, value)
-    return float(nbytes)
 
 
 def check_memory_margin(memory_margin: Any, name: str = "memory_margin") -> float:
@@ -169,15 +92,6 @@ def rows_under(fixed: np.ndarray, slope: np.ndarray, limit: np.ndarray) -> np.nd
     return np.where((rows < MAX_ROWS) & (fixed + (rows + 1) * slope <= limit), rows + 1, rows)
 
 
-def failed_cap(width: np.ndarray, failed: list[tuple[int, int]]) -> np.ndarray:
-    """The most rows at each width that no failed shape forbids: below ``r`` at widths >= ``w`` per failed ``(r, w)``."""
-    width = np.asarray(width)
-    cap = np.full(width.shape, MAX_ROWS, dtype=np.int64)
-    for rows, failed_width in failed:
-        cap = np.where(width >= failed_width, np.minimum(cap, rows - 1), cap)
-    return cap
-
-
 class MemoryBudget:
     """The one memory budget: does a batch of this shape fit, and how many rows fit at this width.
 
@@ -190,7 +104,7 @@ class MemoryBudget:
             broadcasting over arrays), such as :class:`~dynabatch.memory.model.MemoryModel`;
             ``None`` for a budget that only judges bytes the caller predicts (:meth:`allows`).
         max_memory: the budget: bytes, a size such as ``"12GB"`` or ``"512MiB"``,
-            or ``"80%"`` of the CUDA device's free memory; ``None`` with ``reference_batch``.
+            or ``"80%"`` of an accelerator's free memory; ``None`` with ``reference_batch``.
         memory_margin: share of the budget kept free for what the model does
             not see (fragmentation, workspaces): batches are planned to
             ``max_memory * (1 - memory_margin)``.
@@ -212,7 +126,7 @@ class MemoryBudget:
         pad_to_multiple_of: the collator's rounding of a batch's width; a
             batch is judged at its padded width.
         failed_shapes: ``(rows, width)`` shapes known to have run out of memory.
-        device: the CUDA device of a percentage ``max_memory``.
+        device: the accelerator of a percentage ``max_memory``.
 
     Attributes:
         max_memory: the budget in bytes.

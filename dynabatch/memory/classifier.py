@@ -20,7 +20,7 @@ the result, keyed by versions and hashes. A user's classifier can be given as
 a path (a joblib file, or an ``.npz`` written by dynabatch) or as a fitted
 estimator with ``predict_proba``.
 
-Two classifiers are bundled: ``classifier.pkl`` over the spec's 13 features,
+Two classifiers are bundled: ``classifier.pkl`` over dynabatch 0.1.6's 13 features,
 and ``classifier-shape.pkl`` over those and ``memory_ratio_estimate``, for
 when the planner is told the model's shape
 (:class:`~dynabatch.memory.features.ModelShape`); ``load_classifier(shape=True)``

@@ -77,7 +77,7 @@ def candidate_rows(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def feature_names(shape: bool) -> tuple[str, ...]:
-    """The columns of the shape-aware classifier (``shape=True``) or of the spec's 13-feature one."""
+    """The columns of the shape-aware classifier (``shape=True``) or of dynabatch 0.1.6's 13-feature one."""
     return SHAPE_FEATURE_NAMES if shape else FEATURE_NAMES
 
 

@@ -71,7 +71,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "paddings_y",
     "total_paddings_diff",
 )
-"""Column order of :func:`compute_features`, the spec's 13 features."""
+"""Column order of :func:`compute_features`, dynabatch 0.1.6's 13 features."""
 
 SHAPE_FEATURE_NAMES: tuple[str, ...] = (*FEATURE_NAMES, "memory_ratio_estimate")
 """Column order of :func:`compute_features` given a :class:`ModelShape`: the 13 and the estimate."""

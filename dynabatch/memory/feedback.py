@@ -19,6 +19,13 @@ measured peak, and the planner's rules on top). A run that cannot re-plan
 same bound at ``1.0`` times the first peak to split a batch before it runs
 (``dynabatch.run``'s guarded mode).
 
+A call that runs out of memory lowers the limit later batches are planned
+under, whatever the measured peaks say: :meth:`MemoryFeedback.observe_out_of_memory`
+gives its rows and the measured peak per row at its width (:meth:`MemoryFeedback.row_bound`)
+to the :class:`~dynabatch.memory.oom.OutOfMemoryLimit` (the rule lives there),
+measured calls raise the limit again, and :meth:`MemoryFeedback.oom_cap` is
+the most rows it allows at a width.
+
 No curve is fitted: a line through the measured peaks extrapolated to shorter
 texts under-predicts whenever memory falls less than linearly with length (a
 ``generate`` call's per-row logits and new tokens), and on a real
@@ -60,6 +67,7 @@ import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.memory.budget import rows_under
+from dynabatch.memory.oom import OutOfMemoryLimit
 
 __all__ = ["SPARSE_GAIN", "SPARSE_MAX_DROP", "SPARSE_ROWS_GROWTH", "MemoryFeedback"]
 
@@ -83,6 +91,7 @@ class MemoryFeedback:
     Attributes:
         budget_: the first batch's measured peak bytes (``None`` until observed).
         row_bytes_: the costliest row of the last measured batch (``None`` until a batch is measured).
+        oom: what out-of-memory errors taught (:class:`~dynabatch.memory.oom.OutOfMemoryLimit`).
     """
 
     def __init__(self, *, sparse: bool = False) -> None:
@@ -94,6 +103,7 @@ class MemoryFeedback:
         # (rows, width, peak) of every measured call, as columns grown in place (a run measures thousands)
         self._table = np.empty((3, 64), dtype=np.float64)
         self._n = 0
+        self.oom = OutOfMemoryLimit()
 
     # -- measurements ----------------------------------------------------------------------------
     def observe(self, rows: int, padded_length: float | None, peak_bytes: float) -> None:
@@ -144,6 +154,27 @@ class MemoryFeedback:
             self._table = grown
         self._table[:, self._n : end] = np.asarray(measured, dtype=np.float64).T
         self._n = end
+        if self.oom.failed_bytes is not None:  # measured successes raise what out-of-memory errors lowered
+            for rows, width, _ in measured:
+                self.oom.observe_success(rows, self.row_bound(width))
+
+    def observe_out_of_memory(self, rows: int, width: float) -> None:
+        """Records a call of ``rows`` x padded ``width`` that ran out of memory, predicted at :meth:`row_bound`
+        a row; one that nothing measured bounds teaches nothing here (the shapes it dominates are still split
+        before they run)."""
+        self.oom.observe_out_of_memory(rows, self.row_bound(width))
+
+    def row_bound(self, width: float) -> float | None:
+        """The least measured peak per row of the calls at least as wide as ``width`` (``None`` if none is)."""
+        if not self._n:
+            return None
+        r, w, p = self._columns()
+        wide = w >= width
+        return float((p[wide] / r[wide]).min()) if wide.any() else None
+
+    def oom_cap(self, width: float) -> int | None:
+        """The most rows at padded ``width`` that out-of-memory errors allow (``None`` before any)."""
+        return self.oom.max_rows(self.row_bound(width))
 
     def _columns(self) -> np.ndarray:
         """The measured calls' rows, widths and peaks (three views)."""
@@ -177,6 +208,8 @@ class MemoryFeedback:
         """Whether a batch of ``rows`` x ``width`` is to be measured: always unless :attr:`sparse` (see the module)."""
         if not self.sparse or self.budget_ is None:
             return True
+        if self.oom.above_fitted(rows, self.row_bound(width)):
+            return True  # a call above what ran since an out-of-memory error: measuring it raises the limit
         bounds = self._bounds(rows, width)
         m = int(np.argmin(bounds))
         if not math.isfinite(bounds[m]):

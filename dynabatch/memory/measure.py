@@ -1,13 +1,15 @@
-"""Peak activation memory of a block of work, on CUDA or on the CPU.
+"""Peak activation memory of a block of work, on an accelerator or on the CPU.
 
 *Peak activation memory* is the most memory the block had allocated at any one
 time beyond what was allocated before it started: weights, persistent buffers
 and inputs already placed on the device are not counted.
 
-* CUDA: ``torch.cuda`` memory statistics (peak reset, allocated before, maximum
-  allocated after).
+* CUDA (and XPU): the caching allocator's statistics (peak reset, allocated
+  before, maximum allocated after);
 * CPU: a dispatch-mode tracker of tensor storages (see ``_storage_tracker``),
   rounded to CUDA's 512-byte blocks; deterministic for a given call.
+
+Both are the trackers of :mod:`dynabatch.memory.device`'s backends.
 
 Example:
     >>> import torch
@@ -22,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -31,8 +32,7 @@ from typing import Any, TypeVar
 import torch
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
-from dynabatch.memory._storage_tracker import StorageTracker
-from dynabatch.memory.guard import call_guarded, is_out_of_memory_error
+from dynabatch.memory.device import backend_of, backends, free_memory, is_out_of_memory_error, known_backend
 
 __all__ = [
     "PeakMemory",
@@ -85,42 +85,44 @@ def check_device(name: str, value: Any, rule: str = "a str or torch.device") -> 
     """``value`` as a :class:`torch.device` that this machine has; else an error naming ``name``.
 
     Refuses, before any work starts, what would fail later inside torch: a
-    string torch cannot parse (``"gpu"``) and a CUDA (or other accelerator)
-    device this machine does not have (torch raises a bare ``AssertionError``
-    when a tensor is moved there).
+    string torch cannot parse (``"gpu"``) and an accelerator this machine does
+    not have (torch raises a bare ``AssertionError`` when a tensor is moved there).
 
     Raises:
         TypeError: ``value`` is not a str or torch.device (``rule`` says what is).
         ValueError: torch cannot parse it, or the device is not available here.
     """
     dev = _parse_device(name, value, rule)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise bad_value(name, "an available device (torch.cuda.is_available() is False: no CUDA device here)",
-                            value)
-        count = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= count:
-            raise bad_value(name, f"an available device (this machine has {count} CUDA device(s), "
-                            f"cuda:0 to cuda:{count - 1})", value)
-    elif dev.type not in ("cpu", "meta"):
+    if dev.type in ("cpu", "meta"):
+        return dev
+    backend = known_backend(dev.type)
+    if backend is None:  # a type without a backend: torch's own check, where its module has one
         available = getattr(getattr(torch, dev.type, None), "is_available", None)
         if callable(available) and not available():
             raise bad_value(name, f"an available device (torch.{dev.type}.is_available() is False)", value)
+        return dev
+    if not backend.available():
+        raise bad_value(name, f"an available device (torch.{dev.type}.is_available() is False: no "
+                        f"{dev.type.upper()} device here)", value)
+    count = backend.count()
+    if dev.index is not None and dev.index >= count:
+        raise bad_value(name, f"an available device (this machine has {count} {dev.type.upper()} device(s), "
+                        f"{dev.type}:0 to {dev.type}:{count - 1})", value)
     return dev
 
 
 def check_measurable_device(name: str, value: Any, rule: str = "a str or torch.device") -> torch.device:
-    """:func:`check_device` for a device whose memory can be measured: the CPU or an available CUDA device.
+    """:func:`check_device` for a device whose memory can be measured (the CPU, CUDA, XPU).
 
-    A bare ``"cuda"`` becomes the current CUDA device (``cuda:0``).
+    A bare ``"cuda"`` becomes the current device of its type (``cuda:0``).
     """
     dev = _parse_device(name, value, rule)
-    if dev.type not in ("cpu", "cuda"):
-        raise bad_value(name, "a 'cpu' or 'cuda' device (the devices whose memory can be measured)", value)
+    backend = known_backend(dev.type)
+    if backend is None or not backend.measurable:
+        measurable = ", ".join(repr(b.type) for b in backends() if b.measurable)
+        raise bad_value(name, f"a device whose memory can be measured ({measurable})", value)
     check_device(name, value, rule)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
+    return backend.current() if dev.index is None and dev.type != "cpu" else dev
 
 
 @contextlib.contextmanager
@@ -128,7 +130,8 @@ def track_peak_memory(device: str | torch.device = "cpu", *, limit_bytes: int | 
     """Measures the peak activation memory of the block it wraps.
 
     Args:
-        device: a ``cpu`` or ``cuda`` device; the block's work must run there.
+        device: a device whose memory can be measured (``cpu``, ``cuda``,
+            ``xpu``); the block's work must run there.
         limit_bytes: CPU only. Raise :class:`torch.OutOfMemoryError` as soon as
             the block holds more than this many bytes, as a device with that
             much free memory would.
@@ -138,43 +141,21 @@ def track_peak_memory(device: str | torch.device = "cpu", *, limit_bytes: int | 
         ends (also when it raises).
 
     Raises:
-        ValueError: for a device that cannot be measured, or ``limit_bytes`` on CUDA.
+        ValueError: for a device that cannot be measured, or ``limit_bytes`` off the CPU.
     """
     dev = check_measurable_device("device", device)
     result = PeakMemory(dev)
     if limit_bytes is not None:
         limit_bytes = check_positive_int("limit_bytes", limit_bytes)
-    if dev.type == "cpu":
-        tracker = StorageTracker(limit_bytes=limit_bytes)
-        result._mark = tracker.mark
-        try:
-            with tracker:
-                yield result
-        finally:
-            result._mark = None
-            result.segment_peaks.append(tracker.segment_peak_bytes)
-            result.peak_bytes = tracker.peak_bytes
-        return
-    if limit_bytes is not None:
-        raise bad_value("limit_bytes", "None on a CUDA device (the device's own memory is the limit)", limit_bytes)
-    torch.cuda.synchronize(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    before = torch.cuda.memory_allocated(dev)
-
-    def segment_peak() -> int:
-        # The allocator counts allocations as the host asks for them: no synchronization needed here.
-        peak = max(0, torch.cuda.max_memory_allocated(dev) - before)
-        torch.cuda.reset_peak_memory_stats(dev)  # the next segment's peak starts at what is held now
-        return peak
-
-    result._mark = segment_peak
+    tracker = backend_of(dev).peak_tracker(dev, limit_bytes)
+    result._mark = tracker.mark
     try:
-        yield result
+        with tracker:
+            yield result
     finally:
-        torch.cuda.synchronize(dev)
         result._mark = None
-        result.segment_peaks.append(max(0, torch.cuda.max_memory_allocated(dev) - before))
-        result.peak_bytes = max(result.segment_peaks)
+        result.segment_peaks.append(tracker.segment_peak_bytes)
+        result.peak_bytes = tracker.peak_bytes
 
 
 def collect_peak_alloc(
@@ -212,6 +193,8 @@ def collect_peak_alloc(
         raise bad_type("work", "a callable", work)
     if cleanup is not None and not callable(cleanup):
         raise bad_type("cleanup", "a callable or None", cleanup)
+    from dynabatch.memory.oom import call_guarded  # oom measures through this module
+
     features: list[Feature | None] = []
     peaks: list[int | None] = []
     for position, data in enumerate(dataset):
@@ -232,13 +215,13 @@ def collect_cuda_peak_alloc(
     """Collects CUDA peak memory allocation statistics for a given workflow (bionemo's API).
 
     For every item, the CUDA peak statistics are reset, ``work(item)`` runs and
-    ``torch.cuda.memory_stats(device)["allocated_bytes.all.peak"]`` is recorded:
+    the allocator's ``allocated_bytes.all.peak`` (``max_memory_allocated``) is recorded:
     the *absolute* peak, weights and optimizer state included (as bionemo does;
     :func:`collect_peak_alloc` records the peak beyond what was allocated before,
     on CUDA or the CPU). An item whose ``work`` raises
-    ``torch.cuda.OutOfMemoryError`` is skipped (logged as a warning), so both
+    runs out of memory is skipped (logged as a warning), so both
     lists hold only the items that ran. After every item, in a ``finally``
-    block: ``cleanup()``, garbage collection, ``torch.cuda.empty_cache()`` and a
+    block: ``cleanup()``, garbage collection, emptying the allocator's cache and a
     reset of the peak statistics. The first items may show smaller peaks
     (uninitialised internal buffers); consider skipping them.
 
@@ -273,22 +256,24 @@ def collect_cuda_peak_alloc(
         raise bad_type("work", "a callable", work)
     if cleanup is not None and not callable(cleanup):
         raise bad_type("cleanup", "a callable or None", cleanup)
+    cuda = backend_of(dev)
     features: list[Feature] = []
     alloc_peaks: list[int] = []
     for position, data in enumerate(dataset):
         try:
-            torch.cuda.reset_peak_memory_stats(dev)
+            cuda.reset_peak(dev)
             feature = work(data)
-            alloc_peaks.append(int(torch.cuda.memory_stats(dev)["allocated_bytes.all.peak"]))
+            alloc_peaks.append(cuda.max_allocated(dev))
             features.append(feature)
-        except torch.cuda.OutOfMemoryError as error:
+        except Exception as error:
+            if not is_out_of_memory_error(error):
+                raise
             logger.warning("item %d ran out of CUDA memory; skipped: %s", position, error)
         finally:
             del data
             feature = None
             if cleanup is not None:
                 cleanup()
-            gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(dev)
+            free_memory()
+            cuda.reset_peak(dev)
     return features, alloc_peaks

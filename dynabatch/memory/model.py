@@ -53,7 +53,8 @@ import numpy as np
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.memory import _model_fit, _model_io
 from dynabatch.memory._model_io import describe_model, library_versions
-from dynabatch.memory.budget import failed_cap, rows_under
+from dynabatch.memory.budget import rows_under
+from dynabatch.memory.oom import failed_cap
 
 __all__ = ["MemoryModel", "describe_model", "library_versions"]
 

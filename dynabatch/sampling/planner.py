@@ -190,6 +190,9 @@ class BatchPlanner:
         planned = self.planned_size(start)
         tokens = settings.token_cap(longest)
         cap = remaining if tokens is None else min(remaining, int(tokens))
+        learned = feedback.oom_cap(width)  # what out-of-memory errors allow, whatever the rest says
+        if learned is not None:
+            cap = min(cap, learned)
         budget = feedback.budget_
         if budget is None:  # nothing measured yet: the plan (which keeps the token cap)
             return int(settle_rows(planned, cap=cap))
@@ -218,7 +221,10 @@ class BatchPlanner:
                 self.estimator.observe(rows, width, peak)
 
     def observe_out_of_memory(self, rows: int, padded_length: int) -> None:
-        """Records a call of ``rows`` x ``padded_length`` that ran out of memory (a memory model learns its cap)."""
+        """Records a call of ``rows`` x ``padded_length`` that ran out of memory: later batches are planned under
+        the lower limit it shows (:meth:`~dynabatch.memory.feedback.MemoryFeedback.observe_out_of_memory`), and a
+        memory model learns its cap."""
+        self.feedback.observe_out_of_memory(rows, padded_length)
         self.estimator.observe_out_of_memory(rows, padded_length)
 
 

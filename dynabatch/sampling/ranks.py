@@ -112,9 +112,10 @@ def reduce_across_ranks(values: Sequence[float], op: str = "sum") -> list[float]
     import torch
     import torch.distributed as dist
 
+    from dynabatch.memory.device import backend_of
+
     ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = backend_of("cuda").current() if dist.get_backend() == "nccl" else torch.device("cpu")
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=ops[op])
     return tensor.tolist()

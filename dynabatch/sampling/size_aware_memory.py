@@ -62,8 +62,9 @@ import numpy as np
 import torch
 
 from dynabatch._validation import bad_type, bad_value, check_lengths, check_positive_int, check_positive_number
-from dynabatch.memory.budget import MemoryBudget, failed_cap
+from dynabatch.memory.budget import MemoryBudget
 from dynabatch.memory.model import MemoryModel
+from dynabatch.memory.oom import failed_cap
 
 __all__ = ["MemorySizeof", "bucket_memory_kwargs", "fit_memory_model"]
 

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from dynabatch._validation import bad_type, bad_value
+from dynabatch.memory.units import MIB
 from dynabatch.sampling.ranks import reduce_across_ranks
 from dynabatch.training.predictor import MemoryPredictor
 from dynabatch.training.sampler import (
@@ -218,7 +219,7 @@ def check_task_weights(
 
 def average_gradients(
     params: Sequence[torch.nn.Parameter], on_some_rank: Sequence[bool], world_size: int,
-    bucket_bytes: int = 25 * 2**20,
+    bucket_bytes: int = int(25 * MIB),
 ) -> None:
     """Sets each parameter's gradient to the mean over the ranks of their accumulated gradients (as DDP does).
 
@@ -226,7 +227,7 @@ def average_gradients(
     parameter with ``on_some_rank`` false (no rank has a gradient for it)
     keeps ``grad=None``; one that has a gradient on some ranks only counts
     zeros for the others. Gradients travel in flat buckets of one dtype and
-    at most ``bucket_bytes`` (one ``all_reduce`` each, the same on every rank).
+    at most ``bucket_bytes`` (25 MiB, DDP's bucket size; one ``all_reduce`` each, the same on every rank).
     """
     todo = [p for p, some in zip(params, on_some_rank) if some]
     buckets: list[list[torch.nn.Parameter]] = []

@@ -1,4 +1,4 @@
-"""Metrics of a multi-task run: JSON files and plots (seed 001's ``DynamicBatchingMonitor``).
+"""Metrics of a multi-task run: JSON files and plots (the multi-task system's ``DynamicBatchingMonitor``).
 
 Files written to ``output_dir``:
 
@@ -48,11 +48,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class BatchMetrics:
-    """What happened in one optimizer step (seed 001's fields first, then dynabatch's).
+    """What happened in one optimizer step (the multi-task system's fields first, then dynabatch's).
 
     ``loss`` is the step's loss (weighted mean over its samples or tokens);
     ``per_task_loss`` the unweighted mean loss of each task in the step;
-    ``memory_allocated_mb`` the step's measured peak in MB (``2**20`` bytes).
+    ``memory_allocated_mb`` the step's measured peak in MB (10**6 bytes, :data:`~dynabatch.memory.units.MB`).
     """
 
     batch_idx: int

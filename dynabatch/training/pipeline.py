@@ -1,11 +1,13 @@
-"""The whole multi-task run in one call (seed 001's ``HeterogeneousTrainingConfig`` and pipeline).
+"""The whole multi-task run in one call (the multi-task system's ``HeterogeneousTrainingConfig`` and pipeline).
 
 :meth:`DynamicBatchingTrainingPipeline.train` calibrates a
 :class:`~dynabatch.MemoryPredictor` on the real model's training step (a few
 probe batches per task, measured), builds the :class:`~dynabatch.OOMGuardian`,
 the :class:`~dynabatch.DynamicBatchingMonitor` and the
 :class:`~dynabatch.DynamicBatchingTrainer`, and trains. The monitor's files go
-to ``<output_dir>/training_metrics/``.
+to ``<output_dir>/training_metrics/``. Calibration fills the guardian's
+budget (:meth:`DynamicBatchingTrainingPipeline.calibration_budget`):
+``max_memory_mb`` in MB of 10**6 bytes, less the margin.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import numpy as np
 import torch
 
 from dynabatch._validation import bad_type, bad_value
-from dynabatch.training.guard import GradientCheckpointManager, OOMGuardian
+from dynabatch.memory.device import default_device
 from dynabatch.training.monitor import DynamicBatchingMonitor
+from dynabatch.training.oom_guardian import GradientCheckpointManager, OOMGuardian
 from dynabatch.training.predictor import MemoryPredictor
 from dynabatch.training.sampler import read_task_metadata
 from dynabatch.training.trainer import DynamicBatchingTrainer
@@ -34,13 +37,15 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class HeterogeneousTrainingConfig:
-    """Settings of a memory-aware multi-task run; defaults are seed 001's where it shows them.
+    """Settings of a memory-aware multi-task run; defaults are the multi-task system's where its docs show them.
 
-    ``task_distribution`` and ``initial_task_loss_weights`` default to ``None``:
-    the tasks found in the data, each weighing 1.0 (seed 001's example values
-    for its tasks T1-T3). ``max_steps=-1`` lets ``num_epochs`` decide (seed
-    001 shows 10000 for its long runs). ``simulate_memory_limit`` (CPU only)
-    makes going over ``max_memory_mb`` a real out-of-memory error.
+    ``max_memory_mb`` is in MB of 10**6 bytes (that system's docs call 30000 a
+    "30GB" limit). ``task_distribution`` and ``initial_task_loss_weights``
+    default to ``None``: the tasks found in the data, each weighing 1.0 (its
+    docs' example values are for their tasks T1-T3). ``max_steps=-1`` lets
+    ``num_epochs`` decide (its docs show 10000 for long runs).
+    ``simulate_memory_limit`` (CPU only) makes going over ``max_memory_mb`` a
+    real out-of-memory error.
     """
 
     # memory
@@ -119,7 +124,7 @@ class DynamicBatchingTrainingPipeline:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = default_device()
         self.predictor = MemoryPredictor(self.device)
         self.guardian: OOMGuardian | None = None
         self.monitor: DynamicBatchingMonitor | None = None
@@ -168,10 +173,7 @@ class DynamicBatchingTrainingPipeline:
                 raise bad_value("config.task_distribution", f"a dict over the data's tasks (unknown: {unknown})", c.task_distribution)
         if c.enable_gradient_checkpointing:
             GradientCheckpointManager.enable_gradient_checkpointing(self.model)
-        self.guardian = OOMGuardian(
-            self.device, c.memory_margin_percent, max_memory_mb=c.max_memory_mb, predictor=self.predictor,
-            simulate_limit=c.simulate_memory_limit,
-        )
+        self.guardian = self._guardian()
         self.monitor = DynamicBatchingMonitor(os.path.join(c.output_dir, "training_metrics"))
         self.trainer = DynamicBatchingTrainer(
             model=self.model,
@@ -204,6 +206,15 @@ class DynamicBatchingTrainingPipeline:
             result["eval_metrics"] = self.trainer.evaluate()
         return result
 
+    def _guardian(self) -> OOMGuardian:
+        c = self.config
+        return OOMGuardian(self.device, c.memory_margin_percent, max_memory_mb=c.max_memory_mb,
+                           predictor=self.predictor, simulate_limit=c.simulate_memory_limit)
+
+    def calibration_budget(self) -> float:
+        """The bytes a step may use, which the calibration probes fill: the guardian's budget less its margin."""
+        return (self.guardian or self._guardian()).usable_bytes()
+
     def _predicted(self, task: Hashable, rows: int, length: int) -> float:
         return float(self.predictor.predict_bytes(task, rows, length))
 
@@ -226,7 +237,7 @@ class DynamicBatchingTrainingPipeline:
 
         model.zero_grad(set_to_none=True)
         probes = _Probes(dataset, tasks, lengths, trainer.data_collator, c.calibration_length_quantiles)
-        usable = c.max_memory_mb * 2**20 * (1 - c.memory_margin_percent)
+        usable = self.calibration_budget()
         measured = 0
         for group in range(len(probes.groups)):
             # the given sizes first; then the rows that fill half and 90% of the budget at this

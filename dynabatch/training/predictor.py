@@ -1,4 +1,4 @@
-"""Per-task memory prediction for training, fitted from measured peaks (seed 001's ``MemoryPredictor``).
+"""Per-task memory prediction for training, fitted from measured peaks (the multi-task system's ``MemoryPredictor``).
 
 A multi-task dataset mixes samples whose training step costs very different
 memory. :class:`MemoryPredictor` keeps, per task type (any hashable) and per
@@ -11,8 +11,8 @@ mixing tasks is predicted as the row-weighted mix of each task's
 prediction at the batch's row count and padded length. Nothing is assumed:
 a task without a measurement cannot be predicted and says so.
 
-Units follow seed 001's names in dynabatch's one convention
-(:mod:`dynabatch.memory.budget`): measurements are recorded in MB (10**6
+Units follow the multi-task system's names in dynabatch's one convention
+(:mod:`dynabatch.memory.units`): measurements are recorded in MB (10**6
 bytes) and predictions are returned in GB (10**9 bytes), as ``"MB"`` and
 ``"GB"`` parse everywhere in dynabatch. One task's fit is in ``_task_fit.py``.
 
@@ -45,8 +45,8 @@ import torch
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.collate import batch_shape
-from dynabatch.memory.budget import GB, MB
-from dynabatch.memory.guard import call_guarded
+from dynabatch.memory.oom import call_guarded
+from dynabatch.memory.units import GB, MB
 from dynabatch.training._task_fit import _check_task, _TaskFit
 
 __all__ = ["MemoryPredictor", "estimate_training_memory", "last_measured_predictor"]
@@ -59,7 +59,7 @@ _last: list[weakref.ref] = []
 def last_measured_predictor() -> MemoryPredictor | None:
     """The predictor that last recorded a measurement in this process (``None`` if none did).
 
-    Only the two calls seed 001 documents without a predictor argument read it:
+    Only the two calls the multi-task system documents without a predictor argument read it:
     :func:`estimate_training_memory` and ``OOMGuardian.estimate_safe_batch_size``
     (each logs which predictor it used). Samplers never do: they plan with the
     predictor they are given.
@@ -313,11 +313,11 @@ def estimate_training_memory(
     predictor: MemoryPredictor | None = None,
     is_training: bool = True,
 ) -> dict[str, Any]:
-    """Plans memory and steps of a multi-task run (seed 001's ``estimate_training_memory``).
+    """Plans memory and steps of a multi-task run (the multi-task system's ``estimate_training_memory``).
 
     The memory figures are the predictor's predictions for a batch of
     ``batch_size`` rows mixing the tasks as ``task_distribution`` says, padded
-    to the longest typical length. Without ``predictor`` (seed 001's call), the
+    to the longest typical length. Without ``predictor`` (the multi-task system's call), the
     predictor that last recorded a measurement in this process is used (and
     logged); with none, a ``ValueError`` says how to measure. A task without a
     measurement raises, naming it: nothing is predicted that was not measured.

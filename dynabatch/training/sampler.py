@@ -45,7 +45,8 @@ from dynabatch._validation import (
     check_positive_int,
     check_positive_number,
 )
-from dynabatch.memory.budget import MB, MemoryBudget, check_memory_margin
+from dynabatch.memory.budget import MemoryBudget, check_memory_margin
+from dynabatch.memory.units import MB
 from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.sampling.memory_aware import (
     BatchBytes,

@@ -3,7 +3,7 @@
 Each item of the training dataloader is one optimizer step: micro-batches
 planned under the memory budget by :class:`~dynabatch.MemoryAwareBatchSampler`,
 grouped until they hold ``target_batch_size`` samples. ``training_step`` runs
-them one by one through :func:`~dynabatch.training.guard.guarded_step`
+them one by one through :func:`~dynabatch.training.oom_guardian.guarded_step`
 (an out-of-memory error splits a micro-batch and the gradient stays that of
 the whole step), with the loss of :mod:`dynabatch.training.loss`: task-weighted
 and normalised by the whole step's token (or sample) count. HF's own loop then
@@ -58,7 +58,6 @@ from dynabatch.training._trainer_plan import (
 )
 from dynabatch.training.collate import METADATA_KEYS, HeterogeneousCollator
 from dynabatch.training.gradnorm import GradNormBalancer, shared_parameter
-from dynabatch.training.guard import OOMGuardian, guarded_step
 from dynabatch.training.loss import (
     check_normalization,
     count_items,
@@ -66,6 +65,7 @@ from dynabatch.training.loss import (
     weighted_loss_sum,
 )
 from dynabatch.training.monitor import BatchMetrics, DynamicBatchingMonitor
+from dynabatch.training.oom_guardian import OOMGuardian, guarded_step
 from dynabatch.training.predictor import MB, MemoryPredictor
 from dynabatch.training.sampler import MemoryAwareBatchSampler, read_task_metadata
 

@@ -3,6 +3,7 @@
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 from runner_helpers import (
@@ -108,3 +109,61 @@ def test_a_single_row_that_fails_is_skipped(tokenizer, texts, caplog):
     assert all(torch.equal(got[p], want[p]) for p in range(len(texts)) if p != position)
     assert got.report.failed_rows == 1 and got.report.oom_events == got.report.oom_splits + 1
     assert f"input position {position} ran out of memory on its own" in caplog.text
+
+
+# --- learning from out-of-memory errors --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def row_limited(tokenizer, marian):
+    """A real encoder forward on texts of many lengths, on a device where any call over 24 rows runs out of
+    memory whatever its width (per-row memory the measured peaks do not show, as a large vocabulary's logits),
+    and the results of the same loader without errors."""
+    from dynabatch.demo import kjv_passages, vary_lengths
+
+    texts = vary_lengths(kjv_passages(), n=400, max_words=120, seed=3)
+    loader = _load(texts, tokenizer, batch_size=16, max_input_token_length=128, return_token_type_ids=False)
+    encoder = marian.get_encoder()
+
+    def encode(batch):
+        return encoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state[:, 0]
+
+    with torch.no_grad():
+        want = run(encode, loader, progress=False)
+    return loader, encode, want
+
+
+def _over_24_rows(fn):
+    return _oom_over(fn, 24, lambda: torch.OutOfMemoryError("CUDA out of memory (over 24 rows)"))
+
+
+def test_after_out_of_memory_errors_measured_mode_plans_under_the_lower_limit(row_limited):
+    loader, encode, want = row_limited
+    fn = _over_24_rows(encode)
+    with torch.no_grad():
+        got = run(fn, loader, progress=False)  # measured mode: batches grow as the measured peaks fall
+    assert got.failed == [] and len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    rows = [r.rows for r in got.report.records]
+    failed = [i for i, r in enumerate(got.report.records) if r.oom_events]
+    assert got.report.oom_events <= 5  # without learning: 14 errors in 9 batches, each grown 2x past the last
+    assert max(rows[: failed[0]]) <= 24 < rows[failed[0]]  # the first batch over the real limit failed ...
+    assert max(rows[failed[-1] + 1 :]) == 24  # ... and the batches after the last error grew to the most that fit
+
+
+def test_after_out_of_memory_errors_guarded_mode_caps_rows_under_the_lower_limit(row_limited):
+    loader, encode, want = row_limited
+    order, collate = loader.plan.planner.order, loader.plan.collator
+    sizes = [16] + [40] * 9  # a plain iterable: a first batch of the longest texts, then large batches
+    starts = np.cumsum([0, *sizes, len(order) - sum(sizes)])
+    batches = [collate(order[a:b]) for a, b in zip(starts[:-1], starts[1:])]
+    fn = _over_24_rows(encode)
+    with torch.no_grad():
+        got = run(fn, batches, progress=False)  # guarded mode: batches are split, never re-planned
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert got.report.oom_events <= 5 and got.report.pre_split_batches >= 5
+    last = max(i for i, (rows, _) in enumerate(fn.calls) if rows > 24)
+    assert max(rows for rows, _ in fn.calls[last + 1 :]) <= 24 and min(rows for rows, _ in fn.calls[last + 1 :]) >= 10
+    assert len(fn.calls) <= 2 * len(batches) + 2 * got.report.oom_events  # two calls a batch, and the failed ones

@@ -191,7 +191,7 @@ def _generate(model, new_tokens):
 
 
 def test_generate_probes_run_a_few_steps_and_still_bound_whole_calls(tiny_gpt2):
-    from dynabatch.memory.calibrate import _cut, _vocabulary_texts
+    from dynabatch.memory._probes import _cut, vocabulary_texts
     from dynabatch.memory.measure import track_peak_memory
 
     model, tokenizer = tiny_gpt2
@@ -212,7 +212,7 @@ def test_generate_probes_run_a_few_steps_and_still_bound_whole_calls(tiny_gpt2):
 
     # Whole calls (all 40 steps) at probed shapes and at shapes never probed: never above the prediction.
     rng = np.random.default_rng(1)
-    store = tokenize_texts(_vocabulary_texts(tokenizer, 140, rng), tokenizer, 64, progress=False)
+    store = tokenize_texts(vocabulary_texts(tokenizer, 140, rng), tokenizer, 64, progress=False)
     probed = [(p["rows"], p["padded_length"]) for p in mm.probes_[1:4]]
     budget = 0.9 * float(mm.predict(4, 64))
     held_out = [(3, 37), (int(mm.max_rows(21, budget)), 21), (int(mm.max_rows(50, budget)), 50), (6, 59)]

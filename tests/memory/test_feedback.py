@@ -59,3 +59,16 @@ def test_sparse_measuring_skips_batches_the_bound_already_covers():
     assert not fb.should_measure(16, 160)
     assert fb.should_measure(16, 100)  # half the width: always
     assert MemoryFeedback().should_measure(16, 250)  # not sparse: every batch
+
+
+def test_an_out_of_memory_error_caps_rows_at_every_narrower_width_until_measured_calls_raise_it():
+    fb = MemoryFeedback(sparse=True)
+    fb.observe_parts([(4, 100, 8000)])  # 2000 bytes a row at width 100
+    fb.observe_out_of_memory(rows=8, width=50)  # bound by the width-100 call: 16000 bytes, 2000 a row from now on
+    assert fb.oom.failed_bytes == 16000 and fb.oom_cap(10) == 4  # the halves
+    assert fb.should_measure(4, 10)  # above what ran since the error: measured, to raise the limit
+    fb.observe_parts([(4, 50, 6000)])  # a half of the failed call ran: 1500 bytes a row, floored at 2000
+    assert fb.oom.fitted_bytes == 8000 and fb.oom_cap(10) == 5  # 8000 + 2000 (a quarter of the gap)
+    assert fb.oom_cap(400) == 5  # wider than anything measured: the floor alone
+    fb.observe_parts([(5, 20, 5000)])
+    assert fb.oom.fitted_bytes == 10000 and fb.oom_cap(10) == 6  # 10000 + 2000

@@ -90,7 +90,8 @@ def test_is_out_of_memory_error_recognises_the_cpu_allocator_message():
 @pytest.mark.parametrize(
     ("device", "error", "match"),
     [
-        ("mps", ValueError, r"device should be a 'cpu' or 'cuda' device .*but got device='mps'"),
+        ("mps", ValueError, r"device should be a device whose memory can be measured \('cuda', .*'cpu'\), "
+                           r"but got device='mps'"),
         ("not-a-device", ValueError, r"device should be a valid torch device .*but got device='not-a-device'"),
         (3, TypeError, r"device should be a str or torch.device, but got device=3 of type int"),
     ],

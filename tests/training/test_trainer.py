@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynabatch.multitask import DynamicBatchingTrainer, DynamicBatchingTrainingPipeline, HeterogeneousTrainingConfig, MultiTaskDataset
+from dynabatch.memory.units import MB
+from dynabatch.multitask import (
+    DynamicBatchingTrainer,
+    DynamicBatchingTrainingPipeline,
+    HeterogeneousTrainingConfig,
+    MultiTaskDataset,
+    OOMGuardian,
+)
 from dynabatch.training.sampler import STEP_SEPARATOR
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "multitask_training.py"
@@ -34,6 +41,13 @@ def _config(out, budget, **kw):
     return HeterogeneousTrainingConfig(**base)
 
 
+def test_the_pipeline_calibrates_to_the_guardians_budget_in_mb_of_a_million_bytes(example, tokenizer, tmp_path):
+    model = example.build_model(tokenizer, hidden=32, max_length=32)
+    pipeline = DynamicBatchingTrainingPipeline(_config(tmp_path, 30000), model, tokenizer)  # "30GB" in its docs
+    guardian = OOMGuardian(pipeline.device, 0.10, max_memory_mb=30000)
+    assert pipeline.calibration_budget() == guardian.usable_bytes() == 30000 * MB * 0.9 == 27 * 10**9
+
+
 def test_pipeline_trains_within_a_measured_budget_and_resumes_without_repeating(
     one_thread, example, tokenizer, dataset, tmp_path
 ):
@@ -42,6 +56,7 @@ def test_pipeline_trains_within_a_measured_budget_and_resumes_without_repeating(
     pipeline = DynamicBatchingTrainingPipeline(_config(tmp_path, budget), model, tokenizer)
     result = pipeline.train(dataset)
     trainer = pipeline.trainer
+    assert pipeline.calibration_budget() == pipeline.guardian.usable_bytes()  # probes fill what the guardian allows
 
     metrics = Path(result["metrics_dir"])
     steps = json.loads((metrics / "batch_metrics.json").read_text())

@@ -1,7 +1,8 @@
-"""Out-of-memory safety for training (seed 001's ``OOMGuardian`` and ``GradientCheckpointManager``).
+"""Out-of-memory safety for training (the multi-task system's ``OOMGuardian`` and ``GradientCheckpointManager``).
 
 :func:`guarded_step` runs one micro-batch's forward and backward. If it runs
-out of memory, the batch is split in halves (trailing padding trimmed) and
+out of memory, the batch is split as :mod:`dynabatch.memory.oom`'s policy
+splits every call that ran out of memory (in halves, trailing padding trimmed) and
 each half is run, recursively, so the optimizer still receives the gradient
 of the whole batch (the batch is cut by :func:`dynabatch.data.collate.split_rows`,
 the one splitter, which trims left or right padding):
@@ -16,9 +17,9 @@ the one splitter, which trims left or right padding):
 
 The :class:`OOMGuardian` remembers, per task, the shapes that ran out of
 memory, and later batches of that task at least as wide are split before they
-run to fewer rows than the one that failed (the rule of
-:class:`~dynabatch.memory.budget.MemoryBudget`, which also gives the
-guardian's budget and safe batch sizes).
+run, into equal parts of fewer rows than the one that failed (the policy's
+dominated shapes and equal parts; :class:`~dynabatch.memory.budget.MemoryBudget`
+gives the guardian's budget and safe batch sizes).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,8 +37,10 @@ from torch import nn
 
 from dynabatch._validation import bad_type, bad_value, check_positive_number
 from dynabatch.data.collate import batch_shape, split_rows
-from dynabatch.memory.budget import GB, MAX_ROWS, MB, MemoryBudget, check_memory_margin, failed_cap
-from dynabatch.memory.guard import call_guarded, free_memory
+from dynabatch.memory.budget import MemoryBudget, check_memory_margin
+from dynabatch.memory.device import backend_of, free_bytes, free_memory
+from dynabatch.memory.oom import MAX_ROWS, call_guarded, equal_parts, failed_cap, split_sizes
+from dynabatch.memory.units import GB, MB
 from dynabatch.training.predictor import last_measured_predictor
 
 __all__ = ["GradientCheckpointManager", "GuardedResult", "OOMGuardian", "guarded_step"]
@@ -53,11 +55,11 @@ class OOMGuardian:
         memory_margin_percent: fraction of the budget kept free, in [0, 1)
             (a fraction, despite the name: 0.10 keeps 10% free).
         max_memory_mb: the budget for a step's peak memory in MB (10**6
-            bytes); by default the device's free memory (CUDA) or available
-            RAM (CPU).
+            bytes, as the multi-task system's docs count: 30000 is "30GB"); by
+            default what the device has free (:func:`~dynabatch.memory.device.free_bytes`).
         predictor: a calibrated :class:`~dynabatch.MemoryPredictor` for
             :meth:`estimate_safe_batch_size`; by default the one that last
-            recorded a measurement in the process (seed 001's call passes none).
+            recorded a measurement in the process (the multi-task system's call passes none).
         simulate_limit: CPU only: run guarded steps under the CPU tracker's
             ``limit_bytes`` = ``max_memory_mb``, so going over it raises a real
             out-of-memory error, as on a device of that size.
@@ -89,12 +91,9 @@ class OOMGuardian:
         """The memory a step may use: ``max_memory_mb``, else what the device has free now."""
         if self.max_memory_mb is not None:
             return self.max_memory_mb * MB
-        if self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise bad_value("device", "an available CUDA device, or max_memory_mb= to check against", self.device)
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return float(free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device))
-        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        if not backend_of(self.device).available():
+            raise bad_value("device", "an available device, or max_memory_mb= to check against", self.device)
+        return float(free_bytes(self.device))
 
     def budget(self, task_type: Hashable | None = None, model: Any = None) -> MemoryBudget:
         """The :class:`~dynabatch.memory.budget.MemoryBudget` of a step now: :meth:`budget_bytes`, the margin,
@@ -221,7 +220,7 @@ def guarded_step(
     length = int(batch["input_ids"].shape[1]) if isinstance(batch.get("input_ids"), torch.Tensor) else 0
     known = guardian.remembered_batch_size(task_types, length) if guardian is not None else None
     if known is not None and rows > known:
-        parts = split_rows(batch, [len(p) for p in np.array_split(np.arange(rows), -(-rows // max(known, 1)))])
+        parts = split_rows(batch, equal_parts(rows, known))
         result.splits += len(parts) - 1
     else:
         parts = [batch]
@@ -250,15 +249,15 @@ def _run(step, batch, params, guardian, task_types, measure_on, result: GuardedR
         raise attempt.error
     done = [p for p in params if id(p) in fired]
     todo = [p for p in params if id(p) not in fired]
-    half = rows // 2
+    sizes = split_sizes(rows)
     length = int(batch["input_ids"].shape[1]) if isinstance(batch.get("input_ids"), torch.Tensor) else 0
-    logger.warning("out of memory on %d rows x %d; running it as %d + %d rows", rows, length, half, rows - half)
+    logger.warning("out of memory on %d rows x %d; running it as %s rows", rows, length, " + ".join(map(str, sizes)))
     if guardian is not None:
         guardian.record_out_of_memory(task_types, length, rows)
     result.splits += 1
     result.early_gradients += len(done)
     with _frozen(done):
-        for part in split_rows(batch, [half, rows - half]):
+        for part in split_rows(batch, sizes):
             _run(step, part, todo, guardian, task_types, measure_on, result)
 
 

@@ -1,0 +1,375 @@
+"""The one device layer: every call dynabatch makes about a device's memory goes through here.
+
+A backend per device type (``torch.device(...).type``) answers the same
+questions: is the device here and which one is current, is memory held there,
+synchronize, free and total bytes, the peak-memory tracker of a block of work,
+empty the cache, and is an exception an out-of-memory error of that device.
+
+* ``cuda`` (:class:`CudaBackend`; ROCm builds of torch go through ``torch.cuda``
+  too) and ``xpu`` (:class:`XpuBackend`): the caching allocator's statistics
+  (:class:`AllocatorBackend`: peak reset, allocated bytes, ``mem_get_info``);
+* ``mps`` (:class:`MpsBackend`): free and total bytes and the cache; torch
+  keeps no peak statistics for it, so its peaks cannot be measured;
+* ``cpu`` (:class:`CpuBackend`): the storage tracker
+  (:mod:`~dynabatch.memory._storage_tracker`) measures peaks, with a
+  simulated limit (``limit_bytes``) if asked; free bytes are the system's
+  available memory.
+
+Adding a device type is one class here, registered with :func:`register_backend`
+(a backend over torch's allocator statistics is a subclass of
+:class:`AllocatorBackend` naming its type). Nothing else in dynabatch calls
+``torch.cuda`` (or another device module) about memory.
+
+Free memory is computed once, by :func:`free_bytes`: what the driver has free
+plus what the caching allocator holds without using it, since a call can reuse
+that.
+
+Example:
+    >>> import torch
+    >>> backend_of("cpu").type, is_out_of_memory_error(torch.OutOfMemoryError("CUDA out of memory"))
+    ('cpu', True)
+    >>> is_out_of_memory_error(RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 8 bytes"))
+    True
+    >>> with backend_of("cpu").peak_tracker(torch.device("cpu")) as tracker:
+    ...     _ = torch.ones(256, 256) * 2
+    >>> tracker.peak_bytes  # two 256 x 256 float32 tensors
+    524288
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from dynabatch._validation import bad_type, bad_value
+from dynabatch.memory._storage_tracker import StorageTracker
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = [
+    "AllocatorBackend",
+    "AllocatorPeakTracker",
+    "CpuBackend",
+    "CudaBackend",
+    "DeviceBackend",
+    "MpsBackend",
+    "XpuBackend",
+    "backend_of",
+    "backends",
+    "default_accelerator",
+    "default_device",
+    "device_count",
+    "device_in_use",
+    "free_bytes",
+    "free_memory",
+    "is_out_of_memory_error",
+    "known_backend",
+    "measurable",
+    "register_backend",
+    "total_bytes",
+]
+
+_BACKENDS: dict[str, DeviceBackend] = {}
+
+
+def register_backend(cls: type[DeviceBackend]) -> type[DeviceBackend]:
+    """Registers a backend class for its ``type`` (a class decorator); a later one replaces an earlier one."""
+    if not (isinstance(cls, type) and issubclass(cls, DeviceBackend)) or not cls.type:
+        raise bad_type("cls", "a DeviceBackend subclass with a type", cls)
+    _BACKENDS[cls.type] = cls()
+    return cls
+
+
+def backends() -> list[DeviceBackend]:
+    """Every registered backend, the CPU's last."""
+    return sorted(_BACKENDS.values(), key=lambda b: b.type == "cpu")
+
+
+class DeviceBackend:
+    """What dynabatch asks of one device type. Subclasses set :attr:`type` and override what differs."""
+
+    type: ClassVar[str] = ""
+    """The ``torch.device`` type this backend answers for."""
+    out_of_memory_messages: ClassVar[tuple[str, ...]] = ()
+    """Texts of this device's out-of-memory errors raised as a plain ``RuntimeError``."""
+    measurable: ClassVar[bool] = False
+    """Whether :meth:`peak_tracker` can measure a block's peak here."""
+
+    def module(self) -> Any:
+        """torch's module of this device type (``torch.cuda``), or ``None``."""
+        return getattr(torch, self.type, None)
+
+    def _call(self, name: str, *args: Any, default: Any = None) -> Any:
+        fn = getattr(self.module(), name, None)
+        return fn(*args) if callable(fn) else default
+
+    def available(self) -> bool:
+        """Whether a device of this type is here."""
+        return bool(self._call("is_available", default=False))
+
+    def count(self) -> int:
+        """How many devices of this type are here."""
+        return int(self._call("device_count", default=0)) if self.available() else 0
+
+    def current(self) -> torch.device:
+        """The current device of this type, with its index when it has one."""
+        index = self._call("current_device")
+        return torch.device(self.type) if index is None else torch.device(self.type, int(index))
+
+    def in_use(self) -> bool:
+        """Whether this process holds memory on the current device (a model was moved there)."""
+        return False
+
+    def synchronize(self, device: torch.device) -> None:
+        """Waits for the device's queued work."""
+
+    def empty_cache(self) -> None:
+        """Returns the allocator's cached, unused blocks to the device."""
+
+    def free_and_total(self, device: torch.device) -> tuple[int, int]:
+        """Bytes free for this process on ``device`` and its total bytes."""
+        raise bad_value("device", f"a device whose free memory torch reports (not {self.type})", str(device))
+
+    def peak_tracker(self, device: torch.device, limit_bytes: int | None = None) -> Any:
+        """A context manager measuring the peak bytes a block allocates on ``device`` beyond what it held
+        before: ``mark()`` ends a segment and returns its peak; ``segment_peak_bytes`` (the last segment's)
+        and ``peak_bytes`` are read after the block."""
+        raise bad_value("device", "a device whose memory can be measured "
+                        f"({', '.join(repr(b.type) for b in backends() if b.measurable)})", str(device))
+
+    def is_out_of_memory(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is this device's out-of-memory error."""
+        return isinstance(exc, RuntimeError) and any(m in str(exc) for m in self.out_of_memory_messages)
+
+
+class AllocatorPeakTracker:
+    """A block's peak bytes from a caching allocator's statistics (reset the peak, read allocated and the peak)."""
+
+    def __init__(self, backend: AllocatorBackend, device: torch.device) -> None:
+        self.backend, self.device = backend, device
+        self.before = 0
+        self.segment_peak_bytes = 0
+        self.peak_bytes = 0
+
+    def __enter__(self) -> Self:
+        b = self.backend
+        b.synchronize(self.device)
+        b.reset_peak(self.device)
+        self.before = b.allocated(self.device)
+        return self
+
+    def _segment(self) -> int:
+        peak = max(0, self.backend.max_allocated(self.device) - self.before)
+        self.peak_bytes = max(self.peak_bytes, peak)
+        return peak
+
+    def mark(self) -> int:
+        """Ends a segment and returns its peak; the next one starts at what is held now."""
+        # The allocator counts allocations as the host asks for them: no synchronization needed here.
+        peak = self._segment()
+        self.backend.reset_peak(self.device)
+        return peak
+
+    def __exit__(self, *exc: object) -> None:
+        self.backend.synchronize(self.device)
+        self.segment_peak_bytes = self._segment()
+
+
+class AllocatorBackend(DeviceBackend):
+    """A device whose torch module keeps caching-allocator statistics (``torch.cuda``'s functions)."""
+
+    measurable = True
+
+    def allocated(self, device: torch.device) -> int:
+        return int(self._call("memory_allocated", device, default=0))
+
+    def max_allocated(self, device: torch.device) -> int:
+        return int(self._call("max_memory_allocated", device, default=0))
+
+    def reset_peak(self, device: torch.device) -> None:
+        self._call("reset_peak_memory_stats", device)
+
+    def in_use(self) -> bool:
+        if not self.available() or not self._call("is_initialized", default=True):
+            return False
+        return self.allocated(self.current()) > 0
+
+    def synchronize(self, device: torch.device) -> None:
+        self._call("synchronize", device)
+
+    def empty_cache(self) -> None:
+        if self.available():
+            self._call("empty_cache")
+
+    def free_and_total(self, device: torch.device) -> tuple[int, int]:
+        info = self._call("mem_get_info", device)
+        if info is None:  # a torch too old to report it
+            return super().free_and_total(device)
+        free, total = info
+        unused_cache = int(self._call("memory_reserved", device, default=0)) - self.allocated(device)
+        return int(free) + max(0, unused_cache), int(total)
+
+    def peak_tracker(self, device: torch.device, limit_bytes: int | None = None) -> AllocatorPeakTracker:
+        if limit_bytes is not None:
+            raise bad_value("limit_bytes", f"None on a {self.type.upper()} device (the device's own memory is the "
+                            "limit)", limit_bytes)
+        return AllocatorPeakTracker(self, device)
+
+
+@register_backend
+class CudaBackend(AllocatorBackend):
+    """NVIDIA GPUs, and AMD GPUs under ROCm (whose torch answers through ``torch.cuda``)."""
+
+    type = "cuda"
+    out_of_memory_messages = ("CUDA out of memory", "HIP out of memory")
+
+
+@register_backend
+class XpuBackend(AllocatorBackend):
+    """Intel GPUs (``torch.xpu``)."""
+
+    type = "xpu"
+    out_of_memory_messages = ("XPU out of memory",)
+
+
+@register_backend
+class MpsBackend(DeviceBackend):
+    """Apple GPUs (``torch.mps``): free and total bytes and the cache; no peak statistics, so not measurable."""
+
+    type = "mps"
+    out_of_memory_messages = ("MPS backend out of memory",)
+
+    def current(self) -> torch.device:
+        return torch.device("mps")
+
+    def count(self) -> int:
+        return 1 if self.available() else 0
+
+    def in_use(self) -> bool:
+        return self.available() and int(self._call("current_allocated_memory", default=0)) > 0
+
+    def synchronize(self, device: torch.device) -> None:
+        self._call("synchronize")
+
+    def empty_cache(self) -> None:
+        if self.available():
+            self._call("empty_cache")
+
+    def free_and_total(self, device: torch.device) -> tuple[int, int]:
+        total = int(self._call("recommended_max_memory", default=0))
+        return max(0, total - int(self._call("driver_allocated_memory", default=0))), total
+
+
+@register_backend
+class CpuBackend(DeviceBackend):
+    """The CPU: peaks from the storage tracker (with a simulated ``limit_bytes``), the system's available memory."""
+
+    type = "cpu"
+    out_of_memory_messages = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+    measurable = True
+
+    def available(self) -> bool:
+        return True
+
+    def count(self) -> int:
+        return 1
+
+    def current(self) -> torch.device:
+        return torch.device("cpu")
+
+    def free_and_total(self, device: torch.device) -> tuple[int, int]:
+        try:
+            page = os.sysconf("SC_PAGE_SIZE")
+            return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+        except (ValueError, OSError, AttributeError):  # a platform without these sysconf names
+            raise bad_value("device", "a device whose free memory is known (this system does not report the "
+                            "CPU's; give the budget in bytes)", str(device)) from None
+
+    def peak_tracker(self, device: torch.device, limit_bytes: int | None = None) -> StorageTracker:
+        return StorageTracker(limit_bytes=limit_bytes)
+
+
+# -- what the rest of dynabatch calls --------------------------------------------------------------------
+
+
+def _as_device(device: Any) -> torch.device:
+    return device if isinstance(device, torch.device) else torch.device(device)
+
+
+def known_backend(kind: str) -> DeviceBackend | None:
+    """The backend registered for device type ``kind`` (``"cuda"``), or ``None``."""
+    return _BACKENDS.get(kind)
+
+
+def backend_of(device: Any) -> DeviceBackend:
+    """The backend of ``device`` (a str, a ``torch.device`` or a device type)."""
+    kind = _as_device(device).type
+    if kind not in _BACKENDS:
+        raise bad_value("device", f"a device of a type dynabatch knows ({', '.join(sorted(_BACKENDS))})", str(device))
+    return _BACKENDS[kind]
+
+
+def measurable(device: Any) -> bool:
+    """Whether the memory of ``device`` (a ``torch.device``) can be measured: its type has a measuring backend."""
+    backend = known_backend(_as_device(device).type)
+    return backend is not None and backend.measurable
+
+
+def is_out_of_memory_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is an out-of-memory error: ``torch.OutOfMemoryError``, or any backend's message."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return any(b.is_out_of_memory(exc) for b in _BACKENDS.values())
+
+
+def free_memory() -> None:
+    """Collects garbage and returns every available accelerator's cached blocks."""
+    gc.collect()
+    for b in backends():
+        b.empty_cache()
+
+
+def free_bytes(device: Any) -> int:
+    """Bytes this process can still allocate on ``device``: the driver's free bytes plus the allocator's
+    cached, unused blocks (the system's available memory on the CPU)."""
+    dev = _as_device(device)
+    return backend_of(dev).free_and_total(dev)[0]
+
+
+def total_bytes(device: Any) -> int:
+    """The device's total bytes."""
+    dev = _as_device(device)
+    return backend_of(dev).free_and_total(dev)[1]
+
+
+def device_count(kind: str) -> int:
+    """How many devices of type ``kind`` (``"cuda"``) are here (0 for a type without a backend)."""
+    return _BACKENDS[kind].count() if kind in _BACKENDS else 0
+
+
+def default_accelerator() -> torch.device | None:
+    """The first available accelerator's type as a device (``cuda``, then ``xpu``, then ``mps``), else ``None``."""
+    for b in backends():
+        if b.type != "cpu" and b.available():
+            return torch.device(b.type)
+    return None
+
+
+def default_device() -> torch.device:
+    """The first available accelerator whose memory can be measured (``cuda``, ``xpu``), else the CPU."""
+    for b in backends():
+        if b.measurable and b.available():
+            return torch.device(b.type)
+    return torch.device("cpu")
+
+
+def device_in_use() -> torch.device | None:
+    """The current device of the first accelerator on which this process holds memory, else ``None``."""
+    for b in backends():
+        if b.type != "cpu" and b.in_use():
+            return b.current()
+    return None

@@ -1,0 +1,108 @@
+"""The one unit of memory: bytes inside, and the one parser of memory sizes.
+
+Every memory size dynabatch takes is parsed here, by :func:`parse_memory`, and
+every argument or figure in other units converts through this module's
+constants, so ``"GB"`` means the same number of bytes everywhere:
+
+* ``B``, ``KB``, ``MB``, ``GB``, ``TB``: powers of 1000 (as accelerate parses them);
+* ``KiB``, ``MiB``, ``GiB``, ``TiB``: powers of 1024;
+* ``"80%"``: a percentage of an accelerator's free memory, read through
+  :func:`dynabatch.memory.device.free_bytes`.
+
+An argument named ``*_mb`` (the multi-task system's ``max_memory_mb``,
+``record_actual_memory``'s ``actual_memory_mb``, the monitor's
+``memory_allocated_mb``) is in :data:`MB`, 10**6 bytes: that system documents
+``max_memory_mb = 30000`` as a "30GB GPU memory limit". A figure named ``*_gb``
+is in :data:`GB`. :data:`MIB` and :data:`GIB` are for what dynabatch prints in
+binary units (a probe's ``12.5 MiB``).
+
+Example:
+    >>> parse_memory("12GB"), parse_memory("512 MiB"), parse_memory(1e9)
+    (12000000000.0, 536870912.0, 1000000000.0)
+    >>> 30000 * MB == 30 * GB
+    True
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from typing import Any
+
+from dynabatch._validation import bad_type, bad_value
+
+__all__ = ["GB", "GIB", "KIB", "MB", "MIB", "parse_memory"]
+
+MB = 10.0**6
+"""A megabyte, as parsed from ``"MB"`` and meant by every ``*_mb`` argument: 10**6 bytes."""
+GB = 10.0**9
+"""A gigabyte, as parsed from ``"GB"`` and meant by every ``*_gb`` value: 10**9 bytes."""
+KIB = float(2**10)
+"""A kibibyte, ``"KiB"``: 2**10 bytes."""
+MIB = float(2**20)
+"""A mebibyte, ``"MiB"``: 2**20 bytes."""
+GIB = float(2**30)
+"""A gibibyte, ``"GiB"``: 2**30 bytes."""
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*|%)\s*$")
+_MEMORY_RULE = ("a number of bytes > 0, a size such as '12GB' or '512MiB', or a percentage such as '80%' "
+                "(of an accelerator)")
+
+
+def _percent_of_free(name: str, value: str, number: float, device: Any) -> float:
+    from dynabatch.memory.device import default_accelerator, free_bytes
+
+    if not 0 < number <= 100:
+        raise bad_value(name, "a percentage in (0%, 100%] of an accelerator's free memory", value)
+    on = default_accelerator() if device is None else device
+    if on is None or str(on).split(":")[0] == "cpu":
+        raise bad_value(name, "bytes or a size such as '12GB' on the CPU (a percentage is of an accelerator's "
+                        "free memory)", value)
+    return free_bytes(on) * number / 100
+
+
+def parse_memory(value: Any, name: str = "max_memory", *, device: Any = None) -> float | None:
+    """A memory size in bytes: the one parser of every memory size dynabatch takes.
+
+    Args:
+        value: ``None``; a number of bytes > 0; a string of a number and a unit
+            (``B``, ``KB``/``MB``/``GB``/``TB`` in powers of 1000,
+            ``KiB``/``MiB``/``GiB``/``TiB`` in powers of 1024, any case); or a
+            percentage in (0, 100] of an accelerator's free memory
+            (:func:`~dynabatch.memory.device.free_bytes`), refused on the CPU.
+        name: the argument's name, for error messages.
+        device: the accelerator of a percentage (default: the current one).
+
+    Raises:
+        TypeError: not a number or str.
+        ValueError: not positive, an unknown unit, a percentage outside (0, 100]
+            or without an accelerator.
+
+    Example:
+        >>> parse_memory("12XB")
+        Traceback (most recent call last):
+        ...
+        ValueError: max_memory should be a number of bytes > 0, a size such as '12GB' or '512MiB', or a percentage such as '80%' (of an accelerator), but got max_memory='12XB'
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        raise bad_type(name, _MEMORY_RULE, value)
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        unit = match.group(2).upper() if match else None
+        if match is None or (unit != "%" and unit not in _UNITS):
+            raise bad_value(name, _MEMORY_RULE, value)
+        number = float(match.group(1))
+        if unit == "%":
+            nbytes = _percent_of_free(name, value, number, device)
+        else:
+            nbytes = number * _UNITS[unit]
+    else:
+        nbytes = float(value)
+    if not (nbytes > 0 and math.isfinite(nbytes)):
+        raise bad_value(name, _MEMORY_RULE, value)
+    return float(nbytes)

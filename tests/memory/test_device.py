@@ -1,0 +1,167 @@
+"""The device layer (memory/device.py): each backend's calls, on the CPU with torch's device functions replaced.
+
+No accelerator here: CUDA's and XPU's allocator statistics, MPS's memory figures and a new device type's module
+are counters standing in for torch's functions, so the layer's own code runs as it would on those devices.
+"""
+
+import re
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from dynabatch.memory import device
+from dynabatch.memory.device import (
+    AllocatorBackend,
+    backend_of,
+    default_accelerator,
+    device_in_use,
+    free_bytes,
+    free_memory,
+    is_out_of_memory_error,
+    register_backend,
+    total_bytes,
+)
+from dynabatch.memory.measure import check_device, check_measurable_device, track_peak_memory
+
+
+class _FakeAllocator:
+    """A torch device module's allocator statistics over a counter (``torch.cuda``'s functions, by name)."""
+
+    def __init__(self, held=1000, free=8000, total=16000, reserved=1500):
+        self.allocated = self.peak = held
+        self.free, self.total, self.reserved = free, total, reserved
+        self.emptied = 0
+
+    def functions(self):
+        return {
+            "is_available": lambda: True, "is_initialized": lambda: True, "device_count": lambda: 1,
+            "current_device": lambda: 0, "synchronize": lambda device=None: None,
+            "reset_peak_memory_stats": self.reset, "memory_allocated": lambda device=None: self.allocated,
+            "max_memory_allocated": lambda device=None: self.peak, "memory_reserved": lambda device=None: self.reserved,
+            "mem_get_info": lambda device=None: (self.free, self.total), "empty_cache": self.empty,
+        }
+
+    def install(self, monkeypatch, module):
+        for name, fn in self.functions().items():
+            monkeypatch.setattr(module, name, fn, raising=False)
+        return self
+
+    def reset(self, device=None):
+        self.peak = self.allocated
+
+    def empty(self):
+        self.emptied += 1
+
+    def alloc(self, n):
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def release(self, n):
+        self.allocated -= n
+
+
+@pytest.mark.parametrize("kind", ["cuda", "xpu"])
+def test_allocator_backends_answer_through_torchs_statistics(monkeypatch, kind):
+    fake = _FakeAllocator(held=1000).install(monkeypatch, getattr(torch, kind))
+    with track_peak_memory(kind) as mem:  # what was held before (weights) is never counted
+        fake.alloc(500)
+        mem.mark()
+        fake.alloc(300)
+        fake.release(300)
+        fake.release(400)
+    assert mem.device == torch.device(kind, 0) and mem.segment_peaks == [500, 800] and mem.peak_bytes == 800
+    assert free_bytes(kind) == 8000 + 1500 - 1100  # free, plus cached blocks the allocator holds unused
+    assert total_bytes(f"{kind}:0") == 16000
+    assert device_in_use() == torch.device(kind, 0) and backend_of(kind).count() == 1
+    free_memory()
+    assert fake.emptied == 1
+    assert check_measurable_device("device", kind) == torch.device(kind, 0)
+    with pytest.raises(ValueError, match=rf"device should be an available device \(this machine has 1 "
+                                         rf"{kind.upper()} device\(s\), {kind}:0 to {kind}:0\), but got device='{kind}:2'"):
+        check_device("device", f"{kind}:2")
+    with pytest.raises(ValueError, match=rf"limit_bytes should be None on a {kind.upper()} device"):
+        with track_peak_memory(kind, limit_bytes=10):
+            pass
+
+
+def test_a_missing_accelerator_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device should be an available device \(torch.xpu.is_available\(\) is "
+                                         r"False: no XPU device here\), but got device='xpu'"):
+        check_device("device", "xpu")
+
+
+def test_mps_reports_free_memory_but_cannot_be_measured(monkeypatch):
+    for name, fn in {"is_available": lambda: True, "recommended_max_memory": lambda: 16000,
+                     "driver_allocated_memory": lambda: 6000, "current_allocated_memory": lambda: 4000}.items():
+        monkeypatch.setattr(torch.mps, name, fn)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
+    assert free_bytes("mps") == 10000 and total_bytes("mps") == 16000
+    assert device_in_use() == torch.device("mps") and default_accelerator() == torch.device("mps")
+    with pytest.raises(ValueError, match=r"device should be a device whose memory can be measured \('cuda', .*'cpu'\), "
+                                         r"but got device='mps'"):
+        with track_peak_memory("mps"):
+            pass
+
+
+def test_without_an_accelerator_the_cpu_is_the_device(monkeypatch):
+    for kind in ("cuda", "xpu", "mps"):
+        monkeypatch.setattr(getattr(torch, kind), "is_available", lambda: False)
+    assert device_in_use() is None and default_accelerator() is None
+    assert device.default_device() == torch.device("cpu")
+    assert 0 < free_bytes("cpu") <= total_bytes("cpu")
+    with pytest.raises(ValueError, match=r"device should be a device of a type dynabatch knows \(cpu, cuda, .*mps, "
+                                         r"xpu\), but got device='meta'"):
+        backend_of("meta")
+
+
+@pytest.mark.parametrize("message", ["CUDA out of memory. Tried to allocate 2.00 GiB", "HIP out of memory.",
+                                     "XPU out of memory, please use `empty_cache`",
+                                     "MPS backend out of memory (MPS allocated: 1 GB)",
+                                     "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"])
+def test_every_backends_out_of_memory_error_is_recognised(message):
+    assert is_out_of_memory_error(RuntimeError(message)) and is_out_of_memory_error(torch.OutOfMemoryError(message))
+    assert not is_out_of_memory_error(RuntimeError("shape mismatch")) and not is_out_of_memory_error(ValueError(message))
+
+
+def test_a_new_device_type_is_one_registered_class(monkeypatch):
+    monkeypatch.setattr(device, "_BACKENDS", dict(device._BACKENDS))  # the registration ends with this test
+    fake = _FakeAllocator(held=0)
+    monkeypatch.setattr(torch, "hpu", types.SimpleNamespace(**fake.functions()), raising=False)
+
+    @register_backend
+    class HpuBackend(AllocatorBackend):
+        type = "hpu"
+        out_of_memory_messages = ("HPU out of memory",)
+
+    with track_peak_memory("hpu") as mem:
+        fake.alloc(4096)
+    assert mem.peak_bytes == 4096 and mem.device == torch.device("hpu", 0)
+    assert is_out_of_memory_error(RuntimeError("HPU out of memory")) and free_bytes("hpu") == 8000  # no unused cache
+    with pytest.raises(TypeError, match="cls should be a DeviceBackend subclass with a type"):
+        register_backend(object)
+
+
+def test_no_module_outside_the_device_layer_calls_a_device_module():
+    root = Path(device.__file__).resolve().parents[1]
+    call = re.compile(r"\btorch\.(cuda|xpu|mps|hpu)\.\w+\(")
+    found = [f"{path.relative_to(root)}:{n}" for path in root.rglob("*.py") if path.name != "device.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1) if call.search(line)]
+    assert found == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_real_gpu_free_bytes_and_out_of_memory_errors():
+    held = torch.ones(1024, 1024, device="cuda")
+    assert 0 < free_bytes("cuda") <= total_bytes("cuda") and device_in_use() is not None
+    try:
+        torch.empty(total_bytes("cuda") * 2, dtype=torch.uint8, device="cuda")
+    except Exception as exc:  # noqa: BLE001 - the error torch raises is what is checked
+        assert is_out_of_memory_error(exc)
+    else:
+        pytest.fail("allocating twice the device's memory should fail")
+    del held
