@@ -16,6 +16,7 @@ from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts
 from dynabatch.data.training_collate import TrainingCollator
 from dynabatch.generation import generate
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
+from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.runner import BatchOutOfMemoryError, RunResult, run
 from dynabatch.memory.budget import MemoryBudget
 from dynabatch.memory.calibrate import calibrate
@@ -54,6 +55,7 @@ __all__ = [
     "ModelShape",
     "MultipackBatchSampler",
     "PackedCollator",
+    "PerRow",
     "PlannedBatchSampler",
     "RunResult",
     "SizeAwareBatchSampler",

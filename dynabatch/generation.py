@@ -57,6 +57,7 @@ import torch
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.tokenization import are_token_ids, check_tokenizer, model_max_length
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
+from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.results import RunResult
 from dynabatch.inference.runner import run
 from dynabatch.memory.shape import ModelShape, check_position_limit, position_limit
@@ -259,7 +260,7 @@ def generate(
     stops_early = any(generate_kwargs.get(name) is not None for name in _STOPS_WITHOUT_EOS)
     pad_token_id = loader.plan.collator.pad_token_id if stops_early else None  # else rows without EOS are whole
 
-    def replies(batch: Any) -> list[Any]:
+    def replies(batch: Any) -> PerRow:
         out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **generate_kwargs)
         sequences = getattr(out, "sequences", out)  # return_dict_in_generate=True: the sequences alone
         rows = reply_ids(sequences, batch["input_ids"].shape[1], encoder_decoder=encoder_decoder, eos_ids=eos_ids,
@@ -268,7 +269,7 @@ def generate(
             rows = tokenizer.batch_decode(rows, skip_special_tokens=skip_special_tokens)
         if returns > 1:  # generate's rows come prompt by prompt, k each
             rows = [rows[i : i + returns] for i in range(0, len(rows), returns)]
-        return rows
+        return PerRow(rows)
 
     if device is None:
         device = getattr(model, "device", None)

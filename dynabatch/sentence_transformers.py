@@ -53,6 +53,7 @@ import torch
 
 from dynabatch._validation import bad_value, check_positive_int
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
+from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.runner import run
 from dynabatch.memory.shape import position_limit
 
@@ -124,33 +125,31 @@ def _length_limit(model: Any) -> tuple[int, int | None]:
     return found[2], found[2]
 
 
-def _real_rows(values: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
-    """Each row of a per-token tensor cut to the row's own tokens (attention mask 1)."""
-    return [row[keep] for row, keep in zip(values, mask.bool())]
+_READINGS = {"sentence_embedding": "whole", "token_embeddings": "per_token", None: "per_token"}
+"""How :func:`dynabatch.run` reads each output's tensors: pooled vectors whole, per-token ones cut by the mask."""
 
 
 def _row_outputs(features: dict[str, Any], output_value: str | None, normalize: bool, truncate_dim: int | None) -> Any:
-    """What one batch gives per row, as ``model.encode`` computes it for the batch."""
+    """What one batch gives, as ``model.encode`` computes it for the batch (rows split by ``run``'s rule)."""
     from sentence_transformers.util import truncate_embeddings
 
     if truncate_dim is not None:
         features["sentence_embedding"] = truncate_embeddings(features["sentence_embedding"], truncate_dim)
-    mask = features["attention_mask"]
     if output_value == "sentence_embedding":
         embeddings = features["sentence_embedding"]
         return torch.nn.functional.normalize(embeddings, p=2, dim=1) if normalize else embeddings
     if output_value == "token_embeddings":
-        return _real_rows(features["token_embeddings"], mask)
-    rows, width = mask.shape
-    columns = {}
-    for name, value in features.items():
-        if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[:2] == (rows, width):
-            columns[name] = _real_rows(value, mask)
+        return features["token_embeddings"]
+    rows = features["attention_mask"].shape[0]
+    out = {}
+    for name, value in features.items():  # per-token tensors as they are: run cuts them by the attention mask
+        if name == "sentence_embedding":  # pooled, whatever its size (it may equal the batch's width)
+            out[name] = PerRow(value.unbind(0))
         elif isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == rows:
-            columns[name] = list(value)
-        else:
-            columns[name] = [value] * rows
-    return [{name: column[r] for name, column in columns.items()} for r in range(rows)]
+            out[name] = value
+        else:  # the same for every row (modality, prompt_length), as encode gives it
+            out[name] = PerRow([value] * rows)
+    return out
 
 
 def _check_arguments(output_value: Any, precision: Any, batch_size: Any, device: Any, pool: Any) -> None:
@@ -211,7 +210,8 @@ def _run_rows(model: Any, inputs: list[str], prompt: str | None, batch_size: int
         return _row_outputs(features, output_value, normalize, truncate_dim)
 
     with torch.inference_mode():
-        return run(rows, loader, device=device, progress=progress, **run_options)
+        return run(rows, loader, device=device, progress=progress, token_outputs=_READINGS[output_value],
+                   **run_options)
 
 
 def encode(

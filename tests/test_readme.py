@@ -30,6 +30,19 @@ def test_quick_start_runs_and_gives_one_embedding_per_text(quick_start):
     assert report.max_peak_ratio is not None and report.max_peak_ratio <= 1.02  # measured: none above the first
 
 
+def test_quick_start_embeddings_are_the_models_own_sentence_transformers_vectors(quick_start):
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    from dynabatch.demo import minilm_path
+
+    sample = np.random.default_rng(0).choice(1000, size=120, replace=False)
+    texts = [quick_start["texts"][i] for i in sample]
+    want = SentenceTransformer(minilm_path(), device="cpu").encode(texts, batch_size=32, convert_to_tensor=True)
+    cosine = (quick_start["embeddings"][sample] * want).sum(1) / want.norm(dim=1)
+    assert float(cosine.min()) >= 0.9999
+
+
 def test_the_generate_snippet_runs_with_a_generative_model(tokenizer):
     import copy
 

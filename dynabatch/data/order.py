@@ -12,9 +12,9 @@ The usual loop collects both, batch by batch::
 
     outputs, indices = [], []
     for batch in loader:
-        outputs.append(model(**batch.to(device)).last_hidden_state[:, 0].cpu())
+        outputs.append(model(**batch.to(device)).logits.cpu())
         indices.append(batch.indices)
-    embeddings = restore_order(outputs, indices)  # embeddings[p] belongs to texts[p]
+    logits = restore_order(outputs, indices)  # logits[p] belongs to texts[p]
 
 Example:
     >>> import torch

@@ -27,7 +27,7 @@ from dynabatch.data.collate import split_rows as split_batch
 from dynabatch.inference._explain import explain_index_errors
 from dynabatch.inference._queue import BatchQueue, Item
 from dynabatch.inference._resume import ResultsFile
-from dynabatch.inference.outputs import split_rows
+from dynabatch.inference.outputs import RowSplitter
 from dynabatch.inference.report import BatchRecord, RunReport
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
 from dynabatch.memory.guard import call_guarded
@@ -59,12 +59,14 @@ class Executor:
     """
 
     def __init__(self, fn: Callable[[Batch], Any], queue: BatchQueue, *, device: Any, on_oom: str,
-                 memory_device: Any, results_file: ResultsFile | None, bar: Any, lockstep: bool = False) -> None:
+                 memory_device: Any, results_file: ResultsFile | None, bar: Any, lockstep: bool = False,
+                 token_outputs: str = "auto") -> None:
         self.fn = explain_index_errors(fn)  # an embedding IndexError names its likely cause
         self.queue = queue
         self.device = device
         self._prepare = (lambda b: b.to(device)) if device is not None else None  # moves each piece to device
         self.on_oom = on_oom
+        self.rows = RowSplitter(queue.pad_token_id, token_outputs, queue.padding_side)  # fn's rule, kept for the run
         self.memory_device = memory_device
         self.results_file = results_file
         self.bar = bar
@@ -182,7 +184,7 @@ class Executor:
             attempt = call_guarded(
                 self.fn, piece, measure_on=self.memory_device if measure else None,
                 prepare=self._prepare,
-                finish=lambda out, piece=piece: split_rows(out, piece, pad_token_id=self.queue.pad_token_id),
+                finish=lambda out, piece=piece: self.rows.split(out, piece),
             )
             if attempt.error is not None:
                 skipped = self._out_of_memory(item, record, piece, attempt.error, stack, done, start)

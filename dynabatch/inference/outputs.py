@@ -1,8 +1,27 @@
-"""Per-row results from what a callable returned for a batch: :func:`split_rows`.
+"""Per-row results from what a callable returned for a batch: the row rule.
 
-:func:`split_rows` turns a tensor, a list or tuple, a dict or ``ModelOutput``
-into one item per row, on the CPU, with the batch's padding taken off token-id
-rows (``generate`` outputs).
+:class:`RowSplitter` turns what ``fn(batch)`` returned into one item per row of
+the batch, on the CPU, by a written rule that never depends on how many rows
+the batch has or which texts it holds. ``docs/inference.md`` has the rule as a
+table; in short:
+
+* a tensor (or numpy array) with the batch dimension first gives each row its
+  slice; a tuple, list or dict of such tensors gives each row a tuple, list or
+  dict of its own slices (a dict or ``ModelOutput`` leaves out values without
+  a batch dimension: a loss, a cache);
+* a list (or tuple) of as many items as rows, whose items are not batch-first
+  tensors, is one item per row; :class:`PerRow` says so explicitly; a list of
+  as many batch-first tensors as rows is ambiguous and refused;
+* a per-token tensor (dimension 1 equal to the batch's width) is cut to the
+  row's real tokens by its attention mask, whatever its dtype and pad id;
+* a generated sequence (a 2-D integer tensor wider than the batch, or one that
+  starts with the batch's ``input_ids``) loses the batch's padding and keeps
+  its tokens.
+
+``token_outputs`` overrides the last two rules. What each tensor field turned
+out to be at its first batch is kept for the whole run, so a later batch whose
+width happens to equal a pooled vector's size cannot change how its rows are
+cut; an output that contradicts its first batch's reading is refused.
 
 Example:
     >>> import torch
@@ -13,10 +32,14 @@ Example:
     >>> generated = torch.tensor([[0, 7, 8, 5, 0], [0, 0, 9, 6, 3]])  # the prompt echoed, then new tokens
     >>> [row.tolist() for row in split_rows(generated, batch, pad_token_id=0)]
     [[7, 8, 5], [9, 6, 3]]
+    >>> tags = torch.tensor([[0, 3, 0], [0, 0, 0]])  # per-token labels; label 0 equals the pad id
+    >>> [row.tolist() for row in split_rows(tags, batch, pad_token_id=0)]
+    [[3, 0], [0]]
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,9 +47,41 @@ import numpy as np
 import torch
 
 from dynabatch._validation import bad_type, bad_value
-from dynabatch.data.collate import Batch
 
-__all__ = ["split_rows", "to_cpu"]
+__all__ = ["TOKEN_OUTPUTS", "PerRow", "RowSplitter", "check_token_outputs", "split_rows", "to_cpu"]
+
+logger = logging.getLogger(__name__)
+
+TOKEN_OUTPUTS = ("auto", "per_token", "generated", "whole")
+"""How ``run`` reads token-shaped tensors: ``"auto"`` (the rule), ``"per_token"`` (every tensor whose
+dimension 1 is the batch's width is cut by the attention mask, never read as generated), ``"generated"``
+(every 2-D integer tensor is generated ids: padding stripped), ``"whole"`` (nothing is cut)."""
+
+_PER_TOKEN, _GENERATED, _ROW = "per-token", "generated", "per-row"
+_HOW = ("return a tuple of batch-first tensors (one field per element), or dynabatch.PerRow(items) for one "
+        "item per row")
+
+
+def check_token_outputs(token_outputs: Any) -> None:
+    """``token_outputs`` is one of :data:`TOKEN_OUTPUTS` (``TypeError`` / ``ValueError`` otherwise)."""
+    if not isinstance(token_outputs, str):
+        raise bad_type("token_outputs", f"one of {TOKEN_OUTPUTS}", token_outputs)
+    if token_outputs not in TOKEN_OUTPUTS:
+        raise bad_value("token_outputs", f"one of {TOKEN_OUTPUTS}", token_outputs)
+
+
+class PerRow(list):
+    """What ``fn(batch)`` returns to say "one item per row, as given": no tensor in it is sliced or cut.
+
+    Use it where a list would be ambiguous, such as a list of tensors whose
+    first dimension happens to equal the number of rows (per-row replies of
+    ``generate``, variable-size arrays).
+
+    Example:
+        >>> from dynabatch import PerRow
+        >>> PerRow(["first row", "second row"])
+        ['first row', 'second row']
+    """
 
 
 def _compact_cpu(tensor: torch.Tensor) -> torch.Tensor:
@@ -37,26 +92,254 @@ def _compact_cpu(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _is_token_ids(tensor: torch.Tensor) -> bool:
-    return tensor.ndim == 2 and not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+def to_cpu(item: Any) -> Any:
+    """Tensors (also inside plain lists, tuples and dicts) detached, on the CPU and compact; other values as they are."""
+    if isinstance(item, torch.Tensor):
+        return _compact_cpu(item)
+    if isinstance(item, (list, tuple)):
+        return type(item)(to_cpu(x) for x in item) if type(item) in (list, tuple, PerRow) else item
+    if isinstance(item, dict) and type(item) is dict:
+        return {key: to_cpu(value) for key, value in item.items()}
+    return item
 
 
-def _leading_padding(batch: Batch, pad_token_id: int) -> list[int] | None:
-    """Padding columns before each row's first token, for a batch's echoed prompt; ``None`` without input_ids."""
-    inputs = batch.get("input_ids")
-    if not isinstance(inputs, torch.Tensor) or inputs.ndim != 2:
-        return None
-    mask = batch.get("attention_mask")
-    real = mask if isinstance(mask, torch.Tensor) and mask.shape == inputs.shape else inputs != pad_token_id
-    real = real.detach().cpu().bool()
-    width = real.shape[1]
-    any_real = real.any(dim=1)
-    first = real.to(torch.int8).argmax(dim=1)  # first real column (0 when the row has none)
-    return torch.where(any_real, first, torch.full_like(first, width)).tolist()
+def _is_array(value: Any) -> bool:
+    return isinstance(value, (torch.Tensor, np.ndarray))
 
 
-def _token_rows(tensor: torch.Tensor, batch: Batch, pad_token_id: int | None) -> list[torch.Tensor]:
-    """Rows of a 2-D token-id tensor without the batch's padding.
+def _batch_first(value: Any, n: int) -> bool:
+    return _is_array(value) and value.ndim >= 1 and value.shape[0] == n
+
+
+def _holds_batched(value: Any, n: int) -> bool:
+    """Whether a container is made of batch-first tensors (``hidden_states``), so it splits per element."""
+    if isinstance(value, PerRow):
+        return False
+    if isinstance(value, Mapping):
+        return any(_batch_first(v, n) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_batch_first(v, n) for v in value) and all(_batch_first(v, n) or v is None for v in value)
+    return False
+
+
+def _is_integer(value: torch.Tensor | np.ndarray) -> bool:
+    if isinstance(value, np.ndarray):
+        return np.issubdtype(value.dtype, np.integer)
+    return not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+
+
+class _BatchView:
+    """What the rule reads of one batch: its rows, width, input ids and real-token mask (computed once)."""
+
+    def __init__(self, batch: Any, pad_token_id: int | None) -> None:
+        self.batch = batch
+        self.n = len(batch.indices)
+        inputs = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        self.inputs = inputs if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 else None
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        self.width = None
+        self.real: np.ndarray | None = None
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+            self.width = mask.shape[1]
+            self.real = mask.detach().cpu().numpy().astype(bool)
+        elif self.inputs is not None:
+            self.width = self.inputs.shape[1]
+        self.pad_token_id = pad_token_id
+        self._spans: list[tuple[int, int] | np.ndarray] | None = None
+
+    def spans(self) -> list[tuple[int, int] | np.ndarray]:
+        """Each row's real columns: ``(start, stop)`` where they are contiguous, else their indices."""
+        if self._spans is None:
+            spans: list[tuple[int, int] | np.ndarray] = []
+            for row in self.real:
+                columns = np.flatnonzero(row)
+                if columns.size == 0:
+                    spans.append((0, 0))
+                elif columns[-1] - columns[0] + 1 == columns.size:
+                    spans.append((int(columns[0]), int(columns[-1]) + 1))
+                else:
+                    spans.append(columns)
+            self._spans = spans
+        return self._spans
+
+    def echoes(self, value: torch.Tensor | np.ndarray) -> bool:
+        """Whether ``value`` starts with the batch's ``input_ids`` (a decoder-only model echoes its prompt)."""
+        if self.inputs is None or value.ndim != 2 or value.shape[1] < self.inputs.shape[1]:
+            return False
+        head = torch.as_tensor(value[:, : self.inputs.shape[1]])
+        return torch.equal(head, self.inputs.detach().cpu().to(head.dtype))
+
+
+class RowSplitter:
+    """The row rule of one run: what ``fn(batch)`` returned, as one item per row of the batch.
+
+    Args:
+        pad_token_id: the pad id a generated sequence's padding is made of;
+            ``None`` keeps generated rows whole.
+        token_outputs: one of :data:`TOKEN_OUTPUTS`.
+        padding_side: the batches' padding side, ``"left"``, ``"right"`` or ``None`` (unknown): a generated
+            sequence that echoes a right-padded prompt warns once (a decoder-only model then generates
+            after pad tokens).
+
+    Each tensor field's reading (per-token, generated or per-row) is fixed by
+    the first batch that shows it and kept for the run.
+    """
+
+    def __init__(self, pad_token_id: int | None = None, token_outputs: str = "auto",
+                 padding_side: str | None = None) -> None:
+        check_token_outputs(token_outputs)
+        self.pad_token_id = pad_token_id
+        self.token_outputs = token_outputs
+        self.padding_side = padding_side
+        self.kinds: dict[str, tuple[str, int | None]] = {}  # field -> (reading, the width it was read at)
+        self._warned_right_padding = False
+
+    def split(self, output: Any, batch: Any, name: str = "fn(batch)") -> list:
+        """One item per row of ``batch`` (``len(batch.indices)`` items); tensors detached and on the CPU.
+
+        Raises:
+            TypeError: an output of a kind the rule does not know.
+            ValueError: an output whose rows do not match the batch's, an
+                ambiguous one, or one that contradicts its first batch's reading.
+        """
+        view = _BatchView(batch, self.pad_token_id)
+        if output is None:
+            return [None] * view.n
+        if isinstance(output, PerRow):
+            if len(output) != view.n:
+                raise bad_value(f"len({name})", f"{view.n} (a PerRow holds one item per batch row)", len(output))
+            return [to_cpu(item) for item in output]
+        if not (_is_array(output) or isinstance(output, (Mapping, list, tuple))):
+            raise bad_type(name, "a tensor with a batch dimension, a tuple, list or dict of such tensors, a list "
+                           "with one item per row, a dynabatch.PerRow, a ModelOutput or None", output)
+        rows = self._split(output, view, name, field=False)
+        if rows is None:
+            raise bad_value(name, "a value with one item per batch row", output)
+        return rows
+
+    def _split(self, value: Any, view: _BatchView, name: str, *, field: bool) -> list | None:
+        """One item per row, or ``None`` for a field with nothing per row (left out of a dict)."""
+        n = view.n
+        if _is_array(value):
+            if not _batch_first(value, n):
+                if field and value.ndim == 0:
+                    return None  # a loss over the batch: nothing per row
+                raise bad_value(f"{name}.shape", f"a batch dimension first ({n} rows, one per batch row)",
+                                tuple(value.shape))
+            return self._tensor_rows(value, view, name)
+        if isinstance(value, PerRow):
+            return self.split(value, view.batch, name)
+        if isinstance(value, Mapping):
+            return self._mapping_rows(value, view, name)
+        if isinstance(value, (list, tuple)):
+            return self._sequence_rows(value, view, name, field=field)
+        if field:
+            return None  # a cache object or another value without rows
+        raise bad_type(name, "a tensor with a batch dimension", value)
+
+    def _mapping_rows(self, value: Mapping, view: _BatchView, name: str) -> list:
+        columns = {}
+        for key, item in value.items():
+            rows = None if item is None else self._split(item, view, f"{name}[{key!r}]", field=True)
+            if rows is not None:
+                columns[key] = rows
+        return [{key: column[r] for key, column in columns.items()} for r in range(view.n)]
+
+    def _sequence_rows(self, value: list | tuple, view: _BatchView, name: str, *, field: bool) -> list | None:
+        n = view.n
+        items = list(value)
+        batched = [_batch_first(item, n) or _holds_batched(item, n) for item in items]
+        if any(batched) and all(b or item is None for b, item in zip(batched, items)):
+            if isinstance(value, tuple) or len(items) != n:  # one field per element
+                parts = [self._split(item, view, f"{name}[{i}]", field=True) for i, item in enumerate(items)]
+                kind = tuple if isinstance(value, tuple) else list
+                return [kind(None if part is None else part[r] for part in parts) for r in range(n)]
+            raise ValueError(
+                f"{name} should say how it splits into rows, but got a list of {n} tensors for a batch of {n} "
+                f"rows, each with {n} rows itself: one item per row, or one field per element? {_HOW}"
+            )
+        if len(items) == n:
+            return [to_cpu(item) for item in items]
+        if field and not items:
+            return None
+        if any(batched):
+            i = batched.index(False)
+            raise bad_value(f"{name}[{i}]", f"a tensor with a batch dimension first ({n} rows) like the other "
+                            f"elements of {name}, or None", items[i])
+        raise bad_value(f"len({name})", f"{n} (one item per batch row), or a tuple of tensors with {n} rows each",
+                        len(items))
+
+    def _tensor_rows(self, value: torch.Tensor | np.ndarray, view: _BatchView, name: str) -> list:
+        if isinstance(value, torch.Tensor):
+            value = _compact_cpu(value)
+        kind = self._reading(value, view, name)
+        if kind == _PER_TOKEN:
+            return _per_token_rows(value, view)
+        if kind == _GENERATED:
+            self._check_padding_side(value, view)
+            return _generated_rows(value, view)
+        return list(value.unbind(0)) if isinstance(value, torch.Tensor) else list(value)
+
+    def _reading(self, value: torch.Tensor | np.ndarray, view: _BatchView, name: str) -> str:
+        """How ``value``'s rows are read: fixed at the field's first batch, checked at every later one."""
+        width = view.width
+        token_shaped = value.ndim >= 2 and width is not None and value.shape[1] == width
+        known = self.kinds.get(name)
+        if known is None:
+            kind = self._first_reading(value, view, token_shaped)
+            self.kinds[name] = (kind, width)
+            if kind == _PER_TOKEN and view.real is None:
+                raise ValueError(
+                    f"{name} should be cut to each row's real tokens (its dimension 1 is the batch's width "
+                    f"{width}), but got a batch without an attention_mask to cut it by: add one to the batches, "
+                    "or pass token_outputs='whole' to keep rows as they are"
+                )
+            return kind
+        kind, first_width = known
+        if kind == _PER_TOKEN and not token_shaped:
+            got = value.shape[1] if value.ndim >= 2 else None
+            raise ValueError(
+                f"{name}.shape[1] should be the batch's width {width}, as at its first batch (width {first_width}, "
+                f"where it was read as per-token and cut by the attention mask), but got {name}.shape[1]={got}: "
+                "if it is not a per-token output (a pooled vector, generated ids), pass token_outputs='generated' "
+                "or 'whole' to run, or return dynabatch.PerRow(rows)"
+            )
+        return kind
+
+    def _first_reading(self, value: torch.Tensor | np.ndarray, view: _BatchView, token_shaped: bool) -> str:
+        mode = self.token_outputs
+        if mode == "whole":
+            return _ROW
+        integer_2d = value.ndim == 2 and _is_integer(value) and mode != "per_token"
+        if integer_2d and (mode == "generated" or view.echoes(value) or not token_shaped):
+            return _GENERATED  # forced, or echoing the prompt, or of another width than the batch's
+        return _PER_TOKEN if token_shaped else _ROW
+
+    def _check_padding_side(self, value: torch.Tensor | np.ndarray, view: _BatchView) -> None:
+        if self._warned_right_padding or self.padding_side != "right" or view.real is None:
+            return
+        if view.real[:, -1].all() or not view.echoes(value):
+            return
+        self._warned_right_padding = True
+        logger.warning(
+            "fn(batch) returned generated ids that continue right-padded prompts: a decoder-only model then "
+            "generates after pad tokens, and its replies are wrong; pad on the left (tokenizer.padding_side = "
+            "'left' before building the loader, or dynabatch.generate, which does it for you)"
+        )
+
+
+def _per_token_rows(value: torch.Tensor | np.ndarray, view: _BatchView) -> list:
+    rows = []
+    for r, span in enumerate(view.spans()):
+        if isinstance(span, tuple):
+            rows.append(value[r, span[0]:span[1]])
+        else:
+            rows.append(value[r][torch.from_numpy(span)] if isinstance(value, torch.Tensor) else value[r][span])
+    return rows
+
+
+def _generated_rows(value: torch.Tensor | np.ndarray, view: _BatchView) -> list:
+    """Rows of generated ids without the batch's padding.
 
     Trailing pad ids go. Leading pad ids go only where the tensor starts with
     the batch's ``input_ids`` (a decoder-only ``generate`` echoes the prompt),
@@ -64,120 +347,38 @@ def _token_rows(tensor: torch.Tensor, batch: Batch, pad_token_id: int | None) ->
     with a decoder start token equal to the pad id keeps it, and pad ids
     between real tokens always stay.
     """
-    if pad_token_id is None:
-        return list(tensor.unbind(0))
-    leading = [0] * len(tensor)
-    inputs = batch.get("input_ids")
-    echoed = (
-        isinstance(inputs, torch.Tensor)
-        and inputs.ndim == 2
-        and tensor.shape[1] >= inputs.shape[1]
-        and torch.equal(tensor[:, : inputs.shape[1]], inputs.detach().cpu().to(tensor.dtype))
-    )
-    if echoed:
-        leading = _leading_padding(batch, pad_token_id) or leading
-    real = (tensor != pad_token_id).numpy()
-    rows = []
-    for r, start in enumerate(leading):
+    pad = view.pad_token_id
+    rows = list(value.unbind(0)) if isinstance(value, torch.Tensor) else list(value)
+    if pad is None:
+        return rows
+    leading = np.zeros(view.n, dtype=np.int64)
+    if view.real is not None and view.echoes(value):  # each row's own left padding, in the echoed prompt
+        any_real = view.real.any(axis=1)
+        leading = np.where(any_real, view.real.argmax(axis=1), view.real.shape[1])
+    real = np.asarray(value != pad)
+    out = []
+    for r, start in enumerate(leading.tolist()):
         nonpad = np.flatnonzero(real[r, start:])
         stop = start + int(nonpad[-1]) + 1 if nonpad.size else start
-        rows.append(tensor[r, start:stop])
-    return rows
+        out.append(rows[r][start:stop])
+    return out
 
 
-def _batched(value: Any, n: int) -> bool:
-    return isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim >= 1 and value.shape[0] == n
+def split_rows(output: Any, batch: Any, *, pad_token_id: int | None = None, token_outputs: str = "auto",
+               name: str = "fn(batch)") -> list:
+    """One item per row of ``batch`` from what a callable returned for it, by the row rule (one batch).
 
-
-def _split(value: Any, n: int, batch: Batch, pad_token_id: int | None, name: str, *, in_mapping: bool) -> list | None:
-    """One item per row of ``value``, or ``None`` for a mapping value without a batch dimension."""
-    if isinstance(value, torch.Tensor):
-        if value.ndim == 0 and in_mapping:
-            return None  # e.g. a loss over the batch: no per-row value
-        if value.ndim == 0 or value.shape[0] != n:
-            shape = tuple(value.shape)
-            raise bad_value(f"{name}.shape", f"a batch dimension first ({n} rows, one per batch row)", shape)
-        value = _compact_cpu(value)
-        return _token_rows(value, batch, pad_token_id) if _is_token_ids(value) else list(value.unbind(0))
-    if isinstance(value, np.ndarray):
-        if value.ndim == 0 and in_mapping:
-            return None
-        if value.ndim == 0 or value.shape[0] != n:
-            raise bad_value(f"{name}.shape", f"a batch dimension first ({n} rows, one per batch row)", value.shape)
-        return list(value)
-    if isinstance(value, Mapping):
-        columns = {}
-        for key, item in value.items():
-            split = None if item is None else _split(item, n, batch, pad_token_id, f"{name}[{key!r}]", in_mapping=True)
-            if split is not None:
-                columns[key] = split
-        return [{key: column[r] for key, column in columns.items()} for r in range(n)]
-    if isinstance(value, (list, tuple)):
-        items = list(value)
-        per_layer = items and all(_batched(item, n) for item in items)
-        if len(items) == n and not (in_mapping and per_layer):
-            return [to_cpu(item) for item in items]
-        if per_layer:  # e.g. hidden_states: one batched tensor per layer -> one tuple per row
-            parts = [
-                _split(item, n, batch, pad_token_id, f"{name}[{i}]", in_mapping=False) for i, item in enumerate(items)
-            ]
-            return [tuple(part[r] for part in parts) for r in range(n)]
-        raise bad_value(
-            f"len({name})", f"{n} (one item per batch row), or a tuple of tensors with {n} rows each", len(items)
-        )
-    if in_mapping:
-        return None  # e.g. a KV cache object: nothing per row
-    raise bad_type(
-        name,
-        "a tensor with a batch dimension, a list or tuple with one item per row, a dict of batched tensors, "
-        "a ModelOutput or None",
-        value,
-    )
-
-
-def to_cpu(item: Any) -> Any:
-    """Tensors (also inside plain lists, tuples and dicts) detached, on the CPU and compact; other values as they are."""
-    if isinstance(item, torch.Tensor):
-        return _compact_cpu(item)
-    if isinstance(item, (list, tuple)):
-        return type(item)(to_cpu(x) for x in item) if type(item) in (list, tuple) else item
-    if isinstance(item, dict) and type(item) is dict:
-        return {key: to_cpu(value) for key, value in item.items()}
-    return item
-
-
-def split_rows(output: Any, batch: Batch, *, pad_token_id: int | None = None, name: str = "fn(batch)") -> list:
-    """One item per row of ``batch`` from what a callable returned for it.
+    A run keeps a :class:`RowSplitter` instead, so that each field's reading is
+    fixed by its first batch.
 
     Args:
-        output: what the callable returned:
-
-            * a tensor (or numpy array) with the batch dimension first: its rows.
-              A 2-D integer tensor is taken as token ids (``generate``): each
-              row loses its trailing pad ids, and, when the tensor starts with
-              the batch's ``input_ids`` (the prompt a decoder-only model echoes),
-              the row's own left padding; pad ids between real tokens stay.
-              Return ``list(tensor)`` to keep rows exactly as they are;
-            * a list or tuple with one item per row, kept as they are (tensors
-              moved to the CPU); a tuple of batched tensors of another length
-              (``return_dict=False`` outputs) gives one tuple per row;
-            * a dict or ``transformers`` ``ModelOutput`` of batched values: one
-              dict per row. Values without a batch dimension (``None``, a
-              scalar loss, a cache object) are left out; a tuple of batched
-              tensors (``hidden_states``) gives a tuple per row;
-            * ``None``: ``None`` for every row.
-        batch: the batch the output is for (its rows and ``input_ids``).
-        pad_token_id: the pad id of the batch's padding; ``None`` keeps token rows whole.
+        output: what the callable returned (see the module docstring and ``docs/inference.md``).
+        batch: the batch the output is for (its rows, ``input_ids`` and ``attention_mask``).
+        pad_token_id: the pad id of generated sequences; ``None`` keeps them whole.
+        token_outputs: one of :data:`TOKEN_OUTPUTS`.
         name: how error messages call ``output``.
 
     Returns:
         A list of ``len(batch.indices)`` items; tensors detached and on the CPU.
-
-    Raises:
-        TypeError: an output of another kind.
-        ValueError: an output whose rows do not match the batch's.
     """
-    n = len(batch.indices)
-    if output is None:
-        return [None] * n
-    return _split(output, n, batch, pad_token_id, name, in_mapping=False)
+    return RowSplitter(pad_token_id, token_outputs).split(output, batch, name)

@@ -59,6 +59,7 @@ from dynabatch.inference._execute import Executor
 from dynabatch.inference._queue import BatchQueue
 from dynabatch.inference._resume import FORMAT, ResultsFile, inputs_digest, rank_path
 from dynabatch.inference.loader import LoaderPlan, plan_of
+from dynabatch.inference.outputs import check_token_outputs
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
 from dynabatch.memory.measure import check_device, check_measurable_device
 
@@ -88,7 +89,7 @@ def check_run_options(device: Any, on_oom: Any, measure_memory: Any, adapt: Any)
 
 def _check_arguments(
     fn: Any, device: Any, output_path: Any, on_oom: Any, measure_memory: Any, progress: Any, distributed: Any,
-    adapt: Any = None, pad_token_id: Any = None,
+    adapt: Any = None, pad_token_id: Any = None, token_outputs: Any = "auto",
 ) -> None:
     if not callable(fn):
         raise bad_type("fn", "a callable taking a batch", fn)
@@ -105,6 +106,7 @@ def _check_arguments(
         raise bad_type("distributed", "None (auto), True or False", distributed)
     if pad_token_id is not None:
         check_non_negative_int("pad_token_id", pad_token_id)
+    check_token_outputs(token_outputs)
 
 
 def _memory_device(measure_memory: Any, adapt: bool | None, device: Any) -> Any:
@@ -218,6 +220,7 @@ def run(
     distributed: bool | None = None,
     adapt: bool | None = None,
     pad_token_id: int | None = None,
+    token_outputs: str = "auto",
 ) -> RunResult:
     """Calls ``fn(batch)`` on every batch of ``loader`` and returns one result per input, in input order.
 
@@ -226,15 +229,21 @@ def run(
 
     Args:
         fn: takes a :class:`~dynabatch.data.collate.Batch` and returns its rows'
-            results: a tensor with the batch dimension first, a list or tuple
-            with one item per row, a dict or ``ModelOutput`` of batched tensors
-            (one dict per row; values without a batch dimension, such as a
-            loss or a cache, are left out), or ``None``. A 2-D integer tensor
-            is taken as token ids (``generate``): each row loses its trailing
-            pad ids and, when the tensor starts with the batch's ``input_ids``
-            (a decoder-only model echoes its left-padded prompt), its own left
-            padding; pad ids between real tokens stay. Return ``list(tensor)``
-            to keep rows exactly as they are. Tensors come back detached, on the CPU.
+            results, split into rows by one written rule (the table in
+            ``docs/inference.md``; :mod:`dynabatch.inference.outputs`): a
+            tensor with the batch dimension first gives each row its slice; a
+            tuple, list or dict (``ModelOutput``) of such tensors gives each row
+            a tuple, list or dict of its slices (dict values without a batch
+            dimension, such as a loss or a cache, are left out); a list of one
+            item per row that are not batch-first tensors, or a
+            :class:`~dynabatch.inference.outputs.PerRow`, is one item per row;
+            ``None`` gives ``None``. A per-token tensor (dimension 1 equal to
+            the batch's width) is cut to each row's real tokens by the attention
+            mask; generated ids (a 2-D integer tensor of another width than the
+            batch's, or starting with its ``input_ids``) lose the batch's
+            padding. What is ambiguous (a list of as many batch-first tensors as
+            rows) raises ``ValueError`` saying how to return it. Tensors come
+            back detached, on the CPU.
         loader: a DataLoader from :func:`~dynabatch.inference.loader.build_dynamic_batch_dataloader`,
             or any iterable of :class:`~dynabatch.data.collate.Batch` (``.indices`` required).
             A dynabatch loader's batches are built here, in this process, from
@@ -326,10 +335,18 @@ def run(
             ``torch.distributed`` each rank's budget is its own first call's
             peak, that call capped at the plan's first-batch rows (so at most
             the plan's first batch's peak); splitting stays in lockstep.
-        pad_token_id: the pad id stripped from token-id rows (see ``fn``);
+        pad_token_id: the pad id stripped from generated rows (see ``fn``);
             ``None`` takes the loader's collator's (a dynabatch loader always
             has one). Give it for a plain iterable of batches whose ``generate``
             rows should lose their padding.
+        token_outputs: how token-shaped tensors are read: ``"auto"`` (the rule
+            under ``fn``), ``"per_token"`` (never generated ids: a 2-D integer
+            tensor as wide as the batch, such as tags, is cut by the attention
+            mask), ``"generated"`` (every 2-D integer tensor is generated ids,
+            say an encoder-decoder's replies that may be as wide as the batch),
+            or ``"whole"`` (nothing is cut: rows as the batch padded them).
+            Each field's reading is fixed at its first batch and kept for the
+            run; a later output that contradicts it raises ``ValueError``.
 
     Returns:
         A :class:`RunResult`: a list with one result per input position, plus
@@ -342,7 +359,8 @@ def run(
             results, or ``fn`` results that do not match the batch's rows.
         BatchOutOfMemoryError: with ``on_oom="raise"``, a single row that ran out of memory.
     """
-    _check_arguments(fn, device, output_path, on_oom, measure_memory, progress, distributed, adapt, pad_token_id)
+    _check_arguments(fn, device, output_path, on_oom, measure_memory, progress, distributed, adapt, pad_token_id,
+                     token_outputs)
     memory_device = _memory_device(measure_memory, adapt, device)
     rank, world_size, distributed = _world(distributed)
     plan = plan_of(loader)
@@ -360,7 +378,7 @@ def run(
     results_file = _results_file(output_path, queue, digest, rank, world_size, distributed)
     bar = _progress_bar(loader, queue, results_file) if progress else None
     executor = Executor(fn, queue, device=device, on_oom=on_oom, memory_device=memory_device,
-                        results_file=results_file, bar=bar, lockstep=distributed)
+                        results_file=results_file, bar=bar, lockstep=distributed, token_outputs=token_outputs)
     mine: list[int] = []  # every input position this rank answers for
     try:
         while (item := queue.next_item()) is not None:
