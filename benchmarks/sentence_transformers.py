@@ -21,7 +21,8 @@ against ``model.encode`` and the largest absolute difference of any vector
 component from ``model.encode``'s. The machine may be shared: compare the
 ratio within one run.
 
-Run: ``python benchmarks/sentence_transformers.py`` (``--n 500 --repeats 1`` for a quick look).
+Run: ``python benchmarks/sentence_transformers.py`` (``--n 500 --repeats 1`` for a quick look;
+``--output PATH`` also writes the table to a file).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per method (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--output", default=None, help="also write the table to this file")
     args = parser.parse_args(argv)
 
     import numpy as np
@@ -80,17 +82,18 @@ def main(argv: list[str] | None = None) -> None:
             seconds[name].append(time.perf_counter() - start)
 
     reference = statistics.median(seconds["model.encode"])
-    print(f"## all-MiniLM-L6-v2 on {args.n} held-out texts (1-300 words), batch_size={args.batch_size}, "
-          f"cpu, {torch.get_num_threads()} threads\n")
-    print("| method | wall s (median) | texts/s | speed-up | max abs diff vs model.encode |")
-    print("|---|---|---|---|---|")
+    lines = [(f"## all-MiniLM-L6-v2 on {args.n} held-out texts (1-300 words), batch_size={args.batch_size}, "
+              f"cpu, {torch.get_num_threads()} threads"), "",
+             "| method | wall s (median) | texts/s | speed-up | max abs diff vs model.encode |", "|---|---|---|---|---|"]
     for name in methods:
         wall = statistics.median(seconds[name])
         diff = float(np.abs(vectors[name] - vectors["model.encode"]).max())
-        print(f"| {name} | {wall:.2f} | {args.n / wall:,.0f} | {reference / wall:.2f}x | {diff:.1e} |")
-    print(f"\n{args.repeats} timed runs per method, alternating; all runs: "
-          + "; ".join(f"{name} {', '.join(f'{s:.2f}' for s in seconds[name])}" for name in methods))
-
+        lines.append(f"| {name} | {wall:.2f} | {args.n / wall:,.0f} | {reference / wall:.2f}x | {diff:.1e} |")
+    lines += ["", f"{args.repeats} timed runs per method, alternating; all runs: "
+              + "; ".join(f"{name} {', '.join(f'{s:.2f}' for s in seconds[name])}" for name in methods)]
+    print("\n".join(lines))
+    if args.output:
+        Path(args.output).write_text("\n".join(lines) + "\n")
 
 if __name__ == "__main__":
     main()

@@ -43,7 +43,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from typing import Any
@@ -200,6 +199,7 @@ def _run_rows(model: Any, inputs: list[str], prompt: str | None, batch_size: int
     """One result per input, in input order, from the model run on dynamic batches."""
     planning_limit, cut = _length_limit(model)
     preprocessor = _Preprocessor(model, prompt, cut, kwargs)
+    planning_limit = preprocessor.processing["text"].get("max_length") or planning_limit  # a call's own limit
     loader = build_dynamic_batch_dataloader(inputs, preprocessor, batch_size, planning_limit, num_workers=0,
                                             progress=progress, model=model.transformers_model)
     forward_kwargs = dict(kwargs)
@@ -307,14 +307,50 @@ def _on(row: Any, device: torch.device) -> Any:
     return row
 
 
+class _DynamicEncode:
+    """A model's ``encode`` on dynamic batches (what :func:`make_dynamic` puts on the instance).
+
+    A module-level callable holding the model, so that ``copy.deepcopy`` and
+    pickling the model carry it over to the copy (a closure would keep calling
+    the original model).
+    """
+
+    def __init__(self, model: Any, options: dict[str, Any]) -> None:
+        self.model = model
+        self.options = options
+        self.warned: set[str] = set()
+        self.__signature__ = inspect.signature(type(model).encode.__get__(model))
+
+    @property
+    def original(self) -> Any:
+        """The model class's own ``encode``, bound to the model."""
+        return type(self.model).encode.__get__(self.model)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if "sentences" in kwargs:  # the name encode took before "inputs"
+            kwargs["inputs"] = kwargs.pop("sentences")
+        named = self.__signature__.bind(*args, **kwargs).arguments
+        named = {**named.pop("kwargs", {}), **named}
+        inputs, _ = _as_inputs(self.model, named["inputs"])
+        reason = _unsupported(self.model, inputs)
+        if reason is not None:
+            if reason not in self.warned:
+                self.warned.add(reason)
+                logger.warning("model.encode runs on fixed batches here, since %s", reason)
+            return self.original(*args, **kwargs)
+        return encode(self.model, named.pop("inputs"), **named, **self.options)
+
+
 def make_dynamic(model: Any, **options: Any) -> Any:
     """Makes ``model.encode`` run on dynamic batches (:func:`encode`); returns the model.
 
     The instance's ``encode`` is replaced (its class is left alone), so
     ``encode_query``, ``encode_document`` and any code calling ``model.encode``
-    (MTEB, LangChain, LlamaIndex) get dynamic batches unchanged. Inputs or a
-    model :func:`encode` refuses go to the original ``encode``, with a warning
-    once. ``model.encode.original`` is the original method.
+    (MTEB, LangChain, LlamaIndex) get dynamic batches unchanged; its signature
+    is the original's. Inputs or a model :func:`encode` refuses go to the
+    original ``encode``, with a warning once per reason. ``model.encode.original``
+    is the original method; a copy of the model (``copy.deepcopy``, pickling)
+    stays dynamic, on its own weights.
 
     Args:
         model: a ``sentence_transformers.SentenceTransformer``.
@@ -332,27 +368,5 @@ def make_dynamic(model: Any, **options: Any) -> Any:
     if unknown:
         raise TypeError(f"make_dynamic() got unexpected keyword arguments {unknown}: it takes on_oom, "
                         "measure_memory and adapt")
-    original = model.encode
-    signature = inspect.signature(type(model).encode)
-    warned: list[str] = []
-
-    @functools.wraps(original)
-    def dynamic_encode(*args: Any, **kwargs: Any) -> Any:
-        if "sentences" in kwargs:  # the name encode took before "inputs"
-            kwargs["inputs"] = kwargs.pop("sentences")
-        bound = signature.bind(model, *args, **kwargs).arguments
-        bound.pop(next(iter(signature.parameters)))  # self
-        named = {**bound.pop("kwargs", {}), **bound}
-        inputs, _ = _as_inputs(model, named["inputs"])
-        reason = _unsupported(model, inputs)
-        if reason is not None:
-            if reason not in warned:
-                warned.append(reason)
-                logger.warning("model.encode runs on fixed batches here, since %s", reason)
-            return original(*args, **kwargs)
-        return encode(model, named.pop("inputs"), **named, **options)
-
-    dynamic_encode.original = original
-    model.encode = dynamic_encode
+    model.encode = _DynamicEncode(model, options)
     return model
-

@@ -182,3 +182,16 @@ def test_default_overhead_benchmark_times_the_defaults_against_the_plan():
     for way in ("defaults", "plan, unmeasured", "defaults' batches, unmeasured"):
         assert re.search(rf"^\| {re.escape(way)} \| \d+ \| [\d.]+ \([\d.]+-[\d.]+\) \| [\d.]+ \([\d.]+-[\d.]+\) \| "
                          r"[+-][\d.]+% / [+-][\d.]+% \|", result.stdout, re.MULTILINE), (way, result.stdout)
+
+
+def test_sentence_transformers_benchmark_prints_both_methods_side_by_side():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    script = ROOT / "benchmarks" / "sentence_transformers.py"
+    result = subprocess.run([sys.executable, str(script), "--n", "24", "--repeats", "1", "--threads", "1"],
+                            check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "## all-MiniLM-L6-v2 on 24 held-out texts" in result.stdout
+    assert re.search(r"^\| model\.encode \| [\d.]+ \| [\d,]+ \| 1\.00x \| 0\.0e\+00 \|$", result.stdout, re.MULTILINE)
+    ours = re.search(r"^\| dynabatch encode \| [\d.]+ \| [\d,]+ \| [\d.]+x \| ([\d.e+-]+) \|$", result.stdout,
+                     re.MULTILINE)
+    assert ours and float(ours.group(1)) < 1e-5, result.stdout  # the same vectors

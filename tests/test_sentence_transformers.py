@@ -5,6 +5,7 @@ all-MiniLM-L6-v2 and random-weight BERTs saved with MiniLM's tokenizer and assem
 own modules. Nothing of dynabatch or sentence-transformers is mocked.
 """
 
+import copy
 import logging
 
 import numpy as np
@@ -133,6 +134,12 @@ def test_make_dynamic_runs_the_model_own_encode_on_growing_batches(bert_folder, 
     assert len(widths) < -(-len(texts) // 8) and max(rows for rows, _ in widths) > 8  # batches grew past 8
     assert np.abs(model.encode_query(texts[:10], batch_size=8) - query).max() < TOL
     assert model.encode.original.__self__ is model
+    twin = copy.deepcopy(model)  # a copy stays dynamic, on its own weights
+    with torch.no_grad():
+        twin[0].auto_model.embeddings.word_embeddings.weight.mul_(2.0)
+    assert isinstance(twin.encode, type(model.encode)) and twin.encode.model is twin
+    assert np.abs(twin.encode(texts[:4]) - twin.encode.original(texts[:4])).max() < TOL
+    assert np.abs(twin.encode(texts[:4]) - got[:4]).max() > 1e-3
     with caplog.at_level(logging.WARNING, logger="dynabatch.sentence_transformers"):
         pairs = model.encode([("a question", "an answer")] * 2)  # pairs: the original encode, warned once
         model.encode([("a question", "an answer")])
