@@ -53,3 +53,30 @@ def llama_tokenizer(tmp_path_factory):
     gguf = Path(tinycoder.__file__).parent / "models"
     AutoTokenizer.from_pretrained(gguf, gguf_file="tiny.gguf").save_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def marian():
+    """A tiny random-weight Marian encoder-decoder over the MiniLM vocabulary (pad = decoder start = 0, EOS 102)."""
+    import torch
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(
+        vocab_size=30522,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        decoder_start_token_id=0,
+        eos_token_id=102,
+        forced_eos_token_id=None,
+        init_std=1.0,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return MarianMTModel(config).eval()

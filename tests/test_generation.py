@@ -122,19 +122,6 @@ def test_pre_tokenized_prompts_are_taken_as_they_are(llama, chat_tokenizer, freq
     assert list(from_ids) == list(from_text)
 
 
-@pytest.fixture(scope="module")
-def marian(tokenizer):
-    from transformers import MarianConfig, MarianMTModel
-
-    config = MarianConfig(vocab_size=len(tokenizer), d_model=32, encoder_layers=1, decoder_layers=1,
-                          encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
-                          decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0, decoder_start_token_id=0,
-                          eos_token_id=102, forced_eos_token_id=None, init_std=1.0)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return MarianMTModel(config).eval()
-
-
 def test_encoder_decoder_replies_keep_the_decoder_start_token_and_equal_generating_alone(marian, tokenizer,
                                                                                          prompts):
     with torch.no_grad():

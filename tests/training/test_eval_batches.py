@@ -118,21 +118,16 @@ def _strip(row, pad):
     return row
 
 
-def test_seq2seq_predict_with_generate_on_planned_batches_equals_fixed_batches(tokenizer, texts, tmp_path):
-    from transformers import MarianConfig, MarianMTModel, Seq2SeqTrainer, Seq2SeqTrainingArguments
+def test_seq2seq_predict_with_generate_on_planned_batches_equals_fixed_batches(tokenizer, marian, texts,
+                                                                                   tmp_path):
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
     from dynabatch.training.hf import Seq2SeqBatchSamplerTrainer
 
     rows = [{"source": t, "target": " ".join(t.split()[:4])} for t in texts]
     tokens = tokenize_source(rows, tokenizer, fields={"input_ids": "source", "labels": "target"}, max_length=48,
                              progress=False)
-    config = MarianConfig(vocab_size=len(tokenizer), d_model=32, encoder_layers=1, decoder_layers=1,
-                          encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
-                          decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0, decoder_start_token_id=0,
-                          eos_token_id=102, forced_eos_token_id=None, init_std=1.0)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = MarianMTModel(config).eval()
+    model = marian
     settings = {"output_dir": str(tmp_path), "per_device_eval_batch_size": EVAL_BATCH, "use_cpu": True,
                 "report_to": [], "remove_unused_columns": False, "log_level": "error", "disable_tqdm": True,
                 "predict_with_generate": True, "generation_max_length": 10}
