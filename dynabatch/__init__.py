@@ -26,7 +26,7 @@ from dynabatch.memory.shape import ModelShape
 from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.sampling.bucket import BucketBatchSampler
 from dynabatch.sampling.constraints import AllOf, FixedBatchSize, LengthDifference, TokenBudget
-from dynabatch.sampling.sampler import DynamicBatchSampler
+from dynabatch.sampling.inference_sampler import DynamicBatchSampler
 from dynabatch.sampling.size_aware import SizeAwareBatchSampler
 from dynabatch.sampling.smart import SmartBatchSampler
 from dynabatch.training.sampler import MemoryAwareBatchSampler

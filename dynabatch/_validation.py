@@ -118,14 +118,16 @@ def check_fraction(name: str, value: Any) -> float:
 
 
 def check_lengths(name: str, value: Any, *, fields: bool = False, positive: bool = False,
-                  what: str = "token lengths") -> np.ndarray:
+                  what: str = "token lengths", longest_first: bool = False) -> np.ndarray:
     """The one check of token lengths: ``value`` as an int64 array, 1-D (or ``(n, k)`` key fields with ``fields``).
 
     Lists, tuples, numpy arrays and tensors are taken (``what`` names the
     values in the message, for integer ids checked the same way). A value that is not a
     sequence of integers raises ``TypeError``; a wrong shape or a negative
     (with ``positive``, a non-positive) length raises ``ValueError`` naming the
-    first bad element.
+    first bad element. With ``longest_first`` the lengths must be sorted longest
+    first (what every planner over sorted lengths takes); the first row longer
+    than the one before it is named.
 
     Example:
         >>> check_lengths("lengths", [3, 0, 5]).tolist()
@@ -155,4 +157,10 @@ def check_lengths(name: str, value: Any, *, fields: bool = False, positive: bool
         where = f"{name}[{', '.join(str(int(i)) for i in at)}]"
         noun = "length" if what == "token lengths" else what.rstrip("s")
         raise bad_value(where, f"a positive {noun}" if positive else f"a non-negative {noun}", int(arr[at]))
+    if longest_first and arr.ndim == 1 and arr.size > 1:
+        rises = np.flatnonzero(arr[1:] > arr[:-1])
+        if rises.size:
+            i = int(rises[0])
+            raise bad_value(f"{name}[{i + 1}]", f"at most {name}[{i}]={int(arr[i])} (sorted longest first)",
+                            int(arr[i + 1]))
     return arr.astype(np.int64, copy=False)

@@ -1,5 +1,6 @@
-"""benchmarks/inference.py, run as a user runs it (few texts, offline, one thread)."""
+"""The benchmark scripts, run as a user runs them (few texts, offline, one thread), and benchmarks/gpu.sh's plan."""
 
+import gzip
 import os
 import re
 import subprocess
@@ -44,7 +45,9 @@ def test_repeats_report_the_median_and_spread_and_nothing_is_written_unless_aske
     committed.write_text("results\n")
     (tmp_path / "work").mkdir()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), os.environ.get("PYTHONPATH", "")])}
+           "DYNABATCH_BENCH_ASSETS": "repo",  # the text, tokenizer and encoder that travel with the repository
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"), str(ROOT / "benchmarks"),
+                                          os.environ.get("PYTHONPATH", "")])}
     args = ["--workloads", "encoder", "--methods", "plain,dynabatch", "--repeats", "3", "--n-texts", "24",
             "--threads", "1"]
     result = subprocess.run([sys.executable, str(script), *args], check=False, capture_output=True, text=True,
@@ -54,6 +57,8 @@ def test_repeats_report_the_median_and_spread_and_nothing_is_written_unless_aske
     assert written == ["benchmarks/RESULTS.md", "benchmarks/inference.py"]
     assert committed.read_text() == "results\n"
     assert "- wall s: the median of 3 runs per method" in result.stdout
+    assert "## encoder (random-weight MiniLM-shaped BERT forward, max_length 256) on cpu" in result.stdout
+    assert "KJV WordPiece (8,192 tokens) tokenizer" in result.stdout
     for method in ("plain DataLoader", "dynabatch"):
         match = re.search(rf"^\| {re.escape(method)} \| ([\d.]+) \(([\d.]+)-([\d.]+)\) \|", result.stdout,
                           re.MULTILINE)
@@ -196,3 +201,61 @@ def test_sentence_transformers_benchmark_prints_both_methods_side_by_side():
     ours = re.search(r"^\| dynabatch encode \| [\d.]+ \| [\d,]+ \| [\d.]+x \| ([\d.e+-]+) \|$", result.stdout,
                      re.MULTILINE)
     assert ours and float(ours.group(1)) < 1e-5, result.stdout  # the same vectors
+
+
+# --- benchmarks/gpu.sh and what it runs -------------------------------------------------------------------------
+
+GPU_SH = ROOT / "benchmarks" / "gpu.sh"
+
+
+def test_gpu_sh_dry_run_says_what_it_would_run_and_runs_nothing(tmp_path):
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", str(GPU_SH), "--dry-run", "--out", str(out)], check=False, capture_output=True,
+                            text=True, cwd=tmp_path, timeout=60)
+    assert result.returncode == 0, result.stderr
+    planned = re.findall(r"^run   (\S+) +\(at most +(\d+)s\): (.*)$", result.stdout, re.MULTILINE)
+    assert [name for name, _, _ in planned] == ["install", "preflight", "gpu-tests", "inference", "memory-model",
+                                               "train-step"]
+    commands = {name: command for name, _, command in planned}
+    assert commands["install"].endswith("-m pip install --no-deps --no-build-isolation -e .")
+    assert "-m pytest -q -m gpu tests/memory/test_measure.py" in commands["gpu-tests"]
+    for name, script in (("inference", "inference"), ("memory-model", "memory_model"), ("train-step", "train_step")):
+        assert f"benchmarks/{script}.py --device cuda" in commands[name]
+        assert f"--output {out}/{script}.md" in commands[name]
+    assert sum(int(limit) for _, limit, _ in planned) <= 12 * 60  # about ten minutes, even if every step hangs
+    assert "nvidia-smi --query-gpu=name" in result.stdout and "DYNABATCH_BENCH_ASSETS=repo" in result.stdout
+    assert not out.exists()  # nothing ran
+    skipped = subprocess.run(["bash", str(GPU_SH), "--dry-run", "--no-install"], check=False, capture_output=True,
+                             text=True, timeout=60)
+    assert "skip  install (--no-install)" in skipped.stdout and "run   install" not in skipped.stdout
+    bad = subprocess.run(["bash", str(GPU_SH), "--bogus"], check=False, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown option --bogus" in bad.stderr
+
+
+def test_the_repositorys_assets_are_the_kjv_and_a_tokenizer_trained_on_it():
+    from transformers import AutoTokenizer
+
+    from dynabatch.demo import kjv_passages
+
+    with gzip.open(ROOT / "benchmarks" / "assets" / "kjv.txt.gz", "rt", encoding="utf-8") as f:
+        assert f.read().splitlines() == kjv_passages()  # the very text dynabatch.demo reads
+    tokenizer = AutoTokenizer.from_pretrained(ROOT / "benchmarks" / "assets" / "kjv-wordpiece")
+    assert tokenizer.pad_token_id == 0 and len(tokenizer) == 8192
+    ids = tokenizer("In the beginning God created the heaven and the earth.")["input_ids"]
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "in the beginning god created the heaven and the earth."
+    assert tokenizer.unk_token_id not in ids  # its own text needs no unknown token
+
+
+def test_the_packed_training_step_runs_and_checks_packed_against_padded_on_the_cpu(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "DYNABATCH_BENCH_ASSETS": "repo"}
+    out = tmp_path / "train_step.md"
+    args = ["--device", "cpu", "--steps", "3", "--hidden", "32", "--layers", "1", "--capacity", "128",
+            "--n-texts", "200", "--threads", "1", "--output", str(out)]
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), *args], check=False,
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = out.read_text()
+    assert text.startswith("## Packed training steps on cpu")
+    for check in ("packed loss = padded loss", "every loss finite", "loss went down"):
+        assert f"| {check} | ok |" in text
+    assert re.search(r"\| peak memory of one step \| [\d,.]+ MiB \|", text)

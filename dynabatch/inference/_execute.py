@@ -5,7 +5,7 @@
 is split in halves and retried, down to one row; a piece at least as large
 (rows and width) as one that failed is split before it is tried, and so is (in
 guarded mode) a piece with more rows than the measured peaks keep under the
-first call's (:meth:`~dynabatch.inference._queue.BatchQueue.row_cap`), into
+first call's (:meth:`~dynabatch.inference._queue.BatchQueue.max_call_rows`), into
 the fewest equal parts that fit. Each piece is measured when the queue says
 so (:meth:`~dynabatch.inference._queue.BatchQueue.should_measure`). Each item
 leaves a :class:`~dynabatch.inference.report.BatchRecord` and its rows'
@@ -169,7 +169,7 @@ class Executor:
                             "which ran out of memory", item.number, piece_rows, piece_width, *failed_shape)
                 stack.extend(reversed(self._halves(piece)))
                 continue
-            cap = self.queue.row_cap(piece_width) if piece_rows > 1 else None
+            cap = self.queue.max_call_rows(piece_width) if piece_rows > 1 else None
             if cap is not None and piece_rows > cap:
                 parts = -(-piece_rows // max(cap, 1))
                 record.pre_split = True

@@ -10,7 +10,7 @@ hands out every next batch, told each measured peak. Any other iterable of
 The queue holds the run's :class:`~dynabatch.memory.feedback.MemoryFeedback`
 (the planner's in measured mode, its own in guarded mode): it says which calls
 to measure (:meth:`BatchQueue.should_measure`) and, in guarded mode, how many
-rows a call may have (:meth:`BatchQueue.row_cap`).
+rows a call may have (:meth:`BatchQueue.max_call_rows`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class BatchQueue:
             the peaks given to :meth:`observe`.
         guard: guarded mode (exclusive with ``adapt``): the batches run as
             they come, and a call whose measured bound exceeds the first
-            call's peak is split before it runs (:meth:`row_cap`).
+            call's peak is split before it runs (:meth:`max_call_rows`).
         sparse: measure only the calls the feedback names (the CPU tracker's cost).
     """
 
@@ -110,7 +110,7 @@ class BatchQueue:
             self.pending.clear()  # batches run longest first, sized as the run goes
             self.feedback = self.planner.feedback
         elif self.guard:
-            self.feedback = MemoryFeedback([], [], sparse=sparse)
+            self.feedback = MemoryFeedback(sparse=sparse)
             if self.plan is not None and self.total_rows:
                 # The plan's first batch: its rows, at the longest width, bound any batch of no more rows.
                 self.first_rows = int(self.plan.planner.sizes()[0])
@@ -135,7 +135,7 @@ class BatchQueue:
         """Whether a call of ``rows`` x ``width`` is to be measured (always, unless measuring is sparse)."""
         return self.feedback is None or self.feedback.should_measure(rows, width)
 
-    def row_cap(self, width: int) -> int | None:
+    def max_call_rows(self, width: int) -> int | None:
         """Guarded mode: the most rows a call of padded ``width`` may have, or ``None`` for no cap.
 
         Before any peak is measured: the plan's first batch's rows (a dynabatch
@@ -152,7 +152,7 @@ class BatchQueue:
             return self.first_rows
         return feedback.max_rows(width, feedback.budget_) or None
 
-    def observe(self, item: Item, parts: list[tuple[int, int, int]], failed: list[tuple[int, int]] = ()) -> None:
+    def observe_item(self, item: Item, parts: list[tuple[int, int, int]], failed: list[tuple[int, int]] = ()) -> None:
         """Tells the feedback the peaks of an item's calls, ``(rows, width, peak)`` each, and the ``(rows, width)``
         of every call that ran out of memory. Measured mode takes an item only when it ran whole (its planner
         re-sizes from it); guarded mode takes every measured call."""

@@ -42,8 +42,7 @@ def world() -> tuple[int, int]:
         >>> world()  # no process group in a plain process
         (0, 1)
     """
-    world_size, rank = resolve_world(None, None)
-    return rank, world_size
+    return resolve_world(None, None)
 
 
 def _few(values: Sequence[Any]) -> str:

@@ -3,7 +3,7 @@
 The stages, each its own module: :func:`~dynabatch.data.tokenization.tokenize_texts`
 (every text tokenized once) -> :class:`~dynabatch.sampling.planner.BatchPlanner` (sorted
 longest first, sizes chosen by the spike classifier or a memory model) ->
-:class:`~dynabatch.sampling.sampler.DynamicBatchSampler` (order, epochs, resumption) ->
+:class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler` (order, epochs, resumption) ->
 :class:`~dynabatch.data.collate.TokenCollator` (padded tensors from the token store).
 
 The loader carries its plan openly: ``loader.plan`` is a :class:`LoaderPlan`
@@ -51,8 +51,8 @@ from dynabatch.data.tokenization import (
 )
 from dynabatch.memory.shape import check_position_limit, resolve_model_shape
 from dynabatch.sampling.estimators import choose_estimator
+from dynabatch.sampling.inference_sampler import DynamicBatchSampler
 from dynabatch.sampling.planner import BatchPlanner, PlanSettings
-from dynabatch.sampling.sampler import DynamicBatchSampler
 
 __all__ = ["LoaderPlan", "build_dynamic_batch_dataloader", "plan_of"]
 
@@ -157,7 +157,7 @@ class LoaderPlan:
     Attributes:
         planner: the :class:`~dynabatch.sampling.planner.BatchPlanner` that made the plan
             (and re-sizes batches from measured peaks in ``run(adapt=True)``).
-        sampler: the :class:`~dynabatch.sampling.sampler.DynamicBatchSampler` (the loader's ``batch_sampler``).
+        sampler: the :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler` (the loader's ``batch_sampler``).
         collator: the :class:`~dynabatch.data.collate.TokenCollator` (the loader's ``collate_fn``).
     """
 
@@ -172,7 +172,7 @@ def plan_of(loader: Any) -> LoaderPlan | None:
     ``Accelerator.prepare`` returns a new DataLoader whose batch sampler wraps
     the original one (``BatchSamplerShard``; the unwrapped loader is its
     ``base_dataloader``). The plan is attached to the loader and to its
-    :class:`~dynabatch.sampling.sampler.DynamicBatchSampler`, so it is found
+    :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler`, so it is found
     under such a wrapper: :func:`dynabatch.run` shares the whole plan among the
     ranks itself rather than run one rank's share shared out again.
     """
@@ -210,6 +210,8 @@ def build_dynamic_batch_dataloader(
     memory_margin: float = 0.10,
     granularity: int | None = None,
     model: Any = None,
+    max_tokens: int | None = None,
+    max_growth: float = 2.0,
     **tokenizer_kwargs: Any,
 ) -> DataLoader:
     """Builds a DataLoader whose batches grow as texts get shorter, under the first batch's peak memory.
@@ -262,6 +264,15 @@ def build_dynamic_batch_dataloader(
             and a ``max_input_token_length`` above its position embeddings
             (``config.max_position_embeddings``, ``n_positions``, ...) is refused
             here, naming the field, rather than failing inside the model.
+        max_tokens: padded tokens per batch (rows x padded width) at most,
+            as text-embeddings-inference's ``--max-batch-tokens``: with the
+            memory rule the smaller wins, in the plan and in ``run``'s measured
+            mode. It must hold the first batch (``batch_size`` rows of the
+            longest text, at its padded width; one row with an absolute
+            ``max_memory``), else ``ValueError`` once the texts are tokenized.
+            ``None``: no token cap.
+        max_growth: in ``run``'s measured mode, a batch has at most this many
+            times the rows of the batch before it (>= 1).
         **tokenizer_kwargs: passed to the tokenizer (e.g. ``add_special_tokens=False``);
             ``pad_to_multiple_of`` rounds each batch's width up. A keyword the
             tokenizer's call does not take (a typo such as ``batchsize``) raises
@@ -303,7 +314,7 @@ def build_dynamic_batch_dataloader(
         raise ValueError("tokenizer_kwargs should be empty for pre-tokenized texts (the ids are taken as they "
                          f"are, no tokenizer call), but got tokenizer_kwargs={tokenizer_kwargs!r}")
     settings = PlanSettings(batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps,
-                            resolve_model_shape(model_shape, model), pad_to_multiple_of)
+                            resolve_model_shape(model_shape, model), pad_to_multiple_of, max_growth, max_tokens)
     check_non_negative_int("num_workers", num_workers)
     if not isinstance(shuffle, bool):
         raise bad_type("shuffle", "a bool", shuffle)

@@ -385,7 +385,7 @@ def run(
             mine.extend(item.positions.tolist())
             todo = executor.skip_done(item)  # rows a resumed run already has
             if todo is not None:
-                queue.observe(todo, executor.run_item(todo), executor.item_failed_shapes)
+                queue.observe_item(todo, executor.run_item(todo), executor.item_failed_shapes)
             else:
                 executor.join_step(item)
     finally:

@@ -29,10 +29,10 @@ Example:
     >>> shapes = [(1, 8), (8, 64), (8, 16), (4, 128)]  # measured peaks: 1000 + 100 bytes a token slot
     >>> mm = MemoryModel().fit(*zip(*shapes), [1000 + r * 100 * L for r, L in shapes])
     >>> budget = MemoryBudget(mm, "60KB", memory_margin=0.0, pad_to_multiple_of=8)
-    >>> budget.budget_bytes, int(budget.max_rows(64)), int(budget.max_rows(60))  # 60 is padded to 64
+    >>> budget.budget_bytes, int(budget.rows_allowed(64)), int(budget.rows_allowed(60))  # 60 is padded to 64
     (60000.0, 9, 9)
     >>> budget.observe_out_of_memory(8, 64)  # that shape ran out of memory: 7 rows at most from now on
-    >>> int(budget.max_rows(64)), bool(budget.fits(np.array([8]), np.array([[64]]), np.array([[1]]))[0])
+    >>> int(budget.rows_allowed(64)), bool(budget.fits(np.array([8]), np.array([[64]]), np.array([[1]]))[0])
     (7, False)
 """
 
@@ -283,11 +283,12 @@ class MemoryBudget:
         model_failed = getattr(self.memory_model, "failed_shapes", None)
         return [*(model_failed or ()), *self._failed]
 
-    def observe_out_of_memory(self, rows: int, width: int) -> None:
-        """Records a ``rows`` x ``width`` call that ran out of memory: no shape at least as large fits from now on."""
+    def observe_out_of_memory(self, rows: int, padded_length: int) -> None:
+        """Records a ``rows`` x ``padded_length`` call that ran out of memory: no shape at least as large fits from
+        now on."""
         rows = check_positive_int("rows", _as_int(rows))
-        width = check_positive_int("width", _as_int(width))
-        self._failed.append((rows, width))
+        padded_length = check_positive_int("padded_length", _as_int(padded_length))
+        self._failed.append((rows, padded_length))
 
     def width(self, longest: Any) -> Any:
         """The padded width of a batch whose longest row is ``longest`` (int or array)."""
@@ -320,7 +321,7 @@ class MemoryBudget:
             ok = ok & (rows <= failed_cap(width, failed))
         return ok if self.batch_size is None else ok & (rows <= self.batch_size)
 
-    def max_rows(self, longest: Any, *, max_memory: float | None = None) -> np.ndarray:
+    def rows_allowed(self, longest: Any, *, max_memory: float | None = None) -> np.ndarray:
         """The most rows whose longest is ``longest`` that fit (0 if none), int64, broadcast over ``longest``.
 
         Args:
@@ -331,7 +332,7 @@ class MemoryBudget:
         model = self._model()
         width = np.asarray(self.width(np.asarray(longest, dtype=np.int64)), dtype=np.float64)
         limit = self.budget_bytes if max_memory is None else float(max_memory) * (1.0 - self.memory_margin)
-        closed = getattr(model, "rows_within", None)
+        closed = getattr(model, "max_rows_unchecked", None)
         if callable(closed):  # a MemoryModel: closed form
             rows = np.asarray(closed(width, np.full(width.shape, limit)), dtype=np.int64)
         else:
@@ -373,7 +374,7 @@ class MemoryBudget:
             raise bad_value("field", f"below the number of key fields ({lengths.shape[1]})", self.field)
         column = lengths[:, self.field] if lengths.ndim == 2 else lengths
         shortest = max(1, int(column.min())) if n else 1
-        return max(1, min(n, int(self.max_rows(shortest))))
+        return max(1, min(n, int(self.rows_allowed(shortest))))
 
     def cost(self, rows: np.ndarray, longest: np.ndarray) -> np.ndarray:
         """Predicted bytes: the heaviest batch goes first."""

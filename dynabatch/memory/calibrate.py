@@ -621,7 +621,7 @@ def _grow(prober: _Prober, mm: MemoryModel, grid: list[int], batch_size: int, me
     def rows_at(length: int) -> int:
         # At most 4x the most rows measured so far: a fit from few probes may be far off.
         most = max(p["rows"] for p in mm.probes_ if not p["out_of_memory"])
-        rows = int(MemoryBudget(mm, target(), memory_margin=0.0).max_rows(length))
+        rows = int(MemoryBudget(mm, target(), memory_margin=0.0).rows_allowed(length))
         return int(min(cap, 4 * most, max(2, rows)))  # two rows at least: a probe is padded as batches are
 
     for length in reversed(grid[:-1]):

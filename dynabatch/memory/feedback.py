@@ -1,26 +1,23 @@
-"""Measured mode: batch sizes corrected by the peak memory of the batches already run.
+"""Measured mode's bound: what the batches already run say about the peak of any later batch.
 
-The classifier's plan is the prior. Once a batch has been measured, its peak
-per row bounds what a row costs in every later batch at most as wide: a
-shorter row never needs more memory, so a batch of ``r`` rows no wider than a
-measured batch of ``r_m`` rows and peak ``p_m`` peaks at most at ``p_m`` (if
-``r <= r_m``) or ``r * p_m / r_m`` (if ``r > r_m``). :meth:`MemoryFeedback.bound`
-is that bound (the tightest over every measured batch at least as wide), and
-:meth:`MemoryFeedback.max_rows` the most rows it keeps under a limit (by
-:func:`~dynabatch.memory.budget.rows_under`, the one closed form of it).
+Once a batch has been measured, its peak per row bounds what a row costs in
+every later batch at most as wide: a shorter row never needs more memory, so a
+batch of ``r`` rows no wider than a measured batch of ``r_m`` rows and peak
+``p_m`` peaks at most at ``p_m`` (if ``r <= r_m``) or ``r * p_m / r_m`` (if
+``r > r_m``). :meth:`MemoryFeedback.bound` is that bound (the tightest over
+every measured batch at least as wide), and :meth:`MemoryFeedback.max_rows`
+the most rows it keeps under a budget (by
+:func:`~dynabatch.memory.budget.rows_under`, the one closed form of it). The
+first batch measured sets the budget (:attr:`MemoryFeedback.budget_`).
 
-Texts run longest first, so every measured batch bounds every later one. The
-next batch takes the most rows whose bound stays at or under ``target`` (0.9)
-times the first batch's measured peak: fewer than planned after a spike, more
-where the plan left memory unused. As texts get shorter each measurement lowers
-the bound and the batches grow, one batch behind the lengths. It never goes
-below the first batch's rows (the planner's own floor) unless that many would
-exceed the first batch's peak itself, and growth per step is bounded
-(``max_growth`` times the last size).
-
-A run that cannot re-plan (batches in another order, a plain iterable,
-``torch.distributed``) uses the same bound at ``1.0`` times the first peak to
-split a batch before it runs (``dynabatch.run``'s guarded mode).
+Texts run longest first, so every measured batch bounds every later one. In
+measured mode the planner sizes the next batch with this bound
+(:meth:`BatchPlanner.next_batch <dynabatch.sampling.planner.BatchPlanner.next_batch>`:
+the most rows whose bound stays at or under 0.9 times the first batch's
+measured peak, and the planner's rules on top). A run that cannot re-plan
+(batches in another order, a plain iterable, ``torch.distributed``) uses the
+same bound at ``1.0`` times the first peak to split a batch before it runs
+(``dynabatch.run``'s guarded mode).
 
 No curve is fitted: a line through the measured peaks extrapolated to shorter
 texts under-predicts whenever memory falls less than linearly with length (a
@@ -38,27 +35,18 @@ the per-row peak at its width, extrapolated from the two measured widths
 nearest above it, would be :data:`SPARSE_GAIN` lower (the bound would loosen by
 that much). That extrapolation only decides *when* to measure, never what fits.
 
-Pure numpy over lengths and measured bytes: :func:`dynabatch.run` feeds it
-with CUDA memory statistics or the CPU tracker.
+Pure numpy over measured bytes: :func:`dynabatch.run` feeds it with CUDA
+memory statistics or the CPU tracker.
 
 Example:
-    >>> import numpy as np
     >>> from dynabatch.memory.feedback import MemoryFeedback
-    >>> lengths = np.array([100] * 4 + [50] * 40 + [10] * 200)  # sorted longest first
-    >>> fb = MemoryFeedback(lengths, planned_sizes=[4] * 61)
-    >>> fb.next_size(0)  # nothing measured yet: the plan
-    4
-    >>> fb.observe(rows=4, peak_bytes=8000, width=100)  # the first batch: the budget, 2000 bytes a row
-    >>> fb.next_size(4)  # 0.9 * 8000 / 2000 = 3.6 rows fit; the floor is the first batch's 4
-    4
-    >>> fb.observe(rows=4, peak_bytes=6000, width=50)  # shorter rows: 1500 bytes each
-    >>> fb.next_size(8, last_size=4)  # 0.9 * 8000 / 1500 = 4.8
-    4
-    >>> fb.observe(rows=4, peak_bytes=4400, width=50)  # 1100 bytes a row
-    >>> fb.next_size(12, last_size=4)  # 0.9 * 8000 / 1100 = 6.5
-    6
-    >>> fb.bound(rows=8, width=50), fb.bound(rows=2, width=50), fb.max_rows(width=10, limit=8000)
-    (8800.0, 4400.0, 7)
+    >>> fb = MemoryFeedback()
+    >>> fb.observe(rows=4, padded_length=100, peak_bytes=8000)  # the first batch: the budget, 2000 bytes a row
+    >>> fb.observe(rows=4, padded_length=50, peak_bytes=4400)  # shorter rows: 1100 bytes each
+    >>> fb.budget_, fb.bound(rows=8, padded_length=50), fb.bound(rows=2, padded_length=50)
+    (8000.0, 8800.0, 4400.0)
+    >>> fb.max_rows(padded_length=50, budget_bytes=0.9 * 8000), fb.max_rows(padded_length=100, budget_bytes=8000)
+    (6, 4)
 """
 
 from __future__ import annotations
@@ -70,15 +58,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynabatch._validation import (
-    bad_type,
-    bad_value,
-    check_fraction,
-    check_non_negative_int,
-    check_positive_number,
-)
+from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.memory.budget import rows_under
-from dynabatch.memory.features import SPIKE_RATIO
 
 __all__ = ["SPARSE_GAIN", "SPARSE_MAX_DROP", "SPARSE_ROWS_GROWTH", "MemoryFeedback"]
 
@@ -93,14 +74,9 @@ SPARSE_ROWS_GROWTH = 2.0
 
 
 class MemoryFeedback:
-    """Chooses the next batch size from the plan and the peaks measured so far, and bounds any batch by them.
+    """The peaks measured so far, the budget the first one sets, and the bound they put on any batch.
 
     Args:
-        sorted_lengths: token length of every text in run order (longest first);
-            empty for a run that only asks :meth:`bound` / :meth:`max_rows`.
-        planned_sizes: the classifier's plan over ``sorted_lengths`` (sizes in order).
-        target: largest predicted peak, as a fraction of the first batch's.
-        max_growth: a batch has at most this many times the rows of the one before.
         sparse: measure only the batches :meth:`should_measure` names (the
             CPU tracker's cost); ``False``: every batch.
 
@@ -109,50 +85,30 @@ class MemoryFeedback:
         row_bytes_: the costliest row of the last measured batch (``None`` until a batch is measured).
     """
 
-    def __init__(self, sorted_lengths: Sequence[int], planned_sizes: Sequence[int], *, target: float = SPIKE_RATIO,
-                 max_growth: float = 2.0, sparse: bool = False) -> None:
-        self.lengths = np.asarray(sorted_lengths, dtype=np.int64)
-        if self.lengths.ndim != 1 or (len(self.lengths) > 1 and (np.diff(self.lengths) > 0).any()):
-            raise bad_value("sorted_lengths", "a 1-D array sorted longest first", "an unsorted array")
-        sizes = np.asarray(planned_sizes, dtype=np.int64)
-        if sizes.ndim != 1 or (sizes < 1).any() or sizes.sum() != len(self.lengths):
-            raise bad_value("planned_sizes", f"positive sizes adding up to {len(self.lengths)} texts",
-                            f"{len(sizes)} sizes adding up to {int(sizes.sum())}")
-        self.target = check_fraction("target", target)
-        self.max_growth = check_positive_number("max_growth", max_growth)
-        if self.max_growth < 1:
-            raise bad_value("max_growth", "at least 1", max_growth)
+    def __init__(self, *, sparse: bool = False) -> None:
         if not isinstance(sparse, bool):
             raise bad_type("sparse", "a bool", sparse)
         self.sparse = sparse
-        self._plan_starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        self._plan_sizes = sizes
         self.budget_: float | None = None
-        self._floor = int(sizes[0]) if len(sizes) else 1  # the planner's smallest batch
         self.row_bytes_: float | None = None
         # (rows, width, peak) of every measured call, as columns grown in place (a run measures thousands)
         self._table = np.empty((3, 64), dtype=np.float64)
         self._n = 0
 
-    def planned_size(self, start: int) -> int:
-        """The plan's size for the batch that holds sorted position ``start``."""
-        i = int(np.searchsorted(self._plan_starts, start, side="right")) - 1
-        return int(self._plan_sizes[max(i, 0)])
-
     # -- measurements ----------------------------------------------------------------------------
-    def observe(self, rows: int, peak_bytes: float, *, width: float | None = None) -> None:
+    def observe(self, rows: int, padded_length: float | None, peak_bytes: float) -> None:
         """Records a measured batch; the first one observed is the budget.
 
         Args:
             rows: its rows.
+            padded_length: its padded width; ``None``: at least as wide as
+                every batch asked about later (texts run longest first).
             peak_bytes: its measured peak.
-            width: its padded width; ``None``: at least as wide as every batch
-                asked about later (texts run longest first).
         """
-        self.observe_parts([(rows, width, peak_bytes)])
+        self.observe_parts([(rows, padded_length, peak_bytes)])
 
     def observe_parts(self, parts: Sequence[tuple[int, float | None, float]]) -> None:
-        """Records a batch that ran as several calls, each ``(rows, width, peak_bytes)`` (``width`` as in :meth:`observe`).
+        """Records a batch that ran as several calls, each ``(rows, padded_length, peak_bytes)`` (as :meth:`observe`).
 
         A batch split after running out of memory runs in parts: the largest
         part's peak is what fitted (the budget, if it is the first batch), and
@@ -165,7 +121,7 @@ class MemoryFeedback:
             if width is None:
                 width = math.inf
             elif isinstance(width, bool) or not isinstance(width, numbers.Real) or not width >= 0:
-                raise bad_value("width", "None or a number >= 0 (a padded width)", width)
+                raise bad_value("padded_length", "None or a number >= 0 (a padded width)", width)
             if not (peak_bytes >= 0 and np.isfinite(peak_bytes)):
                 raise bad_value("peak_bytes", "a finite number >= 0", peak_bytes)
             if rows:
@@ -199,22 +155,22 @@ class MemoryFeedback:
         bounds = np.where(rows <= r, p, rows * p / np.maximum(r, 1))
         return np.where(w >= width, bounds, np.inf)
 
-    def bound(self, rows: int, width: float) -> float | None:
-        """The most a batch of ``rows`` rows and padded ``width`` can peak at, by the measured batches at least as
+    def bound(self, rows: int, padded_length: float) -> float | None:
+        """The most a batch of ``rows`` rows and ``padded_length`` can peak at, by the measured batches at least as
         wide (memory grows with rows and with length); ``None`` when none is."""
         if not self._n:
             return None
-        best = float(self._bounds(rows, width).min())
+        best = float(self._bounds(rows, padded_length).min())
         return best if math.isfinite(best) else None
 
-    def max_rows(self, width: float, limit: float) -> int:
-        """The most rows at padded ``width`` whose :meth:`bound` stays at or under ``limit`` (0 if none does)."""
+    def max_rows(self, padded_length: float, budget_bytes: float) -> int:
+        """The most rows at ``padded_length`` whose :meth:`bound` stays at or under ``budget_bytes`` (0 if none does)."""
         if not self._n:
             return 0
         r, w, p = self._columns()
         # Rows up to r_m are bounded by p_m; beyond, by rows x p_m / r_m: rows_under's closed form.
-        rows = np.maximum(rows_under(0.0, p / r, limit), r.astype(np.int64))
-        rows = np.where((w >= width) & (p <= limit), rows, 0)
+        rows = np.maximum(rows_under(0.0, p / r, budget_bytes), r.astype(np.int64))
+        rows = np.where((w >= padded_length) & (p <= budget_bytes), rows, 0)
         return int(rows.max())
 
     def should_measure(self, rows: int, width: float) -> bool:
@@ -242,26 +198,3 @@ class MemoryFeedback:
             slope = per_row[m] / w[m] if w[m] > 0 else 0.0
         expected = per_row[m] - slope * (w[m] - width)
         return bool(expected <= (1.0 - SPARSE_GAIN) * per_row[m])
-
-    # -- measured mode's next batch -------------------------------------------------------------
-    def next_size(self, start: int, last_size: int | None = None) -> int:
-        """Rows for the batch starting at sorted position ``start``.
-
-        Args:
-            start: sorted position of the batch's first (longest) text.
-            last_size: rows of the batch run before it (bounds the growth).
-        """
-        remaining = len(self.lengths) - start
-        if remaining <= 0:
-            return 0
-        plan = min(self.planned_size(start), remaining)
-        if self.budget_ is None:
-            return plan
-        width = int(self.lengths[start])
-        fits = self.max_rows(width, self.target * self.budget_)
-        floor = min(self._floor, self.max_rows(width, self.budget_))  # batch_size rows, unless over the budget itself
-        cap = int(self.max_growth * (last_size or plan))
-        size = max(1, min(max(fits, floor), cap, remaining))
-        if size != plan:
-            logger.debug("measured mode: %d rows at sorted position %d (plan %d, %d fit)", size, start, plan, fits)
-        return size

@@ -275,16 +275,16 @@ class MemoryModel:
         self._check_fitted()
         length, budget = np.broadcast_arrays(_as_counts("padded_length", padded_length),
                                              np.asarray(budget_bytes, dtype=np.float64))
-        rows = np.minimum(self.rows_within(length, budget), failed_cap(length, self.failed_shapes))
+        rows = np.minimum(self.max_rows_unchecked(length, budget), failed_cap(length, self.failed_shapes))
         self._warn_extrapolation(rows.astype(np.float64), length)
         return rows
 
-    def rows_within(self, length: np.ndarray, budget: np.ndarray) -> np.ndarray:
-        """The most rows the fit predicts within ``budget`` at each length (float arrays in, no checks, no caps)."""
-        fixed, slope = _model_fit.parts(self.coef_, self._knots_used, length)
-        rows = rows_under(fixed, slope, budget)
-        reach, per_row = _model_fit.reach_at(self._reach, length, fixed, slope)
-        capped = rows_under(0.0, per_row, budget)  # beyond the rows measured: at least r * peak(R) / R
+    def max_rows_unchecked(self, padded_length: np.ndarray, budget_bytes: np.ndarray) -> np.ndarray:
+        """:meth:`max_rows` without argument checks, warnings or the failed shapes' caps (float arrays in)."""
+        fixed, slope = _model_fit.parts(self.coef_, self._knots_used, padded_length)
+        rows = rows_under(fixed, slope, budget_bytes)
+        reach, per_row = _model_fit.reach_at(self._reach, padded_length, fixed, slope)
+        capped = rows_under(0.0, per_row, budget_bytes)  # beyond the rows measured: at least r * peak(R) / R
         return np.where((reach > 0) & (rows > reach), np.maximum(reach.astype(np.int64), np.minimum(rows, capped)),
                         rows)
 

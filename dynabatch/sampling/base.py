@@ -4,7 +4,7 @@ A sampler supplies one pure function, :meth:`PlannedBatchSampler.plan`: the
 batches covering the dataset for an epoch, deterministic for ``(seed, epoch)``,
 and :meth:`~PlannedBatchSampler.identity`, what the plan depends on. This base
 turns the plan into a ``torch.utils.data.Sampler`` of batches, the same way for
-the inference loader's :class:`~dynabatch.sampling.sampler.DynamicBatchSampler`,
+the inference loader's :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler`,
 the :class:`~dynabatch.sampling.smart.SmartBatchSampler`, the multi-task
 ``MemoryAwareBatchSampler`` and its step sampler, and the
 :class:`~dynabatch.sampling.multipack.MultipackBatchSampler`:
@@ -144,7 +144,7 @@ class PlannedBatchSampler(Sampler[list[int]], ABC):
         self.shuffle = shuffle
         self.shard = shard
         self.seed = check_non_negative_int("seed", seed)
-        self.num_replicas, self.rank = resolve_world(num_replicas, rank)
+        self.rank, self.num_replicas = resolve_world(rank, num_replicas)
         self.epoch = 0
         self.min_batches = 0
         self._done = 0  # batches handed out in the current pass

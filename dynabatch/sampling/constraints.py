@@ -148,8 +148,9 @@ class TokenBudget:
         combine: ``"each"``: every field's padded tokens within the budget;
             ``"sum"``: the padded tokens summed over the fields within it.
 
-    A single row longer than ``max_tokens`` cannot be planned: the planner
-    raises rather than break the budget.
+    A single row longer than ``max_tokens`` cannot be planned: the smart
+    sampler refuses it when it is built (and the planner when it plans) rather
+    than break the budget.
 
     Example:
         >>> import numpy as np

@@ -1,67 +1,82 @@
-"""What a :class:`~dynabatch.sampling.planner.BatchPlanner` asks about memory: interchangeable estimators.
+"""What a :class:`~dynabatch.sampling.planner.BatchPlanner` asks about memory, and planning to a memory budget.
 
-An estimator answers three questions over lengths sorted longest first:
+An estimator answers, over lengths sorted longest first:
 
 * ``plan_sizes(sorted_lengths, settings)``: the batch sizes of the whole plan, up front;
-* ``rows_within(padded_length, first_peak, floor)``: how many rows of that padded
-  length fit under its budget, given the first batch's measured peak and rows,
-  or ``None`` when it has no model of bytes (the planner then bounds rows by
-  the last measured peak per row);
+* ``rows_for_peak(longest, first_peak)``: in measured mode, how many rows whose
+  longest is ``longest`` its model keeps under the budget once the first
+  batch's peak is measured, or ``None`` when it has no model of bytes (the
+  planner then bounds rows by the measured peaks per row,
+  :class:`~dynabatch.memory.feedback.MemoryFeedback`);
 * ``observe(rows, padded_length, peak_bytes)`` and ``observe_out_of_memory(rows,
-  padded_length)``: a measured peak, or a shape that ran out of memory, to refine itself.
+  padded_length)``: a measured peak, or a shape that ran out of memory, to refine itself;
+
+and carries ``target`` (the share of the first batch's peak a later batch is
+planned to), ``relative`` (whether the first batch, ``batch_size`` rows of the
+longest texts, sets the budget and so is the smallest batch) and
+``granularity`` (batch sizes rounded down to a multiple of it, or ``None``).
+The planner applies the one rule of :func:`~dynabatch.sampling.plan_settings.settle_rows`
+(granularity, floor, token and growth caps) on top of what the estimator says fits.
 
 :class:`SpikeEstimator` is the spike classifier (13 features, or 14 with a
-:class:`~dynabatch.memory.shape.ModelShape`); :class:`BudgetEstimator` is a
+:class:`~dynabatch.memory.shape.ModelShape`; the search itself is
+:mod:`dynabatch.sampling._spike_search`); :class:`BudgetEstimator` is a
 calibrated memory model (``MemoryModel``: ``predict``, ``max_rows``, ``observe``)
-and the :class:`~dynabatch.memory.budget.MemoryBudget` it plans under.
+and the :class:`~dynabatch.memory.budget.MemoryBudget` it plans under, in one
+of two modes:
 
-The spike search. For a batch starting at sorted position ``p`` the candidates
-are :meth:`PlanSettings.candidates <dynabatch.sampling.planner.PlanSettings.candidates>`
-capped at what remains; the batch takes the largest candidate such that it and
-every smaller one have a spike probability at or below ``threshold``, or
-``batch_size`` when none has. Features come from prefix sums, so no Python loop
-runs over texts, and two shortcuts give exactly that batch-by-batch result with
-few classifier calls:
+* **Relative** (``max_memory=None``): the first batch is exactly the
+  ``batch_size`` longest texts and its *predicted* peak is the budget. Every
+  later batch takes the most rows predicted at or under ``(1 - memory_margin)``
+  x budget, and never fewer than ``batch_size``: ``batch_size`` rows of a text
+  no longer than the first batch's are never predicted above the first batch's
+  peak (the model grows with length).
+* **Absolute** (``max_memory`` in bytes, ``"12GB"``, ``"512MiB"``, or ``"80%"``
+  of the CUDA device's free memory): every batch, the first included, takes the
+  most rows predicted at or under ``(1 - memory_margin) x max_memory``;
+  ``batch_size`` plays no part. A text whose single row is predicted above it
+  is a batch of one row on its own, counted and logged as a warning.
 
-* *runs of equal lengths*: when every candidate window from ``p`` lies inside
-  one run of equal lengths ``L``, the features (and so the choice) depend on
-  ``L`` alone; the choice for every such ``L`` comes from one classifier call,
-  and the batches of a run are laid down at once;
-* *speculation*: elsewhere one call checks the candidates at ``p`` together
-  with, at the next positions the chosen size would reach, whether that size is
-  still the choice there (two probabilities decide it for a classifier monotone
-  in the candidate's rows, otherwise every candidate up to one past it).
+:func:`plan_batch_sizes_to_budget` and :func:`plan_batches_to_budget` are the
+functional forms of :class:`BudgetEstimator`.
 
 Example:
     >>> import numpy as np
-    >>> from dynabatch.sampling.estimators import SpikeEstimator
-    >>> from dynabatch.sampling.planner import PlanSettings
-    >>> lengths = np.sort(np.random.default_rng(0).integers(1, 128, size=500))[::-1]
-    >>> sizes = SpikeEstimator().plan_sizes(lengths, PlanSettings(batch_size=8, max_input_token_length=128))
-    >>> int(sizes[0]), int(sizes.sum()), bool((sizes[:-1] >= 8).all())
-    (8, 500, True)
+    >>> from dynabatch.memory.model import MemoryModel
+    >>> shapes = [(1, 8), (4, 64), (32, 16), (4, 128)]  # measured peaks: 1000 + 100 bytes a token
+    >>> mm = MemoryModel().fit(*zip(*shapes), [1000 + r * 100 * L for r, L in shapes])
+    >>> lengths = np.array([128] * 4 + [64] * 8 + [16] * 40)
+    >>> plan_batch_sizes_to_budget(lengths, mm, batch_size=4).tolist()  # 0.9 x (1000 + 4 x 12800) = 46980
+    [4, 7, 7, 28, 6]
+    >>> plan_batch_sizes_to_budget(lengths, mm, max_memory=20_000, memory_margin=0).tolist()
+    [1, 1, 1, 1, 2, 2, 2, 2, 11, 11, 11, 7]
+    >>> plan_batch_sizes_to_budget(lengths, mm, max_memory=20_000, memory_margin=0, max_tokens=128).tolist()
+    [1, 1, 1, 1, 2, 2, 2, 2, 8, 8, 8, 8, 8]
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_lengths, check_positive_int
 from dynabatch.memory.budget import MemoryBudget, check_memory_margin, parse_memory
 from dynabatch.memory.classifier import SpikeClassifier, load_classifier
-from dynabatch.memory.features import SPIKE_RATIO, compute_features
+from dynabatch.memory.features import SPIKE_RATIO
+from dynabatch.sampling._spike_search import SpikeSearch
+from dynabatch.sampling.plan_settings import PlanSettings, settle_rows
 
-if TYPE_CHECKING:
-    from dynabatch.sampling.planner import PlanSettings
-
-__all__ = ["BudgetEstimator", "SpikeEstimator", "choose_estimator"]
+__all__ = [
+    "BudgetEstimator",
+    "SpikeEstimator",
+    "choose_estimator",
+    "plan_batch_sizes_to_budget",
+    "plan_batches_to_budget",
+]
 
 logger = logging.getLogger(__name__)
-
-_MAX_SPECULATION = 1024
 
 
 class SpikeEstimator:
@@ -74,9 +89,13 @@ class SpikeEstimator:
 
     Attributes:
         target: the fraction of the first batch's peak a batch stays under.
+        relative: always ``True``: the first batch's peak is the budget.
+        granularity: always ``None``.
     """
 
     target = SPIKE_RATIO
+    relative = True
+    granularity = None
 
     def __init__(self, classifier: Any = None) -> None:
         self.classifier = classifier
@@ -97,13 +116,13 @@ class SpikeEstimator:
 
     def plan_sizes(self, sorted_lengths: np.ndarray, settings: PlanSettings) -> np.ndarray:
         """Batch sizes over ``sorted_lengths`` (longest first), by the spike search."""
-        search = _SpikeSearch(sorted_lengths, settings, self.classifier_for(settings))
+        search = SpikeSearch(sorted_lengths, settings, self.classifier_for(settings))
         sizes = search.sizes()
         logger.debug("planned %d texts into %d batches with %d classifier calls", len(sorted_lengths), len(sizes),
                      search.calls)
         return sizes
 
-    def rows_within(self, padded_length: int, first_peak: float, floor: int) -> int | None:
+    def rows_for_peak(self, longest: int, first_peak: float) -> int | None:
         """``None``: a classifier has no model of bytes."""
         return None
 
@@ -125,43 +144,69 @@ class BudgetEstimator:
         memory_margin: a batch's predicted peak stays at or under
             ``(1 - memory_margin)`` times the budget.
         granularity: batch sizes are multiples of it (when at least it).
+        device: the CUDA device of a percentage ``max_memory``.
 
     Attributes:
         budget: the plan's :class:`~dynabatch.memory.budget.MemoryBudget` (set by :meth:`plan_sizes`).
+        relative: ``max_memory is None``.
     """
 
     def __init__(self, memory_model: Any, *, max_memory: Any = None, memory_margin: float = 0.10,
-                 granularity: int | None = None) -> None:
+                 granularity: int | None = None, device: Any = None) -> None:
         for method in ("predict", "max_rows", "observe"):
             if not callable(getattr(memory_model, method, None)):
                 raise bad_type("memory_model", "a MemoryModel (from dynabatch.calibrate or MemoryModel.load)",
                                memory_model)
         self.memory_model = memory_model
-        self.max_memory = parse_memory(max_memory)
+        self.max_memory = parse_memory(max_memory, device=device)
         self.memory_margin = check_memory_margin(memory_margin)
         self.granularity = None if granularity is None else check_positive_int("granularity", granularity)
         self.target = 1.0 - self.memory_margin
+        self.relative = self.max_memory is None
         self.budget: MemoryBudget | None = None
 
     def plan_sizes(self, sorted_lengths: np.ndarray, settings: PlanSettings) -> np.ndarray:
-        """Batch sizes over ``sorted_lengths``: each the most rows the budget allows."""
-        from dynabatch.sampling.budget import plan_budget, plan_sizes_under
+        """Batch sizes over ``sorted_lengths``: each the most rows the budget allows, by the one rule."""
+        n = len(sorted_lengths)
+        if n == 0:
+            return np.empty(0, dtype=np.int64)
+        first = min(settings.batch_size, n) if self.relative else 0
+        reference = (first, max(1, int(sorted_lengths[0]))) if first else None
+        self.budget = MemoryBudget(self.memory_model, self.max_memory, memory_margin=self.memory_margin,
+                                   reference_batch=reference, pad_to_multiple_of=settings.pad_to_multiple_of)
+        # One rows_allowed call per distinct length (lengths are sorted, so runs are contiguous).
+        starts = np.flatnonzero(np.r_[True, sorted_lengths[1:] != sorted_lengths[:-1]])
+        run_lengths = sorted_lengths[starts]
+        per_length = settle_rows(self.budget.rows_allowed(run_lengths), floor=max(first, 1),
+                                 granularity=self.granularity, cap=settings.token_cap(run_lengths)).tolist()
+        ends = np.r_[starts[1:], n].tolist()
 
-        first = 0 if self.max_memory is not None else min(settings.batch_size, len(sorted_lengths))
-        self.budget = plan_budget(sorted_lengths, self.memory_model, first=first, max_memory=self.max_memory,
-                                  memory_margin=self.memory_margin, pad_to_multiple_of=settings.pad_to_multiple_of)
-        return plan_sizes_under(sorted_lengths, self.budget, first=first, granularity=self.granularity)
+        # One step per run of equal lengths: every batch starting inside a run has that run's rows
+        # (the last one may reach into the next, shorter run).
+        pieces = [np.array([first], dtype=np.int64)] if first else []
+        pos, run = first, 0
+        while pos < n:
+            while ends[run] <= pos:
+                run += 1
+            rows = per_length[run]
+            count = -(-(ends[run] - pos) // rows)
+            pieces.append(np.full(count, rows, dtype=np.int64))
+            pos += count * rows
+        out = np.concatenate(pieces)
+        out[-1] -= pos - n if pos > n else 0
+        if not first:
+            over = int(np.count_nonzero(self.budget.rows_allowed(sorted_lengths[np.cumsum(out) - out]) == 0))
+            if over:
+                logger.warning("%d texts are predicted above the memory budget of %.0f bytes on their own; each is "
+                               "a batch of one row", over, self.budget.budget_bytes)
+        return out
 
-    def rows_within(self, longest: int, first_peak: float, floor: int) -> int:
-        """Rows whose longest is ``longest`` that the budget allows: ``max_memory``, or (relative) the first
-        batch's measured peak, and then never fewer than ``floor`` (the first batch's rows)."""
+    def rows_for_peak(self, longest: int, first_peak: float) -> int:
+        """Rows whose longest is ``longest`` the budget allows: ``max_memory``, or (relative) the first batch's
+        measured peak, less the margin."""
         if self.budget is None:
-            raise RuntimeError("BudgetEstimator.rows_within before plan_sizes")
-        relative = self.max_memory is None
-        rows = int(self.budget.max_rows(int(longest), max_memory=first_peak if relative else None))
-        if self.granularity and rows >= self.granularity:
-            rows -= rows % self.granularity
-        return max(rows, floor) if relative else rows
+            raise RuntimeError("BudgetEstimator.rows_for_peak before plan_sizes")
+        return int(self.budget.rows_allowed(int(longest), max_memory=first_peak if self.relative else None))
 
     def observe(self, rows: int, padded_length: int, peak_bytes: float) -> None:
         """Refits the memory model with a measured peak."""
@@ -211,137 +256,75 @@ def choose_estimator(
     return BudgetEstimator(memory_model, max_memory=max_memory, memory_margin=memory_margin, granularity=granularity)
 
 
-class _SpikeSearch:
-    """State of one spike-search pass over lengths sorted longest first."""
+def plan_batch_sizes_to_budget(
+    sorted_lengths: Any,
+    memory_model: Any,
+    *,
+    batch_size: int | None = None,
+    max_memory: Any = None,
+    memory_margin: float = 0.10,
+    granularity: int | None = None,
+    pad_to_multiple_of: int | None = None,
+    max_tokens: int | None = None,
+    device: Any = None,
+) -> np.ndarray:
+    """Batch sizes over lengths sorted longest first, each the most rows the memory model allows.
 
-    def __init__(self, sorted_lengths: np.ndarray, settings: PlanSettings, clf: SpikeClassifier) -> None:
-        self.lengths = sorted_lengths
-        self.width = settings.width  # a batch's width: its longest row, padded as the collator pads it
-        self.n = len(sorted_lengths)
-        self.prefix = np.concatenate([[0], np.cumsum(sorted_lengths)])
-        self.batch_size = settings.batch_size
-        self.max_len = settings.max_input_token_length
-        self.threshold = settings.threshold
-        self.shape = settings.model_shape
-        self.cands = settings.candidates
-        self.clf = clf
-        self.first = min(self.batch_size, self.n)
-        self.calls = 0
+    Args:
+        sorted_lengths: token lengths, longest first.
+        memory_model: has ``predict(rows, padded_length)`` (a
+            :class:`~dynabatch.memory.model.MemoryModel`; its ``max_rows`` closed form is used).
+        batch_size: relative mode: the first batch's rows (required there).
+        max_memory: ``None`` (relative) or the budget (see :func:`~dynabatch.memory.budget.parse_memory`).
+        memory_margin: predicted peaks stay at or under ``(1 - memory_margin)`` x budget; in [0, 1).
+        granularity: round rows down to a multiple of it where one fits.
+        pad_to_multiple_of: the collator's rounding of widths: batches are sized at their padded width.
+        max_tokens: padded tokens per batch at most (``None``: no token cap); see
+            :class:`~dynabatch.sampling.plan_settings.PlanSettings`.
+        device: the CUDA device of a percentage ``max_memory``.
 
-    def _proba(self, starts: np.ndarray, sizes: np.ndarray, totals: np.ndarray | None = None) -> np.ndarray:
-        stops = np.minimum(starts + sizes, self.n)
-        if totals is None:
-            totals = self.prefix[stops] - self.prefix[starts]
-        f = compute_features(
-            self.max_len, self.width(self.lengths[0]), self.first, self.prefix[self.first],
-            self.width(self.lengths[starts]), stops - starts, totals, shape=self.shape,
-        )
-        self.calls += 1
-        return self.clf.predict_spike_proba(f)
+    Returns:
+        ``int64`` sizes; batch ``i`` is ``sorted_lengths[sum(sizes[:i]):sum(sizes[:i + 1])]``.
+    """
+    lengths = check_lengths("sorted_lengths", sorted_lengths, longest_first=True)
+    estimator = BudgetEstimator(memory_model, max_memory=max_memory, memory_margin=memory_margin,
+                                granularity=granularity, device=device)
+    if estimator.relative and batch_size is None:
+        raise bad_value("batch_size", "a positive integer in relative mode (max_memory=None)", batch_size)
+    settings = PlanSettings(1 if batch_size is None else batch_size, max(1, int(lengths.max(initial=1))),
+                            pad_to_multiple_of=pad_to_multiple_of, max_tokens=max_tokens)
+    check_token_cap(lengths, settings, relative=estimator.relative)
+    return estimator.plan_sizes(lengths, settings)
 
-    def _safe_prefix(self, proba: np.ndarray) -> int:
-        """How many leading candidates are safe before the first unsafe one."""
-        unsafe = np.nonzero(proba > self.threshold)[0]
-        return int(unsafe[0]) if len(unsafe) else len(proba)
 
-    def _choice(self, found: int) -> int:
-        return int(self.cands[found - 1]) if found else self.batch_size
+def plan_batches_to_budget(lengths: Any, memory_model: Any, **kwargs: Any) -> list[np.ndarray]:
+    """Batches of input positions (longest first) from token lengths in input order.
 
-    def _runs(self) -> tuple[np.ndarray, np.ndarray, dict[int, int]]:
-        """Run starts, starts of runs long enough to hold every window, and the choice inside each of those."""
-        run_starts = np.flatnonzero(np.diff(self.lengths)) + 1
-        bounds = np.concatenate([[0], run_starts, [self.n]])
-        cmax, k = int(self.cands[-1]), len(self.cands)
-        long = bounds[:-1][np.diff(bounds) >= cmax]
-        lengths = self.lengths[long]
-        if not len(long):
-            return run_starts, long, {}
-        if self.clf.monotone_in_rows:  # bisection on the first unsafe candidate, every run at once
-            lo, hi = np.full(len(long), -1), np.full(len(long), k)
-            while (hi - lo > 1).any():
-                mid = np.where(hi - lo > 1, (lo + hi) // 2, np.maximum(lo, 0))
-                unsafe = self._proba(long, self.cands[mid], self.cands[mid] * lengths) > self.threshold
-                move = hi - lo > 1
-                hi = np.where(move & unsafe, mid, hi)
-                lo = np.where(move & ~unsafe, mid, lo)
-            found = hi
-        else:
-            proba = self._proba(np.repeat(long, k), np.tile(self.cands, len(long)),
-                                np.tile(self.cands, len(long)) * np.repeat(lengths, k))
-            found = [self._safe_prefix(row) for row in proba.reshape(len(long), k)]
-        return run_starts, long, {int(n): int(f) for n, f in zip(lengths.tolist(), np.asarray(found).tolist())}
+    The keyword arguments are those of :func:`plan_batch_sizes_to_budget`.
+    Every position appears exactly once.
 
-    def _window(self, pos: int, k: int, starts: np.ndarray, check: np.ndarray) -> tuple[int | None, np.ndarray]:
-        """The safe prefix at ``pos`` from candidates around ``k`` (monotone classifier; ``None`` if undecided),
-        and the probabilities of the ``check`` candidates at the speculative ``starts``, in one call."""
-        last = len(self.cands) - 1
-        lo, hi = max(k - 3, 0), min(k + 3, last)
-        window = self.cands[lo : hi + 1]
-        proba = self._proba(np.concatenate([np.full(len(window), pos), np.repeat(starts, len(check))]),
-                            np.concatenate([window, np.tile(check, len(starts))]))
-        unsafe = proba[: len(window)] > self.threshold
-        if lo > 0 and unsafe[0]:
-            found = None
-        elif unsafe.any():
-            found = lo + int(np.argmax(unsafe))
-        else:
-            found = last + 1 if hi == last else None
-        return found, proba[len(window) :]
+    Example:
+        >>> from dynabatch.memory.model import MemoryModel
+        >>> mm = MemoryModel().fit([1, 2, 4], [4, 8, 2], [10, 40, 20])  # 2.5 bytes a token
+        >>> [b.tolist() for b in plan_batches_to_budget([2, 8, 4, 8], mm, max_memory=40, memory_margin=0)]
+        [[1, 3], [2, 0]]
+    """
+    arr = check_lengths("lengths", lengths)
+    order = np.argsort(-arr, kind="stable")
+    sizes = plan_batch_sizes_to_budget(arr[order], memory_model, **kwargs)
+    return np.split(order, np.cumsum(sizes)[:-1]) if len(sizes) else []
 
-    def sizes(self) -> np.ndarray:
-        if self.n == 0:
-            return np.empty(0, dtype=np.int64)
-        out, counts = [self.first], [1]  # batch sizes, run-length encoded
-        pos = self.first
-        n, cands, cmax = self.n, self.cands, int(self.cands[-1])
-        run_starts, long_starts, choices = self._runs()
-        monotone = self.clf.monotone_in_rows
-        k = -1  # safe prefix of the last uncapped choice, to speculate on; -1: none
-        width = 4  # speculative positions per call
-        while pos < n:
-            i = int(np.searchsorted(run_starts, pos, side="right"))
-            end = int(run_starts[i]) if i < len(run_starts) else n
-            if pos + cmax <= end:  # every candidate window inside a run of equal lengths
-                k = choices[int(self.lengths[pos])]
-                size = self._choice(k)
-                count = (end - cmax - pos) // size + 1
-                out.append(size)
-                counts.append(count)
-                pos += size * count
-                continue
-            caps = np.unique(np.minimum(cands, n - pos))
-            # The next run long enough for the shortcut: speculating past its start is wasted.
-            j = int(np.searchsorted(long_starts, pos, side="right"))
-            limit = int(long_starts[j]) if j < len(long_starts) else n
-            starts = np.empty(0, dtype=np.int64)
-            check = np.empty(0, dtype=np.int64)
-            lo = 0
-            if k >= 0:
-                # Is the safe prefix still k at the positions this size would reach?
-                # Candidates below k must be safe and candidate k (if any) unsafe.
-                step = int(cands[k - 1]) if k else self.batch_size
-                lo = max(k - 1, 0) if monotone else 0
-                check = cands[lo : k + 1]
-                starts = pos + step * np.arange(1, width + 1, dtype=np.int64)
-                starts = starts[(starts + cmax <= n) & (starts < limit)]
-            found = None
-            if monotone and k >= 0 and len(caps) == len(cands):
-                found, spec_proba = self._window(pos, k, starts, check)
-            if found is None:
-                proba = self._proba(np.concatenate([np.full(len(caps), pos), np.repeat(starts, len(check))]),
-                                    np.concatenate([caps, np.tile(check, len(starts))]))
-                found, spec_proba = self._safe_prefix(proba[: len(caps)]), proba[len(caps) :]
-            size = int(caps[found - 1]) if found else min(self.batch_size, n - pos)
-            out.append(size)
-            counts.append(1)
-            pos += size
-            if len(starts) and found == k:  # the size is step again: the speculation applies
-                spec = spec_proba.reshape(len(starts), len(check)) <= self.threshold
-                holds = (spec == (np.arange(lo, lo + len(check)) < k)).all(axis=1)
-                hits = len(holds) if holds.all() else int(np.argmin(holds))
-                out.append(size)
-                counts.append(hits)
-                pos += size * hits
-                width = min(2 * width, _MAX_SPECULATION) if hits == len(holds) else max(4, 2 * hits)
-            k = found if len(caps) == len(cands) else -1
-        return np.repeat(np.asarray(out, dtype=np.int64), counts)
+
+def check_token_cap(sorted_lengths: np.ndarray, settings: PlanSettings, *, relative: bool) -> None:
+    """Refuses a ``max_tokens`` the first batch cannot keep: ``batch_size`` rows of the longest text
+    (relative plans), or that text's one row (absolute plans)."""
+    if settings.max_tokens is None or not len(sorted_lengths):
+        return
+    rows = min(settings.batch_size, len(sorted_lengths)) if relative else 1
+    width = int(settings.width(int(sorted_lengths[0])))
+    if rows * width > settings.max_tokens:
+        what = (f"the first batch, the batch_size={rows} longest texts {width} tokens wide" if relative
+                else f"the longest text, {width} tokens wide")
+        raise bad_value("max_tokens", f"at least {rows} x {width} = {rows * width} padded tokens ({what}); pass "
+                        "a larger max_tokens, a smaller batch_size or a smaller max_input_token_length",
+                        settings.max_tokens)

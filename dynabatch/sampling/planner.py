@@ -17,11 +17,14 @@ steps))``, deduplicated and capped at the texts that remain; the spike
 classifier gives each candidate's probability of exceeding 90% of the first
 batch's peak; the batch takes the largest candidate such that it *and every
 smaller candidate* are at or below ``threshold`` (no safe island above an unsafe
-candidate), or ``batch_size`` when none is safe.
+candidate), or ``batch_size`` when none is safe; and at most ``max_tokens``
+padded tokens when the settings give a token cap.
 
 Features come from prefix sums of the sorted lengths, so no Python loop runs
 over texts, and few classifier calls give exactly the batch-by-batch rule above
-(see :mod:`dynabatch.sampling.estimators`).
+(see :mod:`dynabatch.sampling._spike_search`). The settings and the one rule
+every plan applies on top of what memory allows are in
+:mod:`dynabatch.sampling.plan_settings`.
 
 Example:
     >>> import numpy as np
@@ -36,106 +39,21 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import (
-    bad_type,
-    bad_value,
-    check_fraction,
-    check_lengths,
-    check_positive_int,
-)
-from dynabatch.data.collate import padded_width
+from dynabatch._validation import bad_type, bad_value, check_lengths
 from dynabatch.memory.feedback import MemoryFeedback
-from dynabatch.memory.shape import ModelShape, check_model_shape
-from dynabatch.sampling.estimators import SpikeEstimator
+from dynabatch.memory.shape import ModelShape
+from dynabatch.sampling.estimators import SpikeEstimator, check_token_cap
+from dynabatch.sampling.plan_settings import PlanSettings, candidate_sizes, settle_rows
 
 __all__ = ["BatchPlanner", "PlanSettings", "candidate_sizes", "plan_batch_sizes", "plan_batches"]
 
 logger = logging.getLogger(__name__)
-
-_MAX_BATCH = 2**40  # candidate sizes stay exact in int64 and float64
-
-
-def candidate_sizes(batch_size: int, batch_start_range: float, batch_end_range: float, steps: int) -> np.ndarray:
-    """The candidate batch sizes, ascending and deduplicated (before capping at what remains).
-
-    Example:
-        >>> candidate_sizes(10, 1.0, 2.0, 5).tolist()
-        [10, 13, 15, 18, 20]
-    """
-    sizes = np.ceil(batch_size * np.linspace(batch_start_range, batch_end_range, steps) - 1e-9)
-    return np.unique(sizes.astype(np.int64))
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanSettings:
-    """The planner's settings, validated once when made.
-
-    Args:
-        batch_size: rows of the first (longest, hardest) batch; the smallest batch size.
-        max_input_token_length: the truncation limit the lengths were cut at.
-        threshold: the highest spike probability a chosen candidate may have.
-        batch_start_range: smallest candidate, as a multiple of ``batch_size`` (>= 1).
-        batch_end_range: largest candidate, as a multiple of ``batch_size``.
-        steps: number of candidate multiples between the two.
-        model_shape: the model and call (:meth:`ModelShape.from_model
-            <dynabatch.memory.shape.ModelShape.from_model>`), or ``None``.
-        pad_to_multiple_of: the collator rounds each batch's width up to a
-            multiple of it; every estimator judges a batch at that padded width.
-
-    Example:
-        >>> PlanSettings(batch_size=10, max_input_token_length=64, batch_end_range=2.0, steps=5).candidates.tolist()
-        [10, 13, 15, 18, 20]
-    """
-
-    batch_size: int
-    max_input_token_length: int
-    threshold: float = 0.025
-    batch_start_range: float = 1.0
-    batch_end_range: float = 6.0
-    steps: int = 50
-    model_shape: ModelShape | None = None
-    pad_to_multiple_of: int | None = None
-
-    def __post_init__(self) -> None:
-        batch_size = check_positive_int("batch_size", self.batch_size)
-        set_ = object.__setattr__
-        set_(self, "batch_size", batch_size)
-        set_(self, "max_input_token_length", check_positive_int("max_input_token_length", self.max_input_token_length))
-        set_(self, "threshold", check_fraction("threshold", self.threshold))
-        start, end = self.batch_start_range, self.batch_end_range
-        for name, value in (("batch_start_range", start), ("batch_end_range", end)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise bad_type(name, "a number >= 1", value)
-        if not (start >= 1 and math.isfinite(start)):
-            raise bad_value("batch_start_range", "a finite number >= 1 (the first batch is the smallest)", start)
-        if not (end >= start and math.isfinite(end)):
-            raise bad_value("batch_end_range", f"a finite number >= batch_start_range={start!r}", end)
-        if batch_size * end > _MAX_BATCH:
-            raise bad_value("batch_end_range", f"at most {_MAX_BATCH} / batch_size={batch_size}", end)
-        set_(self, "batch_start_range", float(start))
-        set_(self, "batch_end_range", float(end))
-        set_(self, "steps", check_positive_int("steps", self.steps))
-        check_model_shape(self.model_shape)
-        if self.pad_to_multiple_of is not None:
-            set_(self, "pad_to_multiple_of", check_positive_int("pad_to_multiple_of", self.pad_to_multiple_of))
-
-    def width(self, longest: Any) -> Any:
-        """The width the collator pads a batch whose longest row is ``longest`` to (int or array)."""
-        return padded_width(longest, self.pad_to_multiple_of)
-
-    @property
-    def candidates(self) -> np.ndarray:
-        """The candidate batch sizes, ascending (:func:`candidate_sizes`)."""
-        return candidate_sizes(self.batch_size, self.batch_start_range, self.batch_end_range, self.steps)
 
 
 def _truncated_lengths(lengths: Any, max_input_token_length: int) -> np.ndarray:
@@ -166,10 +84,14 @@ class BatchPlanner:
     Up front, :meth:`batches` is the plan. Online, :meth:`next_batch` hands out
     the batches in plan order (longest first) and :meth:`observe` takes each
     batch's measured peak: the first measured batch's peak is the budget, and
-    later batches are re-sized to stay at or under the estimator's ``target``
-    times it, bounded by the last measured peak per row (a classifier; see
-    :class:`~dynabatch.memory.feedback.MemoryFeedback`) or predicted by the
-    memory model, which each measured peak refines.
+    every later batch takes the rows that stay at or under the estimator's
+    ``target`` times it, bounded by the measured peaks per row (a classifier;
+    see :class:`~dynabatch.memory.feedback.MemoryFeedback`) or predicted by the
+    memory model, which each measured peak refines; then the one rule of
+    :func:`~dynabatch.sampling.plan_settings.settle_rows`: the estimator's
+    granularity, never fewer rows than the first batch (unless the measured
+    peaks say that many exceed the first batch's peak itself), never more than
+    ``max_growth`` times the last batch, ``max_tokens`` padded tokens, or what remains.
 
     Example:
         >>> import numpy as np
@@ -194,7 +116,9 @@ class BatchPlanner:
         self.order = _longest_first(self.lengths, settings.max_input_token_length)
         self.sorted_lengths = self.lengths[self.order]
         self.estimator = SpikeEstimator() if estimator is None else estimator
+        check_token_cap(self.sorted_lengths, settings, relative=self.estimator.relative)
         self._sizes: np.ndarray | None = None
+        self._ends: np.ndarray | None = None  # where each planned batch ends in sorted positions
         self.restart()
 
     def sizes(self) -> np.ndarray:
@@ -228,41 +152,66 @@ class BatchPlanner:
         """
         self._start = 0
         self._last: int | None = None
-        self._sparse = sparse
-        self._feedback: MemoryFeedback | None = None
+        self._feedback = MemoryFeedback(sparse=sparse)
 
     @property
     def feedback(self) -> MemoryFeedback:
         """The measured peaks of this pass (since :meth:`restart`) and the bound they set."""
-        if self._feedback is None:
-            self._feedback = MemoryFeedback(self.sorted_lengths, self.sizes(), target=self.estimator.target,
-                                            sparse=self._sparse)
         return self._feedback
+
+    def planned_size(self, start: int) -> int:
+        """The plan's size for the batch that holds sorted position ``start``."""
+        sizes = self.sizes()
+        if self._ends is None:
+            self._ends = np.cumsum(sizes)
+        return int(sizes[min(int(np.searchsorted(self._ends, start, side="right")), len(sizes) - 1)])
 
     def next_batch(self) -> np.ndarray | None:
         """The input positions of the next batch, sized from the peaks observed so far; ``None`` when done."""
-        start, feedback = self._start, self.feedback
-        remaining = len(self.sorted_lengths) - start
-        if remaining <= 0:
+        start = self._start
+        if start >= len(self.sorted_lengths):
             return None
-        rows = None
-        if feedback.budget_ is not None:
-            rows = self.estimator.rows_within(int(self.sorted_lengths[start]), feedback.budget_, int(self.sizes()[0]))
-        if rows is None:
-            size = feedback.next_size(start, self._last)
-        else:
-            cap = int(feedback.max_growth * (self._last or feedback.planned_size(start)))
-            size = max(1, min(rows, cap, remaining))
+        size = self.next_size(start, self._last)
         self._start += size
         self._last = size
         return self.order[start : start + size]
+
+    def next_size(self, start: int, last_size: int | None = None) -> int:
+        """Rows for the batch starting at sorted position ``start``, after a batch of ``last_size`` rows.
+
+        Before any peak is measured: the plan's. Then: the rows the estimator
+        (or the measured bound) keeps under ``target`` times the first batch's
+        peak, settled by :func:`~dynabatch.sampling.plan_settings.settle_rows`.
+        """
+        settings, feedback, estimator = self.settings, self._feedback, self.estimator
+        remaining = len(self.sorted_lengths) - start
+        longest = int(self.sorted_lengths[start])
+        width = int(settings.width(longest))
+        planned = self.planned_size(start)
+        tokens = settings.token_cap(longest)
+        cap = remaining if tokens is None else min(remaining, int(tokens))
+        budget = feedback.budget_
+        if budget is None:  # nothing measured yet: the plan (which keeps the token cap)
+            return int(settle_rows(planned, cap=cap))
+        cap = min(cap, int(settings.max_growth * (last_size or planned)))
+        fits = estimator.rows_for_peak(longest, budget)
+        if fits is None:
+            fits = feedback.max_rows(width, estimator.target * budget)
+        floor = 1
+        if estimator.relative:  # the first batch's rows, unless the measured peaks put that many above its peak
+            floor = min(int(self.sizes()[0]), max(1, feedback.max_rows(width, budget)))
+        size = int(settle_rows(fits, floor=floor, granularity=estimator.granularity, cap=cap))
+        if size != planned:
+            logger.debug("measured mode: %d rows at sorted position %d (plan %d, %d fit)", size, start, planned, fits)
+        return size
 
     def observe(self, rows: int, padded_length: int, peak_bytes: float) -> None:
         """Records the measured peak of the batch handed out last (rows of at most ``padded_length`` tokens)."""
         self.observe_parts([(rows, padded_length, peak_bytes)])
 
     def observe_parts(self, parts: Sequence[tuple[int, int, float]]) -> None:
-        """Records a batch that ran as several calls (split after running out of memory), each ``(rows, width, peak)``."""
+        """Records a batch that ran as several calls (split after running out of memory), each
+        ``(rows, padded_length, peak_bytes)``."""
         self.feedback.observe_parts(parts)
         for rows, width, peak in parts:
             if rows:
@@ -293,9 +242,8 @@ def plan_batch_sizes(
     """
     settings = PlanSettings(batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps,
                             model_shape)
-    lengths = _truncated_lengths(sorted_lengths, settings.max_input_token_length)
-    if len(lengths) > 1 and (np.diff(lengths) > 0).any():
-        raise bad_value("sorted_lengths", "sorted longest first", "an unsorted array")
+    lengths = _truncated_lengths(check_lengths("sorted_lengths", sorted_lengths, longest_first=True),
+                                 settings.max_input_token_length)
     return SpikeEstimator(classifier).plan_sizes(lengths, settings)
 
 

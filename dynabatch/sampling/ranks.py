@@ -57,35 +57,38 @@ __all__ = [
 
 
 def process_group() -> tuple[int, int] | None:
-    """``(world_size, rank)`` of the initialised ``torch.distributed`` process group, or ``None``."""
+    """``(rank, world_size)`` in the initialised ``torch.distributed`` process group, or ``None``.
+
+    Every world getter of dynabatch answers in this order: rank first, then the number of ranks.
+    """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
+        return dist.get_rank(), dist.get_world_size()
     return None
 
 
-def resolve_world(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
-    """``(num_replicas, rank)`` checked; a ``None`` one is the process group's (else 1 and 0).
+def resolve_world(rank: int | None, num_replicas: int | None) -> tuple[int, int]:
+    """``(rank, num_replicas)`` checked; a ``None`` one is the process group's (else 0 and 1).
 
     Example:
-        >>> resolve_world(None, None), resolve_world(4, 3)
-        ((1, 0), (4, 3))
+        >>> resolve_world(None, None), resolve_world(3, 4)
+        ((0, 1), (3, 4))
         >>> resolve_world(2, 2)
         Traceback (most recent call last):
         ...
         ValueError: rank should be in [0, num_replicas=2), but got rank=2
     """
     group = process_group()
-    if num_replicas is None:
-        num_replicas = group[0] if group else 1
     if rank is None:
-        rank = group[1] if group else 0
+        rank = group[0] if group else 0
+    if num_replicas is None:
+        num_replicas = group[1] if group else 1
     num_replicas = check_positive_int("num_replicas", num_replicas)
     rank = check_non_negative_int("rank", rank)
     if rank >= num_replicas:
         raise bad_value("rank", f"in [0, num_replicas={num_replicas})", rank)
-    return num_replicas, rank
+    return rank, num_replicas
 
 
 def reduce_across_ranks(values: Sequence[float], op: str = "sum") -> list[float]:
@@ -104,7 +107,7 @@ def reduce_across_ranks(values: Sequence[float], op: str = "sum") -> list[float]
         raise bad_value("op", "one of 'sum', 'min', 'max'", op)
     values = [float(v) for v in values]
     group = process_group()
-    if group is None or group[0] == 1:
+    if group is None or group[1] == 1:
         return values
     import torch
     import torch.distributed as dist

@@ -249,7 +249,7 @@ def bucket_memory_kwargs(memory_model: Any, lengths: Any, bucket_boundaries: Any
     element is ``L`` (at its padded width), every element costs ``S(L)`` and the
     limit is ``budget_bytes - F(L)``, so a batch of the bucket, padded to its
     longest row (at most ``L``), is predicted at or under ``budget_bytes``; that
-    is the budget's ``max_rows(L)`` rows (fewer where a shape ran out of memory).
+    is the budget's ``rows_allowed(L)`` rows (fewer where a shape ran out of memory).
 
     Args:
         memory_model: a fitted :class:`~dynabatch.memory.model.MemoryModel`, or a
@@ -288,7 +288,7 @@ def bucket_memory_kwargs(memory_model: Any, lengths: Any, bucket_boundaries: Any
         if fixed + per_row > limit:
             raise bad_value("budget_bytes", f"enough for one row of length {width} "
                             f"({math.ceil(fixed + per_row)} bytes predicted)", limit)
-        rows = int(budget.max_rows(width, max_memory=limit / (1.0 - budget.memory_margin)))
+        rows = int(budget.rows_allowed(width, max_memory=limit / (1.0 - budget.memory_margin)))
         room = limit - fixed
         sizeofs.append(_constant(max(per_row, _size_for_rows(room, rows)) if rows else room))
         limits.append(room)

@@ -52,7 +52,7 @@ from dynabatch._validation import (
 from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.sampling.constraints import Constraint, as_constraint, batch_cost
 
-__all__ = ["SmartBatchSampler", "as_lengths", "plan_constrained"]
+__all__ = ["SmartBatchSampler", "as_lengths", "check_every_row_fits", "plan_constrained"]
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +174,32 @@ def _typical_rows(lengths: np.ndarray, constraint: Constraint, cap: int) -> int:
     return lo
 
 
+def check_every_row_fits(lengths: np.ndarray, names: Sequence[str], constraint: Constraint) -> None:
+    """Refuses a constraint that some row breaks on its own (no batch could hold it), naming the longest such row.
+
+    ``lengths`` and ``names`` are :func:`as_lengths`' array and field names.
+
+    Example:
+        >>> from dynabatch.sampling.constraints import TokenBudget
+        >>> check_every_row_fits(*as_lengths([50, 200, 120]), TokenBudget(max_tokens=100))
+        Traceback (most recent call last):
+        ...
+        ValueError: constraint should be able to hold every row alone (row 1, lengths=200, is the longest of the 2 rows it cannot hold: raise its limit to hold that row, or truncate or drop such rows first), but got constraint=TokenBudget(max_tokens=100, batch_size=None, combine='each')
+    """
+    n = len(lengths)
+    if not n:
+        return
+    alone = np.asarray(constraint.fits(np.ones(n, np.int64), lengths, lengths), dtype=bool)
+    if alone.all():
+        return
+    bad = np.flatnonzero(~alone)
+    worst = int(bad[np.argmax(lengths[bad].sum(axis=1))])
+    described = ", ".join(f"{k}={int(v)}" for k, v in zip(names, lengths[worst]))
+    rows = f"{len(bad)} row" + ("s" if len(bad) > 1 else "")
+    raise bad_value("constraint", f"able to hold every row alone (row {worst}, {described}, is the longest of the {rows} it "
+                    "cannot hold: raise its limit to hold that row, or truncate or drop such rows first)", constraint)
+
+
 def plan_constrained(
     lengths: Any,
     constraint: Constraint | Sequence[Constraint],
@@ -203,7 +229,7 @@ def plan_constrained(
 
     Raises:
         ValueError: a single row breaks the constraint (too long for the
-            budget), or an argument is out of range.
+            budget; see :func:`check_every_row_fits`), or an argument is out of range.
     """
     array, names = as_lengths(lengths)
     constraint = as_constraint(constraint)
@@ -216,6 +242,7 @@ def plan_constrained(
     n = len(array)
     if n == 0:
         return []
+    check_every_row_fits(array, names, constraint)
     cap = max(1, min(int(constraint.row_cap(array)), n))
     perm = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
     if window_batches is None:
@@ -227,15 +254,6 @@ def plan_constrained(
     ends = np.minimum((window + 1) * window_rows, n)  # window ids are already ascending by position
     sorted_lengths = array[order]
 
-    alone = np.asarray(constraint.fits(np.ones(n, np.int64), sorted_lengths, sorted_lengths))
-    if not alone.all():
-        bad = int(np.flatnonzero(~alone)[0])
-        raise bad_value(
-            "constraint",
-            f"satisfiable by every single row, but row {int(order[bad])} "
-            f"({', '.join(f'{k}={int(v)}' for k, v in zip(names, sorted_lengths[bad]))}) breaks it alone",
-            constraint,
-        )
     most = _most_rows(sorted_lengths, ends, constraint, cap).tolist()
     starts: list[int] = []
     i = 0
@@ -284,6 +302,7 @@ class SmartBatchSampler(PlannedBatchSampler):
         self.lengths, self.fields = as_lengths(lengths)
         self._named = dict(zip(self.fields, self.lengths.T))  # what plan_constrained reads, names kept
         self.constraint = as_constraint(constraint)
+        check_every_row_fits(self.lengths, self.fields, self.constraint)  # now, not at the first iteration
         self.window_batches = None if window_batches is None else check_positive_int("window_batches", window_batches)
 
     def plan(self, epoch: int) -> list[np.ndarray]:

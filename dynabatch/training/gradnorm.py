@@ -134,10 +134,10 @@ class GradNormBalancer:
     def _sum_across_ranks(self) -> None:
         """Sums every task's gradient, loss and count over the ranks (tasks a rank did not see count zero)."""
         group = process_group()
-        if group is None or group[0] == 1:
+        if group is None or group[1] == 1:
             return
         dist = torch.distributed
-        seen: list[list[Hashable]] = [[] for _ in range(group[0])]
+        seen: list[list[Hashable]] = [[] for _ in range(group[1])]
         dist.all_gather_object(seen, list(self._grads))
         tasks = list(dict.fromkeys(t for rank_tasks in seen for t in rank_tasks))  # rank order: the same everywhere
         if not tasks:

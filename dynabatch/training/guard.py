@@ -155,7 +155,7 @@ class OOMGuardian:
                 )
             return remembered
         length = predictor.typical_length(task_type) if seq_length is None else float(seq_length)
-        return int(self.budget(task_type, _TaskBytes(predictor, task_type)).max_rows(math.ceil(length)))
+        return int(self.budget(task_type, _TaskBytes(predictor, task_type)).rows_allowed(math.ceil(length)))
 
 
 class _TaskBytes:

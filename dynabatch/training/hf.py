@@ -80,7 +80,7 @@ from dynabatch._validation import bad_type, bad_value
 from dynabatch.data.packing import PackedDataset
 from dynabatch.memory.shape import ModelShape
 from dynabatch.sampling.base import PlannedBatchSampler
-from dynabatch.sampling.sampler import DynamicBatchSampler
+from dynabatch.sampling.inference_sampler import DynamicBatchSampler
 from dynabatch.training._eval_batches import eval_lengths, in_order, plan_eval_batches
 
 __all__ = ["SAMPLER_STATE_FILE", "BatchSamplerTrainer", "BatchSamplerTrainerMixin", "Seq2SeqBatchSamplerTrainer"]

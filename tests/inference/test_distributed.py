@@ -69,7 +69,7 @@ _WORKER = textwrap.dedent(
 
     from dynabatch.inference.distributed import gather_results, world
     from dynabatch.sampling.planner import plan_batches
-    from dynabatch.sampling.sampler import DynamicBatchSampler
+    from dynabatch.sampling.inference_sampler import DynamicBatchSampler
 
     rank, out = int(sys.argv[1]), sys.argv[2]
     dist.init_process_group("gloo", rank=rank, world_size=2)

@@ -336,6 +336,19 @@ def test_a_non_finite_or_huge_batch_end_range_is_refused(tokenizer, texts, value
         _load(texts[:10], tokenizer, batch_end_range=value)
 
 
+def test_a_max_tokens_the_first_batch_cannot_keep_is_refused_with_the_numbers(tokenizer, texts):
+    with pytest.raises(TypeError, match=r"^max_tokens should be a positive integer, but got max_tokens=1\.5 of type"):
+        _load(texts[:10], tokenizer, max_tokens=1.5)
+    longest = max(len(tokenizer(t, truncation=True, max_length=MAX_LEN)["input_ids"]) for t in texts[:10])
+    first = 4 * longest
+    with pytest.raises(ValueError, match=rf"^max_tokens should be at least 4 x {longest} = {first} padded tokens \(the "
+                                         rf"first batch, the batch_size=4 longest texts {longest} tokens wide\); pass a "
+                                         rf"larger max_tokens, .*, but got max_tokens={first - 1}$"):
+        _load(texts[:10], tokenizer, max_tokens=first - 1)
+    loader = _load(texts[:10], tokenizer, max_tokens=first)  # exactly the first batch
+    assert loader.plan.planner.settings.max_tokens == first
+
+
 def test_planning_arguments_are_checked_before_any_tokenizing(texts):
     def tokenizer(*args, **kwargs):
         raise AssertionError("tokenized before the arguments were checked")
@@ -472,7 +485,7 @@ def _memory_model(peak):
 
 
 def test_a_memory_model_plans_to_its_budget(tokenizer, texts):
-    from dynabatch.sampling.budget import plan_batches_to_budget
+    from dynabatch.sampling.estimators import plan_batches_to_budget
 
     def peak(rows, length):
         return 10_000 + rows * (300 + 20 * length)

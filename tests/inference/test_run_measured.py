@@ -140,3 +140,30 @@ def test_measured_mode_refines_a_memory_model_that_can_be_saved(tokenizer, minil
     loaded = MemoryModel.load(tmp_path / "mm.json")
     assert len(loaded.probes_) == len(mm.probes_)
     assert float(loaded.predict(8, 32)) == pytest.approx(float(mm.predict(8, 32)))
+
+
+def test_max_tokens_caps_every_batch_of_the_plan_and_of_measured_mode(tokenizer):
+    # Eager attention: a row's memory grows with the square of its width, so once the two 256-token texts
+    # have run, measured mode (allowed to grow 8x a step) would put more tokens in a batch of short texts than
+    # the first batch held. max_tokens keeps every batch, planned or re-sized, at 512 padded tokens.
+    from transformers import AutoModel
+
+    from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
+
+    model = AutoModel.from_pretrained(minilm_path(), attn_implementation="eager").eval()
+    texts = [" ".join(kjv_passages()[i : i + 12]) for i in (0, 12)] + vary_lengths(kjv_passages(), n=300,
+                                                                                   max_words=6, seed=1)
+    options = {"batch_size": 2, "max_input_token_length": 256, "max_growth": 8.0}
+    capped = _load(texts, tokenizer, max_tokens=512, **options)
+    plan = capped.plan.planner
+    assert max(len(b) * int(plan.lengths[b].max()) for b in plan.batches()) <= 512
+
+    def embed(batch):
+        return model(**batch).last_hidden_state[:, 0]
+
+    with torch.no_grad():
+        measured = run(embed, capped, progress=False)  # measured mode re-sizes batches: the cap holds there too
+        uncapped = run(embed, _load(texts, tokenizer, **options), progress=False)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(measured, uncapped))
+    assert max(r.rows * r.width for r in measured.report.records) <= 512
+    assert max(r.rows * r.width for r in uncapped.report.records) > 512  # the cap did bind

@@ -1,4 +1,5 @@
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from dynabatch.sampling.constraints import (
     TokenBudget,
     as_constraint,
 )
-from dynabatch.sampling.smart import plan_constrained
+from dynabatch.sampling.smart import SmartBatchSampler, plan_constrained
 
 
 class _LinearMemory:
@@ -131,15 +132,23 @@ def test_memory_budget_uses_the_models_prediction_and_margin():
 
 
 @pytest.mark.parametrize(
-    "constraint, match",
-    [
-        (TokenBudget(50), r"constraint should be satisfiable by every single row, but row 1 \(lengths=60\)"),
-        (MemoryBudget(_LinearMemory(0.0, 1.0), 50, memory_margin=0.0), "row 1 \\(lengths=60\\) breaks it alone"),
-    ],
+    "constraint",
+    [TokenBudget(50), MemoryBudget(_LinearMemory(0.0, 1.0), 50, memory_margin=0.0)],
+    ids=["tokens", "memory"],
 )
-def test_a_row_that_breaks_the_budget_alone_is_refused(constraint, match):
+def test_a_row_that_breaks_the_budget_alone_is_refused_when_the_sampler_is_built(constraint):
+    match = (r"^constraint should be able to hold every row alone \(row 1, lengths=60, is the longest of the 2 rows it "
+             r"cannot hold: raise its limit to hold that row, or truncate or drop such rows first\), but got "
+             rf"constraint={re.escape(repr(constraint))}$")
     with pytest.raises(ValueError, match=match):
-        plan_constrained([5, 60, 7], constraint)
+        SmartBatchSampler([5, 60, 7, 55], constraint)  # at construction, not at the first batch
+    with pytest.raises(ValueError, match=match):
+        plan_constrained([5, 60, 7, 55], constraint)
+
+
+def test_a_row_too_long_for_one_key_field_is_named_with_every_field():
+    with pytest.raises(ValueError, match=r"\(row 2, source=30, target=90, is the longest of the 1 row it cannot hold"):
+        SmartBatchSampler({"source": [10, 20, 30], "target": [10, 20, 90]}, TokenBudget(max_tokens=64))
 
 
 @pytest.mark.parametrize(

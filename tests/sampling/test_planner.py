@@ -1,3 +1,5 @@
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -6,8 +8,7 @@ from sklearn.tree import DecisionTreeClassifier
 
 from dynabatch.memory.classifier import SpikeClassifier, load_classifier
 from dynabatch.memory.features import ModelShape, compute_features
-from dynabatch.memory.feedback import MemoryFeedback
-from dynabatch.sampling.estimators import choose_estimator
+from dynabatch.sampling.estimators import SpikeEstimator, choose_estimator
 from dynabatch.sampling.planner import BatchPlanner, PlanSettings, candidate_sizes, plan_batch_sizes, plan_batches
 
 
@@ -44,8 +45,10 @@ def non_monotone():
     return load_classifier(DecisionTreeClassifier(max_depth=8, random_state=0).fit(f, rng.integers(0, 2, 3000)))
 
 
-def reference_sizes(lengths, batch_size, max_len, clf, threshold=0.025, start=1.0, end=6.0, steps=50, shape=None):
-    """The rule of the spec, batch by batch, with every candidate asked: what the planner must equal."""
+def reference_sizes(lengths, batch_size, max_len, clf, threshold=0.025, start=1.0, end=6.0, steps=50, shape=None,
+                    max_tokens=None):
+    """The spike rule of dynabatch 0.1.6, batch by batch, with every candidate asked, then at most ``max_tokens``
+    padded tokens: what the planner must equal."""
     n = len(lengths)
     prefix = np.concatenate([[0], np.cumsum(lengths)])
     first = min(batch_size, n)
@@ -60,6 +63,8 @@ def reference_sizes(lengths, batch_size, max_len, clf, threshold=0.025, start=1.
         while k < len(caps) and p[k] <= threshold:
             k += 1
         size = int(caps[k - 1]) if k else min(batch_size, n - pos)
+        if max_tokens is not None:
+            size = min(size, max_tokens // max(int(lengths[pos]), 1))
         out.append(size)
         pos += size
     return out
@@ -71,6 +76,16 @@ length_lists = st.integers(1, 1024).flatmap(
         st.lists(st.integers(0, max_len), min_size=1, max_size=1500),
     )
 )
+
+
+# Device peaks that grow with rows and with width, as measured mode assumes.
+concave = st.sampled_from([
+    lambda r, w: r * (1e5 + 40 * w),  # mostly per row
+    lambda r, w: r * 40 * w,  # all per token
+    lambda r, w: r * (3e3 * np.sqrt(w) + 10 * w),  # falls less than linearly with length
+    lambda r, w: r * (2e3 + w * w),  # eager attention: quadratic
+    lambda r, w: 4096 + r * (500 + 30 * w),  # and a part that does not grow with rows
+])
 
 
 @settings(max_examples=40, deadline=None)
@@ -198,7 +213,8 @@ def test_bad_arguments_are_named(kwargs, error, match):
 
 
 def test_unsorted_lengths_are_refused_by_plan_batch_sizes():
-    with pytest.raises(ValueError, match="sorted_lengths should be sorted longest first"):
+    with pytest.raises(ValueError, match=r"^sorted_lengths\[1\] should be at most sorted_lengths\[0\]=1 \(sorted longest "
+                                         r"first\), but got sorted_lengths\[1\]=5$"):
         plan_batch_sizes(np.array([1, 5]), 1, 8)
 
 
@@ -296,6 +312,65 @@ def test_a_million_lengths_need_few_classifier_rows(counting):
     assert counting.rows < 20_000 and counting.calls < 1_000
 
 
+@settings(max_examples=40, deadline=None)
+@given(data=length_lists, batch_size=st.integers(1, 64), spare=st.floats(1.0, 8.0),
+       threshold=st.sampled_from([0.025, 0.5, 1.0]))
+def test_a_token_cap_cuts_the_spike_choice_and_nothing_else(bundled, data, batch_size, spare, threshold):
+    max_len, raw = data
+    lengths = np.sort(np.asarray(raw))[::-1]
+    max_tokens = int(min(batch_size, len(lengths)) * max(int(lengths[0]), 1) * spare)
+    settings = PlanSettings(batch_size, max_len, threshold, max_tokens=max_tokens)
+    sizes = SpikeEstimator(bundled).plan_sizes(lengths, settings)
+    assert sizes.tolist() == reference_sizes(lengths, batch_size, max_len, bundled, threshold, max_tokens=max_tokens)
+    starts = np.cumsum(sizes) - sizes
+    assert (sizes * np.maximum(lengths[starts], 1) <= max_tokens).all()
+
+
+def _memory_model():
+    """A memory model fitted to peaks of 4096 + rows x (500 + 30 x width) bytes."""
+    from dynabatch.memory.model import MemoryModel
+
+    shapes = [(r, w) for r in (1, 8, 32) for w in (8, 64, 320)]
+    return MemoryModel().fit(*zip(*shapes), [4096 + r * (500 + 30 * w) for r, w in shapes])
+
+
+@pytest.mark.filterwarnings("ignore:MemoryModel extrapolates")
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=400), batch_size=st.integers(1, 16),
+       spare=st.floats(1.0, 6.0), multiple=st.sampled_from([None, 8]), device=concave, model=st.booleans())
+def test_no_batch_exceeds_max_tokens_up_front_or_in_measured_mode(lengths, batch_size, spare, multiple, device, model):
+    lengths = np.asarray(lengths)
+    width = -(-int(lengths.max()) // (multiple or 1)) * (multiple or 1)
+    max_tokens = int(min(batch_size, len(lengths)) * width * spare)
+    estimator = choose_estimator(memory_model=_memory_model()) if model else None  # the classifier or a model
+    planner = BatchPlanner(lengths, PlanSettings(batch_size, 300, pad_to_multiple_of=multiple, max_tokens=max_tokens),
+                           estimator)
+
+    def tokens(batch):
+        longest = int(lengths[batch].max())
+        return len(batch) * -(-longest // (multiple or 1)) * (multiple or 1)
+
+    plan = planner.batches()
+    assert max(tokens(b) for b in plan) <= max_tokens
+    assert sorted(np.concatenate(plan).tolist()) == list(range(len(lengths)))
+    seen = []
+    while (batch := planner.next_batch()) is not None:  # measured mode: re-sized batches keep the cap too
+        assert tokens(batch) <= max_tokens
+        planner.observe(len(batch), tokens(batch) // len(batch), device(len(batch), tokens(batch) // len(batch)))
+        seen.extend(batch.tolist())
+    assert sorted(seen) == list(range(len(lengths)))
+
+
+def test_a_token_cap_below_the_first_batch_is_refused_with_what_to_do():
+    lengths = np.array([100, 90, 10, 10])
+    with pytest.raises(ValueError, match=r"^max_tokens should be at least 2 x 104 = 208 padded tokens \(the first "
+                                         r"batch, the batch_size=2 longest texts 104 tokens wide\); pass a larger "
+                                         r"max_tokens, a smaller batch_size or a smaller max_input_token_length, but "
+                                         r"got max_tokens=200$"):
+        BatchPlanner(lengths, PlanSettings(2, 128, pad_to_multiple_of=8, max_tokens=200))
+    BatchPlanner(lengths, PlanSettings(2, 128, pad_to_multiple_of=8, max_tokens=208))  # exactly the first batch
+
+
 def test_plan_settings_are_validated_once_and_frozen():
     settings = PlanSettings(batch_size=np.int64(8), max_input_token_length=64, batch_end_range=2)
     assert settings.batch_size == 8 and type(settings.batch_size) is int and settings.batch_end_range == 2.0
@@ -306,33 +381,125 @@ def test_plan_settings_are_validated_once_and_frozen():
         PlanSettings(batch_size=0, max_input_token_length=64)
     with pytest.raises(TypeError, match=r"^settings should be a PlanSettings, but got settings=\{\} of type dict$"):
         BatchPlanner([1, 2], {})
+    with pytest.raises(ValueError, match=r"^max_growth should be a finite number >= 1 \(a batch may keep the rows of the "
+                                         r"one before\), but got max_growth=0.5$"):
+        PlanSettings(batch_size=8, max_input_token_length=64, max_growth=0.5)
+    with pytest.raises(ValueError, match=r"^max_tokens should be a positive integer, but got max_tokens=0$"):
+        PlanSettings(batch_size=8, max_input_token_length=64, max_tokens=0)
+    with pytest.raises(TypeError, match=r"^max_tokens should be a positive integer, but got max_tokens=1.5 of type"):
+        PlanSettings(batch_size=8, max_input_token_length=64, max_tokens=1.5)
+
+
+class FixedPlan:
+    """An estimator with a given plan and, like the classifier, no model of bytes: measured mode sizes by the bound."""
+
+    target, relative, granularity = 0.9, True, None
+
+    def __init__(self, sizes):
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+
+    def plan_sizes(self, sorted_lengths, settings):
+        return self.sizes
+
+    def rows_for_peak(self, longest, first_peak):
+        return None
+
+    def observe(self, rows, padded_length, peak_bytes):
+        pass
+
+    def observe_out_of_memory(self, rows, padded_length):
+        pass
+
+
+def drive(lengths, plan, device_bytes, **settings):
+    """Measured mode over ``lengths`` with ``plan`` as the prior, on a device that peaks at ``device_bytes(rows, width)``."""
+    lengths = np.asarray(lengths)
+    planner = BatchPlanner(lengths, PlanSettings(int(plan[0]), max(1, int(lengths.max())), **settings), FixedPlan(plan))
+    sizes, peaks, seen = [], [], []
+    while (batch := planner.next_batch()) is not None:
+        width = int(lengths[batch].max())
+        peak = device_bytes(len(batch), width)
+        planner.observe(len(batch), width, peak)
+        sizes.append(len(batch))
+        peaks.append(peak)
+        seen.extend(batch.tolist())
+    assert sorted(seen) == list(range(len(lengths)))  # every position exactly once
+    return np.asarray(sizes), np.asarray(peaks, dtype=float)
+
+
+def test_nothing_measured_follows_the_plan_and_then_the_floor_holds():
+    planner = BatchPlanner([9, 5, 5, 1, 1, 1], PlanSettings(1, 9), FixedPlan([1, 2, 3]))
+    assert [planner.next_size(0), planner.next_size(1), planner.next_size(3), planner.next_size(4)] == [1, 2, 3, 2]
+    planner.observe(1, 9, 1000)  # the first batch: every later row may cost as much as its rows did
+    assert (planner.feedback.budget_, planner.feedback.row_bytes_) == (1000, 1000)
+    assert planner.next_size(1) == 1  # the floor (the first batch's rows), not the plan's 2
 
 
 def test_the_planner_serves_the_plan_and_then_batches_sized_by_measured_peaks():
     lengths = np.random.default_rng(0).integers(1, 65, size=600)
-    settings = PlanSettings(batch_size=8, max_input_token_length=64)
-    planner = BatchPlanner(lengths, settings)
+    planner = BatchPlanner(lengths, PlanSettings(batch_size=8, max_input_token_length=64))
     plan = planner.batches()
     assert [b.tolist() for b in plan] == [b.tolist() for b in plan_batches(lengths, 8, 64)]
-    # Online, fed peaks proportional to rows x longest row: each batch as MemoryFeedback sizes it.
-    feedback = MemoryFeedback(np.sort(lengths)[::-1], [len(b) for b in plan])
-    seen, start, last = [], 0, None
-    while (batch := planner.next_batch()) is not None:
-        assert len(batch) == feedback.next_size(start, last)
+    sizes, peaks = [], []
+    while (batch := planner.next_batch()) is not None:  # peaks proportional to rows x longest row
         peak = 100.0 * len(batch) * int(lengths[batch].max())
         planner.observe(len(batch), int(lengths[batch].max()), peak)
-        feedback.observe(len(batch), peak)
-        seen.extend(batch.tolist())
-        start, last = start + len(batch), len(batch)
-    assert sorted(seen) == list(range(600))  # every position exactly once
+        sizes.append(len(batch))
+        peaks.append(peak)
+    assert sum(sizes) == 600 and max(peaks) == peaks[0] and min(sizes[:-1]) >= 8
+    assert max(sizes) > 2 * 8 and all(b <= 2 * a for a, b in itertools.pairwise(sizes))  # growth at most 2x a step
     planner.restart()
     assert planner.next_batch().tolist() == plan[0].tolist()
+
+
+def test_a_timid_plan_grows_where_memory_is_left():
+    lengths = np.sort(np.random.default_rng(0).integers(1, 129, 3000))[::-1]
+    plan = [8] * (3000 // 8)
+    sizes, peaks = drive(lengths, plan, lambda r, w: r * (100 + 40 * w))
+    assert sizes[:-1].min() >= 8 and sizes.max() > 8 * 4 and len(sizes) < 0.7 * len(plan)
+    # above the 0.9 target only at the floor (texts nearly as long as the first batch's), never above its peak
+    assert (sizes[peaks > 0.9 * peaks[0]] == 8).all() and (peaks <= peaks[0]).all()
+
+
+@pytest.mark.parametrize("per_row", [50_000, 0])
+def test_a_plan_that_overshoots_is_corrected(per_row):
+    # Generate-like memory (a large per-row part that short texts do not shrink) or memory all per token.
+    # The plan (a token budget) doubles rows as length halves; with a per-row part that overshoots.
+    lengths = np.repeat([128, 64, 32, 16], [16, 32, 64, 128])
+    plan = [16, 32, 64, 128]
+
+    def device(r, w):
+        return r * (per_row + 100 * w)
+
+    _, peaks = drive(lengths, plan, device)
+    if per_row:
+        assert max(device(s, w) for s, w in zip(plan, [128, 64, 32, 16], strict=True)) > 1.5 * device(16, 128)
+    assert (peaks[1:] <= peaks[0]).all()  # measured mode never does
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 512), min_size=1, max_size=600),
+    batch_size=st.integers(1, 32),
+    device=concave,
+    max_growth=st.floats(1, 4),
+)
+def test_every_text_once_and_nothing_above_the_first_batch(lengths, batch_size, device, max_growth):
+    n = len(lengths)
+    plan = [batch_size] * (n // batch_size) + ([n % batch_size] if n % batch_size else [])
+    sizes, peaks = drive(lengths, plan, device, max_growth=max_growth)
+    assert sizes.min() >= 1
+    assert all(b <= max_growth * a + 1e-9 for a, b in itertools.pairwise(sizes))
+    # memory that grows with rows and with length: the bound holds for every batch after the first,
+    # under the 0.9 target unless the batch is at the floor (the first batch's rows)
+    assert (peaks[1:] <= peaks[0] * (1 + 1e-9)).all()
+    assert (sizes[1:][peaks[1:] > 0.9 * peaks[0] * (1 + 1e-9)] <= min(batch_size, n)).all()
 
 
 @pytest.mark.filterwarnings("ignore:MemoryModel extrapolates")
 def test_a_memory_model_behind_the_planner_is_refined_online():
     from dynabatch.memory.model import MemoryModel
-    from dynabatch.sampling.budget import plan_batch_sizes_to_budget
+    from dynabatch.sampling.estimators import plan_batch_sizes_to_budget
 
     def true_peak(rows, length):
         return 1000 + rows * (50 + 4 * length)

@@ -17,12 +17,12 @@ from dynabatch.sampling.ranks import (
 
 
 def test_resolve_world_defaults_and_errors():
-    assert resolve_world(None, None) == (1, 0)  # no process group here
-    assert resolve_world(3, 2) == (3, 2)
+    assert resolve_world(None, None) == (0, 1)  # no process group here: (rank, world size)
+    assert resolve_world(2, 3) == (2, 3)
     with pytest.raises(ValueError, match="num_replicas should be a positive integer"):
-        resolve_world(0, None)
+        resolve_world(None, 0)
     with pytest.raises(ValueError, match="rank should be a non-negative integer"):
-        resolve_world(2, -1)
+        resolve_world(-1, 2)
     with pytest.raises(ValueError, match=r"rank should be in \[0, num_replicas=2\), but got rank=2"):
         resolve_world(2, 2)
 

@@ -166,10 +166,10 @@ def test_a_small_model_trains_with_size_aware_batch_sampler_under_a_measured_bud
     assert len(losses) == 6 and np.isfinite(losses).all()  # random tokens: the loss need not fall
 
 
-def test_a_shape_that_ran_out_of_memory_caps_both_sizeofs_at_the_budgets_max_rows(model):
+def test_a_shape_that_ran_out_of_memory_caps_both_sizeofs_at_the_rows_the_budget_allows(model):
     budget = MemoryBudget(model, 10**9, memory_margin=0.0)  # bytes alone would allow hundreds of rows
     budget.observe_out_of_memory(8, 64)
-    cap = int(budget.max_rows(64))
+    cap = int(budget.rows_allowed(64))
     assert cap == 7
     lengths = [64] * 20
     sizeof = MemorySizeof(budget, lengths)

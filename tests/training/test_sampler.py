@@ -69,24 +69,6 @@ def test_seed_call_plans_under_budget_and_covers_every_index(predictor):
     assert set(sized.lengths.tolist()) == {1, 2}
 
 
-def test_resume_mid_epoch_and_equal_counts_on_ranks(predictor):
-    data = _Data(50)
-    sampler = MemoryAwareBatchSampler(data, 8, 1500, seed=4, predictor=predictor)
-    sampler.set_epoch(2)
-    it = iter(sampler)
-    first = [next(it) for _ in range(3)]
-    state = sampler.state_dict()
-    resumed = MemoryAwareBatchSampler(data, 8, 1500, seed=4, predictor=predictor)
-    resumed.load_state_dict(state)
-    rest = list(resumed)
-    assert sorted(i for b in first + rest for i in b) == list(range(50))
-    ranks = [MemoryAwareBatchSampler(data, 8, 1500, seed=4, num_replicas=3, rank=r, predictor=predictor)
-             for r in range(3)]
-    counts = [len(list(s)) for s in ranks]
-    assert len(set(counts)) == 1
-    assert sorted(i for s in ranks for b in s for i in b) == list(range(50))
-
-
 def test_bad_input_names_argument_and_value(predictor):
     data = _Data(10)
     with pytest.raises(ValueError, match=r"max_memory_mb should be a positive number, but got max_memory_mb=0"):

@@ -1,4 +1,4 @@
-"""Planning to a memory budget: relative and absolute modes, granularity, max_memory parsing, bad input."""
+"""BudgetEstimator and its functional forms: relative and absolute modes, granularity, tokens, max_memory parsing."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from dynabatch import MemoryModel
 from dynabatch.memory.budget import MemoryBudget, check_memory_margin
 from dynabatch.memory.budget import parse_memory as parse_max_memory
-from dynabatch.sampling.budget import plan_batch_sizes_to_budget, plan_batches_to_budget
+from dynabatch.sampling.estimators import plan_batch_sizes_to_budget, plan_batches_to_budget
 
 pytestmark = pytest.mark.filterwarnings("ignore:MemoryModel extrapolates")
 
@@ -89,7 +89,7 @@ def test_absolute_mode(lengths, budget_mib, margin):
 def test_a_row_over_an_absolute_budget_is_a_batch_alone_and_warned(caplog):
     lengths = np.array([256, 256, 8, 8])
     one_row = float(MODEL.predict(1, 256))
-    with caplog.at_level(logging.WARNING, logger="dynabatch.sampling.budget"):
+    with caplog.at_level(logging.WARNING, logger="dynabatch.sampling.estimators"):
         sizes = plan_batch_sizes_to_budget(lengths, MODEL, max_memory=one_row / 2, memory_margin=0)
     assert sizes.tolist()[:2] == [1, 1]
     assert "2 texts are predicted above the memory budget" in caplog.text
@@ -201,7 +201,8 @@ def test_bad_input():
         plan_batch_sizes_to_budget(lengths, MODEL, max_memory=0)
     with pytest.raises(ValueError, match="batch_size should be a positive integer in relative mode"):
         plan_batch_sizes_to_budget(lengths, MODEL)
-    with pytest.raises(ValueError, match="sorted_lengths should be sorted longest first"):
+    with pytest.raises(ValueError, match=r"^sorted_lengths\[1\] should be at most sorted_lengths\[0\]=4 \(sorted longest "
+                                         r"first\), but got sorted_lengths\[1\]=8$"):
         plan_batch_sizes_to_budget(np.array([4, 8]), MODEL, batch_size=1)
     with pytest.raises(TypeError, match="memory_model should be a MemoryModel"):
         plan_batch_sizes_to_budget(lengths, object(), batch_size=1)
@@ -209,3 +210,29 @@ def test_bad_input():
         plan_batch_sizes_to_budget(lengths, MODEL, batch_size=1, granularity=0)
     with pytest.raises(TypeError, match="lengths should be a 1-D sequence of integer token lengths"):
         plan_batches_to_budget("abc", MODEL, batch_size=1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=lengths_st, batch_size=st.integers(1, 16), spare=st.floats(1.0, 6.0), absolute=st.booleans(),
+       multiple=st.sampled_from([None, 8]))
+def test_no_batch_exceeds_max_tokens_and_the_memory_rule_still_holds(lengths, batch_size, spare, absolute, multiple):
+    arr = np.array(lengths)
+    width = -(-int(arr.max()) // (multiple or 1)) * (multiple or 1)
+    first = 1 if absolute else min(batch_size, len(arr))
+    max_tokens = int(first * width * spare)
+    memory = {"max_memory": 2e8} if absolute else {"batch_size": batch_size}
+    batches = plan_batches_to_budget(arr, MODEL, max_tokens=max_tokens, pad_to_multiple_of=multiple, **memory)
+    uncapped = plan_batches_to_budget(arr, MODEL, pad_to_multiple_of=multiple, **memory)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(arr)))
+    padded = [len(b) * -(-int(arr[b].max()) // (multiple or 1)) * (multiple or 1) for b in batches]
+    assert max(padded) <= max_tokens
+    assert len(batches) >= len(uncapped)  # the cap only ever takes rows away from what memory allows
+    if not absolute:
+        assert len(batches[0]) == min(batch_size, len(arr))  # the first batch is still the batch_size longest
+
+
+def test_a_max_tokens_below_one_row_of_the_longest_text_is_refused_in_absolute_mode():
+    with pytest.raises(ValueError, match=r"^max_tokens should be at least 1 x 256 = 256 padded tokens \(the longest "
+                                         r"text, 256 tokens wide\); pass a larger max_tokens"):
+        plan_batch_sizes_to_budget(np.array([256, 8]), MODEL, max_memory=1e9, max_tokens=255)
+    assert plan_batch_sizes_to_budget(np.array([256, 8]), MODEL, max_memory=1e9, max_tokens=256).tolist() == [1, 1]

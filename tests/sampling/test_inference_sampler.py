@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynabatch.sampling.sampler import DynamicBatchSampler
+from dynabatch.sampling.inference_sampler import DynamicBatchSampler
 
 
 def _plan(num_batches=50, seed=0):
@@ -276,10 +276,3 @@ def test_a_state_taken_right_after_moving_to_a_new_epoch_resumes_that_epoch_whol
     resumed.load_state_dict(state)
     assert list(resumed) == list(sampler)  # the whole of epoch 1, not nothing
     assert sorted(i for b in list(resumed) for i in b) == [0, 1, 2, 3, 4]
-
-
-def test_the_plan_is_shared_among_ranks_in_equal_counts():
-    batches = [[0, 1, 2], [3, 4], [5], [6, 7]]
-    ranks = [list(DynamicBatchSampler(batches, num_replicas=3, rank=r)) for r in range(3)]
-    assert len({len(r) for r in ranks}) == 1
-    assert sorted(i for r in ranks for b in r for i in b) == list(range(8))

@@ -10,7 +10,7 @@ state saved for another plan. It does not shard unless asked
 (``num_replicas=None`` takes the process group's world).
 
 Example:
-    >>> from dynabatch.sampling.sampler import DynamicBatchSampler
+    >>> from dynabatch.sampling.inference_sampler import DynamicBatchSampler
     >>> sampler = DynamicBatchSampler([[4, 2], [0], [1, 3]], shuffle=True, seed=0)
     >>> list(sampler)[0], len(sampler)
     ([4, 2], 3)
