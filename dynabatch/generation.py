@@ -55,7 +55,8 @@ from typing import Any
 import torch
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
-from dynabatch.data.tokenization import are_token_ids, check_tokenizer, model_max_length
+from dynabatch.data.token_ids import are_token_ids
+from dynabatch.data.tokenization import check_tokenizer, model_max_length
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.results import RunResult

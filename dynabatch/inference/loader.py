@@ -41,14 +41,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.data.collate import TokenCollator, pad_token_id_of
-from dynabatch.data.tokenization import (
-    are_token_ids,
-    check_tokenizer,
-    model_max_length,
-    store_token_ids,
-    tokenize_texts,
-    validate_texts,
-)
+from dynabatch.data.token_ids import are_token_ids, store_token_ids
+from dynabatch.data.tokenization import check_tokenizer, model_max_length, tokenize_texts, validate_texts
 from dynabatch.memory.shape import check_position_limit, resolve_model_shape
 from dynabatch.sampling.estimators import choose_estimator
 from dynabatch.sampling.inference_sampler import DynamicBatchSampler

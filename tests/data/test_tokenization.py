@@ -283,37 +283,3 @@ def test_tokenized_texts_checks_its_layout():
         TokenizedTexts(np.arange(5, dtype=np.int32), np.array([0, 2, 4]), {})
     with pytest.raises(ValueError, match=r"len\(extras\['token_type_ids'\]\) should be len\(input_ids\)=5, but got len\(extras\['token_type_ids'\]\)=4"):
         TokenizedTexts(np.arange(5, dtype=np.int32), np.array([0, 5]), {"token_type_ids": np.zeros(4, np.int32)})
-
-
-# --- pre-tokenized ids into the store ---------------------------------------------------------------
-
-
-def test_pre_tokenized_rows_are_stored_as_given_and_truncated_as_the_tokenizer_truncates(tokenizer, texts):
-    import torch
-
-    from dynabatch.data.tokenization import are_token_ids, store_token_ids
-
-    rows = tokenizer(texts)["input_ids"]
-    mixed = [rows[0], tuple(rows[1]), np.array(rows[2]), torch.tensor(rows[3]), *rows[4:]]
-    assert are_token_ids(mixed) and not are_token_ids(texts)
-    tokens = store_token_ids(mixed, MAX_LEN)
-    assert max(map(len, rows)) > MAX_LEN
-    assert all(tokens.row(i).tolist() == row[:MAX_LEN] for i, row in enumerate(rows))  # no special tokens added
-    left = store_token_ids(rows, MAX_LEN, truncation_side="left")
-    assert all(left.row(i).tolist() == row[-MAX_LEN:] for i, row in enumerate(rows))
-    assert tokens.input_ids.dtype == np.int32 and tokens.extras == {}
-
-
-def test_bad_pre_tokenized_rows_name_the_first_bad_id():
-    from dynabatch.data.tokenization import store_token_ids
-
-    with pytest.raises(TypeError, match=r"texts\[1\]\[1\] should be an int token id, but got texts\[1\]\[1\]=2.5"):
-        store_token_ids([[1, 2], [3, 2.5]], 8)
-    with pytest.raises(ValueError, match=r"texts\[1\]\[0\] should be a token id in \[0, 2\*\*31\), but got "
-                       r"texts\[1\]\[0\]=-3"):
-        store_token_ids([[1, 2], [-3]], 8)
-    with pytest.raises(TypeError, match=r"texts\[1\] should be a row of int token ids, like texts\[0\], but got "
-                       r"texts\[1\]='and'"):
-        store_token_ids([[1, 2], "and"], 8)
-    with pytest.raises(ValueError, match="truncation_side should be 'right' or 'left', but got truncation_side='up'"):
-        store_token_ids([[1, 2]], 8, truncation_side="up")
