@@ -194,8 +194,8 @@ def test_default_overhead_benchmark_times_the_defaults_against_the_plan():
                          r"[+-][\d.]+% / [+-][\d.]+% \|", result.stdout, re.MULTILINE), (way, result.stdout)
 
 
-def test_sentence_transformers_benchmark_prints_both_methods_side_by_side():
-    result = _run_script("sentence_transformers.py", "--n", "24", "--repeats", "1", "--threads", "1", timeout=180)
+def test_embeddings_benchmark_prints_model_encode_and_dynabatch_side_by_side():
+    result = _run_script("embeddings.py", "--n", "24", "--repeats", "1", "--threads", "1", timeout=180)
     assert "## all-MiniLM-L6-v2 on 24 held-out texts" in result.stdout
     assert re.search(r"^\| model\.encode \| [\d.]+ \| [\d,]+ \| 1\.00x \| 0\.0e\+00 \|$", result.stdout, re.MULTILINE)
     ours = re.search(r"^\| dynabatch encode \| [\d.]+ \| [\d,]+ \| [\d.]+x \| ([\d.e+-]+) \|$", result.stdout,

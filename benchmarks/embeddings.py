@@ -21,7 +21,7 @@ against ``model.encode`` and the largest absolute difference of any vector
 component from ``model.encode``'s. The machine may be shared: compare the
 ratio within one run.
 
-Run: ``python benchmarks/sentence_transformers.py`` (``--n 500 --repeats 1`` for a quick look;
+Run: ``python benchmarks/embeddings.py`` (``--n 500 --repeats 1`` for a quick look;
 ``--output PATH`` also writes the table to a file).
 """
 
@@ -35,8 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# This file's folder comes first on sys.path when it runs as a script, and its name would hide the package.
-sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
