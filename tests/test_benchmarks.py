@@ -177,16 +177,30 @@ def test_packing_benchmark_prints_one_table_of_every_method_on_every_distributio
     assert "`python benchmarks/packing.py --n 3000 --cold-n 20000`" in out
 
 
-def test_default_overhead_benchmark_times_the_defaults_against_the_plan():
+def _run_script(name, *args, timeout=120):
+    """``benchmarks/<name>`` run offline from the repository root; its result, after checking it succeeded."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    script = ROOT / "benchmarks" / "default_overhead.py"
-    result = subprocess.run([sys.executable, str(script), "--workloads", "encoder", "--n-texts", "24", "--rounds", "1"],
-                            check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], check=False,
+                            capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def test_default_overhead_benchmark_times_the_defaults_against_the_plan():
+    result = _run_script("default_overhead.py", "--workloads", "encoder", "--n-texts", "24", "--rounds", "1")
     assert result.stdout.startswith("Command: `python benchmarks/default_overhead.py --workloads encoder")
     for way in ("defaults", "plan, unmeasured", "defaults' batches, unmeasured"):
         assert re.search(rf"^\| {re.escape(way)} \| \d+ \| [\d.]+ \([\d.]+-[\d.]+\) \| [\d.]+ \([\d.]+-[\d.]+\) \| "
                          r"[+-][\d.]+% / [+-][\d.]+% \|", result.stdout, re.MULTILINE), (way, result.stdout)
+
+
+def test_embeddings_benchmark_prints_model_encode_and_dynabatch_side_by_side():
+    result = _run_script("embeddings.py", "--n", "24", "--repeats", "1", "--threads", "1", timeout=180)
+    assert "## all-MiniLM-L6-v2 on 24 held-out texts" in result.stdout
+    assert re.search(r"^\| model\.encode \| [\d.]+ \| [\d,]+ \| 1\.00x \| 0\.0e\+00 \|$", result.stdout, re.MULTILINE)
+    ours = re.search(r"^\| dynabatch encode \| [\d.]+ \| [\d,]+ \| [\d.]+x \| ([\d.e+-]+) \|$", result.stdout,
+                     re.MULTILINE)
+    assert ours and float(ours.group(1)) < 1e-5, result.stdout  # the same vectors
 
 
 # --- benchmarks/gpu.sh and what it runs -------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import numpy as np
 
 from dynabatch.data.collate import Batch, batch_shape, real_tokens, take_rows
 from dynabatch.data.collate import split_rows as split_batch
+from dynabatch.inference._explain import explain_index_errors
 from dynabatch.inference._queue import BatchQueue, Item
 from dynabatch.inference._resume import ResultsFile
 from dynabatch.inference.outputs import RowSplitter
@@ -59,7 +60,7 @@ class Executor:
     def __init__(self, fn: Callable[[Batch], Any], queue: BatchQueue, *, device: Any, on_oom: str,
                  memory_device: Any, results_file: ResultsFile | None, bar: Any, lockstep: bool = False,
                  token_outputs: str = "auto") -> None:
-        self.fn = fn
+        self.fn = explain_index_errors(fn)  # an embedding IndexError names its likely cause
         self.queue = queue
         self.device = device
         self._prepare = (lambda b: b.to(device)) if device is not None else None  # moves each piece to device

@@ -41,8 +41,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.data.collate import TokenCollator, pad_token_id_of
+from dynabatch.data.token_ids import are_token_ids, store_token_ids
 from dynabatch.data.tokenization import check_tokenizer, model_max_length, tokenize_texts, validate_texts
-from dynabatch.memory.shape import resolve_model_shape
+from dynabatch.memory.shape import check_position_limit, resolve_model_shape
 from dynabatch.sampling.estimators import choose_estimator
 from dynabatch.sampling.inference_sampler import DynamicBatchSampler
 from dynabatch.sampling.planner import BatchPlanner, PlanSettings
@@ -210,7 +211,11 @@ def build_dynamic_batch_dataloader(
     """Builds a DataLoader whose batches grow as texts get shorter, under the first batch's peak memory.
 
     Args:
-        texts: the input strings (list, tuple, pandas Series, ``datasets`` column).
+        texts: the input strings (list, tuple, pandas Series, ``datasets`` column),
+            or pre-tokenized rows: one list (or 1-D array, tensor) of token ids
+            per text, taken as they are (no special tokens added, no
+            ``tokenizer_kwargs``), truncated to ``max_input_token_length`` on
+            the tokenizer's ``truncation_side``; ``batch.texts`` is then ``None``.
         tokenizer: a Hugging Face tokenizer object with a pad token (not a
             model name: load it with ``AutoTokenizer.from_pretrained(name)``).
         batch_size: rows of the first batch, the ``batch_size`` longest texts;
@@ -249,7 +254,10 @@ def build_dynamic_batch_dataloader(
         granularity: with ``memory_model``, batch sizes are multiples of it (when at least it).
         model: the model the batches are for (a ``transformers`` model or
             config): its :class:`~dynabatch.memory.shape.ModelShape` is read from
-            it (a forward call; pass ``model_shape`` for ``generate`` settings).
+            it (a forward call; pass ``model_shape`` for ``generate`` settings),
+            and a ``max_input_token_length`` above its position embeddings
+            (``config.max_position_embeddings``, ``n_positions``, ...) is refused
+            here, naming the field, rather than failing inside the model.
         max_tokens: padded tokens per batch (rows x padded width) at most,
             as text-embeddings-inference's ``--max-batch-tokens``: with the
             memory rule the smaller wins, in the plan and in ``run``'s measured
@@ -291,10 +299,14 @@ def build_dynamic_batch_dataloader(
         Put per-batch outputs back in input order with
         :func:`~dynabatch.data.order.restore_order`.
     """
-    items = validate_texts(texts)
+    token_ids = are_token_ids(texts)
+    items = None if token_ids else validate_texts(texts)
     check_tokenizer(tokenizer)
     _check_tokenizer_kwargs(tokenizer, tokenizer_kwargs)
     pad_to_multiple_of = tokenizer_kwargs.pop("pad_to_multiple_of", None)
+    if token_ids and tokenizer_kwargs:
+        raise ValueError("tokenizer_kwargs should be empty for pre-tokenized texts (the ids are taken as they "
+                         f"are, no tokenizer call), but got tokenizer_kwargs={tokenizer_kwargs!r}")
     settings = PlanSettings(batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps,
                             resolve_model_shape(model_shape, model), pad_to_multiple_of, max_growth, max_tokens)
     check_non_negative_int("num_workers", num_workers)
@@ -303,17 +315,23 @@ def build_dynamic_batch_dataloader(
     estimator = choose_estimator(classifier, memory_model, max_memory=max_memory, memory_margin=memory_margin,
                                  granularity=granularity)
     pad_token_id_of(tokenizer)  # refuse a tokenizer without pad token before tokenizing
-    _check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
-    tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress, **tokenizer_kwargs)
+    if model is not None:
+        check_position_limit(model, settings.max_input_token_length)
+    if token_ids:
+        tokenized = store_token_ids(texts, max_input_token_length,
+                                    truncation_side=getattr(tokenizer, "truncation_side", "right"))
+    else:
+        _check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
+        tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress, **tokenizer_kwargs)
     planner = BatchPlanner(tokenized.lengths, settings, estimator)
     batches = planner.batches()
     sampler = DynamicBatchSampler(batches, shuffle=shuffle, seed=seed)
     collator = TokenCollator.from_tokenizer(tokenized, tokenizer, texts=items,
                                             pad_to_multiple_of=settings.pad_to_multiple_of)
     sizes = [len(b) for b in batches]
-    logger.info("planned %d texts into %d batches (first %d rows, largest %d)", len(items), len(batches),
+    logger.info("planned %d texts into %d batches (first %d rows, largest %d)", len(tokenized), len(batches),
                 sizes[0], max(sizes))
-    loader = DataLoader(_Positions(len(items)), batch_sampler=sampler, collate_fn=collator,
+    loader = DataLoader(_Positions(len(tokenized)), batch_sampler=sampler, collate_fn=collator,
                         num_workers=_worker_count(num_workers))
     loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, collator)
     return loader

@@ -11,9 +11,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dynabatch._validation import bad_type, check_non_negative_int, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_non_negative_int, check_positive_int
 
-__all__ = ["ModelShape", "check_model_shape", "resolve_model_shape"]
+__all__ = ["ModelShape", "check_model_shape", "check_position_limit", "position_limit", "resolve_model_shape"]
+
+_POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length",
+                    "max_sequence_length")
+"""Config fields that bound the positions a model embeds, in the order they are read."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +60,90 @@ class ModelShape:
         Raises:
             TypeError: if ``model`` has no transformers config.
         """
-        config = getattr(model, "config", model)
-        text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+        text = _text_config(model)
         vocab_size = getattr(text, "vocab_size", None)
         hidden_size = getattr(text, "hidden_size", None)
         if vocab_size is None or hidden_size is None:
             raise bad_type("model", "a transformers model or config with vocab_size and hidden_size", model)
         return cls(int(vocab_size), int(hidden_size), max_new_tokens, num_beams)
+
+
+def _text_config(model: Any) -> Any:
+    config = getattr(model, "config", model)
+    return config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+
+
+def _position_offset(model: Any) -> int:
+    """Positions a model's position embedding reserves before the first token (RoBERTa: ``padding_idx + 1``)."""
+    modules = getattr(model, "modules", None)
+    if not callable(modules):
+        return 0
+    for module in modules():
+        padding_idx = getattr(module, "padding_idx", None)
+        embedding = getattr(module, "position_embeddings", None)
+        if isinstance(padding_idx, int) and hasattr(embedding, "num_embeddings"):
+            return padding_idx + 1
+    return 0
+
+
+def position_limit(model: Any) -> tuple[str, int, int] | None:
+    """``(field, value, usable)``: the config field bounding a model's positions, its value and the positions
+    a row may use; ``None`` when the config has none (relative positions, as T5).
+
+    ``field`` is the name the config stores (GPT-2's ``max_position_embeddings``
+    is an alias of ``n_positions``). ``usable`` is ``value`` less the positions a
+    model's position embedding reserves (RoBERTa's ``padding_idx + 1``, read
+    when ``model`` is the model, not its config).
+
+    Example:
+        >>> from transformers import GPT2Config
+        >>> position_limit(GPT2Config(n_positions=64))
+        ('n_positions', 64, 64)
+    """
+    config = _text_config(model)
+    aliases = getattr(config, "attribute_map", {}) or {}
+    for name in _POSITION_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return aliases.get(name, name), value, value - _position_offset(model)
+    return None
+
+
+def check_position_limit(model: Any, max_input_token_length: int, *, max_new_tokens: int = 0) -> None:
+    """Refuses a length limit the model cannot embed, naming the config field and its value.
+
+    A decoder-only model embeds the prompt and the ``max_new_tokens`` that
+    ``generate`` adds; an encoder-decoder model embeds the input in its
+    encoder and the decoder start token plus the new tokens in its decoder.
+
+    Raises:
+        ValueError: the limit (with the new tokens) is above the model's positions.
+
+    Example:
+        >>> from transformers import GPT2Config
+        >>> check_position_limit(GPT2Config(n_positions=64), 48, max_new_tokens=32)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_input_token_length should be at most 32 (the model's config.n_positions=64 positions, \
+less max_new_tokens=32 that generate adds), but got max_input_token_length=48
+    """
+    found = position_limit(model)
+    if found is None:
+        return
+    field, value, usable = found
+    where = f"the model's config.{field}={value} positions" + (
+        f", {value - usable} of them reserved before the first token" if usable != value else "")
+    encoder_decoder = bool(getattr(getattr(model, "config", model), "is_encoder_decoder", False))
+    if max_new_tokens and not encoder_decoder:
+        if max_input_token_length + max_new_tokens > usable:
+            raise bad_value("max_input_token_length", f"at most {usable - max_new_tokens} ({where}, less "
+                            f"max_new_tokens={max_new_tokens} that generate adds)", max_input_token_length)
+        return
+    if max_input_token_length > usable:
+        raise bad_value("max_input_token_length", f"at most {usable} ({where})", max_input_token_length)
+    if max_new_tokens + 1 > usable:
+        raise bad_value("max_new_tokens", f"at most {usable - 1} ({where}, one for the decoder start token)",
+                        max_new_tokens)
 
 
 def check_model_shape(model_shape: Any) -> ModelShape | None:

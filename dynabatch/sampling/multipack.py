@@ -12,23 +12,19 @@ sampler keep axolotl's names, argument order, defaults and return shapes
 
 What this implementation adds to the reference:
 
-* **Nothing is lost silently.** A sequence longer than ``batch_max_len`` raises
-  a ``ValueError`` naming it (or is truncated to ``batch_max_len`` with
-  ``oversized="truncate"``); the reference put it alone in an over-full bin.
-  ``drop_last`` drops only whole bins that cannot fill a batch on every rank,
-  and the number of samples dropped is kept in :attr:`MultipackBatchSampler.num_samples_dropped`
-  and logged.
-* **Deterministic.** The same ``seed`` and epoch give the same batches whatever
-  ``num_processes`` (groups are packed independently and concatenated in
-  order), on every rank. A ``RandomSampler`` is replaced by a permutation from
-  ``np.random.default_rng([seed, epoch])``: torch's ``RandomSampler`` draws a
-  fresh order on every iteration, which would make ``len()``, resumption and
-  the ranks disagree.
-* **Bins in random batches.** Unless ``sequential=True``, an epoch's bins are
-  shuffled (seeded by ``seed`` and the epoch) before they are grouped into
-  batches of ``batch_size`` bins, so a batch's composition does not follow the
-  packer's order (nor the lengths), and ``drop_last`` drops randomly composed
-  bins: at most one batch's worth per rank.
+* **Nothing is lost silently.** A sequence longer than ``batch_max_len`` raises a ``ValueError`` naming it (or
+  is truncated to ``batch_max_len`` with ``oversized="truncate"``); the reference put it alone in an over-full
+  bin. ``drop_last`` (the reference's default ``True`` is kept) drops only whole bins that cannot fill a batch on
+  every rank; the samples dropped are counted in :attr:`MultipackBatchSampler.num_samples_dropped` and logged
+  at WARNING, once per epoch.
+* **Deterministic.** The same ``seed`` and epoch give the same batches whatever ``num_processes`` (groups are
+  packed independently and concatenated in order), on every rank. A ``RandomSampler`` is replaced by a
+  permutation from ``np.random.default_rng([seed, epoch])``: torch's ``RandomSampler`` draws a fresh order on
+  every iteration, which would make ``len()``, resumption and the ranks disagree.
+* **Bins in random batches.** Unless ``sequential=True``, an epoch's bins are shuffled (seeded by ``seed`` and
+  the epoch) before they are grouped into batches of ``batch_size`` bins, so a batch's composition does not
+  follow the packer's order (nor the lengths), and ``drop_last`` drops randomly composed bins: at most one
+  batch's worth per rank.
 * **Resumable and sharded** on the one sampler base,
   :class:`dynabatch.sampling.base.PlannedBatchSampler` (a batch is a grouped
   batch there: its groups are the bins): ``state_dict`` / ``load_state_dict``
@@ -64,7 +60,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from itertools import pairwise
 from typing import Any
 
@@ -92,6 +88,7 @@ from dynabatch.sampling.ffd import (
     pack_parallel,
 )
 from dynabatch.sampling.ranks import reduce_across_ranks
+from dynabatch.sampling.smart import as_lengths
 
 __all__ = ["MultipackBatchSampler", "allocate_sequentially", "ffd_check", "pack_group", "pack_parallel"]
 
@@ -118,11 +115,12 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
             epoch (its ``set_epoch`` is called) and should be deterministic.
         batch_size: Number of bins per batch.
         batch_max_len: Bin capacity in tokens (maximum sequence length).
-        lengths: Sequence lengths, a 1-D integer array indexed like the dataset.
+        lengths: Sequence lengths indexed like the dataset, in the forms every sampler takes: 1-D,
+            ``(n, 1)``, or one key field's mapping (``tokenize_source(...).lengths``).
         packing_efficiency_estimate: Initial efficiency estimate, in (0, 1]; kept
             for compatibility (the batch count here is exact, not estimated).
-        drop_last: Drop the bins that cannot fill a last batch of ``batch_size``
-            bins on every rank (counted in :attr:`num_samples_dropped`).
+        drop_last: Drop the bins that cannot fill a last batch of ``batch_size`` bins on every rank
+            (counted in :attr:`num_samples_dropped`, a WARNING once per epoch); ``False`` keeps all.
         num_count_samples: kept for compatibility: the reference estimated the
             batch count from this many random packings; here the epoch's plan is
             deterministic, so ``len()`` is exact.
@@ -212,6 +210,7 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
         self.total_tokens_used = 0
         self.total_token_slots = 0
         self.num_samples_dropped = 0
+        self._warned_epoch: int | None = None  # the last epoch whose dropped samples were logged
         self.len_across_ranks: int | None = None
         self._last_order: tuple[int, np.ndarray] | None = None  # the last epoch planned and the sampler's order
         self._stats_epoch: int | None = None
@@ -219,7 +218,13 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
     # ----------------------------------------------------------------- validation
 
     def _check_lengths(self, lengths: Any) -> np.ndarray:
-        array = check_lengths("lengths", lengths, positive=True)
+        columns, names = as_lengths(lengths)  # every sampler's forms: 1-D, (n, 1), {field: lengths}
+        keyed = isinstance(lengths, Mapping)
+        if columns.shape[1] != 1:
+            raise bad_value("lengths", "one length per sample (a packed row concatenates one sequence per sample): "
+                            f"pass {f'one field of {list(names)}' if keyed else 'one column'}",
+                            f"<{columns.shape[1]} key fields of {len(columns)} samples>")
+        array = check_lengths(f"lengths[{names[0]!r}]" if keyed else "lengths", columns[:, 0], positive=True)
         if self.oversized == "error":
             check_fits("lengths", array, self.batch_max_len,
                        f" (batch_max_len={self.batch_max_len}; pass oversized='truncate' to cut it)")
@@ -277,9 +282,11 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
         if self.drop_last:
             keep = starts.size // (self.num_replicas * self.batch_size) * self.num_replicas * self.batch_size
             self.num_samples_dropped = int((ends[keep:] - starts[keep:]).sum())
-            if self.num_samples_dropped:
-                LOG.info("drop_last dropped %d samples (%d bins) of %d in epoch %d", self.num_samples_dropped,
-                         starts.size - keep, self.lengths.size, epoch)
+            if self.num_samples_dropped and self._warned_epoch != epoch:  # plan() runs several times an epoch
+                self._warned_epoch = epoch
+                LOG.warning("drop_last=True drops %d of %d samples (%d bins that cannot fill a last batch of %d "
+                            "bins on every rank) in epoch %d; drop_last=False keeps every sample",
+                            self.num_samples_dropped, self.lengths.size, starts.size - keep, self.batch_size, epoch)
             starts, ends = starts[:keep], ends[:keep]
         else:
             self.num_samples_dropped = 0

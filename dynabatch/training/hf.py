@@ -48,6 +48,15 @@ What the hook takes care of:
   seed and the epoch. Each checkpoint holds the sampler's ``state_dict``
   (``dynabatch_sampler.json``); resuming with other data or settings is refused.
 
+* **Evaluation and prediction.** ``evaluate()`` and ``predict()`` run on the
+  inference planner's batches (``eval_batches="dynamic"``, the default): the
+  ``per_device_eval_batch_size`` longest rows first, later batches grown as
+  rows get shorter; predictions, labels and ``compute_metrics`` come in
+  dataset order, and ``eval_loss`` weighs each batch by its rows.
+  :class:`Seq2SeqBatchSamplerTrainer` does the same for ``Seq2SeqTrainer``
+  (``predict_with_generate`` included). One process; ``eval_batches="fixed"``
+  keeps the ``Trainer``'s own batches.
+
 DeepSpeed runs through the same path (the ``Trainer`` prepares the loader with
 accelerate), see ``docs/distributed.md``.
 """
@@ -61,15 +70,22 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from torch.utils.data import DataLoader, Sampler
-from transformers import Trainer, TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
+import numpy as np
+from torch.utils.data import DataLoader, IterableDataset, Sampler
+from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
+from transformers.trainer_pt_utils import find_batch_size
+from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, get_last_checkpoint
 
 from dynabatch._validation import bad_type, bad_value
 from dynabatch.data.packing import PackedDataset
+from dynabatch.memory.shape import ModelShape
 from dynabatch.sampling.base import PlannedBatchSampler
+from dynabatch.sampling.inference_sampler import DynamicBatchSampler
+from dynabatch.training._eval_batches import eval_lengths, in_order, plan_eval_batches
 
-__all__ = ["SAMPLER_STATE_FILE", "BatchSamplerTrainer", "BatchSamplerTrainerMixin"]
+__all__ = ["SAMPLER_STATE_FILE", "BatchSamplerTrainer", "BatchSamplerTrainerMixin", "Seq2SeqBatchSamplerTrainer"]
+
+_EVAL_BATCHES = ("dynamic", "fixed")
 
 logger = logging.getLogger(__name__)
 
@@ -130,15 +146,26 @@ class BatchSamplerTrainerMixin:
         train_batch_sampler: a :class:`~dynabatch.sampling.base.PlannedBatchSampler`
             over ``train_dataset`` (e.g. :class:`~dynabatch.sampling.smart.SmartBatchSampler`);
             with several processes built with ``num_replicas=args.world_size, shard=False``.
+        eval_batches: ``"dynamic"`` (the default): ``evaluate()`` and ``predict()``
+            run on the inference planner's batches (the ``per_device_eval_batch_size``
+            longest rows first, later batches grown as rows get shorter, see
+            :mod:`dynabatch.training._eval_batches`), with predictions, labels and
+            ``compute_metrics`` in dataset order and ``eval_loss`` the row-weighted
+            mean of the batches' losses; one process. ``"fixed"``: the ``Trainer``'s own batches.
         *args, **kwargs: the ``Trainer``'s own.
     """
 
-    def __init__(self, *args: Any, train_batch_sampler: PlannedBatchSampler, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, train_batch_sampler: PlannedBatchSampler, eval_batches: str = "dynamic",
+                 **kwargs: Any) -> None:
         if not isinstance(train_batch_sampler, PlannedBatchSampler):
             raise bad_type("train_batch_sampler", "a dynabatch PlannedBatchSampler (e.g. SmartBatchSampler)",
                            train_batch_sampler)
+        if eval_batches not in _EVAL_BATCHES:
+            raise bad_value("eval_batches", f"one of {_EVAL_BATCHES}", eval_batches)
         super().__init__(*args, **kwargs)
         self.train_batch_sampler = train_batch_sampler
+        self.eval_batches = eval_batches
+        self._eval_losses: list[tuple[float, int]] | None = None  # (loss, rows) of each batch while evaluating
         self.add_callback(_FollowEpochs(train_batch_sampler))
 
     def _check_sampler_world(self) -> None:
@@ -193,6 +220,99 @@ class BatchSamplerTrainerMixin:
             params["prefetch_factor"] = self.args.dataloader_prefetch_factor
         return self.accelerator.prepare(DataLoader(dataset, **params))
 
+    # ----------------------------------------------------------------- evaluation and prediction
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        """The evaluation DataLoader on planned batches (``eval_batches="dynamic"``), else the ``Trainer``'s."""
+        dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset
+        dataset = self.eval_dataset if dataset is None else dataset
+        planned = None if dataset is None else self._planned_loader(dataset, "Evaluation")
+        return planned if planned is not None else super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
+        """The prediction DataLoader on planned batches (``eval_batches="dynamic"``), else the ``Trainer``'s."""
+        planned = self._planned_loader(test_dataset, "test")
+        return planned if planned is not None else super().get_test_dataloader(test_dataset)
+
+    def _eval_shape(self) -> ModelShape | None:
+        """What the planner may know of the model and the call (``generate``'s new tokens when predicting with it)."""
+        gen = getattr(self, "_gen_kwargs", None) or {}
+        generating = getattr(self.args, "predict_with_generate", False)
+        new_tokens = (gen.get("max_new_tokens") or gen.get("max_length") or 0) if generating else 0
+        try:
+            return ModelShape.from_model(self.model, max_new_tokens=int(new_tokens),
+                                         num_beams=int(gen.get("num_beams") or 1) if generating else 1)
+        except TypeError:  # not a transformers model: the planner's plain features
+            return None
+
+    def _planned_loader(self, dataset: Any, description: str) -> DataLoader | None:
+        """A DataLoader on the inference planner's batches, prepared by accelerate; ``None`` for the Trainer's own."""
+        if self.eval_batches == "fixed" or isinstance(dataset, IterableDataset):
+            return None
+        if self.args.world_size > 1:
+            raise bad_value("eval_batches", f"'fixed' under {self.args.world_size} processes (dynamic evaluation "
+                            "batches put predictions back in dataset order in one process)", self.eval_batches)
+        if not self.args.eval_do_concat_batches:
+            raise bad_value("args.eval_do_concat_batches", "True with eval_batches='dynamic' (predictions are put "
+                            "back in dataset order across batches)", False)
+        collator = self.data_collator
+        try:
+            import datasets
+        except ImportError:  # pragma: no cover - datasets is optional
+            datasets = None
+        if datasets is not None and isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description=description)
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description=description)
+        field = getattr(self.model, "main_input_name", "input_ids")
+        lengths = eval_lengths(dataset, field)
+        if lengths is None:
+            logger.info("%s rows have no %r to plan batches by: the Trainer's own batches", description, field)
+            return None
+        batches = plan_eval_batches(lengths, self.args.per_device_eval_batch_size, self._eval_shape())
+        loader = DataLoader(dataset, batch_sampler=DynamicBatchSampler(batches), collate_fn=collator,
+                            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
+        prepared = self.accelerator.prepare(loader)
+        prepared.dynabatch_order = np.concatenate(batches) if batches else np.zeros(0, np.int64)
+        return prepared
+
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None,
+                        **kwargs: Any) -> Any:
+        """The ``Trainer``'s step; with planned batches its loss is kept with the batch's rows (for ``eval_loss``)."""
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys,
+                                                       **kwargs)
+        if self._eval_losses is not None and loss is not None:
+            self._eval_losses.append((float(loss.detach().float().mean()), int(find_batch_size(inputs) or 1)))
+        return loss, logits, labels
+
+    def evaluation_loop(self, dataloader: DataLoader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """The ``Trainer``'s loop; on planned batches, predictions, labels and metrics in dataset order."""
+        order = getattr(dataloader, "dynabatch_order", None)
+        if order is None:
+            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                           metric_key_prefix)
+        inverse = np.argsort(order, kind="stable")
+        compute = self.compute_metrics
+        if compute is not None and not self.args.batch_eval_metrics:  # per-batch metrics see batches as they come
+            self.compute_metrics = lambda p: compute(EvalPrediction(
+                in_order(p.predictions, inverse), in_order(p.label_ids, inverse), in_order(p.inputs, inverse),
+                p.losses))
+        self._eval_losses = []
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+        finally:
+            self.compute_metrics = compute
+            losses, self._eval_losses = self._eval_losses, None
+        metrics = dict(output.metrics or {})
+        losses = [(loss, rows) for loss, rows in losses if np.isfinite(loss) or not self.args.logging_nan_inf_filter]
+        if losses:  # each batch weighs by its rows (the Trainer weighs every batch as eval_batch_size rows)
+            metrics[f"{metric_key_prefix}_loss"] = sum(loss * rows for loss, rows in losses) / sum(r for _, r in losses)
+        return EvalLoopOutput(predictions=in_order(output.predictions, inverse),
+                              label_ids=in_order(output.label_ids, inverse), metrics=metrics,
+                              num_samples=output.num_samples)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; a checkpoint whose sampler state belongs to other data or settings is refused."""
         folder = resume_from_checkpoint
@@ -219,3 +339,7 @@ class BatchSamplerTrainerMixin:
 
 class BatchSamplerTrainer(BatchSamplerTrainerMixin, Trainer):
     """``transformers.Trainer`` training on a dynabatch batch sampler (see :class:`BatchSamplerTrainerMixin`)."""
+
+
+class Seq2SeqBatchSamplerTrainer(BatchSamplerTrainerMixin, Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` on dynabatch batches (``predict_with_generate`` included); see the mixin."""

@@ -1,4 +1,4 @@
-"""Fixtures of the ``run`` tests: real texts, real MiniLM, a tiny random-weight Marian.
+"""Fixtures of the ``run`` tests: real texts, real MiniLM (the tiny Marian is in tests/conftest.py).
 
 The helpers the test modules share live in ``runner_helpers.py`` beside this file; its folder is
 put on ``sys.path`` here, since tests are imported with ``--import-mode=importlib``.
@@ -8,7 +8,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -36,28 +35,3 @@ def minilm():
     from dynabatch.demo import minilm_path
 
     return AutoModel.from_pretrained(minilm_path()).eval()
-
-
-@pytest.fixture(scope="module")
-def marian():
-    from transformers import MarianConfig, MarianMTModel
-
-    config = MarianConfig(
-        vocab_size=30522,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=128,
-        pad_token_id=0,
-        decoder_start_token_id=0,
-        eos_token_id=102,
-        forced_eos_token_id=None,
-        init_std=1.0,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        return MarianMTModel(config).eval()

@@ -586,3 +586,33 @@ def test_the_builder_shows_progress_by_default_like_run(tokenizer, texts, capsys
     assert "tokenizing" in capsys.readouterr().err
     _load(texts[:10], tokenizer, progress=False)
     assert capsys.readouterr().err == ""
+
+
+# --- pre-tokenized texts, and the model's positions ---------------------------------------------------
+
+
+def test_pre_tokenized_texts_give_the_batches_of_their_texts(tokenizer, texts):
+    ids = tokenizer(texts, truncation=True, max_length=MAX_LEN, return_token_type_ids=False)["input_ids"]
+    from_ids = list(_load(ids, tokenizer))
+    from_texts = list(_load(texts, tokenizer, return_token_type_ids=False))
+    assert len(from_ids) == len(from_texts)
+    for a, b in zip(from_ids, from_texts):
+        assert a.indices.tolist() == b.indices.tolist() and a.texts is None
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["attention_mask"], b["attention_mask"])
+    with pytest.raises(ValueError, match=r"tokenizer_kwargs should be empty for pre-tokenized texts"):
+        _load(ids, tokenizer, add_special_tokens=False)
+
+
+def test_a_limit_above_the_model_positions_is_refused_when_the_loader_is_built(llama_tokenizer, texts):
+    from transformers import BertConfig, GPT2Config
+
+    tok = copy.deepcopy(llama_tokenizer)
+    tok.pad_token = tok.eos_token
+    assert tok.model_max_length > 10**20  # the tokenizer reports no limit: the model's config still holds
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and the check is an error, not a warning
+        with pytest.raises(ValueError, match=r"max_input_token_length should be at most 32 \(the model's "
+                           r"config.n_positions=32 positions\), but got max_input_token_length=64"):
+            _load(texts, tok, model=GPT2Config(n_positions=32, n_embd=32, n_layer=1, n_head=2))
+    config = BertConfig(max_position_embeddings=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
+    assert len(_load(texts, tok, model=config).dataset) == len(texts)  # 64 fits 64 positions

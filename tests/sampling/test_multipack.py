@@ -343,13 +343,21 @@ def test_efficiency_len_and_gather_without_process_group():
 
 def test_drop_last_is_counted_and_logged(caplog):
     sampler = _sampler([4] * 5, batch_size=2, batch_max_len=8, sequential=False)
-    with caplog.at_level(logging.INFO, logger="dynabatch.sampling.multipack"):
+    with caplog.at_level(logging.WARNING, logger="dynabatch.sampling.multipack"):
         batches = sampler.generate_batches(set_stats=True)
+        assert len(sampler) == 1 and len(list(sampler)) == 1  # the epoch planned again: warned once
+        dropped = sampler.num_samples_dropped
+        sampler.set_epoch(1)
+        list(sampler)
     # 3 bins ([4, 4], [4, 4], [4]) make one batch of 2 bins: one randomly chosen bin is dropped
     kept = sum(len(b) for batch in batches for b in batch)
-    assert len(batches) == 1 and kept + sampler.num_samples_dropped == 5 and sampler.num_samples_dropped in (1, 2)
-    assert sampler.total_token_slots == 2 * 8  # the dropped bin is not counted
-    assert f"drop_last dropped {sampler.num_samples_dropped} samples" in caplog.text
+    assert len(batches) == 1 and kept + dropped == 5 and dropped in (1, 2)
+    assert sampler.total_token_slots == 2 * 8 * 2  # the dropped bins are not counted (two epochs)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert [r.getMessage().split(" in epoch ")[1] for r in warnings] == [
+        "0; drop_last=False keeps every sample", "1; drop_last=False keeps every sample"]  # once per epoch
+    assert warnings[0].getMessage().startswith("drop_last=True drops ")
+    assert " of 5 samples (1 bins that cannot fill a last batch of 2 bins on every rank)" in warnings[0].getMessage()
     kept = _sampler([4] * 5, batch_size=2, batch_max_len=8, drop_last=False)
     assert sorted(len(b) for b in kept) == [1, 2] and kept.num_samples_dropped == 0
 
@@ -370,9 +378,10 @@ def test_oversized_sequence_errors_or_truncates():
         ({"batch_max_len": 0}, ValueError, "batch_max_len should be a positive integer, but got batch_max_len=0"),
         ({"batch_max_len": -5}, ValueError, "batch_max_len should be a positive integer, but got batch_max_len=-5"),
         ({"batch_size": 0}, ValueError, "batch_size should be a positive integer, but got batch_size=0"),
-        ({"lengths": np.array([[1, 2], [3, 4]])}, ValueError, r"lengths should be a 1-D sequence of integer token lengths.*shape \(2, 2\)"),
-        ({"lengths": np.array([1.0, 2.0, 3.0, 4.0])}, TypeError, "lengths should be a 1-D sequence of integer token lengths"),
-        ({"lengths": "1234"}, TypeError, "lengths should be a 1-D sequence of integer token lengths"),
+        ({"lengths": np.array([[1, 2], [3, 4]])}, ValueError, r"lengths should be one length per sample \(a packed "
+         r"row concatenates one sequence per sample\): pass one column, but got lengths='<2 key fields of 2 samples>'"),
+        ({"lengths": np.array([1.0, 2.0, 3.0, 4.0])}, TypeError, r"lengths should be a 1-D or 2-D \(one column per key field\) sequence of integer token lengths"),
+        ({"lengths": "1234"}, TypeError, r"lengths should be a 1-D or 2-D \(one column per key field\) sequence of integer token lengths"),
         ({"lengths": np.array([1, 2, 3])}, ValueError,
          r"sampler should cover as many items as lengths \(3\), but got len\(sampler\)=4"),
         ({"lengths": np.array([1, 0, 3, 4])}, ValueError, r"lengths\[1\] should be a positive length, but got lengths\[1\]=0"),
@@ -569,3 +578,27 @@ def test_two_gloo_ranks_equal_batch_counts_disjoint_indices(tmp_path, run_two_ra
         assert a["dropped"] == b["dropped"]
         assert a["eff"] == b["eff"]
     assert reports[0]["301-False"]["dropped"] == 0
+
+
+def test_every_lengths_form_of_the_other_samplers_is_taken(tokenizer):
+    import torch
+
+    from dynabatch import SmartBatchSampler, TokenBudget, tokenize_source
+    from dynabatch.demo import kjv_passages
+
+    tokens = tokenize_source(kjv_passages()[:60], tokenizer, max_length=64, progress=False)
+    plain = tokens.lengths["input_ids"]
+    SmartBatchSampler(tokens.lengths, TokenBudget(256))  # what the smart sampler takes, the packer takes
+
+    def packed(lengths):
+        return list(MultipackBatchSampler(RandomSampler(range(60)), 2, 128, lengths, drop_last=False))
+
+    expected = packed(plain)
+    for form in (tokens.lengths, plain.tolist(), torch.tensor(plain), plain[:, None]):
+        assert packed(form) == expected
+    with pytest.raises(ValueError, match=r"lengths should be one length per sample \(a packed row concatenates one "
+                       r"sequence per sample\): pass one field of \['source', 'target'\]"):
+        packed({"source": plain, "target": plain})
+    with pytest.raises(ValueError, match=r"lengths\['input_ids'\]\[0\] should be a positive length, but got "
+                       r"lengths\['input_ids'\]\[0\]=0"):
+        packed({"input_ids": np.r_[0, plain[1:]]})

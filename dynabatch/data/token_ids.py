@@ -1,0 +1,116 @@
+"""Pre-tokenized texts into the token store: :func:`store_token_ids`.
+
+Rows of token ids (lists of int, 1-D arrays or tensors) go into the same flat
+:class:`~dynabatch.data.tokenization.TokenizedTexts` that
+:func:`~dynabatch.data.tokenization.tokenize_texts` fills, truncated as a
+tokenizer truncates, so the loader plans and pads them like tokenized texts.
+:func:`are_token_ids` tells such rows from texts.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import itertools
+import logging
+from typing import Any
+
+import numpy as np
+
+from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.data.tokenization import TokenizedTexts
+
+__all__ = ["are_token_ids", "store_token_ids"]
+
+logger = logging.getLogger(__name__)
+
+_ID_ROW_TYPES = (list, tuple, np.ndarray)
+_IDS_RULE = "a non-empty sequence of token id rows (lists of int, 1-D integer arrays or tensors), one per text"
+
+
+def _is_id_row(item: Any) -> bool:
+    return isinstance(item, _ID_ROW_TYPES) or (hasattr(item, "ndim") and hasattr(item, "tolist"))  # a tensor
+
+
+def are_token_ids(texts: Any) -> bool:
+    """Whether ``texts`` holds pre-tokenized rows (its first item a list, tuple, array or tensor of ids), not str.
+
+    Example:
+        >>> are_token_ids([[101, 7592, 102]]), are_token_ids(["hello"])
+        (True, False)
+    """
+    if isinstance(texts, (str, bytes)) or not isinstance(texts, collections.abc.Sequence) or not len(texts):
+        return False
+    return _is_id_row(texts[0])
+
+
+def _flat_ids(rows: list[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Every row's ids in one int64 array, and the rows' lengths; a TypeError names the first bad row."""
+    for i, row in enumerate(rows):
+        if not _is_id_row(row):
+            raise bad_type(f"texts[{i}]", "a row of int token ids, like texts[0]", row)
+    rows = [row.tolist() if not isinstance(row, (list, tuple)) else row for row in rows]  # arrays, tensors
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    flat = np.array(list(itertools.chain.from_iterable(rows)))
+    if flat.size and (flat.dtype == bool or not np.issubdtype(flat.dtype, np.integer)):
+        for i, row in enumerate(rows):
+            for j, value in enumerate(row):
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                    raise bad_type(f"texts[{i}][{j}]", "an int token id", value)
+    return flat.astype(np.int64, copy=False), lengths
+
+
+def store_token_ids(
+    texts: Any, max_input_token_length: int, *, truncation_side: str = "right"
+) -> TokenizedTexts:
+    """Pre-tokenized rows into the token store, truncated to ``max_input_token_length`` as a tokenizer truncates.
+
+    Each row is taken as it is (no special tokens are added); a row longer
+    than the limit keeps its first ``max_input_token_length`` ids, or its last
+    with ``truncation_side="left"`` (pass the tokenizer's ``truncation_side``).
+
+    Args:
+        texts: one row of token ids per text: lists or tuples of int, 1-D
+            integer numpy arrays or tensors (a sequence of them, not mixed with str).
+        max_input_token_length: the truncation limit, in tokens.
+        truncation_side: ``"right"`` or ``"left"``.
+
+    Returns:
+        The token store, without extras.
+
+    Raises:
+        TypeError: ``texts`` is not such a sequence, a row is not a row of ids,
+            or an id is not an int (the message names its position).
+        ValueError: empty ``texts``, a negative id or one above the store's
+            ``int32``, or a bad limit or ``truncation_side``.
+
+    Example:
+        >>> tokens = store_token_ids([[1, 5, 6, 2], [1, 2], []], 3)
+        >>> tokens.lengths.tolist(), tokens.row(0).tolist()
+        ([3, 2, 0], [1, 5, 6])
+        >>> store_token_ids([[1, 5, 6, 2]], 3, truncation_side="left").row(0).tolist()
+        [5, 6, 2]
+    """
+    if isinstance(texts, (str, bytes)) or not isinstance(texts, collections.abc.Sequence):
+        raise bad_type("texts", _IDS_RULE, texts)
+    if not len(texts):
+        raise bad_value("texts", _IDS_RULE, texts)
+    max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
+    if truncation_side not in ("right", "left"):
+        raise bad_value("truncation_side", "'right' or 'left'", truncation_side)
+    flat, lengths = _flat_ids(list(texts))
+    if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(np.int32).max):
+        at = int(np.flatnonzero((flat < 0) | (flat > np.iinfo(np.int32).max))[0])
+        row = int(np.searchsorted(np.cumsum(lengths), at, side="right"))
+        column = at - int(lengths[:row].sum())
+        raise bad_value(f"texts[{row}][{column}]", "a token id in [0, 2**31)", int(flat[at]))
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    kept = np.minimum(lengths, max_input_token_length)
+    if truncation_side == "left":
+        starts = starts + lengths - kept
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(kept, out=offsets[1:])
+    # positions of the kept ids in ``flat``: each row's start, then consecutive ids
+    take = np.repeat(starts - offsets[:-1], kept) + np.arange(offsets[-1])
+    logger.debug("stored %d pre-tokenized rows (%d ids, %d truncated)", len(lengths), offsets[-1],
+                 int((lengths > kept).sum()))
+    return TokenizedTexts(input_ids=flat[take].astype(np.int32), offsets=offsets)

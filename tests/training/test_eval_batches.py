@@ -1,0 +1,144 @@
+"""The Trainer hook's ``evaluate()`` and ``predict()`` on planned batches equal the Trainer's fixed batches.
+
+A random-weight BERT classifier and a random-weight Marian (``predict_with_generate``) on real KJV text, the
+real MiniLM tokenizer; every number compared comes from the HF ``Trainer`` itself.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from dynabatch.data.sources import tokenize_source
+from dynabatch.data.training_collate import TrainingCollator
+from dynabatch.demo import kjv_passages, vary_lengths
+from dynabatch.sampling.constraints import TokenBudget
+from dynabatch.sampling.smart import SmartBatchSampler
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+N_ROWS = 48
+EVAL_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return vary_lengths(kjv_passages()[2000:], n=N_ROWS, max_words=60, seed=4)
+
+
+@pytest.fixture(scope="module")
+def labelled(tokenizer, texts):
+    labels = np.random.default_rng(0).integers(0, 2, N_ROWS)
+    rows = [{"text": t, "label": int(y)} for t, y in zip(texts, labels)]
+    return tokenize_source(rows, tokenizer, max_length=64, keep=["label"], progress=False), labels
+
+
+class _Widths:
+    """The collator, recording each batch's rows."""
+
+    def __init__(self, collate):
+        self.collate, self.rows = collate, []
+
+    def __call__(self, features):
+        self.rows.append(len(features))
+        return self.collate(features)
+
+
+def _classifier(tokenizer):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=2)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return BertForSequenceClassification(config).eval()
+
+
+def _args(out, **extra):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=str(out), per_device_eval_batch_size=EVAL_BATCH, use_cpu=True, report_to=[],
+                             remove_unused_columns=False, log_level="error", disable_tqdm=True, **extra)
+
+
+def _evaluate(tokenizer, tokens, out, eval_batches):
+    from dynabatch.training.hf import BatchSamplerTrainer
+
+    seen = []
+
+    def accuracy(prediction):
+        seen.append(prediction.label_ids.copy())
+        return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
+
+    collate = _Widths(TrainingCollator(tokenizer))
+    trainer = BatchSamplerTrainer(model=_classifier(tokenizer), args=_args(out), eval_dataset=tokens.dataset,
+                                  train_dataset=tokens.dataset, data_collator=collate, compute_metrics=accuracy,
+                                  train_batch_sampler=SmartBatchSampler(tokens.lengths, TokenBudget(512)),
+                                  eval_batches=eval_batches)
+    metrics = trainer.evaluate()
+    evaluated = list(collate.rows)
+    prediction = trainer.predict(tokens.dataset)
+    return metrics, prediction, seen, evaluated
+
+
+def test_evaluate_and_predict_on_planned_batches_equal_fixed_batches_in_dataset_order(tokenizer, labelled, tmp_path):
+    tokens, labels = labelled
+    fixed, fixed_prediction, _, fixed_rows = _evaluate(tokenizer, tokens, tmp_path / "fixed", "fixed")
+    metrics, prediction, seen, rows = _evaluate(tokenizer, tokens, tmp_path / "dynamic", "dynamic")
+    assert fixed_rows == [EVAL_BATCH] * (N_ROWS // EVAL_BATCH)
+    assert rows[0] == EVAL_BATCH and len(rows) < len(fixed_rows) and sum(rows) == N_ROWS  # later batches grew
+    assert metrics["eval_accuracy"] == fixed["eval_accuracy"]
+    assert metrics["eval_loss"] == pytest.approx(fixed["eval_loss"], abs=1e-5)  # each row weighs the same
+    assert np.array_equal(seen[0], labels)  # compute_metrics sees the rows in dataset order
+    assert np.array_equal(prediction.label_ids, labels) and np.array_equal(fixed_prediction.label_ids, labels)
+    assert np.abs(prediction.predictions - fixed_prediction.predictions).max() < 1e-5
+    assert prediction.metrics["test_loss"] == pytest.approx(fixed_prediction.metrics["test_loss"], abs=1e-5)
+
+
+def test_dynamic_evaluation_refuses_what_it_cannot_put_back_in_order(tokenizer, labelled, tmp_path):
+    from dynabatch.training.hf import BatchSamplerTrainer
+
+    tokens, _ = labelled
+    sampler = SmartBatchSampler(tokens.lengths, TokenBudget(512))
+    with pytest.raises(ValueError, match=r"eval_batches should be one of \('dynamic', 'fixed'\), but got "
+                       r"eval_batches='sorted'"):
+        BatchSamplerTrainer(model=_classifier(tokenizer), args=_args(tmp_path), train_batch_sampler=sampler,
+                            eval_batches="sorted")
+    trainer = BatchSamplerTrainer(model=_classifier(tokenizer), args=_args(tmp_path, eval_do_concat_batches=False),
+                                  eval_dataset=tokens.dataset, data_collator=TrainingCollator(tokenizer),
+                                  train_batch_sampler=sampler)
+    with pytest.raises(ValueError, match=r"args.eval_do_concat_batches should be True with eval_batches='dynamic'"):
+        trainer.evaluate()
+
+
+def _strip(row, pad):
+    """A generated row without the padding of its batch (pad after its tokens) and of the gathering (-100)."""
+    row = [int(t) for t in row if t != -100]
+    while len(row) > 1 and row[-1] == pad:
+        row.pop()
+    return row
+
+
+def test_seq2seq_predict_with_generate_on_planned_batches_equals_fixed_batches(tokenizer, marian, texts,
+                                                                                   tmp_path):
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    from dynabatch.training.hf import Seq2SeqBatchSamplerTrainer
+
+    rows = [{"source": t, "target": " ".join(t.split()[:4])} for t in texts]
+    tokens = tokenize_source(rows, tokenizer, fields={"input_ids": "source", "labels": "target"}, max_length=48,
+                             progress=False)
+    model = marian
+    settings = {"output_dir": str(tmp_path), "per_device_eval_batch_size": EVAL_BATCH, "use_cpu": True,
+                "report_to": [], "remove_unused_columns": False, "log_level": "error", "disable_tqdm": True,
+                "predict_with_generate": True, "generation_max_length": 10}
+    collate = TrainingCollator(tokenizer)
+    fixed = Seq2SeqTrainer(model=model, args=Seq2SeqTrainingArguments(**settings), data_collator=collate)
+    want = fixed.predict(tokens.dataset)
+    dynamic = Seq2SeqBatchSamplerTrainer(model=model, args=Seq2SeqTrainingArguments(**settings), data_collator=collate,
+                                         train_batch_sampler=SmartBatchSampler(tokens.lengths, TokenBudget(512)))
+    got = dynamic.predict(tokens.dataset)
+    assert got.predictions.shape[0] == N_ROWS
+    generated = [_strip(r, 0) for r in got.predictions]
+    assert generated == [_strip(r, 0) for r in want.predictions]
+    assert len({tuple(r) for r in generated}) > N_ROWS // 2  # replies depend on the input: the order matters
+    assert [_strip(r, 0) for r in got.label_ids] == [_strip(r, 0) for r in want.label_ids]
