@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import logging
@@ -37,11 +38,19 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.data.collate import TokenCollator, pad_token_id_of
-from dynabatch.data.tokenization import check_tokenizer, model_max_length, tokenize_texts, validate_texts
+from dynabatch.data.ids import check_ids
+from dynabatch.data.tokenization import (
+    check_tokenizer,
+    model_max_length,
+    split_bad_texts,
+    tokenize_texts,
+    validate_texts,
+)
 from dynabatch.memory.shape import resolve_model_shape
 from dynabatch.sampling.estimators import choose_estimator
 from dynabatch.sampling.planner import BatchPlanner, PlanSettings
@@ -152,11 +161,16 @@ class LoaderPlan:
             (and re-sizes batches from measured peaks in ``run(adapt=True)``).
         sampler: the :class:`~dynabatch.sampling.sampler.DynamicBatchSampler` (the loader's ``batch_sampler``).
         collator: the :class:`~dynabatch.data.collate.TokenCollator` (the loader's ``collate_fn``).
+        ids: the texts' ids (a ``pyarrow`` ``string`` or ``int64`` array), or ``None``: a results store keys
+            rows by them.
+        skipped: ``int64`` positions of the bad inputs planned into no batch (``on_bad_input="skip"``).
     """
 
     planner: BatchPlanner
     sampler: DynamicBatchSampler
     collator: TokenCollator
+    ids: Any = None
+    skipped: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def plan_of(loader: Any) -> LoaderPlan | None:
@@ -203,6 +217,8 @@ def build_dynamic_batch_dataloader(
     memory_margin: float = 0.10,
     granularity: int | None = None,
     model: Any = None,
+    ids: Any = None,
+    on_bad_input: str = "raise",
     **tokenizer_kwargs: Any,
 ) -> DataLoader:
     """Builds a DataLoader whose batches grow as texts get shorter, under the first batch's peak memory.
@@ -248,6 +264,16 @@ def build_dynamic_batch_dataloader(
         model: the model the batches are for (a ``transformers`` model or
             config): its :class:`~dynabatch.memory.shape.ModelShape` is read from
             it (a forward call; pass ``model_shape`` for ``generate`` settings).
+        ids: one stable id per text (str or int, unique), or ``None``.
+            ``run(..., output_path=...)`` then keys stored rows by id rather than
+            by position, so a rerun over a grown or reordered corpus runs only
+            the ids not stored yet.
+        on_bad_input: what to do with items of ``texts`` that are not str
+            (``None``, a pandas NaN, bytes): ``"raise"`` a ``TypeError`` naming how
+            many there are and the first ten positions, or ``"skip"`` them:
+            they are planned into no batch, and ``run`` gives ``None`` for them,
+            lists them in ``result.failed`` and counts them in the report
+            (``skipped_inputs``); a results store does not hold them.
         **tokenizer_kwargs: passed to the tokenizer (e.g. ``add_special_tokens=False``);
             ``pad_to_multiple_of`` rounds each batch's width up. A keyword the
             tokenizer's call does not take (a typo such as ``batchsize``) raises
@@ -280,7 +306,18 @@ def build_dynamic_batch_dataloader(
         Put per-batch outputs back in input order with
         :func:`~dynabatch.data.order.restore_order`.
     """
-    items = validate_texts(texts)
+    if not isinstance(on_bad_input, str):
+        raise bad_type("on_bad_input", "'raise' or 'skip'", on_bad_input)
+    if on_bad_input not in ("raise", "skip"):
+        raise bad_value("on_bad_input", "'raise' or 'skip'", on_bad_input)
+    items, skipped = split_bad_texts(texts) if on_bad_input == "skip" else (validate_texts(texts), None)
+    if skipped is not None and skipped.size == len(items):
+        raise ValueError(f"texts should hold at least one str, but got {len(items)} texts none of which is a str")
+    if skipped is not None and skipped.size:
+        logger.warning("skipping %d of %d texts that are not str (positions %s%s): their results are None",
+                       skipped.size, len(items), ", ".join(map(str, skipped[:10].tolist())),
+                       ", ..." if skipped.size > 10 else "")
+    id_array = check_ids(ids, len(items))
     check_tokenizer(tokenizer)
     _check_tokenizer_kwargs(tokenizer, tokenizer_kwargs)
     pad_to_multiple_of = tokenizer_kwargs.pop("pad_to_multiple_of", None)
@@ -294,7 +331,7 @@ def build_dynamic_batch_dataloader(
     pad_token_id_of(tokenizer)  # refuse a tokenizer without pad token before tokenizing
     _check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
     tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress, **tokenizer_kwargs)
-    planner = BatchPlanner(tokenized.lengths, settings, estimator)
+    planner = BatchPlanner(tokenized.lengths, settings, estimator, skip=skipped)
     batches = planner.batches()
     sampler = DynamicBatchSampler(batches, shuffle=shuffle, seed=seed)
     collator = TokenCollator.from_tokenizer(tokenized, tokenizer, texts=items,
@@ -304,5 +341,6 @@ def build_dynamic_batch_dataloader(
                 sizes[0], max(sizes))
     loader = DataLoader(_Positions(len(items)), batch_sampler=sampler, collate_fn=collator,
                         num_workers=_worker_count(num_workers))
-    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, collator)
+    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, collator, id_array,
+                                                   skipped if skipped is not None else np.zeros(0, dtype=np.int64))
     return loader
