@@ -166,18 +166,28 @@ def _infer_spec(values: list, name: str, real_lengths: np.ndarray | None) -> _Sp
         return _array_spec(present, "tensor", name, real_lengths)
     if isinstance(sample, (np.ndarray, np.generic)):
         return _array_spec([np.asarray(v) for v in present], "ndarray", name, real_lengths)
-    kind = _scalar_kind(sample)
-    if kind is not None:
-        return _Spec("scalar", "float" if kind == "int" and any(type(v) is float for v in present) else kind)
+    if _scalar_kind(sample) is not None:
+        return _Spec("scalar", _kinds(present, name).pop())
     if isinstance(sample, list):
-        kinds = {_scalar_kind(item) for v in present if isinstance(v, list) for item in v if item is not None}
-        if kinds == {"int", "float"}:
-            return _Spec("values", "float")
-        if len(kinds) > 1:
-            raise TypeError(f"{name} should hold values of one kind in every row with output_path set, but got "
-                            f"lists of {sorted(kinds)}")
+        kinds = _kinds(present, name)
         return _Spec("values", kinds.pop() if kinds else "null")
     raise _storable_error(name, sample)
+
+
+def _kinds(values: list, name: str, stored: str | None = None) -> set[str]:
+    """The scalar kinds (``int``, ``float``, ...) of ``values``, or of their items for lists: one kind, or refused
+    (Arrow would turn 2.5 into 2 in an int column, and 1 into 1.0 in a float one)."""
+    items = [item for v in values if isinstance(v, list) for item in v] if any(isinstance(v, list) for v in values) \
+        else values
+    kinds = {_scalar_kind(item) for item in items if item is not None}
+    if None in kinds:
+        bad = next(item for item in items if item is not None and _scalar_kind(item) is None)
+        raise _storable_error(name, bad)
+    if len(kinds) > 1 or (stored is not None and stored != "null" and kinds - {stored}):
+        raise TypeError(f"{name} should be values of one type in every row with output_path set"
+                        + (f" ({stored}, as stored)" if stored else "") + f", but got {sorted(kinds)}: convert them "
+                        "(e.g. float(x))")
+    return kinds
 
 
 def _encode_array(values: list, spec: _Spec, name: str) -> pa.Array:
@@ -213,12 +223,13 @@ def _encode_array(values: list, spec: _Spec, name: str) -> pa.Array:
 def _encode(values: list, spec: _Spec, name: str) -> pa.Array:
     if spec.kind in ("tensor", "ndarray"):
         return _encode_array(values, spec, name)
+    if spec.kind == "values" and not all(v is None or isinstance(v, list) for v in values):
+        bad = next(v for v in values if v is not None and not isinstance(v, list))
+        raise TypeError(f"{name} should be a list in every row, as stored, but got {type(bad).__name__}")
+    _kinds(values, name, spec.dtype)
     try:
         return pa.array(values, type=spec.arrow_type())
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
-        bad = next((v for v in values if v is not None and _scalar_kind(v) is None and not isinstance(v, list)), None)
-        if bad is not None:
-            raise _storable_error(name, bad) from exc
         raise TypeError(f"{name} should be {spec.dtype} values in every row, as stored, but got {exc}") from exc
 
 
