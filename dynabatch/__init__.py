@@ -15,7 +15,7 @@ from dynabatch.data.sources import TokenizedSource, tokenize_source
 from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts
 from dynabatch.data.training_collate import TrainingCollator
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
-from dynabatch.inference.runner import BatchOutOfMemoryError, RunResult, run
+from dynabatch.inference.runner import BatchOutOfMemoryError, RunResult, StoredRunResult, run
 from dynabatch.memory.budget import MemoryBudget
 from dynabatch.memory.calibrate import calibrate
 from dynabatch.memory.measure import track_peak_memory
@@ -57,6 +57,7 @@ __all__ = [
     "RunResult",
     "SizeAwareBatchSampler",
     "SmartBatchSampler",
+    "StoredRunResult",
     "TokenBudget",
     "TokenCollator",
     "TokenizedSource",
