@@ -125,10 +125,10 @@ class _Spec:
     kind: str
     dtype: str
     shape: list[int | None] = field(default_factory=list)  # tensors: shape[0] None when ragged
+    ragged: bool = field(init=False)
 
-    @property
-    def ragged(self) -> bool:
-        return bool(self.shape) and self.shape[0] is None
+    def __post_init__(self) -> None:
+        self.ragged = bool(self.shape) and self.shape[0] is None
 
     def arrow_type(self) -> pa.DataType:
         if self.kind == "scalar":
@@ -192,17 +192,25 @@ def _kinds(values: list, name: str, stored: str | None = None) -> set[str]:
 
 def _encode_array(values: list, spec: _Spec, name: str) -> pa.Array:
     tensor = spec.kind == "tensor"
-    for v in values:
-        if not isinstance(v, torch.Tensor if tensor else (np.ndarray, np.generic)):
-            raise TypeError(f"{name} should be a {'tensor' if tensor else 'numpy array'} in every row, as stored, "
-                            f"but got {type(v).__name__}" + (" (None)" if v is None else ""))
-        dtype = str(v.dtype).removeprefix("torch.")
-        shape = list(np.shape(v))
-        fixed = spec.shape[1:] if spec.ragged else spec.shape
-        if dtype != spec.dtype or (shape[1:] if spec.ragged else shape) != fixed or (spec.ragged and not shape):
-            stored = ["n", *fixed] if spec.ragged else fixed
-            raise ValueError(f"{name} should have dtype {spec.dtype} and shape {tuple(stored)} in every row, as "
-                             f"stored (n: any length), but got dtype {dtype} and shape {tuple(shape)}")
+    kind = torch.Tensor if tensor else (np.ndarray, np.generic)
+    if not all(isinstance(v, kind) for v in values):
+        v = next(v for v in values if not isinstance(v, kind))
+        raise TypeError(f"{name} should be a {'tensor' if tensor else 'numpy array'} in every row, as stored, "
+                        f"but got {type(v).__name__}" + (" (None)" if v is None else ""))
+    fixed = tuple(spec.shape[1:] if spec.ragged else spec.shape)
+    dtypes = {v.dtype for v in values}
+    shapes = {tuple(v.shape[1:]) if spec.ragged else tuple(v.shape) for v in values} if tensor else \
+        {np.shape(v)[1:] if spec.ragged else np.shape(v) for v in values}
+    if len(dtypes) > 1 or shapes != {fixed} or (spec.ragged and any(not np.shape(v) for v in values)):
+        for v in values:  # name the first row that does not fit
+            dtype, shape = str(v.dtype).removeprefix("torch."), tuple(np.shape(v))
+            if dtype != spec.dtype or (shape[1:] if spec.ragged else shape) != fixed or (spec.ragged and not shape):
+                stored = ("n", *fixed) if spec.ragged else fixed
+                raise ValueError(f"{name} should have dtype {spec.dtype} and shape {stored} in every row, as stored "
+                                 f"(n: any length), but got dtype {dtype} and shape {shape}")
+    dtype = str(dtypes.pop()).removeprefix("torch.") if dtypes else spec.dtype
+    if dtype != spec.dtype:
+        raise ValueError(f"{name} should have dtype {spec.dtype} in every row, as stored, but got dtype {dtype}")
     if tensor:
         joined = torch.cat(values) if spec.ragged else torch.stack(values) if values else torch.zeros(0)
         flat = joined.detach().cpu().float() if joined.dtype == torch.bfloat16 else joined.detach().cpu()

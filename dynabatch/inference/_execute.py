@@ -62,14 +62,12 @@ class Executor:
     ``lockstep`` (several ranks): every rank makes the same number of completed
     calls per item, so a ``fn`` with collectives never waits for a rank that
     has left (see :meth:`run_item`). ``store``: the results store rows are
-    written to; ``input_hashes(piece)`` gives each row's input hash for it.
-    ``skipped``: input positions the loader planned into no batch (bad inputs).
+    written to (with each row's input hash). ``skipped``: input positions the loader planned into no batch (bad inputs).
     """
 
     def __init__(self, fn: Callable[[Batch], Any], queue: BatchQueue, *, device: Any, on_oom: str,
                  memory_device: Any, bar: Any, lockstep: bool = False, store: ResultsStore | None = None,
-                 input_hashes: Callable[[Batch], np.ndarray] | None = None, skipped: np.ndarray | None = None,
-                 rank: int = 0) -> None:
+                 skipped: np.ndarray | None = None, rank: int = 0) -> None:
         self.fn = fn
         self.queue = queue
         self.device = device
@@ -78,7 +76,6 @@ class Executor:
         self.memory_device = memory_device
         self.store = store
         self.writer = store.writer(rank=rank) if store is not None else None
-        self.input_hashes = input_hashes
         self.bar = bar
         self.results: dict[int, Any] = {}  # without a store only
         self.last_position = -1  # the largest input position seen (a plain iterable's count)
@@ -213,7 +210,7 @@ class Executor:
             done.positions.extend(piece.indices.tolist())
             done.results.extend(attempt.output)
             if self.writer is not None:
-                done.hashes.append(self.input_hashes(piece))
+                done.hashes.append(self.store.hashes_of(piece))
                 mask = piece.get("attention_mask")
                 done.lengths.append(mask.sum(1).cpu().numpy() if mask is not None else np.zeros(0, dtype=np.int64))
             self._progress(piece_rows, real_tokens(piece))

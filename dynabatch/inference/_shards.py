@@ -20,6 +20,7 @@ import os
 import socket
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -34,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 SHARD_ROWS = 1_000_000
 """A shard is committed once its buffer holds this many rows."""
-SHARD_BYTES = 64 * 2**20
-"""... or this many bytes of Arrow data (64 MiB)."""
+SHARD_BYTES = 16 * 2**20
+"""... or this many bytes of Arrow data (16 MiB: the buffer, and the Parquet encoding of it, stay small)."""
 SHARD_SECONDS = 60.0
 """... or rows that finished this many seconds ago: a killed run loses about a minute of work at most."""
 
@@ -102,7 +103,10 @@ def shard_meta(path: str, file: str) -> dict | None:
 class StoreWriter:
     """Buffers finished rows and commits them as shards: :meth:`write`, :meth:`flush`, :meth:`close`.
 
-    A small object with no reference to the run, so that a background worker can own it.
+    A full buffer becomes a shard written by one background thread while the
+    run goes on (one shard in flight at most: the next waits for it); rows are
+    converted to Arrow in :meth:`write`, so a row Arrow cannot store raises at
+    once. A small object with no reference to the run, so that a worker can own it.
     """
 
     def __init__(self, path: str, meta: dict, layout: Layout | None, ids: pa.Array | None, *, rank: int = 0) -> None:
@@ -114,6 +118,8 @@ class StoreWriter:
         self.since: float | None = None
         self.schema: pa.Schema | None = None
         self.shards_written = 0
+        self._thread: ThreadPoolExecutor | None = None  # writes one shard at a time, beside the run
+        self._pending: Future | None = None
 
     def _schema(self) -> pa.Schema:
         fields = [pa.field("position", pa.int64())]
@@ -149,23 +155,47 @@ class StoreWriter:
         self.bytes += batch.nbytes
         self.since = time.monotonic() if self.since is None else self.since
         if self.rows >= SHARD_ROWS or self.bytes >= SHARD_BYTES or time.monotonic() - self.since >= SHARD_SECONDS:
-            self.flush()
+            self._submit()
 
-    def flush(self) -> None:
-        """Commits the buffered rows as one shard (written, fsynced, renamed into place)."""
+    def _submit(self) -> None:
+        """Hands the buffered rows to the background thread as one shard, once the shard before it is on disk."""
         if not self.buffer:
             return
         table = pa.Table.from_batches(self.buffer, schema=self.schema)
         name = f"part-{self.name}-{self.seq:05d}.parquet"
+        self.seq += 1
+        self.buffer, self.rows, self.bytes, self.since = [], 0, 0, None
+        self._wait()
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynabatch-store")
+        self._pending = self._thread.submit(self._commit, table, name)
+
+    def _commit(self, table: pa.Table, name: str) -> None:
+        """Writes one shard to a temporary name, fsyncs it, renames it into place (Parquet's writer releases the GIL:
+        this runs beside the next batches)."""
         temp = os.path.join(self.path, f".tmp-{_HOST}-{os.getpid()}-{name}")
-        pq.write_table(table, temp, use_dictionary=["id"] if self.ids is not None else False)
+        keys = ["position", "id"] if self.ids is not None else ["position"]
+        pq.write_table(table, temp, use_dictionary=keys[1:] or False, write_statistics=keys)  # floats: neither pays
         _fsync_path(temp)
         os.replace(temp, os.path.join(self.path, name))
         _fsync_path(self.path)  # the rename itself survives a crash
-        self.seq += 1
         self.shards_written += 1
-        self.buffer, self.rows, self.bytes, self.since = [], 0, 0, None
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()  # a failed write raises here
+
+    def flush(self) -> None:
+        """Commits the buffered rows as one shard and waits until every shard of this writer is on disk."""
+        self._submit()
+        self._wait()
 
     def close(self) -> None:
-        """Commits what is buffered."""
-        self.flush()
+        """Commits what is buffered, waits for it, and stops the background thread."""
+        try:
+            self.flush()
+        finally:
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)
+                self._thread = None

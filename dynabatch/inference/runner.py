@@ -363,12 +363,8 @@ def run(
     if distributed:
         queue.shard(rank, world_size)
     bar = _progress_bar(loader, queue, store) if progress else None
-    hashes = None
-    if store is not None:
-        from dynabatch.inference.store import batch_input_hashes as hashes
     executor = Executor(fn, queue, device=device, on_oom=on_oom, memory_device=memory_device, bar=bar,
-                        lockstep=distributed, store=store, input_hashes=hashes, rank=rank,
-                        skipped=plan.skipped if plan is not None else None)
+                        lockstep=distributed, store=store, rank=rank, skipped=plan.skipped if plan is not None else None)
     # Without a store under torch.distributed: every input position this rank answers for (gathered to rank 0).
     mine = np.zeros(queue.n_inputs or 0, dtype=bool) if distributed and store is None else None
     try:

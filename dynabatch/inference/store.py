@@ -116,6 +116,7 @@ class ResultsStore:
     def __init__(self, path: str, *, key: str | None, n: int | None, ids: pa.Array | None = None) -> None:
         refuse_jsonl(path)
         self.path, self.key, self.ids = path, key, ids
+        self.input_hashes: np.ndarray | None = None  # every input's hash, when known up front (a dynabatch loader)
         self.keyed_by = "position" if ids is None else "id"
         if os.path.exists(path) and not os.path.isdir(path):
             raise bad_value("output_path", "a directory (a Parquet results store)", path)
@@ -229,6 +230,12 @@ class ResultsStore:
                "reordered corpus)")
         )
 
+    def hashes_of(self, batch: Any) -> np.ndarray:
+        """The input hashes of a batch's rows: looked up for a dynabatch loader's inputs, else from the batch."""
+        if self.input_hashes is not None:
+            return self.input_hashes[batch.indices.numpy()]
+        return batch_input_hashes(batch)
+
     def result(self, n: int, *, report: Any = None, failed: list[int] | None = None) -> Any:
         """A :class:`~dynabatch.inference.results.StoredRunResult` of ``n`` inputs over the store as it is now
         (shards every writer committed so far; ``failed=None``: every input without a stored row)."""
@@ -252,10 +259,11 @@ def open_store(output_path: Any, key: str | None, queue: Any, plan: Any) -> Resu
     """
     path = os.fspath(output_path)
     store = ResultsStore(path, key=key, n=queue.n_inputs, ids=plan.ids if plan is not None else None)
-    if not store.files:
-        return store
     if plan is not None:
-        store.check_inputs(np.arange(queue.n_inputs), token_store_hashes(queue.collator.tokenized))
+        store.input_hashes = token_store_hashes(queue.collator.tokenized)
+        store.check_inputs(np.arange(queue.n_inputs), store.input_hashes)
+        return store
+    if not store.files:
         return store
     if queue.stream is not None and isinstance(queue.loader, Iterator):
         queue.materialize()  # a one-shot iterator can be read only once
