@@ -59,16 +59,19 @@ def refuse_jsonl(path: str) -> None:
     """Refuses what earlier versions of ``run`` wrote (a JSONL file, per-rank JSONL files) or a path meant for them."""
     root, ext = os.path.splitext(path)
     ranks = sorted(glob.glob(glob.escape(root) + ".rank*-of-*" + glob.escape(ext))) if ext else []
-    old = os.path.isfile(path) or ranks or ext.lower() in (".jsonl", ".json")
-    if old:
-        what = ("a file" + (" of JSONL results written by an earlier dynabatch" if ext.lower() == ".jsonl" else "")
-                if os.path.isfile(path) else f"per-rank JSONL files ({_few(os.path.basename(r) for r in ranks)})"
-                if ranks else "a path ending in " + ext)
-        raise ValueError(
-            f"output_path should be a directory for a Parquet results store (say 'results/'), but got "
-            f"output_path={path!r}, {what}: results are now stored as Parquet shards with a key; pass a new "
-            "directory (rerunning there recomputes the rows: a JSONL file cannot tell which model made it)"
-        )
+    if os.path.isfile(path):
+        what = "a file of JSONL results written by an earlier dynabatch" if ext.lower() == ".jsonl" else "a file"
+    elif ranks:
+        what = f"per-rank JSONL files ({_few(os.path.basename(r) for r in ranks)})"
+    elif ext.lower() in (".jsonl", ".json"):
+        what = f"a path ending in {ext}"
+    else:
+        return
+    raise ValueError(
+        f"output_path should be a directory for a Parquet results store (say 'results/'), but got "
+        f"output_path={path!r}, {what}: results are now stored as Parquet shards with a key; pass a new "
+        "directory (rerunning there recomputes the rows: a JSONL file cannot tell which model made it)"
+    )
 
 
 def batch_input_hashes(batch: Any) -> np.ndarray:
@@ -118,7 +121,7 @@ class ResultsStore:
         self.path, self.key, self.ids = path, key, ids
         self.input_hashes: np.ndarray | None = None  # every input's hash, when known up front (a dynabatch loader)
         self.keyed_by = "position" if ids is None else "id"
-        if os.path.exists(path) and not os.path.isdir(path):
+        if os.path.exists(path) and not os.path.isdir(path):  # a socket, a device
             raise bad_value("output_path", "a directory (a Parquet results store)", path)
         os.makedirs(path, exist_ok=True)
         self._open(n)
@@ -179,10 +182,11 @@ class ResultsStore:
             keys = table.column(key_column)
             if self.ids is None:
                 target = keys.to_numpy()
-            else:
-                found = pc.index_in(keys, value_set=self.ids)
-                target = found.to_numpy(zero_copy_only=False) if found.null_count == 0 else \
-                    pc.fill_null(found, -1).to_numpy(zero_copy_only=False)
+            elif keys.type != self.ids.type:
+                raise ValueError(f"the loader's ids should be of type {keys.type}, as the ids of the results at "
+                                 f"output_path={self.path!r}, but got ids of type {self.ids.type}: use the same ids")
+            else:  # the stored ids' positions in this run, through Arrow (no dict per row); -1: not in this run
+                target = pc.fill_null(pc.index_in(keys, value_set=self.ids), -1).to_numpy()
             shards.append(np.full(len(target), s, dtype=np.int32))
             rows.append(np.arange(len(target), dtype=np.int64))
             targets.append(np.asarray(target, dtype=np.int64))

@@ -121,3 +121,18 @@ def test_pyarrow_pandas_polars_and_datasets_read_the_store_as_it_is(tokenizer, t
     assert polars["embedding"].dtype.shape == (3,)
     hf = datasets.load_dataset("parquet", data_files=str(path / "*.parquet"), split="train")
     assert sorted(hf["id"]) == sorted(ids) and len(hf) == 40
+
+
+def test_batch_out_of_memory_error_pickles_with_either_result(both):
+    import pickle
+
+    from dynabatch import BatchOutOfMemoryError
+    from dynabatch.inference.report import RunReport
+
+    memory, stored = both
+    for partial in (RunResult([1, None], report=RunReport()), stored):
+        error = pickle.loads(pickle.dumps(BatchOutOfMemoryError("input position 1 ran out", position=1,
+                                                                partial=partial)))
+        assert str(error) == "input position 1 ran out" and error.position == 1
+        assert len(error.partial) == len(partial) and type(error.partial) is type(partial)
+    _equal(error.partial[4], memory[4])  # the stored result still reads its rows after the round trip

@@ -166,6 +166,14 @@ def test_a_grown_and_reordered_corpus_with_ids_runs_only_the_new_ids(tokenizer, 
     _same(grown, run(_summary, _load(corpus, tokenizer), progress=False))
     stored = _stored(path, "id")
     assert sorted(stored) == sorted(ids[:90]) and len(set(stored)) == 90
+    part = order[:25:2]  # a smaller corpus: stored ids that are not in it are left alone
+    subset = run(_summary, _load([texts[i] for i in part], tokenizer, ids=[ids[i] for i in part]), output_path=path,
+                 progress=False)
+    assert subset.report.rows == 0 and len(subset) == len(part)
+    _same(subset, [grown[order.index(i)] for i in part])
+    with pytest.raises(ValueError, match=r"the loader's ids should be of type string, as the ids of the results at "
+                       r"output_path='.*', but got ids of type int64"):
+        run(_summary, _load(texts[:3], tokenizer, ids=[0, 1, 2]), output_path=path, progress=False)
     with pytest.raises(ValueError, match=r"the loader's ids should be given \(the store keys rows by id\)"):
         run(_summary, _load(corpus, tokenizer), output_path=path, progress=False)
     run(_summary, _load(texts[:5], tokenizer), output_path=tmp_path / "positions", progress=False)
