@@ -367,6 +367,8 @@ def run(
                         lockstep=distributed, store=store, rank=rank, skipped=plan.skipped if plan is not None else None)
     # Without a store under torch.distributed: every input position this rank answers for (gathered to rank 0).
     mine = np.zeros(queue.n_inputs or 0, dtype=bool) if distributed and store is None else None
+    if mine is not None and rank == 0 and plan is not None:
+        mine[plan.skipped] = True  # bad inputs run on no rank: rank 0 answers for them (None, failed)
     try:
         while (item := queue.next_item()) is not None:
             if mine is not None:

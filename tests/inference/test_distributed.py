@@ -134,6 +134,14 @@ _WORKER = textwrap.dedent(
     stored = run(lambda b: b["input_ids"].sum(dim=1), loader, output_path=store, key="sum", progress=False)
     report["store"] = {"path": store, "rows": [None if r is None else int(r) for r in stored],
                        "ran": stored.report.rows, "failed": stored.failed}
+    dirty = texts[:40]
+    dirty[5] = dirty[31] = None  # bad inputs skipped: they run on no rank, yet every input comes back once
+    skipping = dynabatch.build_dynamic_batch_dataloader(dirty, tokenizer, batch_size=4, max_input_token_length=64,
+                                                        num_workers=0, on_bad_input="skip")
+    report["skipped"] = {}
+    for way, where in (("gathered", None), ("stored", os.path.join(out, "skipped"))):
+        result = run(lambda b: b["input_ids"].sum(dim=1), skipping, output_path=where, progress=False)
+        report["skipped"][way] = {"rows": [None if r is None else int(r) for r in result], "failed": result.failed}
 
     # fn holds a collective (as an FSDP forward does); rank 1 runs out of memory on every call of more than
     # 3 rows, before its collective, so it splits batches the other rank runs whole: the ranks still make the
@@ -285,6 +293,19 @@ def test_two_gloo_ranks_share_one_store_and_a_one_process_rerun_runs_only_what_i
     assert sorted(calls) == lost_rows
     assert [int(r) for r in again] == expected
     assert sorted(ds.dataset(path).to_table().column("position").to_pylist()) == list(range(200))
+
+
+def test_two_gloo_ranks_give_none_for_bad_inputs_skipped(two_ranks, tokenizer):
+    import dynabatch
+    from dynabatch.demo import kjv_passages
+
+    loader = dynabatch.build_dynamic_batch_dataloader(kjv_passages()[:40], tokenizer, batch_size=4,
+                                                      max_input_token_length=64, num_workers=0)
+    expected = [int(r) for r in run(lambda b: b["input_ids"].sum(dim=1), loader, progress=False)]
+    expected[5] = expected[31] = None
+    rank0, rank1 = (r["skipped"] for r in two_ranks)
+    assert rank0["gathered"] == {"rows": expected, "failed": [5, 31]}  # rank 0 gathers every row
+    assert rank0["stored"] == rank1["stored"] == {"rows": expected, "failed": [5, 31]}
 
 
 def test_two_gloo_ranks_refuse_a_loader_already_split_per_rank(two_ranks):
