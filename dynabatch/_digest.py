@@ -100,7 +100,7 @@ def fingerprint(*parts: Any) -> str:
 
 _GOLDEN = 0x9E3779B97F4A7C15  # odd constants of splitmix64
 _MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-_CHUNK_VALUES = 1 << 22  # values hashed at once: bounds the temporary arrays (~100 MB at most)
+_CHUNK_VALUES = 1 << 20  # values hashed at once: bounds the temporary arrays (~30 MB)
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -153,7 +153,7 @@ def row_hashes(streams: Mapping[str, np.ndarray], offsets: np.ndarray) -> np.nda
     A row's hash depends on every stream's name, its values (integers by value,
     other dtypes by their bits), their order within the row and its length; not
     on the row's position or on other rows. Vectorised over all rows (chunks of
-    a few million values), the same in every process.
+    about a million values), the same in every process.
 
     Example:
         >>> import numpy as np

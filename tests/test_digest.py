@@ -43,7 +43,7 @@ def test_a_million_rows_in_chunks_match_rows_hashed_alone():
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     values = rng.integers(0, 30_000, size=int(offsets[-1]), dtype=np.int32)
-    hashes = row_hashes({"input_ids": values}, offsets)  # several chunks of about 4M values
+    hashes = row_hashes({"input_ids": values}, offsets)  # several chunks of about a million values
     for i in (0, 123_456, 999_999):
         alone = row_hashes({"input_ids": values[offsets[i]:offsets[i + 1]]}, np.array([0, lengths[i]]))
         assert hashes[i] == alone[0]

@@ -190,7 +190,20 @@ def _kinds(values: list, name: str, stored: str | None = None) -> set[str]:
     return kinds
 
 
-def _encode_array(values: list, spec: _Spec, name: str) -> pa.Array:
+@dataclass
+class _Part:
+    """One batch's values of one column, checked against its spec: numpy values (``(rows, *shape)``, or for a ragged
+    column every row's values, ``(total, *shape[1:])``, with ``lengths``), or an Arrow array of scalars or lists."""
+
+    values: Any
+    lengths: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.values.nbytes) + (self.lengths.nbytes if self.lengths is not None else 0)
+
+
+def _convert_array(values: list, spec: _Spec, name: str) -> _Part:
     tensor = spec.kind == "tensor"
     kind = torch.Tensor if tensor else (np.ndarray, np.generic)
     if not all(isinstance(v, kind) for v in values):
@@ -212,33 +225,43 @@ def _encode_array(values: list, spec: _Spec, name: str) -> pa.Array:
     if dtype != spec.dtype:
         raise ValueError(f"{name} should have dtype {spec.dtype} in every row, as stored, but got dtype {dtype}")
     if tensor:
-        joined = torch.cat(values) if spec.ragged else torch.stack(values) if values else torch.zeros(0)
-        flat = joined.detach().cpu().float() if joined.dtype == torch.bfloat16 else joined.detach().cpu()
-        flat = flat.contiguous().numpy().reshape(-1)
+        joined = torch.cat(values) if spec.ragged else torch.stack(values) if values else torch.zeros(0, *fixed)
+        joined = joined.detach().cpu()
+        array = (joined.float() if joined.dtype == torch.bfloat16 else joined).contiguous().numpy()
     else:
         arrays = [np.asarray(v) for v in values]
-        flat = (np.concatenate(arrays) if spec.ragged else np.stack(arrays)).reshape(-1)
-    array = pa.array(flat)
-    for size in reversed(spec.shape[1:] if spec.ragged else spec.shape):
-        array = pa.FixedSizeListArray.from_arrays(array, size)
-    if spec.ragged:
-        offsets = np.zeros(len(values) + 1, dtype=np.int64)
-        np.cumsum([np.shape(v)[0] for v in values], out=offsets[1:])
-        array = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), array)
-    return array
+        array = np.concatenate(arrays) if spec.ragged else np.stack(arrays)
+    lengths = np.fromiter((np.shape(v)[0] for v in values), dtype=np.int64, count=len(values)) if spec.ragged else None
+    return _Part(array, lengths)
 
 
-def _encode(values: list, spec: _Spec, name: str) -> pa.Array:
+def _convert(values: list, spec: _Spec, name: str) -> _Part:
     if spec.kind in ("tensor", "ndarray"):
-        return _encode_array(values, spec, name)
+        return _convert_array(values, spec, name)
     if spec.kind == "values" and not all(v is None or isinstance(v, list) for v in values):
         bad = next(v for v in values if v is not None and not isinstance(v, list))
         raise TypeError(f"{name} should be a list in every row, as stored, but got {type(bad).__name__}")
     _kinds(values, name, spec.dtype)
     try:
-        return pa.array(values, type=spec.arrow_type())
+        return _Part(pa.array(values, type=spec.arrow_type()))
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
         raise TypeError(f"{name} should be {spec.dtype} values in every row, as stored, but got {exc}") from exc
+
+
+def _to_arrow(parts: list[_Part], spec: _Spec) -> pa.Array:
+    """One Arrow array from the parts of several batches (concatenated once, not batch by batch)."""
+    if spec.kind in ("scalar", "values"):
+        return parts[0].values if len(parts) == 1 else pa.concat_arrays([p.values for p in parts])
+    values = parts[0].values if len(parts) == 1 else np.concatenate([p.values for p in parts])
+    array = pa.array(values.reshape(-1))
+    for size in reversed(spec.shape[1:] if spec.ragged else spec.shape):
+        array = pa.FixedSizeListArray.from_arrays(array, size)
+    if spec.ragged:
+        lengths = np.concatenate([p.lengths for p in parts])
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        array = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), array)
+    return array
 
 
 class Layout:
@@ -263,11 +286,20 @@ class Layout:
             raise ValueError(f"fn(batch) rows should give distinct column names, but got {names}; rename the keys")
         return cls(tree, {name: _infer_spec(values, name, real_lengths) for name, values in columns.items()})
 
-    def encode(self, rows: Sequence[Any]) -> dict[str, pa.Array]:
-        """One Arrow array per column for ``rows``; ``ValueError`` / ``TypeError`` for rows that do not fit."""
+    def convert(self, rows: Sequence[Any]) -> dict[str, _Part]:
+        """Each column's values of ``rows``, checked (``ValueError`` / ``TypeError`` for rows that do not fit), as
+        numpy arrays: one conversion per column, not per value."""
         columns: dict[str, list] = {}
         _gather(self.tree, list(rows), "output", columns)
-        return {name: _encode(columns[name], spec, name) for name, spec in self.specs.items()}
+        return {name: _convert(columns[name], spec, name) for name, spec in self.specs.items()}
+
+    def to_arrow(self, parts: Sequence[dict[str, _Part]]) -> dict[str, pa.Array]:
+        """One Arrow array per column from :meth:`convert`'s parts of one or more batches."""
+        return {name: _to_arrow([p[name] for p in parts], spec) for name, spec in self.specs.items()}
+
+    def encode(self, rows: Sequence[Any]) -> dict[str, pa.Array]:
+        """One Arrow array per column for ``rows`` (:meth:`convert`, then :meth:`to_arrow`)."""
+        return self.to_arrow([self.convert(rows)])
 
     def fields(self) -> list[pa.Field]:
         return [pa.field(name, spec.arrow_type()) for name, spec in self.specs.items()]

@@ -47,7 +47,7 @@ def _brief(error: BaseException | None) -> str:
 @dataclass
 class _Done:
     """What an item's finished calls gave: positions, results, and measured ``(rows, width, peak)``; with a store,
-    each piece's input hashes and real tokens per row."""
+    each piece's input hashes (and, until the store's layout is known, its real tokens per row)."""
 
     positions: list[int] = field(default_factory=list)
     results: list[Any] = field(default_factory=list)
@@ -212,7 +212,8 @@ class Executor:
             if self.writer is not None:
                 done.hashes.append(self.store.hashes_of(piece))
                 mask = piece.get("attention_mask")
-                done.lengths.append(mask.sum(1).cpu().numpy() if mask is not None else np.zeros(0, dtype=np.int64))
+                if self.writer.layout is None and mask is not None:  # real tokens per row: spots per-token outputs
+                    done.lengths.append(mask.sum(1).cpu().numpy())
             self._progress(piece_rows, real_tokens(piece))
             if self.lockstep:
                 if not self._stand_in_ran:  # a row that ran: what a stand-in call repeats
@@ -256,9 +257,9 @@ class Executor:
     def _finish(self, record: BatchRecord, done: _Done, start: float) -> None:
         if self.writer is not None:
             if done.positions:
-                lengths = np.concatenate(done.lengths)
+                lengths = np.concatenate(done.lengths) if done.lengths else None
                 self.writer.write(np.asarray(done.positions, dtype=np.int64), done.results, np.concatenate(done.hashes),
-                                  lengths if len(lengths) == len(done.positions) else None)
+                                  lengths if lengths is not None and len(lengths) == len(done.positions) else None)
         else:
             self.results.update(zip(done.positions, done.results))
         record.seconds = time.perf_counter() - start

@@ -105,15 +105,15 @@ class StoreWriter:
 
     A full buffer becomes a shard written by one background thread while the
     run goes on (one shard in flight at most: the next waits for it); rows are
-    converted to Arrow in :meth:`write`, so a row Arrow cannot store raises at
-    once. A small object with no reference to the run, so that a worker can own it.
+    checked and converted to numpy in :meth:`write`, so a row Arrow cannot
+    store raises at once, and become Arrow columns once per shard. A small object with no reference to the run, so that a worker can own it.
     """
 
     def __init__(self, path: str, meta: dict, layout: Layout | None, ids: pa.Array | None, *, rank: int = 0) -> None:
         self.path, self.meta, self.layout, self.ids = path, meta, layout, ids
         self.name = f"{time.strftime('%Y%m%dT%H%M%S')}_{uuid.uuid4().hex[:8]}_rank{rank}"
         self.seq = 0
-        self.buffer: list[pa.RecordBatch] = []
+        self.buffer: list[tuple] = []  # (positions, input hashes, each column's part) per batch
         self.rows = self.bytes = 0
         self.since: float | None = None
         self.schema: pa.Schema | None = None
@@ -141,18 +141,15 @@ class StoreWriter:
         if self.layout is None:
             self.layout = Layout.infer(rows, real_lengths)
         try:
-            columns = self.layout.encode(rows)
+            parts = self.layout.convert(rows)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{exc} (output_path={self.path!r} stores rows as {self.layout.describe()})") from exc
         if self.schema is None:
             self.schema = self._schema()
         positions = np.asarray(positions, dtype=np.int64)
-        keys = [pa.array(positions)] + ([self.ids.take(pa.array(positions))] if self.ids is not None else [])
-        arrays = [*keys, pa.array(np.asarray(hashes, dtype=np.uint64)), *columns.values()]
-        batch = pa.RecordBatch.from_arrays(arrays, schema=self.schema)
-        self.buffer.append(batch)
-        self.rows += batch.num_rows
-        self.bytes += batch.nbytes
+        self.buffer.append((positions, np.asarray(hashes, dtype=np.uint64), parts))
+        self.rows += len(positions)
+        self.bytes += positions.nbytes * 2 + sum(part.nbytes for part in parts.values())
         self.since = time.monotonic() if self.since is None else self.since
         if self.rows >= SHARD_ROWS or self.bytes >= SHARD_BYTES or time.monotonic() - self.since >= SHARD_SECONDS:
             self._submit()
@@ -161,18 +158,26 @@ class StoreWriter:
         """Hands the buffered rows to the background thread as one shard, once the shard before it is on disk."""
         if not self.buffer:
             return
-        table = pa.Table.from_batches(self.buffer, schema=self.schema)
-        name = f"part-{self.name}-{self.seq:05d}.parquet"
+        buffer, name = self.buffer, f"part-{self.name}-{self.seq:05d}.parquet"
         self.seq += 1
         self.buffer, self.rows, self.bytes, self.since = [], 0, 0, None
         self._wait()
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynabatch-store")
-        self._pending = self._thread.submit(self._commit, table, name)
+        self._pending = self._thread.submit(self._commit, buffer, name)
 
-    def _commit(self, table: pa.Table, name: str) -> None:
-        """Writes one shard to a temporary name, fsyncs it, renames it into place (Parquet's writer releases the GIL:
-        this runs beside the next batches)."""
+    def _table(self, buffer: list) -> pa.Table:
+        """The buffered batches as one table: each column concatenated once."""
+        positions = np.concatenate([b[0] for b in buffer])
+        keys = [pa.array(positions)] + ([self.ids.take(pa.array(positions))] if self.ids is not None else [])
+        hashes = pa.array(np.concatenate([b[1] for b in buffer]))
+        columns = self.layout.to_arrow([b[2] for b in buffer])
+        return pa.Table.from_arrays([*keys, hashes, *columns.values()], schema=self.schema)
+
+    def _commit(self, buffer: list, name: str) -> None:
+        """Writes one shard to a temporary name, fsyncs it, renames it into place (Arrow and Parquet's writer release
+        the GIL: this runs beside the next batches)."""
+        table = self._table(buffer)
         temp = os.path.join(self.path, f".tmp-{_HOST}-{os.getpid()}-{name}")
         keys = ["position", "id"] if self.ids is not None else ["position"]
         pq.write_table(table, temp, use_dictionary=keys[1:] or False, write_statistics=keys)  # floats: neither pays
