@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 
 __all__ = ["FORBIDDEN_TOKENIZER_KWARGS", "TokenizedTexts", "split_bad_texts", "tokenize_texts", "validate_texts"]
@@ -323,6 +324,8 @@ def tokenize_texts(
                     extra_chunks[key].append(found[key])
                 else:
                     del extra_chunks[key]
+        del encoded, rows, found
+        trim()  # the chunk's lists are freed: give their heap back, so resident memory grows with the token store only
 
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.concatenate(length_chunks), out=offsets[1:])
@@ -331,6 +334,8 @@ def tokenize_texts(
         key: values[0] if len(values) == 1 else np.concatenate(values)
         for key, values in (extra_chunks or {}).items()
     }
+    del id_chunks, length_chunks, extra_chunks
+    trim()
     logger.debug(
         "tokenized %d texts into %d tokens (max_input_token_length=%d, extras=%s)",
         n,

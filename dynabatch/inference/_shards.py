@@ -26,6 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dynabatch._malloc import trim
 from dynabatch.inference._columns import Layout
 
 __all__ = ["META", "SHARD_BYTES", "SHARD_ROWS", "SHARD_SECONDS", "StoreWriter", "own_entry", "remove_dead_temps",
@@ -185,6 +186,8 @@ class StoreWriter:
         os.replace(temp, os.path.join(self.path, name))
         _fsync_path(self.path)  # the rename itself survives a crash
         self.shards_written += 1
+        del table
+        trim()  # the shard's buffers are freed: resident memory stays flat over a long run
 
     def _wait(self) -> None:
         pending, self._pending = self._pending, None
