@@ -70,7 +70,8 @@ class _Stacking:
 
     def numpy(self) -> Any:
         """Every row stacked into one numpy array, ``(n_inputs, *row shape)`` (a dict, tuple or list of them for
-        such rows); ``bfloat16`` comes as ``float32`` (numpy has no ``bfloat16``).
+        such rows); ``bfloat16`` comes as ``float32`` (numpy has no ``bfloat16``). The array shares Arrow's
+        read-only memory (no second copy of every row): ``np.array(...)`` it to write into it.
 
         Raises:
             ValueError: an input without a result (failed), or rows of different shapes.
