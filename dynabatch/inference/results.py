@@ -55,7 +55,7 @@ class _Stacking:
         return self._table()[1]
 
     def _stacked(self, as_tensor: bool) -> Any:
-        from dynabatch.inference._columns import stack_columns
+        from dynabatch.inference._decode import stack_columns
 
         missing = self._missing()
         if missing.size:
@@ -173,7 +173,7 @@ class StoredRunResult(collections.abc.Sequence, _Stacking):
         return self._cache[s]
 
     def __getitem__(self, index: Any) -> Any:
-        from dynabatch.inference._columns import decode_rows
+        from dynabatch.inference._decode import decode_rows
 
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
@@ -205,7 +205,7 @@ class StoredRunResult(collections.abc.Sequence, _Stacking):
     def __iter__(self) -> Iterator[Any]:
         import pyarrow as pa
 
-        from dynabatch.inference._columns import decode_rows
+        from dynabatch.inference._decode import decode_rows
 
         if self._layout is None:
             yield from (None for _ in range(len(self)))

@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynabatch.inference._columns import Layout, decode_rows, stack_columns
+from dynabatch.inference._columns import Layout
+from dynabatch.inference._decode import decode_rows, stack_columns
 
 
 def _round_trip(rows, real_lengths=None):
@@ -46,7 +47,7 @@ def test_tensor_rows_keep_dtype_and_shape(dtype):
     vectors = [(torch.arange(4) * 0.37 * (p + 1)).to(dtype) for p in range(3)]
     scalars = [torch.tensor(p * 1.5).to(dtype) for p in range(3)]
     for given_rows in (rows, vectors, scalars):
-        _, columns, back = _round_trip(given_rows)
+        _, _, back = _round_trip(given_rows)
         for a, b in zip(given_rows, back):
             _equal(a, b)
 
@@ -80,12 +81,12 @@ def test_containers_scalars_lists_and_numpy_rows():
          "np_scalar": np.int32(p)}
         for p in range(3)
     ]
-    layout, columns, back = _round_trip(rows)
+    _, columns, back = _round_trip(rows)
     assert list(columns) == ["vec", "pair_0", "pair_1", "score", "ok", "n", "ids", "none", "array", "np_scalar"]
     for a, b in zip(rows, back):
         _equal(a, b)
     tuples = [(torch.ones(2) * p, torch.tensor(p)) for p in range(3)]  # a tuple result: output_0, output_1
-    layout, columns, back = _round_trip(tuples)
+    _, columns, back = _round_trip(tuples)
     assert list(columns) == ["output_0", "output_1"]
     for a, b in zip(tuples, back):
         _equal(a, b)
