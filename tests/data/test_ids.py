@@ -26,8 +26,8 @@ def test_ids_become_one_arrow_array():
     (["a"], 2, ValueError, r"^len\(ids\) should be len\(texts\)=2, one id per text, but got len\(ids\)=1$"),
     (["a", None], 2, ValueError, r"^ids should give every text an id, but got 1 missing \(None\) at positions 1$"),
     (["a", "b", "a", "c", "c", "a"], 6, ValueError,
-     r"^ids should be unique \(one stable id per text\), but got 2 ids given to several texts \(first: 'a' at "
-     r"positions 0, 2, 5\)$"),
+     (r"^ids should be unique \(one stable id per text\), but got 2 ids given to several texts \(first: 'a' at "
+      r"positions 0, 2, 5\)$")),
 ])
 def test_bad_ids_are_named(ids, n, error, match):
     with pytest.raises(error, match=match):
