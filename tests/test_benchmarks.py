@@ -270,3 +270,18 @@ def test_oom_learning_benchmark_prints_both_modes():
     for mode in ("measured (a dynabatch loader)", "guarded (batches of 40 rows)"):
         assert re.search(rf"^\| {re.escape(mode)} \| \d+ \| \d+ \| \d+ \| \d+ \| (\d+|-) \| [\d.e+-]+ \| [\d.]+ \|$",
                          result.stdout, re.MULTILINE), result.stdout
+
+
+def test_scale_benchmark_prints_every_method_and_the_three_targets():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    script = ROOT / "benchmarks" / "scale.py"
+    result = subprocess.run([sys.executable, str(script), "--sizes", "300", "--threads", "1"],
+                            check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for method, disk in (("run", r"-"), ("run, output_path", r"[\d.]+"),
+                         ("by hand (sentence-transformers' way)", r"-")):
+        assert re.search(rf"^\| 300 \| {re.escape(method)} \| [\d.]+ \| [\d,]+ \| -?[\d,]+ \| {disk} \|$", result.stdout,
+                         re.MULTILINE), (method, result.stdout)
+    assert re.search(r"^- 300 texts: output_path / run wall time [\d.]+x \(target <= 1.10: (met|missed)\); RSS growth "
+                     r"with output_path [\d,]+ MB vs token store [\d,]+ MB \+ 300 MB \(target: (met|missed)\); store / "
+                     r"raw tensor bytes [\d.]+x \(target <= 1.15: (met|missed)\)$", result.stdout, re.MULTILINE)

@@ -40,9 +40,10 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 
-__all__ = ["FORBIDDEN_TOKENIZER_KWARGS", "TokenizedTexts", "tokenize_texts", "validate_texts"]
+__all__ = ["FORBIDDEN_TOKENIZER_KWARGS", "TokenizedTexts", "split_bad_texts", "tokenize_texts", "validate_texts"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,19 +137,8 @@ def model_max_length(tokenizer: Any) -> int | None:
     return limit if isinstance(limit, int) and limit < _UNSET_MODEL_MAX_LENGTH else None
 
 
-def validate_texts(texts: Any) -> list[str]:
-    """Checks that ``texts`` is a non-empty sequence of str and returns it as a list.
-
-    Accepts a list or tuple, a pandas Series, a 1-D numpy array, or any other
-    non-str :class:`collections.abc.Sequence` (a Hugging Face ``datasets``
-    column is one). Empty strings and duplicates are valid texts.
-
-    Raises:
-        TypeError: ``texts`` is not such a sequence (a bare str, a generator,
-            an int), or one of its items is not a str (the message names its
-            position).
-        ValueError: ``texts`` is empty.
-    """
+def _as_items(texts: Any) -> list:
+    """``texts`` as a non-empty list (items not checked yet); ``TypeError`` / ``ValueError`` for what is not a sequence."""
     if isinstance(texts, list):
         items = texts
     elif isinstance(texts, tuple):
@@ -172,14 +162,53 @@ def validate_texts(texts: Any) -> list[str]:
         raise bad_type("texts", _TEXTS_RULE, texts)
     if not items:
         raise bad_value("texts", "a non-empty sequence of str", texts)
+    return items
+
+
+_SHOWN_BAD = 10  # bad positions an error message names
+
+
+def split_bad_texts(texts: Any) -> tuple[list[str], np.ndarray]:
+    """``(items, bad)``: the texts as a list of str with ``""`` in place of every item that is not a str
+    (``None``, a pandas NaN, bytes, a number), and the ``int64`` positions of those items.
+
+    Example:
+        >>> items, bad = split_bad_texts(["a", None, "b", float("nan")])
+        >>> items, bad.tolist()
+        (['a', '', 'b', ''], [1, 3])
+    """
+    items = _as_items(texts)
     types = set(map(type, items))
     if types == {str}:
-        return items
-    for i, item in enumerate(items):
-        if not isinstance(item, str):
-            raise bad_type(f"texts[{i}]", "a str", item)
-    # Only str subclasses (e.g. numpy.str_) are left: hand the tokenizer plain str.
-    return [item if type(item) is str else str.__str__(item) for item in items]
+        return items, np.zeros(0, dtype=np.int64)
+    bad = np.fromiter((not isinstance(item, str) for item in items), dtype=bool, count=len(items))
+    # str subclasses (e.g. numpy.str_) become plain str for the tokenizer
+    clean = ["" if is_bad else item if type(item) is str else str.__str__(item) for item, is_bad in zip(items, bad)]
+    return clean, np.flatnonzero(bad)
+
+
+def validate_texts(texts: Any) -> list[str]:
+    """Checks that ``texts`` is a non-empty sequence of str and returns it as a list.
+
+    Accepts a list or tuple, a pandas Series, a 1-D numpy array, or any other
+    non-str :class:`collections.abc.Sequence` (a Hugging Face ``datasets``
+    column is one). Empty strings and duplicates are valid texts.
+
+    Raises:
+        TypeError: ``texts`` is not such a sequence (a bare str, a generator,
+            an int), or items of it are not str (the message names the first,
+            how many there are and the positions of the first ten).
+        ValueError: ``texts`` is empty.
+    """
+    items, bad = split_bad_texts(texts)
+    if bad.size:
+        raw = _as_items(texts)
+        first = int(bad[0])
+        shown = ", ".join(str(p) for p in bad[:_SHOWN_BAD].tolist()) + (", ..." if bad.size > _SHOWN_BAD else "")
+        error = bad_type(f"texts[{first}]", "a str", raw[first])
+        raise TypeError(f"{error}; {bad.size} of {len(raw)} texts are not str (positions {shown}): clean them, or "
+                        "build the loader with on_bad_input='skip' to skip them (their results are None)")
+    return items
 
 
 def _check_tokenizer_kwargs(tokenizer_kwargs: dict[str, Any]) -> None:
@@ -295,6 +324,8 @@ def tokenize_texts(
                     extra_chunks[key].append(found[key])
                 else:
                     del extra_chunks[key]
+        del encoded, rows, found
+        trim()  # the chunk's lists are freed: give their heap back, so resident memory grows with the token store only
 
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.concatenate(length_chunks), out=offsets[1:])
@@ -303,6 +334,8 @@ def tokenize_texts(
         key: values[0] if len(values) == 1 else np.concatenate(values)
         for key, values in (extra_chunks or {}).items()
     }
+    del id_chunks, length_chunks, extra_chunks
+    trim()
     logger.debug(
         "tokenized %d texts into %d tokens (max_input_token_length=%d, extras=%s)",
         n,

@@ -8,7 +8,9 @@ more rows than the queue allows (:meth:`~dynabatch.inference._queue.BatchQueue.m
 into the fewest equal parts that fit. Each piece is measured when the queue says
 so (:meth:`~dynabatch.inference._queue.BatchQueue.should_measure`). Each item
 leaves a :class:`~dynabatch.inference.report.BatchRecord` and its rows'
-results (appended to the results file when there is one).
+results: kept in memory, or written to the results store
+(:mod:`dynabatch.inference.store`) and not kept, so memory stays flat in the
+number of inputs.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,12 +27,14 @@ from dynabatch.data.collate import Batch, batch_shape, real_tokens, take_rows
 from dynabatch.data.collate import split_rows as split_batch
 from dynabatch.inference._explain import explain_index_errors
 from dynabatch.inference._queue import BatchQueue, Item
-from dynabatch.inference._resume import ResultsFile
 from dynabatch.inference.outputs import RowSplitter
 from dynabatch.inference.report import BatchRecord, RunReport
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
 from dynabatch.memory.oom import call_guarded, dominating, equal_parts, split_sizes
 from dynabatch.sampling.ranks import reduce_across_ranks
+
+if TYPE_CHECKING:
+    from dynabatch.inference.store import ResultsStore
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +46,14 @@ def _brief(error: BaseException | None) -> str:
 
 @dataclass
 class _Done:
-    """What an item's finished calls gave: positions, results, and measured ``(rows, width, peak)``."""
+    """What an item's finished calls gave: positions, results, and measured ``(rows, width, peak)``; with a store,
+    each piece's input hashes (and, until the store's layout is known, its real tokens per row)."""
 
     positions: list[int] = field(default_factory=list)
     results: list[Any] = field(default_factory=list)
     measured: list[tuple[int, int, int]] = field(default_factory=list)
+    hashes: list[np.ndarray] = field(default_factory=list)
+    lengths: list[np.ndarray] = field(default_factory=list)
 
 
 class Executor:
@@ -54,12 +61,13 @@ class Executor:
 
     ``lockstep`` (several ranks): every rank makes the same number of completed
     calls per item, so a ``fn`` with collectives never waits for a rank that
-    has left (see :meth:`run_item`).
+    has left (see :meth:`run_item`). ``store``: the results store rows are
+    written to (with each row's input hash). ``skipped``: input positions the loader planned into no batch (bad inputs).
     """
 
     def __init__(self, fn: Callable[[Batch], Any], queue: BatchQueue, *, device: Any, on_oom: str,
-                 memory_device: Any, results_file: ResultsFile | None, bar: Any, lockstep: bool = False,
-                 token_outputs: str = "auto") -> None:
+                 memory_device: Any, bar: Any, lockstep: bool = False, store: ResultsStore | None = None,
+                 skipped: np.ndarray | None = None, rank: int = 0, token_outputs: str = "auto") -> None:
         self.fn = explain_index_errors(fn)  # an embedding IndexError names its likely cause
         self.queue = queue
         self.device = device
@@ -67,12 +75,14 @@ class Executor:
         self.on_oom = on_oom
         self.rows = RowSplitter(queue.pad_token_id, token_outputs, queue.padding_side)  # fn's rule, kept for the run
         self.memory_device = memory_device
-        self.results_file = results_file
+        self.store = store
+        self.writer = store.writer(rank=rank) if store is not None else None
         self.bar = bar
-        self.results: dict[int, Any] = {}
-        self.failed: list[int] = []
+        self.results: dict[int, Any] = {}  # without a store only
+        self.last_position = -1  # the largest input position seen (a plain iterable's count)
+        self.failed: list[int] = [] if skipped is None else skipped.tolist()
         self.failed_shapes: list[tuple[int, int]] = []
-        self.report = RunReport()
+        self.report = RunReport(skipped_inputs=0 if skipped is None else len(skipped))
         self.started = time.perf_counter()
         self.tokens = 0
         self.lockstep = lockstep
@@ -80,13 +90,15 @@ class Executor:
         self._stand_in_ran = False  # whether that row ran already (else it is the first row planned)
 
     def skip_done(self, item: Item) -> Item | None:
-        """The item without the rows the results file already holds (their results taken); ``None`` if none is left."""
-        done_rows = self.results_file.done if self.results_file is not None else None
-        if not done_rows:
+        """The item without the rows the results store already holds; ``None`` if none is left."""
+        if item.positions.size:
+            self.last_position = max(self.last_position, int(item.positions.max()))
+        if self.store is None:
             return item
-        done = np.fromiter((p in done_rows for p in item.positions.tolist()), dtype=bool, count=len(item.positions))
-        for p in item.positions[done].tolist():
-            self.results[p] = done_rows[p]
+        stored = self.store.done
+        inside = item.positions < len(stored)
+        done = np.zeros(len(item.positions), dtype=bool)
+        done[inside] = stored[item.positions[inside]]
         if done.all():
             return None
         return self.queue.restrict(item, np.flatnonzero(~done)) if done.any() else item
@@ -123,7 +135,7 @@ class Executor:
                     self._call_stand_in()
         finally:
             stack.clear()
-        self._finish(record, done.positions, done.results, start)
+        self._finish(record, done, start)
         return done.measured
 
     def join_step(self, item: Item) -> None:
@@ -189,6 +201,11 @@ class Executor:
             record.padded_tokens += piece_rows * piece_width
             done.positions.extend(piece.indices.tolist())
             done.results.extend(attempt.output)
+            if self.writer is not None:
+                done.hashes.append(self.store.hashes_of(piece))
+                mask = piece.get("attention_mask")
+                if self.writer.layout is None and mask is not None:  # real tokens per row: spots per-token outputs
+                    done.lengths.append(mask.sum(1).cpu().numpy())
             self._progress(piece_rows, real_tokens(piece))
             if self.lockstep:
                 if not self._stand_in_ran:  # a row that ran: what a stand-in call repeats
@@ -213,26 +230,29 @@ class Executor:
             return False
         position = int(piece.indices[0])
         if self.on_oom == "raise":
-            self._finish(record, done.positions, done.results, start)
+            self._finish(record, done, start)
             raise BatchOutOfMemoryError(
                 f"input position {position} ran out of memory on its own (1 row x {piece_width} "
                 f"tokens, batch {item.number}), so it cannot be split further: {_brief(error)}; "
                 "the error's .partial holds the finished rows; on_oom='skip' skips such rows",
                 position=position,
-                partial=self.result(),
+                partial=self.result(failed=self.failed),
             ) from error
         logger.warning("batch %d: input position %d ran out of memory on its own (1 row x %d tokens); "
                        "skipping it (result None)", item.number, position, piece_width)
         record.failed_rows += 1
         self.failed.append(position)
-        self.results[position] = None
         self._progress(1, 0)
         return True
 
-    def _finish(self, record: BatchRecord, positions: list[int], results: list[Any], start: float) -> None:
-        if self.results_file is not None and positions:
-            results = self.results_file.write(positions, results)
-        self.results.update(zip(positions, results))
+    def _finish(self, record: BatchRecord, done: _Done, start: float) -> None:
+        if self.writer is not None:
+            if done.positions:
+                lengths = np.concatenate(done.lengths) if done.lengths else None
+                self.writer.write(np.asarray(done.positions, dtype=np.int64), done.results, np.concatenate(done.hashes),
+                                  lengths if lengths is not None and len(lengths) == len(done.positions) else None)
+        else:
+            self.results.update(zip(done.positions, done.results))
         record.seconds = time.perf_counter() - start
         self.report.records.append(record)
         if self.report.budget_bytes is None and record.peak_bytes is not None:
@@ -247,9 +267,20 @@ class Executor:
         if elapsed > 0:
             self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tokens/s", refresh=False)
 
-    def result(self) -> RunResult:
+    def close(self) -> None:
+        """Commits the rows the store's writer still buffers."""
+        if self.writer is not None:
+            self.writer.close()
+
+    def result(self, failed: list[int] | None = None) -> Any:
+        """The rows so far: a :class:`RunResult`, or with a store a
+        :class:`~dynabatch.inference.results.StoredRunResult` reading the whole store (``failed``: ``None`` for
+        every input without a stored row, as after a finished run of several ranks)."""
         n = self.queue.n_inputs
         if n is None:
-            n = max(self.results, default=-1) + 1
+            n = self.last_position + 1
+        if self.store is not None:
+            self.writer.flush()
+            return self.store.result(n, report=self.report, failed=failed)
         values = [self.results.get(p) for p in range(n)]
         return RunResult(values, report=self.report, failed=self.failed)

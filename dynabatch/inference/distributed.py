@@ -22,9 +22,10 @@ from dynabatch._digest import fingerprint
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.data.order import as_positions
 from dynabatch.inference.outputs import to_cpu
+from dynabatch.inference.results import RunResult
 from dynabatch.sampling.ranks import resolve_world
 
-__all__ = ["check_same_batches", "gather_results", "world"]
+__all__ = ["check_same_batches", "gather_results", "gather_run_result", "world"]
 
 logger = logging.getLogger(__name__)
 
@@ -206,3 +207,15 @@ def check_same_batches(batches: Sequence[np.ndarray]) -> None:
             f"got {everyone[other][0]} batches on rank {other} and {everyone[0][0]} on rank 0 that differ; pass "
             "every rank the whole loader, not its own share"
         )
+
+
+def gather_run_result(result: RunResult, mine: np.ndarray, n_inputs: int | None) -> RunResult:
+    """Collective: ``run``'s in-memory result of every rank on rank 0, in input order (``mine``: a bool per input
+    position, the rows this rank answers for); each other rank keeps its own rows."""
+    positions = np.flatnonzero(mine)
+    gathered = gather_results(positions, [result[p] for p in positions.tolist()], n_inputs)
+    failed = set(result.failed)
+    flags = gather_results(positions, [p in failed for p in positions.tolist()], n_inputs)
+    if gathered is None:  # not rank 0: only this rank's rows
+        return result
+    return RunResult(gathered, report=result.report, failed=[p for p, f in enumerate(flags) if f])

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 import logging
@@ -37,12 +38,20 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.data.collate import TokenCollator, pad_token_id_of
+from dynabatch.data.ids import check_ids
 from dynabatch.data.token_ids import are_token_ids, store_token_ids
-from dynabatch.data.tokenization import check_tokenizer, model_max_length, tokenize_texts, validate_texts
+from dynabatch.data.tokenization import (
+    check_tokenizer,
+    model_max_length,
+    split_bad_texts,
+    tokenize_texts,
+    validate_texts,
+)
 from dynabatch.memory.shape import check_position_limit, resolve_model_shape
 from dynabatch.sampling.estimators import choose_estimator
 from dynabatch.sampling.inference_sampler import DynamicBatchSampler
@@ -153,11 +162,16 @@ class LoaderPlan:
             (and re-sizes batches from measured peaks in ``run(adapt=True)``).
         sampler: the :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler` (the loader's ``batch_sampler``).
         collator: the :class:`~dynabatch.data.collate.TokenCollator` (the loader's ``collate_fn``).
+        ids: the texts' ids (a ``pyarrow`` ``string`` or ``int64`` array), or ``None``: a results store keys
+            rows by them.
+        skipped: ``int64`` positions of the bad inputs planned into no batch (``on_bad_input="skip"``).
     """
 
     planner: BatchPlanner
     sampler: DynamicBatchSampler
     collator: TokenCollator
+    ids: Any = None
+    skipped: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def plan_of(loader: Any) -> LoaderPlan | None:
@@ -183,6 +197,24 @@ def plan_of(loader: Any) -> LoaderPlan | None:
     return None
 
 
+def _read_texts(texts: Any, on_bad_input: Any, token_ids: bool) -> tuple[list | None, np.ndarray | None]:
+    """``(texts as a list of str, positions of the bad ones skipped)``; ``(None, None)`` for token ids."""
+    if not isinstance(on_bad_input, str):
+        raise bad_type("on_bad_input", "'raise' or 'skip'", on_bad_input)
+    if on_bad_input not in ("raise", "skip"):
+        raise bad_value("on_bad_input", "'raise' or 'skip'", on_bad_input)
+    if token_ids:
+        return None, None
+    items, skipped = split_bad_texts(texts) if on_bad_input == "skip" else (validate_texts(texts), None)
+    if skipped is not None and skipped.size == len(items):
+        raise ValueError(f"texts should hold at least one str, but got {len(items)} texts none of which is a str")
+    if skipped is not None and skipped.size:
+        logger.warning("skipping %d of %d texts that are not str (positions %s%s): their results are None",
+                       skipped.size, len(items), ", ".join(map(str, skipped[:10].tolist())),
+                       ", ..." if skipped.size > 10 else "")
+    return items, skipped
+
+
 def build_dynamic_batch_dataloader(
     texts: Any,
     tokenizer: Any,
@@ -206,6 +238,8 @@ def build_dynamic_batch_dataloader(
     model: Any = None,
     max_tokens: int | None = None,
     max_growth: float = 2.0,
+    ids: Any = None,
+    on_bad_input: str = "raise",
     **tokenizer_kwargs: Any,
 ) -> DataLoader:
     """Builds a DataLoader whose batches grow as texts get shorter, under the first batch's peak memory.
@@ -267,6 +301,16 @@ def build_dynamic_batch_dataloader(
             ``None``: no token cap.
         max_growth: in ``run``'s measured mode, a batch has at most this many
             times the rows of the batch before it (>= 1).
+        ids: one stable id per text (str or int, unique), or ``None``.
+            ``run(..., output_path=...)`` then keys stored rows by id rather than
+            by position, so a rerun over a grown or reordered corpus runs only
+            the ids not stored yet.
+        on_bad_input: what to do with items of ``texts`` that are not str
+            (``None``, a pandas NaN, bytes): ``"raise"`` a ``TypeError`` naming how
+            many there are and the first ten positions, or ``"skip"`` them:
+            they are planned into no batch, and ``run`` gives ``None`` for them,
+            lists them in ``result.failed`` and counts them in the report
+            (``skipped_inputs``); a results store does not hold them.
         **tokenizer_kwargs: passed to the tokenizer (e.g. ``add_special_tokens=False``);
             ``pad_to_multiple_of`` rounds each batch's width up. A keyword the
             tokenizer's call does not take (a typo such as ``batchsize``) raises
@@ -300,7 +344,8 @@ def build_dynamic_batch_dataloader(
         :func:`~dynabatch.data.order.restore_order`.
     """
     token_ids = are_token_ids(texts)
-    items = None if token_ids else validate_texts(texts)
+    items, skipped = _read_texts(texts, on_bad_input, token_ids)
+    id_array = check_ids(ids, len(texts) if token_ids else len(items))
     check_tokenizer(tokenizer)
     _check_tokenizer_kwargs(tokenizer, tokenizer_kwargs)
     pad_to_multiple_of = tokenizer_kwargs.pop("pad_to_multiple_of", None)
@@ -323,7 +368,7 @@ def build_dynamic_batch_dataloader(
     else:
         _check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
         tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress, **tokenizer_kwargs)
-    planner = BatchPlanner(tokenized.lengths, settings, estimator)
+    planner = BatchPlanner(tokenized.lengths, settings, estimator, skip=skipped)
     batches = planner.batches()
     sampler = DynamicBatchSampler(batches, shuffle=shuffle, seed=seed)
     collator = TokenCollator.from_tokenizer(tokenized, tokenizer, texts=items,
@@ -333,5 +378,6 @@ def build_dynamic_batch_dataloader(
                 sizes[0], max(sizes))
     loader = DataLoader(_Positions(len(tokenized)), batch_sampler=sampler, collate_fn=collator,
                         num_workers=_worker_count(num_workers))
-    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, collator)
+    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, collator, id_array,
+                                                   skipped if skipped is not None else np.zeros(0, dtype=np.int64))
     return loader

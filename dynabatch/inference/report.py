@@ -78,10 +78,13 @@ class RunReport:
         records: one :class:`BatchRecord` per batch that ran, in the order they ran.
         budget_bytes: the first batch's peak bytes, the budget later batches
             are measured against; ``None`` when memory was not measured.
+        skipped_inputs: inputs the loader skipped as bad (``on_bad_input="skip"``),
+            planned into no batch (their positions are in ``RunResult.failed``).
     """
 
     records: list[BatchRecord] = field(default_factory=list)
     budget_bytes: int | None = None
+    skipped_inputs: int = 0
 
     @property
     def rows(self) -> int:
@@ -174,6 +177,7 @@ class RunReport:
             "oom_splits": self.oom_splits,
             "pre_split_batches": self.pre_split_batches,
             "failed_rows": self.failed_rows,
+            "skipped_inputs": self.skipped_inputs,
             "budget_bytes": self.budget_bytes,
             "max_peak_ratio": self.max_peak_ratio,
             "batches_over_budget": self.batches_over_budget,
@@ -197,7 +201,8 @@ class RunReport:
             data = json.load(f)
         names = {f.name for f in fields(BatchRecord)}
         records = [BatchRecord(**{k: v for k, v in r.items() if k in names}) for r in data["batches"]]
-        return cls(records, budget_bytes=data["summary"].get("budget_bytes"))
+        summary = data["summary"]
+        return cls(records, budget_bytes=summary.get("budget_bytes"), skipped_inputs=summary.get("skipped_inputs", 0))
 
     def plot(self, path: str | os.PathLike, *, title: str | None = None) -> None:
         """Draws the run into a PNG at ``path``: batch sizes, padding and peak memory per batch.

@@ -8,8 +8,10 @@ order, plus a :class:`~dynabatch.inference.report.RunReport` of what each batch 
 * A batch that runs out of memory is split in halves, each trimmed to its
   longest row, and retried, down to single rows; later batches at least as
   large (rows and width) as a shape that failed are split before they are tried.
-* ``output_path`` appends each finished batch to a JSONL file; a rerun with the
-  same inputs and path runs only what is missing (a killed run resumes).
+* ``output_path`` streams finished rows into a Parquet results store (a
+  directory of shards, :mod:`dynabatch.inference.store`) and the result reads
+  them back on demand; a rerun with the same ``key`` runs only the rows the
+  store does not hold, and refuses rows stored from other inputs.
 * By default no batch peaks above the first batch's peak: memory is measured
   on the device the batches run on (the allocator's statistics, free; on the
   CPU a storage tracker, measuring only the batches whose peak could let later
@@ -21,8 +23,9 @@ order, plus a :class:`~dynabatch.inference.report.RunReport` of what each batch 
   ``adapt=False`` runs the plan as it is; ``measure_memory`` records each
   batch's peak against the first's.
 * Under ``torch.distributed``, every rank runs the same number of the plan's
-  batches (the one routine of :mod:`dynabatch.sampling.ranks`), in lockstep,
-  and rank 0 gathers every result.
+  batches (the one routine of :mod:`dynabatch.sampling.ranks`), in lockstep;
+  rank 0 gathers every result, or, with ``output_path``, every rank writes
+  into the one store and reads all of it back.
 
 The loop: :class:`~dynabatch.inference._queue.BatchQueue` hands out the next
 batch, :class:`~dynabatch.inference._execute.Executor` runs it (splitting on
@@ -51,20 +54,20 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.data.collate import Batch
 from dynabatch.inference._execute import Executor
 from dynabatch.inference._queue import BatchQueue
-from dynabatch.inference._resume import FORMAT, ResultsFile, inputs_digest, rank_path
 from dynabatch.inference.loader import LoaderPlan, plan_of
 from dynabatch.inference.outputs import check_token_outputs
-from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
+from dynabatch.inference.results import BatchOutOfMemoryError, RunResult, StoredRunResult
 from dynabatch.memory.device import device_in_use, measurable
 from dynabatch.memory.measure import check_device, check_measurable_device
 
-__all__ = ["BatchOutOfMemoryError", "RunResult", "run"]
+__all__ = ["BatchOutOfMemoryError", "RunResult", "StoredRunResult", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ def check_run_options(device: Any, on_oom: Any, measure_memory: Any, adapt: Any)
 
 def _check_arguments(
     fn: Any, device: Any, output_path: Any, on_oom: Any, measure_memory: Any, progress: Any, distributed: Any,
-    adapt: Any = None, pad_token_id: Any = None, token_outputs: Any = "auto",
+    adapt: Any = None, pad_token_id: Any = None, key: Any = None, token_outputs: Any = "auto",
 ) -> None:
     if not callable(fn):
         raise bad_type("fn", "a callable taking a batch", fn)
@@ -100,7 +103,11 @@ def _check_arguments(
                        "lambda batch: model(**batch) or lambda batch: model.generate(**batch)", fn)
     check_run_options(device, on_oom, measure_memory, adapt)
     if output_path is not None and not isinstance(output_path, (str, os.PathLike)):
-        raise bad_type("output_path", "None, a str or an os.PathLike (a .jsonl file)", output_path)
+        raise bad_type("output_path", "None, a str or an os.PathLike (a directory for the results store)", output_path)
+    if key is not None and not isinstance(key, str):
+        raise bad_type("key", "None or a str naming the model, revision and settings", key)
+    if key is not None and output_path is None:
+        raise bad_value("key", "None without output_path (it identifies the results stored there)", key)
     if not isinstance(progress, bool):
         raise bad_type("progress", "a bool", progress)
     if distributed is not None and not isinstance(distributed, bool):
@@ -168,17 +175,7 @@ def _world(distributed: bool | None) -> tuple[int, int, bool]:
     return rank, world_size, world_size > 1
 
 
-def _results_file(output_path: Any, queue: BatchQueue, digest: str | None, rank: int, world_size: int,
-                  distributed: bool) -> ResultsFile | None:
-    if output_path is None:
-        return None
-    path = os.fspath(output_path)
-    if distributed:
-        path = rank_path(path, rank, world_size)
-    return ResultsFile(path, {"format": FORMAT, "n_inputs": queue.n_inputs, "fingerprint": digest})
-
-
-def _progress_bar(loader: Any, queue: BatchQueue, results_file: ResultsFile | None) -> Any:
+def _progress_bar(loader: Any, queue: BatchQueue, store: Any) -> Any:
     from tqdm.auto import tqdm
 
     total = sum(len(i.positions) for i in queue.pending) if queue.stream is None else queue.n_inputs
@@ -189,22 +186,9 @@ def _progress_bar(loader: Any, queue: BatchQueue, results_file: ResultsFile | No
             total = len(loader.dataset) or None
         except (AttributeError, TypeError):
             total = None
-    if total is not None and results_file is not None:
-        total = max(0, total - len(results_file.done))  # the bar counts the rows that run now
+    if total is not None and store is not None:
+        total = max(0, total - int(store.done.sum()))  # the bar counts the rows that run now
     return tqdm(total=total, unit="row", desc="dynabatch", dynamic_ncols=True)
-
-
-def _gathered(executor: Executor, mine: list[int], n_inputs: int | None) -> RunResult:
-    """Under torch.distributed: every result on rank 0, in input order; this rank's own rows elsewhere."""
-    from dynabatch.inference.distributed import gather_results
-
-    result = executor.result()
-    gathered = gather_results(mine, [result[p] for p in mine], n_inputs)
-    failed = set(executor.failed)
-    flags = gather_results(mine, [p in failed for p in mine], n_inputs)
-    if gathered is None:  # not rank 0: only this rank's rows
-        return RunResult(result, report=executor.report, failed=executor.failed)
-    return RunResult(gathered, report=executor.report, failed=[p for p, f in enumerate(flags) if f])
 
 
 def run(
@@ -219,8 +203,9 @@ def run(
     distributed: bool | None = None,
     adapt: bool | None = None,
     pad_token_id: int | None = None,
+    key: str | None = None,
     token_outputs: str = "auto",
-) -> RunResult:
+) -> RunResult | StoredRunResult:
     """Calls ``fn(batch)`` on every batch of ``loader`` and returns one result per input, in input order.
 
     ``fn`` is called as it is: wrap the call in ``torch.no_grad()`` (or
@@ -250,19 +235,28 @@ def run(
             that a batch can be split or re-sized before its tensors exist:
             the loader's ``num_workers`` start no processes under ``run``.
         device: where to move each batch (``batch.to(device)``) before ``fn``; ``None`` leaves it.
-        output_path: a JSONL file to save each finished batch to (flushed and
-            fsynced), headed by a fingerprint of the inputs. Running again
-            with the same inputs and path runs only the rows not in the file,
-            so a killed run resumes, with the same plan or another (say a
-            lower ``batch_size`` after an out-of-memory error: results are
-            kept per input position); a line cut off mid-write is ignored.
-            Results must be JSON-storable (tensors are stored as nested lists),
-            and with ``output_path`` set **every** returned result is the JSON
-            value, as stored (lists, numbers, str, dicts), whether it ran now or
-            was read back, so its type never depends on resuming. Rows skipped
-            by ``on_oom="skip"`` are not saved, so a rerun tries them again.
-            Under ``torch.distributed`` each rank writes its own file,
-            ``name.rank{r}-of-{n}.jsonl``.
+        output_path: a directory to store the results in, as they finish: a
+            Parquet dataset (shards of bounded size, each written whole or not
+            at all) that pandas, polars, ``datasets`` and ``pyarrow.dataset``
+            read as it is, one row per input: ``position``, ``id`` (with the
+            loader's ``ids=``), ``input_hash`` and the output (``output``; one
+            column per key of a dict; ``output_0``, ``output_1``, ... of a
+            tuple). Tensors keep their dtype and shape. Rows are not kept in
+            memory: the result reads them back on demand
+            (:class:`StoredRunResult`), exactly as without ``output_path``.
+            Running again with the same ``output_path`` and ``key`` runs only
+            the rows the store does not hold, with the same plan or another
+            (a killed run resumes; a lower ``batch_size`` after an
+            out-of-memory error; more texts appended; with ``ids``, a grown or
+            reordered corpus). Stored rows whose inputs differ from this run's
+            at the same position (or id) are refused. Rows without a result
+            (``on_oom="skip"``, bad inputs) are not stored, so a rerun tries
+            them again. Under ``torch.distributed`` every rank writes into the
+            same store and, once all have finished, reads all of it back.
+        key: with ``output_path``, what computed the rows: the model, its
+            revision and the settings (``"minilm@v2 mean-pool"``). A rerun
+            with another key, or without a key on a store that has one (and
+            the reverse), is refused naming both.
         on_oom: what to do with a single row that runs out of memory on its
             own: ``"raise"`` a :class:`BatchOutOfMemoryError`, or ``"skip"``
             it (result ``None``, position in ``result.failed``, a warning logged).
@@ -292,7 +286,9 @@ def run(
             the same number: the largest split, then dealt in steps of
             neighbouring batches, as every dynabatch sampler deals) and rank 0
             gathers every result; other ranks get only their own rows (``None``
-            elsewhere). The ranks run in lockstep: every rank makes the same
+            elsewhere). With ``output_path`` nothing is gathered: every rank
+            writes its rows into the store and, after a barrier, every rank's
+            result reads the whole store. The ranks run in lockstep: every rank makes the same
             number of calls of ``fn`` per batch, so collectives inside ``fn``
             (FSDP, tensor parallelism) stay matched even when a rank splits a
             batch that ran out of memory (it retries at once; a rank with
@@ -352,17 +348,22 @@ def run(
 
     Returns:
         A :class:`RunResult`: a list with one result per input position, plus
-        ``.report`` and ``.failed``.
+        ``.report`` and ``.failed``; with ``output_path`` a
+        :class:`StoredRunResult`, the same rows read from the store. Both stack
+        every row with ``.numpy()``, ``.stack()`` and ``.to_arrow()``.
 
     Raises:
         TypeError: a bad argument type, a loader whose batches have no
-            ``.indices``, or (with ``output_path``) a result JSON cannot store.
-        ValueError: a bad ``on_oom``, an ``output_path`` holding another run's
-            results, or ``fn`` results that do not match the batch's rows.
+            ``.indices``, or (with ``output_path``) a result Arrow cannot store
+            (raised at the first batch that returns it).
+        ValueError: a bad ``on_oom``; an ``output_path`` holding results of
+            another ``key``, of other inputs at the same positions or ids, or a
+            JSONL results file of earlier versions; ``fn`` results that do not
+            match the batch's rows.
         BatchOutOfMemoryError: with ``on_oom="raise"``, a single row that ran out of memory.
     """
     _check_arguments(fn, device, output_path, on_oom, measure_memory, progress, distributed, adapt, pad_token_id,
-                     token_outputs)
+                     key, token_outputs)
     memory_device = _memory_device(measure_memory, adapt, device)
     rank, world_size, distributed = _world(distributed)
     plan = plan_of(loader)
@@ -370,21 +371,28 @@ def run(
     queue = BatchQueue(loader, plan, pad_token_id, adapt=adapt, guard=guard, sparse=sparse)
     if adapt and distributed:
         raise bad_value("adapt", "False under torch.distributed (each rank's share is fixed up front)", adapt)
-    digest = inputs_digest(queue) if output_path is not None else None  # before sharding: it covers every batch
     if distributed:
         from dynabatch.inference.distributed import check_same_batches
 
         queue.materialize()
         check_same_batches([i.positions for i in queue.pending])
+    if output_path is not None:
+        from dynabatch.inference.store import open_store
+    store = open_store(output_path, key, queue, plan) if output_path is not None else None  # every input's rows
+    if distributed:
         queue.shard(rank, world_size)
-    results_file = _results_file(output_path, queue, digest, rank, world_size, distributed)
-    bar = _progress_bar(loader, queue, results_file) if progress else None
-    executor = Executor(fn, queue, device=device, on_oom=on_oom, memory_device=memory_device,
-                        results_file=results_file, bar=bar, lockstep=distributed, token_outputs=token_outputs)
-    mine: list[int] = []  # every input position this rank answers for
+    bar = _progress_bar(loader, queue, store) if progress else None
+    executor = Executor(fn, queue, device=device, on_oom=on_oom, memory_device=memory_device, bar=bar,
+                        lockstep=distributed, store=store, rank=rank, skipped=plan.skipped if plan is not None else None,
+                        token_outputs=token_outputs)
+    # Without a store under torch.distributed: every input position this rank answers for (gathered to rank 0).
+    mine = np.zeros(queue.n_inputs or 0, dtype=bool) if distributed and store is None else None
+    if mine is not None and rank == 0 and plan is not None:
+        mine[plan.skipped] = True  # bad inputs run on no rank: rank 0 answers for them (None, failed)
     try:
         while (item := queue.next_item()) is not None:
-            mine.extend(item.positions.tolist())
+            if mine is not None:
+                mine[item.positions] = True
             todo = executor.skip_done(item)  # rows a resumed run already has
             if todo is not None:
                 queue.observe_item(todo, executor.run_item(todo))
@@ -393,6 +401,14 @@ def run(
     finally:
         if bar is not None:
             bar.close()
-        if results_file is not None:
-            results_file.close()
-    return _gathered(executor, mine, queue.n_inputs) if distributed else executor.result()
+        executor.close()  # the rows still buffered are committed, after an error too
+    if store is None:
+        if not distributed:
+            return executor.result()
+        from dynabatch.inference.distributed import gather_run_result
+
+        return gather_run_result(executor.result(), mine, queue.n_inputs)
+    if distributed:
+        torch.distributed.barrier()  # every rank's shards are in: each rank reads the whole store
+        return executor.result(failed=None)
+    return executor.result(failed=executor.failed)

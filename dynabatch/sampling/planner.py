@@ -80,6 +80,7 @@ class BatchPlanner:
         estimator: how memory is judged (:mod:`dynabatch.sampling.estimators`):
             ``None`` for the bundled spike classifier (shape-aware when the
             settings carry a ``model_shape``).
+        skip: input positions planned into no batch (bad inputs the loader skips), or ``None``.
 
     Up front, :meth:`batches` is the plan. Online, :meth:`next_batch` hands out
     the batches in plan order (longest first) and :meth:`observe` takes each
@@ -108,12 +109,16 @@ class BatchPlanner:
         ([3, 4], None)
     """
 
-    def __init__(self, lengths: Any, settings: PlanSettings, estimator: Any = None) -> None:
+    def __init__(self, lengths: Any, settings: PlanSettings, estimator: Any = None, *, skip: Any = None) -> None:
         if not isinstance(settings, PlanSettings):
             raise bad_type("settings", "a PlanSettings", settings)
         self.settings = settings
         self.lengths = _truncated_lengths(lengths, settings.max_input_token_length)
         self.order = _longest_first(self.lengths, settings.max_input_token_length)
+        if skip is not None and len(skip):
+            planned = np.ones(len(self.lengths), dtype=bool)
+            planned[np.asarray(skip, dtype=np.int64)] = False
+            self.order = self.order[planned[self.order]]
         self.sorted_lengths = self.lengths[self.order]
         self.estimator = SpikeEstimator() if estimator is None else estimator
         check_token_cap(self.sorted_lengths, settings, relative=self.estimator.relative)

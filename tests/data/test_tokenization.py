@@ -4,7 +4,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dynabatch.data.tokenization import FORBIDDEN_TOKENIZER_KWARGS, TokenizedTexts, tokenize_texts, validate_texts
+from dynabatch.data.tokenization import (
+    FORBIDDEN_TOKENIZER_KWARGS,
+    TokenizedTexts,
+    split_bad_texts,
+    tokenize_texts,
+    validate_texts,
+)
 
 MAX_LEN = 64
 
@@ -245,11 +251,28 @@ def test_validate_texts_refuses_empty():
         validate_texts(())
 
 
-def test_validate_texts_names_the_first_non_str_item():
-    with pytest.raises(TypeError, match=r"^texts\[3\] should be a str, but got texts\[3\]=None of type NoneType$"):
+def test_validate_texts_names_how_many_items_are_not_str_and_the_first_ten():
+    with pytest.raises(TypeError, match=r"^texts\[3\] should be a str, but got texts\[3\]=None of type NoneType; 2 of 5 "
+                       r"texts are not str \(positions 3, 4\): clean them, or build the loader with "
+                       r"on_bad_input='skip' to skip them \(their results are None\)$"):
         validate_texts(["a", "b", "", None, 5])
-    with pytest.raises(TypeError, match=r"texts\[1\] should be a str, but got texts\[1\]=nan of type float"):
+    with pytest.raises(TypeError, match=r"texts\[1\] should be a str, but got texts\[1\]=nan of type float; 1 of 2"):
         validate_texts(pd.Series(["a", float("nan")]))
+    dirty = ["ok"] * 100
+    for p in range(5, 100, 7):
+        dirty[p] = None
+    with pytest.raises(TypeError, match=r"; 14 of 100 texts are not str \(positions 5, 12, 19, 26, 33, 40, 47, 54, 61, "
+                       r"68, \.\.\.\)"):
+        validate_texts(dirty)
+
+
+def test_split_bad_texts_blanks_them_and_gives_their_positions():
+    items, bad = split_bad_texts(["a", None, np.str_("b"), b"c", float("nan")])
+    assert items == ["a", "", "b", "", ""] and type(items[2]) is str
+    assert bad.tolist() == [1, 3, 4] and bad.dtype == np.int64
+    clean = ["a", "b"]
+    items, bad = split_bad_texts(clean)
+    assert items is clean and bad.size == 0
 
 
 def test_tokenize_texts_validates_texts(tokenizer):

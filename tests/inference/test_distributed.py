@@ -129,6 +129,20 @@ _WORKER = textwrap.dedent(
     except ValueError as exc:
         report["per_rank_share"] = str(exc)
 
+    # One results store for both ranks: each writes its own shards, and each rank's result reads the whole store.
+    store = os.path.join(out, "store")
+    stored = run(lambda b: b["input_ids"].sum(dim=1), loader, output_path=store, key="sum", progress=False)
+    report["store"] = {"path": store, "rows": [None if r is None else int(r) for r in stored],
+                       "ran": stored.report.rows, "failed": stored.failed}
+    dirty = texts[:40]
+    dirty[5] = dirty[31] = None  # bad inputs skipped: they run on no rank, yet every input comes back once
+    skipping = dynabatch.build_dynamic_batch_dataloader(dirty, tokenizer, batch_size=4, max_input_token_length=64,
+                                                        num_workers=0, on_bad_input="skip")
+    report["skipped"] = {}
+    for way, where in (("gathered", None), ("stored", os.path.join(out, "skipped"))):
+        result = run(lambda b: b["input_ids"].sum(dim=1), skipping, output_path=where, progress=False)
+        report["skipped"][way] = {"rows": [None if r is None else int(r) for r in result], "failed": result.failed}
+
     # fn holds a collective (as an FSDP forward does); rank 1 runs out of memory on every call of more than
     # 3 rows, before its collective, so it splits batches the other rank runs whole: the ranks still make the
     # same number of calls, none waits for ever, and every row comes back.
@@ -248,6 +262,50 @@ def test_two_gloo_ranks_run_matches_one_process(two_ranks, tokenizer):
     assert 0 < sum(r is not None for r in own) < 200
     assert all(r is None or r == e for r, e in zip(own, expected))
     assert two_ranks[0]["runner_iterable"] == expected
+
+
+def test_two_gloo_ranks_share_one_store_and_a_one_process_rerun_runs_only_what_is_missing(two_ranks, tokenizer):
+    import os
+
+    import pyarrow.dataset as ds
+
+    import dynabatch
+    from dynabatch.demo import kjv_passages
+
+    rank0, rank1 = (r["store"] for r in two_ranks)
+    loader = dynabatch.build_dynamic_batch_dataloader(kjv_passages()[:200], tokenizer, batch_size=4,
+                                                      max_input_token_length=64, num_workers=0)
+    expected = [int(r) for r in run(lambda b: b["input_ids"].sum(dim=1), loader, progress=False)]
+    assert rank0["rows"] == rank1["rows"] == expected  # every rank reads the whole store: nothing gathered
+    assert rank0["ran"] + rank1["ran"] == 200 and rank0["failed"] == rank1["failed"] == []
+    path = rank0["path"]
+    shards = sorted(os.listdir(path))
+    assert {name.split("_rank")[1][0] for name in shards} == {"0", "1"}  # one store, shards of both ranks
+    # Another world size: one process. Rank 1's shards lost (say, its node died): exactly its rows run again.
+    lost = [name for name in shards if "_rank1-" in name]
+    lost_rows = sorted(ds.dataset([os.path.join(path, n) for n in lost]).to_table().column("position").to_pylist())
+    assert len(lost_rows) == rank1["ran"]
+    for name in lost:
+        os.remove(os.path.join(path, name))
+    calls = []
+    again = run(lambda b: calls.extend(b.indices.tolist()) or b["input_ids"].sum(dim=1), loader, output_path=path,
+                key="sum", progress=False)
+    assert sorted(calls) == lost_rows
+    assert [int(r) for r in again] == expected
+    assert sorted(ds.dataset(path).to_table().column("position").to_pylist()) == list(range(200))
+
+
+def test_two_gloo_ranks_give_none_for_bad_inputs_skipped(two_ranks, tokenizer):
+    import dynabatch
+    from dynabatch.demo import kjv_passages
+
+    loader = dynabatch.build_dynamic_batch_dataloader(kjv_passages()[:40], tokenizer, batch_size=4,
+                                                      max_input_token_length=64, num_workers=0)
+    expected = [int(r) for r in run(lambda b: b["input_ids"].sum(dim=1), loader, progress=False)]
+    expected[5] = expected[31] = None
+    rank0, rank1 = (r["skipped"] for r in two_ranks)
+    assert rank0["gathered"] == {"rows": expected, "failed": [5, 31]}  # rank 0 gathers every row
+    assert rank0["stored"] == rank1["stored"] == {"rows": expected, "failed": [5, 31]}
 
 
 def test_two_gloo_ranks_refuse_a_loader_already_split_per_rank(two_ranks):

@@ -290,10 +290,37 @@ def test_texts_of_the_wrong_type(tokenizer):
 
 
 def test_a_non_str_item_is_named_by_position(tokenizer):
-    with pytest.raises(TypeError, match=r"^texts\[2\] should be a str, but got texts\[2\]=3 of type int$"):
+    with pytest.raises(TypeError, match=r"^texts\[2\] should be a str, but got texts\[2\]=3 of type int; 1 of 4 texts "
+                       r"are not str \(positions 2\): clean them, or build the loader with on_bad_input='skip'"):
         _load(["a", "b", 3, "d"], tokenizer)
-    with pytest.raises(TypeError, match=r"^texts\[1\] should be a str, but got texts\[1\]=None of type NoneType$"):
+    with pytest.raises(TypeError, match=r"^texts\[1\] should be a str, but got texts\[1\]=None of type NoneType; 1 of 2"):
         _load(["a", None], tokenizer)
+
+
+def test_bad_inputs_skipped_are_planned_into_no_batch(tokenizer, texts, caplog):
+    dirty = list(texts[:30])
+    for p in (0, 7, 29):
+        dirty[p] = None
+    loader = _load(dirty, tokenizer, on_bad_input="skip")
+    assert loader.plan.skipped.tolist() == [0, 7, 29]
+    assert sorted(int(i) for b in loader for i in b.indices) == sorted(set(range(30)) - {0, 7, 29})
+    assert "skipping 3 of 30 texts that are not str (positions 0, 7, 29)" in caplog.text
+    with pytest.raises(ValueError, match=r"^on_bad_input should be 'raise' or 'skip', but got on_bad_input='drop'$"):
+        _load(dirty, tokenizer, on_bad_input="drop")
+    with pytest.raises(TypeError, match=r"^on_bad_input should be 'raise' or 'skip', but got on_bad_input=None"):
+        _load(dirty, tokenizer, on_bad_input=None)
+    with pytest.raises(ValueError, match=r"^texts should hold at least one str, but got 2 texts none of which is a str"):
+        _load([None, 3], tokenizer, on_bad_input="skip")
+
+
+def test_ids_are_one_per_text_and_carried_by_the_plan(tokenizer, texts):
+    loader = _load(texts[:5], tokenizer, ids=[10, 11, 12, 13, 14])
+    assert loader.plan.ids.to_pylist() == [10, 11, 12, 13, 14]
+    assert _load(texts[:5], tokenizer).plan.ids is None
+    with pytest.raises(ValueError, match=r"^len\(ids\) should be len\(texts\)=5, one id per text, but got len\(ids\)=4$"):
+        _load(texts[:5], tokenizer, ids=[1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"ids should be unique"):
+        _load(texts[:2], tokenizer, ids=["a", "a"])
 
 
 @pytest.mark.parametrize(

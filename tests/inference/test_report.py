@@ -59,6 +59,7 @@ def test_summary_figures_of_a_hand_built_report():
         "oom_splits": 2,
         "pre_split_batches": 1,
         "failed_rows": 1,
+        "skipped_inputs": 0,
         "budget_bytes": 2000,
         "max_peak_ratio": 1.2,
         "batches_over_budget": 1,
@@ -83,6 +84,9 @@ def test_json_round_trip(tmp_path):
     assert data["summary"]["rows"] == 28 and data["batches"][2]["oom_splits"] == 2
     again = RunReport.from_json(tmp_path / "report.json")
     assert again == report and again.summary() == report.summary()
+    report.skipped_inputs = 4  # bad inputs the loader skipped
+    report.to_json(tmp_path / "skipped.json")
+    assert RunReport.from_json(tmp_path / "skipped.json").skipped_inputs == 4
     with pytest.raises(TypeError, match="path should be a str or os.PathLike, but got path=3 of type int"):
         report.to_json(3)
 

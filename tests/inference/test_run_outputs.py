@@ -1,4 +1,4 @@
-"""``run`` on real batches of real texts: cutting batches (take_rows, split_rows) and storing results (to_json_value). Models are real (see conftest.py); nothing of dynabatch is mocked.
+"""``run`` on real batches of real texts: cutting batches (take_rows, split_rows). Models are real (see conftest.py); nothing of dynabatch is mocked.
 """
 
 
@@ -11,7 +11,6 @@ from runner_helpers import (
 from dynabatch.data.collate import TokenCollator, take_rows
 from dynabatch.data.collate import split_rows as split_batch
 from dynabatch.data.tokenization import tokenize_texts
-from dynabatch.inference._resume import to_json_value
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -38,10 +37,3 @@ def test_split_parts_equal_collating_each_part(tokenizer, texts, side, multiple)
     assert torch.equal(first["input_ids"], collate(positions[:3])["input_ids"])
     picked = take_rows(batch, [4, 1], padding_side=side, pad_to_multiple_of=multiple)
     assert torch.equal(picked["input_ids"], collate([5, 3])["input_ids"])
-
-
-def test_to_json_value():
-    value = {"ids": torch.tensor([1, 2]), "score": torch.tensor(0.5), "pair": (1, "a"), "none": None}
-    assert to_json_value(value) == {"ids": [1, 2], "score": 0.5, "pair": [1, "a"], "none": None}
-    with pytest.raises(TypeError, match="result should be JSON-storable.*of type object"):
-        to_json_value(object())

@@ -1,198 +1,307 @@
-"""``run`` on real batches of real texts: resuming from output_path. Models are real (see conftest.py); nothing of dynabatch is mocked.
+"""``run`` with ``output_path``: resuming from the Parquet results store, keys, ids, crashes, refusals.
+
+Models are real (see conftest.py); nothing of dynabatch is mocked.
 """
 
-import json
 import os
-import pickle
 import signal
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
+import pyarrow.dataset as ds
 import pytest
-from runner_helpers import (
-    _fails_at,
-    _lengths,
-    _load,
-)
+import torch
+from runner_helpers import _fails_at, _lengths, _load
 
-from dynabatch import BatchOutOfMemoryError, RunResult, run
-from dynabatch.inference.report import RunReport
+from dynabatch import BatchOutOfMemoryError, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-# --- resuming from output_path -----------------------------------------------------------------------
-
-
 def _summary(batch):
-    """JSON-storable rows: a dict per row."""
+    """A dict per row: real tokens (int64) and the mean real token id (float32)."""
     mask = batch["attention_mask"]
     return {"length": mask.sum(1), "mean_id": (batch["input_ids"] * mask).sum(1) / mask.sum(1)}
 
 
-def _file_positions(path):
-    with open(path) as f:
-        lines = f.read().splitlines()
-    header = json.loads(lines[0])
-    return header, [p for line in lines[1:] for p in json.loads(line)["positions"]]
+def _stored(path, column="position"):
+    return ds.dataset(path).to_table(columns=[column]).column(column).to_pylist()
+
+
+def _shards(path):
+    return sorted(name for name in os.listdir(path) if name.endswith(".parquet"))
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert x[key].dtype == y[key].dtype and torch.equal(x[key], y[key]), key
+
+
+@pytest.fixture
+def small_shards(monkeypatch):
+    """Shards of at most 8 rows, so that a run commits several."""
+    monkeypatch.setattr("dynabatch.inference._shards.SHARD_ROWS", 8)
 
 
 _KILLED_RUN = """
 import os, signal, sys
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModel, AutoTokenizer
+import dynabatch.inference._shards
 from dynabatch import build_dynamic_batch_dataloader, run
 from dynabatch.demo import kjv_passages, minilm_path
 
+torch.set_num_threads(1)
+dynabatch.inference._shards.SHARD_ROWS = 16  # several shards commit before the kill
 tokenizer = AutoTokenizer.from_pretrained(minilm_path())
-texts = kjv_passages()[300:500]
-loader = build_dynamic_batch_dataloader(texts, tokenizer, batch_size=4, max_input_token_length=32, num_workers=0)
+model = AutoModel.from_pretrained(minilm_path()).eval()
+loader = build_dynamic_batch_dataloader(kjv_passages()[300:600], tokenizer, batch_size=8, max_input_token_length=32,
+                                        num_workers=0, progress=False)
 calls = []
 
-def fn(batch):
+def embed(batch):
     calls.append(1)
-    if len(calls) == 4:
-        os.kill(os.getpid(), signal.SIGKILL)  # killed in the middle of the run, as by the OOM killer
-    mask = batch["attention_mask"]
-    return {"length": mask.sum(1), "mean_id": (batch["input_ids"] * mask).sum(1) / mask.sum(1)}
+    if len(calls) == 9:
+        os.kill(os.getpid(), signal.SIGKILL)  # killed mid-run, rows buffered, as by the OOM killer
+    with torch.inference_mode():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1)
+    return (hidden * mask).sum(1) / mask.sum(1)
 
-run(fn, loader, output_path=sys.argv[1], progress=False)
+run(embed, loader, output_path=sys.argv[1], key="minilm mean", progress=False)
 """
 
 
-def test_a_killed_run_resumes_where_it_stopped(tokenizer, tmp_path):
+def _embed(model):
+    def embed(batch):
+        with torch.inference_mode():
+            hidden = model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1)
+        return (hidden * mask).sum(1) / mask.sum(1)
+
+    return embed
+
+
+def test_a_killed_run_resumes_and_stores_every_position_exactly_once(tokenizer, minilm, tmp_path):
     from dynabatch.demo import kjv_passages
 
-    texts = kjv_passages()[300:500]
-    path = tmp_path / "results.jsonl"
+    path = tmp_path / "store"
     script = tmp_path / "killed.py"
     script.write_text(textwrap.dedent(_KILLED_RUN))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run(
-        [sys.executable, str(script), str(path)], env=env, capture_output=True, timeout=120, check=False
-    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), str(path)], env=env, capture_output=True, timeout=300,
+                          check=False)
     assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
-    header, positions = _file_positions(path)
-    loader = _load(texts, tokenizer, max_input_token_length=32)
-    planned = loader.batch_sampler.batches
-    assert header["n_inputs"] == len(texts) and len(positions) == sum(len(b) for b in planned[:3])
+    before = _stored(path)
+    assert len(_shards(path)) >= 2 and 0 < len(before) < 300  # some shards committed, the buffered rows lost
+    assert len(set(before)) == len(before)
 
-    calls = []
-    resumed = run(lambda b: calls.append(len(b.indices)) or _summary(b), loader, output_path=path, progress=False)
-    assert len(calls) == len(planned) - 3  # only the batches not in the file ran
-    clean = run(_summary, loader, output_path=tmp_path / "clean.jsonl", progress=False)
-    assert resumed == clean  # JSON values for every row, resumed or not
-    assert sorted(_file_positions(path)[1]) == list(range(len(texts)))  # every position exactly once
-    assert resumed[0]["length"] == len(tokenizer(texts[0], truncation=True, max_length=32)["input_ids"])
-
-
-def test_resume_ignores_a_cut_line_and_runs_only_missing_rows(tokenizer, texts, tmp_path, caplog):
-    loader = _load(texts, tokenizer)
-    path = tmp_path / "out.jsonl"
-    clean = run(_summary, loader, output_path=path, adapt=False, progress=False)  # the plan's batches
-    lines = path.read_text().splitlines()
-    # Batch 0 kept for two of its rows only; the last batch's line cut off mid-write.
-    first = json.loads(lines[1])
-    first = {"positions": first["positions"][:2], "results": first["results"][:2]}
-    path.write_text("\n".join([lines[0], json.dumps(first), *lines[2:-1], lines[-1][:-7]]))
-    calls = []
-    again = run(lambda b: calls.append(b.indices.tolist()) or _summary(b), loader, output_path=path, adapt=False,
-                progress=False)
-    planned = loader.batch_sampler.batches
-    assert calls == [planned[0][2:].tolist(), planned[-1].tolist()]
-    missing = len(planned[0]) - 2 + len(planned[-1])
-    assert (f"resuming from output_path={str(path)!r}: found {len(texts) - missing} of {len(texts)} inputs already "
-            f"done; running the other {missing}") in caplog.text  # a warning: shown without any logging set up
-    assert again == clean
-    assert sorted(_file_positions(path)[1]) == list(range(len(texts)))
-    # Everything done: nothing runs, the results are read back.
-    calls.clear()
-    assert run(lambda b: calls.append(1) or _summary(b), loader, output_path=path, progress=False) == clean
-    assert calls == []
+    loader = _load(kjv_passages()[300:600], tokenizer, batch_size=8, max_input_token_length=32, progress=False)
+    resumed = run(_embed(minilm), loader, output_path=path, key="minilm mean", progress=False)
+    assert resumed.report.rows == 300 - len(before)  # only the rows not stored ran
+    assert sorted(_stored(path)) == list(range(300))  # every position exactly once
+    clean = run(_embed(minilm), loader, progress=False)
+    assert len(resumed) == 300
+    for p in range(300):  # rows of the killed process too; another batch composition: float noise only
+        assert resumed[p].dtype == torch.float32 and resumed[p].shape == (384,)
+        torch.testing.assert_close(resumed[p], clean[p], atol=2e-5, rtol=0)
 
 
-def test_resume_after_lowering_batch_size_keeps_every_row_done(tokenizer, texts, tmp_path):
-    # The usual reason to resume: batches ran out of memory, so the user plans smaller ones. Results are kept
-    # per input position, so the results file of the larger plan still counts: only the missing rows run.
-    from dynabatch import build_dynamic_batch_dataloader
-
-    path = tmp_path / "out.jsonl"
-    big = build_dynamic_batch_dataloader(texts, tokenizer, batch_size=8, max_input_token_length=32, num_workers=0,
-                                         progress=False)
-    clean = run(_summary, big, output_path=path, progress=False)
-    lines = path.read_text().splitlines()
-    path.write_text("\n".join(lines[:3]) + "\n")  # the run was killed after two batches
-    done = {p for line in lines[1:3] for p in json.loads(line)["positions"]}
-    small = build_dynamic_batch_dataloader(texts, tokenizer, batch_size=2, max_input_token_length=32, num_workers=0,
-                                           progress=False)
-    calls = []
-    again = run(lambda b: calls.extend(b.indices.tolist()) or _summary(b), small, output_path=path, progress=False)
-    assert sorted(calls) == sorted(set(range(len(texts))) - done)  # the rows already done did not run again
-    assert again == clean
-    assert sorted(_file_positions(path)[1]) == list(range(len(texts)))
-
-
-def test_resume_with_a_plain_iterable_of_batches(tokenizer, texts, tmp_path):
-    batches = list(_load(texts[:30], tokenizer))
-    path = tmp_path / "plain.jsonl"
-    clean = run(_summary, batches, output_path=path, progress=False)
-    lines = path.read_text().splitlines()
-    first = json.loads(lines[1])
-    first = {"positions": first["positions"][:1], "results": first["results"][:1]}
-    path.write_text("\n".join([lines[0], json.dumps(first), *lines[2:-1]]) + "\n")
-    calls = []
-    again = run(
-        lambda b: calls.append(b.indices.tolist()) or _summary(b),
-        iter(batches),  # a one-shot iterator: read whole for the fingerprint
-        output_path=path,
-        progress=False,
-    )
-    assert calls == [batches[0].indices[1:].tolist(), batches[-1].indices.tolist()]
-    assert again == clean
-
-
-def test_resume_refuses_another_runs_file_and_unstorable_results(tokenizer, texts, tmp_path):
-    path = tmp_path / "out.jsonl"
-    run(_summary, _load(texts[:20], tokenizer), output_path=str(path), progress=False)
-    with pytest.raises(
-        ValueError,
-        match=r"output_path should be a new file or the results file of these same inputs"
-        r".*output_path='.*out\.jsonl'",
-    ):
-        run(_summary, _load(texts[:21], tokenizer), output_path=path, progress=False)
-    with pytest.raises(TypeError, match="result should be JSON-storable.*of type object"):
-        run(
-            lambda b: [object()] * len(b.indices),
-            _load(texts[:20], tokenizer),
-            output_path=tmp_path / "x.jsonl",
-            progress=False,
-        )
-    (tmp_path / "junk.jsonl").write_text('{"format": "dynabatch.run/1"}\n')
-    with pytest.raises(ValueError, match="output_path should be a new file"):
-        run(_summary, _load(texts[:20], tokenizer), output_path=tmp_path / "junk.jsonl", progress=False)
-
-
-def test_output_path_results_are_json_values(tokenizer, texts, tmp_path):
+def test_a_rerun_with_another_key_or_without_one_is_refused_naming_both(tokenizer, texts, tmp_path):
     loader = _load(texts[:20], tokenizer)
-    result = run(
-        lambda b: (b["attention_mask"].sum(1) > 5).tolist(), loader, output_path=tmp_path / "a.jsonl", progress=False
-    )
-    assert all(isinstance(r, bool) for r in result)
-    rows = run(_lengths, loader, output_path=tmp_path / "b.jsonl", progress=False)
-    assert all(isinstance(r, list) and len(r) == 2 for r in rows)
-    # skipped rows are not saved, so a rerun tries them again
+    keyed, plain = tmp_path / "keyed", tmp_path / "plain"
+    run(_summary, loader, output_path=keyed, key="minilm@v2 mean-pool", progress=False)
+    run(_summary, loader, output_path=plain, progress=False)
+    stem = r"key should be the key the results at output_path='.*{}' were stored with \({}\) to resume them, but got "
+    with pytest.raises(ValueError, match=stem.format("keyed", "key='minilm@v2 mean-pool'") + "key='minilm@v2 cls': "
+                       "pass that key if the model and settings are the same, or another output_path"):
+        run(_summary, loader, output_path=keyed, key="minilm@v2 cls", progress=False)
+    with pytest.raises(ValueError, match=stem.format("keyed", "key='minilm@v2 mean-pool'") + "no key"):
+        run(_summary, loader, output_path=keyed, progress=False)
+    with pytest.raises(ValueError, match=stem.format("plain", "no key") + "key='minilm@v2 mean-pool'"):
+        run(_summary, loader, output_path=plain, key="minilm@v2 mean-pool", progress=False)
+    calls = []
+    again = run(lambda b: calls.append(1) or _summary(b), loader, output_path=keyed, key="minilm@v2 mean-pool",
+                progress=False)
+    assert calls == [] and again.report.rows == 0  # the same key: everything read back
+
+
+def test_stored_rows_of_other_inputs_at_the_same_positions_are_refused(tokenizer, texts, tmp_path):
+    path = tmp_path / "store"
+    run(_summary, _load(texts[:30], tokenizer), output_path=path, progress=False)
+    changed = list(texts[:30])
+    for p in (4, 9, 17):
+        changed[p] = changed[p] + " amen"
+    with pytest.raises(ValueError, match=r"output_path='.*store' should hold results of these inputs at their "
+                       r"positions, but got 3 stored rows computed from other inputs \(positions 4, 9, 17\).*"
+                       r"give the loader ids= to key rows by id"):
+        run(_summary, _load(changed, tokenizer), output_path=path, progress=False)
+
+
+def test_appended_texts_run_only_the_new_rows(tokenizer, texts, tmp_path):
+    path = tmp_path / "store"
+    run(_summary, _load(texts[:60], tokenizer), output_path=path, progress=False)
+    grown = run(_summary, _load(texts[:90], tokenizer), output_path=path, progress=False)
+    assert grown.report.rows == 30
+    _same(grown, run(_summary, _load(texts[:90], tokenizer), progress=False))
+    assert sorted(_stored(path)) == list(range(90))
+
+
+def test_a_grown_and_reordered_corpus_with_ids_runs_only_the_new_ids(tokenizer, texts, tmp_path):
+    path = tmp_path / "store"
+    ids = [f"doc-{i}" for i in range(len(texts))]
+    run(_summary, _load(texts[:60], tokenizer, ids=ids[:60]), output_path=path, progress=False)
+    order = np.random.default_rng(0).permutation(90).tolist()  # 30 new documents, and a new order
+    corpus, corpus_ids = [texts[i] for i in order], [ids[i] for i in order]
+    calls = []
+    grown = run(lambda b: calls.extend(b.indices.tolist()) or _summary(b), _load(corpus, tokenizer, ids=corpus_ids),
+                output_path=path, progress=False)
+    assert sorted(corpus_ids[p] for p in calls) == ids[60:90]  # only the new ids ran
+    _same(grown, run(_summary, _load(corpus, tokenizer), progress=False))
+    stored = _stored(path, "id")
+    assert sorted(stored) == sorted(ids[:90]) and len(set(stored)) == 90
+    part = order[:25:2]  # a smaller corpus: stored ids that are not in it are left alone
+    subset = run(_summary, _load([texts[i] for i in part], tokenizer, ids=[ids[i] for i in part]), output_path=path,
+                 progress=False)
+    assert subset.report.rows == 0 and len(subset) == len(part)
+    _same(subset, [grown[order.index(i)] for i in part])
+    with pytest.raises(ValueError, match=r"the loader's ids should be of type string, as the ids of the results at "
+                       r"output_path='.*', but got ids of type int64"):
+        run(_summary, _load(texts[:3], tokenizer, ids=[0, 1, 2]), output_path=path, progress=False)
+    with pytest.raises(ValueError, match=r"the loader's ids should be given \(the store keys rows by id\)"):
+        run(_summary, _load(corpus, tokenizer), output_path=path, progress=False)
+    run(_summary, _load(texts[:5], tokenizer), output_path=tmp_path / "positions", progress=False)
+    with pytest.raises(ValueError, match=r"the loader's ids should be None \(the store keys rows by position\)"):
+        run(_summary, _load(texts[:5], tokenizer, ids=ids[:5]), output_path=tmp_path / "positions", progress=False)
+    swapped = list(corpus)
+    swapped[0], swapped[1] = corpus[1], corpus[0]  # two ids now name each other's text
+    with pytest.raises(ValueError, match=r"but got 2 stored rows computed from other inputs \(ids doc-\d+, doc-\d+\)"):
+        run(_summary, _load(swapped, tokenizer, ids=corpus_ids), output_path=path, progress=False)
+
+
+def test_resume_with_a_lower_batch_size_runs_only_the_missing_shard(tokenizer, texts, tmp_path, small_shards):
+    path = tmp_path / "store"
+    clean = list(run(_summary, _load(texts, tokenizer, batch_size=8), output_path=path, progress=False))
+    lost = _shards(path)[1]
+    lost_rows = set(ds.dataset(path / lost).to_table().column("position").to_pylist())
+    (path / lost).unlink()
+    calls = []
+    again = run(lambda b: calls.extend(b.indices.tolist()) or _summary(b), _load(texts, tokenizer, batch_size=2),
+                output_path=path, progress=False)
+    assert sorted(calls) == sorted(lost_rows)
+    _same(again, clean)
+    assert sorted(_stored(path)) == list(range(len(texts)))
+
+
+def test_resume_with_a_plain_iterable_of_batches(tokenizer, texts, tmp_path, small_shards):
+    batches = list(_load(texts[:30], tokenizer))
+    path = tmp_path / "store"
+    clean = list(run(_summary, batches, output_path=path, progress=False))  # read before a shard goes
+    lost = _shards(path)[0]
+    lost_rows = set(ds.dataset(path / lost).to_table().column("position").to_pylist())
+    (path / lost).unlink()
+    calls = []
+    again = run(lambda b: calls.extend(b.indices.tolist()) or _summary(b), iter(batches), output_path=path,
+                progress=False)  # a one-shot iterator: read whole once to check the stored rows
+    assert sorted(calls) == sorted(lost_rows)
+    _same(again, clean)
+    # The loader's rows hash as its batches' rows do: a store of plain batches resumes with the loader.
+    assert run(_summary, _load(texts[:30], tokenizer), output_path=path, progress=False).report.rows == 0
+
+
+def test_a_torn_shard_and_a_dead_writers_temporary_file_are_set_aside(tokenizer, texts, tmp_path, caplog,
+                                                                      small_shards):
+    from dynabatch.inference._shards import _HOST
+
+    path = tmp_path / "store"
+    clean = list(run(_summary, _load(texts[:40], tokenizer), output_path=path, progress=False))
+    torn = _shards(path)[0]
+    torn_rows = set(ds.dataset(path / torn).to_table().column("position").to_pylist())
+    data = (path / torn).read_bytes()
+    (path / torn).write_bytes(data[: len(data) // 2])  # a shard cut in half (not by dynabatch: by a bad copy)
+    dead = subprocess.Popen(["true"])  # a writer that is gone
+    dead.wait()
+    temp = path / f".tmp-{_HOST}-{dead.pid}-part-x-00000.parquet"
+    temp.write_bytes(b"PAR1 half written")
+    calls = []
+    again = run(lambda b: calls.extend(b.indices.tolist()) or _summary(b), _load(texts[:40], tokenizer),
+                output_path=path, progress=False)
+    assert sorted(calls) == sorted(torn_rows)
+    _same(again, clean)
+    assert f"{torn} cannot be read" in caplog.text and "a shard a killed run did not finish" in caplog.text
+    assert not temp.exists() and (path / f".torn-{torn}").exists()
+    assert sorted(ds.dataset(path).to_table().column("position").to_pylist()) == list(range(40))
+
+
+def test_results_of_earlier_versions_and_foreign_folders_are_refused(tokenizer, texts, tmp_path):
+    loader = _load(texts[:10], tokenizer)
+    old = tmp_path / "out.jsonl"
+    old.write_text('{"format":"dynabatch.run/1","n_inputs":10,"fingerprint":"abc"}\n')
+    rule = r"output_path should be a directory for a Parquet results store \(say 'results/'\), but got output_path="
+    with pytest.raises(ValueError, match=rule + r"'.*out\.jsonl', a file of JSONL results written by an earlier "
+                       r"dynabatch: results are now stored as Parquet shards with a key; pass a new directory"):
+        run(_summary, loader, output_path=old, progress=False)
+    (tmp_path / "ranks.rank0-of-2.jsonl").write_text("{}\n")
+    (tmp_path / "ranks.rank1-of-2.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match=rule + r"'.*ranks\.jsonl', per-rank JSONL files \(ranks\.rank0-of-2\.jsonl, "
+                       r"ranks\.rank1-of-2\.jsonl\)"):
+        run(_summary, loader, output_path=tmp_path / "ranks.jsonl", progress=False)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"output_path should be a new or empty directory, or a dynabatch results "
+                       r"store, but got output_path='.*home' holding 1 other entries \(notes\.txt\)"):
+        run(_summary, loader, output_path=tmp_path / "home", progress=False)
+    with pytest.raises(ValueError, match=r"key should be None without output_path"):
+        run(_summary, loader, key="k", progress=False)
+    with pytest.raises(TypeError, match=r"key should be None or a str naming the model, revision and settings, but "
+                       r"got key=3 of type int"):
+        run(_summary, loader, output_path=tmp_path / "x", key=3, progress=False)
+
+
+def test_a_result_arrow_cannot_store_fails_at_the_first_batch(tokenizer, texts, tmp_path):
+    calls = []
+    with pytest.raises(TypeError, match=r"output should be storable in Arrow with output_path set \(tensors, numpy "
+                       r"arrays, int, float, bool, str or None, .*\), but got output of type object"):
+        run(lambda b: calls.append(1) or [object()] * len(b.indices), _load(texts, tokenizer),
+            output_path=tmp_path / "store", progress=False)
+    assert calls == [1]
+
+
+def test_failed_rows_are_not_stored_and_a_rerun_tries_them_again(tokenizer, texts, tmp_path):
+    loader = _load(texts[:20], tokenizer)
+    path = tmp_path / "store"
     position = int(loader.batch_sampler.batches[0][0])
-    skipped = run(
-        _fails_at(_lengths, position), loader, output_path=tmp_path / "c.jsonl", on_oom="skip", progress=False
-    )
-    assert skipped.failed == [position] and position not in _file_positions(tmp_path / "c.jsonl")[1]
-    retried = run(_lengths, loader, output_path=tmp_path / "c.jsonl", progress=False)
-    assert retried == rows and retried.report.rows == 1
+    skipped = run(_fails_at(_lengths, position), loader, output_path=path, on_oom="skip", progress=False)
+    assert skipped.failed == [position] and skipped[position] is None
+    assert position not in _stored(path) and len(_stored(path)) == 19
+    retried = run(_lengths, loader, output_path=path, progress=False)
+    assert retried.report.rows == 1 and retried.failed == [] and sorted(_stored(path)) == list(range(20))
+    with pytest.raises(BatchOutOfMemoryError) as raised:
+        run(_fails_at(_lengths, position), loader, output_path=tmp_path / "raised", progress=False)
+    partial = raised.value.partial  # the rows that finished, read from the store
+    assert partial[position] is None and len(partial) == 20
 
 
-def test_batch_out_of_memory_error_pickles(tokenizer, texts):
-    partial = RunResult([1, None], report=RunReport())
-    error = pickle.loads(pickle.dumps(BatchOutOfMemoryError("input position 1 ran out", position=1, partial=partial)))
-    assert str(error) == "input position 1 ran out" and error.position == 1 and error.partial == [1, None]
+@pytest.mark.parametrize("adapt", [None, False])  # measured mode (the planner's batches) and the plan as it is
+def test_bad_inputs_skipped_come_back_as_none_and_are_not_stored(tokenizer, texts, tmp_path, adapt):
+    import pandas as pd
+
+    dirty = pd.Series(list(texts[:40]))
+    dirty[[3, 17, 18]] = None  # a pandas column with missing texts (NaN / None)
+    loader = _load(dirty, tokenizer, on_bad_input="skip")
+    path = tmp_path / "store"
+    for result in (run(_lengths, loader, adapt=adapt, progress=False),
+                   run(_lengths, loader, adapt=adapt, output_path=path, progress=False)):
+        assert len(result) == 40 and result.failed == [3, 17, 18]
+        assert [p for p in range(40) if result[p] is None] == [3, 17, 18]  # every input once, the bad ones None
+        assert result.report.skipped_inputs == 3 and result.report.rows == 37
+        assert result.report.summary()["skipped_inputs"] == 3
+    assert sorted(_stored(path)) == sorted(set(range(40)) - {3, 17, 18})
+    again = run(_lengths, loader, adapt=adapt, output_path=path, progress=False)  # reported again, nothing runs
+    assert again.failed == [3, 17, 18] and again.report.rows == 0

@@ -1,0 +1,202 @@
+"""Corpus scale: wall time, RSS growth and bytes on disk of embedding 10k, 100k and 1M texts three ways.
+
+Held-out texts (``vary_lengths(kjv_passages(), n, max_words=128, seed=25)``,
+a seed no test uses), the real all-MiniLM-L6-v2 tokenizer, truncation at 256
+tokens, and a model-free ``fn`` that returns 384 ``float32`` values per text
+computed from the batch (a fixed random embedding table, mean-pooled over the
+attention mask with ``embedding_bag``): what an embedding job's storage and
+bookkeeping cost, without a model's time hiding them. Each method runs end to end (texts in, every
+text's 384 values out) in a fresh process, one after the other, its libraries
+(torch, transformers, pyarrow) imported before its clock starts:
+
+1. **run**: ``build_dynamic_batch_dataloader(texts, tokenizer, 32, 256,
+   num_workers=0)``, then ``dynabatch.run(fn, loader)`` with its defaults: a
+   list of tensors in memory;
+2. **run, output_path**: the same with ``output_path=`` a fresh directory: the
+   rows go to the Parquet results store, the result reads them on demand;
+3. **by hand (sentence-transformers' way)**: sort the texts by length, longest
+   first; tokenize each batch of 32 with padding; ``fn``; rows into one
+   preallocated array.
+
+Per method: wall seconds and texts/s; RSS growth (the peak resident memory
+during the method over the resident memory before it, the texts already in
+memory; Linux's ``VmHWM``, reset first); bytes on disk (the store). The
+targets: ``output_path`` costs at most 10% wall time over ``run``; RSS growth
+with ``output_path`` stays within the token store (``input_ids`` and the
+tokenizer's extras) plus 300 MB; the store holds at most 1.15x the raw tensor
+bytes (``n * 384 * 4``).
+
+Run it with (all three sizes; the 1M row takes several minutes a method)::
+
+    python benchmarks/scale.py
+    python benchmarks/scale.py --sizes 10000 --threads 1 --methods run,store
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+METHODS = {"run": "run", "store": "run, output_path", "by-hand": "by hand (sentence-transformers' way)"}
+DIM, BATCH, MAX_LENGTH, SEED = 384, 32, 256, 25
+MB = 10**6
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM, the peak resident size, to the current one
+
+
+def _embedder(vocab: int):
+    """The model-free ``fn``: a fixed random embedding table mean-pooled over each row's real tokens, computed by
+    ``embedding_bag`` (no ``(rows, width, 384)`` temporary whose varying sizes would fragment the C heap, so RSS
+    growth measures the run's own memory)."""
+    import torch
+
+    table = torch.randn(vocab, DIM, generator=torch.Generator().manual_seed(0))
+
+    def fn(batch):
+        mask = batch["attention_mask"].to(torch.float32)
+        pooled = torch.nn.functional.embedding_bag(batch["input_ids"], table, per_sample_weights=mask, mode="sum")
+        return pooled / mask.sum(1, keepdim=True)
+
+    return fn
+
+
+def _by_hand(texts, tokenizer, fn):
+    import numpy as np
+    import torch
+
+    order = np.argsort([-len(t) for t in texts], kind="stable")  # sentence-transformers sorts by characters
+    out = np.empty((len(texts), DIM), dtype=np.float32)
+    with torch.inference_mode():
+        for start in range(0, len(texts), BATCH):
+            index = order[start:start + BATCH]
+            batch = tokenizer([texts[i] for i in index], padding=True, truncation=True, max_length=MAX_LENGTH,
+                              return_tensors="pt")
+            out[index] = fn(batch).numpy()
+    return out
+
+
+def worker(method: str, n: int, threads: int | None) -> dict:
+    """One method on ``n`` texts, in this (fresh) process: its figures as a dict."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import dynabatch.inference.store  # noqa: F401 (pyarrow's import, a second, is not a method's cost)
+    from dynabatch import build_dynamic_batch_dataloader, run
+    from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
+
+    if threads:
+        torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    fn = _embedder(len(tokenizer))
+    texts = vary_lengths(kjv_passages(), n, max_words=128, seed=SEED)
+    store = tempfile.mkdtemp(prefix="dynabatch-scale-") if method == "store" else None
+    before = _rss_bytes("VmRSS")
+    _reset_peak()
+    start = time.perf_counter()
+    token_store = None
+    if method in ("run", "store"):
+        loader = build_dynamic_batch_dataloader(texts, tokenizer, BATCH, MAX_LENGTH, num_workers=0, progress=False)
+        tokenized = loader.plan.collator.tokenized
+        token_store = tokenized.input_ids.nbytes + sum(v.nbytes for v in tokenized.extras.values())
+        path = os.path.join(store, "results") if store else None
+        with torch.inference_mode():
+            result = run(fn, loader, output_path=path, progress=False)
+        assert len(result) == n and not result.failed
+    else:
+        result = _by_hand(texts, tokenizer, fn)
+        assert result.shape == (n, DIM)
+    seconds = time.perf_counter() - start
+    peak = _rss_bytes("VmHWM")
+    disk = 0
+    if store:
+        for root, _, files in os.walk(store):
+            disk += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return {"method": METHODS[method], "n": n, "seconds": seconds, "rss_growth": peak - before, "disk": disk,
+            "token_store": token_store}
+
+
+def _measure(method: str, n: int, threads: int | None) -> dict:
+    command = [sys.executable, __file__, "--worker", method, "--sizes", str(n)]
+    if threads:
+        command += ["--threads", str(threads)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{method} on {n} texts failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _table(rows: list[dict]) -> str:
+    lines = ["| texts | method | wall s | texts/s | RSS growth MB | on disk MB |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        disk = f"{r['disk'] / MB:,.1f}" if r["disk"] else "-"
+        lines.append(f"| {r['n']:,} | {r['method']} | {r['seconds']:.1f} | {r['n'] / r['seconds']:,.0f} | "
+                     f"{r['rss_growth'] / MB:,.0f} | {disk} |")
+    return "\n".join(lines)
+
+
+def _targets(rows: list[dict]) -> str:
+    lines = []
+    for n in sorted({r["n"] for r in rows}):
+        got = {r["method"]: r for r in rows if r["n"] == n}
+        plain, stored = got.get("run"), got.get("run, output_path")
+        if not (plain and stored):
+            continue
+        ratio = stored["seconds"] / plain["seconds"]
+        limit = stored["token_store"] + 300 * MB
+        size = stored["disk"] / (n * DIM * 4)
+        lines.append(
+            f"- {n:,} texts: output_path / run wall time {ratio:.2f}x (target <= 1.10: "
+            f"{'met' if ratio <= 1.10 else 'missed'}); RSS growth with output_path {stored['rss_growth'] / MB:,.0f} MB "
+            f"vs token store {stored['token_store'] / MB:,.0f} MB + 300 MB (target: "
+            f"{'met' if stored['rss_growth'] <= limit else 'missed'}); store / raw tensor bytes {size:.3f}x "
+            f"(target <= 1.15: {'met' if size <= 1.15 else 'missed'})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="10000,100000,1000000", help="comma-separated numbers of texts")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.worker:
+        print(json.dumps(worker(args.worker, sizes[0], args.threads)))
+        return
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"--methods should be of {', '.join(METHODS)}, but got {', '.join(unknown)}")
+    rows = []
+    for n in sizes:
+        for method in methods:
+            rows.append(_measure(method, n, args.threads))
+            print(f"{n:,} texts, {METHODS[method]}: {rows[-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
+    print(f"## Corpus scale: {DIM} float32 per text, model-free fn (threads: {args.threads or 'torch default'})\n")
+    print(_table(rows))
+    print()
+    print(_targets(rows))
+
+
+if __name__ == "__main__":
+    main()

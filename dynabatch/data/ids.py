@@ -1,0 +1,87 @@
+"""Stable ids of texts: :func:`check_ids`, one unique str or int per text, held as one Arrow array.
+
+A results store keyed by id (``build_dynamic_batch_dataloader(..., ids=...)``)
+finds a text's stored row by its id, not its position, so a corpus that grows
+or is reordered reruns only the texts not stored yet. The ids stay one Arrow
+array (``string`` or ``int64``), never a Python object per text.
+
+Example:
+    >>> from dynabatch.data.ids import check_ids
+    >>> check_ids(["doc-7", "doc-2"], 2).to_pylist()
+    ['doc-7', 'doc-2']
+    >>> check_ids([3, 3], 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: ids should be unique (one stable id per text), but got 1 id given to several texts (first: 3 at positions 0, 1)
+"""
+
+from __future__ import annotations
+
+import collections.abc
+from typing import Any
+
+import numpy as np
+
+from dynabatch._validation import bad_type, bad_value, brief
+
+__all__ = ["check_ids"]
+
+_RULE = "a sequence of str or of int, one per text (a list, numpy array, pandas Series or Arrow array)"
+_FEW = 5
+
+
+def _as_arrow(ids: Any) -> Any:
+    import pyarrow as pa
+
+    if isinstance(ids, pa.ChunkedArray):
+        return ids.combine_chunks()
+    if isinstance(ids, pa.Array):
+        return ids
+    if isinstance(ids, (str, bytes, collections.abc.Mapping)) or not isinstance(
+            ids, (collections.abc.Sequence, np.ndarray)) and not hasattr(ids, "tolist"):
+        raise bad_type("ids", _RULE, ids)
+    values = ids if isinstance(ids, (list, np.ndarray)) else ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
+        kinds = sorted({type(v).__name__ for v in (values.tolist() if isinstance(values, np.ndarray) else values)})
+        raise TypeError(f"ids should be {_RULE}, but got ids={brief(ids)} holding {', '.join(kinds)} values") from exc
+
+
+def check_ids(ids: Any, n: int) -> Any:
+    """``ids`` as a ``pyarrow`` ``string`` or ``int64`` array of ``n`` unique values (``None`` stays ``None``).
+
+    Raises:
+        TypeError: ``ids`` is not a sequence of str or of int (floats, bools, mixed types).
+        ValueError: not one id per text, a missing (null) id, or an id given to several texts.
+    """
+    if ids is None:
+        return None
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    array = _as_arrow(ids)
+    if pa.types.is_string(array.type) or pa.types.is_large_string(array.type):
+        array = array.cast(pa.string())
+    elif pa.types.is_integer(array.type):
+        array = array.cast(pa.int64())
+    elif not pa.types.is_null(array.type):
+        raise TypeError(f"ids should be {_RULE}, but got ids={brief(ids)} of Arrow type {array.type}")
+    if len(array) != n:
+        raise bad_value("len(ids)", f"len(texts)={n}, one id per text", len(array))
+    if array.null_count:
+        missing = np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))
+        shown = ", ".join(str(p) for p in missing[:_FEW].tolist()) + (", ..." if missing.size > _FEW else "")
+        raise ValueError(f"ids should give every text an id, but got {missing.size} missing (None) at positions {shown}")
+    unique = pc.unique(array)
+    if len(unique) == n:
+        return array
+    group = pc.index_in(array, value_set=unique).to_numpy()
+    counts = np.bincount(group, minlength=len(unique))
+    repeated = np.flatnonzero(counts > 1)
+    first = int(repeated[0])
+    where = np.flatnonzero(group == first)
+    shown = ", ".join(str(p) for p in where[:_FEW].tolist()) + (", ..." if where.size > _FEW else "")
+    noun = "id" if repeated.size == 1 else "ids"
+    raise ValueError(f"ids should be unique (one stable id per text), but got {repeated.size} {noun} given to several "
+                     f"texts (first: {unique[first].as_py()!r} at positions {shown})")

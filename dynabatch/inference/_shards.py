@@ -1,0 +1,209 @@
+"""The shards of a results store: writing one atomically (:class:`StoreWriter`), reading what a shard says.
+
+A shard, ``part-<writer>-<seq>.parquet``, is written to a hidden temporary
+name in the store's directory (``.tmp-<host>-<pid>-<shard name>``), fsynced,
+and renamed into place (``os.replace``), the directory fsynced after: a shard
+is whole or absent. A temporary file whose writer was killed (same host, pid
+gone) is removed when a store is opened; a shard that cannot be read is moved
+aside under a hidden ``.torn-`` name, with a warning, and its rows run again.
+
+Each shard's Arrow schema metadata (key ``dynabatch``) holds the store's
+format, the run's key, what rows are keyed by and the output layout, so every
+shard describes itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dynabatch._malloc import trim
+from dynabatch.inference._columns import Layout
+
+__all__ = ["META", "SHARD_BYTES", "SHARD_ROWS", "SHARD_SECONDS", "StoreWriter", "own_entry", "remove_dead_temps",
+           "shard_meta"]
+
+logger = logging.getLogger(__name__)
+
+SHARD_ROWS = 1_000_000
+"""A shard is committed once its buffer holds this many rows."""
+SHARD_BYTES = 16 * 2**20
+"""... or this many bytes of Arrow data (16 MiB: the buffer, and the Parquet encoding of it, stay small)."""
+SHARD_SECONDS = 60.0
+"""... or rows that finished this many seconds ago: a killed run loses about a minute of work at most."""
+
+META = b"dynabatch"
+_HOST = socket.gethostname().replace("-", "_").replace(".", "_")
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def own_entry(name: str) -> bool:
+    return (name.startswith("part-") and name.endswith(".parquet")) or name.startswith((".tmp-", ".torn-"))
+
+
+def remove_dead_temps(path: str, names: list[str]) -> None:
+    """Temporary shards of killed writers on this host are removed; others (live or remote writers) are left."""
+    for name in names:
+        if not name.startswith(".tmp-"):
+            continue
+        parts = name.split("-", 3)  # .tmp-<host>-<pid>-<shard name>
+        host, pid = (parts[1], parts[2]) if len(parts) == 4 else ("", "")
+        alive = True
+        if host == _HOST and pid.isdigit():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                alive = False
+            except PermissionError:
+                pass
+        if alive:
+            logger.warning("output_path=%r: ignoring %s, a shard another process is writing", path, name)
+            continue
+        logger.warning("output_path=%r: removing %s, a shard a killed run did not finish", path, name)
+        try:
+            os.remove(os.path.join(path, name))
+        except FileNotFoundError:
+            pass
+
+
+def shard_meta(path: str, file: str) -> dict | None:
+    """A shard's dynabatch metadata, or ``None`` for a torn shard (moved aside with a warning)."""
+    try:
+        metadata = pq.read_schema(file).metadata or {}
+    except (OSError, pa.ArrowException) as exc:
+        torn = os.path.join(path, ".torn-" + os.path.basename(file))
+        logger.warning("output_path=%r: %s cannot be read (%s); moving it to %s, its rows run again", path,
+                       os.path.basename(file), str(exc).splitlines()[0][:120], os.path.basename(torn))
+        try:
+            os.replace(file, torn)
+        except FileNotFoundError:
+            pass
+        return None
+    if META not in metadata:
+        raise ValueError(f"output_path should be a dynabatch results store, but got output_path={path!r} holding "
+                         f"{os.path.basename(file)}, a Parquet file dynabatch did not write; use another directory")
+    return json.loads(metadata[META])
+
+
+class StoreWriter:
+    """Buffers finished rows and commits them as shards: :meth:`write`, :meth:`flush`, :meth:`close`.
+
+    A full buffer becomes a shard written by one background thread while the
+    run goes on (one shard in flight at most: the next waits for it); rows are
+    checked and converted to numpy in :meth:`write`, so a row Arrow cannot
+    store raises at once, and become Arrow columns once per shard. A small object with no reference to the run, so that a worker can own it.
+    """
+
+    def __init__(self, path: str, meta: dict, layout: Layout | None, ids: pa.Array | None, *, rank: int = 0) -> None:
+        self.path, self.meta, self.layout, self.ids = path, meta, layout, ids
+        self.name = f"{time.strftime('%Y%m%dT%H%M%S')}_{uuid.uuid4().hex[:8]}_rank{rank}"
+        self.seq = 0
+        self.buffer: list[tuple] = []  # (positions, input hashes, each column's part) per batch
+        self.rows = self.bytes = 0
+        self.since: float | None = None
+        self.schema: pa.Schema | None = None
+        self.shards_written = 0
+        self._thread: ThreadPoolExecutor | None = None  # writes one shard at a time, beside the run
+        self._pending: Future | None = None
+
+    def _schema(self) -> pa.Schema:
+        fields = [pa.field("position", pa.int64())]
+        if self.ids is not None:
+            fields.append(pa.field("id", self.ids.type))
+        fields += [pa.field("input_hash", pa.uint64()), *self.layout.fields()]
+        return pa.schema(fields, metadata={META: json.dumps({**self.meta, "layout": self.layout.to_json()})})
+
+    def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray, real_lengths: np.ndarray | None = None
+              ) -> None:
+        """Adds finished rows (``rows[i]`` for input ``positions[i]``); commits a shard when the buffer is full.
+
+        Raises:
+            TypeError: a row Arrow cannot store (the type is named).
+            ValueError: rows that do not fit the stored layout (another structure, dtype or shape).
+        """
+        if not len(positions):
+            return
+        if self.layout is None:
+            self.layout = Layout.infer(rows, real_lengths)
+        try:
+            parts = self.layout.convert(rows)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{exc} (output_path={self.path!r} stores rows as {self.layout.describe()})") from exc
+        if self.schema is None:
+            self.schema = self._schema()
+        positions = np.asarray(positions, dtype=np.int64)
+        self.buffer.append((positions, np.asarray(hashes, dtype=np.uint64), parts))
+        self.rows += len(positions)
+        self.bytes += positions.nbytes * 2 + sum(part.nbytes for part in parts.values())
+        self.since = time.monotonic() if self.since is None else self.since
+        if self.rows >= SHARD_ROWS or self.bytes >= SHARD_BYTES or time.monotonic() - self.since >= SHARD_SECONDS:
+            self._submit()
+
+    def _submit(self) -> None:
+        """Hands the buffered rows to the background thread as one shard, once the shard before it is on disk."""
+        if not self.buffer:
+            return
+        buffer, name = self.buffer, f"part-{self.name}-{self.seq:05d}.parquet"
+        self.seq += 1
+        self.buffer, self.rows, self.bytes, self.since = [], 0, 0, None
+        self._wait()
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynabatch-store")
+        self._pending = self._thread.submit(self._commit, buffer, name)
+
+    def _table(self, buffer: list) -> pa.Table:
+        """The buffered batches as one table: each column concatenated once."""
+        positions = np.concatenate([b[0] for b in buffer])
+        keys = [pa.array(positions)] + ([self.ids.take(pa.array(positions))] if self.ids is not None else [])
+        hashes = pa.array(np.concatenate([b[1] for b in buffer]))
+        columns = self.layout.to_arrow([b[2] for b in buffer])
+        return pa.Table.from_arrays([*keys, hashes, *columns.values()], schema=self.schema)
+
+    def _commit(self, buffer: list, name: str) -> None:
+        """Writes one shard to a temporary name, fsyncs it, renames it into place (Arrow and Parquet's writer release
+        the GIL: this runs beside the next batches)."""
+        table = self._table(buffer)
+        temp = os.path.join(self.path, f".tmp-{_HOST}-{os.getpid()}-{name}")
+        keys = ["position", "id"] if self.ids is not None else ["position"]
+        pq.write_table(table, temp, use_dictionary=keys[1:] or False, write_statistics=keys)  # floats: neither pays
+        _fsync_path(temp)
+        os.replace(temp, os.path.join(self.path, name))
+        _fsync_path(self.path)  # the rename itself survives a crash
+        self.shards_written += 1
+        del table
+        trim()  # the shard's buffers are freed: resident memory stays flat over a long run
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()  # a failed write raises here
+
+    def flush(self) -> None:
+        """Commits the buffered rows as one shard and waits until every shard of this writer is on disk."""
+        self._submit()
+        self._wait()
+
+    def close(self) -> None:
+        """Commits what is buffered, waits for it, and stops the background thread."""
+        try:
+            self.flush()
+        finally:
+            if self._thread is not None:
+                self._thread.shutdown(wait=True)
+                self._thread = None

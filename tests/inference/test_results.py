@@ -1,0 +1,138 @@
+"""What ``run`` returns (dynabatch/inference/results.py): the in-memory ``RunResult`` and the ``StoredRunResult``
+read back from a results store give the same rows, and stack the same way. Real texts, a real tokenizer."""
+
+import numpy as np
+import pytest
+import torch
+from runner_helpers import _load
+
+from dynabatch import run
+from dynabatch.inference.results import RunResult, StoredRunResult
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _many_kinds(batch):
+    """Every kind of result at once, one dict per row: half and bfloat16 vectors, per-token floats (cut to the real
+    tokens), token ids, an int, a str, a tuple."""
+    mask = batch["attention_mask"]
+    ids = batch["input_ids"]
+    return [
+        {
+            "half": (torch.stack([ids[r].sum(), ids[r].max(), ids[r].min(), mask[r].sum()]) / 1000).to(torch.float16),
+            "brain": (torch.stack([ids[r].sum(), ids[r].max(), mask[r].sum()]) / 7).to(torch.bfloat16),
+            "tokens": ids[r][mask[r].bool()].float() / 3,
+            "ids": ids[r][mask[r].bool()],
+            "length": int(mask[r].sum()),
+            "label": f"n={int(mask[r].sum())}",
+            "pair": (mask[r].sum().float(), torch.ones(2, dtype=torch.int32)),
+        }
+        for r in range(len(mask))
+    ]
+
+
+def _equal(a, b):
+    assert type(a) is type(b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b) and all(_equal(x, y) is None for x, y in zip(a, b))
+    elif isinstance(a, dict):
+        assert list(a) == list(b) and all(_equal(a[k], b[k]) is None for k in a)
+    else:
+        assert a == b
+
+
+@pytest.fixture(scope="module")
+def both(tokenizer, texts, tmp_path_factory):
+    loader = _load(texts, tokenizer)
+    path = tmp_path_factory.mktemp("results") / "store"
+    return run(_many_kinds, loader, progress=False), run(_many_kinds, loader, output_path=path, progress=False)
+
+
+def test_a_stored_result_gives_exactly_the_rows_of_the_run_in_memory(both, texts):
+    memory, stored = both
+    assert isinstance(memory, RunResult) and isinstance(memory, list)
+    assert isinstance(stored, StoredRunResult) and not isinstance(stored, list) and len(stored) == len(texts)
+    for a, b in zip(memory, stored):  # iteration decodes chunks of rows
+        _equal(a, b)
+    for p in (0, 5, -1, len(texts) - 2):  # one row read alone
+        _equal(memory[p], stored[p])
+    assert len(stored[3:9]) == 6 and all(_equal(a, b) is None for a, b in zip(memory[3:9], stored[3:9]))
+    with pytest.raises(IndexError, match=r"index should be in range\(-103, 103\), but got index=103"):
+        stored[len(texts)]
+    assert stored.failed == [] and stored.report.rows == len(texts)
+    assert repr(stored).startswith(f"StoredRunResult({len(texts)} inputs, {len(texts)} stored at ")
+
+
+def test_numpy_stack_and_to_arrow_agree_between_memory_and_store(both, texts):
+    memory, stored = both
+    n = len(texts)
+    for result in (memory, stored):
+        with pytest.raises(ValueError, match=r"tokens should have rows of one shape to stack, but got first dimensions"):
+            result.numpy()
+    fixed = [{k: v for k, v in row.items() if k in ("half", "brain", "length", "pair")} for row in memory]
+    stacked = RunResult(fixed).stack()
+    assert stacked["half"].dtype == torch.float16 and stacked["half"].shape == (n, 4)
+    assert stacked["brain"].dtype == torch.bfloat16 and torch.equal(stacked["brain"],
+                                                                    torch.stack([r["brain"] for r in memory]))
+    assert stacked["pair"][1].dtype == torch.int32 and stacked["pair"][1].shape == (n, 2)
+    table_memory, table_stored = memory.to_arrow(), stored.to_arrow()
+    assert table_memory.num_rows == table_stored.num_rows == n
+    assert table_stored.column_names == ["position", "half", "brain", "tokens", "ids", "length", "label", "pair_0",
+                                         "pair_1"]
+    assert table_stored.column("position").to_pylist() == list(range(n))
+    assert table_memory.column("label").to_pylist() == table_stored.column("label").to_pylist()
+
+
+def test_stacking_names_the_inputs_without_a_result(tokenizer, texts, tmp_path):
+    from runner_helpers import _fails_at
+
+    loader = _load(texts[:20], tokenizer)
+    position = int(loader.batch_sampler.batches[0][1])
+    fn = _fails_at(lambda b: b["attention_mask"].sum(1).float(), position)
+    for result in (run(fn, loader, on_oom="skip", progress=False),
+                   run(fn, loader, on_oom="skip", output_path=tmp_path / "s", progress=False)):
+        assert result[position] is None and result.failed == [position]
+        with pytest.raises(ValueError, match=rf"every input should have a result to stack them, but got 1 inputs "
+                           rf"without one \(positions {position}; see \.failed\)"):
+            result.stack()
+        assert result.to_arrow().column("output").null_count == 1
+
+
+def test_pyarrow_pandas_polars_and_datasets_read_the_store_as_it_is(tokenizer, texts, tmp_path):
+    import datasets
+    import pandas as pd
+    import polars as pl
+    import pyarrow.dataset as ds
+
+    path = tmp_path / "store"
+    ids = [f"doc-{i}" for i in range(40)]
+    result = run(lambda b: {"embedding": b["input_ids"][:, :3].to(torch.float16), "length": b["attention_mask"].sum(1)},
+                 _load(texts[:40], tokenizer, ids=ids), output_path=path, progress=False)
+    table = ds.dataset(path).to_table()
+    assert sorted(table.column_names) == ["embedding", "id", "input_hash", "length", "position"]
+    assert str(table.schema.field("embedding").type) == "fixed_size_list<element: halffloat>[3]"
+    frame = pd.read_parquet(path).sort_values("position")
+    assert frame["id"].tolist() == ids and frame["length"].tolist() == [int(r["length"]) for r in result]
+    assert np.array_equal(np.stack(frame["embedding"].to_numpy()), result.numpy()["embedding"])
+    polars = pl.read_parquet(path).sort("position")  # only Parquet files in it: polars reads the folder
+    assert polars["id"].to_list() == ids and isinstance(polars["embedding"].dtype, pl.Array)
+    assert polars["embedding"].dtype.shape == (3,)
+    hf = datasets.load_dataset("parquet", data_files=str(path / "*.parquet"), split="train")
+    assert sorted(hf["id"]) == sorted(ids) and len(hf) == 40
+
+
+def test_batch_out_of_memory_error_pickles_with_either_result(both):
+    import pickle
+
+    from dynabatch import BatchOutOfMemoryError
+    from dynabatch.inference.report import RunReport
+
+    memory, stored = both
+    for partial in (RunResult([1, None], report=RunReport()), stored):
+        error = pickle.loads(pickle.dumps(BatchOutOfMemoryError("input position 1 ran out", position=1,
+                                                                partial=partial)))
+        assert str(error) == "input position 1 ran out" and error.position == 1
+        assert len(error.partial) == len(partial) and type(error.partial) is type(partial)
+    _equal(error.partial[4], memory[4])  # the stored result still reads its rows after the round trip
