@@ -115,11 +115,8 @@ def _holds_batched(value: Any, n: int) -> bool:
     """Whether a container is made of batch-first tensors (``hidden_states``), so it splits per element."""
     if isinstance(value, PerRow):
         return False
-    if isinstance(value, Mapping):
-        return any(_batch_first(v, n) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return any(_batch_first(v, n) for v in value) and all(_batch_first(v, n) or v is None for v in value)
-    return False
+    items = list(value.values()) if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else []
+    return any(_batch_first(v, n) for v in items) and all(_batch_first(v, n) or v is None for v in items)
 
 
 def _is_integer(value: torch.Tensor | np.ndarray) -> bool:

@@ -155,6 +155,8 @@ def test_containers_give_each_row_its_own_slices():
 def test_one_item_per_row_and_what_is_refused():
     assert split_rows(None, RIGHT) == [None, None]
     assert split_rows(["a", "b"], RIGHT) == ["a", "b"]
+    per_row = [{"vector": torch.zeros(2), "ids": torch.tensor([1, 2, 3])}, {"vector": torch.ones(2), "ids": None}]
+    assert [r["vector"].tolist() for r in split_rows(per_row, RIGHT)] == [[0, 0], [1, 1]]  # dicts: one per row
     replies = [torch.tensor([1, 2]), torch.tensor([3])]  # the first has as many items as the batch has rows
     assert [r.tolist() for r in split_rows(replies, RIGHT)] == [[1, 2], [3]]  # not all batch-first: one per row
     square = [torch.zeros(2, 4), torch.ones(2, 4)]
