@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=1, help="training epochs per run")
     parser.add_argument("--max-rows", type=int, default=64, help="dynabatch: rows per micro-batch at most")
     parser.add_argument("--task-diversity-weight", type=float, default=0.5,
-                        help="dynabatch: 0 single-task micro-batches ... 1 the global task mix (seed 001: 0.5)")
+                        help="dynabatch: 0 single-task micro-batches ... 1 the global task mix (the multi-task system: 0.5)")
     parser.add_argument("--sort-window", type=int, default=None,
                         help="dynabatch: sort each task's samples by length within windows of this many")
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs of each; medians are shown")

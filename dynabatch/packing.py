@@ -1,4 +1,4 @@
-"""Sequence packing for training: axolotl's multipack API (seed 004), packed collation and loss helpers.
+"""Sequence packing for training: axolotl's multipack API, packed collation and loss helpers.
 
 A thin facade over:
 

@@ -1,4 +1,4 @@
-"""Memory-aware multi-task training of a small real model on CPU (seed 001's pipeline).
+"""Memory-aware multi-task training of a small real model on CPU (the multi-task system's pipeline).
 
 Three tasks of real text whose samples cost very different memory:
 ``joke`` (pyjokes, short), ``verse`` (one KJV verse) and ``passage`` (several

@@ -1,4 +1,4 @@
-"""Training with bionemo's size-aware batching and a calibrated memory model (seed 002's recipe, on the CPU).
+"""Training with bionemo's size-aware batching and a calibrated memory model (bionemo's recipe, on the CPU).
 
 bionemo's three steps, on a real small model's training step:
 

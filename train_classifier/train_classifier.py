@@ -11,7 +11,7 @@ where the physics is certain: more rows, more tokens or longer rows in the
 candidate never need less memory (+1); a larger first batch never has a smaller
 peak, so it never makes a spike likelier (-1).
 
-Two classifiers are trained: over the spec's 13 ratio features
+Two classifiers are trained: over dynabatch 0.1.6's 13 ratio features
 (``classifier.pkl``, used when the planner knows nothing of the model) and over
 those and ``memory_ratio_estimate``, from the model's shape
 (``classifier-shape.pkl``, used when the user passes a ``ModelShape``). The
@@ -249,7 +249,7 @@ def write_report(path: Path, files: list[Path], rows: pd.DataFrame, results: dic
         "",
         "## Before / after: the model's shape (leave-one-family-out)",
         "",
-        ("*13*: the spec's ratio features, what the planner uses when it is told nothing of the model. "
+        ("*13*: dynabatch 0.1.6's ratio features, what the planner uses when it is told nothing of the model. "
         "*+shape*: with `memory_ratio_estimate`, from `ModelShape.from_model(model, max_new_tokens=..., "
         "num_beams=...)` passed as `model_shape=` (see `dynabatch/memory/features.py`)."),
         "",

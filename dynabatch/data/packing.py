@@ -22,8 +22,8 @@ Rows shorter than the widest are padded with ``pad_token_id``; the padding is
 its own "sequence" (positions from 0, labels -100, attending only to itself),
 so it never touches real tokens. Without ``block_mask`` only flash-attention
 (which reads ``cu_seq_lens``) keeps the sequences of a row apart: with eager or
-sdpa attention a row is then one long causal sequence (checked on transformers
-5.23: Llama and GPT-2 logits differ by up to 0.5), so pass ``block_mask`` there.
+sdpa attention a row is then one long causal sequence (the logits of its later
+sequences change), so pass ``block_mask`` there.
 
 Example:
     >>> from dynabatch.data.packing import PackedCollator

@@ -272,7 +272,7 @@ def build_dynamic_batch_dataloader(
         model_shape: what the planner may know of the model and the call,
             ``ModelShape.from_model(model, max_new_tokens=..., num_beams=...)``:
             plans with the shape-aware classifier, safer and larger batches on
-            models unlike the profiled ones. ``None``: the spec's 13 features.
+            models unlike the profiled ones. ``None``: dynabatch 0.1.6's 13 features.
         seed: seeds the shuffled order.
         progress: show a progress bar while tokenizing.
         memory_model: a calibrated ``MemoryModel`` (``dynabatch.calibrate`` or
@@ -319,9 +319,9 @@ def build_dynamic_batch_dataloader(
     How safe the plan is depends on how it is run. The plan itself is an
     estimate: the bundled spike classifier predicts which batch sizes stay
     under 90% of the first batch's peak, and on models unlike the profiled
-    ones it can be wrong (held out, greedy ``generate`` over a large
-    vocabulary went up to 2.8x over the first batch's peak; see
-    ``benchmarks/RESULTS.md``). So a plain loop, ``for batch in loader:
+    ones it can be wrong (greedy ``generate`` over a large vocabulary can
+    peak well above the first batch; ``docs/benchmarks.md`` has the figures).
+    So a plain loop, ``for batch in loader:
     model.generate(**batch)``, runs that estimate as it is. The safe ways:
 
     * ``dynabatch.run(fn, loader)``: by default each batch's peak is measured

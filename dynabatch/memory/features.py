@@ -12,7 +12,7 @@ the longest row, ``total_tokens`` the real tokens, ``paddings`` the pad cells
 Every ratio is finite for every batch the planner can meet: token ratios divide
 by at least 1, and the padding ratio is smoothed, ``(paddings_y + 1) /
 (paddings_x + 1)``, so a first batch without padding (every text cut at the
-token limit) no longer makes the ratio infinite; it stays ordered by the
+token limit) does not make the ratio infinite; it stays ordered by the
 candidate's padding.
 
 Example:

@@ -1,10 +1,10 @@
-"""Packing functions with axolotl's names and signatures (seed 004).
+"""Packing functions with axolotl's names and signatures.
 
 ``ffd_check``, ``pack_group``, ``pack_parallel`` and ``allocate_sequentially``
 keep the reference's argument order, defaults and return shapes; they refuse a
 sequence longer than the bin instead of packing it alone in an over-full bin.
 
-``pack_group`` and ``pack_parallel`` no longer pack first-fit-decreasing by
+``pack_group`` and ``pack_parallel`` do not pack first-fit-decreasing by
 default: under the ``bin_size`` cap, FFD leaves the shortest sequences for
 last and opens nearly empty bins of ``bin_size`` of them (0.90 efficiency on
 real short text). Each group is packed first fit in a seeded shuffled order,

@@ -7,8 +7,7 @@ first fit, in a shuffled order (as axolotl does since 2025) or longest first
 (first-fit decreasing, FFD, as axolotl did before) when that needs fewer bins,
 so it never needs more bins than either (``algorithm="ffd"`` keeps the exact
 FFD bins; see :mod:`dynabatch.sampling._ffd_kernels`). The functions and the
-sampler keep axolotl's names, argument order, defaults and return shapes
-(seed 004).
+sampler keep axolotl's names, argument order, defaults and return shapes.
 
 What this implementation adds to the reference:
 

@@ -285,7 +285,7 @@ def plan_batches(
         model_shape: the model and call (:meth:`ModelShape.from_model
             <dynabatch.memory.shape.ModelShape.from_model>`); plans with the
             shape-aware classifier, which holds on more model families (see
-            ``train_classifier/REPORT.md``). ``None``: the spec's 13 features.
+            ``train_classifier/REPORT.md``). ``None``: dynabatch 0.1.6's 13 features.
 
     Returns:
         One int64 array of input positions per batch, longest texts first;

@@ -1,4 +1,4 @@
-"""Collation of samples from different tasks (seed 001's ``HeterogeneousCollator``).
+"""Collation of samples from different tasks (the multi-task system's ``HeterogeneousCollator``).
 
 Samples of a multi-task dataset carry different fields and lengths. The
 collator pads every variable-length field (lists of numbers or 1-D tensors) to

@@ -1,4 +1,4 @@
-"""A small map-style multi-task dataset with seed 001's ``get_sample_metadata``.
+"""A small map-style multi-task dataset with the multi-task system's ``get_sample_metadata``.
 
 Example:
     >>> from dynabatch.training.dataset import MultiTaskDataset

@@ -85,7 +85,7 @@ class GradNormBalancer:
 
     Args:
         parameter: the shared parameter ``W`` whose gradient norms are compared.
-        alpha: GradNorm's asymmetry (1.5 in seed 001).
+        alpha: GradNorm's asymmetry (1.5 in the multi-task system).
         lr: step size of the weight update.
     """
 

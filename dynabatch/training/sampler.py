@@ -1,4 +1,4 @@
-"""Memory-aware multi-task batch sampler (seed 001's ``MemoryAwareBatchSampler``).
+"""Memory-aware multi-task batch sampler (the multi-task system's ``MemoryAwareBatchSampler``).
 
 A thin ``torch.utils.data`` batch sampler over
 :func:`dynabatch.sampling.memory_aware.plan_memory_aware_batches`, built on

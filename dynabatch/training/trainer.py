@@ -1,4 +1,4 @@
-"""``DynamicBatchingTrainer``: HF ``Trainer`` with memory-aware multi-task steps (seed 001).
+"""``DynamicBatchingTrainer``: HF ``Trainer`` with memory-aware multi-task steps (the multi-task system's trainer).
 
 Each item of the training dataloader is one optimizer step: micro-batches
 planned under the memory budget by :class:`~dynabatch.MemoryAwareBatchSampler`,

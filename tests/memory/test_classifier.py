@@ -271,7 +271,7 @@ def test_the_compiled_trees_do_not_depend_on_the_scikit_learn_version(bundled_co
 
 def _users_classifier(folder, shape=False):
     """A user's own classifier copied into the package folder as train_classifier/ writes it, but for the .npz:
-    an estimator over the spec's features (14 with shape), its pickle and its .json."""
+    an estimator over dynabatch 0.1.6's features (14 with shape), its pickle and its .json."""
     import sklearn
 
     from dynabatch.memory.classifier_fit import new_classifier

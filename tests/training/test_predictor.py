@@ -61,7 +61,7 @@ def test_estimate_training_memory_from_the_predictor():
     assert est["samples_per_task"] == {"a": 2500, "b": 2500}
     assert est["per_batch_mb"] == pytest.approx(5 + 0.5 * 0.1 * 16 * 16 + 0.5 * 0.3 * 16 * 16, rel=1e-6)
     assert est["estimated_peak_memory_mb"] == pytest.approx(5 + 0.3 * 16 * 16, rel=1e-6)  # all-b batch
-    # seed 001's call passes no predictor: the one that last measured is used, and its numbers come back
+    # the multi-task system's call passes no predictor: the one that last measured is used, and its numbers come back
     bare = estimate_training_memory(5000, {"a": 1.0}, 16, 3)
     assert bare["per_batch_mb"] == pytest.approx(5 + 0.1 * 16 * 16, rel=1e-6) and bare["batches_per_epoch"] == 313
     assert f"Per batch: {bare['per_batch_mb']:.0f}MB" == "Per batch: 31MB"
@@ -105,7 +105,7 @@ def test_unmeasured_task_and_bad_records_are_named():
 
 
 def test_calibration_on_a_real_training_step_is_within_ten_percent(one_thread, tokenizer):
-    """Seed 001's target: < 10% error per task after 10 measured batches on the test model."""
+    """The multi-task system's target: < 10% error per task after 10 measured batches on the test model."""
     from transformers import BertConfig, BertForMaskedLM
 
     from dynabatch.demo import joke_texts, kjv_passages

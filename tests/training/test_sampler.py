@@ -1,4 +1,4 @@
-"""MemoryAwareBatchSampler: seed 001's call, metadata, budget, epochs, resume, ranks and bad input."""
+"""MemoryAwareBatchSampler: the multi-task system's call, metadata, budget, epochs, resume, ranks and bad input."""
 
 import pytest
 
@@ -7,7 +7,7 @@ from dynabatch.multitask import MemoryPredictor
 
 
 class _Data:
-    """A dataset with seed 001's get_sample_metadata (task and number of images, as in the seed)."""
+    """A dataset with the multi-task system's get_sample_metadata (task and number of images, as in its docs)."""
 
     def __init__(self, n=60):
         self.samples = [{"subject_id": [i, i + 1] if i % 3 == 0 else i, "length": 8 + i % 24} for i in range(n)]
@@ -35,7 +35,7 @@ def predictor():
 
 
 def test_the_seed_call_before_any_measurement_plans_every_index_by_batch_size_and_warns_once(predictor, caplog):
-    # seed 001's call, with a measured predictor in the process that the sampler must not pick up by itself
+    # the multi-task system's call, with a measured predictor in the process that the sampler must not pick up by itself
     data = _Data()
     with caplog.at_level("WARNING", logger="dynabatch.training.sampler"):
         sampler = MemoryAwareBatchSampler(dataset=data, batch_size=16, max_memory_mb=30000, shuffle=True,

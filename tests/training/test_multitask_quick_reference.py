@@ -1,4 +1,4 @@
-"""Seed 001's Quick Reference, call by call, with ``dynabatch`` in place of its modules.
+"""The multi-task system's Quick Reference, call by call, with ``dynabatch`` in place of its modules.
 
 Differences, all forced by this machine: the guardian runs on ``"cpu"`` (no CUDA here to ask for free
 memory), and the predictor is first given measurements (it has no built-in table to predict from).
