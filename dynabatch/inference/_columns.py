@@ -277,7 +277,8 @@ def _to_arrow(parts: list[_Part], spec: _Spec) -> pa.Array:
     """One Arrow array from the parts of several batches (concatenated once); rows without a value are nulls."""
     rows = sum(p.rows for p in parts)
     if spec.kind in ("scalar", "values"):
-        arrays = [p.values if p.values is not None else pa.nulls(p.rows, spec.arrow_type()) for p in parts]
+        kind = spec.arrow_type()  # parts converted before the column settled hold nulls (or lists of them): cast
+        arrays = [pa.nulls(p.rows, kind) if p.values is None else p.values.cast(kind) for p in parts]
         return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
     filled = [p for p in parts if p.values is not None]
     if not filled:

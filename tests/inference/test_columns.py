@@ -191,8 +191,9 @@ def test_layouts_of_shards_before_and_after_a_column_settled_merge_into_the_type
     assert Layout.merge([typed, Layout.infer([{"vec": torch.ones(3), "ids": [1]}])]) is None  # typed otherwise
     assert Layout.merge([typed, Layout.infer([{"other": None, "ids": [1]}])]) is None  # another structure
     lists = Layout.infer([[], []])  # lists empty so far: their items' type settles too
-    lists.convert([[1, None, 2], None])
+    parts = [lists.convert([[], []]), lists.convert([[1, None, 2], None])]
     assert str(lists.fields()[0].type) == "list<item: int64>"
+    assert decode_rows(lists, lists.to_arrow(parts)) == [[], [], [1, None, 2], None]
 
 
 def test_a_container_where_a_column_was_none_in_every_row_is_refused_with_what_to_return():
