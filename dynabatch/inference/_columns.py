@@ -14,12 +14,16 @@ input) maps to columns, and how each column stores its values:
   and comes back as ``bfloat16``, exactly; ``float16`` stays ``float16``;
 * ``int``, ``float``, ``bool``, ``str`` and ``None`` as Arrow scalars.
 
-A tensor column's first dimension varies by row (is *ragged*) when its dtype is
-not a float (token ids, tags), when it has two or more dimensions, when rows
-of the first batch differ in it, or when it equals every row's number of real
-tokens (a per-token output); else the shape is fixed (an embedding, logits),
-and a later row of another shape raises ``ValueError``. A batch's rows are converted column by
-column (one ``torch.stack`` or ``torch.cat`` per column), not value by value.
+A column's type settles at its first value that is not ``None``: a column ``None`` in every row so far is
+*untyped* (Arrow ``null``, or a list of ``null`` for empty lists) and takes the type of the first batch with a
+value (:meth:`Layout.convert`); after that ``None`` is allowed in any row (a null). Layouts of shards stored
+before and after a column settled merge into the settled one (:meth:`Layout.merge`).
+
+A tensor column's first dimension varies by row (is *ragged*) when its dtype is not a float (token ids, tags),
+when it has two or more dimensions, when the rows of the first batch with values differ in it, or when it equals
+every row's number of real tokens (a per-token output); else the shape is fixed (an embedding, logits), and a
+later row of another shape raises ``ValueError``. A batch's rows are converted column by column (one
+``torch.stack`` or ``torch.cat`` per column), not value by value.
 
 Example:
     >>> import torch
@@ -130,6 +134,15 @@ class _Spec:
     def __post_init__(self) -> None:
         self.ragged = bool(self.shape) and self.shape[0] is None
 
+    @property
+    def untyped(self) -> bool:
+        """``None`` (or empty lists) in every row so far: the type is not known yet."""
+        return self.dtype == "null"
+
+    def settles(self, other: _Spec) -> bool:
+        """Whether this spec is ``other`` with a type where ``other`` is still untyped."""
+        return other.untyped and not self.untyped and (other.kind == "scalar" or other.kind == self.kind == "values")
+
     def arrow_type(self) -> pa.DataType:
         if self.kind == "scalar":
             return _ARROW_SCALARS[self.dtype]
@@ -161,6 +174,8 @@ def _infer_spec(values: list, name: str, real_lengths: np.ndarray | None) -> _Sp
     present = [v for v in values if v is not None]
     if not present:
         return _Spec("scalar", "null")
+    if real_lengths is not None and len(present) < len(values):  # the real tokens of the rows with a value
+        real_lengths = np.asarray(real_lengths)[[v is not None for v in values]]
     sample = present[0]
     if isinstance(sample, torch.Tensor):
         return _array_spec(present, "tensor", name, real_lengths)
@@ -192,15 +207,17 @@ def _kinds(values: list, name: str, stored: str | None = None) -> set[str]:
 
 @dataclass
 class _Part:
-    """One batch's values of one column, checked against its spec: numpy values (``(rows, *shape)``, or for a ragged
-    column every row's values, ``(total, *shape[1:])``, with ``lengths``), or an Arrow array of scalars or lists."""
+    """One batch's values of one column, checked against its spec: numpy values of the rows with one (``(rows, *shape)``,
+    ragged: ``(total, *shape[1:])`` with ``lengths``), Arrow scalars or lists, or ``None``; ``valid``: rows with one."""
 
     values: Any
+    rows: int
     lengths: np.ndarray | None = None
+    valid: np.ndarray | None = None
 
     @property
     def nbytes(self) -> int:
-        return int(self.values.nbytes) + (self.lengths.nbytes if self.lengths is not None else 0)
+        return sum(int(a.nbytes) for a in (self.values, self.lengths, self.valid) if a is not None)
 
 
 def _convert_array(values: list, spec: _Spec, name: str) -> _Part:
@@ -208,8 +225,8 @@ def _convert_array(values: list, spec: _Spec, name: str) -> _Part:
     kind = torch.Tensor if tensor else (np.ndarray, np.generic)
     if not all(isinstance(v, kind) for v in values):
         v = next(v for v in values if not isinstance(v, kind))
-        raise TypeError(f"{name} should be a {'tensor' if tensor else 'numpy array'} in every row, as stored, "
-                        f"but got {type(v).__name__}" + (" (None)" if v is None else ""))
+        raise TypeError(f"{name} should be a {'tensor' if tensor else 'numpy array'} or None in every row, as "
+                        f"stored, but got {type(v).__name__}")
     fixed = tuple(spec.shape[1:] if spec.ragged else spec.shape)
     dtypes = {v.dtype for v in values}
     shapes = {tuple(v.shape[1:]) if spec.ragged else tuple(v.shape) for v in values} if tensor else \
@@ -232,36 +249,53 @@ def _convert_array(values: list, spec: _Spec, name: str) -> _Part:
         arrays = [np.asarray(v) for v in values]
         array = np.concatenate(arrays) if spec.ragged else np.stack(arrays)
     lengths = np.fromiter((np.shape(v)[0] for v in values), dtype=np.int64, count=len(values)) if spec.ragged else None
-    return _Part(array, lengths)
+    return _Part(array, len(values), lengths)
 
 
 def _convert(values: list, spec: _Spec, name: str) -> _Part:
+    if spec.kind == "scalar" and spec.untyped:  # every value None (Layout.convert typed any other)
+        return _Part(None, len(values), valid=np.zeros(len(values), dtype=bool))
     if spec.kind in ("tensor", "ndarray"):
-        return _convert_array(values, spec, name)
+        valid = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
+        if valid.all():
+            return _convert_array(values, spec, name)
+        if not valid.any():
+            return _Part(None, len(values), valid=valid)
+        part = _convert_array([v for v in values if v is not None], spec, name)
+        return _Part(part.values, len(values), part.lengths, valid)
     if spec.kind == "values" and not all(v is None or isinstance(v, list) for v in values):
         bad = next(v for v in values if v is not None and not isinstance(v, list))
         raise TypeError(f"{name} should be a list in every row, as stored, but got {type(bad).__name__}")
     _kinds(values, name, spec.dtype)
     try:
-        return _Part(pa.array(values, type=spec.arrow_type()))
+        return _Part(pa.array(values, type=spec.arrow_type()), len(values))
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
         raise TypeError(f"{name} should be {spec.dtype} values in every row, as stored, but got {exc}") from exc
 
 
 def _to_arrow(parts: list[_Part], spec: _Spec) -> pa.Array:
-    """One Arrow array from the parts of several batches (concatenated once, not batch by batch)."""
+    """One Arrow array from the parts of several batches (concatenated once); rows without a value are nulls."""
+    rows = sum(p.rows for p in parts)
     if spec.kind in ("scalar", "values"):
-        return parts[0].values if len(parts) == 1 else pa.concat_arrays([p.values for p in parts])
-    values = parts[0].values if len(parts) == 1 else np.concatenate([p.values for p in parts])
+        kind = spec.arrow_type()  # parts converted before the column settled hold nulls (or lists of them): cast
+        arrays = [pa.nulls(p.rows, kind) if p.values is None else p.values.cast(kind) for p in parts]
+        return arrays[0] if len(arrays) == 1 else pa.concat_arrays(arrays)
+    filled = [p for p in parts if p.values is not None]
+    if not filled:
+        return pa.nulls(rows, spec.arrow_type())
+    values = filled[0].values if len(filled) == 1 else np.concatenate([p.values for p in filled])
     array = pa.array(values.reshape(-1))
     for size in reversed(spec.shape[1:] if spec.ragged else spec.shape):
         array = pa.FixedSizeListArray.from_arrays(array, size)
     if spec.ragged:
-        lengths = np.concatenate([p.lengths for p in parts])
+        lengths = np.concatenate([p.lengths for p in filled])
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         array = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), array)
-    return array
+    if all(p.valid is None for p in parts):
+        return array
+    valid = np.concatenate([p.valid if p.valid is not None else np.ones(p.rows, dtype=bool) for p in parts])
+    return array.take(pa.array(np.cumsum(valid) - 1, mask=~valid))  # the values spread over their rows, nulls between
 
 
 class Layout:
@@ -286,12 +320,36 @@ class Layout:
             raise ValueError(f"fn(batch) rows should give distinct column names, but got {names}; rename the keys")
         return cls(tree, {name: _infer_spec(values, name, real_lengths) for name, values in columns.items()})
 
-    def convert(self, rows: Sequence[Any]) -> dict[str, _Part]:
+    @property
+    def untyped(self) -> set[str]:
+        """The columns whose type is not known yet (``None`` in every row so far)."""
+        return {name for name, spec in self.specs.items() if spec.untyped}
+
+    def convert(self, rows: Sequence[Any], real_lengths: np.ndarray | None = None) -> dict[str, _Part]:
         """Each column's values of ``rows``, checked (``ValueError`` / ``TypeError`` for rows that do not fit), as
-        numpy arrays: one conversion per column, not per value."""
+        numpy arrays: one conversion per column, not per value. An untyped column with a value in ``rows`` takes
+        its type here (``real_lengths``: each row's real tokens, as for :meth:`infer`)."""
         columns: dict[str, list] = {}
         _gather(self.tree, list(rows), "output", columns)
+        for name, spec in self.specs.items():
+            if spec.untyped:
+                self.specs[name] = _settle(spec, columns[name], name, real_lengths)
         return {name: _convert(columns[name], spec, name) for name, spec in self.specs.items()}
+
+    @classmethod
+    def merge(cls, layouts: Sequence[Layout]) -> Layout | None:
+        """The layout of rows stored under ``layouts`` (shards written before and after columns settled): each
+        column's type where any of them has one; ``None`` when they differ otherwise."""
+        merged = cls(layouts[0].tree, dict(layouts[0].specs))
+        for layout in layouts[1:]:
+            if layout.tree != merged.tree or list(layout.specs) != list(merged.specs):
+                return None
+            for name, spec in layout.specs.items():
+                if spec.settles(merged.specs[name]):
+                    merged.specs[name] = spec
+                elif spec != merged.specs[name] and not merged.specs[name].settles(spec):
+                    return None
+        return merged
 
     def to_arrow(self, parts: Sequence[dict[str, _Part]]) -> dict[str, pa.Array]:
         """One Arrow array per column from :meth:`convert`'s parts of one or more batches."""
@@ -316,8 +374,22 @@ class Layout:
         return isinstance(other, Layout) and self.to_json() == other.to_json()
 
     def describe(self) -> str:
-        return ", ".join(f"{name}: {spec.kind} {spec.dtype}{tuple(spec.shape) if spec.shape else ''}"
-                         for name, spec in self.specs.items()).replace("None", "n")
+        return ", ".join(f"{name}: " + ("None so far" if spec.untyped else f"{spec.kind} {spec.dtype}"
+                                        + (str(tuple(spec.shape)).replace("None", "n") if spec.shape else ""))
+                         for name, spec in self.specs.items())
+
+
+def _settle(spec: _Spec, values: list, name: str, real_lengths: np.ndarray | None) -> _Spec:
+    """The spec of an untyped column once ``values`` (one batch's) come: their type if any is not ``None``."""
+    if spec.kind == "values":  # lists that were empty or held only None: their items' kind, once one shows
+        kinds = _kinds(values, name) if all(v is None or isinstance(v, list) for v in values) else set()
+        return _Spec("values", kinds.pop()) if kinds else spec
+    nested = [v for v in values if isinstance(v, (tuple, Mapping)) or (isinstance(v, list) and not _is_leaf_list(v))]
+    if nested:
+        kind = type(nested[0]).__name__
+        raise ValueError(f"{name} should be one value (a column) in every row, as stored: it was None in every row "
+                         f"before, but got a {kind}; return the {kind} in every row, with None inside where empty")
+    return _infer_spec(values, name, real_lengths)
 
 
 def _leaf_names(node: Any) -> list[str]:

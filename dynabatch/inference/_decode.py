@@ -88,6 +88,9 @@ def decode_rows(layout: Layout, columns: Mapping[str, Any]) -> list:
 
 
 def _stacked(array: pa.Array, spec: _Spec, name: str, as_tensor: bool) -> Any:
+    if array.null_count:
+        raise ValueError(f"{name} should have a value in every row to stack, but got None in {array.null_count} "
+                         "rows; read rows one by one or use to_arrow()")
     if spec.kind == "values":
         lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
         if len(lengths) and (lengths != lengths[0]).any():

@@ -10,10 +10,17 @@ aside under a hidden ``.torn-`` name, with a warning, and its rows run again.
 Each shard's Arrow schema metadata (key ``dynabatch``) holds the store's
 format, the run's key, what rows are keyed by and the output layout, so every
 shard describes itself.
+
+A column ``None`` in every row of a shard, before its type settled, is stored
+as Arrow ``null``. Once a later shard gives it a type, the shards stored
+before are rewritten with that type (their nulls cast, the same way atomically:
+:func:`settle_shards`), by the writer that settled it and by every store
+opened on the directory, so readers see one schema.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -30,7 +37,7 @@ from dynabatch._malloc import trim
 from dynabatch.inference._columns import Layout
 
 __all__ = ["META", "SHARD_BYTES", "SHARD_ROWS", "SHARD_SECONDS", "StoreWriter", "own_entry", "remove_dead_temps",
-           "shard_meta"]
+           "settle_shards", "shard_meta"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +108,37 @@ def shard_meta(path: str, file: str) -> dict | None:
     return json.loads(metadata[META])
 
 
+def _write_atomically(table: pa.Table, path: str, name: str) -> None:
+    """Writes ``table`` as shard ``name`` of the store at ``path``: a temporary file, fsynced, renamed into place."""
+    temp = os.path.join(path, f".tmp-{_HOST}-{os.getpid()}-{name}")
+    keys = ["position", "id"] if "id" in table.column_names else ["position"]
+    pq.write_table(table, temp, use_dictionary=keys[1:] or False, write_statistics=keys)  # floats: neither pays
+    _fsync_path(temp)
+    os.replace(temp, os.path.join(path, name))
+    _fsync_path(path)  # the rename itself survives a crash
+
+
+def settle_shards(path: str, layout: Layout, shards: list[tuple[str, dict]] | None = None) -> None:
+    """Rewrites the shards (``(file, metadata)`` each; ``None``: every shard at ``path``) stored while columns that
+    ``layout`` has a type for were untyped: their null columns cast to that type, their metadata given ``layout``."""
+    if shards is None:
+        files = sorted(glob.glob(os.path.join(glob.escape(path), "part-*.parquet")))
+        shards = [(file, meta) for file in files if (meta := shard_meta(path, file)) is not None]
+    text = layout.to_json()
+    for file, meta in shards:
+        if meta.get("layout") == text or Layout.merge([Layout.from_json(meta["layout"]), layout]) != layout:
+            continue  # as typed as the layout already, or typed otherwise (the store refuses that when opened)
+        table = pq.read_table(file)
+        types = {f.name: f.type for f in layout.fields()}
+        columns = [column.cast(types[name]) if name in types else column
+                   for name, column in zip(table.column_names, table.columns)]
+        schema = pa.schema([pa.field(name, column.type) for name, column in zip(table.column_names, columns)],
+                           metadata={META: json.dumps({**meta, "layout": text})})
+        _write_atomically(pa.Table.from_arrays(columns, schema=schema), path, os.path.basename(file))
+        logger.info("output_path=%r: %s rewritten with the types its None-only columns settled to", path,
+                    os.path.basename(file))
+
+
 class StoreWriter:
     """Buffers finished rows and commits them as shards: :meth:`write`, :meth:`flush`, :meth:`close`.
 
@@ -108,26 +146,36 @@ class StoreWriter:
     run goes on (one shard in flight at most: the next waits for it); rows are
     checked and converted to numpy in :meth:`write`, so a row Arrow cannot
     store raises at once, and become Arrow columns once per shard. A small object with no reference to the run, so that a worker can own it.
+
+    Attributes:
+        layout: the rows' :class:`~dynabatch.inference._columns.Layout` once
+            every column's type is known; ``None`` before (a column ``None`` in
+            every row so far still wants the rows' real tokens, to tell a
+            per-token output when its first values come).
     """
 
     def __init__(self, path: str, meta: dict, layout: Layout | None, ids: pa.Array | None, *, rank: int = 0) -> None:
-        self.path, self.meta, self.layout, self.ids = path, meta, layout, ids
+        self.path, self.meta, self._layout, self.ids = path, meta, layout, ids
+        self._untyped = layout.untyped if layout is not None else set()  # columns untyped in the shards so far
         self.name = f"{time.strftime('%Y%m%dT%H%M%S')}_{uuid.uuid4().hex[:8]}_rank{rank}"
         self.seq = 0
         self.buffer: list[tuple] = []  # (positions, input hashes, each column's part) per batch
         self.rows = self.bytes = 0
         self.since: float | None = None
-        self.schema: pa.Schema | None = None
         self.shards_written = 0
         self._thread: ThreadPoolExecutor | None = None  # writes one shard at a time, beside the run
         self._pending: Future | None = None
 
-    def _schema(self) -> pa.Schema:
+    @property
+    def layout(self) -> Layout | None:
+        return self._layout if self._layout is not None and not self._layout.untyped else None
+
+    def _schema(self, layout: Layout) -> pa.Schema:
         fields = [pa.field("position", pa.int64())]
         if self.ids is not None:
             fields.append(pa.field("id", self.ids.type))
-        fields += [pa.field("input_hash", pa.uint64()), *self.layout.fields()]
-        return pa.schema(fields, metadata={META: json.dumps({**self.meta, "layout": self.layout.to_json()})})
+        fields += [pa.field("input_hash", pa.uint64()), *layout.fields()]
+        return pa.schema(fields, metadata={META: json.dumps({**self.meta, "layout": layout.to_json()})})
 
     def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray, real_lengths: np.ndarray | None = None
               ) -> None:
@@ -139,14 +187,13 @@ class StoreWriter:
         """
         if not len(positions):
             return
-        if self.layout is None:
-            self.layout = Layout.infer(rows, real_lengths)
+        if self._layout is None:
+            self._layout = Layout.infer(rows, real_lengths)
+            self._untyped = self._layout.untyped
         try:
-            parts = self.layout.convert(rows)
+            parts = self._layout.convert(rows, real_lengths)
         except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{exc} (output_path={self.path!r} stores rows as {self.layout.describe()})") from exc
-        if self.schema is None:
-            self.schema = self._schema()
+            raise type(exc)(f"{exc} (output_path={self.path!r} stores rows as {self._layout.describe()})") from exc
         positions = np.asarray(positions, dtype=np.int64)
         self.buffer.append((positions, np.asarray(hashes, dtype=np.uint64), parts))
         self.rows += len(positions)
@@ -162,32 +209,36 @@ class StoreWriter:
         buffer, name = self.buffer, f"part-{self.name}-{self.seq:05d}.parquet"
         self.seq += 1
         self.buffer, self.rows, self.bytes, self.since = [], 0, 0, None
+        layout = Layout.from_json(self._layout.to_json())  # as the buffered rows were converted (write goes on)
         self._wait()
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynabatch-store")
-        self._pending = self._thread.submit(self._commit, buffer, name)
+        self._pending = self._thread.submit(self._commit, buffer, name, layout)
 
-    def _table(self, buffer: list) -> pa.Table:
+    def _table(self, buffer: list, layout: Layout) -> pa.Table:
         """The buffered batches as one table: each column concatenated once."""
         positions = np.concatenate([b[0] for b in buffer])
         keys = [pa.array(positions)] + ([self.ids.take(pa.array(positions))] if self.ids is not None else [])
         hashes = pa.array(np.concatenate([b[1] for b in buffer]))
-        columns = self.layout.to_arrow([b[2] for b in buffer])
-        return pa.Table.from_arrays([*keys, hashes, *columns.values()], schema=self.schema)
+        columns = layout.to_arrow([b[2] for b in buffer])
+        return pa.Table.from_arrays([*keys, hashes, *columns.values()], schema=self._schema(layout))
 
-    def _commit(self, buffer: list, name: str) -> None:
-        """Writes one shard to a temporary name, fsyncs it, renames it into place (Arrow and Parquet's writer release
-        the GIL: this runs beside the next batches)."""
-        table = self._table(buffer)
-        temp = os.path.join(self.path, f".tmp-{_HOST}-{os.getpid()}-{name}")
-        keys = ["position", "id"] if self.ids is not None else ["position"]
-        pq.write_table(table, temp, use_dictionary=keys[1:] or False, write_statistics=keys)  # floats: neither pays
-        _fsync_path(temp)
-        os.replace(temp, os.path.join(self.path, name))
-        _fsync_path(self.path)  # the rename itself survives a crash
+    def _commit(self, buffer: list, name: str, layout: Layout) -> None:
+        """Writes one shard atomically (Arrow and Parquet's writer release the GIL: this runs beside the next
+        batches); the shards stored before are rewritten when a column settled since."""
+        table = self._table(buffer, layout)
+        _write_atomically(table, self.path, name)
         self.shards_written += 1
         del table
         trim()  # the shard's buffers are freed: resident memory stays flat over a long run
+        untyped = layout.untyped
+        if self._untyped - untyped:
+            try:
+                settle_shards(self.path, layout)
+            except (OSError, ValueError, pa.ArrowException) as exc:  # the rows are stored: opening the store retries
+                logger.warning("output_path=%r: shards stored before a column's type settled were not rewritten "
+                               "(%s); opening the store again rewrites them", self.path, exc)
+        self._untyped = untyped
 
     def _wait(self) -> None:
         pending, self._pending = self._pending, None
@@ -207,3 +258,4 @@ class StoreWriter:
             if self._thread is not None:
                 self._thread.shutdown(wait=True)
                 self._thread = None
+

@@ -40,7 +40,7 @@ from dynabatch._digest import row_hashes
 from dynabatch._validation import bad_value
 from dynabatch.inference._columns import Layout
 from dynabatch.inference._queue import positions_of
-from dynabatch.inference._shards import StoreWriter, own_entry, remove_dead_temps, shard_meta
+from dynabatch.inference._shards import StoreWriter, own_entry, remove_dead_temps, settle_shards, shard_meta
 
 __all__ = ["FORMAT", "ResultsStore", "batch_input_hashes", "open_store", "refuse_jsonl", "token_store_hashes"]
 
@@ -145,6 +145,8 @@ class ResultsStore:
                     self.files.append(os.path.join(path, name))
                     metas.append(meta)
         self.layout = self._check(metas)
+        if len({m["layout"] for m in metas}) > 1:  # shards stored before a column's type settled: one schema again
+            settle_shards(path, self.layout, list(zip(self.files, metas)))
         self._index(n)
 
     def _check(self, metas: list[dict]) -> Layout | None:
@@ -167,11 +169,12 @@ class ResultsStore:
             rule = "given (the store keys rows by id)" if stored == ["id"] else "None (the store keys rows by position)"
             raise ValueError(f"the loader's ids should be {rule}, as for the results at output_path={self.path!r}, "
                              f"but got rows keyed by {self.keyed_by}: use the same ids, or another output_path")
-        layouts = {m["layout"] for m in metas}
-        if len(layouts) > 1:
+        layouts = sorted({m["layout"] for m in metas})
+        merged = Layout.merge([Layout.from_json(text) for text in layouts])  # columns that settled in later shards
+        if merged is None:
             raise ValueError(f"output_path={self.path!r} should hold rows of one layout, but got {len(layouts)}: "
-                             f"{sorted(layouts)}; use another output_path")
-        return Layout.from_json(layouts.pop())
+                             f"{layouts}; use another output_path")
+        return merged
 
     def _index(self, n: int | None) -> None:
         """Reads every shard's keys and input hashes: where each of this run's inputs is stored, if it is."""

@@ -50,9 +50,11 @@ What the hook takes care of:
 
 * **Evaluation and prediction.** ``evaluate()`` and ``predict()`` run on the
   inference planner's batches (``eval_batches="dynamic"``, the default): the
-  ``per_device_eval_batch_size`` longest rows first, later batches grown as
-  rows get shorter; predictions, labels and ``compute_metrics`` come in
-  dataset order, and ``eval_loss`` weighs each batch by its rows.
+  ``per_device_eval_batch_size`` longest rows first, each later batch sized
+  from the measured peaks of the prediction steps before it so that it stays
+  under the first batch's peak (measured mode, as ``dynabatch.run``); predictions,
+  labels and ``compute_metrics`` come in dataset order, and ``eval_loss``
+  weighs each batch by its rows.
   :class:`Seq2SeqBatchSamplerTrainer` does the same for ``Seq2SeqTrainer``
   (``predict_with_generate`` included). One process; ``eval_batches="fixed"``
   keeps the ``Trainer``'s own batches.
@@ -80,8 +82,7 @@ from dynabatch._validation import bad_type, bad_value
 from dynabatch.data.packing import PackedDataset
 from dynabatch.memory.shape import ModelShape
 from dynabatch.sampling.base import PlannedBatchSampler
-from dynabatch.sampling.inference_sampler import DynamicBatchSampler
-from dynabatch.training._eval_batches import eval_lengths, in_order, plan_eval_batches
+from dynabatch.training._eval_batches import EvalBatchSampler, eval_lengths, in_order
 
 __all__ = ["SAMPLER_STATE_FILE", "BatchSamplerTrainer", "BatchSamplerTrainerMixin", "Seq2SeqBatchSamplerTrainer"]
 
@@ -148,7 +149,8 @@ class BatchSamplerTrainerMixin:
             with several processes built with ``num_replicas=args.world_size, shard=False``.
         eval_batches: ``"dynamic"`` (the default): ``evaluate()`` and ``predict()``
             run on the inference planner's batches (the ``per_device_eval_batch_size``
-            longest rows first, later batches grown as rows get shorter, see
+            longest rows first, later batches grown as rows get shorter while the
+            measured peaks stay under the first batch's, see
             :mod:`dynabatch.training._eval_batches`), with predictions, labels and
             ``compute_metrics`` in dataset order and ``eval_loss`` the row-weighted
             mean of the batches' losses; one process. ``"fixed"``: the ``Trainer``'s own batches.
@@ -165,7 +167,8 @@ class BatchSamplerTrainerMixin:
         super().__init__(*args, **kwargs)
         self.train_batch_sampler = train_batch_sampler
         self.eval_batches = eval_batches
-        self._eval_losses: list[tuple[float, int]] | None = None  # (loss, rows) of each batch while evaluating
+        self._eval_sampler: EvalBatchSampler | None = None  # the planned batches being evaluated
+        self._eval_losses: list[tuple[float, int]] = []  # (loss, rows) of each of their batches
         self.add_callback(_FollowEpochs(train_batch_sampler))
 
     def _check_sampler_world(self) -> None:
@@ -269,48 +272,61 @@ class BatchSamplerTrainerMixin:
         if lengths is None:
             logger.info("%s rows have no %r to plan batches by: the Trainer's own batches", description, field)
             return None
-        batches = plan_eval_batches(lengths, self.args.per_device_eval_batch_size, self._eval_shape())
-        loader = DataLoader(dataset, batch_sampler=DynamicBatchSampler(batches), collate_fn=collator,
+        sampler = EvalBatchSampler(lengths, self.args.per_device_eval_batch_size, self._eval_shape(), self.args.device)
+        if sampler.device is None:
+            logger.info("%s batches follow the plan: the memory of %s cannot be measured", description,
+                        self.args.device)
+        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collator,
                             num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory)
         prepared = self.accelerator.prepare(loader)
-        prepared.dynabatch_order = np.concatenate(batches) if batches else np.zeros(0, np.int64)
+        prepared.dynabatch_sampler = sampler
         return prepared
 
     def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None,
                         **kwargs: Any) -> Any:
-        """The ``Trainer``'s step; with planned batches its loss is kept with the batch's rows (for ``eval_loss``)."""
-        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys,
-                                                       **kwargs)
-        if self._eval_losses is not None and loss is not None:
-            self._eval_losses.append((float(loss.detach().float().mean()), int(find_batch_size(inputs) or 1)))
+        """The ``Trainer``'s step; on planned batches measured (its peak sizes the batches after it) and its loss kept
+        with the batch's rows (for ``eval_loss``)."""
+        sampler = self._eval_sampler
+        if sampler is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
+        rows = int(find_batch_size(inputs) or 1)
+        with sampler.measuring(rows, int(inputs[getattr(self.model, "main_input_name", "input_ids")].shape[-1])):
+            loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only,
+                                                           ignore_keys=ignore_keys, **kwargs)
+        if loss is not None:
+            self._eval_losses.append((float(loss.detach().float().mean()), rows))
         return loss, logits, labels
 
     def evaluation_loop(self, dataloader: DataLoader, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
         """The ``Trainer``'s loop; on planned batches, predictions, labels and metrics in dataset order."""
-        order = getattr(dataloader, "dynabatch_order", None)
-        if order is None:
+        sampler = getattr(dataloader, "dynabatch_sampler", None)
+        if sampler is None:
             return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                            metric_key_prefix)
-        inverse = np.argsort(order, kind="stable")
+
+        def inverse() -> np.ndarray:  # dataset order from the order the batches came in (known once they have)
+            return np.argsort(sampler.order(), kind="stable")
+
         compute = self.compute_metrics
         if compute is not None and not self.args.batch_eval_metrics:  # per-batch metrics see batches as they come
             self.compute_metrics = lambda p: compute(EvalPrediction(
-                in_order(p.predictions, inverse), in_order(p.label_ids, inverse), in_order(p.inputs, inverse),
+                in_order(p.predictions, inverse()), in_order(p.label_ids, inverse()), in_order(p.inputs, inverse()),
                 p.losses))
-        self._eval_losses = []
+        self._eval_sampler, self._eval_losses = sampler, []
         try:
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
                                              metric_key_prefix)
         finally:
             self.compute_metrics = compute
-            losses, self._eval_losses = self._eval_losses, None
+            losses, self._eval_losses, self._eval_sampler = self._eval_losses, [], None
+        logger.debug("%s: %d of its batches measured", description, sampler.measured_calls)
         metrics = dict(output.metrics or {})
         losses = [(loss, rows) for loss, rows in losses if np.isfinite(loss) or not self.args.logging_nan_inf_filter]
         if losses:  # each batch weighs by its rows (the Trainer weighs every batch as eval_batch_size rows)
             metrics[f"{metric_key_prefix}_loss"] = sum(loss * rows for loss, rows in losses) / sum(r for _, r in losses)
-        return EvalLoopOutput(predictions=in_order(output.predictions, inverse),
-                              label_ids=in_order(output.label_ids, inverse), metrics=metrics,
+        return EvalLoopOutput(predictions=in_order(output.predictions, inverse()),
+                              label_ids=in_order(output.label_ids, inverse()), metrics=metrics,
                               num_samples=output.num_samples)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:

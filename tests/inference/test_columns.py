@@ -160,3 +160,51 @@ def test_ragged_rows_of_any_lengths_come_back_exactly(lengths, width, dtype):
     back = decode_rows(layout, {"output": half.column("output")})
     for a, b in zip(rows[len(rows) // 2:], back):
         _equal(a, b)
+
+
+def test_a_column_none_in_every_row_so_far_takes_the_type_of_its_first_value():
+    first = [{"vec": None, "n": 1}, {"vec": None, "n": 2}]
+    layout = Layout.infer(first)
+    assert layout.untyped == {"vec"} and layout.describe() == "vec: None so far, n: scalar int"
+    before = layout.convert(first)  # a shard stored before the type is known: a null column
+    assert str(layout.to_arrow([before])["vec"].type) == "null"
+    later = [{"vec": torch.ones(3, dtype=torch.float16), "n": 3}, {"vec": None, "n": 4}]
+    after = layout.convert(later)
+    assert layout.untyped == set() and layout.describe() == "vec: tensor float16(3,), n: scalar int"
+    columns = layout.to_arrow([before, after])
+    assert str(columns["vec"].type) == "fixed_size_list<item: halffloat>[3]" and columns["vec"].null_count == 3
+    back = decode_rows(layout, columns)
+    _equal(back, [*first, *later])  # None anywhere after the type settled: a null
+    with pytest.raises(ValueError, match=r"vec should have a value in every row to stack, but got None in 3 rows"):
+        stack_columns(layout, columns, as_tensor=True)
+    with pytest.raises(TypeError, match=r"vec should be a tensor or None in every row, as stored, but got int"):
+        layout.convert([{"vec": 5, "n": 5}])
+
+
+def test_layouts_of_shards_before_and_after_a_column_settled_merge_into_the_typed_one():
+    untyped = Layout.infer([{"vec": None, "ids": []}])
+    typed = Layout.infer([{"vec": torch.ones(2), "ids": [4, 5]}])
+    assert untyped.untyped == {"vec", "ids"} and typed.untyped == set()
+    assert Layout.merge([untyped, typed]) == typed and Layout.merge([typed, untyped]) == typed
+    half = Layout.infer([{"vec": None, "ids": [1]}])
+    assert Layout.merge([untyped, half, typed]) == typed
+    assert Layout.merge([typed, Layout.infer([{"vec": torch.ones(3), "ids": [1]}])]) is None  # typed otherwise
+    assert Layout.merge([typed, Layout.infer([{"other": None, "ids": [1]}])]) is None  # another structure
+    lists = Layout.infer([[], []])  # lists empty so far: their items' type settles too
+    parts = [lists.convert([[], []]), lists.convert([[1, None, 2], None])]
+    assert str(lists.fields()[0].type) == "list<item: int64>"
+    assert decode_rows(lists, lists.to_arrow(parts)) == [[], [], [1, None, 2], None]
+
+
+def test_a_container_where_a_column_was_none_in_every_row_is_refused_with_what_to_return():
+    layout = Layout.infer([{"extra": None}])
+    with pytest.raises(ValueError, match=r"^extra should be one value \(a column\) in every row, as stored: it was "
+                       r"None in every row before, but got a dict; return the dict in every row, with None inside "
+                       r"where empty$"):
+        layout.convert([{"extra": {"a": torch.ones(1)}}])
+
+
+def test_a_per_token_output_settling_after_none_rows_is_ragged_by_the_real_tokens_of_its_rows():
+    layout = Layout.infer([{"tags": None}, {"tags": None}])
+    layout.convert([{"tags": torch.ones(3)}, {"tags": None}, {"tags": torch.ones(3)}], real_lengths=np.array([3, 5, 3]))
+    assert layout.describe() == "tags: tensor float32(n,)"  # 3 real tokens each: a per-token output, any length

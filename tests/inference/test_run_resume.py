@@ -305,3 +305,82 @@ def test_bad_inputs_skipped_come_back_as_none_and_are_not_stored(tokenizer, text
     assert sorted(_stored(path)) == sorted(set(range(40)) - {3, 17, 18})
     again = run(_lengths, loader, adapt=adapt, output_path=path, progress=False)  # reported again, nothing runs
     assert again.failed == [3, 17, 18] and again.report.rows == 0
+
+
+# --- a column None in every row so far: its type settles at its first value --------------------------------
+
+
+def _late_vectors(none_calls):
+    """One dict per row, as given: ``vec`` None in the rows of the first ``none_calls`` calls, a float16 vector
+    later; ``n`` the row's real tokens."""
+    from dynabatch import PerRow
+
+    calls = []
+
+    def fn(batch):
+        calls.append(1)
+        n = batch["attention_mask"].sum(1)
+        vec = (torch.stack([n, 2 * n, 3 * n], 1) / 7).to(torch.float16)
+        return PerRow([{"vec": None if len(calls) <= none_calls else vec[r], "n": n[r]} for r in range(len(n))])
+
+    return fn
+
+
+def _one_schema(path, column, arrow_type):
+    """Every shard stores ``column`` as ``arrow_type``, and pyarrow, pandas and polars read the folder as it is."""
+    import pandas as pd
+    import polars as pl
+    import pyarrow.parquet as pq
+
+    assert {str(pq.read_schema(path / name).field(column).type) for name in _shards(path)} == {arrow_type}
+    table = ds.dataset(path).to_table()
+    assert len(pd.read_parquet(path)) == len(pl.read_parquet(path)) == table.num_rows
+    return table
+
+
+def test_a_column_none_in_the_first_batch_takes_its_type_later_across_shards(tokenizer, texts, tmp_path, monkeypatch):
+    # The first batch's 4 rows (vec None: an Arrow null column) are a shard of their own; vec settles in the next.
+    monkeypatch.setattr("dynabatch.inference._shards.SHARD_ROWS", 4)
+    loader = _load(texts[:40], tokenizer)
+    first = loader.batch_sampler.batches[0].tolist()
+    position = int(loader.batch_sampler.batches[3][0])  # a row of a later batch that runs out of memory alone
+    path = tmp_path / "store"
+    stored = run(_fails_at(_late_vectors(1), position), loader, output_path=path, on_oom="skip", progress=False)
+    in_memory = run(_fails_at(_late_vectors(1), position), loader, on_oom="skip", progress=False)
+    assert stored.failed == in_memory.failed == [position] and stored[position] is None
+    assert len(_shards(path)) >= 3
+    for p in range(40):
+        if p == position:
+            continue
+        row, want = stored[p], in_memory[p]
+        assert row.keys() == want.keys() and torch.equal(row["n"], want["n"])
+        assert (row["vec"] is None) == (p in first)
+        assert p in first or (row["vec"].dtype == torch.float16 and torch.equal(row["vec"], want["vec"]))
+    table = _one_schema(path, "vec", "fixed_size_list<element: halffloat>[3]")
+    assert table.column("vec").null_count == len(first)  # the failed row is not stored
+
+
+def test_a_resumed_run_types_a_column_its_first_run_stored_as_none(tokenizer, texts, tmp_path, monkeypatch):
+    # The first run stores its first batch with vec None, then stops; the second gives vec a type. Its writer is kept
+    # from rewriting the first run's shard (as if killed right after committing): opening the store rewrites it.
+    loader = _load(texts[:40], tokenizer)
+    path = tmp_path / "store"
+    first_run = _late_vectors(none_calls=1)
+
+    def stopped(batch):
+        if stopped.calls:
+            raise RuntimeError("stopped")
+        stopped.calls.append(1)
+        return first_run(batch)
+
+    stopped.calls = []
+    with pytest.raises(RuntimeError, match="stopped"):
+        run(stopped, loader, output_path=path, progress=False)
+    before = _stored(path)
+    assert len(before) == 4 and _one_schema(path, "vec", "null").num_rows == 4
+    monkeypatch.setattr("dynabatch.inference._shards.settle_shards", lambda *args, **kwargs: None)
+    resumed = run(_late_vectors(none_calls=0), loader, output_path=path, progress=False)
+    assert resumed.report.rows == 36 and sorted(_stored(path)) == list(range(40))
+    assert [p for p in range(40) if resumed[p]["vec"] is None] == sorted(before)
+    assert all(resumed[p]["vec"].shape == (3,) for p in range(40) if p not in before)
+    _one_schema(path, "vec", "fixed_size_list<element: halffloat>[3]")

@@ -1,7 +1,8 @@
-"""The Trainer hook's ``evaluate()`` and ``predict()`` on planned batches equal the Trainer's fixed batches.
+"""The Trainer hook's ``evaluate()`` and ``predict()`` on planned batches: equal to the Trainer's fixed batches,
+and sized from measured peaks so that no batch exceeds the first batch's.
 
-A random-weight BERT classifier and a random-weight Marian (``predict_with_generate``) on real KJV text, the
-real MiniLM tokenizer; every number compared comes from the HF ``Trainer`` itself.
+Random-weight BERT classifiers and a random-weight Marian (``predict_with_generate``) on real KJV text, the
+real MiniLM tokenizer; every number compared comes from the HF ``Trainer`` itself or the CPU tracker.
 """
 
 import numpy as np
@@ -11,8 +12,10 @@ import torch
 from dynabatch.data.sources import tokenize_source
 from dynabatch.data.training_collate import TrainingCollator
 from dynabatch.demo import kjv_passages, vary_lengths
+from dynabatch.memory.measure import track_peak_memory
 from dynabatch.sampling.constraints import TokenBudget
 from dynabatch.sampling.smart import SmartBatchSampler
+from dynabatch.training._eval_batches import EvalBatchSampler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,21 +36,31 @@ def labelled(tokenizer, texts):
 
 
 class _Widths:
-    """The collator, recording each batch's rows."""
+    """The collator, recording each batch's rows (and the batches, with ``keep=True``)."""
 
-    def __init__(self, collate):
-        self.collate, self.rows = collate, []
+    def __init__(self, collate, keep=False):
+        self.collate, self.rows, self.batches, self.keep = collate, [], [], keep
 
     def __call__(self, features):
         self.rows.append(len(features))
-        return self.collate(features)
+        batch = self.collate(features)
+        if self.keep:
+            self.batches.append(batch)
+        return batch
 
 
-def _classifier(tokenizer):
+def _loaders(trainer):
+    """The evaluation DataLoaders the trainer builds, recorded."""
+    loaders, build = [], trainer.get_eval_dataloader
+    trainer.get_eval_dataloader = lambda dataset=None: loaders.append(build(dataset)) or loaders[-1]
+    return loaders
+
+
+def _classifier(tokenizer, num_labels=2):
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, num_labels=2)
+                        intermediate_size=64, max_position_embeddings=64, num_labels=num_labels)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         return BertForSequenceClassification(config).eval()
@@ -142,3 +155,61 @@ def test_seq2seq_predict_with_generate_on_planned_batches_equals_fixed_batches(t
     assert generated == [_strip(r, 0) for r in want.predictions]
     assert len({tuple(r) for r in generated}) > N_ROWS // 2  # replies depend on the input: the order matters
     assert [_strip(r, 0) for r in got.label_ids] == [_strip(r, 0) for r in want.label_ids]
+
+
+# --- batches sized from measured peaks ----------------------------------------------------------------------
+
+
+def test_evaluation_batches_stay_under_the_first_batch_measured_peak_and_few_steps_are_measured(tokenizer, tmp_path):
+    # 20,000 labels (an extreme multi-label classifier): every row's logits and their loss dwarf its hidden states,
+    # so a row costs about the same whatever its length. The plan alone grows batches as rows get shorter, well
+    # past the first batch's peak; measured, no batch exceeds it, and only a few prediction steps are measured.
+    from dynabatch.training.hf import BatchSamplerTrainer
+
+    rows = [{"text": t, "label": i % 20000} for i, t in enumerate(kjv_passages()[2000:2160])]
+    tokens = tokenize_source(rows, tokenizer, max_length=64, keep=["label"], progress=False)
+    collate = _Widths(TrainingCollator(tokenizer), keep=True)
+    trainer = BatchSamplerTrainer(model=_classifier(tokenizer, num_labels=20000), args=_args(tmp_path),
+                                  data_collator=collate, train_batch_sampler=SmartBatchSampler(tokens.lengths,
+                                                                                              TokenBudget(512)))
+    loaders = _loaders(trainer)
+    trainer.evaluate(tokens.dataset)
+    sampler = loaders[0].dynabatch_sampler
+
+    def peak(batch):  # the prediction step as the Trainer runs it, measured on the CPU tracker
+        with track_peak_memory("cpu") as memory:
+            trainer.prediction_step(trainer.model, batch, prediction_loss_only=False)
+        return memory.peak_bytes
+
+    peaks = [peak(batch) for batch in collate.batches]
+    assert sum(collate.rows) == len(rows) and collate.rows[0] == EVAL_BATCH
+    assert max(peaks) <= peaks[0]
+    plain = [peak(TrainingCollator(tokenizer)([tokens.dataset[int(i)] for i in b])) for b in sampler.planner.batches()]
+    assert max(plain) > 1.5 * plain[0]  # what the plan alone would have run
+    assert 1 <= sampler.measured_calls <= len(collate.rows) // 4  # the CPU tracker's cost on a few steps only
+
+
+def test_eval_sampler_follows_the_plan_unmeasured_and_caps_batches_asked_for_before_the_first_peak():
+    lengths = np.random.default_rng(0).integers(1, 64, 400)
+    plan = [b.tolist() for b in EvalBatchSampler(lengths, 8).planner.batches()]
+    assert max(len(b) for b in plan) > 8
+    assert [b.tolist() for b in EvalBatchSampler(lengths, 8, device="meta")] == plan  # nothing to measure on
+    sampler = EvalBatchSampler(lengths, 8, device="cpu")
+    ahead = iter(sampler)
+    first, second, third = next(ahead), next(ahead), next(ahead)  # a loader prefetching three batches
+    assert len(first) == len(second) == len(third) == 8  # no more rows than the first until its peak is known
+
+    def step(batch):  # a prediction step holding a (rows, width, 256) activation
+        width = int(lengths[batch].max())
+        with sampler.measuring(rows=len(batch), width=width):
+            torch.ones(len(batch), width, 256).sum()
+
+    handed = [first, second, third]
+    for batch in handed[:3]:
+        step(batch)
+    for batch in ahead:
+        handed.append(batch)
+        step(batch)
+    assert max(len(b) for b in handed) > 8  # measured: later batches grow as rows get shorter
+    assert 1 <= sampler.measured_calls < len(handed) // 2  # sparse on the CPU
+    assert sorted(sampler.order().tolist()) == list(range(400))
