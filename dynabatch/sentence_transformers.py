@@ -25,8 +25,9 @@ dynamic passes them to its original ``encode``, with a warning once.
 Differences from ``model.encode``, by rule: ``token_embeddings`` (and the
 per-token values of ``output_value=None``) are cut to each row's own tokens
 (where ``model.encode`` keeps a left-padded row's padding, which depends on
-the batch); ``device`` takes one device (several come through :func:`dynabatch.run`'s
-``devices=`` once it exists: a list is refused), and ``pool`` is refused.
+the batch); ``device`` takes one device or a list of them (``["cuda:0", "cuda:1"]``: a model copy
+per device, run through :func:`dynabatch.run`'s ``devices=``, threads not processes), and
+``pool`` is refused.
 
 ``sentence_transformers`` is imported when a function runs: importing this module does not need it.
 
@@ -43,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 from typing import Any
@@ -157,10 +159,8 @@ def _check_arguments(output_value: Any, precision: Any, batch_size: Any, device:
     if precision not in _PRECISIONS:
         raise bad_value("precision", f"one of {_PRECISIONS}", precision)
     check_positive_int("batch_size", batch_size)
-    if isinstance(device, (list, tuple)):
-        raise bad_value("device", "one device (several devices come through dynabatch.run's devices=, not yet "
-                        "available: encode on one device, or call the model's own encode for a process per device)",
-                        device)
+    if isinstance(device, (list, tuple)) and not device:
+        raise bad_value("device", "None, a device, or a list of at least one device", device)
     if pool is not None:
         raise bad_value("pool", "None (a multi-process pool is sentence-transformers' own; dynabatch runs one "
                         "device)", pool)
@@ -195,7 +195,7 @@ def _show_progress(show_progress_bar: bool | None) -> bool:
 
 def _run_rows(model: Any, inputs: list[str], prompt: str | None, batch_size: int, output_value: str | None,
               normalize: bool, truncate_dim: int | None, device: torch.device, progress: bool,
-              run_options: dict[str, Any], kwargs: dict[str, Any]) -> list[Any]:
+              run_options: dict[str, Any], kwargs: dict[str, Any], devices: list | None = None) -> list[Any]:
     """One result per input, in input order, from the model run on dynamic batches."""
     planning_limit, cut = _length_limit(model)
     preprocessor = _Preprocessor(model, prompt, cut, kwargs)
@@ -209,9 +209,23 @@ def _run_rows(model: Any, inputs: list[str], prompt: str | None, batch_size: int
         features = model({**batch, **preprocessor.constants}, **forward_kwargs)
         return _row_outputs(features, output_value, normalize, truncate_dim)
 
-    with torch.inference_mode():
-        return run(rows, loader, device=device, progress=progress, token_outputs=_READINGS[output_value],
-                   **run_options)
+    if devices is None:
+        with torch.inference_mode():
+            return run(rows, loader, device=device, progress=progress, token_outputs=_READINGS[output_value],
+                       **run_options)
+
+    def make_rows(target: torch.device) -> Any:  # one model copy per accelerator; CPU threads share the model
+        on = model if target == device else copy.deepcopy(model).to(target)
+
+        def rows_on(batch: Any) -> Any:
+            with torch.inference_mode():  # thread-local: entered in the device's worker thread
+                features = on({**batch, **preprocessor.constants}, **forward_kwargs)
+                return _row_outputs(features, output_value, normalize, truncate_dim)
+
+        return rows_on
+
+    return run(make_rows, loader, devices=devices, progress=progress, token_outputs=_READINGS[output_value],
+               **run_options)
 
 
 def encode(
@@ -245,7 +259,8 @@ def encode(
             convert_to_numpy, convert_to_tensor, normalize_embeddings, truncate_dim:
             as ``SentenceTransformer.encode`` takes them.
         batch_size: rows of the first (longest) batch; later batches grow under its measured peak.
-        device: one device (the model is moved there, as ``encode`` does); ``None``: the model's.
+        device: one device (the model is moved there, as ``encode`` does); ``None``: the model's; a list:
+            every device at once (the model moved to the first, a copy on each other accelerator).
         pool, chunk_size: ``pool`` must be ``None`` (one device); ``chunk_size`` is not used.
         on_oom, measure_memory, adapt: :func:`dynabatch.run`'s.
         **kwargs: the model's own keywords (``task``, ``processing_kwargs``), passed to
@@ -276,13 +291,14 @@ def encode(
     if not inputs:  # nothing to batch: what encode gives for no input
         return type(model).encode(model, inputs, batch_size=batch_size, output_value=output_value,
                                   convert_to_numpy=convert_to_numpy, convert_to_tensor=convert_to_tensor)
-    target = model._resolve_inference_device(device)  # moves the model to device, as encode does
+    devices = [torch.device(d) for d in device] if isinstance(device, (list, tuple)) else None
+    target = model._resolve_inference_device(devices[0] if devices else device)  # moves the model, as encode does
     model.eval()
     truncate_dim = truncate_dim if truncate_dim is not None else model.truncate_dim
     progress = _show_progress(show_progress_bar)
     rows = _run_rows(model, inputs, _resolve_prompt(model, prompt, prompt_name), batch_size, output_value,
                      normalize_embeddings, truncate_dim, target,
-                     progress, {"on_oom": on_oom, "measure_memory": measure_memory, "adapt": adapt}, kwargs)
+                     progress, {"on_oom": on_oom, "measure_memory": measure_memory, "adapt": adapt}, kwargs, devices)
     if output_value != "sentence_embedding":
         embeddings: Any = [_on(row, target) for row in rows]
     else:

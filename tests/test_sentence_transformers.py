@@ -149,9 +149,8 @@ def test_make_dynamic_runs_the_model_own_encode_on_growing_batches(bert_folder, 
 
 
 def test_what_does_not_run_on_dynamic_batches_is_refused_naming_why(minilm, texts):
-    with pytest.raises(ValueError, match="device should be one device .several devices come through dynabatch.run's "
-                       "devices="):
-        dst.encode(minilm, texts[:2], device=["cpu", "cpu"])
+    with pytest.raises(ValueError, match=r"device should be None, a device, or a list of at least one device"):
+        dst.encode(minilm, texts[:2], device=[])
     with pytest.raises(ValueError, match="pool should be None"):
         dst.encode(minilm, texts[:2], pool={"processes": []})
     with pytest.raises(ValueError, match=r"precision should be one of \('float32', 'int8', 'uint8', 'binary', "
@@ -162,3 +161,10 @@ def test_what_does_not_run_on_dynamic_batches_is_refused_naming_why(minilm, text
         dst.encode(minilm, ["a", ("b", "c")])
     empty = dst.encode(minilm, [])
     assert isinstance(empty, np.ndarray) and empty.size == 0
+
+
+def test_a_list_of_devices_gives_model_encode_vectors(minilm, texts):
+    expected = minilm.encode(texts[:40], batch_size=8)
+    got = dst.encode(minilm, texts[:40], batch_size=8, device=["cpu", "cpu"])
+    assert type(got) is type(expected) and got.shape == expected.shape and got.dtype == expected.dtype
+    np.testing.assert_allclose(got, expected, atol=1e-5)

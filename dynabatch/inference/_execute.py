@@ -26,10 +26,11 @@ import numpy as np
 from dynabatch.data.collate import Batch, batch_shape, real_tokens, take_rows
 from dynabatch.data.collate import split_rows as split_batch
 from dynabatch.inference._explain import explain_index_errors
-from dynabatch.inference._queue import BatchQueue, Item
+from dynabatch.inference._queue import BatchQueue, Item, Lane
 from dynabatch.inference.outputs import RowSplitter
 from dynabatch.inference.report import BatchRecord, RunReport
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
+from dynabatch.memory.device import pins_memory
 from dynabatch.memory.oom import call_guarded, dominating, equal_parts, split_sizes
 from dynabatch.sampling.ranks import reduce_across_ranks
 
@@ -67,11 +68,14 @@ class Executor:
 
     def __init__(self, fn: Callable[[Batch], Any], queue: BatchQueue, *, device: Any, on_oom: str,
                  memory_device: Any, bar: Any, lockstep: bool = False, store: ResultsStore | None = None,
-                 skipped: np.ndarray | None = None, rank: int = 0, token_outputs: str = "auto") -> None:
+                 skipped: np.ndarray | None = None, rank: int | str = 0, token_outputs: str = "auto",
+                 lane: Lane | None = None) -> None:
         self.fn = explain_index_errors(fn)  # an embedding IndexError names its likely cause
         self.queue = queue
+        self.lane = queue.lane if lane is None else lane  # this device's peaks and planner cursor
         self.device = device
-        self._prepare = (lambda b: b.to(device)) if device is not None else None  # moves each piece to device
+        self.pinned = pins_memory(device)  # batches built in pinned memory: the copy to the device is asynchronous
+        self._prepare = (lambda b: b.to(device, non_blocking=self.pinned)) if device is not None else None
         self.on_oom = on_oom
         self.rows = RowSplitter(queue.pad_token_id, token_outputs, queue.padding_side)  # fn's rule, kept for the run
         self.memory_device = memory_device
@@ -89,16 +93,22 @@ class Executor:
         self._stand_in: Batch | None = None  # one row: the call a rank without work makes in a round
         self._stand_in_ran = False  # whether that row ran already (else it is the first row planned)
 
+    def stored(self, positions: np.ndarray) -> np.ndarray:
+        """Which of ``positions`` the results store already holds (none without a store)."""
+        done = np.zeros(len(positions), dtype=bool)
+        if self.store is not None:
+            stored = self.store.done
+            inside = positions < len(stored)
+            done[inside] = stored[positions[inside]]
+        return done
+
     def skip_done(self, item: Item) -> Item | None:
         """The item without the rows the results store already holds; ``None`` if none is left."""
         if item.positions.size:
             self.last_position = max(self.last_position, int(item.positions.max()))
         if self.store is None:
             return item
-        stored = self.store.done
-        inside = item.positions < len(stored)
-        done = np.zeros(len(item.positions), dtype=bool)
-        done[inside] = stored[item.positions[inside]]
+        done = self.stored(item.positions)
         if done.all():
             return None
         return self.queue.restrict(item, np.flatnonzero(~done)) if done.any() else item
@@ -107,8 +117,14 @@ class Executor:
         return split_batch(piece, sizes, padding_side=self.queue.padding_side,
                            pad_to_multiple_of=self.queue.pad_to_multiple_of)
 
-    def run_item(self, item: Item) -> list[tuple[int, int, int]]:
-        """Runs ``item`` (split as needed); returns ``(rows, width, peak bytes)`` of every measured call.
+    def build(self, item: Item) -> Batch:
+        """The item's tensors (built here, or as they came), in pinned memory when the device copies from it."""
+        batch = self.queue.build(item)
+        return batch.pin_memory() if self.pinned else batch
+
+    def run_item(self, item: Item, batch: Batch | None = None) -> list[tuple[int, int, int]]:
+        """Runs ``item`` (split as needed; ``batch``: its tensors, built ahead); returns ``(rows, width, peak
+        bytes)`` of every measured call.
 
         In lockstep (several ranks, see :meth:`join_step`), the item runs in
         rounds: each round every rank makes exactly one call that completes,
@@ -117,7 +133,7 @@ class Executor:
         that runs out of memory is retried at once, in halves, within the round.
         """
         start = time.perf_counter()
-        batch = self.queue.build(item)
+        batch = self.build(item) if batch is None else batch
         rows, width = batch_shape(batch)
         record = BatchRecord(batch=item.number, rows=rows, width=width, real_tokens=real_tokens(batch),
                              padded_tokens=0, seconds=0.0)
@@ -173,7 +189,7 @@ class Executor:
                             "which ran out of memory", item.number, piece_rows, piece_width, *failed_shape)
                 stack.extend(reversed(self._split(piece, split_sizes(piece_rows))))
                 continue
-            cap = self.queue.max_call_rows(piece_width) if piece_rows > 1 else None
+            cap = self.queue.max_call_rows(piece_width, self.lane) if piece_rows > 1 else None
             if cap is not None and piece_rows > cap:
                 sizes = equal_parts(piece_rows, cap)
                 record.pre_split = True
@@ -182,7 +198,7 @@ class Executor:
                             piece_rows, piece_width, len(sizes), cap)
                 stack.extend(reversed(self._split(piece, sizes)))
                 continue
-            measure = self.memory_device is not None and self.queue.should_measure(piece_rows, piece_width)
+            measure = self.memory_device is not None and self.queue.should_measure(piece_rows, piece_width, self.lane)
             attempt = call_guarded(
                 self.fn, piece, measure_on=self.memory_device if measure else None,
                 prepare=self._prepare,
@@ -220,7 +236,7 @@ class Executor:
         piece_rows, piece_width = batch_shape(piece)
         record.oom_events += 1
         self.failed_shapes.append((piece_rows, piece_width))
-        self.queue.observe_out_of_memory(piece_rows, piece_width)
+        self.queue.observe_out_of_memory(piece_rows, piece_width, self.lane)
         if piece_rows > 1:
             sizes = split_sizes(piece_rows)
             logger.warning("batch %d: %d rows x %d tokens ran out of memory (%s); retrying as %s rows",

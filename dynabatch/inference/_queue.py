@@ -16,6 +16,7 @@ rows a call may have (:meth:`BatchQueue.max_call_rows`).
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from dynabatch._validation import bad_type, bad_value, brief
 from dynabatch.data.collate import Batch, take_rows
 from dynabatch.inference.loader import LoaderPlan
 from dynabatch.memory.feedback import MemoryFeedback
+from dynabatch.sampling.planner import PlanCursor
 from dynabatch.sampling.ranks import deal, split_for_replicas
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,16 @@ class Item:
     positions: np.ndarray
     batch: Batch | None = None  # plain iterables: the batch as it came; dynabatch loaders: built when run
     whole: bool = True  # False once rows already done (resumed) are taken out
+    crashes: int = 0  # times a device's worker crashed running it (several devices re-queue it once)
+
+
+@dataclass
+class Lane:
+    """One device's view of the queue: the peaks it measured (its own budget) and, in measured mode, its cursor
+    in the planner's pass (see :meth:`~dynabatch.sampling.planner.BatchPlanner.cursor`)."""
+
+    feedback: MemoryFeedback | None = None
+    cursor: PlanCursor | None = None
 
 
 def positions_of(batch: Any, loader: Any) -> np.ndarray:
@@ -102,40 +114,65 @@ class BatchQueue:
         self.pad_to_multiple_of = multiple if isinstance(multiple, int) else None
         self.total_rows = sum(len(i.positions) for i in self.pending) if self.plan is not None else None
         self.guard = guard and not adapt
-        self.feedback: MemoryFeedback | None = None
+        self.sparse = sparse
+        self.lock = threading.Lock()  # several devices' workers share the queue
+        self.retry: deque[Item] = deque()  # items a crashed worker left, served first
         self.first_rows: int | None = None  # guarded: the most rows of a call before any peak is measured
         if adapt:
             self.planner = self.plan.planner
             self.planner.restart(sparse=sparse)
             self.pending.clear()  # batches run longest first, sized as the run goes
-            self.feedback = self.planner.feedback
-        elif self.guard:
-            self.feedback = MemoryFeedback(sparse=sparse)
-            if self.plan is not None and self.total_rows:
-                # The plan's first batch: its rows, at the longest width, bound any batch of no more rows.
-                self.first_rows = int(self.plan.planner.sizes()[0])
+        elif self.guard and self.plan is not None and self.total_rows:
+            # The plan's first batch: its rows, at the longest width, bound any batch of no more rows.
+            self.first_rows = int(self.plan.planner.sizes()[0])
+        self.lane = self.new_lane()
 
-    def next_item(self) -> Item | None:
+    def new_lane(self) -> Lane:
+        """A device's own view of the queue: in measured mode its own planner cursor, in guarded mode its own peaks."""
         if self.planner is not None:
-            positions = self.planner.next_batch()
-            if positions is None:
-                return None
-            self.number += 1
-            return Item(self.number - 1, positions)
-        if self.pending:
-            return self.pending.popleft()
-        if self.stream is not None:
-            item = next(self.stream, None)
-            if item is not None:
-                return item
-            self.stream = None
-        return None
+            cursor = self.planner.cursor(sparse=self.sparse)
+            return Lane(cursor.feedback, cursor)
+        return Lane(MemoryFeedback(sparse=self.sparse) if self.guard else None)
 
-    def should_measure(self, rows: int, width: int) -> bool:
+    def next_item(self, lane: Lane | None = None) -> Item | None:
+        """The next batch to run (for ``lane``: its cursor sizes it in measured mode); ``None`` when none is left."""
+        with self.lock:
+            if self.retry:
+                return self.retry.popleft()
+            if self.planner is not None:
+                positions = self.planner.next_batch((lane or self.lane).cursor)
+                if positions is None:
+                    return None
+                self.number += 1
+                return Item(self.number - 1, positions)
+            if self.pending:
+                return self.pending.popleft()
+            if self.stream is not None:
+                item = next(self.stream, None)
+                if item is not None:
+                    return item
+                self.stream = None
+            return None
+
+    def peek(self, n: int, lane: Lane | None = None) -> list[np.ndarray]:
+        """The positions of the next ``n`` batches as they stand now (a prefetcher builds them ahead; in measured
+        mode a later peak may re-size them). A streamed iterable is not peeked: its batches come built."""
+        with self.lock:
+            if self.planner is not None:
+                return self.planner.peek(n, (lane or self.lane).cursor)
+            return [item.positions for item, _ in zip(self.pending, range(n)) if item.batch is None]
+
+    def requeue(self, item: Item) -> None:
+        """Puts back an item a crashed worker did not finish; the next worker to ask runs it first."""
+        with self.lock:
+            self.retry.append(item)
+
+    def should_measure(self, rows: int, width: int, lane: Lane | None = None) -> bool:
         """Whether a call of ``rows`` x ``width`` is to be measured (always, unless measuring is sparse)."""
-        return self.feedback is None or self.feedback.should_measure(rows, width)
+        feedback = (lane or self.lane).feedback
+        return feedback is None or feedback.should_measure(rows, width)
 
-    def max_call_rows(self, width: int) -> int | None:
+    def max_call_rows(self, width: int, lane: Lane | None = None) -> int | None:
         """Guarded mode: the most rows a call of padded ``width`` may have, or ``None`` for no cap.
 
         Before any peak is measured: the plan's first batch's rows (a dynabatch
@@ -149,7 +186,7 @@ class BatchQueue:
         """
         if not self.guard:
             return None
-        feedback = self.feedback
+        feedback = (lane or self.lane).feedback
         learned = feedback.oom_cap(width)  # what out-of-memory errors allow
         if feedback.budget_ is None:
             caps = [self.first_rows, learned]
@@ -158,23 +195,27 @@ class BatchQueue:
         caps = [c for c in caps if c is not None]
         return min(caps) if caps else None
 
-    def observe_out_of_memory(self, rows: int, width: int) -> None:
+    def observe_out_of_memory(self, rows: int, width: int, lane: Lane | None = None) -> None:
         """A call of ``rows`` x ``width`` ran out of memory: the calls after it, this item's remaining pieces
-        included, are sized (measured mode) or capped (guarded mode) under the lower limit it shows."""
-        if self.planner is not None:
-            self.planner.observe_out_of_memory(rows, width)
-        elif self.feedback is not None:
-            self.feedback.observe_out_of_memory(rows, width)
+        included, are sized (measured mode) or capped (guarded mode) under the lower limit it shows (on that
+        lane's device only)."""
+        lane = lane or self.lane
+        with self.lock:
+            if self.planner is not None:
+                self.planner.observe_out_of_memory(rows, width, lane.cursor)
+            elif lane.feedback is not None:
+                lane.feedback.observe_out_of_memory(rows, width)
 
-    def observe_item(self, item: Item, parts: list[tuple[int, int, int]]) -> None:
-        """Tells the feedback the peaks of an item's calls, ``(rows, width, peak)`` each. Measured mode takes an
-        item only when it ran whole (its planner re-sizes from it); guarded mode takes every measured call."""
-        if self.planner is None:
-            if self.feedback is not None:
-                self.feedback.observe_parts(parts)
-            return
-        if item.whole:
-            self.planner.observe_parts(parts)
+    def observe_item(self, item: Item, parts: list[tuple[int, int, int]], lane: Lane | None = None) -> None:
+        """Tells the lane's feedback the peaks of an item's calls, ``(rows, width, peak)`` each. Measured mode takes
+        an item only when it ran whole (its planner re-sizes from it); guarded mode takes every measured call."""
+        lane = lane or self.lane
+        with self.lock:
+            if self.planner is None:
+                if lane.feedback is not None:
+                    lane.feedback.observe_parts(parts)
+            elif item.whole:
+                self.planner.observe_parts(parts, lane.cursor)
 
     def shard(self, rank: int, world_size: int) -> None:
         """Keeps only this rank's share of the batches: every rank the same number (the one routine of

@@ -51,6 +51,7 @@ class BatchRecord:
             peaks above the first batch's.
         oom_events: out-of-memory errors it raised (splits plus single rows that failed).
         failed_rows: rows that ran out of memory on their own and were skipped.
+        device: the device that ran it, when ``run`` was given several (``devices=``).
     """
 
     batch: int
@@ -64,6 +65,7 @@ class BatchRecord:
     pre_split: bool = False
     oom_events: int = 0
     failed_rows: int = 0
+    device: str | None = None
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
@@ -80,11 +82,31 @@ class RunReport:
             are measured against; ``None`` when memory was not measured.
         skipped_inputs: inputs the loader skipped as bad (``on_bad_input="skip"``),
             planned into no batch (their positions are in ``RunResult.failed``).
+        device_budgets: with several devices, each device's own budget (its
+            first measured batch's peak), against which its batches' peaks are
+            read; ``budget_bytes`` is then the first device's.
+        rebuilt_batches: batches built ahead of their turn (``run``'s
+            prefetching) that a measured peak re-sized since, so built again.
     """
 
     records: list[BatchRecord] = field(default_factory=list)
     budget_bytes: int | None = None
     skipped_inputs: int = 0
+    device_budgets: dict[str, int] = field(default_factory=dict)
+    rebuilt_batches: int = 0
+
+    @classmethod
+    def merge(cls, reports: list[RunReport], devices: list[str]) -> RunReport:
+        """One report of several devices' runs: every record (tagged with its device), each device's budget."""
+        records = []
+        for report, device in zip(reports, devices):
+            for record in report.records:
+                record.device = device
+                records.append(record)
+        budgets = {d: r.budget_bytes for r, d in zip(reports, devices) if r.budget_bytes is not None}
+        return cls(records, budget_bytes=next(iter(budgets.values()), None),
+                   skipped_inputs=max((r.skipped_inputs for r in reports), default=0), device_budgets=budgets,
+                   rebuilt_batches=sum(r.rebuilt_batches for r in reports))
 
     @property
     def rows(self) -> int:
@@ -149,7 +171,9 @@ class RunReport:
     @property
     def peak_ratios(self) -> list[float | None]:
         """Each batch's peak over the budget (``None`` where not measured)."""
-        return [None if r.peak_bytes is None else _ratio(r.peak_bytes, self.budget_bytes or 0) for r in self.records]
+        budgets = self.device_budgets
+        return [None if r.peak_bytes is None else _ratio(r.peak_bytes, budgets.get(r.device, self.budget_bytes) or 0)
+                for r in self.records]
 
     @property
     def max_peak_ratio(self) -> float | None:
@@ -179,6 +203,8 @@ class RunReport:
             "failed_rows": self.failed_rows,
             "skipped_inputs": self.skipped_inputs,
             "budget_bytes": self.budget_bytes,
+            "device_budgets": self.device_budgets,
+            "rebuilt_batches": self.rebuilt_batches,
             "max_peak_ratio": self.max_peak_ratio,
             "batches_over_budget": self.batches_over_budget,
         }
@@ -202,7 +228,8 @@ class RunReport:
         names = {f.name for f in fields(BatchRecord)}
         records = [BatchRecord(**{k: v for k, v in r.items() if k in names}) for r in data["batches"]]
         summary = data["summary"]
-        return cls(records, budget_bytes=summary.get("budget_bytes"), skipped_inputs=summary.get("skipped_inputs", 0))
+        return cls(records, budget_bytes=summary.get("budget_bytes"), skipped_inputs=summary.get("skipped_inputs", 0),
+                   device_budgets=summary.get("device_budgets", {}), rebuilt_batches=summary.get("rebuilt_batches", 0))
 
     def plot(self, path: str | os.PathLike, *, title: str | None = None) -> None:
         """Draws the run into a PNG at ``path``: batch sizes, padding and peak memory per batch.

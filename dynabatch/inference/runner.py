@@ -60,120 +60,23 @@ import torch
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.data.collate import Batch
 from dynabatch.inference._execute import Executor
+from dynabatch.inference._options import (
+    check_arguments,
+    check_devices,
+    check_run_options,
+    memory_device_of,
+    mode,
+    world_of,
+)
 from dynabatch.inference._queue import BatchQueue
-from dynabatch.inference.loader import LoaderPlan, plan_of
-from dynabatch.inference.outputs import check_token_outputs
+from dynabatch.inference._workers import PREFETCH_DEPTH, Prefetcher, run_devices
+from dynabatch.inference.loader import plan_of
+from dynabatch.inference.report import RunReport
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult, StoredRunResult
-from dynabatch.memory.device import device_in_use, measurable
-from dynabatch.memory.measure import check_device, check_measurable_device
 
-__all__ = ["BatchOutOfMemoryError", "RunResult", "StoredRunResult", "run"]
+__all__ = ["BatchOutOfMemoryError", "RunResult", "StoredRunResult", "check_run_options", "run"]
 
 logger = logging.getLogger(__name__)
-
-_ON_OOM = ("raise", "skip")
-
-
-def check_run_options(device: Any, on_oom: Any, measure_memory: Any, adapt: Any) -> None:
-    """Checks the options that say how :func:`run` runs the batches (also given ahead, as to a Ray predictor)."""
-    if adapt is not None and not isinstance(adapt, bool):
-        raise bad_type("adapt", "None (auto), True or False", adapt)
-    if device is not None:
-        check_device("device", device, "None, a str or a torch.device")
-    if not isinstance(on_oom, str):
-        raise bad_type("on_oom", f"one of {_ON_OOM}", on_oom)
-    if on_oom not in _ON_OOM:
-        raise bad_value("on_oom", f"one of {_ON_OOM}", on_oom)
-    if measure_memory is not None and not isinstance(measure_memory, (bool, str, torch.device)):
-        raise bad_type("measure_memory", "None (auto), a bool, or the device to measure (a str or torch.device)",
-                       measure_memory)
-    if isinstance(measure_memory, (str, torch.device)):
-        check_measurable_device("measure_memory", measure_memory)
-
-
-def _check_arguments(
-    fn: Any, device: Any, output_path: Any, on_oom: Any, measure_memory: Any, progress: Any, distributed: Any,
-    adapt: Any = None, pad_token_id: Any = None, key: Any = None, token_outputs: Any = "auto",
-) -> None:
-    if not callable(fn):
-        raise bad_type("fn", "a callable taking a batch", fn)
-    if isinstance(fn, torch.nn.Module) and isinstance(getattr(fn, "main_input_name", None), str):
-        # A Hugging Face model takes tensors as keywords: model(batch) would fail inside its forward.
-        raise bad_type("fn", "a callable taking a dynabatch.Batch (a dict of tensors), such as "
-                       "lambda batch: model(**batch) or lambda batch: model.generate(**batch)", fn)
-    check_run_options(device, on_oom, measure_memory, adapt)
-    if output_path is not None and not isinstance(output_path, (str, os.PathLike)):
-        raise bad_type("output_path", "None, a str or an os.PathLike (a directory for the results store)", output_path)
-    if key is not None and not isinstance(key, str):
-        raise bad_type("key", "None or a str naming the model, revision and settings", key)
-    if key is not None and output_path is None:
-        raise bad_value("key", "None without output_path (it identifies the results stored there)", key)
-    if not isinstance(progress, bool):
-        raise bad_type("progress", "a bool", progress)
-    if distributed is not None and not isinstance(distributed, bool):
-        raise bad_type("distributed", "None (auto), True or False", distributed)
-    if pad_token_id is not None:
-        check_non_negative_int("pad_token_id", pad_token_id)
-    check_token_outputs(token_outputs)
-
-
-def _memory_device(measure_memory: Any, adapt: bool | None, device: Any) -> Any:
-    """The device to measure each call's peak on, or ``None`` (measured mode always measures; ``None`` is auto:
-    the device the batches run on, unless ``adapt=False``)."""
-    if adapt and measure_memory is False:
-        measure_memory = True
-    if measure_memory is False or (measure_memory is None and adapt is False):
-        return None
-    if measure_memory is not True and measure_memory is not None:
-        return measure_memory
-    target = _running_device(device)
-    if measure_memory is None and (target is None or not measurable(target)):
-        logger.info("run: batches run on %s, whose memory cannot be measured: they run as planned", device)
-        return None
-    return device if target is None else target
-
-
-def _running_device(device: Any) -> torch.device | None:
-    """Where the batches run: ``device`` (``None`` if torch cannot parse it), else the accelerator on which a model
-    holds memory, else the CPU."""
-    if device is not None:
-        try:
-            return torch.device(device)
-        except RuntimeError:
-            return None  # batch.to(device) names the error when the first batch runs
-    return device_in_use() or torch.device("cpu")
-
-
-def _mode(plan: LoaderPlan | None, adapt: bool | None, measure_memory: Any, memory_device: Any,
-          distributed: bool) -> tuple[bool, bool, bool]:
-    """``(adapt, guard, sparse)``: measured mode, guarded mode, and whether to measure only some calls.
-
-    ``adapt=None`` (auto) with a device to measure: measured mode for a dynabatch
-    loader in plan order in one process, guarded mode otherwise. ``sparse``:
-    auto on the CPU (the tracker's cost), where a call the bound already covers
-    runs unmeasured.
-    """
-    if adapt is not None or memory_device is None:
-        return bool(adapt), False, False
-    replannable = plan is not None and not distributed and not getattr(plan.sampler, "shuffle", False)
-    sparse = measure_memory is None and torch.device(memory_device).type == "cpu"
-    logger.info("run: %s, measuring %s on %s", "measured mode (batches re-sized from measured peaks)" if replannable
-                else "guarded mode (batches split where measured peaks bound them above the first's)",
-                "only calls that can let batches grow" if sparse else "every call", memory_device)
-    return replannable, not replannable, sparse
-
-
-def _world(distributed: bool | None) -> tuple[int, int, bool]:
-    """``(rank, world_size, distributed)``: distributed only under a process group of more than one rank."""
-    if distributed is None:
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if not distributed:
-        return 0, 1, False
-    from dynabatch.inference.distributed import world
-
-    rank, world_size = world()
-    return rank, world_size, world_size > 1
-
 
 def _progress_bar(loader: Any, queue: BatchQueue, store: Any) -> Any:
     from tqdm.auto import tqdm
@@ -205,6 +108,8 @@ def run(
     pad_token_id: int | None = None,
     key: str | None = None,
     token_outputs: str = "auto",
+    devices: list[str | torch.device] | None = None,
+    prefetch: int = PREFETCH_DEPTH,
 ) -> RunResult | StoredRunResult:
     """Calls ``fn(batch)`` on every batch of ``loader`` and returns one result per input, in input order.
 
@@ -345,6 +250,26 @@ def run(
             or ``"whole"`` (nothing is cut: rows as the batch padded them).
             Each field's reading is fixed at its first batch and kept for the
             run; a later output that contradicts it raises ``ValueError``.
+        devices: run on several devices at once (``["cuda:0", "cuda:1"]``):
+            ``fn`` is then ``make_fn``, called once per device in that device's
+            worker thread as ``make_fn(device)``, returning the ``fn(batch)``
+            for that device (say, a model copy moved there). The workers take
+            the next batch from one shared queue, longest first, so no device
+            idles while work remains; each measures its own peaks against its
+            own first batch (measured mode per device: GPUs of different sizes
+            work), and an out-of-memory error splits only its own batch. A
+            worker whose ``fn`` raises stops and its batch goes back to the
+            queue once; a batch that fails on a second worker raises. Results
+            land in input order (one store with ``output_path``), the report
+            tags each batch with its device. Threads, not processes: no
+            ``__main__`` guard, works in a notebook. Not with ``device`` nor
+            under ``torch.distributed``.
+        prefetch: batches built (collated; pinned, on CUDA and XPU) ahead of
+            the running one in a background thread, so the device does not
+            wait for the host; 0 builds each when it runs. In measured mode a
+            batch built ahead that a later peak re-sized is built again, not
+            run stale (``report.rebuilt_batches``). With ``devices``, every
+            device's thread builds its own batches beside the others' calls.
 
     Returns:
         A :class:`RunResult`: a list with one result per input position, plus
@@ -362,12 +287,14 @@ def run(
             match the batch's rows.
         BatchOutOfMemoryError: with ``on_oom="raise"``, a single row that ran out of memory.
     """
-    _check_arguments(fn, device, output_path, on_oom, measure_memory, progress, distributed, adapt, pad_token_id,
-                     key, token_outputs)
-    memory_device = _memory_device(measure_memory, adapt, device)
-    rank, world_size, distributed = _world(distributed)
+    check_arguments(fn, device, output_path, on_oom, measure_memory, progress, distributed, adapt, pad_token_id,
+                    key, token_outputs)
+    check_non_negative_int("prefetch", prefetch)
+    rank, world_size, distributed = world_of(distributed)
+    targets = check_devices(devices, device, distributed, measure_memory)
+    memory_device = memory_device_of(measure_memory, adapt, device if targets is None else targets[0])
     plan = plan_of(loader)
-    adapt, guard, sparse = _mode(plan, adapt, measure_memory, memory_device, distributed)
+    adapt, guard, sparse = mode(plan, adapt, measure_memory, memory_device, distributed)
     queue = BatchQueue(loader, plan, pad_token_id, adapt=adapt, guard=guard, sparse=sparse)
     if adapt and distributed:
         raise bad_value("adapt", "False under torch.distributed (each rank's share is fixed up front)", adapt)
@@ -382,23 +309,26 @@ def run(
     if distributed:
         queue.shard(rank, world_size)
     bar = _progress_bar(loader, queue, store) if progress else None
-    executor = Executor(fn, queue, device=device, on_oom=on_oom, memory_device=memory_device, bar=bar,
-                        lockstep=distributed, store=store, rank=rank, skipped=plan.skipped if plan is not None else None,
-                        token_outputs=token_outputs)
+    options = {"on_oom": on_oom, "bar": bar, "store": store, "token_outputs": token_outputs,
+               "skipped": plan.skipped if plan is not None else None}
+    if targets is not None:
+        return _run_devices(fn, targets, queue, options, measure_memory, adapt)
+    executor = Executor(fn, queue, device=device, memory_device=memory_device, lockstep=distributed, rank=rank,
+                        **options)
     # Without a store under torch.distributed: every input position this rank answers for (gathered to rank 0).
     mine = np.zeros(queue.n_inputs or 0, dtype=bool) if distributed and store is None else None
     if mine is not None and rank == 0 and plan is not None:
         mine[plan.skipped] = True  # bad inputs run on no rank: rank 0 answers for them (None, failed)
+    prefetcher = Prefetcher(executor, depth=prefetch)
     try:
-        while (item := queue.next_item()) is not None:
+        while (got := prefetcher.next()) is not None:
+            item, batch = got
             if mine is not None:
                 mine[item.positions] = True
-            todo = executor.skip_done(item)  # rows a resumed run already has
-            if todo is not None:
-                queue.observe_item(todo, executor.run_item(todo))
-            else:
-                executor.join_step(item)
+            queue.observe_item(item, executor.run_item(item, batch), executor.lane)
     finally:
+        prefetcher.close()
+        executor.report.rebuilt_batches = prefetcher.rebuilt
         if bar is not None:
             bar.close()
         executor.close()  # the rows still buffered are committed, after an error too
@@ -412,3 +342,38 @@ def run(
         torch.distributed.barrier()  # every rank's shards are in: each rank reads the whole store
         return executor.result(failed=None)
     return executor.result(failed=executor.failed)
+
+
+def _run_devices(make_fn: Callable[[Any], Callable[[Batch], Any]], targets: list[torch.device], queue: BatchQueue,
+                 options: dict, measure_memory: Any, adapt: bool) -> RunResult | StoredRunResult:
+    """Runs the queue on every device of ``targets`` at once; one result over every device's rows."""
+    executors: list[Executor | None] = [None] * len(targets)
+
+    def make_executor(target: torch.device, i: int) -> Executor:
+        fn = make_fn(target)
+        if not callable(fn):
+            raise bad_type("make_fn", f"a callable returning fn(batch) for a device (make_fn({str(target)!r}) "
+                           "returned no callable)", fn)
+        executors[i] = Executor(fn, queue, device=target, memory_device=memory_device_of(measure_memory, adapt, target),
+                                rank=f"{target.type}{i}", lane=queue.new_lane(), **options)
+        return executors[i]
+
+    try:
+        run_devices(targets, make_executor, queue)
+    finally:
+        if options["bar"] is not None:
+            options["bar"].close()
+        for executor in executors:
+            if executor is not None:
+                executor.close()
+    running = [e for e in executors if e is not None]
+    report = RunReport.merge([e.report for e in running], [str(t) for t, e in zip(targets, executors) if e])
+    failed = sorted(set().union(*(e.failed for e in running)))
+    n = queue.n_inputs if queue.n_inputs is not None else max(e.last_position for e in running) + 1
+    if options["store"] is not None:
+        return options["store"].result(n, report=report, failed=failed)
+    values: list[Any] = [None] * n
+    for executor in running:
+        for position, value in executor.results.items():
+            values[position] = value
+    return RunResult(values, report=report, failed=failed)

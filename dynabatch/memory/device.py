@@ -68,7 +68,9 @@ __all__ = [
     "free_memory",
     "is_out_of_memory_error",
     "known_backend",
+    "make_current",
     "measurable",
+    "pins_memory",
     "register_backend",
     "total_bytes",
 ]
@@ -98,6 +100,8 @@ class DeviceBackend:
     """Texts of this device's out-of-memory errors raised as a plain ``RuntimeError``."""
     measurable: ClassVar[bool] = False
     """Whether :meth:`peak_tracker` can measure a block's peak here."""
+    pinned_copies: ClassVar[bool] = False
+    """Whether batches copy here asynchronously from pinned host memory (``non_blocking``)."""
 
     def module(self) -> Any:
         """torch's module of this device type (``torch.cuda``), or ``None``."""
@@ -123,6 +127,11 @@ class DeviceBackend:
     def in_use(self) -> bool:
         """Whether this process holds memory on the current device (a model was moved there)."""
         return False
+
+    def make_current(self, device: torch.device) -> None:
+        """Makes ``device`` the calling thread's current device of its type (a worker thread per device)."""
+        if device.index is not None:
+            self._call("set_device", device)
 
     def synchronize(self, device: torch.device) -> None:
         """Waits for the device's queued work."""
@@ -183,6 +192,7 @@ class AllocatorBackend(DeviceBackend):
     """A device whose torch module keeps caching-allocator statistics (``torch.cuda``'s functions)."""
 
     measurable = True
+    pinned_copies = True
 
     def allocated(self, device: torch.device) -> int:
         return int(self._call("memory_allocated", device, default=0))
@@ -317,6 +327,21 @@ def measurable(device: Any) -> bool:
     """Whether the memory of ``device`` (a ``torch.device``) can be measured: its type has a measuring backend."""
     backend = known_backend(_as_device(device).type)
     return backend is not None and backend.measurable
+
+
+def pins_memory(device: Any) -> bool:
+    """Whether batches for ``device`` are best built in pinned memory and copied with ``non_blocking`` (CUDA, XPU)."""
+    try:
+        backend = known_backend(_as_device(device).type) if device is not None else None
+    except (RuntimeError, TypeError):
+        return False  # a device torch cannot parse: batch.to() names the error
+    return backend is not None and backend.pinned_copies and backend.available()
+
+
+def make_current(device: Any) -> None:
+    """Makes ``device`` current in the calling thread (its type's ``set_device``; nothing on the CPU)."""
+    dev = _as_device(device)
+    backend_of(dev).make_current(dev)
 
 
 def is_out_of_memory_error(exc: BaseException) -> bool:

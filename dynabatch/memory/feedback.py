@@ -174,7 +174,7 @@ class MemoryFeedback:
 
     def oom_cap(self, width: float) -> int | None:
         """The most rows at padded ``width`` that out-of-memory errors allow (``None`` before any)."""
-        return self.oom.max_rows(self.row_bound(width))
+        return self.oom.rows_under_limit(self.row_bound(width))
 
     def _columns(self) -> np.ndarray:
         """The measured calls' rows, widths and peaks (three views)."""

@@ -196,15 +196,15 @@ class OutOfMemoryLimit:
 
     Example:
         >>> limit = OutOfMemoryLimit()
-        >>> limit.max_rows(100.0) is None  # nothing failed: no limit
+        >>> limit.rows_under_limit(100.0) is None  # nothing failed: no limit
         True
         >>> limit.observe_out_of_memory(rows=32, row_bytes=100.0)  # 100 bytes a row at least from now on
-        >>> limit.limit_bytes, limit.max_rows(50.0)  # the halves
+        >>> limit.limit_bytes, limit.rows_under_limit(50.0)  # the halves
         (1600.0, 16)
         >>> limit.observe_success(rows=16, row_bytes=60.0)  # a half ran: 16 rows at 100 bytes
-        >>> limit.limit_bytes, limit.max_rows(50.0)  # a quarter of the way from 1600 (ran) to 3200 (failed)
+        >>> limit.limit_bytes, limit.rows_under_limit(50.0)  # a quarter of the way from 1600 (ran) to 3200 (failed)
         (2000.0, 20)
-        >>> limit.max_rows(250.0)  # at a width where a row costs more than the failed call's, fewer rows
+        >>> limit.rows_under_limit(250.0)  # at a width where a row costs more than the failed call's, fewer rows
         8
     """
 
@@ -255,7 +255,7 @@ class OutOfMemoryLimit:
         """Whether a call would be predicted above every success since the errors (measuring it may raise the limit)."""
         return self.failed_bytes is not None and rows * self._bytes_a_row(row_bytes) > self.fitted_bytes
 
-    def max_rows(self, row_bytes: float | None) -> int | None:
+    def rows_under_limit(self, row_bytes: float | None) -> int | None:
         """The most rows (at least 1), at ``row_bytes`` a row, whose prediction stays at or under the limit;
         ``None`` before any error."""
         limit = self.limit_bytes

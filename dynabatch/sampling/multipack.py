@@ -36,7 +36,7 @@ What this implementation adds to the reference:
 
 The packing functions (``ffd_check``, ``pack_group``, ``pack_parallel``,
 ``allocate_sequentially``) live in :mod:`dynabatch.sampling.ffd` and are
-re-exported here under the seed's module; the compiled kernels (and why
+re-exported here, where axolotl's module has them; the compiled kernels (and why
 numba) in :mod:`dynabatch.sampling._ffd_kernels`.
 
 Example:
@@ -324,7 +324,7 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
         self.total_tokens_used += int(self.lengths[flat].sum())
         self.total_token_slots += n_bins * self.batch_max_len
 
-    # ----------------------------------------------------------------- the seed's methods
+    # ----------------------------------------------------------------- axolotl's sampler methods
 
     def __iter__(self) -> Any:
         self._count_stats()  # a pass counts in the efficiency statistics

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,7 @@ from dynabatch.memory.shape import ModelShape
 from dynabatch.sampling.estimators import SpikeEstimator, check_token_cap
 from dynabatch.sampling.plan_settings import PlanSettings, candidate_sizes, settle_rows
 
-__all__ = ["BatchPlanner", "PlanSettings", "candidate_sizes", "plan_batch_sizes", "plan_batches"]
+__all__ = ["BatchPlanner", "PlanCursor", "PlanSettings", "candidate_sizes", "plan_batch_sizes", "plan_batches"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,14 @@ def _longest_first(lengths: np.ndarray, max_input_token_length: int) -> np.ndarr
     if max_input_token_length < 2**15:
         return np.argsort((max_input_token_length - lengths).astype(np.int16), kind="stable")
     return np.argsort(-lengths, kind="stable")
+
+
+@dataclass
+class PlanCursor:
+    """One consumer of a planner's pass: the peaks it measured and its last batch's rows."""
+
+    feedback: MemoryFeedback
+    last: int | None = None
 
 
 class BatchPlanner:
@@ -156,13 +165,21 @@ class BatchPlanner:
                 :meth:`~dynabatch.memory.feedback.MemoryFeedback.should_measure`).
         """
         self._start = 0
-        self._last: int | None = None
-        self._feedback = MemoryFeedback(sparse=sparse)
+        self._cursor = self.cursor(sparse=sparse)
+
+    def cursor(self, *, sparse: bool = False) -> PlanCursor:
+        """A new consumer of this pass's batches (one device of several): its own measured peaks and last size.
+
+        Consumers share the pass: each :meth:`next_batch` takes the next
+        longest texts, sized by the consumer's own peaks, so each device runs
+        under its own first batch's peak.
+        """
+        return PlanCursor(MemoryFeedback(sparse=sparse))
 
     @property
     def feedback(self) -> MemoryFeedback:
         """The measured peaks of this pass (since :meth:`restart`) and the bound they set."""
-        return self._feedback
+        return self._cursor.feedback
 
     def planned_size(self, start: int) -> int:
         """The plan's size for the batch that holds sorted position ``start``."""
@@ -171,24 +188,41 @@ class BatchPlanner:
             self._ends = np.cumsum(sizes)
         return int(sizes[min(int(np.searchsorted(self._ends, start, side="right")), len(sizes) - 1)])
 
-    def next_batch(self) -> np.ndarray | None:
-        """The input positions of the next batch, sized from the peaks observed so far; ``None`` when done."""
+    def next_batch(self, cursor: PlanCursor | None = None) -> np.ndarray | None:
+        """The input positions of the next batch, sized from the peaks observed so far; ``None`` when done.
+
+        Args:
+            cursor: whose peaks size it (:meth:`cursor`); ``None``: the planner's own.
+        """
+        cursor = self._cursor if cursor is None else cursor
         start = self._start
         if start >= len(self.sorted_lengths):
             return None
-        size = self.next_size(start, self._last)
+        size = self.next_size(start, cursor.last, cursor.feedback)
         self._start += size
-        self._last = size
+        cursor.last = size
         return self.order[start : start + size]
 
-    def next_size(self, start: int, last_size: int | None = None) -> int:
+    def peek(self, n: int, cursor: PlanCursor | None = None) -> list[np.ndarray]:
+        """The next ``n`` batches :meth:`next_batch` would hand out if no peak were observed before them (a
+        prefetcher builds them ahead; a batch re-sized by a later peak is built again)."""
+        cursor = self._cursor if cursor is None else cursor
+        start, last, out = self._start, cursor.last, []
+        while len(out) < n and start < len(self.sorted_lengths):
+            size = self.next_size(start, last, cursor.feedback)
+            out.append(self.order[start : start + size])
+            start, last = start + size, size
+        return out
+
+    def next_size(self, start: int, last_size: int | None = None, feedback: MemoryFeedback | None = None) -> int:
         """Rows for the batch starting at sorted position ``start``, after a batch of ``last_size`` rows.
 
         Before any peak is measured: the plan's. Then: the rows the estimator
         (or the measured bound) keeps under ``target`` times the first batch's
         peak, settled by :func:`~dynabatch.sampling.plan_settings.settle_rows`.
         """
-        settings, feedback, estimator = self.settings, self._feedback, self.estimator
+        settings, estimator = self.settings, self.estimator
+        feedback = self._cursor.feedback if feedback is None else feedback
         remaining = len(self.sorted_lengths) - start
         longest = int(self.sorted_lengths[start])
         width = int(settings.width(longest))
@@ -217,19 +251,19 @@ class BatchPlanner:
         """Records the measured peak of the batch handed out last (rows of at most ``padded_length`` tokens)."""
         self.observe_parts([(rows, padded_length, peak_bytes)])
 
-    def observe_parts(self, parts: Sequence[tuple[int, int, float]]) -> None:
+    def observe_parts(self, parts: Sequence[tuple[int, int, float]], cursor: PlanCursor | None = None) -> None:
         """Records a batch that ran as several calls (split after running out of memory), each
-        ``(rows, padded_length, peak_bytes)``."""
-        self.feedback.observe_parts(parts)
+        ``(rows, padded_length, peak_bytes)``, by ``cursor`` (``None``: the planner's own)."""
+        (self._cursor if cursor is None else cursor).feedback.observe_parts(parts)
         for rows, width, peak in parts:
             if rows:
                 self.estimator.observe(rows, width, peak)
 
-    def observe_out_of_memory(self, rows: int, padded_length: int) -> None:
+    def observe_out_of_memory(self, rows: int, padded_length: int, cursor: PlanCursor | None = None) -> None:
         """Records a call of ``rows`` x ``padded_length`` that ran out of memory: later batches are planned under
         the lower limit it shows (:meth:`~dynabatch.memory.feedback.MemoryFeedback.observe_out_of_memory`), and a
         memory model learns its cap."""
-        self.feedback.observe_out_of_memory(rows, padded_length)
+        (self._cursor if cursor is None else cursor).feedback.observe_out_of_memory(rows, padded_length)
         self.estimator.observe_out_of_memory(rows, padded_length)
 
 

@@ -166,6 +166,7 @@ def test_batch_pin_memory_delegates_and_keeps_attributes(tokens, texts, monkeypa
     assert all(torch.equal(pinned[k], batch[k]) for k in batch)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
 def test_dataloader_pin_memory_keeps_attributes(tokens, texts):
     collate = TokenCollator(tokens, pad_token_id=0, texts=texts)

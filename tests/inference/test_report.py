@@ -61,6 +61,8 @@ def test_summary_figures_of_a_hand_built_report():
         "failed_rows": 1,
         "skipped_inputs": 0,
         "budget_bytes": 2000,
+        "device_budgets": {},
+        "rebuilt_batches": 0,
         "max_peak_ratio": 1.2,
         "batches_over_budget": 1,
     }

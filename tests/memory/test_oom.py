@@ -37,11 +37,11 @@ def _errors_until_settled(real_rows, first_failure):
     limit, per_row = OutOfMemoryLimit(), 1000.0  # every row predicted at the same bytes
     limit.observe_out_of_memory(first_failure, per_row)
     for half in split_sizes(first_failure):
-        assert half <= limit.max_rows(per_row)  # the halves it is retried as run as they are
+        assert half <= limit.rows_under_limit(per_row)  # the halves it is retried as run as they are
         limit.observe_success(half, per_row)
     errors, sizes = 1, []
     for _ in range(200):
-        rows = limit.max_rows(per_row)
+        rows = limit.rows_under_limit(per_row)
         sizes.append(rows)
         if rows > real_rows:
             errors += 1
@@ -62,15 +62,15 @@ def test_after_an_error_calls_grow_back_to_the_most_that_fit_with_few_errors(rea
 
 def test_the_lower_limit_rises_only_on_successes_and_never_to_a_failed_prediction():
     limit = OutOfMemoryLimit()
-    assert limit.max_rows(100.0) is None
+    assert limit.rows_under_limit(100.0) is None
     limit.observe_out_of_memory(40, 100.0)
-    assert limit.max_rows(100.0) == 20  # nothing ran since: the halves
+    assert limit.rows_under_limit(100.0) == 20  # nothing ran since: the halves
     limit.observe_success(20, 75.0)  # predicted at 20 rows x 100 bytes, the failed call's bytes a row
-    assert limit.fitted_bytes == 2000.0 and limit.max_rows(10.0) == 25  # a narrower width's rows are no cheaper
+    assert limit.fitted_bytes == 2000.0 and limit.rows_under_limit(10.0) == 25  # a narrower width's rows are no cheaper
     limit.observe_success(50, 100.0)  # above what failed: teaches nothing
-    assert limit.max_rows(100.0) == 25 and limit.max_rows(200.0) == 12  # a costlier row: fewer rows
+    assert limit.rows_under_limit(100.0) == 25 and limit.rows_under_limit(200.0) == 12  # a costlier row: fewer rows
     limit.observe_out_of_memory(30, 50.0)  # predicted low, but 30 rows cost 100 bytes each at least
-    assert limit.failed_bytes == 3000.0 and limit.row_bytes == 100.0 and limit.max_rows(100.0) == 22
+    assert limit.failed_bytes == 3000.0 and limit.row_bytes == 100.0 and limit.rows_under_limit(100.0) == 22
     assert limit.above_fitted(23, 0.0) and not limit.above_fitted(20, 0.0) and limit.errors == 2
 
 

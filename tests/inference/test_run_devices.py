@@ -1,0 +1,120 @@
+"""``run`` on several devices at once (``devices=``) and with batches built ahead (``prefetch``)."""
+
+import threading
+
+import pytest
+import torch
+from runner_helpers import _lengths, _load, _oom_over
+
+from dynabatch import run
+
+
+def _on(device_log):
+    """``make_fn``: records which thread made the fn for which device, and which device ran each batch."""
+
+    def make_fn(device):
+        device_log.append((str(device), threading.get_ident()))
+
+        def fn(batch):
+            assert batch["input_ids"].device.type == device.type
+            return _lengths(batch)
+
+        return fn
+
+    return make_fn
+
+
+def test_two_devices_give_every_row_once_in_input_order(texts, tokenizer):
+    alone = run(_lengths, _load(texts, tokenizer), progress=False)
+    made = []
+    both = run(_on(made), _load(texts, tokenizer), devices=["cpu", "cpu"], progress=False)
+    assert len(both) == len(texts) and both.failed == []
+    assert all(torch.equal(a, b) for a, b in zip(alone, both))
+    assert sorted(d for d, _ in made) == ["cpu", "cpu"] and len({t for _, t in made}) == 2  # one thread each
+    ran = {r.device for r in both.report.records}
+    assert ran <= {"cpu"} and both.report.rows == len(texts)
+    assert set(both.report.device_budgets) <= {"cpu"}
+
+
+def test_each_device_splits_only_its_own_batch_on_out_of_memory(texts, tokenizer):
+    calls = {}
+
+    def make_fn(device):
+        fn = _oom_over(_lengths, 3) if not calls else _lengths  # only the first device runs out of memory
+        calls[len(calls)] = fn
+        return fn
+
+    result = run(make_fn, _load(texts, tokenizer), devices=["cpu", "cpu"], progress=False, adapt=False)
+    alone = run(_lengths, _load(texts, tokenizer), progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(alone, result))
+    assert result.report.oom_events >= 1
+    # every event is the first device's own (a call over 3 rows there), split there; the second ran as planned
+    assert sum(rows > 3 for rows, _ in calls[0].calls) == result.report.oom_events
+
+
+def test_a_crashed_worker_requeues_its_batch_once_and_a_second_crash_raises(texts, tokenizer):
+    crashed = []
+
+    def make_fn(device):
+        def fn(batch):
+            if not crashed:
+                crashed.append(batch.indices.tolist())
+                raise RuntimeError("device lost")
+            return _lengths(batch)
+
+        return fn
+
+    result = run(make_fn, _load(texts, tokenizer), devices=["cpu", "cpu"], progress=False)
+    assert len(crashed) == 1 and all(r is not None for r in result)  # the other worker ran the crashed batch
+
+    def always_fails(device):
+        def fn(batch):
+            raise RuntimeError("broken model")
+
+        return fn
+
+    with pytest.raises(RuntimeError, match="broken model"):
+        run(always_fails, _load(texts, tokenizer), devices=["cpu", "cpu"], progress=False)
+
+
+def test_devices_store_results_in_one_store(texts, tokenizer, tmp_path):
+    result = run(_on([]), _load(texts, tokenizer), devices=["cpu", "cpu"], progress=False,
+                 output_path=tmp_path / "store", key="lengths")
+    alone = run(_lengths, _load(texts, tokenizer), progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(alone, result))
+    positions = result.to_arrow().column("position").to_pylist() if hasattr(result, "to_arrow") else None
+    assert positions is None or sorted(positions) == list(range(len(texts)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"devices": "cpu"}, TypeError, r"devices should be None or a list of devices"),
+        ({"devices": []}, ValueError, r"devices should be None or a list of at least one device"),
+        ({"devices": ["cpu"], "device": "cpu"}, ValueError, r"device should be None when devices is given"),
+        ({"devices": ["cpu"], "measure_memory": "cpu"}, ValueError, r"measure_memory should be None, True or False"),
+        ({"devices": ["gpu"]}, ValueError, r"devices\[0\]"),
+        ({"prefetch": -1}, ValueError, r"prefetch"),
+    ],
+)
+def test_bad_devices_and_prefetch_are_refused(texts, tokenizer, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        run(lambda device: _lengths, _load(texts, tokenizer), progress=False, **kwargs)
+
+
+def test_make_fn_that_returns_no_callable_is_refused(texts, tokenizer):
+    with pytest.raises(TypeError, match=r"make_fn should be a callable returning fn\(batch\)"):
+        run(lambda device: None, _load(texts, tokenizer), devices=["cpu"], progress=False)
+
+
+def test_batches_built_ahead_give_the_same_rows_and_re_sized_ones_are_rebuilt(texts, tokenizer, minilm):
+    def embed(batch):
+        with torch.no_grad():
+            return minilm(**batch).last_hidden_state.mean(1)
+
+    ahead = run(embed, _load(texts, tokenizer), progress=False, prefetch=2, adapt=True)
+    built_now = run(embed, _load(texts, tokenizer), progress=False, prefetch=0, adapt=True)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ahead, built_now))
+    assert [r.rows for r in ahead.report.records] == [r.rows for r in built_now.report.records]
+    assert built_now.report.rebuilt_batches == 0
+    assert ahead.report.rebuilt_batches > 0  # batches built ahead that a measured peak re-sized: built again
