@@ -203,6 +203,15 @@ def test_embeddings_benchmark_prints_model_encode_and_dynabatch_side_by_side():
     assert ours and float(ours.group(1)) < 1e-5, result.stdout  # the same vectors
 
 
+def test_overlap_benchmark_prints_each_setting_against_device_and_host_time():
+    result = _run_script("overlap.py", "--n-texts", "300", "--ns-per-cell", "200", timeout=180)
+    assert "300 texts, 200 ns per padded cell, host time" in result.stdout
+    for setting in ("one device, built in turn (prefetch=0)", "one device, built ahead (prefetch=2, the default)",
+                    "two devices (devices=['cpu', 'cpu'])"):
+        assert re.search(rf"^\| {re.escape(setting)} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", result.stdout,
+                         re.MULTILINE), (setting, result.stdout)
+
+
 # --- benchmarks/gpu.sh and what it runs -------------------------------------------------------------------------
 
 GPU_SH = ROOT / "benchmarks" / "gpu.sh"
