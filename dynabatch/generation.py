@@ -59,7 +59,7 @@ from dynabatch.data.token_ids import are_token_ids
 from dynabatch.data.tokenization import check_tokenizer, model_max_length
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.outputs import PerRow
-from dynabatch.inference.results import RunResult
+from dynabatch.inference.results import RunResult, StoredRunResult
 from dynabatch.inference.runner import run
 from dynabatch.memory.shape import ModelShape, check_position_limit, position_limit
 
@@ -205,7 +205,7 @@ def generate(
     adapt: bool | None = None,
     progress: bool = True,
     **generate_kwargs: Any,
-) -> RunResult:
+) -> RunResult | StoredRunResult:
     """Generates a reply to every prompt with ``model.generate``, in input order, through :func:`dynabatch.run`.
 
     Args:
@@ -231,7 +231,8 @@ def generate(
             each prompt's result is a list of ``k`` replies.
 
     Returns:
-        A :class:`~dynabatch.inference.results.RunResult`: one reply per prompt
+        A :class:`~dynabatch.inference.results.RunResult` (with ``output_path``, a
+        :class:`~dynabatch.inference.results.StoredRunResult` reading the store): one reply per prompt
         (a str, or a list of int with ``return_ids``), with ``.report``.
 
     Raises:

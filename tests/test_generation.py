@@ -186,3 +186,24 @@ def test_a_limit_above_the_model_positions_is_refused_before_anything_runs(llama
     reply = dynabatch.generate(llama, chat_tokenizer, ["word " * 200], return_ids=True, max_new_tokens=16,
                                min_new_tokens=16, do_sample=False, progress=False)
     assert len(reply[0]) == 16
+
+
+def test_replies_resume_from_the_store_and_another_key_is_refused(llama, chat_tokenizer, frequent, prompts, tmp_path):
+    kwargs = {"batch_size": 4, "max_new_tokens": NEW, "do_sample": False, "eos_token_id": frequent, "progress": False}
+    store = tmp_path / "replies"
+    first = dynabatch.generate(llama, chat_tokenizer, prompts[:8], output_path=store, key="llama greedy", **kwargs)
+    calls = []
+    original = llama.generate
+
+    def counted(**inputs):
+        calls.append(inputs["input_ids"].shape[0])
+        return original(**inputs)
+
+    llama.generate = counted
+    try:
+        again = dynabatch.generate(llama, chat_tokenizer, prompts[:8], output_path=store, key="llama greedy", **kwargs)
+    finally:
+        del llama.generate
+    assert list(again) == list(first) and calls == []  # every reply read back, nothing generated again
+    with pytest.raises(ValueError, match="llama greedy"):
+        dynabatch.generate(llama, chat_tokenizer, prompts[:8], output_path=store, key="llama sampled", **kwargs)
