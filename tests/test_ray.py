@@ -9,8 +9,12 @@ by the session. Out-of-memory errors are injected by raising
 dynabatch or Ray is mocked.
 """
 
+import collections
 import itertools
+import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -308,6 +312,125 @@ def test_a_pandas_window_and_an_empty_window(held_out, alone):
     assert len(empty["vector"]) == 0 and sorted(empty) == ["body", "id", "vector"]
 
 
+class Sums(DynamicBatchPredictor):
+    """A model-free predictor: each row's token count and sum of token ids (exact in float32, however batched).
+    With ``record``, every model call appends its texts to a file in that directory; with ``fail_at``, the actor's
+    ``fail_at``-th window raises, failing the job (a job killed there)."""
+
+    def __init__(self, *, record=None, fail_at=None, **kwargs):
+        self.record, self.fail_at, self.windows_called = record, fail_at, 0
+        super().__init__(**kwargs)
+
+    def setup(self):
+        from transformers import AutoTokenizer
+
+        from dynabatch.demo import minilm_path
+
+        def fn(batch):
+            if self.record:
+                with open(os.path.join(self.record, f"{os.getpid()}.jsonl"), "a", encoding="utf-8") as f:
+                    f.write(json.dumps(list(batch.texts)) + "\n")
+            mask = batch["attention_mask"]
+            return torch.stack([mask.sum(1), (batch["input_ids"] * mask).sum(1)], 1).float()
+
+        return AutoTokenizer.from_pretrained(minilm_path()), fn
+
+    def __call__(self, batch):
+        self.windows_called += 1
+        if self.windows_called == self.fail_at:
+            raise RuntimeError("the job was killed in this window")
+        return super().__call__(batch)
+
+
+class PoisonedSums(Sums):
+    """Sums on a simulated device where any batch holding ``poison`` runs out of memory, even alone."""
+
+    def __init__(self, *, poison, **kwargs):
+        self.poison = poison
+        super().__init__(**kwargs)
+
+    def setup(self):
+        tokenizer, sums = super().setup()
+
+        def fn(batch):
+            if self.poison in batch.texts:
+                raise torch.OutOfMemoryError(OOM)
+            return sums(batch)
+
+        return tokenizer, fn
+
+
+def _ran(record):
+    """How many times the model ran each text, from ``Sums``' record."""
+    return collections.Counter(text for file in Path(record).glob("*.jsonl")
+                               for line in file.read_text(encoding="utf-8").splitlines() for text in json.loads(line))
+
+
+def _stored(path):
+    """The store read as plain Parquet (hidden files are not read): each id's output, and every id stored."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    ids = table.column("id").to_pylist()
+    return dict(zip(ids, table.column("output").to_pylist())), ids
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_predictor_with_output_path_runs_only_the_rows_its_store_does_not_hold(held_out, tmp_path):
+    store, record = tmp_path / "store", tmp_path / "record"
+    record.mkdir()
+    ids = np.array([f"doc-{i}" for i in range(40)], dtype=object)
+    texts = np.array(held_out[:40], dtype=object)
+    options = {"batch_size": 4, "max_input_token_length": MAX_LEN, "learn_memory": False}
+    expected = Sums(**options)({"id": ids, "text": texts})["output"]  # without a store: every row, in place
+
+    first = Sums(**options, output_path=str(store), key="sums")
+    summary = first({"id": ids[:25], "text": texts[:25]})
+    assert {name: values.tolist() for name, values in summary.items()} == {
+        "rows": [25], "held": [0], "ran": [25], "failed": [0]}
+    rerun = Sums(**options, output_path=store, key="sums", record=str(record))  # a new actor opens the store
+    summary = rerun({"id": ids, "text": texts})
+    assert {name: values.tolist() for name, values in summary.items()} == {
+        "rows": [40], "held": [25], "ran": [15], "failed": [0]}
+    assert _ran(record) == collections.Counter(texts[25:].tolist())  # the model ran the 15 missing rows only
+    rerun({"id": ids[25:], "text": texts[25:]})  # the same rows again (a window Ray retries): their shard replaced
+    got, stored = _stored(store)
+    assert sorted(stored) == sorted(ids.tolist()) and len(list(store.glob("part-*.parquet"))) == 2
+    for i, row in zip(ids, expected):
+        np.testing.assert_array_equal(got[i], row)
+
+    empty = rerun({"id": np.array([], dtype=object), "text": np.array([], dtype=object)})
+    assert {name: values.tolist() for name, values in empty.items()} == {"rows": [0], "held": [0], "ran": [0],
+                                                                          "failed": [0]}
+    import pandas as pd
+
+    frame = rerun(pd.DataFrame({"id": ids[:5], "text": texts[:5]}))  # a pandas window: a pandas summary
+    assert frame.to_dict("list") == {"rows": [5], "held": [5], "ran": [0], "failed": [0]}
+
+    with pytest.raises(ValueError, match="should hold results of these inputs at their ids, but got 1 stored rows "
+                                         "computed from other inputs \\(ids doc-3\\)"):
+        rerun({"id": ids[3:4], "text": np.array(["another text under a stored id"], dtype=object)})
+    with pytest.raises(ValueError, match="the id_column='id' column should hold ids of type string, as the ids of "
+                                         "the results at output_path=.*, but got ids of type int64"):
+        rerun({"id": np.arange(2), "text": texts[:2]})
+    with pytest.raises(ValueError, match="id_column should be a column of the batch \\['text'\\]"):
+        rerun({"text": texts[:2]})
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_row_without_a_result_is_not_stored_and_a_rerun_tries_it_again(held_out, tmp_path):
+    window = {"id": np.arange(10), "text": np.array(held_out[:10], dtype=object)}
+    options = {"batch_size": 4, "max_input_token_length": MAX_LEN, "learn_memory": False,
+               "output_path": tmp_path, "key": "sums", "poison": held_out[7]}
+    summary = PoisonedSums(on_oom="skip", **options)(window)
+    assert {name: values.tolist() for name, values in summary.items()} == {
+        "rows": [10], "held": [0], "ran": [10], "failed": [1]}
+    assert sorted(_stored(tmp_path)[1]) == [0, 1, 2, 3, 4, 5, 6, 8, 9]
+    with pytest.raises(BatchOutOfMemoryError, match="row 7 of this window ran out of memory on its own .*pass "
+                                                    "on_oom='skip' to leave it unstored"):
+        PoisonedSums(**options)(window)  # the rerun runs row 7 alone: it fails again, named by its window row
+
+
 def test_to_column_stacks_equal_shapes_and_keeps_the_rest_as_objects():
     assert to_column([torch.ones(2, 3), torch.zeros(2, 3)]).shape == (2, 2, 3)
     assert to_column([torch.tensor(1.5, dtype=torch.bfloat16)] * 3).dtype == np.float32
@@ -348,6 +471,12 @@ class Counting(Embed):
                                                             "keywords DynamicBatchPredictor sets itself")),
     ({"calibrate_kwargs": {"max_probes": 4}}, ValueError, "calibrate_kwargs should be None without calibrate=True"),
     ({"device": 0}, TypeError, "device should be None, a str or a torch.device, but got device=0"),
+    ({"output_path": 3}, TypeError, ("output_path should be None, a str or an os.PathLike \\(a directory for the "
+                                     "results store\\), but got output_path=3")),
+    ({"key": "minilm"}, ValueError, ("key should be None without output_path \\(it identifies the results stored "
+                                     "there\\), but got key='minilm'")),
+    ({"output_path": "unused", "id_column": "output"}, ValueError,
+     "id_column should be another column than output_column and error_column, but got id_column='output'"),
 ])
 def test_bad_arguments_are_refused_before_the_model_loads(kwargs, error, message):
     kwargs = {"batch_size": 8, "max_input_token_length": MAX_LEN, **kwargs}
@@ -503,3 +632,63 @@ def test_map_texts_picks_the_window_and_leaves_a_cpu_for_the_stages_that_feed_th
         map_texts(ds, Embed, batch_size=16, max_input_token_length=MAX_LEN, actors=(3, 2))
     with pytest.raises(ValueError, match="num_gpus should be None or a number >= 0, but got num_gpus=-1"):
         map_texts(ds, Embed, batch_size=16, max_input_token_length=MAX_LEN, num_gpus=-1)
+
+
+def test_a_killed_map_texts_job_reruns_only_the_rows_its_output_does_not_hold(ray_cluster, held_out, tmp_path,
+                                                                               caplog):
+    import pyarrow.parquet as pq
+
+    from dynabatch.inference._shards import _HOST
+
+    store, record = tmp_path / "store", tmp_path / "record"
+    record.mkdir()
+    ids = [f"doc-{i}" for i in range(len(held_out))]
+    ds = ray_cluster.data.from_items([{"id": i, "text": t} for i, t in zip(ids, held_out)], override_num_blocks=4)
+    options = {"batch_size": 4, "max_input_token_length": MAX_LEN, "window": 30, "actors": 1,
+               "output_path": str(store), "key": "sums", "learn_memory": False}
+    with pytest.raises(Exception, match="the job was killed in this window"):  # Ray's task error, naming it
+        map_texts(ds, Sums, fail_at=3, **options)  # one actor: windows 1 and 2 are committed, the 3rd fails
+    shards = sorted(store.glob("part-*.parquet"))
+    assert len(shards) == 2 and sum(pq.read_metadata(shard).num_rows for shard in shards) == 60
+    # A shard torn by a crash (its rows run again) and a temporary shard of a writer killed while writing it.
+    torn, kept = shards
+    bytes_ = torn.read_bytes()
+    torn.write_bytes(bytes_[:len(bytes_) // 2])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    temp = store / f".tmp-{_HOST}-{dead.pid}-part-w0-00000.parquet"
+    temp.write_bytes(bytes_[:100])
+    held = set(pq.read_table(kept).column("id").to_pylist())
+
+    with caplog.at_level(logging.INFO, logger="dynabatch.ray"):
+        out = map_texts(ds, Sums, record=str(record), **options)
+    assert "of this dataset's 120 rows, 30 were held, 90 ran now, 0 of them without a result" in caplog.text
+    assert _ran(record) == collections.Counter(t for i, t in zip(ids, held_out) if i not in held)  # the rest only
+    assert not temp.exists() and (store / f".torn-{torn.name}").exists()
+    rows = out.take_all()  # what map_texts returns: the store, read by Ray
+    assert sorted(row["id"] for row in rows) == sorted(ids) and all(sorted(row) == ["id", "output"] for row in rows)
+    assert sorted(_stored(store)[1]) == sorted(ids)  # every id stored exactly once
+    uninterrupted = Sums(batch_size=4, max_input_token_length=MAX_LEN, learn_memory=False)(
+        {"id": np.array(ids, dtype=object), "text": np.array(held_out, dtype=object)})["output"]
+    got = {row["id"]: row["output"] for row in rows}
+    for i, row in zip(ids, uninterrupted):
+        np.testing.assert_array_equal(got[i], row)
+
+
+def test_map_texts_refuses_a_store_of_another_key(ray_cluster, held_out, tmp_path):
+    store = tmp_path / "store"
+    options = {"batch_size": 4, "max_input_token_length": MAX_LEN, "learn_memory": False}
+    Sums(**options, output_path=str(store), key="minilm cls 64")(
+        {"id": np.arange(3), "text": np.array(held_out[:3], dtype=object)})
+    ds = ray_cluster.data.from_items([{"id": i, "text": t} for i, t in enumerate(held_out[:3])])
+    message = (f"key should be the key the results at output_path={str(store)!r} were stored with "
+               "(key='minilm cls 64') to resume them, but got key='minilm mean 64': pass that key if the model and "
+               "settings are the same, or another output_path for another model or settings")
+    with pytest.raises(ValueError, match=re.escape(message)):  # refused in the driver, before any actor starts
+        map_texts(ds, Sums, output_path=store, key="minilm mean 64", **options)
+    with pytest.raises(ValueError, match="key should be None without output_path \\(it identifies the results "
+                                         "stored there\\), but got key='minilm cls 64'"):
+        map_texts(ds, Sums, key="minilm cls 64", **options)
+    with pytest.raises(TypeError, match="id_column should be a column name \\(a non-empty str\\), but got "
+                                        "id_column=None"):
+        map_texts(ds, Sums, output_path=store, id_column=None, **options)

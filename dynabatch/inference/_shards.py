@@ -147,6 +147,12 @@ class StoreWriter:
     checked and converted to numpy in :meth:`write`, so a row Arrow cannot
     store raises at once, and become Arrow columns once per shard. A small object with no reference to the run, so that a worker can own it.
 
+    ``name``: the writer's name in its shards' names (``None``: the time, a
+    random part and ``rank``); a writer named after the rows it writes
+    commits the same shard name when they are written again, replacing it.
+    ``positions=False``: the ``position`` column holds ``-1`` (rows with no
+    input position, keyed by ``ids``; ``write``'s positions then index ``ids``).
+
     Attributes:
         layout: the rows' :class:`~dynabatch.inference._columns.Layout` once
             every column's type is known; ``None`` before (a column ``None`` in
@@ -154,10 +160,12 @@ class StoreWriter:
             per-token output when its first values come).
     """
 
-    def __init__(self, path: str, meta: dict, layout: Layout | None, ids: pa.Array | None, *, rank: int = 0) -> None:
+    def __init__(self, path: str, meta: dict, layout: Layout | None, ids: pa.Array | None, *, rank: int = 0,
+                 name: str | None = None, positions: bool = True) -> None:
         self.path, self.meta, self._layout, self.ids = path, meta, layout, ids
         self._untyped = layout.untyped if layout is not None else set()  # columns untyped in the shards so far
-        self.name = f"{time.strftime('%Y%m%dT%H%M%S')}_{uuid.uuid4().hex[:8]}_rank{rank}"
+        self.name = name or f"{time.strftime('%Y%m%dT%H%M%S')}_{uuid.uuid4().hex[:8]}_rank{rank}"
+        self.positions = positions
         self.seq = 0
         self.buffer: list[tuple] = []  # (positions, input hashes, each column's part) per batch
         self.rows = self.bytes = 0
@@ -169,6 +177,11 @@ class StoreWriter:
     @property
     def layout(self) -> Layout | None:
         return self._layout if self._layout is not None and not self._layout.untyped else None
+
+    @property
+    def stored_layout(self) -> Layout | None:
+        """The layout the rows are stored with so far, untyped columns included (``None`` before any row)."""
+        return self._layout
 
     def _schema(self, layout: Layout) -> pa.Schema:
         fields = [pa.field("position", pa.int64())]
@@ -218,7 +231,8 @@ class StoreWriter:
     def _table(self, buffer: list, layout: Layout) -> pa.Table:
         """The buffered batches as one table: each column concatenated once."""
         positions = np.concatenate([b[0] for b in buffer])
-        keys = [pa.array(positions)] + ([self.ids.take(pa.array(positions))] if self.ids is not None else [])
+        stored = positions if self.positions else np.full(len(positions), -1, dtype=np.int64)
+        keys = [pa.array(stored)] + ([self.ids.take(pa.array(positions))] if self.ids is not None else [])
         hashes = pa.array(np.concatenate([b[1] for b in buffer]))
         columns = layout.to_arrow([b[2] for b in buffer])
         return pa.Table.from_arrays([*keys, hashes, *columns.values()], schema=self._schema(layout))

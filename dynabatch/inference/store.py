@@ -1,7 +1,8 @@
 """The results store of ``run(..., output_path=...)``: a directory of Parquet shards, one row per input.
 
 Each shard, ``part-<writer>-<seq>.parquet``, holds finished rows: ``position``
-(``int64``), ``id`` (when the loader was given ``ids=``), ``input_hash`` (a
+(``int64``; ``-1`` for rows of a Ray Data job, which have no input position),
+``id`` (when the loader was given ``ids=``, or a Ray Data job's id column), ``input_hash`` (a
 64-bit hash of the row's inputs, :func:`dynabatch._digest.row_hashes`) and the
 output columns (:mod:`dynabatch.inference._columns`). Its Arrow schema
 metadata holds the store's format, the run's ``key``, what rows are keyed by
@@ -108,6 +109,8 @@ class ResultsStore:
         key: what computed the rows (model, revision, settings); must equal the stored one.
         n: the run's number of inputs.
         ids: one id per input (an Arrow array of str or int64), or ``None`` to key rows by position.
+        keyed_by: ``"id"`` with ``ids=None``: the run's inputs are every id the store holds (a job whose ids
+            stream in, :func:`dynabatch.ray.map_texts`); ``None``: by ``ids``.
 
     Attributes:
         layout: the stored output :class:`~dynabatch.inference._columns.Layout`, or ``None`` for an empty store.
@@ -116,11 +119,13 @@ class ResultsStore:
         stored_hash: each stored row's input hash.
     """
 
-    def __init__(self, path: str, *, key: str | None, n: int | None, ids: pa.Array | None = None) -> None:
+    def __init__(self, path: str, *, key: str | None, n: int | None, ids: pa.Array | None = None,
+                 keyed_by: str | None = None) -> None:
         refuse_jsonl(path)
         self.path, self.key, self.ids = path, key, ids
         self.input_hashes: np.ndarray | None = None  # every input's hash, when known up front (a dynabatch loader)
-        self.keyed_by = "position" if ids is None else "id"
+        self.keyed_by = keyed_by or ("position" if ids is None else "id")
+        self._stored_ids = ids is None and self.keyed_by == "id"  # the inputs are the ids stored
         if os.path.exists(path) and not os.path.isdir(path):  # a socket, a device
             raise bad_value("output_path", "a directory (a Parquet results store)", path)
         os.makedirs(path, exist_ok=True)
@@ -178,10 +183,13 @@ class ResultsStore:
 
     def _index(self, n: int | None) -> None:
         """Reads every shard's keys and input hashes: where each of this run's inputs is stored, if it is."""
-        key_column = "position" if self.ids is None else "id"
+        key_column = self.keyed_by
+        tables = [pq.read_table(file, columns=[key_column, "input_hash"]) for file in self.files]
+        if self._stored_ids:
+            self.ids = self._every_stored_id(tables)
+            n = len(self.ids)
         shards, rows, targets, hashes = [], [], [], []
-        for s, file in enumerate(self.files):
-            table = pq.read_table(file, columns=[key_column, "input_hash"])
+        for s, table in enumerate(tables):
             keys = table.column(key_column)
             if self.ids is None:
                 target = keys.to_numpy()
@@ -215,6 +223,16 @@ class ResultsStore:
             self.row_of[unique] = np.concatenate(rows)[chosen]
             self.stored_hash[unique] = np.concatenate(hashes)[chosen]
         self.done = self.shard_of >= 0  # which of this run's inputs the store holds
+
+    def _every_stored_id(self, tables: list[pa.Table]) -> pa.Array:
+        """Every id the shards hold, once (in the order first stored); an empty ``null`` array for an empty store."""
+        types = sorted({str(table.column("id").type) for table in tables})
+        if len(types) > 1:
+            raise ValueError(f"output_path={self.path!r} should hold ids of one type, but got ids of types {types}: "
+                             "use another output_path")
+        if not tables:
+            return pa.array([], type=pa.null())
+        return pc.unique(pa.chunked_array([table.column("id") for table in tables]).combine_chunks())
 
     def check_inputs(self, positions: np.ndarray, hashes: np.ndarray) -> None:
         """Refuses stored rows whose input hash differs from this run's input at the same position (or id)."""
@@ -251,10 +269,13 @@ class ResultsStore:
         self._open(n)
         return StoredRunResult(self, report=report, failed=failed)
 
+    def meta(self) -> dict:
+        """What every shard of this store says about itself, but its layout."""
+        return {"format": FORMAT, "key": self.key, "keyed_by": self.keyed_by}
+
     def writer(self, rank: int = 0) -> StoreWriter:
         """A :class:`StoreWriter` for this run's rows (its own writer name), continuing the stored layout."""
-        meta = {"format": FORMAT, "key": self.key, "keyed_by": self.keyed_by}
-        return StoreWriter(self.path, meta, self.layout, self.ids, rank=rank)
+        return StoreWriter(self.path, self.meta(), self.layout, self.ids, rank=rank)
 
 
 def open_store(output_path: Any, key: str | None, queue: Any, plan: Any) -> ResultsStore:

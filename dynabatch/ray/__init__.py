@@ -44,6 +44,9 @@ rows and comes back whole or not at all, so no row is lost or duplicated. A row
 that runs out of memory even alone raises
 :class:`~dynabatch.inference.results.BatchOutOfMemoryError` (``on_oom="raise"``,
 which fails the job) or is reported in an error column (``on_oom="skip"``).
+A job killed as a whole resumes with ``map_texts(..., output_path=..., key=...)``:
+each window commits its rows to :func:`dynabatch.run`'s results store, keyed by
+the dataset's id column, and a rerun runs only the ids the store does not hold.
 
 Ray is optional (``pip install dynabatch[ray]``): this module imports without
 it, and only :func:`map_texts` imports ``ray``. Nothing in dynabatch imports

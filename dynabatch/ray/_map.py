@@ -7,8 +7,12 @@ import numbers
 import os
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
+
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.memory.device import device_count
+from dynabatch.ray._store import SUMMARY, check_store_options, open_store
 from dynabatch.ray.predictor import DynamicBatchPredictor
 
 __all__ = ["default_window", "map_texts"]
@@ -48,9 +52,17 @@ def map_texts(
     num_cpus: float | None = None,
     sort_by_length: bool = False,
     ray_remote_args: dict[str, Any] | None = None,
+    output_path: str | os.PathLike | None = None,
+    key: str | None = None,
+    id_column: str = "id",
     **predictor_kwargs: Any,
 ) -> Any:
     """``ds.map_batches(predictor_cls, ...)`` with sensible window, actors and GPUs: the common case in one call.
+
+    With ``output_path`` the job runs in this call and its results go to a
+    results store that a rerun resumes: each window runs only the rows whose
+    id (``id_column``) the store does not hold yet, so a killed job, run
+    again with the same arguments, computes only the rows it had not stored.
 
     Args:
         ds: a ``ray.data.Dataset`` with a text column.
@@ -82,14 +94,47 @@ def map_texts(
             ``docs/ray.md`` for whether it pays.
         ray_remote_args: more actor options (``max_restarts``,
             ``max_task_retries``, ``memory``, ...), passed to ``map_batches``.
+        output_path: a directory for the results, on a file system every
+            actor and this process reach (local, or shared such as NFS): the
+            results store of ``dynabatch.run(..., output_path=...)`` (Parquet
+            shards, each committed whole by a rename; a shard a killed job did
+            not finish is ignored), keyed by ``id_column``. The job runs now
+            (as ``write_parquet`` does); each window skips the rows whose id
+            the store holds, after checking their input hashes (their texts
+            tokenized again, as the loader does: the same texts, tokenizer and
+            settings), and commits the rows it ran as one shard. Rows without
+            a result (``on_oom="skip"``) are not stored: a rerun tries them
+            again. ``None``: nothing is stored, the mapped dataset is returned.
+        key: with ``output_path``, what computes the rows (the model, its
+            revision, the settings); a store written with another key is
+            refused, naming both keys (``None`` is a key too).
+        id_column: with ``output_path``, the column of each row's id (str or
+            int, unique in the dataset and stable across reruns).
         **predictor_kwargs: the predictor's other arguments (``text_column``,
             ``output_column``, ``on_oom``, ``calibrate``, ...).
 
     Returns:
-        The mapped ``ray.data.Dataset`` (lazy, as ``map_batches`` returns it).
+        Without ``output_path``: the mapped ``ray.data.Dataset`` (lazy, as
+        ``map_batches`` returns it): the input columns and the output column.
+        With ``output_path``: a ``ray.data.Dataset`` reading the store once
+        the job has finished: one row per stored id, ``id_column``'s ids in a
+        column ``id`` and the output as the store holds it (one column per
+        output; tensors as Arrow lists).
 
     Raises:
-        TypeError, ValueError: a bad argument.
+        TypeError, ValueError: a bad argument; with ``output_path``, a store
+            of another ``key`` or of other ids' type, not a dynabatch store, or
+            held rows computed from other inputs than the dataset's (the job
+            fails with the ``ValueError``).
+
+    Example:
+        A killed job, run again, computes only the rows it had not stored
+        (``Embed`` as in :mod:`dynabatch.ray`)::
+
+            ds = ray.data.read_parquet("texts/")          # columns "id", "text"
+            out = map_texts(ds, Embed, batch_size=16, max_input_token_length=256,
+                            output_path="embeddings/", key="all-MiniLM-L6-v2 cls 256")
+            out.take(1)                                    # [{"id": ..., "output": [...]}]
     """
     import ray.data
 
@@ -101,6 +146,7 @@ def map_texts(
     window = default_window(batch_size) if window is None else check_positive_int("window", window)
     if not isinstance(sort_by_length, bool):
         raise bad_type("sort_by_length", "a bool", sort_by_length)
+    check_store_options(output_path, key, id_column)
     for name, value in (("num_gpus", num_gpus), ("num_cpus", num_cpus)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0):
             raise bad_value(name, "None or a number >= 0", value)
@@ -123,24 +169,57 @@ def map_texts(
         predictor_kwargs["device"] = "cuda"
     text_column = predictor_kwargs.get("text_column", "text")
     kwargs = dict(predictor_kwargs, batch_size=batch_size, max_input_token_length=max_input_token_length)
+    store = None
+    if output_path is not None:
+        store = open_store(output_path, key)  # refuses another key here, before any actor starts
+        kwargs.update(output_path=store.path, key=key, id_column=id_column)
     remote = dict(ray_remote_args or {})
     if num_gpus:
         remote["num_gpus"] = num_gpus
     if num_cpus is not None:
         remote["num_cpus"] = num_cpus
-    key = "__dynabatch_chars"
+    chars = "__dynabatch_chars"
     if sort_by_length:
         # Materialized before the actors start: a global sort is a barrier anyway, and the sort's tasks must not
         # wait for CPUs the actor pool holds.
         def char_lengths(table: Any) -> Any:  # nested: pickled by value, so the tasks do not import dynabatch
             import pyarrow.compute as pc
 
-            return table.append_column(key, pc.utf8_length(table.column(text_column)))
+            return table.append_column(chars, pc.utf8_length(table.column(text_column)))
 
-        ds = ds.map_batches(char_lengths, batch_format="pyarrow").sort(key, descending=True)
+        ds = ds.map_batches(char_lengths, batch_format="pyarrow").sort(chars, descending=True)
         ds = ds.materialize()
     logger.info("map_texts: windows of %d rows, %s actor(s), %s GPU(s) each%s", window, actors, num_gpus,
                 ", sorted by length" if sort_by_length else "")
     out = ds.map_batches(predictor_cls, fn_constructor_kwargs=kwargs, batch_size=window, compute=compute,
                          **remote)
-    return out.drop_columns([key]) if sort_by_length else out
+    if store is not None:
+        return _run_stored(out, store.path, key, len(store.ids))
+    return out.drop_columns([chars]) if sort_by_length else out
+
+
+def _run_stored(out: Any, path: str, key: str | None, held: int) -> Any:
+    """Runs the job (each window commits its rows to the store) and returns a dataset reading the whole store."""
+    import ray.data
+
+    totals = dict.fromkeys(SUMMARY, 0)
+    for batch in out.iter_batches(batch_size=None, batch_format="numpy"):
+        for name in SUMMARY:
+            totals[name] += int(np.sum(batch[name]))
+    logger.info("map_texts: output_path=%r held %d rows before; of this dataset's %d rows, %d were held, %d ran now, "
+                "%d of them without a result (not stored: a rerun tries them again)", path, held, totals["rows"],
+                totals["held"], totals["ran"], totals["failed"])
+    store = open_store(path, key)
+    if store.layout is None:
+        return ray.data.from_arrow(pa.table({"id": store.ids}))
+    columns = ["id", *store.layout.specs]
+
+    # One task per shard, reading it with pyarrow: ray.data.read_parquet resolves paths in threads that import
+    # fsspec's HTTP filesystem, which fails (ImportError, not caught) without aiohttp when two threads race.
+    def read(shards: Any) -> Any:  # nested: pickled by value, so the tasks do not import dynabatch
+        import pyarrow.parquet as pq
+
+        return pa.concat_tables([pq.read_table(file, columns=columns) for file in shards.column("file").to_pylist()])
+
+    return ray.data.from_items([{"file": file} for file in store.files]).map_batches(
+        read, batch_size=1, batch_format="pyarrow")

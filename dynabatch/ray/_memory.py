@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.report import RunReport
 from dynabatch.memory.model import MemoryModel
@@ -69,12 +70,11 @@ class WindowMemory:
         if isinstance(self.measure_memory, (str, torch.device)):
             options.setdefault("measure_memory", self.measure_memory)
         # Probes padded and tokenized as the windows' batches will be: the loader's margin, padding multiple and
-        # tokenizer keywords (those of loader_kwargs that are not the loader's own parameters).
-        own = inspect.signature(build_dynamic_batch_dataloader).parameters
+        # tokenizer keywords.
         for key in ("pad_to_multiple_of", "memory_margin"):
             if key in self.loader_kwargs:
                 options.setdefault(key, self.loader_kwargs[key])
-        tokenizer_kwargs = {k: v for k, v in self.loader_kwargs.items() if k not in own and k != "pad_to_multiple_of"}
+        tokenizer_kwargs = self._tokenizer_kwargs()
         if tokenizer_kwargs:
             options.setdefault("tokenizer_kwargs", tokenizer_kwargs)
         with self._grad_mode():
@@ -82,6 +82,16 @@ class WindowMemory:
                            max_input_token_length=self.max_input_token_length, progress=False, **options)
         logger.info("calibrated in the actor: %d probes, leave-one-out error %.3f", len(mm.probes_), mm.loo_error_)
         return mm
+
+    def _tokenizer_kwargs(self) -> dict[str, Any]:
+        """The tokenizer keywords of ``loader_kwargs``: those that are not the loader's own parameters."""
+        own = inspect.signature(build_dynamic_batch_dataloader).parameters
+        return {k: v for k, v in self.loader_kwargs.items() if k not in own and k != "pad_to_multiple_of"}
+
+    def _tokenize(self, texts: list[str]) -> TokenizedTexts:
+        """``texts`` tokenized as a window's loader tokenizes them (its token store, without planning)."""
+        return tokenize_texts(texts, self.tokenizer, self.max_input_token_length, progress=False,
+                              **self._tokenizer_kwargs())
 
     def _loader(self, texts: list[str], plan: str) -> Any:
         options = dict(self.loader_kwargs)

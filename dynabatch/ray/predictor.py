@@ -9,12 +9,14 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.inference.loader import plan_of
 from dynabatch.inference.report import RunReport
 from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
 from dynabatch.inference.runner import check_run_options, run
 from dynabatch.memory.model import MemoryModel
 from dynabatch.ray._columns import check_column, check_options, columns_of, to_column
 from dynabatch.ray._memory import WindowMemory
+from dynabatch.ray._store import SUMMARY, WindowStore, check_store_options
 
 __all__ = ["DynamicBatchPredictor"]
 
@@ -105,6 +107,19 @@ class DynamicBatchPredictor(WindowMemory):
             keywords such as ``return_token_type_ids=False``), except those set here.
         calibrate_kwargs: more keywords for :func:`dynabatch.calibrate`
             (``texts``, ``max_probes``, ``limit_bytes``, ...), with ``calibrate=True``.
+        output_path: a directory (reachable from every actor) to store the
+            results in: the results store of ``dynabatch.run(...,
+            output_path=...)``, keyed by ``id_column``. Each window runs only
+            the rows whose id the store does not hold yet (a resumed job),
+            after checking that the held rows were computed from the same
+            inputs, and commits the rows it ran as one Parquet shard (whole or
+            not at all); it returns one row per window instead of its rows
+            (columns ``rows``, ``held``, ``ran``, ``failed``). ``None``: the
+            window comes back with its results.
+        key: with ``output_path``, what computes the rows (the model, its
+            revision, the settings); a store of another key is refused.
+        id_column: with ``output_path``, the column of each row's id (str or
+            int, unique in the dataset).
 
     Attributes:
         tokenizer, fn: what :meth:`setup` returned.
@@ -156,6 +171,9 @@ class DynamicBatchPredictor(WindowMemory):
         inference_mode: bool = True,
         loader_kwargs: dict[str, Any] | None = None,
         calibrate_kwargs: dict[str, Any] | None = None,
+        output_path: str | os.PathLike | None = None,
+        key: str | None = None,
+        id_column: str = "id",
     ) -> None:
 
         self.batch_size = check_positive_int("batch_size", batch_size)
@@ -189,6 +207,13 @@ class DynamicBatchPredictor(WindowMemory):
         if calibrate_kwargs is not None and not calibrate:
             raise bad_value("calibrate_kwargs", "None without calibrate=True", calibrate_kwargs)
         self.calibrate_kwargs = check_options("calibrate_kwargs", calibrate_kwargs, _CALIBRATE_OWN)
+        check_store_options(output_path, key, id_column)
+        self.id_column = id_column
+        if output_path is not None and (id_column == self.output_column
+                                        or (on_oom == "skip" and id_column == self.error_column)):
+            raise bad_value("id_column", "another column than output_column and error_column", id_column)
+        # Opened before setup loads the model: a store of another key is refused at once.
+        self.store = WindowStore(output_path, key=key, id_column=id_column) if output_path is not None else None
 
         self.tokenizer, self.fn = self._set_up()
         self.memory_model: MemoryModel | None = None
@@ -253,11 +278,13 @@ class DynamicBatchPredictor(WindowMemory):
                 raise bad_value(name, f"a column the batch does not have already {names}", column)
         texts = batch[self.text_column]
         texts = texts.tolist() if hasattr(texts, "tolist") else list(texts)
+        if self.store is not None:
+            return self._run_stored(batch, names, is_frame, texts)
         if not texts:
             results: list[Any] = []
             failed: list[int] = []
         else:
-            result = self._run_window(texts)
+            result, _ = self._run_window(texts)
             results, failed = list(result), result.failed
         columns = {self.output_column: to_column(results)}
         if self.on_oom == "skip":
@@ -270,6 +297,27 @@ class DynamicBatchPredictor(WindowMemory):
         out = dict(batch)
         out.update(columns)
         return out
+
+    def _run_stored(self, batch: Any, names: list[str], is_frame: bool, texts: list[Any]) -> Any:
+        """Runs the window's rows the store does not hold and commits them; one summary row (:data:`SUMMARY`)."""
+        if self.id_column not in names:
+            raise bad_value("id_column", f"a column of the batch {names}", self.id_column)
+        ids = self.store.window_ids(batch[self.id_column])
+        held, where = self.store.held(ids)
+        if held.any():  # rows stored before: computed from these very inputs?
+            self.store.check(where[held], self._tokenize([texts[i] for i in np.flatnonzero(held)]))
+        todo = np.flatnonzero(~held)
+        failed: list[int] = []
+        if todo.size:
+            result, tokenized = self._run_window([texts[i] for i in todo], todo)
+            failed = result.failed
+            self.store.write(ids.take(todo), list(result), failed, tokenized)
+        summary = dict(zip(SUMMARY, ([len(texts)], [int(held.sum())], [int(todo.size)], [len(failed)])))
+        if is_frame:
+            import pandas as pd
+
+            return pd.DataFrame(summary)
+        return {name: np.array(values, dtype=np.int64) for name, values in summary.items()}
 
     def _run_options(self, plan: str) -> dict[str, Any]:
         options: dict[str, Any] = {"on_oom": self.on_oom, "progress": False}
@@ -287,19 +335,23 @@ class DynamicBatchPredictor(WindowMemory):
             options["adapt"] = False
         return options
 
-    def _run_window(self, texts: list[str]) -> RunResult:
+    def _run_window(self, texts: list[str], rows: np.ndarray | None = None) -> tuple[RunResult, Any]:
+        """The results of ``texts`` (the window's rows ``rows``; ``None``: all of them), and their token store (as
+        the loader tokenized them)."""
         loader, plan, width = self._plan(texts)
         with self._grad_mode():
             try:
                 result = run(self.fn, loader, **self._run_options(plan))
             except BatchOutOfMemoryError as exc:
                 text = texts[exc.position] if exc.position is not None else ""
+                row = int(rows[exc.position]) if rows is not None and exc.position is not None else exc.position
+                instead = ("leave it unstored (counted in the window's 'failed'; a rerun tries it again)"
+                           if self.store is not None else f"get it reported in the {self.error_column!r} column")
                 raise BatchOutOfMemoryError(
-                    f"row {exc.position} of this window ran out of memory on its own (text {text[:80]!r}); pass "
-                    f"on_oom='skip' to get it reported in the {self.error_column!r} column instead",
-                    position=exc.position) from exc
+                    f"row {row} of this window ran out of memory on its own (text {text[:80]!r}); pass "
+                    f"on_oom='skip' to {instead} instead", position=row) from exc
         self.windows += 1
         if self._learning:
             self._learn(result.report, plan, width)
         self.window_done(result.report, plan)
-        return result
+        return result, plan_of(loader).collator.tokenized
