@@ -48,12 +48,7 @@ def check_arguments(
         raise bad_type("fn", "a callable taking a dynabatch.Batch (a dict of tensors), such as "
                        "lambda batch: model(**batch) or lambda batch: model.generate(**batch)", fn)
     check_run_options(device, on_oom, measure_memory, adapt)
-    if output_path is not None and not isinstance(output_path, (str, os.PathLike)):
-        raise bad_type("output_path", "None, a str or an os.PathLike (a directory for the results store)", output_path)
-    if key is not None and not isinstance(key, str):
-        raise bad_type("key", "None or a str naming the model, revision and settings", key)
-    if key is not None and output_path is None:
-        raise bad_value("key", "None without output_path (it identifies the results stored there)", key)
+    check_store_arguments(output_path, key)
     if not isinstance(progress, bool):
         raise bad_type("progress", "a bool", progress)
     if distributed is not None and not isinstance(distributed, bool):
@@ -61,6 +56,16 @@ def check_arguments(
     if pad_token_id is not None:
         check_non_negative_int("pad_token_id", pad_token_id)
     check_token_outputs(token_outputs)
+
+
+def check_store_arguments(output_path: Any, key: Any) -> None:
+    """Refuses a bad ``output_path`` (a directory for the results store) or ``key`` (a str, only with a store)."""
+    if output_path is not None and not isinstance(output_path, (str, os.PathLike)):
+        raise bad_type("output_path", "None, a str or an os.PathLike (a directory for the results store)", output_path)
+    if key is not None and not isinstance(key, str):
+        raise bad_type("key", "None or a str naming the model, revision and settings", key)
+    if key is not None and output_path is None:
+        raise bad_value("key", "None without output_path (it identifies the results stored there)", key)
 
 
 def memory_device_of(measure_memory: Any, adapt: bool | None, device: Any) -> Any:

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from dynabatch._digest import fingerprint
-from dynabatch._validation import bad_type, bad_value
 from dynabatch.data.ids import check_ids
+from dynabatch.inference._options import check_store_arguments
 from dynabatch.inference._shards import StoreWriter
 from dynabatch.inference.store import ResultsStore, token_store_hashes
 from dynabatch.ray._columns import check_column
@@ -45,12 +45,7 @@ already, those run now, and those of them without a result (not stored: a rerun 
 
 def check_store_options(output_path: Any, key: Any, id_column: Any) -> None:
     """Refuses a bad ``output_path``, ``key`` (a str, only with ``output_path``) or ``id_column``."""
-    if output_path is not None and not isinstance(output_path, (str, os.PathLike)):
-        raise bad_type("output_path", "None, a str or an os.PathLike (a directory for the results store)", output_path)
-    if key is not None and not isinstance(key, str):
-        raise bad_type("key", "None or a str naming the model, revision and settings", key)
-    if key is not None and output_path is None:
-        raise bad_value("key", "None without output_path (it identifies the results stored there)", key)
+    check_store_arguments(output_path, key)
     check_column("id_column", id_column)
 
 
