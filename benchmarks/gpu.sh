@@ -13,6 +13,7 @@
 #   inference     benchmarks/inference.py --device cuda   (encoder forward and greedy generate, every method)
 #   memory-model  benchmarks/memory_model.py --device cuda (calibrate, plans, measured peaks on the GPU)
 #   train-step    benchmarks/train_step.py --device cuda   (packed training steps, packed = padded loss)
+#   overlap       benchmarks/overlap.py --device cuda      (a real encoder: streamed and built ahead vs in turn)
 # and then prints one table: the hardware, and each check's status and time; the benchmarks' own
 # tables follow, and are written to OUT/*.md.
 #
@@ -54,12 +55,13 @@ GPU_TEST_FILES="$(grep -rlE --include='*.py' 'mark\.gpu\b' tests | sort | tr '\n
 
 # name | time limit in seconds | command
 STEPS=(
-    "install|120|$PY -m pip install --no-deps --no-build-isolation -e ."
+    "install|90|$PY -m pip install --no-deps --no-build-isolation -e ."
     "preflight|60|$PY -c \"import torch, dynabatch; assert torch.cuda.is_available(), 'no CUDA device'; print(dynabatch.__file__, torch.cuda.get_device_name())\""
-    "gpu-tests|120|$PY -m pytest -q -m gpu $GPU_TEST_FILES"
-    "inference|180|$PY benchmarks/inference.py --device cuda --threads 4 --output $OUT_DIR/inference.md"
-    "memory-model|150|$PY benchmarks/memory_model.py --device cuda --threads 4 --output $OUT_DIR/memory_model.md"
+    "gpu-tests|100|$PY -m pytest -q -m gpu $GPU_TEST_FILES"
+    "inference|150|$PY benchmarks/inference.py --device cuda --threads 4 --output $OUT_DIR/inference.md"
+    "memory-model|130|$PY benchmarks/memory_model.py --device cuda --threads 4 --output $OUT_DIR/memory_model.md"
     "train-step|90|$PY benchmarks/train_step.py --device cuda --output $OUT_DIR/train_step.md"
+    "overlap|100|$PY benchmarks/overlap.py --device cuda --threads 4 --n-texts 20000 --output $OUT_DIR/overlap.md"
 )
 HARDWARE_PROBES=(
     "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader"
@@ -130,7 +132,7 @@ torch_line="$(eval "${HARDWARE_PROBES[1]}" 2>/dev/null | tail -n 1)"
     echo "|---|---|---:|---|"
     printf '%s\n' "${rows[@]}"
 } | tee "$OUT_DIR/summary.md"
-for table in inference memory_model train_step; do
+for table in inference memory_model train_step overlap; do
     if [ -f "$OUT_DIR/$table.md" ]; then
         echo
         cat "$OUT_DIR/$table.md"

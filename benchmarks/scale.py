@@ -7,7 +7,8 @@ computed from the batch (a fixed random embedding table, mean-pooled over the
 attention mask with ``embedding_bag``): what an embedding job's storage and
 bookkeeping cost, without a model's time hiding them. Each method runs end to end (texts in, every
 text's 384 values out) in a fresh process, one after the other, its libraries
-(torch, transformers, pyarrow) imported before its clock starts:
+(torch, transformers, pyarrow, and ``torch._dynamo``, which the CPU memory tracker's dispatch mode
+imports on first use) imported before its clock starts:
 
 1. **run**: ``build_dynamic_batch_dataloader(texts, tokenizer, 32, 256,
    num_workers=0)``, then ``dynabatch.run(fn, loader)`` with its defaults: a
@@ -99,6 +100,9 @@ def worker(method: str, n: int, threads: int | None) -> dict:
     import torch
     from transformers import AutoTokenizer
 
+    import torch._dynamo  # noqa: F401 (the CPU tracker's dispatch mode imports it on first use: ~1,100 modules,
+    # sympy among them, a fixed import of torch's, not a cost that grows with the texts)
+
     import dynabatch.inference.store  # noqa: F401 (pyarrow's import, a second, is not a method's cost)
     from dynabatch import build_dynamic_batch_dataloader, run
     from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
@@ -115,12 +119,15 @@ def worker(method: str, n: int, threads: int | None) -> dict:
     token_store = None
     if method in ("run", "store"):
         loader = build_dynamic_batch_dataloader(texts, tokenizer, BATCH, MAX_LENGTH, num_workers=0, progress=False)
-        tokenized = loader.plan.collator.tokenized
-        token_store = tokenized.input_ids.nbytes + sum(v.nbytes for v in tokenized.extras.values())
         path = os.path.join(store, "results") if store else None
         with torch.inference_mode():
             result = run(fn, loader, output_path=path, progress=False)
         assert len(result) == n and not result.failed
+        if loader.plan.stream is not None:  # a streamed corpus (above 16,384 texts): its chunks' tokens
+            token_store = loader.plan.stream.token_bytes
+        else:
+            tokenized = loader.plan.collator.tokenized
+            token_store = tokenized.input_ids.nbytes + sum(v.nbytes for v in tokenized.extras.values())
     else:
         result = _by_hand(texts, tokenizer, fn)
         assert result.shape == (n, DIM)

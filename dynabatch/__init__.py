@@ -12,6 +12,7 @@ from dynabatch._lazy import lazy_attributes
 from dynabatch.data.collate import Batch, TokenCollator
 from dynabatch.data.order import restore_order
 from dynabatch.data.sources import TokenizedSource, tokenize_source
+from dynabatch.data.text_source import TextSource, read_texts
 from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts
 from dynabatch.data.training_collate import TrainingCollator
 from dynabatch.generation import generate
@@ -61,6 +62,7 @@ __all__ = [
     "SizeAwareBatchSampler",
     "SmartBatchSampler",
     "StoredRunResult",
+    "TextSource",
     "TokenBudget",
     "TokenCollator",
     "TokenizedSource",
@@ -69,6 +71,7 @@ __all__ = [
     "build_dynamic_batch_dataloader",
     "calibrate",
     "generate",
+    "read_texts",
     "restore_order",
     "run",
     "tokenize_source",

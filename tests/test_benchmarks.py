@@ -206,10 +206,13 @@ def test_embeddings_benchmark_prints_model_encode_and_dynabatch_side_by_side():
 def test_overlap_benchmark_prints_each_setting_against_device_and_host_time():
     result = _run_script("overlap.py", "--n-texts", "300", "--ns-per-cell", "200", timeout=180)
     assert "300 texts, 200 ns per padded cell, host time" in result.stdout
-    for setting in ("one device, built in turn (prefetch=0)", "one device, built ahead (prefetch=2, the default)",
-                    "two devices (devices=['cpu', 'cpu'])"):
-        assert re.search(rf"^\| {re.escape(setting)} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", result.stdout,
-                         re.MULTILINE), (setting, result.stdout)
+    for setting in ("one device, tokenized whole first, built in turn (stream=False, prefetch=0)",
+                    "one device, the defaults (streamed, built ahead)", "two devices (devices=['cpu', 'cpu'])"):
+        assert re.search(rf"^\| {re.escape(setting)} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$",
+                         result.stdout, re.MULTILINE), (setting, result.stdout)
+    first = _run_script("overlap.py", "--first-call", "--n-texts", "300", timeout=180)
+    assert re.search(r"^300 texts: the first device call [\d.]+ s after the loader's build began$", first.stdout,
+                     re.MULTILINE), first.stdout
 
 
 # --- benchmarks/gpu.sh and what it runs -------------------------------------------------------------------------
@@ -224,12 +227,13 @@ def test_gpu_sh_dry_run_says_what_it_would_run_and_runs_nothing(tmp_path):
     assert result.returncode == 0, result.stderr
     planned = re.findall(r"^run   (\S+) +\(at most +(\d+)s\): (.*)$", result.stdout, re.MULTILINE)
     assert [name for name, _, _ in planned] == ["install", "preflight", "gpu-tests", "inference", "memory-model",
-                                               "train-step"]
+                                               "train-step", "overlap"]
     commands = {name: command for name, _, command in planned}
     assert commands["install"].endswith("-m pip install --no-deps --no-build-isolation -e .")
     gpu_tests = commands["gpu-tests"]
     assert "-m pytest -q -m gpu " in gpu_tests and "tests/memory/test_measure.py" in gpu_tests.split()
-    for name, script in (("inference", "inference"), ("memory-model", "memory_model"), ("train-step", "train_step")):
+    for name, script in (("inference", "inference"), ("memory-model", "memory_model"), ("train-step", "train_step"),
+                         ("overlap", "overlap")):
         assert f"benchmarks/{script}.py --device cuda" in commands[name]
         assert f"--output {out}/{script}.md" in commands[name]
     assert sum(int(limit) for _, limit, _ in planned) <= 12 * 60  # about ten minutes, even if every step hangs

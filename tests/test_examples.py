@@ -68,3 +68,48 @@ def test_help_documents_every_option(script):
     assert len(options) >= 4
     for option in options:
         assert option in result.stdout, option
+
+
+CORPUS = ROOT / "examples" / "embed_corpus.py"
+
+
+def test_embed_corpus_on_two_torchrun_ranks_stores_every_id_once_and_resumes(tmp_path):
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.dataset as ds
+    import pyarrow.parquet as pq
+
+    from dynabatch.demo import kjv_passages, vary_lengths
+
+    texts = vary_lengths(kjv_passages(), n=240, max_words=40, seed=13)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for part in range(2):
+        rows = slice(part * 120, (part + 1) * 120)
+        pq.write_table(pa.table({"id": [f"doc-{i}" for i in range(240)][rows], "text": texts[rows]}),
+                       corpus / f"part-{part}.parquet")
+    out = tmp_path / "embeddings"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(CORPUS),
+               str(corpus), str(out), "--batch-size", "8", "--max-length", "48"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
+    first = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "240 texts in" in first.stdout
+    table = ds.dataset(out, format="parquet").to_table().sort_by("position")
+    assert table.column("id").to_pylist() == [f"doc-{i}" for i in range(240)]
+    vectors = np.stack(table.column("output").to_numpy(zero_copy_only=False))
+    assert vectors.shape == (240, 384) and np.isfinite(vectors).all()
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    from dynabatch.demo import minilm_path
+
+    tokenizer, model = AutoTokenizer.from_pretrained(minilm_path()), AutoModel.from_pretrained(minilm_path()).eval()
+    for i in (0, 117, 239):  # each row is its own text's embedding, whichever rank and batch ran it
+        encoded = tokenizer(texts[i], truncation=True, max_length=48, return_tensors="pt")
+        with torch.no_grad():
+            expected = model(**encoded).last_hidden_state.mean(1)[0].numpy()
+        assert np.allclose(vectors[i], expected, atol=1e-4), i
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "this process ran 0 rows" in again.stdout  # resumed: nothing left to run

@@ -109,6 +109,11 @@ class Executor:
         if self.store is None:
             return item
         done = self.stored(item.positions)
+        if self.store.check_later and done.any():  # stored rows of a streamed corpus: theirs, or refused
+            from dynabatch.inference.store import batch_input_hashes
+
+            stored = self.queue.restrict(item, np.flatnonzero(done))
+            self.store.check_inputs(stored.positions, batch_input_hashes(self.queue.build(stored)))
         if done.all():
             return None
         return self.queue.restrict(item, np.flatnonzero(~done)) if done.any() else item

@@ -150,3 +150,21 @@ def check_devices(devices: Any, device: Any, distributed: bool, measure_memory: 
         raise bad_value("devices", "a list naming each accelerator once, with its index (its memory statistics "
                         "are its own)", devices)
     return parsed
+
+
+def progress_bar(loader: Any, queue: Any, store: Any) -> Any:
+    """The run's ``tqdm`` bar over the rows that run now (the stored ones left out)."""
+    from tqdm.auto import tqdm
+
+    if queue.plan is not None:
+        total = queue.total_rows  # None for a rank's claimed share
+    else:
+        total = sum(len(i.positions) for i in queue.pending) if queue.stream is None else None
+    if total is None and queue.plan is None:
+        try:
+            total = len(loader.dataset) or None
+        except (AttributeError, TypeError):
+            total = None
+    if total is not None and store is not None:
+        total = max(0, total - int(store.done.sum()))  # the bar counts the rows that run now
+    return tqdm(total=total, unit="row", desc="dynabatch", dynamic_ncols=True)

@@ -93,9 +93,12 @@ class BatchQueue:
         self.number = 0
         if self.plan is not None:
             self.collator: Any = self.plan.collator
-            self.n_inputs: int | None = len(self.collator.tokenized)
-            for number, positions in enumerate(self.plan.sampler):
-                self.pending.append(Item(number, np.asarray(positions, dtype=np.int64)))
+            self.n_inputs: int | None = self.plan.n_inputs
+            planned = (Item(number, np.asarray(p, dtype=np.int64)) for number, p in enumerate(self.plan.sampler))
+            if self.plan.stream is not None and not adapt:
+                self.stream = planned  # a streaming loader's plan, read as its chunks are tokenized
+            elif not adapt:
+                self.pending.extend(planned)
         else:
             if isinstance(loader, (str, bytes, dict)) or not isinstance(loader, Iterable):
                 raise bad_type("loader", "a dynabatch DataLoader or an iterable of dynabatch Batches", loader)
@@ -112,7 +115,7 @@ class BatchQueue:
         self.padding_side = side if side in ("left", "right") else None
         multiple = getattr(collate, "pad_to_multiple_of", None)
         self.pad_to_multiple_of = multiple if isinstance(multiple, int) else None
-        self.total_rows = sum(len(i.positions) for i in self.pending) if self.plan is not None else None
+        self.total_rows = self.n_inputs - len(self.plan.skipped) if self.plan is not None else None
         self.guard = guard and not adapt
         self.sparse = sparse
         self.lock = threading.Lock()  # several devices' workers share the queue
@@ -124,8 +127,20 @@ class BatchQueue:
             self.pending.clear()  # batches run longest first, sized as the run goes
         elif self.guard and self.plan is not None and self.total_rows:
             # The plan's first batch: its rows, at the longest width, bound any batch of no more rows.
-            self.first_rows = int(self.plan.planner.sizes()[0])
+            self.first_rows = self.plan.planner.first_rows()
         self.lane = self.new_lane()
+
+    def use_planner(self, planner: Any, *, adapt: bool) -> None:
+        """Takes the batches of ``planner`` (a rank's claimed chunks) instead of the loader's: sized from measured
+        peaks (``adapt``), else as planned."""
+        self.pending.clear()
+        self.total_rows = None  # a share no one knows up front
+        if adapt:
+            self.planner = planner
+            planner.restart(sparse=self.sparse)
+            self.lane = self.new_lane()
+        else:
+            self.stream = (Item(n, b) for n, b in enumerate(planner.iter_batches()))
 
     def new_lane(self) -> Lane:
         """A device's own view of the queue: in measured mode its own planner cursor, in guarded mode its own peaks."""
@@ -241,7 +256,9 @@ class BatchQueue:
         if self.stream is not None:
             self.pending.extend(self.stream)
             self.stream = None
-            self.n_inputs = max((int(i.positions.max()) + 1 for i in self.pending if i.positions.size), default=0)
+            if self.plan is None:
+                self.n_inputs = max((int(i.positions.max()) + 1 for i in self.pending if i.positions.size),
+                                    default=0)
 
     def build(self, item: Item) -> Batch:
         if item.batch is not None:

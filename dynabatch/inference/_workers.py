@@ -50,8 +50,9 @@ class Prefetcher:
 
     def __init__(self, executor: Executor, depth: int = PREFETCH_DEPTH) -> None:
         self.executor, self.queue, self.depth = executor, executor.queue, depth
-        self.ahead: deque[tuple[np.ndarray, Future]] = deque()  # positions -> their batch, being built
+        self.ahead: deque[tuple[np.ndarray, Batch]] = deque()  # positions -> their batch, built ahead
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynabatch-prefetch") if depth else None
+        self._filling: Future | None = None  # the background thread's turn: asks the planner, builds
         self.rebuilt = 0  # batches built ahead that a measured peak re-sized
         if self._pool is not None and self.queue.stream is not None:
             self.queue.stream = _read_ahead(self.queue.stream, depth)  # a plain iterable's batches come built
@@ -74,20 +75,30 @@ class Prefetcher:
     def _take(self, positions: np.ndarray) -> Batch | None:
         """The batch built ahead for exactly ``positions``; those built for batches a measured peak re-sized since
         are dropped (and counted), and the batch is built again."""
+        self._wait()
         while self.ahead:
-            built, future = self.ahead.popleft()
+            built, batch = self.ahead.popleft()
             if np.array_equal(built, positions):
-                return future.result()
+                return batch
             self.rebuilt += 1
         return None
 
     def _refill(self) -> None:
-        if self._pool is None:
-            return
+        """Starts the background thread's turn: the planner's next batches as they stand, built (off the device's
+        thread: asking the planner costs time too)."""
+        if self._pool is not None:
+            self._filling = self._pool.submit(self._fill)
+
+    def _fill(self) -> None:
         for positions in self.queue.peek(self.depth, self.executor.lane)[len(self.ahead):]:
             if self.executor.stored(positions).any():
                 break  # rows a resumed run has: built once they are taken out
-            self.ahead.append((positions, self._pool.submit(self._build, positions)))
+            self.ahead.append((positions, self._build(positions)))
+
+    def _wait(self) -> None:
+        filling, self._filling = self._filling, None
+        if filling is not None:
+            filling.result()  # an error building a batch raises here
 
     def close(self) -> None:
         self.ahead.clear()

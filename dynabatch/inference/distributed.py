@@ -10,9 +10,10 @@ in input order.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,13 +24,20 @@ from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.data.order import as_positions
 from dynabatch.inference.outputs import to_cpu
 from dynabatch.inference.results import RunResult
+from dynabatch.sampling.chunked_planner import ChunkedPlanner
 from dynabatch.sampling.ranks import resolve_world
 
-__all__ = ["check_same_batches", "gather_results", "gather_run_result", "world"]
+__all__ = ["CLAIM_CHUNK", "check_same_batches", "chunk_claims", "claimed_planner", "gather_results",
+           "gather_run_result", "world"]
 
 logger = logging.getLogger(__name__)
 
 _FEW = 5  # how many offending positions an error message names
+_CLAIM_COUNTERS = itertools.count()  # one counter per run(lockstep=False) call, the same on every rank
+
+CLAIM_CHUNK = 2048
+"""Texts per chunk ranks claim of a loader planned up front (``run(lockstep=False)``; a streaming loader's chunks
+are its own)."""
 _POSITIONS_RULE = "a 1-D list, numpy array or tensor of int input positions"
 
 
@@ -219,3 +227,37 @@ def gather_run_result(result: RunResult, mine: np.ndarray, n_inputs: int | None)
     if gathered is None:  # not rank 0: only this rank's rows
         return result
     return RunResult(gathered, report=result.report, failed=[p for p, f in enumerate(flags) if f])
+
+
+def chunk_claims(n_chunks: int) -> Iterator[int]:
+    """Collective in spirit (every rank calls it once per run): the chunk numbers this rank claims, in order, from one
+    atomic counter in ``torch.distributed``'s own store. Each chunk goes to exactly one rank, whichever asks first, so
+    a rank with shorter work claims more."""
+    from torch.distributed import distributed_c10d
+
+    store = torch.distributed.PrefixStore(f"dynabatch/claims/{next(_CLAIM_COUNTERS)}/",
+                                          distributed_c10d._get_default_store())
+    while (k := int(store.add("next", 1)) - 1) < n_chunks:
+        yield k
+
+
+def claimed_planner(plan: Any) -> tuple[ChunkedPlanner, Any]:
+    """This rank's planner under ``run(lockstep=False)``: the chunks it claims, planned (and, for a streaming
+    loader, tokenized) as they come; with the stream's feed to close, or ``None``."""
+    planner = plan.planner
+    stream = plan.stream
+    check_same_batches([stream.order if stream is not None else planner.order])
+    if stream is not None:
+        feed = stream.feed(chunk_claims(stream.n_chunks), ahead=1)
+        return ChunkedPlanner(feed.next, planner.settings, planner.estimator), feed
+    starts = range(0, len(planner.order), CLAIM_CHUNK)
+    claims = chunk_claims(len(starts))
+
+    def next_chunk(block: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+        k = next(claims, None)
+        if k is None:
+            return None
+        chunk = slice(starts[k], starts[k] + CLAIM_CHUNK)
+        return planner.order[chunk], planner.sorted_lengths[chunk]
+
+    return ChunkedPlanner(next_chunk, planner.settings, planner.estimator), None

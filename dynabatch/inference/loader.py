@@ -30,11 +30,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import inspect
 import logging
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +44,11 @@ from dynabatch.data.ids import check_ids
 from dynabatch.data.token_ids import are_token_ids, store_token_ids
 from dynabatch.data.tokenization import (
     check_tokenizer,
-    model_max_length,
     split_bad_texts,
     tokenize_texts,
     validate_texts,
 )
+from dynabatch.inference._loader_checks import check_length_fits, check_tokenizer_kwargs
 from dynabatch.memory.shape import check_position_limit, resolve_model_shape
 from dynabatch.sampling.estimators import choose_estimator
 from dynabatch.sampling.inference_sampler import DynamicBatchSampler
@@ -61,71 +58,6 @@ __all__ = ["LoaderPlan", "build_dynamic_batch_dataloader", "plan_of"]
 
 logger = logging.getLogger(__name__)
 
-
-
-def _accepted_keywords(tokenizer: Any) -> set[str] | None:
-    """Keywords a call of ``tokenizer`` takes; ``None`` when it takes any (a plain ``**kwargs`` callable).
-
-    A Hugging Face tokenizer's ``__call__`` ends in ``**kwargs`` but only uses
-    its named arguments and those of ``_encode_plus`` (e.g. ``split_special_tokens``).
-    """
-    names: set[str] = set()
-    takes_any = False
-    for function in (tokenizer.__call__, getattr(tokenizer, "_encode_plus", None)):  # callable: check_tokenizer ran
-        if function is None:
-            continue
-        try:
-            parameters = inspect.signature(function).parameters.values()
-        except (TypeError, ValueError):  # no signature to read: accept anything
-            return None
-        for p in parameters:
-            if p.kind is p.VAR_KEYWORD:
-                takes_any = True
-            elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-                names.add(p.name)
-    if takes_any and not hasattr(tokenizer, "_encode_plus"):
-        return None
-    return names - {"text", "self"}
-
-
-def _check_tokenizer_kwargs(tokenizer: Any, tokenizer_kwargs: dict[str, Any]) -> None:
-    """A misspelt keyword (``batchsize=8``) names itself instead of vanishing into the tokenizer call."""
-    accepted = _accepted_keywords(tokenizer)
-    if accepted is None:
-        return
-    own = set(inspect.signature(build_dynamic_batch_dataloader).parameters) - {"tokenizer_kwargs"}
-    for key, value in tokenizer_kwargs.items():
-        if key in accepted:
-            continue
-        close = difflib.get_close_matches(key, sorted(own | accepted), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise TypeError(
-            f"build_dynamic_batch_dataloader() got an unexpected keyword argument {key!r}{hint}: extra keywords "
-            f"go to the tokenizer, and {type(tokenizer).__name__} does not take it; "
-            f"but got {key}={value!r}"
-        )
-
-
-def _check_length_fits(tokenizer: Any, max_input_token_length: int, tokenizer_kwargs: dict[str, Any]) -> None:
-    """``max_input_token_length`` leaves room for text after the special tokens, and fits the model."""
-    count_special = getattr(tokenizer, "num_special_tokens_to_add", None)
-    if tokenizer_kwargs.get("add_special_tokens", True) and callable(count_special):
-        special = count_special(pair=False)
-        if max_input_token_length <= special:
-            raise bad_value(
-                "max_input_token_length",
-                f"at least {special + 1} (the tokenizer adds {special} special tokens to every text)",
-                max_input_token_length,
-            )
-    limit = model_max_length(tokenizer)
-    if limit is not None and max_input_token_length > limit:
-        warnings.warn(
-            f"max_input_token_length={max_input_token_length} is above the tokenizer's "
-            f"model_max_length={limit}: a model with {limit} positions fails on longer rows; "
-            f"pass max_input_token_length<={limit}",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 def _worker_count(num_workers: int) -> int:
@@ -165,13 +97,21 @@ class LoaderPlan:
         ids: the texts' ids (a ``pyarrow`` ``string`` or ``int64`` array), or ``None``: a results store keys
             rows by them.
         skipped: ``int64`` positions of the bad inputs planned into no batch (``on_bad_input="skip"``).
+        stream: a streaming loader's :class:`~dynabatch.data.streaming.TokenStream` (then also the collator,
+            and the planner a :class:`~dynabatch.sampling.chunked_planner.ChunkedPlanner`), else ``None``.
     """
 
-    planner: BatchPlanner
+    planner: Any
     sampler: DynamicBatchSampler
-    collator: TokenCollator
+    collator: Any
     ids: Any = None
     skipped: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    stream: Any = None
+
+    @property
+    def n_inputs(self) -> int:
+        """How many inputs the loader was given (bad ones included)."""
+        return self.stream.n if self.stream is not None else len(self.collator.tokenized)
 
 
 def plan_of(loader: Any) -> LoaderPlan | None:
@@ -240,6 +180,7 @@ def build_dynamic_batch_dataloader(
     max_growth: float = 2.0,
     ids: Any = None,
     on_bad_input: str = "raise",
+    stream: bool | None = None,
     **tokenizer_kwargs: Any,
 ) -> DataLoader:
     """Builds a DataLoader whose batches grow as texts get shorter, under the first batch's peak memory.
@@ -311,6 +252,16 @@ def build_dynamic_batch_dataloader(
             they are planned into no batch, and ``run`` gives ``None`` for them,
             lists them in ``result.failed`` and counts them in the report
             (``skipped_inputs``); a results store does not hold them.
+        stream: tokenize and plan chunk by chunk while the batches run
+            (:mod:`dynabatch.data.streaming`), so the first batch comes in
+            seconds whatever the corpus size: texts are tokenized longest (by
+            characters) first, in a background thread, and each chunk is
+            planned when its tokens are in; a batch never spans two chunks.
+            ``None`` (auto): for more than 16,384 texts, and always for texts
+            read from files, a ``datasets.Dataset``, an Arrow array or an
+            iterator (:func:`~dynabatch.data.text_source.read_texts`). The
+            loader then builds its batches in this process, and ``len(loader)``
+            waits for the whole plan. Not with ``shuffle`` nor pre-tokenized texts.
         **tokenizer_kwargs: passed to the tokenizer (e.g. ``add_special_tokens=False``);
             ``pad_to_multiple_of`` rounds each batch's width up. A keyword the
             tokenizer's call does not take (a typo such as ``batchsize``) raises
@@ -343,11 +294,13 @@ def build_dynamic_batch_dataloader(
         Put per-batch outputs back in input order with
         :func:`~dynabatch.data.order.restore_order`.
     """
-    token_ids = are_token_ids(texts)
-    items, skipped = _read_texts(texts, on_bad_input, token_ids)
-    id_array = check_ids(ids, len(texts) if token_ids else len(items))
+    from dynabatch.inference import _streaming
+
+    token_ids = not _streaming.is_text_source(texts) and are_token_ids(texts)
+    streaming = _streaming.streams(texts, stream, shuffle, token_ids)
+    items, skipped = _read_texts(texts, on_bad_input, token_ids or streaming)
     check_tokenizer(tokenizer)
-    _check_tokenizer_kwargs(tokenizer, tokenizer_kwargs)
+    check_tokenizer_kwargs(tokenizer, tokenizer_kwargs)
     pad_to_multiple_of = tokenizer_kwargs.pop("pad_to_multiple_of", None)
     if token_ids and tokenizer_kwargs:
         raise ValueError("tokenizer_kwargs should be empty for pre-tokenized texts (the ids are taken as they "
@@ -362,11 +315,21 @@ def build_dynamic_batch_dataloader(
     pad_token_id_of(tokenizer)  # refuse a tokenizer without pad token before tokenizing
     if model is not None:
         check_position_limit(model, settings.max_input_token_length)
+    if streaming:
+        check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
+        stream_, planner, sampler, skipped = _streaming.streaming_parts(
+            texts, tokenizer, settings, estimator, on_bad_input=on_bad_input, tokenizer_kwargs=tokenizer_kwargs)
+        loader = _streaming.streaming_dataloader(_Positions(stream_.n), sampler, stream_, num_workers)
+        loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, stream_, check_ids(ids, stream_.n), skipped,
+                                                       stream_)
+        logger.info("streaming %d texts in %d chunks, longest first", stream_.n, stream_.n_chunks)
+        return loader
+    id_array = check_ids(ids, len(texts) if token_ids else len(items))
     if token_ids:
         tokenized = store_token_ids(texts, max_input_token_length,
                                     truncation_side=getattr(tokenizer, "truncation_side", "right"))
     else:
-        _check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
+        check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
         tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress, **tokenizer_kwargs)
     planner = BatchPlanner(tokenized.lengths, settings, estimator, skip=skipped)
     batches = planner.batches()

@@ -66,6 +66,7 @@ from dynabatch.inference._options import (
     check_run_options,
     memory_device_of,
     mode,
+    progress_bar,
     world_of,
 )
 from dynabatch.inference._queue import BatchQueue
@@ -77,22 +78,6 @@ from dynabatch.inference.results import BatchOutOfMemoryError, RunResult, Stored
 __all__ = ["BatchOutOfMemoryError", "RunResult", "StoredRunResult", "check_run_options", "run"]
 
 logger = logging.getLogger(__name__)
-
-def _progress_bar(loader: Any, queue: BatchQueue, store: Any) -> Any:
-    from tqdm.auto import tqdm
-
-    total = sum(len(i.positions) for i in queue.pending) if queue.stream is None else queue.n_inputs
-    if queue.planner is not None:
-        total = queue.total_rows
-    if total is None:
-        try:
-            total = len(loader.dataset) or None
-        except (AttributeError, TypeError):
-            total = None
-    if total is not None and store is not None:
-        total = max(0, total - int(store.done.sum()))  # the bar counts the rows that run now
-    return tqdm(total=total, unit="row", desc="dynabatch", dynamic_ncols=True)
-
 
 def run(
     fn: Callable[[Batch], Any],
@@ -110,6 +95,7 @@ def run(
     token_outputs: str = "auto",
     devices: list[str | torch.device] | None = None,
     prefetch: int = PREFETCH_DEPTH,
+    lockstep: bool = True,
 ) -> RunResult | StoredRunResult:
     """Calls ``fn(batch)`` on every batch of ``loader`` and returns one result per input, in input order.
 
@@ -271,6 +257,18 @@ def run(
             run stale (``report.rebuilt_batches``). With ``devices``, every
             device's thread builds its own batches beside the others' calls.
 
+        lockstep: under ``torch.distributed``, ``True`` runs the ranks in
+            lockstep (see ``distributed``: for an ``fn`` with collectives, such
+            as FSDP or tensor parallelism). ``False`` is for an ``fn`` without
+            collectives (a model copy per rank): the ranks claim chunks of the
+            corpus from one atomic counter in ``torch.distributed``'s store,
+            each chunk by one rank, whichever asks first, so no rank waits for
+            another; a streaming loader's rank tokenizes only the chunks it
+            claims. Each rank runs measured mode on its own device, under its
+            own first batch's peak. With ``output_path`` every rank writes into
+            the one store and nothing is gathered; without it rank 0 gathers
+            every result. Needs a dynabatch loader, the same on every rank.
+
     Returns:
         A :class:`RunResult`: a list with one result per input position, plus
         ``.report`` and ``.failed``; with ``output_path`` a
@@ -290,15 +288,22 @@ def run(
     check_arguments(fn, device, output_path, on_oom, measure_memory, progress, distributed, adapt, pad_token_id,
                     key, token_outputs)
     check_non_negative_int("prefetch", prefetch)
+    if not isinstance(lockstep, bool):
+        raise bad_type("lockstep", "a bool", lockstep)
     rank, world_size, distributed = world_of(distributed)
     targets = check_devices(devices, device, distributed, measure_memory)
     memory_device = memory_device_of(measure_memory, adapt, device if targets is None else targets[0])
     plan = plan_of(loader)
-    adapt, guard, sparse = mode(plan, adapt, measure_memory, memory_device, distributed)
+    in_lockstep = distributed and lockstep
+    if distributed and not lockstep and plan is None:
+        raise bad_value("lockstep", "True for a loader that is not a dynabatch DataLoader (ranks claim chunks of "
+                        "a dynabatch loader's plan)", lockstep)
+    adapt, guard, sparse = mode(plan, adapt, measure_memory, memory_device, in_lockstep)
     queue = BatchQueue(loader, plan, pad_token_id, adapt=adapt, guard=guard, sparse=sparse)
-    if adapt and distributed:
-        raise bad_value("adapt", "False under torch.distributed (each rank's share is fixed up front)", adapt)
-    if distributed:
+    if adapt and in_lockstep:
+        raise bad_value("adapt", "False under torch.distributed in lockstep (each rank's share is fixed up front; "
+                        "lockstep=False re-sizes per rank)", adapt)
+    if in_lockstep:
         from dynabatch.inference.distributed import check_same_batches
 
         queue.materialize()
@@ -306,14 +311,20 @@ def run(
     if output_path is not None:
         from dynabatch.inference.store import open_store
     store = open_store(output_path, key, queue, plan) if output_path is not None else None  # every input's rows
-    if distributed:
+    feed = None
+    if in_lockstep:
         queue.shard(rank, world_size)
-    bar = _progress_bar(loader, queue, store) if progress else None
+    elif distributed:
+        from dynabatch.inference.distributed import claimed_planner
+
+        claimed, feed = claimed_planner(plan)
+        queue.use_planner(claimed, adapt=adapt)
+    bar = progress_bar(loader, queue, store) if progress else None
     options = {"on_oom": on_oom, "bar": bar, "store": store, "token_outputs": token_outputs,
                "skipped": plan.skipped if plan is not None else None}
     if targets is not None:
         return _run_devices(fn, targets, queue, options, measure_memory, adapt)
-    executor = Executor(fn, queue, device=device, memory_device=memory_device, lockstep=distributed, rank=rank,
+    executor = Executor(fn, queue, device=device, memory_device=memory_device, lockstep=in_lockstep, rank=rank,
                         **options)
     # Without a store under torch.distributed: every input position this rank answers for (gathered to rank 0).
     mine = np.zeros(queue.n_inputs or 0, dtype=bool) if distributed and store is None else None
@@ -328,6 +339,8 @@ def run(
             queue.observe_item(item, executor.run_item(item, batch), executor.lane)
     finally:
         prefetcher.close()
+        if feed is not None:
+            feed.close()
         executor.report.rebuilt_batches = prefetcher.rebuilt
         if bar is not None:
             bar.close()

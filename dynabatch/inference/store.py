@@ -124,6 +124,7 @@ class ResultsStore:
         refuse_jsonl(path)
         self.path, self.key, self.ids = path, key, ids
         self.input_hashes: np.ndarray | None = None  # every input's hash, when known up front (a dynabatch loader)
+        self.check_later = False  # stored rows are checked batch by batch (a streamed corpus, tokenized as it runs)
         self.keyed_by = keyed_by or ("position" if ids is None else "id")
         self._stored_ids = ids is None and self.keyed_by == "id"  # the inputs are the ids stored
         if os.path.exists(path) and not os.path.isdir(path):  # a socket, a device
@@ -287,6 +288,9 @@ def open_store(output_path: Any, key: str | None, queue: Any, plan: Any) -> Resu
     """
     path = os.fspath(output_path)
     store = ResultsStore(path, key=key, n=queue.n_inputs, ids=plan.ids if plan is not None else None)
+    if plan is not None and plan.stream is not None:
+        store.check_later = True  # a streamed corpus: each batch's stored rows are checked when it comes (run)
+        return store
     if plan is not None:
         store.input_hashes = token_store_hashes(queue.collator.tokenized)
         store.check_inputs(np.arange(queue.n_inputs), store.input_hashes)

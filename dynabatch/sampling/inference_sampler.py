@@ -32,7 +32,7 @@ import numpy as np
 from dynabatch._validation import bad_type
 from dynabatch.sampling.base import PlannedBatchSampler
 
-__all__ = ["DynamicBatchSampler"]
+__all__ = ["DynamicBatchSampler", "StreamingBatchSampler"]
 
 
 class DynamicBatchSampler(PlannedBatchSampler):
@@ -79,3 +79,31 @@ class DynamicBatchSampler(PlannedBatchSampler):
     def identity(self) -> list[Any]:
         return [np.asarray([len(b) for b in self.batches], dtype=np.int64),
                 np.concatenate(self.batches) if self.batches else np.zeros(0, np.int64)]
+
+
+class StreamingBatchSampler(DynamicBatchSampler):
+    """The streaming loader's batch sampler: the plan of a :class:`~dynabatch.sampling.chunked_planner.ChunkedPlanner`,
+    handed out chunk by chunk as each is tokenized.
+
+    A pass from the start yields each batch as soon as its chunk is planned;
+    ``len``, ``state_dict`` and a resumed pass plan the whole corpus first (as
+    :class:`DynamicBatchSampler` over the complete plan).
+    """
+
+    def __init__(self, planner: Any) -> None:
+        super().__init__([])
+        self.planner = planner
+
+    def plan(self, epoch: int) -> list[np.ndarray]:
+        return self.planner.batches()
+
+    def identity(self) -> list[Any]:
+        batches = self.planner.batches()
+        return [np.asarray([len(b) for b in batches], dtype=np.int64),
+                np.concatenate(batches) if batches else np.zeros(0, np.int64)]
+
+    def __iter__(self) -> Any:
+        if self._resume_at or self.min_batches or self.num_replicas != 1:
+            return super().__iter__()
+        self._done = 0
+        return self._hand_out(self.planner.iter_batches())

@@ -285,8 +285,14 @@ def test_empty_texts(tokenizer):
 def test_texts_of_the_wrong_type(tokenizer):
     with pytest.raises(TypeError, match=r"^texts should be a list of str \(or a tuple, pandas Series, numpy array or other non-str sequence of str\), but got texts='In the beginning' of type str$"):
         _load("In the beginning", tokenizer)
-    with pytest.raises(TypeError, match=r"^texts should be a list of str .*, but got texts=<generator object .*> of type generator$"):
-        _load((t for t in ["a", "b"]), tokenizer)
+    with pytest.raises(TypeError, match=r"^texts should be a list of str .*, but got texts=42 of type int$"):
+        _load(42, tokenizer)
+
+
+def test_a_generator_of_texts_is_read_once_and_streamed(tokenizer, texts):
+    loader = _load((t for t in texts), tokenizer)
+    assert loader.plan.stream is not None
+    assert _all_indices(list(loader)) == list(range(len(texts)))
 
 
 def test_a_non_str_item_is_named_by_position(tokenizer):

@@ -1,0 +1,83 @@
+"""TextSource and read_texts: texts by position from lists, Arrow, datasets, Parquet files and iterators."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dynabatch.data.text_source import TextSource, is_text_source, read_texts
+
+TEXTS = ["In the beginning", "", "And God said, Let there be light", "é€"]
+
+
+def _same(source: TextSource) -> None:
+    assert len(source) == len(TEXTS)
+    assert source.char_lengths().tolist() == [len(t) for t in TEXTS]
+    assert source.take([3, 0, 2]) == [TEXTS[3], TEXTS[0], TEXTS[2]]
+    assert source.bad().tolist() == []
+
+
+def test_every_kind_of_source_gives_the_same_texts(tmp_path):
+    import datasets
+
+    pq.write_table(pa.table({"text": TEXTS[:2]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"text": TEXTS[2:], "n": [1, 2]}), tmp_path / "b.parquet")
+    _same(TextSource(TEXTS))
+    _same(read_texts(pa.array(TEXTS)))
+    _same(read_texts(pa.table({"body": TEXTS}), column="body"))
+    _same(read_texts(datasets.Dataset.from_dict({"text": TEXTS})))
+    _same(read_texts(tmp_path))  # a directory of Parquet files, in name order
+    _same(read_texts([tmp_path / "a.parquet", tmp_path / "b.parquet"]))
+    _same(read_texts(str(tmp_path / "*.parquet")))
+    _same(read_texts(iter(TEXTS), chunk_size=3))  # an iterator, read 3 texts at a time
+
+
+def test_a_dataset_view_gives_its_own_rows_in_its_order():
+    import datasets
+
+    view = datasets.Dataset.from_dict({"text": TEXTS}).select([2, 0])
+    assert read_texts(view).take([0, 1]) == [TEXTS[2], TEXTS[0]]
+
+
+def test_a_spilled_source_removes_its_file_when_closed():
+    source = read_texts(iter(TEXTS))
+    folder = source._spill
+    source.close()
+    import os
+
+    assert not os.path.exists(folder)
+
+
+def test_bad_items_are_positions_and_take_gives_empty_strings():
+    source = read_texts(pa.array(["a", None, "b"]))
+    assert source.bad().tolist() == [1] and source.take([1, 2]) == ["", "b"]
+    assert TextSource(["a", None, float("nan")]).bad().tolist() == [1, 2]
+
+
+def test_what_streams():
+    assert is_text_source(iter(TEXTS)) and is_text_source(pa.array(TEXTS)) and is_text_source(TextSource(TEXTS))
+    assert not is_text_source(TEXTS) and not is_text_source(tuple(TEXTS))
+
+
+@pytest.mark.parametrize(
+    ("source", "kwargs", "error", "match"),
+    [
+        (pa.table({"text": ["a"]}), {"column": "body"}, ValueError,
+         r"^column should be a column of the table \['text'\], but got column='body'$"),
+        (pa.array([1, 2]), {}, TypeError, r"^source should be an Arrow array of strings"),
+        (iter(["a", 3]), {}, TypeError,
+         r"^texts\[1\] should be a str \(or None, a bad input\), but got texts\[1\]=3 of type int$"),
+        (iter([]), {}, ValueError, r"^source should hold at least one text, but got none$"),
+        ("missing.parquet", {}, ValueError, r"^source should be existing Parquet files"),
+        (42, {}, TypeError, r"^source should be Parquet paths, a datasets.Dataset"),
+        (["a"], {"column": 1}, TypeError, r"^column should be a str naming the text column"),
+    ],
+)
+def test_bad_sources_are_refused(source, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        read_texts(source, **kwargs)
+
+
+def test_parquet_column_of_numbers_is_refused(tmp_path):
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
+    with pytest.raises(TypeError, match=r"^column should be a column of strings \(in n.parquet it is int64\)"):
+        read_texts(tmp_path / "n.parquet")

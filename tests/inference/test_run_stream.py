@@ -1,0 +1,163 @@
+"""run over a streaming loader: the first batch runs before the corpus is tokenized; rows as with the whole plan."""
+
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import dynabatch
+import dynabatch.data.streaming as token_streaming
+from dynabatch.demo import kjv_passages, vary_lengths
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(token_streaming, "FIRST_CHUNK", 32)
+    monkeypatch.setattr(token_streaming, "CHUNK_SIZE", 64)
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return vary_lengths(kjv_passages(), n=400, max_words=48, seed=9)
+
+
+def _load(texts, tokenizer, **kwargs):
+    kwargs.setdefault("stream", True)
+    return dynabatch.build_dynamic_batch_dataloader(texts, tokenizer, 4, 64, num_workers=0, progress=False, **kwargs)
+
+
+def _sums(batch):
+    return (batch["input_ids"] * batch["attention_mask"]).sum(1)
+
+
+@pytest.fixture(scope="module")
+def expected(texts, tokenizer):
+    loader = _load(texts, tokenizer, stream=False)
+    return [int(x) for x in dynabatch.run(_sums, loader, progress=False)]
+
+
+class _Gated:
+    """A tokenizer whose every call after the first waits until the first batch has run."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls, self.gate = tokenizer, 0, threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, texts, **kwargs):
+        self.calls += 1
+        if self.calls > 1 and not self.gate.wait(60):
+            raise RuntimeError("the first batch never ran")
+        return self.tokenizer(texts, **kwargs)
+
+
+def test_the_first_batch_runs_when_only_the_first_chunk_is_tokenized(small_chunks, texts, tokenizer, expected):
+    gated = _Gated(tokenizer)
+    loader = _load(texts, gated)
+    calls_at_first = []
+
+    def fn(batch):
+        if not calls_at_first:
+            calls_at_first.append(len(loader.plan.stream._collators))  # chunks tokenized by then
+            gated.gate.set()
+        return _sums(batch)
+
+    result = dynabatch.run(fn, loader, progress=False)
+    assert calls_at_first == [1] and loader.plan.stream.n_chunks > 3
+    assert [int(x) for x in result] == expected
+
+
+@pytest.mark.parametrize("kind", ["list", "generator", "arrow", "parquet", "dataset"])
+def test_every_source_gives_the_rows_of_the_whole_plan(small_chunks, texts, tokenizer, expected, kind, tmp_path):
+    import datasets
+
+    if kind == "parquet":
+        pq.write_table(pa.table({"text": texts}), tmp_path / "corpus.parquet", row_group_size=100)
+    source = {"list": lambda: texts, "generator": lambda: (t for t in texts), "arrow": lambda: pa.array(texts),
+              "parquet": lambda: dynabatch.read_texts(tmp_path / "corpus.parquet"),
+              "dataset": lambda: datasets.Dataset.from_dict({"text": texts})}[kind]()
+    loader = _load(source, tokenizer)
+    result = dynabatch.run(_sums, loader, progress=False)
+    assert [int(x) for x in result] == expected
+    assert result.report.rows == len(texts)
+
+
+def test_measured_mode_keeps_every_batch_under_the_first_peak(small_chunks, texts, tokenizer):
+    embed = torch.nn.Embedding(len(tokenizer), 32)
+
+    def fn(batch):
+        with torch.no_grad():
+            h = embed(batch["input_ids"])
+            return ((h @ h.transpose(1, 2)).softmax(-1) @ h).sum((1, 2))
+
+    report = dynabatch.run(fn, _load(texts, tokenizer), progress=False, adapt=True).report
+    assert report.batches_over_budget == 0 and max(r.rows for r in report.records) > 4
+
+
+def test_a_row_the_characters_ranked_too_low_runs_alone_in_measured_mode(tokenizer, monkeypatch):
+    monkeypatch.setattr(token_streaming, "FIRST_CHUNK", 8)
+    monkeypatch.setattr(token_streaming, "CHUNK_SIZE", 8)
+    wide = ["x" + " " * 400 + "y"] * 16  # many characters, 4 tokens
+    words = " ".join(["light"] * 40)  # fewer characters, 42 tokens
+    texts = wide + [words] + ["a b"] * 15
+    loader = dynabatch.build_dynamic_batch_dataloader(texts, tokenizer, 4, 64, num_workers=0, stream=True)
+    result = dynabatch.run(_sums, loader, progress=False, adapt=True)
+    assert [int(x) for x in result] == [int(_sums(loader.plan.collator([p]))) for p in range(len(texts))]
+    record = next(r for r in result.report.records if r.width == 42)
+    assert record.rows == 1
+    assert loader.plan.planner.feed.proxy_misses >= 1
+
+
+def test_a_streamed_store_resumes_and_refuses_other_inputs(small_chunks, texts, tokenizer, expected, tmp_path):
+    first = dynabatch.run(_sums, _load(texts, tokenizer), output_path=tmp_path, key="sums", progress=False)
+    assert [int(x) for x in first] == expected
+    again = dynabatch.run(_sums, _load(texts, tokenizer), output_path=tmp_path, key="sums", progress=False)
+    assert again.report.rows == 0 and [int(x) for x in again] == expected
+    other = list(texts)
+    other[5] = "Another text altogether at this position"
+    with pytest.raises(ValueError, match=r"computed from other inputs \(positions 5\)"):
+        dynabatch.run(_sums, _load(other, tokenizer), output_path=tmp_path, key="sums", progress=False)
+
+
+def test_two_devices_share_one_stream(small_chunks, texts, tokenizer, expected):
+    result = dynabatch.run(lambda device: _sums, _load(texts, tokenizer), devices=["cpu", "cpu"], progress=False)
+    assert [int(x) for x in result] == expected
+
+
+def test_plain_iteration_and_len(small_chunks, texts, tokenizer):
+    loader = _load(texts, tokenizer)
+    positions = np.concatenate([b.indices.numpy() for b in loader])
+    assert sorted(positions.tolist()) == list(range(len(texts))) and len(loader) == len(list(loader))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"stream": "yes"}, TypeError, r"^stream should be None \(auto\), True or False, but got stream='yes'"),
+        ({"stream": True, "shuffle": True}, ValueError,
+         r"^stream should be False or None with shuffle=True \(a shuffled order needs the whole plan\)"),
+    ],
+)
+def test_bad_stream_arguments(texts, tokenizer, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        dynabatch.build_dynamic_batch_dataloader(texts, tokenizer, 4, 64, num_workers=0, **kwargs)
+
+
+def test_pre_tokenized_texts_do_not_stream(tokenizer):
+    with pytest.raises(ValueError, match=r"^stream should be False or None for pre-tokenized texts"):
+        dynabatch.build_dynamic_batch_dataloader([[101, 102]], tokenizer, 4, 64, num_workers=0, stream=True)
+
+
+def test_null_texts_raise_or_are_skipped(small_chunks, tokenizer):
+    with pytest.raises(TypeError, match=r"^texts should hold only str, but got 1 of 3 missing \(null\) texts "
+                                        r"\(positions 1\)"):
+        _load(pa.array(["a", None, "b"]), tokenizer)
+    result = dynabatch.run(_sums, _load(pa.array(["a", None, "b"]), tokenizer, on_bad_input="skip"), progress=False)
+    assert result[1] is None and result.failed == [1] and result[0] is not None
