@@ -7,8 +7,9 @@ computed from the batch (a fixed random embedding table, mean-pooled over the
 attention mask with ``embedding_bag``): what an embedding job's storage and
 bookkeeping cost, without a model's time hiding them. Each method runs end to end (texts in, every
 text's 384 values out) in a fresh process, one after the other, its libraries
-(torch, transformers, pyarrow, and ``torch._dynamo``, which the CPU memory tracker's dispatch mode
-imports on first use) imported before its clock starts:
+(torch, transformers, pyarrow, and what a first run imports once: ``torch._dynamo``, which the CPU
+memory tracker's dispatch mode imports, and pandas, which pyarrow imports when it first writes a table)
+imported before its clock starts:
 
 1. **run**: ``build_dynamic_batch_dataloader(texts, tokenizer, 32, 256,
    num_workers=0)``, then ``dynabatch.run(fn, loader)`` with its defaults: a
@@ -100,10 +101,13 @@ def worker(method: str, n: int, threads: int | None) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    import torch._dynamo  # noqa: F401 (the CPU tracker's dispatch mode imports it on first use: ~1,100 modules,
-    # sympy among them, a fixed import of torch's, not a cost that grows with the texts)
+    # Imports a method triggers once, whatever the number of texts (fixed costs, not what this measures): the CPU
+    # tracker's dispatch mode imports torch._dynamo (~1,100 modules, sympy among them), pyarrow imports pandas when
+    # it first writes a table, and pyarrow itself takes a second.
+    import pandas  # noqa: F401
+    import torch._dynamo  # noqa: F401
 
-    import dynabatch.inference.store  # noqa: F401 (pyarrow's import, a second, is not a method's cost)
+    import dynabatch.inference.store  # noqa: F401
     from dynabatch import build_dynamic_batch_dataloader, run
     from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
 
