@@ -168,3 +168,12 @@ def test_a_list_of_devices_gives_model_encode_vectors(minilm, texts):
     got = dst.encode(minilm, texts[:40], batch_size=8, device=["cpu", "cpu"])
     assert type(got) is type(expected) and got.shape == expected.shape and got.dtype == expected.dtype
     np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("show", [True, False])
+def test_show_progress_bar_turns_the_bar_on_and_off(minilm, texts, show, capsys):
+    from dynabatch.sentence_transformers import encode
+
+    encode(minilm, texts[:8], batch_size=4, show_progress_bar=show)
+    bar = "dynabatch" in capsys.readouterr().err  # tqdm writes its bar, named after the run, to stderr
+    assert bar is show

@@ -55,6 +55,8 @@ class _Done:
     measured: list[tuple[int, int, int]] = field(default_factory=list)
     hashes: list[np.ndarray] = field(default_factory=list)
     lengths: list[np.ndarray] = field(default_factory=list)
+    rows: int = 0  # rows finished (or skipped), and their real tokens: the progress bar moves when the item does,
+    tokens: int = 0  # so an item a crashed worker leaves to another is not counted twice
 
 
 class Executor:
@@ -227,7 +229,8 @@ class Executor:
                 mask = piece.get("attention_mask")
                 if self.writer.layout is None and mask is not None:  # real tokens per row: spots per-token outputs
                     done.lengths.append(mask.sum(1).cpu().numpy())
-            self._progress(piece_rows, real_tokens(piece))
+            done.rows += piece_rows
+            done.tokens += real_tokens(piece)
             if self.lockstep:
                 if not self._stand_in_ran:  # a row that ran: what a stand-in call repeats
                     self._stand_in_ran = True
@@ -263,10 +266,11 @@ class Executor:
                        "skipping it (result None)", item.number, position, piece_width)
         record.failed_rows += 1
         self.failed.append(position)
-        self._progress(1, 0)
+        done.rows += 1
         return True
 
     def _finish(self, record: BatchRecord, done: _Done, start: float) -> None:
+        self._progress(done.rows, done.tokens)
         if self.writer is not None:
             if done.positions:
                 lengths = np.concatenate(done.lengths) if done.lengths else None

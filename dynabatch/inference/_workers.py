@@ -54,8 +54,9 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynabatch-prefetch") if depth else None
         self._filling: Future | None = None  # the background thread's turn: asks the planner, builds
         self.rebuilt = 0  # batches built ahead that a measured peak re-sized
+        self._reader = None
         if self._pool is not None and self.queue.stream is not None:
-            self.queue.stream = _read_ahead(self.queue.stream, depth)  # a plain iterable's batches come built
+            self._reader = self.queue.stream = _read_ahead(self.queue.stream, depth)  # batches that come built
 
     def _build(self, positions: np.ndarray) -> Batch:
         return self.executor.build(Item(-1, positions))
@@ -102,33 +103,49 @@ class Prefetcher:
 
     def close(self) -> None:
         self.ahead.clear()
+        if self._reader is not None:
+            self._reader.close()  # its thread stops reading (after a run that raised, too)
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _read_ahead(stream: Any, depth: int) -> Any:
-    """Reads ``stream`` (a plain iterable's batches) up to ``depth`` items ahead in a background thread."""
+    """Reads ``stream`` (a plain iterable's batches) up to ``depth`` items ahead in a background thread, which
+    stops when the generator is closed or collected."""
     import queue as queue_module
 
     buffer: queue_module.Queue = queue_module.Queue(maxsize=depth)
-    end = object()
+    end, stop = object(), threading.Event()
+
+    def put(entry: tuple) -> bool:
+        while not stop.is_set():
+            try:
+                buffer.put(entry, timeout=0.1)
+                return True
+            except queue_module.Full:
+                continue
+        return False
 
     def fill() -> None:
         try:
             for item in stream:
-                buffer.put((item, None))
+                if not put((item, None)):
+                    return
         except BaseException as exc:  # noqa: BLE001 (handed to the consuming thread, raised there)
-            buffer.put((None, exc))
-        buffer.put((end, None))
+            put((None, exc))
+        put((end, None))
 
     threading.Thread(target=fill, name="dynabatch-read-ahead", daemon=True).start()
-    while True:
-        item, error = buffer.get()
-        if error is not None:
-            raise error
-        if item is end:
-            return
-        yield item
+    try:
+        while True:
+            item, error = buffer.get()
+            if error is not None:
+                raise error
+            if item is end:
+                return
+            yield item
+    finally:
+        stop.set()
 
 
 class WorkerCrash(RuntimeError):

@@ -120,8 +120,14 @@ class RunReport:
 
     @property
     def seconds(self) -> float:
-        """Total wall time of the batches."""
-        return sum(r.seconds for r in self.records)
+        """Wall time of the batches: their sum, or with several devices (which ran side by side) the busiest
+        device's sum."""
+        if not self.device_budgets and not any(r.device for r in self.records):
+            return sum(r.seconds for r in self.records)
+        per_device: dict[str | None, float] = {}
+        for r in self.records:
+            per_device[r.device] = per_device.get(r.device, 0.0) + r.seconds
+        return max(per_device.values(), default=0.0)
 
     @property
     def real_tokens(self) -> int:

@@ -380,7 +380,9 @@ def _run_devices(make_fn: Callable[[Any], Callable[[Batch], Any]], targets: list
             if executor is not None:
                 executor.close()
     running = [e for e in executors if e is not None]
-    report = RunReport.merge([e.report for e in running], [str(t) for t, e in zip(targets, executors) if e])
+    names = [str(t) for t in targets]
+    names = [f"{n} (worker {i})" if names.count(n) > 1 else n for i, n in enumerate(names)]  # ["cpu", "cpu"]
+    report = RunReport.merge([e.report for e in running], [n for n, e in zip(names, executors) if e])
     failed = sorted(set().union(*(e.failed for e in running)))
     n = queue.n_inputs if queue.n_inputs is not None else max(e.last_position for e in running) + 1
     if options["store"] is not None:

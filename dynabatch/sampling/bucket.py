@@ -9,7 +9,8 @@ types and documented outputs, including the shuffled outputs for a seeded
 Behaviour on the edge cases, as bionemo's:
 
 * Elements whose size is outside every bucket range are skipped, with a
-  ``UserWarning`` (``warnings.warn``) saying how many; if no element is inside
+  ``UserWarning`` (``warnings.warn``) saying how many at construction, as
+  bionemo's, and a WARNING log line every epoch; if no element is inside
   the ranges, :class:`RuntimeError`.
 * Buckets with no elements are kept: they still count in the number of buckets
   (the length of every ``base_batch_sampler_individual_kwargs`` value), get a
@@ -24,6 +25,7 @@ Behaviour on the edge cases, as bionemo's:
 
 from __future__ import annotations
 
+import logging
 import numbers
 import warnings
 from collections.abc import Iterable, Iterator
@@ -43,6 +45,8 @@ from dynabatch.sampling.bucket_utils import (
 )
 
 __all__ = ["BucketBatchSampler", "Buckets", "create_buckets"]
+
+logger = logging.getLogger(__name__)
 
 
 def _check_kwargs(name: str, value: Any) -> Dict[str, Any]:
@@ -242,6 +246,7 @@ class BucketBatchSampler(Sampler[List[int]]):
         self.bucket_element_indices = self._group(sizes, bucket_boundaries)
         self.bucket_sizes = torch.tensor([len(indices) for indices in self.bucket_element_indices], dtype=torch.int64)
         self.num_samples = int(self.bucket_sizes.sum())
+        self.n_elements = len(sizes)
         if self.num_samples == 0:
             raise RuntimeError(
                 f"no element of sizes is inside the bucket ranges: sizes span [{sizes.min().item() if len(sizes) else None}, "
@@ -283,6 +288,9 @@ class BucketBatchSampler(Sampler[List[int]]):
         """
         skip, self._skip = self._skip, 0
         self._epoch_start, self._yielded = self._snapshot(), 0
+        if self.num_samples < self.n_elements:  # said at construction (bionemo's UserWarning) and every epoch
+            logger.warning("%d of %d elements are outside the bucket ranges and skipped this epoch",
+                           self.n_elements - self.num_samples, self.n_elements)
         if self.shuffle:
             for indices in self.bucket_element_indices:  # in place: the base samplers hold these lists
                 permutation = torch.randperm(len(indices), generator=self.generator).tolist()

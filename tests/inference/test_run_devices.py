@@ -31,9 +31,12 @@ def test_two_devices_give_every_row_once_in_input_order(texts, tokenizer):
     assert len(both) == len(texts) and both.failed == []
     assert all(torch.equal(a, b) for a, b in zip(alone, both))
     assert sorted(d for d, _ in made) == ["cpu", "cpu"] and len({t for _, t in made}) == 2  # one thread each
+    workers = {"cpu (worker 0)", "cpu (worker 1)"}  # one device named twice: each worker its own name
     ran = {r.device for r in both.report.records}
-    assert ran <= {"cpu"} and both.report.rows == len(texts)
-    assert set(both.report.device_budgets) <= {"cpu"}
+    assert ran <= workers and both.report.rows == len(texts)
+    assert set(both.report.device_budgets) <= workers
+    busiest = max(sum(r.seconds for r in both.report.records if r.device == w) for w in ran)
+    assert both.report.seconds == pytest.approx(busiest)  # side by side: the busiest worker's time, not the sum
 
 
 def test_each_device_splits_only_its_own_batch_on_out_of_memory(texts, tokenizer):
@@ -118,3 +121,47 @@ def test_batches_built_ahead_give_the_same_rows_and_re_sized_ones_are_rebuilt(te
     assert [r.rows for r in ahead.report.records] == [r.rows for r in built_now.report.records]
     assert built_now.report.rebuilt_batches == 0
     assert ahead.report.rebuilt_batches > 0  # batches built ahead that a measured peak re-sized: built again
+
+
+def test_a_run_that_raises_stops_reading_a_plain_iterable_ahead(texts, tokenizer):
+    import time
+
+    batches = list(_load(texts, tokenizer))
+
+    def fn(batch):
+        raise RuntimeError("the model broke")
+
+    with pytest.raises(RuntimeError, match="^the model broke$"):
+        run(fn, iter(batches), progress=False)
+    deadline = time.monotonic() + 5
+    while any(t.name == "dynabatch-read-ahead" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "dynabatch-read-ahead" for t in threading.enumerate())
+
+
+def test_the_progress_bar_counts_a_crashed_workers_batch_once(texts, tokenizer, capsys):
+    import re
+
+    state = {"oom": None, "pieces": 0, "crash": False}
+    lock = threading.Lock()
+
+    def make_fn(device):
+        def fn(batch):
+            rows = batch["input_ids"].shape[0]
+            with lock:
+                if state["oom"] is None and rows > 1:  # the first batch splits, its first half finishes...
+                    state["oom"] = threading.get_ident()
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+                if threading.get_ident() == state["oom"] and not state["crash"]:
+                    state["pieces"] += 1
+                    if state["pieces"] == 2:  # ...and the worker dies on its second half
+                        state["crash"] = True
+                        raise RuntimeError("device lost")
+            return _lengths(batch)
+
+        return fn
+
+    result = run(make_fn, _load(texts, tokenizer), devices=["cpu", "cpu"], progress=True)
+    assert state["crash"] and all(r is not None for r in result)
+    counts = re.findall(r"(\d+)/(\d+) ", capsys.readouterr().err)
+    assert counts and counts[-1] == (str(len(texts)), str(len(texts)))

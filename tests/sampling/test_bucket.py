@@ -90,11 +90,15 @@ def test_boundaries_are_sorted_and_empty_buckets_kept():
     assert len(sampler) == 4
 
 
-def test_elements_outside_the_ranges_are_skipped_with_a_warning():
+def test_elements_outside_the_ranges_are_skipped_with_a_warning(caplog):
     sizes = torch.tensor([-1, 0, 1, 5, 9, 10])
     with pytest.warns(UserWarning, match="2 elements are outside the buckets provided and will be skipped"):
         sampler = _bbs(sizes, torch.tensor([0, 5, 10]), batch_sizes=(8, 8), shuffle=False)
-    assert list(sampler) == [[1, 2], [3, 4]]
+    with caplog.at_level("WARNING", logger="dynabatch.sampling.bucket"):
+        assert list(sampler) == [[1, 2], [3, 4]]
+        assert list(sampler) == [[1, 2], [3, 4]]
+    said = [r.getMessage() for r in caplog.records if r.name == "dynabatch.sampling.bucket"]
+    assert said == ["2 of 6 elements are outside the bucket ranges and skipped this epoch"] * 2  # once per epoch
 
 
 def test_no_element_inside_the_ranges_is_a_runtime_error():
