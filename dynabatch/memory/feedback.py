@@ -104,8 +104,6 @@ class MemoryFeedback:
         self._table = np.empty((3, 64), dtype=np.float64)
         self._n = 0
         self.oom = OutOfMemoryLimit()
-        self.version = 0  # counts what changed the bound (measured calls, out-of-memory errors): sizes computed
-        # from it stay valid while it holds
 
     # -- measurements ----------------------------------------------------------------------------
     def observe(self, rows: int, padded_length: float | None, peak_bytes: float) -> None:
@@ -156,7 +154,6 @@ class MemoryFeedback:
             self._table = grown
         self._table[:, self._n : end] = np.asarray(measured, dtype=np.float64).T
         self._n = end
-        self.version += 1
         if self.oom.failed_bytes is not None:  # measured successes raise what out-of-memory errors lowered
             for rows, width, _ in measured:
                 self.oom.observe_success(rows, self.row_bound(width))
@@ -165,7 +162,6 @@ class MemoryFeedback:
         """Records a call of ``rows`` x padded ``width`` that ran out of memory, predicted at :meth:`row_bound`
         a row; one that nothing measured bounds teaches nothing here (the shapes it dominates are still split
         before they run)."""
-        self.version += 1
         self.oom.observe_out_of_memory(rows, self.row_bound(width))
 
     def row_bound(self, width: float) -> float | None:

@@ -128,7 +128,6 @@ class ChunkedPlanner:
         <dynabatch.sampling.planner.BatchPlanner.observe_parts>`)."""
         with self._lock:
             self._current().observe_parts(parts, self._cursor if cursor is None else cursor)
-            self._forget_sizes()
 
     def observe(self, rows: int, padded_length: int, peak_bytes: float) -> None:
         self.observe_parts([(rows, padded_length, peak_bytes)])
@@ -138,12 +137,6 @@ class ChunkedPlanner:
         <dynabatch.sampling.planner.BatchPlanner.observe_out_of_memory>`)."""
         with self._lock:
             self._current().observe_out_of_memory(rows, padded_length, self._cursor if cursor is None else cursor)
-            self._forget_sizes()
-
-    def _forget_sizes(self) -> None:
-        """The sizes a peek computed ahead in later chunks: the estimator may have learned since."""
-        for _, planner in self._chunks[self._i + 1 : self._i + 3]:
-            planner._sized.clear()
 
     def _current(self) -> BatchPlanner:
         return self._chunks[min(self._i, len(self._chunks) - 1)][1]

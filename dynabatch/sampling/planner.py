@@ -133,7 +133,6 @@ class BatchPlanner:
         check_token_cap(self.sorted_lengths, settings, relative=self.estimator.relative)
         self._sizes: np.ndarray | None = None
         self._ends: np.ndarray | None = None  # where each planned batch ends in sorted positions
-        self._sized: dict[tuple, int] = {}  # next_size by (feedback, its version, start, last size)
         self.restart()
 
     def sizes(self) -> np.ndarray:
@@ -227,16 +226,8 @@ class BatchPlanner:
         (or the measured bound) keeps under ``target`` times the first batch's
         peak, settled by :func:`~dynabatch.sampling.plan_settings.settle_rows`.
         """
-        feedback = self._cursor.feedback if feedback is None else feedback
-        key = (id(feedback), feedback.version, start, last_size)  # a peek asks again for the batch it just sized
-        if key not in self._sized:
-            if len(self._sized) > 64:
-                self._sized.clear()
-            self._sized[key] = self._next_size(start, last_size, feedback)
-        return self._sized[key]
-
-    def _next_size(self, start: int, last_size: int | None, feedback: MemoryFeedback) -> int:
         settings, estimator = self.settings, self.estimator
+        feedback = self._cursor.feedback if feedback is None else feedback
         remaining = len(self.sorted_lengths) - start
         longest = int(self.sorted_lengths[start])
         width = int(settings.width(longest))
@@ -269,7 +260,6 @@ class BatchPlanner:
         """Records a batch that ran as several calls (split after running out of memory), each
         ``(rows, padded_length, peak_bytes)``, by ``cursor`` (``None``: the planner's own)."""
         (self._cursor if cursor is None else cursor).feedback.observe_parts(parts)
-        self._sized.clear()  # the estimator may have learned too
         for rows, width, peak in parts:
             if rows:
                 self.estimator.observe(rows, width, peak)
@@ -279,7 +269,6 @@ class BatchPlanner:
         the lower limit it shows (:meth:`~dynabatch.memory.feedback.MemoryFeedback.observe_out_of_memory`), and a
         memory model learns its cap."""
         (self._cursor if cursor is None else cursor).feedback.observe_out_of_memory(rows, padded_length)
-        self._sized.clear()
         self.estimator.observe_out_of_memory(rows, padded_length)
 
 
