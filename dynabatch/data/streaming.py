@@ -98,6 +98,7 @@ class TokenStream:
         self._tokenizer = copy.deepcopy(tokenizer)
         chars = source.char_lengths()
         if skip is not None and len(skip):
+            chars = chars.copy()
             chars[np.asarray(skip, dtype=np.int64)] = -1
         order = np.argsort(-chars, kind="stable")
         self.order = order[chars[order] >= 0]

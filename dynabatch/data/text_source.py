@@ -24,6 +24,7 @@ import glob
 import itertools
 import os
 import shutil
+import sys
 import tempfile
 import weakref
 from collections.abc import Iterable
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.data.tokenization import _as_items, plain_text
 
 __all__ = ["TextSource", "is_text_source", "read_texts"]
 
@@ -40,8 +42,6 @@ _SPILL_ROWS = 65_536  # texts per Arrow record batch when an iterable or Parquet
 
 
 def _is_arrow_strings(values: Any) -> bool:
-    import sys
-
     pa = sys.modules.get("pyarrow")
     if pa is None or not isinstance(values, (pa.Array, pa.ChunkedArray)):
         return False
@@ -49,8 +49,6 @@ def _is_arrow_strings(values: Any) -> bool:
 
 
 def _is_dataset(values: Any) -> bool:
-    import sys
-
     datasets = sys.modules.get("datasets")
     return datasets is not None and isinstance(values, datasets.Dataset)
 
@@ -74,9 +72,9 @@ class TextSource:
     """
 
     def __init__(self, texts: Any) -> None:
-        from dynabatch.data.tokenization import _as_items
 
         self._spill: str | None = None  # a directory this source owns (an iterable or Parquet files read in)
+        self._chars: np.ndarray | None = None
         if _is_arrow_strings(texts):
             import pyarrow as pa
 
@@ -98,19 +96,22 @@ class TextSource:
         return f"{type(self).__name__}(texts={self.n}, {kind})"
 
     def char_lengths(self) -> np.ndarray:
-        """Every text's length in characters (``int64``); ``-1`` where the item is not a str."""
-        if self.items is not None:
-            return np.fromiter((len(t) if isinstance(t, str) else -1 for t in self.items), dtype=np.int64,
-                               count=self.n)
-        import pyarrow.compute as pc
+        """Every text's length in characters (``int64``, read once); ``-1`` where the item is not a str."""
+        if self._chars is None:
+            if self.items is not None:
+                self._chars = np.fromiter((len(t) if isinstance(t, str) else -1 for t in self.items),
+                                          dtype=np.int64, count=self.n)
+            else:
+                import pyarrow.compute as pc
 
-        lengths = pc.fill_null(pc.utf8_length(self.arrow), -1)
-        return np.concatenate([c.to_numpy(zero_copy_only=False) for c in lengths.chunks]).astype(np.int64)
+                lengths = pc.fill_null(pc.utf8_length(self.arrow), -1)
+                self._chars = np.concatenate([c.to_numpy(zero_copy_only=False) for c in lengths.chunks]
+                                             ).astype(np.int64)
+            self._chars.flags.writeable = False
+        return self._chars
 
     def bad(self) -> np.ndarray:
         """The ``int64`` positions of items that are not str."""
-        if self.items is not None and all(type(t) is str for t in self.items):
-            return np.zeros(0, dtype=np.int64)
         return np.flatnonzero(self.char_lengths() < 0)
 
     def take(self, positions: Any) -> list:
@@ -118,8 +119,7 @@ class TextSource:
         pos = np.asarray(positions, dtype=np.int64)
         if self.items is not None:
             items = self.items
-            out = [items[i] for i in pos.tolist()]
-            return [t if type(t) is str else str.__str__(t) if isinstance(t, str) else "" for t in out]
+            return [plain_text(items[i]) for i in pos.tolist()]
         import pyarrow as pa
 
         return ["" if t is None else t for t in self.arrow.take(pa.array(pos)).to_pylist()]

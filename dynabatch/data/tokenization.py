@@ -43,7 +43,8 @@ import numpy as np
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 
-__all__ = ["FORBIDDEN_TOKENIZER_KWARGS", "TokenizedTexts", "split_bad_texts", "tokenize_texts", "validate_texts"]
+__all__ = ["FORBIDDEN_TOKENIZER_KWARGS", "TokenizedTexts", "plain_text", "report_skipped", "split_bad_texts",
+           "tokenize_texts", "validate_texts"]
 
 logger = logging.getLogger(__name__)
 
@@ -182,9 +183,24 @@ def split_bad_texts(texts: Any) -> tuple[list[str], np.ndarray]:
     if types == {str}:
         return items, np.zeros(0, dtype=np.int64)
     bad = np.fromiter((not isinstance(item, str) for item in items), dtype=bool, count=len(items))
-    # str subclasses (e.g. numpy.str_) become plain str for the tokenizer
-    clean = ["" if is_bad else item if type(item) is str else str.__str__(item) for item, is_bad in zip(items, bad)]
-    return clean, np.flatnonzero(bad)
+    return [plain_text(item) for item in items], np.flatnonzero(bad)
+
+
+def plain_text(item: Any) -> str:
+    """``item`` as the tokenizer takes it: a str as it is, a str subclass (``numpy.str_``) as a plain str, and
+    ``""`` for what is not a str (a bad input, planned into no batch)."""
+    if type(item) is str:
+        return item
+    return str.__str__(item) if isinstance(item, str) else ""
+
+
+def report_skipped(skipped: np.ndarray, n: int) -> None:
+    """Refuses ``n`` texts of which none is a str; logs the positions of the ones skipped (their results are None)."""
+    if skipped.size == n:
+        raise ValueError(f"texts should hold at least one str, but got {n} texts none of which is a str")
+    if skipped.size:
+        logger.warning("skipping %d of %d texts that are not str (positions %s%s): their results are None",
+                       skipped.size, n, ", ".join(map(str, skipped[:10].tolist())), ", ..." if skipped.size > 10 else "")
 
 
 def validate_texts(texts: Any) -> list[str]:

@@ -21,7 +21,7 @@ from dynabatch._validation import bad_type, bad_value
 from dynabatch.data import streaming as token_streaming
 from dynabatch.data.streaming import TokenStream
 from dynabatch.data.text_source import TextSource, is_text_source, read_texts
-from dynabatch.data.tokenization import validate_texts
+from dynabatch.data.tokenization import report_skipped, validate_texts
 from dynabatch.sampling.chunked_planner import ChunkedPlanner
 from dynabatch.sampling.inference_sampler import StreamingBatchSampler
 
@@ -63,11 +63,7 @@ def _source(texts: Any, on_bad_input: str) -> tuple[TextSource, np.ndarray]:
         raise TypeError(f"texts should hold only str, but got {bad.size} of {len(source)} missing (null) texts "
                         f"(positions {', '.join(map(str, bad[:10].tolist()))}{', ...' if bad.size > 10 else ''}): "
                         "clean them, or build the loader with on_bad_input='skip' (their results are None)")
-    if bad.size == len(source):
-        raise ValueError(f"texts should hold at least one str, but got {len(source)} texts none of which is a str")
-    if bad.size:
-        logger.warning("skipping %d of %d texts that are not str (positions %s%s): their results are None",
-                       bad.size, len(source), ", ".join(map(str, bad[:10].tolist())), ", ..." if bad.size > 10 else "")
+    report_skipped(bad, len(source))
     return source, bad
 
 

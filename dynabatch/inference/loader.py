@@ -44,6 +44,7 @@ from dynabatch.data.ids import check_ids
 from dynabatch.data.token_ids import are_token_ids, store_token_ids
 from dynabatch.data.tokenization import (
     check_tokenizer,
+    report_skipped,
     split_bad_texts,
     tokenize_texts,
     validate_texts,
@@ -146,12 +147,8 @@ def _read_texts(texts: Any, on_bad_input: Any, token_ids: bool) -> tuple[list | 
     if token_ids:
         return None, None
     items, skipped = split_bad_texts(texts) if on_bad_input == "skip" else (validate_texts(texts), None)
-    if skipped is not None and skipped.size == len(items):
-        raise ValueError(f"texts should hold at least one str, but got {len(items)} texts none of which is a str")
-    if skipped is not None and skipped.size:
-        logger.warning("skipping %d of %d texts that are not str (positions %s%s): their results are None",
-                       skipped.size, len(items), ", ".join(map(str, skipped[:10].tolist())),
-                       ", ..." if skipped.size > 10 else "")
+    if skipped is not None:
+        report_skipped(skipped, len(items))
     return items, skipped
 
 
