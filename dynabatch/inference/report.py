@@ -122,8 +122,6 @@ class RunReport:
     def seconds(self) -> float:
         """Wall time of the batches: their sum, or with several devices (which ran side by side) the busiest
         device's sum."""
-        if not self.device_budgets and not any(r.device for r in self.records):
-            return sum(r.seconds for r in self.records)
         per_device: dict[str | None, float] = {}
         for r in self.records:
             per_device[r.device] = per_device.get(r.device, 0.0) + r.seconds

@@ -77,8 +77,9 @@ class DynamicBatchSampler(PlannedBatchSampler):
         return self.batches
 
     def identity(self) -> list[Any]:
-        return [np.asarray([len(b) for b in self.batches], dtype=np.int64),
-                np.concatenate(self.batches) if self.batches else np.zeros(0, np.int64)]
+        batches = self.plan(0)
+        return [np.asarray([len(b) for b in batches], dtype=np.int64),
+                np.concatenate(batches) if batches else np.zeros(0, np.int64)]
 
 
 class StreamingBatchSampler(DynamicBatchSampler):
@@ -96,11 +97,6 @@ class StreamingBatchSampler(DynamicBatchSampler):
 
     def plan(self, epoch: int) -> list[np.ndarray]:
         return self.planner.batches()
-
-    def identity(self) -> list[Any]:
-        batches = self.planner.batches()
-        return [np.asarray([len(b) for b in batches], dtype=np.int64),
-                np.concatenate(batches) if batches else np.zeros(0, np.int64)]
 
     def __iter__(self) -> Any:
         if self._resume_at or self.min_batches or self.num_replicas != 1:

@@ -39,38 +39,28 @@ def expected(texts, tokenizer):
     return [int(x) for x in dynabatch.run(_sums, loader, progress=False)]
 
 
-class _Gated:
-    """A tokenizer whose every call after the first waits until the first batch has run."""
+def test_the_first_batch_runs_when_only_the_first_chunk_is_tokenized(small_chunks, texts, tokenizer, expected,
+                                                                       monkeypatch):
+    gate = threading.Event()
+    tokenize = token_streaming.TokenStream.tokenize
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self.calls, self.gate = tokenizer, 0, threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self.tokenizer, name)
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __call__(self, texts, **kwargs):
-        self.calls += 1
-        if self.calls > 1 and not self.gate.wait(60):
+    def gated(stream, k):  # every chunk after the first waits until the first batch has run
+        if k > 0 and not gate.wait(60):
             raise RuntimeError("the first batch never ran")
-        return self.tokenizer(texts, **kwargs)
+        return tokenize(stream, k)
 
-
-def test_the_first_batch_runs_when_only_the_first_chunk_is_tokenized(small_chunks, texts, tokenizer, expected):
-    gated = _Gated(tokenizer)
-    loader = _load(texts, gated)
-    calls_at_first = []
+    monkeypatch.setattr(token_streaming.TokenStream, "tokenize", gated)
+    loader = _load(texts, tokenizer)
+    chunks_at_first = []
 
     def fn(batch):
-        if not calls_at_first:
-            calls_at_first.append(len(loader.plan.stream._collators))  # chunks tokenized by then
-            gated.gate.set()
+        if not chunks_at_first:
+            chunks_at_first.append(len(loader.plan.stream._collators))  # chunks tokenized by then
+            gate.set()
         return _sums(batch)
 
     result = dynabatch.run(fn, loader, progress=False)
-    assert calls_at_first == [1] and loader.plan.stream.n_chunks > 3
+    assert chunks_at_first == [1] and loader.plan.stream.n_chunks > 3
     assert [int(x) for x in result] == expected
 
 
