@@ -41,13 +41,13 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-import queue
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from dynabatch._background import Ahead
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_value, check_positive_int
 from dynabatch.data.collate import Batch, TokenCollator, pad_token_id_of
@@ -263,53 +263,29 @@ class ChunkFeed:
         ahead: chunks tokenized ahead of the consumer, at most (``None``: no bound).
 
     The thread starts at the first :meth:`next` (or :meth:`start`), which
-    blocks until the next chunk is tokenized; an error in the
-    thread is raised there. :attr:`proxy_misses` counts rows longer in tokens
-    than every row of the chunks handed out before theirs.
+    blocks until the next chunk is tokenized; an error in the thread is raised
+    there (:class:`~dynabatch._background.Ahead`). :attr:`proxy_misses` counts
+    rows longer in tokens than every row of the chunks handed out before theirs.
     """
 
-    NOT_READY = object()
+    NOT_READY = Ahead.NOT_READY
 
     def __init__(self, stream: TokenStream, claims: Iterator[int], *, ahead: int | None = None) -> None:
         self.stream = stream
         self.proxy_misses = 0
         self._longest = 0
-        self._ready: queue.Queue = queue.Queue(maxsize=ahead or 0)
-        self._stop = threading.Event()
-        self._done = False
-        self._thread = threading.Thread(target=self._work, args=(claims,), name="dynabatch-tokenize", daemon=True)
+        self._chunks = Ahead((stream.tokenize(k) for k in claims), depth=ahead, name="dynabatch-tokenize")
 
     def start(self) -> None:
         """Starts tokenizing (the first :meth:`next` does, so a feed no one reads tokenizes nothing)."""
-        if self._thread.ident is None:
-            self._thread.start()
-
-    def _work(self, claims: Iterator[int]) -> None:
-        try:
-            for k in claims:
-                if self._stop.is_set():
-                    return
-                self._ready.put(self.stream.tokenize(k))
-            self._ready.put(None)
-        except Exception as error:  # noqa: BLE001 - raised in the consumer's thread, at its next chunk
-            self._ready.put(error)
+        self._chunks.start()
 
     def next(self, block: bool = True) -> tuple[np.ndarray, np.ndarray] | None | object:
         """``(positions, token lengths)`` of the next chunk, ``None`` at the end; without ``block``,
         :attr:`NOT_READY` when it is not tokenized yet."""
-        if self._done:
-            return None
-        self.start()
-        try:
-            got = self._ready.get(block=block)
-        except queue.Empty:
-            return self.NOT_READY
-        if got is None:
-            self._done = True
-            return None
-        if isinstance(got, BaseException):
-            self._done = True
-            raise got
+        got = self._chunks.next(block)
+        if got is None or got is self.NOT_READY:
+            return got
         lengths = got[1]
         if self._longest and len(lengths) and lengths.max() > self._longest:
             missed = int(np.count_nonzero(lengths > self._longest))
@@ -321,9 +297,4 @@ class ChunkFeed:
 
     def close(self) -> None:
         """Stops tokenizing after the chunk in progress."""
-        self._stop.set()
-        while True:  # unblock a thread waiting for room
-            try:
-                self._ready.get_nowait()
-            except queue.Empty:
-                break
+        self._chunks.close()

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch._background import Ahead
 from dynabatch.data.collate import Batch
 from dynabatch.inference._execute import Executor
 from dynabatch.inference._queue import BatchQueue, Item
@@ -112,40 +113,12 @@ class Prefetcher:
 def _read_ahead(stream: Any, depth: int) -> Any:
     """Reads ``stream`` (a plain iterable's batches) up to ``depth`` items ahead in a background thread, which
     stops when the generator is closed or collected."""
-    import queue as queue_module
-
-    buffer: queue_module.Queue = queue_module.Queue(maxsize=depth)
-    end, stop = object(), threading.Event()
-
-    def put(entry: tuple) -> bool:
-        while not stop.is_set():
-            try:
-                buffer.put(entry, timeout=0.1)
-                return True
-            except queue_module.Full:
-                continue
-        return False
-
-    def fill() -> None:
-        try:
-            for item in stream:
-                if not put((item, None)):
-                    return
-        except BaseException as exc:  # noqa: BLE001 (handed to the consuming thread, raised there)
-            put((None, exc))
-        put((end, None))
-
-    threading.Thread(target=fill, name="dynabatch-read-ahead", daemon=True).start()
+    ahead = Ahead(stream, depth=depth, name="dynabatch-read-ahead")
     try:
-        while True:
-            item, error = buffer.get()
-            if error is not None:
-                raise error
-            if item is end:
-                return
+        while (item := ahead.next()) is not None:
             yield item
     finally:
-        stop.set()
+        ahead.close()
 
 
 class WorkerCrash(RuntimeError):
