@@ -38,7 +38,8 @@ def check_run_options(device: Any, on_oom: Any, measure_memory: Any, adapt: Any)
 
 def check_arguments(
     fn: Any, device: Any, output_path: Any, on_oom: Any, measure_memory: Any, progress: Any, distributed: Any,
-    adapt: Any = None, pad_token_id: Any = None, key: Any = None, token_outputs: Any = "auto",
+    adapt: Any = None, pad_token_id: Any = None, key: Any = None, token_outputs: Any = "auto", prefetch: Any = 0,
+    lockstep: Any = True,
 ) -> None:
     """Checks :func:`dynabatch.run`'s arguments (``fn`` is ``make_fn`` with several devices)."""
     if not callable(fn):
@@ -56,6 +57,9 @@ def check_arguments(
     if pad_token_id is not None:
         check_non_negative_int("pad_token_id", pad_token_id)
     check_token_outputs(token_outputs)
+    check_non_negative_int("prefetch", prefetch)
+    if not isinstance(lockstep, bool):
+        raise bad_type("lockstep", "a bool", lockstep)
 
 
 def check_store_arguments(output_path: Any, key: Any) -> None:

@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dynabatch._validation import bad_type, bad_value, check_non_negative_int
+from dynabatch._validation import bad_type, bad_value
 from dynabatch.data.collate import Batch
 from dynabatch.inference._execute import Executor
 from dynabatch.inference._options import (
@@ -256,7 +256,6 @@ def run(
             batch built ahead that a later peak re-sized is built again, not
             run stale (``report.rebuilt_batches``). With ``devices``, every
             device's thread builds its own batches beside the others' calls.
-
         lockstep: under ``torch.distributed``, ``True`` runs the ranks in
             lockstep (see ``distributed``: for an ``fn`` with collectives, such
             as FSDP or tensor parallelism). ``False`` is for an ``fn`` without
@@ -286,10 +285,7 @@ def run(
         BatchOutOfMemoryError: with ``on_oom="raise"``, a single row that ran out of memory.
     """
     check_arguments(fn, device, output_path, on_oom, measure_memory, progress, distributed, adapt, pad_token_id,
-                    key, token_outputs)
-    check_non_negative_int("prefetch", prefetch)
-    if not isinstance(lockstep, bool):
-        raise bad_type("lockstep", "a bool", lockstep)
+                    key, token_outputs, prefetch, lockstep)
     rank, world_size, distributed = world_of(distributed)
     targets = check_devices(devices, device, distributed, measure_memory)
     memory_device = memory_device_of(measure_memory, adapt, device if targets is None else targets[0])

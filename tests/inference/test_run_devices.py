@@ -98,6 +98,7 @@ def test_devices_store_results_in_one_store(texts, tokenizer, tmp_path):
         ({"devices": ["cpu"], "measure_memory": "cpu"}, ValueError, r"measure_memory should be None, True or False"),
         ({"devices": ["gpu"]}, ValueError, r"devices\[0\]"),
         ({"prefetch": -1}, ValueError, r"prefetch"),
+        ({"lockstep": "no"}, TypeError, r"^lockstep should be a bool, but got lockstep='no' of type str$"),
     ],
 )
 def test_bad_devices_and_prefetch_are_refused(texts, tokenizer, kwargs, error, match):
