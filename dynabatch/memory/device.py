@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -156,11 +157,18 @@ class DeviceBackend:
 
 
 class AllocatorPeakTracker:
-    """A block's peak bytes from a caching allocator's statistics (reset the peak, read allocated and the peak)."""
+    """A block's peak bytes from a caching allocator's statistics (reset the peak, read allocated and the peak).
+
+    The allocator keeps one peak per device, which every reset clears: a tracker opened inside another
+    (a measured ``run`` inside a measured job) would wipe the outer block's peak so far. So every
+    reset through :meth:`AllocatorBackend.reset_peak` first hands the peak so far to each tracker still
+    open on that device (:attr:`seen`), and a tracker's peak is the larger of that and the allocator's.
+    """
 
     def __init__(self, backend: AllocatorBackend, device: torch.device) -> None:
         self.backend, self.device = backend, device
         self.before = 0
+        self.seen = 0  # the highest allocated bytes of this segment that a reset inside it cleared
         self.segment_peak_bytes = 0
         self.peak_bytes = 0
 
@@ -169,10 +177,11 @@ class AllocatorPeakTracker:
         b.synchronize(self.device)
         b.reset_peak(self.device)
         self.before = b.allocated(self.device)
+        b.open_tracker(self)
         return self
 
     def _segment(self) -> int:
-        peak = max(0, self.backend.max_allocated(self.device) - self.before)
+        peak = max(0, max(self.seen, self.backend.max_allocated(self.device)) - self.before)
         self.peak_bytes = max(self.peak_bytes, peak)
         return peak
 
@@ -181,11 +190,19 @@ class AllocatorPeakTracker:
         # The allocator counts allocations as the host asks for them: no synchronization needed here.
         peak = self._segment()
         self.backend.reset_peak(self.device)
+        self.seen = 0
         return peak
 
     def __exit__(self, *exc: object) -> None:
-        self.backend.synchronize(self.device)
-        self.segment_peak_bytes = self._segment()
+        try:
+            self.backend.synchronize(self.device)
+            self.segment_peak_bytes = self._segment()
+        finally:
+            self.backend.close_tracker(self)
+
+
+_OPEN_TRACKERS: dict[torch.device, list[AllocatorPeakTracker]] = {}  # by device: the trackers open on it
+_TRACKERS_LOCK = threading.Lock()  # a worker thread per device opens and closes trackers
 
 
 class AllocatorBackend(DeviceBackend):
@@ -200,7 +217,31 @@ class AllocatorBackend(DeviceBackend):
     def max_allocated(self, device: torch.device) -> int:
         return int(self._call("max_memory_allocated", device, default=0))
 
+    def _opened(self, device: torch.device) -> torch.device:
+        return device if device.index is not None else torch.device(device.type, self.current().index)
+
+    def open_tracker(self, tracker: AllocatorPeakTracker) -> None:
+        """Counts ``tracker`` as open on its device until :meth:`close_tracker`: resets hand it their peak."""
+        with _TRACKERS_LOCK:
+            _OPEN_TRACKERS.setdefault(self._opened(tracker.device), []).append(tracker)
+
+    def close_tracker(self, tracker: AllocatorPeakTracker) -> None:
+        """Ends what :meth:`open_tracker` began."""
+        with _TRACKERS_LOCK:
+            trackers = _OPEN_TRACKERS.get(self._opened(tracker.device), [])
+            if tracker in trackers:
+                trackers.remove(tracker)
+
     def reset_peak(self, device: torch.device) -> None:
+        """Resets the device's peak statistic, handing the peak so far to the trackers open on it first."""
+        if not self._call("is_initialized", default=True):
+            self.synchronize(device)  # torch refuses a peak reset before its allocator is set up ("did you call init?")
+        with _TRACKERS_LOCK:
+            trackers = list(_OPEN_TRACKERS.get(self._opened(device), ()))
+        if trackers:
+            peak = self.max_allocated(device)
+            for tracker in trackers:
+                tracker.seen = max(tracker.seen, peak)
         self._call("reset_peak_memory_stats", device)
 
     def in_use(self) -> bool:
@@ -235,7 +276,10 @@ class CudaBackend(AllocatorBackend):
     """NVIDIA GPUs, and AMD GPUs under ROCm (whose torch answers through ``torch.cuda``)."""
 
     type = "cuda"
-    out_of_memory_messages = ("CUDA out of memory", "HIP out of memory")
+    # The caching allocator's error, and what CUDA itself or cuBLAS raise when memory outside it runs out
+    # (a cuBLAS handle or workspace, a kernel's own buffers): each is freed by smaller calls as well.
+    out_of_memory_messages = ("CUDA out of memory", "HIP out of memory", "CUDA error: out of memory",
+                              "HIP error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
 @register_backend

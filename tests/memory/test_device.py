@@ -23,21 +23,22 @@ from dynabatch.memory.device import (
     register_backend,
     total_bytes,
 )
-from dynabatch.memory.measure import check_device, check_measurable_device, track_peak_memory
+from dynabatch.memory.measure import check_device, check_measurable_device, collect_cuda_peak_alloc, track_peak_memory
 
 
 class _FakeAllocator:
     """A torch device module's allocator statistics over a counter (``torch.cuda``'s functions, by name)."""
 
-    def __init__(self, held=1000, free=8000, total=16000, reserved=1500):
+    def __init__(self, held=1000, free=8000, total=16000, reserved=1500, initialized=True):
         self.allocated = self.peak = held
         self.free, self.total, self.reserved = free, total, reserved
         self.emptied = 0
+        self.initialized = initialized
 
     def functions(self):
         return {
-            "is_available": lambda: True, "is_initialized": lambda: True, "device_count": lambda: 1,
-            "current_device": lambda: 0, "synchronize": lambda device=None: None,
+            "is_available": lambda: True, "is_initialized": lambda: self.initialized, "device_count": lambda: 1,
+            "current_device": lambda: 0, "synchronize": self.synchronize,
             "reset_peak_memory_stats": self.reset, "memory_allocated": lambda device=None: self.allocated,
             "max_memory_allocated": lambda device=None: self.peak, "memory_reserved": lambda device=None: self.reserved,
             "mem_get_info": lambda device=None: (self.free, self.total), "empty_cache": self.empty,
@@ -48,7 +49,12 @@ class _FakeAllocator:
             monkeypatch.setattr(module, name, fn, raising=False)
         return self
 
+    def synchronize(self, device=None):
+        self.initialized = True  # as torch.cuda's calls set the allocator up on first use
+
     def reset(self, device=None):
+        if not self.initialized:  # what torch.cuda.reset_peak_memory_stats raises before any CUDA call
+            raise RuntimeError("Invalid device argument 0: did you call init?")
         self.peak = self.allocated
 
     def empty(self):
@@ -86,6 +92,35 @@ def test_allocator_backends_answer_through_torchs_statistics(monkeypatch, kind):
             pass
 
 
+def test_a_tracker_inside_another_leaves_the_outer_blocks_peak_whole(monkeypatch):
+    # One peak statistic per device, cleared by every reset: the inner block (a measured run inside a measured
+    # job) must not wipe what the outer block held before it, nor hide its own peak from the outer one.
+    fake = _FakeAllocator(held=1000).install(monkeypatch, torch.cuda)
+    with track_peak_memory("cuda") as outer:
+        fake.alloc(700)
+        fake.release(700)  # the outer block's peak so far: 700, gone before the inner block starts
+        with track_peak_memory("cuda") as inner:
+            fake.alloc(200)
+            inner.mark()
+            fake.alloc(100)
+            fake.release(300)
+        fake.alloc(50)
+        outer.mark()
+        with track_peak_memory("cuda"):
+            fake.alloc(900)
+            fake.release(900)
+        fake.release(50)
+    assert inner.segment_peaks == [200, 300] and inner.peak_bytes == 300
+    assert outer.segment_peaks == [700, 950] and outer.peak_bytes == 950
+
+
+def test_the_first_peak_reset_of_a_process_sets_the_allocator_up_first(monkeypatch):
+    # torch.cuda.reset_peak_memory_stats raises before any other CUDA call of the process; bionemo's API resets first
+    fake = _FakeAllocator(held=0, initialized=False).install(monkeypatch, torch.cuda)
+    features, peaks = collect_cuda_peak_alloc([3], lambda n: fake.alloc(n * 512) or n, torch.device("cuda"))
+    assert features == [3] and peaks == [1536]
+
+
 def test_a_missing_accelerator_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"device should be an available device \(torch.xpu.is_available\(\) is "
@@ -121,7 +156,9 @@ def test_without_an_accelerator_the_cpu_is_the_device(monkeypatch):
 @pytest.mark.parametrize("message", ["CUDA out of memory. Tried to allocate 2.00 GiB", "HIP out of memory.",
                                      "XPU out of memory, please use `empty_cache`",
                                      "MPS backend out of memory (MPS allocated: 1 GB)",
-                                     "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes"])
+                                     "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes",
+                                     "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
+                                     "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"])
 def test_every_backends_out_of_memory_error_is_recognised(message):
     assert is_out_of_memory_error(RuntimeError(message)) and is_out_of_memory_error(torch.OutOfMemoryError(message))
     assert not is_out_of_memory_error(RuntimeError("shape mismatch")) and not is_out_of_memory_error(ValueError(message))
