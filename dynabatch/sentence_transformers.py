@@ -292,7 +292,7 @@ def encode(
         return type(model).encode(model, inputs, batch_size=batch_size, output_value=output_value,
                                   convert_to_numpy=convert_to_numpy, convert_to_tensor=convert_to_tensor)
     devices = [torch.device(d) for d in device] if isinstance(device, (list, tuple)) else None
-    target = model._resolve_inference_device(devices[0] if devices else device)  # moves the model, as encode does
+    target = _inference_device(model, devices[0] if devices else device)  # moves the model, as encode does
     model.eval()
     truncate_dim = truncate_dim if truncate_dim is not None else model.truncate_dim
     progress = _show_progress(show_progress_bar)
@@ -313,6 +313,21 @@ def encode(
         else:
             embeddings = list(torch.from_numpy(embeddings) if isinstance(embeddings, np.ndarray) else embeddings)
     return embeddings[0] if singular else embeddings
+
+
+def _inference_device(model: Any, device: Any) -> torch.device:
+    """The device ``model.encode`` would run on, the model moved there as ``encode`` moves it.
+
+    sentence-transformers 6.2 resolves it in the private ``_resolve_inference_device`` (which also
+    leaves a model placed by a device map or accelerate hooks where it is); before it, ``encode``
+    moved the model to ``device`` (``None``: where it is).
+    """
+    resolve = getattr(model, "_resolve_inference_device", None)
+    if callable(resolve):
+        return resolve(device)
+    if device is not None:
+        model.to(device)
+    return model.device
 
 
 def _on(row: Any, device: torch.device) -> Any:
