@@ -158,3 +158,49 @@ def test_decoder_only_generation_with_left_padding_equals_generating_each_text_a
             inputs = _alone(left, text, return_token_type_ids=False)
             alone = llama.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
             assert continuations[p].tolist() == alone[0, inputs["input_ids"].shape[1] :].tolist(), f"text {p}: {text!r}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_that_runs_out_of_memory_every_row_equals_the_run_with_memory_to_spare():
+    # A real encoder on CUDA whose call also takes scratch memory in proportion to its padded cells; the process is
+    # capped (set_per_process_memory_fraction) so that the first batches run out of CUDA memory for real. run splits
+    # them, learns the limit, and every row equals the uncapped run's, in input order. Repository assets only: the
+    # GPU machine has no PyPI demo assets.
+    import gzip
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from dynabatch import run
+
+    assets = Path(__file__).resolve().parents[1] / "benchmarks" / "assets"
+    tokenizer = AutoTokenizer.from_pretrained(assets / "kjv-wordpiece")
+    with gzip.open(assets / "kjv.txt.gz", "rt", encoding="utf-8") as f:
+        texts = [next(f).strip() for _ in range(80)]
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                 intermediate_size=128, max_position_embeddings=128)).cuda().eval()
+    scratch_per_cell = 2**19  # 512 KiB a padded cell: 16 rows x 64 tokens take 512 MiB
+
+    def fn(batch):
+        scratch = torch.empty(batch["input_ids"].numel() * scratch_per_cell, dtype=torch.uint8, device="cuda")
+        del scratch
+        return model(**batch).last_hidden_state[:, 0]
+
+    def embed():
+        loader = build_dynamic_batch_dataloader(texts, tokenizer, 16, 64, num_workers=0, progress=False)
+        with torch.inference_mode():
+            return run(fn, loader, device="cuda", progress=False)
+
+    spare = embed()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 2**28) / total)  # 256 MiB to spare
+    try:
+        capped = embed()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert capped.report.oom_events > 0 and len(capped) == len(spare) == len(texts)
+    for a, b in zip(capped, spare):
+        assert torch.allclose(a, b, atol=1e-4)

@@ -168,12 +168,22 @@ def test_batch_pin_memory_delegates_and_keeps_attributes(tokens, texts, monkeypa
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
-def test_dataloader_pin_memory_keeps_attributes(tokens, texts):
-    collate = TokenCollator(tokens, pad_token_id=0, texts=texts)
-    loader = torch.utils.data.DataLoader(range(len(tokens)), batch_sampler=[POSITIONS], collate_fn=collate, pin_memory=True)
+def test_dataloader_pin_memory_keeps_attributes():
+    # The tokenizer that travels with the repository: the GPU machine has no PyPI demo assets.
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(__file__).resolve().parents[2] / "benchmarks" / "assets" / "kjv-wordpiece")
+    texts = ["In the beginning God created the heaven and the earth.", "And God said, Let there be light.", "",
+             "And the evening and the morning were the first day."]
+    collate = TokenCollator(tokenize_texts(texts, tokenizer, MAX_LEN), pad_token_id=tokenizer.pad_token_id, texts=texts)
+    loader = torch.utils.data.DataLoader(range(len(texts)), batch_sampler=[[3, 0, 2]], collate_fn=collate, pin_memory=True)
     (batch,) = list(loader)
-    assert batch["input_ids"].is_pinned()
-    assert batch.indices.tolist() == POSITIONS and batch.texts == [texts[i] for i in POSITIONS]
+    assert batch["input_ids"].is_pinned() and batch["attention_mask"].is_pinned()
+    assert batch.indices.tolist() == [3, 0, 2] and batch.texts == [texts[3], texts[0], texts[2]]
+    on_gpu = batch.to("cuda", non_blocking=True)  # what run does with a pinned batch
+    assert on_gpu["input_ids"].device.type == "cuda" and torch.equal(on_gpu["input_ids"].cpu(), batch["input_ids"])
 
 
 def test_batch_copies_and_pickles_with_attributes(tokens, texts):

@@ -87,3 +87,27 @@ def test_call_guarded_returns_the_cpu_allocators_error_and_propagates_others():
     ok = call_guarded(lambda n: torch.zeros(n).sum(), 4, prepare=lambda n: n * 2, finish=float,
                       cleanup=lambda: cleaned.append(1))
     assert ok.output == 0.0 and ok.error is None and cleaned == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_real_cuda_out_of_memory_error_is_returned_with_its_memory_freed():
+    mib = 2**20
+
+    def work(n_bytes):
+        first = torch.empty(n_bytes // 2, dtype=torch.uint8, device="cuda")
+        second = torch.empty(n_bytes // 2, dtype=torch.uint8, device="cuda")  # over the cap: `first` is still held
+        return int(first[:1].sum() + second[:1].sum()) >= 0
+
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_allocated()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 256 * mib) / total)
+    try:
+        failed = call_guarded(work, 384 * mib, measure_on="cuda")
+        assert isinstance(failed.error, torch.OutOfMemoryError) and failed.output is None
+        assert torch.cuda.memory_allocated() == held  # the failed call's tensors went with its traceback
+        ran = call_guarded(work, 128 * mib, measure_on="cuda")  # the halves' size fits at once
+        assert ran.error is None and ran.output is True and 128 * mib <= ran.peak_bytes <= 129 * mib
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
