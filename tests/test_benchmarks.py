@@ -196,11 +196,31 @@ def test_default_overhead_benchmark_times_the_defaults_against_the_plan():
 
 def test_embeddings_benchmark_prints_model_encode_and_dynabatch_side_by_side():
     result = _run_script("embeddings.py", "--n", "24", "--repeats", "1", "--threads", "1", timeout=180)
-    assert "## all-MiniLM-L6-v2 on 24 held-out texts" in result.stdout
+    assert "## all-MiniLM-L6-v2 on 24 held-out texts (1-300 words), batch_size=32, cpu, 1 threads" in result.stdout
     assert re.search(r"^\| model\.encode \| [\d.]+ \| [\d,]+ \| 1\.00x \| 0\.0e\+00 \|$", result.stdout, re.MULTILINE)
     ours = re.search(r"^\| dynabatch encode \| [\d.]+ \| [\d,]+ \| [\d.]+x \| ([\d.e+-]+) \|$", result.stdout,
                      re.MULTILINE)
     assert ours and float(ours.group(1)) < 1e-5, result.stdout  # the same vectors
+    assert "Same vectors (max abs diff <= 0.0001): ok" in result.stdout
+
+
+def test_generation_benchmark_prints_every_engine_against_generating_alone(tmp_path):
+    # The tiny configuration of benchmarks/gpu.sh --rehearse; on the GPU the same script runs at full size in bf16.
+    out = tmp_path / "generation.md"
+    args = ["--device", "cpu", "--n-prompts", "12", "--max-words", "40", "--max-new-tokens", "12", "--hidden", "64",
+            "--layers", "2", "--check", "6", "--threads", "1", "--output", str(out)]
+    result = _run_script("generation.py", *args, timeout=180)
+    table = result.stdout
+    assert out.read_text() == table
+    assert re.search(r"replies of \d+-12 tokens \(quartiles \d+/\d+/\d+\), \d+ of 12 ran to the limit", table), table
+    lengths = re.search(r"replies of (\d+)-(\d+) tokens", table)
+    assert int(lengths.group(1)) < int(lengths.group(2))  # the scaled EOS row ends replies at varied lengths
+    for engine in ("dynabatch.generate", "fixed batches of 16, input order", "fixed batches of 16, longest first"):
+        assert re.search(rf"^\| {re.escape(engine)} \| [\d.]+ \| [\d,.]+ \| [\d,]+ \| - \| 6/6 \|$", table,
+                         re.MULTILINE), (engine, table)  # greedy float32 replies equal generating each prompt alone
+    assert re.search(r"^\| generate_batch, cache sized to the prompts \| [\d.]+ \| [\d,.]+ \| [\d,]+ \| - \| \d/6 \|$",
+                     table, re.MULTILINE), table
+    assert "Verdict: ok" in table
 
 
 def test_overlap_benchmark_prints_each_setting_against_device_and_host_time():
@@ -226,24 +246,54 @@ def test_gpu_sh_dry_run_says_what_it_would_run_and_runs_nothing(tmp_path):
                             text=True, cwd=tmp_path, timeout=60)
     assert result.returncode == 0, result.stderr
     planned = re.findall(r"^run   (\S+) +\(at most +(\d+)s\): (.*)$", result.stdout, re.MULTILINE)
-    assert [name for name, _, _ in planned] == ["install", "preflight", "gpu-tests", "inference", "memory-model",
-                                               "train-step", "overlap"]
+    assert [name for name, _, _ in planned] == ["install", "preflight", "gpu-tests", "inference", "generation",
+                                               "embeddings", "memory-model", "train-step", "overlap"]
     commands = {name: command for name, _, command in planned}
-    assert commands["install"].endswith("-m pip install --no-deps --no-build-isolation -e .")
+    assert commands["install"].endswith("-m pip install --no-deps --no-build-isolation --no-input "
+                                        "--disable-pip-version-check -e .")
+    assert "assert torch.cuda.is_available()" in commands["preflight"]
     gpu_tests = commands["gpu-tests"]
-    assert "-m pytest -q -m gpu " in gpu_tests and "tests/memory/test_measure.py" in gpu_tests.split()
-    for name, script in (("inference", "inference"), ("memory-model", "memory_model"), ("train-step", "train_step"),
-                         ("overlap", "overlap")):
+    assert "-m pytest -q -rfEs -p no:cacheprovider -m gpu " in gpu_tests
+    assert {"tests/memory/test_measure.py", "tests/memory/test_device.py", "tests/data/test_collate.py"} <= set(gpu_tests.split())
+    for name, script in (("inference", "inference"), ("generation", "generation"), ("embeddings", "embeddings"),
+                         ("memory-model", "memory_model"), ("train-step", "train_step"), ("overlap", "overlap")):
         assert f"benchmarks/{script}.py --device cuda" in commands[name]
-        assert f"--output {out}/{script}.md" in commands[name]
-    assert sum(int(limit) for _, limit, _ in planned) <= 12 * 60  # about ten minutes, even if every step hangs
+        assert f"--output <work>/{script}.md" in commands[name]  # a table in a work folder, gathered in summary.md
+    assert "a budget of 420 s" in result.stdout  # the run never outlasts it, whatever each step's limit
+    assert f"then: {out}/summary.md (every step and table) and {out}/logs.txt (every step's output)" in result.stdout
     assert "nvidia-smi --query-gpu=name" in result.stdout and "DYNABATCH_BENCH_ASSETS=repo" in result.stdout
     assert not out.exists()  # nothing ran
-    skipped = subprocess.run(["bash", str(GPU_SH), "--dry-run", "--no-install"], check=False, capture_output=True,
-                             text=True, timeout=60)
+    skipped = subprocess.run(["bash", str(GPU_SH), "--dry-run", "--no-install", "--rehearse", "--budget", "600"],
+                             check=False, capture_output=True, text=True, timeout=60)
     assert "skip  install (--no-install)" in skipped.stdout and "run   install" not in skipped.stdout
+    assert "a budget of 600 s" in skipped.stdout and "--device cuda" not in skipped.stdout  # rehearsed on the CPU
     bad = subprocess.run(["bash", str(GPU_SH), "--bogus"], check=False, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown option --bogus" in bad.stderr
+    bad = subprocess.run(["bash", str(GPU_SH), "--budget", "soon"], check=False, capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--budget should be a whole number of seconds, but got --budget=soon" in bad.stderr
+
+
+def test_gpu_sh_leaves_two_files_and_goes_on_past_a_failed_step(tmp_path):
+    # The device tool brings back at most 8 files: the run leaves summary.md and logs.txt, whatever failed. Here
+    # the preflight passes on the CPU (--rehearse) and every later step fails at once: python is a stand-in that
+    # runs the preflight's -c and exits 3 on anything else.
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then exec {sys.executable} "$@"; fi\necho "cannot run $*"; exit 3\n')
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    result = subprocess.run(["bash", str(GPU_SH), "--no-install", "--rehearse", "--out", str(out)], check=False,
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHON": str(fake)})
+    assert result.returncode == 1, result.stderr
+    assert sorted(p.name for p in out.rglob("*")) == ["logs.txt", "summary.md"]
+    summary = (out / "summary.md").read_text()
+    assert summary == result.stdout
+    assert "| install | skipped (--no-install) | 0 | |" in summary
+    assert re.search(r"^\| preflight \| ok \| \d+ \| rehearsal on the CPU \|$", summary, re.MULTILINE)
+    for name in ("gpu-tests", "inference", "generation", "embeddings", "memory-model", "train-step", "overlap"):
+        assert re.search(rf"^\| {name} \| FAILED \(exit 3\) \| \d+ \| ", summary, re.MULTILINE), (name, summary)
+    logs = (out / "logs.txt").read_text()
+    assert logs.count("\n===== ") == 8 and "cannot run benchmarks/overlap.py --device cpu --n-texts 300" in logs
 
 
 def test_the_repositorys_assets_are_the_kjv_and_a_tokenizer_trained_on_it():
