@@ -179,7 +179,7 @@ def test_on_a_gpu_that_runs_out_of_memory_every_row_equals_the_run_with_memory_t
     with gzip.open(assets / "kjv.txt.gz", "rt", encoding="utf-8") as f:
         texts = [next(f).strip() for _ in range(80)]
     torch.manual_seed(0)
-    model = BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+    model = BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=96, num_hidden_layers=2, num_attention_heads=2,
                                  intermediate_size=128, max_position_embeddings=128)).cuda().eval()
     scratch_per_cell = 2**19  # 512 KiB a padded cell: 16 rows x 64 tokens take 512 MiB
 
