@@ -85,7 +85,7 @@ STEPS=(
     "preflight|40|$PY -c \"import torch, dynabatch; print(dynabatch.__file__, torch.__version__, torch.version.cuda); $(sized "assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" "print('rehearsal on the CPU')")\""
     "gpu-tests|90|$PY -m pytest -q -rfEs -p no:cacheprovider -m gpu $GPU_TEST_FILES"
     "inference|80|$PY benchmarks/inference.py --device $DEVICE $(sized '--threads 4' '--threads 1 --n-texts 24 --methods plain,sorted,dynabatch') --output $WORK/inference.md"
-    "generation|80|$PY benchmarks/generation.py --device $DEVICE $(sized '--n-prompts 192 --check 12' '--n-prompts 12 --max-words 40 --max-new-tokens 12 --hidden 64 --layers 2 --check 6 --threads 1') --output $WORK/generation.md"
+    "generation|100|$PY benchmarks/generation.py --device $DEVICE $(sized '--n-prompts 192 --check 12' '--n-prompts 12 --max-words 40 --max-new-tokens 12 --hidden 64 --layers 2 --check 6 --threads 1') --output $WORK/generation.md"
     "embeddings|50|$PY benchmarks/embeddings.py --device $DEVICE $(sized '--n 5000 --repeats 2' '--n 24 --repeats 1 --threads 1') --output $WORK/embeddings.md"
     "memory-model|90|$PY benchmarks/memory_model.py --device $DEVICE $(sized '--threads 4' '--workloads mistral --n-texts 40 --new-tokens 4 --max-length 64') --output $WORK/memory_model.md"
     "train-step|45|$PY benchmarks/train_step.py --device $DEVICE $(sized '' '--steps 3 --hidden 32 --layers 1 --capacity 128 --n-texts 200 --threads 1') --output $WORK/train_step.md"
