@@ -213,11 +213,14 @@ class Executor:
             self._finish(item, record, done, start)
         return done.measured
 
-    def join_step(self) -> None:
+    def join_step(self, item: Item) -> None:
         """In lockstep: takes part in the rounds of a step whose rows this rank already has (a resumed run)."""
-        if self.lockstep:
-            while self._round(False):
-                self._call_stand_in()
+        if not self.lockstep:
+            return
+        if self._stand_in is None:  # nothing run yet: the step's first row is what a stand-in call repeats
+            self._stand_in = self.build(self.queue.restrict(item, np.array([0])))
+        while self._round(False):
+            self._call_stand_in()
 
     def _round(self, have_work: bool) -> bool:
         """Whether a round is to run: this rank has work, or (lockstep) any rank has."""
@@ -227,8 +230,6 @@ class Executor:
         return anyone > 0
 
     def _call_stand_in(self) -> None:
-        if self._stand_in is None:
-            return  # this rank has run nothing yet (every row of its first step was stored): nothing to repeat
         attempt = call_guarded(self.fn, self._stand_in, prepare=self._prepare)
         if attempt.error is not None:
             logger.warning("a stand-in call (one row, to keep the ranks in step) ran out of memory: %s",
@@ -367,7 +368,7 @@ class Prefetcher:
         while (item := self.queue.next_item(self.executor.lane)) is not None:
             todo = self.queue.without_stored(item)
             if todo is None:
-                self.executor.join_step()
+                self.executor.join_step(item)
                 continue
             batch = self._take(todo.positions) if todo.batch is None else None
             if self._pool is not None:
