@@ -226,6 +226,8 @@ class RowSplitter:
         tree like the row, ``True`` at a per-token or generated field and at a tensor given one per row (its shape
         is its own), ``False`` at a field sliced from a batch-first tensor. A results store types its columns by
         it, whatever the lengths of the first rows it sees (the longest texts, often all cut to one length)."""
+        if not any(key == name or key.startswith(name + "[") for key in self.kinds):
+            return True  # an item given one per row (PerRow, a list): its shape is its own
         if isinstance(row, Mapping):
             return {key: self.ragged(value, f"{name}[{key!r}]") for key, value in row.items()}
         if isinstance(row, (list, tuple)) and not isinstance(row, PerRow):
