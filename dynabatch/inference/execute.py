@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from dynabatch.data.collate import Batch, batch_shape, real_tokens
 from dynabatch.data.collate import split_rows as split_batch
@@ -174,9 +175,11 @@ class Executor:
         self._tokens = 0
 
     def build(self, item: Item) -> Batch:
-        """The item's tensors (built here, or as they came), in pinned memory when the device copies from it."""
+        """The item's tensors (built here, or as they came), in pinned memory when the device copies from it (a
+        batch that came already on a device stays there)."""
         batch = self.queue.build(item)
-        return batch.pin_memory() if self.pinned else batch
+        on_cpu = all(t.device.type == "cpu" for t in batch.values() if isinstance(t, torch.Tensor))
+        return batch.pin_memory() if self.pinned and on_cpu else batch
 
     def run_item(self, item: Item, batch: Batch | None = None) -> list[tuple[int, int, int]]:
         """Runs ``item`` (``batch``: its tensors, built ahead) split as needed; returns ``(rows, width, peak)`` of
