@@ -11,12 +11,12 @@ round rotates their order), under ``torch.inference_mode()``:
 1. **defaults**: ``run(fn, loader, progress=False)``: measured mode, the plan
    as the prior; on the CPU the storage tracker measures only the calls that
    can let later batches grow (see ``dynabatch.memory.feedback``);
-2. **plan, unmeasured**: ``run(fn, loader, adapt=False, measure_memory=False,
+2. **plan, unmeasured**: ``run(fn, loader, memory="off",
    progress=False)``: the classifier's plan as it is, nothing measured
    (what the defaults were before, and what ``for batch in loader`` runs);
 3. **defaults' batches, unmeasured**: the very calls the defaults made in the
    first round, built by the loader's collator and run by ``run(fn, batches,
-   adapt=False, measure_memory=False)``: the defaults without the measuring.
+   memory="off")``: the defaults without the measuring.
 
 *overhead vs plan* = defaults / plan - 1: the whole cost of the safe default
 on that workload (measuring, and batches re-sized, smaller after a spike and
@@ -97,7 +97,7 @@ def bench(name: str, args: argparse.Namespace, tokenizer: Any) -> str:
         calls.append(batch.indices.numpy().copy())
         return fn(batch)
 
-    timed(fn, [collator(np.asarray(loader.plan.sampler.batches[-1]))], adapt=False, measure_memory=False)  # warm-up
+    timed(fn, [collator(np.asarray(loader.plan.sampler.batches[-1]))], memory="off")  # warm-up
     _, first = timed(recorded, loader)  # the defaults' calls, run once before the timed rounds
     times: dict[str, list[tuple[float, float]]] = {way: [] for way in WAYS}
     results: dict[str, Any] = {}
@@ -107,9 +107,9 @@ def bench(name: str, args: argparse.Namespace, tokenizer: Any) -> str:
             if way == "defaults":
                 seconds, result = timed(fn, loader)
             elif way == "plan, unmeasured":
-                seconds, result = timed(fn, loader, adapt=False, measure_memory=False)
+                seconds, result = timed(fn, loader, memory="off")
             else:
-                seconds, result = timed(fn, (collator(p) for p in calls), adapt=False, measure_memory=False)
+                seconds, result = timed(fn, (collator(p) for p in calls), memory="off")
             times[way].append(seconds)
             results.setdefault(way, result)
             print(f"{name} round {round_ + 1}: {way}: {seconds[0]:.2f} s wall, {seconds[1]:.2f} s CPU", file=sys.stderr,

@@ -20,15 +20,15 @@ Methods (``--methods``, default all):
    batch_size, max_length, num_workers=0)`` run by ``dynabatch.run`` with its
    defaults (measured mode: the sizes of batches not yet run follow the
    measured peaks), the README's first path;
-5. ``dynabatch-plan``: the same loader run with ``adapt=False``: the bundled
+5. ``dynabatch-plan``: the same loader run with ``memory="record"``: the bundled
    classifier's plan exactly as built;
 6. ``dynabatch-shape``: the plan of 5 with ``model_shape=ModelShape.from_model(
-   model, max_new_tokens=N)`` (N = 0 for the encoder), ``adapt=False``.
+   model, max_new_tokens=N)`` (N = 0 for the encoder), ``memory="record"``.
 
-Every method goes through ``dynabatch.run(fn, batches, measure_memory=<device>,
+Every method goes through ``dynabatch.run(fn, batches, device=<device>,
 progress=False)`` under ``torch.inference_mode()``, so the same code times it,
 measures each batch's peak memory and extracts its rows; every method but 4
-passes ``adapt=False``, so its batches run exactly as built. Methods 1-3 are
+passes ``memory="record"``, so its batches run exactly as built. Methods 1-3 are
 DataLoaders whose ``collate_fn`` tokenizes each batch when it is drawn and
 returns a ``dynabatch.Batch`` with the rows' input positions: tokenization is
 part of their time, as it is for users. The wall time of 4-6 includes
@@ -151,8 +151,8 @@ METHODS: dict[str, str] = {
     "sorted": "sorted, fixed batch size",
     "token-budget": "token budget",
     "dynabatch": "dynabatch",
-    "dynabatch-plan": "dynabatch plan, adapt=False",
-    "dynabatch-shape": "dynabatch plan + model shape, adapt=False",
+    "dynabatch-plan": "dynabatch plan, memory='record'",
+    "dynabatch-shape": "dynabatch plan + model shape, memory='record'",
 }
 BASELINES = ("plain", "sorted", "token-budget")
 DYNABATCH_METHODS = ("dynabatch", "dynabatch-plan", "dynabatch-shape")
@@ -161,7 +161,7 @@ TITLE = "# dynabatch inference benchmark"
 EXPLANATION = """\
 Produced by `benchmarks/inference.py` (its docstring has the details). In one process, on the same real
 model and texts (King James Bible passages cut to 1-300 words), every method runs through
-`dynabatch.run(fn, batches, measure_memory=<device>)` under `torch.inference_mode()`, with `adapt=False` (batches
+`dynabatch.run(fn, batches, device=<device>)` under `torch.inference_mode()`, with `memory="record"` (batches
 run exactly as built) for every method but 4:
 
 1. **plain DataLoader**: texts in input order, fixed `batch_size`, the tokenizer pads each batch in `collate_fn`;
@@ -170,8 +170,8 @@ run exactly as built) for every method but 4:
    cells (fairseq `max_tokens`, lhotse);
 4. **dynabatch**: `build_dynamic_batch_dataloader(texts, tokenizer, batch_size, max_length, num_workers=0)` run
    with `run`'s defaults (measured mode: batch sizes corrected by measured peaks), the README's first path;
-5. **dynabatch plan, adapt=False**: the same loader, its plan (the bundled classifier's) run exactly as built;
-6. **dynabatch plan + model shape, adapt=False**: the plan of 5 with
+5. **dynabatch plan, memory='record'**: the same loader, its plan (the bundled classifier's) run exactly as built;
+6. **dynabatch plan + model shape, memory='record'**: the plan of 5 with
    `model_shape=ModelShape.from_model(model, max_new_tokens=N)`.
 
 Wall times include tokenization (and, for dynabatch, tokenizing and planning all texts); the one-off load of
@@ -393,9 +393,9 @@ def run_method(method: str, texts: list[str], tokenizer: Any, work: Workload, de
         loader = dynabatch_loader(method, texts, tokenizer, work)
     # Everything but the README's first path runs its batches exactly as built (run's defaults would split a
     # baseline's batch that the measured peaks bound above the first batch's: guarded mode).
-    options = {} if method == "dynabatch" else {"adapt": False}
+    memory = "auto" if method == "dynabatch" else "record"
     with torch.inference_mode():
-        result = run(work.fn, loader, device=device, measure_memory=device, progress=False, **options)
+        result = run(work.fn, loader, device=device, memory=memory, progress=False)
     return MethodRun(method, time.perf_counter() - start, result)
 
 
@@ -411,7 +411,7 @@ def warm_up(texts: list[str], tokenizer: Any, work: Workload, device: str) -> No
     """One small measured call, so no method pays for first-call set-up."""
     loader = baseline_loader("plain", texts[:2], tokenizer, work)
     with torch.inference_mode():
-        run(work.fn, loader, device=device, measure_memory=device, progress=False)
+        run(work.fn, loader, device=device, memory="record", progress=False)
 
 
 @dataclass(frozen=True)
@@ -436,7 +436,7 @@ def reference_batch(runs: dict[str, MethodRun], texts: list[str], tokenizer: Any
     else:
         first = next(iter(dynabatch_loader("dynabatch", texts, tokenizer, work)))
         with torch.inference_mode():
-            report = run(work.fn, [first], device=device, measure_memory=device, progress=False).report
+            report = run(work.fn, [first], device=device, memory="record", progress=False).report
     record = report.records[0]
     return Reference(report.budget_bytes, record.rows, record.width, record.real_tokens)
 

@@ -5,7 +5,7 @@ The one mechanism behind reading a plain iterable's batches ahead of the device
 (:class:`~dynabatch.data.streaming.ChunkFeed`): a daemon thread pulls the
 iterable into a bounded queue, an error it meets is raised in the consumer's
 thread at its next :meth:`Ahead.next`, and :meth:`Ahead.close` stops it even
-while it waits for room.
+while it waits for room, and joins it.
 
 Example:
     >>> from dynabatch._background import Ahead
@@ -81,6 +81,9 @@ class Ahead:
         return None if got is _END else got
 
     def close(self) -> None:
-        """Stops pulling after the item in progress."""
+        """Stops pulling after the item in progress, and waits for the thread to end (so that no thread of the
+        library outlives the run that started it)."""
         self._stop.set()
         self._done = True
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
+            self._thread.join()

@@ -224,8 +224,8 @@ def _run_rows(model: Any, inputs: list[str], prompt: str | None, batch_size: int
 
         return rows_on
 
-    return run(make_rows, loader, devices=devices, progress=progress, token_outputs=_READINGS[output_value],
-               **run_options)
+    return run(loader=loader, make_fn=make_rows, devices=devices, progress=progress,
+               token_outputs=_READINGS[output_value], **run_options)
 
 
 def encode(
@@ -246,6 +246,7 @@ def encode(
     chunk_size: int | None = None,
     *,
     on_oom: str = "raise",
+    memory: str = "auto",
     measure_memory: Any = None,
     adapt: bool | None = None,
     **kwargs: Any,
@@ -262,7 +263,8 @@ def encode(
         device: one device (the model is moved there, as ``encode`` does); ``None``: the model's; a list:
             every device at once (the model moved to the first, a copy on each other accelerator).
         pool, chunk_size: ``pool`` must be ``None`` (one device); ``chunk_size`` is not used.
-        on_oom, measure_memory, adapt: :func:`dynabatch.run`'s.
+        on_oom, memory: :func:`dynabatch.run`'s.
+        measure_memory, adapt: deprecated spellings of ``memory`` (passed to :func:`dynabatch.run`, which warns).
         **kwargs: the model's own keywords (``task``, ``processing_kwargs``), passed to
             its ``preprocess`` and forward as ``encode`` passes them.
 
@@ -298,7 +300,8 @@ def encode(
     progress = _show_progress(show_progress_bar)
     rows = _run_rows(model, inputs, _resolve_prompt(model, prompt, prompt_name), batch_size, output_value,
                      normalize_embeddings, truncate_dim, target,
-                     progress, {"on_oom": on_oom, "measure_memory": measure_memory, "adapt": adapt}, kwargs, devices)
+                     progress, {"on_oom": on_oom, "memory": memory, **{name: value for name, value in (
+                         ("measure_memory", measure_memory), ("adapt", adapt)) if value is not None}}, kwargs, devices)
     if output_value != "sentence_embedding":
         embeddings: Any = [_on(row, target) for row in rows]
     else:
@@ -385,7 +388,7 @@ def make_dynamic(model: Any, **options: Any) -> Any:
 
     Args:
         model: a ``sentence_transformers.SentenceTransformer``.
-        **options: :func:`dynabatch.run` options for every call (``on_oom``, ``measure_memory``, ``adapt``).
+        **options: :func:`dynabatch.run` options for every call (``on_oom``, ``memory``).
 
     Example:
         >>> from sentence_transformers import SentenceTransformer
@@ -395,9 +398,8 @@ def make_dynamic(model: Any, **options: Any) -> Any:
         >>> model.encode(["In the beginning", "And God said"]).shape
         (2, 384)
     """
-    unknown = sorted(set(options) - {"on_oom", "measure_memory", "adapt"})
+    unknown = sorted(set(options) - {"on_oom", "memory", "measure_memory", "adapt"})
     if unknown:
-        raise TypeError(f"make_dynamic() got unexpected keyword arguments {unknown}: it takes on_oom, "
-                        "measure_memory and adapt")
+        raise TypeError(f"make_dynamic() got unexpected keyword arguments {unknown}: it takes on_oom and memory")
     model.encode = _DynamicEncode(model, options)
     return model

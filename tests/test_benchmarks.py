@@ -9,8 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "inference.py"
-METHODS = ["plain DataLoader", "sorted, fixed batch size", "token budget", "dynabatch", "dynabatch plan, adapt=False",
-           "dynabatch plan + model shape, adapt=False"]
+METHODS = ["plain DataLoader", "sorted, fixed batch size", "token budget", "dynabatch", "dynabatch plan, memory='record'",
+           "dynabatch plan + model shape, memory='record'"]
 KEPT = "## encoder (all-MiniLM-L6-v2 forward, max_length 256) on cuda\n\nkept from another machine\n"
 
 

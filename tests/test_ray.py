@@ -463,8 +463,8 @@ class Counting(Embed):
     ({"on_oom": "ignore"}, ValueError, "on_oom should be one of \\('raise', 'skip'\\), but got on_oom='ignore'"),
     ({"on_oom": "skip", "error_column": "output"}, ValueError,
      "error_column should be another column than text_column and output_column, but got error_column='output'"),
-    ({"measure_memory": False}, ValueError, "measure_memory should be True, None or a device while learn_memory=True"),
-    ({"adapt": "yes"}, TypeError, "adapt should be None \\(auto\\), True or False, but got adapt='yes'"),
+    ({"memory": "off"}, ValueError, "memory should be a mode that measures while learn_memory=True"),
+    ({"memory": True}, TypeError, "memory should be one of \\('auto', 'measured', 'guarded', 'record', 'off'\\), but got memory=True"),
     ({"calibrate": True, "memory_model": "m.json"}, ValueError, "memory_model should be None with calibrate=True"),
     ({"memory_model": 3}, TypeError, "memory_model should be None, a MemoryModel, or the path of a saved one"),
     ({"loader_kwargs": {"max_memory": "1GB"}}, ValueError, ("loader_kwargs should be a dict without the "

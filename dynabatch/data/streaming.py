@@ -188,6 +188,16 @@ class TokenStream:
                                                    dtype=np.int32, count=total)
         return TokenizedTexts(ids, offsets, extras)
 
+    def input_hashes(self, positions: Any) -> np.ndarray:
+        """TEMPORARY (the data branch replaces it): the input hashes of the rows at ``positions``."""
+        from dynabatch.data.input_hashes import token_store_hashes
+
+        with self._tokenizing:
+            return token_store_hashes(self._encode(self.source.take(np.asarray(positions, dtype=np.int64))))
+
+    def consumed(self, positions: Any) -> None:
+        """TEMPORARY (the data branch replaces it): rows finished."""
+
     def feed(self, claims: Iterator[int], *, ahead: int | None = None) -> ChunkFeed:
         """Tokenizes the chunks ``claims`` names, in that order, in a background thread (see :class:`ChunkFeed`)."""
         return ChunkFeed(self, claims, ahead=ahead)

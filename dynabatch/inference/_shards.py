@@ -29,6 +29,8 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -160,7 +162,7 @@ class StoreWriter:
             per-token output when its first values come).
     """
 
-    def __init__(self, path: str, meta: dict, layout: Layout | None, ids: pa.Array | None, *, rank: int = 0,
+    def __init__(self, path: str, meta: dict, layout: Layout | None, ids: pa.Array | None, *, rank: int | str = 0,
                  name: str | None = None, positions: bool = True) -> None:
         self.path, self.meta, self._layout, self.ids = path, meta, layout, ids
         self._untyped = layout.untyped if layout is not None else set()  # columns untyped in the shards so far
@@ -190,8 +192,8 @@ class StoreWriter:
         fields += [pa.field("input_hash", pa.uint64()), *layout.fields()]
         return pa.schema(fields, metadata={META: json.dumps({**self.meta, "layout": layout.to_json()})})
 
-    def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray, real_lengths: np.ndarray | None = None
-              ) -> None:
+    def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray, real_lengths: np.ndarray | None = None,
+              ragged: Any = None) -> None:
         """Adds finished rows (``rows[i]`` for input ``positions[i]``); commits a shard when the buffer is full.
 
         Raises:
@@ -264,8 +266,10 @@ class StoreWriter:
         self._submit()
         self._wait()
 
-    def close(self) -> None:
-        """Commits what is buffered, waits for it, and stops the background thread."""
+    def close(self, commit: bool = True) -> None:
+        """Commits what is buffered (``commit=False``: drops it), waits for it, and stops the background thread."""
+        if not commit:
+            self.buffer, self.rows, self.bytes, self.since = [], 0, 0, None
         try:
             self.flush()
         finally:

@@ -23,20 +23,18 @@ from dynabatch._digest import fingerprint
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.data.order import as_positions
 from dynabatch.inference.outputs import to_cpu
-from dynabatch.inference.results import RunResult
 from dynabatch.sampling.chunked_planner import ChunkedPlanner
 from dynabatch.sampling.ranks import resolve_world
 
-__all__ = ["CLAIM_CHUNK", "check_same_batches", "chunk_claims", "claimed_planner", "gather_results",
-           "gather_run_result", "world"]
+__all__ = ["CLAIM_CHUNK", "check_same_batches", "chunk_claims", "claimed_planner", "gather_results", "world"]
 
 logger = logging.getLogger(__name__)
 
 _FEW = 5  # how many offending positions an error message names
-_CLAIM_COUNTERS = itertools.count()  # one counter per run(lockstep=False) call, the same on every rank
+_CLAIM_COUNTERS = itertools.count()  # one counter per run(ranks='claim') call, the same on every rank
 
 CLAIM_CHUNK = 2048
-"""Texts per chunk ranks claim of a loader planned up front (``run(lockstep=False)``; a streaming loader's chunks
+"""Texts per chunk ranks claim of a loader planned up front (``run(ranks='claim')``; a streaming loader's chunks
 are its own)."""
 _POSITIONS_RULE = "a 1-D list, numpy array or tensor of int input positions"
 
@@ -217,32 +215,29 @@ def check_same_batches(batches: Sequence[np.ndarray]) -> None:
         )
 
 
-def gather_run_result(result: RunResult, mine: np.ndarray, n_inputs: int | None) -> RunResult:
-    """Collective: ``run``'s in-memory result of every rank on rank 0, in input order (``mine``: a bool per input
-    position, the rows this rank answers for); each other rank keeps its own rows."""
-    positions = np.flatnonzero(mine)
-    gathered = gather_results(positions, [result[p] for p in positions.tolist()], n_inputs)
-    failed = set(result.failed)
-    flags = gather_results(positions, [p in failed for p in positions.tolist()], n_inputs)
-    if gathered is None:  # not rank 0: only this rank's rows
-        return result
-    return RunResult(gathered, report=result.report, failed=[p for p, f in enumerate(flags) if f])
+def _default_store() -> Any:
+    """The default process group's key-value store (``TCPStore`` under ``torchrun``): torch exposes it only through
+    a private function, so this is the one place that calls it."""
+    from torch.distributed import distributed_c10d
+
+    get = getattr(distributed_c10d, "_get_default_store", None)
+    if get is None:
+        raise RuntimeError("run(ranks='claim') needs torch.distributed's default store, which this torch "
+                           f"{torch.__version__} does not expose: use ranks='lockstep'")
+    return get()
 
 
 def chunk_claims(n_chunks: int) -> Iterator[int]:
     """Collective in spirit (every rank calls it once per run): the chunk numbers this rank claims, in order, from one
     atomic counter in ``torch.distributed``'s own store. Each chunk goes to exactly one rank, whichever asks first, so
     a rank with shorter work claims more."""
-    from torch.distributed import distributed_c10d
-
-    store = torch.distributed.PrefixStore(f"dynabatch/claims/{next(_CLAIM_COUNTERS)}/",
-                                          distributed_c10d._get_default_store())
+    store = torch.distributed.PrefixStore(f"dynabatch/claims/{next(_CLAIM_COUNTERS)}/", _default_store())
     while (k := int(store.add("next", 1)) - 1) < n_chunks:
         yield k
 
 
 def claimed_planner(plan: Any) -> tuple[ChunkedPlanner, Any]:
-    """This rank's planner under ``run(lockstep=False)``: the chunks it claims, planned (and, for a streaming
+    """This rank's planner under ``run(ranks="claim")``: the chunks it claims, planned (and, for a streaming
     loader, tokenized) as they come; with the stream's feed to close, or ``None``."""
     planner = plan.planner
     stream = plan.stream

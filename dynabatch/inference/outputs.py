@@ -12,16 +12,22 @@ table; in short:
 * a list (or tuple) of as many items as rows, whose items are not batch-first
   tensors, is one item per row; :class:`PerRow` says so explicitly; a list of
   as many batch-first tensors as rows is ambiguous and refused;
-* a per-token tensor (dimension 1 equal to the batch's width) is cut to the
-  row's real tokens by its attention mask, whatever its dtype and pad id;
-* a generated sequence (a 2-D integer tensor wider than the batch, or one that
-  starts with the batch's ``input_ids``) loses the batch's padding and keeps
-  its tokens.
+* a tensor is cut to each row's real tokens (by its attention mask) only
+  where that reading is certain: three or more dimensions with dimension 1
+  equal to the batch's width (hidden states, logits); generated ids, a 2-D
+  integer tensor that starts with the batch's ``input_ids`` (a decoder-only
+  ``generate`` echoes its prompt), lose the batch's padding;
+* a 2-D tensor whose dimension 1 equals the batch's width is ambiguous (a
+  per-token value, or a pooled vector as wide as the batch) and refused at the
+  first batch, naming ``token_outputs``, which declares it: ``"per_token"``
+  (cut by the attention mask), ``"generated"`` (every 2-D integer tensor is
+  generated ids, as an encoder-decoder's replies), or ``"whole"`` (nothing is cut);
+* any other tensor gives each row its whole slice.
 
-``token_outputs`` overrides the last two rules. What each tensor field turned
-out to be at its first batch is kept for the whole run, so a later batch whose
-width happens to equal a pooled vector's size cannot change how its rows are
-cut; an output that contradicts its first batch's reading is refused.
+What each tensor field turned out to be at its first batch is kept for the
+whole run, so a later batch whose width happens to equal a pooled vector's
+size cannot change how its rows are cut; an output that contradicts its first
+batch's reading is refused.
 
 Example:
     >>> import torch
@@ -33,7 +39,7 @@ Example:
     >>> [row.tolist() for row in split_rows(generated, batch, pad_token_id=0)]
     [[7, 8, 5], [9, 6, 3]]
     >>> tags = torch.tensor([[0, 3, 0], [0, 0, 0]])  # per-token labels; label 0 equals the pad id
-    >>> [row.tolist() for row in split_rows(tags, batch, pad_token_id=0)]
+    >>> [row.tolist() for row in split_rows(tags, batch, pad_token_id=0, token_outputs="per_token")]
     [[3, 0], [0]]
 """
 
@@ -53,9 +59,10 @@ __all__ = ["TOKEN_OUTPUTS", "PerRow", "RowSplitter", "check_token_outputs", "spl
 logger = logging.getLogger(__name__)
 
 TOKEN_OUTPUTS = ("auto", "per_token", "generated", "whole")
-"""How ``run`` reads token-shaped tensors: ``"auto"`` (the rule), ``"per_token"`` (every tensor whose
-dimension 1 is the batch's width is cut by the attention mask, never read as generated), ``"generated"``
-(every 2-D integer tensor is generated ids: padding stripped), ``"whole"`` (nothing is cut)."""
+"""How ``run`` reads token-shaped tensors: ``"auto"`` (only certain readings; an ambiguous one refused),
+``"per_token"`` (every tensor whose dimension 1 is the batch's width is cut by the attention mask, never read as
+generated), ``"generated"`` (every 2-D integer tensor is generated ids: padding stripped), ``"whole"`` (nothing
+is cut)."""
 
 _PER_TOKEN, _GENERATED, _ROW = "per-token", "generated", "per-row"
 _HOW = ("return a tuple of batch-first tensors (one field per element), or dynabatch.PerRow(items) for one "
@@ -214,6 +221,20 @@ class RowSplitter:
             raise bad_value(name, "a value with one item per batch row", output)
         return rows
 
+    def ragged(self, row: Any, name: str = "fn(batch)") -> Any:
+        """Which tensors of ``row`` (a row :meth:`split` gave) vary in their first dimension from row to row: a
+        tree like the row, ``True`` at a per-token or generated field and at a tensor given one per row (its shape
+        is its own), ``False`` at a field sliced from a batch-first tensor. A results store types its columns by
+        it, whatever the lengths of the first rows it sees (the longest texts, often all cut to one length)."""
+        if not any(key == name or key.startswith(name + "[") for key in self.kinds):
+            return True  # an item given one per row (PerRow, a list): its shape is its own
+        if isinstance(row, Mapping):
+            return {key: self.ragged(value, f"{name}[{key!r}]") for key, value in row.items()}
+        if isinstance(row, (list, tuple)) and not isinstance(row, PerRow):
+            return type(row)(self.ragged(value, f"{name}[{i}]") for i, value in enumerate(row))
+        kind = self.kinds.get(name)
+        return kind is None or kind[0] in (_PER_TOKEN, _GENERATED)
+
     def _split(self, value: Any, view: _BatchView, name: str, *, field: bool) -> list | None:
         """One item per row, or ``None`` for a field with nothing per row (left out of a dict)."""
         n = view.n
@@ -283,7 +304,7 @@ class RowSplitter:
         token_shaped = value.ndim >= 2 and width is not None and value.shape[1] == width
         known = self.kinds.get(name)
         if known is None:
-            kind = self._first_reading(value, view, token_shaped)
+            kind = self._first_reading(value, view, token_shaped, name)
             self.kinds[name] = (kind, width)
             if kind == _PER_TOKEN and view.real is None:
                 raise ValueError(
@@ -303,13 +324,25 @@ class RowSplitter:
             )
         return kind
 
-    def _first_reading(self, value: torch.Tensor | np.ndarray, view: _BatchView, token_shaped: bool) -> str:
+    def _first_reading(self, value: torch.Tensor | np.ndarray, view: _BatchView, token_shaped: bool,
+                       name: str) -> str:
+        """The field's reading at its first batch: declared, or certain, or refused as ambiguous."""
         mode = self.token_outputs
+        integer_2d = value.ndim == 2 and _is_integer(value)
         if mode == "whole":
             return _ROW
-        integer_2d = value.ndim == 2 and _is_integer(value) and mode != "per_token"
-        if integer_2d and (mode == "generated" or view.echoes(value) or not token_shaped):
-            return _GENERATED  # forced, or echoing the prompt, or of another width than the batch's
+        if mode == "per_token":
+            return _PER_TOKEN if token_shaped else _ROW
+        if integer_2d and (mode == "generated" or view.echoes(value)):
+            return _GENERATED  # declared, or echoing the prompt: a decoder-only model's generate
+        if token_shaped and value.ndim == 2:
+            raise ValueError(
+                f"{name} should say how its rows are read, but got a 2-D tensor of shape {tuple(value.shape)} "
+                f"whose dimension 1 equals the batch's width {view.width}: one value per token, or one vector per "
+                "row that happens to be as wide? Pass token_outputs='per_token' to cut each row to its real "
+                "tokens by the attention mask, token_outputs='whole' to keep each row whole (a pooled vector)"
+                + (", or token_outputs='generated' for generated ids (padding stripped)" if integer_2d else "")
+            )
         return _PER_TOKEN if token_shaped else _ROW
 
     def _check_padding_side(self, value: torch.Tensor | np.ndarray, view: _BatchView) -> None:

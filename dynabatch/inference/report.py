@@ -5,7 +5,7 @@ memory budget (the first batch's peak, when memory was measured) and summary
 figures: throughput, padding efficiency, out-of-memory events, and how far the
 later batches' peaks went past the budget. :meth:`RunReport.to_json` saves it,
 :meth:`RunReport.from_json` reads it back, and :meth:`RunReport.plot` draws it
-(needs the ``plot`` extra: ``pip install dynabatch[plot]``).
+(needs matplotlib).
 
 Example:
     >>> from dynabatch.inference.report import BatchRecord, RunReport
@@ -192,26 +192,10 @@ class RunReport:
 
     def summary(self) -> dict[str, Any]:
         """The summary figures as a dict (JSON-ready)."""
-        return {
-            "rows": self.rows,
-            "batches": self.batches,
-            "seconds": self.seconds,
-            "rows_per_s": self.rows_per_s,
-            "tokens_per_s": self.tokens_per_s,
-            "real_tokens": self.real_tokens,
-            "padded_tokens": self.padded_tokens,
-            "padding_efficiency": self.padding_efficiency,
-            "oom_events": self.oom_events,
-            "oom_splits": self.oom_splits,
-            "pre_split_batches": self.pre_split_batches,
-            "failed_rows": self.failed_rows,
-            "skipped_inputs": self.skipped_inputs,
-            "budget_bytes": self.budget_bytes,
-            "device_budgets": self.device_budgets,
-            "rebuilt_batches": self.rebuilt_batches,
-            "max_peak_ratio": self.max_peak_ratio,
-            "batches_over_budget": self.batches_over_budget,
-        }
+        names = ("rows", "batches", "seconds", "rows_per_s", "tokens_per_s", "real_tokens", "padded_tokens",
+                 "padding_efficiency", "oom_events", "oom_splits", "pre_split_batches", "failed_rows", "skipped_inputs",
+                 "budget_bytes", "device_budgets", "rebuilt_batches", "max_peak_ratio", "batches_over_budget")
+        return {name: getattr(self, name) for name in names}
 
     def to_json(self, path: str | os.PathLike) -> None:
         """Writes the summary and every batch record to ``path`` as JSON."""
@@ -244,16 +228,15 @@ class RunReport:
         budget, line at 1.0; the planner's target, line at 0.9).
 
         Raises:
-            ImportError: matplotlib is not installed (``pip install dynabatch[plot]``).
+            ImportError: matplotlib is not installed.
         """
         if not isinstance(path, (str, os.PathLike)):
             raise bad_type("path", "a str or os.PathLike", path)
         try:
             from matplotlib.figure import Figure
         except ImportError as exc:
-            raise ImportError(
-                "RunReport.plot needs matplotlib, which is not installed: pip install dynabatch[plot]"
-            ) from exc
+            raise ImportError("RunReport.plot needs matplotlib, which is not installed: pip install matplotlib"
+                              ) from exc
 
         numbers = [r.batch for r in self.records]
         fig = Figure(figsize=(9, 8.5), layout="constrained")  # no pyplot: no global state, any backend
@@ -263,40 +246,23 @@ class RunReport:
         rate = f"{summary['rows_per_s']:.1f} rows/s" if summary["rows_per_s"] else "no time measured"
         efficiency = summary["padding_efficiency"]
         efficiency_text = f"{efficiency:.0%} of tokens real" if efficiency is not None else "no tokens"
-        fig.suptitle(
-            f"{headline}: {summary['rows']} rows in {summary['batches']} batches, {rate}, {efficiency_text}, "
-            f"{summary['oom_events']} OOM events",
-            fontsize=11,
-        )
+        fig.suptitle(f"{headline}: {summary['rows']} rows in {summary['batches']} batches, {rate}, "
+                     f"{efficiency_text}, {summary['oom_events']} OOM events", fontsize=11)
 
         ax_rows.set_title("Batch size")
         ax_rows.bar(numbers, [r.rows for r in self.records], width=0.8, color="tab:blue", label="rows")
-        oom = [r for r in self.records if r.oom_events]
-        if oom:
-            ax_rows.scatter(
-                [r.batch for r in oom],
-                [r.rows for r in oom],
-                marker="x",
-                color="tab:red",
-                s=40,
-                zorder=3,
-                label="ran out of memory (split)",
-            )
-        pre = [r for r in self.records if r.pre_split]
-        if pre:
-            top = max(r.rows for r in self.records)
-            ax_rows.scatter(
-                [r.batch for r in pre],
-                [r.rows + 0.06 * top for r in pre],
-                marker="v",
-                color="tab:orange",
-                s=40,
-                zorder=3,
-                label="split before trying (a failed shape, or over the bound)",
-            )
+        top = max((r.rows for r in self.records), default=0)
+        for marked, lift, style in (
+            ([r for r in self.records if r.oom_events], 0.0,
+             {"marker": "x", "color": "tab:red", "label": "ran out of memory (split)"}),
+            ([r for r in self.records if r.pre_split], 0.06 * top,
+             {"marker": "v", "color": "tab:orange", "label": "split before trying (a failed shape, or over the bound)"}),
+        ):
+            if marked:
+                ax_rows.scatter([r.batch for r in marked], [r.rows + lift for r in marked], s=40, zorder=3, **style)
         ax_rows.set_ylabel("rows")
         if self.records:
-            ax_rows.set_ylim(0, 1.45 * max(r.rows for r in self.records))  # room for the legend above the bars
+            ax_rows.set_ylim(0, 1.45 * top)  # room for the legend above the bars
         ax_rows.legend(loc="upper left", fontsize=8, ncol=3)
 
         ax_pad.set_title("Padding")
@@ -309,26 +275,13 @@ class RunReport:
         ax_mem.set_title("Peak memory relative to the first batch")
         measured = [(n, p) for n, p in zip(numbers, self.peak_ratios) if p is not None]
         if measured:
-            ax_mem.plot(
-                [n for n, _ in measured],
-                [p for _, p in measured],
-                marker=".",
-                color="tab:purple",
-                label="peak / first batch's peak",
-            )
+            ax_mem.plot(*zip(*measured), marker=".", color="tab:purple", label="peak / first batch's peak")
             ax_mem.axhline(1.0, color="tab:red", linestyle="--", linewidth=1, label="budget (1.0)")
             ax_mem.axhline(SPIKE_RATIO, color="tab:orange", linestyle=":", linewidth=1, label=f"target ({SPIKE_RATIO})")
             ax_mem.legend(loc="best", fontsize=8)
         else:
-            ax_mem.text(
-                0.5,
-                0.5,
-                "memory not measured (run with measure_memory=True)",
-                ha="center",
-                va="center",
-                transform=ax_mem.transAxes,
-                color="gray",
-            )
+            ax_mem.text(0.5, 0.5, "memory not measured (memory='off', or a device that cannot be measured)",
+                        ha="center", va="center", transform=ax_mem.transAxes, color="gray")
             ax_mem.set_yticks([])
         ax_mem.set_ylabel("peak / budget")
         ax_mem.set_xlabel("batch number")

@@ -1,4 +1,4 @@
-"""What :func:`dynabatch.run` returns and raises: :class:`RunResult`, :class:`StoredRunResult`, :class:`BatchOutOfMemoryError`.
+"""What :func:`dynabatch.run` returns: :class:`RunResult`, :class:`StoredRunResult`.
 
 Without ``output_path`` the rows are in memory: a :class:`RunResult`, a plain
 ``list`` (so ``torch.stack(result)`` works). With ``output_path`` they are in
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from dynabatch.inference._columns import Layout
     from dynabatch.inference.store import ResultsStore
 
-__all__ = ["BatchOutOfMemoryError", "RunResult", "StoredRunResult"]
+__all__ = ["RunResult", "StoredRunResult"]
 
 _CHUNK = 4096  # rows decoded at once when iterating a stored result
 _CACHED_SHARDS = 2
@@ -229,22 +229,3 @@ class StoredRunResult(collections.abc.Sequence, _Stacking):
         for name in self._columns():
             columns[name] = ordered.column(name)
         return self._layout, pa.table(columns)
-
-
-class BatchOutOfMemoryError(RuntimeError):
-    """A single row ran out of memory on its own (``on_oom="raise"``).
-
-    Chained from the original out-of-memory error.
-
-    Attributes:
-        position: the input position of the row.
-        partial: the :class:`RunResult` (or :class:`StoredRunResult`) so far: finished rows filled, the others ``None``.
-    """
-
-    def __init__(self, message: str, *, position: int | None = None, partial: Any = None) -> None:
-        super().__init__(message)
-        self.position = position
-        self.partial = partial
-
-    def __reduce__(self) -> tuple:
-        return type(self), (str(self),), {"position": self.position, "partial": self.partial}

@@ -1,36 +1,13 @@
 """``run``: call a model on every batch, recover from out-of-memory errors, get rows back in input order.
 
-:func:`run` takes a callable and a dynabatch DataLoader (or any iterable of
-:class:`~dynabatch.data.collate.Batch`), calls ``fn(batch)`` on every batch and
-returns a :class:`RunResult`: a list with one result per input text, in input
-order, plus a :class:`~dynabatch.inference.report.RunReport` of what each batch did.
-
-* A batch that runs out of memory is split in halves, each trimmed to its
-  longest row, and retried, down to single rows; later batches at least as
-  large (rows and width) as a shape that failed are split before they are tried.
-* ``output_path`` streams finished rows into a Parquet results store (a
-  directory of shards, :mod:`dynabatch.inference.store`) and the result reads
-  them back on demand; a rerun with the same ``key`` runs only the rows the
-  store does not hold, and refuses rows stored from other inputs.
-* By default no batch peaks above the first batch's peak: memory is measured
-  on the device the batches run on (the allocator's statistics, free; on the
-  CPU a storage tracker, measuring only the batches whose peak could let later
-  ones grow), and a dynabatch loader's batches are re-sized from the measured
-  peaks (measured mode: the plan is the prior, later batches bounded by the
-  measured peak per row); where batches cannot be re-planned (a plain
-  iterable, a shuffled loader, ``torch.distributed``) a batch the measured
-  peaks bound above the first's is split before it runs (guarded mode).
-  ``adapt=False`` runs the plan as it is; ``measure_memory`` records each
-  batch's peak against the first's.
-* Under ``torch.distributed``, every rank runs the same number of the plan's
-  batches (the one routine of :mod:`dynabatch.sampling.ranks`), in lockstep;
-  rank 0 gathers every result, or, with ``output_path``, every rank writes
-  into the one store and reads all of it back.
-
-The loop: :class:`~dynabatch.inference._queue.BatchQueue` hands out the next
-batch, :class:`~dynabatch.inference._execute.Executor` runs it (splitting on
-out-of-memory errors) and records it, and measured peaks go back to the queue's
-planner.
+One path, read top to bottom in :func:`run`: the options are resolved or
+refused (:mod:`~dynabatch.inference.options`); the source hands out batches
+(:mod:`~dynabatch.inference.source`); the sink, in memory or a results store,
+is opened and checked before any row is written (:mod:`~dynabatch.inference.sink`);
+the executor runs the batches on each device or rank, splitting on
+out-of-memory errors and cutting rows by the row rule
+(:mod:`~dynabatch.inference.execute`, :mod:`~dynabatch.inference.outputs`);
+the sink assembles the result.
 
 Example:
     >>> from transformers import AutoTokenizer
@@ -51,340 +28,222 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from dynabatch._validation import bad_type, bad_value
+from dynabatch._validation import bad_type
 from dynabatch.data.collate import Batch
-from dynabatch.inference._execute import Executor
-from dynabatch.inference._options import (
-    check_arguments,
-    check_devices,
-    check_run_options,
-    memory_device_of,
-    mode,
-    progress_bar,
-    world_of,
-)
-from dynabatch.inference._queue import BatchQueue
-from dynabatch.inference._workers import PREFETCH_DEPTH, Prefetcher, run_devices
+from dynabatch.inference.execute import BatchOutOfMemoryError, Executor, run_workers
 from dynabatch.inference.loader import plan_of
+from dynabatch.inference.options import RunOptions, check_run_options, resolve_options, translate_deprecated
+from dynabatch.inference.outputs import RowSplitter
 from dynabatch.inference.report import RunReport
-from dynabatch.inference.results import BatchOutOfMemoryError, RunResult, StoredRunResult
+from dynabatch.inference.results import RunResult, StoredRunResult
+from dynabatch.inference.sink import MemorySink, open_sink
+from dynabatch.inference.source import BatchQueue
 
 __all__ = ["BatchOutOfMemoryError", "RunResult", "StoredRunResult", "check_run_options", "run"]
 
 logger = logging.getLogger(__name__)
 
+
 def run(
-    fn: Callable[[Batch], Any],
-    loader: Any,
+    fn: Callable[[Batch], Any] | None = None,
+    loader: Any = None,
     *,
+    make_fn: Callable[[torch.device], Callable[[Batch], Any]] | None = None,
+    devices: list[str | torch.device] | None = None,
     device: str | torch.device | None = None,
-    output_path: str | os.PathLike | None = None,
+    memory: str = "auto",
+    ranks: str = "auto",
     on_oom: str = "raise",
-    measure_memory: bool | str | torch.device | None = None,
-    progress: bool = True,
-    distributed: bool | None = None,
-    adapt: bool | None = None,
-    pad_token_id: int | None = None,
+    output_path: str | os.PathLike | None = None,
     key: str | None = None,
     token_outputs: str = "auto",
-    devices: list[str | torch.device] | None = None,
-    prefetch: int = PREFETCH_DEPTH,
-    lockstep: bool = True,
+    pad_token_id: int | None = None,
+    prefetch: int | None = None,
+    progress: bool = True,
+    **deprecated: Any,
 ) -> RunResult | StoredRunResult:
     """Calls ``fn(batch)`` on every batch of ``loader`` and returns one result per input, in input order.
 
     ``fn`` is called as it is: wrap the call in ``torch.no_grad()`` (or
-    ``torch.inference_mode()``) yourself for inference.
+    ``torch.inference_mode()``) yourself for inference. ``docs/inference.md``
+    has every rule below as a table, with examples.
 
     Args:
-        fn: takes a :class:`~dynabatch.data.collate.Batch` and returns its rows'
-            results, split into rows by one written rule (the table in
-            ``docs/inference.md``; :mod:`dynabatch.inference.outputs`): a
-            tensor with the batch dimension first gives each row its slice; a
-            tuple, list or dict (``ModelOutput``) of such tensors gives each row
-            a tuple, list or dict of its slices (dict values without a batch
-            dimension, such as a loss or a cache, are left out); a list of one
-            item per row that are not batch-first tensors, or a
-            :class:`~dynabatch.inference.outputs.PerRow`, is one item per row;
-            ``None`` gives ``None``. A per-token tensor (dimension 1 equal to
-            the batch's width) is cut to each row's real tokens by the attention
-            mask; generated ids (a 2-D integer tensor of another width than the
-            batch's, or starting with its ``input_ids``) lose the batch's
-            padding. What is ambiguous (a list of as many batch-first tensors as
-            rows) raises ``ValueError`` saying how to return it. Tensors come
-            back detached, on the CPU.
-        loader: a DataLoader from :func:`~dynabatch.inference.loader.build_dynamic_batch_dataloader`,
-            or any iterable of :class:`~dynabatch.data.collate.Batch` (``.indices`` required).
-            A dynabatch loader's batches are built here, in this process, from
-            its plan and token store (padding only, no tokenizer call), so
-            that a batch can be split or re-sized before its tensors exist:
-            the loader's ``num_workers`` start no processes under ``run``.
+        fn: takes a :class:`~dynabatch.data.collate.Batch`, returns its rows' results, which the row rule
+            (:mod:`dynabatch.inference.outputs`) splits into one result per row: a batch-first tensor gives each
+            row its slice (a tuple, list or dict (``ModelOutput``) of them: a tuple, list or dict per row; values
+            without a batch dimension, such as a loss, are left out); a
+            :class:`~dynabatch.inference.outputs.PerRow` or a list of one non-tensor item per row is one item per
+            row; ``None`` gives ``None``. A tensor is cut to each row's real tokens only where that is certain
+            (3-D or more with dimension 1 the batch's width) and generated ids that echo ``input_ids`` lose the
+            padding; a 2-D tensor as wide as the batch is ambiguous and refused at the first batch (see
+            ``token_outputs``). Tensors come back detached, on the CPU.
+        loader: a DataLoader from :func:`~dynabatch.inference.loader.build_dynamic_batch_dataloader` (its
+            batches are built here, from its plan, so they can be split, re-sized or shared before their tensors
+            exist), or any iterable of :class:`~dynabatch.data.collate.Batch` (``.indices`` required).
+        make_fn: with ``devices``: ``make_fn(device)`` returns the ``fn`` for that device (say, a model copy
+            moved there); called once per device, in that device's worker thread.
+        devices: run on several devices at once (``["cuda:0", "cuda:1"]``), a worker thread each, taking the
+            next batch from one shared queue (longest first), each measuring its own memory under its own first
+            batch and splitting only its own batches. A worker whose ``fn`` raises stops and its unfinished rows
+            go back to the queue once; rows that fail a second worker raise.
         device: where to move each batch (``batch.to(device)``) before ``fn``; ``None`` leaves it.
-        output_path: a directory to store the results in, as they finish: a
-            Parquet dataset (shards of bounded size, each written whole or not
-            at all) that pandas, polars, ``datasets`` and ``pyarrow.dataset``
-            read as it is, one row per input: ``position``, ``id`` (with the
-            loader's ``ids=``), ``input_hash`` and the output (``output``; one
-            column per key of a dict; ``output_0``, ``output_1``, ... of a
-            tuple). Tensors keep their dtype and shape. Rows are not kept in
-            memory: the result reads them back on demand
-            (:class:`StoredRunResult`), exactly as without ``output_path``.
-            Running again with the same ``output_path`` and ``key`` runs only
-            the rows the store does not hold, with the same plan or another
-            (a killed run resumes; a lower ``batch_size`` after an
-            out-of-memory error; more texts appended; with ``ids``, a grown or
-            reordered corpus). Stored rows whose inputs differ from this run's
-            at the same position (or id) are refused. Rows without a result
-            (``on_oom="skip"``, bad inputs) are not stored, so a rerun tries
-            them again. Under ``torch.distributed`` every rank writes into the
-            same store and, once all have finished, reads all of it back.
-        key: with ``output_path``, what computed the rows: the model, its
-            revision and the settings (``"minilm@v2 mean-pool"``). A rerun
-            with another key, or without a key on a store that has one (and
-            the reverse), is refused naming both.
-        on_oom: what to do with a single row that runs out of memory on its
-            own: ``"raise"`` a :class:`BatchOutOfMemoryError`, or ``"skip"``
-            it (result ``None``, position in ``result.failed``, a warning logged).
-            Larger batches are always split in halves (each trimmed to its
-            longest row) and retried, and a later batch with at least the rows
-            and the width of a shape that ran out of memory is split before it
-            is tried. Later batches are also planned (measured mode) or split
-            (guarded mode) under the lower limit an error shows, which rises
-            again only on measured successes (:class:`~dynabatch.memory.oom.OutOfMemoryLimit`).
-            Out-of-memory errors are ``torch.OutOfMemoryError`` and each
-            device's own (:func:`~dynabatch.memory.device.is_out_of_memory_error`);
-            every event and split is logged and counted in the report.
-        measure_memory: where each call's peak memory is measured, with
-            :func:`~dynabatch.memory.measure.track_peak_memory`; the first
-            measured call's peak is the report's budget. ``None`` (auto): the
-            device the batches run on (``device``; else the accelerator on which a
-            model holds memory; else the CPU), unless ``adapt=False``; on the
-            CPU only the calls that can let later batches grow are measured
-            (the tracker costs up to ~15% of a call; see ``adapt``). ``True``:
-            that device, every call. A device: that device, every call.
-            ``False``: nothing is measured (with ``adapt=None`` the plan runs
-            as it is).
+        memory: how memory bounds the batches (:mod:`dynabatch.inference.options`). ``"measured"``: each
+            batch's peak is measured (CUDA allocator statistics; on the CPU a storage tracker, only on calls
+            whose peak could let later batches grow) and a dynabatch loader's batches not yet run are re-sized
+            so that none exceeds 0.9 of the first batch's peak (with a ``memory_model``, the model is refined
+            and sizes them at ``1 - memory_margin`` of its budget); batches run longest first. ``"guarded"``:
+            batches run in their own order and one the measured peaks bound above the first batch's peak is
+            split into equal parts before it runs. ``"record"``: batches run as they come, every call's peak
+            recorded in the report. ``"off"``: nothing measured. ``"auto"``: measured for a dynabatch loader in
+            plan order (not shuffled, not in lockstep), else guarded; off where memory cannot be measured.
+        ranks: under ``torch.distributed``: ``"lockstep"`` (every rank the same number of calls of ``fn`` per
+            batch, so collectives inside ``fn``, FSDP or tensor parallelism, stay matched; a rank with nothing
+            left in a round repeats one row it ran and drops the result; the plan, the same on every rank, is
+            shared by :mod:`dynabatch.sampling.ranks`), ``"claim"`` (no collectives in ``fn``: ranks claim
+            chunks of a dynabatch loader's corpus from one atomic counter, each runs measured mode under its
+            own first batch; a streaming loader's rank tokenizes only its chunks), or ``"single"`` (this process
+            runs every batch). ``"auto"``: lockstep under a process group of more than one rank. Without
+            ``output_path`` rank 0 gathers every row (other ranks get their own); with it every rank writes into
+            the one store and reads all of it back.
+        on_oom: a single row that runs out of memory on its own: ``"raise"`` a :class:`BatchOutOfMemoryError`
+            (its ``.partial`` holds the rows finished), or ``"skip"`` it (``None``, in ``result.failed``).
+            Larger batches are always split in halves and retried; a later batch at least as large (rows and
+            width) as one that failed is split before it is tried, and later batches are planned under the
+            lower limit errors teach (:class:`~dynabatch.memory.oom.OutOfMemoryLimit`).
+        output_path: a directory for the results store (:mod:`dynabatch.inference.store`): Parquet shards, one
+            row per input (``position``, ``id`` with the loader's ``ids=``, ``input_hash``, the output
+            columns), written as rows finish, each shard whole or not at all; pandas, polars, ``datasets`` and
+            ``pyarrow.dataset`` read it. A rerun with the same ``key`` runs only the rows not stored (a killed
+            run resumes; more texts appended; with ids, a grown or reordered corpus). Stored rows of other
+            inputs at the same positions or ids are refused before any row is written. Rows that finished are
+            committed however the run ends, Ctrl-C included.
+        key: with ``output_path``, what computed the rows (model, revision, settings); a rerun with another key
+            is refused naming both.
+        token_outputs: how a tensor as wide as the batch is read: ``"auto"`` (certain readings only; an
+            ambiguous one refused), ``"per_token"`` (cut by the attention mask), ``"generated"`` (every 2-D
+            integer tensor is generated ids: padding stripped, as an encoder-decoder's replies), ``"whole"``
+            (nothing cut). Each field's reading is fixed at its first batch.
+        pad_token_id: the pad id stripped from generated rows; ``None`` takes the loader's collator's.
+        prefetch: batches built (collated; pinned on CUDA and XPU) ahead of the running one in a background
+            thread; a batch a later peak re-sized is built again (``report.rebuilt_batches``). ``None``: 2, or
+            0 with ``devices`` (each device's thread builds its own batches while the others run).
         progress: show a ``tqdm`` progress bar (rows/s and tokens/s).
-        distributed: ``None`` runs distributed when ``torch.distributed`` is
-            initialized with more than one process; ``True``/``False`` force it.
-            Distributed: each rank runs its share of the batches (every rank
-            the same number: the largest split, then dealt in steps of
-            neighbouring batches, as every dynabatch sampler deals) and rank 0
-            gathers every result; other ranks get only their own rows (``None``
-            elsewhere). With ``output_path`` nothing is gathered: every rank
-            writes its rows into the store and, after a barrier, every rank's
-            result reads the whole store. The ranks run in lockstep: every rank makes the same
-            number of calls of ``fn`` per batch, so collectives inside ``fn``
-            (FSDP, tensor parallelism) stay matched even when a rank splits a
-            batch that ran out of memory (it retries at once; a rank with
-            nothing left in a round calls ``fn`` on one row it already ran and
-            drops the result). That holds when the error strikes before ``fn``'s
-            first collective of the call; one raised between collectives leaves
-            the other ranks inside a collective no call can match. Every rank
-            must be given the same, whole loader (a per-rank share is refused on
-            every rank). Under ``accelerate`` pass the loader as it is; one passed
-            through ``Accelerator.prepare`` is unwrapped, its whole plan shared once.
-        adapt: ``None`` (auto, the default) keeps every batch at or under the
-            first batch's measured peak whenever memory is measured (see
-            ``measure_memory``): measured mode for a dynabatch loader in plan
-            order in one process; guarded mode for a plain iterable of batches,
-            a shuffled loader, or under ``torch.distributed``, where batches
-            cannot be re-planned. ``True``: measured mode, every call measured.
-            ``False``: the batches as they come (a dynabatch loader's plan as
-            is: the classifier's estimate, which large-vocabulary ``generate``
-            calls can exceed; ``measure_memory`` then only records peaks).
-
-            Measured mode (needs a dynabatch loader, one process): the batches
-            not yet run are re-sized by the loader's planner so that, bounded
-            by the measured peak per row of batches at least as wide (a bound,
-            since rows only get shorter), they stay at or under 0.9 of the
-            first batch's: smaller than planned after a spike, larger where the
-            plan leaves memory unused (see :mod:`dynabatch.memory.feedback`).
-            With a loader planned by a ``memory_model``, the model is refined by
-            every measured peak and sizes the batches at ``1 - memory_margin``
-            of the budget; save it afterwards (``memory_model.save(path)``) so
-            the next job on the same model starts calibrated. A batch split
-            after running out of memory counts by its parts: the largest peak
-            that fitted (the budget, if it was the first batch) and each part's
-            rows at its width. Batches run longest first.
-
-            Guarded mode: the batches run in their own order; a call whose
-            rows exceed what the measured calls at least as wide keep at or
-            under the first call's peak (``rows x`` their peak per row, or
-            their peak for fewer rows) is split into equal parts before it
-            runs (``pre_split`` in the report). A plain iterable's first batch
-            is its budget, and a batch wider than every call measured so far
-            runs as it comes (sort batches longest first to be covered). Under
-            ``torch.distributed`` each rank's budget is its own first call's
-            peak, that call capped at the plan's first-batch rows (so at most
-            the plan's first batch's peak); splitting stays in lockstep.
-        pad_token_id: the pad id stripped from generated rows (see ``fn``);
-            ``None`` takes the loader's collator's (a dynabatch loader always
-            has one). Give it for a plain iterable of batches whose ``generate``
-            rows should lose their padding.
-        token_outputs: how token-shaped tensors are read: ``"auto"`` (the rule
-            under ``fn``), ``"per_token"`` (never generated ids: a 2-D integer
-            tensor as wide as the batch, such as tags, is cut by the attention
-            mask), ``"generated"`` (every 2-D integer tensor is generated ids,
-            say an encoder-decoder's replies that may be as wide as the batch),
-            or ``"whole"`` (nothing is cut: rows as the batch padded them).
-            Each field's reading is fixed at its first batch and kept for the
-            run; a later output that contradicts it raises ``ValueError``.
-        devices: run on several devices at once (``["cuda:0", "cuda:1"]``):
-            ``fn`` is then ``make_fn``, called once per device in that device's
-            worker thread as ``make_fn(device)``, returning the ``fn(batch)``
-            for that device (say, a model copy moved there). The workers take
-            the next batch from one shared queue, longest first, so no device
-            idles while work remains; each measures its own peaks against its
-            own first batch (measured mode per device: GPUs of different sizes
-            work), and an out-of-memory error splits only its own batch. A
-            worker whose ``fn`` raises stops and its batch goes back to the
-            queue once; a batch that fails on a second worker raises. Results
-            land in input order (one store with ``output_path``), the report
-            tags each batch with its device. Threads, not processes: no
-            ``__main__`` guard, works in a notebook. Not with ``device`` nor
-            under ``torch.distributed``.
-        prefetch: batches built (collated; pinned, on CUDA and XPU) ahead of
-            the running one in a background thread, so the device does not
-            wait for the host; 0 builds each when it runs. In measured mode a
-            batch built ahead that a later peak re-sized is built again, not
-            run stale (``report.rebuilt_batches``). With ``devices``, every
-            device's thread builds its own batches beside the others' calls.
-        lockstep: under ``torch.distributed``, ``True`` runs the ranks in
-            lockstep (see ``distributed``: for an ``fn`` with collectives, such
-            as FSDP or tensor parallelism). ``False`` is for an ``fn`` without
-            collectives (a model copy per rank): the ranks claim chunks of the
-            corpus from one atomic counter in ``torch.distributed``'s store,
-            each chunk by one rank, whichever asks first, so no rank waits for
-            another; a streaming loader's rank tokenizes only the chunks it
-            claims. Each rank runs measured mode on its own device, under its
-            own first batch's peak. With ``output_path`` every rank writes into
-            the one store and nothing is gathered; without it rank 0 gathers
-            every result. Needs a dynabatch loader, the same on every rank.
+        **deprecated: ``adapt``, ``measure_memory``, ``distributed``, ``lockstep`` of earlier versions, each
+            translated with a ``DeprecationWarning`` naming the new spelling (``memory=``, ``ranks=``).
 
     Returns:
-        A :class:`RunResult`: a list with one result per input position, plus
-        ``.report`` and ``.failed``; with ``output_path`` a
-        :class:`StoredRunResult`, the same rows read from the store. Both stack
-        every row with ``.numpy()``, ``.stack()`` and ``.to_arrow()``.
+        A :class:`RunResult`: a list with one result per input position, plus ``.report`` and ``.failed``;
+        with ``output_path`` a :class:`StoredRunResult`, the same rows read from the store. Both stack every
+        row with ``.numpy()``, ``.stack()`` and ``.to_arrow()``.
 
     Raises:
-        TypeError: a bad argument type, a loader whose batches have no
-            ``.indices``, or (with ``output_path``) a result Arrow cannot store
-            (raised at the first batch that returns it).
-        ValueError: a bad ``on_oom``; an ``output_path`` holding results of
-            another ``key``, of other inputs at the same positions or ids, or a
-            JSONL results file of earlier versions; ``fn`` results that do not
-            match the batch's rows.
+        TypeError: a bad argument type; a loader whose batches have no ``.indices``; a result the store cannot
+            hold.
+        ValueError: a bad option or combination of options; an ``output_path`` holding rows of another ``key``
+            or of other inputs; an ``fn`` result whose rows are ambiguous or do not match the batch's.
         BatchOutOfMemoryError: with ``on_oom="raise"``, a single row that ran out of memory.
     """
-    check_arguments(fn, device, output_path, on_oom, measure_memory, progress, distributed, adapt, pad_token_id,
-                    key, token_outputs, prefetch, lockstep)
-    rank, world_size, distributed = world_of(distributed)
-    targets = check_devices(devices, device, distributed, measure_memory)
-    memory_device = memory_device_of(measure_memory, adapt, device if targets is None else targets[0])
+    memory, ranks = translate_deprecated(deprecated, memory, ranks)
     plan = plan_of(loader)
-    in_lockstep = distributed and lockstep
-    if distributed and not lockstep and plan is None:
-        raise bad_value("lockstep", "True for a loader that is not a dynabatch DataLoader (ranks claim chunks of "
-                        "a dynabatch loader's plan)", lockstep)
-    adapt, guard, sparse = mode(plan, adapt, measure_memory, memory_device, in_lockstep)
-    queue = BatchQueue(loader, plan, pad_token_id, adapt=adapt, guard=guard, sparse=sparse)
-    if adapt and in_lockstep:
-        raise bad_value("adapt", "False under torch.distributed in lockstep (each rank's share is fixed up front; "
-                        "lockstep=False re-sizes per rank)", adapt)
-    if in_lockstep:
-        from dynabatch.inference.distributed import check_same_batches
-
-        queue.materialize()
-        check_same_batches([i.positions for i in queue.pending])
-    if output_path is not None:
-        from dynabatch.inference.store import open_store
-    store = open_store(output_path, key, queue, plan) if output_path is not None else None  # every input's rows
+    options = resolve_options(fn, loader, plan, make_fn=make_fn, devices=devices, device=device, memory=memory,
+                              ranks=ranks, on_oom=on_oom, output_path=output_path, key=key,
+                              token_outputs=token_outputs, pad_token_id=pad_token_id, prefetch=prefetch,
+                              progress=progress)
+    queue = BatchQueue(loader, plan, memory=options.memory, sparse=options.sparse, pad_token_id=options.pad_token_id)
     feed = None
-    if in_lockstep:
-        queue.shard(rank, world_size)
-    elif distributed:
+    if options.ranks == "lockstep":
+        queue.shard(options.rank, options.world_size)
+    elif options.ranks == "claim":
         from dynabatch.inference.distributed import claimed_planner
 
-        claimed, feed = claimed_planner(plan)
-        queue.use_planner(claimed, adapt=adapt)
-    bar = progress_bar(loader, queue, store) if progress else None
-    options = {"on_oom": on_oom, "bar": bar, "store": store, "token_outputs": token_outputs,
-               "skipped": plan.skipped if plan is not None else None}
-    if targets is not None:
-        return _run_devices(fn, targets, queue, options, measure_memory, adapt)
-    executor = Executor(fn, queue, device=device, memory_device=memory_device, lockstep=in_lockstep, rank=rank,
-                        **options)
-    # Without a store under torch.distributed: every input position this rank answers for (gathered to rank 0).
-    mine = np.zeros(queue.n_inputs or 0, dtype=bool) if distributed and store is None else None
-    if mine is not None and rank == 0 and plan is not None:
-        mine[plan.skipped] = True  # bad inputs run on no rank: rank 0 answers for them (None, failed)
-    prefetcher = Prefetcher(executor, depth=prefetch)
+        planner, feed = claimed_planner(plan)
+        queue.claim(planner)
+    skipped = plan.skipped if plan is not None else np.zeros(0, dtype=np.int64)
     try:
-        while (got := prefetcher.next()) is not None:
-            item, batch = got
-            if mine is not None:
-                mine[item.positions] = True
-            queue.observe_item(item, executor.run_item(item, batch), executor.lane)
+        sink = open_sink(options.output_path, key=options.key, n=queue.n_inputs, ids=plan.ids if plan is not None else None,
+                         gather=options.ranks != "single", inputs_at=queue.inputs_at)
+        queue.done = getattr(sink, "done", None)
+        queue.read_ahead(options.prefetch)
+        report, failed = _execute(queue, sink, options)
     finally:
-        prefetcher.close()
+        queue.close()
         if feed is not None:
             feed.close()
-        executor.report.rebuilt_batches = prefetcher.rebuilt
-        if bar is not None:
-            bar.close()
-        executor.close()  # the rows still buffered are committed, after an error too
-    if store is None:
-        if not distributed:
-            return executor.result()
-        from dynabatch.inference.distributed import gather_run_result
-
-        return gather_run_result(executor.result(), mine, queue.n_inputs)
-    if distributed:
+    failed = sorted([*failed, *(skipped.tolist() if options.rank == 0 else [])])  # bad inputs: rank 0 answers
+    report.skipped_inputs = len(skipped)
+    n = queue.n_inputs if queue.n_inputs is not None else queue.seen + 1
+    if options.output_path is not None and options.ranks != "single":
         torch.distributed.barrier()  # every rank's shards are in: each rank reads the whole store
-        return executor.result(failed=None)
-    return executor.result(failed=executor.failed)
+        return sink.result(n, report=report, failed=None)
+    return sink.result(n, report=report, failed=failed)
 
 
-def _run_devices(make_fn: Callable[[Any], Callable[[Batch], Any]], targets: list[torch.device], queue: BatchQueue,
-                 options: dict, measure_memory: Any, adapt: bool) -> RunResult | StoredRunResult:
-    """Runs the queue on every device of ``targets`` at once; one result over every device's rows."""
-    executors: list[Executor | None] = [None] * len(targets)
+def _execute(queue: BatchQueue, sink: Any, options: RunOptions) -> tuple[RunReport, list[int]]:
+    """Runs the queue on every target (a worker each) into the sink; ``(report, failed positions)``.
 
-    def make_executor(target: torch.device, i: int) -> Executor:
-        fn = make_fn(target)
+    Every worker's writer is closed (its rows committed) however the run ends;
+    ``BatchOutOfMemoryError`` gets the rows finished so far as ``.partial``.
+    """
+    splitter = RowSplitter(queue.pad_token_id, options.token_outputs, queue.padding_side)  # fn's rule, for the run
+    bar = _progress_bar(queue) if options.progress else None
+    stop = threading.Event()
+    names = [str(t) for t in options.targets]
+    names = [f"{n} (worker {i})" if names.count(n) > 1 else n for i, n in enumerate(names)]  # ["cpu", "cpu"]
+    writers, executors = [], []
+
+    def make_executor(target: Any, i: int) -> Executor:
+        fn = options.make_fn(target)
         if not callable(fn):
             raise bad_type("make_fn", f"a callable returning fn(batch) for a device (make_fn({str(target)!r}) "
                            "returned no callable)", fn)
-        executors[i] = Executor(fn, queue, device=target, memory_device=memory_device_of(measure_memory, adapt, target),
-                                rank=f"{target.type}{i}", lane=queue.new_lane(), **options)
-        return executors[i]
+        writers.append(sink.writer(f"{options.rank}" if len(options.targets) == 1 else f"{options.rank}d{i}"))
+        executors.append(Executor(fn, queue, writer=writers[-1], hashes=options.output_path is not None,
+                                  device=target, memory_device=options.memory_devices[i], splitter=splitter,
+                                  on_oom=options.on_oom, bar=bar, lockstep=options.ranks == "lockstep", stop=stop,
+                                  lane=queue.lane if i == 0 else queue.new_lane(), name=names[i]))
+        return executors[-1]
 
     try:
-        run_devices(targets, make_executor, queue)
+        run_workers(options.targets, make_executor, queue, options.prefetch, stop)
+    except BatchOutOfMemoryError as exc:
+        _close(writers, bar)
+        if isinstance(sink, MemorySink):
+            sink.gather = False  # this rank's rows: gathering is a collective the other ranks are not in
+        exc.partial = sink.result(queue.n_inputs if queue.n_inputs is not None else queue.seen + 1,
+                                  report=_report(executors), failed=sorted(f for e in executors for f in e.failed))
+        raise
     finally:
-        if options["bar"] is not None:
-            options["bar"].close()
-        for executor in executors:
-            if executor is not None:
-                executor.close()
-    running = [e for e in executors if e is not None]
-    names = [str(t) for t in targets]
-    names = [f"{n} (worker {i})" if names.count(n) > 1 else n for i, n in enumerate(names)]  # ["cpu", "cpu"]
-    report = RunReport.merge([e.report for e in running], [n for n, e in zip(names, executors) if e])
-    failed = sorted(set().union(*(e.failed for e in running)))
-    n = queue.n_inputs if queue.n_inputs is not None else max(e.last_position for e in running) + 1
-    if options["store"] is not None:
-        return options["store"].result(n, report=report, failed=failed)
-    values: list[Any] = [None] * n
-    for executor in running:
-        for position, value in executor.results.items():
-            values[position] = value
-    return RunResult(values, report=report, failed=failed)
+        stop.set()
+        _close(writers, bar)  # the rows buffered are committed, after an error or Ctrl-C too
+    return _report(executors), [f for e in executors for f in e.failed]
+
+
+def _close(writers: list, bar: Any) -> None:
+    while writers:
+        writers.pop().close()
+    if bar is not None:
+        bar.close()
+
+
+def _report(executors: list[Executor]) -> RunReport:
+    if len(executors) == 1:
+        return executors[0].report
+    return RunReport.merge([e.report for e in executors], [e.name for e in executors])
+
+
+def _progress_bar(queue: BatchQueue) -> Any:
+    """The run's ``tqdm`` bar over the rows that run now (those already stored left out)."""
+    from tqdm.auto import tqdm
+
+    total = queue.total_rows
+    if total is not None and queue.done is not None:
+        total = max(0, total - int(queue.done.sum()))
+    return tqdm(total=total, unit="row", desc="dynabatch", dynamic_ncols=True)

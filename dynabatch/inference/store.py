@@ -37,13 +37,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dynabatch._digest import row_hashes
 from dynabatch._validation import bad_value
 from dynabatch.inference._columns import Layout
-from dynabatch.inference._queue import positions_of
 from dynabatch.inference._shards import StoreWriter, own_entry, remove_dead_temps, settle_shards, shard_meta
 
-__all__ = ["FORMAT", "ResultsStore", "batch_input_hashes", "open_store", "refuse_jsonl", "token_store_hashes"]
+__all__ = ["FORMAT", "ResultsStore", "open_store", "refuse_jsonl"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,27 +73,6 @@ def refuse_jsonl(path: str) -> None:
     )
 
 
-def batch_input_hashes(batch: Any) -> np.ndarray:
-    """Each row's input hash (:func:`~dynabatch._digest.row_hashes`) from a padded batch: the real cells (by its
-    attention mask) of every per-token tensor but the mask; equal to :func:`token_store_hashes` for the same row."""
-    import torch
-
-    ids = batch["input_ids"]
-    mask = batch.get("attention_mask")
-    real = mask.detach().cpu().bool() if isinstance(mask, torch.Tensor) and mask.shape == ids.shape else \
-        torch.ones(ids.shape, dtype=torch.bool)
-    offsets = np.zeros(len(real) + 1, dtype=np.int64)
-    np.cumsum(real.sum(1).numpy(), out=offsets[1:])
-    streams = {key: value.detach().cpu()[real].numpy() for key, value in batch.items()
-               if key != "attention_mask" and isinstance(value, torch.Tensor) and value.shape == ids.shape}
-    return row_hashes(streams, offsets)
-
-
-def token_store_hashes(tokenized: Any) -> np.ndarray:
-    """Every row's input hash from a :class:`~dynabatch.data.tokenization.TokenizedTexts` (vectorised)."""
-    return row_hashes({"input_ids": tokenized.input_ids, **tokenized.extras}, tokenized.offsets)
-
-
 def _describe_key(key: str | None) -> str:
     return "no key" if key is None else f"key={key!r}"
 
@@ -123,8 +100,6 @@ class ResultsStore:
                  keyed_by: str | None = None) -> None:
         refuse_jsonl(path)
         self.path, self.key, self.ids = path, key, ids
-        self.input_hashes: np.ndarray | None = None  # every input's hash, when known up front (a dynabatch loader)
-        self.check_later = False  # stored rows are checked batch by batch (a streamed corpus, tokenized as it runs)
         self.keyed_by = keyed_by or ("position" if ids is None else "id")
         self._stored_ids = ids is None and self.keyed_by == "id"  # the inputs are the ids stored
         if os.path.exists(path) and not os.path.isdir(path):  # a socket, a device
@@ -256,12 +231,6 @@ class ResultsStore:
                "reordered corpus)")
         )
 
-    def hashes_of(self, batch: Any) -> np.ndarray:
-        """The input hashes of a batch's rows: looked up for a dynabatch loader's inputs, else from the batch."""
-        if self.input_hashes is not None:
-            return self.input_hashes[batch.indices.numpy()]
-        return batch_input_hashes(batch)
-
     def result(self, n: int, *, report: Any = None, failed: list[int] | None = None) -> Any:
         """A :class:`~dynabatch.inference.results.StoredRunResult` of ``n`` inputs over the store as it is now
         (shards every writer committed so far; ``failed=None``: every input without a stored row)."""
@@ -274,39 +243,12 @@ class ResultsStore:
         """What every shard of this store says about itself, but its layout."""
         return {"format": FORMAT, "key": self.key, "keyed_by": self.keyed_by}
 
-    def writer(self, rank: int = 0) -> StoreWriter:
-        """A :class:`StoreWriter` for this run's rows (its own writer name), continuing the stored layout."""
-        return StoreWriter(self.path, self.meta(), self.layout, self.ids, rank=rank)
+    def writer(self, name: str) -> StoreWriter:
+        """A :class:`StoreWriter` for this run's rows (``name`` in its shards' names), continuing the stored layout."""
+        return StoreWriter(self.path, self.meta(), self.layout, self.ids, rank=name)
 
 
-def open_store(output_path: Any, key: str | None, queue: Any, plan: Any) -> ResultsStore:
-    """The results store of ``output_path`` for this run, its stored rows checked against this run's inputs.
-
-    A dynabatch loader's inputs are hashed from its token store; a plain
-    iterable's from its batches, read once more before the run only when the
-    store already holds rows (whole, when it is a one-shot iterator).
-    """
-    path = os.fspath(output_path)
-    store = ResultsStore(path, key=key, n=queue.n_inputs, ids=plan.ids if plan is not None else None)
-    if plan is not None and plan.stream is not None:
-        store.check_later = True  # a streamed corpus: each batch's stored rows are checked when it comes (run)
-        return store
-    if plan is not None:
-        store.input_hashes = token_store_hashes(queue.collator.tokenized)
-        store.check_inputs(np.arange(queue.n_inputs), store.input_hashes)
-        return store
-    if not store.files:
-        return store
-    if queue.stream is not None and isinstance(queue.loader, Iterator):
-        queue.materialize()  # a one-shot iterator can be read only once
-    batches = (i.batch for i in queue.pending) if queue.stream is None else iter(queue.loader)
-    positions, hashes = [], []
-    for batch in batches:
-        positions.append(positions_of(batch, queue.loader))
-        hashes.append(batch_input_hashes(batch))
-    positions = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
-    if queue.n_inputs is None:
-        queue.n_inputs = int(positions.max()) + 1 if positions.size else 0
-    store = ResultsStore(path, key=key, n=queue.n_inputs)
-    store.check_inputs(positions, np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.uint64))
-    return store
+def open_store(output_path: Any, *, key: str | None, n: int | None, ids: Any = None) -> ResultsStore:
+    """The results store at ``output_path`` for a run over ``n`` inputs (``None``: as many as stored), keyed by
+    ``ids`` or by position; refuses another key, another keying or what is not a store."""
+    return ResultsStore(os.fspath(output_path), key=key, n=n, ids=ids)

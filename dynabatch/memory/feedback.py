@@ -8,7 +8,7 @@ batch of ``r`` rows no wider than a measured batch of ``r_m`` rows and peak
 every measured batch at least as wide), and :meth:`MemoryFeedback.max_rows`
 the most rows it keeps under a budget (by
 :func:`~dynabatch.memory.budget.rows_under`, the one closed form of it). The
-first batch measured sets the budget (:attr:`MemoryFeedback.budget_`).
+first batch measured sets the budget (:attr:`MemoryFeedback.budget`).
 
 Texts run longest first, so every measured batch bounds every later one. In
 measured mode the planner sizes the next batch with this bound
@@ -50,7 +50,7 @@ Example:
     >>> fb = MemoryFeedback()
     >>> fb.observe(rows=4, padded_length=100, peak_bytes=8000)  # the first batch: the budget, 2000 bytes a row
     >>> fb.observe(rows=4, padded_length=50, peak_bytes=4400)  # shorter rows: 1100 bytes each
-    >>> fb.budget_, fb.bound(rows=8, padded_length=50), fb.bound(rows=2, padded_length=50)
+    >>> fb.budget, fb.bound(rows=8, padded_length=50), fb.bound(rows=2, padded_length=50)
     (8000.0, 8800.0, 4400.0)
     >>> fb.max_rows(padded_length=50, budget_bytes=0.9 * 8000), fb.max_rows(padded_length=100, budget_bytes=8000)
     (6, 4)
@@ -89,7 +89,7 @@ class MemoryFeedback:
             CPU tracker's cost); ``False``: every batch.
 
     Attributes:
-        budget_: the first batch's measured peak bytes (``None`` until observed).
+        budget: the first batch's measured peak bytes (``None`` until observed).
         row_bytes_: the costliest row of the last measured batch (``None`` until a batch is measured).
         oom: what out-of-memory errors taught (:class:`~dynabatch.memory.oom.OutOfMemoryLimit`).
     """
@@ -98,12 +98,13 @@ class MemoryFeedback:
         if not isinstance(sparse, bool):
             raise bad_type("sparse", "a bool", sparse)
         self.sparse = sparse
-        self.budget_: float | None = None
+        self.budget: float | None = None
         self.row_bytes_: float | None = None
         # (rows, width, peak) of every measured call, as columns grown in place (a run measures thousands)
         self._table = np.empty((3, 64), dtype=np.float64)
         self._n = 0
         self.oom = OutOfMemoryLimit()
+        self._warned_zero = False
 
     # -- measurements ----------------------------------------------------------------------------
     def observe(self, rows: int, padded_length: float | None, peak_bytes: float) -> None:
@@ -138,14 +139,16 @@ class MemoryFeedback:
                 measured.append((rows, float(width), float(peak_bytes)))
         if not measured:
             return
-        if self.budget_ is None:
+        if self.budget is None:
             top = max(peak for _, _, peak in measured)
             if top <= 0:
-                logger.warning("the first measured batch peaked at 0 bytes: nothing it does allocates on the "
-                               "measured device, so no budget is set (batches follow the plan); measure the "
-                               "device the batches run on (run(..., measure_memory=device))")
+                if not self._warned_zero:  # once: every later batch would say the same
+                    self._warned_zero = True
+                    logger.warning("the first measured batch peaked at 0 bytes: nothing it does allocates on the "
+                                   "measured device, so no budget is set (batches follow the plan); run the "
+                                   "batches on the device the model is on (run(..., device=...))")
                 return
-            self.budget_ = top
+            self.budget = top
         self.row_bytes_ = max(peak / rows for rows, _, peak in measured)
         end = self._n + len(measured)
         if end > self._table.shape[1]:
@@ -206,7 +209,7 @@ class MemoryFeedback:
 
     def should_measure(self, rows: int, width: float) -> bool:
         """Whether a batch of ``rows`` x ``width`` is to be measured: always unless :attr:`sparse` (see the module)."""
-        if not self.sparse or self.budget_ is None:
+        if not self.sparse or self.budget is None:
             return True
         if self.oom.above_fitted(rows, self.row_bound(width)):
             return True  # a call above what ran since an out-of-memory error: measuring it raises the limit

@@ -42,7 +42,7 @@ Faults are Ray's: an actor that dies is restarted (Ray Data's actor pools set
 window it was running is run again; a window's output is made only from its own
 rows and comes back whole or not at all, so no row is lost or duplicated. A row
 that runs out of memory even alone raises
-:class:`~dynabatch.inference.results.BatchOutOfMemoryError` (``on_oom="raise"``,
+:class:`~dynabatch.inference.execute.BatchOutOfMemoryError` (``on_oom="raise"``,
 which fails the job) or is reported in an error column (``on_oom="skip"``).
 A job killed as a whole resumes with ``map_texts(..., output_path=..., key=...)``:
 each window commits its rows to :func:`dynabatch.run`'s results store, keyed by

@@ -55,20 +55,15 @@ class WindowMemory:
         return torch.inference_mode() if self.inference_mode else contextlib.nullcontext()
 
     def _measure_device(self) -> str:
-        """The device measured peaks are of: ``measure_memory`` when it names one, else ``device``, else the CPU."""
-        if self.measure_memory is not None and not isinstance(self.measure_memory, bool):
-            return str(self.measure_memory)
+        """The device measured peaks are of: ``device``, else the CPU."""
         return str(self.device) if self.device is not None else "cpu"
 
     def _calibrate(self) -> MemoryModel:
-        import torch
 
         from dynabatch.memory.calibrate import calibrate
 
         options = dict(self.calibrate_kwargs)
         options.setdefault("device", self.device)
-        if isinstance(self.measure_memory, (str, torch.device)):
-            options.setdefault("measure_memory", self.measure_memory)
         # Probes padded and tokenized as the windows' batches will be: the loader's margin, padding multiple and
         # tokenizer keywords.
         for key in ("pad_to_multiple_of", "memory_margin"):
@@ -143,7 +138,7 @@ class WindowMemory:
         first = report.records[0]
         if first.peak_bytes is not None and first.peak_bytes <= 0 and report.budget_bytes == 0:
             logger.warning("the first batch's peak measured 0 bytes on %s: fn does not run on the measured device "
-                           "(pass device= or measure_memory=); not learning memory in this actor",
+                           "(pass device=); not learning memory in this actor",
                            self._measure_device())
             self._learning = False
             return

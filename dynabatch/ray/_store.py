@@ -29,9 +29,10 @@ import numpy as np
 
 from dynabatch._digest import fingerprint
 from dynabatch.data.ids import check_ids
-from dynabatch.inference._options import check_store_arguments
+from dynabatch.inference.options import check_store_arguments
 from dynabatch.inference._shards import StoreWriter
-from dynabatch.inference.store import ResultsStore, token_store_hashes
+from dynabatch.data.input_hashes import token_store_hashes
+from dynabatch.inference.store import ResultsStore
 from dynabatch.ray._columns import check_column
 
 __all__ = ["SUMMARY", "WindowStore", "check_store_options"]

@@ -11,7 +11,8 @@ import numpy as np
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.inference.loader import plan_of
 from dynabatch.inference.report import RunReport
-from dynabatch.inference.results import BatchOutOfMemoryError, RunResult
+from dynabatch.inference.execute import BatchOutOfMemoryError
+from dynabatch.inference.results import RunResult
 from dynabatch.inference.runner import check_run_options, run
 from dynabatch.memory.model import MemoryModel
 from dynabatch.ray._columns import check_column, check_options, columns_of, to_column
@@ -60,8 +61,8 @@ class DynamicBatchPredictor(WindowMemory):
     Such a window is tokenized a second time (the first plan is only looked
     at): once per new longest length, so a few times per actor.
 
-    Every batch is measured while a model is being grown (``measure_memory``
-    is ``True`` unless you name a device), and each measured batch that
+    Every batch is measured while a model is being grown (``memory="record"``
+    unless you choose another mode), and each measured batch that
     tells the model something is added to it: a longer length than measured,
     or a peak above its prediction (always), or one more than 10% under it
     (at most 8 a window, until the model holds 256 points, so that a long
@@ -83,16 +84,15 @@ class DynamicBatchPredictor(WindowMemory):
             results: ``""`` for every row that ran, a message for a row that
             ran out of memory on its own (its result is ``None``).
         on_oom: ``"raise"`` (a row that runs out of memory on its own raises
-            :class:`~dynabatch.inference.results.BatchOutOfMemoryError`, which
+            :class:`~dynabatch.inference.execute.BatchOutOfMemoryError`, which
             fails the window and the job) or ``"skip"`` (it is reported in
             ``error_column``). Larger batches are always split and retried.
         device: where to move each batch before ``fn`` (``run``'s ``device``),
             and the device calibration and measurement use; ``None`` leaves it.
-        measure_memory: ``run``'s ``measure_memory``; ``None``: ``True`` while a
-            memory model is grown (``learn_memory``), else ``run``'s default.
-        adapt: ``run``'s ``adapt``; ``None``: ``run``'s default, except that a
-            window planned by the memory model this actor grows runs as planned
-            (``adapt=False``: the model already learns from each of its batches).
+        memory: ``run``'s ``memory``; ``"auto"``: while a memory model is grown
+            (``learn_memory``), a window planned by it runs as planned with every
+            batch measured (``"record"``: the model already learns from each of
+            its batches), other windows in measured mode; else ``run``'s default.
         calibrate: run :func:`dynabatch.calibrate` on ``fn`` once in the actor,
             after ``setup``, and plan with that model from the first window.
         memory_model: a saved :class:`~dynabatch.memory.model.MemoryModel`
@@ -163,8 +163,7 @@ class DynamicBatchPredictor(WindowMemory):
         error_column: str = "error",
         on_oom: str = "raise",
         device: Any = None,
-        measure_memory: Any = None,
-        adapt: bool | None = None,
+        memory: str = "auto",
         calibrate: bool = False,
         memory_model: Any = None,
         learn_memory: bool = True,
@@ -183,7 +182,7 @@ class DynamicBatchPredictor(WindowMemory):
         self.error_column = check_column("error_column", error_column)
         if self.output_column == self.text_column:
             raise bad_value("output_column", f"another column than text_column={text_column!r}", output_column)
-        check_run_options(device, on_oom, measure_memory, adapt)
+        check_run_options(device, on_oom, memory)
         if on_oom == "skip" and self.error_column in (self.text_column, self.output_column):
             raise bad_value("error_column", "another column than text_column and output_column", error_column)
         self.on_oom = on_oom
@@ -192,15 +191,14 @@ class DynamicBatchPredictor(WindowMemory):
                             ("inference_mode", inference_mode)):
             if not isinstance(value, bool):
                 raise bad_type(name, "a bool", value)
-        if learn_memory and measure_memory is False:
-            raise bad_value("measure_memory", "True, None or a device while learn_memory=True (the memory model "
-                            "learns from measured peaks)", measure_memory)
+        if learn_memory and memory == "off":
+            raise bad_value("memory", "a mode that measures while learn_memory=True (the memory model learns from "
+                            "measured peaks)", memory)
         if memory_model is not None and not isinstance(memory_model, (str, os.PathLike, MemoryModel)):
             raise bad_type("memory_model", "None, a MemoryModel, or the path of a saved one", memory_model)
         if calibrate and memory_model is not None:
             raise bad_value("memory_model", "None with calibrate=True (calibrate makes the model)", memory_model)
-        self.measure_memory = measure_memory
-        self.adapt = adapt
+        self.memory = memory
         self.learn_memory = learn_memory
         self.inference_mode = inference_mode
         self.loader_kwargs = check_options("loader_kwargs", loader_kwargs, _LOADER_OWN)
@@ -323,16 +321,12 @@ class DynamicBatchPredictor(WindowMemory):
         options: dict[str, Any] = {"on_oom": self.on_oom, "progress": False}
         if self.device is not None:
             options["device"] = self.device
-        if self.measure_memory is not None:
-            options["measure_memory"] = self.measure_memory
-        elif self._learning:
-            options["measure_memory"] = True
-        if self.adapt is not None:
-            options["adapt"] = self.adapt
-        elif self._learning and plan != "relative":
-            # The window was planned by this actor's measured memory model, which learns from every batch in
-            # _learn: run keeps that plan rather than re-sizing it (and feeding the same model) a second time.
-            options["adapt"] = False
+        if self.memory != "auto" or not self._learning:
+            options["memory"] = self.memory
+        else:
+            # A window planned by this actor's measured memory model, which learns from every batch in _learn:
+            # run keeps that plan rather than re-sizing it (and feeding the same model) a second time.
+            options["memory"] = "measured" if plan == "relative" else "record"
         return options
 
     def _run_window(self, texts: list[str], rows: np.ndarray | None = None) -> tuple[RunResult, Any]:

@@ -237,7 +237,7 @@ class BatchPlanner:
         learned = feedback.oom_cap(width)  # what out-of-memory errors allow, whatever the rest says
         if learned is not None:
             cap = min(cap, learned)
-        budget = feedback.budget_
+        budget = feedback.budget
         if budget is None:  # nothing measured yet: the plan (which keeps the token cap)
             return int(settle_rows(planned, cap=cap))
         cap = min(cap, int(settings.max_growth * (last_size or planned)))

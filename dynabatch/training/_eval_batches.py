@@ -108,7 +108,7 @@ class EvalBatchSampler(Sampler):
         start, last, total = 0, None, len(planner.sorted_lengths)
         while start < total:
             size = planner.next_size(start, last)
-            if measured and self._handed_out and planner.feedback.budget_ is None:
+            if measured and self._handed_out and planner.feedback.budget is None:
                 size = min(size, len(self._handed_out[0]))  # asked for ahead of the first batch's peak
             batch = planner.order[start : start + size]
             self._handed_out.append(batch)

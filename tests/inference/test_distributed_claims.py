@@ -1,4 +1,4 @@
-"""``run(lockstep=False)`` on two gloo ranks: chunks claimed from the store's counter, measured mode per rank."""
+"""``run(ranks="claim")`` on two gloo ranks: chunks claimed from the store's counter, measured mode per rank."""
 
 import textwrap
 
@@ -38,14 +38,14 @@ _WORKER = textwrap.dedent(
         loader = dynabatch.build_dynamic_batch_dataloader(texts, tokenizer, batch_size=4, max_input_token_length=64,
                                                           num_workers=0, stream=stream)
         store = os.path.join(out, name)
-        result = dynabatch.run(fn, loader, output_path=store, key="sums", lockstep=False, progress=False)
+        result = dynabatch.run(fn, loader, output_path=store, key="sums", ranks="claim", progress=False)
         r = result.report
         report[name] = {
             "rows": [int(x) for x in result], "ran": r.rows, "over": r.batches_over_budget,
             "max_ratio": r.max_peak_ratio, "sizes": [b.rows for b in r.records],
             "tokenized": sorted(loader.plan.stream._collators) if stream else None,
         }
-    gathered = dynabatch.run(fn, loader, lockstep=False, progress=False)  # no store: rank 0 gathers
+    gathered = dynabatch.run(fn, loader, ranks="claim", progress=False)  # no store: rank 0 gathers
     report["gathered"] = [None if x is None else int(x) for x in gathered]
     dist.barrier()
     dist.destroy_process_group()

@@ -57,7 +57,7 @@ def test_a_tuple_of_batch_first_tensors_is_one_field_per_element_in_batches_of_t
 def test_integer_tags_equal_to_the_pad_id_are_kept(tokenizer, tagger, texts):
     with torch.no_grad():
         result = run(lambda b: tagger(**b).logits.argmax(-1), _load(texts[:24], tokenizer, batch_size=8),
-                     progress=False)
+                     token_outputs="per_token", progress=False)  # (rows, width) tags: declared per token
         zeros = 0
         for p, text in enumerate(texts[:24]):
             want = _alone(tagger, tokenizer, text).logits.argmax(-1)[0]
@@ -100,18 +100,26 @@ LEFT = _batch([[0, 0, 5, 6], [7, 0, 8, 9]], [[0, 0, 1, 1], [1, 1, 1, 1]])  # row
 def test_generated_ids_lose_the_batchs_padding_only():
     echoed = torch.tensor([[0, 0, 5, 6, 3, 0, 0], [7, 0, 8, 9, 0, 4, 0]])
     assert [r.tolist() for r in split_rows(echoed, LEFT, pad_token_id=0)] == [[5, 6, 3], [7, 0, 8, 9, 0, 4]]
-    # Not an echo, and another width than the batch's (an encoder-decoder): a leading pad id is its start token.
+    # Not an echo (an encoder-decoder's replies, or top-k ids): nothing is certain, so rows stay whole, unless
+    # declared generated; then a leading pad id is its start token and stays.
     decoded = torch.tensor([[0, 3, 4, 0, 0], [0, 5, 0, 0, 0]])
-    assert [r.tolist() for r in split_rows(decoded, LEFT, pad_token_id=0)] == [[0, 3, 4], [0, 5]]
+    assert [r.tolist() for r in split_rows(decoded, LEFT, pad_token_id=0)] == decoded.tolist()
+    declared = split_rows(decoded, LEFT, pad_token_id=0, token_outputs="generated")
+    assert [r.tolist() for r in declared] == [[0, 3, 4], [0, 5]]
     # Without a pad id generated rows stay whole; "whole" keeps every tensor as the batch padded it.
     assert [r.tolist() for r in split_rows(echoed, LEFT)] == echoed.tolist()
     tags = torch.tensor([[4, 0, 0, 2], [1, 0, 3, 0]])
     assert [r.tolist() for r in split_rows(tags, LEFT, pad_token_id=0, token_outputs="whole")] == tags.tolist()
 
 
-def test_token_outputs_overrides_the_reading_of_integer_tensors_as_wide_as_the_batch():
+def test_token_outputs_declares_the_reading_of_2d_tensors_as_wide_as_the_batch():
     as_wide = torch.tensor([[0, 3, 4], [0, 5, 0]])
-    assert [r.tolist() for r in split_rows(as_wide, RIGHT, pad_token_id=0)] == [[0, 3, 4], [0]]  # per-token
+    with pytest.raises(ValueError, match=r"fn\(batch\) should say how its rows are read, but got a 2-D tensor of "
+                                         r"shape \(2, 3\) whose dimension 1 equals the batch's width 3: .*"
+                                         r"token_outputs='per_token'.*token_outputs='whole'.*token_outputs='generated'"):
+        split_rows(as_wide, RIGHT, pad_token_id=0)
+    per_token = split_rows(as_wide, RIGHT, pad_token_id=0, token_outputs="per_token")
+    assert [r.tolist() for r in per_token] == [[0, 3, 4], [0]]
     generated = split_rows(as_wide, RIGHT, pad_token_id=0, token_outputs="generated")
     assert [r.tolist() for r in generated] == [[0, 3, 4], [0, 5]]
     echo = torch.tensor([[5, 6, 7, 1], [8, 0, 0, 2]])  # starts with input_ids, but read per token as asked
@@ -123,10 +131,21 @@ def test_token_outputs_overrides_the_reading_of_integer_tensors_as_wide_as_the_b
         run(lambda b: None, [RIGHT], token_outputs=None, progress=False)
 
 
+def test_a_pooled_vector_as_wide_as_the_first_batch_is_refused_not_cut():
+    pooled = torch.randn(2, 3)  # a 3-d embedding, the batch 3 tokens wide: never cut by the attention mask
+    with pytest.raises(ValueError, match=r"should say how its rows are read.*token_outputs='whole' to keep each row "
+                                         r"whole \(a pooled vector\)$"):
+        RowSplitter(pad_token_id=0).split(pooled, RIGHT)
+    kept = RowSplitter(pad_token_id=0, token_outputs="whole").split(pooled, RIGHT)
+    assert [r.tolist() for r in kept] == pooled.tolist()
+    other_width = RowSplitter(pad_token_id=0)  # first read at another width: a vector per row, for the whole run
+    other_width.split(torch.randn(2, 3), LEFT)
+    assert [r.shape for r in other_width.split(pooled, RIGHT)] == [(3,), (3,)]
+
+
 def test_a_fields_reading_is_kept_for_the_run_and_a_contradiction_is_refused():
-    rows = RowSplitter(pad_token_id=0)
-    pooled = torch.randn(2, 3)  # as wide as the first batch by chance: read per token there
-    assert [r.shape for r in rows.split(pooled, RIGHT)] == [(3, ), (1,)]
+    rows = RowSplitter(pad_token_id=0, token_outputs="per_token")
+    assert [r.shape for r in rows.split(torch.randn(2, 3), RIGHT)] == [(3, ), (1,)]
     with pytest.raises(ValueError, match=r"fn\(batch\)\.shape\[1\] should be the batch's width 4, as at its first "
                                          r"batch \(width 3, where it was read as per-token .* token_outputs="):
         rows.split(torch.randn(2, 3), LEFT)
@@ -148,7 +167,7 @@ def test_containers_give_each_row_its_own_slices():
                             "cache": object(), "texts": ["a", "b"]}, RIGHT)
     assert sorted(dict_rows[0]) == ["hidden_states", "logits", "texts"] and dict_rows[1]["texts"] == "b"
     assert dict_rows[0]["hidden_states"][1].shape == (3, 4)
-    numpy_rows = split_rows(np.arange(6).reshape(2, 3), RIGHT)
+    numpy_rows = split_rows(np.arange(6).reshape(2, 3), RIGHT, token_outputs="per_token")
     assert [r.tolist() for r in numpy_rows] == [[0, 1, 2], [3]]
 
 

@@ -89,7 +89,7 @@ def seq2seq_runs(tokenizer, long_texts, one_thread):
     model = _seq2seq()
     loader = _loader(long_texts, tokenizer)
     with torch.no_grad():
-        plan = run(Recorder(model).generate, loader, adapt=False, measure_memory=True, progress=False)
+        plan = run(Recorder(model).generate, loader, memory="record", progress=False)
         defaults = Recorder(model)
         result = run(defaults, loader, progress=False)
         ratios = defaults.peaks()
@@ -138,7 +138,7 @@ def test_guarded_defaults_split_batches_the_measured_peaks_bound_above_the_first
     with torch.no_grad(), caplog.at_level("INFO", logger="dynabatch.inference"):
         result = run(guarded, batches, progress=False)
         ratios = guarded.peaks()
-    assert "guarded mode" in caplog.text
+    assert "memory='guarded'" in caplog.text
     _within_first_peak(guarded.calls, ratios)
     assert result.report.pre_split_batches > 0  # some batches were split before they ran
     ran = [p for b in guarded.calls for p in b.indices.tolist()]
@@ -146,10 +146,10 @@ def test_guarded_defaults_split_batches_the_measured_peaks_bound_above_the_first
     assert [r.tolist() for r in result] == [r.tolist() for r in plan]
 
 
-def test_explicit_false_keeps_the_plan_unmeasured(seq2seq_runs):
+def test_memory_off_keeps_the_plan_unmeasured(seq2seq_runs):
     model, loader, plan, *_ = seq2seq_runs
     with torch.no_grad():
-        for kwargs in ({"measure_memory": False}, {"adapt": False}):
+        for kwargs in ({"memory": "off"}, {"adapt": False}):  # the new spelling, and the old one (deprecated)
             got = run(Recorder(model).generate, loader, progress=False, **kwargs)
             assert got.report.batches == len(loader) and got.report.budget_bytes is None
             assert [r.rows for r in got.report.records] == [r.rows for r in plan.report.records]
@@ -173,10 +173,10 @@ def test_with_a_model_on_cuda_every_batch_is_measured_there(tokenizer, long_text
 
     monkeypatch.setattr(measure, "track_peak_memory", on_cuda)
     loader = _loader(long_texts[:60], tokenizer)
-    result = run(lambda b: b["input_ids"].float().cumsum(1), loader, progress=False)
+    result = run(lambda b: b["input_ids"].float().cumsum(1)[:, -1], loader, progress=False)
     assert result.report.batches == len(asked) and set(asked) == {"cuda:0"}  # every batch, on the device in use
     assert all(r.peak_bytes is not None for r in result.report.records)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)  # CUDA without a model: the CPU
     asked.clear()
-    run(lambda b: b["input_ids"].float().cumsum(1), loader, progress=False)
+    run(lambda b: b["input_ids"].float().cumsum(1)[:, -1], loader, progress=False)
     assert set(asked) == {"cpu"} and len(asked) < result.report.batches

@@ -95,7 +95,7 @@ def test_devices_store_results_in_one_store(texts, tokenizer, tmp_path):
         ({"devices": "cpu"}, TypeError, r"devices should be None or a list of devices"),
         ({"devices": []}, ValueError, r"devices should be None or a list of at least one device"),
         ({"devices": ["cpu"], "device": "cpu"}, ValueError, r"device should be None when devices is given"),
-        ({"devices": ["cpu"], "measure_memory": "cpu"}, ValueError, r"measure_memory should be None, True or False"),
+        ({"devices": ["cpu"], "prefetch": 2}, ValueError, r"prefetch should be None or 0 with devices"),
         ({"devices": ["gpu"]}, ValueError, r"devices\[0\]"),
         ({"prefetch": -1}, ValueError, r"prefetch"),
         ({"lockstep": "no"}, TypeError, r"^lockstep should be a bool, but got lockstep='no' of type str$"),
@@ -116,8 +116,8 @@ def test_batches_built_ahead_give_the_same_rows_and_re_sized_ones_are_rebuilt(te
         with torch.no_grad():
             return minilm(**batch).last_hidden_state.mean(1)
 
-    ahead = run(embed, _load(texts, tokenizer), progress=False, prefetch=2, adapt=True)
-    built_now = run(embed, _load(texts, tokenizer), progress=False, prefetch=0, adapt=True)
+    ahead = run(embed, _load(texts, tokenizer), progress=False, prefetch=2, memory="measured")
+    built_now = run(embed, _load(texts, tokenizer), progress=False, prefetch=0, memory="measured")
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(ahead, built_now))
     assert [r.rows for r in ahead.report.records] == [r.rows for r in built_now.report.records]
     assert built_now.report.rebuilt_batches == 0

@@ -104,7 +104,9 @@ def test_encoder_decoder_generate_keeps_the_decoder_start_token(tokenizer, maria
         tokens = torch.cat([generate(b)[:, 2:].flatten() for b in loader])
         eos = int(tokens.bincount().argmax())
         generate.__defaults__ = (eos,)
-        result = run(generate, loader, progress=False)
+        whole = run(generate, loader, progress=False)  # not an echo of input_ids: rows as the batch padded them
+        result = run(generate, loader, token_outputs="generated", progress=False)  # declared: padding stripped
+        assert sum(len(w) > len(r) for w, r in zip(whole, result)) > 1
         assert 1 < sum(len(r) < 1 + NEW_TOKENS for r in result) < len(some)
         for p, text in enumerate(some):
             inputs = tokenizer(

@@ -26,7 +26,7 @@ def test_measure_memory_records_each_batch_against_the_first(tokenizer, texts):
         hidden = torch.ones(*batch["input_ids"].shape, 64)
         return (hidden * batch["attention_mask"].unsqueeze(-1)).sum(1)
 
-    result = run(allocate, loader, measure_memory=True, progress=False)
+    result = run(allocate, loader, memory="record", progress=False)
     report = result.report
     peaks = [r.peak_bytes for r in report.records]
     assert all(p > 0 for p in peaks) and report.budget_bytes == peaks[0]
@@ -50,8 +50,8 @@ def test_measured_mode_grows_a_timid_plan_and_keeps_results(tokenizer, minilm):
         return minilm(**batch).last_hidden_state[:, 0]
 
     with torch.no_grad():
-        planned = run(embed, loader, measure_memory=True, adapt=False, progress=False)  # the plan as it is
-        measured = run(embed, loader, adapt=True, progress=False)
+        planned = run(embed, loader, memory="record", progress=False)  # the plan as it is
+        measured = run(embed, loader, memory="measured", progress=False)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(planned, measured))
     report = measured.report
     assert report.budget_bytes == report.records[0].peak_bytes  # measured on the CPU tracker by default
@@ -63,8 +63,10 @@ def test_measured_mode_grows_a_timid_plan_and_keeps_results(tokenizer, minilm):
 def _later_batches_fit(report, batch_size):
     """After the first two batches (the plan's: nothing to fit yet), a batch grown past ``batch_size`` stays
     under the first batch's peak, and one of ``batch_size`` rows (the floor, at nearly the first batch's
-    width) within 2% of it: real peaks of equal shapes differ a little with the content."""
-    for r in report.records[2:]:
+    width) within 2% of it: real peaks of equal shapes differ a little with the content. On the CPU only the
+    calls whose peak could let later batches grow are measured (the tracker's cost): those are checked."""
+    assert sum(r.peak_bytes is not None for r in report.records) > 2
+    for r in [r for r in report.records[2:] if r.peak_bytes is not None]:
         assert r.peak_bytes <= report.budget_bytes * (1.0 if r.rows > batch_size else 1.02), r
 
 
@@ -78,8 +80,8 @@ def test_measured_mode_shrinks_batches_whose_rows_cost_more_than_their_tokens(to
         return marian.generate(**batch, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
 
     with torch.no_grad():
-        planned = run(generate, loader, measure_memory=True, adapt=False, progress=False)
-        measured = run(generate, loader, adapt=True, progress=False)
+        planned = run(generate, loader, memory="record", progress=False)
+        measured = run(generate, loader, memory="measured", progress=False)
     budget = planned.report.budget_bytes
     assert max(r.peak_bytes for r in planned.report.records) > budget  # threshold=1.0: the plan overshoots
     _later_batches_fit(measured.report, batch_size=4)
@@ -94,7 +96,7 @@ def test_measured_mode_learns_from_the_halves_of_a_batch_that_ran_out_of_memory(
     loader = _load(same_width_texts[:60], tokenizer, max_input_token_length=24)
     limited = _embed_under_a_real_limit(minilm, loader)
     with torch.no_grad():
-        got = run(limited, loader, adapt=True, progress=False)
+        got = run(limited, loader, memory="measured", progress=False)
         want = run(lambda b: minilm(**b).last_hidden_state[:, 0], loader, progress=False)
     report = got.report
     assert report.records[0].oom_splits == 1 and report.budget_bytes < limited.limit  # what fitted is the budget
@@ -106,14 +108,14 @@ def test_measured_mode_learns_from_the_halves_of_a_batch_that_ran_out_of_memory(
 
 def test_measured_mode_needs_a_dynabatch_loader(tokenizer, texts):
     batches = list(_load(texts[:10], tokenizer))
-    with pytest.raises(ValueError, match=r"adapt should be False for a loader that is not a dynabatch DataLoader"):
-        run(_lengths, batches, adapt=True, progress=False)
-    with pytest.raises(TypeError, match=r"adapt should be None \(auto\), True or False, but got adapt='yes'"):
-        run(_lengths, batches, adapt="yes", progress=False)
+    with pytest.raises(ValueError, match=r"memory should be 'guarded', 'record' or 'off' here \(a loader that is "
+                                         r"not a dynabatch DataLoader has no plan to re-size\), but got "
+                                         r"memory='measured'"):
+        run(_lengths, batches, memory="measured", progress=False)
 
 
 def test_measured_mode_refines_a_memory_model_that_can_be_saved(tokenizer, minilm, texts, tmp_path):
-    # The memory model comes from a few measured probes of the real model; run(adapt=True) adds every batch
+    # The memory model comes from a few measured probes of the real model; run(memory="measured") adds every batch
     # it measures, and the refined model is saved for the next job.
     from dynabatch.memory.model import MemoryModel
 
@@ -128,14 +130,14 @@ def test_measured_mode_refines_a_memory_model_that_can_be_saved(tokenizer, minil
     loader = _load(texts, tokenizer, batch_size=4, memory_model=mm)
     embed = lambda b: minilm(**b).last_hidden_state[:, 0]  # noqa: E731
     with torch.no_grad():
-        got = run(embed, loader, adapt=True, progress=False)
+        got = run(embed, loader, memory="measured", progress=False)
         want = run(embed, loader, progress=False)
     assert len(mm.probes_) > probes  # refined from the peaks measured
     assert got.report.rows == len(texts) and got.failed == []
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
     budget = got.report.budget_bytes
-    assert max(r.peak_bytes for r in got.report.records) <= 1.02 * budget
+    assert max(r.peak_bytes for r in got.report.records if r.peak_bytes is not None) <= 1.02 * budget
     mm.save(tmp_path / "mm.json")
     loaded = MemoryModel.load(tmp_path / "mm.json")
     assert len(loaded.probes_) == len(mm.probes_)

@@ -42,7 +42,7 @@ def test_out_of_memory_batches_are_split_and_later_ones_pre_split(
     would_fail = sum(rows > max_rows for rows, _ in shapes)
     fn = _oom_over(_lengths, max_rows, error)
     with caplog.at_level(logging.INFO, logger="dynabatch.inference"):
-        got = run(fn, loader, adapt=False, progress=False)  # the plan's shapes, as they are
+        got = run(fn, loader, memory="off", progress=False)  # the plan's shapes, as they are
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
     assert got.failed == []
     report = got.report
@@ -75,7 +75,7 @@ def test_a_genuine_cpu_out_of_memory_is_recovered(tokenizer, minilm, same_width_
     loader = _load(same_width_texts[:60], tokenizer, max_input_token_length=24)
     limited = _embed_under_a_real_limit(minilm, loader)
     with torch.no_grad():
-        got = run(limited, loader, adapt=False, progress=False)  # the plan's shapes, as they are
+        got = run(limited, loader, memory="off", progress=False)  # the plan's shapes, as they are
         want = run(lambda b: minilm(**b).last_hidden_state[:, 0], loader, progress=False)
     assert got.report.oom_events >= 1 and got.report.pre_split_batches >= 1 and got.failed == []
     for a, b in zip(got, want):

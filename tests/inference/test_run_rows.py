@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_forward_rows_equal_running_each_text_alone(tokenizer, minilm, texts):
     loader = _load(texts, tokenizer)
     with torch.no_grad():
-        result = run(lambda b: minilm(**b).last_hidden_state[:, 0], loader, adapt=False, progress=False)
+        result = run(lambda b: minilm(**b).last_hidden_state[:, 0], loader, memory="off", progress=False)
         assert isinstance(result, RunResult) and isinstance(result, list)
         assert len(result) == len(texts) and result.failed == []
         assert result.report.rows == len(texts) and result.report.batches == len(loader) > 3
@@ -35,7 +35,7 @@ def test_forward_rows_equal_running_each_text_alone(tokenizer, minilm, texts):
 def test_run_equals_the_manual_loop_with_restore_order(tokenizer, texts):
     loader = _load(texts, tokenizer)
     manual = restore_order([_lengths(b) for b in loader], [b.indices for b in loader])
-    result = run(_lengths, loader, adapt=False, progress=False)  # the plan, as the plain loop runs it
+    result = run(_lengths, loader, memory="off", progress=False)  # the plan, as the plain loop runs it
     assert all(torch.equal(a, b) for a, b in zip(result, manual))
     report = result.report
     assert [r.batch for r in report.records] == list(range(len(loader)))

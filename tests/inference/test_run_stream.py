@@ -87,7 +87,7 @@ def test_measured_mode_keeps_every_batch_under_the_first_peak(small_chunks, text
             h = embed(batch["input_ids"])
             return ((h @ h.transpose(1, 2)).softmax(-1) @ h).sum((1, 2))
 
-    report = dynabatch.run(fn, _load(texts, tokenizer), progress=False, adapt=True).report
+    report = dynabatch.run(fn, _load(texts, tokenizer), progress=False, memory="measured").report
     assert report.batches_over_budget == 0 and max(r.rows for r in report.records) > 4
 
 
@@ -98,7 +98,7 @@ def test_a_row_the_characters_ranked_too_low_runs_alone_in_measured_mode(tokeniz
     words = " ".join(["light"] * 40)  # fewer characters, 42 tokens
     texts = wide + [words] + ["a b"] * 15
     loader = dynabatch.build_dynamic_batch_dataloader(texts, tokenizer, 4, 64, num_workers=0, stream=True)
-    result = dynabatch.run(_sums, loader, progress=False, adapt=True)
+    result = dynabatch.run(_sums, loader, progress=False, memory="measured")
     assert [int(x) for x in result] == [int(_sums(loader.plan.collator([p]))) for p in range(len(texts))]
     record = next(r for r in result.report.records if r.width == 42)
     assert record.rows == 1

@@ -22,11 +22,11 @@ def test_a_bad_measurement_is_refused():
 def test_a_batch_run_in_parts_sets_the_budget_and_bound_from_its_parts():
     fb = MemoryFeedback()
     fb.observe_parts([(2, 4, 1200), (1, 4, 700)])  # the first batch, split: 2 rows fitted at 1200 bytes
-    assert (fb.budget_, fb.row_bytes_) == (1200, 700)  # the largest part's peak; the costliest row
+    assert (fb.budget, fb.row_bytes_) == (1200, 700)  # the largest part's peak; the costliest row
     fb.observe_parts([(4, 2, 2000)])
-    assert (fb.budget_, fb.row_bytes_) == (1200, 500)  # the budget stays the first batch's
+    assert (fb.budget, fb.row_bytes_) == (1200, 500)  # the budget stays the first batch's
     fb.observe_parts([])  # nothing measured: nothing changes
-    assert (fb.budget_, fb.row_bytes_) == (1200, 500)
+    assert (fb.budget, fb.row_bytes_) == (1200, 500)
     with pytest.raises(ValueError, match="peak_bytes should be a finite number >= 0, but got peak_bytes=-1"):
         fb.observe_parts([(1, 2, 100), (1, 2, -1)])
     with pytest.raises(ValueError, match=r"^padded_length should be None or a number >= 0 \(a padded width\), but got "
@@ -38,7 +38,7 @@ def test_the_bound_takes_the_tightest_measured_batch_at_least_as_wide():
     fb = MemoryFeedback()
     assert fb.bound(4, 10) is None and fb.max_rows(10, 1e9) == 0  # nothing measured
     fb.observe_parts([(4, 100, 8000), (8, 50, 6000)])  # 2000 and 750 bytes a row
-    assert fb.budget_ == 8000
+    assert fb.budget == 8000
     assert fb.bound(2, 100) == 8000  # fewer rows than measured: that batch's peak
     assert fb.bound(6, 100) == 12000  # more: rows x its peak per row
     assert fb.bound(6, 50) == 6000 and fb.bound(16, 40) == 12000  # the narrower measurement bounds narrower rows

@@ -54,7 +54,7 @@ def test_the_cursor_carries_the_first_batchs_budget_across_chunks():
     second = planner.next_batch()  # the second chunk's first batch, sized by the first chunk's peaks
     assert len(second) == 4 and lengths[second].max() == 10
     planner.observe(4, 10, 4 * 1000.0)
-    assert planner.feedback.budget_ == 24_000.0
+    assert planner.feedback.budget == 24_000.0
     assert len(planner.next_batch()) == 8  # grown under the same budget (max_growth 2x)
 
 

@@ -431,7 +431,7 @@ def test_nothing_measured_follows_the_plan_and_then_the_floor_holds():
     planner = BatchPlanner([9, 5, 5, 1, 1, 1], PlanSettings(1, 9), FixedPlan([1, 2, 3]))
     assert [planner.next_size(0), planner.next_size(1), planner.next_size(3), planner.next_size(4)] == [1, 2, 3, 2]
     planner.observe(1, 9, 1000)  # the first batch: every later row may cost as much as its rows did
-    assert (planner.feedback.budget_, planner.feedback.row_bytes_) == (1000, 1000)
+    assert (planner.feedback.budget, planner.feedback.row_bytes_) == (1000, 1000)
     assert planner.next_size(1) == 1  # the floor (the first batch's rows), not the plan's 2
 
 

@@ -1,0 +1,297 @@
+"""The options of :func:`dynabatch.run`, resolved or refused in one place: :func:`resolve_options`.
+
+Each option says one thing, and no option silently changes what another
+says. What a combination cannot mean is refused here, before any batch runs,
+with a message that names the options and says what to do:
+
+* ``memory``: how memory bounds the batches. ``"measured"`` re-sizes a
+  dynabatch loader's batches from measured peaks (in plan order, longest
+  first); ``"guarded"`` runs the batches in their own order and splits one
+  the measured peaks bound above the first batch's peak; ``"record"`` runs
+  them as they come and records each call's peak; ``"off"`` measures nothing.
+  ``"auto"``: measured where the batches can be re-planned (a dynabatch
+  loader, not shuffled, not in lockstep), else guarded; off on a device whose
+  memory cannot be measured.
+* ``ranks``: under ``torch.distributed``, ``"lockstep"`` (every rank the same
+  calls: for an ``fn`` with collectives) or ``"claim"`` (ranks claim chunks of
+  the corpus: no collectives in ``fn``); ``"single"`` runs every batch in this
+  process whatever the process group; ``"auto"``: lockstep under a process
+  group of more than one rank, else single.
+* ``fn`` is always ``fn(batch)``. Several devices take ``make_fn(device)``,
+  which returns each device's ``fn``, with ``devices=[...]``.
+
+The spellings of earlier versions (``adapt``, ``measure_memory``,
+``distributed``, ``lockstep``, and ``fn`` meaning ``make_fn`` with
+``devices``) still work, each with a ``DeprecationWarning`` naming the new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dynabatch._validation import bad_type, bad_value, check_non_negative_int
+from dynabatch.inference.outputs import check_token_outputs
+from dynabatch.memory.device import device_in_use, measurable
+from dynabatch.memory.measure import check_device, check_measurable_device
+
+__all__ = ["MEMORY_MODES", "ON_OOM", "RANKS", "RunOptions", "check_run_options", "check_store_arguments",
+           "resolve_options"]
+
+logger = logging.getLogger("dynabatch.inference.runner")  # what run() logs, under run's own name
+
+MEMORY_MODES = ("auto", "measured", "guarded", "record", "off")
+"""The values of ``run(memory=...)``."""
+RANKS = ("auto", "lockstep", "claim", "single")
+"""The values of ``run(ranks=...)``."""
+ON_OOM = ("raise", "skip")
+PREFETCH_DEPTH = 2
+"""Batches built ahead of the one running (one device): enough to hide collation, few enough to bound host memory."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What :func:`resolve_options` decided, every field final.
+
+    Attributes:
+        memory: ``"measured"``, ``"guarded"``, ``"record"`` or ``"off"``.
+        sparse: measure only the calls whose peak could let later batches grow (the CPU tracker's cost).
+        ranks: ``"single"``, ``"lockstep"`` or ``"claim"``.
+        rank, world_size: this process's place in the process group (``0, 1`` when single).
+        targets: the devices a worker each runs on (``[device]``, or ``devices``); ``None`` in a target leaves
+            the batch where it is built.
+        memory_devices: per target, where its calls' peaks are measured (``None``: not measured).
+        make_fn: ``make_fn(device) -> fn``; for one device without ``make_fn``, returns ``fn``.
+        prefetch: batches built ahead per worker.
+    """
+
+    memory: str
+    sparse: bool
+    ranks: str
+    rank: int
+    world_size: int
+    targets: tuple
+    memory_devices: tuple
+    make_fn: Callable[[Any], Callable]
+    prefetch: int
+    on_oom: str
+    token_outputs: str
+    pad_token_id: int | None
+    output_path: str | None
+    key: str | None
+    progress: bool
+
+
+def check_store_arguments(output_path: Any, key: Any) -> None:
+    """Refuses a bad ``output_path`` (a directory for the results store) or ``key`` (a str, only with a store)."""
+    if output_path is not None and not isinstance(output_path, (str, os.PathLike)):
+        raise bad_type("output_path", "None, a str or an os.PathLike (a directory for the results store)", output_path)
+    if key is not None and not isinstance(key, str):
+        raise bad_type("key", "None or a str naming the model, revision and settings", key)
+    if key is not None and output_path is None:
+        raise bad_value("key", "None without output_path (it identifies the results stored there)", key)
+
+
+def check_run_options(device: Any = None, on_oom: Any = "raise", memory: Any = "auto") -> None:
+    """Checks the options that say how batches run (also given ahead, as to a Ray predictor)."""
+    _check_choice("memory", memory, MEMORY_MODES)
+    _check_choice("on_oom", on_oom, ON_OOM)
+    if device is not None:
+        check_device("device", device, "None, a str or a torch.device")
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if not isinstance(value, str):
+        raise bad_type(name, f"one of {choices}", value)
+    if value not in choices:
+        raise bad_value(name, f"one of {choices}", value)
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"run({old}) is deprecated: pass {new}", DeprecationWarning, stacklevel=4)
+
+
+def translate_deprecated(old: dict[str, Any], memory: str, ranks: str) -> tuple[str, str]:
+    """``memory`` and ``ranks`` from the keywords of earlier versions (``adapt``, ``measure_memory``,
+    ``distributed``, ``lockstep``), each with a ``DeprecationWarning``; refused beside the new spelling."""
+    unknown = set(old) - {"adapt", "measure_memory", "distributed", "lockstep"}
+    if unknown:
+        raise TypeError(f"run() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+    adapt, measure = old.get("adapt"), old.get("measure_memory")
+    if "adapt" in old or "measure_memory" in old:
+        if memory != "auto":
+            raise ValueError(f"memory should be the only memory option, but got memory={memory!r} beside adapt or "
+                             "measure_memory (their old spelling): pass memory= alone")
+        if adapt is not None and not isinstance(adapt, bool):
+            raise bad_type("adapt", "None (auto), True or False", adapt)
+        if measure is not None and not isinstance(measure, (bool, str, torch.device)):
+            raise bad_type("measure_memory", "None (auto), a bool, or a device", measure)
+        if isinstance(measure, (str, torch.device)):
+            check_measurable_device("measure_memory", measure)
+        if adapt and measure is False:
+            raise bad_value("measure_memory", "None or True with adapt=True (measured mode measures memory): pass "
+                            "memory='measured' or memory='off'", measure)
+        measured = measure is not None and measure is not False
+        memory = ("measured" if adapt else "record" if adapt is False and measured else
+                  "off" if adapt is False or measure is False else "auto")
+        _deprecated("adapt=, measure_memory=", f"memory={memory!r}")
+    if "distributed" in old or "lockstep" in old:
+        if ranks != "auto":
+            raise ValueError(f"ranks should be the only ranks option, but got ranks={ranks!r} beside distributed or "
+                             "lockstep (their old spelling): pass ranks= alone")
+        distributed, lockstep = old.get("distributed"), old.get("lockstep", True)
+        if distributed is not None and not isinstance(distributed, bool):
+            raise bad_type("distributed", "None (auto), True or False", distributed)
+        if not isinstance(lockstep, bool):
+            raise bad_type("lockstep", "a bool", lockstep)
+        ranks = "single" if distributed is False else "auto" if lockstep and distributed is None else \
+            "lockstep" if lockstep else "claim"
+        _deprecated("distributed=, lockstep=", f"ranks={ranks!r}")
+    return memory, ranks
+
+
+def resolve_options(fn: Any, loader: Any, plan: Any, *, make_fn: Any, devices: Any, device: Any, memory: Any,
+                    ranks: Any, on_oom: Any, output_path: Any, key: Any, token_outputs: Any, pad_token_id: Any,
+                    prefetch: Any, progress: Any) -> RunOptions:
+    """Every option of :func:`dynabatch.run` checked and resolved into a :class:`RunOptions`.
+
+    ``plan`` is the loader's :class:`~dynabatch.inference.loader.LoaderPlan`
+    (``None`` for a plain iterable of batches).
+
+    Raises:
+        TypeError: an option of the wrong type.
+        ValueError: an option's value, or a combination no run can honour.
+    """
+    make_fn = _resolve_fn(fn, make_fn, devices)
+    if plan is None and (isinstance(loader, (str, bytes, dict)) or not isinstance(loader, Iterable)):
+        raise bad_type("loader", "a dynabatch DataLoader or an iterable of dynabatch Batches", loader)
+    check_run_options(device, on_oom, memory)
+    _check_choice("ranks", ranks, RANKS)
+    check_store_arguments(output_path, key)
+    check_token_outputs(token_outputs)
+    if not isinstance(progress, bool):
+        raise bad_type("progress", "a bool", progress)
+    if pad_token_id is not None:
+        check_non_negative_int("pad_token_id", pad_token_id)
+    if prefetch is not None:
+        check_non_negative_int("prefetch", prefetch)
+    rank, world_size, ranks = _resolve_ranks(ranks, plan)
+    targets = _resolve_targets(devices, device, ranks)
+    if devices is not None and prefetch:
+        raise bad_value("prefetch", "None or 0 with devices (each device's thread builds its own batches while the "
+                        "other devices run theirs)", prefetch)
+    memory, sparse, memory_devices = _resolve_memory(memory, plan, ranks, targets)
+    return RunOptions(memory, sparse, ranks, rank, world_size, tuple(targets), tuple(memory_devices), make_fn,
+                      (PREFETCH_DEPTH if devices is None else 0) if prefetch is None else prefetch, on_oom,
+                      token_outputs, pad_token_id, None if output_path is None else os.fspath(output_path), key,
+                      progress)
+
+
+def _resolve_fn(fn: Any, make_fn: Any, devices: Any) -> Callable[[Any], Callable]:
+    """``make_fn``: given, or (one device) one returning ``fn``; ``fn`` with ``devices`` is the old spelling."""
+    if devices is not None and make_fn is None and fn is not None:
+        _deprecated("make_fn, loader, devices=...", "make_fn=make_fn (fn is always fn(batch))")
+        fn, make_fn = None, fn
+    if (fn is None) == (make_fn is None):
+        raise bad_value("fn", "given, or make_fn given with devices (one of the two)", fn)
+    if make_fn is not None:
+        if not callable(make_fn):
+            raise bad_type("make_fn", "a callable taking a device and returning fn(batch) for it", make_fn)
+        if devices is None:
+            raise bad_value("make_fn", "None without devices (pass fn for one device, or devices=[...])", make_fn)
+        return make_fn
+    if not callable(fn):
+        raise bad_type("fn", "a callable taking a batch", fn)
+    if isinstance(fn, torch.nn.Module) and isinstance(getattr(fn, "main_input_name", None), str):
+        # A Hugging Face model takes tensors as keywords: model(batch) would fail inside its forward.
+        raise bad_type("fn", "a callable taking a dynabatch.Batch (a dict of tensors), such as "
+                       "lambda batch: model(**batch) or lambda batch: model.generate(**batch)", fn)
+    return lambda _device: fn
+
+
+def _resolve_ranks(ranks: str, plan: Any) -> tuple[int, int, str]:
+    """``(rank, world_size, ranks)`` with ``ranks`` one of lockstep, claim or single."""
+    group = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if ranks == "single" or (ranks == "auto" and not group):
+        return 0, 1, "single"
+    if not group:
+        raise bad_value("ranks", "'auto' or 'single' without a torch.distributed process group (initialize one, "
+                        "as torchrun does, to share the batches among ranks)", ranks)
+    from dynabatch.inference.distributed import world
+
+    rank, world_size = world()
+    if ranks == "auto":
+        ranks = "lockstep" if world_size > 1 else "single"
+    if ranks == "claim" and plan is None:
+        raise bad_value("ranks", "'lockstep' or 'single' for a loader that is not a dynabatch DataLoader (ranks "
+                        "claim chunks of a dynabatch loader's plan)", ranks)
+    if ranks == "lockstep" and plan is not None and plan.stream is not None:
+        logger.info("run: ranks='lockstep' reads the streaming loader's whole plan first (every rank must hold the "
+                    "same batches); ranks='claim' tokenizes each chunk on the rank that claims it")
+    return rank, world_size, ranks
+
+
+def _resolve_targets(devices: Any, device: Any, ranks: str) -> list:
+    """The devices a worker each runs on: ``devices`` parsed (each accelerator once), else ``[device]``."""
+    if devices is None:
+        return [device]
+    if isinstance(devices, (str, torch.device)) or not isinstance(devices, (list, tuple)):
+        raise bad_type("devices", "None or a list of devices (['cuda:0', 'cuda:1'])", devices)
+    if not devices:
+        raise bad_value("devices", "None or a list of at least one device", devices)
+    if device is not None:
+        raise bad_value("device", "None when devices is given (each device's batches move to it)", device)
+    if ranks != "single":
+        raise bad_value("devices", "None under torch.distributed (each rank runs on its own device; or pass "
+                        "ranks='single' to run every batch in this process)", devices)
+    parsed = [check_device(f"devices[{i}]", d, "a str or torch.device") for i, d in enumerate(devices)]
+    accelerators = [str(d) for d in parsed if d.type != "cpu"]
+    if len(set(accelerators)) < len(accelerators):
+        raise bad_value("devices", "a list naming each accelerator once, with its index (its memory statistics "
+                        "are its own)", devices)
+    return parsed
+
+
+def running_device(device: Any) -> torch.device | None:
+    """Where a worker's batches run: ``device`` (``None`` if torch cannot parse it), else the accelerator on which a
+    model holds memory, else the CPU."""
+    if device is not None:
+        try:
+            return torch.device(device)
+        except RuntimeError:
+            return None  # batch.to(device) names the error when the first batch runs
+    return device_in_use() or torch.device("cpu")
+
+
+def _resolve_memory(memory: str, plan: Any, ranks: str, targets: list) -> tuple[str, bool, list]:
+    """``(mode, sparse, memory device per target)``: ``"auto"`` chosen, a mode no run can honour refused."""
+    running = [running_device(t) for t in targets]
+    can_measure = all(r is not None and measurable(r) for r in running)
+    replannable = plan is not None and ranks != "lockstep" and not getattr(plan.sampler, "shuffle", False)
+    if memory == "auto":
+        if not can_measure:
+            logger.info("run: batches run on %s, whose memory cannot be measured: they run as planned",
+                        ", ".join(map(str, running)))
+            memory = "off"
+        else:
+            memory = "measured" if replannable else "guarded"
+    elif memory == "measured" and not replannable:
+        why = ("a loader that is not a dynabatch DataLoader has no plan to re-size" if plan is None else
+               "each rank's share is fixed up front under ranks='lockstep' (ranks='claim' re-sizes per rank)"
+               if ranks == "lockstep" else "a shuffled loader's order cannot be kept: batches are re-planned "
+               "longest first (build the loader with shuffle=False)")
+        raise bad_value("memory", f"'guarded', 'record' or 'off' here ({why})", memory)
+    if memory != "off" and not can_measure:
+        raise bad_value("memory", f"'off' on {', '.join(map(str, running))}, whose memory cannot be measured", memory)
+    if memory == "off":
+        return memory, False, [None] * len(targets)
+    sparse = memory in ("measured", "guarded") and all(r.type == "cpu" for r in running)
+    logger.info("run: memory=%r on %s%s", memory, ", ".join(map(str, running)),
+                ", measuring only calls that can let batches grow" if sparse else "")
+    return memory, sparse, running

@@ -1,0 +1,97 @@
+"""The sinks of :func:`dynabatch.run`: where finished rows go, and the one place results are assembled.
+
+A sink takes what it needs as arguments (positions, rows, input hashes; the
+number of inputs and the failed ones at the end) and never reads the source.
+:class:`MemorySink` keeps rows in memory (gathered on rank 0 under
+``torch.distributed``); the results store of ``output_path``
+(:func:`open_sink`, :mod:`dynabatch.inference.store`) writes them to Parquet
+shards and reads them back. Either way :meth:`result` is the run's result.
+
+Example:
+    >>> import numpy as np
+    >>> from dynabatch.inference.sink import MemorySink
+    >>> sink = MemorySink()
+    >>> writer = sink.writer("cpu")
+    >>> writer.write(np.array([2, 0]), ["c", "a"], None)
+    >>> writer.close()
+    >>> list(sink.result(3, failed=[1]))
+    ['a', None, 'c']
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+
+from dynabatch.inference.report import RunReport
+from dynabatch.inference.results import RunResult
+
+__all__ = ["MemorySink", "open_sink"]
+
+logger = logging.getLogger(__name__)
+
+
+class MemorySink:
+    """Rows kept in memory, one per input position.
+
+    Args:
+        gather: under a process group of more than one rank, :meth:`result` is a collective that brings every
+            rank's rows to rank 0 (other ranks keep their own); each rank answers for the rows it wrote and the
+            positions it names as failed.
+    """
+
+    def __init__(self, *, gather: bool = False) -> None:
+        self.rows: dict[int, Any] = {}
+        self.gather = gather
+        self._lock = threading.Lock()  # several devices' workers write at once
+
+    def writer(self, name: str) -> MemorySink:
+        """The writer of one worker: this sink itself (writes are kept in one dict)."""
+        return self
+
+    def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray | None, ragged: Any = None) -> None:
+        with self._lock:
+            self.rows.update(zip(positions.tolist(), rows))
+
+    def close(self, commit: bool = True) -> None:
+        """Nothing is buffered: every written row is kept."""
+
+    def result(self, n: int, *, report: RunReport | None = None, failed: list[int] = ()) -> RunResult:
+        """One result per input position (``None`` where none), in input order."""
+        if not self.gather:
+            return RunResult((self.rows.get(p) for p in range(n)), report=report, failed=failed)
+        from dynabatch.inference.distributed import gather_results
+
+        failed_set = set(failed)
+        mine = np.union1d(np.fromiter(self.rows, dtype=np.int64, count=len(self.rows)),
+                          np.asarray(failed, dtype=np.int64))
+        flags = gather_results(mine, [p in failed_set for p in mine.tolist()], n)
+        values = gather_results(mine, [self.rows.get(p) for p in mine.tolist()], n)
+        if values is None:  # not rank 0: only this rank's rows
+            return RunResult((self.rows.get(p) for p in range(n)), report=report, failed=failed)
+        return RunResult(values, report=report, failed=[p for p, f in enumerate(flags) if f])
+
+
+def open_sink(output_path: str | None, *, key: str | None, n: int | None, ids: Any, gather: bool,
+              inputs_at: Any) -> Any:
+    """The run's sink: a :class:`MemorySink`, or the results store at ``output_path`` checked before any row is
+    written.
+
+    ``inputs_at(positions) -> (positions, hashes)`` gives the input hashes of
+    this run's inputs among the stored positions: a stored row computed from
+    other inputs is refused now, before this run writes a row.
+    """
+    if output_path is None:
+        return MemorySink(gather=gather)
+    from dynabatch.inference.store import open_store
+
+    store = open_store(output_path, key=key, n=n, ids=ids)
+    stored = np.flatnonzero(store.done)
+    if stored.size:
+        positions, hashes = inputs_at(stored)
+        store.check_inputs(positions, hashes)
+        logger.info("output_path=%r holds %d of this run's rows: they are not run again", output_path, stored.size)
+    return store

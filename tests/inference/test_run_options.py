@@ -1,0 +1,177 @@
+"""``run``'s options: each rule resolved or refused in one place, the spellings of earlier versions deprecated,
+and the seams between options that used to override each other silently."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from runner_helpers import MAX_LEN, _lengths, _load
+
+from dynabatch import run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# --- one meaning each ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"memory": "fast"}, ValueError,
+         r"^memory should be one of \('auto', 'measured', 'guarded', 'record', 'off'\), but got memory='fast'$"),
+        ({"ranks": "all"}, ValueError, r"^ranks should be one of \('auto', 'lockstep', 'claim', 'single'\)"),
+        ({"ranks": "claim"}, ValueError, r"^ranks should be 'auto' or 'single' without a torch.distributed process "
+                                         r"group"),
+        ({"prefetch": 2, "devices": ["cpu"]}, ValueError, r"^prefetch should be None or 0 with devices"),
+        ({"make_fn": lambda d: _lengths}, ValueError, r"^make_fn should be None without devices"),
+        ({"adapt": True, "memory": "off"}, ValueError, r"^memory should be the only memory option"),
+        ({"lockstep": False, "ranks": "single"}, ValueError, r"^ranks should be the only ranks option"),
+        ({"adapt": True, "measure_memory": False}, ValueError,
+         r"^measure_memory should be None or True with adapt=True \(measured mode measures memory\): pass "
+         r"memory='measured' or memory='off', but got measure_memory=False$"),
+        ({"batch_sizes": 3}, TypeError, r"run\(\) got an unexpected keyword argument 'batch_sizes'"),
+    ],
+)
+def test_options_no_run_can_honour_are_refused_before_any_batch(tokenizer, texts, kwargs, error, match):
+    calls = []
+    fn = None if "make_fn" in kwargs or "devices" in kwargs else (lambda b: calls.append(b) or _lengths(b))
+    if "devices" in kwargs and "make_fn" not in kwargs:
+        kwargs = {**kwargs, "make_fn": lambda device: _lengths}
+    with pytest.raises(error, match=match):
+        run(fn, _load(texts[:10], tokenizer), progress=False, **kwargs)
+    assert calls == []
+
+
+def test_measured_mode_on_a_shuffled_loader_is_refused_not_run_in_plan_order(tokenizer, texts):
+    loader = _load(texts[:20], tokenizer, shuffle=True)
+    with pytest.raises(ValueError, match=r"memory should be 'guarded', 'record' or 'off' here \(a shuffled loader's "
+                                         r"order cannot be kept: batches are re-planned longest first"):
+        run(_lengths, loader, memory="measured", progress=False)
+    ran = []
+    run(lambda b: ran.append(b.indices.tolist()) or _lengths(b), loader, progress=False)  # auto: guarded
+    assert [i for b in ran for i in b] == [i for b in loader.batch_sampler for i in b]  # the shuffled order
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ({"adapt": True}, "memory='measured'"),
+        ({"adapt": False}, "memory='off'"),
+        ({"adapt": False, "measure_memory": True}, "memory='record'"),
+        ({"measure_memory": False}, "memory='off'"),
+        ({"distributed": False}, "ranks='single'"),
+        ({"lockstep": True}, "ranks='auto'"),
+    ],
+)
+def test_the_old_spellings_still_work_and_name_the_new_one(tokenizer, texts, old, new):
+    want = run(_lengths, _load(texts[:12], tokenizer), progress=False)
+    with pytest.warns(DeprecationWarning, match=rf"is deprecated: pass {new}"):
+        got = run(_lengths, _load(texts[:12], tokenizer), progress=False, **old)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_devices_take_make_fn_and_the_old_spelling_warns(tokenizer, texts):
+    want = run(_lengths, _load(texts[:30], tokenizer), progress=False)
+    got = run(loader=_load(texts[:30], tokenizer), make_fn=lambda device: _lengths, devices=["cpu", "cpu"],
+              progress=False)
+    with pytest.warns(DeprecationWarning, match=r"pass make_fn=make_fn \(fn is always fn\(batch\)\)"):
+        old = run(lambda device: _lengths, _load(texts[:30], tokenizer), devices=["cpu", "cpu"], progress=False)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(want, got, old))
+    with pytest.raises(ValueError, match=r"^fn should be given, or make_fn given with devices \(one of the two\)"):
+        run(_lengths, _load(texts[:5], tokenizer), make_fn=lambda d: _lengths, devices=["cpu"], progress=False)
+
+
+# --- the seams -------------------------------------------------------------------------------------------------
+
+
+def test_a_pooled_vector_as_wide_as_the_first_batch_is_refused_before_a_row_is_stored(tokenizer, tmp_path):
+    from dynabatch.demo import kjv_passages
+
+    texts = kjv_passages()[:40]  # long passages: the first batch is cut to MAX_LEN tokens, as wide as the vector
+    pooled = lambda b: b["input_ids"].float()[:, :1].repeat(1, MAX_LEN)  # noqa: E731 (one MAX_LEN-d vector per row)
+    store = tmp_path / "store"
+    with pytest.raises(ValueError, match=r"should say how its rows are read, but got a 2-D tensor of shape "
+                                         rf"\(4, {MAX_LEN}\) whose dimension 1 equals the batch's width {MAX_LEN}"):
+        run(pooled, _load(texts, tokenizer), output_path=store, progress=False)
+    assert not [f for f in os.listdir(store) if f.endswith(".parquet")]  # refused before any row was written
+    rows = run(pooled, _load(texts, tokenizer), output_path=store, token_outputs="whole", progress=False)
+    assert all(row.shape == (MAX_LEN,) for row in rows)  # declared: every row whole, none cut
+
+
+def test_one_device_that_cannot_fit_a_row_counts_each_input_once(tokenizer, texts):
+    lock, made = threading.Lock(), []
+
+    def make_fn(device):
+        with lock:
+            broken = not made  # the first device to start fits nothing, not even one row
+            made.append(device)
+
+        def fn(batch):
+            if broken:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected: this device fits nothing)")
+            return _lengths(batch)
+
+        return fn
+
+    result = run(loader=_load(texts, tokenizer), make_fn=make_fn, devices=["cpu", "cpu"], progress=False)
+    assert result.report.rows == len(texts) and result.failed == []  # the other device ran the rows, each once
+    want = run(_lengths, _load(texts, tokenizer), progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(result, want))
+
+
+def test_ctrl_c_on_two_devices_stops_every_thread_and_keeps_the_finished_rows(tokenizer, texts, tmp_path):
+    calls = []
+    lock = threading.Lock()
+
+    def make_fn(device):
+        def fn(batch):
+            with lock:
+                calls.append(time.monotonic())
+                if len(calls) == 6:
+                    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, delivered to the main thread
+            time.sleep(0.02)
+            return _lengths(batch)
+
+        return fn
+
+    store = tmp_path / "store"
+    with pytest.raises(KeyboardInterrupt):
+        run(loader=_load(texts, tokenizer, batch_size=2), make_fn=make_fn, devices=["cpu", "cpu"],
+            output_path=store, key="lengths", progress=False)
+    stopped = len(calls)
+    time.sleep(0.3)
+    assert len(calls) == stopped < 20  # no call after run raised
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("dynabatch")]
+    done = run(_lengths, _load(texts, tokenizer, batch_size=2), output_path=store, key="lengths", progress=False)
+    assert 0 < len(texts) - done.report.rows < len(texts)  # the rows finished before Ctrl-C were committed
+    want = run(_lengths, _load(texts, tokenizer), progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(done, want))
+
+
+def test_a_streamed_rerun_over_other_inputs_is_refused_before_it_writes(tokenizer, texts, tmp_path):
+    def load(corpus):
+        return _load(corpus, tokenizer, stream=True, progress=False)
+
+    calls = []
+
+    def interrupted(batch):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # the first job stops part-way, its finished rows committed
+        return _lengths(batch)
+
+    store = tmp_path / "store"
+    with pytest.raises(KeyboardInterrupt):
+        run(interrupted, load(texts), output_path=store, key="lengths", progress=False)
+    shards = sorted(os.listdir(store))
+    assert shards
+    with pytest.raises(ValueError, match=r"stored rows computed from other inputs"):
+        run(_lengths, load(texts[::-1]), output_path=store, key="lengths", progress=False)
+    assert sorted(os.listdir(store)) == shards  # refused before writing a row: the first job can still resume
+    resumed = run(_lengths, load(texts), output_path=store, key="lengths", progress=False)
+    want = run(_lengths, _load(texts, tokenizer), progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(resumed, want))
