@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dynabatch.data.collate import Batch, batch_shape, real_tokens, take_rows
+from dynabatch.data.input_hashes import batch_input_hashes
 from dynabatch.data.collate import split_rows as split_batch
 from dynabatch.inference._explain import explain_index_errors
 from dynabatch.inference._queue import BatchQueue, Item, Lane
@@ -35,7 +36,7 @@ from dynabatch.memory.oom import call_guarded, dominating, equal_parts, split_si
 from dynabatch.sampling.ranks import reduce_across_ranks
 
 if TYPE_CHECKING:
-    from dynabatch.inference.store import ResultsStore
+    from dynabatch.inference.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +49,12 @@ def _brief(error: BaseException | None) -> str:
 @dataclass
 class _Done:
     """What an item's finished calls gave: positions, results, and measured ``(rows, width, peak)``; with a store,
-    each piece's input hashes (and, until the store's layout is known, its real tokens per row)."""
+    each piece's input hashes."""
 
     positions: list[int] = field(default_factory=list)
     results: list[Any] = field(default_factory=list)
     measured: list[tuple[int, int, int]] = field(default_factory=list)
     hashes: list[np.ndarray] = field(default_factory=list)
-    lengths: list[np.ndarray] = field(default_factory=list)
     rows: int = 0  # rows finished (or skipped), and their real tokens: the progress bar moves when the item does,
     tokens: int = 0  # so an item a crashed worker leaves to another is not counted twice
 
@@ -69,7 +69,7 @@ class Executor:
     """
 
     def __init__(self, fn: Callable[[Batch], Any], queue: BatchQueue, *, device: Any, on_oom: str,
-                 memory_device: Any, bar: Any, lockstep: bool = False, store: ResultsStore | None = None,
+                 memory_device: Any, bar: Any, lockstep: bool = False, store: Store | None = None,
                  skipped: np.ndarray | None = None, rank: int | str = 0, token_outputs: str = "auto",
                  lane: Lane | None = None) -> None:
         self.fn = explain_index_errors(fn)  # an embedding IndexError names its likely cause
@@ -82,7 +82,7 @@ class Executor:
         self.rows = RowSplitter(queue.pad_token_id, token_outputs, queue.padding_side)  # fn's rule, kept for the run
         self.memory_device = memory_device
         self.store = store
-        self.writer = store.writer(rank=rank) if store is not None else None
+        self.writer = store.writer(f"rank{rank}" if isinstance(rank, int) else rank) if store is not None else None
         self.bar = bar
         self.results: dict[int, Any] = {}  # without a store only
         self.last_position = -1  # the largest input position seen (a plain iterable's count)
@@ -111,11 +111,6 @@ class Executor:
         if self.store is None:
             return item
         done = self.stored(item.positions)
-        if self.store.check_later and done.any():  # stored rows of a streamed corpus: theirs, or refused
-            from dynabatch.inference.store import batch_input_hashes
-
-            stored = self.queue.restrict(item, np.flatnonzero(done))
-            self.store.check_inputs(stored.positions, batch_input_hashes(self.queue.build(stored)))
         if done.all():
             return None
         return self.queue.restrict(item, np.flatnonzero(~done)) if done.any() else item
@@ -225,10 +220,7 @@ class Executor:
             done.positions.extend(piece.indices.tolist())
             done.results.extend(attempt.output)
             if self.writer is not None:
-                done.hashes.append(self.store.hashes_of(piece))
-                mask = piece.get("attention_mask")
-                if self.writer.layout is None and mask is not None:  # real tokens per row: spots per-token outputs
-                    done.lengths.append(mask.sum(1).cpu().numpy())
+                done.hashes.append(batch_input_hashes(piece))
             done.rows += piece_rows
             done.tokens += real_tokens(piece)
             if self.lockstep:
@@ -273,9 +265,7 @@ class Executor:
         self._progress(done.rows, done.tokens)
         if self.writer is not None:
             if done.positions:
-                lengths = np.concatenate(done.lengths) if done.lengths else None
-                self.writer.write(np.asarray(done.positions, dtype=np.int64), done.results, np.concatenate(done.hashes),
-                                  lengths if lengths is not None and len(lengths) == len(done.positions) else None)
+                self.writer.write(np.asarray(done.positions, dtype=np.int64), done.results, np.concatenate(done.hashes))
         else:
             self.results.update(zip(done.positions, done.results))
         record.seconds = time.perf_counter() - start
@@ -295,7 +285,7 @@ class Executor:
     def close(self) -> None:
         """Commits the rows the store's writer still buffers."""
         if self.writer is not None:
-            self.writer.close()
+            self.writer.close(commit=True)
 
     def result(self, failed: list[int] | None = None) -> Any:
         """The rows so far: a :class:`RunResult`, or with a store a
@@ -305,7 +295,7 @@ class Executor:
         if n is None:
             n = self.last_position + 1
         if self.store is not None:
-            self.writer.flush()
+            self.writer.close(commit=True)  # its rows committed before they are read (closing twice is harmless)
             return self.store.result(n, report=self.report, failed=failed)
         values = [self.results.get(p) for p in range(n)]
         return RunResult(values, report=self.report, failed=self.failed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from typing import Any
@@ -63,9 +64,21 @@ def check_arguments(
 
 
 def check_store_arguments(output_path: Any, key: Any) -> None:
-    """Refuses a bad ``output_path`` (a directory for the results store) or ``key`` (a str, only with a store)."""
+    """Refuses a bad ``output_path`` (a directory for the results store; not what earlier versions wrote, a JSONL
+    file or per-rank JSONL files, nor a path meant for them) or ``key`` (a str, only with a store)."""
     if output_path is not None and not isinstance(output_path, (str, os.PathLike)):
         raise bad_type("output_path", "None, a str or an os.PathLike (a directory for the results store)", output_path)
+    root, ext = os.path.splitext(os.fspath(output_path)) if output_path is not None else ("", "")
+    ranks = sorted(os.path.basename(r) for r in glob.glob(glob.escape(root) + ".rank*-of-*" + glob.escape(ext))) \
+        if ext else []
+    what = ("a file of JSONL results written by an earlier dynabatch" if ext.lower() == ".jsonl" else "a file") \
+        if output_path is not None and os.path.isfile(output_path) else f"per-rank JSONL files ({', '.join(ranks)})" \
+        if ranks else f"a path ending in {ext}" if ext.lower() in (".jsonl", ".json") else None
+    if what is not None:
+        raise ValueError(f"output_path should be a directory for a Parquet results store (say 'results/'), but got "
+                         f"output_path={os.fspath(output_path)!r}, {what}: results are now stored as Parquet shards "
+                         "with a key; pass a new directory (rerunning there recomputes the rows: a JSONL file cannot "
+                         "tell which model made it)")
     if key is not None and not isinstance(key, str):
         raise bad_type("key", "None or a str naming the model, revision and settings", key)
     if key is not None and output_path is None:

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -304,9 +304,7 @@ def run(
 
         queue.materialize()
         check_same_batches([i.positions for i in queue.pending])
-    if output_path is not None:
-        from dynabatch.inference.store import open_store
-    store = open_store(output_path, key, queue, plan) if output_path is not None else None  # every input's rows
+    store = _open_store(output_path, key, queue, plan) if output_path is not None else None  # every input's rows
     feed = None
     if in_lockstep:
         queue.shard(rank, world_size)
@@ -351,6 +349,37 @@ def run(
         torch.distributed.barrier()  # every rank's shards are in: each rank reads the whole store
         return executor.result(failed=None)
     return executor.result(failed=executor.failed)
+
+
+def _open_store(output_path: Any, key: str | None, queue: BatchQueue, plan: Any) -> Any:
+    """The results store of ``output_path`` for this run, its stored rows checked against this run's inputs before
+    any row is written: a dynabatch loader's inputs hashed from its token store (a streamed one tokenized whole
+    first, only when the store holds rows); a plain iterable's from its batches, read once more before the run only
+    when the store holds rows (whole, when it is a one-shot iterator)."""
+    from dynabatch.data.input_hashes import batch_input_hashes, token_store_hashes
+    from dynabatch.inference._queue import positions_of
+    from dynabatch.inference.store import open_store
+
+    store = open_store(output_path, key=key, n=queue.n_inputs, ids=plan.ids if plan is not None else None)
+    if not store.done.any():
+        return store
+    if plan is not None:
+        tokenized = plan.stream.tokenized if plan.stream is not None else plan.collator.tokenized
+        store.check_inputs(np.arange(queue.n_inputs), token_store_hashes(tokenized))
+        return store
+    if queue.stream is not None and isinstance(queue.loader, Iterator):
+        queue.materialize()  # a one-shot iterator can be read only once
+    batches = (i.batch for i in queue.pending) if queue.stream is None else iter(queue.loader)
+    positions, hashes = [], []
+    for batch in batches:
+        positions.append(positions_of(batch, queue.loader))
+        hashes.append(batch_input_hashes(batch))
+    positions = np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64)
+    if queue.n_inputs is None:
+        queue.n_inputs = int(positions.max()) + 1 if positions.size else 0
+    store = open_store(output_path, key=key, n=queue.n_inputs)
+    store.check_inputs(positions, np.concatenate(hashes) if hashes else np.zeros(0, dtype=np.uint64))
+    return store
 
 
 def _run_devices(make_fn: Callable[[Any], Callable[[Batch], Any]], targets: list[torch.device], queue: BatchQueue,
