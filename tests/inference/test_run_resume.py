@@ -331,17 +331,19 @@ def test_a_column_is_typed_by_the_first_shard_stored_and_refused_a_value_after_i
     assert sorted(_stored(tmp_path / "null")) == sorted(first)
 
 
-def test_a_damaged_shard_is_set_aside_and_its_rows_run_again(tokenizer, texts, tmp_path, caplog, small_shards):
+@pytest.mark.parametrize("column", ["mean_id", "position"])  # a float read back wrong; the index, unreadable
+def test_a_damaged_shard_is_set_aside_and_its_rows_run_again(tokenizer, texts, tmp_path, caplog, small_shards, column):
     import pyarrow.parquet as pq
 
     path = tmp_path / "store"
     clean = list(run(_summary, _load(texts[:40], tokenizer), output_path=path, progress=False))
     damaged = _shards(path)[1]
     damaged_rows = set(_stored(path / damaged))
-    column = pq.read_schema(path / damaged).names.index("mean_id")  # float32 values, no dictionary
-    chunk = pq.read_metadata(path / damaged).row_group(0).column(column)
+    index = pq.read_schema(path / damaged).names.index(column)  # no dictionary: the values' own page
+    chunk = pq.read_metadata(path / damaged).row_group(0).column(index)
     data = bytearray((path / damaged).read_bytes())
-    data[chunk.data_page_offset + chunk.total_compressed_size - 2] ^= 0x5A  # a value's byte; the footer intact
+    end = chunk.data_page_offset + chunk.total_compressed_size
+    data[end - 12:end - 2] = bytes(b ^ 0x5A for b in data[end - 12:end - 2])  # inside a data page; footer intact
     (path / damaged).write_bytes(bytes(data))
     calls = []
     again = run(lambda b: calls.extend(b.indices.tolist()) or _summary(b), _load(texts[:40], tokenizer),
@@ -352,13 +354,14 @@ def test_a_damaged_shard_is_set_aside_and_its_rows_run_again(tokenizer, texts, t
     assert (path / f".torn-{damaged}").exists() and sorted(_stored(path)) == list(range(40))
 
 
-def test_a_streamed_rerun_over_other_inputs_is_refused_before_it_writes(tokenizer, texts, tmp_path, monkeypatch):
+def test_a_streamed_rerun_over_other_inputs_is_refused_before_it_writes(tokenizer, tmp_path, monkeypatch):
     import dynabatch.data.streaming as token_streaming
 
     monkeypatch.setattr(token_streaming, "FIRST_CHUNK", 8)
     monkeypatch.setattr(token_streaming, "CHUNK_SIZE", 8)
     monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", 4)
-    path, corpus = tmp_path / "store", texts[:40]
+    path = tmp_path / "store"
+    corpus = [" ".join(["light"] * (41 - i)) for i in range(40)]  # longest first: the first rows run are stored
 
     def stops_at(call):
         def fn(batch):
@@ -373,7 +376,9 @@ def test_a_streamed_rerun_over_other_inputs_is_refused_before_it_writes(tokenize
         run(stops_at(4), _load(corpus, tokenizer, stream=True), output_path=path, progress=False)
     before = sorted(_stored(path))
     assert 0 < len(before) < 40
-    with pytest.raises(ValueError, match=r"stored rows computed from other inputs"):  # the corpus in another order
+    # The corpus in another order: its first batches (the longest texts, now at the end) are not stored positions;
+    # the stored positions come last. Refused all the same, and before it writes a row.
+    with pytest.raises(ValueError, match=r"stored rows computed from other inputs"):
         run(_summary, _load(corpus[::-1], tokenizer, stream=True), output_path=path, progress=False)
     assert sorted(_stored(path)) == before  # refused before it wrote a row
     resumed = run(_summary, _load(corpus, tokenizer, stream=True), output_path=path, progress=False)
