@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dynabatch.data.collate import Batch, batch_shape, real_tokens, take_rows
-from dynabatch.data.input_hashes import batch_input_hashes
 from dynabatch.data.collate import split_rows as split_batch
+from dynabatch.data.input_hashes import batch_input_hashes
 from dynabatch.inference._explain import explain_index_errors
 from dynabatch.inference._queue import BatchQueue, Item, Lane
 from dynabatch.inference.outputs import RowSplitter
