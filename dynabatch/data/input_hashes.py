@@ -1,8 +1,22 @@
-"""Each row's input hash (:func:`dynabatch._digest.row_hashes`), from a padded batch or a token store.
+"""Each input row's 64-bit hash: from a padded batch (:func:`batch_input_hashes`) or a token store (:func:`token_store_hashes`).
 
-A results store records it with every row, so that a rerun tells a row of
-these inputs from a row of other inputs at the same position or id. The two
-forms give the same value for the same row.
+A results store keeps every row's input hash
+(:func:`dynabatch._digest.row_hashes` over the row's real tokens and the
+tokenizer's extras), so a rerun tells a row computed from these very inputs
+from a row of other inputs at the same position or id. Both functions give the
+same hash for the same row: a batch hashes the cells its attention mask marks
+real, a token store its rows as stored.
+
+Example:
+    >>> import numpy as np
+    >>> import torch
+    >>> from dynabatch.data.input_hashes import batch_input_hashes, token_store_hashes
+    >>> from dynabatch.data.tokenization import TokenizedTexts
+    >>> batch = {"input_ids": torch.tensor([[5, 6, 0], [7, 8, 9]]),
+    ...          "attention_mask": torch.tensor([[1, 1, 0], [1, 1, 1]])}
+    >>> store = TokenizedTexts(np.array([5, 6, 7, 8, 9], dtype=np.int32), np.array([0, 2, 5]), {})
+    >>> bool((batch_input_hashes(batch) == token_store_hashes(store)).all())
+    True
 """
 
 from __future__ import annotations

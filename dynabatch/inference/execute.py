@@ -332,7 +332,7 @@ class Executor:
         if done.positions:
             positions = np.concatenate(done.positions)
             self.writer.write(positions, done.rows, np.concatenate(done.hashes) if done.hashes else None,
-                              ragged=self.splitter.ragged(done.rows[0]))
+                              varying=self.splitter.varying(done.rows[0]))
             self.queue.finish(positions)
         self.queue.finish(np.asarray(done.failed, dtype=np.int64))
         if self.bar is not None and done.count:
@@ -471,7 +471,8 @@ def run_workers(targets: Sequence[Any], make_executor: Callable[[Any, int], Exec
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            while t.is_alive():  # timed waits: Ctrl-C reaches this thread even when a worker got the signal
+                t.join(0.1)
     finally:
         stop.set()  # Ctrl-C or an error in this thread: every worker stops after its call in progress
         for t in threads:

@@ -27,6 +27,7 @@ The spellings of earlier versions (``adapt``, ``measure_memory``,
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import warnings
@@ -89,13 +90,34 @@ class RunOptions:
 
 
 def check_store_arguments(output_path: Any, key: Any) -> None:
-    """Refuses a bad ``output_path`` (a directory for the results store) or ``key`` (a str, only with a store)."""
+    """Refuses a bad ``output_path`` (a directory for the results store; not what earlier versions wrote, a JSONL
+    file or per-rank JSONL files, nor a path meant for them) or ``key`` (a str, only with a store)."""
     if output_path is not None and not isinstance(output_path, (str, os.PathLike)):
         raise bad_type("output_path", "None, a str or an os.PathLike (a directory for the results store)", output_path)
+    if output_path is not None:
+        _refuse_jsonl(os.fspath(output_path))
     if key is not None and not isinstance(key, str):
         raise bad_type("key", "None or a str naming the model, revision and settings", key)
     if key is not None and output_path is None:
         raise bad_value("key", "None without output_path (it identifies the results stored there)", key)
+
+
+def _refuse_jsonl(path: str) -> None:
+    root, ext = os.path.splitext(path)
+    ranks = sorted(os.path.basename(r) for r in glob.glob(glob.escape(root) + ".rank*-of-*" + glob.escape(ext))) \
+        if ext else []
+    if os.path.isfile(path):
+        what = "a file of JSONL results written by an earlier dynabatch" if ext.lower() == ".jsonl" else "a file"
+    elif ranks:
+        what = f"per-rank JSONL files ({', '.join(ranks)})"
+    elif ext.lower() in (".jsonl", ".json"):
+        what = f"a path ending in {ext}"
+    else:
+        return
+    raise ValueError(f"output_path should be a directory for a Parquet results store (say 'results/'), but got "
+                     f"output_path={path!r}, {what}: results are now stored as Parquet shards with a key; pass a "
+                     "new directory (rerunning there recomputes the rows: a JSONL file cannot tell which model made "
+                     "it)")
 
 
 def check_run_options(device: Any = None, on_oom: Any = "raise", memory: Any = "auto") -> None:

@@ -221,19 +221,19 @@ class RowSplitter:
             raise bad_value(name, "a value with one item per batch row", output)
         return rows
 
-    def ragged(self, row: Any, name: str = "fn(batch)") -> Any:
-        """Which tensors of ``row`` (a row :meth:`split` gave) vary in their first dimension from row to row: a
-        tree like the row, ``True`` at a per-token or generated field and at a tensor given one per row (its shape
-        is its own), ``False`` at a field sliced from a batch-first tensor. A results store types its columns by
-        it, whatever the lengths of the first rows it sees (the longest texts, often all cut to one length)."""
-        if not any(key == name or key.startswith(name + "[") for key in self.kinds):
-            return True  # an item given one per row (PerRow, a list): its shape is its own
+    def varying(self, row: Any, name: str = "fn(batch)", path: tuple = ()) -> list[tuple]:
+        """The paths (keys and indices; ``()``: the row itself) of the tensors of ``row`` (a row :meth:`split` gave)
+        whose first dimension varies from row to row: a per-token or generated field, and a tensor given one per
+        row (its shape is its own). A results store types its columns by them, whatever the lengths of the first
+        rows it sees (the longest texts, often all cut to one length)."""
         if isinstance(row, Mapping):
-            return {key: self.ragged(value, f"{name}[{key!r}]") for key, value in row.items()}
-        if isinstance(row, (list, tuple)) and not isinstance(row, PerRow):
-            return type(row)(self.ragged(value, f"{name}[{i}]") for i, value in enumerate(row))
-        kind = self.kinds.get(name)
-        return kind is None or kind[0] in (_PER_TOKEN, _GENERATED)
+            items = [(key, value, f"{name}[{key!r}]") for key, value in row.items()]
+        elif isinstance(row, (list, tuple)) and any(_is_array(v) or isinstance(v, (Mapping, list, tuple)) for v in row):
+            items = [(i, value, f"{name}[{i}]") for i, value in enumerate(row)]
+        else:
+            kind = self.kinds.get(name)  # None: an item given one per row (PerRow, a list)
+            return [path] if _is_array(row) and (kind is None or kind[0] in (_PER_TOKEN, _GENERATED)) else []
+        return [found for key, value, field in items for found in self.varying(value, field, (*path, key))]
 
     def _split(self, value: Any, view: _BatchView, name: str, *, field: bool) -> list | None:
         """One item per row, or ``None`` for a field with nothing per row (left out of a dict)."""

@@ -1,12 +1,7 @@
-"""What :func:`dynabatch.run` returns: :class:`RunResult`, :class:`StoredRunResult`.
+"""What :func:`dynabatch.run` returns and raises: :class:`RunResult`, :class:`StoredRunResult` and an error.
 
-Without ``output_path`` the rows are in memory: a :class:`RunResult`, a plain
-``list`` (so ``torch.stack(result)`` works). With ``output_path`` they are in
-the results store and a :class:`StoredRunResult` reads them back on demand:
-``result[p]`` gives exactly what the in-memory run gives (tensors with their
-dtype and shape, dicts, tuples). Both stack every row in one call:
-``result.numpy()``, ``result.stack()`` (torch, ``bfloat16`` kept) and
-``result.to_arrow()`` (one row per input, in input order).
+In memory (a ``list``), or read from the results store on demand exactly as the in-memory run gives them; both
+stack every row through one encoding (:class:`~dynabatch.inference.store.Columns`).
 
 Example:
     >>> import torch
@@ -18,9 +13,7 @@ Example:
 
 from __future__ import annotations
 
-import collections
-import collections.abc
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -30,52 +23,43 @@ from dynabatch.inference.report import RunReport
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from dynabatch.inference._columns import Layout
-    from dynabatch.inference.store import ResultsStore
+    from dynabatch.inference.store import Columns
 
 __all__ = ["RunResult", "StoredRunResult"]
 
 _CHUNK = 4096  # rows decoded at once when iterating a stored result
-_CACHED_SHARDS = 2
+
+
+def _with_outputs(n: int, ids: pa.Array | None, outputs: pa.Table | None) -> pa.Table:
+    """``position`` (and ``id``) of ``n`` inputs, then the output columns."""
+    import pyarrow as pa
+
+    keys = pa.table({"position": pa.array(np.arange(n, dtype=np.int64)), **({"id": ids} if ids is not None else {})})
+    return keys if outputs is None else pa.Table.from_arrays([*keys.columns, *outputs.columns],
+                                                             schema=pa.schema([*keys.schema, *outputs.schema]))
 
 
 class _Stacking:
-    """``numpy()``, ``stack()`` and ``to_arrow()`` over ``_table()``: the layout and one row per input."""
-
-    failed: list[int]
-
-    def _table(self) -> tuple[Layout | None, pa.Table]:
-        raise NotImplementedError
-
-    def _missing(self) -> np.ndarray:
-        raise NotImplementedError
+    """``numpy()``, ``stack()`` and ``to_arrow()`` over ``_table()``: the columns and one row per input."""
 
     def to_arrow(self) -> pa.Table:
         """One row per input, in input order: ``position`` (and ``id``), then the output columns; no result -> null."""
         return self._table()[1]
 
     def _stacked(self, as_tensor: bool) -> Any:
-        from dynabatch.inference._decode import stack_columns
-
         missing = self._missing()
         if missing.size:
             shown = ", ".join(str(p) for p in missing[:5].tolist()) + (", ..." if missing.size > 5 else "")
-            raise ValueError(
-                f"every input should have a result to stack them, but got {missing.size} inputs without one "
-                f"(positions {shown}; see .failed); read the others one by one or with to_arrow()")
-        layout, table = self._table()
-        if layout is None:
+            raise ValueError(f"every input should have a result to stack them, but got {missing.size} inputs without "
+                             f"one (positions {shown}; see .failed); read the others one by one or with to_arrow()")
+        columns, table = self._table()
+        if columns is None:
             raise ValueError("the inputs should have results to stack, but got none (no input)")
-        return stack_columns(layout, {name: table.column(name) for name in layout.specs}, as_tensor=as_tensor)
+        return columns.stack(table, as_tensor=as_tensor)
 
     def numpy(self) -> Any:
-        """Every row stacked into one numpy array, ``(n_inputs, *row shape)`` (a dict, tuple or list of them for
-        such rows); ``bfloat16`` comes as ``float32`` (numpy has no ``bfloat16``). The array shares Arrow's
-        read-only memory (no second copy of every row): ``np.array(...)`` it to write into it.
-
-        Raises:
-            ValueError: an input without a result (failed), or rows of different shapes.
-        """
+        """Every row stacked into one numpy array ``(n_inputs, *row shape)`` (``bfloat16`` as ``float32``; maybe Arrow's
+        read-only memory); ``ValueError`` for an input without a result, or rows of different shapes."""
         return self._stacked(as_tensor=False)
 
     def stack(self) -> Any:
@@ -84,20 +68,12 @@ class _Stacking:
 
 
 class RunResult(list, _Stacking):
-    """One result per input text, in input order, with what the run did.
+    """One result per input text, in input order: a plain ``list`` (``result[p]`` is input ``p``'s), with ``report``
+    (the :class:`~dynabatch.inference.report.RunReport`) and ``failed``: sorted input positions whose result is
+    ``None`` (rows out of memory on their own with ``on_oom="skip"``, inputs skipped as bad)."""
 
-    A plain ``list`` otherwise: ``result[p]`` belongs to input ``p``.
-
-    Attributes:
-        report: the :class:`~dynabatch.inference.report.RunReport` of the batches that ran.
-        failed: sorted input positions without a result: rows that ran out of
-            memory on their own (``on_oom="skip"``) and inputs the loader
-            skipped as bad (``on_bad_input="skip"``); their results are ``None``.
-    """
-
-    def __init__(
-        self, results: Iterable[Any] = (), *, report: RunReport | None = None, failed: Iterable[int] = ()
-    ) -> None:
+    def __init__(self, results: Iterable[Any] = (), *, report: RunReport | None = None,
+                 failed: Iterable[int] = ()) -> None:
         super().__init__(results)
         self.report = report if report is not None else RunReport()
         self.failed = sorted(failed)
@@ -105,127 +81,81 @@ class RunResult(list, _Stacking):
     def _missing(self) -> np.ndarray:
         return np.flatnonzero(np.fromiter((r is None for r in self), dtype=bool, count=len(self)))
 
-    def _table(self) -> tuple[Layout | None, pa.Table]:
+    def _table(self) -> tuple[Columns | None, pa.Table]:
+        """The rows as a results store holds them, their types fixed by all of them."""
         import pyarrow as pa
 
-        from dynabatch.inference._columns import Layout
+        from dynabatch.inference.store import Columns
 
         present = np.fromiter((r is not None for r in self), dtype=bool, count=len(self))
         rows = [r for r in self if r is not None]
-        columns = {"position": pa.array(np.arange(len(self), dtype=np.int64))}
         if not rows:
-            return None, pa.table(columns)
-        layout = Layout.infer(rows)
-        take = np.cumsum(present) - 1
-        indices = pa.array(take, mask=~present)
-        for name, array in layout.encode(rows).items():
-            columns[name] = array.take(indices)
-        return layout, pa.table(columns)
+            return None, _with_outputs(len(self), None, None)
+        columns = Columns.of(rows[0])
+        outputs = columns.table([columns.parts(rows)]).take(pa.array(np.cumsum(present) - 1, mask=~present))
+        return columns, _with_outputs(len(self), None, outputs)
 
 
-class StoredRunResult(collections.abc.Sequence, _Stacking):
-    """One result per input, in input order, read from the results store on demand (``run(..., output_path=...)``).
+class StoredRunResult(Sequence, _Stacking):
+    """One result per input, in input order, read from the results store at ``path`` on demand, through
+    ``pyarrow.dataset``: ``result[p]`` reads its shard (the last one is kept), iterating reads the store once. Not
+    a ``list``: use :meth:`stack` rather than ``torch.stack``. ``report`` and ``failed`` as in :class:`RunResult`."""
 
-    ``result[p]`` is exactly what the run without ``output_path`` gives for
-    input ``p`` (``None`` for an input without a result). Iterating reads the
-    store once and decodes rows in chunks. It is not a ``list``:
-    ``torch.stack(result)`` needs a list, so use :meth:`stack` (or ``list(result)``).
-
-    Attributes:
-        path: the store's directory.
-        report: the :class:`~dynabatch.inference.report.RunReport` of the batches that ran (in this process).
-        failed: sorted input positions without a result (failed or skipped inputs), as in :class:`RunResult`.
-    """
-
-    def __init__(self, store: ResultsStore, *, report: RunReport | None = None,
+    def __init__(self, path: str, files: list[str], counts: list[int], where: np.ndarray, columns: Columns | None,
+                 schema: pa.Schema | None, ids: pa.Array | None, *, report: RunReport | None = None,
                  failed: Iterable[int] | None = None) -> None:
-        self.path = store.path
-        self._files = store.files
-        self._layout = store.layout
-        self._shard_of = store.shard_of
-        self._row_of = store.row_of
-        self._ids = store.ids
+        self.path, self._files, self._where, self._columns, self._schema, self._ids = \
+            path, files, where, columns, schema, ids
+        self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.report = report if report is not None else RunReport()
-        self.failed = sorted(failed) if failed is not None else np.flatnonzero(self._shard_of < 0).tolist()
-        self._cache: collections.OrderedDict[int, pa.Table] = collections.OrderedDict()
+        self.failed = sorted(failed) if failed is not None else np.flatnonzero(where < 0).tolist()
+        self._shard: tuple[int, Any] = (-1, None)  # the last shard read, and its output columns
 
     def __len__(self) -> int:
-        return len(self._shard_of)
+        return len(self._where)
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({len(self)} inputs, {int((self._shard_of >= 0).sum())} stored at "
-                f"{self.path!r})")
+        return f"{type(self).__name__}({len(self)} inputs, {int((self._where >= 0).sum())} stored at {self.path!r})"
 
     def _missing(self) -> np.ndarray:
-        return np.flatnonzero(self._shard_of < 0)
+        return np.flatnonzero(self._where < 0)
 
-    def _columns(self) -> list[str]:
-        return list(self._layout.specs) if self._layout is not None else []
+    def _read(self, files: list[str]) -> pa.Table:
+        """The output columns of ``files`` through ``pyarrow.dataset`` (the store's schema, checksums verified)."""
+        import pyarrow.dataset as ds
 
-    def _shard(self, s: int) -> pa.Table:
-        import pyarrow.parquet as pq
+        scan = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(
+            page_checksum_verification=True))
+        return ds.dataset(files, schema=self._schema, format=scan).to_table(columns=self._columns.names)
 
-        if s not in self._cache:
-            self._cache[s] = pq.read_table(self._files[s], columns=self._columns())
-            while len(self._cache) > _CACHED_SHARDS:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(s)
-        return self._cache[s]
+    def _ordered(self, start: int = 0, stop: int | None = None, whole: pa.Table | None = None) -> pa.Table:
+        """The output rows of inputs ``start:stop``, in input order (null: not stored)."""
+        import pyarrow as pa
+
+        rows = self._where[start:stop]
+        return (self._read(self._files) if whole is None else whole).take(pa.array(rows, mask=rows < 0))
 
     def __getitem__(self, index: Any) -> Any:
-        from dynabatch.inference._decode import decode_rows
-
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self)))]
-        n = len(self)
-        i = int(index)
+        n, i = len(self), int(index)
         if not -n <= i < n:
             raise IndexError(f"index should be in range(-{n}, {n}), but got index={index!r}")
-        i %= n
-        s = int(self._shard_of[i])
-        if s < 0:
+        row = int(self._where[i % n])
+        if row < 0:
             return None
-        table = self._shard(s).slice(int(self._row_of[i]), 1)
-        return decode_rows(self._layout, {name: table.column(name) for name in self._columns()})[0]
-
-    def _whole(self) -> tuple[pa.Table, np.ndarray]:
-        """Every shard's output columns in one table, and each input's row in it (``-1``: none)."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        tables = [pq.read_table(f, columns=self._columns()) for f in self._files]
-        starts = np.zeros(len(tables) + 1, dtype=np.int64)
-        np.cumsum([t.num_rows for t in tables], out=starts[1:])
-        stored = self._shard_of >= 0
-        where = np.where(stored, starts[np.maximum(self._shard_of, 0)] + self._row_of, -1)
-        if not tables:
-            return pa.table({}), where
-        return pa.concat_tables(tables), where
+        s = int(np.searchsorted(self._starts, row, side="right")) - 1
+        if self._shard[0] != s:
+            self._shard = (s, self._read([self._files[s]]))
+        return self._columns.rows(self._shard[1].slice(row - int(self._starts[s]), 1))[0]
 
     def __iter__(self) -> Iterator[Any]:
-        import pyarrow as pa
-
-        from dynabatch.inference._decode import decode_rows
-
-        if self._layout is None:
-            yield from (None for _ in range(len(self)))
-            return
-        table, where = self._whole()
+        whole = self._read(self._files) if self._columns is not None else None  # read once, decoded in chunks
         for start in range(0, len(self), _CHUNK):
-            rows = where[start:start + _CHUNK]
-            chunk = table.take(pa.array(rows, mask=rows < 0))
-            yield from decode_rows(self._layout, {name: chunk.column(name) for name in self._columns()})
+            where = self._where[start:start + _CHUNK].tolist()
+            rows = self._columns.rows(self._ordered(start, start + _CHUNK, whole)) if whole is not None else where
+            yield from (None if p < 0 else row for p, row in zip(where, rows))
 
-    def _table(self) -> tuple[Layout | None, pa.Table]:
-        import pyarrow as pa
-
-        columns: dict[str, Any] = {"position": pa.array(np.arange(len(self), dtype=np.int64))}
-        if self._ids is not None:
-            columns["id"] = self._ids
-        if self._layout is None:
-            return None, pa.table(columns)
-        table, where = self._whole()
-        ordered = table.take(pa.array(where, mask=where < 0))
-        for name in self._columns():
-            columns[name] = ordered.column(name)
-        return self._layout, pa.table(columns)
+    def _table(self) -> tuple[Columns | None, pa.Table]:
+        outputs = self._ordered() if self._columns is not None else None
+        return self._columns, _with_outputs(len(self), self._ids, outputs)

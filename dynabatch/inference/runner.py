@@ -204,7 +204,7 @@ def _execute(queue: BatchQueue, sink: Any, options: RunOptions) -> tuple[RunRepo
         if not callable(fn):
             raise bad_type("make_fn", f"a callable returning fn(batch) for a device (make_fn({str(target)!r}) "
                            "returned no callable)", fn)
-        writers.append(sink.writer(f"{options.rank}" if len(options.targets) == 1 else f"{options.rank}d{i}"))
+        writers.append(sink.writer(f"rank{options.rank}" if len(options.targets) == 1 else f"rank{options.rank}.{i}"))
         executors.append(Executor(fn, queue, writer=writers[-1], hashes=options.output_path is not None,
                                   device=target, memory_device=options.memory_devices[i], splitter=splitter,
                                   on_oom=options.on_oom, bar=bar, lockstep=options.ranks == "lockstep", stop=stop,

@@ -52,7 +52,7 @@ class MemorySink:
         """The writer of one worker: this sink itself (writes are kept in one dict)."""
         return self
 
-    def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray | None, ragged: Any = None) -> None:
+    def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray | None, varying: Any = ()) -> None:
         with self._lock:
             self.rows.update(zip(positions.tolist(), rows))
 

@@ -210,9 +210,9 @@ def _run_stored(out: Any, path: str, key: str | None, held: int) -> Any:
                 "%d of them without a result (not stored: a rerun tries them again)", path, held, totals["rows"],
                 totals["held"], totals["ran"], totals["failed"])
     store = open_store(path, key)
-    if store.layout is None:
+    if store.columns is None:
         return ray.data.from_arrow(pa.table({"id": store.ids}))
-    columns = ["id", *store.layout.specs]
+    columns = ["id", *store.columns.names]
 
     # One task per shard, reading it with pyarrow: ray.data.read_parquet resolves paths in threads that import
     # fsspec's HTTP filesystem, which fails (ImportError, not caught) without aiohttp when two threads race.

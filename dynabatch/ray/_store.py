@@ -29,10 +29,10 @@ import numpy as np
 
 from dynabatch._digest import fingerprint
 from dynabatch.data.ids import check_ids
-from dynabatch.inference.options import check_store_arguments
-from dynabatch.inference._shards import StoreWriter
 from dynabatch.data.input_hashes import token_store_hashes
-from dynabatch.inference.store import ResultsStore
+from dynabatch.inference.options import check_store_arguments
+from dynabatch.inference.store import Store
+from dynabatch.inference.store import open_store as open_results_store
 from dynabatch.ray._columns import check_column
 
 __all__ = ["SUMMARY", "WindowStore", "check_store_options"]
@@ -50,9 +50,10 @@ def check_store_options(output_path: Any, key: Any, id_column: Any) -> None:
     check_column("id_column", id_column)
 
 
-def open_store(output_path: Any, key: str | None) -> ResultsStore:
-    """The results store at ``output_path`` keyed by id, its inputs every id it holds (refuses another ``key``)."""
-    return ResultsStore(os.path.abspath(os.fspath(output_path)), key=key, n=None, keyed_by="id")
+def open_store(output_path: Any, key: str | None, *, verify: bool = True) -> Store:
+    """The results store at ``output_path`` keyed by id, its inputs every id it holds (refuses another ``key``);
+    ``verify``: every shard read whole, its page checksums verified (the driver does it once, not each actor)."""
+    return open_results_store(os.path.abspath(os.fspath(output_path)), key=key, keyed_by="id", verify=verify)
 
 
 class WindowStore:
@@ -68,9 +69,8 @@ class WindowStore:
     """
 
     def __init__(self, output_path: Any, *, key: str | None, id_column: str) -> None:
-        self.store = open_store(output_path, key)
+        self.store = open_store(output_path, key, verify=False)
         self.path, self.key, self.id_column = self.store.path, key, id_column
-        self.layout = self.store.layout  # the stored layout, grown by each shard this actor writes
         self._index: Any = None  # stored id -> its place in store.ids, built at the first window
         if len(self.store.ids):
             logger.info("output_path=%r holds %d rows (key=%r)", self.path, len(self.store.ids), key)
@@ -115,12 +115,9 @@ class WindowStore:
 
         values = ids.to_numpy() if pa.types.is_integer(ids.type) else ids.to_pylist()
         name = "w" + fingerprint(self.key, values)  # the same rows, written again, replace their shard
-        kept = ids.take(pa.array(rows))
-        writer = StoreWriter(self.path, self.store.meta(), self.layout, kept, name=name, positions=False)
+        writer = self.store.writer(name, ids=ids.take(pa.array(rows)), exact=True)
         try:
-            writer.write(np.arange(rows.size), [results[i] for i in rows], token_store_hashes(tokenized)[rows],
-                         tokenized.lengths[rows])
+            writer.write(np.arange(rows.size), [results[i] for i in rows], token_store_hashes(tokenized)[rows])
         finally:
             writer.close()
-        self.layout = writer.stored_layout
         return int(rows.size)

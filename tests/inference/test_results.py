@@ -4,9 +4,10 @@ read back from a results store give the same rows, and stack the same way. Real 
 import numpy as np
 import pytest
 import torch
+
 from runner_helpers import _load
 
-from dynabatch import run
+from dynabatch import PerRow, run
 from dynabatch.inference.results import RunResult, StoredRunResult
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -100,27 +101,67 @@ def test_stacking_names_the_inputs_without_a_result(tokenizer, texts, tmp_path):
         assert result.to_arrow().column("output").null_count == 1
 
 
-def test_pyarrow_pandas_polars_and_datasets_read_the_store_as_it_is(tokenizer, texts, tmp_path):
-    import datasets
-    import pandas as pd
-    import polars as pl
+def _readable(batch):
+    """Rows of every stored shape: a fixed float16 vector and bfloat16 (batch-first tensors), and, given one per
+    row, token ids and per-token pairs (lists) and a str."""
+    mask, ids = batch["attention_mask"], batch["input_ids"]
+    return {"embedding": ids[:, :3].to(torch.float16), "brain": (ids[:, :2] / 7).to(torch.bfloat16),
+            "tokens": PerRow(ids[r][mask[r].bool()] for r in range(len(mask))),
+            "pairs": PerRow(torch.stack([ids[r], mask[r]], 1)[mask[r].bool()].float() for r in range(len(mask))),
+            "label": [f"n={int(mask[r].sum())}" for r in range(len(mask))]}
+
+
+@pytest.fixture(scope="module")
+def readable(tokenizer, texts, tmp_path_factory):
+    path = tmp_path_factory.mktemp("readable") / "store"
+    ids = [f"doc-{i}" for i in range(40)]
+    return path, ids, run(_readable, _load(texts[:40], tokenizer, ids=ids), output_path=path, progress=False)
+
+
+def test_pyarrow_reads_the_store_as_it_is(readable):
     import pyarrow.dataset as ds
 
-    path = tmp_path / "store"
-    ids = [f"doc-{i}" for i in range(40)]
-    result = run(lambda b: {"embedding": b["input_ids"][:, :3].to(torch.float16), "length": b["attention_mask"].sum(1)},
-                 _load(texts[:40], tokenizer, ids=ids), output_path=path, progress=False)
-    table = ds.dataset(path).to_table()
-    assert sorted(table.column_names) == ["embedding", "id", "input_hash", "length", "position"]
-    assert str(table.schema.field("embedding").type) == "fixed_size_list<element: halffloat>[3]"
+    path, ids, result = readable
+    table = ds.dataset(path).to_table().sort_by("position")
+    assert table.column_names == ["position", "id", "input_hash", "embedding", "brain", "tokens", "pairs", "label"]
+    assert {f.name: str(f.type) for f in table.schema if f.name in ("embedding", "tokens", "pairs")} == {
+        "embedding": "fixed_size_list<element: halffloat>[3]", "tokens": "list<element: int64>",
+        "pairs": "list<element: fixed_size_list<element: float>[2]>"}
+    assert table.schema.field("brain").metadata == {b"dynabatch.dtype": b"bfloat16"}  # float32 values, exact
+    assert table.column("id").to_pylist() == ids
+    assert table.column("tokens").to_pylist() == [row["tokens"].tolist() for row in result]
+
+
+def test_pandas_reads_the_store_as_it_is(readable):
+    import pandas as pd
+
+    path, ids, result = readable
     frame = pd.read_parquet(path).sort_values("position")
-    assert frame["id"].tolist() == ids and frame["length"].tolist() == [int(r["length"]) for r in result]
-    assert np.array_equal(np.stack(frame["embedding"].to_numpy()), result.numpy()["embedding"])
-    polars = pl.read_parquet(path).sort("position")  # only Parquet files in it: polars reads the folder
-    assert polars["id"].to_list() == ids and isinstance(polars["embedding"].dtype, pl.Array)
-    assert polars["embedding"].dtype.shape == (3,)
+    assert frame["id"].tolist() == ids and frame["label"].tolist() == [row["label"] for row in result]
+    assert np.array_equal(np.stack(frame["embedding"].to_numpy()), np.stack([row["embedding"] for row in result]))
+    assert [np.stack(p).shape for p in frame["pairs"]] == [tuple(row["pairs"].shape) for row in result]
+
+
+def test_polars_reads_the_store_as_it_is(readable):
+    import polars as pl
+
+    path, ids, result = readable
+    frame = pl.read_parquet(path).sort("position")  # only Parquet files in it: polars reads the folder
+    assert frame["id"].to_list() == ids
+    assert isinstance(frame["embedding"].dtype, pl.Array) and frame["embedding"].dtype.shape == (3,)
+    assert frame["tokens"].to_list() == [row["tokens"].tolist() for row in result]
+    assert frame["brain"].to_list()[5] == result[5]["brain"].float().tolist()
+
+
+def test_datasets_reads_the_store_as_it_is(readable):
+    import datasets
+
+    path, ids, result = readable
     hf = datasets.load_dataset("parquet", data_files=str(path / "*.parquet"), split="train")
     assert sorted(hf["id"]) == sorted(ids) and len(hf) == 40
+    row = hf[0]
+    want = result[row["position"]]
+    assert row["pairs"] == want["pairs"].tolist() and row["label"] == want["label"]
 
 
 def test_batch_out_of_memory_error_pickles_with_either_result(both):

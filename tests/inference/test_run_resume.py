@@ -45,50 +45,37 @@ def _same(a, b):
 @pytest.fixture
 def small_shards(monkeypatch):
     """Shards of at most 8 rows, so that a run commits several."""
-    monkeypatch.setattr("dynabatch.inference._shards.SHARD_ROWS", 8)
+    monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", 8)
 
 
 _KILLED_RUN = """
 import os, signal, sys
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
-from transformers import AutoModel, AutoTokenizer
-import dynabatch.inference._shards
+from transformers import AutoTokenizer
+import dynabatch.inference.store
 from dynabatch import build_dynamic_batch_dataloader, run
 from dynabatch.demo import kjv_passages, minilm_path
 
 torch.set_num_threads(1)
-dynabatch.inference._shards.SHARD_ROWS = 16  # several shards commit before the kill
+dynabatch.inference.store.SHARD_ROWS = 16  # several shards commit before the kill
 tokenizer = AutoTokenizer.from_pretrained(minilm_path())
-model = AutoModel.from_pretrained(minilm_path()).eval()
 loader = build_dynamic_batch_dataloader(kjv_passages()[300:600], tokenizer, batch_size=8, max_input_token_length=32,
                                         num_workers=0, progress=False)
 calls = []
 
-def embed(batch):
+def lengths(batch):
     calls.append(1)
     if len(calls) == 9:
         os.kill(os.getpid(), signal.SIGKILL)  # killed mid-run, rows buffered, as by the OOM killer
-    with torch.inference_mode():
-        hidden = model(**batch).last_hidden_state
-    mask = batch["attention_mask"].unsqueeze(-1)
-    return (hidden * mask).sum(1) / mask.sum(1)
+    mask = batch["attention_mask"]
+    return torch.stack([mask.sum(1), (batch["input_ids"] * mask).sum(1)], dim=1).float()
 
-run(embed, loader, output_path=sys.argv[1], key="minilm mean", progress=False)
+run(lengths, loader, output_path=sys.argv[1], key="lengths", progress=False)
 """
 
 
-def _embed(model):
-    def embed(batch):
-        with torch.inference_mode():
-            hidden = model(**batch).last_hidden_state
-        mask = batch["attention_mask"].unsqueeze(-1)
-        return (hidden * mask).sum(1) / mask.sum(1)
-
-    return embed
-
-
-def test_a_killed_run_resumes_and_stores_every_position_exactly_once(tokenizer, minilm, tmp_path):
+def test_a_killed_run_resumes_and_stores_every_position_exactly_once(tokenizer, tmp_path):
     from dynabatch.demo import kjv_passages
 
     path = tmp_path / "store"
@@ -103,14 +90,10 @@ def test_a_killed_run_resumes_and_stores_every_position_exactly_once(tokenizer, 
     assert len(set(before)) == len(before)
 
     loader = _load(kjv_passages()[300:600], tokenizer, batch_size=8, max_input_token_length=32, progress=False)
-    resumed = run(_embed(minilm), loader, output_path=path, key="minilm mean", progress=False)
+    resumed = run(_lengths, loader, output_path=path, key="lengths", progress=False)
     assert resumed.report.rows == 300 - len(before)  # only the rows not stored ran
     assert sorted(_stored(path)) == list(range(300))  # every position exactly once
-    clean = run(_embed(minilm), loader, progress=False)
-    assert len(resumed) == 300
-    for p in range(300):  # rows of the killed process too; another batch composition: float noise only
-        assert resumed[p].dtype == torch.float32 and resumed[p].shape == (384,)
-        torch.testing.assert_close(resumed[p], clean[p], atol=2e-5, rtol=0)
+    assert torch.equal(resumed.stack(), torch.stack(run(_lengths, loader, progress=False)))  # the killed run's too
 
 
 def test_a_rerun_with_another_key_or_without_one_is_refused_naming_both(tokenizer, texts, tmp_path):
@@ -217,7 +200,7 @@ def test_resume_with_a_plain_iterable_of_batches(tokenizer, texts, tmp_path, sma
 
 def test_a_torn_shard_and_a_dead_writers_temporary_file_are_set_aside(tokenizer, texts, tmp_path, caplog,
                                                                       small_shards):
-    from dynabatch.inference._shards import _HOST
+    from dynabatch.inference.store import _HOST
 
     path = tmp_path / "store"
     clean = list(run(_summary, _load(texts[:40], tokenizer), output_path=path, progress=False))
@@ -307,7 +290,7 @@ def test_bad_inputs_skipped_come_back_as_none_and_are_not_stored(tokenizer, text
     assert again.failed == [3, 17, 18] and again.report.rows == 0
 
 
-# --- a column None in every row so far: its type settles at its first value --------------------------------
+# --- a column None in every row of the first shard; a damaged shard; a refused rerun writes nothing ----------------
 
 
 def _late_vectors(none_calls):
@@ -326,61 +309,77 @@ def _late_vectors(none_calls):
     return fn
 
 
-def _one_schema(path, column, arrow_type):
-    """Every shard stores ``column`` as ``arrow_type``, and pyarrow, pandas and polars read the folder as it is."""
+def test_a_column_is_typed_by_the_first_shard_stored_and_refused_a_value_after_it_was_none(tokenizer, texts, tmp_path,
+                                                                                           monkeypatch):
     import pandas as pd
     import polars as pl
-    import pyarrow.parquet as pq
 
-    assert {str(pq.read_schema(path / name).field(column).type) for name in _shards(path)} == {arrow_type}
-    table = ds.dataset(path).to_table()
-    assert len(pd.read_parquet(path)) == len(pl.read_parquet(path)) == table.num_rows
-    return table
-
-
-def test_a_column_none_in_the_first_batch_takes_its_type_later_across_shards(tokenizer, texts, tmp_path, monkeypatch):
-    # The first batch's 4 rows (vec None: an Arrow null column) are a shard of their own; vec settles in the next.
-    monkeypatch.setattr("dynabatch.inference._shards.SHARD_ROWS", 4)
     loader = _load(texts[:40], tokenizer)
     first = loader.batch_sampler.batches[0].tolist()
-    position = int(loader.batch_sampler.batches[3][0])  # a row of a later batch that runs out of memory alone
-    path = tmp_path / "store"
-    stored = run(_fails_at(_late_vectors(1), position), loader, output_path=path, on_oom="skip", progress=False)
-    in_memory = run(_fails_at(_late_vectors(1), position), loader, on_oom="skip", progress=False)
-    assert stored.failed == in_memory.failed == [position] and stored[position] is None
-    assert len(_shards(path)) >= 3
+    path = tmp_path / "typed"  # vec None in the first batch, a value later, all in the first shard: typed
+    stored = run(_late_vectors(1), loader, output_path=path, progress=False)
+    in_memory = run(_late_vectors(1), loader, progress=False)
     for p in range(40):
-        if p == position:
-            continue
-        row, want = stored[p], in_memory[p]
-        assert row.keys() == want.keys() and torch.equal(row["n"], want["n"])
-        assert (row["vec"] is None) == (p in first)
-        assert p in first or (row["vec"].dtype == torch.float16 and torch.equal(row["vec"], want["vec"]))
-    table = _one_schema(path, "vec", "fixed_size_list<element: halffloat>[3]")
-    assert table.column("vec").null_count == len(first)  # the failed row is not stored
+        assert (stored[p]["vec"] is None) == (p in first) and torch.equal(stored[p]["n"], in_memory[p]["n"])
+        assert p in first or torch.equal(stored[p]["vec"], in_memory[p]["vec"])
+    assert str(ds.dataset(path).schema.field("vec").type) == "list<element: halffloat>"  # given per row: varying
+    assert len(pd.read_parquet(path)) == len(pl.read_parquet(path)) == 40
+    monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", 4)  # the first batch's rows are the first shard
+    with pytest.raises(ValueError, match=r"^vec should be None in every row, as stored: its type was fixed as Arrow "
+                       r"null by the first shard stored"):
+        run(_late_vectors(1), loader, output_path=tmp_path / "null", progress=False)
+    assert sorted(_stored(tmp_path / "null")) == sorted(first)
 
 
-def test_a_resumed_run_types_a_column_its_first_run_stored_as_none(tokenizer, texts, tmp_path, monkeypatch):
-    # The first run stores its first batch with vec None, then stops; the second gives vec a type. Its writer is kept
-    # from rewriting the first run's shard (as if killed right after committing): opening the store rewrites it.
-    loader = _load(texts[:40], tokenizer)
+@pytest.mark.parametrize("column", ["mean_id", "position"])  # a float read back wrong; the index, unreadable
+def test_a_damaged_shard_is_set_aside_and_its_rows_run_again(tokenizer, texts, tmp_path, caplog, small_shards, column):
+    import pyarrow.parquet as pq
+
     path = tmp_path / "store"
-    first_run = _late_vectors(none_calls=1)
+    clean = list(run(_summary, _load(texts[:40], tokenizer), output_path=path, progress=False))
+    damaged = _shards(path)[1]
+    damaged_rows = set(_stored(path / damaged))
+    index = pq.read_schema(path / damaged).names.index(column)  # no dictionary: the values' own page
+    chunk = pq.read_metadata(path / damaged).row_group(0).column(index)
+    data = bytearray((path / damaged).read_bytes())
+    end = chunk.data_page_offset + chunk.total_compressed_size
+    data[end - 12:end - 2] = bytes(b ^ 0x5A for b in data[end - 12:end - 2])  # inside a data page; footer intact
+    (path / damaged).write_bytes(bytes(data))
+    calls = []
+    again = run(lambda b: calls.extend(b.indices.tolist()) or _summary(b), _load(texts[:40], tokenizer),
+                output_path=path, progress=False)
+    assert sorted(calls) == sorted(damaged_rows)
+    _same(again, clean)
+    assert f"{damaged} cannot be read (could not verify page integrity, CRC checksum verification failed" in caplog.text
+    assert (path / f".torn-{damaged}").exists() and sorted(_stored(path)) == list(range(40))
 
-    def stopped(batch):
-        if stopped.calls:
-            raise RuntimeError("stopped")
-        stopped.calls.append(1)
-        return first_run(batch)
 
-    stopped.calls = []
-    with pytest.raises(RuntimeError, match="stopped"):
-        run(stopped, loader, output_path=path, progress=False)
-    before = _stored(path)
-    assert len(before) == 4 and _one_schema(path, "vec", "null").num_rows == 4
-    monkeypatch.setattr("dynabatch.inference._shards.settle_shards", lambda *args, **kwargs: None)
-    resumed = run(_late_vectors(none_calls=0), loader, output_path=path, progress=False)
-    assert resumed.report.rows == 36 and sorted(_stored(path)) == list(range(40))
-    assert [p for p in range(40) if resumed[p]["vec"] is None] == sorted(before)
-    assert all(resumed[p]["vec"].shape == (3,) for p in range(40) if p not in before)
-    _one_schema(path, "vec", "fixed_size_list<element: halffloat>[3]")
+def test_a_streamed_rerun_over_other_inputs_is_refused_before_it_writes(tokenizer, tmp_path, monkeypatch):
+    import dynabatch.data.streaming as token_streaming
+
+    monkeypatch.setattr(token_streaming, "FIRST_CHUNK", 8)
+    monkeypatch.setattr(token_streaming, "CHUNK_SIZE", 8)
+    monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", 4)
+    path = tmp_path / "store"
+    corpus = [" ".join(["light"] * (41 - i)) for i in range(40)]  # longest first: the first rows run are stored
+
+    def stops_at(call):
+        def fn(batch):
+            fn.calls += 1
+            if fn.calls == call:
+                raise RuntimeError("interrupted")
+            return _summary(batch)
+        fn.calls = 0
+        return fn
+
+    with pytest.raises(RuntimeError, match="interrupted"):  # a streamed job, interrupted: some rows stored
+        run(stops_at(4), _load(corpus, tokenizer, stream=True), output_path=path, progress=False)
+    before = sorted(_stored(path))
+    assert 0 < len(before) < 40
+    # The corpus in another order: its first batches (the longest texts, now at the end) are not stored positions;
+    # the stored positions come last. Refused all the same, and before it writes a row.
+    with pytest.raises(ValueError, match=r"stored rows computed from other inputs"):
+        run(_summary, _load(corpus[::-1], tokenizer, stream=True), output_path=path, progress=False)
+    assert sorted(_stored(path)) == before  # refused before it wrote a row
+    resumed = run(_summary, _load(corpus, tokenizer, stream=True), output_path=path, progress=False)
+    assert resumed.report.rows == 40 - len(before) and sorted(_stored(path)) == list(range(40))

@@ -1,0 +1,307 @@
+"""The results store (dynabatch/inference/store.py) and its columns on Arrow's own types: every kind
+of row comes back exactly, a column's type is fixed once by the first shard, stored rows are checked before a run
+writes, and what the store cannot hold or keep is refused by name. No model: rows are built here."""
+
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynabatch.inference.store import Columns
+from dynabatch.inference.store import open_store
+
+
+def _equal(a, b):
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        assert b.untyped_storage().nbytes() == b.numel() * b.element_size()  # compact: no shared chunk kept alive
+    elif isinstance(a, (np.ndarray, np.generic)):
+        assert a.dtype == b.dtype and np.shape(a) == np.shape(b) and np.array_equal(a, b)
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _equal(x, y)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            _equal(a[key], b[key])
+    else:
+        assert a == b
+
+
+def _table(rows, **kwargs):
+    columns = Columns.of(rows[0])
+    return columns, columns.table([columns.parts(rows)], **kwargs)
+
+
+def _types(rows):
+    return {field.name: str(field.type) for field in _table(rows)[1].schema}
+
+
+def _hashes(n, salt=0):
+    return np.arange(salt, salt + n, dtype=np.uint64)
+
+
+def _store_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("dynabatch-store")]
+
+
+def _write(path, rows, positions=None, n=None, name="0", **kwargs):
+    """Rows written into the store at ``path`` by one writer (positions 0.. by default; input ``p`` hashes to ``p``),
+    after checking the stored rows; the opened store."""
+    positions = np.arange(len(rows)) if positions is None else np.asarray(positions)
+    store = open_store(path, key="k", n=n if n is not None else int(positions.max()) + 1, **kwargs)
+    store.check_inputs(np.arange(store.n), _hashes(store.n))
+    writer = store.writer(name)
+    writer.write(positions, rows, positions.astype(np.uint64))
+    writer.close()
+    return store
+
+
+# --- rows as Arrow columns and back ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.uint8])
+def test_tensor_rows_keep_dtype_and_shape(dtype):
+    rows = [(torch.arange(6).reshape(2, 3) * (p + 1) % 5).to(dtype) for p in range(3)]  # (2, 3) per row
+    vectors = [(torch.arange(4) * 0.37 * (p + 1)).to(dtype) for p in range(3)]
+    scalars = [torch.tensor(p * 1.5).to(dtype) for p in range(3)]
+    for given_rows in (rows, vectors, scalars):
+        columns, table = _table(given_rows)
+        _equal(given_rows, columns.rows(table))
+
+
+def test_arrow_types_say_dtype_and_shape():
+    assert _types([torch.randn(4, dtype=torch.float16)] * 3) == {"output": "fixed_size_list<item: halffloat>[4]"}
+    columns, table = _table([torch.randn(4).to(torch.bfloat16) for _ in range(3)])
+    field = table.schema.field("output")  # no Arrow bfloat16: float32 (exact), said in the field's metadata
+    assert str(field.type) == "fixed_size_list<item: float>[4]" and field.metadata == {b"dynabatch.dtype": b"bfloat16"}
+    per_token = [torch.randn(n, 2) for n in (3, 3, 3)]  # two or more dimensions: the first varies, whatever it shows
+    assert _types(per_token) == {"output": "list<item: fixed_size_list<item: float>[2]>"}
+    assert _types([torch.tensor([3, 0, 0]), torch.tensor([1, 2, 0])]) == {"output": "list<item: int64>"}  # token ids
+    assert _types([torch.randn(2), torch.randn(3)]) == {"output": "list<item: float>"}  # lengths differ: a list
+    assert _types([{"n": 1, "score": 0.5, "ok": True, "label": "a", "tags": [1, 2]}]) == {
+        "n": "int64", "score": "double", "ok": "bool", "label": "string", "tags": "list<item: int64>"}
+
+
+def test_containers_scalars_lists_and_numpy_rows():
+    rows = [
+        {"vec": torch.ones(3) * p, "pair": (torch.tensor(p), f"label {p}"), "score": p / 3, "ok": p % 2 == 0,
+         "n": p, "ids": [p, p + 1][: p + 1], "none": None, "array": np.arange(2, dtype=np.float16) + p,
+         "np_scalar": np.int32(p), "ragged": np.ones((p + 1, 2), dtype=np.int8)}
+        for p in range(3)
+    ]
+    columns, table = _table(rows)
+    assert table.column_names == ["vec", "pair_0", "pair_1", "score", "ok", "n", "ids", "none", "array", "np_scalar",
+                                  "ragged"]
+    _equal(rows, columns.rows(table))
+    tuples = [(torch.ones(2) * p, torch.tensor(p)) for p in range(3)]  # a tuple result: output_0, output_1
+    columns, table = _table(tuples)
+    assert table.column_names == ["output_0", "output_1"]
+    _equal(tuples, columns.rows(table))
+    for plain in ([1, 2, 3], [0.5, 1.5], [True, False], ["a", "b"], [None, None], [[1, None], [], None]):
+        columns, table = _table(plain)
+        assert columns.rows(table) == plain and [type(v) for v in columns.rows(table)] == [type(v) for v in plain]
+    per_row_lists = [[torch.ones(2), torch.zeros(2)] for _ in range(2)]  # a list of tensors per row: output_0, _1
+    columns, table = _table(per_row_lists)
+    assert table.column_names == ["output_0", "output_1"] and isinstance(columns.rows(table)[0], list)
+
+
+def test_stacking_every_row():
+    rows = [{"vec": torch.randn(3).to(torch.bfloat16), "n": p, "ids": torch.tensor([p, p])} for p in range(4)]
+    columns, table = _table(rows)
+    tensors = columns.stack(table, as_tensor=True)
+    assert tensors["vec"].dtype == torch.bfloat16 and torch.equal(tensors["vec"], torch.stack([r["vec"] for r in rows]))
+    assert tensors["n"].tolist() == [0, 1, 2, 3] and tensors["ids"].shape == (4, 2)  # a list column of one length
+    arrays = columns.stack(table, as_tensor=False)
+    assert arrays["vec"].dtype == np.float32 and arrays["vec"].shape == (4, 3)  # numpy has no bfloat16
+    ragged = [torch.randn(n) for n in (2, 3)]
+    columns, table = _table(ragged)
+    with pytest.raises(ValueError, match=r"output should have rows of one shape to stack, but got first dimensions "
+                       r"from 2 to 3"):
+        columns.stack(table, as_tensor=True)
+    columns, table = _table([{"vec": torch.ones(2)}, {"vec": None}])
+    with pytest.raises(ValueError, match=r"vec should have a value in every row to stack, but got None in 1 rows"):
+        columns.stack(table, as_tensor=True)
+
+
+def test_what_arrow_cannot_hold_is_refused_by_name():
+    with pytest.raises(TypeError, match=r"^output should be storable in Arrow with output_path set \(tensors, numpy "
+                       r"arrays, int, float, bool, str or None, or tuples, lists or dicts \(str keys\) of those\), but "
+                       r"got output of type object$"):
+        _table([object(), object()])
+    with pytest.raises(TypeError, match=r"output should be storable in Arrow with output_path set \(numbers or "
+                       r"bools\), but got output of dtype complex64"):
+        _table([torch.ones(2, dtype=torch.complex64)])
+    with pytest.raises(TypeError, match=r"output keys should be str with output_path set \(column names\), but got "
+                       r"key 1 of type int"):
+        _table([{1: torch.ones(1)}])
+    with pytest.raises(ValueError, match=r"fn\(batch\) should not name a result 'position' with output_path set"):
+        _table([{"position": torch.ones(1)}])
+    with pytest.raises(TypeError, match=r"output should be values of one type in every row with output_path set, "
+                       r"but got \['float', 'int'\]"):  # Arrow alone would store 2.5 as 2
+        _table([1, 2.5])
+    with pytest.raises(ValueError, match=r"output should have dtype float32 and shape \(n, 2\) in every row, in the "
+                       r"same batch \(n: any length\), but got dtype float32 and shape \(2, 3\)"):
+        _table([torch.ones(1, 2), torch.ones(2, 3)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=12), st.integers(1, 3), st.sampled_from(["float32", "int64"]))
+def test_rows_of_any_lengths_come_back_exactly_from_a_slice(lengths, width, dtype):
+    rng = np.random.default_rng(len(lengths))
+    rows = [torch.from_numpy(rng.normal(size=(n, width)).astype(dtype)) for n in lengths]
+    columns, table = _table(rows)
+    half = table.slice(len(rows) // 2)  # a slice of a shard, as a row read back alone
+    _equal(rows[len(rows) // 2:], columns.rows(half))
+
+
+# --- the store: one schema fixed by the first shard --------------------------------------------------------
+
+
+def test_rows_written_come_back_and_the_store_says_which_inputs_it_holds(tmp_path):
+    rows = [{"vec": torch.full((3,), p, dtype=torch.bfloat16), "label": f"r{p}"} for p in range(4)]
+    _write(tmp_path, rows, positions=[5, 1, 3, 0], n=6)
+    store = open_store(tmp_path, key="k", n=6)
+    assert store.done.tolist() == [True, True, False, True, False, True]
+    result = store.result(6)
+    assert result[2] is None and result.failed == [2, 4] and len(result) == 6
+    _equal(result[5], rows[0])
+    _equal(list(result), [rows[3], rows[1], None, rows[2], None, rows[0]])
+    assert result.to_arrow().column("label").to_pylist() == ["r3", "r1", None, "r2", None, "r0"]
+
+
+def test_a_float_vector_of_one_length_in_the_first_shard_is_fixed_unless_declared_varying(tmp_path):
+    same = [torch.ones(5) for _ in range(4)]  # per-token scores of four rows all cut to 5 tokens, say
+    _write(tmp_path / "fixed", same)
+    with pytest.raises(ValueError, match=r"output should have dtype float32 and shape \(5,\) in every row, as stored "
+                       r"\(n: any length\), but got dtype float32 and shape \(2,\); a float vector is stored with a "
+                       r"fixed length when it has one length in every row of the first shard, unless declared"):
+        _write(tmp_path / "fixed", [torch.ones(2)], positions=[4])
+    store = open_store(tmp_path / "declared", key="k", n=6)
+    writer = store.writer("0")
+    writer.write(np.arange(4), same, _hashes(4), varying=[()])  # the run says: per-token, any length
+    writer.write(np.array([4, 5]), [torch.ones(2), torch.ones(7)], _hashes(2))
+    writer.close()
+    assert str(pq.read_schema(next(tmp_path.glob("declared/part-*"))).field("output").type) == "list<element: float>"
+    assert [len(row) for row in store.result(6)] == [5, 5, 5, 5, 2, 7]
+
+
+def test_a_column_none_in_every_row_of_the_first_shard_is_null_and_a_later_value_is_refused(tmp_path):
+    first = [{"vec": None, "n": p} for p in range(3)]
+    _write(tmp_path, first)
+    assert str(pq.read_schema(next(tmp_path.glob("part-*"))).field("vec").type) == "null"
+    with pytest.raises(ValueError, match=r"^vec should be None in every row, as stored: its type was fixed as Arrow "
+                       r"null by the first shard stored, where it was None in every row, but got tensor values; return "
+                       r"a value of its type where it may be empty"):
+        _write(tmp_path, [{"vec": torch.ones(2), "n": 3}], positions=[3])
+    _write(tmp_path, [{"vec": None, "n": 4}], positions=[4])  # None still fits
+    late = open_store(tmp_path / "late", key="k", n=4)  # a value before the first shard is committed: typed
+    writer = late.writer("0")
+    writer.write(np.arange(2), [{"vec": None}, {"vec": None}], _hashes(2))
+    writer.write(np.arange(2, 4), [{"vec": torch.ones(2, dtype=torch.float16)}, {"vec": None}], _hashes(2))
+    writer.close()
+    assert str(late.schema.field("vec").type) == "fixed_size_list<item: halffloat>[2]"
+    assert [r["vec"] is None for r in late.result(4)] == [True, True, False, True]
+
+
+def test_rows_that_do_not_fit_the_stored_columns_are_refused(tmp_path):
+    _write(tmp_path, [{"a": torch.ones(4), "b": 2}])
+    for rows, error, message in [
+        ([{"a": torch.ones(4, dtype=torch.float16), "b": 2}], ValueError, r"a should have dtype float32 and shape "
+         r"\(4,\) in every row, as stored \(n: any length\), but got dtype float16"),
+        ([{"a": torch.ones(4)}], ValueError, r"output should be a dict with keys \['a', 'b'\] in every row, as stored, "
+         r"but got \['a'\]"),
+        ([{"a": torch.ones(4), "b": 2.5}], TypeError, r"b should be values of one type in every row with output_path "
+         r"set \(int, as stored\), but got \['float'\]"),
+        ([{"a": np.ones(4, dtype=np.float32), "b": 2}], TypeError, r"a should be a tensor or None in every row, as "
+         r"stored, but got a numpy array"),
+    ]:
+        with pytest.raises(error, match=message):
+            _write(tmp_path, rows, positions=[1])
+
+
+def test_several_writers_write_into_one_store(tmp_path):
+    rows = [torch.full((2,), float(p)) for p in range(6)]
+    stores = [open_store(tmp_path, key="k", n=6) for _ in range(2)]  # two processes (ranks), say
+    writers = [stores[0].writer("cpu0"), stores[0].writer("cpu1"), stores[1].writer("0")]
+    for i, writer in enumerate(writers):
+        writer.write(np.array([i, i + 3]), [rows[i], rows[i + 3]], _hashes(2))
+    for writer in writers:
+        writer.close()
+    assert len(list(tmp_path.glob("part-*.parquet"))) == 3 and not _store_threads()
+    _equal(list(stores[1].result(6)), rows)
+
+
+# --- checked before written, committed or dropped, threads stopped ---------------------------------------------
+
+
+def test_stored_rows_of_other_inputs_are_refused_and_the_refused_run_writes_nothing(tmp_path):
+    _write(tmp_path, [torch.ones(2)] * 4)
+    store = open_store(tmp_path, key="k", n=6)
+    writer = store.writer("0")
+    with pytest.raises(RuntimeError, match=r"4 stored rows of this run's inputs should be checked "
+                       r"\(store.check_inputs\) before the run writes"):
+        writer.write(np.array([4]), [torch.ones(2)], _hashes(1))
+    store.check_inputs(np.arange(2), _hashes(2))  # half of them checked: still not written
+    with pytest.raises(RuntimeError, match=r"2 stored rows"):
+        writer.write(np.array([4]), [torch.ones(2)], _hashes(1))
+    with pytest.raises(ValueError, match=r"output_path='.*' should hold results of these inputs at their positions, "
+                       r"but got 1 stored rows computed from other inputs \(positions 3\).*key='k'.*give the loader "
+                       r"ids= to key rows by id"):
+        store.check_inputs(np.arange(2, 6), np.array([2, 99, 4, 5], dtype=np.uint64))
+    writer.close(commit=True)  # nothing buffered, nothing committed: the store stays as it was
+    assert len(list(tmp_path.glob("part-*"))) == 1 and open_store(tmp_path, key="k").n == 4
+
+
+def test_ids_key_rows_and_are_named_when_refused(tmp_path):
+    ids = pa.array(["a", "b", "c"])
+    _write(tmp_path, [torch.ones(1)] * 3, ids=ids)
+    store = open_store(tmp_path, key="k", ids=pa.array(["c", "x", "a"]))
+    assert store.done.tolist() == [True, False, True]
+    with pytest.raises(ValueError, match=r"at their ids, but got 1 stored rows computed from other inputs \(ids c\)"):
+        store.check_inputs(np.arange(3), np.array([9, 0, 0], dtype=np.uint64))
+    with pytest.raises(ValueError, match=r"the loader's ids should be of type string, as the ids of the results at "
+                       r"output_path='.*', but got ids of type int64"):
+        open_store(tmp_path, key="k", ids=pa.array([1, 2]))
+    with pytest.raises(ValueError, match=r"the loader's ids should be given \(the store keys rows by id\)"):
+        open_store(tmp_path, key="k", n=3)
+    assert open_store(tmp_path, key="k", keyed_by="id").ids.to_pylist() == ["a", "b", "c"]  # the ids stored
+
+
+def test_close_commits_or_drops_the_buffer_and_its_thread_has_stopped(tmp_path, monkeypatch):
+    monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", 2)
+    store = open_store(tmp_path, key="k", n=4)
+    writer = store.writer("0")
+    try:
+        writer.write(np.arange(2), [torch.ones(2)] * 2, _hashes(2))  # a full shard: handed to the thread
+        assert _store_threads()
+        writer.write(np.array([2]), [torch.ones(2)], _hashes(1))  # buffered
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    finally:
+        writer.close(commit=False)  # what a run does on Ctrl-C: the shard handed over lands, the buffer is dropped
+    assert not _store_threads() and open_store(tmp_path, key="k").done.tolist() == [True, True]
+    writer = open_store(tmp_path, key="k", n=4).writer("1")
+    writer.store.check_inputs(np.arange(2), _hashes(2))
+    writer.write(np.array([3]), [torch.ones(2)], _hashes(1))
+    writer.close()  # commit=True: the buffered row is committed
+    assert open_store(tmp_path, key="k").done.tolist() == [True, True, False, True] and not _store_threads()
+
+
+def test_what_is_not_a_store_is_refused(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"output_path should be a new or empty directory, or a dynabatch results "
+                       r"store, but got output_path='.*' holding 1 other entries \(notes\.txt\)"):
+        open_store(tmp_path, key="k")
+    (tmp_path / "notes.txt").unlink()
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "part-x.parquet")
+    with pytest.raises(ValueError, match=r"holding part-x\.parquet, a Parquet file dynabatch did not write"):
+        open_store(tmp_path, key="k")
