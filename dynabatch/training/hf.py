@@ -55,7 +55,7 @@ What the hook takes care of:
   of memory, in the forward or the backward, is run again in halves whose
   gradients add up to the whole micro-batch's (each part's loss is its share
   of the micro-batch's, so the step equals the unsplit one within float
-  tolerance, for right-padded batches), and what the error taught (the
+  tolerance), and what the error taught (the
   failed shape, and a lower limit on a micro-batch's padded cells that rises
   again as parts run) splits later micro-batches before they run
   (``trainer.oom_guardian``). The plan, the optimizer steps and the samples of

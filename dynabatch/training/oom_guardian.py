@@ -2,10 +2,12 @@
 
 :func:`guarded_step` runs one micro-batch's forward and backward. If it runs
 out of memory, the batch is split as :mod:`dynabatch.memory.oom`'s policy
-splits every call that ran out of memory (in halves, trailing padding trimmed) and
-each half is run, recursively, so the optimizer still receives the gradient
-of the whole batch (the batch is cut by :func:`dynabatch.data.collate.split_rows`,
-the one splitter, which trims left or right padding):
+splits every call that ran out of memory (in halves) and each half is run,
+recursively, so the optimizer still receives the gradient of the whole batch
+(the batch is cut by :func:`dynabatch.data.collate.split_rows`, the one
+splitter, with every column kept: ``labels`` of another width, as an
+encoder-decoder's, and positions counted from the first column, as with left
+padding, stay exactly as collated):
 
 * the step function must normalise its loss by the item count of the whole
   optimizer step (not of the micro-batch), so the halves' losses sum to the
@@ -251,15 +253,7 @@ def guarded_step(
     """
     params = [p for p in parameters if p.requires_grad]
     result = GuardedResult()
-    rows, length = _shape(batch)
-    known = guardian.remembered_batch_size(task_types, length) if guardian is not None else None
-    if known is not None and rows > known and not _batch_wide(batch):
-        parts = split_rows(batch, equal_parts(rows, known))
-        result.splits += len(parts) - 1
-    else:
-        parts = [batch]
-    for part in parts:
-        _run(step, part, params, guardian, task_types, measure_on, result)
+    _run(step, batch, params, guardian, task_types, measure_on, result)
     return result
 
 
@@ -279,6 +273,15 @@ def _shape(batch: dict[str, Any]) -> tuple[int, int]:
 
 
 def _run(step, batch, params, guardian, task_types, measure_on, result: GuardedResult) -> None:
+    """Runs ``batch`` (in the parts the guardian's memory asks for), or its halves after an out-of-memory error."""
+    rows, length = _shape(batch)
+    known = guardian.remembered_batch_size(task_types, length) if guardian is not None else None
+    if known is not None and rows > known and not _batch_wide(batch):  # split before it runs
+        parts = split_rows(batch, equal_parts(rows, known), trim=False)
+        result.splits += len(parts) - 1
+        for part in parts:
+            _run(step, part, params, guardian, task_types, measure_on, result)
+        return
     fired: set[int] = set()
     handles = [p.register_post_accumulate_grad_hook(lambda p: fired.add(id(p))) for p in params]
     limit = guardian.limit_bytes if guardian is not None else None
@@ -288,7 +291,6 @@ def _run(step, batch, params, guardian, task_types, measure_on, result: GuardedR
     finally:
         for handle in handles:
             handle.remove()
-    rows, length = _shape(batch)
     if attempt.error is None:
         result.outputs.append(attempt.output)
         result.rows.append(rows)
@@ -313,7 +315,7 @@ def _run(step, batch, params, guardian, task_types, measure_on, result: GuardedR
     result.splits += 1
     result.early_gradients += len(done)
     with _frozen(done):
-        for part in split_rows(batch, sizes):
+        for part in split_rows(batch, sizes, trim=False):
             _run(step, part, todo, guardian, task_types, measure_on, result)
 
 
