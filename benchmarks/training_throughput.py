@@ -78,14 +78,14 @@ from dynabatch.training.memory_limit import resident_bytes  # noqa: E402
 
 FIXED = 16
 DEFAULTS = {"cpu": {"n_texts": 600, "hidden": 64, "layers": 2, "max_length": 128},
-            "cuda": {"n_texts": 6000, "hidden": 512, "layers": 4, "max_length": 256}}
+            "cuda": {"n_texts": 4000, "hidden": 512, "layers": 4, "max_length": 256}}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--n-texts", type=int, default=None, help="training passages (cpu 600, cuda 6000)")
+    parser.add_argument("--n-texts", type=int, default=None, help="training passages (cpu 600, cuda 4000)")
     parser.add_argument("--eval-texts", type=int, default=200, help="held-out passages for the loss")
     parser.add_argument("--max-length", type=int, default=None, help="truncation (cpu 128, cuda 256)")
     parser.add_argument("--hidden", type=int, default=None, help="model width (cpu 64, cuda 512)")
@@ -326,8 +326,9 @@ def compare(args: argparse.Namespace, model: Any, tokenizer: Any, texts: list[st
 
 
 def run_at_limit(model: Any, batches: list[dict], limit_bytes: float, device: str) -> tuple[int, list[float]]:
-    """Runs a fresh AdamW step on each batch with the device held at the limit: out-of-memory errors, peaks/limit."""
-    trained = copy.deepcopy(model)
+    """Runs an AdamW step of ``model`` (no copy: the limit is for one model) on each batch with the device held at
+    the limit: out-of-memory errors, peaks / limit."""
+    trained = model
     opt = torch.optim.AdamW(trained.parameters())
     errors, peaks = 0, []
     for batch in batches:

@@ -304,19 +304,19 @@ class BatchSamplerTrainerMixin:
 
     def _loss_follows_the_count(self, model: Any, batch: Any) -> bool:
         """Whether the model's loss of one row halves when ``num_items_in_batch`` doubles (no gradient, eval mode)."""
-        rows = batch_shape(batch)[0]
-        row = max(range(rows), key=lambda i: self._items(take_rows(batch, [i])))
+        rows = [take_rows(batch, [i], trim=False) for i in range(batch_shape(batch)[0])]
+        row = max(rows, key=self._items)  # a row with targets
         training = model.training
         model.eval()
         try:
             with torch.no_grad():
-                one, two = (float(self.compute_loss(model, self._prepare_inputs(take_rows(batch, [row])),
+                one, two = (float(self.compute_loss(model, self._prepare_inputs(dict(row)),
                                                     num_items_in_batch=torch.tensor(count)))
                             for count in (1.0, 2.0))
         finally:
             model.train(training)
         follows = one == 0.0 or abs(one - 2 * two) <= 1e-3 * abs(one)
-        logger.info("the model's loss %s num_items_in_batch: the parts of a split micro-batch carry %s", 
+        logger.info("the model's loss %s num_items_in_batch: the parts of a split micro-batch carry %s",
                     "divides by" if follows else "ignores",
                     "their own losses" if follows else "their share of its mean")
         return follows
