@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += report(args, rows, limit_bytes, calibrate_seconds, bins)
     if "probe" in args.tables:
         lines += compare(args, model, tokenizer, texts, dataset, lengths, limit, padded, budget, calibrate_seconds)
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines).lstrip("\n") + "\n"
     print(text, end="")
     if args.output is not None:
         args.output.write_text(text)
