@@ -30,6 +30,7 @@ from dynabatch.sampling.constraints import AllOf, FixedBatchSize, LengthDifferen
 from dynabatch.sampling.inference_sampler import DynamicBatchSampler
 from dynabatch.sampling.size_aware import SizeAwareBatchSampler
 from dynabatch.sampling.smart import SmartBatchSampler
+from dynabatch.training.memory_limit import training_budget
 from dynabatch.training.sampler import MemoryAwareBatchSampler
 
 __getattr__ = lazy_attributes(__name__, {  # loaded on first use: numba (~0.5 s), transformers.Trainer (seconds)
@@ -77,4 +78,5 @@ __all__ = [
     "tokenize_source",
     "tokenize_texts",
     "track_peak_memory",
+    "training_budget",
 ]

@@ -32,7 +32,7 @@ def test_calibrate_generate_writes_the_model_the_table_and_a_plot(model_dir, tmp
                  "--batch-size", "2", "--max-length", "32", "-o", str(out), "--plot", str(png), "--device", "cpu",
                  "--max-probes", "16", "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    assert "measured MiB" in printed and "largest leave-one-probe-out error" in printed and str(out) in printed
+    assert "measured MB" in printed and "largest leave-one-probe-out error" in printed and str(out) in printed
     data = json.loads(out.read_text())
     assert data["metadata"]["task"] == "generate" and data["metadata"]["max_new_tokens"] == 3
     assert data["model"]["class"] == "GPT2LMHeadModel" and data["device"] == "cpu"

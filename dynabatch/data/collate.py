@@ -312,6 +312,7 @@ def take_rows(
     *,
     padding_side: str | None = None,
     pad_to_multiple_of: int | None = None,
+    trim: bool = True,
 ) -> Any:
     """The batch of the given rows (row numbers within ``batch``), trimmed to its longest row.
 
@@ -329,6 +330,9 @@ def take_rows(
         rows: row numbers within ``batch``, in the order wanted.
         padding_side: ``"left"`` or ``"right"``; ``None`` infers it from the mask.
         pad_to_multiple_of: the collator's rounding of widths, if any.
+        trim: ``False`` keeps every column (a training split: labels of
+            another width, positions counted from the first column, stay as
+            collated).
 
     Returns:
         A :class:`Batch` for a :class:`Batch`, else a ``dict``.
@@ -344,7 +348,7 @@ def take_rows(
             value = [value[i] for i in picked]
         data[key] = value
     mask = data.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[1] == width and len(index):
+    if trim and isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.shape[1] == width and len(index):
         used = torch.nonzero(mask.bool().any(dim=0)).flatten().tolist()
         first, stop = (used[0], used[-1] + 1) if used else (0, 0)
         keep = min(width, max(1, padded_width(stop - first, pad_to_multiple_of)))
@@ -361,8 +365,9 @@ def take_rows(
 
 
 def split_rows(batch: Mapping[str, Any], sizes: Sequence[int], *, padding_side: str | None = None,
-               pad_to_multiple_of: int | None = None) -> list[Any]:
-    """``batch`` cut into consecutive row groups of ``sizes`` (each trimmed, see :func:`take_rows`).
+               pad_to_multiple_of: int | None = None, trim: bool = True) -> list[Any]:
+    """``batch`` cut into consecutive row groups of ``sizes`` (each trimmed unless ``trim=False``, see
+    :func:`take_rows`).
 
     Example:
         >>> import torch
@@ -375,5 +380,5 @@ def split_rows(batch: Mapping[str, Any], sizes: Sequence[int], *, padding_side: 
     if sum(sizes) != rows or any(size < 1 for size in sizes):
         raise bad_value("sizes", f"positive row counts summing to the batch's {rows} rows", list(sizes))
     bounds = np.cumsum([0, *sizes]).tolist()
-    options = {"padding_side": padding_side, "pad_to_multiple_of": pad_to_multiple_of}
+    options = {"padding_side": padding_side, "pad_to_multiple_of": pad_to_multiple_of, "trim": trim}
     return [take_rows(batch, range(a, b), **options) for a, b in pairwise(bounds)]

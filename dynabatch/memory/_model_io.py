@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value
-from dynabatch.memory.units import MIB
+from dynabatch.memory.units import MB
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +70,13 @@ def describe_model(model: Any) -> dict[str, Any] | None:
 
 
 def report(mm: Any) -> str:
-    """A fitted model's probe table (measured against predicted, leave-one-out error) and its terms."""
+    """A fitted model's probe table (measured against predicted, in MB of 10**6 bytes as memory limits are
+    parsed, leave-one-out error) and its terms."""
     loo = iter(mm.loo_errors_.tolist())
-    lines = [(f"{'rows':>6} {'length':>6} {'measured MiB':>13} {'predicted MiB':>14} {'error':>7} "
+    lines = [(f"{'rows':>6} {'length':>6} {'measured MB':>13} {'predicted MB':>14} {'error':>7} "
               f"{'LOO error':>9}  source")]
     for p in mm.probes_:
-        measured = "" if p["peak_bytes"] is None else f"{p['peak_bytes'] / MIB:.2f}"
+        measured = "" if p["peak_bytes"] is None else f"{p['peak_bytes'] / MB:.2f}"
         error = loo_error = ""
         if p["out_of_memory"]:
             measured = ("> " + measured) if measured else "OOM"
@@ -84,7 +85,7 @@ def report(mm: Any) -> str:
             value = next(loo)
             loo_error = "" if math.isnan(value) else f"{value:+.1%}"
         lines.append(f"{p['rows']:>6} {p['padded_length']:>6} {measured:>13} "
-                     f"{p['predicted_bytes'] / MIB:>14.2f} {error:>7} {loo_error:>9}  {p['source']}")
+                     f"{p['predicted_bytes'] / MB:>14.2f} {error:>7} {loo_error:>9}  {p['source']}")
     used = [f"{c:.4g} * {t}" for c, t in zip(mm.coef_.tolist(), mm.terms_) if c > 0]
     lines.append(f"peak bytes = {' + '.join(used) or '0'}")
     lines.append(f"largest leave-one-probe-out error: {mm.loo_error_:.1%} over "

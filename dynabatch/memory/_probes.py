@@ -26,7 +26,7 @@ from dynabatch.memory.device import is_out_of_memory_error
 from dynabatch.memory.measure import track_peak_memory
 from dynabatch.memory.model import MemoryModel
 from dynabatch.memory.oom import call_guarded, dominating
-from dynabatch.memory.units import MIB
+from dynabatch.memory.units import MB
 
 __all__ = ["DECODING_STEPS", "POOL", "Prober", "extrapolate_steps", "long_texts", "vocabulary_texts"]
 
@@ -276,5 +276,5 @@ class Prober:
         self.model.observe(rows, width, peak, out_of_memory=oom, source=f"calibrate:{phase}", seconds=seconds)
         self.measured += not oom
         self.bar.update(1)
-        self.bar.set_postfix_str(f"{rows}x{width} {'OOM' if oom else f'{peak / MIB:.1f} MiB'}")
+        self.bar.set_postfix_str(f"{rows}x{width} {'OOM' if oom else f'{peak / MB:.1f} MB'}")
         return None if oom else peak

@@ -21,7 +21,9 @@ model's positions. The design, in order:
    rows and length is skipped;
 3. *budget*: at every shorter length, the rows the fit so far says fit
    ``(1 - memory_margin)`` of the first batch's predicted peak (``batch_size``
-   rows at the longest length): where the planner will put its batches;
+   rows at the longest length), or of ``budget_bytes`` when given (an absolute
+   budget, such as a training step's share of a memory limit): where the
+   planner will put its batches;
 4. *refine*: between neighbouring lengths, the geometric middle length at
    those budget rows; where its measured peak is off the prediction by more
    than ``tolerance``, both halves are refined again (at most ``max_probes``
@@ -108,6 +110,7 @@ def calibrate(
     model: Any = None,
     lengths: Any = None,
     memory_margin: float = 0.10,
+    budget_bytes: float | None = None,
     max_probes: int = 40,
     tolerance: float = 0.02,
     limit_bytes: int | None = None,
@@ -148,6 +151,9 @@ def calibrate(
         lengths: the base probe lengths; ``None`` for :func:`probe_lengths`.
         memory_margin: the planner's margin; budget probes target
             ``(1 - memory_margin)`` of the first batch's predicted peak.
+        budget_bytes: the absolute budget batches will be planned to (peak
+            bytes beyond what is allocated before a call); budget probes then
+            target ``(1 - memory_margin)`` of it. ``None``: the first batch's peak.
         max_probes: the most probes measured (base ones always run).
         tolerance: refine between two lengths while the middle is predicted
             worse than this (relative error).
@@ -180,6 +186,9 @@ def calibrate(
     max_probes = check_positive_int("max_probes", max_probes)
     if isinstance(memory_margin, bool) or not isinstance(memory_margin, (int, float)) or not 0 <= memory_margin < 1:
         raise bad_value("memory_margin", "a number in [0, 1)", memory_margin)
+    if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float))
+                                     or not budget_bytes > 0):
+        raise bad_value("budget_bytes", "None or a positive number of bytes", budget_bytes)
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance > 0:
         raise bad_value("tolerance", "a positive number", tolerance)
     if limit_bytes is not None:
@@ -230,7 +239,7 @@ def calibrate(
         if all(p["peak_bytes"] == 0 for p in mm.probes_ if not p["out_of_memory"]):
             raise bad_value("measure_memory", f"the device work runs on (every probe measured 0 bytes on "
                             f"{memory_device})", measure_memory)
-        _grow(prober, mm, grid, batch_size, memory_margin, max_probes, tolerance)
+        _grow(prober, mm, grid, batch_size, memory_margin, max_probes, tolerance, budget_bytes)
     mm.metadata["seconds"] = round(time.perf_counter() - start, 2)
     if max_new_tokens is not None:
         mm.metadata["max_new_tokens"] = max_new_tokens
@@ -241,12 +250,14 @@ def calibrate(
 
 
 def _grow(prober: Prober, mm: MemoryModel, grid: list[int], batch_size: int, memory_margin: float,
-          max_probes: int, tolerance: float) -> None:
+          max_probes: int, tolerance: float, budget_bytes: float | None) -> None:
     """The budget and refine probes (steps 3 and 4 of the design)."""
     top = grid[-1]
     cap = _MAX_ROWS_FACTOR * batch_size
 
     def target() -> float:
+        if budget_bytes is not None:
+            return (1 - memory_margin) * float(budget_bytes)
         return (1 - memory_margin) * float(mm.predict_unchecked(np.array(float(batch_size)), np.array(float(top))))
 
     def rows_at(length: int) -> int:
@@ -255,7 +266,7 @@ def _grow(prober: Prober, mm: MemoryModel, grid: list[int], batch_size: int, mem
         rows = int(MemoryBudget(mm, target(), memory_margin=0.0).rows_allowed(length))
         return int(min(cap, 4 * most, max(2, rows)))  # two rows at least: a probe is padded as batches are
 
-    for length in reversed(grid[:-1]):
+    for length in reversed(grid if budget_bytes is not None else grid[:-1]):  # the longest too, when absolute
         if prober.run_ >= max_probes:
             return
         rows = rows_at(length)

@@ -3,7 +3,8 @@
 A backend per device type (``torch.device(...).type``) answers the same
 questions: is the device here and which one is current, is memory held there,
 synchronize, free and total bytes, the peak-memory tracker of a block of work,
-empty the cache, and is an exception an out-of-memory error of that device.
+a cap on what this process may hold (CUDA, XPU), empty the cache, and is an
+exception an out-of-memory error of that device.
 
 * ``cuda`` (:class:`CudaBackend`; ROCm builds of torch go through ``torch.cuda``
   too) and ``xpu`` (:class:`XpuBackend`): the caching allocator's statistics
@@ -38,9 +39,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -103,6 +106,8 @@ class DeviceBackend:
     """Whether :meth:`peak_tracker` can measure a block's peak here."""
     pinned_copies: ClassVar[bool] = False
     """Whether batches copy here asynchronously from pinned host memory (``non_blocking``)."""
+    cappable: ClassVar[bool] = False
+    """Whether :meth:`capped` can hold this process under a limit here."""
 
     def module(self) -> Any:
         """torch's module of this device type (``torch.cuda``), or ``None``."""
@@ -150,6 +155,12 @@ class DeviceBackend:
         and ``peak_bytes`` are read after the block."""
         raise bad_value("device", "a device whose memory can be measured "
                         f"({', '.join(repr(b.type) for b in backends() if b.measurable)})", str(device))
+
+    def capped(self, device: torch.device, limit_bytes: float) -> contextlib.AbstractContextManager[None]:
+        """A context in which this process may hold at most ``limit_bytes`` on ``device``: beyond, an allocation
+        raises the device's out-of-memory error, as on a device of that size."""
+        raise bad_value("device", "a device whose memory can be capped "
+                        f"({', '.join(repr(b.type) for b in backends() if b.cappable)})", str(device))
 
     def is_out_of_memory(self, exc: BaseException) -> bool:
         """Whether ``exc`` is this device's out-of-memory error."""
@@ -210,6 +221,7 @@ class AllocatorBackend(DeviceBackend):
 
     measurable = True
     pinned_copies = True
+    cappable = True
 
     def allocated(self, device: torch.device) -> int:
         return int(self._call("memory_allocated", device, default=0))
@@ -263,6 +275,18 @@ class AllocatorBackend(DeviceBackend):
         free, total = info
         unused_cache = int(self._call("memory_reserved", device, default=0)) - self.allocated(device)
         return int(free) + max(0, unused_cache), int(total)
+
+    @contextlib.contextmanager
+    def capped(self, device: torch.device, limit_bytes: float) -> Iterator[None]:
+        """The caching allocator's per-process cap (``set_per_process_memory_fraction``) at ``limit_bytes``:
+        what the allocator holds counts, cached blocks and fragmentation included. The cap goes back to the
+        whole device (a fraction of 1, torch's default) when the block ends."""
+        total = self.free_and_total(device)[1]
+        self._call("set_per_process_memory_fraction", min(1.0, float(limit_bytes) / total), device)
+        try:
+            yield
+        finally:
+            self._call("set_per_process_memory_fraction", 1.0, device)
 
     def peak_tracker(self, device: torch.device, limit_bytes: int | None = None) -> AllocatorPeakTracker:
         if limit_bytes is not None:

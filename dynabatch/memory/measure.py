@@ -33,6 +33,7 @@ import torch
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.memory.device import backend_of, backends, free_memory, is_out_of_memory_error, known_backend
+from dynabatch.memory.oom import call_guarded
 
 __all__ = [
     "PeakMemory",
@@ -193,8 +194,6 @@ def collect_peak_alloc(
         raise bad_type("work", "a callable", work)
     if cleanup is not None and not callable(cleanup):
         raise bad_type("cleanup", "a callable or None", cleanup)
-    from dynabatch.memory.oom import call_guarded  # oom measures through this module
-
     features: list[Feature | None] = []
     peaks: list[int | None] = []
     for position, data in enumerate(dataset):

@@ -42,8 +42,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
-from dynabatch.memory.device import free_memory, is_out_of_memory_error
+from dynabatch.memory.device import backend_of, free_memory, is_out_of_memory_error
 
 __all__ = [
     "LIMIT_RISE",
@@ -92,8 +93,9 @@ def call_guarded(
     Args:
         fn: the work.
         *args: its arguments (``prepare`` maps the first one, e.g. moves a batch to a device).
-        measure_on: ``None``, or the device to measure ``fn``'s peak memory on
-            (:func:`~dynabatch.memory.measure.track_peak_memory`); only ``fn`` is measured.
+        measure_on: ``None``, or the device to measure ``fn``'s peak memory on (its
+            backend's peak tracker, as :func:`~dynabatch.memory.measure.track_peak_memory`
+            uses it); only ``fn`` is measured.
         limit_bytes: CPU only: a simulated device of this many free bytes.
         prepare: applied to the first argument before the call, outside the measurement.
         finish: applied to the output after the call, outside the measurement (its
@@ -105,16 +107,15 @@ def call_guarded(
         ``Attempt(output, peak_bytes, None)``, or ``Attempt(None, None, error)``
         after an out-of-memory error (its traceback dropped, memory freed).
     """
-    from dynabatch.memory import measure  # read at call time: measure imports this module
-
     error = None
     try:
         if prepare is not None and args:
             args = (prepare(args[0]), *args[1:])
         if measure_on is not None:
-            with measure.track_peak_memory(measure_on, limit_bytes=limit_bytes) as mem:
+            device = torch.device(measure_on)
+            with backend_of(device).peak_tracker(device, limit_bytes) as tracker:
                 output = fn(*args)
-            peak = mem.peak_bytes
+            peak = tracker.peak_bytes
         else:
             output, peak = fn(*args), None
         if finish is not None:
@@ -183,7 +184,10 @@ class OutOfMemoryLimit:
       ``p / rows`` (the failed call's bytes a row): the drop of measured peaks
       with width is not trusted below it, since the memory that failed the call
       may not shrink with width (a ``generate``'s logits, memory the tracker
-      cannot see). The lowest failed prediction is never planned again;
+      cannot see). ``row_floor=False`` drops that floor where a row's cost is
+      known at every width (a training step's padded cells, which its
+      activations and logits grow with). The lowest failed prediction is never
+      planned again;
     * right after an error the limit is half the failed prediction (the halves
       the call is retried as); then it lies between the highest prediction that
       ran since (``fitted_bytes``, a measured success) and the lowest that failed
@@ -193,6 +197,10 @@ class OutOfMemoryLimit:
       the failed size and stop one row short of the lowest size that failed; a
       quarter step overshoots rarely (at most 5 errors for any real limit up to
       300 rows, after a first failure at up to twice it).
+
+    Args:
+        row_floor: predict a row at no less than the failed call's cost a row
+            (the default; see above).
 
     Example:
         >>> limit = OutOfMemoryLimit()
@@ -206,16 +214,22 @@ class OutOfMemoryLimit:
         (2000.0, 20)
         >>> limit.rows_under_limit(250.0)  # at a width where a row costs more than the failed call's, fewer rows
         8
+        >>> cells = OutOfMemoryLimit(row_floor=False)  # a row costs its padded width, at any width
+        >>> cells.observe_out_of_memory(rows=32, row_bytes=100.0)
+        >>> cells.rows_under_limit(100.0), cells.rows_under_limit(25.0)
+        (16, 64)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, row_floor: bool = True) -> None:
+        self.row_floor = bool(row_floor)
         self.row_bytes = 0.0
         self.failed_bytes: float | None = None
         self.fitted_bytes = 0.0
         self.errors = 0
 
     def _bytes_a_row(self, row_bytes: float | None) -> float:
-        return max(float(row_bytes or 0.0), self.row_bytes)
+        given = float(row_bytes or 0.0)
+        return max(given, self.row_bytes) if self.row_floor or given <= 0 else given
 
     def observe_out_of_memory(self, rows: int, row_bytes: float | None) -> None:
         """A call of ``rows`` rows, predicted at ``row_bytes`` a row, ran out of memory."""

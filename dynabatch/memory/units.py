@@ -52,7 +52,7 @@ _MEMORY_RULE = ("a number of bytes > 0, a size such as '12GB' or '512MiB', or a 
                 "(of an accelerator)")
 
 
-def _percent_of_free(name: str, value: str, number: float, device: Any) -> float:
+def _percent_of_free(name: str, value: str, number: float, device: Any, of: float | None) -> float:
     from dynabatch.memory.device import default_accelerator, free_bytes
 
     if not 0 < number <= 100:
@@ -61,10 +61,10 @@ def _percent_of_free(name: str, value: str, number: float, device: Any) -> float
     if on is None or str(on).split(":")[0] == "cpu":
         raise bad_value(name, "bytes or a size such as '12GB' on the CPU (a percentage is of an accelerator's "
                         "free memory)", value)
-    return free_bytes(on) * number / 100
+    return (free_bytes(on) if of is None else of) * number / 100
 
 
-def parse_memory(value: Any, name: str = "max_memory", *, device: Any = None) -> float | None:
+def parse_memory(value: Any, name: str = "max_memory", *, device: Any = None, of: float | None = None) -> float | None:
     """A memory size in bytes: the one parser of every memory size dynabatch takes.
 
     Args:
@@ -75,6 +75,8 @@ def parse_memory(value: Any, name: str = "max_memory", *, device: Any = None) ->
             (:func:`~dynabatch.memory.device.free_bytes`), refused on the CPU.
         name: the argument's name, for error messages.
         device: the accelerator of a percentage (default: the current one).
+        of: the bytes a percentage is of (default: the accelerator's free
+            memory now; a training limit adds what its model already holds).
 
     Raises:
         TypeError: not a number or str.
@@ -98,7 +100,7 @@ def parse_memory(value: Any, name: str = "max_memory", *, device: Any = None) ->
             raise bad_value(name, _MEMORY_RULE, value)
         number = float(match.group(1))
         if unit == "%":
-            nbytes = _percent_of_free(name, value, number, device)
+            nbytes = _percent_of_free(name, value, number, device, of)
         else:
             nbytes = number * _UNITS[unit]
     else:

@@ -67,6 +67,7 @@ __all__ = [
     "read_state",
     "reduce_step",
     "step_sampler",
+    "sync_gradients",
     "write_state",
 ]
 
@@ -247,6 +248,13 @@ def average_gradients(
                 p.grad = part.view_as(p).clone()
             else:
                 p.grad.copy_(part.view_as(p))
+
+
+def sync_gradients(params: Sequence[torch.nn.Parameter], world_size: int) -> None:
+    """What DDP's synchronised backward does, after backward passes that ran without it: each parameter's
+    gradient becomes the mean over the ranks (:func:`average_gradients`); ``params`` the same list on every rank."""
+    on_some_rank = reduce_across_ranks([float(p.grad is not None) for p in params])
+    average_gradients(params, [n > 0 for n in on_some_rank], world_size)
 
 
 def reduce_step(

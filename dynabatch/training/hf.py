@@ -46,7 +46,26 @@ What the hook takes care of:
   on every path); the ``Trainer`` resumes mid-epoch by skipping the batches
   already trained, which replays the same plan since it depends only on the
   seed and the epoch. Each checkpoint holds the sampler's ``state_dict``
-  (``dynabatch_sampler.json``); resuming with other data or settings is refused.
+  (``dynabatch_sampler.json``) with ``batches_done`` the batches of the epoch
+  *trained* (every rank's, when accelerate deals them), not those the loader
+  had read ahead; resuming with other data or settings is refused.
+* **Out of memory** (``split_on_oom=True``, the default). Every micro-batch
+  runs through the one out-of-memory guard
+  (:func:`~dynabatch.training.oom_guardian.guarded_step`): one that runs out
+  of memory, in the forward or the backward, is run again in halves whose
+  gradients add up to the whole micro-batch's (each part's loss is its share
+  of the micro-batch's, so the step equals the unsplit one within float
+  tolerance), and what the error taught (the
+  failed shape, and a lower limit on a micro-batch's padded cells that rises
+  again as parts run) splits later micro-batches before they run
+  (``trainer.oom_guardian``). The plan, the optimizer steps and the samples of
+  each step do not change, so resuming is unaffected. Under DDP every
+  backward runs without synchronisation and the gradients are averaged over
+  the ranks once per optimizer step (as the multi-task trainer does), so a
+  split on one rank neither hangs nor desynchronises the others. Not under
+  DeepSpeed or FSDP, whose engines own the backward (the guard is off there,
+  logged once). ``split_on_oom=False`` turns it off: an out-of-memory error
+  then ends the run, and DDP synchronises as usual.
 
 * **Evaluation and prediction.** ``evaluate()`` and ``predict()`` run on the
   inference planner's batches (``eval_batches="dynamic"``, the default): the
@@ -65,6 +84,7 @@ accelerate), see ``docs/distributed.md``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -73,16 +93,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
 from transformers.trainer_pt_utils import find_batch_size
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, get_last_checkpoint
 
 from dynabatch._validation import bad_type, bad_value
+from dynabatch.data.collate import batch_shape, take_rows
 from dynabatch.data.packing import PackedDataset
 from dynabatch.memory.shape import ModelShape
 from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.training._eval_batches import EvalBatchSampler, eval_lengths, in_order
+from dynabatch.training._trainer_plan import sync_gradients
+from dynabatch.training.loss import count_items
+from dynabatch.training.oom_guardian import OOMGuardian, guarded_step
 
 __all__ = ["SAMPLER_STATE_FILE", "BatchSamplerTrainer", "BatchSamplerTrainerMixin", "Seq2SeqBatchSamplerTrainer"]
 
@@ -108,7 +133,19 @@ class _FollowEpochs(TrainerCallback):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         if os.path.isdir(folder) and args.process_index == 0:
             with open(os.path.join(folder, SAMPLER_STATE_FILE), "w") as f:
-                json.dump(self.sampler.state_dict(), f)
+                json.dump({**self.sampler.state_dict(), "batches_done": self.trained(state)}, f)
+
+    def trained(self, state: Any) -> int:
+        """The batches of the sampler's epoch trained so far (every rank's): the loader reads ahead of training.
+
+        The ``Trainer`` counts ``state.epoch`` as the epoch plus the share of its
+        batches (per rank) trained.
+        """
+        sampler = self.sampler
+        dealt = _dealt_to(sampler)
+        per_rank = len(sampler) // dealt
+        share = min(max((state.epoch or 0.0) - sampler.epoch, 0.0), 1.0)
+        return min(round(share * per_rank) * dealt, len(sampler))
 
 
 class _AnySize(Sampler):
@@ -147,6 +184,11 @@ class BatchSamplerTrainerMixin:
         train_batch_sampler: a :class:`~dynabatch.sampling.base.PlannedBatchSampler`
             over ``train_dataset`` (e.g. :class:`~dynabatch.sampling.smart.SmartBatchSampler`);
             with several processes built with ``num_replicas=args.world_size, shard=False``.
+        split_on_oom: run every training micro-batch through the out-of-memory
+            guard (the default; see the module): a micro-batch that runs out of
+            memory is run in parts whose gradients add up to its own, and later
+            micro-batches are split before they run once errors show they do
+            not fit. ``False``: an out-of-memory error ends the run.
         eval_batches: ``"dynamic"`` (the default): ``evaluate()`` and ``predict()``
             run on the inference planner's batches (the ``per_device_eval_batch_size``
             longest rows first, later batches grown as rows get shorter while the
@@ -157,15 +199,22 @@ class BatchSamplerTrainerMixin:
         *args, **kwargs: the ``Trainer``'s own.
     """
 
-    def __init__(self, *args: Any, train_batch_sampler: PlannedBatchSampler, eval_batches: str = "dynamic",
-                 **kwargs: Any) -> None:
+    def __init__(self, *args: Any, train_batch_sampler: PlannedBatchSampler, split_on_oom: bool = True,
+                 eval_batches: str = "dynamic", **kwargs: Any) -> None:
         if not isinstance(train_batch_sampler, PlannedBatchSampler):
             raise bad_type("train_batch_sampler", "a dynabatch PlannedBatchSampler (e.g. SmartBatchSampler)",
                            train_batch_sampler)
+        if not isinstance(split_on_oom, bool):
+            raise bad_type("split_on_oom", "a bool", split_on_oom)
         if eval_batches not in _EVAL_BATCHES:
             raise bad_value("eval_batches", f"one of {_EVAL_BATCHES}", eval_batches)
         super().__init__(*args, **kwargs)
         self.train_batch_sampler = train_batch_sampler
+        self.split_on_oom = split_on_oom
+        self.oom_guardian = OOMGuardian(self.args.device)
+        """What the out-of-memory errors of training taught (``num_out_of_memory``, the sizes that ran)."""
+        self._loss_share = 1.0  # the share of its micro-batch's loss a part of it carries (see training_step)
+        self._divides_by_count: bool | None = None  # whether the model's loss follows num_items_in_batch
         self.eval_batches = eval_batches
         self._eval_sampler: EvalBatchSampler | None = None  # the planned batches being evaluated
         self._eval_losses: list[tuple[float, int]] = []  # (loss, rows) of each of their batches
@@ -222,6 +271,105 @@ class BatchSamplerTrainerMixin:
         if self.args.dataloader_num_workers > 0 and self.args.dataloader_prefetch_factor is not None:
             params["prefetch_factor"] = self.args.dataloader_prefetch_factor
         return self.accelerator.prepare(DataLoader(dataset, **params))
+
+    # ----------------------------------------------------------------- the out-of-memory guard
+
+    def _guarding(self) -> bool:
+        if not self.split_on_oom:
+            return False
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            if not getattr(self, "_guard_off_logged", False):
+                self._guard_off_logged = True
+                logger.warning("split_on_oom is off under DeepSpeed and FSDP (their engines own the backward)")
+            return False
+        return True
+
+    def _loss_spans_the_step(self, model: Any, batch: Any, num_items_in_batch: Any) -> bool:
+        """Whether ``compute_loss`` is a sum over the whole optimizer step's items, not a mean over the micro-batch.
+
+        ``loss_is_scaled_for_ga`` when set, and a ``compute_loss_func`` (it is
+        given the step's count), answer as the ``Trainer`` reads them. A model
+        given ``num_items_in_batch`` may still ignore it (many heads compute
+        their own mean): that is seen once, from one row's loss at two counts.
+        """
+        if self.loss_is_scaled_for_ga is not None:
+            return bool(self.loss_is_scaled_for_ga)
+        if self.compute_loss_func is not None:
+            return True
+        if num_items_in_batch is None or not self.model_accepts_loss_kwargs:
+            return False
+        if self._divides_by_count is None:
+            self._divides_by_count = self._loss_follows_the_count(model, batch)
+        return self._divides_by_count
+
+    def _loss_follows_the_count(self, model: Any, batch: Any) -> bool:
+        """Whether the model's loss of one row halves when ``num_items_in_batch`` doubles (no gradient, eval mode)."""
+        rows = [take_rows(batch, [i], trim=False) for i in range(batch_shape(batch)[0])]
+        row = max(rows, key=self._items)  # a row with targets
+        training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                one, two = (float(self.compute_loss(model, self._prepare_inputs(dict(row)),
+                                                    num_items_in_batch=torch.tensor(count)))
+                            for count in (1.0, 2.0))
+        finally:
+            model.train(training)
+        follows = one == 0.0 or abs(one - 2 * two) <= 1e-3 * abs(one)
+        logger.info("the model's loss %s num_items_in_batch: the parts of a split micro-batch carry %s",
+                    "divides by" if follows else "ignores",
+                    "their own losses" if follows else "their share of its mean")
+        return follows
+
+    def _items(self, batch: Any) -> int:
+        """What a micro-batch's mean loss is over: its labelled targets (shifted for a causal LM), else its rows."""
+        shifted = "shift_labels" in batch
+        labels = batch["shift_labels"] if shifted else batch.get("labels")
+        if not isinstance(labels, torch.Tensor):
+            return batch_shape(batch)[0]
+        return count_items(labels, shift=not shifted and bool(getattr(self, "_loss_shifts_labels", False)),
+                           normalization="tokens")
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """The ``Trainer``'s step, through the out-of-memory guard (``split_on_oom``, see the module).
+
+        A part of a split micro-batch runs the ``Trainer``'s own step. Where the
+        loss is a sum over the whole optimizer step's items divided by
+        ``num_items_in_batch`` (causal and masked LMs given it) the parts' losses
+        add up as they are; where it is a mean over the micro-batch (a
+        classifier's, most encoder-decoders'), each part's loss is scaled by its
+        share of the micro-batch's items (:meth:`_loss_spans_the_step`).
+        """
+        if not self._guarding():
+            return super().training_step(model, inputs, num_items_in_batch)
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.args.world_size > 1
+        synced = ddp and model.require_backward_grad_sync  # the optimizer step's last micro-batch
+        whole = max(self._items(inputs), 1)
+
+        def step(part: Any) -> torch.Tensor:
+            split = part is not inputs and not self._loss_spans_the_step(model, inputs, num_items_in_batch)
+            self._loss_share = self._items(part) / whole if split else 1.0
+            try:
+                return super(BatchSamplerTrainerMixin, self).training_step(model, part, num_items_in_batch)
+            finally:
+                self._loss_share = 1.0
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        with self.accelerator.no_sync(model) if ddp else contextlib.nullcontext():
+            result = guarded_step(step, inputs, params, guardian=self.oom_guardian)
+        if synced:
+            sync_gradients(params, self.args.world_size)
+        return torch.stack([loss.reshape(()) for loss in result.outputs]).sum()
+
+    def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None,
+                     **kwargs: Any) -> Any:
+        """The ``Trainer``'s loss; for a part of a split micro-batch, its share of the micro-batch's mean."""
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                   num_items_in_batch=num_items_in_batch, **kwargs)
+        share = self._loss_share
+        if share == 1.0:
+            return out
+        return (out[0] * share, *out[1:]) if return_outputs else out * share
 
     # ----------------------------------------------------------------- evaluation and prediction
 

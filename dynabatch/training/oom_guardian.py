@@ -2,10 +2,12 @@
 
 :func:`guarded_step` runs one micro-batch's forward and backward. If it runs
 out of memory, the batch is split as :mod:`dynabatch.memory.oom`'s policy
-splits every call that ran out of memory (in halves, trailing padding trimmed) and
-each half is run, recursively, so the optimizer still receives the gradient
-of the whole batch (the batch is cut by :func:`dynabatch.data.collate.split_rows`,
-the one splitter, which trims left or right padding):
+splits every call that ran out of memory (in halves) and each half is run,
+recursively, so the optimizer still receives the gradient of the whole batch
+(the batch is cut by :func:`dynabatch.data.collate.split_rows`, the one
+splitter, with every column kept: ``labels`` of another width, as an
+encoder-decoder's, and positions counted from the first column, as with left
+padding, stay exactly as collated):
 
 * the step function must normalise its loss by the item count of the whole
   optimizer step (not of the micro-batch), so the halves' losses sum to the
@@ -15,11 +17,23 @@ the one splitter, which trims left or right padding):
   which; those parameters are frozen while the halves run, so no gradient is
   counted twice and none is lost.
 
-The :class:`OOMGuardian` remembers, per task, the shapes that ran out of
-memory, and later batches of that task at least as wide are split before they
-run, into equal parts of fewer rows than the one that failed (the policy's
-dominated shapes and equal parts; :class:`~dynabatch.memory.budget.MemoryBudget`
-gives the guardian's budget and safe batch sizes).
+The :class:`OOMGuardian` learns from the errors as :func:`dynabatch.run`'s
+measured mode does, with the policy of :mod:`dynabatch.memory.oom`, per task
+(one task, ``None``, for a trainer without tasks):
+
+* the shapes that ran out of memory: a later batch at least as wide with at
+  least as many rows is split before it runs (:func:`~dynabatch.memory.oom.failed_cap`);
+* the limit the errors set on a batch's padded cells (rows x width, what a
+  training step's activations and logits grow with), an
+  :class:`~dynabatch.memory.oom.OutOfMemoryLimit`: half the cells of the batch
+  that failed, rising by quarter steps as the parts that run succeed, never
+  back to a size that failed. A later batch above it is split before it runs,
+  into the fewest equal parts under it (:func:`~dynabatch.memory.oom.equal_parts`),
+  so a device that holds fewer cells than the plan assumed costs a few
+  errors, not one per batch.
+
+:class:`~dynabatch.memory.budget.MemoryBudget` gives the guardian's budget and
+safe batch sizes.
 """
 
 from __future__ import annotations
@@ -39,11 +53,11 @@ from dynabatch._validation import bad_type, bad_value, check_positive_number
 from dynabatch.data.collate import batch_shape, split_rows
 from dynabatch.memory.budget import MemoryBudget, check_memory_margin
 from dynabatch.memory.device import backend_of, free_bytes, free_memory
-from dynabatch.memory.oom import MAX_ROWS, call_guarded, equal_parts, failed_cap, split_sizes
+from dynabatch.memory.oom import MAX_ROWS, OutOfMemoryLimit, call_guarded, equal_parts, failed_cap, split_sizes
 from dynabatch.memory.units import GB, MB
 from dynabatch.training.predictor import last_measured_predictor
 
-__all__ = ["GradientCheckpointManager", "GuardedResult", "OOMGuardian", "guarded_step"]
+__all__ = ["BATCH_WIDE_FIELDS", "GradientCheckpointManager", "GuardedResult", "OOMGuardian", "guarded_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +99,7 @@ class OOMGuardian:
         self.simulate_limit = bool(simulate_limit)
         self.num_out_of_memory = 0
         self._failed: dict[Hashable, list[tuple[int, int]]] = {}  # task -> [(rows, length) that ran out of memory]
+        self._cells: dict[Hashable, OutOfMemoryLimit] = {}  # task -> the limit errors set on padded cells
 
     # -- budget --------------------------------------------------------------
     def budget_bytes(self) -> float:
@@ -125,15 +140,29 @@ class OOMGuardian:
 
     # -- remembered sizes ----------------------------------------------------
     def record_out_of_memory(self, task_types: Sequence[Hashable], length: int, rows: int) -> None:
-        """Remembers that a batch of ``rows`` rows of these tasks, ``length`` wide, ran out of memory."""
+        """Remembers that a batch of ``rows`` rows of these tasks (none: task ``None``), ``length`` wide, ran out
+        of memory."""
         self.num_out_of_memory += 1
-        for task in set(task_types):
+        for task in _tasks(task_types):
             self._failed.setdefault(task, []).append((int(rows), int(length)))
+            self._cells.setdefault(task, OutOfMemoryLimit(row_floor=False)).observe_out_of_memory(
+                int(rows), max(1, int(length)))
+
+    def record_success(self, task_types: Sequence[Hashable], length: int, rows: int) -> None:
+        """Remembers that a batch of ``rows`` rows of these tasks, ``length`` wide, ran: the cell limit may rise."""
+        for task in _tasks(task_types):
+            if task in self._cells:
+                self._cells[task].observe_success(int(rows), max(1, int(length)))
 
     def remembered_batch_size(self, task_types: Sequence[Hashable], length: int) -> int | None:
-        """The most rows of these tasks at ``length`` that no remembered failure forbids, or ``None``."""
-        caps = [int(failed_cap(np.array(length), self._failed[t])) for t in set(task_types) if t in self._failed]
-        caps = [c for c in caps if c < MAX_ROWS]
+        """The most rows of these tasks at ``length`` that no remembered failure forbids (the failed shapes and
+        the cell limit), or ``None``."""
+        caps = []
+        for task in _tasks(task_types):
+            if task in self._failed:
+                caps.append(int(failed_cap(np.array(length), self._failed[task])))
+                caps.append(self._cells[task].rows_under_limit(max(1, int(length))))
+        caps = [c for c in caps if c is not None and c < MAX_ROWS]
         return min(caps) if caps else None
 
     def estimate_safe_batch_size(self, task_type: Hashable, seq_length: float | None = None) -> int:
@@ -141,10 +170,13 @@ class OOMGuardian:
 
         Uses the predictor (at the task's typical length unless ``seq_length``
         is given) through :meth:`budget`, so a shape that ran out of memory caps it.
+        Without a predictor: the most rows :meth:`remembered_batch_size` allows
+        at ``seq_length`` (default: the widest batch of the task that failed).
         """
         predictor = self.predictor if self.predictor is not None else last_measured_predictor()
         if predictor is None:
-            remembered = self.remembered_batch_size([task_type], int(seq_length or 2**31))
+            widest = max((width for _, width in self._failed.get(task_type, ())), default=1)
+            remembered = self.remembered_batch_size([task_type], math.ceil(seq_length or widest))
             if remembered is None:
                 raise bad_value(
                     "predictor",
@@ -155,6 +187,11 @@ class OOMGuardian:
             return remembered
         length = predictor.typical_length(task_type) if seq_length is None else float(seq_length)
         return int(self.budget(task_type, _TaskBytes(predictor, task_type)).rows_allowed(math.ceil(length)))
+
+
+def _tasks(task_types: Sequence[Hashable]) -> set[Hashable]:
+    """The tasks a batch's memory is remembered under: its own, or ``None`` for a batch without tasks."""
+    return set(task_types) or {None}
 
 
 class _TaskBytes:
@@ -216,20 +253,35 @@ def guarded_step(
     """
     params = [p for p in parameters if p.requires_grad]
     result = GuardedResult()
-    rows, _ = batch_shape(batch)
-    length = int(batch["input_ids"].shape[1]) if isinstance(batch.get("input_ids"), torch.Tensor) else 0
-    known = guardian.remembered_batch_size(task_types, length) if guardian is not None else None
-    if known is not None and rows > known:
-        parts = split_rows(batch, equal_parts(rows, known))
-        result.splits += len(parts) - 1
-    else:
-        parts = [batch]
-    for part in parts:
-        _run(step, part, params, guardian, task_types, measure_on, result)
+    _run(step, batch, params, guardian, task_types, measure_on, result)
     return result
 
 
+BATCH_WIDE_FIELDS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""Fields of a packed batch that describe all its rows at once (flash-attention's): it cannot be cut into rows."""
+
+
+def _batch_wide(batch: dict[str, Any]) -> list[str]:
+    return [key for key in BATCH_WIDE_FIELDS if key in batch]
+
+
+def _shape(batch: dict[str, Any]) -> tuple[int, int]:
+    """Rows and padded width (of ``input_ids`` when the batch has them: a packed batch's mask is 4-D)."""
+    rows, width = batch_shape(batch)
+    ids = batch.get("input_ids")
+    return rows, int(ids.shape[1]) if isinstance(ids, torch.Tensor) and ids.ndim == 2 else width
+
+
 def _run(step, batch, params, guardian, task_types, measure_on, result: GuardedResult) -> None:
+    """Runs ``batch`` (in the parts the guardian's memory asks for), or its halves after an out-of-memory error."""
+    rows, length = _shape(batch)
+    known = guardian.remembered_batch_size(task_types, length) if guardian is not None else None
+    if known is not None and rows > known and not _batch_wide(batch):  # split before it runs
+        parts = split_rows(batch, equal_parts(rows, known), trim=False)
+        result.splits += len(parts) - 1
+        for part in parts:
+            _run(step, part, params, guardian, task_types, measure_on, result)
+        return
     fired: set[int] = set()
     handles = [p.register_post_accumulate_grad_hook(lambda p: fired.add(id(p))) for p in params]
     limit = guardian.limit_bytes if guardian is not None else None
@@ -239,25 +291,31 @@ def _run(step, batch, params, guardian, task_types, measure_on, result: GuardedR
     finally:
         for handle in handles:
             handle.remove()
-    rows, _ = batch_shape(batch)
     if attempt.error is None:
         result.outputs.append(attempt.output)
         result.rows.append(rows)
         result.peaks.append(attempt.peak_bytes)
+        if guardian is not None:
+            guardian.record_success(task_types, length, rows)
         return
     if rows == 1:
+        raise attempt.error
+    wide = _batch_wide(batch)
+    if wide:
+        logger.error("out of memory on %d rows x %d; the batch holds %s, which describe all its rows at once, so it "
+                     "cannot be split (PackedCollator(return_flash_attn_kwargs=False) makes batches that can)",
+                     rows, length, ", ".join(wide))
         raise attempt.error
     done = [p for p in params if id(p) in fired]
     todo = [p for p in params if id(p) not in fired]
     sizes = split_sizes(rows)
-    length = int(batch["input_ids"].shape[1]) if isinstance(batch.get("input_ids"), torch.Tensor) else 0
     logger.warning("out of memory on %d rows x %d; running it as %s rows", rows, length, " + ".join(map(str, sizes)))
     if guardian is not None:
         guardian.record_out_of_memory(task_types, length, rows)
     result.splits += 1
     result.early_gradients += len(done)
     with _frozen(done):
-        for part in split_rows(batch, sizes):
+        for part in split_rows(batch, sizes, trim=False):
             _run(step, part, todo, guardian, task_types, measure_on, result)
 
 

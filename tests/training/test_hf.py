@@ -1,3 +1,4 @@
+import json
 import os
 import textwrap
 from pathlib import Path
@@ -100,7 +101,11 @@ def test_resuming_mid_epoch_replays_the_rest_of_the_plan(tokenizer, tokens, tmp_
     first, first_rows = _trainer(tokenizer, tokens, tmp_path / "run", _sampler(tokens))
     first.add_callback(Stop())
     first.train()
-    assert os.path.isfile(tmp_path / "run" / f"checkpoint-{stop_at}" / "dynabatch_sampler.json")
+    with open(tmp_path / "run" / f"checkpoint-{stop_at}" / "dynabatch_sampler.json") as f:
+        state = json.load(f)
+    # the state counts the batches trained: the loader had read one more ahead
+    assert (state["epoch"], state["batches_done"]) == (1, stop_at - full.state.global_step // 2)
+    assert len(first_rows.batches) == stop_at + 1
     second, second_rows = _trainer(tokenizer, tokens, tmp_path / "run", _sampler(tokens))
     second.train(resume_from_checkpoint=True)
     # the stopped run collated one batch ahead of the step it stopped at; it was not trained

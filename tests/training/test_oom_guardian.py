@@ -97,11 +97,12 @@ def test_split_after_injected_oom_gives_the_unsplit_gradient(gpt2, where):
     assert worst <= 1e-6
     assert sum(result.outputs) == pytest.approx(reference.outputs[0], rel=1e-6)
     assert all(p.requires_grad for p in gpt2.parameters())  # frozen parameters are thawed
-    # the shape that failed is remembered for these tasks at this length and longer, not shorter
+    # what failed caps these tasks' batches by their padded cells: fewer rows when wider, more when narrower
     remembered = guardian.remembered_batch_size(["a"], 24)
     assert max(result.rows) <= remembered < 8
-    assert guardian.remembered_batch_size(["a"], 40) == remembered
-    assert guardian.remembered_batch_size(["a"], 10) is None
+    assert guardian.remembered_batch_size(["a"], 40) <= remembered * 24 // 40
+    assert guardian.remembered_batch_size(["a"], 10) >= 8
+    assert guardian.remembered_batch_size(["c"], 24) is None  # another task learned nothing
     # the next batch of that shape is split before it runs: no new out-of-memory error
     before = guardian.num_out_of_memory
     gpt2.zero_grad(set_to_none=True)
