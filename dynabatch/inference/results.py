@@ -23,7 +23,7 @@ from dynabatch.inference.report import RunReport
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from dynabatch.inference.store import Columns
+    from dynabatch.inference.store import Columns, Located
 
 __all__ = ["RunResult", "StoredRunResult"]
 
@@ -110,6 +110,12 @@ class StoredRunResult(Sequence, _Stacking):
         self.report = report if report is not None else RunReport()
         self.failed = sorted(failed) if failed is not None else np.flatnonzero(where < 0).tolist()
         self._shard: tuple[int, Any] = (-1, None)  # the last shard read, and its output columns
+
+    @classmethod
+    def of(cls, located: Located, *, report: RunReport | None = None,
+           failed: Iterable[int] | None = None) -> StoredRunResult:
+        """The result over a store's rows as :meth:`~dynabatch.inference.store.Store.located` found them."""
+        return cls(*located, report=report, failed=failed)
 
     def __len__(self) -> int:
         return len(self._where)

@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from dynabatch.inference.report import RunReport
-from dynabatch.inference.results import RunResult
+from dynabatch.inference.results import RunResult, StoredRunResult
 
-__all__ = ["MemorySink", "open_sink"]
+__all__ = ["MemorySink", "StoreSink", "open_sink"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,22 @@ class MemorySink:
         return RunResult(values, report=report, failed=[p for p, f in enumerate(flags) if f])
 
 
+class StoreSink:
+    """Rows written to the results store at ``output_path`` (:mod:`dynabatch.inference.store`) and read back."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.done = store.done  # which inputs it holds: a resumed run takes them out
+
+    def writer(self, name: str) -> Any:
+        """A writer of this run's rows (its shards named after ``name``): ``write``, ``close(commit)``."""
+        return self.store.writer(name)
+
+    def result(self, n: int, *, report: RunReport | None = None, failed: list[int] | None = None) -> StoredRunResult:
+        """The rows of ``n`` inputs, read from the store as it is now (``failed=None``: every input without a row)."""
+        return StoredRunResult.of(self.store.located(n), report=report, failed=failed)
+
+
 def open_sink(output_path: str | None, *, key: str | None, n: int | None, ids: Any, gather: bool,
               inputs_at: Any) -> Any:
     """The run's sink: a :class:`MemorySink`, or the results store at ``output_path`` checked before any row is
@@ -94,4 +110,4 @@ def open_sink(output_path: str | None, *, key: str | None, n: int | None, ids: A
         positions, hashes = inputs_at(stored)
         store.check_inputs(positions, hashes)
         logger.info("output_path=%r holds %d of this run's rows: they are not run again", output_path, stored.size)
-    return store
+    return StoreSink(store)

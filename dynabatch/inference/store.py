@@ -14,8 +14,8 @@ Example:
     >>> writer.write(np.array([2, 0]), [torch.ones(2), torch.zeros(2)], np.array([7, 9]))
     >>> writer.close()
     >>> again = open_store(path, key="demo", n=3)
-    >>> again.done.tolist(), again.schema.field("output").type, again.result(3)[2]
-    ([True, False, True], FixedSizeListType(fixed_size_list<element: float>[2]), tensor([1., 1.]))
+    >>> again.done.tolist(), again.schema.field("output").type, again.located(3).where.tolist()
+    ([True, False, True], FixedSizeListType(fixed_size_list<element: float>[2]), [1, -1, 0])
 """
 
 from __future__ import annotations
@@ -374,6 +374,9 @@ def _dead(name: str) -> bool:
     return False
 
 
+Located = namedtuple("Located", "path files counts where columns schema ids")
+
+
 class Store:
     """A results store opened for a run over ``n`` inputs (``None``: as the stored positions say), keyed by position
     or by ``ids``; ``keyed_by="id"`` without ids: the inputs are the ids stored (Ray's map_texts checks each window's).
@@ -523,16 +526,14 @@ class Store:
                 return list(self.schema)
         return self.columns if parts is None else self.columns.fields(parts, stored=self.schema)
 
-    def result(self, n: int, *, report: Any = None, failed: list[int] | None = None) -> Any:
-        """A :class:`~dynabatch.inference.results.StoredRunResult` of ``n`` inputs over the store as it is now
-        (every writer's committed shards; ``failed=None``: every input without a stored row)."""
-        from dynabatch.inference.results import StoredRunResult
-
+    def located(self, n: int) -> Located:
+        """Where each of ``n`` inputs' rows is in the store as it is now (every writer's committed shards), to read
+        them back (:class:`~dynabatch.inference.results.StoredRunResult`)."""
         with self._lock:
             self._scan(verify=False)
             ids, where, _ = self._locate(n)
-        return StoredRunResult(self.path, list(self.files), [len(k) for k in self._keys], where, self.columns,
-                               self._shard_schema, ids, report=report, failed=failed)
+        return Located(self.path, list(self.files), [len(k) for k in self._keys], where, self.columns,
+                       self._shard_schema, ids)
 
 
 class StoreWriter:

@@ -158,20 +158,26 @@ def test_memory_off_keeps_the_plan_unmeasured(seq2seq_runs):
 def test_with_a_model_on_cuda_every_batch_is_measured_there(tokenizer, long_texts, monkeypatch):
     # No GPU here: CUDA "in use" (a model holds memory) is simulated; the measurements themselves are the CPU
     # tracker's, so the batches are real.
-    from dynabatch.memory import measure
+    from dynabatch.memory import device as devices
+    from dynabatch.memory import oom
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 20)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     asked = []
-    cpu_tracker = measure.track_peak_memory
 
-    def on_cuda(device="cpu", **kwargs):
+    cpu = devices.backend_of(torch.device("cpu"))
+
+    class MeasuredOnTheCpu:  # where run asks to measure is recorded; the CPU tracker measures it
+        def peak_tracker(self, device, limit_bytes=None):
+            return cpu.peak_tracker(torch.device("cpu"), limit_bytes)
+
+    def on_cuda(device):
         asked.append(str(device))
-        return cpu_tracker("cpu", **kwargs)
+        return MeasuredOnTheCpu()
 
-    monkeypatch.setattr(measure, "track_peak_memory", on_cuda)
+    monkeypatch.setattr(oom, "backend_of", on_cuda)
     loader = _loader(long_texts[:60], tokenizer)
     result = run(lambda b: b["input_ids"].float().cumsum(1)[:, -1], loader, progress=False)
     assert result.report.batches == len(asked) and set(asked) == {"cuda:0"}  # every batch, on the device in use

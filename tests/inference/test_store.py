@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynabatch.inference.results import StoredRunResult
 from dynabatch.inference.store import Columns
 from dynabatch.inference.store import open_store
 
@@ -170,7 +171,7 @@ def test_rows_written_come_back_and_the_store_says_which_inputs_it_holds(tmp_pat
     _write(tmp_path, rows, positions=[5, 1, 3, 0], n=6)
     store = open_store(tmp_path, key="k", n=6)
     assert store.done.tolist() == [True, True, False, True, False, True]
-    result = store.result(6)
+    result = StoredRunResult.of(store.located(6))
     assert result[2] is None and result.failed == [2, 4] and len(result) == 6
     _equal(result[5], rows[0])
     _equal(list(result), [rows[3], rows[1], None, rows[2], None, rows[0]])
@@ -190,7 +191,7 @@ def test_a_float_vector_of_one_length_in_the_first_shard_is_fixed_unless_declare
     writer.write(np.array([4, 5]), [torch.ones(2), torch.ones(7)], _hashes(2))
     writer.close()
     assert str(pq.read_schema(next(tmp_path.glob("declared/part-*"))).field("output").type) == "list<element: float>"
-    assert [len(row) for row in store.result(6)] == [5, 5, 5, 5, 2, 7]
+    assert [len(row) for row in StoredRunResult.of(store.located(6))] == [5, 5, 5, 5, 2, 7]
 
 
 def test_a_column_none_in_every_row_of_the_first_shard_is_null_and_a_later_value_is_refused(tmp_path):
@@ -208,7 +209,7 @@ def test_a_column_none_in_every_row_of_the_first_shard_is_null_and_a_later_value
     writer.write(np.arange(2, 4), [{"vec": torch.ones(2, dtype=torch.float16)}, {"vec": None}], _hashes(2))
     writer.close()
     assert str(late.schema.field("vec").type) == "fixed_size_list<item: halffloat>[2]"
-    assert [r["vec"] is None for r in late.result(4)] == [True, True, False, True]
+    assert [r["vec"] is None for r in StoredRunResult.of(late.located(4))] == [True, True, False, True]
 
 
 def test_rows_that_do_not_fit_the_stored_columns_are_refused(tmp_path):
@@ -236,7 +237,7 @@ def test_several_writers_write_into_one_store(tmp_path):
     for writer in writers:
         writer.close()
     assert len(list(tmp_path.glob("part-*.parquet"))) == 3 and not _store_threads()
-    _equal(list(stores[1].result(6)), rows)
+    _equal(list(StoredRunResult.of(stores[1].located(6))), rows)
 
 
 # --- checked before written, committed or dropped, threads stopped ---------------------------------------------
