@@ -47,7 +47,7 @@ def test_importing_beside_the_other_project_warns_once_with_what_to_do(tmp_path)
     assert f"pip uninstall -y {OTHER} {DISTRIBUTION} && pip install {DISTRIBUTION}" in done.stderr
 
 
-_INSTALL = re.compile(r"pip3? install\b([^\n`|;&)]*)")
+_INSTALL = re.compile(r"pip3? install\b([^\n`|;&)#]*)")  # to the end of the command (a shell comment)
 
 
 def _install_targets(text: str) -> list[str]:

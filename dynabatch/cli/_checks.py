@@ -118,5 +118,9 @@ def check_device_names(value: str | None) -> list[Any] | None:
     names = [name.strip() for name in value.split(",") if name.strip()]
     if not names:
         raise bad_value("--devices", "a comma-separated list of devices such as 'cuda:0,cuda:1'", value)
-    return [check_device("--devices", name) for name in names]
+    devices = [check_device("--devices", name) for name in names]
+    twice = [str(d) for i, d in enumerate(devices) if d.type != "cpu" and d in devices[:i]]
+    if twice:  # an accelerator's memory statistics are its own: one worker each
+        raise bad_value("--devices", f"a list naming each accelerator once (twice: {', '.join(twice)})", value)
+    return devices
 

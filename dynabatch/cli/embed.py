@@ -81,7 +81,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prompt-name", default=None, help="a sentence-transformers model's prompt (e.g. query)")
     p.add_argument("--prompt", default=None, help="a prompt prepended to every text (sentence-transformers)")
     p.add_argument("--max-length", type=int, default=None,
-                   help="tokens per text at most (default: the model's limit)")
+                   help="tokens per text at most (default: the model's own: a sentence-transformers folder's "
+                   "max_seq_length, else its positions)")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="padded tokens per batch at most")
     job.add_run_arguments(p, "text", 64, "comma-separated devices (default: every GPU, else the CPU)")
     p.set_defaults(command=embed_command, parser=p)
@@ -149,8 +150,9 @@ def _pooling(args: argparse.Namespace, folder: str) -> str:
     return pooling
 
 
-def _max_length(args: argparse.Namespace, config: Any, folder: str, pooling: str, tokenizer: Any) -> int:
-    """``--max-length``, or the model's own limit; refused above the model's positions (or tokenizer's limit)."""
+def _max_length(args: argparse.Namespace, config: Any, folder: str, tokenizer: Any) -> int:
+    """``--max-length``, or the model's own limit (a sentence-transformers folder's ``max_seq_length``, its
+    positions, its tokenizer's ``model_max_length``: the smallest); refused above the positions or the tokenizer's."""
     from dynabatch.data.tokenization import model_max_length
     from dynabatch.memory.calibrate import check_model_max_length, check_positions
     from dynabatch.memory.shape import position_limit
@@ -158,8 +160,9 @@ def _max_length(args: argparse.Namespace, config: Any, folder: str, pooling: str
     length = args.max_length
     if length is None:
         limits = [found[2]] if (found := position_limit(config)) is not None else []
-        if pooling == _ST and isinstance(_st_settings(folder).get("max_seq_length"), int):
-            limits.append(_st_settings(folder)["max_seq_length"])
+        trained = _st_settings(folder).get("max_seq_length")  # a sentence-transformers folder's, whatever the pooling
+        if isinstance(trained, int) and trained > 0:
+            limits.append(trained)
         if tokenizer is not None and model_max_length(tokenizer) is not None:
             limits.append(model_max_length(tokenizer))
         if not limits:
@@ -191,7 +194,7 @@ def _prepare(args: argparse.Namespace) -> _Job:
         tokenizer = AutoTokenizer.from_pretrained(folder)
         if tokenizer.pad_token is None and tokenizer.eos_token is not None:
             tokenizer.pad_token = tokenizer.eos_token  # pooling reads the attention mask: padding never counts
-    max_length = _max_length(args, config, folder, pooling, tokenizer)
+    max_length = _max_length(args, config, folder, tokenizer)
     texts = corpus.texts(args.text_column)  # read once (Parquet and text lines into one memory-mapped file)
     ids = corpus.ids(args.id_column) if args.id_column is not None else None
     settings = {"pooling": pooling, "normalize": args.normalize, "dtype": str(dtype).removeprefix("torch."),

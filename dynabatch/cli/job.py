@@ -215,14 +215,16 @@ def summary(command: str, result: Any, *, output: str, what: str, model: str, pl
     n = len(result)
     missing = len(result.failed)
     ran = report.rows
-    mine = "this rank" if place.world > 1 else "this run"
+    if place.world > 1:
+        done = f"rank {place.rank} ran {ran:,} of them now"
+    else:
+        done = f"{ran:,} run now, {max(0, n - missing - ran):,} stored before"
     efficiency = f"{report.padding_efficiency:.0%}" if report.padding_efficiency is not None else "-"
     lines = [
-        f"dynabatch {command}: {n - missing:,} of {n:,} {what} stored in {output} ({mine} ran {ran:,}; "
-        f"{max(0, n - missing - ran) if place.world == 1 else '-'} were stored before)",
+        f"dynabatch {command}: {n - missing:,} of {n:,} {what} stored in {output} ({done})",
         f"  model      {model}, on {place.describe()}",
         f"  time       {seconds:.1f} s in all, {report.seconds:.1f} s running {report.batches:,} batches: "
-        f"{_rate(report.rows_per_s, 'texts')}, {_rate(report.tokens_per_s, 'tokens')}",
+        f"{_rate(report.rows_per_s, what)}, {_rate(report.tokens_per_s, 'tokens')}",
         f"  padding    {efficiency} of the padded tokens were real tokens",
         f"  memory     {report.oom_events} out-of-memory events, {report.oom_splits} batches split after one, "
         f"{report.pre_split_batches} split before running",

@@ -46,8 +46,8 @@ def test_killed_mid_run_then_rerun_stores_every_str_id_once_with_its_own_vector(
     before = len(_store(out)[0])
     assert 8 <= before < len(texts)  # one shard stored when it was killed
     again = run_command(command).stdout
-    assert f"{len(texts)} of {len(texts)} texts stored in {out} (this run ran {len(texts) - before}; {before} were " \
-           f"stored before)" in again
+    assert f"{len(texts)} of {len(texts)} texts stored in {out} ({len(texts) - before} run now, {before} stored " \
+           "before)" in again
     assert "out-of-memory events" in again and "read it    pyarrow.dataset.dataset(" in again
     _check_every_id_once(out, ids, _alone(bert_dir, texts))
 
@@ -63,7 +63,7 @@ def test_under_torchrun_two_ranks_killed_then_rerun_store_every_int_id_once(
     before = len(_store(out)[0])
     assert 0 < before < len(texts)
     again = run_command(command).stdout
-    assert f"{len(texts)} of {len(texts)} texts stored in {out} (this rank ran" in again
+    assert f"{len(texts)} of {len(texts)} texts stored in {out} (rank 0 ran" in again
     assert "rank 0 of 2 (torchrun)" in again
     _check_every_id_once(out, ids, _alone(bert_dir, texts))
 
@@ -106,6 +106,28 @@ def test_cls_and_last_pooling_take_the_first_and_last_real_token(bert_dir, tmp_p
         states = [model(**tokenizer(t, return_tensors="pt")).last_hidden_state[0] for t in texts]
     want = torch.stack([s[0] if pooling == "cls" else s[-1] for s in states])
     assert np.abs(vectors - torch.nn.functional.normalize(want, dim=-1).numpy()).max() < 1e-5
+
+
+def test_devices_run_a_worker_each_and_a_sentence_transformers_length_is_the_default(bert_dir, texts, tmp_path,
+                                                                                      capsys):
+    import json
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for file in bert_dir.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    (folder / "sentence_bert_config.json").write_text('{"max_seq_length": 16}')  # what it was trained with
+    (tmp_path / "docs.txt").write_text("\n".join(texts[:40]) + "\n")
+    out, report = tmp_path / "store", tmp_path / "report.json"
+    assert main(["embed", str(tmp_path / "docs.txt"), str(out), "--model", str(folder), "--pooling", "mean",
+                 "--devices", "cpu,cpu", "--batch-size", "4", "--report", str(report), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "(mean pooling), float32, max length 16, on cpu, cpu" in printed
+    devices = {batch["device"] for batch in json.loads(report.read_text())["batches"]}
+    assert devices <= {"cpu (worker 0)", "cpu (worker 1)"} and devices
+    vectors = np.stack(ds.dataset(out).to_table().sort_by("position").column("output").to_numpy(
+        zero_copy_only=False))
+    assert np.abs(vectors - _alone(folder, texts[:40], max_length=16)).max() < 1e-4
 
 
 # -- bad input: one line on stderr, exit status 2, before any model loads ------------------------------------------

@@ -39,7 +39,7 @@ def test_killed_mid_run_then_rerun_stores_each_prompts_own_greedy_reply_once(
     before = ds.dataset(out).count_rows()
     assert 8 <= before < len(prompts)
     again = run_command(command).stdout
-    assert f"40 of 40 replies stored in {out} (this run ran {40 - before}; {before} were stored before)" in again
+    assert f"40 of 40 replies stored in {out} ({40 - before} run now, {before} stored before)" in again
     table = ds.dataset(out).to_table().sort_by("position")
     assert table.column("position").to_pylist() == list(range(40))  # every prompt once
     assert table.column("output").to_pylist() == _alone(gpt2_dir, prompts, 6)
