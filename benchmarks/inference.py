@@ -97,7 +97,7 @@ with the exact command, the machine and the date of the run that produced it.
 When the file exists, only the sections this run produced are replaced; the
 others (say, GPU sections from another machine) are kept.
 
-Needs the ``examples`` extra (``pip install dynabatch[examples]``); runs
+Needs the ``examples`` extra (``pip install -e ".[examples]"``); runs
 offline. The full default run takes a while on a 2-core CPU; run it with::
 
     python benchmarks/inference.py

@@ -31,7 +31,7 @@ are upper bounds, and the ratios are what to compare. The table goes to
 stdout; ``--output PATH`` also writes it (and the machine line) to PATH.
 Nothing is written anywhere else.
 
-Needs the ``examples`` extra (``pip install dynabatch[examples]``); runs
+Needs the ``examples`` extra (``pip install -e ".[examples]"``); runs
 offline. Run it with::
 
     python benchmarks/plan_speed.py

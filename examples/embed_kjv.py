@@ -35,7 +35,7 @@ The whole script (a warm-up and three timed runs of each method) took about
 jobs (an idle machine is faster). Pass ``--n-texts 6000`` for a larger run
 (roughly ten times as long).
 
-Needs the ``examples`` extra (``pip install dynabatch[examples]``); runs
+Needs the ``examples`` extra (``pip install -e ".[examples]"``); runs
 offline. Run it with::
 
     python examples/embed_kjv.py

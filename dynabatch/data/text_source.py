@@ -36,7 +36,7 @@ import numpy as np
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.tokenization import _as_items, plain_text
 
-__all__ = ["TextSource", "is_text_source", "read_texts"]
+__all__ = ["TextSource", "is_text_source", "parquet_paths", "read_texts"]
 
 _SPILL_ROWS = 65_536  # texts per Arrow record batch when an iterable or Parquet files are read in
 
@@ -152,7 +152,7 @@ def _spill(batches: Iterable[Any], schema: Any) -> TextSource:
     return source
 
 
-def _parquet_paths(source: Any) -> list[str] | None:
+def parquet_paths(source: Any) -> list[str] | None:
     """The Parquet files ``source`` names (a path, a directory, a glob, or a list of them); ``None`` if it names none."""
     names = [source] if isinstance(source, (str, os.PathLike)) else source
     if not isinstance(names, (list, tuple)) or not names or not all(isinstance(s, (str, os.PathLike)) for s in names):
@@ -214,7 +214,7 @@ def read_texts(source: Any, column: str = "text", *, chunk_size: int = _SPILL_RO
         return TextSource(source)
     if isinstance(source, (pa.Array, pa.ChunkedArray)):
         raise bad_type("source", "an Arrow array of strings", source)
-    paths = _parquet_paths(source)
+    paths = parquet_paths(source)
     if paths is not None:
         return _read_parquet(paths, column, chunk_size)
     if isinstance(source, (str, bytes, dict)) or not isinstance(source, Iterable):

@@ -48,7 +48,7 @@ A job killed as a whole resumes with ``map_texts(..., output_path=..., key=...)`
 each window commits its rows to :func:`dynabatch.run`'s results store, keyed by
 the dataset's id column, and a rerun runs only the ids the store does not hold.
 
-Ray is optional (``pip install dynabatch[ray]``): this module imports without
+Ray is optional (the ``ray`` extra, ``pip install -e ".[ray]"``): this module imports without
 it, and only :func:`map_texts` imports ``ray``. Nothing in dynabatch imports
 this module.
 """

@@ -1,4 +1,4 @@
-"""python -m dynabatch calibrate: a local model folder in, a memory model JSON (and a PNG) out."""
+"""dynabatch calibrate: a local model folder in, a memory model JSON (and a PNG) out."""
 
 from __future__ import annotations
 
@@ -8,27 +8,14 @@ import pytest
 import torch
 
 from dynabatch import MemoryModel
-from dynabatch.__main__ import main
+from dynabatch.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    folder = tmp_path_factory.mktemp("tiny-gpt2")
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=1, n_head=2, n_positions=64,
-                        pad_token_id=0, eos_token_id=102, bos_token_id=101)
-    GPT2LMHeadModel(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def test_calibrate_generate_writes_the_model_the_table_and_a_plot(model_dir, tmp_path, capsys):
+def test_calibrate_generate_writes_the_model_the_table_and_a_plot(gpt2_dir, tmp_path, capsys):
     out, png = tmp_path / "mm.json", tmp_path / "mm.png"
-    assert main(["calibrate", "--model", str(model_dir), "--task", "generate", "--max-new-tokens", "3",
+    assert main(["calibrate", "--model", str(gpt2_dir), "--task", "generate", "--max-new-tokens", "3",
                  "--batch-size", "2", "--max-length", "32", "-o", str(out), "--plot", str(png), "--device", "cpu",
                  "--max-probes", "16", "--no-progress"]) == 0
     printed = capsys.readouterr().out
@@ -41,29 +28,29 @@ def test_calibrate_generate_writes_the_model_the_table_and_a_plot(model_dir, tmp
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_calibrate_train_step(model_dir, tmp_path):
+def test_calibrate_train_step(gpt2_dir, tmp_path):
     out = tmp_path / "train.json"
-    assert main(["calibrate", "--model", str(model_dir), "--task", "train", "--batch-size", "2", "--max-length",
+    assert main(["calibrate", "--model", str(gpt2_dir), "--task", "train", "--batch-size", "2", "--max-length",
                  "16", "-o", str(out), "--max-probes", "12", "--no-progress"]) == 0
     assert MemoryModel.load(out).metadata["task"] == "train"
 
 
-def test_bad_options(model_dir, tmp_path, capsys):
+def test_bad_options(gpt2_dir, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["calibrate", "--model", str(tmp_path / "missing"), "--batch-size", "2", "--max-length", "16", "-o",
               str(tmp_path / "x.json")])
     assert "--model should be a local model folder" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["calibrate", "--model", str(model_dir), "--batch-size", "0", "--max-length", "16", "-o",
+        main(["calibrate", "--model", str(gpt2_dir), "--batch-size", "0", "--max-length", "16", "-o",
               str(tmp_path / "x.json")])
     assert "--batch-size should be a positive integer, but got --batch-size=0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["calibrate", "--model", str(model_dir), "--task", "fly", "--batch-size", "2", "--max-length", "16",
+        main(["calibrate", "--model", str(gpt2_dir), "--task", "fly", "--batch-size", "2", "--max-length", "16",
               "-o", str(tmp_path / "x.json")])
     assert "invalid choice: 'fly'" in capsys.readouterr().err
 
 
-def test_bad_inputs_fail_in_seconds_before_any_probe(model_dir, tmp_path, capsys, monkeypatch):
+def test_bad_inputs_fail_in_seconds_before_any_probe(gpt2_dir, tmp_path, capsys, monkeypatch):
     import sys
     import time
 
@@ -79,9 +66,9 @@ def test_bad_inputs_fail_in_seconds_before_any_probe(model_dir, tmp_path, capsys
     wide = tmp_path / "wide"
     GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=4096).save_pretrained(wide)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        (wide / name).write_bytes((model_dir / name).read_bytes())
+        (wide / name).write_bytes((gpt2_dir / name).read_bytes())
     out = str(tmp_path / "mm.json")
-    base = ["calibrate", "--model", str(model_dir), "--batch-size", "2", "--no-progress"]
+    base = ["calibrate", "--model", str(gpt2_dir), "--batch-size", "2", "--no-progress"]
     cases = [
         ([*base, "--max-length", "48", "--max-new-tokens", "32", "-o", out],
          "--max-length should be at most 32: the model's max_position_embeddings=64 positions hold the prompt and "
@@ -111,5 +98,5 @@ def test_bad_inputs_fail_in_seconds_before_any_probe(model_dir, tmp_path, capsys
     with pytest.raises(SystemExit):
         main([*base, "--max-length", "16", "-o", out, "--plot", str(tmp_path / "mm.png")])
     err = capsys.readouterr().err
-    assert "--plot should be given with matplotlib installed (pip install 'dynabatch[plot]'), but got --plot=" in err
+    assert "--plot should be given with matplotlib installed (pip install 'torch-dynabatch[plot]'), but got --plot=" in err
     assert not (tmp_path / "mm.json").exists() and not (tmp_path / "mm.png").exists()  # the checks leave no file

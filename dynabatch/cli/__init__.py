@@ -1,0 +1,50 @@
+"""The command line: ``dynabatch COMMAND`` (the console script) or ``python -m dynabatch COMMAND``.
+
+* ``embed``: a corpus in (Parquet, JSONL, text lines, a ``datasets`` folder),
+  a Parquet store of embeddings out, on every GPU (:mod:`dynabatch.cli.embed`);
+* ``generate``: prompts or chat conversations in, replies out into a store
+  (:mod:`dynabatch.cli.generate`);
+* ``calibrate``: a model measured on probe batches, its memory model saved as
+  JSON (:mod:`dynabatch.cli.calibrate`).
+
+The corpus jobs resume: the same command again runs only the rows the store
+does not hold. Every option is checked before a model loads, and a bad one is
+one line on stderr with exit status 2.
+
+Example:
+    >>> from dynabatch.cli import parser
+    >>> args = parser().parse_args(["embed", "corpus/", "embeddings/", "--id-column", "id"])
+    >>> args.command.__name__, args.input, args.pooling
+    ('embed_command', 'corpus/', 'auto')
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from dynabatch.cli import calibrate, embed, generate
+from dynabatch.cli._checks import Parser
+
+__all__ = ["main", "parser"]
+
+
+def parser() -> Parser:
+    """The command line's parser: one subcommand per job."""
+    top = Parser(prog="dynabatch", description="dynabatch: memory-safe dynamic batches, from the command line")
+    sub = top.add_subparsers(title="commands", required=True, metavar="COMMAND", parser_class=Parser)
+    embed.add_parser(sub)
+    generate.add_parser(sub)
+    calibrate.add_parser(sub)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit status."""
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return args.command(args, args.parser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""What every command of ``python -m dynabatch`` checks before a model loads, written once.
+
+A command refuses a bad option with one line on stderr and exit status 2, no
+traceback and no usage dump (:class:`Parser`): the message follows the
+library's template, ``"{flag} should be {rule}, but got {flag}={value!r}"``,
+so the flag, the rule and the value are named. The checks here raise
+``ValueError`` (or ``TypeError``) with such a message, and the command turns
+it into that line (:func:`refusing`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+from dynabatch._validation import bad_value
+
+__all__ = ["DTYPES", "Parser", "check_device_names", "check_dtype", "check_model_folder", "check_plot",
+           "check_positive", "check_writable", "extra", "refusing"]
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def extra(name: str) -> str:
+    """The install command of one of this library's extras (for messages)."""
+    from dynabatch._distribution import DISTRIBUTION
+
+    return f"pip install '{DISTRIBUTION}[{name}]'"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr (``prog: error: message``), exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message.splitlines()[0] if message else 'bad arguments'}\n")
+
+
+@contextlib.contextmanager
+def refusing(parser: argparse.ArgumentParser, *errors: type[BaseException]) -> Iterator[None]:
+    """Turns the errors a check raises (``ValueError``, ``TypeError`` and ``errors``) into ``parser.error``."""
+    try:
+        yield
+    except (ValueError, TypeError, *errors) as exc:
+        parser.error(str(exc).strip() or type(exc).__name__)
+
+
+def check_positive(args: argparse.Namespace, *names: str) -> None:
+    """Each option of ``names`` that is set is an integer >= 1."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            flag = f"--{name.replace('_', '-')}"
+            raise bad_value(flag, "a positive integer", value)
+
+
+def check_writable(flag: str, path: Path) -> None:
+    """``path`` can be written as a file (checked by opening it; a file made for the check is removed)."""
+    value = str(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} should be a file to write, but got {flag}={value!r}, a folder")
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} should be a file in an existing folder, but got {flag}={value!r} "
+                         f"(no folder {str(path.parent)!r})")
+    existed = path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        raise ValueError(f"{flag} should be a file this user can write, but got {flag}={value!r} "
+                         f"({exc.strerror})") from exc
+
+
+def check_plot(path: Path | None) -> None:
+    """``--plot`` can be written and matplotlib imports."""
+    if path is None:
+        return
+    check_writable("--plot", path)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"--plot should be given with matplotlib installed ({extra('plot')}), but got "
+                         f"--plot={str(path)!r} and {exc}") from exc
+
+
+def check_model_folder(flag: str, folder: str) -> Any:
+    """A local Hugging Face model folder: its config (read, no weights)."""
+    from transformers import AutoConfig
+
+    if not Path(folder).is_dir():
+        raise bad_value(flag, "a local model folder (nothing is downloaded)", folder)
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{flag} should be a Hugging Face model folder (with a config.json), but got "
+                         f"{flag}={folder!r}: {str(exc).splitlines()[0]}") from exc
+
+
+def check_dtype(value: str, accelerated: bool) -> Any:
+    """The ``torch.dtype`` of ``--dtype`` (``auto``: float16 on an accelerator, float32 on the CPU)."""
+    import torch
+
+    if value == "auto":
+        return torch.float16 if accelerated else torch.float32
+    return getattr(torch, value)
+
+
+def check_device_names(value: str | None) -> list[Any] | None:
+    """``--devices`` (``cuda:0,cuda:1``) as devices this machine has; ``None`` for every accelerator."""
+    from dynabatch.memory.measure import check_device
+
+    if value is None:
+        return None
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    if not names:
+        raise bad_value("--devices", "a comma-separated list of devices such as 'cuda:0,cuda:1'", value)
+    devices = [check_device("--devices", name) for name in names]
+    twice = [str(d) for i, d in enumerate(devices) if d.type != "cpu" and d in devices[:i]]
+    if twice:  # an accelerator's memory statistics are its own: one worker each
+        raise bad_value("--devices", f"a list naming each accelerator once (twice: {', '.join(twice)})", value)
+    return devices
+

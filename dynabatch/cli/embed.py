@@ -1,0 +1,293 @@
+"""``dynabatch embed INPUT OUTPUT``: a corpus in, one embedding per text out, into a Parquet store that resumes.
+
+::
+
+    dynabatch embed corpus/ embeddings/ --text-column text --id-column id
+    torchrun --nproc-per-node 8 -m dynabatch embed corpus/ embeddings/ --id-column id   # one rank per GPU
+
+The input is whatever :mod:`dynabatch.cli.corpus` opens (Parquet files, JSONL,
+text lines, a ``datasets`` folder). The model is a local folder:
+
+* a sentence-transformers folder (it has ``modules.json``) runs its own modules
+  (tokenization, prompts, pooling, Normalize) through
+  :func:`dynabatch.sentence_transformers.corpus_embedder`: the vectors of
+  ``model.encode``;
+* any other Hugging Face folder loads with ``AutoModel`` (an encoder-decoder's
+  encoder) and is pooled by ``--pooling``: ``mean`` over the real tokens,
+  ``cls`` (the first real token) or ``last`` (the last real token), then
+  scaled to unit length with ``--normalize``.
+
+The default model is the demo's all-MiniLM-L6-v2 (the ``examples`` extra), so
+the command runs offline after install. The store holds ``id`` (with
+``--id-column``; else rows are keyed by ``position``), ``position`` and
+``output`` (the vector, in ``--dtype``); its key names the model (folder name
+and a digest of its files), the pooling, the dtype and the length limit, so the
+same command again resumes and another model or setting is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dynabatch._validation import bad_value
+from dynabatch.cli import job
+from dynabatch.cli._checks import (
+    check_device_names,
+    check_dtype,
+    check_model_folder,
+    check_positive,
+    extra,
+    refusing,
+)
+from dynabatch.cli.corpus import open_corpus
+
+__all__ = ["POOLINGS", "add_parser", "embed_command", "pooled"]
+
+POOLINGS = ("auto", "mean", "cls", "last")
+_ST = "sentence-transformers"
+
+_DESCRIPTION = "A corpus in, one embedding per text out, into a Parquet store; the same command again resumes it."
+_EXAMPLES = """examples:
+  dynabatch embed corpus/ embeddings/ --text-column text --id-column id
+  dynabatch embed docs.jsonl embeddings/ --model ./e5-base --pooling mean --normalize
+  torchrun --nproc-per-node 8 -m dynabatch embed corpus/ embeddings/ --id-column id"""
+
+
+def add_parser(sub: Any) -> None:
+    """The ``embed`` subcommand's options."""
+    p = sub.add_parser("embed", help="embed a corpus into a Parquet store (resumable, every GPU)",
+                       description=_DESCRIPTION, epilog=_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    job.add_input_arguments(p, "document")
+    p.add_argument("--id-column", default=None,
+                   help="a column of unique ids (str or int) to key rows by; default: rows keyed by position")
+    p.add_argument("--model", default=None,
+                   help="a local model folder: sentence-transformers or any transformers AutoModel (default: the "
+                   "demo's all-MiniLM-L6-v2)")
+    p.add_argument("--pooling", choices=POOLINGS, default="auto",
+                   help="auto (default): a sentence-transformers folder's own modules, else mean; or mean, cls or last "
+                   "token of a transformers model")
+    p.add_argument("--normalize", action="store_true", help="scale every vector to unit length")
+    p.add_argument("--prompt-name", default=None, help="a sentence-transformers model's prompt (e.g. query)")
+    p.add_argument("--prompt", default=None, help="a prompt prepended to every text (sentence-transformers)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="tokens per text at most (default: the model's own: a sentence-transformers folder's "
+                   "max_seq_length, else its positions)")
+    p.add_argument("--max-batch-tokens", type=int, default=None, help="padded tokens per batch at most")
+    job.add_run_arguments(p, "text", 64, "comma-separated devices (default: every GPU, else the CPU)")
+    p.set_defaults(command=embed_command, parser=p)
+
+
+@dataclass
+class _Job:
+    """An embed job with every option checked, before any weights load."""
+
+    place: job.Placement
+    folder: str
+    name: str
+    config: Any
+    pooling: str  # "sentence-transformers", "mean", "cls" or "last"
+    dtype: torch.dtype
+    max_length: int
+    texts: Any
+    ids: Any
+    key: str
+    tokenizer: Any = None  # a transformers folder's (a sentence-transformers model tokenizes by its own rules)
+
+    def describe(self) -> str:
+        how = "its sentence-transformers modules" if self.pooling == _ST else f"{self.pooling} pooling"
+        return f"{self.name} ({how}), {str(self.dtype).removeprefix('torch.')}, max length {self.max_length}"
+
+
+def _model_folder(value: str | None) -> tuple[str, str]:
+    """``(folder, name)`` of ``--model`` (default: the demo's all-MiniLM-L6-v2)."""
+    if value is not None:
+        return value, Path(value).resolve().name
+    try:
+        from dynabatch.demo import minilm_path
+
+        return minilm_path(), "all-MiniLM-L6-v2"
+    except ImportError as exc:
+        raise ValueError(f"--model should be given, or the demo's all-MiniLM-L6-v2 installed ({extra('examples')}), "
+                         f"but got no --model and {exc}") from exc
+
+
+def _st_settings(folder: str) -> dict:
+    """A sentence-transformers folder's own settings (max_seq_length, prompts), read without loading it."""
+    settings: dict = {}
+    for name in ("sentence_bert_config.json", "config_sentence_transformers.json"):
+        path = Path(folder) / name
+        if path.is_file():
+            settings.update(json.loads(path.read_text(encoding="utf-8")))
+    return settings
+
+
+def _pooling(args: argparse.Namespace, folder: str) -> str:
+    is_st = (Path(folder) / "modules.json").is_file()
+    pooling = (_ST if is_st else "mean") if args.pooling == "auto" else args.pooling
+    if pooling == _ST and importlib.util.find_spec("sentence_transformers") is None:
+        raise ValueError(f"--model should be run by sentence-transformers (its folder has modules.json: "
+                         f"{extra('sentence-transformers')}), or given --pooling mean, cls or last to run it as a "
+                         f"transformers AutoModel, but got --model={folder!r} and no sentence_transformers module")
+    elif args.prompt is not None or args.prompt_name is not None:
+        flag = "--prompt" if args.prompt is not None else "--prompt-name"
+        raise bad_value(flag, "given with a sentence-transformers model (--pooling auto on a folder with "
+                        "modules.json)", args.prompt if args.prompt is not None else args.prompt_name)
+    if pooling == _ST and args.prompt_name is not None:
+        prompts = _st_settings(folder).get("prompts") or {}
+        if args.prompt_name not in prompts:
+            raise bad_value("--prompt-name", f"one of the model's prompts {sorted(prompts)}", args.prompt_name)
+    return pooling
+
+
+def _max_length(args: argparse.Namespace, config: Any, folder: str, tokenizer: Any) -> int:
+    """``--max-length``, or the model's own limit (a sentence-transformers folder's ``max_seq_length``, its
+    positions, its tokenizer's ``model_max_length``: the smallest); refused above the positions or the tokenizer's."""
+    from dynabatch.data.tokenization import model_max_length
+    from dynabatch.memory.calibrate import check_model_max_length, check_positions
+    from dynabatch.memory.shape import position_limit
+
+    length = args.max_length
+    if length is None:
+        limits = [found[2]] if (found := position_limit(config)) is not None else []
+        trained = _st_settings(folder).get("max_seq_length")  # a sentence-transformers folder's, whatever the pooling
+        if isinstance(trained, int) and trained > 0:
+            limits.append(trained)
+        if tokenizer is not None and model_max_length(tokenizer) is not None:
+            limits.append(model_max_length(tokenizer))
+        if not limits:
+            raise bad_value("--max-length", "given: the model's config and tokenizer set no length limit", None)
+        length = min(limits)
+    check_positions(config, length, 0, length_name="--max-length")
+    if tokenizer is not None:
+        check_model_max_length(tokenizer, length, length_name="--max-length")
+    return length
+
+
+def _prepare(args: argparse.Namespace) -> _Job:
+    """Every check of an embed job, in the order a user fixes them; no weights load."""
+    from transformers import AutoTokenizer
+
+    check_positive(args, "batch_size", "max_length", "max_batch_tokens")
+    job.check_outputs(args)
+    corpus = open_corpus(args.input, args.format)  # its columns and rows: cheap, and the first thing to fix
+    corpus.require("--text-column", args.text_column, ("string",))
+    if args.id_column is not None:
+        corpus.require("--id-column", args.id_column, ("string", "integer"))
+    place = job.placement(check_device_names(args.devices))
+    folder, name = _model_folder(args.model)
+    config = check_model_folder("--model", folder)
+    pooling = _pooling(args, folder)
+    dtype = check_dtype(args.dtype, place.accelerated)
+    tokenizer = None
+    if pooling != _ST:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token  # pooling reads the attention mask: padding never counts
+    max_length = _max_length(args, config, folder, tokenizer)
+    texts = corpus.texts(args.text_column)  # read once (Parquet and text lines into one memory-mapped file)
+    ids = corpus.ids(args.id_column) if args.id_column is not None else None
+    settings = {"pooling": pooling, "normalize": args.normalize, "dtype": str(dtype).removeprefix("torch."),
+                "max_length": max_length}
+    if pooling == _ST:
+        settings["prompt"] = json.dumps(args.prompt) if args.prompt is not None else args.prompt_name
+    key = job.job_key("embed", name, folder, **settings)
+    job.check_store(args.output, key, len(texts), ids)
+    return _Job(place, folder, name, config, pooling, dtype, max_length, texts, ids, key, tokenizer)
+
+
+def pooled(model: Any, pooling: str, normalize: bool) -> Any:
+    """``fn(batch)``: the model's last hidden states pooled over each row's real tokens (by the attention mask,
+    whichever side pads): ``mean``, ``cls`` (the first real token) or ``last`` (the last one); computed in
+    float32, returned in the model's dtype.
+
+    Example:
+        >>> import torch
+        >>> class Echo(torch.nn.Module):  # its hidden states are its input ids
+        ...     def forward(self, input_ids, attention_mask):
+        ...         return (input_ids.unsqueeze(-1).float(),)
+        >>> batch = {"input_ids": torch.tensor([[5, 7, 0], [0, 2, 4]]),
+        ...          "attention_mask": torch.tensor([[1, 1, 0], [0, 1, 1]])}
+        >>> [pooled(Echo(), p, False)(batch)[:, 0].tolist() for p in ("mean", "cls", "last")]
+        [[6.0, 3.0], [5.0, 2.0], [7.0, 4.0]]
+    """
+    accepted = set(inspect.signature(model.forward).parameters)
+
+    def fn(batch: Any) -> torch.Tensor:
+        with torch.inference_mode():  # thread-local: entered in the thread that runs the batch
+            out = model(**{k: v for k, v in batch.items() if k in accepted})
+            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+            mask = batch["attention_mask"].to(hidden.device)
+            states = hidden.float()
+            if pooling == "mean":
+                weights = mask.unsqueeze(-1).to(states.dtype)
+                vectors = (states * weights).sum(1) / weights.sum(1).clamp(min=1)
+            else:
+                place = torch.arange(mask.shape[1], device=mask.device)
+                token = mask.argmax(1) if pooling == "cls" else (mask * place).argmax(1)  # first / last real token
+                vectors = states[torch.arange(len(states), device=states.device), token]
+            if normalize:
+                vectors = torch.nn.functional.normalize(vectors, dim=-1)
+            return vectors.to(hidden.dtype)
+
+    return fn
+
+
+def _load(spec: _Job, args: argparse.Namespace) -> tuple[Any, int, Any, Any]:
+    """``(tokenizer, max_length, make_fn, model for the loader's checks)``, the weights on the first device."""
+    first = spec.place.devices[0]
+    if spec.pooling == _ST:
+        from sentence_transformers import SentenceTransformer
+
+        from dynabatch.sentence_transformers import corpus_embedder
+
+        model = SentenceTransformer(spec.folder, device=str(first), model_kwargs={"dtype": spec.dtype})
+        model.max_seq_length = spec.max_length
+        tokenizer, limit, make_fn = corpus_embedder(model, prompt_name=args.prompt_name, prompt=args.prompt,
+                                                    normalize_embeddings=args.normalize)
+        return tokenizer, limit, make_fn, model.transformers_model
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(spec.folder, dtype=spec.dtype).to(first).eval()
+    encoder = model.get_encoder() if getattr(spec.config, "is_encoder_decoder", False) else model
+
+    def make_fn(device: torch.device) -> Any:  # one copy per accelerator; CPU threads share the weights
+        import copy
+
+        on = encoder if torch.device(device) == first or torch.device(device).type == "cpu" else \
+            copy.deepcopy(encoder).to(device)
+        return pooled(on, spec.pooling, args.normalize)
+
+    return spec.tokenizer, spec.max_length, make_fn, model
+
+
+def embed_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Runs ``dynabatch embed``; returns the exit status."""
+    from dynabatch.inference.loader import build_dynamic_batch_dataloader
+
+    start = time.perf_counter()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with refusing(parser):
+        spec = _prepare(args)
+    place = spec.place
+    with job.process_group(place):
+        tokenizer, limit, make_fn, model = _load(spec, args)
+        loader = build_dynamic_batch_dataloader(spec.texts, tokenizer, args.batch_size, limit, ids=spec.ids,
+                                                model=model, max_tokens=args.max_batch_tokens, stream=True,
+                                                num_workers=0, progress=False)
+        with refusing(parser):  # a store of other texts under the same ids, found as batches come
+            result = job.run_job(make_fn, loader, place, output_path=args.output, key=spec.key, on_oom=args.on_oom,
+                                 token_outputs="whole", progress=place.main and not args.no_progress)
+        columns = ["id" if spec.ids is not None else "position", "output"]
+        job.finish("embed", result, args, place, start=start, model=spec.describe(), what="texts", columns=columns)
+    return 0

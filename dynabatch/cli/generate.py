@@ -1,0 +1,201 @@
+"""``dynabatch generate INPUT OUTPUT --model FOLDER``: prompts in, one reply per prompt out, into a Parquet store.
+
+::
+
+    dynabatch generate prompts.txt replies/ --model ./my-model --max-new-tokens 256
+    dynabatch generate chats.jsonl replies/ --model ./my-chat-model --messages-column messages --sample --temperature 0.7
+
+Prompts are a column of strings (``--text-column``; a text file's lines), or
+chat conversations (``--messages-column``: each row a list of
+``{"role": ..., "content": ...}`` messages, rendered by the tokenizer's chat
+template). Replies come from :func:`dynabatch.generate` (a decoder-only or
+encoder-decoder ``transformers`` model): each prompt's reply alone, the prompt
+not repeated, ending at its first EOS; greedy unless ``--sample``. The store
+holds ``position`` (the prompt's row in the input) and ``output`` (the reply);
+its key names the model, the dtype, the length limits and every generation
+option, so the same command again generates only the prompts not stored.
+
+Sampled replies (``--sample``) are drawn from a generator seeded by ``--seed``;
+they depend on which prompts share a batch, as with any batched sampling, so
+a resumed run's new replies are not those an uninterrupted run would draw.
+
+It runs on one device (the first GPU, else the CPU; ``--devices`` names
+another), or under ``torchrun`` one rank per GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dynabatch._validation import bad_value
+from dynabatch.cli import job
+from dynabatch.cli._checks import (
+    check_device_names,
+    check_dtype,
+    check_model_folder,
+    check_positive,
+    refusing,
+)
+from dynabatch.cli.corpus import open_corpus
+
+__all__ = ["add_parser", "generate_command"]
+
+_SAMPLING = ("temperature", "top_p", "top_k")
+
+_DESCRIPTION = "Prompts in, one reply per prompt out, into a Parquet store; the same command again resumes it."
+_EXAMPLES = """examples:
+  dynabatch generate prompts.txt replies/ --model ./my-model --max-new-tokens 256
+  dynabatch generate chats.jsonl replies/ --model ./my-chat-model --messages-column messages --sample --temperature 0.7"""
+
+
+def add_parser(sub: Any) -> None:
+    """The ``generate`` subcommand's options."""
+    p = sub.add_parser("generate", help="generate a reply to every prompt into a Parquet store (resumable)",
+                       description=_DESCRIPTION, epilog=_EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    job.add_input_arguments(p, "prompt")
+    p.add_argument("--model", required=True, help="a local transformers model folder (causal or seq2seq LM)")
+    p.add_argument("--messages-column", default=None,
+                   help="a column of chat conversations (lists of {role, content}) instead of --text-column")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply at most (default: 128)")
+    p.add_argument("--sample", action="store_true", help="sample (default: greedy decoding)")
+    p.add_argument("--temperature", type=float, default=None, help="with --sample (default: the model's)")
+    p.add_argument("--top-p", type=float, default=None, help="with --sample (default: the model's)")
+    p.add_argument("--top-k", type=int, default=None, help="with --sample (default: the model's)")
+    p.add_argument("--seed", type=int, default=0, help="seeds sampling (default: 0)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="prompt tokens at most (default: the model's positions less --max-new-tokens)")
+    job.add_run_arguments(p, "prompt", 16, "the device (default: the first GPU, else the CPU)")
+    p.set_defaults(command=generate_command, parser=p)
+
+
+def _check_sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The generation options: greedy, or sampling with the options given (each checked)."""
+    options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.sample}
+    for name in _SAMPLING:
+        value = getattr(args, name)
+        if value is None:
+            continue
+        flag = f"--{name.replace('_', '-')}"
+        if not args.sample:
+            raise bad_value(flag, "given with --sample (greedy decoding has no temperature, top-p or top-k)", value)
+        if name == "temperature" and not value > 0 or name == "top_p" and not 0 < value <= 1:
+            raise bad_value(flag, "a number above 0" if name == "temperature" else "a number in (0, 1]", value)
+        options[name] = value
+    return options
+
+
+def _tokenizer(folder: str) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise bad_value("--model", "a folder whose tokenizer has a pad or an EOS token (batches are padded)",
+                            folder)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _prompt_limit(args: argparse.Namespace, config: Any, tokenizer: Any) -> int:
+    """``--max-length``, or the most the model's positions hold beside the new tokens (and the tokenizer's limit)."""
+    from dynabatch.data.tokenization import model_max_length
+    from dynabatch.memory.calibrate import check_positions
+    from dynabatch.memory.shape import position_limit
+
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    length = args.max_length
+    if length is None:
+        limits = [] if model_max_length(tokenizer) is None else [model_max_length(tokenizer)]
+        if (found := position_limit(config)) is not None:
+            limits.append(found[2] - (0 if encoder_decoder else args.max_new_tokens))
+        if not limits:
+            raise bad_value("--max-length", "given: the model's config and tokenizer set no length limit", None)
+        length = min(limits)
+        if length < 1:
+            raise bad_value("--max-new-tokens", f"less than the model's {found[0]}={found[1]} positions, which hold "
+                            "the prompt too", args.max_new_tokens)
+    check_positions(config, length, args.max_new_tokens, length_name="--max-length", new_name="--max-new-tokens")
+    return length
+
+
+def _prompts(args: argparse.Namespace, corpus: Any, tokenizer: Any) -> list[Any]:
+    if args.messages_column is None:
+        texts = corpus.texts(args.text_column)
+        return texts.take(np.arange(len(texts)))
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_value("--messages-column", "given with a model whose tokenizer has a chat template",
+                        args.messages_column)
+    conversations = corpus.values(args.messages_column, "--messages-column")
+    for i, conversation in enumerate(conversations):
+        if not conversation or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in conversation):
+            raise ValueError(f"--messages-column should hold lists of {{'role': ..., 'content': ...}} messages, but "
+                             f"got row {i}: {json.dumps(conversation)[:200]}")
+    return conversations
+
+
+def _prepare(args: argparse.Namespace) -> dict[str, Any]:
+    """Every check of a generate job; no weights load."""
+    check_positive(args, "batch_size", "max_length", "max_new_tokens", "top_k")
+    options = _check_sampling(args)
+    job.check_outputs(args)
+    corpus = open_corpus(args.input, args.format)  # its columns and rows: cheap, and the first thing to fix
+    if args.messages_column is None:
+        corpus.require("--text-column", args.text_column, ("string",))
+    else:
+        corpus.require("--messages-column", args.messages_column, ("list",))
+    devices = check_device_names(args.devices)
+    if devices is not None and len(devices) > 1:
+        raise bad_value("--devices", "one device (generate runs on one device, or one rank per GPU under torchrun)",
+                        args.devices)
+    place = job.placement(devices)
+    place.devices = place.devices[:1]
+    config = check_model_folder("--model", args.model)
+    dtype = check_dtype(args.dtype, place.accelerated)
+    tokenizer = _tokenizer(args.model)
+    max_length = _prompt_limit(args, config, tokenizer)
+    prompts = _prompts(args, corpus, tokenizer)
+    settings = {"dtype": str(dtype).removeprefix("torch."), "max_length": max_length,
+                "prompts": "messages" if args.messages_column is not None else "text",
+                **{k: v for k, v in options.items()}, **({"seed": args.seed} if args.sample else {})}
+    key = job.job_key("generate", Path(args.model).resolve().name, args.model, **settings)
+    job.check_store(args.output, key, len(prompts), None)
+    return {"place": place, "config": config, "dtype": dtype, "tokenizer": tokenizer, "max_length": max_length,
+            "prompts": prompts, "options": options, "key": key}
+
+
+def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Runs ``dynabatch generate``; returns the exit status."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    from dynabatch.generation import generate
+
+    start = time.perf_counter()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with refusing(parser):
+        spec = _prepare(args)
+    place, config = spec["place"], spec["config"]
+    with job.process_group(place):
+        auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+        model = auto.from_pretrained(args.model, dtype=spec["dtype"]).to(place.devices[0]).eval()
+        torch.manual_seed(args.seed)  # this process's own generator: sampling draws from it
+        with refusing(parser):
+            result = generate(model, spec["tokenizer"], spec["prompts"], batch_size=args.batch_size,
+                              max_input_token_length=spec["max_length"], device=place.devices[0],
+                              output_path=args.output, key=spec["key"], on_oom=args.on_oom,
+                              progress=place.main and not args.no_progress, pad_token_id=spec["tokenizer"].pad_token_id,
+                              **spec["options"])
+        model_line = (f"{Path(args.model).resolve().name}, {str(spec['dtype']).removeprefix('torch.')}, prompts of "
+                      f"{spec['max_length']} tokens at most, {args.max_new_tokens} new tokens at most, "
+                      + ("sampled" if args.sample else "greedy"))
+        job.finish("generate", result, args, place, start=start, model=model_line, what="replies",
+                   columns=["position", "output"])
+    return 0

@@ -1,0 +1,96 @@
+"""dynabatch generate: prompts in, each prompt's own reply out, into a store that a killed run resumes."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.dataset as ds
+import pytest
+import torch
+
+from dynabatch.cli import main
+
+
+def _alone(folder, prompts, max_new_tokens):
+    """Each prompt's greedy reply, generated alone: the new tokens up to the first EOS (kept), decoded."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder).eval()
+    replies = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt")  # the prompt's ids and mask (GPT-2 would add token types)
+            new = model.generate(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"],
+                                 max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)[0, ids["input_ids"].shape[1]:].tolist()
+            end = next((i for i, t in enumerate(new) if t == model.generation_config.eos_token_id), len(new) - 1)
+            replies.append(tokenizer.decode(new[: end + 1], skip_special_tokens=True))
+    return replies
+
+
+def test_killed_mid_run_then_rerun_stores_each_prompts_own_greedy_reply_once(
+        gpt2_dir, texts, tmp_path, cli, kill_after_first_shard, run_command):
+    prompts = [" ".join(t.split()[:12]) for t in texts[:40]]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n", encoding="utf-8")
+    out = tmp_path / "replies"
+    command = [*cli, "generate", str(tmp_path / "prompts.txt"), str(out), "--model", str(gpt2_dir),
+               "--max-new-tokens", "6", "--batch-size", "4", "--no-progress"]
+    kill_after_first_shard(command, out, tmp_path / "hook")
+    before = ds.dataset(out).count_rows()
+    assert 8 <= before < len(prompts)
+    again = run_command(command).stdout
+    assert f"40 of 40 replies stored in {out} ({40 - before} run now, {before} stored before)" in again
+    table = ds.dataset(out).to_table().sort_by("position")
+    assert table.column("position").to_pylist() == list(range(40))  # every prompt once
+    assert table.column("output").to_pylist() == _alone(gpt2_dir, prompts, 6)
+
+
+def test_chat_conversations_are_rendered_by_the_chat_template(gpt2_dir, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    chat = tmp_path / "chat-model"
+    chat.mkdir()
+    for file in gpt2_dir.iterdir():
+        (chat / file.name).write_bytes(file.read_bytes())
+    tokenizer = AutoTokenizer.from_pretrained(chat)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    tokenizer.save_pretrained(chat)
+    conversations = [[{"role": "user", "content": "In the beginning"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "And God said"}]]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
+    out = tmp_path / "replies"
+    assert main(["generate", str(tmp_path / "chats.jsonl"), str(out), "--model", str(chat), "--messages-column",
+                 "messages", "--max-new-tokens", "4", "--no-progress"]) == 0
+    assert "2 of 2 replies stored" in capsys.readouterr().out
+    rendered = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+    stored = ds.dataset(out).to_table().sort_by("position").column("output").to_pylist()
+    model = __import__("transformers").AutoModelForCausalLM.from_pretrained(chat).eval()
+    with torch.inference_mode():
+        for text, reply in zip(rendered, stored):
+            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")
+            new = model.generate(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"], max_new_tokens=4,
+                                 do_sample=False, pad_token_id=0)[0, ids["input_ids"].shape[1]:].tolist()
+            new = new[: new.index(102) + 1] if 102 in new else new  # a reply ends at its first EOS
+            assert reply == tokenizer.decode(new, skip_special_tokens=True)
+
+
+def test_sampling_options_without_sample_and_a_prompt_limit_past_the_positions_are_refused(gpt2_dir, tmp_path,
+                                                                                          capsys):
+    (tmp_path / "p.txt").write_text("In the beginning\n")
+    base = ["generate", str(tmp_path / "p.txt"), str(tmp_path / "out"), "--model", str(gpt2_dir)]
+    cases = [
+        ([*base, "--temperature", "0.7"],
+         "--temperature should be given with --sample (greedy decoding has no temperature, top-p or top-k), but got "
+         "--temperature=0.7"),
+        ([*base, "--max-length", "40", "--max-new-tokens", "32"],
+         "--max-length should be at most 32: the model's max_position_embeddings=64 positions hold the prompt and the "
+         "--max-new-tokens=32 new tokens, but got --max-length=40"),
+        ([*base, "--messages-column", "messages"],
+         "--messages-column should be given with a table (Parquet, JSONL, datasets): a text file's lines have only "
+         "their position, but got --messages-column='messages'"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+        assert capsys.readouterr().err == f"dynabatch generate: error: {message}\n"

@@ -1,0 +1,97 @@
+"""The library installs as torch-dynabatch (console script included), every install line installs it, and the
+package index's other "dynabatch" beside it is said once at import."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dynabatch._distribution import DISTRIBUTION, OTHER, other_installs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _other_project(folder: Path, editable: bool = False) -> Path:
+    """The metadata of the other project's install (``dynabatch`` 0.2.23), as pip leaves it in site-packages."""
+    info = folder / "dynabatch-0.2.23.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.4\nName: dynabatch\nVersion: 0.2.23\nSummary: PyTorch "
+                                   "DataLoader with dynamic batch sizing guided by a GPU memory regressor.\n")
+    (info / "top_level.txt").write_text("dynabatch\n")
+    (info / "RECORD").write_text("dynabatch/__init__.py,,\ndynabatch/regressor.py,,\n")
+    if editable:
+        (info / "direct_url.json").write_text('{"dir_info": {"editable": true}, "url": "file:///src/dynabatch"}')
+    return folder
+
+
+def test_the_other_project_is_found_and_an_editable_checkout_of_this_one_is_not(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(_other_project(tmp_path / "site")))
+    assert other_installs() == ["dynabatch 0.2.23"]
+    monkeypatch.syspath_prepend(str(_other_project(tmp_path / "checkout", editable=True)))
+    assert other_installs() == ["dynabatch 0.2.23"]
+
+
+def test_importing_beside_the_other_project_warns_once_with_what_to_do(tmp_path):
+    site = _other_project(tmp_path / "site")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(site)]), HF_HUB_OFFLINE="1")
+    code = "import dynabatch, dynabatch.cli; import dynabatch; print(dynabatch.run.__name__)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout == "run\n", done.stderr
+    assert done.stderr.count("UserWarning") == 1, done.stderr
+    assert (f"the package index's 'dynabatch 0.2.23' (another project, with another API) is installed in this "
+            f"environment beside this library ({DISTRIBUTION})") in done.stderr
+    assert f"pip uninstall -y {OTHER} {DISTRIBUTION} && pip install {DISTRIBUTION}" in done.stderr
+
+
+_INSTALL = re.compile(r"pip3? install\b([^\n`|;&)#]*)")  # to the end of the command (a shell comment)
+
+
+def _install_targets(text: str) -> list[str]:
+    """The names that ``pip install`` lines of ``text`` install (options and their values left out)."""
+    names = []
+    for match in _INSTALL.finditer(text):
+        for word in match.group(1).split():
+            word = word.strip("'\"")
+            if word.startswith("-") or not word:
+                continue
+            names.append(re.split(r"[\[<>=!~;@ ]", word)[0])
+    return names
+
+
+def test_every_install_line_of_the_readme_docs_and_examples_installs_this_library():
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").glob("*.py")),
+             *sorted((ROOT / "benchmarks").glob("*.py"))]
+    seen = 0
+    for path in files:
+        for name in _install_targets(path.read_text(encoding="utf-8")):
+            seen += 1
+            assert re.sub(r"[-_.]+", "-", name).lower() != OTHER, f"{path.name} installs {name!r}, another project"
+    assert seen >= 10
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"pip install {DISTRIBUTION}" in readme and "import dynabatch" in readme  # which name is which, said
+    assert _install_targets("pip install -e '.[ray]' torch==2.13.0 && pip install \"dynabatch[plot]\"") == \
+        [".", "torch", "dynabatch"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_pip_install_e_from_a_fresh_copy_gives_the_console_script(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, repo / name)
+    shutil.copytree(ROOT / "dynabatch", repo / "dynabatch", ignore=shutil.ignore_patterns("__pycache__"))
+    prefix = tmp_path / "prefix"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--prefix",
+                    str(prefix), "-e", str(repo)], check=True, capture_output=True, timeout=300)
+    site = next(prefix.glob("lib/python*/site-packages"))
+    assert [p.name for p in site.glob("*.dist-info")] == ["torch_dynabatch-0.2.0.dev0.dist-info"]
+    script = prefix / "bin" / "dynabatch"
+    env = dict(os.environ, PYTHONPATH=str(repo), HF_HUB_OFFLINE="1")
+    done = subprocess.run([str(script), "embed", "--help"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: dynabatch embed [-h]") and "--id-column" in done.stdout
