@@ -179,10 +179,10 @@ def check_store(output: str, key: str, n: int, ids: Any) -> None:
     a store keyed otherwise, a file, or a folder holding other files."""
     if not os.path.exists(output):
         return
-    from dynabatch.inference.store import ResultsStore
+    from dynabatch.inference.store import open_store
 
     try:
-        ResultsStore(output, key=key, n=n, ids=ids)
+        open_store(output, key=key, n=n, ids=ids, verify=False)
     except ValueError as exc:
         raise ValueError(f"output should be a new folder, or this same job's store to resume it, but got "
                          f"output={output!r}: {str(exc).splitlines()[0]}") from exc
@@ -198,9 +198,9 @@ def run_job(make_fn: Callable[[torch.device], Callable], loader: Any, place: Pla
     from dynabatch import run
 
     if place.world > 1:
-        return run(make_fn(place.devices[0]), loader, device=place.devices[0], lockstep=False, **options)
+        return run(make_fn(place.devices[0]), loader, device=place.devices[0], ranks="claim", **options)
     if len(place.devices) > 1:
-        return run(make_fn, loader, devices=place.devices, **options)
+        return run(loader=loader, make_fn=make_fn, devices=place.devices, **options)
     return run(make_fn(place.devices[0]), loader, device=place.devices[0], **options)
 
 

@@ -15,22 +15,22 @@ REPO = Path(__file__).resolve().parents[2]
 # Loaded by every Python process of a stalled run (a sitecustomize module on PYTHONPATH): a shard is committed every
 # 8 rows and the writer never commits a second one, so the process is surely mid-run when the test kills it.
 STALL_HOOK = '''
-from dynabatch.inference import _shards
+from dynabatch.inference import store
 
-_shards.SHARD_ROWS = 8
-_write = _shards._write_atomically
+store.SHARD_ROWS = 8
+_commit = store.StoreWriter._commit
 _written = []
 
 
-def _stall_after_first(*args, **kwargs):
+def _stall_after_first(self, *args, **kwargs):
     if _written:
         import time
 
         time.sleep(3600)
-    _written.append(_write(*args, **kwargs))
+    _written.append(_commit(self, *args, **kwargs))
 
 
-_shards._write_atomically = _stall_after_first
+store.StoreWriter._commit = _stall_after_first
 '''
 
 
