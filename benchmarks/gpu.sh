@@ -19,6 +19,8 @@
 #   memory-model  benchmarks/memory_model.py --device cuda (calibrate, plans, measured peaks on the GPU)
 #   train-step    benchmarks/train_step.py --device cuda   (packed training steps, packed = padded loss)
 #   overlap       benchmarks/overlap.py --device cuda      (a real encoder: streamed and built ahead vs in turn)
+#   training      benchmarks/training_throughput.py --device cuda (fixed, group_by_length, token and memory
+#                 budgets, packing under one limit; calibrate vs probe at the limit)
 # A step that fails does not stop the others (only a failed preflight does).
 #
 # What it leaves in the output folder, and nothing else (the device tool brings back at most 8 files):
@@ -90,6 +92,7 @@ STEPS=(
     "memory-model|90|$PY benchmarks/memory_model.py --device $DEVICE $(sized '--threads 4' '--workloads mistral --n-texts 40 --new-tokens 4 --max-length 64') --output $WORK/memory_model.md"
     "train-step|45|$PY benchmarks/train_step.py --device $DEVICE $(sized '' '--steps 3 --hidden 32 --layers 1 --capacity 128 --n-texts 200 --threads 1') --output $WORK/train_step.md"
     "overlap|60|$PY benchmarks/overlap.py --device $DEVICE $(sized '--threads 4 --n-texts 20000' '--n-texts 300') --output $WORK/overlap.md"
+    "training|100|$PY benchmarks/training_throughput.py --device $DEVICE $(sized '--threads 4' '--n-texts 40 --eval-texts 16 --max-length 32 --hidden 32 --layers 1 --threads 1 --tables throughput') --output $WORK/training_throughput.md"
 )
 HARDWARE_PROBES=(
     "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader"

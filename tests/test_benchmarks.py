@@ -247,7 +247,7 @@ def test_gpu_sh_dry_run_says_what_it_would_run_and_runs_nothing(tmp_path):
     assert result.returncode == 0, result.stderr
     planned = re.findall(r"^run   (\S+) +\(at most +(\d+)s\): (.*)$", result.stdout, re.MULTILINE)
     assert [name for name, _, _ in planned] == ["install", "preflight", "gpu-tests", "inference", "generation",
-                                               "embeddings", "memory-model", "train-step", "overlap"]
+                                               "embeddings", "memory-model", "train-step", "overlap", "training"]
     commands = {name: command for name, _, command in planned}
     assert commands["install"].endswith("-m pip install --no-deps --no-build-isolation --no-input "
                                         "--disable-pip-version-check -e .")
@@ -290,10 +290,11 @@ def test_gpu_sh_leaves_two_files_and_goes_on_past_a_failed_step(tmp_path):
     assert summary == result.stdout
     assert "| install | skipped (--no-install) | 0 | |" in summary
     assert re.search(r"^\| preflight \| ok \| \d+ \| rehearsal on the CPU \|$", summary, re.MULTILINE)
-    for name in ("gpu-tests", "inference", "generation", "embeddings", "memory-model", "train-step", "overlap"):
+    for name in ("gpu-tests", "inference", "generation", "embeddings", "memory-model", "train-step", "overlap",
+                 "training"):
         assert re.search(rf"^\| {name} \| FAILED \(exit 3\) \| \d+ \| ", summary, re.MULTILINE), (name, summary)
     logs = (out / "logs.txt").read_text()
-    assert logs.count("\n===== ") == 8 and "cannot run benchmarks/overlap.py --device cpu --n-texts 300" in logs
+    assert logs.count("\n===== ") == 9 and "cannot run benchmarks/overlap.py --device cpu --n-texts 300" in logs
 
 
 def test_the_repositorys_assets_are_the_kjv_and_a_tokenizer_trained_on_it():
