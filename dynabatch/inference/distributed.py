@@ -1,12 +1,6 @@
-"""Collectives of a ``torch.distributed`` run: :func:`world`, :func:`gather_results`, :func:`check_same_batches`.
-
-Which rank runs which batch is decided without communicating, by the one
-routine every dynabatch sampler uses (:mod:`dynabatch.sampling.ranks`: every
-rank the same number of batches, the largest split, dealt in steps of
-consecutive batches); this module holds what talks between ranks: checking
-every rank has the same batches, and bringing every rank's results to rank 0
-in input order.
-"""
+"""What talks between ranks in a ``torch.distributed`` run: the same batches checked on every rank, results
+gathered to rank 0, chunks claimed from one counter. Which rank runs which batch in lockstep is decided without
+communicating, by :mod:`dynabatch.sampling.ranks`."""
 
 from __future__ import annotations
 
@@ -115,38 +109,18 @@ def _prepare(positions: Any, results: Any, n_inputs: Any) -> tuple[tuple, bytes 
 
 
 def gather_results(positions: list[int], results: list, n_inputs: int) -> list | None:
-    """Collective: brings every rank's results to rank 0, in input order.
+    """Collective: brings every rank's results to rank 0, in input order; ``None`` on the other ranks.
 
-    Every rank of the default process group must call it (it is a collective).
-    Each passes the input positions it computed and their results, item ``i``
-    of ``results`` belonging to ``positions[i]``. Positions are first shared
-    with every rank (``all_gather_object``), so every rank checks them and all
-    raise the same error together instead of some hanging; then results go to
-    rank 0 only (``gather_object``). Results must be picklable; tensors among
-    them are detached and moved to the CPU before sending (tensor results all
-    come back on the CPU under a process group of more than one rank). With
-    NCCL, set each rank's device (``torch.cuda.set_device``) first, as
-    ``torch.distributed``'s object collectives require. Without a process group
-    (or with one rank) it only checks and reorders, without communicating.
-
-    Args:
-        positions: the input positions this rank computed (list, numpy array
-            or tensor of int).
-        results: one result per position, same order.
-        n_inputs: number of inputs of the whole job (the same on every rank).
-
-    Returns:
-        On rank 0, a list of ``n_inputs`` results: item ``p`` is the result
-        for input position ``p``. ``None`` on the other ranks.
+    Every rank passes the input positions it computed and one result per
+    position. Positions go to every rank first, so that all raise the same
+    error together rather than some hanging; then the results (picklable;
+    tensors sent detached, on the CPU) go to rank 0. With NCCL, set each rank's
+    device first. Without a process group it only checks and reorders.
 
     Raises:
-        TypeError: an argument of the wrong type, or results that cannot be
-            pickled, on some rank (every rank raises; the message names the rank).
-        ValueError: ``results`` and ``positions`` of different lengths, or
-            ``n_inputs`` differs between ranks, or the positions over all
-            ranks are not each of ``range(n_inputs)`` exactly once (the
-            message says how many are out of range, repeated or missing, and
-            names the first few).
+        TypeError: a bad argument, or results that cannot be pickled, on some rank (named; every rank raises).
+        ValueError: ``results`` and ``positions`` of different lengths, ``n_inputs`` that differs between
+            ranks, or positions over all ranks that are not ``range(n_inputs)`` each once (the first few named).
 
     Example:
         >>> from dynabatch.inference.distributed import gather_results

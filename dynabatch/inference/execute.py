@@ -1,24 +1,13 @@
 """The executor of :func:`dynabatch.run`: a worker per device, each batch through the one out-of-memory policy.
 
-:class:`Executor` runs one item at a time on its device: the batch is built
-(ahead, by :class:`Prefetcher`), moved, passed to ``fn``, and what ``fn``
-returned is split into rows by the run's row rule
-(:class:`~dynabatch.inference.outputs.RowSplitter`); the rows go to the sink
-with their input hashes. A piece that runs out of memory is split in halves
-and retried, down to one row; a piece at least as large (rows and width) as
-one that failed, or with more rows than the memory mode allows
-(:meth:`~dynabatch.inference.source.BatchQueue.max_call_rows`), is split into
-equal parts before it is tried (:mod:`dynabatch.memory.oom`'s policy). Each
-item leaves a :class:`~dynabatch.inference.report.BatchRecord`.
+:class:`Executor` runs one item at a time on its device: built (ahead, by :class:`Prefetcher`), moved, passed to
+``fn``, split into rows by the run's row rule, handed to the sink with their input hashes. A piece that runs out
+of memory is split in halves and retried, down to one row; one at least as large as a shape that failed, or with
+more rows than the memory mode allows, is split before it is tried (:mod:`dynabatch.memory.oom`'s policy).
 
-:func:`run_workers` runs the queue: one worker in the calling thread, or one
-thread per device over the one shared queue (longest first), so no device
-idles while work remains. Threads, not processes: torch releases the GIL while
-a device works, nothing needs a ``__main__`` guard, and it runs in a notebook.
-Every thread it starts has stopped when it returns or raises (Ctrl-C too): a
-worker stops after its call in progress. A worker whose ``fn`` raises stops;
-the rows of its batch that did not finish go back to the queue once; rows that
-fail a second worker raise.
+:func:`run_workers` runs the queue: one worker in the calling thread, or a thread per device over one shared
+queue (threads: torch releases the GIL while a device works, and it runs in a notebook). Every thread it starts
+has stopped when it returns or raises, Ctrl-C included.
 """
 
 from __future__ import annotations
@@ -53,15 +42,8 @@ _EMBEDDING_MESSAGE = "index out of range in self"  # torch's message for an embe
 
 
 class BatchOutOfMemoryError(RuntimeError):
-    """A single row ran out of memory on its own (``on_oom="raise"``).
-
-    Chained from the original out-of-memory error.
-
-    Attributes:
-        position: the input position of the row.
-        partial: the :class:`~dynabatch.inference.results.RunResult` (or
-            :class:`~dynabatch.inference.results.StoredRunResult`) so far: finished rows filled, the others ``None``.
-    """
+    """A single row (input ``position``) ran out of memory on its own (``on_oom="raise"``); chained from the
+    original error. ``partial``: the result so far, the rows not finished ``None``."""
 
     def __init__(self, message: str, *, position: int | None = None, partial: Any = None) -> None:
         super().__init__(message)

@@ -1,28 +1,10 @@
 """The options of :func:`dynabatch.run`, resolved or refused in one place: :func:`resolve_options`.
 
-Each option says one thing, and no option silently changes what another
-says. What a combination cannot mean is refused here, before any batch runs,
-with a message that names the options and says what to do:
-
-* ``memory``: how memory bounds the batches. ``"measured"`` re-sizes a
-  dynabatch loader's batches from measured peaks (in plan order, longest
-  first); ``"guarded"`` runs the batches in their own order and splits one
-  the measured peaks bound above the first batch's peak; ``"record"`` runs
-  them as they come and records each call's peak; ``"off"`` measures nothing.
-  ``"auto"``: measured where the batches can be re-planned (a dynabatch
-  loader, not shuffled, not in lockstep), else guarded; off on a device whose
-  memory cannot be measured.
-* ``ranks``: under ``torch.distributed``, ``"lockstep"`` (every rank the same
-  calls: for an ``fn`` with collectives) or ``"claim"`` (ranks claim chunks of
-  the corpus: no collectives in ``fn``); ``"single"`` runs every batch in this
-  process whatever the process group; ``"auto"``: lockstep under a process
-  group of more than one rank, else single.
-* ``fn`` is always ``fn(batch)``. Several devices take ``make_fn(device)``,
-  which returns each device's ``fn``, with ``devices=[...]``.
-
-The spellings of earlier versions (``adapt``, ``measure_memory``,
-``distributed``, ``lockstep``, and ``fn`` meaning ``make_fn`` with
-``devices``) still work, each with a ``DeprecationWarning`` naming the new one.
+Each option says one thing (``memory``: how memory bounds the batches; ``ranks``: how ranks share them; ``fn``:
+always a call on one batch, ``make_fn`` with ``devices``), and no option silently changes what another says:
+what a combination cannot mean is refused here, before any batch runs, naming the options and what to do. The
+spellings of earlier versions (``adapt``, ``measure_memory``, ``distributed``, ``lockstep``; ``fn`` meaning
+``make_fn`` with ``devices``) work with a ``DeprecationWarning`` naming the new one.
 """
 
 from __future__ import annotations
@@ -58,19 +40,10 @@ PREFETCH_DEPTH = 2
 
 @dataclass(frozen=True)
 class RunOptions:
-    """What :func:`resolve_options` decided, every field final.
-
-    Attributes:
-        memory: ``"measured"``, ``"guarded"``, ``"record"`` or ``"off"``.
-        sparse: measure only the calls whose peak could let later batches grow (the CPU tracker's cost).
-        ranks: ``"single"``, ``"lockstep"`` or ``"claim"``.
-        rank, world_size: this process's place in the process group (``0, 1`` when single).
-        targets: the devices a worker each runs on (``[device]``, or ``devices``); ``None`` in a target leaves
-            the batch where it is built.
-        memory_devices: per target, where its calls' peaks are measured (``None``: not measured).
-        make_fn: ``make_fn(device) -> fn``; for one device without ``make_fn``, returns ``fn``.
-        prefetch: batches built ahead per worker.
-    """
+    """What :func:`resolve_options` decided, every field final: ``memory`` (measured, guarded, record or off),
+    ``sparse`` (measure only calls that can let batches grow: the CPU tracker's cost), ``ranks`` (single, lockstep
+    or claim), ``targets`` (a worker's device each; ``None`` leaves batches where they are built) and
+    ``memory_devices`` (where each measures; ``None``: not), ``make_fn`` (one device: returns ``fn``)."""
 
     memory: str
     sparse: bool

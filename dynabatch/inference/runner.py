@@ -71,84 +71,56 @@ def run(
 ) -> RunResult | StoredRunResult:
     """Calls ``fn(batch)`` on every batch of ``loader`` and returns one result per input, in input order.
 
-    ``fn`` is called as it is: wrap the call in ``torch.no_grad()`` (or
-    ``torch.inference_mode()``) yourself for inference. ``docs/inference.md``
-    has every rule below as a table, with examples.
+    ``fn`` is called as it is: wrap the call in ``torch.inference_mode()``
+    yourself. ``docs/inference.md`` has every rule below as a table, with examples.
 
     Args:
-        fn: takes a :class:`~dynabatch.data.collate.Batch`, returns its rows' results, which the row rule
-            (:mod:`dynabatch.inference.outputs`) splits into one result per row: a batch-first tensor gives each
-            row its slice (a tuple, list or dict (``ModelOutput``) of them: a tuple, list or dict per row; values
-            without a batch dimension, such as a loss, are left out); a
-            :class:`~dynabatch.inference.outputs.PerRow` or a list of one non-tensor item per row is one item per
-            row; ``None`` gives ``None``. A tensor is cut to each row's real tokens only where that is certain
-            (3-D or more with dimension 1 the batch's width) and generated ids that echo ``input_ids`` lose the
-            padding; a 2-D tensor as wide as the batch is ambiguous and refused at the first batch (see
-            ``token_outputs``). Tensors come back detached, on the CPU.
-        loader: a DataLoader from :func:`~dynabatch.inference.loader.build_dynamic_batch_dataloader` (its
-            batches are built here, from its plan, so they can be split, re-sized or shared before their tensors
-            exist), or any iterable of :class:`~dynabatch.data.collate.Batch` (``.indices`` required).
-        make_fn: with ``devices``: ``make_fn(device)`` returns the ``fn`` for that device (say, a model copy
-            moved there); called once per device, in that device's worker thread.
-        devices: run on several devices at once (``["cuda:0", "cuda:1"]``), a worker thread each, taking the
-            next batch from one shared queue (longest first), each measuring its own memory under its own first
-            batch and splitting only its own batches. A worker whose ``fn`` raises stops and its unfinished rows
-            go back to the queue once; rows that fail a second worker raise.
-        device: where to move each batch (``batch.to(device)``) before ``fn``; ``None`` leaves it.
-        memory: how memory bounds the batches (:mod:`dynabatch.inference.options`). ``"measured"``: each
-            batch's peak is measured (CUDA allocator statistics; on the CPU a storage tracker, only on calls
-            whose peak could let later batches grow) and a dynabatch loader's batches not yet run are re-sized
-            so that none exceeds 0.9 of the first batch's peak (with a ``memory_model``, the model is refined
-            and sizes them at ``1 - memory_margin`` of its budget); batches run longest first. ``"guarded"``:
-            batches run in their own order and one the measured peaks bound above the first batch's peak is
-            split into equal parts before it runs. ``"record"``: batches run as they come, every call's peak
-            recorded in the report. ``"off"``: nothing measured. ``"auto"``: measured for a dynabatch loader in
-            plan order (not shuffled, not in lockstep), else guarded; off where memory cannot be measured.
-        ranks: under ``torch.distributed``: ``"lockstep"`` (every rank the same number of calls of ``fn`` per
-            batch, so collectives inside ``fn``, FSDP or tensor parallelism, stay matched; a rank with nothing
-            left in a round repeats one row it ran and drops the result; the plan, the same on every rank, is
-            shared by :mod:`dynabatch.sampling.ranks`), ``"claim"`` (no collectives in ``fn``: ranks claim
-            chunks of a dynabatch loader's corpus from one atomic counter, each runs measured mode under its
-            own first batch; a streaming loader's rank tokenizes only its chunks), or ``"single"`` (this process
-            runs every batch). ``"auto"``: lockstep under a process group of more than one rank. Without
-            ``output_path`` rank 0 gathers every row (other ranks get their own); with it every rank writes into
-            the one store and reads all of it back.
-        on_oom: a single row that runs out of memory on its own: ``"raise"`` a :class:`BatchOutOfMemoryError`
-            (its ``.partial`` holds the rows finished), or ``"skip"`` it (``None``, in ``result.failed``).
-            Larger batches are always split in halves and retried; a later batch at least as large (rows and
-            width) as one that failed is split before it is tried, and later batches are planned under the
-            lower limit errors teach (:class:`~dynabatch.memory.oom.OutOfMemoryLimit`).
+        fn: takes a :class:`~dynabatch.data.collate.Batch`; what it returns is split into one result per row by
+            the row rule (:mod:`dynabatch.inference.outputs`): a batch-first tensor (or a tuple, list or dict of
+            them) gives each row its slice; a :class:`~dynabatch.inference.outputs.PerRow` is one item per row. A
+            tensor is cut to each row's real tokens only where that is certain; a 2-D tensor as wide as the batch
+            is refused at the first batch unless ``token_outputs`` declares it. Rows come back on the CPU.
+        loader: a dynabatch DataLoader (its batches are built here from its plan, so they can be split, re-sized
+            or shared before their tensors exist), or any iterable of batches with ``.indices``.
+        make_fn: with ``devices``: ``make_fn(device)`` returns the ``fn`` for that device (a model copy moved
+            there), called once per device in that device's worker thread.
+        devices: several devices at once (``["cuda:0", "cuda:1"]``), a worker thread each over one shared queue,
+            each measuring and splitting on its own; a worker whose ``fn`` raises stops and its unfinished rows
+            go back to the queue once.
+        device: where each batch is moved before ``fn``; ``None`` leaves it.
+        memory: ``"measured"`` (a dynabatch loader's batches re-sized from measured peaks so that none exceeds
+            the first batch's), ``"guarded"`` (batches in their own order, one bound above the first batch's
+            peak split before it runs), ``"record"`` (batches as they come, every peak recorded), ``"off"``, or
+            ``"auto"``: measured where the batches can be re-planned, else guarded; off where memory cannot be
+            measured (:mod:`dynabatch.inference.options`).
+        ranks: under ``torch.distributed``: ``"lockstep"`` (the same calls of ``fn`` on every rank: collectives
+            in ``fn`` stay matched), ``"claim"`` (ranks claim chunks of the corpus; no collectives in ``fn``),
+            ``"single"`` (this process runs everything); ``"auto"``: lockstep under more than one rank. Without
+            ``output_path`` rank 0 gathers every row.
+        on_oom: a single row out of memory on its own: ``"raise"`` :class:`BatchOutOfMemoryError` (``.partial``:
+            the rows finished) or ``"skip"`` it (``None``, in ``result.failed``). Larger batches are split in
+            halves and retried, and later batches planned under what the errors teach.
         output_path: a directory for the results store (:mod:`dynabatch.inference.store`): Parquet shards, one
-            row per input (``position``, ``id`` with the loader's ``ids=``, ``input_hash``, the output
-            columns), written as rows finish, each shard whole or not at all; pandas, polars, ``datasets`` and
-            ``pyarrow.dataset`` read it. A rerun with the same ``key`` runs only the rows not stored (a killed
-            run resumes; more texts appended; with ids, a grown or reordered corpus). Stored rows of other
-            inputs at the same positions or ids are refused before any row is written. Rows that finished are
-            committed however the run ends, Ctrl-C included.
-        key: with ``output_path``, what computed the rows (model, revision, settings); a rerun with another key
-            is refused naming both.
-        token_outputs: how a tensor as wide as the batch is read: ``"auto"`` (certain readings only; an
-            ambiguous one refused), ``"per_token"`` (cut by the attention mask), ``"generated"`` (every 2-D
-            integer tensor is generated ids: padding stripped, as an encoder-decoder's replies), ``"whole"``
-            (nothing cut). Each field's reading is fixed at its first batch.
-        pad_token_id: the pad id stripped from generated rows; ``None`` takes the loader's collator's.
-        prefetch: batches built (collated; pinned on CUDA and XPU) ahead of the running one in a background
-            thread; a batch a later peak re-sized is built again (``report.rebuilt_batches``). ``None``: 2, or
-            0 with ``devices`` (each device's thread builds its own batches while the others run).
-        progress: show a ``tqdm`` progress bar (rows/s and tokens/s).
-        **deprecated: ``adapt``, ``measure_memory``, ``distributed``, ``lockstep`` of earlier versions, each
-            translated with a ``DeprecationWarning`` naming the new spelling (``memory=``, ``ranks=``).
+            row per input, written as rows finish, committed however the run ends (Ctrl-C too); a rerun with
+            the same ``key`` runs only the rows not stored, and stored rows of other inputs are refused before
+            any row is written.
+        key: with ``output_path``, what computed the rows (model, revision, settings).
+        token_outputs: declares how a tensor as wide as the batch is read: ``"auto"`` (certain readings only),
+            ``"per_token"``, ``"generated"`` (padding stripped) or ``"whole"``.
+        pad_token_id: the pad id stripped from generated rows; ``None``: the loader's collator's.
+        prefetch: batches built ahead in a background thread; ``None``: 2, or 0 with ``devices``.
+        progress: a ``tqdm`` progress bar (rows/s, tokens/s).
+        **deprecated: ``adapt``, ``measure_memory``, ``distributed``, ``lockstep`` of earlier versions,
+            translated with a ``DeprecationWarning`` naming ``memory=`` or ``ranks=``.
 
     Returns:
-        A :class:`RunResult`: a list with one result per input position, plus ``.report`` and ``.failed``;
-        with ``output_path`` a :class:`StoredRunResult`, the same rows read from the store. Both stack every
-        row with ``.numpy()``, ``.stack()`` and ``.to_arrow()``.
+        A :class:`RunResult`, a list of one result per input position with ``.report`` and ``.failed``; with
+        ``output_path`` a :class:`StoredRunResult` reading the same rows from the store.
 
     Raises:
-        TypeError: a bad argument type; a loader whose batches have no ``.indices``; a result the store cannot
-            hold.
-        ValueError: a bad option or combination of options; an ``output_path`` holding rows of another ``key``
-            or of other inputs; an ``fn`` result whose rows are ambiguous or do not match the batch's.
+        TypeError: a bad argument type; batches without ``.indices``; a row the store cannot hold.
+        ValueError: a bad option or combination of options; a store of another ``key`` or of other inputs; an
+            ``fn`` result whose rows are ambiguous or do not match the batch.
         BatchOutOfMemoryError: with ``on_oom="raise"``, a single row that ran out of memory.
     """
     memory, ranks = translate_deprecated(deprecated, memory, ranks)
