@@ -1,33 +1,23 @@
 """Per-row results from what a callable returned for a batch: the row rule.
 
-:class:`RowSplitter` turns what ``fn(batch)`` returned into one item per row of
-the batch, on the CPU, by a written rule that never depends on how many rows
-the batch has or which texts it holds. ``docs/inference.md`` has the rule as a
-table; in short:
+:class:`RowSplitter` turns what ``fn(batch)`` returned into one item per row of the batch, on the CPU, by a written
+rule that never depends on how many rows the batch has or which texts it holds (``docs/inference.md`` has it as a
+table):
 
-* a tensor (or numpy array) with the batch dimension first gives each row its
-  slice; a tuple, list or dict of such tensors gives each row a tuple, list or
-  dict of its own slices (a dict or ``ModelOutput`` leaves out values without
-  a batch dimension: a loss, a cache);
-* a list (or tuple) of as many items as rows, whose items are not batch-first
-  tensors, is one item per row; :class:`PerRow` says so explicitly; a list of
-  as many batch-first tensors as rows is ambiguous and refused;
-* a tensor is cut to each row's real tokens (by its attention mask) only
-  where that reading is certain: three or more dimensions with dimension 1
-  equal to the batch's width (hidden states, logits); generated ids, a 2-D
-  integer tensor that starts with the batch's ``input_ids`` (a decoder-only
-  ``generate`` echoes its prompt), lose the batch's padding;
-* a 2-D tensor whose dimension 1 equals the batch's width is ambiguous (a
-  per-token value, or a pooled vector as wide as the batch) and refused at the
-  first batch, naming ``token_outputs``, which declares it: ``"per_token"``
-  (cut by the attention mask), ``"generated"`` (every 2-D integer tensor is
-  generated ids, as an encoder-decoder's replies), or ``"whole"`` (nothing is cut);
+* a tensor (or numpy array) with the batch dimension first gives each row its slice; a tuple, list or dict of such
+  tensors gives each row a tuple, list or dict of its slices (a dict or ``ModelOutput`` leaves out values without a
+  batch dimension: a loss, a cache);
+* a list of as many items as rows, not batch-first tensors, is one item per row, as :class:`PerRow` says
+  explicitly; a list of as many batch-first tensors as rows is ambiguous and refused;
+* a tensor is cut to each row's real tokens (by its attention mask) only where that reading is certain: three or
+  more dimensions with dimension 1 equal to the batch's width (hidden states, logits); generated ids, a 2-D integer
+  tensor that starts with the batch's ``input_ids`` (a decoder-only ``generate``), lose the batch's padding;
+* a 2-D tensor whose dimension 1 equals the batch's width is ambiguous (a per-token value, or a pooled vector as
+  wide as the batch) and refused at the first batch, naming ``token_outputs``, which declares it: ``"per_token"``,
+  ``"generated"`` (every 2-D integer tensor is generated ids: an encoder-decoder's replies) or ``"whole"``;
 * any other tensor gives each row its whole slice.
 
-What each tensor field turned out to be at its first batch is kept for the
-whole run, so a later batch whose width happens to equal a pooled vector's
-size cannot change how its rows are cut; an output that contradicts its first
-batch's reading is refused.
+Each field's reading is fixed at its first batch and kept for the run; an output that contradicts it is refused.
 
 Example:
     >>> import torch

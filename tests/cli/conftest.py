@@ -23,10 +23,14 @@ _written = []
 
 
 def _stall_after_first(self, *args, **kwargs):
-    if _written:
+    if _written:  # stall until killed; a rank whose launcher (torchrun) was killed is orphaned: it exits then
+        import os
         import time
 
-        time.sleep(3600)
+        parent = os.getppid()
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
     _written.append(_commit(self, *args, **kwargs))
 
 
