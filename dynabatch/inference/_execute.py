@@ -271,6 +271,7 @@ class Executor:
 
     def _finish(self, record: BatchRecord, done: _Done, start: float) -> None:
         self._progress(done.rows, done.tokens)
+        getattr(self.queue.plan, "stream", None) is not None and self.queue.plan.stream.consumed(done.positions)
         if self.writer is not None:
             if done.positions:
                 lengths = np.concatenate(done.lengths) if done.lengths else None
