@@ -44,7 +44,10 @@ minutes a method)::
 and 400,000 texts, the sizes their target names (``--flat-sizes`` overrides).
 A flat row is the median of three fresh processes (``--flat-repeats``): a peak
 is the largest of many short-lived allocations that meet by chance, and one
-run's moves by 20-30 MB.
+run's moves by 20-30 MB. The flat line also gives the peak of the anonymous
+memory alone (``RssAnon``): ``VmHWM`` counts the pages of shared libraries
+(libtorch's alone is 55 MB), which the kernel drops and faults back in as other
+processes need memory, so on a shared machine it moves with them.
 """
 
 from __future__ import annotations
@@ -74,6 +77,33 @@ def _rss_bytes(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+class _AnonPeak:
+    """The peak of the process's anonymous resident memory (``RssAnon``: its own heap, not the pages of shared
+    libraries or memory-mapped files, which the kernel may drop and fault back in at any time), sampled every 10 ms
+    in a thread from :meth:`start` until :meth:`stop` returns it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_bytes("RssAnon"))
+            self._stop.wait(0.01)
+
+    def start(self) -> _AnonPeak:
+        self.peak = _rss_bytes("RssAnon")
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _rss_bytes("RssAnon"))
 
 
 def _reset_peak() -> None:
@@ -150,8 +180,9 @@ def worker(method: str, n: int, threads: int | None, parquet: str | None = None)
     fn = _embedder(len(tokenizer))
     texts = _texts(n) if method != "flat" else None
     store = tempfile.mkdtemp(prefix="dynabatch-scale-") if method in ("store", "flat") else None
-    before = _rss_bytes("VmRSS")
+    before, anon_before = _rss_bytes("VmRSS"), _rss_bytes("RssAnon")
     _reset_peak()
+    anon = _AnonPeak().start() if method == "flat" else None
     start = time.perf_counter()
     token_store = None
     if method in ("run", "store", "flat"):
@@ -172,11 +203,13 @@ def worker(method: str, n: int, threads: int | None, parquet: str | None = None)
         assert result.shape == (n, DIM)
     seconds = time.perf_counter() - start
     peak = _rss_bytes("VmHWM")
+    anon_growth = anon.stop() - anon_before if anon is not None else None
     disk = 0
     if store:
         for root, _, files in os.walk(store):
             disk += sum(os.path.getsize(os.path.join(root, f)) for f in files)
     return {"method": METHODS[method], "n": n, "seconds": seconds, "rss_growth": peak - before, "disk": disk,
+            "anon_growth": anon_growth,
             "token_store": token_store}
 
 
@@ -194,7 +227,8 @@ def _measure(method: str, n: int, threads: int | None, repeats: int = 1) -> dict
         runs = [_run_worker(command, method, n) for _ in range(repeats)]
     middle = sorted(runs, key=lambda r: r["rss_growth"])[len(runs) // 2]
     return {**middle, "seconds": statistics.median(r["seconds"] for r in runs),
-            "rss_growths": [r["rss_growth"] for r in runs]}
+            "rss_growths": [r["rss_growth"] for r in runs],
+            "anon_growth": statistics.median(r["anon_growth"] for r in runs)}
 
 
 def _run_worker(command: list[str], method: str, n: int) -> dict:
@@ -233,6 +267,7 @@ def _targets(rows: list[dict]) -> str:
     if len(flat) >= 2:
         small, large = flat[0], flat[-1]
         growth = (large["rss_growth"] - small["rss_growth"]) / MB
+        anon = (large["anon_growth"] - small["anon_growth"]) / MB
 
         def runs(r: dict) -> str:
             return ", ".join(f"{g / MB:,.0f}" for g in r["rss_growths"])
@@ -241,7 +276,8 @@ def _targets(rows: list[dict]) -> str:
             f"- flat in N (texts streamed from Parquet, output_path; median of runs {runs(small)} and {runs(large)}): "
             f"RSS growth {small['rss_growth'] / MB:,.0f} MB at {small['n']:,} texts, {large['rss_growth'] / MB:,.0f} "
             f"MB at {large['n']:,}: {growth:+,.0f} MB (target <= {FLAT_LIMIT} MB: "
-            f"{'met' if growth <= FLAT_LIMIT else 'missed'})")
+            f"{'met' if growth <= FLAT_LIMIT else 'missed'}); its anonymous memory (RssAnon, sampled every 10 ms) "
+            f"{small['anon_growth'] / MB:,.0f} and {large['anon_growth'] / MB:,.0f} MB: {anon:+,.0f} MB")
     return "\n".join(lines)
 
 
