@@ -18,7 +18,10 @@ imported before its clock starts:
    rows go to the Parquet results store, the result reads them on demand;
 3. **by hand (sentence-transformers' way)**: sort the texts by length, longest
    first; tokenize each batch of 32 with padding; ``fn``; rows into one
-   preallocated array.
+   preallocated array;
+4. **flat**: **run, output_path** over texts read from a Parquet file
+   (``read_texts(path)``, inside the measured run: the texts are never a Python
+   list, whose 400,000 strings alone take 60+ MB), so the loader streams them.
 
 Per method: wall seconds and texts/s; RSS growth (the peak resident memory
 during the method over the resident memory before it, the texts already in
@@ -26,12 +29,25 @@ memory; Linux's ``VmHWM``, reset first); bytes on disk (the store). The
 targets: ``output_path`` costs at most 10% wall time over ``run``; RSS growth
 with ``output_path`` stays within the token store (``input_ids`` and the
 tokenizer's extras) plus 300 MB; the store holds at most 1.15x the raw tensor
-bytes (``n * 384 * 4``).
+bytes (``n * 384 * 4``); **flat** in the number of texts: RSS growth of the
+**flat** method at 400,000 texts at most 50 MB above that at 100,000 (the
+tokens of finished chunks are freed; what stays per text is a few arrays).
 
-Run it with (all three sizes; the 1M row takes several minutes a method)::
+Run it with (all three sizes, and the flat rows at 100,000 and 400,000 texts; the 1M row takes several
+minutes a method)::
 
     python benchmarks/scale.py
     python benchmarks/scale.py --sizes 10000 --threads 1 --methods run,store
+    python benchmarks/scale.py --methods flat          # the flat-memory rows only
+
+``--sizes`` sets every method's sizes; without it the flat rows run at 100,000
+and 400,000 texts, the sizes their target names (``--flat-sizes`` overrides).
+A flat row is the median of three fresh processes (``--flat-repeats``): a peak
+is the largest of many short-lived allocations that meet by chance, and one
+run's moves by 20-30 MB. The flat line also gives the peak of the anonymous
+memory alone (``RssAnon``): ``VmHWM`` counts the pages of shared libraries
+(libtorch's alone is 55 MB), which the kernel drops and faults back in as other
+processes need memory, so on a shared machine it moves with them.
 """
 
 from __future__ import annotations
@@ -39,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,8 +64,10 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-METHODS = {"run": "run", "store": "run, output_path", "by-hand": "by hand (sentence-transformers' way)"}
+METHODS = {"run": "run", "store": "run, output_path", "by-hand": "by hand (sentence-transformers' way)",
+           "flat": "run, output_path, texts streamed from Parquet"}
 DIM, BATCH, MAX_LENGTH, SEED = 384, 32, 256, 25
+FLAT_SIZES, FLAT_LIMIT = "100000,400000", 50
 MB = 10**6
 
 
@@ -58,6 +77,33 @@ def _rss_bytes(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+class _AnonPeak:
+    """The peak of the process's anonymous resident memory (``RssAnon``: its own heap, not the pages of shared
+    libraries or memory-mapped files, which the kernel may drop and fault back in at any time), sampled every 10 ms
+    in a thread from :meth:`start` until :meth:`stop` returns it."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_bytes("RssAnon"))
+            self._stop.wait(0.01)
+
+    def start(self) -> _AnonPeak:
+        self.peak = _rss_bytes("RssAnon")
+        self._thread.start()
+        return self
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _rss_bytes("RssAnon"))
 
 
 def _reset_peak() -> None:
@@ -96,8 +142,25 @@ def _by_hand(texts, tokenizer, fn):
     return out
 
 
-def worker(method: str, n: int, threads: int | None) -> dict:
-    """One method on ``n`` texts, in this (fresh) process: its figures as a dict."""
+def _texts(n: int) -> list[str]:
+    from dynabatch.demo import kjv_passages, vary_lengths
+
+    return vary_lengths(kjv_passages(), n, max_words=128, seed=SEED)
+
+
+def _write_parquet(n: int, folder: str) -> str:
+    """The ``n`` texts as one Parquet file (row groups of 65,536 texts) in ``folder``; its path."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = os.path.join(folder, f"corpus-{n}.parquet")
+    pq.write_table(pa.table({"text": _texts(n)}), path, row_group_size=65_536)
+    return path
+
+
+def worker(method: str, n: int, threads: int | None, parquet: str | None = None) -> dict:
+    """One method on ``n`` texts (``flat``: read from the Parquet file ``parquet``), in this (fresh) process: its
+    figures as a dict."""
     import torch
     from transformers import AutoTokenizer
 
@@ -108,20 +171,23 @@ def worker(method: str, n: int, threads: int | None) -> dict:
     import torch._dynamo  # noqa: F401
 
     import dynabatch.inference.store  # noqa: F401
-    from dynabatch import build_dynamic_batch_dataloader, run
-    from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
+    from dynabatch import build_dynamic_batch_dataloader, read_texts, run
+    from dynabatch.demo import minilm_path
 
     if threads:
         torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     fn = _embedder(len(tokenizer))
-    texts = vary_lengths(kjv_passages(), n, max_words=128, seed=SEED)
-    store = tempfile.mkdtemp(prefix="dynabatch-scale-") if method == "store" else None
-    before = _rss_bytes("VmRSS")
+    texts = _texts(n) if method != "flat" else None
+    store = tempfile.mkdtemp(prefix="dynabatch-scale-") if method in ("store", "flat") else None
+    before, anon_before = _rss_bytes("VmRSS"), _rss_bytes("RssAnon")
     _reset_peak()
+    anon = _AnonPeak().start() if method == "flat" else None
     start = time.perf_counter()
     token_store = None
-    if method in ("run", "store"):
+    if method in ("run", "store", "flat"):
+        if method == "flat":
+            texts = read_texts(parquet)
         loader = build_dynamic_batch_dataloader(texts, tokenizer, BATCH, MAX_LENGTH, num_workers=0, progress=False)
         path = os.path.join(store, "results") if store else None
         with torch.inference_mode():
@@ -137,18 +203,35 @@ def worker(method: str, n: int, threads: int | None) -> dict:
         assert result.shape == (n, DIM)
     seconds = time.perf_counter() - start
     peak = _rss_bytes("VmHWM")
+    anon_growth = anon.stop() - anon_before if anon is not None else None
     disk = 0
     if store:
         for root, _, files in os.walk(store):
             disk += sum(os.path.getsize(os.path.join(root, f)) for f in files)
     return {"method": METHODS[method], "n": n, "seconds": seconds, "rss_growth": peak - before, "disk": disk,
+            "anon_growth": anon_growth,
             "token_store": token_store}
 
 
-def _measure(method: str, n: int, threads: int | None) -> dict:
+def _measure(method: str, n: int, threads: int | None, repeats: int = 1) -> dict:
+    """The method's figures on ``n`` texts from a fresh process; ``flat``: the median of ``repeats`` fresh processes
+    (a peak is the largest of many short-lived allocations meeting by chance: one run's is noisy), all of them kept
+    under ``"rss_growths"``."""
     command = [sys.executable, __file__, "--worker", method, "--sizes", str(n)]
     if threads:
         command += ["--threads", str(threads)]
+    if method != "flat":
+        return _run_worker(command, method, n)
+    with tempfile.TemporaryDirectory(prefix="dynabatch-scale-corpus-") as folder:
+        command += ["--parquet", _write_parquet(n, folder)]
+        runs = [_run_worker(command, method, n) for _ in range(repeats)]
+    middle = sorted(runs, key=lambda r: r["rss_growth"])[len(runs) // 2]
+    return {**middle, "seconds": statistics.median(r["seconds"] for r in runs),
+            "rss_growths": [r["rss_growth"] for r in runs],
+            "anon_growth": statistics.median(r["anon_growth"] for r in runs)}
+
+
+def _run_worker(command: list[str], method: str, n: int) -> dict:
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode:
         raise RuntimeError(f"{method} on {n} texts failed:\n{done.stderr[-3000:]}")
@@ -180,29 +263,50 @@ def _targets(rows: list[dict]) -> str:
             f"vs token store {stored['token_store'] / MB:,.0f} MB + 300 MB (target: "
             f"{'met' if stored['rss_growth'] <= limit else 'missed'}); store / raw tensor bytes {size:.3f}x "
             f"(target <= 1.15: {'met' if size <= 1.15 else 'missed'})")
+    flat = sorted((r for r in rows if r["method"] == METHODS["flat"]), key=lambda r: r["n"])
+    if len(flat) >= 2:
+        small, large = flat[0], flat[-1]
+        growth = (large["rss_growth"] - small["rss_growth"]) / MB
+        anon = (large["anon_growth"] - small["anon_growth"]) / MB
+
+        def runs(r: dict) -> str:
+            return ", ".join(f"{g / MB:,.0f}" for g in r["rss_growths"])
+
+        lines.append(
+            f"- flat in N (texts streamed from Parquet, output_path; median of runs {runs(small)} and {runs(large)}): "
+            f"RSS growth {small['rss_growth'] / MB:,.0f} MB at {small['n']:,} texts, {large['rss_growth'] / MB:,.0f} "
+            f"MB at {large['n']:,}: {growth:+,.0f} MB (target <= {FLAT_LIMIT} MB: "
+            f"{'met' if growth <= FLAT_LIMIT else 'missed'}); its anonymous memory (RssAnon, sampled every 10 ms) "
+            f"{small['anon_growth'] / MB:,.0f} and {large['anon_growth'] / MB:,.0f} MB: {anon:+,.0f} MB")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="10000,100000,1000000", help="comma-separated numbers of texts")
+    parser.add_argument("--sizes", default=None, help="comma-separated numbers of texts (default 10000,100000,1000000)")
+    parser.add_argument("--flat-sizes", default=None,
+                        help=f"the flat method's sizes (default: --sizes when given, else {FLAT_SIZES})")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    parser.add_argument("--flat-repeats", type=int, default=3, help="fresh processes per flat row (their median)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--parquet", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [int(s) for s in (args.sizes or "10000,100000,1000000").split(",")]
+    flat_sizes = [int(s) for s in (args.flat_sizes or args.sizes or FLAT_SIZES).split(",")]
     if args.worker:
-        print(json.dumps(worker(args.worker, sizes[0], args.threads)))
+        print(json.dumps(worker(args.worker, sizes[0], args.threads, args.parquet)))
         return
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"--methods should be of {', '.join(METHODS)}, but got {', '.join(unknown)}")
     rows = []
-    for n in sizes:
-        for method in methods:
-            rows.append(_measure(method, n, args.threads))
-            print(f"{n:,} texts, {METHODS[method]}: {rows[-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
+    runs = [(n, m) for n in sizes for m in methods if m != "flat"]
+    runs += [(n, "flat") for n in flat_sizes if "flat" in methods]
+    for n, method in runs:
+        rows.append(_measure(method, n, args.threads, args.flat_repeats))
+        print(f"{n:,} texts, {METHODS[method]}: {rows[-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
     print(f"## Corpus scale: {DIM} float32 per text, model-free fn (threads: {args.threads or 'torch default'})\n")
     print(_table(rows))
     print()

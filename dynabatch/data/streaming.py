@@ -17,8 +17,18 @@ in a batch sized by what was measured at its width or above: with nothing
 measured as wide, one row, measured, so the bound covers it from then on.
 
 The tokenizer runs on a private copy (a fast tokenizer's settings are not safe
-to change while another thread encodes or decodes with it), with the loader's
-arguments, exactly as :func:`~dynabatch.data.tokenization.tokenize_texts` calls it.
+to change while another thread encodes or decodes with it), through
+:func:`~dynabatch.data.tokenization.tokenize_texts` with the loader's
+arguments: the same call, or the same backend rule, as the eager loader, so a
+streamed row is the eager row.
+
+Memory stays flat in the number of texts: a chunk's tokens are freed once
+every one of its rows is consumed (:meth:`TokenStream.consumed`: ``run`` says
+so when a batch's rows are finished or already stored; a plain loop over the
+loader when it builds a batch, :meth:`TokenStream.collate_and_consume`). What
+stays per text is a few numbers (its chunk, its row there, whether it is
+consumed). Rows of a freed chunk collated again (a second pass over the same
+loader) tokenize it again, and it is freed again when they are all consumed.
 
 Example:
     >>> from transformers import AutoTokenizer
@@ -34,12 +44,15 @@ Example:
     [([1, 0], [6, 4]), ([2], [3])]
     >>> stream.collate([2, 0])["input_ids"].tolist()
     [[101, 1037, 102, 0], [101, 1037, 1038, 102]]
+    >>> stream.consumed([1, 0]); stream.held_chunks  # every row of chunk 0 is consumed: its tokens are freed
+    [1]
+    >>> stream.input_hashes([0]).dtype  # tokenized again, not held
+    dtype('uint64')
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 import threading
 from collections.abc import Iterator
@@ -48,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch._background import Ahead
+from dynabatch._digest import row_hashes
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_value, check_positive_int
 from dynabatch.data.collate import Batch, TokenCollator, pad_token_id_of
@@ -60,8 +74,16 @@ logger = logging.getLogger(__name__)
 
 FIRST_CHUNK = 512
 """Texts of the first chunk (at least four first batches): what is tokenized before the first batch can run."""
-CHUNK_SIZE = 8192
+CHUNK_SIZE = 4096
 """Texts of the later chunks, at most (each chunk is twice the one before up to this)."""
+AHEAD = 1
+"""Chunks a feed tokenizes ahead of its consumer, at most: seconds of work for the device, and the tokens of a few
+chunks in memory, not of the whole corpus."""
+
+
+def _row_hashes(tokens: TokenizedTexts) -> np.ndarray:
+    """Each row's input hash, as the results store hashes a token store (``token_store_hashes``)."""
+    return row_hashes({"input_ids": tokens.input_ids, **tokens.extras}, tokens.offsets)
 
 
 class TokenStream:
@@ -80,6 +102,9 @@ class TokenStream:
 
     It acts as the loader's collator: ``stream(positions)`` builds a batch, and
     ``pad_token_id``, ``padding_side`` and ``pad_to_multiple_of`` are the padding's.
+    What a consumer calls besides: :meth:`consumed` (rows finished: their
+    chunk's tokens are freed once all its rows are) and :meth:`input_hashes`
+    (the rows' input hashes, tokenized as the run tokenizes them).
     """
 
     def __init__(self, source: TextSource, tokenizer: Any, max_input_token_length: int, *, skip: Any = None,
@@ -94,6 +119,7 @@ class TokenStream:
         self.pad_token_id = pad_token_id_of(tokenizer)
         self.padding_side = getattr(tokenizer, "padding_side", "right")
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.proxy_misses = 0  # rows longer in tokens than every row its feed handed out before (ChunkFeed)
         self._template = tokenizer
         self._tokenizer = copy.deepcopy(tokenizer)
         chars = source.char_lengths()
@@ -107,114 +133,130 @@ class TokenStream:
             sizes.append(min(first_chunk * 2 ** len(sizes), chunk_size, len(self.order) - total))
             total += sizes[-1]
         self.starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        # Where each input is: its chunk (-1: skipped) and its row in the chunk's token store.
+        chunk = np.repeat(np.arange(len(sizes), dtype=np.int32), sizes)
         self.chunk_of = np.full(self.n, -1, dtype=np.int32)
-        self.local_of = np.zeros(self.n, dtype=np.int64)
-        self._collators: dict[int, TokenCollator] = {}
+        self.chunk_of[self.order] = chunk
+        self.local_of = np.zeros(self.n, dtype=np.int32)
+        self.local_of[self.order] = np.arange(len(self.order)) - self.starts[chunk]
+        self.tokenizations = np.zeros(len(sizes), dtype=np.int32)  # times each chunk was tokenized (and held)
+        self._held: dict[int, TokenCollator] = {}  # the chunks whose tokens are held
+        self._consumed = np.zeros(self.n, dtype=bool)
+        self._left = np.asarray(sizes, dtype=np.int64)  # rows of each chunk not consumed yet
+        self._freed = np.zeros(len(sizes), dtype=bool)  # every row consumed (since it was last tokenized)
         self._lock = threading.Lock()
         self._tokenizing = threading.Lock()  # one chunk at a time on the private tokenizer
-        self._direct: bool | None = None  # whether the backend gives the tokenizer's tokens (None: not checked)
 
     @property
     def n_chunks(self) -> int:
         return len(self.starts) - 1
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(texts={self.n}, chunks={self.n_chunks}, tokenized={len(self._collators)})"
+        return f"{type(self).__name__}(texts={self.n}, chunks={self.n_chunks}, held={self.held_chunks})"
+
+    @property
+    def held_chunks(self) -> list[int]:
+        """The chunks whose tokens are held now (tokenized, and not every row consumed yet)."""
+        with self._lock:
+            return sorted(self._held)
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of the tokens held so far (ids and extras of every chunk tokenized)."""
-        return sum(c.tokenized.input_ids.nbytes + sum(v.nbytes for v in c.tokenized.extras.values())
-                   for c in list(self._collators.values()))
+        """Bytes of the tokens held now (ids and extras of every chunk held)."""
+        with self._lock:
+            held = list(self._held.values())
+        return sum(c.tokenized.input_ids.nbytes + sum(v.nbytes for v in c.tokenized.extras.values()) for c in held)
 
     def chunk_positions(self, k: int) -> np.ndarray:
         """The input positions of chunk ``k``, longest by characters first."""
         return self.order[self.starts[k] : self.starts[k + 1]]
 
     def tokenize(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Tokenizes chunk ``k`` (once); returns its input positions and their token lengths."""
-        positions = self.chunk_positions(k)
+        """Tokenizes chunk ``k`` unless its tokens are held; returns its input positions and their token lengths."""
+        return self.chunk_positions(k), self._chunk(k).tokenized.lengths
+
+    def _chunk(self, k: int) -> TokenCollator:
+        """Chunk ``k``'s collator: held, else tokenized now and held (a freed chunk's rows count as not consumed
+        again: a new pass over them)."""
+        with self._lock:
+            collator = self._held.get(k)
+        if collator is not None:  # never waits for the chunk the background thread is tokenizing
+            return collator
         with self._tokenizing:
-            collator = self._collators.get(k)
-            if collator is None:
-                tokens = self._encode(self.source.take(positions))
-                collator = TokenCollator.from_tokenizer(tokens, self._template,
-                                                        pad_to_multiple_of=self.pad_to_multiple_of)
-                with self._lock:
-                    self.local_of[positions] = np.arange(len(positions))
-                    self.chunk_of[positions] = k
-                    self._collators[k] = collator
-                trim()  # the chunk's encodings are freed: give their heap back, so memory grows with the tokens only
-        return positions, collator.tokenized.lengths
+            with self._lock:
+                collator = self._held.get(k)
+            if collator is not None:
+                return collator
+            positions = self.chunk_positions(k)
+            collator = TokenCollator.from_tokenizer(self._encode(positions), self._template,
+                                                    pad_to_multiple_of=self.pad_to_multiple_of)
+            with self._lock:
+                if self._freed[k]:
+                    self._consumed[positions] = False
+                    self._left[k] = len(positions)
+                    self._freed[k] = False
+                self._held[k] = collator
+                self.tokenizations[k] += 1
+            trim()  # the chunk's encodings are freed: give their heap back, so memory grows with the tokens only
+            return collator
 
-    def _encode(self, texts: list[str]) -> TokenizedTexts:
-        """The chunk's tokens, as :func:`~dynabatch.data.tokenization.tokenize_texts` gives them.
-
-        A fast tokenizer's Rust backend is called directly when it gives the
-        same tokens (checked on the first chunk against the tokenizer's own
-        call; else every chunk takes the tokenizer's call): it skips the
-        Python-side conversion, which holds the GIL while the device waits.
-        """
-        if self._direct is None:
-            tokens = tokenize_texts(texts, self._tokenizer, self.max_input_token_length, progress=False,
-                                    **self.tokenizer_kwargs)
-            direct = self._backend_tokens(texts)
-            self._direct = direct is not None and _same_tokens(direct, tokens)
-            logger.debug("stream: tokenizing through the fast tokenizer's backend: %s", self._direct)
-            return tokens
-        if self._direct:
-            return self._backend_tokens(texts)
-        return tokenize_texts(texts, self._tokenizer, self.max_input_token_length, progress=False,
-                              **self.tokenizer_kwargs)
-
-    def _backend_tokens(self, texts: list[str]) -> TokenizedTexts | None:
-        """The texts through the private tokenizer's Rust backend, truncated as the tokenizer's call truncates;
-        ``None`` when there is no backend or the loader passes arguments only the call knows."""
-        backend = getattr(self._tokenizer, "_tokenizer", None)
-        if backend is None or not hasattr(backend, "encode_batch") or set(self.tokenizer_kwargs) - {"add_special_tokens"}:
-            return None
-        backend.no_padding()
-        backend.enable_truncation(self.max_input_token_length, strategy="longest_first",
-                                  direction=getattr(self._tokenizer, "truncation_side", "right"))
-        encodings = backend.encode_batch(texts, add_special_tokens=self.tokenizer_kwargs.get("add_special_tokens", True))
-        lengths = np.fromiter((len(e) for e in encodings), dtype=np.int64, count=len(encodings))
-        offsets = np.zeros(len(texts) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        total = int(offsets[-1])
-        ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=np.int32, count=total)
-        extras = {}
-        if "token_type_ids" in getattr(self._tokenizer, "model_input_names", ()):
-            extras["token_type_ids"] = np.fromiter(itertools.chain.from_iterable(e.type_ids for e in encodings),
-                                                   dtype=np.int32, count=total)
-        return TokenizedTexts(ids, offsets, extras)
-
-    def input_hashes(self, positions: Any) -> np.ndarray:
-        """TEMPORARY (the data branch replaces it): the input hashes of the rows at ``positions``."""
-        from dynabatch.data.input_hashes import token_store_hashes
-
-        with self._tokenizing:
-            return token_store_hashes(self._encode(self.source.take(np.asarray(positions, dtype=np.int64))))
+    def _encode(self, positions: np.ndarray) -> TokenizedTexts:
+        """The tokens of the texts at ``positions``, as the eager loader tokenizes them (one mechanism:
+        :func:`~dynabatch.data.tokenization.tokenize_texts`, and its backend rule)."""
+        return tokenize_texts(self.source.take(positions), self._tokenizer, self.max_input_token_length,
+                              progress=False, **self.tokenizer_kwargs)
 
     def consumed(self, positions: Any) -> None:
-        """TEMPORARY (the data branch replaces it): rows finished."""
+        """Marks the rows at ``positions`` finished (run and stored, or already stored, or failed): once every row
+        of a chunk is, its tokens are freed. Rows consumed before, and skipped positions, are ignored.
 
-    def feed(self, claims: Iterator[int], *, ahead: int | None = None) -> ChunkFeed:
+        ``run`` calls it as batches finish; a plain loop over the loader consumes a
+        batch's rows when it is built (:meth:`collate_and_consume`).
+        """
+        pos = np.unique(np.asarray(positions, dtype=np.int64).reshape(-1))
+        freed = []
+        with self._lock:
+            pos = pos[~self._consumed[pos] & (self.chunk_of[pos] >= 0)]
+            if not pos.size:
+                return
+            self._consumed[pos] = True
+            chunks, counts = np.unique(self.chunk_of[pos], return_counts=True)
+            self._left[chunks] -= counts
+            for k in chunks[self._left[chunks] == 0].tolist():
+                self._freed[k] = True
+                freed.append(self._held.pop(k, None))
+        if any(c is not None for c in freed):
+            del freed
+            trim()
+
+    def feed(self, claims: Iterator[int], *, ahead: int | None = AHEAD) -> ChunkFeed:
         """Tokenizes the chunks ``claims`` names, in that order, in a background thread (see :class:`ChunkFeed`)."""
         return ChunkFeed(self, claims, ahead=ahead)
 
     def __call__(self, positions: Any) -> Batch:
         return self.collate(positions)
 
+    def collate_and_consume(self, positions: Any) -> Batch:
+        """The batch of ``positions`` (:meth:`collate`), its rows then consumed (:meth:`consumed`): the collator of
+        a plain loop over the loader, where a row is done once its batch is built."""
+        batch = self.collate(positions)
+        self.consumed(batch.indices.numpy())
+        return batch
+
     def collate(self, positions: Any) -> Batch:
-        """The padded batch of ``positions`` (rows of one tokenized chunk), as the loader's collator builds it."""
+        """The padded batch of ``positions`` (rows planned into batches: not skipped), as the loader's collator
+        builds it; a chunk whose tokens are not held is tokenized (and held until its rows are consumed)."""
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
         if not pos.size:
             raise bad_value("positions", "a non-empty sequence of input positions", positions)
-        chunks = np.unique(self.chunk_of[pos])
-        if chunks[0] < 0:
-            raise ValueError(f"positions should be rows of tokenized chunks, but got {np.sum(self.chunk_of[pos] < 0)} "
-                             f"rows not tokenized yet (positions {pos[self.chunk_of[pos] < 0][:5].tolist()})")
-        first = self._collators[int(chunks[0])]
+        if np.any((pos < 0) | (pos >= self.n)):
+            raise bad_value("positions", f"input positions in range({self.n})", positions)
+        chunk = self.chunk_of[pos]
+        if np.any(chunk < 0):
+            raise ValueError(f"positions should be rows planned into batches, but got {np.sum(chunk < 0)} skipped "
+                             f"inputs (positions {pos[chunk < 0][:5].tolist()})")
+        chunks = np.unique(chunk)
+        first = self._chunk(int(chunks[0]))
         if len(chunks) == 1:  # a planned batch: one gather from its chunk's store
             batch = first(self.local_of[pos])
         else:  # rows of several chunks (a batch picked by hand): their tokens gathered first
@@ -225,42 +267,71 @@ class TokenStream:
         return Batch(dict(batch), indices=batch.indices.new_tensor(pos), texts=texts)
 
     def _gather(self, pos: np.ndarray) -> TokenizedTexts:
-        """The tokens of the rows at ``pos`` (tokenized, of any chunks), as a store of their own."""
-        stores = [self._collators[int(k)].tokenized for k in self.chunk_of[pos]]
-        rows = [store.row(int(i)) for store, i in zip(stores, self.local_of[pos])]
-        offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])]).astype(np.int64)
-        extras = {key: np.concatenate([store.extras[key][store.offsets[i]: store.offsets[i + 1]]
-                                       for store, i in zip(stores, self.local_of[pos])])
-                  for key in stores[0].extras}
-        return TokenizedTexts(np.concatenate(rows), offsets, extras)
+        """The tokens of the rows at ``pos`` (of any chunks, tokenized now if not held), as a store of their own."""
+        chunk = self.chunk_of[pos]
+        parts = [(np.flatnonzero(chunk == k), self._chunk(int(k)).tokenized) for k in np.unique(chunk)]
+        return _in_order(len(pos), [(where, tokens.take(self.local_of[pos[where]])) for where, tokens in parts])
+
+    def input_hashes(self, positions: Any) -> np.ndarray:
+        """The input hash of each row at ``positions`` (``uint64``), as the results store hashes a row's tokens.
+
+        Rows of held chunks are hashed from their tokens; the others are
+        tokenized for it (through the same call as the run, in pieces of at
+        most :data:`CHUNK_SIZE` texts) and not held, so hashing every stored
+        position of a rerun up front keeps memory flat. A skipped (bad) input
+        hashes as the tokens of ``""``, as the eager loader's store holds it.
+        """
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        out = np.zeros(len(pos), dtype=np.uint64)
+        chunk = self.chunk_of[pos]
+        with self._lock:
+            held = {k: c.tokenized for k, c in self._held.items()}
+        rest = np.ones(len(pos), dtype=bool)
+        for k in np.intersect1d(chunk, list(held)).tolist():
+            where = np.flatnonzero(chunk == k)
+            out[where] = _row_hashes(held[k].take(self.local_of[pos[where]]))
+            rest[where] = False
+        rest = np.flatnonzero(rest)
+        for start in range(0, len(rest), CHUNK_SIZE):
+            where = rest[start : start + CHUNK_SIZE]
+            with self._tokenizing:
+                tokens = self._encode(pos[where])
+            out[where] = _row_hashes(tokens)
+        return out
 
     @property
     def tokenized(self) -> TokenizedTexts:
-        """Every text's tokens in input order (tokenizes what is left, and copies: for code that needs the whole
-        store; a run streams without it). Skipped positions are empty rows."""
+        """Every text's tokens in input order, in a store of their own (chunks not held are tokenized for it, and
+        not held: for code that needs the whole store; a run streams without it). Skipped positions are empty rows."""
+        parts = []
         for k in range(self.n_chunks):
-            self.tokenize(k)
-        lengths = np.zeros(self.n, dtype=np.int64)
-        parts = {}
-        for k, collator in sorted(self._collators.items()):
+            with self._lock:
+                collator = self._held.get(k)
             positions = self.chunk_positions(k)
-            lengths[positions] = collator.tokenized.lengths
-            parts[k] = (positions, collator.tokenized)
-        offsets = np.zeros(self.n + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        keys = ["input_ids", *next(iter(parts.values()))[1].extras] if parts else ["input_ids"]
-        flat = {key: np.zeros(int(offsets[-1]), dtype=np.int32) for key in keys}
-        for positions, tokens in parts.values():
-            starts = np.repeat(offsets[positions] - tokens.offsets[:-1], tokens.lengths)
-            where = starts + np.arange(len(tokens.input_ids))
-            for key in keys:
-                flat[key][where] = tokens.input_ids if key == "input_ids" else tokens.extras[key]
-        return TokenizedTexts(flat.pop("input_ids"), offsets, flat)
+            if collator is not None:
+                tokens = collator.tokenized
+            else:
+                with self._tokenizing:
+                    tokens = self._encode(positions)
+            parts.append((positions, tokens))
+        return _in_order(self.n, parts)
 
 
-def _same_tokens(a: TokenizedTexts, b: TokenizedTexts) -> bool:
-    return (np.array_equal(a.offsets, b.offsets) and np.array_equal(a.input_ids, b.input_ids)
-            and a.extras.keys() == b.extras.keys() and all(np.array_equal(a.extras[k], b.extras[k]) for k in a.extras))
+def _in_order(n: int, parts: list[tuple[np.ndarray, TokenizedTexts]]) -> TokenizedTexts:
+    """One store of ``n`` rows from ``(rows, tokens)`` parts (row ``rows[i]`` is ``tokens``' row ``i``); rows no part
+    names are empty."""
+    lengths = np.zeros(n, dtype=np.int64)
+    for rows, tokens in parts:
+        lengths[rows] = tokens.lengths
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    keys = ["input_ids", *parts[0][1].extras] if parts else ["input_ids"]
+    flat = {key: np.zeros(int(offsets[-1]), dtype=np.int32) for key in keys}
+    for rows, tokens in parts:
+        where = np.repeat(offsets[rows] - tokens.offsets[:-1], tokens.lengths) + np.arange(len(tokens.input_ids))
+        for key in keys:
+            flat[key][where] = tokens.input_ids if key == "input_ids" else tokens.extras[key]
+    return TokenizedTexts(flat.pop("input_ids"), offsets, flat)
 
 
 class ChunkFeed:
@@ -274,15 +345,14 @@ class ChunkFeed:
 
     The thread starts at the first :meth:`next` (or :meth:`start`), which
     blocks until the next chunk is tokenized; an error in the thread is raised
-    there (:class:`~dynabatch._background.Ahead`). :attr:`proxy_misses` counts
-    rows longer in tokens than every row of the chunks handed out before theirs.
+    there (:class:`~dynabatch._background.Ahead`). The stream's ``proxy_misses``
+    counts rows longer in tokens than every row of the chunks handed out before theirs.
     """
 
     NOT_READY = Ahead.NOT_READY
 
-    def __init__(self, stream: TokenStream, claims: Iterator[int], *, ahead: int | None = None) -> None:
+    def __init__(self, stream: TokenStream, claims: Iterator[int], *, ahead: int | None = AHEAD) -> None:
         self.stream = stream
-        self.proxy_misses = 0
         self._longest = 0
         self._chunks = Ahead((stream.tokenize(k) for k in claims), depth=ahead, name="dynabatch-tokenize")
 
@@ -299,7 +369,7 @@ class ChunkFeed:
         lengths = got[1]
         if self._longest and len(lengths) and lengths.max() > self._longest:
             missed = int(np.count_nonzero(lengths > self._longest))
-            self.proxy_misses += missed
+            self.stream.proxy_misses += missed
             logger.info("%d texts are longer in tokens than every text tokenized before them (their characters "
                         "ranked them lower): measured mode sizes them by what ran at their width", missed)
         self._longest = max(self._longest, int(lengths.max()) if len(lengths) else 0)

@@ -7,7 +7,9 @@ Python list as it was given, or an Arrow string array: a ``datasets.Dataset``
 column (memory-mapped from its cache files), a ``pyarrow`` array or table
 column, or what :func:`read_texts` writes from Parquet files or an iterable of
 str into one Arrow IPC file and memory-maps, so the texts live in the page
-cache, not in the Python heap.
+cache, not in the Python heap: the pages a read touches are handed back after
+it (``madvise``), so the process's resident memory does not grow with the
+corpus as its texts are read.
 
 Example:
     >>> from dynabatch.data.text_source import read_texts
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import glob
 import itertools
+import mmap
 import os
 import shutil
 import sys
@@ -34,11 +37,11 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
-from dynabatch.data.tokenization import _as_items, plain_text
+from dynabatch.data.tokenization import _as_items, plain_text, report_skipped, split_bad_texts, validate_texts
 
-__all__ = ["TextSource", "is_text_source", "parquet_paths", "read_texts"]
+__all__ = ["TextSource", "check_on_bad_input", "is_text_source", "open_texts", "parquet_paths", "read_texts"]
 
-_SPILL_ROWS = 65_536  # texts per Arrow record batch when an iterable or Parquet files are read in
+_SPILL_ROWS = 8192  # texts per Arrow record batch when an iterable or Parquet files are read in
 
 
 def _is_arrow_strings(values: Any) -> bool:
@@ -72,8 +75,8 @@ class TextSource:
     """
 
     def __init__(self, texts: Any) -> None:
-
         self._spill: str | None = None  # a directory this source owns (an iterable or Parquet files read in)
+        self._map: mmap.mmap | None = None  # the memory map of the file it wrote, whose pages a read hands back
         self._chars: np.ndarray | None = None
         if _is_arrow_strings(texts):
             import pyarrow as pa
@@ -83,6 +86,7 @@ class TextSource:
             self.n = len(self.arrow)
             if not self.n:
                 raise ValueError("texts should be a non-empty sequence of str, but got an empty Arrow array")
+            self._starts = np.cumsum([0, *(len(c) for c in self.arrow.chunks)], dtype=np.int64)
         else:
             self.arrow = None
             self.items = _as_items(texts)
@@ -114,40 +118,110 @@ class TextSource:
         """The ``int64`` positions of items that are not str."""
         return np.flatnonzero(self.char_lengths() < 0)
 
+    def texts(self) -> list[str]:
+        """Every text as a Python str, in input order (``""`` for an item that is not a str): a list source's own
+        list when it holds only str."""
+        if self.items is not None:
+            return split_bad_texts(self.items)[0]
+        return self.take(np.arange(self.n))
+
     def take(self, positions: Any) -> list:
         """The texts at ``positions`` (Python str; ``""`` for an item that is not a str), in that order."""
-        pos = np.asarray(positions, dtype=np.int64)
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
         if self.items is not None:
             items = self.items
             return [plain_text(items[i]) for i in pos.tolist()]
         import pyarrow as pa
 
-        return ["" if t is None else t for t in self.arrow.take(pa.array(pos)).to_pylist()]
+        # Taken chunk by chunk: a ChunkedArray's own take concatenates every chunk first (the whole corpus, per call).
+        out: list = [""] * len(pos)
+        chunk = np.searchsorted(self._starts, pos, side="right") - 1
+        for k in np.unique(chunk).tolist():
+            where = np.flatnonzero(chunk == k)
+            texts = self.arrow.chunk(k).take(pa.array(pos[where] - self._starts[k])).to_pylist()
+            for i, text in zip(where.tolist(), texts):
+                if text is not None:
+                    out[i] = text
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)  # the pages read are the page cache's again, not this process's
+        return out
 
     def close(self) -> None:
         """Removes the Arrow file this source wrote (also done when it is garbage-collected)."""
         if self._spill is not None:
-            self.arrow = None
+            self.arrow, self._map = None, None  # the map itself closes with the last Arrow buffer viewing it
             shutil.rmtree(self._spill, ignore_errors=True)
             self._spill = None
 
 
+def check_on_bad_input(on_bad_input: Any) -> str:
+    """``on_bad_input`` if it is ``"raise"`` or ``"skip"``; else a ``TypeError`` / ``ValueError``."""
+    if not isinstance(on_bad_input, str):
+        raise bad_type("on_bad_input", "'raise' or 'skip'", on_bad_input)
+    if on_bad_input not in ("raise", "skip"):
+        raise bad_value("on_bad_input", "'raise' or 'skip'", on_bad_input)
+    return on_bad_input
+
+
+def open_texts(texts: Any, on_bad_input: str = "raise") -> tuple[TextSource, np.ndarray]:
+    """The loader's texts as a :class:`TextSource` and the ``int64`` positions of its bad inputs (items that are not
+    str: ``None``, a pandas NaN, bytes; Arrow nulls): the one place that reads texts in and applies ``on_bad_input``.
+
+    Args:
+        texts: a list (or tuple, pandas Series, 1-D numpy array, other
+            sequence) of str, or what :func:`read_texts` reads (a ``datasets.Dataset``,
+            an Arrow string array, an iterator, a :class:`TextSource`).
+        on_bad_input: ``"raise"`` a ``TypeError`` naming how many bad inputs
+            there are and the first ten positions, or ``"skip"`` them (logged).
+
+    Raises:
+        TypeError: texts of no such kind, or bad inputs with ``on_bad_input="raise"``.
+        ValueError: no texts, none of them a str, or a bad ``on_bad_input``.
+
+    Example:
+        >>> source, bad = open_texts(["a", None, "b"], on_bad_input="skip")
+        >>> len(source), bad.tolist(), source.texts()
+        (3, [1], ['a', '', 'b'])
+    """
+    check_on_bad_input(on_bad_input)
+    source = read_texts(texts) if is_text_source(texts) else TextSource(texts)
+    bad = source.bad()
+    if bad.size and on_bad_input == "raise":
+        if source.items is not None:
+            validate_texts(source.items)  # the one message for items that are not str
+        raise TypeError(f"texts should hold only str, but got {bad.size} of {len(source)} missing (null) texts "
+                        f"(positions {', '.join(map(str, bad[:10].tolist()))}{', ...' if bad.size > 10 else ''}): "
+                        "clean them, or build the loader with on_bad_input='skip' (their results are None)")
+    report_skipped(bad, len(source))
+    return source, bad
+
+
 def _spill(batches: Iterable[Any], schema: Any) -> TextSource:
     """Writes record batches of one ``text`` column to an Arrow IPC file in a new temporary directory and returns a
-    :class:`TextSource` over it, memory-mapped; the directory goes with the source."""
+    :class:`TextSource` over it, memory-mapped (its character lengths read as the batches are written, so opening it
+    touches no text); the directory goes with the source."""
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     folder = tempfile.mkdtemp(prefix="dynabatch-texts-")
     path = os.path.join(folder, "texts.arrow")
+    chars = []
     with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         for batch in batches:
+            chars.append(pc.fill_null(pc.utf8_length(batch.column(0)), -1).to_numpy(zero_copy_only=False))
             writer.write_batch(batch)
-    table = pa.ipc.open_file(pa.memory_map(path)).read_all()
-    if not table.num_rows:
+            del batch
+            pa.default_memory_pool().release_unused()  # the batch's buffers: Arrow's allocator keeps them otherwise
+    if not sum(map(len, chars)):
         shutil.rmtree(folder, ignore_errors=True)
         raise ValueError("source should hold at least one text, but got none")
+    with open(path, "rb") as file:
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+    table = pa.ipc.open_file(pa.py_buffer(mapped)).read_all()  # zero-copy: views of the map
     source = TextSource(table.column(0))
-    source._spill = folder
+    source._spill, source._map = folder, mapped
+    source._chars = np.concatenate(chars).astype(np.int64)
+    source._chars.flags.writeable = False
     weakref.finalize(source, shutil.rmtree, folder, True)
     return source
 
@@ -187,7 +261,7 @@ def read_texts(source: Any, column: str = "text", *, chunk_size: int = _SPILL_RO
             written once into one Arrow file in a temporary directory, removed
             with the source.
         column: the text column of a file, table or dataset.
-        chunk_size: texts held as Python objects at once while an iterable is read in.
+        chunk_size: texts read in at a time (an iterable's held as Python objects, a Parquet file's decoded).
 
     Raises:
         TypeError: a source of none of these kinds, or a column that is not strings.
@@ -243,13 +317,13 @@ def _read_parquet(paths: list[str], column: str, chunk_size: int) -> TextSource:
 
     def batches() -> Iterable[Any]:
         for path in paths:
-            file = pq.ParquetFile(path)
+            file = pq.ParquetFile(path, pre_buffer=False)  # a row group's column read as it is decoded
             if column not in file.schema_arrow.names:
                 raise bad_value("column", f"a column of {Path(path).name} {file.schema_arrow.names}", column)
             kind = file.schema_arrow.field(column).type
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
                 raise bad_type("column", f"a column of strings (in {Path(path).name} it is {kind})", column)
-            for batch in file.iter_batches(batch_size=chunk_size, columns=[column]):
+            for batch in file.iter_batches(batch_size=chunk_size, columns=[column], use_threads=False):
                 yield pa.record_batch([batch.column(0).cast(pa.large_string())], schema=schema)
 
     return _spill(batches(), schema)

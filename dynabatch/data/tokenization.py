@@ -13,6 +13,21 @@ included, exactly as ``tokenizer(texts, truncation=True, max_length=...)``
 would; ``tokenizer_kwargs`` (e.g. ``add_special_tokens=False``) are passed on
 to every call.
 
+**The backend rule.** A fast tokenizer's Rust backend is called directly (it
+skips the Python-side conversion of every encoding into dicts, which holds the
+GIL while a device waits) only where that provably gives what the tokenizer's
+own call gives: :func:`fast_backend` says where. The rule is on the class, not
+on a sample of texts: the tokenizer is a transformers ``TokenizersBackend``
+(``PreTrainedTokenizerFast``), and every method that shapes what its call
+returns (:data:`CALL_PATH`: ``__call__``, the encode methods, text
+preprocessing such as ``prepare_for_tokenization``, truncation and padding
+set-up, the conversion of encodings) resolves, through the class's MRO and
+with nothing set on the instance, to transformers' own generic
+implementation; the loader passes no tokenizer argument but
+``add_special_tokens``. A subclass that overrides any of them (a
+``__call__`` that rewrites URLs, say), a slow tokenizer or any other callable
+goes through its own call, chunk after chunk.
+
 Example:
     >>> from transformers import AutoTokenizer
     >>> from dynabatch.demo import minilm_path
@@ -30,10 +45,13 @@ Example:
 from __future__ import annotations
 
 import collections.abc
+import difflib
+import inspect
 import itertools
 import logging
 import operator
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +61,9 @@ import numpy as np
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 
-__all__ = ["FORBIDDEN_TOKENIZER_KWARGS", "TokenizedTexts", "plain_text", "report_skipped", "split_bad_texts",
-           "tokenize_texts", "validate_texts"]
+__all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "TOKENS_PER_CALL", "TokenizedTexts", "accepted_keywords",
+           "check_length_fits", "check_tokenizer", "check_tokenizer_kwargs", "fast_backend", "model_max_length",
+           "plain_text", "report_skipped", "split_bad_texts", "tokenize_texts", "validate_texts"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +136,23 @@ class TokenizedTexts:
             i += n
         return self.input_ids[self.offsets[i] : self.offsets[i + 1]]
 
+    def take(self, rows: Any) -> TokenizedTexts:
+        """The store of the texts at ``rows`` (row numbers, in that order), one gather per array.
+
+        Example:
+            >>> tokens = TokenizedTexts(np.array([5, 6, 7, 8], dtype=np.int32), np.array([0, 3, 4]))
+            >>> picked = tokens.take([1, 0])
+            >>> picked.input_ids.tolist(), picked.offsets.tolist()
+            ([8, 5, 6, 7], [0, 1, 4])
+        """
+        rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+        starts = self.offsets[rows]
+        lengths = self.offsets[rows + 1] - starts
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        index = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
+        return TokenizedTexts(self.input_ids[index], offsets, {key: v[index] for key, v in self.extras.items()})
+
 
 _UNSET_MODEL_MAX_LENGTH = 10**9  # Hugging Face sets a huge sentinel (int(1e30)) when the limit is unknown
 
@@ -136,6 +172,132 @@ def model_max_length(tokenizer: Any) -> int | None:
     """The tokenizer's ``model_max_length`` when it sets one; ``None`` when unset (Hugging Face's huge sentinel)."""
     limit = getattr(tokenizer, "model_max_length", None)
     return limit if isinstance(limit, int) and limit < _UNSET_MODEL_MAX_LENGTH else None
+
+
+def accepted_keywords(tokenizer: Any) -> set[str] | None:
+    """Keywords a call of ``tokenizer`` takes; ``None`` when it takes any (a plain ``**kwargs`` callable).
+
+    A Hugging Face tokenizer's ``__call__`` ends in ``**kwargs`` but only uses
+    its named arguments and those of ``_encode_plus`` (e.g. ``split_special_tokens``).
+    """
+    names: set[str] = set()
+    takes_any = False
+    for function in (tokenizer.__call__, getattr(tokenizer, "_encode_plus", None)):  # callable: check_tokenizer ran
+        if function is None:
+            continue
+        try:
+            parameters = inspect.signature(function).parameters.values()
+        except (TypeError, ValueError):  # no signature to read: accept anything
+            return None
+        for p in parameters:
+            if p.kind is p.VAR_KEYWORD:
+                takes_any = True
+            elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                names.add(p.name)
+    if takes_any and not hasattr(tokenizer, "_encode_plus"):
+        return None
+    return names - {"text", "self"}
+
+
+def check_tokenizer_kwargs(tokenizer: Any, tokenizer_kwargs: dict[str, Any], caller: Callable[..., Any]) -> None:
+    """A misspelt keyword (``batchsize=8``) of ``caller``'s ``**tokenizer_kwargs`` names itself (and the closest
+    keyword of ``caller`` or of the tokenizer) instead of vanishing into the tokenizer call."""
+    accepted = accepted_keywords(tokenizer)
+    if accepted is None:
+        return
+    own = set(inspect.signature(caller).parameters) - {"tokenizer_kwargs"}
+    for key, value in tokenizer_kwargs.items():
+        if key in accepted:
+            continue
+        close = difflib.get_close_matches(key, sorted(own | accepted), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(
+            f"{caller.__name__}() got an unexpected keyword argument {key!r}{hint}: extra keywords "
+            f"go to the tokenizer, and {type(tokenizer).__name__} does not take it; "
+            f"but got {key}={value!r}"
+        )
+
+
+def check_length_fits(tokenizer: Any, max_input_token_length: int, tokenizer_kwargs: dict[str, Any]) -> None:
+    """``max_input_token_length`` leaves room for text after the special tokens; a limit above the tokenizer's
+    ``model_max_length`` warns."""
+    count_special = getattr(tokenizer, "num_special_tokens_to_add", None)
+    if tokenizer_kwargs.get("add_special_tokens", True) and callable(count_special):
+        special = count_special(pair=False)
+        if max_input_token_length <= special:
+            raise bad_value(
+                "max_input_token_length",
+                f"at least {special + 1} (the tokenizer adds {special} special tokens to every text)",
+                max_input_token_length,
+            )
+    limit = model_max_length(tokenizer)
+    if limit is not None and max_input_token_length > limit:
+        warnings.warn(
+            f"max_input_token_length={max_input_token_length} is above the tokenizer's "
+            f"model_max_length={limit}: a model with {limit} positions fails on longer rows; "
+            f"pass max_input_token_length<={limit}",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+CALL_PATH = ("__call__", "_call_one", "_encode_plus", "_batch_encode_plus", "encode", "encode_plus",
+             "batch_encode_plus", "prepare_for_tokenization", "tokenize", "_convert_encoding",
+             "set_truncation_and_padding", "_get_padding_truncation_strategies", "_switch_to_input_mode",
+             "_switch_to_target_mode")
+"""The methods that shape what a transformers tokenizer's call returns for a batch of texts (the call, the encode
+methods, text preprocessing, truncation and padding set-up, the conversion of encodings): the backend rule
+(:func:`fast_backend`) holds when each resolves to transformers' own generic implementation or is not defined."""
+
+TOKENS_PER_CALL = 2**18
+"""Tokens at the truncation limit that one tokenizer call of :func:`tokenize_texts` is sized for (by default)."""
+
+_BACKEND_KWARGS = frozenset({"add_special_tokens"})  # the tokenizer arguments the backend call applies itself
+
+
+def fast_backend(tokenizer: Any, tokenizer_kwargs: dict[str, Any]) -> Any | None:
+    """The tokenizer's Rust backend (a ``tokenizers.Tokenizer``) when encoding through it gives exactly what
+    ``tokenizer(texts, truncation=True, max_length=..., padding=False, return_attention_mask=False,
+    **tokenizer_kwargs)`` gives; ``None`` when that is not provable, and the tokenizer's own call is used.
+
+    It is provable when ``tokenizer`` is a transformers ``TokenizersBackend`` (``PreTrainedTokenizerFast``)
+    whose every method of :data:`CALL_PATH` is either not defined or resolves, through its class's MRO, to
+    ``TokenizersBackend`` or ``PreTrainedTokenizerBase`` (none set on the instance), and ``tokenizer_kwargs`` holds
+    no key but ``add_special_tokens``. The one place that reads transformers' tokenizer internals (by name, on the
+    classes); if they cannot be read (another transformers version), the call is used.
+
+    Example:
+        >>> from transformers import AutoTokenizer
+        >>> from dynabatch.demo import minilm_path
+        >>> tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+        >>> type(fast_backend(tokenizer, {})).__name__
+        'Tokenizer'
+        >>> class Lowered(type(tokenizer)):
+        ...     def __call__(self, text, *args, **kwargs):
+        ...         return super().__call__([t.lower() for t in text], *args, **kwargs)
+        >>> tokenizer.__class__ = Lowered
+        >>> fast_backend(tokenizer, {}) is None
+        True
+    """
+    if set(tokenizer_kwargs) - _BACKEND_KWARGS:
+        return None
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if not issubclass(cls, TokenizersBackend):
+        return None
+    generic = (TokenizersBackend, PreTrainedTokenizerBase)
+    on_instance = getattr(tokenizer, "__dict__", {})
+    for name in CALL_PATH:
+        owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+        if name in on_instance or (owner is not None and owner not in generic):
+            return None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend if isinstance(backend, Tokenizer) else None
 
 
 def _as_items(texts: Any) -> list:
@@ -240,12 +402,48 @@ def _flatten(rows: Any, total: int) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=total)
 
 
+def _call_rows(tokenizer: Callable[..., Any], chunk: list[str], max_length: int,
+               tokenizer_kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The chunk through the tokenizer's own call: its ``input_ids`` rows, and every other output with one row per
+    text (what may be per token; :func:`tokenize_texts` keeps those whose lengths match)."""
+    encoded = tokenizer(chunk, truncation=True, max_length=max_length, padding=False, return_attention_mask=False,
+                        **tokenizer_kwargs)
+    if not isinstance(encoded, collections.abc.Mapping):
+        raise TypeError(
+            "type(tokenizer(texts)) should be a mapping with 'input_ids', "
+            f"but got type(tokenizer(texts))={type(encoded)!r}"
+        )
+    if "input_ids" not in encoded:
+        raise bad_value("tokenizer(texts).keys()", "a collection including 'input_ids'", sorted(encoded.keys()))
+    rows = encoded["input_ids"]
+    if len(rows) != len(chunk):
+        raise bad_value("len(tokenizer(texts)['input_ids'])", f"{len(chunk)}, one row per text", len(rows))
+    others = {key: values for key, values in encoded.items()
+              if key not in _SKIPPED_KEYS and isinstance(values, collections.abc.Sequence)}
+    return rows, others
+
+
+def _backend_rows(backend: Any, tokenizer: Any, chunk: list[str], max_length: int,
+                  tokenizer_kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The chunk through the fast tokenizer's backend, set up as the tokenizer's call sets it up (see
+    :func:`fast_backend`): truncation (longest first, no stride, the tokenizer's side), no padding, its
+    ``split_special_tokens``, and ``token_type_ids`` when they are among its ``model_input_names``."""
+    backend.no_padding()
+    backend.enable_truncation(max_length, stride=0, strategy="longest_first", direction=tokenizer.truncation_side)
+    backend.encode_special_tokens = bool(tokenizer.split_special_tokens)
+    encodings = backend.encode_batch(chunk, add_special_tokens=tokenizer_kwargs.get("add_special_tokens", True))
+    others = {}
+    if "token_type_ids" in tokenizer.model_input_names:
+        others["token_type_ids"] = [e.type_ids for e in encodings]
+    return [e.ids for e in encodings], others
+
+
 def tokenize_texts(
     texts: Any,
     tokenizer: Callable[..., Any],
     max_input_token_length: int,
     *,
-    chunk_size: int = 8192,
+    chunk_size: int | None = None,
     progress: bool = True,
     **tokenizer_kwargs: Any,
 ) -> TokenizedTexts:
@@ -254,7 +452,9 @@ def tokenize_texts(
     The tokenizer is called once per chunk of ``chunk_size`` texts as
     ``tokenizer(chunk, truncation=True, max_length=max_input_token_length,
     padding=False, return_attention_mask=False, **tokenizer_kwargs)``, so
-    special tokens are counted unless ``add_special_tokens=False`` is passed.
+    special tokens are counted unless ``add_special_tokens=False`` is passed;
+    or, where the module's backend rule proves it gives the same
+    (:func:`fast_backend`), through the fast tokenizer's Rust backend.
 
     Args:
         texts: the texts, see :func:`validate_texts`.
@@ -262,7 +462,11 @@ def tokenize_texts(
             of str and returns a mapping whose ``"input_ids"`` holds one list
             of ids per text.
         max_input_token_length: the truncation limit, in tokens.
-        chunk_size: texts per tokenizer call.
+        chunk_size: texts per tokenizer call; ``None``: as many as hold
+            :data:`TOKENS_PER_CALL` tokens at the limit (64 to 8,192 texts).
+            A call's encodings take about 100 bytes a token until they are
+            flattened into the store (222 MB for 8,192 texts of 170 tokens),
+            so a bounded call keeps that transient small.
         progress: show a tqdm progress bar over the chunks.
         **tokenizer_kwargs: passed to every tokenizer call, and to be applied
             the same way when batches are built; the arguments the loader owns
@@ -286,11 +490,14 @@ def tokenize_texts(
             tokenizer,
         )
     max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
+    if chunk_size is None:
+        chunk_size = min(8192, max(64, TOKENS_PER_CALL // max_input_token_length))
     chunk_size = check_positive_int("chunk_size", chunk_size)
     _check_tokenizer_kwargs(tokenizer_kwargs)
 
     from tqdm.auto import tqdm
 
+    backend = fast_backend(tokenizer, tokenizer_kwargs)
     n = len(items)
     id_chunks: list[np.ndarray] = []
     length_chunks: list[np.ndarray] = []
@@ -298,24 +505,10 @@ def tokenize_texts(
     starts = range(0, n, chunk_size)
     for start in tqdm(starts, desc="tokenizing", unit="chunk", disable=not progress):
         chunk = items[start : start + chunk_size]
-        encoded = tokenizer(
-            chunk,
-            truncation=True,
-            max_length=max_input_token_length,
-            padding=False,
-            return_attention_mask=False,
-            **tokenizer_kwargs,
-        )
-        if not isinstance(encoded, collections.abc.Mapping):
-            raise TypeError(
-                "type(tokenizer(texts)) should be a mapping with 'input_ids', "
-                f"but got type(tokenizer(texts))={type(encoded)!r}"
-            )
-        if "input_ids" not in encoded:
-            raise bad_value("tokenizer(texts).keys()", "a collection including 'input_ids'", sorted(encoded.keys()))
-        rows = encoded["input_ids"]
-        if len(rows) != len(chunk):
-            raise bad_value("len(tokenizer(texts)['input_ids'])", f"{len(chunk)}, one row per text", len(rows))
+        if backend is not None:
+            rows, others = _backend_rows(backend, tokenizer, chunk, max_input_token_length, tokenizer_kwargs)
+        else:
+            rows, others = _call_rows(tokenizer, chunk, max_input_token_length, tokenizer_kwargs)
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(chunk))
         total = int(lengths.sum())
         id_chunks.append(_flatten(rows, total))
@@ -323,9 +516,7 @@ def tokenize_texts(
 
         # Other per-token outputs (token_type_ids, ...): kept when every chunk has them.
         found: dict[str, np.ndarray] = {}
-        for key, values in encoded.items():
-            if key in _SKIPPED_KEYS or not isinstance(values, collections.abc.Sequence):
-                continue
+        for key, values in others.items():
             try:
                 if len(values) != len(chunk) or sum(map(len, values)) != total:
                     continue
@@ -340,7 +531,7 @@ def tokenize_texts(
                     extra_chunks[key].append(found[key])
                 else:
                     del extra_chunks[key]
-        del encoded, rows, found
+        del rows, others, found
         trim()  # the chunk's lists are freed: give their heap back, so resident memory grows with the token store only
 
     offsets = np.zeros(n + 1, dtype=np.int64)
@@ -353,10 +544,11 @@ def tokenize_texts(
     del id_chunks, length_chunks, extra_chunks
     trim()
     logger.debug(
-        "tokenized %d texts into %d tokens (max_input_token_length=%d, extras=%s)",
+        "tokenized %d texts into %d tokens (max_input_token_length=%d, extras=%s, through %s)",
         n,
         len(input_ids),
         max_input_token_length,
         sorted(extras),
+        "the fast backend" if backend is not None else "the tokenizer's call",
     )
     return TokenizedTexts(input_ids=input_ids, offsets=offsets, extras=extras)

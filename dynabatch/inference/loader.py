@@ -1,10 +1,25 @@
 """``build_dynamic_batch_dataloader``: texts in, a standard DataLoader of memory-safe batches out.
 
-The stages, each its own module: :func:`~dynabatch.data.tokenization.tokenize_texts`
-(every text tokenized once) -> :class:`~dynabatch.sampling.planner.BatchPlanner` (sorted
-longest first, sizes chosen by the spike classifier or a memory model) ->
-:class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler` (order, epochs, resumption) ->
-:class:`~dynabatch.data.collate.TokenCollator` (padded tensors from the token store).
+One pipeline, two shapes. Every loader goes through the same stages and checks:
+the texts are read and their bad inputs raised or skipped in one place
+(:func:`~dynabatch.data.text_source.open_texts`), the tokenizer and its
+arguments are checked once, and texts are tokenized by one function
+(:func:`~dynabatch.data.tokenization.tokenize_texts`, with its backend rule),
+so a row is the same whichever shape the loader takes:
+
+* **eager**: the whole corpus tokenized into one token store ->
+  :class:`~dynabatch.sampling.planner.BatchPlanner` (sorted longest first, sizes
+  chosen by the spike classifier or a memory model) ->
+  :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler` (order,
+  shuffling, epochs, resumption) -> :class:`~dynabatch.data.collate.TokenCollator`
+  (padded tensors from the token store, picklable for DataLoader workers);
+* **streamed** (``stream=True``, a corpus above :data:`STREAM_ABOVE` texts, or
+  texts from a file, a dataset or an iterator): a
+  :class:`~dynabatch.data.streaming.TokenStream` tokenizes chunk after chunk,
+  longest by characters first, in a background thread ->
+  :class:`~dynabatch.sampling.chunked_planner.ChunkedPlanner` (one batch
+  planner per chunk) -> :class:`~dynabatch.sampling.inference_sampler.StreamingBatchSampler`,
+  the stream collating and freeing each chunk's tokens once its rows are consumed.
 
 The loader carries its plan openly: ``loader.plan`` is a :class:`LoaderPlan`
 (the planner, the sampler and the collator), which :func:`dynabatch.run` reads
@@ -39,26 +54,25 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
+from dynabatch.data import streaming as token_streaming
 from dynabatch.data.collate import TokenCollator, pad_token_id_of
 from dynabatch.data.ids import check_ids
+from dynabatch.data.streaming import TokenStream
+from dynabatch.data.text_source import TextSource, check_on_bad_input, is_text_source, open_texts
 from dynabatch.data.token_ids import are_token_ids, store_token_ids
-from dynabatch.data.tokenization import (
-    check_tokenizer,
-    report_skipped,
-    split_bad_texts,
-    tokenize_texts,
-    validate_texts,
-)
-from dynabatch.inference._loader_checks import check_length_fits, check_tokenizer_kwargs
+from dynabatch.data.tokenization import check_length_fits, check_tokenizer, check_tokenizer_kwargs, tokenize_texts
 from dynabatch.memory.shape import check_position_limit, resolve_model_shape
+from dynabatch.sampling.chunked_planner import ChunkedPlanner
 from dynabatch.sampling.estimators import choose_estimator
-from dynabatch.sampling.inference_sampler import DynamicBatchSampler
+from dynabatch.sampling.inference_sampler import DynamicBatchSampler, StreamingBatchSampler
 from dynabatch.sampling.planner import BatchPlanner, PlanSettings
 
-__all__ = ["LoaderPlan", "build_dynamic_batch_dataloader", "plan_of"]
+__all__ = ["STREAM_ABOVE", "LoaderPlan", "build_dynamic_batch_dataloader", "plan_of"]
 
 logger = logging.getLogger(__name__)
 
+STREAM_ABOVE = 16_384
+"""``stream=None`` streams a list of more texts than this (tokenizing it whole first would keep the device waiting)."""
 
 
 def _worker_count(num_workers: int) -> int:
@@ -138,18 +152,63 @@ def plan_of(loader: Any) -> LoaderPlan | None:
     return None
 
 
-def _read_texts(texts: Any, on_bad_input: Any, token_ids: bool) -> tuple[list | None, np.ndarray | None]:
-    """``(texts as a list of str, positions of the bad ones skipped)``; ``(None, None)`` for token ids."""
-    if not isinstance(on_bad_input, str):
-        raise bad_type("on_bad_input", "'raise' or 'skip'", on_bad_input)
-    if on_bad_input not in ("raise", "skip"):
-        raise bad_value("on_bad_input", "'raise' or 'skip'", on_bad_input)
-    if token_ids:
-        return None, None
-    items, skipped = split_bad_texts(texts) if on_bad_input == "skip" else (validate_texts(texts), None)
-    if skipped is not None:
-        report_skipped(skipped, len(items))
-    return items, skipped
+def _streams(texts: Any, stream: Any, shuffle: bool, token_ids: bool) -> bool:
+    """Whether the loader streams: ``stream`` if given, else for a text source or a list above :data:`STREAM_ABOVE`."""
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_type("stream", "None (auto), True or False", stream)
+    if stream and token_ids:
+        raise bad_value("stream", "False or None for pre-tokenized texts (there is nothing to tokenize)", stream)
+    if stream and shuffle:
+        raise bad_value("stream", "False or None with shuffle=True (a shuffled order needs the whole plan)", stream)
+    if stream is not None:
+        return stream
+    if token_ids or shuffle:
+        return False
+    if is_text_source(texts):
+        return True
+    try:
+        return len(texts) > STREAM_ABOVE
+    except TypeError:
+        return False
+
+
+def _streaming_loader(source: TextSource, skipped: np.ndarray, ids: Any, tokenizer: Any, settings: PlanSettings,
+                      estimator: Any, num_workers: int, tokenizer_kwargs: dict) -> DataLoader:
+    """The streamed shape: a :class:`TokenStream` over ``source``, its chunks planned as they are tokenized."""
+    stream = TokenStream(source, tokenizer, settings.max_input_token_length, skip=skipped,
+                         first_chunk=max(token_streaming.FIRST_CHUNK, 4 * settings.batch_size),
+                         chunk_size=token_streaming.CHUNK_SIZE, pad_to_multiple_of=settings.pad_to_multiple_of,
+                         **tokenizer_kwargs)
+    planner = ChunkedPlanner(stream.feed(iter(range(stream.n_chunks))).next, settings, estimator)
+    sampler = StreamingBatchSampler(planner)
+    if num_workers:
+        logger.info("stream: batches are built in this process (num_workers=%d not used)", num_workers)
+    # Batches are built in this process (the stream's thread cannot be pickled); a plain loop consumes a batch's
+    # rows as it builds it, so each chunk's tokens are freed once its batches are built. run builds from the plan's
+    # collator (the stream) and says itself when rows are finished.
+    loader = DataLoader(_Positions(stream.n), batch_sampler=sampler, collate_fn=stream.collate_and_consume,
+                        num_workers=0)
+    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, stream, check_ids(ids, stream.n), skipped, stream)
+    logger.info("streaming %d texts in %d chunks, longest first", stream.n, stream.n_chunks)
+    return loader
+
+
+def _eager_loader(tokenized: Any, texts: list[str] | None, skipped: np.ndarray, ids: Any, tokenizer: Any,
+                  settings: PlanSettings, estimator: Any, shuffle: bool, seed: int, num_workers: int) -> DataLoader:
+    """The eager shape: the whole token store planned at once (any order, workers)."""
+    id_array = check_ids(ids, len(tokenized))
+    planner = BatchPlanner(tokenized.lengths, settings, estimator, skip=skipped if skipped.size else None)
+    batches = planner.batches()
+    sampler = DynamicBatchSampler(batches, shuffle=shuffle, seed=seed)
+    collator = TokenCollator.from_tokenizer(tokenized, tokenizer, texts=texts,
+                                            pad_to_multiple_of=settings.pad_to_multiple_of)
+    sizes = [len(b) for b in batches]
+    logger.info("planned %d texts into %d batches (first %d rows, largest %d)", len(tokenized), len(batches),
+                sizes[0], max(sizes))
+    loader = DataLoader(_Positions(len(tokenized)), batch_sampler=sampler, collate_fn=collator,
+                        num_workers=_worker_count(num_workers))
+    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, collator, id_array, skipped)
+    return loader
 
 
 def build_dynamic_batch_dataloader(
@@ -291,13 +350,11 @@ def build_dynamic_batch_dataloader(
         Put per-batch outputs back in input order with
         :func:`~dynabatch.data.order.restore_order`.
     """
-    from dynabatch.inference import _streaming
-
-    token_ids = not _streaming.is_text_source(texts) and are_token_ids(texts)
-    streaming = _streaming.streams(texts, stream, shuffle, token_ids)
-    items, skipped = _read_texts(texts, on_bad_input, token_ids or streaming)
+    check_on_bad_input(on_bad_input)
+    token_ids = not is_text_source(texts) and are_token_ids(texts)
+    streaming = _streams(texts, stream, shuffle, token_ids)
     check_tokenizer(tokenizer)
-    check_tokenizer_kwargs(tokenizer, tokenizer_kwargs)
+    check_tokenizer_kwargs(tokenizer, tokenizer_kwargs, build_dynamic_batch_dataloader)
     pad_to_multiple_of = tokenizer_kwargs.pop("pad_to_multiple_of", None)
     if token_ids and tokenizer_kwargs:
         raise ValueError("tokenizer_kwargs should be empty for pre-tokenized texts (the ids are taken as they "
@@ -312,32 +369,15 @@ def build_dynamic_batch_dataloader(
     pad_token_id_of(tokenizer)  # refuse a tokenizer without pad token before tokenizing
     if model is not None:
         check_position_limit(model, settings.max_input_token_length)
-    if streaming:
-        check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
-        stream_, planner, sampler, skipped = _streaming.streaming_parts(
-            texts, tokenizer, settings, estimator, on_bad_input=on_bad_input, tokenizer_kwargs=tokenizer_kwargs)
-        loader = _streaming.streaming_dataloader(_Positions(stream_.n), sampler, stream_, num_workers)
-        loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, stream_, check_ids(ids, stream_.n), skipped,
-                                                       stream_)
-        logger.info("streaming %d texts in %d chunks, longest first", stream_.n, stream_.n_chunks)
-        return loader
-    id_array = check_ids(ids, len(texts) if token_ids else len(items))
     if token_ids:
         tokenized = store_token_ids(texts, max_input_token_length,
                                     truncation_side=getattr(tokenizer, "truncation_side", "right"))
-    else:
-        check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
-        tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress, **tokenizer_kwargs)
-    planner = BatchPlanner(tokenized.lengths, settings, estimator, skip=skipped)
-    batches = planner.batches()
-    sampler = DynamicBatchSampler(batches, shuffle=shuffle, seed=seed)
-    collator = TokenCollator.from_tokenizer(tokenized, tokenizer, texts=items,
-                                            pad_to_multiple_of=settings.pad_to_multiple_of)
-    sizes = [len(b) for b in batches]
-    logger.info("planned %d texts into %d batches (first %d rows, largest %d)", len(tokenized), len(batches),
-                sizes[0], max(sizes))
-    loader = DataLoader(_Positions(len(tokenized)), batch_sampler=sampler, collate_fn=collator,
-                        num_workers=_worker_count(num_workers))
-    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, collator, id_array,
-                                                   skipped if skipped is not None else np.zeros(0, dtype=np.int64))
-    return loader
+        return _eager_loader(tokenized, None, np.zeros(0, dtype=np.int64), ids, tokenizer, settings, estimator,
+                             shuffle, seed, num_workers)
+    check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
+    source, skipped = open_texts(texts, on_bad_input)
+    if streaming:
+        return _streaming_loader(source, skipped, ids, tokenizer, settings, estimator, num_workers, tokenizer_kwargs)
+    items = source.texts()
+    tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress, **tokenizer_kwargs)
+    return _eager_loader(tokenized, items, skipped, ids, tokenizer, settings, estimator, shuffle, seed, num_workers)

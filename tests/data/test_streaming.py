@@ -3,6 +3,7 @@
 
 import numpy as np
 import pytest
+import torch
 
 from dynabatch.data.streaming import TokenStream
 from dynabatch.data.text_source import TextSource
@@ -35,11 +36,50 @@ def test_the_streamed_store_equals_the_eager_one(tokenizer, texts):
     assert batch["attention_mask"].sum(1).tolist() == eager.lengths[[7, 3, 250]].tolist()
 
 
-def test_a_batch_of_rows_not_tokenized_is_refused(tokenizer, texts):
+def test_rows_of_a_chunk_not_tokenized_yet_are_tokenized_for_their_batch(tokenizer, texts):
     stream = TokenStream(TextSource(texts), tokenizer, 32, first_chunk=16, chunk_size=50)
-    with pytest.raises(ValueError, match=r"^positions should be rows of tokenized chunks, but got 1 rows not "
-                                         r"tokenized yet \(positions \[0\]\)$"):
-        stream.collate([0])
+    eager = tokenize_texts(texts, tokenizer, 32, progress=False)
+    batch = stream.collate([0])
+    assert batch["input_ids"][0].tolist() == eager.row(0).tolist() and stream.held_chunks == [stream.chunk_of[0]]
+
+
+def test_skipped_rows_are_planned_nowhere_and_refused_in_a_batch(tokenizer):
+    stream = TokenStream(TextSource(["a b", None, "c"]), tokenizer, 8, skip=[1])
+    with pytest.raises(ValueError, match=r"^positions should be rows planned into batches, but got 1 skipped "
+                                         r"inputs \(positions \[1\]\)$"):
+        stream.collate([0, 1])
+
+
+def test_a_chunk_is_freed_once_every_row_is_consumed_and_tokenized_again_when_collated(tokenizer, texts):
+    stream = TokenStream(TextSource(texts), tokenizer, 32, first_chunk=16, chunk_size=50)
+    feed = stream.feed(iter(range(stream.n_chunks)))
+    while feed.next() is not None:
+        pass
+    assert stream.held_chunks == list(range(stream.n_chunks))
+    first = stream.chunk_positions(0)
+    before = stream.collate(first[:5])
+    stream.consumed(first[:-1])
+    stream.consumed(first[:3])  # consumed twice: counted once
+    assert 0 in stream.held_chunks
+    stream.consumed([first[-1], first[-1]])
+    assert 0 not in stream.held_chunks and stream.token_bytes < sum(len(t) for t in texts) * 8
+    again = stream.collate(first[:5])  # a second pass: tokenized again, the same rows
+    assert all(torch.equal(again[k], before[k]) for k in before) and stream.tokenizations[0] == 2
+    stream.consumed(first)  # and freed again once the second pass has consumed every row
+    assert 0 not in stream.held_chunks
+
+
+def test_input_hashes_are_the_eager_stores_and_hold_no_chunk(tokenizer, texts):
+    from dynabatch.inference.store import token_store_hashes
+
+    items = list(texts[:60]) + [None]
+    stream = TokenStream(TextSource(items), tokenizer, 32, first_chunk=16, chunk_size=16, skip=[60])
+    eager = tokenize_texts([t or "" for t in items], tokenizer, 32, progress=False)
+    positions = np.arange(61)[::-1]
+    stream.tokenize(1)  # rows of one held chunk, the others tokenized for their hashes only
+    hashes = stream.input_hashes(positions)
+    assert hashes.dtype == np.uint64 and np.array_equal(hashes, token_store_hashes(eager)[positions])
+    assert stream.held_chunks == [1]
 
 
 def test_the_feed_tokenizes_in_the_background_and_counts_proxy_misses(tokenizer):
@@ -51,7 +91,7 @@ def test_the_feed_tokenizes_in_the_background_and_counts_proxy_misses(tokenizer)
     assert first[0].tolist() == [0, 1, 2, 3] and first[1].tolist() == [4] * 4
     second = feed.next()
     assert second[1].tolist() == [10] * 4 and feed.next() is None
-    assert feed.proxy_misses == 4
+    assert stream.proxy_misses == 4
 
 
 def test_an_error_in_the_thread_is_raised_by_the_consumer(tokenizer):
@@ -69,21 +109,4 @@ def test_an_error_in_the_thread_is_raised_by_the_consumer(tokenizer):
 def test_a_feed_no_one_reads_tokenizes_nothing(tokenizer, texts):
     stream = TokenStream(TextSource(texts), tokenizer, 32, first_chunk=16, chunk_size=50)
     stream.feed(iter(range(stream.n_chunks)))
-    assert not stream._collators
-
-
-@pytest.mark.parametrize("which", ["wordpiece", "llama"])
-def test_the_backend_path_is_taken_only_when_it_gives_the_tokenizers_tokens(which, tokenizer, llama_tokenizer, texts):
-    import copy
-
-    tok = tokenizer if which == "wordpiece" else copy.deepcopy(llama_tokenizer)
-    if tok.pad_token is None:
-        tok.pad_token = tok.unk_token
-    stream = TokenStream(TextSource(texts), tok, 40, first_chunk=16, chunk_size=50)
-    eager = tokenize_texts(texts, tok, 40, progress=False)
-    whole = stream.tokenized
-    assert np.array_equal(whole.offsets, eager.offsets) and np.array_equal(whole.input_ids, eager.input_ids)
-    assert stream._direct is not None
-    other = TokenStream(TextSource(texts[:40]), tok, 40, first_chunk=16, chunk_size=16, return_length=True)
-    other.tokenized
-    assert other._direct is False  # an argument only the tokenizer's call knows: its call, every chunk
+    assert stream.held_chunks == [] and not stream.tokenizations.any()

@@ -5,8 +5,10 @@ import pandas as pd
 import pytest
 
 from dynabatch.data.tokenization import (
+    CALL_PATH,
     FORBIDDEN_TOKENIZER_KWARGS,
     TokenizedTexts,
+    fast_backend,
     split_bad_texts,
     tokenize_texts,
     validate_texts,
@@ -98,6 +100,66 @@ def test_pandas_series_and_tuple_give_the_same_store(tokenizer, texts):
         other = tokenize_texts(variant, tokenizer, MAX_LEN)
         assert np.array_equal(other.input_ids, base.input_ids)
         assert np.array_equal(other.offsets, base.offsets)
+
+
+# --- the backend rule -------------------------------------------------------------------------------
+
+
+def _subclass(tokenizer, name):
+    """A copy of ``tokenizer`` whose class overrides ``name`` (by a method that defers to transformers' own)."""
+    import copy
+
+    def override(self, *args, **kwargs):
+        return getattr(super(cls, self), name)(*args, **kwargs)
+
+    cls = type(f"Own{name}", (type(tokenizer),), {name: override})
+    other = copy.deepcopy(tokenizer)
+    other.__class__ = cls
+    return other
+
+
+@pytest.mark.parametrize("which", ["wordpiece", "llama"])
+def test_the_backend_gives_the_tokenizers_rows(which, tokenizer, llama_tokenizer, texts):
+    tok = tokenizer if which == "wordpiece" else llama_tokenizer
+    assert fast_backend(tok, {}) is not None and fast_backend(tok, {"add_special_tokens": False}) is not None
+    for kwargs in ({}, {"add_special_tokens": False}):
+        tokens = tokenize_texts(texts, tok, 40, progress=False, **kwargs)
+        expected = tok(texts, truncation=True, max_length=40, **kwargs)["input_ids"]
+        assert [tokens.row(i).tolist() for i in range(len(texts))] == expected
+
+
+@pytest.mark.parametrize("name", ["__call__", "_encode_plus", "encode", "prepare_for_tokenization", "tokenize",
+                                  "_convert_encoding"])
+def test_a_subclass_overriding_the_call_path_goes_through_its_call(tokenizer, name):
+    assert name in CALL_PATH and fast_backend(_subclass(tokenizer, name), {}) is None
+
+
+def test_the_backend_is_refused_for_instance_overrides_other_arguments_and_other_callables(tokenizer):
+    import copy
+
+    patched = copy.deepcopy(tokenizer)
+    patched.tokenize = lambda text, **kwargs: text.split()
+    assert fast_backend(patched, {}) is None
+    assert fast_backend(tokenizer, {"return_length": True}) is None
+    assert fast_backend(lambda texts, **kwargs: {"input_ids": [[1]]}, {}) is None
+
+
+def test_the_backend_applies_split_special_tokens(tokenizer):
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.split_special_tokens = True
+    texts = ["in the beginning [SEP] was the word", "[CLS]"]
+    tokens = tokenize_texts(texts, tok, MAX_LEN, progress=False)
+    assert [tokens.row(i).tolist() for i in range(2)] == tok(texts, truncation=True, max_length=MAX_LEN)["input_ids"]
+    assert tokens.row(1).tolist() != [101, 101, 102]
+
+
+def test_taking_rows_of_a_store(tokenizer, texts):
+    tokens = tokenize_texts(texts[:30], tokenizer, MAX_LEN)
+    picked = tokens.take([7, 2, 7])
+    assert [picked.row(i).tolist() for i in range(3)] == [tokens.row(i).tolist() for i in (7, 2, 7)]
+    assert picked.extras["token_type_ids"].size == len(picked.input_ids)
 
 
 def test_one_batched_call_per_chunk_with_the_loader_arguments():

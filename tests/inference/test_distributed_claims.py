@@ -43,7 +43,7 @@ _WORKER = textwrap.dedent(
         report[name] = {
             "rows": [int(x) for x in result], "ran": r.rows, "over": r.batches_over_budget,
             "max_ratio": r.max_peak_ratio, "sizes": [b.rows for b in r.records],
-            "tokenized": sorted(loader.plan.stream._collators) if stream else None,
+            "tokenized": loader.plan.stream.tokenizations.nonzero()[0].tolist() if stream else None,
         }
     gathered = dynabatch.run(fn, loader, ranks="claim", progress=False)  # no store: rank 0 gathers
     report["gathered"] = [None if x is None else int(x) for x in gathered]

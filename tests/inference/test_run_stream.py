@@ -55,7 +55,7 @@ def test_the_first_batch_runs_when_only_the_first_chunk_is_tokenized(small_chunk
 
     def fn(batch):
         if not chunks_at_first:
-            chunks_at_first.append(len(loader.plan.stream._collators))  # chunks tokenized by then
+            chunks_at_first.append(int(loader.plan.stream.tokenizations.sum()))  # chunks tokenized by then
             gate.set()
         return _sums(batch)
 
@@ -102,7 +102,7 @@ def test_a_row_the_characters_ranked_too_low_runs_alone_in_measured_mode(tokeniz
     assert [int(x) for x in result] == [int(_sums(loader.plan.collator([p]))) for p in range(len(texts))]
     record = next(r for r in result.report.records if r.width == 42)
     assert record.rows == 1
-    assert loader.plan.planner.feed.proxy_misses >= 1
+    assert loader.plan.stream.proxy_misses >= 1
 
 
 def test_a_streamed_store_resumes_and_refuses_other_inputs(small_chunks, texts, tokenizer, expected, tmp_path):
@@ -116,6 +116,51 @@ def test_a_streamed_store_resumes_and_refuses_other_inputs(small_chunks, texts, 
         dynabatch.run(_sums, _load(other, tokenizer), output_path=tmp_path, key="sums", progress=False)
 
 
+def test_a_run_frees_every_chunk_as_its_rows_finish(small_chunks, texts, tokenizer, expected):
+    loader = _load(texts, tokenizer)
+    result = dynabatch.run(_sums, loader, progress=False)
+    assert loader.plan.stream.held_chunks == [] and loader.plan.stream.token_bytes == 0
+    again = dynabatch.run(_sums, loader, progress=False)  # a second run over the freed chunks tokenizes them again
+    assert [int(x) for x in result] == [int(x) for x in again] == expected
+
+
+def _rewriting(tokenizer, how):
+    """A copy of ``tokenizer`` that reads URLs as ``[UNK]`` (in its ``__call__`` or its ``_encode_plus``), or that
+    splits special tokens written in the text."""
+    import copy
+    import re
+
+    def unk(texts):
+        return [re.sub(r"https?://\S+", "[UNK]", t) for t in texts] if isinstance(texts, list) else texts
+
+    class UrlsInCall(type(tokenizer)):
+        def __call__(self, text=None, *args, **kwargs):
+            return super().__call__(unk(text), *args, **kwargs)
+
+    class UrlsInEncode(type(tokenizer)):
+        def _encode_plus(self, text, *args, **kwargs):
+            return super()._encode_plus(unk(text), *args, **kwargs)
+
+    tok = copy.deepcopy(tokenizer)
+    if how == "split_special_tokens":
+        tok.split_special_tokens = True
+    else:
+        tok.__class__ = {"__call__": UrlsInCall, "_encode_plus": UrlsInEncode}[how]
+    return tok
+
+
+@pytest.mark.parametrize("how", ["__call__", "_encode_plus", "split_special_tokens"])
+def test_a_tokenizer_that_rewrites_text_gives_the_same_rows_streamed_and_eager(small_chunks, texts, tokenizer, how):
+    # The longest texts (the first chunks) have no URL and no special token written out; the short ones do.
+    tok = _rewriting(tokenizer, how)
+    corpus = list(texts[:200]) + [f"see https://example.org/{i} and [SEP] {i}" for i in range(60)]
+    eager = _load(corpus, tok, stream=False).plan.collator.tokenized
+    streamed = _load(corpus, tok).plan.stream.tokenized
+    assert np.array_equal(streamed.offsets, eager.offsets) and np.array_equal(streamed.input_ids, eager.input_ids)
+    expected = tok(corpus[-1:], truncation=True, max_length=64)["input_ids"][0]
+    assert eager.row(len(corpus) - 1).tolist() == expected
+
+
 def test_two_devices_share_one_stream(small_chunks, texts, tokenizer, expected):
     result = dynabatch.run(lambda device: _sums, _load(texts, tokenizer), devices=["cpu", "cpu"], progress=False)
     assert [int(x) for x in result] == expected
@@ -123,8 +168,11 @@ def test_two_devices_share_one_stream(small_chunks, texts, tokenizer, expected):
 
 def test_plain_iteration_and_len(small_chunks, texts, tokenizer):
     loader = _load(texts, tokenizer)
+    first = [b["input_ids"] for b in loader]
+    assert loader.plan.stream.held_chunks == []  # a plain loop consumes each batch's rows as it builds it
     positions = np.concatenate([b.indices.numpy() for b in loader])
-    assert sorted(positions.tolist()) == list(range(len(texts))) and len(loader) == len(list(loader))
+    assert sorted(positions.tolist()) == list(range(len(texts))) and len(loader) == len(first)
+    assert all(torch.equal(a, b["input_ids"]) for a, b in zip(first, loader))  # each pass tokenizes again
 
 
 @pytest.mark.parametrize(
