@@ -70,7 +70,7 @@ def test_a_chunk_is_freed_once_every_row_is_consumed_and_tokenized_again_when_co
 
 
 def test_input_hashes_are_the_eager_stores_and_hold_no_chunk(tokenizer, texts):
-    from dynabatch.inference.store import token_store_hashes
+    from dynabatch.data.input_hashes import token_store_hashes
 
     items = list(texts[:60]) + [None]
     stream = TokenStream(TextSource(items), tokenizer, 32, first_chunk=16, chunk_size=16, skip=[60])
