@@ -37,10 +37,12 @@ class Ahead:
     NOT_READY = object()
 
     def __init__(self, items: Iterable[Any], *, depth: int | None, name: str) -> None:
-        self._items = items
+        self._items = iter(items)
+        self._name = name
         self._queue: queue.Queue = queue.Queue(maxsize=depth or 0)
         self._stop = threading.Event()
         self._done = False
+        self._held: list = []  # an item pulled while pausing, put first when the thread starts again
         self._thread = threading.Thread(target=self._pull, name=name, daemon=True)
 
     def start(self) -> None:
@@ -58,8 +60,11 @@ class Ahead:
 
     def _pull(self) -> None:
         try:
+            while self._held and self._put(self._held[0]):
+                self._held.pop()
             for item in self._items:
                 if not self._put(item):
+                    self._held.append(item)  # kept for the thread that resumes
                     return
         except BaseException as exc:  # noqa: BLE001 (handed to the consuming thread, raised there)
             self._put(exc)
@@ -79,6 +84,16 @@ class Ahead:
         if isinstance(got, BaseException):
             raise got
         return None if got is _END else got
+
+    def pause(self) -> None:
+        """Stops the thread after the item in progress (kept) and waits for it; the next :meth:`next` starts
+        another one where this one left off."""
+        if self._thread.ident is None or self._done:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pull, name=self._name, daemon=True)
 
     def close(self) -> None:
         """Stops pulling after the item in progress, and waits for the thread to end (so that no thread of the

@@ -55,6 +55,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -145,6 +146,7 @@ class TokenStream:
         self._left = np.asarray(sizes, dtype=np.int64)  # rows of each chunk not consumed yet
         self._freed = np.zeros(len(sizes), dtype=bool)  # every row consumed (since it was last tokenized)
         self._lock = threading.Lock()
+        self._feeds: list = []  # weak references to the feeds tokenizing for it, paused together
         self._tokenizing = threading.Lock()  # one chunk at a time on the private tokenizer
 
     @property
@@ -231,7 +233,17 @@ class TokenStream:
 
     def feed(self, claims: Iterator[int], *, ahead: int | None = AHEAD) -> ChunkFeed:
         """Tokenizes the chunks ``claims`` names, in that order, in a background thread (see :class:`ChunkFeed`)."""
-        return ChunkFeed(self, claims, ahead=ahead)
+        feed = ChunkFeed(self, claims, ahead=ahead)
+        self._feeds.append(weakref.ref(feed))
+        return feed
+
+    def pause(self) -> None:
+        """Stops tokenizing in the background until a chunk is asked for again: no thread of the stream outlives
+        the run that started it (:func:`dynabatch.run` pauses it when it returns or raises)."""
+        for ref in self._feeds:
+            feed = ref()
+            if feed is not None:
+                feed.pause()
 
     def __call__(self, positions: Any) -> Batch:
         return self.collate(positions)
@@ -374,6 +386,10 @@ class ChunkFeed:
                         "ranked them lower): measured mode sizes them by what ran at their width", missed)
         self._longest = max(self._longest, int(lengths.max()) if len(lengths) else 0)
         return got
+
+    def pause(self) -> None:
+        """Stops tokenizing after the chunk in progress (its thread ends); the next :meth:`next` goes on."""
+        self._chunks.pause()
 
     def close(self) -> None:
         """Stops tokenizing after the chunk in progress."""

@@ -149,6 +149,8 @@ def run(
         queue.close()
         if feed is not None:
             feed.close()
+        if plan is not None and plan.stream is not None:
+            plan.stream.pause()  # its tokenizing thread ends with the run; a later use of the loader goes on
     failed = sorted([*failed, *(skipped.tolist() if options.rank == 0 else [])])  # bad inputs: rank 0 answers
     report.skipped_inputs = len(skipped)
     n = queue.n_inputs if queue.n_inputs is not None else queue.seen + 1

@@ -167,6 +167,7 @@ def test_a_streamed_rerun_over_other_inputs_is_refused_before_it_writes(tokenize
     store = tmp_path / "store"
     with pytest.raises(KeyboardInterrupt):
         run(interrupted, load(texts), output_path=store, key="lengths", progress=False)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("dynabatch")]  # tokenizing stopped too
     shards = sorted(os.listdir(store))
     assert shards
     with pytest.raises(ValueError, match=r"stored rows computed from other inputs"):
