@@ -150,29 +150,3 @@ def test_ctrl_c_on_two_devices_stops_every_thread_and_keeps_the_finished_rows(to
     assert 0 < len(texts) - done.report.rows < len(texts)  # the rows finished before Ctrl-C were committed
     want = run(_lengths, _load(texts, tokenizer), progress=False)
     assert all(torch.equal(a, b) for a, b in zip(done, want))
-
-
-def test_a_streamed_rerun_over_other_inputs_is_refused_before_it_writes(tokenizer, texts, tmp_path):
-    def load(corpus):
-        return _load(corpus, tokenizer, stream=True, progress=False)
-
-    calls = []
-
-    def interrupted(batch):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt  # the first job stops part-way, its finished rows committed
-        return _lengths(batch)
-
-    store = tmp_path / "store"
-    with pytest.raises(KeyboardInterrupt):
-        run(interrupted, load(texts), output_path=store, key="lengths", progress=False)
-    assert not [t.name for t in threading.enumerate() if t.name.startswith("dynabatch")]  # tokenizing stopped too
-    shards = sorted(os.listdir(store))
-    assert shards
-    with pytest.raises(ValueError, match=r"stored rows computed from other inputs"):
-        run(_lengths, load(texts[::-1]), output_path=store, key="lengths", progress=False)
-    assert sorted(os.listdir(store)) == shards  # refused before writing a row: the first job can still resume
-    resumed = run(_lengths, load(texts), output_path=store, key="lengths", progress=False)
-    want = run(_lengths, _load(texts, tokenizer), progress=False)
-    assert all(torch.equal(a, b) for a, b in zip(resumed, want))

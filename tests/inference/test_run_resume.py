@@ -4,6 +4,7 @@ Models are real (see conftest.py); nothing of dynabatch is mocked.
 """
 
 import os
+import threading
 import signal
 import subprocess
 import sys
@@ -376,6 +377,7 @@ def test_a_streamed_rerun_over_other_inputs_is_refused_before_it_writes(tokenize
         run(stops_at(4), _load(corpus, tokenizer, stream=True), output_path=path, progress=False)
     before = sorted(_stored(path))
     assert 0 < len(before) < 40
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("dynabatch")]  # tokenizing stopped too
     # The corpus in another order: its first batches (the longest texts, now at the end) are not stored positions;
     # the stored positions come last. Refused all the same, and before it writes a row.
     with pytest.raises(ValueError, match=r"stored rows computed from other inputs"):
