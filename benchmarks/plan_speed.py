@@ -300,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from dynabatch.memory.classifier import load_classifier
     from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
+    from dynabatch.memory.classifier import load_classifier
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     texts = vary_lengths(kjv_passages(), n=args.n_texts, max_words=args.max_words, seed=args.seed)

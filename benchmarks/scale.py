@@ -161,14 +161,13 @@ def _write_parquet(n: int, folder: str) -> str:
 def worker(method: str, n: int, threads: int | None, parquet: str | None = None) -> dict:
     """One method on ``n`` texts (``flat``: read from the Parquet file ``parquet``), in this (fresh) process: its
     figures as a dict."""
-    import torch
-    from transformers import AutoTokenizer
-
     # Imports a method triggers once, whatever the number of texts (fixed costs, not what this measures): the CPU
     # tracker's dispatch mode imports torch._dynamo (~1,100 modules, sympy among them), pyarrow imports pandas when
     # it first writes a table, and pyarrow itself takes a second.
     import pandas  # noqa: F401
+    import torch
     import torch._dynamo  # noqa: F401
+    from transformers import AutoTokenizer
 
     import dynabatch.inference.store  # noqa: F401
     from dynabatch import build_dynamic_batch_dataloader, read_texts, run

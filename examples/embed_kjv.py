@@ -52,11 +52,10 @@ from functools import partial
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+import _common  # noqa: E402  (examples/ is sys.path[0] when the example runs as a script)
 import torch  # noqa: E402
 
 from dynabatch.demo import kjv_passages, minilm_path, vary_lengths  # noqa: E402
-
-import _common  # noqa: E402  (examples/ is sys.path[0] when the example runs as a script)
 
 TOLERANCE = 1e-4
 

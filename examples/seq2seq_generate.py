@@ -57,12 +57,11 @@ from itertools import chain
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
+import _common  # noqa: E402  (examples/ is sys.path[0] when the example runs as a script)
 import torch  # noqa: E402
 
 from dynabatch import ModelShape  # noqa: E402
 from dynabatch.demo import kjv_passages, minilm_path, vary_lengths  # noqa: E402
-
-import _common  # noqa: E402  (examples/ is sys.path[0] when the example runs as a script)
 
 PAD_TOKEN_ID = 0
 EOS_TOKEN_ID = 102  # [SEP] of the MiniLM tokenizer

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.inference.execute import BatchOutOfMemoryError
 from dynabatch.inference.loader import plan_of
 from dynabatch.inference.report import RunReport
-from dynabatch.inference.execute import BatchOutOfMemoryError
 from dynabatch.inference.results import RunResult
 from dynabatch.inference.runner import check_run_options, run
 from dynabatch.memory.model import MemoryModel

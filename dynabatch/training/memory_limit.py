@@ -50,6 +50,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -159,7 +160,7 @@ def training_budget(
                                 f"weights {resident['weights'] / GB:.3f}, buffers {resident['buffers'] / GB:.3f}, "
                                 f"optimizer state {resident['optimizer_state'] / GB:.3f})", limit)
             step_bytes = limit_bytes - held
-            drop = lambda: opt.zero_grad(set_to_none=True)  # noqa: E731 (a step that failed leaves gradients)
+            drop = functools.partial(opt.zero_grad, set_to_none=True)  # a step that failed leaves gradients
             if method == "calibrate":
                 mm = calibrate(step, tokenizer, batch_size=batch_size, max_input_token_length=max_length, texts=texts,
                                device=device, model=model, memory_margin=memory_margin, budget_bytes=step_bytes,

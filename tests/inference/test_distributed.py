@@ -15,7 +15,6 @@ from dynabatch.inference.distributed import gather_results, world
 REPO = Path(__file__).resolve().parents[2]
 from dynabatch.inference.runner import run  # noqa: E402
 
-
 # --------------------------------------------------------------------------- gather_results, one process
 
 

@@ -4,7 +4,6 @@ read back from a results store give the same rows, and stack the same way. Real 
 import numpy as np
 import pytest
 import torch
-
 from runner_helpers import _load
 
 from dynabatch import PerRow, run

@@ -4,11 +4,11 @@ Models are real (see conftest.py); nothing of dynabatch is mocked.
 """
 
 import os
-import threading
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pyarrow.dataset as ds

@@ -13,8 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dynabatch.inference.results import StoredRunResult
-from dynabatch.inference.store import Columns
-from dynabatch.inference.store import open_store
+from dynabatch.inference.store import Columns, open_store
 
 
 def _equal(a, b):

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import dynabatch
-from dynabatch import calibrate
-from dynabatch import TokenCollator, tokenize_texts
+from dynabatch import TokenCollator, calibrate, tokenize_texts
 from dynabatch.memory.calibrate import probe_lengths
 
 pytestmark = pytest.mark.usefixtures("one_thread")

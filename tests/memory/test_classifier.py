@@ -2,8 +2,8 @@ import hashlib
 import json
 import os
 import subprocess
-import warnings
 import sys
+import warnings
 from pathlib import Path
 
 import joblib

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader
 
 from dynabatch import BucketBatchSampler, SizeAwareBatchSampler
-from dynabatch.size_aware import Buckets, create_buckets
 from dynabatch.sampling._bucket_draw import draw_bucket, mcg_powers
+from dynabatch.size_aware import Buckets, create_buckets
 
 
 def _bbs(sizes, boundaries, batch_sizes=(2, 3, 5), **kwargs):

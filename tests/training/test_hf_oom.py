@@ -5,7 +5,6 @@ micro-batch holds more than ``CELLS`` padded tokens (rows x width): the plan (``
 assumed far more. Models have no dropout, so a run's weights depend only on its batches.
 """
 
-import json
 import re
 import textwrap
 from pathlib import Path

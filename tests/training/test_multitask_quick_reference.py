@@ -15,7 +15,16 @@ import torch
 from torch.utils.data import DataLoader
 
 from dynabatch import MemoryAwareBatchSampler
-from dynabatch.multitask import BatchMetrics, DynamicBatchingMonitor, GradientCheckpointManager, HeterogeneousCollator, HeterogeneousTrainingConfig, MemoryPredictor, OOMGuardian, estimate_training_memory
+from dynabatch.multitask import (
+    BatchMetrics,
+    DynamicBatchingMonitor,
+    GradientCheckpointManager,
+    HeterogeneousCollator,
+    HeterogeneousTrainingConfig,
+    MemoryPredictor,
+    OOMGuardian,
+    estimate_training_memory,
+)
 
 
 class SeedDataset(torch.utils.data.Dataset):

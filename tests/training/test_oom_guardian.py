@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from dynabatch.memory.measure import track_peak_memory
 from dynabatch.data.collate import split_rows
-from dynabatch.training.oom_guardian import GradientCheckpointManager, OOMGuardian, guarded_step
+from dynabatch.memory.measure import track_peak_memory
 from dynabatch.training.loss import count_items, per_sample_losses, weighted_loss_sum
+from dynabatch.training.oom_guardian import GradientCheckpointManager, OOMGuardian, guarded_step
 
 
 @pytest.fixture(scope="module")

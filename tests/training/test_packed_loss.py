@@ -5,8 +5,6 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from dynabatch.training.hf import BatchSamplerTrainer
-
 from dynabatch.packing import (
     MultipackBatchSampler,
     PackedCollator,
@@ -15,6 +13,7 @@ from dynabatch.packing import (
     packed_causal_lm_loss,
     packed_dataloader,
 )
+from dynabatch.training.hf import BatchSamplerTrainer
 
 VOCAB = 97
 

@@ -5,11 +5,10 @@ import math
 import pytest
 import torch
 
-from dynabatch.multitask import MemoryPredictor, estimate_training_memory
-from dynabatch.training.collate import HeterogeneousCollator
 from dynabatch.memory.budget import GB, MB
-from dynabatch.multitask import OOMGuardian
+from dynabatch.multitask import MemoryPredictor, OOMGuardian, estimate_training_memory
 from dynabatch.training import predictor as predictor_module
+from dynabatch.training.collate import HeterogeneousCollator
 from dynabatch.training.predictor import last_measured_predictor
 
 
