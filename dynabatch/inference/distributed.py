@@ -91,8 +91,8 @@ def _check_local(positions: Any, results: Any, n_inputs: Any) -> tuple[np.ndarra
 def _prepare(positions: Any, results: Any, n_inputs: Any) -> tuple[tuple, bytes | None, Exception | None]:
     """``(payload for every rank, pickled results, local error)``; never raises.
 
-    The payload holds ``(positions, n_inputs, None)``, or ``(None, None, (error
-    class, message))`` for a local problem, which every rank then raises.
+    The payload holds ``(positions, n_inputs, None)``, or ``(None, None, (error class, message))`` for a local
+    problem, which every rank then raises.
     """
     try:
         pos, n = _check_local(positions, results, n_inputs)
@@ -111,11 +111,10 @@ def _prepare(positions: Any, results: Any, n_inputs: Any) -> tuple[tuple, bytes 
 def gather_results(positions: list[int], results: list, n_inputs: int) -> list | None:
     """Collective: brings every rank's results to rank 0, in input order; ``None`` on the other ranks.
 
-    Every rank passes the input positions it computed and one result per
-    position. Positions go to every rank first, so that all raise the same
-    error together rather than some hanging; then the results (picklable;
-    tensors sent detached, on the CPU) go to rank 0. With NCCL, set each rank's
-    device first. Without a process group it only checks and reorders.
+    Every rank passes the input positions it computed and one result per position. Positions go to every rank first,
+    so that all raise the same error together rather than some hanging; then the results (picklable; tensors sent
+    detached, on the CPU) go to rank 0. With NCCL, set each rank's device first. Without a process group it only
+    checks and reorders.
 
     Raises:
         TypeError: a bad argument, or results that cannot be pickled, on some rank (named; every rank raises).
@@ -170,9 +169,8 @@ def gather_results(positions: list[int], results: list, n_inputs: int) -> list |
 def check_same_batches(batches: Sequence[np.ndarray]) -> None:
     """Collective: raises the same ``ValueError`` on every rank unless all ranks hold the same batches.
 
-    :func:`dynabatch.run` shares the batches among the ranks itself, so each
-    rank must be given all of them (the same loader); a per-rank share would be
-    shared out twice. Compares a digest of the batches' input positions.
+    :func:`dynabatch.run` shares the batches among the ranks itself, so each rank must be given all of them (the same
+    loader); a per-rank share would be shared out twice. Compares a digest of the batches' input positions.
     """
     _, size = world()
     if size == 1:

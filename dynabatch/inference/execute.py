@@ -1,13 +1,13 @@
 """The executor of :func:`dynabatch.run`: a worker per device, each batch through the one out-of-memory policy.
 
 :class:`Executor` runs one item at a time on its device: built (ahead, by :class:`Prefetcher`), moved, passed to
-``fn``, split into rows by the run's row rule, handed to the sink with their input hashes. A piece that runs out
-of memory is split in halves and retried, down to one row; one at least as large as a shape that failed, or with
-more rows than the memory mode allows, is split before it is tried (:mod:`dynabatch.memory.oom`'s policy).
+``fn``, split into rows by the run's row rule, handed to the sink with their input hashes. A piece that runs out of
+memory is split in halves and retried, down to one row; one at least as large as a shape that failed, or with more
+rows than the memory mode allows, is split before it is tried (:mod:`dynabatch.memory.oom`'s policy).
 
-:func:`run_workers` runs the queue: one worker in the calling thread, or a thread per device over one shared
-queue (threads: torch releases the GIL while a device works, and it runs in a notebook). Every thread it starts
-has stopped when it returns or raises, Ctrl-C included.
+:func:`run_workers` runs the queue: one worker in the calling thread, or a thread per device over one shared queue
+(threads: torch releases the GIL while a device works, and it runs in a notebook). Every thread it starts has stopped
+when it returns or raises, Ctrl-C included.
 """
 
 from __future__ import annotations
@@ -66,9 +66,8 @@ def _brief(error: BaseException | None) -> str:
 def explain_index_errors(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``fn``, with an embedding lookup's ``IndexError`` raised again naming its likely cause (chained).
 
-    A model given rows longer than its position embeddings, or token ids of
-    another tokenizer, fails deep in its forward with torch's bare
-    ``IndexError: index out of range in self``. Any other error propagates unchanged.
+    A model given rows longer than its position embeddings, or token ids of another tokenizer, fails deep in its
+    forward with torch's bare ``IndexError: index out of range in self``. Any other error propagates unchanged.
 
     Example:
         >>> import torch
@@ -167,12 +166,10 @@ class Executor:
         """Runs ``item`` (``batch``: its tensors, built ahead) split as needed; returns ``(rows, width, peak)`` of
         every measured call.
 
-        Its finished rows reach the sink however it ends; if it raises, the
-        rows that did not finish are :attr:`unfinished`. In lockstep (several
-        ranks) the item runs in rounds: each round every rank makes exactly one
-        call that completes, its next piece or, when it has none left while
-        another rank has, a stand-in call on one row it already ran (its result
-        dropped), so collectives inside ``fn`` stay matched.
+        Its finished rows reach the sink however it ends; if it raises, the rows that did not finish are
+        :attr:`unfinished`. In lockstep (several ranks) the item runs in rounds: each round every rank makes exactly
+        one call that completes, its next piece or, when it has none left while another rank has, a stand-in call on
+        one row it already ran (its result dropped), so collectives inside ``fn`` stay matched.
         """
         start = time.perf_counter()
         self.unfinished = None
@@ -334,11 +331,10 @@ class Executor:
 class Prefetcher:
     """Hands a worker ``(item, batch)`` pairs, building its next ``depth`` batches in a background thread.
 
-    In measured mode the planner sizes a batch only once the peaks before it
-    are measured, so the batches built ahead are the planner's answer *as it
-    stands* (:meth:`~dynabatch.inference.source.BatchQueue.peek`); one that a
-    later peak re-sized is built again, never run stale (``rebuilt`` counts
-    them). Rows the sink already holds are taken out first.
+    In measured mode the planner sizes a batch only once the peaks before it are measured, so the batches built ahead
+    are the planner's answer *as it stands* (:meth:`~dynabatch.inference.source.BatchQueue.peek`); one that a later
+    peak re-sized is built again, never run stale (``rebuilt`` counts them). Rows the sink already holds are taken out
+    first.
     """
 
     def __init__(self, executor: Executor, depth: int) -> None:
@@ -391,11 +387,9 @@ def run_workers(targets: Sequence[Any], make_executor: Callable[[Any, int], Exec
                 prefetch: int, stop: threading.Event) -> list[Executor]:
     """Runs the queue to its end on every target: one worker in the calling thread, or a thread per device.
 
-    ``make_executor(target, i)`` is called in the worker's thread, once the
-    device is current there (so is the ``make_fn`` inside it). Returns the
-    executors that started. On any exit every thread has stopped: on an error
-    or ``KeyboardInterrupt``, ``stop`` is set and each worker ends its call in
-    progress.
+    ``make_executor(target, i)`` is called in the worker's thread, once the device is current there (so is the
+    ``make_fn`` inside it). Returns the executors that started. On any exit every thread has stopped: on an error or
+    ``KeyboardInterrupt``, ``stop`` is set and each worker ends its call in progress.
     """
     executors: list[Executor | None] = [None] * len(targets)
     errors: list[BaseException] = []  # what stops the run

@@ -1,29 +1,15 @@
 """``build_dynamic_batch_dataloader``: texts in, a standard DataLoader of memory-safe batches out.
 
-One pipeline, two shapes. Every loader goes through the same stages and checks:
-the texts are read and their bad inputs raised or skipped in one place
-(:func:`~dynabatch.data.text_source.open_texts`), the tokenizer and its
-arguments are checked once, and texts are tokenized by one function
-(:func:`~dynabatch.data.tokenization.tokenize_texts`, with its backend rule),
-so a row is the same whichever shape the loader takes:
-
-* **eager**: the whole corpus tokenized into one token store ->
-  :class:`~dynabatch.sampling.planner.BatchPlanner` (sorted longest first, sizes
-  chosen by the spike classifier or a memory model) ->
-  :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler` (order,
-  shuffling, epochs, resumption) -> :class:`~dynabatch.data.collate.TokenCollator`
-  (padded tensors from the token store, picklable for DataLoader workers);
-* **streamed** (``stream=True``, a corpus above :data:`STREAM_ABOVE` texts, or
-  texts from a file, a dataset or an iterator): a
-  :class:`~dynabatch.data.streaming.TokenStream` tokenizes chunk after chunk,
-  longest by characters first, in a background thread ->
-  :class:`~dynabatch.sampling.chunked_planner.ChunkedPlanner` (one batch
-  planner per chunk) -> :class:`~dynabatch.sampling.inference_sampler.StreamingBatchSampler`,
-  the stream collating and freeing each chunk's tokens once its rows are consumed.
-
-The loader carries its plan openly: ``loader.plan`` is a :class:`LoaderPlan`
-(the planner, the sampler and the collator), which :func:`dynabatch.run` reads
-to build, re-plan or shard batches before their tensors exist.
+One pipeline, two shapes: the texts are read and bad inputs raised or skipped in one place
+(:func:`~dynabatch.data.text_source.open_texts`), the tokenizer checked once, and every text tokenized by one function
+(:func:`~dynabatch.data.tokenization.tokenize_texts`), so a row is the same in either shape. **Eager**: one token
+store -> :class:`~dynabatch.sampling.planner.BatchPlanner` (longest first, sized by the spike classifier or a memory
+model) -> :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler` ->
+:class:`~dynabatch.data.collate.TokenCollator`. **Streamed** (``stream=True``, above :data:`STREAM_ABOVE` texts, or
+texts from files, a dataset or an iterator): a :class:`~dynabatch.data.streaming.TokenStream` tokenizes chunks
+longest first in a background thread -> :class:`~dynabatch.sampling.chunked_planner.ChunkedPlanner` ->
+:class:`~dynabatch.sampling.inference_sampler.StreamingBatchSampler`, each chunk's tokens freed once its rows are
+consumed. ``loader.plan`` (a :class:`LoaderPlan`) is what :func:`dynabatch.run` builds, re-plans or shares batches from.
 
 Example:
     >>> from transformers import AutoTokenizer
@@ -132,12 +118,11 @@ class LoaderPlan:
 def plan_of(loader: Any) -> LoaderPlan | None:
     """The :class:`LoaderPlan` of a dynabatch loader, also under ``accelerate``'s ``prepare``; else ``None``.
 
-    ``Accelerator.prepare`` returns a new DataLoader whose batch sampler wraps
-    the original one (``BatchSamplerShard``; the unwrapped loader is its
-    ``base_dataloader``). The plan is attached to the loader and to its
-    :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler`, so it is found
-    under such a wrapper: :func:`dynabatch.run` shares the whole plan among the
-    ranks itself rather than run one rank's share shared out again.
+    ``Accelerator.prepare`` returns a new DataLoader whose batch sampler wraps the original one
+    (``BatchSamplerShard``; the unwrapped loader is its ``base_dataloader``). The plan is attached to the loader and
+    to its :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler`, so it is found under such a wrapper:
+    :func:`dynabatch.run` shares the whole plan among the ranks itself rather than run one rank's share shared out
+    again.
     """
     plan = getattr(loader, "plan", None)
     if isinstance(plan, LoaderPlan):
@@ -323,11 +308,10 @@ def build_dynamic_batch_dataloader(
             tokenizer's call does not take (a typo such as ``batchsize``) raises
             TypeError naming it.
 
-    How safe the plan is depends on how it is run. The plan itself is an
-    estimate: the bundled spike classifier predicts which batch sizes stay
-    under 90% of the first batch's peak, and on models unlike the profiled
-    ones it can be wrong (greedy ``generate`` over a large vocabulary can
-    peak well above the first batch; ``docs/benchmarks.md`` has the figures).
+    How safe the plan is depends on how it is run. The plan itself is an estimate: the bundled spike classifier
+    predicts which batch sizes stay under 90% of the first batch's peak, and on models unlike the profiled ones it can
+    be wrong (greedy ``generate`` over a large vocabulary can peak well above the first batch; ``docs/benchmarks.md``
+    has the figures).
     So a plain loop, ``for batch in loader:
     model.generate(**batch)``, runs that estimate as it is. The safe ways:
 

@@ -41,8 +41,8 @@ PREFETCH_DEPTH = 2
 @dataclass(frozen=True)
 class RunOptions:
     """What :func:`resolve_options` decided, every field final: ``memory`` (measured, guarded, record or off),
-    ``sparse`` (measure only calls that can let batches grow: the CPU tracker's cost), ``ranks`` (single, lockstep
-    or claim), ``targets`` (a worker's device each; ``None`` leaves batches where they are built) and
+    ``sparse`` (measure only calls that can let batches grow: the CPU tracker's cost), ``ranks`` (single, lockstep or
+    claim), ``targets`` (a worker's device each; ``None`` leaves batches where they are built) and
     ``memory_devices`` (where each measures; ``None``: not), ``make_fn`` (one device: returns ``fn``)."""
 
     memory: str
@@ -156,8 +156,8 @@ def resolve_options(fn: Any, loader: Any, plan: Any, *, make_fn: Any, devices: A
                     prefetch: Any, progress: Any) -> RunOptions:
     """Every option of :func:`dynabatch.run` checked and resolved into a :class:`RunOptions`.
 
-    ``plan`` is the loader's :class:`~dynabatch.inference.loader.LoaderPlan`
-    (``None`` for a plain iterable of batches).
+    ``plan`` is the loader's :class:`~dynabatch.inference.loader.LoaderPlan` (``None`` for a plain iterable of
+    batches).
 
     Raises:
         TypeError: an option of the wrong type.

@@ -70,9 +70,8 @@ def check_token_outputs(token_outputs: Any) -> None:
 class PerRow(list):
     """What ``fn(batch)`` returns to say "one item per row, as given": no tensor in it is sliced or cut.
 
-    Use it where a list would be ambiguous, such as a list of tensors whose
-    first dimension happens to equal the number of rows (per-row replies of
-    ``generate``, variable-size arrays).
+    Use it where a list would be ambiguous, such as a list of tensors whose first dimension happens to equal the
+    number of rows (per-row replies of ``generate``, variable-size arrays).
 
     Example:
         >>> from dynabatch import PerRow
@@ -175,8 +174,8 @@ class RowSplitter:
             sequence that echoes a right-padded prompt warns once (a decoder-only model then generates
             after pad tokens).
 
-    Each tensor field's reading (per-token, generated or per-row) is fixed by
-    the first batch that shows it and kept for the run.
+    Each tensor field's reading (per-token, generated or per-row) is fixed by the first batch that shows it and kept
+    for the run.
     """
 
     def __init__(self, pad_token_id: int | None = None, token_outputs: str = "auto",
@@ -213,8 +212,8 @@ class RowSplitter:
 
     def varying(self, row: Any, name: str = "fn(batch)", path: tuple = ()) -> list[tuple]:
         """The paths (keys and indices; ``()``: the row itself) of the tensors of ``row`` (a row :meth:`split` gave)
-        whose first dimension varies from row to row: a per-token or generated field, and a tensor given one per
-        row (its shape is its own). A results store types its columns by them, whatever the lengths of the first
+        whose first dimension varies from row to row: a per-token or generated field, and a tensor given one per row
+        (its shape is its own). A results store types its columns by them, whatever the lengths of the first
         rows it sees (the longest texts, often all cut to one length)."""
         if isinstance(row, Mapping):
             items = [(key, value, f"{name}[{key!r}]") for key, value in row.items()]
@@ -361,11 +360,9 @@ def _per_token_rows(value: torch.Tensor | np.ndarray, view: _BatchView) -> list:
 def _generated_rows(value: torch.Tensor | np.ndarray, view: _BatchView) -> list:
     """Rows of generated ids without the batch's padding.
 
-    Trailing pad ids go. Leading pad ids go only where the tensor starts with
-    the batch's ``input_ids`` (a decoder-only ``generate`` echoes the prompt),
-    and only the row's own left padding: an encoder-decoder output starting
-    with a decoder start token equal to the pad id keeps it, and pad ids
-    between real tokens always stay.
+    Trailing pad ids go. Leading pad ids go only where the tensor starts with the batch's ``input_ids`` (a
+    decoder-only ``generate`` echoes the prompt), and only the row's own left padding: an encoder-decoder output
+    starting with a decoder start token equal to the pad id keeps it, and pad ids between real tokens always stay.
     """
     pad = view.pad_token_id
     rows = list(value.unbind(0)) if isinstance(value, torch.Tensor) else list(value)
@@ -388,8 +385,7 @@ def split_rows(output: Any, batch: Any, *, pad_token_id: int | None = None, toke
                name: str = "fn(batch)") -> list:
     """One item per row of ``batch`` from what a callable returned for it, by the row rule (one batch).
 
-    A run keeps a :class:`RowSplitter` instead, so that each field's reading is
-    fixed by its first batch.
+    A run keeps a :class:`RowSplitter` instead, so that each field's reading is fixed by its first batch.
 
     Args:
         output: what the callable returned (see the module docstring and ``docs/inference.md``).

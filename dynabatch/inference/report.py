@@ -1,11 +1,9 @@
 """What a :func:`dynabatch.inference.runner.run` did, batch by batch: sizes, padding, time, memory, OOM recovery.
 
-A :class:`RunReport` holds one :class:`BatchRecord` per batch that ran, the
-memory budget (the first batch's peak, when memory was measured) and summary
-figures: throughput, padding efficiency, out-of-memory events, and how far the
-later batches' peaks went past the budget. :meth:`RunReport.to_json` saves it,
-:meth:`RunReport.from_json` reads it back, and :meth:`RunReport.plot` draws it
-(needs matplotlib).
+A :class:`RunReport` holds one :class:`BatchRecord` per batch that ran, the memory budget (the first batch's peak,
+when memory was measured) and summary figures: throughput, padding efficiency, out-of-memory events, and how far the
+later batches' peaks went past the budget. :meth:`RunReport.to_json` saves it, :meth:`RunReport.from_json` reads it
+back, and :meth:`RunReport.plot` draws it (needs matplotlib).
 
 Example:
     >>> from dynabatch.inference.report import BatchRecord, RunReport
@@ -222,10 +220,9 @@ class RunReport:
     def plot(self, path: str | os.PathLike, *, title: str | None = None) -> None:
         """Draws the run into a PNG at ``path``: batch sizes, padding and peak memory per batch.
 
-        Three panels share the batch-number axis: rows per batch (batches that
-        ran out of memory or were split up front marked), padded over real
-        tokens, and each batch's peak relative to the first batch's (the
-        budget, line at 1.0; the planner's target, line at 0.9).
+        Three panels share the batch-number axis: rows per batch (batches that ran out of memory or were split up
+        front marked), padded over real tokens, and each batch's peak relative to the first batch's (the budget, line
+        at 1.0; the planner's target, line at 0.9).
 
         Raises:
             ImportError: matplotlib is not installed.

@@ -1,7 +1,7 @@
 """What :func:`dynabatch.run` returns and raises: :class:`RunResult`, :class:`StoredRunResult` and an error.
 
-In memory (a ``list``), or read from the results store on demand exactly as the in-memory run gives them; both
-stack every row through one encoding (:class:`~dynabatch.inference.store.Columns`).
+In memory (a ``list``), or read from the results store on demand exactly as the in-memory run gives them; both stack
+every row through one encoding (:class:`~dynabatch.inference.store.Columns`).
 
 Example:
     >>> import torch

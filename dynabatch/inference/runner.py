@@ -1,13 +1,10 @@
 """``run``: call a model on every batch, recover from out-of-memory errors, get rows back in input order.
 
-One path, read top to bottom in :func:`run`: the options are resolved or
-refused (:mod:`~dynabatch.inference.options`); the source hands out batches
-(:mod:`~dynabatch.inference.source`); the sink, in memory or a results store,
-is opened and checked before any row is written (:mod:`~dynabatch.inference.sink`);
-the executor runs the batches on each device or rank, splitting on
-out-of-memory errors and cutting rows by the row rule
-(:mod:`~dynabatch.inference.execute`, :mod:`~dynabatch.inference.outputs`);
-the sink assembles the result.
+One path, read top to bottom in :func:`run`: the options are resolved or refused
+(:mod:`~dynabatch.inference.options`); the source hands out batches (:mod:`~dynabatch.inference.source`); the sink, in
+memory or a results store, is opened and checked before any row is written (:mod:`~dynabatch.inference.sink`); the
+executor runs the batches on each device or rank, splitting on out-of-memory errors and cutting rows by the row rule
+(:mod:`~dynabatch.inference.execute`, :mod:`~dynabatch.inference.outputs`); the sink assembles the result.
 
 Example:
     >>> from transformers import AutoTokenizer
@@ -163,8 +160,8 @@ def run(
 def _execute(queue: BatchQueue, sink: Any, options: RunOptions) -> tuple[RunReport, list[int]]:
     """Runs the queue on every target (a worker each) into the sink; ``(report, failed positions)``.
 
-    Every worker's writer is closed (its rows committed) however the run ends;
-    ``BatchOutOfMemoryError`` gets the rows finished so far as ``.partial``.
+    Every worker's writer is closed (its rows committed) however the run ends; ``BatchOutOfMemoryError`` gets the rows
+    finished so far as ``.partial``.
     """
     splitter = RowSplitter(queue.pad_token_id, options.token_outputs, queue.padding_side)  # fn's rule, for the run
     bar = _progress_bar(queue) if options.progress else None

@@ -1,11 +1,10 @@
 """The sinks of :func:`dynabatch.run`: where finished rows go, and the one place results are assembled.
 
-A sink takes what it needs as arguments (positions, rows, input hashes; the
-number of inputs and the failed ones at the end) and never reads the source.
-:class:`MemorySink` keeps rows in memory (gathered on rank 0 under
+A sink takes what it needs as arguments (positions, rows, input hashes; the number of inputs and the failed ones at
+the end) and never reads the source. :class:`MemorySink` keeps rows in memory (gathered on rank 0 under
 ``torch.distributed``); the results store of ``output_path``
-(:func:`open_sink`, :mod:`dynabatch.inference.store`) writes them to Parquet
-shards and reads them back. Either way :meth:`result` is the run's result.
+(:func:`open_sink`, :mod:`dynabatch.inference.store`) writes them to Parquet shards and reads them back. Either way
+:meth:`result` is the run's result.
 
 Example:
     >>> import numpy as np
@@ -96,9 +95,8 @@ def open_sink(output_path: str | None, *, key: str | None, n: int | None, ids: A
     """The run's sink: a :class:`MemorySink`, or the results store at ``output_path`` checked before any row is
     written.
 
-    ``inputs_at(positions) -> (positions, hashes)`` gives the input hashes of
-    this run's inputs among the stored positions: a stored row computed from
-    other inputs is refused now, before this run writes a row.
+    ``inputs_at(positions) -> (positions, hashes)`` gives the input hashes of this run's inputs among the stored
+    positions: a stored row computed from other inputs is refused now, before this run writes a row.
     """
     if output_path is None:
         return MemorySink(gather=gather)

@@ -1,16 +1,13 @@
 """The source of :func:`dynabatch.run`: the batches to run, as a queue of :class:`Item` s.
 
-A dynabatch DataLoader carries its plan (``loader.plan``), so its batches are
-known as input positions before their tensors exist: the collator builds them
-only when a batch runs, so ranks can share them, rows already stored can be
-taken out, and in measured mode the loader's planner sizes every next batch
-from the peaks measured so far. Any other iterable of
-:class:`~dynabatch.data.collate.Batch` is read as it comes, ahead of the device.
+A dynabatch DataLoader carries its plan (``loader.plan``), so its batches are known as input positions before their
+tensors exist: the collator builds them only when a batch runs, so ranks can share them, rows already stored can be
+taken out, and in measured mode the loader's planner sizes every next batch from the peaks measured so far. Any other
+iterable of :class:`~dynabatch.data.collate.Batch` is read as it comes, ahead of the device.
 
 The queue also holds what the memory mode needs per worker (a :class:`Lane`:
-its measured peaks and, in measured mode, its cursor in the planner's pass),
-the input hashes the sink stores with each row, and, for a streaming loader,
-tells the token stream which rows are finished so that their tokens are freed.
+its measured peaks and, in measured mode, its cursor in the planner's pass), the input hashes the sink stores with
+each row, and, for a streaming loader, tells the token stream which rows are finished so that their tokens are freed.
 """
 
 from __future__ import annotations
@@ -257,9 +254,8 @@ class BatchQueue:
         """``(positions, input hashes)`` of this run's inputs among ``positions``, before anything runs (to check
         the rows a store holds there).
 
-        A loader planned up front hashes its whole token store once; a
-        streaming loader tokenizes those rows; a plain iterable is read through
-        once (a one-shot iterator is kept whole for the run).
+        A loader planned up front hashes its whole token store once; a streaming loader tokenizes those rows; a plain
+        iterable is read through once (a one-shot iterator is kept whole for the run).
         """
         if self.plan is not None:
             positions = positions[positions < self.n_inputs]
@@ -294,13 +290,11 @@ class BatchQueue:
     def max_call_rows(self, width: int, lane: Lane) -> int | None:
         """Guarded mode: the most rows a call of padded ``width`` may have, or ``None`` for no cap.
 
-        Before any peak is measured: the plan's first batch's rows (a dynabatch
-        loader; its first batch is the longest, so fewer rows never cost more).
-        Then: the most rows the measured peaks bound at or under the first
-        call's peak (:meth:`~dynabatch.memory.feedback.MemoryFeedback.max_rows`);
-        ``None`` when no measured call at least as wide stays under it (a plain
-        iterable's batch wider than every batch measured so far runs as it comes).
-        Either way no more than out-of-memory errors allow.
+        Before any peak is measured: the plan's first batch's rows (a dynabatch loader; its first batch is the
+        longest, so fewer rows never cost more). Then: the most rows the measured peaks bound at or under the first
+        call's peak (:meth:`~dynabatch.memory.feedback.MemoryFeedback.max_rows`); ``None`` when no measured call at
+        least as wide stays under it (a plain iterable's batch wider than every batch measured so far runs as it
+        comes). Either way no more than out-of-memory errors allow.
         """
         if not self.guard:
             return None

@@ -379,8 +379,9 @@ Located = namedtuple("Located", "path files counts where columns schema ids")
 
 class Store:
     """A results store opened for a run over ``n`` inputs (``None``: as the stored positions say), keyed by position
-    or by ``ids``; ``keyed_by="id"`` without ids: the inputs are the ids stored (Ray's map_texts checks each window's).
-    ``verify``: every shard read whole, checksums verified. ``done``: which inputs the store holds; ``columns``,
+    or by ``ids``; ``keyed_by="id"`` without ids: the inputs are the ids stored (Ray's map_texts checks each
+    window's). ``verify``: every shard read whole, checksums verified. ``done``: which inputs the store holds;
+    ``columns``,
     ``schema``: the rows' :class:`Columns` and Arrow fields; ``files``: the shards, in the order rows are numbered."""
 
     def __init__(self, path: Any, *, key: str | None, n: int | None = None, ids: pa.Array | None = None,
