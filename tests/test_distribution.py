@@ -85,7 +85,8 @@ def test_pip_install_e_from_a_fresh_copy_gives_the_console_script(tmp_path):
         shutil.copy(ROOT / name, repo / name)
     shutil.copytree(ROOT / "dynabatch", repo / "dynabatch", ignore=shutil.ignore_patterns("__pycache__"))
     prefix = tmp_path / "prefix"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--prefix",
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--ignore-installed", "--prefix",
                     str(prefix), "-e", str(repo)], check=True, capture_output=True, timeout=300)
     site = next(prefix.glob("lib/python*/site-packages"))
     assert [p.name for p in site.glob("*.dist-info")] == ["torch_dynabatch-0.2.0.dev0.dist-info"]
