@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.tokenization import _as_items, plain_text, report_skipped, split_bad_texts, validate_texts
 
@@ -211,7 +212,7 @@ def _spill(batches: Iterable[Any], schema: Any) -> TextSource:
             chars.append(pc.fill_null(pc.utf8_length(batch.column(0)), -1).to_numpy(zero_copy_only=False))
             writer.write_batch(batch)
             del batch
-            pa.default_memory_pool().release_unused()  # the batch's buffers: Arrow's allocator keeps them otherwise
+            trim()  # the batch's buffers: Arrow's allocator and the C heap keep them otherwise
     if not sum(map(len, chars)):
         shutil.rmtree(folder, ignore_errors=True)
         raise ValueError("source should hold at least one text, but got none")

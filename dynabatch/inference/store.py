@@ -441,6 +441,8 @@ class Store:
             self.files.append(file)
             self._keys.append(table.column(self.keyed_by).combine_chunks())
             self._hashes.append(table.column("input_hash").to_numpy())
+            del table
+        trim()  # the shards read (verified whole on a resume) are freed: memory stays flat
 
     def _check(self, schema: pa.Schema, name: str) -> dict:
         """A shard's metadata; refuses a Parquet file dynabatch did not write, or another format, key or keying."""
