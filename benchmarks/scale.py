@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -207,6 +208,7 @@ def worker(method: str, n: int, threads: int | None, parquet: str | None = None)
     if store:
         for root, _, files in os.walk(store):
             disk += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+        shutil.rmtree(store)  # measured: a 1M-text store is gigabytes
     return {"method": METHODS[method], "n": n, "seconds": seconds, "rss_growth": peak - before, "disk": disk,
             "anon_growth": anon_growth,
             "token_store": token_store}
