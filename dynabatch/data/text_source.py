@@ -38,7 +38,7 @@ import numpy as np
 
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
-from dynabatch.data.tokenization import _as_items, plain_text, report_skipped, split_bad_texts, validate_texts
+from dynabatch.data.tokenization import as_items, plain_text, report_skipped, split_bad_texts, validate_texts
 
 __all__ = ["TextSource", "check_on_bad_input", "is_text_source", "open_texts", "parquet_paths", "read_texts"]
 
@@ -90,7 +90,7 @@ class TextSource:
             self._starts = np.cumsum([0, *(len(c) for c in self.arrow.chunks)], dtype=np.int64)
         else:
             self.arrow = None
-            self.items = _as_items(texts)
+            self.items = as_items(texts)
             self.n = len(self.items)
 
     def __len__(self) -> int:

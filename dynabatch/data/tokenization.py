@@ -61,7 +61,7 @@ import numpy as np
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 
-__all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "TOKENS_PER_CALL", "TokenizedTexts", "accepted_keywords",
+__all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "TOKENS_PER_CALL", "TokenizedTexts", "accepted_keywords", "as_items",
            "check_length_fits", "check_tokenizer", "check_tokenizer_kwargs", "fast_backend", "model_max_length",
            "plain_text", "report_skipped", "split_bad_texts", "tokenize_texts", "validate_texts"]
 
@@ -300,7 +300,7 @@ def fast_backend(tokenizer: Any, tokenizer_kwargs: dict[str, Any]) -> Any | None
     return backend if isinstance(backend, Tokenizer) else None
 
 
-def _as_items(texts: Any) -> list:
+def as_items(texts: Any) -> list:
     """``texts`` as a non-empty list (items not checked yet); ``TypeError`` / ``ValueError`` for what is not a sequence."""
     if isinstance(texts, list):
         items = texts
@@ -340,7 +340,7 @@ def split_bad_texts(texts: Any) -> tuple[list[str], np.ndarray]:
         >>> items, bad.tolist()
         (['a', '', 'b', ''], [1, 3])
     """
-    items = _as_items(texts)
+    items = as_items(texts)
     types = set(map(type, items))
     if types == {str}:
         return items, np.zeros(0, dtype=np.int64)
@@ -380,7 +380,7 @@ def validate_texts(texts: Any) -> list[str]:
     """
     items, bad = split_bad_texts(texts)
     if bad.size:
-        raw = _as_items(texts)
+        raw = as_items(texts)
         first = int(bad[0])
         shown = ", ".join(str(p) for p in bad[:_SHOWN_BAD].tolist()) + (", ..." if bad.size > _SHOWN_BAD else "")
         error = bad_type(f"texts[{first}]", "a str", raw[first])
