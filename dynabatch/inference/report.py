@@ -253,7 +253,8 @@ class RunReport:
             ([r for r in self.records if r.oom_events], 0.0,
              {"marker": "x", "color": "tab:red", "label": "ran out of memory (split)"}),
             ([r for r in self.records if r.pre_split], 0.06 * top,
-             {"marker": "v", "color": "tab:orange", "label": "split before trying (a failed shape, or over the bound)"}),
+             {"marker": "v", "color": "tab:orange",
+              "label": "split before trying (a failed shape, or over the bound)"}),
         ):
             if marked:
                 ax_rows.scatter([r.batch for r in marked], [r.rows + lift for r in marked], s=40, zorder=3, **style)

@@ -137,28 +137,28 @@ def run(
         queue.claim(planner)
     skipped = plan.skipped if plan is not None else np.zeros(0, dtype=np.int64)
     try:
-        sink = open_sink(options.output_path, key=options.key, n=queue.n_inputs, ids=plan.ids if plan is not None else None,
-                         gather=options.ranks != "single", inputs_at=queue.inputs_at)
+        sink = open_sink(options.output_path, key=options.key, n=queue.n_inputs,
+                         ids=plan.ids if plan is not None else None, gather=options.ranks != "single",
+                         inputs_at=queue.inputs_at)
         queue.done = getattr(sink, "done", None)
         queue.read_ahead(options.prefetch)
-        report, failed = _execute(queue, sink, options)
+        report, failed = _execute(queue, sink, options, skipped)
     finally:
         queue.close()
         if feed is not None:
             feed.close()
         if plan is not None and plan.stream is not None:
             plan.stream.pause()  # its tokenizing thread ends with the run; a later use of the loader goes on
-    failed = sorted([*failed, *(skipped.tolist() if options.rank == 0 else [])])  # bad inputs: rank 0 answers
-    report.skipped_inputs = len(skipped)
-    n = queue.n_inputs if queue.n_inputs is not None else queue.seen + 1
     if options.output_path is not None and options.ranks != "single":
         torch.distributed.barrier()  # every rank's shards are in: each rank reads the whole store
-        return sink.result(n, report=report, failed=None)
-    return sink.result(n, report=report, failed=failed)
+        return sink.result(queue.count, report=report, failed=None)
+    return sink.result(queue.count, report=report, failed=failed)
 
 
-def _execute(queue: BatchQueue, sink: Any, options: RunOptions) -> tuple[RunReport, list[int]]:
-    """Runs the queue on every target (a worker each) into the sink; ``(report, failed positions)``.
+def _execute(queue: BatchQueue, sink: Any, options: RunOptions, skipped: np.ndarray) -> tuple[RunReport, list[int]]:
+    """Runs the queue on every target (a worker each) into the sink; ``(report, failed positions)``: the rows that
+    ran out of memory alone and were skipped, and the bad inputs the loader planned into no batch (``skipped``;
+    rank 0 answers for them).
 
     Every worker's writer is closed (its rows committed) however the run ends; ``BatchOutOfMemoryError`` gets the rows
     finished so far as ``.partial``.
@@ -182,19 +182,27 @@ def _execute(queue: BatchQueue, sink: Any, options: RunOptions) -> tuple[RunRepo
                                   lane=queue.lane if i == 0 else queue.new_lane(), name=names[i]))
         return executors[-1]
 
+    def failed() -> list[int]:
+        return sorted([*(f for e in executors for f in e.failed), *(skipped.tolist() if options.rank == 0 else [])])
+
+    def report() -> RunReport:
+        merged = executors[0].report if len(executors) == 1 else RunReport.merge(
+            [e.report for e in executors], [e.name for e in executors])
+        merged.skipped_inputs = len(skipped)
+        return merged
+
     try:
         run_workers(options.targets, make_executor, queue, options.prefetch, stop)
     except BatchOutOfMemoryError as exc:
         _close(writers, bar)
         if isinstance(sink, MemorySink):
             sink.gather = False  # this rank's rows: gathering is a collective the other ranks are not in
-        exc.partial = sink.result(queue.n_inputs if queue.n_inputs is not None else queue.seen + 1,
-                                  report=_report(executors), failed=sorted(f for e in executors for f in e.failed))
+        exc.partial = sink.result(queue.count, report=report(), failed=failed())
         raise
     finally:
         stop.set()
         _close(writers, bar)  # the rows buffered are committed, after an error or Ctrl-C too
-    return _report(executors), [f for e in executors for f in e.failed]
+    return report(), failed()
 
 
 def _close(writers: list, bar: Any) -> None:
@@ -202,12 +210,6 @@ def _close(writers: list, bar: Any) -> None:
         writers.pop().close()
     if bar is not None:
         bar.close()
-
-
-def _report(executors: list[Executor]) -> RunReport:
-    if len(executors) == 1:
-        return executors[0].report
-    return RunReport.merge([e.report for e in executors], [e.name for e in executors])
 
 
 def _progress_bar(queue: BatchQueue) -> Any:

@@ -110,7 +110,11 @@ class BatchQueue:
             if memory == "measured":
                 self._use_planner(plan.planner)
             else:
-                self.stream = (Item(n, np.asarray(p, dtype=np.int64)) for n, p in enumerate(plan.sampler))
+                planned = (Item(n, np.asarray(p, dtype=np.int64)) for n, p in enumerate(plan.sampler))
+                if plan.stream is None:
+                    self.pending.extend(planned)  # the whole plan is known: the next batches can be built ahead
+                else:
+                    self.stream = planned  # planned as its chunks are tokenized
                 if self.guard and self.total_rows:
                     # The plan's first batch: its rows, at the longest width, bound any batch of no more rows.
                     self.first_rows = plan.planner.first_rows()
@@ -135,8 +139,7 @@ class BatchQueue:
         """Reads a plain iterable's batches up to ``depth`` ahead in a background thread (stopped by :meth:`close`)."""
         if depth and self.plan is None and self.stream is not None:
             self._reader = Ahead(self.stream, depth=depth, name="dynabatch-read-ahead")
-            reader = self._reader
-            self.stream = iter(lambda: reader.next(), None)
+            self.stream = iter(self._reader.next, None)
 
     def new_lane(self) -> Lane:
         """A worker's own view of the queue: in measured mode its own planner cursor, in guarded mode its own peaks."""
@@ -144,6 +147,11 @@ class BatchQueue:
             cursor = self.planner.cursor(sparse=self.sparse)
             return Lane(cursor.feedback, cursor)
         return Lane(MemoryFeedback(sparse=self.sparse) if self.guard else None)
+
+    @property
+    def count(self) -> int:
+        """How many inputs the run has: known up front, else (a plain iterable) the largest position seen + 1."""
+        return self.n_inputs if self.n_inputs is not None else self.seen + 1
 
     def next_item(self, lane: Lane | None = None) -> Item | None:
         """The next batch to run (for ``lane``: its cursor sizes it in measured mode); ``None`` when none is left."""

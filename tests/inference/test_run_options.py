@@ -150,3 +150,39 @@ def test_ctrl_c_on_two_devices_stops_every_thread_and_keeps_the_finished_rows(to
     assert 0 < len(texts) - done.report.rows < len(texts)  # the rows finished before Ctrl-C were committed
     want = run(_lengths, _load(texts, tokenizer), progress=False)
     assert all(torch.equal(a, b) for a, b in zip(done, want))
+
+
+@pytest.mark.parametrize("memory", ["off", "record", "guarded"])
+def test_a_dynabatch_loaders_batches_are_built_ahead_in_every_memory_mode(tokenizer, texts, memory):
+    loader = _load(texts, tokenizer)
+    collate = loader.plan.collator
+    threads = []
+
+    class Recorded:  # the loader's collator, noting the thread that builds each batch
+        def __getattr__(self, name):
+            return getattr(collate, name)
+
+        def __call__(self, positions):
+            threads.append(threading.current_thread().name)
+            return collate(positions)
+
+    loader.plan.collator = Recorded()  # what run builds batches with
+    try:
+        rows = run(_lengths, loader, memory=memory, progress=False)
+    finally:
+        loader.plan.collator = collate
+    assert any(name.startswith("dynabatch-prefetch") for name in threads)  # prefetch=2 means it, not only measured
+    want = run(_lengths, _load(texts, tokenizer), progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(rows, want))
+
+
+def test_the_partial_result_of_an_out_of_memory_error_names_the_bad_inputs_skipped_too(tokenizer, texts):
+    from runner_helpers import _fails_at
+
+    from dynabatch import BatchOutOfMemoryError
+
+    corpus = [*texts[:20], None, *texts[20:30]]
+    loader = _load(corpus, tokenizer, on_bad_input="skip")
+    with pytest.raises(BatchOutOfMemoryError) as raised:
+        run(_fails_at(_lengths, 3), loader, progress=False)
+    assert 20 in raised.value.partial.failed and raised.value.partial.report.skipped_inputs == 1
