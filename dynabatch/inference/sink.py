@@ -67,11 +67,11 @@ class MemorySink:
         failed_set = set(failed)
         mine = np.union1d(np.fromiter(self.rows, dtype=np.int64, count=len(self.rows)),
                           np.asarray(failed, dtype=np.int64))
-        flags = gather_results(mine, [p in failed_set for p in mine.tolist()], n)
-        values = gather_results(mine, [self.rows.get(p) for p in mine.tolist()], n)
-        if values is None:  # not rank 0: only this rank's rows
+        pairs = gather_results(mine, [(self.rows.get(p), p in failed_set) for p in mine.tolist()], n)
+        if pairs is None:  # not rank 0: only this rank's rows
             return RunResult((self.rows.get(p) for p in range(n)), report=report, failed=failed)
-        return RunResult(values, report=report, failed=[p for p, f in enumerate(flags) if f])
+        return RunResult((value for value, _ in pairs), report=report,
+                         failed=[p for p, (_, flag) in enumerate(pairs) if flag])
 
 
 class StoreSink:
