@@ -226,6 +226,9 @@ def _resolve_ranks(ranks: str, plan: Any) -> tuple[int, int, str]:
     if ranks == "claim" and plan is None:
         raise bad_value("ranks", "'lockstep' or 'single' for a loader that is not a dynabatch DataLoader (ranks "
                         "claim chunks of a dynabatch loader's plan)", ranks)
+    if ranks == "claim" and getattr(plan.sampler, "shuffle", False):
+        raise bad_value("ranks", "'lockstep' or 'single' for a shuffled loader (ranks claim chunks of the plan in "
+                        "its planned order; build the loader with shuffle=False to claim)", ranks)
     if ranks == "lockstep" and plan is not None and plan.stream is not None:
         logger.info("run: ranks='lockstep' reads the streaming loader's whole plan first (every rank must hold the "
                     "same batches); ranks='claim' tokenizes each chunk on the rank that claims it")

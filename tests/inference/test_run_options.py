@@ -186,3 +186,15 @@ def test_the_partial_result_of_an_out_of_memory_error_names_the_bad_inputs_skipp
     with pytest.raises(BatchOutOfMemoryError) as raised:
         run(_fails_at(_lengths, 3), loader, progress=False)
     assert 20 in raised.value.partial.failed and raised.value.partial.report.skipped_inputs == 1
+
+
+def test_claiming_ranks_refuse_a_shuffled_loader_rather_than_drop_its_order(tokenizer, texts, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"^ranks should be 'lockstep' or 'single' for a shuffled loader \(ranks "
+                                             r"claim chunks of the plan in its planned order"):
+            run(_lengths, _load(texts[:20], tokenizer, shuffle=True), ranks="claim", progress=False)
+    finally:
+        dist.destroy_process_group()
