@@ -377,10 +377,10 @@ class Prefetcher:
             self.ahead.append((positions, self.executor.build(Item(-1, positions))))
 
     def close(self) -> None:
-        """Stops the background thread (after the batch it is building)."""
-        self.ahead.clear()
+        """Stops the background thread (after the batch it is building) and drops what it built."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        self.ahead.clear()
 
 
 def run_workers(targets: Sequence[Any], make_executor: Callable[[Any, int], Executor], queue: BatchQueue,
