@@ -21,8 +21,8 @@ The rules a page's author follows (docs/development.md says them too):
 
 A chain is *slow* (``pytest -m "not slow"`` leaves it out) when it runs a
 shell block (each command starts an interpreter and loads a model) or loads
-model weights (``...Model....from_pretrained(``, ``SentenceTransformer(``,
-``chat_model(``, ``ray.init(``).
+model weights or trains (``...Model....from_pretrained(``,
+``SentenceTransformer(``, ``chat_model(``, ``ray.init(``, ``.train()``, ``training_budget(``).
 
 :class:`Server` runs chains through ``tests/_docs_server.py``: one interpreter
 that imported torch, transformers and dynabatch once, forking a child per
@@ -50,7 +50,8 @@ SHELL = ("bash", "sh", "shell", "console")
 FRAGMENT = re.compile(r"^#\s*fragment:\s*(?P<why>.*)$")
 CONTINUES = re.compile(r"^#\s*continues the block above\b")
 INSTALLS = re.compile(r"\bpip install\b")
-SLOW = re.compile(r"Model\w*\.from_pretrained\(|SentenceTransformer\(|chat_model\(|ray\.init\(")
+SLOW = re.compile(r"Model\w*\.from_pretrained\(|SentenceTransformer\(|chat_model\(|ray\.init\(|\.train\(\)|"
+                  r"training_budget\(")
 
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^\n`]*)$")
 

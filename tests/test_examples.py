@@ -51,6 +51,7 @@ def _options(script):
     return sorted(set(re.findall(r'add_argument\(\s*"(--[a-z-]+)"', text)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_script_runs_and_prints_its_table(name):
     script, args, patterns = RUNS[name]
