@@ -36,6 +36,7 @@ def _check_every_id_once(out, ids, want):
     assert np.abs(vectors - want[order]).max() < 1e-4
 
 
+@pytest.mark.slow
 def test_killed_mid_run_then_rerun_stores_every_str_id_once_with_its_own_vector(
         bert_dir, texts, tmp_path, cli, write_corpus, kill_after_first_shard, run_command):
     ids = [f"doc-{i}" for i in range(len(texts))]
@@ -52,6 +53,7 @@ def test_killed_mid_run_then_rerun_stores_every_str_id_once_with_its_own_vector(
     _check_every_id_once(out, ids, _alone(bert_dir, texts))
 
 
+@pytest.mark.slow
 def test_under_torchrun_two_ranks_killed_then_rerun_store_every_int_id_once(
         bert_dir, texts, tmp_path, write_corpus, kill_after_first_shard, run_command):
     ids = [1000 + 7 * i for i in range(len(texts))]
@@ -68,6 +70,7 @@ def test_under_torchrun_two_ranks_killed_then_rerun_store_every_int_id_once(
     _check_every_id_once(out, ids, _alone(bert_dir, texts))
 
 
+@pytest.mark.slow
 def test_the_default_model_gives_sentence_transformers_vectors_report_and_plot(tmp_path, capsys):
     from sentence_transformers import SentenceTransformer
 

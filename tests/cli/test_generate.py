@@ -28,6 +28,7 @@ def _alone(folder, prompts, max_new_tokens):
     return replies
 
 
+@pytest.mark.slow
 def test_killed_mid_run_then_rerun_stores_each_prompts_own_greedy_reply_once(
         gpt2_dir, texts, tmp_path, cli, kill_after_first_shard, run_command):
     prompts = [" ".join(t.split()[:12]) for t in texts[:40]]

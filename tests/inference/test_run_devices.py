@@ -111,6 +111,7 @@ def test_make_fn_that_returns_no_callable_is_refused(texts, tokenizer):
         run(lambda device: None, _load(texts, tokenizer), devices=["cpu"], progress=False)
 
 
+@pytest.mark.slow
 def test_batches_built_ahead_give_the_same_rows_and_re_sized_ones_are_rebuilt(texts, tokenizer, minilm):
     def embed(batch):
         with torch.no_grad():

@@ -76,6 +76,7 @@ run(lengths, loader, output_path=sys.argv[1], key="lengths", progress=False)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_and_stores_every_position_exactly_once(tokenizer, tmp_path):
     from dynabatch.demo import kjv_passages
 

@@ -140,6 +140,7 @@ def lengths():
     return np.random.default_rng(0).integers(1, 65, size=120)
 
 
+@pytest.mark.slow
 def test_resume_from_a_state_in_a_fresh_process_equals_the_uninterrupted_run(lengths, tmp_path):
     cases, expected = [], []
     for name in NAMES:

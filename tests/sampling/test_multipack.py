@@ -566,6 +566,7 @@ _WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_equal_batch_counts_disjoint_indices(tmp_path, run_two_ranks):
     reports = run_two_ranks(_WORKER, tmp_path)
     for key, n in (("301-False", 301), ("301-True", 301), ("2-False", 2)):

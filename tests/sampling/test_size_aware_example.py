@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "size_aware_training.py"
 
@@ -16,6 +18,7 @@ def _run(*args):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_example_fits_the_memory_model_and_trains_under_the_budget():
     result = _run("--n-texts", "100", "--steps", "3")
     assert result.returncode == 0, result.stdout + result.stderr

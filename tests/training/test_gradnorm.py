@@ -45,6 +45,7 @@ WORKER = DATA + textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_the_weights_of_all_their_samples_together(tmp_path, run_two_ranks):
     histories = run_two_ranks(WORKER, tmp_path)
     assert histories[0] == histories[1]  # every rank the same weights

@@ -22,7 +22,7 @@ def quick_start() -> str:
     text = README.read_text(encoding="utf-8")
     start = text.index("## Quick Start: training")
     code = re.findall(r"```python\n(.*?)```", text[start:text.find("\n## ", start + 1)], re.S)[0]
-    code = re.sub(r"^(tokenizer|model|train_texts) = .*\n", "", code, flags=re.M)  # the test gives these
+    code = re.sub(r"^(tokenizer|model|train_texts) = .*\n", "", code, flags=re.MULTILINE)  # the test gives these
     return code.replace('TrainingArguments("out", num_train_epochs=1)',
                         'TrainingArguments("out", num_train_epochs=1, use_cpu=True, report_to=[], save_strategy="no", '
                         'disable_tqdm=True, log_level="error")')
@@ -80,6 +80,7 @@ def runner():
     return namespace
 
 
+@pytest.mark.slow
 def test_the_quick_start_on_a_smaller_device_trains_every_sample_once_as_without_errors(tokenizer, runner, tmp_path,
                                                                                         monkeypatch, one_thread):
     monkeypatch.chdir(tmp_path)
@@ -131,6 +132,7 @@ _WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_where_one_alone_runs_out_of_memory_stay_in_step(tmp_path, run_two_ranks):
     (tmp_path / "run.py").write_text(_RUN)
     (tmp_path / "quick_start.py").write_text(quick_start())

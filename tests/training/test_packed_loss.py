@@ -111,6 +111,7 @@ def test_hf_trainer_step_with_packed_accumulation_follows_the_token_mean(one_thr
     assert _close(step, reference) < 1e-4
 
 
+@pytest.mark.slow
 def test_packed_finetune_example_runs(tmp_path):
     import os
     import subprocess

@@ -126,6 +126,7 @@ def reports(tmp_path_factory, run_two_ranks):
     return run_two_ranks(_WORKER, tmp_path_factory.mktemp("ddp"))
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_train_disjoint_full_steps_in_lockstep_with_synced_weights(reports):
     rank0, rank1 = reports
     assert [rank0["world"], rank1["world"]] == [[0, 2], [1, 2]]
