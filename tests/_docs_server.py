@@ -13,8 +13,8 @@ into ``folder`` (an empty folder), sends its stdout and stderr to
 ``folder/../output.txt``, and runs the blocks in order: a ``python`` block
 with ``exec`` in one ``__main__`` namespace shared by the chain (so a block
 continues the one before it), a ``shell`` block with ``bash -e -o pipefail``
-in the same folder. Tracebacks name the page and the block's own line
-numbers. The child writes ``times.json`` (seconds per block) and
+in the same folder, each command echoed with the block's seconds so far.
+Tracebacks name the page and the block's own line numbers. The child writes ``times.json`` (seconds per block) and
 ``values.pkl`` (the namespace's plain data: tensors, arrays, numbers, strings
 and lists of them) beside ``output.txt``. The server answers one JSON line,
 ``{"status": exit status or -signal, "cpu_seconds": ...}`` (the CPU time of the child and
@@ -80,7 +80,10 @@ def _run_blocks(request: dict) -> int:
                 exec(compile("\n" * (block["line"] - 1) + block["code"], block["file"], "exec"), namespace)  # noqa: S102
             else:
                 sys.stdout.flush()
-                subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block["code"]], check=True)
+                # Each command is echoed to the output with the block's seconds so far, before it runs (bash run
+                # by root takes no PS4 from the environment).
+                trace = "PS4='+ [${SECONDS}s] '; set -x\n"
+                subprocess.run(["bash", "-e", "-o", "pipefail", "-c", trace + block["code"]], check=True)
         except BaseException as exc:  # noqa: BLE001 - any failure of a block is its chain's result
             if isinstance(exc, subprocess.CalledProcessError):
                 print(f"\n{block['name']}: the shell block exited with status {exc.returncode}", file=sys.stderr)
