@@ -39,8 +39,8 @@ RUNS = {
 
 def _run(script, *args):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=300)
+    return subprocess.run([sys.executable, str(script), *args], check=False, capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
 
 
 def _options(script):
