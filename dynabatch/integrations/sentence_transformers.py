@@ -454,7 +454,7 @@ def make_dynamic(model: Any, **options: Any) -> Any:
     Example:
         >>> from sentence_transformers import SentenceTransformer
         >>> from dynabatch.demo import minilm_path
-        >>> from dynabatch.sentence_transformers import make_dynamic
+        >>> from dynabatch.integrations.sentence_transformers import make_dynamic
         >>> model = make_dynamic(SentenceTransformer(minilm_path(), device="cpu"))
         >>> model.encode(["In the beginning", "And God said"]).shape
         (2, 384)

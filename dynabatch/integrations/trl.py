@@ -17,7 +17,7 @@ label of each sequence's first token to -100).
 Pass it to ``SFTTrainer`` with TRL's packing turned off and padding-free on::
 
     from trl import SFTConfig, SFTTrainer
-    from dynabatch.trl import pack_dataset
+    from dynabatch.integrations.trl import pack_dataset
 
     packed = pack_dataset(tokenized, seq_length=4096)   # columns: input_ids (, labels, ...), seq_lengths
     args = SFTConfig(
@@ -43,7 +43,7 @@ module needs neither.
 
 Example:
     >>> from datasets import Dataset
-    >>> from dynabatch.trl import pack_dataset
+    >>> from dynabatch.integrations.trl import pack_dataset
     >>> data = Dataset.from_dict({"input_ids": [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10], [11]]})
     >>> packed = pack_dataset(data, seq_length=5, algorithm="ffd")
     >>> packed[:]
@@ -94,7 +94,7 @@ def pack_dataset(
             200 there); ``None``: no cap, as in TRL.
         group_size: examples packed together (each group on its own, in dataset order).
         algorithm: ``"auto"``, ``"ffd"`` or ``"shuffled"``, as in
-            :func:`dynabatch.sampling.ffd.pack_group`.
+            :func:`dynabatch.sampling.ffd.pack_arrays`.
         seed: seeds the shuffled order (the same seed gives the same rows).
         oversized: ``"error"`` (a ``ValueError`` naming the first example
             longer than ``seq_length``) or ``"truncate"`` (keep its first

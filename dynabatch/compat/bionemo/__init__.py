@@ -11,16 +11,16 @@ calibrated memory model to them: :func:`fit_memory_model`,
 
 Example:
     >>> import torch
-    >>> from dynabatch.size_aware import SizeAwareBatchSampler
+    >>> from dynabatch.compat.bionemo import SizeAwareBatchSampler
     >>> dataset = [torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([5, 6])]
     >>> list(SizeAwareBatchSampler(torch.utils.data.SequentialSampler(dataset), lambda i: dataset[i].numel(), 4))
     [[0, 1], [2]]
 """
 
-from dynabatch.memory.measure import collect_cuda_peak_alloc, collect_peak_alloc
-from dynabatch.sampling.bucket import BucketBatchSampler, Buckets, create_buckets
-from dynabatch.sampling.size_aware import SizeAwareBatchSampler, size_aware_batching
-from dynabatch.sampling.size_aware_memory import MemorySizeof, bucket_memory_kwargs, fit_memory_model
+from dynabatch.compat.bionemo.bucket import BucketBatchSampler, Buckets, create_buckets
+from dynabatch.compat.bionemo.peak_alloc import collect_cuda_peak_alloc, collect_peak_alloc
+from dynabatch.compat.bionemo.size_aware import SizeAwareBatchSampler, size_aware_batching
+from dynabatch.compat.bionemo.size_aware_memory import MemorySizeof, bucket_memory_kwargs, fit_memory_model
 
 __all__ = [
     "BucketBatchSampler",

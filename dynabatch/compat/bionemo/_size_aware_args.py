@@ -1,13 +1,13 @@
 """The arguments of bionemo's size-aware batching: ``sizeof`` as a function, the checks, and their errors.
 
-:func:`~dynabatch.sampling.size_aware.size_aware_batching` and
-:class:`~dynabatch.sampling.size_aware.SizeAwareBatchSampler` (and the bucket
+:func:`~dynabatch.compat.bionemo.size_aware.size_aware_batching` and
+:class:`~dynabatch.compat.bionemo.size_aware.SizeAwareBatchSampler` (and the bucket
 samplers) read ``sizeof`` and check ``max_total_size``, the loggers and each
 size through these helpers, so every sampler words its errors the same way
 (see the edge cases in ``size_aware.py``'s docstring).
 
 Example:
-    >>> from dynabatch.sampling._size_aware_args import _size_function
+    >>> from dynabatch.compat.bionemo._size_aware_args import _size_function
     >>> _size_function({"a": 3})("a"), _size_function([5, 7])(1), _size_function(len)("four")
     (3, 7, 4)
 """

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from dynabatch.sampling._bucket_draw import draw_bucket, mcg_powers
-from dynabatch.sampling._size_aware_args import _ArgumentError, _described
-from dynabatch.sampling.bucket_utils import (
+from dynabatch.compat.bionemo._bucket_draw import draw_bucket, mcg_powers
+from dynabatch.compat.bionemo._size_aware_args import _ArgumentError, _described
+from dynabatch.compat.bionemo.bucket_utils import (
     Buckets,
     _check_1d_tensor,
     _is_real_dtype,
@@ -90,7 +90,7 @@ class BucketBatchSampler(Sampler[List[int]]):
 
     Example:
         >>> import torch
-        >>> from dynabatch.size_aware import BucketBatchSampler
+        >>> from dynabatch.compat.bionemo import BucketBatchSampler
 
         >>> # Define the sizes for a dataset
         >>> sizes = torch.arange(25)
@@ -128,7 +128,7 @@ class BucketBatchSampler(Sampler[List[int]]):
         [[14, 9, 13], [23, 16, 20, 21, 15], [5, 0], [8, 10, 11], [17, 24, 22, 18, 19], [12, 6, 7], [4, 2], [3, 1]]
 
         >>> # Combine with SizeAwareBatchSampler to control the cost of each batch
-        >>> from dynabatch.size_aware import SizeAwareBatchSampler
+        >>> from dynabatch.compat.bionemo import SizeAwareBatchSampler
         >>> item_costs = sizes.tolist()
         >>> def cost_of_element(index):
         ...     return item_costs[index]

@@ -2,7 +2,7 @@
 
 Part of the API of ``bionemo.size_aware_batching`` (its ``utils`` module), with
 the same argument names, order, defaults, error types and documented outputs;
-:class:`~dynabatch.sampling.bucket.BucketBatchSampler` batches within the
+:class:`~dynabatch.compat.bionemo.bucket.BucketBatchSampler` batches within the
 buckets it makes.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dynabatch.sampling._size_aware_args import _ArgumentError, _described
+from dynabatch.compat.bionemo._size_aware_args import _ArgumentError, _described
 
 __all__ = ["Buckets", "create_buckets"]
 
@@ -90,7 +90,7 @@ def create_buckets(sizes: torch.Tensor, max_width: int, min_bucket_count: int) -
 
     Example:
         >>> import torch
-        >>> from dynabatch.size_aware import create_buckets
+        >>> from dynabatch.compat.bionemo import create_buckets
 
         >>> sizes = torch.tensor([1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 22, 22, 22, 22])
         >>> buckets = create_buckets(sizes, max_width=5, min_bucket_count=10)

@@ -42,7 +42,7 @@ from typing import Any, List, Optional, TypeVar, Union
 
 from torch.utils.data import Sampler
 
-from dynabatch.sampling._size_aware_args import (
+from dynabatch.compat.bionemo._size_aware_args import (
     _check_logger,
     _check_max_total_size,
     _described,
@@ -172,7 +172,7 @@ def size_aware_batching(
     Example:
         >>> import torch
         >>> from torch.utils.data import default_collate
-        >>> from dynabatch.size_aware import size_aware_batching
+        >>> from dynabatch.compat.bionemo import size_aware_batching
 
         >>> # Define a sample dataset with torch.tensor
         >>> dataset = [torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([5, 6]),
@@ -219,11 +219,11 @@ class SizeAwareBatchSampler(Sampler[List[int]]):
 
     With a memory model, ``sizeof`` is an element's marginal cost and
     ``max_total_size`` the budget minus the batch's fixed cost: see
-    :class:`dynabatch.sampling.size_aware_memory.MemorySizeof`.
+    :class:`dynabatch.compat.bionemo.size_aware_memory.MemorySizeof`.
 
     Example:
         >>> import torch
-        >>> from dynabatch.size_aware import SizeAwareBatchSampler
+        >>> from dynabatch.compat.bionemo import SizeAwareBatchSampler
 
         >>> # Define a sample dataset with torch.tensor
         >>> dataset = [torch.tensor([1, 2]), torch.tensor([3, 4]), torch.tensor([5, 6]),

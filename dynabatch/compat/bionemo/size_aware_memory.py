@@ -23,7 +23,7 @@ length its size was computed at:
 * every batch padded to one length (``padding="max_length"``): pass
   ``padded_length`` to :class:`MemorySizeof`;
 * pad-to-longest batches of similar lengths: :func:`bucket_memory_kwargs` gives
-  each bucket of a :class:`~dynabatch.sampling.bucket.BucketBatchSampler` a
+  each bucket of a :class:`~dynabatch.compat.bionemo.bucket.BucketBatchSampler` a
   ``SizeAwareBatchSampler`` sized at the bucket's longest length (this is exact
   by the model, and the recommended way);
 * ``MemorySizeof(model, lengths)`` alone, with pad-to-longest and mixed
@@ -32,8 +32,8 @@ length its size was computed at:
 
 Example:
     >>> import torch
-    >>> from dynabatch.size_aware import BucketBatchSampler, SizeAwareBatchSampler, create_buckets
-    >>> from dynabatch.sampling.size_aware_memory import bucket_memory_kwargs, fit_memory_model
+    >>> from dynabatch.compat.bionemo import BucketBatchSampler, SizeAwareBatchSampler, create_buckets
+    >>> from dynabatch.compat.bionemo.size_aware_memory import bucket_memory_kwargs, fit_memory_model
     >>> shapes = [(r, n) for r in (1, 2, 4, 8) for n in (8, 16, 32, 64)]
     >>> peaks = [1000 + 50 * n + r * (200 + 10 * n) for r, n in shapes]  # measured bytes, e.g.
     >>> mm = fit_memory_model(shapes, peaks, device="cpu")
@@ -166,8 +166,8 @@ class MemorySizeof:
             budget's own rule when a budget is given).
 
     Example:
-        >>> from dynabatch.size_aware import SizeAwareBatchSampler
-        >>> from dynabatch.sampling.size_aware_memory import MemorySizeof, fit_memory_model
+        >>> from dynabatch.compat.bionemo import SizeAwareBatchSampler
+        >>> from dynabatch.compat.bionemo.size_aware_memory import MemorySizeof, fit_memory_model
         >>> shapes = [(r, n) for r in (1, 4, 16) for n in (16, 64, 128)]
         >>> mm = fit_memory_model(shapes, [3000 + r * 40 * n for r, n in shapes])
         >>> sizeof = MemorySizeof(mm, [128] * 10, padded_length=128)

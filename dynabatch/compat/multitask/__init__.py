@@ -16,7 +16,7 @@ fraction (0.10 keeps 10% free). The trainer and the pipeline load
 ``transformers.Trainer`` on first use.
 
 Example:
-    >>> from dynabatch.multitask import MemoryPredictor
+    >>> from dynabatch.compat.multitask import MemoryPredictor
     >>> predictor = MemoryPredictor(device="cpu")
     >>> predictor.record_actual_memory("T1", 130.0, batch_size=1)  # measured peaks, in MB
     >>> predictor.record_actual_memory("T1", 250.0, batch_size=2)
@@ -27,21 +27,21 @@ Example:
 from typing import TYPE_CHECKING
 
 from dynabatch._lazy import lazy_attributes
-from dynabatch.training.collate import HeterogeneousCollator
-from dynabatch.training.dataset import MultiTaskDataset
-from dynabatch.training.monitor import BatchMetrics, DynamicBatchingMonitor
-from dynabatch.training.oom_guardian import GradientCheckpointManager, OOMGuardian
-from dynabatch.training.predictor import MemoryPredictor, estimate_training_memory
-from dynabatch.training.sampler import MemoryAwareBatchSampler
+from dynabatch.compat.multitask.collate import HeterogeneousCollator
+from dynabatch.compat.multitask.dataset import MultiTaskDataset
+from dynabatch.compat.multitask.monitor import BatchMetrics, DynamicBatchingMonitor
+from dynabatch.compat.multitask.oom_guardian import GradientCheckpointManager, OOMGuardian
+from dynabatch.compat.multitask.predictor import MemoryPredictor, estimate_training_memory
+from dynabatch.compat.multitask.sampler import MemoryAwareBatchSampler
 
 if TYPE_CHECKING:  # imported on first use below
-    from dynabatch.training.pipeline import DynamicBatchingTrainingPipeline, HeterogeneousTrainingConfig
-    from dynabatch.training.trainer import DynamicBatchingTrainer
+    from dynabatch.compat.multitask.pipeline import DynamicBatchingTrainingPipeline, HeterogeneousTrainingConfig
+    from dynabatch.compat.multitask.trainer import DynamicBatchingTrainer
 
 __getattr__ = lazy_attributes(__name__, {  # these import transformers.Trainer (seconds): loaded on first use
-    "DynamicBatchingTrainer": "dynabatch.training.trainer",
-    "DynamicBatchingTrainingPipeline": "dynabatch.training.pipeline",
-    "HeterogeneousTrainingConfig": "dynabatch.training.pipeline",
+    "DynamicBatchingTrainer": "dynabatch.compat.multitask.trainer",
+    "DynamicBatchingTrainingPipeline": "dynabatch.compat.multitask.pipeline",
+    "HeterogeneousTrainingConfig": "dynabatch.compat.multitask.pipeline",
 })
 
 

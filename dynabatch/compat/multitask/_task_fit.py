@@ -1,4 +1,4 @@
-"""What :class:`~dynabatch.training.predictor.MemoryPredictor` fits: one task's measured peaks.
+"""What :class:`~dynabatch.compat.multitask.predictor.MemoryPredictor` fits: one task's measured peaks.
 
 ``_TaskFit`` keeps the measured peaks of one (task, mode) and fits a
 :class:`~dynabatch.memory.model.MemoryModel` to them; ``_check_task`` refuses

@@ -4,7 +4,7 @@ The trainer's training data is a sequence of optimizer steps, each made of
 micro-batches: :func:`step_sampler` builds the micro-batch sampler
 (:class:`~dynabatch.MemoryAwareBatchSampler` when a predictor and a budget
 are given, else micro-batches of a fixed number of rows) and groups it into
-steps with :class:`~dynabatch.training.sampler.StepBatchSampler`;
+steps with :class:`~dynabatch.training.step_sampler.StepBatchSampler`;
 :class:`IndexedDataset` and :func:`collate_step` turn a step's indices into
 the collated micro-batches. Under several processes the steps are dealt to
 the ranks by accelerate (``shard=False``: every rank's steps, a multiple of
@@ -14,7 +14,7 @@ runs the same number of steps and every sample is trained once per epoch.
 Under several processes (DDP) a step's gradient is reduced once, whatever
 number of backward passes each rank ran (an out-of-memory split adds some):
 every backward runs without DDP's synchronisation and
-:func:`average_gradients` averages the accumulated gradients over the ranks
+:func:`~dynabatch.training.gradients.average_gradients` averages the accumulated gradients over the ranks
 afterwards (:func:`reduce_step`); counts and losses are summed with
 :func:`dynabatch.sampling.ranks.reduce_across_ranks`.
 
@@ -25,7 +25,7 @@ weights, so a resumed run plans exactly as the saved one did.
 
 Example:
     >>> import numpy as np
-    >>> from dynabatch.training._trainer_plan import collate_step, step_sampler
+    >>> from dynabatch.compat.multitask._trainer_plan import collate_step, step_sampler
     >>> steps, planned_by_memory = step_sampler(
     ...     ["a"] * 5 + ["b"] * 5, np.arange(1, 11), rows=2, target_batch_size=4,
     ...     task_diversity_weight=0.0, seed=0, world_size=1)
@@ -49,25 +49,20 @@ import numpy as np
 import torch
 
 from dynabatch._validation import bad_type, bad_value
-from dynabatch.memory.units import MIB
+from dynabatch.compat.multitask.predictor import MemoryPredictor
+from dynabatch.compat.multitask.sampler import MemoryAwareBatchSampler
 from dynabatch.sampling.ranks import reduce_across_ranks
-from dynabatch.training.predictor import MemoryPredictor
-from dynabatch.training.sampler import (
-    MemoryAwareBatchSampler,
-    StepBatchSampler,
-    split_step,
-)
+from dynabatch.training.gradients import average_gradients
+from dynabatch.training.step_sampler import StepBatchSampler, split_step
 
 __all__ = [
     "STATE_FILE",
     "IndexedDataset",
-    "average_gradients",
     "check_task_weights",
     "collate_step",
     "read_state",
     "reduce_step",
     "step_sampler",
-    "sync_gradients",
     "write_state",
 ]
 
@@ -216,45 +211,6 @@ def check_task_weights(
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise bad_value(f"task_loss_weights[{task!r}]", "a finite number >= 0", w)
     return {**{t: 1.0 for t in known}, **{t: float(w) for t, w in weights.items()}}
-
-
-def average_gradients(
-    params: Sequence[torch.nn.Parameter], on_some_rank: Sequence[bool], world_size: int,
-    bucket_bytes: int = int(25 * MIB),
-) -> None:
-    """Sets each parameter's gradient to the mean over the ranks of their accumulated gradients (as DDP does).
-
-    ``params`` must be the same list, in the same order, on every rank. A
-    parameter with ``on_some_rank`` false (no rank has a gradient for it)
-    keeps ``grad=None``; one that has a gradient on some ranks only counts
-    zeros for the others. Gradients travel in flat buckets of one dtype and
-    at most ``bucket_bytes`` (25 MiB, DDP's bucket size; one ``all_reduce`` each, the same on every rank).
-    """
-    todo = [p for p, some in zip(params, on_some_rank) if some]
-    buckets: list[list[torch.nn.Parameter]] = []
-    size = 0
-    for p in todo:
-        if not buckets or p.dtype != buckets[-1][0].dtype or size + p.numel() * p.element_size() > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += p.numel() * p.element_size()
-    for bucket in buckets:
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
-        torch.distributed.all_reduce(flat)
-        flat /= world_size
-        for p, part in zip(bucket, flat.split([p.numel() for p in bucket])):
-            if p.grad is None:
-                p.grad = part.view_as(p).clone()
-            else:
-                p.grad.copy_(part.view_as(p))
-
-
-def sync_gradients(params: Sequence[torch.nn.Parameter], world_size: int) -> None:
-    """What DDP's synchronised backward does, after backward passes that ran without it: each parameter's
-    gradient becomes the mean over the ranks (:func:`average_gradients`); ``params`` the same list on every rank."""
-    on_some_rank = reduce_across_ranks([float(p.grad is not None) for p in params])
-    average_gradients(params, [n > 0 for n in on_some_rank], world_size)
 
 
 def reduce_step(

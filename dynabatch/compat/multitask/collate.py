@@ -9,7 +9,7 @@ int token-id fields, the same keys in every row, and renames or derives
 ``labels``: here fields may be missing (metadata), float and kept as strings.
 
 Example:
-    >>> from dynabatch.training.collate import HeterogeneousCollator
+    >>> from dynabatch.compat.multitask.collate import HeterogeneousCollator
     >>> collate = HeterogeneousCollator(pad_token_id=0)
     >>> batch = collate([
     ...     {"input_ids": [5, 6, 7], "labels": [5, 6, 7], "task_type": "T1"},

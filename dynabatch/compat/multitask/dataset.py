@@ -1,7 +1,7 @@
 """A small map-style multi-task dataset with the multi-task system's ``get_sample_metadata``.
 
 Example:
-    >>> from dynabatch.training.dataset import MultiTaskDataset
+    >>> from dynabatch.compat.multitask.dataset import MultiTaskDataset
     >>> data = MultiTaskDataset([
     ...     {"input_ids": [1, 2, 3], "labels": [1, 2, 3], "task_type": "short"},
     ...     {"input_ids": [4, 5, 6, 7, 8], "labels": [4, 5, 6, 7, 8], "task_type": "long"},

@@ -12,7 +12,7 @@ shared parameter ``W`` (the last shared layer). With weights ``w_k``:
   are kept >= 1e-3 and rescaled to their previous sum.
 
 Example:
-    >>> from dynabatch.training.gradnorm import gradnorm_update
+    >>> from dynabatch.compat.multitask.gradnorm import gradnorm_update
     >>> new = gradnorm_update({"a": 1.0, "b": 1.0}, losses={"a": 1.0, "b": 1.0},
     ...                       initial_losses={"a": 2.0, "b": 1.0}, grad_norms={"a": 1.0, "b": 3.0},
     ...                       alpha=1.5, lr=0.1)

@@ -19,7 +19,7 @@ costliest comes first, so an out-of-memory error shows at step one.
 
 Example:
     >>> import numpy as np
-    >>> from dynabatch.sampling.memory_aware import plan_memory_aware_batches
+    >>> from dynabatch.compat.multitask.memory_aware import plan_memory_aware_batches
     >>> tasks = np.array([0, 0, 0, 0, 1, 1, 1, 1])
     >>> lengths = np.array([10, 10, 10, 10, 40, 40, 40, 40])
     >>> cost = lambda counts, length: 100 + counts.sum() * length  # bytes

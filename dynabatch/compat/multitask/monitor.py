@@ -13,7 +13,7 @@ Plots use matplotlib's object API (no pyplot, no global backend change).
 
 Example:
     >>> import json, os, tempfile
-    >>> from dynabatch.training.monitor import BatchMetrics, DynamicBatchingMonitor
+    >>> from dynabatch.compat.multitask.monitor import BatchMetrics, DynamicBatchingMonitor
     >>> out = tempfile.mkdtemp()
     >>> monitor = DynamicBatchingMonitor(output_dir=out)
     >>> monitor.start_epoch()

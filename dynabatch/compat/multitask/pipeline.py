@@ -23,12 +23,12 @@ import numpy as np
 import torch
 
 from dynabatch._validation import bad_type, bad_value
+from dynabatch.compat.multitask.monitor import DynamicBatchingMonitor
+from dynabatch.compat.multitask.oom_guardian import GradientCheckpointManager, OOMGuardian
+from dynabatch.compat.multitask.predictor import MemoryPredictor
+from dynabatch.compat.multitask.sampler import read_task_metadata
+from dynabatch.compat.multitask.trainer import DynamicBatchingTrainer
 from dynabatch.memory.device import default_device
-from dynabatch.training.monitor import DynamicBatchingMonitor
-from dynabatch.training.oom_guardian import GradientCheckpointManager, OOMGuardian
-from dynabatch.training.predictor import MemoryPredictor
-from dynabatch.training.sampler import read_task_metadata
-from dynabatch.training.trainer import DynamicBatchingTrainer
 
 __all__ = ["DynamicBatchingTrainingPipeline", "HeterogeneousTrainingConfig"]
 

@@ -17,7 +17,7 @@ bytes) and predictions are returned in GB (10**9 bytes), as ``"MB"`` and
 ``"GB"`` parse everywhere in dynabatch. One task's fit is in ``_task_fit.py``.
 
 Example:
-    >>> from dynabatch.training.predictor import MemoryPredictor
+    >>> from dynabatch.compat.multitask.predictor import MemoryPredictor
     >>> predictor = MemoryPredictor(device="cpu")
     >>> for rows in (1, 2, 4, 8):
     ...     for length in (8, 16, 32):
@@ -44,10 +44,10 @@ import numpy as np
 import torch
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.compat.multitask._task_fit import _check_task, _TaskFit
 from dynabatch.data.collate import batch_shape
 from dynabatch.memory.oom import call_guarded
 from dynabatch.memory.units import GB, MB
-from dynabatch.training._task_fit import _check_task, _TaskFit
 
 __all__ = ["MemoryPredictor", "estimate_training_memory", "last_measured_predictor"]
 

@@ -1,7 +1,7 @@
 """Memory-aware multi-task batch sampler (the multi-task system's ``MemoryAwareBatchSampler``).
 
 A thin ``torch.utils.data`` batch sampler over
-:func:`dynabatch.sampling.memory_aware.plan_memory_aware_batches`, built on
+:func:`dynabatch.compat.multitask.memory_aware.plan_memory_aware_batches`, built on
 :class:`dynabatch.sampling.base.PlannedBatchSampler` (``set_epoch``,
 ``state_dict`` / ``load_state_dict`` resuming mid-epoch, the same number of
 batches on every distributed rank). Memory comes from a
@@ -15,8 +15,8 @@ Tasks and sizes come from ``dataset.get_sample_metadata(idx)`` (a dict with
 from ``task_types=`` / ``lengths=`` arrays.
 
 Example:
-    >>> from dynabatch.training.predictor import MemoryPredictor
-    >>> from dynabatch.training.sampler import MemoryAwareBatchSampler
+    >>> from dynabatch.compat.multitask.predictor import MemoryPredictor
+    >>> from dynabatch.compat.multitask.sampler import MemoryAwareBatchSampler
     >>> predictor = MemoryPredictor("cpu")
     >>> for rows in (1, 2, 4):
     ...     predictor.record_actual_memory("short", 1 + rows * 1.0, batch_size=rows, seq_length=8)
@@ -45,25 +45,21 @@ from dynabatch._validation import (
     check_positive_int,
     check_positive_number,
 )
-from dynabatch.memory.budget import MemoryBudget, check_memory_margin
-from dynabatch.memory.units import MB
-from dynabatch.sampling.base import PlannedBatchSampler
-from dynabatch.sampling.memory_aware import (
+from dynabatch.compat.multitask.memory_aware import (
     BatchBytes,
     check_single_samples_fit,
     plan_memory_aware_batches,
 )
-from dynabatch.training.predictor import MemoryPredictor
+from dynabatch.compat.multitask.predictor import MemoryPredictor
+from dynabatch.memory.budget import MemoryBudget, check_memory_margin
+from dynabatch.memory.units import MB
+from dynabatch.sampling.base import PlannedBatchSampler
 
-__all__ = ["STEP_SEPARATOR", "MemoryAwareBatchSampler", "StepBatchSampler", "read_task_metadata"]
+__all__ = ["MemoryAwareBatchSampler", "read_task_metadata"]
 
 logger = logging.getLogger(__name__)
 
 _SIZE_FIELDS = ("length", "seq_length", "num_tokens")
-
-STEP_SEPARATOR = -1
-"""Marks the end of a micro-batch inside a :class:`StepBatchSampler` step."""
-
 
 def read_task_metadata(dataset: Any, size_field: str | None = None) -> tuple[list[Hashable], np.ndarray]:
     """Task type and size of every sample of ``dataset``.
@@ -232,57 +228,3 @@ class MemoryAwareBatchSampler(PlannedBatchSampler):
         idx = np.asarray(indices, dtype=np.int64)
         counts = np.bincount(self.task_ids[idx], minlength=len(self.task_names))
         return self.batch_bytes(counts, int(self.lengths[idx].max())) / MB
-
-
-class StepBatchSampler(PlannedBatchSampler):
-    """Groups a sampler's micro-batches into optimizer steps of at least ``target_batch_size`` samples.
-
-    Each yielded list is one step: the micro-batches' indices separated by
-    :data:`STEP_SEPARATOR`. The last step of an epoch may hold fewer samples.
-    A step is a grouped batch of the base (its micro-batches are the groups):
-    order, resumption and ranks act on whole steps, and a step split to give
-    every rank the same number is split between micro-batches first.
-    """
-
-    def __init__(self, micro: PlannedBatchSampler, target_batch_size: int | None) -> None:
-        if not isinstance(micro, PlannedBatchSampler):
-            raise bad_type("micro", "a PlannedBatchSampler", micro)
-        super().__init__(
-            shuffle=micro.shuffle, seed=micro.seed, num_replicas=micro.num_replicas, rank=micro.rank, shard=micro.shard
-        )
-        self.micro = micro
-        self.target_batch_size = None if target_batch_size is None else check_positive_int(
-            "target_batch_size", target_batch_size
-        )
-
-    def plan(self, epoch: int) -> list[list[np.ndarray]]:
-        steps: list[list[np.ndarray]] = []
-        current: list[np.ndarray] = []
-        rows = 0
-        for batch in self.micro.plan(epoch):
-            current.append(np.asarray(batch, dtype=np.int64))
-            rows += len(batch)
-            if self.target_batch_size is None or rows >= self.target_batch_size:
-                steps.append(current)
-                current, rows = [], 0
-        if current:
-            steps.append(current)
-        return steps
-
-    def identity(self) -> list[Any]:
-        return [self.micro.fingerprint, self.target_batch_size]
-
-    def _output(self, batch: list[np.ndarray]) -> list[int]:
-        sep = np.array([STEP_SEPARATOR], dtype=np.int64)
-        return np.concatenate([p for group in batch for p in (group, sep)][:-1]).tolist()
-
-
-def split_step(indices: Sequence[int]) -> list[list[int]]:
-    """The micro-batches of a step from :class:`StepBatchSampler` (empty ones dropped)."""
-    out: list[list[int]] = [[]]
-    for i in indices:
-        if i == STEP_SEPARATOR:
-            out.append([])
-        else:
-            out[-1].append(int(i))
-    return [b for b in out if b]

@@ -3,7 +3,7 @@
 Each item of the training dataloader is one optimizer step: micro-batches
 planned under the memory budget by :class:`~dynabatch.MemoryAwareBatchSampler`,
 grouped until they hold ``target_batch_size`` samples. ``training_step`` runs
-them one by one through :func:`~dynabatch.training.oom_guardian.guarded_step`
+them one by one through :func:`~dynabatch.training.step_guard.guarded_step`
 (an out-of-memory error splits a micro-batch and the gradient stays that of
 the whole step), with the loss of :mod:`dynabatch.training.loss`: task-weighted
 and normalised by the whole step's token (or sample) count. HF's own loop then
@@ -45,8 +45,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from dynabatch._validation import bad_type, check_positive_int
-from dynabatch.sampling.ranks import reduce_across_ranks
-from dynabatch.training._trainer_plan import (
+from dynabatch.compat.multitask._trainer_plan import (
     STATE_FILE,  # noqa: F401 (re-exported: the checkpoint file's name, importable from here as before)
     IndexedDataset,
     check_task_weights,
@@ -56,18 +55,20 @@ from dynabatch.training._trainer_plan import (
     step_sampler,
     write_state,
 )
-from dynabatch.training.collate import METADATA_KEYS, HeterogeneousCollator
-from dynabatch.training.gradnorm import GradNormBalancer, shared_parameter
+from dynabatch.compat.multitask.collate import METADATA_KEYS, HeterogeneousCollator
+from dynabatch.compat.multitask.gradnorm import GradNormBalancer, shared_parameter
+from dynabatch.compat.multitask.monitor import BatchMetrics, DynamicBatchingMonitor
+from dynabatch.compat.multitask.oom_guardian import OOMGuardian
+from dynabatch.compat.multitask.predictor import MB, MemoryPredictor
+from dynabatch.compat.multitask.sampler import MemoryAwareBatchSampler, read_task_metadata
+from dynabatch.sampling.ranks import reduce_across_ranks
 from dynabatch.training.loss import (
     check_normalization,
     count_items,
     per_sample_losses,
     weighted_loss_sum,
 )
-from dynabatch.training.monitor import BatchMetrics, DynamicBatchingMonitor
-from dynabatch.training.oom_guardian import OOMGuardian, guarded_step
-from dynabatch.training.predictor import MB, MemoryPredictor
-from dynabatch.training.sampler import MemoryAwareBatchSampler, read_task_metadata
+from dynabatch.training.step_guard import guarded_step
 
 __all__ = ["DynamicBatchingTrainer"]
 

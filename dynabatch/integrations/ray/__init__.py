@@ -16,7 +16,7 @@ model once per actor and returns ``(tokenizer, fn)``; ``fn`` takes a
 
     import ray
     from transformers import AutoModel, AutoTokenizer
-    from dynabatch.ray import DynamicBatchPredictor, map_texts
+    from dynabatch.integrations.ray import DynamicBatchPredictor, map_texts
 
     class Embed(DynamicBatchPredictor):
         def setup(self):
@@ -53,9 +53,9 @@ it, and only :func:`map_texts` imports ``ray``. Nothing in dynabatch imports
 this module.
 """
 
-from dynabatch.ray._columns import to_column
-from dynabatch.ray._map import default_window, map_texts
-from dynabatch.ray._memory import PLANS
-from dynabatch.ray.predictor import DynamicBatchPredictor
+from dynabatch.integrations.ray._columns import to_column
+from dynabatch.integrations.ray._map import default_window, map_texts
+from dynabatch.integrations.ray._memory import PLANS
+from dynabatch.integrations.ray.predictor import DynamicBatchPredictor
 
 __all__ = ["PLANS", "DynamicBatchPredictor", "default_window", "map_texts", "to_column"]

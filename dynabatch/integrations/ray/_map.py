@@ -11,9 +11,9 @@ import numpy as np
 import pyarrow as pa
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.integrations.ray._store import SUMMARY, check_store_options, open_store
+from dynabatch.integrations.ray.predictor import DynamicBatchPredictor
 from dynabatch.memory.device import device_count
-from dynabatch.ray._store import SUMMARY, check_store_options, open_store
-from dynabatch.ray.predictor import DynamicBatchPredictor
 
 __all__ = ["default_window", "map_texts"]
 
@@ -129,7 +129,7 @@ def map_texts(
 
     Example:
         A killed job, run again, computes only the rows it had not stored
-        (``Embed`` as in :mod:`dynabatch.ray`)::
+        (``Embed`` as in :mod:`dynabatch.integrations.ray`)::
 
             ds = ray.data.read_parquet("texts/")          # columns "id", "text"
             out = map_texts(ds, Embed, batch_size=16, max_input_token_length=256,
@@ -139,7 +139,7 @@ def map_texts(
     import ray.data
 
     if not (isinstance(predictor_cls, type) and issubclass(predictor_cls, DynamicBatchPredictor)):
-        raise bad_type("predictor_cls", "a subclass of dynabatch.ray.DynamicBatchPredictor", predictor_cls)
+        raise bad_type("predictor_cls", "a subclass of dynabatch.integrations.ray.DynamicBatchPredictor", predictor_cls)
     if not isinstance(ds, ray.data.Dataset):
         raise bad_type("ds", "a ray.data.Dataset", ds)
     check_positive_int("batch_size", batch_size)

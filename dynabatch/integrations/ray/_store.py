@@ -12,7 +12,7 @@ died after committing it) replaces its shard instead of adding a second copy.
 
 Example:
     >>> import tempfile
-    >>> from dynabatch.ray._store import WindowStore
+    >>> from dynabatch.integrations.ray._store import WindowStore
     >>> store = WindowStore(tempfile.mkdtemp(), key="demo", id_column="id")
     >>> held, _ = store.held(store.window_ids([3, 4]))
     >>> held.tolist()
@@ -33,7 +33,7 @@ from dynabatch.data.input_hashes import token_store_hashes
 from dynabatch.inference.options import check_store_arguments
 from dynabatch.inference.store import Store
 from dynabatch.inference.store import open_store as open_results_store
-from dynabatch.ray._columns import check_column
+from dynabatch.integrations.ray._columns import check_column
 
 __all__ = ["SUMMARY", "WindowStore", "check_store_options"]
 

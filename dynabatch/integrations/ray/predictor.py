@@ -14,10 +14,10 @@ from dynabatch.inference.loader import plan_of
 from dynabatch.inference.report import RunReport
 from dynabatch.inference.results import RunResult
 from dynabatch.inference.runner import check_run_options, run
+from dynabatch.integrations.ray._columns import check_column, check_options, columns_of, to_column
+from dynabatch.integrations.ray._memory import WindowMemory
+from dynabatch.integrations.ray._store import SUMMARY, WindowStore, check_store_options
 from dynabatch.memory.model import MemoryModel
-from dynabatch.ray._columns import check_column, check_options, columns_of, to_column
-from dynabatch.ray._memory import WindowMemory
-from dynabatch.ray._store import SUMMARY, WindowStore, check_store_options
 
 __all__ = ["DynamicBatchPredictor"]
 
@@ -140,7 +140,7 @@ class DynamicBatchPredictor(WindowMemory):
         >>> import numpy as np
         >>> from transformers import AutoModel, AutoTokenizer
         >>> from dynabatch.demo import minilm_path
-        >>> from dynabatch.ray import DynamicBatchPredictor
+        >>> from dynabatch.integrations.ray import DynamicBatchPredictor
         >>> class Embed(DynamicBatchPredictor):
         ...     def setup(self):
         ...         tok = AutoTokenizer.from_pretrained(minilm_path())
