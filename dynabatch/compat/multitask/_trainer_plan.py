@@ -2,7 +2,7 @@
 
 The trainer's training data is a sequence of optimizer steps, each made of
 micro-batches: :func:`step_sampler` builds the micro-batch sampler
-(:class:`~dynabatch.MemoryAwareBatchSampler` when a predictor and a budget
+(:class:`~dynabatch.compat.multitask.MemoryAwareBatchSampler` when a predictor and a budget
 are given, else micro-batches of a fixed number of rows) and groups it into
 steps with :class:`~dynabatch.training.step_sampler.StepBatchSampler`;
 :class:`IndexedDataset` and :func:`collate_step` turn a step's indices into

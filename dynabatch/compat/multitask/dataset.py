@@ -27,7 +27,7 @@ class MultiTaskDataset(torch.utils.data.Dataset):
 
     ``get_sample_metadata(idx)`` returns ``{"task_type", "length"}``, the
     length being the number of input ids: what
-    :class:`~dynabatch.MemoryAwareBatchSampler` plans with.
+    :class:`~dynabatch.compat.multitask.MemoryAwareBatchSampler` plans with.
     """
 
     def __init__(self, samples: Sequence[Mapping[str, Any]]) -> None:

@@ -10,7 +10,7 @@ tunable task mix:
 * in between: tasks arrive in overlapping runs, so batches hold a few tasks.
 
 Memory comes from ``batch_bytes(counts, padded_length)``, ``counts[k]`` being
-the rows of task ``k``; :meth:`dynabatch.MemoryPredictor.batch_memory_function`
+the rows of task ``k``; :meth:`dynabatch.compat.multitask.MemoryPredictor.batch_memory_function`
 gives one fitted from measured peaks. Whether a batch fits is the
 :class:`~dynabatch.memory.budget.MemoryBudget`'s answer (the margin, the shapes
 that ran out of memory). Without a budget (memory not measured yet) batches are
@@ -158,7 +158,7 @@ def plan_memory_aware_batches(
         task_diversity_weight: 0 single-task batches ... 1 batches that mirror the global mix.
         shuffle: shuffle within tasks and the task order (seeded per epoch). The batch
             predicted costliest comes first, the others in plan order: a sampler
-            (:class:`dynabatch.MemoryAwareBatchSampler`) shuffles the batch order.
+            (:class:`dynabatch.compat.multitask.MemoryAwareBatchSampler`) shuffles the batch order.
         seed: with ``epoch``, seeds a local generator (the global random state is untouched).
         epoch: the epoch being planned.
         sort_window: sort each task's samples by length within windows of this many

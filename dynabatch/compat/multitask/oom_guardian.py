@@ -41,7 +41,7 @@ class OOMGuardian(StepGuard):
         max_memory_mb: the budget for a step's peak memory in MB (10**6
             bytes, as the multi-task system's docs count: 30000 is "30GB"); by
             default what the device has free (:func:`~dynabatch.memory.device.free_bytes`).
-        predictor: a calibrated :class:`~dynabatch.MemoryPredictor` for
+        predictor: a calibrated :class:`~dynabatch.compat.multitask.MemoryPredictor` for
             :meth:`estimate_safe_batch_size`; by default the one that last
             recorded a measurement in the process (the multi-task system's call passes none).
         simulate_limit: CPU only: run guarded steps under the CPU tracker's

@@ -1,10 +1,10 @@
 """The whole multi-task run in one call (the multi-task system's ``HeterogeneousTrainingConfig`` and pipeline).
 
 :meth:`DynamicBatchingTrainingPipeline.train` calibrates a
-:class:`~dynabatch.MemoryPredictor` on the real model's training step (a few
-probe batches per task, measured), builds the :class:`~dynabatch.OOMGuardian`,
+:class:`~dynabatch.compat.multitask.MemoryPredictor` on the real model's training step (a few
+probe batches per task, measured), builds the :class:`~dynabatch.compat.multitask.OOMGuardian`,
 the :class:`~dynabatch.DynamicBatchingMonitor` and the
-:class:`~dynabatch.DynamicBatchingTrainer`, and trains. The monitor's files go
+:class:`~dynabatch.compat.multitask.DynamicBatchingTrainer`, and trains. The monitor's files go
 to ``<output_dir>/training_metrics/``. Calibration fills the guardian's
 budget (:meth:`DynamicBatchingTrainingPipeline.calibration_budget`):
 ``max_memory_mb`` in MB of 10**6 bytes, less the margin.

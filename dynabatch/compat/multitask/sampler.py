@@ -5,7 +5,7 @@ A thin ``torch.utils.data`` batch sampler over
 :class:`dynabatch.sampling.base.PlannedBatchSampler` (``set_epoch``,
 ``state_dict`` / ``load_state_dict`` resuming mid-epoch, the same number of
 batches on every distributed rank). Memory comes from a
-:class:`~dynabatch.MemoryPredictor` fitted to measured peaks: the sampler
+:class:`~dynabatch.compat.multitask.MemoryPredictor` fitted to measured peaks: the sampler
 takes a frozen snapshot of it when built, so an epoch's plan does not move
 while the predictor keeps learning.
 
@@ -115,7 +115,7 @@ class MemoryAwareBatchSampler(PlannedBatchSampler):
         task_diversity_weight: 0 gives single-task batches, 1 batches that
             mirror the global task mix.
         seed: seeds all shuffling, with the epoch.
-        predictor: a :class:`~dynabatch.MemoryPredictor` with measurements for
+        predictor: a :class:`~dynabatch.compat.multitask.MemoryPredictor` with measurements for
             every task. Only the predictor passed here is used. Without one, or
             while it lacks a measurement of some task, every batch is
             ``batch_size`` rows (the task mix still applies) and one warning

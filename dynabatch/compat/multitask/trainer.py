@@ -1,7 +1,7 @@
 """``DynamicBatchingTrainer``: HF ``Trainer`` with memory-aware multi-task steps (the multi-task system's trainer).
 
 Each item of the training dataloader is one optimizer step: micro-batches
-planned under the memory budget by :class:`~dynabatch.MemoryAwareBatchSampler`,
+planned under the memory budget by :class:`~dynabatch.compat.multitask.MemoryAwareBatchSampler`,
 grouped until they hold ``target_batch_size`` samples. ``training_step`` runs
 them one by one through :func:`~dynabatch.training.step_guard.guarded_step`
 (an out-of-memory error splits a micro-batch and the gradient stays that of
@@ -100,12 +100,12 @@ class DynamicBatchingTrainer(Trainer):
 
     Args:
         *args, **kwargs: those of ``transformers.Trainer``. The default data
-            collator is a :class:`~dynabatch.HeterogeneousCollator` of the
+            collator is a :class:`~dynabatch.compat.multitask.HeterogeneousCollator` of the
             ``processing_class`` (tokenizer).
-        memory_predictor: a calibrated :class:`~dynabatch.MemoryPredictor`; it
+        memory_predictor: a calibrated :class:`~dynabatch.compat.multitask.MemoryPredictor`; it
             plans the micro-batches and learns from every measured step.
             Without one, micro-batches are ``per_device_train_batch_size`` rows.
-        oom_guardian: an :class:`~dynabatch.OOMGuardian`: its ``max_memory_mb``
+        oom_guardian: an :class:`~dynabatch.compat.multitask.OOMGuardian`: its ``max_memory_mb``
             and margin are the plan's budget, it remembers sizes that ran after
             an out-of-memory error (and simulates a device limit on the CPU).
         batch_size_normalizer: ``"tokens"`` (default) or ``"samples"``: what a
@@ -121,7 +121,8 @@ class DynamicBatchingTrainer(Trainer):
         monitor: a :class:`~dynabatch.DynamicBatchingMonitor` fed one record per step.
         measure_memory: measure every micro-batch's peak (CUDA statistics or the CPU tracker).
         size_field: the metadata field holding a sample's size (default: its length).
-        sort_window: the sampler's length sorting window (see :class:`~dynabatch.MemoryAwareBatchSampler`).
+        sort_window: the sampler's length sorting window (see
+            :class:`~dynabatch.compat.multitask.MemoryAwareBatchSampler`).
 
     Raises:
         ValueError: ``task_loss_weights`` names a task absent from the training

@@ -1,4 +1,4 @@
-"""What a :class:`~dynabatch.integrations.ray.DynamicBatchPredictor` actor knows about memory, and how it plans a window.
+"""What a :class:`~dynabatch.integrations.ray.DynamicBatchPredictor` actor knows about memory; how it plans a window.
 
 :class:`WindowMemory` is the predictor's memory half (a base class): it
 calibrates, builds each window's loader by what the actor has measured (one of
