@@ -33,7 +33,7 @@ per device, run through :func:`dynabatch.run`'s ``devices=``, threads not proces
 
 Example:
     >>> from sentence_transformers import SentenceTransformer
-    >>> from dynabatch import sentence_transformers as dst
+    >>> from dynabatch.integrations import sentence_transformers as dst
     >>> from dynabatch.demo import kjv_passages, minilm_path
     >>> model = SentenceTransformer(minilm_path(), device="cpu")
     >>> texts = kjv_passages()[:64]

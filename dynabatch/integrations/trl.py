@@ -35,7 +35,7 @@ epoch. With flash-attention the model reads TRL's ``cu_seq_lens``; with sdpa or
 eager, transformers derives the block-diagonal mask from the restarting
 ``position_ids`` (no ``attention_mask`` is passed in padding-free mode), so
 the sequences of a row never attend to each other on CPU either
-(``tests/test_trl.py`` checks a packed row's loss against its sequences run one
+(``tests/integrations/test_trl.py`` checks a packed row's loss against its sequences run one
 by one).
 
 ``trl`` and ``datasets`` are imported when a function runs: importing this
