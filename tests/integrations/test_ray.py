@@ -1,4 +1,4 @@
-"""``dynabatch.ray``: memory-safe dynamic batches inside Ray Data's ``map_batches``.
+"""``dynabatch.integrations.ray``: memory-safe dynamic batches inside Ray Data's ``map_batches``.
 
 Real model (all-MiniLM-L6-v2, offline), real held-out texts (pyjokes' jokes and
 Python's own pydoc topics, which nothing in dynabatch was tuned on). The tests
@@ -26,7 +26,7 @@ import torch
 
 import dynabatch
 from dynabatch import BatchOutOfMemoryError, MemoryModel
-from dynabatch.ray import PLANS, DynamicBatchPredictor, default_window, map_texts, to_column
+from dynabatch.integrations.ray import PLANS, DynamicBatchPredictor, default_window, map_texts, to_column
 
 MAX_LEN = 64
 ROOT = Path(dynabatch.__file__).resolve().parents[1]
@@ -514,14 +514,15 @@ def test_a_window_without_the_text_column_or_with_the_output_column_is_refused(t
 def test_default_window_and_map_texts_arguments():
     pytest.importorskip("ray")
     assert default_window(16) == 1024 and default_window(100) == 6400 and default_window(1000) == 16384
-    with pytest.raises(TypeError, match="predictor_cls should be a subclass of dynabatch.ray.DynamicBatchPredictor"):
+    with pytest.raises(TypeError,
+                       match="predictor_cls should be a subclass of dynabatch.integrations.ray.DynamicBatchPredictor"):
         map_texts(None, object, batch_size=8, max_input_token_length=MAX_LEN)
     with pytest.raises(TypeError, match="ds should be a ray.data.Dataset, but got ds=\\[\\]"):
         map_texts([], Embed, batch_size=8, max_input_token_length=MAX_LEN)
 
 
 def test_the_module_imports_without_ray():
-    # A meta path hook that refuses ray: dynabatch.ray must import and its predictor work without it.
+    # A meta path hook that refuses ray: dynabatch.integrations.ray must import and its predictor work without it.
     code = (
         "import sys\n"
         "class NoRay:\n"
@@ -529,9 +530,9 @@ def test_the_module_imports_without_ray():
         "        if name == 'ray' or name.startswith('ray.'):\n"
         "            raise ImportError('no ray here')\n"
         "sys.meta_path.insert(0, NoRay())\n"
-        "import dynabatch.ray\n"
+        "import dynabatch.integrations.ray\n"
         "assert 'ray' not in sys.modules\n"
-        "print(dynabatch.ray.default_window(8))\n"
+        "print(dynabatch.integrations.ray.default_window(8))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
@@ -623,7 +624,7 @@ def test_map_texts_picks_the_window_and_leaves_a_cpu_for_the_stages_that_feed_th
     import logging
 
     ds = ray_cluster.data.from_items([{"text": "a"}])
-    with caplog.at_level(logging.INFO, logger="dynabatch.ray"):
+    with caplog.at_level(logging.INFO, logger="dynabatch.integrations.ray"):
         mapped = map_texts(ds, Embed, batch_size=16, max_input_token_length=MAX_LEN)  # lazy: nothing runs
     assert isinstance(mapped, ray_cluster.data.Dataset)
     assert "map_texts: windows of 1024 rows, 1 actor(s), 0 GPU(s) each" in caplog.text  # 2 CPUs, no GPU
@@ -660,7 +661,7 @@ def test_a_killed_map_texts_job_reruns_only_the_rows_its_output_does_not_hold(ra
     temp.write_bytes(bytes_[:100])
     held = set(pq.read_table(kept).column("id").to_pylist())
 
-    with caplog.at_level(logging.INFO, logger="dynabatch.ray"):
+    with caplog.at_level(logging.INFO, logger="dynabatch.integrations.ray"):
         out = map_texts(ds, Sums, record=str(record), **options)
     assert "of this dataset's 120 rows, 30 were held, 90 ran now, 0 of them without a result" in caplog.text
     assert _ran(record) == collections.Counter(t for i, t in zip(ids, held_out) if i not in held)  # the rest only

@@ -1,4 +1,5 @@
-"""``dynabatch.sentence_transformers``: ``encode`` equals ``model.encode``, on real MiniLM and on every pooling mode.
+"""``dynabatch.integrations.sentence_transformers``: ``encode`` equals ``model.encode``, on real MiniLM and on every
+pooling mode.
 
 The held-out texts are KJV passages past the first 10,000 with their lengths varied; the models are the real
 all-MiniLM-L6-v2 and random-weight BERTs saved with MiniLM's tokenizer and assembled from sentence-transformers'
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynabatch import sentence_transformers as dst
+from dynabatch.integrations import sentence_transformers as dst
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -140,7 +141,7 @@ def test_make_dynamic_runs_the_model_own_encode_on_growing_batches(bert_folder, 
     assert isinstance(twin.encode, type(model.encode)) and twin.encode.model is twin
     assert np.abs(twin.encode(texts[:4]) - twin.encode.original(texts[:4])).max() < TOL
     assert np.abs(twin.encode(texts[:4]) - got[:4]).max() > 1e-3
-    with caplog.at_level(logging.WARNING, logger="dynabatch.sentence_transformers"):
+    with caplog.at_level(logging.WARNING, logger="dynabatch.integrations.sentence_transformers"):
         pairs = model.encode([("a question", "an answer")] * 2)  # pairs: the original encode, warned once
         model.encode([("a question", "an answer")])
     assert pairs.shape == (2, 32)
@@ -172,7 +173,7 @@ def test_a_list_of_devices_gives_model_encode_vectors(minilm, texts):
 
 @pytest.mark.parametrize("show", [True, False])
 def test_show_progress_bar_turns_the_bar_on_and_off(minilm, texts, show, capsys):
-    from dynabatch.sentence_transformers import encode
+    from dynabatch.integrations.sentence_transformers import encode
 
     encode(minilm, texts[:8], batch_size=4, show_progress_bar=show)
     bar = "dynabatch" in capsys.readouterr().err  # tqdm writes its bar, named after the run, to stderr

@@ -1,4 +1,5 @@
-"""dynabatch.trl: a dataset pre-packed by dynabatch trains through TRL's SFTTrainer (padding-free), every sample once."""
+"""dynabatch.integrations.trl: a dataset pre-packed by dynabatch trains through TRL's SFTTrainer (padding-free), every
+sample once."""
 
 from collections import Counter
 from itertools import pairwise
@@ -9,7 +10,7 @@ import pytest
 import torch
 import trl
 
-from dynabatch.trl import pack_dataset
+from dynabatch.integrations.trl import pack_dataset
 
 SEQ_LENGTH = 128
 

@@ -1,13 +1,12 @@
-"""OOM guard on a real model: the same gradient after an injected out-of-memory split; sizes remembered."""
+"""guarded_step on a real model: the same gradient after an injected out-of-memory split; StepGuard remembers sizes."""
 
 import pytest
 import torch
-from torch import nn
 
 from dynabatch.data.collate import split_rows
 from dynabatch.memory.measure import track_peak_memory
 from dynabatch.training.loss import count_items, per_sample_losses, weighted_loss_sum
-from dynabatch.training.oom_guardian import GradientCheckpointManager, OOMGuardian, guarded_step
+from dynabatch.training.step_guard import StepGuard, guarded_step
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +80,10 @@ def test_split_after_injected_oom_gives_the_unsplit_gradient(gpt2, where):
     reference = guarded_step(step, batch, list(gpt2.parameters()))
     expected = _grads(gpt2)
     if where == "forward":  # a simulated device smaller than the forward's peak
-        guardian = OOMGuardian("cpu", max_memory_mb=int(fwd_peak * 0.8) / 1e6, simulate_limit=True)
+        guardian = StepGuard(limit_bytes=int(fwd_peak * 0.8))
         injector = None
     else:  # the backward fails half-way, some gradients already accumulated
-        guardian = OOMGuardian("cpu", max_memory_mb=full_peak * 4 / 1e6, simulate_limit=True)
+        guardian = StepGuard(limit_bytes=full_peak * 4)
         injector = _FailOnce(gpt2.transformer.h[0].mlp.c_fc.weight)
     gpt2.zero_grad(set_to_none=True)
     result = guarded_step(step, batch, list(gpt2.parameters()), guardian=guardian, task_types=batch["task_type"])
@@ -114,7 +113,7 @@ def test_split_after_injected_oom_gives_the_unsplit_gradient(gpt2, where):
 
 def test_a_single_row_that_does_not_fit_raises(gpt2):
     batch = _batch()
-    guardian = OOMGuardian("cpu", max_memory_mb=1024 / 1e6, simulate_limit=True)
+    guardian = StepGuard(limit_bytes=1024)
     step = _step_fn(gpt2, 10, {"a": 1.0, "b": 1.0})
     with pytest.raises(torch.OutOfMemoryError):
         guarded_step(step, batch, list(gpt2.parameters()), guardian=guardian, task_types=batch["task_type"])
@@ -130,54 +129,7 @@ def test_split_rows_trims_right_padding_and_keeps_lists():
         split_rows(_batch(), [5, 2])
 
 
-class _Fixed:
-    """A stand-in predictor with a known linear cost: 10 MB + 2 MB per row (MB = 10**6 bytes)."""
-
-    def typical_length(self, task):
-        return 16.0
-
-    def predict_bytes(self, task, rows, length, is_training=True):
-        return (10 + 2 * rows) * 10**6
-
-
-def test_safe_batch_size_preflight_and_margin():
-    guardian = OOMGuardian("cpu", memory_margin_percent=0.10, max_memory_mb=100, predictor=_Fixed())
-    assert guardian.estimate_safe_batch_size("T1") == 40  # 10 + 2 * 40 = 90 = 100 * (1 - 0.10)
-    guardian.record_out_of_memory(["T1"], 16, 13)  # 13 rows at 16 tokens ran out of memory: 12 at most
-    assert guardian.estimate_safe_batch_size("T1", seq_length=16) == 12
-    assert guardian.estimate_safe_batch_size("T1", seq_length=8) == 40
-    assert guardian.preflight_check(89 / 1000) and not guardian.preflight_check(91 / 1000)  # GB = 10**9 bytes
-    guardian.emergency_cleanup()
-    for bad in (-0.1, 1.0, 1.5):
-        with pytest.raises(ValueError, match=rf"memory_margin_percent should be a number in \[0, 1\).*but got memory_margin_percent={bad}"):
-            OOMGuardian("cpu", memory_margin_percent=bad)
-    with pytest.raises(ValueError, match=r"max_memory_mb should be a positive number, but got max_memory_mb=0"):
-        OOMGuardian("cpu", max_memory_mb=0)
-
-
-def test_gradient_checkpointing_on_plain_torch_and_hf(gpt2):
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64)) for _ in range(4)])
-    x = torch.randn(1024, 64)  # activations, not the gradient buffers, dominate the peak
-
-    def run():
-        model.zero_grad(set_to_none=True)
-        with track_peak_memory("cpu") as mem:
-            model(x).pow(2).sum().backward()
-        return mem.peak_bytes, [p.grad.clone() for p in model.parameters()]
-
-    plain_peak, plain_grads = run()
-    assert GradientCheckpointManager.enable_gradient_checkpointing(model)
-    assert GradientCheckpointManager.is_enabled(model)
-    ckpt_peak, ckpt_grads = run()
-    assert ckpt_peak < plain_peak
-    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain_grads, ckpt_grads))
-    GradientCheckpointManager.disable_gradient_checkpointing(model)
-    assert not GradientCheckpointManager.is_enabled(model)
-
-    assert GradientCheckpointManager.enable_gradient_checkpointing(gpt2)
-    assert GradientCheckpointManager.is_enabled(gpt2) and gpt2.config.use_cache is False
-    GradientCheckpointManager.disable_gradient_checkpointing(gpt2)
-    assert not GradientCheckpointManager.is_enabled(gpt2)
-    with pytest.raises(TypeError, match=r"model should be a torch.nn.Module"):
-        GradientCheckpointManager.enable_gradient_checkpointing("model")
+def test_step_guard_refuses_a_limit_that_is_not_a_positive_integer():
+    with pytest.raises(ValueError, match=r"limit_bytes should be a positive integer, but got limit_bytes=0"):
+        StepGuard(limit_bytes=0)
+    assert StepGuard().failed_shapes() == [] and StepGuard().remembered_batch_size([], 8) is None

@@ -7,9 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, DataLoader
 
-from dynabatch import BucketBatchSampler, SizeAwareBatchSampler
-from dynabatch.sampling._bucket_draw import draw_bucket, mcg_powers
-from dynabatch.size_aware import Buckets, create_buckets
+from dynabatch.compat.bionemo import BucketBatchSampler, Buckets, SizeAwareBatchSampler, create_buckets
+from dynabatch.compat.bionemo._bucket_draw import draw_bucket, mcg_powers
 
 
 def _bbs(sizes, boundaries, batch_sizes=(2, 3, 5), **kwargs):
@@ -94,10 +93,10 @@ def test_elements_outside_the_ranges_are_skipped_with_a_warning(caplog):
     sizes = torch.tensor([-1, 0, 1, 5, 9, 10])
     with pytest.warns(UserWarning, match="2 elements are outside the buckets provided and will be skipped"):
         sampler = _bbs(sizes, torch.tensor([0, 5, 10]), batch_sizes=(8, 8), shuffle=False)
-    with caplog.at_level("WARNING", logger="dynabatch.sampling.bucket"):
+    with caplog.at_level("WARNING", logger="dynabatch.compat.bionemo.bucket"):
         assert list(sampler) == [[1, 2], [3, 4]]
         assert list(sampler) == [[1, 2], [3, 4]]
-    said = [r.getMessage() for r in caplog.records if r.name == "dynabatch.sampling.bucket"]
+    said = [r.getMessage() for r in caplog.records if r.name == "dynabatch.compat.bionemo.bucket"]
     assert said == ["2 of 6 elements are outside the bucket ranges and skipped this epoch"] * 2  # once per epoch
 
 

@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler, default_collate
 
-from dynabatch import SizeAwareBatchSampler
-from dynabatch.size_aware import size_aware_batching
+from dynabatch.compat.bionemo import SizeAwareBatchSampler, size_aware_batching
 
 
 def _greedy_reference(sizes, max_total_size):
@@ -68,7 +67,7 @@ def test_warn_logger_can_be_warnings_warn():
 
 
 def test_without_loggers_messages_go_to_the_module_logger(caplog):
-    with caplog.at_level(logging.DEBUG, logger="dynabatch.sampling.size_aware"):
+    with caplog.at_level(logging.DEBUG, logger="dynabatch.compat.bionemo.size_aware"):
         assert list(size_aware_batching([1, 5, 2], lambda x: x, 3)) == [[1, 2]]
     text = caplog.text
     assert "exceeds max_total_size (5 > 3)" in text

@@ -6,12 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynabatch import BucketBatchSampler, SizeAwareBatchSampler
+from dynabatch.compat.bionemo import BucketBatchSampler, SizeAwareBatchSampler, collect_peak_alloc, create_buckets
+from dynabatch.compat.bionemo.size_aware_memory import MemorySizeof, bucket_memory_kwargs, fit_memory_model
 from dynabatch.memory.budget import MemoryBudget
-from dynabatch.memory.measure import collect_peak_alloc
 from dynabatch.memory.model import MemoryModel
-from dynabatch.sampling.size_aware_memory import MemorySizeof, bucket_memory_kwargs, fit_memory_model
-from dynabatch.size_aware import create_buckets
 
 SHAPES = [(r, n) for r in (1, 4, 16, 64, 256) for n in (1, 8, 16, 32, 64)]
 

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from dynabatch.multitask import BatchMetrics, DynamicBatchingMonitor, HeterogeneousCollator
+from dynabatch.compat.multitask import BatchMetrics, DynamicBatchingMonitor, HeterogeneousCollator
 
 
 def test_collator_pads_stacks_and_keeps_metadata(tokenizer):

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynabatch.sampling.memory_aware import plan_memory_aware_batches
+from dynabatch.compat.multitask.memory_aware import plan_memory_aware_batches
 
 
 def _linear(per_row):

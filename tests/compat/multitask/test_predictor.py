@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
+from dynabatch.compat.multitask import MemoryPredictor, OOMGuardian, estimate_training_memory
+from dynabatch.compat.multitask import predictor as predictor_module
+from dynabatch.compat.multitask.collate import HeterogeneousCollator
+from dynabatch.compat.multitask.predictor import last_measured_predictor
 from dynabatch.memory.budget import GB, MB
-from dynabatch.multitask import MemoryPredictor, OOMGuardian, estimate_training_memory
-from dynabatch.training import predictor as predictor_module
-from dynabatch.training.collate import HeterogeneousCollator
-from dynabatch.training.predictor import last_measured_predictor
 
 
 def _linear_predictor():

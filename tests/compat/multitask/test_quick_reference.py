@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from dynabatch import MemoryAwareBatchSampler
-from dynabatch.multitask import (
+from dynabatch.compat.multitask import (
     BatchMetrics,
     DynamicBatchingMonitor,
     GradientCheckpointManager,
     HeterogeneousCollator,
     HeterogeneousTrainingConfig,
+    MemoryAwareBatchSampler,
     MemoryPredictor,
     OOMGuardian,
     estimate_training_memory,
@@ -136,8 +136,8 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer
 from dynabatch.demo import minilm_path
-from dynabatch.multitask import (MemoryPredictor, MemoryAwareBatchSampler, HeterogeneousCollator, OOMGuardian,
-                                 GradientCheckpointManager, estimate_training_memory)
+from dynabatch.compat.multitask import (MemoryPredictor, MemoryAwareBatchSampler, HeterogeneousCollator,
+                                        OOMGuardian, GradientCheckpointManager, estimate_training_memory)
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(name)s: %(message)s")
 """ + textwrap.dedent(inspect.getsource(SeedDataset)) + """
 train_dataset = SeedDataset()
@@ -194,13 +194,13 @@ print(f"Peak memory: {estimates['estimated_peak_memory_mb']:.0f}MB")
 def test_quick_reference_as_written_in_its_order_in_a_fresh_process(tmp_path):
     # Nothing is measured when the sampler is built: it plans by batch_size and warns once, using no predictor it was
     # not given; estimate_training_memory gives numbers once a measurement exists; an unmeasured prediction raises.
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(Path(__file__).resolve().parents[3]))
     out = subprocess.run([sys.executable, "-c", _AS_WRITTEN], capture_output=True, text=True, env=env, timeout=120,
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert any(line.startswith("UNMEASURED: task_type should be a task with a measured training step") for line in lines)
-    warnings = [line for line in lines if line.startswith("WARNING dynabatch.training.sampler")]
+    warnings = [line for line in lines if line.startswith("WARNING dynabatch.compat.multitask.sampler")]
     assert len(warnings) == 1 and "memory is not calibrated yet" in warnings[0]
     assert "ROWS: 40" in lines
     assert "Per batch: 80000MB" in lines and "Peak memory: 80000MB" in lines  # 16 rows x 5000 MB

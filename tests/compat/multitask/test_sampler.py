@@ -2,8 +2,7 @@
 
 import pytest
 
-from dynabatch import MemoryAwareBatchSampler
-from dynabatch.multitask import MemoryPredictor
+from dynabatch.compat.multitask import MemoryAwareBatchSampler, MemoryPredictor
 
 
 class _Data:
@@ -37,7 +36,7 @@ def predictor():
 def test_the_seed_call_before_any_measurement_plans_every_index_by_batch_size_and_warns_once(predictor, caplog):
     # the multi-task system's call, with a measured predictor in the process that the sampler must not pick up by itself
     data = _Data()
-    with caplog.at_level("WARNING", logger="dynabatch.training.sampler"):
+    with caplog.at_level("WARNING", logger="dynabatch.compat.multitask.sampler"):
         sampler = MemoryAwareBatchSampler(dataset=data, batch_size=16, max_memory_mb=30000, shuffle=True,
                                           task_diversity_weight=0.5)
     assert sampler.predictor is None and not sampler.calibrated

@@ -7,17 +7,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynabatch.memory.units import MB
-from dynabatch.multitask import (
+from dynabatch.compat.multitask import (
     DynamicBatchingTrainer,
     DynamicBatchingTrainingPipeline,
     HeterogeneousTrainingConfig,
     MultiTaskDataset,
     OOMGuardian,
 )
-from dynabatch.training.sampler import STEP_SEPARATOR
+from dynabatch.memory.units import MB
+from dynabatch.training.step_sampler import STEP_SEPARATOR
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "multitask_training.py"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "multitask_training.py"
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def test_out_of_memory_inside_training_is_split_and_the_steps_are_unchanged(
 ):
     from transformers import TrainingArguments
 
-    from dynabatch.multitask import DynamicBatchingMonitor, OOMGuardian
+    from dynabatch.compat.multitask import DynamicBatchingMonitor, OOMGuardian
 
     def run(guardian, out):
         model = example.build_model(tokenizer, hidden=32, max_length=32)
@@ -206,7 +206,7 @@ def test_steps_dealt_to_two_ranks_are_whole_steps_every_sample_once():
     # shard=False (accelerate deals the steps): the plan's steps, a multiple of the ranks, none halved
     import numpy as np
 
-    from dynabatch.training._trainer_plan import step_sampler
+    from dynabatch.compat.multitask._trainer_plan import step_sampler
 
     tasks, lengths = ["a"] * 14 + ["b"] * 13, np.arange(1, 28)
     for max_steps, epochs in ((-1, 3), (5, 1)):
@@ -224,8 +224,8 @@ def test_every_rank_gets_a_step_with_samples_or_a_clear_error():
     import numpy as np
     import pytest
 
-    from dynabatch.training._trainer_plan import step_sampler
-    from dynabatch.training.sampler import split_step
+    from dynabatch.compat.multitask._trainer_plan import step_sampler
+    from dynabatch.training.step_sampler import split_step
 
     steps, _ = step_sampler(["a"] * 3, np.array([5, 5, 5]), rows=1, target_batch_size=2, task_diversity_weight=0.0,
                             seed=0, world_size=3)

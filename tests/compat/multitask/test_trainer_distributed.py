@@ -12,7 +12,7 @@ _WORKER = textwrap.dedent(
     import torch
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, TrainingArguments
 
-    from dynabatch.multitask import DynamicBatchingTrainer, MultiTaskDataset
+    from dynabatch.compat.multitask import DynamicBatchingTrainer, MultiTaskDataset
     from dynabatch.demo import kjv_passages, minilm_path
 
     rank, out = int(sys.argv[1]), sys.argv[2]
