@@ -149,7 +149,8 @@ def test_plan_speed_prints_cold_start_and_planning_rows_and_writes_only_where_as
 
 PACKING = ROOT / "benchmarks" / "packing.py"
 PACKING_METHODS = ["dynabatch MultipackBatchSampler", 'dynabatch FFD (algorithm="ffd")',
-                   "shuffled first fit (axolotl re-impl.)", "dynabatch.trl.pack_dataset", "TRL pack_dataset (bfd)"]
+                   "shuffled first fit (axolotl re-impl.)", "dynabatch.integrations.trl.pack_dataset",
+                   "TRL pack_dataset (bfd)"]
 PACKING_DISTRIBUTIONS = ["lognormal (median 300)", "real short text (KJV)", "many very short", "near capacity",
                          "bimodal", "long tail (Pareto)"]
 

@@ -10,7 +10,7 @@ text lines, a ``datasets`` folder). The model is a local folder:
 
 * a sentence-transformers folder (it has ``modules.json``) runs its own modules
   (tokenization, prompts, pooling, Normalize) through
-  :func:`dynabatch.sentence_transformers.corpus_embedder`: the vectors of
+  :func:`dynabatch.integrations.sentence_transformers.corpus_embedder`: the vectors of
   ``model.encode``;
 * any other Hugging Face folder loads with ``AutoModel`` (an encoder-decoder's
   encoder) and is pooled by ``--pooling``: ``mean`` over the real tokens,
@@ -249,7 +249,7 @@ def _load(spec: _Job, args: argparse.Namespace) -> tuple[Any, int, Any, Any]:
     if spec.pooling == _ST:
         from sentence_transformers import SentenceTransformer
 
-        from dynabatch.sentence_transformers import corpus_embedder
+        from dynabatch.integrations.sentence_transformers import corpus_embedder
 
         model = SentenceTransformer(spec.folder, device=str(first), model_kwargs={"dtype": spec.dtype})
         model.max_seq_length = spec.max_length

@@ -176,7 +176,7 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     """Runs ``dynabatch generate``; returns the exit status."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    from dynabatch.generation import generate
+    from dynabatch.inference.generation import generate
 
     start = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dynabatch.compat.bionemo import collect_cuda_peak_alloc
 from dynabatch.memory import device
 from dynabatch.memory.device import (
     AllocatorBackend,
@@ -23,7 +24,7 @@ from dynabatch.memory.device import (
     register_backend,
     total_bytes,
 )
-from dynabatch.memory.measure import check_device, check_measurable_device, collect_cuda_peak_alloc, track_peak_memory
+from dynabatch.memory.measure import check_device, check_measurable_device, track_peak_memory
 
 
 class _FakeAllocator:
