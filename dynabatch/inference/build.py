@@ -11,6 +11,19 @@ them would) and frees a streamed plan's tokens once their rows are in a built ba
 
 A plain iterable of batches has no plan to check before the run: where a results store holds some of its rows, the
 rows are checked as their batch is built, before any row of that batch is written (``check_inputs``).
+
+Example:
+    >>> import numpy as np
+    >>> import torch
+    >>> from dynabatch.data.collate import Batch
+    >>> from dynabatch.inference.build import Builder
+    >>> from dynabatch.inference.source import Item
+    >>> batch = Batch({"input_ids": torch.tensor([[5, 6, 7], [8, 0, 0]]),
+    ...                "attention_mask": torch.tensor([[1, 1, 1], [1, 0, 0]])}, indices=torch.tensor([3, 9]))
+    >>> builder = Builder(None, [batch], pad_token_id=0, pinned=False, hashes=True)
+    >>> built = builder.build(Item(0, np.array([9]), batch, rows=np.array([1])))  # row 1 alone, trimmed
+    >>> built.batch["input_ids"].tolist(), built.hashes_at(np.array([9])).dtype
+    ([[8]], dtype('uint64'))
 """
 
 from __future__ import annotations

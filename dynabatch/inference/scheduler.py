@@ -20,6 +20,24 @@ A worker talks to it through :meth:`Scheduler.next` (the next item for its lane)
 :meth:`Scheduler.measure`, :meth:`Scheduler.report` (what a call measured, or that it ran out of memory) and
 :meth:`Scheduler.requeue` (rows of a device that failed); the build stage reads :meth:`Scheduler.peek` to build
 batches ahead. It holds positions only, never tensors.
+
+Example:
+    >>> import numpy as np
+    >>> import torch
+    >>> from dynabatch.data.collate import Batch
+    >>> from dynabatch.inference.scheduler import Scheduler
+    >>> from dynabatch.inference.source import Source
+    >>> batches = [Batch({"input_ids": torch.ones(n, 8, dtype=torch.long)}, indices=torch.arange(start, start + n))
+    ...            for start, n in ((0, 4), (4, 2))]
+    >>> stored = np.array([False, True, False, False, False, False])  # a store holds input 1
+    >>> scheduler = Scheduler(Source(batches, None), memory="off", sparse=False, stored=stored)
+    >>> lane = scheduler.lane()
+    >>> item = scheduler.next(lane)
+    >>> item.positions.tolist(), item.stored.tolist()
+    ([0, 2, 3], [1])
+    >>> scheduler.report(lane, item, out_of_memory=(3, 8))  # 3 rows x 8 tokens ran out of memory
+    >>> scheduler.pre_split(lane, 3, 8).sizes, scheduler.pre_split(lane, 2, 8)
+    ([1, 2], None)
 """
 
 from __future__ import annotations

@@ -169,3 +169,24 @@ def test_the_progress_bar_counts_a_crashed_workers_batch_once(texts, tokenizer, 
     assert state["crash"] and all(r is not None for r in result)
     counts = re.findall(r"(\d+)/(\d+) ", capsys.readouterr().err)
     assert counts and counts[-1] == (str(len(texts)), str(len(texts)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_real_gpu_batches_are_pinned_copied_on_their_own_stream_and_give_the_cpus_rows(texts, tokenizer,
+                                                                                             monkeypatch):
+    from dynabatch.memory import device as devices
+
+    streams, pinned = [], []
+    real = devices.StreamCopier.__call__
+
+    def noted(copier, tensors):
+        streams.append(copier.stream)
+        pinned.append(all(t.is_pinned() for t in tensors.values() if isinstance(t, torch.Tensor)))
+        return real(copier, tensors)
+
+    monkeypatch.setattr(devices.StreamCopier, "__call__", noted)
+    on_gpu = run(_lengths, _load(texts, tokenizer), device="cuda", progress=False)
+    on_cpu = run(_lengths, _load(texts, tokenizer), progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(on_gpu, on_cpu)) and on_gpu.failed == []
+    assert streams and all(s is streams[0] and s != torch.cuda.current_stream() for s in streams) and all(pinned)
