@@ -28,8 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
                                          r"group"),
         ({"prefetch": 2, "devices": ["cpu"]}, ValueError, r"^prefetch should be None or 0 with devices"),
         ({"make_fn": lambda d: _lengths}, ValueError, r"^make_fn should be None without devices"),
-        ({"on_error": "ignore"}, ValueError, r"^on_error should be one of \('raise', 'skip'\), but got "
-                                             r"on_error='ignore'$"),
+        ({"on_error": "ignore"}, ValueError,
+         r"^on_error should be one of \('raise', 'skip'\), but got on_error='ignore'$"),
         ({"batch_sizes": 3}, TypeError, r"run\(\) got an unexpected keyword argument 'batch_sizes'"),
     ],
 )
@@ -113,8 +113,8 @@ def test_one_device_that_cannot_fit_a_row_is_no_device_failure_and_counts_each_i
                  on_oom="skip")
     assert result.report.rows == len(texts)  # each input once: run, or set aside with its cause
     assert result.failed and all(result[p] is None for p in result.failed)
-    assert set(result.failures.values()) == {"out of memory alone: OutOfMemoryError: CUDA out of memory (injected: "
-                                             "this device fits nothing)"}
+    cause = "out of memory alone: OutOfMemoryError: CUDA out of memory (injected: this device fits nothing)"
+    assert set(result.failures.values()) == {cause}
     want = run(_lengths, _load(texts, tokenizer), progress=False)
     assert all(a is None or torch.equal(a, b) for a, b in zip(result, want))
 
