@@ -26,7 +26,7 @@ from dynabatch.data.training_collate import TrainingCollator
 from dynabatch.inference.generation import generate
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.outputs import PerRow
-from dynabatch.inference.runner import BatchOutOfMemoryError, RunResult, StoredRunResult, run
+from dynabatch.inference.runner import BatchOutOfMemoryError, IncompleteRunError, RunResult, StoredRunResult, run
 from dynabatch.memory.budget import MemoryBudget
 from dynabatch.memory.calibrate import calibrate
 from dynabatch.memory.measure import track_peak_memory
@@ -55,6 +55,7 @@ __all__ = [
     "BatchSamplerTrainer",
     "DynamicBatchSampler",
     "FixedBatchSize",
+    "IncompleteRunError",
     "LengthDifference",
     "MemoryBudget",
     "MemoryModel",

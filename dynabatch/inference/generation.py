@@ -203,8 +203,6 @@ def generate(
     on_oom: str = "raise",
     memory: str = "auto",
     progress: bool = True,
-    measure_memory: Any = None,
-    adapt: bool | None = None,
     **generate_kwargs: Any,
 ) -> RunResult | StoredRunResult:
     """Generates a reply to every prompt with ``model.generate``, in input order, through :func:`dynabatch.run`.
@@ -227,7 +225,6 @@ def generate(
         device: where batches run; ``None``: the model's device.
         output_path, key, on_oom, memory, progress: :func:`dynabatch.run`'s
             (with ``output_path`` a rerun generates only the prompts not yet saved).
-        measure_memory, adapt: deprecated spellings of ``memory`` (passed to :func:`dynabatch.run`, which warns).
         **generate_kwargs: passed to every ``model.generate`` call (``max_new_tokens``,
             ``do_sample``, ``num_beams``, ...). With ``num_return_sequences=k > 1``
             each prompt's result is a list of ``k`` replies.
@@ -278,8 +275,6 @@ def generate(
     if device is None:
         device = getattr(model, "device", None)
     options = {"key": key} if key is not None else {}  # run's key= (the results store) only when asked for
-    options.update({name: value for name, value in (("measure_memory", measure_memory), ("adapt", adapt))
-                    if value is not None})
     with torch.inference_mode():
         return run(replies, loader, device=device, output_path=output_path, on_oom=on_oom, memory=memory,
                    progress=progress, **options)

@@ -55,6 +55,7 @@ SHARD_SECONDS = 60.0  # or rows that finished this long ago: a killed run loses 
 META = b"dynabatch"
 _HOST = socket.gethostname().replace("-", "_").replace(".", "_")
 RESERVED = ("position", "id", "input_hash")  # the store's own columns
+_FAILED = ".failed-"  # a writer's failure records: the inputs that failed, and why
 _SCALARS = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.string()}
 _NAMES = {str(t): kind.__name__ for kind, t in _SCALARS.items()}
 _BF16 = {b"dynabatch.dtype": b"bfloat16"}
@@ -385,12 +386,12 @@ class Store:
     ``schema``: the rows' :class:`Columns` and Arrow fields; ``files``: the shards, in the order rows are numbered."""
 
     def __init__(self, path: Any, *, key: str | None, n: int | None = None, ids: pa.Array | None = None,
-                 keyed_by: str | None = None, verify: bool = True) -> None:
+                 keyed_by: str | None = None, verify: bool = True, job: str | None = None) -> None:
         path = os.fspath(path)
         if os.path.exists(path) and not os.path.isdir(path):  # a socket, a device
             raise bad_value("output_path", "a directory (a Parquet results store)", path)
         os.makedirs(path, exist_ok=True)
-        self.path, self.key, self.ids = path, key, ids
+        self.path, self.key, self.ids, self.job = path, key, ids, job
         self.keyed_by = keyed_by or ("position" if ids is None else "id")
         self._stored_ids = ids is None and self.keyed_by == "id"  # the inputs are the ids stored
         self.run = f"{time.strftime('%Y%m%dT%H%M%S')}_{uuid.uuid4().hex[:8]}"  # in this open's shard names
@@ -401,13 +402,14 @@ class Store:
         self.ids, self.where, self._stored_hash = self._locate(n)
         self.n, self.done = len(self.where), self.where >= 0
         self._checked = np.full(self.n, self._stored_ids)
-        self._unchecked = 0 if self._stored_ids else int(self.done.sum())
+        # Inputs not known up front (n=None: an iterable of batches) are checked batch by batch as they are built.
+        self._unchecked = 0 if self._stored_ids or n is None else int(self.done.sum())
 
     def _scan(self, verify: bool) -> None:
         """Indexes the shards not seen yet; removes killed writers' temporary files; sets aside unreadable shards."""
         names = sorted(os.listdir(self.path))
         foreign = [n for n in names if not (n.startswith("part-") and n.endswith(".parquet")
-                                            or n.startswith((".tmp-", ".torn-")))]
+                                            or n.startswith((".tmp-", ".torn-", _FAILED)))]
         if foreign:
             raise ValueError(f"output_path should be a new or empty directory, or a dynabatch results store, but got "
                              f"output_path={self.path!r} holding {len(foreign)} other entries "
@@ -529,6 +531,30 @@ class Store:
                 return list(self.schema)
         return self.columns if parts is None else self.columns.fields(parts, stored=self.schema)
 
+    def failures(self) -> dict[int, str]:
+        """The inputs of this run that failed (failure records of any writer, the latest first) and are not stored
+        since: position -> cause."""
+        with self._lock:
+            self._scan(verify=False)
+            _, where, _ = self._locate(None)
+        out: dict[int, str] = {}
+        for name in sorted(n for n in os.listdir(self.path) if n.startswith(_FAILED)):
+            with open(os.path.join(self.path, name), encoding="utf-8") as f:
+                record = json.load(f)
+            keys = np.asarray(record["keys"])
+            if self.ids is not None:
+                positions = pc.fill_null(pc.index_in(pa.array(record["keys"], self.ids.type), value_set=self.ids),
+                                         -1).to_numpy()
+            else:
+                positions = keys.astype(np.int64) if keys.size else np.zeros(0, dtype=np.int64)
+            for position, cause in zip(positions.tolist(), record["causes"]):
+                if position >= 0 and (position >= len(where) or where[position] < 0):
+                    out[position] = cause
+        return out
+
+    def close(self) -> None:
+        """Ends this run's use of the store."""
+
     def located(self, n: int) -> Located:
         """Where each of ``n`` inputs' rows is in the store as it is now (every writer's committed shards), to read
         them back (:class:`~dynabatch.inference.results.StoredRunResult`)."""
@@ -548,6 +574,22 @@ class StoreWriter:
         self.buffer: list[tuple] = []  # (positions, input hashes, each column's part) per batch
         self._varying: set[tuple] = set()
         self._thread, self._pending = None, None  # the background thread, the shard it writes
+        self._failed: list[tuple[np.ndarray, list[str]]] = []  # (positions, causes) of inputs that failed
+
+    def fail(self, positions: np.ndarray, hashes: np.ndarray | None, causes: list[str]) -> None:
+        """Records inputs that failed (``causes[i]`` of input ``positions[i]``), written when the writer closes."""
+        self._failed.append((np.asarray(positions, dtype=np.int64), list(causes)))
+
+    def _write_failures(self) -> None:
+        positions = np.concatenate([p for p, _ in self._failed])
+        ids = self.ids if self.ids is not None else self.store.ids
+        keys = ids.take(pa.array(positions)).to_pylist() if ids is not None else positions.tolist()
+        name = f"{_FAILED}{self.name}-{self.seq:05d}.json"
+        temp = os.path.join(self.store.path, f".tmp-{_HOST}-{os.getpid()}-{name}")
+        with open(temp, "w", encoding="utf-8") as f:
+            json.dump({"keys": keys, "causes": [c for _, causes in self._failed for c in causes]}, f)
+        os.replace(temp, os.path.join(self.store.path, name))
+        self._failed = []
 
     def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray, varying: Collection[tuple] = ()) -> None:
         """Adds rows (``rows[i]`` of input ``positions[i]``, input hash ``hashes[i]``; ``None`` rows are not stored);
@@ -621,6 +663,8 @@ class StoreWriter:
                 self._submit()
             self.buffer, self.rows, self.bytes, self.since = [], 0, 0, None
             self._wait()
+            if self._failed:
+                self._write_failures()
         finally:
             if self._thread is not None:
                 self._thread.shutdown(wait=True)

@@ -308,8 +308,6 @@ def encode(
     *,
     on_oom: str = "raise",
     memory: str = "auto",
-    measure_memory: Any = None,
-    adapt: bool | None = None,
     **kwargs: Any,
 ) -> Any:
     """``model.encode(sentences, ...)`` on dynamic batches: the same arguments, the same return value.
@@ -325,7 +323,6 @@ def encode(
             every device at once (the model moved to the first, a copy on each other accelerator).
         pool, chunk_size: ``pool`` must be ``None`` (one device); ``chunk_size`` is not used.
         on_oom, memory: :func:`dynabatch.run`'s.
-        measure_memory, adapt: deprecated spellings of ``memory`` (passed to :func:`dynabatch.run`, which warns).
         **kwargs: the model's own keywords (``task``, ``processing_kwargs``), passed to
             its ``preprocess`` and forward as ``encode`` passes them.
 
@@ -361,8 +358,7 @@ def encode(
     progress = _show_progress(show_progress_bar)
     rows = _run_rows(model, inputs, _resolve_prompt(model, prompt, prompt_name), batch_size, output_value,
                      normalize_embeddings, truncate_dim, target,
-                     progress, {"on_oom": on_oom, "memory": memory, **{name: value for name, value in (
-                         ("measure_memory", measure_memory), ("adapt", adapt)) if value is not None}}, kwargs, devices)
+                     progress, {"on_oom": on_oom, "memory": memory}, kwargs, devices)
     if output_value != "sentence_embedding":
         embeddings: Any = [_on(row, target) for row in rows]
     else:
@@ -459,7 +455,7 @@ def make_dynamic(model: Any, **options: Any) -> Any:
         >>> model.encode(["In the beginning", "And God said"]).shape
         (2, 384)
     """
-    unknown = sorted(set(options) - {"on_oom", "memory", "measure_memory", "adapt"})
+    unknown = sorted(set(options) - {"on_oom", "memory"})
     if unknown:
         raise TypeError(f"make_dynamic() got unexpected keyword arguments {unknown}: it takes on_oom and memory")
     model.encode = _DynamicEncode(model, options)

@@ -272,22 +272,22 @@ def test_failed_rows_are_not_stored_and_a_rerun_tries_them_again(tokenizer, text
     assert partial[position] is None and len(partial) == 20
 
 
-@pytest.mark.parametrize("adapt", [None, False])  # measured mode (the planner's batches) and the plan as it is
-def test_bad_inputs_skipped_come_back_as_none_and_are_not_stored(tokenizer, texts, tmp_path, adapt):
+@pytest.mark.parametrize("memory", ["auto", "off"])  # measured mode (the planner's batches) and the plan as it is
+def test_bad_inputs_skipped_come_back_as_none_and_are_not_stored(tokenizer, texts, tmp_path, memory):
     import pandas as pd
 
     dirty = pd.Series(list(texts[:40]))
     dirty[[3, 17, 18]] = None  # a pandas column with missing texts (NaN / None)
     loader = _load(dirty, tokenizer, on_bad_input="skip")
     path = tmp_path / "store"
-    for result in (run(_lengths, loader, adapt=adapt, progress=False),
-                   run(_lengths, loader, adapt=adapt, output_path=path, progress=False)):
+    for result in (run(_lengths, loader, memory=memory, progress=False),
+                   run(_lengths, loader, memory=memory, output_path=path, progress=False)):
         assert len(result) == 40 and result.failed == [3, 17, 18]
         assert [p for p in range(40) if result[p] is None] == [3, 17, 18]  # every input once, the bad ones None
         assert result.report.skipped_inputs == 3 and result.report.rows == 37
         assert result.report.summary()["skipped_inputs"] == 3
     assert sorted(_stored(path)) == sorted(set(range(40)) - {3, 17, 18})
-    again = run(_lengths, loader, adapt=adapt, output_path=path, progress=False)  # reported again, nothing runs
+    again = run(_lengths, loader, memory=memory, output_path=path, progress=False)  # reported again, nothing runs
     assert again.failed == [3, 17, 18] and again.report.rows == 0
 
 
