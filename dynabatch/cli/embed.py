@@ -244,9 +244,7 @@ def _prepare(args: argparse.Namespace) -> _Job:
     corpus.require("--text-column", args.text_column, ("string",))
     if args.id_column is not None:
         corpus.require("--id-column", args.id_column, ("string", "integer"))
-    output = Output(args.output)
-    output.prepare()  # made and written to: a folder this user cannot write is the next thing to fix
-    try:
+    with Output(args.output).checked() as output:  # made and written to: the next thing a user fixes
         place = job.placement(check_device_names(args.devices))
         folder, name = _model_folder(args.model)
         config = check_model_folder("--model", folder)
@@ -268,9 +266,6 @@ def _prepare(args: argparse.Namespace) -> _Job:
         ids = corpus.ids(args.id_column) if args.id_column is not None else None
         output.open(key=key, n=len(corpus), ids=ids, job=job_name())  # before the texts are read: a busy store now
         texts = corpus.texts(args.text_column)  # read once (into one memory-mapped file)
-    except BaseException:
-        output.discard()
-        raise
     return _Job(place, folder, name, config, pooling, dtype, max_length, texts, ids, key, output, tokenizer)
 
 
@@ -359,7 +354,7 @@ def embed_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             result, tally, error = job.run_accounted(
                 lambda: job.run_job(make_fn, loader, place, spec.output, key=spec.key, on_oom=args.on_oom,
                                     token_outputs="whole", progress=place.main and not args.no_progress, **options),
-                spec.output, len(spec.texts), parser, what="texts",
+                spec.output, len(spec.texts), parser, what="texts", skipping="skip" in (args.on_oom, args.on_error),
                 hint="" if args.on_error == "skip" else ": --on-error skip sets such texts aside (a rerun retries them)")
             columns = ["id" if spec.ids is not None else "position", "output"]
             return job.finish("embed", result, tally, error, args, place, start=start, model=spec.describe(limit),

@@ -154,9 +154,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         corpus.require("--text-column", args.text_column, ("string",))
     else:
         corpus.require("--messages-column", args.messages_column, ("list",))
-    output = Output(args.output)
-    output.prepare()  # made and written to: a folder this user cannot write is the next thing to fix
-    try:
+    with Output(args.output).checked() as output:  # made and written to: the next thing a user fixes
         devices = check_device_names(args.devices)
         if devices is not None and len(devices) > 1:
             raise bad_value("--devices", "one device (generate runs on one device, or one rank per GPU under "
@@ -173,9 +171,6 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         key = job.job_key("generate", args.model, **settings)
         output.open(key=key, n=len(corpus), ids=None, job=job_name())
         prompts = _prompts(args, corpus, tokenizer)
-    except BaseException:
-        output.discard()
-        raise
     return {"place": place, "config": config, "dtype": dtype, "tokenizer": tokenizer, "max_length": max_length,
             "prompts": prompts, "options": options, "key": key, "output": output}
 
@@ -203,7 +198,7 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
                                  output_path=output.path, key=spec["key"], on_oom=args.on_oom,
                                  progress=place.main and not args.no_progress,
                                  pad_token_id=spec["tokenizer"].pad_token_id, **spec["options"]),
-                output, len(spec["prompts"]), parser, what="replies")
+                output, len(spec["prompts"]), parser, what="replies", skipping=args.on_oom == "skip")
             model_line = (f"{Path(args.model).resolve().name}, {str(spec['dtype']).removeprefix('torch.')}, prompts "
                           f"of {spec['max_length']} tokens at most, {args.max_new_tokens} new tokens at most, "
                           + ("sampled" if args.sample else "greedy"))

@@ -216,9 +216,10 @@ def _unaccounted(tally: Tally, what: str) -> str:
 
 
 def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argparse.ArgumentParser, *,
-                  what: str, hint: str = "") -> tuple[Any, Tally, BaseException | None]:
+                  what: str, skipping: bool, hint: str = "") -> tuple[Any, Tally, BaseException | None]:
     """Runs ``call()`` (the run) and reads what ``output``'s store holds for the ``n`` inputs after it:
-    ``(result or None, tally, error or None)``.
+    ``(result or None, tally, error or None)``; ``skipping``: the run sets failing inputs aside (``--on-oom skip``,
+    ``--on-error skip``).
 
     A run that cannot account for every input (``IncompleteRunError``) ends
     here with its error: the summary says what is missing. A run refusing its
@@ -243,7 +244,7 @@ def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argpa
                          f"{tally.stored:,} of {n:,} {what} stored in {output.path}; {_unaccounted(tally, what)}: the "
                          "same command again runs them\n")
         raise SystemExit(1) from None
-    return result, output.tally(n, result.failed), None
+    return result, output.tally(n, result.failed if skipping else ()), None
 
 
 def _rate(value: float | None, unit: str) -> str:

@@ -2,7 +2,8 @@
 
 * :meth:`Output.prepare`: the folder made (with its parents) and a probe file
   written and removed in it: a folder this user cannot make or write is one
-  line before anything else runs;
+  line before any model loads; :meth:`Output.checked` prepares it around the
+  checks that follow, taking it back if one fails;
 * :meth:`Output.open`: the store at it opened as the run opens it, taking the
   store's job lock (:func:`job_name`): a store another live job is writing is
   refused naming that job, and a store of rows computed otherwise (another
@@ -19,11 +20,13 @@ The store's calls are in this module alone (:func:`_open_store`).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,6 +221,16 @@ class Output:
                              f"output={self.path!r}: {_first_line(exc)}") from exc
         self.before = np.array(self.store.done, dtype=bool)
 
+    @contextlib.contextmanager
+    def checked(self) -> Iterator[Output]:
+        """Prepares the folder (:meth:`prepare`); the checks in the block that fail :meth:`discard` it."""
+        self.prepare()
+        try:
+            yield self
+        except BaseException:
+            self.discard()
+            raise
+
     def discard(self) -> None:
         """Closes the store; a folder this job made is removed (it holds no row: nothing ran)."""
         self.close()
@@ -249,8 +262,8 @@ class Output:
             store.close()
 
     def tally(self, n: int, failed: Any = ()) -> Tally:
-        """What the store holds for the ``n`` inputs now; ``failed``: the positions the run set aside, for a store
-        that keeps no failure records (their cause then unknown)."""
+        """What the store holds for the ``n`` inputs now; ``failed``: the positions the run says it set aside, read
+        only from a store that keeps no failure records (their cause then unknown)."""
         located = self.store.located(n)
         stored = np.asarray(located.where) >= 0
         records = self.store.failures() if hasattr(self.store, "failures") else \
