@@ -205,7 +205,7 @@ def _with_notes(exc: BaseException) -> str:
     """An error's first line and its notes (the inputs it names), on one line."""
     text = str(exc).strip()
     line = text.splitlines()[0] if text else type(exc).__name__
-    notes = [n.strip() for n in getattr(exc, "__notes__", ()) if n.strip()]
+    notes = [" ".join(str(n).split()) for n in getattr(exc, "__notes__", ()) if str(n).strip()]
     return line + (f" ({'; '.join(notes)})" if notes else "")
 
 

@@ -147,13 +147,17 @@ class Tally:
         return f"{what} {names}" + (", ..." if len(positions) > _FEW else "")
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: the counts, each failed input with its cause, each missing input."""
-        key = "id" if self.ids is not None else "position"
+        """JSON-ready: the counts, each failed input with its cause, each missing input (position, and id)."""
+
+        def inputs(positions: list[int]) -> list[dict[str, Any]]:
+            if self.ids is None:
+                return [{"position": p} for p in positions]
+            return [{"position": p, "id": name} for p, name in zip(positions, self.names(positions))]
+
         failed = sorted(self.failures)
         return {"inputs": self.n, "stored": self.stored, "stored_before": self.before, "stored_now": self.now,
-                "failed": [{"position": p, key: name, "cause": self.failures[p]}
-                           for p, name in zip(failed, self.names(failed))],
-                "missing": [{"position": int(p), key: name} for p, name in zip(self.missing, self.names(self.missing))]}
+                "failed": [{**entry, "cause": self.failures[entry["position"]]} for entry in inputs(failed)],
+                "missing": inputs([int(p) for p in self.missing])}
 
 
 class Output:
