@@ -59,7 +59,7 @@ from dynabatch.cli._checks import (
     refusing,
 )
 from dynabatch.cli.corpus import open_corpus
-from dynabatch.cli.output import Output, job_name
+from dynabatch.cli.output import Output
 
 __all__ = ["POOLINGS", "add_parser", "embed_command", "pooled"]
 
@@ -264,7 +264,7 @@ def _prepare(args: argparse.Namespace) -> _Job:
             settings["prompt"] = json.dumps(args.prompt) if args.prompt is not None else args.prompt_name
         key = job.job_key("embed", folder, **settings)
         ids = corpus.ids(args.id_column) if args.id_column is not None else None
-        output.open(key=key, n=len(corpus), ids=ids, job=job_name())  # before the texts are read: a busy store now
+        output.open(key=key, n=len(corpus), ids=ids)  # before the texts are read: a busy store now
         texts = corpus.texts(args.text_column)  # read once (into one memory-mapped file)
     return _Job(place, folder, name, config, pooling, dtype, max_length, texts, ids, key, output, tokenizer)
 

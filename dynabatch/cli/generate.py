@@ -45,7 +45,7 @@ from dynabatch.cli._checks import (
     refusing,
 )
 from dynabatch.cli.corpus import open_corpus
-from dynabatch.cli.output import Output, job_name
+from dynabatch.cli.output import Output
 
 __all__ = ["add_parser", "generate_command"]
 
@@ -169,7 +169,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
                     "prompts": "messages" if args.messages_column is not None else "text",
                     **{k: v for k, v in options.items()}, **({"seed": args.seed} if args.sample else {})}
         key = job.job_key("generate", args.model, **settings)
-        output.open(key=key, n=len(corpus), ids=None, job=job_name())
+        output.open(key=key, n=len(corpus), ids=None)
         prompts = _prompts(args, corpus, tokenizer)
     return {"place": place, "config": config, "dtype": dtype, "tokenizer": tokenizer, "max_length": max_length,
             "prompts": prompts, "options": options, "key": key, "output": output}
@@ -195,7 +195,7 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             result, tally, error = job.run_accounted(
                 lambda: generate(model, spec["tokenizer"], spec["prompts"], batch_size=args.batch_size,
                                  max_input_token_length=spec["max_length"], device=place.devices[0],
-                                 output_path=output.path, key=spec["key"], on_oom=args.on_oom,
+                                 output_path=output.target, key=spec["key"], on_oom=args.on_oom,
                                  progress=place.main and not args.no_progress,
                                  pad_token_id=spec["tokenizer"].pad_token_id, **spec["options"]),
                 output, len(spec["prompts"]), parser, what="replies", skipping=args.on_oom == "skip")

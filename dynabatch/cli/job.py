@@ -193,7 +193,7 @@ def run_job(make_fn: Callable[[torch.device], Callable], loader: Any, place: Pla
     """
     from dynabatch import run
 
-    options["output_path"] = output.path  # the run opens the store at it again: run takes a path, not a store
+    options["output_path"] = output.target  # the store the command opened (and holds) before the model loaded
     if place.world > 1:
         return run(make_fn(place.devices[0]), loader, device=place.devices[0], ranks="claim", **options)
     if len(place.devices) > 1:

@@ -4,9 +4,9 @@
   written and removed in it: a folder this user cannot make or write is one
   line before any model loads; :meth:`Output.checked` prepares it around the
   checks that follow, taking it back if one fails;
-* :meth:`Output.open`: the store at it opened as the run opens it, taking the
-  store's job lock (:func:`job_name`): a store another live job is writing is
-  refused naming that job, and a store of rows computed otherwise (another
+* :meth:`Output.open`: the store at it opened for the run, which writes into
+  it (:attr:`Output.target`), taking the store's job lock: a store another live
+  job is writing is refused naming that job, and a store of rows computed otherwise (another
   model's files, another setting) is refused naming each difference and the
   ways on (another output folder, or deleting it to compute it again);
 * :meth:`Output.discard`: a folder this job made is taken back when a later
@@ -21,7 +21,6 @@ The store's calls are in this module alone (:func:`_open_store`).
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import os
 import re
@@ -34,7 +33,7 @@ import numpy as np
 
 from dynabatch._validation import bad_value
 
-__all__ = ["Output", "Tally", "job_name"]
+__all__ = ["Output", "Tally"]
 
 _FEW = 5
 _SETTING = re.compile(r'(\S+?)=("(?:[^"\\]|\\.)*"|\S*)')  # name=value; a JSON string value may hold spaces
@@ -45,23 +44,24 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def job_name() -> str | None:
-    """The job the store's lock is taken for: ``None`` (this process), or under ``torchrun`` the launch every rank
-    of it shares (its run id and rendezvous address)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    launch = [os.environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT")]
-    return "torchrun " + " ".join(launch)
+# The store's interfaces of this round (open_store's job lock, StoreBusyError, Store.close and failures, ranks_job, and
+# run taking the opened store) are absent from a main without the store branch: there the store opens without a lock
+# and the run opens it again. These fallbacks go when that branch is merged.
+def _store_branch() -> bool:
+    from dynabatch.inference import sink
+
+    return hasattr(sink, "ranks_job")
 
 
-def _open_store(path: str, *, key: str, n: int, ids: Any, job: str | None) -> Any:
-    """The store at ``path`` opened for a run, locked for ``job``: the CLI's one call of ``open_store``."""
+def _open_store(path: str, *, key: str, n: int, ids: Any) -> Any:
+    """The store at ``path`` opened for a run and held for this job (the ranks of one ``torchrun`` job share it):
+    the command line's one call of ``open_store``."""
+    from dynabatch.inference import sink
     from dynabatch.inference.store import open_store
 
-    options = {"key": key, "n": n, "ids": ids, "job": job}
-    if "job" not in inspect.signature(open_store).parameters:  # a store without a job lock (before the store branch)
-        del options["job"]
-    return open_store(path, **options)
+    if not _store_branch():
+        return open_store(path, key=key, n=n, ids=ids)
+    return open_store(path, key=key, n=n, ids=ids, job=sink.ranks_job())
 
 
 def _busy_error() -> tuple[type[BaseException], ...]:
@@ -201,16 +201,16 @@ class Output:
             raise ValueError(f"output should be a folder this user can write, but got output={path!r}: "
                              f"{exc.strerror}") from exc
 
-    def open(self, *, key: str, n: int, ids: Any, job: str | None) -> None:
-        """Opens the store for a run over ``n`` inputs (``ids``: their ids) computed as ``key`` says, locked for
-        ``job``.
+    def open(self, *, key: str, n: int, ids: Any) -> None:
+        """Opens the store for a run over ``n`` inputs (``ids``: their ids) computed as ``key`` says, held for this
+        job (its lock taken).
 
         Raises:
             ValueError: another live job is writing it (that job named), or it holds rows computed otherwise (the
                 differences named), of other keying, or other files.
         """
         try:
-            self.store = _open_store(self.path, key=key, n=n, ids=ids, job=job)
+            self.store = _open_store(self.path, key=key, n=n, ids=ids)
         except _busy_error() as exc:
             raise ValueError(f"output should be a store no other job is writing, but got output={self.path!r}: "
                              f"{_first_line(exc)}; wait for that job to end, or use another output folder") from exc
@@ -251,6 +251,12 @@ class Output:
                 break
             head = os.path.dirname(head)
         self.made = None
+
+    @property
+    def target(self) -> Any:
+        """What the run writes into: the store opened here, held through the run (one open), or its path on a main
+        without the store branch."""
+        return self.store if _store_branch() else self.path
 
     def end(self) -> None:
         """Closes the store, or :meth:`discard` it if the run never began (a model that failed to load)."""

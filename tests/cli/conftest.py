@@ -16,28 +16,36 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 # Loaded by every Python process of a stalled run (a sitecustomize module on PYTHONPATH): a shard is committed every
-# 8 rows and the writer never commits a second one, so the process is surely mid-run when the test kills it.
+# 8 rows, and once a shard of the process is in place its next write of rows stalls, so the process is surely mid-run
+# when the test kills it.
 STALL_HOOK = '''
+import os
+import time
+
 from dynabatch.inference import store
 
 store.SHARD_ROWS = 8
-_commit = store.StoreWriter._commit
-_written = []
+_replace, _write = os.replace, store.StoreWriter.write
+_committed = []
 
 
-def _stall_after_first(self, *args, **kwargs):
-    if _written:  # stall until killed; a rank whose launcher (torchrun) was killed is orphaned: it exits then
-        import os
-        import time
+def _replace_noting(src, dst, *args, **kwargs):
+    _replace(src, dst, *args, **kwargs)
+    if os.path.basename(os.fspath(dst)).startswith("part-"):
+        _committed.append(dst)
 
+
+def _stall_once_committed(self, *args, **kwargs):
+    if _committed:  # stall until killed; a rank whose launcher (torchrun) was killed is orphaned: it exits then
         parent = os.getppid()
         while os.getppid() == parent:
             time.sleep(0.2)
         os._exit(1)
-    _written.append(_commit(self, *args, **kwargs))
+    return _write(self, *args, **kwargs)
 
 
-store.StoreWriter._commit = _stall_after_first
+os.replace = _replace_noting
+store.StoreWriter.write = _stall_once_committed
 '''
 
 

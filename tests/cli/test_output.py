@@ -37,7 +37,7 @@ def test_a_store_computed_otherwise_is_refused_naming_each_difference(tmp_path):
     _write(tmp_path / "store", 'embed model=aaaa pooling=mean prompt="query: "', [0])
     output = Output(tmp_path / "store")
     with pytest.raises(ValueError) as info:
-        output.open(key="embed model=bbbb pooling=mean dtype=float16", n=5, ids=None, job=None)
+        output.open(key="embed model=bbbb pooling=mean dtype=float16", n=5, ids=None)
     assert str(info.value) == (
         f"output should be a new folder, or the store of this same job to resume it, but got "
         f"output={str(tmp_path / 'store')!r} holding rows computed otherwise (model files of digest aaaa there, "
@@ -49,7 +49,7 @@ def test_tally_counts_what_the_store_holds_stored_before_and_stored_now(tmp_path
     key = "embed model=aaaa pooling=mean"
     _write(tmp_path / "store", key, [0, 1])
     output = Output(tmp_path / "store")
-    output.open(key=key, n=5, ids=None, job=None)
+    output.open(key=key, n=5, ids=None)
     _write(tmp_path / "store", key, [3])  # what the run stores
     tally = output.tally(5)
     assert (tally.n, tally.stored, tally.before, tally.now, tally.missing.tolist()) == (5, 3, 2, 1, [2, 4])
