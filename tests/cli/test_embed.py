@@ -283,7 +283,8 @@ def test_a_poison_text_is_named_or_set_aside_with_on_error_skip_and_a_rerun_retr
                "4", "--no-progress"]
     hook = POISON_HOOK.replace("POISON", str(tokenizer.convert_tokens_to_ids("zebra")))
     stopped = run_command(command, hook=hook, hook_in=tmp_path / "hook", status=2).stderr
-    assert "cannot process this input" in stopped and "doc-7" in stopped and "--on-error skip" in stopped
+    assert "Traceback" not in stopped and "--on-error skip" in stopped
+    assert re.search(r"error: cannot process this input \(.*positions .*ids doc-", stopped), stopped  # the batch
     skipped = run_command([*command, "--on-error", "skip", "--report", str(report)], hook=hook,
                           hook_in=tmp_path / "hook").stdout
     assert f"29 of 30 texts stored in {out}" in skipped and "'doc-7': " in skipped
