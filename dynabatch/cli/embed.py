@@ -31,7 +31,7 @@ naming what differs.
 
 ``--on-error skip`` sets a text whose model call raises (not out of memory)
 aside, listed with its error in the summary and ``--report``; the same command
-again retries it. Without it, the error names the text's position and id.
+again retries it. Without it, the error names the positions and ids of the batch the model raised on.
 """
 
 from __future__ import annotations
