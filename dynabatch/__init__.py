@@ -24,6 +24,7 @@ from dynabatch.generation import generate
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.runner import BatchOutOfMemoryError, RunResult, StoredRunResult, run
+from dynabatch.inference.store_lock import StoreBusyError
 from dynabatch.memory.budget import MemoryBudget
 from dynabatch.memory.calibrate import calibrate
 from dynabatch.memory.measure import track_peak_memory
@@ -68,6 +69,7 @@ __all__ = [
     "RunResult",
     "SizeAwareBatchSampler",
     "SmartBatchSampler",
+    "StoreBusyError",
     "StoredRunResult",
     "TextSource",
     "TokenBudget",
