@@ -1,7 +1,8 @@
 """What :func:`dynabatch.run` returns and raises: :class:`RunResult`, :class:`StoredRunResult` and an error.
 
 In memory (a ``list``), or read from the results store on demand exactly as the in-memory run gives them; both stack
-every row through one encoding (:class:`~dynabatch.inference.store.Columns`).
+every row through one encoding (:class:`~dynabatch.inference.columns.Columns`). Both say which inputs have no result
+and why: ``failed`` (sorted positions) and ``failures`` (position -> cause).
 
 Example:
     >>> import torch
@@ -13,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,9 +24,13 @@ from dynabatch.inference.report import RunReport
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from dynabatch.inference.store import Columns, Located
+    from dynabatch.inference.columns import Columns
+    from dynabatch.inference.store import Located
 
-__all__ = ["RunResult", "StoredRunResult"]
+__all__ = ["UNRECORDED", "RunResult", "StoredRunResult"]
+
+UNRECORDED = "no result and no cause recorded"
+"""The cause of an input without a result whose failure was recorded nowhere (a run raises for such inputs)."""
 
 _CHUNK = 4096  # rows decoded at once when iterating a stored result
 
@@ -67,16 +72,24 @@ class _Stacking:
         return self._stacked(as_tensor=True)
 
 
+def _failures(failed: Iterable[int] | None, failures: Mapping[int, str] | None) -> dict[int, str]:
+    """Each failed input's cause: ``failures``', and :data:`UNRECORDED` for the positions of ``failed`` without one."""
+    causes = {int(p): str(c) for p, c in (failures or {}).items()}
+    return dict(sorted({**{int(p): UNRECORDED for p in failed or ()}, **causes}.items()))
+
+
 class RunResult(list, _Stacking):
     """One result per input text, in input order: a plain ``list`` (``result[p]`` is input ``p``'s), with ``report``
-    (the :class:`~dynabatch.inference.report.RunReport`) and ``failed``: sorted input positions whose result is
-    ``None`` (rows out of memory on their own with ``on_oom="skip"``, inputs skipped as bad)."""
+    (the :class:`~dynabatch.inference.report.RunReport`), ``failures`` (input position -> why its result is ``None``:
+    rows out of memory on their own with ``on_oom="skip"``, inputs skipped as bad) and ``failed``, their sorted
+    positions."""
 
     def __init__(self, results: Iterable[Any] = (), *, report: RunReport | None = None,
-                 failed: Iterable[int] = ()) -> None:
+                 failed: Iterable[int] = (), failures: Mapping[int, str] | None = None) -> None:
         super().__init__(results)
         self.report = report if report is not None else RunReport()
-        self.failed = sorted(failed)
+        self.failures = _failures(failed, failures)
+        self.failed = list(self.failures)
 
     def _missing(self) -> np.ndarray:
         return np.flatnonzero(np.fromiter((r is None for r in self), dtype=bool, count=len(self)))
@@ -85,7 +98,7 @@ class RunResult(list, _Stacking):
         """The rows as a results store holds them, their types fixed by all of them."""
         import pyarrow as pa
 
-        from dynabatch.inference.store import Columns
+        from dynabatch.inference.columns import Columns
 
         present = np.fromiter((r is not None for r in self), dtype=bool, count=len(self))
         rows = [r for r in self if r is not None]
@@ -99,23 +112,29 @@ class RunResult(list, _Stacking):
 class StoredRunResult(Sequence, _Stacking):
     """One result per input, in input order, read from the results store at ``path`` on demand, through
     ``pyarrow.dataset``: ``result[p]`` reads its shard (the last one is kept), iterating reads the store once. Not
-    a ``list``: use :meth:`stack` rather than ``torch.stack``. ``report`` and ``failed`` as in :class:`RunResult`."""
+    a ``list``: use :meth:`stack` rather than ``torch.stack``. ``report``, ``failures`` and ``failed`` as in
+    :class:`RunResult`: by default every input without a row, its cause from the store's failure records (or
+    :data:`UNRECORDED`)."""
 
     def __init__(self, path: str, files: list[str], counts: list[int], where: np.ndarray, columns: Columns | None,
                  schema: pa.Schema | None, ids: pa.Array | None, *, report: RunReport | None = None,
-                 failed: Iterable[int] | None = None) -> None:
+                 failed: Iterable[int] | None = None, failures: Mapping[int, str] | None = None) -> None:
         self.path, self._files, self._where, self._columns, self._schema, self._ids = \
             path, files, where, columns, schema, ids
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.report = report if report is not None else RunReport()
-        self.failed = sorted(failed) if failed is not None else np.flatnonzero(where < 0).tolist()
+        missing = set(np.flatnonzero(where < 0).tolist() if failed is None else failed)
+        self.failures = _failures(missing, {p: c for p, c in (failures or {}).items() if p in missing})
+        self.failed = list(self.failures)
         self._shard: tuple[int, Any] = (-1, None)  # the last shard read, and its output columns
 
     @classmethod
     def of(cls, located: Located, *, report: RunReport | None = None,
            failed: Iterable[int] | None = None) -> StoredRunResult:
-        """The result over a store's rows as :meth:`~dynabatch.inference.store.Store.located` found them."""
-        return cls(*located, report=report, failed=failed)
+        """The result over a store's rows as :meth:`~dynabatch.inference.store.Store.located` found them, with the
+        store's failure records (``failed``: the inputs to list as failed; ``None``: every input without a row)."""
+        *where, failures = located
+        return cls(*where, report=report, failed=failed, failures=failures)
 
     def __len__(self) -> int:
         return len(self._where)

@@ -40,7 +40,7 @@ from dynabatch.inference.options import RunOptions, check_run_options, resolve_o
 from dynabatch.inference.outputs import RowSplitter
 from dynabatch.inference.report import RunReport
 from dynabatch.inference.results import RunResult, StoredRunResult
-from dynabatch.inference.sink import MemorySink, open_sink
+from dynabatch.inference.sink import MemorySink, StoreSink, open_sink
 from dynabatch.inference.source import BatchQueue
 
 __all__ = ["BatchOutOfMemoryError", "RunResult", "StoredRunResult", "check_run_options", "run"]
@@ -100,7 +100,7 @@ def run(
         output_path: a directory for the results store (:mod:`dynabatch.inference.store`): Parquet shards, one
             row per input, written as rows finish, committed however the run ends (Ctrl-C too); a rerun with
             the same ``key`` runs only the rows not stored, and stored rows of other inputs are refused before
-            any row is written.
+            any row is written. Or the store itself, opened by the caller (``open_store``), who closes it.
         key: with ``output_path``, what computed the rows (model, revision, settings).
         token_outputs: declares how a tensor as wide as the batch is read: ``"auto"`` (certain readings only),
             ``"per_token"``, ``"generated"`` (padding stripped) or ``"whole"``.
@@ -136,6 +136,7 @@ def run(
         planner, feed = claimed_planner(plan)
         queue.claim(planner)
     skipped = plan.skipped if plan is not None else np.zeros(0, dtype=np.int64)
+    sink = None
     try:
         sink = open_sink(options.output_path, key=options.key, n=queue.n_inputs,
                          ids=plan.ids if plan is not None else None, gather=options.ranks != "single",
@@ -143,16 +144,24 @@ def run(
         queue.done = getattr(sink, "done", None)
         queue.read_ahead(options.prefetch)
         report, failed = _execute(queue, sink, options, skipped)
+    except BaseException:
+        if isinstance(sink, StoreSink):
+            sink.release()
+        raise
     finally:
         queue.close()
         if feed is not None:
             feed.close()
         if plan is not None and plan.stream is not None:
             plan.stream.pause()  # its tokenizing thread ends with the run; a later use of the loader goes on
-    if options.output_path is not None and options.ranks != "single":
-        torch.distributed.barrier()  # every rank's shards are in: each rank reads the whole store
-        return sink.result(queue.count, report=report, failed=None)
-    return sink.result(queue.count, report=report, failed=failed)
+    try:
+        if options.output_path is not None and options.ranks != "single":
+            torch.distributed.barrier()  # every rank's shards are in: each rank reads the whole store
+            return sink.result(queue.count, report=report, failed=None)
+        return sink.result(queue.count, report=report, failed=failed)
+    finally:
+        if isinstance(sink, StoreSink):
+            sink.release()  # the store's job lock, on every path
 
 
 def _execute(queue: BatchQueue, sink: Any, options: RunOptions, skipped: np.ndarray) -> tuple[RunReport, list[int]]:

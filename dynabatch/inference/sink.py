@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from typing import Any
 
 import numpy as np
@@ -77,8 +78,8 @@ class MemorySink:
 class StoreSink:
     """Rows written to the results store at ``output_path`` (:mod:`dynabatch.inference.store`) and read back."""
 
-    def __init__(self, store: Any) -> None:
-        self.store = store
+    def __init__(self, store: Any, *, owned: bool = True) -> None:
+        self.store, self.owned = store, owned  # owned: opened by the run (else its caller closes it)
         self.done = store.done  # which inputs it holds: a resumed run takes them out
 
     def writer(self, name: str) -> Any:
@@ -86,8 +87,15 @@ class StoreSink:
         return self.store.writer(name)
 
     def result(self, n: int, *, report: RunReport | None = None, failed: list[int] | None = None) -> StoredRunResult:
-        """The rows of ``n`` inputs, read from the store as it is now (``failed=None``: every input without a row)."""
+        """The rows of ``n`` inputs, read from the store as it is now (``failed=None``: every input without a row);
+        read with the store's job lock still held (shards settled), which :meth:`release` gives up."""
         return StoredRunResult.of(self.store.located(n), report=report, failed=failed)
+
+    def release(self) -> None:
+        """Gives the store's job lock up (once its writers have closed) where the run opened it; reading the result
+        needs none."""
+        if self.owned:
+            self.store.close()
 
 
 def open_sink(output_path: str | None, *, key: str | None, n: int | None, ids: Any, gather: bool,
@@ -100,12 +108,42 @@ def open_sink(output_path: str | None, *, key: str | None, n: int | None, ids: A
     """
     if output_path is None:
         return MemorySink(gather=gather)
-    from dynabatch.inference.store import open_store
+    from dynabatch.inference.store import Store, open_store
 
-    store = open_store(output_path, key=key, n=n, ids=ids)
-    stored = np.flatnonzero(store.done)
-    if stored.size:
-        positions, hashes = inputs_at(stored)
-        store.check_inputs(positions, hashes)
-        logger.info("output_path=%r holds %d of this run's rows: they are not run again", output_path, stored.size)
-    return StoreSink(store)
+    store = output_path if isinstance(output_path, Store) else open_store(
+        output_path, key=key, n=n, ids=ids, job=_ranks_job() if gather else None)
+    try:
+        if store is output_path:
+            _check_opened(store, key, n, ids)
+        stored = np.flatnonzero(store.done)
+        if stored.size:
+            positions, hashes = inputs_at(stored)
+            store.check_inputs(positions, hashes)
+            logger.info("output_path=%r holds %d of this run's rows: they are not run again", output_path,
+                        stored.size)
+    except BaseException:
+        if store is not output_path:
+            store.close()
+        raise
+    return StoreSink(store, owned=store is not output_path)
+
+
+def _check_opened(store: Any, key: str | None, n: int | None, ids: Any) -> None:
+    """Refuses a store opened (``output_path=open_store(...)``) for other inputs or another key than the run's."""
+    same_ids = (ids is None) == (store.ids is None) and (ids is None or store.ids.equals(ids))
+    if (key is not None and key != store.key) or (n is not None and n != store.n) or not same_ids:
+        raise ValueError(f"output_path should be a store opened for this run's inputs and key (n={n}, key={key!r}, "
+                         f"ids {'given' if ids is not None else 'None'}), but got one opened with n={store.n}, "
+                         f"key={store.key!r}, {'other ids' if store.ids is not None else 'ids None'}: open it with "
+                         "the loader's ids (plan.ids) and the run's key")
+
+
+def _ranks_job() -> str | None:
+    """One job string for the ranks of this ``torch.distributed`` job (rank 0's, broadcast): they share the store."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    return f"torch.distributed {token[0]}"
