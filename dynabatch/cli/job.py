@@ -179,10 +179,11 @@ def check_store(output: str, key: str, n: int, ids: Any) -> None:
     a store keyed otherwise, a file, or a folder holding other files."""
     if not os.path.exists(output):
         return
+    from dynabatch.inference.sink import ranks_job
     from dynabatch.inference.store import open_store
 
     try:
-        open_store(output, key=key, n=n, ids=ids, verify=False)
+        open_store(output, key=key, n=n, ids=ids, verify=False, job=ranks_job()).close()
     except ValueError as exc:
         raise ValueError(f"output should be a new folder, or this same job's store to resume it, but got "
                          f"output={output!r}: {str(exc).splitlines()[0]}") from exc

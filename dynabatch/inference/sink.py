@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import uuid
 from typing import Any
@@ -29,7 +30,7 @@ import numpy as np
 from dynabatch.inference.report import RunReport
 from dynabatch.inference.results import RunResult, StoredRunResult
 
-__all__ = ["MemorySink", "StoreSink", "open_sink"]
+__all__ = ["MemorySink", "StoreSink", "open_sink", "ranks_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def open_sink(output_path: str | None, *, key: str | None, n: int | None, ids: A
     from dynabatch.inference.store import Store, open_store
 
     store = output_path if isinstance(output_path, Store) else open_store(
-        output_path, key=key, n=n, ids=ids, job=_ranks_job() if gather else None)
+        output_path, key=key, n=n, ids=ids, job=ranks_job() if gather else None)
     try:
         if store is output_path:
             _check_opened(store, key, n, ids)
@@ -138,8 +139,13 @@ def _check_opened(store: Any, key: str | None, n: int | None, ids: Any) -> None:
                          "the loader's ids (plan.ids) and the run's key")
 
 
-def _ranks_job() -> str | None:
-    """One job string for the ranks of this ``torch.distributed`` job (rank 0's, broadcast): they share the store."""
+def ranks_job() -> str | None:
+    """One job string for the ranks of this job, so that they share the results store (``None``: not several ranks):
+    under ``torchrun`` its rendezvous (``MASTER_ADDR:MASTER_PORT`` and run id: one live job each), readable before
+    the process group starts; else, under ``torch.distributed``, rank 0's token, broadcast (a collective)."""
+    if "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+        return (f"torchrun {os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT')} "
+                f"{os.environ['TORCHELASTIC_RUN_ID']}")
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
