@@ -33,7 +33,7 @@ from dynabatch.data.input_hashes import token_store_hashes
 from dynabatch.inference.options import check_store_arguments
 from dynabatch.inference.store import Store
 from dynabatch.inference.store import open_store as open_results_store
-from dynabatch.ray._window import check_column
+from dynabatch.ray._columns import check_column
 
 __all__ = ["SUMMARY", "WindowStore", "check_store_options"]
 

@@ -16,9 +16,9 @@ from dynabatch.inference.report import RunReport
 from dynabatch.inference.results import RunResult
 from dynabatch.inference.runner import check_run_options, run
 from dynabatch.memory.model import MemoryModel
+from dynabatch.ray._columns import check_column, check_options, columns_of
 from dynabatch.ray._memory import WindowMemory
 from dynabatch.ray._store import SUMMARY, WindowStore, check_store_options
-from dynabatch.ray._window import check_column, check_options, columns_of
 
 __all__ = ["DynamicBatchPredictor"]
 

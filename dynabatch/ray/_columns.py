@@ -1,5 +1,5 @@
-"""A Ray Data window's columns: names and options checked, the batch's format (rows into a column:
-:func:`dynabatch.inference.columns.numpy_column`)."""
+"""A Ray Data window's columns: names and options checked, the batch's format (results into a column:
+:func:`dynabatch.inference.columns.numpy_column`, the one encoding of rows)."""
 
 from __future__ import annotations
 
