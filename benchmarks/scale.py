@@ -30,7 +30,8 @@ row or a failure record), as a share of the run's wall (target: within 2%).
 5. **shards** (``--methods shards``, its own table): a store of ``n`` rows of 16 ``float32`` written a shard per
    100 rows (what a slow job's commits every 10 s leave), once with the writer merging small shards (the default)
    and once without: shards on disk, seconds to write, to open it for a run (every shard read whole, checksums
-   verified) and for a check (keys only), and to read every row back (``StoredRunResult.to_arrow()``).
+   verified) and for a check (keys only), to read every row back (``StoredRunResult.to_arrow()``), and the job
+   lock and the accounting read as above.
 
 Per method: wall seconds and texts/s; RSS growth (the peak resident memory
 during the method over the resident memory before it, the texts already in
@@ -279,16 +280,19 @@ def shards_worker(n: int, merge: bool) -> dict:
     assert StoredRunResult.of(store.located(n)).to_arrow().num_rows == n
     store.close()
     figures["read_s"] = time.perf_counter() - start
+    figures["lock_s"], figures["accounting_s"] = _store_costs(path, n)
     shutil.rmtree(path)
     return figures
 
 
 def _shards_table(rows: list[dict]) -> str:
-    lines = ["| rows | small shards merged | shards on disk | write s | open s (verified) | open s (keys) | read s |",
-             "|---|---|---|---|---|---|---|"]
+    header = ("| rows | small shards merged | shards on disk | write s | open s (verified) | open s (keys) | read s | "
+              "lock ms | accounting ms |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['n']:,} | {'yes' if r['merge'] else 'no'} | {r['files']:,} | {r['write_s']:.1f} | "
-                     f"{r['open_s']:.2f} | {r['check_s']:.2f} | {r['read_s']:.2f} |")
+                     f"{r['open_s']:.2f} | {r['check_s']:.2f} | {r['read_s']:.2f} | {r['lock_s'] * 1e3:.1f} | "
+                     f"{r['accounting_s'] * 1e3:.1f} |")
     return "\n".join(lines)
 
 

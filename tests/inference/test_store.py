@@ -82,7 +82,7 @@ def test_tensor_rows_keep_dtype_and_shape(dtype):
 
 def test_arrow_types_say_dtype_and_shape():
     assert _types([torch.randn(4, dtype=torch.float16)] * 3) == {"output": "fixed_size_list<item: halffloat>[4]"}
-    columns, table = _table([torch.randn(4).to(torch.bfloat16) for _ in range(3)])
+    _columns, table = _table([torch.randn(4).to(torch.bfloat16) for _ in range(3)])
     field = table.schema.field("output")  # no Arrow bfloat16: float32 (exact), said in the field's metadata
     assert str(field.type) == "fixed_size_list<item: float>[4]" and field.metadata == {b"dynabatch.dtype": b"bfloat16"}
     per_token = [torch.randn(n, 2) for n in (3, 3, 3)]  # two or more dimensions: the first varies, whatever it shows
@@ -245,14 +245,14 @@ def test_a_real_type_change_is_refused_at_the_write_that_shows_it_naming_the_col
 def test_rows_that_do_not_fit_the_stored_columns_are_refused(tmp_path):
     _write(tmp_path, [{"a": torch.ones(4), "b": 2}])
     for rows, error, message in [
-        ([{"a": torch.ones(4, dtype=torch.float16), "b": 2}], ValueError, r"a should have dtype float32 and shape "
-         r"\(4,\) in every row, as stored \(n: any length\), but got dtype float16"),
-        ([{"a": torch.ones(4)}], ValueError, r"output should be a dict with keys \['a', 'b'\] in every row, as stored, "
-         r"but got \['a'\]"),
-        ([{"a": torch.ones(4), "b": 2.5}], TypeError, r"b should be values of one type in every row with output_path "
-         r"set \(int, as stored\), but got \['float'\]"),
-        ([{"a": np.ones(4, dtype=np.float32), "b": 2}], TypeError, r"a should be a tensor or None in every row, as "
-         r"stored, but got a numpy array"),
+        ([{"a": torch.ones(4, dtype=torch.float16), "b": 2}], ValueError, (r"a should have dtype float32 and shape "
+         r"\(4,\) in every row, as stored \(n: any length\), but got dtype float16")),
+        ([{"a": torch.ones(4)}], ValueError, (r"output should be a dict with keys \['a', 'b'\] in every row, as stored, "
+         r"but got \['a'\]")),
+        ([{"a": torch.ones(4), "b": 2.5}], TypeError, (r"b should be values of one type in every row with output_path "
+         r"set \(int, as stored\), but got \['float'\]")),
+        ([{"a": np.ones(4, dtype=np.float32), "b": 2}], TypeError, (r"a should be a tensor or None in every row, as "
+         r"stored, but got a numpy array")),
     ]:
         with pytest.raises(error, match=message):
             _write(tmp_path, rows, positions=[1])
