@@ -229,7 +229,7 @@ def worker(method: str, n: int, threads: int | None, parquet: str | None = None)
             "token_store": token_store}
 
 
-def _store_costs(path: str, n: int) -> tuple[float, float]:
+def _store_costs(path: str, n: int, key: str | None = None) -> tuple[float, float]:
     """Seconds to take and give up the store's job lock, and to read its accounting (which of ``n`` inputs have a
     row or a failure record), on the finished store at ``path``: what every run pays for them."""
     from dynabatch.inference.store import open_store
@@ -238,7 +238,7 @@ def _store_costs(path: str, n: int) -> tuple[float, float]:
     start = time.perf_counter()
     JobLock(path).release()
     lock = time.perf_counter() - start
-    store = open_store(path, key=None, n=n, verify=False)
+    store = open_store(path, key=key, n=n, verify=False)
     start = time.perf_counter()
     store.failures()
     store.located(n)
@@ -280,7 +280,7 @@ def shards_worker(n: int, merge: bool) -> dict:
     assert StoredRunResult.of(store.located(n)).to_arrow().num_rows == n
     store.close()
     figures["read_s"] = time.perf_counter() - start
-    figures["lock_s"], figures["accounting_s"] = _store_costs(path, n)
+    figures["lock_s"], figures["accounting_s"] = _store_costs(path, n, "scale")
     shutil.rmtree(path)
     return figures
 
