@@ -1,8 +1,7 @@
 """What :func:`dynabatch.run` returns and raises: :class:`RunResult`, :class:`StoredRunResult` and an error.
 
 In memory (a ``list``), or read from the results store on demand exactly as the in-memory run gives them; both stack
-every row through one encoding (:class:`~dynabatch.inference.columns.Columns`). Both say which inputs have no result
-and why: ``failed`` (sorted positions) and ``failures`` (position -> cause).
+every row through one encoding (:class:`~dynabatch.inference.columns.Columns`).
 
 Example:
     >>> import torch
@@ -27,10 +26,7 @@ if TYPE_CHECKING:
     from dynabatch.inference.columns import Columns
     from dynabatch.inference.store import Located
 
-__all__ = ["UNRECORDED", "RunResult", "StoredRunResult"]
-
-UNRECORDED = "no result and no cause recorded"
-"""The cause of an input without a result whose failure was recorded nowhere (a run raises for such inputs)."""
+__all__ = ["RunResult", "StoredRunResult"]
 
 _CHUNK = 4096  # rows decoded at once when iterating a stored result
 
@@ -72,23 +68,17 @@ class _Stacking:
         return self._stacked(as_tensor=True)
 
 
-def _failures(failed: Iterable[int] | None, failures: Mapping[int, str] | None) -> dict[int, str]:
-    """Each failed input's cause: ``failures``', and :data:`UNRECORDED` for the positions of ``failed`` without one."""
-    causes = {int(p): str(c) for p, c in (failures or {}).items()}
-    return dict(sorted({**{int(p): UNRECORDED for p in failed or ()}, **causes}.items()))
-
-
 class RunResult(list, _Stacking):
     """One result per input text, in input order: a plain ``list`` (``result[p]`` is input ``p``'s), with ``report``
-    (the :class:`~dynabatch.inference.report.RunReport`), ``failures`` (input position -> why its result is ``None``:
-    rows out of memory on their own with ``on_oom="skip"``, inputs skipped as bad) and ``failed``, their sorted
-    positions."""
+    (the :class:`~dynabatch.inference.report.RunReport`), ``failures`` (input position -> cause, for the inputs set
+    aside: rows out of memory on their own with ``on_oom="skip"``, rows ``fn`` raised on with ``on_error="skip"``,
+    inputs skipped as bad) and ``failed``, their sorted positions (each result ``None``)."""
 
     def __init__(self, results: Iterable[Any] = (), *, report: RunReport | None = None,
-                 failed: Iterable[int] = (), failures: Mapping[int, str] | None = None) -> None:
+                 failures: Mapping[int, str] | None = None) -> None:
         super().__init__(results)
         self.report = report if report is not None else RunReport()
-        self.failures = _failures(failed, failures)
+        self.failures = dict(sorted((failures or {}).items()))
         self.failed = list(self.failures)
 
     def _missing(self) -> np.ndarray:
@@ -112,29 +102,25 @@ class RunResult(list, _Stacking):
 class StoredRunResult(Sequence, _Stacking):
     """One result per input, in input order, read from the results store at ``path`` on demand, through
     ``pyarrow.dataset``: ``result[p]`` reads its shard (the last one is kept), iterating reads the store once. Not
-    a ``list``: use :meth:`stack` rather than ``torch.stack``. ``report``, ``failures`` and ``failed`` as in
-    :class:`RunResult`: by default every input without a row, its cause from the store's failure records (or
-    :data:`UNRECORDED`)."""
+    a ``list``: use :meth:`stack` rather than ``torch.stack``. ``report``, ``failures`` (the store's failure
+    records) and ``failed`` as in :class:`RunResult`."""
 
     def __init__(self, path: str, files: list[str], counts: list[int], where: np.ndarray, columns: Columns | None,
                  schema: pa.Schema | None, ids: pa.Array | None, *, report: RunReport | None = None,
-                 failed: Iterable[int] | None = None, failures: Mapping[int, str] | None = None) -> None:
+                 failures: Mapping[int, str] | None = None) -> None:
         self.path, self._files, self._where, self._columns, self._schema, self._ids = \
             path, files, where, columns, schema, ids
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.report = report if report is not None else RunReport()
-        missing = set(np.flatnonzero(where < 0).tolist() if failed is None else failed)
-        self.failures = _failures(missing, {p: c for p, c in (failures or {}).items() if p in missing})
+        self.failures = dict(sorted((failures or {}).items()))
         self.failed = list(self.failures)
         self._shard: tuple[int, Any] = (-1, None)  # the last shard read, and its output columns
 
     @classmethod
     def of(cls, located: Located, *, report: RunReport | None = None,
-           failed: Iterable[int] | None = None) -> StoredRunResult:
-        """The result over a store's rows as :meth:`~dynabatch.inference.store.Store.located` found them, with the
-        store's failure records (``failed``: the inputs to list as failed; ``None``: every input without a row)."""
-        *where, failures = located
-        return cls(*where, report=report, failed=failed, failures=failures)
+           failures: Mapping[int, str] | None = None) -> StoredRunResult:
+        """The result over a store's rows as :meth:`~dynabatch.inference.store.Store.located` found them."""
+        return cls(*located, report=report, failures=failures)
 
     def __len__(self) -> int:
         return len(self._where)

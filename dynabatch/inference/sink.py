@@ -35,6 +35,11 @@ __all__ = ["MemorySink", "StoreSink", "open_sink", "ranks_job"]
 logger = logging.getLogger(__name__)
 
 
+def _unrecorded(failed: Any) -> dict[int, str]:
+    """The failed positions, each with a cause this sink was not told."""
+    return {int(p): "failed (no cause recorded)" for p in failed}
+
+
 class MemorySink:
     """Rows kept in memory, one per input position.
 
@@ -63,7 +68,7 @@ class MemorySink:
     def result(self, n: int, *, report: RunReport | None = None, failed: list[int] = ()) -> RunResult:
         """One result per input position (``None`` where none), in input order."""
         if not self.gather:
-            return RunResult((self.rows.get(p) for p in range(n)), report=report, failed=failed)
+            return RunResult((self.rows.get(p) for p in range(n)), report=report, failures=_unrecorded(failed))
         from dynabatch.inference.distributed import gather_results
 
         failed_set = set(failed)
@@ -71,9 +76,9 @@ class MemorySink:
                           np.asarray(failed, dtype=np.int64))
         pairs = gather_results(mine, [(self.rows.get(p), p in failed_set) for p in mine.tolist()], n)
         if pairs is None:  # not rank 0: only this rank's rows
-            return RunResult((self.rows.get(p) for p in range(n)), report=report, failed=failed)
+            return RunResult((self.rows.get(p) for p in range(n)), report=report, failures=_unrecorded(failed))
         return RunResult((value for value, _ in pairs), report=report,
-                         failed=[p for p, (_, flag) in enumerate(pairs) if flag])
+                         failures=_unrecorded(p for p, (_, flag) in enumerate(pairs) if flag))
 
 
 class StoreSink:
@@ -89,8 +94,12 @@ class StoreSink:
 
     def result(self, n: int, *, report: RunReport | None = None, failed: list[int] | None = None) -> StoredRunResult:
         """The rows of ``n`` inputs, read from the store as it is now (``failed=None``: every input without a row);
-        read with the store's job lock still held (shards settled), which :meth:`release` gives up."""
-        return StoredRunResult.of(self.store.located(n), report=report, failed=failed)
+        read with the store's job lock still held (shards settled), which :meth:`release` gives up; each failed
+        input's cause from the store's failure records."""
+        located, recorded = self.store.located(n), self.store.failures()
+        missing = np.flatnonzero(located.where < 0).tolist() if failed is None else failed
+        failures = {**_unrecorded(missing), **{p: recorded[p] for p in missing if p in recorded}}
+        return StoredRunResult.of(located, report=report, failures=failures)
 
     def release(self) -> None:
         """Gives the store's job lock up (once its writers have closed) where the run opened it; reading the result

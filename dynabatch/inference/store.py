@@ -142,7 +142,7 @@ def _covered(names: Collection[str]) -> set[str]:
             if any(a <= first and last <= b and (a, b) != (first, last) for a, b, _ in span)}
 
 
-Located = namedtuple("Located", "path files counts where columns schema ids failures")
+Located = namedtuple("Located", "path files counts where columns schema ids")
 _Shard = namedtuple("_Shard", "keys hashes fields")  # an indexed shard: its keys, input hashes and output fields
 
 
@@ -184,7 +184,8 @@ class Store:
             raise
         self.n, self.done = len(self.where), self.where >= 0
         self._checked = np.full(self.n, self._stored_ids)
-        self._unchecked = 0 if self._stored_ids else int(self.done.sum())
+        # Inputs not known up front (n=None: an iterable of batches) are checked batch by batch as they are built.
+        self._unchecked = 0 if self._stored_ids or n is None and ids is None else int(self.done.sum())
 
     # -- what the store holds --------------------------------------------------------------------------------------
     @property
@@ -219,9 +220,10 @@ class Store:
         """Brings ``index`` (shards or failure records, by file) up to the files of ``folder``."""
         covered = _covered(names) if self.lock.held else set()
         for name in names:
-            if _dead(name) or name in covered:
-                logger.warning("output_path=%r: removing %s, %s", self.path, name, "a shard a killed run did not "
-                               "finish" if _dead(name) else "whose rows a merged shard holds (a cut-short merge)")
+            why = "a shard a killed run did not finish" if _dead(name) else \
+                "whose rows a merged shard holds (a merge cut short)" if name in covered else None
+            if why is not None:
+                logger.warning("output_path=%r: removing %s, %s", self.path, name, why)
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(folder, name))
         present = {os.path.join(folder, n) for n in names if _is_shard(n) and n not in covered}
@@ -359,7 +361,7 @@ class Store:
         if not differ.size:
             fresh = np.unique(positions[stored & ~self._checked[positions]])
             self._checked[fresh] = True
-            self._unchecked -= fresh.size
+            self._unchecked = max(0, self._unchecked - fresh.size)  # none owed where n=None: checked as built
             return
         what = "ids" if self.ids is not None else "positions"
         shown = self.ids.take(pa.array(differ[:5])).to_pylist() if self.ids is not None else differ[:5].tolist()
@@ -435,16 +437,15 @@ class Store:
                     self._shards[file] = entry._replace(fields=list(stored))
 
     def located(self, n: int) -> Located:
-        """Where each of ``n`` inputs' rows is in the store as it is now (every writer's committed shards), and the
-        failure records of those without one, to read them back (:class:`~dynabatch.inference.results.
-        StoredRunResult`); shards settled first (:meth:`settle`)."""
+        """Where each of ``n`` inputs' rows is in the store as it is now (every writer's committed shards), to read
+        them back (:class:`~dynabatch.inference.results.StoredRunResult`); shards settled first (:meth:`settle`)."""
         with self._lock:
             self._scan(verify=False)
             self.settle()
             ids, where, _ = self._locate(n)
             files = self.files
             return Located(self.path, files, [len(self._shards[f].keys) for f in files], where, self.columns,
-                           self.schema, ids, self._failures_at(where, ids))
+                           self.schema, ids)
 
     def _writer_closed(self) -> None:
         with self._lock:

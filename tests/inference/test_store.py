@@ -174,7 +174,7 @@ def test_rows_written_come_back_and_the_store_says_which_inputs_it_holds(tmp_pat
     store = open_store(tmp_path, key="k", n=6)
     assert store.done.tolist() == [True, True, False, True, False, True]
     result = StoredRunResult.of(store.located(6))
-    assert result[2] is None and result.failed == [2, 4] and len(result) == 6
+    assert result[2] is None and result.failed == [] and len(result) == 6  # failed: failure records, none here
     _equal(result[5], rows[0])
     _equal(list(result), [rows[3], rows[1], None, rows[2], None, rows[0]])
     assert result.to_arrow().column("label").to_pylist() == ["r3", "r1", None, "r2", None, "r0"]
@@ -354,8 +354,10 @@ def test_failure_records_are_reported_kept_out_of_the_rows_readers_read_and_retr
                                                "out of memory alone: 1 row of 40 tokens"])
     writer.close()
     assert store.failures() == {1: "ValueError: cannot process this input", 3: "out of memory alone: 1 row of 40 tokens"}
-    result = StoredRunResult.of(store.located(5))  # position 4: no row and no record, the case a run raises for
-    assert result.failed == [1, 3, 4] and result.failures[4] == "no result and no cause recorded"
+    located = store.located(5)
+    result = StoredRunResult.of(located, failures=store.failures())
+    assert result.failed == [1, 3] and result[1] is None and result.failures[3].startswith("out of memory")
+    assert located.where[4] < 0 and 4 not in result.failures  # no row, no record: the case a run raises for
     store.close()
     assert ds.dataset(tmp_path).to_table().column("position").to_pylist() == [0, 2]  # the records are not rows
     assert len(pd.read_parquet(tmp_path)) == len(pl.read_parquet(f"{tmp_path}/*.parquet")) == 2

@@ -124,6 +124,8 @@ def test_a_job_whose_lock_was_taken_over_writes_no_more(tmp_path, monkeypatch):
     store = open_store(tmp_path, key="k", n=4)
     for name in _records(tmp_path):  # what another job does to a record it finds dead
         os.remove(os.path.join(tmp_path, name))
+    with store_lock._WAKE:  # the heartbeat thread may be waiting out an earlier, longer interval: beat now
+        store_lock._WAKE.notify_all()
     time.sleep(0.3)  # a heartbeat finds it gone
     writer = store.writer("0")
     writer.write(np.arange(2), [torch.ones(2)] * 2, np.arange(2, dtype=np.uint64))
