@@ -71,8 +71,8 @@ def check_store_arguments(output_path: Any, key: Any) -> None:
     if isinstance(output_path, Store):
         return
     if output_path is not None and not isinstance(output_path, (str, os.PathLike)):
-        raise bad_type("output_path", "None, a str, an os.PathLike (a directory for the results store) or the store "
-                       "opened for the run (open_store)", output_path)
+        raise bad_type("output_path", "None, a str or an os.PathLike (a directory for the results store), or the "
+                       "store opened for the run (open_store)", output_path)
     if output_path is not None:
         _refuse_jsonl(os.fspath(output_path))
     if key is not None and not isinstance(key, str):
