@@ -129,17 +129,19 @@ def _is_shard(name: str) -> bool:
 
 
 def _covered(names: Collection[str]) -> set[str]:
-    """Shards that a merged shard of the same writer holds (``part-w-0003-0017`` holds ``part-w-0005``): what a
-    compaction cut short left behind. A merged shard is renamed into place before its parts are removed, so every
-    row is in exactly one shard that is not covered."""
-    spans: dict[str, list[tuple[int, int, str]]] = {}
-    for name in names:
-        match = _SHARD.fullmatch(name)
-        if match:
-            first = int(match["first"])
-            spans.setdefault(match["writer"], []).append((first, int(match["last"] or first), name))
-    return {name for span in spans.values() for first, last, name in span
-            if any(a <= first and last <= b and (a, b) != (first, last) for a, b, _ in span)}
+    """Shards that a merged shard of the same writer holds (``part-w-00003-00017`` holds ``part-w-00005``): what a
+    merge cut short left behind. A merged shard is renamed into place before its parts are removed, so every row is
+    in exactly one shard that is not covered. One sort: a span is covered when one starting no later reaches as far."""
+    spans = sorted((match["writer"], int(match["first"]), -int(match["last"] or match["first"]), name)
+                   for name in names if (match := _SHARD.fullmatch(name)))
+    covered, writer, reach = set(), None, -1
+    for owner, first, last, name in spans:
+        if owner != writer:
+            writer, reach = owner, -1
+        if -last <= reach:
+            covered.add(name)
+        reach = max(reach, -last)
+    return covered
 
 
 Located = namedtuple("Located", "path files counts where columns schema ids")
