@@ -27,6 +27,7 @@ from dynabatch.inference.generation import generate
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.runner import BatchOutOfMemoryError, IncompleteRunError, RunResult, StoredRunResult, run
+from dynabatch.inference.store_lock import StoreBusyError
 from dynabatch.memory.budget import MemoryBudget
 from dynabatch.memory.calibrate import calibrate
 from dynabatch.memory.measure import track_peak_memory
@@ -66,6 +67,7 @@ __all__ = [
     "PlannedBatchSampler",
     "RunResult",
     "SmartBatchSampler",
+    "StoreBusyError",
     "StoredRunResult",
     "TextSource",
     "TokenBudget",

@@ -354,7 +354,7 @@ def embed_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             result, tally, error = job.run_accounted(
                 lambda: job.run_job(make_fn, loader, place, spec.output, key=spec.key, on_oom=args.on_oom,
                                     token_outputs="whole", progress=place.main and not args.no_progress, **options),
-                spec.output, len(spec.texts), parser, what="texts", skipping="skip" in (args.on_oom, args.on_error),
+                spec.output, len(spec.texts), parser, what="texts",
                 hint="" if args.on_error == "skip" else ": --on-error skip sets such texts aside (a rerun retries them)")
             columns = ["id" if spec.ids is not None else "position", "output"]
             return job.finish("embed", result, tally, error, args, place, start=start, model=spec.describe(limit),

@@ -193,7 +193,7 @@ def run_job(make_fn: Callable[[torch.device], Callable], loader: Any, place: Pla
     """
     from dynabatch import run
 
-    options["output_path"] = output.target  # the store the command opened (and holds) before the model loaded
+    options["output_path"] = output.store  # the store the command opened (and holds) before the model loaded
     if place.world > 1:
         return run(make_fn(place.devices[0]), loader, device=place.devices[0], ranks="claim", **options)
     if len(place.devices) > 1:
@@ -216,10 +216,9 @@ def _unaccounted(tally: Tally, what: str) -> str:
 
 
 def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argparse.ArgumentParser, *,
-                  what: str, skipping: bool, hint: str = "") -> tuple[Any, Tally, BaseException | None]:
+                  what: str, hint: str = "") -> tuple[Any, Tally, BaseException | None]:
     """Runs ``call()`` (the run) and reads what ``output``'s store holds for the ``n`` inputs after it:
-    ``(result or None, tally, error or None)``; ``skipping``: the run sets failing inputs aside (``--on-oom skip``,
-    ``--on-error skip``).
+    ``(result or None, tally, error or None)``.
 
     A run that cannot account for every input (``IncompleteRunError``) ends
     here with its error: the summary says what is missing. A run refusing its
@@ -228,13 +227,12 @@ def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argpa
     ``hint`` added when the error names inputs. Any other error is printed with
     its traceback, then what the store holds: exit status 1.
     """
-    from dynabatch.inference import runner
+    from dynabatch.inference.runner import IncompleteRunError
 
-    incomplete = getattr(runner, "IncompleteRunError", None)
     try:
         result = call()
     except Exception as exc:  # noqa: BLE001 (every way the run ends is followed by what the store holds)
-        if incomplete is not None and isinstance(exc, incomplete):
+        if isinstance(exc, IncompleteRunError):
             return None, output.tally(n), exc
         if isinstance(exc, (ValueError, TypeError)):
             parser.error(_with_notes(exc) + (hint if getattr(exc, "__notes__", None) else ""))
@@ -244,7 +242,7 @@ def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argpa
                          f"{tally.stored:,} of {n:,} {what} stored in {output.path}; {_unaccounted(tally, what)}: the "
                          "same command again runs them\n")
         raise SystemExit(1) from None
-    return result, output.tally(n, result.failed if skipping else ()), None
+    return result, output.tally(n), None
 
 
 def _rate(value: float | None, unit: str) -> str:

@@ -5,7 +5,7 @@
   line before any model loads; :meth:`Output.checked` prepares it around the
   checks that follow, taking it back if one fails;
 * :meth:`Output.open`: the store at it opened for the run, which writes into
-  it (:attr:`Output.target`), taking the store's job lock: a store another live
+  it (:attr:`Output.store`), taking the store's job lock: a store another live
   job is writing is refused naming that job, and a store of rows computed otherwise (another
   model's files, another setting) is refused naming each difference and the
   ways on (another output folder, or deleting it to compute it again);
@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_value
+from dynabatch.inference.store_lock import StoreBusyError
 
 __all__ = ["Output", "Tally"]
 
@@ -44,31 +45,13 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-# The store's interfaces of this round (open_store's job lock, StoreBusyError, Store.close and failures, ranks_job, and
-# run taking the opened store) are absent from a main without the store branch: there the store opens without a lock
-# and the run opens it again. These fallbacks go when that branch is merged.
-def _store_branch() -> bool:
-    from dynabatch.inference import sink
-
-    return hasattr(sink, "ranks_job")
-
-
 def _open_store(path: str, *, key: str, n: int, ids: Any) -> Any:
     """The store at ``path`` opened for a run and held for this job (the ranks of one ``torchrun`` job share it):
     the command line's one call of ``open_store``."""
-    from dynabatch.inference import sink
+    from dynabatch.inference.distributed import job_token
     from dynabatch.inference.store import open_store
 
-    if not _store_branch():
-        return open_store(path, key=key, n=n, ids=ids)
-    return open_store(path, key=key, n=n, ids=ids, job=sink.ranks_job())
-
-
-def _busy_error() -> tuple[type[BaseException], ...]:
-    from dynabatch.inference import store
-
-    busy = getattr(store, "StoreBusyError", None)
-    return (busy,) if busy is not None else ()
+    return open_store(path, key=key, n=n, ids=ids, job=job_token())
 
 
 def _stored_key(path: str) -> str | None:
@@ -211,7 +194,7 @@ class Output:
         """
         try:
             self.store = _open_store(self.path, key=key, n=n, ids=ids)
-        except _busy_error() as exc:
+        except StoreBusyError as exc:
             raise ValueError(f"output should be a store no other job is writing, but got output={self.path!r}: "
                              f"{_first_line(exc)}; wait for that job to end, or use another output folder") from exc
         except ValueError as exc:
@@ -252,12 +235,6 @@ class Output:
             head = os.path.dirname(head)
         self.made = None
 
-    @property
-    def target(self) -> Any:
-        """What the run writes into: the store opened here, held through the run (one open), or its path on a main
-        without the store branch."""
-        return self.store if _store_branch() else self.path
-
     def end(self) -> None:
         """Closes the store, or :meth:`discard` it if the run never began (a model that failed to load)."""
         if self.started:
@@ -268,17 +245,14 @@ class Output:
     def close(self) -> None:
         """Releases the store (its job lock)."""
         store, self.store = self.store, None
-        if store is not None and hasattr(store, "close"):
+        if store is not None:
             store.close()
 
-    def tally(self, n: int, failed: Any = ()) -> Tally:
-        """What the store holds for the ``n`` inputs now; ``failed``: the positions the run says it set aside, read
-        only from a store that keeps no failure records (their cause then unknown)."""
+    def tally(self, n: int) -> Tally:
+        """What the store holds for the ``n`` inputs now: its rows and its failure records."""
         located = self.store.located(n)
         stored = np.asarray(located.where) >= 0
-        records = self.store.failures() if hasattr(self.store, "failures") else \
-            {int(p): "set aside by the run (cause not recorded)" for p in failed}
-        failures = {int(p): str(c) for p, c in records.items() if 0 <= p < n and not stored[p]}
+        failures = {int(p): str(c) for p, c in self.store.failures().items() if 0 <= p < n and not stored[p]}
         listed = np.zeros(n, dtype=bool)
         listed[list(failures)] = True
         before = self.before if self.before is not None and len(self.before) == n else np.zeros(n, dtype=bool)

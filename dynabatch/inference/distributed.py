@@ -173,14 +173,19 @@ def gather_results(positions: list[int], results: list, n_inputs: int, *, cover:
 
 
 def job_token() -> str | None:
-    """Collective: one token naming this job, made on rank 0 and sent to every rank, so that the ranks of one job
-    take a results store's job lock as one job; ``None`` in one process (the store names this process).
+    """One token naming this job, so that the ranks of one job take a results store's job lock as one job; ``None``
+    in one process (the store names this process). Under ``torchrun``, its rendezvous (``MASTER_ADDR:MASTER_PORT``
+    and run id: one live job each), readable before the process group starts; else a collective: rank 0's token,
+    sent to every rank.
 
     Example:
         >>> from dynabatch.inference.distributed import job_token
         >>> job_token() is None  # no process group here
         True
     """
+    if "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun: readable before the group starts
+        return (f"torchrun {os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT')} "
+                f"{os.environ['TORCHELASTIC_RUN_ID']}")
     rank, size = world()
     if size == 1:
         return None

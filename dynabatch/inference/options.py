@@ -60,16 +60,22 @@ class RunOptions:
     on_error: str
     token_outputs: str
     pad_token_id: int | None
-    output_path: str | None
+    output_path: Any  # a path, or the store opened for the run
     key: str | None
     progress: bool
 
 
 def check_store_arguments(output_path: Any, key: Any) -> None:
-    """Refuses a bad ``output_path`` (a directory for the results store; not what earlier versions wrote, a JSONL
-    file or per-rank JSONL files, nor a path meant for them) or ``key`` (a str, only with a store)."""
+    """Refuses a bad ``output_path`` (a directory for the results store, or the store opened for the run; not what
+    earlier versions wrote, a JSONL file or per-rank JSONL files, nor a path meant for them) or ``key`` (a str, only
+    with a store)."""
+    from dynabatch.inference.store import Store
+
+    if isinstance(output_path, Store):
+        return
     if output_path is not None and not isinstance(output_path, (str, os.PathLike)):
-        raise bad_type("output_path", "None, a str or an os.PathLike (a directory for the results store)", output_path)
+        raise bad_type("output_path", "None, a str or an os.PathLike (a directory for the results store), or the "
+                       "store opened for the run (open_store)", output_path)
     if output_path is not None:
         _refuse_jsonl(os.fspath(output_path))
     if key is not None and not isinstance(key, str):
@@ -145,7 +151,8 @@ def resolve_options(fn: Any, loader: Any, plan: Any, *, make_fn: Any, devices: A
     memory, sparse, memory_devices = _resolve_memory(memory, plan, ranks, targets)
     return RunOptions(memory, sparse, ranks, rank, world_size, tuple(targets), tuple(memory_devices), make_fn,
                       (PREFETCH_DEPTH if devices is None else 0) if prefetch is None else prefetch, on_oom, on_error,
-                      token_outputs, pad_token_id, None if output_path is None else os.fspath(output_path), key,
+                      token_outputs, pad_token_id, output_path if output_path is None or hasattr(output_path, "writer")
+                      else os.fspath(output_path), key,
                       progress)
 
 

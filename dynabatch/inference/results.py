@@ -1,7 +1,7 @@
 """What :func:`dynabatch.run` returns and raises: :class:`RunResult`, :class:`StoredRunResult` and an error.
 
 In memory (a ``list``), or read from the results store on demand exactly as the in-memory run gives them; both stack
-every row through one encoding (:class:`~dynabatch.inference.store.Columns`).
+every row through one encoding (:class:`~dynabatch.inference.columns.Columns`).
 
 Example:
     >>> import torch
@@ -23,7 +23,8 @@ from dynabatch.inference.report import RunReport
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from dynabatch.inference.store import Columns, Located
+    from dynabatch.inference.columns import Columns
+    from dynabatch.inference.store import Located
 
 __all__ = ["RunResult", "StoredRunResult"]
 
@@ -87,7 +88,7 @@ class RunResult(list, _Stacking):
         """The rows as a results store holds them, their types fixed by all of them."""
         import pyarrow as pa
 
-        from dynabatch.inference.store import Columns
+        from dynabatch.inference.columns import Columns
 
         present = np.fromiter((r is not None for r in self), dtype=bool, count=len(self))
         rows = [r for r in self if r is not None]

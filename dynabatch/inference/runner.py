@@ -140,7 +140,8 @@ def run(
         output_path: a directory for the results store (:mod:`dynabatch.inference.store`): Parquet shards, one
             row per input, written as rows finish, committed however the run ends (Ctrl-C too); a rerun with
             the same ``key`` runs only the rows not stored, and stored rows of other inputs are refused before
-            any row is written (a plain iterable's as each batch is built, before any row of it is written).
+            any row is written (a plain iterable's as each batch is built, before any row of it is written). Or the
+            store itself, opened by the caller (``open_store``), who closes it.
         key: with ``output_path``, what computed the rows (model, revision, settings).
         token_outputs: declares how a tensor as wide as the batch is read: ``"auto"`` (certain readings only),
             ``"per_token"``, ``"generated"`` (padding stripped) or ``"whole"``.

@@ -40,6 +40,11 @@ NONE_ROW = "fn(batch) gave None for this row: a results store holds no row for i
 """The cause a results store records for a row ``fn`` gave as ``None`` (in memory it is the row's result)."""
 
 
+def _unrecorded(failed: Any) -> dict[int, str]:
+    """The failed positions, each with a cause this sink was not told."""
+    return {int(p): "failed (no cause recorded)" for p in failed}
+
+
 class MemorySink:
     """Rows kept in memory, one per input position, and the inputs that failed with their causes.
 
@@ -124,8 +129,8 @@ class StoreSink:
         stored: which inputs the store holds already (a resumed run takes them out).
     """
 
-    def __init__(self, store: Any) -> None:
-        self.store = store
+    def __init__(self, store: Any, *, owned: bool = True) -> None:
+        self.store, self.owned = store, owned  # owned: opened by the run (else its caller closes it)
         self.stored = store.done
 
     def check_inputs(self, positions: np.ndarray, hashes: np.ndarray) -> None:
@@ -147,8 +152,10 @@ class StoreSink:
         return StoredRunResult.of(located, report=report, failures=failures), np.flatnonzero(~accounted)
 
     def end(self) -> None:
-        """The run is done with the store: its job lock is released."""
-        self.store.close()
+        """The run is done with the store: its job lock is released where the run opened it (a store the caller
+        opened is the caller's to close)."""
+        if self.owned:
+            self.store.close()
 
 
 def open_sink(output_path: str | None, *, key: str | None, n: int | None, ids: Any, gather: bool,
@@ -157,6 +164,19 @@ def open_sink(output_path: str | None, *, key: str | None, n: int | None, ids: A
     of one job pass the same token; ``None``: this process)."""
     if output_path is None:
         return MemorySink(gather=gather)
-    from dynabatch.inference.store import open_store
+    from dynabatch.inference.store import Store, open_store
 
-    return StoreSink(open_store(output_path, key=key, n=n, ids=ids, job=job))
+    store = output_path if isinstance(output_path, Store) else open_store(output_path, key=key, n=n, ids=ids, job=job)
+    if store is output_path:
+        _check_opened(store, key, n, ids)
+    return StoreSink(store, owned=store is not output_path)
+
+
+def _check_opened(store: Any, key: str | None, n: int | None, ids: Any) -> None:
+    """Refuses a store opened (``output_path=open_store(...)``) for other inputs or another key than the run's."""
+    same_ids = (ids is None) == (store.ids is None) and (ids is None or store.ids.equals(ids))
+    if (key is not None and key != store.key) or (n is not None and n != store.n) or not same_ids:
+        raise ValueError(f"output_path should be a store opened for this run's inputs and key (n={n}, key={key!r}, "
+                         f"ids {'given' if ids is not None else 'None'}), but got one opened with n={store.n}, "
+                         f"key={store.key!r}, {'other ids' if store.ids is not None else 'ids None'}: open it with "
+                         "the loader's ids (plan.ids) and the run's key")

@@ -273,7 +273,6 @@ def test_a_worker_whose_writes_fail_ends_the_job_non_zero_naming_what_is_missing
     _check_every_id_once(out, ids, _alone(bert_dir, rows))
 
 
-@pytest.mark.xfail(reason="needs the store/pipeline branch", strict=False)
 def test_a_poison_text_is_named_or_set_aside_with_on_error_skip_and_a_rerun_retries_it(
         bert_dir, tokenizer, texts, tmp_path, cli, write_corpus, run_command):
     rows, ids = list(texts[:30]), [f"doc-{i}" for i in range(30)]
@@ -296,7 +295,6 @@ def test_a_poison_text_is_named_or_set_aside_with_on_error_skip_and_a_rerun_retr
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="needs the store/pipeline branch", strict=False)
 def test_a_second_job_on_a_store_a_live_job_writes_refuses_at_once_naming_it(
         bert_dir, texts, tmp_path, cli, write_corpus, kill_after_first_shard, run_command):
     ids = [f"doc-{i}" for i in range(len(texts))]

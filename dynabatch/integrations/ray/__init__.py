@@ -53,7 +53,7 @@ it, and only :func:`map_texts` imports ``ray``. Nothing in dynabatch imports
 this module.
 """
 
-from dynabatch.integrations.ray._columns import to_column
+from dynabatch.inference.columns import numpy_column as to_column
 from dynabatch.integrations.ray._map import default_window, map_texts
 from dynabatch.integrations.ray._memory import PLANS
 from dynabatch.integrations.ray.predictor import DynamicBatchPredictor

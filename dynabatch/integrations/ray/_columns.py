@@ -1,15 +1,14 @@
-"""Columns in and out of a Ray Data window: checked names and options, results as one column."""
+"""A Ray Data window's columns: names and options checked, the batch's format (results into a column:
+:func:`dynabatch.inference.columns.numpy_column`, the one encoding of rows)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from dynabatch._validation import bad_type, bad_value
 
-__all__ = ["as_numpy", "check_column", "check_options", "columns_of", "to_column"]
+__all__ = ["check_column", "check_options", "columns_of"]
 
 
 def check_column(name: str, value: Any) -> str:
@@ -30,50 +29,6 @@ def check_options(name: str, value: Any, own: tuple[str, ...]) -> dict[str, Any]
         raise bad_value(name, f"a dict without the keywords DynamicBatchPredictor sets itself {list(own)}",
                         dict(value))
     return dict(value)
-
-
-def as_numpy(item: Any) -> Any:
-    """A result row with its tensors as numpy arrays (inside plain tuples, lists and dicts too)."""
-    import torch
-
-    if isinstance(item, torch.Tensor):
-        item = item.detach().cpu()
-        if item.dtype == torch.bfloat16:  # numpy has no bfloat16
-            item = item.float()
-        return item.numpy()
-    if type(item) in (list, tuple):
-        return type(item)(as_numpy(x) for x in item)
-    if type(item) is dict:
-        return {key: as_numpy(value) for key, value in item.items()}
-    return item
-
-
-def to_column(results: list[Any]) -> np.ndarray:
-    """One column from per-row results: stacked when every row is an array of one shape and dtype.
-
-    Tensors become numpy arrays. Rows that are arrays of one shape and dtype
-    (an embedding, logits, a scalar) are stacked into one array, which Ray
-    stores as a tensor column; anything else (``generate`` token ids of their
-    own lengths, strings, dicts, a ``None`` for a failed row) is an object
-    array with one item per row.
-
-    Example:
-        >>> import torch
-        >>> to_column([torch.ones(3), torch.zeros(3)]).shape
-        (2, 3)
-        >>> column = to_column([torch.tensor([5, 6]), torch.tensor([7]), None])
-        >>> column.dtype, [None if r is None else r.tolist() for r in column]
-        (dtype('O'), [[5, 6], [7], None])
-    """
-    rows = [as_numpy(r) for r in results]
-    if rows and all(isinstance(r, np.ndarray) for r in rows):
-        first = rows[0]
-        if all(r.shape == first.shape and r.dtype == first.dtype for r in rows):
-            return np.stack(rows)
-    column = np.empty(len(rows), dtype=object)
-    for i, row in enumerate(rows):
-        column[i] = row
-    return column
 
 
 def columns_of(batch: Any) -> tuple[list[str], Any]:

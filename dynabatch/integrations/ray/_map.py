@@ -194,11 +194,14 @@ def map_texts(
     out = ds.map_batches(predictor_cls, fn_constructor_kwargs=kwargs, batch_size=window, compute=compute,
                          **remote)
     if store is not None:
-        return _run_stored(out, store.path, key, len(store.ids))
+        try:  # the driver holds the store for the job while the actors write into it
+            return _run_stored(out, store, key)
+        finally:
+            store.close(job_done=True)  # and gives it up with every actor's hold
     return out.drop_columns([chars]) if sort_by_length else out
 
 
-def _run_stored(out: Any, path: str, key: str | None, held: int) -> Any:
+def _run_stored(out: Any, opened: Any, key: str | None) -> Any:
     """Runs the job (each window commits its rows to the store) and returns a dataset reading the whole store."""
     import ray.data
 
@@ -207,9 +210,11 @@ def _run_stored(out: Any, path: str, key: str | None, held: int) -> Any:
         for name in SUMMARY:
             totals[name] += int(np.sum(batch[name]))
     logger.info("map_texts: output_path=%r held %d rows before; of this dataset's %d rows, %d were held, %d ran now, "
-                "%d of them without a result (not stored: a rerun tries them again)", path, held, totals["rows"],
-                totals["held"], totals["ran"], totals["failed"])
-    store = open_store(path, key)
+                "%d of them without a result (not stored: a rerun tries them again)", opened.path, len(opened.ids),
+                totals["rows"], totals["held"], totals["ran"], totals["failed"])
+    store = open_store(opened.path, key)
+    store.settle()  # one schema in every shard: Ray reads each shard on its own
+    store.close()
     if store.columns is None:
         return ray.data.from_arrow(pa.table({"id": store.ids}))
     columns = ["id", *store.columns.names]

@@ -51,9 +51,20 @@ def check_store_options(output_path: Any, key: Any, id_column: Any) -> None:
 
 
 def open_store(output_path: Any, key: str | None, *, verify: bool = True) -> Store:
-    """The results store at ``output_path`` keyed by id, its inputs every id it holds (refuses another ``key``);
-    ``verify``: every shard read whole, its page checksums verified (the driver does it once, not each actor)."""
-    return open_results_store(os.path.abspath(os.fspath(output_path)), key=key, keyed_by="id", verify=verify)
+    """The results store at ``output_path`` keyed by id, its inputs every id it holds (refuses another ``key``), held
+    for this Ray job (the driver and every actor: one job); ``verify``: every shard read whole, its page checksums
+    verified (the driver does it once, not each actor)."""
+    return open_results_store(os.path.abspath(os.fspath(output_path)), key=key, keyed_by="id", verify=verify,
+                              job=_ray_job())
+
+
+def _ray_job() -> str | None:
+    """The job string of this process's Ray job, which its driver and actors share (``None`` outside Ray)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    return f"ray job {ray.get_runtime_context().get_job_id()}" if ray.is_initialized() else None
 
 
 class WindowStore:

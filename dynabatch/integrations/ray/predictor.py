@@ -9,12 +9,13 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.inference.columns import numpy_column
 from dynabatch.inference.execute import BatchOutOfMemoryError
 from dynabatch.inference.loader import plan_of
 from dynabatch.inference.report import RunReport
 from dynabatch.inference.results import RunResult
 from dynabatch.inference.runner import check_run_options, run
-from dynabatch.integrations.ray._columns import check_column, check_options, columns_of, to_column
+from dynabatch.integrations.ray._columns import check_column, check_options, columns_of
 from dynabatch.integrations.ray._memory import WindowMemory
 from dynabatch.integrations.ray._store import SUMMARY, WindowStore, check_store_options
 from dynabatch.memory.model import MemoryModel
@@ -284,7 +285,7 @@ class DynamicBatchPredictor(WindowMemory):
         else:
             result, _ = self._run_window(texts)
             results, failed = list(result), result.failed
-        columns = {self.output_column: to_column(results)}
+        columns = {self.output_column: numpy_column(results)}
         if self.on_oom == "skip":
             errors = np.full(len(texts), "", dtype=object)
             for p in failed:
