@@ -472,7 +472,8 @@ class Counting(Embed):
     ({"calibrate_kwargs": {"max_probes": 4}}, ValueError, "calibrate_kwargs should be None without calibrate=True"),
     ({"device": 0}, TypeError, "device should be None, a str or a torch.device, but got device=0"),
     ({"output_path": 3}, TypeError, ("output_path should be None, a str or an os.PathLike \\(a directory for the "
-                                     "results store\\), but got output_path=3")),
+                                     "results store\\), or the store opened for the run \\(open_store\\), but got "
+                                     "output_path=3")),
     ({"key": "minilm"}, ValueError, ("key should be None without output_path \\(it identifies the results stored "
                                      "there\\), but got key='minilm'")),
     ({"output_path": "unused", "id_column": "output"}, ValueError,
