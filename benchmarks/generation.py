@@ -60,7 +60,7 @@ import torch  # noqa: E402
 
 import dynabatch  # noqa: E402
 from dynabatch.demo import vary_lengths  # noqa: E402
-from dynabatch.generation import reply_ids  # noqa: E402
+from dynabatch.inference.generation import reply_ids  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _assets  # noqa: E402  (the KJV text and tokenizer: PyPI demo assets, else the repository's copies)

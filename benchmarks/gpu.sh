@@ -15,7 +15,8 @@
 #   gpu-tests     the tests marked `gpu` (pytest -m gpu), only the files that hold some
 #   inference     benchmarks/inference.py --device cuda   (encoder forward and greedy generate, every method)
 #   generation    benchmarks/generation.py --device cuda  (dynabatch.generate, fixed batches, generate_batch)
-#   embeddings    benchmarks/embeddings.py --device cuda  (dynabatch.sentence_transformers.encode, model.encode)
+#   embeddings    benchmarks/embeddings.py --device cuda
+#                 (dynabatch.integrations.sentence_transformers.encode, model.encode)
 #   memory-model  benchmarks/memory_model.py --device cuda (calibrate, plans, measured peaks on the GPU)
 #   train-step    benchmarks/train_step.py --device cuda   (packed training steps, packed = padded loss)
 #   overlap       benchmarks/overlap.py --device cuda      (a real encoder: streamed and built ahead vs in turn)

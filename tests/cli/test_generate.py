@@ -81,14 +81,14 @@ def test_sampling_options_without_sample_and_a_prompt_limit_past_the_positions_a
     base = ["generate", str(tmp_path / "p.txt"), str(tmp_path / "out"), "--model", str(gpt2_dir)]
     cases = [
         ([*base, "--temperature", "0.7"],
-         "--temperature should be given with --sample (greedy decoding has no temperature, top-p or top-k), but got "
-         "--temperature=0.7"),
+         ("--temperature should be given with --sample (greedy decoding has no temperature, top-p or top-k), but got "
+         "--temperature=0.7")),
         ([*base, "--max-length", "40", "--max-new-tokens", "32"],
-         "--max-length should be at most 32: the model's max_position_embeddings=64 positions hold the prompt and the "
-         "--max-new-tokens=32 new tokens, but got --max-length=40"),
+         ("--max-length should be at most 32: the model's max_position_embeddings=64 positions hold the prompt and the "
+         "--max-new-tokens=32 new tokens, but got --max-length=40")),
         ([*base, "--messages-column", "messages"],
-         "--messages-column should be given with a table (Parquet, JSONL, datasets): a text file's lines have only "
-         "their position, but got --messages-column='messages'"),
+         ("--messages-column should be given with a table (Parquet, CSV, JSONL, datasets): a text file's lines have only "
+         "their position, but got --messages-column='messages'")),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as info:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # --- memory measurement ------------------------------------------------------------------------------
 
 
-def test_measure_memory_records_each_batch_against_the_first(tokenizer, texts):
+def test_record_mode_records_each_batch_against_the_first(tokenizer, texts):
     loader = _load(texts, tokenizer)
 
     def allocate(batch):
