@@ -176,10 +176,12 @@ def _execute(queue: BatchQueue, sink: Any, options: RunOptions, skipped: np.ndar
             raise bad_type("make_fn", f"a callable returning fn(batch) for a device (make_fn({str(target)!r}) "
                            "returned no callable)", fn)
         writers.append(sink.writer(f"rank{options.rank}" if len(options.targets) == 1 else f"rank{options.rank}.{i}"))
+        lane = queue.lane if i == 0 else queue.new_lane()
+        queue.set_budget(lane, options.memory_devices[i])  # an absolute max_memory, read on this device now
         executors.append(Executor(fn, queue, writer=writers[-1], hashes=options.output_path is not None,
                                   device=target, memory_device=options.memory_devices[i], splitter=splitter,
                                   on_oom=options.on_oom, bar=bar, lockstep=options.ranks == "lockstep", stop=stop,
-                                  lane=queue.lane if i == 0 else queue.new_lane(), name=names[i]))
+                                  lane=lane, name=names[i]))
         return executors[-1]
 
     def failed() -> list[int]:

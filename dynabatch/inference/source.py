@@ -148,6 +148,12 @@ class BatchQueue:
             return Lane(cursor.feedback, cursor)
         return Lane(MemoryFeedback(sparse=self.sparse) if self.guard else None)
 
+    def set_budget(self, lane: Lane, device: Any) -> None:
+        """The lane's absolute budget: the loader's ``max_memory`` resolved on the lane's device as the run starts
+        (``None``, the relative rule: the lane's first measured peak)."""
+        if self.plan is not None and lane.feedback is not None and device is not None:
+            lane.feedback.set_budget(self.plan.planner.budget_on(device))
+
     @property
     def count(self) -> int:
         """How many inputs the run has: known up front, else (a plain iterable) the largest position seen + 1."""

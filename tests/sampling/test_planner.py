@@ -523,8 +523,9 @@ def test_a_memory_model_behind_the_planner_is_refined_online():
 
 
 def test_memory_options_are_checked():
-    with pytest.raises(ValueError, match=r"^max_memory should be None without a memory_model"):
-        choose_estimator(max_memory=10**9)
+    assert choose_estimator(max_memory=10**9).budget_on("cpu") == 10**9  # the run's budget: the classifier plans
+    with pytest.raises(ValueError, match=r"^max_memory should be a number of bytes > 0.*but got max_memory='12XB'$"):
+        choose_estimator(max_memory="12XB")  # refused up front, with or without a memory model
     with pytest.raises(ValueError, match=r"^granularity should be None without a memory_model"):
         choose_estimator(granularity=8)
     with pytest.raises(ValueError, match=r"^memory_margin should be a number in \[0, 1\), but got memory_margin=1$"):
