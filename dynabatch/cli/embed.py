@@ -50,6 +50,8 @@ from dynabatch.cli._checks import (
     refusing,
 )
 from dynabatch.cli.corpus import open_corpus
+from dynabatch.memory.budget import check_max_memory
+from dynabatch.sampling.plan_settings import ENCODER_BATCH_TOKENS
 
 __all__ = ["POOLINGS", "add_parser", "embed_command", "pooled"]
 
@@ -83,7 +85,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-length", type=int, default=None,
                    help="tokens per text at most (default: the model's own: a sentence-transformers folder's "
                    "max_seq_length, else its positions)")
-    p.add_argument("--max-batch-tokens", type=int, default=None, help="padded tokens per batch at most")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help=f"padded tokens per batch at most (default: {ENCODER_BATCH_TOKENS:,}, or the first batch's "
+                   "--batch-size x --max-length where more)")
     job.add_run_arguments(p, "text", 64, "comma-separated devices (default: every GPU, else the CPU)")
     p.set_defaults(command=embed_command, parser=p)
 
@@ -179,6 +183,7 @@ def _prepare(args: argparse.Namespace) -> _Job:
     from transformers import AutoTokenizer
 
     check_positive(args, "batch_size", "max_length", "max_batch_tokens")
+    check_max_memory(args.max_memory, "--max-memory")
     job.check_outputs(args)
     corpus = open_corpus(args.input, args.format)  # its columns and rows: cheap, and the first thing to fix
     corpus.require("--text-column", args.text_column, ("string",))
@@ -283,7 +288,9 @@ def embed_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     with job.process_group(place):
         tokenizer, limit, make_fn, model = _load(spec, args)
         loader = build_dynamic_batch_dataloader(spec.texts, tokenizer, args.batch_size, limit, ids=spec.ids,
-                                                model=model, max_tokens=args.max_batch_tokens, stream=True,
+                                                model=model, max_memory=args.max_memory, stream=True,
+                                                max_tokens=args.max_batch_tokens or max(ENCODER_BATCH_TOKENS,
+                                                                                        args.batch_size * limit),
                                                 num_workers=0, progress=False)
         with refusing(parser):  # a store of other texts under the same ids, found as batches come
             result = job.run_job(make_fn, loader, place, output_path=args.output, key=spec.key, on_oom=args.on_oom,

@@ -45,6 +45,7 @@ from dynabatch.cli._checks import (
     refusing,
 )
 from dynabatch.cli.corpus import open_corpus
+from dynabatch.memory.budget import check_max_memory
 
 __all__ = ["add_parser", "generate_command"]
 
@@ -145,6 +146,7 @@ def _prompts(args: argparse.Namespace, corpus: Any, tokenizer: Any) -> list[Any]
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     """Every check of a generate job; no weights load."""
     check_positive(args, "batch_size", "max_length", "max_new_tokens", "top_k")
+    check_max_memory(args.max_memory, "--max-memory")
     options = _check_sampling(args)
     job.check_outputs(args)
     corpus = open_corpus(args.input, args.format)  # its columns and rows: cheap, and the first thing to fix
@@ -189,6 +191,7 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         torch.manual_seed(args.seed)  # this process's own generator: sampling draws from it
         with refusing(parser):
             result = generate(model, spec["tokenizer"], spec["prompts"], batch_size=args.batch_size,
+                              max_memory=args.max_memory,
                               max_input_token_length=spec["max_length"], device=place.devices[0],
                               output_path=args.output, key=spec["key"], on_oom=args.on_oom,
                               progress=place.main and not args.no_progress, pad_token_id=spec["tokenizer"].pad_token_id,
