@@ -121,7 +121,8 @@ class SpikeEstimator:
         self._loaded: dict[bool, SpikeClassifier] = {}
 
     def budget_on(self, device: Any, longest: int | None = None) -> float | None:
-        """The absolute budget on ``device`` (``max_memory`` resolved there), or ``None``: the relative rule."""
+        """The absolute budget on ``device`` (``max_memory`` resolved there), or ``None``: the relative rule
+        (``longest``, the longest text's padded width, is for estimators that predict bytes)."""
         return resolve_max_memory(self.max_memory, device)
 
     def classifier_for(self, settings: PlanSettings) -> SpikeClassifier:
@@ -232,10 +233,11 @@ class BudgetEstimator:
 
     def budget_on(self, device: Any, longest: int | None = None) -> float | None:
         """The absolute budget on ``device`` (``max_memory`` resolved there), or ``None`` (relative); refused when
-        one row of ``longest`` tokens is predicted above it."""
+        one row of the longest text (``longest``: its padded width) is predicted above it."""
         budget = resolve_max_memory(self.max_memory_given, device)
-        if budget is not None and longest is not None and self.budget is not None:
-            self.budget.check_one_row(longest, max_memory=budget, given=self.max_memory_given)
+        if budget is not None and longest is not None:
+            MemoryBudget(self.memory_model, budget, memory_margin=self.memory_margin).check_one_row(
+                longest, given=self.max_memory_given)
         return budget
 
     def rows_for_peak(self, longest: int, budget: float) -> int:

@@ -222,7 +222,7 @@ class BatchPlanner:
     def budget_on(self, device: Any) -> float | None:
         """The absolute budget a run on ``device`` plans under (the loader's ``max_memory``, resolved there when
         the run starts), or ``None``: the relative rule. Refused when it cannot hold one row of the longest text."""
-        longest = int(self.sorted_lengths[0]) if len(self.sorted_lengths) else None
+        longest = int(self.settings.width(int(self.sorted_lengths[0]))) if len(self.sorted_lengths) else None
         return self.estimator.budget_on(device, longest)
 
     def next_size(self, start: int, last_size: int | None = None, feedback: MemoryFeedback | None = None) -> int:
