@@ -1,0 +1,57 @@
+"""Timing the GPU benchmarks can trust: engines warmed until a repeated call's time is stable, then timed in rounds
+that rotate their order, every round kept.
+
+On an H200 a young process ran each decoding step at about 45 ms for its first 15-20 s of GPU work, then at
+4-5 ms: whichever engine ran first lost (``../shared/gpu/2026-11-28-h200.md``). So every engine is called again
+and again before any is timed, until its last calls agree (:func:`warm_until_stable`, with a cap on the seconds
+spent), and the engines then run in ``rounds`` whose order rotates, so each runs early in one round and late in
+another (:func:`rotated`); the tables give every round's time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["rotated", "warm_until_stable"]
+
+
+def warm_until_stable(call: Callable[[], Any], *, cap_s: float, tolerance: float = 0.10, min_calls: int = 3,
+                      sync: Callable[[], None] = lambda: None, name: str = "") -> list[float]:
+    """Calls ``call`` until its last ``min_calls`` times lie within ``tolerance`` of their median, or ``cap_s``
+    seconds have passed (at least ``min_calls`` calls either way); returns every call's seconds.
+
+    ``sync`` waits for the device's queued work (``torch.cuda.synchronize``) so that a call's time is its own.
+    """
+    times: list[float] = []
+    start = time.perf_counter()
+    while True:
+        sync()
+        begin = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - begin)
+        last = times[-min_calls:]
+        median = statistics.median(last)
+        stable = len(times) >= min_calls and all(abs(t - median) <= tolerance * median for t in last)
+        if stable or (len(times) >= min_calls and time.perf_counter() - start >= cap_s):
+            break
+    spent = time.perf_counter() - start
+    print(f"warm-up{f' {name}' if name else ''}: {len(times)} calls in {spent:.1f} s, "
+          f"{'stable' if stable else f'not stable within {cap_s:g} s'}: "
+          + ", ".join(f"{t:.3f}" for t in times), file=sys.stderr, flush=True)
+    return times
+
+
+def rotated(names: list[str], round_: int) -> list[str]:
+    """``names`` in round ``round_``'s order: rotated by one each round, so each runs first once in ``len(names)``.
+
+    Example:
+        >>> rotated(["a", "b", "c"], 0), rotated(["a", "b", "c"], 1)
+        (['a', 'b', 'c'], ['b', 'c', 'a'])
+    """
+    shift = round_ % max(1, len(names))
+    return names[shift:] + names[:shift]
