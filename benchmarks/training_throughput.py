@@ -61,8 +61,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _assets  # noqa: E402
-from _timing import warm_until_stable  # noqa: E402
 import train_step  # noqa: E402
+from _timing import warm_until_stable  # noqa: E402
 
 from dynabatch import (  # noqa: E402
     BatchSamplerTrainer,
