@@ -10,13 +10,38 @@ another (:func:`rotated`); the tables give every round's time.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["rotated", "warm_until_stable"]
+__all__ = ["add_device_arguments", "check_device_arguments", "rotated", "warm_until_stable"]
+
+WARMUP_CAP = {"cuda": 20.0, "cpu": 2.0}
+"""Seconds a warm-up may take by default: 20 on CUDA (a young process's slow first GPU work), 2 on the CPU."""
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device``, ``--dtype`` and ``--warmup-cap``: what every timed benchmark on a GPU takes."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="the timed runs' dtype; auto: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--warmup-cap", type=float, default=None,
+                        help="seconds a warm-up may take at most (default: 20 on cuda, 2 on cpu)")
+
+
+def check_device_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses ``--device cuda`` without a CUDA device; resolves ``--dtype auto`` and the default warm-up cap."""
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device, but torch.cuda.is_available() is False")
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.warmup_cap is None:
+        args.warmup_cap = WARMUP_CAP[args.device]
 
 
 def warm_until_stable(call: Callable[[], Any], *, cap_s: float, tolerance: float = 0.10, min_calls: int = 3,

@@ -44,7 +44,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import rotated, warm_until_stable  # noqa: E402
+from _timing import add_device_arguments, check_device_arguments, rotated, warm_until_stable  # noqa: E402
 
 from dynabatch.sampling.plan_settings import ENCODER_BATCH_TOKENS  # noqa: E402
 
@@ -59,9 +59,7 @@ KNEE = 0.9
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                        help="auto: bfloat16 on cuda, float32 on cpu")
+    add_device_arguments(parser)
     parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated from {', '.join(SHAPES)}")
     parser.add_argument("--tokens", default=None,
                         help="padded tokens a batch, comma-separated (default: 512 to 65,536 on cuda, 256 to 4,096 "
@@ -69,15 +67,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=256, help="tokens a row (a batch of T tokens has T / width rows)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--calls", type=int, default=3, help="timed calls a point each round")
-    parser.add_argument("--warmup-cap", type=float, default=None, help="seconds (default: 20 on cuda, 2 on cpu)")
     parser.add_argument("--tiny", action="store_true", help="every shape about 8 times narrower and 4 times shallower")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda needs a CUDA device, but torch.cuda.is_available() is False")
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    check_device_arguments(parser, args)
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     if not args.shapes or set(args.shapes) - set(SHAPES):
         parser.error(f"--shapes should be comma-separated names from {', '.join(SHAPES)}")
@@ -88,8 +82,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--tokens should be comma-separated whole numbers, but got {args.tokens!r}")
     if min(args.tokens) < args.width or min(args.width, args.rounds, args.calls) < 1:
         parser.error("--tokens should each be at least --width, and --width, --rounds, --calls positive")
-    if args.warmup_cap is None:
-        args.warmup_cap = 20.0 if args.device == "cuda" else 2.0
     return args
 
 

@@ -82,7 +82,7 @@ from dynabatch.memory.footprint import Footprint  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _assets  # noqa: E402  (the KJV text and tokenizer: PyPI demo assets, else the repository's copies)
-from _timing import rotated, warm_until_stable  # noqa: E402
+from _timing import add_device_arguments, check_device_arguments, rotated, warm_until_stable  # noqa: E402
 
 VOCAB = 32_000
 ENGINES = {
@@ -102,9 +102,7 @@ WARMED: list[str] = []  # the engines warmed so far in this process
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                        help="the timed runs' dtype; auto: bfloat16 on cuda, float32 on cpu")
+    add_device_arguments(parser)
     parser.add_argument("--workloads", default="benchmark,long-tail", help=f"from {', '.join(WORKLOADS)}")
     parser.add_argument("--engines", default=None,
                         help=f"comma-separated from {', '.join(ENGINES)} (default: all but fixed-longest; "
@@ -116,8 +114,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="timed runs per engine, in a rotated order each round")
-    parser.add_argument("--warmup-cap", type=float, default=None,
-                        help="seconds an engine's warm-up may take at most (default: 20 on cuda, 2 on cpu)")
     parser.add_argument("--simulate-calls", type=float, default=None,
                         help="cpu: run the dynabatch engines on a simulated device whose free memory holds every "
                         "prompt in about this many calls")
@@ -131,16 +127,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("n_prompts", "max_words", "max_new_tokens", "batch_size", "hidden", "layers", "check", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} should be a positive integer, but got {getattr(args, name)}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda needs a CUDA device, but torch.cuda.is_available() is False")
+    check_device_arguments(parser, args)
     if args.simulate_calls is not None and (args.device != "cpu" or not args.simulate_calls > 0):
         parser.error(f"--simulate-calls should be a number > 0 on --device cpu, but got {args.simulate_calls}")
     if args.oracle and args.simulate_calls is None:
         parser.error("--oracle should be given with --simulate-calls (the fewest calls under a simulated budget)")
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-    if args.warmup_cap is None:
-        args.warmup_cap = 20.0 if args.device == "cuda" else 2.0
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     if not args.workloads or set(args.workloads) - set(WORKLOADS):
         parser.error(f"--workloads should be comma-separated names from {', '.join(WORKLOADS)}")
