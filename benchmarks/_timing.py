@@ -47,7 +47,7 @@ def check_device_arguments(parser: argparse.ArgumentParser, args: argparse.Names
 def warm_until_stable(call: Callable[[], Any], *, cap_s: float, tolerance: float = 0.10, min_calls: int = 3,
                       sync: Callable[[], None] = lambda: None, name: str = "") -> list[float]:
     """Calls ``call`` until its last ``min_calls`` times lie within ``tolerance`` of their median, or ``cap_s``
-    seconds have passed (at least ``min_calls`` calls either way); returns every call's seconds.
+    seconds have passed (one call at least); returns every call's seconds.
 
     ``sync`` waits for the device's queued work (``torch.cuda.synchronize``) so that a call's time is its own.
     """
@@ -62,7 +62,7 @@ def warm_until_stable(call: Callable[[], Any], *, cap_s: float, tolerance: float
         last = times[-min_calls:]
         median = statistics.median(last)
         stable = len(times) >= min_calls and all(abs(t - median) <= tolerance * median for t in last)
-        if stable or (len(times) >= min_calls and time.perf_counter() - start >= cap_s):
+        if stable or time.perf_counter() - start >= cap_s:
             break
     spent = time.perf_counter() - start
     print(f"warm-up{f' {name}' if name else ''}: {len(times)} calls in {spent:.1f} s, "

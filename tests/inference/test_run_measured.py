@@ -197,3 +197,25 @@ def test_a_share_of_a_devices_free_memory_is_read_when_the_run_starts_and_fills_
     assert report.records[0].rows > 4 and report.batches < relative.report.batches / 3  # filled from the first batch
     for a, b in zip(result, relative):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_an_absolute_budget_above_what_the_device_holds_is_split_and_learned_and_nothing_is_lost(tokenizer, minilm):
+    # max_memory says three times what the simulated device has free: the first batches run out of memory for real,
+    # are split and retried, and the limit they show sizes the later batches; every row equals the relative run's.
+    from dynabatch.demo import kjv_passages, vary_lengths
+    from dynabatch.memory.device import simulated_memory
+
+    texts = vary_lengths(kjv_passages(), n=200, max_words=60, seed=9)
+    embed = lambda b: minilm(**b).last_hidden_state[:, 0]  # noqa: E731
+    with torch.no_grad():
+        relative = run(embed, _load(texts, tokenizer, batch_size=4, max_input_token_length=64), progress=False)
+        free = int(4 * relative.report.budget_bytes)
+        with simulated_memory(total=2 * free, free=free):
+            result = run(embed, _load(texts, tokenizer, batch_size=4, max_input_token_length=64,
+                                      max_memory=3 * free, model=minilm), progress=False)
+    report = result.report
+    assert report.oom_events >= 1 and report.oom_splits >= 1 and result.failed == []
+    assert report.oom_events <= 6  # learned: later batches are sized under what failed
+    assert len(result) == len(texts)
+    for a, b in zip(result, relative):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
