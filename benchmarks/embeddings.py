@@ -1,4 +1,4 @@
-"""sentence-transformers ``model.encode`` against ``dynabatch.sentence_transformers.encode``, side by side.
+"""sentence-transformers ``model.encode`` against ``dynabatch.integrations.sentence_transformers.encode``, side by side.
 
 Both embed the same texts with the same model on the same ``--device`` (the real
 all-MiniLM-L6-v2, ``SentenceTransformer(dynabatch.demo.minilm_path())``, offline; where
@@ -8,7 +8,7 @@ repository's KJV tokenizer: ``benchmarks/_assets.py``) and the same ``batch_size
 
 * ``model.encode``: sentence-transformers' own loop: texts sorted by character
   length, longest first, a fixed ``batch_size``, each batch tokenized when it runs;
-* ``dynabatch encode``: ``dynabatch.sentence_transformers.encode(model, texts,
+* ``dynabatch encode``: ``dynabatch.integrations.sentence_transformers.encode(model, texts,
   batch_size=...)``: every text tokenized once by the model's own
   ``preprocess``, sorted by token length, ``batch_size`` rows in the first
   (longest) batch and later batches grown under its measured peak memory,
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from dynabatch import track_peak_memory
-    from dynabatch.sentence_transformers import encode
+    from dynabatch.integrations.sentence_transformers import encode
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device, but torch.cuda.is_available() is False")

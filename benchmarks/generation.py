@@ -71,18 +71,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-import dynabatch  # noqa: E402
-from dynabatch.demo import vary_lengths  # noqa: E402
-from dynabatch.generation import reply_ids  # noqa: E402
-from dynabatch.memory.device import free_bytes, simulated_memory  # noqa: E402
-from dynabatch.memory.footprint import Footprint  # noqa: E402
+import dynabatch
+from dynabatch.demo import vary_lengths
+from dynabatch.inference.generation import reply_ids
+from dynabatch.memory.device import free_bytes, simulated_memory
+from dynabatch.memory.footprint import Footprint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _assets  # noqa: E402  (the KJV text and tokenizer: PyPI demo assets, else the repository's copies)
-from _timing import add_device_arguments, check_device_arguments, rotated, warm_until_stable  # noqa: E402
+import _assets
+from _timing import add_device_arguments, check_device_arguments, rotated, warm_until_stable
 
 VOCAB = 32_000
 ENGINES = {
@@ -288,7 +288,7 @@ def cb_config(model: Any, prompts: list[list[int]], budget: float | None) -> Any
     """A paged cache of the blocks the prompts and replies need, and no more than ``budget`` bytes hold."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    block = getattr(ContinuousBatchingConfig(), "block_size", None) or getattr(ContinuousBatchingConfig(), "page_size")
+    block = getattr(ContinuousBatchingConfig(), "block_size", None) or ContinuousBatchingConfig().page_size
     new = model.generation_config.max_new_tokens
     blocks = sum(-(-(len(p) + new) // block) for p in prompts)
     if budget is not None:

@@ -20,7 +20,8 @@
 #   inference     benchmarks/inference.py --device cuda   (encoder forward and greedy generate, every method)
 #   generation    benchmarks/generation.py --device cuda  (dynabatch.generate, fixed batches, generate_batch:
 #                 time and sequential forwards, on replies of every length and on a long tail)
-#   embeddings    benchmarks/embeddings.py --device cuda  (dynabatch.sentence_transformers.encode, model.encode)
+#   embeddings    benchmarks/embeddings.py --device cuda
+#                 (dynabatch.integrations.sentence_transformers.encode, model.encode)
 #   encoder-curve benchmarks/encoder_curve.py --device cuda (throughput against batch tokens: MiniLM, BERT-base,
 #                 a 0.5B decoder embedder; the knee sets dynabatch embed's --max-batch-tokens)
 #   memory-model  benchmarks/memory_model.py --device cuda (calibrate, plans, measured peaks on the GPU)

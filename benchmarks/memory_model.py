@@ -101,13 +101,9 @@ def decoder_tokenizer() -> tuple[Any, str]:
         tok = _assets.tokenizer()
         tok.padding_side = "left"
         return tok, _assets.tokenizer_name()
-    cache = Path(os.environ.get("DYNABATCH_CACHE_DIR", Path.home() / ".cache" / "dynabatch")) / "llama2-tokenizer"
-    if not (cache / "tokenizer.json").exists():
-        import tinycoder
+    from dynabatch.demo import llama2_tokenizer_path
 
-        folder = Path(tinycoder.__file__).parent / "models"
-        AutoTokenizer.from_pretrained(folder, gguf_file="tiny.gguf").save_pretrained(cache)
-    tok = AutoTokenizer.from_pretrained(cache)
+    tok = AutoTokenizer.from_pretrained(llama2_tokenizer_path())
     tok.pad_token = tok.eos_token
     tok.padding_side = "left"
     return tok, "real Llama-2 tokenizer"

@@ -33,9 +33,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dynabatch.compat.multitask import (
+    DynamicBatchingTrainingPipeline,
+    HeterogeneousCollator,
+    HeterogeneousTrainingConfig,
+)
 from dynabatch.memory.measure import track_peak_memory
 from dynabatch.memory.units import MB
-from dynabatch.multitask import DynamicBatchingTrainingPipeline, HeterogeneousCollator, HeterogeneousTrainingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

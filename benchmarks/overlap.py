@@ -97,7 +97,7 @@ def _job(texts: list[str], tokenizer, ns: float, prefetch: int, devices: int,
                                device=None if REAL is None else REAL)
     else:
         names = ["cpu"] * devices if REAL is None else [f"cuda:{i}" for i in range(devices)]
-        result = dynabatch.run(make_fn, loader, progress=False, devices=names)
+        result = dynabatch.run(make_fn=make_fn, loader=loader, progress=False, devices=names)
     if len(result) != len(texts):
         raise RuntimeError("a text went missing")
     first = min(d.first_call for d in made if d.first_call is not None) - start

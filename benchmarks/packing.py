@@ -10,7 +10,7 @@ at most ``--capacity`` tokens (4096):
   nested index lists of ``generate_batches()``;
 * ``dynabatch FFD (algorithm="ffd")``: the same sampler with the exact
   first-fit-decreasing bins of the reference (and of dynabatch before);
-* ``dynabatch.trl.pack_dataset``: the dataset packed for TRL's ``SFTTrainer``
+* ``dynabatch.integrations.trl.pack_dataset``: the dataset packed for TRL's ``SFTTrainer``
   (list columns concatenated per row plus ``seq_lengths``; like TRL, no cap
   on sequences per row), timed from the ``datasets.Dataset`` to the packed one;
 * ``TRL pack_dataset (bfd)``: ``trl.pack_dataset(dataset, 4096, strategy="bfd")``
@@ -159,8 +159,8 @@ def run_distribution(lengths: np.ndarray, capacity: int) -> dict[str, dict]:
     from torch.utils.data import RandomSampler
     from trl import pack_dataset as trl_pack_dataset
 
+    from dynabatch.integrations.trl import pack_dataset
     from dynabatch.sampling.multipack import MultipackBatchSampler
-    from dynabatch.trl import pack_dataset
 
     disable_progress_bar()
     n, tokens = lengths.size, int(lengths.sum())
@@ -179,7 +179,7 @@ def run_distribution(lengths: np.ndarray, capacity: int) -> dict[str, dict]:
     out["shuffled first fit (axolotl re-impl.)"] = {"rows": bins, "dropped": dropped,
                                                     "seconds": time.perf_counter() - start}
     dataset = token_dataset(lengths)
-    for name, fn in (("dynabatch.trl.pack_dataset", lambda d: pack_dataset(d, capacity)),
+    for name, fn in (("dynabatch.integrations.trl.pack_dataset", lambda d: pack_dataset(d, capacity)),
                      ("TRL pack_dataset (bfd)", lambda d: trl_pack_dataset(d, capacity, strategy="bfd"))):
         start = time.perf_counter()
         packed = fn(dataset)
@@ -201,7 +201,7 @@ def cold_child(n: int, what: str) -> dict:
     """Runs in a fresh process with an empty numba cache: the first call on n lognormal lengths."""
     from torch.utils.data import RandomSampler
 
-    from dynabatch.sampling.multipack import MultipackBatchSampler, pack_parallel
+    from dynabatch.compat.axolotl import MultipackBatchSampler, pack_parallel
 
     lengths = np.clip(np.random.default_rng(0).lognormal(np.log(300), 1.0, n), 8, 4096).astype(np.int64)
     clock = (time.perf_counter(), time.process_time())
@@ -245,7 +245,8 @@ def run(args: argparse.Namespace) -> None:
     _first_fit_scan(np.array([1, 2, 3]), 8, 2)
     data = distributions(args.n, capacity)
     print(f"## Packing {args.n:,} lengths into rows of {capacity} tokens (the samplers, dynabatch's and axolotl's: at "
-          f"most {BIN_SIZE} sequences per row, drop_last batches of {BATCH} rows; TRL and dynabatch.trl: no cap)\n")
+          f"most {BIN_SIZE} sequences per row, drop_last batches of {BATCH} rows; TRL and "
+          "dynabatch.integrations.trl: no cap)\n")
     print(f"load average at the start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (seconds are wall time)\n")
     print("| distribution | method | rows | efficiency | dropped | seconds |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
@@ -259,13 +260,14 @@ def run(args: argparse.Namespace) -> None:
         peers = {k: v for k, v in rows.items() if not k.startswith("dynabatch")}
         best_name, best = max(peers.items(), key=lambda kv: kv[1]["eff"])
         ffd = rows['dynabatch FFD (algorithm="ffd")']
+        trl_seconds = rows["TRL pack_dataset (bfd)"]["seconds"]
         verdicts.append((name, ours["eff"] - max(best["eff"], ffd["eff"]), best_name,
-                         rows["TRL pack_dataset (bfd)"]["seconds"] / rows["dynabatch.trl.pack_dataset"]["seconds"],
-                         rows["TRL pack_dataset (bfd)"]["seconds"] / ours["seconds"]))
+                         trl_seconds / rows["dynabatch.integrations.trl.pack_dataset"]["seconds"],
+                         trl_seconds / ours["seconds"]))
     print("\nmean length, share under 21 tokens: " + "; ".join(
         f"{name} {v.mean():.0f}, {np.mean(v < 21):.0%}" for name, v in data.items()))
     print("\n| distribution | dynabatch efficiency minus the best of FFD and the peers | TRL BFD seconds / "
-          "dynabatch.trl.pack_dataset | TRL BFD seconds / sampler plan |")
+          "dynabatch.integrations.trl.pack_dataset | TRL BFD seconds / sampler plan |")
     print("| --- | ---: | ---: | ---: |")
     for name, margin, best_name, trl_ratio, plan_ratio in verdicts:
         print(f"| {name} | {margin:+.4f} (best peer: {best_name}) | {trl_ratio:.1f}x | {plan_ratio:.1f}x |")
@@ -291,12 +293,9 @@ def run_training(n_texts: int, steps: int) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    from dynabatch import MultipackBatchSampler, PackedCollator
+    from dynabatch.data.packing import packed_dataloader
     from dynabatch.demo import kjv_passages, minilm_path
-    from dynabatch.packing import (
-        MultipackBatchSampler,
-        PackedCollator,
-        packed_dataloader,
-    )
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
@@ -393,7 +392,8 @@ def _top_ops(trainer, label: str) -> None:
 
 
 def run_trl_comparison(n_texts: int, steps: int, profile: bool) -> None:
-    """Our packed route (Trainer hook) against TRL's padding-free SFTTrainer on dynabatch.trl.pack_dataset."""
+    """Our packed route (Trainer hook) against TRL's padding-free SFTTrainer on
+    dynabatch.integrations.trl.pack_dataset."""
     import tempfile
 
     import datasets
@@ -402,10 +402,10 @@ def run_trl_comparison(n_texts: int, steps: int, profile: bool) -> None:
     from torch.utils.data import RandomSampler
     from transformers import AutoTokenizer, TrainingArguments
 
+    from dynabatch import MultipackBatchSampler, PackedCollator
     from dynabatch.demo import kjv_passages, minilm_path
-    from dynabatch.packing import MultipackBatchSampler, PackedCollator
+    from dynabatch.integrations.trl import pack_dataset
     from dynabatch.training.hf import BatchSamplerTrainer
-    from dynabatch.trl import pack_dataset
 
     torch.set_num_threads(1)
     width, rows = 512, 8
@@ -440,7 +440,7 @@ def run_trl_comparison(n_texts: int, steps: int, profile: bool) -> None:
     for name, trainer, key, shape in (
             ("dynabatch: MultipackBatchSampler + PackedCollator (block mask)", ours, "ours",
              f"{rows} x {width}, 4D mask {rows} x {width}²"),
-            ("TRL: SFTTrainer padding-free on dynabatch.trl.pack_dataset", theirs, "theirs",
+            ("TRL: SFTTrainer padding-free on dynabatch.integrations.trl.pack_dataset", theirs, "theirs",
              f"1 x ~{rows * width} (flattened), position_ids restart")):
         start = time.perf_counter()
         trainer.train()

@@ -1,4 +1,5 @@
-"""Ray Data inference: fixed-size ``map_batches`` (what users do today) against ``dynabatch.ray``, in one run.
+"""Ray Data inference: fixed-size ``map_batches`` (what users do today) against ``dynabatch.integrations.ray``, in
+one run.
 
 The same texts and the same model go through Ray Data on the same actor pool,
 once per method, and the script prints one markdown table:
@@ -8,7 +9,7 @@ once per method, and the script prints one markdown table:
    ``--batch-size`` rows in dataset order, tokenizes them with
    ``padding=True, truncation=True, max_length=--max-length`` and runs the
    model on them: what Ray Data's row-count batching gives;
-2. ``dynabatch``: ``dynabatch.ray.map_texts(ds, Embed, batch_size=--batch-size,
+2. ``dynabatch``: ``dynabatch.integrations.ray.map_texts(ds, Embed, batch_size=--batch-size,
    max_input_token_length=--max-length, window=--window, actors=--actors)``:
    windows of ``--window`` rows, each tokenized once, planned longest first into
    memory-safe batches and run with out-of-memory splitting; each actor carries
@@ -76,7 +77,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's dynabatch, as the local workers get it
 
 from dynabatch.demo import kjv_passages, vary_lengths
-from dynabatch.ray import DynamicBatchPredictor, map_texts
+from dynabatch.integrations.ray import DynamicBatchPredictor, map_texts
 
 logger = logging.getLogger("benchmarks.ray_inference")
 

@@ -23,6 +23,16 @@ imported before its clock starts:
    (``read_texts(path)``, inside the measured run: the texts are never a Python
    list, whose 400,000 strings alone take 60+ MB), so the loader streams them.
 
+With **run, output_path**, the same worker then times, on the finished store, the job lock (taken and given up:
+``JobLock``) and the end-of-run accounting read (``store.failures()`` and ``store.located(n)``: which inputs have a
+row or a failure record), as a share of the run's wall (target: within 2%).
+
+5. **shards** (``--methods shards``, its own table): a store of ``n`` rows of 16 ``float32`` written a shard per
+   100 rows (what a slow job's commits every 10 s leave), once with the writer merging small shards (the default)
+   and once without: shards on disk, seconds to write, to open it for a run (every shard read whole, checksums
+   verified) and for a check (keys only), to read every row back (``StoredRunResult.to_arrow()``), and the job
+   lock and the accounting read as above.
+
 Per method: wall seconds and texts/s; RSS growth (the peak resident memory
 during the method over the resident memory before it, the texts already in
 memory; Linux's ``VmHWM``, reset first); bytes on disk (the store). The
@@ -39,6 +49,7 @@ minutes a method)::
     python benchmarks/scale.py
     python benchmarks/scale.py --sizes 10000 --threads 1 --methods run,store
     python benchmarks/scale.py --methods flat          # the flat-memory rows only
+    python benchmarks/scale.py --methods shards --sizes 100000,1000000   # small shards vs merged
 
 ``--sizes`` sets every method's sizes; without it the flat rows run at 100,000
 and 400,000 texts, the sizes their target names (``--flat-sizes`` overrides).
@@ -66,7 +77,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 METHODS = {"run": "run", "store": "run, output_path", "by-hand": "by hand (sentence-transformers' way)",
-           "flat": "run, output_path, texts streamed from Parquet"}
+           "flat": "run, output_path, texts streamed from Parquet", "shards": "a store of small shards"}
+SHARD_DIM, SHARD_ROWS = 16, 100  # the shards method: rows of 16 float32, a shard per 100 rows (a slow job's commits)
 DIM, BATCH, MAX_LENGTH, SEED = 384, 32, 256, 25
 FLAT_SIZES, FLAT_LIMIT = "100000,400000", 50
 MB = 10**6
@@ -204,14 +216,84 @@ def worker(method: str, n: int, threads: int | None, parquet: str | None = None)
     seconds = time.perf_counter() - start
     peak = _rss_bytes("VmHWM")
     anon_growth = anon.stop() - anon_before if anon is not None else None
+    lock_s = accounting_s = None
+    if method == "store":
+        lock_s, accounting_s = _store_costs(os.path.join(store, "results"), n)
     disk = 0
     if store:
         for root, _, files in os.walk(store):
             disk += sum(os.path.getsize(os.path.join(root, f)) for f in files)
         shutil.rmtree(store)  # measured: a 1M-text store is gigabytes
     return {"method": METHODS[method], "n": n, "seconds": seconds, "rss_growth": peak - before, "disk": disk,
-            "anon_growth": anon_growth,
+            "anon_growth": anon_growth, "lock_s": lock_s, "accounting_s": accounting_s,
             "token_store": token_store}
+
+
+def _store_costs(path: str, n: int, key: str | None = None) -> tuple[float, float]:
+    """Seconds to take and give up the store's job lock, and to read its accounting (which of ``n`` inputs have a
+    row or a failure record), on the finished store at ``path``: what every run pays for them."""
+    from dynabatch.inference.store import open_store
+    from dynabatch.inference.store_lock import JobLock
+
+    start = time.perf_counter()
+    JobLock(path).release()
+    lock = time.perf_counter() - start
+    store = open_store(path, key=key, n=n, verify=False)
+    start = time.perf_counter()
+    store.failures()
+    store.located(n)
+    accounting = time.perf_counter() - start
+    store.close()
+    return lock, accounting
+
+
+def shards_worker(n: int, merge: bool) -> dict:
+    """A store of ``n`` rows written a shard per :data:`SHARD_ROWS` rows (``merge``: small shards merged as the
+    writer does by default), then opened and read back: its figures as a dict."""
+    import numpy as np
+    import torch
+
+    from dynabatch.inference import store as store_module
+    from dynabatch.inference.results import StoredRunResult
+
+    store_module.SHARD_ROWS = SHARD_ROWS
+    if not merge:
+        store_module.COMPACT_SHARDS = n + 1
+    path = tempfile.mkdtemp(prefix="dynabatch-scale-shards-")
+    rows = list(torch.randn(SHARD_ROWS, SHARD_DIM, generator=torch.Generator().manual_seed(0)))
+    start = time.perf_counter()
+    store = store_module.open_store(path, key="scale", n=n)
+    writer = store.writer("0")
+    for first in range(0, n, SHARD_ROWS):
+        positions = np.arange(first, min(n, first + SHARD_ROWS))
+        writer.write(positions, rows[:len(positions)], positions.astype(np.uint64))
+    writer.close()
+    store.close()
+    figures = {"n": n, "merge": merge, "write_s": time.perf_counter() - start,
+               "files": sum(name.endswith(".parquet") for name in os.listdir(path))}
+    for name, verify in (("open_s", True), ("check_s", False)):
+        start = time.perf_counter()
+        store_module.open_store(path, key="scale", n=n, verify=verify).close()
+        figures[name] = time.perf_counter() - start
+    start = time.perf_counter()
+    store = store_module.open_store(path, key="scale", n=n, verify=False)
+    assert StoredRunResult.of(store.located(n)).to_arrow().num_rows == n
+    store.close()
+    figures["read_s"] = time.perf_counter() - start
+    figures["lock_s"], figures["accounting_s"] = _store_costs(path, n, "scale")
+    shutil.rmtree(path)
+    return figures
+
+
+def _shards_table(rows: list[dict]) -> str:
+    header = ("| rows | small shards merged | shards on disk | write s | open s (verified) | open s (keys) | read s | "
+              "lock ms | accounting ms |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['n']:,} | {'yes' if r['merge'] else 'no'} | {r['files']:,} | {r['write_s']:.1f} | "
+                     f"{r['open_s']:.2f} | {r['check_s']:.2f} | {r['read_s']:.2f} | {r['lock_s'] * 1e3:.1f} | "
+                     f"{r['accounting_s'] * 1e3:.1f} |")
+    return "\n".join(lines)
 
 
 def _measure(method: str, n: int, threads: int | None, repeats: int = 1) -> dict:
@@ -221,6 +303,8 @@ def _measure(method: str, n: int, threads: int | None, repeats: int = 1) -> dict
     command = [sys.executable, __file__, "--worker", method, "--sizes", str(n)]
     if threads:
         command += ["--threads", str(threads)]
+    if method == "shards":
+        return [_run_worker([*command, "--merge", merge], method, n) for merge in ("yes", "no")]
     if method != "flat":
         return _run_worker(command, method, n)
     with tempfile.TemporaryDirectory(prefix="dynabatch-scale-corpus-") as folder:
@@ -253,6 +337,11 @@ def _targets(rows: list[dict]) -> str:
     for n in sorted({r["n"] for r in rows}):
         got = {r["method"]: r for r in rows if r["n"] == n}
         plain, stored = got.get("run"), got.get("run, output_path")
+        if stored and stored.get("lock_s") is not None:
+            share = (stored["lock_s"] + stored["accounting_s"]) / stored["seconds"]
+            lines.append(f"- {n:,} texts: the job lock {stored['lock_s'] * 1e3:,.1f} ms and the store's accounting read "
+                         f"{stored['accounting_s'] * 1e3:,.1f} ms: {share:.2%} of the run's wall (target <= 2%: "
+                         f"{'met' if share <= 0.02 else 'missed'})")
         if not (plain and stored):
             continue
         ratio = stored["seconds"] / plain["seconds"]
@@ -292,9 +381,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per process (default: torch's)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--parquet", help=argparse.SUPPRESS)
+    parser.add_argument("--merge", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [int(s) for s in (args.sizes or "10000,100000,1000000").split(",")]
     flat_sizes = [int(s) for s in (args.flat_sizes or args.sizes or FLAT_SIZES).split(",")]
+    if args.worker == "shards":
+        print(json.dumps(shards_worker(sizes[0], args.merge == "yes")))
+        return
     if args.worker:
         print(json.dumps(worker(args.worker, sizes[0], args.threads, args.parquet)))
         return
@@ -302,16 +395,23 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"--methods should be of {', '.join(METHODS)}, but got {', '.join(unknown)}")
-    rows = []
-    runs = [(n, m) for n in sizes for m in methods if m != "flat"]
+    rows, shard_rows = [], []
+    runs = [(n, m) for n in sizes for m in methods if m not in ("flat", "shards")]
     runs += [(n, "flat") for n in flat_sizes if "flat" in methods]
     for n, method in runs:
         rows.append(_measure(method, n, args.threads, args.flat_repeats))
         print(f"{n:,} texts, {METHODS[method]}: {rows[-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
-    print(f"## Corpus scale: {DIM} float32 per text, model-free fn (threads: {args.threads or 'torch default'})\n")
-    print(_table(rows))
-    print()
-    print(_targets(rows))
+    for n in sizes if "shards" in methods else []:
+        shard_rows += _measure("shards", n, args.threads)
+        print(f"{n:,} rows, {METHODS['shards']}: done", file=sys.stderr, flush=True)
+    if rows:
+        print(f"## Corpus scale: {DIM} float32 per text, model-free fn (threads: {args.threads or 'torch default'})\n")
+        print(_table(rows))
+        print()
+        print(_targets(rows))
+    if shard_rows:
+        print(f"\n## A store of small shards: {SHARD_DIM} float32 per row, a shard per {SHARD_ROWS} rows\n")
+        print(_shards_table(shard_rows))
 
 
 if __name__ == "__main__":

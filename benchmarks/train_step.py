@@ -38,8 +38,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import torch
 
-from dynabatch import track_peak_memory
-from dynabatch.packing import MultipackBatchSampler, PackedCollator, packed_dataloader
+from dynabatch import MultipackBatchSampler, PackedCollator, track_peak_memory
+from dynabatch.data.packing import packed_dataloader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _assets

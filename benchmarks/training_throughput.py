@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from torch.utils.data import RandomSampler
 
-    from dynabatch.packing import MultipackBatchSampler, PackedCollator
+    from dynabatch import MultipackBatchSampler, PackedCollator
 
     tokenizer = _assets.tokenizer()
     corpus = _assets.kjv_passages()

@@ -1,11 +1,14 @@
 """dynabatch: memory-safe dynamic batches for variable-length text, for inference and training.
 
-The public surface is ``__all__``: what a user picks and touches. The APIs of
-the systems dynabatch is compatible with live in their own modules, each with
-its own ``__all__``: :mod:`dynabatch.packing` (axolotl's multipack sampler),
-:mod:`dynabatch.size_aware` (bionemo's size-aware and bucket batching) and
-:mod:`dynabatch.multitask` (the memory-aware multi-task training system).
-Everything else is reachable through its module.
+The public surface is ``__all__``: what a user picks and touches, all of it
+dynabatch's own core (``data``, ``memory``, ``sampling``, ``inference``,
+``training``). The APIs of the systems dynabatch is compatible with live in
+:mod:`dynabatch.compat`, one module each with its own ``__all__``:
+:mod:`dynabatch.compat.axolotl` (axolotl's multipack sampler),
+:mod:`dynabatch.compat.bionemo` (bionemo's size-aware and bucket batching) and
+:mod:`dynabatch.compat.multitask` (the memory-aware multi-task training
+system); dynabatch inside other libraries in :mod:`dynabatch.integrations`
+(sentence-transformers, TRL, Ray). Everything else is reachable through its module.
 
 The distribution is ``torch-dynabatch`` (the package index's ``dynabatch`` is
 another project); importing warns once if that project is installed here too
@@ -20,23 +23,21 @@ from dynabatch.data.sources import TokenizedSource, tokenize_source
 from dynabatch.data.text_source import TextSource, read_texts
 from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts
 from dynabatch.data.training_collate import TrainingCollator
-from dynabatch.generation import generate
+from dynabatch.inference.generation import generate
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.outputs import PerRow
-from dynabatch.inference.runner import BatchOutOfMemoryError, RunResult, StoredRunResult, run
+from dynabatch.inference.runner import BatchOutOfMemoryError, IncompleteRunError, RunResult, StoredRunResult, run
+from dynabatch.inference.store_lock import StoreBusyError
 from dynabatch.memory.budget import MemoryBudget
 from dynabatch.memory.calibrate import calibrate
 from dynabatch.memory.measure import track_peak_memory
 from dynabatch.memory.model import MemoryModel
 from dynabatch.memory.shape import ModelShape
 from dynabatch.sampling.base import PlannedBatchSampler
-from dynabatch.sampling.bucket import BucketBatchSampler
 from dynabatch.sampling.constraints import AllOf, FixedBatchSize, LengthDifference, TokenBudget
 from dynabatch.sampling.inference_sampler import DynamicBatchSampler
-from dynabatch.sampling.size_aware import SizeAwareBatchSampler
 from dynabatch.sampling.smart import SmartBatchSampler
 from dynabatch.training.memory_limit import training_budget
-from dynabatch.training.sampler import MemoryAwareBatchSampler
 
 __getattr__ = lazy_attributes(__name__, {  # loaded on first use: numba (~0.5 s), transformers.Trainer (seconds)
     "MultipackBatchSampler": "dynabatch.sampling.multipack",
@@ -53,11 +54,10 @@ __all__ = [
     "Batch",
     "BatchOutOfMemoryError",
     "BatchSamplerTrainer",
-    "BucketBatchSampler",
     "DynamicBatchSampler",
     "FixedBatchSize",
+    "IncompleteRunError",
     "LengthDifference",
-    "MemoryAwareBatchSampler",
     "MemoryBudget",
     "MemoryModel",
     "ModelShape",
@@ -66,8 +66,8 @@ __all__ = [
     "PerRow",
     "PlannedBatchSampler",
     "RunResult",
-    "SizeAwareBatchSampler",
     "SmartBatchSampler",
+    "StoreBusyError",
     "StoredRunResult",
     "TextSource",
     "TokenBudget",

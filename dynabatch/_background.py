@@ -1,29 +1,41 @@
-"""Items of an iterable produced ahead in a background thread: :class:`Ahead`.
+"""The one background-thread mechanism: work that runs ahead of the consumer (:class:`Ahead`) or behind the producer
+(:class:`Worker`), in one daemon thread each.
 
-The one mechanism behind reading a plain iterable's batches ahead of the device
-(:func:`dynabatch.run`) and tokenizing a streamed corpus behind it
-(:class:`~dynabatch.data.streaming.ChunkFeed`): a daemon thread pulls the
-iterable into a bounded queue, an error it meets is raised in the consumer's
-thread at its next :meth:`Ahead.next`, and :meth:`Ahead.close` stops it even
-while it waits for room, and joins it.
+* :class:`Ahead` pulls an iterable into a bounded queue: a plain iterable's batches read ahead of the device
+  (:func:`dynabatch.run`), a streamed corpus tokenized chunk by chunk
+  (:class:`~dynabatch.data.streaming.ChunkFeed`).
+* :class:`Worker` runs the jobs handed to it, one at a time and in order, at most ``depth`` of them unfinished: the
+  next batches built ahead (:class:`~dynabatch.inference.build.Prefetcher`), shards written behind the run (the
+  results store's writer).
+
+Either way an error the thread meets is raised in the caller's thread (at the next :meth:`Ahead.next`, or the next
+:meth:`Worker.submit`, :meth:`Worker.wait` or :meth:`Worker.close`), and ``close()`` stops the thread (after the item or
+job in progress, even while it waits for room) and joins it, so no thread outlives the run that started it, Ctrl-C
+included. Waits in the caller's thread are timed, so Ctrl-C reaches it.
 
 Example:
-    >>> from dynabatch._background import Ahead
+    >>> from dynabatch._background import Ahead, Worker
     >>> ahead = Ahead(iter([1, 2, 3]), depth=2, name="example")
     >>> [ahead.next(), ahead.next(), ahead.next(), ahead.next()]
     [1, 2, 3, None]
+    >>> done = []
+    >>> worker = Worker(depth=1, name="example-worker")
+    >>> worker.submit(done.append, "a"); worker.submit(done.append, "b"); worker.close()
+    >>> done
+    ['a', 'b']
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["Ahead"]
+__all__ = ["Ahead", "Worker"]
 
 _END = object()
+_POLL = 0.1  # seconds a wait blocks at a time: a stop request (or Ctrl-C in the caller) is seen this soon
 
 
 class Ahead:
@@ -52,7 +64,7 @@ class Ahead:
     def _put(self, entry: Any) -> bool:
         while not self._stop.is_set():
             try:
-                self._queue.put(entry, timeout=0.1)
+                self._queue.put(entry, timeout=_POLL)
                 return True
             except queue.Full:
                 continue
@@ -75,10 +87,13 @@ class Ahead:
         if self._done:
             return None
         self.start()
-        try:
-            got = self._queue.get(block=block)
-        except queue.Empty:
-            return self.NOT_READY
+        got = self.NOT_READY
+        while got is self.NOT_READY:
+            try:
+                got = self._queue.get(timeout=_POLL) if block else self._queue.get_nowait()
+            except queue.Empty:
+                if not block:
+                    return self.NOT_READY
         if got is _END or isinstance(got, BaseException):
             self._done = True
         if isinstance(got, BaseException):
@@ -102,3 +117,90 @@ class Ahead:
         self._done = True
         if self._thread.ident is not None and self._thread is not threading.current_thread():
             self._thread.join()
+
+
+class Worker:
+    """Runs the jobs handed to :meth:`submit` in a daemon thread, one at a time and in order.
+
+    Args:
+        depth: jobs submitted and not finished, at most: :meth:`submit` waits for room (``1``: each job waits for
+            the one before it, so one runs behind the caller).
+        name: the thread's name.
+
+    The thread starts at the first :meth:`submit`. A job's error is kept and raised in the caller's thread at the
+    next :meth:`submit`, :meth:`wait` or :meth:`close` (once); the jobs after it still run.
+    """
+
+    def __init__(self, *, depth: int = 1, name: str) -> None:
+        self._name = name
+        self._jobs: queue.Queue = queue.Queue()
+        self._room = threading.Semaphore(max(1, depth))
+        self._unfinished = 0
+        self._idle = threading.Condition()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def _raise(self) -> None:
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Hands ``fn(*args)`` to the thread, once fewer than ``depth`` jobs are unfinished; first raises the error
+        of a job before it, if any."""
+        self._raise()
+        while True:
+            if self._stop.is_set():
+                raise RuntimeError(f"{self._name}: closed, it takes no more jobs")
+            if self._room.acquire(timeout=_POLL):
+                break
+        with self._idle:
+            self._unfinished += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+        self._jobs.put((fn, args))
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not _END:
+            fn, args = job
+            try:
+                if not self._stop.is_set():
+                    fn(*args)
+            except BaseException as exc:  # noqa: BLE001 (handed to the caller's thread, raised there)
+                self._error = self._error or exc
+            finally:
+                del job, fn, args  # a job's arguments (a shard's rows, a batch) are not kept until the next one
+                self._room.release()
+                with self._idle:
+                    self._unfinished -= 1
+                    self._idle.notify_all()
+
+    def wait(self) -> None:
+        """Waits until every job submitted has finished; raises the first error one of them met."""
+        with self._idle:
+            while self._unfinished:
+                self._idle.wait(_POLL)
+        self._raise()
+
+    def close(self, *, cancel: bool = False) -> None:
+        """Ends the thread and waits for it: after every job submitted (``cancel=False``, then raises a job's error
+        not raised yet), or after the job in progress, the others dropped (``cancel=True``, errors dropped too:
+        the caller is stopping for a reason of its own)."""
+        if cancel:
+            self._stop.set()
+        if self._thread is not None:
+            self._jobs.put(_END)
+            try:
+                while self._thread.is_alive():
+                    self._thread.join(_POLL)
+            except BaseException:  # Ctrl-C while the jobs finish: the rest are dropped, the thread still ends
+                self._stop.set()
+                self._thread.join()
+                raise
+            self._thread = None
+        self._stop.set()
+        if cancel:
+            self._error = None
+        self._raise()

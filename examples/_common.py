@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
 
 from dynabatch import build_dynamic_batch_dataloader, restore_order
 
@@ -84,6 +85,12 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="timed runs of each method, in alternating order after a warm-up of each; "
                         "the fastest run of each is compared")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (on stderr)")
+
+
+def step(what: str) -> None:
+    """Says on stderr what the example does next, before a step that takes a while."""
+    print(f"{what} ...", file=sys.stderr, flush=True)
 
 
 def check_positive(parser: argparse.ArgumentParser, args: argparse.Namespace, names: Iterable[str]) -> None:
@@ -166,8 +173,8 @@ def dynabatch_run(step: Step, finish: Callable[[list[torch.Tensor]], Any], token
                               lambda outputs, indices: finish(restore_order(outputs, indices))))
 
 
-def interleave(runs: dict[str, Generator[float, None, tuple]],
-               expected: dict[str, float] | None = None) -> dict[str, tuple[Any, float, float, float]]:
+def interleave(runs: dict[str, Generator[float, None, tuple]], expected: dict[str, float] | None = None,
+               bar: Any = None) -> dict[str, tuple[Any, float, float, float]]:
     """Advances several runs a batch at a time, always the one furthest behind; times each step of each.
 
     A run's progress is its seconds so far over ``expected[name]`` (its
@@ -175,6 +182,9 @@ def interleave(runs: dict[str, Generator[float, None, tuple]],
     rows done. Advancing the run furthest behind keeps every run at the same
     share of its work at any moment, so a slow or fast spell of a shared
     machine falls on all of them alike instead of on whichever ran then.
+
+    ``bar`` (a ``tqdm`` bar with a total of ``len(runs)``, or None) is
+    advanced by each step's share of its run; its updates are not timed.
 
     Returns:
         For each name: the run's return value, its wall seconds and its CPU
@@ -185,6 +195,7 @@ def interleave(runs: dict[str, Generator[float, None, tuple]],
     cpu = dict.fromkeys(runs, 0.0)
     progress = dict.fromkeys(runs, 0.0)
     first: dict[str, float] = {}
+    share = dict.fromkeys(runs, 0.0)  # of its rows: what the bar shows
     done: dict[str, tuple[Any, float, float, float]] = {}
     while len(done) < len(runs):
         name = min((n for n in runs if n not in done), key=progress.__getitem__)
@@ -199,6 +210,9 @@ def interleave(runs: dict[str, Generator[float, None, tuple]],
         wall[name] += seconds
         cpu[name] += time.process_time() - cpu_start
         progress[name] = wall[name] / expected[name] if expected else fraction
+        if bar is not None:
+            bar.update(fraction - share[name])
+            share[name] = fraction
         if value is not None:
             done[name] = (value, wall[name], cpu[name], first[name])
     return done
@@ -206,7 +220,8 @@ def interleave(runs: dict[str, Generator[float, None, tuple]],
 
 def compare(step: Step, plain_finish: Callable[[list[torch.Tensor]], Any],
             dyn_finish: Callable[[list[torch.Tensor]], Any], tokenizer, texts: list[str], batch_size: int,
-            max_length: int, repeats: int, **loader_kwargs: Any) -> tuple[RunStats, Any, RunStats, Any, float]:
+            max_length: int, repeats: int, progress: bool = True,
+            **loader_kwargs: Any) -> tuple[RunStats, Any, RunStats, Any, float]:
     """Times both methods fairly: a warm-up of each, then ``repeats`` rounds that interleave their batches.
 
     The warm-up runs each method end to end on the ``2 * batch_size`` longest
@@ -229,6 +244,7 @@ def compare(step: Step, plain_finish: Callable[[list[torch.Tensor]], Any],
         batch_size: Rows per plain batch; rows of dynabatch's first batch.
         max_length: Truncation limit per text, in tokens.
         repeats: Timed rounds.
+        progress: Show a progress bar per round (warm-up included) on stderr.
         **loader_kwargs: More keywords of ``build_dynamic_batch_dataloader``.
 
     Returns:
@@ -241,10 +257,16 @@ def compare(step: Step, plain_finish: Callable[[list[torch.Tensor]], Any],
                 "dynabatch": dynabatch_run(step, dyn_finish, tokenizer, subset, batch_size, max_length,
                                            **loader_kwargs)}
 
-    interleave(runs(sorted(texts, key=len)[-2 * batch_size:]))  # the warm-up
+    def bar(label: str) -> Any:
+        return tqdm(total=2, desc=label, disable=not progress, file=sys.stderr, leave=True,
+                    bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}<{remaining}]")
+
+    with bar(f"warm-up (both methods, the {2 * batch_size} longest texts)") as warm:
+        interleave(runs(sorted(texts, key=len)[-2 * batch_size:]), bar=warm)
     rounds, expected = [], None
-    for _ in range(repeats):
-        rounds.append(interleave(runs(texts), expected))
+    for number in range(1, repeats + 1):
+        with bar(f"timed round {number} of {repeats} (both methods, {len(texts)} texts)") as timed:
+            rounds.append(interleave(runs(texts), expected, bar=timed))
         expected = {name: run[1] for name, run in rounds[-1].items()}
 
     def stats(name: str) -> tuple[RunStats, Any, float]:

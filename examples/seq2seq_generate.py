@@ -57,11 +57,11 @@ from itertools import chain
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
-import _common  # noqa: E402  (examples/ is sys.path[0] when the example runs as a script)
-import torch  # noqa: E402
+import _common
+import torch
 
-from dynabatch import ModelShape  # noqa: E402
-from dynabatch.demo import kjv_passages, minilm_path, vary_lengths  # noqa: E402
+from dynabatch import ModelShape
+from dynabatch.demo import kjv_passages, minilm_path, vary_lengths
 
 PAD_TOKEN_ID = 0
 EOS_TOKEN_ID = 102  # [SEP] of the MiniLM tokenizer
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = ModelShape.from_model(model, max_new_tokens=args.new_tokens)
         plain, plain_rows, dyn, dyn_rows, setup = _common.compare(
             step, lambda outputs: strip_rows(chain.from_iterable(outputs)), strip_rows, tokenizer, texts,
-            args.batch_size, args.max_length, args.repeats, model_shape=shape)
+            args.batch_size, args.max_length, args.repeats, progress=not args.no_progress, model_shape=shape)
 
     _common.print_comparison(plain, dyn, setup)
 

@@ -43,8 +43,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from dynabatch import track_peak_memory  # noqa: E402
-from dynabatch.demo import kjv_passages, minilm_path  # noqa: E402
-from dynabatch.size_aware import (  # noqa: E402
+from dynabatch.compat.bionemo import (  # noqa: E402
     BucketBatchSampler,
     SizeAwareBatchSampler,
     bucket_memory_kwargs,
@@ -52,6 +51,7 @@ from dynabatch.size_aware import (  # noqa: E402
     create_buckets,
     fit_memory_model,
 )
+from dynabatch.demo import kjv_passages, minilm_path  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

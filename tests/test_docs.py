@@ -1,11 +1,17 @@
-"""The pages in ``docs/``: every ```` ```python test ```` block runs, and every relative link resolves.
+"""The pages: every Python and shell block of README.md and docs/*.md runs as written, and every relative link resolves.
 
-A code block whose fence's info string is ``python test`` (GitHub highlights it
-as Python) is a promise that it runs as written: self-contained, offline, in a
-few seconds. Each runs in a fresh namespace. Links: every relative link of a
-page (``[text](other.md)``, ``[text](../dynabatch/memory/budget.py)``) must name
-a file or folder that exists, and a ``#fragment`` pointing into a Markdown page
-must name one of its headings.
+The rules for blocks are in ``tests/_docs_blocks.py`` (and docs/development.md):
+every ```` ```python ```` and ```` ```bash ```` block runs, in an empty folder,
+offline; ``# continues the block above`` as a block's first line runs it after
+the block above, in the same folder and interpreter; ``# fragment: <why>``
+leaves a block out. ``test_chain_runs`` runs each chain once, in a child of
+one server process that imported torch, transformers and dynabatch once; a
+chain that runs a shell block or loads model weights is marked ``slow``.
+
+Links: every relative link of a page (``[text](other.md)``,
+``[text](../dynabatch/memory/budget.py)``) must name a file or folder that
+exists, and a ``#fragment`` pointing into a Markdown page must name one of its
+headings.
 """
 
 from __future__ import annotations
@@ -14,45 +20,21 @@ import os
 import re
 from pathlib import Path
 
+import _docs_blocks
 import pytest
+from _docs_blocks import FENCE, PAGES, ROOT, fenced_blocks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs"
-PAGES = sorted(DOCS.glob("*.md"))
-
-_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^\n`]*)$")
+CHAINS, PROBLEMS = _docs_blocks.chains()
 _LINK = re.compile(r"(?<!\!)\[(?:[^\]\[]|\[[^\]]*\])*\]\((?P<target><[^>]*>|[^)\s]+)(?:\s+\"[^\"]*\")?\)")
-
-
-def _blocks(text: str) -> list[tuple[str, int, str]]:
-    """Every fenced block of ``text``: ``(info string, first line number, code)``."""
-    blocks, lines, i = [], text.splitlines(), 0
-    while i < len(lines):
-        opening = _FENCE.match(lines[i])
-        if opening is None:
-            i += 1
-            continue
-        fence, start, body = opening.group("fence"), i + 1, []
-        i += 1
-        while i < len(lines):
-            closing = _FENCE.match(lines[i])
-            if closing and closing.group("fence")[0] == fence[0] and len(closing.group("fence")) >= len(fence) \
-                    and not closing.group("info").strip():
-                break
-            body.append(lines[i].removeprefix(opening.group("indent")))
-            i += 1
-        blocks.append((opening.group("info").strip(), start + 1, "\n".join(body) + "\n"))
-        i += 1
-    return blocks
 
 
 def _outside_code(text: str, *, inline: bool = False) -> str:
     """``text`` with fenced blocks blanked out, and inline code spans too unless ``inline`` (links in code are not links)."""
     out, lines, fence = [], text.splitlines(), None
     for line in lines:
-        match = _FENCE.match(line)
+        match = FENCE.match(line)
         if fence is None and match:
             fence = match.group("fence")
             out.append("")
@@ -85,27 +67,20 @@ def _anchors(page: Path) -> set[str]:
     return anchors
 
 
-SNIPPETS = [
-    pytest.param(code, id=f"{page.name}:{line}")
-    for page in PAGES
-    for info, line, code in _blocks(page.read_text(encoding="utf-8"))
-    if info.split() == ["python", "test"]
-]
+def test_every_block_runs_or_says_why_not():
+    assert len(CHAINS) >= 20, "README.md and docs/*.md: fewer chains than expected (is the parser broken?)"
+    assert not PROBLEMS, PROBLEMS
 
 
-def test_there_are_pages_and_snippets_to_test():
-    assert PAGES, "docs/*.md not found"
-    assert len(SNIPPETS) >= 10
+@pytest.mark.parametrize("chain", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.slow else [])
+                                   for c in CHAINS])
+def test_chain_runs(chain, docs_runner):
+    result = docs_runner(chain)
+    seconds = ", ".join(f"{name} {t:.1f} s" for name, t in result.seconds.items())
+    assert result.status == 0, f"{chain.name} (blocks: {seconds}) failed:\n{result.output[-6000:]}"
 
 
-@pytest.mark.parametrize("code", SNIPPETS)
-def test_snippet_runs(code, tmp_path, monkeypatch, one_thread):
-    monkeypatch.chdir(tmp_path)  # a snippet that writes files writes them here
-    namespace: dict = {"__name__": "__docs__"}
-    exec(compile(code, "<docs snippet>", "exec"), namespace)  # noqa: S102 - the page's own code, by design
-
-
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_relative_links_point_to_existing_files(page):
     broken = []
     for match in _LINK.finditer(_outside_code(page.read_text(encoding="utf-8"))):
@@ -163,7 +138,7 @@ def test_every_dynabatch_name_the_pages_mention_exists():
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
         names = set(re.findall(r"(?<![\"'])\b(dynabatch(?:\.[A-Za-z_]\w*)+)", text))  # not inside a quoted key
-        for info, line, code in _blocks(text):
+        for info, line, code in fenced_blocks(text):
             if info.split()[:1] != ["python"]:
                 continue
             try:
@@ -178,11 +153,35 @@ def test_every_dynabatch_name_the_pages_mention_exists():
     assert not missing, f"names the pages mention that dynabatch does not have: {missing}"
 
 
-def test_the_checks_themselves():
+def test_the_checks_themselves(tmp_path):
     text = "a\n```python test\nx = 1\n```\n```bash\nls\n```\n````md\n```python test\nnot a block\n```\n````\n"
-    assert [(info, code) for info, _, code in _blocks(text)] == [
+    assert [(info, code) for info, _, code in fenced_blocks(text)] == [
         ("python test", "x = 1\n"), ("bash", "ls\n"), ("md", "```python test\nnot a block\n```\n")]
     assert _slug("Planning to a budget: `MemoryBudget`") == "planning-to-a-budget-memorybudget"
     assert _slug("What differs from dynabatch 0.1.6") == "what-differs-from-dynabatch-016"
     links = [m.group("target") for m in _LINK.finditer("[a](b.md) ![img](c.png) [x](https://e.org) [`c`](d.md#e)")]
     assert links == ["b.md", "https://e.org", "d.md#e"]
+
+
+def test_blocks_group_into_chains_by_their_first_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(_docs_blocks, "ROOT", tmp_path)
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nx = 1\n```\n"
+        "```python\n# continues the block above: x is still defined\ny = x\n```\n"
+        "```bash\npip install -e .  # installs: left out\npython -c 'print(1)' \\\n  && echo done\n```\n"
+        "```text\n$ not run\n```\n"
+        "```sh\n# continues the block above\nls\n```\n"
+        "```python\n# fragment: a signature\nf(a, *, b=1)\n```\n"
+        "```python\n# continues the block above\nz = 1\n```\n"
+        "```python\n# fragment:\n```\n"
+        "```bash\npip install torch  # only installs\n```\n"
+        "```python\n# continues the block above\nw = 1\n```\n")
+    chains, problems = _docs_blocks.chains([page])
+    assert [[b.line for b in c.blocks] for c in chains] == [[2, 5], [9, 17]]
+    assert [b.language for b in chains[1].blocks] == ["shell", "shell"]
+    assert chains[1].blocks[0].runnable_code == "python -c 'print(1)' \\\n  && echo done\n"
+    assert chains[1].slow and not chains[0].slow
+    assert problems == ["page.md:25: continues the block above, but that is a fragment (page.md:21)",
+                        "page.md:29: '# fragment:' should say why the block does not run",
+                        "page.md:35: continues the block above, which only installs (page.md:32)"]

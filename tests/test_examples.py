@@ -39,8 +39,8 @@ RUNS = {
 
 def _run(script, *args):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=300)
+    return subprocess.run([sys.executable, str(script), *args], check=False, capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=300)
 
 
 def _options(script):
@@ -51,6 +51,7 @@ def _options(script):
     return sorted(set(re.findall(r'add_argument\(\s*"(--[a-z-]+)"', text)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_script_runs_and_prints_its_table(name):
     script, args, patterns = RUNS[name]

@@ -1,30 +1,43 @@
 """The input of a command-line job: a corpus of texts, with ids or chat conversations, checked before a model loads.
 
-:func:`open_corpus` reads a corpus's columns and row count (no texts yet) and
-refuses, in one line naming the input, a path that does not exist, a file it
-cannot read, or a corpus without rows. The formats (``--format``, or told by
-the path):
+:func:`open_corpus` reads a corpus's columns (no texts yet) and refuses, in
+one line naming the input, a path that does not exist, a file it cannot read,
+or a corpus without rows. The format is ``--format``, or told by the path's
+suffix, never guessed from the contents:
 
 * ``parquet``: a ``.parquet`` file, a folder of them (read recursively, in
   sorted order), or a glob such as ``"corpus/*.parquet"``;
+* ``csv``, ``tsv``: a ``.csv`` (``.tsv``, ``.tab``) file, a folder or a glob of
+  them; a table whose first line names its columns, read by ``pyarrow.csv``
+  (quoted values may hold the delimiter, quotes doubled, and line breaks, as
+  Python's ``csv`` module and pandas write them). A CSV has no types: every
+  value is read as a string (ids too: ``007`` stays ``'007'``), an empty value
+  as an empty string;
 * ``jsonl``: a ``.jsonl``, ``.ndjson`` or ``.json`` file, one JSON object a line;
 * ``datasets``: a folder written by ``datasets.Dataset.save_to_disk`` (one split);
-* ``text``: any other file, one document a line (a blank line is an empty
-  document, so row ``i`` is line ``i + 1``); its one column is ``text``.
+* ``text``: a ``.txt`` file (any file with ``--format text``), one document a
+  line (a blank line is an empty document, so row ``i`` is line ``i + 1``);
+  its one column is ``text``.
+
+A file of another suffix is refused, naming the formats. A folder or glob
+never reads the files under ``exclude``, the job's own output folder, wherever
+it lies (a store inside its corpus folder holds Parquet shards).
 
 :meth:`Corpus.texts` gives the texts as :func:`dynabatch.read_texts` reads
 them (Parquet files and text lines spilled into one memory-mapped Arrow file,
-never one Python str per text), :meth:`Corpus.ids` one Arrow array of ids
-(checked by :func:`~dynabatch.data.ids.check_ids`: unique, str or int), and
-:meth:`Corpus.values` a column as Python objects (chat conversations).
+never one Python str per text; a CSV is first streamed, a block at a time, into
+a temporary Parquet file of the columns the job reads), :meth:`Corpus.ids` one
+Arrow array of ids (checked by :func:`~dynabatch.data.ids.check_ids`: unique,
+str or int), and :meth:`Corpus.values` a column as Python objects (chat
+conversations).
 
 Example:
     >>> import tempfile, pathlib
     >>> folder = pathlib.Path(tempfile.mkdtemp())
-    >>> _ = (folder / "docs.jsonl").write_text('{"id": 7, "text": "In the beginning"}\\n{"id": 3, "text": "God"}\\n')
-    >>> corpus = open_corpus(str(folder / "docs.jsonl"))
-    >>> corpus.format, len(corpus), corpus.ids("id").to_pylist(), corpus.texts("text").take([1])
-    ('jsonl', 2, [7, 3], ['God'])
+    >>> _ = (folder / "docs.csv").write_text('id,text\\n7,"In the beginning, God"\\n3,"created"\\n')
+    >>> corpus = open_corpus(str(folder / "docs.csv"))
+    >>> corpus.format, len(corpus), corpus.ids("id").to_pylist(), corpus.texts("text").take([0])
+    ('csv', 2, ['7', '3'], ['In the beginning, God'])
     >>> corpus.texts("body")
     Traceback (most recent call last):
     ...
@@ -35,19 +48,27 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterator
+import shutil
+import tempfile
+import weakref
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import pyarrow as pa
 
 from dynabatch._validation import bad_value
 from dynabatch.data.ids import check_ids
-from dynabatch.data.text_source import TextSource, parquet_paths, read_texts
+from dynabatch.data.text_source import TextSource, read_texts
 
 __all__ = ["FORMATS", "Corpus", "open_corpus"]
 
-FORMATS = ("auto", "parquet", "jsonl", "text", "datasets")
-_JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+FORMATS = ("auto", "parquet", "csv", "tsv", "jsonl", "text", "datasets")
+_SUFFIXES = {".parquet": "parquet", ".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl",
+             ".ndjson": "jsonl", ".json": "jsonl", ".txt": "text"}
+_FILE_SETS = ("parquet", "csv", "tsv")  # the formats a folder or a glob may hold
+_DELIMITERS = {"csv": ",", "tsv": "\t"}
+_FORMAT_HELP = ("--format parquet, csv, tsv, jsonl, text (one document a line) or datasets; suffixes "
+                + ", ".join(_SUFFIXES))
 _FEW = 5
 
 
@@ -60,61 +81,168 @@ def _unreadable(path: str, what: str, exc: BaseException) -> ValueError:
     return ValueError(f"input should be {what}, but got input={path!r}: {_first_line(exc)}")
 
 
-def _format_of(path: str) -> str:
-    if any(c in path for c in "*?["):
-        return "parquet"
+def _is_glob(path: str) -> bool:
+    return any(c in path for c in "*?[")
+
+
+def _suffix_format(path: str) -> str | None:
+    return _SUFFIXES.get(os.path.splitext(path)[1].lower())
+
+
+def _outside(paths: list[str], exclude: str | None) -> list[str]:
+    """``paths`` less hidden files (a writer's temporaries) and those under the folder ``exclude``."""
+    kept = [p for p in paths if not os.path.basename(p).startswith(".")]
+    if exclude is None:
+        return kept
+    root = os.path.join(os.path.realpath(exclude), "")
+    return [p for p in kept if not os.path.realpath(p).startswith(root)]
+
+
+def _listed(path: str, exclude: str | None) -> list[str]:
+    """The files a folder (recursively) or a glob names, sorted, outside ``exclude``."""
     if os.path.isdir(path):
+        found = glob.glob(os.path.join(glob.escape(path), "**", "*"), recursive=True)
+    else:
+        found = glob.glob(path, recursive=True)
+    return sorted(_outside([p for p in found if os.path.isfile(p)], exclude))
+
+
+def _format_of(path: str, exclude: str | None) -> str:
+    """The format ``path`` names by its suffix (a folder or glob: by its files'); refused when it names none."""
+    if os.path.isdir(path) and not _is_glob(path):
         names = set(os.listdir(path))
-        return "datasets" if {"state.json", "dataset_info.json"} <= names or "dataset_dict.json" in names \
-            else "parquet"
-    if path.endswith(".parquet"):
-        return "parquet"
-    return "jsonl" if path.lower().endswith(_JSON_SUFFIXES) else "text"
+        if {"state.json", "dataset_info.json"} <= names or "dataset_dict.json" in names:
+            return "datasets"
+    if os.path.isdir(path) or _is_glob(path):
+        kinds = sorted({k for k in map(_suffix_format, _listed(path, exclude)) if k in _FILE_SETS})
+        if len(kinds) == 1:
+            return kinds[0]
+        what = "a folder" if os.path.isdir(path) else "a glob"
+        rule = (f"{what} of files of one format (it holds {' and '.join(kinds)} files: pass --format)" if kinds else
+                f"{what} holding .parquet, .csv or .tsv files outside the output folder (or pass --format)")
+        raise bad_value("input", rule, path)
+    kind = _suffix_format(path)
+    if kind is None:
+        raise bad_value("input", f"a file whose suffix names its format, or given {_FORMAT_HELP}", path)
+    return kind
 
 
 class Corpus:
-    """A corpus opened by :func:`open_corpus`: its format, its columns (name -> Arrow type) and its rows."""
+    """A corpus opened by :func:`open_corpus`: its format, its columns (name -> Arrow type) and its rows.
 
-    def __init__(self, path: str, fmt: str) -> None:
-        self.path, self.format = path, fmt
-        self.files: list[str] = []
+    ``keep``: the columns the job reads (a CSV's others are not converted; ``None``: all of them).
+    """
+
+    def __init__(self, path: str, fmt: str, *, exclude: str | None = None, keep: Collection[str] | None = None) -> None:
+        self.path, self.format, self.exclude = path, fmt, exclude
+        self.keep = None if keep is None else list(dict.fromkeys(keep))
+        self.files: list[str] = []  # Parquet files (a CSV's: converted, on first use)
+        self.file_columns: list[tuple[str, list[str]]] = []  # each file of a folder or glob and its columns
         self.table: pa.Table | None = None  # a JSONL file, read whole into Arrow memory
         self.dataset: Any = None
         self.lines: TextSource | None = None  # a text file's lines
         self.columns: dict[str, pa.DataType] = {}
-        self.rows = 0
-        getattr(self, f"_open_{fmt}")()
-        if not self.rows:
-            raise ValueError(f"input should hold at least one text, but got input={path!r} with no rows")
+        self.rows: int | None = 0  # None: a CSV not converted yet
+        self._scratch: str | None = None  # the temporary folder of a CSV's Parquet files
+        {"parquet": self._open_parquet, "csv": self._open_delimited, "tsv": self._open_delimited,
+         "jsonl": self._open_jsonl, "datasets": self._open_datasets, "text": self._open_text}[fmt]()
+        if self.rows is not None:
+            self._check_rows()
 
     def __len__(self) -> int:
-        return self.rows
+        return self._count()
 
     def __repr__(self) -> str:
         return f"Corpus({self.path!r}, format={self.format!r}, rows={self.rows})"
 
+    def _check_rows(self) -> None:
+        if not self.rows:
+            raise ValueError(f"input should hold at least one text, but got input={self.path!r} with no rows")
+
+    def _count(self) -> int:
+        if self.rows is None:
+            self._convert()
+            self._check_rows()
+        return self.rows
+
     # -- opening: schema and row count --------------------------------------------------------------------
+
+    def _file_list(self, what: str) -> list[str]:
+        """The files of the input: itself, or those a folder or glob names (outside the output folder)."""
+        if not _is_glob(self.path) and not os.path.exists(self.path):
+            raise bad_value("input", "an existing file, folder or glob", self.path)
+        if os.path.isfile(self.path):
+            return [self.path]
+        files = _listed(self.path, self.exclude)
+        if os.path.isdir(self.path):
+            files = [f for f in files if _suffix_format(f) == self.format]
+        if not files:
+            holder = "a folder holding some" if os.path.isdir(self.path) else "a glob matching some"
+            raise bad_value("input", f"{what}: a file, {holder} (outside the output folder)", self.path)
+        return files
+
+    def _add_file(self, name: str, schema: pa.Schema) -> None:
+        self.file_columns.append((name, list(schema.names)))
+        if not self.columns:
+            self.columns = dict(zip(schema.names, schema.types))
+        self.columns = {n: t for n, t in self.columns.items() if n in schema.names}  # in every file
 
     def _open_parquet(self) -> None:
         import pyarrow.parquet as pq
 
-        if not any(c in self.path for c in "*?[") and not os.path.exists(self.path):
-            raise bad_value("input", "an existing file, folder or glob", self.path)
-        try:
-            self.files = parquet_paths(self.path) or []
-        except ValueError:
-            raise bad_value("input", "Parquet files (.parquet): a file, a folder holding some, or a glob matching "
-                            "some", self.path) from None
+        self.files = self._file_list("Parquet files (.parquet)")
         for file in self.files:
             try:
                 meta = pq.ParquetFile(file).metadata
             except (OSError, pa.ArrowException) as exc:
                 raise _unreadable(file, "a readable Parquet file", exc) from exc
-            schema = meta.schema.to_arrow_schema()
-            if not self.columns:
-                self.columns = dict(zip(schema.names, schema.types))
-            self.columns = {n: t for n, t in self.columns.items() if n in schema.names}  # in every file
+            self._add_file(file, meta.schema.to_arrow_schema())
             self.rows += meta.num_rows
+
+    def _csv_options(self) -> Any:
+        from pyarrow import csv
+
+        return csv.ParseOptions(delimiter=_DELIMITERS[self.format], newlines_in_values=True)
+
+    def _open_delimited(self) -> None:
+        """A CSV or TSV's columns, from each file's first line (its rows are counted when it is converted)."""
+        from pyarrow import csv
+
+        for file in self._file_list(f"{self.format.upper()} files ({', '.join(self._suffixes())})"):
+            try:
+                names = csv.open_csv(file, parse_options=self._csv_options()).schema.names
+            except (OSError, pa.ArrowException) as exc:
+                raise _unreadable(file, self._table_rule(), exc) from exc
+            self._add_file(file, pa.schema([(n, pa.large_string()) for n in names]))
+        self.rows = None
+
+    def _table_rule(self) -> str:
+        return f"a UTF-8 {self.format.upper()} file: a first line naming the columns, then as many values a row"
+
+    def _suffixes(self) -> list[str]:
+        return [s for s, kind in _SUFFIXES.items() if kind == self.format]
+
+    def _convert(self) -> None:
+        """Streams each CSV file, a block at a time, into a temporary Parquet file of the kept columns (strings)."""
+        import pyarrow.parquet as pq
+        from pyarrow import csv
+
+        self._scratch = tempfile.mkdtemp(prefix="dynabatch-corpus-")
+        weakref.finalize(self, shutil.rmtree, self._scratch, True)
+        self.rows = 0
+        for i, (file, names) in enumerate(self.file_columns):
+            kept = [n for n in names if self.keep is None or n in self.keep]
+            convert = csv.ConvertOptions(column_types={n: pa.large_string() for n in names}, include_columns=kept)
+            target = os.path.join(self._scratch, f"{i:06d}.parquet")
+            try:
+                reader = csv.open_csv(file, parse_options=self._csv_options(), convert_options=convert)
+                with pq.ParquetWriter(target, reader.schema) as writer:
+                    for batch in reader:
+                        writer.write_batch(batch)
+                        self.rows += batch.num_rows
+            except (OSError, pa.ArrowException) as exc:
+                raise _unreadable(file, self._table_rule(), exc) from exc
+            self.files.append(target)
 
     def _open_jsonl(self) -> None:
         import pyarrow.json
@@ -163,17 +291,24 @@ class Corpus:
     # -- columns ---------------------------------------------------------------------------------------
 
     def require(self, flag: str, column: str, kinds: tuple[str, ...]) -> pa.DataType:
-        """The Arrow type of ``column`` (the option ``flag`` names it), refused if missing or not of ``kinds``
-        (``"string"``, ``"integer"``, ``"list"``)."""
+        """The Arrow type of ``column`` (the option ``flag`` names it), refused if missing (the files without it
+        named) or not of ``kinds`` (``"string"``, ``"integer"``, ``"list"``)."""
         if self.format == "text" and flag != "--text-column":
-            raise bad_value(flag, "given with a table (Parquet, JSONL, datasets): a text file's lines have only "
+            raise bad_value(flag, "given with a table (Parquet, CSV, JSONL, datasets): a text file's lines have only "
                             "their position", column)
         if self.format == "text":
             if column != "text":
                 raise bad_value(flag, "'text' with a text file (its lines are its one column)", column)
             return self.columns["text"]
         if column not in self.columns:
-            raise bad_value(flag, f"a column of the input {sorted(self.columns)}", column)
+            lacking = [(f, names) for f, names in self.file_columns if column not in names]
+            if not lacking or len(lacking) == len(self.file_columns):
+                union = sorted({n for _, names in self.file_columns for n in names} or self.columns)
+                raise bad_value(flag, f"a column of the input {union}", column)
+            (file, names), more = lacking[0], len(lacking) - 1
+            others = f", and {more} more files do" if more else ""
+            raise bad_value(flag, f"a column of every file of the input ({file!r} lacks it{others}; its columns: "
+                            f"{names})", column)
         kind = self.columns[column]
         checks = {"string": lambda t: pa.types.is_string(t) or pa.types.is_large_string(t),
                   "integer": pa.types.is_integer,
@@ -186,6 +321,7 @@ class Corpus:
     def texts(self, column: str, flag: str = "--text-column") -> TextSource:
         """The texts of ``column`` as :func:`dynabatch.read_texts` reads them; a missing (null) text is refused."""
         self.require(flag, column, ("string",))
+        self._count()
         if self.lines is not None:
             source = self.lines
         elif self.dataset is not None:
@@ -202,10 +338,11 @@ class Corpus:
     def _lines(self) -> Iterator[str]:
         with open(self.path, encoding="utf-8") as lines:  # universal newlines: "\r\n" ends a line too
             for line in lines:
-                yield line[:-1] if line.endswith("\n") else line
+                yield line.removesuffix("\n")
 
     def column(self, column: str) -> pa.ChunkedArray:
         """One column, whole, as Arrow."""
+        self._count()
         if self.dataset is not None:
             return self.dataset.with_format("arrow")[column]
         if self.table is not None:
@@ -225,7 +362,7 @@ class Corpus:
         """The ids of ``column`` as one Arrow array (str or int64), each text's own (unique, none missing)."""
         self.require(flag, column, ("string", "integer"))
         try:
-            return check_ids(self.column(column), self.rows)
+            return check_ids(self.column(column), len(self))
         except ValueError as exc:
             raise ValueError(f"{flag}={column!r}: {exc}") from exc
 
@@ -235,17 +372,25 @@ class Corpus:
         return self.column(column).to_pylist()
 
 
-def open_corpus(path: str, fmt: str = "auto") -> Corpus:
-    """Opens the corpus at ``path`` (a file, folder or glob) in format ``fmt`` (``auto``: told by the path).
+def open_corpus(path: str, fmt: str = "auto", *, exclude: str | None = None,
+                keep: Collection[str] | None = None) -> Corpus:
+    """Opens the corpus at ``path`` (a file, folder or glob) in format ``fmt`` (``auto``: told by the path's suffix).
+
+    Args:
+        path: the input.
+        fmt: one of :data:`FORMATS`.
+        exclude: a folder whose files a folder or glob input never reads (the job's output).
+        keep: the columns the job reads; a CSV's others are not converted (``None``: all).
 
     Raises:
-        ValueError: the path does not exist, cannot be read in that format, or holds no rows.
+        ValueError: the path does not exist, names no format, cannot be read in that format, or holds no rows.
     """
     if fmt not in FORMATS:
         raise bad_value("--format", f"one of {FORMATS}", fmt)
     path = os.fspath(path)
-    if fmt == "auto" and not any(c in path for c in "*?[") and not os.path.exists(path):
+    exclude = None if exclude is None else os.fspath(exclude)
+    if not _is_glob(path) and not os.path.exists(path):
         raise bad_value("input", "an existing file, folder or glob", path)
-    if fmt == "auto" and any(c in path for c in "*?[") and not glob.glob(path, recursive=True):
-        raise bad_value("input", "a glob matching at least one Parquet file", path)
-    return Corpus(path, _format_of(path) if fmt == "auto" else fmt)
+    if _is_glob(path) and not glob.glob(path, recursive=True):
+        raise bad_value("input", "a glob matching at least one file", path)
+    return Corpus(path, _format_of(path, exclude) if fmt == "auto" else fmt, exclude=exclude, keep=keep)

@@ -5,13 +5,16 @@
     dynabatch embed corpus/ embeddings/ --text-column text --id-column id
     torchrun --nproc-per-node 8 -m dynabatch embed corpus/ embeddings/ --id-column id   # one rank per GPU
 
-The input is whatever :mod:`dynabatch.cli.corpus` opens (Parquet files, JSONL,
-text lines, a ``datasets`` folder). The model is a local folder:
+The input is whatever :mod:`dynabatch.cli.corpus` opens (Parquet, CSV or TSV
+files, JSONL, text lines, a ``datasets`` folder). The model is a local folder:
 
 * a sentence-transformers folder (it has ``modules.json``) runs its own modules
   (tokenization, prompts, pooling, Normalize) through
-  :func:`dynabatch.sentence_transformers.corpus_embedder`: the vectors of
-  ``model.encode``;
+  :func:`dynabatch.integrations.sentence_transformers.corpus_embedder`: the vectors of
+  ``model.encode``. Its max length, prompts and modules are what
+  sentence-transformers itself reads from the folder, whichever version saved
+  it: the folder is opened by ``SentenceTransformer`` with its weights on the
+  meta device (none read) before anything runs;
 * any other Hugging Face folder loads with ``AutoModel`` (an encoder-decoder's
   encoder) and is pooled by ``--pooling``: ``mean`` over the real tokens,
   ``cls`` (the first real token) or ``last`` (the last real token), then
@@ -20,9 +23,15 @@ text lines, a ``datasets`` folder). The model is a local folder:
 The default model is the demo's all-MiniLM-L6-v2 (the ``examples`` extra), so
 the command runs offline after install. The store holds ``id`` (with
 ``--id-column``; else rows are keyed by ``position``), ``position`` and
-``output`` (the vector, in ``--dtype``); its key names the model (folder name
-and a digest of its files), the pooling, the dtype and the length limit, so the
-same command again resumes and another model or setting is refused.
+``output`` (the vector, in ``--dtype``); its key is what computed the rows (a
+digest of the model's files, wherever they lie, the pooling, the dtype, the
+length limit and the prompt), so the same command again resumes, the same
+model files under another folder too, and another model or setting is refused,
+naming what differs.
+
+``--on-error skip`` sets a text whose model call raises (not out of memory)
+aside, listed with its error in the summary and ``--report``; the same command
+again retries it. Without it, the error names the positions and ids of the batch the model raised on.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from dynabatch.cli._checks import (
     refusing,
 )
 from dynabatch.cli.corpus import open_corpus
+from dynabatch.cli.output import Output
 from dynabatch.memory.budget import check_max_memory
 from dynabatch.sampling.plan_settings import ENCODER_BATCH_TOKENS
 
@@ -88,6 +98,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help=f"padded tokens per batch at most (default: {ENCODER_BATCH_TOKENS:,}, or the first batch's "
                    "--batch-size x --max-length where more)")
+    p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
+                   help="a text whose model call raises: stop, naming it (default), or set it aside, listed with its "
+                   "error (a rerun retries it)")
     job.add_run_arguments(p, "text", 64, "comma-separated devices (default: every GPU, else the CPU)")
     p.set_defaults(command=embed_command, parser=p)
 
@@ -106,11 +119,13 @@ class _Job:
     texts: Any
     ids: Any
     key: str
+    output: Output
     tokenizer: Any = None  # a transformers folder's (a sentence-transformers model tokenizes by its own rules)
 
-    def describe(self) -> str:
+    def describe(self, max_length: int) -> str:
+        """The model line of the summary, with the max length the run used."""
         how = "its sentence-transformers modules" if self.pooling == _ST else f"{self.pooling} pooling"
-        return f"{self.name} ({how}), {str(self.dtype).removeprefix('torch.')}, max length {self.max_length}"
+        return f"{self.name} ({how}), {str(self.dtype).removeprefix('torch.')}, max length {max_length}"
 
 
 def _model_folder(value: str | None) -> tuple[str, str]:
@@ -126,14 +141,37 @@ def _model_folder(value: str | None) -> tuple[str, str]:
                          f"but got no --model and {exc}") from exc
 
 
-def _st_settings(folder: str) -> dict:
-    """A sentence-transformers folder's own settings (max_seq_length, prompts), read without loading it."""
-    settings: dict = {}
-    for name in ("sentence_bert_config.json", "config_sentence_transformers.json"):
-        path = Path(folder) / name
-        if path.is_file():
-            settings.update(json.loads(path.read_text(encoding="utf-8")))
-    return settings
+def _sentence_transformer(folder: str) -> Any:
+    """The folder as sentence-transformers reads it, its modules built on the meta device (no weights read): its
+    ``max_seq_length``, ``prompts`` and ``default_prompt_name`` are those ``model.encode`` runs with, whichever
+    version saved the folder."""
+    import logging
+
+    from sentence_transformers import SentenceTransformer
+    from transformers.utils import logging as transformers_logging
+
+    quiet = logging.getLogger("sentence_transformers")
+    level, bar = quiet.level, transformers_logging.is_progress_bar_enabled()
+    quiet.setLevel(logging.ERROR)  # it notes that device_map overrides device
+    transformers_logging.disable_progress_bar()  # no weights are loaded: no "Loading weights" bar
+    try:
+        return SentenceTransformer(folder, device="cpu", local_files_only=True, model_kwargs={"device_map": "meta"})
+    except Exception as exc:  # whatever it raises, the run's load would raise too: say it now, in one line
+        raise ValueError(f"--model should be a folder sentence-transformers loads, but got --model={folder!r}: "
+                         f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+                         ) from exc
+    finally:
+        quiet.setLevel(level)
+        if bar:
+            transformers_logging.enable_progress_bar()
+
+
+def _saved_max_seq_length(folder: str) -> int | None:
+    """The ``max_seq_length`` a sentence-transformers folder's ``sentence_bert_config.json`` keeps (versions up to
+    5.3 write it there), for a folder run as a transformers ``AutoModel``."""
+    path = Path(folder) / "sentence_bert_config.json"
+    trained = json.loads(path.read_text(encoding="utf-8")).get("max_seq_length") if path.is_file() else None
+    return trained if isinstance(trained, int) and not isinstance(trained, bool) and trained > 0 else None
 
 
 def _pooling(args: argparse.Namespace, folder: str) -> str:
@@ -143,20 +181,42 @@ def _pooling(args: argparse.Namespace, folder: str) -> str:
         raise ValueError(f"--model should be run by sentence-transformers (its folder has modules.json: "
                          f"{extra('sentence-transformers')}), or given --pooling mean, cls or last to run it as a "
                          f"transformers AutoModel, but got --model={folder!r} and no sentence_transformers module")
-    elif args.prompt is not None or args.prompt_name is not None:
+    if pooling != _ST and (args.prompt is not None or args.prompt_name is not None):
         flag = "--prompt" if args.prompt is not None else "--prompt-name"
         raise bad_value(flag, "given with a sentence-transformers model (--pooling auto on a folder with "
                         "modules.json)", args.prompt if args.prompt is not None else args.prompt_name)
-    if pooling == _ST and args.prompt_name is not None:
-        prompts = _st_settings(folder).get("prompts") or {}
-        if args.prompt_name not in prompts:
-            raise bad_value("--prompt-name", f"one of the model's prompts {sorted(prompts)}", args.prompt_name)
     return pooling
 
 
+def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) -> int:
+    """``--prompt-name`` checked against the model's prompts; ``--max-length``, or the max length sentence-transformers
+    runs the folder at (``st``: it as :func:`_sentence_transformer` read it), refused above its positions."""
+    from dynabatch.memory.calibrate import check_positions
+    from dynabatch.memory.shape import position_limit
+
+    if args.prompt_name is not None and args.prompt_name not in st.prompts:
+        raise bad_value("--prompt-name", f"one of the model's prompts {sorted(st.prompts)}", args.prompt_name)
+    length = args.max_length if args.max_length is not None else st.max_seq_length
+    if length is None:
+        found = position_limit(config)
+        if found is None:
+            raise bad_value("--max-length", "given: the model's folder, config and tokenizer set no length limit",
+                            None)
+        length = found[2]
+    try:
+        check_positions(config, length, 0, length_name="--max-length")
+    except ValueError as exc:
+        if args.max_length is not None:
+            raise
+        raise bad_value("--max-length", f"given: the max_seq_length={length} sentence-transformers reads from the "
+                        "folder is above the model's positions", None) from exc
+    return length
+
+
 def _max_length(args: argparse.Namespace, config: Any, folder: str, tokenizer: Any) -> int:
-    """``--max-length``, or the model's own limit (a sentence-transformers folder's ``max_seq_length``, its
-    positions, its tokenizer's ``model_max_length``: the smallest); refused above the positions or the tokenizer's."""
+    """``--max-length``, or a transformers model's own limit (a sentence-transformers folder's saved
+    ``max_seq_length``, its positions, its tokenizer's ``model_max_length``: the smallest); refused above the
+    positions or the tokenizer's."""
     from dynabatch.data.tokenization import model_max_length
     from dynabatch.memory.calibrate import check_model_max_length, check_positions
     from dynabatch.memory.shape import position_limit
@@ -164,51 +224,54 @@ def _max_length(args: argparse.Namespace, config: Any, folder: str, tokenizer: A
     length = args.max_length
     if length is None:
         limits = [found[2]] if (found := position_limit(config)) is not None else []
-        trained = _st_settings(folder).get("max_seq_length")  # a sentence-transformers folder's, whatever the pooling
-        if isinstance(trained, int) and trained > 0:
+        if (trained := _saved_max_seq_length(folder)) is not None:
             limits.append(trained)
-        if tokenizer is not None and model_max_length(tokenizer) is not None:
+        if model_max_length(tokenizer) is not None:
             limits.append(model_max_length(tokenizer))
         if not limits:
             raise bad_value("--max-length", "given: the model's config and tokenizer set no length limit", None)
         length = min(limits)
     check_positions(config, length, 0, length_name="--max-length")
-    if tokenizer is not None:
-        check_model_max_length(tokenizer, length, length_name="--max-length")
+    check_model_max_length(tokenizer, length, length_name="--max-length")
     return length
 
 
 def _prepare(args: argparse.Namespace) -> _Job:
-    """Every check of an embed job, in the order a user fixes them; no weights load."""
+    """Every check of an embed job, in the order a user fixes them, and the store opened (its job lock taken); no
+    weights load."""
     from transformers import AutoTokenizer
 
     check_positive(args, "batch_size", "max_length", "max_batch_tokens")
     check_max_memory(args.max_memory, "--max-memory")
     job.check_outputs(args)
-    corpus = open_corpus(args.input, args.format)  # its columns and rows: cheap, and the first thing to fix
+    corpus = open_corpus(args.input, args.format, exclude=args.output,
+                         keep=[c for c in (args.text_column, args.id_column) if c is not None])
     corpus.require("--text-column", args.text_column, ("string",))
     if args.id_column is not None:
         corpus.require("--id-column", args.id_column, ("string", "integer"))
-    place = job.placement(check_device_names(args.devices))
-    folder, name = _model_folder(args.model)
-    config = check_model_folder("--model", folder)
-    pooling = _pooling(args, folder)
-    dtype = check_dtype(args.dtype, place.accelerated)
-    tokenizer = None
-    if pooling != _ST:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-            tokenizer.pad_token = tokenizer.eos_token  # pooling reads the attention mask: padding never counts
-    max_length = _max_length(args, config, folder, tokenizer)
-    texts = corpus.texts(args.text_column)  # read once (Parquet and text lines into one memory-mapped file)
-    ids = corpus.ids(args.id_column) if args.id_column is not None else None
-    settings = {"pooling": pooling, "normalize": args.normalize, "dtype": str(dtype).removeprefix("torch."),
-                "max_length": max_length}
-    if pooling == _ST:
-        settings["prompt"] = json.dumps(args.prompt) if args.prompt is not None else args.prompt_name
-    key = job.job_key("embed", name, folder, **settings)
-    job.check_store(args.output, key, len(texts), ids)
-    return _Job(place, folder, name, config, pooling, dtype, max_length, texts, ids, key, tokenizer)
+    with Output(args.output).checked() as output:  # made and written to: the next thing a user fixes
+        place = job.placement(check_device_names(args.devices))
+        folder, name = _model_folder(args.model)
+        config = check_model_folder("--model", folder)
+        pooling = _pooling(args, folder)
+        dtype = check_dtype(args.dtype, place.accelerated)
+        tokenizer = None
+        if pooling == _ST:
+            max_length = _check_sentence_transformer(args, config, _sentence_transformer(folder))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+                tokenizer.pad_token = tokenizer.eos_token  # pooling reads the attention mask: padding never counts
+            max_length = _max_length(args, config, folder, tokenizer)
+        settings = {"pooling": pooling, "normalize": args.normalize, "dtype": str(dtype).removeprefix("torch."),
+                    "max_length": max_length}
+        if pooling == _ST:
+            settings["prompt"] = json.dumps(args.prompt) if args.prompt is not None else args.prompt_name
+        key = job.job_key("embed", folder, **settings)
+        ids = corpus.ids(args.id_column) if args.id_column is not None else None
+        output.open(key=key, n=len(corpus), ids=ids)  # before the texts are read: a busy store now
+        texts = corpus.texts(args.text_column)  # read once (into one memory-mapped file)
+    return _Job(place, folder, name, config, pooling, dtype, max_length, texts, ids, key, output, tokenizer)
 
 
 def pooled(model: Any, pooling: str, normalize: bool) -> Any:
@@ -254,7 +317,7 @@ def _load(spec: _Job, args: argparse.Namespace) -> tuple[Any, int, Any, Any]:
     if spec.pooling == _ST:
         from sentence_transformers import SentenceTransformer
 
-        from dynabatch.sentence_transformers import corpus_embedder
+        from dynabatch.integrations.sentence_transformers import corpus_embedder
 
         model = SentenceTransformer(spec.folder, device=str(first), model_kwargs={"dtype": spec.dtype})
         model.max_seq_length = spec.max_length
@@ -285,16 +348,23 @@ def embed_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     with refusing(parser):
         spec = _prepare(args)
     place = spec.place
-    with job.process_group(place):
-        tokenizer, limit, make_fn, model = _load(spec, args)
-        loader = build_dynamic_batch_dataloader(spec.texts, tokenizer, args.batch_size, limit, ids=spec.ids,
-                                                model=model, max_memory=args.max_memory, stream=True,
-                                                max_tokens=args.max_batch_tokens or max(ENCODER_BATCH_TOKENS,
-                                                                                        args.batch_size * limit),
-                                                num_workers=0, progress=False)
-        with refusing(parser):  # a store of other texts under the same ids, found as batches come
-            result = job.run_job(make_fn, loader, place, output_path=args.output, key=spec.key, on_oom=args.on_oom,
-                                 token_outputs="whole", progress=place.main and not args.no_progress)
-        columns = ["id" if spec.ids is not None else "position", "output"]
-        job.finish("embed", result, args, place, start=start, model=spec.describe(), what="texts", columns=columns)
-    return 0
+    try:
+        with job.process_group(place):
+            tokenizer, limit, make_fn, model = _load(spec, args)
+            loader = build_dynamic_batch_dataloader(spec.texts, tokenizer, args.batch_size, limit, ids=spec.ids,
+                                                    model=model, max_memory=args.max_memory, stream=True,
+                                                    max_tokens=args.max_batch_tokens or max(ENCODER_BATCH_TOKENS,
+                                                                                            args.batch_size * limit),
+                                                    num_workers=0, progress=False)
+            options = {"on_error": args.on_error} if args.on_error != "raise" else {}  # raise: run's default
+            spec.output.started = True
+            result, tally, error = job.run_accounted(
+                lambda: job.run_job(make_fn, loader, place, spec.output, key=spec.key, on_oom=args.on_oom,
+                                    token_outputs="whole", progress=place.main and not args.no_progress, **options),
+                spec.output, len(spec.texts), parser, what="texts",
+                hint="" if args.on_error == "skip" else ": --on-error skip sets such texts aside (a rerun retries them)")
+            columns = ["id" if spec.ids is not None else "position", "output"]
+            return job.finish("embed", result, tally, error, args, place, start=start, model=spec.describe(limit),
+                              what="texts", columns=columns)
+    finally:
+        spec.output.end()

@@ -45,6 +45,7 @@ from dynabatch.cli._checks import (
     refusing,
 )
 from dynabatch.cli.corpus import open_corpus
+from dynabatch.cli.output import Output
 from dynabatch.memory.budget import check_max_memory
 
 __all__ = ["add_parser", "generate_command"]
@@ -144,61 +145,67 @@ def _prompts(args: argparse.Namespace, corpus: Any, tokenizer: Any) -> list[Any]
 
 
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:
-    """Every check of a generate job; no weights load."""
+    """Every check of a generate job, and the store opened (its job lock taken); no weights load."""
     check_positive(args, "batch_size", "max_length", "max_new_tokens", "top_k")
     check_max_memory(args.max_memory, "--max-memory")
     options = _check_sampling(args)
     job.check_outputs(args)
-    corpus = open_corpus(args.input, args.format)  # its columns and rows: cheap, and the first thing to fix
+    column = args.messages_column if args.messages_column is not None else args.text_column
+    corpus = open_corpus(args.input, args.format, exclude=args.output, keep=[column])
     if args.messages_column is None:
         corpus.require("--text-column", args.text_column, ("string",))
     else:
         corpus.require("--messages-column", args.messages_column, ("list",))
-    devices = check_device_names(args.devices)
-    if devices is not None and len(devices) > 1:
-        raise bad_value("--devices", "one device (generate runs on one device, or one rank per GPU under torchrun)",
-                        args.devices)
-    place = job.placement(devices)
-    place.devices = place.devices[:1]
-    config = check_model_folder("--model", args.model)
-    dtype = check_dtype(args.dtype, place.accelerated)
-    tokenizer = _tokenizer(args.model)
-    max_length = _prompt_limit(args, config, tokenizer)
-    prompts = _prompts(args, corpus, tokenizer)
-    settings = {"dtype": str(dtype).removeprefix("torch."), "max_length": max_length,
-                "prompts": "messages" if args.messages_column is not None else "text",
-                **{k: v for k, v in options.items()}, **({"seed": args.seed} if args.sample else {})}
-    key = job.job_key("generate", Path(args.model).resolve().name, args.model, **settings)
-    job.check_store(args.output, key, len(prompts), None)
+    with Output(args.output).checked() as output:  # made and written to: the next thing a user fixes
+        devices = check_device_names(args.devices)
+        if devices is not None and len(devices) > 1:
+            raise bad_value("--devices", "one device (generate runs on one device, or one rank per GPU under "
+                            "torchrun)", args.devices)
+        place = job.placement(devices)
+        place.devices = place.devices[:1]
+        config = check_model_folder("--model", args.model)
+        dtype = check_dtype(args.dtype, place.accelerated)
+        tokenizer = _tokenizer(args.model)
+        max_length = _prompt_limit(args, config, tokenizer)
+        settings = {"dtype": str(dtype).removeprefix("torch."), "max_length": max_length,
+                    "prompts": "messages" if args.messages_column is not None else "text",
+                    **{k: v for k, v in options.items()}, **({"seed": args.seed} if args.sample else {})}
+        key = job.job_key("generate", args.model, **settings)
+        output.open(key=key, n=len(corpus), ids=None)
+        prompts = _prompts(args, corpus, tokenizer)
     return {"place": place, "config": config, "dtype": dtype, "tokenizer": tokenizer, "max_length": max_length,
-            "prompts": prompts, "options": options, "key": key}
+            "prompts": prompts, "options": options, "key": key, "output": output}
 
 
 def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Runs ``dynabatch generate``; returns the exit status."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    from dynabatch.generation import generate
+    from dynabatch.inference.generation import generate
 
     start = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with refusing(parser):
         spec = _prepare(args)
-    place, config = spec["place"], spec["config"]
-    with job.process_group(place):
-        auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
-        model = auto.from_pretrained(args.model, dtype=spec["dtype"]).to(place.devices[0]).eval()
-        torch.manual_seed(args.seed)  # this process's own generator: sampling draws from it
-        with refusing(parser):
-            result = generate(model, spec["tokenizer"], spec["prompts"], batch_size=args.batch_size,
-                              max_memory=args.max_memory,
-                              max_input_token_length=spec["max_length"], device=place.devices[0],
-                              output_path=args.output, key=spec["key"], on_oom=args.on_oom,
-                              progress=place.main and not args.no_progress, pad_token_id=spec["tokenizer"].pad_token_id,
-                              **spec["options"])
-        model_line = (f"{Path(args.model).resolve().name}, {str(spec['dtype']).removeprefix('torch.')}, prompts of "
-                      f"{spec['max_length']} tokens at most, {args.max_new_tokens} new tokens at most, "
-                      + ("sampled" if args.sample else "greedy"))
-        job.finish("generate", result, args, place, start=start, model=model_line, what="replies",
-                   columns=["position", "output"])
-    return 0
+    place, config, output = spec["place"], spec["config"], spec["output"]
+    try:
+        with job.process_group(place):
+            auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+            model = auto.from_pretrained(args.model, dtype=spec["dtype"]).to(place.devices[0]).eval()
+            torch.manual_seed(args.seed)  # this process's own generator: sampling draws from it
+            output.started = True
+            result, tally, error = job.run_accounted(
+                lambda: generate(model, spec["tokenizer"], spec["prompts"], batch_size=args.batch_size,
+                                 max_memory=args.max_memory,
+                                 max_input_token_length=spec["max_length"], device=place.devices[0],
+                                 output_path=output.store, key=spec["key"], on_oom=args.on_oom,
+                                 progress=place.main and not args.no_progress,
+                                 pad_token_id=spec["tokenizer"].pad_token_id, **spec["options"]),
+                output, len(spec["prompts"]), parser, what="replies")
+            model_line = (f"{Path(args.model).resolve().name}, {str(spec['dtype']).removeprefix('torch.')}, prompts "
+                          f"of {spec['max_length']} tokens at most, {args.max_new_tokens} new tokens at most, "
+                          + ("sampled" if args.sample else "greedy"))
+            return job.finish("generate", result, tally, error, args, place, start=start, model=model_line,
+                              what="replies", columns=["position", "output"])
+    finally:
+        output.end()

@@ -1,15 +1,18 @@
-"""What the corpus jobs of the command line share: where they run, the store they resume, the run, the summary.
+"""What the corpus jobs of the command line share: where they run, the store's key, the run, the summary.
 
 * :func:`placement`: every accelerator of the machine (or ``--devices``), or
   under ``torchrun`` this rank's device (``LOCAL_RANK``); :func:`process_group`
   starts and ends ``torch.distributed`` around the job.
 * :func:`job_key`: the store's key, what computed the rows: the command, the
-  model (its folder's name and :func:`model_digest`) and every setting that
-  changes a row. A rerun with the same key resumes; another key is refused.
-* :func:`check_store`: the store at the output path, opened as the run will
-  open it, before any model loads (another job's store, a folder of other files).
-* :func:`run_job`: the one call of :func:`dynabatch.run` with several devices or ranks.
-* :func:`summary`, :func:`finish`: the screen after the run, ``--report`` and ``--plot``.
+  model's content (:func:`model_digest` of its files, not where they lie) and
+  every setting that changes a row. A rerun with the same key resumes; another
+  key is refused (:mod:`dynabatch.cli.output`).
+* :func:`run_job`: the one call of :func:`dynabatch.run` with several devices or
+  ranks; :func:`run_accounted` ends it with what the store holds
+  (:class:`~dynabatch.cli.output.Tally`), whatever way the run ended.
+* :func:`summary`, :func:`finish`: the screen after the run, ``--report`` and
+  ``--plot``, and the exit status: 0 when every input is stored or listed
+  failed (with its cause, retried by a rerun), 1 otherwise.
 * :func:`add_input_arguments`, :func:`add_run_arguments`: the options every corpus job takes.
 """
 
@@ -17,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +36,10 @@ import torch
 
 from dynabatch._digest import fingerprint
 from dynabatch._validation import bad_value
+from dynabatch.cli.output import Output, Tally
 
-__all__ = ["Placement", "add_input_arguments", "add_run_arguments", "check_outputs", "check_store", "finish",
-           "job_key", "model_digest", "placement", "process_group", "run_job", "summary"]
+__all__ = ["Placement", "add_input_arguments", "add_run_arguments", "check_outputs", "finish", "job_key",
+           "model_digest", "placement", "process_group", "run_accounted", "run_job", "summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +50,13 @@ def add_input_arguments(p: argparse.ArgumentParser, what: str) -> None:
     """The corpus in (``what``: "document", "prompt") and the store out."""
     from dynabatch.cli.corpus import FORMATS
 
-    p.add_argument("input", help=f"Parquet file, folder or glob; JSONL file; text file (one {what} a line); or a "
-                   "datasets folder (save_to_disk)")
+    p.add_argument("input", help="Parquet, CSV or TSV: a file, folder or glob; a JSONL file; a .txt file (one "
+                   f"{what} a line); or a datasets folder (save_to_disk)")
     p.add_argument("output", help="the store: a new folder, or this job's folder to resume it")
     p.add_argument("--text-column", default="text", help=f"the column of {what}s (default: text)")
     p.add_argument("--format", choices=FORMATS, default="auto",
-                   help="the input's format (default: auto, told by its path)")
+                   help="the input's format (default: auto, told by the suffix: .parquet, .csv, .tsv, .jsonl, .txt; "
+                   "--format text reads any file as one document a line)")
 
 
 def add_run_arguments(p: argparse.ArgumentParser, what: str, batch_size: int, devices: str) -> None:
@@ -172,35 +179,25 @@ def model_digest(folder: str) -> str:
     return fingerprint(*parts)
 
 
-def job_key(command: str, model_name: str, model_folder: str, **settings: Any) -> str:
-    """The store's key: ``"embed model=NAME@DIGEST pooling=mean ..."``; what computed the rows, read by a person."""
+def job_key(command: str, model_folder: str, **settings: Any) -> str:
+    """The store's key: ``"embed model=DIGEST pooling=mean ..."``: what computed the rows (the model's files, every
+    setting that changes a row), never where the model lies; read by a person."""
     named = " ".join(f"{k}={v}" for k, v in settings.items())
-    return f"{command} model={model_name}@{model_digest(model_folder)} {named}"
+    return f"{command} model={model_digest(model_folder)} {named}"
 
 
-def check_store(output: str, key: str, n: int, ids: Any) -> None:
-    """Refuses, before a model loads, an output path the run would refuse: another job's store (another key),
-    a store keyed otherwise, a file, or a folder holding other files."""
-    if not os.path.exists(output):
-        return
-    from dynabatch.inference.store import open_store
-
-    try:
-        open_store(output, key=key, n=n, ids=ids, verify=False)
-    except ValueError as exc:
-        raise ValueError(f"output should be a new folder, or this same job's store to resume it, but got "
-                         f"output={output!r}: {str(exc).splitlines()[0]}") from exc
-
-
-def run_job(make_fn: Callable[[torch.device], Callable], loader: Any, place: Placement, **options: Any) -> Any:
-    """The one call of :func:`dynabatch.run` on several devices or ranks: ``make_fn(device)`` gives ``fn(batch)``.
+def run_job(make_fn: Callable[[torch.device], Callable], loader: Any, place: Placement, output: Output,
+            **options: Any) -> Any:
+    """The one call of :func:`dynabatch.run` on several devices or ranks, into ``output``'s store:
+    ``make_fn(device)`` gives ``fn(batch)``.
 
     Under ``torchrun`` the ranks claim chunks of the corpus (each its own
     device); in one process, every device of ``place`` takes batches from one
-    shared queue. ``options`` are ``run``'s (``output_path``, ``key``, ...).
+    shared queue. ``options`` are ``run``'s (``key``, ``on_oom``, ...).
     """
     from dynabatch import run
 
+    options["output_path"] = output.store  # the store the command opened (and holds) before the model loaded
     if place.world > 1:
         return run(make_fn(place.devices[0]), loader, device=place.devices[0], ranks="claim", **options)
     if len(place.devices) > 1:
@@ -208,55 +205,123 @@ def run_job(make_fn: Callable[[torch.device], Callable], loader: Any, place: Pla
     return run(make_fn(place.devices[0]), loader, device=place.devices[0], **options)
 
 
+def _with_notes(exc: BaseException) -> str:
+    """An error's first line and its notes (the inputs it names), on one line."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    notes = [" ".join(str(n).split()) for n in getattr(exc, "__notes__", ()) if str(n).strip()]
+    return line + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _unaccounted(tally: Tally, what: str) -> str:
+    """How many inputs, and which, are neither stored nor listed failed."""
+    shown = f" ({tally.shown(tally.missing)})" if tally.missing.size else ""
+    return f"{tally.missing.size:,} of {tally.n:,} {what} are neither stored nor listed failed{shown}"
+
+
+def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argparse.ArgumentParser, *,
+                  what: str, hint: str = "") -> tuple[Any, Tally, BaseException | None]:
+    """Runs ``call()`` (the run) and reads what ``output``'s store holds for the ``n`` inputs after it:
+    ``(result or None, tally, error or None)``.
+
+    A run that cannot account for every input (``IncompleteRunError``) ends
+    here with its error: the summary says what is missing. A run refusing its
+    inputs (``ValueError``, ``TypeError``: a store of other texts under the same
+    ids, ``fn`` raising on named inputs) is one line on stderr, exit status 2,
+    ``hint`` added when the error names inputs. Any other error is printed with
+    its traceback, then what the store holds: exit status 1.
+    """
+    from dynabatch.inference.runner import IncompleteRunError
+
+    try:
+        result = call()
+    except Exception as exc:  # noqa: BLE001 (every way the run ends is followed by what the store holds)
+        if isinstance(exc, IncompleteRunError):
+            return None, output.tally(n), exc
+        if isinstance(exc, (ValueError, TypeError)):
+            parser.error(_with_notes(exc) + (hint if getattr(exc, "__notes__", None) else ""))
+        traceback.print_exc()
+        tally = output.tally(n)
+        sys.stderr.write(f"{parser.prog}: error: the run stopped ({type(exc).__name__}: {_with_notes(exc)}); "
+                         f"{tally.stored:,} of {n:,} {what} stored in {output.path}; {_unaccounted(tally, what)}: the "
+                         "same command again runs them\n")
+        raise SystemExit(1) from None
+    return result, output.tally(n), None
+
+
 def _rate(value: float | None, unit: str) -> str:
     return f"{value:,.0f} {unit}/s" if value is not None else f"- {unit}/s"
 
 
-def summary(command: str, result: Any, *, output: str, what: str, model: str, place: Placement, seconds: float,
-            columns: list[str]) -> str:
-    """The screen after a job: rows, time, throughput, padding, out-of-memory events, the store and how to read it."""
-    report = result.report
-    n = len(result)
-    missing = len(result.failed)
-    ran = report.rows
-    if place.world > 1:
-        done = f"rank {place.rank} ran {ran:,} of them now"
-    else:
-        done = f"{ran:,} run now, {max(0, n - missing - ran):,} stored before"
-    efficiency = f"{report.padding_efficiency:.0%}" if report.padding_efficiency is not None else "-"
-    lines = [
-        f"dynabatch {command}: {n - missing:,} of {n:,} {what} stored in {output} ({done})",
-        f"  model      {model}, on {place.describe()}",
-        f"  time       {seconds:.1f} s in all, {report.seconds:.1f} s running {report.batches:,} batches: "
-        f"{_rate(report.rows_per_s, what)}, {_rate(report.tokens_per_s, 'tokens')}",
-        f"  padding    {efficiency} of the padded tokens were real tokens",
-        f"  memory     {report.oom_events} out-of-memory events, {report.oom_splits} batches split after one, "
-        f"{report.pre_split_batches} split before running",
-        f"  store      {os.path.abspath(output)} (Parquet, one row per input: {', '.join(columns)})",
-        f"  read it    pyarrow.dataset.dataset({output!r}).to_table(columns={columns!r})  (or pandas, polars, "
-        "datasets)",
-    ]
-    if missing:
-        lines.append(f"  missing    {missing:,} inputs have no row (ran out of memory alone, --on-oom skip): "
-                     "the same command again retries them")
-    return "\n".join(lines)
+def _failed_lines(tally: Tally, what: str) -> list[str]:
+    lines = []
+    if tally.failures:
+        failed = sorted(tally.failures)
+        causes = "; ".join(f"{name!r}: {tally.failures[p][:120]}" for p, name in zip(failed[:3], tally.names(failed[:3])))
+        lines.append(f"  failed     {len(failed):,} {what} listed failed, each with its cause in --report "
+                     f"({causes}{'; ...' if len(failed) > 3 else ''}): the same command again retries them")
+    if tally.missing.size:
+        lines.append(f"  missing    {tally.missing.size:,} {what} neither stored nor listed failed "
+                     f"({tally.shown(tally.missing)}): the same command again runs them")
+    return lines
 
 
-def finish(command: str, result: Any, args: argparse.Namespace, place: Placement, *, start: float, model: str,
-           what: str, columns: list[str]) -> None:
-    """Writes ``--report`` and ``--plot`` (a rank's own, named ``.rankN`` under torchrun but for rank 0) and
-    prints the summary (rank 0)."""
+def summary(command: str, report: Any, tally: Tally, *, output: str, what: str, model: str, place: Placement,
+            seconds: float, columns: list[str]) -> str:
+    """The screen after a job: what the store holds (``tally``), time, throughput, padding, out-of-memory events
+    (``report``: this process's run; ``None`` when the run ended without one), how to read the store."""
+    lines = [(f"dynabatch {command}: {tally.stored:,} of {tally.n:,} {what} stored in {output} ({tally.now:,} run "
+             f"now, {tally.before:,} stored before)"),
+             f"  model      {model}, on {place.describe()}"]
+    if report is not None:
+        efficiency = f"{report.padding_efficiency:.0%}" if report.padding_efficiency is not None else "-"
+        ran = f" (rank {place.rank}'s)" if place.world > 1 else ""
+        lines += [(f"  time       {seconds:.1f} s in all, {report.seconds:.1f} s running {report.batches:,} batches"
+                  f"{ran}: {_rate(report.rows_per_s, what)}, {_rate(report.tokens_per_s, 'tokens')}"),
+                  f"  padding    {efficiency} of the padded tokens were real tokens",
+                  (f"  memory     {report.oom_events} out-of-memory events, {report.oom_splits} batches split after "
+                  f"one, {report.pre_split_batches} split before running")]
+    lines += [f"  store      {os.path.abspath(output)} (Parquet, one row per input: {', '.join(columns)})",
+              (f"  read it    pyarrow.dataset.dataset({output!r}).to_table(columns={columns!r})  (or pandas, polars, "
+              "datasets)")]
+    return "\n".join(lines + _failed_lines(tally, what))
+
+
+def _write_report(path: Path, report: Any, tally: Tally) -> None:
+    """The run's report (every batch) with what the store holds: ``"store"``, from :meth:`Tally.to_dict`."""
+    from dynabatch.inference.report import RunReport
+
+    (report if report is not None else RunReport()).to_json(path)
+    data = json.loads(path.read_text(encoding="utf-8"))
+    data["store"] = tally.to_dict()
+    path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+
+
+def finish(command: str, result: Any, tally: Tally, error: BaseException | None, args: argparse.Namespace,
+           place: Placement, *, start: float, model: str, what: str, columns: list[str]) -> int:
+    """Writes ``--report`` and ``--plot`` (a rank's own, named ``.rankN`` under torchrun but for rank 0), prints the
+    summary (rank 0) and returns the exit status: 1 when an input is neither stored nor listed failed, or the run
+    ended with an error; else 0."""
+    report = result.report if result is not None else None
     written = []
-    for path, write in ((args.report, result.report.to_json), (args.plot, result.report.plot)):
-        if path is None:
+    for path, write in ((args.report, lambda p: _write_report(p, report, tally)),
+                        (args.plot, report.plot if report is not None else None)):
+        if path is None or write is None:
             continue
         if not place.main:
             path = path.with_name(f"{path.stem}.rank{place.rank}{path.suffix}")
         write(path)
         written.append(str(path))
     if place.main:
-        print(summary(command, result, output=args.output, what=what, model=model, place=place,
+        print(summary(command, report, tally, output=args.output, what=what, model=model, place=place,
                       seconds=time.perf_counter() - start, columns=columns))
         for path in written:
             print(f"  wrote      {path}")
     sys.stdout.flush()
+    if error is None and not tally.missing.size:
+        return 0
+    if place.main:
+        raised = f"the run raised {type(error).__name__}: {_with_notes(error)}; " if error is not None else ""
+        sys.stderr.write(f"dynabatch {command}: error: {raised}{_unaccounted(tally, what)}: the same command again "
+                         "runs them\n")
+    return 1

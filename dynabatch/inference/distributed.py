@@ -1,12 +1,15 @@
 """What talks between ranks in a ``torch.distributed`` run: the same batches checked on every rank, results
-gathered to rank 0, chunks claimed from one counter. Which rank runs which batch in lockstep is decided without
+gathered to rank 0, chunks claimed from one counter, one job token for a results store. Which rank runs which batch in lockstep is decided without
 communicating, by :mod:`dynabatch.sampling.ranks`."""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import os
 import pickle
+import socket
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -20,7 +23,8 @@ from dynabatch.inference.outputs import to_cpu
 from dynabatch.sampling.chunked_planner import ChunkedPlanner
 from dynabatch.sampling.ranks import resolve_world
 
-__all__ = ["CLAIM_CHUNK", "check_same_batches", "chunk_claims", "claimed_planner", "gather_results", "world"]
+__all__ = ["CLAIM_CHUNK", "check_same_batches", "chunk_claims", "claimed_planner", "gather_results", "job_token",
+           "world"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +55,8 @@ def _few(values: Sequence[Any]) -> str:
     return shown + (", ..." if len(values) > _FEW else "")
 
 
-def _check_cover(shares: list[np.ndarray], n: int) -> None:
-    """Raises ValueError unless the ranks' positions are ``range(n)``, each once."""
+def _check_cover(shares: list[np.ndarray], n: int, *, complete: bool = True) -> None:
+    """Raises ValueError unless the ranks' positions are ``range(n)`` (``complete=False``: in it), each once."""
     ranks = np.concatenate([np.full(len(p), r, dtype=np.int64) for r, p in enumerate(shares)])
     flat = np.concatenate(shares) if shares else np.zeros(0, dtype=np.int64)
     where = " across ranks" if len(shares) > 1 else ""
@@ -72,7 +76,7 @@ def _check_cover(shares: list[np.ndarray], n: int) -> None:
             names.append(f"{p} (ranks {sorted(ranks[order[lo:hi]].tolist())})")
         raise ValueError(f"positions should each be computed exactly once{where}, but got {repeated.size} "
                          f"computed more than once (first few: {_few(names)})")
-    missing = np.flatnonzero(counts == 0)
+    missing = np.flatnonzero(counts == 0) if complete else np.zeros(0, dtype=np.int64)
     if missing.size:
         raise ValueError(f"positions should cover range(n_inputs={n}){where}, but got {missing.size} missing "
                          f"(first few: {_few(missing[:_FEW + 1].tolist())})")
@@ -108,10 +112,11 @@ def _prepare(positions: Any, results: Any, n_inputs: Any) -> tuple[tuple, bytes 
     return (pos, n, None), blob, None
 
 
-def gather_results(positions: list[int], results: list, n_inputs: int) -> list | None:
+def gather_results(positions: list[int], results: list, n_inputs: int, *, cover: bool = True) -> list | None:
     """Collective: brings every rank's results to rank 0, in input order; ``None`` on the other ranks.
 
-    Every rank passes the input positions it computed and one result per position. Positions go to every rank first,
+    Every rank passes the input positions it computed and one result per position (``cover=False``: the ranks'
+    positions may leave some out, which get ``None``). Positions go to every rank first,
     so that all raise the same error together rather than some hanging; then the results (picklable; tensors sent
     detached, on the CPU) go to rank 0. With NCCL, set each rank's device first. Without a process group it only
     checks and reorders.
@@ -119,7 +124,8 @@ def gather_results(positions: list[int], results: list, n_inputs: int) -> list |
     Raises:
         TypeError: a bad argument, or results that cannot be pickled, on some rank (named; every rank raises).
         ValueError: ``results`` and ``positions`` of different lengths, ``n_inputs`` that differs between
-            ranks, or positions over all ranks that are not ``range(n_inputs)`` each once (the first few named).
+            ranks, or positions over all ranks that are not ``range(n_inputs)`` (with ``cover=False``: in it) each
+            once (the first few named).
 
     Example:
         >>> from dynabatch.inference.distributed import gather_results
@@ -129,7 +135,7 @@ def gather_results(positions: list[int], results: list, n_inputs: int) -> list |
     rank, size = world()
     if size == 1:
         pos, n = _check_local(positions, results, n_inputs)
-        _check_cover([pos], n)
+        _check_cover([pos], n, complete=cover)
         out: list = [None] * n
         for p, value in zip(pos.tolist(), results):
             out[p] = value
@@ -152,7 +158,7 @@ def gather_results(positions: list[int], results: list, n_inputs: int) -> list |
                          f"{other} and n_inputs={ns[0]} on rank 0")
     n = ns[0]
     shares = [pos for pos, _, _ in everyone]
-    _check_cover(shares, n)
+    _check_cover(shares, n, complete=cover)
 
     gathered: list | None = [None] * size if rank == 0 else None
     dist.gather_object(blob, gathered, dst=0)
@@ -164,6 +170,28 @@ def gather_results(positions: list[int], results: list, n_inputs: int) -> list |
             out[p] = value
     logger.debug("gathered %d results from %d ranks", n, size)
     return out
+
+
+def job_token() -> str | None:
+    """One token naming this job, so that the ranks of one job take a results store's job lock as one job; ``None``
+    in one process (the store names this process). Under ``torchrun``, its rendezvous (``MASTER_ADDR:MASTER_PORT``
+    and run id: one live job each), readable before the process group starts; else a collective: rank 0's token,
+    sent to every rank.
+
+    Example:
+        >>> from dynabatch.inference.distributed import job_token
+        >>> job_token() is None  # no process group here
+        True
+    """
+    if "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun: readable before the group starts
+        return (f"torchrun {os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT')} "
+                f"{os.environ['TORCHELASTIC_RUN_ID']}")
+    rank, size = world()
+    if size == 1:
+        return None
+    token = [f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}" if rank == 0 else None]
+    torch.distributed.broadcast_object_list(token, src=0)
+    return token[0]
 
 
 def check_same_batches(batches: Sequence[np.ndarray]) -> None:

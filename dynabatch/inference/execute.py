@@ -1,13 +1,22 @@
 """The executor of :func:`dynabatch.run`: a worker per device, each batch through the one out-of-memory policy.
 
-:class:`Executor` runs one item at a time on its device: built (ahead, by :class:`Prefetcher`), moved, passed to
-``fn``, split into rows by the run's row rule, handed to the sink with their input hashes. A piece that runs out of
-memory is split in halves and retried, down to one row; one at least as large as a shape that failed, or with more
-rows than the memory mode allows, is split before it is tried (:mod:`dynabatch.memory.oom`'s policy).
+:class:`Executor` runs one item at a time on its device: its batch (built ahead by the build stage,
+:mod:`~dynabatch.inference.build`) is copied to the device (:func:`dynabatch.memory.device.copier`: on CUDA a copy
+stream of its own), passed to ``fn``, split into rows by the run's row rule and handed to the sink with their input
+hashes. A piece that runs out of memory is split in halves and retried, down to one row; one the scheduler says to
+split (:meth:`~dynabatch.inference.scheduler.Scheduler.pre_split`) is split before it is tried. What each call
+measured, or that it ran out of memory, goes back to the scheduler (:meth:`~dynabatch.inference.scheduler.Scheduler.
+report`), which sizes what runs next.
 
-:func:`run_workers` runs the queue: one worker in the calling thread, or a thread per device over one shared queue
-(threads: torch releases the GIL while a device works, and it runs in a notebook). Every thread it starts has stopped
-when it returns or raises, Ctrl-C included.
+An error ``fn`` raises carries a note naming its batch's positions and ids (after splitting down to one row, that
+row). ``on_error="skip"`` splits such a batch in halves until the rows that fail are alone, and sets each aside with
+the error's text as its cause; the others run as usual.
+
+:func:`run_workers` runs the scheduler's items: one worker in the calling thread, or a thread per device (threads:
+torch releases the GIL while a device works, and it runs in a notebook). A device failure
+(:func:`~dynabatch.memory.device.is_device_failure`) ends that device's worker and puts its unfinished rows back once;
+any other error stops every worker and is raised. Every thread it starts has stopped when it returns or raises,
+Ctrl-C included.
 """
 
 from __future__ import annotations
@@ -16,27 +25,27 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from dynabatch.data.collate import Batch, batch_shape, real_tokens
-from dynabatch.data.collate import split_rows as split_batch
+from dynabatch.inference.build import Builder, Built, Prefetcher
 from dynabatch.inference.outputs import RowSplitter
 from dynabatch.inference.report import BatchRecord, RunReport
-from dynabatch.inference.source import BatchQueue, Item, Lane
-from dynabatch.memory.device import make_current, pins_memory
-from dynabatch.memory.oom import call_guarded, dominating, equal_parts, split_sizes
+from dynabatch.inference.scheduler import Lane, Scheduler
+from dynabatch.inference.source import Item
+from dynabatch.memory.device import is_device_failure, is_out_of_memory_error, make_current
+from dynabatch.memory.oom import call_guarded, split_sizes
 from dynabatch.sampling.ranks import reduce_across_ranks
 
-__all__ = ["BatchOutOfMemoryError", "Executor", "Prefetcher", "WorkerCrash", "explain_index_errors", "run_workers"]
+__all__ = ["BatchOutOfMemoryError", "Executor", "WorkerCrash", "explain_index_errors", "run_workers"]
 
 logger = logging.getLogger(__name__)
+
+_FEW = 5  # positions (and ids) a note names
 
 _EMBEDDING_MESSAGE = "index out of range in self"  # torch's message for an embedding index out of range
 
@@ -55,7 +64,7 @@ class BatchOutOfMemoryError(RuntimeError):
 
 
 class WorkerCrash(RuntimeError):
-    """A device's worker failed on rows that had already made another worker fail."""
+    """Every device failed (:func:`~dynabatch.memory.device.is_device_failure`) while rows were left to run."""
 
 
 def _brief(error: BaseException | None) -> str:
@@ -103,17 +112,31 @@ tokens whose largest token id is 9: ...
     return call
 
 
+
+
 @dataclass
 class _Done:
-    """What an item's finished calls gave: positions, rows, input hashes and measured ``(rows, width, peak)``."""
+    """What an item's finished calls gave: positions, rows, measured ``(rows, width, peak)`` and the inputs set aside
+    (position -> cause)."""
 
     positions: list[np.ndarray] = field(default_factory=list)
     rows: list[Any] = field(default_factory=list)
-    hashes: list[np.ndarray] = field(default_factory=list)
     measured: list[tuple[int, int, int]] = field(default_factory=list)
-    failed: list[int] = field(default_factory=list)  # rows that ran out of memory alone, skipped
+    failed: dict[int, str] = field(default_factory=dict)
     count: int = 0  # rows finished or failed, and their real tokens: the progress bar moves when the item does
     tokens: int = 0
+
+
+class _FnFailed(Exception):
+    """Carries an error ``fn`` itself raised (not out of memory, not a device failure) past the guard's handling."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _few(values: list) -> str:
+    return ", ".join(map(str, values[:_FEW])) + (", ..." if len(values) > _FEW else "")
 
 
 class Executor:
@@ -121,66 +144,67 @@ class Executor:
 
     Args:
         fn: what runs a batch on this worker's device.
-        queue: the shared :class:`~dynabatch.inference.source.BatchQueue`.
-        writer: the sink's writer for this worker (``write(positions, rows, hashes)``).
-        hashes: whether the sink stores each row's input hash (a results store).
-        device: where each batch is moved (``batch.to(device)``); ``None`` leaves it.
+        scheduler: the run's :class:`~dynabatch.inference.scheduler.Scheduler`; ``lane``: this worker's lane of it.
+        builder: the run's :class:`~dynabatch.inference.build.Builder` (how a batch is cut into parts).
+        writer: the sink's writer for this worker (``write(positions, rows, hashes)``, ``fail(positions, hashes,
+            causes)``).
+        copier: moves a batch to the device (:func:`dynabatch.memory.device.copier`); ``None`` leaves it.
         memory_device: where peaks are measured; ``None``: not measured.
         splitter: the run's row rule (shared by every worker: each field's reading is fixed once).
         on_oom: ``"raise"`` or ``"skip"`` a single row that runs out of memory.
+        on_error: ``"raise"`` the error ``fn`` raises, or ``"skip"`` the rows it raises on alone.
+        ids: the loader's ids (a ``pyarrow`` array), named in an error's note; ``None``: positions only.
         lockstep: several ranks making the same number of calls per item (see :meth:`run_item`).
         stop: set when the run stops: the worker finishes its call in progress and stops.
-        lane: this worker's lane of the queue (its peaks, its planner cursor).
         name: how the report names the worker's device.
     """
 
-    def __init__(self, fn: Callable[[Batch], Any], queue: BatchQueue, *, writer: Any, hashes: bool, device: Any,
-                 memory_device: Any, splitter: RowSplitter, on_oom: str, bar: Any = None, lockstep: bool = False,
-                 stop: threading.Event | None = None, lane: Lane | None = None, name: str = "") -> None:
+    def __init__(self, fn: Callable[[Batch], Any], scheduler: Scheduler, builder: Builder, *, lane: Lane,
+                 writer: Any, copier: Callable | None, memory_device: Any, splitter: RowSplitter, on_oom: str,
+                 on_error: str, ids: Any = None, bar: Any = None, lockstep: bool = False,
+                 stop: threading.Event | None = None, name: str = "") -> None:
         self.fn = explain_index_errors(fn)
-        self.name, self.hashes = name, hashes
-        self.queue, self.writer, self.splitter, self.on_oom, self.bar = queue, writer, splitter, on_oom, bar
-        self.lane = queue.lane if lane is None else lane
-        self.memory_device = memory_device
-        self.pinned = pins_memory(device)  # batches built in pinned memory: the copy to the device is asynchronous
-        self._prepare = (lambda b: b.to(device, non_blocking=self.pinned)) if device is not None else None
+        self.scheduler, self.builder, self.lane, self.writer = scheduler, builder, lane, writer
+        self.memory_device, self.splitter, self.bar, self.ids = memory_device, splitter, bar, ids
+        self.on_oom, self.on_error, self.lockstep, self.name = on_oom, on_error, lockstep, name
+        self._prepare = None if copier is None else (
+            lambda b: Batch(copier(b), indices=b.indices, texts=getattr(b, "texts", None)))
         self.report = RunReport()
-        self.failed: list[int] = []
-        self.failed_shapes: list[tuple[int, int]] = []
         self.unfinished: Item | None = None  # the rows of the item that raised which did not finish
-        self.lockstep = lockstep
         self.stop = stop or threading.Event()
         self._stand_in: Batch | None = None  # one row: the call a rank without work makes in a round
         self._stand_in_ran = False  # whether that row ran already (else it is the first row planned)
         self._started = time.perf_counter()
         self._tokens = 0
 
-    def build(self, item: Item) -> Batch:
-        """The item's tensors (built here, or as they came), in pinned memory when the device copies from it (a
-        batch that came already on a device stays there)."""
-        batch = self.queue.build(item)
-        on_cpu = all(t.device.type == "cpu" for t in batch.values() if isinstance(t, torch.Tensor))
-        return batch.pin_memory() if self.pinned and on_cpu else batch
+    def _call(self, batch: Batch) -> Any:
+        try:
+            return self.fn(batch)
+        except Exception as exc:
+            if is_out_of_memory_error(exc) or is_device_failure(exc):
+                raise
+            raise _FnFailed(exc) from None
 
-    def run_item(self, item: Item, batch: Batch | None = None) -> list[tuple[int, int, int]]:
-        """Runs ``item`` (``batch``: its tensors, built ahead) split as needed; returns ``(rows, width, peak)`` of
-        every measured call.
+    def run_item(self, item: Item, built: Built | None) -> None:
+        """Runs ``item`` (``built``: its tensors; ``None`` when the store holds every row of it) split as needed.
 
         Its finished rows reach the sink however it ends; if it raises, the rows that did not finish are
         :attr:`unfinished`. In lockstep (several ranks) the item runs in rounds: each round every rank makes exactly
         one call that completes, its next piece or, when it has none left while another rank has, a stand-in call on
         one row it already ran (its result dropped), so collectives inside ``fn`` stay matched.
         """
+        self.unfinished = item
+        if built is None:
+            self._join_step(item)
+            self.unfinished = None
+            return
         start = time.perf_counter()
-        self.unfinished = None
-        batch = batch if batch is not None else self.build(item)
-        rows, width = batch_shape(batch)
-        record = BatchRecord(batch=item.number, rows=rows, width=width, real_tokens=real_tokens(batch),
+        rows, width = batch_shape(built.batch)
+        record = BatchRecord(batch=item.number, rows=rows, width=width, real_tokens=real_tokens(built.batch),
                              padded_tokens=0, seconds=0.0)
         if self.lockstep and self._stand_in is None:
-            self._stand_in = self.queue.take(batch, [0])
-        done, stack = _Done(), [batch]
-        del batch
+            self._stand_in = self.builder.take(built.batch, [0])
+        done, stack = _Done(), [built.batch]
         try:
             while self._round(bool(stack)):
                 if stack:
@@ -188,19 +212,22 @@ class Executor:
                 else:
                     self._call_stand_in()
         finally:
+            self.unfinished = None
             if stack:
                 left = np.concatenate([piece.indices.numpy() for piece in stack])
-                self.unfinished = self.queue.restrict(item, np.flatnonzero(np.isin(item.positions, left)))
+                rows_left = np.flatnonzero(np.isin(built.batch.indices.numpy(), left))
+                self.unfinished = Item(item.number, built.batch.indices.numpy()[rows_left], built.batch, rows_left,
+                                       whole=False, crashes=item.crashes)
             stack.clear()
-            self._finish(item, record, done, start)
-        return done.measured
+            self._finish(item, record, done, built, start)
+        self.scheduler.report(self.lane, item, ran=done.measured)
 
-    def join_step(self, item: Item) -> None:
+    def _join_step(self, item: Item) -> None:
         """In lockstep: takes part in the rounds of a step whose rows this rank already has (a resumed run)."""
         if not self.lockstep:
             return
         if self._stand_in is None:  # nothing run yet: the step's first row is what a stand-in call repeats
-            self._stand_in = self.build(self.queue.restrict(item, np.array([0])))
+            self._stand_in = self.builder.stand_in(item)
         while self._round(False):
             self._call_stand_in()
 
@@ -212,50 +239,42 @@ class Executor:
         return anyone > 0
 
     def _call_stand_in(self) -> None:
-        attempt = call_guarded(self.fn, self._stand_in, prepare=self._prepare)
+        attempt, error = self._attempt(self._stand_in, measure=False, finish=False)
+        if error is not None:
+            raise error
         if attempt.error is not None:
             logger.warning("a stand-in call (one row, to keep the ranks in step) ran out of memory: %s",
                            _brief(attempt.error))
 
-    def _split(self, piece: Batch, sizes: list[int]) -> list[Batch]:
-        return split_batch(piece, sizes, padding_side=self.queue.padding_side,
-                           pad_to_multiple_of=self.queue.pad_to_multiple_of)
-
-    def _pre_split(self, item: Item, record: BatchRecord, piece: Batch) -> list[int] | None:
-        """The parts to split ``piece`` into before trying it, by the out-of-memory policy; ``None`` to run it."""
-        rows, width = batch_shape(piece)
-        if rows < 2:
-            return None
-        failed_shape = dominating(self.failed_shapes, rows, width)
-        if failed_shape is not None:
-            logger.info("batch %d: splitting %d rows x %d tokens before trying it, as large as %d x %d which ran "
-                        "out of memory", item.number, rows, width, *failed_shape)
-            sizes = split_sizes(rows)
-        else:
-            cap = self.queue.max_call_rows(width, self.lane)
-            if cap is None or rows <= cap:
-                return None
-            sizes = equal_parts(rows, cap)
-            logger.info("batch %d: splitting %d rows x %d tokens into %d parts before running it: the measured "
-                        "peaks and out-of-memory errors keep at most %d rows of that width", item.number, rows,
-                        width, len(sizes), cap)
-        record.pre_split = True
-        return sizes
+    def _attempt(self, piece: Batch, *, measure: bool, finish: bool = True) -> tuple[Any, Exception | None]:
+        """One guarded call of ``fn`` on ``piece``: ``(attempt, None)``, or ``(None, error)`` for an error ``fn``
+        raised (handled here, outside the ``except`` block: it is raised again with no context of ours)."""
+        try:
+            return call_guarded(self._call, piece, measure_on=self.memory_device if measure else None,
+                                prepare=self._prepare,
+                                finish=(lambda out: self.splitter.split(out, piece)) if finish else None), None
+        except _FnFailed as failed:
+            error = failed.error
+        return None, error
 
     def _call_one(self, item: Item, record: BatchRecord, stack: list, done: _Done) -> None:
         """Runs pieces off ``stack`` until one call completes (lockstep), the stack is empty or the run stops."""
         while stack and (self.lockstep or not self.stop.is_set()):
             piece = stack[-1]  # on the stack until it finishes: an error in fn leaves it unfinished
-            sizes = self._pre_split(item, record, piece)
-            if sizes is not None:
-                stack[-1:] = reversed(self._split(piece, sizes))
-                continue
             rows, width = batch_shape(piece)
-            measure = self.memory_device is not None and self.queue.should_measure(rows, width, self.lane)
-            attempt = call_guarded(self.fn, piece, measure_on=self.memory_device if measure else None,
-                                   prepare=self._prepare, finish=lambda out, p=piece: self.splitter.split(out, p))
-            if attempt.error is not None:
-                if self._out_of_memory(item, record, attempt.error, stack, done) and self.lockstep and not stack:
+            split = self.scheduler.pre_split(self.lane, rows, width)
+            if split is not None:
+                logger.info("batch %d: splitting %d rows x %d tokens into %d parts before trying it: %s",
+                            item.number, rows, width, len(split.sizes), split.reason)
+                record.pre_split = True
+                stack[-1:] = reversed(self.builder.split(piece, split.sizes))
+                continue
+            measure = self.memory_device is not None and self.scheduler.measure(self.lane, rows, width)
+            attempt, error = self._attempt(piece, measure=measure)
+            if error is not None or attempt.error is not None:
+                alone = self._fn_failed(item, record, error, stack, done) if error is not None else \
+                    self._out_of_memory(item, record, attempt.error, stack, done)
+                if alone and self.lockstep and not stack:
                     self._call_stand_in()  # the round still owes the other ranks a call
                     return
                 continue
@@ -266,14 +285,44 @@ class Executor:
             record.padded_tokens += rows * width
             done.positions.append(piece.indices.numpy())
             done.rows.extend(attempt.output)
-            if self.hashes:
-                done.hashes.append(self.queue.input_hashes(piece))
             done.count += rows
             done.tokens += real_tokens(piece)
             if self.lockstep:
                 if not self._stand_in_ran:  # a row that ran: what a stand-in call repeats
-                    self._stand_in_ran, self._stand_in = True, self.queue.take(piece, [0])
+                    self._stand_in_ran, self._stand_in = True, self.builder.take(piece, [0])
                 return
+
+    def _describe(self, item: Item, positions: np.ndarray) -> str:
+        """The rows at ``positions`` of batch ``item``, by position and id, for a note or a log line."""
+        shown = positions[:_FEW].tolist()
+        ids = f" (id{'s' if len(positions) > 1 else ''} {_few(self.ids.take(shown).to_pylist())})" \
+            if self.ids is not None else ""
+        if len(positions) == 1:
+            return f"input position {shown[0]}{ids}, alone (a row of batch {item.number})"
+        return f"batch {item.number}: {len(positions)} rows at input positions {_few(positions.tolist())}{ids}"
+
+    def _fn_failed(self, item: Item, record: BatchRecord, error: Exception, stack: list, done: _Done) -> bool:
+        """``fn`` raised on the piece on top of ``stack``: raises it, noting the piece's rows (``on_error="raise"``);
+        or splits the piece in halves (``False``), or sets its one row aside with the error's text (``True``)."""
+        piece = stack[-1]
+        positions = piece.indices.numpy()
+        if self.on_error == "raise":
+            error.add_note(f"dynabatch.run: fn(batch) raised on {self._describe(item, positions)}; "
+                           "on_error='skip' sets the rows it raises on alone aside")
+            raise error
+        if len(positions) > 1:
+            sizes = split_sizes(len(positions))
+            logger.warning("%s: fn(batch) raised (%s); retrying as %s rows to find the rows it fails on",
+                           self._describe(item, positions), _brief(error), " + ".join(map(str, sizes)))
+            stack[-1:] = reversed(self.builder.split(piece, sizes))
+            return False
+        logger.warning("%s: fn(batch) raised on it (%s); set aside (result None, in failed)",
+                       self._describe(item, positions), _brief(error))
+        stack.pop()
+        record.error_rows += 1
+        done.failed[int(positions[0])] = _brief(error)
+        done.count += 1
+        return True
 
     def _out_of_memory(self, item: Item, record: BatchRecord, error: BaseException, stack: list,
                        done: _Done) -> bool:
@@ -282,14 +331,13 @@ class Executor:
         piece = stack[-1]
         rows, width = batch_shape(piece)
         record.oom_events += 1
-        self.failed_shapes.append((rows, width))
-        self.queue.observe_out_of_memory(rows, width, self.lane)
+        self.scheduler.report(self.lane, item, out_of_memory=(rows, width))
         if rows > 1:
             sizes = split_sizes(rows)
             logger.warning("batch %d: %d rows x %d tokens ran out of memory (%s); retrying as %s rows",
                            item.number, rows, width, _brief(error), " + ".join(map(str, sizes)))
             record.oom_splits += 1
-            stack[-1:] = reversed(self._split(piece, sizes))
+            stack[-1:] = reversed(self.builder.split(piece, sizes))
             return False
         position = int(piece.indices[0])
         if self.on_oom == "raise":
@@ -301,19 +349,20 @@ class Executor:
                        "(result None)", item.number, position, width)
         stack.pop()
         record.failed_rows += 1
-        self.failed.append(position)
-        done.failed.append(position)
+        done.failed[position] = f"out of memory alone: {_brief(error)}"
         done.count += 1
         return True
 
-    def _finish(self, item: Item, record: BatchRecord, done: _Done, start: float) -> None:
-        """Hands the item's finished rows to the sink and records it (rows: those finished or failed here)."""
+    def _finish(self, item: Item, record: BatchRecord, done: _Done, built: Built, start: float) -> None:
+        """Hands the item's finished rows and the inputs set aside to the sink, and records it (rows: those
+        finished or set aside here)."""
         if done.positions:
             positions = np.concatenate(done.positions)
-            self.writer.write(positions, done.rows, np.concatenate(done.hashes) if done.hashes else None,
+            self.writer.write(positions, done.rows, built.hashes_at(positions),
                               varying=self.splitter.varying(done.rows[0]))
-            self.queue.finish(positions)
-        self.queue.finish(np.asarray(done.failed, dtype=np.int64))
+        if done.failed:
+            positions = np.fromiter(done.failed, dtype=np.int64, count=len(done.failed))
+            self.writer.fail(positions, built.hashes_at(positions), list(done.failed.values()))
         if self.bar is not None and done.count:
             self._tokens += done.tokens
             self.bar.update(done.count)
@@ -328,98 +377,50 @@ class Executor:
             self.report.budget_bytes = record.peak_bytes
 
 
-class Prefetcher:
-    """Hands a worker ``(item, batch)`` pairs, building its next ``depth`` batches in a background thread.
+def run_workers(targets: Sequence[Any], start_worker: Callable[[Any, int], tuple[Executor, Prefetcher]],
+                stop: threading.Event) -> None:
+    """Runs the scheduler's items to their end on every target: one worker in the calling thread, or a thread per
+    device.
 
-    In measured mode the planner sizes a batch only once the peaks before it are measured, so the batches built ahead
-    are the planner's answer *as it stands* (:meth:`~dynabatch.inference.source.BatchQueue.peek`); one that a later
-    peak re-sized is built again, never run stale (``rebuilt`` counts them). Rows the sink already holds are taken out
-    first.
+    ``start_worker(target, i)`` returns the worker's executor and the prefetcher it takes its items from; it is
+    called in the worker's thread, once the device is current there (so is the ``make_fn`` inside it). On any exit
+    every thread has stopped: on an error or ``KeyboardInterrupt``, ``stop`` is set and each worker ends its call in
+    progress.
+
+    A device failure (:func:`~dynabatch.memory.device.is_device_failure`) on one of several devices ends that worker;
+    its unfinished rows go back to the scheduler once (rows that make a second device fail raise). Any other error
+    (``fn`` raising, the sink refusing or failing to write rows, a batch failing to build) stops every worker and is
+    raised: the rows finished before it are in the sink, the others are not.
     """
-
-    def __init__(self, executor: Executor, depth: int) -> None:
-        self.executor, self.queue, self.depth = executor, executor.queue, depth
-        self.ahead: deque[tuple[np.ndarray, Batch]] = deque()  # positions -> their batch, built ahead
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynabatch-prefetch") if depth else None
-        self._filling: Future | None = None
-        self.rebuilt = 0
-
-    def next(self) -> tuple[Item, Batch | None] | None:
-        """The next item still to run (stored rows taken out) and its batch if built ahead; ``None`` when done."""
-        while (item := self.queue.next_item(self.executor.lane)) is not None:
-            todo = self.queue.without_stored(item)
-            if todo is None:
-                self.executor.join_step(item)
-                continue
-            batch = self._take(todo.positions) if todo.batch is None else None
-            if self._pool is not None:
-                self._filling = self._pool.submit(self._fill)
-            return todo, batch
-        return None
-
-    def _take(self, positions: np.ndarray) -> Batch | None:
-        filling, self._filling = self._filling, None
-        if filling is not None:
-            filling.result()  # an error building a batch raises here
-        while self.ahead:
-            built, batch = self.ahead.popleft()
-            if np.array_equal(built, positions):
-                return batch
-            self.rebuilt += 1
-        return None
-
-    def _fill(self) -> None:
-        """The background thread's turn: the planner's next batches as they stand, built (asking the planner
-        costs time too, off the device's thread)."""
-        for positions in self.queue.peek(self.depth, self.executor.lane)[len(self.ahead):]:
-            if self.queue.done is not None and self.queue.done[positions[positions < len(self.queue.done)]].any():
-                break  # rows a resumed run has: built once they are taken out
-            self.ahead.append((positions, self.executor.build(Item(-1, positions))))
-
-    def close(self) -> None:
-        """Stops the background thread (after the batch it is building) and drops what it built."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        self.ahead.clear()
-
-
-def run_workers(targets: Sequence[Any], make_executor: Callable[[Any, int], Executor], queue: BatchQueue,
-                prefetch: int, stop: threading.Event) -> list[Executor]:
-    """Runs the queue to its end on every target: one worker in the calling thread, or a thread per device.
-
-    ``make_executor(target, i)`` is called in the worker's thread, once the device is current there (so is the
-    ``make_fn`` inside it). Returns the executors that started. On any exit every thread has stopped: on an error or
-    ``KeyboardInterrupt``, ``stop`` is set and each worker ends its call in progress.
-    """
-    executors: list[Executor | None] = [None] * len(targets)
     errors: list[BaseException] = []  # what stops the run
-    crashes: list[BaseException] = []  # what stopped one worker, its rows re-queued
-    busy = [0]  # workers holding an item (one that crashes puts its rows back: the others wait for that)
+    crashes: list[BaseException] = []  # what stopped one device's worker, its rows put back
+    prefetchers: list[Prefetcher] = []
+    busy = [0]  # workers holding an item (a failed device puts its rows back: the others wait for that)
     lock = threading.Lock()
     several = len(targets) > 1
 
-    def next_item(prefetcher: Prefetcher) -> tuple[Item, Batch | None] | None:
+    def next_item(prefetcher: Prefetcher) -> Item | None:
         while not stop.is_set():
             with lock:
-                got = prefetcher.next()
-                if got is not None or not busy[0]:
-                    busy[0] += got is not None
-                    return got
-            stop.wait(0.01)  # the queue is empty while another worker runs: it may put rows back
+                item = prefetcher.next_item()
+                if item is not None or not busy[0]:
+                    busy[0] += item is not None
+                    return item
+            stop.wait(0.01)  # nothing to run while another worker runs: its device may fail and put rows back
         return None
 
     def work(i: int, target: Any) -> None:
         if several:
             make_current(target)
-        executor = executors[i] = make_executor(target, i)
-        prefetcher = Prefetcher(executor, prefetch)
+        executor, prefetcher = start_worker(target, i)
+        prefetchers.append(prefetcher)
         try:
-            while (got := next_item(prefetcher)) is not None:
-                item, batch = got
+            while (item := next_item(prefetcher)) is not None:
                 try:
-                    queue.observe_item(item, executor.run_item(item, batch), executor.lane)
+                    executor.unfinished = item  # until it is built: a device failing to build it puts it back
+                    executor.run_item(item, prefetcher.build(item))
                 except Exception as exc:
-                    if not (several and _requeue(queue, executor.unfinished, target, exc)):
+                    if not (several and is_device_failure(exc) and _requeue(executor, target, exc)):
                         raise
                     crashes.append(exc)
                     return
@@ -434,13 +435,13 @@ def run_workers(targets: Sequence[Any], make_executor: Callable[[Any, int], Exec
         try:
             work(i, target)
         except BaseException as exc:  # noqa: BLE001 (raised by run_workers, in the calling thread)
-            logger.error("device %s: its worker stopped: %s", target, _brief(exc))
+            logger.error("device %s: its worker stopped the run: %s", target, _brief(exc))
             errors.append(exc)
             stop.set()
 
     if not several:
         work(0, targets[0])
-        return [e for e in executors if e is not None]
+        return
     threads = [threading.Thread(target=guarded_work, args=(i, t), name=f"dynabatch-{t}", daemon=True)
                for i, t in enumerate(targets)]
     try:
@@ -456,25 +457,25 @@ def run_workers(targets: Sequence[Any], make_executor: Callable[[Any, int], Exec
                 t.join()
     if errors:
         raise errors[0]
-    left = queue.next_item()
-    if left is not None:  # every worker stopped, each on other rows
+    left = prefetchers[0].next_item() if prefetchers else None
+    if left is not None:  # every device failed, each on other rows
         raise WorkerCrash(f"every device's worker stopped with batches left (batch {left.number} first): "
                           f"{_brief(crashes[0])}") from crashes[0]
-    return [e for e in executors if e is not None]
 
 
-def _requeue(queue: BatchQueue, rest: Item | None, device: Any, exc: BaseException) -> bool:
-    """Puts the unfinished rows of a batch whose worker crashed back once (``True``); ``False`` on their second
-    crash."""
+def _requeue(executor: Executor, device: Any, exc: BaseException) -> bool:
+    """Puts the unfinished rows of a batch whose device failed back once (``True``); ``False`` on their second
+    failure."""
+    rest = executor.unfinished
     if rest is None or not len(rest.positions):
         return True
     if rest.crashes:
-        logger.error("device %s: batch %d failed again (%s); it made another worker fail before", device,
+        logger.error("device %s: batch %d failed again (%s); it made another device fail before", device,
                      rest.number, _brief(exc))
         return False
-    logger.error("device %s: its worker stopped on batch %d (%s); its %d unfinished rows go back to the queue",
-                 device, rest.number, _brief(exc), len(rest.positions))
+    logger.error("device %s failed on batch %d (%s); its %d unfinished rows go back to the other devices", device,
+                 rest.number, _brief(exc), len(rest.positions))
     rest.crashes += 1
     rest.whole = False
-    queue.requeue(rest)
+    executor.scheduler.requeue(rest)
     return True

@@ -92,7 +92,7 @@ class LoaderPlan:
 
     Attributes:
         planner: the :class:`~dynabatch.sampling.planner.BatchPlanner` that made the plan
-            (and re-sizes batches from measured peaks in ``run(adapt=True)``).
+            (and re-sizes batches from measured peaks in ``run(memory="measured")``).
         sampler: the :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler` (the loader's ``batch_sampler``).
         collator: the :class:`~dynabatch.data.collate.TokenCollator` (the loader's ``collate_fn``).
         ids: the texts' ids (a ``pyarrow`` ``string`` or ``int64`` array), or ``None``: a results store keys

@@ -1,10 +1,10 @@
 """The options of :func:`dynabatch.run`, resolved or refused in one place: :func:`resolve_options`.
 
 Each option says one thing (``memory``: how memory bounds the batches; ``ranks``: how ranks share them; ``fn``:
-always a call on one batch, ``make_fn`` with ``devices``), and no option silently changes what another says:
-what a combination cannot mean is refused here, before any batch runs, naming the options and what to do. The
-spellings of earlier versions (``adapt``, ``measure_memory``, ``distributed``, ``lockstep``; ``fn`` meaning
-``make_fn`` with ``devices``) work with a ``DeprecationWarning`` naming the new one.
+always a call on one batch, ``make_fn`` with ``devices``; ``on_oom`` and ``on_error``: what becomes of a row that
+runs out of memory, or on which ``fn`` raises, alone), and no option silently changes what another says: what a
+combination cannot mean is refused here, before any batch runs, naming the options and what to do. Each thing has
+one spelling: ``run`` takes no other keyword.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +21,9 @@ import torch
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int
 from dynabatch.inference.outputs import check_token_outputs
 from dynabatch.memory.device import device_in_use, measurable
-from dynabatch.memory.measure import check_device, check_measurable_device
+from dynabatch.memory.measure import check_device
 
-__all__ = ["MEMORY_MODES", "ON_OOM", "RANKS", "RunOptions", "check_run_options", "check_store_arguments",
+__all__ = ["MEMORY_MODES", "ON_ERROR", "ON_OOM", "RANKS", "RunOptions", "check_run_options", "check_store_arguments",
            "resolve_options"]
 
 logger = logging.getLogger("dynabatch.inference.runner")  # what run() logs, under run's own name
@@ -34,6 +33,9 @@ MEMORY_MODES = ("auto", "measured", "guarded", "record", "off")
 RANKS = ("auto", "lockstep", "claim", "single")
 """The values of ``run(ranks=...)``."""
 ON_OOM = ("raise", "skip")
+"""The values of ``run(on_oom=...)``."""
+ON_ERROR = ("raise", "skip")
+"""The values of ``run(on_error=...)``."""
 PREFETCH_DEPTH = 2
 """Batches built ahead of the one running (one device): enough to hide collation, few enough to bound host memory."""
 
@@ -55,18 +57,25 @@ class RunOptions:
     make_fn: Callable[[Any], Callable]
     prefetch: int
     on_oom: str
+    on_error: str
     token_outputs: str
     pad_token_id: int | None
-    output_path: str | None
+    output_path: Any  # a path, or the store opened for the run
     key: str | None
     progress: bool
 
 
 def check_store_arguments(output_path: Any, key: Any) -> None:
-    """Refuses a bad ``output_path`` (a directory for the results store; not what earlier versions wrote, a JSONL
-    file or per-rank JSONL files, nor a path meant for them) or ``key`` (a str, only with a store)."""
+    """Refuses a bad ``output_path`` (a directory for the results store, or the store opened for the run; not what
+    earlier versions wrote, a JSONL file or per-rank JSONL files, nor a path meant for them) or ``key`` (a str, only
+    with a store)."""
+    from dynabatch.inference.store import Store
+
+    if isinstance(output_path, Store):
+        return
     if output_path is not None and not isinstance(output_path, (str, os.PathLike)):
-        raise bad_type("output_path", "None, a str or an os.PathLike (a directory for the results store)", output_path)
+        raise bad_type("output_path", "None, a str or an os.PathLike (a directory for the results store), or the "
+                       "store opened for the run (open_store)", output_path)
     if output_path is not None:
         _refuse_jsonl(os.fspath(output_path))
     if key is not None and not isinstance(key, str):
@@ -93,10 +102,11 @@ def _refuse_jsonl(path: str) -> None:
                      "it)")
 
 
-def check_run_options(device: Any = None, on_oom: Any = "raise", memory: Any = "auto") -> None:
+def check_run_options(device: Any = None, on_oom: Any = "raise", memory: Any = "auto", on_error: Any = "raise") -> None:
     """Checks the options that say how batches run (also given ahead, as to a Ray predictor)."""
     _check_choice("memory", memory, MEMORY_MODES)
     _check_choice("on_oom", on_oom, ON_OOM)
+    _check_choice("on_error", on_error, ON_ERROR)
     if device is not None:
         check_device("device", device, "None, a str or a torch.device")
 
@@ -108,52 +118,9 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
         raise bad_value(name, f"one of {choices}", value)
 
 
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"run({old}) is deprecated: pass {new}", DeprecationWarning, stacklevel=4)
-
-
-def translate_deprecated(old: dict[str, Any], memory: str, ranks: str) -> tuple[str, str]:
-    """``memory`` and ``ranks`` from the keywords of earlier versions (``adapt``, ``measure_memory``,
-    ``distributed``, ``lockstep``), each with a ``DeprecationWarning``; refused beside the new spelling."""
-    unknown = set(old) - {"adapt", "measure_memory", "distributed", "lockstep"}
-    if unknown:
-        raise TypeError(f"run() got an unexpected keyword argument {sorted(unknown)[0]!r}")
-    adapt, measure = old.get("adapt"), old.get("measure_memory")
-    if "adapt" in old or "measure_memory" in old:
-        if memory != "auto":
-            raise ValueError(f"memory should be the only memory option, but got memory={memory!r} beside adapt or "
-                             "measure_memory (their old spelling): pass memory= alone")
-        if adapt is not None and not isinstance(adapt, bool):
-            raise bad_type("adapt", "None (auto), True or False", adapt)
-        if measure is not None and not isinstance(measure, (bool, str, torch.device)):
-            raise bad_type("measure_memory", "None (auto), a bool, or a device", measure)
-        if isinstance(measure, (str, torch.device)):
-            check_measurable_device("measure_memory", measure)
-        if adapt and measure is False:
-            raise bad_value("measure_memory", "None or True with adapt=True (measured mode measures memory): pass "
-                            "memory='measured' or memory='off'", measure)
-        measured = measure is not None and measure is not False
-        memory = ("measured" if adapt else "record" if adapt is False and measured else
-                  "off" if adapt is False or measure is False else "auto")
-        _deprecated("adapt=, measure_memory=", f"memory={memory!r}")
-    if "distributed" in old or "lockstep" in old:
-        if ranks != "auto":
-            raise ValueError(f"ranks should be the only ranks option, but got ranks={ranks!r} beside distributed or "
-                             "lockstep (their old spelling): pass ranks= alone")
-        distributed, lockstep = old.get("distributed"), old.get("lockstep", True)
-        if distributed is not None and not isinstance(distributed, bool):
-            raise bad_type("distributed", "None (auto), True or False", distributed)
-        if not isinstance(lockstep, bool):
-            raise bad_type("lockstep", "a bool", lockstep)
-        ranks = "single" if distributed is False else "auto" if lockstep and distributed is None else \
-            "lockstep" if lockstep else "claim"
-        _deprecated("distributed=, lockstep=", f"ranks={ranks!r}")
-    return memory, ranks
-
-
 def resolve_options(fn: Any, loader: Any, plan: Any, *, make_fn: Any, devices: Any, device: Any, memory: Any,
-                    ranks: Any, on_oom: Any, output_path: Any, key: Any, token_outputs: Any, pad_token_id: Any,
-                    prefetch: Any, progress: Any) -> RunOptions:
+                    ranks: Any, on_oom: Any, on_error: Any, output_path: Any, key: Any, token_outputs: Any,
+                    pad_token_id: Any, prefetch: Any, progress: Any) -> RunOptions:
     """Every option of :func:`dynabatch.run` checked and resolved into a :class:`RunOptions`.
 
     ``plan`` is the loader's :class:`~dynabatch.inference.loader.LoaderPlan` (``None`` for a plain iterable of
@@ -166,7 +133,7 @@ def resolve_options(fn: Any, loader: Any, plan: Any, *, make_fn: Any, devices: A
     make_fn = _resolve_fn(fn, make_fn, devices)
     if plan is None and (isinstance(loader, (str, bytes, dict)) or not isinstance(loader, Iterable)):
         raise bad_type("loader", "a dynabatch DataLoader or an iterable of dynabatch Batches", loader)
-    check_run_options(device, on_oom, memory)
+    check_run_options(device, on_oom, memory, on_error)
     _check_choice("ranks", ranks, RANKS)
     check_store_arguments(output_path, key)
     check_token_outputs(token_outputs)
@@ -183,16 +150,17 @@ def resolve_options(fn: Any, loader: Any, plan: Any, *, make_fn: Any, devices: A
                         "other devices run theirs)", prefetch)
     memory, sparse, memory_devices = _resolve_memory(memory, plan, ranks, targets)
     return RunOptions(memory, sparse, ranks, rank, world_size, tuple(targets), tuple(memory_devices), make_fn,
-                      (PREFETCH_DEPTH if devices is None else 0) if prefetch is None else prefetch, on_oom,
-                      token_outputs, pad_token_id, None if output_path is None else os.fspath(output_path), key,
+                      (PREFETCH_DEPTH if devices is None else 0) if prefetch is None else prefetch, on_oom, on_error,
+                      token_outputs, pad_token_id, output_path if output_path is None or hasattr(output_path, "writer")
+                      else os.fspath(output_path), key,
                       progress)
 
 
 def _resolve_fn(fn: Any, make_fn: Any, devices: Any) -> Callable[[Any], Callable]:
-    """``make_fn``: given, or (one device) one returning ``fn``; ``fn`` with ``devices`` is the old spelling."""
+    """``make_fn``: given (with ``devices``), or (one device) one returning ``fn``."""
     if devices is not None and make_fn is None and fn is not None:
-        _deprecated("make_fn, loader, devices=...", "make_fn=make_fn (fn is always fn(batch))")
-        fn, make_fn = None, fn
+        raise bad_value("fn", "None with devices (fn is always fn(batch); pass make_fn=, which makes the fn of each "
+                        "device: run(make_fn=make_fn, loader=loader, devices=[...]))", fn)
     if (fn is None) == (make_fn is None):
         raise bad_value("fn", "given, or make_fn given with devices (one of the two)", fn)
     if make_fn is not None:

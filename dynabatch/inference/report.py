@@ -49,6 +49,7 @@ class BatchRecord:
             peaks above the first batch's.
         oom_events: out-of-memory errors it raised (splits plus single rows that failed).
         failed_rows: rows that ran out of memory on their own and were skipped.
+        error_rows: rows whose ``fn`` call raised on their own, set aside (``on_error="skip"``).
         device: the device that ran it, when ``run`` was given several (``devices=``).
     """
 
@@ -63,6 +64,7 @@ class BatchRecord:
     pre_split: bool = False
     oom_events: int = 0
     failed_rows: int = 0
+    error_rows: int = 0
     device: str | None = None
 
 
@@ -171,6 +173,11 @@ class RunReport:
         return sum(r.failed_rows for r in self.records)
 
     @property
+    def error_rows(self) -> int:
+        """Rows set aside because ``fn`` raised on them alone (``on_error="skip"``)."""
+        return sum(r.error_rows for r in self.records)
+
+    @property
     def peak_ratios(self) -> list[float | None]:
         """Each batch's peak over the budget (``None`` where not measured)."""
         budgets = self.device_budgets
@@ -191,8 +198,9 @@ class RunReport:
     def summary(self) -> dict[str, Any]:
         """The summary figures as a dict (JSON-ready)."""
         names = ("rows", "batches", "seconds", "rows_per_s", "tokens_per_s", "real_tokens", "padded_tokens",
-                 "padding_efficiency", "oom_events", "oom_splits", "pre_split_batches", "failed_rows", "skipped_inputs",
-                 "budget_bytes", "device_budgets", "rebuilt_batches", "max_peak_ratio", "batches_over_budget")
+                 "padding_efficiency", "oom_events", "oom_splits", "pre_split_batches", "failed_rows", "error_rows",
+                 "skipped_inputs", "budget_bytes", "device_budgets", "rebuilt_batches", "max_peak_ratio",
+                 "batches_over_budget")
         return {name: getattr(self, name) for name in names}
 
     def to_json(self, path: str | os.PathLike) -> None:

@@ -1,7 +1,7 @@
 """What :func:`dynabatch.run` returns and raises: :class:`RunResult`, :class:`StoredRunResult` and an error.
 
 In memory (a ``list``), or read from the results store on demand exactly as the in-memory run gives them; both stack
-every row through one encoding (:class:`~dynabatch.inference.store.Columns`).
+every row through one encoding (:class:`~dynabatch.inference.columns.Columns`).
 
 Example:
     >>> import torch
@@ -13,7 +13,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,7 +23,8 @@ from dynabatch.inference.report import RunReport
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from dynabatch.inference.store import Columns, Located
+    from dynabatch.inference.columns import Columns
+    from dynabatch.inference.store import Located
 
 __all__ = ["RunResult", "StoredRunResult"]
 
@@ -69,14 +70,16 @@ class _Stacking:
 
 class RunResult(list, _Stacking):
     """One result per input text, in input order: a plain ``list`` (``result[p]`` is input ``p``'s), with ``report``
-    (the :class:`~dynabatch.inference.report.RunReport`) and ``failed``: sorted input positions whose result is
-    ``None`` (rows out of memory on their own with ``on_oom="skip"``, inputs skipped as bad)."""
+    (the :class:`~dynabatch.inference.report.RunReport`), ``failures`` (input position -> cause, for the inputs set
+    aside: rows out of memory on their own with ``on_oom="skip"``, rows ``fn`` raised on with ``on_error="skip"``,
+    inputs skipped as bad) and ``failed``, their sorted positions (each result ``None``)."""
 
     def __init__(self, results: Iterable[Any] = (), *, report: RunReport | None = None,
-                 failed: Iterable[int] = ()) -> None:
+                 failures: Mapping[int, str] | None = None) -> None:
         super().__init__(results)
         self.report = report if report is not None else RunReport()
-        self.failed = sorted(failed)
+        self.failures = dict(sorted((failures or {}).items()))
+        self.failed = list(self.failures)
 
     def _missing(self) -> np.ndarray:
         return np.flatnonzero(np.fromiter((r is None for r in self), dtype=bool, count=len(self)))
@@ -85,7 +88,7 @@ class RunResult(list, _Stacking):
         """The rows as a results store holds them, their types fixed by all of them."""
         import pyarrow as pa
 
-        from dynabatch.inference.store import Columns
+        from dynabatch.inference.columns import Columns
 
         present = np.fromiter((r is not None for r in self), dtype=bool, count=len(self))
         rows = [r for r in self if r is not None]
@@ -99,23 +102,25 @@ class RunResult(list, _Stacking):
 class StoredRunResult(Sequence, _Stacking):
     """One result per input, in input order, read from the results store at ``path`` on demand, through
     ``pyarrow.dataset``: ``result[p]`` reads its shard (the last one is kept), iterating reads the store once. Not
-    a ``list``: use :meth:`stack` rather than ``torch.stack``. ``report`` and ``failed`` as in :class:`RunResult`."""
+    a ``list``: use :meth:`stack` rather than ``torch.stack``. ``report``, ``failures`` (the store's failure
+    records) and ``failed`` as in :class:`RunResult`."""
 
     def __init__(self, path: str, files: list[str], counts: list[int], where: np.ndarray, columns: Columns | None,
                  schema: pa.Schema | None, ids: pa.Array | None, *, report: RunReport | None = None,
-                 failed: Iterable[int] | None = None) -> None:
+                 failures: Mapping[int, str] | None = None) -> None:
         self.path, self._files, self._where, self._columns, self._schema, self._ids = \
             path, files, where, columns, schema, ids
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self.report = report if report is not None else RunReport()
-        self.failed = sorted(failed) if failed is not None else np.flatnonzero(where < 0).tolist()
+        self.failures = dict(sorted((failures or {}).items()))
+        self.failed = list(self.failures)
         self._shard: tuple[int, Any] = (-1, None)  # the last shard read, and its output columns
 
     @classmethod
     def of(cls, located: Located, *, report: RunReport | None = None,
-           failed: Iterable[int] | None = None) -> StoredRunResult:
+           failures: Mapping[int, str] | None = None) -> StoredRunResult:
         """The result over a store's rows as :meth:`~dynabatch.inference.store.Store.located` found them."""
-        return cls(*located, report=report, failed=failed)
+        return cls(*located, report=report, failures=failures)
 
     def __len__(self) -> int:
         return len(self._where)

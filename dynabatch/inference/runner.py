@@ -1,10 +1,13 @@
 """``run``: call a model on every batch, recover from out-of-memory errors, get rows back in input order.
 
-One path, read top to bottom in :func:`run`: the options are resolved or refused
-(:mod:`~dynabatch.inference.options`); the source hands out batches (:mod:`~dynabatch.inference.source`); the sink, in
-memory or a results store, is opened and checked before any row is written (:mod:`~dynabatch.inference.sink`); the
-executor runs the batches on each device or rank, splitting on out-of-memory errors and cutting rows by the row rule
-(:mod:`~dynabatch.inference.execute`, :mod:`~dynabatch.inference.outputs`); the sink assembles the result.
+One path of stages that talk one way, read top to bottom in :func:`run`: the options are resolved or refused
+(:mod:`~dynabatch.inference.options`); the sink (in memory, or a results store) is opened; a resumed run asks the
+store which inputs it holds, the source for those inputs' hashes, and the store to check them, before any batch;
+the source's batches (:mod:`~dynabatch.inference.source`) go through the scheduler, which decides what runs next at
+what size (:mod:`~dynabatch.inference.scheduler`), to the build stage, which collates them ahead in pinned memory
+(:mod:`~dynabatch.inference.build`), to the executor on each device or rank, which splits on out-of-memory errors and
+cuts rows by the row rule (:mod:`~dynabatch.inference.execute`, :mod:`~dynabatch.inference.outputs`), into the sink
+(:mod:`~dynabatch.inference.sink`), which assembles the result and accounts for every input.
 
 Example:
     >>> from transformers import AutoTokenizer
@@ -34,18 +37,42 @@ import torch
 
 from dynabatch._validation import bad_type
 from dynabatch.data.collate import Batch
+from dynabatch.inference.build import Builder, Prefetcher
 from dynabatch.inference.execute import BatchOutOfMemoryError, Executor, run_workers
 from dynabatch.inference.loader import plan_of
-from dynabatch.inference.options import RunOptions, check_run_options, resolve_options, translate_deprecated
+from dynabatch.inference.options import RunOptions, check_run_options, resolve_options
 from dynabatch.inference.outputs import RowSplitter
 from dynabatch.inference.report import RunReport
 from dynabatch.inference.results import RunResult, StoredRunResult
-from dynabatch.inference.sink import MemorySink, open_sink
-from dynabatch.inference.source import BatchQueue
+from dynabatch.inference.scheduler import Scheduler
+from dynabatch.inference.sink import MemorySink, StoreSink, open_sink
+from dynabatch.inference.source import Source
+from dynabatch.memory.device import copier, pins_memory
 
-__all__ = ["BatchOutOfMemoryError", "RunResult", "StoredRunResult", "check_run_options", "run"]
+__all__ = ["BAD_INPUT", "BatchOutOfMemoryError", "IncompleteRunError", "RunResult", "StoredRunResult",
+           "check_run_options", "run"]
 
 logger = logging.getLogger(__name__)
+
+BAD_INPUT = "bad input: not a str (the loader skipped it, on_bad_input='skip')"
+"""The cause of an input the loader planned into no batch."""
+_FEW = 5  # positions (and ids) an error names
+
+
+class IncompleteRunError(RuntimeError):
+    """A run that cannot account for every input: some are neither returned (or stored) nor in ``failed``.
+
+    Attributes:
+        missing: the positions of those inputs, sorted.
+        partial: the result as the sink holds it (``result.failed`` and ``result.failures`` included).
+    """
+
+    def __init__(self, message: str, *, missing: list[int], partial: Any = None) -> None:
+        super().__init__(message)
+        self.missing, self.partial = missing, partial
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self),), {"missing": self.missing, "partial": self.partial}
 
 
 def run(
@@ -58,18 +85,26 @@ def run(
     memory: str = "auto",
     ranks: str = "auto",
     on_oom: str = "raise",
+    on_error: str = "raise",
     output_path: str | os.PathLike | None = None,
     key: str | None = None,
     token_outputs: str = "auto",
     pad_token_id: int | None = None,
     prefetch: int | None = None,
     progress: bool = True,
-    **deprecated: Any,
 ) -> RunResult | StoredRunResult:
     """Calls ``fn(batch)`` on every batch of ``loader`` and returns one result per input, in input order.
 
     ``fn`` is called as it is: wrap the call in ``torch.inference_mode()``
     yourself. ``docs/inference.md`` has every rule below as a table, with examples.
+
+    Every input is accounted for when ``run`` returns: it has a result (returned, or stored at ``output_path``),
+    or it is in ``result.failed`` with its cause in ``result.failures`` (position -> cause: a row out of memory
+    alone with ``on_oom="skip"``, a row ``fn`` raised on alone with ``on_error="skip"``, a bad input the loader
+    skipped, or with a store a row ``fn`` gave as ``None``). Both come from what the sink holds (the store's rows
+    and failure records), never from a count. A run that cannot account for an input raises
+    :class:`IncompleteRunError` naming how many and the first positions (and ids), in every mode: one device,
+    ``devices=``, ranks in lockstep or claiming.
 
     Args:
         fn: takes a :class:`~dynabatch.data.collate.Batch`; what it returns is split into one result per row by
@@ -79,11 +114,12 @@ def run(
             is refused at the first batch unless ``token_outputs`` declares it. Rows come back on the CPU.
         loader: a dynabatch DataLoader (its batches are built here from its plan, so they can be split, re-sized
             or shared before their tensors exist), or any iterable of batches with ``.indices``.
-        make_fn: with ``devices``: ``make_fn(device)`` returns the ``fn`` for that device (a model copy moved
-            there), called once per device in that device's worker thread.
-        devices: several devices at once (``["cuda:0", "cuda:1"]``), a worker thread each over one shared queue,
-            each measuring and splitting on its own; a worker whose ``fn`` raises stops and its unfinished rows
-            go back to the queue once.
+        make_fn: with ``devices`` (and only then): ``make_fn(device)`` returns the ``fn`` for that device (a model
+            copy moved there), called once per device in that device's worker thread.
+        devices: several devices at once (``["cuda:0", "cuda:1"]``), a worker thread each, each measuring and
+            splitting on its own. A worker whose device fails (:func:`~dynabatch.memory.device.is_device_failure`:
+            a device lost, a CUDA error; never an out-of-memory error) stops and its unfinished rows go back to the
+            other devices once; any other error stops every worker and is raised.
         device: where each batch is moved before ``fn``; ``None`` leaves it.
         memory: ``"measured"`` (a dynabatch loader's batches re-sized from measured peaks so that none exceeds
             the first batch's), ``"guarded"`` (batches in their own order, one bound above the first batch's
@@ -97,95 +133,142 @@ def run(
         on_oom: a single row out of memory on its own: ``"raise"`` :class:`BatchOutOfMemoryError` (``.partial``:
             the rows finished) or ``"skip"`` it (``None``, in ``result.failed``). Larger batches are split in
             halves and retried, and later batches planned under what the errors teach.
+        on_error: an error ``fn`` raises (not out of memory, not a device failure) carries a note naming its
+            batch's positions and ids; ``"raise"`` it (the first one), or ``"skip"``: the batch is split in halves
+            until the rows ``fn`` raises on are alone, each set aside into ``result.failed`` with the error's text
+            as its cause (counted in ``report.error_rows``); the other rows run as usual.
         output_path: a directory for the results store (:mod:`dynabatch.inference.store`): Parquet shards, one
             row per input, written as rows finish, committed however the run ends (Ctrl-C too); a rerun with
             the same ``key`` runs only the rows not stored, and stored rows of other inputs are refused before
-            any row is written.
+            any row is written (a plain iterable's as each batch is built, before any row of it is written). Or the
+            store itself, opened by the caller (``open_store``), who closes it.
         key: with ``output_path``, what computed the rows (model, revision, settings).
         token_outputs: declares how a tensor as wide as the batch is read: ``"auto"`` (certain readings only),
             ``"per_token"``, ``"generated"`` (padding stripped) or ``"whole"``.
         pad_token_id: the pad id stripped from generated rows; ``None``: the loader's collator's.
         prefetch: batches built ahead in a background thread; ``None``: 2, or 0 with ``devices``.
         progress: a ``tqdm`` progress bar (rows/s, tokens/s).
-        **deprecated: ``adapt``, ``measure_memory``, ``distributed``, ``lockstep`` of earlier versions,
-            translated with a ``DeprecationWarning`` naming ``memory=`` or ``ranks=``.
 
     Returns:
-        A :class:`RunResult`, a list of one result per input position with ``.report`` and ``.failed``; with
-        ``output_path`` a :class:`StoredRunResult` reading the same rows from the store.
+        A :class:`RunResult`, a list of one result per input position with ``.report``, ``.failed`` and
+        ``.failures``; with ``output_path`` a :class:`StoredRunResult` reading the same rows from the store.
 
     Raises:
-        TypeError: a bad argument type; batches without ``.indices``; a row the store cannot hold.
+        TypeError: a bad argument type (an unknown keyword too); batches without ``.indices``; a row the store
+            cannot hold.
         ValueError: a bad option or combination of options; a store of another ``key`` or of other inputs; an
             ``fn`` result whose rows are ambiguous or do not match the batch.
         BatchOutOfMemoryError: with ``on_oom="raise"``, a single row that ran out of memory.
+        IncompleteRunError: inputs neither returned (or stored) nor in ``failed``.
+        Exception: what ``fn`` raised (``on_error="raise"``), with its note.
     """
-    memory, ranks = translate_deprecated(deprecated, memory, ranks)
     plan = plan_of(loader)
     options = resolve_options(fn, loader, plan, make_fn=make_fn, devices=devices, device=device, memory=memory,
-                              ranks=ranks, on_oom=on_oom, output_path=output_path, key=key,
+                              ranks=ranks, on_oom=on_oom, on_error=on_error, output_path=output_path, key=key,
                               token_outputs=token_outputs, pad_token_id=pad_token_id, prefetch=prefetch,
                               progress=progress)
-    queue = BatchQueue(loader, plan, memory=options.memory, sparse=options.sparse, pad_token_id=options.pad_token_id)
-    feed = None
-    if options.ranks == "lockstep":
-        queue.shard(options.rank, options.world_size)
-    elif options.ranks == "claim":
-        from dynabatch.inference.distributed import claimed_planner
-
-        planner, feed = claimed_planner(plan)
-        queue.claim(planner)
-    skipped = plan.skipped if plan is not None else np.zeros(0, dtype=np.int64)
+    source = Source(loader, plan)
+    sink = open_sink(options.output_path, key=options.key, n=source.n_inputs,
+                     ids=None if plan is None else plan.ids, gather=options.ranks != "single",
+                     job=_job(options))
     try:
-        sink = open_sink(options.output_path, key=options.key, n=queue.n_inputs,
-                         ids=plan.ids if plan is not None else None, gather=options.ranks != "single",
-                         inputs_at=queue.inputs_at)
-        queue.done = getattr(sink, "done", None)
-        queue.read_ahead(options.prefetch)
-        report, failed = _execute(queue, sink, options, skipped)
+        return _run(source, sink, options)
     finally:
-        queue.close()
-        if feed is not None:
-            feed.close()
-        if plan is not None and plan.stream is not None:
-            plan.stream.pause()  # its tokenizing thread ends with the run; a later use of the loader goes on
+        sink.end()
+
+
+def _job(options: RunOptions) -> str | None:
+    """The token of this job's ranks (one collective before the first batch), for the store's job lock."""
+    if options.output_path is None or options.ranks == "single":
+        return None
+    from dynabatch.inference.distributed import job_token
+
+    return job_token()
+
+
+def _run(source: Source, sink: MemorySink | StoreSink, options: RunOptions) -> RunResult | StoredRunResult:
+    """The stages, from the resume check to the accounted result."""
+    plan = source.plan
+    stored = _stored_inputs(source, sink)
+    scheduler = Scheduler(source, memory=options.memory, sparse=options.sparse, stored=stored,
+                          read_ahead=options.prefetch)
+    try:
+        scheduler.share(options.ranks, options.rank, options.world_size)
+        builder = Builder(plan, source.loader, pad_token_id=options.pad_token_id,
+                          pinned=any(pins_memory(t) for t in options.targets), hashes=isinstance(sink, StoreSink),
+                          check_inputs=sink.check_inputs if plan is None and stored is not None else None)
+        skipped = plan.skipped if plan is not None else np.zeros(0, dtype=np.int64)
+        if skipped.size and options.rank == 0:  # rank 0 answers for the inputs the loader planned into no batch
+            _fail(sink.writer(f"rank{options.rank}.loader"), skipped, BAD_INPUT)
+        report = _execute(scheduler, builder, sink, options, skipped, stored)
+    finally:
+        source.close()
+        scheduler.close()
     if options.output_path is not None and options.ranks != "single":
         torch.distributed.barrier()  # every rank's shards are in: each rank reads the whole store
-        return sink.result(queue.count, report=report, failed=None)
-    return sink.result(queue.count, report=report, failed=failed)
+    result, missing = sink.result(scheduler.n_inputs, report=report)
+    if missing.size:
+        ids = plan.ids.take(missing[:_FEW]).to_pylist() if plan is not None and plan.ids is not None else None
+        raise IncompleteRunError(
+            f"run should account for every input (a result, or a place in failed with its cause), but got "
+            f"{missing.size} of {len(result)} inputs with neither (positions {_few(missing.tolist())}"
+            + (f"; ids {_few(ids)}" if ids is not None else "") + "): an iterable of batches may have left them "
+            "out, or their rows were lost on the way to the sink; with output_path, a rerun runs only them",
+            missing=missing.tolist(), partial=result)
+    return result
 
 
-def _execute(queue: BatchQueue, sink: Any, options: RunOptions, skipped: np.ndarray) -> tuple[RunReport, list[int]]:
-    """Runs the queue on every target (a worker each) into the sink; ``(report, failed positions)``: the rows that
-    ran out of memory alone and were skipped, and the bad inputs the loader planned into no batch (``skipped``;
-    rank 0 answers for them).
+def _few(values: list) -> str:
+    return ", ".join(map(str, values[:_FEW])) + (", ..." if len(values) > _FEW else "")
+
+
+def _fail(writer: Any, positions: np.ndarray, cause: str) -> None:
+    try:
+        writer.fail(positions, np.zeros(len(positions), dtype=np.uint64), [cause] * len(positions))
+    finally:
+        writer.close()
+
+
+def _stored_inputs(source: Source, sink: MemorySink | StoreSink) -> np.ndarray | None:
+    """The resume check, before any batch: which inputs the store holds, checked against this run's inputs (a
+    plan's up front; a plain iterable's as its batches are built); ``None`` when it holds none."""
+    stored = sink.stored
+    if stored is None or not stored.any():
+        return None
+    inputs = source.input_hashes(np.flatnonzero(stored))
+    if inputs is not None:
+        sink.check_inputs(*inputs)
+    logger.info("the store holds %d of this run's rows: they are not run again", int(stored.sum()))
+    return stored
+
+
+def _execute(scheduler: Scheduler, builder: Builder, sink: MemorySink | StoreSink, options: RunOptions,
+             skipped: np.ndarray, stored: np.ndarray | None) -> RunReport:
+    """Runs the scheduler's items on every target (a worker each) into the sink; returns the report.
 
     Every worker's writer is closed (its rows committed) however the run ends; ``BatchOutOfMemoryError`` gets the rows
     finished so far as ``.partial``.
     """
-    splitter = RowSplitter(queue.pad_token_id, options.token_outputs, queue.padding_side)  # fn's rule, for the run
-    bar = _progress_bar(queue) if options.progress else None
+    splitter = RowSplitter(builder.pad_token_id, options.token_outputs, builder.padding_side)  # fn's rule, for the run
+    bar = _progress_bar(scheduler.source, options, skipped, stored) if options.progress else None
     stop = threading.Event()
     names = [str(t) for t in options.targets]
     names = [f"{n} (worker {i})" if names.count(n) > 1 else n for i, n in enumerate(names)]  # ["cpu", "cpu"]
+    plan = scheduler.source.plan
     writers, executors = [], []
 
-    def make_executor(target: Any, i: int) -> Executor:
+    def start_worker(target: Any, i: int) -> tuple[Executor, Prefetcher]:
         fn = options.make_fn(target)
         if not callable(fn):
             raise bad_type("make_fn", f"a callable returning fn(batch) for a device (make_fn({str(target)!r}) "
                            "returned no callable)", fn)
         writers.append(sink.writer(f"rank{options.rank}" if len(options.targets) == 1 else f"rank{options.rank}.{i}"))
-        lane = queue.lane if i == 0 else queue.new_lane()
-        queue.set_budget(lane, options.memory_devices[i])  # an absolute max_memory, read on this device now
-        executors.append(Executor(fn, queue, writer=writers[-1], hashes=options.output_path is not None,
-                                  device=target, memory_device=options.memory_devices[i], splitter=splitter,
-                                  on_oom=options.on_oom, bar=bar, lockstep=options.ranks == "lockstep", stop=stop,
-                                  lane=lane, name=names[i]))
-        return executors[-1]
-
-    def failed() -> list[int]:
-        return sorted([*(f for e in executors for f in e.failed), *(skipped.tolist() if options.rank == 0 else [])])
+        lane = scheduler.lane(options.memory_devices[i])  # an absolute max_memory is read on this device now
+        executors.append(Executor(fn, scheduler, builder, lane=lane, writer=writers[-1], copier=copier(target),
+                                  memory_device=options.memory_devices[i], splitter=splitter, on_oom=options.on_oom,
+                                  on_error=options.on_error, ids=None if plan is None else plan.ids, bar=bar,
+                                  lockstep=options.ranks == "lockstep", stop=stop, name=names[i]))
+        return executors[-1], Prefetcher(scheduler, builder, lane, options.prefetch)
 
     def report() -> RunReport:
         merged = executors[0].report if len(executors) == 1 else RunReport.merge(
@@ -194,31 +277,38 @@ def _execute(queue: BatchQueue, sink: Any, options: RunOptions, skipped: np.ndar
         return merged
 
     try:
-        run_workers(options.targets, make_executor, queue, options.prefetch, stop)
+        run_workers(options.targets, start_worker, stop)
     except BatchOutOfMemoryError as exc:
-        _close(writers, bar)
-        if isinstance(sink, MemorySink):
-            sink.gather = False  # this rank's rows: gathering is a collective the other ranks are not in
-        exc.partial = sink.result(queue.count, report=report(), failed=failed())
+        _close(writers)
+        exc.partial = sink.result(scheduler.n_inputs, report=report(), gather=False)[0]
         raise
     finally:
         stop.set()
-        _close(writers, bar)  # the rows buffered are committed, after an error or Ctrl-C too
-    return report(), failed()
+        try:
+            _close(writers)  # the rows buffered are committed, after an error or Ctrl-C too
+        finally:
+            if bar is not None:
+                bar.close()
+    return report()
 
 
-def _close(writers: list, bar: Any) -> None:
+def _close(writers: list) -> None:
+    """Closes every writer (committing its rows); raises the first error one of them met."""
+    error = None
     while writers:
-        writers.pop().close()
-    if bar is not None:
-        bar.close()
+        try:
+            writers.pop().close()
+        except Exception as exc:  # noqa: BLE001 (the other writers still commit theirs)
+            error = error or exc
+    if error is not None:
+        raise error
 
 
-def _progress_bar(queue: BatchQueue) -> Any:
+def _progress_bar(source: Source, options: RunOptions, skipped: np.ndarray, stored: np.ndarray | None) -> Any:
     """The run's ``tqdm`` bar over the rows that run now (those already stored left out)."""
     from tqdm.auto import tqdm
 
-    total = queue.total_rows
-    if total is not None and queue.done is not None:
-        total = max(0, total - int(queue.done.sum()))
+    total = None
+    if source.n_inputs is not None and options.ranks != "claim":
+        total = max(0, source.n_inputs - len(skipped) - (int(stored.sum()) if stored is not None else 0))
     return tqdm(total=total, unit="row", desc="dynabatch", dynamic_ncols=True)

@@ -1,10 +1,12 @@
-"""The sinks of :func:`dynabatch.run`: where finished rows go, and the one place results are assembled.
+"""The sinks of :func:`dynabatch.run`: where finished rows and failed inputs go, and the one place results are
+assembled.
 
-A sink takes what it needs as arguments (positions, rows, input hashes; the number of inputs and the failed ones at
-the end) and never reads the source. :class:`MemorySink` keeps rows in memory (gathered on rank 0 under
-``torch.distributed``); the results store of ``output_path``
-(:func:`open_sink`, :mod:`dynabatch.inference.store`) writes them to Parquet shards and reads them back. Either way
-:meth:`result` is the run's result.
+A sink takes what it needs as arguments, and never reads the source: rows with their positions and input hashes
+(``writer.write``), inputs that failed with their causes (``writer.fail``), and at the end the number of inputs.
+:class:`MemorySink` keeps them in memory (gathered on rank 0 under ``torch.distributed``); :class:`StoreSink` writes
+them to the results store of ``output_path`` (:mod:`dynabatch.inference.store`) and reads them back. Either way
+:meth:`result` is the run's result, with ``failures`` (position -> cause) from what the sink holds, and the
+positions it can account for neither way (the run raises for them).
 
 Example:
     >>> import numpy as np
@@ -12,9 +14,11 @@ Example:
     >>> sink = MemorySink()
     >>> writer = sink.writer("cpu")
     >>> writer.write(np.array([2, 0]), ["c", "a"], None)
+    >>> writer.fail(np.array([1]), None, ["ValueError: not this one"])
     >>> writer.close()
-    >>> list(sink.result(3, failed=[1]))
-    ['a', None, 'c']
+    >>> result, missing = sink.result(3)
+    >>> list(result), result.failures, missing.tolist()
+    (['a', None, 'c'], {1: 'ValueError: not this one'}, [])
 """
 
 from __future__ import annotations
@@ -28,22 +32,32 @@ import numpy as np
 from dynabatch.inference.report import RunReport
 from dynabatch.inference.results import RunResult, StoredRunResult
 
-__all__ = ["MemorySink", "StoreSink", "open_sink"]
+__all__ = ["NONE_ROW", "MemorySink", "StoreSink", "open_sink"]
 
 logger = logging.getLogger(__name__)
 
+NONE_ROW = "fn(batch) gave None for this row: a results store holds no row for it"
+"""The cause a results store records for a row ``fn`` gave as ``None`` (in memory it is the row's result)."""
+
+
+def _unrecorded(failed: Any) -> dict[int, str]:
+    """The failed positions, each with a cause this sink was not told."""
+    return {int(p): "failed (no cause recorded)" for p in failed}
+
 
 class MemorySink:
-    """Rows kept in memory, one per input position.
+    """Rows kept in memory, one per input position, and the inputs that failed with their causes.
 
     Args:
         gather: under a process group of more than one rank, :meth:`result` is a collective that brings every
-            rank's rows to rank 0 (other ranks keep their own); each rank answers for the rows it wrote and the
-            positions it names as failed.
+            rank's rows and failures to rank 0 (other ranks keep their own); each rank answers for what it wrote.
     """
+
+    stored = None  # holds nothing before the run
 
     def __init__(self, *, gather: bool = False) -> None:
         self.rows: dict[int, Any] = {}
+        self.failures: dict[int, str] = {}
         self.gather = gather
         self._lock = threading.Lock()  # several devices' workers write at once
 
@@ -55,57 +69,114 @@ class MemorySink:
         with self._lock:
             self.rows.update(zip(positions.tolist(), rows))
 
+    def fail(self, positions: np.ndarray, hashes: np.ndarray | None, causes: list[str]) -> None:
+        with self._lock:
+            self.failures.update(zip(np.asarray(positions).tolist(), causes))
+
     def close(self, commit: bool = True) -> None:
         """Nothing is buffered: every written row is kept."""
 
-    def result(self, n: int, *, report: RunReport | None = None, failed: list[int] = ()) -> RunResult:
-        """One result per input position (``None`` where none), in input order."""
-        if not self.gather:
-            return RunResult((self.rows.get(p) for p in range(n)), report=report, failed=failed)
-        from dynabatch.inference.distributed import gather_results
+    def result(self, n: int, *, report: RunReport | None = None,
+               gather: bool = True) -> tuple[RunResult, np.ndarray]:
+        """One result per input position (``None`` where none), in input order, and the positions neither returned
+        nor failed; ``gather=False``: this rank's rows only (no collective: a result while the other ranks are not
+        in step, as an error's partial result). Ranks other than 0 account for their own rows only."""
+        rows, failures, mine_only = self.rows, self.failures, False
+        if self.gather and gather:
+            from dynabatch.inference.distributed import gather_results
 
-        failed_set = set(failed)
-        mine = np.union1d(np.fromiter(self.rows, dtype=np.int64, count=len(self.rows)),
-                          np.asarray(failed, dtype=np.int64))
-        pairs = gather_results(mine, [(self.rows.get(p), p in failed_set) for p in mine.tolist()], n)
-        if pairs is None:  # not rank 0: only this rank's rows
-            return RunResult((self.rows.get(p) for p in range(n)), report=report, failed=failed)
-        return RunResult((value for value, _ in pairs), report=report,
-                         failed=[p for p, (_, flag) in enumerate(pairs) if flag])
+            mine = sorted({*rows, *failures})
+            every = gather_results(mine, [(rows.get(p), failures.get(p), p in rows) for p in mine], n, cover=False)
+            if every is not None:  # rank 0: every rank's
+                rows = {p: got[0] for p, got in enumerate(every) if got is not None and got[2]}
+                failures = {p: got[1] for p, got in enumerate(every) if got is not None and got[1] is not None}
+            mine_only = every is None  # this rank's share is accounted for on rank 0
+        result = RunResult((rows.get(p) for p in range(n)), report=report, failures=failures)
+        accounted = np.full(n, mine_only)
+        for held in (rows, failures):
+            at = np.fromiter(held, dtype=np.int64, count=len(held))
+            accounted[at[at < n]] = True
+        return result, np.flatnonzero(~accounted)
+
+    def end(self) -> None:
+        """Nothing to release."""
+
+
+class _StoredRows:
+    """A store writer that records a row ``fn`` gave as ``None`` as a failure (:data:`NONE_ROW`): a store holds no
+    row for it, and a rerun runs it again."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+
+    def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray, varying: Any = ()) -> None:
+        missing = [i for i, row in enumerate(rows) if row is None]
+        if missing:
+            self.writer.fail(positions[missing], hashes[missing], [NONE_ROW] * len(missing))
+        self.writer.write(positions, rows, hashes, varying=varying)
+
+    def fail(self, positions: np.ndarray, hashes: np.ndarray, causes: list[str]) -> None:
+        self.writer.fail(positions, hashes, causes)
+
+    def close(self, commit: bool = True) -> None:
+        self.writer.close(commit=commit)
 
 
 class StoreSink:
-    """Rows written to the results store at ``output_path`` (:mod:`dynabatch.inference.store`) and read back."""
+    """Rows written to the results store at ``output_path`` (:mod:`dynabatch.inference.store`) and read back.
 
-    def __init__(self, store: Any) -> None:
-        self.store = store
-        self.done = store.done  # which inputs it holds: a resumed run takes them out
+    Attributes:
+        stored: which inputs the store holds already (a resumed run takes them out).
+    """
 
-    def writer(self, name: str) -> Any:
-        """A writer of this run's rows (its shards named after ``name``): ``write``, ``close(commit)``."""
-        return self.store.writer(name)
+    def __init__(self, store: Any, *, owned: bool = True) -> None:
+        self.store, self.owned = store, owned  # owned: opened by the run (else its caller closes it)
+        self.stored = store.done
 
-    def result(self, n: int, *, report: RunReport | None = None, failed: list[int] | None = None) -> StoredRunResult:
-        """The rows of ``n`` inputs, read from the store as it is now (``failed=None``: every input without a row)."""
-        return StoredRunResult.of(self.store.located(n), report=report, failed=failed)
+    def check_inputs(self, positions: np.ndarray, hashes: np.ndarray) -> None:
+        """Refuses stored rows at ``positions`` whose input hash differs from this run's (``hashes``)."""
+        self.store.check_inputs(positions, hashes)
+
+    def writer(self, name: str) -> _StoredRows:
+        """A writer of this run's rows (its shards named after ``name``): ``write``, ``fail``, ``close(commit)``."""
+        return _StoredRows(self.store.writer(name))
+
+    def result(self, n: int, *, report: RunReport | None = None,
+               gather: bool = True) -> tuple[StoredRunResult, np.ndarray]:
+        """The rows of ``n`` inputs, read from the store as it is now, with the store's failure records of the
+        inputs it holds no row for; and the positions the store holds neither way."""
+        located, failures = self.store.located(n), self.store.failures()
+        accounted = located.where >= 0
+        at = np.fromiter(failures, dtype=np.int64, count=len(failures))
+        accounted[at[at < n]] = True
+        return StoredRunResult.of(located, report=report, failures=failures), np.flatnonzero(~accounted)
+
+    def end(self) -> None:
+        """The run is done with the store: its job lock is released where the run opened it (a store the caller
+        opened is the caller's to close)."""
+        if self.owned:
+            self.store.close()
 
 
 def open_sink(output_path: str | None, *, key: str | None, n: int | None, ids: Any, gather: bool,
-              inputs_at: Any) -> Any:
-    """The run's sink: a :class:`MemorySink`, or the results store at ``output_path`` checked before any row is
-    written.
-
-    ``inputs_at(positions) -> (positions, hashes)`` gives the input hashes of this run's inputs among the stored
-    positions: a stored row computed from other inputs is refused now, before this run writes a row.
-    """
+              job: str | None) -> MemorySink | StoreSink:
+    """The run's sink: a :class:`MemorySink`, or the results store at ``output_path`` (taken for ``job``: the ranks
+    of one job pass the same token; ``None``: this process)."""
     if output_path is None:
         return MemorySink(gather=gather)
-    from dynabatch.inference.store import open_store
+    from dynabatch.inference.store import Store, open_store
 
-    store = open_store(output_path, key=key, n=n, ids=ids)
-    stored = np.flatnonzero(store.done)
-    if stored.size:
-        positions, hashes = inputs_at(stored)
-        store.check_inputs(positions, hashes)
-        logger.info("output_path=%r holds %d of this run's rows: they are not run again", output_path, stored.size)
-    return StoreSink(store)
+    store = output_path if isinstance(output_path, Store) else open_store(output_path, key=key, n=n, ids=ids, job=job)
+    if store is output_path:
+        _check_opened(store, key, n, ids)
+    return StoreSink(store, owned=store is not output_path)
+
+
+def _check_opened(store: Any, key: str | None, n: int | None, ids: Any) -> None:
+    """Refuses a store opened (``output_path=open_store(...)``) for other inputs or another key than the run's."""
+    same_ids = (ids is None) == (store.ids is None) and (ids is None or store.ids.equals(ids))
+    if (key is not None and key != store.key) or (n is not None and n != store.n) or not same_ids:
+        raise ValueError(f"output_path should be a store opened for this run's inputs and key (n={n}, key={key!r}, "
+                         f"ids {'given' if ids is not None else 'None'}), but got one opened with n={store.n}, "
+                         f"key={store.key!r}, {'other ids' if store.ids is not None else 'ids None'}: open it with "
+                         "the loader's ids (plan.ids) and the run's key")

@@ -1,8 +1,12 @@
-"""The results store of ``run(..., output_path=...)`` (the sink), and rows as Arrow columns (:class:`Columns`).
+"""The results store of ``run(..., output_path=...)``: Parquet shards on disk, one row per input.
 
-A directory of Parquet shards, one row per input: ``position``, ``id``, ``input_hash`` and the outputs on Arrow's own
-types, the schema metadata saying format, key, keying and rows' structure. The rules (types fixed by the first shard,
-checksums, shards set aside, inputs checked before a row is written) are in ``docs/inference.md``.
+A directory of Parquet shards: the key columns (``position``, or ``id`` where ids key the rows), ``input_hash`` and
+the outputs as :mod:`dynabatch.inference.columns` encodes them, each shard's metadata saying format, key, keying and
+the rows' structure; failure records under ``_failed/``; one job writing at a time (:mod:`~.store_lock`). A run opens
+the store once (:func:`open_store`): which inputs it holds (``done``), the stored rows checked against the run's
+inputs (:meth:`Store.check_inputs`), then writers (:meth:`Store.writer`) commit shards from background threads and
+merge small ones. The rules (commit cadence, compaction, the lock, failure records, positions, column types,
+checksums, shards set aside) are in ``docs/inference.md``.
 
 Example:
     >>> import tempfile
@@ -10,17 +14,23 @@ Example:
     >>> import torch
     >>> from dynabatch.inference.store import open_store
     >>> path = tempfile.mkdtemp()
-    >>> writer = open_store(path, key="demo", n=3).writer("rank0")
+    >>> store = open_store(path, key="demo", n=3)
+    >>> writer = store.writer("rank0")
     >>> writer.write(np.array([2, 0]), [torch.ones(2), torch.zeros(2)], np.array([7, 9]))
+    >>> writer.fail(np.array([1]), np.array([8]), ["ValueError: cannot process this input"])
     >>> writer.close()
+    >>> store.close()
     >>> again = open_store(path, key="demo", n=3)
-    >>> again.done.tolist(), again.schema.field("output").type, again.located(3).where.tolist()
-    ([True, False, True], FixedSizeListType(fixed_size_list<element: float>[2]), [1, -1, 0])
+    >>> again.done.tolist(), again.failures(), again.located(3).where.tolist()
+    ([True, False, True], {1: 'ValueError: cannot process this input'}, [1, -1, 0])
+    >>> again.close()
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import itertools
 import json
 import logging
 import os
@@ -30,324 +40,37 @@ import threading
 import time
 import uuid
 from collections import namedtuple
-from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-import torch
 
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_value
+from dynabatch.inference.columns import Columns, same_field, widen
+from dynabatch.inference.store_lock import PREFIX, JobLock, StoreBusyError
 
-__all__ = ["FORMAT", "RESERVED", "SHARD_BYTES", "SHARD_ROWS", "SHARD_SECONDS", "Columns", "Store", "StoreWriter",
-           "open_store"]
+__all__ = ["COMPACT_SHARDS", "FAILED", "FIRST_SHARD_SECONDS", "FORMAT", "SHARD_BYTES", "SHARD_ROWS", "SHARD_SECONDS",
+           "WRITE_ATTEMPTS", "Located", "Store", "StoreBusyError", "StoreWriter", "open_store"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "dynabatch.store/2"
-SHARD_ROWS = 1_000_000  # a shard is committed once its buffer holds this many rows,
+FORMAT = "dynabatch.store/3"
+SHARD_ROWS = 1_000_000  # a shard is committed once a writer holds this many rows,
 SHARD_BYTES = 16 * 2**20  # or this many bytes of Arrow data (the buffer and its Parquet encoding stay small),
-SHARD_SECONDS = 60.0  # or rows that finished this long ago: a killed run loses about a minute of work at most
+FIRST_SHARD_SECONDS = 2.0  # or, for a writer's first shard, rows that finished this long ago,
+SHARD_SECONDS = 10.0  # and for the later ones this long ago: a killed run loses about that much work at most
+COMPACT_SHARDS = 16  # a writer's shards under SHARD_BYTES are merged into one once it has this many
+WRITE_ATTEMPTS = 5  # tries of a shard write that fails (a full disk, an I/O error) before the error is raised,
+RETRY_SECONDS = 0.5  # the wait before the second, doubled before each later one (7.5 s in all)
+FAILED = "_failed"  # the folder of failure records: readers of the store's folder (pyarrow.dataset) skip it
 META = b"dynabatch"
 _HOST = socket.gethostname().replace("-", "_").replace(".", "_")
-RESERVED = ("position", "id", "input_hash")  # the store's own columns
-_SCALARS = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.string()}
-_NAMES = {str(t): kind.__name__ for kind, t in _SCALARS.items()}
-_BF16 = {b"dynabatch.dtype": b"bfloat16"}
-_KINDS = {"tensor": "a tensor", "ndarray": "a numpy array", "python": "a Python value"}
-_STORABLE = "tensors, numpy arrays, int, float, bool, str or None, or tuples, lists or dicts (str keys) of those"
-
-
-def _tree(value: Any, name: str, top: bool = True) -> Any:
-    """A column's name, or ``[kind, [[key, node], ...]]`` for a dict, tuple or list holding tensors or containers."""
-    if not isinstance(value, (tuple, Mapping)) and (type(value) is not list or all(
-            v is None or type(v) in _SCALARS for v in value)):
-        return name
-    kind = "dict" if isinstance(value, Mapping) else "tuple" if isinstance(value, tuple) else "list"
-    bad = next((key for key in value if not isinstance(key, str)), None) if kind == "dict" else None
-    if bad is not None:
-        raise TypeError(f"{name} keys should be str with output_path set (column names), but got key {bad!r} of "
-                        f"type {type(bad).__name__}")
-    items = value.items() if kind == "dict" else enumerate(value)
-    return [kind, [[k, _tree(v, k if top and kind == "dict" else f"{name}_{k}", False)] for k, v in items]]
-
-
-def _gather(node: Any, values: list, name: str, out: dict[str, list]) -> None:
-    """Checks every row has the structure ``node`` and collects each column's values."""
-    if isinstance(node, str):
-        out[node] = values
-        return
-    kind, items = node
-    keys = [key for key, _ in items]
-    for value in values:
-        if not (list(value) == keys if kind == "dict" and isinstance(value, Mapping) else kind != "dict" and
-                isinstance(value, tuple if kind == "tuple" else list) and len(value) == len(keys)):
-            want = f"a dict with keys {keys}" if kind == "dict" else f"a {kind} of {len(keys)} items"
-            got = list(value) if isinstance(value, Mapping) else type(value).__name__ + (
-                f" of {len(value)} items" if isinstance(value, (list, tuple)) else "")
-            raise ValueError(f"{name} should be {want} in every row, as stored, but got {got}")
-    for key, child in items:
-        _gather(child, [value[key] for value in values], f"{name}[{key!r}]", out)
-
-
-def _build(node: Any, get: Callable[[str], Any]) -> Any:
-    """A row (or the stacked rows) of the structure ``node``, each column's value from ``get``."""
-    if isinstance(node, str):
-        return get(node)
-    values = [_build(child, get) for _, child in node[1]]
-    return dict(zip([k for k, _ in node[1]], values)) if node[0] == "dict" else \
-        tuple(values) if node[0] == "tuple" else values
-
-
-def _leaves(node: Any, path: tuple = ()) -> list[tuple[tuple, str]]:
-    """``(path, column)`` of every column under ``node`` (a path: the dict keys and element indices to it)."""
-    return [(path, node)] if isinstance(node, str) else \
-        [leaf for key, child in node[1] for leaf in _leaves(child, (*path, key))]
-
-
-def _layout(kind: pa.DataType) -> tuple[bool, list[int], pa.DataType]:
-    """An array column's type as ``(first dimension varies, fixed dimensions, value type)``."""
-    varies, dims = pa.types.is_list(kind), []
-    kind = kind.value_type if varies else kind
-    while pa.types.is_fixed_size_list(kind):
-        dims.append(kind.list_size)
-        kind = kind.value_type
-    return varies, dims, kind
-
-
-# One batch's values of one column. kind: tensor, ndarray, python or None (all None); arrays: the values of the rows
-# with one (valid) joined on dimension 0, each row's lengths (None: 0-d rows), dtype, inner shape; python: Arrow.
-_Part = namedtuple("_Part", "rows kind valid values lengths dtype inner", defaults=(None, None, None, None, "", None))
-
-
-def _misfit(name: str, dtype: str, shape: tuple, got_dtype: str, got_shape: tuple, where: str) -> str:
-    return (f"{name} should have dtype {dtype} and shape {str(tuple(shape)).replace(chr(39), '')} in every row, "
-            f"{where} (n: any length), but got dtype {got_dtype} and shape {got_shape}")
-
-
-def _part(values: list, name: str) -> _Part:
-    """One batch's values of one column, checked and joined once (one ``torch.cat`` or ``pa.array``)."""
-    present = [v for v in values if v is not None]
-    if not present:
-        return _Part(len(values))
-    if isinstance(present[0], (torch.Tensor, np.ndarray, np.generic)):
-        return _array_part(values, present, name)
-    lists = [v for v in values if isinstance(v, list)]
-    items = [x for v in lists for x in v] if lists else values
-    bad = next((item for item in items if item is not None and type(item) not in _SCALARS), None)
-    if bad is not None or 0 < len(lists) < len(present):
-        raise TypeError(f"{name} should be storable in Arrow with output_path set ({_STORABLE}), but got {name} of "
-                        f"type {type(bad if bad is not None else present[0]).__name__}")
-    kinds = sorted({type(item).__name__ for item in items if item is not None})
-    if len(kinds) > 1:  # Arrow would store 2.5 as 2 in an int column
-        raise TypeError(f"{name} should be values of one type in every row with output_path set, but got {kinds}: "
-                        "convert them (e.g. float(x))")
-    kind = next((t for k, t in _SCALARS.items() if [k.__name__] == kinds), pa.null())
-    try:
-        return _Part(len(values), "python", values=pa.array(values, type=pa.list_(kind) if lists else kind))
-    except (pa.ArrowInvalid, OverflowError) as exc:
-        raise TypeError(f"{name} should be storable in Arrow with output_path set, but got {exc}") from exc
-
-
-def _array_part(values: list, present: list, name: str) -> _Part:
-    tensor = isinstance(present[0], torch.Tensor)
-    bad = next((v for v in present if isinstance(v, torch.Tensor) != tensor
-                or not isinstance(v, (torch.Tensor, np.ndarray, np.generic))), None)
-    if bad is not None:
-        raise TypeError(f"{name} should be {_KINDS['tensor' if tensor else 'ndarray']} or None in every row, as in "
-                        f"its first row, but got {type(bad).__name__}")
-    arrays = present if tensor else [np.asarray(v) for v in present]
-    dtype, shape = str(arrays[0].dtype).removeprefix("torch."), tuple(arrays[0].shape)
-    if (arrays[0].dtype.is_complex if tensor else arrays[0].dtype.kind not in "biuf") or dtype.startswith("float8"):
-        raise TypeError(f"{name} should be storable in Arrow with output_path set (numbers or bools), but got {name} "
-                        f"of dtype {dtype}")
-    for a in arrays:
-        if a.dtype != arrays[0].dtype or a.ndim != len(shape) or tuple(a.shape[1:]) != shape[1:]:
-            raise ValueError(_misfit(name, dtype, ("n", *shape[1:]) if shape else (),
-                                     str(a.dtype).removeprefix("torch."), tuple(a.shape), "in the same batch"))
-    if tensor:
-        joined = (torch.cat(arrays) if shape else torch.stack(arrays)).detach().cpu()
-        joined = (joined.float() if joined.dtype == torch.bfloat16 else joined).contiguous().numpy()
-    else:
-        joined = np.concatenate(arrays) if shape else np.stack(arrays)
-    lengths = np.fromiter((a.shape[0] for a in arrays), np.int64, len(arrays)) if shape else None
-    valid = np.array([v is not None for v in values]) if len(present) < len(values) else None
-    kind = "tensor" if tensor else "ndarray"
-    return _Part(len(values), kind, valid, joined, lengths, dtype, shape[1:] if shape else None)
-
-
-def _conform(part: _Part, field: pa.Field, kind: str | None, name: str) -> None:
-    """Refuses a part that the column's type (``field``, ``kind``) cannot hold, naming what is stored."""
-    if part.kind is None:
-        return
-    if pa.types.is_null(field.type):
-        raise ValueError(f"{name} should be None in every row, as stored: its type was fixed as Arrow null by the "
-                         f"first shard stored, where it was None in every row, but got {part.kind} values; return a "
-                         "value of its type where it may be empty (NaN, an empty tensor, ''), or use another "
-                         "output_path")
-    if part.kind != kind:
-        raise TypeError(f"{name} should be {_KINDS[kind]} or None in every row, as stored, but got {_KINDS[part.kind]}")
-    if kind == "python":
-        if part.values.type not in (field.type, pa.null(), pa.list_(pa.null())):
-            raise TypeError(f"{name} should be values of one type in every row with output_path set ("
-                            f"{_NAMES.get(str(field.type), field.type)}, as stored), but got "
-                            f"['{_NAMES.get(str(part.values.type), part.values.type)}']: convert them (e.g. float(x))")
-        return
-    varies, dims, value = _layout(field.type)
-    dtype = "bfloat16" if field.metadata == _BF16 else str(np.dtype(value.to_pandas_dtype()))
-    lengths = part.lengths if part.lengths is not None else np.zeros(0, np.int64)
-    wrong = np.flatnonzero(lengths != dims[0]) if dims and not varies else []
-    if part.dtype != dtype or part.inner != (tuple(dims[not varies:]) if dims or varies else None) or len(wrong):
-        row = (int(lengths[wrong[0] if len(wrong) else 0]), *part.inner) if part.inner is not None else ()
-        raise ValueError(_misfit(name, dtype, ("n", *dims) if varies else dims, part.dtype, row, "as stored") + (
-            "; a float vector is stored with a fixed length when it has one length in every row of the first shard, "
-            "unless declared varying (a per-token output)" if len(wrong) else ""))
-
-
-def _array(parts: list[_Part], field: pa.Field, kind: str | None) -> pa.Array:
-    """One Arrow array of ``field``'s type from the parts of one or more batches; rows without a value are nulls."""
-    filled = [p for p in parts if p.kind is not None]
-    if kind in (None, "python") or not filled or pa.types.is_null(field.type):
-        arrays = [pa.nulls(p.rows, field.type) if p.kind is None else p.values.cast(field.type) for p in parts]
-        return pa.concat_arrays(arrays) if arrays else pa.nulls(0, field.type)
-    varies, dims, value = _layout(field.type)
-    array = pa.array(np.concatenate([p.values for p in filled]).reshape(-1), type=value)
-    for size in reversed(dims):
-        array = pa.FixedSizeListArray.from_arrays(array, size)
-    if varies:
-        offsets = np.concatenate([[0], np.cumsum(np.concatenate([p.lengths for p in filled]))])
-        array = pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), array)
-    valid = np.concatenate([np.full(p.rows, p.kind is not None) if p.valid is None else p.valid for p in parts])
-    return array if valid.all() else array.take(pa.array(np.cumsum(valid) - 1, mask=~valid))  # nulls between
-
-
-def _flat(array: pa.Array, field: pa.Field) -> tuple[np.ndarray, np.ndarray | None]:
-    """An array column without nulls as numpy ``(rows, *dims)``, or ``(total, *inner)`` with each row's length."""
-    varies, dims, _ = _layout(field.type)
-    lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False).astype(np.int64) if varies else None
-    for _ in range(len(dims) + varies):
-        array = array.flatten()
-    values = array.to_numpy(zero_copy_only=False)
-    return values.reshape(-1, *dims) if dims else values, lengths
-
-
-def _tensor(values: np.ndarray, field: pa.Field) -> torch.Tensor:
-    tensor = torch.from_numpy(np.array(values, copy=True))
-    return tensor.to(torch.bfloat16) if field.metadata == _BF16 else tensor
-
-
-def _column_rows(array: pa.Array, field: pa.Field, kind: str | None) -> list:
-    """A column's rows as ``run`` gave them (tensors in compact storage of their own); a null as ``None``."""
-    if kind in (None, "python"):
-        return array.to_pylist()
-    valid = array.is_valid().to_numpy(zero_copy_only=False)
-    values, lengths = _flat(array.filter(valid) if not valid.all() else array, field)
-    if kind == "tensor":
-        whole = _tensor(values, field)
-        rows = [part.clone() for part in (whole.split(lengths.tolist()) if lengths is not None else whole.unbind(0))]
-    elif lengths is not None:
-        rows = [np.array(part) for part in np.split(values, np.cumsum(lengths)[:-1])] if len(lengths) else []
-    else:
-        rows = list(values) if values.ndim == 1 else [np.array(v) for v in values]
-    rows = iter(rows)
-    return [next(rows) if ok else None for ok in valid.tolist()]
-
-
-def _stacked(array: pa.Array, field: pa.Field, kind: str | None, name: str, as_tensor: bool) -> Any:
-    if array.null_count:
-        raise ValueError(f"{name} should have a value in every row to stack, but got None in {array.null_count} "
-                         "rows; read rows one by one or use to_arrow()")
-    if kind not in (None, "python"):
-        values, lengths = _flat(array, field)
-    elif pa.types.is_list(field.type):
-        values = array.flatten().to_numpy(zero_copy_only=False)
-        lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
-    else:
-        values, lengths = array.to_numpy(zero_copy_only=False), None
-    if lengths is not None and len(lengths) and (lengths != lengths[0]).any():
-        raise ValueError(f"{name} should have rows of one shape to stack, but got first dimensions from "
-                         f"{int(lengths.min())} to {int(lengths.max())} (rows of different lengths); read rows one "
-                         "by one or use to_arrow()")
-    if lengths is not None:
-        values = values.reshape(len(array), int(lengths[0]) if len(lengths) else 0, *values.shape[1:])
-    return _tensor(values, field) if as_tensor else values
-
-
-class Columns:
-    """How rows map to Arrow columns: their structure ``tree`` and each column's kind once it had a value."""
-
-    def __init__(self, tree: Any, kinds: dict[str, str] | None = None) -> None:
-        self.tree, self.kinds = tree, dict(kinds or {})
-        self.names = [name for _, name in _leaves(tree)]
-
-    @classmethod
-    def of(cls, row: Any) -> Columns:
-        """The columns of rows shaped like ``row`` (named as ``docs/inference.md`` says)."""
-        columns = cls(_tree(row, "output"))
-        for name in set(columns.names) & set(RESERVED):
-            raise ValueError(f"fn(batch) should not name a result {name!r} with output_path set (the store's own "
-                             f"columns are {list(RESERVED)}), but got a column {name!r}; rename it")
-        if len(set(columns.names)) != len(columns.names):
-            raise ValueError(f"fn(batch) rows should give distinct column names, but got {columns.names}; rename them")
-        return columns
-
-    def parts(self, rows: Sequence[Any]) -> dict[str, _Part]:
-        """Each column's values of ``rows``, checked (``ValueError`` / ``TypeError`` naming the column)."""
-        values: dict[str, list] = {}
-        _gather(self.tree, list(rows), "output", values)
-        parts = {name: _part(values[name], name) for name in self.names}
-        for name, part in parts.items():
-            if part.kind is not None:
-                self.kinds.setdefault(name, part.kind)  # a tensor, numpy or Python column: its first value's kind
-        return parts
-
-    def fields(self, parts: Sequence[dict[str, _Part]], varying: Collection[str] = (),
-               stored: pa.Schema | None = None) -> list[pa.Field]:
-        """Each column's field, ``stored``'s or fixed by ``parts`` (``varying``: columns whose rows vary in length)."""
-        fields = []
-        for name in self.names:
-            column = [p[name] for p in parts]
-            fields.append(stored.field(name) if stored is not None else self._decide(name, column, name in varying))
-            for part in column:
-                _conform(part, fields[-1], self.kinds.get(name), name)
-        return fields
-
-    def _decide(self, name: str, parts: list[_Part], varying: bool) -> pa.Field:
-        """The field of ``parts``: see ``docs/inference.md`` for when a first dimension is fixed or a list."""
-        known = [p for p in parts if p.kind is not None]
-        if not known or known[0].kind == "python":
-            kinds = {p.values.type for p in known} - {pa.null(), pa.list_(pa.null())}
-            return pa.field(name, kinds.pop() if len(kinds) == 1 else known[0].values.type if known else pa.null())
-        first = known[0]
-        kind = pa.float32() if first.dtype == "bfloat16" else pa.from_numpy_dtype(np.dtype(first.dtype))
-        for size in reversed(first.inner or ()):
-            kind = pa.list_(kind, size)
-        if first.inner is not None:
-            lengths = np.concatenate([p.lengths for p in known])
-            fixed = pa.types.is_floating(kind) and not (varying or (lengths != lengths[0]).any())
-            kind = pa.list_(kind, int(lengths[0])) if fixed else pa.list_(kind)
-        return pa.field(name, kind, metadata=_BF16 if first.dtype == "bfloat16" else None)
-
-    def table(self, parts: Sequence[dict[str, _Part]], fields: list[pa.Field] | None = None) -> pa.Table:
-        """The parts of one or more batches as one table (``fields``: from :meth:`fields`; ``None``: fixed by them)."""
-        fields = self.fields(parts) if fields is None else fields
-        arrays = [_array([p[f.name] for p in parts], f, self.kinds.get(f.name)) for f in fields]
-        return pa.Table.from_arrays(arrays, schema=pa.schema(fields))
-
-    def rows(self, table: pa.Table) -> list:
-        """Rows back from a table of these columns, as ``run`` gave them."""
-        decoded = {name: _column_rows(table.column(name).combine_chunks(), table.schema.field(name),
-                                      self.kinds.get(name)) for name in self.names}
-        return [_build(self.tree, lambda name: decoded[name][i]) for i in range(table.num_rows)]
-
-    def stack(self, table: pa.Table, *, as_tensor: bool) -> Any:
-        """Every row stacked: one array (or tensor) per column, in the rows' structure."""
-        return _build(self.tree, lambda name: _stacked(table.column(name).combine_chunks(), table.schema.field(name),
-                                                       self.kinds.get(name), name, as_tensor))
+_SHARD = re.compile(r"part-(?P<writer>[\w.]+)-(?P<first>\d+)(?:-(?P<last>\d+))?\.parquet")  # -<last>: merged
+_LASTING = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG)
 
 
 def _key(key: str | None) -> str:
@@ -374,18 +97,70 @@ def _dead(name: str) -> bool:
     return False
 
 
+def _write_whole(folder: str, name: str, table: pa.Table, **options: Any) -> int:
+    """Writes ``table`` as the Parquet file ``folder/name`` whole or not at all (a temporary file with page checksums,
+    fsynced, renamed into place), trying a failed write :data:`WRITE_ATTEMPTS` times; its size in bytes."""
+    temp, final = os.path.join(folder, f".tmp-{_HOST}-{os.getpid()}-{name}"), os.path.join(folder, name)
+    for attempt in range(1, WRITE_ATTEMPTS + 1):
+        try:
+            pq.write_table(table, temp, write_page_checksum=True, **options)
+            _fsync(temp)
+            os.replace(temp, final)
+            _fsync(folder)  # the rename survives a crash
+            return os.path.getsize(final)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.remove(temp)
+            if attempt == WRITE_ATTEMPTS or exc.errno in _LASTING:
+                exc.add_note(f"writing {final} failed {attempt} times; its rows are kept by the writer")
+                raise
+            logger.warning("writing %s failed (%s); trying again (%d of %d)", final, exc, attempt + 1, WRITE_ATTEMPTS)
+            time.sleep(RETRY_SECONDS * 2 ** (attempt - 1))
+    raise AssertionError("unreachable")
+
+
+def _read_whole(file: str, columns: list[str] | None = None) -> pa.Table:
+    """A shard's table (or ``columns`` of it), every page's checksum verified."""
+    return pq.ParquetFile(file, page_checksum_verification=True).read(columns=columns)
+
+
+def _is_shard(name: str) -> bool:
+    return name.startswith("part-") and name.endswith(".parquet")
+
+
+def _covered(names: Collection[str]) -> set[str]:
+    """Shards that a merged shard of the same writer holds (``part-w-00003-00017`` holds ``part-w-00005``): what a
+    merge cut short left behind. A merged shard is renamed into place before its parts are removed, so every row is
+    in exactly one shard that is not covered. One sort: a span is covered when one starting no later reaches as far."""
+    spans = sorted((match["writer"], int(match["first"]), -int(match["last"] or match["first"]), name)
+                   for name in names if (match := _SHARD.fullmatch(name)))
+    covered, writer, reach = set(), None, -1
+    for owner, first, last, name in spans:
+        if owner != writer:
+            writer, reach = owner, -1
+        if -last <= reach:
+            covered.add(name)
+        reach = max(reach, -last)
+    return covered
+
+
 Located = namedtuple("Located", "path files counts where columns schema ids")
+_Shard = namedtuple("_Shard", "keys hashes fields")  # an indexed shard: its keys, input hashes and output fields
 
 
 class Store:
     """A results store opened for a run over ``n`` inputs (``None``: as the stored positions say), keyed by position
     or by ``ids``; ``keyed_by="id"`` without ids: the inputs are the ids stored (Ray's map_texts checks each
-    window's). ``verify``: every shard read whole, checksums verified. ``done``: which inputs the store holds;
-    ``columns``,
-    ``schema``: the rows' :class:`Columns` and Arrow fields; ``files``: the shards, in the order rows are numbered."""
+    window's). Held for ``job`` (:class:`~dynabatch.inference.store_lock.JobLock`) until :meth:`close`. ``verify``:
+    every shard read whole, checksums verified.
+
+    Attributes: ``done`` (which inputs the store holds, bool per input), ``n``, ``ids``, ``columns`` (the rows'
+    :class:`~dynabatch.inference.columns.Columns`), ``schema`` (their Arrow fields), ``files`` (the shards, in the
+    order rows are numbered).
+    """
 
     def __init__(self, path: Any, *, key: str | None, n: int | None = None, ids: pa.Array | None = None,
-                 keyed_by: str | None = None, verify: bool = True) -> None:
+                 job: str | None = None, keyed_by: str | None = None, verify: bool = True) -> None:
         path = os.fspath(path)
         if os.path.exists(path) and not os.path.isdir(path):  # a socket, a device
             raise bad_value("output_path", "a directory (a Parquet results store)", path)
@@ -393,56 +168,114 @@ class Store:
         self.path, self.key, self.ids = path, key, ids
         self.keyed_by = keyed_by or ("position" if ids is None else "id")
         self._stored_ids = ids is None and self.keyed_by == "id"  # the inputs are the ids stored
-        self.run = f"{time.strftime('%Y%m%dT%H%M%S')}_{uuid.uuid4().hex[:8]}"  # in this open's shard names
-        self.columns, self.schema, self._shard_schema = None, None, None
-        self.files, self._keys, self._hashes = [], [], []
-        self._lock = threading.Lock()
-        self._scan(verify)
-        self.ids, self.where, self._stored_hash = self._locate(n)
+        now = time.time()  # in this open's shard names: a later run's sort after an earlier run's
+        self.run = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}{int(now % 1 * 1e6):06d}_{uuid.uuid4().hex[:8]}"
+        self.columns: Columns | None = None
+        self._fields: dict[str, pa.Field] = {}  # each output column's field: as stored, widened by rows written
+        self._fixed: set[str] = set()  # columns typed by a committed shard (not null)
+        self._shards: dict[str, _Shard] = {}
+        self._failed: dict[str, tuple[pa.Array, pa.Array]] = {}  # failure records: keys and causes per file
+        self._lock = threading.RLock()
+        self._writers, self._closing = 0, False
+        self.lock = JobLock(path, job)
+        try:
+            self._scan(verify)
+            self.ids, self.where, self._stored_hash = self._locate(n)
+        except BaseException:
+            self.lock.release()
+            raise
         self.n, self.done = len(self.where), self.where >= 0
         self._checked = np.full(self.n, self._stored_ids)
-        self._unchecked = 0 if self._stored_ids else int(self.done.sum())
+        # Inputs not known up front (n=None: an iterable of batches) are checked batch by batch as they are built.
+        self._unchecked = 0 if self._stored_ids or n is None and ids is None else int(self.done.sum())
+
+    # -- what the store holds --------------------------------------------------------------------------------------
+    @property
+    def files(self) -> list[str]:
+        return sorted(self._shards)
+
+    @property
+    def schema(self) -> pa.Schema | None:
+        return pa.schema([self._fields[name] for name in self.columns.names]) if self.columns is not None else None
+
+    def _stored_schema(self) -> pa.Schema:
+        """The output fields of the committed shards: a column no shard typed yet is ``null``."""
+        return pa.schema([self._fields[n] if n in self._fixed else pa.field(n, pa.null()) for n in self.columns.names])
 
     def _scan(self, verify: bool) -> None:
-        """Indexes the shards not seen yet; removes killed writers' temporary files; sets aside unreadable shards."""
-        names = sorted(os.listdir(self.path))
-        foreign = [n for n in names if not (n.startswith("part-") and n.endswith(".parquet")
-                                            or n.startswith((".tmp-", ".torn-")))]
-        if foreign:
-            raise ValueError(f"output_path should be a new or empty directory, or a dynabatch results store, but got "
-                             f"output_path={self.path!r} holding {len(foreign)} other entries "
-                             f"({', '.join(foreign[:5])}); use another directory")
-        for name in names:
-            file = os.path.join(self.path, name)
-            if _dead(name):
-                logger.warning("output_path=%r: removing %s, a shard a killed run did not finish", self.path, name)
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(file)
-            if not name.startswith("part-") or file in self.files:
-                continue
-            try:
-                schema = pq.read_schema(file)
-                meta = self._check(schema, name)
-                table = pq.ParquetFile(file, page_checksum_verification=True).read(
-                    columns=None if verify else [self.keyed_by, "input_hash"])
-            except (OSError, pa.ArrowException) as exc:  # torn, or a page failing its checksum
-                logger.warning("output_path=%r: %s cannot be read (%s); moving it to .torn-%s, its rows run again",
-                               self.path, name, str(exc).splitlines()[0][:120], name)
-                with contextlib.suppress(FileNotFoundError):  # set aside by another process meanwhile
-                    os.replace(file, os.path.join(self.path, ".torn-" + name))
-                continue
-            self.columns = self.columns or Columns(meta["tree"], meta["kinds"])
-            self.columns.kinds = {**meta["kinds"], **self.columns.kinds}
-            schema = schema.remove_metadata()
-            if self._shard_schema is not None and schema != self._shard_schema:  # first shards of writers that raced
-                schema = pa.unify_schemas([self._shard_schema, schema], promote_options="permissive")
-                logger.warning("output_path=%r: shards of other column types; reading them as %s", self.path, schema)
-            self._shard_schema, self.schema = schema, pa.schema([schema.field(c) for c in self.columns.names])
-            self.files.append(file)
-            self._keys.append(table.column(self.keyed_by).combine_chunks())
-            self._hashes.append(table.column("input_hash").to_numpy())
-            del table
+        """Indexes the shards and failure records not seen yet; removes killed writers' temporary files and shards a
+        cut-short compaction left; sets aside unreadable shards."""
+        with self._lock:
+            names = sorted(os.listdir(self.path))
+            foreign = [n for n in names if not (_is_shard(n) or n == FAILED or n.startswith((".tmp-", ".torn-", PREFIX)))]
+            if foreign:
+                raise ValueError(f"output_path should be a new or empty directory, or a dynabatch results store, but "
+                                 f"got output_path={self.path!r} holding {len(foreign)} other entries "
+                                 f"({', '.join(foreign[:5])}); use another directory")
+            self._index(self.path, names, self._shards, verify)
+            failed = os.path.join(self.path, FAILED)
+            if FAILED in names:
+                self._index(failed, sorted(os.listdir(failed)), self._failed, verify)
         trim()  # the shards read (verified whole on a resume) are freed: memory stays flat
+
+    def _index(self, folder: str, names: list[str], index: dict, verify: bool) -> None:
+        """Brings ``index`` (shards or failure records, by file) up to the files of ``folder``."""
+        covered = _covered(names) if self.lock.held else set()
+        for name in names:
+            why = "a shard a killed run did not finish" if _dead(name) else \
+                "whose rows a merged shard holds (a merge cut short)" if name in covered else None
+            if why is not None:
+                logger.warning("output_path=%r: removing %s, %s", self.path, name, why)
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(folder, name))
+        present = {os.path.join(folder, n) for n in names if _is_shard(n) and n not in covered}
+        for file in set(index) - present:  # merged by a compaction, or set aside
+            del index[file]
+        for file in sorted(present - set(index)):
+            entry = self._read(file, verify, failures=index is self._failed)
+            if entry is not None:
+                index[file] = entry
+
+    def _read(self, file: str, verify: bool, *, failures: bool) -> Any:
+        """One shard's (or failure record file's) index entry; ``None``: gone, or torn and set aside."""
+        try:
+            schema = pq.read_schema(file)
+            meta = self._check(schema, os.path.basename(file))
+            wanted = None if verify else [self.keyed_by, "cause" if failures else "input_hash"]
+            table = _read_whole(file, wanted)
+        except FileNotFoundError:  # merged by another writer of this job meanwhile
+            return None
+        except (OSError, pa.ArrowException) as exc:  # torn, or a page failing its checksum
+            name = os.path.basename(file)
+            logger.warning("output_path=%r: %s cannot be read (%s); moving it to .torn-%s, its rows run again",
+                           self.path, name, str(exc).splitlines()[0][:120], name)
+            with contextlib.suppress(FileNotFoundError):  # set aside by another process meanwhile
+                os.replace(file, os.path.join(os.path.dirname(file), ".torn-" + name))
+            return None
+        keys = table.column(self.keyed_by).combine_chunks()
+        if failures:
+            return keys, table.column("cause").combine_chunks()
+        self._learn(meta, schema, file)
+        return _Shard(keys, table.column("input_hash").to_numpy(), [schema.field(n) for n in meta["tree_names"]])
+
+    def _learn(self, meta: dict, schema: pa.Schema, file: str) -> None:
+        """Takes a shard's columns into the store's: its rows' structure, kinds and fields (widened where shards
+        of writers that raced typed a column differently)."""
+        self.columns = self.columns or Columns(meta["tree"], meta["kinds"])
+        self.columns.kinds = {**meta["kinds"], **self.columns.kinds}
+        for name in self.columns.names:
+            field = schema.field(name)
+            before = self._fields.get(name)
+            try:
+                self._fields[name] = field if before is None else widen(before, field)
+            except TypeError as exc:
+                raise TypeError(f"output_path={self.path!r} should hold one type per column, but got "
+                                f"{os.path.basename(file)} disagreeing with the shards before it: {exc}") from None
+            if before is not None and name in self._fixed and not same_field(self._fields[name], before):
+                logger.warning("output_path=%r: shards typing %s differently (writers that raced); reading it as %s",
+                               self.path, name, self._fields[name].type)
+            if not pa.types.is_null(self._fields[name].type):
+                self._fixed.add(name)
 
     def _check(self, schema: pa.Schema, name: str) -> dict:
         """A shard's metadata; refuses a Parquet file dynabatch did not write, or another format, key or keying."""
@@ -462,18 +295,28 @@ class Store:
                 "None (the store keys rows by position)"
             raise ValueError(f"the loader's ids should be {rule}, as for the results at output_path={self.path!r}, "
                              f"but got rows keyed by {self.keyed_by}: use the same ids, or another output_path")
+        if "tree" in meta:
+            meta["tree_names"] = Columns(meta["tree"]).names
         return meta
+
+    def _targets(self, keys: pa.Array, ids: pa.Array | None) -> np.ndarray:
+        """Each stored key's input position among this run's (``-1``: not an input of this run)."""
+        if ids is None:
+            return np.asarray(keys.to_numpy(zero_copy_only=False), dtype=np.int64)
+        if not len(keys):
+            return np.zeros(0, dtype=np.int64)
+        return np.asarray(pc.fill_null(pc.index_in(keys, value_set=ids), -1).to_numpy(), dtype=np.int64)  # no dict
 
     def _locate(self, n: int | None) -> tuple[pa.Array | None, np.ndarray, np.ndarray]:
         """The run's ids, each input's row among every shard's rows in file order (``-1``: none) and its hash."""
-        keys = pa.chunked_array(self._keys, type=self._keys[0].type if self._keys else pa.int64()).combine_chunks()
+        entries = [self._shards[file] for file in self.files]
+        keys = pa.chunked_array([e.keys for e in entries], type=entries[0].keys.type if entries else pa.int64())
+        keys = keys.combine_chunks()
         ids = (pc.unique(keys) if len(keys) else pa.array([], pa.string())) if self._stored_ids else self.ids
         if ids is not None and len(keys) and keys.type != ids.type:
             raise ValueError(f"the loader's ids should be of type {keys.type}, as the ids of the results at "
                              f"output_path={self.path!r}, but got ids of type {ids.type}: use the same ids")
-        target = keys.to_numpy() if ids is None else np.zeros(0) if not len(keys) else \
-            pc.fill_null(pc.index_in(keys, value_set=ids), -1).to_numpy()  # through Arrow, no dict per row
-        target = np.asarray(target, dtype=np.int64)
+        target = self._targets(keys, ids)
         n = len(ids) if ids is not None else n if n is not None else int(target.max()) + 1 if target.size else 0
         inside = np.flatnonzero((target >= 0) & (target < n))
         if inside.size < target.size:
@@ -485,8 +328,29 @@ class Store:
                            inside.size - unique.size)
         where, stored_hash = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.uint64)
         where[unique] = inside[at]
-        stored_hash[unique] = np.concatenate(self._hashes)[inside[at]] if unique.size else 0
+        stored_hash[unique] = np.concatenate([e.hashes for e in entries])[inside[at]] if unique.size else 0
         return ids, where, stored_hash
+
+    def _failures_at(self, where: np.ndarray, ids: pa.Array | None) -> dict[int, str]:
+        """The latest failure record of each input without a row (``where``: each input's row, ``-1``: none)."""
+        files = sorted(self._failed)  # in the order written: a run's shard names start with its time
+        if not files:
+            return {}
+        keys = pa.chunked_array([self._failed[f][0] for f in files]).combine_chunks()
+        causes = pa.chunked_array([self._failed[f][1] for f in files]).combine_chunks()
+        target = self._targets(keys, ids)
+        latest = np.flatnonzero((target >= 0) & (target < len(where)))[::-1]
+        latest = latest[where[target[latest]] < 0]
+        positions, first = np.unique(target[latest], return_index=True)
+        return dict(zip(positions.tolist(), causes.take(pa.array(latest[first])).to_pylist()))
+
+    def failures(self) -> dict[int, str]:
+        """Each input failed and not stored since (position -> its cause, one line), from the failure records in the
+        store now; a rerun runs them again (they are not :attr:`done`)."""
+        with self._lock:
+            self._scan(verify=False)
+            ids, where, _ = self._locate(self.n)
+            return self._failures_at(where, ids)
 
     def check_inputs(self, positions: np.ndarray, hashes: np.ndarray) -> None:
         """Refuses stored rows whose input hash differs from this run's inputs (``hashes``) at ``positions``: a
@@ -499,7 +363,7 @@ class Store:
         if not differ.size:
             fresh = np.unique(positions[stored & ~self._checked[positions]])
             self._checked[fresh] = True
-            self._unchecked -= fresh.size
+            self._unchecked = max(0, self._unchecked - fresh.size)  # none owed where n=None: checked as built
             return
         what = "ids" if self.ids is not None else "positions"
         shown = self.ids.take(pa.array(differ[:5])).to_pylist() if self.ids is not None else differ[:5].tolist()
@@ -511,48 +375,144 @@ class Store:
             + ("" if self.ids is not None else ", or give the loader ids= to key rows by id (a grown or reordered "
                "corpus)"))
 
+    # -- writing -------------------------------------------------------------------------------------------------
     def writer(self, name: Any, *, ids: pa.Array | None = None, exact: bool = False) -> StoreWriter:
         """A :class:`StoreWriter` (``name``: unique per writer of this run). ``ids``: the rows' ids, which positions
-        index (``position`` is -1). ``exact``: shards named ``part-<name>-<seq>``, so that a rewrite replaces them."""
+        index. ``exact``: shards named ``part-<name>-<seq>``, so that a rewrite replaces them."""
         name = re.sub(r"[^\w.]", "_", str(name))
+        with self._lock:
+            self._writers += 1
         return StoreWriter(self, name if exact else f"{self.run}_{name}", ids)
 
-    def _fix(self, row: Any, parts: list[dict] | None = None, varying: Collection[str] = ()) -> Any:
-        """The store's columns for rows like ``row``; with a writer's buffered ``parts``, their fields: fixed by them
-        when no shard is stored yet (after looking for another process's first shard), else checked."""
+    def _admit(self, row: Any, rows: Sequence[Any], varying: Collection[tuple]) -> dict:
+        """Each column's values of ``rows`` (shaped like ``row``), checked against the store's fields and widening
+        those no shard typed yet, so that a row that does not fit is refused before it is buffered."""
         with self._lock:
             self.columns = self.columns or Columns.of(row)
-            if parts is not None and self.schema is None:
-                self._scan(verify=False)
-            if parts is not None and self.schema is None:
-                self.schema = pa.schema(self.columns.fields(parts, varying))
-                return list(self.schema)
-        return self.columns if parts is None else self.columns.fields(parts, stored=self.schema)
+        parts = self.columns.parts(rows)  # the rows joined into columns outside the lock: writers convert at once
+        with self._lock:
+            self._fields.update(self.columns.fit([parts], self._fields, self._fixed, self._varying(varying)))
+        return parts
+
+    def _varying(self, paths: Collection[tuple]) -> set[str]:
+        where = dict(_paths(self.columns.tree))
+        return {where[tuple(path)] for path in paths if tuple(path) in where}
+
+    def _shard_fields(self, parts: list[dict], varying: Collection[str]) -> tuple[list[pa.Field], str]:
+        """A shard's output fields (fixing the columns it types for every later shard) and its metadata."""
+        with self._lock:
+            fitted = self.columns.fit(parts, self._fields, self._fixed, varying)
+            self._fields.update(fitted)
+            self._fixed.update(name for name, field in fitted.items() if not pa.types.is_null(field.type))
+            return list(fitted.values()), self._meta()
+
+    def _meta(self) -> str:
+        meta = {"format": FORMAT, "key": self.key, "keyed_by": self.keyed_by}
+        if self.columns is not None:
+            meta.update(tree=self.columns.tree, kinds=dict(self.columns.kinds))
+        return json.dumps(meta)
+
+    def _keys(self, positions: np.ndarray, hashes: np.ndarray, ids: pa.Array | None) -> dict[str, pa.Array]:
+        """The key columns of rows of input ``positions``: ``position`` (keyed by position) or ``id``, and the input
+        hashes (``ids``: the writer's own, which positions index)."""
+        ids = ids if ids is not None else self.ids
+        key = pa.array(positions) if self.keyed_by == "position" else ids.take(pa.array(positions))
+        return {self.keyed_by: key, "input_hash": pa.array(hashes, pa.uint64())}
+
+    def settle(self) -> None:
+        """Rewrites the shards whose columns are narrower than the store's (a column ``None`` in every row of the
+        shard, typed by a later one), so that every reader of the folder, which takes one shard's schema, reads
+        them all. Call it when no writer of the job writes (:meth:`located` does)."""
+        with self._lock:
+            if self.columns is None or not self.lock.held:
+                return
+            stored = self._stored_schema()
+            for file, entry in list(self._shards.items()):
+                if all(same_field(f, stored.field(f.name)) for f in entry.fields):
+                    continue
+                with contextlib.suppress(FileNotFoundError):  # merged meanwhile: the merged shard is typed
+                    table = _read_whole(file)
+                    keys = [table.schema.field(n) for n in table.column_names if n not in stored.names]
+                    schema = pa.schema([*keys, *stored], metadata={META: self._meta()})
+                    _write_whole(os.path.dirname(file), os.path.basename(file), table.cast(schema),
+                                 use_dictionary=["id"] if self.keyed_by == "id" else False)
+                    self._shards[file] = entry._replace(fields=list(stored))
 
     def located(self, n: int) -> Located:
         """Where each of ``n`` inputs' rows is in the store as it is now (every writer's committed shards), to read
-        them back (:class:`~dynabatch.inference.results.StoredRunResult`)."""
+        them back (:class:`~dynabatch.inference.results.StoredRunResult`); shards settled first (:meth:`settle`)."""
         with self._lock:
             self._scan(verify=False)
+            self.settle()
             ids, where, _ = self._locate(n)
-        return Located(self.path, list(self.files), [len(k) for k in self._keys], where, self.columns,
-                       self._shard_schema, ids)
+            files = self.files
+            return Located(self.path, files, [len(self._shards[f].keys) for f in files], where, self.columns,
+                           self.schema, ids)
+
+    def _writer_closed(self) -> None:
+        with self._lock:
+            self._writers -= 1
+            if self._closing and not self._writers:
+                self.lock.release()
+
+    def close(self, *, job_done: bool = False) -> None:
+        """Gives the store's job lock up, once every writer has closed (:meth:`StoreWriter.close`). Idempotent.
+        ``job_done``: the job is over, its other processes too: their lock records are removed now."""
+        with self._lock:
+            self._closing = True
+            if job_done:
+                self.lock.release_job()
+            elif not self._writers:
+                self.lock.release()
+
+
+def open_store(path: Any, *, key: str | None, n: int | None = None, ids: pa.Array | None = None,
+               job: str | None = None, keyed_by: str | None = None, verify: bool = True) -> Store:
+    """The results store at ``path``, opened for a run over ``n`` inputs (or ``ids``) and held for ``job`` (one string
+    for every process of a job, e.g. a token rank 0 broadcasts; ``None``: this process) until ``store.close()``.
+
+    Raises:
+        StoreBusyError: another live job writes the store (``.holder`` names it).
+        ValueError: not a results store, or one of another ``key``, keying or format.
+        TypeError: shards that type a column differently.
+    """
+    return Store(path, key=key, n=n, ids=ids, job=job, keyed_by=keyed_by, verify=verify)
+
+
+def _paths(node: Any, path: tuple = ()) -> list[tuple[tuple, str]]:
+    """``(row path, column)`` of every column of a rows' structure ``node`` (a path: dict keys and indices)."""
+    return [(path, node)] if isinstance(node, str) else \
+        [leaf for key, child in node[1] for leaf in _paths(child, (*path, key))]
+
+
+_Batch = namedtuple("_Batch", "positions hashes parts")  # rows buffered: their input positions, hashes and columns
+_Failures = namedtuple("_Failures", "positions hashes causes")
 
 
 class StoreWriter:
-    """Buffers rows checked at :meth:`write`; commits them as shards from one background thread; :meth:`close`."""
+    """Buffers rows checked at :meth:`write` and failure records (:meth:`fail`); one background thread commits them
+    as shards (a full buffer at once, else rows :data:`FIRST_SHARD_SECONDS` old for the first shard and
+    :data:`SHARD_SECONDS` for the later ones) and merges small ones; :meth:`close`."""
 
     def __init__(self, store: Store, name: str, ids: pa.Array | None) -> None:
         self.store, self.name, self.ids = store, name, ids
         self.seq, self.rows, self.bytes, self.since = 0, 0, 0, None
-        self.buffer: list[tuple] = []  # (positions, input hashes, each column's part) per batch
+        self.buffer: list[_Batch | _Failures] = []  # in the order written, not a shard yet
+        self.sealed: list[list] = []  # full shards handed to the thread, in order (a failed one first again)
         self._varying: set[tuple] = set()
-        self._thread, self._pending = None, None  # the background thread, the shard it writes
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._writing = False  # the thread is writing a shard
+        self._closing, self._closed, self._error = False, False, None
+        self._levels: list[list[tuple[int, int]]] = []  # small shards not merged yet, by level: (first, last seq)
 
+    # -- the caller's side -------------------------------------------------------------------------------------------
     def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray, varying: Collection[tuple] = ()) -> None:
         """Adds rows (``rows[i]`` of input ``positions[i]``, input hash ``hashes[i]``; ``None`` rows are not stored);
         ``varying``: row paths (keys and indices; ``()``: the row) of per-token tensors, stored as lists. Raises
-        ``TypeError`` / ``ValueError`` for a row the columns cannot hold, ``RuntimeError`` before check_inputs."""
+        ``TypeError`` / ``ValueError`` naming the column for a row the store's columns cannot hold (nothing of the
+        call kept), ``RuntimeError`` before check_inputs, and an error of an earlier commit that failed for good."""
+        self._raise_error()
         keep = [i for i, row in enumerate(rows) if row is not None]
         if not keep:
             return
@@ -560,71 +520,198 @@ class StoreWriter:
             raise RuntimeError(f"output_path={self.store.path!r}: {self.store._unchecked} stored rows of this run's "
                                "inputs should be checked (store.check_inputs) before the run writes, so that a run "
                                "over other inputs is refused before it writes a row")
-        columns = self.store._fix(rows[keep[0]])
-        parts = columns.parts([rows[i] for i in keep])
-        if self.store.schema is not None:
-            columns.fields([parts], stored=self.store.schema)
-        self._varying.update(tuple(path) for path in varying)
+        parts = self.store._admit(rows[keep[0]], [rows[i] for i in keep], varying)
         positions = np.asarray(positions, dtype=np.int64)[keep]
-        self.buffer.append((positions, np.asarray(hashes, dtype=np.uint64)[keep], parts))
-        self.rows += len(positions)
-        self.bytes += positions.nbytes * 2 + sum(p.values.nbytes for p in parts.values() if p.values is not None)
-        self.since = time.monotonic() if self.since is None else self.since
-        if self.rows >= SHARD_ROWS or self.bytes >= SHARD_BYTES or time.monotonic() - self.since >= SHARD_SECONDS:
-            self._submit()
+        hashes = np.asarray(hashes if hashes is not None else np.zeros(len(rows)), dtype=np.uint64)[keep]
+        size = positions.nbytes * 2 + sum(p.values.nbytes for p in parts.values() if p.values is not None)
+        self._add(_Batch(positions, hashes, parts), len(positions), size, varying)
 
-    def _submit(self) -> None:
-        """Hands the buffered rows to the background thread as one shard, once the shard before it is on disk."""
-        if not self.buffer:
-            return
-        where = dict(_leaves(self.store.columns.tree))  # each row path's column
-        fields = self.store._fix(None, [b[2] for b in self.buffer], {where[path] for path in self._varying if path in where})
-        buffer, name = self.buffer, f"part-{self.name}-{self.seq:05d}.parquet"
-        self.seq, self.buffer, self.rows, self.bytes, self.since = self.seq + 1, [], 0, 0, None
-        self._wait()
-        self._thread = self._thread or ThreadPoolExecutor(max_workers=1, thread_name_prefix="dynabatch-store")
-        self._pending = self._thread.submit(self._commit, buffer, name, fields)
+    def fail(self, positions: np.ndarray, hashes: np.ndarray | None, causes: Sequence[Any]) -> None:
+        """Records inputs that failed (``causes[i]``: why input ``positions[i]`` has no row, its first line kept),
+        committed with the rows: :meth:`Store.failures` reports them until a row is stored for them."""
+        self._raise_error()
+        positions = np.asarray(positions, dtype=np.int64)
+        if len(causes) != len(positions):
+            raise bad_value("causes", f"one per position ({len(positions)})", causes)
+        lines = [(str(c).strip().splitlines() or [type(c).__name__])[0][:500] for c in causes]
+        hashes = np.asarray(hashes if hashes is not None else np.zeros(len(positions)), dtype=np.uint64)
+        if len(positions):
+            self._add(_Failures(positions, hashes, lines), len(positions), positions.nbytes * 2, ())
 
-    def _commit(self, buffer: list, name: str, fields: list[pa.Field]) -> None:
-        """Writes one shard whole: a temporary file with page checksums, fsynced, renamed into place."""
-        positions = np.concatenate([b[0] for b in buffer])
-        ids = self.ids if self.ids is not None else self.store.ids
-        keys = {"position": pa.array(positions if self.ids is None else np.full(len(positions), -1))}
-        if ids is not None:
-            keys["id"] = ids.take(pa.array(positions))
-        keys["input_hash"] = pa.array(np.concatenate([b[1] for b in buffer]))
-        columns = self.store.columns
-        outputs = columns.table([b[2] for b in buffer], fields)
-        meta = json.dumps({"format": FORMAT, "key": self.store.key, "keyed_by": self.store.keyed_by,
-                           "tree": columns.tree, "kinds": dict(columns.kinds)})
-        table = pa.Table.from_arrays([*keys.values(), *outputs.columns], schema=pa.schema(
-            [pa.field(k, v.type) for k, v in keys.items()] + fields, metadata={META: meta}))
-        temp = os.path.join(self.store.path, f".tmp-{_HOST}-{os.getpid()}-{name}")
-        pq.write_table(table, temp, use_dictionary=["id"] if ids is not None else False, write_page_checksum=True,
-                       write_statistics=list(keys)[:-1])
-        _fsync(temp)
-        os.replace(temp, os.path.join(self.store.path, name))
-        _fsync(self.store.path)  # the rename survives a crash
-        del table, outputs
-        trim()  # the shard's buffers are freed: resident memory stays flat over a long run
+    def _add(self, entry: Any, rows: int, size: int, varying: Collection[tuple]) -> None:
+        with self._wake:
+            while self.sealed and self._writing and self._error is None:
+                self._wake.wait(0.1)  # the disk is behind: rows wait here rather than pile up in memory
+            self._varying.update(tuple(path) for path in varying)
+            self.buffer.append(entry)
+            self.rows, self.bytes = self.rows + rows, self.bytes + size
+            self.since = time.monotonic() if self.since is None else self.since
+            if self.rows >= SHARD_ROWS or self.bytes >= SHARD_BYTES:
+                self._seal()
+            self._start()
+            self._wake.notify_all()
 
-    def _wait(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()  # a failed write raises here
+    def _seal(self) -> None:
+        """Hands the buffer to the thread as one shard."""
+        if self.buffer:
+            self.sealed.append(self.buffer)
+        self.buffer, self.rows, self.bytes, self.since = [], 0, 0, None
+
+    def _start(self) -> None:
+        """Starts the committing thread where there are rows and none runs."""
+        if self._thread is None and (self.sealed or self.buffer):
+            self._thread = threading.Thread(target=self._commit_loop, name=f"dynabatch-store-{self.name}",
+                                            daemon=True)
+            self._thread.start()
+
+    def _raise_error(self) -> None:
+        with self._wake:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     def close(self, commit: bool = True) -> None:
-        """Ends the writer: the buffered rows committed (``commit=True``) or dropped; a shard already handed to the
-        thread lands whole. The thread has stopped when this returns, also when an error (Ctrl-C) interrupts it."""
-        try:
+        """Ends the writer: the buffered rows committed (``commit=True``) or dropped; full shards handed to the
+        thread land whole either way. Raises the error of a commit that failed for good (after
+        :data:`WRITE_ATTEMPTS` tries; its rows stay, and a later ``close()`` tries them again). The thread has
+        stopped when this returns."""
+        with self._wake:
             if commit:
-                self._submit()
+                self._seal()
             self.buffer, self.rows, self.bytes, self.since = [], 0, 0, None
-            self._wait()
+            self._closing = True
+            if self._error is None:
+                self._start()
+            self._wake.notify_all()
+            thread = self._thread
+        try:
+            if thread is not None:
+                thread.join()
         finally:
-            if self._thread is not None:
-                self._thread.shutdown(wait=True)
-                self._thread = None
+            if thread is not None:
+                thread.join()  # again where Ctrl-C cut the first wait short: stopped when this returns
+            with self._wake:
+                first, self._closed = not self._closed, True
+            if first:  # the store's lock is given up once every writer closed, whatever the outcome
+                self.store._writer_closed()
+        self._raise_error()
 
+    # -- the committing thread -------------------------------------------------------------------------------------
+    def _commit_loop(self) -> None:
+        """Commits each shard handed over, and the buffer once its rows are old enough, until the writer closes or a
+        commit fails for good."""
+        while True:
+            with self._wake:
+                while not self.sealed and not (self._closing and not self.buffer):
+                    wait = FIRST_SHARD_SECONDS if self.seq == 0 else SHARD_SECONDS
+                    if self.since is not None and time.monotonic() - self.since >= wait:
+                        self._seal()
+                        break
+                    self._wake.wait(None if self.since is None else max(0.01, self.since + wait - time.monotonic()))
+                if not self.sealed:
+                    self._thread = None
+                    return
+                taken, seq, self._writing, self.seq = self.sealed.pop(0), self.seq, True, self.seq + 1
+            try:
+                size = self._commit(taken, seq)
+            except BaseException as exc:  # noqa: BLE001 (raised in the caller's thread at its next write or close)
+                with self._wake:
+                    self.sealed.insert(0, taken)  # kept, in order, for a later close() to try again
+                    self._writing, self._error, self._thread = False, exc, None
+                    self._wake.notify_all()
+                return
+            with self._wake:
+                self._writing = False
+                self._wake.notify_all()
+            self._compact(seq, size)
 
-open_store = Store  # open_store(path, key=..., n=..., ids=...): the store at path, opened for a run
+    def _commit(self, taken: list, seq: int) -> int:
+        """Writes the rows and failure records ``taken`` as shard ``seq`` (each whole or not at all); the rows'
+        shard's size in bytes (0: none)."""
+        store = self.store
+        if not store.lock.held:
+            raise StoreBusyError(f"output_path={store.path!r} should be held by this job while it writes, but "
+                                 + ("another job took it over (this process's heartbeat was not refreshed for longer "
+                                    "than the lease)" if store.lock.lost else "the store was closed")
+                                 + "; the rows not committed are not stored")
+        name = f"part-{self.name}-{seq:05d}.parquet"
+        failures = [e for e in taken if isinstance(e, _Failures)]
+        if failures:
+            keys = store._keys(np.concatenate([e.positions for e in failures]),
+                               np.concatenate([e.hashes for e in failures]), self.ids)
+            keys["cause"] = pa.array([c for e in failures for c in e.causes], pa.string())
+            folder = os.path.join(store.path, FAILED)
+            os.makedirs(folder, exist_ok=True)
+            _write_whole(folder, name, pa.table(keys).replace_schema_metadata({META: store._meta()}))
+        batches = [e for e in taken if isinstance(e, _Batch)]
+        if not batches:
+            return 0
+        fields, meta = store._shard_fields([b.parts for b in batches], store._varying(self._varying))
+        keys = store._keys(np.concatenate([b.positions for b in batches]),
+                           np.concatenate([b.hashes for b in batches]), self.ids)
+        outputs = store.columns.table([b.parts for b in batches], fields)
+        table = pa.Table.from_arrays([*keys.values(), *outputs.columns], schema=pa.schema(
+            [pa.field(k, v.type) for k, v in keys.items()] + fields, metadata={META: meta}))
+        del outputs
+        size = _write_whole(store.path, name, table, use_dictionary=["id"] if "id" in keys else False,
+                            write_statistics=[store.keyed_by])
+        del table
+        trim()  # the shard's buffers are freed: resident memory stays flat over a long run
+        return size
+
+    def _compact(self, seq: int, size: int) -> None:
+        """Merges this writer's small shards (under :data:`SHARD_BYTES`) by levels: :data:`COMPACT_SHARDS` shards of
+        a level into one of the next (each row rewritten once per level, a few times in all). A merged shard
+        ``part-<writer>-<first>-<last>`` is written whole before its parts are removed (see :func:`_covered`), so a
+        crash at any point leaves each row in exactly one shard. Merged ranges stay contiguous: a full shard ends the
+        merging of the smaller ones before it."""
+        span = (seq, seq)
+        if size >= SHARD_BYTES:
+            self._levels = []
+            return
+        for level in itertools.count():
+            if len(self._levels) == level:
+                self._levels.append([])
+            self._levels[level].append(span)
+            if len(self._levels[level]) < COMPACT_SHARDS:
+                return
+            spans, self._levels[level] = self._levels[level], []
+            span = (spans[0][0], spans[-1][1])
+            parts = [f"part-{self.name}-{a:05d}{'' if a == b else f'-{b:05d}'}.parquet" for a, b in spans]
+            merged = f"part-{self.name}-{span[0]:05d}-{span[1]:05d}.parquet"
+            try:
+                size = self._merge(self.store.path, parts, merged, rows=True)
+                self._merge(os.path.join(self.store.path, FAILED), parts, merged, rows=False)
+            except OSError as exc:  # the small shards hold every row still: a slower store to open, nothing lost
+                logger.warning("output_path=%r: merging %d small shards failed (%s); they stay as they are",
+                               self.store.path, len(parts), exc)
+                self._levels = []
+                return
+            self._remove(parts)
+            if size >= SHARD_BYTES:
+                del self._levels[level + 1:]  # the older, smaller shards merge no more
+                return
+
+    def _remove(self, parts: list[str]) -> None:
+        """Removes merged shards and their failure records (a crash before: the next open removes them)."""
+        for folder in (self.store.path, os.path.join(self.store.path, FAILED)):
+            for name in parts:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(folder, name))
+
+    def _merge(self, folder: str, parts: list[str], merged: str, *, rows: bool) -> int:
+        """Writes the ``parts`` of ``folder`` that exist as one file ``merged`` (rows cast to the store's fields)."""
+        files = [os.path.join(folder, p) for p in parts if os.path.exists(os.path.join(folder, p))]
+        if not files:
+            return 0
+        tables = [_read_whole(f) for f in files]
+        schema = tables[0].schema
+        if rows:
+            with self.store._lock:
+                stored = self.store._stored_schema()
+                meta = self.store._meta()
+            keys = [f for f in schema if f.name not in stored.names]
+            schema = pa.schema([*keys, *stored], metadata={META: meta})
+        table = pa.concat_tables([t.cast(schema) for t in tables])
+        del tables
+        return _write_whole(folder, merged, table, use_dictionary=["id"] if "id" in schema.names else False)

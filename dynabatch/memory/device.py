@@ -19,6 +19,10 @@ out-of-memory error of that device.
   :func:`simulated_memory`: a device of a declared size, which runs out of
   memory beyond it (how the planner is checked to fill a device without one).
 
+Each backend also moves a batch's tensors to its device (:meth:`DeviceBackend.copier`): a plain copy, or on CUDA
+and XPU a :class:`StreamCopier` (a copy stream of its own, the compute stream waiting on its event), and tells
+device failures (:meth:`DeviceBackend.is_device_failure`: the device or its context is lost) from other errors.
+
 Adding a device type is one class here, registered with :func:`register_backend`
 (a backend over torch's allocator statistics is a subclass of
 :class:`AllocatorBackend` naming its type). Nothing else in dynabatch calls
@@ -47,7 +51,7 @@ import contextlib
 import gc
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -61,19 +65,23 @@ if TYPE_CHECKING:
 __all__ = [
     "AllocatorBackend",
     "AllocatorPeakTracker",
+    "Copier",
     "CpuBackend",
     "CudaBackend",
     "DeviceBackend",
     "MpsBackend",
+    "StreamCopier",
     "XpuBackend",
     "backend_of",
     "backends",
+    "copier",
     "default_accelerator",
     "default_device",
     "device_count",
     "device_in_use",
     "free_bytes",
     "free_memory",
+    "is_device_failure",
     "is_out_of_memory_error",
     "known_backend",
     "knows_memory",
@@ -114,6 +122,8 @@ class DeviceBackend:
     """Whether batches copy here asynchronously from pinned host memory (``non_blocking``)."""
     cappable: ClassVar[bool] = False
     """Whether :meth:`capped` can hold this process under a limit here."""
+    failure_messages: ClassVar[tuple[str, ...]] = ()
+    """Texts of this device's runtime errors (a lost device, a corrupted context) raised as a ``RuntimeError``."""
 
     def module(self) -> Any:
         """torch's module of this device type (``torch.cuda``), or ``None``."""
@@ -185,6 +195,16 @@ class DeviceBackend:
         """Whether ``exc`` is this device's out-of-memory error."""
         return isinstance(exc, RuntimeError) and any(m in str(exc) for m in self.out_of_memory_messages)
 
+    def is_device_failure(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says this device (or its context) failed, rather than the work on it: an error of
+        the device's runtime (:data:`failure_messages`), never an out-of-memory error."""
+        return isinstance(exc, RuntimeError) and any(m in str(exc) for m in self.failure_messages) \
+            and not self.is_out_of_memory(exc)
+
+    def copier(self, device: torch.device) -> Copier:
+        """What moves a batch's tensors to ``device`` (:class:`Copier`: ``tensor.to(device)``)."""
+        return Copier(device, non_blocking=False)
+
 
 class AllocatorPeakTracker:
     """A block's peak bytes from a caching allocator's statistics (reset the peak, read allocated and the peak).
@@ -229,6 +249,45 @@ class AllocatorPeakTracker:
             self.segment_peak_bytes = self._segment()
         finally:
             self.backend.close_tracker(self)
+
+
+class Copier:
+    """Moves a batch's tensors to ``device`` (``tensor.to(device)``; ``non_blocking`` from pinned host memory where
+    the device copies asynchronously); other values are kept as they are."""
+
+    def __init__(self, device: torch.device, *, non_blocking: bool) -> None:
+        self.device, self.non_blocking = device, non_blocking
+
+    def __call__(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        return {key: value.to(self.device, non_blocking=self.non_blocking) if isinstance(value, torch.Tensor)
+                else value for key, value in tensors.items()}
+
+
+class StreamCopier(Copier):
+    """Copies on a stream of its own (``module``: ``torch.cuda`` or ``torch.xpu``), so a batch's copy never queues
+    behind the compute before it.
+
+    The device's current (compute) stream waits for the copy through an event, not the host; each copied tensor is
+    recorded as used by the compute stream (``record_stream``), so the caching allocator does not hand its memory to
+    another copy while the compute that reads it may still run. The pinned host buffers are kept until their copy
+    is done by torch's pinned-memory allocator, which records the copy stream's use of them.
+    """
+
+    def __init__(self, module: Any, device: torch.device) -> None:
+        super().__init__(device, non_blocking=True)
+        self.module = module
+        self.stream = module.Stream(device=device)
+
+    def __call__(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        compute = self.module.current_stream(self.device)
+        with self.module.stream(self.stream):
+            moved = super().__call__(tensors)
+            copied = self.stream.record_event()
+        compute.wait_event(copied)
+        for value in moved.values():
+            if isinstance(value, torch.Tensor) and value.device.type == self.device.type:
+                value.record_stream(compute)
+        return moved
 
 
 _OPEN_TRACKERS: dict[torch.device, list[AllocatorPeakTracker]] = {}  # by device: the trackers open on it
@@ -305,6 +364,12 @@ class AllocatorBackend(DeviceBackend):
         finally:
             self._call("set_per_process_memory_fraction", 1.0, device)
 
+    def copier(self, device: torch.device) -> Copier:
+        """A :class:`StreamCopier` (a copy stream of its own) where torch has streams for this device."""
+        if self.available() and callable(getattr(self.module(), "Stream", None)):
+            return StreamCopier(self.module(), device)
+        return Copier(device, non_blocking=self.available())
+
     def peak_tracker(self, device: torch.device, limit_bytes: int | None = None) -> AllocatorPeakTracker:
         if limit_bytes is not None:
             raise bad_value("limit_bytes", f"None on a {self.type.upper()} device (the device's own memory is the "
@@ -321,6 +386,10 @@ class CudaBackend(AllocatorBackend):
     # (a cuBLAS handle or workspace, a kernel's own buffers): each is freed by smaller calls as well.
     out_of_memory_messages = ("CUDA out of memory", "HIP out of memory", "CUDA error: out of memory",
                               "HIP error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+    # The runtime's own errors: an illegal access, a device-side assert, a launch failure, an ECC error or a GPU
+    # that fell off the bus leave the context unusable (torch >= 2.8 raises them as torch.AcceleratorError).
+    failure_messages = ("CUDA error:", "HIP error:", "CUDA driver error", "CUBLAS_STATUS_EXECUTION_FAILED",
+                        "NCCL error")
 
 
 @register_backend
@@ -442,6 +511,20 @@ def pins_memory(device: Any) -> bool:
     return backend is not None and backend.pinned_copies and backend.available()
 
 
+def copier(device: Any) -> Copier | None:
+    """What moves batches to ``device`` (:meth:`DeviceBackend.copier`); ``None`` for ``device=None`` (batches stay
+    where they are built). A device torch cannot parse, or of a type without a backend, gets a plain
+    :class:`Copier`: its first copy names the error."""
+    if device is None:
+        return None
+    try:
+        dev = _as_device(device)
+    except (RuntimeError, TypeError):
+        return Copier(device, non_blocking=False)
+    backend = known_backend(dev.type)
+    return backend.copier(dev) if backend is not None else Copier(dev, non_blocking=False)
+
+
 def make_current(device: Any) -> None:
     """Makes ``device`` current in the calling thread (its type's ``set_device``; nothing on the CPU)."""
     dev = _as_device(device)
@@ -453,6 +536,25 @@ def is_out_of_memory_error(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError):
         return True
     return any(b.is_out_of_memory(exc) for b in _BACKENDS.values())
+
+
+def is_device_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says a device failed (``torch.AcceleratorError``, or any backend's runtime error text), not
+    the work on it. An out-of-memory error is never one: smaller calls fit.
+
+    Example:
+        >>> import torch
+        >>> is_device_failure(RuntimeError("CUDA error: an illegal memory access was encountered"))
+        True
+        >>> is_device_failure(torch.OutOfMemoryError("CUDA out of memory")), is_device_failure(ValueError("bad row"))
+        (False, False)
+    """
+    if is_out_of_memory_error(exc):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return any(b.is_device_failure(exc) for b in _BACKENDS.values())
 
 
 def free_memory() -> None:

@@ -26,7 +26,7 @@ it is piecewise linear in ``r``: :meth:`MemoryModel.max_rows` is closed form.
 The probes are kept (:attr:`MemoryModel.probes_`); a probe that ran out of
 memory is a lower bound when the bytes it exceeded are known, and caps the rows
 at its length and longer either way. :meth:`MemoryModel.observe` adds a measured
-point and refits (how ``run(adapt=True)`` refines the model online).
+point and refits (how ``run(memory="measured")`` refines the model online).
 
 Example:
     >>> from dynabatch.memory.model import MemoryModel

@@ -7,7 +7,7 @@ dropped (it holds the failed call's tensors) and memory is freed, so the
 caller can retry smaller at once.
 
 The policy, used by :func:`dynabatch.run`'s executor, training's
-:class:`~dynabatch.training.oom_guardian.OOMGuardian` and
+:class:`~dynabatch.training.step_guard.StepGuard` and
 :class:`~dynabatch.memory.budget.MemoryBudget` alike:
 
 * a call that ran out of memory is retried in halves (:func:`split_sizes`);

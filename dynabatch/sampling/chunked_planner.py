@@ -2,7 +2,7 @@
 
 A streamed corpus is tokenized in chunks, longest (by characters) first
 (:class:`~dynabatch.data.streaming.TokenStream`), and a rank under
-``run(lockstep=False)`` gets the chunks it claims. The chunked planner plans
+``run(ranks="claim")`` gets the chunks it claims. The chunked planner plans
 each chunk as it arrives, with the one planner over that chunk's lengths
 (sorted longest first within it), and hands its batches out before the next
 chunk is asked for. It is the batch planner's online interface

@@ -6,8 +6,8 @@ bins make a batch. The planner packs each group of ``group_size`` sequences
 first fit, in a shuffled order (as axolotl does since 2025) or longest first
 (first-fit decreasing, FFD, as axolotl did before) when that needs fewer bins,
 so it never needs more bins than either (``algorithm="ffd"`` keeps the exact
-FFD bins; see :mod:`dynabatch.sampling._ffd_kernels`). The functions and the
-sampler keep axolotl's names, argument order, defaults and return shapes.
+FFD bins; see :mod:`dynabatch.sampling._ffd_kernels`). The sampler keeps
+axolotl's names, argument order, defaults and return shapes.
 
 What this implementation adds to the reference:
 
@@ -34,10 +34,10 @@ What this implementation adds to the reference:
   the HF ``Trainer`` hook (:class:`dynabatch.training.hf.BatchSamplerTrainer`)
   takes it like any other dynabatch sampler.
 
-The packing functions (``ffd_check``, ``pack_group``, ``pack_parallel``,
-``allocate_sequentially``) live in :mod:`dynabatch.sampling.ffd` and are
-re-exported here, where axolotl's module has them; the compiled kernels (and why
-numba) in :mod:`dynabatch.sampling._ffd_kernels`.
+The packer is :func:`dynabatch.sampling.ffd.pack_arrays`, its compiled kernels
+(and why numba) in :mod:`dynabatch.sampling._ffd_kernels`; axolotl's packing
+functions (``ffd_check``, ``pack_group``, ``pack_parallel``,
+``allocate_sequentially``) are in :mod:`dynabatch.compat.axolotl`.
 
 Example:
     >>> import numpy as np
@@ -77,19 +77,11 @@ from dynabatch._validation import (
 )
 from dynabatch.sampling._ffd_kernels import bins_to_lists, sequential_offsets
 from dynabatch.sampling.base import PlannedBatchSampler
-from dynabatch.sampling.ffd import (
-    allocate_sequentially,
-    check_algorithm,
-    check_fits,
-    ffd_check,
-    pack_arrays,
-    pack_group,
-    pack_parallel,
-)
+from dynabatch.sampling.ffd import check_algorithm, check_fits, pack_arrays
 from dynabatch.sampling.ranks import reduce_across_ranks
 from dynabatch.sampling.smart import as_lengths
 
-__all__ = ["MultipackBatchSampler", "allocate_sequentially", "ffd_check", "pack_group", "pack_parallel"]
+__all__ = ["MultipackBatchSampler"]
 
 LOG = logging.getLogger(__name__)
 
@@ -128,7 +120,7 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
         group_size: Sequences per packing group.
         bin_size: Maximum number of sequences in one bin.
         num_processes: processes for packing the groups (``None``: this process).
-        safe_mode: passed to :func:`pack_parallel`.
+        safe_mode: kept for compatibility: a group may always open one bin per sequence, so it never binds.
         mp_start_method: start method of those processes.
         **kwargs: dynabatch's additions, all optional: ``seed`` (0; with the epoch
             seeds the order of a ``RandomSampler``), ``oversized`` (``"error"``,

@@ -6,7 +6,7 @@ without model shape, or a calibrated memory model; see
 :mod:`dynabatch.sampling.estimators`) it gives the whole plan up front
 (:meth:`~BatchPlanner.batches`, what the loader serves) or batch after batch,
 told each measured peak (:meth:`~BatchPlanner.next_batch` and
-:meth:`~BatchPlanner.observe`, what ``run(adapt=True)`` uses).
+:meth:`~BatchPlanner.observe`, what ``run(memory="measured")`` uses).
 :func:`plan_batches` and :func:`plan_batch_sizes` are the functional forms.
 
 Texts are sorted longest first (stable). The first batch is exactly

@@ -51,7 +51,7 @@ What the hook takes care of:
   had read ahead; resuming with other data or settings is refused.
 * **Out of memory** (``split_on_oom=True``, the default). Every micro-batch
   runs through the one out-of-memory guard
-  (:func:`~dynabatch.training.oom_guardian.guarded_step`): one that runs out
+  (:func:`~dynabatch.training.step_guard.guarded_step`): one that runs out
   of memory, in the forward or the backward, is run again in halves whose
   gradients add up to the whole micro-batch's (each part's loss is its share
   of the micro-batch's, so the step equals the unsplit one within float
@@ -105,9 +105,9 @@ from dynabatch.data.packing import PackedDataset
 from dynabatch.memory.shape import ModelShape
 from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.training._eval_batches import EvalBatchSampler, eval_lengths, in_order
-from dynabatch.training._trainer_plan import sync_gradients
+from dynabatch.training.gradients import sync_gradients
 from dynabatch.training.loss import count_items
-from dynabatch.training.oom_guardian import OOMGuardian, guarded_step
+from dynabatch.training.step_guard import StepGuard, guarded_step
 
 __all__ = ["SAMPLER_STATE_FILE", "BatchSamplerTrainer", "BatchSamplerTrainerMixin", "Seq2SeqBatchSamplerTrainer"]
 
@@ -211,7 +211,7 @@ class BatchSamplerTrainerMixin:
         super().__init__(*args, **kwargs)
         self.train_batch_sampler = train_batch_sampler
         self.split_on_oom = split_on_oom
-        self.oom_guardian = OOMGuardian(self.args.device)
+        self.oom_guardian = StepGuard()
         """What the out-of-memory errors of training taught (``num_out_of_memory``, the sizes that ran)."""
         self._loss_share = 1.0  # the share of its micro-batch's loss a part of it carries (see training_step)
         self._divides_by_count: bool | None = None  # whether the model's loss follows num_items_in_batch

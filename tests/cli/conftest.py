@@ -1,11 +1,14 @@
 """Fixtures of the command-line tests: tiny random-weight model folders (made once per session), a corpus, and
 subprocess runs of ``python -m dynabatch`` that can be stopped after their first stored shard."""
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,28 +16,36 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 # Loaded by every Python process of a stalled run (a sitecustomize module on PYTHONPATH): a shard is committed every
-# 8 rows and the writer never commits a second one, so the process is surely mid-run when the test kills it.
+# 8 rows, and once a shard of the process is in place its next write of rows stalls, so the process is surely mid-run
+# when the test kills it.
 STALL_HOOK = '''
+import os
+import time
+
 from dynabatch.inference import store
 
 store.SHARD_ROWS = 8
-_commit = store.StoreWriter._commit
-_written = []
+_replace, _write = os.replace, store.StoreWriter.write
+_committed = []
 
 
-def _stall_after_first(self, *args, **kwargs):
-    if _written:  # stall until killed; a rank whose launcher (torchrun) was killed is orphaned: it exits then
-        import os
-        import time
+def _replace_noting(src, dst, *args, **kwargs):
+    _replace(src, dst, *args, **kwargs)
+    if os.path.basename(os.fspath(dst)).startswith("part-"):
+        _committed.append(dst)
 
+
+def _stall_once_committed(self, *args, **kwargs):
+    if _committed:  # stall until killed; a rank whose launcher (torchrun) was killed is orphaned: it exits then
         parent = os.getppid()
         while os.getppid() == parent:
             time.sleep(0.2)
         os._exit(1)
-    _written.append(_commit(self, *args, **kwargs))
+    return _write(self, *args, **kwargs)
 
 
-store.StoreWriter._commit = _stall_after_first
+os.replace = _replace_noting
+store.StoreWriter.write = _stall_once_committed
 '''
 
 
@@ -69,6 +80,71 @@ def gpt2_dir(tmp_path_factory, tokenizer):
     return folder
 
 
+# How sentence-transformers versions 2 to 5 saved a folder (the files each wrote; version 6 is the installed one, which
+# saves its own). Each layout pools its own way, so that pooling and Normalize are read from the folder too.
+_POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+ST_LAYOUTS = {
+    "2.2.2": {"pooling": "mean_tokens", "normalize": True, "config": {}},
+    "3.0.1": {"pooling": "cls_token", "normalize": False,
+              "config": {"prompts": {}, "default_prompt_name": None, "similarity_fn_name": None}},
+    "4.1.0": {"pooling": "max_tokens", "normalize": True,
+              "config": {"prompts": {"query": "query: "}, "default_prompt_name": "query", "similarity_fn_name": "cosine"}},
+    "5.0.0": {"pooling": "lasttoken", "normalize": False,
+              "config": {"model_type": "SentenceTransformer", "prompts": {"query": "query: ", "document": "passage: "},
+                         "default_prompt_name": None, "similarity_fn_name": "cosine"}},
+}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def _sentence_transformers_folder(bert_dir: Path, folder: Path, version: str, max_seq_length: int) -> Path:
+    """``bert_dir`` saved as sentence-transformers ``version`` saved a model at ``max_seq_length``: 2.x kept it in
+    sentence_bert_config.json alone, 3.x to 5.0 there and in the tokenizer's model_max_length, 6.x (the installed
+    version's own ``save``) in the tokenizer's model_max_length alone."""
+    if version.startswith("6."):
+        from sentence_transformers import SentenceTransformer
+        from sentence_transformers.sentence_transformer import modules
+
+        transformer = modules.Transformer(str(bert_dir), max_seq_length=max_seq_length)
+        SentenceTransformer(modules=[transformer, modules.Pooling(32, pooling_mode="mean"), modules.Normalize()],
+                            prompts={"query": "query: ", "document": "passage: "}, default_prompt_name="document",
+                            device="cpu").save(str(folder))
+        return folder
+    layout = ST_LAYOUTS[version]
+    shutil.copytree(bert_dir, folder)
+    if not version.startswith("2."):  # loaded with model_max_length=max_seq_length, saved so
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+        _write_json(folder / "tokenizer_config.json", {**tokenizer_config, "model_max_length": max_seq_length})
+    _write_json(folder / "sentence_bert_config.json", {"max_seq_length": max_seq_length, "do_lower_case": False})
+    versions = {"sentence_transformers": version, "transformers": "4.41.2", "pytorch": "2.3.0"}
+    _write_json(folder / "config_sentence_transformers.json", {"__version__": versions, **layout["config"]})
+    modes = _POOLING_MODES[:4] if version.startswith("2.") else _POOLING_MODES
+    _write_json(folder / "1_Pooling" / "config.json", {
+        "word_embedding_dimension": 32, **{f"pooling_mode_{m}": m == layout["pooling"] for m in modes},
+        **({} if version.startswith("2.") else {"include_prompt": True})})
+    kinds = ["Transformer", "Pooling"] + (["Normalize"] if layout["normalize"] else [])
+    _write_json(folder / "modules.json", [
+        {"idx": i, "name": str(i), "path": "" if i == 0 else f"{i}_{kind}", "type": f"sentence_transformers.models.{kind}"}
+        for i, kind in enumerate(kinds)])
+    if layout["normalize"]:
+        (folder / "2_Normalize").mkdir()
+    return folder
+
+
+@pytest.fixture(scope="session")
+def st_folder(bert_dir, tmp_path_factory):
+    """``st_folder(version, max_seq_length=16)``: the tiny BERT saved as that sentence-transformers version did."""
+
+    def make(version: str, max_seq_length: int = 16) -> Path:
+        return _sentence_transformers_folder(bert_dir, tmp_path_factory.mktemp(f"st-{version}") / "model", version,
+                                             max_seq_length)
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def texts():
     """120 real texts of 1 to 40 words."""
@@ -90,21 +166,23 @@ def _write_corpus(folder: Path, texts: list[str], ids: list) -> Path:
     return corpus
 
 
-def _environment(stall_in: Path | None = None) -> dict:
+def _environment(hook_in: Path | None = None, hook: str = STALL_HOOK) -> dict:
     """The environment of a command's subprocess: this checkout first, offline, one thread per process; with
-    ``stall_in`` (a folder for the hook), runs stall after their first stored shard."""
-    path = [str(REPO)] + ([str(stall_in)] if stall_in is not None else [])
-    if stall_in is not None:
-        (stall_in / "sitecustomize.py").write_text(STALL_HOOK)
+    ``hook_in`` (a folder for it), ``hook`` is loaded by every Python process as a sitecustomize module (by default
+    runs stall after their first stored shard)."""
+    path = [str(REPO)] + ([str(hook_in)] if hook_in is not None else [])
+    if hook_in is not None:
+        hook_in.mkdir(exist_ok=True)
+        (hook_in / "sitecustomize.py").write_text(hook)
     return dict(os.environ, PYTHONPATH=os.pathsep.join(path), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
                 TOKENIZERS_PARALLELISM="false")
 
 
-def _kill_after_first_shard(command: list[str], store: Path, hook: Path, timeout: float = 120) -> None:
-    """Starts ``command`` stalling after its first stored shard, waits for that shard, and SIGKILLs its process
-    group (a torchrun launcher and its ranks too)."""
-    hook.mkdir(exist_ok=True)
-    log = hook / "stalled.log"
+def _kill_after_first_shard(command: list[str], store: Path, hook: Path, timeout: float = 120,
+                            while_stalled: Callable[[], None] | None = None) -> None:
+    """Starts ``command`` stalling after its first stored shard, waits for that shard, calls ``while_stalled()``
+    (if given) and SIGKILLs its process group (a torchrun launcher and its ranks too)."""
+    log = hook.parent / f"{hook.name}.log"
     with open(log, "w") as out:
         process = subprocess.Popen(command, env=_environment(hook), stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
@@ -114,15 +192,20 @@ def _kill_after_first_shard(command: list[str], store: Path, hook: Path, timeout
             assert process.poll() is None, f"the run ended before its first shard:\n{log.read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"no shard within {timeout} s:\n{log.read_text()[-3000:]}"
             time.sleep(0.05)
+        if while_stalled is not None:
+            while_stalled()
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
 
 
-def _run_command(command: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
-    """Runs ``command`` to its end; fails the test with its output unless it exits with 0."""
-    done = subprocess.run(command, env=_environment(), capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+def _run_command(command: list[str], timeout: float = 180, *, hook: str | None = None, hook_in: Path | None = None,
+                 status: int = 0) -> subprocess.CompletedProcess:
+    """Runs ``command`` to its end (with ``hook`` loaded from the folder ``hook_in``, as :func:`_environment` does);
+    fails the test with its output unless it exits with ``status``."""
+    env = _environment(hook_in, hook) if hook is not None else _environment()
+    done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == status, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
 
@@ -146,5 +229,5 @@ def kill_after_first_shard():
 
 @pytest.fixture(scope="session")
 def run_command():
-    """``run_command(command)``: a run to its end (exit status 0 asserted)."""
+    """``run_command(command, hook=None, hook_in=None, status=0)``: a run to its end, its exit status asserted."""
     return _run_command

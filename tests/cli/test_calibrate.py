@@ -71,8 +71,8 @@ def test_bad_inputs_fail_in_seconds_before_any_probe(gpt2_dir, tmp_path, capsys,
     base = ["calibrate", "--model", str(gpt2_dir), "--batch-size", "2", "--no-progress"]
     cases = [
         ([*base, "--max-length", "48", "--max-new-tokens", "32", "-o", out],
-         "--max-length should be at most 32: the model's max_position_embeddings=64 positions hold the prompt and "
-         "the --max-new-tokens=32 new tokens, but got --max-length=48"),
+         ("--max-length should be at most 32: the model's max_position_embeddings=64 positions hold the prompt and "
+         "the --max-new-tokens=32 new tokens, but got --max-length=48")),
         (["calibrate", "--model", str(wide), "--batch-size", "2", "--max-length", "1000", "-o", out],
          "--max-length should be at most the tokenizer's model_max_length=512"),
         ([*base, "--max-length", "16", "-o", str(tmp_path / "no-such-folder" / "mm.json")],

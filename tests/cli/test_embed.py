@@ -2,15 +2,62 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import shutil
+import socket
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from dynabatch.cli import main
+
+# Loaded by the command's process: every shard the second of two workers writes fails (a full disk), persistently.
+WRITES_FAIL_HOOK = '''
+import errno
+import os
+
+from dynabatch.inference import store
+
+store.SHARD_ROWS = 8
+_replace = os.replace
+
+
+def _failing(src, dst, *args, **kwargs):
+    if "rank0.1-" in os.path.basename(os.fspath(dst)):
+        raise OSError(errno.ENOSPC, "No space left on device", os.fspath(dst))
+    return _replace(src, dst, *args, **kwargs)
+
+
+os.replace = _failing
+'''
+
+# Loaded by the command's process: the model raises on any batch holding the token POISON.
+POISON_HOOK = '''
+import functools
+
+import transformers.models.bert.modeling_bert as bert
+
+_forward = bert.BertModel.forward
+
+
+@functools.wraps(_forward)
+def _poisoned(self, input_ids=None, *args, **kwargs):
+    if input_ids is not None and bool((input_ids == POISON).any()):
+        raise ValueError("cannot process this input")
+    return _forward(self, input_ids, *args, **kwargs)
+
+
+bert.BertModel.forward = _poisoned
+'''
 
 
 def _store(out):
@@ -36,6 +83,7 @@ def _check_every_id_once(out, ids, want):
     assert np.abs(vectors - want[order]).max() < 1e-4
 
 
+@pytest.mark.slow
 def test_killed_mid_run_then_rerun_stores_every_str_id_once_with_its_own_vector(
         bert_dir, texts, tmp_path, cli, write_corpus, kill_after_first_shard, run_command):
     ids = [f"doc-{i}" for i in range(len(texts))]
@@ -52,6 +100,7 @@ def test_killed_mid_run_then_rerun_stores_every_str_id_once_with_its_own_vector(
     _check_every_id_once(out, ids, _alone(bert_dir, texts))
 
 
+@pytest.mark.slow
 def test_under_torchrun_two_ranks_killed_then_rerun_store_every_int_id_once(
         bert_dir, texts, tmp_path, write_corpus, kill_after_first_shard, run_command):
     ids = [1000 + 7 * i for i in range(len(texts))]
@@ -63,11 +112,13 @@ def test_under_torchrun_two_ranks_killed_then_rerun_store_every_int_id_once(
     before = len(_store(out)[0])
     assert 0 < before < len(texts)
     again = run_command(command).stdout
-    assert f"{len(texts)} of {len(texts)} texts stored in {out} (rank 0 ran" in again
+    assert f"{len(texts)} of {len(texts)} texts stored in {out} ({len(texts) - before} run now, {before} stored " \
+           "before)" in again
     assert "rank 0 of 2 (torchrun)" in again
     _check_every_id_once(out, ids, _alone(bert_dir, texts))
 
 
+@pytest.mark.slow
 def test_the_default_model_gives_sentence_transformers_vectors_report_and_plot(tmp_path, capsys):
     from sentence_transformers import SentenceTransformer
 
@@ -130,16 +181,154 @@ def test_devices_run_a_worker_each_and_a_sentence_transformers_length_is_the_def
     assert np.abs(vectors - _alone(folder, texts[:40], max_length=16)).max() < 1e-4
 
 
+def test_a_csv_is_read_as_a_table_never_as_lines_of_text(bert_dir, texts, tmp_path, cli, run_command):
+    import csv
+
+    rows, ids = list(texts[:12]), [f"doc-{i}" for i in range(12)]
+    rows[3] = 'He said, "Let there be light"\nand there was light'  # a comma, quotes and a line break, quoted
+    with open(tmp_path / "docs.csv", "w", newline="", encoding="utf-8") as file:
+        csv.writer(file).writerows([("id", "text"), *zip(ids, rows)])
+    out = tmp_path / "store"
+    done = run_command([*cli, "embed", str(tmp_path / "docs.csv"), str(out), "--model", str(bert_dir), "--id-column",
+                        "id", "--no-progress"])
+    assert f"12 of 12 texts stored in {out} (12 run now, 0 stored before)" in done.stdout
+    _check_every_id_once(out, ids, _alone(bert_dir, rows))  # the header and raw lines are no documents
+
+
+def test_a_store_inside_its_corpus_folder_is_never_read_as_corpus(bert_dir, texts, tmp_path, cli, write_corpus,
+                                                                 capsys, run_command):
+    ids = [f"doc-{i}" for i in range(24)]
+    corpus = write_corpus(tmp_path, texts[:24], ids)
+    command = ["embed", str(corpus), str(corpus / "emb"), "--model", str(bert_dir), "--id-column", "id",
+               "--no-progress"]
+    assert main(command) == 0
+    again = run_command([*cli, *command]).stdout  # the documented rerun
+    assert f"24 of 24 texts stored in {corpus / 'emb'} (0 run now, 24 stored before)" in again
+
+
+def test_the_same_model_files_under_another_folder_resume_the_store(bert_dir, texts, tmp_path, cli, capsys,
+                                                                    run_command):
+    elsewhere = tmp_path / "elsewhere" / "model"
+    shutil.copytree(bert_dir, elsewhere)
+    (tmp_path / "docs.txt").write_text("\n".join(texts[:20]) + "\n", encoding="utf-8")
+    out = tmp_path / "store"
+    assert main(["embed", str(tmp_path / "docs.txt"), str(out), "--model", str(bert_dir), "--no-progress"]) == 0
+    again = run_command([*cli, "embed", str(tmp_path / "docs.txt"), str(out), "--model", str(elsewhere),
+                         "--no-progress"]).stdout
+    assert f"20 of 20 texts stored in {out} (0 run now, 20 stored before)" in again
+
+
+def _same_as_encode(folder, texts, out, max_length):
+    """The stored vectors are ``model.encode``'s, on texts longer than the max length (cosine above 0.9999)."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(folder), device="cpu")
+    assert model.max_seq_length == max_length
+    assert min(len(model.tokenizer(t)["input_ids"]) for t in texts) > max_length  # every text is cut
+    want = torch.nn.functional.normalize(torch.as_tensor(model.encode(texts)), dim=-1)
+    stored = ds.dataset(out).to_table().sort_by("position").column("output").to_numpy(zero_copy_only=False)
+    got = torch.nn.functional.normalize(torch.as_tensor(np.stack(stored)), dim=-1)
+    assert (got * want).sum(-1).min() > 0.9999
+
+
+@pytest.fixture(scope="module")
+def long_texts(texts):
+    """16 texts of more than 20 words: longer than a max length of 16 tokens."""
+    return [t for t in texts if len(t.split()) > 20][:16]
+
+
+@pytest.mark.slow
+def test_a_sentence_transformers_6_folder_runs_at_the_length_sentence_transformers_runs_it(
+        st_folder, long_texts, tmp_path, cli, run_command):
+    folder = st_folder("6.2.0")  # keeps max_seq_length=16 as its tokenizer's model_max_length alone
+    (tmp_path / "docs.txt").write_text("\n".join(long_texts) + "\n", encoding="utf-8")
+    out = tmp_path / "store"
+    done = run_command([*cli, "embed", str(tmp_path / "docs.txt"), str(out), "--model", str(folder), "--no-progress"])
+    assert "(its sentence-transformers modules), float32, max length 16, on cpu" in done.stdout
+    _same_as_encode(folder, long_texts, out, 16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", ["2.2.2", "3.0.1", "4.1.0", "5.0.0"])
+def test_a_folder_saved_by_sentence_transformers_2_to_5_runs_as_sentence_transformers_runs_it(
+        st_folder, long_texts, tmp_path, capsys, version):
+    folder = st_folder(version)
+    (tmp_path / "docs.txt").write_text("\n".join(long_texts) + "\n", encoding="utf-8")
+    out = tmp_path / "store"
+    assert main(["embed", str(tmp_path / "docs.txt"), str(out), "--model", str(folder), "--no-progress"]) == 0
+    assert "(its sentence-transformers modules), float32, max length 16, on cpu" in capsys.readouterr().out
+    _same_as_encode(folder, long_texts, out, 16)
+
+
+def test_a_worker_whose_writes_fail_ends_the_job_non_zero_naming_what_is_missing(
+        bert_dir, texts, tmp_path, cli, write_corpus, run_command):
+    rows, ids = texts[:48], [f"doc-{i}" for i in range(48)]
+    corpus, out = write_corpus(tmp_path, rows, ids), tmp_path / "store"
+    command = [*cli, "embed", str(corpus), str(out), "--model", str(bert_dir), "--id-column", "id", "--devices",
+               "cpu,cpu", "--batch-size", "4", "--no-progress"]
+    failed = run_command(command, hook=WRITES_FAIL_HOOK, hook_in=tmp_path / "hook", status=1)
+    said = re.search(r"(\d+) of 48 texts stored in", failed.stdout + failed.stderr)
+    stored = len(_store(out)[0])
+    assert said is not None and int(said.group(1)) == stored < 48, failed.stdout + failed.stderr
+    assert f"{48 - stored} of 48 texts are neither stored nor listed failed (ids 'doc-" in failed.stderr
+    again = run_command(command).stdout
+    assert f"48 of 48 texts stored in {out} ({48 - stored} run now, {stored} stored before)" in again
+    _check_every_id_once(out, ids, _alone(bert_dir, rows))
+
+
+def test_a_poison_text_is_named_or_set_aside_with_on_error_skip_and_a_rerun_retries_it(
+        bert_dir, tokenizer, texts, tmp_path, cli, write_corpus, run_command):
+    rows, ids = list(texts[:30]), [f"doc-{i}" for i in range(30)]
+    rows[7] = "the zebra"
+    corpus, out, report = write_corpus(tmp_path, rows, ids), tmp_path / "store", tmp_path / "report.json"
+    command = [*cli, "embed", str(corpus), str(out), "--model", str(bert_dir), "--id-column", "id", "--batch-size",
+               "4", "--no-progress"]
+    hook = POISON_HOOK.replace("POISON", str(tokenizer.convert_tokens_to_ids("zebra")))
+    stopped = run_command(command, hook=hook, hook_in=tmp_path / "hook", status=2).stderr
+    assert "Traceback" not in stopped and "--on-error skip" in stopped
+    assert re.search(r"error: cannot process this input \(.*positions .*ids doc-", stopped), stopped  # the batch
+    skipped = run_command([*command, "--on-error", "skip", "--report", str(report)], hook=hook,
+                          hook_in=tmp_path / "hook").stdout
+    assert f"29 of 30 texts stored in {out}" in skipped and "'doc-7': " in skipped
+    failures = json.loads(report.read_text())["store"]["failed"]
+    assert [(f["id"], f["position"]) for f in failures] == [("doc-7", 7)]
+    assert "cannot process this input" in failures[0]["cause"]
+    again = run_command(command).stdout  # the model no longer raises: the text set aside is retried
+    assert f"30 of 30 texts stored in {out} (1 run now, 29 stored before)" in again
+
+
+@pytest.mark.slow
+def test_a_second_job_on_a_store_a_live_job_writes_refuses_at_once_naming_it(
+        bert_dir, texts, tmp_path, cli, write_corpus, kill_after_first_shard, run_command):
+    ids = [f"doc-{i}" for i in range(len(texts))]
+    corpus, out = write_corpus(tmp_path, texts, ids), tmp_path / "store"
+    command = [*cli, "embed", str(corpus), str(out), "--model", str(bert_dir), "--id-column", "id", "--batch-size",
+               "4", "--no-progress"]
+    refused = []
+    kill_after_first_shard(command, out, tmp_path / "hook",
+                           while_stalled=lambda: refused.append(run_command(command, status=2).stderr))
+    assert len(refused[0].strip().splitlines()) == 1, refused[0]
+    assert "output should be a store no other job is writing" in refused[0] and socket.gethostname() in refused[0]
+    again = run_command(command).stdout  # the killed job's lock never blocks the rerun
+    assert f"120 of 120 texts stored in {out}" in again
+    _check_every_id_once(out, ids, _alone(bert_dir, texts))
+
+
 # -- bad input: one line on stderr, exit status 2, before any model loads ------------------------------------------
 
 
 @pytest.fixture()
 def no_model_loads(monkeypatch):
-    """Loading any weights fails the test: a bad input must be refused before."""
+    """Loading any weights fails the test: a bad input must be refused before (a sentence-transformers folder read
+    with its weights on the meta device reads none)."""
     import sentence_transformers
     import transformers
 
+    read = sentence_transformers.SentenceTransformer
+
     def loaded(*args, **kwargs):
+        if (kwargs.get("model_kwargs") or {}).get("device_map") == "meta":
+            return read(*args, **kwargs)
         raise AssertionError("a model loaded before the bad input was refused")
 
     monkeypatch.setattr(transformers.AutoModel, "from_pretrained", loaded)
@@ -199,9 +388,9 @@ def test_an_output_holding_another_jobs_store_is_refused(bert_dir, corpus, tmp_p
     monkeypatch.setattr(transformers.AutoModel, "from_pretrained", lambda *a, **k: pytest.fail("a model loaded"))
     err = _refused(["embed", str(corpus), str(out), "--model", str(bert_dir), "--id-column", "id", "--pooling",
                     "cls"], capsys)
-    assert err.startswith(f"output should be a new folder, or this same job's store to resume it, but got "
-                          f"output={str(out)!r}: key should be the key the results at output_path=")
-    assert "pooling=mean" in err and "pooling=cls" in err
+    assert err == (f"output should be a new folder, or the store of this same job to resume it, but got "
+                   f"output={str(out)!r} holding rows computed otherwise (pooling=mean there, pooling=cls here): use "
+                   f"another output folder for this job, or delete {str(out)!r} to compute it again")
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     assert "holding 1 other entries (todo.txt)" in _refused(
@@ -217,8 +406,61 @@ def test_a_max_length_above_the_models_positions_is_refused(bert_dir, corpus, tm
 def test_a_bad_input_from_the_console_is_one_line_and_exit_status_2(cli, tmp_path):
     import subprocess
 
-    done = subprocess.run([*cli, "embed", str(tmp_path / "missing.parquet"), str(tmp_path / "out")],
+    done = subprocess.run([*cli, "embed", str(tmp_path / "missing.parquet"), str(tmp_path / "out")], check=False,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr == (f"dynabatch embed: error: input should be an existing file, folder or glob, but got "
                            f"input={str(tmp_path / 'missing.parquet')!r}\n")
+
+
+def test_an_unknown_suffix_is_refused_naming_the_formats(bert_dir, tmp_path, capsys, no_model_loads):
+    (tmp_path / "docs.dat").write_text("id,text\n1,hello world\n")
+    err = _refused(["embed", str(tmp_path / "docs.dat"), str(tmp_path / "out"), "--model", str(bert_dir)], capsys)
+    assert err.startswith("input should be a file whose suffix names its format, or given --format parquet, csv, tsv, "
+                          "jsonl, text (one document a line) or datasets; suffixes .parquet, .csv, .tsv")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_corpus_file_lacking_the_text_column_is_named(bert_dir, corpus, tmp_path, capsys, no_model_loads):
+    pq.write_table(pa.table({"id": ["d9"]}), corpus / "part-2.parquet")
+    assert _refused(["embed", str(corpus), str(tmp_path / "out"), "--model", str(bert_dir), "--id-column", "id"],
+                    capsys) == (f"--text-column should be a column of every file of the input "
+                                f"({str(corpus / 'part-2.parquet')!r} lacks it; its columns: ['id']), but got "
+                                "--text-column='text'")
+
+
+@pytest.fixture()
+def unwritable(tmp_path):
+    """A folder this user cannot write: read-only for a user, sysfs for root (whom file modes do not stop)."""
+    if os.geteuid() != 0:
+        folder = tmp_path / "read-only"
+        folder.mkdir()
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+    elif Path("/sys/kernel").is_dir():
+        yield Path("/sys")
+    else:
+        pytest.skip("root, and no sysfs: no folder root cannot write")
+
+
+def test_an_output_folder_this_user_cannot_write_is_one_line_before_any_model_loads(
+        bert_dir, corpus, unwritable, tmp_path, capsys, cli, no_model_loads):
+    err = _refused(["embed", str(corpus), str(unwritable), "--model", str(bert_dir)], capsys)
+    assert err.startswith(f"output should be a folder this user can write, but got output={str(unwritable)!r}: ")
+    below = unwritable / "store"
+    err = _refused(["embed", str(corpus), str(below), "--model", str(bert_dir)], capsys)
+    assert err.startswith(f"output should be a folder this user can make, but got output={str(below)!r}: ")
+    import subprocess
+
+    done = subprocess.run([*cli, "embed", str(corpus), str(below), "--model", str(bert_dir)], check=False,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_new_output_folder_is_taken_back_when_a_later_check_fails(bert_dir, corpus, tmp_path, capsys,
+                                                                    no_model_loads):
+    out = tmp_path / "new" / "store"
+    assert _refused(["embed", str(corpus), str(out), "--model", str(bert_dir), "--max-length", "100"],
+                    capsys).startswith("--max-length should be at most the model's max_position_embeddings=64")
+    assert not (tmp_path / "new").exists()

@@ -28,6 +28,7 @@ def _alone(folder, prompts, max_new_tokens):
     return replies
 
 
+@pytest.mark.slow
 def test_killed_mid_run_then_rerun_stores_each_prompts_own_greedy_reply_once(
         gpt2_dir, texts, tmp_path, cli, kill_after_first_shard, run_command):
     prompts = [" ".join(t.split()[:12]) for t in texts[:40]]
@@ -80,19 +81,19 @@ def test_sampling_options_without_sample_and_a_prompt_limit_past_the_positions_a
     base = ["generate", str(tmp_path / "p.txt"), str(tmp_path / "out"), "--model", str(gpt2_dir)]
     cases = [
         ([*base, "--temperature", "0.7"],
-         "--temperature should be given with --sample (greedy decoding has no temperature, top-p or top-k), but got "
-         "--temperature=0.7"),
+         ("--temperature should be given with --sample (greedy decoding has no temperature, top-p or top-k), but got "
+         "--temperature=0.7")),
         ([*base, "--max-length", "40", "--max-new-tokens", "32"],
-         "--max-length should be at most 32: the model's max_position_embeddings=64 positions hold the prompt and the "
-         "--max-new-tokens=32 new tokens, but got --max-length=40"),
+         ("--max-length should be at most 32: the model's max_position_embeddings=64 positions hold the prompt and the "
+         "--max-new-tokens=32 new tokens, but got --max-length=40")),
         ([*base, "--max-memory", "150%"],
          "--max-memory should be a percentage in (0%, 100%] of the device's free memory, but got --max-memory='150%'"),
         ([*base, "--max-memory", "12XB"],
          ("--max-memory should be a number of bytes > 0, a size such as '12GB' or '512MiB', or a percentage such as "
           "'80%' (of a device's free memory), but got --max-memory='12XB'")),
         ([*base, "--messages-column", "messages"],
-         "--messages-column should be given with a table (Parquet, JSONL, datasets): a text file's lines have only "
-         "their position, but got --messages-column='messages'"),
+         ("--messages-column should be given with a table (Parquet, CSV, JSONL, datasets): a text file's lines have only "
+         "their position, but got --messages-column='messages'")),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as info:

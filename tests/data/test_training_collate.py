@@ -93,7 +93,7 @@ def _tiny_bert(vocab_size):
 
 def _fitted_memory_model(model, collate, dataset):
     """A MemoryModel fitted on measured peaks of this model's training step at a few shapes."""
-    from dynabatch.memory.measure import collect_peak_alloc
+    from dynabatch.compat.bionemo import collect_peak_alloc
     from dynabatch.memory.model import MemoryModel
 
     lengths = np.array([len(r) for r in dataset["input_ids"]])

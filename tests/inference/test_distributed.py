@@ -205,6 +205,7 @@ def two_ranks(tmp_path_factory, run_two_ranks):
     return run_two_ranks(_WORKER, tmp_path_factory.mktemp("gloo"), timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [300, 296])
 def test_two_gloo_ranks_gather_every_result_in_input_order(two_ranks, n):
     rank0, rank1 = (r[str(n)] for r in two_ranks)
@@ -401,6 +402,7 @@ def accelerate_ranks(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_under_accelerate_rank_0_gets_every_row_of_a_one_process_run(accelerate_ranks, tokenizer):
     from transformers import AutoModel
 

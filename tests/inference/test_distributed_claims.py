@@ -71,6 +71,7 @@ def expected(tokenizer):
     return [int(b["input_ids"].sum()) for b in (loader.plan.collator([p]) for p in range(len(texts)))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["stream", "planned"])
 def test_claiming_ranks_store_every_row_once_in_input_order(claimed, expected, name):
     rank0, rank1 = (r[name] for r in claimed)

@@ -59,6 +59,7 @@ def test_summary_figures_of_a_hand_built_report():
         "oom_splits": 2,
         "pre_split_batches": 1,
         "failed_rows": 1,
+        "error_rows": 0,
         "skipped_inputs": 0,
         "budget_bytes": 2000,
         "device_budgets": {},
@@ -122,7 +123,7 @@ def test_plot_of_a_real_run(tokenizer, tmp_path):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
         return torch.ones(*batch["input_ids"].shape, 32).sum(1)
 
-    result = run(fn, loader, measure_memory=True, progress=False)
+    result = run(fn, loader, memory="measured", progress=False)
     assert result.report.budget_bytes == result.report.records[0].peak_bytes > 0
     result.report.plot(tmp_path / "run.png", title="120 KJV texts")
     height, width = imread(tmp_path / "run.png").shape[:2]

@@ -2,6 +2,7 @@
 read back from a results store give the same rows, and stack the same way. Real texts, a real tokenizer."""
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 from runner_helpers import _load
@@ -85,6 +86,25 @@ def test_numpy_stack_and_to_arrow_agree_between_memory_and_store(both, texts):
     assert table_memory.column("label").to_pylist() == table_stored.column("label").to_pylist()
 
 
+def test_stack_gives_tensors_and_the_other_columns_as_lists(both, tmp_path):
+    from dynabatch.inference.store import open_store
+
+    memory, _ = both
+    fixed = [{k: v for k, v in row.items() if k in ("half", "length", "label")} for row in memory]
+    store = open_store(tmp_path, key=None, n=len(fixed))  # the same rows stored
+    writer = store.writer("0")
+    writer.write(np.arange(len(fixed)), fixed, np.zeros(len(fixed), dtype=np.uint64))
+    writer.close()
+    stored = StoredRunResult.of(store.located(len(fixed)))
+    store.close()
+    for stacked in (RunResult(fixed).stack(), stored.stack()):
+        assert stacked["label"] == [row["label"] for row in fixed]  # strings: a list, not torch's object-array error
+        assert torch.equal(stacked["half"], torch.stack([row["half"] for row in fixed]))
+        assert stacked["length"].tolist() == [row["length"] for row in fixed]
+    assert RunResult(["a", "b"]).stack() == ["a", "b"] and RunResult([["a", "b"], ["c"]]).stack() == [["a", "b"], ["c"]]
+    assert RunResult(["a", "b"]).numpy().tolist() == ["a", "b"]  # numpy holds strings: an array of objects
+
+
 def test_stacking_names_the_inputs_without_a_result(tokenizer, texts, tmp_path):
     from runner_helpers import _fails_at
 
@@ -121,8 +141,11 @@ def test_pyarrow_reads_the_store_as_it_is(readable):
     import pyarrow.dataset as ds
 
     path, ids, result = readable
-    table = ds.dataset(path).to_table().sort_by("position")
-    assert table.column_names == ["position", "id", "input_hash", "embedding", "brain", "tokens", "pairs", "label"]
+    import pyarrow.compute as pc
+
+    table = ds.dataset(path).to_table()  # keyed by id: no position column; joined on id into the run's order
+    table = table.take(pc.index_in(pa.array(ids), value_set=table.column("id")))
+    assert table.column_names == ["id", "input_hash", "embedding", "brain", "tokens", "pairs", "label"]
     assert {f.name: str(f.type) for f in table.schema if f.name in ("embedding", "tokens", "pairs")} == {
         "embedding": "fixed_size_list<element: halffloat>[3]", "tokens": "list<element: int64>",
         "pairs": "list<element: fixed_size_list<element: float>[2]>"}
@@ -135,7 +158,7 @@ def test_pandas_reads_the_store_as_it_is(readable):
     import pandas as pd
 
     path, ids, result = readable
-    frame = pd.read_parquet(path).sort_values("position")
+    frame = pd.read_parquet(path).set_index("id").loc[ids].reset_index()
     assert frame["id"].tolist() == ids and frame["label"].tolist() == [row["label"] for row in result]
     assert np.array_equal(np.stack(frame["embedding"].to_numpy()), np.stack([row["embedding"] for row in result]))
     assert [np.stack(p).shape for p in frame["pairs"]] == [tuple(row["pairs"].shape) for row in result]
@@ -145,7 +168,8 @@ def test_polars_reads_the_store_as_it_is(readable):
     import polars as pl
 
     path, ids, result = readable
-    frame = pl.read_parquet(path).sort("position")  # only Parquet files in it: polars reads the folder
+    frame = pl.read_parquet(path)  # only Parquet files in it: polars reads the folder
+    frame = pl.DataFrame({"id": ids}).join(frame, on="id", how="left", maintain_order="left")
     assert frame["id"].to_list() == ids
     assert isinstance(frame["embedding"].dtype, pl.Array) and frame["embedding"].dtype.shape == (3,)
     assert frame["tokens"].to_list() == [row["tokens"].tolist() for row in result]
@@ -159,7 +183,7 @@ def test_datasets_reads_the_store_as_it_is(readable):
     hf = datasets.load_dataset("parquet", data_files=str(path / "*.parquet"), split="train")
     assert sorted(hf["id"]) == sorted(ids) and len(hf) == 40
     row = hf[0]
-    want = result[row["position"]]
+    want = result[ids.index(row["id"])]
     assert row["pairs"] == want["pairs"].tolist() and row["label"] == want["label"]
 
 

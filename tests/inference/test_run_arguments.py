@@ -50,14 +50,13 @@ def test_a_model_a_missing_gpu_and_an_unknown_device_fail_before_any_batch(token
                                         r"as lambda batch: model\(\*\*batch\) .*, but got fn=<BertModel> of type "
                                         r"BertModel$"):
         run(model, loader, progress=False)
-    with pytest.raises(ValueError, match=r"measure_memory should be a valid torch device such as 'cpu' or 'cuda:0', "
-                                         r"but got measure_memory='gpu'"):
-        run(_lengths, loader, measure_memory="gpu", progress=False)
+    with pytest.raises(ValueError, match=r"device should be a valid torch device such as 'cpu' or 'cuda:0', "
+                                         r"but got device='gpu'"):
+        run(_lengths, loader, device="gpu", progress=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a GPU, wherever this runs
-    for name in ("device", "measure_memory"):
-        with pytest.raises(ValueError, match=rf"{name} should be an available device \(torch.cuda.is_available\(\) "
-                                             rf"is False: no CUDA device here\), but got {name}='cuda'"):
-            run(_lengths, loader, progress=False, **{name: "cuda"})
+    with pytest.raises(ValueError, match=r"device should be an available device \(torch.cuda.is_available\(\) "
+                                         r"is False: no CUDA device here\), but got device='cuda'"):
+        run(_lengths, loader, progress=False, device="cuda")
 
 
 def test_run_result_pickles_with_its_report(tokenizer, texts):

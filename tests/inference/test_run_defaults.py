@@ -149,10 +149,9 @@ def test_guarded_defaults_split_batches_the_measured_peaks_bound_above_the_first
 def test_memory_off_keeps_the_plan_unmeasured(seq2seq_runs):
     model, loader, plan, *_ = seq2seq_runs
     with torch.no_grad():
-        for kwargs in ({"memory": "off"}, {"adapt": False}):  # the new spelling, and the old one (deprecated)
-            got = run(Recorder(model).generate, loader, progress=False, **kwargs)
-            assert got.report.batches == len(loader) and got.report.budget_bytes is None
-            assert [r.rows for r in got.report.records] == [r.rows for r in plan.report.records]
+        got = run(Recorder(model).generate, loader, progress=False, memory="off")
+    assert got.report.batches == len(loader) and got.report.budget_bytes is None
+    assert [r.rows for r in got.report.records] == [r.rows for r in plan.report.records]
 
 
 def test_with_a_model_on_cuda_every_batch_is_measured_there(tokenizer, long_texts, monkeypatch):

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # --- memory measurement ------------------------------------------------------------------------------
 
 
-def test_measure_memory_records_each_batch_against_the_first(tokenizer, texts):
+def test_record_mode_records_each_batch_against_the_first(tokenizer, texts):
     loader = _load(texts, tokenizer)
 
     def allocate(batch):
@@ -40,6 +40,7 @@ def test_measure_memory_records_each_batch_against_the_first(tokenizer, texts):
 # --- measured mode: the plan corrected by measured peaks ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_measured_mode_grows_a_timid_plan_and_keeps_results(tokenizer, minilm):
     from dynabatch.demo import kjv_passages, vary_lengths
 

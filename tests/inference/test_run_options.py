@@ -1,5 +1,5 @@
-"""``run``'s options: each rule resolved or refused in one place, the spellings of earlier versions deprecated,
-and the seams between options that used to override each other silently."""
+"""``run``'s options: each rule resolved or refused in one place, one spelling for each thing, and the seams
+between options that used to override each other silently."""
 
 import os
 import signal
@@ -28,11 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
                                          r"group"),
         ({"prefetch": 2, "devices": ["cpu"]}, ValueError, r"^prefetch should be None or 0 with devices"),
         ({"make_fn": lambda d: _lengths}, ValueError, r"^make_fn should be None without devices"),
-        ({"adapt": True, "memory": "off"}, ValueError, r"^memory should be the only memory option"),
-        ({"lockstep": False, "ranks": "single"}, ValueError, r"^ranks should be the only ranks option"),
-        ({"adapt": True, "measure_memory": False}, ValueError,
-         r"^measure_memory should be None or True with adapt=True \(measured mode measures memory\): pass "
-         r"memory='measured' or memory='off', but got measure_memory=False$"),
+        ({"on_error": "ignore"}, ValueError,
+         r"^on_error should be one of \('raise', 'skip'\), but got on_error='ignore'$"),
         ({"batch_sizes": 3}, TypeError, r"run\(\) got an unexpected keyword argument 'batch_sizes'"),
     ],
 )
@@ -56,31 +53,19 @@ def test_measured_mode_on_a_shuffled_loader_is_refused_not_run_in_plan_order(tok
     assert [i for b in ran for i in b] == [i for b in loader.batch_sampler for i in b]  # the shuffled order
 
 
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ({"adapt": True}, "memory='measured'"),
-        ({"adapt": False}, "memory='off'"),
-        ({"adapt": False, "measure_memory": True}, "memory='record'"),
-        ({"measure_memory": False}, "memory='off'"),
-        ({"distributed": False}, "ranks='single'"),
-        ({"lockstep": True}, "ranks='auto'"),
-    ],
-)
-def test_the_old_spellings_still_work_and_name_the_new_one(tokenizer, texts, old, new):
-    want = run(_lengths, _load(texts[:12], tokenizer), progress=False)
-    with pytest.warns(DeprecationWarning, match=rf"is deprecated: pass {new}"):
-        got = run(_lengths, _load(texts[:12], tokenizer), progress=False, **old)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+@pytest.mark.parametrize("old", ["adapt", "measure_memory", "distributed", "lockstep"])
+def test_the_spellings_of_earlier_versions_are_unknown_keywords(tokenizer, texts, old):
+    with pytest.raises(TypeError, match=rf"^run\(\) got an unexpected keyword argument '{old}'$"):
+        run(_lengths, _load(texts[:5], tokenizer), progress=False, **{old: True})
 
 
-def test_devices_take_make_fn_and_the_old_spelling_warns(tokenizer, texts):
+def test_devices_take_make_fn_and_fn_with_devices_is_refused(tokenizer, texts):
     want = run(_lengths, _load(texts[:30], tokenizer), progress=False)
     got = run(loader=_load(texts[:30], tokenizer), make_fn=lambda device: _lengths, devices=["cpu", "cpu"],
               progress=False)
-    with pytest.warns(DeprecationWarning, match=r"pass make_fn=make_fn \(fn is always fn\(batch\)\)"):
-        old = run(lambda device: _lengths, _load(texts[:30], tokenizer), devices=["cpu", "cpu"], progress=False)
-    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(want, got, old))
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    with pytest.raises(ValueError, match=r"^fn should be None with devices \(fn is always fn\(batch\); pass make_fn="):
+        run(lambda device: _lengths, _load(texts[:30], tokenizer), devices=["cpu", "cpu"], progress=False)
     with pytest.raises(ValueError, match=r"^fn should be given, or make_fn given with devices \(one of the two\)"):
         run(_lengths, _load(texts[:5], tokenizer), make_fn=lambda d: _lengths, devices=["cpu"], progress=False)
 
@@ -102,7 +87,9 @@ def test_a_pooled_vector_as_wide_as_the_first_batch_is_refused_before_a_row_is_s
     assert all(row.shape == (MAX_LEN,) for row in rows)  # declared: every row whole, none cut
 
 
-def test_one_device_that_cannot_fit_a_row_counts_each_input_once(tokenizer, texts):
+def test_one_device_that_cannot_fit_a_row_is_no_device_failure_and_counts_each_input_once(tokenizer, texts):
+    from dynabatch import BatchOutOfMemoryError
+
     lock, made = threading.Lock(), []
 
     def make_fn(device):
@@ -117,10 +104,19 @@ def test_one_device_that_cannot_fit_a_row_counts_each_input_once(tokenizer, text
 
         return fn
 
-    result = run(loader=_load(texts, tokenizer), make_fn=make_fn, devices=["cpu", "cpu"], progress=False)
-    assert result.report.rows == len(texts) and result.failed == []  # the other device ran the rows, each once
+    with pytest.raises(BatchOutOfMemoryError, match=r"ran out of memory on its own") as raised:
+        run(loader=_load(texts, tokenizer), make_fn=make_fn, devices=["cpu", "cpu"], progress=False)
+    partial = raised.value.partial  # out of memory is not a device failure: the run stops, on_oom="raise"
+    assert partial.report.rows == sum(r is not None for r in partial) < len(texts)
+    made.clear()
+    result = run(loader=_load(texts, tokenizer), make_fn=make_fn, devices=["cpu", "cpu"], progress=False,
+                 on_oom="skip")
+    assert result.report.rows == len(texts)  # each input once: run, or set aside with its cause
+    assert result.failed and all(result[p] is None for p in result.failed)
+    cause = "out of memory alone: OutOfMemoryError: CUDA out of memory (injected: this device fits nothing)"
+    assert set(result.failures.values()) == {cause}
     want = run(_lengths, _load(texts, tokenizer), progress=False)
-    assert all(torch.equal(a, b) for a, b in zip(result, want))
+    assert all(a is None or torch.equal(a, b) for a, b in zip(result, want))
 
 
 def test_ctrl_c_on_two_devices_stops_every_thread_and_keeps_the_finished_rows(tokenizer, texts, tmp_path):

@@ -76,6 +76,7 @@ run(lengths, loader, output_path=sys.argv[1], key="lengths", progress=False)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_and_stores_every_position_exactly_once(tokenizer, tmp_path):
     from dynabatch.demo import kjv_passages
 
@@ -167,6 +168,40 @@ def test_a_grown_and_reordered_corpus_with_ids_runs_only_the_new_ids(tokenizer, 
     swapped[0], swapped[1] = corpus[1], corpus[0]  # two ids now name each other's text
     with pytest.raises(ValueError, match=r"but got 2 stored rows computed from other inputs \(ids doc-\d+, doc-\d+\)"):
         run(_summary, _load(swapped, tokenizer, ids=corpus_ids), output_path=path, progress=False)
+
+
+def test_an_id_keyed_store_after_a_reordered_rerun_holds_each_id_once_and_no_position_to_sort_by(tokenizer, texts,
+                                                                                                 tmp_path):
+    import pandas as pd
+
+    path, ids = tmp_path / "store", [f"verse-{i}" for i in range(50)]
+    run(_summary, _load(texts[:40], tokenizer, ids=ids[:40]), output_path=path, progress=False)
+    order = list(range(49, -1, -1))  # the documented rerun: ten more texts, the corpus in another order
+    again = run(_summary, _load([texts[i] for i in order], tokenizer, ids=[ids[i] for i in order]), output_path=path,
+                progress=False)
+    assert again.report.rows == 10
+    frame = pd.read_parquet(path)  # positions of two runs would repeat (10 of 50): ids key the rows instead
+    assert "position" not in frame.columns and sorted(frame["id"]) == sorted(ids)
+    joined = frame.set_index("id").loc[[ids[i] for i in order]]  # join on id: the rerun's order
+    assert joined["mean_id"].tolist() == [float(row["mean_id"]) for row in again]
+
+
+def test_a_run_writes_into_the_store_its_caller_opened(tokenizer, texts, tmp_path):
+    from dynabatch.inference.store import open_store
+
+    ids = [f"doc-{i}" for i in range(20)]
+    loader = _load(texts[:20], tokenizer, ids=ids)
+    store = open_store(tmp_path, key="k", ids=loader.plan.ids)  # what the command line does before a model loads
+    assert not store.done.any() and store.n == 20
+    result = run(_summary, loader, output_path=store, progress=False)  # the one open: no second scan of the store
+    assert result.report.rows == 20 and not result.failed and store.failures() == {}
+    again = open_store(tmp_path, key="k", ids=_load(texts[:10], tokenizer, ids=ids[:10]).plan.ids)
+    with pytest.raises(ValueError, match=r"output_path should be a store opened for this run's inputs and key "
+                       r"\(n=20, key=None, ids given\), but got one opened with n=10, key='k', other ids"):
+        run(_summary, loader, output_path=again, progress=False)
+    assert run(_summary, _load(texts[:10], tokenizer, ids=ids[:10]), output_path=again, progress=False).report.rows == 0
+    again.close()  # a store the caller opened is the caller's to close: the runs leave it held
+    store.close()
 
 
 def test_resume_with_a_lower_batch_size_runs_only_the_missing_shard(tokenizer, texts, tmp_path, small_shards):
@@ -272,22 +307,22 @@ def test_failed_rows_are_not_stored_and_a_rerun_tries_them_again(tokenizer, text
     assert partial[position] is None and len(partial) == 20
 
 
-@pytest.mark.parametrize("adapt", [None, False])  # measured mode (the planner's batches) and the plan as it is
-def test_bad_inputs_skipped_come_back_as_none_and_are_not_stored(tokenizer, texts, tmp_path, adapt):
+@pytest.mark.parametrize("memory", ["auto", "off"])  # measured mode (the planner's batches) and the plan as it is
+def test_bad_inputs_skipped_come_back_as_none_and_are_not_stored(tokenizer, texts, tmp_path, memory):
     import pandas as pd
 
     dirty = pd.Series(list(texts[:40]))
     dirty[[3, 17, 18]] = None  # a pandas column with missing texts (NaN / None)
     loader = _load(dirty, tokenizer, on_bad_input="skip")
     path = tmp_path / "store"
-    for result in (run(_lengths, loader, adapt=adapt, progress=False),
-                   run(_lengths, loader, adapt=adapt, output_path=path, progress=False)):
+    for result in (run(_lengths, loader, memory=memory, progress=False),
+                   run(_lengths, loader, memory=memory, output_path=path, progress=False)):
         assert len(result) == 40 and result.failed == [3, 17, 18]
         assert [p for p in range(40) if result[p] is None] == [3, 17, 18]  # every input once, the bad ones None
         assert result.report.skipped_inputs == 3 and result.report.rows == 37
         assert result.report.summary()["skipped_inputs"] == 3
     assert sorted(_stored(path)) == sorted(set(range(40)) - {3, 17, 18})
-    again = run(_lengths, loader, adapt=adapt, output_path=path, progress=False)  # reported again, nothing runs
+    again = run(_lengths, loader, memory=memory, output_path=path, progress=False)  # reported again, nothing runs
     assert again.failed == [3, 17, 18] and again.report.rows == 0
 
 
@@ -310,26 +345,27 @@ def _late_vectors(none_calls):
     return fn
 
 
-def test_a_column_is_typed_by_the_first_shard_stored_and_refused_a_value_after_it_was_none(tokenizer, texts, tmp_path,
-                                                                                           monkeypatch):
+def test_a_column_none_in_the_first_shard_is_typed_by_a_later_one_and_every_reader_reads_every_row(
+        tokenizer, texts, tmp_path, monkeypatch):
+    import datasets
     import pandas as pd
     import polars as pl
 
     loader = _load(texts[:40], tokenizer)
     first = loader.batch_sampler.batches[0].tolist()
-    path = tmp_path / "typed"  # vec None in the first batch, a value later, all in the first shard: typed
-    stored = run(_late_vectors(1), loader, output_path=path, progress=False)
     in_memory = run(_late_vectors(1), loader, progress=False)
-    for p in range(40):
-        assert (stored[p]["vec"] is None) == (p in first) and torch.equal(stored[p]["n"], in_memory[p]["n"])
-        assert p in first or torch.equal(stored[p]["vec"], in_memory[p]["vec"])
-    assert str(ds.dataset(path).schema.field("vec").type) == "list<element: halffloat>"  # given per row: varying
-    assert len(pd.read_parquet(path)) == len(pl.read_parquet(path)) == 40
-    monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", 4)  # the first batch's rows are the first shard
-    with pytest.raises(ValueError, match=r"^vec should be None in every row, as stored: its type was fixed as Arrow "
-                       r"null by the first shard stored"):
-        run(_late_vectors(1), loader, output_path=tmp_path / "null", progress=False)
-    assert sorted(_stored(tmp_path / "null")) == sorted(first)
+    for name, rows in (("typed", None), ("null", 4)):  # vec None in the first batch; "null": alone in the 1st shard
+        if rows is not None:
+            monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", rows)
+        path = tmp_path / name
+        stored = run(_late_vectors(1), loader, output_path=path, progress=False)
+        for p in range(40):
+            assert (stored[p]["vec"] is None) == (p in first) and torch.equal(stored[p]["n"], in_memory[p]["n"])
+            assert p in first or torch.equal(stored[p]["vec"], in_memory[p]["vec"])
+        assert str(ds.dataset(path).schema.field("vec").type) == "list<element: halffloat>"  # given per row: varying
+        assert len(pd.read_parquet(path)) == len(pl.read_parquet(f"{path}/*.parquet")) == 40
+        assert pd.read_parquet(path)["vec"].notna().sum() == 40 - len(first)
+        assert len(datasets.load_dataset("parquet", data_files=f"{path}/*.parquet", split="train")) == 40
 
 
 @pytest.mark.parametrize("column", ["mean_id", "position"])  # a float read back wrong; the index, unreadable

@@ -162,7 +162,8 @@ def test_a_tokenizer_that_rewrites_text_gives_the_same_rows_streamed_and_eager(s
 
 
 def test_two_devices_share_one_stream(small_chunks, texts, tokenizer, expected):
-    result = dynabatch.run(lambda device: _sums, _load(texts, tokenizer), devices=["cpu", "cpu"], progress=False)
+    result = dynabatch.run(make_fn=lambda device: _sums, loader=_load(texts, tokenizer), devices=["cpu", "cpu"],
+                           progress=False)
     assert [int(x) for x in result] == expected
 
 

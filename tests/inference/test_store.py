@@ -2,7 +2,9 @@
 of row comes back exactly, a column's type is fixed once by the first shard, stored rows are checked before a run
 writes, and what the store cannot hold or keep is refused by name. No model: rows are built here."""
 
+import subprocess
 import threading
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -12,8 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dynabatch.inference.columns import Columns
 from dynabatch.inference.results import StoredRunResult
-from dynabatch.inference.store import Columns, open_store
+from dynabatch.inference.store import open_store
 
 
 def _equal(a, b):
@@ -79,7 +82,7 @@ def test_tensor_rows_keep_dtype_and_shape(dtype):
 
 def test_arrow_types_say_dtype_and_shape():
     assert _types([torch.randn(4, dtype=torch.float16)] * 3) == {"output": "fixed_size_list<item: halffloat>[4]"}
-    columns, table = _table([torch.randn(4).to(torch.bfloat16) for _ in range(3)])
+    _columns, table = _table([torch.randn(4).to(torch.bfloat16) for _ in range(3)])
     field = table.schema.field("output")  # no Arrow bfloat16: float32 (exact), said in the field's metadata
     assert str(field.type) == "fixed_size_list<item: float>[4]" and field.metadata == {b"dynabatch.dtype": b"bfloat16"}
     per_token = [torch.randn(n, 2) for n in (3, 3, 3)]  # two or more dimensions: the first varies, whatever it shows
@@ -171,7 +174,7 @@ def test_rows_written_come_back_and_the_store_says_which_inputs_it_holds(tmp_pat
     store = open_store(tmp_path, key="k", n=6)
     assert store.done.tolist() == [True, True, False, True, False, True]
     result = StoredRunResult.of(store.located(6))
-    assert result[2] is None and result.failed == [2, 4] and len(result) == 6
+    assert result[2] is None and result.failed == [] and len(result) == 6  # failed: failure records, none here
     _equal(result[5], rows[0])
     _equal(list(result), [rows[3], rows[1], None, rows[2], None, rows[0]])
     assert result.to_arrow().column("label").to_pylist() == ["r3", "r1", None, "r2", None, "r0"]
@@ -193,15 +196,25 @@ def test_a_float_vector_of_one_length_in_the_first_shard_is_fixed_unless_declare
     assert [len(row) for row in StoredRunResult.of(store.located(6))] == [5, 5, 5, 5, 2, 7]
 
 
-def test_a_column_none_in_every_row_of_the_first_shard_is_null_and_a_later_value_is_refused(tmp_path):
-    first = [{"vec": None, "n": p} for p in range(3)]
-    _write(tmp_path, first)
-    assert str(pq.read_schema(next(tmp_path.glob("part-*"))).field("vec").type) == "null"
-    with pytest.raises(ValueError, match=r"^vec should be None in every row, as stored: its type was fixed as Arrow "
-                       r"null by the first shard stored, where it was None in every row, but got tensor values; return "
-                       r"a value of its type where it may be empty"):
-        _write(tmp_path, [{"vec": torch.ones(2), "n": 3}], positions=[3])
-    _write(tmp_path, [{"vec": None, "n": 4}], positions=[4])  # None still fits
+def test_a_column_none_in_the_first_shard_is_typed_by_its_first_value_and_every_reader_reads_all_shards(tmp_path):
+    import datasets
+    import pandas as pd
+    import polars as pl
+    import pyarrow.dataset as ds
+
+    _write(tmp_path, [{"note": None, "vec": None, "n": p} for p in range(3)])  # the first shard: two null columns
+    assert str(pq.read_schema(next(tmp_path.glob("part-*"))).field("note").type) == "null"
+    later = [{"note": "late", "vec": torch.ones(2, dtype=torch.float16), "n": 3}, {"note": None, "vec": None, "n": 4}]
+    store = _write(tmp_path, later, positions=[3, 4], n=5)  # typed now: stored, not refused
+    located = store.located(5)  # the end of a run: the null shard rewritten with the types (settled)
+    assert {str(pq.read_schema(f).field("note").type) for f in tmp_path.glob("part-*")} == {"string"}
+    rows = list(StoredRunResult.of(located))
+    assert [r["note"] for r in rows] == [None, None, None, "late", None] and rows[3]["vec"].dtype == torch.float16
+    assert ds.dataset(tmp_path).to_table().sort_by("position").column("note").to_pylist()[3] == "late"
+    assert pd.read_parquet(tmp_path).sort_values("position")["note"].tolist()[3] == "late"
+    assert pl.read_parquet(f"{tmp_path}/*.parquet").sort("position")["note"].to_list()[3] == "late"
+    hf = datasets.load_dataset("parquet", data_files=f"{tmp_path}/*.parquet", split="train")
+    assert hf["note"].count("late") == 1 and hf["note"].count(None) == 4
     late = open_store(tmp_path / "late", key="k", n=4)  # a value before the first shard is committed: typed
     writer = late.writer("0")
     writer.write(np.arange(2), [{"vec": None}, {"vec": None}], _hashes(2))
@@ -211,17 +224,35 @@ def test_a_column_none_in_every_row_of_the_first_shard_is_null_and_a_later_value
     assert [r["vec"] is None for r in StoredRunResult.of(late.located(4))] == [True, True, False, True]
 
 
+def test_a_real_type_change_is_refused_at_the_write_that_shows_it_naming_the_column_and_both_types(tmp_path):
+    store = open_store(tmp_path, key="k", n=6)
+    writer = store.writer("0")
+    writer.write(np.arange(2), [{"label": 1}, {"label": None}], _hashes(2))  # buffered, no shard yet
+    with pytest.raises(TypeError, match=r"^label should keep one type in every row with output_path set \(int, as in "
+                       r"the rows stored or written before\), but got str: convert it"):
+        writer.write(np.array([2]), [{"label": "two"}], _hashes(1))
+    other = store.writer("1")  # another device's writer of the same store: refused at its write too
+    with pytest.raises(TypeError, match=r"label should keep one type .*\(int, as in .*\), but got float"):
+        other.write(np.array([3]), [{"label": 2.5}], _hashes(1))
+    writer.close()
+    other.close()
+    assert StoredRunResult.of(store.located(6)).to_arrow().column("label").to_pylist()[:3] == [1, None, None]
+    with pytest.raises(TypeError, match=r"label should be values of one type in every row with output_path set "
+                       r"\(int, as stored\), but got \['str'\]"):  # the stored type, from another open
+        _write(tmp_path, [{"label": "four"}], positions=[4], n=6)
+
+
 def test_rows_that_do_not_fit_the_stored_columns_are_refused(tmp_path):
     _write(tmp_path, [{"a": torch.ones(4), "b": 2}])
     for rows, error, message in [
-        ([{"a": torch.ones(4, dtype=torch.float16), "b": 2}], ValueError, r"a should have dtype float32 and shape "
-         r"\(4,\) in every row, as stored \(n: any length\), but got dtype float16"),
-        ([{"a": torch.ones(4)}], ValueError, r"output should be a dict with keys \['a', 'b'\] in every row, as stored, "
-         r"but got \['a'\]"),
-        ([{"a": torch.ones(4), "b": 2.5}], TypeError, r"b should be values of one type in every row with output_path "
-         r"set \(int, as stored\), but got \['float'\]"),
-        ([{"a": np.ones(4, dtype=np.float32), "b": 2}], TypeError, r"a should be a tensor or None in every row, as "
-         r"stored, but got a numpy array"),
+        ([{"a": torch.ones(4, dtype=torch.float16), "b": 2}], ValueError, (r"a should have dtype float32 and shape "
+         r"\(4,\) in every row, as stored \(n: any length\), but got dtype float16")),
+        ([{"a": torch.ones(4)}], ValueError, (r"output should be a dict with keys \['a', 'b'\] in every row, as stored, "
+         r"but got \['a'\]")),
+        ([{"a": torch.ones(4), "b": 2.5}], TypeError, (r"b should be values of one type in every row with output_path "
+         r"set \(int, as stored\), but got \['float'\]")),
+        ([{"a": np.ones(4, dtype=np.float32), "b": 2}], TypeError, (r"a should be a tensor or None in every row, as "
+         r"stored, but got a numpy array")),
     ]:
         with pytest.raises(error, match=message):
             _write(tmp_path, rows, positions=[1])
@@ -305,3 +336,151 @@ def test_what_is_not_a_store_is_refused(tmp_path):
     pq.write_table(pa.table({"x": [1]}), tmp_path / "part-x.parquet")
     with pytest.raises(ValueError, match=r"holding part-x\.parquet, a Parquet file dynabatch did not write"):
         open_store(tmp_path, key="k")
+
+
+# --- failure records, commits that never drop rows, early commits, merged shards -----------------------------------
+
+
+def test_failure_records_are_reported_kept_out_of_the_rows_readers_read_and_retried(tmp_path):
+    import datasets
+    import pandas as pd
+    import polars as pl
+    import pyarrow.dataset as ds
+
+    store = open_store(tmp_path, key="k", n=5)
+    writer = store.writer("0")
+    writer.write(np.array([0, 2]), [torch.ones(2)] * 2, np.array([0, 2], dtype=np.uint64))
+    writer.fail(np.array([1, 3]), np.array([1, 3], dtype=np.uint64), ["ValueError: cannot process this input\n  (a traceback line)",
+                                               "out of memory alone: 1 row of 40 tokens"])
+    writer.close()
+    assert store.failures() == {1: "ValueError: cannot process this input", 3: "out of memory alone: 1 row of 40 tokens"}
+    located = store.located(5)
+    result = StoredRunResult.of(located, failures=store.failures())
+    assert result.failed == [1, 3] and result[1] is None and result.failures[3].startswith("out of memory")
+    assert located.where[4] < 0 and 4 not in result.failures  # no row, no record: the case a run raises for
+    store.close()
+    assert ds.dataset(tmp_path).to_table().column("position").to_pylist() == [0, 2]  # the records are not rows
+    assert len(pd.read_parquet(tmp_path)) == len(pl.read_parquet(f"{tmp_path}/*.parquet")) == 2
+    assert len(datasets.load_dataset("parquet", data_files=f"{tmp_path}/*.parquet", split="train")) == 2
+    rerun = open_store(tmp_path, key="k", n=5)  # a rerun: the failed inputs are not done, so they run again
+    assert rerun.done.tolist() == [True, False, True, False, False]
+    rerun.check_inputs(np.arange(5), _hashes(5))
+    writer = rerun.writer("0")
+    writer.write(np.array([1]), [torch.zeros(2)], _hashes(1, salt=1))  # stored now
+    writer.fail(np.array([3]), _hashes(1, salt=3), ["RuntimeError: still failing"])  # the latest record counts
+    writer.close()
+    assert rerun.failures() == {3: "RuntimeError: still failing"}
+    rerun.close()
+
+
+def test_a_transient_write_error_is_retried_and_a_lasting_one_raised_with_the_rows_kept(tmp_path, monkeypatch,
+                                                                                        caplog):
+    import errno
+
+    from dynabatch.inference import store as store_module
+
+    monkeypatch.setattr(store_module, "RETRY_SECONDS", 0.0)
+    write, failures = pq.write_table, []
+
+    def flaky(table, where, **kwargs):
+        if failures:
+            failures.pop()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(table, where, **kwargs)
+
+    monkeypatch.setattr(store_module.pq, "write_table", flaky)
+    store = open_store(tmp_path, key="k", n=4)
+    writer = store.writer("0")
+    failures.append(1)  # one shard write fails once: tried again, stored
+    writer.write(np.arange(2), [torch.ones(2)] * 2, _hashes(2))
+    writer.close()
+    assert store.done.sum() == 0 and open_store(tmp_path, key="k", n=4).done.tolist() == [True, True, False, False]
+    assert "No space left on device" in caplog.text and "trying again (2 of 5)" in caplog.text
+    store.check_inputs(np.arange(4), _hashes(4))
+    writer = store.writer("1")
+    failures.extend([1] * 5)  # every try fails: raised at close, the rows kept for a later close
+    writer.write(np.array([2, 3]), [torch.ones(2)] * 2, _hashes(2, salt=2))
+    with pytest.raises(OSError, match=r"No space left on device") as raised:
+        writer.close()
+    assert "failed 5 times; its rows are kept by the writer" in str(raised.value.__notes__)
+    assert not list(tmp_path.glob(".tmp-*")) and len(writer.sealed) == 1
+    writer.close()  # the disk has room again: the kept rows are committed
+    assert open_store(tmp_path, key="k", n=4).done.all()
+
+
+def test_a_row_that_does_not_fit_is_refused_at_write_and_the_rows_before_it_are_kept(tmp_path):
+    store = open_store(tmp_path, key="k", n=4)
+    writer = store.writer("0")
+    writer.write(np.arange(2), [{"vec": torch.ones(3)}] * 2, _hashes(2))
+    with pytest.raises(ValueError, match=r"^vec should have dtype float32 and shape \(n,\) in every row, in the same "
+                       r"batch \(n: any length\), but got dtype float32 and shape \(4, 3\)"):
+        writer.write(np.array([2, 3]), [{"vec": torch.ones(3)}, {"vec": torch.ones(4, 3)}], _hashes(2))
+    with pytest.raises(TypeError, match=r"^vec should keep one type in every row with output_path set \(float32 \(3,\), "
+                       r"as in the rows stored or written before\), but got int64 \(n,\)"):
+        writer.write(np.array([2]), [{"vec": torch.ones(3, dtype=torch.int64)}], _hashes(1))
+    writer.close()
+    assert open_store(tmp_path, key="k", n=4).done.tolist() == [True, True, False, False]
+
+
+def test_rows_are_committed_within_seconds_without_another_write(tmp_path):
+    from dynabatch.inference.store import FIRST_SHARD_SECONDS
+
+    store = open_store(tmp_path, key="k", n=4)
+    writer = store.writer("0")
+    writer.write(np.arange(2), [torch.ones(2)] * 2, _hashes(2))  # then the device is busy, say, and nothing comes
+    time.sleep(FIRST_SHARD_SECONDS + 1.0)
+    assert len(list(tmp_path.glob("part-*.parquet"))) == 1  # on disk: a kill now keeps these rows
+    writer.close()
+
+
+def test_small_shards_are_merged_and_a_crash_between_steps_leaves_each_row_once(tmp_path, monkeypatch):
+    import pyarrow.dataset as ds
+
+    from dynabatch.inference import store as store_module
+
+    monkeypatch.setattr(store_module, "SHARD_ROWS", 1)  # a shard per row
+    monkeypatch.setattr(store_module, "COMPACT_SHARDS", 4)
+    store = open_store(tmp_path, key="k", n=10)
+    writer = store.writer("0")
+    for p in range(10):
+        writer.write(np.array([p]), [torch.full((2,), float(p))], _hashes(1, salt=p))
+        if p % 2:
+            writer.fail(np.array([p + 10]), _hashes(1), [f"failed {p}"])  # outside n: kept, merged alike
+    writer.close()
+    names = sorted(f.name for f in tmp_path.glob("part-*.parquet"))  # 15 shards (rows, records) merged 4 at a time
+    assert len(names) == 5 and names[0].endswith("-00000-00003.parquet") and names[2].endswith("-00008-00011.parquet")
+    assert len(list((tmp_path / "_failed").glob("*.parquet"))) == 4  # records merged with the shards of their seq
+    assert sorted(pq.read_table(tmp_path / "_failed").column("cause").to_pylist()) == [f"failed {p}" for p in (1, 3,
+                                                                                                            5, 7, 9)]
+    assert sorted(ds.dataset(tmp_path).to_table().column("position").to_pylist()) == list(range(10))
+    # A crash after a merged shard is in place, before its parts are removed: both on disk.
+    monkeypatch.setattr(store_module.StoreWriter, "_remove", lambda self, parts: None)
+    crashed = tmp_path / "crashed"
+    store = open_store(crashed, key="k", n=6)
+    writer = store.writer("0")
+    for p in range(6):
+        writer.write(np.array([p]), [torch.full((2,), float(p))], _hashes(1, salt=p))
+    writer.close()
+    assert len(list(crashed.glob("part-*.parquet"))) == 7  # 4 parts, their merged shard, the 5th and 6th
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    temp = crashed / f".tmp-{store_module._HOST}-{dead.pid}-part-x-00000-00009.parquet"  # a merge cut short earlier
+    temp.write_bytes(b"PAR1 half")
+    reopened = open_store(crashed, key="k", n=6)  # the parts a merged shard holds are removed: each row once
+    assert reopened.done.all() and len(list(crashed.glob("part-*.parquet"))) == 3 and not temp.exists()
+    assert sorted(ds.dataset(crashed).to_table().column("position").to_pylist()) == list(range(6))
+    assert [float(r[0]) for r in StoredRunResult.of(reopened.located(6))] == [0, 1, 2, 3, 4, 5]
+
+
+def test_positions_are_not_stored_where_ids_key_the_rows(tmp_path):
+    ids = pa.array([f"id-{i}" for i in range(6)])
+    _write(tmp_path, [torch.ones(1)] * 4, ids=ids.slice(0, 4))  # a first run over four ids
+    order = np.array([5, 4, 3, 2, 1, 0])  # a rerun over all six, in another order
+    store = open_store(tmp_path, key="k", ids=ids.take(pa.array(order)))
+    assert store.done.tolist() == [False, False, True, True, True, True]
+    store.check_inputs(np.arange(6), np.arange(6, dtype=np.uint64)[order])
+    writer = store.writer("0")
+    writer.write(np.array([0, 1]), [torch.zeros(1)] * 2, np.array([5, 4], dtype=np.uint64))
+    writer.close()
+    table = pq.read_table(tmp_path)
+    assert "position" not in table.column_names and sorted(table.column("id").to_pylist()) == ids.to_pylist()

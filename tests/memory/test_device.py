@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dynabatch.compat.bionemo import collect_cuda_peak_alloc
 from dynabatch.memory import device
 from dynabatch.memory.device import (
     AllocatorBackend,
@@ -25,7 +26,7 @@ from dynabatch.memory.device import (
     simulated_memory,
     total_bytes,
 )
-from dynabatch.memory.measure import check_device, check_measurable_device, collect_cuda_peak_alloc, track_peak_memory
+from dynabatch.memory.measure import check_device, check_measurable_device, track_peak_memory
 
 
 class _FakeAllocator:
@@ -249,3 +250,106 @@ def test_on_a_real_gpu_free_bytes_and_out_of_memory_errors():
     else:
         pytest.fail("allocating twice the device's memory should fail")
     del held
+
+
+# --- moving batches, device failures -------------------------------------------------------------------------
+
+
+class _FakeStreams:
+    """``torch.cuda``'s stream functions as records: which stream was current when each copy was made, and which
+    stream waited on which event."""
+
+    def __init__(self):
+        self.log = []
+        self.current = "compute"
+
+    def install(self, monkeypatch, module):
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None):
+                self.name = "copy"
+
+            def record_event(self):
+                fake.log.append(("record", fake.current))
+                return "copied"
+
+            def wait_event(self, event):
+                fake.log.append(("wait", self.name, event))
+
+        class Compute(Stream):
+            def __init__(self):
+                self.name = "compute"
+
+        class Within:
+            def __init__(self, stream):
+                self.stream = stream
+
+            def __enter__(self):
+                fake.current = self.stream.name
+
+            def __exit__(self, *exc):
+                fake.current = "compute"
+
+        monkeypatch.setattr(module, "is_available", lambda: True, raising=False)
+        monkeypatch.setattr(module, "Stream", Stream, raising=False)
+        monkeypatch.setattr(module, "current_stream", lambda device=None: Compute(), raising=False)
+        monkeypatch.setattr(module, "stream", Within, raising=False)
+        return self
+
+
+def test_a_cuda_copy_runs_on_its_own_stream_and_the_compute_stream_waits_on_its_event(monkeypatch):
+    streams = _FakeStreams().install(monkeypatch, torch.cuda)
+    copied = []
+    real_to = torch.Tensor.to
+
+    def to(tensor, *args, **kwargs):  # no CUDA here: the copy is made on the CPU, noting the stream and the flag
+        copied.append((streams.current, kwargs.get("non_blocking")))
+        return real_to(tensor, "cpu")
+
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda tensor, stream: recorded.append(stream.name))
+    move = device.copier("cuda:0")
+    assert isinstance(move, device.StreamCopier)
+    monkeypatch.setattr(move, "device", torch.device("cpu"))  # the copies "land" on the device the tensors are on
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3), "note": "kept"}
+    moved = move(batch)
+    assert copied == [("copy", True), ("copy", True)]  # both tensors copied on the copy stream, non-blocking
+    assert streams.log == [("record", "copy"), ("wait", "compute", "copied")]  # the compute stream waits, not the host
+    assert recorded == ["compute", "compute"] and moved["note"] == "kept"  # each copy's memory kept for the compute
+
+
+def test_the_cpu_and_no_device_copy_plainly():
+    assert device.copier(None) is None
+    move = device.copier("cpu")
+    assert type(move) is device.Copier and not move.non_blocking
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long)}
+    assert torch.equal(move(batch)["input_ids"], batch["input_ids"])
+
+
+@pytest.mark.parametrize(
+    ("error", "failed"),
+    [
+        (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), True),
+        (RuntimeError("CUDA error: device-side assert triggered"), True),
+        (RuntimeError("HIP error: unspecified launch failure"), True),
+        (RuntimeError("CUDA error: out of memory"), False),  # out of memory: smaller calls fit
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+        (ValueError("cannot process this input"), False),  # the work's error, not the device's
+        (OSError(28, "No space left on device"), False),
+    ],
+)
+def test_a_device_failure_is_the_runtimes_error_never_out_of_memory_nor_the_works(error, failed):
+    assert device.is_device_failure(error) is failed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_real_gpu_a_pinned_batch_copies_on_its_own_stream_and_computes_after_it():
+    move = device.copier("cuda")
+    batch = {"input_ids": torch.arange(4096 * 64).reshape(4096, 64).pin_memory()}
+    moved = move(batch)
+    assert moved["input_ids"].device.type == "cuda" and move.stream != torch.cuda.current_stream()
+    total = moved["input_ids"].sum()  # on the compute stream, after the copy's event
+    assert int(total) == int(batch["input_ids"].sum())

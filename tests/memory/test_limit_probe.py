@@ -41,6 +41,7 @@ def test_an_injected_error_above_a_size_is_found_at_every_length_by_doubling_the
         assert not budget.fits(np.array([min(failed)]), np.array([[width]]))[0]
 
 
+@pytest.mark.slow
 def test_on_the_cpu_the_tracker_holds_a_step_to_the_limit_minus_what_is_resident(tokenizer):
     def work(batch):  # 256 bytes a token slot, and a sum
         return torch.ones(batch["input_ids"].numel(), 64).sum()

@@ -180,7 +180,7 @@ def test_a_plan_from_a_fitted_training_step_stays_within_its_budget(tokenizer, o
     must not trust it (the old fit planned 400 x 64 rows, measured 9.8x the budget)."""
     from transformers import BertConfig, BertForSequenceClassification
 
-    from dynabatch.memory.measure import collect_peak_alloc
+    from dynabatch.compat.bionemo import collect_peak_alloc
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,

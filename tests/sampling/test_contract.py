@@ -1,7 +1,7 @@
 """The contract every dynabatch batch sampler keeps, tested once over all of them.
 
 Parametrized over the inference loader's sampler (DynamicBatchSampler), the smart sampler
-(SmartBatchSampler), the multi-task system's MemoryAwareBatchSampler and its StepBatchSampler, axolotl's
+(SmartBatchSampler), the multi-task system's MemoryAwareBatchSampler, StepBatchSampler (optimizer steps), axolotl's
 multipack sampler (MultipackBatchSampler, with ``drop_last=False`` so that it keeps every sample) and the
 smallest subclass of the base (PlannedBatchSampler's own example):
 
@@ -31,14 +31,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
+from dynabatch.compat.multitask.predictor import MemoryPredictor
+from dynabatch.compat.multitask.sampler import MemoryAwareBatchSampler
 from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.sampling.constraints import TokenBudget
 from dynabatch.sampling.inference_sampler import DynamicBatchSampler
 from dynabatch.sampling.multipack import MultipackBatchSampler
 from dynabatch.sampling.planner import plan_batches
 from dynabatch.sampling.smart import SmartBatchSampler
-from dynabatch.training.predictor import MemoryPredictor
-from dynabatch.training.sampler import STEP_SEPARATOR, MemoryAwareBatchSampler, StepBatchSampler
+from dynabatch.training.step_sampler import STEP_SEPARATOR, StepBatchSampler
 
 SEED = 3
 
@@ -140,6 +141,7 @@ def lengths():
     return np.random.default_rng(0).integers(1, 65, size=120)
 
 
+@pytest.mark.slow
 def test_resume_from_a_state_in_a_fresh_process_equals_the_uninterrupted_run(lengths, tmp_path):
     cases, expected = [], []
     for name in NAMES:

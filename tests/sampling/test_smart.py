@@ -150,6 +150,7 @@ def two_ranks(tmp_path_factory, run_two_ranks):
     return run_two_ranks(_WORKER, tmp_path_factory.mktemp("gloo_smart"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fixed", "difference", "tokens", "memory"])
 def test_two_ranks_see_every_sample_once_per_epoch_in_equal_counts(two_ranks, name):
     ranks = [r[name] for r in two_ranks]

@@ -161,6 +161,7 @@ _WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_accelerate_on_two_processes_deals_each_rank_its_shard(tmp_path, run_two_ranks):
     reports = run_two_ranks(_WORKER, tmp_path)
     assert [r["world"] for r in reports] == [[0, 2], [1, 2]]
@@ -212,6 +213,7 @@ def _packing_trainer(tokenizer, tokens, out, **args):
     return trainer, collate, sampler
 
 
+@pytest.mark.slow
 def test_packing_under_the_trainer_hook_trains_every_row_once_per_epoch_and_resumes(tokenizer, tokens, tmp_path,
                                                                                    one_thread):
     from transformers import TrainerCallback

@@ -53,6 +53,7 @@ def _check(peaks: StepPeaks, namespace: dict, steps: int) -> None:
     assert sum(len(b) for b in namespace["sampler"]) == 200
 
 
+@pytest.mark.slow
 def test_the_trainer_recipe_runs_as_written_and_every_step_stays_under_the_limit(tmp_path, monkeypatch, one_thread):
     from transformers import TrainerCallback
 
@@ -74,6 +75,7 @@ def test_the_trainer_recipe_runs_as_written_and_every_step_stays_under_the_limit
     _check(peaks, namespace, namespace["trainer"].state.global_step)
 
 
+@pytest.mark.slow
 def test_the_plain_loop_recipe_runs_as_written_and_every_step_stays_under_the_limit(one_thread):
     peaks, namespace = StepPeaks(), {}
     code = recipe("In a plain loop")

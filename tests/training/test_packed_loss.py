@@ -5,15 +5,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
-from dynabatch.packing import (
-    MultipackBatchSampler,
-    PackedCollator,
-    count_target_tokens,
-    num_items_in_batch,
-    packed_causal_lm_loss,
-    packed_dataloader,
-)
+from dynabatch.data.packing import PackedCollator, packed_dataloader
+from dynabatch.sampling.multipack import MultipackBatchSampler
 from dynabatch.training.hf import BatchSamplerTrainer
+from dynabatch.training.packed_loss import count_target_tokens, num_items_in_batch, packed_causal_lm_loss
 
 VOCAB = 97
 
@@ -111,6 +106,7 @@ def test_hf_trainer_step_with_packed_accumulation_follows_the_token_mean(one_thr
     assert _close(step, reference) < 1e-4
 
 
+@pytest.mark.slow
 def test_packed_finetune_example_runs(tmp_path):
     import os
     import subprocess

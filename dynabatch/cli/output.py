@@ -1,0 +1,260 @@
+"""The output of a corpus job: its store, made, written to and opened before any model loads, and read after the run.
+
+* :meth:`Output.prepare`: the folder made (with its parents) and a probe file
+  written and removed in it: a folder this user cannot make or write is one
+  line before any model loads; :meth:`Output.checked` prepares it around the
+  checks that follow, taking it back if one fails;
+* :meth:`Output.open`: the store at it opened for the run, which writes into
+  it (:attr:`Output.store`), taking the store's job lock: a store another live
+  job is writing is refused naming that job, and a store of rows computed otherwise (another
+  model's files, another setting) is refused naming each difference and the
+  ways on (another output folder, or deleting it to compute it again);
+* :meth:`Output.discard`: a folder this job made is taken back when a later
+  check fails, or the model does not load (:meth:`Output.end`);
+* :meth:`Output.tally`: what the store holds once the run has ended
+  (:class:`Tally`): the summary, ``--report`` and the exit status come from it,
+  never from what the run says it ran.
+
+The store's calls are in this module alone (:func:`_open_store`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dynabatch._validation import bad_value
+from dynabatch.inference.store_lock import StoreBusyError
+
+__all__ = ["Output", "Tally"]
+
+_FEW = 5
+_SETTING = re.compile(r'(\S+?)=("(?:[^"\\]|\\.)*"|\S*)')  # name=value; a JSON string value may hold spaces
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _open_store(path: str, *, key: str, n: int, ids: Any) -> Any:
+    """The store at ``path`` opened for a run and held for this job (the ranks of one ``torchrun`` job share it):
+    the command line's one call of ``open_store``."""
+    from dynabatch.inference.distributed import job_token
+    from dynabatch.inference.store import open_store
+
+    return open_store(path, key=key, n=n, ids=ids, job=job_token())
+
+
+def _stored_key(path: str) -> str | None:
+    """The key a store's first readable shard was written under (``None``: no shard)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dynabatch.inference.store import META
+
+    for name in sorted(os.listdir(path)):
+        if not (name.startswith("part-") and name.endswith(".parquet")):
+            continue
+        try:
+            meta = (pq.read_schema(os.path.join(path, name)).metadata or {}).get(META)
+        except (OSError, pa.ArrowException):
+            continue
+        return json.loads(meta).get("key") if meta else None
+    return None
+
+
+def _settings(key: str) -> dict[str, str]:
+    """A job key (:func:`dynabatch.cli.job.job_key`) as ``{name: value}``, the command under ``command``."""
+    command, _, rest = key.partition(" ")
+    return {"command": command, **dict(_SETTING.findall(rest))}
+
+
+def _differences(stored: str, key: str) -> str:
+    """What differs between the key of a store and this job's, read by a person."""
+    there, here = _settings(stored), _settings(key)
+    names = [n for n in dict.fromkeys([*there, *here]) if there.get(n) != here.get(n)]
+    if "model" in names:
+        names.remove("model")
+        model = [f"model files of digest {there.get('model', '-')} there, {here.get('model', '-')} here (--model)"]
+    else:
+        model = []
+    def side(name: str, settings: dict[str, str], where: str) -> str:
+        return f"{name}={settings[name]} {where}" if name in settings else f"no {name} {where}"
+
+    shown = model + [f"{side(n, there, 'there')}, {side(n, here, 'here')}" for n in names]
+    return "; ".join(shown) if shown else f"key={stored!r} there, key={key!r} here"
+
+
+@dataclass
+class Tally:
+    """What a store holds for a job's ``n`` inputs once the run has ended.
+
+    ``stored``: inputs with a row; ``before``: of them, those stored when the job
+    opened the store (``now`` the others); ``failures``: input position -> cause,
+    inputs listed failed and not stored (a rerun retries them); ``missing``:
+    positions neither stored nor listed failed; ``ids``: the inputs' ids
+    (``None``: keyed by position).
+    """
+
+    n: int
+    stored: int
+    before: int
+    now: int
+    failures: dict[int, str]
+    missing: np.ndarray
+    ids: Any = None
+
+    def names(self, positions: Any) -> list:
+        """The ids (or positions) of ``positions``, as Python values."""
+        positions = [int(p) for p in positions]
+        if self.ids is None:
+            return positions
+        import pyarrow as pa
+
+        return self.ids.take(pa.array(positions, type=pa.int64())).to_pylist()
+
+    def shown(self, positions: Any) -> str:
+        """The first ids (or positions) of ``positions``, for a message."""
+        positions = list(positions)
+        what = "ids" if self.ids is not None else "positions"
+        names = ", ".join(map(repr if self.ids is not None else str, self.names(positions[:_FEW])))
+        return f"{what} {names}" + (", ..." if len(positions) > _FEW else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the counts, each failed input with its cause, each missing input (position, and id)."""
+
+        def inputs(positions: list[int]) -> list[dict[str, Any]]:
+            if self.ids is None:
+                return [{"position": p} for p in positions]
+            return [{"position": p, "id": name} for p, name in zip(positions, self.names(positions))]
+
+        failed = sorted(self.failures)
+        return {"inputs": self.n, "stored": self.stored, "stored_before": self.before, "stored_now": self.now,
+                "failed": [{**entry, "cause": self.failures[entry["position"]]} for entry in inputs(failed)],
+                "missing": inputs([int(p) for p in self.missing])}
+
+
+class Output:
+    """The store of a corpus job at ``path`` (a folder)."""
+
+    def __init__(self, path: Any) -> None:
+        self.path = os.fspath(path)
+        self.made: str | None = None  # the top-most folder this job made, taken back if a later check fails
+        self.store: Any = None
+        self.before: np.ndarray | None = None
+        self.started = False  # the run began: the folder is kept, whatever it holds
+
+    def prepare(self) -> None:
+        """Makes the folder (and its parents) and writes and removes a probe file in it.
+
+        Raises:
+            ValueError: a file, or a folder this user cannot make or write (the reason named).
+        """
+        path = self.path
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise bad_value("output", "a folder for the store, not a file", path)
+        top = None
+        head = os.path.abspath(path)
+        while not os.path.exists(head):
+            top, head = head, os.path.dirname(head)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"output should be a folder this user can make, but got output={path!r}: "
+                             f"{exc.strerror} ({exc.filename})") from exc
+        self.made = top
+        probe = os.path.join(path, f".tmp-dynabatch-probe-{os.getpid()}")  # a name the store leaves alone
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"dynabatch")
+                f.flush()
+                os.fsync(f.fileno())
+            os.remove(probe)
+        except OSError as exc:
+            self.discard()
+            raise ValueError(f"output should be a folder this user can write, but got output={path!r}: "
+                             f"{exc.strerror}") from exc
+
+    def open(self, *, key: str, n: int, ids: Any) -> None:
+        """Opens the store for a run over ``n`` inputs (``ids``: their ids) computed as ``key`` says, held for this
+        job (its lock taken).
+
+        Raises:
+            ValueError: another live job is writing it (that job named), or it holds rows computed otherwise (the
+                differences named), of other keying, or other files.
+        """
+        try:
+            self.store = _open_store(self.path, key=key, n=n, ids=ids)
+        except StoreBusyError as exc:
+            raise ValueError(f"output should be a store no other job is writing, but got output={self.path!r}: "
+                             f"{_first_line(exc)}; wait for that job to end, or use another output folder") from exc
+        except ValueError as exc:
+            stored = _stored_key(self.path) if os.path.isdir(self.path) else None
+            if stored is not None and stored != key:
+                raise ValueError(f"output should be a new folder, or the store of this same job to resume it, but got "
+                                 f"output={self.path!r} holding rows computed otherwise ({_differences(stored, key)}): "
+                                 f"use another output folder for this job, or delete {self.path!r} to compute it "
+                                 "again") from exc
+            raise ValueError(f"output should be a new folder, or the store of this same job to resume it, but got "
+                             f"output={self.path!r}: {_first_line(exc)}") from exc
+        self.before = np.array(self.store.done, dtype=bool)
+
+    @contextlib.contextmanager
+    def checked(self) -> Iterator[Output]:
+        """Prepares the folder (:meth:`prepare`); the checks in the block that fail :meth:`discard` it."""
+        self.prepare()
+        try:
+            yield self
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Closes the store; a folder this job made is removed (it holds no row: nothing ran)."""
+        self.close()
+        if self.made is None or not os.path.isdir(self.path):
+            return
+        if any(name.startswith("part-") for name in os.listdir(self.path)):
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        head, made = os.path.dirname(os.path.abspath(self.path)), os.path.abspath(self.made)
+        while head.startswith(made) and len(head) >= len(made):  # the parents it made, if empty
+            try:
+                os.rmdir(head)
+            except OSError:
+                break
+            head = os.path.dirname(head)
+        self.made = None
+
+    def end(self) -> None:
+        """Closes the store, or :meth:`discard` it if the run never began (a model that failed to load)."""
+        if self.started:
+            self.close()
+        else:
+            self.discard()
+
+    def close(self) -> None:
+        """Releases the store (its job lock)."""
+        store, self.store = self.store, None
+        if store is not None:
+            store.close()
+
+    def tally(self, n: int) -> Tally:
+        """What the store holds for the ``n`` inputs now: its rows and its failure records."""
+        located = self.store.located(n)
+        stored = np.asarray(located.where) >= 0
+        failures = {int(p): str(c) for p, c in self.store.failures().items() if 0 <= p < n and not stored[p]}
+        listed = np.zeros(n, dtype=bool)
+        listed[list(failures)] = True
+        before = self.before if self.before is not None and len(self.before) == n else np.zeros(n, dtype=bool)
+        return Tally(n, int(stored.sum()), int((stored & before).sum()), int((stored & ~before).sum()), failures,
+                     np.flatnonzero(~stored & ~listed), located.ids)

@@ -1,0 +1,284 @@
+"""One job per results store: the lock a job holds while it writes a store (:class:`JobLock`, :class:`StoreBusyError`).
+
+Each process that opens a store for a job leaves a record in it, ``.lock-<nonce>.json``: its job, host, process id
+and start time. The record's modification time is its heartbeat, refreshed every :data:`HEARTBEAT_SECONDS` by one
+thread per process while it holds any store. A process is admitted when every live record in the store is of its own
+job (the ranks of one ``torchrun`` job pass one job string); a live record of another job refuses it at once with
+:class:`StoreBusyError` naming the holder. A record is dead, and removed with a warning, when its process is gone: on
+the same machine (host, boot and process namespace) the process id no longer runs, or now belongs to a process that
+started at another time; elsewhere its heartbeat is older than :data:`LEASE_SECONDS`, both times read from the file
+server's clock (the holder's heartbeat, and the admitted process's own record just written). So a job killed with
+SIGKILL, or one on a node that was lost, never blocks a rerun for longer than that.
+
+Records are whole files renamed into place, so the rule holds on NFS as on a local disk (``flock`` is not used: on NFS
+version 3 a lost client's locks stay until it reboots). Two jobs that start at the same instant may both be refused
+(each sees the other's record), never both admitted: a process writes its record before it reads the others'.
+
+Example:
+    >>> import tempfile
+    >>> from dynabatch.inference.store_lock import JobLock, StoreBusyError
+    >>> path = tempfile.mkdtemp()
+    >>> first, same = JobLock(path, "job-a"), JobLock(path, "job-a")  # one job: both admitted
+    >>> try:
+    ...     JobLock(path, "job-b")
+    ... except StoreBusyError as exc:
+    ...     exc.holder["job"]
+    'job-a'
+    >>> first.release(); same.release()
+    >>> JobLock(path, "job-b").release()  # the store is free again
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["HEARTBEAT_SECONDS", "LEASE_SECONDS", "PREFIX", "JobLock", "StoreBusyError"]
+
+logger = logging.getLogger(__name__)
+
+LEASE_SECONDS = 60.0  # a record on another machine whose heartbeat is older than this is a dead job's
+HEARTBEAT_SECONDS = 10.0  # how often a process refreshes its records' heartbeats
+PREFIX = ".lock-"  # a record's file name: hidden, so that pyarrow.dataset and the globs of readers skip it
+
+
+class StoreBusyError(RuntimeError):
+    """Another live job writes the results store (or took this job's lock over): ``holder`` is its record (``host``,
+    ``pid``, ``started``, ``job``), ``None`` when unknown."""
+
+    def __init__(self, message: str, holder: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.holder)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux); ``None`` where unknown."""
+    stat = _read(f"/proc/{pid}/stat")
+    return int(stat.rsplit(")", 1)[1].split()[19]) if stat else None  # field 22, after the command's name
+
+
+def _process() -> dict[str, Any]:
+    """This process's identity, as a record names it (read once per process)."""
+    if _ME.get("pid") != os.getpid():  # a forked child is another process
+        _ME.clear()
+        _ME.update(_identity())
+    return dict(_ME)
+
+
+def _identity() -> dict[str, Any]:
+    pid, ticks = os.getpid(), _start_ticks(os.getpid())
+    boot = _read("/proc/sys/kernel/random/boot_id")
+    booted = next((int(line.split()[1]) for line in (_read("/proc/stat") or "").splitlines()
+                   if line.startswith("btime ")), None)
+    started = booted + ticks / os.sysconf("SC_CLK_TCK") if booted is not None and ticks is not None else _IMPORTED
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = None
+    return {"host": socket.gethostname(), "pid": pid, "started": time.strftime("%Y-%m-%d %H:%M:%S",
+            time.localtime(started)), "ticks": ticks, "boot": boot, "namespace": namespace}
+
+
+_IMPORTED = time.time()
+_ME: dict[str, Any] = {}
+
+
+def _same_machine(record: dict[str, Any], me: dict[str, Any]) -> bool:
+    """Whether ``record``'s process id means a process of this machine's (same host, boot and process namespace)."""
+    return all(record.get(k) == me[k] for k in ("host", "boot", "namespace"))
+
+
+def _alive(record: dict[str, Any], heartbeat: float, now: float, me: dict[str, Any]) -> bool:
+    """Whether the process of ``record`` (heartbeat at ``heartbeat``, the server's time ``now``) still runs."""
+    if record.get("host") == me["host"] and record.get("boot") != me["boot"] and me["boot"] is not None:
+        return False  # this host booted since
+    if _same_machine(record, me):
+        try:
+            os.kill(int(record["pid"]), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another user's process
+            pass
+        ticks = _start_ticks(int(record["pid"]))
+        return record.get("ticks") is None or ticks is None or ticks == record["ticks"]  # else: the pid was reused
+    return now - heartbeat < LEASE_SECONDS
+
+
+def _holder(record: dict[str, Any]) -> str:
+    return (f"host {record.get('host')}, process {record.get('pid')} started {record.get('started')}, "
+            f"job {record.get('job')!r}")
+
+
+@dataclass
+class _Record:
+    """This process's record in one store for one job, shared by every :class:`JobLock` of them."""
+
+    file: str
+    count: int = 0
+    lost: bool = False
+
+
+_HELD: dict[tuple[str, str], _Record] = {}
+_GUARD = threading.Lock()
+_WAKE = threading.Condition(_GUARD)
+_BEATING: list[threading.Thread] = []  # the heartbeat thread, while this process holds a record
+
+
+def _beat() -> None:
+    """Refreshes the heartbeat of every record this process holds, until the last is released."""
+    me = threading.current_thread()
+    while True:
+        with _GUARD:
+            if me in _BEATING:
+                _WAKE.wait(HEARTBEAT_SECONDS)
+            if me not in _BEATING:
+                return
+            records = list(_HELD.values())
+        for record in records:
+            try:
+                os.utime(record.file)
+            except FileNotFoundError:  # another job took the store over: this one must not write on
+                record.lost = True
+            except OSError as exc:  # a file server away for a moment: the next beat tries again
+                logger.warning("could not refresh the heartbeat of %s (%s)", record.file, exc)
+
+
+def _take(path: str, job: str) -> str:
+    """Writes this process's record into the store at ``path`` and checks the others' (see the module); its file."""
+    me = _process()
+    mine = os.path.join(path, f"{PREFIX}{uuid.uuid4().hex[:16]}.json")
+    with open(mine + ".tmp", "w") as f:
+        json.dump({**me, "job": job, "since": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+    os.replace(mine + ".tmp", mine)  # written before the others are read: of two jobs at once, one sees the other
+    now = os.stat(mine).st_mtime  # the file server's clock, which every heartbeat is read on
+    for name in sorted(os.listdir(path)):
+        other = os.path.join(path, name)
+        if not name.startswith(PREFIX) or other == mine:
+            continue
+        try:
+            heartbeat, text = os.stat(other).st_mtime, _read(other)
+            record = json.loads(text) if text else None
+        except (FileNotFoundError, ValueError):  # released meanwhile, or being written: its writer checks after
+            record, heartbeat = None, now
+        if record is None:  # a record being written, or a killed writer's temporary file
+            if name.endswith(".tmp") and now - heartbeat >= LEASE_SECONDS:
+                _remove(other)
+            continue
+        if _alive(record, heartbeat, now, me):
+            if record.get("job") == job:
+                continue
+            _remove(mine)
+            raise StoreBusyError(
+                f"output_path={path!r} should be written by one job at a time, but another job is writing it "
+                f"({_holder(record)}): wait for it to end or stop it, or use another output_path; a job that was "
+                f"killed holds it no longer than its process runs (on another host: {LEASE_SECONDS:.0f} s after "
+                "its last heartbeat)", record)
+        if record.get("job") != job:
+            logger.warning("output_path=%r: taking over the lock of a job that is gone (%s)", path, _holder(record))
+        _remove(other)
+    return mine
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+class JobLock:
+    """The store at ``path`` held for ``job`` by this process until :meth:`release` (see the module).
+
+    Args:
+        path: the store's directory (it exists).
+        job: one string for every process of a job; ``None``: this process alone is the job.
+
+    Raises:
+        StoreBusyError: another live job holds the store.
+    """
+
+    def __init__(self, path: str, job: str | None = None) -> None:
+        self.job = job if job is not None else "process {host}:{pid}:{ticks}".format(**_process())
+        self.path = path
+        self._key = (os.path.realpath(path), self.job)
+        self._released = False
+        with _GUARD:
+            record = _HELD.get(self._key)
+            if record is None or record.lost:
+                record = _HELD[self._key] = _Record(_take(path, self.job))
+            record.count += 1
+            self._record = record
+            if not _BEATING:
+                _BEATING.append(threading.Thread(target=_beat, name="dynabatch-lock-heartbeat", daemon=True))
+                _BEATING[0].start()
+
+    @property
+    def lost(self) -> bool:
+        """Whether another job took the store over (this process's heartbeat was found too old): write no more."""
+        return self._record.lost
+
+    @property
+    def held(self) -> bool:
+        """Whether this hold still holds the store: neither released nor lost."""
+        return not self._released and not self._record.lost
+
+    def release(self) -> None:
+        """Gives this hold up; the last hold of the process removes its record (and the last record, the heartbeat
+        thread, stopped when this returns). Idempotent."""
+        stopped = None
+        with _GUARD:
+            if self._released:
+                return
+            self._released = True
+            self._record.count -= 1
+            if self._record.count == 0 and _HELD.get(self._key) is self._record:
+                del _HELD[self._key]
+                _remove(self._record.file)
+            if not _HELD and _BEATING:
+                stopped = _BEATING.pop()
+                _WAKE.notify_all()
+        if stopped is not None and stopped is not threading.current_thread():
+            stopped.join()
+
+    def release_job(self) -> None:
+        """Removes every record of this job from the store, then :meth:`release`: for a job whose other processes
+        have ended without removing theirs (Ray's actors, stopped when the job's dataset is done)."""
+        for name in os.listdir(self.path):
+            other = os.path.join(self.path, name)
+            text = _read(other) if name.startswith(PREFIX) and name.endswith(".json") else None
+            with contextlib.suppress(ValueError):
+                if text and json.loads(text).get("job") == self.job and other != self._record.file:
+                    _remove(other)
+        self.release()
+
+
+@atexit.register
+def _release_all() -> None:
+    """Records of a process that ends (not killed) are removed, so a later job does not wait on them."""
+    with _GUARD:
+        records = list(_HELD.values())
+        _HELD.clear()
+        _BEATING.clear()
+        _WAKE.notify_all()
+    for record in records:
+        _remove(record.file)

@@ -1,0 +1,134 @@
+"""A predictor's results store: each window's new rows as one shard of :func:`dynabatch.run`'s store, keyed by id.
+
+A predictor given ``output_path`` opens the store of ``run(..., output_path=...)``
+(:mod:`dynabatch.inference.store`: Parquet shards committed atomically, each
+row with its id, its input hash and the output columns, every shard naming the
+``key``) keyed by the window's id column. For every window it runs only the
+rows whose id the store does not hold yet, checks that the rows it holds were
+computed from the same inputs (their input hashes, from the window's texts
+tokenized as the loader tokenizes them), and commits the rows it ran as one
+shard named after their ids, so that a window Ray runs again (an actor that
+died after committing it) replaces its shard instead of adding a second copy.
+
+Example:
+    >>> import tempfile
+    >>> from dynabatch.integrations.ray._store import WindowStore
+    >>> store = WindowStore(tempfile.mkdtemp(), key="demo", id_column="id")
+    >>> held, _ = store.held(store.window_ids([3, 4]))
+    >>> held.tolist()
+    [False, False]
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from dynabatch._digest import fingerprint
+from dynabatch.data.ids import check_ids
+from dynabatch.data.input_hashes import token_store_hashes
+from dynabatch.inference.options import check_store_arguments
+from dynabatch.inference.store import Store
+from dynabatch.inference.store import open_store as open_results_store
+from dynabatch.integrations.ray._columns import check_column
+
+__all__ = ["SUMMARY", "WindowStore", "check_store_options"]
+
+logger = logging.getLogger(__name__)
+
+SUMMARY = ("rows", "held", "ran", "failed")
+"""The columns a predictor with ``output_path`` returns, one row per window: its rows, those the store held
+already, those run now, and those of them without a result (not stored: a rerun tries them again)."""
+
+
+def check_store_options(output_path: Any, key: Any, id_column: Any) -> None:
+    """Refuses a bad ``output_path``, ``key`` (a str, only with ``output_path``) or ``id_column``."""
+    check_store_arguments(output_path, key)
+    check_column("id_column", id_column)
+
+
+def open_store(output_path: Any, key: str | None, *, verify: bool = True) -> Store:
+    """The results store at ``output_path`` keyed by id, its inputs every id it holds (refuses another ``key``), held
+    for this Ray job (the driver and every actor: one job); ``verify``: every shard read whole, its page checksums
+    verified (the driver does it once, not each actor)."""
+    return open_results_store(os.path.abspath(os.fspath(output_path)), key=key, keyed_by="id", verify=verify,
+                              job=_ray_job())
+
+
+def _ray_job() -> str | None:
+    """The job string of this process's Ray job, which its driver and actors share (``None`` outside Ray)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    return f"ray job {ray.get_runtime_context().get_job_id()}" if ray.is_initialized() else None
+
+
+class WindowStore:
+    """The results store a predictor writes its windows to (see the module).
+
+    Args:
+        output_path: the store's directory, reachable from every actor (a local or shared file system).
+        key: what computes the rows (model, revision, settings); must equal the stored one.
+        id_column: the column of the windows holding each row's id (str or int, unique in the dataset).
+
+    Raises:
+        ValueError: the store holds rows of another ``key``, or is no dynabatch store.
+    """
+
+    def __init__(self, output_path: Any, *, key: str | None, id_column: str) -> None:
+        self.store = open_store(output_path, key, verify=False)
+        self.path, self.key, self.id_column = self.store.path, key, id_column
+        self._index: Any = None  # stored id -> its place in store.ids, built at the first window
+        if len(self.store.ids):
+            logger.info("output_path=%r holds %d rows (key=%r)", self.path, len(self.store.ids), key)
+
+    def window_ids(self, values: Any) -> Any:
+        """The window's ids as an Arrow array, checked: one unique str or int per row, of the stored ids' type."""
+        try:
+            ids = check_ids(values, len(values))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{exc} (the id_column={self.id_column!r} column)") from exc
+        stored = self.store.ids.type
+        if len(ids) and len(self.store.ids) and ids.type != stored:
+            raise ValueError(f"the id_column={self.id_column!r} column should hold ids of type {stored}, as the ids "
+                             f"of the results at output_path={self.path!r}, but got ids of type {ids.type}: use the "
+                             "same ids")
+        return ids
+
+    def held(self, ids: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Which of the window's rows the store holds (bool per row), and each one's place among the stored ids."""
+        if not len(self.store.ids):
+            return np.zeros(len(ids), dtype=bool), np.full(len(ids), -1, dtype=np.int64)
+        if self._index is None:  # built once per actor: a lookup per window stays O(window), not O(store)
+            import pandas as pd
+
+            self._index = pd.Index(self.store.ids.to_numpy(zero_copy_only=False))
+        where = np.asarray(self._index.get_indexer(ids.to_numpy(zero_copy_only=False)), dtype=np.int64)
+        return where >= 0, where
+
+    def check(self, where: np.ndarray, tokenized: Any) -> None:
+        """Refuses held rows whose inputs (``tokenized``, one row each) differ from those their rows were computed from."""
+        self.store.check_inputs(where, token_store_hashes(tokenized))
+
+    def write(self, ids: Any, results: list[Any], failed: list[int], tokenized: Any) -> int:
+        """Commits the rows that have a result as one shard; returns how many. ``results[i]`` is row ``ids[i]``'s,
+        tokenized as ``tokenized``'s row ``i``; ``failed``: the rows without a result (out of memory alone)."""
+        keep = np.ones(len(results), dtype=bool)
+        keep[np.asarray(failed, dtype=np.int64)] = False
+        rows = np.flatnonzero(keep)
+        if not rows.size:
+            return 0
+        import pyarrow as pa
+
+        values = ids.to_numpy() if pa.types.is_integer(ids.type) else ids.to_pylist()
+        name = "w" + fingerprint(self.key, values)  # the same rows, written again, replace their shard
+        writer = self.store.writer(name, ids=ids.take(pa.array(rows)), exact=True)
+        try:
+            writer.write(np.arange(rows.size), [results[i] for i in rows], token_store_hashes(tokenized)[rows])
+        finally:
+            writer.close()
+        return int(rows.size)

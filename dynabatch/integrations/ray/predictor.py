@@ -1,0 +1,352 @@
+"""The predictor: :class:`DynamicBatchPredictor`, a ``map_batches`` callable class."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.inference.columns import numpy_column
+from dynabatch.inference.execute import BatchOutOfMemoryError
+from dynabatch.inference.loader import plan_of
+from dynabatch.inference.report import RunReport
+from dynabatch.inference.results import RunResult
+from dynabatch.inference.runner import check_run_options, run
+from dynabatch.integrations.ray._columns import check_column, check_options, columns_of
+from dynabatch.integrations.ray._memory import WindowMemory
+from dynabatch.integrations.ray._store import SUMMARY, WindowStore, check_store_options
+from dynabatch.memory.model import MemoryModel
+
+__all__ = ["DynamicBatchPredictor"]
+
+logger = logging.getLogger(__name__)
+
+_LOADER_OWN = ("texts", "tokenizer", "batch_size", "max_input_token_length", "progress", "num_workers",
+               "memory_model", "max_memory")
+_CALIBRATE_OWN = ("work", "tokenizer", "batch_size", "max_input_token_length", "progress")
+
+
+class DynamicBatchPredictor(WindowMemory):
+    """A ``map_batches`` callable class that runs each window of rows in memory-safe dynamic batches.
+
+    Subclass it and write :meth:`setup`. Ray constructs one instance per actor
+    with ``fn_constructor_kwargs`` (the arguments below); ``setup`` runs once
+    there, and every call gets one window of rows (a dict of numpy arrays)
+    and returns it with the result column added.
+
+    Planning a window. Each window is tokenized once and planned longest first
+    by :func:`~dynabatch.inference.loader.build_dynamic_batch_dataloader`; how
+    depends on what the actor knows (``learn_memory=True``, the default):
+
+    * nothing yet: the loader's default plan, relative to the window's first
+      batch of ``batch_size`` longest texts (``"relative"``), as
+      :func:`dynabatch.run` plans one machine's texts;
+    * a memory model (calibrated, loaded, or grown from earlier windows)
+      but no reference peak yet: planned by the model, relative to the
+      predicted peak of that first batch (``"model-relative"``);
+    * a reference peak: the measured peak of ``batch_size`` rows of the
+      longest texts the actor has run (the first batch of its first window,
+      raised when a later window brings longer texts). Later windows are
+      planned by the model to that reference as an absolute budget
+      (``max_memory``, ``"measured"``), so a window of short texts starts
+      with large batches at once instead of re-learning from ``batch_size``.
+
+    The model never extrapolates to longer texts than it has measured: a
+    window whose longest text (padded) is longer than the reference batch or
+    the model's longest measured point is planned relative to its own first
+    batch instead (by the model where its measurements reach, else by the
+    default plan), and that first batch's peak becomes the new reference.
+    Such a window is tokenized a second time (the first plan is only looked
+    at): once per new longest length, so a few times per actor.
+
+    Every batch is measured while a model is being grown (``memory="record"``
+    unless you choose another mode), and each measured batch that
+    tells the model something is added to it: a longer length than measured,
+    or a peak above its prediction (always), or one more than 10% under it
+    (at most 8 a window, until the model holds 256 points, so that a long
+    job's model stays small; each point is a refit). A batch that ran out of
+    memory caps the rows at its shape and longer. An actor that Ray restarts starts
+    again from ``setup`` (and ``calibrate``) with what it was given.
+
+    Args:
+        batch_size: rows of each window's first batch, the ``batch_size``
+            longest texts (:func:`~dynabatch.inference.loader.build_dynamic_batch_dataloader`).
+        max_input_token_length: truncation limit per text, in tokens.
+        text_column: the column of input texts (str).
+        output_column: the column the results go in (added; an existing
+            column of that name is refused). Tensors become numpy arrays:
+            one row each (stacked into a tensor column when they share a
+            shape); ``generate`` token ids lose their padding as in
+            :func:`dynabatch.run`, each row its own length (an object column).
+        error_column: with ``on_oom="skip"``, a str column added beside the
+            results: ``""`` for every row that ran, a message for a row that
+            ran out of memory on its own (its result is ``None``).
+        on_oom: ``"raise"`` (a row that runs out of memory on its own raises
+            :class:`~dynabatch.inference.execute.BatchOutOfMemoryError`, which
+            fails the window and the job) or ``"skip"`` (it is reported in
+            ``error_column``). Larger batches are always split and retried.
+        device: where to move each batch before ``fn`` (``run``'s ``device``),
+            and the device calibration and measurement use; ``None`` leaves it.
+        memory: ``run``'s ``memory``; ``"auto"``: while a memory model is grown
+            (``learn_memory``), a window planned by it runs as planned with every
+            batch measured (``"record"``: the model already learns from each of
+            its batches), other windows in measured mode; else ``run``'s default.
+        calibrate: run :func:`dynabatch.calibrate` on ``fn`` once in the actor,
+            after ``setup``, and plan with that model from the first window.
+        memory_model: a saved :class:`~dynabatch.memory.model.MemoryModel`
+            (a path, or the object, which is copied) to start from.
+        learn_memory: carry what each window measures to the next ones (see
+            above). ``False``: every window is planned on its own, as ``run``
+            plans one machine's texts (with ``calibrate`` / ``memory_model``,
+            by that model, relative to the window's first batch).
+        inference_mode: call ``fn`` (and calibrate) under ``torch.inference_mode()``.
+        loader_kwargs: more keywords for ``build_dynamic_batch_dataloader``
+            (``model_shape``, ``threshold``, ``memory_margin``, tokenizer
+            keywords such as ``return_token_type_ids=False``), except those set here.
+        calibrate_kwargs: more keywords for :func:`dynabatch.calibrate`
+            (``texts``, ``max_probes``, ``limit_bytes``, ...), with ``calibrate=True``.
+        output_path: a directory (reachable from every actor) to store the
+            results in: the results store of ``dynabatch.run(...,
+            output_path=...)``, keyed by ``id_column``. Each window runs only
+            the rows whose id the store does not hold yet (a resumed job),
+            after checking that the held rows were computed from the same
+            inputs, and commits the rows it ran as one Parquet shard (whole or
+            not at all); it returns one row per window instead of its rows
+            (columns ``rows``, ``held``, ``ran``, ``failed``). ``None``: the
+            window comes back with its results.
+        key: with ``output_path``, what computes the rows (the model, its
+            revision, the settings); a store of another key is refused.
+        id_column: with ``output_path``, the column of each row's id (str or
+            int, unique in the dataset).
+
+    Attributes:
+        tokenizer, fn: what :meth:`setup` returned.
+        memory_model: the actor's :class:`~dynabatch.memory.model.MemoryModel`
+            (``None`` without ``learn_memory``, ``calibrate`` or ``memory_model``).
+        reference_bytes: the reference peak (``None`` until measured).
+        reference_width: the padded length of the batch that measured it.
+        windows: windows run so far by this instance.
+        replans: windows planned twice (longer texts than measured).
+
+    Raises:
+        TypeError, ValueError: a bad argument (checked before ``setup`` runs),
+            or ``setup`` not returning a ``(tokenizer, fn)`` pair.
+
+    Example:
+        Called directly on one window (what a Ray actor does with each):
+
+        >>> import numpy as np
+        >>> from transformers import AutoModel, AutoTokenizer
+        >>> from dynabatch.demo import minilm_path
+        >>> from dynabatch.integrations.ray import DynamicBatchPredictor
+        >>> class Embed(DynamicBatchPredictor):
+        ...     def setup(self):
+        ...         tok = AutoTokenizer.from_pretrained(minilm_path())
+        ...         model = AutoModel.from_pretrained(minilm_path()).eval()
+        ...         return tok, lambda b: model(**b).last_hidden_state[:, 0]
+        >>> embed = Embed(batch_size=2, max_input_token_length=32)
+        >>> window = {"id": np.arange(3), "text": np.array(["In the beginning", "And God said", "Let there be light"])}
+        >>> out = embed(window)
+        >>> sorted(out), out["output"].shape, out["id"].tolist()
+        (['id', 'output', 'text'], (3, 384), [0, 1, 2])
+    """
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        max_input_token_length: int,
+        text_column: str = "text",
+        output_column: str = "output",
+        error_column: str = "error",
+        on_oom: str = "raise",
+        device: Any = None,
+        memory: str = "auto",
+        calibrate: bool = False,
+        memory_model: Any = None,
+        learn_memory: bool = True,
+        inference_mode: bool = True,
+        loader_kwargs: dict[str, Any] | None = None,
+        calibrate_kwargs: dict[str, Any] | None = None,
+        output_path: str | os.PathLike | None = None,
+        key: str | None = None,
+        id_column: str = "id",
+    ) -> None:
+
+        self.batch_size = check_positive_int("batch_size", batch_size)
+        self.max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
+        self.text_column = check_column("text_column", text_column)
+        self.output_column = check_column("output_column", output_column)
+        self.error_column = check_column("error_column", error_column)
+        if self.output_column == self.text_column:
+            raise bad_value("output_column", f"another column than text_column={text_column!r}", output_column)
+        check_run_options(device, on_oom, memory)
+        if on_oom == "skip" and self.error_column in (self.text_column, self.output_column):
+            raise bad_value("error_column", "another column than text_column and output_column", error_column)
+        self.on_oom = on_oom
+        self.device = device
+        for name, value in (("calibrate", calibrate), ("learn_memory", learn_memory),
+                            ("inference_mode", inference_mode)):
+            if not isinstance(value, bool):
+                raise bad_type(name, "a bool", value)
+        if learn_memory and memory == "off":
+            raise bad_value("memory", "a mode that measures while learn_memory=True (the memory model learns from "
+                            "measured peaks)", memory)
+        if memory_model is not None and not isinstance(memory_model, (str, os.PathLike, MemoryModel)):
+            raise bad_type("memory_model", "None, a MemoryModel, or the path of a saved one", memory_model)
+        if calibrate and memory_model is not None:
+            raise bad_value("memory_model", "None with calibrate=True (calibrate makes the model)", memory_model)
+        self.memory = memory
+        self.learn_memory = learn_memory
+        self.inference_mode = inference_mode
+        self.loader_kwargs = check_options("loader_kwargs", loader_kwargs, _LOADER_OWN)
+        if calibrate_kwargs is not None and not calibrate:
+            raise bad_value("calibrate_kwargs", "None without calibrate=True", calibrate_kwargs)
+        self.calibrate_kwargs = check_options("calibrate_kwargs", calibrate_kwargs, _CALIBRATE_OWN)
+        check_store_options(output_path, key, id_column)
+        self.id_column = id_column
+        if output_path is not None and (id_column == self.output_column
+                                        or (on_oom == "skip" and id_column == self.error_column)):
+            raise bad_value("id_column", "another column than output_column and error_column", id_column)
+        # Opened before setup loads the model: a store of another key is refused at once.
+        self.store = WindowStore(output_path, key=key, id_column=id_column) if output_path is not None else None
+
+        self.tokenizer, self.fn = self._set_up()
+        self.memory_model: MemoryModel | None = None
+        if isinstance(memory_model, MemoryModel):
+            self.memory_model = MemoryModel.from_dict(memory_model.to_dict())  # the caller's object stays as it was
+        elif memory_model is not None:
+            self.memory_model = MemoryModel.load(memory_model, device=device)
+        elif calibrate:
+            self.memory_model = self._calibrate()
+        elif learn_memory:
+            self.memory_model = MemoryModel(device=self._measure_device())
+        self.reference_bytes: int | None = None
+        self.reference_width: int | None = None
+        self.windows = 0
+        self.replans = 0
+        self._learning = learn_memory
+
+    # -- what a subclass writes ------------------------------------------------
+    def setup(self) -> tuple[Any, Any]:
+        """Loads the model once per actor; returns ``(tokenizer, fn)``.
+
+        ``tokenizer`` is a Hugging Face tokenizer object with a pad token;
+        ``fn`` takes a :class:`~dynabatch.data.collate.Batch` (a dict of
+        tensors for ``model(**batch)`` or ``model.generate(**batch)``) and
+        returns one result per row, as for :func:`dynabatch.run`. The
+        constructor's arguments are attributes by then (``self.device``,
+        ``self.max_input_token_length``, ...).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} should define setup(self), which loads the model once per actor and returns "
+            "(tokenizer, fn): subclass DynamicBatchPredictor and write it")
+
+    def window_done(self, report: RunReport, plan: str) -> None:
+        """Called after each window with its :class:`~dynabatch.inference.report.RunReport` and how it was
+        planned (one of :data:`PLANS`); logs one line. Override it to collect per-batch records."""
+        summary = report.summary()
+        logger.info("window %d: %d rows in %d batches (%s plan), padding efficiency %.3f, max peak ratio %s",
+                    self.windows, summary["rows"], summary["batches"], plan, summary["padding_efficiency"] or 0.0,
+                    summary["max_peak_ratio"])
+
+    # -- setup ---------------------------------------------------------------
+    def _set_up(self) -> tuple[Any, Any]:
+        returned = self.setup()
+        if not (isinstance(returned, tuple) and len(returned) == 2):
+            raise bad_type("setup()", "a (tokenizer, fn) pair", returned)
+        tokenizer, fn = returned
+        if not callable(tokenizer) or isinstance(tokenizer, str):
+            raise bad_type("setup()[0]", "a tokenizer object (e.g. AutoTokenizer.from_pretrained(...))", tokenizer)
+        if not callable(fn):
+            raise bad_type("setup()[1]", "a callable taking a dynabatch.Batch", fn)
+        return tokenizer, fn
+
+    # -- one window ------------------------------------------------------------
+    def __call__(self, batch: Any) -> Any:
+        """Runs one window: the window with ``output_column`` (and, with ``on_oom="skip"``, ``error_column``) added."""
+        names, is_frame = columns_of(batch)
+        if self.text_column not in names:
+            raise bad_value("text_column", f"a column of the batch {names}", self.text_column)
+        added = [self.output_column] + ([self.error_column] if self.on_oom == "skip" else [])
+        for name, column in zip(("output_column", "error_column"), added):
+            if column in names:
+                raise bad_value(name, f"a column the batch does not have already {names}", column)
+        texts = batch[self.text_column]
+        texts = texts.tolist() if hasattr(texts, "tolist") else list(texts)
+        if self.store is not None:
+            return self._run_stored(batch, names, is_frame, texts)
+        if not texts:
+            results: list[Any] = []
+            failed: list[int] = []
+        else:
+            result, _ = self._run_window(texts)
+            results, failed = list(result), result.failed
+        columns = {self.output_column: numpy_column(results)}
+        if self.on_oom == "skip":
+            errors = np.full(len(texts), "", dtype=object)
+            for p in failed:
+                errors[p] = "out of memory on its own (a batch of one row); its result is None"
+            columns[self.error_column] = errors
+        if is_frame:
+            return batch.assign(**{name: list(values) for name, values in columns.items()})
+        out = dict(batch)
+        out.update(columns)
+        return out
+
+    def _run_stored(self, batch: Any, names: list[str], is_frame: bool, texts: list[Any]) -> Any:
+        """Runs the window's rows the store does not hold and commits them; one summary row (:data:`SUMMARY`)."""
+        if self.id_column not in names:
+            raise bad_value("id_column", f"a column of the batch {names}", self.id_column)
+        ids = self.store.window_ids(batch[self.id_column])
+        held, where = self.store.held(ids)
+        if held.any():  # rows stored before: computed from these very inputs?
+            self.store.check(where[held], self._tokenize([texts[i] for i in np.flatnonzero(held)]))
+        todo = np.flatnonzero(~held)
+        failed: list[int] = []
+        if todo.size:
+            result, tokenized = self._run_window([texts[i] for i in todo], todo)
+            failed = result.failed
+            self.store.write(ids.take(todo), list(result), failed, tokenized)
+        summary = dict(zip(SUMMARY, ([len(texts)], [int(held.sum())], [int(todo.size)], [len(failed)])))
+        if is_frame:
+            import pandas as pd
+
+            return pd.DataFrame(summary)
+        return {name: np.array(values, dtype=np.int64) for name, values in summary.items()}
+
+    def _run_options(self, plan: str) -> dict[str, Any]:
+        options: dict[str, Any] = {"on_oom": self.on_oom, "progress": False}
+        if self.device is not None:
+            options["device"] = self.device
+        if self.memory != "auto" or not self._learning:
+            options["memory"] = self.memory
+        else:
+            # A window planned by this actor's measured memory model, which learns from every batch in _learn:
+            # run keeps that plan rather than re-sizing it (and feeding the same model) a second time.
+            options["memory"] = "measured" if plan == "relative" else "record"
+        return options
+
+    def _run_window(self, texts: list[str], rows: np.ndarray | None = None) -> tuple[RunResult, Any]:
+        """The results of ``texts`` (the window's rows ``rows``; ``None``: all of them), and their token store (as
+        the loader tokenized them)."""
+        loader, plan, width = self._plan(texts)
+        with self._grad_mode():
+            try:
+                result = run(self.fn, loader, **self._run_options(plan))
+            except BatchOutOfMemoryError as exc:
+                text = texts[exc.position] if exc.position is not None else ""
+                row = int(rows[exc.position]) if rows is not None and exc.position is not None else exc.position
+                instead = ("leave it unstored (counted in the window's 'failed'; a rerun tries it again)"
+                           if self.store is not None else f"get it reported in the {self.error_column!r} column")
+                raise BatchOutOfMemoryError(
+                    f"row {row} of this window ran out of memory on its own (text {text[:80]!r}); pass "
+                    f"on_oom='skip' to {instead} instead", position=row) from exc
+        self.windows += 1
+        if self._learning:
+            self._learn(result.report, plan, width)
+        self.window_done(result.report, plan)
+        return result, plan_of(loader).collator.tokenized

@@ -1,0 +1,182 @@
+"""``run`` when things fail: every input accounted for, errors of ``fn`` naming their inputs, ``on_error="skip"``,
+and a worker error that is not a device failure stopping the run on every path, several devices included.
+
+Models are real where they matter (see conftest.py); failures are injected into ``fn`` or the store's file writes.
+"""
+
+import errno
+import threading
+
+import pyarrow.dataset as ds
+import pytest
+import torch
+from runner_helpers import _lengths, _load
+
+from dynabatch import IncompleteRunError, run
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TWO = ["cpu", "cpu"]
+
+
+def _raises_at(*positions):
+    """``fn`` that raises ``ValueError`` on any batch holding one of ``positions``."""
+
+    def fn(batch):
+        bad = sorted(set(batch.indices.tolist()) & set(positions))
+        if bad:
+            raise ValueError(f"cannot process input {bad[0]}")
+        return _lengths(batch)
+
+    return fn
+
+
+def _stored(path):
+    return ds.dataset(path).to_table(columns=["position"]).column("position").to_pylist()
+
+
+def _no_thread_left():
+    return not [t.name for t in threading.enumerate() if t.name.startswith("dynabatch")]
+
+
+# --- fn's errors name their inputs; on_error="skip" sets them aside ------------------------------------------------
+
+
+def test_an_error_of_fn_names_its_batchs_positions_and_ids_on_one_device_and_several(tokenizer, texts):
+    ids = [f"doc-{i}" for i in range(len(texts))]
+    for options in ({}, {"devices": TWO}):
+        loader = _load(texts, tokenizer, ids=ids)
+        fn = _raises_at(7)
+        call = {"make_fn": lambda device, fn=fn: fn} if options else {"fn": fn}
+        with pytest.raises(ValueError, match=r"^cannot process input 7\ndynabatch.run: fn\(batch\) raised on batch "
+                                             r"\d+: \d+ rows at input positions [\d, .]+ \(ids doc-[\w, .-]+\)") as raised:
+            run(loader=loader, progress=False, **call, **options)
+        batch = next(b for b in loader.batch_sampler.batches if 7 in b.tolist())
+        note = raised.value.__notes__[0]
+        assert f"{len(batch)} rows at input positions {', '.join(map(str, batch[:5].tolist()))}" in note
+        assert _no_thread_left()
+
+
+def test_after_splitting_down_to_one_row_the_note_names_that_row(tokenizer, texts):
+    def fn(batch):
+        if len(batch.indices) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")  # split down to single rows
+        return _raises_at(11)(batch)
+
+    ids = [f"doc-{i}" for i in range(len(texts))]
+    with pytest.raises(ValueError, match=r"^cannot process input 11\ndynabatch.run: fn\(batch\) raised on input "
+                                         r"position 11 \(id doc-11\), alone \(a row of batch \d+\)"):
+        run(fn, _load(texts, tokenizer, ids=ids), progress=False)
+
+
+@pytest.mark.parametrize("devices", [None, TWO])
+def test_on_error_skip_sets_the_rows_fn_raises_on_aside_with_the_errors_text(tokenizer, texts, devices):
+    fn = _raises_at(3, 40)
+    call = {"make_fn": lambda device: fn, "devices": devices} if devices else {"fn": fn}
+    result = run(loader=_load(texts, tokenizer), on_error="skip", progress=False, **call)
+    assert result.failed == [3, 40] and result[3] is None and result[40] is None
+    assert result.failures == {3: "ValueError: cannot process input 3", 40: "ValueError: cannot process input 40"}
+    assert result.report.error_rows == 2 and result.report.rows == len(texts)  # every input once
+    want = run(_lengths, _load(texts, tokenizer), progress=False)
+    assert all(torch.equal(a, b) for p, (a, b) in enumerate(zip(result, want)) if p not in (3, 40))
+
+
+def test_rows_set_aside_are_failure_records_of_the_store_and_a_rerun_retries_them(tokenizer, texts, tmp_path):
+    path = tmp_path / "store"
+    first = run(_raises_at(5), _load(texts, tokenizer), output_path=path, on_error="skip", progress=False)
+    assert first.failures == {5: "ValueError: cannot process input 5"} and 5 not in _stored(path)
+    calls = []
+    again = run(lambda b: calls.extend(b.indices.tolist()) or _lengths(b), _load(texts, tokenizer), output_path=path,
+                progress=False)
+    assert calls == [5] and again.failed == [] and sorted(_stored(path)) == list(range(len(texts)))
+
+
+def test_bad_inputs_are_in_failures_with_their_cause(tokenizer, texts):
+    from dynabatch.inference.runner import BAD_INPUT
+
+    result = run(_lengths, _load([*texts[:10], None, *texts[10:20]], tokenizer, on_bad_input="skip"),
+                 progress=False)
+    assert result.failures == {10: BAD_INPUT} and result.failed == [10]
+
+
+# --- a worker's error that is not a device failure stops the run, several devices included -------------------------
+
+
+def test_rows_the_store_refuses_stop_a_run_on_two_devices_with_nothing_lost(tokenizer, texts, tmp_path, monkeypatch):
+    monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", 8)  # the first shard, typing the columns, is early
+    loader = _load(texts, tokenizer)
+    odd = int(loader.batch_sampler.batches[3][0])
+
+    def make_fn(device):
+        def fn(batch):  # one batch's vectors do not fit the stored schema (3 values, not 2)
+            out = _lengths(batch)
+            return torch.cat([out, out[:, :1]], 1) if odd in batch.indices.tolist() else out
+
+        return fn
+
+    path = tmp_path / "store"
+    with pytest.raises(ValueError, match=r"should have dtype float32 and shape \(2,\) in every row"):
+        run(make_fn=make_fn, loader=loader, devices=TWO, output_path=path, progress=False)
+    stored = _stored(path)
+    assert len(stored) == len(set(stored)) < len(texts) and odd not in stored and _no_thread_left()
+    done = run(_lengths, _load(texts, tokenizer), output_path=path, progress=False)
+    assert sorted(_stored(path)) == list(range(len(texts))) and done.report.rows == len(texts) - len(stored)
+
+
+def test_a_write_that_keeps_failing_stops_a_run_on_two_devices_and_a_rerun_stores_the_rest(tokenizer, texts, tmp_path,
+                                                                                          monkeypatch):
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", 8)
+    real_write, writes = pq.write_table, []
+
+    def no_space_after_two(*args, **kwargs):  # the disk fills up after two shards
+        writes.append(1)
+        if len(writes) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(pq, "write_table", no_space_after_two)
+    path = tmp_path / "store"
+    with pytest.raises(OSError, match="No space left on device"):
+        run(make_fn=lambda device: _lengths, loader=_load(texts, tokenizer), devices=TWO, output_path=path,
+            progress=False)
+    stored = _stored(path)
+    assert len(stored) == len(set(stored)) < len(texts) and _no_thread_left()
+    monkeypatch.setattr(pq, "write_table", real_write)
+    done = run(_lengths, _load(texts, tokenizer), output_path=path, progress=False)
+    assert sorted(_stored(path)) == list(range(len(texts))) and done.report.rows == len(texts) - len(stored)
+
+
+# --- one accounting at the end of every run -------------------------------------------------------------------------
+
+
+def test_inputs_neither_returned_nor_failed_raise_naming_them(tokenizer, texts):
+    batches = list(_load(texts[:30], tokenizer))
+    gap = min(p for p in batches[2].indices.tolist() if p != 29)  # not the last position: the inputs are 30
+    holey = [b if gap not in b.indices.tolist() else _without(b, gap) for b in batches]
+    with pytest.raises(IncompleteRunError, match=rf"^run should account for every input \(a result, or a place in "
+                                                 rf"failed with its cause\), but got 1 of 30 inputs with neither "
+                                                 rf"\(positions {gap}\)") as raised:
+        run(_lengths, holey, progress=False)
+    assert raised.value.missing == [gap] and raised.value.partial[gap] is None
+
+
+def _without(batch, position):
+    from dynabatch.data.collate import take_rows
+
+    keep = [i for i, p in enumerate(batch.indices.tolist()) if p != position]
+    return take_rows(batch, keep)
+
+
+def test_a_row_fn_gives_as_none_is_a_failure_record_of_the_store(tokenizer, texts, tmp_path):
+    from dynabatch import PerRow
+    from dynabatch.inference.sink import NONE_ROW
+
+    def fn(batch):
+        return PerRow([None if p == 4 else float(p) for p in batch.indices.tolist()])
+
+    in_memory = run(fn, _load(texts[:20], tokenizer), progress=False)
+    assert in_memory[4] is None and in_memory.failed == []  # in memory None is its result
+    stored = run(fn, _load(texts[:20], tokenizer), output_path=tmp_path / "store", progress=False)
+    assert stored.failures == {4: NONE_ROW} and stored[4] is None and stored[5] == 5.0

@@ -1,0 +1,83 @@
+"""The scheduler: stored rows taken out, pre-splits by the one out-of-memory policy, lanes, rank shares."""
+
+import numpy as np
+import pytest
+from runner_helpers import _load
+
+from dynabatch.inference.scheduler import Scheduler
+from dynabatch.inference.source import Source
+from dynabatch.memory.oom import equal_parts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _scheduler(loader, memory="off", stored=None):
+    return Scheduler(Source(loader, loader.plan), memory=memory, sparse=False, stored=stored)
+
+
+def test_stored_rows_are_taken_out_before_a_batch_is_built_or_peeked(tokenizer, texts):
+    loader = _load(texts, tokenizer)
+    planned = loader.batch_sampler.batches
+    stored = np.zeros(len(texts), dtype=bool)
+    stored[planned[0]] = True  # the whole first batch
+    stored[planned[1][:2]] = True  # two rows of the second
+    scheduler = _scheduler(loader, stored=stored)
+    lane = scheduler.lane()
+    assert [p.tolist() for p in scheduler.peek(lane, 3)] == [planned[1][2:].tolist(), planned[2].tolist()]
+    first = scheduler.next(lane)
+    assert first.positions.size == 0 and first.stored.tolist() == planned[0].tolist()  # nothing left to run
+    second = scheduler.next(lane)
+    assert second.positions.tolist() == planned[1][2:].tolist() and not second.whole
+    assert second.stored.tolist() == planned[1][:2].tolist()
+    rest = [scheduler.next(lane) for _ in planned[2:]]
+    assert all(item.whole and not item.stored.size for item in rest) and scheduler.next(lane) is None
+    assert scheduler.n_inputs == len(texts)
+
+
+def test_a_plain_iterables_stored_rows_are_kept_with_its_batch_for_the_build_stage(tokenizer, texts):
+    batches = list(_load(texts[:20], tokenizer))
+    stored = np.zeros(20, dtype=bool)
+    stored[batches[0].indices[:1].numpy()] = True
+    scheduler = Scheduler(Source(batches, None), memory="off", sparse=False, stored=stored)
+    item = scheduler.next(scheduler.lane())
+    assert item.batch is batches[0] and item.rows.tolist() == list(range(1, len(batches[0].indices)))
+    assert item.stored.tolist() == batches[0].indices[:1].tolist()
+    assert scheduler.peek(scheduler.lane(), 2) == []  # its batches come built: nothing to build ahead
+
+
+def test_a_shape_that_ran_out_of_memory_splits_every_shape_as_large_before_it_runs(tokenizer, texts):
+    scheduler = _scheduler(_load(texts, tokenizer))
+    lane, other = scheduler.lane(), scheduler.lane()
+    item = scheduler.next(lane)
+    assert scheduler.pre_split(lane, 8, 48) is None
+    scheduler.report(lane, item, out_of_memory=(8, 40))
+    split = scheduler.pre_split(lane, 9, 48)
+    assert split.sizes == [4, 5] and split.reason == "as large as 8 x 40 which ran out of memory"
+    assert scheduler.pre_split(lane, 9, 32) is None  # narrower: not dominated
+    assert scheduler.pre_split(other, 9, 48) is None  # another device's lane learned nothing
+
+
+def test_guarded_mode_caps_calls_by_the_first_batch_then_by_the_lanes_measured_peaks(tokenizer, texts):
+    loader = _load(texts, tokenizer)
+    scheduler = _scheduler(loader, memory="guarded")
+    lane = scheduler.lane()
+    first = loader.plan.planner.first_rows()
+    assert scheduler.pre_split(lane, first + 4, 48).sizes == equal_parts(first + 4, first)
+    item = scheduler.next(lane)
+    scheduler.report(lane, item, ran=[(4, 48, 4000)])  # 1000 bytes a row at width 48: the budget is 4000
+    assert lane.feedback.budget == 4000
+    assert scheduler.pre_split(lane, 10, 24).sizes == [4, 3, 3]  # 4 rows at width 48 bound 4 at width 24
+    assert scheduler.measure(lane, 4, 48)
+
+
+def test_lockstep_shares_deal_every_batch_to_one_rank(tokenizer, texts):
+    loader = _load(texts, tokenizer)
+    shares = []
+    for rank in (0, 1):
+        scheduler = _scheduler(loader)
+        scheduler.share("lockstep", rank, 2)
+        lane = scheduler.lane()
+        items = iter(lambda s=scheduler, lane=lane: s.next(lane), None)
+        shares.append([p for item in items for p in item.positions.tolist()])
+    assert sorted(shares[0] + shares[1]) == list(range(len(texts)))
+    assert abs(len(shares[0]) - len(shares[1])) < len(texts) // 2

@@ -1,0 +1,696 @@
+"""``dynabatch.integrations.ray``: memory-safe dynamic batches inside Ray Data's ``map_batches``.
+
+Real model (all-MiniLM-L6-v2, offline), real held-out texts (pyjokes' jokes and
+Python's own pydoc topics, which nothing in dynabatch was tuned on). The tests
+that call a predictor directly on a window (what each actor does) run in this
+process; the ``ray_cluster`` ones run on one local Ray (``num_cpus=2``) shared
+by the session. Out-of-memory errors are injected by raising
+``torch.OutOfMemoryError`` from the model call, as a device would; nothing of
+dynabatch or Ray is mocked.
+"""
+
+import collections
+import itertools
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dynabatch
+from dynabatch import BatchOutOfMemoryError, MemoryModel
+from dynabatch.integrations.ray import PLANS, DynamicBatchPredictor, default_window, map_texts, to_column
+
+MAX_LEN = 64
+ROOT = Path(dynabatch.__file__).resolve().parents[1]
+OOM = "CUDA out of memory. Tried to allocate 2.00 GiB"
+
+
+def _minilm():
+    from transformers import AutoModel, AutoTokenizer
+
+    from dynabatch.demo import minilm_path
+
+    return AutoTokenizer.from_pretrained(minilm_path()), AutoModel.from_pretrained(minilm_path()).eval()
+
+
+class Embed(DynamicBatchPredictor):
+    """The issue's example: MiniLM's first-token embedding."""
+
+    def setup(self):
+        tok, model = _minilm()
+        return tok, lambda b: model(**b).last_hidden_state[:, 0]
+
+
+class Recording(Embed):
+    """Embed that keeps each window's plan and report."""
+
+    def setup(self):
+        self.log = []
+        return super().setup()
+
+    def window_done(self, report, plan):
+        super().window_done(report, plan)
+        self.log.append((plan, report, self.reference_bytes))
+
+
+class Faulty(Recording):
+    """Embed on a simulated device: batches of more than ``max_rows`` rows, and any batch holding ``poison``,
+    run out of memory; with ``marker``, the first actor to reach its 2nd window dies there (once per job)."""
+
+    def __init__(self, *, max_rows=None, poison=None, marker=None, **kwargs):
+        self.max_rows, self.poison, self.marker = max_rows, poison, marker
+        self.calls = []  # (rows, width) of every model call
+        self.windows_called = 0
+        super().__init__(**kwargs)
+
+    def setup(self):
+        tok, embed = super().setup()
+
+        def fn(batch):
+            rows, width = batch["input_ids"].shape
+            self.calls.append((rows, width))
+            if (self.max_rows and rows > self.max_rows) or self.poison in batch.texts:
+                raise torch.OutOfMemoryError(OOM)
+            return embed(batch)
+
+        return tok, fn
+
+    def __call__(self, batch):
+        self.windows_called += 1
+        if self.marker and self.windows_called == 2:
+            try:
+                fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # atomic: one actor dies, once
+            except FileExistsError:
+                pass
+            else:
+                os.write(fd, str(os.getpid()).encode())
+                os.close(fd)
+                os._exit(1)
+        out = super().__call__(batch)
+        out["pid"] = np.full(len(out["id"]), os.getpid())
+        out["oom_splits"] = np.full(len(out["id"]), self.log[-1][1].oom_splits)  # the window's splits
+        return out
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    """120 texts of 2 to 64+ tokens: pyjokes' jokes (13 languages) and pydoc topics, shuffled."""
+    import pydoc_data.topics
+
+    from dynabatch.demo import joke_texts
+
+    rng = np.random.default_rng(0)
+    jokes = joke_texts()
+    topics = sorted(pydoc_data.topics.topics.values())
+    texts = [jokes[i] for i in rng.choice(len(jokes), 100, replace=False)]
+    texts += [topics[i] for i in rng.choice(len(topics), 20, replace=False)]
+    return [texts[i] for i in rng.permutation(len(texts))]
+
+
+@pytest.fixture(scope="module")
+def alone(held_out):
+    """Each text's embedding computed on its own, unpadded: what every output must equal."""
+    tok, model = _minilm()
+    out = {}
+    with torch.inference_mode():
+        for text in held_out:
+            if text not in out:
+                inputs = tok(text, truncation=True, max_length=MAX_LEN, return_tensors="pt")
+                out[text] = model(**inputs).last_hidden_state[0, 0].numpy()
+    return out
+
+
+def _window(texts, start=0):
+    return {"id": np.arange(start, start + len(texts)), "text": np.array(texts, dtype=object)}
+
+
+def _assert_exact(rows, alone, skip=()):
+    """Every row's output is its own text's embedding (float32 rounding of a padded batch: 2e-5)."""
+    for row in rows:
+        if row["text"] in skip:
+            continue
+        np.testing.assert_allclose(row["output"], alone[row["text"]], atol=2e-5, rtol=0, err_msg=row["text"][:60])
+
+
+def _rows(out):
+    """A window's output dict as one dict per row."""
+    return [{key: out[key][i] for key in out} for i in range(len(out["id"]))]
+
+
+# --- one actor's windows, in this process ---------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_windows_come_back_in_place_exact_and_later_windows_are_planned_by_what_was_measured(held_out, alone):
+    predictor = Recording(batch_size=8, max_input_token_length=MAX_LEN)
+    got = []
+    for start in range(0, 120, 30):
+        window = _window(held_out[start : start + 30], start)
+        out = predictor(window)
+        assert sorted(out) == ["id", "output", "text"]
+        assert out["output"].shape == (30, 384) and out["output"].dtype == np.float32
+        assert out["id"] is window["id"] and out["text"] is window["text"]  # input columns pass through
+        got.extend(_rows(out))
+    assert [row["id"] for row in got] == list(range(120))
+    _assert_exact(got, alone)
+
+    plans = [plan for plan, _, _ in predictor.log]
+    assert plans[0] == "relative" and set(plans) <= set(PLANS)
+    assert "measured" in plans  # a later window was sized to the reference from the start
+    reference = predictor.reference_bytes
+    assert reference == predictor.log[0][1].records[0].peak_bytes  # the first window's first (hardest) batch
+    assert predictor.reference_width == predictor.log[0][1].records[0].width == MAX_LEN
+    assert predictor.windows == 4 and predictor.replans == 0
+    for plan, report, _ in predictor.log:
+        if plan == "measured":  # the model keeps every batch at or under (1 - memory_margin) of the reference
+            assert max(r.peak_bytes for r in report.records) <= 0.9 * reference
+            assert max(r.rows for r in report.records) > 8  # shorter texts: larger batches than batch_size
+    assert all(p["source"] == "ray" for p in predictor.memory_model.probes_)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_window_with_longer_texts_than_measured_is_planned_to_its_own_first_batch(held_out, alone):
+    short = sorted(held_out, key=len)
+    predictor = Recording(batch_size=8, max_input_token_length=MAX_LEN)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # above all no "MemoryModel extrapolates: padded_length=..." warning
+        first = predictor(_window(short[:40]))  # the shortest texts: the model learns short lengths only
+        width = predictor.reference_width
+        assert width < MAX_LEN
+        second = predictor(_window(short[-20:] + short[40:50]))  # the longest ones: beyond what was measured
+        assert predictor.log[1][0] in ("relative", "model-relative") and predictor.replans == 1
+        assert predictor.reference_width == MAX_LEN and predictor.reference_bytes > predictor.log[0][2]
+        third = predictor(_window(short[50:90]))  # within what is measured now
+    assert predictor.log[2][0] == "measured" and predictor.replans == 1
+    _assert_exact(_rows(first) + _rows(second) + _rows(third), alone)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_injected_out_of_memory_is_split_and_a_row_failing_alone_goes_to_the_error_column(held_out, alone):
+    poison = held_out[7]
+    predictor = Faulty(batch_size=4, max_input_token_length=MAX_LEN, max_rows=6, poison=poison, on_oom="skip")
+    rows = []
+    for start in range(0, 90, 30):
+        out = predictor(_window(held_out[start : start + 30], start))
+        assert sorted(out) == ["error", "id", "oom_splits", "output", "pid", "text"]
+        rows.extend(_rows(out))
+    assert [row["id"] for row in rows] == list(range(90))
+    failed = [row for row in rows if row["error"]]
+    assert [row["text"] for row in failed] == [poison] and failed[0]["output"] is None
+    assert "out of memory on its own" in failed[0]["error"]
+    assert all(row["error"] == "" for row in rows if row["text"] != poison)
+    _assert_exact(rows, alone, skip={poison})
+    reports = [report for _, report, _ in predictor.log]
+    assert reports[0].oom_splits >= 2 and reports[0].failed_rows == 1  # tried, ran out of memory, split
+    # What ran out of memory in a window is carried to the next: no later batch is planned as large (rows and
+    # width) as a shape that ran out of memory before it.
+    failed_shapes = []
+    for report in reports:
+        for r in report.records:
+            assert not any(r.rows >= rows_ and r.width >= width for rows_, width in failed_shapes), (r, failed_shapes)
+        failed_shapes += [(r.rows, r.width) for r in report.records if r.oom_splits and not r.pre_split]
+    assert [plan for plan, _, _ in predictor.log][1:] == ["measured", "measured"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_on_oom_raise_names_the_row(held_out):
+    predictor = Faulty(batch_size=8, max_input_token_length=MAX_LEN, poison=held_out[3])
+    with pytest.raises(BatchOutOfMemoryError, match=r"row 3 of this window ran out of memory on its own .*"
+                                                    r"pass on_oom='skip' to get it reported in the 'error' column"):
+        predictor(_window(held_out[:20]))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_calibrated_or_saved_memory_model_plans_the_first_window(held_out, alone, tmp_path):
+    calibrated = Recording(batch_size=8, max_input_token_length=MAX_LEN, calibrate=True,
+                           calibrate_kwargs={"max_probes": 8})
+    assert calibrated.memory_model is not None and len(calibrated.memory_model.probes_) >= 8
+    out = calibrated(_window(held_out[:30]))
+    assert calibrated.log[0][0] == "model-relative"
+    out2 = calibrated(_window(held_out[30:60], 30))
+    assert calibrated.log[1][0] == "measured"
+    _assert_exact(_rows(out) + _rows(out2), alone)
+
+    path = tmp_path / "minilm.json"
+    calibrated.memory_model.save(path)
+    for given in (path, MemoryModel.load(path)):
+        loaded = Recording(batch_size=8, max_input_token_length=MAX_LEN, memory_model=given)
+        loaded(_window(held_out[:20]))
+        assert loaded.log[0][0] == "model-relative"
+    assert len(given.probes_) == len(MemoryModel.load(path).probes_)  # the caller's object was not grown
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_without_learning_every_window_is_planned_on_its_own(held_out):
+    predictor = Recording(batch_size=8, max_input_token_length=MAX_LEN, learn_memory=False)
+    for start in (0, 20):
+        predictor(_window(held_out[start : start + 20], start))
+    assert [plan for plan, _, _ in predictor.log] == ["relative", "relative"]
+    assert predictor.memory_model is None and predictor.reference_bytes is None
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_generate_rows_lose_their_padding_and_equal_generating_alone(held_out):
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=30522, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0,
+                         bos_token_id=101, eos_token_id=102, attn_implementation="eager", initializer_range=0.3)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        llama = LlamaForCausalLM(config).eval()
+
+    def greedy(**inputs):
+        return llama.generate(**inputs, max_new_tokens=4, min_new_tokens=4, do_sample=False, suppress_tokens=[0])
+
+    class Generate(DynamicBatchPredictor):
+        def setup(self):
+            tok, _ = _minilm()
+            tok = copy.deepcopy(tok)
+            tok.padding_side = "left"
+            self.tok = tok
+            return tok, lambda b: greedy(**b)
+
+    texts = held_out[:30]
+    predictor = Generate(batch_size=4, max_input_token_length=48, loader_kwargs={"return_token_type_ids": False})
+    out = predictor(_window(texts))
+    assert out["output"].dtype == object and len({len(r) for r in out["output"]}) > 3  # each row its own length
+    with torch.inference_mode():
+        for text, row in zip(texts, out["output"]):
+            inputs = predictor.tok(text, truncation=True, max_length=48, return_tensors="pt",
+                                   return_token_type_ids=False)
+            assert row.tolist() == greedy(**inputs)[0].tolist(), text
+    # Calibrated in the actor: the probes are tokenized as the windows are (no token_type_ids, which generate
+    # would refuse), and the model plans the first window.
+    calibrated = Generate(batch_size=4, max_input_token_length=48, loader_kwargs={"return_token_type_ids": False},
+                          calibrate=True, calibrate_kwargs={"max_probes": 7})
+    again = calibrated(_window(texts))
+    assert [r.tolist() for r in again["output"]] == [r.tolist() for r in out["output"]]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_pandas_window_and_an_empty_window(held_out, alone):
+    import pandas as pd
+
+    predictor = Embed(batch_size=8, max_input_token_length=MAX_LEN, text_column="body", output_column="vector")
+    frame = pd.DataFrame({"id": range(20), "body": held_out[:20]})
+    out = predictor(frame)
+    assert list(out.columns) == ["id", "body", "vector"] and list(out["id"]) == list(range(20))
+    for text, vector in zip(out["body"], out["vector"]):
+        np.testing.assert_allclose(vector, alone[text], atol=2e-5, rtol=0)
+    empty = predictor({"id": np.arange(0), "body": np.array([], dtype=object)})
+    assert len(empty["vector"]) == 0 and sorted(empty) == ["body", "id", "vector"]
+
+
+class Sums(DynamicBatchPredictor):
+    """A model-free predictor: each row's token count and sum of token ids (exact in float32, however batched).
+    With ``record``, every model call appends its texts to a file in that directory; with ``fail_at``, the actor's
+    ``fail_at``-th window raises, failing the job (a job killed there)."""
+
+    def __init__(self, *, record=None, fail_at=None, **kwargs):
+        self.record, self.fail_at, self.windows_called = record, fail_at, 0
+        super().__init__(**kwargs)
+
+    def setup(self):
+        from transformers import AutoTokenizer
+
+        from dynabatch.demo import minilm_path
+
+        def fn(batch):
+            if self.record:
+                with open(os.path.join(self.record, f"{os.getpid()}.jsonl"), "a", encoding="utf-8") as f:
+                    f.write(json.dumps(list(batch.texts)) + "\n")
+            mask = batch["attention_mask"]
+            return torch.stack([mask.sum(1), (batch["input_ids"] * mask).sum(1)], 1).float()
+
+        return AutoTokenizer.from_pretrained(minilm_path()), fn
+
+    def __call__(self, batch):
+        self.windows_called += 1
+        if self.windows_called == self.fail_at:
+            raise RuntimeError("the job was killed in this window")
+        return super().__call__(batch)
+
+
+class PoisonedSums(Sums):
+    """Sums on a simulated device where any batch holding ``poison`` runs out of memory, even alone."""
+
+    def __init__(self, *, poison, **kwargs):
+        self.poison = poison
+        super().__init__(**kwargs)
+
+    def setup(self):
+        tokenizer, sums = super().setup()
+
+        def fn(batch):
+            if self.poison in batch.texts:
+                raise torch.OutOfMemoryError(OOM)
+            return sums(batch)
+
+        return tokenizer, fn
+
+
+def _ran(record):
+    """How many times the model ran each text, from ``Sums``' record."""
+    return collections.Counter(text for file in Path(record).glob("*.jsonl")
+                               for line in file.read_text(encoding="utf-8").splitlines() for text in json.loads(line))
+
+
+def _stored(path):
+    """The store read as plain Parquet (hidden files are not read): each id's output, and every id stored."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    ids = table.column("id").to_pylist()
+    return dict(zip(ids, table.column("output").to_pylist())), ids
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_predictor_with_output_path_runs_only_the_rows_its_store_does_not_hold(held_out, tmp_path):
+    store, record = tmp_path / "store", tmp_path / "record"
+    record.mkdir()
+    ids = np.array([f"doc-{i}" for i in range(40)], dtype=object)
+    texts = np.array(held_out[:40], dtype=object)
+    options = {"batch_size": 4, "max_input_token_length": MAX_LEN, "learn_memory": False}
+    expected = Sums(**options)({"id": ids, "text": texts})["output"]  # without a store: every row, in place
+
+    first = Sums(**options, output_path=str(store), key="sums")
+    summary = first({"id": ids[:25], "text": texts[:25]})
+    assert {name: values.tolist() for name, values in summary.items()} == {
+        "rows": [25], "held": [0], "ran": [25], "failed": [0]}
+    rerun = Sums(**options, output_path=store, key="sums", record=str(record))  # a new actor opens the store
+    summary = rerun({"id": ids, "text": texts})
+    assert {name: values.tolist() for name, values in summary.items()} == {
+        "rows": [40], "held": [25], "ran": [15], "failed": [0]}
+    assert _ran(record) == collections.Counter(texts[25:].tolist())  # the model ran the 15 missing rows only
+    rerun({"id": ids[25:], "text": texts[25:]})  # the same rows again (a window Ray retries): their shard replaced
+    got, stored = _stored(store)
+    assert sorted(stored) == sorted(ids.tolist()) and len(list(store.glob("part-*.parquet"))) == 2
+    for i, row in zip(ids, expected):
+        np.testing.assert_array_equal(got[i], row)
+
+    empty = rerun({"id": np.array([], dtype=object), "text": np.array([], dtype=object)})
+    assert {name: values.tolist() for name, values in empty.items()} == {"rows": [0], "held": [0], "ran": [0],
+                                                                          "failed": [0]}
+    import pandas as pd
+
+    frame = rerun(pd.DataFrame({"id": ids[:5], "text": texts[:5]}))  # a pandas window: a pandas summary
+    assert frame.to_dict("list") == {"rows": [5], "held": [5], "ran": [0], "failed": [0]}
+
+    with pytest.raises(ValueError, match="should hold results of these inputs at their ids, but got 1 stored rows "
+                                         "computed from other inputs \\(ids doc-3\\)"):
+        rerun({"id": ids[3:4], "text": np.array(["another text under a stored id"], dtype=object)})
+    with pytest.raises(ValueError, match="the id_column='id' column should hold ids of type string, as the ids of "
+                                         "the results at output_path=.*, but got ids of type int64"):
+        rerun({"id": np.arange(2), "text": texts[:2]})
+    with pytest.raises(ValueError, match="id_column should be a column of the batch \\['text'\\]"):
+        rerun({"text": texts[:2]})
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_row_without_a_result_is_not_stored_and_a_rerun_tries_it_again(held_out, tmp_path):
+    window = {"id": np.arange(10), "text": np.array(held_out[:10], dtype=object)}
+    options = {"batch_size": 4, "max_input_token_length": MAX_LEN, "learn_memory": False,
+               "output_path": tmp_path, "key": "sums", "poison": held_out[7]}
+    summary = PoisonedSums(on_oom="skip", **options)(window)
+    assert {name: values.tolist() for name, values in summary.items()} == {
+        "rows": [10], "held": [0], "ran": [10], "failed": [1]}
+    assert sorted(_stored(tmp_path)[1]) == [0, 1, 2, 3, 4, 5, 6, 8, 9]
+    with pytest.raises(BatchOutOfMemoryError, match="row 7 of this window ran out of memory on its own .*pass "
+                                                    "on_oom='skip' to leave it unstored"):
+        PoisonedSums(**options)(window)  # the rerun runs row 7 alone: it fails again, named by its window row
+
+
+def test_to_column_stacks_equal_shapes_and_keeps_the_rest_as_objects():
+    assert to_column([torch.ones(2, 3), torch.zeros(2, 3)]).shape == (2, 2, 3)
+    assert to_column([torch.tensor(1.5, dtype=torch.bfloat16)] * 3).dtype == np.float32
+    labels = to_column(["a", "bb"])
+    assert labels.dtype == object and labels.tolist() == ["a", "bb"]
+    mixed = to_column([{"x": torch.ones(1)}, (torch.zeros(1), 2)])
+    assert isinstance(mixed[0]["x"], np.ndarray) and isinstance(mixed[1][0], np.ndarray)
+    assert to_column([]).shape == (0,)
+
+
+# --- arguments --------------------------------------------------------------------------------------------------
+
+
+class Counting(Embed):
+    """Counts setup calls, to show that bad arguments are refused before the model loads."""
+
+    setups = 0
+
+    def setup(self):
+        type(self).setups += 1
+        return super().setup()
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"batch_size": 0}, ValueError, "batch_size should be a positive integer, but got batch_size=0"),
+    ({"batch_size": 8.0}, TypeError, "batch_size should be a positive integer, but got batch_size=8.0"),
+    ({"text_column": 3}, TypeError, "text_column should be a column name \\(a non-empty str\\), but got text_column=3"),
+    ({"output_column": "text"}, ValueError, ("output_column should be another column than text_column='text', "
+                                             "but got output_column='text'")),
+    ({"on_oom": "ignore"}, ValueError, "on_oom should be one of \\('raise', 'skip'\\), but got on_oom='ignore'"),
+    ({"on_oom": "skip", "error_column": "output"}, ValueError,
+     "error_column should be another column than text_column and output_column, but got error_column='output'"),
+    ({"memory": "off"}, ValueError, "memory should be a mode that measures while learn_memory=True"),
+    ({"memory": True}, TypeError, "memory should be one of \\('auto', 'measured', 'guarded', 'record', 'off'\\), but got memory=True"),
+    ({"calibrate": True, "memory_model": "m.json"}, ValueError, "memory_model should be None with calibrate=True"),
+    ({"memory_model": 3}, TypeError, "memory_model should be None, a MemoryModel, or the path of a saved one"),
+    ({"loader_kwargs": {"max_memory": "1GB"}}, ValueError, ("loader_kwargs should be a dict without the "
+                                                            "keywords DynamicBatchPredictor sets itself")),
+    ({"calibrate_kwargs": {"max_probes": 4}}, ValueError, "calibrate_kwargs should be None without calibrate=True"),
+    ({"device": 0}, TypeError, "device should be None, a str or a torch.device, but got device=0"),
+    ({"output_path": 3}, TypeError, ("output_path should be None, a str or an os.PathLike \\(a directory for the "
+                                     "results store\\), or the store opened for the run \\(open_store\\), but got "
+                                     "output_path=3")),
+    ({"key": "minilm"}, ValueError, ("key should be None without output_path \\(it identifies the results stored "
+                                     "there\\), but got key='minilm'")),
+    ({"output_path": "unused", "id_column": "output"}, ValueError,
+     "id_column should be another column than output_column and error_column, but got id_column='output'"),
+])
+def test_bad_arguments_are_refused_before_the_model_loads(kwargs, error, message):
+    kwargs = {"batch_size": 8, "max_input_token_length": MAX_LEN, **kwargs}
+    Counting.setups = 0
+    with pytest.raises(error, match=message):
+        Counting(**kwargs)
+    assert Counting.setups == 0
+
+
+def test_setup_must_be_written_and_return_a_tokenizer_and_a_callable(tokenizer):
+    with pytest.raises(NotImplementedError, match="Missing should define setup\\(self\\)"):
+        type("Missing", (DynamicBatchPredictor,), {})(batch_size=8, max_input_token_length=MAX_LEN)
+    for returned, message in [
+        (None, "setup\\(\\) should be a \\(tokenizer, fn\\) pair, but got setup\\(\\)=None"),
+        ((tokenizer, "fn"), "setup\\(\\)\\[1\\] should be a callable taking a dynabatch.Batch"),
+        (("bert", len), "setup\\(\\)\\[0\\] should be a tokenizer object"),
+    ]:
+        cls = type("Bad", (DynamicBatchPredictor,), {"setup": lambda self, r=returned: r})
+        with pytest.raises(TypeError, match=message):
+            cls(batch_size=8, max_input_token_length=MAX_LEN)
+
+
+def test_a_window_without_the_text_column_or_with_the_output_column_is_refused(tokenizer):
+    cls = type("Lengths", (DynamicBatchPredictor,), {"setup": lambda self: (tokenizer, lambda b: b["input_ids"])})
+    predictor = cls(batch_size=8, max_input_token_length=MAX_LEN, learn_memory=False)
+    with pytest.raises(ValueError, match="text_column should be a column of the batch \\['body'\\], but got "
+                                         "text_column='text'"):
+        predictor({"body": np.array(["a"])})
+    with pytest.raises(ValueError, match="output_column should be a column the batch does not have already"):
+        predictor({"text": np.array(["a"]), "output": np.array([1])})
+    with pytest.raises(TypeError, match="batch should be a dict of numpy arrays"):
+        predictor(["a"])
+
+
+def test_default_window_and_map_texts_arguments():
+    pytest.importorskip("ray")
+    assert default_window(16) == 1024 and default_window(100) == 6400 and default_window(1000) == 16384
+    with pytest.raises(TypeError,
+                       match="predictor_cls should be a subclass of dynabatch.integrations.ray.DynamicBatchPredictor"):
+        map_texts(None, object, batch_size=8, max_input_token_length=MAX_LEN)
+    with pytest.raises(TypeError, match="ds should be a ray.data.Dataset, but got ds=\\[\\]"):
+        map_texts([], Embed, batch_size=8, max_input_token_length=MAX_LEN)
+
+
+def test_the_module_imports_without_ray():
+    # A meta path hook that refuses ray: dynabatch.integrations.ray must import and its predictor work without it.
+    code = (
+        "import sys\n"
+        "class NoRay:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'ray' or name.startswith('ray.'):\n"
+        "            raise ImportError('no ray here')\n"
+        "sys.meta_path.insert(0, NoRay())\n"
+        "import dynabatch.integrations.ray\n"
+        "assert 'ray' not in sys.modules\n"
+        "print(dynabatch.integrations.ray.default_window(8))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                            check=False)
+    assert result.returncode == 0 and result.stdout.strip() == "1024", result.stderr
+
+
+# --- on a local Ray: 2 actors, as users run it -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the session (2 CPUs); its workers import this dynabatch and this test module."""
+    ray = pytest.importorskip("ray")
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests are not importable by name
+    path = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
+        "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def faulty_job(ray_cluster, held_out, tmp_path_factory):
+    """The held-out texts through 2 actors (map_texts): batches over 6 rows and one text (even alone) run out of
+    memory, and the first actor to reach its 2nd window dies there; Ray restarts it and retries the window."""
+
+    marker = tmp_path_factory.mktemp("ray") / "died"
+    poison = held_out[11]
+    ds = ray_cluster.data.from_items([{"id": i, "text": t} for i, t in enumerate(held_out)], override_num_blocks=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Ray 2.60 deprecates passing actor options so
+        out = map_texts(ds, Faulty, batch_size=4, max_input_token_length=MAX_LEN, window=30, actors=2,
+                        ray_remote_args={"max_restarts": 2, "max_task_retries": 2},
+                        max_rows=6, poison=poison, marker=str(marker), on_oom="skip").take_all()
+    return out, poison, int(marker.read_text())
+
+
+def test_held_out_texts_through_two_actors_come_back_once_in_place_and_exact(faulty_job, held_out, alone):
+    out, poison, _ = faulty_job
+    assert sorted(row["id"] for row in out) == list(range(len(held_out)))  # every row once: none lost or repeated
+    assert all(row["text"] == held_out[row["id"]] for row in out)  # in place: each output beside its own row
+    assert all(sorted(row) == ["error", "id", "oom_splits", "output", "pid", "text"] for row in out)
+    _assert_exact(out, alone, skip={poison})
+
+
+def test_injected_out_of_memory_is_survived_and_the_row_failing_alone_reported(faulty_job):
+    out, poison, _ = faulty_job
+    assert sum(row["oom_splits"] for row in out) > 0  # batches of windows ran out of memory and were split
+    failed = [row for row in out if row["error"]]
+    assert [row["text"] for row in failed] == [poison] and failed[0]["output"] is None
+    assert failed[0]["error"].startswith("out of memory on its own")
+
+
+def test_an_actor_killed_mid_job_is_restarted_and_its_window_run_again(faulty_job):
+    out, _, dead = faulty_job  # an actor died in its 2nd window (the marker holds its pid) ...
+    assert len({row["pid"] for row in out} - {dead}) >= 2  # ... and a restarted one ran that window again
+
+
+class TokenCounts(DynamicBatchPredictor):
+    """A model-free predictor (the tokenizer only): each row's token count."""
+
+    def setup(self):
+        from transformers import AutoTokenizer
+
+        from dynabatch.demo import minilm_path
+
+        return AutoTokenizer.from_pretrained(minilm_path()), lambda b: b["attention_mask"].sum(dim=1)
+
+
+def test_map_texts_sorted_by_length_keeps_every_row_with_its_own_result(ray_cluster, held_out, tokenizer):
+    ds = ray_cluster.data.from_items([{"id": i, "body": t} for i, t in enumerate(held_out)], override_num_blocks=4)
+    out = map_texts(ds, TokenCounts, batch_size=8, max_input_token_length=MAX_LEN, window=40, actors=1,
+                    sort_by_length=True, text_column="body", output_column="tokens", learn_memory=False).take_all()
+    assert sorted(row["id"] for row in out) == list(range(len(held_out)))
+    assert all(sorted(row) == ["body", "id", "tokens"] for row in out)  # the sort key is dropped again
+    # Each window holds a run of the longest-first order (windows may come back in any order): the lengths
+    # rise at most at the 2 places where one window's rows end and another's begin.
+    lengths = [len(row["body"]) for row in out]
+    assert sum(b > a for a, b in itertools.pairwise(lengths)) <= 2
+    for row in out:
+        assert row["body"] == held_out[row["id"]]
+        assert row["tokens"] == len(tokenizer(row["body"], truncation=True, max_length=MAX_LEN)["input_ids"])
+
+
+def test_map_texts_picks_the_window_and_leaves_a_cpu_for_the_stages_that_feed_the_actors(ray_cluster, caplog):
+    import logging
+
+    ds = ray_cluster.data.from_items([{"text": "a"}])
+    with caplog.at_level(logging.INFO, logger="dynabatch.integrations.ray"):
+        mapped = map_texts(ds, Embed, batch_size=16, max_input_token_length=MAX_LEN)  # lazy: nothing runs
+    assert isinstance(mapped, ray_cluster.data.Dataset)
+    assert "map_texts: windows of 1024 rows, 1 actor(s), 0 GPU(s) each" in caplog.text  # 2 CPUs, no GPU
+    with pytest.raises(ValueError, match="actors should be a positive int or a \\(min, max\\) pair of them with "
+                                         "min <= max, but got actors=\\(3, 2\\)"):
+        map_texts(ds, Embed, batch_size=16, max_input_token_length=MAX_LEN, actors=(3, 2))
+    with pytest.raises(ValueError, match="num_gpus should be None or a number >= 0, but got num_gpus=-1"):
+        map_texts(ds, Embed, batch_size=16, max_input_token_length=MAX_LEN, num_gpus=-1)
+
+
+def test_a_killed_map_texts_job_reruns_only_the_rows_its_output_does_not_hold(ray_cluster, held_out, tmp_path,
+                                                                               caplog):
+    import pyarrow.parquet as pq
+
+    from dynabatch.inference.store import _HOST
+
+    store, record = tmp_path / "store", tmp_path / "record"
+    record.mkdir()
+    ids = [f"doc-{i}" for i in range(len(held_out))]
+    ds = ray_cluster.data.from_items([{"id": i, "text": t} for i, t in zip(ids, held_out)], override_num_blocks=4)
+    options = {"batch_size": 4, "max_input_token_length": MAX_LEN, "window": 30, "actors": 1,
+               "output_path": str(store), "key": "sums", "learn_memory": False}
+    with pytest.raises(Exception, match="the job was killed in this window"):  # Ray's task error, naming it
+        map_texts(ds, Sums, fail_at=3, **options)  # one actor: windows 1 and 2 are committed, the 3rd fails
+    shards = sorted(store.glob("part-*.parquet"))
+    assert len(shards) == 2 and sum(pq.read_metadata(shard).num_rows for shard in shards) == 60
+    # A shard torn by a crash (its rows run again) and a temporary shard of a writer killed while writing it.
+    torn, kept = shards
+    bytes_ = torn.read_bytes()
+    torn.write_bytes(bytes_[:len(bytes_) // 2])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    temp = store / f".tmp-{_HOST}-{dead.pid}-part-w0-00000.parquet"
+    temp.write_bytes(bytes_[:100])
+    held = set(pq.read_table(kept).column("id").to_pylist())
+
+    with caplog.at_level(logging.INFO, logger="dynabatch.integrations.ray"):
+        out = map_texts(ds, Sums, record=str(record), **options)
+    assert "of this dataset's 120 rows, 30 were held, 90 ran now, 0 of them without a result" in caplog.text
+    assert _ran(record) == collections.Counter(t for i, t in zip(ids, held_out) if i not in held)  # the rest only
+    assert not temp.exists() and (store / f".torn-{torn.name}").exists()
+    rows = out.take_all()  # what map_texts returns: the store, read by Ray
+    assert sorted(row["id"] for row in rows) == sorted(ids) and all(sorted(row) == ["id", "output"] for row in rows)
+    assert sorted(_stored(store)[1]) == sorted(ids)  # every id stored exactly once
+    uninterrupted = Sums(batch_size=4, max_input_token_length=MAX_LEN, learn_memory=False)(
+        {"id": np.array(ids, dtype=object), "text": np.array(held_out, dtype=object)})["output"]
+    got = {row["id"]: row["output"] for row in rows}
+    for i, row in zip(ids, uninterrupted):
+        np.testing.assert_array_equal(got[i], row)
+
+
+def test_map_texts_refuses_a_store_of_another_key(ray_cluster, held_out, tmp_path):
+    store = tmp_path / "store"
+    options = {"batch_size": 4, "max_input_token_length": MAX_LEN, "learn_memory": False}
+    Sums(**options, output_path=str(store), key="minilm cls 64")(
+        {"id": np.arange(3), "text": np.array(held_out[:3], dtype=object)})
+    ds = ray_cluster.data.from_items([{"id": i, "text": t} for i, t in enumerate(held_out[:3])])
+    message = (f"key should be the key the results at output_path={str(store)!r} were stored with "
+               "(key='minilm cls 64') to resume them, but got key='minilm mean 64': pass that key if the model and "
+               "settings are the same, or another output_path for another model or settings")
+    with pytest.raises(ValueError, match=re.escape(message)):  # refused in the driver, before any actor starts
+        map_texts(ds, Sums, output_path=store, key="minilm mean 64", **options)
+    with pytest.raises(ValueError, match="key should be None without output_path \\(it identifies the results "
+                                         "stored there\\), but got key='minilm cls 64'"):
+        map_texts(ds, Sums, key="minilm cls 64", **options)
+    with pytest.raises(TypeError, match="id_column should be a column name \\(a non-empty str\\), but got "
+                                        "id_column=None"):
+        map_texts(ds, Sums, output_path=store, id_column=None, **options)
