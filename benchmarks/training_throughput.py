@@ -62,6 +62,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _assets  # noqa: E402
 import train_step  # noqa: E402
+from _timing import warm_until_stable  # noqa: E402
 
 from dynabatch import (  # noqa: E402
     BatchSamplerTrainer,
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             ("memory budget, lr x k", padded, memory)]
     lines = []
     if "throughput" in args.tables:
+        warm_up(args, model, padded([dataset[int(i)] for i in np.argsort(-lengths)[:FIXED]]))
         rows = throughput(args, ways, tokenizer, dataset, model, held_out, limit_bytes)
         lines += report(args, rows, limit_bytes, calibrate_seconds, bins)
     if "probe" in args.tables:
@@ -251,6 +253,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.output is not None:
         args.output.write_text(text)
     return 0
+
+
+def warm_up(args: argparse.Namespace, model: Any, batch: dict) -> None:
+    """Training steps of a copy of the model until their time is stable (at most 20 s on CUDA, where a young process
+    runs its first GPU work slowly: ``benchmarks/_timing.py``), before any way is timed."""
+    trained = copy.deepcopy(model)
+    opt = torch.optim.AdamW(trained.parameters())
+    moved = {k: v.to(args.device) for k, v in batch.items()}
+
+    def step() -> None:
+        trained(**moved).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    warm_until_stable(step, cap_s=20.0 if args.device == "cuda" else 1.0, sync=sync, name="a training step")
 
 
 def throughput(args: argparse.Namespace, ways: list[tuple], tokenizer: Any, dataset: list[dict], model: Any,

@@ -209,19 +209,39 @@ def test_generation_benchmark_prints_every_engine_against_generating_alone(tmp_p
     # The tiny configuration of benchmarks/gpu.sh --rehearse; on the GPU the same script runs at full size in bf16.
     out = tmp_path / "generation.md"
     args = ["--device", "cpu", "--n-prompts", "12", "--max-words", "40", "--max-new-tokens", "12", "--hidden", "64",
-            "--layers", "2", "--check", "6", "--threads", "1", "--output", str(out)]
-    result = _run_script("generation.py", *args, timeout=180)
+            "--layers", "2", "--check", "6", "--threads", "1", "--rounds", "2", "--warmup-cap", "0.5",
+            "--output", str(out)]
+    result = _run_script("generation.py", *args, timeout=240)
     table = result.stdout
     assert out.read_text() == table
-    assert re.search(r"replies of \d+-12 tokens \(quartiles \d+/\d+/\d+\), \d+ of 12 ran to the limit", table), table
-    lengths = re.search(r"replies of (\d+)-(\d+) tokens", table)
-    assert int(lengths.group(1)) < int(lengths.group(2))  # the scaled EOS row ends replies at varied lengths
-    for engine in ("dynabatch.generate", "fixed batches of 16, input order", "fixed batches of 16, longest first"):
-        assert re.search(rf"^\| {re.escape(engine)} \| [\d.]+ \| [\d,.]+ \| [\d,]+ \| - \| 6/6 \|$", table,
-                         re.MULTILINE), (engine, table)  # greedy float32 replies equal generating each prompt alone
-    assert re.search(r"^\| generate_batch, cache sized to the prompts \| [\d.]+ \| [\d,.]+ \| [\d,]+ \| - \| \d/6 \|$",
-                     table, re.MULTILINE), table
-    assert "Verdict: ok" in table
+    for workload in ("benchmark", "long-tail"):
+        section = table.split(f"### {workload}: ")[1].split("\n### ")[0]
+        spread = re.search(r"replies of (\d+)-12 tokens \(quartiles \d+/(\d+)/\d+\), \d+ of 12 ran to the limit", section)
+        assert spread and int(spread.group(1)) < 12, section  # the scaled EOS row ends replies at varied lengths
+        for engine in ("dynabatch.generate", "dynabatch.generate, relative", "fixed batches of 16, input order"):
+            # every round's time, the calls and forwards; greedy float32 replies equal generating each alone
+            assert re.search(rf"^\| {re.escape(engine)} \| [\d.]+ \([\d.]+/[\d.]+\) \| \d+( \([\d, ]+ rows\))? \| \d+ "
+                             r"\| [\d,]+ \| - \| 6/6 \|$", section, re.MULTILINE), (engine, section)
+        assert re.search(r"^\| generate_batch, cache sized to the budget \| [\d.]+ \([\d.]+/[\d.]+\) \| - \| \d+ \| "
+                         r"[\d,]+ \| - \| \d/6 \|$", section, re.MULTILINE), section
+        assert re.search(r"^\| continuous batching, ideal \(computed\), \d+ rows at a time \| - \| - \| \d+ \|", section,
+                         re.MULTILINE), section
+        assert "Verdict: ok" in section
+    assert "every engine warmed until its last calls agreed within 10%" in table
+
+
+def test_encoder_curve_prints_each_shapes_throughput_against_batch_tokens_and_its_knee():
+    result = _run_script("encoder_curve.py", "--tiny", "--tokens", "256,512", "--calls", "1", "--threads", "1",
+                         "--shapes", "minilm,decoder-0.5b", timeout=180)
+    table = result.stdout
+    for shape in ("minilm", "decoder-0.5b"):
+        section = table.split(f"### {shape}: ")[1].split("\n### ")[0]
+        for tokens, rows in (("256", 1), ("512", 2)):  # every round's median in brackets
+            assert re.search(rf"^\| {tokens} \| {rows} \| [\d.]+ \([\d.]+/[\d.]+\) \| [\d,]+ \| \d+% \|$", section,
+                             re.MULTILINE), section
+        assert re.search(r"^knee: (256|512) batch tokens$", section, re.MULTILINE), section
+    assert "dynabatch embed's default --max-batch-tokens is 16,384" in table
+    assert "warm-up minilm:" in result.stderr  # warmed until stable before any point was timed
 
 
 def test_overlap_benchmark_prints_each_setting_against_device_and_host_time():
@@ -248,7 +268,9 @@ def test_gpu_sh_dry_run_says_what_it_would_run_and_runs_nothing(tmp_path):
     assert result.returncode == 0, result.stderr
     planned = re.findall(r"^run   (\S+) +\(at most +(\d+)s\): (.*)$", result.stdout, re.MULTILINE)
     assert [name for name, _, _ in planned] == ["install", "preflight", "gpu-tests", "inference", "generation",
-                                               "embeddings", "memory-model", "train-step", "overlap", "training"]
+                                               "embeddings", "encoder-curve", "memory-model", "train-step", "overlap",
+                                               "training"]
+    assert sum(int(limit) for name, limit, _ in planned if name != "install") <= 540 + 300  # the budget binds
     commands = {name: command for name, _, command in planned}
     assert commands["install"].endswith("-m pip install --no-deps --no-build-isolation --no-input "
                                         "--disable-pip-version-check -e .")
@@ -257,10 +279,11 @@ def test_gpu_sh_dry_run_says_what_it_would_run_and_runs_nothing(tmp_path):
     assert "-m pytest -q -rfEs -p no:cacheprovider -m gpu " in gpu_tests
     assert {"tests/memory/test_measure.py", "tests/memory/test_device.py", "tests/data/test_collate.py"} <= set(gpu_tests.split())
     for name, script in (("inference", "inference"), ("generation", "generation"), ("embeddings", "embeddings"),
-                         ("memory-model", "memory_model"), ("train-step", "train_step"), ("overlap", "overlap")):
+                         ("encoder-curve", "encoder_curve"), ("memory-model", "memory_model"),
+                         ("train-step", "train_step"), ("overlap", "overlap")):
         assert f"benchmarks/{script}.py --device cuda" in commands[name]
         assert f"--output <work>/{script}.md" in commands[name]  # a table in a work folder, gathered in summary.md
-    assert "a budget of 420 s" in result.stdout  # the run never outlasts it, whatever each step's limit
+    assert "a budget of 540 s" in result.stdout  # the run never outlasts it, whatever each step's limit
     assert f"then: {out}/summary.md (every step and table) and {out}/logs.txt (every step's output)" in result.stdout
     assert "nvidia-smi --query-gpu=name" in result.stdout and "DYNABATCH_BENCH_ASSETS=repo" in result.stdout
     assert not out.exists()  # nothing ran
@@ -291,11 +314,11 @@ def test_gpu_sh_leaves_two_files_and_goes_on_past_a_failed_step(tmp_path):
     assert summary == result.stdout
     assert "| install | skipped (--no-install) | 0 | |" in summary
     assert re.search(r"^\| preflight \| ok \| \d+ \| rehearsal on the CPU \|$", summary, re.MULTILINE)
-    for name in ("gpu-tests", "inference", "generation", "embeddings", "memory-model", "train-step", "overlap",
-                 "training"):
+    for name in ("gpu-tests", "inference", "generation", "embeddings", "encoder-curve", "memory-model", "train-step",
+                 "overlap", "training"):
         assert re.search(rf"^\| {name} \| FAILED \(exit 3\) \| \d+ \| ", summary, re.MULTILINE), (name, summary)
     logs = (out / "logs.txt").read_text()
-    assert logs.count("\n===== ") == 9 and "cannot run benchmarks/overlap.py --device cpu --n-texts 300" in logs
+    assert logs.count("\n===== ") == 10 and "cannot run benchmarks/overlap.py --device cpu --n-texts 300" in logs
 
 
 def test_the_repositorys_assets_are_the_kjv_and_a_tokenizer_trained_on_it():

@@ -60,6 +60,8 @@ from dynabatch.cli._checks import (
 )
 from dynabatch.cli.corpus import open_corpus
 from dynabatch.cli.output import Output
+from dynabatch.memory.budget import check_max_memory
+from dynabatch.sampling.plan_settings import ENCODER_BATCH_TOKENS
 
 __all__ = ["POOLINGS", "add_parser", "embed_command", "pooled"]
 
@@ -92,8 +94,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prompt", default=None, help="a prompt prepended to every text (sentence-transformers)")
     p.add_argument("--max-length", type=int, default=None,
                    help="tokens per text at most (default: the model's own: a sentence-transformers folder's "
-                   "max_seq_length as sentence-transformers reads it, else its positions and tokenizer)")
-    p.add_argument("--max-batch-tokens", type=int, default=None, help="padded tokens per batch at most")
+                   "max_seq_length, else its positions)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help=f"padded tokens per batch at most (default: {ENCODER_BATCH_TOKENS:,}, or the first batch's "
+                   "--batch-size x --max-length where more)")
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
                    help="a text whose model call raises: stop, naming it (default), or set it aside, listed with its "
                    "error (a rerun retries it)")
@@ -238,6 +242,7 @@ def _prepare(args: argparse.Namespace) -> _Job:
     from transformers import AutoTokenizer
 
     check_positive(args, "batch_size", "max_length", "max_batch_tokens")
+    check_max_memory(args.max_memory, "--max-memory")
     job.check_outputs(args)
     corpus = open_corpus(args.input, args.format, exclude=args.output,
                          keep=[c for c in (args.text_column, args.id_column) if c is not None])
@@ -347,7 +352,9 @@ def embed_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         with job.process_group(place):
             tokenizer, limit, make_fn, model = _load(spec, args)
             loader = build_dynamic_batch_dataloader(spec.texts, tokenizer, args.batch_size, limit, ids=spec.ids,
-                                                    model=model, max_tokens=args.max_batch_tokens, stream=True,
+                                                    model=model, max_memory=args.max_memory, stream=True,
+                                                    max_tokens=args.max_batch_tokens or max(ENCODER_BATCH_TOKENS,
+                                                                                            args.batch_size * limit),
                                                     num_workers=0, progress=False)
             options = {"on_error": args.on_error} if args.on_error != "raise" else {}  # raise: run's default
             spec.output.started = True

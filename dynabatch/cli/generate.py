@@ -46,6 +46,7 @@ from dynabatch.cli._checks import (
 )
 from dynabatch.cli.corpus import open_corpus
 from dynabatch.cli.output import Output
+from dynabatch.memory.budget import check_max_memory
 
 __all__ = ["add_parser", "generate_command"]
 
@@ -146,6 +147,7 @@ def _prompts(args: argparse.Namespace, corpus: Any, tokenizer: Any) -> list[Any]
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     """Every check of a generate job, and the store opened (its job lock taken); no weights load."""
     check_positive(args, "batch_size", "max_length", "max_new_tokens", "top_k")
+    check_max_memory(args.max_memory, "--max-memory")
     options = _check_sampling(args)
     job.check_outputs(args)
     column = args.messages_column if args.messages_column is not None else args.text_column
@@ -194,6 +196,7 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             output.started = True
             result, tally, error = job.run_accounted(
                 lambda: generate(model, spec["tokenizer"], spec["prompts"], batch_size=args.batch_size,
+                                 max_memory=args.max_memory,
                                  max_input_token_length=spec["max_length"], device=place.devices[0],
                                  output_path=output.store, key=spec["key"], on_oom=args.on_oom,
                                  progress=place.main and not args.no_progress,

@@ -65,9 +65,13 @@ def add_run_arguments(p: argparse.ArgumentParser, what: str, batch_size: int, de
 
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="the weights (default: auto, float16 on a GPU and float32 on the CPU)")
-    p.add_argument("--batch-size", type=int, default=batch_size, help=f"rows of the first (longest) batch, "
-                   f"{batch_size} by default; later batches grow under its measured peak memory")
+    p.add_argument("--batch-size", type=int, default=batch_size, help=f"on the CPU, rows of the first (longest) "
+                   f"batch, {batch_size} by default; later batches grow under its measured peak memory")
     p.add_argument("--devices", default=None, help=devices)
+    p.add_argument("--max-memory", default="auto",
+                   help="the memory every batch is planned under, read once the model is loaded: auto (default: 90%% "
+                   "of a GPU's free memory; on the CPU, no batch above the first batch's measured peak), a percentage "
+                   "(80%%), a size (20GB, 20GiB) or bytes")
     p.add_argument("--on-oom", choices=("raise", "skip"), default="raise",
                    help=f"a {what} that runs out of memory alone: stop (default), or skip it (a rerun retries it)")
     p.add_argument("--report", type=Path, default=None, help="write the run's report (every batch) as JSON")

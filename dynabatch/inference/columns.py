@@ -3,7 +3,7 @@
 A row (a tensor, a numpy array, a Python scalar or list, or a dict, tuple or list of those) maps to one or more
 columns on Arrow's own types, the schema saying dtype and shape; the rules are in ``docs/inference.md`` ("Types").
 The results store (:mod:`dynabatch.inference.store`) writes these columns to Parquet, the results of ``run``
-(:mod:`dynabatch.inference.results`) stack them, and Ray's predictor (:mod:`dynabatch.ray`) turns rows into one
+(:mod:`dynabatch.inference.results`) stack them, and Ray's predictor (:mod:`dynabatch.integrations.ray`) turns rows into one
 numpy column with :func:`numpy_column`.
 
 Example:

@@ -261,10 +261,19 @@ def build_dynamic_batch_dataloader(
             ``MemoryModel.load``): batches are then sized by its predicted peaks
             instead of the spike classifier (``threshold`` and the candidate
             ranges are not used). ``None``: the classifier.
-        max_memory: with ``memory_model``, the budget: ``None`` (relative: the
-            predicted peak of the first batch of ``batch_size`` longest texts),
-            bytes, or a string such as ``"12GB"`` or ``"80%"`` (of the CUDA
-            device's free memory).
+        max_memory: ``None`` (the relative rule: no batch above the first
+            batch's measured peak, or with ``memory_model`` its predicted peak),
+            or an absolute budget every batch is planned under: bytes, a size
+            such as ``"20GB"``/``"20GiB"``, a percentage such as ``"90%"`` of
+            the device's free memory (read by ``dynabatch.run`` on the device
+            it runs on when it starts, after the model is loaded; refused on
+            the CPU, whose memory is not the device's own), or ``"auto"``
+            (``"90%"`` on an accelerator, the relative rule on the CPU). Batches
+            are sized by ``memory_model``, else by the ``model``'s footprint
+            (:class:`~dynabatch.memory.footprint.Footprint`: a forward's
+            activations from its config), else (no model of bytes) the first
+            batch is the plan's and the measured peaks grow later ones under
+            the budget. See ``docs/memory.md``.
         memory_margin: with ``memory_model``, every batch's predicted peak stays
             at or under ``(1 - memory_margin)`` times the budget; in ``[0, 1)``.
         granularity: with ``memory_model``, batch sizes are multiples of it (when at least it).
@@ -349,7 +358,7 @@ def build_dynamic_batch_dataloader(
     if not isinstance(shuffle, bool):
         raise bad_type("shuffle", "a bool", shuffle)
     estimator = choose_estimator(classifier, memory_model, max_memory=max_memory, memory_margin=memory_margin,
-                                 granularity=granularity)
+                                 granularity=granularity, model=model)
     pad_token_id_of(tokenizer)  # refuse a tokenizer without pad token before tokenizing
     if model is not None:
         check_position_limit(model, settings.max_input_token_length)

@@ -263,7 +263,7 @@ def _execute(scheduler: Scheduler, builder: Builder, sink: MemorySink | StoreSin
             raise bad_type("make_fn", f"a callable returning fn(batch) for a device (make_fn({str(target)!r}) "
                            "returned no callable)", fn)
         writers.append(sink.writer(f"rank{options.rank}" if len(options.targets) == 1 else f"rank{options.rank}.{i}"))
-        lane = scheduler.lane()
+        lane = scheduler.lane(options.memory_devices[i])  # an absolute max_memory is read on this device now
         executors.append(Executor(fn, scheduler, builder, lane=lane, writer=writers[-1], copier=copier(target),
                                   memory_device=options.memory_devices[i], splitter=splitter, on_oom=options.on_oom,
                                   on_error=options.on_error, ids=None if plan is None else plan.ids, bar=bar,

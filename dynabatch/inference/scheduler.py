@@ -6,8 +6,8 @@ batch's rows:
 * **the memory mode**: ``measured`` (the loader's planner sizes each next batch from the lane's measured peaks),
   ``guarded`` (batches in their own order, split before they run where the measured peaks bound them above the
   budget), ``record`` and ``off`` (batches as they come);
-* **the budget** (:meth:`Scheduler._feedback`, the one place a lane's budget is decided): the first measured
-  call's peak;
+* **the budget** (:meth:`Scheduler._feedback`, the one place a lane's budget is decided): the loader's absolute
+  ``max_memory`` read on the lane's device, else the first measured call's peak;
 * **lanes**: one per worker (device), each with its own peaks, budget, failed shapes and, in measured mode, its
   cursor in the planner's pass;
 * **pre-splits**: the parts a batch is split into before it runs (a failed shape it is as large as, or the rows the
@@ -47,6 +47,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -164,17 +165,24 @@ class Scheduler:
 
     # --- lanes and the budget -----------------------------------------------------------------------------------
 
-    def _feedback(self) -> MemoryFeedback:
-        """A lane's peaks and budget: the one place the budget is decided. It is the lane's first measured call's
-        peak (:attr:`~dynabatch.memory.feedback.MemoryFeedback.budget`), which later calls stay under."""
-        return MemoryFeedback(sparse=self.sparse)
+    def _feedback(self, device: Any) -> MemoryFeedback:
+        """A lane's peaks and budget: the one place the budget is decided. It is the loader's absolute budget
+        (``max_memory``) resolved on the lane's ``device`` as the run starts, after the model is loaded; without one,
+        the lane's first measured call's peak (:attr:`~dynabatch.memory.feedback.MemoryFeedback.budget`). Later calls
+        stay under it."""
+        feedback = MemoryFeedback(sparse=self.sparse)
+        planner = self._planner if self._planner is not None else self.source.planner
+        if planner is not None and device is not None:
+            feedback.set_budget(planner.budget_on(device))
+        return feedback
 
-    def lane(self) -> Lane:
-        """A new worker's lane: in measured mode its own planner cursor, in guarded mode its own peaks."""
+    def lane(self, device: Any = None) -> Lane:
+        """A new worker's lane (``device``: where its peaks are measured, ``None`` for none): in measured mode its own
+        planner cursor, in guarded mode its own peaks."""
         if self._planner is not None:
-            feedback = self._feedback()
+            feedback = self._feedback(device)
             return Lane(feedback, PlanCursor(feedback))
-        return Lane(self._feedback() if self.guarded else None)
+        return Lane(self._feedback(device) if self.guarded else None)
 
     # --- what runs next ---------------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ training ``OOMGuardian``. Nothing else computes a memory cap. A budget holds:
   such as :class:`~dynabatch.memory.model.MemoryModel`), or none when the
   caller predicts bytes itself and only asks :meth:`MemoryBudget.allows`;
 * the budget in bytes: absolute (``max_memory``: bytes, ``"12GB"``,
-  ``"512MiB"``, ``"80%"`` of an accelerator's free memory), or relative to a
+  ``"512MiB"``, ``"80%"`` of a device's free memory), or relative to a
   reference batch known to fit (``reference_batch=(rows, padded_length)``:
   its *measured* peak when the model holds a measurement of that very shape,
   else its predicted peak);
@@ -24,6 +24,14 @@ training ``OOMGuardian``. Nothing else computes a memory cap. A budget holds:
 Memory sizes are bytes inside; strings are parsed by :func:`~dynabatch.memory.units.parse_memory`
 alone (re-exported here with the units), with ``"GB"`` = 10**9 bytes and
 ``"GiB"`` = 2**30 bytes (as accelerate).
+
+**Which budget a run plans under** is one rule, :func:`resolve_max_memory`, applied where a run starts (after
+the model is loaded) on the device its batches run on: ``max_memory=None`` is the relative rule (no batch above
+the first batch's measured peak); ``"auto"`` is :data:`AUTO_SHARE` of the device's free memory where the device
+has memory of its own (an accelerator; vLLM's ``gpu_memory_utilization`` and SGLang's ``mem_fraction_static``
+plan to such a share), and the relative rule on the CPU, whose memory is the whole system's; a size or a
+percentage is that absolute budget, a percentage refused where no device memory is known.
+:func:`check_max_memory` refuses what no device could resolve before anything loads.
 
 Example:
     >>> import numpy as np
@@ -48,22 +56,87 @@ import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.collate import padded_width
+from dynabatch.memory.device import default_accelerator, knows_memory
 from dynabatch.memory.oom import MAX_ROWS, failed_cap
-from dynabatch.memory.units import GB, GIB, MB, MIB, parse_memory
+from dynabatch.memory.units import GB, GIB, MB, MIB, parse_memory, split_memory
 
 __all__ = [
+    "AUTO_SHARE",
     "GB",
     "GIB",
     "MAX_ROWS",
     "MB",
     "MIB",
     "MemoryBudget",
+    "check_max_memory",
     "check_memory_margin",
     "parse_memory",
+    "resolve_max_memory",
     "rows_under",
 ]
 
 logger = logging.getLogger(__name__)
+
+AUTO_SHARE = "90%"
+"""``max_memory="auto"`` on a device with memory of its own: this share of its free memory (vLLM's default
+``gpu_memory_utilization`` is 0.9); batches are planned to ``(1 - memory_margin)`` of it."""
+_MAX_MEMORY_RULE = ("None (the relative rule), 'auto', a number of bytes > 0, a size such as '20GB', or a "
+                    "percentage such as '90%' of the device's free memory")
+
+
+def check_max_memory(value: Any, name: str = "max_memory") -> Any:
+    """Refuses a ``max_memory`` no device could resolve (a bad size, a percentage over 100%), before anything
+    loads; returns it as given.
+
+    Example:
+        >>> check_max_memory("90%"), check_max_memory(None), check_max_memory("auto")
+        ('90%', None, 'auto')
+        >>> check_max_memory("150%")
+        Traceback (most recent call last):
+        ...
+        ValueError: max_memory should be a percentage in (0%, 100%] of the device's free memory, but got max_memory='150%'
+    """
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        raise bad_type(name, _MAX_MEMORY_RULE, value)
+    split_memory(value, name)
+    return value
+
+
+def resolve_max_memory(value: Any, device: Any = None, name: str = "max_memory") -> float | None:
+    """The absolute budget ``max_memory`` sets on ``device``, in bytes, or ``None`` for the relative rule.
+
+    Args:
+        value: ``None`` (relative), ``"auto"`` (:data:`AUTO_SHARE` of the device's free memory where it has memory
+            of its own, else relative), bytes, a size (``"20GB"``) or a percentage of the device's free memory.
+        device: where the batches run (default: the first accelerator, else the CPU); read now, so call it once the
+            model is on the device.
+        name: the argument's name, for error messages.
+
+    Raises:
+        ValueError: a bad size, a percentage over 100%, or a percentage on a device whose memory is not known (the
+            CPU: pass bytes or a size there).
+
+    Example:
+        >>> resolve_max_memory("auto", "cpu") is None, resolve_max_memory("2GiB", "cpu")
+        (True, 2147483648.0)
+        >>> resolve_max_memory("90%", "cpu")
+        Traceback (most recent call last):
+        ...
+        ValueError: max_memory should be bytes or a size such as '20GB' on cpu (no device memory is known there: a percentage is a share of a device's free memory), but got max_memory='90%'
+    """
+    check_max_memory(value, name)
+    if value is None:
+        return None
+    on = device if device is not None else (default_accelerator() or "cpu")
+    if isinstance(value, str) and value == "auto":
+        if not knows_memory(on):
+            logger.info("%s='auto' on %s, which has no memory of its own: batches stay under the first batch's "
+                        "measured peak (the relative rule)", name, on)
+            return None
+        value = AUTO_SHARE
+    return parse_memory(value, name, device=on)
 
 
 def check_memory_margin(memory_margin: Any, name: str = "memory_margin") -> float:
@@ -104,7 +177,7 @@ class MemoryBudget:
             broadcasting over arrays), such as :class:`~dynabatch.memory.model.MemoryModel`;
             ``None`` for a budget that only judges bytes the caller predicts (:meth:`allows`).
         max_memory: the budget: bytes, a size such as ``"12GB"`` or ``"512MiB"``,
-            or ``"80%"`` of an accelerator's free memory; ``None`` with ``reference_batch``.
+            or ``"80%"`` of a device's free memory; ``None`` with ``reference_batch``.
         memory_margin: share of the budget kept free for what the model does
             not see (fragmentation, workspaces): batches are planned to
             ``max_memory * (1 - memory_margin)``.
@@ -126,7 +199,7 @@ class MemoryBudget:
         pad_to_multiple_of: the collator's rounding of a batch's width; a
             batch is judged at its padded width.
         failed_shapes: ``(rows, width)`` shapes known to have run out of memory.
-        device: the accelerator of a percentage ``max_memory``.
+        device: the device of a percentage ``max_memory``.
 
     Attributes:
         max_memory: the budget in bytes.
@@ -265,6 +338,23 @@ class MemoryBudget:
             lo = np.where(fit & (lo < hi), mid, lo)
             hi = np.where(~fit & (lo < hi), mid - 1, hi)
         return lo.reshape(width.shape)
+
+    def check_one_row(self, longest: int, *, max_memory: float | None = None, given: Any = None) -> None:
+        """Refuses a budget smaller than one row of the longest text (``max_memory``: another budget in bytes, as in
+        :meth:`rows_allowed`; ``given``: how the user wrote it, for the message).
+
+        Raises:
+            ValueError: one row of ``longest`` tokens is predicted above the budget less its margin.
+        """
+        if int(self.rows_allowed(int(longest), max_memory=max_memory)) >= 1:
+            return
+        budget = self.max_memory if max_memory is None else float(max_memory)
+        width = int(self.width(int(longest)))
+        one = float(self.predict_at(1, width))
+        raise bad_value("max_memory", f"at least one row of the longest text ({one:,.0f} bytes predicted for 1 x "
+                        f"{width} tokens, planned to {1 - self.memory_margin:g} of the budget); here "
+                        f"{budget:,.0f} bytes: pass a larger max_memory, a smaller max_input_token_length, or "
+                        "max_memory=None (the relative rule)", budget if given is None else given)
 
     # -- the constraint protocol (dynabatch.sampling.constraints) ------------------
     def _widths(self, longest: np.ndarray) -> np.ndarray:

@@ -2,9 +2,10 @@
 
 A backend per device type (``torch.device(...).type``) answers the same
 questions: is the device here and which one is current, is memory held there,
-synchronize, free and total bytes, the peak-memory tracker of a block of work,
-a cap on what this process may hold (CUDA, XPU), empty the cache, and is an
-exception an out-of-memory error of that device.
+synchronize, free and total bytes (and whether they are the device's own, what
+a budget can be a share of), the peak-memory tracker of a block of work, a cap
+on what this process may hold, empty the cache, and is an exception an
+out-of-memory error of that device.
 
 * ``cuda`` (:class:`CudaBackend`; ROCm builds of torch go through ``torch.cuda``
   too) and ``xpu`` (:class:`XpuBackend`): the caching allocator's statistics
@@ -14,7 +15,9 @@ exception an out-of-memory error of that device.
 * ``cpu`` (:class:`CpuBackend`): the storage tracker
   (:mod:`~dynabatch.memory._storage_tracker`) measures peaks, with a
   simulated limit (``limit_bytes``) if asked; free bytes are the system's
-  available memory.
+  available memory, which is no device's own, except inside
+  :func:`simulated_memory`: a device of a declared size, which runs out of
+  memory beyond it (how the planner is checked to fill a device without one).
 
 Each backend also moves a batch's tensors to its device (:meth:`DeviceBackend.copier`): a plain copy, or on CUDA
 and XPU a :class:`StreamCopier` (a copy stream of its own, the compute stream waiting on its event), and tells
@@ -27,7 +30,8 @@ Adding a device type is one class here, registered with :func:`register_backend`
 
 Free memory is computed once, by :func:`free_bytes`: what the driver has free
 plus what the caching allocator holds without using it, since a call can reuse
-that.
+that. A device without index (``cuda``) means the current device of its type
+(:meth:`DeviceBackend.indexed`), also for the functions of torch that refuse it.
 
 Example:
     >>> import torch
@@ -80,10 +84,12 @@ __all__ = [
     "is_device_failure",
     "is_out_of_memory_error",
     "known_backend",
+    "knows_memory",
     "make_current",
     "measurable",
     "pins_memory",
     "register_backend",
+    "simulated_memory",
     "total_bytes",
 ]
 
@@ -158,6 +164,19 @@ class DeviceBackend:
     def free_and_total(self, device: torch.device) -> tuple[int, int]:
         """Bytes free for this process on ``device`` and its total bytes."""
         raise bad_value("device", f"a device whose free memory torch reports (not {self.type})", str(device))
+
+    def knows_memory(self) -> bool:
+        """Whether this device's free and total memory are its own (a budget can be a share of them): an
+        accelerator's are; the CPU's are the whole system's, shared with everything else, unless simulated."""
+        return self.type != "cpu"
+
+    def indexed(self, device: torch.device) -> torch.device:
+        """``device`` with its index: a bare ``cuda`` is the current device of its type (some of torch's
+        functions refuse a device without index)."""
+        if device.index is not None:
+            return device
+        index = self.current().index
+        return device if index is None else torch.device(device.type, index)
 
     def peak_tracker(self, device: torch.device, limit_bytes: int | None = None) -> Any:
         """A context manager measuring the peak bytes a block allocates on ``device`` beyond what it held
@@ -288,18 +307,15 @@ class AllocatorBackend(DeviceBackend):
     def max_allocated(self, device: torch.device) -> int:
         return int(self._call("max_memory_allocated", device, default=0))
 
-    def _opened(self, device: torch.device) -> torch.device:
-        return device if device.index is not None else torch.device(device.type, self.current().index)
-
     def open_tracker(self, tracker: AllocatorPeakTracker) -> None:
         """Counts ``tracker`` as open on its device until :meth:`close_tracker`: resets hand it their peak."""
         with _TRACKERS_LOCK:
-            _OPEN_TRACKERS.setdefault(self._opened(tracker.device), []).append(tracker)
+            _OPEN_TRACKERS.setdefault(self.indexed(tracker.device), []).append(tracker)
 
     def close_tracker(self, tracker: AllocatorPeakTracker) -> None:
         """Ends what :meth:`open_tracker` began."""
         with _TRACKERS_LOCK:
-            trackers = _OPEN_TRACKERS.get(self._opened(tracker.device), [])
+            trackers = _OPEN_TRACKERS.get(self.indexed(tracker.device), [])
             if tracker in trackers:
                 trackers.remove(tracker)
 
@@ -308,7 +324,7 @@ class AllocatorBackend(DeviceBackend):
         if not self._call("is_initialized", default=True):
             self.synchronize(device)  # torch refuses a peak reset before its allocator is set up ("did you call init?")
         with _TRACKERS_LOCK:
-            trackers = list(_OPEN_TRACKERS.get(self._opened(device), ()))
+            trackers = list(_OPEN_TRACKERS.get(self.indexed(device), ()))
         if trackers:
             peak = self.max_allocated(device)
             for tracker in trackers:
@@ -340,6 +356,7 @@ class AllocatorBackend(DeviceBackend):
         """The caching allocator's per-process cap (``set_per_process_memory_fraction``) at ``limit_bytes``:
         what the allocator holds counts, cached blocks and fragmentation included. The cap goes back to the
         whole device (a fraction of 1, torch's default) when the block ends."""
+        device = self.indexed(device)  # torch's set_per_process_memory_fraction refuses a bare "cuda"
         total = self.free_and_total(device)[1]
         self._call("set_per_process_memory_fraction", min(1.0, float(limit_bytes) / total), device)
         try:
@@ -413,11 +430,17 @@ class MpsBackend(DeviceBackend):
 
 @register_backend
 class CpuBackend(DeviceBackend):
-    """The CPU: peaks from the storage tracker (with a simulated ``limit_bytes``), the system's available memory."""
+    """The CPU: peaks from the storage tracker (with a simulated ``limit_bytes``), the system's available memory;
+    or, inside :func:`simulated_memory`, a device of a declared size."""
 
     type = "cpu"
     out_of_memory_messages = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
     measurable = True
+    cappable = True
+
+    def __init__(self) -> None:
+        self.simulated: StorageTracker | None = None  # the tracker holding a simulated device's memory
+        self.simulated_total = 0
 
     def available(self) -> bool:
         return True
@@ -428,7 +451,13 @@ class CpuBackend(DeviceBackend):
     def current(self) -> torch.device:
         return torch.device("cpu")
 
+    def knows_memory(self) -> bool:
+        return self.simulated is not None
+
     def free_and_total(self, device: torch.device) -> tuple[int, int]:
+        sim = self.simulated
+        if sim is not None:
+            return max(0, int(sim.limit_bytes) - sim.current_bytes), self.simulated_total
         try:
             page = os.sysconf("SC_PAGE_SIZE")
             return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
@@ -438,6 +467,13 @@ class CpuBackend(DeviceBackend):
 
     def peak_tracker(self, device: torch.device, limit_bytes: int | None = None) -> StorageTracker:
         return StorageTracker(limit_bytes=limit_bytes)
+
+    @contextlib.contextmanager
+    def capped(self, device: torch.device, limit_bytes: float) -> Iterator[None]:
+        """The storage tracker over the block (in this thread) at ``limit_bytes``: an allocation beyond raises
+        ``torch.OutOfMemoryError``, as on a device with that much free memory."""
+        with StorageTracker(limit_bytes=int(limit_bytes)):
+            yield
 
 
 # -- what the rest of dynabatch calls --------------------------------------------------------------------
@@ -539,6 +575,61 @@ def total_bytes(device: Any) -> int:
     """The device's total bytes."""
     dev = _as_device(device)
     return backend_of(dev).free_and_total(dev)[1]
+
+
+def knows_memory(device: Any) -> bool:
+    """Whether ``device`` has memory of its own that a budget can be a share of: an accelerator, or the CPU inside
+    :func:`simulated_memory` (the CPU's memory is the whole system's, which the process shares)."""
+    backend = known_backend(_as_device(device).type)
+    return backend is not None and backend.knows_memory()
+
+
+@contextlib.contextmanager
+def simulated_memory(total: float, free: float | None = None) -> Iterator[None]:
+    """Runs the block (in this thread) with the CPU as a device of ``total`` bytes, ``free`` of them free.
+
+    Inside, the CPU's free and total memory are those (:func:`free_bytes` falls as the block allocates, and a
+    budget such as ``"90%"`` is a share of them: :func:`knows_memory` is true), and an allocation beyond what is free
+    raises ``torch.OutOfMemoryError``, as on an accelerator of that size; what is allocated before the block (the
+    weights) is not counted. Peaks measured inside are those of the storage tracker, as ever on the CPU.
+
+    Args:
+        total: the device's bytes.
+        free: its free bytes when the block starts (the model already loaded); default ``total``.
+
+    Example:
+        >>> import torch
+        >>> with simulated_memory(total=2**20, free=2**19):
+        ...     free_bytes("cpu"), knows_memory("cpu")
+        (524288, True)
+        >>> with simulated_memory(total=2**20, free=2**19):
+        ...     torch.ones(2**18) * 2  # 1 MiB of float32
+        Traceback (most recent call last):
+        ...
+        torch.OutOfMemoryError: dynabatch CPU tracker: 1048576 bytes allocated exceed limit_bytes=524288
+    """
+    total = _positive_bytes("total", total)
+    free = total if free is None else _positive_bytes("free", free)
+    if free > total:
+        raise bad_value("free", f"at most total={total}", free)
+    cpu = _BACKENDS["cpu"]
+    if not isinstance(cpu, CpuBackend):
+        raise bad_value("device", "the CPU backend dynabatch registers (another was registered for 'cpu')", "cpu")
+    if cpu.simulated is not None:
+        raise RuntimeError("simulated_memory should not be nested: the CPU is already a simulated device")
+    tracker = StorageTracker(limit_bytes=free)
+    with tracker:
+        cpu.simulated, cpu.simulated_total = tracker, total
+        try:
+            yield
+        finally:
+            cpu.simulated, cpu.simulated_total = None, 0
+
+
+def _positive_bytes(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+        raise bad_value(name, "a number of bytes >= 1", value)
+    return int(value)
 
 
 def device_count(kind: str) -> int:

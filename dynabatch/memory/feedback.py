@@ -8,7 +8,10 @@ batch of ``r`` rows no wider than a measured batch of ``r_m`` rows and peak
 every measured batch at least as wide), and :meth:`MemoryFeedback.max_rows`
 the most rows it keeps under a budget (by
 :func:`~dynabatch.memory.budget.rows_under`, the one closed form of it). The
-first batch measured sets the budget (:attr:`MemoryFeedback.budget`).
+first batch measured sets the budget (:attr:`MemoryFeedback.budget`), unless
+an absolute budget was set before any ran (:meth:`MemoryFeedback.set_budget`:
+``max_memory``, resolved on the device when the run starts, by
+:func:`~dynabatch.memory.budget.resolve_max_memory`).
 
 Texts run longest first, so every measured batch bounds every later one. In
 measured mode the planner sizes the next batch with this bound
@@ -87,24 +90,44 @@ class MemoryFeedback:
     Args:
         sparse: measure only the batches :meth:`should_measure` names (the
             CPU tracker's cost); ``False``: every batch.
+        budget: an absolute budget in bytes (:meth:`set_budget`), or ``None``: the first measured batch's peak.
 
     Attributes:
-        budget: the first batch's measured peak bytes (``None`` until observed).
+        budget: the absolute budget, or the first batch's measured peak bytes (``None`` until observed).
+        absolute: whether the budget was set up front (:meth:`set_budget`) rather than by the first peak.
         row_bytes_: the costliest row of the last measured batch (``None`` until a batch is measured).
         oom: what out-of-memory errors taught (:class:`~dynabatch.memory.oom.OutOfMemoryLimit`).
     """
 
-    def __init__(self, *, sparse: bool = False) -> None:
+    def __init__(self, *, sparse: bool = False, budget: float | None = None) -> None:
         if not isinstance(sparse, bool):
             raise bad_type("sparse", "a bool", sparse)
         self.sparse = sparse
         self.budget: float | None = None
+        self.absolute = False
         self.row_bytes_: float | None = None
         # (rows, width, peak) of every measured call, as columns grown in place (a run measures thousands)
         self._table = np.empty((3, 64), dtype=np.float64)
         self._n = 0
         self.oom = OutOfMemoryLimit()
         self._warned_zero = False
+        self.set_budget(budget)
+
+    def set_budget(self, budget: float | None) -> None:
+        """An absolute budget in bytes for every batch, the first included (``None``: the first measured peak's,
+        the relative rule); set before any batch is measured."""
+        if budget is None:
+            return
+        if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not (budget > 0 and math.isfinite(budget)):
+            raise bad_value("budget", "None or a finite number of bytes > 0", budget)
+        if self._n and not self.absolute:
+            raise RuntimeError("MemoryFeedback.set_budget after a batch was measured: the first peak is the budget")
+        self.budget, self.absolute = float(budget), True
+
+    @property
+    def measured(self) -> bool:
+        """Whether any batch has been measured."""
+        return self._n > 0
 
     # -- measurements ----------------------------------------------------------------------------
     def observe(self, rows: int, padded_length: float | None, peak_bytes: float) -> None:
@@ -209,7 +232,7 @@ class MemoryFeedback:
 
     def should_measure(self, rows: int, width: float) -> bool:
         """Whether a batch of ``rows`` x ``width`` is to be measured: always unless :attr:`sparse` (see the module)."""
-        if not self.sparse or self.budget is None:
+        if not self.sparse or not self._n:  # nothing measured yet (an absolute budget is set before any is)
             return True
         if self.oom.above_fitted(rows, self.row_bound(width)):
             return True  # a call above what ran since an out-of-memory error: measuring it raises the limit

@@ -13,7 +13,8 @@ from typing import Any
 
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int, check_positive_int
 
-__all__ = ["ModelShape", "check_model_shape", "check_position_limit", "position_limit", "resolve_model_shape"]
+__all__ = ["ModelShape", "check_model_shape", "check_position_limit", "position_limit", "resolve_model_shape",
+           "text_config"]
 
 _POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "n_ctx", "seq_length",
                     "max_sequence_length")
@@ -60,7 +61,7 @@ class ModelShape:
         Raises:
             TypeError: if ``model`` has no transformers config.
         """
-        text = _text_config(model)
+        text = text_config(model)
         vocab_size = getattr(text, "vocab_size", None)
         hidden_size = getattr(text, "hidden_size", None)
         if vocab_size is None or hidden_size is None:
@@ -68,7 +69,8 @@ class ModelShape:
         return cls(int(vocab_size), int(hidden_size), max_new_tokens, num_beams)
 
 
-def _text_config(model: Any) -> Any:
+def text_config(model: Any) -> Any:
+    """The config of a model's text part (a multimodal or composite config's text config; the config itself else)."""
     config = getattr(model, "config", model)
     return config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
 
@@ -100,7 +102,7 @@ def position_limit(model: Any) -> tuple[str, int, int] | None:
         >>> position_limit(GPT2Config(n_positions=64))
         ('n_positions', 64, 64)
     """
-    config = _text_config(model)
+    config = text_config(model)
     aliases = getattr(config, "attribute_map", {}) or {}
     for name in _POSITION_FIELDS:
         value = getattr(config, name, None)

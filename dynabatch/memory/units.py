@@ -6,8 +6,9 @@ constants, so ``"GB"`` means the same number of bytes everywhere:
 
 * ``B``, ``KB``, ``MB``, ``GB``, ``TB``: powers of 1000 (as accelerate parses them);
 * ``KiB``, ``MiB``, ``GiB``, ``TiB``: powers of 1024;
-* ``"80%"``: a percentage of an accelerator's free memory, read through
-  :func:`dynabatch.memory.device.free_bytes`.
+* ``"80%"``: a percentage of a device's free memory, read through
+  :func:`dynabatch.memory.device.free_bytes` where the device has memory of its own
+  (:func:`dynabatch.memory.device.knows_memory`: an accelerator, or a simulated CPU device).
 
 An argument named ``*_mb`` (the multi-task system's ``max_memory_mb``,
 ``record_actual_memory``'s ``actual_memory_mb``, the monitor's
@@ -32,7 +33,7 @@ from typing import Any
 
 from dynabatch._validation import bad_type, bad_value
 
-__all__ = ["GB", "GIB", "KIB", "MB", "MIB", "parse_memory"]
+__all__ = ["GB", "GIB", "KIB", "MB", "MIB", "check_percentage", "parse_memory", "split_memory"]
 
 MB = 10.0**6
 """A megabyte, as parsed from ``"MB"`` and meant by every ``*_mb`` argument: 10**6 bytes."""
@@ -49,48 +50,35 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*|%)\s*$")
 _MEMORY_RULE = ("a number of bytes > 0, a size such as '12GB' or '512MiB', or a percentage such as '80%' "
-                "(of an accelerator)")
+                "(of a device's free memory)")
+
+
+def check_percentage(name: str, value: str, number: float) -> None:
+    """Refuses a percentage outside (0%, 100%]: a share of free memory over 1 cannot be allocated."""
+    if not 0 < number <= 100:
+        raise bad_value(name, "a percentage in (0%, 100%] of the device's free memory", value)
 
 
 def _percent_of_free(name: str, value: str, number: float, device: Any, of: float | None) -> float:
-    from dynabatch.memory.device import default_accelerator, free_bytes
+    from dynabatch.memory.device import default_accelerator, free_bytes, knows_memory
 
-    if not 0 < number <= 100:
-        raise bad_value(name, "a percentage in (0%, 100%] of an accelerator's free memory", value)
-    on = default_accelerator() if device is None else device
-    if on is None or str(on).split(":")[0] == "cpu":
-        raise bad_value(name, "bytes or a size such as '12GB' on the CPU (a percentage is of an accelerator's "
-                        "free memory)", value)
+    check_percentage(name, value, number)
+    on = (default_accelerator() or ("cpu" if knows_memory("cpu") else None)) if device is None else device
+    if of is None and (on is None or not knows_memory(on)):
+        where = "cpu" if on is None else str(on)
+        raise bad_value(name, f"bytes or a size such as '20GB' on {where} (no device memory is known there: a "
+                        "percentage is a share of a device's free memory)", value)
     return (free_bytes(on) if of is None else of) * number / 100
 
 
-def parse_memory(value: Any, name: str = "max_memory", *, device: Any = None, of: float | None = None) -> float | None:
-    """A memory size in bytes: the one parser of every memory size dynabatch takes.
-
-    Args:
-        value: ``None``; a number of bytes > 0; a string of a number and a unit
-            (``B``, ``KB``/``MB``/``GB``/``TB`` in powers of 1000,
-            ``KiB``/``MiB``/``GiB``/``TiB`` in powers of 1024, any case); or a
-            percentage in (0, 100] of an accelerator's free memory
-            (:func:`~dynabatch.memory.device.free_bytes`), refused on the CPU.
-        name: the argument's name, for error messages.
-        device: the accelerator of a percentage (default: the current one).
-        of: the bytes a percentage is of (default: the accelerator's free
-            memory now; a training limit adds what its model already holds).
-
-    Raises:
-        TypeError: not a number or str.
-        ValueError: not positive, an unknown unit, a percentage outside (0, 100]
-            or without an accelerator.
+def split_memory(value: Any, name: str = "max_memory") -> tuple[float, str]:
+    """``(number, unit)`` of a memory size, its syntax checked but a percentage not resolved (``unit`` ``"%"``,
+    else ``"B"`` with the number in bytes): what can be refused before any device is asked.
 
     Example:
-        >>> parse_memory("12XB")
-        Traceback (most recent call last):
-        ...
-        ValueError: max_memory should be a number of bytes > 0, a size such as '12GB' or '512MiB', or a percentage such as '80%' (of an accelerator), but got max_memory='12XB'
+        >>> split_memory("90%"), split_memory("2KiB"), split_memory(10)
+        ((90.0, '%'), (2048.0, 'B'), (10.0, 'B'))
     """
-    if value is None:
-        return None
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
         raise bad_type(name, _MEMORY_RULE, value)
     if isinstance(value, str):
@@ -100,11 +88,47 @@ def parse_memory(value: Any, name: str = "max_memory", *, device: Any = None, of
             raise bad_value(name, _MEMORY_RULE, value)
         number = float(match.group(1))
         if unit == "%":
-            nbytes = _percent_of_free(name, value, number, device, of)
-        else:
-            nbytes = number * _UNITS[unit]
+            check_percentage(name, value, number)
+            return number, "%"
+        nbytes = number * _UNITS[unit]
     else:
         nbytes = float(value)
     if not (nbytes > 0 and math.isfinite(nbytes)):
         raise bad_value(name, _MEMORY_RULE, value)
-    return float(nbytes)
+    return float(nbytes), "B"
+
+
+def parse_memory(value: Any, name: str = "max_memory", *, device: Any = None, of: float | None = None) -> float | None:
+    """A memory size in bytes: the one parser of every memory size dynabatch takes.
+
+    Args:
+        value: ``None``; a number of bytes > 0; a string of a number and a unit
+            (``B``, ``KB``/``MB``/``GB``/``TB`` in powers of 1000,
+            ``KiB``/``MiB``/``GiB``/``TiB`` in powers of 1024, any case); or a
+            percentage in (0, 100] of a device's free memory
+            (:func:`~dynabatch.memory.device.free_bytes`), refused on a device
+            without memory of its own (the CPU, unless simulated).
+        name: the argument's name, for error messages.
+        device: the device of a percentage (default: the first accelerator).
+        of: the bytes a percentage is of (default: the accelerator's free
+            memory now; a training limit adds what its model already holds).
+
+    Raises:
+        TypeError: not a number or str.
+        ValueError: not positive, an unknown unit, a percentage outside (0, 100]
+            or on a device whose memory is not known.
+
+    Example:
+        >>> parse_memory("12XB")
+        Traceback (most recent call last):
+        ...
+        ValueError: max_memory should be a number of bytes > 0, a size such as '12GB' or '512MiB', or a percentage such as '80%' (of a device's free memory), but got max_memory='12XB'
+    """
+    if value is None:
+        return None
+    number, unit = split_memory(value, name)
+    if unit == "%":
+        number = _percent_of_free(name, value, number, device, of)
+        if not number > 0:
+            raise bad_value(name, f"a share of free memory > 0 bytes (the device has {number:.0f} bytes free)", value)
+    return float(number)

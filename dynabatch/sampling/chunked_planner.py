@@ -97,6 +97,12 @@ class ChunkedPlanner:
     def feedback(self) -> MemoryFeedback:
         return self._cursor.feedback
 
+    def budget_on(self, device: Any) -> float | None:
+        """The absolute budget a run on ``device`` plans under (see :meth:`BatchPlanner.budget_on
+        <dynabatch.sampling.planner.BatchPlanner.budget_on>`; the first chunk holds the longest texts)."""
+        chunk = self._chunk(0)
+        return chunk[1].budget_on(device) if chunk is not None else self.estimator.budget_on(device)
+
     def next_batch(self, cursor: PlanCursor | None = None) -> np.ndarray | None:
         """The input positions of the next batch (waiting for its chunk's tokens); ``None`` when done."""
         cursor = self._cursor if cursor is None else cursor

@@ -11,6 +11,12 @@ An estimator answers, over lengths sorted longest first:
 * ``observe(rows, padded_length, peak_bytes)`` and ``observe_out_of_memory(rows,
   padded_length)``: a measured peak, or a shape that ran out of memory, to refine itself;
 
+* ``budget_on(device, longest)``: the absolute budget a run plans under on
+  ``device`` (its ``max_memory``, resolved there when the run starts by
+  :func:`~dynabatch.memory.budget.resolve_max_memory`), or ``None`` for the
+  relative rule; a budget smaller than one row of the longest text is refused
+  where the estimator predicts bytes;
+
 and carries ``target`` (the share of the first batch's peak a later batch is
 planned to), ``relative`` (whether the first batch, ``batch_size`` rows of the
 longest texts, sets the budget and so is the smallest batch) and
@@ -31,11 +37,16 @@ of two modes:
   x budget, and never fewer than ``batch_size``: ``batch_size`` rows of a text
   no longer than the first batch's are never predicted above the first batch's
   peak (the model grows with length).
-* **Absolute** (``max_memory`` in bytes, ``"12GB"``, ``"512MiB"``, or ``"80%"``
-  of the CUDA device's free memory): every batch, the first included, takes the
-  most rows predicted at or under ``(1 - memory_margin) x max_memory``;
-  ``batch_size`` plays no part. A text whose single row is predicted above it
-  is a batch of one row on its own, counted and logged as a warning.
+* **Absolute** (``max_memory`` in bytes, ``"12GB"``, ``"512MiB"``, ``"80%"``
+  of the device's free memory, or ``"auto"``: see
+  :func:`~dynabatch.memory.budget.resolve_max_memory`): every batch, the first
+  included, takes the most rows predicted at or under ``(1 - memory_margin) x
+  max_memory``; ``batch_size`` plays no part. A budget smaller than one row of
+  the longest text is refused.
+
+The spike classifier plans relative to the first batch up front; with a
+``max_memory`` it carries that budget to the run, whose measured peaks grow
+later batches under it.
 
 :func:`plan_batch_sizes_to_budget` and :func:`plan_batches_to_budget` are the
 functional forms of :class:`BudgetEstimator`.
@@ -52,6 +63,10 @@ Example:
     [1, 1, 1, 1, 2, 2, 2, 2, 11, 11, 11, 7]
     >>> plan_batch_sizes_to_budget(lengths, mm, max_memory=20_000, memory_margin=0, max_tokens=128).tolist()
     [1, 1, 1, 1, 2, 2, 2, 2, 8, 8, 8, 8, 8]
+    >>> plan_batch_sizes_to_budget(lengths, mm, max_memory=10_000, memory_margin=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: max_memory should be at least one row of the longest text (13,800 bytes predicted for 1 x 128 tokens, planned to 1 of the budget); here 10,000 bytes: pass a larger max_memory, a smaller max_input_token_length, or max_memory=None (the relative rule), but got max_memory=10000
 """
 
 from __future__ import annotations
@@ -62,9 +77,10 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_lengths, check_positive_int
-from dynabatch.memory.budget import MemoryBudget, check_memory_margin, parse_memory
+from dynabatch.memory.budget import MemoryBudget, check_max_memory, check_memory_margin, resolve_max_memory
 from dynabatch.memory.classifier import SpikeClassifier, load_classifier
 from dynabatch.memory.features import SPIKE_RATIO
+from dynabatch.memory.footprint import Footprint
 from dynabatch.sampling._spike_search import SpikeSearch
 from dynabatch.sampling.plan_settings import PlanSettings, settle_rows
 
@@ -86,6 +102,7 @@ class SpikeEstimator:
         classifier: ``None`` (the bundled classifier: the shape-aware one when the
             settings carry a ``model_shape``), a path to a trusted joblib file, or
             a fitted estimator (see :func:`~dynabatch.memory.classifier.load_classifier`).
+        max_memory: the absolute budget a run plans under (see :meth:`budget_on`), or ``None``.
 
     Attributes:
         target: the fraction of the first batch's peak a batch stays under.
@@ -97,9 +114,16 @@ class SpikeEstimator:
     relative = True
     granularity = None
 
-    def __init__(self, classifier: Any = None) -> None:
+    def __init__(self, classifier: Any = None, *, max_memory: Any = None) -> None:
         self.classifier = classifier
+        self.max_memory = max_memory
+        resolve_max_memory(max_memory)  # what the first accelerator (or the CPU) would refuse is refused here
         self._loaded: dict[bool, SpikeClassifier] = {}
+
+    def budget_on(self, device: Any, longest: int | None = None) -> float | None:
+        """The absolute budget on ``device`` (``max_memory`` resolved there), or ``None``: the relative rule
+        (``longest``, the longest text's padded width, is for estimators that predict bytes)."""
+        return resolve_max_memory(self.max_memory, device)
 
     def classifier_for(self, settings: PlanSettings) -> SpikeClassifier:
         """The classifier to plan with, checked to take the shape exactly when the settings give one."""
@@ -140,14 +164,17 @@ class BudgetEstimator:
         memory_model: has ``predict(rows, padded_length)``, ``max_rows(padded_length,
             budget_bytes)`` and ``observe(rows, padded_length, peak_bytes)`` (a ``MemoryModel``).
         max_memory: ``None`` (relative: the first batch of ``batch_size`` longest
-            texts sets the budget), or the budget (bytes or a size string).
+            texts sets the budget), or the budget (bytes, a size or a percentage
+            string, ``"auto"``: :func:`~dynabatch.memory.budget.resolve_max_memory`).
         memory_margin: a batch's predicted peak stays at or under
             ``(1 - memory_margin)`` times the budget.
         granularity: batch sizes are multiples of it (when at least it).
-        device: the CUDA device of a percentage ``max_memory``.
+        device: the device a percentage ``max_memory`` is of, for the plan made up front (a run resolves it
+            again on its own device: :meth:`budget_on`).
 
     Attributes:
         budget: the plan's :class:`~dynabatch.memory.budget.MemoryBudget` (set by :meth:`plan_sizes`).
+        max_memory: the up-front plan's budget in bytes, or ``None`` (relative).
         relative: ``max_memory is None``.
     """
 
@@ -158,7 +185,8 @@ class BudgetEstimator:
                 raise bad_type("memory_model", "a MemoryModel (from dynabatch.calibrate or MemoryModel.load)",
                                memory_model)
         self.memory_model = memory_model
-        self.max_memory = parse_memory(max_memory, device=device)
+        self.max_memory_given = check_max_memory(max_memory)
+        self.max_memory = resolve_max_memory(max_memory, device)
         self.memory_margin = check_memory_margin(memory_margin)
         self.granularity = None if granularity is None else check_positive_int("granularity", granularity)
         self.target = 1.0 - self.memory_margin
@@ -171,6 +199,7 @@ class BudgetEstimator:
         if n == 0:
             return np.empty(0, dtype=np.int64)
         first = min(settings.batch_size, n) if self.relative else 0
+        self._check_budget(settings, max(1, int(sorted_lengths[0])))
         reference = (first, max(1, int(sorted_lengths[0]))) if first else None
         self.budget = MemoryBudget(self.memory_model, self.max_memory, memory_margin=self.memory_margin,
                                    reference_batch=reference, pad_to_multiple_of=settings.pad_to_multiple_of)
@@ -194,19 +223,29 @@ class BudgetEstimator:
             pos += count * rows
         out = np.concatenate(pieces)
         out[-1] -= pos - n if pos > n else 0
-        if not first:
-            over = int(np.count_nonzero(self.budget.rows_allowed(sorted_lengths[np.cumsum(out) - out]) == 0))
-            if over:
-                logger.warning("%d texts are predicted above the memory budget of %.0f bytes on their own; each is "
-                               "a batch of one row", over, self.budget.budget_bytes)
         return out
 
-    def rows_for_peak(self, longest: int, first_peak: float) -> int:
-        """Rows whose longest is ``longest`` the budget allows: ``max_memory``, or (relative) the first batch's
-        measured peak, less the margin."""
+    def _check_budget(self, settings: PlanSettings, longest: int) -> None:
+        if not self.relative:
+            MemoryBudget(self.memory_model, self.max_memory, memory_margin=self.memory_margin,
+                         pad_to_multiple_of=settings.pad_to_multiple_of).check_one_row(longest,
+                                                                                       given=self.max_memory_given)
+
+    def budget_on(self, device: Any, longest: int | None = None) -> float | None:
+        """The absolute budget on ``device`` (``max_memory`` resolved there), or ``None`` (relative); refused when
+        one row of the longest text (``longest``: its padded width) is predicted above it."""
+        budget = resolve_max_memory(self.max_memory_given, device)
+        if budget is not None and longest is not None:
+            MemoryBudget(self.memory_model, budget, memory_margin=self.memory_margin).check_one_row(
+                longest, given=self.max_memory_given)
+        return budget
+
+    def rows_for_peak(self, longest: int, budget: float) -> int:
+        """Rows whose longest is ``longest`` that ``budget`` allows (the run's: its absolute budget, or the first
+        batch's measured peak), less the margin."""
         if self.budget is None:
             raise RuntimeError("BudgetEstimator.rows_for_peak before plan_sizes")
-        return int(self.budget.rows_allowed(int(longest), max_memory=first_peak if self.relative else None))
+        return int(self.budget.rows_allowed(int(longest), max_memory=budget))
 
     def observe(self, rows: int, padded_length: int, peak_bytes: float) -> None:
         """Refits the memory model with a measured peak."""
@@ -225,31 +264,38 @@ def choose_estimator(
     max_memory: Any = None,
     memory_margin: Any = 0.10,
     granularity: Any = None,
+    model: Any = None,
 ) -> SpikeEstimator | BudgetEstimator:
     """The estimator for a loader's options: the spike classifier, or the memory model's budget when one is given.
 
-    ``max_memory`` is ``None``, bytes (> 0), or a string (``"12GB"``, ``"800MiB"``,
-    ``"80%"`` of the CUDA device's free memory; see
-    :func:`~dynabatch.memory.budget.parse_memory`); ``memory_margin`` is in ``[0, 1)``;
-    ``granularity`` a positive int or ``None``. The memory options need a ``memory_model``.
+    With an absolute ``max_memory`` (resolved now, on the first accelerator) and a ``model`` but no
+    ``memory_model``, the memory model is the model's :class:`~dynabatch.memory.footprint.Footprint` of a forward
+    call (its activations), refined by the run's measured peaks.
+
+    ``max_memory`` is ``None``, ``"auto"``, bytes (> 0), or a string (``"12GB"``, ``"800MiB"``,
+    ``"80%"`` of the device's free memory; see
+    :func:`~dynabatch.memory.budget.resolve_max_memory`); ``memory_margin`` is in ``[0, 1)``;
+    ``granularity`` a positive int or ``None``, with a ``memory_model``. Without a memory model a
+    ``max_memory`` is the run's budget: the classifier plans the first batch, the measured peaks the rest.
 
     Example:
-        >>> type(choose_estimator()).__name__
-        'SpikeEstimator'
-        >>> choose_estimator(max_memory="12GB")
+        >>> type(choose_estimator()).__name__, choose_estimator(max_memory="12GB").max_memory
+        ('SpikeEstimator', '12GB')
+        >>> choose_estimator(granularity=8)
         Traceback (most recent call last):
         ...
-        ValueError: max_memory should be None without a memory_model (the classifier plans relative to the first batch), but got max_memory='12GB'
+        ValueError: granularity should be None without a memory_model (the classifier plans relative to the first batch), but got granularity=8
     """
     memory_margin = check_memory_margin(memory_margin)
     if granularity is not None:
         granularity = check_positive_int("granularity", granularity)
     if memory_model is None:
-        for name, value in (("max_memory", max_memory), ("granularity", granularity)):
-            if value is not None:
-                raise bad_value(name, "None without a memory_model (the classifier plans relative to the first "
-                                "batch)", value)
-        return SpikeEstimator(classifier)
+        if granularity is not None:
+            raise bad_value("granularity", "None without a memory_model (the classifier plans relative to the first "
+                            "batch)", granularity)
+        if model is not None and resolve_max_memory(max_memory) is not None:
+            return BudgetEstimator(Footprint.from_model(model), max_memory=max_memory, memory_margin=memory_margin)
+        return SpikeEstimator(classifier, max_memory=max_memory)
     if classifier is not None:
         raise bad_value("classifier", "None when a memory_model is given (the memory model sizes the batches)",
                         classifier)
@@ -275,13 +321,13 @@ def plan_batch_sizes_to_budget(
         memory_model: has ``predict(rows, padded_length)`` (a
             :class:`~dynabatch.memory.model.MemoryModel`; its ``max_rows`` closed form is used).
         batch_size: relative mode: the first batch's rows (required there).
-        max_memory: ``None`` (relative) or the budget (see :func:`~dynabatch.memory.budget.parse_memory`).
+        max_memory: ``None`` (relative) or the budget (see :func:`~dynabatch.memory.budget.resolve_max_memory`).
         memory_margin: predicted peaks stay at or under ``(1 - memory_margin)`` x budget; in [0, 1).
         granularity: round rows down to a multiple of it where one fits.
         pad_to_multiple_of: the collator's rounding of widths: batches are sized at their padded width.
         max_tokens: padded tokens per batch at most (``None``: no token cap); see
             :class:`~dynabatch.sampling.plan_settings.PlanSettings`.
-        device: the CUDA device of a percentage ``max_memory``.
+        device: the device of a percentage ``max_memory``.
 
     Returns:
         ``int64`` sizes; batch ``i`` is ``sorted_lengths[sum(sizes[:i]):sum(sizes[:i + 1])]``.

@@ -219,12 +219,24 @@ class BatchPlanner:
             start, last = start + size, size
         return out
 
+    def budget_on(self, device: Any) -> float | None:
+        """The absolute budget a run on ``device`` plans under (the loader's ``max_memory``, resolved there when
+        the run starts), or ``None``: the relative rule. Refused when it cannot hold one row of the longest text."""
+        longest = int(self.settings.width(int(self.sorted_lengths[0]))) if len(self.sorted_lengths) else None
+        return self.estimator.budget_on(device, longest)
+
     def next_size(self, start: int, last_size: int | None = None, feedback: MemoryFeedback | None = None) -> int:
         """Rows for the batch starting at sorted position ``start``, after a batch of ``last_size`` rows.
 
-        Before any peak is measured: the plan's. Then: the rows the estimator
-        (or the measured bound) keeps under ``target`` times the first batch's
-        peak, settled by :func:`~dynabatch.sampling.plan_settings.settle_rows`.
+        Relative (no budget set up front): before any peak is measured, the
+        plan's; then the rows the estimator (or the measured bound) keeps under
+        ``target`` times the first batch's peak. Absolute (the feedback's budget
+        set by :meth:`budget_on`): the rows the estimator's model of bytes keeps
+        under it from the first batch on (or, without one, the plan's until a
+        peak is measured, then the measured bound's); the bound's rows where
+        they are more. Either way settled by
+        :func:`~dynabatch.sampling.plan_settings.settle_rows`; sizes the
+        measured bound extrapolates grow at most ``max_growth`` times a step.
         """
         settings, estimator = self.settings, self.estimator
         feedback = self._cursor.feedback if feedback is None else feedback
@@ -240,10 +252,15 @@ class BatchPlanner:
         budget = feedback.budget
         if budget is None:  # nothing measured yet: the plan (which keeps the token cap)
             return int(settle_rows(planned, cap=cap))
-        cap = min(cap, int(settings.max_growth * (last_size or planned)))
         fits = estimator.rows_for_peak(longest, budget)
+        if fits is None and not feedback.measured:  # an absolute budget, no model of bytes: the plan until a peak
+            return int(settle_rows(planned, cap=cap))
+        if fits is None or not feedback.absolute:
+            cap = min(cap, int(settings.max_growth * (last_size or planned)))
         if fits is None:
             fits = feedback.max_rows(width, estimator.target * budget)
+        elif feedback.absolute:  # the model errs high; what the measured peaks bound fits as well
+            fits = max(fits, feedback.max_rows(width, estimator.target * budget))
         floor = 1
         if estimator.relative:  # the first batch's rows, unless the measured peaks put that many above its peak
             floor = min(int(self.sizes()[0]), max(1, feedback.max_rows(width, budget)))

@@ -86,6 +86,11 @@ def test_sampling_options_without_sample_and_a_prompt_limit_past_the_positions_a
         ([*base, "--max-length", "40", "--max-new-tokens", "32"],
          ("--max-length should be at most 32: the model's max_position_embeddings=64 positions hold the prompt and the "
          "--max-new-tokens=32 new tokens, but got --max-length=40")),
+        ([*base, "--max-memory", "150%"],
+         "--max-memory should be a percentage in (0%, 100%] of the device's free memory, but got --max-memory='150%'"),
+        ([*base, "--max-memory", "12XB"],
+         ("--max-memory should be a number of bytes > 0, a size such as '12GB' or '512MiB', or a percentage such as "
+          "'80%' (of a device's free memory), but got --max-memory='12XB'")),
         ([*base, "--messages-column", "messages"],
          ("--messages-column should be given with a table (Parquet, CSV, JSONL, datasets): a text file's lines have only "
          "their position, but got --messages-column='messages'")),

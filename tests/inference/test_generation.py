@@ -207,3 +207,76 @@ def test_replies_resume_from_the_store_and_another_key_is_refused(llama, chat_to
     assert list(again) == list(first) and calls == []  # every reply read back, nothing generated again
     with pytest.raises(ValueError, match="llama greedy"):
         dynabatch.generate(llama, chat_tokenizer, prompts[:8], output_path=store, key="llama sampled", **kwargs)
+
+
+# --- an absolute budget: few, large calls on a device of a given size -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen(tokenizer):
+    """A small Qwen2 decoder over the MiniLM vocabulary (the generation benchmark's model family), EOS = [SEP] with
+    its output row scaled so that replies end anywhere from the first token to the limit."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=102, pad_token_id=0)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight[102] *= 3.0
+    model.generation_config.update(max_new_tokens=12, do_sample=False, eos_token_id=102, pad_token_id=0)
+    return model
+
+
+def _peak(model, tokenizer, prompts):
+    from dynabatch.memory.measure import track_peak_memory
+
+    left = copy.copy(tokenizer)
+    left.padding_side = "left"
+    batch = left(prompts, return_tensors="pt", padding=True)
+    with torch.inference_mode(), track_peak_memory("cpu") as mem:
+        model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    return mem.peak_bytes
+
+
+@pytest.mark.slow
+def test_on_a_device_of_a_given_size_the_calls_fill_it_within_1_2x_the_fewest_forwards(qwen, tokenizer):
+    from dynabatch.demo import kjv_passages, vary_lengths
+    from dynabatch.memory.device import simulated_memory
+
+    prompts = vary_lengths(kjv_passages()[12_000:], n=64, max_words=60, seed=11)
+    order = sorted(range(len(prompts)), key=lambda i: -len(tokenizer(prompts[i])["input_ids"]))
+    alone = dynabatch.generate(qwen, tokenizer, prompts, return_ids=True, max_memory=None, batch_size=1,
+                               progress=False)  # each prompt alone: its reply, and how many forwards it takes
+    free = int(_peak(qwen, tokenizer, [prompts[i] for i in order]) / 0.81 / 3.5)  # all prompts: about 4 calls
+    limit = 0.81 * free  # "auto": 90% of the free memory, planned to 90% of that
+
+    def fewest(start=0):  # the fewest calls (longest first) whose measured peaks stay under the limit, and forwards
+        calls, forwards = 0, 0
+        while start < len(order):
+            lo, hi = 1, len(order) - start
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if _peak(qwen, tokenizer, [prompts[i] for i in order[start:start + mid]]) \
+                    <= limit else (lo, mid - 1)
+            calls, forwards = calls + 1, forwards + max(len(alone[i]) for i in order[start:start + lo])
+            start += lo
+        return calls, forwards
+
+    fewest_calls, fewest_forwards = fewest()
+    forwards = []
+    hook = qwen.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    try:
+        with simulated_memory(total=2 * free, free=free):  # an allocation beyond `free` runs out of memory
+            replies = dynabatch.generate(qwen, tokenizer, prompts, return_ids=True, progress=False)
+    finally:
+        hook.remove()
+    assert list(replies) == list(alone)  # float32: every reply equals generating its prompt alone
+    report = replies.report
+    # planned to the limit, measured under the budget itself (the margin is for what a prediction misses)
+    assert report.oom_events == 0 and max(r.peak_bytes or 0 for r in report.records) <= 0.9 * free
+    found = (f"{report.batches} calls ({[r.rows for r in report.records]} rows), {len(forwards)} forwards; the fewest: "
+             f"{fewest_calls} calls, {fewest_forwards} forwards")  # 4 calls, 48 forwards each (2026-11-29)
+    assert fewest_calls >= 3 and len(forwards) <= 1.2 * fewest_forwards, found

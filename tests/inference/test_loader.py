@@ -540,7 +540,11 @@ def test_a_memory_model_plans_to_its_budget(tokenizer, texts):
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"max_memory": "12GB"}, ValueError, r"^max_memory should be None without a memory_model"),
+        ({"max_memory": "150%"}, ValueError,
+         r"^max_memory should be a percentage in \(0%, 100%\] of the device's free memory, but got max_memory='150%'$"),
+        ({"max_memory": "90%"}, ValueError, (r"^max_memory should be bytes or a size such as '20GB' on cpu \(no "
+                                             r"device memory is known there: a percentage is a share of a device's "
+                                             r"free memory\), but got max_memory='90%'$")),
         ({"memory_model": "mm", "max_memory": "12XB"}, ValueError, r"^max_memory should be .*'12XB'$"),
         ({"memory_model": "mm", "max_memory": -1}, ValueError, r"^max_memory should be .*max_memory=-1$"),
         ({"memory_model": "mm", "memory_margin": 1.0}, ValueError,

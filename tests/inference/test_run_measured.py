@@ -170,3 +170,53 @@ def test_max_tokens_caps_every_batch_of_the_plan_and_of_measured_mode(tokenizer)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(measured, uncapped))
     assert max(r.rows * r.width for r in measured.report.records) <= 512
     assert max(r.rows * r.width for r in uncapped.report.records) > 512  # the cap did bind
+
+
+# --- an absolute budget: max_memory, read on the run's device when it starts --------------------------------------
+
+
+def test_a_share_of_a_devices_free_memory_is_read_when_the_run_starts_and_fills_it(tokenizer, minilm):
+    # The CPU as a device of a declared size: "60%" of what is free when run starts, not when the loader is built.
+    from dynabatch.demo import kjv_passages, vary_lengths
+    from dynabatch.memory.device import simulated_memory
+
+    texts = vary_lengths(kjv_passages(), n=400, max_words=100, seed=5)
+    embed = lambda b: minilm(**b).last_hidden_state[:, 0]  # noqa: E731
+    with torch.no_grad():
+        relative = run(embed, _load(texts, tokenizer, batch_size=4, max_input_token_length=128), progress=False)
+        free = int(8 * relative.report.budget_bytes)  # eight times the first batch's peak
+        with simulated_memory(total=4 * free, free=2 * free):
+            loader = _load(texts, tokenizer, batch_size=4, max_input_token_length=128, max_memory="60%",
+                           model=minilm)  # batches sized by the model's footprint
+            held = torch.ones(free // 4)  # what a model loaded after the loader holds: half of the free memory
+            result = run(embed, loader, progress=False)
+            del held
+    budget = 0.6 * (2 * free - free)  # 60% of what was free when run started
+    report = result.report
+    assert report.oom_events == 0 and result.failed == []
+    assert max(r.peak_bytes for r in report.records if r.peak_bytes is not None) <= budget
+    assert report.records[0].rows > 4 and report.batches < relative.report.batches / 3  # filled from the first batch
+    for a, b in zip(result, relative):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+def test_an_absolute_budget_above_what_the_device_holds_is_split_and_learned_and_nothing_is_lost(tokenizer, minilm):
+    # max_memory says three times what the simulated device has free: the first batches run out of memory for real,
+    # are split and retried, and the limit they show sizes the later batches; every row equals the relative run's.
+    from dynabatch.demo import kjv_passages, vary_lengths
+    from dynabatch.memory.device import simulated_memory
+
+    texts = vary_lengths(kjv_passages(), n=200, max_words=60, seed=9)
+    embed = lambda b: minilm(**b).last_hidden_state[:, 0]  # noqa: E731
+    with torch.no_grad():
+        relative = run(embed, _load(texts, tokenizer, batch_size=4, max_input_token_length=64), progress=False)
+        free = int(4 * relative.report.budget_bytes)
+        with simulated_memory(total=2 * free, free=free):
+            result = run(embed, _load(texts, tokenizer, batch_size=4, max_input_token_length=64,
+                                      max_memory=3 * free, model=minilm), progress=False)
+    report = result.report
+    assert report.oom_events >= 1 and report.oom_splits >= 1 and result.failed == []
+    assert report.oom_events <= 6  # learned: later batches are sized under what failed
+    assert len(result) == len(texts)
+    for a, b in zip(result, relative):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

@@ -21,7 +21,9 @@ from dynabatch.memory.device import (
     free_bytes,
     free_memory,
     is_out_of_memory_error,
+    knows_memory,
     register_backend,
+    simulated_memory,
     total_bytes,
 )
 from dynabatch.memory.measure import check_device, check_measurable_device, track_peak_memory
@@ -35,6 +37,7 @@ class _FakeAllocator:
         self.free, self.total, self.reserved = free, total, reserved
         self.emptied = 0
         self.initialized = initialized
+        self.fractions = []
 
     def functions(self):
         return {
@@ -43,6 +46,7 @@ class _FakeAllocator:
             "reset_peak_memory_stats": self.reset, "memory_allocated": lambda device=None: self.allocated,
             "max_memory_allocated": lambda device=None: self.peak, "memory_reserved": lambda device=None: self.reserved,
             "mem_get_info": lambda device=None: (self.free, self.total), "empty_cache": self.empty,
+            "set_per_process_memory_fraction": self.set_fraction,
         }
 
     def install(self, monkeypatch, module):
@@ -60,6 +64,12 @@ class _FakeAllocator:
 
     def empty(self):
         self.emptied += 1
+
+    def set_fraction(self, fraction, device=None):
+        # torch's own check (torch.cuda._utils._get_device_index with optional=False)
+        if isinstance(device, torch.device) and device.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        self.fractions.append((fraction, device))
 
     def alloc(self, n):
         self.allocated += n
@@ -91,6 +101,43 @@ def test_allocator_backends_answer_through_torchs_statistics(monkeypatch, kind):
     with pytest.raises(ValueError, match=rf"limit_bytes should be None on a {kind.upper()} device"):
         with track_peak_memory(kind, limit_bytes=10):
             pass
+
+
+def test_capped_resolves_a_bare_cuda_to_the_current_device(monkeypatch):
+    # torch's set_per_process_memory_fraction refuses torch.device("cuda") without an index (the training
+    # benchmark's probe table crashed on an H200 with this): the device layer passes the current device's index.
+    fake = _FakeAllocator(total=16000).install(monkeypatch, torch.cuda)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    with backend_of("cuda").capped(torch.device("cuda"), 4000):
+        assert fake.fractions == [(0.25, torch.device("cuda", 1))]
+    assert fake.fractions[-1] == (1.0, torch.device("cuda", 1))  # the whole device again after the block
+    with backend_of("cuda").capped(torch.device("cuda", 0), 32000):
+        pass
+    assert fake.fractions[-2] == (1.0, torch.device("cuda", 0))  # at most the whole device
+    assert knows_memory("cuda") and knows_memory(torch.device("cuda"))
+
+
+def test_a_simulated_device_has_the_declared_memory_and_runs_out_beyond_it():
+    weights = torch.ones(1024)  # allocated before the block: not counted
+    assert not knows_memory("cpu")  # the system's memory is no device's own
+    with simulated_memory(total=1_000_000, free=600_000):
+        assert knows_memory("cpu") and total_bytes("cpu") == 1_000_000 and free_bytes("cpu") == 600_000
+        held = torch.ones(50_000)  # 200,000 bytes: free falls by them
+        assert free_bytes("cpu") == 400_000 - 192  # sizes rounded up to 512-byte blocks, as on CUDA
+        with track_peak_memory("cpu") as mem:  # a measured call inside sees only its own bytes
+            _ = (held * 2).sum()
+        assert mem.peak_bytes == 200_192 + 512
+        with pytest.raises(torch.OutOfMemoryError, match="exceed limit_bytes=600000"):
+            torch.zeros(150_000) + weights.sum()
+        with pytest.raises(RuntimeError, match="simulated_memory should not be nested"), simulated_memory(total=10):
+            pass
+    assert not knows_memory("cpu") and free_bytes("cpu") > 10**6
+    with pytest.raises(ValueError, match=r"free should be at most total=100, but got free=200"), \
+            simulated_memory(total=100, free=200):
+        pass
+    with pytest.raises(ValueError, match=r"total should be a number of bytes >= 1, but got total=0"), \
+            simulated_memory(total=0):
+        pass
 
 
 def test_a_tracker_inside_another_leaves_the_outer_blocks_peak_whole(monkeypatch):

@@ -72,3 +72,19 @@ def test_an_out_of_memory_error_caps_rows_at_every_narrower_width_until_measured
     assert fb.oom_cap(400) == 5  # wider than anything measured: the floor alone
     fb.observe_parts([(5, 20, 5000)])
     assert fb.oom.fitted_bytes == 10000 and fb.oom_cap(10) == 6  # 10000 + 2000
+
+
+def test_an_absolute_budget_is_set_before_any_batch_and_the_first_peak_does_not_replace_it():
+    fb = MemoryFeedback(budget=10_000)
+    assert fb.absolute and fb.budget == 10_000 and not fb.measured and fb.should_measure(4, 64)
+    fb.observe(rows=4, padded_length=64, peak_bytes=2_000)  # the first batch: 500 bytes a row
+    assert fb.budget == 10_000 and fb.measured
+    assert fb.max_rows(64, 0.9 * fb.budget) == 18  # grown to the budget, not held at the first peak
+    relative = MemoryFeedback()
+    relative.set_budget(None)  # the relative rule: nothing set
+    relative.observe(rows=4, padded_length=64, peak_bytes=2_000)
+    assert relative.budget == 2_000 and not relative.absolute
+    with pytest.raises(RuntimeError, match=r"^MemoryFeedback.set_budget after a batch was measured"):
+        relative.set_budget(10_000)
+    with pytest.raises(ValueError, match=r"^budget should be None or a finite number of bytes > 0, but got budget=0$"):
+        MemoryFeedback(budget=0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 
 import numpy as np
@@ -75,24 +74,30 @@ def test_relative_mode(lengths, batch_size, margin, granularity):
 def test_absolute_mode(lengths, budget_mib, margin):
     arr = np.array(lengths)
     max_memory = budget_mib * 2**20
+    limit = (1 - margin) * max_memory
+    if float(MODEL.predict(1, int(arr.max()))) > limit:  # a budget smaller than one row of the longest text
+        with pytest.raises(ValueError, match=r"max_memory should be at least one row of the longest text"):
+            plan_batches_to_budget(arr, MODEL, max_memory=max_memory, memory_margin=margin)
+        return
     batches = plan_batches_to_budget(arr, MODEL, max_memory=max_memory, memory_margin=margin)
     assert sorted(np.concatenate(batches).tolist()) == list(range(len(arr)))
-    limit = (1 - margin) * max_memory
     for batch in batches:
         rows, width = len(batch), int(arr[batch].max())
         predicted = float(MODEL.predict(rows, width))
-        assert predicted <= limit * (1 + 1e-12) or rows == 1  # only a single row may stand over the budget alone
+        assert predicted <= limit * (1 + 1e-12)
         if batch is not batches[-1]:
             assert float(MODEL.predict(rows + 1, width)) > limit
 
 
-def test_a_row_over_an_absolute_budget_is_a_batch_alone_and_warned(caplog):
+def test_a_budget_smaller_than_one_row_is_refused():
     lengths = np.array([256, 256, 8, 8])
     one_row = float(MODEL.predict(1, 256))
-    with caplog.at_level(logging.WARNING, logger="dynabatch.sampling.estimators"):
-        sizes = plan_batch_sizes_to_budget(lengths, MODEL, max_memory=one_row / 2, memory_margin=0)
+    with pytest.raises(ValueError, match=rf"max_memory should be at least one row of the longest text \({one_row:,.0f} "
+                                         r"bytes predicted for 1 x 256 tokens, planned to 0.9 of the budget\); here "
+                                         r".*pass a larger max_memory.*but got max_memory='1KB'"):
+        plan_batch_sizes_to_budget(lengths, MODEL, max_memory="1KB")
+    sizes = plan_batch_sizes_to_budget(lengths, MODEL, max_memory=one_row, memory_margin=0)  # exactly one row
     assert sizes.tolist()[:2] == [1, 1]
-    assert "2 texts are predicted above the memory budget" in caplog.text
 
 
 def test_when_batch_size_does_not_fit_the_margin_it_is_kept():
@@ -176,8 +181,9 @@ def test_parse_max_memory():
 
 def test_a_percentage_is_of_the_cuda_devices_free_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match=r"max_memory should be bytes or a size such as '12GB' on the CPU .* "
-                                         r"max_memory='80%'"):
+    with pytest.raises(ValueError, match=r"max_memory should be bytes or a size such as '20GB' on cpu \(no device "
+                                         r"memory is known there: a percentage is a share of a device's free memory\), "
+                                         r"but got max_memory='80%'"):
         parse_max_memory("80%")
     asked = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -185,7 +191,7 @@ def test_a_percentage_is_of_the_cuda_devices_free_memory(monkeypatch):
     assert parse_max_memory("80%") == 8 * 2**30
     assert parse_max_memory("50%", device="cuda:1") == 5 * 2**30
     assert asked == [torch.device("cuda"), torch.device("cuda:1")]
-    with pytest.raises(ValueError, match="on the CPU .* max_memory='50%'"):
+    with pytest.raises(ValueError, match=r"on cpu \(no device memory is known there.* max_memory='50%'"):
         parse_max_memory("50%", device="cpu")
 
 

@@ -523,8 +523,9 @@ def test_a_memory_model_behind_the_planner_is_refined_online():
 
 
 def test_memory_options_are_checked():
-    with pytest.raises(ValueError, match=r"^max_memory should be None without a memory_model"):
-        choose_estimator(max_memory=10**9)
+    assert choose_estimator(max_memory=10**9).budget_on("cpu") == 10**9  # the run's budget: the classifier plans
+    with pytest.raises(ValueError, match=r"^max_memory should be a number of bytes > 0.*but got max_memory='12XB'$"):
+        choose_estimator(max_memory="12XB")  # refused up front, with or without a memory model
     with pytest.raises(ValueError, match=r"^granularity should be None without a memory_model"):
         choose_estimator(granularity=8)
     with pytest.raises(ValueError, match=r"^memory_margin should be a number in \[0, 1\), but got memory_margin=1$"):
@@ -541,3 +542,70 @@ def test_memory_options_are_checked():
     with pytest.raises(ValueError, match=r"^classifier should be None when a memory_model is given"):
         choose_estimator(load_classifier(), mm)
     assert choose_estimator(memory_model=mm, max_memory="1KiB").max_memory == 1024
+
+
+# --- an absolute budget (max_memory): set on the lane's feedback when a run starts ---------------------------------
+
+
+def _exact_model(true_peak):
+    from dynabatch.memory.model import MemoryModel
+
+    shapes = [(1, 1), (8, 64), (8, 16), (32, 8), (16, 32), (4, 512), (64, 4), (2, 256), (128, 1)]
+    return MemoryModel().fit(*zip(*shapes), [true_peak(r, n) for r, n in shapes])
+
+
+@pytest.mark.filterwarnings("ignore:MemoryModel extrapolates")
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 512), min_size=1, max_size=800), budget_kb=st.integers(600, 20_000),
+       max_growth=st.floats(1, 3))
+def test_an_absolute_budget_fills_every_batch_from_the_first(lengths, budget_kb, max_growth):
+    def true_peak(rows, length):  # generate-like: a per-row part that short texts do not shrink, and a quadratic one
+        return 1000 + rows * (500 + 20 * length + 0.05 * length**2)
+
+    lengths = np.asarray(lengths)
+    budget = budget_kb * 1000.0
+    estimator = choose_estimator(memory_model=_exact_model(true_peak), max_memory=budget, memory_margin=0.1)
+    planner = BatchPlanner(lengths, PlanSettings(batch_size=4, max_input_token_length=512, max_growth=max_growth),
+                           estimator)
+    assert planner.budget_on("cpu") == budget
+    planner.feedback.set_budget(planner.budget_on("cpu"))
+    seen, sizes = [], []
+    while (batch := planner.next_batch()) is not None:
+        rows, width = len(batch), int(lengths[batch].max())
+        assert true_peak(rows, width) <= 0.9 * budget * (1 + 1e-9)  # under the budget less its margin
+        rest = lengths[np.setdiff1d(np.arange(len(lengths)), [*seen, *batch.tolist()])]
+        if len(rest):  # as large as the budget allows: one more row (the next longest) would not fit
+            assert true_peak(rows + 1, width) > 0.9 * budget * (1 - 1e-6)
+        planner.observe(rows, width, true_peak(rows, width))
+        seen.extend(batch.tolist())
+        sizes.append(rows)
+    assert seen == np.argsort(-lengths, kind="stable").tolist()  # every text once, longest first
+    # no step cap: a model of bytes sizes each batch, however much more it holds than the one before
+    assert sizes == planner.sizes().tolist()
+
+
+def test_without_a_model_of_bytes_the_plan_runs_first_and_measured_peaks_grow_batches_to_the_budget():
+    lengths = np.repeat([64, 32, 8], [8, 64, 2000])
+    planner = BatchPlanner(lengths, PlanSettings(batch_size=8, max_input_token_length=64),
+                           choose_estimator(max_memory=200_000))
+    planner.feedback.set_budget(planner.budget_on("cpu"))
+    sizes, peaks = [], []
+    while (batch := planner.next_batch()) is not None:
+        width = int(lengths[batch].max())
+        peaks.append(len(batch) * 100.0 * width)
+        planner.observe(len(batch), width, peaks[-1])
+        sizes.append(len(batch))
+    assert sizes[0] == 8 and peaks[0] == 51_200  # the classifier's first batch: far under the budget
+    assert max(peaks) <= 0.9 * 200_000 and max(peaks) > 0.5 * 200_000  # grown to the budget, not the first peak
+    assert all(b <= 2 * a for a, b in itertools.pairwise(sizes))  # extrapolated from measured peaks: 2x a step
+
+
+def test_a_run_budget_smaller_than_one_row_is_refused_when_the_run_starts():
+    lengths = np.array([64, 8, 8])
+    estimator = choose_estimator(memory_model=_exact_model(lambda r, n: 1000 + r * 100 * n), max_memory=10**6)
+    planner = BatchPlanner(lengths, PlanSettings(batch_size=2, max_input_token_length=64), estimator)
+    estimator.max_memory_given = 5_000  # as if the device had that much free when the run started
+    with pytest.raises(ValueError, match=r"^max_memory should be at least one row of the longest text \(7,400 bytes "
+                                         r"predicted for 1 x 64 tokens, planned to 0\.9 of the budget\); here 5,000 "
+                                         r"bytes"):
+        planner.budget_on("cpu")
