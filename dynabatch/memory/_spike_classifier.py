@@ -28,7 +28,7 @@ from dynabatch.memory.features import (
     compute_features,
 )
 
-__all__ = ["SpikeClassifier"]
+__all__ = ["SpikeClassifier", "probe_features"]
 
 
 class SpikeClassifier:
@@ -70,7 +70,7 @@ class SpikeClassifier:
         if isinstance(estimator, CompiledTrees):
             self._compiled = estimator
         else:
-            self._compiled = compile_trees(estimator, _probe_features(self.uses_shape), self.predict_spike_proba)
+            self._compiled = compile_trees(estimator, probe_features(self.uses_shape), self.predict_spike_proba)
 
     @property
     def uses_shape(self) -> bool:
@@ -123,7 +123,7 @@ _GROWS_WITH_ROWS = ("batch_size_y", "batch_size_diff", "total_tokens_y", "total_
 
 
 @functools.lru_cache(maxsize=2)
-def _probe_features(shape: bool = False) -> np.ndarray:
+def probe_features(shape: bool = False) -> np.ndarray:
     """Realistic feature rows (first batches and candidates of many shapes) to check compiled trees on."""
     rng = np.random.default_rng(0)
     n = 512

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value
-from dynabatch.memory._spike_classifier import SpikeClassifier, _probe_features
+from dynabatch.memory._spike_classifier import SpikeClassifier, probe_features
 from dynabatch.memory._tree_eval import CompiledTrees, check_rows
 
 __all__ = ["BUNDLED_CLASSIFIER", "BUNDLED_SHAPE_CLASSIFIER", "SpikeClassifier", "cache_dir", "load_classifier",
@@ -174,7 +174,7 @@ def write_compiled(estimator: Any, pkl: str | os.PathLike) -> str:
     trees, why = _read_compiled(npz, _sha256(pkl))
     if trees is None:
         raise RuntimeError(f"{npz} {why} right after it was written")
-    rows = check_rows(trees, _probe_features(clf.uses_shape))
+    rows = check_rows(trees, probe_features(clf.uses_shape))
     scores = np.asarray(estimator.decision_function(clf._as_input(rows))).ravel()
     want = np.asarray(estimator.predict_proba(clf._as_input(rows)))[:, 1]
     if not (np.array_equal(trees.decision_function(rows), scores)

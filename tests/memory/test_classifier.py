@@ -19,8 +19,8 @@ from dynabatch.memory.classifier import (
     BUNDLED_CLASSIFIER,
     BUNDLED_SHAPE_CLASSIFIER,
     SpikeClassifier,
-    _probe_features,
     load_classifier,
+    probe_features,
 )
 from dynabatch.memory.classifier_fit import sha256_files
 from dynabatch.memory.features import (
@@ -87,7 +87,7 @@ def test_the_compiled_trees_give_scikit_learns_predictions(pkl):
     realistic = compute_features(np.maximum(tok_x, rng.integers(1, 2049, n)), tok_x, bs_x,
                                  (bs_x * tok_x * rng.uniform(0.2, 1, n)).astype(int), tok_y, bs_y,
                                  (bs_y * tok_y * rng.uniform(0.2, 1, n)).astype(int), **shape_args)
-    rows = np.concatenate([check_rows(trees, _probe_features(shape), n=8000), realistic])
+    rows = np.concatenate([check_rows(trees, probe_features(shape), n=8000), realistic])
     frame = pd.DataFrame(rows, columns=meta["feature_names"])
     # The trees are the same when the raw scores are: bit for bit (summed in scikit-learn's order).
     np.testing.assert_array_equal(trees.decision_function(rows), estimator.decision_function(frame))
@@ -222,7 +222,7 @@ def bundled_copy(tmp_path, monkeypatch):
 
 
 def _probe():
-    return _probe_features()
+    return probe_features()
 
 
 def _edit_metadata(folder, stem="classifier", **changes):
@@ -277,7 +277,7 @@ def _users_classifier(folder, shape=False):
     from dynabatch.memory.classifier_fit import new_classifier
 
     names = list(SHAPE_FEATURE_NAMES if shape else FEATURE_NAMES)
-    probe = _probe_features(shape)
+    probe = probe_features(shape)
     import pandas as pd
 
     labels = (probe[:, names.index("batch_size_diff")] > 3).astype(int)
@@ -319,7 +319,7 @@ def test_compiled_trees_of_another_pickle_are_refused_with_a_warning(bundled_cop
     with pytest.warns(RuntimeWarning, match=r"classifier-shape.npz was compiled from another pickle .*it is not "
                                             r"used: classifier-shape.pkl is compiled instead \(once, cached at "):
         clf = load_classifier(shape=True)
-    np.testing.assert_allclose(clf.predict_spike_proba(_probe_features(True)), expected, rtol=0, atol=1e-15)
+    np.testing.assert_allclose(clf.predict_spike_proba(probe_features(True)), expected, rtol=0, atol=1e-15)
     assert list(own_cache.glob("classifier-shape-*.npz"))
 
 
@@ -374,8 +374,8 @@ def test_arrays_that_are_not_trees_are_refused(tmp_path):
 def test_a_compiled_file_loads_by_path_without_unpickling(no_unpickling):
     clf = load_classifier(BUNDLED_SHAPE_CLASSIFIER.with_suffix(".npz"))
     assert clf.uses_shape and clf.monotone_in_rows and clf.metadata["shape"] is True
-    assert load_classifier(BUNDLED_SHAPE_CLASSIFIER).predict_spike_proba(_probe_features(True)).tolist() == \
-        clf.predict_spike_proba(_probe_features(True)).tolist()  # the pickle's path reads the .npz beside it
+    assert load_classifier(BUNDLED_SHAPE_CLASSIFIER).predict_spike_proba(probe_features(True)).tolist() == \
+        clf.predict_spike_proba(probe_features(True)).tolist()  # the pickle's path reads the .npz beside it
 
 
 def test_a_users_pickle_path_is_unpickled_once(tmp_path, own_cache, monkeypatch):
@@ -475,12 +475,12 @@ def test_the_shape_tells_a_large_vocabulary_from_a_small_one():
 
 
 def test_a_damaged_shape_pickle_is_refitted_from_the_profiles(bundled_copy, own_cache):
-    expected = load_classifier(bundled_copy / "classifier-shape.pkl").predict_spike_proba(_probe_features(True))
+    expected = load_classifier(bundled_copy / "classifier-shape.pkl").predict_spike_proba(probe_features(True))
     (bundled_copy / "classifier-shape.pkl").write_bytes(b"damaged")
     with pytest.warns(RuntimeWarning, match="classifier-shape.pkl does not match the sha256 in classifier-shape.json"):
         clf = load_classifier(shape=True)
     assert clf.uses_shape
-    np.testing.assert_allclose(clf.predict_spike_proba(_probe_features(True)), expected, atol=1e-12)
+    np.testing.assert_allclose(clf.predict_spike_proba(probe_features(True)), expected, atol=1e-12)
     assert list(own_cache.glob("classifier-shape-*.pkl"))
 
 

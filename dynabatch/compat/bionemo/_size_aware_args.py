@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 
-class _ArgumentError(ValueError, TypeError):
+class ArgumentError(ValueError, TypeError):
     """A wrong argument where bionemo documents ValueError but a wrong *type* is a TypeError in Python.
 
     Raised for arguments of the wrong type whose documented error is ValueError,
@@ -51,7 +51,7 @@ def _short(value: Any) -> str:
     return reprlib.repr(value)
 
 
-def _described(value: Any) -> str:
+def described(value: Any) -> str:
     return f"{_short(value)} of type {type(value).__name__}"
 
 
@@ -89,7 +89,7 @@ def _look_up_sequence(table: Sequence[Any]) -> Callable[[Any], Any]:
             except (IndexError, TypeError) as exc:
                 raise _MissingIndexError(
                     f"sizeof raises error at data={_short(index)}: sizeof (a sequence of {len(table)} sizes) "
-                    f"cannot be indexed by {_described(index)}: {exc}"
+                    f"cannot be indexed by {described(index)}: {exc}"
                 ) from exc
         raise _MissingIndexError(
             f"sizeof raises error at data={_short(index)}: sizeof (a sequence of {len(table)} sizes) "
@@ -107,7 +107,7 @@ def _size_function(sizeof: Any) -> Callable[[Any], Any]:
         return _look_up_mapping(sizeof)
     if isinstance(sizeof, (torch.Tensor, np.ndarray)):
         if sizeof.ndim != 1:
-            raise _ArgumentError(
+            raise ArgumentError(
                 f"sizeof must be a callable, a dictionary or a sequence container (a 1D tensor or array "
                 f"counts as one), but got sizeof with shape {tuple(sizeof.shape)}"
             )
@@ -115,7 +115,7 @@ def _size_function(sizeof: Any) -> Callable[[Any], Any]:
     if isinstance(sizeof, Sequence) and not isinstance(sizeof, (str, bytes, bytearray)):
         return _look_up_sequence(sizeof)
     raise TypeError(
-        f"sizeof must be a callable, a dictionary or a sequence container, but got sizeof={_described(sizeof)}"
+        f"sizeof must be a callable, a dictionary or a sequence container, but got sizeof={described(sizeof)}"
     )
 
 
@@ -136,14 +136,14 @@ def _check_max_total_size(max_total_size: Any) -> None:
     """
     rule = "a real number (int or float, not NaN)"
     if isinstance(max_total_size, bool) or not isinstance(max_total_size, numbers.Real):
-        raise _ArgumentError(f"max_total_size should be {rule}, but got max_total_size={_described(max_total_size)}")
+        raise ArgumentError(f"max_total_size should be {rule}, but got max_total_size={described(max_total_size)}")
     if _is_nan(max_total_size):
         raise ValueError(f"max_total_size should be {rule}, but got max_total_size={max_total_size!r}")
 
 
 def _check_logger(name: str, value: Any) -> None:
     if value is not None and not callable(value):
-        raise TypeError(f"{name} should be a callable taking a str or None, but got {name}={_described(value)}")
+        raise TypeError(f"{name} should be a callable taking a str or None, but got {name}={described(value)}")
 
 
 def _exceeds(size: Any, limit: Any, data: Any) -> bool:
@@ -160,5 +160,5 @@ def _exceeds(size: Any, limit: Any, data: Any) -> bool:
     except TypeError as exc:
         raise TypeError(
             f"sizeof should return a number comparable with max_total_size={limit!r}, but got "
-            f"{_described(size)} for data={_short(data)} (not int or float: {exc})"
+            f"{described(size)} for data={_short(data)} (not int or float: {exc})"
         ) from exc

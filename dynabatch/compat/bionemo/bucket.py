@@ -36,7 +36,7 @@ import torch
 from torch.utils.data import Sampler
 
 from dynabatch.compat.bionemo._bucket_draw import draw_bucket, mcg_powers
-from dynabatch.compat.bionemo._size_aware_args import _ArgumentError, _described
+from dynabatch.compat.bionemo._size_aware_args import ArgumentError, described
 from dynabatch.compat.bionemo.bucket_utils import (
     Buckets,
     _check_1d_tensor,
@@ -53,10 +53,10 @@ def _check_kwargs(name: str, value: Any) -> Dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise _ArgumentError(f"{name} should be a keyword argument dictionary, but got {name}={_described(value)}")
+        raise ArgumentError(f"{name} should be a keyword argument dictionary, but got {name}={described(value)}")
     bad_keys = [key for key in value if not isinstance(key, str)]
     if bad_keys:
-        raise _ArgumentError(
+        raise ArgumentError(
             f"{name} should be a keyword argument dictionary (str keys), but got {name} with keys {bad_keys!r}"
         )
     return value
@@ -204,24 +204,24 @@ class BucketBatchSampler(Sampler[List[int]]):
                 f"bucket_boundaries={bucket_boundaries!r}"
             )
         if not (isinstance(base_batch_sampler_class, type) and issubclass(base_batch_sampler_class, Sampler)):
-            raise _ArgumentError(
+            raise ArgumentError(
                 "base_batch_sampler_class should be a batch sampler class inherited from "
                 f"torch.utils.data.Sampler, but got base_batch_sampler_class={base_batch_sampler_class!r}"
             )
         shared = _check_kwargs("base_batch_sampler_shared_kwargs", base_batch_sampler_shared_kwargs)
         individual = _check_kwargs("base_batch_sampler_individual_kwargs", base_batch_sampler_individual_kwargs)
         if not isinstance(shuffle, bool):
-            raise _ArgumentError(f"shuffle should be a bool, but got shuffle={_described(shuffle)}")
+            raise ArgumentError(f"shuffle should be a bool, but got shuffle={described(shuffle)}")
         if generator is not None and not isinstance(generator, torch.Generator):
-            raise _ArgumentError(f"generator should be a torch.Generator or None, but got generator={_described(generator)}")
+            raise ArgumentError(f"generator should be a torch.Generator or None, but got generator={described(generator)}")
 
         self.num_buckets = len(bucket_boundaries) - 1
         per_bucket: Dict[str, List[Any]] = {}
         for key, values in individual.items():
             if not isinstance(values, Iterable) or isinstance(values, (str, bytes)):
-                raise _ArgumentError(
+                raise ArgumentError(
                     f"base_batch_sampler_individual_kwargs[{key!r}] should be an iterable of {self.num_buckets} "
-                    f"values (one per bucket), but got {_described(values)}"
+                    f"values (one per bucket), but got {described(values)}"
                 )
             per_bucket[key] = list(values)
             if len(per_bucket[key]) != self.num_buckets:

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dynabatch.compat.bionemo._size_aware_args import _ArgumentError, _described
+from dynabatch.compat.bionemo._size_aware_args import ArgumentError, described
 
 __all__ = ["Buckets", "create_buckets"]
 
@@ -41,7 +41,7 @@ def _is_real_dtype(dtype: torch.dtype) -> bool:
 
 def _check_1d_tensor(name: str, value: Any, rule: str, dtype_ok: Any) -> None:
     if not torch.is_tensor(value):
-        raise _ArgumentError(f"{name} should be {rule}, but got {name}={_described(value)}")
+        raise ArgumentError(f"{name} should be {rule}, but got {name}={described(value)}")
     if value.ndim != 1:
         raise ValueError(f"{name} should be {rule}, but got {name} with shape {tuple(value.shape)}")
     if not dtype_ok(value.dtype):
@@ -51,7 +51,7 @@ def _check_1d_tensor(name: str, value: Any, rule: str, dtype_ok: Any) -> None:
 def _check_positive_int(name: str, value: Any) -> None:
     rule = "a positive integer"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise _ArgumentError(f"{name} should be {rule}, but got {name}={_described(value)}")
+        raise ArgumentError(f"{name} should be {rule}, but got {name}={described(value)}")
     if value <= 0:
         raise ValueError(f"{name} should be {rule}, but got {name}={value!r}")
 

@@ -45,11 +45,11 @@ from torch.utils.data import Sampler
 from dynabatch.compat.bionemo._size_aware_args import (
     _check_logger,
     _check_max_total_size,
-    _described,
     _exceeds,
     _is_nan,
     _short,
     _size_function,
+    described,
 )
 
 __all__ = ["SizeAwareBatchSampler", "size_aware_batching"]
@@ -192,13 +192,13 @@ def size_aware_batching(
     if _is_nan(max_total_size):
         raise ValueError(f"max_total_size should be a number, but got max_total_size={max_total_size!r}")
     if collate_fn is not None and not callable(collate_fn):
-        raise TypeError(f"collate_fn should be a callable or None, but got collate_fn={_described(collate_fn)}")
+        raise TypeError(f"collate_fn should be a callable or None, but got collate_fn={described(collate_fn)}")
     _check_logger("info_logger", info_logger)
     _check_logger("warn_logger", warn_logger)
     try:
         elements = iter(dataset)
     except TypeError as exc:
-        raise TypeError(f"dataset should be an iterable, but got dataset={_described(dataset)}") from exc
+        raise TypeError(f"dataset should be an iterable, but got dataset={described(dataset)}") from exc
     return _greedy_batches(elements, size_of, max_total_size, collate_fn, info_logger, warn_logger)
 
 
@@ -276,7 +276,7 @@ class SizeAwareBatchSampler(Sampler[List[int]]):
         if not (isinstance(sampler, Sampler) or (isinstance(sampler, Iterable) and not isinstance(sampler, str))):
             raise TypeError(
                 "sampler should be an instance of torch.utils.data.Sampler or Iterable, "
-                f"but got sampler={_described(sampler)}"
+                f"but got sampler={described(sampler)}"
             )
         _check_max_total_size(max_total_size)
         self._sizeof = _size_function(sizeof)

@@ -1,7 +1,7 @@
 """What :class:`~dynabatch.compat.multitask.predictor.MemoryPredictor` fits: one task's measured peaks.
 
-``_TaskFit`` keeps the measured peaks of one (task, mode) and fits a
-:class:`~dynabatch.memory.model.MemoryModel` to them; ``_check_task`` refuses
+``TaskFit`` keeps the measured peaks of one (task, mode) and fits a
+:class:`~dynabatch.memory.model.MemoryModel` to them; ``check_task`` refuses
 a task type that cannot key a dict.
 """
 
@@ -16,10 +16,10 @@ import torch
 from dynabatch._validation import bad_type
 from dynabatch.memory.model import MemoryModel
 
-__all__: list[str] = []
+__all__ = ["TaskFit", "check_task"]
 
 
-class _TaskFit:
+class TaskFit:
     """The measured peaks of one (task, mode), fitted by a :class:`~dynabatch.memory.model.MemoryModel`."""
 
     def __init__(self, device: torch.device, max_observations: int) -> None:
@@ -51,6 +51,6 @@ class _TaskFit:
         return np.abs(errors[np.isfinite(errors)])
 
 
-def _check_task(task_type: Any) -> None:
+def check_task(task_type: Any) -> None:
     if task_type is None or not isinstance(task_type, Hashable):
         raise bad_type("task_type", "a hashable task type (not None)", task_type)

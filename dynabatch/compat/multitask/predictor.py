@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
-from dynabatch.compat.multitask._task_fit import _check_task, _TaskFit
+from dynabatch.compat.multitask._task_fit import TaskFit, check_task
 from dynabatch.data.collate import batch_shape
 from dynabatch.memory.oom import call_guarded
 from dynabatch.memory.units import GB, MB
@@ -85,7 +85,7 @@ class MemoryPredictor:
             raise bad_type("device", "a str or torch.device", device)
         self.device = torch.device(device)
         self.max_observations = check_positive_int("max_observations", max_observations)
-        self._fits: dict[tuple[Hashable, bool], _TaskFit] = {}
+        self._fits: dict[tuple[Hashable, bool], TaskFit] = {}
         self._task_lengths: dict[Hashable, list[float]] = {}
 
     # -- recording ---------------------------------------------------------
@@ -106,7 +106,7 @@ class MemoryPredictor:
             seq_length: padded length (or other size field) >= 1; ``None`` when unknown (counted as 1).
             is_training: a training step (forward + backward) or a forward pass only.
         """
-        _check_task(task_type)
+        check_task(task_type)
         if isinstance(actual_memory_mb, bool) or not isinstance(actual_memory_mb, (int, float, np.number)):
             raise bad_type("actual_memory_mb", "a number of MB", actual_memory_mb)
         if not math.isfinite(actual_memory_mb) or actual_memory_mb < 0:
@@ -118,7 +118,7 @@ class MemoryPredictor:
         length = int(length)
         key = (task_type, bool(is_training))
         if key not in self._fits:
-            self._fits[key] = _TaskFit(self.device, self.max_observations)
+            self._fits[key] = TaskFit(self.device, self.max_observations)
         self._fits[key].add(rows, length, float(actual_memory_mb) * MB)
         _last[:] = [weakref.ref(self)]
         self._task_lengths.setdefault(task_type, []).append(length)
@@ -153,7 +153,7 @@ class MemoryPredictor:
     # -- prediction --------------------------------------------------------
     def has_measurement(self, task_type: Hashable, is_training: bool = True) -> bool:
         """Whether ``task_type`` has a measured peak in that mode (so it can be predicted)."""
-        _check_task(task_type)
+        check_task(task_type)
         return (task_type, bool(is_training)) in self._fits
 
     @property
@@ -166,8 +166,8 @@ class MemoryPredictor:
         self._fit_for(task_type, True, any_mode=True)
         return float(np.median(self._task_lengths[task_type]))
 
-    def _fit_for(self, task_type: Hashable, is_training: bool, any_mode: bool = False) -> _TaskFit:
-        _check_task(task_type)
+    def _fit_for(self, task_type: Hashable, is_training: bool, any_mode: bool = False) -> TaskFit:
+        check_task(task_type)
         fit = self._fits.get((task_type, bool(is_training)))
         if fit is None and any_mode:
             fit = self._fits.get((task_type, not is_training))
@@ -282,7 +282,7 @@ class MemoryPredictor:
         self._fits.clear()
         self._task_lengths.clear()
         for obs in state["observations"]:
-            fit = _TaskFit(self.device, self.max_observations)
+            fit = TaskFit(self.device, self.max_observations)
             fit.model.fit(obs["rows"], obs["lengths"], obs["peaks"], source="measured")
             self._fits[(obs["task_type"], bool(obs["is_training"]))] = fit
         for task, lengths in state.get("task_lengths", []):
