@@ -103,7 +103,9 @@ class TextSource:
     def char_lengths(self) -> np.ndarray:
         """Every text's length in characters (``int64``, read once); ``-1`` where the item is not a str."""
         if self._chars is None:
-            if self.items is not None:
+            if self.items is not None and set(map(type, self.items)) == {str}:  # the common case, at C speed
+                self._chars = np.fromiter(map(len, self.items), dtype=np.int64, count=self.n)
+            elif self.items is not None:
                 self._chars = np.fromiter((len(t) if isinstance(t, str) else -1 for t in self.items),
                                           dtype=np.int64, count=self.n)
             else:
