@@ -63,7 +63,6 @@ import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 METHODS = {"run": "run", "store": "run, output_path", "by-hand": "by hand (sentence-transformers' way)",
            "flat": "run, output_path, texts streamed from Parquet"}
@@ -167,7 +166,7 @@ def worker(method: str, n: int, threads: int | None, parquet: str | None = None)
     # it first writes a table, and pyarrow itself takes a second.
     import pandas  # noqa: F401
     import torch
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo
     from transformers import AutoTokenizer
 
     import dynabatch.inference.store  # noqa: F401

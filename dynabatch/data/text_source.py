@@ -145,8 +145,11 @@ class TextSource:
             for i, text in zip(where.tolist(), texts):
                 if text is not None:
                     out[i] = text
-        if self._map is not None:
-            self._map.madvise(mmap.MADV_DONTNEED)  # the pages read are the page cache's again, not this process's
+            if self._map is not None:
+                # The pages read are the page cache's again, not this process's: after each record batch, since a
+                # read maps the file's cached pages around it too (the kernel's fault-around, 64 KB), so scattered
+                # rows of a whole file would map most of it, and resident memory would grow with the corpus.
+                self._map.madvise(mmap.MADV_DONTNEED)
         return out
 
     def close(self) -> None:
