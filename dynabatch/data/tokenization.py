@@ -55,6 +55,7 @@ import pickle
 import sys
 import warnings
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -543,7 +544,7 @@ class ParallelTokenizer:
         self._encoder = _Encoder(tokenizer, self.max_input_token_length, dict(tokenizer_kwargs),
                                  fast_backend(tokenizer, tokenizer_kwargs) is not None)
         self._pool: WorkerPool | None = None
-        self._unpicklable = False
+        self._pool_failed = False
         self.mechanisms: collections.Counter = collections.Counter()  # calls per mechanism, for logs and tests
 
     def __repr__(self) -> str:
@@ -580,6 +581,11 @@ class ParallelTokenizer:
         try:
             tokens = _assemble(tqdm(flats, total=len(chunks), desc="tokenizing", unit="chunk", disable=not progress),
                                len(items))
+        except BrokenProcessPool as exc:  # a worker could not start (its tokenizer not importable there) or died
+            self.close()
+            self._pool_failed = True
+            logger.warning("tokenizer worker processes failed (%s): tokenizing on one core", exc)
+            return self(items, progress=progress)
         finally:
             if encoded is not None:
                 encoded.close()
@@ -589,11 +595,11 @@ class ParallelTokenizer:
         return tokens
 
     def _start_pool(self) -> WorkerPool | None:
-        if self._pool is None and not self._unpicklable:
+        if self._pool is None and not self._pool_failed:
             try:
                 self._pool = WorkerPool(self._encoder, self.cores)
             except (pickle.PicklingError, TypeError, AttributeError) as exc:
-                self._unpicklable = True
+                self._pool_failed = True
                 logger.warning("the tokenizer cannot be pickled for worker processes (%s): tokenizing on one core "
                                "(define its class at the top level of a module to tokenize on every core)", exc)
         return self._pool

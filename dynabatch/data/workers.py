@@ -47,7 +47,6 @@ import pickle
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from dynabatch._validation import check_positive_int
@@ -172,9 +171,9 @@ class WorkerPool:
 
     Workers are forked where the platform can (Linux: no interpreter to start, the
     caller's classes importable as they are), else spawned. :meth:`imap` keeps the
-    pieces' order; an error in a worker is raised by it, and a worker that died
-    raises a ``RuntimeError`` that names the way out. :meth:`close` ends every
-    worker and the pool's thread (also on garbage collection).
+    pieces' order; an error in a worker is raised by it, and a worker that could
+    not start or died raises ``concurrent.futures.process.BrokenProcessPool``.
+    :meth:`close` ends every worker and the pool's thread (also on garbage collection).
     """
 
     def __init__(self, state: Any, workers: int) -> None:
@@ -194,9 +193,6 @@ class WorkerPool:
         try:
             for future in futures:
                 yield future.result()
-        except BrokenProcessPool as exc:
-            raise RuntimeError("a tokenizer worker process died (out of memory, or killed): pass tokenize_cores=1 "
-                               "to tokenize in this process") from exc
         finally:
             for future in futures:
                 future.cancel()

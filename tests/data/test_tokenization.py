@@ -1,4 +1,5 @@
 import logging
+import os
 
 import numpy as np
 import pandas as pd
@@ -494,3 +495,30 @@ def test_an_error_in_a_worker_is_raised_here_and_no_process_is_left(tokenizer, m
 def test_tokenize_cores_is_checked(tokenizer):
     with pytest.raises(ValueError, match=r"^tokenize_cores should be a positive integer, but got tokenize_cores=0$"):
         tokenize_texts(["a"], tokenizer, MAX_LEN, tokenize_cores=0)
+
+
+_TEST_PROCESS = os.getpid()
+
+
+class DyingInWorkers(BertTokenizer):
+    """A tokenizer whose call kills any process but the test's (a worker killed mid-call)."""
+
+    def __call__(self, text, *args, **kwargs):
+        if os.getpid() != _TEST_PROCESS:
+            os._exit(1)
+        return super().__call__(text, *args, **kwargs)
+
+
+@two_cores
+def test_workers_that_die_leave_the_call_to_this_process(tokenizer, monkeypatch, caplog, texts):
+    import multiprocessing
+
+    monkeypatch.setattr(workers, "POOL_MIN_TEXTS", 1)
+    dying = _as(tokenizer, DyingInWorkers)
+    tokenize = ParallelTokenizer(dying, MAX_LEN, {}, cores=2, chunk_size=8)
+    with caplog.at_level(logging.WARNING, logger="dynabatch.data.tokenization"):
+        tokens = tokenize(texts[:40])
+    assert "worker processes failed" in caplog.text and tokenize.mechanisms == {"processes": 1, "one": 1}
+    expected = tokenizer(texts[:40], truncation=True, max_length=MAX_LEN)["input_ids"]
+    assert [tokens.row(i).tolist() for i in range(40)] == expected
+    assert multiprocessing.active_children() == []
