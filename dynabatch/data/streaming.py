@@ -17,10 +17,11 @@ in a batch sized by what was measured at its width or above: with nothing
 measured as wide, one row, measured, so the bound covers it from then on.
 
 The tokenizer runs on a private copy (a fast tokenizer's settings are not safe
-to change while another thread encodes or decodes with it), through
-:func:`~dynabatch.data.tokenization.tokenize_texts` with the loader's
-arguments: the same call, or the same backend rule, as the eager loader, so a
-streamed row is the eager row.
+to change while another thread encodes or decodes with it), through the eager
+loader's :class:`~dynabatch.data.tokenization.ParallelTokenizer` with the
+loader's arguments: the same call, or the same backend rule, on every core, so
+a streamed row is the eager row. Worker processes, where it uses them, end when
+every chunk is tokenized or the stream is paused.
 
 Memory stays flat in the number of texts: a chunk's tokens are freed once
 every one of its rows is consumed (:meth:`TokenStream.consumed`: ``run`` says
@@ -208,7 +209,7 @@ class TokenStream:
 
     def _encode(self, positions: np.ndarray) -> TokenizedTexts:
         """The tokens of the texts at ``positions``, as the eager loader tokenizes them (one mechanism:
-        :func:`~dynabatch.data.tokenization.tokenize_texts`, and its backend rule)."""
+        :class:`~dynabatch.data.tokenization.ParallelTokenizer`, and its backend rule)."""
         return self._tokenize(self.source.take(positions))
 
     def consumed(self, positions: Any) -> None:
