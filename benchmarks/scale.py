@@ -23,6 +23,7 @@ imported before its clock starts:
    (``read_texts(path)``, inside the measured run: the texts are never a Python
    list, whose 400,000 strings alone take 60+ MB), so the loader streams them.
 
+``TOKENIZERS_PARALLELISM`` is left as the caller's environment has it (unset: texts are tokenized on every core).
 Per method: wall seconds and texts/s; RSS growth (the peak resident memory
 during the method over the resident memory before it, the texts already in
 memory; Linux's ``VmHWM``, reset first); bytes on disk (the store). The
