@@ -61,7 +61,6 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._background import Ahead
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.workers import WorkerPool, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
@@ -565,17 +564,14 @@ class ParallelTokenizer:
         self.mechanisms[mechanism] += 1
         size = self.chunk_size if pool is None else max(1, min(self.chunk_size, -(-len(items) // (4 * pool.workers))))
         chunks = [items[start : start + size] for start in range(0, len(items), size)]
-        encoded = None
         if pool is not None:
             flats = pool.imap(_encode_in_worker, chunks)
         elif mechanism == "threads":
             guard_forks()
             backend, type_id = _backend(self._encoder.tokenizer, self.max_input_token_length)
             special = self._encoder.special_tokens
-            # The backend's pool encodes the next chunk while this thread turns the last one into arrays.
-            encoded = Ahead((backend.encode_batch(chunk, add_special_tokens=special) for chunk in chunks), depth=1,
-                            name="dynabatch-encode")
-            flats = (self._encoder.flatten(encodings, type_id) for encodings in iter(encoded.next, None))
+            flats = (self._encoder.flatten(backend.encode_batch(chunk, add_special_tokens=special), type_id)
+                     for chunk in chunks)
         else:
             flats = (self._encoder.encode(chunk) for chunk in chunks)
         try:
@@ -586,9 +582,6 @@ class ParallelTokenizer:
             self._pool_failed = True
             logger.warning("tokenizer worker processes failed (%s): tokenizing on one core", exc)
             return self(items, progress=progress)
-        finally:
-            if encoded is not None:
-                encoded.close()
         logger.debug("tokenized %d texts into %d tokens (max_input_token_length=%d, extras=%s, %s, %s)", len(items),
                      len(tokens.input_ids), self.max_input_token_length, sorted(tokens.extras),
                      "the fast backend" if self._encoder.backend else "the tokenizer's call", mechanism)
