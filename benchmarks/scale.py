@@ -33,6 +33,8 @@ row or a failure record), as a share of the run's wall (target: within 2%).
    verified) and for a check (keys only), to read every row back (``StoredRunResult.to_arrow()``), and the job
    lock and the accounting read as above.
 
+``TOKENIZERS_PARALLELISM`` is left as the caller's environment has it (unset: texts are tokenized on every core).
+
 Per method: wall seconds and texts/s; RSS growth (the peak resident memory
 during the method over the resident memory before it, the texts already in
 memory; Linux's ``VmHWM``, reset first); bytes on disk (the store). The
@@ -74,7 +76,6 @@ import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 METHODS = {"run": "run", "store": "run, output_path", "by-hand": "by hand (sentence-transformers' way)",
            "flat": "run, output_path, texts streamed from Parquet", "shards": "a store of small shards"}
@@ -179,7 +180,7 @@ def worker(method: str, n: int, threads: int | None, parquet: str | None = None)
     # it first writes a table, and pyarrow itself takes a second.
     import pandas  # noqa: F401
     import torch
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo
     from transformers import AutoTokenizer
 
     import dynabatch.inference.store  # noqa: F401

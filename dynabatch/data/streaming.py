@@ -17,10 +17,11 @@ in a batch sized by what was measured at its width or above: with nothing
 measured as wide, one row, measured, so the bound covers it from then on.
 
 The tokenizer runs on a private copy (a fast tokenizer's settings are not safe
-to change while another thread encodes or decodes with it), through
-:func:`~dynabatch.data.tokenization.tokenize_texts` with the loader's
-arguments: the same call, or the same backend rule, as the eager loader, so a
-streamed row is the eager row.
+to change while another thread encodes or decodes with it), through the eager
+loader's :class:`~dynabatch.data.tokenization.ParallelTokenizer` with the
+loader's arguments: the same call, or the same backend rule, on every core, so
+a streamed row is the eager row. Worker processes, where it uses them, end when
+every chunk is tokenized or the stream is paused.
 
 Memory stays flat in the number of texts: a chunk's tokens are freed once
 every one of its rows is consumed (:meth:`TokenStream.consumed`: ``run`` says
@@ -67,7 +68,7 @@ from dynabatch._malloc import trim
 from dynabatch._validation import bad_value, check_positive_int
 from dynabatch.data.collate import Batch, TokenCollator, pad_token_id_of
 from dynabatch.data.text_source import TextSource
-from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts
+from dynabatch.data.tokenization import ParallelTokenizer, TokenizedTexts
 
 __all__ = ["ChunkFeed", "TokenStream"]
 
@@ -77,7 +78,7 @@ FIRST_CHUNK = 512
 """Texts of the first chunk (at least four first batches): what is tokenized before the first batch can run."""
 CHUNK_SIZE = 4096
 """Texts of the later chunks, at most (each chunk is twice the one before up to this)."""
-AHEAD = 1
+AHEAD = 2
 """Chunks a feed tokenizes ahead of its consumer, at most: seconds of work for the device, and the tokens of a few
 chunks in memory, not of the whole corpus."""
 
@@ -99,6 +100,8 @@ class TokenStream:
         chunk_size: texts of a later chunk, at most.
         pad_to_multiple_of: rounds each batch's width up.
         with_texts: give each batch its texts (``batch.texts``).
+        tokenize_cores: cores to tokenize on, at most (``None``: every core this process may use; see
+            :class:`~dynabatch.data.tokenization.ParallelTokenizer`).
         **tokenizer_kwargs: passed to every tokenizer call.
 
     It acts as the loader's collator: ``stream(positions)`` builds a batch, and
@@ -110,7 +113,7 @@ class TokenStream:
 
     def __init__(self, source: TextSource, tokenizer: Any, max_input_token_length: int, *, skip: Any = None,
                  first_chunk: int = FIRST_CHUNK, chunk_size: int = CHUNK_SIZE, pad_to_multiple_of: int | None = None,
-                 with_texts: bool = True, **tokenizer_kwargs: Any) -> None:
+                 with_texts: bool = True, tokenize_cores: int | None = None, **tokenizer_kwargs: Any) -> None:
         first_chunk = check_positive_int("first_chunk", first_chunk)
         chunk_size = max(first_chunk, check_positive_int("chunk_size", chunk_size))
         self.source, self.n = source, len(source)
@@ -122,7 +125,9 @@ class TokenStream:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.proxy_misses = 0  # rows longer in tokens than every row its feed handed out before (ChunkFeed)
         self._template = tokenizer
-        self._tokenizer = copy.deepcopy(tokenizer)
+        # A private copy, tokenizing on every core (worker processes, where used, run until pause or the feed's end).
+        self._tokenize = ParallelTokenizer(copy.deepcopy(tokenizer), max_input_token_length, tokenizer_kwargs,
+                                           cores=tokenize_cores)
         chars = source.char_lengths()
         if skip is not None and len(skip):
             chars = chars.copy()
@@ -204,9 +209,8 @@ class TokenStream:
 
     def _encode(self, positions: np.ndarray) -> TokenizedTexts:
         """The tokens of the texts at ``positions``, as the eager loader tokenizes them (one mechanism:
-        :func:`~dynabatch.data.tokenization.tokenize_texts`, and its backend rule)."""
-        return tokenize_texts(self.source.take(positions), self._tokenizer, self.max_input_token_length,
-                              progress=False, **self.tokenizer_kwargs)
+        :class:`~dynabatch.data.tokenization.ParallelTokenizer`, and its backend rule)."""
+        return self._tokenize(self.source.take(positions))
 
     def consumed(self, positions: Any) -> None:
         """Marks the rows at ``positions`` finished (run and stored, or already stored, or failed): once every row
@@ -238,12 +242,18 @@ class TokenStream:
         return feed
 
     def pause(self) -> None:
-        """Stops tokenizing in the background until a chunk is asked for again: no thread of the stream outlives
-        the run that started it (:func:`dynabatch.run` pauses it when it returns or raises)."""
+        """Stops tokenizing in the background until a chunk is asked for again: no thread or worker process of the
+        stream outlives the run that started it (:func:`dynabatch.run` pauses it when it returns or raises)."""
         for ref in self._feeds:
             feed = ref()
             if feed is not None:
                 feed.pause()
+        self.release_workers()
+
+    def release_workers(self) -> None:
+        """Ends the tokenizer's worker processes, if any (started again by a later chunk that needs them)."""
+        with self._tokenizing:
+            self._tokenize.close()
 
     def __call__(self, positions: Any) -> Batch:
         return self.collate(positions)
@@ -366,7 +376,12 @@ class ChunkFeed:
     def __init__(self, stream: TokenStream, claims: Iterator[int], *, ahead: int | None = AHEAD) -> None:
         self.stream = stream
         self._longest = 0
-        self._chunks = Ahead((stream.tokenize(k) for k in claims), depth=ahead, name="dynabatch-tokenize")
+        self._chunks = Ahead(self._tokenized(claims), depth=ahead, name="dynabatch-tokenize")
+
+    def _tokenized(self, claims: Iterator[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for k in claims:
+            yield self.stream.tokenize(k)
+        self.stream.release_workers()  # every chunk claimed is tokenized: no process waits for more
 
     def start(self) -> None:
         """Starts tokenizing (the first :meth:`next` does, so a feed no one reads tokenizes nothing)."""

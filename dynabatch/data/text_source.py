@@ -79,6 +79,7 @@ class TextSource:
         self._spill: str | None = None  # a directory this source owns (an iterable or Parquet files read in)
         self._map: mmap.mmap | None = None  # the memory map of the file it wrote, whose pages a read hands back
         self._chars: np.ndarray | None = None
+        self._plain = False  # a list source of str only (not subclasses): taken as it is
         if _is_arrow_strings(texts):
             import pyarrow as pa
 
@@ -103,7 +104,10 @@ class TextSource:
     def char_lengths(self) -> np.ndarray:
         """Every text's length in characters (``int64``, read once); ``-1`` where the item is not a str."""
         if self._chars is None:
-            if self.items is not None:
+            self._plain = self.items is not None and set(map(type, self.items)) == {str}
+            if self._plain:  # the common case, at C speed
+                self._chars = np.fromiter(map(len, self.items), dtype=np.int64, count=self.n)
+            elif self.items is not None:
                 self._chars = np.fromiter((len(t) if isinstance(t, str) else -1 for t in self.items),
                                           dtype=np.int64, count=self.n)
             else:
@@ -129,6 +133,8 @@ class TextSource:
     def take(self, positions: Any) -> list:
         """The texts at ``positions`` (Python str; ``""`` for an item that is not a str), in that order."""
         pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if self._plain:
+            return list(map(self.items.__getitem__, pos.tolist()))
         if self.items is not None:
             items = self.items
             return [plain_text(items[i]) for i in pos.tolist()]
@@ -143,8 +149,11 @@ class TextSource:
             for i, text in zip(where.tolist(), texts):
                 if text is not None:
                     out[i] = text
-        if self._map is not None:
-            self._map.madvise(mmap.MADV_DONTNEED)  # the pages read are the page cache's again, not this process's
+            if self._map is not None:
+                # The pages read are the page cache's again, not this process's: after each record batch, since a
+                # read maps the file's cached pages around it too (the kernel's fault-around, 64 KB), so scattered
+                # rows of a whole file would map most of it, and resident memory would grow with the corpus.
+                self._map.madvise(mmap.MADV_DONTNEED)
         return out
 
     def close(self) -> None:

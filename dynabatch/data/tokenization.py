@@ -48,11 +48,14 @@ import collections.abc
 import difflib
 import inspect
 import itertools
+import json
 import logging
 import operator
+import pickle
 import sys
 import warnings
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,8 +63,10 @@ import numpy as np
 
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.data.workers import WorkerPool, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
 
-__all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "TOKENS_PER_CALL", "TokenizedTexts", "accepted_keywords", "as_items",
+__all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "TOKENS_PER_CALL", "ParallelTokenizer", "TokenizedTexts",
+           "accepted_keywords", "as_items",
            "check_length_fits", "check_tokenizer", "check_tokenizer_kwargs", "fast_backend", "model_max_length",
            "plain_text", "report_skipped", "split_bad_texts", "tokenize_texts", "validate_texts"]
 
@@ -398,6 +403,9 @@ def _check_tokenizer_kwargs(tokenizer_kwargs: dict[str, Any]) -> None:
             )
 
 
+_Flat = tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]  # a piece's ids (int32), lengths (int64), extras
+
+
 def _flatten(rows: Any, total: int) -> np.ndarray:
     return np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=total)
 
@@ -405,7 +413,7 @@ def _flatten(rows: Any, total: int) -> np.ndarray:
 def _call_rows(tokenizer: Callable[..., Any], chunk: list[str], max_length: int,
                tokenizer_kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The chunk through the tokenizer's own call: its ``input_ids`` rows, and every other output with one row per
-    text (what may be per token; :func:`tokenize_texts` keeps those whose lengths match)."""
+    text (what may be per token; :func:`_flat_rows` keeps those whose lengths match)."""
     encoded = tokenizer(chunk, truncation=True, max_length=max_length, padding=False, return_attention_mask=False,
                         **tokenizer_kwargs)
     if not isinstance(encoded, collections.abc.Mapping):
@@ -423,19 +431,204 @@ def _call_rows(tokenizer: Callable[..., Any], chunk: list[str], max_length: int,
     return rows, others
 
 
-def _backend_rows(backend: Any, tokenizer: Any, chunk: list[str], max_length: int,
-                  tokenizer_kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The chunk through the fast tokenizer's backend, set up as the tokenizer's call sets it up (see
-    :func:`fast_backend`): truncation (longest first, no stride, the tokenizer's side), no padding, its
-    ``split_special_tokens``, and ``token_type_ids`` when they are among its ``model_input_names``."""
+def _flat_rows(rows: Any, others: dict[str, Any], n: int) -> _Flat:
+    """Rows of ids (and other outputs) as flat arrays; an other output is kept when it has one value per token."""
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=n)
+    total = int(lengths.sum())
+    extras = {}
+    for key, values in others.items():
+        try:
+            if len(values) != n or sum(map(len, values)) != total:
+                continue
+        except TypeError:  # one value per text, not per token
+            continue
+        extras[key] = _flatten(values, total)
+    return _flatten(rows, total), lengths, extras
+
+
+def _constant_type_id(backend: Any) -> int | None:
+    """The one type id the backend gives every token of a single text, when its post-processor fixes it (none: 0; a
+    template whose single-text pieces share one type id); ``None`` when each encoding's must be read."""
+    processor = backend.post_processor
+    if processor is None:
+        return 0
+    try:
+        state = json.loads(processor.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if state.get("type") != "TemplateProcessing":
+        return None
+    type_ids = {piece["type_id"] for entry in state.get("single", []) for piece in entry.values()}
+    return type_ids.pop() if len(type_ids) == 1 else None
+
+
+def _backend(tokenizer: Any, max_length: int) -> tuple[Any, int | None]:
+    """The fast tokenizer's backend, set up as the tokenizer's call sets it up (see :func:`fast_backend`): truncation
+    (longest first, no stride, the tokenizer's side), no padding, its ``split_special_tokens``; and the one type id
+    its tokens get, when fixed (:func:`_constant_type_id`)."""
+    backend = tokenizer.backend_tokenizer
     backend.no_padding()
     backend.enable_truncation(max_length, stride=0, strategy="longest_first", direction=tokenizer.truncation_side)
     backend.encode_special_tokens = bool(tokenizer.split_special_tokens)
-    encodings = backend.encode_batch(chunk, add_special_tokens=tokenizer_kwargs.get("add_special_tokens", True))
-    others = {}
-    if "token_type_ids" in tokenizer.model_input_names:
-        others["token_type_ids"] = [e.type_ids for e in encodings]
-    return [e.ids for e in encodings], others
+    return backend, _constant_type_id(backend)
+
+
+@dataclass(frozen=True)
+class _Encoder:
+    """What encodes a piece of texts anywhere (this process or a worker's): the tokenizer and its arguments."""
+
+    tokenizer: Any
+    max_length: int
+    tokenizer_kwargs: dict[str, Any]
+    backend: bool  # the fast backend provably gives the tokenizer's rows (fast_backend)
+
+    def encode(self, chunk: list[str]) -> _Flat:
+        """The chunk's flat arrays, on this thread alone (a backend's ``encode`` per text: no thread pool)."""
+        if not self.backend:
+            return _flat_rows(*_call_rows(self.tokenizer, chunk, self.max_length, self.tokenizer_kwargs), len(chunk))
+        backend, type_id = _backend(self.tokenizer, self.max_length)
+        if tokenizers_parallelism() is False:  # one call, and the backend runs it on this thread
+            encodings = backend.encode_batch(chunk, add_special_tokens=self.special_tokens)
+        else:
+            encodings = [backend.encode(text, add_special_tokens=self.special_tokens) for text in chunk]
+        return self.flatten(encodings, type_id)
+
+    @property
+    def special_tokens(self) -> bool:
+        return self.tokenizer_kwargs.get("add_special_tokens", True)
+
+    def flatten(self, encodings: list[Any], type_id: int | None) -> _Flat:
+        """The backend's encodings as flat arrays: ids, and ``token_type_ids`` when among the tokenizer's
+        ``model_input_names`` (``type_id`` for every token when not ``None``)."""
+        lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+        total = int(lengths.sum())
+        extras = {}
+        if "token_type_ids" in self.tokenizer.model_input_names:
+            extras["token_type_ids"] = (np.full(total, type_id, dtype=np.int32) if type_id is not None
+                                        else _flatten((e.type_ids for e in encodings), total))
+        return _flatten((e.ids for e in encodings), total), lengths, extras
+
+
+def _encode_in_worker(encoder: _Encoder, chunk: list[str]) -> _Flat:
+    return encoder.encode(chunk)
+
+
+class ParallelTokenizer:
+    """Tokenizes lists of texts into :class:`TokenizedTexts` on every core, each text exactly as one thread would.
+
+    Args:
+        tokenizer: the tokenizer (see :func:`tokenize_texts`).
+        max_input_token_length: the truncation limit, in tokens.
+        tokenizer_kwargs: passed to every tokenizer call; the arguments the loader owns are refused.
+        cores: cores to use at most; ``None``: every core this process may use
+            (:func:`~dynabatch.data.workers.available_cores`).
+        chunk_size: texts per tokenizer call, see :func:`tokenize_texts`.
+
+    Each call picks its mechanism (:func:`~dynabatch.data.workers.choose_mechanism`):
+    the backend's own threads where the backend rule holds, worker processes
+    (started at the first call that needs them, kept until :meth:`close`), or
+    this thread. The mechanism never changes a token id: the backend's one-thread
+    and batch encodings are the same function per text, and a worker runs the
+    same call on an unpickled copy of the tokenizer.
+    """
+
+    def __init__(self, tokenizer: Any, max_input_token_length: int, tokenizer_kwargs: dict[str, Any], *,
+                 cores: int | None = None, chunk_size: int | None = None) -> None:
+        self.max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
+        _check_tokenizer_kwargs(tokenizer_kwargs)
+        if chunk_size is None:
+            chunk_size = min(8192, max(64, TOKENS_PER_CALL // max_input_token_length))
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.cores = available_cores(cores)
+        self._encoder = _Encoder(tokenizer, self.max_input_token_length, dict(tokenizer_kwargs),
+                                 fast_backend(tokenizer, tokenizer_kwargs) is not None)
+        self._pool: WorkerPool | None = None
+        self._pool_failed = False
+        self.mechanisms: collections.Counter = collections.Counter()  # calls per mechanism, for logs and tests
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(cores={self.cores}, backend={self._encoder.backend}, pool={self.pool_running})"
+
+    @property
+    def pool_running(self) -> bool:
+        """Whether worker processes are running for it."""
+        return self._pool is not None
+
+    def __call__(self, items: list[str], *, progress: bool = False) -> TokenizedTexts:
+        """The token store of ``items`` (a list of str, already validated)."""
+        from tqdm.auto import tqdm
+
+        mechanism = choose_mechanism(backend=self._encoder.backend, cores=self.cores, texts=len(items))
+        pool = self._start_pool() if mechanism == "processes" else None
+        mechanism = "one" if mechanism == "processes" and pool is None else mechanism
+        self.mechanisms[mechanism] += 1
+        size = self.chunk_size if pool is None else max(1, min(self.chunk_size, -(-len(items) // (4 * pool.workers))))
+        chunks = [items[start : start + size] for start in range(0, len(items), size)]
+        if pool is not None:
+            flats = pool.imap(_encode_in_worker, chunks)
+        elif mechanism == "threads":
+            guard_forks()
+            backend, type_id = _backend(self._encoder.tokenizer, self.max_input_token_length)
+            special = self._encoder.special_tokens
+            flats = (self._encoder.flatten(backend.encode_batch(chunk, add_special_tokens=special), type_id)
+                     for chunk in chunks)
+        else:
+            flats = (self._encoder.encode(chunk) for chunk in chunks)
+        try:
+            tokens = _assemble(tqdm(flats, total=len(chunks), desc="tokenizing", unit="chunk", disable=not progress),
+                               len(items))
+        except BrokenProcessPool as exc:  # a worker could not start (its tokenizer not importable there) or died
+            self.close()
+            self._pool_failed = True
+            logger.warning("tokenizer worker processes failed (%s): tokenizing on one core", exc)
+            return self(items, progress=progress)
+        logger.debug("tokenized %d texts into %d tokens (max_input_token_length=%d, extras=%s, %s, %s)", len(items),
+                     len(tokens.input_ids), self.max_input_token_length, sorted(tokens.extras),
+                     "the fast backend" if self._encoder.backend else "the tokenizer's call", mechanism)
+        return tokens
+
+    def _start_pool(self) -> WorkerPool | None:
+        if self._pool is None and not self._pool_failed:
+            try:
+                self._pool = WorkerPool(self._encoder, self.cores)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                self._pool_failed = True
+                logger.warning("the tokenizer cannot be pickled for worker processes (%s): tokenizing on one core "
+                               "(define its class at the top level of a module to tokenize on every core)", exc)
+        return self._pool
+
+    def close(self) -> None:
+        """Ends its worker processes, if any (a later call starts them again)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+
+def _assemble(flats: Any, n: int) -> TokenizedTexts:
+    """One store from the pieces' flat arrays, in order; an extra is kept when every piece has it."""
+    id_chunks: list[np.ndarray] = []
+    length_chunks: list[np.ndarray] = []
+    extra_chunks: dict[str, list[np.ndarray]] | None = None
+    for ids, lengths, extras in flats:
+        id_chunks.append(ids)
+        length_chunks.append(lengths)
+        if extra_chunks is None:
+            extra_chunks = {key: [values] for key, values in extras.items()}
+        else:
+            for key in list(extra_chunks):
+                if key in extras:
+                    extra_chunks[key].append(extras[key])
+                else:
+                    del extra_chunks[key]
+        trim()  # the piece's lists are freed: give their heap back, so resident memory grows with the store only
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(np.concatenate(length_chunks), out=offsets[1:])
+    input_ids = id_chunks[0] if len(id_chunks) == 1 else np.concatenate(id_chunks)
+    extras = {key: values[0] if len(values) == 1 else np.concatenate(values)
+              for key, values in (extra_chunks or {}).items()}
+    del id_chunks, length_chunks, extra_chunks
+    trim()
+    return TokenizedTexts(input_ids=input_ids, offsets=offsets, extras=extras)
 
 
 def tokenize_texts(
@@ -445,16 +638,19 @@ def tokenize_texts(
     *,
     chunk_size: int | None = None,
     progress: bool = True,
+    tokenize_cores: int | None = None,
     **tokenizer_kwargs: Any,
 ) -> TokenizedTexts:
-    """Tokenizes every text once, truncated to ``max_input_token_length`` tokens.
+    """Tokenizes every text once, truncated to ``max_input_token_length`` tokens, on every core.
 
     The tokenizer is called once per chunk of ``chunk_size`` texts as
     ``tokenizer(chunk, truncation=True, max_length=max_input_token_length,
     padding=False, return_attention_mask=False, **tokenizer_kwargs)``, so
     special tokens are counted unless ``add_special_tokens=False`` is passed;
     or, where the module's backend rule proves it gives the same
-    (:func:`fast_backend`), through the fast tokenizer's Rust backend.
+    (:func:`fast_backend`), through the fast tokenizer's Rust backend. The
+    chunks run on up to ``tokenize_cores`` cores (:class:`ParallelTokenizer`);
+    the ids are those of one thread.
 
     Args:
         texts: the texts, see :func:`validate_texts`.
@@ -468,6 +664,9 @@ def tokenize_texts(
             flattened into the store (222 MB for 8,192 texts of 170 tokens),
             so a bounded call keeps that transient small.
         progress: show a tqdm progress bar over the chunks.
+        tokenize_cores: cores to tokenize on, at most; ``None``: every core
+            this process may use (``len(os.sched_getaffinity(0))``); ``1``: this
+            thread alone (see :mod:`dynabatch.data.workers`).
         **tokenizer_kwargs: passed to every tokenizer call, and to be applied
             the same way when batches are built; the arguments the loader owns
             (:data:`FORBIDDEN_TOKENIZER_KWARGS`) are refused.
@@ -479,8 +678,8 @@ def tokenize_texts(
     Raises:
         TypeError: bad ``texts``, a non-callable ``tokenizer``, or a tokenizer
             that does not return a mapping with ``"input_ids"``.
-        ValueError: empty ``texts``, a non-positive limit or chunk size, or a
-            refused key in ``tokenizer_kwargs``.
+        ValueError: empty ``texts``, a non-positive limit, chunk size or core
+            count, or a refused key in ``tokenizer_kwargs``.
     """
     items = validate_texts(texts)
     if not callable(tokenizer):
@@ -489,66 +688,9 @@ def tokenize_texts(
             "a callable tokenizer (e.g. a Hugging Face PreTrainedTokenizerBase) returning a mapping with 'input_ids'",
             tokenizer,
         )
-    max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
-    if chunk_size is None:
-        chunk_size = min(8192, max(64, TOKENS_PER_CALL // max_input_token_length))
-    chunk_size = check_positive_int("chunk_size", chunk_size)
-    _check_tokenizer_kwargs(tokenizer_kwargs)
-
-    from tqdm.auto import tqdm
-
-    backend = fast_backend(tokenizer, tokenizer_kwargs)
-    n = len(items)
-    id_chunks: list[np.ndarray] = []
-    length_chunks: list[np.ndarray] = []
-    extra_chunks: dict[str, list[np.ndarray]] | None = None
-    starts = range(0, n, chunk_size)
-    for start in tqdm(starts, desc="tokenizing", unit="chunk", disable=not progress):
-        chunk = items[start : start + chunk_size]
-        if backend is not None:
-            rows, others = _backend_rows(backend, tokenizer, chunk, max_input_token_length, tokenizer_kwargs)
-        else:
-            rows, others = _call_rows(tokenizer, chunk, max_input_token_length, tokenizer_kwargs)
-        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(chunk))
-        total = int(lengths.sum())
-        id_chunks.append(_flatten(rows, total))
-        length_chunks.append(lengths)
-
-        # Other per-token outputs (token_type_ids, ...): kept when every chunk has them.
-        found: dict[str, np.ndarray] = {}
-        for key, values in others.items():
-            try:
-                if len(values) != len(chunk) or sum(map(len, values)) != total:
-                    continue
-            except TypeError:  # one value per text, not per token
-                continue
-            found[key] = _flatten(values, total)
-        if extra_chunks is None:
-            extra_chunks = {key: [values] for key, values in found.items()}
-        else:
-            for key in list(extra_chunks):
-                if key in found:
-                    extra_chunks[key].append(found[key])
-                else:
-                    del extra_chunks[key]
-        del rows, others, found
-        trim()  # the chunk's lists are freed: give their heap back, so resident memory grows with the token store only
-
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(np.concatenate(length_chunks), out=offsets[1:])
-    input_ids = id_chunks[0] if len(id_chunks) == 1 else np.concatenate(id_chunks)
-    extras = {
-        key: values[0] if len(values) == 1 else np.concatenate(values)
-        for key, values in (extra_chunks or {}).items()
-    }
-    del id_chunks, length_chunks, extra_chunks
-    trim()
-    logger.debug(
-        "tokenized %d texts into %d tokens (max_input_token_length=%d, extras=%s, through %s)",
-        n,
-        len(input_ids),
-        max_input_token_length,
-        sorted(extras),
-        "the fast backend" if backend is not None else "the tokenizer's call",
-    )
-    return TokenizedTexts(input_ids=input_ids, offsets=offsets, extras=extras)
+    tokenize = ParallelTokenizer(tokenizer, max_input_token_length, tokenizer_kwargs, cores=tokenize_cores,
+                                 chunk_size=chunk_size)
+    try:
+        return tokenize(items, progress=progress)
+    finally:
+        tokenize.close()

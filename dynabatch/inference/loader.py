@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
-from dynabatch._validation import bad_type, bad_value, check_non_negative_int
+from dynabatch._validation import bad_type, bad_value, check_non_negative_int, check_positive_int
 from dynabatch.data import streaming as token_streaming
 from dynabatch.data.collate import TokenCollator, pad_token_id_of
 from dynabatch.data.ids import check_ids
@@ -158,12 +158,12 @@ def _streams(texts: Any, stream: Any, shuffle: bool, token_ids: bool) -> bool:
 
 
 def _streaming_loader(source: TextSource, skipped: np.ndarray, ids: Any, tokenizer: Any, settings: PlanSettings,
-                      estimator: Any, num_workers: int, tokenizer_kwargs: dict) -> DataLoader:
+                      estimator: Any, num_workers: int, tokenize_cores: int | None, tokenizer_kwargs: dict) -> DataLoader:
     """The streamed shape: a :class:`TokenStream` over ``source``, its chunks planned as they are tokenized."""
     stream = TokenStream(source, tokenizer, settings.max_input_token_length, skip=skipped,
                          first_chunk=max(token_streaming.FIRST_CHUNK, 4 * settings.batch_size),
                          chunk_size=token_streaming.CHUNK_SIZE, pad_to_multiple_of=settings.pad_to_multiple_of,
-                         **tokenizer_kwargs)
+                         tokenize_cores=tokenize_cores, **tokenizer_kwargs)
     planner = ChunkedPlanner(stream.feed(iter(range(stream.n_chunks))).next, settings, estimator)
     sampler = StreamingBatchSampler(planner)
     if num_workers:
@@ -222,6 +222,7 @@ def build_dynamic_batch_dataloader(
     ids: Any = None,
     on_bad_input: str = "raise",
     stream: bool | None = None,
+    tokenize_cores: int | None = None,
     **tokenizer_kwargs: Any,
 ) -> DataLoader:
     """Builds a DataLoader whose batches grow as texts get shorter, under the first batch's peak memory.
@@ -312,6 +313,13 @@ def build_dynamic_batch_dataloader(
             iterator (:func:`~dynabatch.data.text_source.read_texts`). The
             loader then builds its batches in this process, and ``len(loader)``
             waits for the whole plan. Not with ``shuffle`` nor pre-tokenized texts.
+        tokenize_cores: cores to tokenize on, at most; ``None``: every core this
+            process may use (``len(os.sched_getaffinity(0))``); ``1``: one core.
+            Not ``num_workers``, which only sets DataLoader workers. Tokens are
+            the same whatever the count: the fast tokenizer's own thread pool
+            where it provably gives the tokenizer's rows (unless
+            ``TOKENIZERS_PARALLELISM`` is false), else worker processes
+            (:mod:`dynabatch.data.workers`).
         **tokenizer_kwargs: passed to the tokenizer (e.g. ``add_special_tokens=False``);
             ``pad_to_multiple_of`` rounds each batch's width up. A keyword the
             tokenizer's call does not take (a typo such as ``batchsize``) raises
@@ -355,6 +363,8 @@ def build_dynamic_batch_dataloader(
     settings = PlanSettings(batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps,
                             resolve_model_shape(model_shape, model), pad_to_multiple_of, max_growth, max_tokens)
     check_non_negative_int("num_workers", num_workers)
+    if tokenize_cores is not None:
+        check_positive_int("tokenize_cores", tokenize_cores)
     if not isinstance(shuffle, bool):
         raise bad_type("shuffle", "a bool", shuffle)
     estimator = choose_estimator(classifier, memory_model, max_memory=max_memory, memory_margin=memory_margin,
@@ -370,7 +380,9 @@ def build_dynamic_batch_dataloader(
     check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
     source, skipped = open_texts(texts, on_bad_input)
     if streaming:
-        return _streaming_loader(source, skipped, ids, tokenizer, settings, estimator, num_workers, tokenizer_kwargs)
+        return _streaming_loader(source, skipped, ids, tokenizer, settings, estimator, num_workers, tokenize_cores,
+                                 tokenizer_kwargs)
     items = source.texts()
-    tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress, **tokenizer_kwargs)
+    tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress,
+                               tokenize_cores=tokenize_cores, **tokenizer_kwargs)
     return _eager_loader(tokenized, items, skipped, ids, tokenizer, settings, estimator, shuffle, seed, num_workers)

@@ -110,3 +110,29 @@ def test_a_feed_no_one_reads_tokenizes_nothing(tokenizer, texts):
     stream = TokenStream(TextSource(texts), tokenizer, 32, first_chunk=16, chunk_size=50)
     stream.feed(iter(range(stream.n_chunks)))
     assert stream.held_chunks == [] and not stream.tokenizations.any()
+
+
+def test_streamed_on_every_core_equals_one_thread_and_leaves_no_process(tokenizer, monkeypatch, texts):
+    import multiprocessing
+
+    from dynabatch.data import workers
+
+    if workers.available_cores() < 2:
+        pytest.skip("needs two cores")
+    tricky = ["", " \t\r\n", "e\u0301 \U0001f389 \u05e9\u05dc\u05d5\u05dd [SEP] </s> \x00\x07", "word " * 300]
+    items = tricky + texts
+    monkeypatch.setattr(workers, "POOL_MIN_TEXTS", 1)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the backend's threads off: worker processes
+    one = TokenStream(TextSource(items), tokenizer, 32, first_chunk=16, chunk_size=64, tokenize_cores=1).tokenized
+    stream = TokenStream(TextSource(items), tokenizer, 32, first_chunk=16, chunk_size=64, tokenize_cores=2)
+    feed = stream.feed(iter(range(stream.n_chunks)))
+    feed.next()
+    assert multiprocessing.active_children()  # the chunks are tokenized by worker processes
+    while feed.next() is not None:
+        pass
+    assert multiprocessing.active_children() == []  # every chunk tokenized: the workers ended
+    many = stream.tokenized  # the freed chunks tokenized again, on every core, until the stream is paused
+    stream.pause()
+    assert multiprocessing.active_children() == []
+    assert np.array_equal(many.offsets, one.offsets) and np.array_equal(many.input_ids, one.input_ids)
+    assert np.array_equal(many.extras["token_type_ids"], one.extras["token_type_ids"])

@@ -81,3 +81,21 @@ def test_parquet_column_of_numbers_is_refused(tmp_path):
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
     with pytest.raises(TypeError, match=r"^column should be a column of strings \(in n.parquet it is int64\)"):
         read_texts(tmp_path / "n.parquet")
+
+
+def test_a_spilled_source_hands_its_pages_back_after_each_record_batch_read():
+    # A read maps the file's cached pages around it (64 KB), so rows scattered over a whole file would map most of it
+    # before one hand-back at the end: the resident memory of a take would grow with the corpus.
+    class Map:
+        def __init__(self, mapped):
+            self.mapped, self.calls = mapped, 0
+
+        def madvise(self, option):
+            self.calls += 1
+            self.mapped.madvise(option)
+
+    source = read_texts(iter([f"text {i}" for i in range(100)]), chunk_size=10)  # ten record batches
+    source._map = spy = Map(source._map)
+    assert source.take([95, 5, 55, 6]) == ["text 95", "text 5", "text 55", "text 6"]
+    assert spy.calls == 3  # once per record batch read
+    source.close()

@@ -1,12 +1,16 @@
 import logging
+import os
 
 import numpy as np
 import pandas as pd
 import pytest
+from transformers import BertTokenizer  # transformers 5: the fast WordPiece tokenizer
 
+from dynabatch.data import workers
 from dynabatch.data.tokenization import (
     CALL_PATH,
     FORBIDDEN_TOKENIZER_KWARGS,
+    ParallelTokenizer,
     TokenizedTexts,
     fast_backend,
     split_bad_texts,
@@ -368,3 +372,153 @@ def test_tokenized_texts_checks_its_layout():
         TokenizedTexts(np.arange(5, dtype=np.int32), np.array([0, 2, 4]), {})
     with pytest.raises(ValueError, match=r"len\(extras\['token_type_ids'\]\) should be len\(input_ids\)=5, but got len\(extras\['token_type_ids'\]\)=4"):
         TokenizedTexts(np.arange(5, dtype=np.int32), np.array([0, 5]), {"token_type_ids": np.zeros(4, np.int32)})
+
+
+# --- on every core: the same ids as one thread ------------------------------------------------------
+
+TRICKY = ["", " ", "\t\n  \r\n", "e\u0301 cafe\u0301 n\u0303 \u0928\u093f", ("\U0001f469\u200d\U0001f469\u200d\U0001f467 "
+          "party \U0001f389\U0001f1eb\U0001f1f7"), "\u0645\u0631\u062d\u0628\u0627 \u05e9\u05dc\u05d5\u05dd world",
+          "a [SEP] b [CLS] </s> <s> [PAD] [MASK] <unk>", "nul\x00byte \x01\x07\x1b ctrl", "mixed\r\nnew\rlines\n\n",
+          "word " * 400, "x" * 3000, "\u00c5\u00c6\u00d8 \u00df \ufb01 \u200b zero \uff26\uff55\uff4c\uff4c"]
+"""Texts that tokenizers split in surprising ways (empty, whitespace, combining marks, emoji, right-to-left, special
+tokens as text, NUL and control characters, mixed newlines, texts cut at the limit)."""
+
+
+class AmenCall(BertTokenizer):
+    """A tokenizer whose own ``__call__`` changes every text (so its call, not the backend, must run)."""
+
+    def __call__(self, text, *args, **kwargs):
+        text = [t + " amen" for t in text] if isinstance(text, list) else text + " amen"
+        return super().__call__(text, *args, **kwargs)
+
+
+class AmenEncode(BertTokenizer):
+    """A tokenizer whose ``_encode_plus`` (transformers 5) and ``_batch_encode_plus`` (4.x) change every text."""
+
+    def _encode_plus(self, text, *args, **kwargs):
+        text = [t + " amen" for t in text] if isinstance(text, list) else text + " amen"
+        return super()._encode_plus(text, *args, **kwargs)
+
+    def _batch_encode_plus(self, texts, *args, **kwargs):
+        return super()._batch_encode_plus([t + " amen" for t in texts], *args, **kwargs)
+
+
+def _as(tokenizer, cls):
+    import copy
+
+    other = copy.deepcopy(tokenizer)
+    other.__class__ = cls
+    return other
+
+
+@pytest.fixture(params=["wordpiece", "llama", "own __call__", "own _encode_plus"])
+def any_tokenizer(request, tokenizer, llama_tokenizer):
+    return {"wordpiece": tokenizer, "llama": llama_tokenizer, "own __call__": _as(tokenizer, AmenCall),
+            "own _encode_plus": _as(tokenizer, AmenEncode)}[request.param]
+
+
+two_cores = pytest.mark.skipif(workers.available_cores() < 2, reason="needs two cores")
+
+
+@two_cores
+@pytest.mark.parametrize("mechanism", ["threads", "processes"])
+def test_every_core_gives_the_ids_of_one_thread_on_tricky_texts(any_tokenizer, mechanism, monkeypatch, texts):
+    import multiprocessing
+
+    items = TRICKY + texts[:40]
+    expected = any_tokenizer(items, truncation=True, max_length=MAX_LEN)
+    one = tokenize_texts(items, any_tokenizer, MAX_LEN, progress=False, tokenize_cores=1)
+    monkeypatch.setattr(workers, "POOL_MIN_TEXTS", 1)
+    if mechanism == "processes":
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the backend's threads off: processes for every one
+    else:
+        monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    tokenize = ParallelTokenizer(any_tokenizer, MAX_LEN, {}, cores=2, chunk_size=16)
+    try:
+        many = tokenize(items)
+    finally:
+        tokenize.close()
+    backend = fast_backend(any_tokenizer, {}) is not None
+    assert list(tokenize.mechanisms) == ["threads" if backend and mechanism == "threads" else "processes"]
+    for store in (one, many):
+        assert [store.row(i).tolist() for i in range(len(items))] == expected["input_ids"]
+        assert sorted(store.extras) == sorted(k for k in ("token_type_ids",) if k in expected)
+        if "token_type_ids" in expected:
+            assert store.extras["token_type_ids"].tolist() == [v for row in expected["token_type_ids"] for v in row]
+    assert one.lengths.max() == MAX_LEN and multiprocessing.active_children() == []
+
+
+@two_cores
+def test_no_process_starts_for_few_texts_nor_on_one_core(tokenizer, monkeypatch, texts):
+    started = []
+    monkeypatch.setattr(workers.WorkerPool, "__init__", lambda self, *a, **k: started.append(a))
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    own = _as(tokenizer, AmenCall)
+    tokenize = ParallelTokenizer(own, MAX_LEN, {}, cores=2)
+    tokenize(texts[:50])
+    assert tokenize.mechanisms == {"one": 1} and not tokenize.pool_running
+    tokenize_texts(texts * 10, own, MAX_LEN, progress=False, tokenize_cores=1)
+    assert started == []
+
+
+@two_cores
+def test_a_tokenizer_that_cannot_be_pickled_tokenizes_on_one_core(tokenizer, monkeypatch, caplog, texts):
+    local = type("Local", (AmenCall,), {})  # a class no worker can import
+    monkeypatch.setattr(workers, "POOL_MIN_TEXTS", 1)
+    tokenize = ParallelTokenizer(_as(tokenizer, local), MAX_LEN, {}, cores=2)
+    with caplog.at_level(logging.WARNING, logger="dynabatch.data.tokenization"):
+        tokens = tokenize(texts[:20])
+    assert tokenize.mechanisms == {"one": 1} and "cannot be pickled" in caplog.text
+    assert tokens.row(0).tolist() == _as(tokenizer, AmenCall)(texts[:1], truncation=True,
+                                                               max_length=MAX_LEN)["input_ids"][0]
+
+
+class Refusing(BertTokenizer):
+    """A tokenizer whose call raises on a text holding "poison"."""
+
+    def __call__(self, text, *args, **kwargs):
+        if any("poison" in t for t in text):
+            raise ValueError("poison in the texts")
+        return super().__call__(text, *args, **kwargs)
+
+
+@two_cores
+def test_an_error_in_a_worker_is_raised_here_and_no_process_is_left(tokenizer, monkeypatch, texts):
+    import multiprocessing
+
+    monkeypatch.setattr(workers, "POOL_MIN_TEXTS", 1)
+    with pytest.raises(ValueError, match="^poison in the texts$"):
+        tokenize_texts([*texts[:30], "poison"], _as(tokenizer, Refusing), MAX_LEN, progress=False, chunk_size=8)
+    assert multiprocessing.active_children() == []
+
+
+def test_tokenize_cores_is_checked(tokenizer):
+    with pytest.raises(ValueError, match=r"^tokenize_cores should be a positive integer, but got tokenize_cores=0$"):
+        tokenize_texts(["a"], tokenizer, MAX_LEN, tokenize_cores=0)
+
+
+_TEST_PROCESS = os.getpid()
+
+
+class DyingInWorkers(BertTokenizer):
+    """A tokenizer whose call kills any process but the test's (a worker killed mid-call)."""
+
+    def __call__(self, text, *args, **kwargs):
+        if os.getpid() != _TEST_PROCESS:
+            os._exit(1)
+        return super().__call__(text, *args, **kwargs)
+
+
+@two_cores
+def test_workers_that_die_leave_the_call_to_this_process(tokenizer, monkeypatch, caplog, texts):
+    import multiprocessing
+
+    monkeypatch.setattr(workers, "POOL_MIN_TEXTS", 1)
+    dying = _as(tokenizer, DyingInWorkers)
+    tokenize = ParallelTokenizer(dying, MAX_LEN, {}, cores=2, chunk_size=8)
+    with caplog.at_level(logging.WARNING, logger="dynabatch.data.tokenization"):
+        tokens = tokenize(texts[:40])
+    assert "worker processes failed" in caplog.text and tokenize.mechanisms == {"processes": 1, "one": 1}
+    expected = tokenizer(texts[:40], truncation=True, max_length=MAX_LEN)["input_ids"]
+    assert [tokens.row(i).tolist() for i in range(40)] == expected
+    assert multiprocessing.active_children() == []

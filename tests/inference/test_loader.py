@@ -406,6 +406,18 @@ def test_bad_num_workers_and_shuffle(tokenizer, texts):
         _load(texts[:10], tokenizer, shuffle="yes")
 
 
+def test_tokenize_cores_is_its_own_argument(tokenizer, texts):
+    with pytest.raises(ValueError, match=r"^tokenize_cores should be a positive integer, but got tokenize_cores=0$"):
+        _load(texts[:10], tokenizer, tokenize_cores=0)
+
+    def rows(loader):
+        return {int(i): ids[mask.bool()].tolist() for b in loader
+                for i, ids, mask in zip(b.indices, b["input_ids"], b["attention_mask"])}
+
+    one = rows(_load(texts[:40], tokenizer, tokenize_cores=1))
+    assert one == rows(_load(texts[:40], tokenizer)) == rows(_load(texts[:40], tokenizer, stream=True, tokenize_cores=1))
+
+
 def test_tokenizer_without_pad_token(tokenizer, texts):
     no_pad = copy.deepcopy(tokenizer)
     no_pad.pad_token = None

@@ -124,6 +124,30 @@ def test_a_run_frees_every_chunk_as_its_rows_finish(small_chunks, texts, tokeniz
     assert [int(x) for x in result] == [int(x) for x in again] == expected
 
 
+def test_a_run_tokenizing_in_worker_processes_leaves_no_process_nor_thread(small_chunks, texts, tokenizer, expected,
+                                                                           monkeypatch):
+    import multiprocessing
+
+    from dynabatch.data import workers
+
+    if workers.available_cores() < 2:
+        pytest.skip("needs two cores")
+    monkeypatch.setattr(workers, "POOL_MIN_TEXTS", 1)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the backend's threads off: chunks go to worker processes
+    loader = _load(texts, tokenizer)
+
+    working = []
+
+    def sums(batch):
+        working.append(bool(multiprocessing.active_children()))
+        return _sums(batch)
+
+    assert [int(x) for x in dynabatch.run(sums, loader, progress=False)] == expected
+    assert any(working)  # the workers ran beside the run
+    assert multiprocessing.active_children() == []
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("dynabatch")]
+
+
 def _rewriting(tokenizer, how):
     """A copy of ``tokenizer`` that reads URLs as ``[UNK]`` (in its ``__call__`` or its ``_encode_plus``), or that
     splits special tokens written in the text."""
