@@ -41,7 +41,7 @@ from dynabatch.memory.device import is_device_failure, is_out_of_memory_error, m
 from dynabatch.memory.oom import call_guarded, split_sizes
 from dynabatch.sampling.ranks import reduce_across_ranks
 
-__all__ = ["BatchOutOfMemoryError", "Executor", "WorkerCrash", "explain_index_errors", "run_workers"]
+__all__ = ["BatchOutOfMemoryError", "Executor", "explain_index_errors", "run_workers"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +61,6 @@ class BatchOutOfMemoryError(RuntimeError):
 
     def __reduce__(self) -> tuple:
         return type(self), (str(self),), {"position": self.position, "partial": self.partial}
-
-
-class WorkerCrash(RuntimeError):
-    """Every device failed (:func:`~dynabatch.memory.device.is_device_failure`) while rows were left to run."""
 
 
 def _brief(error: BaseException | None) -> str:
@@ -458,9 +454,9 @@ def run_workers(targets: Sequence[Any], start_worker: Callable[[Any, int], tuple
     if errors:
         raise errors[0]
     left = prefetchers[0].next_item() if prefetchers else None
-    if left is not None:  # every device failed, each on other rows
-        raise WorkerCrash(f"every device's worker stopped with batches left (batch {left.number} first): "
-                          f"{_brief(crashes[0])}") from crashes[0]
+    if left is not None:  # every device failed, each on other rows: the first failure stops the run
+        crashes[0].add_note(f"every device failed with batches left to run (batch {left.number} first)")
+        raise crashes[0]
 
 
 def _requeue(executor: Executor, device: Any, exc: BaseException) -> bool:

@@ -39,6 +39,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections import namedtuple
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -151,7 +152,8 @@ _Shard = namedtuple("_Shard", "keys hashes fields")  # an indexed shard: its key
 class Store:
     """A results store opened for a run over ``n`` inputs (``None``: as the stored positions say), keyed by position
     or by ``ids``; ``keyed_by="id"`` without ids: the inputs are the ids stored (Ray's map_texts checks each
-    window's). Held for ``job`` (:class:`~dynabatch.inference.store_lock.JobLock`) until :meth:`close`. ``verify``:
+    window's). Held for ``job`` (:class:`~dynabatch.inference.store_lock.JobLock`) until :meth:`close`, or until the
+    store is dropped (garbage-collected: its writers hold it while they write). ``verify``:
     every shard read whole, checksums verified.
 
     Attributes: ``done`` (which inputs the store holds, bool per input), ``n``, ``ids``, ``columns`` (the rows'
@@ -178,6 +180,7 @@ class Store:
         self._lock = threading.RLock()
         self._writers, self._closing = 0, False
         self.lock = JobLock(path, job)
+        weakref.finalize(self, self.lock.release)  # a store dropped unclosed holds it no longer (its writers keep it)
         try:
             self._scan(verify)
             self.ids, self.where, self._stored_hash = self._locate(n)

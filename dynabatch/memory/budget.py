@@ -67,6 +67,7 @@ __all__ = [
     "MAX_ROWS",
     "MB",
     "MIB",
+    "BudgetTooSmallError",
     "MemoryBudget",
     "check_max_memory",
     "check_memory_margin",
@@ -82,6 +83,10 @@ AUTO_SHARE = "90%"
 ``gpu_memory_utilization`` is 0.9); batches are planned to ``(1 - memory_margin)`` of it."""
 _MAX_MEMORY_RULE = ("None (the relative rule), 'auto', a number of bytes > 0, a size such as '20GB', or a "
                     "percentage such as '90%' of the device's free memory")
+
+
+class BudgetTooSmallError(ValueError):
+    """A budget smaller than one row of the longest text (:meth:`MemoryBudget.check_one_row`)."""
 
 
 def check_max_memory(value: Any, name: str = "max_memory") -> Any:
@@ -344,17 +349,18 @@ class MemoryBudget:
         :meth:`rows_allowed`; ``given``: how the user wrote it, for the message).
 
         Raises:
-            ValueError: one row of ``longest`` tokens is predicted above the budget less its margin.
+            BudgetTooSmallError: one row of ``longest`` tokens is predicted above the budget less its margin.
         """
         if int(self.rows_allowed(int(longest), max_memory=max_memory)) >= 1:
             return
         budget = self.max_memory if max_memory is None else float(max_memory)
         width = int(self.width(int(longest)))
         one = float(self.predict_at(1, width))
-        raise bad_value("max_memory", f"at least one row of the longest text ({one:,.0f} bytes predicted for 1 x "
-                        f"{width} tokens, planned to {1 - self.memory_margin:g} of the budget); here "
-                        f"{budget:,.0f} bytes: pass a larger max_memory, a smaller max_input_token_length, or "
-                        "max_memory=None (the relative rule)", budget if given is None else given)
+        raise BudgetTooSmallError(str(bad_value(
+            "max_memory", f"at least one row of the longest text ({one:,.0f} bytes predicted for 1 x {width} tokens, "
+            f"planned to {1 - self.memory_margin:g} of the budget); here {budget:,.0f} bytes: pass a larger "
+            "max_memory, a smaller max_input_token_length, or max_memory=None (the relative rule)",
+            budget if given is None else given)))
 
     # -- the constraint protocol (dynabatch.sampling.constraints) ------------------
     def _widths(self, longest: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ import numpy as np
 from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.report import RunReport
+from dynabatch.memory.budget import BudgetTooSmallError
 from dynabatch.memory.model import MemoryModel
 
 __all__ = ["PLANS", "WindowMemory"]
@@ -116,19 +117,23 @@ class WindowMemory:
     def _plan(self, texts: list[str]) -> tuple[Any, str, int]:
         """The window's loader, how it was planned, and its longest padded length."""
         plan = self._first_plan()
-        loader = self._loader(texts, plan)
-        width = int(next(iter(loader))["input_ids"].shape[1])  # longest first: the window's longest text
+        try:
+            loader = self._loader(texts, plan)
+        except BudgetTooSmallError:  # the reference bytes hold no row of this window's longest text: planned anew
+            loader = None
+        probe = loader if loader is not None else self._loader(texts, "relative")
+        width = int(next(iter(probe))["input_ids"].shape[1])  # longest first: the window's longest text
         if plan == "relative":
             return loader, plan, width
         territory = self.memory_model.measured_length_
-        fits = width <= territory and (plan != "measured" or width <= self.reference_width)
+        fits = loader is not None and width <= territory and (plan != "measured" or width <= self.reference_width)
         if fits:
             return loader, plan, width
         replan = "model-relative" if width <= territory else "relative"
         logger.info("window's longest text pads to %d tokens, beyond what was measured (model up to %d, reference "
                     "batch %s): planned %s to its own first batch", width, territory, self.reference_width, replan)
         self.replans += 1
-        return self._loader(texts, replan), replan, width
+        return (probe if replan == "relative" else self._loader(texts, replan)), replan, width
 
     # -- memory knowledge --------------------------------------------------------
     def _learn(self, report: RunReport, plan: str, width: int) -> None:
