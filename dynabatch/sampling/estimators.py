@@ -66,7 +66,7 @@ Example:
     >>> plan_batch_sizes_to_budget(lengths, mm, max_memory=10_000, memory_margin=0)
     Traceback (most recent call last):
     ...
-    ValueError: max_memory should be at least one row of the longest text (13,800 bytes predicted for 1 x 128 tokens, planned to 1 of the budget); here 10,000 bytes: pass a larger max_memory, a smaller max_input_token_length, or max_memory=None (the relative rule), but got max_memory=10000
+    dynabatch.memory.budget.BudgetTooSmallError: max_memory should be at least one row of the longest text (13,800 bytes predicted for 1 x 128 tokens, planned to 1 of the budget); here 10,000 bytes: pass a larger max_memory, a smaller max_input_token_length, or max_memory=None (the relative rule), but got max_memory=10000
 """
 
 from __future__ import annotations
