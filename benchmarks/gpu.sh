@@ -95,7 +95,7 @@ sized() { if [ "$REHEARSE" = 1 ]; then printf '%s' "$2"; else printf '%s' "$1"; 
 STEPS=(
     "install|60|PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore $PY -m pip install --no-deps --no-build-isolation --no-input --disable-pip-version-check -e ."
     "preflight|40|$PY -c \"import torch, dynabatch; print(dynabatch.__file__, torch.__version__, torch.version.cuda); $(sized "assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())" "print('rehearsal on the CPU')")\""
-    "gpu-tests|60|$PY -m pytest -q -rfEs -p no:cacheprovider -m gpu $GPU_TEST_FILES"
+    "gpu-tests|60|$PY -m pytest -q -rfEs -p no:cacheprovider -o addopts=--import-mode=importlib -m gpu $GPU_TEST_FILES"
     "inference|80|$PY benchmarks/inference.py --device $DEVICE $(sized '--threads 4 --repeats 2' '--threads 1 --n-texts 24 --methods plain,sorted,dynabatch --repeats 2') --output $WORK/inference.md"
     "generation|160|$PY benchmarks/generation.py --device $DEVICE $(sized '--n-prompts 192 --check 8 --rounds 2' '--n-prompts 12 --max-words 40 --max-new-tokens 12 --hidden 64 --layers 2 --check 4 --threads 1 --rounds 2 --warmup-cap 1') --output $WORK/generation.md"
     "embeddings|60|$PY benchmarks/embeddings.py --device $DEVICE $(sized '--n 5000 --repeats 2' '--n 16 --repeats 2 --threads 1') --output $WORK/embeddings.md"

@@ -276,7 +276,7 @@ def test_gpu_sh_dry_run_says_what_it_would_run_and_runs_nothing(tmp_path):
                                         "--disable-pip-version-check -e .")
     assert "assert torch.cuda.is_available()" in commands["preflight"]
     gpu_tests = commands["gpu-tests"]
-    assert "-m pytest -q -rfEs -p no:cacheprovider -m gpu " in gpu_tests
+    assert "-m pytest -q -rfEs -p no:cacheprovider -o addopts=--import-mode=importlib -m gpu " in gpu_tests  # no xdist
     assert {"tests/memory/test_measure.py", "tests/memory/test_device.py", "tests/data/test_collate.py"} <= set(gpu_tests.split())
     for name, script in (("inference", "inference"), ("generation", "generation"), ("embeddings", "embeddings"),
                          ("encoder-curve", "encoder_curve"), ("memory-model", "memory_model"),
@@ -364,7 +364,7 @@ def test_oom_learning_benchmark_prints_both_modes():
 def test_scale_benchmark_prints_every_method_and_the_three_targets():
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     script = ROOT / "benchmarks" / "scale.py"
-    result = subprocess.run([sys.executable, str(script), "--sizes", "300", "--threads", "1"],
+    result = subprocess.run([sys.executable, str(script), "--sizes", "300", "--threads", "1", "--flat-repeats", "1"],
                             check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     for method, disk in (("run", r"-"), ("run, output_path", r"[\d.]+"),

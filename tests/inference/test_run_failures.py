@@ -134,6 +134,7 @@ def test_a_write_that_keeps_failing_stops_a_run_on_two_devices_and_a_rerun_store
     import pyarrow.parquet as pq
 
     monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", 8)
+    monkeypatch.setattr("dynabatch.inference.store.RETRY_SECONDS", 0.0)  # the retries' waits: test_store.py
     real_write, writes = pq.write_table, []
 
     def no_space_after_two(*args, **kwargs):  # the disk fills up after two shards
