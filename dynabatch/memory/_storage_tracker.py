@@ -7,6 +7,14 @@ counted. A ``weakref.finalize`` on each counted storage subtracts its bytes when
 it is freed. Sizes are rounded up to 512 bytes, as CUDA's caching allocator does,
 so CPU and CUDA peaks are in the same units. The result depends only on the ops
 run and their shapes, so the same call twice gives the same bytes.
+
+**One tracked block at a time.** torch's Python dispatch is not safe in two
+threads at once: two threads each running a model under its own mode crash the
+process now and then (a segmentation fault in ``find_torch_dispatch_rule`` on an
+op's first calls; torch 2.13: 1 process in 60 where two threads each ran 5 BERT
+forwards). So a tracker holds a process-wide lock while it is active (``exclusive``,
+the default): several CPU workers (``devices=["cpu", "cpu"]``) measure their
+calls in turn. A thread may nest trackers.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["BLOCK_BYTES", "StorageTracker", "round_block"]
+
+_ONE_BLOCK_AT_A_TIME = threading.RLock()  # torch's Python dispatch in two threads at once can crash (see above)
 
 BLOCK_BYTES = 512
 """CUDA's caching allocator hands out blocks in multiples of 512 bytes."""
@@ -37,11 +47,15 @@ class StorageTracker(TorchDispatchMode):
         limit_bytes: if given, raise :class:`torch.OutOfMemoryError` as soon as the
             live bytes allocated inside the block exceed it, as a device with that
             much free memory would.
+        exclusive: hold the process-wide lock while active (no other thread's
+            tracker runs meanwhile); ``False`` for a block that spans other
+            threads' work (a simulated device around a whole run).
     """
 
-    def __init__(self, limit_bytes: int | None = None) -> None:
+    def __init__(self, limit_bytes: int | None = None, exclusive: bool = True) -> None:
         super().__init__()
         self.limit_bytes = limit_bytes
+        self.exclusive = exclusive
         self.current_bytes = 0
         self.peak_bytes = 0
         self.segment_peak_bytes = 0  # the peak since the last mark()
@@ -116,10 +130,22 @@ class StorageTracker(TorchDispatchMode):
         self._see_all((out,), is_output=True)
         return out
 
+    def __enter__(self) -> StorageTracker:
+        if self.exclusive:
+            _ONE_BLOCK_AT_A_TIME.acquire()
+        try:
+            return super().__enter__()
+        except BaseException:
+            if self.exclusive:
+                _ONE_BLOCK_AT_A_TIME.release()
+            raise
+
     def __exit__(self, *exc: object) -> Any:
         try:
             return super().__exit__(*exc)
         finally:
+            if self.exclusive:
+                _ONE_BLOCK_AT_A_TIME.release()
             # Storages that outlive the block (the call's outputs) no longer
             # need watching; drop the finalizers so nothing is kept alive.
             for fin in self._finalizers:

@@ -617,7 +617,7 @@ def simulated_memory(total: float, free: float | None = None) -> Iterator[None]:
         raise bad_value("device", "the CPU backend dynabatch registers (another was registered for 'cpu')", "cpu")
     if cpu.simulated is not None:
         raise RuntimeError("simulated_memory should not be nested: the CPU is already a simulated device")
-    tracker = StorageTracker(limit_bytes=free)
+    tracker = StorageTracker(limit_bytes=free, exclusive=False)  # around a whole run: its workers' trackers run
     with tracker:
         cpu.simulated, cpu.simulated_total = tracker, total
         try:
