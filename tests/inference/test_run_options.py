@@ -136,12 +136,18 @@ def test_ctrl_c_on_two_devices_stops_every_thread_and_keeps_the_finished_rows(to
 
     store = tmp_path / "store"
     loader = _load(texts, tokenizer, batch_size=2)
+    # Python's own Ctrl-C handler, unblocked (a library an earlier test of this process loaded may have set another)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         run(loader=loader, make_fn=make_fn, devices=["cpu", "cpu"], output_path=store, key="lengths", progress=False)
     except KeyboardInterrupt:
         pass
     else:
-        pytest.fail(f"run returned after {len(calls)} calls of {len(loader.batch_sampler)} planned, without Ctrl-C")
+        pytest.fail(f"run returned after {len(calls)} calls of {len(loader.batch_sampler)} planned, without Ctrl-C "
+                    f"(the SIGINT handler before the test: {previous!r})")
+    finally:
+        signal.signal(signal.SIGINT, previous)
     stopped = len(calls)
     time.sleep(0.3)
     assert len(calls) == stopped < 20  # no call after run raised
