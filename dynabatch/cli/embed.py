@@ -98,9 +98,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=None,
                    help=f"padded tokens per batch at most (default: {ENCODER_BATCH_TOKENS:,}, or the first batch's "
                    "--batch-size x --max-length where more)")
-    p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
-                   help="a text whose model call raises: stop, naming it (default), or set it aside, listed with its "
-                   "error (a rerun retries it)")
     job.add_run_arguments(p, "text", 64, "comma-separated devices (default: every GPU, else the CPU)")
     p.set_defaults(command=embed_command, parser=p)
 
@@ -356,13 +353,12 @@ def embed_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                                                     max_tokens=args.max_batch_tokens or max(ENCODER_BATCH_TOKENS,
                                                                                             args.batch_size * limit),
                                                     num_workers=0, progress=False)
-            options = {"on_error": args.on_error} if args.on_error != "raise" else {}  # raise: run's default
             spec.output.started = True
             result, tally, error = job.run_accounted(
                 lambda: job.run_job(make_fn, loader, place, spec.output, key=spec.key, on_oom=args.on_oom,
-                                    token_outputs="whole", progress=place.main and not args.no_progress, **options),
-                spec.output, len(spec.texts), parser, what="texts",
-                hint="" if args.on_error == "skip" else ": --on-error skip sets such texts aside (a rerun retries them)")
+                                    on_error=args.on_error, token_outputs="whole",
+                                    progress=place.main and not args.no_progress),
+                spec.output, len(spec.texts), parser, what="texts", on_error=args.on_error)
             columns = ["id" if spec.ids is not None else "position", "output"]
             return job.finish("embed", result, tally, error, args, place, start=start, model=spec.describe(limit),
                               what="texts", columns=columns)

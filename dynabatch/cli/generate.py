@@ -199,9 +199,9 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
                                  max_memory=args.max_memory,
                                  max_input_token_length=spec["max_length"], device=place.devices[0],
                                  output_path=output.store, key=spec["key"], on_oom=args.on_oom,
-                                 progress=place.main and not args.no_progress,
+                                 on_error=args.on_error, progress=place.main and not args.no_progress,
                                  pad_token_id=spec["tokenizer"].pad_token_id, **spec["options"]),
-                output, len(spec["prompts"]), parser, what="replies")
+                output, len(spec["prompts"]), parser, what="replies", on_error=args.on_error)
             model_line = (f"{Path(args.model).resolve().name}, {str(spec['dtype']).removeprefix('torch.')}, prompts "
                           f"of {spec['max_length']} tokens at most, {args.max_new_tokens} new tokens at most, "
                           + ("sampled" if args.sample else "greedy"))

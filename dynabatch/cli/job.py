@@ -74,6 +74,9 @@ def add_run_arguments(p: argparse.ArgumentParser, what: str, batch_size: int, de
                    "(80%%), a size (20GB, 20GiB) or bytes")
     p.add_argument("--on-oom", choices=("raise", "skip"), default="raise",
                    help=f"a {what} that runs out of memory alone: stop (default), or skip it (a rerun retries it)")
+    p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
+                   help=f"a {what} whose model call raises: stop, naming it (default), or set it aside, listed with "
+                   "its error (a rerun retries it)")
     p.add_argument("--report", type=Path, default=None, help="write the run's report (every batch) as JSON")
     p.add_argument("--plot", type=Path, default=None, help="draw the run's batches as a PNG (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -220,7 +223,7 @@ def _unaccounted(tally: Tally, what: str) -> str:
 
 
 def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argparse.ArgumentParser, *,
-                  what: str, hint: str = "") -> tuple[Any, Tally, BaseException | None]:
+                  what: str, on_error: str = "raise") -> tuple[Any, Tally, BaseException | None]:
     """Runs ``call()`` (the run) and reads what ``output``'s store holds for the ``n`` inputs after it:
     ``(result or None, tally, error or None)``.
 
@@ -228,7 +231,8 @@ def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argpa
     here with its error: the summary says what is missing. A run refusing its
     inputs (``ValueError``, ``TypeError``: a store of other texts under the same
     ids, ``fn`` raising on named inputs) is one line on stderr, exit status 2,
-    ``hint`` added when the error names inputs. Any other error is printed with
+    saying ``--on-error skip`` (``on_error``: the run's) where the error names
+    inputs and the run stopped on it. Any other error is printed with
     its traceback, then what the store holds: exit status 1.
     """
     from dynabatch.inference.runner import IncompleteRunError
@@ -239,7 +243,9 @@ def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argpa
         if isinstance(exc, IncompleteRunError):
             return None, output.tally(n), exc
         if isinstance(exc, (ValueError, TypeError)):
-            parser.error(_with_notes(exc) + (hint if getattr(exc, "__notes__", None) else ""))
+            named = getattr(exc, "__notes__", None) and on_error == "raise"
+            parser.error(_with_notes(exc) + (": --on-error skip sets the inputs it names aside (a rerun retries "
+                                             "them)" if named else ""))
         traceback.print_exc()
         tally = output.tally(n)
         sys.stderr.write(f"{parser.prog}: error: the run stopped ({type(exc).__name__}: {_with_notes(exc)}); "

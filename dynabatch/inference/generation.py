@@ -234,6 +234,7 @@ def generate(
     output_path: Any = None,
     key: Any = None,
     on_oom: str = "raise",
+    on_error: str = "raise",
     memory: str = "auto",
     progress: bool = True,
     **generate_kwargs: Any,
@@ -262,8 +263,9 @@ def generate(
             ``model_max_length``, whichever is smaller.
         chat_template_kwargs: more arguments of ``apply_chat_template`` (e.g. ``{"enable_thinking": False}``).
         device: where batches run; ``None``: the model's device.
-        output_path, key, on_oom, memory, progress: :func:`dynabatch.run`'s
-            (with ``output_path`` a rerun generates only the prompts not yet saved).
+        output_path, key, on_oom, on_error, memory, progress: :func:`dynabatch.run`'s
+            (with ``output_path`` a rerun generates only the prompts not yet saved; ``on_error="skip"`` sets a
+            prompt whose ``generate`` call raises aside, in ``failed`` with the error's text).
         **generate_kwargs: passed to every ``model.generate`` call (``max_new_tokens``,
             ``do_sample``, ``num_beams``, ...). With ``num_return_sequences=k > 1``
             each prompt's result is a list of ``k`` replies.
@@ -317,5 +319,5 @@ def generate(
 
     options = {"key": key} if key is not None else {}  # run's key= (the results store) only when asked for
     with torch.inference_mode():
-        return run(replies, loader, device=device, output_path=output_path, on_oom=on_oom, memory=memory,
-                   progress=progress, **options)
+        return run(replies, loader, device=device, output_path=output_path, on_oom=on_oom, on_error=on_error,
+                   memory=memory, progress=progress, **options)

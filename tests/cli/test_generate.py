@@ -100,3 +100,33 @@ def test_sampling_options_without_sample_and_a_prompt_limit_past_the_positions_a
             main(argv)
         assert info.value.code == 2
         assert capsys.readouterr().err == f"dynabatch generate: error: {message}\n"
+
+
+def test_a_prompt_whose_generate_raises_is_named_or_set_aside_with_on_error_skip(gpt2_dir, tokenizer, tmp_path,
+                                                                                 capsys, monkeypatch):
+    from transformers import GPT2LMHeadModel
+
+    poison = tokenizer.convert_tokens_to_ids("zebra")
+    forward = GPT2LMHeadModel.forward
+
+    def poisoned(self, input_ids=None, *args, **kwargs):  # the model raises on any batch holding the token "zebra"
+        if input_ids is not None and bool((input_ids == poison).any()):
+            raise ValueError("cannot process this prompt")
+        return forward(self, input_ids, *args, **kwargs)
+
+    prompts = ["In the beginning", "And God said", "the zebra", "Let there be light", "And there was light"]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    out = tmp_path / "replies"
+    command = ["generate", str(tmp_path / "p.txt"), str(out), "--model", str(gpt2_dir), "--max-new-tokens", "3",
+               "--batch-size", "2", "--no-progress"]
+    monkeypatch.setattr(GPT2LMHeadModel, "forward", poisoned)
+    with pytest.raises(SystemExit) as stopped:
+        main(command)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "input position 2" in err and "--on-error skip" in err, err
+    assert main([*command, "--on-error", "skip"]) == 0
+    said = capsys.readouterr().out
+    assert f"4 of 5 replies stored in {out}" in said and "cannot process this prompt" in said, said
+    monkeypatch.setattr(GPT2LMHeadModel, "forward", forward)
+    assert main(command) == 0  # the model no longer raises: the prompt set aside is retried
+    assert f"5 of 5 replies stored in {out} (1 run now, 4 stored before)" in capsys.readouterr().out
