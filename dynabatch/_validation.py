@@ -67,9 +67,9 @@ def _got(name: str, value: Any) -> str:
     return f"{name}={brief(value)}"
 
 
-def bad_value(name: str, rule: str, value: Any) -> ValueError:
-    """Builds the ValueError for ``name`` breaking ``rule``."""
-    return ValueError(f"{name} should be {rule}, but got {_got(name, value)}")
+def bad_value(name: str, rule: str, value: Any, error: type[ValueError] = ValueError) -> ValueError:
+    """Builds the ValueError (or ``error``, a subclass a caller can catch by itself) for ``name`` breaking ``rule``."""
+    return error(f"{name} should be {rule}, but got {_got(name, value)}")
 
 
 def bad_type(name: str, rule: str, value: Any) -> TypeError:

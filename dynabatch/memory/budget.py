@@ -356,11 +356,10 @@ class MemoryBudget:
         budget = self.max_memory if max_memory is None else float(max_memory)
         width = int(self.width(int(longest)))
         one = float(self.predict_at(1, width))
-        raise BudgetTooSmallError(str(bad_value(
-            "max_memory", f"at least one row of the longest text ({one:,.0f} bytes predicted for 1 x {width} tokens, "
-            f"planned to {1 - self.memory_margin:g} of the budget); here {budget:,.0f} bytes: pass a larger "
-            "max_memory, a smaller max_input_token_length, or max_memory=None (the relative rule)",
-            budget if given is None else given)))
+        raise bad_value("max_memory", f"at least one row of the longest text ({one:,.0f} bytes predicted for 1 x "
+                        f"{width} tokens, planned to {1 - self.memory_margin:g} of the budget); here {budget:,.0f} "
+                        "bytes: pass a larger max_memory, a smaller max_input_token_length, or max_memory=None (the "
+                        "relative rule)", budget if given is None else given, BudgetTooSmallError)
 
     # -- the constraint protocol (dynabatch.sampling.constraints) ------------------
     def _widths(self, longest: np.ndarray) -> np.ndarray:
