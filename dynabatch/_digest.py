@@ -23,6 +23,14 @@ each a flat array cut into rows by ``offsets``), with no Python loop over
 rows. A results store records it per row, so a rerun tells a row computed
 from these very inputs from a row of other inputs at the same position or id.
 
+:class:`FileDigests` is the same idea for files: a digest of every byte of a
+file (blake2b, the faster of hashlib's strong hashes where the CPU has no SHA
+instructions; a large file's 64 MiB pieces hashed on several cores at once),
+remembered between processes in a cache file under the file's path, size,
+modification and change times, inode and device, as git's index does: a file
+none of these changed is not read again. A model's identity
+(:func:`dynabatch.cli.job.model_digest`) is made of them.
+
 Example:
     >>> import numpy as np
     >>> fingerprint(np.arange(3), "x") == fingerprint(np.arange(3), "x")
@@ -38,16 +46,25 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
+import logging
 import math
 import numbers
+import os
+import time
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
-__all__ = ["fingerprint", "row_hashes"]
+from dynabatch._background import Ahead
+
+__all__ = ["FileDigests", "fingerprint", "row_hashes"]
+
+logger = logging.getLogger(__name__)
 
 _DEPTH = 8  # objects nested deeper are identified by their class only
 
@@ -170,3 +187,128 @@ def row_hashes(streams: Mapping[str, np.ndarray], offsets: np.ndarray) -> np.nda
         salt = int(fingerprint("row_hashes", name), 16)
         out = _mix64(out * np.uint64(_GOLDEN) + _stream_hashes(streams[name], offsets, salt))
     return out
+
+
+_PIECE = 64 << 20  # a large file is hashed in pieces of this many bytes, several at once
+_READ = 8 << 20  # bytes read at a time
+_SETTLED_NS = 2_000_000_000  # a file modified this recently is hashed but not remembered (as git's "racily clean")
+_CACHE_FORMAT = 1
+_CACHE_ENTRIES = 20_000  # at most this many files remembered; those whose path is gone are dropped first
+
+
+def _piece_digest(path: str, start: int, stop: int) -> bytes:
+    """The blake2b digest of bytes ``[start, stop)`` of the file at ``path``."""
+    digest = hashlib.blake2b(digest_size=32)
+    view = memoryview(bytearray(min(_READ, max(stop - start, 1))))
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        left = stop - start
+        while left:
+            n = f.readinto(view[:min(left, len(view))])
+            if not n:
+                raise OSError(f"{path!r} ended at byte {stop - left:,} while it was read (it was {stop:,} bytes)")
+            digest.update(view[:n])
+            left -= n
+    return digest.digest()
+
+
+def _piece_digests(path: str, size: int, cores: int) -> Iterator[bytes]:
+    """The digests of the file's pieces, in order: up to ``cores`` threads hash every ``cores``-th piece each
+    (hashlib lets go of the GIL while it hashes)."""
+    starts = list(range(0, size, _PIECE)) or [0]
+    lanes = [Ahead((_piece_digest(path, s, min(s + _PIECE, size)) for s in starts[lane::cores]), depth=2,
+                   name=f"dynabatch-digest-{lane}") for lane in range(min(cores, len(starts)))]
+    try:
+        for i in range(len(starts)):
+            yield lanes[i % len(lanes)].next()
+    finally:
+        for lane in lanes:
+            lane.close()
+
+
+def _stat_key(st: os.stat_result) -> list[int]:
+    """What says a file is unchanged since it was hashed: size, modification and change times, inode, device."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
+
+
+class FileDigests:
+    """Digests of whole files (every byte), remembered in the JSON file ``cache`` (``None``: nothing remembered).
+
+    A file whose size, modification and change times, inode and device are
+    those remembered under its real path is not read again; any other is read
+    in full. A file modified in the last 2 seconds is hashed but not
+    remembered (a later write in the same clock tick could leave its times
+    unchanged). A cache that cannot be read or parsed is ignored, one that
+    cannot be written is left as it is: it only saves time.
+    ``hashed_bytes`` counts the bytes read since this object was made.
+
+    Example:
+        >>> import pathlib, tempfile
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> _ = (folder / "weights.bin").write_bytes(b"0" * 1000)
+        >>> files = FileDigests(folder / "cache.json")
+        >>> first = files.digest(folder / "weights.bin")
+        >>> _ = (folder / "weights.bin").write_bytes(b"0" * 999 + b"1")
+        >>> first == files.digest(folder / "weights.bin"), len(first), files.hashed_bytes
+        (False, 64, 2000)
+    """
+
+    def __init__(self, cache: str | os.PathLike | None, *, cores: int = 1) -> None:
+        self.cache = None if cache is None else os.fspath(cache)
+        self.cores = max(1, int(cores))
+        self.hashed_bytes = 0
+        self._entries = self._read(self.cache)
+        self._changed = False
+
+    @staticmethod
+    def _read(cache: str | None) -> dict[str, list]:
+        if cache is None:
+            return {}
+        try:
+            with open(cache, encoding="utf-8") as f:
+                data = json.load(f)
+            entries = data["files"] if data.get("format") == _CACHE_FORMAT else {}
+            return {k: v for k, v in entries.items() if isinstance(v, list) and len(v) == 6}
+        except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:  # it only saves time
+            if not isinstance(exc, FileNotFoundError):
+                logger.info("file digest cache %s ignored: %s", cache, exc)
+            return {}
+
+    def digest(self, path: str | os.PathLike) -> str:
+        """The 64-hex-digit digest of every byte of the file at ``path`` (its size too)."""
+        real = os.path.realpath(path)
+        st = os.stat(real)
+        key = _stat_key(st)
+        entry = self._entries.get(real)
+        if entry is not None and entry[:5] == key:
+            return entry[5]
+        started = time.time_ns()
+        combined = hashlib.blake2b(f"file {st.st_size} {_PIECE}:".encode(), digest_size=32)
+        for piece in _piece_digests(real, st.st_size, self.cores):
+            combined.update(piece)
+        self.hashed_bytes += st.st_size
+        digest = combined.hexdigest()
+        if _stat_key(os.stat(real)) == key and st.st_mtime_ns < started - _SETTLED_NS:
+            self._entries[real] = [*key, digest]
+            self._changed = True
+        return digest
+
+    def save(self) -> None:
+        """Writes the digests remembered to the cache file (with those another process wrote meanwhile)."""
+        if self.cache is None or not self._changed:
+            return
+        entries = {**self._read(self.cache), **self._entries}
+        if len(entries) > _CACHE_ENTRIES:
+            entries = {k: v for k, v in entries.items() if os.path.exists(k)}
+            entries = dict(list(entries.items())[-_CACHE_ENTRIES:])
+        partial = f"{self.cache}.{os.getpid()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(self.cache) or ".", exist_ok=True)
+            with open(partial, "w", encoding="utf-8") as f:
+                json.dump({"format": _CACHE_FORMAT, "files": entries}, f)
+            os.replace(partial, self.cache)
+            self._changed = False
+        except OSError as exc:  # a read-only home: every run hashes again, nothing else changes
+            logger.info("file digest cache %s not written: %s", self.cache, exc)
+            with contextlib.suppress(OSError):
+                os.remove(partial)

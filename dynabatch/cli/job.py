@@ -31,19 +31,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from dynabatch._digest import fingerprint
+from dynabatch._digest import FileDigests, fingerprint
 from dynabatch._validation import bad_value
 from dynabatch.cli.output import Output, Tally
 
-__all__ = ["Placement", "add_input_arguments", "add_run_arguments", "check_outputs", "finish", "job_key",
-           "model_digest", "placement", "process_group", "run_accounted", "run_job", "summary"]
+__all__ = ["MODEL_IDENTITY", "Placement", "add_input_arguments", "add_run_arguments", "check_outputs", "digest_cache",
+           "finish", "job_key", "model_digest", "model_files", "placement", "process_group", "run_accounted", "run_job",
+           "sampled_identity", "summary"]
 
 logger = logging.getLogger(__name__)
 
-_SAMPLE_BLOCKS, _BLOCK = 16, 64 * 1024  # a large file is identified by its size and 16 blocks spread over it
+MODEL_IDENTITY = "v2"
+"""The form of a job key's ``model=``: ``v2.`` and a digest of every byte of the model's files."""
 
 
 def add_input_arguments(p: argparse.ArgumentParser, what: str) -> None:
@@ -151,9 +152,31 @@ def process_group(place: Placement) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def model_files(folder: str) -> list[Path]:
+    """The files of a model folder that make its identity: every file but ``.md`` and hidden ones (a hub cache's
+    ``.cache`` folder, an editor's backups), in path order."""
+    root = Path(folder)
+    files = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        name = path.relative_to(root).as_posix()
+        if not (name.startswith(".") or "/." in name or name.endswith(".md")):
+            files.append(path)
+    return files
+
+
+def digest_cache() -> Path:
+    """The file of remembered file digests: under ``$DYNABATCH_CACHE_DIR`` (else ``~/.cache/dynabatch``), never in
+    the model's folder."""
+    from dynabatch.memory.classifier import cache_dir
+
+    return cache_dir() / "file-digests.json"
+
+
 def model_digest(folder: str) -> str:
-    """A digest of a model folder: every file's name and size (``.md`` and hidden files left out), the contents
-    of the small files (configs, vocabularies) and 16 blocks spread over each large one (weights).
+    """The model's identity: ``"v2."`` and a digest of every file's name (relative to ``folder``) and every byte
+    (``.md`` and hidden files left out), so any changed byte of the weights changes it, and the same files
+    elsewhere keep it. Files unchanged since an earlier run (size, times, inode: :class:`FileDigests`) are not
+    read again. The earlier identity (16 hex digits, no ``"v2."``) sampled 16 blocks of each large file.
 
     Example:
         >>> import tempfile, pathlib
@@ -161,25 +184,22 @@ def model_digest(folder: str) -> str:
         >>> _ = (folder / "config.json").write_text('{"hidden_size": 32}')
         >>> before = model_digest(str(folder))
         >>> _ = (folder / "config.json").write_text('{"hidden_size": 64}')
-        >>> before == model_digest(str(folder)), len(before)
-        (False, 16)
+        >>> before == model_digest(str(folder)), before[:3], len(before)
+        (False, 'v2.', 19)
     """
-    parts: list[Any] = []
-    root = Path(folder)
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        name = path.relative_to(root).as_posix()
-        if name.startswith(".") or "/." in name or name.endswith(".md"):
-            continue
-        size = path.stat().st_size
-        parts.append((name, size))
-        with open(path, "rb") as f:
-            if size <= _SAMPLE_BLOCKS * _BLOCK:
-                parts.append(np.frombuffer(f.read(), dtype=np.uint8))
-                continue
-            for offset in np.linspace(0, size - _BLOCK, _SAMPLE_BLOCKS).astype(np.int64).tolist():
-                f.seek(offset)
-                parts.append(np.frombuffer(f.read(_BLOCK), dtype=np.uint8))
-    return fingerprint(*parts)
+    from dynabatch.data.workers import available_cores
+
+    files = FileDigests(digest_cache(), cores=available_cores())
+    parts = [(path.relative_to(folder).as_posix(), files.digest(path)) for path in model_files(folder)]
+    files.save()
+    if files.hashed_bytes:
+        logger.info("model identity of %s: %.2f GB read", folder, files.hashed_bytes / 1e9)
+    return f"{MODEL_IDENTITY}.{fingerprint(*parts)}"
+
+
+def sampled_identity(digest: str) -> bool:
+    """Whether a job key's ``model=`` value is the earlier identity, which sampled the weights (16 hex digits)."""
+    return len(digest) == 16 and all(c in "0123456789abcdef" for c in digest)
 
 
 def job_key(command: str, model_folder: str, **settings: Any) -> str:

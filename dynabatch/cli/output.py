@@ -83,8 +83,13 @@ def _differences(stored: str, key: str) -> str:
     there, here = _settings(stored), _settings(key)
     names = [n for n in dict.fromkeys([*there, *here]) if there.get(n) != here.get(n)]
     if "model" in names:
+        from dynabatch.cli.job import sampled_identity
+
         names.remove("model")
         model = [f"model files of digest {there.get('model', '-')} there, {here.get('model', '-')} here (--model)"]
+        if sampled_identity(there.get("model", "")):  # the same files or not: no one can tell
+            model[0] += (": the store was written by an earlier dynabatch whose model identity sampled the weights, "
+                         "so whether its rows come from these files cannot be told")
     else:
         model = []
     def side(name: str, settings: dict[str, str], where: str) -> str:
