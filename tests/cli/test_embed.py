@@ -398,6 +398,53 @@ def test_an_output_holding_another_jobs_store_is_refused(bert_dir, corpus, tmp_p
         ["embed", str(corpus), str(tmp_path / "notes"), "--model", str(bert_dir)], capsys)
 
 
+def _between_sampled_blocks(size, block=64 * 1024, blocks=16):
+    """A byte the earlier model identity never read: the middle of the gap after the 8th of its 16 sampled blocks."""
+    starts = np.linspace(0, size - block, blocks).astype(np.int64)
+    return int(starts[7] + block + (starts[8] - starts[7] - block) // 2)
+
+
+def test_weights_saved_over_with_one_byte_changed_are_another_model_refused_on_a_rerun(
+        bert_dir, corpus, tmp_path, capsys, no_model_loads, monkeypatch):
+    model, out = tmp_path / "model", tmp_path / "out"
+    shutil.copytree(bert_dir, model)
+    argv = ["embed", str(corpus), str(out), "--model", str(model), "--id-column", "id", "--no-progress"]
+    monkeypatch.undo()  # the first job loads its model
+    assert main(argv) == 0
+    capsys.readouterr()
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", lambda *a, **k: pytest.fail("a model loaded"))
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[_between_sampled_blocks(len(data))] ^= 1  # a fine-tune saved over it: same size, same header
+    weights.write_bytes(bytes(data))
+    err = _refused(argv, capsys)
+    assert re.fullmatch(
+        rf"output should be a new folder, or the store of this same job to resume it, but got output={re.escape(repr(str(out)))} "
+        r"holding rows computed otherwise \(model files of digest v2\.[0-9a-f]{16} there, v2\.[0-9a-f]{16} here "
+        rf"\(--model\)\): use another output folder for this job, or delete {re.escape(repr(str(out)))} to compute it "
+        "again", err), err
+
+
+def test_a_store_keyed_by_the_earlier_sampled_identity_is_refused_saying_how_to_go_on(
+        bert_dir, corpus, tmp_path, capsys, monkeypatch):
+    from dynabatch.cli import job
+
+    out = tmp_path / "out"
+    argv = ["embed", str(corpus), str(out), "--model", str(bert_dir), "--id-column", "id", "--no-progress"]
+    with monkeypatch.context() as earlier:
+        earlier.setattr(job, "model_digest", lambda folder: "0123456789abcdef")  # how keys were written before
+        assert main(argv) == 0
+    capsys.readouterr()
+    assert _refused(argv, capsys) == (
+        f"output should be a new folder, or the store of this same job to resume it, but got output={str(out)!r} "
+        f"holding rows computed otherwise (model files of digest 0123456789abcdef there, {job.model_digest(str(bert_dir))}"
+        " here (--model): the store was written by an earlier dynabatch whose model identity sampled the weights, so "
+        "whether its rows come from these files cannot be told): use another output folder for this job, or delete "
+        f"{str(out)!r} to compute it again")
+
+
 def test_a_max_length_above_the_models_positions_is_refused(bert_dir, corpus, tmp_path, capsys, no_model_loads):
     assert _refused(["embed", str(corpus), str(tmp_path / "out"), "--model", str(bert_dir), "--max-length", "100"],
                     capsys) == "--max-length should be at most the model's max_position_embeddings=64, but got " \
