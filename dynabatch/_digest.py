@@ -293,6 +293,30 @@ class FileDigests:
             self._changed = True
         return digest
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[FileDigests]:
+        """The block's digests made by this process alone, then saved: it holds an exclusive lock on the cache
+        (``cache + ".lock"``), so another process after the same files (a rank of the same ``torchrun`` job, a
+        second job) waits, then finds them remembered rather than reading every byte again. Without a cache, or
+        where the lock cannot be taken, the block runs unlocked."""
+        lock = None
+        if self.cache is not None:
+            try:
+                import fcntl
+
+                os.makedirs(os.path.dirname(self.cache) or ".", exist_ok=True)
+                lock = open(f"{self.cache}.lock", "a")  # noqa: SIM115 (held until the block ends)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                self._entries = {**self._read(self.cache), **self._entries}  # what the holder before remembered
+            except (ImportError, OSError) as exc:
+                logger.info("file digest cache %s not locked: %s", self.cache, exc)
+        try:
+            yield self
+            self.save()
+        finally:
+            if lock is not None:
+                lock.close()  # releases the lock
+
     def save(self) -> None:
         """Writes the digests remembered to the cache file (with those another process wrote meanwhile)."""
         if self.cache is None or not self._changed:

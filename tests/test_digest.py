@@ -145,3 +145,22 @@ def test_a_cache_that_cannot_be_written_or_read_only_costs_time(weights, tmp_pat
     files.save()
     assert digest == FileDigests(None).digest(weights) and not (blocked / "cache.json").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_second_process_after_the_same_files_waits_for_the_first_then_reads_none_of_their_bytes(weights, tmp_path):
+    import threading
+
+    cache, second = tmp_path / "cache.json", []
+    with FileDigests(cache).held() as first:  # the lock is per open file: a thread stands for another process
+
+        def after() -> None:
+            with FileDigests(cache).held() as files:
+                second.append((files.digest(weights), files.hashed_bytes))
+
+        waiting = threading.Thread(target=after)
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive() and not second  # it waits for the holder
+        digest = first.digest(weights)
+    waiting.join(30)
+    assert second == [(digest, 0)]

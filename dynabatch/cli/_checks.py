@@ -6,22 +6,64 @@ library's template, ``"{flag} should be {rule}, but got {flag}={value!r}"``,
 so the flag, the rule and the value are named. The checks here raise
 ``ValueError`` (or ``TypeError``) with such a message, and the command turns
 it into that line (:func:`refusing`).
+
+What the library refuses once the run has begun (a ``max_tokens`` the first
+batch cannot keep, a ``max_memory`` below one row of the longest text) names
+the library's arguments; :func:`as_flags` says it in the flags the user typed
+(:data:`FLAGS`), wherever a command turns an error into that line.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 from dynabatch._validation import bad_value
 
-__all__ = ["DTYPES", "Parser", "check_device_names", "check_dtype", "check_model_folder", "check_plot",
-           "check_positive", "check_writable", "extra", "refusing"]
+__all__ = ["DTYPES", "FLAGS", "Parser", "as_flags", "check_device_names", "check_dtype", "check_model_folder",
+           "check_plot", "check_positive", "check_writable", "extra", "refusing"]
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+FLAGS = {
+    "batch_size": "--batch-size",
+    "max_tokens": "--max-batch-tokens",
+    "max_memory": "--max-memory",
+    "max_input_token_length": "--max-length",
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "on_oom": "--on-oom",
+    "on_error": "--on-error",
+}
+"""The library's argument names that the corpus commands pass a flag's value to, and those flags."""
+
+_NONE = {"--max-memory": "none"}  # a flag's word for the library's None, where it has one
+_NAMED = re.compile(r"(?<![\w.-])(" + "|".join(FLAGS) + r")(=None\b)?(?!\w)")
+
+
+def as_flags(message: str) -> str:
+    """``message`` with each library argument of :data:`FLAGS` named by its flag (``max_tokens=3`` is
+    ``--max-batch-tokens=3``; ``max_memory=None`` is ``--max-memory=none``).
+
+    Example:
+        >>> as_flags("max_tokens should be at least 30 x 9 = 270 padded tokens (the batch_size=30 longest texts); "
+        ...          "pass a larger max_tokens, or max_memory=None, but got max_tokens=3")
+        '--max-batch-tokens should be at least 30 x 9 = 270 padded tokens (the --batch-size=30 longest texts); pass a larger --max-batch-tokens, or --max-memory=none, but got --max-batch-tokens=3'
+    """
+
+    def flag(found: re.Match) -> str:
+        name = FLAGS[found.group(1)]
+        if found.group(2) is None:
+            return name
+        return f"{name}={_NONE[name]}" if name in _NONE else f"no {name}"
+
+    return _NAMED.sub(flag, message)
 
 
 def extra(name: str) -> str:
@@ -40,11 +82,12 @@ class Parser(argparse.ArgumentParser):
 
 @contextlib.contextmanager
 def refusing(parser: argparse.ArgumentParser, *errors: type[BaseException]) -> Iterator[None]:
-    """Turns the errors a check raises (``ValueError``, ``TypeError`` and ``errors``) into ``parser.error``."""
+    """Turns the errors a check raises (``ValueError``, ``TypeError`` and ``errors``) into ``parser.error``, the
+    library's arguments named by their flags (:func:`as_flags`)."""
     try:
         yield
     except (ValueError, TypeError, *errors) as exc:
-        parser.error(str(exc).strip() or type(exc).__name__)
+        parser.error(as_flags(str(exc).strip() or type(exc).__name__))
 
 
 def check_positive(args: argparse.Namespace, *names: str) -> None:

@@ -248,6 +248,7 @@ def _prepare(args: argparse.Namespace) -> _Job:
         corpus.require("--id-column", args.id_column, ("string", "integer"))
     with Output(args.output).checked() as output:  # made and written to: the next thing a user fixes
         place = job.placement(check_device_names(args.devices))
+        check_max_memory(args.max_memory, "--max-memory", devices=place.devices)
         folder, name = _model_folder(args.model)
         config = check_model_folder("--model", folder)
         pooling = _pooling(args, folder)
@@ -348,11 +349,12 @@ def embed_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     try:
         with job.process_group(place):
             tokenizer, limit, make_fn, model = _load(spec, args)
-            loader = build_dynamic_batch_dataloader(spec.texts, tokenizer, args.batch_size, limit, ids=spec.ids,
-                                                    model=model, max_memory=args.max_memory, stream=True,
-                                                    max_tokens=args.max_batch_tokens or max(ENCODER_BATCH_TOKENS,
-                                                                                            args.batch_size * limit),
-                                                    num_workers=0, progress=False)
+            with refusing(parser):  # what only the loaded model can judge: one line, naming the flags
+                loader = build_dynamic_batch_dataloader(spec.texts, tokenizer, args.batch_size, limit, ids=spec.ids,
+                                                        model=model, max_memory=args.max_memory, stream=True,
+                                                        max_tokens=args.max_batch_tokens or max(
+                                                            ENCODER_BATCH_TOKENS, args.batch_size * limit),
+                                                        num_workers=0, progress=False)
             spec.output.started = True
             result, tally, error = job.run_accounted(
                 lambda: job.run_job(make_fn, loader, place, spec.output, key=spec.key, on_oom=args.on_oom,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -51,6 +52,7 @@ from dynabatch.memory.budget import check_max_memory
 __all__ = ["add_parser", "generate_command"]
 
 _SAMPLING = ("temperature", "top_p", "top_k")
+_SEEDS = (-(2**63), 2**64)  # torch.manual_seed's range
 
 _DESCRIPTION = "Prompts in, one reply per prompt out, into a Parquet store; the same command again resumes it."
 _EXAMPLES = """examples:
@@ -81,6 +83,8 @@ def add_parser(sub: Any) -> None:
 
 def _check_sampling(args: argparse.Namespace) -> dict[str, Any]:
     """The generation options: greedy, or sampling with the options given (each checked)."""
+    if not _SEEDS[0] <= args.seed < _SEEDS[1]:
+        raise bad_value("--seed", f"an integer in [{_SEEDS[0]}, {_SEEDS[1]}) (the seeds torch takes)", args.seed)
     options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.sample}
     for name in _SAMPLING:
         value = getattr(args, name)
@@ -89,8 +93,8 @@ def _check_sampling(args: argparse.Namespace) -> dict[str, Any]:
         flag = f"--{name.replace('_', '-')}"
         if not args.sample:
             raise bad_value(flag, "given with --sample (greedy decoding has no temperature, top-p or top-k)", value)
-        if name == "temperature" and not value > 0 or name == "top_p" and not 0 < value <= 1:
-            raise bad_value(flag, "a number above 0" if name == "temperature" else "a number in (0, 1]", value)
+        if name == "temperature" and not 0 < value < math.inf or name == "top_p" and not 0 < value <= 1:
+            raise bad_value(flag, "a finite number above 0" if name == "temperature" else "a number in (0, 1]", value)
         options[name] = value
     return options
 
@@ -163,6 +167,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
                             "torchrun)", args.devices)
         place = job.placement(devices)
         place.devices = place.devices[:1]
+        check_max_memory(args.max_memory, "--max-memory", devices=place.devices)
         config = check_model_folder("--model", args.model)
         dtype = check_dtype(args.dtype, place.accelerated)
         tokenizer = _tokenizer(args.model)

@@ -60,6 +60,11 @@ def add_input_arguments(p: argparse.ArgumentParser, what: str) -> None:
                    "--format text reads any file as one document a line)")
 
 
+def _memory_option(value: str) -> str | None:
+    """``--max-memory``'s value as the library takes it: ``none`` is ``None`` (the relative rule)."""
+    return None if value.strip().lower() == "none" else value
+
+
 def add_run_arguments(p: argparse.ArgumentParser, what: str, batch_size: int, devices: str) -> None:
     """How the job runs and what it writes besides the store (``what``: "text", "prompt")."""
     from dynabatch.cli._checks import DTYPES
@@ -69,10 +74,10 @@ def add_run_arguments(p: argparse.ArgumentParser, what: str, batch_size: int, de
     p.add_argument("--batch-size", type=int, default=batch_size, help=f"on the CPU, rows of the first (longest) "
                    f"batch, {batch_size} by default; later batches grow under its measured peak memory")
     p.add_argument("--devices", default=None, help=devices)
-    p.add_argument("--max-memory", default="auto",
+    p.add_argument("--max-memory", default="auto", type=_memory_option,
                    help="the memory every batch is planned under, read once the model is loaded: auto (default: 90%% "
-                   "of a GPU's free memory; on the CPU, no batch above the first batch's measured peak), a percentage "
-                   "(80%%), a size (20GB, 20GiB) or bytes")
+                   "of a GPU's free memory; on the CPU, none), none (no budget: no batch above the first batch's "
+                   "measured peak), a percentage of a GPU's free memory (80%%), a size (20GB, 20GiB) or bytes")
     p.add_argument("--on-oom", choices=("raise", "skip"), default="raise",
                    help=f"a {what} that runs out of memory alone: stop (default), or skip it (a rerun retries it)")
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise",
@@ -189,9 +194,8 @@ def model_digest(folder: str) -> str:
     """
     from dynabatch.data.workers import available_cores
 
-    files = FileDigests(digest_cache(), cores=available_cores())
-    parts = [(path.relative_to(folder).as_posix(), files.digest(path)) for path in model_files(folder)]
-    files.save()
+    with FileDigests(digest_cache(), cores=available_cores()).held() as files:  # torchrun's ranks: one hashes
+        parts = [(path.relative_to(folder).as_posix(), files.digest(path)) for path in model_files(folder)]
     if files.hashed_bytes:
         logger.info("model identity of %s: %.2f GB read", folder, files.hashed_bytes / 1e9)
     return f"{MODEL_IDENTITY}.{fingerprint(*parts)}"
@@ -252,9 +256,11 @@ def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argpa
     inputs (``ValueError``, ``TypeError``: a store of other texts under the same
     ids, ``fn`` raising on named inputs) is one line on stderr, exit status 2,
     saying ``--on-error skip`` (``on_error``: the run's) where the error names
-    inputs and the run stopped on it. Any other error is printed with
+    inputs and the run stopped on it; the library's arguments it names are named by their flags
+    (:func:`~dynabatch.cli._checks.as_flags`). Any other error is printed with
     its traceback, then what the store holds: exit status 1.
     """
+    from dynabatch.cli._checks import as_flags
     from dynabatch.inference.runner import IncompleteRunError
 
     try:
@@ -264,8 +270,8 @@ def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argpa
             return None, output.tally(n), exc
         if isinstance(exc, (ValueError, TypeError)):
             named = getattr(exc, "__notes__", None) and on_error == "raise"
-            parser.error(_with_notes(exc) + (": --on-error skip sets the inputs it names aside (a rerun retries "
-                                             "them)" if named else ""))
+            hint = ": --on-error skip sets the inputs it names aside (a rerun retries them)" if named else ""
+            parser.error(as_flags(_with_notes(exc)) + hint)
         traceback.print_exc()
         tally = output.tally(n)
         sys.stderr.write(f"{parser.prog}: error: the run stopped ({type(exc).__name__}: {_with_notes(exc)}); "

@@ -89,23 +89,30 @@ class BudgetTooSmallError(ValueError):
     """A budget smaller than one row of the longest text (:meth:`MemoryBudget.check_one_row`)."""
 
 
-def check_max_memory(value: Any, name: str = "max_memory") -> Any:
+def check_max_memory(value: Any, name: str = "max_memory", devices: Any = None) -> Any:
     """Refuses a ``max_memory`` no device could resolve (a bad size, a percentage over 100%), before anything
-    loads; returns it as given.
+    loads; with ``devices`` (where the batches will run), a percentage of a device whose memory is not known (the
+    CPU) too. Returns it as given.
 
     Example:
-        >>> check_max_memory("90%"), check_max_memory(None), check_max_memory("auto")
+        >>> check_max_memory("90%"), check_max_memory(None), check_max_memory("auto", devices=["cpu"])
         ('90%', None, 'auto')
         >>> check_max_memory("150%")
         Traceback (most recent call last):
         ...
         ValueError: max_memory should be a percentage in (0%, 100%] of the device's free memory, but got max_memory='150%'
+        >>> check_max_memory("90%", devices=["cpu"])
+        Traceback (most recent call last):
+        ...
+        ValueError: max_memory should be bytes or a size such as '20GB' on cpu (no device memory is known there: a percentage is a share of a device's free memory), but got max_memory='90%'
     """
     if value is None or (isinstance(value, str) and value == "auto"):
         return value
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
         raise bad_type(name, _MAX_MEMORY_RULE, value)
-    split_memory(value, name)
+    _, unit = split_memory(value, name)
+    for device in devices if unit == "%" and devices is not None else ():
+        parse_memory(value, name, device=device)  # a share of what that device reports free now
     return value
 
 

@@ -231,3 +231,22 @@ def kill_after_first_shard():
 def run_command():
     """``run_command(command, hook=None, hook_in=None, status=0)``: a run to its end, its exit status asserted."""
     return _run_command
+
+
+@pytest.fixture()
+def no_model_loads(monkeypatch):
+    """Loading any weights fails the test: a bad input must be refused before (a sentence-transformers folder read
+    with its weights on the meta device reads none)."""
+    import sentence_transformers
+    import transformers
+
+    read = sentence_transformers.SentenceTransformer
+
+    def loaded(*args, **kwargs):
+        if (kwargs.get("model_kwargs") or {}).get("device_map") == "meta":
+            return read(*args, **kwargs)
+        raise AssertionError("a model loaded before the bad input was refused")
+
+    for auto in (transformers.AutoModel, transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM):
+        monkeypatch.setattr(auto, "from_pretrained", loaded)
+    monkeypatch.setattr(sentence_transformers, "SentenceTransformer", loaded)

@@ -1,0 +1,90 @@
+"""Every refusal of a command-line value: one line on stderr, exit status 2, naming the flag as typed; before any
+model loads wherever the value can be judged without the model (a percentage by the devices chosen), else once the
+model is loaded, still naming the flags, never the library's arguments."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dynabatch.cli import main
+from dynabatch.cli._checks import FLAGS
+
+_ON_CPU = ("should be bytes or a size such as '20GB' on cpu (no device memory is known there: a percentage is a share "
+           "of a device's free memory), but got --max-memory='90%'")
+
+# (command, flag, bad value, what the line says after the flag; None: the flag named is enough)
+BAD = [(command, flag, value, said) for command in ("embed", "generate") for flag, value, said in [
+    ("--batch-size", "0", "should be a positive integer, but got --batch-size=0"),
+    ("--batch-size", "-3", None),
+    ("--batch-size", "x", None),
+    ("--max-length", "0", "should be a positive integer, but got --max-length=0"),
+    ("--max-length", "100", None),  # above the model's 64 positions
+    ("--max-memory", "90%", _ON_CPU),
+    ("--max-memory", "150%", None),
+    ("--max-memory", "12XB", None),
+    ("--max-memory", "0", None),
+    ("--max-memory", "-5GB", None),
+]] + [
+    ("embed", "--max-batch-tokens", "0", "should be a positive integer, but got --max-batch-tokens=0"),
+    ("embed", "--max-batch-tokens", "1.5", None),
+    ("generate", "--max-new-tokens", "0", "should be a positive integer, but got --max-new-tokens=0"),
+    ("generate", "--top-k", "0", None),
+    ("generate", "--top-p", "1.5", "should be a number in (0, 1], but got --top-p=1.5"),
+    ("generate", "--temperature", "inf", "should be a finite number above 0, but got --temperature=inf"),
+    ("generate", "--temperature", "nan", None),
+    ("generate", "--seed", str(2**64), None),
+]
+
+
+@pytest.fixture()
+def inputs(tmp_path, bert_dir, gpt2_dir):
+    (tmp_path / "docs.txt").write_text("In the beginning God created the heaven and the earth.\nAnd God said\n")
+    return {"embed": ["embed", str(tmp_path / "docs.txt"), str(tmp_path / "out"), "--model", str(bert_dir)],
+            "generate": ["generate", str(tmp_path / "docs.txt"), str(tmp_path / "out"), "--model", str(gpt2_dir),
+                         "--sample", "--max-new-tokens", "8"]}
+
+
+def _one_line(argv, capsys, command, loads=False):
+    """The one line of a refusal (exit status 2); ``loads``: transformers' "Loading weights" bar came before it."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    if loads:
+        err = "".join(f"{line}\n" for line in re.split(r"[\r\n]+", err) if line and "Loading weights" not in line)
+    assert info.value.code == 2 and "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith(f"dynabatch {command}: error: "), err
+    return err.strip().removeprefix(f"dynabatch {command}: error: ")
+
+
+@pytest.mark.parametrize(("command", "flag", "value", "said"), BAD, ids=[" ".join(case[:3]) for case in BAD])
+def test_a_bad_value_of_any_numeric_flag_is_one_line_naming_it_before_any_model_loads(
+        inputs, tmp_path, capsys, no_model_loads, command, flag, value, said):
+    line = _one_line([*inputs[command], flag, value], capsys, command)
+    assert flag in line, line
+    if said is not None:
+        assert line == f"{flag} {said}"
+    assert not (tmp_path / "out").exists()  # the folder the job made is taken back
+
+
+_LIBRARY_NAME = re.compile(r"(?<![\w-])(" + "|".join(FLAGS) + r")(?!\w)")
+
+
+def test_values_only_the_loaded_model_judges_are_one_line_naming_the_flags_not_the_librarys_arguments(
+        inputs, capsys):
+    tokens = _one_line([*inputs["embed"], "--max-batch-tokens", "3", "--no-progress"], capsys, "embed", True)
+    assert tokens.startswith("--max-batch-tokens should be at least 2 x ") and "--batch-size=2" in tokens, tokens
+    assert "a smaller --batch-size or a smaller --max-length, but got --max-batch-tokens=3" in tokens, tokens
+    for command in ("embed", "generate"):
+        memory = _one_line([*inputs[command], "--max-memory", "1KB", "--no-progress"], capsys, command, True)
+        assert memory.startswith("--max-memory should be at least one row of the longest text"), memory
+        # generate() hands the loader the budget it resolved: the bytes of 1KB
+        said = r"or --max-memory=none \(the relative rule\), but got --max-memory=('1KB'|1000\.0)$"
+        assert re.search(said, memory), memory
+        assert not _LIBRARY_NAME.search(memory) and not _LIBRARY_NAME.search(tokens), (memory, tokens)
+
+
+def test_max_memory_none_is_the_relative_rule(inputs, capsys):
+    assert main([*inputs["embed"], "--max-memory", "none", "--no-progress"]) == 0
+    assert "2 of 2 texts stored" in capsys.readouterr().out
