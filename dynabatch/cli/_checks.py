@@ -48,14 +48,19 @@ _NAMED = re.compile(r"(?<![\w.-])(" + "|".join(FLAGS) + r")(=None\b)?(?!\w)")
 
 
 def as_flags(message: str) -> str:
-    """``message`` with each library argument of :data:`FLAGS` named by its flag (``max_tokens=3`` is
-    ``--max-batch-tokens=3``; ``max_memory=None`` is ``--max-memory=none``).
+    """A library refusal of one of :data:`FLAGS` (the library's template starts with the argument's name) with
+    each of them named by its flag (``max_tokens=3`` is ``--max-batch-tokens=3``; ``max_memory=None`` is
+    ``--max-memory=none``); any other message (a command's own, in flags already) as it is.
 
     Example:
         >>> as_flags("max_tokens should be at least 30 x 9 = 270 padded tokens (the batch_size=30 longest texts); "
         ...          "pass a larger max_tokens, or max_memory=None, but got max_tokens=3")
         '--max-batch-tokens should be at least 30 x 9 = 270 padded tokens (the --batch-size=30 longest texts); pass a larger --max-batch-tokens, or --max-memory=none, but got --max-batch-tokens=3'
+        >>> as_flags("--temperature should be given with --sample (greedy decoding has no temperature)")
+        '--temperature should be given with --sample (greedy decoding has no temperature)'
     """
+    if message.split(" ", 1)[0] not in FLAGS:
+        return message
 
     def flag(found: re.Match) -> str:
         name = FLAGS[found.group(1)]
