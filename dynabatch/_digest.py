@@ -193,6 +193,7 @@ _PIECE = 64 << 20  # a large file is hashed in pieces of this many bytes, severa
 _READ = 8 << 20  # bytes read at a time
 _SETTLED_NS = 2_000_000_000  # a file modified this recently is hashed but not remembered (as git's "racily clean")
 _CACHE_FORMAT = 1
+_LOCK_WAIT = 900.0  # seconds a process waits for another hashing the same cache's files (15 GB on a slow node)
 _CACHE_ENTRIES = 20_000  # at most this many files remembered; those whose path is gone are dropped first
 
 
@@ -297,25 +298,47 @@ class FileDigests:
     def held(self) -> Iterator[FileDigests]:
         """The block's digests made by this process alone, then saved: it holds an exclusive lock on the cache
         (``cache + ".lock"``), so another process after the same files (a rank of the same ``torchrun`` job, a
-        second job) waits, then finds them remembered rather than reading every byte again. Without a cache, or
-        where the lock cannot be taken, the block runs unlocked."""
+        second job) waits, then finds them remembered rather than reading every byte again. Without a cache, where
+        the lock cannot be taken, or after ``_LOCK_WAIT`` seconds of waiting (a holder stopped or stuck), the block
+        runs unlocked: the cache only saves time."""
         lock = None
         if self.cache is not None:
             try:
-                import fcntl
-
-                os.makedirs(os.path.dirname(self.cache) or ".", exist_ok=True)
-                lock = open(f"{self.cache}.lock", "a")  # noqa: SIM115 (held until the block ends)
-                fcntl.flock(lock, fcntl.LOCK_EX)
+                lock = self._locked(f"{self.cache}.lock")
                 self._entries = {**self._read(self.cache), **self._entries}  # what the holder before remembered
-            except (ImportError, OSError) as exc:
-                logger.info("file digest cache %s not locked: %s", self.cache, exc)
+            except (ImportError, OSError, TimeoutError) as exc:
+                logger.warning("file digest cache %s not locked (%s): this process hashes the files itself",
+                               self.cache, exc)
         try:
             yield self
             self.save()
         finally:
             if lock is not None:
                 lock.close()  # releases the lock
+
+    @staticmethod
+    def _locked(path: str) -> Any:
+        """``path`` opened and locked (exclusive), waiting at most ``_LOCK_WAIT`` seconds."""
+        import fcntl
+
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        lock = open(path, "a")  # noqa: SIM115 (held until the caller's block ends)
+        deadline, told = time.monotonic() + _LOCK_WAIT, False
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return lock
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    lock.close()
+                    raise TimeoutError(f"held by another process for {_LOCK_WAIT:.0f} s") from None
+                if not told:
+                    logger.info("waiting for another process hashing files into %s", path)
+                    told = True
+                time.sleep(0.1)
+            except BaseException:
+                lock.close()
+                raise
 
     def save(self) -> None:
         """Writes the digests remembered to the cache file (with those another process wrote meanwhile)."""

@@ -164,3 +164,20 @@ def test_a_second_process_after_the_same_files_waits_for_the_first_then_reads_no
         digest = first.digest(weights)
     waiting.join(30)
     assert second == [(digest, 0)]
+
+
+def test_a_holder_stuck_past_the_wait_costs_the_waiter_its_own_hashing_only(weights, tmp_path, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(_digest, "_LOCK_WAIT", 0.3)
+    cache, second = tmp_path / "cache.json", []
+    with FileDigests(cache).held():  # holds the lock and never hashes in time
+
+        def after() -> None:
+            with FileDigests(cache).held() as files:
+                second.append((files.digest(weights), files.hashed_bytes))
+
+        waiting = threading.Thread(target=after)
+        waiting.start()
+        waiting.join(30)
+    assert second == [(FileDigests(None).digest(weights), weights.stat().st_size)]
