@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import re
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -190,7 +191,8 @@ class Output:
         except OSError as exc:
             raise ValueError(f"output should be a folder this user can make, but got output={path!r}: "
                              f"{exc.strerror} ({exc.filename})") from exc
-        probe = os.path.join(path, f".tmp-dynabatch-probe-{os.getpid()}")  # a name the store leaves alone
+        # A name the store leaves alone, and no other job's: two jobs of one process (threads) probe at once too.
+        probe = os.path.join(path, f".tmp-dynabatch-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             with open(probe, "wb") as f:
                 f.write(b"dynabatch")

@@ -189,7 +189,8 @@ class Store:
         self._lock = threading.RLock()
         self._writers, self._closing = 0, False
         self.lock = JobLock(path, job)
-        weakref.finalize(self, self.lock.release, False)  # a store dropped unclosed holds it no longer (its writers keep it)
+        # A store dropped unclosed holds it no longer (its writers keep it); no wait in the garbage collector.
+        weakref.finalize(self, self.lock.release, False)
         try:
             self._scan(verify)
             self.ids, self.where, self._stored_hash = self._locate(n)

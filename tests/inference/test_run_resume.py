@@ -484,7 +484,7 @@ def test_every_documented_reader_reads_each_stored_row_once_after_a_kill_a_torn_
     run(fails, _load(texts[:24], tokenizer, ids=ids), output_path=path, key="k", on_error="skip", progress=False)
     assert os.listdir(path / "_failed")  # (c) a failed row recorded
     shard = _shards(path)[0]
-    with monkeypatch.context() as killed:  # (a) a writer killed after its temporary shard was written, before the rename
+    with monkeypatch.context() as killed:  # (a) a writer killed after writing its temporary shard, before the rename
         def kill(file):
             raise RuntimeError("killed")
 

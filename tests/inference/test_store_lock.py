@@ -140,7 +140,8 @@ def test_a_job_whose_lock_was_taken_over_writes_no_more(tmp_path, monkeypatch):
 @pytest.mark.parametrize("text", ["not json {", "", "[]", '"a string"', "5", "{}", '{"host": "node-7", "pid": 1234}',
                                   '{"host": "node-7", "pid": "1234", "job": "j"}',
                                   '{"host": "node-7", "pid": true, "job": "j"}',
-                                  '{"host": null, "pid": 1234, "job": "j"}', '{"host": "node-7", "pid": 1234, "job": 5}',
+                                  '{"host": null, "pid": 1234, "job": "j"}',
+                                  '{"host": "node-7", "pid": 1234, "job": 5}',
                                   '{"host": "node-7", "pid": 1234, "job": "j", "ticks": "x"}',
                                   '{"host": "node-7", "pid": 1234, "job": "j", "boot": 3}'])
 def test_a_lock_file_that_is_not_a_record_holds_nothing_and_is_removed_naming_it(tmp_path, caplog, text):
