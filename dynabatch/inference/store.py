@@ -496,7 +496,8 @@ class Store:
 def open_store(path: Any, *, key: str | None, n: int | None = None, ids: pa.Array | None = None,
                job: str | None = None, keyed_by: str | None = None, verify: bool = True) -> Store:
     """The results store at ``path``, opened for a run over ``n`` inputs (or ``ids``) and held for ``job`` (one string
-    for every process of a job, e.g. a token rank 0 broadcasts; ``None``: this process) until ``store.close()``.
+    for every process of a job, e.g. a token rank 0 broadcasts; ``None``: this open alone, one run) until
+    ``store.close()``: another open without this job string is refused while it holds it, in this process too.
 
     Raises:
         StoreBusyError: another live job writes the store (``.holder`` names it).

@@ -326,7 +326,7 @@ class JobLock:
 
     Args:
         path: the store's directory (it exists).
-        job: one string for every process of a job; ``None``: this process alone is the job.
+        job: one string for every process of a job; ``None``: this hold alone is the job (one run).
 
     Raises:
         StoreBusyError: another live job holds the store.

@@ -209,12 +209,12 @@ store_lock = sys.modules["store_lock"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(store_lock)
 root, me, rounds = sys.argv[2], sys.argv[3], int(sys.argv[4])
 
-def wait(name):
+def wait(name, pause):
     while not os.path.exists(os.path.join(root, name)):
-        time.sleep(0.0002)
+        time.sleep(pause)
 
 for k in range(rounds):
-    wait(f"go-{k}-{me}")
+    wait(f"go-{k}-{me}", 0)  # spinning: both start within microseconds, as two jobs submitted at once may
     try:
         held = store_lock.JobLock(os.path.join(root, f"store-{k}"))
     except store_lock.StoreBusyError:
@@ -223,13 +223,13 @@ for k in range(rounds):
         f.write("held" if held else "busy")
     os.replace(os.path.join(root, f"said-{k}-{me}.tmp"), os.path.join(root, f"said-{k}-{me}"))
     if held:
-        wait(f"done-{k}")
+        wait(f"done-{k}", 0.001)
         held.release()
 """
 
 
 def test_two_jobs_started_at_the_same_instant_leave_exactly_one_holding(tmp_path):
-    rounds = 10
+    rounds = 40  # the old lock (no gate) had both refused in about one round of 30
     processes = [subprocess.Popen([sys.executable, "-c", _RACE, store_lock.__file__, str(tmp_path), name,
                                    str(rounds)]) for name in ("a", "b")]
     try:
