@@ -217,7 +217,8 @@ def _enter_gate(path: str, me: dict[str, Any]) -> str | None:
                 os.link(mine, gate)
                 return nonce
             except FileExistsError:
-                pass
+                if os.stat(mine).st_nlink == 2:  # linked after all: NFS answered a retried link (the classic check)
+                    return nonce
             except OSError as exc:  # no hard links here (some FUSE and object-store mounts)
                 logger.debug("output_path=%r: no lock gate (%s)", path, exc)
                 return None
