@@ -9,8 +9,10 @@
   job is writing is refused naming that job, and a store of rows computed otherwise (another
   model's files, another setting) is refused naming each difference and the
   ways on (another output folder, or deleting it to compute it again);
-* :meth:`Output.discard`: a folder this job made is taken back when a later
-  check fails, or the model does not load (:meth:`Output.end`);
+* :meth:`Output.discard`: the folders this job made (``mkdir`` says which,
+  of two jobs started at once) are taken back where empty when a later check
+  fails, or the model does not load (:meth:`Output.end`); a job refused because
+  another holds the store touches nothing of it, whoever made the folder;
 * :meth:`Output.tally`: what the store holds once the run has ended
   (:class:`Tally`): the summary, ``--report`` and the exit status come from it,
   never from what the run says it ran.
@@ -24,7 +26,7 @@ import contextlib
 import json
 import os
 import re
-import shutil
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +54,28 @@ def _open_store(path: str, *, key: str, n: int, ids: Any) -> Any:
     from dynabatch.inference.store import open_store
 
     return open_store(path, key=key, n=n, ids=ids, job=job_token())
+
+
+def _make_folders(path: str) -> str | None:
+    """Makes the folder ``path`` and its missing parents; the top-most of them this process made (``None``: all
+    there, or made by another process at the same moment: ``mkdir`` tells which, ``makedirs`` does not)."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    top = None
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            if not os.path.isdir(folder):
+                raise
+            continue
+        top = top or folder
+    return top
 
 
 def _stored_key(path: str) -> str | None:
@@ -167,17 +191,13 @@ class Output:
         path = self.path
         if os.path.exists(path) and not os.path.isdir(path):
             raise bad_value("output", "a folder for the store, not a file", path)
-        top = None
-        head = os.path.abspath(path)
-        while not os.path.exists(head):
-            top, head = head, os.path.dirname(head)
         try:
-            os.makedirs(path, exist_ok=True)
+            self.made = _make_folders(os.path.abspath(path))
         except OSError as exc:
             raise ValueError(f"output should be a folder this user can make, but got output={path!r}: "
                              f"{exc.strerror} ({exc.filename})") from exc
-        self.made = top
-        probe = os.path.join(path, f".tmp-dynabatch-probe-{os.getpid()}")  # a name the store leaves alone
+        # A name the store leaves alone, and no other job's: two jobs of one process (threads) probe at once too.
+        probe = os.path.join(path, f".tmp-dynabatch-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             with open(probe, "wb") as f:
                 f.write(b"dynabatch")
@@ -200,6 +220,7 @@ class Output:
         try:
             self.store = _open_store(self.path, key=key, n=n, ids=ids)
         except StoreBusyError as exc:
+            self.made = None  # another job's store now, whoever made the folder: a refused job touches nothing of it
             raise ValueError(f"output should be a store no other job is writing, but got output={self.path!r}: "
                              f"{_first_line(exc)}; wait for that job to end, or use another output folder") from exc
         except ValueError as exc:
@@ -224,21 +245,19 @@ class Output:
             raise
 
     def discard(self) -> None:
-        """Closes the store; a folder this job made is removed (it holds no row: nothing ran)."""
+        """Closes the store; the folders this job made are removed where empty (nothing ran). Only ``rmdir``: a
+        folder another job opened meanwhile holds its lock record, and stays."""
         self.close()
-        if self.made is None or not os.path.isdir(self.path):
+        made, self.made = self.made, None
+        if made is None:
             return
-        if any(name.startswith("part-") for name in os.listdir(self.path)):
-            return
-        shutil.rmtree(self.path, ignore_errors=True)
-        head, made = os.path.dirname(os.path.abspath(self.path)), os.path.abspath(self.made)
-        while head.startswith(made) and len(head) >= len(made):  # the parents it made, if empty
+        head = os.path.abspath(self.path)
+        while head.startswith(made) and len(head) >= len(made):  # the folder, then the parents it made
             try:
                 os.rmdir(head)
             except OSError:
                 break
             head = os.path.dirname(head)
-        self.made = None
 
     def end(self) -> None:
         """Closes the store, or :meth:`discard` it if the run never began (a model that failed to load)."""

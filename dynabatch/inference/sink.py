@@ -161,7 +161,7 @@ class StoreSink:
 def open_sink(output_path: str | None, *, key: str | None, n: int | None, ids: Any, gather: bool,
               job: str | None) -> MemorySink | StoreSink:
     """The run's sink: a :class:`MemorySink`, or the results store at ``output_path`` (taken for ``job``: the ranks
-    of one job pass the same token; ``None``: this process)."""
+    of one job pass the same token; ``None``: this run alone)."""
     if output_path is None:
         return MemorySink(gather=gather)
     from dynabatch.inference.store import Store, open_store

@@ -8,6 +8,12 @@ inputs (:meth:`Store.check_inputs`), then writers (:meth:`Store.writer`) commit 
 merge small ones. The rules (commit cadence, compaction, the lock, failure records, positions, column types,
 checksums, shards set aside) are in ``docs/inference.md``.
 
+Readers see rows and nothing else: rows are the ``part-*.parquet`` files at the top of the folder; everything else is
+hidden and named otherwise (temporary shards ``.tmp-<host>-<pid>-<shard>.tmp``, in the folder for an atomic rename;
+shards set aside ``.torn-<shard>.torn``, removed once a run over the store ends with every input stored; lock records
+``.lock-*.json``), or lies in ``_failed/``. So ``pyarrow.dataset`` and pandas (which skip names starting with ``.`` and
+``_``) and ``*.parquet`` globs (polars, ``datasets``: no other suffix, no sub-folder) read each row once at any time.
+
 Example:
     >>> import tempfile
     >>> import numpy as np
@@ -68,6 +74,8 @@ COMPACT_SHARDS = 16  # a writer's shards under SHARD_BYTES are merged into one o
 WRITE_ATTEMPTS = 5  # tries of a shard write that fails (a full disk, an I/O error) before the error is raised,
 RETRY_SECONDS = 0.5  # the wait before the second, doubled before each later one (7.5 s in all)
 FAILED = "_failed"  # the folder of failure records: readers of the store's folder (pyarrow.dataset) skip it
+TEMPORARY = ".tmp-"  # a shard being written: .tmp-<host>-<pid>-<shard>.tmp, renamed into place once whole
+SET_ASIDE = ".torn-"  # a shard that cannot be read: .torn-<shard>.torn, kept until its rows are stored again
 META = b"dynabatch"
 _HOST = socket.gethostname().replace("-", "_").replace(".", "_")
 _SHARD = re.compile(r"part-(?P<writer>[\w.]+)-(?P<first>\d+)(?:-(?P<last>\d+))?\.parquet")  # -<last>: merged
@@ -87,8 +95,9 @@ def _fsync(path: str) -> None:
 
 
 def _dead(name: str) -> bool:
-    """Whether ``name`` is the temporary shard of a killed writer on this host (``.tmp-<host>-<pid>-<shard>``)."""
-    pid = name.split("-", 3)[2] if name.startswith(f".tmp-{_HOST}-") and name.count("-") >= 3 else ""
+    """Whether ``name`` is the temporary shard of a killed writer on this host (``.tmp-<host>-<pid>-<shard>.tmp``,
+    or without ``.tmp`` as earlier versions named it)."""
+    pid = name.split("-", 3)[2] if name.startswith(f"{TEMPORARY}{_HOST}-") and name.count("-") >= 3 else ""
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
@@ -101,7 +110,7 @@ def _dead(name: str) -> bool:
 def _write_whole(folder: str, name: str, table: pa.Table, **options: Any) -> int:
     """Writes ``table`` as the Parquet file ``folder/name`` whole or not at all (a temporary file with page checksums,
     fsynced, renamed into place), trying a failed write :data:`WRITE_ATTEMPTS` times; its size in bytes."""
-    temp, final = os.path.join(folder, f".tmp-{_HOST}-{os.getpid()}-{name}"), os.path.join(folder, name)
+    temp, final = os.path.join(folder, f"{TEMPORARY}{_HOST}-{os.getpid()}-{name}.tmp"), os.path.join(folder, name)
     for attempt in range(1, WRITE_ATTEMPTS + 1):
         try:
             pq.write_table(table, temp, write_page_checksum=True, **options)
@@ -180,7 +189,8 @@ class Store:
         self._lock = threading.RLock()
         self._writers, self._closing = 0, False
         self.lock = JobLock(path, job)
-        weakref.finalize(self, self.lock.release)  # a store dropped unclosed holds it no longer (its writers keep it)
+        # A store dropped unclosed holds it no longer (its writers keep it); no wait in the garbage collector.
+        weakref.finalize(self, self.lock.release, False)
         try:
             self._scan(verify)
             self.ids, self.where, self._stored_hash = self._locate(n)
@@ -210,7 +220,8 @@ class Store:
         cut-short compaction left; sets aside unreadable shards."""
         with self._lock:
             names = sorted(os.listdir(self.path))
-            foreign = [n for n in names if not (_is_shard(n) or n == FAILED or n.startswith((".tmp-", ".torn-", PREFIX)))]
+            kept = (TEMPORARY, SET_ASIDE, PREFIX)
+            foreign = [n for n in names if not (_is_shard(n) or n == FAILED or n.startswith(kept))]
             if foreign:
                 raise ValueError(f"output_path should be a new or empty directory, or a dynabatch results store, but "
                                  f"got output_path={self.path!r} holding {len(foreign)} other entries "
@@ -250,10 +261,10 @@ class Store:
             return None
         except (OSError, pa.ArrowException) as exc:  # torn, or a page failing its checksum
             name = os.path.basename(file)
-            logger.warning("output_path=%r: %s cannot be read (%s); moving it to .torn-%s, its rows run again",
-                           self.path, name, str(exc).splitlines()[0][:120], name)
+            logger.warning("output_path=%r: %s cannot be read (%s); moving it to %s%s.torn, its rows run again",
+                           self.path, name, str(exc).splitlines()[0][:120], SET_ASIDE, name)
             with contextlib.suppress(FileNotFoundError):  # set aside by another process meanwhile
-                os.replace(file, os.path.join(os.path.dirname(file), ".torn-" + name))
+                os.replace(file, os.path.join(os.path.dirname(file), f"{SET_ASIDE}{name}.torn"))
             return None
         keys = table.column(self.keyed_by).combine_chunks()
         if failures:
@@ -448,9 +459,22 @@ class Store:
             self._scan(verify=False)
             self.settle()
             ids, where, _ = self._locate(n)
+            if n and self.lock.held and (where >= 0).all():
+                self._remove_set_aside()
             files = self.files
             return Located(self.path, files, [len(self._shards[f].keys) for f in files], where, self.columns,
                            self.schema, ids)
+
+    def _remove_set_aside(self) -> None:
+        """Removes the shards set aside as unreadable: called once every input of a run is stored again."""
+        for folder in (self.path, os.path.join(self.path, FAILED)):
+            with contextlib.suppress(FileNotFoundError):
+                for name in os.listdir(folder):
+                    if name.startswith(SET_ASIDE):
+                        logger.info("output_path=%r: removing %s, set aside: every input is stored again", self.path,
+                                    name)
+                        with contextlib.suppress(FileNotFoundError):
+                            os.remove(os.path.join(folder, name))
 
     def _writer_closed(self) -> None:
         with self._lock:
@@ -472,7 +496,8 @@ class Store:
 def open_store(path: Any, *, key: str | None, n: int | None = None, ids: pa.Array | None = None,
                job: str | None = None, keyed_by: str | None = None, verify: bool = True) -> Store:
     """The results store at ``path``, opened for a run over ``n`` inputs (or ``ids``) and held for ``job`` (one string
-    for every process of a job, e.g. a token rank 0 broadcasts; ``None``: this process) until ``store.close()``.
+    for every process of a job, e.g. a token rank 0 broadcasts; ``None``: this open alone, one run) until
+    ``store.close()``: another open without this job string is refused while it holds it, in this process too.
 
     Raises:
         StoreBusyError: another live job writes the store (``.holder`` names it).

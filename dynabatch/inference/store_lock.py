@@ -1,18 +1,26 @@
 """One job per results store: the lock a job holds while it writes a store (:class:`JobLock`, :class:`StoreBusyError`).
 
-Each process that opens a store for a job leaves a record in it, ``.lock-<nonce>.json``: its job, host, process id
-and start time. The record's modification time is its heartbeat, refreshed every :data:`HEARTBEAT_SECONDS` by one
-thread per process while it holds any store. A process is admitted when every live record in the store is of its own
-job (the ranks of one ``torchrun`` job pass one job string); a live record of another job refuses it at once with
-:class:`StoreBusyError` naming the holder. A record is dead, and removed with a warning, when its process is gone: on
-the same machine (host, boot and process namespace) the process id no longer runs, or now belongs to a process that
-started at another time; elsewhere its heartbeat is older than :data:`LEASE_SECONDS`, both times read from the file
-server's clock (the holder's heartbeat, and the admitted process's own record just written). So a job killed with
-SIGKILL, or one on a node that was lost, never blocks a rerun for longer than that.
+Each hold of a store leaves a record in it, ``.lock-<nonce>.json``: its job, host, process id and start time. A job
+is one run: a hold without a job string (``job=None``) is a job of its own, so a second run in the same process
+(another thread, another call) is refused like one in another process; the processes of one job pass one job string
+(the ranks of one ``torchrun`` job, a Ray job's driver and actors) and share the store, as do the holds of one job
+string in one process (one record). The record's modification time is its heartbeat, refreshed every
+:data:`HEARTBEAT_SECONDS` by one thread per process while it holds any store. A hold is admitted when every live
+record in the store is of its own job; a live record of another job refuses it at once with :class:`StoreBusyError`
+naming the holder, and the refused hold removes nothing but its own record. A record is dead, and removed with a
+warning by the next hold admitted, when its process is gone: on the same machine (host, boot and process namespace)
+the process id no longer runs, or now belongs to a process that started at another time; elsewhere its heartbeat is
+older than :data:`LEASE_SECONDS`, both times read from the file server's clock (the holder's heartbeat, and the
+admitted process's own record just written). So a job killed with SIGKILL, or one on a node that was lost, never
+blocks a rerun for longer than that. A ``.lock-*.json`` that is not a record (not a JSON object with a str ``host``,
+an int ``pid`` and a str ``job``, the other fields of their types) was not written by a hold, since records are
+renamed into place whole: it holds nothing, and is removed with a warning naming it, as a dead record is.
 
 Records are whole files renamed into place, so the rule holds on NFS as on a local disk (``flock`` is not used: on NFS
-version 3 a lost client's locks stay until it reboots). Two jobs that start at the same instant may both be refused
-(each sees the other's record), never both admitted: a process writes its record before it reads the others'.
+version 3 a lost client's locks stay until it reboots). A hold writes its record before it reads the others', so two
+jobs that start at the same instant are never both admitted; and it does both inside a gate, ``.lock-gate`` (made by
+``link``, atomic on NFS too; held for milliseconds, and broken once it is :data:`GATE_SECONDS` old or its process is
+gone), so of two jobs started at once exactly one is admitted rather than both refused.
 
 Example:
     >>> import tempfile
@@ -25,6 +33,13 @@ Example:
     ...     exc.holder["job"]
     'job-a'
     >>> first.release(); same.release()
+    >>> run = JobLock(path)  # no job string: this hold is a job of its own
+    >>> try:
+    ...     JobLock(path)  # another run of this same process
+    ... except StoreBusyError as exc:
+    ...     exc.holder["job"] == run.job
+    True
+    >>> run.release()
     >>> JobLock(path, "job-b").release()  # the store is free again
 """
 
@@ -35,6 +50,7 @@ import contextlib
 import json
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -42,13 +58,17 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["HEARTBEAT_SECONDS", "LEASE_SECONDS", "PREFIX", "JobLock", "StoreBusyError"]
+__all__ = ["GATE", "GATE_SECONDS", "HEARTBEAT_SECONDS", "LEASE_SECONDS", "PREFIX", "JobLock", "StoreBusyError"]
 
 logger = logging.getLogger(__name__)
 
 LEASE_SECONDS = 60.0  # a record on another machine whose heartbeat is older than this is a dead job's
 HEARTBEAT_SECONDS = 10.0  # how often a process refreshes its records' heartbeats
 PREFIX = ".lock-"  # a record's file name: hidden, so that pyarrow.dataset and the globs of readers skip it
+GATE = PREFIX + "gate"  # the file a hold makes (link) while it writes its record and reads the others'
+GATE_SECONDS = 10.0  # a gate this old is abandoned (its holder stopped inside it for that long) and broken
+_FIELDS = {"host": str, "pid": int, "job": str, "started": str, "ticks": int, "boot": str, "namespace": str}
+_REQUIRED = ("host", "pid", "job")
 
 
 class StoreBusyError(RuntimeError):
@@ -139,7 +159,7 @@ class _Record:
 
 
 _HELD: dict[tuple[str, str], _Record] = {}
-_GUARD = threading.Lock()
+_GUARD = threading.RLock()  # re-entered where a store dropped meanwhile is released by the garbage collector
 _WAKE = threading.Condition(_GUARD)
 _BEATING: list[threading.Thread] = []  # the heartbeat thread, while this process holds a record
 
@@ -163,38 +183,134 @@ def _beat() -> None:
                 logger.warning("could not refresh the heartbeat of %s (%s)", record.file, exc)
 
 
+def _parse(text: str | None) -> dict[str, Any] | None:
+    """A lock record read from its file's ``text``; ``None`` where it is not one (see the module)."""
+    try:
+        record = json.loads(text) if text is not None else None
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or any(name not in record for name in _REQUIRED):
+        return None
+    for name, kind in _FIELDS.items():
+        value = record.get(name)
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            return None
+    return None if any(record[name] is None for name in _REQUIRED) else record
+
+
+def _server_now(file: str) -> float:
+    """The file server's time now, read by touching ``file`` (a file of this hold's)."""
+    os.utime(file)
+    return os.stat(file).st_mtime
+
+
+def _enter_gate(path: str, me: dict[str, Any]) -> str | None:
+    """Waits for the store's gate and takes it (see the module); its nonce, ``None`` where this file system cannot
+    link (the records alone then decide: two jobs at once are never both admitted, but may both be refused)."""
+    nonce = uuid.uuid4().hex[:16]
+    mine, gate = os.path.join(path, f"{PREFIX}{nonce}.gate.tmp"), os.path.join(path, GATE)
+    with open(mine, "w") as f:
+        json.dump({**me, "job": "gate", "nonce": nonce}, f)
+    try:
+        while True:
+            try:
+                os.link(mine, gate)
+                return nonce
+            except FileExistsError:
+                if os.stat(mine).st_nlink == 2:  # linked after all: NFS answered a retried link (the classic check)
+                    return nonce
+            except OSError as exc:  # no hard links here (some FUSE and object-store mounts)
+                logger.debug("output_path=%r: no lock gate (%s)", path, exc)
+                return None
+            _break_abandoned(path, mine, me)
+            time.sleep(0.002 + random.random() * 0.01)
+    finally:
+        _remove(mine)
+
+
+def _break_abandoned(path: str, mine: str, me: dict[str, Any]) -> None:
+    """Removes the store's gate if its holder is gone or has held it :data:`GATE_SECONDS` (a stopped process)."""
+    gate = os.path.join(path, GATE)
+    try:
+        since, text = os.stat(gate).st_mtime, _read(gate)
+    except FileNotFoundError:
+        return
+    holder, now = _parse(text), _server_now(mine)
+    if now - since < GATE_SECONDS and (holder is None or _alive(holder, since, now, me)):
+        return  # held (or being made): wait
+    broken = os.path.join(path, f"{PREFIX}{uuid.uuid4().hex[:16]}.broken.tmp")
+    try:
+        os.rename(gate, broken)
+    except FileNotFoundError:  # left, or broken by another, meanwhile
+        return
+    if _read(broken) != text:  # a gate taken since it was judged: put back where none was taken again
+        with contextlib.suppress(OSError):
+            os.link(broken, gate)
+    else:
+        logger.warning("output_path=%r: breaking the lock gate left by %s", path,
+                       _holder(holder) if holder else "an unknown process")
+    _remove(broken)
+
+
+def _leave_gate(path: str, nonce: str | None) -> None:
+    gate = os.path.join(path, GATE)
+    if nonce is not None and (_parse(_read(gate)) or {}).get("nonce") == nonce:
+        _remove(gate)
+
+
 def _take(path: str, job: str) -> str:
-    """Writes this process's record into the store at ``path`` and checks the others' (see the module); its file."""
+    """Writes this hold's record into the store at ``path`` and checks the others', inside the gate (see the
+    module); its file."""
     me = _process()
+    nonce = _enter_gate(path, me)
+    try:
+        return _check_records(path, job, me)
+    finally:
+        _leave_gate(path, nonce)
+
+
+def _check_records(path: str, job: str, me: dict[str, Any]) -> str:
+    """Writes this hold's record, then refuses it if another job's live record is there, or removes the dead ones."""
     mine = os.path.join(path, f"{PREFIX}{uuid.uuid4().hex[:16]}.json")
     with open(mine + ".tmp", "w") as f:
         json.dump({**me, "job": job, "since": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
     os.replace(mine + ".tmp", mine)  # written before the others are read: of two jobs at once, one sees the other
     now = os.stat(mine).st_mtime  # the file server's clock, which every heartbeat is read on
+    dead: list[tuple[str, str]] = []  # removed once this hold is admitted: a refused hold removes nothing else
     for name in sorted(os.listdir(path)):
         other = os.path.join(path, name)
-        if not name.startswith(PREFIX) or other == mine:
+        if not name.startswith(PREFIX) or other == mine or name == GATE:
             continue
         try:
             heartbeat, text = os.stat(other).st_mtime, _read(other)
-            record = json.loads(text) if text else None
-        except (FileNotFoundError, ValueError):  # released meanwhile, or being written: its writer checks after
-            record, heartbeat = None, now
-        if record is None:  # a record being written, or a killed writer's temporary file
+        except FileNotFoundError:  # released meanwhile
+            continue
+        if not name.endswith(".json"):  # a record or gate being written, or a killed writer's temporary file
             if name.endswith(".tmp") and now - heartbeat >= LEASE_SECONDS:
-                _remove(other)
+                dead.append((other, ""))
+            continue
+        record = _parse(text)
+        if record is None:
+            if text is not None:  # None: unreadable (a folder), or removed meanwhile
+                dead.append((other, f"removing {name}, not a lock record (a JSON object with {', '.join(_REQUIRED)}"
+                                    f"): {text[:80]!r}"))
             continue
         if _alive(record, heartbeat, now, me):
-            if record.get("job") == job:
+            if record["job"] == job:
                 continue
             _remove(mine)
+            here = " of this process: a run in another thread, or a store opened and not closed" if \
+                _same_machine(record, me) and record["pid"] == me["pid"] else ""
             raise StoreBusyError(
                 f"output_path={path!r} should be written by one job at a time, but another job is writing it "
-                f"({_holder(record)}): wait for it to end or stop it, or use another output_path; a job that was "
+                f"({_holder(record)}{here}): wait for it to end or stop it, or use another output_path; a job that was "
                 f"killed holds it no longer than its process runs (on another host: {LEASE_SECONDS:.0f} s after "
                 "its last heartbeat)", record)
-        if record.get("job") != job:
-            logger.warning("output_path=%r: taking over the lock of a job that is gone (%s)", path, _holder(record))
+        dead.append((other, "" if record["job"] == job else
+                     f"taking over the lock of a job that is gone ({_holder(record)})"))
+    for other, why in dead:
+        if why:
+            logger.warning("output_path=%r: %s", path, why)
         _remove(other)
     return mine
 
@@ -211,21 +327,29 @@ class JobLock:
 
     Args:
         path: the store's directory (it exists).
-        job: one string for every process of a job; ``None``: this process alone is the job.
+        job: one string for every process of a job; ``None``: this hold alone is the job (one run).
 
     Raises:
         StoreBusyError: another live job holds the store.
     """
 
     def __init__(self, path: str, job: str | None = None) -> None:
-        self.job = job if job is not None else "process {host}:{pid}:{ticks}".format(**_process())
+        self.job = job if job is not None else "process {host}:{pid}:{ticks} run {run}".format(
+            **_process(), run=uuid.uuid4().hex[:8])  # one run: another hold of this process is another job
         self.path = path
         self._key = (os.path.realpath(path), self.job)
         self._released = False
         with _GUARD:
             record = _HELD.get(self._key)
+        # Taken outside the guard: the gate orders the holds of every process and thread, and the heartbeats of
+        # other stores go on while this one waits for it.
+        taken = _take(path, self.job) if record is None or record.lost else None
+        with _GUARD:
+            record = _HELD.get(self._key)
             if record is None or record.lost:
-                record = _HELD[self._key] = _Record(_take(path, self.job))
+                record = _HELD[self._key] = _Record(taken if taken is not None else _take(path, self.job))
+            elif taken is not None:  # another thread of this job took it meanwhile: one record per job
+                _remove(taken)
             record.count += 1
             self._record = record
             if not _BEATING:
@@ -242,9 +366,9 @@ class JobLock:
         """Whether this hold still holds the store: neither released nor lost."""
         return not self._released and not self._record.lost
 
-    def release(self) -> None:
+    def release(self, wait: bool = True) -> None:
         """Gives this hold up; the last hold of the process removes its record (and the last record, the heartbeat
-        thread, stopped when this returns). Idempotent."""
+        thread, stopped when this returns; ``wait=False``: stopping, for the garbage collector). Idempotent."""
         stopped = None
         with _GUARD:
             if self._released:
@@ -257,7 +381,7 @@ class JobLock:
             if not _HELD and _BEATING:
                 stopped = _BEATING.pop()
                 _WAKE.notify_all()
-        if stopped is not None and stopped is not threading.current_thread():
+        if wait and stopped is not None and stopped is not threading.current_thread():
             stopped.join()
 
     def release_job(self) -> None:
@@ -265,10 +389,9 @@ class JobLock:
         have ended without removing theirs (Ray's actors, stopped when the job's dataset is done)."""
         for name in os.listdir(self.path):
             other = os.path.join(self.path, name)
-            text = _read(other) if name.startswith(PREFIX) and name.endswith(".json") else None
-            with contextlib.suppress(ValueError):
-                if text and json.loads(text).get("job") == self.job and other != self._record.file:
-                    _remove(other)
+            record = _parse(_read(other)) if name.startswith(PREFIX) and name.endswith(".json") else None
+            if record is not None and record["job"] == self.job and other != self._record.file:
+                _remove(other)
         self.release()
 
 

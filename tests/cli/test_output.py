@@ -3,6 +3,9 @@ what differs, and tallied from what the store holds."""
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -50,9 +53,68 @@ def test_tally_counts_what_the_store_holds_stored_before_and_stored_now(tmp_path
     _write(tmp_path / "store", key, [0, 1])
     output = Output(tmp_path / "store")
     output.open(key=key, n=5, ids=None)
-    _write(tmp_path / "store", key, [3])  # what the run stores
+    output.store.check_inputs(np.arange(2), np.zeros(2, np.uint64))  # what the run does in the store it opened
+    writer = output.store.writer("run")
+    writer.write(np.array([3]), [torch.ones(2) * 3], np.zeros(1, np.uint64))
+    writer.close()
     tally = output.tally(5)
     assert (tally.n, tally.stored, tally.before, tally.now, tally.missing.tolist()) == (5, 3, 2, 1, [2, 4])
     assert tally.to_dict() == {"inputs": 5, "stored": 3, "stored_before": 2, "stored_now": 1, "failed": [],
                                "missing": [{"position": 2}, {"position": 4}]}
     output.close()
+
+
+def _open(output):
+    """What a command does with its output before the model loads: made and probed, then the store opened; ``None``
+    where refused (the checks' block discards what the job made)."""
+    try:
+        with output.checked():
+            output.open(key="embed model=aaaa", n=2, ids=None)
+    except ValueError as exc:
+        assert "should be a store no other job is writing" in str(exc)
+        return None
+    return output
+
+
+def _end(output, path):
+    """The job that holds the store writes its rows and ends; the store holds them."""
+    writer = output.store.writer("0")
+    writer.write(np.arange(2), [torch.ones(2)] * 2, np.zeros(2, np.uint64))
+    writer.close()
+    output.close()
+    store = open_store(path, key="embed model=aaaa", n=2)
+    assert store.done.all()
+    store.close()
+
+
+@pytest.mark.parametrize("maker_holds", [True, False])
+def test_a_job_refused_by_the_store_touches_nothing_of_it_whoever_made_the_folder(tmp_path, maker_holds):
+    path = tmp_path / "new" / "out"
+    maker, other = Output(path), Output(path)
+    maker.prepare()
+    other.prepare()
+    assert maker.made == str(tmp_path / "new") and other.made is None  # mkdir says which job made it
+    first, second = (maker, other) if maker_holds else (other, maker)
+    assert _open(first) is first and _open(second) is None
+    assert path.is_dir() and len([n for n in os.listdir(path) if n.startswith(".lock-")]) == 1  # the holder's
+    _end(first, path)
+
+
+def test_two_jobs_started_at_once_on_a_new_folder_leave_one_running(tmp_path):
+    for attempt in range(10):
+        path = tmp_path / f"attempt-{attempt}" / "out"  # parents made in the race too
+        barrier, outcomes = threading.Barrier(2), []
+
+        def job():
+            output = Output(path)
+            barrier.wait()
+            outcomes.append(_open(output))
+
+        threads = [threading.Thread(target=job) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        held = [o for o in outcomes if o is not None]
+        assert len(outcomes) == 2 and len(held) == 1, attempt
+        _end(held[0], path)

@@ -195,13 +195,13 @@ def test_a_run_writes_into_the_store_its_caller_opened(tokenizer, texts, tmp_pat
     assert not store.done.any() and store.n == 20
     result = run(_summary, loader, output_path=store, progress=False)  # the one open: no second scan of the store
     assert result.report.rows == 20 and not result.failed and store.failures() == {}
+    store.close()  # a store the caller opened is the caller's to close: the run leaves it held
     again = open_store(tmp_path, key="k", ids=_load(texts[:10], tokenizer, ids=ids[:10]).plan.ids)
     with pytest.raises(ValueError, match=r"output_path should be a store opened for this run's inputs and key "
                        r"\(n=20, key=None, ids given\), but got one opened with n=10, key='k', other ids"):
         run(_summary, loader, output_path=again, progress=False)
     assert run(_summary, _load(texts[:10], tokenizer, ids=ids[:10]), output_path=again, progress=False).report.rows == 0
-    again.close()  # a store the caller opened is the caller's to close: the runs leave it held
-    store.close()
+    again.close()
 
 
 def test_resume_with_a_lower_batch_size_runs_only_the_missing_shard(tokenizer, texts, tmp_path, small_shards):
@@ -246,7 +246,7 @@ def test_a_torn_shard_and_a_dead_writers_temporary_file_are_set_aside(tokenizer,
     (path / torn).write_bytes(data[: len(data) // 2])  # a shard cut in half (not by dynabatch: by a bad copy)
     dead = subprocess.Popen(["true"])  # a writer that is gone
     dead.wait()
-    temp = path / f".tmp-{_HOST}-{dead.pid}-part-x-00000.parquet"
+    temp = path / f".tmp-{_HOST}-{dead.pid}-part-x-00000.parquet.tmp"
     temp.write_bytes(b"PAR1 half written")
     calls = []
     again = run(lambda b: calls.extend(b.indices.tolist()) or _summary(b), _load(texts[:40], tokenizer),
@@ -254,7 +254,8 @@ def test_a_torn_shard_and_a_dead_writers_temporary_file_are_set_aside(tokenizer,
     assert sorted(calls) == sorted(torn_rows)
     _same(again, clean)
     assert f"{torn} cannot be read" in caplog.text and "a shard a killed run did not finish" in caplog.text
-    assert not temp.exists() and (path / f".torn-{torn}").exists()
+    assert f"moving it to .torn-{torn}.torn" in caplog.text and not temp.exists()
+    assert not list(path.glob(".torn-*"))  # removed: the run stored every input again
     assert sorted(ds.dataset(path).to_table().column("position").to_pylist()) == list(range(40))
 
 
@@ -388,7 +389,7 @@ def test_a_damaged_shard_is_set_aside_and_its_rows_run_again(tokenizer, texts, t
     assert sorted(calls) == sorted(damaged_rows)
     _same(again, clean)
     assert f"{damaged} cannot be read (could not verify page integrity, CRC checksum verification failed" in caplog.text
-    assert (path / f".torn-{damaged}").exists() and sorted(_stored(path)) == list(range(40))
+    assert f"moving it to .torn-{damaged}.torn" in caplog.text and sorted(_stored(path)) == list(range(40))
 
 
 def test_a_streamed_rerun_over_other_inputs_is_refused_before_it_writes(tokenizer, tmp_path, monkeypatch):
@@ -421,3 +422,88 @@ def test_a_streamed_rerun_over_other_inputs_is_refused_before_it_writes(tokenize
     assert sorted(_stored(path)) == before  # refused before it wrote a row
     resumed = run(_summary, _load(corpus, tokenizer, stream=True), output_path=path, progress=False)
     assert resumed.report.rows == 40 - len(before) and sorted(_stored(path)) == list(range(40))
+
+
+_STORES = ("results/", "embeddings/", "big-vectors/")  # the store folders the docs read
+_READ = r"""(?P<call>[\w.]+)\(\s*(?:"parquet",\s*data_files=)?["'](?P<path>[^"']+)["']"""
+
+
+def _documented_reads():
+    """Each read of a results store the README and docs/ show, as ``(function, form)``: ``form`` is ``folder`` or
+    ``glob`` (``folder/*.parquet``); the records of ``_failed/`` are not rows and are left out."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parents[2]
+    found = set()
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for match in re.finditer(_READ, page.read_text()):
+            call, path = match["call"], match["path"]
+            if call.split(".")[-1] in ("read_parquet", "dataset", "load_dataset") and path.startswith(_STORES) \
+                    and "_failed" not in path:
+                found.add((call.split(".")[-1], "glob" if path.endswith("*.parquet") else "folder",
+                           "polars" if call.startswith(("pl.", "polars.")) else ""))
+    return found
+
+
+def _read_ids(folder, cache):
+    """The ids each documented reader reads from the store ``folder`` (polars' folder read: ``None`` where it stops
+    with its own error, which it does while the store holds anything but shards)."""
+    import datasets
+    import pandas as pd
+    import polars as pl
+
+    def polars_folder():
+        try:
+            return pl.read_parquet(f"{folder}/")["id"].to_list()
+        except (pl.exceptions.PolarsError, OSError):
+            return None
+
+    return {("dataset", "folder", ""): ds.dataset(folder, format="parquet").to_table(columns=["id"])["id"].to_pylist(),
+            ("read_parquet", "folder", ""): pd.read_parquet(folder)["id"].tolist(),
+            ("read_parquet", "glob", "polars"): pl.read_parquet(f"{folder}/*.parquet")["id"].to_list(),
+            ("load_dataset", "glob", ""): datasets.load_dataset("parquet", data_files=f"{folder}/*.parquet",
+                                                                split="train", cache_dir=str(cache))["id"],
+            ("read_parquet", "folder", "polars"): polars_folder()}
+
+
+def test_every_documented_reader_reads_each_stored_row_once_after_a_kill_a_torn_shard_and_a_failure(
+        tokenizer, texts, tmp_path, monkeypatch, small_shards):
+    import pyarrow.parquet as pq
+
+    from dynabatch.inference import store as store_module
+
+    path = tmp_path / "results"
+    ids = [f"doc-{i}" for i in range(24)]
+
+    def fails(batch):  # input 5 raises, every time: on_error="skip" records it failed
+        if 5 in batch.indices.tolist():
+            raise ValueError("cannot summarize input 5")
+        return _summary(batch)
+
+    run(fails, _load(texts[:24], tokenizer, ids=ids), output_path=path, key="k", on_error="skip", progress=False)
+    assert os.listdir(path / "_failed")  # (c) a failed row recorded
+    shard = _shards(path)[0]
+    with monkeypatch.context() as killed:  # (a) a writer killed after writing its temporary shard, before the rename
+        def kill(file):
+            raise RuntimeError("killed")
+
+        killed.setattr(store_module, "_fsync", kill)
+        with pytest.raises(RuntimeError, match="killed"):
+            store_module._write_whole(str(path), shard, pq.read_table(path / shard))
+    assert len(list(path.glob(".tmp-*"))) == 1  # its writer (this process) lives: the next open leaves it
+    torn = _shards(path)[1]  # (b) a torn shard, set aside by the rerun, whose rows run again (but the failed one)
+    (path / torn).write_bytes((path / torn).read_bytes()[:200])
+    run(fails, _load(texts[:24], tokenizer, ids=ids), output_path=path, key="k", on_error="skip", progress=False)
+    assert (path / f".torn-{torn}.torn").exists()  # kept: the run did not store every input
+    stored = sorted(i for i in ids if i != "doc-5")
+    cache = tmp_path / "cache"
+    documented = _documented_reads()
+    reads = _read_ids(path, cache / "1")
+    assert documented and documented <= set(reads)  # every read the docs show is tried here
+    for form, read in reads.items():
+        assert read is None if form[1:] == ("folder", "polars") else sorted(read) == stored, form
+    run(_summary, _load(texts[:24], tokenizer, ids=ids), output_path=path, key="k", progress=False)
+    assert not list(path.glob(".torn-*"))  # every input stored: the set-aside shard is removed
+    for form, read in _read_ids(path, cache / "2").items():
+        assert read is None if form[1:] == ("folder", "polars") else sorted(read) == sorted(ids), form

@@ -237,6 +237,7 @@ def test_a_real_type_change_is_refused_at_the_write_that_shows_it_naming_the_col
     writer.close()
     other.close()
     assert StoredRunResult.of(store.located(6)).to_arrow().column("label").to_pylist()[:3] == [1, None, None]
+    store.close()  # one run at a time: the next open is another run
     with pytest.raises(TypeError, match=r"label should be values of one type in every row with output_path set "
                        r"\(int, as stored\), but got \['str'\]"):  # the stored type, from another open
         _write(tmp_path, [{"label": "four"}], positions=[4], n=6)
@@ -260,7 +261,7 @@ def test_rows_that_do_not_fit_the_stored_columns_are_refused(tmp_path):
 
 def test_several_writers_write_into_one_store(tmp_path):
     rows = [torch.full((2,), float(p)) for p in range(6)]
-    stores = [open_store(tmp_path, key="k", n=6) for _ in range(2)]  # two processes (ranks), say
+    stores = [open_store(tmp_path, key="k", n=6, job="one job") for _ in range(2)]  # two processes (ranks), say
     writers = [stores[0].writer("cpu0"), stores[0].writer("cpu1"), stores[1].writer("0")]
     for i, writer in enumerate(writers):
         writer.write(np.array([i, i + 3]), [rows[i], rows[i + 3]], _hashes(2))
@@ -288,6 +289,7 @@ def test_stored_rows_of_other_inputs_are_refused_and_the_refused_run_writes_noth
                        r"ids= to key rows by id"):
         store.check_inputs(np.arange(2, 6), np.array([2, 99, 4, 5], dtype=np.uint64))
     writer.close(commit=True)  # nothing buffered, nothing committed: the store stays as it was
+    store.close()
     assert len(list(tmp_path.glob("part-*"))) == 1 and open_store(tmp_path, key="k").n == 4
 
 
@@ -298,6 +300,7 @@ def test_ids_key_rows_and_are_named_when_refused(tmp_path):
     assert store.done.tolist() == [True, False, True]
     with pytest.raises(ValueError, match=r"at their ids, but got 1 stored rows computed from other inputs \(ids c\)"):
         store.check_inputs(np.arange(3), np.array([9, 0, 0], dtype=np.uint64))
+    store.close()
     with pytest.raises(ValueError, match=r"the loader's ids should be of type string, as the ids of the results at "
                        r"output_path='.*', but got ids of type int64"):
         open_store(tmp_path, key="k", ids=pa.array([1, 2]))
@@ -319,11 +322,13 @@ def test_close_commits_or_drops_the_buffer_and_its_thread_has_stopped(tmp_path, 
         pass
     finally:
         writer.close(commit=False)  # what a run does on Ctrl-C: the shard handed over lands, the buffer is dropped
+        store.close()
     assert not _store_threads() and open_store(tmp_path, key="k").done.tolist() == [True, True]
     writer = open_store(tmp_path, key="k", n=4).writer("1")
     writer.store.check_inputs(np.arange(2), _hashes(2))
     writer.write(np.array([3]), [torch.ones(2)], _hashes(1))
     writer.close()  # commit=True: the buffered row is committed
+    writer.store.close()
     assert open_store(tmp_path, key="k").done.tolist() == [True, True, False, True] and not _store_threads()
 
 
@@ -389,12 +394,13 @@ def test_a_transient_write_error_is_retried_and_a_lasting_one_raised_with_the_ro
         return write(table, where, **kwargs)
 
     monkeypatch.setattr(store_module.pq, "write_table", flaky)
-    store = open_store(tmp_path, key="k", n=4)
+    store = open_store(tmp_path, key="k", n=4, job="one job")  # its opens below: other processes of the job
     writer = store.writer("0")
     failures.append(1)  # one shard write fails once: tried again, stored
     writer.write(np.arange(2), [torch.ones(2)] * 2, _hashes(2))
     writer.close()
-    assert store.done.sum() == 0 and open_store(tmp_path, key="k", n=4).done.tolist() == [True, True, False, False]
+    assert store.done.sum() == 0 and open_store(tmp_path, key="k", n=4, job="one job").done.tolist() == [True, True,
+                                                                                                         False, False]
     assert "No space left on device" in caplog.text and "trying again (2 of 5)" in caplog.text
     store.check_inputs(np.arange(4), _hashes(4))
     writer = store.writer("1")
@@ -405,7 +411,7 @@ def test_a_transient_write_error_is_retried_and_a_lasting_one_raised_with_the_ro
     assert "failed 5 times; its rows are kept by the writer" in str(raised.value.__notes__)
     assert not list(tmp_path.glob(".tmp-*")) and len(writer.sealed) == 1
     writer.close()  # the disk has room again: the kept rows are committed
-    assert open_store(tmp_path, key="k", n=4).done.all()
+    assert open_store(tmp_path, key="k", n=4, job="one job").done.all()
 
 
 def test_a_row_that_does_not_fit_is_refused_at_write_and_the_rows_before_it_are_kept(tmp_path):
@@ -419,6 +425,7 @@ def test_a_row_that_does_not_fit_is_refused_at_write_and_the_rows_before_it_are_
                        r"as in the rows stored or written before\), but got int64 \(n,\)"):
         writer.write(np.array([2]), [{"vec": torch.ones(3, dtype=torch.int64)}], _hashes(1))
     writer.close()
+    store.close()
     assert open_store(tmp_path, key="k", n=4).done.tolist() == [True, True, False, False]
 
 
@@ -461,10 +468,11 @@ def test_small_shards_are_merged_and_a_crash_between_steps_leaves_each_row_once(
     for p in range(6):
         writer.write(np.array([p]), [torch.full((2,), float(p))], _hashes(1, salt=p))
     writer.close()
+    store.close()
     assert len(list(crashed.glob("part-*.parquet"))) == 7  # 4 parts, their merged shard, the 5th and 6th
     dead = subprocess.Popen(["true"])
     dead.wait()
-    temp = crashed / f".tmp-{store_module._HOST}-{dead.pid}-part-x-00000-00009.parquet"  # a merge cut short earlier
+    temp = crashed / f".tmp-{store_module._HOST}-{dead.pid}-part-x-00000-00009.parquet.tmp"  # a merge cut short earlier
     temp.write_bytes(b"PAR1 half")
     reopened = open_store(crashed, key="k", n=6)  # the parts a merged shard holds are removed: each row once
     assert reopened.done.all() and len(list(crashed.glob("part-*.parquet"))) == 3 and not temp.exists()

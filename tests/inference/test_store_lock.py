@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -134,3 +135,129 @@ def test_a_job_whose_lock_was_taken_over_writes_no_more(tmp_path, monkeypatch):
         writer.close()
     assert not list(tmp_path.glob("part-*")) and writer.sealed  # nothing written; the rows still held
     store.close()
+
+
+@pytest.mark.parametrize("text", ["not json {", "", "[]", '"a string"', "5", "{}", '{"host": "node-7", "pid": 1234}',
+                                  '{"host": "node-7", "pid": "1234", "job": "j"}',
+                                  '{"host": "node-7", "pid": true, "job": "j"}',
+                                  '{"host": null, "pid": 1234, "job": "j"}',
+                                  '{"host": "node-7", "pid": 1234, "job": 5}',
+                                  '{"host": "node-7", "pid": 1234, "job": "j", "ticks": "x"}',
+                                  '{"host": "node-7", "pid": 1234, "job": "j", "boot": 3}'])
+def test_a_lock_file_that_is_not_a_record_holds_nothing_and_is_removed_naming_it(tmp_path, caplog, text):
+    bad = tmp_path / f"{store_lock.PREFIX}bad.json"
+    bad.write_text(text)
+    store = open_store(tmp_path, key="k", n=4)  # admitted: the file is no one's lock
+    assert f"removing {bad.name}, not a lock record (a JSON object with host, pid, job)" in caplog.text
+    assert not bad.exists()
+    store.close()
+    held = store_lock.JobLock(str(tmp_path), "ray job 01")
+    bad.write_text(text)
+    held.release_job()  # reads every record of the store: the file is skipped, not an AttributeError
+    assert bad.exists()
+
+
+def test_a_second_run_in_the_same_process_is_another_job_and_is_refused(tmp_path):
+    first = open_store(tmp_path, key="k", n=4)  # a run, in this thread or another
+    with pytest.raises(StoreBusyError, match=rf"another job is writing it \(host {os.uname().nodename}, process "
+                       rf"{os.getpid()} started .*, job 'process .* run [0-9a-f]+' of this process: a run in another "
+                       r"thread, or a store opened and not closed\)"):
+        open_store(tmp_path, key="k", n=4)
+    assert len(_records(tmp_path)) == 1  # the refused left nothing
+    first.close()
+    open_store(tmp_path, key="k", n=4).close()  # the first run ended: the next is admitted
+
+
+def test_two_runs_at_once_in_two_threads_store_every_id_once(tmp_path, tokenizer, texts):
+    import pandas as pd
+
+    from dynabatch import build_dynamic_batch_dataloader, run
+
+    ids = [f"doc-{i}" for i in range(12)]
+    for attempt in range(4):
+        path = tmp_path / f"store-{attempt}"
+        barrier, refused = threading.Barrier(2), threading.Event()
+        outcomes = []
+
+        def one_run():
+            loader = build_dynamic_batch_dataloader(texts[:12], tokenizer, 4, 64, ids=ids, num_workers=0,
+                                                    progress=False)
+            barrier.wait()
+            try:  # the admitted run waits in fn until the other is refused: both hold it at once, or try to
+                outcomes.append(run(lambda b: refused.wait(30) and b["attention_mask"].sum(dim=1), loader,
+                                    output_path=path, key="k", progress=False))
+            except StoreBusyError as exc:
+                outcomes.append(exc)
+                refused.set()
+
+        threads = [threading.Thread(target=one_run) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sorted(type(o).__name__ for o in outcomes) == ["StoreBusyError", "StoredRunResult"]
+        frame = pd.read_parquet(path)
+        assert sorted(frame["id"]) == sorted(ids)  # each id once
+
+
+# Two jobs released together, in both orders, many times: the store's lock alone, loaded from its file (a process
+# starts in a blink). Each process takes the store of each round, says whether it holds it, and holds it until told.
+_RACE = """
+import importlib.util, os, sys, time
+spec = importlib.util.spec_from_file_location("store_lock", sys.argv[1])
+store_lock = sys.modules["store_lock"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(store_lock)
+root, me, rounds = sys.argv[2], sys.argv[3], int(sys.argv[4])
+
+def wait(name, pause):
+    while not os.path.exists(os.path.join(root, name)):
+        time.sleep(pause)
+
+for k in range(rounds):
+    wait(f"go-{k}-{me}", 0)  # spinning: both start within microseconds, as two jobs submitted at once may
+    try:
+        held = store_lock.JobLock(os.path.join(root, f"store-{k}"))
+    except store_lock.StoreBusyError:
+        held = None
+    with open(os.path.join(root, f"said-{k}-{me}.tmp"), "w") as f:
+        f.write("held" if held else "busy")
+    os.replace(os.path.join(root, f"said-{k}-{me}.tmp"), os.path.join(root, f"said-{k}-{me}"))
+    if held:
+        wait(f"done-{k}", 0.001)
+        held.release()
+"""
+
+
+def test_two_jobs_started_at_the_same_instant_leave_exactly_one_holding(tmp_path):
+    rounds = 40  # the old lock (no gate) had both refused in about one round of 30
+    processes = [subprocess.Popen([sys.executable, "-c", _RACE, store_lock.__file__, str(tmp_path), name,
+                                   str(rounds)]) for name in ("a", "b")]
+    try:
+        for k in range(rounds):
+            (tmp_path / f"store-{k}").mkdir()
+            for name in ("a", "b") if k % 2 else ("b", "a"):  # released back to back, in both orders
+                (tmp_path / f"go-{k}-{name}").touch()
+            said = [tmp_path / f"said-{k}-{name}" for name in ("a", "b")]
+            deadline = time.monotonic() + 60
+            while not all(f.exists() for f in said) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert sorted(f.read_text() for f in said) == ["busy", "held"], f"round {k}"
+            assert len(_records(tmp_path / f"store-{k}")) == 1  # the holder's; the refused left nothing
+            (tmp_path / f"done-{k}").touch()
+        assert [p.wait(60) for p in processes] == [0, 0]
+        assert not any(_records(tmp_path / f"store-{k}") for k in range(rounds))
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def test_a_gate_left_by_a_killed_process_is_broken(tmp_path, caplog):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    gate = tmp_path / store_lock.GATE
+    gate.write_text(json.dumps({**store_lock._process(), "pid": dead.pid, "job": "gate", "nonce": "x"}))
+    started = time.monotonic()
+    open_store(tmp_path, key="k", n=4).close()  # its process is gone: broken at once
+    assert time.monotonic() - started < 5 and "breaking the lock gate left by" in caplog.text
+    assert not gate.exists() and not list(tmp_path.iterdir())

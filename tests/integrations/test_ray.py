@@ -666,7 +666,7 @@ def test_a_killed_map_texts_job_reruns_only_the_rows_its_output_does_not_hold(ra
         out = map_texts(ds, Sums, record=str(record), **options)
     assert "of this dataset's 120 rows, 30 were held, 90 ran now, 0 of them without a result" in caplog.text
     assert _ran(record) == collections.Counter(t for i, t in zip(ids, held_out) if i not in held)  # the rest only
-    assert not temp.exists() and (store / f".torn-{torn.name}").exists()
+    assert not temp.exists() and (store / f".torn-{torn.name}.torn").exists()
     rows = out.take_all()  # what map_texts returns: the store, read by Ray
     assert sorted(row["id"] for row in rows) == sorted(ids) and all(sorted(row) == ["id", "output"] for row in rows)
     assert sorted(_stored(store)[1]) == sorted(ids)  # every id stored exactly once
