@@ -116,8 +116,9 @@ def st_folder(bert_dir, st_model_folder, tmp_path_factory):
 
     def make(version: str, max_seq_length: int = 16) -> Path:
         if version.startswith("6."):
-            return st_model_folder(normalize=True, max_seq_length=max_seq_length,
-                                   prompts={"query": "query: ", "document": "passage: "}, default_prompt_name="document")
+            prompts = {"query": "query: ", "document": "passage: "}
+            return st_model_folder(normalize=True, max_seq_length=max_seq_length, prompts=prompts,
+                                   default_prompt_name="document")
         return _sentence_transformers_folder(bert_dir, tmp_path_factory.mktemp(f"st-{version}") / "model", version,
                                              max_seq_length)
 

@@ -229,7 +229,8 @@ def test_worker_processes_at_the_library_threshold_give_model_encode_vectors(st_
 def test_many_streaming_chunks_at_the_library_chunk_size_give_model_encode_vectors(st_model_folder, loaded, corpus,
                                                                                   tmp_path, seen):
     texts = corpus[: streaming.FIRST_CHUNK + 1]
-    _equivalent(st_model_folder, loaded, "embedder-stream", "mean-instruction", texts, tmp_path, batch_size=32, seen=seen)
+    _equivalent(st_model_folder, loaded, "embedder-stream", "mean-instruction", texts, tmp_path, batch_size=32,
+                seen=seen)
     assert [n for n, _ in seen["calls"]] == [streaming.FIRST_CHUNK, 1]
 
 
