@@ -6,6 +6,7 @@ registered here, as the tests are not a package.
 """
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -122,3 +123,49 @@ def marian():
     with torch.random.fork_rng():
         torch.manual_seed(0)
         return MarianMTModel(config).eval()
+
+
+@pytest.fixture(scope="session")
+def bert_dir(tmp_path_factory, tokenizer):
+    """A tiny random-weight BERT (hidden size 32, 64 positions) with the MiniLM tokenizer, saved once."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    folder = tmp_path_factory.mktemp("tiny-bert")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                             intermediate_size=64, max_position_embeddings=64)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def st_model_folder(bert_dir, tmp_path_factory):
+    """``st_model_folder(pooling="mean", include_prompt=True, dense=False, normalize=False, max_seq_length=16,
+    prompts=None, default_prompt_name=None)``: the tiny BERT as a sentence-transformers folder of those modules
+    (Transformer, Pooling, a random Dense of 24 outputs, Normalize), saved by the installed version; once per session
+    for each set of arguments."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules
+
+    saved = {}
+
+    def make(*, pooling: str = "mean", include_prompt: bool = True, dense: bool = False, normalize: bool = False,
+             max_seq_length: int = 16, prompts: dict | None = None, default_prompt_name: str | None = None) -> Path:
+        key = json.dumps([pooling, include_prompt, dense, normalize, max_seq_length, prompts, default_prompt_name])
+        if key not in saved:
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                parts = [modules.Transformer(str(bert_dir), max_seq_length=max_seq_length),
+                         modules.Pooling(32, pooling_mode=pooling, include_prompt=include_prompt)]
+                parts += [modules.Dense(32, 24)] if dense else []
+                parts += [modules.Normalize()] if normalize else []
+            folder = tmp_path_factory.mktemp("st-model") / "model"
+            SentenceTransformer(modules=parts, prompts=prompts, default_prompt_name=default_prompt_name,
+                                device="cpu").save(str(folder))
+            saved[key] = folder
+        return saved[key]
+
+    return make

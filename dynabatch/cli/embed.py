@@ -186,13 +186,21 @@ def _pooling(args: argparse.Namespace, folder: str) -> str:
 
 
 def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) -> int:
-    """``--prompt-name`` checked against the model's prompts; ``--max-length``, or the max length sentence-transformers
-    runs the folder at (``st``: it as :func:`_sentence_transformer` read it), refused above its positions."""
+    """``--prompt-name`` checked against the model's prompts, the model against what runs on dynamic batches
+    (:func:`~dynabatch.integrations.sentence_transformers.corpus_embedder`'s checks); ``--max-length``, or the max
+    length sentence-transformers runs the folder at (``st``: it as :func:`_sentence_transformer` read it), refused
+    above its positions."""
+    from dynabatch.integrations.sentence_transformers import corpus_embedder
     from dynabatch.memory.calibrate import check_positions
     from dynabatch.memory.shape import position_limit
 
     if args.prompt_name is not None and args.prompt_name not in st.prompts:
         raise bad_value("--prompt-name", f"one of the model's prompts {sorted(st.prompts)}", args.prompt_name)
+    try:  # the run's own checks (its tokenization, what every batch shares), on the weightless model
+        corpus_embedder(st, prompt_name=args.prompt_name, prompt=args.prompt)
+    except ValueError as exc:
+        raise ValueError(f"--model should be a sentence-transformers model that runs on dynamic batches (or be given "
+                         f"--pooling mean, cls or last), but got --model={args.model!r}: {exc}") from exc
     length = args.max_length if args.max_length is not None else st.max_seq_length
     if length is None:
         found = position_limit(config)

@@ -89,11 +89,42 @@ def _unsupported(model: Any, inputs: list[Any]) -> str | None:
     return None
 
 
+_PROBES = ([""], ["a probe of the values every batch shares", "b"])
+"""Two calls of different rows and widths: what ``preprocess`` returns besides rows must be the same for both."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and \
+            bool(torch.equal(a.cpu(), b.cpu()))
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # no plain equality: not provably the same
+        return False
+
+
+def _weightless(model: Any) -> Any:
+    """A copy of ``model`` for its ``preprocess`` alone: every parameter and buffer on the meta device (no bytes
+    copied), so that a copy of the tokenizer (a streaming loader's, a worker process's) never copies the weights."""
+    memo: dict[int, Any] = {}
+    for parameter in model.parameters():
+        memo[id(parameter)] = torch.nn.Parameter(torch.empty_like(parameter, device="meta"),
+                                                 requires_grad=parameter.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(model, memo)
+
+
 class _Preprocessor:
     """The model's own tokenization (``model.preprocess``) as the loader's tokenizer: unpadded rows.
 
-    What ``preprocess`` returns besides rows (``modality``, ``prompt_length``) is
-    the same for every batch: it is kept in :attr:`constants` for the model call.
+    What ``preprocess`` returns besides rows (``modality``, ``prompt_length``)
+    is read here, once, by probe calls in the calling process (:attr:`constants`):
+    the model call adds it to every batch, whichever copy of this tokenizer
+    (a streaming loader's, a worker process's) tokenized the batch. It must be
+    the same for every batch: a model whose probes differ is refused naming the
+    value, and every call checks its own values against the probe's. A copy
+    or a pickled one carries the model without its weights (:func:`_weightless`).
     """
 
     def __init__(self, model: Any, prompt: str | None, limit: int | None, kwargs: dict[str, Any]) -> None:
@@ -108,12 +139,36 @@ class _Preprocessor:
         self.pad_token_id = tokenizer.pad_token_id
         self.padding_side = tokenizer.padding_side
         self.pad_token_type_id = getattr(tokenizer, "pad_token_type_id", 0)
-        self.constants: dict[str, Any] = {}
+        first, second = (self._split(probe)[1] for probe in _PROBES)
+        differing = sorted(key for key in first.keys() | second.keys() if not _same(first.get(key), second.get(key)))
+        if differing:
+            raise ValueError(f"model should give the same {differing} for every batch from its preprocess (dynabatch "
+                             f"tokenizes apart from the model call), but got {first} and {second} for two batches: "
+                             "call model.encode for it")
+        self.constants = first
+
+    def _split(self, texts: list[str]) -> tuple[dict[str, list], dict[str, Any]]:
+        """``preprocess``'s output for ``texts``: ``(rows, the values besides rows)``."""
+        out = self.model.preprocess(texts, prompt=self.prompt, processing_kwargs=self.processing, **self.kwargs)
+        rows = {key: value for key, value in out.items() if isinstance(value, list)}
+        return rows, {key: value for key, value in out.items() if key not in rows}
 
     def __call__(self, texts: list[str], **_: Any) -> dict[str, list]:  # dynabatch's truncation: the model's own
-        out = self.model.preprocess(texts, prompt=self.prompt, processing_kwargs=self.processing, **self.kwargs)
-        self.constants.update({key: value for key, value in out.items() if not isinstance(value, list)})
-        return {key: value for key, value in out.items() if isinstance(value, list)}
+        rows, constants = self._split(texts)
+        for key in constants.keys() | self.constants.keys():
+            if not _same(constants.get(key), self.constants.get(key)):
+                raise ValueError(f"model.preprocess(texts)[{key!r}] should be the same for every batch, but got "
+                                 f"{constants.get(key)!r} where a probe gave {self.constants.get(key)!r}: call "
+                                 "model.encode for it")
+        return rows
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled for a worker process: no weights
+        return {**self.__dict__, "model": _weightless(self.model)}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Preprocessor:  # a streaming loader's copy: no weights
+        clone = copy.copy(self)
+        clone.__dict__.update(copy.deepcopy({**self.__dict__, "model": None}, memo), model=_weightless(self.model))
+        return clone
 
 
 def _length_limit(model: Any) -> tuple[int, int | None]:
@@ -201,13 +256,14 @@ def _run_rows(model: Any, inputs: list[str], prompt: str | None, batch_size: int
     planning_limit, cut = _length_limit(model)
     preprocessor = _Preprocessor(model, prompt, cut, kwargs)
     planning_limit = preprocessor.processing["text"].get("max_length") or planning_limit  # a call's own limit
+    constants = preprocessor.constants  # what every batch shares (prompt_length): values, read once
     loader = build_dynamic_batch_dataloader(inputs, preprocessor, batch_size, planning_limit, num_workers=0,
                                             progress=progress, model=model.transformers_model)
     forward_kwargs = dict(kwargs)
     forward_kwargs.pop("processing_kwargs", None)
 
     def rows(batch: Any) -> Any:
-        features = model({**batch, **preprocessor.constants}, **forward_kwargs)
+        features = model({**batch, **constants}, **forward_kwargs)
         return _row_outputs(features, output_value, normalize, truncate_dim)
 
     if devices is None:
@@ -220,7 +276,7 @@ def _run_rows(model: Any, inputs: list[str], prompt: str | None, batch_size: int
 
         def rows_on(batch: Any) -> Any:
             with torch.inference_mode():  # thread-local: entered in the device's worker thread
-                features = on({**batch, **preprocessor.constants}, **forward_kwargs)
+                features = on({**batch, **constants}, **forward_kwargs)
                 return _row_outputs(features, output_value, normalize, truncate_dim)
 
         return rows_on
@@ -274,6 +330,7 @@ def corpus_embedder(model: Any, *, prompt_name: str | None = None, prompt: str |
         raise ValueError(f"model should run its inputs on dynamic batches, but {reason}: call model.encode for it")
     limit, cut = _length_limit(model)
     preprocessor = _Preprocessor(model, _resolve_prompt(model, prompt, prompt_name), cut, {})
+    constants = preprocessor.constants  # what every batch shares (prompt_length): values, read once
     model.eval()
 
     def make_fn(device: torch.device) -> Callable[[Any], torch.Tensor]:
@@ -281,7 +338,7 @@ def corpus_embedder(model: Any, *, prompt_name: str | None = None, prompt: str |
 
         def fn(batch: Any) -> torch.Tensor:
             with torch.inference_mode():  # thread-local: entered in the thread that runs the batch
-                features = on({**batch, **preprocessor.constants})
+                features = on({**batch, **constants})
                 return _row_outputs(features, "sentence_embedding", normalize_embeddings, model.truncate_dim)
 
         return fn

@@ -50,21 +50,6 @@ store.StoreWriter.write = _stall_once_committed
 
 
 @pytest.fixture(scope="session")
-def bert_dir(tmp_path_factory, tokenizer):
-    """A tiny random-weight BERT (hidden size 32, 64 positions) with the MiniLM tokenizer, saved once."""
-    import torch
-    from transformers import BertConfig, BertModel
-
-    folder = tmp_path_factory.mktemp("tiny-bert")
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                             intermediate_size=64, max_position_embeddings=64)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="session")
 def gpt2_dir(tmp_path_factory, tokenizer):
     """A tiny random-weight GPT-2 (64 positions) with the MiniLM tokenizer (pad 0, EOS 102), saved once."""
     import torch
@@ -101,18 +86,8 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _sentence_transformers_folder(bert_dir: Path, folder: Path, version: str, max_seq_length: int) -> Path:
-    """``bert_dir`` saved as sentence-transformers ``version`` saved a model at ``max_seq_length``: 2.x kept it in
-    sentence_bert_config.json alone, 3.x to 5.0 there and in the tokenizer's model_max_length, 6.x (the installed
-    version's own ``save``) in the tokenizer's model_max_length alone."""
-    if version.startswith("6."):
-        from sentence_transformers import SentenceTransformer
-        from sentence_transformers.sentence_transformer import modules
-
-        transformer = modules.Transformer(str(bert_dir), max_seq_length=max_seq_length)
-        SentenceTransformer(modules=[transformer, modules.Pooling(32, pooling_mode="mean"), modules.Normalize()],
-                            prompts={"query": "query: ", "document": "passage: "}, default_prompt_name="document",
-                            device="cpu").save(str(folder))
-        return folder
+    """``bert_dir`` saved as sentence-transformers ``version`` (2.x to 5.0) saved a model at ``max_seq_length``: 2.x
+    kept it in sentence_bert_config.json alone, 3.x to 5.0 there and in the tokenizer's model_max_length."""
     layout = ST_LAYOUTS[version]
     shutil.copytree(bert_dir, folder)
     if not version.startswith("2."):  # loaded with model_max_length=max_seq_length, saved so
@@ -135,10 +110,15 @@ def _sentence_transformers_folder(bert_dir: Path, folder: Path, version: str, ma
 
 
 @pytest.fixture(scope="session")
-def st_folder(bert_dir, tmp_path_factory):
-    """``st_folder(version, max_seq_length=16)``: the tiny BERT saved as that sentence-transformers version did."""
+def st_folder(bert_dir, st_model_folder, tmp_path_factory):
+    """``st_folder(version, max_seq_length=16)``: the tiny BERT saved as that sentence-transformers version did (6.x:
+    the installed version's own ``save``, which keeps the length in the tokenizer's model_max_length alone)."""
 
     def make(version: str, max_seq_length: int = 16) -> Path:
+        if version.startswith("6."):
+            prompts = {"query": "query: ", "document": "passage: "}
+            return st_model_folder(normalize=True, max_seq_length=max_seq_length, prompts=prompts,
+                                   default_prompt_name="document")
         return _sentence_transformers_folder(bert_dir, tmp_path_factory.mktemp(f"st-{version}") / "model", version,
                                              max_seq_length)
 

@@ -89,30 +89,13 @@ def test_quantized_precisions_have_model_encode_type_and_values(minilm, texts):
         assert np.abs(got.astype(np.int64) - near).max() <= 1  # float rounding at a bucket's edge at most
 
 
-def _random_bert(tmp_path, tokenizer):
-    from transformers import BertConfig, BertModel
-
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        BertModel(config).save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    return str(tmp_path)
-
-
-@pytest.fixture(scope="module")
-def bert_folder(tmp_path_factory, tokenizer):
-    return _random_bert(tmp_path_factory.mktemp("bert"), tokenizer)
-
-
 @pytest.mark.parametrize("mode", ["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"])
-def test_every_pooling_mode_of_the_model_gives_model_encode_vectors(bert_folder, texts, mode):
+def test_every_pooling_mode_of_the_model_gives_model_encode_vectors(bert_dir, texts, mode):
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.base.modules import Transformer
     from sentence_transformers.sentence_transformer.modules import Pooling
 
-    body = Transformer(bert_folder, max_seq_length=64)
+    body = Transformer(str(bert_dir), max_seq_length=64)
     model = SentenceTransformer(modules=[body, Pooling(32, pooling_mode=mode, include_prompt=False)], device="cpu")
     for normalize in (False, True):
         want = model.encode(texts, batch_size=16, normalize_embeddings=normalize, prompt="query: ")
@@ -121,10 +104,10 @@ def test_every_pooling_mode_of_the_model_gives_model_encode_vectors(bert_folder,
         assert np.abs(got - want).max() < TOL, (mode, normalize)
 
 
-def test_make_dynamic_runs_the_model_own_encode_on_growing_batches(bert_folder, texts, caplog):
+def test_make_dynamic_runs_the_model_own_encode_on_growing_batches(bert_dir, texts, caplog):
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(bert_folder, device="cpu")  # a Transformer and mean pooling, from the folder
+    model = SentenceTransformer(str(bert_dir), device="cpu")  # a Transformer and mean pooling, from the folder
     want = model.encode(texts, batch_size=8)
     query = model.encode_query(texts[:10], batch_size=8)
     widths = []
