@@ -18,10 +18,12 @@ from typing import Any, NoReturn
 
 from dynabatch._validation import bad_value
 
-__all__ = ["DTYPES", "Parser", "check_device_names", "check_dtype", "check_model_folder", "check_plot",
+__all__ = ["DTYPES", "INTERRUPTED", "Parser", "check_device_names", "check_dtype", "check_model_folder", "check_plot",
            "check_positive", "check_writable", "extra", "refusing"]
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+INTERRUPTED = 130
+"""The exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it)."""
 
 
 def extra(name: str) -> str:

@@ -233,12 +233,19 @@ def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argpa
     ids, ``fn`` raising on named inputs) is one line on stderr, exit status 2,
     saying ``--on-error skip`` (``on_error``: the run's) where the error names
     inputs and the run stopped on it. Any other error is printed with
-    its traceback, then what the store holds: exit status 1.
+    its traceback, then what the store holds: exit status 1. Ctrl-C is one line of what the store kept,
+    exit status 130.
     """
+    from dynabatch.cli._checks import INTERRUPTED
     from dynabatch.inference.runner import IncompleteRunError
 
     try:
         result = call()
+    except KeyboardInterrupt:  # the run stopped its workers and committed what finished: say what was kept
+        tally = output.tally(n)
+        sys.stderr.write(f"{parser.prog}: stopped: {tally.stored:,} of {n:,} {what} stored in {output.path}; the "
+                         "same command resumes\n")
+        raise SystemExit(INTERRUPTED) from None
     except Exception as exc:  # noqa: BLE001 (every way the run ends is followed by what the store holds)
         if isinstance(exc, IncompleteRunError):
             return None, output.tally(n), exc
