@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from dynabatch._validation import bad_value
 from dynabatch.cli import job
@@ -47,7 +46,7 @@ from dynabatch.cli._checks import (
 )
 from dynabatch.cli.corpus import open_corpus
 from dynabatch.cli.output import Output
-from dynabatch.memory.budget import check_max_memory
+from dynabatch.memory.units import check_max_memory
 
 __all__ = ["add_parser", "generate_command"]
 
@@ -186,14 +185,15 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
 
 def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Runs ``dynabatch generate``; returns the exit status."""
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
-    from dynabatch.inference.generation import generate
-
     start = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with refusing(parser):
         spec = _prepare(args)
+    import torch  # once every option is checked
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    from dynabatch.inference.generation import generate
+
     place, config, output = spec["place"], spec["config"], spec["output"]
     try:
         with job.process_group(place):

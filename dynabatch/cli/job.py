@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from dynabatch._digest import fingerprint
 from dynabatch._validation import bad_value
@@ -115,6 +114,8 @@ class Placement:
 
 def placement(devices: list[torch.device] | None) -> Placement:
     """Every accelerator of the machine, ``devices`` when given, or under ``torchrun`` the rank's own device."""
+    import torch
+
     from dynabatch.memory.device import default_accelerator, device_count
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

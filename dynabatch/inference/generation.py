@@ -76,7 +76,8 @@ from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.results import RunResult, StoredRunResult
 from dynabatch.inference.runner import run
-from dynabatch.memory.budget import check_max_memory, resolve_max_memory
+from dynabatch.memory.budget import resolve_max_memory
+from dynabatch.memory.units import check_max_memory
 from dynabatch.memory.footprint import Footprint
 from dynabatch.memory.shape import ModelShape, check_position_limit, position_limit
 

@@ -62,3 +62,19 @@ def test_ctrl_c_mid_run_is_one_line_of_what_was_kept_exit_130_and_the_same_comma
     again = run_command(command).stdout
     assert f"{len(texts)} of {len(texts)} texts stored in {out} ({len(texts) - stored} run now, {stored} stored " \
            "before)" in again
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["embed", "--help"], ["generate", "--help"], ["calibrate", "--help"],
+                                  ["embed", "corpus/", "out/", "--batch-size", "0"],
+                                  ["generate", "p.txt", "out/", "--model", "m", "--max-new-tokens", "0"],
+                                  ["embed", "corpus/", "out/", "--no-such-flag"]])
+def test_help_and_a_bad_option_answer_before_torch_is_imported(argv, cli, command_environment):
+    """What a user types wrong is answered in a blink: torch (seconds to import) is not imported to say it."""
+    code = ("import sys\nfrom dynabatch.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as stop:\n"
+            "    print('exit', stop.code, 'torch' in sys.modules)\n")
+    done = subprocess.run([cli[0], "-c", code, *argv], env=command_environment(), capture_output=True, text=True,
+                          timeout=120, check=False)
+    status = 0 if "--help" in argv else 2
+    assert done.stdout.splitlines()[-1] == f"exit {status} False", done.stdout[-2000:] + done.stderr[-2000:]
+    if status:
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
