@@ -18,7 +18,7 @@ then every batch size runs ``--rounds`` rounds of ``--calls`` timed calls (synch
 rotated each round; a point's time is the median of its calls, every round's median printed. The table gives
 milliseconds a batch, tokens a second and the share of the shape's best; the **knee** is the smallest batch
 reaching 90% of the best throughput: more tokens than that buy less than 10%. The default ``--max-batch-tokens``
-of ``dynabatch embed`` (``dynabatch.sampling.plan_settings.ENCODER_BATCH_TOKENS``) is to be set from the knees of
+of ``dynabatch embed`` (``dynabatch.cli.embed.ENCODER_BATCH_TOKENS``) is to be set from the knees of
 the first two shapes on a GPU.
 
 Run it with::
@@ -46,7 +46,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import add_device_arguments, check_device_arguments, rotated, warm_until_stable  # noqa: E402
 
-from dynabatch.sampling.plan_settings import ENCODER_BATCH_TOKENS  # noqa: E402
+from dynabatch.cli.embed import ENCODER_BATCH_TOKENS  # noqa: E402
 
 SHAPES = {  # name: (family, hidden, layers, heads, kv heads, intermediate, vocab)
     "minilm": ("bert", 384, 6, 12, 12, 1536, 30522),

@@ -17,33 +17,52 @@ another project); importing warns once if that project is installed here too
 
 from dynabatch._distribution import check_installation
 from dynabatch._lazy import lazy_attributes
-from dynabatch.data.collate import Batch, TokenCollator
-from dynabatch.data.order import restore_order
-from dynabatch.data.sources import TokenizedSource, tokenize_source
-from dynabatch.data.text_source import TextSource, read_texts
-from dynabatch.data.tokenization import TokenizedTexts, tokenize_texts
-from dynabatch.data.training_collate import TrainingCollator
-from dynabatch.inference.generation import generate
-from dynabatch.inference.loader import build_dynamic_batch_dataloader
-from dynabatch.inference.outputs import PerRow
-from dynabatch.inference.runner import BatchOutOfMemoryError, IncompleteRunError, RunResult, StoredRunResult, run
-from dynabatch.inference.store_lock import StoreBusyError
-from dynabatch.memory.budget import MemoryBudget
-from dynabatch.memory.calibrate import calibrate
-from dynabatch.memory.measure import track_peak_memory
-from dynabatch.memory.model import MemoryModel
-from dynabatch.memory.shape import ModelShape
-from dynabatch.sampling.base import PlannedBatchSampler
-from dynabatch.sampling.constraints import AllOf, FixedBatchSize, LengthDifference, TokenBudget
-from dynabatch.sampling.inference_sampler import DynamicBatchSampler
-from dynabatch.sampling.smart import SmartBatchSampler
-from dynabatch.training.memory_limit import training_budget
 
-__getattr__ = lazy_attributes(__name__, {  # loaded on first use: numba (~0.5 s), transformers.Trainer (seconds)
+# Every public name is imported on first use: `import dynabatch` (and so `dynabatch --help`, a bad option of the
+# command line) does not pay for torch, transformers and numba (seconds) before it needs them.
+_WHERE = {
+    "AllOf": "dynabatch.sampling.constraints",
+    "Batch": "dynabatch.data.collate",
+    "BatchOutOfMemoryError": "dynabatch.inference.runner",
+    "BatchSamplerTrainer": "dynabatch.training.hf",
+    "build_dynamic_batch_dataloader": "dynabatch.inference.loader",
+    "calibrate": "dynabatch.memory.calibrate",
+    "DynamicBatchSampler": "dynabatch.sampling.inference_sampler",
+    "FixedBatchSize": "dynabatch.sampling.constraints",
+    "generate": "dynabatch.inference.generation",
+    "IncompleteRunError": "dynabatch.inference.runner",
+    "LengthDifference": "dynabatch.sampling.constraints",
+    "MemoryBudget": "dynabatch.memory.budget",
+    "MemoryModel": "dynabatch.memory.model",
+    "ModelShape": "dynabatch.memory.shape",
     "MultipackBatchSampler": "dynabatch.sampling.multipack",
     "PackedCollator": "dynabatch.data.packing",
-    "BatchSamplerTrainer": "dynabatch.training.hf",
-})
+    "PerRow": "dynabatch.inference.outputs",
+    "PlannedBatchSampler": "dynabatch.sampling.base",
+    "read_texts": "dynabatch.data.text_source",
+    "restore_order": "dynabatch.data.order",
+    "run": "dynabatch.inference.runner",
+    "RunResult": "dynabatch.inference.runner",
+    "SmartBatchSampler": "dynabatch.sampling.smart",
+    "StoreBusyError": "dynabatch.inference.store_lock",
+    "StoredRunResult": "dynabatch.inference.runner",
+    "TextSource": "dynabatch.data.text_source",
+    "TokenBudget": "dynabatch.sampling.constraints",
+    "TokenCollator": "dynabatch.data.collate",
+    "tokenize_source": "dynabatch.data.sources",
+    "tokenize_texts": "dynabatch.data.tokenization",
+    "TokenizedSource": "dynabatch.data.sources",
+    "TokenizedTexts": "dynabatch.data.tokenization",
+    "track_peak_memory": "dynabatch.memory.measure",
+    "training_budget": "dynabatch.training.memory_limit",
+    "TrainingCollator": "dynabatch.data.training_collate",
+}
+__getattr__ = lazy_attributes(__name__, _WHERE)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})
+
 
 check_installation()  # the package index's other "dynabatch" beside this one: said once, with what to do
 

@@ -21,17 +21,22 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from dynabatch.cli import calibrate, embed, generate
-from dynabatch.cli._checks import Parser
+from dynabatch.cli._checks import INTERRUPTED, Parser
 
 __all__ = ["main", "parser"]
 
 
 def parser() -> Parser:
     """The command line's parser: one subcommand per job."""
+    from dynabatch import __version__
+    from dynabatch._distribution import DISTRIBUTION
+
     top = Parser(prog="dynabatch", description="dynabatch: memory-safe dynamic batches, from the command line")
+    top.add_argument("--version", action="version", version=f"dynabatch {__version__} ({DISTRIBUTION})")
     sub = top.add_subparsers(title="commands", required=True, metavar="COMMAND", parser_class=Parser)
     embed.add_parser(sub)
     generate.add_parser(sub)
@@ -40,10 +45,18 @@ def parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command line; returns the exit status."""
+    """Runs the command line; returns the exit status (130 after Ctrl-C, with one line on stderr: a run already
+    under way says itself what its store kept)."""
     args = parser().parse_args(argv)
+    # one progress display, the command's own: not transformers' "Loading weights" bar as well (read when
+    # transformers is imported, which the commands do after this)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return args.command(args, args.parser)
+    try:
+        return args.command(args, args.parser)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{args.parser.prog}: stopped (Ctrl-C)\n")
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -24,10 +24,12 @@ from typing import Any, NoReturn
 
 from dynabatch._validation import bad_value
 
-__all__ = ["DTYPES", "FLAGS", "Parser", "as_flags", "check_device_names", "check_dtype", "check_model_folder",
-           "check_plot", "check_positive", "check_writable", "extra", "refusing"]
+__all__ = ["DTYPES", "FLAGS", "INTERRUPTED", "Parser", "as_flags", "check_device_names", "check_dtype",
+           "check_model_folder", "check_plot", "check_positive", "check_writable", "extra", "refusing"]
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+INTERRUPTED = 130
+"""The exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it)."""
 
 FLAGS = {
     "batch_size": "--batch-size",

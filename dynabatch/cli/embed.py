@@ -46,8 +46,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dynabatch._validation import bad_value
 from dynabatch.cli import job
 from dynabatch.cli._checks import (
@@ -60,12 +58,20 @@ from dynabatch.cli._checks import (
 )
 from dynabatch.cli.corpus import open_corpus
 from dynabatch.cli.output import Output
-from dynabatch.memory.budget import check_max_memory
-from dynabatch.sampling.plan_settings import ENCODER_BATCH_TOKENS
+from dynabatch.memory.units import check_max_memory
 
-__all__ = ["POOLINGS", "add_parser", "embed_command", "pooled"]
+__all__ = ["ENCODER_BATCH_TOKENS", "POOLINGS", "add_parser", "embed_command", "pooled"]
 
 POOLINGS = ("auto", "mean", "cls", "last")
+ENCODER_BATCH_TOKENS = 16_384
+"""Padded tokens a batch of an encoder's forward holds by default (``dynabatch embed --max-batch-tokens``).
+
+Where more rows stop paying: to be confirmed on a GPU by ``benchmarks/encoder_curve.py`` (throughput against
+batch tokens for MiniLM-, BERT-base- and 0.5B-decoder-shaped embedders); no GPU has run it yet. Until then it is
+text-embeddings-inference's default ``--max-batch-tokens``, which that server reaches after a warm-up at that
+size, and past the knee by arithmetic: 16,384 tokens of BERT-base are ~3.6 TFLOP, ~9 ms of an H100/H200 at 40%
+of its 989 dense TFLOP/s, against ~1 ms of kernel launches a forward, so the device, not the host, bounds such a
+batch; MiniLM's ~0.7 TFLOP (~2 ms) is on a par with the host's per-batch work (collate, copy, launch)."""
 _ST = "sentence-transformers"
 
 _DESCRIPTION = "A corpus in, one embedding per text out, into a Parquet store; the same command again resumes it."
@@ -244,8 +250,6 @@ def _max_length(args: argparse.Namespace, config: Any, folder: str, tokenizer: A
 def _prepare(args: argparse.Namespace) -> _Job:
     """Every check of an embed job, in the order a user fixes them, and the store opened (its job lock taken); no
     weights load."""
-    from transformers import AutoTokenizer
-
     check_positive(args, "batch_size", "max_length", "max_batch_tokens")
     check_max_memory(args.max_memory, "--max-memory")
     job.check_outputs(args)
@@ -265,6 +269,8 @@ def _prepare(args: argparse.Namespace) -> _Job:
         if pooling == _ST:
             max_length = _check_sentence_transformer(args, config, _sentence_transformer(folder))
         else:
+            from transformers import AutoTokenizer
+
             tokenizer = AutoTokenizer.from_pretrained(folder)
             if tokenizer.pad_token is None and tokenizer.eos_token is not None:
                 tokenizer.pad_token = tokenizer.eos_token  # pooling reads the attention mask: padding never counts
@@ -295,6 +301,8 @@ def pooled(model: Any, pooling: str, normalize: bool) -> Any:
         >>> [pooled(Echo(), p, False)(batch)[:, 0].tolist() for p in ("mean", "cls", "last")]
         [[6.0, 3.0], [5.0, 2.0], [7.0, 4.0]]
     """
+    import torch
+
     accepted = set(inspect.signature(model.forward).parameters)
 
     def fn(batch: Any) -> torch.Tensor:
@@ -319,6 +327,8 @@ def pooled(model: Any, pooling: str, normalize: bool) -> Any:
 
 def _load(spec: _Job, args: argparse.Namespace) -> tuple[Any, int, Any, Any]:
     """``(tokenizer, max_length, make_fn, model for the loader's checks)``, the weights on the first device."""
+    import torch
+
     first = spec.place.devices[0]
     if spec.pooling == _ST:
         from sentence_transformers import SentenceTransformer
@@ -347,12 +357,12 @@ def _load(spec: _Job, args: argparse.Namespace) -> tuple[Any, int, Any, Any]:
 
 def embed_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Runs ``dynabatch embed``; returns the exit status."""
-    from dynabatch.inference.loader import build_dynamic_batch_dataloader
-
     start = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with refusing(parser):
         spec = _prepare(args)
+    from dynabatch.inference.loader import build_dynamic_batch_dataloader  # torch: once every option is checked
+
     place = spec.place
     try:
         with job.process_group(place):

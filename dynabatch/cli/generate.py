@@ -11,7 +11,8 @@ chat conversations (``--messages-column``: each row a list of
 template). Replies come from :func:`dynabatch.generate` (a decoder-only or
 encoder-decoder ``transformers`` model): each prompt's reply alone, the prompt
 not repeated, ending at its first EOS; greedy unless ``--sample``. The store
-holds ``position`` (the prompt's row in the input) and ``output`` (the reply);
+holds ``id`` (with ``--id-column``; else rows are keyed by ``position``, the
+prompt's row in the input) and ``output`` (the reply);
 its key names the model, the dtype, the length limits and every generation
 option, so the same command again generates only the prompts not stored.
 
@@ -34,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from dynabatch._validation import bad_value
 from dynabatch.cli import job
@@ -47,7 +47,7 @@ from dynabatch.cli._checks import (
 )
 from dynabatch.cli.corpus import open_corpus
 from dynabatch.cli.output import Output
-from dynabatch.memory.budget import check_max_memory
+from dynabatch.memory.units import check_max_memory
 
 __all__ = ["add_parser", "generate_command"]
 
@@ -67,6 +67,8 @@ def add_parser(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     job.add_input_arguments(p, "prompt")
     p.add_argument("--model", required=True, help="a local transformers model folder (causal or seq2seq LM)")
+    p.add_argument("--id-column", default=None,
+                   help="a column of unique ids (str or int) to key replies by; default: replies keyed by position")
     p.add_argument("--messages-column", default=None,
                    help="a column of chat conversations (lists of {role, content}) instead of --text-column")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply at most (default: 128)")
@@ -155,11 +157,14 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     options = _check_sampling(args)
     job.check_outputs(args)
     column = args.messages_column if args.messages_column is not None else args.text_column
-    corpus = open_corpus(args.input, args.format, exclude=args.output, keep=[column])
+    corpus = open_corpus(args.input, args.format, exclude=args.output,
+                         keep=[c for c in (column, args.id_column) if c is not None])
     if args.messages_column is None:
         corpus.require("--text-column", args.text_column, ("string",))
     else:
         corpus.require("--messages-column", args.messages_column, ("list",))
+    if args.id_column is not None:
+        corpus.require("--id-column", args.id_column, ("string", "integer"))
     with Output(args.output).checked() as output:  # made and written to: the next thing a user fixes
         devices = check_device_names(args.devices)
         if devices is not None and len(devices) > 1:
@@ -176,22 +181,24 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
                     "prompts": "messages" if args.messages_column is not None else "text",
                     **{k: v for k, v in options.items()}, **({"seed": args.seed} if args.sample else {})}
         key = job.job_key("generate", args.model, **settings)
-        output.open(key=key, n=len(corpus), ids=None)
+        ids = corpus.ids(args.id_column) if args.id_column is not None else None
+        output.open(key=key, n=len(corpus), ids=ids)
         prompts = _prompts(args, corpus, tokenizer)
     return {"place": place, "config": config, "dtype": dtype, "tokenizer": tokenizer, "max_length": max_length,
-            "prompts": prompts, "options": options, "key": key, "output": output}
+            "prompts": prompts, "ids": ids, "options": options, "key": key, "output": output}
 
 
 def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Runs ``dynabatch generate``; returns the exit status."""
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
-
-    from dynabatch.inference.generation import generate
-
     start = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with refusing(parser):
         spec = _prepare(args)
+    import torch  # once every option is checked
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    from dynabatch.inference.generation import generate
+
     place, config, output = spec["place"], spec["config"], spec["output"]
     try:
         with job.process_group(place):
@@ -202,7 +209,7 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             result, tally, error = job.run_accounted(
                 lambda: generate(model, spec["tokenizer"], spec["prompts"], batch_size=args.batch_size,
                                  max_memory=args.max_memory,
-                                 max_input_token_length=spec["max_length"], device=place.devices[0],
+                                 max_input_token_length=spec["max_length"], device=place.devices[0], ids=spec["ids"],
                                  output_path=output.store, key=spec["key"], on_oom=args.on_oom,
                                  on_error=args.on_error, progress=place.main and not args.no_progress,
                                  pad_token_id=spec["tokenizer"].pad_token_id, **spec["options"]),
@@ -211,6 +218,6 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
                           f"of {spec['max_length']} tokens at most, {args.max_new_tokens} new tokens at most, "
                           + ("sampled" if args.sample else "greedy"))
             return job.finish("generate", result, tally, error, args, place, start=start, model=model_line,
-                              what="replies", columns=["position", "output"])
+                              what="replies", columns=["id" if spec["ids"] is not None else "position", "output"])
     finally:
         output.end()

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from dynabatch._digest import FileDigests, fingerprint
 from dynabatch._validation import bad_value
@@ -121,6 +120,8 @@ class Placement:
 
 def placement(devices: list[torch.device] | None) -> Placement:
     """Every accelerator of the machine, ``devices`` when given, or under ``torchrun`` the rank's own device."""
+    import torch
+
     from dynabatch.memory.device import default_accelerator, device_count
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -258,13 +259,19 @@ def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argpa
     saying ``--on-error skip`` (``on_error``: the run's) where the error names
     inputs and the run stopped on it; the library's arguments it names are named by their flags
     (:func:`~dynabatch.cli._checks.as_flags`). Any other error is printed with
-    its traceback, then what the store holds: exit status 1.
+    its traceback, then what the store holds: exit status 1. Ctrl-C is one line of what the store kept,
+    exit status 130.
     """
-    from dynabatch.cli._checks import as_flags
+    from dynabatch.cli._checks import INTERRUPTED, as_flags
     from dynabatch.inference.runner import IncompleteRunError
 
     try:
         result = call()
+    except KeyboardInterrupt:  # the run stopped its workers and committed what finished: say what was kept
+        tally = output.tally(n)
+        sys.stderr.write(f"{parser.prog}: stopped: {tally.stored:,} of {n:,} {what} stored in {output.path}; the "
+                         "same command resumes\n")
+        raise SystemExit(INTERRUPTED) from None
     except Exception as exc:  # noqa: BLE001 (every way the run ends is followed by what the store holds)
         if isinstance(exc, IncompleteRunError):
             return None, output.tally(n), exc

@@ -76,7 +76,8 @@ from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.results import RunResult, StoredRunResult
 from dynabatch.inference.runner import run
-from dynabatch.memory.budget import check_max_memory, resolve_max_memory
+from dynabatch.memory.budget import resolve_max_memory
+from dynabatch.memory.units import check_max_memory
 from dynabatch.memory.footprint import Footprint
 from dynabatch.memory.shape import ModelShape, check_position_limit, position_limit
 
@@ -231,6 +232,7 @@ def generate(
     max_input_token_length: int | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     device: str | torch.device | None = None,
+    ids: Any = None,
     output_path: Any = None,
     key: Any = None,
     on_oom: str = "raise",
@@ -263,6 +265,9 @@ def generate(
             ``model_max_length``, whichever is smaller.
         chat_template_kwargs: more arguments of ``apply_chat_template`` (e.g. ``{"enable_thinking": False}``).
         device: where batches run; ``None``: the model's device.
+        ids: one stable id per prompt (str or int, unique), or ``None``: the
+            loader's ``ids`` (with ``output_path``, the store keys its rows by them, so a rerun on an input whose
+            rows moved or grew generates only the prompts whose ids it lacks).
         output_path, key, on_oom, on_error, memory, progress: :func:`dynabatch.run`'s
             (with ``output_path`` a rerun generates only the prompts not yet saved; ``on_error="skip"`` sets a
             prompt whose ``generate`` call raises aside, in ``failed`` with the error's text).
@@ -299,7 +304,7 @@ def generate(
     budget = _absolute_budget(model, max_memory, device, new_tokens, generate_kwargs)
     padder = _padding_tokenizer(tokenizer, encoder_decoder)
     loader = build_dynamic_batch_dataloader(
-        texts, padder, batch_size, max_input_token_length, num_workers=0, progress=progress, model_shape=shape,
+        texts, padder, batch_size, max_input_token_length, num_workers=0, progress=progress, model_shape=shape, ids=ids,
         **budget, **({"add_special_tokens": False} if kind == "chat" else {}),
     )
     eos_ids = _eos_ids(model, generate_kwargs)

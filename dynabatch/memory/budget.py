@@ -31,7 +31,7 @@ the first batch's measured peak); ``"auto"`` is :data:`AUTO_SHARE` of the device
 has memory of its own (an accelerator; vLLM's ``gpu_memory_utilization`` and SGLang's ``mem_fraction_static``
 plan to such a share), and the relative rule on the CPU, whose memory is the whole system's; a size or a
 percentage is that absolute budget, a percentage refused where no device memory is known.
-:func:`check_max_memory` refuses what no device could resolve before anything loads.
+:func:`~dynabatch.memory.units.check_max_memory` refuses what no device could resolve before anything loads.
 
 Example:
     >>> import numpy as np
@@ -58,7 +58,7 @@ from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.collate import padded_width
 from dynabatch.memory.device import default_accelerator, knows_memory
 from dynabatch.memory.oom import MAX_ROWS, failed_cap
-from dynabatch.memory.units import GB, GIB, MB, MIB, parse_memory, split_memory
+from dynabatch.memory.units import GB, GIB, MB, MIB, check_max_memory, parse_memory
 
 __all__ = [
     "AUTO_SHARE",
@@ -69,7 +69,6 @@ __all__ = [
     "MIB",
     "BudgetTooSmallError",
     "MemoryBudget",
-    "check_max_memory",
     "check_memory_margin",
     "parse_memory",
     "resolve_max_memory",
@@ -81,39 +80,8 @@ logger = logging.getLogger(__name__)
 AUTO_SHARE = "90%"
 """``max_memory="auto"`` on a device with memory of its own: this share of its free memory (vLLM's default
 ``gpu_memory_utilization`` is 0.9); batches are planned to ``(1 - memory_margin)`` of it."""
-_MAX_MEMORY_RULE = ("None (the relative rule), 'auto', a number of bytes > 0, a size such as '20GB', or a "
-                    "percentage such as '90%' of the device's free memory")
-
-
 class BudgetTooSmallError(ValueError):
     """A budget smaller than one row of the longest text (:meth:`MemoryBudget.check_one_row`)."""
-
-
-def check_max_memory(value: Any, name: str = "max_memory", devices: Any = None) -> Any:
-    """Refuses a ``max_memory`` no device could resolve (a bad size, a percentage over 100%), before anything
-    loads; with ``devices`` (where the batches will run), a percentage of a device whose memory is not known (the
-    CPU) too. Returns it as given.
-
-    Example:
-        >>> check_max_memory("90%"), check_max_memory(None), check_max_memory("auto", devices=["cpu"])
-        ('90%', None, 'auto')
-        >>> check_max_memory("150%")
-        Traceback (most recent call last):
-        ...
-        ValueError: max_memory should be a percentage in (0%, 100%] of the device's free memory, but got max_memory='150%'
-        >>> check_max_memory("90%", devices=["cpu"])
-        Traceback (most recent call last):
-        ...
-        ValueError: max_memory should be bytes or a size such as '20GB' on cpu (no device memory is known there: a percentage is a share of a device's free memory), but got max_memory='90%'
-    """
-    if value is None or (isinstance(value, str) and value == "auto"):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
-        raise bad_type(name, _MAX_MEMORY_RULE, value)
-    _, unit = split_memory(value, name)
-    for device in devices if unit == "%" and devices is not None else ():
-        parse_memory(value, name, device=device)  # a share of what that device reports free now
-    return value
 
 
 def resolve_max_memory(value: Any, device: Any = None, name: str = "max_memory") -> float | None:

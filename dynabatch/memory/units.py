@@ -33,7 +33,7 @@ from typing import Any
 
 from dynabatch._validation import bad_type, bad_value
 
-__all__ = ["GB", "GIB", "KIB", "MB", "MIB", "check_percentage", "parse_memory", "split_memory"]
+__all__ = ["GB", "GIB", "KIB", "MB", "MIB", "check_max_memory", "check_percentage", "parse_memory", "split_memory"]
 
 MB = 10.0**6
 """A megabyte, as parsed from ``"MB"`` and meant by every ``*_mb`` argument: 10**6 bytes."""
@@ -51,6 +51,8 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*|%)\s*$")
 _MEMORY_RULE = ("a number of bytes > 0, a size such as '12GB' or '512MiB', or a percentage such as '80%' "
                 "(of a device's free memory)")
+_MAX_MEMORY_RULE = ("None (the relative rule), 'auto', a number of bytes > 0, a size such as '20GB', or a "
+                    "percentage such as '90%' of the device's free memory")
 
 
 def check_percentage(name: str, value: str, number: float) -> None:
@@ -132,3 +134,30 @@ def parse_memory(value: Any, name: str = "max_memory", *, device: Any = None, of
         if not number > 0:
             raise bad_value(name, f"a share of free memory > 0 bytes (the device has {number:.0f} bytes free)", value)
     return float(number)
+
+
+def check_max_memory(value: Any, name: str = "max_memory", devices: Any = None) -> Any:
+    """Refuses a ``max_memory`` no device could resolve (a bad size, a percentage over 100%), before anything
+    loads; with ``devices`` (where the batches will run), a percentage of a device whose memory is not known (the
+    CPU) too. Returns it as given.
+
+    Example:
+        >>> check_max_memory("90%"), check_max_memory(None), check_max_memory("auto", devices=["cpu"])
+        ('90%', None, 'auto')
+        >>> check_max_memory("150%")
+        Traceback (most recent call last):
+        ...
+        ValueError: max_memory should be a percentage in (0%, 100%] of the device's free memory, but got max_memory='150%'
+        >>> check_max_memory("90%", devices=["cpu"])
+        Traceback (most recent call last):
+        ...
+        ValueError: max_memory should be bytes or a size such as '20GB' on cpu (no device memory is known there: a percentage is a share of a device's free memory), but got max_memory='90%'
+    """
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        raise bad_type(name, _MAX_MEMORY_RULE, value)
+    _, unit = split_memory(value, name)
+    for device in devices if unit == "%" and devices is not None else ():
+        parse_memory(value, name, device=device)  # a share of what that device reports free now
+    return value

@@ -77,7 +77,8 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_lengths, check_positive_int
-from dynabatch.memory.budget import MemoryBudget, check_max_memory, check_memory_margin, resolve_max_memory
+from dynabatch.memory.budget import MemoryBudget, check_memory_margin, resolve_max_memory
+from dynabatch.memory.units import check_max_memory
 from dynabatch.memory.classifier import SpikeClassifier, load_classifier
 from dynabatch.memory.features import SPIKE_RATIO
 from dynabatch.memory.footprint import Footprint

@@ -31,20 +31,9 @@ from dynabatch._validation import bad_type, bad_value, check_fraction, check_pos
 from dynabatch.data.collate import padded_width
 from dynabatch.memory.shape import ModelShape, check_model_shape
 
-__all__ = ["ENCODER_BATCH_TOKENS", "PlanSettings", "candidate_sizes", "settle_rows"]
+__all__ = ["PlanSettings", "candidate_sizes", "settle_rows"]
 
 _MAX_BATCH = 2**40  # candidate sizes stay exact in int64 and float64
-
-ENCODER_BATCH_TOKENS = 16_384
-"""Padded tokens a batch of an encoder's forward holds by default (``dynabatch embed --max-batch-tokens``).
-
-Where more rows stop paying: to be confirmed on a GPU by ``benchmarks/encoder_curve.py`` (throughput against
-batch tokens for MiniLM-, BERT-base- and 0.5B-decoder-shaped embedders); no GPU has run it yet. Until then it is
-text-embeddings-inference's default ``--max-batch-tokens``, which that server reaches after a warm-up at that
-size, and past the knee by arithmetic: 16,384 tokens of BERT-base are ~3.6 TFLOP, ~9 ms of an H100/H200 at 40%
-of its 989 dense TFLOP/s, against ~1 ms of kernel launches a forward, so the device, not the host, bounds such a
-batch; MiniLM's ~0.7 TFLOP (~2 ms) is on a par with the host's per-batch work (collate, copy, launch)."""
-
 
 def candidate_sizes(batch_size: int, batch_start_range: float, batch_end_range: float, steps: int) -> np.ndarray:
     """The candidate batch sizes, ascending and deduplicated (before capping at what remains).

@@ -208,6 +208,12 @@ def kill_after_first_shard():
 
 
 @pytest.fixture(scope="session")
+def command_environment():
+    """``command_environment(hook_in=None, hook=STALL_HOOK)``: the environment of a command's subprocess."""
+    return _environment
+
+
+@pytest.fixture(scope="session")
 def run_command():
     """``run_command(command, hook=None, hook_in=None, status=0)``: a run to its end, its exit status asserted."""
     return _run_command

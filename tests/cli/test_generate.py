@@ -130,3 +130,24 @@ def test_a_prompt_whose_generate_raises_is_named_or_set_aside_with_on_error_skip
     monkeypatch.setattr(GPT2LMHeadModel, "forward", forward)
     assert main(command) == 0  # the model no longer raises: the prompt set aside is retried
     assert f"5 of 5 replies stored in {out} (1 run now, 4 stored before)" in capsys.readouterr().out
+
+
+def test_id_column_keys_replies_by_id_and_a_rerun_on_a_reordered_grown_input_runs_only_new_ids(
+        gpt2_dir, texts, tmp_path, capsys):
+    prompts = [" ".join(t.split()[:8]) for t in texts[:12]]
+    rows = [{"id": f"p{i}", "text": p} for i, p in enumerate(prompts)]
+    first = tmp_path / "first.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r in rows[:8]))
+    out = tmp_path / "replies"
+    command = ["--model", str(gpt2_dir), "--id-column", "id", "--max-new-tokens", "3", "--no-progress"]
+    assert main(["generate", str(first), str(out), *command]) == 0
+    assert "8 of 8 replies stored" in capsys.readouterr().out
+    grown = tmp_path / "grown.jsonl"
+    grown.write_text("".join(json.dumps(r) + "\n" for r in reversed(rows)))  # other order, four more prompts
+    assert main(["generate", str(grown), str(out), *command]) == 0
+    assert f"12 of 12 replies stored in {out} (4 run now, 8 stored before)" in capsys.readouterr().out
+    table = ds.dataset(out).to_table()
+    assert table.column_names[0] == "id" and "position" not in table.column_names
+    assert sorted(table.column("id").to_pylist()) == sorted(r["id"] for r in rows)  # every id once
+    by_id = dict(zip(table.column("id").to_pylist(), table.column("output").to_pylist()))
+    assert [by_id[f"p{i}"] for i in range(12)] == _alone(gpt2_dir, prompts, 3)

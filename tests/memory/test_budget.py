@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from dynabatch.memory.budget import AUTO_SHARE, MemoryBudget, check_max_memory, resolve_max_memory
+from dynabatch.memory.budget import AUTO_SHARE, MemoryBudget, resolve_max_memory
+from dynabatch.memory.units import check_max_memory
 from dynabatch.memory.device import simulated_memory
 from dynabatch.memory.model import MemoryModel
 
