@@ -34,9 +34,10 @@ def test_rows_longer_than_the_model_positions_fail_naming_the_likely_cause(short
     assert len(rows) == len(texts)
 
 
-def test_other_index_errors_propagate_as_they_are_with_a_note_naming_the_batch(tokenizer, texts):
+def test_other_index_errors_propagate_as_they_are_with_a_note_naming_the_row(tokenizer, texts):
     def fn(batch):
         return batch.texts[len(batch.texts)]
 
-    with pytest.raises(IndexError, match=r"^list index out of range\ndynabatch.run: fn\(batch\) raised on batch 0: "):
+    with pytest.raises(IndexError, match=r"^list index out of range\ndynabatch.run: fn\(batch\) raised on input "
+                                         r"position \d+, alone \(a row of batch 0\)"):
         run(fn, _load(texts[:8], tokenizer), progress=False)
