@@ -84,7 +84,7 @@ def explain_index_errors(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         >>> fn({"input_ids": torch.tensor([[1, 9]])})
         Traceback (most recent call last):
         ...
-        IndexError: fn(batch) failed in an embedding lookup (index out of range in self) on a batch of 1 rows x 2 \
+        IndexError: fn(batch) failed in an embedding lookup (index out of range in self) on a batch of 1 row x 2 \
 tokens whose largest token id is 9: ...
     """
 
@@ -96,7 +96,7 @@ tokens whose largest token id is 9: ...
             if _EMBEDDING_MESSAGE not in str(error):
                 raise
             ids = batch.get("input_ids") if isinstance(batch, dict) else None
-            shape = (f"a batch of {ids.shape[0]} rows x {ids.shape[1]} tokens"
+            shape = (f"a batch of {ids.shape[0]} row{'s' if ids.shape[0] != 1 else ''} x {ids.shape[1]} tokens"
                      + (f" whose largest token id is {int(ids.max())}" if ids.numel() else "")
                      if hasattr(ids, "shape") and len(ids.shape) == 2 else "a batch")
             raise IndexError(

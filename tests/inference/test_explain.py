@@ -22,7 +22,7 @@ def short_gpt2(tokenizer):
 def test_rows_longer_than_the_model_positions_fail_naming_the_likely_cause(short_gpt2, tokenizer, texts):
     loader = _load(texts, tokenizer, max_input_token_length=32)  # no model=: nothing to check it against
     with torch.no_grad(), pytest.raises(IndexError, match=r"fn\(batch\) failed in an embedding lookup \(index out "
-                                        r"of range in self\) on a batch of 4 rows x 32 tokens whose largest token "
+                                        r"of range in self\) on a batch of 1 row x 32 tokens whose largest token "
                                         r"id is \d+: most likely max_input_token_length is above the model's "
                                         r"position embeddings") as caught:
         run(lambda batch: short_gpt2(**batch).last_hidden_state[:, 0], loader, progress=False)
