@@ -338,8 +338,8 @@ class Executor:
         """``error``, which ``fn`` raised on the rows at ``positions`` whose halves then all ran: noted so."""
         error.add_note(f"dynabatch.run: fn(batch) raised on {self._describe(item, positions)}, but on none of its "
                        "parts when retried in halves to find the row: the error depends on the batch as a whole "
-                       "(its size or width) or comes and goes, not on one input; on_error='skip' would not set it "
-                       "aside either")
+                       "(its size or width) or comes and goes, not on one input; its rows ran in the halves (a store "
+                       "keeps them); on_error='skip' (--on-error skip on the command line) goes on past such an error")
         return error
 
     def _out_of_memory(self, item: Item, record: BatchRecord, error: BaseException, stack: list,
