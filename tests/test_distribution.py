@@ -96,3 +96,12 @@ def test_pip_install_e_from_a_fresh_copy_gives_the_console_script(tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: dynabatch embed [-h]") and "--id-column" in done.stdout
+
+
+def test_every_extra_with_sentence_transformers_has_what_dynabatch_embed_reads_its_folders_with():
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {extra: {re.split(r"[\[<>=!~;@ ]", r)[0] for r in reqs} for extra, reqs in extras.items()}
+    running = [extra for extra, reqs in names.items() if "sentence-transformers" in reqs]
+    assert "examples" in running  # the README's first command: dynabatch embed's default model
+    assert [extra for extra in running if "accelerate" not in names[extra]] == []  # device_map="meta" needs it

@@ -19,7 +19,9 @@ suffix, never guessed from the contents:
   line (a blank line is an empty document, so row ``i`` is line ``i + 1``);
   its one column is ``text``.
 
-A file of another suffix is refused, naming the formats. A folder or glob
+A file of another suffix is refused, naming the formats. A JSONL line or a CSV
+row that cannot be read is named by the line of the file it starts on (counted
+from the file's start, not from the block pyarrow was reading). A folder or glob
 never reads the files under ``exclude``, the job's own output folder, wherever
 it lies (a store inside its corpus folder holds Parquet shards).
 
@@ -47,7 +49,9 @@ Example:
 from __future__ import annotations
 
 import glob
+import json
 import os
+import re
 import shutil
 import tempfile
 import weakref
@@ -77,8 +81,61 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _unreadable(path: str, what: str, exc: BaseException) -> ValueError:
-    return ValueError(f"input should be {what}, but got input={path!r}: {_first_line(exc)}")
+def _unreadable(path: str, what: str, exc: BaseException, detail: str | None = None) -> ValueError:
+    """``path`` refused as not ``what``: ``detail``, else the first line of the error reading it raised."""
+    return ValueError(f"input should be {what}, but got input={path!r}: {detail or _first_line(exc)}")
+
+
+_JSONL_RULE = "a JSONL file (one JSON object a line)"
+_JSON_KINDS = ((bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "array"), (dict, "object"))
+
+
+def _without_block_row(exc: BaseException) -> str:
+    """pyarrow's first line, less its row number: it counts rows within a block of the file, not from its start."""
+    return re.sub(r"\s*in row \d+\s*$", "", _first_line(exc))
+
+
+def _json_kind(value: Any) -> str:
+    return next(kind for types, kind in _JSON_KINDS if isinstance(value, types))
+
+
+def _kind_conflict(value: Any, path: str, kinds: dict[str, str]) -> str | None:
+    """Where ``value`` (at column ``path``) holds a kind of JSON value other than earlier lines held there."""
+    if value is None:  # null: a missing value of any kind
+        return None
+    kind, now = kinds.setdefault(path, _json_kind(value)), _json_kind(value)
+    if kind != now:
+        return f"column {path} holds values of kind {kind} on earlier lines and of kind {now} here"
+    if isinstance(value, dict):
+        children = [(f"{path}/{key}", child) for key, child in value.items()]
+    else:
+        children = [(f"{path}/[]", child) for child in value] if isinstance(value, list) else []
+    return next((found for at, child in children if (found := _kind_conflict(child, at, kinds))), None)
+
+
+def _jsonl_fault(path: str, *, kinds: bool) -> str | None:
+    """The first line of the JSONL file ``path`` pyarrow cannot read, as ``"line N: why"`` (lines counted over the
+    whole file, from 1), or ``None`` if none is found. Run once the read failed: one line at a time, in flat memory.
+    ``kinds``: also find the first value whose kind (string, number, ...) differs from its column's on earlier lines
+    (pyarrow's "Column(/name) changed from" error; slower: every value is visited).
+    """
+    decoder, seen = json.JSONDecoder(), {}
+    with open(path, "rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line, end = raw.decode("utf-8").strip(), 0
+                while end < len(line):  # pyarrow reads values one after another, a line holding several too
+                    value, end = decoder.raw_decode(line, end)
+                    if not isinstance(value, dict):
+                        return f"line {number}: a JSON {_json_kind(value)} where a JSON object should be"
+                    if kinds and (conflict := _kind_conflict(value, "", seen)) is not None:
+                        return f"line {number}: {conflict}"
+                    end = len(line) - len(line[end:].lstrip())
+            except json.JSONDecodeError as exc:
+                return f"line {number}, column {exc.colno}: {exc.msg}"
+            except UnicodeDecodeError as exc:
+                return f"line {number}: not UTF-8 ({exc.reason} at byte {exc.start})"
+    return None
 
 
 def _is_glob(path: str) -> bool:
@@ -212,7 +269,7 @@ class Corpus:
             try:
                 names = csv.open_csv(file, parse_options=self._csv_options()).schema.names
             except (OSError, pa.ArrowException) as exc:
-                raise _unreadable(file, self._table_rule(), exc) from exc
+                raise self._refusal(file, exc) from exc
             self._add_file(file, pa.schema([(n, pa.large_string()) for n in names]))
         self.rows = None
 
@@ -241,8 +298,27 @@ class Corpus:
                         writer.write_batch(batch)
                         self.rows += batch.num_rows
             except (OSError, pa.ArrowException) as exc:
-                raise _unreadable(file, self._table_rule(), exc) from exc
+                raise self._refusal(file, exc) from exc
             self.files.append(target)
+
+    def _refusal(self, file: str, exc: BaseException) -> ValueError:
+        """``file`` refused, naming the line of its first ragged row where pyarrow's error names only its text."""
+        line = self._ragged_line(file) if "Expected" in str(exc) else None
+        return _unreadable(file, self._table_rule(), exc, line and f"line {line}: {_first_line(exc)}")
+
+    def _ragged_line(self, file: str) -> int | None:
+        """The line (from 1) where the first row of ``file`` with another number of values than its first row
+        starts; ``None`` if Python's ``csv`` reads none. One row at a time."""
+        import csv
+
+        with open(file, encoding="utf-8", errors="replace", newline="") as lines:
+            reader, start, columns = csv.reader(lines, delimiter=_DELIMITERS[self.format]), 1, None
+            for row in reader:
+                columns = columns or len(row)
+                if row and len(row) != columns:  # pyarrow skips empty lines, as csv gives them: []
+                    return start
+                start = reader.line_num + 1
+        return None
 
     def _open_jsonl(self) -> None:
         import pyarrow.json
@@ -253,7 +329,9 @@ class Corpus:
         try:
             self.table = pyarrow.json.read_json(self.path)
         except (OSError, pa.ArrowException) as exc:
-            raise _unreadable(self.path, "a JSONL file (one JSON object a line)", exc) from exc
+            fault = _jsonl_fault(self.path, kinds="Column(/" in str(exc)) \
+                if isinstance(exc, pa.ArrowException) else None
+            raise _unreadable(self.path, _JSONL_RULE, exc, fault or _without_block_row(exc)) from exc
         self.columns = dict(zip(self.table.schema.names, self.table.schema.types))
         self.rows = self.table.num_rows
 

@@ -8,9 +8,9 @@ split (:meth:`~dynabatch.inference.scheduler.Scheduler.pre_split`) is split befo
 measured, or that it ran out of memory, goes back to the scheduler (:meth:`~dynabatch.inference.scheduler.Scheduler.
 report`), which sizes what runs next.
 
-An error ``fn`` raises carries a note naming its batch's positions and ids (after splitting down to one row, that
-row). ``on_error="skip"`` splits such a batch in halves until the rows that fail are alone, and sets each aside with
-the error's text as its cause; the others run as usual.
+An error ``fn`` raises splits its batch in halves until the rows that fail are alone (bounded: see
+:meth:`Executor._fn_failed`); ``on_error="raise"`` raises the first such row's error with a note naming its position
+and id, ``on_error="skip"`` sets each aside with the error's text as its cause; the others run as usual.
 
 :func:`run_workers` runs the scheduler's items: one worker in the calling thread, or a thread per device (threads:
 torch releases the GIL while a device works, and it runs in a notebook). A device failure
@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 _FEW = 5  # positions (and ids) a note names
 
+_SET_ASIDE = "on_error='skip' (--on-error skip on the command line) sets the rows it raises on alone aside"
+
 _EMBEDDING_MESSAGE = "index out of range in self"  # torch's message for an embedding index out of range
 
 
@@ -82,7 +84,7 @@ def explain_index_errors(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         >>> fn({"input_ids": torch.tensor([[1, 9]])})
         Traceback (most recent call last):
         ...
-        IndexError: fn(batch) failed in an embedding lookup (index out of range in self) on a batch of 1 rows x 2 \
+        IndexError: fn(batch) failed in an embedding lookup (index out of range in self) on a batch of 1 row x 2 \
 tokens whose largest token id is 9: ...
     """
 
@@ -94,7 +96,7 @@ tokens whose largest token id is 9: ...
             if _EMBEDDING_MESSAGE not in str(error):
                 raise
             ids = batch.get("input_ids") if isinstance(batch, dict) else None
-            shape = (f"a batch of {ids.shape[0]} rows x {ids.shape[1]} tokens"
+            shape = (f"a batch of {ids.shape[0]} row{'s' if ids.shape[0] != 1 else ''} x {ids.shape[1]} tokens"
                      + (f" whose largest token id is {int(ids.max())}" if ids.numel() else "")
                      if hasattr(ids, "shape") and len(ids.shape) == 2 else "a batch")
             raise IndexError(
@@ -121,6 +123,8 @@ class _Done:
     failed: dict[int, str] = field(default_factory=dict)
     count: int = 0  # rows finished or failed, and their real tokens: the progress bar moves when the item does
     tokens: int = 0
+    raised: tuple[int, Exception, np.ndarray] | None = None  # on_error="raise": the stack depth a failed piece's
+    # halves lie above, its error and its positions, while the halves are tried to find the row it raises on
 
 
 class _FnFailed(Exception):
@@ -283,6 +287,8 @@ class Executor:
             done.rows.extend(attempt.output)
             done.count += rows
             done.tokens += real_tokens(piece)
+            if done.raised is not None and len(stack) <= done.raised[0]:  # every part of the failed piece ran
+                raise self._not_alone(item, *done.raised[1:])
             if self.lockstep:
                 if not self._stand_in_ran:  # a row that ran: what a stand-in call repeats
                     self._stand_in_ran, self._stand_in = True, self.builder.take(piece, [0])
@@ -298,20 +304,28 @@ class Executor:
         return f"batch {item.number}: {len(positions)} rows at input positions {_few(positions.tolist())}{ids}"
 
     def _fn_failed(self, item: Item, record: BatchRecord, error: Exception, stack: list, done: _Done) -> bool:
-        """``fn`` raised on the piece on top of ``stack``: raises it, noting the piece's rows (``on_error="raise"``);
-        or splits the piece in halves (``False``), or sets its one row aside with the error's text (``True``)."""
+        """``fn`` raised on the piece on top of ``stack``: splits the piece in halves to find the row it raises on
+        (``False``); on one row, raises the error noting that row (``on_error="raise"``) or sets the row aside with
+        the error's text (``True``).
+
+        The bound: each halving tries the first half, and the second only if the first ran, so naming a row costs at
+        most ``2 * ceil(log2(rows))`` calls after the one that failed, and their rows that ran are finished rows; an
+        ``fn`` that raises on every call (a broken model) fails on each first half and is named after
+        ``ceil(log2(rows))`` calls (4 for 24 rows) holding fewer rows in all than the batch did.
+        """
         piece = stack[-1]
         positions = piece.indices.numpy()
-        if self.on_error == "raise":
-            error.add_note(f"dynabatch.run: fn(batch) raised on {self._describe(item, positions)}; "
-                           "on_error='skip' sets the rows it raises on alone aside")
-            raise error
         if len(positions) > 1:
+            if self.on_error == "raise" and done.raised is None:
+                done.raised = (len(stack) - 1, error, positions)
             sizes = split_sizes(len(positions))
             logger.warning("%s: fn(batch) raised (%s); retrying as %s rows to find the rows it fails on",
                            self._describe(item, positions), _brief(error), " + ".join(map(str, sizes)))
             stack[-1:] = reversed(self.builder.split(piece, sizes))
             return False
+        if self.on_error == "raise":
+            error.add_note(f"dynabatch.run: fn(batch) raised on {self._describe(item, positions)}; {_SET_ASIDE}")
+            raise error
         logger.warning("%s: fn(batch) raised on it (%s); set aside (result None, in failed)",
                        self._describe(item, positions), _brief(error))
         stack.pop()
@@ -319,6 +333,14 @@ class Executor:
         done.failed[int(positions[0])] = _brief(error)
         done.count += 1
         return True
+
+    def _not_alone(self, item: Item, error: Exception, positions: np.ndarray) -> Exception:
+        """``error``, which ``fn`` raised on the rows at ``positions`` whose halves then all ran: noted so."""
+        error.add_note(f"dynabatch.run: fn(batch) raised on {self._describe(item, positions)}, but on none of its "
+                       "parts when retried in halves to find the row: the error depends on the batch as a whole "
+                       "(its size or width) or comes and goes, not on one input; its rows ran in the halves (a store "
+                       "keeps them); on_error='skip' (--on-error skip on the command line) goes on past such an error")
+        return error
 
     def _out_of_memory(self, item: Item, record: BatchRecord, error: BaseException, stack: list,
                        done: _Done) -> bool:

@@ -133,10 +133,11 @@ def run(
         on_oom: a single row out of memory on its own: ``"raise"`` :class:`BatchOutOfMemoryError` (``.partial``:
             the rows finished) or ``"skip"`` it (``None``, in ``result.failed``). Larger batches are split in
             halves and retried, and later batches planned under what the errors teach.
-        on_error: an error ``fn`` raises (not out of memory, not a device failure) carries a note naming its
-            batch's positions and ids; ``"raise"`` it (the first one), or ``"skip"``: the batch is split in halves
-            until the rows ``fn`` raises on are alone, each set aside into ``result.failed`` with the error's text
-            as its cause (counted in ``report.error_rows``); the other rows run as usual.
+        on_error: an error ``fn`` raises (not out of memory, not a device failure) splits its batch in halves
+            until the rows ``fn`` raises on are alone (at most ``2 * ceil(log2(rows))`` more calls); ``"raise"``
+            the first such row's error with a note naming its position and id, or ``"skip"``: each is set aside
+            into ``result.failed`` with the error's text as its cause (counted in ``report.error_rows``); the
+            other rows run as usual. An error none of the halves raise is raised naming the whole batch.
         output_path: a directory for the results store (:mod:`dynabatch.inference.store`): Parquet shards, one
             row per input, written as rows finish, committed however the run ends (Ctrl-C too); a rerun with
             the same ``key`` runs only the rows not stored, and stored rows of other inputs are refused before

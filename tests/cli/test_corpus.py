@@ -34,7 +34,10 @@ def test_a_tsv_folder_and_a_csv_glob_read_every_file_in_sorted_order(tmp_path):
 @pytest.mark.parametrize(("content", "message"), [
     ("id,text\n", "input should hold at least one text, but got input={path!r} with no rows"),
     ("id,text\n1,a,b\n", ("input should be a UTF-8 CSV file: a first line naming the columns, then as many values a "
-                         "row, but got input={path!r}: CSV parse error: Expected 2 columns, got 3: 1,a,b")),
+                         "row, but got input={path!r}: line 2: CSV parse error: Expected 2 columns, got 3: 1,a,b")),
+    ('id,text\n1,"a\nb"\n\n2,x\n3,"q\nr",z\n', ("input should be a UTF-8 CSV file: a first line naming the columns, "
+                                               "then as many values a row, but got input={path!r}: line 6: CSV parse "
+                                               'error: Expected 2 columns, got 3: 3,"q')),  # lines in values, blank
 ])
 def test_an_empty_or_ragged_csv_is_refused_naming_the_file(tmp_path, content, message):
     path = tmp_path / "docs.csv"
@@ -42,6 +45,41 @@ def test_an_empty_or_ragged_csv_is_refused_naming_the_file(tmp_path, content, me
     with pytest.raises(ValueError) as info:
         len(open_corpus(str(path)))
     assert str(info.value) == message.format(path=str(path))
+
+
+# pyarrow reads a file in blocks of 1 MiB (and counts a JSONL error's row within its block); these files span two.
+_LINES, _BAD = 14_000, 12_001
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    ('{"id": "x", "text": "no end', r"line 12001, column 21: Unterminated string"),
+    ('{"id": "x", "text": 7}', r"line 12001: column /text holds values of kind string on earlier lines and of kind "
+                               r"number here"),
+    ('["x", "a list"]', r"line 12001: a JSON array where a JSON object should be"),
+])
+def test_a_malformed_jsonl_line_is_named_by_its_line_in_the_whole_file(tmp_path, bad, message):
+    path = tmp_path / "docs.jsonl"
+    lines = [f'{{"id": "d{i}", "text": "a text of some words and some more words to fill the blocks, line {i + 1}"}}'
+             for i in range(_LINES)]
+    lines[_BAD - 1] = bad
+    path.write_text("\n".join(lines) + "\n")
+    assert path.stat().st_size > 2**20
+    with pytest.raises(ValueError, match=rf"^input should be a JSONL file \(one JSON object a line\), but got "
+                                         rf"input='.*docs.jsonl': {message}"):
+        open_corpus(str(path))
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tsv"])
+def test_a_ragged_row_past_the_first_block_is_named_by_its_line(tmp_path, fmt):
+    sep = {"csv": ",", "tsv": "\t"}[fmt]
+    path = tmp_path / f"docs.{fmt}"
+    rows = [f"d{i}{sep}a text of some words and some more words to fill the blocks; row {i}" for i in range(_LINES)]
+    rows[_BAD - 2] = sep.join(["x", "y", "z"])  # line 12,001: the header is line 1
+    path.write_text(f"id{sep}text\n" + "\n".join(rows) + "\n")
+    assert path.stat().st_size > 2**20
+    with pytest.raises(ValueError, match=rf"but got input='.*docs.{fmt}': line {_BAD}: CSV parse error: Expected 2 "
+                                         r"columns, got 3"):
+        len(open_corpus(str(path)))
 
 
 def test_an_unknown_suffix_is_refused_naming_the_formats_and_format_text_reads_lines(tmp_path):

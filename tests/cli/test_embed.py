@@ -41,7 +41,7 @@ def _failing(src, dst, *args, **kwargs):
 os.replace = _failing
 '''
 
-# Loaded by the command's process: the model raises on any batch holding the token POISON.
+# Loaded by the command's process: the model raises ERROR on any batch holding the token POISON.
 POISON_HOOK = '''
 import functools
 
@@ -53,7 +53,7 @@ _forward = bert.BertModel.forward
 @functools.wraps(_forward)
 def _poisoned(self, input_ids=None, *args, **kwargs):
     if input_ids is not None and bool((input_ids == POISON).any()):
-        raise ValueError("cannot process this input")
+        raise ERROR("cannot process this input")
     return _forward(self, input_ids, *args, **kwargs)
 
 
@@ -285,9 +285,15 @@ def test_a_poison_text_is_named_or_set_aside_with_on_error_skip_and_a_rerun_retr
     command = [*cli, "embed", str(corpus), str(out), "--model", str(bert_dir), "--id-column", "id", "--batch-size",
                "4", "--no-progress"]
     hook = POISON_HOOK.replace("POISON", str(tokenizer.convert_tokens_to_ids("zebra")))
-    stopped = run_command(command, hook=hook, hook_in=tmp_path / "hook", status=2).stderr
+    stopped = run_command(command, hook=hook.replace("ERROR", "ValueError"), hook_in=tmp_path / "hook",
+                          status=2).stderr  # a refusal of the input: one line
     assert "Traceback" not in stopped and "--on-error skip" in stopped
-    assert re.search(r"error: cannot process this input \(.*positions .*ids doc-", stopped), stopped  # the batch
+    assert re.search(r"error: cannot process this input \(.*input position 7 \(id doc-7\), alone", stopped), stopped
+    hook = hook.replace("ERROR", "RuntimeError")  # the model failing: its traceback, exit status 1
+    crashed = run_command([*command[:-2], "24", "--no-progress"], hook=hook, hook_in=tmp_path / "hook",
+                          status=1).stderr  # a batch of 24 rows split down to the text
+    assert re.search(r"the run stopped \(RuntimeError: cannot process this input \(.*input position 7 \(id doc-7\), "
+                     r"alone .*--on-error skip", crashed), crashed
     skipped = run_command([*command, "--on-error", "skip", "--report", str(report)], hook=hook,
                           hook_in=tmp_path / "hook").stdout
     assert f"29 of 30 texts stored in {out}" in skipped and "'doc-7': " in skipped

@@ -22,7 +22,7 @@ def short_gpt2(tokenizer):
 def test_rows_longer_than_the_model_positions_fail_naming_the_likely_cause(short_gpt2, tokenizer, texts):
     loader = _load(texts, tokenizer, max_input_token_length=32)  # no model=: nothing to check it against
     with torch.no_grad(), pytest.raises(IndexError, match=r"fn\(batch\) failed in an embedding lookup \(index out "
-                                        r"of range in self\) on a batch of 4 rows x 32 tokens whose largest token "
+                                        r"of range in self\) on a batch of 1 row x 32 tokens whose largest token "
                                         r"id is \d+: most likely max_input_token_length is above the model's "
                                         r"position embeddings") as caught:
         run(lambda batch: short_gpt2(**batch).last_hidden_state[:, 0], loader, progress=False)
@@ -34,9 +34,10 @@ def test_rows_longer_than_the_model_positions_fail_naming_the_likely_cause(short
     assert len(rows) == len(texts)
 
 
-def test_other_index_errors_propagate_as_they_are_with_a_note_naming_the_batch(tokenizer, texts):
+def test_other_index_errors_propagate_as_they_are_with_a_note_naming_the_row(tokenizer, texts):
     def fn(batch):
         return batch.texts[len(batch.texts)]
 
-    with pytest.raises(IndexError, match=r"^list index out of range\ndynabatch.run: fn\(batch\) raised on batch 0: "):
+    with pytest.raises(IndexError, match=r"^list index out of range\ndynabatch.run: fn\(batch\) raised on input "
+                                         r"position \d+, alone \(a row of batch 0\)"):
         run(fn, _load(texts[:8], tokenizer), progress=False)

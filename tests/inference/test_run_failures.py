@@ -5,6 +5,7 @@ Models are real where they matter (see conftest.py); failures are injected into 
 """
 
 import errno
+import math
 import threading
 import time
 
@@ -43,19 +44,61 @@ def _no_thread_left():
 # --- fn's errors name their inputs; on_error="skip" sets them aside ------------------------------------------------
 
 
-def test_an_error_of_fn_names_its_batchs_positions_and_ids_on_one_device_and_several(tokenizer, texts):
+def _counted(fn):
+    """``fn``, recording the input positions of each call (``.calls``)."""
+
+    def wrapped(batch):
+        wrapped.calls.append(batch.indices.tolist())
+        return fn(batch)
+
+    wrapped.calls = []
+    return wrapped
+
+
+@pytest.mark.parametrize("bad", [0, 7, 23])
+def test_an_error_of_fn_names_the_row_it_raises_on_within_bounded_calls_on_one_device_and_several(tokenizer, texts,
+                                                                                                   bad):
     ids = [f"doc-{i}" for i in range(len(texts))]
     for options in ({}, {"devices": TWO}):
-        loader = _load(texts, tokenizer, ids=ids)
-        fn = _raises_at(7)
+        fn = _counted(_raises_at(bad))
         call = {"make_fn": lambda device, fn=fn: fn} if options else {"fn": fn}
-        with pytest.raises(ValueError, match=r"^cannot process input 7\ndynabatch.run: fn\(batch\) raised on batch "
-                                             r"\d+: \d+ rows at input positions [\d, .]+ \(ids doc-[\w, .-]+\)") as raised:
-            run(loader=loader, progress=False, **call, **options)
-        batch = next(b for b in loader.batch_sampler.batches if 7 in b.tolist())
-        note = raised.value.__notes__[0]
-        assert f"{len(batch)} rows at input positions {', '.join(map(str, batch[:5].tolist()))}" in note
+        with pytest.raises(ValueError, match=rf"^cannot process input {bad}\ndynabatch.run: fn\(batch\) raised on "
+                                             rf"input position {bad} \(id doc-{bad}\), alone \(a row of batch \d+\); "
+                                             r"on_error='skip' \(--on-error skip on the command line\) sets"):
+            run(loader=_load(texts, tokenizer, ids=ids, batch_size=24), progress=False, **call, **options)
+        holding = [c for c in fn.calls if bad in c]  # the batch, then the half holding it at each halving
+        rows = len(holding[0])
+        assert rows > 8 and len(holding[-1]) == 1 and len(holding) <= 1 + math.ceil(math.log2(rows))
+        if not options:  # one device: every call after the batch's is one of its parts, at most two a halving
+            assert len(fn.calls) - fn.calls.index(holding[0]) - 1 <= 2 * math.ceil(math.log2(rows))
         assert _no_thread_left()
+
+
+def test_a_model_that_raises_on_every_call_is_named_after_log2_rows_calls(tokenizer, texts):
+    def broken(batch):
+        raise RuntimeError("the model is broken")
+
+    fn = _counted(broken)
+    loader = _load(texts, tokenizer, ids=[f"doc-{i}" for i in range(len(texts))], batch_size=24)
+    first = loader.batch_sampler.batches[0]
+    with pytest.raises(RuntimeError, match=rf"input position {first[0]} \(id doc-{first[0]}\), alone"):
+        run(fn, loader, progress=False)
+    assert [len(c) for c in fn.calls] == [len(first), 12, 6, 3, 1]  # each first half: ceil(log2(24)) - 1 more calls
+
+
+def test_an_error_no_part_of_its_batch_raises_is_raised_naming_the_batch(tokenizer, texts, tmp_path):
+    def whole(batch):  # raises on the batch as a whole (its size), on no row
+        if len(batch.indices) > 12:
+            raise RuntimeError("too many rows for this model")
+        return _lengths(batch)
+
+    loader = _load(texts, tokenizer, ids=[f"doc-{i}" for i in range(len(texts))], batch_size=24)
+    first = loader.batch_sampler.batches[0]
+    with pytest.raises(RuntimeError, match=rf"raised on batch \d+: 24 rows at input positions {first[0]}, .*, but "
+                                           r"on none of its parts when retried in halves"):
+        run(whole, loader, output_path=tmp_path / "store", progress=False)
+    stored = ds.dataset(tmp_path / "store").to_table(columns=["id"]).column("id").to_pylist()
+    assert sorted(stored) == sorted(f"doc-{p}" for p in first.tolist())  # the halves that ran are stored
 
 
 def test_after_splitting_down_to_one_row_the_note_names_that_row(tokenizer, texts):
