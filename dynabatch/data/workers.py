@@ -79,10 +79,10 @@ logger = logging.getLogger(__name__)
 ENV_VARIABLE = "TOKENIZERS_PARALLELISM"
 """The environment variable ``tokenizers`` reads before each batch call (unset: its thread pool is on)."""
 
-POOL_MIN_SECONDS = 0.5
+POOL_MIN_SECONDS = 1.0
 """One-thread seconds the rest of a call must hold (measured on its first piece) before worker processes join it:
-below, a fork and the tokenizer pickled here and unpickled in each worker (0.1-1 s, see docs/inference.md) cost more
-than they save."""
+below, a fork of this process and the tokenizer pickled here and unpickled in each worker (0.1-1 s, more on a busy
+machine; see docs/inference.md) cost more than they save."""
 
 _FALSE = ("", "off", "false", "f", "no", "n", "0")  # what tokenizers reads as false, lower-cased
 
