@@ -488,11 +488,13 @@ def shared_pool(workers: int) -> WorkerPool | None:
     if multiprocessing.current_process().daemon:
         return None
     with _shared_lock:
-        if _shared is not None and (_shared.workers < workers or _shared.owner != os.getpid()):
-            if _shared.lock.acquire(blocking=False):
-                _shared.lock.release()
-                _shared.close()
-                _shared = None
+        if _shared is not None and _shared.owner != os.getpid():  # inherited without a fork hook: not ours to end
+            _shared.forget()
+            _shared = None
+        if _shared is not None and _shared.workers < workers and _shared.lock.acquire(blocking=False):
+            _shared.lock.release()  # too few workers (a cap raised, a worker died): a new pool, none in use
+            _shared.close()
+            _shared = None
         if _shared is None:
             _shared = WorkerPool(workers)
         return _shared

@@ -169,6 +169,18 @@ def test_a_closed_pool_refuses_work():
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_process_forked_from_the_pools_owner_leaves_its_workers_alone(monkeypatch):
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    pids = workers.shared_pool(1).pids
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker, say: the pool is not its own
+        os._exit(0 if workers._shared is None else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    shared = Pieces(_slow, 2, [[1]] * 6, cores=2)
+    assert list(shared) == [[2]] * 6 and shared.used_workers == 1 and workers.shared_pool(1).pids == pids
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_process_forked_after_guard_forks_starts_with_parallelism_off(monkeypatch):
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     guard_forks()
