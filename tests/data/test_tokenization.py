@@ -411,10 +411,20 @@ def _as(tokenizer, cls):
     return other
 
 
-@pytest.fixture(params=["wordpiece", "llama", "own __call__", "own _encode_plus"])
-def any_tokenizer(request, tokenizer, llama_tokenizer):
+@pytest.fixture(scope="module")
+def slow_tokenizer():
+    """The WordPiece tokenizer in pure Python (transformers' slow implementation)."""
+    from transformers import BertTokenizerLegacy
+
+    from dynabatch.demo import minilm_path
+
+    return BertTokenizerLegacy.from_pretrained(minilm_path())
+
+
+@pytest.fixture(params=["wordpiece", "llama", "own __call__", "own _encode_plus", "slow"])
+def any_tokenizer(request, tokenizer, llama_tokenizer, slow_tokenizer):
     return {"wordpiece": tokenizer, "llama": llama_tokenizer, "own __call__": _as(tokenizer, AmenCall),
-            "own _encode_plus": _as(tokenizer, AmenEncode)}[request.param]
+            "own _encode_plus": _as(tokenizer, AmenEncode), "slow": slow_tokenizer}[request.param]
 
 
 two_cores = pytest.mark.skipif(workers.available_cores() < 2, reason="needs two cores")
