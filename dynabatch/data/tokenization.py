@@ -63,7 +63,8 @@ from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.workers import Pieces, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
 
-__all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "PIECE_TOKENS", "TOKENS_PER_CALL", "ParallelTokenizer", "TokenizedTexts",
+__all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "PIECE_TOKENS", "TOKENS_PER_CALL", "ParallelTokenizer",
+           "TokenizedTexts",
            "accepted_keywords", "as_items",
            "check_length_fits", "check_tokenizer", "check_tokenizer_kwargs", "fast_backend", "model_max_length",
            "plain_text", "report_skipped", "split_bad_texts", "tokenize_texts", "validate_texts"]
@@ -257,8 +258,8 @@ TOKENS_PER_CALL = 2**18
 
 PIECE_TOKENS = 2**16
 """Tokens at the truncation limit of a piece, at most, where this thread and worker processes share a call with the
-default ``chunk_size`` (and four pieces a core, 16 texts at least): small enough that the first piece, timed, decides early whether workers pay, and that the
-pieces balance."""
+default ``chunk_size`` (and four pieces a core, 16 texts at least): small enough that the first piece, timed, decides
+early whether workers pay, and that the pieces balance."""
 
 _BACKEND_KWARGS = frozenset({"add_special_tokens"})  # the tokenizer arguments the backend call applies itself
 
