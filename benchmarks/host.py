@@ -23,6 +23,23 @@ Run it with::
 
     python benchmarks/host.py                          # 100,000 texts, 3 repeats
     python benchmarks/host.py --n-texts 20000 --repeats 1
+
+**The loader build in every configuration** (``--builds``): how the loader tokenizes (its own threads, this thread,
+worker processes) against one tokenizer call of the same configuration, cold. Four configurations, each in fresh
+processes: the fast tokenizer with ``TOKENIZERS_PARALLELISM`` unset (``unset``) and ``false`` (``false``), a slow
+(pure Python) tokenizer of the same vocabulary (``slow``: ``BertTokenizerLegacy``), and the fast tokenizer's class
+with its own ``__call__`` (``custom``: the backend rule sends it through its call); two corpora, the KJV passages above
+and the Python standard library's docstrings (``docstrings``: every module, class and function docstring ``ast``
+finds under ``sysconfig.get_paths()["stdlib"]``, tests left out, cycled past their count: long texts, most cut at 256
+tokens). Per configuration, corpus and size, one fresh process (imports and the tokenizer loaded before any clock):
+the first ``build_dynamic_batch_dataloader(texts, tokenizer, batch_size=16, max_input_token_length=256,
+num_workers=0)`` of the process (**cold**: its one-time costs included), one batched call ``tokenizer(texts,
+truncation=True, max_length=256)``, then a second build (warm); the import of ``dynabatch`` is timed too. At the
+largest size, the cold build again in processes pinned to one core, for the speed-up. Targets (issue 49): the cold
+build <= 1.0x the call, and >= 1.5x its one-core speed at 100,000 texts where the tokenizer itself can use two
+cores; ids equal to one thread (``tests/data/test_tokenization.py``)::
+
+    python benchmarks/host.py --builds --sizes 1000,10000,100000
 """
 
 from __future__ import annotations
@@ -88,6 +105,136 @@ def worker(way: str, n: int) -> dict:
     return {"way": way, "n": n, "seconds": time.perf_counter() - start, "cores": sorted(os.sched_getaffinity(0))}
 
 
+CONFIGURATIONS = ("unset", "false", "slow", "custom")
+CORPORA = ("kjv", "docstrings")
+BUILD_BATCH = 16
+
+
+def _docstrings() -> list[str]:
+    """Every module, class and function docstring of the Python standard library (tests left out), in file order."""
+    import ast
+    import pathlib
+    import sysconfig
+
+    found = []
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        if {"test", "tests", "site-packages", "idle_test"} & set(path.relative_to(root).parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                text = ast.get_docstring(node)
+                if text and text.strip():
+                    found.append(text)
+    return found
+
+
+def _corpus(name: str, n: int, docstrings: str | None) -> list[str]:
+    if name == "kjv":
+        return _texts(n)
+    with open(docstrings, encoding="utf-8") as file:
+        found = json.load(file)
+    return [found[i % len(found)] for i in range(n)]
+
+
+def _tokenizer(configuration: str):
+    from transformers import AutoTokenizer, BertTokenizerLegacy
+
+    from dynabatch.demo import minilm_path
+
+    if configuration == "slow":
+        return BertTokenizerLegacy.from_pretrained(minilm_path())
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    if configuration == "custom":
+        tokenizer.__class__ = OwnCall
+    return tokenizer
+
+
+def _own_call_class():
+    from transformers import BertTokenizer
+
+    class OwnCall(BertTokenizer):  # a fast tokenizer with a __call__ of its own: the backend rule goes through it
+        def __call__(self, text, *args, **kwargs):
+            return super().__call__([t.replace("\t", " ") for t in text], *args, **kwargs)
+
+    OwnCall.__qualname__ = OwnCall.__name__ = "OwnCall"
+    return OwnCall
+
+
+def build_worker(configuration: str, corpus: str, n: int, docstrings: str | None, only_build: bool) -> dict:
+    """The cold build, the call and a second build of one configuration in this (fresh) process: their seconds."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if configuration == "false":
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    else:
+        os.environ.pop("TOKENIZERS_PARALLELISM", None)
+    start = time.perf_counter()
+    import dynabatch
+
+    imports = time.perf_counter() - start
+    tokenizer, texts = _tokenizer(configuration), _corpus(corpus, n, docstrings)
+
+    def build() -> float:
+        start = time.perf_counter()
+        loader = dynabatch.build_dynamic_batch_dataloader(texts, tokenizer, batch_size=BUILD_BATCH,
+                                                          max_input_token_length=MAX_LENGTH, num_workers=0,
+                                                          progress=False)
+        seconds = time.perf_counter() - start
+        assert len(loader.dataset) == n
+        return seconds
+
+    got = {"imports": imports, "cold": build(), "cores": len(os.sched_getaffinity(0))}
+    if not only_build:
+        start = time.perf_counter()
+        encoded = tokenizer(texts, truncation=True, max_length=MAX_LENGTH)
+        got["call"] = time.perf_counter() - start
+        assert len(encoded["input_ids"]) == n
+        got["second"] = build()
+    return got
+
+
+def _build_run(configuration: str, corpus: str, n: int, cores: list[int], docstrings: str,
+               only_build: bool = False) -> dict:
+    command = [sys.executable, __file__, "--build-worker", configuration, "--corpus", corpus, "--n-texts", str(n),
+               "--cores", ",".join(map(str, cores)), "--docstrings", docstrings] + (["--only-build"] * only_build)
+    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+    if done.returncode:
+        raise RuntimeError(f"{configuration} on {corpus}, {n} texts failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def builds(sizes: list[int], two: list[int], configurations: list[str], corpora: list[str]) -> str:
+    """The table of the loader build against one call, every configuration, corpus and size, side by side."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        docstrings = os.path.join(folder, "docstrings.json")
+        with open(docstrings, "w", encoding="utf-8") as file:
+            json.dump(_docstrings(), file)
+        lines = [f"| configuration | corpus | texts | call s | build, cold s (x call) | build, second s (x call) | "
+                 f"import s |", "|---|---|---:|---:|---:|---:|---:|"]
+        speed = ["| configuration | corpus | texts | build on 1 core s | on 2 cores s | speed-up |",
+                 "|---|---|---:|---:|---:|---:|"]
+        for n in sizes:
+            for corpus in corpora:
+                for configuration in configurations:
+                    got = _build_run(configuration, corpus, n, two, docstrings)
+                    print(f"{configuration}, {corpus}, {n}: {got}", file=sys.stderr, flush=True)
+                    lines.append(f"| {configuration} | {corpus} | {n:,} | {got['call']:.2f} | {got['cold']:.2f} "
+                                 f"({got['cold'] / got['call']:.2f}x) | {got['second']:.2f} "
+                                 f"({got['second'] / got['call']:.2f}x) | {got['imports']:.1f} |")
+                    if n == max(sizes):
+                        one = _build_run(configuration, corpus, n, two[:1], docstrings, only_build=True)["cold"]
+                        speed.append(f"| {configuration} | {corpus} | {n:,} | {one:.2f} | {got['cold']:.2f} | "
+                                     f"{one / got['cold']:.2f}x |")
+    return "\n".join(lines + [""] + speed)
+
+
 def _measure(way: str, n: int, cores: list[int]) -> dict:
     command = [sys.executable, __file__, "--worker", way, "--n-texts", str(n), "--cores", ",".join(map(str, cores))]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -106,15 +253,30 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cores", default=None, help="the cores to pin to: two cores, e.g. 0,1 (default: the first "
                         "two this process may use); the one-core runs take the first")
+    parser.add_argument("--builds", action="store_true", help="the loader build in every configuration")
+    parser.add_argument("--sizes", default="1000,10000,100000", help="with --builds: texts, comma-separated")
+    parser.add_argument("--configurations", default=",".join(CONFIGURATIONS), help="with --builds: of "
+                        f"{', '.join(CONFIGURATIONS)}")
+    parser.add_argument("--corpora", default=",".join(CORPORA), help=f"with --builds: of {', '.join(CORPORA)}")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--build-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--corpus", help=argparse.SUPPRESS)
+    parser.add_argument("--docstrings", help=argparse.SUPPRESS)
+    parser.add_argument("--only-build", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
+    if args.worker or args.build_worker:
         os.sched_setaffinity(0, [int(c) for c in args.cores.split(",")])  # before any thread pool starts
-        print(json.dumps(worker(args.worker, args.n_texts)))
+        got = (worker(args.worker, args.n_texts) if args.worker else
+               build_worker(args.build_worker, args.corpus, args.n_texts, args.docstrings, args.only_build))
+        print(json.dumps(got))
         return
     two = [int(c) for c in args.cores.split(",")] if args.cores else sorted(os.sched_getaffinity(0))[:2]
     if len(two) != 2:
         parser.error(f"--cores should name two cores this process may use, but got --cores={args.cores!r}")
+    if args.builds:
+        print(builds([int(n) for n in args.sizes.split(",")], two, args.configurations.split(","),
+                     args.corpora.split(",")))
+        return
     runs = []
     for repeat in range(args.repeats):
         got = {}
@@ -147,6 +309,8 @@ def main() -> None:
     lines += ["", "Ratios, median (min-max) over the repeats, each taken within one repeat:", "", gained, versus]
     print("\n".join(lines))
 
+
+OwnCall = _own_call_class() if __name__ == "__main__" else None  # importable by name in worker processes
 
 if __name__ == "__main__":
     main()

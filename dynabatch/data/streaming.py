@@ -20,8 +20,8 @@ The tokenizer runs on a private copy (a fast tokenizer's settings are not safe
 to change while another thread encodes or decodes with it), through the eager
 loader's :class:`~dynabatch.data.tokenization.ParallelTokenizer` with the
 loader's arguments: the same call, or the same backend rule, on every core, so
-a streamed row is the eager row. Worker processes, where it uses them, end when
-every chunk is tokenized or the stream is paused.
+a streamed row is the eager row. The process's worker processes, where it uses
+them, end when every chunk is tokenized or the stream is paused.
 
 Memory stays flat in the number of texts: a chunk's tokens are freed once
 every one of its rows is consumed (:meth:`TokenStream.consumed`: ``run`` says
@@ -69,6 +69,7 @@ from dynabatch._validation import bad_value, check_positive_int
 from dynabatch.data.collate import Batch, TokenCollator, pad_token_id_of
 from dynabatch.data.text_source import TextSource
 from dynabatch.data.tokenization import ParallelTokenizer, TokenizedTexts
+from dynabatch.data.workers import release_pool
 
 __all__ = ["ChunkFeed", "TokenStream"]
 
@@ -251,9 +252,10 @@ class TokenStream:
         self.release_workers()
 
     def release_workers(self) -> None:
-        """Ends the tokenizer's worker processes, if any (started again by a later chunk that needs them)."""
+        """Ends the process's tokenizer worker processes, if any and no other call uses them (started again by a
+        later chunk that needs them)."""
         with self._tokenizing:
-            self._tokenize.close()
+            release_pool()
 
     def __call__(self, positions: Any) -> Batch:
         return self.collate(positions)

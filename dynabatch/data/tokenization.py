@@ -51,11 +51,9 @@ import itertools
 import json
 import logging
 import operator
-import pickle
 import sys
 import warnings
 from collections.abc import Callable
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,9 +61,10 @@ import numpy as np
 
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
-from dynabatch.data.workers import WorkerPool, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
+from dynabatch.data.workers import Pieces, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
 
-__all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "TOKENS_PER_CALL", "ParallelTokenizer", "TokenizedTexts",
+__all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "PIECE_TOKENS", "TOKENS_PER_CALL", "ParallelTokenizer",
+           "TokenizedTexts",
            "accepted_keywords", "as_items",
            "check_length_fits", "check_tokenizer", "check_tokenizer_kwargs", "fast_backend", "model_max_length",
            "plain_text", "report_skipped", "split_bad_texts", "tokenize_texts", "validate_texts"]
@@ -256,6 +255,11 @@ methods, text preprocessing, truncation and padding set-up, the conversion of en
 
 TOKENS_PER_CALL = 2**18
 """Tokens at the truncation limit that one tokenizer call of :func:`tokenize_texts` is sized for (by default)."""
+
+PIECE_TOKENS = 2**16
+"""Tokens at the truncation limit of a piece, at most, where this thread and worker processes share a call with the
+default ``chunk_size`` (and four pieces a core, 16 texts at least): small enough that the first piece, timed, decides
+early whether workers pay, and that the pieces balance."""
 
 _BACKEND_KWARGS = frozenset({"add_special_tokens"})  # the tokenizer arguments the backend call applies itself
 
@@ -525,83 +529,68 @@ class ParallelTokenizer:
         chunk_size: texts per tokenizer call, see :func:`tokenize_texts`.
 
     Each call picks its mechanism (:func:`~dynabatch.data.workers.choose_mechanism`):
-    the backend's own threads where the backend rule holds, worker processes
-    (started at the first call that needs them, kept until :meth:`close`), or
-    this thread. The mechanism never changes a token id: the backend's one-thread
-    and batch encodings are the same function per text, and a worker runs the
-    same call on an unpickled copy of the tokenizer.
+    the backend's own threads where the backend rule holds, else this thread,
+    joined by the process's worker processes where the cost rule says they pay
+    (:class:`~dynabatch.data.workers.Pieces`: pieces of :data:`PIECE_TOKENS`
+    tokens at the limit, so the first one, timed, decides early). The mechanism
+    never changes a token id: the backend's one-thread and batch encodings are
+    the same function per text, and a worker runs the same call on an unpickled
+    copy of the tokenizer.
     """
 
     def __init__(self, tokenizer: Any, max_input_token_length: int, tokenizer_kwargs: dict[str, Any], *,
                  cores: int | None = None, chunk_size: int | None = None) -> None:
         self.max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
         _check_tokenizer_kwargs(tokenizer_kwargs)
+        self._default_size = chunk_size is None  # a size given is each call's; the default one is cut finer to share
         if chunk_size is None:
             chunk_size = min(8192, max(64, TOKENS_PER_CALL // max_input_token_length))
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         self.cores = available_cores(cores)
         self._encoder = _Encoder(tokenizer, self.max_input_token_length, dict(tokenizer_kwargs),
                                  fast_backend(tokenizer, tokenizer_kwargs) is not None)
-        self._pool: WorkerPool | None = None
-        self._pool_failed = False
+        self._workers_allowed = True  # False once workers failed for this tokenizer (it cannot be pickled, ...)
         self.mechanisms: collections.Counter = collections.Counter()  # calls per mechanism, for logs and tests
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(cores={self.cores}, backend={self._encoder.backend}, pool={self.pool_running})"
-
-    @property
-    def pool_running(self) -> bool:
-        """Whether worker processes are running for it."""
-        return self._pool is not None
+        return f"{type(self).__name__}(cores={self.cores}, backend={self._encoder.backend})"
 
     def __call__(self, items: list[str], *, progress: bool = False) -> TokenizedTexts:
         """The token store of ``items`` (a list of str, already validated)."""
         from tqdm.auto import tqdm
 
-        mechanism = choose_mechanism(backend=self._encoder.backend, cores=self.cores, texts=len(items))
-        pool = self._start_pool() if mechanism == "processes" else None
-        mechanism = "one" if mechanism == "processes" and pool is None else mechanism
-        self.mechanisms[mechanism] += 1
-        size = self.chunk_size if pool is None else max(1, min(self.chunk_size, -(-len(items) // (4 * pool.workers))))
+        mechanism = choose_mechanism(backend=self._encoder.backend, cores=self.cores)
+        size = self.chunk_size
+        if mechanism == "shared" and self._default_size:  # pieces of PIECE_TOKENS, four a core, 16 texts at least
+            size = min(size, max(16, min(PIECE_TOKENS // self.max_input_token_length,
+                                         -(-len(items) // (4 * self.cores)))))
         chunks = [items[start : start + size] for start in range(0, len(items), size)]
-        if pool is not None:
-            flats = pool.imap(_encode_in_worker, chunks)
-        elif mechanism == "threads":
+        pieces = None
+        if mechanism == "threads":
             guard_forks()
             backend, type_id = _backend(self._encoder.tokenizer, self.max_input_token_length)
             special = self._encoder.special_tokens
-            flats = (self._encoder.flatten(backend.encode_batch(chunk, add_special_tokens=special), type_id)
-                     for chunk in chunks)
+            flats: Any = (self._encoder.flatten(backend.encode_batch(chunk, add_special_tokens=special), type_id)
+                          for chunk in chunks)
+        elif mechanism == "shared":
+            flats = pieces = Pieces(_encode_in_worker, self._encoder, chunks, cores=self.cores,
+                                    workers_allowed=self._workers_allowed)
         else:
             flats = (self._encoder.encode(chunk) for chunk in chunks)
-        try:
-            tokens = _assemble(tqdm(flats, total=len(chunks), desc="tokenizing", unit="chunk", disable=not progress),
-                               len(items))
-        except BrokenProcessPool as exc:  # a worker could not start (its tokenizer not importable there) or died
-            self.close()
-            self._pool_failed = True
-            logger.warning("tokenizer worker processes failed (%s): tokenizing on one core", exc)
-            return self(items, progress=progress)
+        tokens = _assemble(tqdm(flats, total=len(chunks), desc="tokenizing", unit="chunk", disable=not progress),
+                           len(items))
+        if pieces is not None:
+            self._workers_allowed = not (pieces.unpicklable or pieces.failed)
+            mechanism = "processes" if pieces.used_workers else "one"
+        self.mechanisms[mechanism] += 1
         logger.debug("tokenized %d texts into %d tokens (max_input_token_length=%d, extras=%s, %s, %s)", len(items),
                      len(tokens.input_ids), self.max_input_token_length, sorted(tokens.extras),
                      "the fast backend" if self._encoder.backend else "the tokenizer's call", mechanism)
         return tokens
 
-    def _start_pool(self) -> WorkerPool | None:
-        if self._pool is None and not self._pool_failed:
-            try:
-                self._pool = WorkerPool(self._encoder, self.cores)
-            except (pickle.PicklingError, TypeError, AttributeError) as exc:
-                self._pool_failed = True
-                logger.warning("the tokenizer cannot be pickled for worker processes (%s): tokenizing on one core "
-                               "(define its class at the top level of a module to tokenize on every core)", exc)
-        return self._pool
-
     def close(self) -> None:
-        """Ends its worker processes, if any (a later call starts them again)."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.close()
+        """Kept for callers that end their tokenizer: the worker processes are the process's, shared by every
+        tokenizer (:func:`~dynabatch.data.workers.release_pool` ends them)."""
 
 
 def _assemble(flats: Any, n: int) -> TokenizedTexts:
@@ -690,7 +679,4 @@ def tokenize_texts(
         )
     tokenize = ParallelTokenizer(tokenizer, max_input_token_length, tokenizer_kwargs, cores=tokenize_cores,
                                  chunk_size=chunk_size)
-    try:
-        return tokenize(items, progress=progress)
-    finally:
-        tokenize.close()
+    return tokenize(items, progress=progress)

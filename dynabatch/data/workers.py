@@ -2,22 +2,31 @@
 
 The tokenize stage (:mod:`dynabatch.data.tokenization`) runs on the cores this
 process may use, ``len(os.sched_getaffinity(0))`` (not ``os.cpu_count()``: a
-process pinned by ``taskset``, a container's CPU set), capped by the
+process pinned by ``taskset``, a container's CPU set), shared among the ranks of
+a ``torchrun`` job on this node (``LOCAL_WORLD_SIZE``) and capped by the
 ``tokenize_cores`` argument of the loader (:func:`available_cores`). It spreads
 the work one of three ways, chosen by :func:`choose_mechanism`:
 
 * ``"threads"``: the fast tokenizer's Rust backend encodes each call on its own
-  thread pool (``encode_batch``); where the backend provably gives the
+  thread pool (``encode_batch``), where the backend provably gives the
   tokenizer's own rows, all cores may be used, and the user has not set
   ``TOKENIZERS_PARALLELISM`` to a false value;
-* ``"processes"``: a :class:`WorkerPool` of worker processes, each handed the
-  tokenizer once (pickled) and then pieces of texts, each encoding on one core
-  and sending back flat ``int32`` arrays: for a tokenizer whose own call must run
-  (an overridden ``__call__``, a slow tokenizer, any callable), for a cap below
-  the process's cores, and where ``TOKENIZERS_PARALLELISM`` is false (the
-  tokenizer's threads stay off, as its user asked; logged once);
-* ``"one"``: this process, one core: one core to use, or too few texts to pay
-  for starting processes (:data:`POOL_MIN_TEXTS`).
+* ``"shared"``: this thread tokenizes piece after piece, and worker processes
+  join it where they pay (:class:`Pieces`, the cost rule: the rest of the call,
+  at the speed measured on its first piece, would take one thread at least
+  :data:`POOL_MIN_SECONDS`, and that first piece did not already keep several
+  cores busy): for a tokenizer whose own call must run (an overridden
+  ``__call__``, a slow tokenizer, any callable), for a cap below the process's
+  cores, and where ``TOKENIZERS_PARALLELISM`` is false (the tokenizer's threads
+  stay off, as its user asked; logged once);
+* ``"one"``: this thread alone: one core to use.
+
+**The worker processes** (:class:`WorkerPool`) are this process's: started by the
+first call that needs them and reused by the next (loaders built one after
+another), ended by :func:`release_pool` (a run's end), at interpreter exit, and
+with this process however it ends (SIGKILL included: see
+:func:`_die_with_parent`). Each holds the ends of its own pipes only, so no
+worker keeps another alive.
 
 **Forks.** ``tokenizers`` disables its thread pool in a process forked after the
 pool ran (the pool's threads do not survive a fork, and using it would
@@ -27,48 +36,68 @@ fork, so once this process tokenized on several cores, :func:`guard_forks`
 makes every process forked from it start with ``TOKENIZERS_PARALLELISM=false``
 where the user left it unset (it is set for the fork only, and unset again in
 this process): what ``tokenizers`` does in such a child anyway, without the
-warning. A value the user set is never changed.
+warning. A value the user set is never changed. A process forked from this one
+(a DataLoader worker) closes its copy of the pool's pipes and starts no pool.
 
 Example:
     >>> from dynabatch.data.workers import available_cores, choose_mechanism
     >>> available_cores(1)
     1
-    >>> choose_mechanism(backend=True, cores=1, texts=100_000)
+    >>> choose_mechanism(backend=True, cores=1)
     'one'
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
+import ctypes
 import functools
+import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
+import signal
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from multiprocessing.connection import Connection
 from typing import Any
 
+from dynabatch._background import Ahead
+from dynabatch._digest import fingerprint
 from dynabatch._validation import check_positive_int
 
-__all__ = ["ENV_VARIABLE", "POOL_MIN_TEXTS", "WorkerPool", "available_cores", "choose_mechanism", "guard_forks",
-           "tokenizers_parallelism"]
+__all__ = ["ENV_VARIABLE", "POOL_MIN_SECONDS", "Pieces", "WorkerPool", "available_cores", "choose_mechanism",
+           "guard_forks", "local_ranks", "release_pool", "shared_pool", "tokenizers_parallelism"]
 
 logger = logging.getLogger(__name__)
 
 ENV_VARIABLE = "TOKENIZERS_PARALLELISM"
 """The environment variable ``tokenizers`` reads before each batch call (unset: its thread pool is on)."""
 
-POOL_MIN_TEXTS = 2048
-"""Texts a tokenize call must hold before worker processes start for it: below, starting them (a fork and the
-tokenizer unpickled in each, ~0.1-0.3 s) costs more than they save."""
+POOL_MIN_SECONDS = 1.0
+"""One-thread seconds the rest of a call must hold (measured on its first piece) before worker processes join it:
+below, a fork of this process and the tokenizer pickled here and unpickled in each worker (0.1-1 s, more on a busy
+machine; see docs/inference.md) cost more than they save."""
 
 _FALSE = ("", "off", "false", "f", "no", "n", "0")  # what tokenizers reads as false, lower-cased
 
 
+def local_ranks() -> int:
+    """Processes of this job on this node that tokenize at once: torchrun's ``LOCAL_WORLD_SIZE`` (1 when unset or not
+    a positive int)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
 def available_cores(limit: int | None = None) -> int:
-    """The cores this process may use (``os.sched_getaffinity``; ``os.cpu_count()`` where it does not exist),
-    at most ``limit`` when given.
+    """The cores this process may use (``os.sched_getaffinity``; ``os.cpu_count()`` where it does not exist), at most
+    ``limit`` when given. Where the process is not pinned (its affinity is every core) and torchrun runs several ranks
+    on this node, each gets its share (``cores // LOCAL_WORLD_SIZE``, at least 1): ranks tokenize at the same time.
 
     Raises:
         TypeError / ValueError: a ``limit`` that is not a positive int.
@@ -77,6 +106,8 @@ def available_cores(limit: int | None = None) -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
+    if cores >= (os.cpu_count() or cores):
+        cores = max(1, cores // local_ranks())
     if limit is None:
         return cores
     return min(cores, check_positive_int("tokenize_cores", limit))
@@ -90,29 +121,27 @@ def tokenizers_parallelism() -> bool | None:
 
 @functools.cache
 def _explain_parallelism_off() -> None:
-    logger.info("%s=%r: the tokenizer's own threads stay off as set; dynabatch tokenizes in worker processes "
-                "instead (pass tokenize_cores=1 to tokenize on one core)", ENV_VARIABLE, os.environ.get(ENV_VARIABLE))
+    logger.info("%s=%r: the tokenizer's own threads stay off as set; dynabatch tokenizes on this thread, joined by "
+                "worker processes where they pay (pass tokenize_cores=1 to tokenize on one core)", ENV_VARIABLE,
+                os.environ.get(ENV_VARIABLE))
 
 
-def choose_mechanism(*, backend: bool, cores: int, texts: int) -> str:
-    """How a call tokenizes ``texts`` texts on ``cores`` cores: ``"threads"``, ``"processes"`` or ``"one"``.
+def choose_mechanism(*, backend: bool, cores: int) -> str:
+    """How a call tokenizes on ``cores`` cores: ``"threads"``, ``"shared"`` or ``"one"`` (see the module docs).
 
     Args:
         backend: the fast backend provably gives the tokenizer's rows
             (:func:`~dynabatch.data.tokenization.fast_backend`).
         cores: cores to use (:func:`available_cores`).
-        texts: texts of the call (a stream's: of its largest chunk).
     """
     if cores <= 1:
         return "one"
     parallelism = tokenizers_parallelism()
     if backend and parallelism is not False and cores >= available_cores():
         return "threads"  # its pool spans every core of the process: the cap does not bind
-    if texts < POOL_MIN_TEXTS:
-        return "one"
     if backend and parallelism is False:
         _explain_parallelism_off()
-    return "processes"
+    return "shared"
 
 
 _guard_lock = threading.Lock()
@@ -143,67 +172,434 @@ def guard_forks() -> None:
         _guarded = True
 
 
-_WORKER_STATE: Any = None  # in a worker process: what the pool's initializer unpickled
+_POLL = 0.1  # seconds a wait blocks at a time: Ctrl-C, a stop request and a dead parent are seen this soon
+_PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
+_ALONE_CPU = 1.5  # CPU seconds per wall second of a call above which it already spans cores by itself
 
 
-def _start_worker(blob: bytes) -> None:
-    global _WORKER_STATE
+def _die_with_parent(parent: int, by_main_thread: bool) -> None:
+    """In a worker: end the moment ``parent`` does, whatever way it ends (SIGKILL included).
+
+    On Linux the kernel sends SIGKILL when the thread that forked us ends (``PR_SET_PDEATHSIG``): right only when the
+    main thread forked us (a pool started from a thread that ends would lose its workers), so only then; and the parent
+    may have died before the call, so the parent is checked after it. Everywhere, a daemon thread checks the parent
+    every :data:`_POLL` seconds (a worker re-parented to init or a subreaper sees another parent)."""
+    if by_main_thread and sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl to call: the watchdog alone
+            pass
+    if os.getppid() != parent:
+        os._exit(0)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_POLL)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="dynabatch-parent-watch", daemon=True).start()
+
+
+def _worker_main(tasks: Connection, results: Connection, parent: int, by_main_thread: bool,
+                 inherited: list[Connection]) -> None:
+    """A worker process: the tasks its pipe brings, one at a time, each answered on its result pipe."""
+    for connection in inherited:  # the parent's ends of every pipe, forked with it: held here, they would keep a
+        connection.close()        # sibling's pipe open after the parent died
+    _die_with_parent(parent, by_main_thread)
     os.environ[ENV_VARIABLE] = "false"  # one core per worker: the pool is the parallelism
-    _WORKER_STATE = pickle.loads(blob)
+    state: Any = None
+    while True:
+        try:
+            task = tasks.recv()
+        except (EOFError, OSError):  # the parent closed its end, or is gone
+            return
+        if task is None:
+            return
+        blob, function, piece = task
+        if blob is not None:
+            try:
+                state = pickle.loads(blob)
+            except Exception as exc:  # noqa: BLE001 (its class not importable here: the parent does the piece)
+                state = None
+                results.send(("unusable", f"{type(exc).__name__}: {exc}"))
+                continue
+        try:
+            answer = ("done", function(state, piece))
+        except Exception as exc:  # noqa: BLE001 (raised in the parent's thread)
+            answer = ("error", exc)
+        try:
+            results.send(answer)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:  # an error that does not pickle
+            results.send(("error", RuntimeError(f"{answer[1]!r} ({exc})")))
 
 
-def _run_in_worker(function: Callable[[Any, Any], Any], piece: Any) -> Any:
-    return function(_WORKER_STATE, piece)
+class _Worker:
+    """The parent's side of a worker process: its pipes, the state it holds, the tasks it has not answered."""
+
+    def __init__(self, process: Any, tasks: Connection, results: Connection) -> None:
+        self.process, self.tasks, self.results = process, tasks, results
+        self.key: str | None = None  # the fingerprint of the state it holds
+        self.pending: collections.deque = collections.deque()  # (call, piece index) sent, not answered yet
+        self.answered = -1  # the last call it answered a piece of (a worker that has not may still be starting)
+        self.usable = True
 
 
 class WorkerPool:
-    """Worker processes that each receive ``state`` once and then run ``function(state, piece)`` on pieces.
+    """Worker processes that each run ``function(state, piece)`` on pieces handed out by :meth:`share`.
 
     Args:
-        state: what every worker needs (e.g. the tokenizer and its arguments);
-            pickled once here, unpickled once per worker.
         workers: worker processes.
 
-    Raises:
-        pickle.PicklingError, TypeError, AttributeError: ``state`` cannot be
-            pickled (a class defined inside a function, a lambda): the caller
-            tokenizes in this process instead.
-
-    Workers are forked where the platform can (Linux: no interpreter to start, the
-    caller's classes importable as they are), else spawned. :meth:`imap` keeps the
-    pieces' order; an error in a worker is raised by it, and a worker that could
-    not start or died raises ``concurrent.futures.process.BrokenProcessPool``.
-    :meth:`close` ends every worker and the pool's thread (also on garbage collection).
+    Workers are forked where the platform can (Linux: no interpreter to start, the caller's classes importable as
+    they are), else spawned; each holds the ends of its own two pipes only, and ends with this process however it
+    ends (see :func:`_die_with_parent`), when :meth:`close` runs, and at interpreter exit. A state is pickled once
+    and sent to a worker once (it keeps the last one it got: a deep copy of the same tokenizer is not sent again).
+    One call at a time uses the pool (:attr:`lock`).
     """
 
-    def __init__(self, state: Any, workers: int) -> None:
-        blob = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+    def __init__(self, workers: int) -> None:
+        check_positive_int("workers", workers)
         method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        context = multiprocessing.get_context(method)
         guard_forks()
-        self.workers = workers
-        self._executor: ProcessPoolExecutor | None = ProcessPoolExecutor(
-            workers, mp_context=multiprocessing.get_context(method), initializer=_start_worker, initargs=(blob,))
-        logger.debug("started %d tokenizer worker processes (%s, tokenizer of %d bytes)", workers, method, len(blob))
-
-    def imap(self, function: Callable[[Any, Any], Any], pieces: Sequence[Any]) -> Iterator[Any]:
-        """``function(state, piece)`` of each piece, run by the workers (all submitted at once), yielded in order."""
-        if self._executor is None:
-            raise RuntimeError("the worker pool is closed")
-        futures = [self._executor.submit(_run_in_worker, function, piece) for piece in pieces]
+        by_main_thread = threading.current_thread() is threading.main_thread()
+        self.owner = os.getpid()
+        self.lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._calls = itertools.count()
+        self._state: Any = None
+        self._blob: tuple[str, bytes] | None = None
+        parent_ends: list[Connection] = []
         try:
-            for future in futures:
-                yield future.result()
-        finally:
-            for future in futures:
-                future.cancel()
+            for _ in range(workers):
+                task_read, task_write = context.Pipe(duplex=False)
+                result_read, result_write = context.Pipe(duplex=False)
+                parent_ends += [task_write, result_read]
+                inherited = list(parent_ends) if method == "fork" else []
+                process = context.Process(target=_worker_main, name="dynabatch-tokenizer", daemon=True,
+                                          args=(task_read, result_write, os.getpid(), by_main_thread, inherited))
+                process.start()
+                task_read.close()
+                result_write.close()
+                self._workers.append(_Worker(process, task_write, result_read))
+        except BaseException:
+            self.close()
+            raise
+        logger.debug("started %d tokenizer worker processes (%s)", workers, method)
+
+    @property
+    def workers(self) -> int:
+        """Worker processes that can take pieces."""
+        return sum(w.usable for w in self._workers)
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids."""
+        return [w.process.pid for w in self._workers]
+
+    def _pickled(self, state: Any) -> tuple[str, bytes]:
+        """``state``'s fingerprint and pickle, kept for the last state (one tokenizer pickled once per pool)."""
+        if self._blob is None or self._state is not state:
+            blob = pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+            self._state, self._blob = state, (fingerprint(blob), blob)
+        return self._blob
+
+    def share(self, function: Callable[[Any, Any], Any], state: Any, pieces: Sequence[Any],
+              indices: Sequence[int]) -> _Sharing:
+        """Iterates ``(index, function(state, pieces[index]))`` for every index, in the order they finish, run by this
+        thread and the workers together (see :class:`_Sharing`; its ``failed`` says whether a worker failed).
+
+        Raises:
+            pickle.PicklingError, TypeError, AttributeError: ``state`` cannot be pickled (before any piece runs).
+        """
+        if not self._workers:
+            raise RuntimeError("the worker pool is closed")
+        return _Sharing(self, next(self._calls), function, state, self._pickled(state), pieces, indices)
 
     def close(self) -> None:
-        """Ends the workers and waits for them."""
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
+        """Ends the workers (a stop message, then SIGKILL for one that is still busy) and waits for them."""
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            try:
+                worker.tasks.send(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 1.0
+        for worker in workers:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+            worker.tasks.close()
+            worker.results.close()
 
-    def __del__(self) -> None:  # garbage-collected unclosed: end the workers without waiting here
-        executor = getattr(self, "_executor", None)
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+    def forget(self) -> None:
+        """In a process forked from the pool's owner: closes this copy of the pipes' ends (the workers are not ours)."""
+        for worker in self._workers:
+            worker.tasks.close()
+            worker.results.close()
+        self._workers = []
+
+
+class _Sharing:
+    """One call's pieces shared between the calling thread and the pool's workers.
+
+    The workers take pieces from the front, one at a time each, and the calling thread from the back; a background
+    thread (:class:`~dynabatch._background.Ahead`) sends and receives for the workers, so neither waits on the other's
+    pipe. When no piece is left to take, the calling thread takes over a piece of a worker that has not answered any
+    piece of this call yet (one still unpickling the state): it never waits on a worker that has not shown it runs,
+    so the call takes about what one thread takes at worst, whatever the workers cost to start. A worker that dies or
+    cannot unpickle the state leaves its piece to this thread (logged); an error raised in a worker is raised here.
+    """
+
+    def __init__(self, pool: WorkerPool, call: int, function: Callable[[Any, Any], Any], state: Any,
+                 pickled: tuple[str, bytes], pieces: Sequence[Any], indices: Sequence[int]) -> None:
+        self.pool, self.call, self.function, self.state = pool, call, function, state
+        self.key, self.blob = pickled
+        self.pieces = pieces
+        self.todo = collections.deque(indices)
+        self.running: dict[int, _Worker] = {}  # piece index -> the worker running it
+        self.done: set[int] = set()
+        self.lock = threading.Lock()  # todo and running, shared with the background thread
+        self.talking = True  # the background thread runs (a worker holds a piece or may take one)
+        self.failed = False  # a worker died or could not unpickle the state
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        total = len(self.todo)
+        talk = Ahead(self._talk(), depth=None, name="dynabatch-tokenize-workers")
+        talk.start()
+        try:
+            while len(self.done) < total:
+                yield from self._answers(talk, block=False)
+                if len(self.done) >= total:
+                    break
+                index = self._take()
+                if index is not None:
+                    result = self.function(self.state, self.pieces[index])
+                    if index not in self.done:
+                        self.done.add(index)
+                        yield index, result
+                elif self.talking:
+                    yield from self._answers(talk, block=True)
+                else:  # nothing left to take, and no worker holds a piece: a piece was lost (a bug, not an input)
+                    raise RuntimeError(f"{total - len(self.done)} pieces of {total} were lost between the tokenizer "
+                                       "worker processes and this process")
+        finally:
+            talk.close()
+
+    def _take(self) -> int | None:
+        """The next piece for this thread: the last one no worker took, else one of a worker not yet answering."""
+        with self.lock:
+            if self.todo:
+                return self.todo.pop()
+            for index, worker in list(self.running.items()):
+                if worker.answered < self.call and index not in self.done:
+                    del self.running[index]
+                    return index
+        return None
+
+    def _answers(self, talk: Ahead, *, block: bool) -> Iterator[tuple[int, Any]]:
+        """The workers' answers ready now (with ``block``: at least one event first)."""
+        got = talk.next(block=block)
+        while got is not Ahead.NOT_READY and got is not None:
+            if got is not _TICK:
+                kind, index, payload = got
+                if kind == "error":
+                    raise payload
+                if kind == "done" and index not in self.done:
+                    self.done.add(index)
+                    yield index, payload
+                elif kind in ("died", "unusable"):
+                    logger.warning("tokenizer worker processes failed (%s): this process tokenizes their pieces",
+                                   payload)
+                    self.failed = True
+                    if index not in self.done:
+                        with self.lock:
+                            self.todo.append(index)
+                if block:
+                    return
+            got = talk.next(block=False)
+        if got is None:
+            self.talking = False
+
+    def _feed(self, worker: _Worker) -> None:
+        with self.lock:
+            if not self.todo or not worker.usable or worker.pending:
+                return
+            index = self.todo.popleft()
+            self.running[index] = worker
+        blob = self.blob if worker.key != self.key else None
+        try:
+            worker.tasks.send((blob, self.function, self.pieces[index]))
+        except OSError as exc:  # it died: its piece goes back, to whoever takes it
+            worker.usable = False
+            logger.warning("tokenizer worker processes failed (%s): this process tokenizes their pieces", exc)
+            self.failed = True
+            with self.lock:
+                self.running.pop(index, None)
+                self.todo.append(index)
+            return
+        worker.key = self.key
+        worker.pending.append((self.call, index))
+
+    def _talk(self) -> Iterator[Any]:
+        """In the background thread: keeps each worker busy with one piece, and passes its answers on."""
+        workers = [w for w in self.pool._workers if w.usable]
+        for worker in workers:
+            self._feed(worker)
+        while True:
+            listening = {w.results: w for w in workers if w.pending}
+            if not listening:
+                return
+            ready = multiprocessing.connection.wait(list(listening), timeout=_POLL)
+            if not ready:
+                yield _TICK
+            for connection in ready:
+                worker = listening[connection]
+                call, index = worker.pending.popleft()
+                try:
+                    kind, payload = connection.recv()
+                except (EOFError, OSError):
+                    worker.usable = False
+                    kind, payload = "died", f"exit code {worker.process.exitcode}"
+                if kind == "unusable":
+                    worker.usable, worker.key = False, None
+                with self.lock:
+                    if self.running.get(index) is worker:
+                        del self.running[index]
+                if call == self.call:
+                    worker.answered = self.call
+                    yield kind, index, payload
+                self._feed(worker)
+
+
+_TICK = object()  # the background thread's sign of life while no answer comes (so it can be stopped)
+
+_shared_lock = threading.Lock()
+_shared: WorkerPool | None = None
+
+
+def shared_pool(workers: int) -> WorkerPool | None:
+    """This process's worker pool with at least ``workers`` workers, started at the first call that needs it and kept
+    for the next (loaders built one after another share it) until :func:`release_pool`, interpreter exit, or this
+    process's end; ``None`` where no pool can run: in a daemonic process (a DataLoader worker), or one that is busy
+    with another thread's call (the caller tokenizes alone)."""
+    global _shared
+    if multiprocessing.current_process().daemon:
+        return None
+    with _shared_lock:
+        if _shared is not None and _shared.owner != os.getpid():  # inherited without a fork hook: not ours to end
+            _shared.forget()
+            _shared = None
+        if _shared is not None and _shared.workers < workers and _shared.lock.acquire(blocking=False):
+            _shared.lock.release()  # too few workers (a cap raised, a worker died): a new pool, none in use
+            _shared.close()
+            _shared = None
+        if _shared is None:
+            _shared = WorkerPool(workers)
+        return _shared
+
+
+def release_pool() -> None:
+    """Ends this process's worker pool unless a call is using it (that call's own release ends it)."""
+    global _shared
+    with _shared_lock:
+        pool = _shared
+        if pool is None or not pool.lock.acquire(blocking=False):
+            return
+        try:
+            pool.close()
+            _shared = None
+        finally:
+            pool.lock.release()
+
+
+def _forget_pool_in_child() -> None:
+    global _shared
+    if _shared is not None:
+        _shared.forget()
+        _shared = None
+
+
+atexit.register(release_pool)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
+class Pieces:
+    """``function(state, piece)`` of every piece, in order: on this thread, joined by worker processes where the cost
+    rule says they pay.
+
+    Args:
+        function: a top-level function (workers import it by name).
+        state: what ``function`` needs besides the piece (the tokenizer and its arguments), picklable to use workers.
+        pieces: the pieces, each a sequence (of texts): their lengths weigh the cost.
+        cores: cores to use (this thread and ``cores - 1`` workers at most).
+        workers_allowed: ``False`` once workers failed for this state (it then runs on this thread).
+
+    **The cost rule.** This thread runs the first piece, timed. Workers join only where the rest would take one thread
+    at least :data:`POOL_MIN_SECONDS` at that speed, the first piece did not already keep more than
+    :data:`_ALONE_CPU` cores busy (a tokenizer call on its own thread pool), and the process's pool is free
+    (:func:`shared_pool`). Then this thread and the workers share the rest (:class:`_Sharing`): this thread never
+    waits on a worker that has not answered yet, so a call costs what one thread costs, plus a fork the first time,
+    even where the workers take long to start.
+
+    Attributes (after iterating): ``used_workers`` (workers that took pieces), ``unpicklable`` (the state could not be
+    pickled), ``failed`` (a worker died or could not unpickle the state).
+    """
+
+    def __init__(self, function: Callable[[Any, Any], Any], state: Any, pieces: Sequence[Sequence[Any]], *,
+                 cores: int, workers_allowed: bool = True) -> None:
+        self.function, self.state, self.pieces = function, state, pieces
+        self.cores, self.workers_allowed = cores, workers_allowed
+        self.used_workers = 0
+        self.unpicklable = self.failed = False
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self.pieces:
+            return
+        wall, cpu = time.perf_counter(), time.process_time()
+        yield self.function(self.state, self.pieces[0])
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        rest = wall * sum(map(len, self.pieces[1:])) / max(1, len(self.pieces[0]))
+        pool = self._pool(rest, cpu / max(wall, 1e-9))
+        if pool is None:
+            for piece in self.pieces[1:]:
+                yield self.function(self.state, piece)
+            return
+        try:
+            yield from self._shared(pool)
+        finally:
+            pool.lock.release()
+
+    def _pool(self, rest: float, busy_cores: float) -> WorkerPool | None:
+        """The process's pool, locked for this call, where the cost rule says workers pay; else ``None``."""
+        if not self.workers_allowed or self.cores < 2 or len(self.pieces) < 2:
+            return None
+        if rest < POOL_MIN_SECONDS or busy_cores > _ALONE_CPU:
+            logger.debug("tokenizing on one thread: the rest takes ~%.2f s there, on %.1f cores", rest, busy_cores)
+            return None
+        pool = shared_pool(self.cores - 1)
+        if pool is None or not pool.lock.acquire(blocking=False):
+            return None
+        return pool
+
+    def _shared(self, pool: WorkerPool) -> Iterator[Any]:
+        try:
+            sharing = pool.share(self.function, self.state, self.pieces, range(1, len(self.pieces)))
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            self.unpicklable = True
+            logger.warning("the tokenizer cannot be pickled for worker processes (%s): tokenizing on one core "
+                           "(define its class at the top level of a module to tokenize on every core)", exc)
+            for piece in self.pieces[1:]:
+                yield self.function(self.state, piece)
+            return
+        self.used_workers = pool.workers
+        finished: dict[int, Any] = {}
+        following = 1
+        for index, result in sharing:
+            finished[index] = result
+            while following in finished:
+                yield finished.pop(following)
+                following += 1
+        self.failed = sharing.failed

@@ -121,10 +121,10 @@ def test_streamed_on_every_core_equals_one_thread_and_leaves_no_process(tokenize
         pytest.skip("needs two cores")
     tricky = ["", " \t\r\n", "e\u0301 \U0001f389 \u05e9\u05dc\u05d5\u05dd [SEP] </s> \x00\x07", "word " * 300]
     items = tricky + texts
-    monkeypatch.setattr(workers, "POOL_MIN_TEXTS", 1)
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the backend's threads off: worker processes
-    one = TokenStream(TextSource(items), tokenizer, 32, first_chunk=16, chunk_size=64, tokenize_cores=1).tokenized
-    stream = TokenStream(TextSource(items), tokenizer, 32, first_chunk=16, chunk_size=64, tokenize_cores=2)
+    one = TokenStream(TextSource(items), tokenizer, 32, first_chunk=64, chunk_size=64, tokenize_cores=1).tokenized
+    stream = TokenStream(TextSource(items), tokenizer, 32, first_chunk=64, chunk_size=64, tokenize_cores=2)
     feed = stream.feed(iter(range(stream.n_chunks)))
     feed.next()
     assert multiprocessing.active_children()  # the chunks are tokenized by worker processes

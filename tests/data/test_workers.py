@@ -4,11 +4,20 @@ import logging
 import multiprocessing
 import os
 import pickle
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 
 from dynabatch.data import workers
-from dynabatch.data.workers import WorkerPool, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
+from dynabatch.data.workers import (Pieces, WorkerPool, available_cores, choose_mechanism, guard_forks, release_pool,
+                                    tokenizers_parallelism)
+
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_cores_are_the_affinity_capped_by_the_argument():
@@ -31,20 +40,38 @@ def test_the_environment_variable_is_read_as_tokenizers_reads_it(monkeypatch, va
 def test_the_mechanism(monkeypatch, caplog):
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     monkeypatch.setattr(workers, "available_cores", lambda limit=None: 4 if limit is None else min(4, limit))
-    big, small = 10**6, workers.POOL_MIN_TEXTS - 1
-    assert choose_mechanism(backend=True, cores=4, texts=small) == "threads"
-    assert choose_mechanism(backend=True, cores=2, texts=big) == "processes"  # a cap below the pool's cores
-    assert choose_mechanism(backend=False, cores=4, texts=big) == "processes"
-    assert choose_mechanism(backend=False, cores=4, texts=small) == "one"  # too few texts to start processes
-    assert choose_mechanism(backend=True, cores=1, texts=big) == "one"
+    assert choose_mechanism(backend=True, cores=4) == "threads"
+    assert choose_mechanism(backend=True, cores=2) == "shared"  # a cap below the process's cores
+    assert choose_mechanism(backend=False, cores=4) == "shared"
+    assert choose_mechanism(backend=True, cores=1) == "one"
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the user's: the backend's threads stay off
     workers._explain_parallelism_off.cache_clear()
     with caplog.at_level(logging.INFO, logger="dynabatch.data.workers"):
-        assert choose_mechanism(backend=True, cores=4, texts=big) == "processes"
-        assert choose_mechanism(backend=True, cores=4, texts=big) == "processes"
+        assert choose_mechanism(backend=True, cores=4) == "shared"
+        assert choose_mechanism(backend=True, cores=4) == "shared"
     said = [r.getMessage() for r in caplog.records if "TOKENIZERS_PARALLELISM" in r.getMessage()]
     assert len(said) == 1 and "tokenize_cores=1" in said[0]  # once, with the way to one core
     assert os.environ["TOKENIZERS_PARALLELISM"] == "false"  # never turned on
+
+
+@pytest.mark.parametrize("ranks, expected", [(None, 8), ("2", 4), ("3", 2), ("16", 1), ("zero", 8), ("0", 8)])
+def test_torchrun_ranks_on_one_node_share_its_cores(monkeypatch, ranks, expected):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    if ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+    assert available_cores() == expected and available_cores(3) == min(3, expected)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # a rank pinned to its cores keeps them
+    assert available_cores() == 2
+
+
+@pytest.fixture(autouse=True)
+def _no_pool_left():
+    yield
+    release_pool()
+    assert multiprocessing.active_children() == []
 
 
 def _double(state, piece):
@@ -55,23 +82,102 @@ def _fail(state, piece):
     raise ValueError(f"bad piece {piece}")
 
 
-def test_the_pool_keeps_the_order_raises_errors_and_leaves_no_process():
-    pool = WorkerPool(2, workers=2)
-    try:
-        assert list(pool.imap(_double, [[1, 2], [3], [4, 5, 6]])) == [[2, 4], [6], [8, 10, 12]]
-        with pytest.raises(ValueError, match=r"^bad piece \[7\]$"):
-            list(pool.imap(_fail, [[7]]))
-    finally:
-        pool.close()
-    assert multiprocessing.active_children() == []
+def _slow(state, piece):
+    time.sleep(0.02)
+    return [state * value for value in piece]
+
+
+class SlowToUnpickle:
+    """A state that takes ``seconds`` to unpickle anywhere but the process that made it (a worker starting slowly)."""
+
+    def __init__(self, seconds):
+        self.seconds, self.home = seconds, os.getpid()
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if os.getpid() != self.home:
+            time.sleep(self.seconds)
+
+    def __mul__(self, value):
+        return 2 * value
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 40])  # one piece (no worker), and pieces on both sides of the workers'
+def test_pieces_come_back_in_order_from_this_thread_and_the_workers(monkeypatch, size):
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    pieces = [list(range(k, k + 3)) for k in range(size)]
+    shared = Pieces(_slow, 2, pieces, cores=3)
+    assert list(shared) == [[2 * v for v in piece] for piece in pieces]
+    assert shared.used_workers == (2 if size > 1 else 0) and not shared.failed
+    again = Pieces(_slow, 2, pieces, cores=3)  # the next call reuses the process's pool
+    pids = workers.shared_pool(2).pids
+    assert list(again) == [[2 * v for v in piece] for piece in pieces] and workers.shared_pool(2).pids == pids
+
+
+@pytest.mark.parametrize("threshold, cores, used", [(0, 2, 1), (10**6, 2, 0), (0, 1, 0)])
+def test_workers_join_only_where_the_rest_takes_one_thread_long_enough(monkeypatch, threshold, cores, used):
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", threshold)
+    pieces = [[1, 2]] * 6
+    shared = Pieces(_slow, 3, pieces, cores=cores)
+    assert list(shared) == [[3, 6]] * 6 and shared.used_workers == used
+    assert bool(multiprocessing.active_children()) == bool(used)
+
+
+def test_a_call_that_already_spans_cores_is_left_alone(monkeypatch):
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    monkeypatch.setattr(workers, "_ALONE_CPU", -1.0)  # as if its first piece kept more cores busy than the rule allows
+    shared = Pieces(_slow, 3, [[1]] * 4, cores=2)
+    assert list(shared) == [[3]] * 4 and shared.used_workers == 0
+
+
+def test_this_thread_never_waits_on_a_worker_that_is_still_starting(monkeypatch):
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    pieces = [[1]] * 10
+    started = time.perf_counter()
+    assert list(Pieces(_slow, SlowToUnpickle(30), pieces, cores=2)) == [[2]] * 10
+    assert time.perf_counter() - started < 10  # the worker spends 30 s unpickling: this thread did every piece
+
+
+def test_an_error_in_a_worker_is_raised_here_and_the_pool_goes_on(monkeypatch):
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    with pytest.raises(ValueError, match=r"^bad piece \[7\]$"):
+        list(Pieces(_fail, 1, [[7]] * 3, cores=2))
+    assert list(Pieces(_slow, 2, [[1]] * 4, cores=2)) == [[2]] * 4
+
+
+def test_a_state_that_cannot_be_pickled_runs_on_this_thread(monkeypatch, caplog):
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    with caplog.at_level(logging.WARNING, logger="dynabatch.data.workers"):
+        shared = Pieces(_slow, _Local(), [[1]] * 3, cores=2)
+        assert list(shared) == [[5]] * 3
+    assert shared.unpicklable and "cannot be pickled" in caplog.text
+
+
+class _Local:
+    def __mul__(self, value):
+        return 5 * value
+
+    def __reduce__(self):
+        raise pickle.PicklingError("no")
+
+
+def test_a_closed_pool_refuses_work():
+    pool = WorkerPool(1)
+    pool.close()
     with pytest.raises(RuntimeError, match="closed"):
-        list(pool.imap(_double, [[1]]))
+        pool.share(_double, 1, [[1]], [0])
 
 
-def test_a_state_that_cannot_be_pickled_is_refused_before_any_process_starts():
-    with pytest.raises((pickle.PicklingError, AttributeError)):  # by version: a local object is either
-        WorkerPool(lambda: None, workers=2)
-    assert multiprocessing.active_children() == []
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_process_forked_from_the_pools_owner_leaves_its_workers_alone(monkeypatch):
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    pids = workers.shared_pool(1).pids
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker, say: the pool is not its own
+        os._exit(0 if workers._shared is None else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    shared = Pieces(_slow, 2, [[1]] * 6, cores=2)
+    assert list(shared) == [[2]] * 6 and shared.used_workers == 1 and workers.shared_pool(1).pids == pids
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
@@ -94,3 +200,144 @@ def test_a_process_forked_after_guard_forks_starts_with_parallelism_off(monkeypa
     if pid == 0:
         os._exit(0 if os.environ.get("TOKENIZERS_PARALLELISM") == "true" else 1)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+_KILLED = '''
+import sys, threading, time
+from dynabatch.data import workers
+
+workers.POOL_MIN_SECONDS = 0
+
+
+def slow(state, piece):
+    time.sleep(0.02)
+    return piece
+
+
+point = sys.argv[1]
+if point == "start":  # pools started and closed over and over: killed while one starts or ends
+    print("ready", flush=True)
+    while True:
+        workers.WorkerPool(2).close()
+elif point == "after":  # a call done, the process's pool waiting for the next one
+    list(workers.Pieces(slow, None, [[i] for i in range(10)], cores=3))
+    print("ready", flush=True)
+    time.sleep(600)
+else:  # mid-call, the pool started by this thread ("busy") or by a thread that has ended (the workers must not end)
+    if point == "busy from a thread":
+        starter = threading.Thread(target=workers.shared_pool, args=(2,))
+        starter.start()
+        starter.join()
+    for k, _ in enumerate(workers.Pieces(slow, None, [[i] for i in range(10**5)], cores=3)):
+        if k == 40:
+            print("ready", flush=True)
+'''
+
+
+def _children(pid):
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _alive_with(token):
+    """Processes (not zombies) whose environment holds ``token``: everything the killed process forked."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if token.encode() in (entry / "environ").read_bytes() and (entry / "stat").read_text().split()[2] != "Z":
+                alive.append(int(entry.name))
+        except OSError:  # ended meanwhile, or not ours
+            continue
+    return alive
+
+
+def _gone_within(token, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while (left := _alive_with(token)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+linux_proc = pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+
+
+@linux_proc
+@pytest.mark.parametrize("point", ["start", "busy", "busy from a thread", "after"])
+def test_nothing_outlives_a_process_killed_while_it_tokenizes_in_workers(tmp_path, point):
+    token = f"dynabatch-kill-test-{uuid.uuid4().hex}"
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED)
+    env = dict(os.environ, PYTHONPATH=str(REPO), DYNABATCH_KILL_TEST=token)
+    process = subprocess.Popen([sys.executable, str(script), point], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        if point == "start":
+            time.sleep(1.0)
+        else:  # both workers run (a pool started by a thread that ended kept its workers)
+            assert len(_children(process.pid)) == 2
+    finally:
+        process.kill()  # SIGKILL: no clean-up of its own, as the out-of-memory killer does
+        process.wait()
+    assert _gone_within(token) == []
+
+
+_SLOW_TOKENIZER = '''
+import time
+
+from dynabatch.data import tokenization, workers
+
+workers.POOL_MIN_SECONDS = 0  # workers for a corpus this small
+_encode = tokenization._Encoder.encode
+
+
+def _slowly(self, chunk):  # every piece takes a while: the run is surely mid-tokenizing when it is killed
+    time.sleep(0.1)
+    return _encode(self, chunk)
+
+
+tokenization._Encoder.encode = _slowly
+'''
+
+
+@pytest.mark.slow
+@linux_proc
+def test_nothing_outlives_dynabatch_embed_killed_mid_run(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from dynabatch.demo import kjv_passages, vary_lengths
+
+    model = tmp_path / "model"
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        BertModel(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                             intermediate_size=64, max_position_embeddings=64)).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    texts = vary_lengths(kjv_passages(), n=3000, max_words=40, seed=13)
+    (tmp_path / "corpus").mkdir()
+    pq.write_table(pa.table({"id": list(range(len(texts))), "text": texts}), tmp_path / "corpus" / "part-0.parquet")
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(_SLOW_TOKENIZER)
+    token = f"dynabatch-kill-test-{uuid.uuid4().hex}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(tmp_path / "hook")]), HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", DYNABATCH_KILL_TEST=token)
+    command = [sys.executable, "-m", "dynabatch", "embed", str(tmp_path / "corpus"), str(tmp_path / "store"),
+               "--model", str(model), "--id-column", "id", "--max-length", "32", "--no-progress"]
+    with open(tmp_path / "log", "w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while not _children(process.pid):  # its tokenizer workers have started
+            assert process.poll() is None, (tmp_path / "log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no worker process within 240 s"
+            time.sleep(0.02)
+    finally:
+        process.kill()  # SIGKILL the command alone (not its process group), as the out-of-memory killer does
+        process.wait()
+    assert _gone_within(token) == []

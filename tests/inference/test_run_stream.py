@@ -132,7 +132,7 @@ def test_a_run_tokenizing_in_worker_processes_leaves_no_process_nor_thread(small
 
     if workers.available_cores() < 2:
         pytest.skip("needs two cores")
-    monkeypatch.setattr(workers, "POOL_MIN_TEXTS", 1)
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the backend's threads off: chunks go to worker processes
     loader = _load(texts, tokenizer)
 
