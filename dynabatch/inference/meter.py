@@ -89,17 +89,25 @@ class TextCosts:
         self.count = np.bincount(chosen, minlength=len(self.edges)).astype(np.float64)
         self.total = np.bincount(chosen, weights=weights, minlength=len(self.edges)).astype(np.float64)
         self.rate, self.special = 1.0 / _CHARS_PER_TOKEN, _SPECIAL_TOKENS
+        self._pending: list[tuple[np.ndarray, float]] = []  # positions done, taken off when an estimate is asked
         self._fit = np.zeros(5)  # sums over the batches not cut at the max length: chars^2, chars*rows, rows^2,
         # chars*tokens, rows*tokens
 
     def done(self, positions: np.ndarray, scale: float = 1.0) -> None:
         """``positions`` finished (``scale``: ranks claiming alike, each counting for ``scale``)."""
-        bins = self.bins[positions]
-        n = len(self.edges)
-        self.count -= scale * np.bincount(bins, minlength=n)
-        self.total -= scale * np.bincount(bins, weights=self.sizes[positions], minlength=n)
-        np.maximum(self.count, 0.0, out=self.count)
-        np.maximum(self.total, 0.0, out=self.total)
+        self._pending.append((positions, scale))
+
+    def _take_off(self) -> None:
+        """Takes the positions done since the last estimate off what is left, in one pass (a batch costs the run
+        an append)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        for scale in {s for _, s in pending}:
+            positions = np.concatenate([p for p, s in pending if s == scale])
+            bins = self.bins[positions]
+            self.count -= scale * np.bincount(bins, minlength=len(self.edges))
+            self.total -= scale * np.bincount(bins, weights=self.sizes[positions], minlength=len(self.edges))
 
     def learn(self, positions: np.ndarray, real_tokens: int, width: int) -> None:
         """A batch of ``positions`` ran with ``real_tokens`` tokens and padded ``width``: where none of its rows
@@ -119,13 +127,15 @@ class TextCosts:
 
     def left(self) -> tuple[float, float]:
         """``(tokens, rows)`` left to run."""
-        rows = float(self.count.sum())
+        self._take_off()
+        count, total = np.maximum(self.count, 0.0), np.maximum(self.total, 0.0)  # ranks counted alike may overshoot
+        rows = float(count.sum())
         if self.exact:
-            return float(self.total.sum()), rows
-        tokens = self.rate * self.total + self.special * self.count
+            return float(total.sum()), rows
+        tokens = self.rate * total + self.special * count
         if self.max_length is not None:
             cut = self.rate * self.edges + self.special >= self.max_length  # every text of the bin is cut
-            tokens = np.where(cut, self.max_length * self.count, np.minimum(tokens, self.max_length * self.count))
+            tokens = np.where(cut, self.max_length * count, np.minimum(tokens, self.max_length * count))
         return float(tokens.sum()), rows
 
 
@@ -150,20 +160,29 @@ class TimeModel:
     RIDGE = 1e-3  # of a part's own size: how far apart from the tokens the batches must vary before it counts
 
     def __init__(self) -> None:
-        self._xx = np.zeros((3, 3))  # features: padded tokens, rows, 1 (the batch)
-        self._xy = np.zeros(3)
+        self._sums = [0.0] * 9  # features padded tokens, rows, 1 (the batch): pp, pr, p1, rr, r1, 11, yp, yr, y1
         self.batches = 0
-        self.coef: np.ndarray | None = None  # seconds per padded token, per row, per batch
+        self._solved: tuple[int, np.ndarray | None] = (0, None)
+
+    @property
+    def coef(self) -> np.ndarray | None:
+        """Seconds per padded token, per row and per batch (``None`` before any batch); solved when asked, so a
+        batch costs the run two small products."""
+        if self._solved[0] != self.batches:
+            self._solved = (self.batches, self._solve())
+        return self._solved[1]
 
     def add(self, *, seconds: float, padded_tokens: float, rows: float) -> None:
         keep = 0.5 ** (1.0 / max(8.0, self.batches / 4))
-        x = np.array([padded_tokens, rows, 1.0], dtype=np.float64)
-        self._xx = keep * self._xx + np.outer(x, x)
-        self._xy = keep * self._xy + x * seconds
+        p, r, y = float(padded_tokens), float(rows), float(seconds)
+        new = (p * p, p * r, p, r * r, r, 1.0, y * p, y * r, y)
+        self._sums = [keep * old + value for old, value in zip(self._sums, new)]
         self.batches += 1
-        self.coef = self._solve()
 
     def _solve(self) -> np.ndarray:
+        pp, pr, p1, rr, r1, one, yp, yr, y1 = self._sums
+        self._xx = np.array([[pp, pr, p1], [pr, rr, r1], [p1, r1, one]])
+        self._xy = np.array([yp, yr, y1])
         for kept in ([0, 1, 2], [0, 2], [0, 1], [0], [1], [2]):  # the first whose parts are all non-negative
             coef = self._fit(kept)
             if coef is not None and (coef >= 0).all():
@@ -189,9 +208,10 @@ class TimeModel:
 
     def seconds(self, *, batches: float, padded_tokens: float, rows: float) -> float:
         """The seconds ``batches`` batches of ``padded_tokens`` and ``rows`` in all take (0 before any batch)."""
-        if self.coef is None:
+        coef = self.coef
+        if coef is None:
             return 0.0
-        return float(self.coef @ np.array([padded_tokens, rows, batches]))
+        return float(coef @ np.array([padded_tokens, rows, batches]))
 
 
 @dataclass
@@ -226,8 +246,9 @@ class _Recent:
     def add(self, now: float, **values: float) -> None:
         keep = 1.0 if self.at is None else 0.5 ** ((now - self.at) / self.HALF_LIFE)
         self.at = now
-        for name in set(self.sums) | set(values):
-            self.sums[name] = keep * self.sums.get(name, 0.0) + values.get(name, 0.0)
+        sums = self.sums
+        for name, value in values.items():
+            sums[name] = keep * sums.get(name, 0.0) + value
 
     def ratio(self, top: str, bottom: str) -> float | None:
         below = self.sums.get(bottom, 0.0)
@@ -318,7 +339,7 @@ class Meter:
         self.started = clock()
         self.first: float | None = None  # when the first batch finished
         self.last: float | None = None  # when the last batch finished
-        self.accounting = 0.0  # seconds spent in add() and the display: the meter's own cost
+        self.accounting = 0.0  # CPU seconds spent in add() and the display: the meter's own cost
         self.terminal = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
         self._lock = threading.Lock()
         self._shown_at = -math.inf
@@ -337,7 +358,7 @@ class Meter:
             width: int | None = None) -> None:
         """A batch finished: ``rows`` (finished or set aside) at input ``positions``, its padded and real tokens
         and its width."""
-        start = time.perf_counter()
+        start = time.thread_time()
         with self._lock:
             now = self.clock()
             interval = now - (self.last if self.last is not None else self.started)
@@ -358,7 +379,7 @@ class Meter:
                 self.costs.done(positions, self.scale)
             if self.terminal and now - self._shown_at >= 0.2:
                 self._show(now)
-        self.accounting += time.perf_counter() - start
+            self.accounting += time.thread_time() - start
 
     def estimate(self) -> Estimate:
         """The figures the display shows, now."""
@@ -433,11 +454,11 @@ class Meter:
             self.stream = None
 
     def _tick(self) -> None:
-        start = time.perf_counter()
+        start = time.thread_time()
         with self._lock:
             if not self._closed and self.stream is not None:
                 self._show(self.clock())
-        self.accounting += time.perf_counter() - start
+            self.accounting += time.thread_time() - start
 
     def close(self) -> None:
         """Stops the timed refresh and prints the final line, once."""

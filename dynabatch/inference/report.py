@@ -98,7 +98,7 @@ class RunReport:
         wall_seconds: the run's wall time, from its first stage to its last batch.
         background: the share of the wall each stage run ahead in a background
             thread worked (``"tokenize"``, ``"build"``, ``"read"``).
-        accounting_seconds: what keeping these figures and the display cost.
+        accounting_seconds: the CPU seconds keeping these figures and the display took.
     """
 
     records: list[BatchRecord] = field(default_factory=list)
@@ -267,11 +267,14 @@ class RunReport:
                    accounting_seconds=summary.get("accounting_seconds", 0.0))
 
     def plot(self, path: str | os.PathLike, *, title: str | None = None) -> None:
-        """Draws the run into a PNG at ``path``: batch sizes, padding and peak memory per batch.
+        """Draws the run into a PNG at ``path``: batch sizes, padding and peak memory per batch, and where the wall
+        went over the run.
 
         Three panels share the batch-number axis: rows per batch (batches that ran out of memory or were split up
         front marked), padded over real tokens, and each batch's peak relative to the first batch's (the budget, line
-        at 1.0; the planner's target, line at 0.9).
+        at 1.0; the planner's target, line at 0.9). The fourth, over the run's seconds, stacks the device loop's
+        stages (the device, the store, building, planning, the waits on tokenizing) as shares of each stretch of
+        the wall, the bound named in its title.
 
         Raises:
             ImportError: matplotlib is not installed.
@@ -285,8 +288,11 @@ class RunReport:
                               ) from exc
 
         numbers = [r.batch for r in self.records]
-        fig = Figure(figsize=(9, 8.5), layout="constrained")  # no pyplot: no global state, any backend
-        ax_rows, ax_pad, ax_mem = fig.subplots(3, 1, sharex=True)
+        fig = Figure(figsize=(9, 11), layout="constrained")  # no pyplot: no global state, any backend
+        ax_rows, ax_pad, ax_mem, ax_wall = fig.subplots(4, 1, height_ratios=[1, 1, 1, 1.1])
+        ax_rows.sharex(ax_mem)
+        ax_pad.sharex(ax_mem)
+        self._plot_stages(ax_wall)
         summary = self.summary()
         headline = title or "dynabatch run"
         rate = f"{summary['rows_per_s']:.1f} rows/s" if summary["rows_per_s"] else "no time measured"
@@ -336,3 +342,33 @@ class RunReport:
             for ax in (ax_rows, ax_pad):
                 ax.text(0.5, 0.5, "no batches ran", ha="center", va="center", transform=ax.transAxes, color="gray")
         fig.savefig(path, dpi=110)
+
+    def _plot_stages(self, ax: Any, stretches: int = 40) -> None:
+        """Where the wall went over the run: each record's stage seconds, spread over the time it took, in
+        ``stretches`` stretches of the run, stacked as shares."""
+        timed = [r for r in self.records if r.stages and r.finished is not None]
+        ax.set_title(f"Where the wall went ({self.bound})" if self.bound else "Where the wall went")
+        if not timed:
+            ax.text(0.5, 0.5, "no stages timed", ha="center", va="center", transform=ax.transAxes, color="gray")
+            ax.set_yticks([])
+            return
+        end = max(r.finished for r in timed)
+        stages = sorted({s for r in timed for s in r.stages}, key=lambda s: (s != "device", s))
+        seconds = {s: [0.0] * stretches for s in stages}
+        width = end / stretches if end > 0 else 1.0
+        for r in timed:  # a record's seconds spread over the stretches of the time it took, up to when it finished
+            took = sum(r.stages.values())
+            begin = max(r.finished - took, 0.0)
+            for i in range(int(begin / width), min(int(r.finished / width) + 1, stretches)):
+                overlap = min(r.finished, (i + 1) * width) - max(begin, i * width)
+                share = overlap / took if took > 0 else 1.0
+                for stage, value in r.stages.items():
+                    seconds[stage][i] += value * max(share, 0.0)
+        totals = [sum(seconds[s][i] for s in stages) or 1.0 for i in range(stretches)]
+        middles = [(i + 0.5) * end / stretches for i in range(stretches)]
+        ax.stackplot(middles, [[seconds[s][i] / totals[i] for i in range(stretches)] for s in stages], labels=stages)
+        ax.set_ylim(0, 1)
+        ax.set_xlim(0, end)
+        ax.set_ylabel("share of the wall")
+        ax.set_xlabel("seconds from the run's start")
+        ax.legend(loc="upper left", fontsize=8, ncol=4)
