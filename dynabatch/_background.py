@@ -8,10 +8,19 @@
   next batches built ahead (:class:`~dynabatch.inference.build.Prefetcher`), shards written behind the run (the
   results store's writer).
 
+* :class:`Ticker` calls a function every few seconds until it is closed: the progress display's timed refresh, so
+  it moves while a long batch runs.
+
 Either way an error the thread meets is raised in the caller's thread (at the next :meth:`Ahead.next`, or the next
 :meth:`Worker.submit`, :meth:`Worker.wait` or :meth:`Worker.close`), and ``close()`` stops the thread (after the item or
 job in progress, even while it waits for room) and joins it, so no thread outlives the run that started it, Ctrl-C
 included. Waits in the caller's thread are timed, so Ctrl-C reaches it.
+
+Every stage that runs here is timed, once, in this module (the run's bottleneck report reads it,
+:mod:`dynabatch.inference.meter`): :func:`stage_seconds` gives, per thread name, the seconds its thread spent
+working and the seconds it waited for room ahead of its consumer; :func:`waited` gives, for the calling thread, the
+seconds it waited on each thread name (for an item not ready, or for room to hand a job). The counters add up over
+the process's life; a reader takes differences.
 
 Example:
     >>> from dynabatch._background import Ahead, Worker
@@ -29,13 +38,57 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["Ahead", "Worker"]
+__all__ = ["Ahead", "Ticker", "Worker", "stage_seconds", "waited"]
 
 _END = object()
 _POLL = 0.1  # seconds a wait blocks at a time: a stop request (or Ctrl-C in the caller) is seen this soon
+
+
+class _Waits(threading.local):
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+
+_WAITS = _Waits()  # per calling thread: name of what it waited on -> seconds
+_STAGES: dict[str, list[float]] = {}  # thread name -> [seconds working, seconds waiting for room]
+_STAGES_LOCK = threading.Lock()
+
+
+def _add_wait(name: str, seconds: float) -> None:
+    _WAITS.seconds[name] = _WAITS.seconds.get(name, 0.0) + seconds
+
+
+def _add_stage(name: str, working: float, blocked: float) -> None:
+    with _STAGES_LOCK:
+        entry = _STAGES.setdefault(name, [0.0, 0.0])
+        entry[0] += working
+        entry[1] += blocked
+
+
+def waited() -> dict[str, float]:
+    """Seconds the calling thread has waited so far on each background thread (by its name): for an item that was
+    not ready (:meth:`Ahead.next`), for room to hand a job or for jobs to finish (:class:`Worker`).
+
+    Example:
+        >>> from dynabatch._background import Worker, waited
+        >>> worker = Worker(depth=1, name="example-waits")
+        >>> worker.submit(time.sleep, 0.05); worker.wait()
+        >>> waited()["example-waits"] > 0.02
+        True
+        >>> worker.close()
+    """
+    return dict(_WAITS.seconds)
+
+
+def stage_seconds() -> dict[str, tuple[float, float]]:
+    """Per background thread name, ``(seconds working, seconds waiting for room ahead of its consumer)`` so far in
+    this process (threads of one name add up: every run's tokenizing thread is ``"dynabatch-tokenize"``)."""
+    with _STAGES_LOCK:
+        return {name: (working, blocked) for name, (working, blocked) in _STAGES.items()}
 
 
 class Ahead:
@@ -62,19 +115,29 @@ class Ahead:
             self._thread.start()
 
     def _put(self, entry: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(entry, timeout=_POLL)
-                return True
-            except queue.Full:
-                continue
-        return False
+        start = time.perf_counter()
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(entry, timeout=_POLL)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+        finally:
+            _add_stage(self._name, 0.0, time.perf_counter() - start)
 
     def _pull(self) -> None:
         try:
             while self._held and self._put(self._held[0]):
                 self._held.pop()
-            for item in self._items:
+            items = iter(self._items)
+            while True:
+                start = time.perf_counter()
+                item = next(items, _END)
+                _add_stage(self._name, time.perf_counter() - start, 0.0)
+                if item is _END:
+                    break
                 if not self._put(item):
                     self._held.append(item)  # kept for the thread that resumes
                     return
@@ -88,12 +151,15 @@ class Ahead:
             return None
         self.start()
         got = self.NOT_READY
+        start = time.perf_counter()
         while got is self.NOT_READY:
             try:
                 got = self._queue.get(timeout=_POLL) if block else self._queue.get_nowait()
             except queue.Empty:
                 if not block:
                     return self.NOT_READY
+        if block:
+            _add_wait(self._name, time.perf_counter() - start)
         if got is _END or isinstance(got, BaseException):
             self._done = True
         if isinstance(got, BaseException):
@@ -150,11 +216,13 @@ class Worker:
         """Hands ``fn(*args)`` to the thread, once fewer than ``depth`` jobs are unfinished; first raises the error
         of a job before it, if any."""
         self._raise()
+        start = time.perf_counter()
         while True:
             if self._stop.is_set():
                 raise RuntimeError(f"{self._name}: closed, it takes no more jobs")
             if self._room.acquire(timeout=_POLL):
                 break
+        _add_wait(self._name, time.perf_counter() - start)
         with self._idle:
             self._unfinished += 1
         if self._thread is None:
@@ -165,12 +233,14 @@ class Worker:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not _END:
             fn, args = job
+            start = time.perf_counter()
             try:
                 if not self._stop.is_set():
                     fn(*args)
             except BaseException as exc:  # noqa: BLE001 (handed to the caller's thread, raised there)
                 self._error = self._error or exc
             finally:
+                _add_stage(self._name, time.perf_counter() - start, 0.0)
                 del job, fn, args  # a job's arguments (a shard's rows, a batch) are not kept until the next one
                 self._room.release()
                 with self._idle:
@@ -179,9 +249,11 @@ class Worker:
 
     def wait(self) -> None:
         """Waits until every job submitted has finished; raises the first error one of them met."""
+        start = time.perf_counter()
         with self._idle:
             while self._unfinished:
                 self._idle.wait(_POLL)
+        _add_wait(self._name, time.perf_counter() - start)
         self._raise()
 
     def close(self, *, cancel: bool = False) -> None:
@@ -204,3 +276,45 @@ class Worker:
         if cancel:
             self._error = None
         self._raise()
+
+
+class Ticker:
+    """Calls ``fn()`` every ``seconds`` in a daemon thread, from :meth:`start` until :meth:`close`.
+
+    ``fn`` must not raise: an error it raises is kept and raised by :meth:`close`, and the ticking stops.
+
+    Example:
+        >>> from dynabatch._background import Ticker
+        >>> ticks = []
+        >>> ticker = Ticker(lambda: ticks.append(1), seconds=0.01, name="example-ticker")
+        >>> ticker.start(); time.sleep(0.1); ticker.close()
+        >>> len(ticks) >= 2
+        True
+    """
+
+    def __init__(self, fn: Callable[[], Any], *, seconds: float, name: str) -> None:
+        self._fn, self._seconds = fn, seconds
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._tick, name=name, daemon=True)
+
+    def start(self) -> None:
+        if self._thread.ident is None:
+            self._thread.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self._seconds):
+            try:
+                self._fn()
+            except BaseException as exc:  # noqa: BLE001 (raised by close, in the caller's thread)
+                self._error = exc
+                return
+
+    def close(self) -> None:
+        """Stops the ticking and waits for the thread (after a call in progress); raises the error ``fn`` raised."""
+        self._stop.set()
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error

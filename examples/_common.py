@@ -211,8 +211,9 @@ def interleave(runs: dict[str, Generator[float, None, tuple]], expected: dict[st
         cpu[name] += time.process_time() - cpu_start
         progress[name] = wall[name] / expected[name] if expected else fraction
         if bar is not None:
-            bar.update(fraction - share[name])
-            share[name] = fraction
+            share[name] = min(fraction, 1.0)
+            bar.n = min(sum(share.values()), bar.total)  # set, never added up: float steps cannot pass the total
+            bar.update(0)
         if value is not None:
             done[name] = (value, wall[name], cpu[name], first[name])
     return done

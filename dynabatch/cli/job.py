@@ -320,6 +320,8 @@ def summary(command: str, report: Any, tally: Tally, *, output: str, what: str, 
                   f"  padding    {efficiency} of the padded tokens were real tokens",
                   (f"  memory     {report.oom_events} out-of-memory events, {report.oom_splits} batches split after "
                   f"one, {report.pre_split_batches} split before running")]
+        if report.bound is not None:
+            lines.append(f"  bound      {report.bound}{ran}")
     lines += [f"  store      {os.path.abspath(output)} (Parquet, one row per input: {', '.join(columns)})",
               (f"  read it    pyarrow.dataset.dataset({output!r}).to_table(columns={columns!r})  (or pandas, polars, "
               "datasets)")]

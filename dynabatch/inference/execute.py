@@ -33,6 +33,7 @@ import numpy as np
 
 from dynabatch.data.collate import Batch, batch_shape, real_tokens
 from dynabatch.inference.build import Builder, Built, Prefetcher
+from dynabatch.inference.meter import Laps, Meter
 from dynabatch.inference.outputs import RowSplitter
 from dynabatch.inference.report import BatchRecord, RunReport
 from dynabatch.inference.scheduler import Lane, Scheduler
@@ -41,7 +42,7 @@ from dynabatch.memory.device import is_device_failure, is_out_of_memory_error, m
 from dynabatch.memory.oom import call_guarded, split_sizes
 from dynabatch.sampling.ranks import reduce_across_ranks
 
-__all__ = ["BatchOutOfMemoryError", "Executor", "explain_index_errors", "run_workers"]
+__all__ = ["BatchOutOfMemoryError", "Executor", "Ran", "explain_index_errors", "run_workers"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +122,21 @@ class _Done:
     rows: list[Any] = field(default_factory=list)
     measured: list[tuple[int, int, int]] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
-    count: int = 0  # rows finished or failed, and their real tokens: the progress bar moves when the item does
+    count: int = 0  # rows finished or failed, and their real tokens: the progress moves when the item does
     tokens: int = 0
     raised: tuple[int, Exception, np.ndarray] | None = None  # on_error="raise": the stack depth a failed piece's
     # halves lie above, its error and its positions, while the halves are tried to find the row it raises on
+
+
+@dataclass
+class Ran:
+    """What an item's run gives the loop: the input positions finished or set aside, their real tokens, its record
+    (``None`` when no row finished) and the seconds it spent on the device and handing rows to the store."""
+
+    positions: np.ndarray
+    tokens: int
+    record: BatchRecord | None
+    seconds: dict[str, float]
 
 
 class _FnFailed(Exception):
@@ -161,11 +173,11 @@ class Executor:
 
     def __init__(self, fn: Callable[[Batch], Any], scheduler: Scheduler, builder: Builder, *, lane: Lane,
                  writer: Any, copier: Callable | None, memory_device: Any, splitter: RowSplitter, on_oom: str,
-                 on_error: str, ids: Any = None, bar: Any = None, lockstep: bool = False,
+                 on_error: str, ids: Any = None, lockstep: bool = False,
                  stop: threading.Event | None = None, name: str = "") -> None:
         self.fn = explain_index_errors(fn)
         self.scheduler, self.builder, self.lane, self.writer = scheduler, builder, lane, writer
-        self.memory_device, self.splitter, self.bar, self.ids = memory_device, splitter, bar, ids
+        self.memory_device, self.splitter, self.ids = memory_device, splitter, ids
         self.on_oom, self.on_error, self.lockstep, self.name = on_oom, on_error, lockstep, name
         self._prepare = None if copier is None else (
             lambda b: Batch(copier(b), indices=b.indices, texts=getattr(b, "texts", None)))
@@ -174,8 +186,8 @@ class Executor:
         self.stop = stop or threading.Event()
         self._stand_in: Batch | None = None  # one row: the call a rank without work makes in a round
         self._stand_in_ran = False  # whether that row ran already (else it is the first row planned)
-        self._started = time.perf_counter()
-        self._tokens = 0
+        self._seconds = {"device": 0.0, "store": 0.0}  # of the item in progress
+        self.ran: Ran | None = None  # what the last item ran, however it ended (rows before an error included)
 
     def _call(self, batch: Batch) -> Any:
         try:
@@ -185,19 +197,22 @@ class Executor:
                 raise
             raise _FnFailed(exc) from None
 
-    def run_item(self, item: Item, built: Built | None) -> None:
+    def run_item(self, item: Item, built: Built | None) -> Ran:
         """Runs ``item`` (``built``: its tensors; ``None`` when the store holds every row of it) split as needed.
 
         Its finished rows reach the sink however it ends; if it raises, the rows that did not finish are
         :attr:`unfinished`. In lockstep (several ranks) the item runs in rounds: each round every rank makes exactly
         one call that completes, its next piece or, when it has none left while another rank has, a stand-in call on
-        one row it already ran (its result dropped), so collectives inside ``fn`` stay matched.
+        one row it already ran (its result dropped), so collectives inside ``fn`` stay matched. Returns what ran
+        (:class:`Ran`).
         """
         self.unfinished = item
+        self._seconds = {"device": 0.0, "store": 0.0}
+        self.ran = Ran(np.zeros(0, dtype=np.int64), 0, None, self._seconds)
         if built is None:
             self._join_step(item)
             self.unfinished = None
-            return
+            return self.ran
         start = time.perf_counter()
         rows, width = batch_shape(built.batch)
         record = BatchRecord(batch=item.number, rows=rows, width=width, real_tokens=real_tokens(built.batch),
@@ -221,6 +236,7 @@ class Executor:
             stack.clear()
             self._finish(item, record, done, built, start)
         self.scheduler.report(self.lane, item, ran=done.measured)
+        return self.ran
 
     def _join_step(self, item: Item) -> None:
         """In lockstep: takes part in the rounds of a step whose rows this rank already has (a resumed run)."""
@@ -249,12 +265,15 @@ class Executor:
     def _attempt(self, piece: Batch, *, measure: bool, finish: bool = True) -> tuple[Any, Exception | None]:
         """One guarded call of ``fn`` on ``piece``: ``(attempt, None)``, or ``(None, error)`` for an error ``fn``
         raised (handled here, outside the ``except`` block: it is raised again with no context of ours)."""
+        start = time.perf_counter()  # the copy in, the call and the rows back on the CPU (which waits for the device)
         try:
             return call_guarded(self._call, piece, measure_on=self.memory_device if measure else None,
                                 prepare=self._prepare,
                                 finish=(lambda out: self.splitter.split(out, piece)) if finish else None), None
         except _FnFailed as failed:
             error = failed.error
+        finally:
+            self._seconds["device"] += time.perf_counter() - start
         return None, error
 
     def _call_one(self, item: Item, record: BatchRecord, stack: list, done: _Done) -> None:
@@ -374,6 +393,7 @@ class Executor:
     def _finish(self, item: Item, record: BatchRecord, done: _Done, built: Built, start: float) -> None:
         """Hands the item's finished rows and the inputs set aside to the sink, and records it (rows: those
         finished or set aside here)."""
+        handing = time.perf_counter()
         if done.positions:
             positions = np.concatenate(done.positions)
             self.writer.write(positions, done.rows, built.hashes_at(positions),
@@ -381,11 +401,9 @@ class Executor:
         if done.failed:
             positions = np.fromiter(done.failed, dtype=np.int64, count=len(done.failed))
             self.writer.fail(positions, built.hashes_at(positions), list(done.failed.values()))
-        if self.bar is not None and done.count:
-            self._tokens += done.tokens
-            self.bar.update(done.count)
-            elapsed = time.perf_counter() - self._started
-            self.bar.set_postfix_str(f"{self._tokens / max(elapsed, 1e-9):,.0f} tokens/s", refresh=False)
+        self._seconds["store"] += time.perf_counter() - handing
+        positions = np.concatenate([*done.positions, np.fromiter(done.failed, dtype=np.int64, count=len(done.failed))])
+        self.ran = Ran(positions, done.tokens, record if done.count else None, self._seconds)
         if not done.count:
             return
         record.rows = done.count
@@ -396,7 +414,7 @@ class Executor:
 
 
 def run_workers(targets: Sequence[Any], start_worker: Callable[[Any, int], tuple[Executor, Prefetcher]],
-                stop: threading.Event) -> None:
+                stop: threading.Event, meter: Meter | None = None) -> None:
     """Runs the scheduler's items to their end on every target: one worker in the calling thread, or a thread per
     device.
 
@@ -409,6 +427,10 @@ def run_workers(targets: Sequence[Any], start_worker: Callable[[Any, int], tuple
     its unfinished rows go back to the scheduler once (rows that make a second device fail raise). Any other error
     (``fn`` raising, the sink refusing or failing to write rows, a batch failing to build) stops every worker and is
     raised: the rows finished before it are in the sink, the others are not.
+
+    Each worker's loop is timed end to end (:class:`~dynabatch.inference.meter.Laps`: planning, building, the
+    device, the store, the waits on the stages ahead); each item's seconds go into its record, and what ran,
+    with the worker's totals at its end, to ``meter``.
     """
     errors: list[BaseException] = []  # what stops the run
     crashes: list[BaseException] = []  # what stopped one device's worker, its rows put back
@@ -430,13 +452,22 @@ def run_workers(targets: Sequence[Any], start_worker: Callable[[Any, int], tuple
     def work(i: int, target: Any) -> None:
         if several:
             make_current(target)
+        laps = Laps(meter.started if meter is not None else None)
         executor, prefetcher = start_worker(target, i)
         prefetchers.append(prefetcher)
+        stages = laps.lap("start")
         try:
             while (item := next_item(prefetcher)) is not None:
                 try:
                     executor.unfinished = item  # until it is built: a device failing to build it puts it back
-                    executor.run_item(item, prefetcher.build(item))
+                    executor.ran = None
+                    _merge(stages, laps.lap("plan"))
+                    built = prefetcher.build(item)
+                    _merge(stages, laps.lap("build"))
+                    try:
+                        executor.run_item(item, built)
+                    finally:  # the rows that finished before an error count too
+                        stages = _account(executor.ran, laps, stages, meter)
                 except Exception as exc:
                     if not (several and is_device_failure(exc) and _requeue(executor, target, exc)):
                         raise
@@ -448,6 +479,8 @@ def run_workers(targets: Sequence[Any], start_worker: Callable[[Any, int], tuple
         finally:
             executor.report.rebuilt_batches = prefetcher.rebuilt
             prefetcher.close()
+            laps.lap("plan")
+            executor.report.workers[executor.name] = laps.summary()
 
     def guarded_work(i: int, target: Any) -> None:
         try:
@@ -479,6 +512,27 @@ def run_workers(targets: Sequence[Any], start_worker: Callable[[Any, int], tuple
     if left is not None:  # every device failed, each on other rows: the first failure stops the run
         crashes[0].add_note(f"every device failed with batches left to run (batch {left.number} first)")
         raise crashes[0]
+
+
+def _account(ran: Ran | None, laps: Laps, stages: dict[str, float], meter: Meter | None) -> dict[str, float]:
+    """Ends an item's lap: its seconds by stage into its record, what it ran to the meter (rows that finished
+    before an error too); returns the seconds not yet given to a record."""
+    if ran is None:  # the item did not run (its batch failed to build)
+        return stages
+    _merge(stages, laps.lap("plan", ran.seconds))
+    if ran.record is not None:
+        ran.record.stages, stages = stages, {}
+        ran.record.finished = laps.at()
+    if meter is not None and len(ran.positions):
+        meter.add(ran.positions, rows=len(ran.positions), real_tokens=ran.tokens,
+                  padded_tokens=ran.record.padded_tokens if ran.record is not None else 0,
+                  width=ran.record.width if ran.record is not None else None)
+    return stages
+
+
+def _merge(into: dict[str, float], seconds: dict[str, float]) -> None:
+    for stage, value in seconds.items():
+        into[stage] = into.get(stage, 0.0) + value
 
 
 def _requeue(executor: Executor, device: Any, exc: BaseException) -> bool:

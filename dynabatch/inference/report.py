@@ -51,6 +51,10 @@ class BatchRecord:
         failed_rows: rows that ran out of memory on their own and were skipped.
         error_rows: rows whose ``fn`` call raised on their own, set aside (``on_error="skip"``).
         device: the device that ran it, when ``run`` was given several (``devices=``).
+        stages: the seconds its worker's loop spent on it, by stage, since the batch before it finished
+            (:class:`~dynabatch.inference.meter.Laps`: ``"device"``, ``"store"``, ``"build"``, ``"plan"``,
+            ``"wait tokenize"``, ...).
+        finished: when it finished, in seconds from the run's start.
     """
 
     batch: int
@@ -66,6 +70,8 @@ class BatchRecord:
     failed_rows: int = 0
     error_rows: int = 0
     device: str | None = None
+    stages: dict[str, float] | None = None
+    finished: float | None = None
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
@@ -87,6 +93,12 @@ class RunReport:
             read; ``budget_bytes`` is then the first device's.
         rebuilt_batches: batches built ahead of their turn (``run``'s
             prefetching) that a measured peak re-sized since, so built again.
+        workers: per worker (device), its loop's wall seconds and where they went
+            (``{"wall": s, "stages": {stage: s}}``; the stages add up to the wall).
+        wall_seconds: the run's wall time, from its first stage to its last batch.
+        background: the share of the wall each stage run ahead in a background
+            thread worked (``"tokenize"``, ``"build"``, ``"read"``).
+        accounting_seconds: the CPU seconds keeping these figures and the display took.
     """
 
     records: list[BatchRecord] = field(default_factory=list)
@@ -94,6 +106,10 @@ class RunReport:
     skipped_inputs: int = 0
     device_budgets: dict[str, int] = field(default_factory=dict)
     rebuilt_batches: int = 0
+    workers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    wall_seconds: float | None = None
+    background: dict[str, float] = field(default_factory=dict)
+    accounting_seconds: float = 0.0
 
     @classmethod
     def merge(cls, reports: list[RunReport], devices: list[str]) -> RunReport:
@@ -106,7 +122,8 @@ class RunReport:
         budgets = {d: r.budget_bytes for r, d in zip(reports, devices) if r.budget_bytes is not None}
         return cls(records, budget_bytes=next(iter(budgets.values()), None),
                    skipped_inputs=max((r.skipped_inputs for r in reports), default=0), device_budgets=budgets,
-                   rebuilt_batches=sum(r.rebuilt_batches for r in reports))
+                   rebuilt_batches=sum(r.rebuilt_batches for r in reports),
+                   workers={name: w for r in reports for name, w in r.workers.items()})
 
     @property
     def rows(self) -> int:
@@ -195,12 +212,33 @@ class RunReport:
         """Batches whose peak went past the budget (ratio above 1.0)."""
         return sum(1 for r in self.peak_ratios if r is not None and r > 1.0)
 
+    @property
+    def stage_shares(self) -> dict[str, float]:
+        """Where the device loops' wall went, as shares of it by stage (averaged over the workers): ``"device"``
+        the device's share, the rest what it waited for."""
+        shares: dict[str, float] = {}
+        walls = [w for w in self.workers.values() if w.get("wall")]
+        for worker in walls:
+            for stage, seconds in worker["stages"].items():
+                shares[stage] = shares.get(stage, 0.0) + seconds / worker["wall"] / len(walls)
+        return dict(sorted(shares.items(), key=lambda kv: -kv[1]))
+
+    @property
+    def bound(self) -> str | None:
+        """One line naming what bound the run (``"device-bound: the device was busy 94% of the run"``); ``None``
+        when no worker was timed."""
+        from dynabatch.inference.meter import name_bound
+
+        shares = self.stage_shares
+        return name_bound(shares, self.background.get("tokenize")) if shares else None
+
     def summary(self) -> dict[str, Any]:
         """The summary figures as a dict (JSON-ready)."""
         names = ("rows", "batches", "seconds", "rows_per_s", "tokens_per_s", "real_tokens", "padded_tokens",
                  "padding_efficiency", "oom_events", "oom_splits", "pre_split_batches", "failed_rows", "error_rows",
                  "skipped_inputs", "budget_bytes", "device_budgets", "rebuilt_batches", "max_peak_ratio",
-                 "batches_over_budget")
+                 "batches_over_budget", "wall_seconds", "bound", "stage_shares", "background", "workers",
+                 "accounting_seconds")
         return {name: getattr(self, name) for name in names}
 
     def to_json(self, path: str | os.PathLike) -> None:
@@ -223,14 +261,20 @@ class RunReport:
         records = [BatchRecord(**{k: v for k, v in r.items() if k in names}) for r in data["batches"]]
         summary = data["summary"]
         return cls(records, budget_bytes=summary.get("budget_bytes"), skipped_inputs=summary.get("skipped_inputs", 0),
-                   device_budgets=summary.get("device_budgets", {}), rebuilt_batches=summary.get("rebuilt_batches", 0))
+                   device_budgets=summary.get("device_budgets", {}), rebuilt_batches=summary.get("rebuilt_batches", 0),
+                   workers=summary.get("workers", {}), wall_seconds=summary.get("wall_seconds"),
+                   background=summary.get("background", {}),
+                   accounting_seconds=summary.get("accounting_seconds", 0.0))
 
     def plot(self, path: str | os.PathLike, *, title: str | None = None) -> None:
-        """Draws the run into a PNG at ``path``: batch sizes, padding and peak memory per batch.
+        """Draws the run into a PNG at ``path``: batch sizes, padding and peak memory per batch, and where the wall
+        went over the run.
 
         Three panels share the batch-number axis: rows per batch (batches that ran out of memory or were split up
         front marked), padded over real tokens, and each batch's peak relative to the first batch's (the budget, line
-        at 1.0; the planner's target, line at 0.9).
+        at 1.0; the planner's target, line at 0.9). The fourth, over the run's seconds, stacks the device loop's
+        stages (the device, the store, building, planning, the waits on tokenizing) as shares of each stretch of
+        the wall, the bound named in its title.
 
         Raises:
             ImportError: matplotlib is not installed.
@@ -244,8 +288,11 @@ class RunReport:
                               ) from exc
 
         numbers = [r.batch for r in self.records]
-        fig = Figure(figsize=(9, 8.5), layout="constrained")  # no pyplot: no global state, any backend
-        ax_rows, ax_pad, ax_mem = fig.subplots(3, 1, sharex=True)
+        fig = Figure(figsize=(9, 11), layout="constrained")  # no pyplot: no global state, any backend
+        ax_rows, ax_pad, ax_mem, ax_wall = fig.subplots(4, 1, height_ratios=[1, 1, 1, 1.1])
+        ax_rows.sharex(ax_mem)
+        ax_pad.sharex(ax_mem)
+        self._plot_stages(ax_wall)
         summary = self.summary()
         headline = title or "dynabatch run"
         rate = f"{summary['rows_per_s']:.1f} rows/s" if summary["rows_per_s"] else "no time measured"
@@ -295,3 +342,33 @@ class RunReport:
             for ax in (ax_rows, ax_pad):
                 ax.text(0.5, 0.5, "no batches ran", ha="center", va="center", transform=ax.transAxes, color="gray")
         fig.savefig(path, dpi=110)
+
+    def _plot_stages(self, ax: Any, stretches: int = 40) -> None:
+        """Where the wall went over the run: each record's stage seconds, spread over the time it took, in
+        ``stretches`` stretches of the run, stacked as shares."""
+        timed = [r for r in self.records if r.stages and r.finished is not None]
+        ax.set_title(f"Where the wall went ({self.bound})" if self.bound else "Where the wall went")
+        if not timed:
+            ax.text(0.5, 0.5, "no stages timed", ha="center", va="center", transform=ax.transAxes, color="gray")
+            ax.set_yticks([])
+            return
+        end = max(r.finished for r in timed)
+        stages = sorted({s for r in timed for s in r.stages}, key=lambda s: (s != "device", s))
+        seconds = {s: [0.0] * stretches for s in stages}
+        width = end / stretches if end > 0 else 1.0
+        for r in timed:  # a record's seconds spread over the stretches of the time it took, up to when it finished
+            took = sum(r.stages.values())
+            begin = max(r.finished - took, 0.0)
+            for i in range(int(begin / width), min(int(r.finished / width) + 1, stretches)):
+                overlap = min(r.finished, (i + 1) * width) - max(begin, i * width)
+                share = overlap / took if took > 0 else 1.0
+                for stage, value in r.stages.items():
+                    seconds[stage][i] += value * max(share, 0.0)
+        totals = [sum(seconds[s][i] for s in stages) or 1.0 for i in range(stretches)]
+        middles = [(i + 0.5) * end / stretches for i in range(stretches)]
+        ax.stackplot(middles, [[seconds[s][i] / totals[i] for i in range(stretches)] for s in stages], labels=stages)
+        ax.set_ylim(0, 1)
+        ax.set_xlim(0, end)
+        ax.set_ylabel("share of the wall")
+        ax.set_xlabel("seconds from the run's start")
+        ax.legend(loc="upper left", fontsize=8, ncol=4)

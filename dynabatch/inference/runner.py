@@ -40,6 +40,7 @@ from dynabatch.data.collate import Batch
 from dynabatch.inference.build import Builder, Prefetcher
 from dynabatch.inference.execute import BatchOutOfMemoryError, Executor, run_workers
 from dynabatch.inference.loader import plan_of
+from dynabatch.inference.meter import Meter, background_shares, meter_for
 from dynabatch.inference.options import RunOptions, check_run_options, resolve_options
 from dynabatch.inference.outputs import RowSplitter
 from dynabatch.inference.report import RunReport
@@ -47,6 +48,7 @@ from dynabatch.inference.results import RunResult, StoredRunResult
 from dynabatch.inference.scheduler import Scheduler
 from dynabatch.inference.sink import MemorySink, StoreSink, open_sink
 from dynabatch.inference.source import Source
+from dynabatch._background import stage_seconds
 from dynabatch.memory.device import copier, pins_memory
 
 __all__ = ["BAD_INPUT", "BatchOutOfMemoryError", "IncompleteRunError", "RunResult", "StoredRunResult",
@@ -148,7 +150,9 @@ def run(
             ``"per_token"``, ``"generated"`` (padding stripped) or ``"whole"``.
         pad_token_id: the pad id stripped from generated rows; ``None``: the loader's collator's.
         prefetch: batches built ahead in a background thread; ``None``: 2, or 0 with ``devices``.
-        progress: a ``tqdm`` progress bar (rows/s, tokens/s).
+        progress: a progress display on standard error (:mod:`dynabatch.inference.meter`): rows done, texts/s,
+            tokens/s and the time left, weighted by what the texts left cost; a line redrawn on a terminal, else a
+            plain line every 15 s.
 
     Returns:
         A :class:`RunResult`, a list of one result per input position with ``.report``, ``.failed`` and
@@ -251,7 +255,8 @@ def _execute(scheduler: Scheduler, builder: Builder, sink: MemorySink | StoreSin
     finished so far as ``.partial``.
     """
     splitter = RowSplitter(builder.pad_token_id, options.token_outputs, builder.padding_side)  # fn's rule, for the run
-    bar = _progress_bar(scheduler.source, options, skipped, stored) if options.progress else None
+    background = stage_seconds()
+    meter = _meter(scheduler.source, options, skipped, stored)
     stop = threading.Event()
     names = [str(t) for t in options.targets]
     names = [f"{n} (worker {i})" if names.count(n) > 1 else n for i, n in enumerate(names)]  # ["cpu", "cpu"]
@@ -267,7 +272,7 @@ def _execute(scheduler: Scheduler, builder: Builder, sink: MemorySink | StoreSin
         lane = scheduler.lane(options.memory_devices[i])  # an absolute max_memory is read on this device now
         executors.append(Executor(fn, scheduler, builder, lane=lane, writer=writers[-1], copier=copier(target),
                                   memory_device=options.memory_devices[i], splitter=splitter, on_oom=options.on_oom,
-                                  on_error=options.on_error, ids=None if plan is None else plan.ids, bar=bar,
+                                  on_error=options.on_error, ids=None if plan is None else plan.ids,
                                   lockstep=options.ranks == "lockstep", stop=stop, name=names[i]))
         return executors[-1], Prefetcher(scheduler, builder, lane, options.prefetch)
 
@@ -275,10 +280,13 @@ def _execute(scheduler: Scheduler, builder: Builder, sink: MemorySink | StoreSin
         merged = executors[0].report if len(executors) == 1 else RunReport.merge(
             [e.report for e in executors], [e.name for e in executors])
         merged.skipped_inputs = len(skipped)
+        merged.wall_seconds = (meter.last or meter.clock()) - meter.started
+        merged.background = background_shares(background, merged.wall_seconds)
+        merged.accounting_seconds = meter.accounting
         return merged
 
     try:
-        run_workers(options.targets, start_worker, stop)
+        run_workers(options.targets, start_worker, stop, meter)
     except BatchOutOfMemoryError as exc:
         _close(writers)
         exc.partial = sink.result(scheduler.n_inputs, report=report(), gather=False)[0]
@@ -288,8 +296,7 @@ def _execute(scheduler: Scheduler, builder: Builder, sink: MemorySink | StoreSin
         try:
             _close(writers)  # the rows buffered are committed, after an error or Ctrl-C too
         finally:
-            if bar is not None:
-                bar.close()
+            meter.close()
     return report()
 
 
@@ -305,11 +312,18 @@ def _close(writers: list) -> None:
         raise error
 
 
-def _progress_bar(source: Source, options: RunOptions, skipped: np.ndarray, stored: np.ndarray | None) -> Any:
-    """The run's ``tqdm`` bar over the rows that run now (those already stored left out)."""
-    from tqdm.auto import tqdm
-
-    total = None
-    if source.n_inputs is not None and options.ranks != "claim":
-        total = max(0, source.n_inputs - len(skipped) - (int(stored.sum()) if stored is not None else 0))
-    return tqdm(total=total, unit="row", desc="dynabatch", dynamic_ncols=True)
+def _meter(source: Source, options: RunOptions, skipped: np.ndarray, stored: np.ndarray | None) -> Meter:
+    """The run's meter over the rows that run now (those already stored left out); under ranks claiming chunks,
+    the whole corpus, each rank counting for every rank."""
+    n = source.n_inputs
+    stored_count = int(stored.sum()) if stored is not None else 0
+    runs = None
+    if n is not None:
+        runs = np.ones(n, dtype=bool)
+        runs[skipped] = False
+        if stored is not None:
+            runs[np.flatnonzero(stored[:n])] = False
+    total = None if runs is None else int(runs.sum())
+    scale = options.world_size if options.ranks == "claim" else 1
+    return meter_for(source, total_rows=total, runs=runs, progress=options.progress, scale=scale,
+                     stored=stored_count, inputs=n)

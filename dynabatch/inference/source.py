@@ -102,6 +102,17 @@ class Source:
         """Rows of the plan's first batch (its longest texts: fewer rows at any width never cost more)."""
         return self.planner.first_rows() if self.planner is not None else 0
 
+    def text_sizes(self) -> tuple[np.ndarray, bool, int | None] | None:
+        """Every input's size, known before it runs (what the time left is weighted by): ``(sizes, exact,
+        max_length)``, a plan's token lengths (exact), or a streamed plan's lengths in characters with its max
+        length in tokens; ``None`` for an iterable of batches."""
+        if self.plan is None:
+            return None
+        if self.streamed:
+            stream = self.plan.stream
+            return stream.source.char_lengths(), False, stream.max_input_token_length
+        return self.plan.collator.tokenized.lengths, True, None
+
     def input_hashes(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
         """``(positions, input hashes)`` of this run's inputs among ``positions`` (a plan's: those below
         :attr:`n_inputs`), as a results store hashes a row; ``None`` for an iterable of batches, whose rows are

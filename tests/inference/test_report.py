@@ -66,6 +66,12 @@ def test_summary_figures_of_a_hand_built_report():
         "rebuilt_batches": 0,
         "max_peak_ratio": 1.2,
         "batches_over_budget": 1,
+        "wall_seconds": None,
+        "bound": None,
+        "stage_shares": {},
+        "background": {},
+        "workers": {},
+        "accounting_seconds": 0.0,
     }
     assert _report().peak_ratios == [1.0, 0.95, 1.2]
 

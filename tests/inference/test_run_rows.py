@@ -64,7 +64,7 @@ def test_progress_bar_shows_rows_and_tokens_per_second(tokenizer, texts, capsys)
     loader = _load(texts[:20], tokenizer, progress=False)
     run(_lengths, loader, progress=True)
     err = capsys.readouterr().err
-    assert "row/s" in err and "tokens/s" in err and f"{20}/{20}" in err
+    assert "texts/s" in err and "tokens/s" in err and f"{20}/{20}" in err
     run(_lengths, loader, progress=False)
     assert capsys.readouterr().err == ""
 

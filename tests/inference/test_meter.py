@@ -1,0 +1,192 @@
+"""The meter: the time left on a known cost sequence, the display on and off a terminal, the resume line, and the
+bottleneck report's sums (every worker's stages add up to its wall)."""
+
+import io
+import time
+
+import numpy as np
+import pytest
+from runner_helpers import _lengths, _load
+
+from dynabatch import run
+from dynabatch.inference import meter as meter_module
+from dynabatch.inference.meter import Laps, Meter, TextCosts, TimeModel, name_bound
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _feed(meter, clock, batches, seconds_of):
+    """Runs ``batches`` (lists of positions, each of the given ``sizes``) through ``meter``, each taking
+    ``seconds_of(rows, padded)``; returns the times each finished."""
+    ends = []
+    for positions, width in batches:
+        rows = len(positions)
+        clock.now += seconds_of(rows, rows * width)
+        meter.add(np.array(positions), rows=rows, padded_tokens=rows * width, real_tokens=rows * width, width=width)
+        ends.append(clock.now)
+    return ends
+
+
+@pytest.mark.parametrize("per_batch,per_row", [(0.0, 0.0), (0.3, 0.0), (0.0, 0.05), (0.2, 0.02)])
+def test_the_time_left_of_a_known_cost_sequence(per_batch, per_row):
+    # 128 texts, longest first, 200 tokens down to 10, batches of 8 rows of one width (no padding): each batch takes
+    # per_batch + 0.001 s per token + per_row per row. Half-way the meter's time left is the true one (within what
+    # the shrinking of the per-batch and per-row parts costs).
+    widths = np.repeat(np.linspace(200, 10, 16).astype(int), 8)
+    batches = [(list(range(i, i + 8)), int(widths[i])) for i in range(0, 128, 8)]
+    clock = _Clock()
+    meter = Meter(TextCosts(widths, exact=True), total_rows=128, clock=clock)
+
+    def seconds_of(rows, padded):
+        return per_batch + 0.001 * padded + per_row * rows
+
+    ends = _feed(meter, clock, batches[:8], seconds_of)
+    truth = sum(seconds_of(8, 8 * w) for _, w in batches[8:])
+    assert meter.estimate().seconds_left == pytest.approx(truth, rel=0.03 if per_batch or per_row else 1e-9)
+    assert meter.estimate().rows_done == 64 and meter.estimate().rows_total == 128
+    clock.now += 1.0  # a batch in progress for a second: the time left counts down
+    assert meter.estimate().seconds_left == pytest.approx(max(0.0, truth - 1.0), rel=0.03, abs=1e-9)
+    _feed(meter, clock, batches[8:], seconds_of)
+    assert meter.estimate().seconds_left == 0.0 and ends
+
+
+def test_a_time_model_on_one_width_puts_the_time_on_the_tokens():
+    model = TimeModel()
+    for _ in range(5):  # every batch the same shape: a cost per row or per batch cannot be told from one per token
+        model.add(seconds=2.0, padded_tokens=1000, rows=4)
+    assert model.coef == pytest.approx([0.002, 0.0, 0.0], abs=1e-8)
+
+
+def test_costs_in_characters_learn_the_rate_and_cap_at_the_max_length():
+    chars = np.array([4000, 2000, 400, 400, 200, 200, 40, 40])  # tokens = chars / 4 + 2, cut at 128
+    costs = TextCosts(chars, exact=False, max_length=128)
+    costs.done(np.array([0, 1]))
+    costs.learn(np.array([0, 1]), real_tokens=256, width=128)  # cut at the max length: teaches nothing
+    costs.learn(np.array([2, 3]), real_tokens=204, width=102)
+    costs.learn(np.array([4, 5]), real_tokens=104, width=52)
+    costs.done(np.array([2, 3]))
+    assert costs.rate == pytest.approx(0.25) and costs.special == pytest.approx(2.0)
+    assert costs.left() == pytest.approx((52 + 52 + 12 + 12, 4))
+    capped = TextCosts(np.array([10_000, 40]), exact=False, max_length=128)
+    assert capped.left() == pytest.approx((128 + 40 / 4 + 2, 2))  # the default rate, 4 characters a token
+
+
+def test_stored_and_skipped_positions_are_not_left_to_run():
+    runs = np.array([True, False, True, False])
+    costs = TextCosts(np.array([10, 20, 30, 40]), exact=True, runs=runs)
+    assert costs.left() == (40.0, 2.0)
+    costs.done(np.array([0]), scale=1.0)
+    assert costs.left() == (30.0, 1.0)
+
+
+def test_ranks_claiming_alike_count_for_every_rank():
+    clock = _Clock()
+    meter = Meter(TextCosts(np.full(8, 10), exact=True), total_rows=8, scale=2, clock=clock)
+    clock.now = 1.0
+    meter.add(np.array([0]), rows=1, padded_tokens=10, real_tokens=10, width=10)
+    clock.now = 2.0
+    meter.add(np.array([1]), rows=1, padded_tokens=10, real_tokens=10, width=10)
+    estimate = meter.estimate()
+    assert estimate.rows_done == 4  # two rows here, as many on the other rank
+    assert estimate.seconds_left == pytest.approx(2.0)  # 4 rows left, 2 per rank at 1 s each
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_off_a_terminal_the_display_is_plain_lines_on_a_timer_and_one_final_line(monkeypatch):
+    monkeypatch.setattr(meter_module, "LOG_EVERY", 0.05)
+    stream = io.StringIO()
+    meter = Meter(TextCosts(np.full(4, 10), exact=True), total_rows=4, stream=stream)
+    time.sleep(0.3)  # nothing finished: the timer still writes, saying what it waits for
+    meter.add(np.array([0, 1]), rows=2, padded_tokens=20, real_tokens=20, width=10)
+    time.sleep(0.3)  # a batch in progress: the line still moves
+    meter.add(np.array([2, 3]), rows=2, padded_tokens=20, real_tokens=20, width=10)
+    meter.close()
+    meter.close()
+    text = stream.getvalue()
+    lines = text.splitlines()
+    assert "\r" not in text and text.endswith("\n")
+    assert any("waiting for the first batch" in line for line in lines)
+    assert any(line.startswith("dynabatch: 50% 2/4 rows") and " left, " in line for line in lines)
+    assert lines[-1].startswith("dynabatch: 4/4 rows in 0:0") and "texts/s" in lines[-1]
+    assert sum("rows in" in line for line in lines) == 1
+
+
+def test_on_a_terminal_the_line_is_redrawn_in_place_and_ends_once(monkeypatch):
+    monkeypatch.setattr(meter_module, "REDRAW_EVERY", 0.05)
+    stream = _Terminal()
+    meter = Meter(TextCosts(np.full(4, 10), exact=True), total_rows=4, stream=stream)
+    time.sleep(0.2)
+    meter.add(np.array([0, 1, 2, 3]), rows=4, padded_tokens=40, real_tokens=40, width=10)
+    meter.close()
+    text = stream.getvalue()
+    assert text.count("\n") == 1 and text.endswith("\n") and "\r" in text
+    assert "|" in text and "0% |" in text  # the bar
+    assert text.rsplit("\r", 1)[-1].startswith("dynabatch: 4/4 rows in")
+
+
+def test_a_run_resuming_a_store_says_what_was_stored_and_what_runs(tmp_path, tokenizer, texts, capsys):
+    path = tmp_path / "store"
+    loader = _load(texts, tokenizer)
+    first = run(_lengths, loader, output_path=path, key="k", progress=False)
+    assert len(first) == len(texts)
+    again = run(_lengths, _load(texts + ["a new text", "and another"], tokenizer), output_path=path, key="k")
+    assert len(again) == len(texts) + 2
+    err = capsys.readouterr().err
+    n = len(texts)
+    assert f"dynabatch: {n:,} of {n + 2:,} stored before; 2 to run\n" in err
+    assert "dynabatch: 2/2 rows in" in err
+
+
+@pytest.mark.parametrize("devices", [None, ["cpu", "cpu"]])
+def test_every_workers_stages_add_up_to_its_wall(tokenizer, texts, devices):
+    loader = _load(texts, tokenizer)
+    if devices is None:
+        result = run(_lengths, loader, progress=False)
+    else:
+        result = run(make_fn=lambda device: _lengths, loader=loader, devices=devices, progress=False)
+    report = result.report
+    assert len(report.workers) == (1 if devices is None else 2)
+    for worker in report.workers.values():
+        assert sum(worker["stages"].values()) == pytest.approx(worker["wall"], rel=1e-9)
+        assert worker["stages"]["device"] > 0
+    for name, worker in report.workers.items():
+        records = [r for r in report.records if r.device in (None, name)]
+        assert sum(sum(r.stages.values()) for r in records) <= worker["wall"] + 1e-9
+    assert sum(report.stage_shares.values()) == pytest.approx(1.0)
+    assert report.bound.split(":")[0] in ("device-bound", "host-bound", "store-bound")
+    assert report.wall_seconds >= max(w["wall"] for w in report.workers.values()) * 0.5
+    finished = [r.finished for r in report.records]
+    assert all(f is not None and f > 0 for f in finished)
+
+
+def test_laps_give_waits_on_the_background_threads_to_their_stage():
+    from dynabatch._background import Worker
+
+    laps = Laps()
+    worker = Worker(depth=1, name="dynabatch-prefetch")
+    worker.submit(time.sleep, 0.05)
+    worker.wait()
+    added = laps.lap("plan")
+    worker.close()
+    assert added["wait build"] >= 0.03 and set(added) == {"wait build", "plan"}
+    assert sum(laps.summary()["stages"].values()) == pytest.approx(laps.summary()["wall"])
+
+
+@pytest.mark.parametrize("shares,bound", [
+    ({"device": 0.94, "plan": 0.03}, "device-bound: the device was busy 94% of the run"),
+    ({"device": 0.3, "store": 0.6}, "store-bound: writing the store took 60% of the wall while the device waited 70%"),
+    ({"device": 0.3, "wait tokenize": 0.6}, "host-bound: tokenizing took 60% of the wall while the device waited 70%"),
+    ({"device": 0.3, "build": 0.3, "wait build": 0.3}, "host-bound: building batches took 60% of the wall"),
+])
+def test_the_bound_is_named(shares, bound):
+    assert name_bound(shares).startswith(bound)
