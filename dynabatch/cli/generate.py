@@ -183,9 +183,12 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
     from dynabatch.inference.generation import generate
 
+    from dynabatch.cli import on_ray
+
     start = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with refusing(parser):
+        on_ray.check_arguments(args, "generate")
         spec = _prepare(args)
     place, config, output = spec["place"], spec["config"], spec["output"]
     try:

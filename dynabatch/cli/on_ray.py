@@ -67,13 +67,17 @@ _REPORT = "report"  # the summary row's column of each window's report
 _WINDOWS_PER_ACTOR = 4  # a small corpus is cut into at least this many windows per actor, so every actor works
 
 
-def check_arguments(args: argparse.Namespace) -> None:
-    """Refuses ``--ray`` where it does not apply: without Ray installed, with ``--devices`` (Ray places the actors),
-    an absolute ``--max-memory`` (each actor plans under the peak it measured) or under ``torchrun``."""
+def check_arguments(args: argparse.Namespace, command: str = "embed") -> None:
+    """Refuses ``--ray`` where it does not apply: ``dynabatch generate`` (not on Ray yet), without Ray installed,
+    with ``--devices`` (Ray places the actors), an absolute ``--max-memory`` (each actor plans under the peak it
+    measured) or under ``torchrun``."""
     if args.ray is None:
         return
     import importlib.util
 
+    if command != "embed":
+        raise bad_value("--ray", f"left out of dynabatch {command} (on a Ray cluster: dynabatch embed, for now)",
+                        args.ray)
     if not args.ray.strip():
         raise bad_value("--ray", "auto or the address of a Ray cluster (head:6379, ray://head:10001)", args.ray)
     if importlib.util.find_spec("ray") is None:
@@ -277,6 +281,7 @@ def run_on_ray(command: str, *, model: ActorModel, texts: Any, ids: pa.Array | N
     with refusing(parser):
         started = _connect(args.ray)
     try:
+        logging.getLogger("ray.data").setLevel(logging.ERROR)  # the command's own bar and summary say it all
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars, context.print_on_execution_start = False, False
         actors, gpus, line = _cluster(args.ray)

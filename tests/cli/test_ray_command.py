@@ -32,7 +32,7 @@ def ray_session():
     """One Ray for the module, started in this process as ``--ray auto`` would start one (2 CPUs, no dashboard)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {
         "PYTHONPATH": os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p),
         "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}})
     yield ray
@@ -101,6 +101,11 @@ def test_a_second_job_or_a_bad_input_is_refused_before_ray_is_reached(corpora, b
             assert err.startswith(f"dynabatch embed: error: {message}"), err
     finally:
         other.release()
+    with pytest.raises(SystemExit) as info:
+        main(["generate", str(corpora / "whole"), str(tmp_path / "new"), "--model", str(bert_dir), "--ray"])
+    assert info.value.code == 2 and capsys.readouterr().err == (
+        "dynabatch generate: error: --ray should be left out of dynabatch generate (on a Ray cluster: dynabatch "
+        "embed, for now), but got --ray='auto'\n")
     import ray
 
     assert not ray.is_initialized()  # refused before Ray was reached (this module's Ray starts after this test)
