@@ -332,7 +332,8 @@ def command_table(args: argparse.Namespace, texts: list[str]) -> list[str]:
     pq.write_table(pa.table({"id": [f"doc-{i}" for i in range(len(texts))], "text": texts}),
                    work / "corpus" / "part-0.parquet")
     path = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
-    env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               RAY_AUTH_MODE="disabled")  # the local cluster of this run: no token to share between its processes
     base = [sys.executable, "-m", "dynabatch", "embed", str(work / "corpus")]
     options = ["--id-column", "id", "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
                "--no-progress"]

@@ -154,7 +154,8 @@ def cluster(tmp_path_factory):
     after. Its address."""
     port, temp = _free_port(), tmp_path_factory.mktemp("ray-cluster")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p),
-               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+               HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+               RAY_AUTH_MODE="disabled")  # a test cluster of this machine: no token to share between processes
     ray = str(Path(sys.executable).with_name("ray"))
     subprocess.run([ray, "start", "--head", "--num-cpus", "2", "--port", str(port), "--include-dashboard", "false",
                     "--disable-usage-stats"], env=env, check=True, capture_output=True, timeout=180)
