@@ -319,7 +319,8 @@ def _kill_and_rerun(command: list[str], env: dict[str, str], kills: int, longest
 
 
 def command_table(args: argparse.Namespace, texts: list[str]) -> list[str]:
-    """The command on this machine against the same command with ``--ray`` (see the module)."""
+    """The command on this machine against the same command with ``--ray`` (see the module): the table is printed
+    as soon as both have run, the kills' line after it (returned)."""
     import socket
     import subprocess
     import tempfile
@@ -351,20 +352,28 @@ def command_table(args: argparse.Namespace, texts: list[str]) -> list[str]:
         on_ray = _command_run([*base, str(work / "ray"), *options, "--ray", address], env, work / "ray.json")
         want = _store(work / "one")
         same, cosine = _same_store(_store(work / "ray"), want)
-        killed = None
-        if args.kills:
-            command = [*base, str(work / "killed"), *options, "--ray", address]
-            held = _kill_and_rerun(command, env, args.kills, on_ray["wall"], args.seed)
-            killed = (held, *_same_store(_store(work / "killed"), want))
+        print("\n".join(_comparison(one, on_ray, len(texts), same, cosine)), flush=True)
+        if not args.kills:
+            return []
+        command = [*base, str(work / "killed"), *options, "--ray", address]
+        held = _kill_and_rerun(command, env, args.kills, on_ray["wall"], args.seed)
+        same_k, cosine_k = _same_store(_store(work / "killed"), want)
     finally:
         if args.address is None:
             subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, check=False)
+    return [f"Driver SIGKILLed {args.kills} times at random points, then rerun: the rerun found {held:,} of "
+            f"{len(texts):,} rows stored; every id once: {'yes' if same_k else 'NO'}; min cosine to one "
+            f"machine's: {cosine_k:.6f}."]
+
+
+def _comparison(one: dict[str, Any], on_ray: dict[str, Any], n: int, same: bool, cosine: float) -> list[str]:
+    """The table of the command on one machine and on Ray."""
     lines = ["| method | wall s | rows/s | running rows/s | ratio to one machine (wall / running) | batches | "
              "padding efficiency | ids = one machine | min cosine |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, run in (("dynabatch embed", one), (f"dynabatch embed --ray {address}", on_ray)):
+    for name, run in (("dynabatch embed", one), ("dynabatch embed --ray ADDRESS", on_ray)):
         summary = run["summary"]
-        rate, running = len(texts) / run["wall"], summary["rows_per_s"]
-        ratio = (f"{rate / (len(texts) / one['wall']):.2f}x / {running / one['summary']['rows_per_s']:.2f}x")
+        rate, running = n / run["wall"], summary["rows_per_s"]
+        ratio = (f"{rate / (n / one['wall']):.2f}x / {running / one['summary']['rows_per_s']:.2f}x")
         check = ("yes", f"{cosine:.6f}") if run is on_ray else ("reference", "1")
         if run is on_ray and not same:
             check = ("NO", "-")
@@ -373,11 +382,6 @@ def command_table(args: argparse.Namespace, texts: list[str]) -> list[str]:
     lines.append("")
     lines.append("The --ray summary's model line: "
                  + next(line.split(" on ", 1)[1] for line in on_ray["stdout"].splitlines() if "  model " in line))
-    if killed is not None:
-        held, same_k, cosine_k = killed
-        lines.append(f"Driver SIGKILLed {args.kills} times at random points, then rerun: the rerun found {held:,} of "
-                     f"{len(texts):,} rows stored; every id once: {'yes' if same_k else 'NO'}; min cosine to one "
-                     f"machine's: {cosine_k:.6f}.")
     return lines
 
 
@@ -402,12 +406,11 @@ def main(argv: list[str] | None = None) -> None:
     command = "python benchmarks/ray_inference.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.command:
         texts = vary_lengths(kjv_passages(), args.n_texts, max_words=MAX_WORDS, seed=args.seed)
-        lines = command_table(args, texts)
         print(f"## dynabatch embed (all-MiniLM-L6-v2) on one machine and on Ray: {args.n_texts} texts, batch_size "
               f"{args.batch_size}, max_length {args.max_length}\n")
         print(f"`{command.strip()}`\n")
-        print(f"Machine: {machine(args)}.\n")
-        print("\n".join(lines))
+        print(f"Machine: {machine(args)}.\n", flush=True)
+        print("\n".join(command_table(args, texts)))
         return
 
     import ray

@@ -84,9 +84,10 @@ class DynamicBatchPredictor(WindowMemory):
             one row each (stacked into a tensor column when they share a
             shape); ``generate`` token ids lose their padding as in
             :func:`dynabatch.run`, each row its own length (an object column).
-        error_column: with ``on_oom="skip"``, a str column added beside the
-            results: ``""`` for every row that ran, a message for a row that
-            ran out of memory on its own (its result is ``None``).
+        error_column: with ``on_oom="skip"`` or ``on_error="skip"``, a str
+            column added beside the results: ``""`` for every row that ran, its
+            cause for a row set aside (``"out of memory alone: ..."``, or the
+            error ``fn`` raised on it alone; its result is ``None``).
         on_oom: ``"raise"`` (a row that runs out of memory on its own raises
             :class:`~dynabatch.inference.execute.BatchOutOfMemoryError`, which
             fails the window and the job) or ``"skip"`` (it is reported in
