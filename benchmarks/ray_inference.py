@@ -47,11 +47,25 @@ Ray Data runs on a local Ray (``ray.init(num_cpus=--actors)``) unless
 ``docs/ray.md``): there every node needs dynabatch and its ``examples`` extra
 installed. Locally, the workers get this checkout on ``PYTHONPATH``.
 
+``--command`` compares the command line instead (the same texts as a Parquet
+corpus with ids): ``dynabatch embed CORPUS STORE --id-column id`` on this
+machine, against the same command with ``--ray ADDRESS`` on a local Ray cluster
+started for it as its own processes (``ray start --head --num-cpus
+--actors``; or ``--address``'s), one after the other in one run. Its table:
+wall s (the command's process, start to end), rows/s over it, the summary's
+running rows/s (its batches' time: on Ray, the busiest actor's), the ratio to
+one machine, batches, padding efficiency, and whether the Ray store holds the
+same ids with each vector at cosine >= 0.9999 of one machine's.
+``--kills K`` then SIGKILLs the Ray command's driver K times at random points
+(between 5 s and the uninterrupted run's wall time), reruns it to the end, and
+checks the store again: every id once, vectors equal.
+
 Run it with::
 
     python benchmarks/ray_inference.py                      # 2000 texts, 2 actors, 1 CPU each
     python benchmarks/ray_inference.py --n-texts 500 --window 256 --sort
     python benchmarks/ray_inference.py --address auto --actors 8 --device cuda --num-gpus 1 --n-texts 200000
+    python benchmarks/ray_inference.py --command --n-texts 1000 --batch-size 64 --kills 5
 """
 
 from __future__ import annotations
@@ -247,6 +261,130 @@ def machine(args: argparse.Namespace) -> str:
             f"device {args.device}")
 
 
+def _command_run(command: list[str], env: dict[str, str], report: Path) -> dict[str, Any]:
+    """Runs a ``dynabatch embed`` command to its end; its wall time and its report (every batch)."""
+    import subprocess
+
+    started = time.perf_counter()
+    done = subprocess.run([*command, "--report", str(report)], env=env, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    data = json.loads(report.read_text())
+    return {"wall": wall, "summary": data["summary"], "stdout": done.stdout}
+
+
+def _store(path: Path) -> dict[str, np.ndarray]:
+    import pyarrow.dataset as pds
+
+    table = pds.dataset(path, format="parquet").to_table(columns=["id", "output"])
+    ids = table.column("id").to_pylist()
+    assert len(ids) == len(set(ids)), "an id stored twice"
+    return dict(zip(ids, table.column("output").to_numpy(zero_copy_only=False)))
+
+
+def _same_store(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> tuple[bool, float]:
+    """Whether ``got`` holds the ids of ``want``, each once; the lowest cosine of a vector to its own in ``want``."""
+    if sorted(got) != sorted(want):
+        return False, float("nan")
+    cosines = [float(np.dot(got[k], want[k]) / (np.linalg.norm(got[k]) * np.linalg.norm(want[k]))) for k in want]
+    return True, min(cosines)
+
+
+def _kill_and_rerun(command: list[str], env: dict[str, str], kills: int, longest: float, seed: int) -> int:
+    """SIGKILLs the command ``kills`` times at random points, then reruns it to its end (a rerun refused while the
+    killed driver's actors still hold the store is tried again); how many rows the last rerun found stored."""
+    import random
+    import re
+    import signal
+    import subprocess
+
+    pick = random.Random(seed)
+    for _ in range(kills):
+        driver = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+        try:
+            driver.wait(timeout=pick.uniform(5, max(6.0, longest)))
+        except subprocess.TimeoutExpired:
+            os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    while True:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+        if done.returncode == 2 and "no other job is writing" in done.stderr:
+            time.sleep(2)
+            continue
+        if done.returncode != 0:
+            raise SystemExit(f"the rerun failed ({done.returncode}):\n{done.stderr[-2000:]}")
+        return int(re.search(r"run now, ([\d,]+) stored before", done.stdout).group(1).replace(",", ""))
+
+
+def command_table(args: argparse.Namespace, texts: list[str]) -> list[str]:
+    """The command on this machine against the same command with ``--ray`` (see the module): the table is printed
+    as soon as both have run, the kills' line after it (returned)."""
+    import socket
+    import subprocess
+    import tempfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    work = Path(tempfile.mkdtemp(prefix="dynabatch-ray-command-"))
+    (work / "corpus").mkdir()
+    pq.write_table(pa.table({"id": [f"doc-{i}" for i in range(len(texts))], "text": texts}),
+                   work / "corpus" / "part-0.parquet")
+    path = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)
+    env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               RAY_AUTH_MODE="disabled")  # the local cluster of this run: no token to share between its processes
+    base = [sys.executable, "-m", "dynabatch", "embed", str(work / "corpus")]
+    options = ["--id-column", "id", "--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
+               "--no-progress"]
+    address, ray_cli = args.address, str(Path(sys.executable).with_name("ray"))
+    if address is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        subprocess.run([ray_cli, "start", "--head", "--num-cpus", str(args.actors), "--port", str(port),
+                        "--include-dashboard", "false", "--disable-usage-stats"], env=env, check=True,
+                       capture_output=True)
+        address = f"127.0.0.1:{port}"
+    try:
+        one = _command_run([*base, str(work / "one"), *options], env, work / "one.json")
+        on_ray = _command_run([*base, str(work / "ray"), *options, "--ray", address], env, work / "ray.json")
+        want = _store(work / "one")
+        same, cosine = _same_store(_store(work / "ray"), want)
+        print("\n".join(_comparison(one, on_ray, len(texts), same, cosine)), flush=True)
+        if not args.kills:
+            return []
+        command = [*base, str(work / "killed"), *options, "--ray", address]
+        held = _kill_and_rerun(command, env, args.kills, on_ray["wall"], args.seed)
+        same_k, cosine_k = _same_store(_store(work / "killed"), want)
+    finally:
+        if args.address is None:
+            subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, check=False)
+    return [f"Driver SIGKILLed {args.kills} times at random points, then rerun: the rerun found {held:,} of "
+            f"{len(texts):,} rows stored; every id once: {'yes' if same_k else 'NO'}; min cosine to one "
+            f"machine's: {cosine_k:.6f}."]
+
+
+def _comparison(one: dict[str, Any], on_ray: dict[str, Any], n: int, same: bool, cosine: float) -> list[str]:
+    """The table of the command on one machine and on Ray."""
+    lines = ["| method | wall s | rows/s | running rows/s | ratio to one machine (wall / running) | batches | "
+             "padding efficiency | ids = one machine | min cosine |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, run in (("dynabatch embed", one), ("dynabatch embed --ray ADDRESS", on_ray)):
+        summary = run["summary"]
+        rate, running = n / run["wall"], summary["rows_per_s"]
+        ratio = (f"{rate / (n / one['wall']):.2f}x / {running / one['summary']['rows_per_s']:.2f}x")
+        check = ("yes", f"{cosine:.6f}") if run is on_ray else ("reference", "1")
+        if run is on_ray and not same:
+            check = ("NO", "-")
+        lines.append(f"| {name} | {run['wall']:.1f} | {rate:.1f} | {running:.1f} | {ratio} | {summary['batches']} | "
+                     f"{summary['padding_efficiency']:.1%} | {check[0]} | {check[1]} |")
+    lines.append("")
+    lines.append("The --ray summary's model line: "
+                 + next(line.split(" on ", 1)[1] for line in on_ray["stdout"].splitlines() if "  model " in line))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n-texts", type=int, default=2000)
@@ -260,8 +398,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--address", default=None, help="a Ray cluster's address ('auto' inside one)")
     parser.add_argument("--sort", action="store_true", help="also run dynabatch with sort_by_length=True")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--command", action="store_true",
+                        help="compare dynabatch embed on this machine with dynabatch embed --ray (see the module)")
+    parser.add_argument("--kills", type=int, default=0, help="with --command: SIGKILL the --ray driver K times")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    command = "python benchmarks/ray_inference.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.command:
+        texts = vary_lengths(kjv_passages(), args.n_texts, max_words=MAX_WORDS, seed=args.seed)
+        print(f"## dynabatch embed (all-MiniLM-L6-v2) on one machine and on Ray: {args.n_texts} texts, batch_size "
+              f"{args.batch_size}, max_length {args.max_length}\n")
+        print(f"`{command.strip()}`\n")
+        print(f"Machine: {machine(args)}.\n", flush=True)
+        print("\n".join(command_table(args, texts)))
+        return
 
     import ray
 
@@ -280,7 +430,6 @@ def main(argv: list[str] | None = None) -> None:
         results.append(run_dynabatch(ds, args, sort=True))
     ray.shutdown()
 
-    command = "python benchmarks/ray_inference.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"## all-MiniLM-L6-v2 embeddings through Ray Data: {args.n_texts} texts, batch_size {args.batch_size}, "
           f"max_length {args.max_length}, windows of {args.window} rows\n")
     print(f"`{command.strip()}`\n")

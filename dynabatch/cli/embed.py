@@ -42,7 +42,7 @@ import inspect
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -355,24 +355,36 @@ def _load(spec: _Job, args: argparse.Namespace) -> tuple[Any, int, Any, Any]:
     return spec.tokenizer, spec.max_length, make_fn, model
 
 
+def _loader_options(args: argparse.Namespace, limit: int) -> dict[str, Any]:
+    """The loader's keywords that follow from the options and the length limit."""
+    return {"max_tokens": args.max_batch_tokens or max(ENCODER_BATCH_TOKENS, args.batch_size * limit)}
+
+
 def embed_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Runs ``dynabatch embed``; returns the exit status."""
+    from dynabatch.cli import on_ray
+
     start = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with refusing(parser):
+        on_ray.check_arguments(args)
         spec = _prepare(args)
     from dynabatch.inference.loader import build_dynamic_batch_dataloader  # torch: once every option is checked
 
     place = spec.place
     try:
+        if args.ray is not None:  # the same job, its actors on a Ray cluster
+            model = on_ray.ActorModel(_load, replace(spec, texts=None, ids=None, output=None),
+                                      on_ray.plain(args), _loader_options)
+            return on_ray.run_on_ray("embed", model=model, texts=spec.texts, ids=spec.ids, key=spec.key,
+                                     output=spec.output, args=args, parser=parser, start=start, what="texts",
+                                     model_line=spec.describe(spec.max_length), run_options={"token_outputs": "whole"})
         with job.process_group(place):
             tokenizer, limit, make_fn, model = _load(spec, args)
             with refusing(parser):  # what only the loaded model can judge: one line, naming the flags
                 loader = build_dynamic_batch_dataloader(spec.texts, tokenizer, args.batch_size, limit, ids=spec.ids,
                                                         model=model, max_memory=args.max_memory, stream=True,
-                                                        max_tokens=args.max_batch_tokens or max(
-                                                            ENCODER_BATCH_TOKENS, args.batch_size * limit),
-                                                        num_workers=0, progress=False)
+                                                        **_loader_options(args, limit), num_workers=0, progress=False)
             spec.output.started = True
             result, tally, error = job.run_accounted(
                 lambda: job.run_job(make_fn, loader, place, spec.output, key=spec.key, on_oom=args.on_oom,

@@ -85,6 +85,10 @@ def add_run_arguments(p: argparse.ArgumentParser, what: str, batch_size: int, de
     p.add_argument("--report", type=Path, default=None, help="write the run's report (every batch) as JSON")
     p.add_argument("--plot", type=Path, default=None, help="draw the run's batches as a PNG (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--ray", nargs="?", const="auto", default=None, metavar="ADDRESS",
+                   help="run the job on a Ray cluster, into the same store: auto (the cluster this machine belongs "
+                   "to, else a local one; the default with no ADDRESS) or an address as ray.init takes it "
+                   "(head:6379, ray://head:10001); one actor per GPU, or per CPU without GPUs")
 
 
 def check_outputs(args: argparse.Namespace) -> None:

@@ -245,10 +245,13 @@ class RunReport:
         """Writes the summary and every batch record to ``path`` as JSON."""
         if not isinstance(path, (str, os.PathLike)):
             raise bad_type("path", "a str or os.PathLike", path)
-        data = {"summary": self.summary(), "batches": [asdict(r) for r in self.records]}
         with open(path, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
+            json.dump(self.to_dict(), f, indent=1)
             f.write("\n")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary and every batch record (JSON-ready), as :meth:`to_json` writes them."""
+        return {"summary": self.summary(), "batches": [asdict(r) for r in self.records]}
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> RunReport:
@@ -256,7 +259,11 @@ class RunReport:
         if not isinstance(path, (str, os.PathLike)):
             raise bad_type("path", "a str or os.PathLike", path)
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunReport:
+        """A report from :meth:`to_dict`'s dict."""
         names = {f.name for f in fields(BatchRecord)}
         records = [BatchRecord(**{k: v for k, v in r.items() if k in names}) for r in data["batches"]]
         summary = data["summary"]

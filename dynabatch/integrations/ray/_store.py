@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch._digest import fingerprint
+from dynabatch._validation import bad_type, bad_value
 from dynabatch.data.ids import check_ids
 from dynabatch.data.input_hashes import token_store_hashes
 from dynabatch.inference.options import check_store_arguments
@@ -44,18 +45,33 @@ SUMMARY = ("rows", "held", "ran", "failed")
 already, those run now, and those of them without a result (not stored: a rerun tries them again)."""
 
 
-def check_store_options(output_path: Any, key: Any, id_column: Any) -> None:
-    """Refuses a bad ``output_path``, ``key`` (a str, only with ``output_path``) or ``id_column``."""
+KEYED_BY = ("id", "position")
+
+
+def check_store_options(output_path: Any, key: Any, id_column: Any, keyed_by: Any = "id", job: Any = None,
+                        report_column: Any = None) -> None:
+    """Refuses a bad ``output_path``, ``key`` (a str, only with ``output_path``), ``id_column``, ``keyed_by`` (one
+    of :data:`KEYED_BY`), ``job`` or ``report_column`` (a str, only with ``output_path``)."""
     check_store_arguments(output_path, key)
     check_column("id_column", id_column)
+    if keyed_by not in KEYED_BY:
+        raise bad_value("keyed_by", f"one of {KEYED_BY}", keyed_by)
+    for name, value in (("job", job), ("report_column", report_column)):
+        if value is None:
+            continue
+        if not isinstance(value, str) or not value:
+            raise (bad_type if not isinstance(value, str) else bad_value)(name, "None or a non-empty str", value)
+        if output_path is None:
+            raise bad_value(name, "None without output_path", value)
 
 
-def open_store(output_path: Any, key: str | None, *, verify: bool = True) -> Store:
-    """The results store at ``output_path`` keyed by id, its inputs every id it holds (refuses another ``key``), held
-    for this Ray job (the driver and every actor: one job); ``verify``: every shard read whole, its page checksums
-    verified (the driver does it once, not each actor)."""
-    return open_results_store(os.path.abspath(os.fspath(output_path)), key=key, keyed_by="id", verify=verify,
-                              job=_ray_job())
+def open_store(output_path: Any, key: str | None, *, verify: bool = True, keyed_by: str = "id",
+               job: str | None = None) -> Store:
+    """The results store at ``output_path`` keyed by id (its inputs every id it holds) or by position (refuses
+    another ``key``), held for ``job`` (``None``: this Ray job, the driver and every actor); ``verify``: every shard
+    read whole, its page checksums verified (the driver does it once, not each actor)."""
+    return open_results_store(os.path.abspath(os.fspath(output_path)), key=key, keyed_by=keyed_by, verify=verify,
+                              job=job if job is not None else _ray_job())
 
 
 def _ray_job() -> str | None:
@@ -73,25 +89,38 @@ class WindowStore:
     Args:
         output_path: the store's directory, reachable from every actor (a local or shared file system).
         key: what computes the rows (model, revision, settings); must equal the stored one.
-        id_column: the column of the windows holding each row's id (str or int, unique in the dataset).
+        id_column: the column of the windows holding each row's id (str or int, unique in the dataset), or its
+            position in the corpus (``keyed_by="position"``).
+        keyed_by: ``"id"`` or ``"position"`` (see :class:`~dynabatch.integrations.ray.DynamicBatchPredictor`).
+        job: the job the store's lock is held for (``None``: this Ray job).
 
     Raises:
-        ValueError: the store holds rows of another ``key``, or is no dynabatch store.
+        ValueError: the store holds rows of another ``key`` or keying, or is no dynabatch store.
     """
 
-    def __init__(self, output_path: Any, *, key: str | None, id_column: str) -> None:
-        self.store = open_store(output_path, key, verify=False)
-        self.path, self.key, self.id_column = self.store.path, key, id_column
+    def __init__(self, output_path: Any, *, key: str | None, id_column: str, keyed_by: str = "id",
+                 job: str | None = None) -> None:
+        self.store = open_store(output_path, key, verify=False, keyed_by=keyed_by, job=job)
+        self.path, self.key, self.id_column, self.keyed_by = self.store.path, key, id_column, keyed_by
         self._index: Any = None  # stored id -> its place in store.ids, built at the first window
-        if len(self.store.ids):
-            logger.info("output_path=%r holds %d rows (key=%r)", self.path, len(self.store.ids), key)
+        if int(self.store.done.sum()):
+            logger.info("output_path=%r holds %d rows (key=%r)", self.path, int(self.store.done.sum()), key)
 
     def window_ids(self, values: Any) -> Any:
-        """The window's ids as an Arrow array, checked: one unique str or int per row, of the stored ids' type."""
+        """The window's ids as an Arrow array, checked: one unique str or int per row, of the stored ids' type (or,
+        keyed by position, int positions >= 0)."""
         try:
             ids = check_ids(values, len(values))
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{exc} (the id_column={self.id_column!r} column)") from exc
+        if self.keyed_by == "position":
+            import pyarrow as pa
+            import pyarrow.compute as pc
+
+            if len(ids) and not (pa.types.is_integer(ids.type) and pc.min(ids).as_py() >= 0):
+                raise bad_value("id_column", "a column of int positions >= 0 with keyed_by='position'",
+                                self.id_column)
+            return ids
         stored = self.store.ids.type
         if len(ids) and len(self.store.ids) and ids.type != stored:
             raise ValueError(f"the id_column={self.id_column!r} column should hold ids of type {stored}, as the ids "
@@ -100,7 +129,13 @@ class WindowStore:
         return ids
 
     def held(self, ids: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Which of the window's rows the store holds (bool per row), and each one's place among the stored ids."""
+        """Which of the window's rows the store holds (bool per row), and each one's input position in the store."""
+        if self.keyed_by == "position":
+            where = np.asarray(ids.to_numpy(zero_copy_only=False), dtype=np.int64)
+            held = np.zeros(len(where), dtype=bool)
+            inside = where < self.store.n
+            held[inside] = self.store.done[where[inside]]
+            return held, where
         if not len(self.store.ids):
             return np.zeros(len(ids), dtype=bool), np.full(len(ids), -1, dtype=np.int64)
         if self._index is None:  # built once per actor: a lookup per window stays O(window), not O(store)
@@ -114,21 +149,28 @@ class WindowStore:
         """Refuses held rows whose inputs (``tokenized``, one row each) differ from those their rows were computed from."""
         self.store.check_inputs(where, token_store_hashes(tokenized))
 
-    def write(self, ids: Any, results: list[Any], failed: list[int], tokenized: Any) -> int:
-        """Commits the rows that have a result as one shard; returns how many. ``results[i]`` is row ``ids[i]``'s,
-        tokenized as ``tokenized``'s row ``i``; ``failed``: the rows without a result (out of memory alone)."""
-        keep = np.ones(len(results), dtype=bool)
-        keep[np.asarray(failed, dtype=np.int64)] = False
-        rows = np.flatnonzero(keep)
-        if not rows.size:
-            return 0
+    def write(self, ids: Any, results: list[Any], failures: dict[int, str], tokenized: Any) -> int:
+        """Commits the rows that have a result as one shard, and a failure record of each row without one (its
+        cause: ``failures``, row -> cause; a rerun runs it again); returns how many rows. ``results[i]`` is row
+        ``ids[i]``'s, tokenized as ``tokenized``'s row ``i``."""
         import pyarrow as pa
 
+        failed = np.asarray(sorted(failures), dtype=np.int64)
+        keep = np.ones(len(results), dtype=bool)
+        keep[failed] = False
+        rows = np.flatnonzero(keep)
+        if not len(results):
+            return 0
         values = ids.to_numpy() if pa.types.is_integer(ids.type) else ids.to_pylist()
         name = "w" + fingerprint(self.key, values)  # the same rows, written again, replace their shard
-        writer = self.store.writer(name, ids=ids.take(pa.array(rows)), exact=True)
+        hashes = token_store_hashes(tokenized)
+        if self.keyed_by == "position":
+            writer, where = self.store.writer(name, exact=True), np.asarray(values, dtype=np.int64)
+        else:
+            writer, where = self.store.writer(name, ids=ids, exact=True), np.arange(len(results))
         try:
-            writer.write(np.arange(rows.size), [results[i] for i in rows], token_store_hashes(tokenized)[rows])
+            writer.write(where[rows], [results[i] for i in rows], hashes[rows])
+            writer.fail(where[failed], hashes[failed], [failures[int(i)] for i in failed])
         finally:
             writer.close()
         return int(rows.size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
@@ -27,6 +28,8 @@ logger = logging.getLogger(__name__)
 _LOADER_OWN = ("texts", "tokenizer", "batch_size", "max_input_token_length", "progress", "num_workers",
                "memory_model", "max_memory")
 _CALIBRATE_OWN = ("work", "tokenizer", "batch_size", "max_input_token_length", "progress")
+_RUN_OWN = ("fn", "loader", "make_fn", "devices", "device", "memory", "on_oom", "on_error", "output_path", "key",
+            "progress")
 
 
 class DynamicBatchPredictor(WindowMemory):
@@ -81,13 +84,17 @@ class DynamicBatchPredictor(WindowMemory):
             one row each (stacked into a tensor column when they share a
             shape); ``generate`` token ids lose their padding as in
             :func:`dynabatch.run`, each row its own length (an object column).
-        error_column: with ``on_oom="skip"``, a str column added beside the
-            results: ``""`` for every row that ran, a message for a row that
-            ran out of memory on its own (its result is ``None``).
+        error_column: with ``on_oom="skip"`` or ``on_error="skip"``, a str
+            column added beside the results: ``""`` for every row that ran, its
+            cause for a row set aside (``"out of memory alone: ..."``, or the
+            error ``fn`` raised on it alone; its result is ``None``).
         on_oom: ``"raise"`` (a row that runs out of memory on its own raises
             :class:`~dynabatch.inference.execute.BatchOutOfMemoryError`, which
             fails the window and the job) or ``"skip"`` (it is reported in
             ``error_column``). Larger batches are always split and retried.
+        on_error: ``run``'s: ``"raise"`` (a row whose ``fn`` call raises fails
+            the window) or ``"skip"`` (it is set aside, reported as with
+            ``on_oom="skip"``, with the error's text).
         device: where to move each batch before ``fn`` (``run``'s ``device``),
             and the device calibration and measurement use; ``None`` leaves it.
         memory: ``run``'s ``memory``; ``"auto"``: while a memory model is grown
@@ -108,6 +115,8 @@ class DynamicBatchPredictor(WindowMemory):
             keywords such as ``return_token_type_ids=False``), except those set here.
         calibrate_kwargs: more keywords for :func:`dynabatch.calibrate`
             (``texts``, ``max_probes``, ``limit_bytes``, ...), with ``calibrate=True``.
+        run_kwargs: more keywords for :func:`dynabatch.run` (``token_outputs``,
+            ``prefetch``, ...), except those set here.
         output_path: a directory (reachable from every actor) to store the
             results in: the results store of ``dynabatch.run(...,
             output_path=...)``, keyed by ``id_column``. Each window runs only
@@ -121,6 +130,16 @@ class DynamicBatchPredictor(WindowMemory):
             revision, the settings); a store of another key is refused.
         id_column: with ``output_path``, the column of each row's id (str or
             int, unique in the dataset).
+        keyed_by: with ``output_path``, how the store keys rows: ``"id"``
+            (``id_column``'s ids), or ``"position"`` (``id_column`` holds each
+            row's int position in the corpus: the store of a ``run`` over texts
+            without ids, as ``dynabatch embed`` writes without ``--id-column``).
+        job: with ``output_path``, the job the store's lock is held for
+            (:mod:`~dynabatch.inference.store_lock`); ``None``: this Ray job.
+            The command line passes its driver's, which holds the store.
+        report_column: with ``output_path``, a str column added to the
+            window's summary row: its :class:`~dynabatch.inference.report.RunReport`
+            as JSON (``RunReport.to_dict``), for a driver that reports the job.
 
     Attributes:
         tokenizer, fn: what :meth:`setup` returned.
@@ -163,6 +182,7 @@ class DynamicBatchPredictor(WindowMemory):
         output_column: str = "output",
         error_column: str = "error",
         on_oom: str = "raise",
+        on_error: str = "raise",
         device: Any = None,
         memory: str = "auto",
         calibrate: bool = False,
@@ -171,9 +191,13 @@ class DynamicBatchPredictor(WindowMemory):
         inference_mode: bool = True,
         loader_kwargs: dict[str, Any] | None = None,
         calibrate_kwargs: dict[str, Any] | None = None,
+        run_kwargs: dict[str, Any] | None = None,
         output_path: str | os.PathLike | None = None,
         key: str | None = None,
         id_column: str = "id",
+        keyed_by: str = "id",
+        job: str | None = None,
+        report_column: str | None = None,
     ) -> None:
 
         self.batch_size = check_positive_int("batch_size", batch_size)
@@ -183,10 +207,11 @@ class DynamicBatchPredictor(WindowMemory):
         self.error_column = check_column("error_column", error_column)
         if self.output_column == self.text_column:
             raise bad_value("output_column", f"another column than text_column={text_column!r}", output_column)
-        check_run_options(device, on_oom, memory)
-        if on_oom == "skip" and self.error_column in (self.text_column, self.output_column):
+        check_run_options(device, on_oom, memory, on_error)
+        skips = on_oom == "skip" or on_error == "skip"
+        if skips and self.error_column in (self.text_column, self.output_column):
             raise bad_value("error_column", "another column than text_column and output_column", error_column)
-        self.on_oom = on_oom
+        self.on_oom, self.on_error, self.skips = on_oom, on_error, skips
         self.device = device
         for name, value in (("calibrate", calibrate), ("learn_memory", learn_memory),
                             ("inference_mode", inference_mode)):
@@ -206,13 +231,15 @@ class DynamicBatchPredictor(WindowMemory):
         if calibrate_kwargs is not None and not calibrate:
             raise bad_value("calibrate_kwargs", "None without calibrate=True", calibrate_kwargs)
         self.calibrate_kwargs = check_options("calibrate_kwargs", calibrate_kwargs, _CALIBRATE_OWN)
-        check_store_options(output_path, key, id_column)
-        self.id_column = id_column
+        self.run_kwargs = check_options("run_kwargs", run_kwargs, _RUN_OWN)
+        check_store_options(output_path, key, id_column, keyed_by, job, report_column)
+        self.id_column, self.report_column = id_column, report_column
         if output_path is not None and (id_column == self.output_column
-                                        or (on_oom == "skip" and id_column == self.error_column)):
+                                        or (skips and id_column == self.error_column)):
             raise bad_value("id_column", "another column than output_column and error_column", id_column)
         # Opened before setup loads the model: a store of another key is refused at once.
-        self.store = WindowStore(output_path, key=key, id_column=id_column) if output_path is not None else None
+        self.store = WindowStore(output_path, key=key, id_column=id_column, keyed_by=keyed_by,
+                                 job=job) if output_path is not None else None
 
         self.tokenizer, self.fn = self._set_up()
         self.memory_model: MemoryModel | None = None
@@ -271,7 +298,7 @@ class DynamicBatchPredictor(WindowMemory):
         names, is_frame = columns_of(batch)
         if self.text_column not in names:
             raise bad_value("text_column", f"a column of the batch {names}", self.text_column)
-        added = [self.output_column] + ([self.error_column] if self.on_oom == "skip" else [])
+        added = [self.output_column] + ([self.error_column] if self.skips else [])
         for name, column in zip(("output_column", "error_column"), added):
             if column in names:
                 raise bad_value(name, f"a column the batch does not have already {names}", column)
@@ -281,15 +308,15 @@ class DynamicBatchPredictor(WindowMemory):
             return self._run_stored(batch, names, is_frame, texts)
         if not texts:
             results: list[Any] = []
-            failed: list[int] = []
+            failures: dict[int, str] = {}
         else:
             result, _ = self._run_window(texts)
-            results, failed = list(result), result.failed
+            results, failures = list(result), result.failures
         columns = {self.output_column: numpy_column(results)}
-        if self.on_oom == "skip":
+        if self.skips:
             errors = np.full(len(texts), "", dtype=object)
-            for p in failed:
-                errors[p] = "out of memory on its own (a batch of one row); its result is None"
+            for p, cause in failures.items():
+                errors[p] = cause
             columns[self.error_column] = errors
         if is_frame:
             return batch.assign(**{name: list(values) for name, values in columns.items()})
@@ -307,19 +334,25 @@ class DynamicBatchPredictor(WindowMemory):
             self.store.check(where[held], self._tokenize([texts[i] for i in np.flatnonzero(held)]))
         todo = np.flatnonzero(~held)
         failed: list[int] = []
+        report = RunReport()
         if todo.size:
             result, tokenized = self._run_window([texts[i] for i in todo], todo)
-            failed = result.failed
-            self.store.write(ids.take(todo), list(result), failed, tokenized)
-        summary = dict(zip(SUMMARY, ([len(texts)], [int(held.sum())], [int(todo.size)], [len(failed)])))
+            failed, report = result.failed, result.report
+            self.store.write(ids.take(todo), list(result), result.failures, tokenized)
+        summary: dict[str, list[Any]] = dict(zip(SUMMARY, ([len(texts)], [int(held.sum())], [int(todo.size)],
+                                                           [len(failed)])))
+        if self.report_column is not None:
+            summary[self.report_column] = [json.dumps(report.to_dict())]
         if is_frame:
             import pandas as pd
 
             return pd.DataFrame(summary)
-        return {name: np.array(values, dtype=np.int64) for name, values in summary.items()}
+        return {name: np.array(values, dtype=object if name == self.report_column else np.int64)
+                for name, values in summary.items()}
 
     def _run_options(self, plan: str) -> dict[str, Any]:
-        options: dict[str, Any] = {"on_oom": self.on_oom, "progress": False}
+        options: dict[str, Any] = {**self.run_kwargs, "on_oom": self.on_oom, "on_error": self.on_error,
+                                   "progress": False}
         if self.device is not None:
             options["device"] = self.device
         if self.memory != "auto" or not self._learning:
