@@ -362,12 +362,13 @@ def _loader_options(args: argparse.Namespace, limit: int) -> dict[str, Any]:
 
 def embed_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Runs ``dynabatch embed``; returns the exit status."""
-    from dynabatch.cli import on_ray
-
     start = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with refusing(parser):
-        on_ray.check_arguments(args)
+        if args.ray is not None:
+            from dynabatch.cli import on_ray  # Ray's path (torch and the actors' predictor): only when asked for
+
+            on_ray.check_arguments(args)
         spec = _prepare(args)
     from dynabatch.inference.loader import build_dynamic_batch_dataloader  # torch: once every option is checked
 

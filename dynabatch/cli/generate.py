@@ -190,12 +190,13 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
 
 def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Runs ``dynabatch generate``; returns the exit status."""
-    from dynabatch.cli import on_ray
-
     start = time.perf_counter()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with refusing(parser):
-        on_ray.check_arguments(args, "generate")
+        if args.ray is not None:
+            from dynabatch.cli import on_ray
+
+            on_ray.check_arguments(args, "generate")
         spec = _prepare(args)
     import torch  # once every option is checked
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
