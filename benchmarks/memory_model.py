@@ -50,6 +50,7 @@ Run it with::
     python benchmarks/memory_model.py --n-texts 800 --output /tmp/memory_model.md
     python benchmarks/memory_model.py --workloads mistral --n-texts 200
     python benchmarks/memory_model.py --workloads pegasus,qwen3,bert --n-texts 200
+    DYNABATCH_BENCH_ASSETS=repo PYTHONPATH=/tmp/other-checkout python benchmarks/memory_model.py --calibration-only
     python benchmarks/memory_model.py --device cuda
 """
 
@@ -257,7 +258,9 @@ def readme_first_path(work: Any, texts: list[str], tok: Any, args: argparse.Name
     return calls, note
 
 
-def run_workload(name: str, args: argparse.Namespace) -> tuple[str, list[Row], str]:
+def calibrated(name: str, args: argparse.Namespace) -> tuple[Any, Any, str, Any, Any, float, float]:
+    """A workload's model, tokenizer, description and call, its memory model, and the calibration's wall and CPU
+    seconds."""
     model, tok, description = build(name)
     model = model.to(args.device)
     new = None if name in ENCODERS else args.new_tokens
@@ -279,6 +282,11 @@ def run_workload(name: str, args: argparse.Namespace) -> tuple[str, list[Row], s
                    max_new_tokens=new, device=args.device, progress=args.progress)
     calibration, calibration_cpu = time.perf_counter() - start, time.process_time() - cpu
     print(mm.report(), file=sys.stderr)
+    return model, tok, description, work, mm, calibration, calibration_cpu
+
+
+def run_workload(name: str, args: argparse.Namespace) -> tuple[str, list[Row], str]:
+    model, tok, description, work, mm, calibration, calibration_cpu = calibrated(name, args)
 
     texts = held_out_texts(args.n_texts, args.seed)
     tokens = tokenize_texts(texts, tok, args.max_length)
@@ -335,6 +343,19 @@ def misses(name: str, row: Row, max_calibration_s: float) -> list[str]:
     return found
 
 
+def calibration_only(names: list[str], args: argparse.Namespace) -> tuple[str, list[str]]:
+    """``--calibration-only``: one row per workload, its calibration's probes, fit and seconds; and the misses."""
+    out = ["| workload | probes | LOO error | calibration s | CPU s |", "|---|---:|---:|---:|---:|"]
+    missed = []
+    for name in names:
+        _, _, _, _, mm, wall, cpu = calibrated(name, args)
+        out.append(f"| {name} | {len(mm.probes_)} | {mm.loo_error_:.1%} | {wall:.1f} | {cpu:.1f} |")
+        print(out[-1], flush=True)
+        if not cpu <= args.max_calibration_s:
+            missed.append(f"{name}: calibration took {cpu:.1f} CPU s (target <= {args.max_calibration_s:g})")
+    return "\n".join(out), missed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -352,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, default=None, help="also write the markdown here")
     parser.add_argument("--max-calibration-s", type=float, default=60.0,
                         help="the guard: exit status 1 when a calibration takes more CPU seconds than this")
+    parser.add_argument("--calibration-only", action="store_true",
+                        help="time each workload's calibration only (no plans, no oracle): a quick side-by-side "
+                             "of two checkouts (PYTHONPATH=<checkout>)")
     args = parser.parse_args(argv)
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     for w in names:
@@ -366,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"device {args.device}{gpu}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]
     started = time.perf_counter()
     missed = []
+    if args.calibration_only:
+        section, missed = calibration_only(names, args)
+        sections.append(section)
+        names = []
     for name in names:
         title, rows, note = run_workload(name, args)
         sections.append(table(title, rows, note))
