@@ -404,6 +404,9 @@ class FixedPlan:
     def rows_for_peak(self, longest, first_peak):
         return None
 
+    def restart(self):
+        pass
+
     def observe(self, rows, padded_length, peak_bytes):
         pass
 
