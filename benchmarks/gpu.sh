@@ -100,7 +100,7 @@ STEPS=(
     "generation|160|$PY benchmarks/generation.py --device $DEVICE $(sized '--n-prompts 192 --check 8 --rounds 2' '--n-prompts 12 --max-words 40 --max-new-tokens 12 --hidden 64 --layers 2 --check 4 --threads 1 --rounds 2 --warmup-cap 1') --output $WORK/generation.md"
     "embeddings|60|$PY benchmarks/embeddings.py --device $DEVICE $(sized '--n 5000 --repeats 2' '--n 16 --repeats 2 --threads 1') --output $WORK/embeddings.md"
     "encoder-curve|90|$PY benchmarks/encoder_curve.py --device $DEVICE $(sized '' '--tiny --tokens 256,512 --calls 1 --threads 1') --output $WORK/encoder_curve.md"
-    "memory-model|60|$PY benchmarks/memory_model.py --device $DEVICE $(sized '--threads 4' '--workloads mistral --n-texts 40 --new-tokens 4 --max-length 64') --output $WORK/memory_model.md"
+    "memory-model|60|$PY benchmarks/memory_model.py --device $DEVICE $(sized '--threads 4 --workloads pegasus,mistral' '--workloads mistral --n-texts 40 --new-tokens 4 --max-length 64') --output $WORK/memory_model.md"
     "train-step|45|$PY benchmarks/train_step.py --device $DEVICE $(sized '' '--steps 3 --hidden 32 --layers 1 --capacity 128 --n-texts 200 --threads 1') --output $WORK/train_step.md"
     "overlap|60|$PY benchmarks/overlap.py --device $DEVICE $(sized '--threads 4 --n-texts 20000' '--n-texts 300') --output $WORK/overlap.md"
     "training|110|$PY benchmarks/training_throughput.py --device $DEVICE $(sized '--threads 4' '--n-texts 40 --eval-texts 16 --max-length 32 --hidden 32 --layers 1 --threads 1 --tables throughput,probe') --output $WORK/training_throughput.md"

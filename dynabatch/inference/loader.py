@@ -213,6 +213,7 @@ def build_dynamic_batch_dataloader(
     seed: int = 0,
     progress: bool = True,
     memory_model: Any = None,
+    refit_memory_model: bool = False,
     max_memory: Any = None,
     memory_margin: float = 0.10,
     granularity: int | None = None,
@@ -262,6 +263,11 @@ def build_dynamic_batch_dataloader(
             ``MemoryModel.load``): batches are then sized by its predicted peaks
             instead of the spike classifier (``threshold`` and the candidate
             ranges are not used). ``None``: the classifier.
+        refit_memory_model: ``False``: ``memory_model`` is left as you built
+            it; ``run(memory="measured")`` refines a copy for its own run, and
+            the loader run again plans as it did. ``True``: each run's measured
+            peaks refit ``memory_model`` in place (``mm.save`` keeps them for
+            the next job).
         max_memory: ``None`` (the relative rule: no batch above the first
             batch's measured peak, or with ``memory_model`` its predicted peak),
             or an absolute budget every batch is planned under: bytes, a size
@@ -368,7 +374,7 @@ def build_dynamic_batch_dataloader(
     if not isinstance(shuffle, bool):
         raise bad_type("shuffle", "a bool", shuffle)
     estimator = choose_estimator(classifier, memory_model, max_memory=max_memory, memory_margin=memory_margin,
-                                 granularity=granularity, model=model)
+                                 granularity=granularity, model=model, refit_memory_model=refit_memory_model)
     pad_token_id_of(tokenizer)  # refuse a tokenizer without pad token before tokenizing
     if model is not None:
         check_position_limit(model, settings.max_input_token_length)

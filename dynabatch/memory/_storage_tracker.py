@@ -40,6 +40,20 @@ def round_block(nbytes: int) -> int:
     return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
 
 
+def _tensors(values: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Appends the tensors among an aten op's arguments or results to ``found``: tensors, scalars and lists or
+    tuples of them, walked directly (a pytree flattening on every op costs several times more; generate runs
+    thousands of ops)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            _tensors(value, found)
+        elif isinstance(value, dict):
+            _tensors(tree_leaves(value), found)
+    return found
+
+
 class StorageTracker(TorchDispatchMode):
     """Tracks live and peak bytes of storages allocated while the mode is active.
 
@@ -61,41 +75,49 @@ class StorageTracker(TorchDispatchMode):
         self.segment_peak_bytes = 0  # the peak since the last mark()
         self._counted: dict[int, int] = {}  # storage key -> counted bytes
         self._preexisting: set[int] = set()
-        self._finalizers: list[weakref.finalize] = []
-        self._lock = threading.Lock()
+        self._watched: dict[int, weakref.ref] = {}  # storage key -> the weak reference whose callback uncounts it
+        self._lock = threading.RLock()  # a collection inside the block may free a watched storage
 
     # -- bookkeeping -------------------------------------------------------
-    def _watch(self, storage: torch.UntypedStorage, key: int) -> None:
-        self._finalizers.append(weakref.finalize(storage, self._freed, key))
-
     def _freed(self, key: int) -> None:
         with self._lock:
+            self._watched.pop(key, None)
             self._preexisting.discard(key)
             self.current_bytes -= self._counted.pop(key, 0)
 
-    def _see(self, tensor: torch.Tensor, is_output: bool) -> None:
-        if tensor.is_meta or tensor.layout != torch.strided:
-            return
-        storage = tensor.untyped_storage()
-        key = storage._cdata
+    def _watch(self, storage: torch.UntypedStorage, key: int) -> None:
+        # A plain weak reference with a callback: a third of a weakref.finalize's cost, and dropping the
+        # reference (at the block's end) is what detaches it.
+        self._watched[key] = weakref.ref(storage, lambda _, key=key: self._freed(key))
+
+    def _see(self, tensors: list[torch.Tensor], is_output: bool) -> None:
+        """Counts the storages of one op's input or output tensors (one lock for all of them)."""
         with self._lock:
-            if key in self._preexisting:
-                return
-            size = round_block(storage.nbytes())
-            if key in self._counted:
-                # resize_ and out= ops can grow a storage in place.
-                self.current_bytes += size - self._counted[key]
-                self._counted[key] = size
-            elif is_output:
-                self._counted[key] = size
-                self.current_bytes += size
-                self._watch(storage, key)
-            else:
-                self._preexisting.add(key)
-                self._watch(storage, key)
-            if self.current_bytes > self.segment_peak_bytes:
-                self.segment_peak_bytes = self.current_bytes
-                self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+            for tensor in tensors:
+                if tensor.layout != torch.strided or tensor.is_meta:
+                    continue
+                storage = tensor.untyped_storage()
+                key = storage._cdata
+                if key in self._preexisting:
+                    continue
+                counted = self._counted.get(key)
+                if counted is None and not is_output:
+                    self._preexisting.add(key)
+                    self._watch(storage, key)
+                    continue
+                size = round_block(storage.nbytes())
+                if counted is None:
+                    self._counted[key] = size
+                    self.current_bytes += size
+                    self._watch(storage, key)
+                elif size != counted:  # resize_ and out= ops can grow a storage in place
+                    self.current_bytes += size - counted
+                    self._counted[key] = size
+                else:
+                    continue
+                if self.current_bytes > self.segment_peak_bytes:
+                    self.segment_peak_bytes = self.current_bytes
+                    self.peak_bytes = max(self.peak_bytes, self.current_bytes)
             over = self.limit_bytes is not None and self.current_bytes > self.limit_bytes
         if over:
             raise torch.OutOfMemoryError(
@@ -110,24 +132,17 @@ class StorageTracker(TorchDispatchMode):
         return peak
 
     # -- dispatch ----------------------------------------------------------
-    def _see_all(self, values: Any, is_output: bool) -> None:
-        # An aten op's arguments and results are tensors, scalars and lists or tuples of them: walked
-        # directly, which costs a fraction of a pytree flattening on every op (generate runs thousands).
-        for value in values:
-            if isinstance(value, torch.Tensor):
-                self._see(value, is_output)
-            elif isinstance(value, (list, tuple)):
-                self._see_all(value, is_output)
-            elif isinstance(value, dict):
-                self._see_all(tree_leaves(value), is_output)
-
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None):
         kwargs = kwargs or {}
-        self._see_all(args, is_output=False)
+        inputs = _tensors(args, [])
         if kwargs:
-            self._see_all(kwargs.values(), is_output=False)
+            _tensors(kwargs.values(), inputs)
+        if inputs:
+            self._see(inputs, is_output=False)
         out = func(*args, **kwargs)
-        self._see_all((out,), is_output=True)
+        outputs = [out] if type(out) is torch.Tensor else _tensors((out,), [])
+        if outputs:
+            self._see(outputs, is_output=True)
         return out
 
     def __enter__(self) -> StorageTracker:
@@ -147,7 +162,6 @@ class StorageTracker(TorchDispatchMode):
             if self.exclusive:
                 _ONE_BLOCK_AT_A_TIME.release()
             # Storages that outlive the block (the call's outputs) no longer
-            # need watching; drop the finalizers so nothing is kept alive.
-            for fin in self._finalizers:
-                fin.detach()
-            self._finalizers.clear()
+            # need watching: their references dropped, their callbacks never run.
+            with self._lock:
+                self._watched.clear()

@@ -82,8 +82,10 @@ class ChunkedPlanner:
             return self._chunks[i] if i < len(self._chunks) else None
 
     def restart(self, *, sparse: bool = False) -> None:
-        """Starts handing out batches from the first chunk's first again (chunks already planned are kept)."""
+        """Starts handing out batches from the first chunk's first again (chunks already planned are kept), with
+        the estimator as it was built."""
         with self._lock:
+            self.estimator.restart()
             self._i = 0
             for _, planner in self._chunks:
                 planner.restart()

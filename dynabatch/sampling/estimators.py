@@ -10,6 +10,9 @@ An estimator answers, over lengths sorted longest first:
   :class:`~dynabatch.memory.feedback.MemoryFeedback`);
 * ``observe(rows, padded_length, peak_bytes)`` and ``observe_out_of_memory(rows,
   padded_length)``: a measured peak, or a shape that ran out of memory, to refine itself;
+* ``restart()``: a run starts; what earlier runs taught it is dropped (a
+  :class:`BudgetEstimator` built with ``refit=True`` keeps it: its memory model is
+  the caller's, refitted in place);
 
 * ``budget_on(device, longest)``: the absolute budget a run plans under on
   ``device`` (its ``max_memory``, resolved there when the run starts by
@@ -71,6 +74,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any
 
@@ -151,6 +155,9 @@ class SpikeEstimator:
         """``None``: a classifier has no model of bytes."""
         return None
 
+    def restart(self) -> None:
+        """A classifier learns nothing a run could leave behind."""
+
     def observe(self, rows: int, padded_length: int, peak_bytes: float) -> None:
         """A classifier does not learn from measured peaks (the planner's bound does)."""
 
@@ -172,20 +179,28 @@ class BudgetEstimator:
         granularity: batch sizes are multiples of it (when at least it).
         device: the device a percentage ``max_memory`` is of, for the plan made up front (a run resolves it
             again on its own device: :meth:`budget_on`).
+        refit: ``False`` (the default): ``memory_model`` is never written; a run's measured peaks refine a
+            copy of it, made at the first one and dropped when the next run starts (:meth:`restart`), so a
+            loader run again plans as it did the first time. ``True``: they refit ``memory_model`` itself, in
+            place, and every later run starts from what earlier ones measured (save it for the next job).
 
     Attributes:
+        memory_model: the model this run plans with: the caller's, or the run's copy once it has learned.
         budget: the plan's :class:`~dynabatch.memory.budget.MemoryBudget` (set by :meth:`plan_sizes`).
         max_memory: the up-front plan's budget in bytes, or ``None`` (relative).
         relative: ``max_memory is None``.
     """
 
     def __init__(self, memory_model: Any, *, max_memory: Any = None, memory_margin: float = 0.10,
-                 granularity: int | None = None, device: Any = None) -> None:
+                 granularity: int | None = None, device: Any = None, refit: bool = False) -> None:
         for method in ("predict", "max_rows", "observe"):
             if not callable(getattr(memory_model, method, None)):
                 raise bad_type("memory_model", "a MemoryModel (from dynabatch.calibrate or MemoryModel.load)",
                                memory_model)
-        self.memory_model = memory_model
+        if not isinstance(refit, bool):
+            raise bad_type("refit", "a bool", refit)
+        self.memory_model = self.given = memory_model
+        self.refit = refit
         self.max_memory_given = check_max_memory(max_memory)
         self.max_memory = resolve_max_memory(max_memory, device)
         self.memory_margin = check_memory_margin(memory_margin)
@@ -248,14 +263,30 @@ class BudgetEstimator:
             raise RuntimeError("BudgetEstimator.rows_for_peak before plan_sizes")
         return int(self.budget.rows_allowed(int(longest), max_memory=budget))
 
+    def restart(self) -> None:
+        """A run starts: without ``refit``, it plans with the caller's model as given (the copy an earlier run
+        refined is dropped)."""
+        self._use(self.given)
+
+    def _use(self, memory_model: Any) -> None:
+        self.memory_model = memory_model
+        if self.budget is not None:
+            self.budget.memory_model = memory_model
+
+    def _learning(self) -> Any:
+        """The model a measured point refits: the caller's with ``refit``, else this run's copy of it."""
+        if self.memory_model is self.given and not self.refit:
+            self._use(copy.deepcopy(self.given))
+        return self.memory_model
+
     def observe(self, rows: int, padded_length: int, peak_bytes: float) -> None:
-        """Refits the memory model with a measured peak."""
-        self.memory_model.observe(rows, padded_length, peak_bytes)
+        """Refits the memory model (see ``refit``) with a measured peak."""
+        self._learning().observe(rows, padded_length, peak_bytes)
 
     def observe_out_of_memory(self, rows: int, padded_length: int) -> None:
-        """Records a shape that ran out of memory in the model (kept when it is saved); the budget, which
-        reads the model's failed shapes, keeps rows below it from then on."""
-        self.memory_model.observe(rows, padded_length, None, out_of_memory=True)
+        """Records a shape that ran out of memory in the memory model (see ``refit``; kept when it is saved);
+        the budget, which reads the model's failed shapes, keeps rows below it from then on."""
+        self._learning().observe(rows, padded_length, None, out_of_memory=True)
 
 
 def choose_estimator(
@@ -266,6 +297,7 @@ def choose_estimator(
     memory_margin: Any = 0.10,
     granularity: Any = None,
     model: Any = None,
+    refit_memory_model: bool = False,
 ) -> SpikeEstimator | BudgetEstimator:
     """The estimator for a loader's options: the spike classifier, or the memory model's budget when one is given.
 
@@ -276,7 +308,8 @@ def choose_estimator(
     ``max_memory`` is ``None``, ``"auto"``, bytes (> 0), or a string (``"12GB"``, ``"800MiB"``,
     ``"80%"`` of the device's free memory; see
     :func:`~dynabatch.memory.budget.resolve_max_memory`); ``memory_margin`` is in ``[0, 1)``;
-    ``granularity`` a positive int or ``None``, with a ``memory_model``. Without a memory model a
+    ``granularity`` a positive int or ``None``, with a ``memory_model``; ``refit_memory_model``: a run's
+    measured peaks refit ``memory_model`` in place (``BudgetEstimator``'s ``refit``). Without a memory model a
     ``max_memory`` is the run's budget: the classifier plans the first batch, the measured peaks the rest.
 
     Example:
@@ -290,7 +323,12 @@ def choose_estimator(
     memory_margin = check_memory_margin(memory_margin)
     if granularity is not None:
         granularity = check_positive_int("granularity", granularity)
+    if not isinstance(refit_memory_model, bool):
+        raise bad_type("refit_memory_model", "a bool", refit_memory_model)
     if memory_model is None:
+        if refit_memory_model:
+            raise bad_value("refit_memory_model", "False without a memory_model (there is no model of yours to "
+                            "refit)", refit_memory_model)
         if granularity is not None:
             raise bad_value("granularity", "None without a memory_model (the classifier plans relative to the first "
                             "batch)", granularity)
@@ -300,7 +338,8 @@ def choose_estimator(
     if classifier is not None:
         raise bad_value("classifier", "None when a memory_model is given (the memory model sizes the batches)",
                         classifier)
-    return BudgetEstimator(memory_model, max_memory=max_memory, memory_margin=memory_margin, granularity=granularity)
+    return BudgetEstimator(memory_model, max_memory=max_memory, memory_margin=memory_margin, granularity=granularity,
+                           refit=refit_memory_model)
 
 
 def plan_batch_sizes_to_budget(

@@ -133,7 +133,8 @@ class BatchPlanner:
         check_token_cap(self.sorted_lengths, settings, relative=self.estimator.relative)
         self._sizes: np.ndarray | None = None
         self._ends: np.ndarray | None = None  # where each planned batch ends in sorted positions
-        self.restart()
+        self._start = 0
+        self._cursor = self.cursor()
 
     def sizes(self) -> np.ndarray:
         """The plan's batch sizes over :attr:`sorted_lengths`, in order (computed once)."""
@@ -162,13 +163,16 @@ class BatchPlanner:
         return out
 
     def restart(self, *, sparse: bool = False) -> None:
-        """Starts handing out batches from the first again (what the estimator learned is kept).
+        """Starts handing out batches from the first again, with the estimator as it was built (see
+        :meth:`BudgetEstimator.restart <dynabatch.sampling.estimators.BudgetEstimator.restart>`): a planner run
+        again hands out the batches it handed out before.
 
         Args:
             sparse: the :attr:`feedback` measures only the batches whose
                 measurement could let later ones grow (see
                 :meth:`~dynabatch.memory.feedback.MemoryFeedback.should_measure`).
         """
+        self.estimator.restart()
         self._start = 0
         self._cursor = self.cursor(sparse=sparse)
 

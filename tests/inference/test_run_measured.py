@@ -115,20 +115,64 @@ def test_measured_mode_needs_a_dynabatch_loader(tokenizer, texts):
         run(_lengths, batches, memory="measured", progress=False)
 
 
-def test_measured_mode_refines_a_memory_model_that_can_be_saved(tokenizer, minilm, texts, tmp_path):
-    # The memory model comes from a few measured probes of the real model; run(memory="measured") adds every batch
-    # it measures, and the refined model is saved for the next job.
+def _probed(minilm, scale=1.0):
+    """A memory model of a few measured probes of the real model (each peak times ``scale``)."""
     from dynabatch.memory.model import MemoryModel
 
     mm = MemoryModel(device="cpu")
     with torch.no_grad():
         for rows, length in [(2, 8), (2, 48), (8, 16), (4, 32), (16, 4), (8, 48), (64, 4)]:
-            ids = torch.randint(1000, 2000, (rows, length))
+            ids = torch.randint(1000, 2000, (rows, length), generator=torch.Generator().manual_seed(rows * length))
             with track_peak_memory("cpu") as mem:
                 minilm(input_ids=ids, attention_mask=torch.ones_like(ids))
-            mm.observe(rows, length, mem.peak_bytes)
+            mm.observe(rows, length, scale * mem.peak_bytes)
+    return mm
+
+
+def _fitted(mm):
+    return mm.coef_.tobytes(), repr(mm.probes_)
+
+
+@pytest.mark.parametrize("refit", [False, True])
+def test_a_run_leaves_the_memory_model_as_built_and_runs_again_with_the_same_plan(tokenizer, minilm, texts, refit):
+    # A memory model three times too generous: measured mode learns from the run's peaks, and the learning
+    # changes the next run's plan. Without refit_memory_model the caller's model is not written and the loader
+    # runs again with the same plan; with it, the model is refitted in place and the second run starts from it.
+    mm = _probed(minilm, scale=1 / 3)
+    before = _fitted(mm)
+    loader = _load(texts, tokenizer, batch_size=4, memory_model=mm, refit_memory_model=refit)
+    plans = []
+    for _ in range(2):
+        calls = []
+
+        def embed(batch, calls=calls):
+            calls.append(batch.indices.tolist())
+            return minilm(**batch).last_hidden_state[:, 0]
+
+        with torch.no_grad():
+            result = run(embed, loader, memory="measured", progress=False)
+        assert result.report.rows == len(texts) and result.failed == []
+        plans.append(calls)
+    assert (_fitted(mm) == before) is not refit
+    assert (plans[0] == plans[1]) is not refit
+
+
+def test_refit_memory_model_is_a_bool_with_a_memory_model(tokenizer, texts):
+    with pytest.raises(TypeError, match=r"refit_memory_model should be a bool, but got refit_memory_model=1"):
+        _load(texts, tokenizer, refit_memory_model=1)
+    with pytest.raises(ValueError, match=r"refit_memory_model should be False without a memory_model \(there is "
+                                         r"no model of yours to refit\), but got refit_memory_model=True"):
+        _load(texts, tokenizer, refit_memory_model=True)
+
+
+def test_measured_mode_refines_a_memory_model_that_can_be_saved(tokenizer, minilm, texts, tmp_path):
+    # The memory model comes from a few measured probes of the real model; run(memory="measured") adds every batch
+    # it measures (refit_memory_model=True: to the caller's model), and the refined model is saved for the next job.
+    from dynabatch.memory.model import MemoryModel
+
+    mm = _probed(minilm)
     probes = len(mm.probes_)
-    loader = _load(texts, tokenizer, batch_size=4, memory_model=mm)
+    loader = _load(texts, tokenizer, batch_size=4, memory_model=mm, refit_memory_model=True)
     embed = lambda b: minilm(**b).last_hidden_state[:, 0]  # noqa: E731
     with torch.no_grad():
         got = run(embed, loader, memory="measured", progress=False)

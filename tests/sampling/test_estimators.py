@@ -242,3 +242,39 @@ def test_a_max_tokens_below_one_row_of_the_longest_text_is_refused_in_absolute_m
                                          r"text, 256 tokens wide\); pass a larger max_tokens"):
         plan_batch_sizes_to_budget(np.array([256, 8]), MODEL, max_memory=1e9, max_tokens=255)
     assert plan_batch_sizes_to_budget(np.array([256, 8]), MODEL, max_memory=1e9, max_tokens=256).tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("refit", [False, True])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_restart_plans_with_the_callers_memory_model_as_built_unless_refit(refit, chunked):
+    # A pass's measured peaks and out-of-memory shapes refine the estimator's model; without refit that is a copy
+    # (the caller's model is byte-equal after it) and the next pass starts from the caller's model again.
+    from dynabatch.sampling.chunked_planner import ChunkedPlanner
+    from dynabatch.sampling.estimators import BudgetEstimator
+    from dynabatch.sampling.planner import BatchPlanner, PlanSettings
+
+    mm = _model()
+    before = mm.coef_.tobytes(), repr(mm.probes_)
+    estimator = BudgetEstimator(mm, refit=refit)
+    lengths = np.array([64] * 4 + [16] * 40)
+    if chunked:
+        chunks = iter([(np.arange(len(lengths)), lengths)])
+        planner = ChunkedPlanner(lambda block=True: next(chunks, None), PlanSettings(4, 64), estimator)
+    else:
+        planner = BatchPlanner(lengths, PlanSettings(4, 64), estimator)
+    for _ in range(2):
+        planner.restart()
+        first = planner.next_batch()
+        planner.observe(len(first), 64, 3 * float(mm.predict(len(first), 64)))
+        planner.observe_out_of_memory(32, 16)
+        assert (estimator.memory_model is mm) is refit
+        assert ((mm.coef_.tobytes(), repr(mm.probes_)) == before) is not refit
+    planner.restart()
+    assert estimator.memory_model is mm  # refitted in place (refit) or as built: the caller's either way
+
+
+def test_refit_is_a_bool():
+    from dynabatch.sampling.estimators import BudgetEstimator
+
+    with pytest.raises(TypeError, match=r"refit should be a bool, but got refit='yes'"):
+        BudgetEstimator(_model(), refit="yes")

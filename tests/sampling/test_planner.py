@@ -404,6 +404,9 @@ class FixedPlan:
     def rows_for_peak(self, longest, first_peak):
         return None
 
+    def restart(self):
+        pass
+
     def observe(self, rows, padded_length, peak_bytes):
         pass
 
@@ -507,8 +510,8 @@ def test_a_memory_model_behind_the_planner_is_refined_online():
     shapes = [(8, 64), (8, 16), (32, 8), (16, 32), (4, 64), (64, 4)]
     mm = MemoryModel().fit(*zip(*shapes), [true_peak(r, n) for r, n in shapes])
     lengths = np.random.default_rng(1).integers(1, 65, size=2000)
-    planner = BatchPlanner(lengths, PlanSettings(batch_size=8, max_input_token_length=64),
-                           choose_estimator(memory_model=mm, memory_margin=0.1))
+    planner = BatchPlanner(lengths, PlanSettings(batch_size=8, max_input_token_length=64),  # refitted in place:
+                           choose_estimator(memory_model=mm, memory_margin=0.1, refit_memory_model=True))  # asked
     sizes = planner.sizes()
     assert sizes.tolist() == plan_batch_sizes_to_budget(np.sort(lengths)[::-1], mm, batch_size=8).tolist()
     budget = true_peak(8, 64)
