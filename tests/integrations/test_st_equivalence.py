@@ -6,13 +6,17 @@ with a streaming one, and ``integrations.sentence_transformers.encode``. The mod
 random-weight BERT saved as sentence-transformers folders over every ``Pooling`` mode, ``include_prompt`` true and
 false (the instruction-model setting, where the prompt's tokens are left out of pooling), a default prompt, a prompt
 by name and a prompt string, Dense, Normalize, and an edited max length; texts of 1 to 60 words, most longer than the
-max length. Each way also runs on both sides of every threshold of the library (``THRESHOLDS``: tokenizing in this
-process or in worker processes, one streaming chunk or many, a list loader or a streaming one, one batch or many),
-at thresholds lowered to a few dozen texts (each cell says which side it ran on) and, for the costly ones, at the
-library's own values.
+max length. Each way also runs on both sides of every threshold of the library (``THRESHOLDS``: tokenizing on the
+calling thread alone or joined by worker processes, one streaming chunk or many, a list loader or a streaming one, one
+batch or many), at thresholds lowered to a few dozen texts (each cell says which side it ran on) and, for the costly
+ones, at the library's own values.
 """
 
 from __future__ import annotations
+
+import functools
+import os
+import time
 
 import numpy as np
 import pyarrow.dataset as ds
@@ -121,7 +125,7 @@ def _equivalent(st_model_folder, loaded, path, case, texts, tmp_path, batch_size
     want = model.encode(texts, batch_size=32, prompt_name=call.get("prompt_name"), prompt=call.get("prompt"),
                         normalize_embeddings=call.get("normalize", False))
     if seen is not None:
-        seen.update(calls=[], streams=0, batches=[])
+        seen.update(calls=[], streams=0, batches=[], pieces=[])
     got = RUNS[path](model, folder, texts, call, batch_size, tmp_path)
     assert got.shape == want.shape, (path, case)
     cosines = torch.nn.functional.cosine_similarity(torch.tensor(got), torch.tensor(want), dim=-1)
@@ -144,9 +148,32 @@ def test_every_way_gives_model_encode_vectors_for_every_model(st_model_folder, l
     assert sum(n > model.max_seq_length for n in lengths) >= len(texts) // 4 and min(lengths) < model.max_seq_length
 
 
+_HERE: list[int] = []  # per call shared by pieces: the pieces the calling process tokenized
+_WORKERS_WAIT = 60.0  # seconds the calling thread waits at most for a worker's first piece (see _tokenize_piece)
+
+
+def _tokenize_piece(function, caller, marks, wait, state, piece):
+    """``function(state, piece)``, marked by whoever ran it: the calling process counts it in ``_HERE``, a worker
+    process leaves a file in ``marks`` once it tokenized the piece. With ``wait``, the calling thread past a call's
+    first piece waits for a worker's file first: the workers then tokenize pieces whatever their start costs (a fork,
+    the tokenizer unpickled) on a busy machine, where the calling thread would otherwise tokenize every piece before a
+    worker answers (it takes over the piece of a worker that has not answered yet: the library's rule)."""
+    if os.getpid() != caller:
+        out = function(state, piece)
+        (marks / f"{os.getpid()}-{time.monotonic_ns()}").touch()
+        return out
+    _HERE[-1] += 1
+    deadline = time.monotonic() + _WORKERS_WAIT
+    while wait and _HERE[-1] > 1 and not any(marks.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return function(state, piece)
+
+
 @pytest.fixture
-def seen(monkeypatch):
-    """What each run did: its tokenizer calls (texts and mechanism), whether it streamed, its batches' rows."""
+def seen(monkeypatch, tmp_path):
+    """What each run did: its tokenizer calls (texts and mechanism), whether it streamed, its batches' rows, and per
+    call shared by pieces (``workers.Pieces``) its pieces, those the calling process and those worker processes
+    tokenized (``wait_for_workers``: see ``_tokenize_piece``)."""
     from sentence_transformers import SentenceTransformer
 
     record = {}
@@ -167,7 +194,23 @@ def seen(monkeypatch):
             record["streams"] = record.get("streams", 0) + 1
             super().__init__(*args, **kwargs)
 
+    marks = tmp_path / "pieces-by-workers"
+    marks.mkdir()
+
+    class CountedPieces(workers.Pieces):  # its function travels to the workers pickled: a top-level one, by name
+        def __init__(self, function, state, pieces, **kwargs):
+            wait = record.get("wait_for_workers", False)
+            super().__init__(functools.partial(_tokenize_piece, function, os.getpid(), marks, wait), state, pieces,
+                             **kwargs)
+
+        def __iter__(self):
+            _HERE.append(0)
+            before = len(list(marks.iterdir()))
+            yield from super().__iter__()
+            record.setdefault("pieces", []).append((len(self.pieces), _HERE[-1], len(list(marks.iterdir())) - before))
+
     monkeypatch.setattr(tokenization.ParallelTokenizer, "__call__", tokenize)
+    monkeypatch.setattr(tokenization, "Pieces", CountedPieces)
     monkeypatch.setattr(SentenceTransformer, "forward", forward_counted)
     monkeypatch.setattr(loader_module, "TokenStream", Counted)
     return record
@@ -178,9 +221,23 @@ def _needs_two_cores():
         pytest.skip("worker processes tokenize on two cores or more")
 
 
-# threshold: (the paths it applies to, {module attribute: lowered value}, texts below, texts above)
+WORKER_TEXTS = 96  # six pieces of 16 texts: the first timed on the calling thread, five to share
+
+
+def _cost_rule_side(monkeypatch, seen, side):
+    """Worker processes join a call where the rest of it, at its first piece's speed, would take one thread at least
+    ``workers.POOL_MIN_SECONDS``, and that first piece kept no more than one core and a half busy. With
+    ``TOKENIZERS_PARALLELISM=false`` the tokenizer's own threads stay off (the first piece keeps one core busy), so the
+    seconds decide: never below (infinite), always above (zero)."""
+    monkeypatch.setenv(workers.ENV_VARIABLE, "false")
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0.0 if side == "above" else float("inf"))
+    seen["wait_for_workers"] = side == "above"
+
+
+# threshold: (the paths it applies to, {module attribute: lowered value}, texts below, texts above); the worker
+# processes' rule weighs seconds, not texts: its sides are settings of the same texts (_cost_rule_side).
 THRESHOLDS = {
-    "worker-processes": (PATHS, {(workers, "POOL_MIN_TEXTS"): 48}, 47, 48),
+    "worker-processes": (PATHS, {}, WORKER_TEXTS, WORKER_TEXTS),
     "streaming-chunks": (("cli", "embedder-stream"), {(streaming, "FIRST_CHUNK"): 32, (streaming, "CHUNK_SIZE"): 32},
                          32, 33),
     "stream-above": (("encode",), {(loader_module, "STREAM_ABOVE"): 40}, 40, 41),
@@ -196,6 +253,8 @@ def _check_side(name, side, seen, n):
     above = side == "above"
     if name == "worker-processes":
         assert {mechanism for _, mechanism in seen["calls"]} == ({"processes"} if above else {"one"}), seen["calls"]
+        pieces, here, by_workers = (sum(counts) for counts in zip(*seen["pieces"]))
+        assert pieces > 1 and here + by_workers >= pieces and (by_workers > 0) == above, seen["pieces"]
     elif name == "streaming-chunks":
         assert len(seen["calls"]) == (2 if above else 1), seen["calls"]
     elif name == "stream-above":
@@ -210,19 +269,12 @@ def test_every_way_gives_model_encode_vectors_on_both_sides_of_every_threshold(
     _, lowered, below, above = THRESHOLDS[name]
     if name == "worker-processes":
         _needs_two_cores()
+        _cost_rule_side(monkeypatch, seen, side)
     for (module, attribute), value in lowered.items():
         monkeypatch.setattr(module, attribute, value)
     n = above if side == "above" else below
     _equivalent(st_model_folder, loaded, path, "mean-instruction", corpus[-n:], tmp_path, seen=seen)
     _check_side(name, side, seen, n)
-
-
-def test_worker_processes_at_the_library_threshold_give_model_encode_vectors(st_model_folder, loaded, corpus,
-                                                                             tmp_path, seen):
-    _needs_two_cores()
-    texts = corpus[: workers.POOL_MIN_TEXTS]
-    _equivalent(st_model_folder, loaded, "encode", "mean-instruction", texts, tmp_path, batch_size=64, seen=seen)
-    assert [mechanism for _, mechanism in seen["calls"]] == ["processes"]
 
 
 @SLOW
@@ -232,19 +284,6 @@ def test_many_streaming_chunks_at_the_library_chunk_size_give_model_encode_vecto
     _equivalent(st_model_folder, loaded, "embedder-stream", "mean-instruction", texts, tmp_path, batch_size=32,
                 seen=seen)
     assert [n for n, _ in seen["calls"]] == [streaming.FIRST_CHUNK, 1]
-
-
-@SLOW
-def test_the_command_tokenizing_in_worker_processes_at_the_library_threshold_gives_model_encode_vectors(
-        st_model_folder, loaded, tmp_path, seen):
-    from dynabatch.demo import kjv_passages, vary_lengths
-
-    _needs_two_cores()
-    chunks = [streaming.FIRST_CHUNK * 2**k for k in range(8)]
-    n = next(sum(chunks[: k + 1]) for k, size in enumerate(chunks) if size >= workers.POOL_MIN_TEXTS)
-    texts = vary_lengths(kjv_passages(), n=n, max_words=40, seed=6)
-    _equivalent(st_model_folder, loaded, "cli", "mean-instruction", texts, tmp_path, batch_size=64, seen=seen)
-    assert "processes" in {mechanism for _, mechanism in seen["calls"]}
 
 
 @SLOW
