@@ -23,8 +23,8 @@ over the run's wall.
 
 Run it with::
 
-    python benchmarks/bottleneck.py                       # the three regimes, and the overhead at 100,000 texts
-    python benchmarks/bottleneck.py --n-texts 1000 --overhead-texts 20000
+    python benchmarks/stage_shares.py                       # the three regimes, and the overhead at 100,000 texts
+    python benchmarks/stage_shares.py --n-texts 1000 --overhead-texts 20000
 """
 
 from __future__ import annotations
