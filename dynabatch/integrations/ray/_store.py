@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any
 
 import numpy as np
@@ -74,13 +75,16 @@ def open_store(output_path: Any, key: str | None, *, verify: bool = True, keyed_
                               job=job if job is not None else _ray_job())
 
 
-def _ray_job() -> str | None:
-    """The job string of this process's Ray job, which its driver and actors share (``None`` outside Ray)."""
+def _ray_job() -> str:
+    """The job string of this process's Ray job, which its driver and actors share; outside Ray (predictors called
+    in one process, as windows of one job), this process's."""
     try:
         import ray
     except ImportError:
-        return None
-    return f"ray job {ray.get_runtime_context().get_job_id()}" if ray.is_initialized() else None
+        ray = None
+    if ray is not None and ray.is_initialized():
+        return f"ray job {ray.get_runtime_context().get_job_id()}"
+    return f"ray predictors of process {socket.gethostname()}:{os.getpid()}"
 
 
 class WindowStore:
