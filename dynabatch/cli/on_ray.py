@@ -288,7 +288,8 @@ def run_on_ray(command: str, *, model: ActorModel, texts: Any, ids: pa.Array | N
         window = window_rows(len(texts), actors, args.batch_size)
         kwargs = {"model": model, "batch_size": args.batch_size, "max_input_token_length": 1,  # the actor's own
                   "on_oom": args.on_oom, "on_error": args.on_error, "device": "cuda" if gpus else None,
-                  "run_kwargs": run_options, "output_path": output.path, "key": key,
+                  "run_kwargs": run_options, "key": key,
+                  "output_path": os.path.abspath(output.path),  # actors run in their own folders
                   "id_column": "id" if ids is not None else "position",
                   "keyed_by": "id" if ids is not None else "position", "job": output.store.lock.job,
                   "report_column": _REPORT}
