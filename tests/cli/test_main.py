@@ -60,6 +60,9 @@ def test_ctrl_c_mid_run_is_one_line_of_what_was_kept_exit_130_and_the_same_comma
             break
         except subprocess.TimeoutExpired:
             continue
+    else:
+        os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail("five Ctrl-C did not stop the command within 20 s each")
     stored = ds.dataset(out).count_rows()
     assert process.returncode == 130, err
     assert "Traceback" not in err
