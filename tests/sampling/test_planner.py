@@ -223,7 +223,9 @@ def test_unsorted_lengths_are_refused_by_plan_batch_sizes():
 def test_plan_equals_the_rule_on_realistic_lengths(bundled, counting, batch_size, max_len):
     # Long runs of equal sizes are where the planner speculates; check it against the rule there.
     rng = np.random.default_rng(batch_size + max_len)
-    lengths = np.sort(np.minimum(rng.lognormal(3.3, 0.9, 20_000).astype(int) + 2, max_len))[::-1]
+    # The reference asks the classifier once a batch: 4,000 lengths a row of batch_size keep it to ~1,000 batches
+    n = min(4_000 * batch_size, 20_000)
+    lengths = np.sort(np.minimum(rng.lognormal(3.3, 0.9, n).astype(int) + 2, max_len))[::-1]
     counting.calls = 0
     sizes = plan_batch_sizes(lengths, batch_size, max_len, classifier=counting)
     assert sizes.tolist() == reference_sizes(lengths, batch_size, max_len, bundled)
@@ -293,7 +295,8 @@ def test_long_runs_of_equal_lengths_equal_the_rule_with_few_calls(request, which
     clf = request.getfixturevalue(which)
     rng = np.random.default_rng(batch_size)
     values = np.sort(rng.choice(np.arange(1, 129), size=30, replace=False))[::-1]
-    counts = np.where(rng.random(30) < 0.5, rng.integers(1, 40, 30), rng.integers(200, 3000, 30))
+    long = (200, 3000) if batch_size > 1 else (60, 600)  # the reference asks once a batch: a few thousand batches
+    counts = np.where(rng.random(30) < 0.5, rng.integers(1, 40, 30), rng.integers(*long, 30))
     lengths = np.repeat(values, counts)
     counting = CountingClassifier(clf)
     sizes = plan_batch_sizes(lengths, batch_size, 128, classifier=counting, threshold=0.5 if which == "non_monotone"
