@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch.inference.report import RunReport
-from dynabatch.inference.results import RunResult, StoredRunResult
+from dynabatch.inference.results import RunResult, StoredRunResult, account
 
 __all__ = ["NONE_ROW", "MemorySink", "StoreSink", "open_sink"]
 
@@ -38,11 +38,6 @@ logger = logging.getLogger(__name__)
 
 NONE_ROW = "fn(batch) gave None for this row: a results store holds no row for it"
 """The cause a results store records for a row ``fn`` gave as ``None`` (in memory it is the row's result)."""
-
-
-def _unrecorded(failed: Any) -> dict[int, str]:
-    """The failed positions, each with a cause this sink was not told."""
-    return {int(p): "failed (no cause recorded)" for p in failed}
 
 
 class MemorySink:
@@ -91,12 +86,11 @@ class MemorySink:
                 rows = {p: got[0] for p, got in enumerate(every) if got is not None and got[2]}
                 failures = {p: got[1] for p, got in enumerate(every) if got is not None and got[1] is not None}
             mine_only = every is None  # this rank's share is accounted for on rank 0
-        result = RunResult((rows.get(p) for p in range(n)), report=report, failures=failures)
-        accounted = np.full(n, mine_only)
-        for held in (rows, failures):
-            at = np.fromiter(held, dtype=np.int64, count=len(held))
-            accounted[at[at < n]] = True
-        return result, np.flatnonzero(~accounted)
+        held = np.zeros(n, dtype=bool)
+        at = np.fromiter(rows, dtype=np.int64, count=len(rows))
+        held[at[at < n]] = True
+        accounting = account(n, held, failures, elsewhere=mine_only)
+        return RunResult((rows.get(p) for p in range(n)), report=report, accounting=accounting), accounting.missing
 
     def end(self) -> None:
         """Nothing to release."""
@@ -143,13 +137,10 @@ class StoreSink:
 
     def result(self, n: int, *, report: RunReport | None = None,
                gather: bool = True) -> tuple[StoredRunResult, np.ndarray]:
-        """The rows of ``n`` inputs, read from the store as it is now, with the store's failure records of the
-        inputs it holds no row for; and the positions the store holds neither way."""
-        located, failures = self.store.located(n), self.store.failures()
-        accounted = located.where >= 0
-        at = np.fromiter(failures, dtype=np.int64, count=len(failures))
-        accounted[at[at < n]] = True
-        return StoredRunResult.of(located, report=report, failures=failures), np.flatnonzero(~accounted)
+        """The rows of ``n`` inputs, read from the store as it is now (one scan), with the store's failure records of
+        the inputs it holds no row for; and the positions the store holds neither way."""
+        result = StoredRunResult(self.store.located(n), report=report, before=self.stored)
+        return result, result.accounting.missing
 
     def end(self) -> None:
         """The run is done with the store: its job lock is released where the run opened it (a store the caller
