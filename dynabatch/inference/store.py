@@ -56,10 +56,9 @@ from dynabatch.inference.columns import Columns, same_field, widen
 from dynabatch.inference.store_lock import PREFIX, JobLock, StoreBusyError
 from dynabatch.inference.store_shards import (FAILED, FORMAT, META, SET_ASIDE, TEMPORARY, covered, is_dead, is_shard,
                                               read_whole, write_whole)
-from dynabatch.inference.store_writer import COMMIT, CommitPolicy, StoreWriter
+from dynabatch.inference.store_writer import StoreWriter
 
-__all__ = ["COMMIT", "FAILED", "FORMAT", "META", "CommitPolicy", "Located", "Store", "StoreBusyError", "StoreWriter",
-           "open_store"]
+__all__ = ["FAILED", "FORMAT", "META", "Located", "Store", "StoreBusyError", "StoreWriter", "open_store"]
 
 logger = logging.getLogger(__name__)
 
