@@ -121,11 +121,12 @@ class StoreWriter:
             full = self.rows >= self.policy.rows or self.bytes >= self.policy.bytes
             if full:
                 self._seal()
-        if self._worker is None:
-            self._worker = Worker(depth=1, name=_THREAD, flush=self._flush_due, every=self.policy.flush_seconds)
-            self._worker.start()  # the timed flush commits these rows if no shard fills
+            if self._worker is None:
+                self._worker = Worker(depth=1, name=_THREAD, flush=self._flush_due, every=self.policy.flush_seconds)
+                self._worker.start()  # the timed flush commits these rows if no shard fills
+            worker = self._worker
         if full:  # waits while the shard before is being written: the disk is behind, rows wait here
-            self._worker.submit(self._commit_sealed)
+            worker.submit(self._commit_sealed)
 
     def _seal(self) -> None:
         """Makes the buffer a whole shard to commit (called holding the guard)."""
@@ -138,10 +139,9 @@ class StoreWriter:
         Raises the error of a commit that failed for good (its rows stay, and a later ``close()`` tries them
         again). The worker has stopped when this returns."""
         with self._guard:
-            if commit:
-                self._seal()
-            self.buffer, self.rows, self.bytes, self.since = [], 0, 0, None
-        worker, self._worker = self._worker, None
+            self.buffer = self.buffer if commit else []
+            self._seal()
+            worker, self._worker = self._worker, None
         if worker is None and self.sealed:  # shards a failed close() kept
             worker = Worker(depth=1, name=_THREAD)
         try:
