@@ -25,19 +25,20 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dynabatch.inference.report import RunReport
 from dynabatch.inference.results import RunResult, StoredRunResult, account
 
-__all__ = ["NONE_ROW", "MemorySink", "StoreSink", "open_sink"]
+if TYPE_CHECKING:
+    from dynabatch.inference.store_writer import StoreWriter
+
+__all__ = ["MemorySink", "StoreSink", "open_sink"]
 
 logger = logging.getLogger(__name__)
 
-NONE_ROW = "fn(batch) gave None for this row: a results store holds no row for it"
-"""The cause a results store records for a row ``fn`` gave as ``None`` (in memory it is the row's result)."""
 
 
 class MemorySink:
@@ -96,26 +97,6 @@ class MemorySink:
         """Nothing to release."""
 
 
-class _StoredRows:
-    """A store writer that records a row ``fn`` gave as ``None`` as a failure (:data:`NONE_ROW`): a store holds no
-    row for it, and a rerun runs it again."""
-
-    def __init__(self, writer: Any) -> None:
-        self.writer = writer
-
-    def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray, varying: Any = ()) -> None:
-        missing = [i for i, row in enumerate(rows) if row is None]
-        if missing:
-            self.writer.fail(positions[missing], hashes[missing], [NONE_ROW] * len(missing))
-        self.writer.write(positions, rows, hashes, varying=varying)
-
-    def fail(self, positions: np.ndarray, hashes: np.ndarray, causes: list[str]) -> None:
-        self.writer.fail(positions, hashes, causes)
-
-    def close(self, commit: bool = True) -> None:
-        self.writer.close(commit=commit)
-
-
 class StoreSink:
     """Rows written to the results store at ``output_path`` (:mod:`dynabatch.inference.store`) and read back.
 
@@ -131,9 +112,10 @@ class StoreSink:
         """Refuses stored rows at ``positions`` whose input hash differs from this run's (``hashes``)."""
         self.store.check_inputs(positions, hashes)
 
-    def writer(self, name: str) -> _StoredRows:
-        """A writer of this run's rows (its shards named after ``name``): ``write``, ``fail``, ``close(commit)``."""
-        return _StoredRows(self.store.writer(name))
+    def writer(self, name: str) -> StoreWriter:
+        """A writer of this run's rows (its shards named after ``name``): ``write``, ``fail``, ``close(commit)``; a
+        row ``fn`` gave as ``None`` is recorded failed (the store holds no row for it; a rerun runs it again)."""
+        return self.store.writer(name)
 
     def result(self, n: int, *, report: RunReport | None = None,
                gather: bool = True) -> tuple[StoredRunResult, np.ndarray]:

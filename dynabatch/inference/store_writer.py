@@ -30,7 +30,7 @@ from dynabatch._malloc import trim
 from dynabatch._validation import bad_value
 from dynabatch.inference.store_shards import FAILED, META, read_whole, shard_name, write_whole
 
-__all__ = ["COMMIT", "CommitPolicy", "StoreWriter"]
+__all__ = ["COMMIT", "NONE_ROW", "CommitPolicy", "StoreWriter"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ class CommitPolicy:
 
 
 COMMIT = CommitPolicy()  # every writer's, read as it starts
+NONE_ROW = "fn(batch) gave None for this row: a results store holds no row for it"
+"""The cause a results store records for a row ``fn`` gave as ``None`` (in memory it is the row's result)."""
 _THREAD = "dynabatch-store"
 
 _Batch = namedtuple("_Batch", "positions hashes parts")  # rows buffered: their input positions, hashes and columns
@@ -82,19 +84,21 @@ class StoreWriter:
 
     # -- the caller's side -------------------------------------------------------------------------------------------
     def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray, varying: Collection[tuple] = ()) -> None:
-        """Adds rows (``rows[i]`` of input ``positions[i]``, input hash ``hashes[i]``; ``None`` rows are not stored);
-        ``varying``: row paths (keys and indices; ``()``: the row) of per-token tensors, stored as lists. Raises
-        ``TypeError`` / ``ValueError`` naming the column for a row the store's columns cannot hold (nothing of the
-        call kept), ``RuntimeError`` before check_inputs, and an error of an earlier commit that failed for good."""
+        """Adds rows (``rows[i]`` of input ``positions[i]``, input hash ``hashes[i]``; a ``None`` row is no row: its
+        input is recorded failed, :data:`NONE_ROW`, and a rerun runs it again); ``varying``: row paths (keys and
+        indices; ``()``: the row) of per-token tensors, stored as lists. Raises ``TypeError`` / ``ValueError`` naming
+        the column for a row the store's columns cannot hold (nothing of the call kept), ``RuntimeError`` before
+        check_inputs, and an error of an earlier commit that failed for good."""
         self._check()
-        keep = [i for i, row in enumerate(rows) if row is not None]
-        if not keep:
-            return
-        parts = self.store.admit(rows[keep[0]], [rows[i] for i in keep], varying)
-        positions = np.asarray(positions, dtype=np.int64)[keep]
-        hashes = np.asarray(hashes if hashes is not None else np.zeros(len(rows)), dtype=np.uint64)[keep]
-        size = positions.nbytes * 2 + sum(p.values.nbytes for p in parts.values() if p.values is not None)
-        self._add(_Batch(positions, hashes, parts), len(positions), size, varying)
+        positions = np.asarray(positions, dtype=np.int64)
+        hashes = np.asarray(hashes if hashes is not None else np.zeros(len(rows)), dtype=np.uint64)
+        keep = np.fromiter((row is not None for row in rows), dtype=bool, count=len(rows))
+        if keep.any():
+            parts = self.store.admit(rows[int(np.argmax(keep))], [r for r in rows if r is not None], varying)
+            size = positions.nbytes * 2 + sum(p.values.nbytes for p in parts.values() if p.values is not None)
+            self._add(_Batch(positions[keep], hashes[keep], parts), int(keep.sum()), size, varying)
+        if not keep.all():
+            self.fail(positions[~keep], hashes[~keep], [NONE_ROW] * int((~keep).sum()))
 
     def fail(self, positions: np.ndarray, hashes: np.ndarray | None, causes: Sequence[Any]) -> None:
         """Records inputs that failed (``causes[i]``: why input ``positions[i]`` has no row, its first line kept),

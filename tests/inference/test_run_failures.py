@@ -223,7 +223,7 @@ def _without(batch, position):
 
 def test_a_row_fn_gives_as_none_is_a_failure_record_of_the_store(tokenizer, texts, tmp_path):
     from dynabatch import PerRow
-    from dynabatch.inference.sink import NONE_ROW
+    from dynabatch.inference.store_writer import NONE_ROW
 
     def fn(batch):
         return PerRow([None if p == 4 else float(p) for p in batch.indices.tolist()])
