@@ -24,7 +24,7 @@ imported before its clock starts:
    list, whose 400,000 strings alone take 60+ MB), so the loader streams them.
 
 With **run, output_path**, the same worker then times, on the finished store, the job lock (taken and given up:
-``JobLock``) and the end-of-run accounting read (``store.failures()`` and ``store.located(n)``: which inputs have a
+``JobLock``) and the end-of-run accounting read (``store.located(n)``, one scan: which inputs have a
 row or a failure record), as a share of the run's wall (target: within 2%).
 
 5. **shards** (``--methods shards``, its own table): a store of ``n`` rows of 16 ``float32`` written a shard per
@@ -241,8 +241,7 @@ def _store_costs(path: str, n: int, key: str | None = None) -> tuple[float, floa
     lock = time.perf_counter() - start
     store = open_store(path, key=key, n=n, verify=False)
     start = time.perf_counter()
-    store.failures()
-    store.located(n)
+    store.located(n)  # the rows and the failure records: the run's one scan
     accounting = time.perf_counter() - start
     store.close()
     return lock, accounting
@@ -255,11 +254,10 @@ def shards_worker(n: int, merge: bool) -> dict:
     import torch
 
     from dynabatch.inference import store as store_module
+    from dynabatch.inference import store_writer
     from dynabatch.inference.results import StoredRunResult
 
-    store_module.SHARD_ROWS = SHARD_ROWS
-    if not merge:
-        store_module.COMPACT_SHARDS = n + 1
+    store_writer.COMMIT = store_writer.CommitPolicy(rows=SHARD_ROWS, compact=store_writer.COMMIT.compact if merge else n + 1)
     path = tempfile.mkdtemp(prefix="dynabatch-scale-shards-")
     rows = list(torch.randn(SHARD_ROWS, SHARD_DIM, generator=torch.Generator().manual_seed(0)))
     start = time.perf_counter()
@@ -278,7 +276,7 @@ def shards_worker(n: int, merge: bool) -> dict:
         figures[name] = time.perf_counter() - start
     start = time.perf_counter()
     store = store_module.open_store(path, key="scale", n=n, verify=False)
-    assert StoredRunResult.of(store.located(n)).to_arrow().num_rows == n
+    assert StoredRunResult(store.located(n)).to_arrow().num_rows == n
     store.close()
     figures["read_s"] = time.perf_counter() - start
     figures["lock_s"], figures["accounting_s"] = _store_costs(path, n, "scale")

@@ -4,12 +4,13 @@
 * :class:`Ahead` pulls an iterable into a bounded queue: a plain iterable's batches read ahead of the device
   (:func:`dynabatch.run`), a streamed corpus tokenized chunk by chunk
   (:class:`~dynabatch.data.streaming.ChunkFeed`).
-* :class:`Worker` runs the jobs handed to it, one at a time and in order, at most ``depth`` of them unfinished: the
-  next batches built ahead (:class:`~dynabatch.inference.build.Prefetcher`), shards written behind the run (the
-  results store's writer).
+* :class:`Worker` runs the jobs handed to it, one at a time and in order, at most ``depth`` of them unfinished, and
+  a timed flush between them: the next batches built ahead (:class:`~dynabatch.inference.build.Prefetcher`), shards
+  written behind the run, the rows that waited long enough committed by the flush
+  (:class:`~dynabatch.inference.store_writer.StoreWriter`).
 
 * :class:`Ticker` calls a function every few seconds until it is closed: the progress display's timed refresh, so
-  it moves while a long batch runs.
+  it moves while a long batch runs; the heartbeat of the results stores' job locks.
 
 Either way an error the thread meets is raised in the caller's thread (at the next :meth:`Ahead.next`, or the next
 :meth:`Worker.submit`, :meth:`Worker.wait` or :meth:`Worker.close`), and ``close()`` stops the thread (after the item or
@@ -192,13 +193,19 @@ class Worker:
         depth: jobs submitted and not finished, at most: :meth:`submit` waits for room (``1``: each job waits for
             the one before it, so one runs behind the caller).
         name: the thread's name.
+        flush: a timed flush: ``flush()`` is called in the thread after each job and whenever ``every`` seconds
+            pass without one (the results store's writer commits the rows that waited long enough there).
+        every: seconds between timed flushes.
 
-    The thread starts at the first :meth:`submit`. A job's error is kept and raised in the caller's thread at the
-    next :meth:`submit`, :meth:`wait` or :meth:`close` (once); the jobs after it still run.
+    The thread starts at the first :meth:`submit` (or :meth:`start`). A job's (or the flush's) error is kept and
+    raised in the caller's thread at the next :meth:`check`, :meth:`submit`, :meth:`wait` or :meth:`close` (once);
+    the jobs after it still run.
     """
 
-    def __init__(self, *, depth: int = 1, name: str) -> None:
+    def __init__(self, *, depth: int = 1, name: str, flush: Callable[[], Any] | None = None,
+                 every: float = _POLL) -> None:
         self._name = name
+        self._flush, self._every = flush, every
         self._jobs: queue.Queue = queue.Queue()
         self._room = threading.Semaphore(max(1, depth))
         self._unfinished = 0
@@ -207,15 +214,22 @@ class Worker:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
-    def _raise(self) -> None:
+    def check(self) -> None:
+        """Raises the error a job (or the flush) met and not raised yet, if any."""
         error, self._error = self._error, None
         if error is not None:
             raise error
 
+    def start(self) -> None:
+        """Starts the thread now (with a ``flush``: the timed flushes begin before the first job)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         """Hands ``fn(*args)`` to the thread, once fewer than ``depth`` jobs are unfinished; first raises the error
         of a job before it, if any."""
-        self._raise()
+        self.check()
         start = time.perf_counter()
         while True:
             if self._stop.is_set():
@@ -225,27 +239,38 @@ class Worker:
         _add_wait(self._name, time.perf_counter() - start)
         with self._idle:
             self._unfinished += 1
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
+        self.start()
         self._jobs.put((fn, args))
 
+    def _call(self, fn: Callable[..., Any], args: tuple) -> None:
+        start = time.perf_counter()
+        try:
+            if not self._stop.is_set():
+                fn(*args)
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller's thread, raised there)
+            self._error = self._error or exc
+        finally:
+            _add_stage(self._name, time.perf_counter() - start, 0.0)
+
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not _END:
-            fn, args = job
-            start = time.perf_counter()
+        while True:
             try:
-                if not self._stop.is_set():
-                    fn(*args)
-            except BaseException as exc:  # noqa: BLE001 (handed to the caller's thread, raised there)
-                self._error = self._error or exc
+                job = self._jobs.get(timeout=self._every) if self._flush is not None else self._jobs.get()
+            except queue.Empty:
+                self._call(self._flush, ())
+                continue
+            if job is _END:
+                return
+            try:
+                self._call(*job)
             finally:
-                _add_stage(self._name, time.perf_counter() - start, 0.0)
-                del job, fn, args  # a job's arguments (a shard's rows, a batch) are not kept until the next one
+                del job  # a job's arguments (a shard's rows, a batch) are not kept until the next one
                 self._room.release()
                 with self._idle:
                     self._unfinished -= 1
                     self._idle.notify_all()
+            if self._flush is not None:
+                self._call(self._flush, ())
 
     def wait(self) -> None:
         """Waits until every job submitted has finished; raises the first error one of them met."""
@@ -254,7 +279,7 @@ class Worker:
             while self._unfinished:
                 self._idle.wait(_POLL)
         _add_wait(self._name, time.perf_counter() - start)
-        self._raise()
+        self.check()
 
     def close(self, *, cancel: bool = False) -> None:
         """Ends the thread and waits for it: after every job submitted (``cancel=False``, then raises a job's error
@@ -275,7 +300,7 @@ class Worker:
         self._stop.set()
         if cancel:
             self._error = None
-        self._raise()
+        self.check()
 
 
 class Ticker:
@@ -310,9 +335,12 @@ class Ticker:
                 self._error = exc
                 return
 
-    def close(self) -> None:
-        """Stops the ticking and waits for the thread (after a call in progress); raises the error ``fn`` raised."""
+    def close(self, wait: bool = True) -> None:
+        """Stops the ticking and waits for the thread (after a call in progress); raises the error ``fn`` raised.
+        ``wait=False``: stops it without waiting (from a garbage collector's finalizer or at exit)."""
         self._stop.set()
+        if not wait:
+            return
         if self._thread.ident is not None and self._thread is not threading.current_thread():
             self._thread.join()
         error, self._error = self._error, None

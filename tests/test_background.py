@@ -111,3 +111,34 @@ def test_close_with_cancel_drops_the_waiting_jobs_and_stops_the_thread():
     assert done == [0] and not _alive("worker-cancel")
     with pytest.raises(RuntimeError, match="^worker-cancel: closed, it takes no more jobs$"):
         worker.submit(print)
+
+
+def test_a_timed_flush_runs_between_jobs_and_while_none_comes_and_its_error_is_raised_like_a_jobs():
+    flushes, jobs = [], []
+    worker = Worker(depth=1, name="test-flush", flush=lambda: flushes.append(len(jobs)), every=0.02)
+    worker.start()  # no job yet: the flush runs all the same
+    time.sleep(0.2)
+    assert len(flushes) >= 3 and set(flushes) == {0}
+    worker.submit(jobs.append, "a")
+    worker.wait()
+    time.sleep(0.05)
+    assert 1 in flushes  # after the job, and on
+    worker.close()
+    settled = len(flushes)
+    time.sleep(0.1)
+    assert len(flushes) == settled  # closed: no flush after
+
+    calls = []
+
+    def failing():
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("disk full")
+
+    broken = Worker(depth=1, name="test-flush-error", flush=failing, every=0.01)
+    broken.start()
+    time.sleep(0.1)
+    with pytest.raises(OSError, match="disk full"):
+        broken.check()
+    broken.close()  # raised once: close has nothing left to raise
+    assert len(calls) > 1 and not _alive("test-flush-error")

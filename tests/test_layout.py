@@ -234,3 +234,19 @@ def test_a_circle_of_any_length_is_found():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}) == [["a", "b", "c"]]
     assert circles({"a": {"a"}}) == [["a"]]
     assert circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def _starts_a_thread(tree: ast.AST) -> bool:
+    """Whether the module calls ``threading.Thread(...)`` (or ``Thread(...)``) itself."""
+    return any(isinstance(node, ast.Call) and (getattr(node.func, "attr", None) == "Thread"
+                                               or getattr(node.func, "id", None) == "Thread")
+               for node in ast.walk(tree))
+
+
+def test_the_store_and_the_sink_start_no_thread_of_their_own():
+    """The results store's writer, its lock's heartbeat and the sinks run on the one thread mechanism
+    (``dynabatch/_background.py``)."""
+    files = [*sorted((PACKAGE / "inference").glob("store*.py")), PACKAGE / "inference" / "sink.py"]
+    assert len(files) >= 4
+    assert [f.name for f in files if _starts_a_thread(ast.parse(f.read_text()))] == []
+    assert _starts_a_thread(ast.parse("import threading\nthreading.Thread(target=print).start()"))

@@ -278,7 +278,7 @@ def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argpa
         raise SystemExit(INTERRUPTED) from None
     except Exception as exc:  # noqa: BLE001 (every way the run ends is followed by what the store holds)
         if isinstance(exc, IncompleteRunError):
-            return None, output.tally(n), exc
+            return None, output.tally(n, exc.partial), exc
         if isinstance(exc, (ValueError, TypeError)):
             named = getattr(exc, "__notes__", None) and on_error == "raise"
             hint = ": --on-error skip sets the inputs it names aside (a rerun retries them)" if named else ""
@@ -289,7 +289,7 @@ def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argpa
                          f"{tally.stored:,} of {n:,} {what} stored in {output.path}; {_unaccounted(tally, what)}: the "
                          "same command again runs them\n")
         raise SystemExit(1) from None
-    return result, output.tally(n), None
+    return result, output.tally(n, result), None
 
 
 def _rate(value: float | None, unit: str) -> str:

@@ -14,8 +14,10 @@
   fails, or the model does not load (:meth:`Output.end`); a job refused because
   another holds the store touches nothing of it, whoever made the folder;
 * :meth:`Output.tally`: what the store holds once the run has ended
-  (:class:`Tally`): the summary, ``--report`` and the exit status come from it,
-  never from what the run says it ran.
+  (:class:`Tally`, the run's :class:`~dynabatch.inference.results.Accounting`,
+  read when the store was read back at the run's end, else from the store now):
+  the summary, ``--report`` and the exit status come from it, never from what
+  the run says it ran.
 
 The store's calls are in this module alone (:func:`_open_store`).
 """
@@ -28,12 +30,13 @@ import os
 import re
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
 from dynabatch._validation import bad_value
+from dynabatch.inference.results import Accounting, account
 from dynabatch.inference.store_lock import StoreBusyError
 
 __all__ = ["Output", "Tally"]
@@ -123,24 +126,11 @@ def _differences(stored: str, key: str) -> str:
     return "; ".join(shown) if shown else f"key={stored!r} there, key={key!r} here"
 
 
-@dataclass
-class Tally:
-    """What a store holds for a job's ``n`` inputs once the run has ended.
-
-    ``stored``: inputs with a row; ``before``: of them, those stored when the job
-    opened the store (``now`` the others); ``failures``: input position -> cause,
-    inputs listed failed and not stored (a rerun retries them); ``missing``:
-    positions neither stored nor listed failed; ``ids``: the inputs' ids
-    (``None``: keyed by position).
-    """
-
-    n: int
-    stored: int
-    before: int
-    now: int
-    failures: dict[int, str]
-    missing: np.ndarray
-    ids: Any = None
+@dataclass(frozen=True)
+class Tally(Accounting):
+    """What a job accounts for of its ``n`` inputs (the run's
+    :class:`~dynabatch.inference.results.Accounting`), as the summary and
+    ``--report`` show it."""
 
     def names(self, positions: Any) -> list:
         """The ids (or positions) of ``positions``, as Python values."""
@@ -272,13 +262,11 @@ class Output:
         if store is not None:
             store.close()
 
-    def tally(self, n: int) -> Tally:
-        """What the store holds for the ``n`` inputs now: its rows and its failure records."""
-        located = self.store.located(n)
-        stored = np.asarray(located.where) >= 0
-        failures = {int(p): str(c) for p, c in self.store.failures().items() if 0 <= p < n and not stored[p]}
-        listed = np.zeros(n, dtype=bool)
-        listed[list(failures)] = True
-        before = self.before if self.before is not None and len(self.before) == n else np.zeros(n, dtype=bool)
-        return Tally(n, int(stored.sum()), int((stored & before).sum()), int((stored & ~before).sum()), failures,
-                     np.flatnonzero(~stored & ~listed), located.ids)
+    def tally(self, n: int, result: Any = None) -> Tally:
+        """What the store holds for the ``n`` inputs: the accounting of ``result`` (a run's, read from this store
+        as the run ended), else its rows and failure records now (one scan)."""
+        accounting = getattr(result, "accounting", None)
+        if accounting is None or accounting.n != n:
+            located = self.store.located(n)
+            accounting = account(n, located.where >= 0, located.failures, before=self.before, ids=located.ids)
+        return Tally(**{f.name: getattr(accounting, f.name) for f in fields(accounting)})  # no copy

@@ -329,7 +329,8 @@ class Columns:
 
     def __init__(self, tree: Any, kinds: dict[str, str] | None = None) -> None:
         self.tree, self.kinds = tree, dict(kinds or {})
-        self.names = [name for _, name in _leaves(tree)]
+        self._paths = dict(_leaves(tree))
+        self.names = list(self._paths.values())
 
     @classmethod
     def of(cls, row: Any) -> Columns:
@@ -341,6 +342,10 @@ class Columns:
         if len(set(columns.names)) != len(columns.names):
             raise ValueError(f"fn(batch) rows should give distinct column names, but got {columns.names}; rename them")
         return columns
+
+    def at(self, paths: Collection[tuple]) -> set[str]:
+        """The columns at row ``paths`` (dict keys and element indices; ``()``: the row)."""
+        return {self._paths[tuple(path)] for path in paths if tuple(path) in self._paths}
 
     def parts(self, rows: Sequence[Any]) -> dict[str, _Part]:
         """Each column's values of ``rows``, checked (``ValueError`` / ``TypeError`` naming the column)."""
@@ -402,8 +407,6 @@ class Columns:
         """Every row stacked: one array (or tensor) per column, in the rows' structure."""
         return _build(self.tree, lambda name: _stacked(table.column(name).combine_chunks(), table.schema.field(name),
                                                        self.kinds.get(name), name, as_tensor))
-
-
 
 
 def as_numpy(item: Any) -> Any:

@@ -1,7 +1,9 @@
-"""What :func:`dynabatch.run` returns and raises: :class:`RunResult`, :class:`StoredRunResult` and an error.
+"""What :func:`dynabatch.run` returns: :class:`RunResult`, :class:`StoredRunResult`, and the run's accounting.
 
 In memory (a ``list``), or read from the results store on demand exactly as the in-memory run gives them; both stack
-every row through one encoding (:class:`~dynabatch.inference.columns.Columns`).
+every row through one encoding (:class:`~dynabatch.inference.columns.Columns`). Each carries its
+:class:`Accounting`, made by the one accountant (:func:`account`): which inputs have a row, which failed with what
+cause, which neither (the run raises for them); the command line's summary reads it rather than the store again.
 
 Example:
     >>> import torch
@@ -14,6 +16,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,9 +29,51 @@ if TYPE_CHECKING:
     from dynabatch.inference.columns import Columns
     from dynabatch.inference.store import Located
 
-__all__ = ["RunResult", "StoredRunResult"]
+__all__ = ["Accounting", "RunResult", "StoredRunResult", "account"]
 
 _CHUNK = 4096  # rows decoded at once when iterating a stored result
+
+
+@dataclass(frozen=True)
+class Accounting:
+    """What a run accounts for of its ``n`` inputs (made by :func:`account`).
+
+    ``stored``: inputs with a row; ``before``: of them, those held before the run (``now``: the others);
+    ``failures``: input position -> cause, of the inputs without a row; ``missing``: positions with neither (a run
+    raises for them); ``ids``: the inputs' ids (``None``: keyed by position).
+    """
+
+    n: int
+    stored: int
+    before: int
+    now: int
+    failures: dict[int, str]
+    missing: np.ndarray
+    ids: Any = None
+
+
+def account(n: int, held: np.ndarray, failures: Mapping[int, str], *, before: np.ndarray | None = None,
+            ids: Any = None, elsewhere: bool = False) -> Accounting:
+    """The one accountant: what a run over ``n`` inputs accounts for, from which inputs have a row (``held``, bool
+    per input), the causes of the inputs that failed (``failures``: those with a row since, or outside ``n``, are
+    left out) and which inputs were held before the run (``before``); ``elsewhere``: the inputs this process holds
+    neither way are another rank's to account for (none missing here).
+
+    Example:
+        >>> import numpy as np
+        >>> from dynabatch.inference.results import account
+        >>> done = account(4, np.array([True, False, True, False]), {1: "ValueError: no", 2: "retried since"},
+        ...                before=np.array([True, False, False, False]))
+        >>> done.stored, done.before, done.now, done.failures, done.missing.tolist()
+        (2, 1, 1, {1: 'ValueError: no'}, [3])
+    """
+    held = np.asarray(held, dtype=bool)
+    failures = {int(p): str(c) for p, c in sorted(failures.items()) if 0 <= p < n and not held[p]}
+    listed = np.zeros(n, dtype=bool)
+    listed[list(failures)] = True
+    before = held & (before if before is not None and len(before) == n else np.zeros(n, dtype=bool))
+    missing = np.zeros(0, dtype=np.int64) if elsewhere else np.flatnonzero(~held & ~listed)
+    return Accounting(n, int(held.sum()), int(before.sum()), int((held & ~before).sum()), failures, missing, ids)
 
 
 def _with_outputs(n: int, ids: pa.Array | None, outputs: pa.Table | None) -> pa.Table:
@@ -72,14 +117,16 @@ class RunResult(list, _Stacking):
     """One result per input text, in input order: a plain ``list`` (``result[p]`` is input ``p``'s), with ``report``
     (the :class:`~dynabatch.inference.report.RunReport`), ``failures`` (input position -> cause, for the inputs set
     aside: rows out of memory on their own with ``on_oom="skip"``, rows ``fn`` raised on with ``on_error="skip"``,
-    inputs skipped as bad) and ``failed``, their sorted positions (each result ``None``)."""
+    inputs skipped as bad) and ``failed``, their sorted positions (each result ``None``); ``accounting``: the run's
+    :class:`Accounting` (``None`` for a result not made by a run)."""
 
     def __init__(self, results: Iterable[Any] = (), *, report: RunReport | None = None,
-                 failures: Mapping[int, str] | None = None) -> None:
+                 failures: Mapping[int, str] | None = None, accounting: Accounting | None = None) -> None:
         super().__init__(results)
         self.report = report if report is not None else RunReport()
-        self.failures = dict(sorted((failures or {}).items()))
+        self.failures = dict(sorted((failures or {}).items())) if accounting is None else accounting.failures
         self.failed = list(self.failures)
+        self.accounting = accounting
 
     def _missing(self) -> np.ndarray:
         return np.flatnonzero(np.fromiter((r is None for r in self), dtype=bool, count=len(self)))
@@ -103,24 +150,19 @@ class StoredRunResult(Sequence, _Stacking):
     """One result per input, in input order, read from the results store at ``path`` on demand, through
     ``pyarrow.dataset``: ``result[p]`` reads its shard (the last one is kept), iterating reads the store once. Not
     a ``list``: use :meth:`stack` rather than ``torch.stack``. ``report``, ``failures`` (the store's failure
-    records) and ``failed`` as in :class:`RunResult`."""
+    records), ``failed`` and ``accounting`` as in :class:`RunResult`, over the rows (and failure records) as
+    :meth:`~dynabatch.inference.store.Store.located` found them; ``before``: the inputs held before the run."""
 
-    def __init__(self, path: str, files: list[str], counts: list[int], where: np.ndarray, columns: Columns | None,
-                 schema: pa.Schema | None, ids: pa.Array | None, *, report: RunReport | None = None,
-                 failures: Mapping[int, str] | None = None) -> None:
+    def __init__(self, located: Located, *, report: RunReport | None = None, before: np.ndarray | None = None) -> None:
         self.path, self._files, self._where, self._columns, self._schema, self._ids = \
-            path, files, where, columns, schema, ids
-        self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+            located.path, located.files, located.where, located.columns, located.schema, located.ids
+        self._starts = np.concatenate([[0], np.cumsum(located.counts, dtype=np.int64)])
         self.report = report if report is not None else RunReport()
-        self.failures = dict(sorted((failures or {}).items()))
+        self.accounting = account(len(self._where), self._where >= 0, located.failures, before=before,
+                                  ids=located.ids)
+        self.failures = self.accounting.failures
         self.failed = list(self.failures)
         self._shard: tuple[int, Any] = (-1, None)  # the last shard read, and its output columns
-
-    @classmethod
-    def of(cls, located: Located, *, report: RunReport | None = None,
-           failures: Mapping[int, str] | None = None) -> StoredRunResult:
-        """The result over a store's rows as :meth:`~dynabatch.inference.store.Store.located` found them."""
-        return cls(*located, report=report, failures=failures)
 
     def __len__(self) -> int:
         return len(self._where)

@@ -25,24 +25,20 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dynabatch.inference.report import RunReport
-from dynabatch.inference.results import RunResult, StoredRunResult
+from dynabatch.inference.results import RunResult, StoredRunResult, account
 
-__all__ = ["NONE_ROW", "MemorySink", "StoreSink", "open_sink"]
+if TYPE_CHECKING:
+    from dynabatch.inference.store_writer import StoreWriter
+
+__all__ = ["MemorySink", "StoreSink", "open_sink"]
 
 logger = logging.getLogger(__name__)
 
-NONE_ROW = "fn(batch) gave None for this row: a results store holds no row for it"
-"""The cause a results store records for a row ``fn`` gave as ``None`` (in memory it is the row's result)."""
-
-
-def _unrecorded(failed: Any) -> dict[int, str]:
-    """The failed positions, each with a cause this sink was not told."""
-    return {int(p): "failed (no cause recorded)" for p in failed}
 
 
 class MemorySink:
@@ -91,35 +87,14 @@ class MemorySink:
                 rows = {p: got[0] for p, got in enumerate(every) if got is not None and got[2]}
                 failures = {p: got[1] for p, got in enumerate(every) if got is not None and got[1] is not None}
             mine_only = every is None  # this rank's share is accounted for on rank 0
-        result = RunResult((rows.get(p) for p in range(n)), report=report, failures=failures)
-        accounted = np.full(n, mine_only)
-        for held in (rows, failures):
-            at = np.fromiter(held, dtype=np.int64, count=len(held))
-            accounted[at[at < n]] = True
-        return result, np.flatnonzero(~accounted)
+        held = np.zeros(n, dtype=bool)
+        at = np.fromiter(rows, dtype=np.int64, count=len(rows))
+        held[at[at < n]] = True
+        accounting = account(n, held, failures, elsewhere=mine_only)
+        return RunResult((rows.get(p) for p in range(n)), report=report, accounting=accounting), accounting.missing
 
     def end(self) -> None:
         """Nothing to release."""
-
-
-class _StoredRows:
-    """A store writer that records a row ``fn`` gave as ``None`` as a failure (:data:`NONE_ROW`): a store holds no
-    row for it, and a rerun runs it again."""
-
-    def __init__(self, writer: Any) -> None:
-        self.writer = writer
-
-    def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray, varying: Any = ()) -> None:
-        missing = [i for i, row in enumerate(rows) if row is None]
-        if missing:
-            self.writer.fail(positions[missing], hashes[missing], [NONE_ROW] * len(missing))
-        self.writer.write(positions, rows, hashes, varying=varying)
-
-    def fail(self, positions: np.ndarray, hashes: np.ndarray, causes: list[str]) -> None:
-        self.writer.fail(positions, hashes, causes)
-
-    def close(self, commit: bool = True) -> None:
-        self.writer.close(commit=commit)
 
 
 class StoreSink:
@@ -137,19 +112,17 @@ class StoreSink:
         """Refuses stored rows at ``positions`` whose input hash differs from this run's (``hashes``)."""
         self.store.check_inputs(positions, hashes)
 
-    def writer(self, name: str) -> _StoredRows:
-        """A writer of this run's rows (its shards named after ``name``): ``write``, ``fail``, ``close(commit)``."""
-        return _StoredRows(self.store.writer(name))
+    def writer(self, name: str) -> StoreWriter:
+        """A writer of this run's rows (its shards named after ``name``): ``write``, ``fail``, ``close(commit)``; a
+        row ``fn`` gave as ``None`` is recorded failed (the store holds no row for it; a rerun runs it again)."""
+        return self.store.writer(name)
 
     def result(self, n: int, *, report: RunReport | None = None,
                gather: bool = True) -> tuple[StoredRunResult, np.ndarray]:
-        """The rows of ``n`` inputs, read from the store as it is now, with the store's failure records of the
-        inputs it holds no row for; and the positions the store holds neither way."""
-        located, failures = self.store.located(n), self.store.failures()
-        accounted = located.where >= 0
-        at = np.fromiter(failures, dtype=np.int64, count=len(failures))
-        accounted[at[at < n]] = True
-        return StoredRunResult.of(located, report=report, failures=failures), np.flatnonzero(~accounted)
+        """The rows of ``n`` inputs, read from the store as it is now (one scan), with the store's failure records of
+        the inputs it holds no row for; and the positions the store holds neither way."""
+        result = StoredRunResult(self.store.located(n), report=report, before=self.stored)
+        return result, result.accounting.missing
 
     def end(self) -> None:
         """The run is done with the store: its job lock is released where the run opened it (a store the caller

@@ -1,26 +1,17 @@
 """One job per results store: the lock a job holds while it writes a store (:class:`JobLock`, :class:`StoreBusyError`).
 
-Each hold of a store leaves a record in it, ``.lock-<nonce>.json``: its job, host, process id and start time. A job
-is one run: a hold without a job string (``job=None``) is a job of its own, so a second run in the same process
-(another thread, another call) is refused like one in another process; the processes of one job pass one job string
-(the ranks of one ``torchrun`` job, a Ray job's driver and actors) and share the store, as do the holds of one job
-string in one process (one record). The record's modification time is its heartbeat, refreshed every
-:data:`HEARTBEAT_SECONDS` by one thread per process while it holds any store. A hold is admitted when every live
-record in the store is of its own job; a live record of another job refuses it at once with :class:`StoreBusyError`
-naming the holder, and the refused hold removes nothing but its own record. A record is dead, and removed with a
-warning by the next hold admitted, when its process is gone: on the same machine (host, boot and process namespace)
-the process id no longer runs, or now belongs to a process that started at another time; elsewhere its heartbeat is
-older than :data:`LEASE_SECONDS`, both times read from the file server's clock (the holder's heartbeat, and the
-admitted process's own record just written). So a job killed with SIGKILL, or one on a node that was lost, never
-blocks a rerun for longer than that. A ``.lock-*.json`` that is not a record (not a JSON object with a str ``host``,
-an int ``pid`` and a str ``job``, the other fields of their types) was not written by a hold, since records are
-renamed into place whole: it holds nothing, and is removed with a warning naming it, as a dead record is.
-
-Records are whole files renamed into place, so the rule holds on NFS as on a local disk (``flock`` is not used: on NFS
-version 3 a lost client's locks stay until it reboots). A hold writes its record before it reads the others', so two
-jobs that start at the same instant are never both admitted; and it does both inside a gate, ``.lock-gate`` (made by
-``link``, atomic on NFS too; held for milliseconds, and broken once it is :data:`GATE_SECONDS` old or its process is
-gone), so of two jobs started at once exactly one is admitted rather than both refused.
+Each hold leaves a record in the store, ``.lock-<nonce>.json`` (job, host, process id, start time), whose modification
+time is its heartbeat, refreshed every :data:`HEARTBEAT_SECONDS` by one :class:`~dynabatch._background.Ticker` per
+process. A hold is admitted when every live record is of its own job (``job=None``: a job of its own, one run); else
+:class:`StoreBusyError` names the holder, and the refused hold removes nothing but its own record. A record is dead,
+and removed with a warning by the next hold admitted, when its process is gone: on the same machine (host, boot and
+process namespace) its process id no longer runs, or runs a process started at another time; elsewhere its heartbeat
+is older than :data:`LEASE_SECONDS` on the file server's clock. A ``.lock-*.json`` that is not a record was not
+written by a hold (records are renamed into place whole) and is removed with a warning. Whole files renamed into
+place hold on NFS as on a local disk (``flock`` does not: on NFS version 3 a lost client's locks stay until it
+reboots). A hold writes its record before it reads the others', inside a gate, ``.lock-gate`` (made by ``link``,
+atomic on NFS too; broken once :data:`GATE_SECONDS` old or its process gone), so of two jobs started at once exactly
+one is admitted. The rules as a user reads them: ``docs/inference.md``, "One job at a time".
 
 Example:
     >>> import tempfile
@@ -57,6 +48,8 @@ import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from dynabatch._background import Ticker
 
 __all__ = ["GATE", "GATE_SECONDS", "HEARTBEAT_SECONDS", "LEASE_SECONDS", "PREFIX", "JobLock", "StoreBusyError"]
 
@@ -160,27 +153,21 @@ class _Record:
 
 _HELD: dict[tuple[str, str], _Record] = {}
 _GUARD = threading.RLock()  # re-entered where a store dropped meanwhile is released by the garbage collector
-_WAKE = threading.Condition(_GUARD)
-_BEATING: list[threading.Thread] = []  # the heartbeat thread, while this process holds a record
+_BEATING: list[Ticker] = []  # the heartbeat, while this process holds a record
 
 
 def _beat() -> None:
-    """Refreshes the heartbeat of every record this process holds, until the last is released."""
-    me = threading.current_thread()
-    while True:
-        with _GUARD:
-            if me in _BEATING:
-                _WAKE.wait(HEARTBEAT_SECONDS)
-            if me not in _BEATING:
-                return
-            records = list(_HELD.values())
-        for record in records:
-            try:
-                os.utime(record.file)
-            except FileNotFoundError:  # another job took the store over: this one must not write on
-                record.lost = True
-            except OSError as exc:  # a file server away for a moment: the next beat tries again
-                logger.warning("could not refresh the heartbeat of %s (%s)", record.file, exc)
+    """Refreshes the heartbeat of every record this process holds (:data:`HEARTBEAT_SECONDS` apart, on a
+    :class:`~dynabatch._background.Ticker`)."""
+    with _GUARD:
+        records = list(_HELD.values())
+    for record in records:
+        try:
+            os.utime(record.file)
+        except FileNotFoundError:  # another job took the store over: this one must not write on
+            record.lost = True
+        except OSError as exc:  # a file server away for a moment: the next beat tries again
+            logger.warning("could not refresh the heartbeat of %s (%s)", record.file, exc)
 
 
 def _parse(text: str | None) -> dict[str, Any] | None:
@@ -353,7 +340,7 @@ class JobLock:
             record.count += 1
             self._record = record
             if not _BEATING:
-                _BEATING.append(threading.Thread(target=_beat, name="dynabatch-lock-heartbeat", daemon=True))
+                _BEATING.append(Ticker(_beat, seconds=HEARTBEAT_SECONDS, name="dynabatch-lock-heartbeat"))
                 _BEATING[0].start()
 
     @property
@@ -367,8 +354,8 @@ class JobLock:
         return not self._released and not self._record.lost
 
     def release(self, wait: bool = True) -> None:
-        """Gives this hold up; the last hold of the process removes its record (and the last record, the heartbeat
-        thread, stopped when this returns; ``wait=False``: stopping, for the garbage collector). Idempotent."""
+        """Gives this hold up; the last hold of the process removes its record (and the last record, the heartbeat,
+        stopped when this returns; ``wait=False``: stopping, for the garbage collector). Idempotent."""
         stopped = None
         with _GUARD:
             if self._released:
@@ -380,9 +367,8 @@ class JobLock:
                 _remove(self._record.file)
             if not _HELD and _BEATING:
                 stopped = _BEATING.pop()
-                _WAKE.notify_all()
-        if wait and stopped is not None and stopped is not threading.current_thread():
-            stopped.join()
+        if stopped is not None:
+            stopped.close(wait=wait)
 
     def release_job(self) -> None:
         """Removes every record of this job from the store, then :meth:`release`: for a job whose other processes
@@ -401,7 +387,9 @@ def _release_all() -> None:
     with _GUARD:
         records = list(_HELD.values())
         _HELD.clear()
+        beating = _BEATING[:]
         _BEATING.clear()
-        _WAKE.notify_all()
+    for ticker in beating:
+        ticker.close(wait=False)
     for record in records:
         _remove(record.file)

@@ -22,9 +22,9 @@ STALL_HOOK = '''
 import os
 import time
 
-from dynabatch.inference import store
+from dynabatch.inference import store, store_writer
 
-store.SHARD_ROWS = 8
+store_writer.COMMIT = store_writer.CommitPolicy(rows=8)
 _replace, _write = os.replace, store.StoreWriter.write
 _committed = []
 

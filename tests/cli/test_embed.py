@@ -25,10 +25,10 @@ WRITES_FAIL_HOOK = '''
 import errno
 import os
 
-from dynabatch.inference import store
+from dynabatch.inference import store_shards, store_writer
 
-store.SHARD_ROWS = 8
-store.RETRY_SECONDS = 0.0  # the retries' waits are store.py's tests' concern
+store_writer.COMMIT = store_writer.CommitPolicy(rows=8)
+store_shards.RETRY_SECONDS = 0.0  # the retries' waits are store_shards.py's tests' concern
 _replace = os.replace
 
 

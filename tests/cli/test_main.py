@@ -16,9 +16,9 @@ from dynabatch.cli import main
 SLOW_WRITES = '''
 import time
 
-from dynabatch.inference import store
+from dynabatch.inference import store, store_writer
 
-store.SHARD_ROWS = 8
+store_writer.COMMIT = store_writer.CommitPolicy(rows=8)
 _write = store.StoreWriter.write
 
 

@@ -64,6 +64,30 @@ def test_tally_counts_what_the_store_holds_stored_before_and_stored_now(tmp_path
     output.close()
 
 
+def test_the_summary_reads_the_runs_accounting_the_store_scanned_once_after_the_run(tmp_path, monkeypatch):
+    from dynabatch.inference.sink import StoreSink
+    from dynabatch.inference.store import Store
+
+    key = "embed model=aaaa pooling=mean"
+    _write(tmp_path / "store", key, [0, 1])
+    output = Output(tmp_path / "store")
+    output.open(key=key, n=5, ids=None)
+    sink = StoreSink(output.store, owned=False)  # what the run makes of the store the command opened
+    sink.check_inputs(np.arange(2), np.zeros(2, np.uint64))
+    writer = sink.writer("run")
+    writer.write(np.array([3]), [torch.ones(2) * 3], np.zeros(1, np.uint64))
+    writer.fail(np.array([4]), np.zeros(1, np.uint64), ["ValueError: not this one"])
+    writer.close()
+    scans, scan = [], Store._scan
+    monkeypatch.setattr(Store, "_scan", lambda store, verify: scans.append(1) or scan(store, verify))
+    result, missing = sink.result(5)
+    tally = output.tally(5, result)
+    assert len(scans) == 1 and missing.tolist() == [2] and tally.missing.tolist() == [2]
+    assert (tally.stored, tally.before, tally.now, tally.failures) == (3, 2, 1, {4: "ValueError: not this one"})
+    assert output.tally(5).to_dict() == tally.to_dict() and len(scans) == 2  # no result: the store read now
+    output.close()
+
+
 def _open(output):
     """What a command does with its output before the model loads: made and probed, then the store opened; ``None``
     where refused (the checks' block discards what the job made)."""

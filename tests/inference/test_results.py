@@ -95,7 +95,7 @@ def test_stack_gives_tensors_and_the_other_columns_as_lists(both, tmp_path):
     writer = store.writer("0")
     writer.write(np.arange(len(fixed)), fixed, np.zeros(len(fixed), dtype=np.uint64))
     writer.close()
-    stored = StoredRunResult.of(store.located(len(fixed)))
+    stored = StoredRunResult(store.located(len(fixed)))
     store.close()
     for stacked in (RunResult(fixed).stack(), stored.stack()):
         assert stacked["label"] == [row["label"] for row in fixed]  # strings: a list, not torch's object-array error

@@ -15,6 +15,7 @@ import torch
 from runner_helpers import _lengths, _load
 
 from dynabatch import IncompleteRunError, run
+from dynabatch.inference.store_writer import CommitPolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -147,7 +148,8 @@ def test_bad_inputs_are_in_failures_with_their_cause(tokenizer, texts):
 
 
 def test_rows_the_store_refuses_stop_a_run_on_two_devices_with_nothing_lost(tokenizer, texts, tmp_path, monkeypatch):
-    monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", 8)  # the first shard, typing the columns, is early
+    # the first shard, typing the columns, is early
+    monkeypatch.setattr("dynabatch.inference.store_writer.COMMIT", CommitPolicy(rows=8))
     loader = _load(texts, tokenizer)
     odd = int(loader.batch_sampler.batches[3][0])
 
@@ -176,8 +178,8 @@ def test_a_write_that_keeps_failing_stops_a_run_on_two_devices_and_a_rerun_store
                                                                                           monkeypatch):
     import pyarrow.parquet as pq
 
-    monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", 8)
-    monkeypatch.setattr("dynabatch.inference.store.RETRY_SECONDS", 0.0)  # the retries' waits: test_store.py
+    monkeypatch.setattr("dynabatch.inference.store_writer.COMMIT", CommitPolicy(rows=8))
+    monkeypatch.setattr("dynabatch.inference.store_shards.RETRY_SECONDS", 0.0)  # the retries' waits: test_store.py
     real_write, writes = pq.write_table, []
 
     def no_space_after_two(*args, **kwargs):  # the disk fills up after two shards
@@ -221,7 +223,7 @@ def _without(batch, position):
 
 def test_a_row_fn_gives_as_none_is_a_failure_record_of_the_store(tokenizer, texts, tmp_path):
     from dynabatch import PerRow
-    from dynabatch.inference.sink import NONE_ROW
+    from dynabatch.inference.store_writer import NONE_ROW
 
     def fn(batch):
         return PerRow([None if p == 4 else float(p) for p in batch.indices.tolist()])

@@ -17,6 +17,7 @@ import torch
 from runner_helpers import _fails_at, _lengths, _load
 
 from dynabatch import BatchOutOfMemoryError, run
+from dynabatch.inference.store_writer import CommitPolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,7 +47,7 @@ def _same(a, b):
 @pytest.fixture
 def small_shards(monkeypatch):
     """Shards of at most 8 rows, so that a run commits several."""
-    monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", 8)
+    monkeypatch.setattr("dynabatch.inference.store_writer.COMMIT", CommitPolicy(rows=8))
 
 
 _KILLED_RUN = """
@@ -54,12 +55,13 @@ import os, signal, sys
 os.environ["HF_HUB_OFFLINE"] = "1"
 import torch
 from transformers import AutoTokenizer
-import dynabatch.inference.store
+import dynabatch.inference.store_writer
 from dynabatch import build_dynamic_batch_dataloader, run
 from dynabatch.demo import kjv_passages, minilm_path
 
 torch.set_num_threads(1)
-dynabatch.inference.store.SHARD_ROWS = 16  # several shards commit before the kill
+# several shards commit before the kill
+dynabatch.inference.store_writer.COMMIT = dynabatch.inference.store_writer.CommitPolicy(rows=16)
 tokenizer = AutoTokenizer.from_pretrained(minilm_path())
 loader = build_dynamic_batch_dataloader(kjv_passages()[300:600], tokenizer, batch_size=8, max_input_token_length=32,
                                         num_workers=0, progress=False)
@@ -194,7 +196,7 @@ def test_a_run_writes_into_the_store_its_caller_opened(tokenizer, texts, tmp_pat
     store = open_store(tmp_path, key="k", ids=loader.plan.ids)  # what the command line does before a model loads
     assert not store.done.any() and store.n == 20
     result = run(_summary, loader, output_path=store, progress=False)  # the one open: no second scan of the store
-    assert result.report.rows == 20 and not result.failed and store.failures() == {}
+    assert result.report.rows == 20 and not result.failed and store.located(20).failures == {}
     store.close()  # a store the caller opened is the caller's to close: the run leaves it held
     again = open_store(tmp_path, key="k", ids=_load(texts[:10], tokenizer, ids=ids[:10]).plan.ids)
     with pytest.raises(ValueError, match=r"output_path should be a store opened for this run's inputs and key "
@@ -236,7 +238,7 @@ def test_resume_with_a_plain_iterable_of_batches(tokenizer, texts, tmp_path, sma
 
 def test_a_torn_shard_and_a_dead_writers_temporary_file_are_set_aside(tokenizer, texts, tmp_path, caplog,
                                                                       small_shards):
-    from dynabatch.inference.store import _HOST
+    from dynabatch.inference.store_shards import HOST as _HOST
 
     path = tmp_path / "store"
     clean = list(run(_summary, _load(texts[:40], tokenizer), output_path=path, progress=False))
@@ -357,7 +359,7 @@ def test_a_column_none_in_the_first_shard_is_typed_by_a_later_one_and_every_read
     in_memory = run(_late_vectors(1), loader, progress=False)
     for name, rows in (("typed", None), ("null", 4)):  # vec None in the first batch; "null": alone in the 1st shard
         if rows is not None:
-            monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", rows)
+            monkeypatch.setattr("dynabatch.inference.store_writer.COMMIT", CommitPolicy(rows=rows))
         path = tmp_path / name
         stored = run(_late_vectors(1), loader, output_path=path, progress=False)
         for p in range(40):
@@ -397,7 +399,7 @@ def test_a_streamed_rerun_over_other_inputs_is_refused_before_it_writes(tokenize
 
     monkeypatch.setattr(token_streaming, "FIRST_CHUNK", 8)
     monkeypatch.setattr(token_streaming, "CHUNK_SIZE", 8)
-    monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", 4)
+    monkeypatch.setattr("dynabatch.inference.store_writer.COMMIT", CommitPolicy(rows=4))
     path = tmp_path / "store"
     corpus = [" ".join(["light"] * (41 - i)) for i in range(40)]  # longest first: the first rows run are stored
 
@@ -471,7 +473,7 @@ def test_every_documented_reader_reads_each_stored_row_once_after_a_kill_a_torn_
         tokenizer, texts, tmp_path, monkeypatch, small_shards):
     import pyarrow.parquet as pq
 
-    from dynabatch.inference import store as store_module
+    from dynabatch.inference import store_shards as store_module
 
     path = tmp_path / "results"
     ids = [f"doc-{i}" for i in range(24)]
@@ -490,7 +492,7 @@ def test_every_documented_reader_reads_each_stored_row_once_after_a_kill_a_torn_
 
         killed.setattr(store_module, "_fsync", kill)
         with pytest.raises(RuntimeError, match="killed"):
-            store_module._write_whole(str(path), shard, pq.read_table(path / shard))
+            store_module.write_whole(str(path), shard, pq.read_table(path / shard))
     assert len(list(path.glob(".tmp-*"))) == 1  # its writer (this process) lives: the next open leaves it
     torn = _shards(path)[1]  # (b) a torn shard, set aside by the rerun, whose rows run again (but the failed one)
     (path / torn).write_bytes((path / torn).read_bytes()[:200])

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from dynabatch.inference.columns import Columns
 from dynabatch.inference.results import StoredRunResult
 from dynabatch.inference.store import open_store
+from dynabatch.inference.store_shards import HOST
+from dynabatch.inference.store_writer import CommitPolicy
 
 
 def _equal(a, b):
@@ -173,7 +175,7 @@ def test_rows_written_come_back_and_the_store_says_which_inputs_it_holds(tmp_pat
     _write(tmp_path, rows, positions=[5, 1, 3, 0], n=6)
     store = open_store(tmp_path, key="k", n=6)
     assert store.done.tolist() == [True, True, False, True, False, True]
-    result = StoredRunResult.of(store.located(6))
+    result = StoredRunResult(store.located(6))
     assert result[2] is None and result.failed == [] and len(result) == 6  # failed: failure records, none here
     _equal(result[5], rows[0])
     _equal(list(result), [rows[3], rows[1], None, rows[2], None, rows[0]])
@@ -193,7 +195,7 @@ def test_a_float_vector_of_one_length_in_the_first_shard_is_fixed_unless_declare
     writer.write(np.array([4, 5]), [torch.ones(2), torch.ones(7)], _hashes(2))
     writer.close()
     assert str(pq.read_schema(next(tmp_path.glob("declared/part-*"))).field("output").type) == "list<element: float>"
-    assert [len(row) for row in StoredRunResult.of(store.located(6))] == [5, 5, 5, 5, 2, 7]
+    assert [len(row) for row in StoredRunResult(store.located(6))] == [5, 5, 5, 5, 2, 7]
 
 
 def test_a_column_none_in_the_first_shard_is_typed_by_its_first_value_and_every_reader_reads_all_shards(tmp_path):
@@ -208,7 +210,7 @@ def test_a_column_none_in_the_first_shard_is_typed_by_its_first_value_and_every_
     store = _write(tmp_path, later, positions=[3, 4], n=5)  # typed now: stored, not refused
     located = store.located(5)  # the end of a run: the null shard rewritten with the types (settled)
     assert {str(pq.read_schema(f).field("note").type) for f in tmp_path.glob("part-*")} == {"string"}
-    rows = list(StoredRunResult.of(located))
+    rows = list(StoredRunResult(located))
     assert [r["note"] for r in rows] == [None, None, None, "late", None] and rows[3]["vec"].dtype == torch.float16
     assert ds.dataset(tmp_path).to_table().sort_by("position").column("note").to_pylist()[3] == "late"
     assert pd.read_parquet(tmp_path).sort_values("position")["note"].tolist()[3] == "late"
@@ -221,7 +223,7 @@ def test_a_column_none_in_the_first_shard_is_typed_by_its_first_value_and_every_
     writer.write(np.arange(2, 4), [{"vec": torch.ones(2, dtype=torch.float16)}, {"vec": None}], _hashes(2))
     writer.close()
     assert str(late.schema.field("vec").type) == "fixed_size_list<item: halffloat>[2]"
-    assert [r["vec"] is None for r in StoredRunResult.of(late.located(4))] == [True, True, False, True]
+    assert [r["vec"] is None for r in StoredRunResult(late.located(4))] == [True, True, False, True]
 
 
 def test_a_real_type_change_is_refused_at_the_write_that_shows_it_naming_the_column_and_both_types(tmp_path):
@@ -236,7 +238,7 @@ def test_a_real_type_change_is_refused_at_the_write_that_shows_it_naming_the_col
         other.write(np.array([3]), [{"label": 2.5}], _hashes(1))
     writer.close()
     other.close()
-    assert StoredRunResult.of(store.located(6)).to_arrow().column("label").to_pylist()[:3] == [1, None, None]
+    assert StoredRunResult(store.located(6)).to_arrow().column("label").to_pylist()[:3] == [1, None, None]
     store.close()  # one run at a time: the next open is another run
     with pytest.raises(TypeError, match=r"label should be values of one type in every row with output_path set "
                        r"\(int, as stored\), but got \['str'\]"):  # the stored type, from another open
@@ -268,7 +270,7 @@ def test_several_writers_write_into_one_store(tmp_path):
     for writer in writers:
         writer.close()
     assert len(list(tmp_path.glob("part-*.parquet"))) == 3 and not _store_threads()
-    _equal(list(StoredRunResult.of(stores[1].located(6))), rows)
+    _equal(list(StoredRunResult(stores[1].located(6))), rows)
 
 
 # --- checked before written, committed or dropped, threads stopped ---------------------------------------------
@@ -310,7 +312,7 @@ def test_ids_key_rows_and_are_named_when_refused(tmp_path):
 
 
 def test_close_commits_or_drops_the_buffer_and_its_thread_has_stopped(tmp_path, monkeypatch):
-    monkeypatch.setattr("dynabatch.inference.store.SHARD_ROWS", 2)
+    monkeypatch.setattr("dynabatch.inference.store_writer.COMMIT", CommitPolicy(rows=2))
     store = open_store(tmp_path, key="k", n=4)
     writer = store.writer("0")
     try:
@@ -358,11 +360,12 @@ def test_failure_records_are_reported_kept_out_of_the_rows_readers_read_and_retr
     writer.fail(np.array([1, 3]), np.array([1, 3], dtype=np.uint64), ["ValueError: cannot process this input\n  (a traceback line)",
                                                "out of memory alone: 1 row of 40 tokens"])
     writer.close()
-    assert store.failures() == {1: "ValueError: cannot process this input", 3: "out of memory alone: 1 row of 40 tokens"}
+    assert store.located(5).failures == {1: "ValueError: cannot process this input", 3: "out of memory alone: 1 row of 40 tokens"}
     located = store.located(5)
-    result = StoredRunResult.of(located, failures=store.failures())
+    result = StoredRunResult(located)
     assert result.failed == [1, 3] and result[1] is None and result.failures[3].startswith("out of memory")
     assert located.where[4] < 0 and 4 not in result.failures  # no row, no record: the case a run raises for
+    assert result.accounting.missing.tolist() == [4] and (result.accounting.stored, result.accounting.now) == (2, 2)
     store.close()
     assert ds.dataset(tmp_path).to_table().column("position").to_pylist() == [0, 2]  # the records are not rows
     assert len(pd.read_parquet(tmp_path)) == len(pl.read_parquet(f"{tmp_path}/*.parquet")) == 2
@@ -374,7 +377,7 @@ def test_failure_records_are_reported_kept_out_of_the_rows_readers_read_and_retr
     writer.write(np.array([1]), [torch.zeros(2)], _hashes(1, salt=1))  # stored now
     writer.fail(np.array([3]), _hashes(1, salt=3), ["RuntimeError: still failing"])  # the latest record counts
     writer.close()
-    assert rerun.failures() == {3: "RuntimeError: still failing"}
+    assert rerun.located(5).failures == {3: "RuntimeError: still failing"}
     rerun.close()
 
 
@@ -382,7 +385,7 @@ def test_a_transient_write_error_is_retried_and_a_lasting_one_raised_with_the_ro
                                                                                         caplog):
     import errno
 
-    from dynabatch.inference import store as store_module
+    from dynabatch.inference import store_shards as store_module
 
     monkeypatch.setattr(store_module, "RETRY_SECONDS", 0.0)
     write, failures = pq.write_table, []
@@ -429,14 +432,22 @@ def test_a_row_that_does_not_fit_is_refused_at_write_and_the_rows_before_it_are_
     assert open_store(tmp_path, key="k", n=4).done.tolist() == [True, True, False, False]
 
 
-def test_rows_are_committed_within_seconds_without_another_write(tmp_path):
-    from dynabatch.inference.store import FIRST_SHARD_SECONDS
+def test_rows_are_committed_within_seconds_without_another_write_the_first_shard_sooner(tmp_path, monkeypatch):
+    from dynabatch.inference import store_writer
 
+    assert (store_writer.COMMIT.first_seconds, store_writer.COMMIT.seconds) == (2.0, 10.0)
+    monkeypatch.setattr(store_writer, "COMMIT", CommitPolicy(first_seconds=0.4, seconds=1.2))
     store = open_store(tmp_path, key="k", n=4)
     writer = store.writer("0")
+
+    def shards_after(seconds):
+        time.sleep(seconds)
+        return len(list(tmp_path.glob("part-*.parquet")))
+
     writer.write(np.arange(2), [torch.ones(2)] * 2, _hashes(2))  # then the device is busy, say, and nothing comes
-    time.sleep(FIRST_SHARD_SECONDS + 1.0)
-    assert len(list(tmp_path.glob("part-*.parquet"))) == 1  # on disk: a kill now keeps these rows
+    assert shards_after(0.1) == 0 and shards_after(0.8) == 1  # on disk: a kill now keeps these rows
+    writer.write(np.arange(2, 4), [torch.ones(2)] * 2, _hashes(2, salt=2))
+    assert shards_after(0.5) == 1 and shards_after(1.3) == 2  # a later shard waits longer
     writer.close()
 
 
@@ -445,8 +456,7 @@ def test_small_shards_are_merged_and_a_crash_between_steps_leaves_each_row_once(
 
     from dynabatch.inference import store as store_module
 
-    monkeypatch.setattr(store_module, "SHARD_ROWS", 1)  # a shard per row
-    monkeypatch.setattr(store_module, "COMPACT_SHARDS", 4)
+    monkeypatch.setattr("dynabatch.inference.store_writer.COMMIT", CommitPolicy(rows=1, compact=4))  # shard per row
     store = open_store(tmp_path, key="k", n=10)
     writer = store.writer("0")
     for p in range(10):
@@ -472,12 +482,12 @@ def test_small_shards_are_merged_and_a_crash_between_steps_leaves_each_row_once(
     assert len(list(crashed.glob("part-*.parquet"))) == 7  # 4 parts, their merged shard, the 5th and 6th
     dead = subprocess.Popen(["true"])
     dead.wait()
-    temp = crashed / f".tmp-{store_module._HOST}-{dead.pid}-part-x-00000-00009.parquet.tmp"  # a merge cut short earlier
+    temp = crashed / f".tmp-{HOST}-{dead.pid}-part-x-00000-00009.parquet.tmp"  # a merge cut short earlier
     temp.write_bytes(b"PAR1 half")
     reopened = open_store(crashed, key="k", n=6)  # the parts a merged shard holds are removed: each row once
     assert reopened.done.all() and len(list(crashed.glob("part-*.parquet"))) == 3 and not temp.exists()
     assert sorted(ds.dataset(crashed).to_table().column("position").to_pylist()) == list(range(6))
-    assert [float(r[0]) for r in StoredRunResult.of(reopened.located(6))] == [0, 1, 2, 3, 4, 5]
+    assert [float(r[0]) for r in StoredRunResult(reopened.located(6))] == [0, 1, 2, 3, 4, 5]
 
 
 def test_positions_are_not_stored_where_ids_key_the_rows(tmp_path):

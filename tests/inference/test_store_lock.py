@@ -120,14 +120,23 @@ def test_a_process_id_now_running_another_process_is_a_dead_holder(tmp_path, cap
     assert "taking over the lock of a job that is gone" in caplog.text
 
 
-def test_a_job_whose_lock_was_taken_over_writes_no_more(tmp_path, monkeypatch):
+def test_the_heartbeat_ticks_while_a_store_is_held_and_stops_with_the_last_hold(tmp_path, monkeypatch):
+    assert not store_lock._BEATING, "a store of an earlier test is still held"
     monkeypatch.setattr(store_lock, "HEARTBEAT_SECONDS", 0.05)
+    lock = store_lock.JobLock(str(tmp_path), "job-a")
+    record = os.path.join(tmp_path, _records(tmp_path)[0])
+    os.utime(record, (time.time() - 30, time.time() - 30))
+    time.sleep(0.5)
+    assert time.time() - os.stat(record).st_mtime < 5  # refreshed by the ticking heartbeat
+    lock.release()
+    assert not store_lock._BEATING and "dynabatch-lock-heartbeat" not in {t.name for t in threading.enumerate()}
+
+
+def test_a_job_whose_lock_was_taken_over_writes_no_more(tmp_path, monkeypatch):
     store = open_store(tmp_path, key="k", n=4)
     for name in _records(tmp_path):  # what another job does to a record it finds dead
         os.remove(os.path.join(tmp_path, name))
-    with store_lock._WAKE:  # the heartbeat thread may be waiting out an earlier, longer interval: beat now
-        store_lock._WAKE.notify_all()
-    time.sleep(0.3)  # a heartbeat finds it gone
+    store_lock._beat()  # a heartbeat finds it gone (the ticking one may be waiting out an earlier, longer interval)
     writer = store.writer("0")
     writer.write(np.arange(2), [torch.ones(2)] * 2, np.arange(2, dtype=np.uint64))
     with pytest.raises(StoreBusyError, match=r"should be held by this job while it writes, but another job took it "

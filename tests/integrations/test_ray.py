@@ -640,7 +640,7 @@ def test_a_killed_map_texts_job_reruns_only_the_rows_its_output_does_not_hold(ra
                                                                                caplog):
     import pyarrow.parquet as pq
 
-    from dynabatch.inference.store import _HOST
+    from dynabatch.inference.store_shards import HOST as _HOST
 
     store, record = tmp_path / "store", tmp_path / "record"
     record.mkdir()

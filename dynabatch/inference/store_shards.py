@@ -1,0 +1,117 @@
+"""The results store's files: how a shard is named, written whole and read back verified.
+
+Rows are ``part-<writer>-<first>[-<last>].parquet`` files at the top of the store's folder (``-<last>``: a merged
+shard, holding the shards ``<first>`` to ``<last>`` of its writer); failure records the same names in ``_failed/``.
+Everything else is hidden: a shard being written is ``.tmp-<host>-<pid>-<shard>.tmp`` (renamed into place once
+whole), a shard that cannot be read is set aside as ``.torn-<shard>.torn``. So ``pyarrow.dataset`` and pandas (which
+skip names starting with ``.`` and ``_``) and ``*.parquet`` globs read each row once at any time.
+
+Example:
+    >>> from dynabatch.inference.store_shards import covered, shard_name
+    >>> shard_name("w", 3, 17), sorted(covered([shard_name("w", 3, 17), shard_name("w", 5), shard_name("v", 5)]))
+    ('part-w-00003-00017.parquet', ['part-w-00005.parquet'])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Collection
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+__all__ = ["FAILED", "FORMAT", "HOST", "META", "RETRY_SECONDS", "SET_ASIDE", "TEMPORARY", "WRITE_ATTEMPTS", "covered",
+           "is_dead", "is_shard", "read_whole", "shard_name", "write_whole"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "dynabatch.store/3"
+META = b"dynabatch"  # the key of a shard's metadata: format, key, keying and the rows' structure
+WRITE_ATTEMPTS = 5  # tries of a shard write that fails (a full disk, an I/O error) before the error is raised,
+RETRY_SECONDS = 0.5  # the wait before the second, doubled before each later one (7.5 s in all)
+FAILED = "_failed"  # the folder of failure records: readers of the store's folder (pyarrow.dataset) skip it
+TEMPORARY = ".tmp-"  # a shard being written: .tmp-<host>-<pid>-<shard>.tmp, renamed into place once whole
+SET_ASIDE = ".torn-"  # a shard that cannot be read: .torn-<shard>.torn, kept until its rows are stored again
+HOST = socket.gethostname().replace("-", "_").replace(".", "_")
+_SHARD = re.compile(r"part-(?P<writer>[\w.]+)-(?P<first>\d+)(?:-(?P<last>\d+))?\.parquet")  # -<last>: merged
+_LASTING = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG)
+
+
+def shard_name(writer: str, first: int, last: int | None = None) -> str:
+    """The file name of ``writer``'s shard ``first`` (merged up to ``last``)."""
+    return f"part-{writer}-{first:05d}{'' if last is None or last == first else f'-{last:05d}'}.parquet"
+
+
+def is_shard(name: str) -> bool:
+    return name.startswith("part-") and name.endswith(".parquet")
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_dead(name: str) -> bool:
+    """Whether ``name`` is the temporary shard of a killed writer on this host (``.tmp-<host>-<pid>-<shard>.tmp``,
+    or without ``.tmp`` as earlier versions named it)."""
+    pid = name.split("-", 3)[2] if name.startswith(f"{TEMPORARY}{HOST}-") and name.count("-") >= 3 else ""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, ValueError):  # alive (another user's), or not a temporary shard
+        pass
+    return False
+
+
+def write_whole(folder: str, name: str, table: pa.Table, **options: Any) -> int:
+    """Writes ``table`` as the Parquet file ``folder/name`` whole or not at all (a temporary file with page checksums,
+    fsynced, renamed into place), trying a failed write :data:`WRITE_ATTEMPTS` times; its size in bytes."""
+    temp, final = os.path.join(folder, f"{TEMPORARY}{HOST}-{os.getpid()}-{name}.tmp"), os.path.join(folder, name)
+    for attempt in range(1, WRITE_ATTEMPTS + 1):
+        try:
+            pq.write_table(table, temp, write_page_checksum=True, **options)
+            _fsync(temp)
+            os.replace(temp, final)
+            _fsync(folder)  # the rename survives a crash
+            return os.path.getsize(final)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.remove(temp)
+            if attempt == WRITE_ATTEMPTS or exc.errno in _LASTING:
+                exc.add_note(f"writing {final} failed {attempt} times; its rows are kept by the writer")
+                raise
+            logger.warning("writing %s failed (%s); trying again (%d of %d)", final, exc, attempt + 1, WRITE_ATTEMPTS)
+            time.sleep(RETRY_SECONDS * 2 ** (attempt - 1))
+    raise AssertionError("unreachable")
+
+
+def read_whole(file: str, columns: list[str] | None = None) -> pa.Table:
+    """A shard's table (or ``columns`` of it), every page's checksum verified."""
+    return pq.ParquetFile(file, page_checksum_verification=True).read(columns=columns)
+
+
+def covered(names: Collection[str]) -> set[str]:
+    """Shards that a merged shard of the same writer holds (``part-w-00003-00017`` holds ``part-w-00005``): what a
+    merge cut short left behind. A merged shard is renamed into place before its parts are removed, so every row is
+    in exactly one shard that is not covered. One sort: a span is covered when one starting no later reaches as far."""
+    spans = sorted((match["writer"], int(match["first"]), -int(match["last"] or match["first"]), name)
+                   for name in names if (match := _SHARD.fullmatch(name)))
+    held, writer, reach = set(), None, -1
+    for owner, first, last, name in spans:
+        if owner != writer:
+            writer, reach = owner, -1
+        if -last <= reach:
+            held.add(name)
+        reach = max(reach, -last)
+    return held
