@@ -191,11 +191,11 @@ def _pooling(args: argparse.Namespace, folder: str) -> str:
     return pooling
 
 
-def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) -> int:
+def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) -> tuple[int, Any]:
     """``--prompt-name`` checked against the model's prompts, the model against what runs on dynamic batches
     (:func:`~dynabatch.integrations.sentence_transformers.corpus_embedder`'s checks); ``--max-length``, or the max
     length sentence-transformers runs the folder at (``st``: it as :func:`_sentence_transformer` read it), refused
-    above its positions."""
+    above its positions. Returns that length and the model's own tokenization at it (the run's loader's)."""
     from dynabatch.integrations.sentence_transformers import corpus_embedder
     from dynabatch.memory.calibrate import check_positions
     from dynabatch.memory.shape import position_limit
@@ -221,7 +221,8 @@ def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) 
             raise
         raise bad_value("--max-length", f"given: the max_seq_length={length} sentence-transformers reads from the "
                         "folder is above the model's positions", None) from exc
-    return length
+    st.max_seq_length = length
+    return length, corpus_embedder(st, prompt_name=args.prompt_name, prompt=args.prompt)[0]
 
 
 def _max_length(args: argparse.Namespace, config: Any, folder: str, tokenizer: Any) -> int:
@@ -267,7 +268,7 @@ def _prepare(args: argparse.Namespace) -> _Job:
         dtype = check_dtype(args.dtype, place.accelerated)
         tokenizer = None
         if pooling == _ST:
-            max_length = _check_sentence_transformer(args, config, _sentence_transformer(folder))
+            max_length, loader_tokenizer = _check_sentence_transformer(args, config, _sentence_transformer(folder))
         else:
             from transformers import AutoTokenizer
 
@@ -275,6 +276,7 @@ def _prepare(args: argparse.Namespace) -> _Job:
             if tokenizer.pad_token is None and tokenizer.eos_token is not None:
                 tokenizer.pad_token = tokenizer.eos_token  # pooling reads the attention mask: padding never counts
             max_length = _max_length(args, config, folder, tokenizer)
+            loader_tokenizer = tokenizer
         settings = {"pooling": pooling, "normalize": args.normalize, "dtype": str(dtype).removeprefix("torch."),
                     "max_length": max_length}
         if pooling == _ST:
@@ -283,6 +285,9 @@ def _prepare(args: argparse.Namespace) -> _Job:
         ids = corpus.ids(args.id_column) if args.id_column is not None else None
         output.open(key=key, n=len(corpus), ids=ids)  # before the texts are read: a busy store now
         texts = corpus.texts(args.text_column)  # read once (into one memory-mapped file)
+        job.check_first_batch(texts, loader_tokenizer, config=config, dtype=dtype,
+                              device=place.devices[0], max_memory=args.max_memory, batch_size=args.batch_size,
+                              max_length=max_length, max_tokens=args.max_batch_tokens)
     return _Job(place, folder, name, config, pooling, dtype, max_length, texts, ids, key, output, tokenizer)
 
 

@@ -184,6 +184,9 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         ids = corpus.ids(args.id_column) if args.id_column is not None else None
         output.open(key=key, n=len(corpus), ids=ids)
         prompts = _prompts(args, corpus, tokenizer)
+        job.check_first_batch(prompts if args.messages_column is None else None, tokenizer, config=config,
+                              dtype=dtype, device=place.devices[0], max_memory=args.max_memory,
+                              batch_size=args.batch_size, max_length=max_length, max_new_tokens=args.max_new_tokens)
     return {"place": place, "config": config, "dtype": dtype, "tokenizer": tokenizer, "max_length": max_length,
             "prompts": prompts, "ids": ids, "options": options, "key": key, "output": output}
 

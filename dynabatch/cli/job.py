@@ -36,7 +36,8 @@ from dynabatch._digest import FileDigests, fingerprint
 from dynabatch._validation import bad_value
 from dynabatch.cli.output import Output, Tally
 
-__all__ = ["MODEL_IDENTITY", "Placement", "add_input_arguments", "add_run_arguments", "check_outputs", "digest_cache",
+__all__ = ["MODEL_IDENTITY", "Placement", "add_input_arguments", "add_run_arguments", "check_first_batch",
+           "check_outputs", "digest_cache",
            "finish", "job_key", "model_digest", "model_files", "placement", "process_group", "run_accounted", "run_job",
            "sampled_identity", "summary"]
 
@@ -98,6 +99,40 @@ def check_outputs(args: argparse.Namespace) -> None:
     if args.report is not None:
         check_writable("--report", args.report)
     check_plot(args.plot)
+
+
+def check_first_batch(texts: Any, tokenizer: Any, *, config: Any, dtype: Any, device: Any, max_memory: Any,
+                      batch_size: int, max_length: int, max_tokens: int | None = None, max_new_tokens: int = 0) -> None:
+    """Refuses, before any weights load, a ``max_tokens`` (``--max-batch-tokens``) or an absolute ``max_memory``
+    (``--max-memory``) that the run's first batch cannot keep, by the run's own rules: the loader's first chunk
+    (its longest texts by characters, :class:`~dynabatch.data.streaming.TokenStream`) tokenized as the loader
+    tokenizes it, planned by the loader's planner under the model's
+    :class:`~dynabatch.memory.footprint.Footprint` read from its ``config`` in ``dtype`` (no weights). The library
+    names its arguments; :func:`~dynabatch.cli._checks.as_flags` says them as flags.
+
+    ``texts``: what the loader is given; ``None`` (chat prompts, rendered by the run) judges one row of one token,
+    the least any prompt holds. A percentage is read on ``device`` now, before the weights take their share: the
+    run reads it again once they have, and refuses then what only the loaded model rules out.
+    """
+    import numpy as np
+
+    from dynabatch.data.streaming import FIRST_CHUNK, TokenStream
+    from dynabatch.data.text_source import open_texts
+    from dynabatch.memory.footprint import Footprint
+    from dynabatch.sampling.estimators import BudgetEstimator
+    from dynabatch.sampling.planner import BatchPlanner, PlanSettings
+
+    estimator = BudgetEstimator(Footprint.from_model(config, max_new_tokens=max_new_tokens, dtype=dtype),
+                                max_memory=max_memory, device=device)
+    if estimator.relative and max_tokens is None:
+        return
+    lengths = np.ones(1, dtype=np.int64)
+    if texts is not None:
+        source, _ = open_texts(texts, "skip")  # a text that is not one is the run's to refuse, by its rule
+        stream = TokenStream(source, tokenizer, max_length, first_chunk=max(FIRST_CHUNK, 4 * batch_size),
+                             tokenize_cores=1)  # the loader's first chunk: a few hundred texts, one core
+        lengths = stream.tokenize(0)[1]
+    BatchPlanner(lengths, PlanSettings(batch_size, max_length, max_tokens=max_tokens), estimator).sizes()
 
 
 @dataclass
