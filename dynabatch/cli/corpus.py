@@ -60,7 +60,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from dynabatch._validation import bad_value
+from dynabatch._validation import bad_value, first_few
 from dynabatch.data.ids import check_ids
 from dynabatch.data.text_source import TextSource, read_texts
 
@@ -73,7 +73,6 @@ _FILE_SETS = ("parquet", "csv", "tsv")  # the formats a folder or a glob may hol
 _DELIMITERS = {"csv": ",", "tsv": "\t"}
 _FORMAT_HELP = ("--format parquet, csv, tsv, jsonl, text (one document a line) or datasets; suffixes "
                 + ", ".join(_SUFFIXES))
-_FEW = 5
 
 
 def _first_line(exc: BaseException) -> str:
@@ -408,9 +407,8 @@ class Corpus:
             source = read_texts(self.files or self.table, column=column)
         missing = source.bad()
         if missing.size:
-            rows = ", ".join(str(i) for i in missing[:_FEW].tolist()) + (", ..." if missing.size > _FEW else "")
             raise ValueError(f"{flag} should name a column without missing texts, but got {flag}={column!r} with "
-                             f"{missing.size} missing (null) texts, at rows {rows}: fill or drop them")
+                             f"{missing.size} missing (null) texts, at rows {first_few(missing)}: fill or drop them")
         return source
 
     def _lines(self) -> Iterator[str]:
