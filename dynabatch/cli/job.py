@@ -49,15 +49,15 @@ MODEL_IDENTITY = "v2"
 
 def add_input_arguments(p: argparse.ArgumentParser, what: str) -> None:
     """The corpus in (``what``: "document", "prompt") and the store out."""
-    from dynabatch.cli.corpus import FORMATS
+    from dynabatch.data.corpus import FORMATS, SUFFIXES
 
-    p.add_argument("input", help="Parquet, CSV or TSV: a file, folder or glob; a JSONL file; a .txt file (one "
-                   f"{what} a line); or a datasets folder (save_to_disk)")
+    p.add_argument("input", help=f"a file, a folder or a glob of files ({', '.join(SUFFIXES)}), or a datasets folder "
+                   f"(save_to_disk); a .txt file is one {what} a line")
     p.add_argument("output", help="the store: a new folder, or this job's folder to resume it")
     p.add_argument("--text-column", default="text", help=f"the column of {what}s (default: text)")
     p.add_argument("--format", choices=FORMATS, default="auto",
-                   help="the input's format (default: auto, told by the suffix: .parquet, .csv, .tsv, .jsonl, .txt; "
-                   "--format text reads any file as one document a line)")
+                   help=f"the input's format (default: auto, told by the suffix; --format text reads any file as one "
+                   f"{what} a line)")
 
 
 def _memory_option(value: str) -> str | None:
