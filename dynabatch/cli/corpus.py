@@ -23,9 +23,9 @@ from collections.abc import Collection
 from dynabatch.data.corpus import Corpus, Naming
 from dynabatch.data.corpus import open_corpus as open_files
 
-__all__ = ["FLAGS", "open_corpus"]
+__all__ = ["NAMING", "open_corpus"]
 
-FLAGS = Naming(input="input", format="--format", text="--text-column", ids="--id-column",
+NAMING = Naming(input="input", format="--format", text="--text-column", ids="--id-column",
                excluded="the output folder")
 """What a command's messages call its input, its format and its columns."""
 
@@ -34,4 +34,4 @@ def open_corpus(path: str, fmt: str = "auto", *, exclude: str | None = None,
                 keep: Collection[str] | None = None) -> Corpus:
     """The corpus a command reads (:func:`dynabatch.data.corpus.open_corpus`), its messages naming the flags;
     ``exclude``: the job's output folder."""
-    return open_files(path, fmt, exclude=exclude, keep=keep, naming=FLAGS)
+    return open_files(path, fmt, exclude=exclude, keep=keep, naming=NAMING)
