@@ -129,7 +129,7 @@ def check_first_batch(texts: Any, tokenizer: Any, *, config: Any, dtype: Any, de
                       batch_size: int, max_length: int, max_tokens: int | None = None, max_new_tokens: int = 0) -> None:
     """Refuses, before any weights load, a ``max_tokens`` (``--max-batch-tokens``) or an absolute ``max_memory``
     (``--max-memory``) that the run's first batch cannot keep, by the run's own rules: the loader's first chunk
-    (its longest texts by characters, :class:`~dynabatch.data.streaming.TokenStream`) tokenized as the loader
+    (its longest texts by characters, :class:`~dynabatch.data.streaming.TokenStream`'s) tokenized as the loader
     tokenizes it, planned by the loader's planner under the model's
     :class:`~dynabatch.memory.footprint.Footprint` read from its ``config`` in ``dtype`` (no weights). The library
     names its arguments; :func:`~dynabatch.cli._checks.as_flags` says them as flags.
@@ -138,10 +138,13 @@ def check_first_batch(texts: Any, tokenizer: Any, *, config: Any, dtype: Any, de
     the least any prompt holds. A percentage is read on ``device`` now, before the weights take their share: the
     run reads it again once they have, and refuses then what only the loaded model rules out.
     """
+    import copy
+
     import numpy as np
 
-    from dynabatch.data.streaming import FIRST_CHUNK, TokenStream
+    from dynabatch.data.streaming import FIRST_CHUNK
     from dynabatch.data.text_source import open_texts
+    from dynabatch.data.tokenization import ParallelTokenizer
     from dynabatch.memory.footprint import Footprint
     from dynabatch.sampling.estimators import BudgetEstimator
     from dynabatch.sampling.planner import BatchPlanner, PlanSettings
@@ -153,9 +156,11 @@ def check_first_batch(texts: Any, tokenizer: Any, *, config: Any, dtype: Any, de
     lengths = np.ones(1, dtype=np.int64)
     if texts is not None:
         source, _ = open_texts(texts, "skip")  # a text that is not one is the run's to refuse, by its rule
-        stream = TokenStream(source, tokenizer, max_length, first_chunk=max(FIRST_CHUNK, 4 * batch_size),
-                             tokenize_cores=1)  # the loader's first chunk: a few hundred texts, one core
-        lengths = stream.tokenize(0)[1]
+        first = _longest_by_characters(source.char_lengths(), max(FIRST_CHUNK, 4 * batch_size))
+        if not first.size:
+            return
+        tokenize = ParallelTokenizer(copy.deepcopy(tokenizer), max_length, {}, cores=1)  # as the stream does
+        lengths = tokenize(source.take(first)).lengths
     BatchPlanner(lengths, PlanSettings(batch_size, max_length, max_tokens=max_tokens), estimator).sizes()
 
 
@@ -237,6 +242,27 @@ def conclude(command: str, call: Callable[[], Any], args: argparse.Namespace, pa
     result, tally, error = run_accounted(call, output, n, parser, what=what, on_error=args.on_error)
     return finish(command, result, tally, error, args, place, start=start, model=model, what=what,
                   columns=["id" if keyed else "position", "output"])
+
+
+def _longest_by_characters(chars: Any, k: int) -> Any:
+    """The positions of the streaming loader's first chunk: the ``k`` texts longest in characters, ties to the
+    earlier position (:class:`~dynabatch.data.streaming.TokenStream`'s stable order), texts that are not str (``-1``)
+    left out; found in linear time, no sort of the corpus.
+
+    Example:
+        >>> import numpy as np
+        >>> _longest_by_characters(np.array([3, 9, 5, 9, -1, 5]), 3).tolist()
+        [1, 3, 2]
+    """
+    import numpy as np
+
+    k = min(k, int((chars >= 0).sum()))
+    if k == 0:
+        return np.zeros(0, dtype=np.int64)
+    kth = np.partition(chars, len(chars) - k)[len(chars) - k]  # the k-th longest
+    above = np.flatnonzero(chars > kth)
+    first = np.concatenate([above, np.flatnonzero(chars == kth)[: k - len(above)]])
+    return first[np.argsort(-chars[first], kind="stable")]
 
 
 @dataclass
