@@ -39,7 +39,7 @@ _WHERE = {
     "PackedCollator": "dynabatch.data.packing",
     "PerRow": "dynabatch.inference.outputs",
     "PlannedBatchSampler": "dynabatch.sampling.base",
-    "read_texts": "dynabatch.data.text_source",
+    "read_texts": "dynabatch.data.corpus",
     "restore_order": "dynabatch.data.order",
     "run": "dynabatch.inference.runner",
     "RunResult": "dynabatch.inference.runner",

@@ -24,6 +24,7 @@ __all__ = [
     "check_non_negative_int",
     "check_positive_int",
     "check_positive_number",
+    "first_few",
 ]
 
 
@@ -61,6 +62,16 @@ def brief(value: Any) -> str:
             size = ""
     start = " ".join(_SHORT.repr(value).split()) if sized else ""
     return f"<{type(value).__name__}{size}{': ' + start if start else ''}>"
+
+
+def first_few(values, n: int = 5) -> str:
+    """The first ``n`` of ``values`` for a message, ``", ..."`` after them where there are more.
+
+    Example:
+        >>> first_few([3, 1, 4, 1, 5, 9]), first_few(["a"], 2)
+        ('3, 1, 4, 1, 5, ...', 'a')
+    """
+    return ", ".join(map(str, values[:n])) + (", ..." if len(values) > n else "")
 
 
 def _got(name: str, value: Any) -> str:

@@ -7,10 +7,11 @@ so the flag, the rule and the value are named. The checks here raise
 ``ValueError`` (or ``TypeError``) with such a message, and the command turns
 it into that line (:func:`refusing`).
 
-What the library refuses once the run has begun (a ``max_tokens`` the first
-batch cannot keep, a ``max_memory`` below one row of the longest text) names
-the library's arguments; :func:`as_flags` says it in the flags the user typed
-(:data:`FLAGS`), wherever a command turns an error into that line.
+What the library's own rules refuse (a ``max_tokens`` the first batch cannot
+keep, a ``max_memory`` below one row of the longest text: judged before the
+weights load by :func:`dynabatch.cli.job.check_first_batch`, and again by the
+run) names the library's arguments; :func:`as_flags` says it in the flags the
+user typed (:data:`FLAGS`), wherever a command turns an error into that line.
 """
 
 from __future__ import annotations

@@ -40,7 +40,6 @@ import argparse
 import importlib.util
 import inspect
 import json
-import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,16 +48,13 @@ from typing import Any
 from dynabatch._validation import bad_value
 from dynabatch.cli import job
 from dynabatch.cli._checks import (
-    check_device_names,
     check_dtype,
     check_model_folder,
     check_positive,
     extra,
     refusing,
 )
-from dynabatch.cli.corpus import open_corpus
 from dynabatch.cli.output import Output
-from dynabatch.memory.units import check_max_memory
 
 __all__ = ["ENCODER_BATCH_TOKENS", "POOLINGS", "add_parser", "embed_command", "pooled"]
 
@@ -83,12 +79,8 @@ _EXAMPLES = """examples:
 
 def add_parser(sub: Any) -> None:
     """The ``embed`` subcommand's options."""
-    p = sub.add_parser("embed", help="embed a corpus into a Parquet store (resumable, every GPU)",
-                       description=_DESCRIPTION, epilog=_EXAMPLES,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    job.add_input_arguments(p, "document")
-    p.add_argument("--id-column", default=None,
-                   help="a column of unique ids (str or int) to key rows by; default: rows keyed by position")
+    p = job.command_parser(sub, "embed", embed_command, help="embed a corpus into a Parquet store (resumable, every "
+                           "GPU)", description=_DESCRIPTION, examples=_EXAMPLES, item="document", rows="rows")
     p.add_argument("--model", default=None,
                    help="a local model folder: sentence-transformers or any transformers AutoModel (default: the "
                    "demo's all-MiniLM-L6-v2)")
@@ -105,7 +97,6 @@ def add_parser(sub: Any) -> None:
                    help=f"padded tokens per batch at most (default: {ENCODER_BATCH_TOKENS:,}, or the first batch's "
                    "--batch-size x --max-length where more)")
     job.add_run_arguments(p, "text", 64, "comma-separated devices (default: every GPU, else the CPU)")
-    p.set_defaults(command=embed_command, parser=p)
 
 
 @dataclass
@@ -191,11 +182,11 @@ def _pooling(args: argparse.Namespace, folder: str) -> str:
     return pooling
 
 
-def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) -> int:
+def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) -> tuple[int, Any]:
     """``--prompt-name`` checked against the model's prompts, the model against what runs on dynamic batches
     (:func:`~dynabatch.integrations.sentence_transformers.corpus_embedder`'s checks); ``--max-length``, or the max
     length sentence-transformers runs the folder at (``st``: it as :func:`_sentence_transformer` read it), refused
-    above its positions."""
+    above its positions. Returns that length and the model's own tokenization at it (the run's loader's)."""
     from dynabatch.integrations.sentence_transformers import corpus_embedder
     from dynabatch.memory.calibrate import check_positions
     from dynabatch.memory.shape import position_limit
@@ -221,7 +212,8 @@ def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) 
             raise
         raise bad_value("--max-length", f"given: the max_seq_length={length} sentence-transformers reads from the "
                         "folder is above the model's positions", None) from exc
-    return length
+    st.max_seq_length = length
+    return length, corpus_embedder(st, prompt_name=args.prompt_name, prompt=args.prompt)[0]
 
 
 def _max_length(args: argparse.Namespace, config: Any, folder: str, tokenizer: Any) -> int:
@@ -250,24 +242,17 @@ def _max_length(args: argparse.Namespace, config: Any, folder: str, tokenizer: A
 def _prepare(args: argparse.Namespace) -> _Job:
     """Every check of an embed job, in the order a user fixes them, and the store opened (its job lock taken); no
     weights load."""
-    check_positive(args, "batch_size", "max_length", "max_batch_tokens")
-    check_max_memory(args.max_memory, "--max-memory")
-    job.check_outputs(args)
-    corpus = open_corpus(args.input, args.format, exclude=args.output,
-                         keep=[c for c in (args.text_column, args.id_column) if c is not None])
-    corpus.require("--text-column", args.text_column, ("string",))
-    if args.id_column is not None:
-        corpus.require("--id-column", args.id_column, ("string", "integer"))
+    check_positive(args, "max_batch_tokens")
+    corpus = job.open_input(args, "--text-column", args.text_column, ("string",))
     with Output(args.output).checked() as output:  # made and written to: the next thing a user fixes
-        place = job.placement(check_device_names(args.devices))
-        check_max_memory(args.max_memory, "--max-memory", devices=place.devices)
+        place = job.place_job(args)
         folder, name = _model_folder(args.model)
         config = check_model_folder("--model", folder)
         pooling = _pooling(args, folder)
         dtype = check_dtype(args.dtype, place.accelerated)
         tokenizer = None
         if pooling == _ST:
-            max_length = _check_sentence_transformer(args, config, _sentence_transformer(folder))
+            max_length, loader_tokenizer = _check_sentence_transformer(args, config, _sentence_transformer(folder))
         else:
             from transformers import AutoTokenizer
 
@@ -275,14 +260,17 @@ def _prepare(args: argparse.Namespace) -> _Job:
             if tokenizer.pad_token is None and tokenizer.eos_token is not None:
                 tokenizer.pad_token = tokenizer.eos_token  # pooling reads the attention mask: padding never counts
             max_length = _max_length(args, config, folder, tokenizer)
+            loader_tokenizer = tokenizer
         settings = {"pooling": pooling, "normalize": args.normalize, "dtype": str(dtype).removeprefix("torch."),
                     "max_length": max_length}
         if pooling == _ST:
             settings["prompt"] = json.dumps(args.prompt) if args.prompt is not None else args.prompt_name
         key = job.job_key("embed", folder, **settings)
-        ids = corpus.ids(args.id_column) if args.id_column is not None else None
-        output.open(key=key, n=len(corpus), ids=ids)  # before the texts are read: a busy store now
+        ids = job.open_store(output, corpus, args, key)
         texts = corpus.texts(args.text_column)  # read once (into one memory-mapped file)
+        job.check_first_batch(texts, loader_tokenizer, config=config, dtype=dtype,
+                              device=place.devices[0], max_memory=args.max_memory, batch_size=args.batch_size,
+                              max_length=max_length, max_tokens=args.max_batch_tokens)
     return _Job(place, folder, name, config, pooling, dtype, max_length, texts, ids, key, output, tokenizer)
 
 
@@ -363,37 +351,30 @@ def _loader_options(args: argparse.Namespace, limit: int) -> dict[str, Any]:
 def embed_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Runs ``dynabatch embed``; returns the exit status."""
     start = time.perf_counter()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with refusing(parser):
-        if args.ray is not None:
-            from dynabatch.cli import on_ray  # Ray's path (torch and the actors' predictor): only when asked for
-
-            on_ray.check_arguments(args)
-        spec = _prepare(args)
+    spec = job.prepared("embed", args, parser, _prepare)
     from dynabatch.inference.loader import build_dynamic_batch_dataloader  # torch: once every option is checked
 
     place = spec.place
-    try:
-        if args.ray is not None:  # the same job, its actors on a Ray cluster
+    if args.ray is not None:  # the same job, its actors on a Ray cluster
+        from dynabatch.cli import on_ray
+
+        try:
             model = on_ray.ActorModel(_load, replace(spec, texts=None, ids=None, output=None),
                                       on_ray.plain(args), _loader_options)
             return on_ray.run_on_ray("embed", model=model, texts=spec.texts, ids=spec.ids, key=spec.key,
                                      output=spec.output, args=args, parser=parser, start=start, what="texts",
                                      model_line=spec.describe(spec.max_length), run_options={"token_outputs": "whole"})
-        with job.process_group(place):
-            tokenizer, limit, make_fn, model = _load(spec, args)
-            with refusing(parser):  # what only the loaded model can judge: one line, naming the flags
-                loader = build_dynamic_batch_dataloader(spec.texts, tokenizer, args.batch_size, limit, ids=spec.ids,
-                                                        model=model, max_memory=args.max_memory, stream=True,
-                                                        **_loader_options(args, limit), num_workers=0, progress=False)
-            spec.output.started = True
-            result, tally, error = job.run_accounted(
-                lambda: job.run_job(make_fn, loader, place, spec.output, key=spec.key, on_oom=args.on_oom,
-                                    on_error=args.on_error, token_outputs="whole",
-                                    progress=place.main and not args.no_progress),
-                spec.output, len(spec.texts), parser, what="texts", on_error=args.on_error)
-            columns = ["id" if spec.ids is not None else "position", "output"]
-            return job.finish("embed", result, tally, error, args, place, start=start, model=spec.describe(limit),
-                              what="texts", columns=columns)
-    finally:
-        spec.output.end()
+        finally:
+            spec.output.end()
+    with job.running(place, spec.output):
+        tokenizer, limit, make_fn, model = _load(spec, args)
+        with refusing(parser):  # what only the loaded model can judge: one line, naming the flags
+            loader = build_dynamic_batch_dataloader(spec.texts, tokenizer, args.batch_size, limit, ids=spec.ids,
+                                                    model=model, max_memory=args.max_memory, stream=True,
+                                                    **_loader_options(args, limit), num_workers=0, progress=False)
+        return job.conclude(
+            "embed", lambda: job.run_job(make_fn, loader, place, spec.output, key=spec.key, on_oom=args.on_oom,
+                                         on_error=args.on_error, token_outputs="whole",
+                                         progress=place.main and not args.no_progress),
+            args, parser, place, spec.output, n=len(spec.texts), start=start, model=spec.describe(limit),
+            what="texts", keyed=spec.ids is not None)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -38,16 +37,8 @@ import numpy as np
 
 from dynabatch._validation import bad_value
 from dynabatch.cli import job
-from dynabatch.cli._checks import (
-    check_device_names,
-    check_dtype,
-    check_model_folder,
-    check_positive,
-    refusing,
-)
-from dynabatch.cli.corpus import open_corpus
+from dynabatch.cli._checks import check_dtype, check_model_folder, check_positive
 from dynabatch.cli.output import Output
-from dynabatch.memory.units import check_max_memory
 
 __all__ = ["add_parser", "generate_command"]
 
@@ -62,13 +53,10 @@ _EXAMPLES = """examples:
 
 def add_parser(sub: Any) -> None:
     """The ``generate`` subcommand's options."""
-    p = sub.add_parser("generate", help="generate a reply to every prompt into a Parquet store (resumable)",
-                       description=_DESCRIPTION, epilog=_EXAMPLES,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    job.add_input_arguments(p, "prompt")
+    p = job.command_parser(sub, "generate", generate_command, help="generate a reply to every prompt into a Parquet "
+                           "store (resumable)", description=_DESCRIPTION, examples=_EXAMPLES, item="prompt",
+                           rows="replies")
     p.add_argument("--model", required=True, help="a local transformers model folder (causal or seq2seq LM)")
-    p.add_argument("--id-column", default=None,
-                   help="a column of unique ids (str or int) to key replies by; default: replies keyed by position")
     p.add_argument("--messages-column", default=None,
                    help="a column of chat conversations (lists of {role, content}) instead of --text-column")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply at most (default: 128)")
@@ -80,7 +68,6 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-length", type=int, default=None,
                    help="prompt tokens at most (default: the model's positions less --max-new-tokens)")
     job.add_run_arguments(p, "prompt", 16, "the device (default: the first GPU, else the CPU)")
-    p.set_defaults(command=generate_command, parser=p)
 
 
 def _check_sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -152,27 +139,15 @@ def _prompts(args: argparse.Namespace, corpus: Any, tokenizer: Any) -> list[Any]
 
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     """Every check of a generate job, and the store opened (its job lock taken); no weights load."""
-    check_positive(args, "batch_size", "max_length", "max_new_tokens", "top_k")
-    check_max_memory(args.max_memory, "--max-memory")
+    check_positive(args, "max_new_tokens", "top_k")
     options = _check_sampling(args)
-    job.check_outputs(args)
-    column = args.messages_column if args.messages_column is not None else args.text_column
-    corpus = open_corpus(args.input, args.format, exclude=args.output,
-                         keep=[c for c in (column, args.id_column) if c is not None])
     if args.messages_column is None:
-        corpus.require("--text-column", args.text_column, ("string",))
+        corpus = job.open_input(args, "--text-column", args.text_column, ("string",))
     else:
-        corpus.require("--messages-column", args.messages_column, ("list",))
-    if args.id_column is not None:
-        corpus.require("--id-column", args.id_column, ("string", "integer"))
+        corpus = job.open_input(args, "--messages-column", args.messages_column, ("list",))
     with Output(args.output).checked() as output:  # made and written to: the next thing a user fixes
-        devices = check_device_names(args.devices)
-        if devices is not None and len(devices) > 1:
-            raise bad_value("--devices", "one device (generate runs on one device, or one rank per GPU under "
-                            "torchrun)", args.devices)
-        place = job.placement(devices)
-        place.devices = place.devices[:1]
-        check_max_memory(args.max_memory, "--max-memory", devices=place.devices)
+        place = job.place_job(args, one_device="one device (generate runs on one device, or one rank per GPU under "
+                              "torchrun)")
         config = check_model_folder("--model", args.model)
         dtype = check_dtype(args.dtype, place.accelerated)
         tokenizer = _tokenizer(args.model)
@@ -181,9 +156,11 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
                     "prompts": "messages" if args.messages_column is not None else "text",
                     **{k: v for k, v in options.items()}, **({"seed": args.seed} if args.sample else {})}
         key = job.job_key("generate", args.model, **settings)
-        ids = corpus.ids(args.id_column) if args.id_column is not None else None
-        output.open(key=key, n=len(corpus), ids=ids)
+        ids = job.open_store(output, corpus, args, key)
         prompts = _prompts(args, corpus, tokenizer)
+        job.check_first_batch(prompts if args.messages_column is None else None, tokenizer, config=config,
+                              dtype=dtype, device=place.devices[0], max_memory=args.max_memory,
+                              batch_size=args.batch_size, max_length=max_length, max_new_tokens=args.max_new_tokens)
     return {"place": place, "config": config, "dtype": dtype, "tokenizer": tokenizer, "max_length": max_length,
             "prompts": prompts, "ids": ids, "options": options, "key": key, "output": output}
 
@@ -191,37 +168,26 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
 def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Runs ``dynabatch generate``; returns the exit status."""
     start = time.perf_counter()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with refusing(parser):
-        if args.ray is not None:
-            from dynabatch.cli import on_ray
-
-            on_ray.check_arguments(args, "generate")
-        spec = _prepare(args)
+    spec = job.prepared("generate", args, parser, _prepare)
     import torch  # once every option is checked
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from dynabatch.inference.generation import generate
 
     place, config, output = spec["place"], spec["config"], spec["output"]
-    try:
-        with job.process_group(place):
-            auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
-            model = auto.from_pretrained(args.model, dtype=spec["dtype"]).to(place.devices[0]).eval()
-            torch.manual_seed(args.seed)  # this process's own generator: sampling draws from it
-            output.started = True
-            result, tally, error = job.run_accounted(
-                lambda: generate(model, spec["tokenizer"], spec["prompts"], batch_size=args.batch_size,
-                                 max_memory=args.max_memory,
-                                 max_input_token_length=spec["max_length"], device=place.devices[0], ids=spec["ids"],
-                                 output_path=output.store, key=spec["key"], on_oom=args.on_oom,
-                                 on_error=args.on_error, progress=place.main and not args.no_progress,
-                                 pad_token_id=spec["tokenizer"].pad_token_id, **spec["options"]),
-                output, len(spec["prompts"]), parser, what="replies", on_error=args.on_error)
-            model_line = (f"{Path(args.model).resolve().name}, {str(spec['dtype']).removeprefix('torch.')}, prompts "
-                          f"of {spec['max_length']} tokens at most, {args.max_new_tokens} new tokens at most, "
-                          + ("sampled" if args.sample else "greedy"))
-            return job.finish("generate", result, tally, error, args, place, start=start, model=model_line,
-                              what="replies", columns=["id" if spec["ids"] is not None else "position", "output"])
-    finally:
-        output.end()
+    with job.running(place, output):
+        auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+        model = auto.from_pretrained(args.model, dtype=spec["dtype"]).to(place.devices[0]).eval()
+        torch.manual_seed(args.seed)  # this process's own generator: sampling draws from it
+        model_line = (f"{Path(args.model).resolve().name}, {str(spec['dtype']).removeprefix('torch.')}, prompts "
+                      f"of {spec['max_length']} tokens at most, {args.max_new_tokens} new tokens at most, "
+                      + ("sampled" if args.sample else "greedy"))
+        return job.conclude(
+            "generate", lambda: generate(model, spec["tokenizer"], spec["prompts"], batch_size=args.batch_size,
+                                         max_memory=args.max_memory, max_input_token_length=spec["max_length"],
+                                         device=place.devices[0], ids=spec["ids"], output_path=output.store,
+                                         key=spec["key"], on_oom=args.on_oom, on_error=args.on_error,
+                                         progress=place.main and not args.no_progress,
+                                         pad_token_id=spec["tokenizer"].pad_token_id, **spec["options"]),
+            args, parser, place, output, n=len(spec["prompts"]), start=start, model=model_line, what="replies",
+            keyed=spec["ids"] is not None)

@@ -14,6 +14,17 @@
   ``--plot``, and the exit status: 0 when every input is stored or listed
   failed (with its cause, retried by a rerun), 1 otherwise.
 * :func:`add_input_arguments`, :func:`add_run_arguments`: the options every corpus job takes.
+
+The skeleton of a corpus command, so that a new command is one file of what is
+its own (its options, its model, its call):
+
+* :func:`command_parser` (then the command's options, then :func:`add_run_arguments`);
+* :func:`prepared` runs the command's checks in one line's refusal: :func:`open_input`
+  (the shared option checks, the corpus and its columns), :func:`place_job`
+  (the devices and ``--max-memory`` there), :func:`open_store` (the ids, the
+  store opened under the job's key), :func:`check_first_batch`;
+* :func:`running` around the model's load and the run, :func:`conclude` the
+  run accounted and summed up: the exit status.
 """
 
 from __future__ import annotations
@@ -36,9 +47,10 @@ from dynabatch._digest import FileDigests, fingerprint
 from dynabatch._validation import bad_value
 from dynabatch.cli.output import Output, Tally
 
-__all__ = ["MODEL_IDENTITY", "Placement", "add_input_arguments", "add_run_arguments", "check_outputs", "digest_cache",
-           "finish", "job_key", "model_digest", "model_files", "placement", "process_group", "run_accounted", "run_job",
-           "sampled_identity", "summary"]
+__all__ = ["MODEL_IDENTITY", "Placement", "add_input_arguments", "add_run_arguments", "check_first_batch",
+           "check_outputs", "command_parser", "conclude", "digest_cache", "finish", "job_key", "model_digest",
+           "model_files", "open_input", "open_store", "place_job", "placement", "prepared", "process_group",
+           "run_accounted", "run_job", "running", "sampled_identity", "summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,17 +58,30 @@ MODEL_IDENTITY = "v2"
 """The form of a job key's ``model=``: ``v2.`` and a digest of every byte of the model's files."""
 
 
+def command_parser(sub: Any, name: str, command: Callable[..., int], *, help: str, description: str,  # noqa: A002
+                   examples: str, item: str, rows: str) -> argparse.ArgumentParser:
+    """A corpus command's parser (``item``: "document", "prompt"; ``rows``: what the store keys, "rows", "replies"):
+    its input, its store and ``--id-column``; the command adds its own options, then :func:`add_run_arguments`."""
+    p = sub.add_parser(name, help=help, description=description, epilog=examples,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_input_arguments(p, item)
+    p.add_argument("--id-column", default=None,
+                   help=f"a column of unique ids (str or int) to key {rows} by; default: {rows} keyed by position")
+    p.set_defaults(command=command, parser=p)
+    return p
+
+
 def add_input_arguments(p: argparse.ArgumentParser, what: str) -> None:
     """The corpus in (``what``: "document", "prompt") and the store out."""
-    from dynabatch.cli.corpus import FORMATS
+    from dynabatch.data.corpus import FORMATS, SUFFIXES
 
-    p.add_argument("input", help="Parquet, CSV or TSV: a file, folder or glob; a JSONL file; a .txt file (one "
-                   f"{what} a line); or a datasets folder (save_to_disk)")
+    p.add_argument("input", help=f"a file, a folder or a glob of files ({', '.join(SUFFIXES)}), or a datasets folder "
+                   f"(save_to_disk); a .txt file is one {what} a line")
     p.add_argument("output", help="the store: a new folder, or this job's folder to resume it")
     p.add_argument("--text-column", default="text", help=f"the column of {what}s (default: text)")
     p.add_argument("--format", choices=FORMATS, default="auto",
-                   help="the input's format (default: auto, told by the suffix: .parquet, .csv, .tsv, .jsonl, .txt; "
-                   "--format text reads any file as one document a line)")
+                   help=f"the input's format (default: auto, told by the suffix; --format text reads any file as one "
+                   f"{what} a line)")
 
 
 def _memory_option(value: str) -> str | None:
@@ -98,6 +123,146 @@ def check_outputs(args: argparse.Namespace) -> None:
     if args.report is not None:
         check_writable("--report", args.report)
     check_plot(args.plot)
+
+
+def check_first_batch(texts: Any, tokenizer: Any, *, config: Any, dtype: Any, device: Any, max_memory: Any,
+                      batch_size: int, max_length: int, max_tokens: int | None = None, max_new_tokens: int = 0) -> None:
+    """Refuses, before any weights load, a ``max_tokens`` (``--max-batch-tokens``) or an absolute ``max_memory``
+    (``--max-memory``) that the run's first batch cannot keep, by the run's own rules: the loader's first chunk
+    (its longest texts by characters, :class:`~dynabatch.data.streaming.TokenStream`'s) tokenized as the loader
+    tokenizes it, planned by the loader's planner under the model's
+    :class:`~dynabatch.memory.footprint.Footprint` read from its ``config`` in ``dtype`` (no weights). The library
+    names its arguments; :func:`~dynabatch.cli._checks.as_flags` says them as flags.
+
+    ``texts``: what the loader is given; ``None`` (chat prompts, rendered by the run) judges one row of one token,
+    the least any prompt holds. A percentage is read on ``device`` now, before the weights take their share: the
+    run reads it again once they have, and refuses then what only the loaded model rules out.
+    """
+    import copy
+
+    import numpy as np
+
+    from dynabatch.data.streaming import FIRST_CHUNK
+    from dynabatch.data.text_source import open_texts
+    from dynabatch.data.tokenization import ParallelTokenizer
+    from dynabatch.memory.footprint import Footprint
+    from dynabatch.sampling.estimators import BudgetEstimator
+    from dynabatch.sampling.planner import BatchPlanner, PlanSettings
+
+    estimator = BudgetEstimator(Footprint.from_model(config, max_new_tokens=max_new_tokens, dtype=dtype),
+                                max_memory=max_memory, device=device)
+    if estimator.relative and max_tokens is None:
+        return
+    lengths = np.ones(1, dtype=np.int64)
+    if texts is not None:
+        source, _ = open_texts(texts, "skip")  # a text that is not one is the run's to refuse, by its rule
+        first = _longest_by_characters(source.char_lengths(), max(FIRST_CHUNK, 4 * batch_size))
+        if not first.size:
+            return
+        tokenize = ParallelTokenizer(copy.deepcopy(tokenizer), max_length, {}, cores=1)  # as the stream does
+        lengths = tokenize(source.take(first)).lengths
+    BatchPlanner(lengths, PlanSettings(batch_size, max_length, max_tokens=max_tokens), estimator).sizes()
+
+
+def prepared(command: str, args: argparse.Namespace, parser: argparse.ArgumentParser,
+             prepare: Callable[[argparse.Namespace], Any]) -> Any:
+    """``prepare(args)``: every check of a ``command`` job and its store opened, before any weights load; a refusal
+    is one line, exit status 2 (``--ray`` checked first, where given)."""
+    from dynabatch.cli._checks import refusing
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with refusing(parser):
+        if args.ray is not None:
+            from dynabatch.cli import on_ray  # Ray's path (torch and the actors' predictor): only when asked for
+
+            on_ray.check_arguments(args, command)
+        return prepare(args)
+
+
+def open_input(args: argparse.Namespace, flag: str, column: str, kinds: tuple[str, ...]) -> Any:
+    """The checks every corpus command makes of its options (``--batch-size``, ``--max-length``, ``--max-memory``,
+    ``--report``, ``--plot``), then its corpus opened (:mod:`dynabatch.cli.corpus`), with the column of its inputs
+    (``flag``: the option naming ``column``, of ``kinds``) and ``--id-column`` checked; no text read yet."""
+    from dynabatch.cli._checks import check_positive
+    from dynabatch.cli.corpus import open_corpus
+    from dynabatch.memory.units import check_max_memory
+
+    check_positive(args, "batch_size", "max_length")
+    check_max_memory(args.max_memory, "--max-memory")
+    check_outputs(args)
+    corpus = open_corpus(args.input, args.format, exclude=args.output,
+                         keep=[c for c in (column, args.id_column) if c is not None])
+    corpus.require(flag, column, kinds)
+    if args.id_column is not None:
+        corpus.require("--id-column", args.id_column, ("string", "integer"))
+    return corpus
+
+
+def place_job(args: argparse.Namespace, *, one_device: str | None = None) -> Placement:
+    """Where the job runs (:func:`placement` of ``--devices``), ``--max-memory`` checked there; ``one_device``: the
+    rule of a command that runs on one device (more refused, naming it)."""
+    from dynabatch.cli._checks import check_device_names
+    from dynabatch.memory.units import check_max_memory
+
+    devices = check_device_names(args.devices)
+    if one_device is not None and devices is not None and len(devices) > 1:
+        raise bad_value("--devices", one_device, args.devices)
+    place = placement(devices)
+    if one_device is not None:
+        place.devices = place.devices[:1]
+    check_max_memory(args.max_memory, "--max-memory", devices=place.devices)
+    return place
+
+
+def open_store(output: Output, corpus: Any, args: argparse.Namespace, key: str) -> Any:
+    """The ids of ``--id-column`` (``None`` without it), and ``output``'s store opened under ``key`` for the corpus,
+    before its texts are read: a store another job writes is refused now."""
+    ids = corpus.ids(args.id_column) if args.id_column is not None else None
+    output.open(key=key, n=len(corpus), ids=ids)
+    return ids
+
+
+@contextlib.contextmanager
+def running(place: Placement, output: Output) -> Iterator[None]:
+    """Around the model's load and the run: ``torch.distributed`` under ``torchrun``, and the store closed after
+    (taken back, where the run never began)."""
+    try:
+        with process_group(place):
+            yield
+    finally:
+        output.end()
+
+
+def conclude(command: str, call: Callable[[], Any], args: argparse.Namespace, parser: argparse.ArgumentParser,
+             place: Placement, output: Output, *, n: int, start: float, model: str, what: str, keyed: bool) -> int:
+    """Runs ``call()`` (the run of the ``n`` inputs into ``output``'s store) and ends the job: what the store holds
+    (:func:`run_accounted`), ``--report``, ``--plot`` and the summary (:func:`finish`); returns the exit status.
+    ``keyed``: rows keyed by ``--id-column`` (else by position)."""
+    output.started = True
+    result, tally, error = run_accounted(call, output, n, parser, what=what, on_error=args.on_error)
+    return finish(command, result, tally, error, args, place, start=start, model=model, what=what,
+                  columns=["id" if keyed else "position", "output"])
+
+
+def _longest_by_characters(chars: Any, k: int) -> Any:
+    """The positions of the streaming loader's first chunk: the ``k`` texts longest in characters, ties to the
+    earlier position (:class:`~dynabatch.data.streaming.TokenStream`'s stable order), texts that are not str (``-1``)
+    left out; found in linear time, no sort of the corpus.
+
+    Example:
+        >>> import numpy as np
+        >>> _longest_by_characters(np.array([3, 9, 5, 9, -1, 5]), 3).tolist()
+        [1, 3, 2]
+    """
+    import numpy as np
+
+    k = min(k, int((chars >= 0).sum()))
+    if k == 0:
+        return np.zeros(0, dtype=np.int64)
+    kth = np.partition(chars, len(chars) - k)[len(chars) - k]  # the k-th longest
+    above = np.flatnonzero(chars > kth)
+    first = np.concatenate([above, np.flatnonzero(chars == kth)[: k - len(above)]])
+    return first[np.argsort(-chars[first], kind="stable")]
 
 
 @dataclass

@@ -35,13 +35,12 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_value
+from dynabatch._validation import bad_value, first_few
 from dynabatch.inference.results import Accounting, account
 from dynabatch.inference.store_lock import StoreBusyError
 
 __all__ = ["Output", "Tally"]
 
-_FEW = 5
 _SETTING = re.compile(r'(\S+?)=("(?:[^"\\]|\\.)*"|\S*)')  # name=value; a JSON string value may hold spaces
 
 
@@ -145,8 +144,8 @@ class Tally(Accounting):
         """The first ids (or positions) of ``positions``, for a message."""
         positions = list(positions)
         what = "ids" if self.ids is not None else "positions"
-        names = ", ".join(map(repr if self.ids is not None else str, self.names(positions[:_FEW])))
-        return f"{what} {names}" + (", ..." if len(positions) > _FEW else "")
+        names = list(map(repr if self.ids is not None else str, self.names(positions[:6])))  # 5 shown, then "..."
+        return f"{what} {first_few(names)}"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the counts, each failed input with its cause, each missing input (position, and id)."""

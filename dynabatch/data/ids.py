@@ -22,12 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, brief
+from dynabatch._validation import bad_type, bad_value, brief, first_few
 
 __all__ = ["check_ids"]
 
 _RULE = "a sequence of str or of int, one per text (a list, numpy array, pandas Series or Arrow array)"
-_FEW = 5
 
 
 def _as_arrow(ids: Any) -> Any:
@@ -71,8 +70,8 @@ def check_ids(ids: Any, n: int) -> Any:
         raise bad_value("len(ids)", f"len(texts)={n}, one id per text", len(array))
     if array.null_count:
         missing = np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))
-        shown = ", ".join(str(p) for p in missing[:_FEW].tolist()) + (", ..." if missing.size > _FEW else "")
-        raise ValueError(f"ids should give every text an id, but got {missing.size} missing (None) at positions {shown}")
+        raise ValueError(f"ids should give every text an id, but got {missing.size} missing (None) at positions "
+                         f"{first_few(missing)}")
     unique = pc.unique(array)
     if len(unique) == n:
         return array
@@ -81,7 +80,6 @@ def check_ids(ids: Any, n: int) -> Any:
     repeated = np.flatnonzero(counts > 1)
     first = int(repeated[0])
     where = np.flatnonzero(group == first)
-    shown = ", ".join(str(p) for p in where[:_FEW].tolist()) + (", ..." if where.size > _FEW else "")
     noun = "id" if repeated.size == 1 else "ids"
     raise ValueError(f"ids should be unique (one stable id per text), but got {repeated.size} {noun} given to several "
-                     f"texts (first: {unique[first].as_py()!r} at positions {shown})")
+                     f"texts (first: {unique[first].as_py()!r} at positions {first_few(where)})")

@@ -1,19 +1,19 @@
-"""Texts by position, for a corpus too large to hold as Python strings: :class:`TextSource` and :func:`read_texts`.
+"""Texts by position, for a corpus too large to hold as Python strings: :class:`TextSource` and :func:`source_of`.
 
 A :class:`TextSource` is what the streaming loader reads texts from: their
 character lengths (the cheap proxy that orders tokenization, longest first)
 and the texts at given positions, one chunk at a time. It holds either a
 Python list as it was given, or an Arrow string array: a ``datasets.Dataset``
 column (memory-mapped from its cache files), a ``pyarrow`` array or table
-column, or what :func:`read_texts` writes from Parquet files or an iterable of
+column, or what :func:`source_of` writes from Parquet files or an iterable of
 str into one Arrow IPC file and memory-maps, so the texts live in the page
 cache, not in the Python heap: the pages a read touches are handed back after
 it (``madvise``), so the process's resident memory does not grow with the
 corpus as its texts are read.
 
 Example:
-    >>> from dynabatch.data.text_source import read_texts
-    >>> source = read_texts(iter(["In the beginning", "God", None]))  # any iterable, read in chunks
+    >>> from dynabatch.data.text_source import source_of
+    >>> source = source_of(iter(["In the beginning", "God", None]))  # any iterable, read in chunks
     >>> len(source), source.char_lengths().tolist(), source.bad().tolist()
     (3, [16, 3, -1], [2])
     >>> source.take([1, 0])
@@ -40,9 +40,11 @@ from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.tokenization import as_items, plain_text, report_skipped, split_bad_texts, validate_texts
 
-__all__ = ["TextSource", "check_on_bad_input", "is_text_source", "open_texts", "parquet_paths", "read_texts"]
+__all__ = ["SPILL_ROWS", "TextSource", "check_on_bad_input", "is_text_source", "open_texts", "parquet_paths",
+           "source_of"]
 
-_SPILL_ROWS = 8192  # texts per Arrow record batch when an iterable or Parquet files are read in
+SPILL_ROWS = 8192
+"""Texts per Arrow record batch when an iterable or Parquet files are read in."""
 
 
 def _is_arrow_strings(values: Any) -> bool:
@@ -179,7 +181,7 @@ def open_texts(texts: Any, on_bad_input: str = "raise") -> tuple[TextSource, np.
 
     Args:
         texts: a list (or tuple, pandas Series, 1-D numpy array, other
-            sequence) of str, or what :func:`read_texts` reads (a ``datasets.Dataset``,
+            sequence) of str, or what :func:`source_of` reads (a ``datasets.Dataset``,
             an Arrow string array, an iterator, a :class:`TextSource`).
         on_bad_input: ``"raise"`` a ``TypeError`` naming how many bad inputs
             there are and the first ten positions, or ``"skip"`` them (logged).
@@ -194,7 +196,7 @@ def open_texts(texts: Any, on_bad_input: str = "raise") -> tuple[TextSource, np.
         (3, [1], ['a', '', 'b'])
     """
     check_on_bad_input(on_bad_input)
-    source = read_texts(texts) if is_text_source(texts) else TextSource(texts)
+    source = source_of(texts) if is_text_source(texts) else TextSource(texts)
     bad = source.bad()
     if bad.size and on_bad_input == "raise":
         if source.items is not None:
@@ -258,8 +260,9 @@ def parquet_paths(source: Any) -> list[str] | None:
     return paths
 
 
-def read_texts(source: Any, column: str = "text", *, chunk_size: int = _SPILL_ROWS) -> TextSource:
-    """Texts from wherever they are, as a :class:`TextSource` the loader streams from, never all as Python str.
+def source_of(source: Any, column: str = "text", *, chunk_size: int = SPILL_ROWS) -> TextSource:
+    """Texts in memory or in Parquet files, as a :class:`TextSource` the loader streams from, never all as Python
+    str (:func:`dynabatch.read_texts` reads every format of files, through this for what they hold).
 
     Args:
         source: Parquet files (a path, a directory, a glob such as

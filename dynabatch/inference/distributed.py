@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dynabatch._digest import fingerprint
-from dynabatch._validation import bad_type, bad_value, check_non_negative_int
+from dynabatch._validation import bad_type, bad_value, check_non_negative_int, first_few
 from dynabatch.data.order import as_positions
 from dynabatch.inference.outputs import to_cpu
 from dynabatch.sampling.chunked_planner import ChunkedPlanner
@@ -28,7 +28,6 @@ __all__ = ["CLAIM_CHUNK", "check_same_batches", "chunk_claims", "claimed_planner
 
 logger = logging.getLogger(__name__)
 
-_FEW = 5  # how many offending positions an error message names
 _CLAIM_COUNTERS = itertools.count()  # one counter per run(ranks='claim') call, the same on every rank
 
 CLAIM_CHUNK = 2048
@@ -50,11 +49,6 @@ def world() -> tuple[int, int]:
     return resolve_world(None, None)
 
 
-def _few(values: Sequence[Any]) -> str:
-    shown = ", ".join(str(v) for v in values[:_FEW])
-    return shown + (", ..." if len(values) > _FEW else "")
-
-
 def _check_cover(shares: list[np.ndarray], n: int, *, complete: bool = True) -> None:
     """Raises ValueError unless the ranks' positions are ``range(n)`` (``complete=False``: in it), each once."""
     ranks = np.concatenate([np.full(len(p), r, dtype=np.int64) for r, p in enumerate(shares)])
@@ -62,24 +56,24 @@ def _check_cover(shares: list[np.ndarray], n: int, *, complete: bool = True) -> 
     where = " across ranks" if len(shares) > 1 else ""
     outside = np.flatnonzero((flat < 0) | (flat >= n))
     if outside.size:
-        names = [f"{int(flat[i])} (rank {int(ranks[i])})" for i in outside[:_FEW + 1]]
+        names = [f"{int(flat[i])} (rank {int(ranks[i])})" for i in outside[:6]]  # first_few shows 5, then "..."
         raise ValueError(f"positions should be in range(n_inputs={n}), but got {outside.size} outside it "
-                         f"(first few: {_few(names)})")
+                         f"(first few: {first_few(names)})")
     order = np.argsort(flat, kind="stable")
     ordered = flat[order]
     counts = np.bincount(flat, minlength=n)
     repeated = np.flatnonzero(counts > 1)
     if repeated.size:
         names = []
-        for p in repeated[:_FEW + 1].tolist():
+        for p in repeated[:6].tolist():
             lo, hi = np.searchsorted(ordered, [p, p + 1])
             names.append(f"{p} (ranks {sorted(ranks[order[lo:hi]].tolist())})")
         raise ValueError(f"positions should each be computed exactly once{where}, but got {repeated.size} "
-                         f"computed more than once (first few: {_few(names)})")
+                         f"computed more than once (first few: {first_few(names)})")
     missing = np.flatnonzero(counts == 0) if complete else np.zeros(0, dtype=np.int64)
     if missing.size:
         raise ValueError(f"positions should cover range(n_inputs={n}){where}, but got {missing.size} missing "
-                         f"(first few: {_few(missing[:_FEW + 1].tolist())})")
+                         f"(first few: {first_few(missing)})")
 
 
 def _check_local(positions: Any, results: Any, n_inputs: Any) -> tuple[np.ndarray, int]:

@@ -76,7 +76,7 @@ from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.results import RunResult, StoredRunResult
 from dynabatch.inference.runner import run
-from dynabatch.memory.budget import resolve_max_memory
+from dynabatch.memory.budget import is_absolute
 from dynabatch.memory.units import check_max_memory
 from dynabatch.memory.footprint import Footprint
 from dynabatch.memory.shape import ModelShape, check_position_limit, position_limit
@@ -198,19 +198,18 @@ def reply_ids(sequences: torch.Tensor, prompt_width: int, *, encoder_decoder: bo
     return replies
 
 
-def _absolute_budget(model: Any, max_memory: Any, device: Any, new_tokens: int | None,
-                     generate_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The loader's options for ``max_memory`` read on ``device`` now: an absolute budget in bytes with the model's
-    footprint of this ``generate`` call, or nothing (the relative rule)."""
-    budget = resolve_max_memory(max_memory, device)
-    if budget is None:
+def _memory_options(model: Any, max_memory: Any, device: Any, new_tokens: int | None,
+                    generate_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The loader's options for ``max_memory``: where it is an absolute budget on ``device``, passed through as
+    given with the model's footprint of this ``generate`` call (the run reads the budget on its device once, as it
+    starts: the scheduler's one decision); else nothing (the relative rule)."""
+    if not is_absolute(max_memory, device):
         return {}
     if new_tokens is None:  # generate's own limit: max_length counts the prompt too, so this errs high
         new_tokens = int(getattr(getattr(model, "generation_config", None), "max_length", None) or 20)
     footprint = Footprint.from_model(model, max_new_tokens=new_tokens, num_beams=generate_kwargs.get("num_beams") or 1,
                                      num_return_sequences=generate_kwargs.get("num_return_sequences") or 1)
-    logger.info("generate: batches planned under %.0f MB (max_memory=%r on %s)", budget / 1e6, max_memory, device)
-    return {"memory_model": footprint, "max_memory": budget}
+    return {"memory_model": footprint, "max_memory": max_memory}
 
 
 def _check_model(model: Any) -> bool:
@@ -301,11 +300,11 @@ def generate(
     shape = ModelShape.from_model(model, max_new_tokens=new_tokens or 0, num_beams=generate_kwargs.get("num_beams", 1))
     if device is None:
         device = getattr(model, "device", None)
-    budget = _absolute_budget(model, max_memory, device, new_tokens, generate_kwargs)
+    memory_options = _memory_options(model, max_memory, device, new_tokens, generate_kwargs)
     padder = _padding_tokenizer(tokenizer, encoder_decoder)
     loader = build_dynamic_batch_dataloader(
         texts, padder, batch_size, max_input_token_length, num_workers=0, progress=progress, model_shape=shape, ids=ids,
-        **budget, **({"add_special_tokens": False} if kind == "chat" else {}),
+        **memory_options, **({"add_special_tokens": False} if kind == "chat" else {}),
     )
     eos_ids = _eos_ids(model, generate_kwargs)
     stops_early = any(generate_kwargs.get(name) is not None for name in _STOPS_WITHOUT_EOS)

@@ -316,7 +316,7 @@ def build_dynamic_batch_dataloader(
             planned when its tokens are in; a batch never spans two chunks.
             ``None`` (auto): for more than 16,384 texts, and always for texts
             read from files, a ``datasets.Dataset``, an Arrow array or an
-            iterator (:func:`~dynabatch.data.text_source.read_texts`). The
+            iterator (:func:`~dynabatch.data.corpus.read_texts`). The
             loader then builds its batches in this process, and ``len(loader)``
             waits for the whole plan. Not with ``shuffle`` nor pre-tokenized texts.
         tokenize_cores: cores to tokenize on, at most; ``None``: every core this

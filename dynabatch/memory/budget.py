@@ -70,6 +70,7 @@ __all__ = [
     "BudgetTooSmallError",
     "MemoryBudget",
     "check_memory_margin",
+    "is_absolute",
     "parse_memory",
     "resolve_max_memory",
     "rows_under",
@@ -82,6 +83,19 @@ AUTO_SHARE = "90%"
 ``gpu_memory_utilization`` is 0.9); batches are planned to ``(1 - memory_margin)`` of it."""
 class BudgetTooSmallError(ValueError):
     """A budget smaller than one row of the longest text (:meth:`MemoryBudget.check_one_row`)."""
+
+
+def is_absolute(value: Any, device: Any = None) -> bool:
+    """Whether ``max_memory`` sets an absolute budget on ``device`` (default: the first accelerator, else the CPU),
+    as :func:`resolve_max_memory` decides it there, without reading the device's free memory: ``None`` and
+    ``"auto"`` on a device without memory of its own are the relative rule.
+
+    Example:
+        >>> is_absolute("auto", "cpu"), is_absolute("2GiB", "cpu"), is_absolute(None)
+        (False, True, False)
+    """
+    on = device if device is not None else (default_accelerator() or "cpu")
+    return value is not None and not (isinstance(value, str) and value == "auto" and not knows_memory(on))
 
 
 def resolve_max_memory(value: Any, device: Any = None, name: str = "max_memory") -> float | None:
@@ -107,14 +121,13 @@ def resolve_max_memory(value: Any, device: Any = None, name: str = "max_memory")
         ValueError: max_memory should be bytes or a size such as '20GB' on cpu (no device memory is known there: a percentage is a share of a device's free memory), but got max_memory='90%'
     """
     check_max_memory(value, name)
-    if value is None:
-        return None
     on = device if device is not None else (default_accelerator() or "cpu")
-    if isinstance(value, str) and value == "auto":
-        if not knows_memory(on):
+    if not is_absolute(value, on):
+        if value is not None:
             logger.info("%s='auto' on %s, which has no memory of its own: batches stay under the first batch's "
                         "measured peak (the relative rule)", name, on)
-            return None
+        return None
+    if isinstance(value, str) and value == "auto":
         value = AUTO_SHARE
     return parse_memory(value, name, device=on)
 

@@ -86,7 +86,7 @@ def test_an_unknown_suffix_is_refused_naming_the_formats_and_format_text_reads_l
     path = tmp_path / "docs.dat"
     path.write_text("id,text\n1,hello world\n")
     with pytest.raises(ValueError, match=r"input should be a file whose suffix names its format, or given --format "
-                                         r"parquet, csv, tsv, jsonl, text \(one document a line\) or datasets; "
+                                         r"parquet, csv, tsv, jsonl, arrow, text \(one document a line\) or datasets; "
                                          r"suffixes \.parquet, \.csv, .*\.txt, but got input="):
         open_corpus(str(path))
     lines = open_corpus(str(path), "text")

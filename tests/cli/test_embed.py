@@ -453,7 +453,7 @@ def test_an_unknown_suffix_is_refused_naming_the_formats(bert_dir, tmp_path, cap
     (tmp_path / "docs.dat").write_text("id,text\n1,hello world\n")
     err = _refused(["embed", str(tmp_path / "docs.dat"), str(tmp_path / "out"), "--model", str(bert_dir)], capsys)
     assert err.startswith("input should be a file whose suffix names its format, or given --format parquet, csv, tsv, "
-                          "jsonl, text (one document a line) or datasets; suffixes .parquet, .csv, .tsv")
+                          "jsonl, arrow, text (one document a line) or datasets; suffixes .parquet, .csv, .tsv")
     assert not (tmp_path / "out").exists()
 
 

@@ -1,6 +1,6 @@
-"""Every refusal of a command-line value: one line on stderr, exit status 2, naming the flag as typed; before any
-model loads wherever the value can be judged without the model (a percentage by the devices chosen), else once the
-model is loaded, still naming the flags, never the library's arguments."""
+"""Every refusal of a command-line value: one line on stderr, exit status 2, naming the flag as typed (never the
+library's arguments), before any model loads: a percentage judged by the devices chosen, a token cap and an absolute
+budget by the first batch's tokens and the model's config."""
 
 from __future__ import annotations
 
@@ -71,18 +71,33 @@ def test_a_bad_value_of_any_numeric_flag_is_one_line_naming_it_before_any_model_
 _LIBRARY_NAME = re.compile(r"(?<![\w-])(" + "|".join(FLAGS) + r")(?!\w)")
 
 
-def test_values_only_the_loaded_model_judges_are_one_line_naming_the_flags_not_the_librarys_arguments(
-        inputs, capsys):
-    tokens = _one_line([*inputs["embed"], "--max-batch-tokens", "3", "--no-progress"], capsys, "embed", True)
-    assert tokens.startswith("--max-batch-tokens should be at least 2 x ") and "--batch-size=2" in tokens, tokens
-    assert "a smaller --batch-size or a smaller --max-length, but got --max-batch-tokens=3" in tokens, tokens
-    for command in ("embed", "generate"):
-        memory = _one_line([*inputs[command], "--max-memory", "1KB", "--no-progress"], capsys, command, True)
-        assert memory.startswith("--max-memory should be at least one row of the longest text"), memory
-        # generate() hands the loader the budget it resolved: the bytes of 1KB
-        said = r"or --max-memory=none \(the relative rule\), but got --max-memory=('1KB'|1000\.0)$"
-        assert re.search(said, memory), memory
-        assert not _LIBRARY_NAME.search(memory) and not _LIBRARY_NAME.search(tokens), (memory, tokens)
+@pytest.fixture(params=["transformers", "sentence-transformers"])
+def embed_model(request, bert_dir, st_model_folder):
+    return str(bert_dir) if request.param == "transformers" else str(st_model_folder(max_seq_length=64))
+
+
+def test_a_token_cap_below_the_first_batch_is_one_line_naming_the_flags_before_any_model_loads(
+        inputs, embed_model, tmp_path, capsys, no_model_loads, monkeypatch):
+    argv = [*inputs["embed"][:-1], embed_model, "--batch-size", "2", "--no-progress"]
+    tokens = _one_line([*argv, "--max-batch-tokens", "3"], capsys, "embed")
+    least = re.fullmatch(r"--max-batch-tokens should be at least 2 x (\d+) = (\d+) padded tokens \(the first batch, "
+                         r"the --batch-size=2 longest texts \1 tokens wide\); pass a larger --max-batch-tokens, a "
+                         r"smaller --batch-size or a smaller --max-length, but got --max-batch-tokens=3", tokens)
+    assert least is not None, tokens
+    assert not (tmp_path / "out").exists()  # the folder the job made is taken back
+    monkeypatch.undo()  # the model loads: the least the first batch holds runs
+    assert main([*argv, "--max-batch-tokens", least.group(2)]) == 0
+    assert "2 of 2 texts stored" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["embed", "generate"])
+def test_an_absolute_budget_below_one_row_is_one_line_naming_the_flag_before_any_model_loads(
+        inputs, command, tmp_path, capsys, no_model_loads):
+    memory = _one_line([*inputs[command], "--max-memory", "1KB", "--no-progress"], capsys, command)
+    assert memory.startswith("--max-memory should be at least one row of the longest text"), memory
+    assert re.search(r"or --max-memory=none \(the relative rule\), but got --max-memory='1KB'$", memory), memory
+    assert not _LIBRARY_NAME.search(memory), memory
+    assert not (tmp_path / "out").exists()
 
 
 def test_max_memory_none_is_the_relative_rule(inputs, capsys):

@@ -1,10 +1,12 @@
-"""TextSource and read_texts: texts by position from lists, Arrow, datasets, Parquet files and iterators."""
+"""TextSource and read_texts: texts by position from lists, Arrow, datasets, Parquet files and iterators (every other
+format of files: tests/data/test_corpus.py)."""
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dynabatch.data.text_source import TextSource, is_text_source, read_texts
+from dynabatch import read_texts
+from dynabatch.data.text_source import TextSource, is_text_source
 
 TEXTS = ["In the beginning", "", "And God said, Let there be light", "é€"]
 
@@ -67,7 +69,9 @@ def test_what_streams():
         (iter(["a", 3]), {}, TypeError,
          r"^texts\[1\] should be a str \(or None, a bad input\), but got texts\[1\]=3 of type int$"),
         (iter([]), {}, ValueError, r"^source should hold at least one text, but got none$"),
-        ("missing.parquet", {}, ValueError, r"^source should be existing Parquet files"),
+        ("missing.parquet", {}, ValueError, r"^source should be an existing file, folder or glob, but got "
+                                            r"source='missing.parquet'$"),
+        (["missing.parquet"], {}, ValueError, r"^source should be existing Parquet files"),
         (42, {}, TypeError, r"^source should be Parquet paths, a datasets.Dataset"),
         (["a"], {"column": 1}, TypeError, r"^column should be a str naming the text column"),
     ],
@@ -79,8 +83,11 @@ def test_bad_sources_are_refused(source, kwargs, error, match):
 
 def test_parquet_column_of_numbers_is_refused(tmp_path):
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
-    with pytest.raises(TypeError, match=r"^column should be a column of strings \(in n.parquet it is int64\)"):
+    with pytest.raises(ValueError, match=r"^column should be a column of string values \(the input's 'text' holds "
+                                         r"int64\), but got column='text'$"):
         read_texts(tmp_path / "n.parquet")
+    with pytest.raises(TypeError, match=r"^column should be a column of strings \(in n.parquet it is int64\)"):
+        read_texts([tmp_path / "n.parquet"])
 
 
 def test_a_spilled_source_hands_its_pages_back_after_each_record_batch_read():

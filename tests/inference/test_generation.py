@@ -188,6 +188,16 @@ def test_a_limit_above_the_model_positions_is_refused_before_anything_runs(llama
     assert len(reply[0]) == 16
 
 
+def test_an_absolute_budget_is_passed_through_as_given_and_judged_by_the_run(llama, chat_tokenizer, prompts):
+    # generate resolves no budget itself: the loader and the run read max_memory as the user wrote it
+    with pytest.raises(ValueError, match=r"^max_memory should be at least one row of the longest text .* but got "
+                                         r"max_memory='1KB'$"):
+        dynabatch.generate(llama, chat_tokenizer, prompts, max_memory="1KB", max_new_tokens=2, progress=False)
+    replies = dynabatch.generate(llama, chat_tokenizer, prompts, max_memory="2GiB", max_new_tokens=2,
+                                 progress=False)
+    assert len(replies) == len(prompts) and replies.report.batches >= 1
+
+
 def test_replies_resume_from_the_store_and_another_key_is_refused(llama, chat_tokenizer, frequent, prompts, tmp_path):
     kwargs = {"batch_size": 4, "max_new_tokens": NEW, "do_sample": False, "eos_token_id": frequent, "progress": False}
     store = tmp_path / "replies"

@@ -1,0 +1,96 @@
+"""The format layer: ``dynabatch.read_texts`` reads every format the command line reads (CSV, TSV, JSONL, Arrow, text
+lines, Parquet, a ``datasets`` folder), into Arrow (never one Python str a text), with the command's refusals naming
+the library's arguments (the flags' naming: tests/cli/test_corpus.py)."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pyarrow as pa
+import pyarrow.feather as feather
+import pyarrow.parquet as pq
+import pytest
+
+from dynabatch import read_texts
+from dynabatch.data.corpus import FORMATS, SUFFIXES, open_corpus
+
+TEXTS = ["In the beginning", "", "And God said, \"Let there be light\"", "é€"]
+
+
+def _write(folder, kind):
+    """``TEXTS`` (with ids) in format ``kind``: the path to read and the format to pass (``auto``: the suffix)."""
+    ids = [f"d{i}" for i in range(len(TEXTS))]
+    table = pa.table({"id": ids, "text": TEXTS})
+    if kind in ("csv", "tsv"):
+        path = folder / f"docs.{kind}"
+        with open(path, "w", newline="", encoding="utf-8") as out:
+            writer = csv.writer(out, delimiter="," if kind == "csv" else "\t")
+            writer.writerows([["id", "text"], *zip(ids, TEXTS)])
+    elif kind == "jsonl":
+        path = folder / "docs.jsonl"
+        path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in zip(ids, TEXTS)))
+    elif kind == "arrow":
+        path = folder / "docs.feather"
+        feather.write_feather(table, path)
+    elif kind == "text":
+        path = folder / "docs.txt"
+        path.write_text("".join(t + "\n" for t in TEXTS), encoding="utf-8")
+    elif kind == "parquet":
+        path = folder / "parquet"
+        path.mkdir()
+        pq.write_table(table.slice(0, 2), path / "a.parquet")
+        pq.write_table(table.slice(2), path / "b.parquet")
+    else:
+        import datasets
+
+        path = folder / "saved"
+        datasets.Dataset(table).save_to_disk(str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", [f for f in FORMATS if f != "auto"])
+def test_every_format_the_command_line_reads_gives_the_same_texts_in_arrow(tmp_path, kind):
+    path = _write(tmp_path, kind)
+    source = read_texts(path)
+    assert source.take(range(len(TEXTS))) == TEXTS
+    assert source.char_lengths().tolist() == [len(t) for t in TEXTS]
+    assert source.items is None  # Arrow, never a Python str a text
+    assert read_texts(str(path), format=kind).take([2]) == [TEXTS[2]]  # the format named, the same texts
+    if kind != "text":
+        assert open_corpus(path).ids("id").to_pylist() == [f"d{i}" for i in range(len(TEXTS))]
+
+
+def test_an_arrow_stream_file_is_read_too(tmp_path):
+    path = tmp_path / "docs.arrow"
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, pa.schema([("text", pa.string())])) as writer:
+        writer.write_table(pa.table({"text": TEXTS}))
+    assert read_texts(path).take([0, 3]) == [TEXTS[0], TEXTS[3]]
+
+
+def test_refusals_name_the_librarys_arguments(tmp_path):
+    (tmp_path / "docs.dat").write_text("a text\n")
+    with pytest.raises(ValueError, match=r"^source should be a file whose suffix names its format, or given format "
+                                         r"parquet, csv, tsv, jsonl, arrow, text \(one document a line\) or datasets; "
+                                         rf"suffixes {', '.join(SUFFIXES)}, but got source="):
+        read_texts(tmp_path / "docs.dat")
+    assert read_texts(tmp_path / "docs.dat", format="text").take([0]) == ["a text"]  # named, never guessed
+    with pytest.raises(ValueError, match=r"^format should be one of \("):
+        read_texts(tmp_path / "docs.dat", format="xml")
+    with pytest.raises(ValueError, match=r"^format should be 'auto' for a source that is not a path"):
+        read_texts(["a"], format="csv")
+    (tmp_path / "docs.jsonl").write_text('{"text": "a"}\n{"text": null}\n{"body": "c"}\n')
+    with pytest.raises(ValueError, match=r"^column should name a column without missing texts, but got "
+                                         r"column='text' with 2 missing \(null\) texts, at rows 1, 2: fill or drop"):
+        read_texts(tmp_path / "docs.jsonl")
+    with pytest.raises(ValueError, match=r"^column should be a column of the input \['body', 'text'\], but got "
+                                         r"column='title'$"):
+        read_texts(tmp_path / "docs.jsonl", column="title")
+
+
+def test_a_malformed_jsonl_line_is_named_by_its_line(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "a"}\n{"text": "b"}\n{"text": "no end\n')
+    with pytest.raises(ValueError, match=r"^source should be a JSONL file \(one JSON object a line\), but got "
+                                         r"source='.*docs.jsonl': line 3, column 10: Unterminated string"):
+        read_texts(path)
