@@ -111,3 +111,21 @@ def test_close_with_cancel_drops_the_waiting_jobs_and_stops_the_thread():
     assert done == [0] and not _alive("worker-cancel")
     with pytest.raises(RuntimeError, match="^worker-cancel: closed, it takes no more jobs$"):
         worker.submit(print)
+
+
+def test_run_in_threads_stops_the_other_jobs_on_an_error_and_raises_it_once_every_thread_ended():
+    from dynabatch._background import run_in_threads
+
+    stop, ended = threading.Event(), []
+
+    def failing():
+        raise ValueError("job failed")
+
+    def waiting():
+        assert stop.wait(5)  # set by the other job's error, not by the timeout
+        ended.append("waiting")
+
+    with pytest.raises(ValueError, match="job failed"):
+        run_in_threads([failing, waiting], stop, names=["example-fail", "example-wait"])
+    assert ended == ["waiting"]
+    assert not any(t.name.startswith("example-") for t in threading.enumerate())

@@ -254,13 +254,10 @@ def claimed_planner(plan: Any) -> tuple[ChunkedPlanner, Any]:
 
 
 class Lockstep:
-    """Drives one rank's executor in rounds, so that ranks running ``fn`` with collectives inside stay matched.
-
-    Each round every rank makes exactly one call of ``fn`` that completes: its item's next piece, or, when it has none
-    left while another rank has (one collective says so), a stand-in call on one row it already ran, its result
-    dropped. A rank whose rows of a step are all stored takes part in that step's rounds with stand-in calls too
-    (``stand_in(item)``: one row of those it has stored, built).
-    """
+    """Drives one rank's executor in rounds, so that ranks running ``fn`` with collectives inside stay matched: each
+    round every rank makes exactly one call that completes, its item's next piece or, when it has none left while
+    another rank has (one collective says so), a stand-in call on one row it already ran (its result dropped; a rank
+    whose rows of a step are all stored repeats one of them, ``stand_in(item)``)."""
 
     def __init__(self, stand_in: Any) -> None:
         self._stand_in_for = stand_in

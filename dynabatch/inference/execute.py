@@ -1,20 +1,14 @@
 """The executor of :func:`dynabatch.run`: one item at a time on one device, through the one out-of-memory policy.
 
-:class:`Executor` runs an item's batch (built ahead by the build stage, :mod:`~dynabatch.inference.build`): copied to
-the device (:func:`dynabatch.memory.device.copier`: on CUDA a copy stream of its own), passed to ``fn`` and split into
-rows by the run's row rule. A piece that runs out of memory is split in halves and retried, down to one row; one the
-item's sizing says to split (:class:`~dynabatch.inference.scheduler.Sizing`, decided when the item was handed out) is
-split before it is tried, by the padding rules the batch carries.
-
+:class:`Executor` runs an item's batch (built by :mod:`~dynabatch.inference.build`) one call at a time: copied to the
+device (:func:`dynabatch.memory.device.copier`), passed to ``fn``, split into rows by the run's row rule. A piece that
+runs out of memory is split in halves and retried, down to one row; one the item's
+:class:`~dynabatch.inference.scheduler.Sizing` says to split is split before it is tried, by the batch's padding rules.
 An error ``fn`` raises splits its batch in halves until the rows that fail are alone (bounded: see
-:meth:`Executor._fn_failed`); ``on_error="raise"`` raises the first such row's error with a note naming its position
-and id, ``on_error="skip"`` sets each aside with the error's text as its cause; the others run as usual.
+:meth:`Executor._fn_failed`), then raised with a note naming the row (``on_error="raise"``) or set aside (``"skip"``).
 
-The executor runs one call at a time (:meth:`Executor.start`, :meth:`Executor.step`, :meth:`Executor.outcome`) and
-returns what the item gave as a value, an :class:`Outcome`: the rows finished, the inputs set aside with their causes,
-the measured ``(rows, width, peak)`` calls, the shapes that ran out of memory, the rows left unfinished and the seconds
-it spent. It holds no scheduler, sink or display: the worker's loop (:mod:`~dynabatch.inference.loop`) hands the
-outcome to each.
+What the item gave comes back as a value, an :class:`Outcome`; the executor holds no scheduler, sink or display (the
+worker's loop, :mod:`~dynabatch.inference.loop`, hands the outcome to each).
 """
 
 from __future__ import annotations
@@ -122,7 +116,7 @@ class Outcome:
         measured: the measured calls, ``(rows, width, peak bytes)``.
         out_of_memory: the ``(rows, width)`` of each call that ran out of memory.
         unfinished: the rows that did not finish (the run stopped, or a call raised), as an item, or ``None``.
-        tokens: the real tokens of the rows finished or set aside.
+        tokens: the real tokens of the rows finished.
         record: the item's record (``None`` when no row finished or was set aside).
         seconds: seconds by stage (``"device"``: the copies in, the calls and the rows back on the CPU).
         varying: the row rule's reading of which rows vary in length (what the sink stores them as).
@@ -140,25 +134,18 @@ class Outcome:
     seconds: dict[str, float] = field(default_factory=lambda: {"device": 0.0})
     varying: Any = None
 
-    @property
-    def done(self) -> np.ndarray:
-        """The input positions finished or set aside."""
-        return np.concatenate([self.positions, np.fromiter(self.failed, dtype=np.int64, count=len(self.failed))])
-
 
 @dataclass
 class _Run:
     """An item in progress: its pieces left (the last runs next), what finished, and the error being narrowed down."""
 
-    outcome: Outcome
+    outcome: Outcome  # its record kept only once a row finished or was set aside
     built: Built | None
-    record: BatchRecord | None
     stack: list[Batch]
     start: float
     positions: list[np.ndarray] = field(default_factory=list)
-    count: int = 0  # rows finished or set aside
-    raised: tuple[int, Exception, np.ndarray] | None = None  # on_error="raise": the stack depth a failed piece's
-    # halves lie above, its error and its positions, while the halves are tried to find the row it raises on
+    raised: tuple[int, Exception, np.ndarray] | None = None  # on_error="raise": a failed piece's stack depth, error
+    # and positions, while its halves are tried to find the row it raises on
 
 
 class _FnFailed(Exception):
@@ -183,7 +170,6 @@ class Executor:
         >>> import numpy as np, torch
         >>> from dynabatch.data.collate import Batch
         >>> from dynabatch.inference.build import Built
-        >>> from dynabatch.inference.execute import Executor
         >>> from dynabatch.inference.outputs import RowSplitter
         >>> from dynabatch.inference.source import Item
         >>> batch = Batch({"input_ids": torch.ones(3, 4, dtype=torch.long)}, indices=torch.tensor([7, 8, 9]))
@@ -207,14 +193,13 @@ class Executor:
 
     def start(self, item: Item, built: Built | None) -> None:
         """Starts ``item`` (``built``: its tensors; ``None`` when the store holds every row of it)."""
-        outcome = Outcome(item)
         if built is None:
-            self._run = _Run(outcome, None, None, [], time.perf_counter())
+            self._run = _Run(Outcome(item), None, [], time.perf_counter())
             return
         rows, width = batch_shape(built.batch)
         record = BatchRecord(batch=item.number, rows=rows, width=width, real_tokens=real_tokens(built.batch),
                              padded_tokens=0, seconds=0.0)
-        self._run = _Run(outcome, built, record, [built.batch], time.perf_counter())
+        self._run = _Run(Outcome(item, record=record), built, [built.batch], time.perf_counter())
 
     @property
     def pending(self) -> bool:
@@ -225,7 +210,7 @@ class Executor:
         """Tries the next piece of the item: splits it before it runs (its sizing says so), or calls ``fn`` on it.
         Returns the piece when its call completed, else ``None`` (split, ran out of memory, or set aside)."""
         run = self._run
-        item, record, stack = run.outcome.item, run.record, run.stack
+        item, record, stack = run.outcome.item, run.outcome.record, run.stack
         piece = stack[-1]  # on the stack until it finishes: an error in fn leaves it unfinished
         rows, width = batch_shape(piece)
         split = item.sizing.split(rows, width, run.outcome.out_of_memory) if item.sizing is not None else None
@@ -250,7 +235,6 @@ class Executor:
         record.padded_tokens += rows * width
         run.positions.append(piece.indices.numpy())
         run.outcome.rows.extend(attempt.output)
-        run.count += rows
         run.outcome.tokens += real_tokens(piece)
         if run.raised is not None and len(stack) <= run.raised[0]:  # every part of the failed piece ran
             raise self._not_alone(*run.raised[1:])
@@ -301,7 +285,6 @@ class Executor:
         run = self._run
         run.stack.pop()
         run.outcome.failed[position] = cause
-        run.count += 1
 
     def _fn_failed(self, error: Exception) -> None:
         """``fn`` raised on the piece on top of the stack: splits the piece in halves to find the row it raises on;
@@ -329,7 +312,7 @@ class Executor:
             raise error
         logger.warning("%s: fn(batch) raised on it (%s); set aside (result None, in failed)",
                        self._describe(positions), brief_error(error))
-        run.record.error_rows += 1
+        run.outcome.record.error_rows += 1
         self._set_aside(int(positions[0]), brief_error(error))
 
     def _not_alone(self, error: Exception, positions: np.ndarray) -> Exception:
@@ -346,13 +329,13 @@ class Executor:
         run = self._run
         piece, number = run.stack[-1], run.outcome.item.number
         rows, width = batch_shape(piece)
-        run.record.oom_events += 1
+        run.outcome.record.oom_events += 1
         run.outcome.out_of_memory.append((rows, width))
         if rows > 1:
             sizes = split_sizes(rows)
             logger.warning("batch %d: %d rows x %d tokens ran out of memory (%s); retrying as %s rows",
                            number, rows, width, brief_error(error), " + ".join(map(str, sizes)))
-            run.record.oom_splits += 1
+            run.outcome.record.oom_splits += 1
             run.stack[-1:] = reversed(run.built.padding.split(piece, sizes))
             return
         position = int(piece.indices[0])
@@ -363,7 +346,7 @@ class Executor:
                 "finished rows; on_oom='skip' skips such rows", position=position) from error
         logger.warning("batch %d: input position %d ran out of memory on its own (1 row x %d tokens); skipping it "
                        "(result None)", number, position, width)
-        run.record.failed_rows += 1
+        run.outcome.record.failed_rows += 1
         self._set_aside(position, f"out of memory alone: {brief_error(error)}")
 
     def outcome(self) -> Outcome:
@@ -380,8 +363,9 @@ class Executor:
                                                np.concatenate([piece.indices.numpy() for piece in run.stack])))
             outcome.unfinished = Item(outcome.item.number, batch.indices.numpy()[rows_left], batch, rows_left,
                                       whole=False, crashes=outcome.item.crashes)
-        if run.count:
-            outcome.record = run.record
-            run.record.rows = run.count
-            run.record.seconds = time.perf_counter() - run.start
+        if count := sum(map(len, run.positions)) + len(outcome.failed):  # rows finished or set aside
+            outcome.record.rows = count
+            outcome.record.seconds = time.perf_counter() - run.start
+        else:
+            outcome.record = None
         return outcome

@@ -1,17 +1,9 @@
 """The worker loop of :func:`dynabatch.run`: per device or rank, the one place that talks to more than one stage.
 
-Each worker asks the scheduler for its next item, already sized (:meth:`~dynabatch.inference.scheduler.Scheduler.
-next`), takes its batch from the build stage (built ahead by :class:`Prefetcher`), has the executor run it
-(:mod:`~dynabatch.inference.execute`) and hands the outcome, a value, to each stage in turn: its rows and failed inputs
-to the sink's writer, what it measured to the scheduler (:meth:`~dynabatch.inference.scheduler.Scheduler.update`),
-the inputs it is done with to the source (:meth:`~dynabatch.inference.source.Source.done`) and its rows to the meter.
-No stage calls another.
-
-:func:`run_workers` runs one worker in the calling thread, or a thread per device
-(:func:`dynabatch._background.run_in_threads`: torch releases the GIL while a device works, and it runs in a notebook).
-A device failure (:func:`~dynabatch.memory.device.is_device_failure`) ends that device's worker and puts its
-unfinished rows back once; any other error stops every worker and is raised. Every thread it starts has stopped when
-it returns or raises, Ctrl-C included.
+``item = scheduler.next(lane)`` (already sized), its batch from the build stage (built ahead by :class:`Prefetcher`),
+``outcome = executor`` run on it, and the outcome, a value, handed to each stage: rows and failed inputs to the sink's
+writer, what it measured to :meth:`Scheduler.update <dynabatch.inference.scheduler.Scheduler.update>`, the inputs done
+to :meth:`Source.done <dynabatch.inference.source.Source.done>`, rows to the meter. No stage calls another.
 """
 
 from __future__ import annotations
@@ -21,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -97,8 +89,10 @@ class Prefetcher:
 @dataclass
 class Stages:
     """What every worker's loop shares: the stages it hands values to, ``stop`` (set when the run stops: each worker
-    ends its call in progress), ``prefetch`` (batches built ahead) and ``lockstep`` (a new worker's
-    :class:`~dynabatch.inference.distributed.Lockstep`, or ``None``: each worker runs its items to their end alone)."""
+    ends its call in progress), batches built ahead, what makes a worker's
+    :class:`~dynabatch.inference.distributed.Lockstep` (``None``: each runs its items to their end alone), and the
+    run's report (each item's record as it ends, in the order they end; rows that finished before an error included).
+    """
 
     source: Source
     scheduler: Scheduler
@@ -108,11 +102,12 @@ class Stages:
     stop: threading.Event
     prefetch: int
     lockstep: Callable[[], Any] | None = None
+    report: RunReport = field(default_factory=RunReport)
 
 
 @dataclass
 class WorkerParts:
-    """One worker's own parts: its executor, its lane of the scheduler, its writer of the sink, and its name."""
+    """One worker's own: its executor, its lane, its writer (closed, its rows committed, as it ends), its name."""
 
     executor: Executor
     lane: Lane
@@ -120,16 +115,15 @@ class WorkerParts:
     name: str
 
 
-def run_workers(targets: Sequence[Any], start_worker: Callable[[Any, int], WorkerParts], stages: Stages,
-                reports: list[tuple[str, RunReport]]) -> None:
+def run_workers(targets: Sequence[Any], start_worker: Callable[[Any, int], WorkerParts], stages: Stages) -> None:
     """Runs the scheduler's items to their end on every target: one worker in the calling thread, or a thread per
-    device; each worker's name and report go into ``reports`` as it starts (each item's record, with its seconds by
-    stage: planning, building, the device, the store, the waits on the stages ahead; rows that finished before an error
-    included).
+    device (:func:`~dynabatch._background.run_in_threads`: torch releases the GIL while a device works), into
+    ``stages.report`` (each item's record with its seconds by stage: planning, building, the device, the
+    store, the waits on the stages ahead).
 
     ``start_worker(target, i)`` returns the worker's parts; it is called in the worker's thread, once the device is
-    current there (so is the ``make_fn`` inside it). On any exit every thread has stopped: on an error or
-    ``KeyboardInterrupt``, ``stages.stop`` is set and each worker ends its call in progress.
+    current there (so is the ``make_fn`` inside it). On any exit every thread has stopped and every worker's writer is
+    closed: on an error or ``KeyboardInterrupt``, ``stages.stop`` is set and each worker ends its call in progress.
 
     A device failure (:func:`~dynabatch.memory.device.is_device_failure`) on one of several devices ends that worker;
     its unfinished rows go back to the scheduler once (rows that make a second device fail raise). Any other error
@@ -138,100 +132,75 @@ def run_workers(targets: Sequence[Any], start_worker: Callable[[Any, int], Worke
     """
     crashes: list[BaseException] = []  # what stopped one device's worker, its rows put back
     prefetchers: list[Prefetcher] = []
+    busy, lock = [0], threading.Lock()  # workers holding an item (a failed device puts its rows back: others wait)
     several = len(targets) > 1
-    busy = _Busy(stages.stop)
+
+    def next_item(prefetcher: Prefetcher) -> Item | None:
+        while not stages.stop.is_set():
+            with lock:
+                item = prefetcher.next_item()
+                if item is not None or not busy[0]:
+                    busy[0] += item is not None
+                    return item
+            stages.stop.wait(0.01)  # nothing to run while another worker runs: its device may fail and put rows back
+        return None
 
     def work(i: int, target: Any) -> None:
         if several:
             make_current(target)
         laps = Laps(stages.meter.started if stages.meter is not None else None)
+        worker = _WorkerLoop(stages, start_worker(target, i), laps, several)
+        prefetchers.append(worker.prefetcher)
         try:
-            _WorkerLoop(stages, start_worker(target, i), busy, several, laps).run(reports, prefetchers)
-        except _DeviceFailed as failed:
-            crashes.append(failed.error)
+            while (item := next_item(worker.prefetcher)) is not None:
+                try:
+                    if (crash := worker.run(item)) is not None:
+                        crashes.append(crash)
+                        return
+                finally:
+                    with lock:
+                        busy[0] -= 1
         except BaseException as exc:
             if several:
                 logger.error("device %s: its worker stopped the run: %s", target, brief_error(exc))
             raise
+        finally:
+            worker.end()
 
-    if not several:
-        work(0, targets[0])
-        return
-    run_in_threads([lambda i=i, t=t: work(i, t) for i, t in enumerate(targets)], stages.stop,
-                   names=[f"dynabatch-{t}" for t in targets])
+    try:
+        if not several:
+            return work(0, targets[0])
+        run_in_threads([lambda i=i, t=t: work(i, t) for i, t in enumerate(targets)], stages.stop,
+                       names=[f"dynabatch-{t}" for t in targets])
+    finally:
+        stages.report.rebuilt_batches = sum(p.rebuilt for p in prefetchers)
     left = prefetchers[0].next_item() if prefetchers else None
     if left is not None:  # every device failed, each on other rows: the first failure stops the run
         crashes[0].add_note(f"every device failed with batches left to run (batch {left.number} first)")
         raise crashes[0]
 
 
-class _DeviceFailed(Exception):
-    """A worker's device failed and its rows went back to the other devices."""
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-class _Busy:
-    """How many workers hold an item: a worker finding nothing to run waits while another runs (its device may fail
-    and put rows back)."""
-
-    def __init__(self, stop: threading.Event) -> None:
-        self.stop, self.count, self.lock = stop, 0, threading.Lock()
-
-    def next_item(self, prefetcher: Prefetcher) -> Item | None:
-        while not self.stop.is_set():
-            with self.lock:
-                item = prefetcher.next_item()
-                if item is not None or not self.count:
-                    self.count += item is not None
-                    return item
-            self.stop.wait(0.01)
-        return None
-
-    def done(self) -> None:
-        with self.lock:
-            self.count -= 1
-
-
 class _WorkerLoop:
     """One worker's loop: ``item = next``, its batch built, the outcome of its run handed to every stage."""
 
-    def __init__(self, stages: Stages, parts: WorkerParts, busy: _Busy, several: bool, laps: Laps) -> None:
-        self.stages, self.parts, self.busy, self.several, self.laps = stages, parts, busy, several, laps
-        self.report = RunReport()
+    def __init__(self, stages: Stages, parts: WorkerParts, laps: Laps, several: bool) -> None:
+        self.stages, self.parts, self.laps, self.several = stages, parts, laps, several
+        self.prefetcher = Prefetcher(stages.scheduler, stages.builder, parts.lane, stages.prefetch)
         self.lockstep = stages.lockstep() if stages.lockstep is not None else None
+        self.seconds = laps.lap("start")  # the seconds not yet given to a record
 
-    def run(self, reports: list[tuple[str, RunReport]], prefetchers: list[Prefetcher]) -> None:
-        stages, parts = self.stages, self.parts
-        prefetcher = Prefetcher(stages.scheduler, stages.builder, parts.lane, stages.prefetch)
-        prefetchers.append(prefetcher)
-        reports.append((parts.name, self.report))
-        seconds = self.laps.lap("start")
-        try:
-            while (item := self.busy.next_item(prefetcher)) is not None:
-                try:
-                    seconds = self._item(item, prefetcher, seconds)
-                finally:
-                    self.busy.done()
-        finally:
-            self.report.rebuilt_batches = prefetcher.rebuilt
-            prefetcher.close()
-            self.laps.lap("plan")
-            self.report.workers[parts.name] = self.laps.summary()
-
-    def _item(self, item: Item, prefetcher: Prefetcher, seconds: dict[str, float]) -> dict[str, float]:
-        """Runs ``item`` and hands its outcome on; returns the seconds not yet given to a record."""
+    def run(self, item: Item) -> BaseException | None:
+        """Runs ``item`` and hands its outcome on; returns the device failure that ended this worker, its rows put
+        back."""
         stages, executor = self.stages, self.parts.executor
         outcome = None
         try:
-            _merge(seconds, self.laps.lap("plan"))
-            built = prefetcher.build(item)
+            _merge(self.seconds, self.laps.lap("plan"))
+            built = self.prefetcher.build(item)
             stages.source.done(np.concatenate([item.positions, item.stored]))
             if built is not None and built.stored is not None:
                 stages.sink.check_inputs(*built.stored)  # a plain iterable's stored rows: before any row is written
-            _merge(seconds, self.laps.lap("build"))
+            _merge(self.seconds, self.laps.lap("build"))
             executor.start(item, built)
             try:
                 if self.lockstep is not None:
@@ -241,55 +210,65 @@ class _WorkerLoop:
                         executor.step()
             finally:  # the rows that finished before an error count too
                 outcome = executor.outcome()
-                seconds = self._hand_on(outcome, built, seconds)
+                self._hand_on(outcome, built)
         except Exception as exc:
             if not (self.several and is_device_failure(exc)):
                 raise
             self._put_back(item if outcome is None else outcome.unfinished, outcome or Outcome(item), exc)
-            raise _DeviceFailed(exc) from exc
+            return exc
         stages.scheduler.update(self.parts.lane, outcome)
-        return seconds
+        return None
 
-    def _hand_on(self, outcome: Outcome, built: Built | None, seconds: dict[str, float]) -> dict[str, float]:
+    def _hand_on(self, outcome: Outcome, built: Built | None) -> None:
         """The outcome's rows and failed inputs to the sink's writer, its record to the report, what it ran to the
-        meter; returns the seconds not yet given to a record."""
+        meter."""
         writer, start = self.parts.writer, time.perf_counter()
+        failed = np.fromiter(outcome.failed, dtype=np.int64, count=len(outcome.failed))
         if len(outcome.positions):
             writer.write(outcome.positions, outcome.rows, built.hashes_at(outcome.positions), varying=outcome.varying)
-        if outcome.failed:
-            failed = np.fromiter(outcome.failed, dtype=np.int64, count=len(outcome.failed))
+        if len(failed):
             writer.fail(failed, built.hashes_at(failed), list(outcome.failed.values()))
         handing = time.perf_counter() - start
-        _merge(seconds, self.laps.lap("plan", {**outcome.seconds, "store": handing}))
-        record, done = outcome.record, outcome.done
+        _merge(self.seconds, self.laps.lap("plan", {**outcome.seconds, "store": handing}))
+        record, done = outcome.record, np.concatenate([outcome.positions, failed])  # finished or set aside
         if record is not None:
-            record.seconds += handing
-            record.stages, seconds = seconds, {}
-            record.finished = self.laps.at()
-            self.report.records.append(record)
-            if self.report.budget_bytes is None and record.peak_bytes is not None:
-                self.report.budget_bytes = record.peak_bytes
+            record = replace(record, seconds=record.seconds + handing, stages=self.seconds, finished=self.laps.at(),
+                             device=self.parts.name if self.several else None)
+            self.seconds = {}
+            self.stages.report.records.append(record)
+            if record.peak_bytes is not None:  # the budget a device's peaks are read against: its first one
+                if self.several:
+                    self.stages.report.device_budgets.setdefault(self.parts.name, record.peak_bytes)
+                if self.stages.report.budget_bytes is None:
+                    self.stages.report.budget_bytes = record.peak_bytes
         if self.stages.meter is not None and len(done):
             self.stages.meter.add(done, rows=len(done), real_tokens=outcome.tokens,
                                   padded_tokens=record.padded_tokens if record is not None else 0,
                                   width=record.width if record is not None else None)
-        return seconds
 
     def _put_back(self, rest: Item | None, outcome: Outcome, exc: BaseException) -> None:
         """Puts the unfinished rows of an item whose device failed back once; raises ``exc`` on their second
         failure."""
-        device = self.parts.name
         if rest is not None and len(rest.positions):
             if rest.crashes:
-                logger.error("device %s: batch %d failed again (%s); it made another device fail before", device,
-                             rest.number, brief_error(exc))
+                logger.error("device %s: batch %d failed again (%s); it made another device fail before",
+                             self.parts.name, rest.number, brief_error(exc))
                 raise exc
             logger.error("device %s failed on batch %d (%s); its %d unfinished rows go back to the other devices",
-                         device, rest.number, brief_error(exc), len(rest.positions))
-            rest.crashes += 1
-            rest.whole = False
-        outcome.unfinished = rest
-        self.stages.scheduler.update(self.parts.lane, outcome)
+                         self.parts.name, rest.number, brief_error(exc), len(rest.positions))
+            rest = replace(rest, crashes=rest.crashes + 1, whole=False)
+        else:
+            rest = None
+        self.stages.scheduler.update(self.parts.lane, replace(outcome, unfinished=rest))
+
+    def end(self) -> None:
+        """The worker ends: its builds ahead stopped, its writer closed (its rows committed), its laps summed."""
+        try:
+            self.prefetcher.close()
+        finally:
+            self.parts.writer.close()
+            self.laps.lap("plan")
+            self.stages.report.workers[self.parts.name] = self.laps.summary()
 
 
 def _merge(into: dict[str, float], seconds: dict[str, float]) -> None:

@@ -2,12 +2,9 @@
 
 One path of stages that talk one way, read top to bottom in :func:`run`: the options are resolved or refused
 (:mod:`~dynabatch.inference.options`); the sink (in memory, or a results store) is opened; a resumed run asks the
-store which inputs it holds, the source for those inputs' hashes, and the store to check them, before any batch;
-the source's batches (:mod:`~dynabatch.inference.source`) go through the scheduler, which decides what runs next at
-what size (:mod:`~dynabatch.inference.scheduler`), to the build stage, which collates them ahead in pinned memory
-(:mod:`~dynabatch.inference.build`), to the executor on each device or rank, which splits on out-of-memory errors and
-cuts rows by the row rule (:mod:`~dynabatch.inference.execute`, :mod:`~dynabatch.inference.outputs`), into the sink
-(:mod:`~dynabatch.inference.sink`), which assembles the result and accounts for every input.
+store which inputs it holds, the source for those inputs' hashes, and the store to check them, before any batch; then
+each device's or rank's loop (:mod:`~dynabatch.inference.loop`) takes the scheduler's items, sized, has them built and
+run, and hands each outcome to the stages; the sink (:mod:`~dynabatch.inference.sink`) accounts for every input.
 
 Example:
     >>> from transformers import AutoTokenizer
@@ -38,7 +35,7 @@ import torch
 from dynabatch._validation import bad_type, first_few
 from dynabatch.data.collate import Batch
 from dynabatch.inference.build import Builder
-from dynabatch.inference.distributed import Lockstep
+from dynabatch.inference.distributed import Lockstep, job_token
 from dynabatch.inference.execute import BatchOutOfMemoryError, Executor, Failures
 from dynabatch.inference.loader import plan_of
 from dynabatch.inference.loop import Stages, WorkerParts, run_workers
@@ -173,23 +170,14 @@ def run(
                               ranks=ranks, on_oom=on_oom, on_error=on_error, output_path=output_path, key=key,
                               token_outputs=token_outputs, pad_token_id=pad_token_id, prefetch=prefetch,
                               progress=progress)
-    source = Source(loader, plan)
+    source = Source(loader, plan)  # job: one token for this job's ranks (a collective), for the store's job lock
     sink = open_sink(options.output_path, key=options.key, n=source.n_inputs,
                      ids=None if plan is None else plan.ids, gather=options.ranks != "single",
-                     job=_job(options))
+                     job=None if options.output_path is None or options.ranks == "single" else job_token())
     try:
         return _run(source, sink, options)
     finally:
         sink.end()
-
-
-def _job(options: RunOptions) -> str | None:
-    """The token of this job's ranks (one collective before the first batch), for the store's job lock."""
-    if options.output_path is None or options.ranks == "single":
-        return None
-    from dynabatch.inference.distributed import job_token
-
-    return job_token()
 
 
 def _run(source: Source, sink: MemorySink | StoreSink, options: RunOptions) -> RunResult | StoredRunResult:
@@ -257,22 +245,20 @@ def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: Memor
     names = [f"{n} (worker {i})" if names.count(n) > 1 else n for i, n in enumerate(names)]  # ["cpu", "cpu"]
     stages = Stages(source, scheduler, builder, sink, meter, threading.Event(), options.prefetch,
                     (lambda: Lockstep(builder.stand_in)) if options.ranks == "lockstep" else None)
-    writers, reports = [], []
 
     def start_worker(target: Any, i: int) -> WorkerParts:
         fn = options.make_fn(target)
         if not callable(fn):
             raise bad_type("make_fn", f"a callable returning fn(batch) for a device (make_fn({str(target)!r}) "
                            "returned no callable)", fn)
-        writers.append(sink.writer(f"rank{options.rank}" if len(options.targets) == 1 else f"rank{options.rank}.{i}"))
         lane = scheduler.lane(options.memory_devices[i])  # an absolute max_memory is read on this device now
         executor = Executor(fn, copier=copier(target), memory_device=options.memory_devices[i], splitter=splitter,
                             failures=failures)
-        return WorkerParts(executor, lane, writers[-1], names[i])
+        writer = sink.writer(f"rank{options.rank}" if len(options.targets) == 1 else f"rank{options.rank}.{i}")
+        return WorkerParts(executor, lane, writer, names[i])
 
     def report() -> RunReport:
-        merged = reports[0][1] if len(reports) == 1 else RunReport.merge([r for _, r in reports],
-                                                                         [n for n, _ in reports])
+        merged = stages.report
         merged.skipped_inputs = len(skipped)
         merged.wall_seconds = (meter.last or meter.clock()) - meter.started
         merged.background = background_shares(background, merged.wall_seconds)
@@ -280,30 +266,14 @@ def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: Memor
         return merged
 
     try:
-        run_workers(options.targets, start_worker, stages, reports)
+        run_workers(options.targets, start_worker, stages)  # each worker's writer closed as it ends
     except BatchOutOfMemoryError as exc:
-        _close(writers)
         exc.partial = sink.result(source.total_inputs, report=report(), gather=False)[0]
         raise
     finally:
         stages.stop.set()
-        try:
-            _close(writers)  # the rows buffered are committed, after an error or Ctrl-C too
-        finally:
-            meter.close()
+        meter.close()
     return report()
-
-
-def _close(writers: list) -> None:
-    """Closes every writer (committing its rows); raises the first error one of them met."""
-    error = None
-    while writers:
-        try:
-            writers.pop().close()
-        except Exception as exc:  # noqa: BLE001 (the other writers still commit theirs)
-            error = error or exc
-    if error is not None:
-        raise error
 
 
 def _meter(source: Source, options: RunOptions, skipped: np.ndarray, stored: np.ndarray | None) -> Meter:

@@ -10,21 +10,17 @@ workers, and owns every rule that decides a batch's rows:
   ``max_memory`` read on the lane's device, else the first measured call's peak;
 * **lanes**: one per worker (device), each with its own peaks, budget, failed shapes and, in measured mode, its
   cursor in the planner's pass;
-* **sizing**: each item handed out carries its :class:`Sizing`, the parts a piece of it is split into before it runs
-  (a failed shape it is as large as, or the rows the measured peaks and out-of-memory errors allow:
-  :mod:`dynabatch.memory.oom`'s policy) and which calls are measured;
+* **sizing**: each item handed out carries its :class:`Sizing` (pre-splits and which calls are measured);
 * **rows already stored**, taken out of every batch before it is built.
 
-A worker's loop talks to it through :meth:`Scheduler.lane` (its lane), :meth:`Scheduler.next` (the next item, sized)
-and :meth:`Scheduler.update` (what an item's run measured, the shapes that ran out of memory, and rows of a device that
-failed, put back); the build stage reads :meth:`Scheduler.peek` to build batches ahead. It holds positions only, never
-tensors, and never calls a worker.
+A worker's loop talks to it through :meth:`Scheduler.lane`, :meth:`Scheduler.next`, :meth:`Scheduler.update` and
+:meth:`Scheduler.peek` (to build batches ahead). It holds positions only, never tensors, and never calls a worker.
 
 Example:
     >>> import numpy as np
     >>> import torch
-    >>> from types import SimpleNamespace
     >>> from dynabatch.data.collate import Batch
+    >>> from dynabatch.inference.execute import Outcome
     >>> from dynabatch.inference.scheduler import Scheduler
     >>> from dynabatch.inference.source import Source
     >>> batches = [Batch({"input_ids": torch.ones(n, 8, dtype=torch.long)}, indices=torch.arange(start, start + n))
@@ -35,8 +31,7 @@ Example:
     >>> item = scheduler.next(lane)
     >>> item.positions.tolist(), item.stored.tolist()
     ([0, 2, 3], [1])
-    >>> ran = SimpleNamespace(item=item, measured=[], out_of_memory=[(3, 8)], unfinished=None)
-    >>> scheduler.update(lane, ran)  # 3 rows x 8 tokens ran out of memory
+    >>> scheduler.update(lane, Outcome(item, out_of_memory=[(3, 8)]))  # 3 rows x 8 tokens ran out of memory
     >>> sizing = scheduler.next(lane).sizing
     >>> sizing.split(3, 8).sizes, sizing.split(2, 8)
     ([1, 2], None)
@@ -48,7 +43,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -154,7 +149,7 @@ class Scheduler:
         self._planner = None  # measured mode: the planner sizes every next batch
         self._budgets = None if source.plan is None else source.plan.planner  # an absolute budget, read on a device
         self._number = 0
-        self._first_rows = source.first_rows() if self.guarded and source.plan is not None else None
+        self._first_rows = self._budgets.first_rows() if self.guarded and self._budgets is not None else None
         if memory == "measured":
             self._planner = self._budgets = source.planner
             self._planner.restart(sparse=sparse)
@@ -193,9 +188,8 @@ class Scheduler:
             item = self._next(lane)
         if item is None:
             return None
-        item = self._without_stored(item)
-        item.sizing = Sizing(tuple(lane.failed_shapes), lane.feedback, self.guarded, self._first_rows)
-        return item
+        return replace(self._without_stored(item),
+                       sizing=Sizing(tuple(lane.failed_shapes), lane.feedback, self.guarded, self._first_rows))
 
     def _next(self, lane: Lane) -> Item | None:
         if self._retry:

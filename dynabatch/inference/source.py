@@ -1,21 +1,16 @@
 """The source of :func:`dynabatch.run`: the batches a loader plans, as :class:`Item` s, and everything about inputs.
 
 A dynabatch DataLoader carries its plan (``loader.plan``), so its batches are known as input positions before their
-tensors exist (built later, by the build stage, :mod:`~dynabatch.inference.build`): the source shares them among
-ranks (:meth:`Source.share`: dealt in lockstep, or claimed chunk by chunk, with the claim feed's thread), and in
-measured mode the scheduler (:mod:`~dynabatch.inference.scheduler`) has the loader's planner size each next batch. Any
-other iterable of :class:`~dynabatch.data.collate.Batch` is read as it comes, ahead of the device
-(:class:`~dynabatch._background.Ahead`).
-
-The source answers what a resumed run asks before its first batch (:meth:`Source.input_hashes`: the input hashes of
-this run's inputs at the positions a store holds), and frees a streamed plan's tokens when the loop reports rows done
-with them (:meth:`Source.done`).
+tensors exist (built later, by :mod:`~dynabatch.inference.build`), and can be shared among ranks
+(:meth:`Source.share`). Any other iterable of :class:`~dynabatch.data.collate.Batch` is read as it comes, ahead of the
+device (:class:`~dynabatch._background.Ahead`). The source also answers a resumed run's check
+(:meth:`Source.input_hashes`) and frees a streamed plan's tokens as the loop is done with them (:meth:`Source.done`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,8 +88,7 @@ class Source:
         self.streamed = plan is not None and plan.stream is not None
         self.known = plan is not None and not self.streamed
         self._reader: Ahead | None = None
-        self._mine: list[Item] | None = None  # this rank's batches, dealt in lockstep
-        self._claimed = False
+        self._mine: Iterable[Item] | None = None  # this rank's share: dealt in lockstep, or claimed chunks planned
         self._feed = None  # the claimed chunks' tokenizing feed (a streamed plan under ranks="claim")
         self._seen = -1  # the largest input position handed out (a plain iterable's inputs are those it names)
 
@@ -108,7 +102,7 @@ class Source:
 
         if ranks == "claim":
             self.planner, self._feed = claimed_planner(self.plan)
-            self._claimed, self.known = True, False
+            self._mine, self.known = (Item(n, b) for n, b in enumerate(self.planner.iter_batches())), False
         elif ranks == "lockstep":
             items = list(self.items())
             check_same_batches([i.positions for i in items])
@@ -120,31 +114,24 @@ class Source:
         tensors, read up to ``read_ahead`` batches ahead in a background thread (stopped by :meth:`close`)."""
         if self._mine is not None:
             return iter(self._mine)
-        if self._claimed:
-            return (Item(n, b) for n, b in enumerate(self.planner.iter_batches()))
         if self.plan is not None:
             return (Item(n, np.asarray(p, dtype=np.int64)) for n, p in enumerate(self.plan.sampler))
         items = (Item(n, positions_of(b, self.loader), b) for n, b in enumerate(self.loader))
         if read_ahead:
             self._reader = Ahead(items, depth=read_ahead, name="dynabatch-read-ahead")
             items = iter(self._reader.next, None)
-        return self._counted(items)
+        return (self._saw(item) for item in items)
 
-    def _counted(self, items: Iterator[Item]) -> Iterator[Item]:
-        for item in items:
-            if item.positions.size:
-                self._seen = max(self._seen, int(item.positions.max()))
-            yield item
+    def _saw(self, item: Item) -> Item:
+        if item.positions.size:
+            self._seen = max(self._seen, int(item.positions.max()))
+        return item
 
     @property
     def total_inputs(self) -> int:
         """How many inputs the run has: the loader's, or (a plain iterable) the largest position its batches named
         so far + 1."""
         return self.n_inputs if self.n_inputs is not None else self._seen + 1
-
-    def first_rows(self) -> int:
-        """Rows of the plan's first batch (its longest texts: fewer rows at any width never cost more)."""
-        return self.plan.planner.first_rows() if self.plan is not None else 0
 
     def text_sizes(self) -> tuple[np.ndarray, bool, int | None] | None:
         """Every input's size, known before it runs (what the time left is weighted by): ``(sizes, exact,
