@@ -5,7 +5,7 @@
   (:func:`dynabatch.run`), a streamed corpus tokenized chunk by chunk
   (:class:`~dynabatch.data.streaming.ChunkFeed`).
 * :class:`Worker` runs the jobs handed to it, one at a time and in order, at most ``depth`` of them unfinished, and
-  a timed flush between them: the next batches built ahead (:class:`~dynabatch.inference.build.Prefetcher`), shards
+  a timed flush between them: the next batches built ahead (:class:`~dynabatch.inference.loop.Prefetcher`), shards
   written behind the run, the rows that waited long enough committed by the flush
   (:class:`~dynabatch.inference.store_writer.StoreWriter`).
 
@@ -40,10 +40,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["Ahead", "Ticker", "Worker", "stage_seconds", "waited"]
+__all__ = ["Ahead", "Ticker", "Worker", "run_in_threads", "stage_seconds", "waited"]
 
 _END = object()
 _POLL = 0.1  # seconds a wait blocks at a time: a stop request (or Ctrl-C in the caller) is seen this soon
@@ -346,3 +346,43 @@ class Ticker:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+def run_in_threads(jobs: Sequence[Callable[[], Any]], stop: threading.Event, *, names: Sequence[str]) -> None:
+    """Runs each of ``jobs`` in a daemon thread of its own (``names``: theirs) and returns once every one has ended.
+
+    One stop-and-join protocol: a job that raises sets ``stop`` (the others end their work in progress and return),
+    and its error is raised here once every thread has ended; Ctrl-C in the caller sets ``stop`` and waits for the
+    threads the same way. The caller's waits are timed, so Ctrl-C reaches it while a job runs.
+
+    Example:
+        >>> import threading
+        >>> from dynabatch._background import run_in_threads
+        >>> done = []
+        >>> run_in_threads([lambda: done.append(1), lambda: done.append(2)], threading.Event(), names=["a", "b"])
+        >>> sorted(done)
+        [1, 2]
+    """
+    errors: list[BaseException] = []
+
+    def guarded(job: Callable[[], Any]) -> None:
+        try:
+            job()
+        except BaseException as exc:  # noqa: BLE001 (raised by run_in_threads, in the caller's thread)
+            errors.append(exc)
+            stop.set()
+
+    threads = [threading.Thread(target=guarded, args=(job,), name=name, daemon=True) for job, name in zip(jobs, names)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(_POLL)
+    finally:
+        stop.set()  # Ctrl-C or an error in the caller: every job stops after its work in progress
+        for thread in threads:
+            if thread.ident is not None:
+                thread.join()
+    if errors:
+        raise errors[0]

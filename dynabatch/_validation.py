@@ -19,6 +19,7 @@ __all__ = [
     "bad_type",
     "bad_value",
     "brief",
+    "brief_error",
     "check_fraction",
     "check_lengths",
     "check_non_negative_int",
@@ -64,11 +65,24 @@ def brief(value: Any) -> str:
     return f"<{type(value).__name__}{size}{': ' + start if start else ''}>"
 
 
-def first_few(values, n: int = 5) -> str:
-    """The first ``n`` of ``values`` for a message, ``", ..."`` after them where there are more.
+def brief_error(error: BaseException | None) -> str:
+    r"""An error in one line for a log or a cause: its type and the first line of its message (200 characters).
 
     Example:
-        >>> first_few([3, 1, 4, 1, 5, 9]), first_few(["a"], 2)
+        >>> from dynabatch._validation import brief_error
+        >>> brief_error(ValueError("bad row\nmore"))
+        'ValueError: bad row'
+    """
+    text = str(error).strip().splitlines()[0] if error is not None and str(error).strip() else type(error).__name__
+    return f"{type(error).__name__}: {text[:200]}"
+
+
+def first_few(values, n: int = 5) -> str:
+    """The first ``n`` of ``values`` for a message, ``", ..."`` after them when there are more.
+
+    Example:
+        >>> from dynabatch._validation import first_few
+        >>> first_few([3, 1, 4, 1, 5, 9]), first_few(["a"])
         ('3, 1, 4, 1, 5, ...', 'a')
     """
     return ", ".join(map(str, values[:n])) + (", ..." if len(values) > n else "")

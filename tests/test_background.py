@@ -142,3 +142,21 @@ def test_a_timed_flush_runs_between_jobs_and_while_none_comes_and_its_error_is_r
         broken.check()
     broken.close()  # raised once: close has nothing left to raise
     assert len(calls) > 1 and not _alive("test-flush-error")
+
+
+def test_run_in_threads_stops_the_other_jobs_on_an_error_and_raises_it_once_every_thread_ended():
+    from dynabatch._background import run_in_threads
+
+    stop, ended = threading.Event(), []
+
+    def failing():
+        raise ValueError("job failed")
+
+    def waiting():
+        assert stop.wait(5)  # set by the other job's error, not by the timeout
+        ended.append("waiting")
+
+    with pytest.raises(ValueError, match="job failed"):
+        run_in_threads([failing, waiting], stop, names=["example-fail", "example-wait"])
+    assert ended == ["waiting"]
+    assert not any(t.name.startswith("example-") for t in threading.enumerate())

@@ -194,6 +194,39 @@ def test_no_import_circles():
     assert circles(graph) == []
 
 
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for imported in graph.get(todo.pop(), ()):
+            if imported not in seen:
+                seen.add(imported)
+                todo.append(imported)
+    return seen
+
+
+def test_the_executor_sees_neither_the_scheduler_nor_the_sink_nor_the_loop(every_import):
+    later_or_beside = {f"dynabatch.inference.{m}" for m in ("scheduler", "sink", "store", "loop", "runner")}
+    assert "dynabatch.inference.build" in reachable(every_import, "dynabatch.inference.execute")
+    assert reachable(every_import, "dynabatch.inference.execute") & later_or_beside == set()
+
+
+def test_only_the_source_frees_the_token_stream_in_the_run():
+    freeing = [path.name for path in (PACKAGE / "inference").glob("*.py") if ".consumed(" in path.read_text()]
+    assert freeing == ["source.py"]
+
+
+THREADS_AWAITING = {"data/workers.py"}
+"""Modules that still start a thread of their own, each moving onto ``_background`` in work under way; empty it as
+they land."""
+
+
+def test_no_thread_starts_outside_the_one_thread_mechanism():
+    starting = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+                if "threading.Thread(" in path.read_text() and path.name != "_background.py"}
+    assert starting - THREADS_AWAITING == set()
+
+
 # --------------------------------------------------------------------------- the rules catch what they should
 
 _KNOWN = {"dynabatch", "dynabatch.data", "dynabatch.data.collate", "dynabatch.data.order", "dynabatch.sampling",

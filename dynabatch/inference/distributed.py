@@ -1,6 +1,7 @@
 """What talks between ranks in a ``torch.distributed`` run: the same batches checked on every rank, results
-gathered to rank 0, chunks claimed from one counter, one job token for a results store. Which rank runs which batch in lockstep is decided without
-communicating, by :mod:`dynabatch.sampling.ranks`."""
+gathered to rank 0, chunks claimed from one counter, one job token for a results store, and the rounds that keep
+ranks in lockstep (:class:`Lockstep`). Which rank runs which batch in lockstep is decided without communicating, by
+:mod:`dynabatch.sampling.ranks`."""
 
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ import numpy as np
 import torch
 
 from dynabatch._digest import fingerprint
-from dynabatch._validation import bad_type, bad_value, check_non_negative_int, first_few
+from dynabatch._validation import bad_type, bad_value, brief_error, check_non_negative_int, first_few
 from dynabatch.data.order import as_positions
 from dynabatch.inference.outputs import to_cpu
 from dynabatch.sampling.chunked_planner import ChunkedPlanner
-from dynabatch.sampling.ranks import resolve_world
+from dynabatch.sampling.ranks import reduce_across_ranks, resolve_world
 
-__all__ = ["CLAIM_CHUNK", "check_same_batches", "chunk_claims", "claimed_planner", "gather_results", "job_token",
-           "world"]
+__all__ = ["CLAIM_CHUNK", "Lockstep", "check_same_batches", "chunk_claims", "claimed_planner", "gather_results",
+           "job_token", "world"]
 
 logger = logging.getLogger(__name__)
 
@@ -250,3 +251,44 @@ def claimed_planner(plan: Any) -> tuple[ChunkedPlanner, Any]:
         return planner.order[chunk], planner.sorted_lengths[chunk]
 
     return ChunkedPlanner(next_chunk, planner.settings, planner.estimator), None
+
+
+class Lockstep:
+    """Drives one rank's executor in rounds, so that ranks running ``fn`` with collectives inside stay matched: each
+    round every rank makes exactly one call that completes, its item's next piece or, when it has none left while
+    another rank has (one collective says so), a stand-in call on one row it already ran (its result dropped; a rank
+    whose rows of a step are all stored repeats one of them, ``stand_in(item)``)."""
+
+    def __init__(self, stand_in: Any) -> None:
+        self._stand_in_for = stand_in
+        self._stand_in = None  # one row: the call this rank makes in a round it has no work for
+        self._ran = False  # whether that row ran already (else it is the first row planned)
+
+    def run(self, executor: Any, item: Any, built: Any) -> None:
+        """Runs ``item`` (``built``: its tensors, ``None`` when every row of it is stored) on ``executor``, started on
+        it, in rounds with the other ranks."""
+        if built is None:
+            if self._stand_in is None:  # nothing run yet: the step's first row is what a stand-in call repeats
+                self._stand_in = self._stand_in_for(item)
+        elif self._stand_in is None:
+            self._stand_in = built.padding.take(built.batch, [0])
+        while _anyone(executor.pending):
+            piece = None
+            while piece is None and executor.pending:
+                piece = executor.step()
+            if piece is None:
+                self._call_stand_in(executor)  # the round still owes the other ranks a call
+            elif not self._ran:  # a row that ran: what a stand-in call repeats
+                self._ran, self._stand_in = True, built.padding.take(piece, [0])
+
+    def _call_stand_in(self, executor: Any) -> None:
+        error = executor.call(self._stand_in)
+        if error is not None:
+            logger.warning("a stand-in call (one row, to keep the ranks in step) ran out of memory: %s",
+                           brief_error(error))
+
+
+def _anyone(have_work: bool) -> bool:
+    """Collective: whether any rank has work for this round."""
+    (anyone,) = reduce_across_ranks([float(have_work)], "max")
+    return anyone > 0

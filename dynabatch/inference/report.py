@@ -78,6 +78,11 @@ def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
 
 
+def _total(field_name: str, doc: str) -> property:
+    """A :class:`RunReport` property: a field of :class:`BatchRecord` summed over the records (an int)."""
+    return property(lambda report: int(sum(getattr(r, field_name) for r in report.records)), doc=doc)
+
+
 @dataclass
 class RunReport:
     """Per-batch records of a run and its summary figures.
@@ -90,7 +95,7 @@ class RunReport:
             planned into no batch (their positions are in ``RunResult.failed``).
         device_budgets: with several devices, each device's own budget (its
             first measured batch's peak), against which its batches' peaks are
-            read; ``budget_bytes`` is then the first device's.
+            read; ``budget_bytes`` is then the first one measured.
         rebuilt_batches: batches built ahead of their turn (``run``'s
             prefetching) that a measured peak re-sized since, so built again.
         workers: per worker (device), its loop's wall seconds and where they went
@@ -111,24 +116,16 @@ class RunReport:
     background: dict[str, float] = field(default_factory=dict)
     accounting_seconds: float = 0.0
 
-    @classmethod
-    def merge(cls, reports: list[RunReport], devices: list[str]) -> RunReport:
-        """One report of several devices' runs: every record (tagged with its device), each device's budget."""
-        records = []
-        for report, device in zip(reports, devices):
-            for record in report.records:
-                record.device = device
-                records.append(record)
-        budgets = {d: r.budget_bytes for r, d in zip(reports, devices) if r.budget_bytes is not None}
-        return cls(records, budget_bytes=next(iter(budgets.values()), None),
-                   skipped_inputs=max((r.skipped_inputs for r in reports), default=0), device_budgets=budgets,
-                   rebuilt_batches=sum(r.rebuilt_batches for r in reports),
-                   workers={name: w for r in reports for name, w in r.workers.items()})
-
-    @property
-    def rows(self) -> int:
-        """Rows that ran."""
-        return sum(r.rows for r in self.records)
+    # totals over the records
+    rows = _total("rows", "Rows that ran.")
+    real_tokens = _total("real_tokens", "Tokens that were not padding.")
+    padded_tokens = _total("padded_tokens", "Tokens of the padded tensors that ran to completion.")
+    oom_events = _total("oom_events", "Out-of-memory errors caught and recovered from (or skipped).")
+    oom_splits = _total("oom_splits", "Batches or pieces split in halves after running out of memory.")
+    failed_rows = _total("failed_rows", "Rows skipped because they ran out of memory on their own.")
+    error_rows = _total("error_rows", "Rows set aside because ``fn`` raised on them alone (``on_error='skip'``).")
+    pre_split_batches = _total("pre_split", "Batches split before they were tried: as large as a shape that had "
+                               "failed, or bound above the budget.")
 
     @property
     def batches(self) -> int:
@@ -145,16 +142,6 @@ class RunReport:
         return max(per_device.values(), default=0.0)
 
     @property
-    def real_tokens(self) -> int:
-        """Tokens that were not padding."""
-        return sum(r.real_tokens for r in self.records)
-
-    @property
-    def padded_tokens(self) -> int:
-        """Tokens of the padded tensors that ran to completion."""
-        return sum(r.padded_tokens for r in self.records)
-
-    @property
     def rows_per_s(self) -> float | None:
         """Rows per second (``None`` before any time was spent)."""
         return _ratio(self.rows, self.seconds)
@@ -168,31 +155,6 @@ class RunReport:
     def padding_efficiency(self) -> float | None:
         """Real tokens over padded tokens: 1.0 when nothing was padding."""
         return _ratio(self.real_tokens, self.padded_tokens)
-
-    @property
-    def oom_events(self) -> int:
-        """Out-of-memory errors caught and recovered from (or skipped)."""
-        return sum(r.oom_events for r in self.records)
-
-    @property
-    def oom_splits(self) -> int:
-        """Batches or pieces split in halves after running out of memory."""
-        return sum(r.oom_splits for r in self.records)
-
-    @property
-    def pre_split_batches(self) -> int:
-        """Batches split before they were tried: as large as a shape that had failed, or bound above the budget."""
-        return sum(bool(r.pre_split) for r in self.records)
-
-    @property
-    def failed_rows(self) -> int:
-        """Rows skipped because they ran out of memory on their own."""
-        return sum(r.failed_rows for r in self.records)
-
-    @property
-    def error_rows(self) -> int:
-        """Rows set aside because ``fn`` raised on them alone (``on_error="skip"``)."""
-        return sum(r.error_rows for r in self.records)
 
     @property
     def peak_ratios(self) -> list[float | None]:
@@ -266,12 +228,8 @@ class RunReport:
         """A report from :meth:`to_dict`'s dict."""
         names = {f.name for f in fields(BatchRecord)}
         records = [BatchRecord(**{k: v for k, v in r.items() if k in names}) for r in data["batches"]]
-        summary = data["summary"]
-        return cls(records, budget_bytes=summary.get("budget_bytes"), skipped_inputs=summary.get("skipped_inputs", 0),
-                   device_budgets=summary.get("device_budgets", {}), rebuilt_batches=summary.get("rebuilt_batches", 0),
-                   workers=summary.get("workers", {}), wall_seconds=summary.get("wall_seconds"),
-                   background=summary.get("background", {}),
-                   accounting_seconds=summary.get("accounting_seconds", 0.0))
+        kept = {f.name for f in fields(cls)} - {"records"}  # the summary's figures computed from them are not kept
+        return cls(records, **{k: v for k, v in data["summary"].items() if k in kept})
 
     def plot(self, path: str | os.PathLike, *, title: str | None = None) -> None:
         """Draws the run into a PNG at ``path``: batch sizes, padding and peak memory per batch, and where the wall

@@ -2,12 +2,9 @@
 
 One path of stages that talk one way, read top to bottom in :func:`run`: the options are resolved or refused
 (:mod:`~dynabatch.inference.options`); the sink (in memory, or a results store) is opened; a resumed run asks the
-store which inputs it holds, the source for those inputs' hashes, and the store to check them, before any batch;
-the source's batches (:mod:`~dynabatch.inference.source`) go through the scheduler, which decides what runs next at
-what size (:mod:`~dynabatch.inference.scheduler`), to the build stage, which collates them ahead in pinned memory
-(:mod:`~dynabatch.inference.build`), to the executor on each device or rank, which splits on out-of-memory errors and
-cuts rows by the row rule (:mod:`~dynabatch.inference.execute`, :mod:`~dynabatch.inference.outputs`), into the sink
-(:mod:`~dynabatch.inference.sink`), which assembles the result and accounts for every input.
+store which inputs it holds, the source for those inputs' hashes, and the store to check them, before any batch; then
+each device's or rank's loop (:mod:`~dynabatch.inference.loop`) takes the scheduler's items, sized, has them built and
+run, and hands each outcome to the stages; the sink (:mod:`~dynabatch.inference.sink`) accounts for every input.
 
 Example:
     >>> from transformers import AutoTokenizer
@@ -35,11 +32,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from dynabatch._validation import bad_type
+from dynabatch._validation import bad_type, first_few
 from dynabatch.data.collate import Batch
-from dynabatch.inference.build import Builder, Prefetcher
-from dynabatch.inference.execute import BatchOutOfMemoryError, Executor, run_workers
+from dynabatch.inference.build import Builder
+from dynabatch.inference.distributed import Lockstep, job_token
+from dynabatch.inference.execute import BatchOutOfMemoryError, Executor, Failures
 from dynabatch.inference.loader import plan_of
+from dynabatch.inference.loop import Stages, WorkerParts, run_workers
 from dynabatch.inference.meter import Meter, background_shares, meter_for
 from dynabatch.inference.options import RunOptions, check_run_options, resolve_options
 from dynabatch.inference.outputs import RowSplitter
@@ -58,7 +57,6 @@ logger = logging.getLogger(__name__)
 
 BAD_INPUT = "bad input: not a str (the loader skipped it, on_bad_input='skip')"
 """The cause of an input the loader planned into no batch."""
-_FEW = 5  # positions (and ids) an error names
 
 
 class IncompleteRunError(RuntimeError):
@@ -172,59 +170,44 @@ def run(
                               ranks=ranks, on_oom=on_oom, on_error=on_error, output_path=output_path, key=key,
                               token_outputs=token_outputs, pad_token_id=pad_token_id, prefetch=prefetch,
                               progress=progress)
-    source = Source(loader, plan)
+    source = Source(loader, plan)  # job: one token for this job's ranks (a collective), for the store's job lock
     sink = open_sink(options.output_path, key=options.key, n=source.n_inputs,
                      ids=None if plan is None else plan.ids, gather=options.ranks != "single",
-                     job=_job(options))
+                     job=None if options.output_path is None or options.ranks == "single" else job_token())
     try:
         return _run(source, sink, options)
     finally:
         sink.end()
 
 
-def _job(options: RunOptions) -> str | None:
-    """The token of this job's ranks (one collective before the first batch), for the store's job lock."""
-    if options.output_path is None or options.ranks == "single":
-        return None
-    from dynabatch.inference.distributed import job_token
-
-    return job_token()
-
-
 def _run(source: Source, sink: MemorySink | StoreSink, options: RunOptions) -> RunResult | StoredRunResult:
     """The stages, from the resume check to the accounted result."""
     plan = source.plan
     stored = _stored_inputs(source, sink)
-    scheduler = Scheduler(source, memory=options.memory, sparse=options.sparse, stored=stored,
-                          read_ahead=options.prefetch)
     try:
-        scheduler.share(options.ranks, options.rank, options.world_size)
+        source.share(options.ranks, options.rank, options.world_size)
+        scheduler = Scheduler(source, memory=options.memory, sparse=options.sparse, stored=stored,
+                              read_ahead=options.prefetch)
         builder = Builder(plan, source.loader, pad_token_id=options.pad_token_id,
-                          pinned=any(pins_memory(t) for t in options.targets), hashes=isinstance(sink, StoreSink),
-                          check_inputs=sink.check_inputs if plan is None and stored is not None else None)
+                          pinned=any(pins_memory(t) for t in options.targets), hashes=isinstance(sink, StoreSink))
         skipped = plan.skipped if plan is not None else np.zeros(0, dtype=np.int64)
         if skipped.size and options.rank == 0:  # rank 0 answers for the inputs the loader planned into no batch
             _fail(sink.writer(f"rank{options.rank}.loader"), skipped, BAD_INPUT)
-        report = _execute(scheduler, builder, sink, options, skipped, stored)
+        report = _execute(source, scheduler, builder, sink, options, skipped, stored)
     finally:
         source.close()
-        scheduler.close()
     if options.output_path is not None and options.ranks != "single":
         torch.distributed.barrier()  # every rank's shards are in: each rank reads the whole store
-    result, missing = sink.result(scheduler.n_inputs, report=report)
+    result, missing = sink.result(source.total_inputs, report=report)
     if missing.size:
-        ids = plan.ids.take(missing[:_FEW]).to_pylist() if plan is not None and plan.ids is not None else None
+        ids = plan.ids.take(missing[:5]).to_pylist() if plan is not None and plan.ids is not None else None
         raise IncompleteRunError(
             f"run should account for every input (a result, or a place in failed with its cause), but got "
-            f"{missing.size} of {len(result)} inputs with neither (positions {_few(missing.tolist())}"
-            + (f"; ids {_few(ids)}" if ids is not None else "") + "): an iterable of batches may have left them "
+            f"{missing.size} of {len(result)} inputs with neither (positions {first_few(missing.tolist())}"
+            + (f"; ids {first_few(ids)}" if ids is not None else "") + "): an iterable of batches may have left them "
             "out, or their rows were lost on the way to the sink; with output_path, a rerun runs only them",
             missing=missing.tolist(), partial=result)
     return result
-
-
-def _few(values: list) -> str:
-    return ", ".join(map(str, values[:_FEW])) + (", ..." if len(values) > _FEW else "")
 
 
 def _fail(writer: Any, positions: np.ndarray, cause: str) -> None:
@@ -247,38 +230,35 @@ def _stored_inputs(source: Source, sink: MemorySink | StoreSink) -> np.ndarray |
     return stored
 
 
-def _execute(scheduler: Scheduler, builder: Builder, sink: MemorySink | StoreSink, options: RunOptions,
-             skipped: np.ndarray, stored: np.ndarray | None) -> RunReport:
+def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: MemorySink | StoreSink,
+             options: RunOptions, skipped: np.ndarray, stored: np.ndarray | None) -> RunReport:
     """Runs the scheduler's items on every target (a worker each) into the sink; returns the report.
 
     Every worker's writer is closed (its rows committed) however the run ends; ``BatchOutOfMemoryError`` gets the rows
     finished so far as ``.partial``.
     """
-    splitter = RowSplitter(builder.pad_token_id, options.token_outputs, builder.padding_side)  # fn's rule, for the run
+    splitter = RowSplitter(builder.pad_token_id, options.token_outputs, builder.padding.side)  # fn's rule, for the run
+    failures = Failures(options.on_oom, options.on_error, None if source.plan is None else source.plan.ids)
     background = stage_seconds()
-    meter = _meter(scheduler.source, options, skipped, stored)
-    stop = threading.Event()
+    meter = _meter(source, options, skipped, stored)
     names = [str(t) for t in options.targets]
     names = [f"{n} (worker {i})" if names.count(n) > 1 else n for i, n in enumerate(names)]  # ["cpu", "cpu"]
-    plan = scheduler.source.plan
-    writers, executors = [], []
+    stages = Stages(source, scheduler, builder, sink, meter, threading.Event(), options.prefetch,
+                    (lambda: Lockstep(builder.stand_in)) if options.ranks == "lockstep" else None)
 
-    def start_worker(target: Any, i: int) -> tuple[Executor, Prefetcher]:
+    def start_worker(target: Any, i: int) -> WorkerParts:
         fn = options.make_fn(target)
         if not callable(fn):
             raise bad_type("make_fn", f"a callable returning fn(batch) for a device (make_fn({str(target)!r}) "
                            "returned no callable)", fn)
-        writers.append(sink.writer(f"rank{options.rank}" if len(options.targets) == 1 else f"rank{options.rank}.{i}"))
         lane = scheduler.lane(options.memory_devices[i])  # an absolute max_memory is read on this device now
-        executors.append(Executor(fn, scheduler, builder, lane=lane, writer=writers[-1], copier=copier(target),
-                                  memory_device=options.memory_devices[i], splitter=splitter, on_oom=options.on_oom,
-                                  on_error=options.on_error, ids=None if plan is None else plan.ids,
-                                  lockstep=options.ranks == "lockstep", stop=stop, name=names[i]))
-        return executors[-1], Prefetcher(scheduler, builder, lane, options.prefetch)
+        executor = Executor(fn, copier=copier(target), memory_device=options.memory_devices[i], splitter=splitter,
+                            failures=failures)
+        writer = sink.writer(f"rank{options.rank}" if len(options.targets) == 1 else f"rank{options.rank}.{i}")
+        return WorkerParts(executor, lane, writer, names[i])
 
     def report() -> RunReport:
-        merged = executors[0].report if len(executors) == 1 else RunReport.merge(
-            [e.report for e in executors], [e.name for e in executors])
+        merged = stages.report
         merged.skipped_inputs = len(skipped)
         merged.wall_seconds = (meter.last or meter.clock()) - meter.started
         merged.background = background_shares(background, merged.wall_seconds)
@@ -286,30 +266,14 @@ def _execute(scheduler: Scheduler, builder: Builder, sink: MemorySink | StoreSin
         return merged
 
     try:
-        run_workers(options.targets, start_worker, stop, meter)
+        run_workers(options.targets, start_worker, stages)  # each worker's writer closed as it ends
     except BatchOutOfMemoryError as exc:
-        _close(writers)
-        exc.partial = sink.result(scheduler.n_inputs, report=report(), gather=False)[0]
+        exc.partial = sink.result(source.total_inputs, report=report(), gather=False)[0]
         raise
     finally:
-        stop.set()
-        try:
-            _close(writers)  # the rows buffered are committed, after an error or Ctrl-C too
-        finally:
-            meter.close()
+        stages.stop.set()
+        meter.close()
     return report()
-
-
-def _close(writers: list) -> None:
-    """Closes every writer (committing its rows); raises the first error one of them met."""
-    error = None
-    while writers:
-        try:
-            writers.pop().close()
-        except Exception as exc:  # noqa: BLE001 (the other writers still commit theirs)
-            error = error or exc
-    if error is not None:
-        raise error
 
 
 def _meter(source: Source, options: RunOptions, skipped: np.ndarray, stored: np.ndarray | None) -> Meter:

@@ -1,19 +1,16 @@
-"""The source of :func:`dynabatch.run`: the batches a loader plans, as :class:`Item` s, and what the inputs are.
+"""The source of :func:`dynabatch.run`: the batches a loader plans, as :class:`Item` s, and everything about inputs.
 
 A dynabatch DataLoader carries its plan (``loader.plan``), so its batches are known as input positions before their
-tensors exist (built later, by the build stage, :mod:`~dynabatch.inference.build`): the scheduler
-(:mod:`~dynabatch.inference.scheduler`) can share them among ranks, take out rows already stored, or in measured mode
-have the loader's planner size each next batch. Any other iterable of :class:`~dynabatch.data.collate.Batch` is read
-as it comes, ahead of the device (:class:`~dynabatch._background.Ahead`).
-
-The source answers what a resumed run asks before its first batch (:meth:`Source.input_hashes`: the input hashes of
-this run's inputs at the positions a store holds), and is never called back after that.
+tensors exist (built later, by :mod:`~dynabatch.inference.build`), and can be shared among ranks
+(:meth:`Source.share`). Any other iterable of :class:`~dynabatch.data.collate.Batch` is read as it comes, ahead of the
+device (:class:`~dynabatch._background.Ahead`). The source also answers a resumed run's check
+(:meth:`Source.input_hashes`) and frees a streamed plan's tokens as the loop is done with them (:meth:`Source.done`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +21,7 @@ from dynabatch._background import Ahead
 from dynabatch._validation import brief
 from dynabatch.data.collate import Batch
 from dynabatch.data.input_hashes import token_store_hashes
+from dynabatch.sampling.ranks import deal, split_for_replicas
 
 __all__ = ["Item", "Source", "positions_of"]
 
@@ -49,6 +47,7 @@ class Item:
     whole: bool = True  # False once rows are taken out (stored, or finished before a device failed)
     crashes: int = 0  # times a device failed running it (several devices put its rows back once)
     stored: np.ndarray = field(default_factory=lambda: _NONE)
+    sizing: Any = None  # how its pieces are split before they run and which are measured (the scheduler's Sizing)
 
     def keep(self, keep: np.ndarray, *, whole: bool = False) -> Item:
         """The item with only its rows at ``keep`` (row numbers within :attr:`positions`); ``whole``: a batch of its
@@ -76,8 +75,10 @@ class Source:
     Attributes:
         n_inputs: how many inputs the loader was given (bad ones included); ``None`` for an iterable of batches,
             whose inputs are the positions its batches name.
-        planner: the plan's planner (measured mode asks it for every next batch), or ``None``.
+        planner: the planner measured mode asks for every next batch (under ``ranks="claim"``, of the chunks this
+            rank claims), or ``None``.
         streamed: the plan tokenizes its chunks as they are planned (its tokens are freed as rows finish).
+        known: every batch is known up front as positions (its next batches can be built ahead).
     """
 
     def __init__(self, loader: Any, plan: Any) -> None:
@@ -85,22 +86,52 @@ class Source:
         self.n_inputs: int | None = None if plan is None else plan.n_inputs
         self.planner = None if plan is None else plan.planner
         self.streamed = plan is not None and plan.stream is not None
+        self.known = plan is not None and not self.streamed
         self._reader: Ahead | None = None
+        self._mine: Iterable[Item] | None = None  # this rank's share: dealt in lockstep, or claimed chunks planned
+        self._feed = None  # the claimed chunks' tokenizing feed (a streamed plan under ranks="claim")
+        self._seen = -1  # the largest input position handed out (a plain iterable's inputs are those it names)
+
+    def share(self, ranks: str, rank: int, world_size: int) -> None:
+        """Keeps only this rank's share of the batches under ``ranks`` (``"single"``: every batch): ``"lockstep"``,
+        every rank the same number of batches of the whole plan (the one routine of :mod:`dynabatch.sampling.ranks`:
+        the largest batches split, then dealt in steps); ``"claim"``, the chunks of the plan this rank claims
+        (:func:`~dynabatch.inference.distributed.claimed_planner`; a streamed plan tokenizes only those, stopped by
+        :meth:`close`)."""
+        from dynabatch.inference.distributed import check_same_batches, claimed_planner
+
+        if ranks == "claim":
+            self.planner, self._feed = claimed_planner(self.plan)
+            self._mine, self.known = (Item(n, b) for n, b in enumerate(self.planner.iter_batches())), False
+        elif ranks == "lockstep":
+            items = list(self.items())
+            check_same_batches([i.positions for i in items])
+            self._seen = max((int(i.positions.max()) for i in items if i.positions.size), default=-1)
+            self._mine, self.known = _deal(items, rank, world_size), True
 
     def items(self, *, read_ahead: int = 0) -> Iterator[Item]:
-        """Every batch in the loader's order: a plan's as input positions, a plain iterable's with its tensors, read
-        up to ``read_ahead`` batches ahead in a background thread (stopped by :meth:`close`)."""
+        """Every batch of this rank in the loader's order: a plan's as input positions, a plain iterable's with its
+        tensors, read up to ``read_ahead`` batches ahead in a background thread (stopped by :meth:`close`)."""
+        if self._mine is not None:
+            return iter(self._mine)
         if self.plan is not None:
             return (Item(n, np.asarray(p, dtype=np.int64)) for n, p in enumerate(self.plan.sampler))
         items = (Item(n, positions_of(b, self.loader), b) for n, b in enumerate(self.loader))
-        if not read_ahead:
-            return items
-        self._reader = Ahead(items, depth=read_ahead, name="dynabatch-read-ahead")
-        return iter(self._reader.next, None)
+        if read_ahead:
+            self._reader = Ahead(items, depth=read_ahead, name="dynabatch-read-ahead")
+            items = iter(self._reader.next, None)
+        return (self._saw(item) for item in items)
 
-    def first_rows(self) -> int:
-        """Rows of the plan's first batch (its longest texts: fewer rows at any width never cost more)."""
-        return self.planner.first_rows() if self.planner is not None else 0
+    def _saw(self, item: Item) -> Item:
+        if item.positions.size:
+            self._seen = max(self._seen, int(item.positions.max()))
+        return item
+
+    @property
+    def total_inputs(self) -> int:
+        """How many inputs the run has: the loader's, or (a plain iterable) the largest position its batches named
+        so far + 1."""
+        return self.n_inputs if self.n_inputs is not None else self._seen + 1
 
     def text_sizes(self) -> tuple[np.ndarray, bool, int | None] | None:
         """Every input's size, known before it runs (what the time left is weighted by): ``(sizes, exact,
@@ -127,10 +158,32 @@ class Source:
             return positions, self.plan.stream.input_hashes(positions)
         return positions, token_store_hashes(self.plan.collator.tokenized.take(positions))
 
+    def done(self, positions: np.ndarray) -> None:
+        """The loop is done with these inputs' tokens (their rows are in a built batch, or stored already): a
+        streamed plan frees each chunk's tokens once every row of it is."""
+        if self.streamed and len(positions):
+            self.plan.stream.consumed(positions)
+
     def close(self) -> None:
-        """Stops reading ahead (after the batch being read), and a streamed plan's tokenizing thread (a later use of
-        the loader goes on where it stopped)."""
+        """Stops reading ahead (after the batch being read), tokenizing the chunks this rank claims, and a streamed
+        plan's tokenizing thread (a later use of the loader goes on where it stopped)."""
         if self._reader is not None:
             self._reader.close()
         if self.streamed:
             self.plan.stream.pause()
+        if self._feed is not None:
+            self._feed.close()
+
+
+def _deal(items: list[Item], rank: int, world_size: int) -> list[Item]:
+    """``rank``'s items of ``items`` under lockstep, numbered from 0."""
+    def split(item: Item, parts: int) -> list[Item]:
+        return [item.keep(keep, whole=True) for keep in np.array_split(np.arange(len(item.positions)), parts)]
+
+    shares = split_for_replicas(items, world_size, samples=lambda item: len(item.positions), split=split)
+    mine = deal(shares, world_size, rank)
+    for number, item in enumerate(mine):
+        item.number = number
+    logger.info("rank %d of %d: %d batches (%d rows) of %d batches (%d rows)", rank, world_size, len(mine),
+                sum(len(i.positions) for i in mine), len(items), sum(len(i.positions) for i in items))
+    return mine

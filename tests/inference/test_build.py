@@ -9,7 +9,8 @@ import torch
 from runner_helpers import _load
 
 from dynabatch.data.input_hashes import token_store_hashes
-from dynabatch.inference.build import Builder, Prefetcher
+from dynabatch.inference.build import Builder
+from dynabatch.inference.loop import Prefetcher
 from dynabatch.inference.scheduler import Scheduler
 from dynabatch.inference.source import Item, Source
 
@@ -25,20 +26,19 @@ def test_a_plans_batch_is_collated_with_each_rows_input_hash(tokenizer, texts):
     whole = token_store_hashes(loader.plan.collator.tokenized)
     assert built.hashes.tolist() == whole[positions].tolist()
     assert built.hashes_at(positions[::-1]).tolist() == whole[positions[::-1]].tolist()
-    assert builder.pad_token_id == tokenizer.pad_token_id and builder.padding_side == "right"
+    assert builder.pad_token_id == tokenizer.pad_token_id and builder.padding.side == "right"
 
 
-def test_a_plain_batchs_stored_rows_are_checked_as_it_is_built_and_only_the_others_kept(tokenizer, texts):
+def test_a_plain_batchs_stored_rows_come_with_their_hashes_to_check_and_only_the_others_kept(tokenizer, texts):
     batch = next(iter(_load(texts, tokenizer)))
-    checked = []
-    builder = Builder(None, [batch], pad_token_id=None, pinned=False, hashes=True,
-                      check_inputs=lambda positions, hashes: checked.append((positions.tolist(), hashes.tolist())))
+    builder = Builder(None, [batch], pad_token_id=None, pinned=False, hashes=True)
     positions = batch.indices.numpy()
     item = Item(0, positions[1:], batch, np.arange(1, len(positions)), stored=positions[:1])
     built = builder.build(item)
     assert built.batch.indices.tolist() == positions[1:].tolist()
     from dynabatch.data.input_hashes import batch_input_hashes
 
+    checked = [(p.tolist(), h.tolist()) for p, h in [built.stored]]
     assert checked == [([int(positions[0])], [int(batch_input_hashes(batch)[0])])]
 
 
@@ -46,7 +46,7 @@ def test_a_split_is_trimmed_as_collating_its_rows_would(tokenizer, texts):
     loader = _load(texts, tokenizer)
     builder = Builder(loader.plan, loader, pad_token_id=None, pinned=False, hashes=False)
     positions = loader.batch_sampler.batches[0]
-    parts = builder.split(builder.build(Item(0, positions)).batch, [1, len(positions) - 1])
+    parts = builder.padding.split(builder.build(Item(0, positions)).batch, [1, len(positions) - 1])
     for part in parts:
         collated = loader.plan.collator(part.indices.numpy())
         assert torch.equal(part["input_ids"], collated["input_ids"])

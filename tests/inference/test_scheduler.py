@@ -1,9 +1,10 @@
-"""The scheduler: stored rows taken out, pre-splits by the one out-of-memory policy, lanes, rank shares."""
+"""The scheduler: stored rows taken out, items sized by the one out-of-memory policy, lanes, rank shares."""
 
 import numpy as np
 import pytest
 from runner_helpers import _load
 
+from dynabatch.inference.execute import Outcome
 from dynabatch.inference.scheduler import Scheduler
 from dynabatch.inference.source import Source
 from dynabatch.memory.oom import equal_parts
@@ -21,7 +22,8 @@ def test_stored_rows_are_taken_out_before_a_batch_is_built_or_peeked(tokenizer, 
     stored = np.zeros(len(texts), dtype=bool)
     stored[planned[0]] = True  # the whole first batch
     stored[planned[1][:2]] = True  # two rows of the second
-    scheduler = _scheduler(loader, stored=stored)
+    source = Source(loader, loader.plan)
+    scheduler = Scheduler(source, memory="off", sparse=False, stored=stored)
     lane = scheduler.lane()
     assert [p.tolist() for p in scheduler.peek(lane, 3)] == [planned[1][2:].tolist(), planned[2].tolist()]
     first = scheduler.next(lane)
@@ -31,7 +33,7 @@ def test_stored_rows_are_taken_out_before_a_batch_is_built_or_peeked(tokenizer, 
     assert second.stored.tolist() == planned[1][:2].tolist()
     rest = [scheduler.next(lane) for _ in planned[2:]]
     assert all(item.whole and not item.stored.size for item in rest) and scheduler.next(lane) is None
-    assert scheduler.n_inputs == len(texts)
+    assert source.total_inputs == len(texts)
 
 
 def test_a_plain_iterables_stored_rows_are_kept_with_its_batch_for_the_build_stage(tokenizer, texts):
@@ -49,12 +51,14 @@ def test_a_shape_that_ran_out_of_memory_splits_every_shape_as_large_before_it_ru
     scheduler = _scheduler(_load(texts, tokenizer))
     lane, other = scheduler.lane(), scheduler.lane()
     item = scheduler.next(lane)
-    assert scheduler.pre_split(lane, 8, 48) is None
-    scheduler.report(lane, item, out_of_memory=(8, 40))
-    split = scheduler.pre_split(lane, 9, 48)
+    assert item.sizing.split(8, 48) is None
+    scheduler.update(lane, Outcome(item, out_of_memory=[(8, 40)]))
+    sizing = scheduler.next(lane).sizing  # the next item is sized by what the last one taught
+    split = sizing.split(9, 48)
     assert split.sizes == [4, 5] and split.reason == "as large as 8 x 40 which ran out of memory"
-    assert scheduler.pre_split(lane, 9, 32) is None  # narrower: not dominated
-    assert scheduler.pre_split(other, 9, 48) is None  # another device's lane learned nothing
+    assert sizing.split(9, 32) is None  # narrower: not dominated
+    assert scheduler.next(other).sizing.split(9, 48) is None  # another device's lane learned nothing
+    assert item.sizing.split(9, 48, [(8, 40)]).sizes == [4, 5]  # a shape that failed while the item ran counts too
 
 
 def test_guarded_mode_caps_calls_by_the_first_batch_then_by_the_lanes_measured_peaks(tokenizer, texts):
@@ -62,20 +66,33 @@ def test_guarded_mode_caps_calls_by_the_first_batch_then_by_the_lanes_measured_p
     scheduler = _scheduler(loader, memory="guarded")
     lane = scheduler.lane()
     first = loader.plan.planner.first_rows()
-    assert scheduler.pre_split(lane, first + 4, 48).sizes == equal_parts(first + 4, first)
     item = scheduler.next(lane)
-    scheduler.report(lane, item, ran=[(4, 48, 4000)])  # 1000 bytes a row at width 48: the budget is 4000
+    assert item.sizing.split(first + 4, 48).sizes == equal_parts(first + 4, first)
+    scheduler.update(lane, Outcome(item, measured=[(4, 48, 4000)]))  # 1000 bytes a row at width 48: the budget is 4000
     assert lane.feedback.budget == 4000
-    assert scheduler.pre_split(lane, 10, 24).sizes == [4, 3, 3]  # 4 rows at width 48 bound 4 at width 24
-    assert scheduler.measure(lane, 4, 48)
+    sizing = scheduler.next(lane).sizing
+    assert sizing.split(10, 24).sizes == [4, 3, 3]  # 4 rows at width 48 bound 4 at width 24
+    assert sizing.measure(4, 48)
+
+
+def test_rows_a_failed_device_left_are_put_back_and_run_first(tokenizer, texts):
+    loader = _load(texts, tokenizer)
+    scheduler = _scheduler(loader)
+    lane = scheduler.lane()
+    first = scheduler.next(lane)
+    rest = first.keep(np.arange(2))
+    scheduler.update(lane, Outcome(first, unfinished=rest))
+    again = scheduler.next(lane)
+    assert again.positions.tolist() == rest.positions.tolist() and not again.whole
 
 
 def test_lockstep_shares_deal_every_batch_to_one_rank(tokenizer, texts):
     loader = _load(texts, tokenizer)
     shares = []
     for rank in (0, 1):
-        scheduler = _scheduler(loader)
-        scheduler.share("lockstep", rank, 2)
+        source = Source(loader, loader.plan)
+        source.share("lockstep", rank, 2)
+        scheduler = Scheduler(source, memory="off", sparse=False)
         lane = scheduler.lane()
         items = iter(lambda s=scheduler, lane=lane: s.next(lane), None)
         shares.append([p for item in items for p in item.positions.tolist()])

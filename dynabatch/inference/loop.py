@@ -1,0 +1,276 @@
+"""The worker loop of :func:`dynabatch.run`: per device or rank, the one place that talks to more than one stage.
+
+``item = scheduler.next(lane)`` (already sized), its batch from the build stage (built ahead by :class:`Prefetcher`),
+``outcome = executor`` run on it, and the outcome, a value, handed to each stage: rows and failed inputs to the sink's
+writer, what it measured to :meth:`Scheduler.update <dynabatch.inference.scheduler.Scheduler.update>`, the inputs done
+to :meth:`Source.done <dynabatch.inference.source.Source.done>`, rows to the meter. No stage calls another.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from dynabatch._background import Worker, run_in_threads
+from dynabatch._validation import brief_error
+from dynabatch.inference.build import Builder, Built
+from dynabatch.inference.execute import Executor, Outcome
+from dynabatch.inference.meter import Laps, Meter
+from dynabatch.inference.report import RunReport
+from dynabatch.inference.scheduler import Lane, Scheduler
+from dynabatch.inference.source import Item, Source
+from dynabatch.memory.device import is_device_failure, make_current
+
+__all__ = ["Prefetcher", "Stages", "WorkerParts", "run_workers"]
+
+logger = logging.getLogger(__name__)
+
+
+class Prefetcher:
+    """Hands one worker its items with their batches, building its next ``depth`` batches in a background thread.
+
+    In measured mode the planner sizes a batch only once the peaks before it are measured, so the batches built ahead
+    are the scheduler's answer *as it stands* (:meth:`~dynabatch.inference.scheduler.Scheduler.peek`); one that a
+    later peak re-sized is built again, never run stale (:attr:`rebuilt` counts them).
+    """
+
+    def __init__(self, scheduler: Scheduler, builder: Builder, lane: Lane, depth: int) -> None:
+        self.scheduler, self.builder, self.lane, self.depth = scheduler, builder, lane, depth
+        self.ahead: deque[tuple[np.ndarray, Built]] = deque()  # positions -> their batch, built ahead
+        self._worker = Worker(depth=1, name="dynabatch-prefetch") if depth else None
+        self.rebuilt = 0
+
+    def next_item(self) -> Item | None:
+        """The next item of this worker's lane (``None`` when none is left), once the batches being built ahead
+        are (they were peeked before it was taken)."""
+        if self._worker is not None:
+            self._worker.wait()  # an error building a batch raises here
+        return self.scheduler.next(self.lane)
+
+    def build(self, item: Item) -> Built | None:
+        """``item``'s batch (built ahead, or now; ``None`` when every row of it is stored); then the next batches are
+        built ahead."""
+        built = None
+        if item.positions.size:
+            built = self._take(item.positions) if item.batch is None else None
+            built = built or self.builder.build(item)
+        if self._worker is not None:
+            self._worker.submit(self._fill)
+        return built
+
+    def _take(self, positions: np.ndarray) -> Built | None:
+        while self.ahead:
+            built_positions, built = self.ahead.popleft()
+            if np.array_equal(built_positions, positions):
+                return built
+            self.rebuilt += 1
+        return None
+
+    def _fill(self) -> None:
+        """The background thread's turn: the next batches as they stand, built (asking the planner costs time too,
+        off the device's thread)."""
+        for positions in self.scheduler.peek(self.lane, self.depth)[len(self.ahead):]:
+            self.ahead.append((positions, self.builder.build(Item(-1, positions))))
+
+    def close(self) -> None:
+        """Stops the background thread (after the batch it is building) and drops what it built."""
+        if self._worker is not None:
+            self._worker.close(cancel=True)
+        self.ahead.clear()
+
+
+@dataclass
+class Stages:
+    """What every worker's loop shares: the stages it hands values to, ``stop`` (set when the run stops: each worker
+    ends its call in progress), batches built ahead, what makes a worker's
+    :class:`~dynabatch.inference.distributed.Lockstep` (``None``: each runs its items to their end alone), and the
+    run's report (each item's record as it ends, in the order they end; rows that finished before an error included).
+    """
+
+    source: Source
+    scheduler: Scheduler
+    builder: Builder
+    sink: Any
+    meter: Meter | None
+    stop: threading.Event
+    prefetch: int
+    lockstep: Callable[[], Any] | None = None
+    report: RunReport = field(default_factory=RunReport)
+
+
+@dataclass
+class WorkerParts:
+    """One worker's own: its executor, its lane, its writer (closed, its rows committed, as it ends), its name."""
+
+    executor: Executor
+    lane: Lane
+    writer: Any
+    name: str
+
+
+def run_workers(targets: Sequence[Any], start_worker: Callable[[Any, int], WorkerParts], stages: Stages) -> None:
+    """Runs the scheduler's items to their end on every target: one worker in the calling thread, or a thread per
+    device (:func:`~dynabatch._background.run_in_threads`: torch releases the GIL while a device works), into
+    ``stages.report`` (each item's record with its seconds by stage: planning, building, the device, the
+    store, the waits on the stages ahead).
+
+    ``start_worker(target, i)`` returns the worker's parts; it is called in the worker's thread, once the device is
+    current there (so is the ``make_fn`` inside it). On any exit every thread has stopped and every worker's writer is
+    closed: on an error or ``KeyboardInterrupt``, ``stages.stop`` is set and each worker ends its call in progress.
+
+    A device failure (:func:`~dynabatch.memory.device.is_device_failure`) on one of several devices ends that worker;
+    its unfinished rows go back to the scheduler once (rows that make a second device fail raise). Any other error
+    (``fn`` raising, the sink refusing or failing to write rows, a batch failing to build) stops every worker and is
+    raised: the rows finished before it are in the sink, the others are not.
+    """
+    crashes: list[BaseException] = []  # what stopped one device's worker, its rows put back
+    prefetchers: list[Prefetcher] = []
+    busy, lock = [0], threading.Lock()  # workers holding an item (a failed device puts its rows back: others wait)
+    several = len(targets) > 1
+
+    def next_item(prefetcher: Prefetcher) -> Item | None:
+        while not stages.stop.is_set():
+            with lock:
+                item = prefetcher.next_item()
+                if item is not None or not busy[0]:
+                    busy[0] += item is not None
+                    return item
+            stages.stop.wait(0.01)  # nothing to run while another worker runs: its device may fail and put rows back
+        return None
+
+    def work(i: int, target: Any) -> None:
+        if several:
+            make_current(target)
+        laps = Laps(stages.meter.started if stages.meter is not None else None)
+        worker = _WorkerLoop(stages, start_worker(target, i), laps, several)
+        prefetchers.append(worker.prefetcher)
+        try:
+            while (item := next_item(worker.prefetcher)) is not None:
+                try:
+                    if (crash := worker.run(item)) is not None:
+                        crashes.append(crash)
+                        return
+                finally:
+                    with lock:
+                        busy[0] -= 1
+        except BaseException as exc:
+            if several:
+                logger.error("device %s: its worker stopped the run: %s", target, brief_error(exc))
+            raise
+        finally:
+            worker.end()
+
+    try:
+        if not several:
+            return work(0, targets[0])
+        run_in_threads([lambda i=i, t=t: work(i, t) for i, t in enumerate(targets)], stages.stop,
+                       names=[f"dynabatch-{t}" for t in targets])
+    finally:
+        stages.report.rebuilt_batches = sum(p.rebuilt for p in prefetchers)
+    left = prefetchers[0].next_item() if prefetchers else None
+    if left is not None:  # every device failed, each on other rows: the first failure stops the run
+        crashes[0].add_note(f"every device failed with batches left to run (batch {left.number} first)")
+        raise crashes[0]
+
+
+class _WorkerLoop:
+    """One worker's loop: ``item = next``, its batch built, the outcome of its run handed to every stage."""
+
+    def __init__(self, stages: Stages, parts: WorkerParts, laps: Laps, several: bool) -> None:
+        self.stages, self.parts, self.laps, self.several = stages, parts, laps, several
+        self.prefetcher = Prefetcher(stages.scheduler, stages.builder, parts.lane, stages.prefetch)
+        self.lockstep = stages.lockstep() if stages.lockstep is not None else None
+        self.seconds = laps.lap("start")  # the seconds not yet given to a record
+
+    def run(self, item: Item) -> BaseException | None:
+        """Runs ``item`` and hands its outcome on; returns the device failure that ended this worker, its rows put
+        back."""
+        stages, executor = self.stages, self.parts.executor
+        outcome = None
+        try:
+            _merge(self.seconds, self.laps.lap("plan"))
+            built = self.prefetcher.build(item)
+            stages.source.done(np.concatenate([item.positions, item.stored]))
+            if built is not None and built.stored is not None:
+                stages.sink.check_inputs(*built.stored)  # a plain iterable's stored rows: before any row is written
+            _merge(self.seconds, self.laps.lap("build"))
+            executor.start(item, built)
+            try:
+                if self.lockstep is not None:
+                    self.lockstep.run(executor, item, built)
+                else:
+                    while executor.pending and not stages.stop.is_set():
+                        executor.step()
+            finally:  # the rows that finished before an error count too
+                outcome = executor.outcome()
+                self._hand_on(outcome, built)
+        except Exception as exc:
+            if not (self.several and is_device_failure(exc)):
+                raise
+            self._put_back(item if outcome is None else outcome.unfinished, outcome or Outcome(item), exc)
+            return exc
+        stages.scheduler.update(self.parts.lane, outcome)
+        return None
+
+    def _hand_on(self, outcome: Outcome, built: Built | None) -> None:
+        """The outcome's rows and failed inputs to the sink's writer, its record to the report, what it ran to the
+        meter."""
+        writer, start = self.parts.writer, time.perf_counter()
+        failed = np.fromiter(outcome.failed, dtype=np.int64, count=len(outcome.failed))
+        if len(outcome.positions):
+            writer.write(outcome.positions, outcome.rows, built.hashes_at(outcome.positions), varying=outcome.varying)
+        if len(failed):
+            writer.fail(failed, built.hashes_at(failed), list(outcome.failed.values()))
+        handing = time.perf_counter() - start
+        _merge(self.seconds, self.laps.lap("plan", {**outcome.seconds, "store": handing}))
+        record, done = outcome.record, np.concatenate([outcome.positions, failed])  # finished or set aside
+        if record is not None:
+            record = replace(record, seconds=record.seconds + handing, stages=self.seconds, finished=self.laps.at(),
+                             device=self.parts.name if self.several else None)
+            self.seconds = {}
+            self.stages.report.records.append(record)
+            if record.peak_bytes is not None:  # the budget a device's peaks are read against: its first one
+                if self.several:
+                    self.stages.report.device_budgets.setdefault(self.parts.name, record.peak_bytes)
+                if self.stages.report.budget_bytes is None:
+                    self.stages.report.budget_bytes = record.peak_bytes
+        if self.stages.meter is not None and len(done):
+            self.stages.meter.add(done, rows=len(done), real_tokens=outcome.tokens,
+                                  padded_tokens=record.padded_tokens if record is not None else 0,
+                                  width=record.width if record is not None else None)
+
+    def _put_back(self, rest: Item | None, outcome: Outcome, exc: BaseException) -> None:
+        """Puts the unfinished rows of an item whose device failed back once; raises ``exc`` on their second
+        failure."""
+        if rest is not None and len(rest.positions):
+            if rest.crashes:
+                logger.error("device %s: batch %d failed again (%s); it made another device fail before",
+                             self.parts.name, rest.number, brief_error(exc))
+                raise exc
+            logger.error("device %s failed on batch %d (%s); its %d unfinished rows go back to the other devices",
+                         self.parts.name, rest.number, brief_error(exc), len(rest.positions))
+            rest = replace(rest, crashes=rest.crashes + 1, whole=False)
+        else:
+            rest = None
+        self.stages.scheduler.update(self.parts.lane, replace(outcome, unfinished=rest))
+
+    def end(self) -> None:
+        """The worker ends: its builds ahead stopped, its writer closed (its rows committed), its laps summed."""
+        try:
+            self.prefetcher.close()
+        finally:
+            self.parts.writer.close()
+            self.laps.lap("plan")
+            self.stages.report.workers[self.parts.name] = self.laps.summary()
+
+
+def _merge(into: dict[str, float], seconds: dict[str, float]) -> None:
+    for stage, value in seconds.items():
+        into[stage] = into.get(stage, 0.0) + value
