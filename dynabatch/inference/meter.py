@@ -277,7 +277,8 @@ class Laps:
         rest = now - self._last
         added: dict[str, float] = {}
         parts = list((known or {}).items())
-        parts += [(f"wait {_STAGE_OF_THREAD.get(name, name)}", total - self._waits.get(name, 0.0)) for name, total in waits.items()]
+        parts += [(f"wait {_STAGE_OF_THREAD.get(name, name)}", total - self._waits.get(name, 0.0))
+                  for name, total in waits.items()]
         for name, value in parts:
             value = min(max(value, 0.0), rest)
             if value > 0:
