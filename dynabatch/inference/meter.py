@@ -30,7 +30,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import math
 import shutil
 import sys
@@ -45,8 +44,6 @@ import numpy as np
 from dynabatch._background import Ticker, stage_seconds, waited
 
 __all__ = ["LOG_EVERY", "Estimate", "Laps", "Meter", "TextCosts", "TimeModel", "name_bound"]
-
-logger = logging.getLogger(__name__)
 
 LOG_EVERY = 15.0
 """Seconds between the plain lines of the display where its stream is not a terminal."""
