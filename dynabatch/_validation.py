@@ -104,6 +104,14 @@ def bad_type(name: str, rule: str, value: Any) -> TypeError:
     )
 
 
+def check_choice(name: str, value: Any, choices: tuple) -> None:
+    """Refuses ``value`` unless it is one of the strings ``choices``."""
+    if not isinstance(value, str):
+        raise bad_type(name, f"one of {choices}", value)
+    if value not in choices:
+        raise bad_value(name, f"one of {choices}", value)
+
+
 def _check_int(name: str, value: Any, rule: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise bad_type(name, rule, value)

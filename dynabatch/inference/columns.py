@@ -2,9 +2,8 @@
 
 A row (a tensor, a numpy array, a Python scalar or list, or a dict, tuple or list of those) maps to one or more
 columns on Arrow's own types, the schema saying dtype and shape; the rules are in ``docs/inference.md`` ("Types").
-The results store (:mod:`dynabatch.inference.store`) writes these columns to Parquet, the results of ``run``
-(:mod:`dynabatch.inference.results`) stack them, and Ray's predictor (:mod:`dynabatch.integrations.ray`) turns rows into one
-numpy column with :func:`numpy_column`.
+The results store writes these columns to Parquet, ``run``'s results stack them, and Ray's predictor turns rows
+into one numpy column with :func:`numpy_column`.
 
 Example:
     >>> import torch
@@ -421,13 +420,9 @@ def as_numpy(item: Any) -> Any:
 
 
 def numpy_column(rows: list[Any]) -> np.ndarray:
-    """Rows as one numpy column: stacked when every row is an array of one shape and dtype, else an array of objects.
-
-    Tensors become numpy arrays. Rows that are arrays of one shape and dtype
-    (an embedding, logits, a scalar) are stacked into one array, which Ray
-    stores as a tensor column; anything else (``generate`` token ids of their
-    own lengths, strings, dicts, a ``None`` for a failed row) is an object
-    array with one item per row.
+    """Rows as one numpy column: stacked when every row is an array (a tensor made one) of one shape and dtype, which
+    Ray stores as a tensor column, else an array of objects, one item per row (replies of their own lengths, a
+    ``None`` for a failed row).
 
     Example:
         >>> import torch

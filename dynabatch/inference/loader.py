@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int, check_positive_int
 from dynabatch.data import streaming as token_streaming
@@ -71,19 +71,6 @@ def _worker_count(num_workers: int) -> int:
         logger.info("num_workers=%d capped at the %d available cores (torch warns above it)", num_workers, cores)
         return cores
     return num_workers
-
-
-class _Positions(Dataset):
-    """Item ``i`` is ``i``: the collator builds the batch from the token store."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> int:
-        return i
 
 
 @dataclass
@@ -171,7 +158,7 @@ def _streaming_loader(source: TextSource, skipped: np.ndarray, ids: Any, tokeniz
     # Batches are built in this process (the stream's thread cannot be pickled); a plain loop consumes a batch's
     # rows as it builds it, so each chunk's tokens are freed once its batches are built. run builds from the plan's
     # collator (the stream) and says itself when rows are finished.
-    loader = DataLoader(_Positions(stream.n), batch_sampler=sampler, collate_fn=stream.collate_and_consume,
+    loader = DataLoader(range(stream.n), batch_sampler=sampler, collate_fn=stream.collate_and_consume,
                         num_workers=0)
     loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, stream, check_ids(ids, stream.n), skipped, stream)
     logger.info("streaming %d texts in %d chunks, longest first", stream.n, stream.n_chunks)
@@ -190,7 +177,8 @@ def _eager_loader(tokenized: Any, texts: list[str] | None, skipped: np.ndarray, 
     sizes = [len(b) for b in batches]
     logger.info("planned %d texts into %d batches (first %d rows, largest %d)", len(tokenized), len(batches),
                 sizes[0], max(sizes))
-    loader = DataLoader(_Positions(len(tokenized)), batch_sampler=sampler, collate_fn=collator,
+    # The dataset's item i is i: the collator builds each batch from the token store.
+    loader = DataLoader(range(len(tokenized)), batch_sampler=sampler, collate_fn=collator,
                         num_workers=_worker_count(num_workers))
     loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, collator, id_array, skipped)
     return loader

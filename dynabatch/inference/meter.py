@@ -8,10 +8,7 @@ model fitted online from the batches that ran (:class:`TimeModel`: seconds = a p
 token + a part per row, least squares weighted to the recent batches) turns that work into seconds. The per-row
 part carries what a row costs whatever its length: for ``generate``, the new tokens each row decodes.
 
-**Where the wall went.** Every worker's loop is timed in laps that cover it end to end (:class:`Laps`): planning,
-building batches, the device (the copy in, the model call and the rows back on the CPU, which waits for the
-device), writing the store, and the waits on the stages run ahead in background threads (tokenizing, reading,
-building: timed once, in :mod:`dynabatch._background`). :meth:`Meter.stages` sums them per worker;
+**Where the wall went.** Every worker's loop is timed in laps that cover it end to end (:class:`Laps`);
 :func:`name_bound` names what the run was bound by in one line.
 
 **The display.** On a terminal, one line redrawn in place; elsewhere (a log file, a notebook, a pipe) a plain line
@@ -33,7 +30,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import math
 import shutil
 import sys
@@ -48,8 +44,6 @@ import numpy as np
 from dynabatch._background import Ticker, stage_seconds, waited
 
 __all__ = ["LOG_EVERY", "Estimate", "Laps", "Meter", "TextCosts", "TimeModel", "name_bound"]
-
-logger = logging.getLogger(__name__)
 
 LOG_EVERY = 15.0
 """Seconds between the plain lines of the display where its stream is not a terminal."""
@@ -100,8 +94,6 @@ class TextCosts:
     def _take_off(self) -> None:
         """Takes the positions done since the last estimate off what is left, in one pass (a batch costs the run
         an append)."""
-        if not self._pending:
-            return
         pending, self._pending = self._pending, []
         for scale in {s for _, s in pending}:
             positions = np.concatenate([p for p, s in pending if s == scale])
@@ -246,9 +238,8 @@ class _Recent:
     def add(self, now: float, **values: float) -> None:
         keep = 1.0 if self.at is None else 0.5 ** ((now - self.at) / self.HALF_LIFE)
         self.at = now
-        sums = self.sums
         for name, value in values.items():
-            sums[name] = keep * sums.get(name, 0.0) + value
+            self.sums[name] = keep * self.sums.get(name, 0.0) + value
 
     def ratio(self, top: str, bottom: str) -> float | None:
         below = self.sums.get(bottom, 0.0)
@@ -282,8 +273,9 @@ class Laps:
         now, waits = time.perf_counter(), waited()
         rest = now - self._last
         added: dict[str, float] = {}
-        parts = [(name, value) for name, value in (known or {}).items()]
-        parts += [(f"wait {stage_of(name)}", total - self._waits.get(name, 0.0)) for name, total in waits.items()]
+        parts = list((known or {}).items())
+        parts += [(f"wait {_STAGE_OF_THREAD.get(name, name)}", total - self._waits.get(name, 0.0))
+                  for name, total in waits.items()]
         for name, value in parts:
             value = min(max(value, 0.0), rest)
             if value > 0:
@@ -305,11 +297,7 @@ class Laps:
 
 
 _STAGE_OF_THREAD = {"dynabatch-tokenize": "tokenize", "dynabatch-prefetch": "build", "dynabatch-read-ahead": "read"}
-
-
-def stage_of(thread_name: str) -> str:
-    """The stage a background thread runs (its name's stage; another name as it is)."""
-    return _STAGE_OF_THREAD.get(thread_name, thread_name)
+"""The stage each background thread runs, by its name (another name is its own stage)."""
 
 
 class Meter:
@@ -330,12 +318,8 @@ class Meter:
                  clock: Callable[[], float] = time.perf_counter, desc: str = "dynabatch") -> None:
         self.costs, self.total_rows, self.scale = costs, total_rows, scale
         self.stream, self.clock, self.desc = stream, clock, desc
-        self.model = TimeModel()
-        self.recent = _Recent()
-        self.rows = 0
-        self.tokens = 0
-        self.padded = 0
-        self.batches = 0
+        self.model, self.recent = TimeModel(), _Recent()
+        self.rows = self.tokens = self.padded = self.batches = 0
         self.started = clock()
         self.first: float | None = None  # when the first batch finished
         self.last: float | None = None  # when the last batch finished
@@ -521,13 +505,9 @@ def background_shares(before: dict[str, tuple[float, float]], wall: float) -> di
     for name, (working, _) in stage_seconds().items():
         seconds = working - before.get(name, (0.0, 0.0))[0]
         if seconds > 0 and wall > 0:
-            shares[stage_of(name)] = shares.get(stage_of(name), 0.0) + seconds / wall
+            stage = _STAGE_OF_THREAD.get(name, name)
+            shares[stage] = shares.get(stage, 0.0) + seconds / wall
     return shares
-
-
-def display_stream(progress: bool) -> TextIO | None:
-    """Where the display goes: standard error, or nowhere."""
-    return sys.stderr if progress else None
 
 
 def meter_for(source: Any, *, total_rows: int | None, runs: np.ndarray | None, progress: bool, scale: int = 1,
@@ -535,9 +515,6 @@ def meter_for(source: Any, *, total_rows: int | None, runs: np.ndarray | None, p
     """The run's meter: costs from ``source``'s plan (token lengths, or a stream's characters), ``runs``: the
     positions that run."""
     sizes = source.text_sizes() if source is not None else None
-    costs = None
-    if sizes is not None:
-        values, exact, max_length = sizes
-        costs = TextCosts(values, exact=exact, max_length=max_length, runs=runs)
-    return Meter(costs, total_rows=total_rows, scale=scale, stream=display_stream(progress), stored=stored,
+    costs = None if sizes is None else TextCosts(sizes[0], exact=sizes[1], max_length=sizes[2], runs=runs)
+    return Meter(costs, total_rows=total_rows, scale=scale, stream=sys.stderr if progress else None, stored=stored,
                  inputs=inputs)

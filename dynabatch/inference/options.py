@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from dynabatch._validation import bad_type, bad_value, check_non_negative_int
-from dynabatch.inference.outputs import check_token_outputs
+from dynabatch._validation import bad_type, bad_value, check_choice, check_non_negative_int
+from dynabatch.inference.outputs import TOKEN_OUTPUTS
 from dynabatch.memory.device import device_in_use, measurable
 from dynabatch.memory.measure import check_device
 
@@ -104,18 +104,11 @@ def _refuse_jsonl(path: str) -> None:
 
 def check_run_options(device: Any = None, on_oom: Any = "raise", memory: Any = "auto", on_error: Any = "raise") -> None:
     """Checks the options that say how batches run (also given ahead, as to a Ray predictor)."""
-    _check_choice("memory", memory, MEMORY_MODES)
-    _check_choice("on_oom", on_oom, ON_OOM)
-    _check_choice("on_error", on_error, ON_ERROR)
+    check_choice("memory", memory, MEMORY_MODES)
+    check_choice("on_oom", on_oom, ON_OOM)
+    check_choice("on_error", on_error, ON_ERROR)
     if device is not None:
         check_device("device", device, "None, a str or a torch.device")
-
-
-def _check_choice(name: str, value: Any, choices: tuple) -> None:
-    if not isinstance(value, str):
-        raise bad_type(name, f"one of {choices}", value)
-    if value not in choices:
-        raise bad_value(name, f"one of {choices}", value)
 
 
 def resolve_options(fn: Any, loader: Any, plan: Any, *, make_fn: Any, devices: Any, device: Any, memory: Any,
@@ -134,9 +127,9 @@ def resolve_options(fn: Any, loader: Any, plan: Any, *, make_fn: Any, devices: A
     if plan is None and (isinstance(loader, (str, bytes, dict)) or not isinstance(loader, Iterable)):
         raise bad_type("loader", "a dynabatch DataLoader or an iterable of dynabatch Batches", loader)
     check_run_options(device, on_oom, memory, on_error)
-    _check_choice("ranks", ranks, RANKS)
+    check_choice("ranks", ranks, RANKS)
     check_store_arguments(output_path, key)
-    check_token_outputs(token_outputs)
+    check_choice("token_outputs", token_outputs, TOKEN_OUTPUTS)
     if not isinstance(progress, bool):
         raise bad_type("progress", "a bool", progress)
     if pad_token_id is not None:

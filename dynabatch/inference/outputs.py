@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dynabatch._validation import bad_type, bad_value
+from dynabatch._validation import bad_type, bad_value, check_choice
 
-__all__ = ["TOKEN_OUTPUTS", "PerRow", "RowSplitter", "check_token_outputs", "split_rows", "to_cpu"]
+__all__ = ["TOKEN_OUTPUTS", "PerRow", "RowSplitter", "split_rows", "to_cpu"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +57,6 @@ is cut)."""
 _PER_TOKEN, _GENERATED, _ROW = "per-token", "generated", "per-row"
 _HOW = ("return a tuple of batch-first tensors (one field per element), or dynabatch.PerRow(items) for one "
         "item per row")
-
-
-def check_token_outputs(token_outputs: Any) -> None:
-    """``token_outputs`` is one of :data:`TOKEN_OUTPUTS` (``TypeError`` / ``ValueError`` otherwise)."""
-    if not isinstance(token_outputs, str):
-        raise bad_type("token_outputs", f"one of {TOKEN_OUTPUTS}", token_outputs)
-    if token_outputs not in TOKEN_OUTPUTS:
-        raise bad_value("token_outputs", f"one of {TOKEN_OUTPUTS}", token_outputs)
 
 
 class PerRow(list):
@@ -180,7 +172,7 @@ class RowSplitter:
 
     def __init__(self, pad_token_id: int | None = None, token_outputs: str = "auto",
                  padding_side: str | None = None) -> None:
-        check_token_outputs(token_outputs)
+        check_choice("token_outputs", token_outputs, TOKEN_OUTPUTS)
         self.pad_token_id = pad_token_id
         self.token_outputs = token_outputs
         self.padding_side = padding_side

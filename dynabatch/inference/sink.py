@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -36,9 +35,6 @@ if TYPE_CHECKING:
     from dynabatch.inference.store_writer import StoreWriter
 
 __all__ = ["MemorySink", "StoreSink", "open_sink"]
-
-logger = logging.getLogger(__name__)
-
 
 
 class MemorySink:
@@ -134,22 +130,19 @@ class StoreSink:
 def open_sink(output_path: str | None, *, key: str | None, n: int | None, ids: Any, gather: bool,
               job: str | None) -> MemorySink | StoreSink:
     """The run's sink: a :class:`MemorySink`, or the results store at ``output_path`` (taken for ``job``: the ranks
-    of one job pass the same token; ``None``: this run alone)."""
+    of one job pass the same token; ``None``: this run alone); a store the caller opened (``open_store``) is
+    refused if opened for other inputs or another key than the run's."""
     if output_path is None:
         return MemorySink(gather=gather)
     from dynabatch.inference.store import Store, open_store
 
-    store = output_path if isinstance(output_path, Store) else open_store(output_path, key=key, n=n, ids=ids, job=job)
-    if store is output_path:
-        _check_opened(store, key, n, ids)
-    return StoreSink(store, owned=store is not output_path)
-
-
-def _check_opened(store: Any, key: str | None, n: int | None, ids: Any) -> None:
-    """Refuses a store opened (``output_path=open_store(...)``) for other inputs or another key than the run's."""
+    if not isinstance(output_path, Store):
+        return StoreSink(open_store(output_path, key=key, n=n, ids=ids, job=job))
+    store = output_path
     same_ids = (ids is None) == (store.ids is None) and (ids is None or store.ids.equals(ids))
     if (key is not None and key != store.key) or (n is not None and n != store.n) or not same_ids:
         raise ValueError(f"output_path should be a store opened for this run's inputs and key (n={n}, key={key!r}, "
                          f"ids {'given' if ids is not None else 'None'}), but got one opened with n={store.n}, "
                          f"key={store.key!r}, {'other ids' if store.ids is not None else 'ids None'}: open it with "
                          "the loader's ids (plan.ids) and the run's key")
+    return StoreSink(store, owned=False)

@@ -91,14 +91,9 @@ def _start_ticks(pid: int) -> int | None:
 
 
 def _process() -> dict[str, Any]:
-    """This process's identity, as a record names it (read once per process)."""
-    if _ME.get("pid") != os.getpid():  # a forked child is another process
-        _ME.clear()
-        _ME.update(_identity())
-    return dict(_ME)
-
-
-def _identity() -> dict[str, Any]:
+    """This process's identity, as a record names it (read once per process: a forked child is another process)."""
+    if _ME.get("pid") == os.getpid():
+        return dict(_ME)
     pid, ticks = os.getpid(), _start_ticks(os.getpid())
     boot = _read("/proc/sys/kernel/random/boot_id")
     booted = next((int(line.split()[1]) for line in (_read("/proc/stat") or "").splitlines()
@@ -108,8 +103,10 @@ def _identity() -> dict[str, Any]:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
         namespace = None
-    return {"host": socket.gethostname(), "pid": pid, "started": time.strftime("%Y-%m-%d %H:%M:%S",
-            time.localtime(started)), "ticks": ticks, "boot": boot, "namespace": namespace}
+    _ME.clear()
+    _ME.update(host=socket.gethostname(), pid=pid, ticks=ticks, boot=boot, namespace=namespace,
+               started=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)))
+    return dict(_ME)
 
 
 _IMPORTED = time.time()
@@ -239,12 +236,6 @@ def _break_abandoned(path: str, mine: str, me: dict[str, Any]) -> None:
     _remove(broken)
 
 
-def _leave_gate(path: str, nonce: str | None) -> None:
-    gate = os.path.join(path, GATE)
-    if nonce is not None and (_parse(_read(gate)) or {}).get("nonce") == nonce:
-        _remove(gate)
-
-
 def _take(path: str, job: str) -> str:
     """Writes this hold's record into the store at ``path`` and checks the others', inside the gate (see the
     module); its file."""
@@ -253,7 +244,9 @@ def _take(path: str, job: str) -> str:
     try:
         return _check_records(path, job, me)
     finally:
-        _leave_gate(path, nonce)
+        gate = os.path.join(path, GATE)
+        if nonce is not None and (_parse(_read(gate)) or {}).get("nonce") == nonce:
+            _remove(gate)
 
 
 def _check_records(path: str, job: str, me: dict[str, Any]) -> str:
@@ -303,10 +296,8 @@ def _check_records(path: str, job: str, me: dict[str, Any]) -> str:
 
 
 def _remove(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 class JobLock:
