@@ -12,8 +12,9 @@ the work one of three ways, chosen by :func:`choose_mechanism`:
   tokenizer's own rows, all cores may be used, and the user has not set
   ``TOKENIZERS_PARALLELISM`` to a false value;
 * ``"shared"``: this thread tokenizes piece after piece, and worker processes
-  join it where they pay (:class:`Pieces`, the cost rule: the rest of the call,
-  at the speed measured on its first piece, would take one thread at least
+  join it where they pay (:class:`Pieces`, the cost rule: the rest of the job
+  (the call's pieces, and a stream's chunks still to come), at the speed
+  measured on the call's first piece, would take one thread at least
   :data:`POOL_MIN_SECONDS`, and that first piece did not already keep several
   cores busy): for a tokenizer whose own call must run (an overridden
   ``__call__``, a slow tokenizer, any callable), for a cap below the process's
@@ -536,9 +537,11 @@ class Pieces:
         pieces: the pieces, each a sequence (of texts): their lengths weigh the cost.
         cores: cores to use (this thread and ``cores - 1`` workers at most).
         workers_allowed: ``False`` once workers failed for this state (it then runs on this thread).
+        later: the work of the calls still to come for the same job (a stream's later chunks), as a multiple of this
+            call's: the pool outlives the call, so it is weighed with the call's rest.
 
-    **The cost rule.** This thread runs the first piece, timed. Workers join only where the rest would take one thread
-    at least :data:`POOL_MIN_SECONDS` at that speed, the first piece did not already keep more than
+    **The cost rule.** This thread runs the first piece, timed. Workers join only where the rest (and ``later``) would
+    take one thread at least :data:`POOL_MIN_SECONDS` at that speed, the first piece did not already keep more than
     :data:`_ALONE_CPU` cores busy (a tokenizer call on its own thread pool), and the process's pool is free
     (:func:`shared_pool`). Then this thread and the workers share the rest (:class:`_Sharing`): this thread never
     waits on a worker that has not answered yet, so a call costs what one thread costs, plus a fork the first time,
@@ -549,9 +552,9 @@ class Pieces:
     """
 
     def __init__(self, function: Callable[[Any, Any], Any], state: Any, pieces: Sequence[Sequence[Any]], *,
-                 cores: int, workers_allowed: bool = True) -> None:
+                 cores: int, workers_allowed: bool = True, later: float = 0.0) -> None:
         self.function, self.state, self.pieces = function, state, pieces
-        self.cores, self.workers_allowed = cores, workers_allowed
+        self.cores, self.workers_allowed, self.later = cores, workers_allowed, later
         self.used_workers = 0
         self.unpicklable = self.failed = False
 
@@ -561,7 +564,8 @@ class Pieces:
         wall, cpu = time.perf_counter(), time.process_time()
         yield self.function(self.state, self.pieces[0])
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        rest = wall * sum(map(len, self.pieces[1:])) / max(1, len(self.pieces[0]))
+        total = sum(map(len, self.pieces))
+        rest = wall * (total - len(self.pieces[0]) + self.later * total) / max(1, len(self.pieces[0]))
         pool = self._pool(rest, cpu / max(wall, 1e-9))
         if pool is None:
             for piece in self.pieces[1:]:
