@@ -175,7 +175,11 @@ def guard_forks() -> None:
 
 _POLL = 0.1  # seconds a wait blocks at a time: Ctrl-C, a stop request and a dead parent are seen this soon
 _PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
-_ALONE_CPU = 1.5  # CPU seconds per wall second of a call above which it already spans cores by itself
+_OWN_THREADS_SHARE = 0.5
+"""The share of a first piece's CPU time spent off the calling thread above which the call already spans cores by
+itself (a tokenizer on its own thread pool). A share, not CPU seconds per wall second: on a busy machine the pool's
+threads get less than a core each, and the share holds where the ratio does not (a custom ``__call__`` of a fast
+tokenizer measured 0.9 cores per wall second under load and still ran on the pool)."""
 
 
 def _die_with_parent(parent: int, by_main_thread: bool) -> None:
@@ -542,7 +546,8 @@ class Pieces:
 
     **The cost rule.** This thread runs the first piece, timed. Workers join only where the rest (and ``later``) would
     take one thread at least :data:`POOL_MIN_SECONDS` at that speed, the first piece did not already keep more than
-    :data:`_ALONE_CPU` cores busy (a tokenizer call on its own thread pool), and the process's pool is free
+    keep threads of its own busy (:data:`_OWN_THREADS_SHARE`: a tokenizer call on its own thread pool, such as a fast
+    tokenizer's custom ``__call__``), and the process's pool is free
     (:func:`shared_pool`). Then this thread and the workers share the rest (:class:`_Sharing`): this thread never
     waits on a worker that has not answered yet, so a call costs what one thread costs, plus a fork the first time,
     even where the workers take long to start.
@@ -561,12 +566,12 @@ class Pieces:
     def __iter__(self) -> Iterator[Any]:
         if not self.pieces:
             return
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
         yield self.function(self.state, self.pieces[0])
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        wall, cpu, own = time.perf_counter() - wall, time.process_time() - cpu, time.thread_time() - own
         total = sum(map(len, self.pieces))
         rest = wall * (total - len(self.pieces[0]) + self.later * total) / max(1, len(self.pieces[0]))
-        pool = self._pool(rest, cpu / max(wall, 1e-9))
+        pool = self._pool(rest, max(0.0, cpu - own) / cpu if cpu > 0 else 0.0)
         if pool is None:
             for piece in self.pieces[1:]:
                 yield self.function(self.state, piece)
@@ -576,12 +581,13 @@ class Pieces:
         finally:
             pool.lock.release()
 
-    def _pool(self, rest: float, busy_cores: float) -> WorkerPool | None:
+    def _pool(self, rest: float, elsewhere: float) -> WorkerPool | None:
         """The process's pool, locked for this call, where the cost rule says workers pay; else ``None``."""
         if not self.workers_allowed or self.cores < 2 or len(self.pieces) < 2:
             return None
-        if rest < POOL_MIN_SECONDS or busy_cores > _ALONE_CPU:
-            logger.debug("tokenizing on one thread: the rest takes ~%.2f s there, on %.1f cores", rest, busy_cores)
+        if rest < POOL_MIN_SECONDS or elsewhere > _OWN_THREADS_SHARE:
+            logger.debug("tokenizing on one thread: the rest takes ~%.2f s there; %.0f%% of the CPU time off this "
+                         "thread", rest, 100 * elsewhere)
             return None
         pool = shared_pool(self.cores - 1)
         if pool is None or not pool.lock.acquire(blocking=False):
