@@ -30,21 +30,22 @@ tokenizer are loaded first in both ways: the user's own imports). ``--corpus doc
 
 **The loader build in every configuration** (``--builds``): how the loader tokenizes (its own threads, this thread,
 worker processes) against one tokenizer call of the same configuration, in the same process, cold. Four
-configurations: the fast tokenizer with ``TOKENIZERS_PARALLELISM`` unset (``unset``) and ``false`` (``false``), a slow
-(pure Python) tokenizer of the same vocabulary (``slow``: ``BertTokenizerLegacy``), and the fast tokenizer's class
-with its own ``__call__`` (``custom``: the backend rule sends it through its call); two corpora, the KJV passages above
-and the Python standard library's docstrings (``docstrings``: every module, class and function docstring ``ast``
-finds under ``sysconfig.get_paths()["stdlib"]``, tests left out, cycled past their count: long texts, most cut at 256
-tokens). Per configuration, corpus and size, one fresh process pinned to two cores: it imports torch and
-transformers (the user's own imports), then times ``import dynabatch``, loads the tokenizer and the texts, and times
-the first ``build_dynamic_batch_dataloader(texts, tokenizer, batch_size=16, max_input_token_length=256,
-num_workers=0)`` and ``len(loader)`` of the process (**cold**: every one-time cost included; ``len`` waits for the
-whole plan of a streamed loader, above 16,384 texts), then one batched call ``tokenizer(texts, truncation=True,
-max_length=256)``, then (up to 10,000 texts) a second build (**warm**), then a build with ``tokenize_cores=1`` (one
-core). The speed-up from the second core is the one-core build against the warm build (the cold one above 10,000
-texts, which favours one core). The subprocesses keep compiled bytecode (as an installed package has it). Every ratio
-is taken within one process; the mechanism column counts the tokenize stage's calls from its log. Targets (issue 49): the cold build <= 1.0x the call at every size, and >= 1.5x its
-one-core speed at 100,000 texts where the tokenizer itself can use two cores; ids equal to one thread
+configurations: the fast tokenizer with ``TOKENIZERS_PARALLELISM`` unset (``unset``) and ``false`` (``false``), a
+slow (pure Python) tokenizer of the same vocabulary (``slow``: ``BertTokenizerLegacy``), and the fast tokenizer's
+class with its own ``__call__`` (``custom``: the backend rule sends it through its call); two corpora, the KJV
+passages above and the Python standard library's docstrings (``docstrings``: every module, class and function
+docstring ``ast`` finds under ``sysconfig.get_paths()["stdlib"]``, tests left out, cycled past their count: long
+texts, most cut at 256 tokens). Per configuration, corpus and size, one fresh process pinned to two cores: it
+imports torch and transformers (the user's own imports), then times ``import dynabatch``, loads the tokenizer and
+the texts, and times the first ``build_dynamic_batch_dataloader(texts, tokenizer, batch_size=16,
+max_input_token_length=256, num_workers=0)`` and ``len(loader)`` of the process (**cold**: every one-time cost
+included; ``len`` waits for the whole plan of a streamed loader, above 16,384 texts), then one batched call
+``tokenizer(texts, truncation=True, max_length=256)``, then (up to 10,000 texts) a second build (**warm**), then a
+build with ``tokenize_cores=1`` (one core). The speed-up from the second core is the one-core build against the warm
+build (the cold one above 10,000 texts, which favours one core). The subprocesses keep compiled bytecode (as an
+installed package has it). Every ratio is taken within one process; the mechanism column counts the tokenize stage's
+calls from its log. Targets (issue 49): the cold build <= 1.0x the call at every size, and >= 1.5x its one-core
+speed at 100,000 texts where the tokenizer itself can use two cores; ids equal to one thread
 (``tests/data/test_tokenization.py``)::
 
     python benchmarks/host.py --builds --sizes 1000,10000
@@ -352,7 +353,8 @@ def main() -> None:
             print(builds([int(n) for n in args.sizes.split(",")], two, args.configurations.split(","),
                          args.corpora.split(","), docstrings))
             return
-        runs = [_repeat(repeat, args.n_texts, two, args.corpus, docstrings, args.cold) for repeat in range(args.repeats)]
+        runs = [_repeat(repeat, args.n_texts, two, args.corpus, docstrings, args.cold)
+                for repeat in range(args.repeats)]
     n = args.n_texts
     parallelism = os.environ.get("TOKENIZERS_PARALLELISM", "unset")
     title = (f"## Host side: {n:,} texts ({args.corpus}, {'cold' if args.cold else 'warm'}), a model that takes no "

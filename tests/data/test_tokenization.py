@@ -447,7 +447,7 @@ def test_every_core_gives_the_ids_of_one_thread_on_tricky_texts(any_tokenizer, m
     expected = any_tokenizer(items, truncation=True, max_length=MAX_LEN)
     one = tokenize_texts(items, any_tokenizer, MAX_LEN, progress=False, tokenize_cores=1)
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", threshold)
-    monkeypatch.setattr(workers, "_OWN_THREADS_SHARE", float("inf"))  # a call on the tokenizer's own threads, shared still
+    monkeypatch.setattr(workers, "_OWN_THREADS_SHARE", float("inf"))  # a call on the tokenizer's own threads, shared
     if mechanism == "processes":
         monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the backend's threads off: processes for every one
     else:

@@ -132,7 +132,7 @@ def test_the_work_of_later_calls_counts_toward_the_rule(monkeypatch, later, used
 
 def test_a_call_that_already_spans_cores_is_left_alone(monkeypatch):
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
-    monkeypatch.setattr(workers, "_OWN_THREADS_SHARE", -1.0)  # as if its first piece kept more cores busy than the rule allows
+    monkeypatch.setattr(workers, "_OWN_THREADS_SHARE", -1.0)  # as if its first piece ran on threads of its own
     shared = Pieces(_slow, 3, [[1]] * 4, cores=2)
     assert list(shared) == [[3]] * 4 and shared.used_workers == 0
 
