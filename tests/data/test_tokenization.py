@@ -505,6 +505,7 @@ def test_a_tokenizer_that_cannot_be_pickled_tokenizes_on_one_core(tokenizer, mon
                                                                   no_pool_left):
     local = type("Local", (AmenCall,), {})  # a class no worker can import
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # its call on one thread: workers are tried
     tokenize = ParallelTokenizer(_as(tokenizer, local), MAX_LEN, {}, cores=2, chunk_size=16)
     with caplog.at_level(logging.WARNING, logger="dynabatch.data.workers"):
         tokens = tokenize(texts[:40])
@@ -529,6 +530,7 @@ class Refusing(BertTokenizer):
 @two_cores
 def test_an_error_in_a_worker_is_raised_here(tokenizer, monkeypatch, texts, no_pool_left):
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # its call on one thread: workers join
     with pytest.raises(ValueError, match="^poison in the texts$"):  # the poison in the first piece a worker takes
         tokenize_texts([*texts[:8], "poison", *texts[:60]], _as(tokenizer, Refusing), MAX_LEN, progress=False,
                        chunk_size=8)
@@ -554,6 +556,7 @@ class DyingInWorkers(BertTokenizer):
 @two_cores
 def test_workers_that_die_leave_the_call_to_this_process(tokenizer, monkeypatch, caplog, texts, no_pool_left):
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # its call on one thread: workers join
     dying = _as(tokenizer, DyingInWorkers)
     tokenize = ParallelTokenizer(dying, MAX_LEN, {}, cores=2, chunk_size=8)
     items = texts * 2
