@@ -23,23 +23,34 @@ Run it with::
 
     python benchmarks/host.py                          # 100,000 texts, 3 repeats
     python benchmarks/host.py --n-texts 20000 --repeats 1
+    python benchmarks/host.py --corpus docstrings --cold --repeats 1   # issue 46: long texts, as a job starts
+
+``--cold``: no warm-up, and the README path's clock includes ``import dynabatch`` (torch, transformers and the
+tokenizer are loaded first in both ways: the user's own imports). ``--corpus docstrings``: the long texts below.
 
 **The loader build in every configuration** (``--builds``): how the loader tokenizes (its own threads, this thread,
-worker processes) against one tokenizer call of the same configuration, cold. Four configurations, each in fresh
-processes: the fast tokenizer with ``TOKENIZERS_PARALLELISM`` unset (``unset``) and ``false`` (``false``), a slow
-(pure Python) tokenizer of the same vocabulary (``slow``: ``BertTokenizerLegacy``), and the fast tokenizer's class
-with its own ``__call__`` (``custom``: the backend rule sends it through its call); two corpora, the KJV passages above
-and the Python standard library's docstrings (``docstrings``: every module, class and function docstring ``ast``
-finds under ``sysconfig.get_paths()["stdlib"]``, tests left out, cycled past their count: long texts, most cut at 256
-tokens). Per configuration, corpus and size, one fresh process (imports and the tokenizer loaded before any clock):
-the first ``build_dynamic_batch_dataloader(texts, tokenizer, batch_size=16, max_input_token_length=256,
-num_workers=0)`` of the process (**cold**: its one-time costs included), one batched call ``tokenizer(texts,
-truncation=True, max_length=256)``, then a second build (warm); the import of ``dynabatch`` is timed too. At the
-largest size, the cold build again in processes pinned to one core, for the speed-up. Targets (issue 49): the cold
-build <= 1.0x the call, and >= 1.5x its one-core speed at 100,000 texts where the tokenizer itself can use two
-cores; ids equal to one thread (``tests/data/test_tokenization.py``)::
+worker processes) against one tokenizer call of the same configuration, in the same process, cold. Four
+configurations: the fast tokenizer with ``TOKENIZERS_PARALLELISM`` unset (``unset``) and ``false`` (``false``), a
+slow (pure Python) tokenizer of the same vocabulary (``slow``: ``BertTokenizerLegacy``), and the fast tokenizer's
+class with its own ``__call__`` (``custom``: the backend rule sends it through its call); two corpora, the KJV
+passages above and the Python standard library's docstrings (``docstrings``: every module, class and function
+docstring ``ast`` finds under ``sysconfig.get_paths()["stdlib"]``, tests left out, cycled past their count: long
+texts, most cut at 256 tokens). Per configuration, corpus and size, one fresh process pinned to two cores: it
+imports torch and transformers (the user's own imports), then times ``import dynabatch``, loads the tokenizer and
+the texts, and times the first ``build_dynamic_batch_dataloader(texts, tokenizer, batch_size=16,
+max_input_token_length=256, num_workers=0)`` and ``len(loader)`` of the process (**cold**: every one-time cost
+included; ``len`` waits for the whole plan of a streamed loader, above 16,384 texts), then one batched call
+``tokenizer(texts, truncation=True, max_length=256)``, then (up to 10,000 texts) a second build (**warm**), then a
+build with ``tokenize_cores=1`` (one core). The speed-up from the second core is the one-core build against the warm
+build (the cold one above 10,000 texts, which favours one core). The subprocesses keep compiled bytecode (as an
+installed package has it). Every ratio is taken within one process; the mechanism column counts the tokenize stage's
+calls from its log. Targets (issue 49): the cold build <= 1.0x the call at every size, and >= 1.5x its one-core
+speed at 100,000 texts where the tokenizer itself can use two cores; ids equal to one thread
+(``tests/data/test_tokenization.py``)::
 
-    python benchmarks/host.py --builds --sizes 1000,10000,100000
+    python benchmarks/host.py --builds --sizes 1000,10000
+    python benchmarks/host.py --builds --sizes 100000 --configurations unset,false
+    python benchmarks/host.py --builds --sizes 1000000 --configurations unset --corpora kjv
 """
 
 from __future__ import annotations
@@ -50,7 +61,9 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from typing import Any
 
 N_TEXTS, MAX_LENGTH, BATCH, SEED, DIM = 100_000, 256, 32, 29, 384
 SPEEDUP_TARGET, CALL_TARGET = 1.6, 0.85
@@ -75,23 +88,26 @@ def _model_that_takes_no_time():
     return fn
 
 
-def worker(way: str, n: int) -> dict:
-    """One way over ``n`` texts in this (fresh, pinned) process: its seconds."""
+def worker(way: str, n: int, corpus: str = "kjv", docstrings: str | None = None, cold: bool = False) -> dict:
+    """One way over ``n`` texts in this (fresh, pinned) process: its seconds. Warm (the default): imports and a
+    warm-up on 2,000 texts before the clock. ``cold``: as a job starts, no warm-up; the README path's clock includes
+    ``import dynabatch`` (torch, transformers and the tokenizer are loaded before either clock: the user's own)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoTokenizer
 
-    import dynabatch
     from dynabatch.demo import minilm_path
 
     tokenizer = AutoTokenizer.from_pretrained(minilm_path())
-    texts, fn = _texts(n), _model_that_takes_no_time()
+    texts, fn = _corpus(corpus, n, docstrings), _model_that_takes_no_time()
 
     def call(items: list[str]) -> None:
         encoded = tokenizer(items, truncation=True, max_length=MAX_LENGTH)
         assert len(encoded["input_ids"]) == len(items)
 
     def readme(items: list[str]) -> None:
+        import dynabatch
+
         loader = dynabatch.build_dynamic_batch_dataloader(items, tokenizer, batch_size=BATCH,
                                                           max_input_token_length=MAX_LENGTH, progress=False)
         with torch.inference_mode():
@@ -99,7 +115,8 @@ def worker(way: str, n: int) -> dict:
         assert len(rows) == len(items) and not rows.failed
 
     job = call if way == "call" else readme
-    job(texts[:2000])  # warm-up: imports, the classifier, the tokenizer's caches
+    if not cold:
+        job(texts[:2000])  # warm-up: imports, the classifier, the tokenizer's caches
     start = time.perf_counter()
     job(texts)
     return {"way": way, "n": n, "seconds": time.perf_counter() - start, "cores": sorted(os.sched_getaffinity(0))}
@@ -165,82 +182,136 @@ def _own_call_class():
     return OwnCall
 
 
-def build_worker(configuration: str, corpus: str, n: int, docstrings: str | None, only_build: bool) -> dict:
-    """The cold build, the call and a second build of one configuration in this (fresh) process: their seconds."""
+def _mechanisms() -> Any:
+    """Counts the tokenize stage's calls per mechanism (its debug log line ends with it), from now on."""
+    import collections
+    import logging
+
+    counts: collections.Counter = collections.Counter()
+
+    class Count(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.msg.startswith("tokenized") and record.args:
+                counts[record.args[-1]] += 1
+
+    log = logging.getLogger("dynabatch.data.tokenization")
+    log.setLevel(logging.DEBUG)
+    log.addHandler(Count())
+    return counts
+
+
+def build_worker(configuration: str, corpus: str, n: int, docstrings: str | None, warm: bool) -> dict:
+    """In this fresh process: ``import dynabatch``, the first (cold) build, one call, and with ``warm`` a second
+    build; their seconds. torch and transformers are imported and the tokenizer loaded before any clock (the user's
+    own imports); a build is ``build_dynamic_batch_dataloader(...)`` then ``len(loader)``, which waits for the
+    whole plan (a streamed loader, above 16,384 texts, tokenizes in the background)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if configuration == "false":
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     else:
         os.environ.pop("TOKENIZERS_PARALLELISM", None)
+    import torch  # noqa: F401 (the DataLoader's, imported by the user's model code)
+    import transformers  # noqa: F401 (the tokenizer's)
+
     start = time.perf_counter()
-    import dynabatch
+    import dynabatch  # first: the tokenizer's path and the corpus below import it too
 
     imports = time.perf_counter() - start
     tokenizer, texts = _tokenizer(configuration), _corpus(corpus, n, docstrings)
+    mechanisms = _mechanisms()
 
-    def build() -> float:
+    def build(tokenize_cores: int | None = None) -> float:
         start = time.perf_counter()
         loader = dynabatch.build_dynamic_batch_dataloader(texts, tokenizer, batch_size=BUILD_BATCH,
                                                           max_input_token_length=MAX_LENGTH, num_workers=0,
-                                                          progress=False)
-        seconds = time.perf_counter() - start
-        assert len(loader.dataset) == n
-        return seconds
+                                                          progress=False, tokenize_cores=tokenize_cores)
+        assert len(loader) > 0 and len(loader.dataset) == n
+        return time.perf_counter() - start
 
-    got = {"imports": imports, "cold": build(), "cores": len(os.sched_getaffinity(0))}
-    if not only_build:
-        start = time.perf_counter()
-        encoded = tokenizer(texts, truncation=True, max_length=MAX_LENGTH)
-        got["call"] = time.perf_counter() - start
-        assert len(encoded["input_ids"]) == n
+    got = {"imports": imports, "cold": build(), "cores": len(os.sched_getaffinity(0)),
+           "mechanisms": dict(mechanisms)}
+    start = time.perf_counter()
+    encoded = tokenizer(texts, truncation=True, max_length=MAX_LENGTH)
+    got["call"] = time.perf_counter() - start
+    assert len(encoded["input_ids"]) == n
+    del encoded
+    if warm:
         got["second"] = build()
+    got["one core"] = build(tokenize_cores=1)
     return got
 
 
-def _build_run(configuration: str, corpus: str, n: int, cores: list[int], docstrings: str,
-               only_build: bool = False) -> dict:
+def _environment() -> dict:
+    """The subprocesses' environment: the caller's, without ``TOKENIZERS_PARALLELISM`` (each configuration sets its
+    own), with compiled bytecode kept (as an installed package has it) under a folder of its own."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TOKENIZERS_PARALLELISM", "PYTHONDONTWRITEBYTECODE")}
+    env.setdefault("PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), "dynabatch-host-pycache"))
+    return env
+
+
+def _build_run(configuration: str, corpus: str, n: int, cores: list[int], docstrings: str, warm: bool) -> dict:
     command = [sys.executable, __file__, "--build-worker", configuration, "--corpus", corpus, "--n-texts", str(n),
-               "--cores", ",".join(map(str, cores)), "--docstrings", docstrings] + (["--only-build"] * only_build)
-    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
-    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+               "--cores", ",".join(map(str, cores)), "--docstrings", docstrings] + (["--warm"] * warm)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=_environment())
     if done.returncode:
         raise RuntimeError(f"{configuration} on {corpus}, {n} texts failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def builds(sizes: list[int], two: list[int], configurations: list[str], corpora: list[str]) -> str:
-    """The table of the loader build against one call, every configuration, corpus and size, side by side."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as folder:
-        docstrings = os.path.join(folder, "docstrings.json")
-        with open(docstrings, "w", encoding="utf-8") as file:
-            json.dump(_docstrings(), file)
-        lines = [f"| configuration | corpus | texts | call s | build, cold s (x call) | build, second s (x call) | "
-                 f"import s |", "|---|---|---:|---:|---:|---:|---:|"]
-        speed = ["| configuration | corpus | texts | build on 1 core s | on 2 cores s | speed-up |",
-                 "|---|---|---:|---:|---:|---:|"]
-        for n in sizes:
-            for corpus in corpora:
-                for configuration in configurations:
-                    got = _build_run(configuration, corpus, n, two, docstrings)
-                    print(f"{configuration}, {corpus}, {n}: {got}", file=sys.stderr, flush=True)
-                    lines.append(f"| {configuration} | {corpus} | {n:,} | {got['call']:.2f} | {got['cold']:.2f} "
-                                 f"({got['cold'] / got['call']:.2f}x) | {got['second']:.2f} "
-                                 f"({got['second'] / got['call']:.2f}x) | {got['imports']:.1f} |")
-                    if n == max(sizes):
-                        one = _build_run(configuration, corpus, n, two[:1], docstrings, only_build=True)["cold"]
-                        speed.append(f"| {configuration} | {corpus} | {n:,} | {one:.2f} | {got['cold']:.2f} | "
-                                     f"{one / got['cold']:.2f}x |")
-    return "\n".join(lines + [""] + speed)
+WARM_UP_TO = 10_000  # sizes up to this many texts also build a second time (warm); larger ones only cold
 
 
-def _measure(way: str, n: int, cores: list[int]) -> dict:
-    command = [sys.executable, __file__, "--worker", way, "--n-texts", str(n), "--cores", ",".join(map(str, cores))]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+def _ways(mechanisms: dict) -> str:
+    return "+".join(sorted(mechanisms)) or "-"
+
+
+def _docstrings_file(folder: str) -> str:
+    """The standard library's docstrings, written once to a JSON file in ``folder`` for the worker processes."""
+    docstrings = os.path.join(folder, "docstrings.json")
+    with open(docstrings, "w", encoding="utf-8") as file:
+        json.dump(_docstrings(), file)
+    return docstrings
+
+
+def builds(sizes: list[int], two: list[int], configurations: list[str], corpora: list[str], docstrings: str) -> str:
+    """The table of the loader build against one call, every configuration, corpus and size, on two cores and one,
+    side by side."""
+    lines = ["| configuration | corpus | texts | call s | build, cold s (x call) | import + cold build (x call) "
+             "| build, warm (x call) | mechanism | build, 1 core s | speed-up from the 2nd core |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for n in sizes:
+        for corpus in corpora:
+            for configuration in configurations:
+                got = _build_run(configuration, corpus, n, two, docstrings, warm=n <= WARM_UP_TO)
+                print(f"{configuration}, {corpus}, {n}: {got}", file=sys.stderr, flush=True)
+                call, cold, one = got["call"], got["cold"], got["one core"]
+                warm = got.get("second")
+                lines.append(
+                    f"| {configuration} | {corpus} | {n:,} | {call:.2f} | {cold:.2f} ({cold / call:.2f}x) | "
+                    f"{got['imports'] + cold:.2f} ({(got['imports'] + cold) / call:.2f}x) | "
+                    f"{'-' if warm is None else f'{warm:.2f} ({warm / call:.2f}x)'} | {_ways(got['mechanisms'])} | "
+                    f"{one:.2f} | {one / (cold if warm is None else warm):.2f}x |")
+    return "\n".join(lines)
+
+
+def _measure(way: str, n: int, cores: list[int], corpus: str, docstrings: str | None, cold: bool) -> dict:
+    command = [sys.executable, __file__, "--worker", way, "--n-texts", str(n), "--cores", ",".join(map(str, cores)),
+               "--corpus", corpus] + (["--docstrings", docstrings] if docstrings else []) + (["--cold"] * cold)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=_environment())
     if done.returncode:
         raise RuntimeError(f"{WAYS[way]} on cores {cores} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _repeat(repeat: int, n: int, two: list[int], corpus: str, docstrings: str, cold: bool) -> dict:
+    """Both ways on one core and on two, back to back: their seconds."""
+    got = {}
+    for cores in ([two[0]], two):
+        for way, name in WAYS.items():
+            got[way, len(cores)] = _measure(way, n, cores, corpus, docstrings, cold)["seconds"]
+            print(f"repeat {repeat + 1}, {name} on {len(cores)} core(s): {got[way, len(cores)]:.2f} s",
+                  file=sys.stderr, flush=True)
+    return got
 
 
 def _spread(values: list[float]) -> str:
@@ -258,38 +329,36 @@ def main() -> None:
     parser.add_argument("--configurations", default=",".join(CONFIGURATIONS), help="with --builds: of "
                         f"{', '.join(CONFIGURATIONS)}")
     parser.add_argument("--corpora", default=",".join(CORPORA), help=f"with --builds: of {', '.join(CORPORA)}")
+    parser.add_argument("--corpus", default="kjv", choices=CORPORA, help="without --builds: the texts")
+    parser.add_argument("--cold", action="store_true", help="without --builds: no warm-up, import dynabatch on the "
+                        "README path's clock (a job as it starts)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--build-worker", help=argparse.SUPPRESS)
-    parser.add_argument("--corpus", help=argparse.SUPPRESS)
     parser.add_argument("--docstrings", help=argparse.SUPPRESS)
-    parser.add_argument("--only-build", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker or args.build_worker:
         os.sched_setaffinity(0, [int(c) for c in args.cores.split(",")])  # before any thread pool starts
-        got = (worker(args.worker, args.n_texts) if args.worker else
-               build_worker(args.build_worker, args.corpus, args.n_texts, args.docstrings, args.only_build))
+        got = (worker(args.worker, args.n_texts, args.corpus, args.docstrings, args.cold) if args.worker else
+               build_worker(args.build_worker, args.corpus, args.n_texts, args.docstrings, args.warm))
         print(json.dumps(got))
         return
     two = [int(c) for c in args.cores.split(",")] if args.cores else sorted(os.sched_getaffinity(0))[:2]
     if len(two) != 2:
         parser.error(f"--cores should name two cores this process may use, but got --cores={args.cores!r}")
-    if args.builds:
-        print(builds([int(n) for n in args.sizes.split(",")], two, args.configurations.split(","),
-                     args.corpora.split(",")))
-        return
-    runs = []
-    for repeat in range(args.repeats):
-        got = {}
-        for cores in ([two[0]], two):
-            for way, name in WAYS.items():
-                got[way, len(cores)] = _measure(way, args.n_texts, cores)["seconds"]
-                print(f"repeat {repeat + 1}, {name} on {len(cores)} core(s): {got[way, len(cores)]:.2f} s",
-                      file=sys.stderr, flush=True)
-        runs.append(got)
+    with tempfile.TemporaryDirectory() as folder:
+        docstrings = _docstrings_file(folder)
+        subprocess.run([sys.executable, "-c", "import dynabatch.inference.loader"], check=True, env=_environment())
+        if args.builds:  # on the two cores; the one-core figure is tokenize_cores=1 in the same process
+            print(builds([int(n) for n in args.sizes.split(",")], two, args.configurations.split(","),
+                         args.corpora.split(","), docstrings))
+            return
+        runs = [_repeat(repeat, args.n_texts, two, args.corpus, docstrings, args.cold)
+                for repeat in range(args.repeats)]
     n = args.n_texts
     parallelism = os.environ.get("TOKENIZERS_PARALLELISM", "unset")
-    title = (f"## Host side: {n:,} texts, a model that takes no time (TOKENIZERS_PARALLELISM {parallelism}, "
-             f"{args.repeats} repeats)")
+    title = (f"## Host side: {n:,} texts ({args.corpus}, {'cold' if args.cold else 'warm'}), a model that takes no "
+             f"time (TOKENIZERS_PARALLELISM {parallelism}, {args.repeats} repeats)")
     lines = [title, "",
              "| way | cores | wall s | texts/s |", "|---|---:|---:|---:|"]
     for way, name in WAYS.items():

@@ -147,6 +147,9 @@ class TokenStream:
         self.local_of = np.zeros(self.n, dtype=np.int32)
         self.local_of[self.order] = np.arange(len(self.order)) - self.starts[chunk]
         self.tokenizations = np.zeros(len(sizes), dtype=np.int32)  # times each chunk was tokenized (and held)
+        # Characters per chunk: a chunk's call weighs the chunks still to come (worker processes pay over the stream)
+        self._chunk_chars = (np.add.reduceat(chars[self.order], self.starts[:-1]) if len(self.order)
+                             else np.zeros(0, dtype=np.int64))
         self._held: dict[int, TokenCollator] = {}  # the chunks whose tokens are held
         self._consumed = np.zeros(self.n, dtype=bool)
         self._left = np.asarray(sizes, dtype=np.int64)  # rows of each chunk not consumed yet
@@ -196,7 +199,7 @@ class TokenStream:
             if collator is not None:
                 return collator
             positions = self.chunk_positions(k)
-            collator = TokenCollator.from_tokenizer(self._encode(positions), self._template,
+            collator = TokenCollator.from_tokenizer(self._encode(positions, self.later_work(k)), self._template,
                                                     pad_to_multiple_of=self.pad_to_multiple_of)
             with self._lock:
                 if self._freed[k]:
@@ -208,10 +211,17 @@ class TokenStream:
             trim()  # the chunk's encodings are freed: give their heap back, so memory grows with the tokens only
             return collator
 
-    def _encode(self, positions: np.ndarray) -> TokenizedTexts:
+    def later_work(self, k: int) -> float:
+        """The chunks never tokenized yet but ``k``, by characters, as a multiple of chunk ``k``."""
+        coming = self.tokenizations == 0
+        coming[k] = False
+        return float(self._chunk_chars[coming].sum()) / max(1.0, float(self._chunk_chars[k]))
+
+    def _encode(self, positions: np.ndarray, later: float = 0.0) -> TokenizedTexts:
         """The tokens of the texts at ``positions``, as the eager loader tokenizes them (one mechanism:
-        :class:`~dynabatch.data.tokenization.ParallelTokenizer`, and its backend rule)."""
-        return self._tokenize(self.source.take(positions))
+        :class:`~dynabatch.data.tokenization.ParallelTokenizer`, and its backend rule); ``later``: the work of the
+        chunks still to come, as a multiple of this one's (the cost rule weighs it)."""
+        return self._tokenize(self.source.take(positions), later=later)
 
     def consumed(self, positions: Any) -> None:
         """Marks the rows at ``positions`` finished (run and stored, or already stored, or failed): once every row

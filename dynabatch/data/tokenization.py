@@ -477,6 +477,13 @@ def _backend(tokenizer: Any, max_length: int) -> tuple[Any, int | None]:
     return backend, _constant_type_id(backend)
 
 
+def _batch_encoder(backend: Any) -> Callable[..., list[Any]]:
+    """The backend's batch encode that skips the character offsets (``encode_batch_fast``, ~10% less CPU on
+    all-MiniLM-L6-v2's WordPiece): the same ids and type ids, and the loader reads nothing else; ``encode_batch``
+    where the installed ``tokenizers`` lacks it."""
+    return getattr(backend, "encode_batch_fast", backend.encode_batch)
+
+
 @dataclass(frozen=True)
 class _Encoder:
     """What encodes a piece of texts anywhere (this process or a worker's): the tokenizer and its arguments."""
@@ -492,7 +499,7 @@ class _Encoder:
             return _flat_rows(*_call_rows(self.tokenizer, chunk, self.max_length, self.tokenizer_kwargs), len(chunk))
         backend, type_id = _backend(self.tokenizer, self.max_length)
         if tokenizers_parallelism() is False:  # one call, and the backend runs it on this thread
-            encodings = backend.encode_batch(chunk, add_special_tokens=self.special_tokens)
+            encodings = _batch_encoder(backend)(chunk, add_special_tokens=self.special_tokens)
         else:
             encodings = [backend.encode(text, add_special_tokens=self.special_tokens) for text in chunk]
         return self.flatten(encodings, type_id)
@@ -555,8 +562,10 @@ class ParallelTokenizer:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(cores={self.cores}, backend={self._encoder.backend})"
 
-    def __call__(self, items: list[str], *, progress: bool = False) -> TokenizedTexts:
-        """The token store of ``items`` (a list of str, already validated)."""
+    def __call__(self, items: list[str], *, progress: bool = False, later: float = 0.0) -> TokenizedTexts:
+        """The token store of ``items`` (a list of str, already validated); ``later``: the work of the calls still
+        to come for the same job (a stream's later chunks), as a multiple of this call's, which the cost rule of
+        worker processes weighs with this call's rest (:class:`~dynabatch.data.workers.Pieces`)."""
         from tqdm.auto import tqdm
 
         mechanism = choose_mechanism(backend=self._encoder.backend, cores=self.cores)
@@ -570,11 +579,11 @@ class ParallelTokenizer:
             guard_forks()
             backend, type_id = _backend(self._encoder.tokenizer, self.max_input_token_length)
             special = self._encoder.special_tokens
-            flats: Any = (self._encoder.flatten(backend.encode_batch(chunk, add_special_tokens=special), type_id)
-                          for chunk in chunks)
+            encode = _batch_encoder(backend)
+            flats: Any = (self._encoder.flatten(encode(chunk, add_special_tokens=special), type_id) for chunk in chunks)
         elif mechanism == "shared":
             flats = pieces = Pieces(_encode_in_worker, self._encoder, chunks, cores=self.cores,
-                                    workers_allowed=self._workers_allowed)
+                                    workers_allowed=self._workers_allowed, later=later)
         else:
             flats = (self._encoder.encode(chunk) for chunk in chunks)
         tokens = _assemble(tqdm(flats, total=len(chunks), desc="tokenizing", unit="chunk", disable=not progress),

@@ -12,8 +12,9 @@ the work one of three ways, chosen by :func:`choose_mechanism`:
   tokenizer's own rows, all cores may be used, and the user has not set
   ``TOKENIZERS_PARALLELISM`` to a false value;
 * ``"shared"``: this thread tokenizes piece after piece, and worker processes
-  join it where they pay (:class:`Pieces`, the cost rule: the rest of the call,
-  at the speed measured on its first piece, would take one thread at least
+  join it where they pay (:class:`Pieces`, the cost rule: the rest of the job
+  (the call's pieces, and a stream's chunks still to come), at the speed
+  measured on the call's first piece, would take one thread at least
   :data:`POOL_MIN_SECONDS`, and that first piece did not already keep several
   cores busy): for a tokenizer whose own call must run (an overridden
   ``__call__``, a slow tokenizer, any callable), for a cap below the process's
@@ -174,7 +175,11 @@ def guard_forks() -> None:
 
 _POLL = 0.1  # seconds a wait blocks at a time: Ctrl-C, a stop request and a dead parent are seen this soon
 _PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
-_ALONE_CPU = 1.5  # CPU seconds per wall second of a call above which it already spans cores by itself
+_OWN_THREADS_SHARE = 0.5
+"""The share of a first piece's CPU time spent off the calling thread above which the call already spans cores by
+itself (a tokenizer on its own thread pool). A share, not CPU seconds per wall second: on a busy machine the pool's
+threads get less than a core each, and the share holds where the ratio does not (a custom ``__call__`` of a fast
+tokenizer measured 0.9 cores per wall second under load and still ran on the pool)."""
 
 
 def _die_with_parent(parent: int, by_main_thread: bool) -> None:
@@ -536,10 +541,13 @@ class Pieces:
         pieces: the pieces, each a sequence (of texts): their lengths weigh the cost.
         cores: cores to use (this thread and ``cores - 1`` workers at most).
         workers_allowed: ``False`` once workers failed for this state (it then runs on this thread).
+        later: the work of the calls still to come for the same job (a stream's later chunks), as a multiple of this
+            call's: the pool outlives the call, so it is weighed with the call's rest.
 
-    **The cost rule.** This thread runs the first piece, timed. Workers join only where the rest would take one thread
-    at least :data:`POOL_MIN_SECONDS` at that speed, the first piece did not already keep more than
-    :data:`_ALONE_CPU` cores busy (a tokenizer call on its own thread pool), and the process's pool is free
+    **The cost rule.** This thread runs the first piece, timed. Workers join only where the rest (and ``later``) would
+    take one thread at least :data:`POOL_MIN_SECONDS` at that speed, the first piece did not already keep more than
+    keep threads of its own busy (:data:`_OWN_THREADS_SHARE`: a tokenizer call on its own thread pool, such as a fast
+    tokenizer's custom ``__call__``), and the process's pool is free
     (:func:`shared_pool`). Then this thread and the workers share the rest (:class:`_Sharing`): this thread never
     waits on a worker that has not answered yet, so a call costs what one thread costs, plus a fork the first time,
     even where the workers take long to start.
@@ -549,20 +557,21 @@ class Pieces:
     """
 
     def __init__(self, function: Callable[[Any, Any], Any], state: Any, pieces: Sequence[Sequence[Any]], *,
-                 cores: int, workers_allowed: bool = True) -> None:
+                 cores: int, workers_allowed: bool = True, later: float = 0.0) -> None:
         self.function, self.state, self.pieces = function, state, pieces
-        self.cores, self.workers_allowed = cores, workers_allowed
+        self.cores, self.workers_allowed, self.later = cores, workers_allowed, later
         self.used_workers = 0
         self.unpicklable = self.failed = False
 
     def __iter__(self) -> Iterator[Any]:
         if not self.pieces:
             return
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
         yield self.function(self.state, self.pieces[0])
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        rest = wall * sum(map(len, self.pieces[1:])) / max(1, len(self.pieces[0]))
-        pool = self._pool(rest, cpu / max(wall, 1e-9))
+        wall, cpu, own = time.perf_counter() - wall, time.process_time() - cpu, time.thread_time() - own
+        total = sum(map(len, self.pieces))
+        rest = wall * (total - len(self.pieces[0]) + self.later * total) / max(1, len(self.pieces[0]))
+        pool = self._pool(rest, max(0.0, cpu - own) / cpu if cpu > 0 else 0.0)
         if pool is None:
             for piece in self.pieces[1:]:
                 yield self.function(self.state, piece)
@@ -572,12 +581,13 @@ class Pieces:
         finally:
             pool.lock.release()
 
-    def _pool(self, rest: float, busy_cores: float) -> WorkerPool | None:
+    def _pool(self, rest: float, elsewhere: float) -> WorkerPool | None:
         """The process's pool, locked for this call, where the cost rule says workers pay; else ``None``."""
         if not self.workers_allowed or self.cores < 2 or len(self.pieces) < 2:
             return None
-        if rest < POOL_MIN_SECONDS or busy_cores > _ALONE_CPU:
-            logger.debug("tokenizing on one thread: the rest takes ~%.2f s there, on %.1f cores", rest, busy_cores)
+        if rest < POOL_MIN_SECONDS or elsewhere > _OWN_THREADS_SHARE:
+            logger.debug("tokenizing on one thread: the rest takes ~%.2f s there; %.0f%% of the CPU time off this "
+                         "thread", rest, 100 * elsewhere)
             return None
         pool = shared_pool(self.cores - 1)
         if pool is None or not pool.lock.acquire(blocking=False):

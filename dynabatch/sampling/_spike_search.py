@@ -27,7 +27,7 @@ import numpy as np
 
 from dynabatch.memory.classifier import SpikeClassifier
 from dynabatch.memory.features import compute_features
-from dynabatch.sampling.plan_settings import PlanSettings
+from dynabatch.sampling.plan_settings import PlanSettings, distinct
 
 __all__ = ["SpikeSearch"]
 
@@ -135,7 +135,7 @@ class SpikeSearch:
                 counts.append(count)
                 pos += size * count
                 continue
-            caps = np.unique(np.minimum(cands, n - pos))
+            caps = distinct(np.minimum(cands, n - pos))
             # The next run long enough for the shortcut: speculating past its start is wasted.
             j = int(np.searchsorted(long_starts, pos, side="right"))
             limit = int(long_starts[j]) if j < len(long_starts) else n

@@ -31,7 +31,7 @@ from dynabatch._validation import bad_type, bad_value, check_fraction, check_pos
 from dynabatch.data.collate import padded_width
 from dynabatch.memory.shape import ModelShape, check_model_shape
 
-__all__ = ["PlanSettings", "candidate_sizes", "settle_rows"]
+__all__ = ["PlanSettings", "candidate_sizes", "distinct", "settle_rows"]
 
 _MAX_BATCH = 2**40  # candidate sizes stay exact in int64 and float64
 
@@ -43,7 +43,21 @@ def candidate_sizes(batch_size: int, batch_start_range: float, batch_end_range: 
         [10, 13, 15, 18, 20]
     """
     sizes = np.ceil(batch_size * np.linspace(batch_start_range, batch_end_range, steps) - 1e-9)
-    return np.unique(sizes.astype(np.int64))
+    return distinct(sizes.astype(np.int64))
+
+
+def distinct(values: np.ndarray) -> np.ndarray:
+    """The distinct values of a 1-D array, ascending: ``np.unique`` without its first call's import of ``numpy.ma``
+    (0.1 s, a tenth of a small loader build).
+
+    Example:
+        >>> distinct(np.array([3, 1, 3, 2])).tolist()
+        [1, 2, 3]
+    """
+    ordered = np.sort(values)
+    keep = np.ones(len(ordered), dtype=bool)
+    keep[1:] = ordered[1:] != ordered[:-1]
+    return ordered[keep]
 
 
 def settle_rows(fits: Any, *, floor: Any = 1, granularity: int | None = None, cap: Any = None) -> np.ndarray:

@@ -94,6 +94,14 @@ def test_the_feed_tokenizes_in_the_background_and_counts_proxy_misses(tokenizer)
     assert stream.proxy_misses == 4
 
 
+def test_a_chunk_weighs_the_chunks_still_to_come_by_characters(tokenizer):
+    stream = TokenStream(TextSource(["a" * 8, "b" * 4, "c" * 2, "d"]), tokenizer, 8, first_chunk=1, chunk_size=2)
+    assert stream.n_chunks == 3  # ["a"*8], ["b"*4, "c"*2], ["d"]
+    assert stream.later_work(0) == (6 + 1) / 8 and stream.later_work(1) == (8 + 1) / 6
+    stream.tokenize(0)
+    assert stream.later_work(1) == 1 / 6 and stream.later_work(2) == 6.0
+
+
 def test_an_error_in_the_thread_is_raised_by_the_consumer(tokenizer):
     class Broken:
         pad_token_id, padding_side = 0, "right"

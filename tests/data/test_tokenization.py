@@ -447,7 +447,7 @@ def test_every_core_gives_the_ids_of_one_thread_on_tricky_texts(any_tokenizer, m
     expected = any_tokenizer(items, truncation=True, max_length=MAX_LEN)
     one = tokenize_texts(items, any_tokenizer, MAX_LEN, progress=False, tokenize_cores=1)
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", threshold)
-    monkeypatch.setattr(workers, "_ALONE_CPU", float("inf"))  # a call on the tokenizer's own threads, shared still
+    monkeypatch.setattr(workers, "_OWN_THREADS_SHARE", float("inf"))  # a call on the tokenizer's own threads, shared
     if mechanism == "processes":
         monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the backend's threads off: processes for every one
     else:
@@ -463,6 +463,25 @@ def test_every_core_gives_the_ids_of_one_thread_on_tricky_texts(any_tokenizer, m
         if "token_type_ids" in expected:
             assert store.extras["token_type_ids"].tolist() == [v for row in expected["token_type_ids"] for v in row]
     assert one.lengths.max() == MAX_LEN
+
+
+@two_cores
+@pytest.mark.parametrize("parallelism, used", [(None, 0), ("false", 1)])  # its own threads measured, or off
+def test_a_call_on_the_tokenizers_own_threads_keeps_them_and_starts_no_process(tokenizer, monkeypatch, texts,
+                                                                             parallelism, used, no_pool_left):
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)  # the rest pays for workers: the threads' share decides
+    if parallelism is None:
+        monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    else:
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", parallelism)
+    own = _as(tokenizer, AmenCall)
+    items = texts[:256]
+    pieces = workers.Pieces(_call_in_worker, own, [items[k : k + 64] for k in range(0, 256, 64)], cores=2)
+    assert [len(rows) for rows in pieces] == [64] * 4 and pieces.used_workers == used
+
+
+def _call_in_worker(tokenizer, piece):
+    return tokenizer(piece, truncation=True, max_length=MAX_LEN)["input_ids"]
 
 
 @two_cores
@@ -486,6 +505,7 @@ def test_a_tokenizer_that_cannot_be_pickled_tokenizes_on_one_core(tokenizer, mon
                                                                   no_pool_left):
     local = type("Local", (AmenCall,), {})  # a class no worker can import
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # its call on one thread: workers are tried
     tokenize = ParallelTokenizer(_as(tokenizer, local), MAX_LEN, {}, cores=2, chunk_size=16)
     with caplog.at_level(logging.WARNING, logger="dynabatch.data.workers"):
         tokens = tokenize(texts[:40])
@@ -510,6 +530,7 @@ class Refusing(BertTokenizer):
 @two_cores
 def test_an_error_in_a_worker_is_raised_here(tokenizer, monkeypatch, texts, no_pool_left):
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # its call on one thread: workers join
     with pytest.raises(ValueError, match="^poison in the texts$"):  # the poison in the first piece a worker takes
         tokenize_texts([*texts[:8], "poison", *texts[:60]], _as(tokenizer, Refusing), MAX_LEN, progress=False,
                        chunk_size=8)
@@ -535,6 +556,7 @@ class DyingInWorkers(BertTokenizer):
 @two_cores
 def test_workers_that_die_leave_the_call_to_this_process(tokenizer, monkeypatch, caplog, texts, no_pool_left):
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # its call on one thread: workers join
     dying = _as(tokenizer, DyingInWorkers)
     tokenize = ParallelTokenizer(dying, MAX_LEN, {}, cores=2, chunk_size=8)
     items = texts * 2

@@ -123,9 +123,16 @@ def test_workers_join_only_where_the_rest_takes_one_thread_long_enough(monkeypat
     assert bool(multiprocessing.active_children()) == bool(used)
 
 
+@pytest.mark.parametrize("later, used", [(0.0, 0), (50.0, 1)])  # the calls to come tip the rule, or do not
+def test_the_work_of_later_calls_counts_toward_the_rule(monkeypatch, later, used):
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 1.0)  # the rest of this call alone: ~0.04 s at most
+    shared = Pieces(_slow, 3, [[1, 2]] * 3, cores=2, later=later)
+    assert list(shared) == [[3, 6]] * 3 and shared.used_workers == used
+
+
 def test_a_call_that_already_spans_cores_is_left_alone(monkeypatch):
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
-    monkeypatch.setattr(workers, "_ALONE_CPU", -1.0)  # as if its first piece kept more cores busy than the rule allows
+    monkeypatch.setattr(workers, "_OWN_THREADS_SHARE", -1.0)  # as if its first piece ran on threads of its own
     shared = Pieces(_slow, 3, [[1]] * 4, cores=2)
     assert list(shared) == [[3]] * 4 and shared.used_workers == 0
 
@@ -237,7 +244,10 @@ else:  # mid-call, the pool started by this thread ("busy") or by a thread that 
 def _children(pid):
     found = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        found += [int(c) for c in (task / "children").read_text().split()]
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except FileNotFoundError:  # the thread ended between the listing and the read
+            continue
     return found
 
 
