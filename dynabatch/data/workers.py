@@ -68,7 +68,7 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from dynabatch._background import Ahead
+from dynabatch._background import Ahead, Ticker
 from dynabatch._digest import fingerprint
 from dynabatch._validation import check_positive_int
 
@@ -198,11 +198,10 @@ def _die_with_parent(parent: int, by_main_thread: bool) -> None:
         os._exit(0)
 
     def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(_POLL)
-        os._exit(0)
+        if os.getppid() != parent:
+            os._exit(0)
 
-    threading.Thread(target=watch, name="dynabatch-parent-watch", daemon=True).start()
+    Ticker(watch, seconds=_POLL, name="dynabatch-parent-watch").start()  # lives as long as the worker process
 
 
 def _worker_main(tasks: Connection, results: Connection, parent: int, by_main_thread: bool,
