@@ -154,6 +154,9 @@ def test_an_error_in_a_worker_is_raised_here_and_the_pool_goes_on(monkeypatch):
 
 def test_a_state_that_cannot_be_pickled_runs_on_this_thread(monkeypatch, caplog):
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    # _slow sleeps: its first piece's CPU time is near zero, so another thread's few ms could read as the call's own
+    # threads and keep the workers out; the pool must be tried here for its pickling to fail
+    monkeypatch.setattr(workers, "_OWN_THREADS_SHARE", 1.0)
     with caplog.at_level(logging.WARNING, logger="dynabatch.data.workers"):
         shared = Pieces(_slow, _Local(), [[1]] * 3, cores=2)
         assert list(shared) == [[5]] * 3

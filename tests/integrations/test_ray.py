@@ -4,7 +4,7 @@ Real model (all-MiniLM-L6-v2, offline), real held-out texts (pyjokes' jokes and
 Python's own pydoc topics, which nothing in dynabatch was tuned on). The tests
 that call a predictor directly on a window (what each actor does) run in this
 process; the ``ray_cluster`` ones run on one local Ray (``num_cpus=2``) shared
-by the session. Out-of-memory errors are injected by raising
+by the module. Out-of-memory errors are injected by raising
 ``torch.OutOfMemoryError`` from the model call, as a device would; nothing of
 dynabatch or Ray is mocked.
 """
@@ -544,9 +544,11 @@ def test_the_module_imports_without_ray():
 # --- on a local Ray: 2 actors, as users run it -----------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """One local Ray for the session (2 CPUs); its workers import this dynabatch and this test module."""
+    """One local Ray for the module (2 CPUs), shut down after it: a later module in this pytest worker
+    (tests/cli/test_ray_command.py) starts its own and asserts none is running; its workers import this dynabatch
+    and this test module."""
     ray = pytest.importorskip("ray")
     from ray import cloudpickle
 
