@@ -17,7 +17,12 @@ start=$(date +%s)
 say() { printf '\n== wheel check: %s (%ss)\n' "$*" "$(($(date +%s) - start))"; }
 
 say "building the wheel"
-python3 -m pip wheel -q --no-deps -w "$work/dist" "$repo"
+# from a copy of the checkout's files (tracked, and untracked ones git does not ignore), so that it can run while the
+# suite's editable install builds in the checkout's own build/
+mkdir "$work/src"
+git -C "$repo" ls-files -z --cached --others --exclude-standard | (cd "$repo" && tar --null -T - -cf -) \
+    | tar -C "$work/src" -xf -
+python3 -m pip wheel -q --no-deps -w "$work/dist" "$work/src"
 wheel=$(ls "$work"/dist/torch_dynabatch-*.whl)
 
 say "the bare package: a clean virtual environment holding $(basename "$wheel") and its dependencies alone"

@@ -56,9 +56,10 @@ wall s (the command's process, start to end), rows/s over it, the summary's
 running rows/s (its batches' time: on Ray, the busiest actor's), the ratio to
 one machine, batches, padding efficiency, and whether the Ray store holds the
 same ids with each vector at cosine >= 0.9999 of one machine's.
-``--kills K`` then SIGKILLs the Ray command's driver K times at random points
-(between 5 s and the uninterrupted run's wall time), reruns it to the end, and
-checks the store again: every id once, vectors equal.
+``--kills K`` then SIGKILLs the Ray command's driver K times at random points of
+its progress (once it has stored 1 to half of the windows left, then 0-2 s: mid-job
+whatever the machine's speed), reruns it to the end, and checks the store again:
+every id once, vectors equal.
 
 Run it with::
 
@@ -261,17 +262,52 @@ def machine(args: argparse.Namespace) -> str:
             f"device {args.device}")
 
 
+# The command as ``python -m dynabatch`` runs it, its Ray path logging its phases (connect, windows, actors' loads).
+_LOGGED = ("import logging, sys; from dynabatch.cli import main; "
+           "logging.getLogger('dynabatch.cli.on_ray').setLevel(logging.INFO); sys.exit(main(sys.argv[1:]))")
+
+
 def _command_run(command: list[str], env: dict[str, str], report: Path) -> dict[str, Any]:
-    """Runs a ``dynabatch embed`` command to its end; its wall time and its report (every batch)."""
+    """Runs a ``dynabatch embed`` command to its end; its wall time, its report (every batch) and its stderr."""
     import subprocess
 
+    assert command[1:3] == ["-m", "dynabatch"]
     started = time.perf_counter()
-    done = subprocess.run([*command, "--report", str(report)], env=env, capture_output=True, text=True, check=False)
+    done = subprocess.run([command[0], "-c", _LOGGED, *command[3:], "--report", str(report)], env=env,
+                          capture_output=True, text=True, check=False)
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     data = json.loads(report.read_text())
-    return {"wall": wall, "summary": data["summary"], "stdout": done.stdout}
+    return {"wall": wall, "summary": data["summary"], "stdout": done.stdout, "stderr": done.stderr}
+
+
+def _number(pattern: str, text: str) -> float:
+    import re
+
+    found = re.search(pattern, text)
+    return float(found.group(1)) if found else float("nan")
+
+
+def ray_phases(on_ray: dict[str, Any], one: dict[str, Any]) -> str:
+    """Where the ``--ray`` command's wall went, from its log: the driver's checks before Ray (one machine does them
+    too), connecting, the windows until the first came back (the actors' start: a process each, imports, the
+    model's load; then a window), the rest of the windows, and what followed (summary, Ray's shutdown); beside one
+    machine's wall and its batches' seconds."""
+    log = on_ray["stderr"]
+    before = _number(r"Ray connected ([\d.]+) s after", log)
+    connect = _number(r"after the command started, in ([\d.]+) s", log)
+    first = _number(r"the first back ([\d.]+) s", log)
+    last = _number(r"the last ([\d.]+) s", log)
+    busiest = _number(r"busiest actor's windows took ([\d.]+) s", log)
+    loads = _number(r"began loading their model ([\d.]+)", log), _number(r"loading took ([\d.]+)", log)
+    after = on_ray["wall"] - before - connect - last
+    return (f"Where the --ray wall went ({on_ray['wall']:.1f} s): the driver's checks before Ray {before:.1f} s, "
+            f"connecting {connect:.1f} s, the first window back after {first:.1f} s (the first actor began loading "
+            f"its model {loads[0]:.1f} s after the windows were sent, and loaded it in {loads[1]:.1f} s), the "
+            f"other windows {last - first:.1f} s more (the busiest actor's windows: {busiest:.1f} s), then "
+            f"{after:.1f} s (summary, Ray's shutdown). One machine: {one['wall']:.1f} s in all, "
+            f"{one['summary']['seconds']:.1f} s running its batches.")
 
 
 def _store(path: Path) -> dict[str, np.ndarray]:
@@ -291,23 +327,35 @@ def _same_store(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> tupl
     return True, min(cosines)
 
 
-def _kill_and_rerun(command: list[str], env: dict[str, str], kills: int, longest: float, seed: int) -> int:
-    """SIGKILLs the command ``kills`` times at random points, then reruns it to its end (a rerun refused while the
-    killed driver's actors still hold the store is tried again); how many rows the last rerun found stored."""
+def _stored(path: Path) -> int:
+    import pyarrow.dataset as pds
+
+    return pds.dataset(path, format="parquet").count_rows() if list(path.glob("part-*.parquet")) else 0
+
+
+def _kill_and_rerun(command: list[str], env: dict[str, str], kills: int, windows: int, seed: int) -> list[int]:
+    """SIGKILLs the command ``kills`` times, each at a random point of its progress (once it has stored a random
+    number of new windows, 1 to half of those left, then after a random 0-2 s: mid-job whatever the machine's
+    speed), then reruns it to its end (a rerun refused while the killed driver's actors still hold the store is
+    tried again); the rows stored after each kill, then those the rerun found stored."""
     import random
     import re
     import signal
     import subprocess
 
-    pick = random.Random(seed)
+    pick, held, store = random.Random(seed), [], Path(command[5])  # python -m dynabatch embed CORPUS STORE ...
     for _ in range(kills):
+        shards = len(list(store.glob("part-w*.parquet")))
+        target = shards + pick.randint(1, max(1, (windows - shards) // 2))
         driver = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                   start_new_session=True)
-        try:
-            driver.wait(timeout=pick.uniform(5, max(6.0, longest)))
-        except subprocess.TimeoutExpired:
+        while driver.poll() is None and len(list(store.glob("part-w*.parquet"))) < target:
+            time.sleep(0.1)
+        time.sleep(pick.uniform(0, 2))
+        if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
+        driver.wait()
+        held.append(_stored(store))
     while True:
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if done.returncode == 2 and "no other job is writing" in done.stderr:
@@ -315,7 +363,7 @@ def _kill_and_rerun(command: list[str], env: dict[str, str], kills: int, longest
             continue
         if done.returncode != 0:
             raise SystemExit(f"the rerun failed ({done.returncode}):\n{done.stderr[-2000:]}")
-        return int(re.search(r"run now, ([\d,]+) stored before", done.stdout).group(1).replace(",", ""))
+        return [*held, int(re.search(r"run now, ([\d,]+) stored before", done.stdout).group(1).replace(",", ""))]
 
 
 def command_table(args: argparse.Namespace, texts: list[str]) -> list[str]:
@@ -353,17 +401,23 @@ def command_table(args: argparse.Namespace, texts: list[str]) -> list[str]:
         want = _store(work / "one")
         same, cosine = _same_store(_store(work / "ray"), want)
         print("\n".join(_comparison(one, on_ray, len(texts), same, cosine)), flush=True)
+        print("\n" + ray_phases(on_ray, one) + "\n", flush=True)
         if not args.kills:
             return []
         command = [*base, str(work / "killed"), *options, "--ray", address]
-        held = _kill_and_rerun(command, env, args.kills, on_ray["wall"], args.seed)
+        from dynabatch.cli.on_ray import window_rows
+
+        held = _kill_and_rerun(command, env, args.kills,
+                               -(-len(texts) // window_rows(len(texts), args.actors, args.batch_size)), args.seed)
         same_k, cosine_k = _same_store(_store(work / "killed"), want)
     finally:
         if args.address is None:
             subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, check=False)
-    return [f"Driver SIGKILLed {args.kills} times at random points, then rerun: the rerun found {held:,} of "
-            f"{len(texts):,} rows stored; every id once: {'yes' if same_k else 'NO'}; min cosine to one "
-            f"machine's: {cosine_k:.6f}."]
+    return [f"Driver SIGKILLed {args.kills} times at random points of its progress (after 1 to half of the "
+            f"windows left were stored, then 0-2 s): rows stored after each kill "
+            f"{', '.join(f'{h:,}' for h in held[:-1])}; the rerun "
+            f"found {held[-1]:,} of {len(texts):,} rows stored and ran the rest; every id once: "
+            f"{'yes' if same_k else 'NO'}; min cosine to one machine's: {cosine_k:.6f}."]
 
 
 def _comparison(one: dict[str, Any], on_ray: dict[str, Any], n: int, same: bool, cosine: float) -> list[str]:

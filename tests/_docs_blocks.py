@@ -221,11 +221,18 @@ class Server:
         self.process.wait()
 
 
-def environment(cache: Path) -> dict[str, str]:
+def environment(cache: Path, warm=None) -> dict[str, str]:
     """The chains' environment: this checkout first on the paths, offline, one thread per process (a small model
-    on a busy machine runs many times slower with two), the demo's cache in ``cache``."""
-    bin_dir = os.path.dirname(sys.executable)
+    on a busy machine runs many times slower with two), the demo's cache in ``cache``, Ray local to each job;
+    with ``warm`` (a ``tests/_warm.py`` server), the shell blocks' ``python``, ``dynabatch`` and ``torchrun`` run in
+    its forks, without the 15-20 s of imports a process."""
+    bin_dirs = [os.path.dirname(sys.executable)]
+    if warm is not None:
+        bin_dirs.insert(0, str(warm.shims))
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                PATH=os.pathsep.join([bin_dir, os.environ.get("PATH", "")]), HF_HUB_OFFLINE="1",
+                PATH=os.pathsep.join([*bin_dirs, os.environ.get("PATH", "")]), HF_HUB_OFFLINE="1",
                 OMP_NUM_THREADS="1", DYNABATCH_CACHE_DIR=os.environ.get("DYNABATCH_CACHE_DIR", str(cache)),
-                HF_HUB_DISABLE_PROGRESS_BARS="1", PYTHONUNBUFFERED="1")
+                HF_HUB_DISABLE_PROGRESS_BARS="1", PYTHONUNBUFFERED="1",
+                # `--ray auto` joins any Ray running on this machine (Ray's rule: another pytest worker's too);
+                # the pages' jobs start a local Ray of their own, as on a machine without a cluster
+                RAY_ADDRESS="local")

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import _warm
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -23,7 +25,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_two_ranks(worker: str, out: Path, timeout: float = 150, args: Sequence[str] = ()) -> list[dict]:
+def run_two_ranks(worker: str, out: Path, timeout: float = 150, args: Sequence[str] = (), warm=None) -> list[dict]:
     """Runs ``worker`` (Python source) as ``python worker.py RANK OUT *ARGS`` on ranks 0 and 1; returns their reports.
 
     Each rank gets the environment of ``torchrun`` / ``accelerate launch``
@@ -32,7 +34,8 @@ def run_two_ranks(worker: str, out: Path, timeout: float = 150, args: Sequence[s
     on ``PYTHONPATH``, and must write its report as JSON to ``OUT/rank{RANK}.json``.
     Output goes to ``OUT/rank{RANK}.log`` (a file: a full pipe would stall a
     rank mid-collective). Fails the test with the log's tail if a rank does not
-    exit with 0 within ``timeout`` seconds.
+    exit with 0 within ``timeout`` seconds. With ``warm`` (a ``tests/_warm.py`` server), the ranks are forks of
+    it: processes of their own, without the 15-20 s of imports.
     """
     out = Path(out)
     script = out / "worker.py"
@@ -45,8 +48,11 @@ def run_two_ranks(worker: str, out: Path, timeout: float = 150, args: Sequence[s
         for rank in range(2):
             env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
             with open(logs[rank], "w") as log:
-                procs.append(subprocess.Popen([sys.executable, str(script), str(rank), str(out), *args], cwd=REPO, env=env,
-                                              stdout=log, stderr=subprocess.STDOUT))
+                command = [sys.executable, str(script), str(rank), str(out), *args]
+                if warm is None:
+                    procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+                else:
+                    procs.append(_warm.Process(warm, command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
         for p in procs:
             p.wait(timeout=timeout)
     finally:

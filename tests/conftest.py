@@ -1,10 +1,12 @@
 """Fixtures shared by the test modules.
 
 ``tests/_docs_blocks.py`` (the code blocks of the pages and the server that
-runs them) is importable as ``_docs_blocks`` from any test module: it is
-registered here, as the tests are not a package.
+runs them) and ``tests/_warm.py`` (Python processes without the import wait)
+are importable as ``_docs_blocks`` and ``_warm`` from any test module: they
+are registered here, as the tests are not a package.
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -14,6 +16,12 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The suite starts a few hundred fresh Python processes (the commands, the pages' chains, the benchmarks). Where the
+# environment sets PYTHONDONTWRITEBYTECODE (this workplace's machines do), each of them compiled this library's
+# modules from source again (~0.5 s of CPU for all of them); kept in the checkout's __pycache__ (ignored by git, left
+# out of every copy the tests and .ci/wheel_check.sh build from), they compile once per checkout.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 def _register(name: str):
@@ -25,6 +33,27 @@ def _register(name: str):
 
 
 _docs_blocks = sys.modules.get("_docs_blocks") or _register("_docs_blocks")
+_warm = sys.modules.get("_warm") or _register("_warm")
+
+
+# The files that take longest, longest first (wall seconds a file on two busy cores, 2026-12-02). With
+# `--dist loadfile --no-loadscope-reorder` (pyproject's addopts) the two workers take whole files in collection
+# order: these go first and the short files fill in behind them, so that both workers end within a short file of
+# each other, rather than one starting a long file as the other ends.
+LONGEST_FIRST = ("tests/test_docs.py", "tests/integrations/test_ray.py", "tests/cli/test_embed.py",
+                 "tests/cli/test_ray_command.py", "tests/test_benchmarks.py", "tests/inference/test_distributed.py",
+                 "tests/training/test_memory_limit.py", "tests/inference/test_run_measured.py",
+                 "tests/integrations/test_st_equivalence.py", "tests/training/test_hf_oom.py",
+                 "tests/inference/test_run_defaults.py", "tests/integrations/test_sentence_transformers.py",
+                 "tests/cli/test_main.py", "tests/compat/bionemo/test_size_aware_example.py",
+                 "tests/inference/test_run_oom.py", "tests/training/test_hf.py", "tests/test_examples.py",
+                 "tests/test_train_scripts.py", "tests/cli/test_generate.py")
+
+
+def pytest_collection_modifyitems(items):
+    """The files of :data:`LONGEST_FIRST` first, in its order; the rest after them, in collection order."""
+    rank = {path: n for n, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -40,7 +69,19 @@ def demo_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def docs_runner(tmp_path_factory, demo_cache):
+def warm(tmp_path_factory, demo_cache):
+    """A ``tests/_warm.py`` server for this pytest process: ``_warm.run(warm, [sys.executable, ...])`` runs a script
+    as ``subprocess.run`` does, in a fork that skips the 15-20 s of imports; ``warm.shims`` holds ``python``,
+    ``dynabatch`` and ``torchrun`` commands that do the same. Started on a test's first use; OpenMP's thread count
+    is left to each program's ``OMP_NUM_THREADS``, as in a fresh process."""
+    environment = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    server = _warm.Server(tmp_path_factory.mktemp("warm"), dict(environment, HF_HUB_OFFLINE="1"))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def docs_runner(tmp_path_factory, demo_cache, warm):
     """``docs_runner(chain)``: the chain's :class:`_docs_blocks.Result`, each chain run once per session (in an
     empty folder, in a child of one server that imported the heavy modules once)."""
     server, results = None, {}
@@ -49,7 +90,7 @@ def docs_runner(tmp_path_factory, demo_cache):
         nonlocal server
         if chain.name not in results:
             if server is None:
-                server = _docs_blocks.Server(_docs_blocks.environment(demo_cache))
+                server = _docs_blocks.Server(_docs_blocks.environment(demo_cache, warm))
             folder = tmp_path_factory.mktemp(chain.name.replace("/", "-").replace(":", "-"))
             results[chain.name] = server.run(chain, folder)
         return results[chain.name]
@@ -81,9 +122,10 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
-def run_two_ranks():
-    """``tests/_spawn.py``'s ``run_two_ranks``: a worker script on two local processes (gloo rendezvous)."""
-    return (sys.modules.get("_spawn") or _register("_spawn")).run_two_ranks
+def run_two_ranks(warm):
+    """``tests/_spawn.py``'s ``run_two_ranks``: a worker script on two local processes (gloo rendezvous), forks of
+    ``warm`` (a rank's imports cost no 15-20 s)."""
+    return functools.partial((sys.modules.get("_spawn") or _register("_spawn")).run_two_ranks, warm=warm)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""The benchmark scripts, run as a user runs them (few texts, offline, one thread), and benchmarks/gpu.sh's plan."""
+"""The benchmark scripts, run as a user runs them (few texts, offline, one thread; in forks of ``tests/_warm.py``'s
+interpreter, without the imports' 15-20 s), and benchmarks/gpu.sh's plan."""
 
 import gzip
 import os
@@ -7,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _warm
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "inference.py"
 METHODS = ["plain DataLoader", "sorted, fixed batch size", "token budget", "dynabatch", "dynabatch plan, memory='record'",
@@ -14,12 +17,12 @@ METHODS = ["plain DataLoader", "sorted, fixed batch size", "token budget", "dyna
 KEPT = "## encoder (all-MiniLM-L6-v2 forward, max_length 256) on cuda\n\nkept from another machine\n"
 
 
-def test_inference_benchmark_prints_every_method_and_keeps_other_sections(tmp_path):
+def test_inference_benchmark_prints_every_method_and_keeps_other_sections(warm, tmp_path):
     out = tmp_path / "RESULTS.md"
     out.write_text("# old title\n\n" + KEPT)  # a section of another device: a CPU rerun must keep it
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, str(SCRIPT), "--n-texts", "40", "--threads", "1", "--output", str(out)],
-                            check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    result = _warm.run(warm, [sys.executable, str(SCRIPT), "--n-texts", "40", "--threads", "1", "--output", str(out)],
+                            check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     for heading in ("## encoder (all-MiniLM-L6-v2 forward, max_length 256) on cpu", "## generate (Marian-shaped"):
         assert heading in result.stdout
@@ -35,7 +38,7 @@ def test_inference_benchmark_prints_every_method_and_keeps_other_sections(tmp_pa
     assert "## encoder (all-MiniLM-L6-v2 forward, max_length 256) on cpu" in written
 
 
-def test_repeats_report_the_median_and_spread_and_nothing_is_written_unless_asked(tmp_path):
+def test_repeats_report_the_median_and_spread_and_nothing_is_written_unless_asked(warm, tmp_path):
     # A copy of the script beside a committed benchmarks/RESULTS.md of its own, run from an empty directory,
     # without --output: the tables go to stdout only, no file is written or changed.
     (tmp_path / "benchmarks").mkdir()
@@ -50,7 +53,7 @@ def test_repeats_report_the_median_and_spread_and_nothing_is_written_unless_aske
                                           os.environ.get("PYTHONPATH", "")])}
     args = ["--workloads", "encoder", "--methods", "plain,dynabatch", "--repeats", "3", "--n-texts", "24",
             "--threads", "1"]
-    result = subprocess.run([sys.executable, str(script), *args], check=False, capture_output=True, text=True,
+    result = _warm.run(warm, [sys.executable, str(script), *args], check=False, capture_output=True, text=True,
                             env=env, cwd=tmp_path / "work", timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     written = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file() and "__pycache__" not in str(p))
@@ -106,7 +109,7 @@ def test_overlapping_ranges_are_called_out_in_the_summary():
 PLAN_SPEED = ROOT / "benchmarks" / "plan_speed.py"
 
 
-def test_plan_speed_prints_cold_start_and_planning_rows_and_writes_only_where_asked(tmp_path):
+def test_plan_speed_prints_cold_start_and_planning_rows_and_writes_only_where_asked(warm, tmp_path):
     # The script runs from a copy beside a README.md and a benchmarks/RESULTS.md of its own, in an empty working
     # directory: whatever it wrote, relative to itself or to the working directory, would show.
     (tmp_path / "benchmarks").mkdir()
@@ -120,7 +123,7 @@ def test_plan_speed_prints_cold_start_and_planning_rows_and_writes_only_where_as
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     args = ["--n-texts", "300", "--n-lengths", "3000", "--batch-sizes", "4,16", "--repeats", "1", "--cold-texts", "400",
             "--cold-repeats", "1", "--output", str(out)]
-    result = subprocess.run([sys.executable, str(script), *args], check=False, capture_output=True, text=True,
+    result = _warm.run(warm, [sys.executable, str(script), *args], check=False, capture_output=True, text=True,
                             env=env, cwd=tmp_path / "work", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     table = result.stdout
@@ -155,9 +158,9 @@ PACKING_DISTRIBUTIONS = ["lognormal (median 300)", "real short text (KJV)", "man
                          "bimodal", "long tail (Pareto)"]
 
 
-def test_packing_benchmark_prints_one_table_of_every_method_on_every_distribution_and_the_cold_start():
+def test_packing_benchmark_prints_one_table_of_every_method_on_every_distribution_and_the_cold_start(warm):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, str(PACKING), "--n", "3000", "--cold-n", "20000"], check=False,
+    result = _warm.run(warm, [sys.executable, str(PACKING), "--n", "3000", "--cold-n", "20000"], check=False,
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
@@ -178,25 +181,25 @@ def test_packing_benchmark_prints_one_table_of_every_method_on_every_distributio
     assert "`python benchmarks/packing.py --n 3000 --cold-n 20000`" in out
 
 
-def _run_script(name, *args, timeout=120):
+def _run_script(warm, name, *args, timeout=120):
     """``benchmarks/<name>`` run offline from the repository root; its result, after checking it succeeded."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], check=False,
+    result = _warm.run(warm, [sys.executable, str(ROOT / "benchmarks" / name), *args], check=False,
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
 
-def test_default_overhead_benchmark_times_the_defaults_against_the_plan():
-    result = _run_script("default_overhead.py", "--workloads", "encoder", "--n-texts", "24", "--rounds", "1")
+def test_default_overhead_benchmark_times_the_defaults_against_the_plan(warm):
+    result = _run_script(warm, "default_overhead.py", "--workloads", "encoder", "--n-texts", "24", "--rounds", "1")
     assert result.stdout.startswith("Command: `python benchmarks/default_overhead.py --workloads encoder")
     for way in ("defaults", "plan, unmeasured", "defaults' batches, unmeasured"):
         assert re.search(rf"^\| {re.escape(way)} \| \d+ \| [\d.]+ \([\d.]+-[\d.]+\) \| [\d.]+ \([\d.]+-[\d.]+\) \| "
                          r"[+-][\d.]+% / [+-][\d.]+% \|", result.stdout, re.MULTILINE), (way, result.stdout)
 
 
-def test_embeddings_benchmark_prints_model_encode_and_dynabatch_side_by_side():
-    result = _run_script("embeddings.py", "--n", "24", "--repeats", "1", "--threads", "1", timeout=180)
+def test_embeddings_benchmark_prints_model_encode_and_dynabatch_side_by_side(warm):
+    result = _run_script(warm, "embeddings.py", "--n", "24", "--repeats", "1", "--threads", "1", timeout=180)
     assert "## all-MiniLM-L6-v2 on 24 held-out texts (1-300 words), batch_size=32, cpu, 1 threads" in result.stdout
     assert re.search(r"^\| model\.encode \| [\d.]+ \| [\d,]+ \| 1\.00x \| 0\.0e\+00 \|$", result.stdout, re.MULTILINE)
     ours = re.search(r"^\| dynabatch encode \| [\d.]+ \| [\d,]+ \| [\d.]+x \| ([\d.e+-]+) \|$", result.stdout,
@@ -205,13 +208,13 @@ def test_embeddings_benchmark_prints_model_encode_and_dynabatch_side_by_side():
     assert "Same vectors (max abs diff <= 0.0001): ok" in result.stdout
 
 
-def test_generation_benchmark_prints_every_engine_against_generating_alone(tmp_path):
+def test_generation_benchmark_prints_every_engine_against_generating_alone(warm, tmp_path):
     # The tiny configuration of benchmarks/gpu.sh --rehearse; on the GPU the same script runs at full size in bf16.
     out = tmp_path / "generation.md"
     args = ["--device", "cpu", "--n-prompts", "12", "--max-words", "40", "--max-new-tokens", "12", "--hidden", "64",
             "--layers", "2", "--check", "6", "--threads", "1", "--rounds", "2", "--warmup-cap", "0.5",
             "--output", str(out)]
-    result = _run_script("generation.py", *args, timeout=240)
+    result = _run_script(warm, "generation.py", *args, timeout=240)
     table = result.stdout
     assert out.read_text() == table
     for workload in ("benchmark", "long-tail"):
@@ -230,8 +233,8 @@ def test_generation_benchmark_prints_every_engine_against_generating_alone(tmp_p
     assert "every engine warmed until its last calls agreed within 10%" in table
 
 
-def test_encoder_curve_prints_each_shapes_throughput_against_batch_tokens_and_its_knee():
-    result = _run_script("encoder_curve.py", "--tiny", "--tokens", "256,512", "--calls", "1", "--threads", "1",
+def test_encoder_curve_prints_each_shapes_throughput_against_batch_tokens_and_its_knee(warm):
+    result = _run_script(warm, "encoder_curve.py", "--tiny", "--tokens", "256,512", "--calls", "1", "--threads", "1",
                          "--shapes", "minilm,decoder-0.5b", timeout=180)
     table = result.stdout
     for shape in ("minilm", "decoder-0.5b"):
@@ -244,14 +247,14 @@ def test_encoder_curve_prints_each_shapes_throughput_against_batch_tokens_and_it
     assert "warm-up minilm:" in result.stderr  # warmed until stable before any point was timed
 
 
-def test_overlap_benchmark_prints_each_setting_against_device_and_host_time():
-    result = _run_script("overlap.py", "--n-texts", "300", "--ns-per-cell", "200", timeout=180)
+def test_overlap_benchmark_prints_each_setting_against_device_and_host_time(warm):
+    result = _run_script(warm, "overlap.py", "--n-texts", "300", "--ns-per-cell", "200", timeout=180)
     assert "300 texts, 200 ns per padded cell, host time" in result.stdout
     for setting in ("one device, tokenized whole first, built in turn (stream=False, prefetch=0)",
                     "one device, the defaults (streamed, built ahead)", "two devices (devices=['cpu', 'cpu'])"):
         assert re.search(rf"^\| {re.escape(setting)} \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$",
                          result.stdout, re.MULTILINE), (setting, result.stdout)
-    first = _run_script("overlap.py", "--first-call", "--n-texts", "300", timeout=180)
+    first = _run_script(warm, "overlap.py", "--first-call", "--n-texts", "300", timeout=180)
     assert re.search(r"^300 texts: the first device call [\d.]+ s after the loader's build began$", first.stdout,
                      re.MULTILINE), first.stdout
 
@@ -335,12 +338,12 @@ def test_the_repositorys_assets_are_the_kjv_and_a_tokenizer_trained_on_it():
     assert tokenizer.unk_token_id not in ids  # its own text needs no unknown token
 
 
-def test_the_packed_training_step_runs_and_checks_packed_against_padded_on_the_cpu(tmp_path):
+def test_the_packed_training_step_runs_and_checks_packed_against_padded_on_the_cpu(warm, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "DYNABATCH_BENCH_ASSETS": "repo"}
     out = tmp_path / "train_step.md"
     args = ["--device", "cpu", "--steps", "3", "--hidden", "32", "--layers", "1", "--capacity", "128",
             "--n-texts", "200", "--threads", "1", "--output", str(out)]
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_step.py"), *args], check=False,
+    result = _warm.run(warm, [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), *args], check=False,
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     text = out.read_text()
@@ -350,10 +353,10 @@ def test_the_packed_training_step_runs_and_checks_packed_against_padded_on_the_c
     assert re.search(r"\| peak memory of one step \| [\d,.]+ MiB \|", text)
 
 
-def test_oom_learning_benchmark_prints_both_modes():
+def test_oom_learning_benchmark_prints_both_modes(warm):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     script = ROOT / "benchmarks" / "oom_learning.py"
-    result = subprocess.run([sys.executable, str(script), "--n-texts", "120"], check=False, capture_output=True,
+    result = _warm.run(warm, [sys.executable, str(script), "--n-texts", "120"], check=False, capture_output=True,
                             text=True, env=env, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     for mode in ("measured (a dynabatch loader)", "guarded (batches of 40 rows)"):
@@ -361,10 +364,10 @@ def test_oom_learning_benchmark_prints_both_modes():
                          result.stdout, re.MULTILINE), result.stdout
 
 
-def test_scale_benchmark_prints_every_method_and_the_three_targets():
+def test_scale_benchmark_prints_every_method_and_the_three_targets(warm):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     script = ROOT / "benchmarks" / "scale.py"
-    result = subprocess.run([sys.executable, str(script), "--sizes", "300", "--threads", "1", "--flat-repeats", "1"],
+    result = _warm.run(warm, [sys.executable, str(script), "--sizes", "300", "--threads", "1", "--flat-repeats", "1"],
                             check=False, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     for method, disk in (("run", r"-"), ("run, output_path", r"[\d.]+"),

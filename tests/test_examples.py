@@ -1,11 +1,12 @@
-"""The examples and the planning benchmark, run as a user runs them (small sizes, offline)."""
+"""The examples and the planning benchmark, run as a user runs them (small sizes, offline): ``--help`` in a fresh
+interpreter, the runs in a fork of ``tests/_warm.py``'s (without the imports' 15-20 s)."""
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
+import _warm
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,10 +38,10 @@ RUNS = {
 }
 
 
-def _run(script, *args):
+def _run(script, *args, warm=None):
+    """``python script *args`` from the repository's root: a fresh interpreter, or with ``warm`` a fork of it."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, str(script), *args], check=False, capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
+    return _warm.run(warm, [sys.executable, str(script), *args], text=True, env=env, cwd=ROOT, timeout=300)
 
 
 def _options(script):
@@ -53,9 +54,9 @@ def _options(script):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RUNS))
-def test_script_runs_and_prints_its_table(name):
+def test_script_runs_and_prints_its_table(name, warm):
     script, args, patterns = RUNS[name]
-    result = _run(script, *args)
+    result = _run(script, *args, warm=warm)
     assert result.returncode == 0, result.stdout + result.stderr
     for pattern in patterns:
         assert re.search(pattern, result.stdout), (pattern, result.stdout)

@@ -1,13 +1,14 @@
-"""The two training scripts, run as a user runs them."""
+"""The two training scripts, run as a user runs them (``--help`` in a fresh interpreter; the runs in a fork of
+``tests/_warm.py``'s, without the imports' 15-20 s)."""
 
 import hashlib
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
+import _warm
 import pandas as pd
 import pytest
 
@@ -20,9 +21,10 @@ GENERATE = TRAIN_DIR / "generate_training_data.py"
 TRAIN = TRAIN_DIR / "train_classifier.py"
 
 
-def _run(script, *args):
-    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, check=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+def _run(script, *args, warm=None):
+    """``python script *args``: a fresh interpreter, or with ``warm`` a fork of that server."""
+    return _warm.run(warm, [sys.executable, str(script), *args], text=True, check=True,
+                     env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 def _options(script):
@@ -40,10 +42,10 @@ def test_help_documents_every_option(script):
 
 
 @pytest.fixture(scope="module")
-def profiles(tmp_path_factory):
+def profiles(tmp_path_factory, warm):
     out = tmp_path_factory.mktemp("profiles")
     _run(GENERATE, "--models", "minilm-l6,marian-2l", "--max-input-lengths", "64", "--base-batch-sizes", "2",
-         "--n-texts", "120", "--max-new-tokens", "2", "--threads", "2", "--out", str(out))
+         "--n-texts", "120", "--max-new-tokens", "2", "--threads", "2", "--out", str(out), warm=warm)
     return out
 
 
@@ -63,9 +65,10 @@ def test_generator_writes_raw_measurements_of_real_runs(profiles):
     assert (ok["paddings"] == ok["batch_size"] * ok["token_size"] - ok["total_tokens"]).all()
 
 
-def test_training_on_the_generated_profiles_gives_a_loadable_classifier(profiles, tmp_path):
+def test_training_on_the_generated_profiles_gives_a_loadable_classifier(profiles, tmp_path, warm):
     report = tmp_path / "REPORT.md"
-    out = _run(TRAIN, "--data", str(profiles), "--out", str(tmp_path), "--max-iter", "20", "--report", str(report))
+    out = _run(TRAIN, "--data", str(profiles), "--out", str(tmp_path), "--max-iter", "20", "--report", str(report),
+               warm=warm)
     assert "13 features: leave-one-model-out" in out.stdout and "+shape: leave-one-model-out" in out.stdout
     assert "| ALL |" in out.stdout
     text = report.read_text()

@@ -40,6 +40,7 @@ import argparse
 import importlib.util
 import inspect
 import json
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -123,9 +124,10 @@ class _Job:
 
 
 def _model_folder(value: str | None) -> tuple[str, str]:
-    """``(folder, name)`` of ``--model`` (default: the demo's all-MiniLM-L6-v2)."""
+    """``(folder, name)`` of ``--model`` (default: the demo's all-MiniLM-L6-v2); the folder absolute, as every
+    process of the job reads it (``--ray``'s actors run in folders of their own)."""
     if value is not None:
-        return value, Path(value).resolve().name
+        return os.path.abspath(value), Path(value).resolve().name
     try:
         from dynabatch.demo import minilm_path
 
@@ -363,7 +365,8 @@ def embed_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                                       on_ray.plain(args), _loader_options)
             return on_ray.run_on_ray("embed", model=model, texts=spec.texts, ids=spec.ids, key=spec.key,
                                      output=spec.output, args=args, parser=parser, start=start, what="texts",
-                                     model_line=spec.describe(spec.max_length), run_options={"token_outputs": "whole"})
+                                     model_line=spec.describe(spec.max_length), run_options={"token_outputs": "whole"},
+                                     text_column=args.text_column)
         finally:
             spec.output.end()
     with job.running(place, spec.output):

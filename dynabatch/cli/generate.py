@@ -175,6 +175,13 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     from dynabatch.inference.generation import generate
 
     place, config, output = spec["place"], spec["config"], spec["output"]
+    if args.ray is not None:  # the same job, its actors on a Ray cluster
+        from dynabatch.cli import on_ray
+
+        try:
+            return on_ray.run_generate(spec, args, parser, start=start)
+        finally:
+            output.end()
     with job.running(place, output):
         auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
         model = auto.from_pretrained(args.model, dtype=spec["dtype"]).to(place.devices[0]).eval()

@@ -175,7 +175,7 @@ def prepared(command: str, args: argparse.Namespace, parser: argparse.ArgumentPa
         if args.ray is not None:
             from dynabatch.cli import on_ray  # Ray's path (torch and the actors' predictor): only when asked for
 
-            on_ray.check_arguments(args, command)
+            on_ray.check_arguments(args)
         return prepare(args)
 
 

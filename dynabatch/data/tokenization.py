@@ -63,11 +63,10 @@ from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.workers import Pieces, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
 
-__all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "PIECE_TOKENS", "TOKENS_PER_CALL", "ParallelTokenizer",
-           "TokenizedTexts",
-           "accepted_keywords", "as_items",
-           "check_length_fits", "check_tokenizer", "check_tokenizer_kwargs", "fast_backend", "model_max_length",
-           "plain_text", "report_skipped", "split_bad_texts", "tokenize_texts", "validate_texts"]
+__all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "PIECE_TOKENS", "TOKENS_PER_CALL", "TRIM_TOKENS",
+           "ParallelTokenizer", "TokenizedTexts", "accepted_keywords", "as_items", "check_length_fits",
+           "check_tokenizer", "check_tokenizer_kwargs", "fast_backend", "model_max_length", "plain_text",
+           "report_skipped", "split_bad_texts", "tokenize_texts", "validate_texts"]
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +259,11 @@ PIECE_TOKENS = 2**16
 """Tokens at the truncation limit of a piece, at most, where this thread and worker processes share a call with the
 default ``chunk_size`` (and four pieces a core, 16 texts at least): small enough that the first piece, timed, decides
 early whether workers pay, and that the pieces balance."""
+
+TRIM_TOKENS = 2**18
+"""Tokens assembled between two trims of the C heap (:func:`~dynabatch._malloc.trim`, 1-6 ms with torch loaded, ~5%
+of a 1,000-text call): the freed lists of a few pieces (a few tens of MB at most) wait for the next trim rather than
+each piece paying one, and a call of fewer tokens leaves them to the allocations that follow."""
 
 _BACKEND_KWARGS = frozenset({"add_special_tokens"})  # the tokenizer arguments the backend call applies itself
 
@@ -556,7 +560,7 @@ class ParallelTokenizer:
         self.cores = available_cores(cores)
         self._encoder = _Encoder(tokenizer, self.max_input_token_length, dict(tokenizer_kwargs),
                                  fast_backend(tokenizer, tokenizer_kwargs) is not None)
-        self._workers_allowed = True  # False once workers failed for this tokenizer (it cannot be pickled, ...)
+        self._workers_allowed = True  # False once workers failed or lost for this tokenizer (cannot be pickled, ...)
         self.mechanisms: collections.Counter = collections.Counter()  # calls per mechanism, for logs and tests
 
     def __repr__(self) -> str:
@@ -589,7 +593,7 @@ class ParallelTokenizer:
         tokens = _assemble(tqdm(flats, total=len(chunks), desc="tokenizing", unit="chunk", disable=not progress),
                            len(items))
         if pieces is not None:
-            self._workers_allowed = not (pieces.unpicklable or pieces.failed)
+            self._workers_allowed = not (pieces.unpicklable or pieces.failed or pieces.lost)
             mechanism = "processes" if pieces.used_workers else "one"
         self.mechanisms[mechanism] += 1
         logger.debug("tokenized %d texts into %d tokens (max_input_token_length=%d, extras=%s, %s, %s)", len(items),
@@ -607,6 +611,7 @@ def _assemble(flats: Any, n: int) -> TokenizedTexts:
     id_chunks: list[np.ndarray] = []
     length_chunks: list[np.ndarray] = []
     extra_chunks: dict[str, list[np.ndarray]] | None = None
+    since_trim = 0  # tokens assembled since the heap was last trimmed
     for ids, lengths, extras in flats:
         id_chunks.append(ids)
         length_chunks.append(lengths)
@@ -618,14 +623,18 @@ def _assemble(flats: Any, n: int) -> TokenizedTexts:
                     extra_chunks[key].append(extras[key])
                 else:
                     del extra_chunks[key]
-        trim()  # the piece's lists are freed: give their heap back, so resident memory grows with the store only
+        since_trim += len(ids)
+        if since_trim >= TRIM_TOKENS:  # the pieces' lists are freed: their heap goes back, memory grows with the store
+            trim()
+            since_trim = 0
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.concatenate(length_chunks), out=offsets[1:])
     input_ids = id_chunks[0] if len(id_chunks) == 1 else np.concatenate(id_chunks)
     extras = {key: values[0] if len(values) == 1 else np.concatenate(values)
               for key, values in (extra_chunks or {}).items()}
     del id_chunks, length_chunks, extra_chunks
-    trim()
+    if len(input_ids) >= TRIM_TOKENS:  # a smaller call's freed lists are few, and the next allocations reuse them
+        trim()
     return TokenizedTexts(input_ids=input_ids, offsets=offsets, extras=extras)
 
 

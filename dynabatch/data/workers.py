@@ -72,8 +72,8 @@ from dynabatch._background import Ahead, Ticker
 from dynabatch._digest import fingerprint
 from dynabatch._validation import check_positive_int
 
-__all__ = ["ENV_VARIABLE", "POOL_MIN_SECONDS", "Pieces", "WorkerPool", "available_cores", "choose_mechanism",
-           "guard_forks", "local_ranks", "release_pool", "shared_pool", "tokenizers_parallelism"]
+__all__ = ["ENV_VARIABLE", "POOL_MIN_SECONDS", "WORKERS_LOSE_BELOW", "Pieces", "WorkerPool", "available_cores",
+           "choose_mechanism", "guard_forks", "local_ranks", "release_pool", "shared_pool", "tokenizers_parallelism"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +81,17 @@ ENV_VARIABLE = "TOKENIZERS_PARALLELISM"
 """The environment variable ``tokenizers`` reads before each batch call (unset: its thread pool is on)."""
 
 POOL_MIN_SECONDS = 1.0
-"""One-thread seconds the rest of a call must hold (measured on its first piece) before worker processes join it:
+"""One-thread CPU seconds the rest of a call must hold (measured on its first piece, on this thread: the work, not the
+wall a busy machine stretches) before worker processes join it:
 below, a fork of this process and the tokenizer pickled here and unpickled in each worker (0.1-1 s, more on a busy
 machine; see docs/inference.md) cost more than they save."""
+
+WORKERS_LOSE_BELOW = 1.0
+"""The speed, as a multiple of one thread's (measured on the call's first piece), below which the shared part of a
+call says the workers lose (see :class:`Pieces`): once a worker has answered a piece, the texts done since the sharing
+began, at one thread's speed, would have taken less than the wall that passed. Then the workers get no more pieces
+(this thread takes the rest) and the tokenizer's later calls run on this thread: a busy machine, a tokenizer that is
+slow to unpickle or to start in a fresh process, threads that convoy on the GIL."""
 
 _FALSE = ("", "off", "false", "f", "no", "n", "0")  # what tokenizers reads as false, lower-cased
 
@@ -367,6 +375,14 @@ class _Sharing:
         self.lock = threading.Lock()  # todo and running, shared with the background thread
         self.talking = True  # the background thread runs (a worker holds a piece or may take one)
         self.failed = False  # a worker died or could not unpickle the state
+        self.from_workers = 0  # pieces the workers answered in this call
+        self.stopped = False  # the workers take no more pieces: this thread takes the rest
+
+    def stop_workers(self) -> None:
+        """From now on no worker gets a piece, and this thread takes over those they hold rather than wait (the first
+        answer of a piece counts; a worker's later one is dropped)."""
+        with self.lock:
+            self.stopped = True
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         total = len(self.todo)
@@ -392,12 +408,13 @@ class _Sharing:
             talk.close()
 
     def _take(self) -> int | None:
-        """The next piece for this thread: the last one no worker took, else one of a worker not yet answering."""
+        """The next piece for this thread: the last one no worker took, else one of a worker not yet answering (any
+        worker's, once the workers lost: this thread does not wait on them)."""
         with self.lock:
             if self.todo:
                 return self.todo.pop()
             for index, worker in list(self.running.items()):
-                if worker.answered < self.call and index not in self.done:
+                if (self.stopped or worker.answered < self.call) and index not in self.done:
                     del self.running[index]
                     return index
         return None
@@ -412,6 +429,7 @@ class _Sharing:
                     raise payload
                 if kind == "done" and index not in self.done:
                     self.done.add(index)
+                    self.from_workers += 1
                     yield index, payload
                 elif kind in ("died", "unusable"):
                     logger.warning("tokenizer worker processes failed (%s): this process tokenizes their pieces",
@@ -428,7 +446,7 @@ class _Sharing:
 
     def _feed(self, worker: _Worker) -> None:
         with self.lock:
-            if not self.todo or not worker.usable or worker.pending:
+            if self.stopped or not self.todo or not worker.usable or worker.pending:
                 return
             index = self.todo.popleft()
             self.running[index] = worker
@@ -544,15 +562,21 @@ class Pieces:
             call's: the pool outlives the call, so it is weighed with the call's rest.
 
     **The cost rule.** This thread runs the first piece, timed. Workers join only where the rest (and ``later``) would
-    take one thread at least :data:`POOL_MIN_SECONDS` at that speed, the first piece did not already keep more than
-    keep threads of its own busy (:data:`_OWN_THREADS_SHARE`: a tokenizer call on its own thread pool, such as a fast
-    tokenizer's custom ``__call__``), and the process's pool is free
-    (:func:`shared_pool`). Then this thread and the workers share the rest (:class:`_Sharing`): this thread never
-    waits on a worker that has not answered yet, so a call costs what one thread costs, plus a fork the first time,
-    even where the workers take long to start.
+    take one thread at least :data:`POOL_MIN_SECONDS` of CPU at that piece's CPU seconds a text, the first piece did
+    not already keep threads of its own busy (:data:`_OWN_THREADS_SHARE`: a tokenizer call on its own thread pool,
+    such as a fast tokenizer's custom ``__call__``), and the process's pool is free (:func:`shared_pool`). Then this
+    thread and the workers share the rest (:class:`_Sharing`): this thread never waits on a worker that has not
+    answered yet, so a call costs what one thread costs, plus a fork the first time, even where the workers take long
+    to start.
+
+    **Judged as it runs.** The rule predicts; the shared part is then measured against the prediction: once a worker
+    has answered a piece, each finished piece compares the texts done since the sharing began, at the first piece's
+    one-thread speed, with the wall that passed; below :data:`WORKERS_LOSE_BELOW` times that speed the workers lose,
+    get no more pieces, and this thread tokenizes the rest, those they hold included (``lost``; each piece once).
 
     Attributes (after iterating): ``used_workers`` (workers that took pieces), ``unpicklable`` (the state could not be
-    pickled), ``failed`` (a worker died or could not unpickle the state).
+    pickled), ``failed`` (a worker died or could not unpickle the state), ``lost`` (the workers ran slower than one
+    thread: the caller keeps them off for this state's later calls).
     """
 
     def __init__(self, function: Callable[[Any, Any], Any], state: Any, pieces: Sequence[Sequence[Any]], *,
@@ -560,7 +584,7 @@ class Pieces:
         self.function, self.state, self.pieces = function, state, pieces
         self.cores, self.workers_allowed, self.later = cores, workers_allowed, later
         self.used_workers = 0
-        self.unpicklable = self.failed = False
+        self.unpicklable = self.failed = self.lost = False
 
     def __iter__(self) -> Iterator[Any]:
         if not self.pieces:
@@ -569,14 +593,18 @@ class Pieces:
         yield self.function(self.state, self.pieces[0])
         wall, cpu, own = time.perf_counter() - wall, time.process_time() - cpu, time.thread_time() - own
         total = sum(map(len, self.pieces))
-        rest = wall * (total - len(self.pieces[0]) + self.later * total) / max(1, len(self.pieces[0]))
+        first = max(1, len(self.pieces[0]))
+        # The rule weighs this thread's CPU seconds (the work, which a busy machine does not grow, where it stretches
+        # the wall); the judgement of the shared part weighs the wall (the outcome)
+        rest = own / first * (total - len(self.pieces[0]) + self.later * total)
+        per_text = wall / first
         pool = self._pool(rest, max(0.0, cpu - own) / cpu if cpu > 0 else 0.0)
         if pool is None:
             for piece in self.pieces[1:]:
                 yield self.function(self.state, piece)
             return
         try:
-            yield from self._shared(pool)
+            yield from self._shared(pool, per_text)
         finally:
             pool.lock.release()
 
@@ -593,7 +621,7 @@ class Pieces:
             return None
         return pool
 
-    def _shared(self, pool: WorkerPool) -> Iterator[Any]:
+    def _shared(self, pool: WorkerPool, per_text: float) -> Iterator[Any]:
         try:
             sharing = pool.share(self.function, self.state, self.pieces, range(1, len(self.pieces)))
         except (pickle.PicklingError, TypeError, AttributeError) as exc:
@@ -605,10 +633,25 @@ class Pieces:
             return
         self.used_workers = pool.workers
         finished: dict[int, Any] = {}
-        following = 1
+        following, texts, began = 1, 0, time.perf_counter()
         for index, result in sharing:
             finished[index] = result
+            texts += len(self.pieces[index])
+            if not sharing.stopped and sharing.from_workers and self._losing(texts, per_text, began):
+                sharing.stop_workers()
+                self.lost = True
             while following in finished:
                 yield finished.pop(following)
                 following += 1
         self.failed = sharing.failed
+
+    def _losing(self, texts: int, per_text: float, began: float) -> bool:
+        """Whether the shared part runs below :data:`WORKERS_LOSE_BELOW` times one thread's speed (logged once)."""
+        wall = time.perf_counter() - began
+        speed = texts * per_text / wall if wall > 0 else float("inf")
+        if speed >= WORKERS_LOSE_BELOW:
+            return False
+        logger.info("tokenizer worker processes lose: this thread and the workers ran at %.2fx one thread's speed "
+                    "(%d texts in %.2f s): this thread tokenizes the rest, and this tokenizer's later calls", speed,
+                    texts, wall)
+        return True

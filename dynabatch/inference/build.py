@@ -1,14 +1,9 @@
 """The build stage of :func:`dynabatch.run`: an item's tensors, collated in pinned host memory, ahead of the device.
 
 :class:`Builder` turns an :class:`~dynabatch.inference.source.Item` into a :class:`Built` batch: a plan's positions
-collated from its token store (padding only, no tokenizer call), a plain iterable's batch as it came (the rows to run
-taken), in pinned memory where the device copies from it asynchronously, with each row's input hash when a results
-store keeps them, and the loader's padding rules (:class:`Padding`: how a batch is cut into parts that are trimmed as
-collating them would).
-
-A plain iterable of batches has no plan to check before the run: where a results store holds some of its rows, their
-input hashes come with the built batch (:attr:`Built.stored`), for the loop to have the store check them before any
-row of that batch is written.
+collated from its token store (padding only), or a plain iterable's batch as it came (the rows to run taken), with
+each row's input hash when a results store keeps them (and, for a plain iterable, the hashes of its rows the store
+holds, :attr:`Built.stored`, checked before any row of it is written), and the loader's :class:`Padding` rules.
 
 Example:
     >>> import numpy as np
@@ -78,15 +73,9 @@ class Built:
 
 
 class Builder:
-    """Builds the batches of one run.
-
-    Args:
-        plan: the loader's :class:`~dynabatch.inference.loader.LoaderPlan`, or ``None`` for an iterable of batches.
-        loader: the loader (an iterable's ``collate_fn`` may say its padding).
-        pad_token_id: the pad id of token-id outputs; ``None`` takes the collator's.
-        pinned: batches in pinned host memory (the device copies from it asynchronously).
-        hashes: each row's input hash is computed (a results store keeps them).
-    """
+    """Builds the batches of one run from ``plan`` (``None``: ``loader`` is an iterable of batches, whose
+    ``collate_fn`` may say its padding); ``pad_token_id``: ``None`` takes the collator's; ``pinned``: in pinned host
+    memory; ``hashes``: each row's input hash computed."""
 
     def __init__(self, plan: Any, loader: Any, *, pad_token_id: int | None, pinned: bool, hashes: bool) -> None:
         collate = plan.collator if plan is not None else getattr(loader, "collate_fn", None)

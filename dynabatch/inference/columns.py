@@ -1,9 +1,7 @@
 """Rows as Arrow columns and back: :class:`Columns`, the one encoding of ``run``'s rows in Arrow.
 
 A row (a tensor, a numpy array, a Python scalar or list, or a dict, tuple or list of those) maps to one or more
-columns on Arrow's own types, the schema saying dtype and shape; the rules are in ``docs/inference.md`` ("Types").
-The results store writes these columns to Parquet, ``run``'s results stack them, and Ray's predictor turns rows
-into one numpy column with :func:`numpy_column`.
+columns on Arrow's own types; the rules are in ``docs/inference.md`` ("Types").
 
 Example:
     >>> import torch

@@ -38,9 +38,7 @@ _POSITIONS_RULE = "a 1-D list, numpy array or tensor of int input positions"
 
 
 def world() -> tuple[int, int]:
-    """Returns ``(rank, world_size)`` of the default process group.
-
-    ``(0, 1)`` when ``torch.distributed`` is unavailable or not initialized.
+    """``(rank, world_size)`` of the default process group; ``(0, 1)`` without one.
 
     Example:
         >>> from dynabatch.inference.distributed import world
@@ -88,11 +86,8 @@ def _check_local(positions: Any, results: Any, n_inputs: Any) -> tuple[np.ndarra
 
 
 def _prepare(positions: Any, results: Any, n_inputs: Any) -> tuple[tuple, bytes | None, Exception | None]:
-    """``(payload for every rank, pickled results, local error)``; never raises.
-
-    The payload holds ``(positions, n_inputs, None)``, or ``(None, None, (error class, message))`` for a local
-    problem, which every rank then raises.
-    """
+    """``(payload for every rank, pickled results, local error)``, never raising: the payload is ``(positions,
+    n_inputs, None)``, or ``(None, None, (error class, message))`` for a local problem every rank then raises."""
     try:
         pos, n = _check_local(positions, results, n_inputs)
     except Exception as exc:  # noqa: BLE001 (sent to every rank and raised there)
@@ -108,13 +103,10 @@ def _prepare(positions: Any, results: Any, n_inputs: Any) -> tuple[tuple, bytes 
 
 
 def gather_results(positions: list[int], results: list, n_inputs: int, *, cover: bool = True) -> list | None:
-    """Collective: brings every rank's results to rank 0, in input order; ``None`` on the other ranks.
-
-    Every rank passes the input positions it computed and one result per position (``cover=False``: the ranks'
-    positions may leave some out, which get ``None``). Positions go to every rank first,
-    so that all raise the same error together rather than some hanging; then the results (picklable; tensors sent
-    detached, on the CPU) go to rank 0. With NCCL, set each rank's device first. Without a process group it only
-    checks and reorders.
+    """Collective: brings every rank's results (one per input position it computed) to rank 0, in input order;
+    ``None`` on the other ranks. Positions go to every rank first, so that all raise the same error together rather
+    than some hanging; then the results (picklable, tensors on the CPU) go to rank 0. ``cover=False``: positions left
+    out get ``None``. Without a process group it only checks and reorders.
 
     Raises:
         TypeError: a bad argument, or results that cannot be pickled, on some rank (named; every rank raises).
@@ -137,8 +129,6 @@ def gather_results(positions: list[int], results: list, n_inputs: int, *, cover:
         return out
 
     dist = torch.distributed
-    # Every local problem travels in the first collective, so that all ranks raise together rather than
-    # one raising and the others waiting for it forever; results are pickled up front for the same reason.
     payload, blob, local_error = _prepare(positions, results, n_inputs)
     everyone: list = [None] * size
     dist.all_gather_object(everyone, payload)
@@ -190,11 +180,8 @@ def job_token() -> str | None:
 
 
 def check_same_batches(batches: Sequence[np.ndarray]) -> None:
-    """Collective: raises the same ``ValueError`` on every rank unless all ranks hold the same batches.
-
-    :func:`dynabatch.run` shares the batches among the ranks itself, so each rank must be given all of them (the same
-    loader); a per-rank share would be shared out twice. Compares a digest of the batches' input positions.
-    """
+    """Collective: raises the same ``ValueError`` on every rank unless all ranks hold the same batches (a digest of
+    their positions): :func:`dynabatch.run` shares them among the ranks itself."""
     _, size = world()
     if size == 1:
         return

@@ -1,14 +1,10 @@
 """The executor of :func:`dynabatch.run`: one item at a time on one device, through the one out-of-memory policy.
 
-:class:`Executor` runs an item's batch (built by :mod:`~dynabatch.inference.build`) one call at a time: copied to the
-device (:func:`dynabatch.memory.device.copier`), passed to ``fn``, split into rows by the run's row rule. A piece that
-runs out of memory is split in halves and retried, down to one row; one the item's
-:class:`~dynabatch.inference.scheduler.Sizing` says to split is split before it is tried, by the batch's padding rules.
-An error ``fn`` raises splits its batch in halves until the rows that fail are alone (bounded: see
-:meth:`Executor._fn_failed`), then raised with a note naming the row (``on_error="raise"``) or set aside (``"skip"``).
-
-What the item gave comes back as a value, an :class:`Outcome`; the executor holds no scheduler, sink or display (the
-worker's loop, :mod:`~dynabatch.inference.loop`, hands the outcome to each).
+A piece that runs out of memory is split in halves and retried, down to one row; one the item's
+:class:`~dynabatch.inference.scheduler.Sizing` says to split is split before it is tried. An error ``fn`` raises
+splits its batch in halves until the rows that fail are alone, then is raised with a note naming the row
+(``on_error="raise"``) or the row is set aside (``"skip"``). What the item gave comes back as a value, an
+:class:`Outcome`, which the worker's loop (:mod:`~dynabatch.inference.loop`) hands to the other stages.
 """
 
 from __future__ import annotations
@@ -54,10 +50,8 @@ class BatchOutOfMemoryError(RuntimeError):
 
 
 def explain_index_errors(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``fn``, with an embedding lookup's ``IndexError`` raised again naming its likely cause (chained).
-
-    A model given rows longer than its position embeddings, or token ids of another tokenizer, fails deep in its
-    forward with torch's bare ``IndexError: index out of range in self``. Any other error propagates unchanged.
+    """``fn``, with torch's bare ``IndexError: index out of range in self`` from an embedding lookup (rows longer than
+    the position embeddings, or ids of another tokenizer) raised again naming its likely cause; other errors unchanged.
 
     Example:
         >>> import torch
@@ -106,8 +100,7 @@ class Failures:
 
 @dataclass
 class Outcome:
-    """What running an item gave: the value the worker's loop hands to the scheduler, the sink, the source and the
-    meter.
+    """What running an item gave, handed by the worker's loop to the other stages.
 
     Attributes:
         item: the item that ran.
@@ -157,7 +150,7 @@ class _FnFailed(Exception):
 
 
 class Executor:
-    """One worker's executor: runs items on its device one call at a time, splitting on out-of-memory errors.
+    """One worker's executor: runs items on its device one call at a time (``start``, ``step``, ``outcome``).
 
     Args:
         fn: what runs a batch on this worker's device.
@@ -287,14 +280,12 @@ class Executor:
         run.outcome.failed[position] = cause
 
     def _fn_failed(self, error: Exception) -> None:
-        """``fn`` raised on the piece on top of the stack: splits the piece in halves to find the row it raises on;
-        on one row, raises the error noting that row (``on_error="raise"``) or sets the row aside with the error's
-        text.
+        """``fn`` raised on the piece on top of the stack: splits it in halves to find the row it raises on; on one
+        row, raises the error noting that row (``on_error="raise"``) or sets the row aside.
 
-        The bound: each halving tries the first half, and the second only if the first ran, so naming a row costs at
-        most ``2 * ceil(log2(rows))`` calls after the one that failed, and their rows that ran are finished rows; an
-        ``fn`` that raises on every call (a broken model) fails on each first half and is named after
-        ``ceil(log2(rows))`` calls (4 for 24 rows) holding fewer rows in all than the batch did.
+        Each halving tries the first half, and the second only if the first ran: at most ``2 * ceil(log2(rows))``
+        more calls, whose rows that ran are finished; an ``fn`` that raises on every call is named after
+        ``ceil(log2(rows))`` calls.
         """
         run = self._run
         piece = run.stack[-1]

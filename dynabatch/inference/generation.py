@@ -1,49 +1,10 @@
 """``dynabatch.generate``: replies to many prompts from ``model.generate``, through :func:`dynabatch.run`.
 
-:func:`generate` takes prompts as strings, chat conversations or pre-tokenized
-ids, tokenizes them once into dynabatch's loader (longest first), runs
-``model.generate`` on every batch through :func:`dynabatch.run` (out-of-memory
-splitting, measured mode, ``output_path`` resume) and returns each prompt's
-reply alone, in input order.
-
-**Few, large calls.** A decoding step of a small model is bound by the host
-(Python and kernel launches: about 4-5 ms a step on an H200 whatever the
-rows), so time follows the number of sequential forwards: one ``generate``
-call of all 192 prompts of the benchmark took 0.33 s, five growing calls
-1.5-2.3 s, twelve fixed calls of 16 about 3.7 s. So on a device with memory
-of its own (``max_memory="auto"``: 90% of a GPU's free memory once the model
-is loaded, :func:`~dynabatch.memory.budget.resolve_max_memory`) every batch,
-the first included, takes the most prompts the model's
-:class:`~dynabatch.memory.footprint.Footprint` (prompt activations, the KV
-cache through ``max_new_tokens``, the logits) keeps under that budget,
-refined by each measured peak: as few calls as the memory allows. On the CPU,
-whose memory is the system's, the relative rule stays: the ``batch_size``
-longest prompts first, later batches grown under that first batch's measured
-peak (at most twice the rows a step).
-
-The rules it follows, so that a reply equals the reply of generating its prompt alone:
-
-* **Prompts.** Strings are tokenized with the tokenizer's special tokens. A chat
-  conversation (a list of ``{"role": ..., "content": ...}`` dicts) is rendered
-  once with the tokenizer's chat template (``add_generation_prompt=True``) and
-  tokenized without adding special tokens again (the template holds its own
-  BOS). Pre-tokenized prompts (lists of ints) are taken as they are. Only the
-  prompt's ``input_ids`` and ``attention_mask`` reach ``generate``.
-* **Padding.** A decoder-only model is padded on the left (generation continues
-  after the prompt), whatever the tokenizer's ``padding_side``: a copy of the
-  tokenizer pads, the caller's is never changed.
-* **Replies.** Decoder-only: the tokens after the prompt's padded width (the
-  prompt is not repeated). Encoder-decoder: the decoder's sequence, its start
-  token kept, as ``generate`` gives it for the prompt alone. A reply ends at
-  its first EOS, which is kept in ids (also when the pad token is the EOS). A
-  reply without EOS ran to ``max_new_tokens`` and is kept whole (a row of pad
-  ids the model generated included), except where ``stop_strings``,
-  ``stopping_criteria`` or ``max_time`` can end a row without EOS: there its
-  trailing pad ids are the batch's padding and are dropped (never the decoder
-  start token). Strings are decoded with ``skip_special_tokens=True`` by default.
-* **Limits.** The prompt length (``max_input_token_length``) plus, on a
-  decoder-only model, ``max_new_tokens`` must fit the model's position
-  embeddings: a longer limit is refused before anything runs, naming the config field.
+Prompts (strings, chat conversations or pre-tokenized ids) are tokenized once into dynabatch's loader, longest
+first; ``model.generate`` runs on every batch through :func:`dynabatch.run` (out-of-memory splitting, measured mode,
+``output_path`` resume), and each prompt's reply is returned alone, in input order, equal to the reply of generating
+that prompt alone. The rules (prompts, padding, replies, limits) are in ``docs/integrations.md``; why few, large
+calls pay (a small model's decoding step is bound by the host) is in ``docs/memory.md``.
 
 Example:
     >>> import torch
@@ -64,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -81,7 +42,7 @@ from dynabatch.memory.units import check_max_memory
 from dynabatch.memory.footprint import Footprint
 from dynabatch.memory.shape import ModelShape, check_position_limit, position_limit
 
-__all__ = ["generate"]
+__all__ = ["generate", "generation_loader", "render_chats", "reply_function"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +72,7 @@ def _prompt_kind(prompts: Any) -> str:
     return kind
 
 
-def _render_chats(tokenizer: Any, conversations: Sequence[Any], chat_template_kwargs: dict[str, Any]) -> list[str]:
+def render_chats(tokenizer: Any, conversations: Sequence[Any], chat_template_kwargs: dict[str, Any]) -> list[str]:
     """Each conversation rendered once by the tokenizer's chat template, ready for the reply."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_value("tokenizer.chat_template", "set for chat prompts (the template renders each "
@@ -120,11 +81,14 @@ def _render_chats(tokenizer: Any, conversations: Sequence[Any], chat_template_kw
     return [tokenizer.apply_chat_template(list(c), tokenize=False, **kwargs) for c in conversations]
 
 
+def _setting(model: Any, generate_kwargs: dict[str, Any], name: str) -> Any:
+    """A setting of the call: its argument, else the model's generation config's; ``None`` if unset."""
+    value = generate_kwargs.get(name)
+    return getattr(getattr(model, "generation_config", None), name, None) if value is None else value
+
+
 def _new_tokens(model: Any, generate_kwargs: dict[str, Any]) -> int | None:
-    """``max_new_tokens`` of the call (its argument, else the model's generation config); ``None`` if unset."""
-    value = generate_kwargs.get("max_new_tokens")
-    if value is None:
-        value = getattr(getattr(model, "generation_config", None), "max_new_tokens", None)
+    value = _setting(model, generate_kwargs, "max_new_tokens")
     return None if value is None else check_positive_int("max_new_tokens", value)
 
 
@@ -152,9 +116,7 @@ def _padding_tokenizer(tokenizer: Any, encoder_decoder: bool) -> Any:
 
 
 def _eos_ids(model: Any, generate_kwargs: dict[str, Any]) -> set[int]:
-    eos = generate_kwargs.get("eos_token_id")
-    if eos is None:
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = _setting(model, generate_kwargs, "eos_token_id")
     if eos is None:
         return set()
     if isinstance(eos, torch.Tensor):
@@ -167,11 +129,8 @@ _STOPS_WITHOUT_EOS = ("stop_strings", "stopping_criteria", "max_time")  # genera
 
 def reply_ids(sequences: torch.Tensor, prompt_width: int, *, encoder_decoder: bool, eos_ids: set[int],
               pad_token_id: int | None) -> list[list[int]]:
-    """Each row's reply: the new tokens (decoder-only) or the decoder sequence, ended at the first EOS (kept).
-
-    A row without EOS loses its trailing pad ids when ``pad_token_id`` is
-    given (pass it only where a row can end without EOS); an encoder-decoder
-    row keeps its decoder start token (its first id) whatever it is.
+    """Each row's reply: the new tokens (decoder-only) or the decoder sequence (its start token kept), ended at the
+    first EOS (kept); a row without EOS loses its trailing pad ids when ``pad_token_id`` is given.
 
     Example:
         >>> rows = torch.tensor([[0, 7, 8, 5, 2, 2], [0, 0, 9, 6, 3, 4]])  # prompt of width 3, EOS 2 == pad
@@ -198,6 +157,43 @@ def reply_ids(sequences: torch.Tensor, prompt_width: int, *, encoder_decoder: bo
     return replies
 
 
+def generation_loader(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], *,
+                      chat: bool = False) -> tuple[Any, dict[str, Any]]:
+    """What the loader of a ``generate`` call takes besides the texts: the tokenizer that pads its batches (a copy
+    padding on the left for a decoder-only model) and its keywords: the model's shape through the new tokens, and
+    no special tokens added to rendered chats (``chat``: the template holds its own)."""
+    encoder_decoder = _check_model(model)
+    shape = ModelShape.from_model(model, max_new_tokens=_new_tokens(model, generate_kwargs) or 0,
+                                  num_beams=generate_kwargs.get("num_beams", 1))
+    options: dict[str, Any] = {"model_shape": shape, **({"add_special_tokens": False} if chat else {})}
+    return _padding_tokenizer(tokenizer, encoder_decoder), options
+
+
+def reply_function(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], *, return_ids: bool = False,
+                   skip_special_tokens: bool = True, padding_id: int | None = None) -> Callable[[Any], PerRow]:
+    """``fn(batch)`` for :func:`dynabatch.run`: ``model.generate`` on the batch with ``generate_kwargs``, each row's
+    reply alone (the rules of :mod:`~dynabatch.inference.generation`), decoded unless ``return_ids``;
+    ``padding_id``: the batches' pad id, dropped from the end of a row that can end without EOS."""
+    encoder_decoder = _check_model(model)
+    returns = check_positive_int("num_return_sequences", generate_kwargs.get("num_return_sequences", 1))
+    eos_ids = _eos_ids(model, generate_kwargs)
+    stops_early = any(generate_kwargs.get(name) is not None for name in _STOPS_WITHOUT_EOS)
+    pad_token_id = padding_id if stops_early else None  # else rows without EOS are whole
+
+    def replies(batch: Any) -> PerRow:
+        out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **generate_kwargs)
+        sequences = getattr(out, "sequences", out)  # return_dict_in_generate=True: the sequences alone
+        rows = reply_ids(sequences, batch["input_ids"].shape[1], encoder_decoder=encoder_decoder, eos_ids=eos_ids,
+                         pad_token_id=pad_token_id)
+        if not return_ids:
+            rows = tokenizer.batch_decode(rows, skip_special_tokens=skip_special_tokens)
+        if returns > 1:  # generate's rows come prompt by prompt, k each
+            rows = [rows[i : i + returns] for i in range(0, len(rows), returns)]
+        return PerRow(rows)
+
+    return replies
+
+
 def _memory_options(model: Any, max_memory: Any, device: Any, new_tokens: int | None,
                     generate_kwargs: dict[str, Any]) -> dict[str, Any]:
     """The loader's options for ``max_memory``: where it is an absolute budget on ``device``, passed through as
@@ -206,7 +202,7 @@ def _memory_options(model: Any, max_memory: Any, device: Any, new_tokens: int | 
     if not is_absolute(max_memory, device):
         return {}
     if new_tokens is None:  # generate's own limit: max_length counts the prompt too, so this errs high
-        new_tokens = int(getattr(getattr(model, "generation_config", None), "max_length", None) or 20)
+        new_tokens = int(_setting(model, {}, "max_length") or 20)
     footprint = Footprint.from_model(model, max_new_tokens=new_tokens, num_beams=generate_kwargs.get("num_beams") or 1,
                                      num_return_sequences=generate_kwargs.get("num_return_sequences") or 1)
     return {"memory_model": footprint, "max_memory": max_memory}
@@ -245,44 +241,34 @@ def generate(
     Args:
         model: a ``transformers`` generative model (decoder-only or encoder-decoder), in eval mode.
         tokenizer: its tokenizer (with a pad token; left alone: a copy pads decoder-only prompts on the left).
-        prompts: all str, all chat conversations (lists of message dicts,
-            rendered by ``tokenizer.apply_chat_template``) or all pre-tokenized
-            ids (lists of int, taken as they are).
-        return_ids: return each reply's token ids (a list of int, its EOS kept)
-            instead of the decoded string.
+        prompts: all str, all chat conversations (lists of message dicts, rendered by
+            ``tokenizer.apply_chat_template``) or all pre-tokenized ids (lists of int, taken as they are).
+        return_ids: return each reply's token ids (a list of int, its EOS kept) instead of the decoded string.
         skip_special_tokens: passed to ``tokenizer.batch_decode``.
         batch_size: under the relative rule (the CPU, or ``max_memory=None``), rows of the first (longest)
             batch, later batches grown under its measured peak; an absolute budget sizes every batch itself.
-        max_memory: the memory every batch is planned under, read on ``device`` when the call starts (the model
-            loaded): ``"auto"`` (90% of the free memory of a device with memory of its own, the relative rule on the
-            CPU), a percentage (``"80%"``), a size (``"20GB"``, ``"20GiB"``) or bytes; ``None``: the relative rule.
-            Batches are planned to 90% of it (the margin for what no tensor shows) by the model's
-            :class:`~dynabatch.memory.footprint.Footprint`, refined by the measured peaks.
-        max_input_token_length: prompts are truncated to it (special tokens
-            included). ``None``: the most the model's position embeddings take
-            (less ``max_new_tokens`` on a decoder-only model) and the tokenizer's
-            ``model_max_length``, whichever is smaller.
+        max_memory: the memory every batch is planned under (by the model's
+            :class:`~dynabatch.memory.footprint.Footprint`, refined by the measured peaks), read on ``device`` when the
+            call starts: ``"auto"`` (90% of a GPU's free memory, the relative rule on the CPU), ``"80%"``, ``"20GB"``,
+            ``"20GiB"`` or bytes; ``None``: the relative rule.
+        max_input_token_length: prompts are truncated to it. ``None``: the most the model's positions take (less
+            ``max_new_tokens`` on a decoder-only model) and the tokenizer's ``model_max_length``, whichever is smaller.
         chat_template_kwargs: more arguments of ``apply_chat_template`` (e.g. ``{"enable_thinking": False}``).
         device: where batches run; ``None``: the model's device.
-        ids: one stable id per prompt (str or int, unique), or ``None``: the
-            loader's ``ids`` (with ``output_path``, the store keys its rows by them, so a rerun on an input whose
-            rows moved or grew generates only the prompts whose ids it lacks).
-        output_path, key, on_oom, on_error, memory, progress: :func:`dynabatch.run`'s
-            (with ``output_path`` a rerun generates only the prompts not yet saved; ``on_error="skip"`` sets a
-            prompt whose ``generate`` call raises aside, in ``failed`` with the error's text).
-        **generate_kwargs: passed to every ``model.generate`` call (``max_new_tokens``,
-            ``do_sample``, ``num_beams``, ...). With ``num_return_sequences=k > 1``
-            each prompt's result is a list of ``k`` replies.
+        ids: one stable id per prompt (str or int, unique), or ``None``: the loader's ``ids`` (a store keys its rows
+            by them).
+        output_path, key, on_oom, on_error, memory, progress: :func:`dynabatch.run`'s.
+        **generate_kwargs: passed to every ``model.generate`` call (``max_new_tokens``, ``do_sample``, ...). With
+            ``num_return_sequences=k > 1`` each prompt's result is a list of ``k`` replies.
 
     Returns:
         A :class:`~dynabatch.inference.results.RunResult` (with ``output_path``, a
-        :class:`~dynabatch.inference.results.StoredRunResult` reading the store): one reply per prompt
-        (a str, or a list of int with ``return_ids``), with ``.report``.
+        :class:`~dynabatch.inference.results.StoredRunResult`): one reply per prompt, with ``.report``.
 
     Raises:
         TypeError: a model without ``generate``, or prompts of mixed or unknown kinds.
-        ValueError: chat prompts with a tokenizer without chat template, or a
-            prompt limit (plus the new tokens) above the model's positions.
+        ValueError: chat prompts with a tokenizer without chat template, or a prompt limit (plus the new tokens)
+            above the model's positions.
     """
     encoder_decoder = _check_model(model)
     check_tokenizer(tokenizer)
@@ -291,37 +277,22 @@ def generate(
     if not isinstance(return_ids, bool):
         raise bad_type("return_ids", "a bool", return_ids)
     new_tokens = _new_tokens(model, generate_kwargs)
-    returns = check_positive_int("num_return_sequences", generate_kwargs.get("num_return_sequences", 1))
+    check_positive_int("num_return_sequences", generate_kwargs.get("num_return_sequences", 1))
     if max_input_token_length is None:
         max_input_token_length = _default_limit(model, tokenizer, new_tokens or 0, encoder_decoder)
     max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
     check_position_limit(model, max_input_token_length, max_new_tokens=new_tokens or 0)
-    texts = _render_chats(tokenizer, prompts, dict(chat_template_kwargs or {})) if kind == "chat" else prompts
-    shape = ModelShape.from_model(model, max_new_tokens=new_tokens or 0, num_beams=generate_kwargs.get("num_beams", 1))
+    texts = render_chats(tokenizer, prompts, dict(chat_template_kwargs or {})) if kind == "chat" else prompts
     if device is None:
         device = getattr(model, "device", None)
-    memory_options = _memory_options(model, max_memory, device, new_tokens, generate_kwargs)
-    padder = _padding_tokenizer(tokenizer, encoder_decoder)
-    loader = build_dynamic_batch_dataloader(
-        texts, padder, batch_size, max_input_token_length, num_workers=0, progress=progress, model_shape=shape, ids=ids,
-        **memory_options, **({"add_special_tokens": False} if kind == "chat" else {}),
-    )
-    eos_ids = _eos_ids(model, generate_kwargs)
-    stops_early = any(generate_kwargs.get(name) is not None for name in _STOPS_WITHOUT_EOS)
-    pad_token_id = loader.plan.collator.pad_token_id if stops_early else None  # else rows without EOS are whole
-
-    def replies(batch: Any) -> PerRow:
-        out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **generate_kwargs)
-        sequences = getattr(out, "sequences", out)  # return_dict_in_generate=True: the sequences alone
-        rows = reply_ids(sequences, batch["input_ids"].shape[1], encoder_decoder=encoder_decoder, eos_ids=eos_ids,
-                         pad_token_id=pad_token_id)
-        if not return_ids:
-            rows = tokenizer.batch_decode(rows, skip_special_tokens=skip_special_tokens)
-        if returns > 1:  # generate's rows come prompt by prompt, k each
-            rows = [rows[i : i + returns] for i in range(0, len(rows), returns)]
-        return PerRow(rows)
+    budget = _memory_options(model, max_memory, device, new_tokens, generate_kwargs)
+    padder, options = generation_loader(model, tokenizer, generate_kwargs, chat=kind == "chat")
+    loader = build_dynamic_batch_dataloader(texts, padder, batch_size, max_input_token_length, num_workers=0,
+                                            progress=progress, ids=ids, **budget, **options)
+    fn = reply_function(model, tokenizer, generate_kwargs, return_ids=return_ids,
+                        skip_special_tokens=skip_special_tokens, padding_id=loader.plan.collator.pad_token_id)
 
     options = {"key": key} if key is not None else {}  # run's key= (the results store) only when asked for
     with torch.inference_mode():
-        return run(replies, loader, device=device, output_path=output_path, on_oom=on_oom, on_error=on_error,
+        return run(fn, loader, device=device, output_path=output_path, on_oom=on_oom, on_error=on_error,
                    memory=memory, progress=progress, **options)

@@ -1,15 +1,12 @@
 """``build_dynamic_batch_dataloader``: texts in, a standard DataLoader of memory-safe batches out.
 
-One pipeline, two shapes: the texts are read and bad inputs raised or skipped in one place
-(:func:`~dynabatch.data.text_source.open_texts`), the tokenizer checked once, and every text tokenized by one function
-(:func:`~dynabatch.data.tokenization.tokenize_texts`), so a row is the same in either shape. **Eager**: one token
-store -> :class:`~dynabatch.sampling.planner.BatchPlanner` (longest first, sized by the spike classifier or a memory
-model) -> :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler` ->
-:class:`~dynabatch.data.collate.TokenCollator`. **Streamed** (``stream=True``, above :data:`STREAM_ABOVE` texts, or
-texts from files, a dataset or an iterator): a :class:`~dynabatch.data.streaming.TokenStream` tokenizes chunks
-longest first in a background thread -> :class:`~dynabatch.sampling.chunked_planner.ChunkedPlanner` ->
-:class:`~dynabatch.sampling.inference_sampler.StreamingBatchSampler`, each chunk's tokens freed once its rows are
-consumed. ``loader.plan`` (a :class:`LoaderPlan`) is what :func:`dynabatch.run` builds, re-plans or shares batches from.
+Texts are read (:func:`~dynabatch.data.text_source.open_texts`) and tokenized by one function
+(:func:`~dynabatch.data.tokenization.tokenize_texts`) in either shape. **Eager**: one token store planned whole
+(:class:`~dynabatch.sampling.planner.BatchPlanner`). **Streamed** (``stream=True``, above :data:`STREAM_ABOVE` texts,
+or texts from files, a dataset or an iterator): a :class:`~dynabatch.data.streaming.TokenStream` tokenizes chunks
+longest first in a background thread, each planned as it comes
+(:class:`~dynabatch.sampling.chunked_planner.ChunkedPlanner`). ``loader.plan`` (a :class:`LoaderPlan`) is what
+:func:`dynabatch.run` builds, re-plans or shares batches from.
 
 Example:
     >>> from transformers import AutoTokenizer
@@ -32,13 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from torch.utils.data import DataLoader
 
+from dynabatch._background import Worker
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int, check_positive_int
 from dynabatch.data import streaming as token_streaming
 from dynabatch.data.collate import TokenCollator, pad_token_id_of
@@ -47,6 +44,7 @@ from dynabatch.data.streaming import TokenStream
 from dynabatch.data.text_source import TextSource, check_on_bad_input, is_text_source, open_texts
 from dynabatch.data.token_ids import are_token_ids, store_token_ids
 from dynabatch.data.tokenization import check_length_fits, check_tokenizer, check_tokenizer_kwargs, tokenize_texts
+from dynabatch.data.workers import available_cores
 from dynabatch.memory.shape import check_position_limit, resolve_model_shape
 from dynabatch.sampling.chunked_planner import ChunkedPlanner
 from dynabatch.sampling.estimators import choose_estimator
@@ -63,10 +61,7 @@ STREAM_ABOVE = 16_384
 
 def _worker_count(num_workers: int) -> int:
     """``num_workers`` capped at the cores this process may use (what torch's DataLoader warns above)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
+    cores = available_cores()
     if num_workers > cores:
         logger.info("num_workers=%d capped at the %d available cores (torch warns above it)", num_workers, cores)
         return cores
@@ -78,15 +73,13 @@ class LoaderPlan:
     """What a dynabatch DataLoader is made of, attached to it as ``loader.plan``.
 
     Attributes:
-        planner: the :class:`~dynabatch.sampling.planner.BatchPlanner` that made the plan
-            (and re-sizes batches from measured peaks in ``run(memory="measured")``).
+        planner: the :class:`~dynabatch.sampling.planner.BatchPlanner` that made the plan.
         sampler: the :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler` (the loader's ``batch_sampler``).
         collator: the :class:`~dynabatch.data.collate.TokenCollator` (the loader's ``collate_fn``).
-        ids: the texts' ids (a ``pyarrow`` ``string`` or ``int64`` array), or ``None``: a results store keys
-            rows by them.
-        skipped: ``int64`` positions of the bad inputs planned into no batch (``on_bad_input="skip"``).
-        stream: a streaming loader's :class:`~dynabatch.data.streaming.TokenStream` (then also the collator,
-            and the planner a :class:`~dynabatch.sampling.chunked_planner.ChunkedPlanner`), else ``None``.
+        ids: the texts' ids (a ``pyarrow`` array), or ``None``.
+        skipped: positions of the bad inputs planned into no batch (``on_bad_input="skip"``).
+        stream: a streaming loader's :class:`~dynabatch.data.streaming.TokenStream` (then also the collator, and the
+            planner a :class:`~dynabatch.sampling.chunked_planner.ChunkedPlanner`), else ``None``.
     """
 
     planner: Any
@@ -103,14 +96,9 @@ class LoaderPlan:
 
 
 def plan_of(loader: Any) -> LoaderPlan | None:
-    """The :class:`LoaderPlan` of a dynabatch loader, also under ``accelerate``'s ``prepare``; else ``None``.
-
-    ``Accelerator.prepare`` returns a new DataLoader whose batch sampler wraps the original one
-    (``BatchSamplerShard``; the unwrapped loader is its ``base_dataloader``). The plan is attached to the loader and
-    to its :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler`, so it is found under such a wrapper:
-    :func:`dynabatch.run` shares the whole plan among the ranks itself rather than run one rank's share shared out
-    again.
-    """
+    """The :class:`LoaderPlan` of a dynabatch loader, also under ``accelerate``'s ``prepare`` (whose
+    ``BatchSamplerShard`` wraps the plan's sampler: ``run`` shares the whole plan among the ranks itself); else
+    ``None``."""
     plan = getattr(loader, "plan", None)
     if isinstance(plan, LoaderPlan):
         return plan
@@ -216,134 +204,62 @@ def build_dynamic_batch_dataloader(
 ) -> DataLoader:
     """Builds a DataLoader whose batches grow as texts get shorter, under the first batch's peak memory.
 
+    Every argument is a row of the table in ``docs/inference.md`` ("The loader"), with the rules in full.
+
     Args:
-        texts: the input strings (list, tuple, pandas Series, ``datasets`` column),
-            or pre-tokenized rows: one list (or 1-D array, tensor) of token ids
-            per text, taken as they are (no special tokens added, no
-            ``tokenizer_kwargs``), truncated to ``max_input_token_length`` on
-            the tokenizer's ``truncation_side``; ``batch.texts`` is then ``None``.
-        tokenizer: a Hugging Face tokenizer object with a pad token (not a
-            model name: load it with ``AutoTokenizer.from_pretrained(name)``).
-        batch_size: rows of the first batch, the ``batch_size`` longest texts;
-            every batch has at least this many rows (but the last).
-        max_input_token_length: truncation limit per text, in tokens (special
-            tokens included, so more than the tokenizer adds; a value above the
-            tokenizer's ``model_max_length`` warns).
+        texts: the input strings (list, tuple, pandas Series, ``datasets`` column, a :class:`TextSource`), or
+            pre-tokenized rows (one list, 1-D array or tensor of token ids per text, taken as they are, truncated to
+            ``max_input_token_length`` on the tokenizer's ``truncation_side``; ``batch.texts`` is then ``None``).
+        tokenizer: a Hugging Face tokenizer object with a pad token (not a model name).
+        batch_size: rows of the first batch, the ``batch_size`` longest texts; every batch but the last has at least
+            this many rows.
+        max_input_token_length: truncation limit per text, in tokens, special tokens included.
         threshold: highest spike probability a chosen batch size may have.
         shuffle: shuffle the batch order (the first, hardest batch stays first).
-        num_workers: DataLoader worker processes (0: batches built in the main
-            process, kept as 0). A value above the cores this process may use
-            (``len(os.sched_getaffinity(0))``) is capped at that count, with a
-            log line, so the default 4 does not trigger torch's worker-count
-            warning on a 2-core machine.
+        num_workers: DataLoader worker processes, capped (with a log line) at the cores this process may use.
         batch_start_range: smallest candidate size, as a multiple of ``batch_size`` (>= 1).
         batch_end_range: largest candidate size, as a multiple of ``batch_size``.
         steps: number of candidate sizes between the two.
-        classifier: the spike classifier: ``None`` for the bundled one, a path
-            to a trusted joblib file, or a fitted estimator.
-        model_shape: what the planner may know of the model and the call,
-            ``ModelShape.from_model(model, max_new_tokens=..., num_beams=...)``:
-            plans with the shape-aware classifier, safer and larger batches on
-            models unlike the profiled ones. ``None``: dynabatch 0.1.6's 13 features.
+        classifier: the spike classifier: ``None`` for the bundled one, a path to a trusted joblib file, or a fitted
+            estimator.
+        model_shape: ``ModelShape.from_model(model, max_new_tokens=..., num_beams=...)``: plans with the shape-aware
+            classifier. ``None``: dynabatch 0.1.6's 13 features.
         seed: seeds the shuffled order.
         progress: show a progress bar while tokenizing.
-        memory_model: a calibrated ``MemoryModel`` (``dynabatch.calibrate`` or
-            ``MemoryModel.load``): batches are then sized by its predicted peaks
-            instead of the spike classifier (``threshold`` and the candidate
-            ranges are not used). ``None``: the classifier.
-        refit_memory_model: ``False``: ``memory_model`` is left as you built
-            it; ``run(memory="measured")`` refines a copy for its own run, and
-            the loader run again plans as it did. ``True``: each run's measured
-            peaks refit ``memory_model`` in place (``mm.save`` keeps them for
-            the next job).
-        max_memory: ``None`` (the relative rule: no batch above the first
-            batch's measured peak, or with ``memory_model`` its predicted peak),
-            or an absolute budget every batch is planned under: bytes, a size
-            such as ``"20GB"``/``"20GiB"``, a percentage such as ``"90%"`` of
-            the device's free memory (read by ``dynabatch.run`` on the device
-            it runs on when it starts, after the model is loaded; refused on
-            the CPU, whose memory is not the device's own), or ``"auto"``
-            (``"90%"`` on an accelerator, the relative rule on the CPU). Batches
-            are sized by ``memory_model``, else by the ``model``'s footprint
-            (:class:`~dynabatch.memory.footprint.Footprint`: a forward's
-            activations from its config), else (no model of bytes) the first
-            batch is the plan's and the measured peaks grow later ones under
-            the budget. See ``docs/memory.md``.
-        memory_margin: with ``memory_model``, every batch's predicted peak stays
-            at or under ``(1 - memory_margin)`` times the budget; in ``[0, 1)``.
+        memory_model: a calibrated ``MemoryModel``: batches sized by its predicted peaks instead of the classifier.
+        refit_memory_model: ``True``: each run's measured peaks refit ``memory_model`` in place; ``False``: it is
+            left as you built it (``run(memory="measured")`` refines a copy).
+        max_memory: ``None`` (the relative rule: no batch above the first batch's peak), or an absolute budget every
+            batch is planned under: bytes, ``"20GB"``/``"20GiB"``, ``"90%"`` of the device's free memory (read by
+            ``dynabatch.run`` on its device as it starts; refused on the CPU), or ``"auto"`` (``"90%"`` on an
+            accelerator, the relative rule on the CPU). See ``docs/memory.md``.
+        memory_margin: with ``memory_model``, every batch's predicted peak stays at or under ``(1 - memory_margin)``
+            times the budget; in ``[0, 1)``.
         granularity: with ``memory_model``, batch sizes are multiples of it (when at least it).
-        model: the model the batches are for (a ``transformers`` model or
-            config): its :class:`~dynabatch.memory.shape.ModelShape` is read from
-            it (a forward call; pass ``model_shape`` for ``generate`` settings),
-            and a ``max_input_token_length`` above its position embeddings
-            (``config.max_position_embeddings``, ``n_positions``, ...) is refused
-            here, naming the field, rather than failing inside the model.
-        max_tokens: padded tokens per batch (rows x padded width) at most,
-            as text-embeddings-inference's ``--max-batch-tokens``: with the
-            memory rule the smaller wins, in the plan and in ``run``'s measured
-            mode. It must hold the first batch (``batch_size`` rows of the
-            longest text, at its padded width; one row with an absolute
-            ``max_memory``), else ``ValueError`` once the texts are tokenized.
-            ``None``: no token cap.
-        max_growth: in ``run``'s measured mode, a batch has at most this many
-            times the rows of the batch before it (>= 1).
-        ids: one stable id per text (str or int, unique), or ``None``.
-            ``run(..., output_path=...)`` then keys stored rows by id rather than
-            by position, so a rerun over a grown or reordered corpus runs only
-            the ids not stored yet.
-        on_bad_input: what to do with items of ``texts`` that are not str
-            (``None``, a pandas NaN, bytes): ``"raise"`` a ``TypeError`` naming how
-            many there are and the first ten positions, or ``"skip"`` them:
-            they are planned into no batch, and ``run`` gives ``None`` for them,
-            lists them in ``result.failed`` and counts them in the report
-            (``skipped_inputs``); a results store does not hold them.
-        stream: tokenize and plan chunk by chunk while the batches run
-            (:mod:`dynabatch.data.streaming`), so the first batch comes in
-            seconds whatever the corpus size: texts are tokenized longest (by
-            characters) first, in a background thread, and each chunk is
-            planned when its tokens are in; a batch never spans two chunks.
-            ``None`` (auto): for more than 16,384 texts, and always for texts
-            read from files, a ``datasets.Dataset``, an Arrow array or an
-            iterator (:func:`~dynabatch.data.corpus.read_texts`). The
-            loader then builds its batches in this process, and ``len(loader)``
-            waits for the whole plan. Not with ``shuffle`` nor pre-tokenized texts.
-        tokenize_cores: cores to tokenize on, at most; ``None``: every core this
-            process may use (``len(os.sched_getaffinity(0))``); ``1``: one core.
-            Not ``num_workers``, which only sets DataLoader workers. Tokens are
-            the same whatever the count: the fast tokenizer's own thread pool
-            where it provably gives the tokenizer's rows (unless
-            ``TOKENIZERS_PARALLELISM`` is false), else worker processes
-            (:mod:`dynabatch.data.workers`).
-        **tokenizer_kwargs: passed to the tokenizer (e.g. ``add_special_tokens=False``);
-            ``pad_to_multiple_of`` rounds each batch's width up. A keyword the
-            tokenizer's call does not take (a typo such as ``batchsize``) raises
-            TypeError naming it.
+        model: the model (or config) the batches are for: its shape is read from it, and a
+            ``max_input_token_length`` above its position embeddings is refused here, naming the config field.
+        max_tokens: padded tokens per batch at most (text-embeddings-inference's ``--max-batch-tokens``); with the
+            memory rule the smaller wins. It must hold the first batch, else ``ValueError``. ``None``: no cap.
+        max_growth: in ``run``'s measured mode, a batch has at most this many times the rows of the one before (>= 1).
+        ids: one stable id per text (str or int, unique), or ``None``: a results store then keys rows by id.
+        on_bad_input: items of ``texts`` that are not str: ``"raise"`` a ``TypeError`` naming them, or ``"skip"``
+            them (planned into no batch; ``run`` lists them in ``result.failed``).
+        stream: tokenize and plan chunk by chunk while the batches run (:mod:`dynabatch.data.streaming`), longest
+            first, in a background thread; ``None`` (auto): above :data:`STREAM_ABOVE` texts, and for texts read from
+            files, a dataset or an iterator. Not with ``shuffle`` nor pre-tokenized texts.
+        tokenize_cores: cores to tokenize on, at most; ``None``: every core this process may use. The tokens are the
+            same whatever the count.
+        **tokenizer_kwargs: passed to the tokenizer (e.g. ``add_special_tokens=False``); ``pad_to_multiple_of``
+            rounds each batch's width up. A keyword the tokenizer does not take raises ``TypeError`` naming it.
 
-    How safe the plan is depends on how it is run. The plan itself is an estimate: the bundled spike classifier
-    predicts which batch sizes stay under 90% of the first batch's peak, and on models unlike the profiled ones it can
-    be wrong (greedy ``generate`` over a large vocabulary can peak well above the first batch; ``docs/benchmarks.md``
-    has the figures).
-    So a plain loop, ``for batch in loader:
-    model.generate(**batch)``, runs that estimate as it is. The safe ways:
-
-    * ``dynabatch.run(fn, loader)``: by default each batch's peak is measured
-      (CUDA allocator statistics; on the CPU a storage tracker, on the few
-      batches whose peak could let later ones grow) and later batches are
-      re-sized so that none exceeds the first batch's peak;
-    * ``memory_model=calibrate(...)``: batches sized by measured probes of
-      your model (``dynabatch.calibrate``);
-    * ``model_shape=`` (or ``model=``): the shape-aware classifier, closer
-      on unseen models, still an estimate.
+    The plan is an estimate (the spike classifier can be wrong on models unlike the profiled ones), and a plain loop
+    runs it as it is. ``dynabatch.run(fn, loader)`` measures each batch's peak and re-sizes later batches so that
+    none exceeds the first's; ``memory_model=calibrate(...)`` sizes batches by measured probes of your model.
 
     Returns:
-        A plain :class:`torch.utils.data.DataLoader`, with its plan as
-        ``loader.plan`` (a :class:`LoaderPlan`). Each batch is a
-        :class:`~dynabatch.data.collate.Batch`: a dict of tensors (``input_ids``,
-        ``attention_mask`` and the tokenizer's other outputs) that
-        ``model(**batch)`` and ``model.generate(**batch)`` take, with
+        A plain :class:`torch.utils.data.DataLoader`, with its plan as ``loader.plan`` (a :class:`LoaderPlan`). Each
+        batch is a :class:`~dynabatch.data.collate.Batch`: a dict of tensors that ``model(**batch)`` takes, with
         ``batch.indices`` (input positions of its rows) and ``batch.texts``.
-        Put per-batch outputs back in input order with
-        :func:`~dynabatch.data.order.restore_order`.
     """
     check_on_bad_input(on_bad_input)
     token_ids = not is_text_source(texts) and are_token_ids(texts)
@@ -377,6 +293,15 @@ def build_dynamic_batch_dataloader(
         return _streaming_loader(source, skipped, ids, tokenizer, settings, estimator, num_workers, tokenize_cores,
                                  tokenizer_kwargs)
     items = source.texts()
-    tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress,
-                               tokenize_cores=tokenize_cores, **tokenizer_kwargs)
+    # What the plan needs loads beside the tokenizer (a process's first plan reads the classifier's trees): the
+    # tokenizer's own call releases the GIL, and on one thread it leaves the other cores idle
+    preparing = Worker(name="dynabatch-plan-prepare")
+    preparing.submit(estimator.prepare, settings)
+    try:
+        tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress,
+                                   tokenize_cores=tokenize_cores, **tokenizer_kwargs)
+    except BaseException:
+        preparing.close(cancel=True)
+        raise
+    preparing.close()  # raises what loading it raised
     return _eager_loader(tokenized, items, skipped, ids, tokenizer, settings, estimator, shuffle, seed, num_workers)

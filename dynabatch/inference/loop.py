@@ -34,12 +34,9 @@ logger = logging.getLogger(__name__)
 
 
 class Prefetcher:
-    """Hands one worker its items with their batches, building its next ``depth`` batches in a background thread.
-
-    In measured mode the planner sizes a batch only once the peaks before it are measured, so the batches built ahead
-    are the scheduler's answer *as it stands* (:meth:`~dynabatch.inference.scheduler.Scheduler.peek`); one that a
-    later peak re-sized is built again, never run stale (:attr:`rebuilt` counts them).
-    """
+    """Hands one worker its items with their batches, building its next ``depth`` batches in a background thread, as
+    the scheduler sees them now (:meth:`~dynabatch.inference.scheduler.Scheduler.peek`); one a later peak re-sized is
+    built again, never run stale (:attr:`rebuilt` counts them)."""
 
     def __init__(self, scheduler: Scheduler, builder: Builder, lane: Lane, depth: int) -> None:
         self.scheduler, self.builder, self.lane, self.depth = scheduler, builder, lane, depth
@@ -88,11 +85,9 @@ class Prefetcher:
 
 @dataclass
 class Stages:
-    """What every worker's loop shares: the stages it hands values to, ``stop`` (set when the run stops: each worker
-    ends its call in progress), batches built ahead, what makes a worker's
-    :class:`~dynabatch.inference.distributed.Lockstep` (``None``: each runs its items to their end alone), and the
-    run's report (each item's record as it ends, in the order they end; rows that finished before an error included).
-    """
+    """What every worker's loop shares: the stages it hands values to, ``stop`` (set when the run stops), batches
+    built ahead, what makes a worker's :class:`~dynabatch.inference.distributed.Lockstep` (``None``: none), and the
+    run's report (each item's record as it ends)."""
 
     source: Source
     scheduler: Scheduler
@@ -116,19 +111,13 @@ class WorkerParts:
 
 
 def run_workers(targets: Sequence[Any], start_worker: Callable[[Any, int], WorkerParts], stages: Stages) -> None:
-    """Runs the scheduler's items to their end on every target: one worker in the calling thread, or a thread per
-    device (:func:`~dynabatch._background.run_in_threads`: torch releases the GIL while a device works), into
-    ``stages.report`` (each item's record with its seconds by stage: planning, building, the device, the
-    store, the waits on the stages ahead).
+    """Runs the scheduler's items to their end on every target, one worker in the calling thread or a thread per
+    device (:func:`~dynabatch._background.run_in_threads`), into ``stages.report``. ``start_worker(target, i)``
+    returns the worker's parts, called in the worker's thread once its device is current there.
 
-    ``start_worker(target, i)`` returns the worker's parts; it is called in the worker's thread, once the device is
-    current there (so is the ``make_fn`` inside it). On any exit every thread has stopped and every worker's writer is
-    closed: on an error or ``KeyboardInterrupt``, ``stages.stop`` is set and each worker ends its call in progress.
-
-    A device failure (:func:`~dynabatch.memory.device.is_device_failure`) on one of several devices ends that worker;
-    its unfinished rows go back to the scheduler once (rows that make a second device fail raise). Any other error
-    (``fn`` raising, the sink refusing or failing to write rows, a batch failing to build) stops every worker and is
-    raised: the rows finished before it are in the sink, the others are not.
+    On any exit every thread has stopped and every worker's writer is closed. A device failure on one of several
+    devices ends that worker, its unfinished rows put back once; any other error stops every worker and is raised
+    (the rows finished before it are in the sink).
     """
     crashes: list[BaseException] = []  # what stopped one device's worker, its rows put back
     prefetchers: list[Prefetcher] = []

@@ -1,19 +1,11 @@
 """The meter of :func:`dynabatch.run`: what the user sees while a run goes and after it ends.
 
-**Time left, weighted by cost.** A run sorts its texts longest first, so rows per second starts low and climbs all
-run long: a rows-based estimate is wrong by 2-3x for most of a run. What is left is measured here in what it costs,
-known before it runs: every text's tokens (a plan's token lengths; a streamed plan's lengths in characters, turned
-into tokens by a rate fitted from the batches that ran, capped at the max length) (:class:`TextCosts`). A time
-model fitted online from the batches that ran (:class:`TimeModel`: seconds = a per-batch part + a part per padded
-token + a part per row, least squares weighted to the recent batches) turns that work into seconds. The per-row
-part carries what a row costs whatever its length: for ``generate``, the new tokens each row decodes.
-
-**Where the wall went.** Every worker's loop is timed in laps that cover it end to end (:class:`Laps`);
-:func:`name_bound` names what the run was bound by in one line.
-
-**The display.** On a terminal, one line redrawn in place; elsewhere (a log file, a notebook, a pipe) a plain line
-every :data:`LOG_EVERY` seconds; both refreshed by a timer (:class:`~dynabatch._background.Ticker`), so they move
-while a long batch runs or the first chunk tokenizes; the final line printed once.
+**Time left, weighted by cost.** Texts run longest first, so rows per second climbs all run long and a rows-based
+estimate is wrong by 2-3x. What is left is measured in what it costs, known up front (:class:`TextCosts`: every
+text's tokens, or a streamed plan's characters at a fitted rate), and turned into seconds by a time model fitted
+online from the batches that ran (:class:`TimeModel`). **Where the wall went**: every worker's loop timed in laps
+(:class:`Laps`), the bound named in one line (:func:`name_bound`). **The display**: one line redrawn on a terminal,
+else a plain line every :data:`LOG_EVERY` seconds, both refreshed by a :class:`~dynabatch._background.Ticker`.
 
 Example:
     >>> import io
@@ -55,18 +47,15 @@ _FINE_BINS = 1024  # sizes below this are binned exactly; above, geometrically
 
 
 class TextCosts:
-    """What every text that runs costs, up front, and what is left of it as batches finish.
+    """What every text that runs costs, up front, and what is left of it as batches finish, kept as a histogram of
+    sizes (exact below 1,024, geometric above): an estimate costs the same at a thousand texts or ten million.
 
     Args:
-        sizes: per input position, its tokens (``exact``) or its length in characters; positions that do not run
-            (stored, skipped) are left out by ``runs``.
-        exact: ``sizes`` are token counts; else characters, turned into tokens at a rate fitted from the batches
-            that ran (:meth:`learn`) and capped at ``max_length``.
+        sizes: per input position, its tokens (``exact``), else its characters (turned into tokens at a rate fitted
+            by :meth:`learn`, capped at ``max_length``).
+        exact: ``sizes`` are token counts.
         max_length: the tokens a text is cut to (characters only).
         runs: which positions run (``None``: every one).
-
-    What is left is kept as a histogram of sizes (exact below 1,024, geometric above), so an estimate costs the
-    same at a thousand texts or ten million.
     """
 
     def __init__(self, sizes: np.ndarray, *, exact: bool, max_length: int | None = None,
@@ -92,8 +81,7 @@ class TextCosts:
         self._pending.append((positions, scale))
 
     def _take_off(self) -> None:
-        """Takes the positions done since the last estimate off what is left, in one pass (a batch costs the run
-        an append)."""
+        """Takes the positions done since the last estimate off what is left, in one pass."""
         pending, self._pending = self._pending, []
         for scale in {s for _, s in pending}:
             positions = np.concatenate([p for p, s in pending if s == scale])
@@ -134,11 +122,10 @@ class TextCosts:
 class TimeModel:
     """Seconds a batch takes from its padded tokens, its rows and the batch itself, fitted online.
 
-    Least squares over the batches so far, each weighted by ``0.5 ** (age / half_life)``, the half-life a quarter of
-    the batches run (at least 8): a run's batches change as its texts shorten, the recent ones say most about the
-    next. The tokens come first; a part per row, then per batch, counts only for what the batches show apart from
-    the tokens (each shrunk by :attr:`RIDGE` of its own size there), and every part is non-negative: early batches
-    of one width cannot tell a cost per row or per batch from one per token, so the time goes on the tokens.
+    Least squares, each batch weighted by ``0.5 ** (age / half_life)`` (the half-life a quarter of the batches run,
+    at least 8). The tokens come first; a part per row, then per batch, counts only for what the batches show apart
+    from the tokens (shrunk by :attr:`RIDGE`), and every part is non-negative, so early batches of one width put the
+    time on the tokens. The per-row part carries what a row costs whatever its length (``generate``'s new tokens).
 
     Example:
         >>> from dynabatch.inference.meter import TimeModel
@@ -158,8 +145,7 @@ class TimeModel:
 
     @property
     def coef(self) -> np.ndarray | None:
-        """Seconds per padded token, per row and per batch (``None`` before any batch); solved when asked, so a
-        batch costs the run two small products."""
+        """Seconds per padded token, per row and per batch (``None`` before any batch); solved when asked."""
         if self._solved[0] != self.batches:
             self._solved = (self.batches, self._solve())
         return self._solved[1]
@@ -247,12 +233,9 @@ class _Recent:
 
 
 class Laps:
-    """A worker's loop timed end to end, lap by lap.
-
-    :meth:`lap` gives the time since the last lap to a stage: first the parts the caller measured inside it
-    (``known``: the device's and the store's seconds of an item), then what the thread waited meanwhile on the
-    background threads (:func:`dynabatch._background.waited`: to ``"wait <their stage>"``), the rest to ``stage``.
-    The stages' seconds add up to the time since the laps began (:meth:`summary`).
+    """A worker's loop timed end to end, lap by lap: :meth:`lap` gives the time since the last lap first to the
+    parts the caller measured (``known``), then to what the thread waited on background threads (``"wait <their
+    stage>"``), the rest to ``stage``; the stages add up to the wall (:meth:`summary`).
 
     Example:
         >>> from dynabatch.inference.meter import Laps
@@ -304,13 +287,13 @@ class Meter:
     """The run's progress: fed by every worker's loop (:meth:`add`), shown on ``stream``, read by the report.
 
     Args:
-        costs: what every text that runs costs (:class:`TextCosts`), or ``None``: unknown (a plain iterable of
-            batches), the time left then unknown too.
+        costs: what every text that runs costs (:class:`TextCosts`), or ``None``: unknown, the time left too.
         total_rows: rows that run (``None``: unknown).
         scale: ranks claiming chunks alike: this rank counts for ``scale`` of them (the main rank shows the whole).
         stream: where the display goes (``None``: no display; the figures are still kept).
         stored: rows a store held before the run (a resumed run says so first, of ``inputs`` in all).
         clock: the time (tests).
+        desc: the display's name.
     """
 
     def __init__(self, costs: TextCosts | None, *, total_rows: int | None, scale: int = 1,
@@ -393,9 +376,8 @@ class Meter:
         return max(0.0, seconds / self.scale - (now - self.last))
 
     def _batches_left(self, padded: float, rows: float) -> float:
-        """Batches left: between as many as the recent batches' padded tokens make (batches hold fewer tokens as
-        texts shorten) and as many as their rows make (batches hold more rows as texts shorten), their geometric
-        mean."""
+        """Batches left: the geometric mean of as many as the recent batches' padded tokens make and as many as their
+        rows make (batches hold fewer tokens and more rows as texts shorten)."""
         by_tokens = padded / (self.recent.ratio("padded", "batches") or 1.0)
         by_rows = rows / (self.recent.ratio("rows", "batches") or 1.0)
         return min(max(math.sqrt(by_tokens * by_rows), 1.0), rows)
@@ -468,9 +450,8 @@ def _bar(fraction: float, width: int = 20) -> str:
 
 
 def name_bound(shares: dict[str, float], tokenize_share: float | None = None) -> str:
-    """The one line that names what bound a run, from the shares of its wall: ``"device"`` and the device loop's
-    other stages (``"wait tokenize"``, ``"store"``, ...); ``tokenize_share``: how much of the wall the tokenizing
-    thread worked.
+    """The one line that names what bound a run, from the shares of its wall by stage (``tokenize_share``: how much
+    of the wall the tokenizing thread worked).
 
     Example:
         >>> from dynabatch.inference.meter import name_bound

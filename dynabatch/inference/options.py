@@ -1,10 +1,7 @@
 """The options of :func:`dynabatch.run`, resolved or refused in one place: :func:`resolve_options`.
 
-Each option says one thing (``memory``: how memory bounds the batches; ``ranks``: how ranks share them; ``fn``:
-always a call on one batch, ``make_fn`` with ``devices``; ``on_oom`` and ``on_error``: what becomes of a row that
-runs out of memory, or on which ``fn`` raises, alone), and no option silently changes what another says: what a
-combination cannot mean is refused here, before any batch runs, naming the options and what to do. Each thing has
-one spelling: ``run`` takes no other keyword.
+Each option says one thing and no option silently changes what another says: what a combination cannot mean is
+refused here, before any batch runs, naming the options and what to do.
 """
 
 from __future__ import annotations
@@ -114,10 +111,8 @@ def check_run_options(device: Any = None, on_oom: Any = "raise", memory: Any = "
 def resolve_options(fn: Any, loader: Any, plan: Any, *, make_fn: Any, devices: Any, device: Any, memory: Any,
                     ranks: Any, on_oom: Any, on_error: Any, output_path: Any, key: Any, token_outputs: Any,
                     pad_token_id: Any, prefetch: Any, progress: Any) -> RunOptions:
-    """Every option of :func:`dynabatch.run` checked and resolved into a :class:`RunOptions`.
-
-    ``plan`` is the loader's :class:`~dynabatch.inference.loader.LoaderPlan` (``None`` for a plain iterable of
-    batches).
+    """Every option of :func:`dynabatch.run` checked and resolved into a :class:`RunOptions` (``plan``: the loader's
+    :class:`~dynabatch.inference.loader.LoaderPlan`, ``None`` for a plain iterable of batches).
 
     Raises:
         TypeError: an option of the wrong type.

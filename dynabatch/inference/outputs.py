@@ -1,23 +1,12 @@
 """Per-row results from what a callable returned for a batch: the row rule.
 
-:class:`RowSplitter` turns what ``fn(batch)`` returned into one item per row of the batch, on the CPU, by a written
-rule that never depends on how many rows the batch has or which texts it holds (``docs/inference.md`` has it as a
-table):
-
-* a tensor (or numpy array) with the batch dimension first gives each row its slice; a tuple, list or dict of such
-  tensors gives each row a tuple, list or dict of its slices (a dict or ``ModelOutput`` leaves out values without a
-  batch dimension: a loss, a cache);
-* a list of as many items as rows, not batch-first tensors, is one item per row, as :class:`PerRow` says
-  explicitly; a list of as many batch-first tensors as rows is ambiguous and refused;
-* a tensor is cut to each row's real tokens (by its attention mask) only where that reading is certain: three or
-  more dimensions with dimension 1 equal to the batch's width (hidden states, logits); generated ids, a 2-D integer
-  tensor that starts with the batch's ``input_ids`` (a decoder-only ``generate``), lose the batch's padding;
-* a 2-D tensor whose dimension 1 equals the batch's width is ambiguous (a per-token value, or a pooled vector as
-  wide as the batch) and refused at the first batch, naming ``token_outputs``, which declares it: ``"per_token"``,
-  ``"generated"`` (every 2-D integer tensor is generated ids: an encoder-decoder's replies) or ``"whole"``;
-* any other tensor gives each row its whole slice.
-
-Each field's reading is fixed at its first batch and kept for the run; an output that contradicts it is refused.
+:class:`RowSplitter` turns what ``fn(batch)`` returned into one item per row, on the CPU, by a rule that never
+depends on the batch's size or texts (``docs/inference.md`` has it as a table): a batch-first tensor (or a tuple, list
+or dict of them, values without a batch dimension left out) gives each row its slice; a list of one item per row (or
+a :class:`PerRow`) is one item per row; a tensor is cut to each row's real tokens only where that is certain (three or
+more dimensions as wide as the batch; generated ids that echo the prompt lose the padding); a 2-D tensor as wide as
+the batch is ambiguous and refused unless ``token_outputs`` declares it. Each field's reading is fixed at its first
+batch; an output that contradicts it is refused.
 
 Example:
     >>> import torch
@@ -49,10 +38,7 @@ __all__ = ["TOKEN_OUTPUTS", "PerRow", "RowSplitter", "split_rows", "to_cpu"]
 logger = logging.getLogger(__name__)
 
 TOKEN_OUTPUTS = ("auto", "per_token", "generated", "whole")
-"""How ``run`` reads token-shaped tensors: ``"auto"`` (only certain readings; an ambiguous one refused),
-``"per_token"`` (every tensor whose dimension 1 is the batch's width is cut by the attention mask, never read as
-generated), ``"generated"`` (every 2-D integer tensor is generated ids: padding stripped), ``"whole"`` (nothing
-is cut)."""
+"""The values of ``run(token_outputs=...)``: how token-shaped tensors are read (the module's rule)."""
 
 _PER_TOKEN, _GENERATED, _ROW = "per-token", "generated", "per-row"
 _HOW = ("return a tuple of batch-first tensors (one field per element), or dynabatch.PerRow(items) for one "
@@ -60,10 +46,8 @@ _HOW = ("return a tuple of batch-first tensors (one field per element), or dynab
 
 
 class PerRow(list):
-    """What ``fn(batch)`` returns to say "one item per row, as given": no tensor in it is sliced or cut.
-
-    Use it where a list would be ambiguous, such as a list of tensors whose first dimension happens to equal the
-    number of rows (per-row replies of ``generate``, variable-size arrays).
+    """What ``fn(batch)`` returns to say "one item per row, as given" where a list would be ambiguous (a list of
+    tensors whose first dimension happens to equal the number of rows): no tensor in it is sliced or cut.
 
     Example:
         >>> from dynabatch import PerRow
@@ -156,18 +140,13 @@ class _BatchView:
 
 
 class RowSplitter:
-    """The row rule of one run: what ``fn(batch)`` returned, as one item per row of the batch.
+    """The row rule of one run, each field's reading fixed at its first batch.
 
     Args:
-        pad_token_id: the pad id a generated sequence's padding is made of;
-            ``None`` keeps generated rows whole.
+        pad_token_id: the pad id a generated sequence's padding is made of; ``None`` keeps generated rows whole.
         token_outputs: one of :data:`TOKEN_OUTPUTS`.
-        padding_side: the batches' padding side, ``"left"``, ``"right"`` or ``None`` (unknown): a generated
-            sequence that echoes a right-padded prompt warns once (a decoder-only model then generates
-            after pad tokens).
-
-    Each tensor field's reading (per-token, generated or per-row) is fixed by the first batch that shows it and kept
-    for the run.
+        padding_side: the batches' padding side (``None``: unknown); generated ids that continue right-padded
+            prompts warn once.
     """
 
     def __init__(self, pad_token_id: int | None = None, token_outputs: str = "auto",
@@ -375,18 +354,6 @@ def _generated_rows(value: torch.Tensor | np.ndarray, view: _BatchView) -> list:
 
 def split_rows(output: Any, batch: Any, *, pad_token_id: int | None = None, token_outputs: str = "auto",
                name: str = "fn(batch)") -> list:
-    """One item per row of ``batch`` from what a callable returned for it, by the row rule (one batch).
-
-    A run keeps a :class:`RowSplitter` instead, so that each field's reading is fixed by its first batch.
-
-    Args:
-        output: what the callable returned (see the module docstring and ``docs/inference.md``).
-        batch: the batch the output is for (its rows, ``input_ids`` and ``attention_mask``).
-        pad_token_id: the pad id of generated sequences; ``None`` keeps them whole.
-        token_outputs: one of :data:`TOKEN_OUTPUTS`.
-        name: how error messages call ``output``.
-
-    Returns:
-        A list of ``len(batch.indices)`` items; tensors detached and on the CPU.
-    """
+    """:meth:`RowSplitter.split` for one batch (``name``: how error messages call ``output``); a run keeps one
+    :class:`RowSplitter`, so that each field's reading is fixed by its first batch."""
     return RowSplitter(pad_token_id, token_outputs).split(output, batch, name)

@@ -1,9 +1,7 @@
 """What a :func:`dynabatch.inference.runner.run` did, batch by batch: sizes, padding, time, memory, OOM recovery.
 
-A :class:`RunReport` holds one :class:`BatchRecord` per batch that ran, the memory budget (the first batch's peak,
-when memory was measured) and summary figures: throughput, padding efficiency, out-of-memory events, and how far the
-later batches' peaks went past the budget. :meth:`RunReport.to_json` saves it, :meth:`RunReport.from_json` reads it
-back, and :meth:`RunReport.plot` draws it (needs matplotlib).
+A :class:`RunReport` holds one :class:`BatchRecord` per batch that ran, the memory budget and summary figures;
+:meth:`~RunReport.to_json` saves it, :meth:`~RunReport.from_json` reads it back, :meth:`~RunReport.plot` draws it.
 
 Example:
     >>> from dynabatch.inference.report import BatchRecord, RunReport
@@ -38,22 +36,17 @@ class BatchRecord:
         rows: rows of the batch as planned (the rows it ran, when a resumed run ran only some).
         width: its padded length, in tokens.
         real_tokens: tokens that are not padding (the attention mask's sum).
-        padded_tokens: tokens of the padded tensors that ran to completion:
-            ``rows * width``, or less when the batch was split into narrower pieces.
+        padded_tokens: tokens of the padded tensors that ran to completion (less than ``rows * width`` when split).
         seconds: wall time of the batch, failed attempts and splits included.
-        peak_bytes: the largest peak activation memory of its calls, ``None``
-            unless memory was measured.
+        peak_bytes: the largest peak activation memory of its calls, ``None`` unless memory was measured.
         oom_splits: times a piece of it ran out of memory and was split in halves.
-        pre_split: split before it was tried: at least as large as a shape
-            that had run out of memory, or (guarded mode) bound by the measured
-            peaks above the first batch's.
+        pre_split: split before it was tried (as large as a shape that had run out of memory, or bound above the
+            budget).
         oom_events: out-of-memory errors it raised (splits plus single rows that failed).
         failed_rows: rows that ran out of memory on their own and were skipped.
         error_rows: rows whose ``fn`` call raised on their own, set aside (``on_error="skip"``).
         device: the device that ran it, when ``run`` was given several (``devices=``).
-        stages: the seconds its worker's loop spent on it, by stage, since the batch before it finished
-            (:class:`~dynabatch.inference.meter.Laps`: ``"device"``, ``"store"``, ``"build"``, ``"plan"``,
-            ``"wait tokenize"``, ...).
+        stages: the seconds its worker's loop spent on it, by stage (:class:`~dynabatch.inference.meter.Laps`).
         finished: when it finished, in seconds from the run's start.
     """
 
@@ -74,6 +67,11 @@ class BatchRecord:
     finished: float | None = None
 
 
+def _check_path(path: Any) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise bad_type("path", "a str or os.PathLike", path)
+
+
 def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
 
@@ -89,20 +87,14 @@ class RunReport:
 
     Attributes:
         records: one :class:`BatchRecord` per batch that ran, in the order they ran.
-        budget_bytes: the first batch's peak bytes, the budget later batches
-            are measured against; ``None`` when memory was not measured.
-        skipped_inputs: inputs the loader skipped as bad (``on_bad_input="skip"``),
-            planned into no batch (their positions are in ``RunResult.failed``).
-        device_budgets: with several devices, each device's own budget (its
-            first measured batch's peak), against which its batches' peaks are
-            read; ``budget_bytes`` is then the first one measured.
-        rebuilt_batches: batches built ahead of their turn (``run``'s
-            prefetching) that a measured peak re-sized since, so built again.
-        workers: per worker (device), its loop's wall seconds and where they went
-            (``{"wall": s, "stages": {stage: s}}``; the stages add up to the wall).
+        budget_bytes: the first batch's peak bytes, the budget later batches are measured against (``None``: not
+            measured).
+        skipped_inputs: inputs the loader skipped as bad (``on_bad_input="skip"``).
+        device_budgets: with several devices, each device's own budget (its first measured peak).
+        rebuilt_batches: batches built ahead that a measured peak re-sized since, so built again.
+        workers: per worker, its loop's wall seconds and where they went (``{"wall": s, "stages": {stage: s}}``).
         wall_seconds: the run's wall time, from its first stage to its last batch.
-        background: the share of the wall each stage run ahead in a background
-            thread worked (``"tokenize"``, ``"build"``, ``"read"``).
+        background: the share of the wall each background stage worked (``"tokenize"``, ``"build"``, ``"read"``).
         accounting_seconds: the CPU seconds keeping these figures and the display took.
     """
 
@@ -205,8 +197,7 @@ class RunReport:
 
     def to_json(self, path: str | os.PathLike) -> None:
         """Writes the summary and every batch record to ``path`` as JSON."""
-        if not isinstance(path, (str, os.PathLike)):
-            raise bad_type("path", "a str or os.PathLike", path)
+        _check_path(path)
         with open(path, "w", encoding="utf-8") as f:
             json.dump(self.to_dict(), f, indent=1)
             f.write("\n")
@@ -218,8 +209,7 @@ class RunReport:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> RunReport:
         """Reads a report written by :meth:`to_json`."""
-        if not isinstance(path, (str, os.PathLike)):
-            raise bad_type("path", "a str or os.PathLike", path)
+        _check_path(path)
         with open(path, encoding="utf-8") as f:
             return cls.from_dict(json.load(f))
 
@@ -232,20 +222,14 @@ class RunReport:
         return cls(records, **{k: v for k, v in data["summary"].items() if k in kept})
 
     def plot(self, path: str | os.PathLike, *, title: str | None = None) -> None:
-        """Draws the run into a PNG at ``path``: batch sizes, padding and peak memory per batch, and where the wall
-        went over the run.
-
-        Three panels share the batch-number axis: rows per batch (batches that ran out of memory or were split up
-        front marked), padded over real tokens, and each batch's peak relative to the first batch's (the budget, line
-        at 1.0; the planner's target, line at 0.9). The fourth, over the run's seconds, stacks the device loop's
-        stages (the device, the store, building, planning, the waits on tokenizing) as shares of each stretch of
-        the wall, the bound named in its title.
+        """Draws the run into a PNG at ``path``: rows per batch (out-of-memory and pre-split batches marked), padded
+        over real tokens, and each batch's peak over the budget, by batch number; and where the wall went, stage by
+        stage, over the run's seconds.
 
         Raises:
             ImportError: matplotlib is not installed.
         """
-        if not isinstance(path, (str, os.PathLike)):
-            raise bad_type("path", "a str or os.PathLike", path)
+        _check_path(path)
         try:
             from matplotlib.figure import Figure
         except ImportError as exc:

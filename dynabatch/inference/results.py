@@ -1,9 +1,8 @@
 """What :func:`dynabatch.run` returns: :class:`RunResult`, :class:`StoredRunResult`, and the run's accounting.
 
-In memory (a ``list``), or read from the results store on demand exactly as the in-memory run gives them; both stack
-every row through one encoding (:class:`~dynabatch.inference.columns.Columns`). Each carries its
-:class:`Accounting`, made by the one accountant (:func:`account`): which inputs have a row, which failed with what
-cause, which neither (the run raises for them); the command line's summary reads it rather than the store again.
+In memory (a ``list``), or read from the results store on demand as the in-memory run gives them; both stack rows
+through one encoding (:class:`~dynabatch.inference.columns.Columns`), and each carries its :class:`Accounting`, made
+by the one accountant (:func:`account`).
 
 Example:
     >>> import torch
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dynabatch._validation import first_few
 from dynabatch.inference.report import RunReport
 
 if TYPE_CHECKING:
@@ -54,10 +54,9 @@ class Accounting:
 
 def account(n: int, held: np.ndarray, failures: Mapping[int, str], *, before: np.ndarray | None = None,
             ids: Any = None, elsewhere: bool = False) -> Accounting:
-    """The one accountant: what a run over ``n`` inputs accounts for, from which inputs have a row (``held``, bool
-    per input), the causes of the inputs that failed (``failures``: those with a row since, or outside ``n``, are
-    left out) and which inputs were held before the run (``before``); ``elsewhere``: the inputs this process holds
-    neither way are another rank's to account for (none missing here).
+    """The one accountant: what a run over ``n`` inputs accounts for, from which inputs have a row (``held``), the
+    causes of those that failed (``failures``; those with a row since are left out) and which were held before the
+    run (``before``); ``elsewhere``: inputs held neither way are another rank's to account for.
 
     Example:
         >>> import numpy as np
@@ -95,9 +94,9 @@ class _Stacking:
     def _stacked(self, as_tensor: bool) -> Any:
         missing = self._missing()
         if missing.size:
-            shown = ", ".join(str(p) for p in missing[:5].tolist()) + (", ..." if missing.size > 5 else "")
             raise ValueError(f"every input should have a result to stack them, but got {missing.size} inputs without "
-                             f"one (positions {shown}; see .failed); read the others one by one or with to_arrow()")
+                             f"one (positions {first_few(missing.tolist())}; see .failed); read the others one by one "
+                             "or with to_arrow()")
         columns, table = self._table()
         if columns is None:
             raise ValueError("the inputs should have results to stack, but got none (no input)")
@@ -116,9 +115,8 @@ class _Stacking:
 class RunResult(list, _Stacking):
     """One result per input text, in input order: a plain ``list`` (``result[p]`` is input ``p``'s), with ``report``
     (the :class:`~dynabatch.inference.report.RunReport`), ``failures`` (input position -> cause, for the inputs set
-    aside: rows out of memory on their own with ``on_oom="skip"``, rows ``fn`` raised on with ``on_error="skip"``,
-    inputs skipped as bad) and ``failed``, their sorted positions (each result ``None``); ``accounting``: the run's
-    :class:`Accounting` (``None`` for a result not made by a run)."""
+    aside), ``failed`` (their sorted positions, each result ``None``) and ``accounting`` (``None`` unless made by a
+    run)."""
 
     def __init__(self, results: Iterable[Any] = (), *, report: RunReport | None = None,
                  failures: Mapping[int, str] | None = None, accounting: Accounting | None = None) -> None:
@@ -147,11 +145,10 @@ class RunResult(list, _Stacking):
 
 
 class StoredRunResult(Sequence, _Stacking):
-    """One result per input, in input order, read from the results store at ``path`` on demand, through
-    ``pyarrow.dataset``: ``result[p]`` reads its shard (the last one is kept), iterating reads the store once. Not
-    a ``list``: use :meth:`stack` rather than ``torch.stack``. ``report``, ``failures`` (the store's failure
-    records), ``failed`` and ``accounting`` as in :class:`RunResult`, over the rows (and failure records) as
-    :meth:`~dynabatch.inference.store.Store.located` found them; ``before``: the inputs held before the run."""
+    """One result per input, in input order, read from the results store on demand (``result[p]`` reads its shard,
+    iterating reads the store once); not a ``list``: use :meth:`stack` rather than ``torch.stack``. ``report``,
+    ``failures`` (the store's failure records), ``failed`` and ``accounting`` as in :class:`RunResult`; ``before``:
+    the inputs held before the run."""
 
     def __init__(self, located: Located, *, report: RunReport | None = None, before: np.ndarray | None = None) -> None:
         self.path, self._files, self._where, self._columns, self._schema, self._ids = \

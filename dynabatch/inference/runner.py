@@ -1,10 +1,8 @@
 """``run``: call a model on every batch, recover from out-of-memory errors, get rows back in input order.
 
-One path of stages that talk one way, read top to bottom in :func:`run`: the options are resolved or refused
-(:mod:`~dynabatch.inference.options`); the sink (in memory, or a results store) is opened; a resumed run asks the
-store which inputs it holds, the source for those inputs' hashes, and the store to check them, before any batch; then
-each device's or rank's loop (:mod:`~dynabatch.inference.loop`) takes the scheduler's items, sized, has them built and
-run, and hands each outcome to the stages; the sink (:mod:`~dynabatch.inference.sink`) accounts for every input.
+One path of stages that talk one way, read top to bottom in :func:`run`: options resolved, the sink opened, a resumed
+run's stored inputs checked before any batch, then each device's or rank's loop (:mod:`~dynabatch.inference.loop`),
+and the sink's accounting of every input.
 
 Example:
     >>> from transformers import AutoTokenizer
@@ -95,72 +93,52 @@ def run(
 ) -> RunResult | StoredRunResult:
     """Calls ``fn(batch)`` on every batch of ``loader`` and returns one result per input, in input order.
 
-    ``fn`` is called as it is: wrap the call in ``torch.inference_mode()``
-    yourself. ``docs/inference.md`` has every rule below as a table, with examples.
+    ``fn`` is called as it is: wrap the call in ``torch.inference_mode()`` yourself. ``docs/inference.md`` has every
+    rule below in full, with examples.
 
-    Every input is accounted for when ``run`` returns: it has a result (returned, or stored at ``output_path``),
-    or it is in ``result.failed`` with its cause in ``result.failures`` (position -> cause: a row out of memory
-    alone with ``on_oom="skip"``, a row ``fn`` raised on alone with ``on_error="skip"``, a bad input the loader
-    skipped, or with a store a row ``fn`` gave as ``None``). Both come from what the sink holds (the store's rows
-    and failure records), never from a count. A run that cannot account for an input raises
-    :class:`IncompleteRunError` naming how many and the first positions (and ids), in every mode: one device,
-    ``devices=``, ranks in lockstep or claiming.
+    Every input is accounted for when ``run`` returns: it has a result (returned, or stored at ``output_path``), or it
+    is in ``result.failed`` with its cause in ``result.failures``, both from what the sink holds, never from a count;
+    else the run raises :class:`IncompleteRunError`, in every mode.
 
     Args:
-        fn: takes a :class:`~dynabatch.data.collate.Batch`; what it returns is split into one result per row by
-            the row rule (:mod:`dynabatch.inference.outputs`): a batch-first tensor (or a tuple, list or dict of
-            them) gives each row its slice; a :class:`~dynabatch.inference.outputs.PerRow` is one item per row. A
-            tensor is cut to each row's real tokens only where that is certain; a 2-D tensor as wide as the batch
-            is refused at the first batch unless ``token_outputs`` declares it. Rows come back on the CPU.
-        loader: a dynabatch DataLoader (its batches are built here from its plan, so they can be split, re-sized
-            or shared before their tensors exist), or any iterable of batches with ``.indices``.
-        make_fn: with ``devices`` (and only then): ``make_fn(device)`` returns the ``fn`` for that device (a model
-            copy moved there), called once per device in that device's worker thread.
-        devices: several devices at once (``["cuda:0", "cuda:1"]``), a worker thread each, each measuring and
-            splitting on its own. A worker whose device fails (:func:`~dynabatch.memory.device.is_device_failure`:
-            a device lost, a CUDA error; never an out-of-memory error) stops and its unfinished rows go back to the
-            other devices once; any other error stops every worker and is raised.
+        fn: takes a :class:`~dynabatch.data.collate.Batch`; what it returns is split into one result per row by the
+            row rule (:mod:`dynabatch.inference.outputs`; a :class:`~dynabatch.inference.outputs.PerRow` is one
+            item per row). Rows come back on the CPU.
+        loader: a dynabatch DataLoader (its batches built here from its plan, so they can be split, re-sized or
+            shared before their tensors exist), or any iterable of batches with ``.indices``.
+        make_fn: with ``devices`` (and only then): ``make_fn(device)`` returns the ``fn`` for that device, called
+            once in that device's worker thread.
+        devices: several devices at once, a worker thread each; a worker whose device fails (never out of memory)
+            stops and its unfinished rows go to the other devices once.
         device: where each batch is moved before ``fn``; ``None`` leaves it.
-        memory: ``"measured"`` (a dynabatch loader's batches re-sized from measured peaks so that none exceeds
-            the first batch's), ``"guarded"`` (batches in their own order, one bound above the first batch's
-            peak split before it runs), ``"record"`` (batches as they come, every peak recorded), ``"off"``, or
-            ``"auto"``: measured where the batches can be re-planned, else guarded; off where memory cannot be
-            measured (:mod:`dynabatch.inference.options`).
-        ranks: under ``torch.distributed``: ``"lockstep"`` (the same calls of ``fn`` on every rank: collectives
-            in ``fn`` stay matched), ``"claim"`` (ranks claim chunks of the corpus; no collectives in ``fn``),
-            ``"single"`` (this process runs everything); ``"auto"``: lockstep under more than one rank. Without
-            ``output_path`` rank 0 gathers every row.
-        on_oom: a single row out of memory on its own: ``"raise"`` :class:`BatchOutOfMemoryError` (``.partial``:
-            the rows finished) or ``"skip"`` it (``None``, in ``result.failed``). Larger batches are split in
-            halves and retried, and later batches planned under what the errors teach.
-        on_error: an error ``fn`` raises (not out of memory, not a device failure) splits its batch in halves
-            until the rows ``fn`` raises on are alone (at most ``2 * ceil(log2(rows))`` more calls); ``"raise"``
-            the first such row's error with a note naming its position and id, or ``"skip"``: each is set aside
-            into ``result.failed`` with the error's text as its cause (counted in ``report.error_rows``); the
-            other rows run as usual. An error none of the halves raise is raised naming the whole batch.
-        output_path: a directory for the results store (:mod:`dynabatch.inference.store`): Parquet shards, one
-            row per input, written as rows finish, committed however the run ends (Ctrl-C too); a rerun with
-            the same ``key`` runs only the rows not stored, and stored rows of other inputs are refused before
-            any row is written (a plain iterable's as each batch is built, before any row of it is written). Or the
-            store itself, opened by the caller (``open_store``), who closes it.
+        memory: ``"measured"`` (batches re-sized from measured peaks so that none exceeds the first batch's),
+            ``"guarded"`` (batches in their own order, one bound above the first batch's peak split before it
+            runs), ``"record"`` (every peak recorded), ``"off"``, or ``"auto"``
+            (:mod:`dynabatch.inference.options`).
+        ranks: under ``torch.distributed``: ``"lockstep"`` (the same calls of ``fn`` on every rank), ``"claim"``
+            (ranks claim chunks of the corpus; no collectives in ``fn``), ``"single"``; ``"auto"``: lockstep under
+            more than one rank.
+        on_oom: a single row out of memory on its own: ``"raise"`` :class:`BatchOutOfMemoryError` or ``"skip"`` it.
+            Larger batches are split in halves and retried.
+        on_error: an error ``fn`` raises splits its batch in halves until the rows it raises on are alone;
+            ``"raise"`` the first such row's error with a note naming it, or ``"skip"`` each into ``result.failed``.
+        output_path: a directory for the results store (:mod:`dynabatch.inference.store`), or the store opened by
+            the caller (``open_store``); a rerun with the same ``key`` runs only the rows not stored.
         key: with ``output_path``, what computed the rows (model, revision, settings).
-        token_outputs: declares how a tensor as wide as the batch is read: ``"auto"`` (certain readings only),
-            ``"per_token"``, ``"generated"`` (padding stripped) or ``"whole"``.
+        token_outputs: how a tensor as wide as the batch is read: ``"auto"``, ``"per_token"``, ``"generated"`` or
+            ``"whole"``.
         pad_token_id: the pad id stripped from generated rows; ``None``: the loader's collator's.
         prefetch: batches built ahead in a background thread; ``None``: 2, or 0 with ``devices``.
-        progress: a progress display on standard error (:mod:`dynabatch.inference.meter`): rows done, texts/s,
-            tokens/s and the time left, weighted by what the texts left cost; a line redrawn on a terminal, else a
-            plain line every 15 s.
+        progress: a progress display on standard error (:mod:`dynabatch.inference.meter`).
 
     Returns:
         A :class:`RunResult`, a list of one result per input position with ``.report``, ``.failed`` and
         ``.failures``; with ``output_path`` a :class:`StoredRunResult` reading the same rows from the store.
 
     Raises:
-        TypeError: a bad argument type (an unknown keyword too); batches without ``.indices``; a row the store
-            cannot hold.
-        ValueError: a bad option or combination of options; a store of another ``key`` or of other inputs; an
-            ``fn`` result whose rows are ambiguous or do not match the batch.
+        TypeError: a bad argument type; batches without ``.indices``; a row the store cannot hold.
+        ValueError: a bad option or combination; a store of another ``key`` or of other inputs; an ``fn`` result
+            whose rows are ambiguous or do not match the batch.
         BatchOutOfMemoryError: with ``on_oom="raise"``, a single row that ran out of memory.
         IncompleteRunError: inputs neither returned (or stored) nor in ``failed``.
         Exception: what ``fn`` raised (``on_error="raise"``), with its note.
@@ -244,7 +222,7 @@ def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: Memor
     names = [str(t) for t in options.targets]
     names = [f"{n} (worker {i})" if names.count(n) > 1 else n for i, n in enumerate(names)]  # ["cpu", "cpu"]
     stages = Stages(source, scheduler, builder, sink, meter, threading.Event(), options.prefetch,
-                    (lambda: Lockstep(builder.stand_in)) if options.ranks == "lockstep" else None)
+                    (lambda: Lockstep(builder.stand_in)) if source.lockstep else None)
 
     def start_worker(target: Any, i: int) -> WorkerParts:
         fn = options.make_fn(target)
@@ -278,7 +256,7 @@ def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: Memor
 
 def _meter(source: Source, options: RunOptions, skipped: np.ndarray, stored: np.ndarray | None) -> Meter:
     """The run's meter over the rows that run now (those already stored left out); under ranks claiming chunks,
-    the whole corpus, each rank counting for every rank."""
+    the whole corpus, each rank counting for ``source.scale`` ranks."""
     n = source.n_inputs
     stored_count = int(stored.sum()) if stored is not None else 0
     runs = None
@@ -288,6 +266,5 @@ def _meter(source: Source, options: RunOptions, skipped: np.ndarray, stored: np.
         if stored is not None:
             runs[np.flatnonzero(stored[:n])] = False
     total = None if runs is None else int(runs.sum())
-    scale = options.world_size if options.ranks == "claim" else 1
-    return meter_for(source, total_rows=total, runs=runs, progress=options.progress, scale=scale,
+    return meter_for(source, total_rows=total, runs=runs, progress=options.progress, scale=source.scale,
                      stored=stored_count, inputs=n)

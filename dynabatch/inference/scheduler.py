@@ -1,20 +1,11 @@
 """The scheduler of :func:`dynabatch.run`: what runs next, on which worker, and at what size.
 
-It sits between the source (:mod:`~dynabatch.inference.source`, which holds this rank's share of the batches) and the
-workers, and owns every rule that decides a batch's rows:
-
-* **the memory mode**: ``measured`` (the loader's planner sizes each next batch from the lane's measured peaks),
-  ``guarded`` (batches in their own order, split before they run where the measured peaks bound them above the
-  budget), ``record`` and ``off`` (batches as they come);
-* **the budget** (:meth:`Scheduler._feedback`, the one place a lane's budget is decided): the loader's absolute
-  ``max_memory`` read on the lane's device, else the first measured call's peak;
-* **lanes**: one per worker (device), each with its own peaks, budget, failed shapes and, in measured mode, its
-  cursor in the planner's pass;
-* **sizing**: each item handed out carries its :class:`Sizing` (pre-splits and which calls are measured);
-* **rows already stored**, taken out of every batch before it is built.
-
-A worker's loop talks to it through :meth:`Scheduler.lane`, :meth:`Scheduler.next`, :meth:`Scheduler.update` and
-:meth:`Scheduler.peek` (to build batches ahead). It holds positions only, never tensors, and never calls a worker.
+It owns every rule that decides a batch's rows: the memory mode (``measured``: the loader's planner sizes each next
+batch from the lane's peaks; ``guarded``: batches in their own order, split where the peaks bound them above the
+budget; ``record`` and ``off``: as they come), the budget (:meth:`Scheduler._feedback`, its one place), a lane per
+worker (its own peaks, budget, failed shapes and planner cursor), each item's :class:`Sizing`, and the rows already
+stored, taken out. A worker's loop talks to it through :meth:`~Scheduler.lane`, :meth:`~Scheduler.next`,
+:meth:`~Scheduler.update` and :meth:`~Scheduler.peek`; it holds positions only, never tensors.
 
 Example:
     >>> import numpy as np
@@ -79,9 +70,8 @@ class Split:
 @dataclass(frozen=True)
 class Sizing:
     """How an item's pieces are sized on its lane, decided when the item is handed out: the shapes that ran out of
-    memory there (``failed``), the lane's measured peaks (``feedback``: read only while the item runs; its lane
-    learns from the item's outcome after it, :meth:`Scheduler.update`), whether calls are capped by them
-    (``guarded``) and the rows a call may have before any peak is measured (``first_rows``)."""
+    memory there (``failed``), the lane's peaks (``feedback``, read only while the item runs), whether calls are
+    capped by them (``guarded``) and the rows a call may have before any peak is measured (``first_rows``)."""
 
     failed: tuple[tuple[int, int], ...] = ()
     feedback: MemoryFeedback | None = None
@@ -109,14 +99,9 @@ class Sizing:
                      "of that width")
 
     def _cap(self, width: int) -> int | None:
-        """Guarded mode: the most rows a call of padded ``width`` may have, or ``None`` for no cap.
-
-        Before any peak is measured: the plan's first batch's rows (a dynabatch loader; its first batch is the
-        longest, so fewer rows never cost more). Then: the most rows the measured peaks bound at or under the budget
-        (:meth:`~dynabatch.memory.feedback.MemoryFeedback.max_rows`); ``None`` when no measured call at least as wide
-        stays under it (a plain iterable's batch wider than every batch measured so far runs as it comes). Either
-        way no more than out-of-memory errors allow.
-        """
+        """Guarded mode: the most rows a call of padded ``width`` may have (``None``: no cap): the plan's first batch's
+        rows before any peak is measured, then the most the peaks bound under the budget (``None`` when no measured
+        call is as wide), never more than out-of-memory errors allow."""
         if not self.guarded:
             return None
         budget = self.feedback.budget
@@ -127,15 +112,9 @@ class Sizing:
 
 
 class Scheduler:
-    """Hands out the items of ``source`` to any number of workers, each through its :class:`Lane`.
-
-    Args:
-        source: the run's :class:`~dynabatch.inference.source.Source` (this rank's share of the batches).
-        memory: the resolved memory mode (``"measured"``, ``"guarded"``, ``"record"`` or ``"off"``).
-        sparse: lanes measure only the calls that can let batches grow (the CPU tracker's cost).
-        stored: which input positions a results store holds already (taken out of every batch), or ``None``.
-        read_ahead: a plain iterable's batches read this many ahead (a background thread).
-    """
+    """Hands out the items of ``source`` to any number of workers, each through its :class:`Lane` (``memory``: the
+    resolved mode; ``sparse``: measure only the calls that can let batches grow; ``stored``: which positions a store
+    holds; ``read_ahead``: a plain iterable's batches read this many ahead)."""
 
     def __init__(self, source: Source, *, memory: str, sparse: bool, stored: np.ndarray | None = None,
                  read_ahead: int = 0) -> None:
@@ -161,10 +140,8 @@ class Scheduler:
     # --- lanes and the budget -----------------------------------------------------------------------------------
 
     def _feedback(self, device: Any) -> MemoryFeedback:
-        """A lane's peaks and budget: the one place the budget is decided. It is the loader's absolute budget
-        (``max_memory``) resolved on the lane's ``device`` as the run starts, after the model is loaded; without one,
-        the lane's first measured call's peak (:attr:`~dynabatch.memory.feedback.MemoryFeedback.budget`). Later calls
-        stay under it."""
+        """A lane's peaks and budget, the one place the budget is decided: the loader's absolute ``max_memory`` read
+        on the lane's ``device`` as the run starts, else the lane's first measured call's peak."""
         feedback = MemoryFeedback(sparse=self.sparse)
         if self._budgets is not None and device is not None:
             feedback.set_budget(self._budgets.budget_on(device))
@@ -237,12 +214,9 @@ class Scheduler:
     # --- what the lane learns ---------------------------------------------------------------------------------
 
     def update(self, lane: Lane, outcome: Any) -> None:
-        """What ``lane``'s worker saw running an item (``outcome``: an
-        :class:`~dynabatch.inference.execute.Outcome`): its shapes that ran out of memory (later calls there are
-        sized or capped under the lower limit each shows, and shapes as large are split first), its measured
-        ``(rows, width, peak)`` calls, and its unfinished rows (a device failed: put back, run first by the next worker
-        to ask). Measured mode learns from the peaks only when the item ran whole (the planner re-sizes from it);
-        guarded mode from every measured call."""
+        """What ``lane``'s worker saw running an item (an :class:`~dynabatch.inference.execute.Outcome`): its shapes
+        that ran out of memory, its measured calls (measured mode learns only from an item that ran whole), and its
+        unfinished rows (put back, run first)."""
         with self._lock:
             for shape in outcome.out_of_memory:
                 lane.failed_shapes.append(shape)

@@ -1,12 +1,10 @@
 """The sinks of :func:`dynabatch.run`: where finished rows and failed inputs go, and the one place results are
 assembled.
 
-A sink takes what it needs as arguments, and never reads the source: rows with their positions and input hashes
-(``writer.write``), inputs that failed with their causes (``writer.fail``), and at the end the number of inputs.
-:class:`MemorySink` keeps them in memory (gathered on rank 0 under ``torch.distributed``); :class:`StoreSink` writes
-them to the results store of ``output_path`` (:mod:`dynabatch.inference.store`) and reads them back. Either way
-:meth:`result` is the run's result, with ``failures`` (position -> cause) from what the sink holds, and the
-positions it can account for neither way (the run raises for them).
+A sink takes rows with their positions and input hashes (``writer.write``) and failed inputs with their causes
+(``writer.fail``), never reading the source. :class:`MemorySink` keeps them in memory (gathered on rank 0 under
+``torch.distributed``); :class:`StoreSink` writes them to the results store. Either way ``result(n)`` is the run's
+result, accounted from what the sink holds, and the positions it holds neither way (the run raises for them).
 
 Example:
     >>> import numpy as np

@@ -1,10 +1,9 @@
 """The source of :func:`dynabatch.run`: the batches a loader plans, as :class:`Item` s, and everything about inputs.
 
-A dynabatch DataLoader carries its plan (``loader.plan``), so its batches are known as input positions before their
-tensors exist (built later, by :mod:`~dynabatch.inference.build`), and can be shared among ranks
-(:meth:`Source.share`). Any other iterable of :class:`~dynabatch.data.collate.Batch` is read as it comes, ahead of the
-device (:class:`~dynabatch._background.Ahead`). The source also answers a resumed run's check
-(:meth:`Source.input_hashes`) and frees a streamed plan's tokens as the loop is done with them (:meth:`Source.done`).
+A dynabatch DataLoader's batches are known as input positions before their tensors exist, and can be shared among
+ranks (:meth:`Source.share`); any other iterable of :class:`~dynabatch.data.collate.Batch` is read as it comes, ahead
+of the device. The source also answers a resumed run's check (:meth:`Source.input_hashes`) and frees a streamed
+plan's tokens as the loop is done with them (:meth:`Source.done`).
 """
 
 from __future__ import annotations
@@ -32,13 +31,9 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 @dataclass
 class Item:
-    """One batch to run: its number in the plan and its input positions.
-
-    ``batch``: the tensors of a plain iterable's batch as it came, or of a batch built already (rows put back after a
-    device failed); ``rows``: which of its rows run (row numbers within it; ``None``: all). A plan's batch has no
-    tensors yet: the build stage collates its positions. ``stored``: positions taken out because a results store
-    holds them (their tokens can be freed; a plain iterable's are checked against the store as the batch is built).
-    """
+    """One batch to run: its number in the plan and its input positions; ``batch``: its tensors where it came with
+    them (a plain iterable's, or rows put back after a device failed), ``rows`` the rows of it that run (``None``:
+    all); ``stored``: positions taken out because a results store holds them."""
 
     number: int
     positions: np.ndarray
@@ -79,6 +74,8 @@ class Source:
             rank claims), or ``None``.
         streamed: the plan tokenizes its chunks as they are planned (its tokens are freed as rows finish).
         known: every batch is known up front as positions (its next batches can be built ahead).
+        lockstep: the ranks run their shares in rounds (:class:`~dynabatch.inference.distributed.Lockstep`).
+        scale: how many ranks this rank's progress counts for (ranks claiming alike).
     """
 
     def __init__(self, loader: Any, plan: Any) -> None:
@@ -87,6 +84,7 @@ class Source:
         self.planner = None if plan is None else plan.planner
         self.streamed = plan is not None and plan.stream is not None
         self.known = plan is not None and not self.streamed
+        self.lockstep, self.scale = False, 1
         self._reader: Ahead | None = None
         self._mine: Iterable[Item] | None = None  # this rank's share: dealt in lockstep, or claimed chunks planned
         self._feed = None  # the claimed chunks' tokenizing feed (a streamed plan under ranks="claim")
@@ -94,20 +92,19 @@ class Source:
 
     def share(self, ranks: str, rank: int, world_size: int) -> None:
         """Keeps only this rank's share of the batches under ``ranks`` (``"single"``: every batch): ``"lockstep"``,
-        every rank the same number of batches of the whole plan (the one routine of :mod:`dynabatch.sampling.ranks`:
-        the largest batches split, then dealt in steps); ``"claim"``, the chunks of the plan this rank claims
-        (:func:`~dynabatch.inference.distributed.claimed_planner`; a streamed plan tokenizes only those, stopped by
-        :meth:`close`)."""
+        every rank the same number of batches of the whole plan (:mod:`dynabatch.sampling.ranks`); ``"claim"``, the
+        chunks of the plan this rank claims (a streamed plan tokenizes only those)."""
         from dynabatch.inference.distributed import check_same_batches, claimed_planner
 
         if ranks == "claim":
             self.planner, self._feed = claimed_planner(self.plan)
             self._mine, self.known = (Item(n, b) for n, b in enumerate(self.planner.iter_batches())), False
+            self.scale = world_size
         elif ranks == "lockstep":
             items = list(self.items())
             check_same_batches([i.positions for i in items])
             self._seen = max((int(i.positions.max()) for i in items if i.positions.size), default=-1)
-            self._mine, self.known = _deal(items, rank, world_size), True
+            self._mine, self.known, self.lockstep = _deal(items, rank, world_size), True, True
 
     def items(self, *, read_ahead: int = 0) -> Iterator[Item]:
         """Every batch of this rank in the loader's order: a plan's as input positions, a plain iterable's with its
@@ -145,12 +142,8 @@ class Source:
         return self.plan.collator.tokenized.lengths, True, None
 
     def input_hashes(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """``(positions, input hashes)`` of this run's inputs among ``positions`` (a plan's: those below
-        :attr:`n_inputs`), as a results store hashes a row; ``None`` for an iterable of batches, whose rows are
-        hashed as its batches are built.
-
-        A plan hashes only those rows: from the token store, or (streamed) tokenized for it and not held.
-        """
+        """``(positions, input hashes)`` of this run's inputs among ``positions``, as a results store hashes a row;
+        ``None`` for an iterable of batches, whose rows are hashed as its batches are built."""
         if self.plan is None:
             return None
         positions = positions[positions < self.n_inputs]

@@ -1,15 +1,11 @@
 """The results store of ``run(..., output_path=...)``: Parquet shards on disk, one row per input.
 
-A directory of Parquet shards: the key columns (``position``, or ``id`` where ids key the rows), ``input_hash`` and
-the outputs as :mod:`dynabatch.inference.columns` encodes them, each shard's metadata saying format, key, keying and
-the rows' structure; failure records under ``_failed/``; one job writing at a time (:mod:`~.store_lock`). A run opens
-the store once (:func:`open_store`): which inputs it holds (``done``), the stored rows checked against the run's
-inputs (:meth:`Store.check_inputs`), then writers (:meth:`Store.writer`,
-:class:`~dynabatch.inference.store_writer.StoreWriter`) commit shards behind the run and merge small ones; at the end
-:meth:`Store.located` reads where every row is, and the failure records, in one scan. The files' names and whole
-writes are :mod:`~.store_shards`'; shards set aside are removed once a run over the store ends with every input
-stored. The rules (commit cadence, compaction, the lock, failure records, positions, column types, checksums, shards
-set aside) are in ``docs/inference.md``.
+Each shard holds the key columns (``position``, or ``id``), ``input_hash`` and the outputs as
+:mod:`~dynabatch.inference.columns` encodes them, its metadata saying format, key, keying and the rows' structure;
+failure records are under ``_failed/``; one job writes at a time (:mod:`~.store_lock`). A run opens the store once
+(:func:`open_store`: which inputs it holds, ``done``), checks the stored rows against its inputs
+(:meth:`Store.check_inputs`), writes through :meth:`Store.writer`, and reads where every row is in one scan at the
+end (:meth:`Store.located`). The rules are in ``docs/inference.md``.
 
 Example:
     >>> import tempfile
@@ -51,7 +47,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dynabatch._malloc import trim
-from dynabatch._validation import bad_value
+from dynabatch._validation import bad_value, first_few
 from dynabatch.inference.columns import Columns, same_field, widen
 from dynabatch.inference.store_lock import PREFIX, JobLock, StoreBusyError
 from dynabatch.inference.store_shards import (FAILED, FORMAT, META, SET_ASIDE, TEMPORARY, covered, is_dead, is_shard,
@@ -73,14 +69,9 @@ _Shard = namedtuple("_Shard", "keys hashes fields")  # an indexed shard: its key
 
 class Store:
     """A results store opened for a run over ``n`` inputs (``None``: as the stored positions say), keyed by position
-    or by ``ids``; ``keyed_by="id"`` without ids: the inputs are the ids stored (Ray's map_texts checks each
-    window's). Held for ``job`` (:class:`~dynabatch.inference.store_lock.JobLock`) until :meth:`close`, or until the
-    store is dropped (garbage-collected: its writers hold it while they write). ``verify``:
-    every shard read whole, checksums verified.
-
-    Attributes: ``done`` (which inputs the store holds, bool per input), ``n``, ``ids``, ``columns`` (the rows'
-    :class:`~dynabatch.inference.columns.Columns`), ``schema`` (their Arrow fields), ``files`` (the shards, in the
-    order rows are numbered).
+    or by ``ids`` (``keyed_by="id"`` without ids: the inputs are the ids stored), held for ``job`` until
+    :meth:`close` or until dropped; ``verify``: every shard read whole, checksums verified. Attributes: ``done``
+    (which inputs it holds), ``n``, ``ids``, ``columns``, ``schema``, ``files`` (in the order rows are numbered).
     """
 
     def __init__(self, path: Any, *, key: str | None, n: int | None = None, ids: pa.Array | None = None,
@@ -281,8 +272,7 @@ class Store:
             self._unchecked = max(0, self._unchecked - fresh.size)  # none owed where n=None: checked as built
             return
         what = "ids" if self.ids is not None else "positions"
-        shown = self.ids.take(pa.array(differ[:5])).to_pylist() if self.ids is not None else differ[:5].tolist()
-        shown = ", ".join(map(str, shown)) + ", ..." * (differ.size > 5)
+        shown = first_few(differ[:6].tolist() if self.ids is None else self.ids.take(pa.array(differ[:6])).to_pylist())
         raise ValueError(
             f"output_path={self.path!r} should hold results of these inputs at their {what}, but got {differ.size} "
             f"stored rows computed from other inputs ({what} {shown}): the texts, their order, the tokenizer or "
@@ -301,9 +291,8 @@ class Store:
 
     # -- what a writer asks of the store (StoreWriter) ------------------------------------------------------------
     def admit(self, row: Any, rows: Sequence[Any], varying: Collection[tuple]) -> dict:
-        """Each column's values of ``rows`` (shaped like ``row``), checked against the store's fields and widening
-        those no shard typed yet, so that a row that does not fit is refused before it is buffered; a
-        ``RuntimeError`` while stored rows of the run's inputs are not checked yet (:meth:`check_inputs`)."""
+        """Each column's values of ``rows`` (shaped like ``row``), checked against the store's fields (widening those
+        no shard typed yet) before they are buffered; a ``RuntimeError`` before :meth:`check_inputs`."""
         if self._unchecked:
             raise RuntimeError(f"output_path={self.path!r}: {self._unchecked} stored rows of this run's inputs should "
                                "be checked (store.check_inputs) before the run writes, so that a run over other "
@@ -364,8 +353,8 @@ class Store:
 
     def settle(self) -> None:
         """Rewrites the shards whose columns are narrower than the store's (a column ``None`` in every row of the
-        shard, typed by a later one), so that every reader of the folder, which takes one shard's schema, reads
-        them all. Call it when no writer of the job writes (:meth:`located` does)."""
+        shard, typed by a later one), so that a reader taking one shard's schema reads them all; with no writer
+        writing."""
         with self._lock:
             if self.columns is None or not self.lock.held:
                 return
@@ -380,10 +369,8 @@ class Store:
                     self._shards[file] = entry._replace(fields=list(schema))
 
     def located(self, n: int) -> Located:
-        """Where each of ``n`` inputs' rows is in the store as it is now (every writer's committed shards), to read
-        them back (:class:`~dynabatch.inference.results.StoredRunResult`), and ``failures``: the latest cause of each
-        input failed and not stored since (a rerun runs it again: it is not :attr:`done`), from the failure records.
-        The end of a run's one scan of the store; shards settled first (:meth:`settle`)."""
+        """Where each of ``n`` inputs' rows is in the store as it is now, and ``failures``: the latest cause of each
+        input failed and not stored since; the end of a run's one scan of the store, shards settled first."""
         with self._lock:
             self._scan(verify=False)
             self.settle()
@@ -419,8 +406,7 @@ class Store:
 def open_store(path: Any, *, key: str | None, n: int | None = None, ids: pa.Array | None = None,
                job: str | None = None, keyed_by: str | None = None, verify: bool = True) -> Store:
     """The results store at ``path``, opened for a run over ``n`` inputs (or ``ids``) and held for ``job`` (one string
-    for every process of a job, e.g. a token rank 0 broadcasts; ``None``: this open alone, one run) until
-    ``store.close()``: another open without this job string is refused while it holds it, in this process too.
+    for every process of a job; ``None``: this open alone) until ``store.close()``.
 
     Raises:
         StoreBusyError: another live job writes the store (``.holder`` names it).

@@ -1,17 +1,14 @@
 """One job per results store: the lock a job holds while it writes a store (:class:`JobLock`, :class:`StoreBusyError`).
 
-Each hold leaves a record in the store, ``.lock-<nonce>.json`` (job, host, process id, start time), whose modification
-time is its heartbeat, refreshed every :data:`HEARTBEAT_SECONDS` by one :class:`~dynabatch._background.Ticker` per
-process. A hold is admitted when every live record is of its own job (``job=None``: a job of its own, one run); else
-:class:`StoreBusyError` names the holder, and the refused hold removes nothing but its own record. A record is dead,
-and removed with a warning by the next hold admitted, when its process is gone: on the same machine (host, boot and
-process namespace) its process id no longer runs, or runs a process started at another time; elsewhere its heartbeat
-is older than :data:`LEASE_SECONDS` on the file server's clock. A ``.lock-*.json`` that is not a record was not
-written by a hold (records are renamed into place whole) and is removed with a warning. Whole files renamed into
-place hold on NFS as on a local disk (``flock`` does not: on NFS version 3 a lost client's locks stay until it
-reboots). A hold writes its record before it reads the others', inside a gate, ``.lock-gate`` (made by ``link``,
-atomic on NFS too; broken once :data:`GATE_SECONDS` old or its process gone), so of two jobs started at once exactly
-one is admitted. The rules as a user reads them: ``docs/inference.md``, "One job at a time".
+Each hold leaves a record in the store, ``.lock-<nonce>.json`` (job, host, process id, start time), renamed into place
+whole (which holds on NFS, where ``flock`` does not), its modification time the heartbeat one
+:class:`~dynabatch._background.Ticker` per process refreshes. A hold is admitted when every live record is of its own
+job (``job=None``: a job of its own); else :class:`StoreBusyError` names the holder. A record is dead, and removed by
+the next hold admitted, when its process is gone: on the same machine (host, boot, process namespace) its process id
+no longer runs the process that wrote it; elsewhere its heartbeat is older than :data:`LEASE_SECONDS` on the file
+server's clock. A hold writes its record before it reads the others', inside a gate made by ``link`` (atomic on NFS
+too), so of two jobs started at once exactly one is admitted. The user's rules: ``docs/inference.md``, "One job at a
+time".
 
 Example:
     >>> import tempfile
@@ -301,15 +298,8 @@ def _remove(path: str) -> None:
 
 
 class JobLock:
-    """The store at ``path`` held for ``job`` by this process until :meth:`release` (see the module).
-
-    Args:
-        path: the store's directory (it exists).
-        job: one string for every process of a job; ``None``: this hold alone is the job (one run).
-
-    Raises:
-        StoreBusyError: another live job holds the store.
-    """
+    """The store at ``path`` (a directory) held for ``job`` (one string for every process of a job; ``None``: this
+    hold alone) by this process until :meth:`release`; :class:`StoreBusyError` where another live job holds it."""
 
     def __init__(self, path: str, job: str | None = None) -> None:
         self.job = job if job is not None else "process {host}:{pid}:{ticks} run {run}".format(

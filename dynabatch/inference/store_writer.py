@@ -1,7 +1,6 @@
 """The results store's writer: rows and failure records buffered, committed as shards behind the run by one
-:class:`~dynabatch._background.Worker` as :data:`COMMIT` says (its timed flush commits rows that waited long enough),
-small shards merged. A shard that cannot be written stops the commits: its rows are kept, the error is raised at the
-next ``write``, ``fail`` or ``close``, and a later ``close()`` tries again.
+:class:`~dynabatch._background.Worker` as :data:`COMMIT` says, small shards merged. A shard that cannot be written
+stops the commits: its rows are kept, the error raised at the next call, and a later ``close()`` tries again.
 
 Example:
     >>> from dynabatch.inference.store_writer import COMMIT
@@ -66,9 +65,8 @@ _Failures = namedtuple("_Failures", "positions hashes causes")
 
 
 class StoreWriter:
-    """Buffers rows checked at :meth:`write` and failure records (:meth:`fail`) for ``store`` (a
-    :class:`~dynabatch.inference.store.Store`); its worker commits them as shards named after ``name`` and merges
-    small ones (see the module); :meth:`close`. ``ids``: the rows' ids, which positions index."""
+    """Buffers rows (:meth:`write`) and failure records (:meth:`fail`) for ``store``, committed as shards named after
+    ``name``; ``ids``: the rows' ids, which positions index."""
 
     def __init__(self, store: Any, name: str, ids: pa.Array | None) -> None:
         self.store, self.name, self.ids, self.policy = store, name, ids, COMMIT
@@ -84,11 +82,9 @@ class StoreWriter:
 
     # -- the caller's side -------------------------------------------------------------------------------------------
     def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray, varying: Collection[tuple] = ()) -> None:
-        """Adds rows (``rows[i]`` of input ``positions[i]``, input hash ``hashes[i]``; a ``None`` row is no row: its
-        input is recorded failed, :data:`NONE_ROW`, and a rerun runs it again); ``varying``: row paths (keys and
-        indices; ``()``: the row) of per-token tensors, stored as lists. Raises ``TypeError`` / ``ValueError`` naming
-        the column for a row the store's columns cannot hold (nothing of the call kept), ``RuntimeError`` before
-        check_inputs, and an error of an earlier commit that failed for good."""
+        """Adds rows (``rows[i]`` of input ``positions[i]``, input hash ``hashes[i]``; a ``None`` row is recorded
+        failed, :data:`NONE_ROW`); ``varying``: row paths of per-token tensors, stored as lists. Raises for a row the
+        store's columns cannot hold (nothing of the call kept), and an error of an earlier commit that failed."""
         self._check()
         positions = np.asarray(positions, dtype=np.int64)
         hashes = np.asarray(hashes if hashes is not None else np.zeros(len(rows)), dtype=np.uint64)
@@ -102,7 +98,7 @@ class StoreWriter:
 
     def fail(self, positions: np.ndarray, hashes: np.ndarray | None, causes: Sequence[Any]) -> None:
         """Records inputs that failed (``causes[i]``: why input ``positions[i]`` has no row, its first line kept),
-        committed with the rows: the store's ``located(n).failures`` reports them until a row is stored for them."""
+        committed with the rows."""
         self._check()
         positions = np.asarray(positions, dtype=np.int64)
         if len(causes) != len(positions):
@@ -139,9 +135,8 @@ class StoreWriter:
         self.buffer, self.rows, self.bytes, self.since = [], 0, 0, None
 
     def close(self, commit: bool = True) -> None:
-        """Ends the writer: the buffered rows committed (``commit=True``) or dropped; whole shards land either way.
-        Raises the error of a commit that failed for good (its rows stay, and a later ``close()`` tries them
-        again). The worker has stopped when this returns."""
+        """Ends the writer, its worker stopped: the buffered rows committed (``commit=True``) or dropped; raises the
+        error of a commit that failed for good (its rows stay for a later ``close()``)."""
         with self._guard:
             self.buffer = self.buffer if commit else []
             self._seal()
@@ -229,11 +224,9 @@ class StoreWriter:
         return size
 
     def _compact(self, seq: int, size: int) -> None:
-        """Merges this writer's small shards (under :attr:`CommitPolicy.bytes`) by levels: :attr:`CommitPolicy.compact`
-        shards of a level into one of the next (each row rewritten once per level, a few times in all). A merged
-        shard ``part-<writer>-<first>-<last>`` is written whole before its parts are removed (see
-        :func:`~dynabatch.inference.store_shards.covered`), so a crash at any point leaves each row in exactly one
-        shard. Merged ranges stay contiguous: a full shard ends the merging of the smaller ones before it."""
+        """Merges this writer's small shards by levels, :attr:`CommitPolicy.compact` of a level into one of the next;
+        a merged shard is written whole before its parts are removed, so a crash leaves each row in exactly one
+        shard, and a full shard ends the merging of the smaller ones before it (ranges stay contiguous)."""
         span = (seq, seq)
         if size >= self.policy.bytes:
             self._levels = []

@@ -10,6 +10,8 @@ An estimator answers, over lengths sorted longest first:
   :class:`~dynabatch.memory.feedback.MemoryFeedback`);
 * ``observe(rows, padded_length, peak_bytes)`` and ``observe_out_of_memory(rows,
   padded_length)``: a measured peak, or a shape that ran out of memory, to refine itself;
+* ``prepare(settings)``: loads what ``plan_sizes`` will need (the spike classifier), so that a caller can do it
+  beside the tokenizer rather than before the plan;
 * ``restart()``: a run starts; what earlier runs taught it is dropped (a
   :class:`BudgetEstimator` built with ``refit=True`` keeps it: its memory model is
   the caller's, refitted in place);
@@ -143,6 +145,10 @@ class SpikeEstimator:
             self._loaded[shape] = clf
         return self._loaded[shape]
 
+    def prepare(self, settings: PlanSettings) -> None:
+        """Loads the classifier the settings plan with (a process's first load reads its compiled trees)."""
+        self.classifier_for(settings)
+
     def plan_sizes(self, sorted_lengths: np.ndarray, settings: PlanSettings) -> np.ndarray:
         """Batch sizes over ``sorted_lengths`` (longest first), by the spike search."""
         search = SpikeSearch(sorted_lengths, settings, self.classifier_for(settings))
@@ -208,6 +214,9 @@ class BudgetEstimator:
         self.target = 1.0 - self.memory_margin
         self.relative = self.max_memory is None
         self.budget: MemoryBudget | None = None
+
+    def prepare(self, settings: PlanSettings) -> None:
+        """A memory model is loaded already: nothing to do ahead of the plan."""
 
     def plan_sizes(self, sorted_lengths: np.ndarray, settings: PlanSettings) -> np.ndarray:
         """Batch sizes over ``sorted_lengths``: each the most rows the budget allows, by the one rule."""

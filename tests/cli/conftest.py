@@ -1,6 +1,8 @@
 """Fixtures of the command-line tests: tiny random-weight model folders (made once per session), a corpus, and
-subprocess runs of ``python -m dynabatch`` that can be stopped after their first stored shard."""
+subprocess runs of ``python -m dynabatch`` that can be stopped after their first stored shard (fresh interpreters),
+or that run to their end (forks of ``tests/_warm.py``'s interpreter, without the imports' 15-20 s)."""
 
+import functools
 import json
 import os
 import shutil
@@ -11,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import _warm
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -180,11 +183,11 @@ def _kill_after_first_shard(command: list[str], store: Path, hook: Path, timeout
 
 
 def _run_command(command: list[str], timeout: float = 180, *, hook: str | None = None, hook_in: Path | None = None,
-                 status: int = 0) -> subprocess.CompletedProcess:
-    """Runs ``command`` to its end (with ``hook`` loaded from the folder ``hook_in``, as :func:`_environment` does);
-    fails the test with its output unless it exits with ``status``."""
+                 status: int = 0, warm: _warm.Server | None = None) -> subprocess.CompletedProcess:
+    """Runs ``command`` to its end (with ``hook`` loaded from the folder ``hook_in``, as :func:`_environment` does;
+    in a fork of ``warm`` when given); fails the test with its output unless it exits with ``status``."""
     env = _environment(hook_in, hook) if hook is not None else _environment()
-    done = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=timeout)
+    done = _warm.run(warm, command, env=env, text=True, timeout=timeout)
     assert done.returncode == status, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
@@ -214,9 +217,11 @@ def command_environment():
 
 
 @pytest.fixture(scope="session")
-def run_command():
-    """``run_command(command, hook=None, hook_in=None, status=0)``: a run to its end, its exit status asserted."""
-    return _run_command
+def run_command(warm):
+    """``run_command(command, hook=None, hook_in=None, status=0)``: a run to its end, its exit status asserted (a
+    ``python`` command in a fork of ``warm``; what the tests kill runs in a fresh interpreter, by
+    ``kill_after_first_shard``)."""
+    return functools.partial(_run_command, warm=warm)
 
 
 @pytest.fixture()

@@ -1,5 +1,6 @@
 import logging
 import os
+import time
 
 import numpy as np
 import pandas as pd
@@ -544,29 +545,111 @@ def test_tokenize_cores_is_checked(tokenizer):
 _TEST_PROCESS = os.getpid()
 
 
-class DyingInWorkers(BertTokenizer):
+class WorkersFirst(BertTokenizer):
+    """A tokenizer whose call in a worker marks ``answered`` (a path set on it), and whose calls in the test's process
+    past its first (which runs before any worker exists) wait until one has: a worker takes part however long the
+    machine takes to start it."""
+
+    def __call__(self, text, *args, **kwargs):
+        if os.getpid() != _TEST_PROCESS:
+            self.answered.touch()
+        else:
+            self.calls = getattr(self, "calls", 0) + 1
+            deadline = time.monotonic() + 120
+            while self.calls > 1 and not self.answered.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return super().__call__(text, *args, **kwargs)
+
+
+def _workers_first(tokenizer, cls, answered):
+    """A copy of ``tokenizer`` as ``cls`` (a :class:`WorkersFirst`), marking ``answered``."""
+    other = _as(tokenizer, cls)
+    other.answered = answered
+    return other
+
+
+@pytest.fixture
+def sleeping_calls(monkeypatch):
+    """Workers for any call: a call on one thread (``TOKENIZERS_PARALLELISM=false``) whose sleeps in the test's process
+    must not read as time on threads of its own (another thread's few milliseconds would keep the workers out)."""
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    monkeypatch.setattr(workers, "_OWN_THREADS_SHARE", 1.0)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+
+
+class DyingInWorkers(WorkersFirst):
     """A tokenizer whose call kills any process but the test's (a worker killed mid-call)."""
 
     def __call__(self, text, *args, **kwargs):
         if os.getpid() != _TEST_PROCESS:
+            super().__call__(text, *args, **kwargs)
             os._exit(1)
         return super().__call__(text, *args, **kwargs)
 
 
 @two_cores
-def test_workers_that_die_leave_the_call_to_this_process(tokenizer, monkeypatch, caplog, texts, no_pool_left):
-    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
-    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # its call on one thread: workers join
-    dying = _as(tokenizer, DyingInWorkers)
-    tokenize = ParallelTokenizer(dying, MAX_LEN, {}, cores=2, chunk_size=8)
+def test_workers_that_die_leave_the_call_to_this_process(tokenizer, caplog, texts, tmp_path, sleeping_calls,
+                                                         no_pool_left):
+    tokenize = ParallelTokenizer(_workers_first(tokenizer, DyingInWorkers, tmp_path / "answered"), MAX_LEN, {},
+                                 cores=2, chunk_size=8)
     items = texts * 2
     expected = tokenizer(items, truncation=True, max_length=MAX_LEN)["input_ids"]
     with caplog.at_level(logging.WARNING, logger="dynabatch.data.workers"):
-        for _ in range(3):  # the worker dies once it has unpickled the tokenizer: this call or a later one sees it
-            tokens = tokenize(items)
-            assert [tokens.row(i).tolist() for i in range(len(items))] == expected
-            if "worker processes failed" in caplog.text:
-                break
+        tokens = tokenize(items)
+    assert [tokens.row(i).tolist() for i in range(len(items))] == expected
     assert "worker processes failed" in caplog.text
     tokenize(items[:40])  # not tried again for this tokenizer
-    assert tokenize.mechanisms["one"] == 1
+    assert tokenize.mechanisms == {"processes": 1, "one": 1}
+
+
+class SlowHere(WorkersFirst):
+    """A tokenizer whose own call takes 50 ms longer in the test's process than in a worker."""
+
+    def __call__(self, text, *args, **kwargs):
+        if os.getpid() == _TEST_PROCESS:
+            time.sleep(0.05)
+        return super().__call__(text, *args, **kwargs)
+
+
+@two_cores
+@pytest.mark.parametrize("lose_below, lost", [(float("inf"), True), (0.0, False)])  # both sides of the judgement
+def test_workers_that_lose_are_dropped_and_a_pool_that_pays_serves_every_loader(tokenizer, monkeypatch, texts,
+                                                                              tmp_path, sleeping_calls, lose_below,
+                                                                              lost, no_pool_left):
+    monkeypatch.setattr(workers, "WORKERS_LOSE_BELOW", lose_below)
+    slow = _workers_first(tokenizer, SlowHere, tmp_path / "answered")
+    items = texts[:96]
+    expected = tokenizer(items, truncation=True, max_length=MAX_LEN)["input_ids"]
+    first, second = (ParallelTokenizer(slow, MAX_LEN, {}, cores=2, chunk_size=8) for _ in range(2))  # two loaders'
+    for tokenize in (first, first, second):
+        tokens = tokenize(items)
+        assert [tokens.row(i).tolist() for i in range(len(items))] == expected  # each text once, in order
+    pids = workers.shared_pool(1).pids
+    assert first.mechanisms == ({"processes": 1, "one": 1} if lost else {"processes": 2})
+    assert second.mechanisms == {"processes": 1}  # another loader judges for itself, on the same pool
+    assert workers.shared_pool(1).pids == pids
+
+
+def _tokenize_in_daemon(tokenizer, items, answers):
+    tokenize = ParallelTokenizer(tokenizer, MAX_LEN, {}, cores=2, chunk_size=8)
+    tokens = tokenize(items)
+    answers.put((dict(tokenize.mechanisms), [tokens.row(i).tolist() for i in range(len(items))]))
+
+
+@two_cores
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_dataloader_worker_tokenizes_alone(tokenizer, monkeypatch, texts):
+    import multiprocessing
+
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    context = multiprocessing.get_context("fork")
+    answers = context.Queue()
+    items = texts[:40]
+    process = context.Process(target=_tokenize_in_daemon, args=(_as(tokenizer, AmenCall), items, answers),
+                              daemon=True)  # as num_workers' processes are: no pool of its own
+    process.start()
+    mechanisms, rows = answers.get(timeout=60)
+    process.join()
+    assert mechanisms == {"one": 1}
+    assert rows == _as(tokenizer, AmenCall)(items, truncation=True, max_length=MAX_LEN)["input_ids"]

@@ -87,6 +87,22 @@ def _slow(state, piece):
     return [state * value for value in piece]
 
 
+@pytest.fixture
+def sleeping_pieces(monkeypatch):
+    """Workers for any piece: the pieces sleep, so their ~0 CPU time must not read as a call on threads of its own
+    (another thread's few milliseconds would keep the workers out)."""
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    monkeypatch.setattr(workers, "_OWN_THREADS_SHARE", 1.0)
+
+
+def _busy(state, piece):
+    """20 ms of this thread's CPU a piece (the cost rule weighs CPU seconds)."""
+    until = time.thread_time() + 0.02
+    while time.thread_time() < until:
+        pass
+    return [state * value for value in piece]
+
+
 class SlowToUnpickle:
     """A state that takes ``seconds`` to unpickle anywhere but the process that made it (a worker starting slowly)."""
 
@@ -103,8 +119,7 @@ class SlowToUnpickle:
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 40])  # one piece (no worker), and pieces on both sides of the workers'
-def test_pieces_come_back_in_order_from_this_thread_and_the_workers(monkeypatch, size):
-    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+def test_pieces_come_back_in_order_from_this_thread_and_the_workers(sleeping_pieces, size):
     pieces = [list(range(k, k + 3)) for k in range(size)]
     shared = Pieces(_slow, 2, pieces, cores=3)
     assert list(shared) == [[2 * v for v in piece] for piece in pieces]
@@ -115,7 +130,8 @@ def test_pieces_come_back_in_order_from_this_thread_and_the_workers(monkeypatch,
 
 
 @pytest.mark.parametrize("threshold, cores, used", [(0, 2, 1), (10**6, 2, 0), (0, 1, 0)])
-def test_workers_join_only_where_the_rest_takes_one_thread_long_enough(monkeypatch, threshold, cores, used):
+def test_workers_join_only_where_the_rest_takes_one_thread_long_enough(monkeypatch, sleeping_pieces, threshold, cores,
+                                                                       used):
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", threshold)
     pieces = [[1, 2]] * 6
     shared = Pieces(_slow, 3, pieces, cores=cores)
@@ -125,8 +141,8 @@ def test_workers_join_only_where_the_rest_takes_one_thread_long_enough(monkeypat
 
 @pytest.mark.parametrize("later, used", [(0.0, 0), (50.0, 1)])  # the calls to come tip the rule, or do not
 def test_the_work_of_later_calls_counts_toward_the_rule(monkeypatch, later, used):
-    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 1.0)  # the rest of this call alone: ~0.04 s at most
-    shared = Pieces(_slow, 3, [[1, 2]] * 3, cores=2, later=later)
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 1.0)  # the rest of this call alone: ~0.04 s of CPU
+    shared = Pieces(_busy, 3, [[1, 2]] * 3, cores=2, later=later)
     assert list(shared) == [[3, 6]] * 3 and shared.used_workers == used
 
 
@@ -137,26 +153,20 @@ def test_a_call_that_already_spans_cores_is_left_alone(monkeypatch):
     assert list(shared) == [[3]] * 4 and shared.used_workers == 0
 
 
-def test_this_thread_never_waits_on_a_worker_that_is_still_starting(monkeypatch):
-    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+def test_this_thread_never_waits_on_a_worker_that_is_still_starting(sleeping_pieces):
     pieces = [[1]] * 10
     started = time.perf_counter()
     assert list(Pieces(_slow, SlowToUnpickle(30), pieces, cores=2)) == [[2]] * 10
     assert time.perf_counter() - started < 10  # the worker spends 30 s unpickling: this thread did every piece
 
 
-def test_an_error_in_a_worker_is_raised_here_and_the_pool_goes_on(monkeypatch):
-    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+def test_an_error_in_a_worker_is_raised_here_and_the_pool_goes_on(sleeping_pieces):
     with pytest.raises(ValueError, match=r"^bad piece \[7\]$"):
         list(Pieces(_fail, 1, [[7]] * 3, cores=2))
     assert list(Pieces(_slow, 2, [[1]] * 4, cores=2)) == [[2]] * 4
 
 
-def test_a_state_that_cannot_be_pickled_runs_on_this_thread(monkeypatch, caplog):
-    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
-    # _slow sleeps: its first piece's CPU time is near zero, so another thread's few ms could read as the call's own
-    # threads and keep the workers out; the pool must be tried here for its pickling to fail
-    monkeypatch.setattr(workers, "_OWN_THREADS_SHARE", 1.0)
+def test_a_state_that_cannot_be_pickled_runs_on_this_thread(caplog, sleeping_pieces):  # the pool must be tried
     with caplog.at_level(logging.WARNING, logger="dynabatch.data.workers"):
         shared = Pieces(_slow, _Local(), [[1]] * 3, cores=2)
         assert list(shared) == [[5]] * 3
@@ -179,8 +189,7 @@ def test_a_closed_pool_refuses_work():
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_process_forked_from_the_pools_owner_leaves_its_workers_alone(monkeypatch):
-    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+def test_a_process_forked_from_the_pools_owner_leaves_its_workers_alone(sleeping_pieces):
     pids = workers.shared_pool(1).pids
     pid = os.fork()
     if pid == 0:  # a DataLoader worker, say: the pool is not its own
@@ -217,6 +226,7 @@ import sys, threading, time
 from dynabatch.data import workers
 
 workers.POOL_MIN_SECONDS = 0
+workers._OWN_THREADS_SHARE = 1.0  # a sleeping piece's CPU is ~0: clock granularity must not read as threads of its own
 
 
 def slow(state, piece):
@@ -354,3 +364,63 @@ def test_nothing_outlives_dynabatch_embed_killed_mid_run(tmp_path, tokenizer):
         process.kill()  # SIGKILL the command alone (not its process group), as the out-of-memory killer does
         process.wait()
     assert _gone_within(token) == []
+
+
+def _until_exists(flag, seconds=120.0):
+    deadline = time.monotonic() + seconds
+    while not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+class SlowHere:
+    """A state whose values take 0.05 s in the process that made it and none in a worker, where each marks ``answered``.
+
+    Past the first value (which this thread runs before any worker exists) this thread waits until a worker has
+    answered, so the workers take part however long the machine takes to start them.
+    """
+
+    def __init__(self, answered):
+        self.home, self.answered = os.getpid(), answered
+
+    def __mul__(self, value):
+        if os.getpid() != self.home:
+            self.answered.touch()
+        else:
+            time.sleep(0.05)
+            if value:
+                _until_exists(self.answered)
+        return 2 * value
+
+
+@pytest.mark.parametrize("lose_below, lost", [(float("inf"), True), (0.0, False)])  # both sides of the judgement
+def test_workers_that_lose_to_one_thread_get_no_more_pieces(monkeypatch, caplog, tmp_path, sleeping_pieces,
+                                                            lose_below, lost):
+    monkeypatch.setattr(workers, "WORKERS_LOSE_BELOW", lose_below)
+    pieces = [[k] for k in range(30)]
+    with caplog.at_level(logging.INFO, logger="dynabatch.data.workers"):
+        shared = Pieces(_double, SlowHere(tmp_path / "answered"), pieces, cores=2)
+        assert list(shared) == [[2 * k] for k in range(30)]  # every piece once, in order, whoever ran it
+    assert shared.used_workers == 1 and shared.lost is lost and ("worker processes lose" in caplog.text) is lost
+
+
+class StallsThere(SlowHere):
+    """A state whose second value and later take a worker 30 s (a worker the machine stopped giving CPU)."""
+
+    def __init__(self, answered):
+        super().__init__(answered)
+        self.seen = 0
+
+    def __mul__(self, value):
+        if os.getpid() != self.home:
+            self.seen += 1
+            if self.seen > 1:
+                time.sleep(30)
+        return super().__mul__(value)
+
+
+def test_once_the_workers_lose_this_thread_takes_over_what_they_hold(monkeypatch, tmp_path, sleeping_pieces):
+    monkeypatch.setattr(workers, "WORKERS_LOSE_BELOW", float("inf"))
+    answered = tmp_path / "answered"
+    shared = Pieces(_double, StallsThere(answered), [[k] for k in range(12)], cores=2)
+    assert list(shared) == [[2 * k] for k in range(12)] and shared.lost
+    assert time.time() - answered.stat().st_mtime < 10  # the worker's second piece stalls 30 s: this thread did it

@@ -397,6 +397,31 @@ def test_a_missing_classifier_file(tokenizer, texts, tmp_path):
         _load(texts[:10], tokenizer, classifier=missing)
 
 
+class _RefusingCall:
+    """Mixed into a copy of the tokenizer: its own call (which the loader then goes through) raises."""
+
+    def __call__(self, text, *args, **kwargs):
+        raise RuntimeError("this tokenizer refuses")
+
+
+@pytest.mark.parametrize("fault", ["classifier", "tokenizer"])
+def test_what_loads_beside_the_tokenizer_raises_its_own_error_and_leaves_no_thread(tokenizer, texts, fault):
+    import threading
+
+    from dynabatch.memory.classifier import load_classifier
+
+    if fault == "classifier":  # a shape-aware classifier without a model shape: refused as it loads
+        args, match = (tokenizer,), r"^model_shape should be a ModelShape for a classifier fitted on memory_ratio"
+        kwargs = {"classifier": load_classifier(shape=True)}
+    else:  # the tokenizer fails while the classifier loads beside it
+        refusing = copy.deepcopy(tokenizer)
+        refusing.__class__ = type("Refusing", (_RefusingCall, type(tokenizer)), {})
+        args, match, kwargs = (refusing,), r"^this tokenizer refuses$", {}
+    with pytest.raises(ValueError if fault == "classifier" else RuntimeError, match=match):
+        _load(texts, *args, progress=False, **kwargs)
+    assert not [t for t in threading.enumerate() if t.name == "dynabatch-plan-prepare"]
+
+
 def test_bad_num_workers_and_shuffle(tokenizer, texts):
     with pytest.raises(ValueError, match=r"^num_workers should be a non-negative integer, but got num_workers=-1$"):
         _load(texts[:10], tokenizer, num_workers=-1)

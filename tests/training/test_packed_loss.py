@@ -107,17 +107,17 @@ def test_hf_trainer_step_with_packed_accumulation_follows_the_token_mean(one_thr
 
 
 @pytest.mark.slow
-def test_packed_finetune_example_runs(tmp_path):
+def test_packed_finetune_example_runs(tmp_path, warm):  # in a fork of tests/_warm.py's interpreter: no import wait
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
+    import _warm
+
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(root / "examples" / "packed_finetune.py"), "--n-texts", "60",
-                             "--max-len", "64", "--bins", "2"], capture_output=True, text=True, env=env, cwd=root,
-                            timeout=300, check=False)
+    result = _warm.run(warm, [sys.executable, str(root / "examples" / "packed_finetune.py"), "--n-texts", "60",
+                              "--max-len", "64", "--bins", "2"], text=True, env=env, cwd=root, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "60 passages" in result.stdout and "packed micro-batches of 2 x 64 tokens" in result.stdout
     assert "optimizer steps in" in result.stdout
