@@ -53,7 +53,7 @@ import logging
 import operator
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -560,7 +560,8 @@ class ParallelTokenizer:
         self.cores = available_cores(cores)
         self._encoder = _Encoder(tokenizer, self.max_input_token_length, dict(tokenizer_kwargs),
                                  fast_backend(tokenizer, tokenizer_kwargs) is not None)
-        self._workers_allowed = True  # False once workers failed or lost for this tokenizer (cannot be pickled, ...)
+        # False once workers failed, lost or cannot pay for this tokenizer (cannot be pickled, on its own threads...)
+        self._workers_allowed = True
         self.mechanisms: collections.Counter = collections.Counter()  # calls per mechanism, for logs and tests
 
     def __repr__(self) -> str:
@@ -573,6 +574,8 @@ class ParallelTokenizer:
         from tqdm.auto import tqdm
 
         mechanism = choose_mechanism(backend=self._encoder.backend, cores=self.cores)
+        if mechanism == "shared" and not self._workers_allowed:
+            mechanism = "one"  # no worker joins this tokenizer's calls: whole chunks, one call each
         size = self.chunk_size
         if mechanism == "shared" and self._default_size:  # pieces of PIECE_TOKENS, four a core, 16 texts at least
             size = min(size, max(16, min(PIECE_TOKENS // self.max_input_token_length,
@@ -587,13 +590,13 @@ class ParallelTokenizer:
             flats: Any = (self._encoder.flatten(encode(chunk, add_special_tokens=special), type_id) for chunk in chunks)
         elif mechanism == "shared":
             flats = pieces = Pieces(_encode_in_worker, self._encoder, chunks, cores=self.cores,
-                                    workers_allowed=self._workers_allowed, later=later)
+                                    workers_allowed=self._workers_allowed, later=later, alone_size=self.chunk_size)
         else:
             flats = (self._encoder.encode(chunk) for chunk in chunks)
-        tokens = _assemble(tqdm(flats, total=len(chunks), desc="tokenizing", unit="chunk", disable=not progress),
-                           len(items))
+        with tqdm(total=len(items), desc="tokenizing", unit="text", disable=not progress) as bar:
+            tokens = _assemble(_shown(flats, bar), len(items))
         if pieces is not None:
-            self._workers_allowed = not (pieces.unpicklable or pieces.failed or pieces.lost)
+            self._workers_allowed = not (pieces.unpicklable or pieces.failed or pieces.lost or pieces.own_threads)
             mechanism = "processes" if pieces.used_workers else "one"
         self.mechanisms[mechanism] += 1
         logger.debug("tokenized %d texts into %d tokens (max_input_token_length=%d, extras=%s, %s, %s)", len(items),
@@ -604,6 +607,13 @@ class ParallelTokenizer:
     def close(self) -> None:
         """Kept for callers that end their tokenizer: the worker processes are the process's, shared by every
         tokenizer (:func:`~dynabatch.data.workers.release_pool` ends them)."""
+
+
+def _shown(flats: Any, bar: Any) -> Iterator[Any]:
+    """``flats`` as they come, each counted on the progress ``bar`` by its texts."""
+    for flat in flats:
+        yield flat
+        bar.update(len(flat[1]))
 
 
 def _assemble(flats: Any, n: int) -> TokenizedTexts:

@@ -560,6 +560,9 @@ class Pieces:
         workers_allowed: ``False`` once workers failed for this state (it then runs on this thread).
         later: the work of the calls still to come for the same job (a stream's later chunks), as a multiple of this
             call's: the pool outlives the call, so it is weighed with the call's rest.
+        alone_size: where no worker joins, the pieces after the first are joined into pieces of this many items
+            (lists joined: ``function`` takes any run of them), fewer calls than the sharing's small pieces; ``None``:
+            the pieces as given.
 
     **The cost rule.** This thread runs the first piece, timed. Workers join only where the rest (and ``later``) would
     take one thread at least :data:`POOL_MIN_SECONDS` of CPU at that piece's CPU seconds a text, the first piece did
@@ -576,15 +579,16 @@ class Pieces:
 
     Attributes (after iterating): ``used_workers`` (workers that took pieces), ``unpicklable`` (the state could not be
     pickled), ``failed`` (a worker died or could not unpickle the state), ``lost`` (the workers ran slower than one
-    thread: the caller keeps them off for this state's later calls).
+    thread), ``own_threads`` (the first piece kept threads of its own busy): the caller keeps workers off for this
+    state's later calls where any of the last four holds.
     """
 
     def __init__(self, function: Callable[[Any, Any], Any], state: Any, pieces: Sequence[Sequence[Any]], *,
-                 cores: int, workers_allowed: bool = True, later: float = 0.0) -> None:
+                 cores: int, workers_allowed: bool = True, later: float = 0.0, alone_size: int | None = None) -> None:
         self.function, self.state, self.pieces = function, state, pieces
-        self.cores, self.workers_allowed, self.later = cores, workers_allowed, later
+        self.cores, self.workers_allowed, self.later, self.alone_size = cores, workers_allowed, later, alone_size
         self.used_workers = 0
-        self.unpicklable = self.failed = self.lost = False
+        self.unpicklable = self.failed = self.lost = self.own_threads = False
 
     def __iter__(self) -> Iterator[Any]:
         if not self.pieces:
@@ -600,7 +604,7 @@ class Pieces:
         per_text = wall / first
         pool = self._pool(rest, max(0.0, cpu - own) / cpu if cpu > 0 else 0.0)
         if pool is None:
-            for piece in self.pieces[1:]:
+            for piece in self._alone(self.pieces[1:]):
                 yield self.function(self.state, piece)
             return
         try:
@@ -608,11 +612,21 @@ class Pieces:
         finally:
             pool.lock.release()
 
+    def _alone(self, pieces: Sequence[Sequence[Any]]) -> Iterator[Sequence[Any]]:
+        """``pieces`` as this thread alone runs them: joined into pieces of :attr:`alone_size` items, where given."""
+        if self.alone_size is None or len(pieces) < 2:
+            yield from pieces
+            return
+        items = [item for piece in pieces for item in piece]
+        for start in range(0, len(items), self.alone_size):
+            yield items[start : start + self.alone_size]
+
     def _pool(self, rest: float, elsewhere: float) -> WorkerPool | None:
         """The process's pool, locked for this call, where the cost rule says workers pay; else ``None``."""
         if not self.workers_allowed or self.cores < 2 or len(self.pieces) < 2:
             return None
-        if rest < POOL_MIN_SECONDS or elsewhere > _OWN_THREADS_SHARE:
+        self.own_threads = elsewhere > _OWN_THREADS_SHARE
+        if rest < POOL_MIN_SECONDS or self.own_threads:
             logger.debug("tokenizing on one thread: the rest takes ~%.2f s there; %.0f%% of the CPU time off this "
                          "thread", rest, 100 * elsewhere)
             return None

@@ -81,17 +81,21 @@ def _read(path: str) -> str | None:
         return None
 
 
-def _start_ticks(pid: int) -> int | None:
-    """When process ``pid`` started, in clock ticks since boot (Linux); ``None`` where unknown."""
+def _stat(pid: int) -> tuple[str, int] | None:
+    """Process ``pid``'s state letter and start time in clock ticks since boot (Linux); ``None`` where unknown."""
     stat = _read(f"/proc/{pid}/stat")
-    return int(stat.rsplit(")", 1)[1].split()[19]) if stat else None  # field 22, after the command's name
+    if not stat:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after the command's name: fields 3 (state) and 22 (start time)
+    return fields[0], int(fields[19])
 
 
 def _process() -> dict[str, Any]:
     """This process's identity, as a record names it (read once per process: a forked child is another process)."""
     if _ME.get("pid") == os.getpid():
         return dict(_ME)
-    pid, ticks = os.getpid(), _start_ticks(os.getpid())
+    pid, stat = os.getpid(), _stat(os.getpid())
+    ticks = stat[1] if stat else None
     boot = _read("/proc/sys/kernel/random/boot_id")
     booted = next((int(line.split()[1]) for line in (_read("/proc/stat") or "").splitlines()
                    if line.startswith("btime ")), None)
@@ -126,8 +130,12 @@ def _alive(record: dict[str, Any], heartbeat: float, now: float, me: dict[str, A
             return False
         except PermissionError:  # another user's process
             pass
-        ticks = _start_ticks(int(record["pid"]))
-        return record.get("ticks") is None or ticks is None or ticks == record["ticks"]  # else: the pid was reused
+        stat = _stat(int(record["pid"]))
+        if stat is None:
+            return True
+        if stat[0] in "ZX":  # ended (a killed job's process its parent has not reaped yet): it writes no more
+            return False
+        return record.get("ticks") is None or stat[1] == record["ticks"]  # else: the pid was reused
     return now - heartbeat < LEASE_SECONDS
 
 

@@ -180,6 +180,26 @@ def _kill_after_first_shard(command: list[str], store: Path, hook: Path, timeout
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+        _wait_for_group_end(process.pid)
+
+
+def _wait_for_group_end(group: int, timeout: float = 60) -> None:
+    """Waits until every process of ``group`` has ended (a zombie has): a torchrun rank outlives its SIGKILLed
+    launcher by the time the kernel takes to tear it down, longer on a busy machine, and holds the store till then."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        running = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # ended while read
+            if int(fields[2]) == group and fields[0] not in "ZX":  # fields 5 (process group) and 3 (state)
+                running.append(stat.parent.name)
+        if not running:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"processes {running} of the killed group {group} still run after {timeout} s")
 
 
 def _run_command(command: list[str], timeout: float = 180, *, hook: str | None = None, hook_in: Path | None = None,

@@ -203,7 +203,7 @@ def test_logs_at_debug(tokenizer, caplog):
 
 def test_progress_bar_is_on_by_default_and_turns_off(tokenizer, capsys):
     tokenize_texts(["In the beginning"], tokenizer, MAX_LEN)
-    assert "tokenizing" in capsys.readouterr().err
+    assert "tokenizing" in (err := capsys.readouterr().err) and " 1/1 " in err and "text/s" in err  # counts texts
     tokenize_texts(["In the beginning"], tokenizer, MAX_LEN, progress=False)
     assert capsys.readouterr().err == ""
 
@@ -479,6 +479,34 @@ def test_a_call_on_the_tokenizers_own_threads_keeps_them_and_starts_no_process(t
     items = texts[:256]
     pieces = workers.Pieces(_call_in_worker, own, [items[k : k + 64] for k in range(0, 256, 64)], cores=2)
     assert [len(rows) for rows in pieces] == [64] * 4 and pieces.used_workers == used
+
+
+class CountedAmenCall(AmenCall):
+    """:class:`AmenCall` noting the texts of each of its calls in this process."""
+
+    calls: list[int] = []
+
+    def __call__(self, text, *args, **kwargs):
+        CountedAmenCall.calls.append(len(text))
+        return super().__call__(text, *args, **kwargs)
+
+
+@two_cores
+def test_a_call_on_the_tokenizers_own_threads_runs_alone_in_whole_chunks_from_its_second_piece_on(
+        tokenizer, monkeypatch, texts, no_pool_left):
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)  # the rest pays for workers: the threads' share decides
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    own, items = _as(tokenizer, CountedAmenCall), texts[:256]
+    expected = own(items, truncation=True, max_length=MAX_LEN)["input_ids"]
+    tokenize = ParallelTokenizer(own, MAX_LEN, {}, cores=2)
+    CountedAmenCall.calls.clear()
+    first = tokenize(items)
+    assert CountedAmenCall.calls == [32, 224]  # the first piece (four a core) timed, then the rest as one chunk
+    CountedAmenCall.calls.clear()
+    second = tokenize(items)
+    assert CountedAmenCall.calls == [256] and tokenize.mechanisms == {"one": 2}  # no pieces: no worker would join
+    for store in (first, second):
+        assert [store.row(i).tolist() for i in range(len(items))] == expected
 
 
 def _call_in_worker(tokenizer, piece):

@@ -118,6 +118,18 @@ class SlowToUnpickle:
         return 2 * value
 
 
+@pytest.mark.parametrize("alone_size, calls", [(None, [[1], [2], [3], [4], [5]]), (3, [[1], [2, 3, 4], [5]])])
+def test_this_thread_alone_runs_the_rest_joined_into_pieces_of_alone_size(alone_size, calls):
+    seen = []
+    shared = Pieces(_noted, seen, [[1], [2], [3], [4], [5]], cores=1, alone_size=alone_size)  # one core: no worker
+    assert [value for piece in shared for value in piece] == [1, 2, 3, 4, 5] and seen == calls
+
+
+def _noted(seen, piece):
+    seen.append(list(piece))
+    return piece
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 40])  # one piece (no worker), and pieces on both sides of the workers'
 def test_pieces_come_back_in_order_from_this_thread_and_the_workers(sleeping_pieces, size):
     pieces = [list(range(k, k + 3)) for k in range(size)]

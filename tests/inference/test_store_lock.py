@@ -89,6 +89,15 @@ def test_a_store_held_by_a_killed_job_is_taken_over_by_the_rerun(tmp_path, holde
     assert not _records(tmp_path)  # taken over, then released
 
 
+def test_a_killed_holder_its_parent_has_not_reaped_yet_holds_nothing(tmp_path, holder, caplog):
+    process = holder()  # a torchrun rank, say, whose launcher was killed with it: a zombie until someone reaps it
+    process.send_signal(signal.SIGKILL)
+    os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)  # dead, and left unreaped
+    assert open(f"/proc/{process.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    open_store(tmp_path, key="k", n=4).close()
+    assert f"taking over the lock of a job that is gone (host {os.uname().nodename}, process {process.pid}" in caplog.text
+
+
 def _record(path, name, mtime=None, **fields):
     record = {"host": "node-7", "pid": 1234, "started": "2026-11-28 08:00:00", "ticks": 1, "boot": "other",
               "namespace": None, "job": "the other job", **fields}
