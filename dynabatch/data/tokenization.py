@@ -560,8 +560,7 @@ class ParallelTokenizer:
         self.cores = available_cores(cores)
         self._encoder = _Encoder(tokenizer, self.max_input_token_length, dict(tokenizer_kwargs),
                                  fast_backend(tokenizer, tokenizer_kwargs) is not None)
-        # False once workers failed, lost or cannot pay for this tokenizer (cannot be pickled, on its own threads...)
-        self._workers_allowed = True
+        self._workers_allowed = True  # False once workers failed or lost for this tokenizer (cannot be pickled, ...)
         self.mechanisms: collections.Counter = collections.Counter()  # calls per mechanism, for logs and tests
 
     def __repr__(self) -> str:
@@ -596,7 +595,7 @@ class ParallelTokenizer:
         with tqdm(total=len(items), desc="tokenizing", unit="text", disable=not progress) as bar:
             tokens = _assemble(_shown(flats, bar), len(items))
         if pieces is not None:
-            self._workers_allowed = not (pieces.unpicklable or pieces.failed or pieces.lost or pieces.own_threads)
+            self._workers_allowed = not (pieces.unpicklable or pieces.failed or pieces.lost)
             mechanism = "processes" if pieces.used_workers else "one"
         self.mechanisms[mechanism] += 1
         logger.debug("tokenized %d texts into %d tokens (max_input_token_length=%d, extras=%s, %s, %s)", len(items),

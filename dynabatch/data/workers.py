@@ -579,8 +579,7 @@ class Pieces:
 
     Attributes (after iterating): ``used_workers`` (workers that took pieces), ``unpicklable`` (the state could not be
     pickled), ``failed`` (a worker died or could not unpickle the state), ``lost`` (the workers ran slower than one
-    thread), ``own_threads`` (the first piece kept threads of its own busy): the caller keeps workers off for this
-    state's later calls where any of the last four holds.
+    thread): the caller keeps workers off for this state's later calls where any of the last three holds.
     """
 
     def __init__(self, function: Callable[[Any, Any], Any], state: Any, pieces: Sequence[Sequence[Any]], *,
@@ -588,7 +587,7 @@ class Pieces:
         self.function, self.state, self.pieces = function, state, pieces
         self.cores, self.workers_allowed, self.later, self.alone_size = cores, workers_allowed, later, alone_size
         self.used_workers = 0
-        self.unpicklable = self.failed = self.lost = self.own_threads = False
+        self.unpicklable = self.failed = self.lost = False
 
     def __iter__(self) -> Iterator[Any]:
         if not self.pieces:
@@ -625,8 +624,7 @@ class Pieces:
         """The process's pool, locked for this call, where the cost rule says workers pay; else ``None``."""
         if not self.workers_allowed or self.cores < 2 or len(self.pieces) < 2:
             return None
-        self.own_threads = elsewhere > _OWN_THREADS_SHARE
-        if rest < POOL_MIN_SECONDS or self.own_threads:
+        if rest < POOL_MIN_SECONDS or elsewhere > _OWN_THREADS_SHARE:
             logger.debug("tokenizing on one thread: the rest takes ~%.2f s there; %.0f%% of the CPU time off this "
                          "thread", rest, 100 * elsewhere)
             return None
@@ -642,7 +640,7 @@ class Pieces:
             self.unpicklable = True
             logger.warning("the tokenizer cannot be pickled for worker processes (%s): tokenizing on one core "
                            "(define its class at the top level of a module to tokenize on every core)", exc)
-            for piece in self.pieces[1:]:
+            for piece in self._alone(self.pieces[1:]):
                 yield self.function(self.state, piece)
             return
         self.used_workers = pool.workers

@@ -2,6 +2,7 @@
 subprocess runs of ``python -m dynabatch`` that can be stopped after their first stored shard (fresh interpreters),
 or that run to their end (forks of ``tests/_warm.py``'s interpreter, without the imports' 15-20 s)."""
 
+import contextlib
 import functools
 import json
 import os
@@ -164,7 +165,8 @@ def _environment(hook_in: Path | None = None, hook: str = STALL_HOOK) -> dict:
 def _kill_after_first_shard(command: list[str], store: Path, hook: Path, timeout: float = 120,
                             while_stalled: Callable[[], None] | None = None) -> None:
     """Starts ``command`` stalling after its first stored shard, waits for that shard, calls ``while_stalled()``
-    (if given) and SIGKILLs its process group (a torchrun launcher and its ranks too)."""
+    (if given) and SIGKILLs its process group and every process it started (torchrun starts each rank in a session
+    of its own), then waits until they have all ended."""
     log = hook.parent / f"{hook.name}.log"
     with open(log, "w") as out:
         process = subprocess.Popen(command, env=_environment(hook), stdout=out, stderr=subprocess.STDOUT,
@@ -178,28 +180,46 @@ def _kill_after_first_shard(command: list[str], store: Path, hook: Path, timeout
         if while_stalled is not None:
             while_stalled()
     finally:
+        descendants = _descendants(process.pid)  # torchrun's ranks: each in a session of its own, not in the group
         os.killpg(process.pid, signal.SIGKILL)
+        for pid in descendants:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         process.wait()
-        _wait_for_group_end(process.pid)
+        _wait_until_ended(descendants)
 
 
-def _wait_for_group_end(group: int, timeout: float = 60) -> None:
-    """Waits until every process of ``group`` has ended (a zombie has): a torchrun rank outlives its SIGKILLed
-    launcher by the time the kernel takes to tear it down, longer on a busy machine, and holds the store till then."""
+def _stats() -> dict[int, list[str]]:
+    """Every process's ``/proc/<pid>/stat`` fields from the state on (3: state, 4: parent)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            found[int(stat.parent.name)] = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended while read
+    return found
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and the ones they started, as they are now."""
+    children: dict[int, list[int]] = {}
+    for child, fields in _stats().items():
+        children.setdefault(int(fields[1]), []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def _wait_until_ended(pids: list[int], timeout: float = 60) -> None:
+    """Waits until every process of ``pids`` has ended (a zombie has): a SIGKILLed process runs on for the time the
+    kernel takes to tear it down, longer on a busy machine, and holds the store till then."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        running = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # ended while read
-            if int(fields[2]) == group and fields[0] not in "ZX":  # fields 5 (process group) and 3 (state)
-                running.append(stat.parent.name)
-        if not running:
-            return
+    while running := [pid for pid, fields in _stats().items() if pid in pids and fields[0] not in "ZX"]:
+        assert time.monotonic() < deadline, f"processes {running} still run {timeout} s after SIGKILL"
         time.sleep(0.05)
-    raise AssertionError(f"processes {running} of the killed group {group} still run after {timeout} s")
 
 
 def _run_command(command: list[str], timeout: float = 180, *, hook: str | None = None, hook_in: Path | None = None,

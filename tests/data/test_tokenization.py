@@ -492,19 +492,22 @@ class CountedAmenCall(AmenCall):
 
 
 @two_cores
-def test_a_call_on_the_tokenizers_own_threads_runs_alone_in_whole_chunks_from_its_second_piece_on(
-        tokenizer, monkeypatch, texts, no_pool_left):
-    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)  # the rest pays for workers: the threads' share decides
-    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
-    own, items = _as(tokenizer, CountedAmenCall), texts[:256]
+@pytest.mark.parametrize("why", ["below the cost rule", "cannot be pickled"])
+def test_a_call_no_worker_joins_runs_its_first_piece_then_whole_chunks(tokenizer, monkeypatch, texts, why,
+                                                                       no_pool_left):
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 10**6 if why == "below the cost rule" else 0)
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # its call on one thread: the share rule lets workers in
+    cls = CountedAmenCall if why == "below the cost rule" else type("Local", (CountedAmenCall,), {})  # no import
+    own, items = _as(tokenizer, cls), texts[:256]
     expected = own(items, truncation=True, max_length=MAX_LEN)["input_ids"]
     tokenize = ParallelTokenizer(own, MAX_LEN, {}, cores=2)
     CountedAmenCall.calls.clear()
     first = tokenize(items)
     assert CountedAmenCall.calls == [32, 224]  # the first piece (four a core) timed, then the rest as one chunk
     CountedAmenCall.calls.clear()
-    second = tokenize(items)
-    assert CountedAmenCall.calls == [256] and tokenize.mechanisms == {"one": 2}  # no pieces: no worker would join
+    second = tokenize(items)  # workers that could not be pickled are not tried again: no pieces
+    assert CountedAmenCall.calls == ([32, 224] if why == "below the cost rule" else [256])
+    assert tokenize.mechanisms == {"one": 2}
     for store in (first, second):
         assert [store.row(i).tolist() for i in range(len(items))] == expected
 
