@@ -148,23 +148,24 @@ def test_every_way_gives_model_encode_vectors_for_every_model(st_model_folder, l
     assert sum(n > model.max_seq_length for n in lengths) >= len(texts) // 4 and min(lengths) < model.max_seq_length
 
 
-_HERE: list[int] = []  # per call shared by pieces: the pieces the calling process tokenized
+_HERE: list[list[int]] = []  # per call shared by pieces: the calls and texts the calling process tokenized
 _WORKERS_WAIT = 60.0  # seconds the calling thread waits at most for a worker's first piece (see _tokenize_piece)
 
 
 def _tokenize_piece(function, caller, marks, wait, state, piece):
     """``function(state, piece)``, marked by whoever ran it: the calling process counts it in ``_HERE``, a worker
-    process leaves a file in ``marks`` once it tokenized the piece. With ``wait``, the calling thread past a call's
+    process leaves a file in ``marks`` (named with the piece's texts) once it tokenized the piece. With ``wait``, the calling thread past a call's
     first piece waits for a worker's file first: the workers then tokenize pieces whatever their start costs (a fork,
     the tokenizer unpickled) on a busy machine, where the calling thread would otherwise tokenize every piece before a
     worker answers (it takes over the piece of a worker that has not answered yet: the library's rule)."""
     if os.getpid() != caller:
         out = function(state, piece)
-        (marks / f"{os.getpid()}-{time.monotonic_ns()}").touch()
+        (marks / f"{os.getpid()}-{time.monotonic_ns()}-{len(piece)}").touch()
         return out
-    _HERE[-1] += 1
+    _HERE[-1][0] += 1
+    _HERE[-1][1] += len(piece)
     deadline = time.monotonic() + _WORKERS_WAIT
-    while wait and _HERE[-1] > 1 and not any(marks.iterdir()) and time.monotonic() < deadline:
+    while wait and _HERE[-1][0] > 1 and not any(marks.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.01)
     return function(state, piece)
 
@@ -172,8 +173,8 @@ def _tokenize_piece(function, caller, marks, wait, state, piece):
 @pytest.fixture
 def seen(monkeypatch, tmp_path):
     """What each run did: its tokenizer calls (texts and mechanism), whether it streamed, its batches' rows, and per
-    call shared by pieces (``workers.Pieces``) its pieces, those the calling process and those worker processes
-    tokenized (``wait_for_workers``: see ``_tokenize_piece``)."""
+    call shared by pieces (``workers.Pieces``) its pieces, their texts, and the texts the calling process and worker
+    processes tokenized (``wait_for_workers``: see ``_tokenize_piece``)."""
     from sentence_transformers import SentenceTransformer
 
     record = {}
@@ -204,10 +205,12 @@ def seen(monkeypatch, tmp_path):
                              **kwargs)
 
         def __iter__(self):
-            _HERE.append(0)
-            before = len(list(marks.iterdir()))
+            _HERE.append([0, 0])
+            before = set(marks.iterdir())
             yield from super().__iter__()
-            record.setdefault("pieces", []).append((len(self.pieces), _HERE[-1], len(list(marks.iterdir())) - before))
+            by_workers = sum(int(mark.name.rsplit("-", 1)[1]) for mark in set(marks.iterdir()) - before)
+            record.setdefault("pieces", []).append((len(self.pieces), sum(map(len, self.pieces)), _HERE[-1][1],
+                                                    by_workers))
 
     monkeypatch.setattr(tokenization.ParallelTokenizer, "__call__", tokenize)
     monkeypatch.setattr(tokenization, "Pieces", CountedPieces)
@@ -253,8 +256,8 @@ def _check_side(name, side, seen, n):
     above = side == "above"
     if name == "worker-processes":
         assert {mechanism for _, mechanism in seen["calls"]} == ({"processes"} if above else {"one"}), seen["calls"]
-        pieces, here, by_workers = (sum(counts) for counts in zip(*seen["pieces"]))
-        assert pieces > 1 and here + by_workers >= pieces and (by_workers > 0) == above, seen["pieces"]
+        pieces, texts, here, by_workers = (sum(counts) for counts in zip(*seen["pieces"]))  # texts, each once at least
+        assert pieces > 1 and here + by_workers >= texts and (by_workers > 0) == above, seen["pieces"]
     elif name == "streaming-chunks":
         assert len(seen["calls"]) == (2 if above else 1), seen["calls"]
     elif name == "stream-above":
