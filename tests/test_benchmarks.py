@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import _warm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,6 +190,19 @@ def _run_script(warm, name, *args, timeout=120):
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     assert result.returncode == 0, result.stdout + result.stderr
     return result
+
+
+def test_host_builds_give_each_rows_median_over_fresh_processes_with_the_cold_ratios_spread(warm):
+    # A tokenizer with its own __call__, as a class the build processes import by name from the script; the parent's
+    # TOKENIZERS_PARALLELISM is dropped (each configuration sets its own)
+    result = _run_script(warm, "host.py", "--builds", "--sizes", "40", "--configurations", "custom", "--corpora", "kjv",
+                         "--repeats", "2", timeout=300)
+    rows = re.findall(r"^\| custom \| kjv \| 40 \| [\d.]+ \| [\d.]+ \| ([\d.]+) \(([\d.]+)-([\d.]+)\)x \| [\d.]+x \| "
+                      r"[\d.]+x \| one \|", result.stdout, re.MULTILINE)
+    assert len(rows) == 1, result.stdout
+    median, low, high = map(float, rows[0])
+    assert low <= median <= high and median == pytest.approx((low + high) / 2, abs=0.011), rows  # two: their mean
+    assert result.stderr.count("custom, kjv, 40: ") == 2  # one fresh process a repeat
 
 
 def test_default_overhead_benchmark_times_the_defaults_against_the_plan(warm):
