@@ -574,7 +574,7 @@ class ParallelTokenizer:
 
         mechanism = choose_mechanism(backend=self._encoder.backend, cores=self.cores)
         if mechanism == "shared" and not self._workers_allowed:
-            mechanism = "one"  # no worker joins this tokenizer's calls: whole chunks, one call each
+            mechanism = "one"  # no worker joins this tokenizer's calls (they failed or lost): whole chunks
         size = self.chunk_size
         if mechanism == "shared" and self._default_size:  # pieces of PIECE_TOKENS, four a core, 16 texts at least
             size = min(size, max(16, min(PIECE_TOKENS // self.max_input_token_length,
@@ -588,8 +588,8 @@ class ParallelTokenizer:
             encode = _batch_encoder(backend)
             flats: Any = (self._encoder.flatten(encode(chunk, add_special_tokens=special), type_id) for chunk in chunks)
         elif mechanism == "shared":
-            flats = pieces = Pieces(_encode_in_worker, self._encoder, chunks, cores=self.cores,
-                                    workers_allowed=self._workers_allowed, later=later, alone_size=self.chunk_size)
+            flats = pieces = Pieces(_encode_in_worker, self._encoder, chunks, cores=self.cores, later=later,
+                                    alone_size=self.chunk_size)
         else:
             flats = (self._encoder.encode(chunk) for chunk in chunks)
         with tqdm(total=len(items), desc="tokenizing", unit="text", disable=not progress) as bar:

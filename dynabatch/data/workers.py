@@ -557,7 +557,6 @@ class Pieces:
         state: what ``function`` needs besides the piece (the tokenizer and its arguments), picklable to use workers.
         pieces: the pieces, each a sequence (of texts): their lengths weigh the cost.
         cores: cores to use (this thread and ``cores - 1`` workers at most).
-        workers_allowed: ``False`` once workers failed for this state (it then runs on this thread).
         later: the work of the calls still to come for the same job (a stream's later chunks), as a multiple of this
             call's: the pool outlives the call, so it is weighed with the call's rest.
         alone_size: where no worker joins, the pieces after the first are joined into pieces of this many items
@@ -583,9 +582,9 @@ class Pieces:
     """
 
     def __init__(self, function: Callable[[Any, Any], Any], state: Any, pieces: Sequence[Sequence[Any]], *,
-                 cores: int, workers_allowed: bool = True, later: float = 0.0, alone_size: int | None = None) -> None:
+                 cores: int, later: float = 0.0, alone_size: int | None = None) -> None:
         self.function, self.state, self.pieces = function, state, pieces
-        self.cores, self.workers_allowed, self.later, self.alone_size = cores, workers_allowed, later, alone_size
+        self.cores, self.later, self.alone_size = cores, later, alone_size
         self.used_workers = 0
         self.unpicklable = self.failed = self.lost = False
 
@@ -603,26 +602,26 @@ class Pieces:
         per_text = wall / first
         pool = self._pool(rest, max(0.0, cpu - own) / cpu if cpu > 0 else 0.0)
         if pool is None:
-            for piece in self._alone(self.pieces[1:]):
-                yield self.function(self.state, piece)
+            yield from self._alone()
             return
         try:
             yield from self._shared(pool, per_text)
         finally:
             pool.lock.release()
 
-    def _alone(self, pieces: Sequence[Sequence[Any]]) -> Iterator[Sequence[Any]]:
-        """``pieces`` as this thread alone runs them: joined into pieces of :attr:`alone_size` items, where given."""
-        if self.alone_size is None or len(pieces) < 2:
-            yield from pieces
-            return
-        items = [item for piece in pieces for item in piece]
-        for start in range(0, len(items), self.alone_size):
-            yield items[start : start + self.alone_size]
+    def _alone(self) -> Iterator[Any]:
+        """The results of the pieces after the first, on this thread alone: joined into pieces of :attr:`alone_size`
+        items, where given."""
+        rest = self.pieces[1:]
+        if self.alone_size is not None and len(rest) > 1:
+            items = [item for piece in rest for item in piece]
+            rest = [items[start : start + self.alone_size] for start in range(0, len(items), self.alone_size)]
+        for piece in rest:
+            yield self.function(self.state, piece)
 
     def _pool(self, rest: float, elsewhere: float) -> WorkerPool | None:
         """The process's pool, locked for this call, where the cost rule says workers pay; else ``None``."""
-        if not self.workers_allowed or self.cores < 2 or len(self.pieces) < 2:
+        if self.cores < 2 or len(self.pieces) < 2:
             return None
         if rest < POOL_MIN_SECONDS or elsewhere > _OWN_THREADS_SHARE:
             logger.debug("tokenizing on one thread: the rest takes ~%.2f s there; %.0f%% of the CPU time off this "
@@ -640,8 +639,7 @@ class Pieces:
             self.unpicklable = True
             logger.warning("the tokenizer cannot be pickled for worker processes (%s): tokenizing on one core "
                            "(define its class at the top level of a module to tokenize on every core)", exc)
-            for piece in self._alone(self.pieces[1:]):
-                yield self.function(self.state, piece)
+            yield from self._alone()
             return
         self.used_workers = pool.workers
         finished: dict[int, Any] = {}
