@@ -1,9 +1,10 @@
 """Fixtures shared by the test modules.
 
 ``tests/_docs_blocks.py`` (the code blocks of the pages and the server that
-runs them) and ``tests/_warm.py`` (Python processes without the import wait)
-are importable as ``_docs_blocks`` and ``_warm`` from any test module: they
-are registered here, as the tests are not a package.
+runs them), ``tests/_warm.py`` (Python processes without the import wait) and
+``tests/_processes.py`` (the machine's processes, for tests that kill commands)
+are importable as ``_docs_blocks``, ``_warm`` and ``_processes`` from any test
+module: they are registered here, as the tests are not a package.
 """
 
 import functools
@@ -34,6 +35,7 @@ def _register(name: str):
 
 _docs_blocks = sys.modules.get("_docs_blocks") or _register("_docs_blocks")
 _warm = sys.modules.get("_warm") or _register("_warm")
+_processes = sys.modules.get("_processes") or _register("_processes")
 
 
 # The files that take longest, longest first (wall seconds a file on two busy cores, 2026-12-02). With

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import _processes
 import _warm
 import pytest
 
@@ -180,46 +181,13 @@ def _kill_after_first_shard(command: list[str], store: Path, hook: Path, timeout
         if while_stalled is not None:
             while_stalled()
     finally:
-        descendants = _descendants(process.pid)  # torchrun's ranks: each in a session of its own, not in the group
+        descendants = _processes.descendants([process.pid])  # torchrun's ranks: sessions of their own
         os.killpg(process.pid, signal.SIGKILL)
         for pid in descendants:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         process.wait()
-        _wait_until_ended(descendants)
-
-
-def _stats() -> dict[int, list[str]]:
-    """Every process's ``/proc/<pid>/stat`` fields from the state on (3: state, 4: parent)."""
-    found = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            found[int(stat.parent.name)] = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended while read
-    return found
-
-
-def _descendants(pid: int) -> list[int]:
-    """The processes ``pid`` started, and the ones they started, as they are now."""
-    children: dict[int, list[int]] = {}
-    for child, fields in _stats().items():
-        children.setdefault(int(fields[1]), []).append(child)
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
-
-
-def _wait_until_ended(pids: list[int], timeout: float = 60) -> None:
-    """Waits until every process of ``pids`` has ended (a zombie has): a SIGKILLed process runs on for the time the
-    kernel takes to tear it down, longer on a busy machine, and holds the store till then."""
-    deadline = time.monotonic() + timeout
-    while running := [pid for pid, fields in _stats().items() if pid in pids and fields[0] not in "ZX"]:
-        assert time.monotonic() < deadline, f"processes {running} still run {timeout} s after SIGKILL"
-        time.sleep(0.05)
+        _processes.wait_until_ended(descendants)
 
 
 def _run_command(command: list[str], timeout: float = 180, *, hook: str | None = None, hook_in: Path | None = None,

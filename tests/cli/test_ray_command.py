@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow.dataset as ds
 import pytest
 
+import _processes
 from dynabatch.cli import main
 
 pytest.importorskip("ray")
@@ -130,21 +131,8 @@ def _free_port():
 def _processes_under(folder: str) -> list[int]:
     """The processes whose command line names ``folder`` (a cluster's own: its temporary folder is theirs alone)
     and every process they started: that cluster's processes, and no other Ray's."""
-    parents, named = {}, set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            parents[int(pid)] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if folder in cmdline:
-            named.add(int(pid))
-    found, grown = set(named), True
-    while grown:
-        children = {pid for pid, parent in parents.items() if parent in found} - found
-        found |= children
-        grown = bool(children)
-    return sorted(found)
+    named = [pid for pid in _processes.stats() if folder in _processes.command_line(pid)]
+    return sorted(set(named) | set(_processes.descendants(named)))
 
 
 @pytest.fixture(scope="module")
