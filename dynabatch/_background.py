@@ -9,6 +9,9 @@
   written behind the run, the rows that waited long enough committed by the flush
   (:class:`~dynabatch.inference.store_writer.StoreWriter`).
 
+* :func:`ordered_map` calls a function on each item of a list on several threads and yields the results in order: a
+  fast tokenizer's backend (which releases the GIL) called on every core where its own thread pool is off.
+
 * :class:`Ticker` calls a function every few seconds until it is closed: the progress display's timed refresh, so
   it moves while a long batch runs; the heartbeat of the results stores' job locks.
 
@@ -40,10 +43,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["Ahead", "Ticker", "Worker", "run_in_threads", "stage_seconds", "waited"]
+__all__ = ["Ahead", "Ticker", "Worker", "ordered_map", "run_in_threads", "stage_seconds", "waited"]
 
 _END = object()
 _POLL = 0.1  # seconds a wait blocks at a time: a stop request (or Ctrl-C in the caller) is seen this soon
@@ -386,3 +389,98 @@ def run_in_threads(jobs: Sequence[Callable[[], Any]], stop: threading.Event, *, 
                 thread.join()
     if errors:
         raise errors[0]
+
+
+def ordered_map(fn: Callable[[Any], Any], items: Sequence[Any], *, threads: int, name: str) -> Iterator[Any]:
+    """``fn(item)`` for each of ``items`` on ``threads`` daemon threads (``name``: theirs), yielded in order.
+
+    Worth it where ``fn`` releases the GIL for most of its time (a Rust tokenizer's batch encode). A thread takes the
+    next item only while fewer than ``2 * threads`` results wait to be yielded, so memory stays bounded by what the
+    caller has not yet taken. An error ``fn`` raises travels as a value: the threads take no more items, and it is
+    raised here when its item's turn comes (the results before it are yielded first). The threads end, joined, when
+    the last result is yielded, when the caller stops early (the generator closed) or on Ctrl-C; each finishes the
+    call in progress first.
+
+    Example:
+        >>> from dynabatch._background import ordered_map
+        >>> list(ordered_map(lambda x: x * x, [1, 2, 3, 4], threads=2, name="example-map"))
+        [1, 4, 9, 16]
+    """
+    state = _Ordered(len(items), ahead=2 * threads)
+
+    def job() -> None:
+        while (index := state.take()) is not None:
+            start = time.perf_counter()
+            try:
+                state.put(index, fn(items[index]))
+            except BaseException as exc:  # noqa: BLE001 (a value: raised in the caller's thread, in its turn)
+                state.put(index, _Failed(exc))
+            _add_stage(name, time.perf_counter() - start, 0.0)
+
+    workers = [threading.Thread(target=job, name=name, daemon=True) for _ in range(min(threads, len(items)))]
+    try:
+        for worker in workers:
+            worker.start()
+        for index in range(len(items)):
+            start = time.perf_counter()
+            got = state.result(index)
+            _add_wait(name, time.perf_counter() - start)
+            if isinstance(got, _Failed):
+                raise got.error
+            yield got
+    finally:
+        state.stop()
+        for worker in workers:
+            if worker.ident is not None:
+                worker.join()
+
+
+class _Failed:
+    """An error one of :func:`ordered_map`'s threads met, kept as its item's result."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Ordered:
+    """The state :func:`ordered_map`'s threads and caller share: the next item to hand out, the results not yet
+    yielded, and the stop; one condition guards it."""
+
+    def __init__(self, n: int, *, ahead: int) -> None:
+        self._n, self._ahead = n, ahead
+        self._next = 0  # the next item to hand out
+        self._yielded = 0  # items the caller has taken
+        self._results: dict[int, Any] = {}
+        self._stopped = False
+        self._changed = threading.Condition()
+
+    def take(self) -> int | None:
+        """The next item's index for a thread, once there is room ahead of the caller; ``None``: no more."""
+        with self._changed:
+            while not self._stopped and self._next < self._n and self._next - self._yielded >= self._ahead:
+                self._changed.wait(_POLL)
+            if self._stopped or self._next >= self._n:
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def put(self, index: int, result: Any) -> None:
+        with self._changed:
+            self._results[index] = result
+            if isinstance(result, _Failed):
+                self._stopped = True  # no more items are taken; those in progress finish
+            self._changed.notify_all()
+
+    def result(self, index: int) -> Any:
+        """Item ``index``'s result, once a thread has put it (waits timed, so Ctrl-C reaches the caller)."""
+        with self._changed:
+            while index not in self._results:
+                self._changed.wait(_POLL)
+            self._yielded = index + 1
+            self._changed.notify_all()
+            return self._results.pop(index)
+
+    def stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()

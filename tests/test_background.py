@@ -160,3 +160,59 @@ def test_run_in_threads_stops_the_other_jobs_on_an_error_and_raises_it_once_ever
         run_in_threads([failing, waiting], stop, names=["example-fail", "example-wait"])
     assert ended == ["waiting"]
     assert not any(t.name.startswith("example-") for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("n", [0, 1, 7, 40])  # none, one item, fewer than the room ahead, many more
+def test_ordered_map_yields_every_result_once_in_order_whatever_finishes_first(threads, n):
+    from dynabatch._background import ordered_map
+
+    def slow_when_even(x):  # later items often finish before earlier ones
+        time.sleep(0.004 if x % 2 == 0 else 0.0)
+        return x * 10
+
+    assert list(ordered_map(slow_when_even, list(range(n)), threads=threads, name="test-map")) == [
+        x * 10 for x in range(n)]
+    assert not _alive("test-map")
+
+
+def test_ordered_map_runs_at_most_twice_its_threads_ahead_of_the_caller():
+    from dynabatch._background import ordered_map
+
+    started = []
+    results = ordered_map(started.append, list(range(100)), threads=2, name="test-map-ahead")
+    next(results)
+    time.sleep(0.2)  # room for every item, were it unbounded
+    assert 2 <= len(started) <= 1 + 2 * 2  # the one taken, and the room ahead of it
+    results.close()  # the caller stops early: the threads end, joined
+    assert not _alive("test-map-ahead") and len(started) <= 1 + 2 * 2
+
+
+def test_ordered_maps_error_is_raised_in_its_turn_after_the_results_before_it_and_no_thread_is_left():
+    from dynabatch._background import ordered_map
+
+    def failing_at_five(x):
+        if x == 5:
+            raise ValueError("item five")
+        time.sleep(0.002)
+        return x
+
+    got = []
+    with pytest.raises(ValueError, match="^item five$"):
+        for value in ordered_map(failing_at_five, list(range(50)), threads=3, name="test-map-error"):
+            got.append(value)
+    assert got == [0, 1, 2, 3, 4]
+    assert not _alive("test-map-error")
+
+
+def test_ordered_map_runs_its_items_on_several_threads_at_once():
+    from dynabatch._background import ordered_map
+
+    barrier = threading.Barrier(2, timeout=10)  # each of the first two items waits for the other: one thread deadlocks
+
+    def meet(x):
+        if x < 2:
+            barrier.wait()
+        return threading.current_thread().name
+
+    assert set(ordered_map(meet, [0, 1, 2], threads=2, name="test-map-two")) == {"test-map-two"}

@@ -203,6 +203,8 @@ def test_host_builds_give_each_rows_median_over_fresh_processes_with_the_cold_ra
     median, low, high = map(float, rows[0])
     assert low <= median <= high and median == pytest.approx((low + high) / 2, abs=0.011), rows  # two: their mean
     assert result.stderr.count("custom, kjv, 40: ") == 2  # one fresh process a repeat
+    assert result.stderr.count("custom, kjv, 40, call first: ") == 2  # and one whose call runs first
+    assert re.search(r"^\| custom \| kjv \| 40 \| .* \| [\d.]+x \|$", result.stdout, re.MULTILINE), result.stdout
 
 
 def test_default_overhead_benchmark_times_the_defaults_against_the_plan(warm):

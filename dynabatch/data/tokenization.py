@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch._background import ordered_map
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.workers import Pieces, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
@@ -540,13 +541,14 @@ class ParallelTokenizer:
         chunk_size: texts per tokenizer call, see :func:`tokenize_texts`.
 
     Each call picks its mechanism (:func:`~dynabatch.data.workers.choose_mechanism`):
-    the backend's own threads where the backend rule holds, else this thread,
-    joined by the process's worker processes where the cost rule says they pay
-    (:class:`~dynabatch.data.workers.Pieces`: pieces of :data:`PIECE_TOKENS`
-    tokens at the limit, so the first one, timed, decides early). The mechanism
-    never changes a token id: the backend's one-thread and batch encodings are
-    the same function per text, and a worker runs the same call on an unpickled
-    copy of the tokenizer.
+    the backend's own threads where the backend rule holds, or a thread of ours
+    per core calling the backend where ``TOKENIZERS_PARALLELISM`` keeps its
+    threads off; else this thread, joined by the process's worker processes
+    where the cost rule says they pay (:class:`~dynabatch.data.workers.Pieces`:
+    pieces of :data:`PIECE_TOKENS` tokens at the limit, so the first one, timed,
+    decides early). The mechanism never changes a token id: the backend's
+    one-thread and batch encodings are the same function per text, and a worker
+    runs the same call on an unpickled copy of the tokenizer.
     """
 
     def __init__(self, tokenizer: Any, max_input_token_length: int, tokenizer_kwargs: dict[str, Any], *,
@@ -576,17 +578,15 @@ class ParallelTokenizer:
         if mechanism == "shared" and not self._workers_allowed:
             mechanism = "one"  # no worker joins this tokenizer's calls (they failed or lost): whole chunks
         size = self.chunk_size
-        if mechanism == "shared" and self._default_size:  # pieces of PIECE_TOKENS, four a core, 16 texts at least
-            size = min(size, max(16, min(PIECE_TOKENS // self.max_input_token_length,
+        if mechanism in ("shared", "parallel calls") and self._default_size:  # pieces of PIECE_TOKENS, four a core,
+            size = min(size, max(16, min(PIECE_TOKENS // self.max_input_token_length,  # 16 texts at least
                                          -(-len(items) // (4 * self.cores)))))
         chunks = [items[start : start + size] for start in range(0, len(items), size)]
         pieces = None
-        if mechanism == "threads":
-            guard_forks()
-            backend, type_id = _backend(self._encoder.tokenizer, self.max_input_token_length)
-            special = self._encoder.special_tokens
-            encode = _batch_encoder(backend)
-            flats: Any = (self._encoder.flatten(encode(chunk, add_special_tokens=special), type_id) for chunk in chunks)
+        if mechanism in ("threads", "parallel calls"):
+            encode_flat = self._backend_encoder()
+            flats: Any = (map(encode_flat, chunks) if mechanism == "threads"
+                          else ordered_map(encode_flat, chunks, threads=self.cores, name="dynabatch-tokenize-calls"))
         elif mechanism == "shared":
             flats = pieces = Pieces(_encode_in_worker, self._encoder, chunks, cores=self.cores, later=later,
                                     alone_size=self.chunk_size)
@@ -602,6 +602,16 @@ class ParallelTokenizer:
                      len(tokens.input_ids), self.max_input_token_length, sorted(tokens.extras),
                      "the fast backend" if self._encoder.backend else "the tokenizer's call", mechanism)
         return tokens
+
+    def _backend_encoder(self) -> Callable[[list[str]], _Flat]:
+        """A chunk's flat arrays from one batch call of the backend, set up here first: its setters take the
+        backend whole, so none may run while another thread's call encodes. With ``TOKENIZERS_PARALLELISM`` on, the
+        call runs on the backend's thread pool (forks guarded); off, on the calling thread."""
+        if tokenizers_parallelism() is not False:
+            guard_forks()
+        backend, type_id = _backend(self._encoder.tokenizer, self.max_input_token_length)
+        encode, special = _batch_encoder(backend), self._encoder.special_tokens
+        return lambda chunk: self._encoder.flatten(encode(chunk, add_special_tokens=special), type_id)
 
     def close(self) -> None:
         """Kept for callers that end their tokenizer: the worker processes are the process's, shared by every

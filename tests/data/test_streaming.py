@@ -123,7 +123,7 @@ def test_a_feed_no_one_reads_tokenizes_nothing(tokenizer, texts):
 def test_streamed_on_every_core_equals_one_thread_and_leaves_no_process(tokenizer, monkeypatch, texts):
     import multiprocessing
 
-    from dynabatch.data import workers
+    from dynabatch.data import tokenization, workers
 
     if workers.available_cores() < 2:
         pytest.skip("needs two cores")
@@ -131,6 +131,7 @@ def test_streamed_on_every_core_equals_one_thread_and_leaves_no_process(tokenize
     items = tricky + texts
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the backend's threads off: worker processes
+    monkeypatch.setattr(tokenization, "fast_backend", lambda *args: None)  # its own call runs: processes share it
     one = TokenStream(TextSource(items), tokenizer, 32, first_chunk=64, chunk_size=64, tokenize_cores=1).tokenized
     stream = TokenStream(TextSource(items), tokenizer, 32, first_chunk=64, chunk_size=64, tokenize_cores=2)
     feed = stream.feed(iter(range(stream.n_chunks)))

@@ -1,5 +1,6 @@
 import logging
 import os
+import threading
 import time
 
 import numpy as np
@@ -7,7 +8,7 @@ import pandas as pd
 import pytest
 from transformers import BertTokenizer  # transformers 5: the fast WordPiece tokenizer
 
-from dynabatch.data import workers
+from dynabatch.data import tokenization, workers
 from dynabatch.data.tokenization import (
     CALL_PATH,
     FORBIDDEN_TOKENIZER_KWARGS,
@@ -441,23 +442,24 @@ def no_pool_left():
 
 @two_cores
 @pytest.mark.parametrize("threshold", [0, 10**6])  # both sides of the cost rule: workers join, or this thread alone
-@pytest.mark.parametrize("mechanism", ["threads", "processes"])
-def test_every_core_gives_the_ids_of_one_thread_on_tricky_texts(any_tokenizer, mechanism, threshold, monkeypatch,
+@pytest.mark.parametrize("parallelism", [None, "false"])  # the backend's own pool, or our threads / processes
+def test_every_core_gives_the_ids_of_one_thread_on_tricky_texts(any_tokenizer, parallelism, threshold, monkeypatch,
                                                                 texts, no_pool_left):
     items = TRICKY + texts[:40]
     expected = any_tokenizer(items, truncation=True, max_length=MAX_LEN)
     one = tokenize_texts(items, any_tokenizer, MAX_LEN, progress=False, tokenize_cores=1)
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", threshold)
     monkeypatch.setattr(workers, "_OWN_THREADS_SHARE", float("inf"))  # a call on the tokenizer's own threads, shared
-    if mechanism == "processes":
-        monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the backend's threads off: processes for every one
-    else:
+    if parallelism is None:
         monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    else:
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", parallelism)
     tokenize = ParallelTokenizer(any_tokenizer, MAX_LEN, {}, cores=2, chunk_size=16)
     many = tokenize(items)
-    backend = fast_backend(any_tokenizer, {}) is not None
-    threads = backend and mechanism == "threads"
-    assert list(tokenize.mechanisms) == ["threads" if threads else "processes" if threshold == 0 else "one"]
+    if fast_backend(any_tokenizer, {}) is not None:
+        assert list(tokenize.mechanisms) == ["threads" if parallelism is None else "parallel calls"]
+    else:  # its own call: this thread, joined by worker processes where they pay
+        assert list(tokenize.mechanisms) == ["processes" if threshold == 0 else "one"]
     for store in (one, many):
         assert [store.row(i).tolist() for i in range(len(items))] == expected["input_ids"]
         assert sorted(store.extras) == sorted(k for k in ("token_type_ids",) if k in expected)
@@ -566,6 +568,49 @@ def test_an_error_in_a_worker_is_raised_here(tokenizer, monkeypatch, texts, no_p
     with pytest.raises(ValueError, match="^poison in the texts$"):  # the poison in the first piece a worker takes
         tokenize_texts([*texts[:8], "poison", *texts[:60]], _as(tokenizer, Refusing), MAX_LEN, progress=False,
                        chunk_size=8)
+
+
+@two_cores
+@pytest.mark.parametrize("n", [10, 200])  # one piece (one thread), and many
+def test_with_its_pool_off_a_backend_is_called_from_a_thread_of_ours_per_core(tokenizer, monkeypatch, texts, n):
+    from dynabatch._background import stage_seconds
+
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    items = (texts * 5)[:n]
+    expected = tokenizer(items, truncation=True, max_length=MAX_LEN)
+    before = stage_seconds().get("dynabatch-tokenize-calls", (0.0, 0.0))[0]
+    tokenize = ParallelTokenizer(tokenizer, MAX_LEN, {}, cores=2)
+    tokens = tokenize(items)
+    assert tokenize.mechanisms == {"parallel calls": 1}
+    assert stage_seconds()["dynabatch-tokenize-calls"][0] > before  # the calls ran on our threads
+    assert [tokens.row(i).tolist() for i in range(n)] == expected["input_ids"]
+    assert tokens.extras["token_type_ids"].tolist() == [v for row in expected["token_type_ids"] for v in row]
+    assert not any(t.name == "dynabatch-tokenize-calls" for t in threading.enumerate())  # ended with the call
+    one = ParallelTokenizer(tokenizer, MAX_LEN, {}, cores=1)
+    alone = one(items)
+    assert [alone.row(i).tolist() for i in range(n)] == expected["input_ids"] and one.mechanisms == {"one": 1}
+
+
+@two_cores
+def test_an_error_in_a_backend_call_on_our_threads_is_raised_here_and_no_thread_is_left(tokenizer, monkeypatch,
+                                                                                       texts):
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    real = tokenization._batch_encoder
+
+    def refusing(backend):
+        encode = real(backend)
+
+        def call(chunk, **kwargs):
+            if "poison" in chunk:
+                raise ValueError("poison in the texts")
+            return encode(chunk, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(tokenization, "_batch_encoder", refusing)
+    with pytest.raises(ValueError, match="^poison in the texts$"):
+        tokenize_texts([*texts[:50], "poison", *texts[:100]], tokenizer, MAX_LEN, progress=False, chunk_size=16)
+    assert not any(t.name == "dynabatch-tokenize-calls" for t in threading.enumerate())
 
 
 def test_tokenize_cores_is_checked(tokenizer):

@@ -47,8 +47,10 @@ def test_the_mechanism(monkeypatch, caplog):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the user's: the backend's threads stay off
     workers._explain_parallelism_off.cache_clear()
     with caplog.at_level(logging.INFO, logger="dynabatch.data.workers"):
-        assert choose_mechanism(backend=True, cores=4) == "shared"
-        assert choose_mechanism(backend=True, cores=4) == "shared"
+        assert choose_mechanism(backend=True, cores=4) == "parallel calls"  # its pool off: our threads call it
+        assert choose_mechanism(backend=True, cores=2) == "parallel calls"  # a cap: as many threads
+    assert choose_mechanism(backend=False, cores=4) == "shared"  # its own call runs: its Python holds the GIL
+    assert choose_mechanism(backend=True, cores=1) == "one"
     said = [r.getMessage() for r in caplog.records if "TOKENIZERS_PARALLELISM" in r.getMessage()]
     assert len(said) == 1 and "tokenize_cores=1" in said[0]  # once, with the way to one core
     assert os.environ["TOKENIZERS_PARALLELISM"] == "false"  # never turned on
@@ -326,6 +328,7 @@ import time
 from dynabatch.data import tokenization, workers
 
 workers.POOL_MIN_SECONDS = 0  # workers for a corpus this small
+tokenization.fast_backend = lambda *args: None  # its own call runs (no backend): processes, not our threads, share it
 _encode = tokenization._Encoder.encode
 
 

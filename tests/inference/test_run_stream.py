@@ -128,12 +128,13 @@ def test_a_run_tokenizing_in_worker_processes_leaves_no_process_nor_thread(small
                                                                            monkeypatch):
     import multiprocessing
 
-    from dynabatch.data import workers
+    from dynabatch.data import tokenization, workers
 
     if workers.available_cores() < 2:
         pytest.skip("needs two cores")
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the backend's threads off: chunks go to worker processes
+    monkeypatch.setattr(tokenization, "fast_backend", lambda *args: None)  # its own call runs: processes share it
     loader = _load(texts, tokenizer)
 
     working = []
