@@ -43,7 +43,9 @@ class CommitPolicy:
         bytes: or this many bytes of Arrow data (the buffer and its Parquet encoding stay small),
         first_seconds: or, for a writer's first shard, rows that finished this long ago,
         seconds: and for the later ones this long ago;
-        compact: a writer's shards under ``bytes`` are merged into one once it has this many.
+        compact: a writer's shards under ``bytes`` are merged into one once it has this many (their Arrow data,
+            the measure a shard is committed at: not the Parquet file, which compression makes smaller, so that a
+            shard committed full is never taken for a small one and read back to be merged).
         flush_seconds: how often the timed flush looks at the buffer's age.
     """
 
@@ -195,7 +197,7 @@ class StoreWriter:
 
     def _commit(self, taken: list, seq: int) -> int:
         """Writes the rows and failure records ``taken`` as shard ``seq`` (each whole or not at all); the rows'
-        shard's size in bytes (0: none)."""
+        shard's Arrow data in bytes (0: none)."""
         store = self.store
         store.check_held()
         name = shard_name(self.name, seq)
@@ -217,8 +219,9 @@ class StoreWriter:
         table = pa.Table.from_arrays([*keys.values(), *outputs.columns], schema=pa.schema(
             [pa.field(k, v.type) for k, v in keys.items()] + fields, metadata={META: meta}))
         del outputs
-        size = write_whole(store.path, name, table, use_dictionary=["id"] if "id" in keys else False,
-                           write_statistics=[store.keyed_by])
+        size = table.nbytes
+        write_whole(store.path, name, table, use_dictionary=["id"] if "id" in keys else False,
+                    write_statistics=[store.keyed_by])
         del table
         trim()  # the shard's buffers are freed: resident memory stays flat over a long run
         return size
@@ -262,7 +265,8 @@ class StoreWriter:
                     os.remove(os.path.join(folder, name))
 
     def _merge(self, folder: str, parts: list[str], merged: str) -> int:
-        """Writes the ``parts`` of ``folder`` that exist as one file ``merged`` (rows cast to the store's fields)."""
+        """Writes the ``parts`` of ``folder`` that exist as one file ``merged`` (rows cast to the store's fields); its
+        Arrow data in bytes."""
         files = [os.path.join(folder, p) for p in parts if os.path.exists(os.path.join(folder, p))]
         if not files:
             return 0
@@ -272,4 +276,5 @@ class StoreWriter:
             schema = self.store.retyped(schema)
         table = pa.concat_tables([t.cast(schema) for t in tables])
         del tables
-        return write_whole(folder, merged, table, use_dictionary=["id"] if "id" in schema.names else False)
+        write_whole(folder, merged, table, use_dictionary=["id"] if "id" in schema.names else False)
+        return table.nbytes

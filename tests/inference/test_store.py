@@ -490,6 +490,23 @@ def test_small_shards_are_merged_and_a_crash_between_steps_leaves_each_row_once(
     assert [float(r[0]) for r in StoredRunResult(reopened.located(6))] == [0, 1, 2, 3, 4, 5]
 
 
+def test_a_shard_committed_full_is_never_merged_however_small_its_file(tmp_path, monkeypatch):
+    # Zeros compress to a Parquet file a small fraction of their 64 KiB of Arrow data: judged by the file, every shard
+    # would read as small and be merged (16 at a time in a real run: their whole data read back and written again).
+    monkeypatch.setattr("dynabatch.inference.store_writer.COMMIT", CommitPolicy(bytes=64 * 2**10, compact=2))
+    store = open_store(tmp_path, key="k", n=4096)
+    writer = store.writer("0")
+    for start in range(0, 4096, 1024):
+        writer.write(np.arange(start, start + 1024), [torch.zeros(16)] * 1024, _hashes(1024, salt=start))
+    writer.close()
+    store.close()
+    files = sorted(tmp_path.glob("part-*.parquet"))
+    assert [f.name.rsplit("-", 1)[-1] for f in files] == ["00000.parquet", "00001.parquet", "00002.parquet",
+                                                         "00003.parquet"]  # none merged
+    assert max(f.stat().st_size for f in files) < 64 * 2**10 // 4  # and each file is small
+    assert open_store(tmp_path, key="k", n=4096).done.all()
+
+
 def test_positions_are_not_stored_where_ids_key_the_rows(tmp_path):
     ids = pa.array([f"id-{i}" for i in range(6)])
     _write(tmp_path, [torch.ones(1)] * 4, ids=ids.slice(0, 4))  # a first run over four ids
