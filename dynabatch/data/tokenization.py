@@ -578,8 +578,9 @@ class ParallelTokenizer:
         if mechanism == "shared" and not self._workers_allowed:
             mechanism = "one"  # no worker joins this tokenizer's calls (they failed or lost): whole chunks
         size = self.chunk_size
-        if mechanism in ("shared", "parallel calls") and self._default_size:  # pieces of PIECE_TOKENS, four a core,
-            size = min(size, max(16, min(PIECE_TOKENS // self.max_input_token_length,  # 16 texts at least
+        if mechanism in ("shared", "parallel calls") and self._default_size:
+            # pieces the cores share out: of PIECE_TOKENS, four a core, 16 texts at least
+            size = min(size, max(16, min(PIECE_TOKENS // self.max_input_token_length,
                                          -(-len(items) // (4 * self.cores)))))
         chunks = [items[start : start + size] for start in range(0, len(items), size)]
         pieces = None

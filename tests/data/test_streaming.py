@@ -120,6 +120,32 @@ def test_a_feed_no_one_reads_tokenizes_nothing(tokenizer, texts):
     assert stream.held_chunks == [] and not stream.tokenizations.any()
 
 
+@pytest.mark.parametrize("special", [True, False])
+def test_streamed_with_the_backends_pool_off_on_our_threads_equals_one_thread(tokenizer, monkeypatch, texts, special):
+    import multiprocessing
+    import threading
+
+    from dynabatch.data import workers
+
+    if workers.available_cores() < 2:
+        pytest.skip("needs two cores")
+    items = ["", " \t\r\n", "e\u0301 \U0001f389 [SEP] </s> \x00\x07", "word " * 300, *texts]
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # the backend's pool off: a thread of ours per core calls it
+    one = TokenStream(TextSource(items), tokenizer, 32, first_chunk=64, chunk_size=64, tokenize_cores=1,
+                      add_special_tokens=special).tokenized
+    stream = TokenStream(TextSource(items), tokenizer, 32, first_chunk=64, chunk_size=64, tokenize_cores=2,
+                         add_special_tokens=special)
+    many = stream.tokenized
+    stream.pause()
+    assert stream._tokenize.mechanisms == {"parallel calls": stream.n_chunks}
+    assert multiprocessing.active_children() == []
+    assert not any(t.name == "dynabatch-tokenize-calls" for t in threading.enumerate())
+    assert np.array_equal(many.offsets, one.offsets) and np.array_equal(many.input_ids, one.input_ids)
+    assert np.array_equal(many.extras["token_type_ids"], one.extras["token_type_ids"])
+    expected = tokenizer(items, truncation=True, max_length=32, add_special_tokens=special)["input_ids"]
+    assert [one.row(i).tolist() for i in range(len(items))] == expected
+
+
 def test_streamed_on_every_core_equals_one_thread_and_leaves_no_process(tokenizer, monkeypatch, texts):
     import multiprocessing
 
