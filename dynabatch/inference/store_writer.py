@@ -43,9 +43,9 @@ class CommitPolicy:
         bytes: or this many bytes of Arrow data (the buffer and its Parquet encoding stay small),
         first_seconds: or, for a writer's first shard, rows that finished this long ago,
         seconds: and for the later ones this long ago;
-        compact: a writer's shards under ``bytes`` are merged into one once it has this many (their Arrow data,
-            the measure a shard is committed at: not the Parquet file, which compression makes smaller, so that a
-            shard committed full is never taken for a small one and read back to be merged).
+        compact: a writer's shards under ``bytes`` are merged into one once it has this many (judged by the bytes
+            a shard is committed at, not by its Parquet file, which compression makes smaller: a shard committed
+            full is never taken for a small one and read back to be merged).
         flush_seconds: how often the timed flush looks at the buffer's age.
     """
 
@@ -62,8 +62,10 @@ NONE_ROW = "fn(batch) gave None for this row: a results store holds no row for i
 """The cause a results store records for a row ``fn`` gave as ``None`` (in memory it is the row's result)."""
 _THREAD = "dynabatch-store"
 
-_Batch = namedtuple("_Batch", "positions hashes parts")  # rows buffered: their input positions, hashes and columns
-_Failures = namedtuple("_Failures", "positions hashes causes")
+# Rows buffered (their input positions, hashes and columns) and failure records; ``size``: what each adds to the
+# bytes a shard is committed at.
+_Batch = namedtuple("_Batch", "positions hashes parts size")
+_Failures = namedtuple("_Failures", "positions hashes causes size")
 
 
 class StoreWriter:
@@ -94,7 +96,7 @@ class StoreWriter:
         if keep.any():
             parts = self.store.admit(rows[int(np.argmax(keep))], [r for r in rows if r is not None], varying)
             size = positions.nbytes * 2 + sum(p.values.nbytes for p in parts.values() if p.values is not None)
-            self._add(_Batch(positions[keep], hashes[keep], parts), int(keep.sum()), size, varying)
+            self._add(_Batch(positions[keep], hashes[keep], parts, size), int(keep.sum()), varying)
         if not keep.all():
             self.fail(positions[~keep], hashes[~keep], [NONE_ROW] * int((~keep).sum()))
 
@@ -108,17 +110,17 @@ class StoreWriter:
         lines = [(str(c).strip().splitlines() or [type(c).__name__])[0][:500] for c in causes]
         hashes = np.asarray(hashes if hashes is not None else np.zeros(len(positions)), dtype=np.uint64)
         if len(positions):
-            self._add(_Failures(positions, hashes, lines), len(positions), positions.nbytes * 2, ())
+            self._add(_Failures(positions, hashes, lines, positions.nbytes * 2), len(positions), ())
 
     def _check(self) -> None:
         if self._worker is not None:
             self._worker.check()
 
-    def _add(self, entry: Any, rows: int, size: int, varying: Collection[tuple]) -> None:
+    def _add(self, entry: Any, rows: int, varying: Collection[tuple]) -> None:
         with self._guard:
             self._varying.update(tuple(path) for path in varying)
             self.buffer.append(entry)
-            self.rows, self.bytes = self.rows + rows, self.bytes + size
+            self.rows, self.bytes = self.rows + rows, self.bytes + entry.size
             self.since = time.monotonic() if self.since is None else self.since
             full = self.rows >= self.policy.rows or self.bytes >= self.policy.bytes
             if full:
@@ -196,8 +198,8 @@ class StoreWriter:
             self._compact(seq, size)
 
     def _commit(self, taken: list, seq: int) -> int:
-        """Writes the rows and failure records ``taken`` as shard ``seq`` (each whole or not at all); the rows'
-        shard's Arrow data in bytes (0: none)."""
+        """Writes the rows and failure records ``taken`` as shard ``seq`` (each whole or not at all); its bytes as
+        the policy counts them (0: no rows)."""
         store = self.store
         store.check_held()
         name = shard_name(self.name, seq)
@@ -219,12 +221,11 @@ class StoreWriter:
         table = pa.Table.from_arrays([*keys.values(), *outputs.columns], schema=pa.schema(
             [pa.field(k, v.type) for k, v in keys.items()] + fields, metadata={META: meta}))
         del outputs
-        size = table.nbytes
         write_whole(store.path, name, table, use_dictionary=["id"] if "id" in keys else False,
                     write_statistics=[store.keyed_by])
         del table
         trim()  # the shard's buffers are freed: resident memory stays flat over a long run
-        return size
+        return sum(entry.size for entry in taken)
 
     def _compact(self, seq: int, size: int) -> None:
         """Merges this writer's small shards by levels, :attr:`CommitPolicy.compact` of a level into one of the next;
