@@ -230,9 +230,10 @@ def build_worker(configuration: str, corpus: str, n: int, docstrings: str | None
                  call_first: bool = False) -> dict:
     """In this fresh process: ``import dynabatch``, the first (cold) build, one call, and with ``warm`` a second
     build; their seconds. With ``call_first``, the call runs first instead (cold: the tokenizer's first call pays
-    its thread pool's start, ~8 ms on 1,000 KJV texts, which the build pays where it runs first), then the build. torch and transformers are imported and the tokenizer loaded before any clock (the user's
-    own imports); a build is ``build_dynamic_batch_dataloader(...)`` then ``len(loader)``, which waits for the
-    whole plan (a streamed loader, above 16,384 texts, tokenizes in the background)."""
+    its thread pool's start, ~8 ms on 1,000 KJV texts, which the build pays where it runs first), then the build.
+    torch and transformers are imported and the tokenizer loaded before any clock (the user's own imports); a build
+    is ``build_dynamic_batch_dataloader(...)`` then ``len(loader)``, which waits for the whole plan (a streamed
+    loader, above 16,384 texts, tokenizes in the background)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if configuration == "false":
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -326,6 +327,7 @@ def builds(sizes: list[int], two: list[int], configurations: list[str], corpora:
              "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     rows = [(configuration, corpus, n) for n in sizes for corpus in corpora for configuration in configurations]
     runs: dict[tuple, list[dict]] = {row: [] for row in rows}
+    calls_first: dict[tuple, list[dict]] = {row: [] for row in rows}
     for _ in range(repeats):  # every row once a round: a drift of the machine's load reaches every row alike
         for configuration, corpus, n in rows:
             got = _build_run(configuration, corpus, n, two, docstrings, warm=n <= WARM_UP_TO)
@@ -334,16 +336,17 @@ def builds(sizes: list[int], two: list[int], configurations: list[str], corpora:
             if n <= WARM_UP_TO:
                 got = _build_run(configuration, corpus, n, two, docstrings, warm=False, call_first=True)
                 print(f"{configuration}, {corpus}, {n}, call first: {got}", file=sys.stderr, flush=True)
-                runs[configuration, corpus, n].append(got)
-    return "\n".join(lines + [_build_row(*row, runs[row]) for row in rows])
+                calls_first[configuration, corpus, n].append(got)
+    return "\n".join(lines + [_build_row(*row, runs[row], calls_first[row]) for row in rows])
 
 
-def _build_row(configuration: str, corpus: str, n: int, runs: list[dict]) -> str:
-    """One row of :func:`builds`: medians over the runs, ratios taken within each run first."""
-    firsts = [got["call"] for got in runs if "build" in got]  # the call-first processes' cold calls
-    runs = [got for got in runs if "build" not in got]
-    both_cold = (f"{statistics.median(got['cold'] for got in runs) / statistics.median(firsts):.2f}x" if firsts
-                 else "-")
+def _build_row(configuration: str, corpus: str, n: int, runs: list[dict], calls_first: list[dict]) -> str:
+    """One row of :func:`builds`: medians over the runs, ratios taken within each run first; the cold build of the
+    runs against the cold call of ``calls_first`` (processes whose call ran first), where there are any."""
+    both_cold = "-"
+    if calls_first:
+        cold_call = statistics.median(got["call"] for got in calls_first)
+        both_cold = f"{statistics.median(got['cold'] for got in runs) / cold_call:.2f}x"
 
     def median(figure: Any) -> float:
         return statistics.median(figure(got) for got in runs)

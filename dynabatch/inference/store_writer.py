@@ -82,7 +82,8 @@ class StoreWriter:
         self._stalled = False  # a commit failed for good: none more until close() tries again
         self._closed = False
         self._worker: Worker | None = None
-        self._levels: list[list[tuple[int, int]]] = []  # small shards not merged yet, by level: (first, last seq)
+        # Small shards not merged yet, by level: (first seq, last seq, their bytes as the policy counts them).
+        self._levels: list[list[tuple[int, int, int]]] = []
 
     # -- the caller's side -------------------------------------------------------------------------------------------
     def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray, varying: Collection[tuple] = ()) -> None:
@@ -231,7 +232,7 @@ class StoreWriter:
         """Merges this writer's small shards by levels, :attr:`CommitPolicy.compact` of a level into one of the next;
         a merged shard is written whole before its parts are removed, so a crash leaves each row in exactly one
         shard, and a full shard ends the merging of the smaller ones before it (ranges stay contiguous)."""
-        span = (seq, seq)
+        span = (seq, seq, size)
         if size >= self.policy.bytes:
             self._levels = []
             return
@@ -242,11 +243,11 @@ class StoreWriter:
             if len(self._levels[level]) < self.policy.compact:
                 return
             spans, self._levels[level] = self._levels[level], []
-            span = (spans[0][0], spans[-1][1])
-            parts = [shard_name(self.name, a, b) for a, b in spans]
-            merged = shard_name(self.name, *span)
+            span = (spans[0][0], spans[-1][1], sum(bytes_ for _, _, bytes_ in spans))
+            parts = [shard_name(self.name, a, b) for a, b, _ in spans]
+            merged = shard_name(self.name, *span[:2])
             try:
-                size = self._merge(self.store.path, parts, merged)
+                self._merge(self.store.path, parts, merged)
                 self._merge(os.path.join(self.store.path, FAILED), parts, merged)
             except OSError as exc:  # the small shards hold every row still: a slower store to open, nothing lost
                 logger.warning("output_path=%r: merging %d small shards failed (%s); they stay as they are",
@@ -254,7 +255,7 @@ class StoreWriter:
                 self._levels = []
                 return
             self._remove(parts)
-            if size >= self.policy.bytes:
+            if span[2] >= self.policy.bytes:
                 del self._levels[level + 1:]  # the older, smaller shards merge no more
                 return
 
@@ -265,12 +266,11 @@ class StoreWriter:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(folder, name))
 
-    def _merge(self, folder: str, parts: list[str], merged: str) -> int:
-        """Writes the ``parts`` of ``folder`` that exist as one file ``merged`` (rows cast to the store's fields); its
-        Arrow data in bytes."""
+    def _merge(self, folder: str, parts: list[str], merged: str) -> None:
+        """Writes the ``parts`` of ``folder`` that exist as one file ``merged`` (rows cast to the store's fields)."""
         files = [os.path.join(folder, p) for p in parts if os.path.exists(os.path.join(folder, p))]
         if not files:
-            return 0
+            return
         tables = [read_whole(f) for f in files]
         schema = tables[0].schema
         if folder == self.store.path:  # rows (failure records keep their own columns)
@@ -278,4 +278,3 @@ class StoreWriter:
         table = pa.concat_tables([t.cast(schema) for t in tables])
         del tables
         write_whole(folder, merged, table, use_dictionary=["id"] if "id" in schema.names else False)
-        return table.nbytes
