@@ -46,6 +46,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from dynabatch._validation import check_positive_int
+
 __all__ = ["Ahead", "Ticker", "Worker", "ordered_map", "run_in_threads", "stage_seconds", "waited"]
 
 _END = object()
@@ -406,7 +408,7 @@ def ordered_map(fn: Callable[[Any], Any], items: Sequence[Any], *, threads: int,
         >>> list(ordered_map(lambda x: x * x, [1, 2, 3, 4], threads=2, name="example-map"))
         [1, 4, 9, 16]
     """
-    state = _Ordered(len(items), ahead=2 * threads)
+    state = _Ordered(len(items), ahead=2 * check_positive_int("threads", threads))  # none: nothing would run
 
     def job() -> None:
         while (index := state.take()) is not None:

@@ -174,6 +174,8 @@ def test_ordered_map_yields_every_result_once_in_order_whatever_finishes_first(t
     assert list(ordered_map(slow_when_even, list(range(n)), threads=threads, name="test-map")) == [
         x * 10 for x in range(n)]
     assert not _alive("test-map")
+    with pytest.raises(ValueError, match=r"^threads should be a positive integer, but got threads=0$"):
+        next(ordered_map(slow_when_even, list(range(n)), threads=0, name="test-map"))  # none would run: refused
 
 
 def test_ordered_map_runs_at_most_twice_its_threads_ahead_of_the_caller():
