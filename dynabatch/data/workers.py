@@ -25,7 +25,8 @@ the work one of four ways, chosen by :func:`choose_mechanism`:
   join it where they pay (:class:`Pieces`, the cost rule: the rest of the job
   (the call's pieces, and a stream's chunks still to come), at the speed
   measured on the call's first piece, would take one thread at least
-  :data:`POOL_MIN_SECONDS`, and that first piece did not already keep several
+  :data:`POOL_MIN_SECONDS` where a core stood idle beside it meanwhile (five
+  times that where none did), and that first piece did not already keep several
   cores busy): for a tokenizer whose own call must run (an overridden
   ``__call__``, a slow tokenizer, any callable: its Python holds the GIL), and
   for a cap below the process's cores where the tokenizer's own pool is on (it
@@ -82,19 +83,31 @@ from dynabatch._background import Ahead, Ticker
 from dynabatch._digest import fingerprint
 from dynabatch._validation import check_positive_int
 
-__all__ = ["ENV_VARIABLE", "POOL_MIN_SECONDS", "WORKERS_LOSE_BELOW", "Pieces", "WorkerPool", "available_cores",
-           "choose_mechanism", "guard_forks", "local_ranks", "release_pool", "shared_pool", "tokenizers_parallelism"]
+__all__ = ["BUSY_FACTOR", "ENV_VARIABLE", "IDLE_CORE", "POOL_MIN_SECONDS", "WORKERS_LOSE_BELOW", "Pieces", "WorkerPool",
+           "available_cores", "choose_mechanism", "guard_forks", "idle_seconds", "local_ranks", "release_pool",
+           "shared_pool", "tokenizers_parallelism"]
 
 logger = logging.getLogger(__name__)
 
 ENV_VARIABLE = "TOKENIZERS_PARALLELISM"
 """The environment variable ``tokenizers`` reads before each batch call (unset: its thread pool is on)."""
 
-POOL_MIN_SECONDS = 1.0
+POOL_MIN_SECONDS = 0.2
 """One-thread CPU seconds the rest of a call must hold (measured on its first piece, on this thread: the work, not the
-wall a busy machine stretches) before worker processes join it:
-below, a fork of this process and the tokenizer pickled here and unpickled in each worker (0.1-1 s, more on a busy
-machine; see docs/inference.md) cost more than they save."""
+wall a busy machine stretches) before worker processes join it, where a core stood idle beside this thread while the
+first piece ran (:func:`idle_seconds`); :data:`BUSY_FACTOR` times as many where none did, or where that cannot be read.
+Below, a fork of this process and the tokenizer pickled here and unpickled in each worker (~30 ms for a slow BERT
+tokenizer on an idle core; up to 1 s on a busy machine; see docs/inference.md) cost more than they save."""
+
+BUSY_FACTOR = 5.0
+"""How many times :data:`POOL_MIN_SECONDS` the rest of a call must hold where no core stood idle beside this thread
+(another job's busy loop: a worker would take this thread's core as much as the other job's, and a slow tokenizer on
+1,000 texts ran 1.15x its one-thread time beside one, workers dropped half-way by the judgement)."""
+
+IDLE_CORE = 0.5
+"""Cores idle on average beside this thread while a call's first piece ran, at least, for :data:`POOL_MIN_SECONDS`
+to apply (the kernel counts idle time in ticks of 10 ms: a first piece of 40 ms on a quiet 2-core machine reads 0.75-1.25
+idle cores, beside a busy loop 0-0.25)."""
 
 WORKERS_LOSE_BELOW = 1.0
 """The speed, as a multiple of one thread's (measured on the call's first piece), below which the shared part of a
@@ -130,6 +143,25 @@ def available_cores(limit: int | None = None) -> int:
     if limit is None:
         return cores
     return min(cores, check_positive_int("tokenize_cores", limit))
+
+
+def idle_seconds() -> float | None:
+    """Seconds the cores this process may use have stood idle since boot, summed over them (``/proc/stat``: idle and
+    iowait of each CPU in ``os.sched_getaffinity``); ``None`` where that cannot be read (not Linux). Two readings
+    ``wall`` seconds apart give the cores idle on average in between: ``(later - earlier) / wall``."""
+    try:
+        cpus = os.sched_getaffinity(0)
+        with open("/proc/stat", "rb") as file:
+            lines = file.read().splitlines()
+        ticks = 0
+        for line in lines:
+            if line.startswith(b"cpu") and line[3:4].isdigit():
+                fields = line.split()
+                if int(fields[0][3:]) in cpus:
+                    ticks += int(fields[4]) + int(fields[5])
+        return ticks / os.sysconf("SC_CLK_TCK")
+    except (AttributeError, OSError, ValueError, IndexError):
+        return None
 
 
 def tokenizers_parallelism() -> bool | None:
@@ -576,7 +608,9 @@ class Pieces:
             the pieces as given.
 
     **The cost rule.** This thread runs the first piece, timed. Workers join only where the rest (and ``later``) would
-    take one thread at least :data:`POOL_MIN_SECONDS` of CPU at that piece's CPU seconds a text, the first piece did
+    take one thread at least :data:`POOL_MIN_SECONDS` of CPU at that piece's CPU seconds a text where at least
+    :data:`IDLE_CORE` cores stood idle beside this thread while the first piece ran (:func:`idle_seconds`; else
+    :data:`BUSY_FACTOR` times that: a worker would take a core another job holds), the first piece did
     not already keep threads of its own busy (:data:`_OWN_THREADS_SHARE`: a tokenizer call on its own thread pool,
     such as a fast tokenizer's custom ``__call__``), and the process's pool is free (:func:`shared_pool`). Then this
     thread and the workers share the rest (:class:`_Sharing`): this thread never waits on a worker that has not
@@ -603,16 +637,18 @@ class Pieces:
     def __iter__(self) -> Iterator[Any]:
         if not self.pieces:
             return
-        wall, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
+        wall, cpu, own, idle = time.perf_counter(), time.process_time(), time.thread_time(), idle_seconds()
         yield self.function(self.state, self.pieces[0])
         wall, cpu, own = time.perf_counter() - wall, time.process_time() - cpu, time.thread_time() - own
+        now = idle_seconds()
+        idle_beside = (now - idle) / wall if idle is not None and now is not None and wall > 0 else None
         total = sum(map(len, self.pieces))
         first = max(1, len(self.pieces[0]))
         # The rule weighs this thread's CPU seconds (the work, which a busy machine does not grow, where it stretches
         # the wall); the judgement of the shared part weighs the wall (the outcome)
         rest = own / first * (total - len(self.pieces[0]) + self.later * total)
         per_text = wall / first
-        pool = self._pool(rest, max(0.0, cpu - own) / cpu if cpu > 0 else 0.0)
+        pool = self._pool(rest, max(0.0, cpu - own) / cpu if cpu > 0 else 0.0, idle_beside)
         if pool is None:
             yield from self._alone()
             return
@@ -631,13 +667,15 @@ class Pieces:
         for piece in rest:
             yield self.function(self.state, piece)
 
-    def _pool(self, rest: float, elsewhere: float) -> WorkerPool | None:
+    def _pool(self, rest: float, elsewhere: float, idle_beside: float | None) -> WorkerPool | None:
         """The process's pool, locked for this call, where the cost rule says workers pay; else ``None``."""
         if self.cores < 2 or len(self.pieces) < 2:
             return None
-        if rest < POOL_MIN_SECONDS or elsewhere > _OWN_THREADS_SHARE:
+        idle = idle_beside is not None and idle_beside >= IDLE_CORE
+        if rest < POOL_MIN_SECONDS * (1.0 if idle else BUSY_FACTOR) or elsewhere > _OWN_THREADS_SHARE:
             logger.debug("tokenizing on one thread: the rest takes ~%.2f s there; %.0f%% of the CPU time off this "
-                         "thread", rest, 100 * elsewhere)
+                         "thread; %s cores idle beside it", rest, 100 * elsewhere,
+                         "unknown" if idle_beside is None else f"{idle_beside:.2f}")
             return None
         pool = shared_pool(self.cores - 1)
         if pool is None or not pool.lock.acquire(blocking=False):

@@ -156,8 +156,40 @@ def test_workers_join_only_where_the_rest_takes_one_thread_long_enough(monkeypat
 @pytest.mark.parametrize("later, used", [(0.0, 0), (50.0, 1)])  # the calls to come tip the rule, or do not
 def test_the_work_of_later_calls_counts_toward_the_rule(monkeypatch, later, used):
     monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 1.0)  # the rest of this call alone: ~0.04 s of CPU
+    monkeypatch.setattr(workers, "IDLE_CORE", -1.0)  # as if a core stood idle beside this thread
     shared = Pieces(_busy, 3, [[1, 2]] * 3, cores=2, later=later)
     assert list(shared) == [[3, 6]] * 3 and shared.used_workers == used
+
+
+@pytest.mark.parametrize("idle_core, readable, used", [(-1.0, True, 1), (10**6, True, 0), (-1.0, False, 0)])
+def test_where_no_core_stood_idle_beside_the_first_piece_the_rest_must_hold_busy_factor_times_more(
+        monkeypatch, idle_core, readable, used):
+    # The rest of the call: two pieces of ~0.02 s of CPU; enough beside an idle core, not BUSY_FACTOR times enough
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0.03)
+    monkeypatch.setattr(workers, "IDLE_CORE", idle_core)  # -1: every reading is idle enough; 10**6: none is
+    if not readable:  # not Linux: nothing says a core is idle
+        monkeypatch.setattr(workers, "idle_seconds", lambda: None)
+    assert 0.03 * workers.BUSY_FACTOR > 0.04
+    shared = Pieces(_busy, 3, [[1, 2]] * 3, cores=2)
+    assert list(shared) == [[3, 6]] * 3 and shared.used_workers == used
+
+
+def test_idle_seconds_reads_the_cores_of_this_process_and_never_runs_backwards():
+    first = workers.idle_seconds()
+    if first is None:
+        pytest.skip("no /proc/stat here")
+    started = time.perf_counter()
+    time.sleep(0.05)
+    second = workers.idle_seconds()
+    wall = time.perf_counter() - started
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    # idle at most every core of this process all the time (one tick of rounding a core)
+    assert 0 <= second - first <= len(os.sched_getaffinity(0)) * (wall + tick)
+
+
+def test_idle_seconds_is_none_where_the_cores_cannot_be_read(monkeypatch):
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert workers.idle_seconds() is None
 
 
 def test_a_call_that_already_spans_cores_is_left_alone(monkeypatch):
