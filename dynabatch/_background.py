@@ -40,6 +40,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import queue
 import threading
 import time
@@ -353,12 +355,30 @@ class Ticker:
             raise error
 
 
+@contextlib.contextmanager
+def _joined(targets: Sequence[Callable[[], Any]], stop: threading.Event, names: Sequence[str]) -> Iterator[list]:
+    """The stop-and-join protocol of :func:`run_in_threads` and :func:`ordered_map`: a daemon thread per target
+    (``names``: theirs), started; on leaving the block, however it is left (done, an error, Ctrl-C, a generator
+    closed early), ``stop`` set, then every thread that started joined (each ends its work in progress first)."""
+    threads = [threading.Thread(target=target, name=name, daemon=True) for target, name in zip(targets, names)]
+    try:
+        for thread in threads:
+            thread.start()
+        yield threads
+    finally:
+        stop.set()
+        for thread in threads:
+            if thread.ident is not None:
+                thread.join()
+
+
 def run_in_threads(jobs: Sequence[Callable[[], Any]], stop: threading.Event, *, names: Sequence[str]) -> None:
     """Runs each of ``jobs`` in a daemon thread of its own (``names``: theirs) and returns once every one has ended.
 
-    One stop-and-join protocol: a job that raises sets ``stop`` (the others end their work in progress and return),
-    and its error is raised here once every thread has ended; Ctrl-C in the caller sets ``stop`` and waits for the
-    threads the same way. The caller's waits are timed, so Ctrl-C reaches it while a job runs.
+    One stop-and-join protocol (:func:`ordered_map`'s too): a job that raises sets ``stop`` (the others end their work
+    in progress and return), and its error is raised here once every thread has ended; Ctrl-C in the caller sets
+    ``stop`` and waits for the threads the same way. The caller's waits are timed, so Ctrl-C reaches it while a job
+    runs.
 
     Example:
         >>> import threading
@@ -377,18 +397,10 @@ def run_in_threads(jobs: Sequence[Callable[[], Any]], stop: threading.Event, *, 
             errors.append(exc)
             stop.set()
 
-    threads = [threading.Thread(target=guarded, args=(job,), name=name, daemon=True) for job, name in zip(jobs, names)]
-    try:
-        for thread in threads:
-            thread.start()
+    with _joined([functools.partial(guarded, job) for job in jobs], stop, names) as threads:
         for thread in threads:
             while thread.is_alive():
                 thread.join(_POLL)
-    finally:
-        stop.set()  # Ctrl-C or an error in the caller: every job stops after its work in progress
-        for thread in threads:
-            if thread.ident is not None:
-                thread.join()
     if errors:
         raise errors[0]
 
@@ -401,14 +413,15 @@ def ordered_map(fn: Callable[[Any], Any], items: Sequence[Any], *, threads: int,
     caller has not yet taken. An error ``fn`` raises travels as a value: the threads take no more items, and it is
     raised here when its item's turn comes (the results before it are yielded first). The threads end, joined, when
     the last result is yielded, when the caller stops early (the generator closed) or on Ctrl-C; each finishes the
-    call in progress first.
+    call in progress first (:func:`run_in_threads`' stop-and-join protocol).
 
     Example:
         >>> from dynabatch._background import ordered_map
         >>> list(ordered_map(lambda x: x * x, [1, 2, 3, 4], threads=2, name="example-map"))
         [1, 4, 9, 16]
     """
-    state = _Ordered(len(items), ahead=2 * check_positive_int("threads", threads))  # none: nothing would run
+    stop = threading.Event()
+    state = _Ordered(len(items), ahead=2 * check_positive_int("threads", threads), stop=stop)  # none: nothing ran
 
     def job() -> None:
         while (index := state.take()) is not None:
@@ -419,22 +432,18 @@ def ordered_map(fn: Callable[[Any], Any], items: Sequence[Any], *, threads: int,
                 state.put(index, _Failed(exc))
             _add_stage(name, time.perf_counter() - start, 0.0)
 
-    workers = [threading.Thread(target=job, name=name, daemon=True) for _ in range(min(threads, len(items)))]
-    try:
-        for worker in workers:
-            worker.start()
-        for index in range(len(items)):
-            start = time.perf_counter()
-            got = state.result(index)
-            _add_wait(name, time.perf_counter() - start)
-            if isinstance(got, _Failed):
-                raise got.error
-            yield got
-    finally:
-        state.stop()
-        for worker in workers:
-            if worker.ident is not None:
-                worker.join()
+    count = min(threads, len(items))
+    with _joined([job] * count, stop, [name] * count):
+        try:
+            for index in range(len(items)):
+                start = time.perf_counter()
+                got = state.result(index)
+                _add_wait(name, time.perf_counter() - start)
+                if isinstance(got, _Failed):
+                    raise got.error
+                yield got
+        finally:
+            state.stop()  # a thread waiting for room ahead wakes now, not at its next timed wait
 
 
 class _Failed:
@@ -446,22 +455,21 @@ class _Failed:
 
 class _Ordered:
     """The state :func:`ordered_map`'s threads and caller share: the next item to hand out, the results not yet
-    yielded, and the stop; one condition guards it."""
+    yielded, and the run's ``stop`` (set by an error or by the caller leaving); one condition guards it."""
 
-    def __init__(self, n: int, *, ahead: int) -> None:
-        self._n, self._ahead = n, ahead
+    def __init__(self, n: int, *, ahead: int, stop: threading.Event) -> None:
+        self._n, self._ahead, self._stop = n, ahead, stop
         self._next = 0  # the next item to hand out
         self._yielded = 0  # items the caller has taken
         self._results: dict[int, Any] = {}
-        self._stopped = False
         self._changed = threading.Condition()
 
     def take(self) -> int | None:
         """The next item's index for a thread, once there is room ahead of the caller; ``None``: no more."""
         with self._changed:
-            while not self._stopped and self._next < self._n and self._next - self._yielded >= self._ahead:
+            while not self._stop.is_set() and self._next < self._n and self._next - self._yielded >= self._ahead:
                 self._changed.wait(_POLL)
-            if self._stopped or self._next >= self._n:
+            if self._stop.is_set() or self._next >= self._n:
                 return None
             self._next += 1
             return self._next - 1
@@ -470,7 +478,7 @@ class _Ordered:
         with self._changed:
             self._results[index] = result
             if isinstance(result, _Failed):
-                self._stopped = True  # no more items are taken; those in progress finish
+                self._stop.set()  # no more items are taken; those in progress finish
             self._changed.notify_all()
 
     def result(self, index: int) -> Any:
@@ -483,6 +491,7 @@ class _Ordered:
             return self._results.pop(index)
 
     def stop(self) -> None:
+        """Sets the stop and wakes every thread waiting for room."""
         with self._changed:
-            self._stopped = True
+            self._stop.set()
             self._changed.notify_all()
