@@ -101,13 +101,13 @@ tokenizer on an idle core; up to 1 s on a busy machine; see docs/inference.md) c
 
 BUSY_FACTOR = 5.0
 """How many times :data:`POOL_MIN_SECONDS` the rest of a call must hold where no core stood idle beside this thread
-(another job's busy loop: a worker would take this thread's core as much as the other job's, and a slow tokenizer on
-1,000 texts ran 1.15x its one-thread time beside one, workers dropped half-way by the judgement)."""
+(another job's busy loop: a worker takes this thread's core as much as the other job's; a slow tokenizer on 1,000
+texts beside one ran 1.15x its call with workers, dropped half-way by the judgement, and 1.06x on one thread)."""
 
 IDLE_CORE = 0.5
 """Cores idle on average beside this thread while a call's first piece ran, at least, for :data:`POOL_MIN_SECONDS`
-to apply (the kernel counts idle time in ticks of 10 ms: a first piece of 40 ms on a quiet 2-core machine reads 0.75-1.25
-idle cores, beside a busy loop 0-0.25)."""
+to apply. The kernel counts idle time in clock ticks (10 ms on Linux), so a first piece of a few ticks reads it
+coarsely: half a core tells a core left idle from one another job keeps busy."""
 
 WORKERS_LOSE_BELOW = 1.0
 """The speed, as a multiple of one thread's (measured on the call's first piece), below which the shared part of a
@@ -637,10 +637,12 @@ class Pieces:
     def __iter__(self) -> Iterator[Any]:
         if not self.pieces:
             return
-        wall, cpu, own, idle = time.perf_counter(), time.process_time(), time.thread_time(), idle_seconds()
+        may_share = self.cores >= 2 and len(self.pieces) >= 2  # else no worker joins: the kernel is not asked
+        idle = idle_seconds() if may_share else None
+        wall, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
         yield self.function(self.state, self.pieces[0])
         wall, cpu, own = time.perf_counter() - wall, time.process_time() - cpu, time.thread_time() - own
-        now = idle_seconds()
+        now = idle_seconds() if may_share else None
         idle_beside = (now - idle) / wall if idle is not None and now is not None and wall > 0 else None
         total = sum(map(len, self.pieces))
         first = max(1, len(self.pieces[0]))
