@@ -637,12 +637,15 @@ class Pieces:
     def __iter__(self) -> Iterator[Any]:
         if not self.pieces:
             return
-        may_share = self.cores >= 2 and len(self.pieces) >= 2  # else no worker joins: the kernel is not asked
-        idle = idle_seconds() if may_share else None
+        if self.cores < 2 or len(self.pieces) < 2:  # no worker can join: nothing to time, the kernel not asked
+            yield self.function(self.state, self.pieces[0])
+            yield from self._alone()
+            return
+        idle = idle_seconds()
         wall, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
         yield self.function(self.state, self.pieces[0])
         wall, cpu, own = time.perf_counter() - wall, time.process_time() - cpu, time.thread_time() - own
-        now = idle_seconds() if may_share else None
+        now = idle_seconds()
         idle_beside = (now - idle) / wall if idle is not None and now is not None and wall > 0 else None
         total = sum(map(len, self.pieces))
         first = max(1, len(self.pieces[0]))
@@ -671,8 +674,6 @@ class Pieces:
 
     def _pool(self, rest: float, elsewhere: float, idle_beside: float | None) -> WorkerPool | None:
         """The process's pool, locked for this call, where the cost rule says workers pay; else ``None``."""
-        if self.cores < 2 or len(self.pieces) < 2:
-            return None
         idle = idle_beside is not None and idle_beside >= IDLE_CORE
         if rest < POOL_MIN_SECONDS * (1.0 if idle else BUSY_FACTOR) or elsewhere > _OWN_THREADS_SHARE:
             logger.debug("tokenizing on one thread: the rest takes ~%.2f s there; %.0f%% of the CPU time off this "
