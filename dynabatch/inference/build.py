@@ -1,9 +1,7 @@
 """The build stage of :func:`dynabatch.run`: an item's tensors, collated in pinned host memory, ahead of the device.
 
-:class:`Builder` turns an :class:`~dynabatch.inference.source.Item` into a :class:`Built` batch: a plan's positions
-collated from its token store (padding only), or a plain iterable's batch as it came (the rows to run taken), with
-each row's input hash when a results store keeps them (and, for a plain iterable, the hashes of its rows the store
-holds, :attr:`Built.stored`, checked before any row of it is written), and the loader's :class:`Padding` rules.
+:class:`Builder` collates a plan's positions from its token store (padding only), or takes a plain iterable's batch as
+it came (the rows to run kept), with each row's input hash when a results store keeps them.
 
 Example:
     >>> import numpy as np
@@ -21,7 +19,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +30,6 @@ from dynabatch.data.input_hashes import batch_input_hashes
 from dynabatch.inference.source import Item
 
 __all__ = ["Builder", "Built", "Padding"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -56,7 +51,8 @@ class Padding:
 @dataclass
 class Built:
     """An item's tensors, each row's input hash (``None`` when no store keeps them), the padding rules its parts are
-    cut by, and (a plain iterable's batch) the ``(positions, input hashes)`` of its rows a store holds already."""
+    cut by, and (a plain iterable's batch) the ``(positions, input hashes)`` of its rows a store holds already, checked
+    before any row of it is written."""
 
     batch: Batch
     hashes: np.ndarray | None = None
@@ -78,12 +74,11 @@ class Builder:
     memory; ``hashes``: each row's input hash computed."""
 
     def __init__(self, plan: Any, loader: Any, *, pad_token_id: int | None, pinned: bool, hashes: bool) -> None:
-        collate = plan.collator if plan is not None else getattr(loader, "collate_fn", None)
         self.collator = None if plan is None else plan.collator
+        collate = self.collator if plan is not None else getattr(loader, "collate_fn", None)
         pad = getattr(collate, "pad_token_id", None) if pad_token_id is None else pad_token_id
         self.pad_token_id = int(pad) if isinstance(pad, (int, np.integer)) and not isinstance(pad, bool) else None
-        side = getattr(collate, "padding_side", None)
-        multiple = getattr(collate, "pad_to_multiple_of", None)
+        side, multiple = getattr(collate, "padding_side", None), getattr(collate, "pad_to_multiple_of", None)
         self.padding = Padding(side if side in ("left", "right") else None,
                                multiple if isinstance(multiple, int) else None)
         self.pinned, self.hashes = pinned, hashes
@@ -95,20 +90,14 @@ class Builder:
         if item.batch is None:
             batch = self.collator(item.positions)
         else:
-            if self.hashes and item.stored.size:
-                stored = self._stored(item)
+            if self.hashes and item.stored.size:  # the rows the store holds, with their hashes to check
+                positions = item.batch.indices.numpy()
+                held = np.isin(positions, item.stored)
+                stored = positions[held], batch_input_hashes(item.batch)[held]
             batch = item.batch if item.rows is None else self.padding.take(item.batch, item.rows)
         if self.pinned and all(t.device.type == "cpu" for t in batch.values() if isinstance(t, torch.Tensor)):
             batch = batch.pin_memory()
         return Built(batch, batch_input_hashes(batch) if self.hashes else None, self.padding, stored)
-
-    @staticmethod
-    def _stored(item: Item) -> tuple[np.ndarray, np.ndarray]:
-        """The positions and input hashes of a plain iterable's rows that a store holds."""
-        hashes = batch_input_hashes(item.batch)
-        positions = item.batch.indices.numpy()
-        at = np.isin(positions, item.stored)
-        return positions[at], hashes[at]
 
     def stand_in(self, item: Item) -> Batch:
         """One row of ``item`` that a rank has stored already: what it repeats to keep ranks in step."""

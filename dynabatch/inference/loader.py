@@ -1,12 +1,6 @@
-"""``build_dynamic_batch_dataloader``: texts in, a standard DataLoader of memory-safe batches out.
-
-Texts are read (:func:`~dynabatch.data.text_source.open_texts`) and tokenized by one function
-(:func:`~dynabatch.data.tokenization.tokenize_texts`) in either shape. **Eager**: one token store planned whole
-(:class:`~dynabatch.sampling.planner.BatchPlanner`). **Streamed** (``stream=True``, above :data:`STREAM_ABOVE` texts,
-or texts from files, a dataset or an iterator): a :class:`~dynabatch.data.streaming.TokenStream` tokenizes chunks
-longest first in a background thread, each planned as it comes
-(:class:`~dynabatch.sampling.chunked_planner.ChunkedPlanner`). ``loader.plan`` (a :class:`LoaderPlan`) is what
-:func:`dynabatch.run` builds, re-plans or shares batches from.
+"""``build_dynamic_batch_dataloader``: texts in, a standard DataLoader of memory-safe batches out, with its plan as
+``loader.plan`` (a :class:`LoaderPlan`); the texts are tokenized whole and planned at once, or streamed: tokenized
+chunk by chunk in a background thread (:class:`~dynabatch.data.streaming.TokenStream`), each chunk planned as it comes.
 
 Example:
     >>> from transformers import AutoTokenizer
@@ -27,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -59,56 +52,41 @@ STREAM_ABOVE = 16_384
 """``stream=None`` streams a list of more texts than this (tokenizing it whole first would keep the device waiting)."""
 
 
-def _worker_count(num_workers: int) -> int:
-    """``num_workers`` capped at the cores this process may use (what torch's DataLoader warns above)."""
-    cores = available_cores()
-    if num_workers > cores:
-        logger.info("num_workers=%d capped at the %d available cores (torch warns above it)", num_workers, cores)
-        return cores
-    return num_workers
-
-
 @dataclass
 class LoaderPlan:
     """What a dynabatch DataLoader is made of, attached to it as ``loader.plan``.
 
     Attributes:
-        planner: the :class:`~dynabatch.sampling.planner.BatchPlanner` that made the plan.
-        sampler: the :class:`~dynabatch.sampling.inference_sampler.DynamicBatchSampler` (the loader's ``batch_sampler``).
-        collator: the :class:`~dynabatch.data.collate.TokenCollator` (the loader's ``collate_fn``).
+        planner: the ``BatchPlanner`` that made it (streamed: a ``ChunkedPlanner``).
+        sampler: the loader's ``batch_sampler``.
+        collator: builds a batch from positions: the loader's ``collate_fn`` (streamed: the stream).
+        n_inputs: how many inputs the loader was given (bad ones included).
         ids: the texts' ids (a ``pyarrow`` array), or ``None``.
         skipped: positions of the bad inputs planned into no batch (``on_bad_input="skip"``).
-        stream: a streaming loader's :class:`~dynabatch.data.streaming.TokenStream` (then also the collator, and the
-            planner a :class:`~dynabatch.sampling.chunked_planner.ChunkedPlanner`), else ``None``.
+        stream: a streaming loader's :class:`~dynabatch.data.streaming.TokenStream`, else ``None``.
     """
 
     planner: Any
     sampler: DynamicBatchSampler
     collator: Any
-    ids: Any = None
-    skipped: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    n_inputs: int
+    ids: Any
+    skipped: np.ndarray
     stream: Any = None
-
-    @property
-    def n_inputs(self) -> int:
-        """How many inputs the loader was given (bad ones included)."""
-        return self.stream.n if self.stream is not None else len(self.collator.tokenized)
 
 
 def plan_of(loader: Any) -> LoaderPlan | None:
     """The :class:`LoaderPlan` of a dynabatch loader, also under ``accelerate``'s ``prepare`` (whose
     ``BatchSamplerShard`` wraps the plan's sampler: ``run`` shares the whole plan among the ranks itself); else
     ``None``."""
-    plan = getattr(loader, "plan", None)
-    if isinstance(plan, LoaderPlan):
-        return plan
+    if isinstance(getattr(loader, "plan", None), LoaderPlan):
+        return loader.plan
     for holder in (loader, getattr(loader, "base_dataloader", None)):
         sampler = getattr(holder, "batch_sampler", None)
         for candidate in (sampler, getattr(sampler, "batch_sampler", None)):  # BatchSamplerShard keeps it here
-            plan = getattr(candidate, "loader_plan", None) if isinstance(candidate, DynamicBatchSampler) else None
-            if isinstance(plan, LoaderPlan):
+            if isinstance(getattr(candidate, "loader_plan", None), LoaderPlan):
                 logger.info("loader was prepared by accelerate: running the whole dynabatch plan under it")
-                return plan
+                return candidate.loader_plan
     return None
 
 
@@ -120,21 +98,21 @@ def _streams(texts: Any, stream: Any, shuffle: bool, token_ids: bool) -> bool:
         raise bad_value("stream", "False or None for pre-tokenized texts (there is nothing to tokenize)", stream)
     if stream and shuffle:
         raise bad_value("stream", "False or None with shuffle=True (a shuffled order needs the whole plan)", stream)
-    if stream is not None:
-        return stream
-    if token_ids or shuffle:
-        return False
+    if stream is not None or token_ids or shuffle:
+        return bool(stream)
     if is_text_source(texts):
         return True
     try:
         return len(texts) > STREAM_ABOVE
-    except TypeError:
+    except TypeError:  # not texts: open_texts says why
         return False
 
 
 def _streaming_loader(source: TextSource, skipped: np.ndarray, ids: Any, tokenizer: Any, settings: PlanSettings,
-                      estimator: Any, num_workers: int, tokenize_cores: int | None, tokenizer_kwargs: dict) -> DataLoader:
-    """The streamed shape: a :class:`TokenStream` over ``source``, its chunks planned as they are tokenized."""
+                      estimator: Any, num_workers: int, tokenize_cores: int | None, tokenizer_kwargs: dict
+                      ) -> DataLoader:
+    """The streamed shape, built in this process (the stream's thread cannot be pickled): a plain loop consumes each
+    batch's rows, so a chunk's tokens are freed once its batches are built (``run`` frees them itself)."""
     stream = TokenStream(source, tokenizer, settings.max_input_token_length, skip=skipped,
                          first_chunk=max(token_streaming.FIRST_CHUNK, 4 * settings.batch_size),
                          chunk_size=token_streaming.CHUNK_SIZE, pad_to_multiple_of=settings.pad_to_multiple_of,
@@ -143,32 +121,31 @@ def _streaming_loader(source: TextSource, skipped: np.ndarray, ids: Any, tokeniz
     sampler = StreamingBatchSampler(planner)
     if num_workers:
         logger.info("stream: batches are built in this process (num_workers=%d not used)", num_workers)
-    # Batches are built in this process (the stream's thread cannot be pickled); a plain loop consumes a batch's
-    # rows as it builds it, so each chunk's tokens are freed once its batches are built. run builds from the plan's
-    # collator (the stream) and says itself when rows are finished.
     loader = DataLoader(range(stream.n), batch_sampler=sampler, collate_fn=stream.collate_and_consume,
                         num_workers=0)
-    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, stream, check_ids(ids, stream.n), skipped, stream)
+    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, stream, stream.n, check_ids(ids, stream.n),
+                                                   skipped, stream)
     logger.info("streaming %d texts in %d chunks, longest first", stream.n, stream.n_chunks)
     return loader
 
 
 def _eager_loader(tokenized: Any, texts: list[str] | None, skipped: np.ndarray, ids: Any, tokenizer: Any,
                   settings: PlanSettings, estimator: Any, shuffle: bool, seed: int, num_workers: int) -> DataLoader:
-    """The eager shape: the whole token store planned at once (any order, workers)."""
-    id_array = check_ids(ids, len(tokenized))
-    planner = BatchPlanner(tokenized.lengths, settings, estimator, skip=skipped if skipped.size else None)
+    """The eager shape: the whole token store planned at once (any order, workers); the dataset's item i is i."""
+    n = len(tokenized)
+    id_array = check_ids(ids, n)
+    planner = BatchPlanner(tokenized.lengths, settings, estimator, skip=skipped)
     batches = planner.batches()
     sampler = DynamicBatchSampler(batches, shuffle=shuffle, seed=seed)
     collator = TokenCollator.from_tokenizer(tokenized, tokenizer, texts=texts,
                                             pad_to_multiple_of=settings.pad_to_multiple_of)
     sizes = [len(b) for b in batches]
-    logger.info("planned %d texts into %d batches (first %d rows, largest %d)", len(tokenized), len(batches),
-                sizes[0], max(sizes))
-    # The dataset's item i is i: the collator builds each batch from the token store.
-    loader = DataLoader(range(len(tokenized)), batch_sampler=sampler, collate_fn=collator,
-                        num_workers=_worker_count(num_workers))
-    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, collator, id_array, skipped)
+    logger.info("planned %d texts into %d batches (first %d rows, largest %d)", n, len(batches), sizes[0], max(sizes))
+    cores = available_cores()
+    if num_workers > cores:
+        logger.info("num_workers=%d capped at the %d available cores (torch warns above it)", num_workers, cores)
+    loader = DataLoader(range(n), batch_sampler=sampler, collate_fn=collator, num_workers=min(num_workers, cores))
+    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, collator, n, id_array, skipped)
     return loader
 
 
@@ -204,62 +181,39 @@ def build_dynamic_batch_dataloader(
 ) -> DataLoader:
     """Builds a DataLoader whose batches grow as texts get shorter, under the first batch's peak memory.
 
-    Every argument is a row of the table in ``docs/inference.md`` ("The loader"), with the rules in full.
+    A plain loop runs the plan, an estimate, as it is; ``dynabatch.run(fn, loader)`` measures each batch's peak and
+    re-sizes later batches so that none exceeds the first's. Every argument in full: ``docs/inference.md``.
 
     Args:
-        texts: the input strings (list, tuple, pandas Series, ``datasets`` column, a :class:`TextSource`), or
-            pre-tokenized rows (one list, 1-D array or tensor of token ids per text, taken as they are, truncated to
-            ``max_input_token_length`` on the tokenizer's ``truncation_side``; ``batch.texts`` is then ``None``).
+        texts: the input strings (list, tuple, pandas Series, ``datasets`` column, :class:`TextSource`, iterator), or
+            pre-tokenized rows (token ids per text, taken as they are and truncated; ``batch.texts`` is then ``None``).
         tokenizer: a Hugging Face tokenizer object with a pad token (not a model name).
-        batch_size: rows of the first batch, the ``batch_size`` longest texts; every batch but the last has at least
-            this many rows.
+        batch_size: rows of the first batch, the longest texts; every batch but the last has at least this many.
         max_input_token_length: truncation limit per text, in tokens, special tokens included.
         threshold: highest spike probability a chosen batch size may have.
-        shuffle: shuffle the batch order (the first, hardest batch stays first).
+        shuffle, seed: shuffle the batch order, seeded (the first, hardest batch stays first).
         num_workers: DataLoader worker processes, capped (with a log line) at the cores this process may use.
-        batch_start_range: smallest candidate size, as a multiple of ``batch_size`` (>= 1).
-        batch_end_range: largest candidate size, as a multiple of ``batch_size``.
-        steps: number of candidate sizes between the two.
-        classifier: the spike classifier: ``None`` for the bundled one, a path to a trusted joblib file, or a fitted
-            estimator.
-        model_shape: ``ModelShape.from_model(model, max_new_tokens=..., num_beams=...)``: plans with the shape-aware
-            classifier. ``None``: dynabatch 0.1.6's 13 features.
-        seed: seeds the shuffled order.
+        batch_start_range, batch_end_range, steps: ``steps`` candidate sizes from start to end times ``batch_size``.
+        classifier: ``None`` (the bundled spike classifier), a path to a trusted joblib file, or a fitted estimator.
+        model_shape: a ``ModelShape``: plans with the shape-aware classifier; ``None``: dynabatch 0.1.6's features.
         progress: show a progress bar while tokenizing.
         memory_model: a calibrated ``MemoryModel``: batches sized by its predicted peaks instead of the classifier.
-        refit_memory_model: ``True``: each run's measured peaks refit ``memory_model`` in place; ``False``: it is
-            left as you built it (``run(memory="measured")`` refines a copy).
-        max_memory: ``None`` (the relative rule: no batch above the first batch's peak), or an absolute budget every
-            batch is planned under: bytes, ``"20GB"``/``"20GiB"``, ``"90%"`` of the device's free memory (read by
-            ``dynabatch.run`` on its device as it starts; refused on the CPU), or ``"auto"`` (``"90%"`` on an
-            accelerator, the relative rule on the CPU). See ``docs/memory.md``.
-        memory_margin: with ``memory_model``, every batch's predicted peak stays at or under ``(1 - memory_margin)``
-            times the budget; in ``[0, 1)``.
-        granularity: with ``memory_model``, batch sizes are multiples of it (when at least it).
-        model: the model (or config) the batches are for: its shape is read from it, and a
-            ``max_input_token_length`` above its position embeddings is refused here, naming the config field.
-        max_tokens: padded tokens per batch at most (text-embeddings-inference's ``--max-batch-tokens``); with the
-            memory rule the smaller wins. It must hold the first batch, else ``ValueError``. ``None``: no cap.
+        refit_memory_model: each run's measured peaks refit ``memory_model`` in place (else a run refines a copy).
+        max_memory: ``None`` (the first batch's peak bounds every batch), or a budget (bytes, ``"90%"``, ``"auto"``).
+        memory_margin, granularity: with ``memory_model``, the share of the budget kept free, and the size multiple.
+        model: the model (or config) whose shape is read; a ``max_input_token_length`` above its positions is refused.
+        max_tokens: padded tokens per batch at most (with the memory rule, the smaller wins); ``None``: no cap.
         max_growth: in ``run``'s measured mode, a batch has at most this many times the rows of the one before (>= 1).
         ids: one stable id per text (str or int, unique), or ``None``: a results store then keys rows by id.
-        on_bad_input: items of ``texts`` that are not str: ``"raise"`` a ``TypeError`` naming them, or ``"skip"``
-            them (planned into no batch; ``run`` lists them in ``result.failed``).
-        stream: tokenize and plan chunk by chunk while the batches run (:mod:`dynabatch.data.streaming`), longest
-            first, in a background thread; ``None`` (auto): above :data:`STREAM_ABOVE` texts, and for texts read from
-            files, a dataset or an iterator. Not with ``shuffle`` nor pre-tokenized texts.
-        tokenize_cores: cores to tokenize on, at most; ``None``: every core this process may use. The tokens are the
-            same whatever the count.
-        **tokenizer_kwargs: passed to the tokenizer (e.g. ``add_special_tokens=False``); ``pad_to_multiple_of``
-            rounds each batch's width up. A keyword the tokenizer does not take raises ``TypeError`` naming it.
-
-    The plan is an estimate (the spike classifier can be wrong on models unlike the profiled ones), and a plain loop
-    runs it as it is. ``dynabatch.run(fn, loader)`` measures each batch's peak and re-sizes later batches so that
-    none exceeds the first's; ``memory_model=calibrate(...)`` sizes batches by measured probes of your model.
+        on_bad_input: ``"raise"`` a ``TypeError`` naming the items that are not str, or ``"skip"`` them (no batch).
+        stream: tokenize and plan chunk by chunk as batches run; ``None``: above :data:`STREAM_ABOVE` texts, and for
+            texts from files, a dataset or an iterator. Not with ``shuffle`` nor pre-tokenized texts.
+        tokenize_cores: cores to tokenize on, at most (the tokens are the same); ``None``: every core it may use.
+        **tokenizer_kwargs: passed to the tokenizer (``pad_to_multiple_of`` rounds each batch's width up).
 
     Returns:
-        A plain :class:`torch.utils.data.DataLoader`, with its plan as ``loader.plan`` (a :class:`LoaderPlan`). Each
-        batch is a :class:`~dynabatch.data.collate.Batch`: a dict of tensors that ``model(**batch)`` takes, with
-        ``batch.indices`` (input positions of its rows) and ``batch.texts``.
+        A plain :class:`torch.utils.data.DataLoader` with ``loader.plan`` (a :class:`LoaderPlan`); each batch a
+        :class:`~dynabatch.data.collate.Batch` for ``model(**batch)``, with its input positions as ``.indices``.
     """
     check_on_bad_input(on_bad_input)
     token_ids = not is_text_source(texts) and are_token_ids(texts)

@@ -25,14 +25,11 @@ __all__ = ["MEMORY_MODES", "ON_ERROR", "ON_OOM", "RANKS", "RunOptions", "check_r
 
 logger = logging.getLogger("dynabatch.inference.runner")  # what run() logs, under run's own name
 
+# The values of run()'s memory=, ranks=, on_oom= and on_error=.
 MEMORY_MODES = ("auto", "measured", "guarded", "record", "off")
-"""The values of ``run(memory=...)``."""
 RANKS = ("auto", "lockstep", "claim", "single")
-"""The values of ``run(ranks=...)``."""
 ON_OOM = ("raise", "skip")
-"""The values of ``run(on_oom=...)``."""
 ON_ERROR = ("raise", "skip")
-"""The values of ``run(on_error=...)``."""
 PREFETCH_DEPTH = 2
 """Batches built ahead of the one running (one device): enough to hide collation, few enough to bound host memory."""
 
@@ -63,8 +60,8 @@ class RunOptions:
 
 
 def check_store_arguments(output_path: Any, key: Any) -> None:
-    """Refuses a bad ``output_path`` (a directory for the results store, or the store opened for the run; not what
-    earlier versions wrote, a JSONL file or per-rank JSONL files, nor a path meant for them) or ``key`` (a str, only
+    """Refuses a bad ``output_path`` (a directory for the results store, or the store opened for the run; not a
+    JSONL file nor per-rank JSONL files as earlier versions wrote, nor a path meant for them) or ``key`` (a str, only
     with a store)."""
     from dynabatch.inference.store import Store
 
@@ -111,7 +108,7 @@ def check_run_options(device: Any = None, on_oom: Any = "raise", memory: Any = "
 def resolve_options(fn: Any, loader: Any, plan: Any, *, make_fn: Any, devices: Any, device: Any, memory: Any,
                     ranks: Any, on_oom: Any, on_error: Any, output_path: Any, key: Any, token_outputs: Any,
                     pad_token_id: Any, prefetch: Any, progress: Any) -> RunOptions:
-    """Every option of :func:`dynabatch.run` checked and resolved into a :class:`RunOptions` (``plan``: the loader's
+    """Every option of :func:`dynabatch.run` checked and resolved (``plan``: the loader's
     :class:`~dynabatch.inference.loader.LoaderPlan`, ``None`` for a plain iterable of batches).
 
     Raises:
@@ -136,12 +133,11 @@ def resolve_options(fn: Any, loader: Any, plan: Any, *, make_fn: Any, devices: A
     if devices is not None and prefetch:
         raise bad_value("prefetch", "None or 0 with devices (each device's thread builds its own batches while the "
                         "other devices run theirs)", prefetch)
+    if prefetch is None:
+        prefetch = 0 if devices is not None else PREFETCH_DEPTH
     memory, sparse, memory_devices = _resolve_memory(memory, plan, ranks, targets)
-    return RunOptions(memory, sparse, ranks, rank, world_size, tuple(targets), tuple(memory_devices), make_fn,
-                      (PREFETCH_DEPTH if devices is None else 0) if prefetch is None else prefetch, on_oom, on_error,
-                      token_outputs, pad_token_id, output_path if output_path is None or hasattr(output_path, "writer")
-                      else os.fspath(output_path), key,
-                      progress)
+    return RunOptions(memory, sparse, ranks, rank, world_size, targets, memory_devices, make_fn, prefetch, on_oom,
+                      on_error, token_outputs, pad_token_id, output_path, key, progress)
 
 
 def _resolve_fn(fn: Any, make_fn: Any, devices: Any) -> Callable[[Any], Callable]:
@@ -182,7 +178,7 @@ def _resolve_ranks(ranks: str, plan: Any) -> tuple[int, int, str]:
     if ranks == "claim" and plan is None:
         raise bad_value("ranks", "'lockstep' or 'single' for a loader that is not a dynabatch DataLoader (ranks "
                         "claim chunks of a dynabatch loader's plan)", ranks)
-    if ranks == "claim" and getattr(plan.sampler, "shuffle", False):
+    if ranks == "claim" and plan.sampler.shuffle:
         raise bad_value("ranks", "'lockstep' or 'single' for a shuffled loader (ranks claim chunks of the plan in "
                         "its planned order; build the loader with shuffle=False to claim)", ranks)
     if ranks == "lockstep" and plan is not None and plan.stream is not None:
@@ -191,11 +187,11 @@ def _resolve_ranks(ranks: str, plan: Any) -> tuple[int, int, str]:
     return rank, world_size, ranks
 
 
-def _resolve_targets(devices: Any, device: Any, ranks: str) -> list:
-    """The devices a worker each runs on: ``devices`` parsed (each accelerator once), else ``[device]``."""
+def _resolve_targets(devices: Any, device: Any, ranks: str) -> tuple:
+    """The devices a worker each runs on: ``devices`` parsed (each accelerator once), else ``(device,)``."""
     if devices is None:
-        return [device]
-    if isinstance(devices, (str, torch.device)) or not isinstance(devices, (list, tuple)):
+        return (device,)
+    if not isinstance(devices, (list, tuple)):
         raise bad_type("devices", "None or a list of devices (['cuda:0', 'cuda:1'])", devices)
     if not devices:
         raise bad_value("devices", "None or a list of at least one device", devices)
@@ -204,7 +200,7 @@ def _resolve_targets(devices: Any, device: Any, ranks: str) -> list:
     if ranks != "single":
         raise bad_value("devices", "None under torch.distributed (each rank runs on its own device; or pass "
                         "ranks='single' to run every batch in this process)", devices)
-    parsed = [check_device(f"devices[{i}]", d, "a str or torch.device") for i, d in enumerate(devices)]
+    parsed = tuple(check_device(f"devices[{i}]", d, "a str or torch.device") for i, d in enumerate(devices))
     accelerators = [str(d) for d in parsed if d.type != "cpu"]
     if len(set(accelerators)) < len(accelerators):
         raise bad_value("devices", "a list naming each accelerator once, with its index (its memory statistics "
@@ -212,29 +208,19 @@ def _resolve_targets(devices: Any, device: Any, ranks: str) -> list:
     return parsed
 
 
-def running_device(device: Any) -> torch.device | None:
-    """Where a worker's batches run: ``device`` (``None`` if torch cannot parse it), else the accelerator on which a
-    model holds memory, else the CPU."""
-    if device is not None:
-        try:
-            return torch.device(device)
-        except RuntimeError:
-            return None  # batch.to(device) names the error when the first batch runs
-    return device_in_use() or torch.device("cpu")
-
-
-def _resolve_memory(memory: str, plan: Any, ranks: str, targets: list) -> tuple[str, bool, list]:
-    """``(mode, sparse, memory device per target)``: ``"auto"`` chosen, a mode no run can honour refused."""
-    running = [running_device(t) for t in targets]
-    can_measure = all(r is not None and measurable(r) for r in running)
-    replannable = plan is not None and ranks != "lockstep" and not getattr(plan.sampler, "shuffle", False)
-    if memory == "auto":
-        if not can_measure:
-            logger.info("run: batches run on %s, whose memory cannot be measured: they run as planned",
-                        ", ".join(map(str, running)))
-            memory = "off"
-        else:
-            memory = "measured" if replannable else "guarded"
+def _resolve_memory(memory: str, plan: Any, ranks: str, targets: tuple) -> tuple[str, bool, tuple]:
+    """``(mode, sparse, memory device per target)``: ``"auto"`` chosen, a mode no run can honour refused. A worker
+    measures where its batches run: its target (checked already), else the accelerator on which a model holds
+    memory, else the CPU."""
+    running = [torch.device(t) if t is not None else device_in_use() or torch.device("cpu") for t in targets]
+    where = ", ".join(map(str, running))
+    can_measure = all(measurable(r) for r in running)
+    replannable = plan is not None and ranks != "lockstep" and not plan.sampler.shuffle
+    if memory == "auto" and not can_measure:
+        logger.info("run: batches run on %s, whose memory cannot be measured: they run as planned", where)
+        memory = "off"
+    elif memory == "auto":
+        memory = "measured" if replannable else "guarded"
     elif memory == "measured" and not replannable:
         why = ("a loader that is not a dynabatch DataLoader has no plan to re-size" if plan is None else
                "each rank's share is fixed up front under ranks='lockstep' (ranks='claim' re-sizes per rank)"
@@ -242,10 +228,10 @@ def _resolve_memory(memory: str, plan: Any, ranks: str, targets: list) -> tuple[
                "longest first (build the loader with shuffle=False)")
         raise bad_value("memory", f"'guarded', 'record' or 'off' here ({why})", memory)
     if memory != "off" and not can_measure:
-        raise bad_value("memory", f"'off' on {', '.join(map(str, running))}, whose memory cannot be measured", memory)
+        raise bad_value("memory", f"'off' on {where}, whose memory cannot be measured", memory)
     if memory == "off":
-        return memory, False, [None] * len(targets)
+        return memory, False, (None,) * len(targets)
     sparse = memory in ("measured", "guarded") and all(r.type == "cpu" for r in running)
-    logger.info("run: memory=%r on %s%s", memory, ", ".join(map(str, running)),
-                ", measuring only calls that can let batches grow" if sparse else "")
-    return memory, sparse, running
+    logger.info("run: memory=%r on %s%s", memory, where, ", measuring only calls that can let batches grow" if sparse
+                else "")
+    return memory, sparse, tuple(running)

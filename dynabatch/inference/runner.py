@@ -1,8 +1,7 @@
 """``run``: call a model on every batch, recover from out-of-memory errors, get rows back in input order.
 
-One path of stages that talk one way, read top to bottom in :func:`run`: options resolved, the sink opened, a resumed
-run's stored inputs checked before any batch, then each device's or rank's loop (:mod:`~dynabatch.inference.loop`),
-and the sink's accounting of every input.
+One path read top to bottom: options resolved, the sink opened, a resumed run's stored inputs checked before any
+batch, each device's or rank's loop (:mod:`~dynabatch.inference.loop`), and the sink's accounting of every input.
 
 Example:
     >>> from transformers import AutoTokenizer
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dynabatch._background import stage_seconds
 from dynabatch._validation import bad_type, first_few
 from dynabatch.data.collate import Batch
 from dynabatch.inference.build import Builder
@@ -37,7 +37,7 @@ from dynabatch.inference.distributed import Lockstep, job_token
 from dynabatch.inference.execute import BatchOutOfMemoryError, Executor, Failures
 from dynabatch.inference.loader import plan_of
 from dynabatch.inference.loop import Stages, WorkerParts, run_workers
-from dynabatch.inference.meter import Meter, background_shares, meter_for
+from dynabatch.inference.meter import background_shares, meter_for
 from dynabatch.inference.options import RunOptions, check_run_options, resolve_options
 from dynabatch.inference.outputs import RowSplitter
 from dynabatch.inference.report import RunReport
@@ -45,7 +45,6 @@ from dynabatch.inference.results import RunResult, StoredRunResult
 from dynabatch.inference.scheduler import Scheduler
 from dynabatch.inference.sink import MemorySink, StoreSink, open_sink
 from dynabatch.inference.source import Source
-from dynabatch._background import stage_seconds
 from dynabatch.memory.device import copier, pins_memory
 
 __all__ = ["BAD_INPUT", "BatchOutOfMemoryError", "IncompleteRunError", "RunResult", "StoredRunResult",
@@ -58,12 +57,8 @@ BAD_INPUT = "bad input: not a str (the loader skipped it, on_bad_input='skip')"
 
 
 class IncompleteRunError(RuntimeError):
-    """A run that cannot account for every input: some are neither returned (or stored) nor in ``failed``.
-
-    Attributes:
-        missing: the positions of those inputs, sorted.
-        partial: the result as the sink holds it (``result.failed`` and ``result.failures`` included).
-    """
+    """A run that cannot account for every input: some are neither returned (or stored) nor in ``failed``;
+    ``missing``: their positions, sorted; ``partial``: the result as the sink holds it."""
 
     def __init__(self, message: str, *, missing: list[int], partial: Any = None) -> None:
         super().__init__(message)
@@ -93,52 +88,42 @@ def run(
 ) -> RunResult | StoredRunResult:
     """Calls ``fn(batch)`` on every batch of ``loader`` and returns one result per input, in input order.
 
-    ``fn`` is called as it is: wrap the call in ``torch.inference_mode()`` yourself. ``docs/inference.md`` has every
-    rule below in full, with examples.
-
-    Every input is accounted for when ``run`` returns: it has a result (returned, or stored at ``output_path``), or it
-    is in ``result.failed`` with its cause in ``result.failures``, both from what the sink holds, never from a count;
-    else the run raises :class:`IncompleteRunError`, in every mode.
+    ``fn`` is called as it is (wrap it in ``torch.inference_mode()`` yourself). When ``run`` returns, every input has
+    a result (returned, or stored at ``output_path``) or is in ``result.failed`` with its cause in
+    ``result.failures``, as the sink holds them. Every rule in full: ``docs/inference.md``.
 
     Args:
-        fn: takes a :class:`~dynabatch.data.collate.Batch`; what it returns is split into one result per row by the
-            row rule (:mod:`dynabatch.inference.outputs`; a :class:`~dynabatch.inference.outputs.PerRow` is one
-            item per row). Rows come back on the CPU.
-        loader: a dynabatch DataLoader (its batches built here from its plan, so they can be split, re-sized or
-            shared before their tensors exist), or any iterable of batches with ``.indices``.
-        make_fn: with ``devices`` (and only then): ``make_fn(device)`` returns the ``fn`` for that device, called
-            once in that device's worker thread.
-        devices: several devices at once, a worker thread each; a worker whose device fails (never out of memory)
-            stops and its unfinished rows go to the other devices once.
+        fn: takes a :class:`~dynabatch.data.collate.Batch`; what it returns is split into one result per row, on the
+            CPU (:mod:`dynabatch.inference.outputs`).
+        loader: a dynabatch DataLoader (batches built here from its plan, to be split, re-sized or shared before
+            their tensors exist), or any iterable of batches with ``.indices``.
+        make_fn: with ``devices`` only: ``make_fn(device)`` returns that device's ``fn``, in its worker thread.
+        devices: several devices, a worker thread each; a failed device's unfinished rows go to the others once.
         device: where each batch is moved before ``fn``; ``None`` leaves it.
-        memory: ``"measured"`` (batches re-sized from measured peaks so that none exceeds the first batch's),
-            ``"guarded"`` (batches in their own order, one bound above the first batch's peak split before it
-            runs), ``"record"`` (every peak recorded), ``"off"``, or ``"auto"``
-            (:mod:`dynabatch.inference.options`).
-        ranks: under ``torch.distributed``: ``"lockstep"`` (the same calls of ``fn`` on every rank), ``"claim"``
-            (ranks claim chunks of the corpus; no collectives in ``fn``), ``"single"``; ``"auto"``: lockstep under
-            more than one rank.
-        on_oom: a single row out of memory on its own: ``"raise"`` :class:`BatchOutOfMemoryError` or ``"skip"`` it.
-            Larger batches are split in halves and retried.
-        on_error: an error ``fn`` raises splits its batch in halves until the rows it raises on are alone;
-            ``"raise"`` the first such row's error with a note naming it, or ``"skip"`` each into ``result.failed``.
-        output_path: a directory for the results store (:mod:`dynabatch.inference.store`), or the store opened by
-            the caller (``open_store``); a rerun with the same ``key`` runs only the rows not stored.
+        memory: ``"measured"`` (batches re-sized so that no peak exceeds the first batch's), ``"guarded"`` (a batch
+            bound above the first batch's peak split before it runs), ``"record"``, ``"off"``, or ``"auto"``.
+        ranks: under ``torch.distributed``: ``"lockstep"`` (the same calls on every rank), ``"claim"`` (ranks claim
+            chunks; no collectives in ``fn``), ``"single"``, or ``"auto"`` (lockstep under several ranks).
+        on_oom: a row out of memory on its own (larger batches are halved and retried): ``"raise"`` or ``"skip"``.
+        on_error: a batch whose ``fn`` raises is halved until the rows it raises on are alone: ``"raise"`` the first
+            one's error, with a note naming it, or ``"skip"`` each into ``result.failed``.
+        output_path: a directory for the results store (or the store from ``open_store``); a rerun with the same
+            ``key`` runs only the rows not stored.
         key: with ``output_path``, what computed the rows (model, revision, settings).
-        token_outputs: how a tensor as wide as the batch is read: ``"auto"``, ``"per_token"``, ``"generated"`` or
+        token_outputs: how a tensor as wide as the batch is read: ``"auto"``, ``"per_token"``, ``"generated"``,
             ``"whole"``.
         pad_token_id: the pad id stripped from generated rows; ``None``: the loader's collator's.
         prefetch: batches built ahead in a background thread; ``None``: 2, or 0 with ``devices``.
-        progress: a progress display on standard error (:mod:`dynabatch.inference.meter`).
+        progress: a progress display on standard error.
 
     Returns:
-        A :class:`RunResult`, a list of one result per input position with ``.report``, ``.failed`` and
-        ``.failures``; with ``output_path`` a :class:`StoredRunResult` reading the same rows from the store.
+        A :class:`RunResult` (a list by input position, with ``.report``, ``.failed`` and ``.failures``), or with
+        ``output_path`` a :class:`StoredRunResult` reading the rows from the store.
 
     Raises:
         TypeError: a bad argument type; batches without ``.indices``; a row the store cannot hold.
-        ValueError: a bad option or combination; a store of another ``key`` or of other inputs; an ``fn`` result
-            whose rows are ambiguous or do not match the batch.
+        ValueError: a bad option or combination; a store of another ``key`` or other inputs; ``fn`` rows that are
+            ambiguous or do not match the batch.
         BatchOutOfMemoryError: with ``on_oom="raise"``, a single row that ran out of memory.
         IncompleteRunError: inputs neither returned (or stored) nor in ``failed``.
         Exception: what ``fn`` raised (``on_error="raise"``), with its note.
@@ -160,8 +145,12 @@ def run(
 
 def _run(source: Source, sink: MemorySink | StoreSink, options: RunOptions) -> RunResult | StoredRunResult:
     """The stages, from the resume check to the accounted result."""
-    plan = source.plan
-    stored = _stored_inputs(source, sink)
+    plan, stored = source.plan, sink.stored
+    if stored is not None and stored.any():  # a resumed run: the inputs the store holds, checked before any batch
+        inputs = source.input_hashes(np.flatnonzero(stored))  # None for a plain iterable (checked as it is built)
+        if inputs is not None:
+            sink.check_inputs(*inputs)
+        logger.info("the store holds %d of this run's rows: they are not run again", int(stored.sum()))
     try:
         source.share(options.ranks, options.rank, options.world_size)
         scheduler = Scheduler(source, memory=options.memory, sparse=options.sparse, stored=stored,
@@ -170,7 +159,11 @@ def _run(source: Source, sink: MemorySink | StoreSink, options: RunOptions) -> R
                           pinned=any(pins_memory(t) for t in options.targets), hashes=isinstance(sink, StoreSink))
         skipped = plan.skipped if plan is not None else np.zeros(0, dtype=np.int64)
         if skipped.size and options.rank == 0:  # rank 0 answers for the inputs the loader planned into no batch
-            _fail(sink.writer(f"rank{options.rank}.loader"), skipped, BAD_INPUT)
+            writer = sink.writer("rank0.loader")
+            try:
+                writer.fail(skipped, np.zeros(len(skipped), dtype=np.uint64), [BAD_INPUT] * len(skipped))
+            finally:
+                writer.close()
         report = _execute(source, scheduler, builder, sink, options, skipped, stored)
     finally:
         source.close()
@@ -188,39 +181,25 @@ def _run(source: Source, sink: MemorySink | StoreSink, options: RunOptions) -> R
     return result
 
 
-def _fail(writer: Any, positions: np.ndarray, cause: str) -> None:
-    try:
-        writer.fail(positions, np.zeros(len(positions), dtype=np.uint64), [cause] * len(positions))
-    finally:
-        writer.close()
-
-
-def _stored_inputs(source: Source, sink: MemorySink | StoreSink) -> np.ndarray | None:
-    """The resume check, before any batch: which inputs the store holds, checked against this run's inputs (a
-    plan's up front; a plain iterable's as its batches are built); ``None`` when it holds none."""
-    stored = sink.stored
-    if stored is None or not stored.any():
-        return None
-    inputs = source.input_hashes(np.flatnonzero(stored))
-    if inputs is not None:
-        sink.check_inputs(*inputs)
-    logger.info("the store holds %d of this run's rows: they are not run again", int(stored.sum()))
-    return stored
-
-
 def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: MemorySink | StoreSink,
              options: RunOptions, skipped: np.ndarray, stored: np.ndarray | None) -> RunReport:
-    """Runs the scheduler's items on every target (a worker each) into the sink; returns the report.
-
-    Every worker's writer is closed (its rows committed) however the run ends; ``BatchOutOfMemoryError`` gets the rows
-    finished so far as ``.partial``.
-    """
+    """Runs the scheduler's items on every target (a worker each) into the sink; returns the report. Each worker's
+    writer is closed however the run ends; ``BatchOutOfMemoryError`` gets the rows finished so far as ``.partial``."""
     splitter = RowSplitter(builder.pad_token_id, options.token_outputs, builder.padding.side)  # fn's rule, for the run
     failures = Failures(options.on_oom, options.on_error, None if source.plan is None else source.plan.ids)
     background = stage_seconds()
-    meter = _meter(source, options, skipped, stored)
+    n = source.n_inputs
+    runs = None  # the inputs that run now: neither skipped nor stored (under ranks claiming chunks, the whole corpus)
+    if n is not None:
+        runs = np.ones(n, dtype=bool)
+        runs[skipped] = False
+        if stored is not None:
+            runs[np.flatnonzero(stored[:n])] = False
+    meter = meter_for(source, total_rows=None if runs is None else int(runs.sum()), runs=runs,
+                      progress=options.progress, scale=source.scale, stored=0 if stored is None else int(stored.sum()),
+                      inputs=n)
     names = [str(t) for t in options.targets]
-    names = [f"{n} (worker {i})" if names.count(n) > 1 else n for i, n in enumerate(names)]  # ["cpu", "cpu"]
+    names = [f"{name} (worker {i})" if names.count(name) > 1 else name for i, name in enumerate(names)]
     stages = Stages(source, scheduler, builder, sink, meter, threading.Event(), options.prefetch,
                     (lambda: Lockstep(builder.stand_in)) if source.lockstep else None)
 
@@ -252,19 +231,3 @@ def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: Memor
         stages.stop.set()
         meter.close()
     return report()
-
-
-def _meter(source: Source, options: RunOptions, skipped: np.ndarray, stored: np.ndarray | None) -> Meter:
-    """The run's meter over the rows that run now (those already stored left out); under ranks claiming chunks,
-    the whole corpus, each rank counting for ``source.scale`` ranks."""
-    n = source.n_inputs
-    stored_count = int(stored.sum()) if stored is not None else 0
-    runs = None
-    if n is not None:
-        runs = np.ones(n, dtype=bool)
-        runs[skipped] = False
-        if stored is not None:
-            runs[np.flatnonzero(stored[:n])] = False
-    total = None if runs is None else int(runs.sum())
-    return meter_for(source, total_rows=total, runs=runs, progress=options.progress, scale=source.scale,
-                     stored=stored_count, inputs=n)
