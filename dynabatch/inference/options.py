@@ -108,8 +108,7 @@ def check_run_options(device: Any = None, on_oom: Any = "raise", memory: Any = "
 def resolve_options(fn: Any, loader: Any, plan: Any, *, make_fn: Any, devices: Any, device: Any, memory: Any,
                     ranks: Any, on_oom: Any, on_error: Any, output_path: Any, key: Any, token_outputs: Any,
                     pad_token_id: Any, prefetch: Any, progress: Any) -> RunOptions:
-    """Every option of :func:`dynabatch.run` checked and resolved (``plan``: the loader's
-    :class:`~dynabatch.inference.loader.LoaderPlan`, ``None`` for a plain iterable of batches).
+    """Every option of :func:`dynabatch.run` checked and resolved (``plan``: the loader's ``LoaderPlan`` or ``None``).
 
     Raises:
         TypeError: an option of the wrong type.
@@ -210,8 +209,7 @@ def _resolve_targets(devices: Any, device: Any, ranks: str) -> tuple:
 
 def _resolve_memory(memory: str, plan: Any, ranks: str, targets: tuple) -> tuple[str, bool, tuple]:
     """``(mode, sparse, memory device per target)``: ``"auto"`` chosen, a mode no run can honour refused. A worker
-    measures where its batches run: its target (checked already), else the accelerator on which a model holds
-    memory, else the CPU."""
+    measures where its batches run: its target, else the accelerator on which a model holds memory, else the CPU."""
     running = [torch.device(t) if t is not None else device_in_use() or torch.device("cpu") for t in targets]
     where = ", ".join(map(str, running))
     can_measure = all(measurable(r) for r in running)

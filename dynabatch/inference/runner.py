@@ -93,8 +93,8 @@ def run(
     ``result.failures``, as the sink holds them. Every rule in full: ``docs/inference.md``.
 
     Args:
-        fn: takes a :class:`~dynabatch.data.collate.Batch`; what it returns is split into one result per row, on the
-            CPU (:mod:`dynabatch.inference.outputs`).
+        fn: takes a :class:`~dynabatch.data.collate.Batch`; what it returns is split into rows (on the CPU) by the row
+            rule (:mod:`dynabatch.inference.outputs`).
         loader: a dynabatch DataLoader (batches built here from its plan, to be split, re-sized or shared before
             their tensors exist), or any iterable of batches with ``.indices``.
         make_fn: with ``devices`` only: ``make_fn(device)`` returns that device's ``fn``, in its worker thread.
@@ -105,10 +105,8 @@ def run(
         ranks: under ``torch.distributed``: ``"lockstep"`` (the same calls on every rank), ``"claim"`` (ranks claim
             chunks; no collectives in ``fn``), ``"single"``, or ``"auto"`` (lockstep under several ranks).
         on_oom: a row out of memory on its own (larger batches are halved and retried): ``"raise"`` or ``"skip"``.
-        on_error: a batch whose ``fn`` raises is halved until the rows it raises on are alone: ``"raise"`` the first
-            one's error, with a note naming it, or ``"skip"`` each into ``result.failed``.
-        output_path: a directory for the results store (or the store from ``open_store``); a rerun with the same
-            ``key`` runs only the rows not stored.
+        on_error: a batch ``fn`` raises on is halved until such rows are alone: ``"raise"`` or ``"skip"`` them.
+        output_path: a directory for the results store (or an opened store); a rerun runs only the rows not stored.
         key: with ``output_path``, what computed the rows (model, revision, settings).
         token_outputs: how a tensor as wide as the batch is read: ``"auto"``, ``"per_token"``, ``"generated"``,
             ``"whole"``.
@@ -122,8 +120,7 @@ def run(
 
     Raises:
         TypeError: a bad argument type; batches without ``.indices``; a row the store cannot hold.
-        ValueError: a bad option or combination; a store of another ``key`` or other inputs; ``fn`` rows that are
-            ambiguous or do not match the batch.
+        ValueError: a bad option or combination; a store of another ``key`` or inputs; ``fn`` rows that do not fit.
         BatchOutOfMemoryError: with ``on_oom="raise"``, a single row that ran out of memory.
         IncompleteRunError: inputs neither returned (or stored) nor in ``failed``.
         Exception: what ``fn`` raised (``on_error="raise"``), with its note.
