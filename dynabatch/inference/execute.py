@@ -1,10 +1,8 @@
 """The executor of :func:`dynabatch.run`: one item at a time on one device, through the one out-of-memory policy.
 
-A piece that runs out of memory is split in halves and retried, down to one row; one the item's
-:class:`~dynabatch.inference.scheduler.Sizing` says to split is split before it is tried. An error ``fn`` raises
-splits its batch in halves until the rows that fail are alone, then is raised with a note naming the row
-(``on_error="raise"``) or the row is set aside (``"skip"``). What the item gave comes back as a value, an
-:class:`Outcome`, which the worker's loop (:mod:`~dynabatch.inference.loop`) hands to the other stages.
+A piece that runs out of memory is halved down to one row (split first where the item's
+:class:`~dynabatch.inference.scheduler.Sizing` says); one ``fn`` raises on is halved until the failing row is alone,
+then raised with a note naming it (``on_error="raise"``) or set aside (``"skip"``). The item gives an :class:`Outcome`.
 """
 
 from __future__ import annotations
@@ -25,13 +23,11 @@ from dynabatch.inference.outputs import RowSplitter
 from dynabatch.inference.report import BatchRecord
 from dynabatch.inference.source import Item
 from dynabatch.memory.device import is_device_failure, is_out_of_memory_error
-from dynabatch.memory.oom import call_guarded, split_sizes
+from dynabatch.memory.oom import Attempt, call_guarded, split_sizes
 
 __all__ = ["BatchOutOfMemoryError", "Executor", "Failures", "Outcome", "explain_index_errors"]
 
 logger = logging.getLogger(__name__)
-
-_SET_ASIDE = "on_error='skip' (--on-error skip on the command line) sets the rows it raises on alone aside"
 
 _EMBEDDING_MESSAGE = "index out of range in self"  # torch's message for an embedding index out of range
 
@@ -42,8 +38,7 @@ class BatchOutOfMemoryError(RuntimeError):
 
     def __init__(self, message: str, *, position: int | None = None, partial: Any = None) -> None:
         super().__init__(message)
-        self.position = position
-        self.partial = partial
+        self.position, self.partial = position, partial
 
     def __reduce__(self) -> tuple:
         return type(self), (str(self),), {"position": self.position, "partial": self.partial}
@@ -89,9 +84,9 @@ tokens whose largest token id is 9: ...
 
 @dataclass(frozen=True)
 class Failures:
-    """What a worker does with a failing row: ``on_oom`` (``"raise"`` or ``"skip"`` a single row that runs out of
-    memory), ``on_error`` (``"raise"`` the error ``fn`` raises, or ``"skip"`` the rows it raises on alone), and the
-    loader's ``ids`` (a ``pyarrow`` array) an error's note names (``None``: positions only)."""
+    """What a worker does with a failing row: ``on_oom`` and ``on_error`` (``"raise"``, or ``"skip"`` a row that runs
+    out of memory, or that ``fn`` raises on, alone), and the loader's ``ids`` (a ``pyarrow`` array) an error's note
+    names (``None``: positions only)."""
 
     on_oom: str = "raise"
     on_error: str = "raise"
@@ -100,20 +95,11 @@ class Failures:
 
 @dataclass
 class Outcome:
-    """What running an item gave, handed by the worker's loop to the other stages.
-
-    Attributes:
-        item: the item that ran.
-        positions: the input positions finished, in the order of ``rows`` (one result each).
-        failed: the inputs set aside, position -> cause.
-        measured: the measured calls, ``(rows, width, peak bytes)``.
-        out_of_memory: the ``(rows, width)`` of each call that ran out of memory.
-        unfinished: the rows that did not finish (the run stopped, or a call raised), as an item, or ``None``.
-        tokens: the real tokens of the rows finished.
-        record: the item's record (``None`` when no row finished or was set aside).
-        seconds: seconds by stage (``"device"``: the copies in, the calls and the rows back on the CPU).
-        varying: the row rule's reading of which rows vary in length (what the sink stores them as).
-    """
+    """What running an item gave, a value: the input ``positions`` finished and their ``rows`` (results, in that
+    order), the inputs set aside (``failed``: position -> cause), the ``measured`` calls ``(rows, width, peak bytes)``,
+    the ``(rows, width)`` of each call that ran ``out_of_memory``, the ``unfinished`` rows as an item (the run
+    stopped, or a call raised), the real ``tokens`` finished, the ``record`` (``None`` when no row finished or was set
+    aside), ``seconds`` by stage (``"device"``: copies in, calls, rows back) and which rows are ``varying`` in length."""
 
     item: Item
     positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -128,29 +114,13 @@ class Outcome:
     varying: Any = None
 
 
-@dataclass
-class _Run:
-    """An item in progress: its pieces left (the last runs next), what finished, and the error being narrowed down."""
-
-    outcome: Outcome  # its record kept only once a row finished or was set aside
-    built: Built | None
-    stack: list[Batch]
-    start: float
-    positions: list[np.ndarray] = field(default_factory=list)
-    raised: tuple[int, Exception, np.ndarray] | None = None  # on_error="raise": a failed piece's stack depth, error
-    # and positions, while its halves are tried to find the row it raises on
-
-
 class _FnFailed(Exception):
-    """Carries an error ``fn`` itself raised (not out of memory, not a device failure) past the guard's handling."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__(str(error))
-        self.error = error
+    """Carries an error ``fn`` itself raised (``args[0]``: not out of memory, not a device failure) past the guard."""
 
 
 class Executor:
-    """One worker's executor: runs items on its device one call at a time (``start``, ``step``, ``outcome``).
+    """One worker's executor: runs items on its device one call at a time (``start``, ``step`` while ``pending``,
+    ``outcome``).
 
     Args:
         fn: what runs a batch on this worker's device.
@@ -182,79 +152,81 @@ class Executor:
         self._memory_device, self._splitter, self._failures = memory_device, splitter, failures
         self._prepare = None if copier is None else (
             lambda b: Batch(copier(b), indices=b.indices, texts=getattr(b, "texts", None)))
-        self._run: _Run | None = None
+        self._stack: list[Batch] = []  # the item in progress's pieces left to run, the last one next
 
     def start(self, item: Item, built: Built | None) -> None:
         """Starts ``item`` (``built``: its tensors; ``None`` when the store holds every row of it)."""
-        if built is None:
-            self._run = _Run(Outcome(item), None, [], time.perf_counter())
-            return
-        rows, width = batch_shape(built.batch)
-        record = BatchRecord(batch=item.number, rows=rows, width=width, real_tokens=real_tokens(built.batch),
-                             padded_tokens=0, seconds=0.0)
-        self._run = _Run(Outcome(item, record=record), built, [built.batch], time.perf_counter())
+        record = None if built is None else BatchRecord(
+            batch=item.number, rows=len(item.positions), width=batch_shape(built.batch)[1],
+            real_tokens=real_tokens(built.batch), padded_tokens=0, seconds=0.0)  # kept once a row finished
+        self._outcome, self._built, self._start = Outcome(item, record=record), built, time.perf_counter()
+        self._stack, self._finished = [] if built is None else [built.batch], []  # the finished pieces' positions
+        self._raised: tuple[int, Exception, np.ndarray] | None = None  # on_error="raise": the piece fn raised on
+        # (its stack depth, the error, its positions) while its halves are tried to find the row it raises on
 
     @property
     def pending(self) -> bool:
         """Whether the item started has pieces left to run."""
-        return self._run is not None and bool(self._run.stack)
+        return bool(self._stack)
 
     def step(self) -> Batch | None:
         """Tries the next piece of the item: splits it before it runs (its sizing says so), or calls ``fn`` on it.
         Returns the piece when its call completed, else ``None`` (split, ran out of memory, or set aside)."""
-        run = self._run
-        item, record, stack = run.outcome.item, run.outcome.record, run.stack
-        piece = stack[-1]  # on the stack until it finishes: an error in fn leaves it unfinished
+        outcome, stack = self._outcome, self._stack
+        item, record, piece = outcome.item, outcome.record, stack[-1]  # on the stack until it finishes
         rows, width = batch_shape(piece)
-        split = item.sizing.split(rows, width, run.outcome.out_of_memory) if item.sizing is not None else None
+        split = item.sizing.split(rows, width, outcome.out_of_memory) if item.sizing is not None else None
         if split is not None:
             logger.info("batch %d: splitting %d rows x %d tokens into %d parts before trying it: %s",
                         item.number, rows, width, len(split.sizes), split.reason)
             record.pre_split = True
-            stack[-1:] = reversed(run.built.padding.split(piece, split.sizes))
+            stack[-1:] = reversed(self._built.padding.split(piece, split.sizes))
             return None
         measure = self._memory_device is not None and (item.sizing is None or item.sizing.measure(rows, width))
-        attempt, error = self._attempt(piece, measure=measure, finish=True)
-        if error is not None:
-            self._fn_failed(error)
-            return None
+        attempt = self._attempt(piece, self._memory_device if measure else None,
+                                lambda out: self._splitter.split(out, piece))
         if attempt.error is not None:
-            self._out_of_memory(attempt.error)
+            if is_out_of_memory_error(attempt.error):
+                self._out_of_memory(attempt.error, rows, width)
+            else:
+                self._fn_failed(attempt.error)
             return None
         stack.pop()
         if attempt.peak_bytes is not None:
             record.peak_bytes = max(record.peak_bytes or 0, attempt.peak_bytes)
-            run.outcome.measured.append((rows, width, attempt.peak_bytes))
+            outcome.measured.append((rows, width, attempt.peak_bytes))
         record.padded_tokens += rows * width
-        run.positions.append(piece.indices.numpy())
-        run.outcome.rows.extend(attempt.output)
-        run.outcome.tokens += real_tokens(piece)
-        if run.raised is not None and len(stack) <= run.raised[0]:  # every part of the failed piece ran
-            raise self._not_alone(*run.raised[1:])
+        self._finished.append(piece.indices.numpy())
+        outcome.rows.extend(attempt.output)
+        outcome.tokens += real_tokens(piece)
+        if self._raised is not None and len(stack) <= self._raised[0]:  # every part of the failed piece ran
+            _, error, positions = self._raised
+            error.add_note(f"dynabatch.run: fn(batch) raised on {self._describe(positions)}, but on none of its "
+                           "parts when retried in halves to find the row: the error depends on the batch as a whole "
+                           "(its size or width) or comes and goes, not on one input; its rows ran in the halves (a "
+                           "store keeps them); on_error='skip' (--on-error skip on the command line) goes on past "
+                           "such an error")
+            raise error
         return piece
 
     def call(self, batch: Batch) -> BaseException | None:
         """One guarded call of ``fn`` on ``batch``, its result dropped: the out-of-memory error it met, or ``None``;
         an error ``fn`` raises is raised."""
-        attempt, error = self._attempt(batch, measure=False, finish=False)
-        if error is not None:
+        error = self._attempt(batch).error
+        if error is not None and not is_out_of_memory_error(error):
             raise error
-        return attempt.error
+        return error
 
-    def _attempt(self, piece: Batch, *, measure: bool, finish: bool) -> tuple[Any, Exception | None]:
-        """One guarded call of ``fn`` on ``piece``: ``(attempt, None)``, or ``(None, error)`` for an error ``fn``
-        raised (handled here, outside the ``except`` block: it is raised again with no context of ours)."""
+    def _attempt(self, piece: Batch, measure_on: Any = None, finish: Callable | None = None) -> Attempt:
+        """One guarded call of ``fn`` on ``piece``, timed; an error ``fn`` raised is the attempt's error too (returned,
+        so that it is raised again with no context of ours)."""
         start = time.perf_counter()  # the copy in, the call and the rows back on the CPU (which waits for the device)
         try:
-            return call_guarded(self._call, piece, measure_on=self._memory_device if measure else None,
-                                prepare=self._prepare,
-                                finish=(lambda out: self._splitter.split(out, piece)) if finish else None), None
+            return call_guarded(self._call, piece, measure_on=measure_on, prepare=self._prepare, finish=finish)
         except _FnFailed as failed:
-            error = failed.error
+            return Attempt(error=failed.args[0])
         finally:
-            if self._run is not None:
-                self._run.outcome.seconds["device"] += time.perf_counter() - start
-        return None, error
+            self._outcome.seconds["device"] += time.perf_counter() - start
 
     def _call(self, batch: Batch) -> Any:
         try:
@@ -266,7 +238,7 @@ class Executor:
 
     def _describe(self, positions: np.ndarray) -> str:
         """The rows at ``positions`` of the item in progress, by position and id, for a note or a log line."""
-        number, ids = self._run.outcome.item.number, self._failures.ids
+        number, ids = self._outcome.item.number, self._failures.ids
         shown = positions[:5].tolist()
         named = f" (id{'s' if len(positions) > 1 else ''} {first_few(ids.take(shown).to_pylist())})" \
             if ids is not None else ""
@@ -274,60 +246,42 @@ class Executor:
             return f"input position {shown[0]}{named}, alone (a row of batch {number})"
         return f"batch {number}: {len(positions)} rows at input positions {first_few(positions.tolist())}{named}"
 
-    def _set_aside(self, position: int, cause: str) -> None:
-        run = self._run
-        run.stack.pop()
-        run.outcome.failed[position] = cause
-
     def _fn_failed(self, error: Exception) -> None:
-        """``fn`` raised on the piece on top of the stack: splits it in halves to find the row it raises on; on one
-        row, raises the error noting that row (``on_error="raise"``) or sets the row aside.
-
-        Each halving tries the first half, and the second only if the first ran: at most ``2 * ceil(log2(rows))``
-        more calls, whose rows that ran are finished; an ``fn`` that raises on every call is named after
-        ``ceil(log2(rows))`` calls.
-        """
-        run = self._run
-        piece = run.stack[-1]
+        """``fn`` raised on the piece on top of the stack: halves it to find the row it raises on (at most
+        ``2 * ceil(log2(rows))`` more calls, whose rows that ran are finished); on one row, raises the error noting
+        that row (``on_error="raise"``) or sets the row aside."""
+        piece = self._stack[-1]
         positions = piece.indices.numpy()
         if len(positions) > 1:
-            if self._failures.on_error == "raise" and run.raised is None:
-                run.raised = (len(run.stack) - 1, error, positions)
+            if self._failures.on_error == "raise" and self._raised is None:
+                self._raised = (len(self._stack) - 1, error, positions)
             sizes = split_sizes(len(positions))
             logger.warning("%s: fn(batch) raised (%s); retrying as %s rows to find the rows it fails on",
                            self._describe(positions), brief_error(error), " + ".join(map(str, sizes)))
-            run.stack[-1:] = reversed(run.built.padding.split(piece, sizes))
+            self._stack[-1:] = reversed(self._built.padding.split(piece, sizes))
             return
         if self._failures.on_error == "raise":
-            error.add_note(f"dynabatch.run: fn(batch) raised on {self._describe(positions)}; {_SET_ASIDE}")
+            error.add_note(f"dynabatch.run: fn(batch) raised on {self._describe(positions)}; on_error='skip' "
+                           "(--on-error skip on the command line) sets the rows it raises on alone aside")
             raise error
         logger.warning("%s: fn(batch) raised on it (%s); set aside (result None, in failed)",
                        self._describe(positions), brief_error(error))
-        run.outcome.record.error_rows += 1
-        self._set_aside(int(positions[0]), brief_error(error))
+        self._outcome.record.error_rows += 1
+        self._stack.pop()
+        self._outcome.failed[int(positions[0])] = brief_error(error)
 
-    def _not_alone(self, error: Exception, positions: np.ndarray) -> Exception:
-        """``error``, which ``fn`` raised on the rows at ``positions`` whose halves then all ran: noted so."""
-        error.add_note(f"dynabatch.run: fn(batch) raised on {self._describe(positions)}, but on none of its "
-                       "parts when retried in halves to find the row: the error depends on the batch as a whole "
-                       "(its size or width) or comes and goes, not on one input; its rows ran in the halves (a store "
-                       "keeps them); on_error='skip' (--on-error skip on the command line) goes on past such an error")
-        return error
-
-    def _out_of_memory(self, error: BaseException) -> None:
-        """Splits the piece on top of the stack, which ran out of memory, or sets it aside if it is one row
-        (``on_oom="raise"`` raises)."""
-        run = self._run
-        piece, number = run.stack[-1], run.outcome.item.number
-        rows, width = batch_shape(piece)
-        run.outcome.record.oom_events += 1
-        run.outcome.out_of_memory.append((rows, width))
+    def _out_of_memory(self, error: BaseException, rows: int, width: int) -> None:
+        """Halves the piece on top of the stack, of ``rows`` x ``width``, which ran out of memory; one row is set
+        aside (``on_oom="raise"`` raises)."""
+        outcome, piece, number = self._outcome, self._stack[-1], self._outcome.item.number
+        outcome.record.oom_events += 1
+        outcome.out_of_memory.append((rows, width))
         if rows > 1:
             sizes = split_sizes(rows)
             logger.warning("batch %d: %d rows x %d tokens ran out of memory (%s); retrying as %s rows",
                            number, rows, width, brief_error(error), " + ".join(map(str, sizes)))
-            run.outcome.record.oom_splits += 1
-            run.stack[-1:] = reversed(run.built.padding.split(piece, sizes))
+            outcome.record.oom_splits += 1
+            self._stack[-1:] = reversed(self._built.padding.split(piece, sizes))
             return
         position = int(piece.indices[0])
         if self._failures.on_oom == "raise":
@@ -337,26 +291,26 @@ class Executor:
                 "finished rows; on_oom='skip' skips such rows", position=position) from error
         logger.warning("batch %d: input position %d ran out of memory on its own (1 row x %d tokens); skipping it "
                        "(result None)", number, position, width)
-        run.outcome.record.failed_rows += 1
-        self._set_aside(position, f"out of memory alone: {brief_error(error)}")
+        outcome.record.failed_rows += 1
+        self._stack.pop()
+        outcome.failed[position] = f"out of memory alone: {brief_error(error)}"
 
     def outcome(self) -> Outcome:
-        """Ends the item started, however its steps ended: what it gave (:class:`Outcome`), the pieces not run
-        as its :attr:`~Outcome.unfinished` rows."""
-        run, self._run = self._run, None
-        outcome = run.outcome
-        if run.positions:
-            outcome.positions = np.concatenate(run.positions)
+        """Ends the item started, however its steps ended: what it gave, the pieces not run as its
+        :attr:`~Outcome.unfinished` rows."""
+        outcome, stack, self._stack = self._outcome, self._stack, []
+        if self._finished:
+            outcome.positions = np.concatenate(self._finished)
             outcome.varying = self._splitter.varying(outcome.rows[0])
-        if run.stack:
-            batch = run.built.batch
+        if stack:
+            batch = self._built.batch
             rows_left = np.flatnonzero(np.isin(batch.indices.numpy(),
-                                               np.concatenate([piece.indices.numpy() for piece in run.stack])))
+                                               np.concatenate([piece.indices.numpy() for piece in stack])))
             outcome.unfinished = Item(outcome.item.number, batch.indices.numpy()[rows_left], batch, rows_left,
                                       whole=False, crashes=outcome.item.crashes)
-        if count := sum(map(len, run.positions)) + len(outcome.failed):  # rows finished or set aside
+        if count := len(outcome.positions) + len(outcome.failed):  # rows finished or set aside
             outcome.record.rows = count
-            outcome.record.seconds = time.perf_counter() - run.start
+            outcome.record.seconds = time.perf_counter() - self._start
         else:
             outcome.record = None
         return outcome

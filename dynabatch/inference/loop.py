@@ -1,9 +1,8 @@
-"""The worker loop of :func:`dynabatch.run`: per device or rank, the one place that talks to more than one stage.
+"""The worker loop of :func:`dynabatch.run`, per device or rank: the one place that talks to more than one stage.
 
-``item = scheduler.next(lane)`` (already sized), its batch from the build stage (built ahead by :class:`Prefetcher`),
-``outcome = executor`` run on it, and the outcome, a value, handed to each stage: rows and failed inputs to the sink's
-writer, what it measured to :meth:`Scheduler.update <dynabatch.inference.scheduler.Scheduler.update>`, the inputs done
-to :meth:`Source.done <dynabatch.inference.source.Source.done>`, rows to the meter. No stage calls another.
+It takes the next item, already sized, from the scheduler and its batch from the build stage (built ahead by
+:class:`Prefetcher`), runs it on the executor, and hands the outcome, a value, to every stage: rows and failed inputs
+to the sink's writer, what it measured to the scheduler, the inputs done to the source, rows to the meter.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from dynabatch.inference.build import Builder, Built
 from dynabatch.inference.execute import Executor, Outcome
 from dynabatch.inference.meter import Laps, Meter
 from dynabatch.inference.report import RunReport
-from dynabatch.inference.scheduler import Lane, Scheduler
+from dynabatch.inference.scheduler import Scheduler, Sizing
 from dynabatch.inference.source import Item, Source
 from dynabatch.memory.device import is_device_failure, make_current
 
@@ -38,7 +37,7 @@ class Prefetcher:
     the scheduler sees them now (:meth:`~dynabatch.inference.scheduler.Scheduler.peek`); one a later peak re-sized is
     built again, never run stale (:attr:`rebuilt` counts them)."""
 
-    def __init__(self, scheduler: Scheduler, builder: Builder, lane: Lane, depth: int) -> None:
+    def __init__(self, scheduler: Scheduler, builder: Builder, lane: Sizing, depth: int) -> None:
         self.scheduler, self.builder, self.lane, self.depth = scheduler, builder, lane, depth
         self.ahead: deque[tuple[np.ndarray, Built]] = deque()  # positions -> their batch, built ahead
         self._worker = Worker(depth=1, name="dynabatch-prefetch") if depth else None
@@ -56,8 +55,7 @@ class Prefetcher:
         built ahead."""
         built = None
         if item.positions.size:
-            built = self._take(item.positions) if item.batch is None else None
-            built = built or self.builder.build(item)
+            built = (self._take(item.positions) if item.batch is None else None) or self.builder.build(item)
         if self._worker is not None:
             self._worker.submit(self._fill)
         return built
@@ -105,15 +103,15 @@ class WorkerParts:
     """One worker's own: its executor, its lane, its writer (closed, its rows committed, as it ends), its name."""
 
     executor: Executor
-    lane: Lane
+    lane: Sizing
     writer: Any
     name: str
 
 
 def run_workers(targets: Sequence[Any], start_worker: Callable[[Any, int], WorkerParts], stages: Stages) -> None:
     """Runs the scheduler's items to their end on every target, one worker in the calling thread or a thread per
-    device (:func:`~dynabatch._background.run_in_threads`), into ``stages.report``. ``start_worker(target, i)``
-    returns the worker's parts, called in the worker's thread once its device is current there.
+    device (:func:`~dynabatch._background.run_in_threads`), into ``stages.report``; ``start_worker(target, i)``, called
+    in the worker's thread once its device is current there, returns the worker's parts.
 
     On any exit every thread has stopped and every worker's writer is closed. A device failure on one of several
     devices ends that worker, its unfinished rows put back once; any other error stops every worker and is raised
@@ -137,7 +135,7 @@ def run_workers(targets: Sequence[Any], start_worker: Callable[[Any, int], Worke
     def work(i: int, target: Any) -> None:
         if several:
             make_current(target)
-        laps = Laps(stages.meter.started if stages.meter is not None else None)
+        laps = Laps(stages.meter.started if stages.meter is not None else None)  # making fn counts as the start
         worker = _WorkerLoop(stages, start_worker(target, i), laps, several)
         prefetchers.append(worker.prefetcher)
         try:
@@ -176,13 +174,12 @@ class _WorkerLoop:
         self.stages, self.parts, self.laps, self.several = stages, parts, laps, several
         self.prefetcher = Prefetcher(stages.scheduler, stages.builder, parts.lane, stages.prefetch)
         self.lockstep = stages.lockstep() if stages.lockstep is not None else None
-        self.seconds = laps.lap("start")  # the seconds not yet given to a record
+        self.seconds = self.laps.lap("start")  # the seconds not yet given to a record
 
     def run(self, item: Item) -> BaseException | None:
         """Runs ``item`` and hands its outcome on; returns the device failure that ended this worker, its rows put
         back."""
-        stages, executor = self.stages, self.parts.executor
-        outcome = None
+        stages, executor, outcome = self.stages, self.parts.executor, None
         try:
             _merge(self.seconds, self.laps.lap("plan"))
             built = self.prefetcher.build(item)
@@ -211,7 +208,7 @@ class _WorkerLoop:
     def _hand_on(self, outcome: Outcome, built: Built | None) -> None:
         """The outcome's rows and failed inputs to the sink's writer, its record to the report, what it ran to the
         meter."""
-        writer, start = self.parts.writer, time.perf_counter()
+        stages, writer, start = self.stages, self.parts.writer, time.perf_counter()
         failed = np.fromiter(outcome.failed, dtype=np.int64, count=len(outcome.failed))
         if len(outcome.positions):
             writer.write(outcome.positions, outcome.rows, built.hashes_at(outcome.positions), varying=outcome.varying)
@@ -219,21 +216,21 @@ class _WorkerLoop:
             writer.fail(failed, built.hashes_at(failed), list(outcome.failed.values()))
         handing = time.perf_counter() - start
         _merge(self.seconds, self.laps.lap("plan", {**outcome.seconds, "store": handing}))
-        record, done = outcome.record, np.concatenate([outcome.positions, failed])  # finished or set aside
-        if record is not None:
-            record = replace(record, seconds=record.seconds + handing, stages=self.seconds, finished=self.laps.at(),
-                             device=self.parts.name if self.several else None)
-            self.seconds = {}
-            self.stages.report.records.append(record)
-            if record.peak_bytes is not None:  # the budget a device's peaks are read against: its first one
-                if self.several:
-                    self.stages.report.device_budgets.setdefault(self.parts.name, record.peak_bytes)
-                if self.stages.report.budget_bytes is None:
-                    self.stages.report.budget_bytes = record.peak_bytes
-        if self.stages.meter is not None and len(done):
-            self.stages.meter.add(done, rows=len(done), real_tokens=outcome.tokens,
-                                  padded_tokens=record.padded_tokens if record is not None else 0,
-                                  width=record.width if record is not None else None)
+        if outcome.record is None:  # no row finished or was set aside
+            return
+        record = replace(outcome.record, seconds=outcome.record.seconds + handing, stages=self.seconds,
+                         finished=self.laps.at(), device=self.parts.name if self.several else None)
+        self.seconds = {}
+        stages.report.records.append(record)
+        if record.peak_bytes is not None:  # the budget a device's peaks are read against: its first one
+            if self.several:
+                stages.report.device_budgets.setdefault(self.parts.name, record.peak_bytes)
+            if stages.report.budget_bytes is None:
+                stages.report.budget_bytes = record.peak_bytes
+        if stages.meter is not None:
+            done = np.concatenate([outcome.positions, failed])
+            stages.meter.add(done, rows=len(done), real_tokens=outcome.tokens, padded_tokens=record.padded_tokens,
+                             width=record.width)
 
     def _put_back(self, rest: Item | None, outcome: Outcome, exc: BaseException) -> None:
         """Puts the unfinished rows of an item whose device failed back once; raises ``exc`` on their second

@@ -2,10 +2,8 @@
 
 It owns every rule that decides a batch's rows: the memory mode (``measured``: the loader's planner sizes each next
 batch from the lane's peaks; ``guarded``: batches in their own order, split where the peaks bound them above the
-budget; ``record`` and ``off``: as they come), the budget (:meth:`Scheduler._feedback`, its one place), a lane per
-worker (its own peaks, budget, failed shapes and planner cursor), each item's :class:`Sizing`, and the rows already
-stored, taken out. A worker's loop talks to it through :meth:`~Scheduler.lane`, :meth:`~Scheduler.next`,
-:meth:`~Scheduler.update` and :meth:`~Scheduler.peek`; it holds positions only, never tensors.
+budget; ``record`` and ``off``: as they come), the budget (:meth:`Scheduler._feedback`), a lane per worker (the
+:class:`Sizing` of the items it hands out), and the rows already stored, taken out. It holds positions, never tensors.
 
 Example:
     >>> import numpy as np
@@ -30,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import deque
@@ -44,19 +43,9 @@ from dynabatch.memory.feedback import MemoryFeedback
 from dynabatch.memory.oom import dominating, equal_parts, split_sizes
 from dynabatch.sampling.planner import PlanCursor
 
-__all__ = ["Lane", "Scheduler", "Sizing", "Split"]
+__all__ = ["Scheduler", "Sizing", "Split"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Lane:
-    """One worker's view of the scheduler: its measured peaks and budget (``feedback``), the shapes that ran out of
-    memory on its device, and in measured mode its cursor in the planner's pass."""
-
-    feedback: MemoryFeedback | None = None
-    cursor: PlanCursor | None = None
-    failed_shapes: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -67,14 +56,16 @@ class Split:
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass
 class Sizing:
-    """How an item's pieces are sized on its lane, decided when the item is handed out: the shapes that ran out of
-    memory there (``failed``), the lane's peaks (``feedback``, read only while the item runs), whether calls are
-    capped by them (``guarded``) and the rows a call may have before any peak is measured (``first_rows``)."""
+    """One worker's lane of the scheduler, which sizes the pieces of the items it hands that worker: the shapes that
+    ran out of memory on its device (``failed``), its measured peaks and budget (``feedback``), in measured mode its
+    ``cursor`` in the planner's pass, whether calls are capped by the peaks (``guarded``) and the rows a call may have
+    before any peak is measured (``first_rows``)."""
 
-    failed: tuple[tuple[int, int], ...] = ()
     feedback: MemoryFeedback | None = None
+    cursor: PlanCursor | None = None
+    failed: list[tuple[int, int]] = field(default_factory=list)
     guarded: bool = False
     first_rows: int | None = None
 
@@ -84,50 +75,41 @@ class Sizing:
 
     def split(self, rows: int, width: int, failed: Sequence[tuple[int, int]] = ()) -> Split | None:
         """The parts a call of ``rows`` x ``width`` is split into before it runs, or ``None`` to run it: halves when it
-        is as large as a shape that ran out of memory (on the lane, or ``failed`` while the item ran), else (guarded
-        mode, or after an out-of-memory error) the fewest equal parts under the rows the measured peaks and errors
-        allow."""
+        is as large as a shape that ran out of memory (on the lane, or ``failed`` while the item ran); else, guarded,
+        the fewest equal parts under the rows a call of that width may have: ``first_rows`` before any peak is
+        measured, then the most the peaks bound under the budget, never more than out-of-memory errors allow."""
         if rows < 2:
             return None
         shape = dominating([*self.failed, *failed], rows, width)
         if shape is not None:
             return Split(split_sizes(rows), "as large as {} x {} which ran out of memory".format(*shape))
-        cap = self._cap(width)
+        if not self.guarded:
+            return None
+        budget = self.feedback.budget
+        bounded = self.first_rows if budget is None else self.feedback.max_rows(width, budget)  # 0: none as wide
+        cap = min((c for c in (bounded, self.feedback.oom_cap(width)) if c), default=None)
         if cap is None or rows <= cap:
             return None
         return Split(equal_parts(rows, cap), f"the measured peaks and out-of-memory errors keep at most {cap} rows "
                      "of that width")
 
-    def _cap(self, width: int) -> int | None:
-        """Guarded mode: the most rows a call of padded ``width`` may have (``None``: no cap): the plan's first batch's
-        rows before any peak is measured, then the most the peaks bound under the budget (``None`` when no measured
-        call is as wide), never more than out-of-memory errors allow."""
-        if not self.guarded:
-            return None
-        budget = self.feedback.budget
-        caps = [self.first_rows or None if budget is None else self.feedback.max_rows(width, budget) or None,
-                self.feedback.oom_cap(width)]
-        caps = [c for c in caps if c is not None]
-        return min(caps) if caps else None
-
 
 class Scheduler:
-    """Hands out the items of ``source`` to any number of workers, each through its :class:`Lane` (``memory``: the
+    """Hands out the items of ``source`` to any number of workers, each through its lane (``memory``: the
     resolved mode; ``sparse``: measure only the calls that can let batches grow; ``stored``: which positions a store
     holds; ``read_ahead``: a plain iterable's batches read this many ahead)."""
 
     def __init__(self, source: Source, *, memory: str, sparse: bool, stored: np.ndarray | None = None,
                  read_ahead: int = 0) -> None:
-        self.guarded = memory == "guarded"
-        self.sparse = sparse
-        self.stored = stored if stored is not None and stored.any() else None
+        self.guarded, self.sparse = memory == "guarded", sparse
+        self.stored = stored
         self._lock = threading.Lock()  # several devices' workers share the scheduler
         self._retry: deque[Item] = deque()  # rows a failed device left, served first
         self._pending: deque[Item] = deque()  # items known up front, built ahead
-        self._items: Iterator[Item] | None = None  # items that come as they are read or planned
+        self._items: Iterator[Item] = iter(())  # items that come as they are read or planned
         self._planner = None  # measured mode: the planner sizes every next batch
         self._budgets = None if source.plan is None else source.plan.planner  # an absolute budget, read on a device
-        self._number = 0
+        self._numbers = itertools.count()  # measured mode: the planner's batches numbered as they are handed out
         self._first_rows = self._budgets.first_rows() if self.guarded and self._budgets is not None else None
         if memory == "measured":
             self._planner = self._budgets = source.planner
@@ -137,8 +119,6 @@ class Scheduler:
         else:
             self._items = source.items(read_ahead=read_ahead)
 
-    # --- lanes and the budget -----------------------------------------------------------------------------------
-
     def _feedback(self, device: Any) -> MemoryFeedback:
         """A lane's peaks and budget, the one place the budget is decided: the loader's absolute ``max_memory`` read
         on the lane's ``device`` as the run starts, else the lane's first measured call's peak."""
@@ -147,42 +127,30 @@ class Scheduler:
             feedback.set_budget(self._budgets.budget_on(device))
         return feedback
 
-    def lane(self, device: Any = None) -> Lane:
+    def lane(self, device: Any = None) -> Sizing:
         """A new worker's lane (``device``: where its peaks are measured, ``None`` for none): in measured mode its own
         planner cursor, in guarded mode its own peaks."""
-        if self._planner is not None:
-            feedback = self._feedback(device)
-            return Lane(feedback, PlanCursor(feedback))
-        return Lane(self._feedback(device) if self.guarded else None)
+        feedback = self._feedback(device) if self.guarded or self._planner is not None else None
+        cursor = None if self._planner is None else PlanCursor(feedback)
+        return Sizing(feedback, cursor, [], self.guarded, self._first_rows)
 
-    # --- what runs next ---------------------------------------------------------------------------------------
-
-    def next(self, lane: Lane) -> Item | None:
+    def next(self, lane: Sizing) -> Item | None:
         """The next item for ``lane`` (sized by its cursor in measured mode), without the rows already stored
-        (:attr:`Item.stored`; it may have no rows left to run), with its :class:`Sizing`; ``None`` when none is
-        left."""
+        (:attr:`Item.stored`; it may have no rows left to run), sized by ``lane``; ``None`` when none is left."""
         with self._lock:
-            item = self._next(lane)
+            if self._retry:
+                item = self._retry.popleft()
+            elif self._planner is not None:
+                positions = self._planner.next_batch(lane.cursor)
+                item = None if positions is None else Item(next(self._numbers), positions)
+            else:
+                item = self._pending.popleft() if self._pending else next(self._items, None)
         if item is None:
             return None
-        return replace(self._without_stored(item),
-                       sizing=Sizing(tuple(lane.failed_shapes), lane.feedback, self.guarded, self._first_rows))
-
-    def _next(self, lane: Lane) -> Item | None:
-        if self._retry:
-            return self._retry.popleft()
-        if self._planner is not None:
-            positions = self._planner.next_batch(lane.cursor)
-            if positions is None:
-                return None
-            self._number += 1
-            return Item(self._number - 1, positions)
-        if self._pending:
-            return self._pending.popleft()
-        item = next(self._items, None) if self._items is not None else None
-        if item is None:
-            self._items = None
-        return item
+        stored = self._is_stored(item.positions)  # rows put back after a device failed were never stored
+        if stored.any():
+            item = replace(item.keep(np.flatnonzero(~stored)), stored=item.positions[stored])
+        return replace(item, sizing=lane)
 
     def _is_stored(self, positions: np.ndarray) -> np.ndarray:
         """Whether the store holds each of ``positions``."""
@@ -192,44 +160,31 @@ class Scheduler:
             stored[inside] = self.stored[positions[inside]]
         return stored
 
-    def _without_stored(self, item: Item) -> Item:
-        stored = self._is_stored(item.positions) if not item.crashes else np.zeros(0, dtype=bool)
-        if not stored.any():
-            return item
-        rest = item.keep(np.flatnonzero(~stored))
-        rest.stored = item.positions[stored]
-        return rest
-
-    def peek(self, lane: Lane, n: int) -> list[np.ndarray]:
+    def peek(self, lane: Sizing, n: int) -> list[np.ndarray]:
         """The positions of the next ``n`` batches to build as they stand now (stored rows taken out): built ahead;
         in measured mode a later peak may re-size them. A plain iterable's batches come built: nothing to peek."""
         with self._lock:
             if self._planner is not None:
                 ahead = self._planner.peek(n, lane.cursor)
             else:
-                ahead = [item.positions for item, _ in zip(self._pending, range(n)) if item.batch is None]
+                ahead = [item.positions for item in itertools.islice(self._pending, n) if item.batch is None]
         ahead = [p[~self._is_stored(p)] for p in ahead]
         return [p for p in ahead if p.size]
 
-    # --- what the lane learns ---------------------------------------------------------------------------------
-
-    def update(self, lane: Lane, outcome: Any) -> None:
+    def update(self, lane: Sizing, outcome: Any) -> None:
         """What ``lane``'s worker saw running an item (an :class:`~dynabatch.inference.execute.Outcome`): its shapes
         that ran out of memory, its measured calls (measured mode learns only from an item that ran whole), and its
         unfinished rows (put back, run first)."""
         with self._lock:
             for shape in outcome.out_of_memory:
-                lane.failed_shapes.append(shape)
+                lane.failed.append(shape)
                 if self._planner is not None:
                     self._planner.observe_out_of_memory(*shape, lane.cursor)
                 elif lane.feedback is not None:
                     lane.feedback.observe_out_of_memory(*shape)
             if outcome.unfinished is not None:
                 self._retry.append(outcome.unfinished)
-            if not outcome.measured:
-                return
-            if self._planner is None:
-                if lane.feedback is not None:
-                    lane.feedback.observe_parts(outcome.measured)
-            elif outcome.item.whole:
+            if outcome.measured and self._planner is None and lane.feedback is not None:
+                lane.feedback.observe_parts(outcome.measured)
+            elif outcome.measured and self._planner is not None and outcome.item.whole:
                 self._planner.observe_parts(outcome.measured, lane.cursor)
