@@ -99,7 +99,7 @@ class Outcome:
     order), the inputs set aside (``failed``: position -> cause), the ``measured`` calls ``(rows, width, peak bytes)``,
     the ``(rows, width)`` of each call that ran ``out_of_memory``, the ``unfinished`` rows as an item (the run
     stopped, or a call raised), the real ``tokens`` finished, the ``record`` (``None`` when no row finished or was set
-    aside), ``seconds`` by stage (``"device"``: copies in, calls, rows back) and which rows are ``varying`` in length."""
+    aside), ``seconds`` by stage (``"device"``: copy, call, rows back) and which rows are ``varying`` in length."""
 
     item: Item
     positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -218,8 +218,8 @@ class Executor:
         return error
 
     def _attempt(self, piece: Batch, measure_on: Any = None, finish: Callable | None = None) -> Attempt:
-        """One guarded call of ``fn`` on ``piece``, timed; an error ``fn`` raised is the attempt's error too (returned,
-        so that it is raised again with no context of ours)."""
+        """One guarded call of ``fn`` on ``piece``, timed; an error ``fn`` raised is returned as the attempt's error
+        too (so that it is raised again with no context of ours)."""
         start = time.perf_counter()  # the copy in, the call and the rows back on the CPU (which waits for the device)
         try:
             return call_guarded(self._call, piece, measure_on=measure_on, prepare=self._prepare, finish=finish)
@@ -271,8 +271,8 @@ class Executor:
         self._outcome.failed[int(positions[0])] = brief_error(error)
 
     def _out_of_memory(self, error: BaseException, rows: int, width: int) -> None:
-        """Halves the piece on top of the stack, of ``rows`` x ``width``, which ran out of memory; one row is set
-        aside (``on_oom="raise"`` raises)."""
+        """Halves the piece on top of the stack (``rows`` x ``width``) that ran out of memory; one row is set aside
+        (``on_oom="raise"`` raises)."""
         outcome, piece, number = self._outcome, self._stack[-1], self._outcome.item.number
         outcome.record.oom_events += 1
         outcome.out_of_memory.append((rows, width))
@@ -296,8 +296,7 @@ class Executor:
         outcome.failed[position] = f"out of memory alone: {brief_error(error)}"
 
     def outcome(self) -> Outcome:
-        """Ends the item started, however its steps ended: what it gave, the pieces not run as its
-        :attr:`~Outcome.unfinished` rows."""
+        """Ends the item started, however its steps ended: what it gave, the pieces not run its ``unfinished`` rows."""
         outcome, stack, self._stack = self._outcome, self._stack, []
         if self._finished:
             outcome.positions = np.concatenate(self._finished)

@@ -44,15 +44,13 @@ class Prefetcher:
         self.rebuilt = 0
 
     def next_item(self) -> Item | None:
-        """The next item of this worker's lane (``None`` when none is left), once the batches being built ahead
-        are (they were peeked before it was taken)."""
+        """The lane's next item (``None``: none left), once the batches built ahead, peeked before it, are."""
         if self._worker is not None:
             self._worker.wait()  # an error building a batch raises here
         return self.scheduler.next(self.lane)
 
     def build(self, item: Item) -> Built | None:
-        """``item``'s batch (built ahead, or now; ``None`` when every row of it is stored); then the next batches are
-        built ahead."""
+        """``item``'s batch, built ahead or now (``None``: every row is stored); then the next ones are built ahead."""
         built = None
         if item.positions.size:
             built = (self._take(item.positions) if item.batch is None else None) or self.builder.build(item)
@@ -69,8 +67,8 @@ class Prefetcher:
         return None
 
     def _fill(self) -> None:
-        """The background thread's turn: the next batches as they stand, built (asking the planner costs time too,
-        off the device's thread)."""
+        """The background thread's turn: the next batches as they stand, built (and the planner asked) off the device's
+        thread."""
         for positions in self.scheduler.peek(self.lane, self.depth)[len(self.ahead):]:
             self.ahead.append((positions, self.builder.build(Item(-1, positions))))
 
@@ -177,8 +175,7 @@ class _WorkerLoop:
         self.seconds = self.laps.lap("start")  # the seconds not yet given to a record
 
     def run(self, item: Item) -> BaseException | None:
-        """Runs ``item`` and hands its outcome on; returns the device failure that ended this worker, its rows put
-        back."""
+        """Runs ``item``, its outcome handed on; returns the device failure that ended this worker (rows put back)."""
         stages, executor, outcome = self.stages, self.parts.executor, None
         try:
             _merge(self.seconds, self.laps.lap("plan"))
@@ -206,8 +203,7 @@ class _WorkerLoop:
         return None
 
     def _hand_on(self, outcome: Outcome, built: Built | None) -> None:
-        """The outcome's rows and failed inputs to the sink's writer, its record to the report, what it ran to the
-        meter."""
+        """The outcome's rows and failed inputs to the writer, its record to the report, what it ran to the meter."""
         stages, writer, start = self.stages, self.parts.writer, time.perf_counter()
         failed = np.fromiter(outcome.failed, dtype=np.int64, count=len(outcome.failed))
         if len(outcome.positions):
@@ -233,8 +229,7 @@ class _WorkerLoop:
                              width=record.width)
 
     def _put_back(self, rest: Item | None, outcome: Outcome, exc: BaseException) -> None:
-        """Puts the unfinished rows of an item whose device failed back once; raises ``exc`` on their second
-        failure."""
+        """Puts the unfinished rows of an item whose device failed back once (``exc`` raised on their second)."""
         if rest is not None and len(rest.positions):
             if rest.crashes:
                 logger.error("device %s: batch %d failed again (%s); it made another device fail before",
