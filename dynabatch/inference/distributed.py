@@ -1,7 +1,6 @@
-"""What talks between ranks in a ``torch.distributed`` run: the same batches checked on every rank, results
-gathered to rank 0, chunks claimed from one counter, one job token for a results store, and the rounds that keep
-ranks in lockstep (:class:`Lockstep`). Which rank runs which batch in lockstep is decided without communicating, by
-:mod:`dynabatch.sampling.ranks`."""
+"""What passes between ranks in a ``torch.distributed`` run: the same batches checked on every rank, results gathered
+to rank 0, chunks claimed from one counter, one job token for a results store, and the rounds that keep ranks in
+lockstep (:class:`Lockstep`); which rank runs which batch in lockstep is :mod:`dynabatch.sampling.ranks`' rule."""
 
 from __future__ import annotations
 
@@ -32,9 +31,7 @@ logger = logging.getLogger(__name__)
 _CLAIM_COUNTERS = itertools.count()  # one counter per run(ranks='claim') call, the same on every rank
 
 CLAIM_CHUNK = 2048
-"""Texts per chunk ranks claim of a loader planned up front (``run(ranks='claim')``; a streaming loader's chunks
-are its own)."""
-_POSITIONS_RULE = "a 1-D list, numpy array or tensor of int input positions"
+"""Texts per chunk ranks claim of a loader planned up front (a streaming loader's chunks are its own)."""
 
 
 def world() -> tuple[int, int]:
@@ -50,34 +47,30 @@ def world() -> tuple[int, int]:
 
 def _check_cover(shares: list[np.ndarray], n: int, *, complete: bool = True) -> None:
     """Raises ValueError unless the ranks' positions are ``range(n)`` (``complete=False``: in it), each once."""
-    ranks = np.concatenate([np.full(len(p), r, dtype=np.int64) for r, p in enumerate(shares)])
-    flat = np.concatenate(shares) if shares else np.zeros(0, dtype=np.int64)
+    flat = np.concatenate(shares)
+    ranks = np.repeat(np.arange(len(shares)), [len(p) for p in shares])  # each position's rank, in rank order
     where = " across ranks" if len(shares) > 1 else ""
     outside = np.flatnonzero((flat < 0) | (flat >= n))
     if outside.size:
-        names = [f"{int(flat[i])} (rank {int(ranks[i])})" for i in outside[:6]]  # first_few shows 5, then "..."
+        names = [f"{flat[i]} (rank {ranks[i]})" for i in outside[:6]]  # first_few shows 5, then "..."
         raise ValueError(f"positions should be in range(n_inputs={n}), but got {outside.size} outside it "
                          f"(first few: {first_few(names)})")
-    order = np.argsort(flat, kind="stable")
-    ordered = flat[order]
     counts = np.bincount(flat, minlength=n)
     repeated = np.flatnonzero(counts > 1)
     if repeated.size:
-        names = []
-        for p in repeated[:6].tolist():
-            lo, hi = np.searchsorted(ordered, [p, p + 1])
-            names.append(f"{p} (ranks {sorted(ranks[order[lo:hi]].tolist())})")
+        names = [f"{p} (ranks {ranks[flat == p].tolist()})" for p in repeated[:6].tolist()]
         raise ValueError(f"positions should each be computed exactly once{where}, but got {repeated.size} "
                          f"computed more than once (first few: {first_few(names)})")
-    missing = np.flatnonzero(counts == 0) if complete else np.zeros(0, dtype=np.int64)
-    if missing.size:
+    missing = np.flatnonzero(counts == 0)
+    if complete and missing.size:
         raise ValueError(f"positions should cover range(n_inputs={n}){where}, but got {missing.size} missing "
                          f"(first few: {first_few(missing)})")
 
 
 def _check_local(positions: Any, results: Any, n_inputs: Any) -> tuple[np.ndarray, int]:
     n = check_non_negative_int("n_inputs", n_inputs)
-    pos = as_positions("positions", positions, _POSITIONS_RULE, shape_in_message=True)
+    pos = as_positions("positions", positions, "a 1-D list, numpy array or tensor of int input positions",
+                       shape_in_message=True)
     if not isinstance(results, (list, tuple)):
         raise bad_type("results", "a list with one result per position", results)
     if len(results) != len(pos):
@@ -103,16 +96,14 @@ def _prepare(positions: Any, results: Any, n_inputs: Any) -> tuple[tuple, bytes 
 
 
 def gather_results(positions: list[int], results: list, n_inputs: int, *, cover: bool = True) -> list | None:
-    """Collective: brings every rank's results (one per input position it computed) to rank 0, in input order;
-    ``None`` on the other ranks. Positions go to every rank first, so that all raise the same error together rather
-    than some hanging; then the results (picklable, tensors on the CPU) go to rank 0. ``cover=False``: positions left
-    out get ``None``. Without a process group it only checks and reorders.
+    """Collective: brings every rank's results (one per input position it computed; picklable, tensors moved to the
+    CPU) to rank 0 in input order; ``None`` on the other ranks. The positions go to every rank first, so that all
+    raise the same error together rather than some hanging. ``cover=False``: positions left out get ``None``.
 
     Raises:
         TypeError: a bad argument, or results that cannot be pickled, on some rank (named; every rank raises).
-        ValueError: ``results`` and ``positions`` of different lengths, ``n_inputs`` that differs between
-            ranks, or positions over all ranks that are not ``range(n_inputs)`` (with ``cover=False``: in it) each
-            once (the first few named).
+        ValueError: ``results`` and ``positions`` of different lengths, ``n_inputs`` that differs between ranks, or
+            positions over all ranks not ``range(n_inputs)`` (``cover=False``: in it) each once (first few named).
 
     Example:
         >>> from dynabatch.inference.distributed import gather_results
@@ -122,53 +113,47 @@ def gather_results(positions: list[int], results: list, n_inputs: int, *, cover:
     rank, size = world()
     if size == 1:
         pos, n = _check_local(positions, results, n_inputs)
-        _check_cover([pos], n, complete=cover)
-        out: list = [None] * n
-        for p, value in zip(pos.tolist(), results):
-            out[p] = value
-        return out
-
-    dist = torch.distributed
-    payload, blob, local_error = _prepare(positions, results, n_inputs)
-    everyone: list = [None] * size
-    dist.all_gather_object(everyone, payload)
-    for r, (_, _, error) in enumerate(everyone):
-        if error is not None:
-            kind, message = error
-            raise kind(f"{message} (on rank {r} of {size})") from (local_error if r == rank else None)
-    ns = [n for _, n, _ in everyone]
-    if len(set(ns)) > 1:
-        other = next(r for r, n in enumerate(ns) if n != ns[0])
-        raise ValueError(f"n_inputs should be the same on every rank, but got n_inputs={ns[other]} on rank "
-                         f"{other} and n_inputs={ns[0]} on rank 0")
-    n = ns[0]
-    shares = [pos for pos, _, _ in everyone]
+        shares, parts = [pos], [results]
+    else:
+        payload, blob, local_error = _prepare(positions, results, n_inputs)
+        everyone: list = [None] * size
+        torch.distributed.all_gather_object(everyone, payload)
+        for r, (_, _, error) in enumerate(everyone):
+            if error is not None:
+                kind, message = error
+                raise kind(f"{message} (on rank {r} of {size})") from (local_error if r == rank else None)
+        shares, ns = [pos for pos, _, _ in everyone], [n for _, n, _ in everyone]
+        other = next((r for r, got in enumerate(ns) if got != ns[0]), None)
+        if other is not None:
+            raise ValueError(f"n_inputs should be the same on every rank, but got n_inputs={ns[other]} on rank "
+                             f"{other} and n_inputs={ns[0]} on rank 0")
+        n = ns[0]
     _check_cover(shares, n, complete=cover)
-
-    gathered: list | None = [None] * size if rank == 0 else None
-    dist.gather_object(blob, gathered, dst=0)
-    if rank != 0:
-        return None
-    out = [None] * n
-    for pos, data in zip(shares, gathered):
-        for p, value in zip(pos.tolist(), pickle.loads(data)):
+    if size > 1:
+        gathered: list | None = [None] * size if rank == 0 else None
+        torch.distributed.gather_object(blob, gathered, dst=0)
+        if rank != 0:
+            return None
+        parts = map(pickle.loads, gathered)
+        logger.debug("gathered %d results from %d ranks", n, size)
+    out: list = [None] * n
+    for pos, part in zip(shares, parts):
+        for p, value in zip(pos.tolist(), part):
             out[p] = value
-    logger.debug("gathered %d results from %d ranks", n, size)
     return out
 
 
 def job_token() -> str | None:
-    """One token naming this job, so that the ranks of one job take a results store's job lock as one job; ``None``
-    in one process (the store names this process). Under ``torchrun``, its rendezvous (``MASTER_ADDR:MASTER_PORT``
-    and run id: one live job each), readable before the process group starts; else a collective: rank 0's token,
-    sent to every rank.
+    """One token naming this job, so that its ranks take a results store's job lock as one job; ``None`` in one
+    process (the store names this process). Under ``torchrun`` its rendezvous (``MASTER_ADDR:MASTER_PORT`` and run
+    id), readable before the process group starts; else a collective: rank 0's token, sent to every rank.
 
     Example:
         >>> from dynabatch.inference.distributed import job_token
         >>> job_token() is None  # no process group here
         True
     """
-    if "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun: readable before the group starts
+    if "MASTER_ADDR" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
         return (f"torchrun {os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT')} "
                 f"{os.environ['TORCHELASTIC_RUN_ID']}")
     rank, size = world()
@@ -197,54 +182,35 @@ def check_same_batches(batches: Sequence[np.ndarray]) -> None:
         )
 
 
-def _default_store() -> Any:
-    """The default process group's key-value store (``TCPStore`` under ``torchrun``): torch exposes it only through
-    a private function, so this is the one place that calls it."""
-    from torch.distributed import distributed_c10d
-
-    get = getattr(distributed_c10d, "_get_default_store", None)
-    if get is None:
-        raise RuntimeError("run(ranks='claim') needs torch.distributed's default store, which this torch "
-                           f"{torch.__version__} does not expose: use ranks='lockstep'")
-    return get()
-
-
 def chunk_claims(n_chunks: int) -> Iterator[int]:
     """Collective in spirit (every rank calls it once per run): the chunk numbers this rank claims, in order, from one
-    atomic counter in ``torch.distributed``'s own store. Each chunk goes to exactly one rank, whichever asks first, so
-    a rank with shorter work claims more."""
-    store = torch.distributed.PrefixStore(f"dynabatch/claims/{next(_CLAIM_COUNTERS)}/", _default_store())
+    atomic counter in ``torch.distributed``'s own store, so that each chunk goes to whichever rank asks first."""
+    from torch.distributed.distributed_c10d import _get_default_store  # the group's store (a TCPStore under torchrun)
+
+    store = torch.distributed.PrefixStore(f"dynabatch/claims/{next(_CLAIM_COUNTERS)}/", _get_default_store())
     while (k := int(store.add("next", 1)) - 1) < n_chunks:
         yield k
 
 
 def claimed_planner(plan: Any) -> tuple[ChunkedPlanner, Any]:
-    """This rank's planner under ``run(ranks="claim")``: the chunks it claims, planned (and, for a streaming
-    loader, tokenized) as they come; with the stream's feed to close, or ``None``."""
-    planner = plan.planner
-    stream = plan.stream
+    """This rank's planner under ``run(ranks="claim")``: the chunks it claims, planned (a streaming loader's also
+    tokenized) as they come; with the stream's feed to close, or ``None``."""
+    planner, stream = plan.planner, plan.stream
     check_same_batches([stream.order if stream is not None else planner.order])
     if stream is not None:
         feed = stream.feed(chunk_claims(stream.n_chunks), ahead=1)
         return ChunkedPlanner(feed.next, planner.settings, planner.estimator), feed
     starts = range(0, len(planner.order), CLAIM_CHUNK)
-    claims = chunk_claims(len(starts))
-
-    def next_chunk(block: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
-        k = next(claims, None)
-        if k is None:
-            return None
-        chunk = slice(starts[k], starts[k] + CLAIM_CHUNK)
-        return planner.order[chunk], planner.sorted_lengths[chunk]
-
-    return ChunkedPlanner(next_chunk, planner.settings, planner.estimator), None
+    spans = (slice(starts[k], starts[k] + CLAIM_CHUNK) for k in chunk_claims(len(starts)))
+    chunks = ((planner.order[span], planner.sorted_lengths[span]) for span in spans)
+    return ChunkedPlanner(lambda block=True: next(chunks, None), planner.settings, planner.estimator), None
 
 
 class Lockstep:
     """Drives one rank's executor in rounds, so that ranks running ``fn`` with collectives inside stay matched: each
     round every rank makes exactly one call that completes, its item's next piece or, when it has none left while
-    another rank has (one collective says so), a stand-in call on one row it already ran (its result dropped; a rank
-    whose rows of a step are all stored repeats one of them, ``stand_in(item)``)."""
+    another rank has (one collective says so), a stand-in call on one row (its result dropped): the first row that
+    ran, or before any did the first row planned (``stand_in(item)`` where every row of the step is stored)."""
 
     def __init__(self, stand_in: Any) -> None:
         self._stand_in_for = stand_in
@@ -254,28 +220,16 @@ class Lockstep:
     def run(self, executor: Any, item: Any, built: Any) -> None:
         """Runs ``item`` (``built``: its tensors, ``None`` when every row of it is stored) on ``executor``, started on
         it, in rounds with the other ranks."""
-        if built is None:
-            if self._stand_in is None:  # nothing run yet: the step's first row is what a stand-in call repeats
-                self._stand_in = self._stand_in_for(item)
-        elif self._stand_in is None:
-            self._stand_in = built.padding.take(built.batch, [0])
-        while _anyone(executor.pending):
+        if self._stand_in is None:
+            self._stand_in = self._stand_in_for(item) if built is None else built.padding.take(built.batch, [0])
+        while reduce_across_ranks([float(executor.pending)], "max")[0] > 0:  # collective: whether any rank has work
             piece = None
             while piece is None and executor.pending:
                 piece = executor.step()
-            if piece is None:
-                self._call_stand_in(executor)  # the round still owes the other ranks a call
+            if piece is None:  # the round still owes the other ranks a call
+                error = executor.call(self._stand_in)
+                if error is not None:
+                    logger.warning("a stand-in call (one row, to keep the ranks in step) ran out of memory: %s",
+                                   brief_error(error))
             elif not self._ran:  # a row that ran: what a stand-in call repeats
                 self._ran, self._stand_in = True, built.padding.take(piece, [0])
-
-    def _call_stand_in(self, executor: Any) -> None:
-        error = executor.call(self._stand_in)
-        if error is not None:
-            logger.warning("a stand-in call (one row, to keep the ranks in step) ran out of memory: %s",
-                           brief_error(error))
-
-
-def _anyone(have_work: bool) -> bool:
-    """Collective: whether any rank has work for this round."""
-    (anyone,) = reduce_across_ranks([float(have_work)], "max")
-    return anyone > 0

@@ -1,10 +1,7 @@
-"""The sinks of :func:`dynabatch.run`: where finished rows and failed inputs go, and the one place results are
-assembled.
-
-A sink takes rows with their positions and input hashes (``writer.write``) and failed inputs with their causes
-(``writer.fail``), never reading the source. :class:`MemorySink` keeps them in memory (gathered on rank 0 under
-``torch.distributed``); :class:`StoreSink` writes them to the results store. Either way ``result(n)`` is the run's
-result, accounted from what the sink holds, and the positions it holds neither way (the run raises for them).
+"""The sinks of :func:`dynabatch.run`: rows with their positions and input hashes (``writer.write``) and failed
+inputs with their causes (``writer.fail``) go in, kept in memory (:class:`MemorySink`, gathered on rank 0 under
+``torch.distributed``) or written to the results store (:class:`StoreSink`); ``result(n)`` is the run's result,
+accounted from what the sink holds, and the positions it holds neither way (the run raises for them).
 
 Example:
     >>> import numpy as np
@@ -22,15 +19,12 @@ Example:
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from dynabatch.inference.report import RunReport
 from dynabatch.inference.results import RunResult, StoredRunResult, account
-
-if TYPE_CHECKING:
-    from dynabatch.inference.store_writer import StoreWriter
 
 __all__ = ["MemorySink", "StoreSink", "open_sink"]
 
@@ -96,20 +90,14 @@ class StoreSink:
 
     Attributes:
         stored: which inputs the store holds already (a resumed run takes them out).
+        check_inputs, writer: the store's own (:meth:`~dynabatch.inference.store.Store.check_inputs`, and
+            :meth:`~dynabatch.inference.store.Store.writer`: ``write``, ``fail``, ``close(commit)``).
     """
 
     def __init__(self, store: Any, *, owned: bool = True) -> None:
         self.store, self.owned = store, owned  # owned: opened by the run (else its caller closes it)
         self.stored = store.done
-
-    def check_inputs(self, positions: np.ndarray, hashes: np.ndarray) -> None:
-        """Refuses stored rows at ``positions`` whose input hash differs from this run's (``hashes``)."""
-        self.store.check_inputs(positions, hashes)
-
-    def writer(self, name: str) -> StoreWriter:
-        """A writer of this run's rows (its shards named after ``name``): ``write``, ``fail``, ``close(commit)``; a
-        row ``fn`` gave as ``None`` is recorded failed (the store holds no row for it; a rerun runs it again)."""
-        return self.store.writer(name)
+        self.check_inputs, self.writer = store.check_inputs, store.writer
 
     def result(self, n: int, *, report: RunReport | None = None,
                gather: bool = True) -> tuple[StoredRunResult, np.ndarray]:

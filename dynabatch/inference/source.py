@@ -1,15 +1,13 @@
-"""The source of :func:`dynabatch.run`: the batches a loader plans, as :class:`Item` s, and everything about inputs.
+"""The source of :func:`dynabatch.run`: the batches a loader plans, as :class:`Item` s, and what is known of its inputs.
 
-A dynabatch DataLoader's batches are known as input positions before their tensors exist, and can be shared among
-ranks (:meth:`Source.share`); any other iterable of :class:`~dynabatch.data.collate.Batch` is read as it comes, ahead
-of the device. The source also answers a resumed run's check (:meth:`Source.input_hashes`) and frees a streamed
-plan's tokens as the loop is done with them (:meth:`Source.done`).
+A dynabatch DataLoader's batches are input positions before their tensors exist, and can be shared among ranks
+(:meth:`Source.share`); any other iterable of :class:`~dynabatch.data.collate.Batch` is read as it comes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,12 +66,11 @@ class Source:
     ``None`` for any iterable of batches).
 
     Attributes:
-        n_inputs: how many inputs the loader was given (bad ones included); ``None`` for an iterable of batches,
-            whose inputs are the positions its batches name.
-        planner: the planner measured mode asks for every next batch (under ``ranks="claim"``, of the chunks this
-            rank claims), or ``None``.
-        streamed: the plan tokenizes its chunks as they are planned (its tokens are freed as rows finish).
-        known: every batch is known up front as positions (its next batches can be built ahead).
+        n_inputs: how many inputs the loader was given (bad ones included); ``None`` for an iterable of batches.
+        planner: the planner measured mode asks for every next batch (of the chunks this rank claims under
+            ``ranks="claim"``), or ``None``.
+        streamed: the plan tokenizes its chunks as they are planned (and frees their tokens as rows finish).
+        known: every batch is known up front as positions (the next ones can be built ahead).
         lockstep: the ranks run their shares in rounds (:class:`~dynabatch.inference.distributed.Lockstep`).
         scale: how many ranks this rank's progress counts for (ranks claiming alike).
     """
@@ -85,9 +82,8 @@ class Source:
         self.streamed = plan is not None and plan.stream is not None
         self.known = plan is not None and not self.streamed
         self.lockstep, self.scale = False, 1
-        self._reader: Ahead | None = None
-        self._mine: Iterable[Item] | None = None  # this rank's share: dealt in lockstep, or claimed chunks planned
-        self._feed = None  # the claimed chunks' tokenizing feed (a streamed plan under ranks="claim")
+        self._mine: Any = None  # this rank's items: dealt in lockstep, or its claimed chunks planned as they come
+        self._threads: list = []  # what close() stops: the read-ahead, the claimed chunks' tokenizing feed
         self._seen = -1  # the largest input position handed out (a plain iterable's inputs are those it names)
 
     def share(self, ranks: str, rank: int, world_size: int) -> None:
@@ -97,13 +93,14 @@ class Source:
         from dynabatch.inference.distributed import check_same_batches, claimed_planner
 
         if ranks == "claim":
-            self.planner, self._feed = claimed_planner(self.plan)
+            self.planner, feed = claimed_planner(self.plan)
+            if feed is not None:
+                self._threads.append(feed)
             self._mine, self.known = (Item(n, b) for n, b in enumerate(self.planner.iter_batches())), False
             self.scale = world_size
         elif ranks == "lockstep":
             items = list(self.items())
             check_same_batches([i.positions for i in items])
-            self._seen = max((int(i.positions.max()) for i in items if i.positions.size), default=-1)
             self._mine, self.known, self.lockstep = _deal(items, rank, world_size), True, True
 
     def items(self, *, read_ahead: int = 0) -> Iterator[Item]:
@@ -115,8 +112,8 @@ class Source:
             return (Item(n, np.asarray(p, dtype=np.int64)) for n, p in enumerate(self.plan.sampler))
         items = (Item(n, positions_of(b, self.loader), b) for n, b in enumerate(self.loader))
         if read_ahead:
-            self._reader = Ahead(items, depth=read_ahead, name="dynabatch-read-ahead")
-            items = iter(self._reader.next, None)
+            self._threads.append(Ahead(items, depth=read_ahead, name="dynabatch-read-ahead"))
+            items = iter(self._threads[-1].next, None)
         return (self._saw(item) for item in items)
 
     def _saw(self, item: Item) -> Item:
@@ -126,8 +123,7 @@ class Source:
 
     @property
     def total_inputs(self) -> int:
-        """How many inputs the run has: the loader's, or (a plain iterable) the largest position its batches named
-        so far + 1."""
+        """How many inputs the run has: the loader's, or (a plain iterable) the largest position named so far + 1."""
         return self.n_inputs if self.n_inputs is not None else self._seen + 1
 
     def text_sizes(self) -> tuple[np.ndarray, bool, int | None] | None:
@@ -137,8 +133,7 @@ class Source:
         if self.plan is None:
             return None
         if self.streamed:
-            stream = self.plan.stream
-            return stream.source.char_lengths(), False, stream.max_input_token_length
+            return self.plan.stream.source.char_lengths(), False, self.plan.stream.max_input_token_length
         return self.plan.collator.tokenized.lengths, True, None
 
     def input_hashes(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
@@ -152,20 +147,18 @@ class Source:
         return positions, token_store_hashes(self.plan.collator.tokenized.take(positions))
 
     def done(self, positions: np.ndarray) -> None:
-        """The loop is done with these inputs' tokens (their rows are in a built batch, or stored already): a
-        streamed plan frees each chunk's tokens once every row of it is."""
+        """The loop is done with these inputs' tokens (their rows are built, or stored): a streamed plan frees each
+        chunk's tokens once every row of it is."""
         if self.streamed and len(positions):
             self.plan.stream.consumed(positions)
 
     def close(self) -> None:
-        """Stops reading ahead (after the batch being read), tokenizing the chunks this rank claims, and a streamed
-        plan's tokenizing thread (a later use of the loader goes on where it stopped)."""
-        if self._reader is not None:
-            self._reader.close()
+        """Stops reading ahead and tokenizing (after the batch or chunk in progress; a later use of the loader goes
+        on where it stopped)."""
+        for thread in self._threads:
+            thread.close()
         if self.streamed:
             self.plan.stream.pause()
-        if self._feed is not None:
-            self._feed.close()
 
 
 def _deal(items: list[Item], rank: int, world_size: int) -> list[Item]:
@@ -173,8 +166,8 @@ def _deal(items: list[Item], rank: int, world_size: int) -> list[Item]:
     def split(item: Item, parts: int) -> list[Item]:
         return [item.keep(keep, whole=True) for keep in np.array_split(np.arange(len(item.positions)), parts)]
 
-    shares = split_for_replicas(items, world_size, samples=lambda item: len(item.positions), split=split)
-    mine = deal(shares, world_size, rank)
+    mine = deal(split_for_replicas(items, world_size, samples=lambda item: len(item.positions), split=split),
+                world_size, rank)
     for number, item in enumerate(mine):
         item.number = number
     logger.info("rank %d of %d: %d batches (%d rows) of %d batches (%d rows)", rank, world_size, len(mine),
