@@ -1,6 +1,5 @@
-"""What passes between ranks in a ``torch.distributed`` run: the same batches checked on every rank, results gathered
-to rank 0, chunks claimed from one counter, one job token for a results store, and the rounds that keep ranks in
-lockstep (:class:`Lockstep`); which rank runs which batch in lockstep is :mod:`dynabatch.sampling.ranks`' rule."""
+"""What passes between ranks under ``torch.distributed``: batches checked alike, results gathered to rank 0, chunks
+claimed, a results store's job token, and lockstep rounds (who runs which batch: :mod:`dynabatch.sampling.ranks`)."""
 
 from __future__ import annotations
 

@@ -33,8 +33,8 @@ class MemorySink:
     """Rows kept in memory, one per input position, and the inputs that failed with their causes.
 
     Args:
-        gather: under a process group of more than one rank, :meth:`result` is a collective that brings every
-            rank's rows and failures to rank 0 (other ranks keep their own); each rank answers for what it wrote.
+        gather: with several ranks, :meth:`result` is a collective that brings every rank's rows and failures to
+            rank 0 (the other ranks answer for their own).
     """
 
     stored = None  # holds nothing before the run
@@ -76,8 +76,7 @@ class MemorySink:
                 failures = {p: got[1] for p, got in enumerate(every) if got is not None and got[1] is not None}
             mine_only = every is None  # this rank's share is accounted for on rank 0
         held = np.zeros(n, dtype=bool)
-        at = np.fromiter(rows, dtype=np.int64, count=len(rows))
-        held[at[at < n]] = True
+        held[np.fromiter(rows, dtype=np.int64, count=len(rows))] = True  # every position written is in range(n)
         accounting = account(n, held, failures, elsewhere=mine_only)
         return RunResult((rows.get(p) for p in range(n)), report=report, accounting=accounting), accounting.missing
 
@@ -86,13 +85,8 @@ class MemorySink:
 
 
 class StoreSink:
-    """Rows written to the results store at ``output_path`` (:mod:`dynabatch.inference.store`) and read back.
-
-    Attributes:
-        stored: which inputs the store holds already (a resumed run takes them out).
-        check_inputs, writer: the store's own (:meth:`~dynabatch.inference.store.Store.check_inputs`, and
-            :meth:`~dynabatch.inference.store.Store.writer`: ``write``, ``fail``, ``close(commit)``).
-    """
+    """Rows written to the results store at ``output_path`` (:mod:`dynabatch.inference.store`) and read back;
+    ``stored``: the inputs it held before the run (not run again); ``check_inputs`` and ``writer``: the store's own."""
 
     def __init__(self, store: Any, *, owned: bool = True) -> None:
         self.store, self.owned = store, owned  # owned: opened by the run (else its caller closes it)

@@ -1,8 +1,5 @@
-"""The source of :func:`dynabatch.run`: the batches a loader plans, as :class:`Item` s, and what is known of its inputs.
-
-A dynabatch DataLoader's batches are input positions before their tensors exist, and can be shared among ranks
-(:meth:`Source.share`); any other iterable of :class:`~dynabatch.data.collate.Batch` is read as it comes.
-"""
+"""The source of :func:`dynabatch.run`: a dynabatch loader's batches as input positions (:class:`Item` s, shared among
+ranks by :meth:`Source.share`), or any iterable of batches read as it comes; and what is known of the inputs."""
 
 from __future__ import annotations
 
@@ -43,8 +40,7 @@ class Item:
     sizing: Any = None  # how its pieces are split before they run and which are measured (the scheduler's Sizing)
 
     def keep(self, keep: np.ndarray, *, whole: bool = False) -> Item:
-        """The item with only its rows at ``keep`` (row numbers within :attr:`positions`); ``whole``: a batch of its
-        own (a rank's share), else rows of a batch that was planned larger."""
+        """The item with only its rows at ``keep`` (row numbers); ``whole``: a batch of its own (a rank's share)."""
         rows = None if self.batch is None else keep if self.rows is None else self.rows[keep]
         return Item(self.number, self.positions[keep], self.batch, rows, whole=whole, crashes=self.crashes)
 
@@ -83,25 +79,34 @@ class Source:
         self.known = plan is not None and not self.streamed
         self.lockstep, self.scale = False, 1
         self._mine: Any = None  # this rank's items: dealt in lockstep, or its claimed chunks planned as they come
-        self._threads: list = []  # what close() stops: the read-ahead, the claimed chunks' tokenizing feed
+        self._stops = [plan.stream.pause] if self.streamed else []  # close(): the stream's, read-ahead's, feed's
         self._seen = -1  # the largest input position handed out (a plain iterable's inputs are those it names)
 
     def share(self, ranks: str, rank: int, world_size: int) -> None:
         """Keeps only this rank's share of the batches under ``ranks`` (``"single"``: every batch): ``"lockstep"``,
-        every rank the same number of batches of the whole plan (:mod:`dynabatch.sampling.ranks`); ``"claim"``, the
-        chunks of the plan this rank claims (a streamed plan tokenizes only those)."""
+        every rank the same number of batches of the whole plan, dealt (:mod:`dynabatch.sampling.ranks`) and numbered
+        from 0; ``"claim"``, the chunks of the plan this rank claims (a streamed plan tokenizes only those)."""
         from dynabatch.inference.distributed import check_same_batches, claimed_planner
+
+        def split(item: Item, parts: int) -> list[Item]:
+            return [item.keep(keep, whole=True) for keep in np.array_split(np.arange(len(item.positions)), parts)]
 
         if ranks == "claim":
             self.planner, feed = claimed_planner(self.plan)
             if feed is not None:
-                self._threads.append(feed)
+                self._stops.append(feed.close)
             self._mine, self.known = (Item(n, b) for n, b in enumerate(self.planner.iter_batches())), False
             self.scale = world_size
         elif ranks == "lockstep":
             items = list(self.items())
             check_same_batches([i.positions for i in items])
-            self._mine, self.known, self.lockstep = _deal(items, rank, world_size), True, True
+            shares = split_for_replicas(items, world_size, samples=lambda item: len(item.positions), split=split)
+            self._mine, self.known, self.lockstep = deal(shares, world_size, rank), True, True
+            for number, item in enumerate(self._mine):
+                item.number = number
+            logger.info("rank %d of %d: %d batches (%d rows) of %d batches (%d rows)", rank, world_size,
+                        len(self._mine), sum(len(i.positions) for i in self._mine), len(items),
+                        sum(len(i.positions) for i in items))
 
     def items(self, *, read_ahead: int = 0) -> Iterator[Item]:
         """Every batch of this rank in the loader's order: a plan's as input positions, a plain iterable's with its
@@ -112,8 +117,9 @@ class Source:
             return (Item(n, np.asarray(p, dtype=np.int64)) for n, p in enumerate(self.plan.sampler))
         items = (Item(n, positions_of(b, self.loader), b) for n, b in enumerate(self.loader))
         if read_ahead:
-            self._threads.append(Ahead(items, depth=read_ahead, name="dynabatch-read-ahead"))
-            items = iter(self._threads[-1].next, None)
+            reader = Ahead(items, depth=read_ahead, name="dynabatch-read-ahead")
+            self._stops.append(reader.close)
+            items = iter(reader.next, None)
         return (self._saw(item) for item in items)
 
     def _saw(self, item: Item) -> Item:
@@ -127,9 +133,8 @@ class Source:
         return self.n_inputs if self.n_inputs is not None else self._seen + 1
 
     def text_sizes(self) -> tuple[np.ndarray, bool, int | None] | None:
-        """Every input's size, known before it runs (what the time left is weighted by): ``(sizes, exact,
-        max_length)``, a plan's token lengths (exact), or a streamed plan's lengths in characters with its max
-        length in tokens; ``None`` for an iterable of batches."""
+        """Every input's size before it runs (what the time left is weighted by): ``(sizes, exact, max_length)``, a
+        plan's token lengths, or a streamed plan's in characters with its max length in tokens; ``None``: no plan."""
         if self.plan is None:
             return None
         if self.streamed:
@@ -155,21 +160,6 @@ class Source:
     def close(self) -> None:
         """Stops reading ahead and tokenizing (after the batch or chunk in progress; a later use of the loader goes
         on where it stopped)."""
-        for thread in self._threads:
-            thread.close()
-        if self.streamed:
-            self.plan.stream.pause()
+        for stop in self._stops:
+            stop()
 
-
-def _deal(items: list[Item], rank: int, world_size: int) -> list[Item]:
-    """``rank``'s items of ``items`` under lockstep, numbered from 0."""
-    def split(item: Item, parts: int) -> list[Item]:
-        return [item.keep(keep, whole=True) for keep in np.array_split(np.arange(len(item.positions)), parts)]
-
-    mine = deal(split_for_replicas(items, world_size, samples=lambda item: len(item.positions), split=split),
-                world_size, rank)
-    for number, item in enumerate(mine):
-        item.number = number
-    logger.info("rank %d of %d: %d batches (%d rows) of %d batches (%d rows)", rank, world_size, len(mine),
-                sum(len(i.positions) for i in mine), len(items), sum(len(i.positions) for i in items))
-    return mine
