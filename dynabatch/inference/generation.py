@@ -1,10 +1,8 @@
 """``dynabatch.generate``: replies to many prompts from ``model.generate``, through :func:`dynabatch.run`.
 
-Prompts (strings, chat conversations or pre-tokenized ids) are tokenized once into dynabatch's loader, longest
-first; ``model.generate`` runs on every batch through :func:`dynabatch.run` (out-of-memory splitting, measured mode,
-``output_path`` resume), and each prompt's reply is returned alone, in input order, equal to the reply of generating
-that prompt alone. The rules (prompts, padding, replies, limits) are in ``docs/integrations.md``; why few, large
-calls pay (a small model's decoding step is bound by the host) is in ``docs/memory.md``.
+Prompts (strings, chat conversations or pre-tokenized ids) are tokenized once into dynabatch's loader, and each
+prompt's reply is returned alone, in input order, equal to the reply of generating that prompt alone. The rules
+(prompts, padding, replies, limits) are in ``docs/integrations.md``; why few, large calls pay, in ``docs/memory.md``.
 
 Example:
     >>> import torch
@@ -24,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -38,36 +35,34 @@ from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.results import RunResult, StoredRunResult
 from dynabatch.inference.runner import run
 from dynabatch.memory.budget import is_absolute
-from dynabatch.memory.units import check_max_memory
 from dynabatch.memory.footprint import Footprint
 from dynabatch.memory.shape import ModelShape, check_position_limit, position_limit
+from dynabatch.memory.units import check_max_memory
 
 __all__ = ["generate", "generation_loader", "render_chats", "reply_function"]
-
-logger = logging.getLogger(__name__)
 
 _PROMPTS_RULE = ("a non-empty list of prompts, all of one kind: str, chat conversations (lists of "
                  "{'role': ..., 'content': ...} dicts) or pre-tokenized ids (lists of int)")
 
 
-def _is_conversation(prompt: Any) -> bool:
-    return isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
+def _kind(prompt: Any) -> str:
+    """``"text"``, ``"chat"`` (a conversation: a list of message dicts) or ``"ids"`` (anything else)."""
+    if isinstance(prompt, str):
+        return "text"
+    return "chat" if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], Mapping) else "ids"
 
 
 def _prompt_kind(prompts: Any) -> str:
-    """``"text"``, ``"chat"`` or ``"ids"``, from the first prompt; every other prompt must be of that kind."""
+    """The kind of the first prompt, which every other prompt must be of."""
     if isinstance(prompts, (str, bytes, Mapping)) or not isinstance(prompts, Sequence):
         raise bad_type("prompts", _PROMPTS_RULE, prompts)
     if not len(prompts):
         raise bad_value("prompts", _PROMPTS_RULE, prompts)
-    first = prompts[0]
-    kind = "text" if isinstance(first, str) else "chat" if _is_conversation(first) else "ids"
+    kind = _kind(prompts[0])
     if kind == "ids" and not are_token_ids(prompts):
-        raise bad_type("prompts[0]", "a str, a chat conversation or a list of int token ids", first)
-    same = {"text": lambda p: isinstance(p, str), "chat": _is_conversation,
-            "ids": lambda p: not isinstance(p, str) and not _is_conversation(p)}[kind]
+        raise bad_type("prompts[0]", "a str, a chat conversation or a list of int token ids", prompts[0])
     for i, prompt in enumerate(prompts):
-        if not same(prompt):
+        if _kind(prompt) != kind:
             raise bad_type(f"prompts[{i}]", f"a prompt of the kind of prompts[0] ({kind})", prompt)
     return kind
 
@@ -94,34 +89,13 @@ def _new_tokens(model: Any, generate_kwargs: dict[str, Any]) -> int | None:
 
 def _default_limit(model: Any, tokenizer: Any, new_tokens: int, encoder_decoder: bool) -> int:
     """The longest prompt the model can take: its positions (less the new tokens, decoder-only) and the tokenizer's."""
-    limits = []
     found = position_limit(model)
-    if found is not None:
-        limits.append(found[2] - (0 if encoder_decoder else new_tokens))
-    if model_max_length(tokenizer) is not None:
-        limits.append(model_max_length(tokenizer))
+    positions = None if found is None else found[2] - (0 if encoder_decoder else new_tokens)
+    limits = [limit for limit in (positions, model_max_length(tokenizer)) if limit is not None]
     if not limits:
         raise bad_value("max_input_token_length", "given when neither the model's config nor the tokenizer "
                         "sets a length limit", None)
     return max(1, min(limits))
-
-
-def _padding_tokenizer(tokenizer: Any, encoder_decoder: bool) -> Any:
-    """The tokenizer, or a copy padding on the left for a decoder-only model (the caller's is left as it is)."""
-    if encoder_decoder or getattr(tokenizer, "padding_side", "left") == "left":
-        return tokenizer
-    left = copy.copy(tokenizer)
-    left.padding_side = "left"
-    return left
-
-
-def _eos_ids(model: Any, generate_kwargs: dict[str, Any]) -> set[int]:
-    eos = _setting(model, generate_kwargs, "eos_token_id")
-    if eos is None:
-        return set()
-    if isinstance(eos, torch.Tensor):
-        eos = eos.tolist()
-    return {int(e) for e in eos} if isinstance(eos, (list, tuple)) else {int(eos)}
 
 
 _STOPS_WITHOUT_EOS = ("stop_strings", "stopping_criteria", "max_time")  # generate arguments ending rows early
@@ -145,15 +119,12 @@ def reply_ids(sequences: torch.Tensor, prompt_width: int, *, encoder_decoder: bo
     first = 1 if encoder_decoder else 0  # the decoder start token never ends a reply
     replies = []
     for row in new.tolist():
-        end = next((i for i in range(first, len(row)) if row[i] in eos_ids), None)
-        if end is not None:
-            row = row[: end + 1]
-        elif pad_token_id is not None:
+        end = next((i + 1 for i in range(first, len(row)) if row[i] in eos_ids), None)
+        if end is None:
             end = len(row)
-            while end > first and row[end - 1] == pad_token_id:
+            while pad_token_id is not None and end > first and row[end - 1] == pad_token_id:
                 end -= 1
-            row = row[:end]
-        replies.append(row)
+        replies.append(row[:end])
     return replies
 
 
@@ -166,7 +137,11 @@ def generation_loader(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any
     shape = ModelShape.from_model(model, max_new_tokens=_new_tokens(model, generate_kwargs) or 0,
                                   num_beams=generate_kwargs.get("num_beams", 1))
     options: dict[str, Any] = {"model_shape": shape, **({"add_special_tokens": False} if chat else {})}
-    return _padding_tokenizer(tokenizer, encoder_decoder), options
+    if encoder_decoder or getattr(tokenizer, "padding_side", "left") == "left":
+        return tokenizer, options
+    left = copy.copy(tokenizer)  # the caller's tokenizer is left as it is
+    left.padding_side = "left"
+    return left, options
 
 
 def reply_function(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], *, return_ids: bool = False,
@@ -176,7 +151,8 @@ def reply_function(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], 
     ``padding_id``: the batches' pad id, dropped from the end of a row that can end without EOS."""
     encoder_decoder = _check_model(model)
     returns = check_positive_int("num_return_sequences", generate_kwargs.get("num_return_sequences", 1))
-    eos_ids = _eos_ids(model, generate_kwargs)
+    eos = _setting(model, generate_kwargs, "eos_token_id")  # an int, a list of them or a tensor
+    eos_ids = set() if eos is None else {int(e) for e in torch.as_tensor(eos).reshape(-1).tolist()}
     stops_early = any(generate_kwargs.get(name) is not None for name in _STOPS_WITHOUT_EOS)
     pad_token_id = padding_id if stops_early else None  # else rows without EOS are whole
 
@@ -192,20 +168,6 @@ def reply_function(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], 
         return PerRow(rows)
 
     return replies
-
-
-def _memory_options(model: Any, max_memory: Any, device: Any, new_tokens: int | None,
-                    generate_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The loader's options for ``max_memory``: where it is an absolute budget on ``device``, passed through as
-    given with the model's footprint of this ``generate`` call (the run reads the budget on its device once, as it
-    starts: the scheduler's one decision); else nothing (the relative rule)."""
-    if not is_absolute(max_memory, device):
-        return {}
-    if new_tokens is None:  # generate's own limit: max_length counts the prompt too, so this errs high
-        new_tokens = int(_setting(model, {}, "max_length") or 20)
-    footprint = Footprint.from_model(model, max_new_tokens=new_tokens, num_beams=generate_kwargs.get("num_beams") or 1,
-                                     num_return_sequences=generate_kwargs.get("num_return_sequences") or 1)
-    return {"memory_model": footprint, "max_memory": max_memory}
 
 
 def _check_model(model: Any) -> bool:
@@ -241,29 +203,27 @@ def generate(
     Args:
         model: a ``transformers`` generative model (decoder-only or encoder-decoder), in eval mode.
         tokenizer: its tokenizer (with a pad token; left alone: a copy pads decoder-only prompts on the left).
-        prompts: all str, all chat conversations (lists of message dicts, rendered by
-            ``tokenizer.apply_chat_template``) or all pre-tokenized ids (lists of int, taken as they are).
+        prompts: all str, all chat conversations (lists of message dicts, rendered by ``apply_chat_template``) or all
+            pre-tokenized ids (lists of int, taken as they are).
         return_ids: return each reply's token ids (a list of int, its EOS kept) instead of the decoded string.
         skip_special_tokens: passed to ``tokenizer.batch_decode``.
-        batch_size: under the relative rule (the CPU, or ``max_memory=None``), rows of the first (longest)
-            batch, later batches grown under its measured peak; an absolute budget sizes every batch itself.
-        max_memory: the memory every batch is planned under (by the model's
-            :class:`~dynabatch.memory.footprint.Footprint`, refined by the measured peaks), read on ``device`` when the
-            call starts: ``"auto"`` (90% of a GPU's free memory, the relative rule on the CPU), ``"80%"``, ``"20GB"``,
-            ``"20GiB"`` or bytes; ``None``: the relative rule.
-        max_input_token_length: prompts are truncated to it. ``None``: the most the model's positions take (less
-            ``max_new_tokens`` on a decoder-only model) and the tokenizer's ``model_max_length``, whichever is smaller.
+        batch_size: under the relative rule (the CPU, or ``max_memory=None``), rows of the first (longest) batch,
+            later batches grown under its measured peak; an absolute budget sizes every batch itself.
+        max_memory: what every batch is planned under (the model's :class:`~dynabatch.memory.footprint.Footprint`,
+            refined by measured peaks), read on ``device`` as the call starts: ``"auto"`` (90% of a GPU's free memory,
+            the relative rule on the CPU), ``"80%"``, ``"20GB"``, ``"20GiB"`` or bytes; ``None``: the relative rule.
+        max_input_token_length: prompts are truncated to it; ``None``: the smaller of the model's positions (less
+            ``max_new_tokens`` on a decoder-only model) and the tokenizer's ``model_max_length``.
         chat_template_kwargs: more arguments of ``apply_chat_template`` (e.g. ``{"enable_thinking": False}``).
         device: where batches run; ``None``: the model's device.
-        ids: one stable id per prompt (str or int, unique), or ``None``: the loader's ``ids`` (a store keys its rows
-            by them).
+        ids: one stable id per prompt (str or int, unique; a store keys its rows by them), or ``None``: the loader's.
         output_path, key, on_oom, on_error, memory, progress: :func:`dynabatch.run`'s.
-        **generate_kwargs: passed to every ``model.generate`` call (``max_new_tokens``, ``do_sample``, ...). With
+        **generate_kwargs: passed to every ``model.generate`` call (``max_new_tokens``, ``do_sample``, ...); with
             ``num_return_sequences=k > 1`` each prompt's result is a list of ``k`` replies.
 
     Returns:
-        A :class:`~dynabatch.inference.results.RunResult` (with ``output_path``, a
-        :class:`~dynabatch.inference.results.StoredRunResult`): one reply per prompt, with ``.report``.
+        A :class:`~dynabatch.inference.results.RunResult` (a ``StoredRunResult`` with ``output_path``): one reply per
+        prompt, with ``.report``.
 
     Raises:
         TypeError: a model without ``generate``, or prompts of mixed or unknown kinds.
@@ -283,16 +243,19 @@ def generate(
     max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
     check_position_limit(model, max_input_token_length, max_new_tokens=new_tokens or 0)
     texts = render_chats(tokenizer, prompts, dict(chat_template_kwargs or {})) if kind == "chat" else prompts
-    if device is None:
-        device = getattr(model, "device", None)
-    budget = _memory_options(model, max_memory, device, new_tokens, generate_kwargs)
+    device = getattr(model, "device", None) if device is None else device
+    budget = {}  # the relative rule, unless max_memory is an absolute budget on device: planned by the footprint
+    if is_absolute(max_memory, device):  # max_length (generate's own limit) counts the prompt too: this errs high
+        footprint = Footprint.from_model(
+            model, max_new_tokens=new_tokens or int(_setting(model, {}, "max_length") or 20),
+            num_beams=generate_kwargs.get("num_beams") or 1,
+            num_return_sequences=generate_kwargs.get("num_return_sequences") or 1)
+        budget = {"memory_model": footprint, "max_memory": max_memory}
     padder, options = generation_loader(model, tokenizer, generate_kwargs, chat=kind == "chat")
     loader = build_dynamic_batch_dataloader(texts, padder, batch_size, max_input_token_length, num_workers=0,
                                             progress=progress, ids=ids, **budget, **options)
     fn = reply_function(model, tokenizer, generate_kwargs, return_ids=return_ids,
                         skip_special_tokens=skip_special_tokens, padding_id=loader.plan.collator.pad_token_id)
-
-    options = {"key": key} if key is not None else {}  # run's key= (the results store) only when asked for
     with torch.inference_mode():
-        return run(fn, loader, device=device, output_path=output_path, on_oom=on_oom, on_error=on_error,
-                   memory=memory, progress=progress, **options)
+        return run(fn, loader, device=device, output_path=output_path, key=key, on_oom=on_oom, on_error=on_error,
+                   memory=memory, progress=progress)

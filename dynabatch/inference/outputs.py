@@ -1,12 +1,8 @@
-"""Per-row results from what a callable returned for a batch: the row rule.
-
-:class:`RowSplitter` turns what ``fn(batch)`` returned into one item per row, on the CPU, by a rule that never
-depends on the batch's size or texts (``docs/inference.md`` has it as a table): a batch-first tensor (or a tuple, list
-or dict of them, values without a batch dimension left out) gives each row its slice; a list of one item per row (or
-a :class:`PerRow`) is one item per row; a tensor is cut to each row's real tokens only where that is certain (three or
-more dimensions as wide as the batch; generated ids that echo the prompt lose the padding); a 2-D tensor as wide as
-the batch is ambiguous and refused unless ``token_outputs`` declares it. Each field's reading is fixed at its first
-batch; an output that contradicts it is refused.
+"""The row rule (``docs/inference.md`` has it as a table): :class:`RowSplitter` turns what ``fn(batch)`` returned
+into one item per row, on the CPU, never depending on the batch's size or texts. A batch-first tensor (or a tuple,
+list or dict of them) gives each row its slice, cut to the row's real tokens only where that is certain (a 2-D tensor
+as wide as the batch is refused unless ``token_outputs`` declares it); a list of one item per row (or a
+:class:`PerRow`) is one item per row. Each field's reading is fixed at its first batch.
 
 Example:
     >>> import torch
@@ -26,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -41,8 +38,6 @@ TOKEN_OUTPUTS = ("auto", "per_token", "generated", "whole")
 """The values of ``run(token_outputs=...)``: how token-shaped tensors are read (the module's rule)."""
 
 _PER_TOKEN, _GENERATED, _ROW = "per-token", "generated", "per-row"
-_HOW = ("return a tuple of batch-first tensors (one field per element), or dynabatch.PerRow(items) for one "
-        "item per row")
 
 
 class PerRow(list):
@@ -68,9 +63,9 @@ def to_cpu(item: Any) -> Any:
     """Tensors (also inside plain lists, tuples and dicts) detached, on the CPU and compact; other values as they are."""
     if isinstance(item, torch.Tensor):
         return _compact_cpu(item)
-    if isinstance(item, (list, tuple)):
-        return type(item)(to_cpu(x) for x in item) if type(item) in (list, tuple, PerRow) else item
-    if isinstance(item, dict) and type(item) is dict:
+    if type(item) in (list, tuple, PerRow):
+        return type(item)(to_cpu(x) for x in item)
+    if type(item) is dict:
         return {key: to_cpu(value) for key, value in item.items()}
     return item
 
@@ -98,38 +93,27 @@ def _is_integer(value: torch.Tensor | np.ndarray) -> bool:
 
 
 class _BatchView:
-    """What the rule reads of one batch: its rows, width, input ids and real-token mask (computed once)."""
+    """What the rule reads of one batch (a ``dict`` of tensors with ``.indices``): its rows, width, input ids and
+    real-token mask."""
 
-    def __init__(self, batch: Any, pad_token_id: int | None) -> None:
-        self.batch = batch
+    def __init__(self, batch: Any) -> None:
         self.n = len(batch.indices)
-        inputs = batch.get("input_ids") if isinstance(batch, Mapping) else None
+        inputs, mask = batch.get("input_ids"), batch.get("attention_mask")
         self.inputs = inputs if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 else None
-        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-        self.width = None
-        self.real: np.ndarray | None = None
-        if isinstance(mask, torch.Tensor) and mask.ndim == 2:
-            self.width = mask.shape[1]
-            self.real = mask.detach().cpu().numpy().astype(bool)
-        elif self.inputs is not None:
-            self.width = self.inputs.shape[1]
-        self.pad_token_id = pad_token_id
-        self._spans: list[tuple[int, int] | np.ndarray] | None = None
+        mask = mask if isinstance(mask, torch.Tensor) and mask.ndim == 2 else None
+        self.real = None if mask is None else mask.detach().cpu().numpy().astype(bool)
+        shaped = self.inputs if mask is None else mask
+        self.width = None if shaped is None else shaped.shape[1]
 
-    def spans(self) -> list[tuple[int, int] | np.ndarray]:
-        """Each row's real columns: ``(start, stop)`` where they are contiguous, else their indices."""
-        if self._spans is None:
-            spans: list[tuple[int, int] | np.ndarray] = []
-            for row in self.real:
-                columns = np.flatnonzero(row)
-                if columns.size == 0:
-                    spans.append((0, 0))
-                elif columns[-1] - columns[0] + 1 == columns.size:
-                    spans.append((int(columns[0]), int(columns[-1]) + 1))
-                else:
-                    spans.append(columns)
-            self._spans = spans
-        return self._spans
+    @cached_property
+    def spans(self) -> list[slice | np.ndarray]:
+        """Each row's real columns: a slice where they are contiguous, else their indices."""
+        spans: list[slice | np.ndarray] = []
+        for row in self.real:
+            columns = np.flatnonzero(row)
+            contiguous = columns.size > 0 and columns[-1] - columns[0] + 1 == columns.size
+            spans.append(slice(int(columns[0]), int(columns[-1]) + 1) if contiguous else columns)
+        return spans
 
     def echoes(self, value: torch.Tensor | np.ndarray) -> bool:
         """Whether ``value`` starts with the batch's ``input_ids`` (a decoder-only model echoes its prompt)."""
@@ -163,29 +147,20 @@ class RowSplitter:
 
         Raises:
             TypeError: an output of a kind the rule does not know.
-            ValueError: an output whose rows do not match the batch's, an
-                ambiguous one, or one that contradicts its first batch's reading.
+            ValueError: rows that do not match the batch's, an ambiguous output, or one contradicting its first reading.
         """
-        view = _BatchView(batch, self.pad_token_id)
+        view = _BatchView(batch)
         if output is None:
             return [None] * view.n
-        if isinstance(output, PerRow):
-            if len(output) != view.n:
-                raise bad_value(f"len({name})", f"{view.n} (a PerRow holds one item per batch row)", len(output))
-            return [to_cpu(item) for item in output]
         if not (_is_array(output) or isinstance(output, (Mapping, list, tuple))):
             raise bad_type(name, "a tensor with a batch dimension, a tuple, list or dict of such tensors, a list "
                            "with one item per row, a dynabatch.PerRow, a ModelOutput or None", output)
-        rows = self._split(output, view, name, field=False)
-        if rows is None:
-            raise bad_value(name, "a value with one item per batch row", output)
-        return rows
+        return self._split(output, view, name, field=False)
 
     def varying(self, row: Any, name: str = "fn(batch)", path: tuple = ()) -> list[tuple]:
-        """The paths (keys and indices; ``()``: the row itself) of the tensors of ``row`` (a row :meth:`split` gave)
-        whose first dimension varies from row to row: a per-token or generated field, and a tensor given one per row
-        (its shape is its own). A results store types its columns by them, whatever the lengths of the first
-        rows it sees (the longest texts, often all cut to one length)."""
+        """The paths (keys and indices; ``()``: the row itself) of the tensors of ``row`` (as :meth:`split` gave it)
+        whose first dimension varies from row to row (per-token or generated, or given one per row): a results store
+        types its columns by them, whatever lengths its first rows have (the longest texts, often cut to one)."""
         if isinstance(row, Mapping):
             items = [(key, value, f"{name}[{key!r}]") for key, value in row.items()]
         elif isinstance(row, (list, tuple)) and any(_is_array(v) or isinstance(v, (Mapping, list, tuple)) for v in row):
@@ -196,119 +171,107 @@ class RowSplitter:
         return [found for key, value, field in items for found in self.varying(value, field, (*path, key))]
 
     def _split(self, value: Any, view: _BatchView, name: str, *, field: bool) -> list | None:
-        """One item per row, or ``None`` for a field with nothing per row (left out of a dict)."""
+        """One item per row, or ``None`` for a ``field`` (an element of a container) with nothing per row: a loss
+        over the batch, a cache object, ``None`` or an empty list."""
         n = view.n
-        if _is_array(value):
-            if not _batch_first(value, n):
-                if field and value.ndim == 0:
-                    return None  # a loss over the batch: nothing per row
-                raise bad_value(f"{name}.shape", f"a batch dimension first ({n} rows, one per batch row)",
-                                tuple(value.shape))
-            return self._tensor_rows(value, view, name)
         if isinstance(value, PerRow):
-            return self.split(value, view.batch, name)
+            if len(value) != n:
+                raise bad_value(f"len({name})", f"{n} (a PerRow holds one item per batch row)", len(value))
+            return [to_cpu(item) for item in value]
+        if _is_array(value):
+            if _batch_first(value, n):
+                return self._tensor_rows(value, view, name)
+            if field and value.ndim == 0:
+                return None
+            raise bad_value(f"{name}.shape", f"a batch dimension first ({n} rows, one per batch row)",
+                            tuple(value.shape))
         if isinstance(value, Mapping):
-            return self._mapping_rows(value, view, name)
+            columns = {key: self._split(item, view, f"{name}[{key!r}]", field=True) for key, item in value.items()}
+            columns = {key: column for key, column in columns.items() if column is not None}
+            return [{key: column[r] for key, column in columns.items()} for r in range(n)]
         if isinstance(value, (list, tuple)):
             return self._sequence_rows(value, view, name, field=field)
-        if field:
-            return None  # a cache object or another value without rows
-        raise bad_type(name, "a tensor with a batch dimension", value)
-
-    def _mapping_rows(self, value: Mapping, view: _BatchView, name: str) -> list:
-        columns = {}
-        for key, item in value.items():
-            rows = None if item is None else self._split(item, view, f"{name}[{key!r}]", field=True)
-            if rows is not None:
-                columns[key] = rows
-        return [{key: column[r] for key, column in columns.items()} for r in range(view.n)]
+        return None  # a field without rows (split lets no other value through)
 
     def _sequence_rows(self, value: list | tuple, view: _BatchView, name: str, *, field: bool) -> list | None:
         n = view.n
-        items = list(value)
-        batched = [_batch_first(item, n) or _holds_batched(item, n) for item in items]
-        if any(batched) and all(b or item is None for b, item in zip(batched, items)):
-            if isinstance(value, tuple) or len(items) != n:  # one field per element
-                parts = [self._split(item, view, f"{name}[{i}]", field=True) for i, item in enumerate(items)]
+        batched = [_batch_first(item, n) or _holds_batched(item, n) for item in value]
+        if any(batched) and all(b or item is None for b, item in zip(batched, value)):
+            if isinstance(value, tuple) or len(value) != n:  # one field per element
+                parts = [self._split(item, view, f"{name}[{i}]", field=True) for i, item in enumerate(value)]
                 kind = tuple if isinstance(value, tuple) else list
                 return [kind(None if part is None else part[r] for part in parts) for r in range(n)]
             raise ValueError(
                 f"{name} should say how it splits into rows, but got a list of {n} tensors for a batch of {n} "
-                f"rows, each with {n} rows itself: one item per row, or one field per element? {_HOW}"
+                f"rows, each with {n} rows itself: one item per row, or one field per element? return a tuple of "
+                "batch-first tensors (one field per element), or dynabatch.PerRow(items) for one item per row"
             )
-        if len(items) == n:
-            return [to_cpu(item) for item in items]
-        if field and not items:
+        if len(value) == n:
+            return [to_cpu(item) for item in value]
+        if field and not value:
             return None
         if any(batched):
             i = batched.index(False)
             raise bad_value(f"{name}[{i}]", f"a tensor with a batch dimension first ({n} rows) like the other "
-                            f"elements of {name}, or None", items[i])
+                            f"elements of {name}, or None", value[i])
         raise bad_value(f"len({name})", f"{n} (one item per batch row), or a tuple of tensors with {n} rows each",
-                        len(items))
+                        len(value))
 
     def _tensor_rows(self, value: torch.Tensor | np.ndarray, view: _BatchView, name: str) -> list:
         if isinstance(value, torch.Tensor):
             value = _compact_cpu(value)
         kind = self._reading(value, view, name)
         if kind == _PER_TOKEN:
-            return _per_token_rows(value, view)
+            return [value[r, span] for r, span in enumerate(view.spans)]
         if kind == _GENERATED:
-            self._check_padding_side(value, view)
-            return _generated_rows(value, view)
-        return list(value.unbind(0)) if isinstance(value, torch.Tensor) else list(value)
+            self._warn_right_padding(value, view)
+            if self.pad_token_id is not None:
+                return _generated_rows(value, view, self.pad_token_id)
+        return list(value)  # a tensor's rows: its unbind(0)
 
     def _reading(self, value: torch.Tensor | np.ndarray, view: _BatchView, name: str) -> str:
-        """How ``value``'s rows are read: fixed at the field's first batch, checked at every later one."""
-        width = view.width
+        """How ``value``'s rows are read: at the field's first batch declared, or certain, or refused as ambiguous;
+        checked against that at every later batch."""
+        width, mode = view.width, self.token_outputs
         token_shaped = value.ndim >= 2 and width is not None and value.shape[1] == width
-        known = self.kinds.get(name)
-        if known is None:
-            kind = self._first_reading(value, view, token_shaped, name)
-            self.kinds[name] = (kind, width)
-            if kind == _PER_TOKEN and view.real is None:
+        if name in self.kinds:
+            kind, first_width = self.kinds[name]
+            if kind == _PER_TOKEN and not token_shaped:
                 raise ValueError(
-                    f"{name} should be cut to each row's real tokens (its dimension 1 is the batch's width "
-                    f"{width}), but got a batch without an attention_mask to cut it by: add one to the batches, "
-                    "or pass token_outputs='whole' to keep rows as they are"
+                    f"{name}.shape[1] should be the batch's width {width}, as at its first batch (width "
+                    f"{first_width}, where it was read as per-token and cut by the attention mask), but got "
+                    f"{name}.shape[1]={value.shape[1] if value.ndim >= 2 else None}: if it is not a per-token output "
+                    "(a pooled vector, generated ids), pass token_outputs='generated' or 'whole' to run, or return "
+                    "dynabatch.PerRow(rows)"
                 )
             return kind
-        kind, first_width = known
-        if kind == _PER_TOKEN and not token_shaped:
-            got = value.shape[1] if value.ndim >= 2 else None
-            raise ValueError(
-                f"{name}.shape[1] should be the batch's width {width}, as at its first batch (width {first_width}, "
-                f"where it was read as per-token and cut by the attention mask), but got {name}.shape[1]={got}: "
-                "if it is not a per-token output (a pooled vector, generated ids), pass token_outputs='generated' "
-                "or 'whole' to run, or return dynabatch.PerRow(rows)"
-            )
-        return kind
-
-    def _first_reading(self, value: torch.Tensor | np.ndarray, view: _BatchView, token_shaped: bool,
-                       name: str) -> str:
-        """The field's reading at its first batch: declared, or certain, or refused as ambiguous."""
-        mode = self.token_outputs
         integer_2d = value.ndim == 2 and _is_integer(value)
         if mode == "whole":
-            return _ROW
-        if mode == "per_token":
-            return _PER_TOKEN if token_shaped else _ROW
-        if integer_2d and (mode == "generated" or view.echoes(value)):
-            return _GENERATED  # declared, or echoing the prompt: a decoder-only model's generate
-        if token_shaped and value.ndim == 2:
+            kind = _ROW
+        elif mode != "per_token" and integer_2d and (mode == "generated" or view.echoes(value)):
+            kind = _GENERATED  # declared, or echoing the prompt: a decoder-only model's generate
+        elif mode != "per_token" and token_shaped and value.ndim == 2:
             raise ValueError(
                 f"{name} should say how its rows are read, but got a 2-D tensor of shape {tuple(value.shape)} "
-                f"whose dimension 1 equals the batch's width {view.width}: one value per token, or one vector per "
+                f"whose dimension 1 equals the batch's width {width}: one value per token, or one vector per "
                 "row that happens to be as wide? Pass token_outputs='per_token' to cut each row to its real "
                 "tokens by the attention mask, token_outputs='whole' to keep each row whole (a pooled vector)"
                 + (", or token_outputs='generated' for generated ids (padding stripped)" if integer_2d else "")
             )
-        return _PER_TOKEN if token_shaped else _ROW
+        else:
+            kind = _PER_TOKEN if token_shaped else _ROW
+        self.kinds[name] = (kind, width)
+        if kind == _PER_TOKEN and view.real is None:
+            raise ValueError(
+                f"{name} should be cut to each row's real tokens (its dimension 1 is the batch's width "
+                f"{width}), but got a batch without an attention_mask to cut it by: add one to the batches, "
+                "or pass token_outputs='whole' to keep rows as they are"
+            )
+        return kind
 
-    def _check_padding_side(self, value: torch.Tensor | np.ndarray, view: _BatchView) -> None:
-        if self._warned_right_padding or self.padding_side != "right" or view.real is None:
-            return
-        if view.real[:, -1].all() or not view.echoes(value):
+    def _warn_right_padding(self, value: torch.Tensor | np.ndarray, view: _BatchView) -> None:
+        if (self._warned_right_padding or self.padding_side != "right" or view.real is None
+                or view.real[:, -1].all() or not view.echoes(value)):
             return
         self._warned_right_padding = True
         logger.warning(
@@ -318,38 +281,16 @@ class RowSplitter:
         )
 
 
-def _per_token_rows(value: torch.Tensor | np.ndarray, view: _BatchView) -> list:
-    rows = []
-    for r, span in enumerate(view.spans()):
-        if isinstance(span, tuple):
-            rows.append(value[r, span[0]:span[1]])
-        else:
-            rows.append(value[r][torch.from_numpy(span)] if isinstance(value, torch.Tensor) else value[r][span])
-    return rows
-
-
-def _generated_rows(value: torch.Tensor | np.ndarray, view: _BatchView) -> list:
-    """Rows of generated ids without the batch's padding.
-
-    Trailing pad ids go. Leading pad ids go only where the tensor starts with the batch's ``input_ids`` (a
-    decoder-only ``generate`` echoes the prompt), and only the row's own left padding: an encoder-decoder output
-    starting with a decoder start token equal to the pad id keeps it, and pad ids between real tokens always stay.
-    """
-    pad = view.pad_token_id
-    rows = list(value.unbind(0)) if isinstance(value, torch.Tensor) else list(value)
-    if pad is None:
-        return rows
-    leading = np.zeros(view.n, dtype=np.int64)
+def _generated_rows(value: torch.Tensor | np.ndarray, view: _BatchView, pad: int) -> list:
+    """Rows of generated ids less the batch's padding: trailing pad ids, and leading ones only where the tensor echoes
+    the batch's ``input_ids`` (a decoder-only ``generate``), and then only the row's own left padding (an
+    encoder-decoder's start token equal to the pad id stays, and pad ids between real tokens always stay)."""
+    start = np.zeros(view.n, dtype=np.int64)
     if view.real is not None and view.echoes(value):  # each row's own left padding, in the echoed prompt
-        any_real = view.real.any(axis=1)
-        leading = np.where(any_real, view.real.argmax(axis=1), view.real.shape[1])
+        start = np.where(view.real.any(axis=1), view.real.argmax(axis=1), view.real.shape[1])
     real = np.asarray(value != pad)
-    out = []
-    for r, start in enumerate(leading.tolist()):
-        nonpad = np.flatnonzero(real[r, start:])
-        stop = start + int(nonpad[-1]) + 1 if nonpad.size else start
-        out.append(rows[r][start:stop])
-    return out
+    end = np.where(real.any(axis=1), real.shape[1] - real[:, ::-1].argmax(axis=1), 0)  # after the last real id
+    return [row[a:b] for row, a, b in zip(value, start.tolist(), np.maximum(start, end).tolist())]
 
 
 def split_rows(output: Any, batch: Any, *, pad_token_id: int | None = None, token_outputs: str = "auto",

@@ -1,8 +1,6 @@
-"""What :func:`dynabatch.run` returns: :class:`RunResult`, :class:`StoredRunResult`, and the run's accounting.
-
-In memory (a ``list``), or read from the results store on demand as the in-memory run gives them; both stack rows
-through one encoding (:class:`~dynabatch.inference.columns.Columns`), and each carries its :class:`Accounting`, made
-by the one accountant (:func:`account`).
+"""What :func:`dynabatch.run` returns: :class:`RunResult` (in memory) or :class:`StoredRunResult` (the same rows read
+from the results store on demand), both stacked through :class:`~dynabatch.inference.columns.Columns` and carrying
+the :class:`Accounting` of the one accountant (:func:`account`).
 
 Example:
     >>> import torch
@@ -68,36 +66,35 @@ def account(n: int, held: np.ndarray, failures: Mapping[int, str], *, before: np
     """
     held = np.asarray(held, dtype=bool)
     failures = {int(p): str(c) for p, c in sorted(failures.items()) if 0 <= p < n and not held[p]}
-    listed = np.zeros(n, dtype=bool)
-    listed[list(failures)] = True
+    unaccounted = ~held
+    unaccounted[list(failures)] = False
     before = held & (before if before is not None and len(before) == n else np.zeros(n, dtype=bool))
-    missing = np.zeros(0, dtype=np.int64) if elsewhere else np.flatnonzero(~held & ~listed)
+    missing = np.zeros(0, dtype=np.int64) if elsewhere else np.flatnonzero(unaccounted)
     return Accounting(n, int(held.sum()), int(before.sum()), int((held & ~before).sum()), failures, missing, ids)
 
 
-def _with_outputs(n: int, ids: pa.Array | None, outputs: pa.Table | None) -> pa.Table:
-    """``position`` (and ``id``) of ``n`` inputs, then the output columns."""
-    import pyarrow as pa
-
-    keys = pa.table({"position": pa.array(np.arange(n, dtype=np.int64)), **({"id": ids} if ids is not None else {})})
-    return keys if outputs is None else pa.Table.from_arrays([*keys.columns, *outputs.columns],
-                                                             schema=pa.schema([*keys.schema, *outputs.schema]))
-
-
 class _Stacking:
-    """``numpy()``, ``stack()`` and ``to_arrow()`` over ``_table()``: the columns and one row per input."""
+    """``numpy()``, ``stack()`` and ``to_arrow()`` over ``_held()`` (which inputs have a row) and ``_outputs()`` (the
+    columns and their table, one row per input; ``(None, None)`` without a row)."""
 
     def to_arrow(self) -> pa.Table:
         """One row per input, in input order: ``position`` (and ``id``), then the output columns; no result -> null."""
-        return self._table()[1]
+        import pyarrow as pa
+
+        ids = None if self.accounting is None else self.accounting.ids
+        keys = pa.table({"position": pa.array(np.arange(len(self), dtype=np.int64)),
+                         **({"id": ids} if ids is not None else {})})
+        outputs = self._outputs()[1]
+        return keys if outputs is None else pa.Table.from_arrays([*keys.columns, *outputs.columns],
+                                                                 schema=pa.schema([*keys.schema, *outputs.schema]))
 
     def _stacked(self, as_tensor: bool) -> Any:
-        missing = self._missing()
+        missing = np.flatnonzero(~self._held())
         if missing.size:
             raise ValueError(f"every input should have a result to stack them, but got {missing.size} inputs without "
                              f"one (positions {first_few(missing.tolist())}; see .failed); read the others one by one "
                              "or with to_arrow()")
-        columns, table = self._table()
+        columns, table = self._outputs()
         if columns is None:
             raise ValueError("the inputs should have results to stack, but got none (no input)")
         return columns.stack(table, as_tensor=as_tensor)
@@ -126,22 +123,19 @@ class RunResult(list, _Stacking):
         self.failed = list(self.failures)
         self.accounting = accounting
 
-    def _missing(self) -> np.ndarray:
-        return np.flatnonzero(np.fromiter((r is None for r in self), dtype=bool, count=len(self)))
+    def _held(self) -> np.ndarray:
+        return np.fromiter((r is not None for r in self), dtype=bool, count=len(self))
 
-    def _table(self) -> tuple[Columns | None, pa.Table]:
+    def _outputs(self) -> tuple[Columns | None, pa.Table | None]:
         """The rows as a results store holds them, their types fixed by all of them."""
-        import pyarrow as pa
-
         from dynabatch.inference.columns import Columns
 
-        present = np.fromiter((r is not None for r in self), dtype=bool, count=len(self))
+        held = self._held()
         rows = [r for r in self if r is not None]
         if not rows:
-            return None, _with_outputs(len(self), None, None)
+            return None, None
         columns = Columns.of(rows[0])
-        outputs = columns.table([columns.parts(rows)]).take(pa.array(np.cumsum(present) - 1, mask=~present))
-        return columns, _with_outputs(len(self), None, outputs)
+        return columns, _take(columns.table([columns.parts(rows)]), np.where(held, np.cumsum(held) - 1, -1))
 
 
 class StoredRunResult(Sequence, _Stacking):
@@ -151,8 +145,7 @@ class StoredRunResult(Sequence, _Stacking):
     the inputs held before the run."""
 
     def __init__(self, located: Located, *, report: RunReport | None = None, before: np.ndarray | None = None) -> None:
-        self.path, self._files, self._where, self._columns, self._schema, self._ids = \
-            located.path, located.files, located.where, located.columns, located.schema, located.ids
+        self.path, self._located, self._where, self._columns = located.path, located, located.where, located.columns
         self._starts = np.concatenate([[0], np.cumsum(located.counts, dtype=np.int64)])
         self.report = report if report is not None else RunReport()
         self.accounting = account(len(self._where), self._where >= 0, located.failures, before=before,
@@ -165,10 +158,10 @@ class StoredRunResult(Sequence, _Stacking):
         return len(self._where)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({len(self)} inputs, {int((self._where >= 0).sum())} stored at {self.path!r})"
+        return f"{type(self).__name__}({len(self)} inputs, {int(self._held().sum())} stored at {self.path!r})"
 
-    def _missing(self) -> np.ndarray:
-        return np.flatnonzero(self._where < 0)
+    def _held(self) -> np.ndarray:
+        return self._where >= 0
 
     def _read(self, files: list[str]) -> pa.Table:
         """The output columns of ``files`` through ``pyarrow.dataset`` (the store's schema, checksums verified)."""
@@ -176,14 +169,7 @@ class StoredRunResult(Sequence, _Stacking):
 
         scan = ds.ParquetFileFormat(default_fragment_scan_options=ds.ParquetFragmentScanOptions(
             page_checksum_verification=True))
-        return ds.dataset(files, schema=self._schema, format=scan).to_table(columns=self._columns.names)
-
-    def _ordered(self, start: int = 0, stop: int | None = None, whole: pa.Table | None = None) -> pa.Table:
-        """The output rows of inputs ``start:stop``, in input order (null: not stored)."""
-        import pyarrow as pa
-
-        rows = self._where[start:stop]
-        return (self._read(self._files) if whole is None else whole).take(pa.array(rows, mask=rows < 0))
+        return ds.dataset(files, schema=self._located.schema, format=scan).to_table(columns=self._columns.names)
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
@@ -196,16 +182,24 @@ class StoredRunResult(Sequence, _Stacking):
             return None
         s = int(np.searchsorted(self._starts, row, side="right")) - 1
         if self._shard[0] != s:
-            self._shard = (s, self._read([self._files[s]]))
+            self._shard = (s, self._read([self._located.files[s]]))
         return self._columns.rows(self._shard[1].slice(row - int(self._starts[s]), 1))[0]
 
     def __iter__(self) -> Iterator[Any]:
-        whole = self._read(self._files) if self._columns is not None else None  # read once, decoded in chunks
+        whole = self._read(self._located.files) if self._columns is not None else None  # read once, decoded in chunks
         for start in range(0, len(self), _CHUNK):
-            where = self._where[start:start + _CHUNK].tolist()
-            rows = self._columns.rows(self._ordered(start, start + _CHUNK, whole)) if whole is not None else where
-            yield from (None if p < 0 else row for p, row in zip(where, rows))
+            where = self._where[start:start + _CHUNK]
+            rows = self._columns.rows(_take(whole, where)) if whole is not None else where
+            yield from (None if p < 0 else row for p, row in zip(where.tolist(), rows))
 
-    def _table(self) -> tuple[Columns | None, pa.Table]:
-        outputs = self._ordered() if self._columns is not None else None
-        return self._columns, _with_outputs(len(self), self._ids, outputs)
+    def _outputs(self) -> tuple[Columns | None, pa.Table | None]:
+        if self._columns is None:
+            return None, None
+        return self._columns, _take(self._read(self._located.files), self._where)
+
+
+def _take(table: pa.Table, rows: np.ndarray) -> pa.Table:
+    """``table``'s rows at ``rows``, in their order (null where ``rows`` is negative: not stored)."""
+    import pyarrow as pa
+
+    return table.take(pa.array(rows, mask=rows < 0))
