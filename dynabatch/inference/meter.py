@@ -1,11 +1,9 @@
 """The meter of :func:`dynabatch.run`: what the user sees while a run goes and after it ends.
 
-**Time left, weighted by cost.** Texts run longest first, so rows per second climbs all run long and a rows-based
-estimate is wrong by 2-3x. What is left is measured in what it costs, known up front (:class:`TextCosts`: every
-text's tokens, or a streamed plan's characters at a fitted rate), and turned into seconds by a time model fitted
-online from the batches that ran (:class:`TimeModel`). **Where the wall went**: every worker's loop timed in laps
-(:class:`Laps`), the bound named in one line (:func:`name_bound`). **The display**: one line redrawn on a terminal,
-else a plain line every :data:`LOG_EVERY` seconds, both refreshed by a :class:`~dynabatch._background.Ticker`.
+The time left is what the texts left cost (:class:`TextCosts`; they run longest first, so a rate of rows is wrong
+by 2-3x) over a time model fitted online (:class:`TimeModel`); each worker's loop is timed in :class:`Laps` and
+:func:`name_bound` names the bound. The display is one line redrawn on a terminal, else a plain line every
+:data:`LOG_EVERY` seconds.
 
 Example:
     >>> import io
@@ -37,18 +35,19 @@ from dynabatch._background import Ticker, stage_seconds, waited
 
 __all__ = ["LOG_EVERY", "Estimate", "Laps", "Meter", "TextCosts", "TimeModel", "name_bound"]
 
-LOG_EVERY = 15.0
-"""Seconds between the plain lines of the display where its stream is not a terminal."""
-REDRAW_EVERY = 1.0
-"""Seconds between redraws of the terminal line while nothing finishes."""
+LOG_EVERY = 15.0  # seconds between the plain lines of the display where its stream is not a terminal
+REDRAW_EVERY = 1.0  # seconds between redraws of the terminal line while nothing finishes
 _CHARS_PER_TOKEN = 4.0  # a streamed plan's rate before any batch that was not cut at the max length ran
 _SPECIAL_TOKENS = 2.0  # tokens a tokenizer adds to every text (BERT's [CLS] and [SEP]), until fitted
 _FINE_BINS = 1024  # sizes below this are binned exactly; above, geometrically
+_HALF_LIFE = 30.0  # seconds of run time: the half-life of the recent sums the display's rates are read from
+# the stage each background thread runs, by its name (another name is its own stage)
+_STAGE_OF_THREAD = {"dynabatch-tokenize": "tokenize", "dynabatch-prefetch": "build", "dynabatch-read-ahead": "read"}
 
 
 class TextCosts:
-    """What every text that runs costs, up front, and what is left of it as batches finish, kept as a histogram of
-    sizes (exact below 1,024, geometric above): an estimate costs the same at a thousand texts or ten million.
+    """What the texts that run cost, less what finished: a histogram of sizes (exact below 1,024, geometric above),
+    so an estimate costs the same at a thousand texts or ten million.
 
     Args:
         sizes: per input position, its tokens (``exact``), else its characters (turned into tokens at a rate fitted
@@ -63,36 +62,23 @@ class TextCosts:
         self.sizes = np.maximum(np.asarray(sizes, dtype=np.int64), 0)
         self.exact, self.max_length = exact, max_length
         top = int(self.sizes.max(initial=0)) + 2
-        coarse = np.geomspace(_FINE_BINS, max(top, _FINE_BINS + 1), 1024) if top > _FINE_BINS else np.zeros(0)
+        coarse = np.geomspace(_FINE_BINS, top, 1024) if top > _FINE_BINS else np.zeros(0)
         self.edges = np.unique(np.concatenate([np.arange(min(top, _FINE_BINS)), np.floor(coarse)]).astype(np.int64))
-        self.upper = np.append(self.edges[1:] - 1, top)  # the largest size in each bin
         self.bins = np.searchsorted(self.edges, self.sizes, side="right") - 1
-        chosen = self.bins if runs is None else self.bins[runs]
-        weights = self.sizes if runs is None else self.sizes[runs]
-        self.count = np.bincount(chosen, minlength=len(self.edges)).astype(np.float64)
-        self.total = np.bincount(chosen, weights=weights, minlength=len(self.edges)).astype(np.float64)
+        running = slice(None) if runs is None else runs
+        self.count = np.bincount(self.bins[running], minlength=len(self.edges)).astype(np.float64)
+        self.total = np.bincount(self.bins[running], weights=self.sizes[running], minlength=len(self.edges))
         self.rate, self.special = 1.0 / _CHARS_PER_TOKEN, _SPECIAL_TOKENS
         self._pending: list[tuple[np.ndarray, float]] = []  # positions done, taken off when an estimate is asked
-        self._fit = np.zeros(5)  # sums over the batches not cut at the max length: chars^2, chars*rows, rows^2,
-        # chars*tokens, rows*tokens
+        self._fit = np.zeros(5)  # over the batches not cut: chars^2, chars*rows, rows^2, chars*tokens, rows*tokens
 
     def done(self, positions: np.ndarray, scale: float = 1.0) -> None:
         """``positions`` finished (``scale``: ranks claiming alike, each counting for ``scale``)."""
         self._pending.append((positions, scale))
 
-    def _take_off(self) -> None:
-        """Takes the positions done since the last estimate off what is left, in one pass."""
-        pending, self._pending = self._pending, []
-        for scale in {s for _, s in pending}:
-            positions = np.concatenate([p for p, s in pending if s == scale])
-            bins = self.bins[positions]
-            self.count -= scale * np.bincount(bins, minlength=len(self.edges))
-            self.total -= scale * np.bincount(bins, weights=self.sizes[positions], minlength=len(self.edges))
-
     def learn(self, positions: np.ndarray, real_tokens: int, width: int) -> None:
-        """A batch of ``positions`` ran with ``real_tokens`` tokens and padded ``width``: where none of its rows
-        was cut at the max length, it teaches the rate of tokens per character (least squares: tokens = rate *
-        chars + special * rows)."""
+        """A batch of ``positions`` ran with ``real_tokens`` tokens, padded to ``width``: unless a row was cut at the
+        max length, it teaches the tokens per character (least squares: tokens = rate * chars + special * rows)."""
         if self.exact or (self.max_length is not None and width >= self.max_length):
             return
         chars, rows = float(self.sizes[positions].sum()), float(len(positions))
@@ -107,16 +93,20 @@ class TextCosts:
 
     def left(self) -> tuple[float, float]:
         """``(tokens, rows)`` left to run."""
-        self._take_off()
+        pending, self._pending = self._pending, []
+        for scale in {s for _, s in pending}:  # the positions done since the last estimate, one pass a scale
+            positions = np.concatenate([p for p, s in pending if s == scale])
+            self.count -= scale * np.bincount(self.bins[positions], minlength=len(self.edges))
+            self.total -= scale * np.bincount(self.bins[positions], weights=self.sizes[positions],
+                                              minlength=len(self.edges))
         count, total = np.maximum(self.count, 0.0), np.maximum(self.total, 0.0)  # ranks counted alike may overshoot
-        rows = float(count.sum())
         if self.exact:
-            return float(total.sum()), rows
+            return float(total.sum()), float(count.sum())
         tokens = self.rate * total + self.special * count
         if self.max_length is not None:
             cut = self.rate * self.edges + self.special >= self.max_length  # every text of the bin is cut
             tokens = np.where(cut, self.max_length * count, np.minimum(tokens, self.max_length * count))
-        return float(tokens.sum()), rows
+        return float(tokens.sum()), float(count.sum())
 
 
 class TimeModel:
@@ -141,14 +131,14 @@ class TimeModel:
     def __init__(self) -> None:
         self._sums = [0.0] * 9  # features padded tokens, rows, 1 (the batch): pp, pr, p1, rr, r1, 11, yp, yr, y1
         self.batches = 0
-        self._solved: tuple[int, np.ndarray | None] = (0, None)
+        self._coef: np.ndarray | None = None
 
     @property
     def coef(self) -> np.ndarray | None:
         """Seconds per padded token, per row and per batch (``None`` before any batch); solved when asked."""
-        if self._solved[0] != self.batches:
-            self._solved = (self.batches, self._solve())
-        return self._solved[1]
+        if self._coef is None and self.batches:
+            self._coef = self._solve()
+        return self._coef
 
     def add(self, *, seconds: float, padded_tokens: float, rows: float) -> None:
         keep = 0.5 ** (1.0 / max(8.0, self.batches / 4))
@@ -156,40 +146,35 @@ class TimeModel:
         new = (p * p, p * r, p, r * r, r, 1.0, y * p, y * r, y)
         self._sums = [keep * old + value for old, value in zip(self._sums, new)]
         self.batches += 1
+        self._coef = None
 
     def _solve(self) -> np.ndarray:
+        """Least squares on the first of the feature sets below whose parts all come out non-negative: the features
+        in order, each orthogonal to those before it (a Cholesky factor of their Gram matrix) and its part shrunk
+        there."""
         pp, pr, p1, rr, r1, one, yp, yr, y1 = self._sums
-        self._xx = np.array([[pp, pr, p1], [pr, rr, r1], [p1, r1, one]])
-        self._xy = np.array([yp, yr, y1])
-        for kept in ([0, 1, 2], [0, 2], [0, 1], [0], [1], [2]):  # the first whose parts are all non-negative
-            coef = self._fit(kept)
-            if coef is not None and (coef >= 0).all():
+        xx, xy = np.array([[pp, pr, p1], [pr, rr, r1], [p1, r1, one]]), np.array([yp, yr, y1])
+        for kept in ([0, 1, 2], [0, 2], [0, 1], [0], [1], [2]):
+            gram = xx[np.ix_(kept, kept)]
+            if gram[0, 0] <= 0:
+                continue
+            try:
+                factor = np.linalg.cholesky(gram + 1e-12 * np.diag(np.diag(gram)) + 1e-300 * np.eye(len(kept)))
+            except np.linalg.LinAlgError:
+                continue
+            theta = np.linalg.solve(factor, xy[kept])
+            own = np.diag(factor) ** 2  # each feature's size apart from the features before it
+            theta[1:] *= own[1:] / (own[1:] + self.RIDGE * np.diag(gram)[1:])
+            coef = np.zeros(3)
+            coef[kept] = np.linalg.solve(factor.T, theta)
+            if (coef >= 0).all():
                 return coef
         return np.zeros(3)
-
-    def _fit(self, kept: list[int]) -> np.ndarray | None:
-        """Least squares on the features ``kept``, in order, each orthogonal to those before it (a Cholesky factor of
-        their Gram matrix) and its part shrunk there."""
-        gram = self._xx[np.ix_(kept, kept)]
-        if gram[0, 0] <= 0:
-            return None
-        try:
-            factor = np.linalg.cholesky(gram + 1e-12 * np.diag(np.diag(gram)) + 1e-300 * np.eye(len(kept)))
-        except np.linalg.LinAlgError:
-            return None
-        theta = np.linalg.solve(factor, self._xy[kept])
-        own = np.diag(factor) ** 2  # each feature's size apart from the features before it
-        theta[1:] *= own[1:] / (own[1:] + self.RIDGE * np.diag(gram)[1:])
-        coef = np.zeros(3)
-        coef[kept] = np.linalg.solve(factor.T, theta)
-        return coef
 
     def seconds(self, *, batches: float, padded_tokens: float, rows: float) -> float:
         """The seconds ``batches`` batches of ``padded_tokens`` and ``rows`` in all take (0 before any batch)."""
         coef = self.coef
-        if coef is None:
-            return 0.0
-        return float(coef @ np.array([padded_tokens, rows, batches]))
+        return 0.0 if coef is None else float(coef @ np.array([padded_tokens, rows, batches]))
 
 
 @dataclass
@@ -205,37 +190,10 @@ class Estimate:
     seconds_left: float | None
 
 
-def _clock_text(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
-
-
-class _Recent:
-    """Exponentially weighted sums over the batches (half-life :attr:`HALF_LIFE` seconds of run time): the display's
-    rates and a batch's typical padded tokens and padding."""
-
-    HALF_LIFE = 30.0
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.at: float | None = None
-
-    def add(self, now: float, **values: float) -> None:
-        keep = 1.0 if self.at is None else 0.5 ** ((now - self.at) / self.HALF_LIFE)
-        self.at = now
-        for name, value in values.items():
-            self.sums[name] = keep * self.sums.get(name, 0.0) + value
-
-    def ratio(self, top: str, bottom: str) -> float | None:
-        below = self.sums.get(bottom, 0.0)
-        return self.sums.get(top, 0.0) / below if below > 0 else None
-
-
 class Laps:
-    """A worker's loop timed end to end, lap by lap: :meth:`lap` gives the time since the last lap first to the
-    parts the caller measured (``known``), then to what the thread waited on background threads (``"wait <their
-    stage>"``), the rest to ``stage``; the stages add up to the wall (:meth:`summary`).
+    """A worker's loop timed lap by lap: :meth:`lap` gives the time since the last lap first to the parts the caller
+    measured (``known``), then to what the thread waited on background threads (``"wait <their stage>"``), the rest
+    to ``stage``; the stages add up to the wall (:meth:`summary`).
 
     Example:
         >>> from dynabatch.inference.meter import Laps
@@ -256,9 +214,8 @@ class Laps:
         now, waits = time.perf_counter(), waited()
         rest = now - self._last
         added: dict[str, float] = {}
-        parts = list((known or {}).items())
-        parts += [(f"wait {_STAGE_OF_THREAD.get(name, name)}", total - self._waits.get(name, 0.0))
-                  for name, total in waits.items()]
+        parts = [*(known or {}).items(), *((f"wait {_STAGE_OF_THREAD.get(name, name)}",
+                                            total - self._waits.get(name, 0.0)) for name, total in waits.items())]
         for name, value in parts:
             value = min(max(value, 0.0), rest)
             if value > 0:
@@ -279,10 +236,6 @@ class Laps:
         return {"wall": self._last - self.start, "stages": dict(self.seconds)}
 
 
-_STAGE_OF_THREAD = {"dynabatch-tokenize": "tokenize", "dynabatch-prefetch": "build", "dynabatch-read-ahead": "read"}
-"""The stage each background thread runs, by its name (another name is its own stage)."""
-
-
 class Meter:
     """The run's progress: fed by every worker's loop (:meth:`add`), shown on ``stream``, read by the report.
 
@@ -301,24 +254,22 @@ class Meter:
                  clock: Callable[[], float] = time.perf_counter, desc: str = "dynabatch") -> None:
         self.costs, self.total_rows, self.scale = costs, total_rows, scale
         self.stream, self.clock, self.desc = stream, clock, desc
-        self.model, self.recent = TimeModel(), _Recent()
-        self.rows = self.tokens = self.padded = self.batches = 0
+        self.model = TimeModel()
+        self.recent = dict.fromkeys(("rows", "tokens", "padded", "batches", "seconds"), 0.0)  # weighted by age
+        self.rows = self.tokens = 0
         self.started = clock()
-        self.first: float | None = None  # when the first batch finished
         self.last: float | None = None  # when the last batch finished
         self.accounting = 0.0  # CPU seconds spent in add() and the display: the meter's own cost
         self.terminal = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
         self._lock = threading.Lock()
         self._shown_at = -math.inf
         self._closed = False
-        self._ticker: Ticker | None = None
+        self._ticker = Ticker(self._tick, seconds=REDRAW_EVERY if self.terminal else LOG_EVERY, name="dynabatch-meter")
         if stream is not None and stored:
             of = f" of {inputs:,}" if inputs is not None else ""
             to_run = f"; {total_rows:,} to run" if total_rows is not None else ""
             self._write_line(f"{self.desc}: {stored:,}{of} stored before{to_run}\n")
         if stream is not None:
-            self._ticker = Ticker(self._tick, seconds=REDRAW_EVERY if self.terminal else LOG_EVERY,
-                                  name="dynabatch-meter")
             self._ticker.start()
 
     def add(self, positions: np.ndarray | None, *, rows: int, padded_tokens: int, real_tokens: int,
@@ -329,17 +280,15 @@ class Meter:
         with self._lock:
             now = self.clock()
             interval = now - (self.last if self.last is not None else self.started)
-            if self.first is not None:  # the first interval holds the start-up: left out of the fit
+            if self.last is not None:  # the first interval holds the start-up: left out of the fit
                 self.model.add(seconds=interval, padded_tokens=padded_tokens, rows=rows)
-            else:
-                self.first = now
             self.last = now
             self.rows += rows
             self.tokens += real_tokens
-            self.padded += padded_tokens
-            self.batches += 1
-            self.recent.add(now, rows=rows, tokens=real_tokens, padded=padded_tokens, batches=1,
-                            seconds=interval)
+            keep = 0.5 ** (interval / _HALF_LIFE)
+            for name, value in (("rows", rows), ("tokens", real_tokens), ("padded", padded_tokens), ("batches", 1),
+                                ("seconds", interval)):
+                self.recent[name] = keep * self.recent[name] + value
             if self.costs is not None and positions is not None and len(positions):
                 if width is not None:
                     self.costs.learn(positions, real_tokens, width)
@@ -348,13 +297,15 @@ class Meter:
                 self._show(now)
             self.accounting += time.thread_time() - start
 
+    def _recent(self, top: str, bottom: str) -> float | None:
+        """``top`` per ``bottom`` over the recent batches (``None`` before any)."""
+        return self.recent[top] / self.recent[bottom] if self.recent[bottom] > 0 else None
+
     def estimate(self) -> Estimate:
         """The figures the display shows, now."""
         now = self.clock()
-        rows_done = self.rows * self.scale
-        texts = self.recent.ratio("rows", "seconds")
-        tokens = self.recent.ratio("tokens", "seconds")
-        return Estimate(rows_done, self.total_rows, now - self.started,
+        texts, tokens = self._recent("rows", "seconds"), self._recent("tokens", "seconds")
+        return Estimate(self.rows * self.scale, self.total_rows, now - self.started,
                         None if texts is None else texts * self.scale, None if tokens is None else tokens * self.scale,
                         self._seconds_left(now))
 
@@ -362,25 +313,24 @@ class Meter:
         if self.last is None:
             return None
         if self.costs is None:  # no costs: rows left at the recent rate
-            rate = self.recent.ratio("rows", "seconds")
-            left = None if self.total_rows is None or not rate else (self.total_rows - self.rows * self.scale)
-            return None if left is None else max(0.0, left / (rate * self.scale) - (now - self.last))
-        tokens, rows = self.costs.left()
-        if rows <= 0:
-            return 0.0
-        padded = tokens * (self.recent.ratio("padded", "tokens") or 1.0)
-        if self.model.coef is None:  # one batch so far: its own pace, start-up included
-            seconds = (self.first - self.started) * padded / max(self.padded, 1)
+            rate = self._recent("rows", "seconds")
+            if self.total_rows is None or not rate:
+                return None
+            seconds = (self.total_rows - self.rows * self.scale) / rate
         else:
-            seconds = self.model.seconds(batches=self._batches_left(padded, rows), padded_tokens=padded, rows=rows)
+            tokens, rows = self.costs.left()
+            if rows <= 0:
+                return 0.0
+            padded = tokens * (self._recent("padded", "tokens") or 1.0)
+            if self.model.coef is None:  # one batch so far: its own pace, start-up included
+                seconds = self.recent["seconds"] * padded / max(self.recent["padded"], 1)
+            else:  # batches left: the geometric mean of as many as the recent batches' padded tokens make and as
+                # many as their rows make (batches hold fewer tokens and more rows as texts shorten)
+                by_tokens = padded / (self._recent("padded", "batches") or 1.0)
+                by_rows = rows / (self._recent("rows", "batches") or 1.0)
+                batches = min(max(math.sqrt(by_tokens * by_rows), 1.0), rows)
+                seconds = self.model.seconds(batches=batches, padded_tokens=padded, rows=rows)
         return max(0.0, seconds / self.scale - (now - self.last))
-
-    def _batches_left(self, padded: float, rows: float) -> float:
-        """Batches left: the geometric mean of as many as the recent batches' padded tokens make and as many as their
-        rows make (batches hold fewer tokens and more rows as texts shorten)."""
-        by_tokens = padded / (self.recent.ratio("padded", "batches") or 1.0)
-        by_rows = rows / (self.recent.ratio("rows", "batches") or 1.0)
-        return min(max(math.sqrt(by_tokens * by_rows), 1.0), rows)
 
     # -- the display ---------------------------------------------------------------------------------------------
     def line(self, *, final: bool = False) -> str:
@@ -405,12 +355,11 @@ class Meter:
 
     def _show(self, now: float) -> None:
         self._shown_at = now
-        text = self.line()
         if self.terminal:
             width = shutil.get_terminal_size((100, 20)).columns - 1
-            self._write_line("\r" + text[:width].ljust(width))
+            self._write_line("\r" + self.line()[:width].ljust(width))
         else:
-            self._write_line(text + "\n")
+            self._write_line(self.line() + "\n")
 
     def _write_line(self, text: str) -> None:
         try:
@@ -432,11 +381,16 @@ class Meter:
             if self._closed:
                 return
             self._closed = True
-        if self._ticker is not None:
-            self._ticker.close()
+        self._ticker.close()
         if self.stream is not None:
             end = "\r" + " " * (shutil.get_terminal_size((100, 20)).columns - 1) + "\r" if self.terminal else ""
             self._write_line(end + self.line(final=True) + "\n")
+
+
+def _clock_text(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
 def _rate(value: float | None, unit: str) -> str:
@@ -461,22 +415,18 @@ def name_bound(shares: dict[str, float], tokenize_share: float | None = None) ->
         'host-bound: tokenizing took 61% of the wall while the device waited 60%'
     """
     device = shares.get("device", 0.0)
-    waited = 1.0 - device
-    groups = {"tokenize": shares.get("wait tokenize", 0.0), "read": shares.get("wait read", 0.0),
-              "build": shares.get("build", 0.0) + shares.get("wait build", 0.0),
-              "plan": shares.get("plan", 0.0), "store": shares.get("store", 0.0)}
-    stage, share = max(groups.items(), key=lambda kv: kv[1])
+    took = {"tokenizing": shares.get("wait tokenize", 0.0), "reading the input": shares.get("wait read", 0.0),
+            "building batches": shares.get("build", 0.0) + shares.get("wait build", 0.0),
+            "planning batches": shares.get("plan", 0.0), "writing the store": shares.get("store", 0.0)}
+    what, share = max(took.items(), key=lambda kv: kv[1])
     if device >= share:
         return f"device-bound: the device was busy {device:.0%} of the run"
-    if stage == "tokenize":
-        took = tokenize_share if tokenize_share is not None else share
-        return (f"host-bound: tokenizing took {took:.0%} of the wall while the device waited {waited:.0%}; "
-                "--tokenize-cores or more cores would help")
-    if stage == "store":
-        return (f"store-bound: writing the store took {share:.0%} of the wall while the device waited "
-                f"{waited:.0%}; a faster disk for the output would help")
-    what = {"read": "reading the input", "build": "building batches", "plan": "planning batches"}[stage]
-    return f"host-bound: {what} took {share:.0%} of the wall while the device waited {waited:.0%}"
+    if what == "tokenizing" and tokenize_share is not None:
+        share = tokenize_share
+    hint = {"tokenizing": "; --tokenize-cores or more cores would help",
+            "writing the store": "; a faster disk for the output would help"}.get(what, "")
+    bound = "store-bound" if what == "writing the store" else "host-bound"
+    return f"{bound}: {what} took {share:.0%} of the wall while the device waited {1.0 - device:.0%}{hint}"
 
 
 def background_shares(before: dict[str, tuple[float, float]], wall: float) -> dict[str, float]:
@@ -495,7 +445,7 @@ def meter_for(source: Any, *, total_rows: int | None, runs: np.ndarray | None, p
               stored: int = 0, inputs: int | None = None) -> Meter:
     """The run's meter: costs from ``source``'s plan (token lengths, or a stream's characters), ``runs``: the
     positions that run."""
-    sizes = source.text_sizes() if source is not None else None
+    sizes = source.text_sizes()
     costs = None if sizes is None else TextCosts(sizes[0], exact=sizes[1], max_length=sizes[2], runs=runs)
     return Meter(costs, total_rows=total_rows, scale=scale, stream=sys.stderr if progress else None, stored=stored,
                  inputs=inputs)

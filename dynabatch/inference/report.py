@@ -18,13 +18,18 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dynabatch._validation import bad_type
+from dynabatch.inference.meter import name_bound
 from dynabatch.memory.features import SPIKE_RATIO
 
 __all__ = ["BatchRecord", "RunReport"]
 
+_NOTE = {"ha": "center", "va": "center", "color": "gray"}  # a note across a plot's empty panel
 
 
 @dataclass
@@ -40,8 +45,7 @@ class BatchRecord:
         seconds: wall time of the batch, failed attempts and splits included.
         peak_bytes: the largest peak activation memory of its calls, ``None`` unless memory was measured.
         oom_splits: times a piece of it ran out of memory and was split in halves.
-        pre_split: split before it was tried (as large as a shape that had run out of memory, or bound above the
-            budget).
+        pre_split: split before it was tried (as large as a shape that had run out of memory, or bound above budget).
         oom_events: out-of-memory errors it raised (splits plus single rows that failed).
         failed_rows: rows that ran out of memory on their own and were skipped.
         error_rows: rows whose ``fn`` call raised on their own, set aside (``on_error="skip"``).
@@ -81,6 +85,11 @@ def _total(field_name: str, doc: str) -> property:
     return property(lambda report: int(sum(getattr(r, field_name) for r in report.records)), doc=doc)
 
 
+def _quotient(top: str, bottom: str, doc: str) -> property:
+    """A :class:`RunReport` property: one of its figures over another (``None`` where the other is 0)."""
+    return property(lambda report: _ratio(getattr(report, top), getattr(report, bottom)), doc=doc)
+
+
 @dataclass
 class RunReport:
     """Per-batch records of a run and its summary figures.
@@ -108,7 +117,7 @@ class RunReport:
     background: dict[str, float] = field(default_factory=dict)
     accounting_seconds: float = 0.0
 
-    # totals over the records
+    # totals over the records, and rates
     rows = _total("rows", "Rows that ran.")
     real_tokens = _total("real_tokens", "Tokens that were not padding.")
     padded_tokens = _total("padded_tokens", "Tokens of the padded tensors that ran to completion.")
@@ -118,6 +127,10 @@ class RunReport:
     error_rows = _total("error_rows", "Rows set aside because ``fn`` raised on them alone (``on_error='skip'``).")
     pre_split_batches = _total("pre_split", "Batches split before they were tried: as large as a shape that had "
                                "failed, or bound above the budget.")
+    rows_per_s = _quotient("rows", "seconds", "Rows per second (``None`` before any time was spent).")
+    tokens_per_s = _quotient("real_tokens", "seconds", "Real (not padding) tokens per second.")
+    padding_efficiency = _quotient("real_tokens", "padded_tokens", "Real tokens over padded tokens: 1.0 when nothing "
+                                   "was padding.")
 
     @property
     def batches(self) -> int:
@@ -126,40 +139,22 @@ class RunReport:
 
     @property
     def seconds(self) -> float:
-        """Wall time of the batches: their sum, or with several devices (which ran side by side) the busiest
-        device's sum."""
+        """Wall time of the batches: their sum, or with several devices (side by side) the busiest device's sum."""
         per_device: dict[str | None, float] = {}
         for r in self.records:
             per_device[r.device] = per_device.get(r.device, 0.0) + r.seconds
         return max(per_device.values(), default=0.0)
 
     @property
-    def rows_per_s(self) -> float | None:
-        """Rows per second (``None`` before any time was spent)."""
-        return _ratio(self.rows, self.seconds)
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        """Real (not padding) tokens per second."""
-        return _ratio(self.real_tokens, self.seconds)
-
-    @property
-    def padding_efficiency(self) -> float | None:
-        """Real tokens over padded tokens: 1.0 when nothing was padding."""
-        return _ratio(self.real_tokens, self.padded_tokens)
-
-    @property
     def peak_ratios(self) -> list[float | None]:
         """Each batch's peak over the budget (``None`` where not measured)."""
-        budgets = self.device_budgets
-        return [None if r.peak_bytes is None else _ratio(r.peak_bytes, budgets.get(r.device, self.budget_bytes) or 0)
-                for r in self.records]
+        return [None if r.peak_bytes is None else
+                _ratio(r.peak_bytes, self.device_budgets.get(r.device, self.budget_bytes) or 0) for r in self.records]
 
     @property
     def max_peak_ratio(self) -> float | None:
         """The largest peak over the budget; ``None`` when memory was not measured."""
-        ratios = [r for r in self.peak_ratios if r is not None]
-        return max(ratios) if ratios else None
+        return max((r for r in self.peak_ratios if r is not None), default=None)
 
     @property
     def batches_over_budget(self) -> int:
@@ -179,10 +174,8 @@ class RunReport:
 
     @property
     def bound(self) -> str | None:
-        """One line naming what bound the run (``"device-bound: the device was busy 94% of the run"``); ``None``
-        when no worker was timed."""
-        from dynabatch.inference.meter import name_bound
-
+        """One line naming what bound the run (:func:`~dynabatch.inference.meter.name_bound`); ``None`` when no
+        worker was timed."""
         shares = self.stage_shares
         return name_bound(shares, self.background.get("tokenize")) if shares else None
 
@@ -198,9 +191,7 @@ class RunReport:
     def to_json(self, path: str | os.PathLike) -> None:
         """Writes the summary and every batch record to ``path`` as JSON."""
         _check_path(path)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=1)
-            f.write("\n")
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
 
     def to_dict(self) -> dict[str, Any]:
         """The summary and every batch record (JSON-ready), as :meth:`to_json` writes them."""
@@ -210,8 +201,7 @@ class RunReport:
     def from_json(cls, path: str | os.PathLike) -> RunReport:
         """Reads a report written by :meth:`to_json`."""
         _check_path(path)
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f))
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunReport:
@@ -222,8 +212,8 @@ class RunReport:
         return cls(records, **{k: v for k, v in data["summary"].items() if k in kept})
 
     def plot(self, path: str | os.PathLike, *, title: str | None = None) -> None:
-        """Draws the run into a PNG at ``path``: rows per batch (out-of-memory and pre-split batches marked), padded
-        over real tokens, and each batch's peak over the budget, by batch number; and where the wall went, stage by
+        """Draws the run into a PNG at ``path``: by batch number, rows per batch (out-of-memory and pre-split batches
+        marked), padded over real tokens and each batch's peak over the budget; and where the wall went, stage by
         stage, over the run's seconds.
 
         Raises:
@@ -236,45 +226,41 @@ class RunReport:
             raise ImportError("RunReport.plot needs matplotlib, which is not installed: pip install matplotlib"
                               ) from exc
 
-        numbers = [r.batch for r in self.records]
         fig = Figure(figsize=(9, 11), layout="constrained")  # no pyplot: no global state, any backend
         ax_rows, ax_pad, ax_mem, ax_wall = fig.subplots(4, 1, height_ratios=[1, 1, 1, 1.1])
         ax_rows.sharex(ax_mem)
         ax_pad.sharex(ax_mem)
-        self._plot_stages(ax_wall)
-        summary = self.summary()
-        headline = title or "dynabatch run"
-        rate = f"{summary['rows_per_s']:.1f} rows/s" if summary["rows_per_s"] else "no time measured"
-        efficiency = summary["padding_efficiency"]
-        efficiency_text = f"{efficiency:.0%} of tokens real" if efficiency is not None else "no tokens"
-        fig.suptitle(f"{headline}: {summary['rows']} rows in {summary['batches']} batches, {rate}, "
-                     f"{efficiency_text}, {summary['oom_events']} OOM events", fontsize=11)
+        rate = f"{self.rows_per_s:.1f} rows/s" if self.rows_per_s else "no time measured"
+        real = "no tokens" if self.padding_efficiency is None else f"{self.padding_efficiency:.0%} of tokens real"
+        fig.suptitle(f"{title or 'dynabatch run'}: {self.rows} rows in {self.batches} batches, {rate}, {real}, "
+                     f"{self.oom_events} OOM events", fontsize=11)
 
-        ax_rows.set_title("Batch size")
-        ax_rows.bar(numbers, [r.rows for r in self.records], width=0.8, color="tab:blue", label="rows")
+        numbers = [r.batch for r in self.records]
         top = max((r.rows for r in self.records), default=0)
-        for marked, lift, style in (
-            ([r for r in self.records if r.oom_events], 0.0,
-             {"marker": "x", "color": "tab:red", "label": "ran out of memory (split)"}),
-            ([r for r in self.records if r.pre_split], 0.06 * top,
-             {"marker": "v", "color": "tab:orange",
-              "label": "split before trying (a failed shape, or over the bound)"}),
-        ):
+        ax_rows.bar(numbers, [r.rows for r in self.records], width=0.8, color="tab:blue", label="rows")
+        for marked, lift, marker, color, label in (
+                ([r for r in self.records if r.oom_events], 0.0, "x", "tab:red", "ran out of memory (split)"),
+                ([r for r in self.records if r.pre_split], 0.06 * top, "v", "tab:orange",
+                 "split before trying (a failed shape, or over the bound)")):
             if marked:
-                ax_rows.scatter([r.batch for r in marked], [r.rows + lift for r in marked], s=40, zorder=3, **style)
-        ax_rows.set_ylabel("rows")
+                ax_rows.scatter([r.batch for r in marked], [r.rows + lift for r in marked], s=40, zorder=3,
+                                marker=marker, color=color, label=label)
+        ax_rows.set(title="Batch size", ylabel="rows")
         if self.records:
             ax_rows.set_ylim(0, 1.45 * top)  # room for the legend above the bars
         ax_rows.legend(loc="upper left", fontsize=8, ncol=3)
 
-        ax_pad.set_title("Padding")
         ratios = [r.padded_tokens / r.real_tokens if r.real_tokens else float("nan") for r in self.records]
         ax_pad.plot(numbers, ratios, marker=".", color="tab:green", label="padded / real tokens")
         ax_pad.axhline(1.0, color="gray", linestyle=":", linewidth=1, label="no padding")
-        ax_pad.set_ylabel("padded / real tokens")
+        ax_pad.set(title="Padding", ylabel="padded / real tokens")
         ax_pad.legend(loc="best", fontsize=8)
+        if not numbers:
+            for ax in (ax_rows, ax_pad):
+                ax.text(0.5, 0.5, "no batches ran", transform=ax.transAxes, **_NOTE)
 
-        ax_mem.set_title("Peak memory relative to the first batch")
+        self._plot_stages(ax_wall)
+        ax_mem.set(title="Peak memory relative to the first batch", ylabel="peak / budget", xlabel="batch number")
         measured = [(n, p) for n, p in zip(numbers, self.peak_ratios) if p is not None]
         if measured:
             ax_mem.plot(*zip(*measured), marker=".", color="tab:purple", label="peak / first batch's peak")
@@ -283,41 +269,27 @@ class RunReport:
             ax_mem.legend(loc="best", fontsize=8)
         else:
             ax_mem.text(0.5, 0.5, "memory not measured (memory='off', or a device that cannot be measured)",
-                        ha="center", va="center", transform=ax_mem.transAxes, color="gray")
+                        transform=ax_mem.transAxes, **_NOTE)
             ax_mem.set_yticks([])
-        ax_mem.set_ylabel("peak / budget")
-        ax_mem.set_xlabel("batch number")
-        if not numbers:
-            for ax in (ax_rows, ax_pad):
-                ax.text(0.5, 0.5, "no batches ran", ha="center", va="center", transform=ax.transAxes, color="gray")
         fig.savefig(path, dpi=110)
 
     def _plot_stages(self, ax: Any, stretches: int = 40) -> None:
-        """Where the wall went over the run: each record's stage seconds, spread over the time it took, in
-        ``stretches`` stretches of the run, stacked as shares."""
-        timed = [r for r in self.records if r.stages and r.finished is not None]
-        ax.set_title(f"Where the wall went ({self.bound})" if self.bound else "Where the wall went")
-        if not timed:
-            ax.text(0.5, 0.5, "no stages timed", ha="center", va="center", transform=ax.transAxes, color="gray")
+        """Where the wall went over the run: each record's stage seconds, spread evenly over the time it took up to
+        when it finished, summed in ``stretches`` stretches of the run and stacked as shares."""
+        bound = self.bound
+        ax.set(title=f"Where the wall went ({bound})" if bound else "Where the wall went")
+        timed = [r for r in self.records if r.stages and r.finished is not None and sum(r.stages.values()) > 0]
+        if not timed:  # (a record that took no time has nothing to spread)
+            ax.text(0.5, 0.5, "no stages timed", transform=ax.transAxes, **_NOTE)
             ax.set_yticks([])
             return
-        end = max(r.finished for r in timed)
         stages = sorted({s for r in timed for s in r.stages}, key=lambda s: (s != "device", s))
-        seconds = {s: [0.0] * stretches for s in stages}
-        width = end / stretches if end > 0 else 1.0
-        for r in timed:  # a record's seconds spread over the stretches of the time it took, up to when it finished
-            took = sum(r.stages.values())
-            begin = max(r.finished - took, 0.0)
-            for i in range(int(begin / width), min(int(r.finished / width) + 1, stretches)):
-                overlap = min(r.finished, (i + 1) * width) - max(begin, i * width)
-                share = overlap / took if took > 0 else 1.0
-                for stage, value in r.stages.items():
-                    seconds[stage][i] += value * max(share, 0.0)
-        totals = [sum(seconds[s][i] for s in stages) or 1.0 for i in range(stretches)]
-        middles = [(i + 0.5) * end / stretches for i in range(stretches)]
-        ax.stackplot(middles, [[seconds[s][i] / totals[i] for i in range(stretches)] for s in stages], labels=stages)
-        ax.set_ylim(0, 1)
-        ax.set_xlim(0, end)
-        ax.set_ylabel("share of the wall")
-        ax.set_xlabel("seconds from the run's start")
+        seconds = np.array([[r.stages.get(s, 0.0) for s in stages] for r in timed])  # record x stage
+        finished, took = np.array([[r.finished] for r in timed]), seconds.sum(axis=1, keepdims=True)
+        edges = np.linspace(0.0, finished.max(), stretches + 1)
+        overlap = np.minimum(finished, edges[1:]) - np.maximum(finished - took, edges[:-1])  # record x stretch
+        spread = seconds.T @ (np.maximum(overlap, 0.0) / took)  # stage x stretch
+        totals = spread.sum(axis=0)
+        ax.stackplot((edges[1:] + edges[:-1]) / 2, spread / np.where(totals > 0, totals, 1.0), labels=stages)
+        ax.set(ylim=(0, 1), xlim=(0, edges[-1]), ylabel="share of the wall", xlabel="seconds from the run's start")
         ax.legend(loc="upper left", fontsize=8, ncol=4)
