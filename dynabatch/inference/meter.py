@@ -149,9 +149,8 @@ class TimeModel:
         self._coef = None
 
     def _solve(self) -> np.ndarray:
-        """Least squares on the first of the feature sets below whose parts all come out non-negative: the features
-        in order, each orthogonal to those before it (a Cholesky factor of their Gram matrix) and its part shrunk
-        there."""
+        """Least squares on the first feature set below whose parts come out non-negative: each feature orthogonal to
+        those before it (a Cholesky factor of their Gram matrix), its part shrunk there."""
         pp, pr, p1, rr, r1, one, yp, yr, y1 = self._sums
         xx, xy = np.array([[pp, pr, p1], [pr, rr, r1], [p1, r1, one]]), np.array([yp, yr, y1])
         for kept in ([0, 1, 2], [0, 2], [0, 1], [0], [1], [2]):
