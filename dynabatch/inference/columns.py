@@ -1,7 +1,6 @@
-"""Rows as Arrow columns and back: :class:`Columns`, the one encoding of ``run``'s rows in Arrow.
-
-A row (a tensor, a numpy array, a Python scalar or list, or a dict, tuple or list of those) maps to one or more
-columns on Arrow's own types; the rules are in ``docs/inference.md`` ("Types").
+"""Rows as Arrow columns and back: :class:`Columns`, the one encoding of ``run``'s rows in Arrow. A row (a tensor, a
+numpy array, a Python scalar or list, or a dict, tuple or list of those) maps to columns on Arrow's own types; the
+rules are in ``docs/inference.md`` ("Types").
 
 Example:
     >>> import torch
@@ -94,8 +93,8 @@ def _layout(kind: pa.DataType) -> tuple[bool, list[int], pa.DataType]:
     return varies, dims, kind
 
 
-# One batch's values of one column. kind: tensor, ndarray, python or None (all None); arrays: the values of the rows
-# with one (valid) joined on dimension 0, each row's lengths (None: 0-d rows), dtype, inner shape; python: Arrow.
+# One batch's values of one column. kind: tensor, ndarray, python or None (all None); arrays: the rows' values joined
+# on dimension 0 (valid: which rows have one), each row's length (None: 0-d rows), dtype, inner shape; python: Arrow.
 _Part = namedtuple("_Part", "rows kind valid values lengths dtype inner", defaults=(None, None, None, None, "", None))
 
 
@@ -161,8 +160,7 @@ def _array_part(values: list, present: list, name: str) -> _Part:
 
 
 def _conform(part: _Part, field: pa.Field, kind: str | None, name: str) -> None:
-    """Refuses a part that the column's type (``field``, ``kind``) cannot hold, naming what is stored; a ``null``
-    field holds only ``None`` (:func:`widen` types it first)."""
+    """Refuses a part that the column's type (``field``, ``kind``) cannot hold, naming what is stored."""
     if part.kind is None:
         return
     if pa.types.is_null(field.type):
@@ -236,27 +234,16 @@ def _column_rows(array: pa.Array, field: pa.Field, kind: str | None) -> list:
     return [next(rows) if ok else None for ok in valid.tolist()]
 
 
-def _numeric(kind: pa.DataType) -> bool:
-    """Whether a column of Python values of this type stacks into a tensor (numbers, bools, lists of them)."""
-    kind = kind.value_type if pa.types.is_list(kind) else kind
-    return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
-
-
 def _stacked(array: pa.Array, field: pa.Field, kind: str | None, name: str, as_tensor: bool) -> Any:
     """One column's rows stacked into one array (or tensor); a column of strings (or lists of them) as a numpy array
     of objects, or for ``as_tensor`` a list (a tensor holds numbers only)."""
     if array.null_count:
         raise ValueError(f"{name} should have a value in every row to stack, but got None in {array.null_count} "
                          "rows; read rows one by one or use to_arrow()")
-    if kind in (None, "python") and not _numeric(field.type):
+    value = _layout(field.type)[2]
+    if not (pa.types.is_integer(value) or pa.types.is_floating(value) or pa.types.is_boolean(value)):
         return array.to_pylist() if as_tensor else array.to_numpy(zero_copy_only=False)
-    if kind not in (None, "python"):
-        values, lengths = _flat(array, field)
-    elif pa.types.is_list(field.type):
-        values = array.flatten().to_numpy(zero_copy_only=False)
-        lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
-    else:
-        values, lengths = array.to_numpy(zero_copy_only=False), None
+    values, lengths = _flat(array, field)
     if lengths is not None and len(lengths) and (lengths != lengths[0]).any():
         raise ValueError(f"{name} should have rows of one shape to stack, but got first dimensions from "
                          f"{int(lengths.min())} to {int(lengths.max())} (rows of different lengths); read rows one "
@@ -267,8 +254,7 @@ def _stacked(array: pa.Array, field: pa.Field, kind: str | None, name: str, as_t
 
 
 def _described(field: pa.Field, kind: str | None) -> str:
-    """A column's type as a person reads it: ``int``, ``list of str`` (Python values, ``kind``), ``float32 (n, 2)``,
-    ``bfloat16 (384,)`` (tensors or arrays)."""
+    """A column's type as a person reads it: ``int``, ``list of str``, ``float32 (n, 2)``, ``bfloat16 (384,)``."""
     if pa.types.is_null(field.type):
         return "None"
     if kind in (None, "python"):
@@ -287,16 +273,13 @@ def _inner_dims(kind: pa.DataType) -> tuple[int, ...] | None:
 
 
 def same_field(a: pa.Field, b: pa.Field) -> bool:
-    """Whether two fields of a column hold the same values (type and metadata; the names Parquet gives list items
-    aside)."""
+    """Whether two fields of a column hold the same values (type and metadata, not the names of list items)."""
     return a.type == b.type and (a.metadata or None) == (b.metadata or None)
 
 
 def widen(stored: pa.Field, new: pa.Field, kind: str | None = None) -> pa.Field:
-    """The one field that holds the values of both fields of a column not fixed yet (an earlier shard's or batch's,
-    and a later one's): a ``null`` column takes the other's type, a fixed-length float vector becomes a list when the
-    lengths differ, a list of ``None`` takes the other's items; any other difference is a ``TypeError`` naming the
-    column and both types (``docs/inference.md``, "Types"; ``kind``: the column's, as :class:`Columns` keeps it).
+    """The one field holding the values of two fields of a column (``docs/inference.md``, "Types"); a ``TypeError``
+    naming the column and both types where there is none (``kind``: the column's, as :class:`Columns` keeps it).
 
     Example:
         >>> import pyarrow as pa
@@ -356,10 +339,9 @@ class Columns:
 
     def fit(self, parts: Sequence[dict[str, _Part]], fields: Mapping[str, pa.Field] | None = None,
             fixed: Collection[str] = (), varying: Collection[str] = ()) -> dict[str, pa.Field]:
-        """Each column's field holding ``parts`` and the rows before them: ``fields[name]`` (the rows before; none:
-        no rows yet), kept for the ``fixed`` columns (typed by a committed shard), else widened (:func:`widen`) by
-        the field ``parts`` decide (``varying``: columns whose rows vary in length). Raises ``TypeError`` /
-        ``ValueError`` naming the column for a part that does not fit."""
+        """Each column's field holding ``parts`` and the rows before them (``fields``): kept for the ``fixed``
+        columns, else widened by the field ``parts`` decide (``varying``: columns whose rows vary in length); a
+        ``TypeError`` / ``ValueError`` naming the column for a part that does not fit."""
         fields, fitted = fields or {}, {}
         for name in self.names:
             column = [p[name] for p in parts]
@@ -418,9 +400,8 @@ def as_numpy(item: Any) -> Any:
 
 
 def numpy_column(rows: list[Any]) -> np.ndarray:
-    """Rows as one numpy column: stacked when every row is an array (a tensor made one) of one shape and dtype, which
-    Ray stores as a tensor column, else an array of objects, one item per row (replies of their own lengths, a
-    ``None`` for a failed row).
+    """Rows as one numpy column: stacked when every row is an array (a tensor made one) of one shape and dtype (Ray's
+    tensor column), else an array of objects, one item per row (a ``None`` for a failed row).
 
     Example:
         >>> import torch
@@ -431,10 +412,7 @@ def numpy_column(rows: list[Any]) -> np.ndarray:
         (dtype('O'), [[5, 6], [7], None])
     """
     arrays = [as_numpy(r) for r in rows]
-    if arrays and all(isinstance(a, np.ndarray) for a in arrays) and all(
-            a.shape == arrays[0].shape and a.dtype == arrays[0].dtype for a in arrays):
+    if arrays and all(isinstance(a, np.ndarray) and (a.shape, a.dtype) == (arrays[0].shape, arrays[0].dtype)
+                      for a in arrays):
         return np.stack(arrays)
-    column = np.empty(len(arrays), dtype=object)
-    for i, array in enumerate(arrays):
-        column[i] = array
-    return column
+    return np.fromiter(arrays, dtype=object, count=len(arrays))

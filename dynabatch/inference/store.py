@@ -1,11 +1,10 @@
 """The results store of ``run(..., output_path=...)``: Parquet shards on disk, one row per input.
 
 Each shard holds the key columns (``position``, or ``id``), ``input_hash`` and the outputs as
-:mod:`~dynabatch.inference.columns` encodes them, its metadata saying format, key, keying and the rows' structure;
-failure records are under ``_failed/``; one job writes at a time (:mod:`~.store_lock`). A run opens the store once
-(:func:`open_store`: which inputs it holds, ``done``), checks the stored rows against its inputs
-(:meth:`Store.check_inputs`), writes through :meth:`Store.writer`, and reads where every row is in one scan at the
-end (:meth:`Store.located`). The rules are in ``docs/inference.md``.
+:mod:`~dynabatch.inference.columns` encodes them; failure records are under ``_failed/``; one job writes at a time
+(:mod:`~.store_lock`). A run opens the store once (:func:`open_store`), checks the stored rows against its inputs
+(:meth:`Store.check_inputs`), writes through :meth:`Store.writer`, and finds every row in one scan at the end
+(:meth:`Store.located`). The rules are in ``docs/inference.md``.
 
 Example:
     >>> import tempfile
@@ -29,12 +28,12 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import os
 import re
 import threading
-import time
 import uuid
 import weakref
 from collections import namedtuple
@@ -51,7 +50,7 @@ from dynabatch._validation import bad_value, first_few
 from dynabatch.inference.columns import Columns, same_field, widen
 from dynabatch.inference.store_lock import PREFIX, JobLock, StoreBusyError
 from dynabatch.inference.store_shards import (FAILED, FORMAT, META, SET_ASIDE, TEMPORARY, covered, is_dead, is_shard,
-                                              read_whole, write_whole)
+                                              read_whole, remove, write_whole)
 from dynabatch.inference.store_writer import StoreWriter
 
 __all__ = ["FAILED", "FORMAT", "META", "Located", "Store", "StoreBusyError", "StoreWriter", "open_store"]
@@ -83,8 +82,8 @@ class Store:
         self.path, self.key, self.ids = path, key, ids
         self.keyed_by = keyed_by or ("position" if ids is None else "id")
         self._stored_ids = ids is None and self.keyed_by == "id"  # the inputs are the ids stored
-        now = time.time()  # in this open's shard names: a later run's sort after an earlier run's
-        self.run = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}{int(now % 1 * 1e6):06d}_{uuid.uuid4().hex[:8]}"
+        # In this open's shard names: a later run's sort after an earlier run's.
+        self.run = f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S%f}_{uuid.uuid4().hex[:8]}"
         self.columns: Columns | None = None
         self._fields: dict[str, pa.Field] = {}  # each output column's field: as stored, widened by rows written
         self._fixed: set[str] = set()  # columns typed by a committed shard (not null)
@@ -97,16 +96,15 @@ class Store:
         weakref.finalize(self, self.lock.release, False)
         try:
             self._scan(verify)
-            self.ids, self.where, self._stored_hash = self._locate(n)
+            self.ids, where, self._stored_hash = self._locate(n)
         except BaseException:
             self.lock.release()
             raise
-        self.n, self.done = len(self.where), self.where >= 0
+        self.n, self.done = len(where), where >= 0
         self._checked = np.full(self.n, self._stored_ids)
         # Inputs not known up front (n=None: an iterable of batches) are checked batch by batch as they are built.
         self._unchecked = 0 if self._stored_ids or n is None and ids is None else int(self.done.sum())
 
-    # -- what the store holds --------------------------------------------------------------------------------------
     @property
     def files(self) -> list[str]:
         return sorted(self._shards)
@@ -115,33 +113,33 @@ class Store:
     def schema(self) -> pa.Schema | None:
         return pa.schema([self._fields[name] for name in self.columns.names]) if self.columns is not None else None
 
+    # -- reading the store -------------------------------------------------------------------------------------
     def _scan(self, verify: bool) -> None:
-        """Indexes the shards and failure records not seen yet; removes killed writers' temporary files and shards a
-        cut-short compaction left; sets aside unreadable shards."""
+        """Indexes the shards and failure records not seen yet."""
         with self._lock:
             names = sorted(os.listdir(self.path))
-            kept = (TEMPORARY, SET_ASIDE, PREFIX)
-            foreign = [n for n in names if not (is_shard(n) or n == FAILED or n.startswith(kept))]
+            foreign = [n for n in names if not (is_shard(n) or n == FAILED or n.startswith((TEMPORARY, SET_ASIDE,
+                                                                                               PREFIX)))]
             if foreign:
                 raise ValueError(f"output_path should be a new or empty directory, or a dynabatch results store, but "
                                  f"got output_path={self.path!r} holding {len(foreign)} other entries "
                                  f"({', '.join(foreign[:5])}); use another directory")
             self._index(self.path, names, self._shards, verify)
-            failed = os.path.join(self.path, FAILED)
             if FAILED in names:
+                failed = os.path.join(self.path, FAILED)
                 self._index(failed, sorted(os.listdir(failed)), self._failed, verify)
         trim()  # the shards read (verified whole on a resume) are freed: memory stays flat
 
     def _index(self, folder: str, names: list[str], index: dict, verify: bool) -> None:
-        """Brings ``index`` (shards or failure records, by file) up to the files of ``folder``."""
+        """Brings ``index`` (shards or failure records, by file) up to the files of ``folder``, removing killed
+        writers' temporary files and the shards a cut-short merge left."""
         merged = covered(names) if self.lock.held else set()
         for name in names:
             why = "a shard a killed run did not finish" if is_dead(name) else \
                 "whose rows a merged shard holds (a merge cut short)" if name in merged else None
             if why is not None:
                 logger.warning("output_path=%r: removing %s, %s", self.path, name, why)
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(folder, name))
+                remove(os.path.join(folder, name))
         present = {os.path.join(folder, n) for n in names if is_shard(n) and n not in merged}
         for file in set(index) - present:  # merged by a compaction, or set aside
             del index[file]
@@ -155,8 +153,7 @@ class Store:
         try:
             schema = pq.read_schema(file)
             meta = self._check(schema, os.path.basename(file))
-            wanted = None if verify else [self.keyed_by, "cause" if failures else "input_hash"]
-            table = read_whole(file, wanted)
+            table = read_whole(file, None if verify else [self.keyed_by, "cause" if failures else "input_hash"])
         except FileNotFoundError:  # merged by another writer of this job meanwhile
             return None
         except (OSError, pa.ArrowException) as exc:  # torn, or a page failing its checksum
@@ -170,7 +167,7 @@ class Store:
         if failures:
             return keys, table.column("cause").combine_chunks()
         self._learn(meta, schema, file)
-        return _Shard(keys, table.column("input_hash").to_numpy(), [schema.field(n) for n in meta["tree_names"]])
+        return _Shard(keys, table.column("input_hash").to_numpy(), [schema.field(n) for n in self.columns.names])
 
     def _learn(self, meta: dict, schema: pa.Schema, file: str) -> None:
         """Takes a shard's columns into the store's: its rows' structure, kinds and fields (widened where shards
@@ -178,10 +175,9 @@ class Store:
         self.columns = self.columns or Columns(meta["tree"], meta["kinds"])
         self.columns.kinds = {**meta["kinds"], **self.columns.kinds}
         for name in self.columns.names:
-            field = schema.field(name)
             before = self._fields.get(name)
             try:
-                self._fields[name] = field if before is None else widen(before, field)
+                self._fields[name] = schema.field(name) if before is None else widen(before, schema.field(name))
             except TypeError as exc:
                 raise TypeError(f"output_path={self.path!r} should hold one type per column, but got "
                                 f"{os.path.basename(file)} disagreeing with the shards before it: {exc}") from None
@@ -209,30 +205,29 @@ class Store:
                 "None (the store keys rows by position)"
             raise ValueError(f"the loader's ids should be {rule}, as for the results at output_path={self.path!r}, "
                              f"but got rows keyed by {self.keyed_by}: use the same ids, or another output_path")
-        if "tree" in meta:
-            meta["tree_names"] = Columns(meta["tree"]).names
         return meta
 
-    def _targets(self, keys: pa.Array, ids: pa.Array | None) -> np.ndarray:
-        """Each stored key's input position among this run's (``-1``: not an input of this run)."""
+    def _targets(self, keys: pa.Array, ids: pa.Array | None, n: int | None) -> np.ndarray:
+        """Each stored key's input position among this run's (``-1``: not an input of this run, ``n`` or more)."""
         if ids is None:
-            return np.asarray(keys.to_numpy(zero_copy_only=False), dtype=np.int64)
-        if not len(keys):
-            return np.zeros(0, dtype=np.int64)
-        return np.asarray(pc.fill_null(pc.index_in(keys, value_set=ids), -1).to_numpy(), dtype=np.int64)  # no dict
+            target = np.asarray(keys.to_numpy(zero_copy_only=False), dtype=np.int64)
+        elif len(keys):  # no dictionary built of the keys: one hash table of the ids
+            target = np.asarray(pc.fill_null(pc.index_in(keys, value_set=ids), -1).to_numpy(), dtype=np.int64)
+        else:
+            target = np.zeros(0, dtype=np.int64)
+        return target if n is None else np.where(target < n, target, -1)
 
     def _locate(self, n: int | None) -> tuple[pa.Array | None, np.ndarray, np.ndarray]:
         """The run's ids, each input's row among every shard's rows in file order (``-1``: none) and its hash."""
         entries = [self._shards[file] for file in self.files]
-        keys = pa.chunked_array([e.keys for e in entries], type=entries[0].keys.type if entries else pa.int64())
-        keys = keys.combine_chunks()
+        keys = pa.concat_arrays([e.keys for e in entries]) if entries else pa.array([], pa.int64())
         ids = (pc.unique(keys) if len(keys) else pa.array([], pa.string())) if self._stored_ids else self.ids
         if ids is not None and len(keys) and keys.type != ids.type:
             raise ValueError(f"the loader's ids should be of type {keys.type}, as the ids of the results at "
                              f"output_path={self.path!r}, but got ids of type {ids.type}: use the same ids")
-        target = self._targets(keys, ids)
+        target = self._targets(keys, ids, len(ids) if ids is not None else n)
         n = len(ids) if ids is not None else n if n is not None else int(target.max()) + 1 if target.size else 0
-        inside = np.flatnonzero((target >= 0) & (target < n))
+        inside = np.flatnonzero(target >= 0)
         if inside.size < target.size:
             logger.info("output_path=%r: %d stored rows are not inputs of this run", self.path,
                         target.size - inside.size)
@@ -250,12 +245,11 @@ class Store:
         files = sorted(self._failed)  # in the order written: a run's shard names start with its time
         if not files:
             return {}
-        keys = pa.chunked_array([self._failed[f][0] for f in files]).combine_chunks()
-        causes = pa.chunked_array([self._failed[f][1] for f in files]).combine_chunks()
-        target = self._targets(keys, ids)
-        latest = np.flatnonzero((target >= 0) & (target < len(where)))[::-1]
+        target = self._targets(pa.concat_arrays([self._failed[f][0] for f in files]), ids, len(where))
+        latest = np.flatnonzero(target >= 0)[::-1]
         latest = latest[where[target[latest]] < 0]
         positions, first = np.unique(target[latest], return_index=True)
+        causes = pa.concat_arrays([self._failed[f][1] for f in files])
         return dict(zip(positions.tolist(), causes.take(pa.array(latest[first])).to_pylist()))
 
     def check_inputs(self, positions: np.ndarray, hashes: np.ndarray) -> None:
@@ -289,29 +283,28 @@ class Store:
             self._writers += 1
         return StoreWriter(self, name if exact else f"{self.run}_{name}", ids)
 
-    # -- what a writer asks of the store (StoreWriter) ------------------------------------------------------------
-    def admit(self, row: Any, rows: Sequence[Any], varying: Collection[tuple]) -> dict:
-        """Each column's values of ``rows`` (shaped like ``row``), checked against the store's fields (widening those
-        no shard typed yet) before they are buffered; a ``RuntimeError`` before :meth:`check_inputs`."""
+    def admit(self, rows: Sequence[Any], varying: Collection[tuple]) -> dict:
+        """Each column's values of ``rows``, fitted to the store's fields before they are buffered; a
+        ``RuntimeError`` before :meth:`check_inputs`."""
         if self._unchecked:
             raise RuntimeError(f"output_path={self.path!r}: {self._unchecked} stored rows of this run's inputs should "
                                "be checked (store.check_inputs) before the run writes, so that a run over other "
                                "inputs is refused before it writes a row")
         with self._lock:
-            self.columns = self.columns or Columns.of(row)
+            self.columns = self.columns or Columns.of(rows[0])
         parts = self.columns.parts(rows)  # the rows joined into columns outside the lock: writers convert at once
-        with self._lock:
-            self._fields.update(self.columns.fit([parts], self._fields, self._fixed, self.columns.at(varying)))
+        self.fit([parts], varying)
         return parts
 
-    def shard_fields(self, parts: list[dict], varying: Collection[tuple]) -> tuple[list[pa.Field], str]:
-        """A shard's output fields (fixing the columns it types for every later shard) and its metadata
-        (``varying``: the row paths of per-token tensors)."""
+    def fit(self, parts: list[dict], varying: Collection[tuple], *, fix: bool = False) -> list[pa.Field]:
+        """The output fields holding ``parts`` and the rows before them (widening those no shard typed yet;
+        ``varying``: the row paths of per-token tensors); ``fix``: a shard's, typing its columns for every later one."""
         with self._lock:
             fitted = self.columns.fit(parts, self._fields, self._fixed, self.columns.at(varying))
             self._fields.update(fitted)
-            self._fixed.update(name for name, field in fitted.items() if not pa.types.is_null(field.type))
-            return list(fitted.values()), self.shard_meta()
+            if fix:
+                self._fixed.update(name for name, field in fitted.items() if not pa.types.is_null(field.type))
+            return list(fitted.values())
 
     def shard_meta(self) -> str:
         """A shard's metadata (under :data:`~dynabatch.inference.store_shards.META`): format, key, keying, rows."""
@@ -321,8 +314,8 @@ class Store:
         return json.dumps(meta)
 
     def key_columns(self, positions: np.ndarray, hashes: np.ndarray, ids: pa.Array | None) -> dict[str, pa.Array]:
-        """The key columns of rows of input ``positions``: ``position`` (keyed by position) or ``id``, and the input
-        hashes (``ids``: the writer's own, which positions index)."""
+        """The key columns of rows of input ``positions``: ``position`` or ``id`` (``ids``: the writer's own, which
+        positions index), and ``input_hash``."""
         ids = ids if ids is not None else self.ids
         key = pa.array(positions) if self.keyed_by == "position" else ids.take(pa.array(positions))
         return {self.keyed_by: key, "input_hash": pa.array(hashes, pa.uint64())}
@@ -331,9 +324,8 @@ class Store:
         """A shard's ``schema`` with the output fields as the committed shards type them (a column no shard typed yet
         ``null``), to rewrite or merge shards into one schema every reader takes."""
         with self._lock:
-            stored = pa.schema([self._fields[n] if n in self._fixed else pa.field(n, pa.null())
-                                for n in self.columns.names])
-            keys = [field for field in schema if field.name not in stored.names]
+            stored = [self._fields[n] if n in self._fixed else pa.field(n, pa.null()) for n in self.columns.names]
+            keys = [field for field in schema if field.name not in self.columns.names]
             return pa.schema([*keys, *stored], metadata={META: self.shard_meta()})
 
     def check_held(self) -> None:
@@ -364,8 +356,7 @@ class Store:
                     continue
                 with contextlib.suppress(FileNotFoundError):  # merged meanwhile: the merged shard is typed
                     table = read_whole(file)
-                    write_whole(os.path.dirname(file), os.path.basename(file), table.cast(self.retyped(table.schema)),
-                                use_dictionary=["id"] if self.keyed_by == "id" else False)
+                    write_whole(os.path.dirname(file), os.path.basename(file), table.cast(self.retyped(table.schema)))
                     self._shards[file] = entry._replace(fields=list(schema))
 
     def located(self, n: int) -> Located:
@@ -375,22 +366,16 @@ class Store:
             self._scan(verify=False)
             self.settle()
             ids, where, _ = self._locate(n)
-            if n and self.lock.held and (where >= 0).all():
-                self._remove_set_aside()
+            if n and self.lock.held and (where >= 0).all():  # the shards set aside are stored again: removed
+                for folder in (self.path, os.path.join(self.path, FAILED)):
+                    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+                        if name.startswith(SET_ASIDE):
+                            logger.info("output_path=%r: removing %s, set aside: every input is stored again",
+                                        self.path, name)
+                            remove(os.path.join(folder, name))
             files = self.files
             return Located(self.path, files, [len(self._shards[f].keys) for f in files], where, self.columns,
                            self.schema, ids, self._failures_at(where, ids))
-
-    def _remove_set_aside(self) -> None:
-        """Removes the shards set aside as unreadable: called once every input of a run is stored again."""
-        for folder in (self.path, os.path.join(self.path, FAILED)):
-            with contextlib.suppress(FileNotFoundError):
-                for name in os.listdir(folder):
-                    if name.startswith(SET_ASIDE):
-                        logger.info("output_path=%r: removing %s, set aside: every input is stored again", self.path,
-                                    name)
-                        with contextlib.suppress(FileNotFoundError):
-                            os.remove(os.path.join(folder, name))
 
     def close(self, *, job_done: bool = False) -> None:
         """Gives the store's job lock up, once every writer has closed (:meth:`StoreWriter.close`). Idempotent.

@@ -1,14 +1,11 @@
 """One job per results store: the lock a job holds while it writes a store (:class:`JobLock`, :class:`StoreBusyError`).
 
-Each hold leaves a record in the store, ``.lock-<nonce>.json`` (job, host, process id, start time), renamed into place
-whole (which holds on NFS, where ``flock`` does not), its modification time the heartbeat one
-:class:`~dynabatch._background.Ticker` per process refreshes. A hold is admitted when every live record is of its own
-job (``job=None``: a job of its own); else :class:`StoreBusyError` names the holder. A record is dead, and removed by
-the next hold admitted, when its process is gone: on the same machine (host, boot, process namespace) its process id
-no longer runs the process that wrote it; elsewhere its heartbeat is older than :data:`LEASE_SECONDS` on the file
-server's clock. A hold writes its record before it reads the others', inside a gate made by ``link`` (atomic on NFS
-too), so of two jobs started at once exactly one is admitted. The user's rules: ``docs/inference.md``, "One job at a
-time".
+Each hold leaves a record ``.lock-<nonce>.json`` (job, host, process id, start time), renamed into place whole (which
+holds on NFS, where ``flock`` does not); its modification time is the heartbeat. A hold is admitted when every live
+record is of its own job, and writes its record before it reads the others' inside a gate made by ``link`` (atomic
+on NFS too), so of two jobs started at once exactly one is admitted. A record is dead when its process is gone: on
+the same machine its process id no longer runs the process that wrote it, elsewhere its heartbeat is older than
+:data:`LEASE_SECONDS`. The user's rules: ``docs/inference.md``, "One job at a time".
 
 Example:
     >>> import tempfile
@@ -35,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -43,10 +41,10 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from dynabatch._background import Ticker
+from dynabatch.inference.store_shards import remove
 
 __all__ = ["GATE", "GATE_SECONDS", "HEARTBEAT_SECONDS", "LEASE_SECONDS", "PREFIX", "JobLock", "StoreBusyError"]
 
@@ -59,6 +57,7 @@ GATE = PREFIX + "gate"  # the file a hold makes (link) while it writes its recor
 GATE_SECONDS = 10.0  # a gate this old is abandoned (its holder stopped inside it for that long) and broken
 _FIELDS = {"host": str, "pid": int, "job": str, "started": str, "ticks": int, "boot": str, "namespace": str}
 _REQUIRED = ("host", "pid", "job")
+_IMPORTED = time.time()
 
 
 class StoreBusyError(RuntimeError):
@@ -91,12 +90,13 @@ def _stat(pid: int) -> tuple[str, int] | None:
 
 
 def _process() -> dict[str, Any]:
-    """This process's identity, as a record names it (read once per process: a forked child is another process)."""
-    if _ME.get("pid") == os.getpid():
-        return dict(_ME)
-    pid, stat = os.getpid(), _stat(os.getpid())
-    ticks = stat[1] if stat else None
-    boot = _read("/proc/sys/kernel/random/boot_id")
+    """This process's identity, as a record names it (a forked child is another process)."""
+    return dict(_identity(os.getpid()))
+
+
+@functools.cache
+def _identity(pid: int) -> dict[str, Any]:
+    ticks = (_stat(pid) or (None, None))[1]
     booted = next((int(line.split()[1]) for line in (_read("/proc/stat") or "").splitlines()
                    if line.startswith("btime ")), None)
     started = booted + ticks / os.sysconf("SC_CLK_TCK") if booted is not None and ticks is not None else _IMPORTED
@@ -104,14 +104,8 @@ def _process() -> dict[str, Any]:
         namespace = os.readlink("/proc/self/ns/pid")
     except OSError:
         namespace = None
-    _ME.clear()
-    _ME.update(host=socket.gethostname(), pid=pid, ticks=ticks, boot=boot, namespace=namespace,
-               started=time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)))
-    return dict(_ME)
-
-
-_IMPORTED = time.time()
-_ME: dict[str, Any] = {}
+    return {"host": socket.gethostname(), "pid": pid, "ticks": ticks, "boot": _read("/proc/sys/kernel/random/boot_id"),
+            "namespace": namespace, "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))}
 
 
 def _same_machine(record: dict[str, Any], me: dict[str, Any]) -> bool:
@@ -123,20 +117,17 @@ def _alive(record: dict[str, Any], heartbeat: float, now: float, me: dict[str, A
     """Whether the process of ``record`` (heartbeat at ``heartbeat``, the server's time ``now``) still runs."""
     if record.get("host") == me["host"] and record.get("boot") != me["boot"] and me["boot"] is not None:
         return False  # this host booted since
-    if _same_machine(record, me):
-        try:
-            os.kill(int(record["pid"]), 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # another user's process
-            pass
-        stat = _stat(int(record["pid"]))
-        if stat is None:
-            return True
-        if stat[0] in "ZX":  # ended (a killed job's process its parent has not reaped yet): it writes no more
-            return False
-        return record.get("ticks") is None or stat[1] == record["ticks"]  # else: the pid was reused
-    return now - heartbeat < LEASE_SECONDS
+    if not _same_machine(record, me):
+        return now - heartbeat < LEASE_SECONDS
+    try:
+        os.kill(record["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    stat = _stat(record["pid"])
+    # Z, X: ended (a killed job's process its parent has not reaped yet); other start ticks: the pid was reused.
+    return stat is None or stat[0] not in "ZX" and record.get("ticks") in (None, stat[1])
 
 
 def _holder(record: dict[str, Any]) -> str:
@@ -144,58 +135,39 @@ def _holder(record: dict[str, Any]) -> str:
             f"job {record.get('job')!r}")
 
 
-@dataclass
-class _Record:
-    """This process's record in one store for one job, shared by every :class:`JobLock` of them."""
+def _parse(text: str | None) -> dict[str, Any] | None:
+    """A lock record read from its file's ``text``; ``None`` where it is not one (``host``, ``pid`` and ``job`` set,
+    each field of its type)."""
+    try:
+        record = json.loads(text)
+    except (TypeError, ValueError):
+        return None
+    valid = isinstance(record, dict) and all(type(record.get(name)) is kind or name not in _REQUIRED
+                                             and record.get(name) is None for name, kind in _FIELDS.items())
+    return record if valid else None
 
-    file: str
-    count: int = 0
-    lost: bool = False
 
-
-_HELD: dict[tuple[str, str], _Record] = {}
+_HELD: set[JobLock] = set()  # this process's holds, whose records the heartbeat refreshes
 _GUARD = threading.RLock()  # re-entered where a store dropped meanwhile is released by the garbage collector
 _BEATING: list[Ticker] = []  # the heartbeat, while this process holds a record
 
 
 def _beat() -> None:
-    """Refreshes the heartbeat of every record this process holds (:data:`HEARTBEAT_SECONDS` apart, on a
-    :class:`~dynabatch._background.Ticker`)."""
+    """Refreshes the heartbeat of every record this process holds."""
     with _GUARD:
-        records = list(_HELD.values())
-    for record in records:
+        holds = list(_HELD)
+    for hold in holds:
         try:
-            os.utime(record.file)
+            os.utime(hold.file)
         except FileNotFoundError:  # another job took the store over: this one must not write on
-            record.lost = True
+            hold.lost = True
         except OSError as exc:  # a file server away for a moment: the next beat tries again
-            logger.warning("could not refresh the heartbeat of %s (%s)", record.file, exc)
-
-
-def _parse(text: str | None) -> dict[str, Any] | None:
-    """A lock record read from its file's ``text``; ``None`` where it is not one (see the module)."""
-    try:
-        record = json.loads(text) if text is not None else None
-    except ValueError:
-        return None
-    if not isinstance(record, dict) or any(name not in record for name in _REQUIRED):
-        return None
-    for name, kind in _FIELDS.items():
-        value = record.get(name)
-        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
-            return None
-    return None if any(record[name] is None for name in _REQUIRED) else record
-
-
-def _server_now(file: str) -> float:
-    """The file server's time now, read by touching ``file`` (a file of this hold's)."""
-    os.utime(file)
-    return os.stat(file).st_mtime
+            logger.warning("could not refresh the heartbeat of %s (%s)", hold.file, exc)
 
 
 def _enter_gate(path: str, me: dict[str, Any]) -> str | None:
-    """Waits for the store's gate and takes it (see the module); its nonce, ``None`` where this file system cannot
-    link (the records alone then decide: two jobs at once are never both admitted, but may both be refused)."""
+    """Waits for the store's gate and takes it; its nonce, ``None`` where this file system cannot link (the records
+    alone then decide: two jobs at once are never both admitted, but may both be refused)."""
     nonce = uuid.uuid4().hex[:16]
     mine, gate = os.path.join(path, f"{PREFIX}{nonce}.gate.tmp"), os.path.join(path, GATE)
     with open(mine, "w") as f:
@@ -214,7 +186,7 @@ def _enter_gate(path: str, me: dict[str, Any]) -> str | None:
             _break_abandoned(path, mine, me)
             time.sleep(0.002 + random.random() * 0.01)
     finally:
-        _remove(mine)
+        remove(mine)
 
 
 def _break_abandoned(path: str, mine: str, me: dict[str, Any]) -> None:
@@ -224,7 +196,8 @@ def _break_abandoned(path: str, mine: str, me: dict[str, Any]) -> None:
         since, text = os.stat(gate).st_mtime, _read(gate)
     except FileNotFoundError:
         return
-    holder, now = _parse(text), _server_now(mine)
+    os.utime(mine)  # the file server's time now
+    holder, now = _parse(text), os.stat(mine).st_mtime
     if now - since < GATE_SECONDS and (holder is None or _alive(holder, since, now, me)):
         return  # held (or being made): wait
     broken = os.path.join(path, f"{PREFIX}{uuid.uuid4().hex[:16]}.broken.tmp")
@@ -238,122 +211,95 @@ def _break_abandoned(path: str, mine: str, me: dict[str, Any]) -> None:
     else:
         logger.warning("output_path=%r: breaking the lock gate left by %s", path,
                        _holder(holder) if holder else "an unknown process")
-    _remove(broken)
+    remove(broken)
 
 
 def _take(path: str, job: str) -> str:
-    """Writes this hold's record into the store at ``path`` and checks the others', inside the gate (see the
-    module); its file."""
+    """Writes this hold's record into the store at ``path`` inside the gate, then refuses it if another job's live
+    record is there, or removes the dead ones; its file."""
     me = _process()
     nonce = _enter_gate(path, me)
     try:
-        return _check_records(path, job, me)
-    finally:
-        gate = os.path.join(path, GATE)
-        if nonce is not None and (_parse(_read(gate)) or {}).get("nonce") == nonce:
-            _remove(gate)
-
-
-def _check_records(path: str, job: str, me: dict[str, Any]) -> str:
-    """Writes this hold's record, then refuses it if another job's live record is there, or removes the dead ones."""
-    mine = os.path.join(path, f"{PREFIX}{uuid.uuid4().hex[:16]}.json")
-    with open(mine + ".tmp", "w") as f:
-        json.dump({**me, "job": job, "since": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
-    os.replace(mine + ".tmp", mine)  # written before the others are read: of two jobs at once, one sees the other
-    now = os.stat(mine).st_mtime  # the file server's clock, which every heartbeat is read on
-    dead: list[tuple[str, str]] = []  # removed once this hold is admitted: a refused hold removes nothing else
-    for name in sorted(os.listdir(path)):
-        other = os.path.join(path, name)
-        if not name.startswith(PREFIX) or other == mine or name == GATE:
-            continue
-        try:
-            heartbeat, text = os.stat(other).st_mtime, _read(other)
-        except FileNotFoundError:  # released meanwhile
-            continue
-        if not name.endswith(".json"):  # a record or gate being written, or a killed writer's temporary file
-            if name.endswith(".tmp") and now - heartbeat >= LEASE_SECONDS:
-                dead.append((other, ""))
-            continue
-        record = _parse(text)
-        if record is None:
-            if text is not None:  # None: unreadable (a folder), or removed meanwhile
-                dead.append((other, f"removing {name}, not a lock record (a JSON object with {', '.join(_REQUIRED)}"
-                                    f"): {text[:80]!r}"))
-            continue
-        if _alive(record, heartbeat, now, me):
-            if record["job"] == job:
+        mine = os.path.join(path, f"{PREFIX}{uuid.uuid4().hex[:16]}.json")
+        with open(mine + ".tmp", "w") as f:
+            json.dump({**me, "job": job, "since": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+        os.replace(mine + ".tmp", mine)  # written before the others are read: of two jobs at once, one sees the other
+        now = os.stat(mine).st_mtime  # the file server's clock, which every heartbeat is read on
+        dead: list[tuple[str, str]] = []  # removed once this hold is admitted: a refused hold removes nothing else
+        for name in sorted(os.listdir(path)):
+            other = os.path.join(path, name)
+            if not name.startswith(PREFIX) or other == mine or name == GATE:
                 continue
-            _remove(mine)
-            here = " of this process: a run in another thread, or a store opened and not closed" if \
-                _same_machine(record, me) and record["pid"] == me["pid"] else ""
-            raise StoreBusyError(
-                f"output_path={path!r} should be written by one job at a time, but another job is writing it "
-                f"({_holder(record)}{here}): wait for it to end or stop it, or use another output_path; a job that was "
-                f"killed holds it no longer than its process runs (on another host: {LEASE_SECONDS:.0f} s after "
-                "its last heartbeat)", record)
-        dead.append((other, "" if record["job"] == job else
-                     f"taking over the lock of a job that is gone ({_holder(record)})"))
+            try:
+                heartbeat, text = os.stat(other).st_mtime, _read(other)
+            except FileNotFoundError:  # released meanwhile
+                continue
+            if not name.endswith(".json"):  # a record or gate being written, or a killed writer's temporary file
+                if name.endswith(".tmp") and now - heartbeat >= LEASE_SECONDS:
+                    dead.append((other, ""))
+                continue
+            record = _parse(text)
+            if record is None:
+                if text is not None:  # None: unreadable (a folder), or removed meanwhile
+                    why = f"removing {name}, not a lock record (a JSON object with {', '.join(_REQUIRED)}): {text[:80]!r}"
+                    dead.append((other, why))
+                continue
+            if _alive(record, heartbeat, now, me):
+                if record["job"] == job:
+                    continue
+                remove(mine)
+                here = " of this process: a run in another thread, or a store opened and not closed" if \
+                    _same_machine(record, me) and record["pid"] == me["pid"] else ""
+                raise StoreBusyError(
+                    f"output_path={path!r} should be written by one job at a time, but another job is writing it "
+                    f"({_holder(record)}{here}): wait for it to end or stop it, or use another output_path; a job "
+                    f"that was killed holds it no longer than its process runs (on another host: {LEASE_SECONDS:.0f} "
+                    "s after its last heartbeat)", record)
+            dead.append((other, "" if record["job"] == job else
+                         f"taking over the lock of a job that is gone ({_holder(record)})"))
+    finally:
+        if nonce is not None and (_parse(_read(os.path.join(path, GATE))) or {}).get("nonce") == nonce:
+            remove(os.path.join(path, GATE))
     for other, why in dead:
         if why:
             logger.warning("output_path=%r: %s", path, why)
-        _remove(other)
+        remove(other)
     return mine
-
-
-def _remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(path)
 
 
 class JobLock:
     """The store at ``path`` (a directory) held for ``job`` (one string for every process of a job; ``None``: this
-    hold alone) by this process until :meth:`release`; :class:`StoreBusyError` where another live job holds it."""
+    hold alone) until :meth:`release`; :class:`StoreBusyError` where another live job holds it. ``lost``: another job
+    took the store over (this hold's heartbeat was found too old): write no more."""
 
     def __init__(self, path: str, job: str | None = None) -> None:
         self.job = job if job is not None else "process {host}:{pid}:{ticks} run {run}".format(
             **_process(), run=uuid.uuid4().hex[:8])  # one run: another hold of this process is another job
-        self.path = path
-        self._key = (os.path.realpath(path), self.job)
-        self._released = False
-        with _GUARD:
-            record = _HELD.get(self._key)
+        self.path, self.lost, self._released = path, False, False
         # Taken outside the guard: the gate orders the holds of every process and thread, and the heartbeats of
         # other stores go on while this one waits for it.
-        taken = _take(path, self.job) if record is None or record.lost else None
+        self.file = _take(path, self.job)
         with _GUARD:
-            record = _HELD.get(self._key)
-            if record is None or record.lost:
-                record = _HELD[self._key] = _Record(taken if taken is not None else _take(path, self.job))
-            elif taken is not None:  # another thread of this job took it meanwhile: one record per job
-                _remove(taken)
-            record.count += 1
-            self._record = record
+            _HELD.add(self)
             if not _BEATING:
                 _BEATING.append(Ticker(_beat, seconds=HEARTBEAT_SECONDS, name="dynabatch-lock-heartbeat"))
                 _BEATING[0].start()
 
     @property
-    def lost(self) -> bool:
-        """Whether another job took the store over (this process's heartbeat was found too old): write no more."""
-        return self._record.lost
-
-    @property
     def held(self) -> bool:
         """Whether this hold still holds the store: neither released nor lost."""
-        return not self._released and not self._record.lost
+        return not self._released and not self.lost
 
     def release(self, wait: bool = True) -> None:
-        """Gives this hold up; the last hold of the process removes its record (and the last record, the heartbeat,
-        stopped when this returns; ``wait=False``: stopping, for the garbage collector). Idempotent."""
+        """Gives this hold up, its record removed; the last hold of the process stops the heartbeat (``wait=False``:
+        not waiting for it, for the garbage collector). Idempotent."""
         stopped = None
         with _GUARD:
             if self._released:
                 return
             self._released = True
-            self._record.count -= 1
-            if self._record.count == 0 and _HELD.get(self._key) is self._record:
-                del _HELD[self._key]
-                _remove(self._record.file)
+            _HELD.discard(self)
+            remove(self.file)
             if not _HELD and _BEATING:
                 stopped = _BEATING.pop()
         if stopped is not None:
@@ -365,8 +311,8 @@ class JobLock:
         for name in os.listdir(self.path):
             other = os.path.join(self.path, name)
             record = _parse(_read(other)) if name.startswith(PREFIX) and name.endswith(".json") else None
-            if record is not None and record["job"] == self.job and other != self._record.file:
-                _remove(other)
+            if record is not None and record["job"] == self.job and other != self.file:
+                remove(other)
         self.release()
 
 
@@ -374,11 +320,10 @@ class JobLock:
 def _release_all() -> None:
     """Records of a process that ends (not killed) are removed, so a later job does not wait on them."""
     with _GUARD:
-        records = list(_HELD.values())
+        holds, beating = list(_HELD), _BEATING[:]
         _HELD.clear()
-        beating = _BEATING[:]
         _BEATING.clear()
     for ticker in beating:
         ticker.close(wait=False)
-    for record in records:
-        _remove(record.file)
+    for hold in holds:
+        remove(hold.file)

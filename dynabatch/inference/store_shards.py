@@ -1,10 +1,9 @@
 """The results store's files: how a shard is named, written whole and read back verified.
 
-Rows are ``part-<writer>-<first>[-<last>].parquet`` files at the top of the store's folder (``-<last>``: a merged
-shard, holding the shards ``<first>`` to ``<last>`` of its writer); failure records the same names in ``_failed/``.
-Everything else is hidden: a shard being written is ``.tmp-<host>-<pid>-<shard>.tmp`` (renamed into place once
-whole), a shard that cannot be read is set aside as ``.torn-<shard>.torn``. So ``pyarrow.dataset`` and pandas (which
-skip names starting with ``.`` and ``_``) and ``*.parquet`` globs read each row once at any time.
+Rows are ``part-<writer>-<first>[-<last>].parquet`` files (``-<last>``: a merged shard, holding its writer's shards
+``<first>`` to ``<last>``), failure records the same names in ``_failed/``. A shard being written is
+``.tmp-<host>-<pid>-<shard>.tmp``, one that cannot be read is set aside as ``.torn-<shard>.torn``: hidden, so that
+``pyarrow.dataset``, pandas and ``*.parquet`` globs read each row once at any time.
 
 Example:
     >>> from dynabatch.inference.store_shards import covered, shard_name
@@ -16,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import re
@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 __all__ = ["FAILED", "FORMAT", "HOST", "META", "RETRY_SECONDS", "SET_ASIDE", "TEMPORARY", "WRITE_ATTEMPTS", "covered",
-           "is_dead", "is_shard", "read_whole", "shard_name", "write_whole"]
+           "is_dead", "is_shard", "read_whole", "remove", "shard_name", "write_whole"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,11 @@ def is_shard(name: str) -> bool:
     return name.startswith("part-") and name.endswith(".parquet")
 
 
+def remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+
+
 def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -62,8 +67,7 @@ def _fsync(path: str) -> None:
 
 
 def is_dead(name: str) -> bool:
-    """Whether ``name`` is the temporary shard of a killed writer on this host (``.tmp-<host>-<pid>-<shard>.tmp``,
-    or without ``.tmp`` as earlier versions named it)."""
+    """Whether ``name`` is the temporary shard of a killed writer on this host (``.tmp-<host>-<pid>-...``)."""
     pid = name.split("-", 3)[2] if name.startswith(f"{TEMPORARY}{HOST}-") and name.count("-") >= 3 else ""
     try:
         os.kill(int(pid), 0)
@@ -74,17 +78,18 @@ def is_dead(name: str) -> bool:
     return False
 
 
-def write_whole(folder: str, name: str, table: pa.Table, **options: Any) -> int:
+def write_whole(folder: str, name: str, table: pa.Table, **options: Any) -> None:
     """Writes ``table`` as the Parquet file ``folder/name`` whole or not at all (a temporary file with page checksums,
-    fsynced, renamed into place), trying a failed write :data:`WRITE_ATTEMPTS` times; its size in bytes."""
+    fsynced, renamed into place), trying a failed write :data:`WRITE_ATTEMPTS` times; ids dictionary-encoded."""
     temp, final = os.path.join(folder, f"{TEMPORARY}{HOST}-{os.getpid()}-{name}.tmp"), os.path.join(folder, name)
-    for attempt in range(1, WRITE_ATTEMPTS + 1):
+    dictionary = ["id"] if "id" in table.column_names else False
+    for attempt in itertools.count(1):
         try:
-            pq.write_table(table, temp, write_page_checksum=True, **options)
+            pq.write_table(table, temp, write_page_checksum=True, use_dictionary=dictionary, **options)
             _fsync(temp)
             os.replace(temp, final)
             _fsync(folder)  # the rename survives a crash
-            return os.path.getsize(final)
+            return
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.remove(temp)
@@ -93,7 +98,6 @@ def write_whole(folder: str, name: str, table: pa.Table, **options: Any) -> int:
                 raise
             logger.warning("writing %s failed (%s); trying again (%d of %d)", final, exc, attempt + 1, WRITE_ATTEMPTS)
             time.sleep(RETRY_SECONDS * 2 ** (attempt - 1))
-    raise AssertionError("unreachable")
 
 
 def read_whole(file: str, columns: list[str] | None = None) -> pa.Table:
@@ -103,8 +107,8 @@ def read_whole(file: str, columns: list[str] | None = None) -> pa.Table:
 
 def covered(names: Collection[str]) -> set[str]:
     """Shards that a merged shard of the same writer holds (``part-w-00003-00017`` holds ``part-w-00005``): what a
-    merge cut short left behind. A merged shard is renamed into place before its parts are removed, so every row is
-    in exactly one shard that is not covered. One sort: a span is covered when one starting no later reaches as far."""
+    merge cut short left (a merged shard is renamed into place before its parts are removed). One sort: a span is
+    covered when one starting no later reaches as far."""
     spans = sorted((match["writer"], int(match["first"]), -int(match["last"] or match["first"]), name)
                    for name in names if (match := _SHARD.fullmatch(name)))
     held, writer, reach = set(), None, -1
