@@ -161,11 +161,8 @@ def _array_part(values: list, present: list, name: str) -> _Part:
 
 def _conform(part: _Part, field: pa.Field, kind: str | None, name: str) -> None:
     """Refuses a part that the column's type (``field``, ``kind``) cannot hold, naming what is stored."""
-    if part.kind is None:
+    if part.kind is None:  # (a part with values never meets a null field: fit widens it first)
         return
-    if pa.types.is_null(field.type):
-        raise ValueError(f"{name} should be None in every row of an Arrow null column, but got {part.kind} values; "
-                         "widen the column's field first")
     if part.kind != kind:
         raise TypeError(f"{name} should be {_KINDS[kind]} or None in every row, as stored, but got {_KINDS[part.kind]}")
     if kind == "python":

@@ -118,8 +118,8 @@ class Store:
         """Indexes the shards and failure records not seen yet."""
         with self._lock:
             names = sorted(os.listdir(self.path))
-            foreign = [n for n in names if not (is_shard(n) or n == FAILED or n.startswith((TEMPORARY, SET_ASIDE,
-                                                                                               PREFIX)))]
+            ours = (TEMPORARY, SET_ASIDE, PREFIX)
+            foreign = [n for n in names if not (is_shard(n) or n == FAILED or n.startswith(ours))]
             if foreign:
                 raise ValueError(f"output_path should be a new or empty directory, or a dynabatch results store, but "
                                  f"got output_path={self.path!r} holding {len(foreign)} other entries "
@@ -131,8 +131,7 @@ class Store:
         trim()  # the shards read (verified whole on a resume) are freed: memory stays flat
 
     def _index(self, folder: str, names: list[str], index: dict, verify: bool) -> None:
-        """Brings ``index`` (shards or failure records, by file) up to the files of ``folder``, removing killed
-        writers' temporary files and the shards a cut-short merge left."""
+        """Brings ``index`` (shards or failure records, by file) up to the files of ``folder``."""
         merged = covered(names) if self.lock.held else set()
         for name in names:
             why = "a shard a killed run did not finish" if is_dead(name) else \
@@ -170,8 +169,7 @@ class Store:
         return _Shard(keys, table.column("input_hash").to_numpy(), [schema.field(n) for n in self.columns.names])
 
     def _learn(self, meta: dict, schema: pa.Schema, file: str) -> None:
-        """Takes a shard's columns into the store's: its rows' structure, kinds and fields (widened where shards
-        of writers that raced typed a column differently)."""
+        """Takes a shard's rows' structure, kinds and fields into the store's (widened where writers raced)."""
         self.columns = self.columns or Columns(meta["tree"], meta["kinds"])
         self.columns.kinds = {**meta["kinds"], **self.columns.kinds}
         for name in self.columns.names:
@@ -253,8 +251,7 @@ class Store:
         return dict(zip(positions.tolist(), causes.take(pa.array(latest[first])).to_pylist()))
 
     def check_inputs(self, positions: np.ndarray, hashes: np.ndarray) -> None:
-        """Refuses stored rows whose input hash differs from this run's inputs (``hashes``) at ``positions``: a
-        ``ValueError`` naming how many, the first positions (or ids), the key and what to do."""
+        """Refuses (``ValueError``) stored rows whose input hash differs from this run's ``hashes`` at ``positions``."""
         positions = np.asarray(positions, dtype=np.int64)
         inside = positions < self.n
         positions, hashes = positions[inside], np.asarray(hashes, dtype=np.uint64)[inside]
@@ -276,8 +273,8 @@ class Store:
 
     # -- writing -------------------------------------------------------------------------------------------------
     def writer(self, name: Any, *, ids: pa.Array | None = None, exact: bool = False) -> StoreWriter:
-        """A :class:`StoreWriter` (``name``: unique per writer of this run). ``ids``: the rows' ids, which positions
-        index. ``exact``: shards named ``part-<name>-<seq>``, so that a rewrite replaces them."""
+        """A :class:`StoreWriter` (``name``: unique per writer of this run; ``ids``: the rows' ids, which positions
+        index; ``exact``: shards named ``part-<name>-<seq>``, so that a rewrite replaces them)."""
         name = re.sub(r"[^\w.]", "_", str(name))
         with self._lock:
             self._writers += 1
@@ -314,15 +311,15 @@ class Store:
         return json.dumps(meta)
 
     def key_columns(self, positions: np.ndarray, hashes: np.ndarray, ids: pa.Array | None) -> dict[str, pa.Array]:
-        """The key columns of rows of input ``positions``: ``position`` or ``id`` (``ids``: the writer's own, which
-        positions index), and ``input_hash``."""
+        """The key columns (``position`` or ``id``, ``input_hash``) of rows of input ``positions`` (``ids``: the
+        writer's own, which positions index)."""
         ids = ids if ids is not None else self.ids
         key = pa.array(positions) if self.keyed_by == "position" else ids.take(pa.array(positions))
         return {self.keyed_by: key, "input_hash": pa.array(hashes, pa.uint64())}
 
     def retyped(self, schema: pa.Schema) -> pa.Schema:
-        """A shard's ``schema`` with the output fields as the committed shards type them (a column no shard typed yet
-        ``null``), to rewrite or merge shards into one schema every reader takes."""
+        """A shard's ``schema`` with the output fields as the committed shards type them (``null``: none typed it yet),
+        so that rewritten or merged shards share one schema."""
         with self._lock:
             stored = [self._fields[n] if n in self._fixed else pa.field(n, pa.null()) for n in self.columns.names]
             keys = [field for field in schema if field.name not in self.columns.names]
@@ -344,9 +341,8 @@ class Store:
                 self.lock.release()
 
     def settle(self) -> None:
-        """Rewrites the shards whose columns are narrower than the store's (a column ``None`` in every row of the
-        shard, typed by a later one), so that a reader taking one shard's schema reads them all; with no writer
-        writing."""
+        """Rewrites the shards whose columns are narrower than the store's (``None`` in every row of the shard), so
+        that a reader taking one shard's schema reads them all; with no writer writing."""
         with self._lock:
             if self.columns is None or not self.lock.held:
                 return
@@ -360,8 +356,8 @@ class Store:
                     self._shards[file] = entry._replace(fields=list(schema))
 
     def located(self, n: int) -> Located:
-        """Where each of ``n`` inputs' rows is in the store as it is now, and ``failures``: the latest cause of each
-        input failed and not stored since; the end of a run's one scan of the store, shards settled first."""
+        """Where each of ``n`` inputs' rows is, and the latest cause of each input failed and not stored since: the
+        end of a run's one scan of the store, shards settled first."""
         with self._lock:
             self._scan(verify=False)
             self.settle()
@@ -378,8 +374,8 @@ class Store:
                            self.schema, ids, self._failures_at(where, ids))
 
     def close(self, *, job_done: bool = False) -> None:
-        """Gives the store's job lock up, once every writer has closed (:meth:`StoreWriter.close`). Idempotent.
-        ``job_done``: the job is over, its other processes too: their lock records are removed now."""
+        """Gives the store's job lock up once every writer has closed; ``job_done``: the job is over, every record of
+        it removed now. Idempotent."""
         with self._lock:
             self._closing = True
             if job_done:

@@ -44,7 +44,7 @@ import uuid
 from typing import Any
 
 from dynabatch._background import Ticker
-from dynabatch.inference.store_shards import remove
+from dynabatch.inference.store_shards import gone, remove
 
 __all__ = ["GATE", "GATE_SECONDS", "HEARTBEAT_SECONDS", "LEASE_SECONDS", "PREFIX", "JobLock", "StoreBusyError"]
 
@@ -119,12 +119,8 @@ def _alive(record: dict[str, Any], heartbeat: float, now: float, me: dict[str, A
         return False  # this host booted since
     if not _same_machine(record, me):
         return now - heartbeat < LEASE_SECONDS
-    try:
-        os.kill(record["pid"], 0)
-    except ProcessLookupError:
+    if gone(record["pid"]):
         return False
-    except PermissionError:  # another user's process
-        pass
     stat = _stat(record["pid"])
     # Z, X: ended (a killed job's process its parent has not reaped yet); other start ticks: the pid was reused.
     return stat is None or stat[0] not in "ZX" and record.get("ticks") in (None, stat[1])

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 __all__ = ["FAILED", "FORMAT", "HOST", "META", "RETRY_SECONDS", "SET_ASIDE", "TEMPORARY", "WRITE_ATTEMPTS", "covered",
-           "is_dead", "is_shard", "read_whole", "remove", "shard_name", "write_whole"]
+           "gone", "is_dead", "is_shard", "read_whole", "remove", "shard_name", "write_whole"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,16 +66,21 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs on this machine (another user's process runs)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        pass
+    return False
+
+
 def is_dead(name: str) -> bool:
     """Whether ``name`` is the temporary shard of a killed writer on this host (``.tmp-<host>-<pid>-...``)."""
     pid = name.split("-", 3)[2] if name.startswith(f"{TEMPORARY}{HOST}-") and name.count("-") >= 3 else ""
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, ValueError):  # alive (another user's), or not a temporary shard
-        pass
-    return False
+    return pid.isdigit() and gone(int(pid))
 
 
 def write_whole(folder: str, name: str, table: pa.Table, **options: Any) -> None:

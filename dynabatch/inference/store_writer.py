@@ -94,7 +94,7 @@ class StoreWriter:
         if keep.any():
             parts = self.store.admit([row for row in rows if row is not None], varying)
             size = positions.nbytes * 2 + sum(p.values.nbytes for p in parts.values() if p.values is not None)
-            self._add(_Entry(positions[keep], hashes[keep], parts, None, size), int(keep.sum()), varying)
+            self._add(_Entry(positions[keep], hashes[keep], parts, None, size), varying)
         if not keep.all():
             self.fail(positions[~keep], hashes[~keep], [NONE_ROW] * int((~keep).sum()))
 
@@ -109,13 +109,13 @@ class StoreWriter:
         lines = [(str(c).strip().splitlines() or [type(c).__name__])[0][:500] for c in causes]
         hashes = np.asarray(hashes if hashes is not None else np.zeros(len(positions)), dtype=np.uint64)
         if len(positions):
-            self._add(_Entry(positions, hashes, None, lines, positions.nbytes * 2), len(positions), ())
+            self._add(_Entry(positions, hashes, None, lines, positions.nbytes * 2), ())
 
-    def _add(self, entry: _Entry, rows: int, varying: Collection[tuple]) -> None:
+    def _add(self, entry: _Entry, varying: Collection[tuple]) -> None:
         with self._guard:
             self._varying.update(tuple(path) for path in varying)
             self.buffer.append(entry)
-            self.rows, self.bytes = self.rows + rows, self.bytes + entry.size
+            self.rows, self.bytes = self.rows + len(entry.positions), self.bytes + entry.size
             self.since = time.monotonic() if self.since is None else self.since
             full = self.rows >= self.policy.rows or self.bytes >= self.policy.bytes
             if full:
@@ -140,10 +140,9 @@ class StoreWriter:
             self.buffer = self.buffer if commit else []
             self._seal()
             worker, self._worker = self._worker, None
-        if worker is None and self.sealed:  # shards a failed close() kept
-            worker = Worker(depth=1, name=_THREAD)
         try:
-            if worker is not None:
+            if worker is not None or self.sealed:
+                worker = worker or Worker(depth=1, name=_THREAD)  # or the shards a failed close() kept
                 try:
                     worker.check()  # a commit failed for good since the last write: raised, its rows kept
                     self._stalled = False  # the shards kept are tried again
