@@ -254,11 +254,9 @@ def _described(field: pa.Field, kind: str | None) -> str:
     """A column's type as a person reads it: ``int``, ``list of str``, ``float32 (n, 2)``, ``bfloat16 (384,)``."""
     if pa.types.is_null(field.type):
         return "None"
-    if kind in (None, "python"):
-        kind = field.type
-        value = kind.value_type if pa.types.is_list(kind) else kind
-        return _NAMES.get(str(kind)) or f"list of {_NAMES.get(str(value), value)}"
     varies, dims, value = _layout(field.type)
+    if kind in (None, "python"):
+        return f"list of {_NAMES.get(str(value), value)}" if varies else _NAMES.get(str(value), str(value))
     dtype = "bfloat16" if field.metadata == _BF16 else str(np.dtype(value.to_pandas_dtype()))
     return f"{dtype} {str(tuple(['n', *dims] if varies else dims)).replace(chr(39), '')}"
 

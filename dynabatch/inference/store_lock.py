@@ -119,11 +119,9 @@ def _alive(record: dict[str, Any], heartbeat: float, now: float, me: dict[str, A
         return False  # this host booted since
     if not _same_machine(record, me):
         return now - heartbeat < LEASE_SECONDS
-    if gone(record["pid"]):
-        return False
     stat = _stat(record["pid"])
     # Z, X: ended (a killed job's process its parent has not reaped yet); other start ticks: the pid was reused.
-    return stat is None or stat[0] not in "ZX" and record.get("ticks") in (None, stat[1])
+    return not gone(record["pid"]) and (stat is None or stat[0] not in "ZX" and record.get("ticks") in (None, stat[1]))
 
 
 def _holder(record: dict[str, Any]) -> str:
