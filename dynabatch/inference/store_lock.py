@@ -275,9 +275,11 @@ class JobLock:
         self.file = _take(path, self.job)
         with _GUARD:
             _HELD.add(self)
-            if not _BEATING:
-                _BEATING.append(Ticker(_beat, seconds=HEARTBEAT_SECONDS, name="dynabatch-lock-heartbeat"))
-                _BEATING[0].start()
+            ticker = None if _BEATING else Ticker(_beat, seconds=HEARTBEAT_SECONDS, name="dynabatch-lock-heartbeat")
+            if ticker is not None:
+                _BEATING.append(ticker)
+        if ticker is not None:  # started outside the guard: a store the garbage collector releases in the new thread
+            ticker.start()  # takes it (a deadlock while this thread waited for the new one to start)
 
     @property
     def held(self) -> bool:
