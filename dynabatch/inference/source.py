@@ -37,7 +37,7 @@ class Item:
     whole: bool = True  # False once rows are taken out (stored, or finished before a device failed)
     crashes: int = 0  # times a device failed running it (several devices put its rows back once)
     stored: np.ndarray = field(default_factory=lambda: _NONE)
-    sizing: Any = None  # how its pieces are split before they run and which are measured (the scheduler's Sizing)
+    sizing: Any = None  # its worker's lane (the scheduler's Sizing): how its pieces are split, which are measured
 
     def keep(self, keep: np.ndarray, *, whole: bool = False) -> Item:
         """The item with only its rows at ``keep`` (row numbers); ``whole``: a batch of its own (a rank's share)."""
