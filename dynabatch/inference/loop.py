@@ -197,7 +197,7 @@ class _WorkerLoop:
         except Exception as exc:
             if not (self.several and is_device_failure(exc)):
                 raise
-            self._put_back(item if outcome is None else outcome.unfinished, outcome or Outcome(item), exc)
+            self._put_back(outcome or Outcome(item, unfinished=item), exc)
             return exc
         stages.scheduler.update(self.parts.lane, outcome)
         return None
@@ -228,8 +228,9 @@ class _WorkerLoop:
             stages.meter.add(done, rows=len(done), real_tokens=outcome.tokens, padded_tokens=record.padded_tokens,
                              width=record.width)
 
-    def _put_back(self, rest: Item | None, outcome: Outcome, exc: BaseException) -> None:
+    def _put_back(self, outcome: Outcome, exc: BaseException) -> None:
         """Puts the unfinished rows of an item whose device failed back once (``exc`` raised on their second)."""
+        rest = outcome.unfinished
         if rest is not None and len(rest.positions):
             if rest.crashes:
                 logger.error("device %s: batch %d failed again (%s); it made another device fail before",
