@@ -1,9 +1,6 @@
-"""The executor of :func:`dynabatch.run`: one item at a time on one device, through the one out-of-memory policy.
-
-A piece that runs out of memory is halved down to one row (split first where the item's
-:class:`~dynabatch.inference.scheduler.Sizing` says); one ``fn`` raises on is halved until the failing row is alone,
-then raised with a note naming it (``on_error="raise"``) or set aside (``"skip"``). The item gives an :class:`Outcome`.
-"""
+"""The executor of :func:`dynabatch.run`: one item at a time on one device, through the one out-of-memory policy
+and the halving of a batch ``fn`` raises on (``docs/inference.md``: "When fn raises", "Out-of-memory errors"); an
+item gives an :class:`Outcome`."""
 
 from __future__ import annotations
 
@@ -218,8 +215,7 @@ class Executor:
         return error
 
     def _attempt(self, piece: Batch, measure_on: Any = None, finish: Callable | None = None) -> Attempt:
-        """One guarded call of ``fn`` on ``piece``, timed; an error ``fn`` raised is returned as the attempt's error
-        too (so that it is raised again with no context of ours)."""
+        """One guarded call of ``fn`` on ``piece``, timed; an error ``fn`` raised is the attempt's error too."""
         start = time.perf_counter()  # the copy in, the call and the rows back on the CPU (which waits for the device)
         try:
             return call_guarded(self._call, piece, measure_on=measure_on, prepare=self._prepare, finish=finish)
@@ -271,8 +267,7 @@ class Executor:
         self._outcome.failed[int(positions[0])] = brief_error(error)
 
     def _out_of_memory(self, error: BaseException, rows: int, width: int) -> None:
-        """Halves the piece on top of the stack (``rows`` x ``width``) that ran out of memory; one row is set aside
-        (``on_oom="raise"`` raises)."""
+        """Halves the piece on top of the stack that ran out of memory; one row is set aside or raised (``on_oom``)."""
         outcome, piece, number = self._outcome, self._stack[-1], self._outcome.item.number
         outcome.record.oom_events += 1
         outcome.out_of_memory.append((rows, width))

@@ -1,9 +1,5 @@
-"""The worker loop of :func:`dynabatch.run`, per device or rank: the one place that talks to more than one stage.
-
-It takes the next item, already sized, from the scheduler and its batch from the build stage (built ahead by
-:class:`Prefetcher`), runs it on the executor, and hands the outcome, a value, to every stage: rows and failed inputs
-to the sink's writer, what it measured to the scheduler, the inputs done to the source, rows to the meter.
-"""
+"""The worker loop of :func:`dynabatch.run`, per device or rank: the one place that talks to more than one stage
+(``docs/architecture.md``, Loop): an item from the scheduler, its batch built, its outcome handed to every stage."""
 
 from __future__ import annotations
 

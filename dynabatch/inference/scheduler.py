@@ -1,9 +1,5 @@
-"""The scheduler of :func:`dynabatch.run`: what runs next, on which worker, and at what size.
-
-It owns every rule that decides a batch's rows: the memory mode (``measured``: the loader's planner sizes each next
-batch from the lane's peaks; ``guarded``: batches in their own order, split where the peaks bound them above the
-budget; ``record`` and ``off``: as they come), the budget (:meth:`Scheduler._feedback`), a lane per worker (the
-:class:`Sizing` of the items it hands out), and the rows already stored, taken out. It holds positions, never tensors.
+"""The scheduler of :func:`dynabatch.run`: what runs next, on which worker, and at what size; every rule that decides
+a batch's rows is here (``docs/architecture.md``, Scheduler). It holds positions, never tensors.
 
 Example:
     >>> import numpy as np

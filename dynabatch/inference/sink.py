@@ -1,7 +1,6 @@
-"""The sinks of :func:`dynabatch.run`: rows with their positions and input hashes (``writer.write``) and failed
-inputs with their causes (``writer.fail``) go in, kept in memory (:class:`MemorySink`, gathered on rank 0 under
-``torch.distributed``) or written to the results store (:class:`StoreSink`); ``result(n)`` is the run's result,
-accounted from what the sink holds, and the positions it holds neither way (the run raises for them).
+"""The sinks of :func:`dynabatch.run` (``docs/architecture.md``, Sink): rows (``writer.write``) and failed inputs
+(``writer.fail``) kept in memory or in the results store; ``result(n)``: the run's result and the positions held
+neither way.
 
 Example:
     >>> import numpy as np
