@@ -63,8 +63,7 @@ class Prefetcher:
         return None
 
     def _fill(self) -> None:
-        """The background thread's turn: the next batches as they stand, built (and the planner asked) off the device's
-        thread."""
+        """The background thread's turn: the next batches as they stand, built (the planner asked) off the device's."""
         for positions in self.scheduler.peek(self.lane, self.depth)[len(self.ahead):]:
             self.ahead.append((positions, self.builder.build(Item(-1, positions))))
 
