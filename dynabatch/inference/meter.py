@@ -131,14 +131,6 @@ class TimeModel:
     def __init__(self) -> None:
         self._sums = [0.0] * 9  # features padded tokens, rows, 1 (the batch): pp, pr, p1, rr, r1, 11, yp, yr, y1
         self.batches = 0
-        self._coef: np.ndarray | None = None
-
-    @property
-    def coef(self) -> np.ndarray | None:
-        """Seconds per padded token, per row and per batch (``None`` before any batch); solved when asked."""
-        if self._coef is None and self.batches:
-            self._coef = self._solve()
-        return self._coef
 
     def add(self, *, seconds: float, padded_tokens: float, rows: float) -> None:
         keep = 0.5 ** (1.0 / max(8.0, self.batches / 4))
@@ -146,11 +138,14 @@ class TimeModel:
         new = (p * p, p * r, p, r * r, r, 1.0, y * p, y * r, y)
         self._sums = [keep * old + value for old, value in zip(self._sums, new)]
         self.batches += 1
-        self._coef = None
 
-    def _solve(self) -> np.ndarray:
-        """Least squares on the first feature set below whose parts come out non-negative: each feature orthogonal to
-        those before it (a Cholesky factor of their Gram matrix), its part shrunk there."""
+    @property
+    def coef(self) -> np.ndarray | None:
+        """Seconds per padded token, per row and per batch (``None`` before any batch), solved when asked: least
+        squares on the first feature set below whose parts come out non-negative, each feature orthogonal to those
+        before it (a Cholesky factor of their Gram matrix), its part shrunk there."""
+        if not self.batches:
+            return None
         pp, pr, p1, rr, r1, one, yp, yr, y1 = self._sums
         xx, xy = np.array([[pp, pr, p1], [pr, rr, r1], [p1, r1, one]]), np.array([yp, yr, y1])
         for kept in ([0, 1, 2], [0, 2], [0, 1], [0], [1], [2]):
@@ -321,7 +316,7 @@ class Meter:
             if rows <= 0:
                 return 0.0
             padded = tokens * (self._recent("padded", "tokens") or 1.0)
-            if self.model.coef is None:  # one batch so far: its own pace, start-up included
+            if not self.model.batches:  # one batch so far: its own pace, start-up included
                 seconds = self.recent["seconds"] * padded / max(self.recent["padded"], 1)
             else:  # batches left: the geometric mean of as many as the recent batches' padded tokens make and as
                 # many as their rows make (batches hold fewer tokens and more rows as texts shorten)

@@ -51,18 +51,13 @@ class PerRow(list):
     """
 
 
-def _compact_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    """Detached, on the CPU, and not a view keeping a much larger storage alive."""
-    tensor = tensor.detach().cpu()
-    if tensor.layout == torch.strided and tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()
-    return tensor
-
-
 def to_cpu(item: Any) -> Any:
-    """Tensors (also inside plain lists, tuples and dicts) detached, on the CPU and compact; other values as they are."""
+    """Tensors (also inside plain lists, tuples and dicts) detached, on the CPU and compact (not a view keeping a much
+    larger storage alive); other values as they are."""
     if isinstance(item, torch.Tensor):
-        return _compact_cpu(item)
+        item = item.detach().cpu()
+        view = item.layout == torch.strided and item.untyped_storage().nbytes() > item.numel() * item.element_size()
+        return item.clone() if view else item
     if type(item) in (list, tuple, PerRow):
         return type(item)(to_cpu(x) for x in item)
     if type(item) is dict:
@@ -162,13 +157,13 @@ class RowSplitter:
         whose first dimension varies from row to row (per-token or generated, or given one per row): a results store
         types its columns by them, whatever lengths its first rows have (the longest texts, often cut to one)."""
         if isinstance(row, Mapping):
-            items = [(key, value, f"{name}[{key!r}]") for key, value in row.items()]
+            items = row.items()
         elif isinstance(row, (list, tuple)) and any(_is_array(v) or isinstance(v, (Mapping, list, tuple)) for v in row):
-            items = [(i, value, f"{name}[{i}]") for i, value in enumerate(row)]
+            items = enumerate(row)
         else:
             kind = self.kinds.get(name)  # None: an item given one per row (PerRow, a list)
             return [path] if _is_array(row) and (kind is None or kind[0] in (_PER_TOKEN, _GENERATED)) else []
-        return [found for key, value, field in items for found in self.varying(value, field, (*path, key))]
+        return [found for key, value in items for found in self.varying(value, f"{name}[{key!r}]", (*path, key))]
 
     def _split(self, value: Any, view: _BatchView, name: str, *, field: bool) -> list | None:
         """One item per row, or ``None`` for a ``field`` (an element of a container) with nothing per row: a loss
@@ -218,8 +213,7 @@ class RowSplitter:
                         len(value))
 
     def _tensor_rows(self, value: torch.Tensor | np.ndarray, view: _BatchView, name: str) -> list:
-        if isinstance(value, torch.Tensor):
-            value = _compact_cpu(value)
+        value = to_cpu(value)  # a numpy array as it is
         kind = self._reading(value, view, name)
         if kind == _PER_TOKEN:
             return [value[r, span] for r, span in enumerate(view.spans)]
