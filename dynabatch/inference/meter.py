@@ -291,16 +291,15 @@ class Meter:
                 self._show(now)
             self.accounting += time.thread_time() - start
 
-    def _recent(self, top: str, bottom: str) -> float | None:
-        """``top`` per ``bottom`` over the recent batches (``None`` before any)."""
-        return self.recent[top] / self.recent[bottom] if self.recent[bottom] > 0 else None
+    def _recent(self, top: str, bottom: str, times: float = 1.0) -> float | None:
+        """``times`` ``top`` per ``bottom`` over the recent batches (``None`` before any)."""
+        return times * self.recent[top] / self.recent[bottom] if self.recent[bottom] > 0 else None
 
     def estimate(self) -> Estimate:
         """The figures the display shows, now."""
         now = self.clock()
-        texts, tokens = self._recent("rows", "seconds"), self._recent("tokens", "seconds")
         return Estimate(self.rows * self.scale, self.total_rows, now - self.started,
-                        None if texts is None else texts * self.scale, None if tokens is None else tokens * self.scale,
+                        self._recent("rows", "seconds", self.scale), self._recent("tokens", "seconds", self.scale),
                         self._seconds_left(now))
 
     def _seconds_left(self, now: float) -> float | None:

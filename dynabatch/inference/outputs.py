@@ -1,8 +1,5 @@
-"""The row rule (``docs/inference.md`` has it as a table): :class:`RowSplitter` turns what ``fn(batch)`` returned
-into one item per row, on the CPU, never depending on the batch's size or texts. A batch-first tensor (or a tuple,
-list or dict of them) gives each row its slice, cut to the row's real tokens only where that is certain (a 2-D tensor
-as wide as the batch is refused unless ``token_outputs`` declares it); a list of one item per row (or a
-:class:`PerRow`) is one item per row. Each field's reading is fixed at its first batch.
+"""The row rule, stated in full as a table in ``docs/inference.md`` ("What ``fn`` may return"): :class:`RowSplitter`
+turns what ``fn(batch)`` returned into one item per row, on the CPU, never depending on the batch's size or texts.
 
 Example:
     >>> import torch
