@@ -66,10 +66,8 @@ def account(n: int, held: np.ndarray, failures: Mapping[int, str], *, before: np
     """
     held = np.asarray(held, dtype=bool)
     failures = {int(p): str(c) for p, c in sorted(failures.items()) if 0 <= p < n and not held[p]}
-    unaccounted = ~held
-    unaccounted[list(failures)] = False
     before = held & (before if before is not None and len(before) == n else np.zeros(n, dtype=bool))
-    missing = np.zeros(0, dtype=np.int64) if elsewhere else np.flatnonzero(unaccounted)
+    missing = np.zeros(0, dtype=np.int64) if elsewhere else np.setdiff1d(np.flatnonzero(~held), list(failures))
     return Accounting(n, int(held.sum()), int(before.sum()), int((held & ~before).sum()), failures, missing, ids)
 
 
