@@ -175,7 +175,7 @@ def _conform(part: _Part, field: pa.Field, kind: str | None, name: str) -> None:
     dtype = "bfloat16" if field.metadata == _BF16 else str(np.dtype(value.to_pandas_dtype()))
     lengths = part.lengths if part.lengths is not None else np.zeros(0, np.int64)
     wrong = np.flatnonzero(lengths != dims[0]) if dims and not varies else []
-    if part.dtype != dtype or part.inner != (tuple(dims[not varies:]) if dims or varies else None) or len(wrong):
+    if part.dtype != dtype or part.inner != _inner_dims(field.type) or len(wrong):
         row = (int(lengths[wrong[0] if len(wrong) else 0]), *part.inner) if part.inner is not None else ()
         raise ValueError(_misfit(name, dtype, ("n", *dims) if varies else dims, part.dtype, row, "as stored") + (
             "; a float vector is stored with a fixed length when it has one length in every row of the first shard, "
@@ -187,7 +187,7 @@ def _array(parts: list[_Part], field: pa.Field, kind: str | None) -> pa.Array:
     filled = [p for p in parts if p.kind is not None]
     if kind in (None, "python") or not filled or pa.types.is_null(field.type):
         arrays = [pa.nulls(p.rows, field.type) if p.kind is None else p.values.cast(field.type) for p in parts]
-        return pa.concat_arrays(arrays) if arrays else pa.nulls(0, field.type)
+        return pa.concat_arrays(arrays)
     varies, dims, value = _layout(field.type)
     array = pa.array(np.concatenate([p.values for p in filled]).reshape(-1), type=value)
     for size in reversed(dims):
@@ -219,12 +219,12 @@ def _column_rows(array: pa.Array, field: pa.Field, kind: str | None) -> list:
     if kind in (None, "python"):
         return array.to_pylist()
     valid = array.is_valid().to_numpy(zero_copy_only=False)
-    values, lengths = _flat(array.filter(valid) if not valid.all() else array, field)
+    values, lengths = _flat(array.drop_null(), field)
     if kind == "tensor":
         whole = _tensor(values, field)
         rows = [part.clone() for part in (whole.split(lengths.tolist()) if lengths is not None else whole.unbind(0))]
     elif lengths is not None:
-        rows = [np.array(part) for part in np.split(values, np.cumsum(lengths)[:-1])] if len(lengths) else []
+        rows = [np.array(part) for part in np.split(values, np.cumsum(lengths)[:-1])]
     else:
         rows = list(values) if values.ndim == 1 else [np.array(v) for v in values]
     rows = iter(rows)

@@ -67,10 +67,16 @@ _Shard = namedtuple("_Shard", "keys hashes fields")  # an indexed shard: its key
 
 
 class Store:
-    """A results store opened for a run over ``n`` inputs (``None``: as the stored positions say), keyed by position
-    or by ``ids`` (``keyed_by="id"`` without ids: the inputs are the ids stored), held for ``job`` until
-    :meth:`close` or until dropped; ``verify``: every shard read whole, checksums verified. Attributes: ``done``
-    (which inputs it holds), ``n``, ``ids``, ``columns``, ``schema``, ``files`` (in the order rows are numbered).
+    """The results store at ``path``, opened for a run over ``n`` inputs (``None``: as the stored positions say), keyed
+    by position or by ``ids`` (``keyed_by="id"`` without ids: the inputs are the ids stored), held for ``job`` (one
+    string for every process of a job; ``None``: this open alone) until :meth:`close` or until dropped; ``verify``:
+    every shard read whole, checksums verified. Attributes: ``done`` (which inputs it holds), ``n``, ``ids``,
+    ``columns``, ``schema``, ``files`` (in the order rows are numbered).
+
+    Raises:
+        StoreBusyError: another live job writes the store (``.holder`` names it).
+        ValueError: not a results store, or one of another ``key``, keying or format.
+        TypeError: shards that type a column differently.
     """
 
     def __init__(self, path: Any, *, key: str | None, n: int | None = None, ids: pa.Array | None = None,
@@ -223,8 +229,9 @@ class Store:
         if ids is not None and len(keys) and keys.type != ids.type:
             raise ValueError(f"the loader's ids should be of type {keys.type}, as the ids of the results at "
                              f"output_path={self.path!r}, but got ids of type {ids.type}: use the same ids")
-        target = self._targets(keys, ids, len(ids) if ids is not None else n)
-        n = len(ids) if ids is not None else n if n is not None else int(target.max()) + 1 if target.size else 0
+        n = len(ids) if ids is not None else n
+        target = self._targets(keys, ids, n)
+        n = n if n is not None else int(target.max(initial=-1)) + 1
         inside = np.flatnonzero(target >= 0)
         if inside.size < target.size:
             logger.info("output_path=%r: %d stored rows are not inputs of this run", self.path,
@@ -303,19 +310,20 @@ class Store:
                 self._fixed.update(name for name, field in fitted.items() if not pa.types.is_null(field.type))
             return list(fitted.values())
 
-    def shard_meta(self) -> str:
-        """A shard's metadata (under :data:`~dynabatch.inference.store_shards.META`): format, key, keying, rows."""
+    def _metadata(self) -> dict[bytes, str]:
+        """A shard's schema metadata: format, key, keying and the rows' structure, under ``META``."""
         meta = {"format": FORMAT, "key": self.key, "keyed_by": self.keyed_by}
         if self.columns is not None:
             meta.update(tree=self.columns.tree, kinds=dict(self.columns.kinds))
-        return json.dumps(meta)
+        return {META: json.dumps(meta)}
 
-    def key_columns(self, positions: np.ndarray, hashes: np.ndarray, ids: pa.Array | None) -> dict[str, pa.Array]:
-        """The key columns (``position`` or ``id``, ``input_hash``) of rows of input ``positions`` (``ids``: the
-        writer's own, which positions index)."""
-        ids = ids if ids is not None else self.ids
-        key = pa.array(positions) if self.keyed_by == "position" else ids.take(pa.array(positions))
-        return {self.keyed_by: key, "input_hash": pa.array(hashes, pa.uint64())}
+    def shard(self, positions: np.ndarray, hashes: np.ndarray, ids: pa.Array | None, outputs: pa.Table) -> pa.Table:
+        """A shard's table: the key columns (``position`` or ``id``, ``input_hash``) of rows of input ``positions``
+        (``ids``: the writer's own, which positions index), then ``outputs``, with the shard's metadata."""
+        key = pa.array(positions) if self.keyed_by == "position" else (self.ids if ids is None else ids).take(positions)
+        schema = pa.schema([(self.keyed_by, key.type), ("input_hash", pa.uint64()), *outputs.schema],
+                           metadata=self._metadata())
+        return pa.Table.from_arrays([key, pa.array(hashes, pa.uint64()), *outputs.columns], schema=schema)
 
     def retyped(self, schema: pa.Schema) -> pa.Schema:
         """A shard's ``schema`` with the output fields as the committed shards type them (``null``: none typed it yet),
@@ -323,7 +331,7 @@ class Store:
         with self._lock:
             stored = [self._fields[n] if n in self._fixed else pa.field(n, pa.null()) for n in self.columns.names]
             keys = [field for field in schema if field.name not in self.columns.names]
-            return pa.schema([*keys, *stored], metadata={META: self.shard_meta()})
+            return pa.schema([*keys, *stored], metadata=self._metadata())
 
     def check_held(self) -> None:
         """Refuses a commit once the store is no longer held by this job (:class:`StoreBusyError`)."""
@@ -384,14 +392,4 @@ class Store:
                 self.lock.release()
 
 
-def open_store(path: Any, *, key: str | None, n: int | None = None, ids: pa.Array | None = None,
-               job: str | None = None, keyed_by: str | None = None, verify: bool = True) -> Store:
-    """The results store at ``path``, opened for a run over ``n`` inputs (or ``ids``) and held for ``job`` (one string
-    for every process of a job; ``None``: this open alone) until ``store.close()``.
-
-    Raises:
-        StoreBusyError: another live job writes the store (``.holder`` names it).
-        ValueError: not a results store, or one of another ``key``, keying or format.
-        TypeError: shards that type a column differently.
-    """
-    return Store(path, key=key, n=n, ids=ids, job=job, keyed_by=keyed_by, verify=verify)
+open_store = Store  # the results store at a path, opened: see Store

@@ -1,11 +1,8 @@
 """One job per results store: the lock a job holds while it writes a store (:class:`JobLock`, :class:`StoreBusyError`).
 
-Each hold leaves a record ``.lock-<nonce>.json`` (job, host, process id, start time), renamed into place whole (which
-holds on NFS, where ``flock`` does not); its modification time is the heartbeat. A hold is admitted when every live
-record is of its own job, and writes its record before it reads the others' inside a gate made by ``link`` (atomic
-on NFS too), so of two jobs started at once exactly one is admitted. A record is dead when its process is gone: on
-the same machine its process id no longer runs the process that wrote it, elsewhere its heartbeat is older than
-:data:`LEASE_SECONDS`. The user's rules: ``docs/inference.md``, "One job at a time".
+Each hold leaves a record ``.lock-<nonce>.json`` (job, host, process id, start time), renamed into place whole, its
+modification time the heartbeat; records and a gate made by ``link`` rather than ``flock``, which NFS lacks. Who is
+admitted, and when a record is dead: ``docs/inference.md``, "One job at a time".
 
 Example:
     >>> import tempfile
@@ -316,10 +313,6 @@ class JobLock:
 def _release_all() -> None:
     """Records of a process that ends (not killed) are removed, so a later job does not wait on them."""
     with _GUARD:
-        holds, beating = list(_HELD), _BEATING[:]
-        _HELD.clear()
-        _BEATING.clear()
-    for ticker in beating:
-        ticker.close(wait=False)
-    for hold in holds:
-        remove(hold.file)
+        holds = list(_HELD)
+    for hold in holds:  # the last stops the heartbeat, not waiting for it
+        hold.release(wait=False)

@@ -25,7 +25,7 @@ import pyarrow as pa
 from dynabatch._background import Worker
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_value
-from dynabatch.inference.store_shards import FAILED, META, read_whole, remove, shard_name, write_whole
+from dynabatch.inference.store_shards import FAILED, read_whole, remove, shard_name, write_whole
 
 __all__ = ["COMMIT", "NONE_ROW", "CommitPolicy", "StoreWriter"]
 
@@ -193,25 +193,21 @@ class StoreWriter:
         store.check_held()
         failures, batches = [e for e in taken if e.causes is not None], [e for e in taken if e.causes is None]
         if failures:
-            keys = store.key_columns(np.concatenate([e.positions for e in failures]),
-                                     np.concatenate([e.hashes for e in failures]), self.ids)
-            keys["cause"] = pa.array([c for e in failures for c in e.causes], pa.string())
+            causes = pa.table({"cause": pa.array([c for e in failures for c in e.causes], pa.string())})
             os.makedirs(os.path.join(store.path, FAILED), exist_ok=True)
-            write_whole(os.path.join(store.path, FAILED), name,
-                        pa.table(keys).replace_schema_metadata({META: store.shard_meta()}))
+            write_whole(os.path.join(store.path, FAILED), name, self._table(failures, causes))
         if not batches:
             return 0
         fields = store.fit([b.parts for b in batches], self._varying, fix=True)
-        keys = store.key_columns(np.concatenate([b.positions for b in batches]),
-                                 np.concatenate([b.hashes for b in batches]), self.ids)
-        outputs = store.columns.table([b.parts for b in batches], fields)
-        table = pa.Table.from_arrays([*keys.values(), *outputs.columns], schema=pa.schema(
-            [pa.field(k, v.type) for k, v in keys.items()] + fields, metadata={META: store.shard_meta()}))
-        del outputs
+        table = self._table(batches, store.columns.table([b.parts for b in batches], fields))
         write_whole(store.path, name, table, write_statistics=[store.keyed_by])
         del table
         trim()  # the shard's buffers are freed: resident memory stays flat over a long run
         return sum(entry.size for entry in taken)
+
+    def _table(self, entries: list[_Entry], outputs: pa.Table) -> pa.Table:
+        return self.store.shard(np.concatenate([e.positions for e in entries]),
+                                np.concatenate([e.hashes for e in entries]), self.ids, outputs)
 
     def _compact(self, seq: int, size: int) -> None:
         """Merges this writer's small shards by levels, :attr:`CommitPolicy.compact` of a level into one of the next;
@@ -236,6 +232,7 @@ class StoreWriter:
             spans.append((first, last, size, merging[0][3] + 1))
         if size >= self.policy.bytes:  # a full shard: the older, smaller ones merge no more
             spans.clear()
+
     def _remove(self, parts: list[str]) -> None:
         """Removes merged shards and their failure records (a crash before: the next open removes them)."""
         for folder in (self.store.path, os.path.join(self.store.path, FAILED)):
