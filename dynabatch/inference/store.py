@@ -1,10 +1,8 @@
 """The results store of ``run(..., output_path=...)``: Parquet shards on disk, one row per input.
 
-Each shard holds the key columns (``position``, or ``id``), ``input_hash`` and the outputs as
-:mod:`~dynabatch.inference.columns` encodes them; failure records are under ``_failed/``; one job writes at a time
-(:mod:`~.store_lock`). A run opens the store once (:func:`open_store`), checks the stored rows against its inputs
-(:meth:`Store.check_inputs`), writes through :meth:`Store.writer`, and finds every row in one scan at the end
-(:meth:`Store.located`). The rules are in ``docs/inference.md``.
+A run opens the store once (:func:`open_store`), checks the stored rows against its inputs (:meth:`Store.check_inputs`),
+writes through :meth:`Store.writer`, and finds every row in one scan at the end (:meth:`Store.located`). The rules
+(columns, failure records, one job at a time: :mod:`~.store_lock`) are in ``docs/inference.md``.
 
 Example:
     >>> import tempfile
@@ -129,7 +127,7 @@ class Store:
             if foreign:
                 raise ValueError(f"output_path should be a new or empty directory, or a dynabatch results store, but "
                                  f"got output_path={self.path!r} holding {len(foreign)} other entries "
-                                 f"({', '.join(foreign[:5])}); use another directory")
+                                 f"({first_few(foreign)}); use another directory")
             self._index(self.path, names, self._shards, verify)
             if FAILED in names:
                 failed = os.path.join(self.path, FAILED)

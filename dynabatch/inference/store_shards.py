@@ -1,9 +1,7 @@
 """The results store's files: how a shard is named, written whole and read back verified.
 
-Rows are ``part-<writer>-<first>[-<last>].parquet`` files (``-<last>``: a merged shard, holding its writer's shards
-``<first>`` to ``<last>``), failure records the same names in ``_failed/``. A shard being written is
-``.tmp-<host>-<pid>-<shard>.tmp``, one that cannot be read is set aside as ``.torn-<shard>.torn``: hidden, so that
-``pyarrow.dataset``, pandas and ``*.parquet`` globs read each row once at any time.
+The names are ``docs/inference.md``'s ("Shards", "Merging", "Damage"); a shard being written or set aside has a
+hidden name, so that ``pyarrow.dataset``, pandas and ``*.parquet`` globs read each row once at any time.
 
 Example:
     >>> from dynabatch.inference.store_shards import covered, shard_name
