@@ -175,7 +175,7 @@ def _conform(part: _Part, field: pa.Field, kind: str | None, name: str) -> None:
     dtype = "bfloat16" if field.metadata == _BF16 else str(np.dtype(value.to_pandas_dtype()))
     lengths = part.lengths if part.lengths is not None else np.zeros(0, np.int64)
     wrong = np.flatnonzero(lengths != dims[0]) if dims and not varies else []
-    if part.dtype != dtype or part.inner != _inner_dims(field.type) or len(wrong):
+    if part.dtype != dtype or part.inner != (tuple(dims[not varies:]) if dims or varies else None) or len(wrong):
         row = (int(lengths[wrong[0] if len(wrong) else 0]), *part.inner) if part.inner is not None else ()
         raise ValueError(_misfit(name, dtype, ("n", *dims) if varies else dims, part.dtype, row, "as stored") + (
             "; a float vector is stored with a fixed length when it has one length in every row of the first shard, "
