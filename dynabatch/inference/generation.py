@@ -82,9 +82,10 @@ def _setting(model: Any, generate_kwargs: dict[str, Any], name: str) -> Any:
     return getattr(getattr(model, "generation_config", None), name, None) if value is None else value
 
 
-def _new_tokens(model: Any, generate_kwargs: dict[str, Any]) -> int | None:
+def _new_tokens(model: Any, generate_kwargs: dict[str, Any]) -> int:
+    """The call's ``max_new_tokens``; 0 if unset."""
     value = _setting(model, generate_kwargs, "max_new_tokens")
-    return None if value is None else check_positive_int("max_new_tokens", value)
+    return 0 if value is None else check_positive_int("max_new_tokens", value)
 
 
 def _default_limit(model: Any, tokenizer: Any, new_tokens: int, encoder_decoder: bool) -> int:
@@ -134,7 +135,7 @@ def generation_loader(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any
     padding on the left for a decoder-only model) and its keywords: the model's shape through the new tokens, and
     no special tokens added to rendered chats (``chat``: the template holds its own)."""
     encoder_decoder = _check_model(model)
-    shape = ModelShape.from_model(model, max_new_tokens=_new_tokens(model, generate_kwargs) or 0,
+    shape = ModelShape.from_model(model, max_new_tokens=_new_tokens(model, generate_kwargs),
                                   num_beams=generate_kwargs.get("num_beams", 1))
     options: dict[str, Any] = {"model_shape": shape, **({"add_special_tokens": False} if chat else {})}
     if encoder_decoder or getattr(tokenizer, "padding_side", "left") == "left":
@@ -237,11 +238,12 @@ def generate(
     if not isinstance(return_ids, bool):
         raise bad_type("return_ids", "a bool", return_ids)
     new_tokens = _new_tokens(model, generate_kwargs)
-    check_positive_int("num_return_sequences", generate_kwargs.get("num_return_sequences", 1))
+    fn = reply_function(model, tokenizer, generate_kwargs, return_ids=return_ids,  # the collator pads with its pad id
+                        skip_special_tokens=skip_special_tokens, padding_id=tokenizer.pad_token_id)
     if max_input_token_length is None:
-        max_input_token_length = _default_limit(model, tokenizer, new_tokens or 0, encoder_decoder)
+        max_input_token_length = _default_limit(model, tokenizer, new_tokens, encoder_decoder)
     max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
-    check_position_limit(model, max_input_token_length, max_new_tokens=new_tokens or 0)
+    check_position_limit(model, max_input_token_length, max_new_tokens=new_tokens)
     texts = render_chats(tokenizer, prompts, dict(chat_template_kwargs or {})) if kind == "chat" else prompts
     device = getattr(model, "device", None) if device is None else device
     budget = {}  # the relative rule, unless max_memory is an absolute budget on device: planned by the footprint
@@ -254,8 +256,6 @@ def generate(
     padder, options = generation_loader(model, tokenizer, generate_kwargs, chat=kind == "chat")
     loader = build_dynamic_batch_dataloader(texts, padder, batch_size, max_input_token_length, num_workers=0,
                                             progress=progress, ids=ids, **budget, **options)
-    fn = reply_function(model, tokenizer, generate_kwargs, return_ids=return_ids,
-                        skip_special_tokens=skip_special_tokens, padding_id=loader.plan.collator.pad_token_id)
     with torch.inference_mode():
         return run(fn, loader, device=device, output_path=output_path, key=key, on_oom=on_oom, on_error=on_error,
                    memory=memory, progress=progress)

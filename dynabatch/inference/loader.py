@@ -222,8 +222,8 @@ def build_dynamic_batch_dataloader(
     check_tokenizer_kwargs(tokenizer, tokenizer_kwargs, build_dynamic_batch_dataloader)
     pad_to_multiple_of = tokenizer_kwargs.pop("pad_to_multiple_of", None)
     if token_ids and tokenizer_kwargs:
-        raise ValueError("tokenizer_kwargs should be empty for pre-tokenized texts (the ids are taken as they "
-                         f"are, no tokenizer call), but got tokenizer_kwargs={tokenizer_kwargs!r}")
+        raise bad_value("tokenizer_kwargs", "empty for pre-tokenized texts (the ids are taken as they are, no "
+                        "tokenizer call)", tokenizer_kwargs)
     settings = PlanSettings(batch_size, max_input_token_length, threshold, batch_start_range, batch_end_range, steps,
                             resolve_model_shape(model_shape, model), pad_to_multiple_of, max_growth, max_tokens)
     check_non_negative_int("num_workers", num_workers)

@@ -158,7 +158,7 @@ def _run(source: Source, sink: MemorySink | StoreSink, options: RunOptions) -> R
         if skipped.size and options.rank == 0:  # rank 0 answers for the inputs the loader planned into no batch
             writer = sink.writer("rank0.loader")
             try:
-                writer.fail(skipped, np.zeros(len(skipped), dtype=np.uint64), [BAD_INPUT] * len(skipped))
+                writer.fail(skipped, None, [BAD_INPUT] * len(skipped))
             finally:
                 writer.close()
         report = _execute(source, scheduler, builder, sink, options, skipped, stored)
