@@ -81,12 +81,11 @@ def plan_of(loader: Any) -> LoaderPlan | None:
     ``None``."""
     if isinstance(getattr(loader, "plan", None), LoaderPlan):
         return loader.plan
-    for holder in (loader, getattr(loader, "base_dataloader", None)):
-        sampler = getattr(holder, "batch_sampler", None)
-        for candidate in (sampler, getattr(sampler, "batch_sampler", None)):  # BatchSamplerShard keeps it here
-            if isinstance(getattr(candidate, "loader_plan", None), LoaderPlan):
-                logger.info("loader was prepared by accelerate: running the whole dynabatch plan under it")
-                return candidate.loader_plan
+    sampler = getattr(loader, "batch_sampler", None)  # accelerate's loader hands on its base loader's
+    for candidate in (sampler, getattr(sampler, "batch_sampler", None)):  # BatchSamplerShard keeps it here
+        if isinstance(getattr(candidate, "loader_plan", None), LoaderPlan):
+            logger.info("loader was prepared by accelerate: running the whole dynabatch plan under it")
+            return candidate.loader_plan
     return None
 
 
