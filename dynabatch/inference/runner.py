@@ -187,11 +187,9 @@ def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: Memor
     background = stage_seconds()
     n = source.n_inputs
     runs = None  # the inputs that run now: neither skipped nor stored (under ranks claiming chunks, the whole corpus)
-    if n is not None:
-        runs = np.ones(n, dtype=bool)
+    if n is not None:  # a store opened for n inputs holds n flags (open_sink refuses another n)
+        runs = np.ones(n, dtype=bool) if stored is None else ~stored
         runs[skipped] = False
-        if stored is not None:
-            runs[np.flatnonzero(stored[:n])] = False
     meter = meter_for(source, total_rows=None if runs is None else int(runs.sum()), runs=runs,
                       progress=options.progress, scale=source.scale, stored=0 if stored is None else int(stored.sum()),
                       inputs=n)
