@@ -238,7 +238,7 @@ def generate(
     if not isinstance(return_ids, bool):
         raise bad_type("return_ids", "a bool", return_ids)
     new_tokens = _new_tokens(model, generate_kwargs)
-    fn = reply_function(model, tokenizer, generate_kwargs, return_ids=return_ids,  # the collator pads with its pad id
+    fn = reply_function(model, tokenizer, generate_kwargs, return_ids=return_ids,  # the loader pads with this pad id
                         skip_special_tokens=skip_special_tokens, padding_id=tokenizer.pad_token_id)
     if max_input_token_length is None:
         max_input_token_length = _default_limit(model, tokenizer, new_tokens, encoder_decoder)
