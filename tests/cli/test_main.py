@@ -12,9 +12,18 @@ from dynabatch import __version__
 from dynabatch.cli import main
 
 # Loaded by the command's process (a sitecustomize module): every store write waits a little, so the run is surely
-# mid-way when the test presses Ctrl-C after the first shard.
+# mid-way when the test presses Ctrl-C after the first shard. Where each process was when a Ctrl-C came is written to
+# sigint.log beside it (Python's own handler still runs after): a failure says what the command was doing.
 SLOW_WRITES = '''
+import faulthandler
+import os
+import signal
 import time
+
+_SIGINT_LOG = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sigint.log"), "a")
+_SIGINT_LOG.write(f"process {os.getpid()} started\\n")
+_SIGINT_LOG.flush()
+faulthandler.register(signal.SIGINT, file=_SIGINT_LOG, all_threads=True, chain=True)
 
 from dynabatch.inference import store, store_writer
 
@@ -64,7 +73,8 @@ def test_ctrl_c_mid_run_is_one_line_of_what_was_kept_exit_130_and_the_same_comma
         os.killpg(process.pid, signal.SIGKILL)
         pytest.fail("five Ctrl-C did not stop the command within 20 s each")
     stored = ds.dataset(out).count_rows()
-    assert process.returncode == 130, err
+    assert process.returncode == 130, f"{err}\nwhere the command's processes were at each Ctrl-C:\n" + \
+        (tmp_path / "hook" / "sigint.log").read_text()[-20000:]
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == (f"dynabatch embed: stopped: {stored:,} of {len(texts):,} texts stored "
                                             f"in {out}; the same command resumes")
