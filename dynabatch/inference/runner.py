@@ -168,7 +168,8 @@ def _run(source: Source, sink: MemorySink | StoreSink, options: RunOptions) -> R
         torch.distributed.barrier()  # every rank's shards are in: each rank reads the whole store
     result, missing = sink.result(source.total_inputs, report=report)
     if missing.size:
-        ids = plan.ids.take(missing[:5]).to_pylist() if plan is not None and plan.ids is not None else None
+        # six ids: first_few writes "..." after five where there are more
+        ids = plan.ids.take(missing[:6]).to_pylist() if plan is not None and plan.ids is not None else None
         raise IncompleteRunError(
             f"run should account for every input (a result, or a place in failed with its cause), but got "
             f"{missing.size} of {len(result)} inputs with neither (positions {first_few(missing.tolist())}"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from runner_helpers import _lengths, _load
 
-from dynabatch import IncompleteRunError, run
+from dynabatch import IncompleteRunError, build_dynamic_batch_dataloader, run
 from dynabatch.inference.store_writer import CommitPolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -232,3 +232,22 @@ def test_a_row_fn_gives_as_none_is_a_failure_record_of_the_store(tokenizer, text
     assert in_memory[4] is None and in_memory.failed == []  # in memory None is its result
     stored = run(fn, _load(texts[:20], tokenizer), output_path=tmp_path / "store", progress=False)
     assert stored.failures == {4: NONE_ROW} and stored[4] is None and stored[5] == 5.0
+
+
+def test_inputs_lost_on_the_way_to_the_sink_are_named_by_position_and_id(tokenizer, texts, monkeypatch):
+    from dynabatch.inference.sink import MemorySink
+
+    write = MemorySink.write
+    lost = list(range(7))
+
+    def losing(self, positions, rows, hashes, varying=()):  # the rows of inputs 0-6 never reach the sink
+        keep = [i for i, p in enumerate(positions.tolist()) if p not in lost]
+        write(self, positions[keep], [rows[i] for i in keep], None if hashes is None else hashes[keep], varying)
+
+    monkeypatch.setattr(MemorySink, "write", losing)
+    ids = [f"t{i}" for i in range(20)]
+    loader = build_dynamic_batch_dataloader(texts[:20], tokenizer, batch_size=4, max_input_token_length=64, ids=ids,
+                                            progress=False)
+    with pytest.raises(IncompleteRunError, match=r"but got 7 of 20 inputs with neither \(positions 0, 1, 2, 3, 4, "
+                                                 r"\.\.\.; ids t0, t1, t2, t3, t4, \.\.\.\)"):
+        run(_lengths, loader, progress=False)
