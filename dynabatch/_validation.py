@@ -20,6 +20,7 @@ __all__ = [
     "bad_value",
     "brief",
     "brief_error",
+    "check_bool",
     "check_fraction",
     "check_lengths",
     "check_non_negative_int",
@@ -102,6 +103,13 @@ def bad_type(name: str, rule: str, value: Any) -> TypeError:
     return TypeError(
         f"{name} should be {rule}, but got {_got(name, value)} of type {type(value).__name__}"
     )
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """Returns ``value`` if it is a bool (``1``, ``"yes"`` or ``None`` are refused: a flag is said as itself)."""
+    if not isinstance(value, bool):
+        raise bad_type(name, "a bool", value)
+    return value
 
 
 def check_choice(name: str, value: Any, choices: tuple) -> None:

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int
 
 __all__ = ["PackedCollator", "PackedDataset", "packed_dataloader"]
 
@@ -146,8 +146,7 @@ class PackedCollator:
             raise bad_type("mask_dtype", "a floating torch.dtype", mask_dtype)
         for name, value in (("return_position_ids", return_position_ids),
                             ("return_flash_attn_kwargs", return_flash_attn_kwargs)):
-            if not isinstance(value, bool):
-                raise bad_type(name, "a bool", value)
+            check_bool(name, value)
         self.pad_token_id = pad_token_id
         self.separator_id = separator_id
         self.block_mask = block_mask

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int
 from dynabatch.data.token_ids import are_token_ids
 from dynabatch.data.tokenization import check_tokenizer, model_max_length
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
@@ -235,8 +235,7 @@ def generate(
     check_tokenizer(tokenizer)
     check_max_memory(max_memory)
     kind = _prompt_kind(prompts)
-    if not isinstance(return_ids, bool):
-        raise bad_type("return_ids", "a bool", return_ids)
+    check_bool("return_ids", return_ids)
     new_tokens = _new_tokens(model, generate_kwargs)
     fn = reply_function(model, tokenizer, generate_kwargs, return_ids=return_ids,  # the loader pads with this pad id
                         skip_special_tokens=skip_special_tokens, padding_id=tokenizer.pad_token_id)

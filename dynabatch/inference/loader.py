@@ -29,7 +29,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from dynabatch._background import Worker
-from dynabatch._validation import bad_type, bad_value, check_non_negative_int, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_bool, check_non_negative_int, check_positive_int
 from dynabatch.data import streaming as token_streaming
 from dynabatch.data.collate import TokenCollator, pad_token_id_of
 from dynabatch.data.ids import check_ids
@@ -228,8 +228,7 @@ def build_dynamic_batch_dataloader(
     check_non_negative_int("num_workers", num_workers)
     if tokenize_cores is not None:
         check_positive_int("tokenize_cores", tokenize_cores)
-    if not isinstance(shuffle, bool):
-        raise bad_type("shuffle", "a bool", shuffle)
+    check_bool("shuffle", shuffle)
     estimator = choose_estimator(classifier, memory_model, max_memory=max_memory, memory_margin=memory_margin,
                                  granularity=granularity, model=model, refit_memory_model=refit_memory_model)
     pad_token_id_of(tokenizer)  # refuse a tokenizer without pad token before tokenizing

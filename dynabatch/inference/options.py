@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dynabatch._validation import bad_type, bad_value, check_choice, check_non_negative_int
+from dynabatch._validation import bad_type, bad_value, check_bool, check_choice, check_non_negative_int
 from dynabatch.inference.outputs import TOKEN_OUTPUTS
 from dynabatch.memory.device import device_in_use, measurable
 from dynabatch.memory.measure import check_device
@@ -121,8 +121,7 @@ def resolve_options(fn: Any, loader: Any, plan: Any, *, make_fn: Any, devices: A
     check_choice("ranks", ranks, RANKS)
     check_store_arguments(output_path, key)
     check_choice("token_outputs", token_outputs, TOKEN_OUTPUTS)
-    if not isinstance(progress, bool):
-        raise bad_type("progress", "a bool", progress)
+    check_bool("progress", progress)
     if pad_token_id is not None:
         check_non_negative_int("pad_token_id", pad_token_id)
     if prefetch is not None:

@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value
+from dynabatch._validation import bad_value, check_bool
 from dynabatch.memory._spike_classifier import SpikeClassifier, probe_features
 from dynabatch.memory._tree_eval import CompiledTrees, check_rows
 
@@ -307,8 +307,7 @@ def load_classifier(classifier: str | os.PathLike | Any | None = None, *, shape:
         TypeError: for anything else.
         ValueError: for a missing or unreadable file or an estimator fitted on other features.
     """
-    if not isinstance(shape, bool):
-        raise bad_type("shape", "a bool", shape)
+    check_bool("shape", shape)
     if classifier is None:
         return _bundled(shape)
     if isinstance(classifier, SpikeClassifier):

@@ -68,7 +68,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_non_negative_int
+from dynabatch._validation import bad_value, check_bool, check_non_negative_int
 from dynabatch.memory.budget import rows_under
 from dynabatch.memory.oom import OutOfMemoryLimit
 
@@ -100,8 +100,7 @@ class MemoryFeedback:
     """
 
     def __init__(self, *, sparse: bool = False, budget: float | None = None) -> None:
-        if not isinstance(sparse, bool):
-            raise bad_type("sparse", "a bool", sparse)
+        check_bool("sparse", sparse)
         self.sparse = sparse
         self.budget: float | None = None
         self.absolute = False

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int
 from dynabatch.memory import _model_fit, _model_io
 from dynabatch.memory._model_io import describe_model, library_versions
 from dynabatch.memory.budget import rows_under
@@ -221,8 +221,7 @@ class MemoryModel:
         Returns:
             ``self``.
         """
-        if not isinstance(out_of_memory, bool):
-            raise bad_type("out_of_memory", "a bool", out_of_memory)
+        check_bool("out_of_memory", out_of_memory)
         self._add(rows, padded_length, peak_bytes, out_of_memory, source, extra)
         self._refit()
         return self

@@ -71,7 +71,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from dynabatch._digest import fingerprint
-from dynabatch._validation import bad_type, bad_value, check_non_negative_int, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_bool, check_non_negative_int, check_positive_int
 from dynabatch.sampling.ranks import deal, order_steps, resolve_world, split_for_replicas
 
 __all__ = ["PlannedBatchSampler"]
@@ -139,8 +139,7 @@ class PlannedBatchSampler(Sampler[list[int]], ABC):
         shard: bool = True,
     ) -> None:
         for name, value in (("shuffle", shuffle), ("shard", shard)):
-            if not isinstance(value, bool):
-                raise bad_type(name, "a bool", value)
+            check_bool(name, value)
         self.shuffle = shuffle
         self.shard = shard
         self.seed = check_non_negative_int("seed", seed)

@@ -82,12 +82,12 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_lengths, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_bool, check_lengths, check_positive_int
 from dynabatch.memory.budget import MemoryBudget, check_memory_margin, resolve_max_memory
-from dynabatch.memory.units import check_max_memory
 from dynabatch.memory.classifier import SpikeClassifier, load_classifier
 from dynabatch.memory.features import SPIKE_RATIO
 from dynabatch.memory.footprint import Footprint
+from dynabatch.memory.units import check_max_memory
 from dynabatch.sampling._spike_search import SpikeSearch
 from dynabatch.sampling.plan_settings import PlanSettings, settle_rows
 
@@ -203,8 +203,7 @@ class BudgetEstimator:
             if not callable(getattr(memory_model, method, None)):
                 raise bad_type("memory_model", "a MemoryModel (from dynabatch.calibrate or MemoryModel.load)",
                                memory_model)
-        if not isinstance(refit, bool):
-            raise bad_type("refit", "a bool", refit)
+        check_bool("refit", refit)
         self.memory_model = self.given = memory_model
         self.refit = refit
         self.max_memory_given = check_max_memory(max_memory)
@@ -332,8 +331,7 @@ def choose_estimator(
     memory_margin = check_memory_margin(memory_margin)
     if granularity is not None:
         granularity = check_positive_int("granularity", granularity)
-    if not isinstance(refit_memory_model, bool):
-        raise bad_type("refit_memory_model", "a bool", refit_memory_model)
+    check_bool("refit_memory_model", refit_memory_model)
     if memory_model is None:
         if refit_memory_model:
             raise bad_value("refit_memory_model", "False without a memory_model (there is no model of yours to "

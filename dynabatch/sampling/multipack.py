@@ -71,6 +71,7 @@ from dynabatch._digest import fingerprint
 from dynabatch._validation import (
     bad_type,
     bad_value,
+    check_bool,
     check_lengths,
     check_positive_int,
     check_positive_number,
@@ -167,8 +168,7 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
         batch_size = check_positive_int("batch_size", batch_size)
         self.batch_max_len = check_positive_int("batch_max_len", batch_max_len)
         for name, value in (("drop_last", drop_last), ("sequential", sequential), ("safe_mode", safe_mode)):
-            if not isinstance(value, bool):
-                raise bad_type(name, "a bool", value)
+            check_bool(name, value)
         unknown = sorted(set(kwargs) - set(_EXTRA_KWARGS))
         if unknown:
             LOG.warning("MultipackBatchSampler ignores the keyword arguments %s", unknown)

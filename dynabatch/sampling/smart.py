@@ -42,13 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import (
-    bad_type,
-    bad_value,
-    check_lengths,
-    check_non_negative_int,
-    check_positive_int,
-)
+from dynabatch._validation import bad_value, check_bool, check_lengths, check_non_negative_int, check_positive_int
 from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.sampling.constraints import Constraint, as_constraint, batch_cost
 
@@ -235,8 +229,7 @@ def plan_constrained(
     constraint = as_constraint(constraint)
     if window_batches is not None:
         window_batches = check_positive_int("window_batches", window_batches)
-    if not isinstance(shuffle, bool):
-        raise bad_type("shuffle", "a bool", shuffle)
+    check_bool("shuffle", shuffle)
     seed = check_non_negative_int("seed", seed)
     epoch = check_non_negative_int("epoch", epoch)
     n = len(array)

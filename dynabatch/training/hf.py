@@ -99,7 +99,7 @@ from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
 from transformers.trainer_pt_utils import find_batch_size
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, get_last_checkpoint
 
-from dynabatch._validation import bad_type, bad_value
+from dynabatch._validation import bad_type, bad_value, check_bool
 from dynabatch.data.collate import batch_shape, take_rows
 from dynabatch.data.packing import PackedDataset
 from dynabatch.memory.shape import ModelShape
@@ -204,8 +204,7 @@ class BatchSamplerTrainerMixin:
         if not isinstance(train_batch_sampler, PlannedBatchSampler):
             raise bad_type("train_batch_sampler", "a dynabatch PlannedBatchSampler (e.g. SmartBatchSampler)",
                            train_batch_sampler)
-        if not isinstance(split_on_oom, bool):
-            raise bad_type("split_on_oom", "a bool", split_on_oom)
+        check_bool("split_on_oom", split_on_oom)
         if eval_batches not in _EVAL_BATCHES:
             raise bad_value("eval_batches", f"one of {_EVAL_BATCHES}", eval_batches)
         super().__init__(*args, **kwargs)

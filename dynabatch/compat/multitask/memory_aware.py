@@ -40,6 +40,7 @@ import numpy as np
 from dynabatch._validation import (
     bad_type,
     bad_value,
+    check_bool,
     check_fraction,
     check_lengths,
     check_non_negative_int,
@@ -187,8 +188,7 @@ def plan_memory_aware_batches(
     if not callable(batch_bytes):
         raise bad_type("batch_bytes", "a callable (counts, padded_length) -> bytes", batch_bytes)
     weight = check_fraction("task_diversity_weight", task_diversity_weight)
-    if not isinstance(shuffle, bool):
-        raise bad_type("shuffle", "a bool", shuffle)
+    check_bool("shuffle", shuffle)
     rng = np.random.default_rng([check_non_negative_int("seed", seed), check_non_negative_int("epoch", epoch)])
     if task_ids.size == 0:
         return []

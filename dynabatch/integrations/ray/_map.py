@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int
 from dynabatch.integrations.ray._store import SUMMARY, check_store_options, open_store
 from dynabatch.integrations.ray.predictor import DynamicBatchPredictor
 from dynabatch.memory.device import device_count
@@ -144,8 +144,7 @@ def map_texts(
         raise bad_type("ds", "a ray.data.Dataset", ds)
     check_positive_int("batch_size", batch_size)
     window = default_window(batch_size) if window is None else check_positive_int("window", window)
-    if not isinstance(sort_by_length, bool):
-        raise bad_type("sort_by_length", "a bool", sort_by_length)
+    check_bool("sort_by_length", sort_by_length)
     check_store_options(output_path, key, id_column)
     for name, value in (("num_gpus", num_gpus), ("num_cpus", num_cpus)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real) or value < 0):

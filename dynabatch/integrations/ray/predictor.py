@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int
 from dynabatch.inference.columns import numpy_column
 from dynabatch.inference.execute import BatchOutOfMemoryError
 from dynabatch.inference.loader import plan_of
@@ -215,8 +215,7 @@ class DynamicBatchPredictor(WindowMemory):
         self.device = device
         for name, value in (("calibrate", calibrate), ("learn_memory", learn_memory),
                             ("inference_mode", inference_mode)):
-            if not isinstance(value, bool):
-                raise bad_type(name, "a bool", value)
+            check_bool(name, value)
         if learn_memory and memory == "off":
             raise bad_value("memory", "a mode that measures while learn_memory=True (the memory model learns from "
                             "measured peaks)", memory)
