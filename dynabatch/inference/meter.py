@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -432,13 +431,3 @@ def background_shares(before: dict[str, tuple[float, float]], wall: float) -> di
             stage = _STAGE_OF_THREAD.get(name, name)
             shares[stage] = shares.get(stage, 0.0) + seconds / wall
     return shares
-
-
-def meter_for(source: Any, *, total_rows: int | None, runs: np.ndarray | None, progress: bool, scale: int = 1,
-              stored: int = 0, inputs: int | None = None) -> Meter:
-    """The run's meter: costs from ``source``'s plan (token lengths, or a stream's characters), ``runs``: the
-    positions that run."""
-    sizes = source.text_sizes()
-    costs = None if sizes is None else TextCosts(sizes[0], exact=sizes[1], max_length=sizes[2], runs=runs)
-    return Meter(costs, total_rows=total_rows, scale=scale, stream=sys.stderr if progress else None, stored=stored,
-                 inputs=inputs)

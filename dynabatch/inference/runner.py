@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +38,7 @@ from dynabatch.inference.distributed import Lockstep, job_token
 from dynabatch.inference.execute import BatchOutOfMemoryError, Executor, Failures
 from dynabatch.inference.loader import plan_of
 from dynabatch.inference.loop import Stages, WorkerParts, run_workers
-from dynabatch.inference.meter import background_shares, meter_for
+from dynabatch.inference.meter import Meter, TextCosts, background_shares
 from dynabatch.inference.options import RunOptions, check_run_options, resolve_options
 from dynabatch.inference.outputs import RowSplitter
 from dynabatch.inference.report import RunReport
@@ -191,9 +192,11 @@ def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: Memor
     if n is not None:  # a store opened for n inputs holds n flags (open_sink refuses another n)
         runs = np.ones(n, dtype=bool) if stored is None else ~stored
         runs[skipped] = False
-    meter = meter_for(source, total_rows=None if runs is None else int(runs.sum()), runs=runs,
-                      progress=options.progress, scale=source.scale, stored=0 if stored is None else int(stored.sum()),
-                      inputs=n)
+    sizes = source.text_sizes()  # what the time left is counted in: the plan's token lengths, a stream's characters
+    costs = None if sizes is None else TextCosts(sizes[0], exact=sizes[1], max_length=sizes[2], runs=runs)
+    meter = Meter(costs, total_rows=None if runs is None else int(runs.sum()), scale=source.scale,
+                  stream=sys.stderr if options.progress else None, stored=0 if stored is None else int(stored.sum()),
+                  inputs=n)
     names = [str(t) for t in options.targets]
     names = [f"{name} (worker {i})" if names.count(name) > 1 else name for i, name in enumerate(names)]
     stages = Stages(source, scheduler, builder, sink, meter, threading.Event(), options.prefetch,
