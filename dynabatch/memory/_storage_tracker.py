@@ -3,9 +3,10 @@
 A :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every aten op.
 A storage first seen as an op *output* was allocated inside the block; a storage
 first seen as an op *input* existed before (weights, inputs, caches) and is never
-counted. A ``weakref.finalize`` on each counted storage subtracts its bytes when
-it is freed. Sizes are rounded up to 512 bytes, as CUDA's caching allocator does,
-so CPU and CUDA peaks are in the same units. The result depends only on the ops
+counted. A weak reference on each counted storage queues it when it is freed, and
+its bytes are subtracted before the next op's storages are counted. Sizes are
+rounded up to 512 bytes, as CUDA's caching allocator does, so CPU and CUDA peaks
+are in the same units. The result depends only on the ops
 run and their shapes, so the same call twice gives the same bytes.
 
 **One tracked block at a time.** torch's Python dispatch is not safe in two
@@ -40,6 +41,12 @@ def round_block(nbytes: int) -> int:
     return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
 
 
+class _Watch(weakref.ref):
+    """A weak reference to a watched storage that carries the storage's key."""
+
+    __slots__ = ("key",)
+
+
 def _tensors(values: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
     """Appends the tensors among an aten op's arguments or results to ``found``: tensors, scalars and lists or
     tuples of them, walked directly (a pytree flattening on every op costs several times more; generate runs
@@ -70,29 +77,43 @@ class StorageTracker(TorchDispatchMode):
         super().__init__()
         self.limit_bytes = limit_bytes
         self.exclusive = exclusive
-        self.current_bytes = 0
+        self._current = 0
         self.peak_bytes = 0
         self.segment_peak_bytes = 0  # the peak since the last mark()
         self._counted: dict[int, int] = {}  # storage key -> counted bytes
         self._preexisting: set[int] = set()
-        self._watched: dict[int, weakref.ref] = {}  # storage key -> the weak reference whose callback uncounts it
-        self._lock = threading.RLock()  # a collection inside the block may free a watched storage
+        self._watched: dict[int, _Watch] = {}  # storage key -> the weak reference that queues it when freed
+        # A freed storage's reference, queued by a C method: a Python callback would run Python's signal handlers,
+        # and Python drops what a weakref callback raises, so a Ctrl-C landing there was lost (1 in 40 during a
+        # tracked BERT forward). The frees are counted before the next op's storages, as they happened.
+        self._freed: list[_Watch] = []
+        self._lock = threading.RLock()  # a storage freed on another thread
 
     # -- bookkeeping -------------------------------------------------------
-    def _freed(self, key: int) -> None:
+    @property
+    def current_bytes(self) -> int:
+        """Bytes allocated inside the block and still held."""
         with self._lock:
+            self._uncount_freed()
+            return self._current
+
+    def _uncount_freed(self) -> None:
+        freed = self._freed
+        while freed:
+            key = freed.pop().key
             self._watched.pop(key, None)
             self._preexisting.discard(key)
-            self.current_bytes -= self._counted.pop(key, 0)
+            self._current -= self._counted.pop(key, 0)
 
     def _watch(self, storage: torch.UntypedStorage, key: int) -> None:
-        # A plain weak reference with a callback: a third of a weakref.finalize's cost, and dropping the
-        # reference (at the block's end) is what detaches it.
-        self._watched[key] = weakref.ref(storage, lambda _, key=key: self._freed(key))
+        # Dropping the reference (at the block's end) is what detaches it.
+        watch = self._watched[key] = _Watch(storage, self._freed.append)
+        watch.key = key
 
     def _see(self, tensors: list[torch.Tensor], is_output: bool) -> None:
         """Counts the storages of one op's input or output tensors (one lock for all of them)."""
         with self._lock:
+            self._uncount_freed()  # first: a freed storage's key may be a new storage's now
             for tensor in tensors:
                 if tensor.layout != torch.strided or tensor.is_meta:
                     continue
@@ -108,27 +129,28 @@ class StorageTracker(TorchDispatchMode):
                 size = round_block(storage.nbytes())
                 if counted is None:
                     self._counted[key] = size
-                    self.current_bytes += size
+                    self._current += size
                     self._watch(storage, key)
                 elif size != counted:  # resize_ and out= ops can grow a storage in place
-                    self.current_bytes += size - counted
+                    self._current += size - counted
                     self._counted[key] = size
                 else:
                     continue
-                if self.current_bytes > self.segment_peak_bytes:
-                    self.segment_peak_bytes = self.current_bytes
-                    self.peak_bytes = max(self.peak_bytes, self.current_bytes)
-            over = self.limit_bytes is not None and self.current_bytes > self.limit_bytes
-        if over:
+                if self._current > self.segment_peak_bytes:
+                    self.segment_peak_bytes = self._current
+                    self.peak_bytes = max(self.peak_bytes, self._current)
+            held = self._current
+        if self.limit_bytes is not None and held > self.limit_bytes:
             raise torch.OutOfMemoryError(
-                f"dynabatch CPU tracker: {self.current_bytes} bytes allocated exceed "
+                f"dynabatch CPU tracker: {held} bytes allocated exceed "
                 f"limit_bytes={self.limit_bytes}"
             )
 
     def mark(self) -> int:
         """Ends a segment of the block: returns its peak; the next segment starts at the bytes held now."""
         with self._lock:
-            peak, self.segment_peak_bytes = self.segment_peak_bytes, self.current_bytes
+            self._uncount_freed()
+            peak, self.segment_peak_bytes = self.segment_peak_bytes, self._current
         return peak
 
     # -- dispatch ----------------------------------------------------------
@@ -164,4 +186,5 @@ class StorageTracker(TorchDispatchMode):
             # Storages that outlive the block (the call's outputs) no longer
             # need watching: their references dropped, their callbacks never run.
             with self._lock:
+                self._uncount_freed()
                 self._watched.clear()

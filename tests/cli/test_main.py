@@ -60,18 +60,16 @@ def test_ctrl_c_mid_run_is_one_line_of_what_was_kept_exit_130_and_the_same_comma
         assert process.poll() is None, process.communicate()
         assert time.monotonic() < deadline, "no shard within 120 s"
         time.sleep(0.05)
-    # What Ctrl-C in a terminal sends: the foreground process group. Pressed again while the command runs on, as a
-    # user would: Python drops a KeyboardInterrupt raised inside a weakref callback (the CPU memory tracker's).
-    for _ in range(5):
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            _, err = process.communicate(timeout=20)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    else:
+    # What Ctrl-C in a terminal sends: the foreground process group. Once: where Python code ran inside a freed
+    # storage's weakref callback (the CPU memory tracker's, until it queued frees from C), Python dropped the
+    # KeyboardInterrupt and the command ran on to its end.
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        _, err = process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail("five Ctrl-C did not stop the command within 20 s each")
+        pytest.fail("a Ctrl-C did not stop the command within 60 s; where its processes were:\n" +
+                    (tmp_path / "hook" / "sigint.log").read_text()[-20000:])
     stored = ds.dataset(out).count_rows()
     assert process.returncode == 130, f"{err}\nwhere the command's processes were at each Ctrl-C:\n" + \
         (tmp_path / "hook" / "sigint.log").read_text()[-20000:]

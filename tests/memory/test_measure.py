@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -55,6 +56,37 @@ def test_sizes_round_up_to_cuda_blocks_and_freed_storages_are_released():
         c = b.view(10, 100)  # a view allocates nothing
     assert mem.peak_bytes == 4096
     assert c.shape == (10, 100)
+
+
+def test_a_storage_freed_is_uncounted_before_one_made_at_its_address_is_counted():
+    x = torch.ones(1000)
+    with track_peak_memory() as mem:
+        for _ in range(5):  # the allocator hands a freed block's address to the next one of its size
+            a = x + 1
+            del a
+            b = x + 2  # a's key (its storage's address) is b's now: a's bytes go before b's come
+            mem.mark()
+            c = x + 3
+            del b, c
+            mem.mark()
+    assert mem.segment_peaks == [4096, 8192] * 5 + [0]
+
+
+def test_freeing_a_tracked_storage_runs_no_python_so_no_ctrl_c_is_dropped_there():
+    """Python drops what a weakref callback raises, and a Ctrl-C's KeyboardInterrupt is raised wherever Python code
+    runs next: with a Python callback per freed storage, 1 Ctrl-C in 40 during a tracked BERT forward was lost."""
+    called = []
+    x = torch.ones(1000)
+    with track_peak_memory() as mem:
+        a = x + 1
+        sys.setprofile(lambda frame, event, arg: called.append(frame.f_code.co_name) if event == "call" else None)
+        try:
+            del a
+        finally:
+            sys.setprofile(None)
+        b = x + 2
+    assert called == []
+    assert mem.peak_bytes == 4096 and b.sum() > 0
 
 
 def test_peak_counts_tensors_alive_together():
