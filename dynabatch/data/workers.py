@@ -259,6 +259,9 @@ def _die_with_parent(parent: int, by_main_thread: bool) -> None:
 def _worker_main(tasks: Connection, results: Connection, parent: int, by_main_thread: bool,
                  inherited: list[Connection]) -> None:
     """A worker process: the tasks its pipe brings, one at a time, each answered on its result pipe."""
+    # A terminal's Ctrl-C reaches the whole process group: the parent decides (it stops, or a notebook goes on and
+    # calls again); a worker that raised it would print a traceback to the user's terminal and leave the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for connection in inherited:  # the parent's ends of every pipe, forked with it: held here, they would keep a
         connection.close()        # sibling's pipe open after the parent died
     _die_with_parent(parent, by_main_thread)

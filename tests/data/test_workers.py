@@ -4,6 +4,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import time
@@ -210,6 +211,24 @@ def test_an_error_in_a_worker_is_raised_here_and_the_pool_goes_on(sleeping_piece
     with pytest.raises(ValueError, match=r"^bad piece \[7\]$"):
         list(Pieces(_fail, 1, [[7]] * 3, cores=2))
     assert list(Pieces(_slow, 2, [[1]] * 4, cores=2)) == [[2]] * 4
+
+
+def test_a_ctrl_c_reaching_the_workers_leaves_them_silent_and_working(sleeping_pieces, capfd):
+    """A terminal's Ctrl-C goes to the whole process group: it is this process's to act on; a worker mid-piece or idle
+    prints no traceback and stays in the pool."""
+    pids = workers.shared_pool(2).pids
+    shared = Pieces(_slow, 2, [[1]] * 40, cores=3)
+    answers = iter(shared)
+    first = next(answers)  # the call is under way: the workers hold pieces
+    for pid in pids:
+        os.kill(pid, signal.SIGINT)
+    assert [first, *answers] == [[2]] * 40 and not shared.failed
+    time.sleep(0.2)
+    for pid in pids:  # idle now, between calls
+        os.kill(pid, signal.SIGINT)
+    again = Pieces(_slow, 2, [[1]] * 40, cores=3)
+    assert list(again) == [[2]] * 40 and again.used_workers == 2 and not again.failed
+    assert workers.shared_pool(2).pids == pids and "Traceback" not in capfd.readouterr().err
 
 
 def test_a_state_that_cannot_be_pickled_runs_on_this_thread(caplog, sleeping_pieces):  # the pool must be tried
