@@ -25,7 +25,7 @@ import os
 import sys
 
 from dynabatch.cli import calibrate, embed, generate
-from dynabatch.cli._checks import INTERRUPTED, Parser
+from dynabatch.cli._checks import Parser, stop_on_sigterm, stopped_by
 
 __all__ = ["main", "parser"]
 
@@ -45,18 +45,20 @@ def parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the command line; returns the exit status (130 after Ctrl-C, with one line on stderr: a run already
-    under way says itself what its store kept)."""
+    """Runs the command line; returns the exit status (130 after Ctrl-C, 143 after SIGTERM, with one line on stderr: a
+    run already under way says itself what its store kept)."""
     args = parser().parse_args(argv)
     # one progress display, the command's own: not transformers' "Loading weights" bar as well (read when
     # transformers is imported, which the commands do after this)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.command(args, args.parser)
-    except KeyboardInterrupt:
-        sys.stderr.write(f"{args.parser.prog}: stopped (Ctrl-C)\n")
-        return INTERRUPTED
+        with stop_on_sigterm():
+            return args.command(args, args.parser)
+    except KeyboardInterrupt as stop:
+        name, status = stopped_by(stop)
+        sys.stderr.write(f"{args.parser.prog}: stopped ({name})\n")
+        return status
 
 
 if __name__ == "__main__":

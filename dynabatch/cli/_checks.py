@@ -18,19 +18,56 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
 from dynabatch._validation import bad_value
 
-__all__ = ["DTYPES", "FLAGS", "INTERRUPTED", "Parser", "as_flags", "check_device_names", "check_dtype",
-           "check_model_folder", "check_plot", "check_positive", "check_writable", "extra", "refusing"]
+__all__ = ["DTYPES", "FLAGS", "INTERRUPTED", "TERMINATED", "Parser", "Terminated", "as_flags", "check_device_names",
+           "check_dtype", "check_model_folder", "check_plot", "check_positive", "check_writable", "extra", "refusing",
+           "stop_on_sigterm", "stopped_by"]
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 INTERRUPTED = 130
 """The exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it)."""
+TERMINATED = 143
+"""The exit status of a command stopped by SIGTERM (128 + SIGTERM)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler's stop, a preemption), raised in the main thread where Ctrl-C raises
+    ``KeyboardInterrupt``, so that a run stops as after Ctrl-C: every worker after its call in progress, the rows that
+    finished committed, the store's job lock given up (a rerun on another machine need not wait out its lease)."""
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """While the block runs, SIGTERM raises :class:`Terminated`, in the main thread (elsewhere Python sets no handler)
+    and not under ``torchrun``: its agent passes a SIGTERM on to every rank and waits 30 s for them before SIGKILL,
+    and a rank waiting in a collective for a rank that is gone runs no Python until then, so a rank ends at once, as
+    SIGKILL would end it (its store resumes either way)."""
+    if threading.current_thread() is not threading.main_thread() or "TORCHELASTIC_RUN_ID" in os.environ:
+        yield
+        return
+
+    def terminated(signum: int, frame: Any) -> NoReturn:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stopped_by(stop: KeyboardInterrupt) -> tuple[str, int]:
+    """What stopped a command, as its line on stderr names it, and its exit status."""
+    return ("SIGTERM", TERMINATED) if isinstance(stop, Terminated) else ("Ctrl-C", INTERRUPTED)
 
 FLAGS = {
     "batch_size": "--batch-size",

@@ -428,19 +428,20 @@ def run_accounted(call: Callable[[], Any], output: Output, n: int, parser: argpa
     saying ``--on-error skip`` (``on_error``: the run's) where the error names
     inputs and the run stopped on it; the library's arguments it names are named by their flags
     (:func:`~dynabatch.cli._checks.as_flags`). Any other error is printed with
-    its traceback, then what the store holds: exit status 1. Ctrl-C is one line of what the store kept,
-    exit status 130.
+    its traceback, then what the store holds: exit status 1. Ctrl-C (SIGTERM) is one line of what the store kept,
+    exit status 130 (143).
     """
-    from dynabatch.cli._checks import INTERRUPTED, as_flags
+    from dynabatch.cli._checks import as_flags, stopped_by
     from dynabatch.inference.runner import IncompleteRunError
 
     try:
         result = call()
-    except KeyboardInterrupt:  # the run stopped its workers and committed what finished: say what was kept
+    except KeyboardInterrupt as stop:  # the run stopped its workers and committed what finished: say what was kept
+        name, status = stopped_by(stop)
         tally = output.tally(n)
-        sys.stderr.write(f"{parser.prog}: stopped: {tally.stored:,} of {n:,} {what} stored in {output.path}; the "
-                         "same command resumes\n")
-        raise SystemExit(INTERRUPTED) from None
+        sys.stderr.write(f"{parser.prog}: stopped ({name}): {tally.stored:,} of {n:,} {what} stored in {output.path}; "
+                         "the same command resumes\n")
+        raise SystemExit(status) from None
     except Exception as exc:  # noqa: BLE001 (every way the run ends is followed by what the store holds)
         if isinstance(exc, IncompleteRunError):
             return None, output.tally(n, exc.partial), exc

@@ -1,4 +1,4 @@
-"""The command line's entry (``dynabatch.cli.main``): the version, Ctrl-C."""
+"""The command line's entry (``dynabatch.cli.main``): the version, Ctrl-C and SIGTERM."""
 
 import os
 import signal
@@ -10,6 +10,7 @@ import pytest
 
 from dynabatch import __version__
 from dynabatch.cli import main
+from dynabatch.cli._checks import Terminated, stop_on_sigterm, stopped_by
 
 # Loaded by the command's process (a sitecustomize module): every store write waits a little, so the run is surely
 # mid-way when the test presses Ctrl-C after the first shard. Where each process was when a Ctrl-C came is written to
@@ -47,8 +48,22 @@ def test_version_is_printed_without_a_command(capsys):
     assert capsys.readouterr().out.strip() == f"dynabatch {__version__} (torch-dynabatch)"
 
 
-def test_ctrl_c_mid_run_is_one_line_of_what_was_kept_exit_130_and_the_same_command_resumes(
-        bert_dir, texts, tmp_path, cli, write_corpus, command_environment, run_command):
+def test_sigterm_raises_where_ctrl_c_would_while_a_command_runs_then_its_handler_is_put_back(monkeypatch):
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated), stop_on_sigterm():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # not reached: the handler raises as the signal comes
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert stopped_by(Terminated()) == ("SIGTERM", 143) and stopped_by(KeyboardInterrupt()) == ("Ctrl-C", 130)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # a torchrun rank: SIGTERM ends it at once, as before
+    with stop_on_sigterm():
+        assert signal.getsignal(signal.SIGTERM) is before
+
+
+# Ctrl-C in a terminal: SIGINT to the foreground process group; a scheduler's stop or `kill`: SIGTERM to the process.
+@pytest.mark.parametrize("stop, name, status", [("ctrl-c", "Ctrl-C", 130), ("sigterm", "SIGTERM", 143)])
+def test_a_stop_mid_run_is_one_line_of_what_was_kept_its_exit_status_and_the_same_command_resumes(
+        stop, name, status, bert_dir, texts, tmp_path, cli, write_corpus, command_environment, run_command):
     corpus = write_corpus(tmp_path, texts, [f"t{i}" for i in range(len(texts))])
     out = tmp_path / "embeddings"
     command = [*cli, "embed", str(corpus), str(out), "--id-column", "id", "--model", str(bert_dir),
@@ -60,22 +75,25 @@ def test_ctrl_c_mid_run_is_one_line_of_what_was_kept_exit_130_and_the_same_comma
         assert process.poll() is None, process.communicate()
         assert time.monotonic() < deadline, "no shard within 120 s"
         time.sleep(0.05)
-    # What Ctrl-C in a terminal sends: the foreground process group. Once: where Python code ran inside a freed
-    # storage's weakref callback (the CPU memory tracker's, until it queued frees from C), Python dropped the
-    # KeyboardInterrupt and the command ran on to its end.
-    os.killpg(process.pid, signal.SIGINT)
+    # Once: where Python code ran inside a freed storage's weakref callback (the CPU memory tracker's, until it queued
+    # frees from C), Python dropped the KeyboardInterrupt and the command ran on to its end.
+    if stop == "ctrl-c":
+        os.killpg(process.pid, signal.SIGINT)
+    else:
+        os.kill(process.pid, signal.SIGTERM)
     try:
         _, err = process.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail("a Ctrl-C did not stop the command within 60 s; where its processes were:\n" +
+        pytest.fail(f"a {name} did not stop the command within 60 s; where its processes were at a Ctrl-C:\n" +
                     (tmp_path / "hook" / "sigint.log").read_text()[-20000:])
     stored = ds.dataset(out).count_rows()
-    assert process.returncode == 130, f"{err}\nwhere the command's processes were at each Ctrl-C:\n" + \
+    assert process.returncode == status, f"{err}\nwhere the command's processes were at a Ctrl-C:\n" + \
         (tmp_path / "hook" / "sigint.log").read_text()[-20000:]
     assert "Traceback" not in err
-    assert err.strip().splitlines()[-1] == (f"dynabatch embed: stopped: {stored:,} of {len(texts):,} texts stored "
-                                            f"in {out}; the same command resumes")
+    assert err.strip().splitlines()[-1] == (f"dynabatch embed: stopped ({name}): {stored:,} of {len(texts):,} texts "
+                                            f"stored in {out}; the same command resumes")
+    assert not list(out.glob(".lock-*")), "the store's job lock was not given up"
     assert 0 < stored < len(texts)
     again = run_command(command).stdout
     assert f"{len(texts)} of {len(texts)} texts stored in {out} ({len(texts) - stored} run now, {stored} stored " \
