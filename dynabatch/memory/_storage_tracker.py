@@ -6,8 +6,8 @@ first seen as an op *input* existed before (weights, inputs, caches) and is neve
 counted. A weak reference on each counted storage queues it when it is freed, and
 its bytes are subtracted before the next op's storages are counted. Sizes are
 rounded up to 512 bytes, as CUDA's caching allocator does, so CPU and CUDA peaks
-are in the same units. The result depends only on the ops
-run and their shapes, so the same call twice gives the same bytes.
+are in the same units. The result depends only on the ops run and their shapes,
+so the same call twice gives the same bytes.
 
 **One tracked block at a time.** torch's Python dispatch is not safe in two
 threads at once: two threads each running a model under its own mode crash the
@@ -84,8 +84,8 @@ class StorageTracker(TorchDispatchMode):
         self._preexisting: set[int] = set()
         self._watched: dict[int, _Watch] = {}  # storage key -> the weak reference that queues it when freed
         # A freed storage's reference, queued by a C method: a Python callback would run Python's signal handlers,
-        # and Python drops what a weakref callback raises, so a Ctrl-C landing there was lost (1 in 40 during a
-        # tracked BERT forward). The frees are counted before the next op's storages, as they happened.
+        # and Python drops what a weakref callback raises, so a Ctrl-C landing there would be lost (about 1 in 40
+        # during a tracked BERT forward). The frees are counted before the next op's storages, as they happened.
         self._freed: list[_Watch] = []
         self._lock = threading.RLock()  # a storage freed on another thread
 
@@ -184,7 +184,7 @@ class StorageTracker(TorchDispatchMode):
             if self.exclusive:
                 _ONE_BLOCK_AT_A_TIME.release()
             # Storages that outlive the block (the call's outputs) no longer
-            # need watching: their references dropped, their callbacks never run.
+            # need watching: their references dropped, they queue nothing.
             with self._lock:
                 self._uncount_freed()
                 self._watched.clear()

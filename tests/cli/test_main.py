@@ -75,8 +75,8 @@ def test_a_stop_mid_run_is_one_line_of_what_was_kept_its_exit_status_and_the_sam
         assert process.poll() is None, process.communicate()
         assert time.monotonic() < deadline, "no shard within 120 s"
         time.sleep(0.05)
-    # Once: where Python code ran inside a freed storage's weakref callback (the CPU memory tracker's, until it queued
-    # frees from C), Python dropped the KeyboardInterrupt and the command ran on to its end.
+    # Once: a KeyboardInterrupt raised in Python code whose exceptions Python drops (a weakref callback, such as one
+    # per storage the CPU memory tracker frees) is lost, and the command would run on to its end.
     if stop == "ctrl-c":
         os.killpg(process.pid, signal.SIGINT)
     else:
