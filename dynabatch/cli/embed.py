@@ -150,8 +150,11 @@ def _sentence_transformer(folder: str) -> Any:
     level, bar = quiet.level, transformers_logging.is_progress_bar_enabled()
     quiet.setLevel(logging.ERROR)  # it notes that device_map overrides device
     transformers_logging.disable_progress_bar()  # no weights are loaded: no "Loading weights" bar
+    # use_kernels=False: transformers>=5.25 swaps in hub kernels at load by default, and refuses the meta device
+    # there (kernels has no meta kernels); the modules read here never run
     try:
-        return SentenceTransformer(folder, device="cpu", local_files_only=True, model_kwargs={"device_map": "meta"})
+        return SentenceTransformer(folder, device="cpu", local_files_only=True,
+                                   model_kwargs={"device_map": "meta", "use_kernels": False})
     except Exception as exc:  # whatever it raises, the run's load would raise too: say it now, in one line
         raise ValueError(f"--model should be a folder sentence-transformers loads, but got --model={folder!r}: "
                          f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"

@@ -351,6 +351,7 @@ def test_the_command_refuses_such_a_model_in_one_line_before_its_weights_load(st
     monkeypatch.setattr(sentence_transformers, "SentenceTransformer", weightless_only)
     (tmp_path / "docs.txt").write_text("\n".join(corpus[:8]) + "\n", encoding="utf-8")
     folder = str(st_model_folder(pooling="mean", **INSTRUCTION))
+    capsys.readouterr()  # what making the folder printed (transformers' bars for loading and writing weights)
     with pytest.raises(SystemExit) as info:
         main(["embed", str(tmp_path / "docs.txt"), str(tmp_path / "store"), "--model", folder, "--no-progress"])
     err = capsys.readouterr().err.strip()
