@@ -3,6 +3,7 @@
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pyarrow.dataset as ds
@@ -60,11 +61,11 @@ def test_sigterm_raises_where_ctrl_c_would_while_a_command_runs_then_its_handler
         assert signal.getsignal(signal.SIGTERM) is before
 
 
-def _sigint_as_in_a_terminal():
-    """The command's SIGINT as a terminal's foreground command has it. A shell starts a command it runs in the
-    background (``pytest &`` in a script, ``nohup``) with SIGINT ignored, every process below inherits that, and
-    Python then raises no KeyboardInterrupt (as it should: such a command is not the one a Ctrl-C is for)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# The command's SIGINT as a terminal's foreground command has it. A shell starts a command it runs in the background
+# (`pytest &` in a script, nohup) with SIGINT ignored, every process below inherits that, and Python then raises no
+# KeyboardInterrupt (as it should: such a command is not the one a Ctrl-C is for). An exec keeps the default action.
+AS_IN_A_TERMINAL = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                    "os.execv(sys.argv[1], sys.argv[1:])"]
 
 
 # Ctrl-C in a terminal: SIGINT to the foreground process group; a scheduler's stop or `kill`: SIGTERM to the process.
@@ -75,9 +76,8 @@ def test_a_stop_mid_run_is_one_line_of_what_was_kept_its_exit_status_and_the_sam
     out = tmp_path / "embeddings"
     command = [*cli, "embed", str(corpus), str(out), "--id-column", "id", "--model", str(bert_dir),
                "--batch-size", "4", "--no-progress"]
-    process = subprocess.Popen(command, env=command_environment(tmp_path / "hook", SLOW_WRITES),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                               preexec_fn=_sigint_as_in_a_terminal)
+    process = subprocess.Popen([*AS_IN_A_TERMINAL, *command], env=command_environment(tmp_path / "hook", SLOW_WRITES),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while not list(out.glob("part-*.parquet")):
         assert process.poll() is None, process.communicate()
