@@ -1,5 +1,5 @@
-"""The examples and the planning benchmark, run as a user runs them (small sizes, offline): ``--help`` in a fresh
-interpreter, the runs in a fork of ``tests/_warm.py``'s (without the imports' 15-20 s)."""
+"""The examples, and the planning benchmark's ``--help``, run as a user runs them (small sizes, offline): ``--help``
+in a fresh interpreter, the runs in a fork of ``tests/_warm.py``'s (without the imports' 15-20 s)."""
 
 import os
 import re
@@ -30,12 +30,7 @@ RUNS = {
     "seq2seq_generate": (SEQ2SEQ, ["--n-texts", "60", "--max-length", "48", "--threads", "1", "--repeats", "2"],
                          [TIMED_RUNS.format(n=2), COMPARISON_HEADER, r"\ndynabatch\s+\d+", SPEED_UP,
                           r"\b60/60 rows equal \(OK"]),
-    "plan_speed": (PLAN_SPEED, ["--n-texts", "2000", "--n-lengths", "20000", "--repeats", "1", "--cold-texts", "400",
-                                "--cold-repeats", "1"],
-                   [r"\| stage \| size \| time \| texts/s \| note \|", r"machine: ",
-                    r"\| `plan_batches`, `batch_size=16` \| 20,000 lengths \|", r"\| `plan_batches`, `batch_size=64` \|",
-                    r"the ~4,300 texts/s quoted"]),
-}
+}  # benchmarks/plan_speed.py runs in tests/test_benchmarks.py
 
 
 def _run(script, *args, warm=None):
