@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
@@ -141,7 +142,8 @@ def _assert_exact(rows, alone, skip=()):
 
 
 def _rows(out):
-    """A window's output dict as one dict per row."""
+    """A window's output dict as one dict per row (an Arrow column's rows as Python values)."""
+    out = {key: column.to_pylist() if isinstance(column, pa.Array) else column for key, column in out.items()}
     return [{key: out[key][i] for key in out} for i in range(len(out["id"]))]
 
 
@@ -310,6 +312,41 @@ def test_a_pandas_window_and_an_empty_window(held_out, alone):
         np.testing.assert_allclose(vector, alone[text], atol=2e-5, rtol=0)
     empty = predictor({"id": np.arange(0), "body": np.array([], dtype=object)})
     assert len(empty["vector"]) == 0 and sorted(empty) == ["body", "id", "vector"]
+
+
+# Windows of one job, one with a failed row (None) and one without, as on_oom / on_error="skip" makes them:
+# (rows of a window, rows of another, the Arrow type both columns have).
+SKIPPED_WINDOWS = {
+    "vectors": ([torch.ones(3), torch.zeros(3)], [None, torch.ones(3)], pa.list_(pa.float32(), 3)),
+    "per-token rows": ([torch.ones(2, 4), torch.ones(2, 4)], [torch.ones(5, 4), None],
+                       pa.list_(pa.list_(pa.float32(), 4))),
+    "token ids": ([torch.tensor([1, 2]), torch.tensor([3, 4])], [torch.tensor([5]), None], pa.list_(pa.int64())),
+    "a score each": ([np.float32(0.5), np.float32(1.0)], [None, np.float32(2.0)], pa.float32()),
+    "every row of one failed": ([torch.ones(3), torch.ones(3)], [None, None], pa.list_(pa.float32(), 3)),
+}
+
+
+@pytest.mark.parametrize("frame", [False, True], ids=["numpy", "pandas"])
+@pytest.mark.parametrize("kind", sorted(SKIPPED_WINDOWS))
+def test_with_skip_a_window_with_a_failed_row_and_one_without_make_one_column_type(kind, frame):
+    """Ray joins windows' columns when a job sorts, repartitions, converts or writes its output: one type, failed
+    rows null (a tensor column and a column of objects cannot be joined, and objects are written pickled)."""
+    import pandas as pd
+
+    from dynabatch.integrations.ray._columns import frame_column, output_column
+
+    windows, want = SKIPPED_WINDOWS[kind][:2], SKIPPED_WINDOWS[kind][2]
+    columns = [output_column(rows, nullable=True) for rows in windows]
+    if frame:
+        columns = [pa.Array.from_pandas(frame_column(c, pd.RangeIndex(len(c)))) for c in columns]
+    assert {c.type for c in columns} - {pa.null()} == {want}  # a window whose every row failed: nulls alone
+    # joined as Ray joins blocks (Arrow's permissive promotion: a null column takes the other's type)
+    joined = pa.concat_tables([pa.table({"output": c}) for c in columns], promote_options="permissive")
+    assert joined.schema.field("output").type == want
+    expected = [None if r is None else np.asarray(r).tolist() for rows in windows for r in rows]
+    assert joined.column("output").to_pylist() == expected
+    if kind == "vectors":  # where no row can fail: Ray's tensor column, as before
+        assert output_column(windows[0], nullable=False).shape == (2, 3)
 
 
 class Sums(DynamicBatchPredictor):
@@ -562,8 +599,9 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def faulty_job(ray_cluster, held_out, tmp_path_factory):
-    """The held-out texts through 2 actors (map_texts): batches over 6 rows and one text (even alone) run out of
-    memory, and the first actor to reach its 2nd window dies there; Ray restarts it and retries the window."""
+    """The held-out texts through 2 actors (map_texts), sorted by length: batches over 6 rows and one text (even
+    alone) run out of memory, and the first actor to reach its 2nd window dies there; Ray restarts it and retries
+    the window."""
 
     marker = tmp_path_factory.mktemp("ray") / "died"
     poison = held_out[11]
@@ -571,7 +609,7 @@ def faulty_job(ray_cluster, held_out, tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # Ray 2.60 deprecates passing actor options so
         out = map_texts(ds, Faulty, batch_size=4, max_input_token_length=MAX_LEN, window=30, actors=2,
-                        ray_remote_args={"max_restarts": 2, "max_task_retries": 2},
+                        sort_by_length=True, ray_remote_args={"max_restarts": 2, "max_task_retries": 2},
                         max_rows=6, poison=poison, marker=str(marker), on_oom="skip").take_all()
     return out, poison, int(marker.read_text())
 
@@ -608,19 +646,12 @@ class TokenCounts(DynamicBatchPredictor):
         return AutoTokenizer.from_pretrained(minilm_path()), lambda b: b["attention_mask"].sum(dim=1)
 
 
-def test_map_texts_sorted_by_length_keeps_every_row_with_its_own_result(ray_cluster, held_out, tokenizer):
-    ds = ray_cluster.data.from_items([{"id": i, "body": t} for i, t in enumerate(held_out)], override_num_blocks=4)
-    out = map_texts(ds, TokenCounts, batch_size=8, max_input_token_length=MAX_LEN, window=40, actors=1,
-                    sort_by_length=True, text_column="body", output_column="tokens", learn_memory=False).take_all()
-    assert sorted(row["id"] for row in out) == list(range(len(held_out)))
-    assert all(sorted(row) == ["body", "id", "tokens"] for row in out)  # the sort key is dropped again
-    # Each window holds a run of the longest-first order (windows may come back in any order): the lengths
-    # rise at most at the 2 places where one window's rows end and another's begin.
-    lengths = [len(row["body"]) for row in out]
-    assert sum(b > a for a, b in itertools.pairwise(lengths)) <= 2
-    for row in out:
-        assert row["body"] == held_out[row["id"]]
-        assert row["tokens"] == len(tokenizer(row["body"], truncation=True, max_length=MAX_LEN)["input_ids"])
+def test_sorted_by_length_each_window_is_a_run_of_the_longest_first_order(faulty_job, held_out):
+    out, _, _ = faulty_job  # every row once, in place, exact, the sort key dropped: the tests above
+    # Windows come back in any order (a retried one too): the lengths rise at most at the 3 places where one
+    # window's rows end and another's begin.
+    lengths = [len(row["text"]) for row in out]
+    assert sum(b > a for a, b in itertools.pairwise(lengths)) <= len(held_out) // 30 - 1
 
 
 def test_map_texts_picks_the_window_and_leaves_a_cpu_for_the_stages_that_feed_the_actors(ray_cluster, caplog):

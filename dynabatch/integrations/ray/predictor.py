@@ -10,13 +10,12 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int
-from dynabatch.inference.columns import numpy_column
 from dynabatch.inference.execute import BatchOutOfMemoryError
 from dynabatch.inference.loader import plan_of
 from dynabatch.inference.report import RunReport
 from dynabatch.inference.results import RunResult
 from dynabatch.inference.runner import check_run_options, run
-from dynabatch.integrations.ray._columns import check_column, check_options, columns_of
+from dynabatch.integrations.ray._columns import check_column, check_options, columns_of, frame_column, output_column
 from dynabatch.integrations.ray._memory import WindowMemory
 from dynabatch.integrations.ray._store import SUMMARY, WindowStore, check_store_options
 from dynabatch.memory.model import MemoryModel
@@ -311,14 +310,14 @@ class DynamicBatchPredictor(WindowMemory):
         else:
             result, _ = self._run_window(texts)
             results, failures = list(result), result.failures
-        columns = {self.output_column: numpy_column(results)}
+        columns = {self.output_column: output_column(results, nullable=self.skips)}
         if self.skips:
             errors = np.full(len(texts), "", dtype=object)
             for p, cause in failures.items():
                 errors[p] = cause
             columns[self.error_column] = errors
         if is_frame:
-            return batch.assign(**{name: list(values) for name, values in columns.items()})
+            return batch.assign(**{name: frame_column(values, batch.index) for name, values in columns.items()})
         out = dict(batch)
         out.update(columns)
         return out
