@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import ctypes
 import functools
 import itertools
@@ -256,12 +257,30 @@ def _die_with_parent(parent: int, by_main_thread: bool) -> None:
     Ticker(watch, seconds=_POLL, name="dynabatch-parent-watch").start()  # lives as long as the worker process
 
 
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread while it starts workers: a fork inherits the block, so a Ctrl-C that reaches a
+    worker before it ignores SIGINT (in :func:`_worker_main`) waits and is dropped there, instead of raising in the
+    worker's start-up. This process's own Ctrl-C is not lost: another thread takes it, or it comes when unblocked."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no process group signals to block
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def _worker_main(tasks: Connection, results: Connection, parent: int, by_main_thread: bool,
                  inherited: list[Connection]) -> None:
     """A worker process: the tasks its pipe brings, one at a time, each answered on its result pipe."""
     # A terminal's Ctrl-C reaches the whole process group: the parent decides (it stops, or a notebook goes on and
-    # calls again); a worker that raised it would print a traceback to the user's terminal and leave the pool.
+    # calls again); a worker that raised it would print a traceback to the user's terminal and leave the pool. It
+    # was blocked from the fork on (see _sigint_blocked): one that came since is dropped as it is ignored.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     for connection in inherited:  # the parent's ends of every pipe, forked with it: held here, they would keep a
         connection.close()        # sibling's pipe open after the parent died
     _die_with_parent(parent, by_main_thread)
@@ -330,17 +349,18 @@ class WorkerPool:
         self._blob: tuple[str, bytes] | None = None
         parent_ends: list[Connection] = []
         try:
-            for _ in range(workers):
-                task_read, task_write = context.Pipe(duplex=False)
-                result_read, result_write = context.Pipe(duplex=False)
-                parent_ends += [task_write, result_read]
-                inherited = list(parent_ends) if method == "fork" else []
-                process = context.Process(target=_worker_main, name="dynabatch-tokenizer", daemon=True,
-                                          args=(task_read, result_write, os.getpid(), by_main_thread, inherited))
-                process.start()
-                task_read.close()
-                result_write.close()
-                self._workers.append(_Worker(process, task_write, result_read))
+            with _sigint_blocked():
+                for _ in range(workers):
+                    task_read, task_write = context.Pipe(duplex=False)
+                    result_read, result_write = context.Pipe(duplex=False)
+                    parent_ends += [task_write, result_read]
+                    inherited = list(parent_ends) if method == "fork" else []
+                    process = context.Process(target=_worker_main, name="dynabatch-tokenizer", daemon=True,
+                                              args=(task_read, result_write, os.getpid(), by_main_thread, inherited))
+                    process.start()
+                    task_read.close()
+                    result_write.close()
+                    self._workers.append(_Worker(process, task_write, result_read))
         except BaseException:
             self.close()
             raise
