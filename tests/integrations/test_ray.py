@@ -349,6 +349,16 @@ def test_with_skip_a_window_with_a_failed_row_and_one_without_make_one_column_ty
         assert output_column(windows[0], nullable=False).shape == (2, 3)
 
 
+def test_with_skip_rows_the_stores_encoding_refuses_stay_a_column_of_objects():
+    from dynabatch.integrations.ray._columns import output_column
+
+    for rows in ([torch.ones(2, 3), None, torch.ones(2, 4)], [torch.ones(2), np.ones(2)],
+                 [torch.ones(2, dtype=torch.complex64), None]):
+        column = output_column(rows, nullable=True)
+        assert isinstance(column, np.ndarray) and column.dtype == object and len(column) == len(rows)
+        assert [row is None for row in column] == [row is None for row in rows]
+
+
 class Sums(DynamicBatchPredictor):
     """A model-free predictor: each row's token count and sum of token ids (exact in float32, however batched).
     With ``record``, every model call appends its texts to a file in that directory; with ``fail_at``, the actor's
@@ -599,17 +609,18 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def faulty_job(ray_cluster, held_out, tmp_path_factory):
-    """The held-out texts through 2 actors (map_texts), sorted by length: batches over 6 rows and one text (even
-    alone) run out of memory, and the first actor to reach its 2nd window dies there; Ray restarts it and retries
-    the window."""
+    """The held-out texts (column ``body``) through 2 actors (map_texts), sorted by length: batches over 6 rows and
+    one text (even alone) run out of memory, and the first actor to reach its 2nd window dies there; Ray restarts it
+    and retries the window."""
 
     marker = tmp_path_factory.mktemp("ray") / "died"
     poison = held_out[11]
-    ds = ray_cluster.data.from_items([{"id": i, "text": t} for i, t in enumerate(held_out)], override_num_blocks=8)
+    ds = ray_cluster.data.from_items([{"id": i, "body": t} for i, t in enumerate(held_out)], override_num_blocks=8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # Ray 2.60 deprecates passing actor options so
         out = map_texts(ds, Faulty, batch_size=4, max_input_token_length=MAX_LEN, window=30, actors=2,
-                        sort_by_length=True, ray_remote_args={"max_restarts": 2, "max_task_retries": 2},
+                        sort_by_length=True, text_column="body", ray_remote_args={"max_restarts": 2,
+                                                                                  "max_task_retries": 2},
                         max_rows=6, poison=poison, marker=str(marker), on_oom="skip").take_all()
     return out, poison, int(marker.read_text())
 
@@ -617,16 +628,16 @@ def faulty_job(ray_cluster, held_out, tmp_path_factory):
 def test_held_out_texts_through_two_actors_come_back_once_in_place_and_exact(faulty_job, held_out, alone):
     out, poison, _ = faulty_job
     assert sorted(row["id"] for row in out) == list(range(len(held_out)))  # every row once: none lost or repeated
-    assert all(row["text"] == held_out[row["id"]] for row in out)  # in place: each output beside its own row
-    assert all(sorted(row) == ["error", "id", "oom_splits", "output", "pid", "text"] for row in out)
-    _assert_exact(out, alone, skip={poison})
+    assert all(row["body"] == held_out[row["id"]] for row in out)  # in place: each output beside its own row
+    assert all(sorted(row) == ["body", "error", "id", "oom_splits", "output", "pid"] for row in out)
+    _assert_exact([{**row, "text": row["body"]} for row in out], alone, skip={poison})
 
 
 def test_injected_out_of_memory_is_survived_and_the_row_failing_alone_reported(faulty_job):
     out, poison, _ = faulty_job
     assert sum(row["oom_splits"] for row in out) > 0  # batches of windows ran out of memory and were split
     failed = [row for row in out if row["error"]]
-    assert [row["text"] for row in failed] == [poison] and failed[0]["output"] is None
+    assert [row["body"] for row in failed] == [poison] and failed[0]["output"] is None
     assert failed[0]["error"].startswith("out of memory alone")
 
 
@@ -635,22 +646,11 @@ def test_an_actor_killed_mid_job_is_restarted_and_its_window_run_again(faulty_jo
     assert len({row["pid"] for row in out} - {dead}) >= 2  # ... and a restarted one ran that window again
 
 
-class TokenCounts(DynamicBatchPredictor):
-    """A model-free predictor (the tokenizer only): each row's token count."""
-
-    def setup(self):
-        from transformers import AutoTokenizer
-
-        from dynabatch.demo import minilm_path
-
-        return AutoTokenizer.from_pretrained(minilm_path()), lambda b: b["attention_mask"].sum(dim=1)
-
-
 def test_sorted_by_length_each_window_is_a_run_of_the_longest_first_order(faulty_job, held_out):
     out, _, _ = faulty_job  # every row once, in place, exact, the sort key dropped: the tests above
     # Windows come back in any order (a retried one too): the lengths rise at most at the 3 places where one
     # window's rows end and another's begin.
-    lengths = [len(row["text"]) for row in out]
+    lengths = [len(row["body"]) for row in out]  # sorted by the text_column's lengths
     assert sum(b > a for a, b in itertools.pairwise(lengths)) <= len(held_out) // 30 - 1
 
 

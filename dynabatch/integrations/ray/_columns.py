@@ -55,7 +55,8 @@ def output_column(rows: list[Any], *, nullable: bool) -> np.ndarray | pa.Array:
     column with the column of objects a ``None`` makes in another (a job that sorts, repartitions or converts its
     output failed, and a Parquet file held pickled rows). A row of two or more dimensions (a per-token output) is a
     list in every window, whatever its lengths there; a window whose every row failed is a column of nulls. Other
-    rows (dicts, Python values) stay numpy's.
+    rows (dicts, Python values, and arrays the store's encoding refuses: inner shapes or dtypes that differ between
+    rows, complex numbers) stay numpy's, as where no row can fail.
 
     Example:
         >>> import torch
@@ -69,9 +70,12 @@ def output_column(rows: list[Any], *, nullable: bool) -> np.ndarray | pa.Array:
         return pa.nulls(len(rows))
     if not nullable or not isinstance(first, (torch.Tensor, np.ndarray, np.generic)):
         return numpy_column(rows)
-    columns = Columns.of(first)
-    parts = [columns.parts(rows)]
-    fields = columns.fit(parts, varying=columns.names if np.ndim(first) >= 2 else ())
+    try:
+        columns = Columns.of(first)
+        parts = [columns.parts(rows)]
+        fields = columns.fit(parts, varying=columns.names if np.ndim(first) >= 2 else ())
+    except (TypeError, ValueError):  # rows the store's encoding refuses (kinds, dtypes or inner shapes that differ)
+        return numpy_column(rows)
     return columns.table(parts, list(fields.values())).column(0).combine_chunks()
 
 
