@@ -123,8 +123,8 @@ def test_plan_speed_prints_cold_start_and_planning_rows_and_writes_only_where_as
     (tmp_path / "work").mkdir()
     out = tmp_path / "plan_speed.md"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    args = ["--n-texts", "300", "--n-lengths", "3000", "--batch-sizes", "4,16", "--repeats", "1", "--cold-texts", "400",
-            "--cold-repeats", "1", "--output", str(out)]
+    args = ["--n-texts", "300", "--n-lengths", "3000", "--batch-sizes", "4,16,64", "--repeats", "1",
+            "--cold-texts", "400", "--cold-repeats", "1", "--output", str(out)]
     result = _warm.run(warm, [sys.executable, str(script), *args], check=False, capture_output=True, text=True,
                             env=env, cwd=tmp_path / "work", timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -137,7 +137,7 @@ def test_plan_speed_prints_cold_start_and_planning_rows_and_writes_only_where_as
                      r"[\d.]+ s \| [\d,]+ \| [\d.]+x the raw call, target <= 1.3x: (OK|MISSED); scikit-learn not "
                      r"imported \|$", table, re.MULTILINE), table
     assert "| first raw `tokenizer(texts, truncation=True, max_length=256)` | 400 KJV passages |" in table
-    for batch_size in (4, 16):
+    for batch_size in (4, 16, 64):
         assert re.search(rf"^\| `plan_batches`, `batch_size={batch_size}` \| 3,000 lengths \| [\d.]+ s \| [\d,]+ \| "
                          r"[\d,]+ batches, largest \d+; target <= 0.5 s is for 1,000,000 lengths \|$", table,
                          re.MULTILINE), table
