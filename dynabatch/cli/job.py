@@ -482,7 +482,9 @@ def summary(command: str, report: Any, tally: Tally, *, output: str, what: str, 
     lines = [(f"dynabatch {command}: {tally.stored:,} of {tally.n:,} {what} stored in {output} ({tally.now:,} run "
              f"now, {tally.before:,} stored before)"),
              f"  model      {model}, on {place.describe()}"]
-    if report is not None:
+    if report is not None and not report.batches:  # nothing left to run: no rate, padding or bound to speak of
+        lines.append(f"  time       {seconds:.1f} s in all; no batch ran")
+    elif report is not None:
         efficiency = f"{report.padding_efficiency:.0%}" if report.padding_efficiency is not None else "-"
         ran = f" (rank {place.rank}'s)" if place.world > 1 else ""
         lines += [(f"  time       {seconds:.1f} s in all, {report.seconds:.1f} s running {report.batches:,} batches"

@@ -175,9 +175,9 @@ class RunReport:
     @property
     def bound(self) -> str | None:
         """One line naming what bound the run (:func:`~dynabatch.inference.meter.name_bound`); ``None`` when no
-        worker was timed."""
+        worker was timed or no batch ran (a resumed run with nothing left: the loop's wait bound no device)."""
         shares = self.stage_shares
-        return name_bound(shares, self.background.get("tokenize")) if shares else None
+        return name_bound(shares, self.background.get("tokenize")) if shares and self.records else None
 
     def summary(self) -> dict[str, Any]:
         """The summary figures as a dict (JSON-ready)."""

@@ -217,6 +217,8 @@ def test_the_same_model_files_under_another_folder_resume_the_store(bert_dir, te
     again = run_command([*cli, "embed", str(tmp_path / "docs.txt"), str(out), "--model", str(elsewhere),
                          "--no-progress"]).stdout
     assert f"20 of 20 texts stored in {out} (0 run now, 20 stored before)" in again
+    assert "s in all; no batch ran\n" in again  # no rate, padding, memory or bound of a run that ran nothing
+    assert not any(line.startswith(("  padding", "  memory", "  bound")) for line in again.splitlines())
 
 
 def _same_as_encode(folder, texts, out, max_length):

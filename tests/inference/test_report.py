@@ -85,6 +85,15 @@ def test_summary_without_memory_or_batches():
     assert empty["rows_per_s"] is None and empty["padding_efficiency"] is None and empty["max_peak_ratio"] is None
 
 
+def test_no_bound_is_named_where_no_batch_ran():
+    # A resumed run with every input stored: its worker timed only its wait on the tokenizing thread
+    waited = RunReport(workers={"cuda:0": {"wall": 2.0, "stages": {"wait tokenize": 1.9, "device": 0.0}}},
+                       background={"tokenize": 0.96})
+    assert waited.stage_shares and waited.bound is None and waited.summary()["bound"] is None
+    waited.records.append(BatchRecord(batch=0, rows=1, width=4, real_tokens=4, padded_tokens=4, seconds=0.1))
+    assert waited.bound.startswith("host-bound: tokenizing took 96% of the wall")
+
+
 def test_json_round_trip(tmp_path):
     report = _report()
     report.to_json(tmp_path / "report.json")
