@@ -12,7 +12,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -110,12 +110,15 @@ class _Stacking:
 class RunResult(list, _Stacking):
     """One result per input text, in input order: a plain ``list`` (``result[p]`` is input ``p``'s), with ``report``
     (the :class:`~dynabatch.inference.report.RunReport`), ``failures`` (input position -> cause, for the inputs set
-    aside), ``failed`` (their sorted positions, each result ``None``) and ``accounting`` (``None`` unless made by a
-    run)."""
+    aside), ``failed`` (their sorted positions, each result ``None``), ``accounting`` (``None`` unless made by a
+    run) and ``varying`` (the row paths of per-token outputs, cut to each input's tokens: lists in :meth:`to_arrow`
+    whatever their lengths, as a results store types them)."""
 
     def __init__(self, results: Iterable[Any] = (), *, report: RunReport | None = None,
-                 failures: Mapping[int, str] | None = None, accounting: Accounting | None = None) -> None:
+                 failures: Mapping[int, str] | None = None, accounting: Accounting | None = None,
+                 varying: Collection[tuple] = ()) -> None:
         super().__init__(results)
+        self.varying = frozenset(map(tuple, varying))
         self.report = report if report is not None else RunReport()
         self.failures = dict(sorted((failures or {}).items())) if accounting is None else accounting.failures
         self.failed = list(self.failures)
@@ -133,7 +136,9 @@ class RunResult(list, _Stacking):
         if not rows:
             return None, None
         columns = Columns.of(rows[0])
-        return columns, _take(columns.table([columns.parts(rows)]), np.where(held, np.cumsum(held) - 1, -1))
+        parts = [columns.parts(rows)]
+        fields = columns.fit(parts, varying=columns.at(self.varying))
+        return columns, _take(columns.table(parts, list(fields.values())), np.where(held, np.cumsum(held) - 1, -1))
 
 
 class StoredRunResult(Sequence, _Stacking):

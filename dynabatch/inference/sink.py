@@ -41,6 +41,7 @@ class MemorySink:
     def __init__(self, *, gather: bool = False) -> None:
         self.rows: dict[int, Any] = {}
         self.failures: dict[int, str] = {}
+        self.varying: set[tuple] = set()  # row paths of per-token outputs: lists in the result's Arrow table
         self.gather = gather
         self._lock = threading.Lock()  # several devices' workers write at once
 
@@ -51,6 +52,7 @@ class MemorySink:
     def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray | None, varying: Any = ()) -> None:
         with self._lock:
             self.rows.update(zip(positions.tolist(), rows))
+            self.varying.update(map(tuple, varying))
 
     def fail(self, positions: np.ndarray, hashes: np.ndarray | None, causes: list[str]) -> None:
         with self._lock:
@@ -77,7 +79,8 @@ class MemorySink:
         held = np.zeros(n, dtype=bool)
         held[np.fromiter(rows, dtype=np.int64, count=len(rows))] = True  # every position written is in range(n)
         accounting = account(n, held, failures, elsewhere=mine_only)
-        return RunResult((rows.get(p) for p in range(n)), report=report, accounting=accounting), accounting.missing
+        result = RunResult((rows.get(p) for p in range(n)), report=report, accounting=accounting, varying=self.varying)
+        return result, accounting.missing
 
     def end(self) -> None:
         """Nothing to release."""

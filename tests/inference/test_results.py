@@ -86,6 +86,21 @@ def test_numpy_stack_and_to_arrow_agree_between_memory_and_store(both, texts):
     assert table_memory.column("label").to_pylist() == table_stored.column("label").to_pylist()
 
 
+def test_per_token_rows_of_equal_lengths_are_lists_in_memory_as_in_the_store(tokenizer, tmp_path):
+    """Arrow types a per-token output by what it is, not by whether its rows' lengths happen to be equal."""
+    loader = _load(["one two three"] * 3 + ["four five six"] * 3, tokenizer)  # every text of one length
+
+    def per_token(batch):
+        return batch["input_ids"].float() / 3  # (rows, tokens): cut to each text's tokens
+
+    memory, stored = (run(per_token, loader, token_outputs="per_token", progress=False, **kwargs)
+                      for kwargs in ({}, {"output_path": tmp_path / "s"}))
+    assert memory.varying == {()}
+    assert memory.to_arrow().schema.field("output").type == pa.list_(pa.float32())
+    assert memory.to_arrow().schema.equals(stored.to_arrow().schema)
+    assert np.array_equal(memory.numpy(), stored.numpy()) and memory.numpy().shape == (6, 5)
+
+
 def test_stack_gives_tensors_and_the_other_columns_as_lists(both, tmp_path):
     from dynabatch.inference.store import open_store
 

@@ -323,6 +323,8 @@ SKIPPED_WINDOWS = {
     "token ids": ([torch.tensor([1, 2]), torch.tensor([3, 4])], [torch.tensor([5]), None], pa.list_(pa.int64())),
     "a score each": ([np.float32(0.5), np.float32(1.0)], [None, np.float32(2.0)], pa.float32()),
     "every row of one failed": ([torch.ones(3), torch.ones(3)], [None, None], pa.list_(pa.float32(), 3)),
+    # a per-token float per token (the run's result says so): a list in the window whose lengths happen to be equal
+    "per-token floats": ([torch.ones(2), torch.zeros(2)], [torch.ones(3), None], pa.list_(pa.float32()), {()}),
 }
 
 
@@ -335,8 +337,8 @@ def test_with_skip_a_window_with_a_failed_row_and_one_without_make_one_column_ty
 
     from dynabatch.integrations.ray._columns import frame_column, output_column
 
-    windows, want = SKIPPED_WINDOWS[kind][:2], SKIPPED_WINDOWS[kind][2]
-    columns = [output_column(rows, nullable=True) for rows in windows]
+    windows, want, *varying = SKIPPED_WINDOWS[kind][:2], *SKIPPED_WINDOWS[kind][2:]
+    columns = [output_column(rows, nullable=True, varying=varying[0] if varying else ()) for rows in windows]
     if frame:
         columns = [pa.Array.from_pandas(frame_column(c, pd.RangeIndex(len(c)))) for c in columns]
     assert {c.type for c in columns} - {pa.null()} == {want}  # a window whose every row failed: nulls alone

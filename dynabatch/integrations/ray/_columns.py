@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -46,15 +46,16 @@ def columns_of(batch: Any) -> tuple[list[str], Any]:
                    batch)
 
 
-def output_column(rows: list[Any], *, nullable: bool) -> np.ndarray | pa.Array:
+def output_column(rows: list[Any], *, nullable: bool, varying: Collection[tuple] = ()) -> np.ndarray | pa.Array:
     """A window's results as one column.
 
     Where no row can fail (``nullable=False``) it is :func:`~dynabatch.inference.columns.numpy_column`: rows of one
     shape make Ray's tensor column. Where a row can fail and get ``None`` (``on_oom`` / ``on_error="skip"``), rows of
     arrays make one Arrow array on the store's types instead, a failed row null: Ray cannot join a window's tensor
     column with the column of objects a ``None`` makes in another (a job that sorts, repartitions or converts its
-    output failed, and a Parquet file held pickled rows). A row of two or more dimensions (a per-token output) is a
-    list in every window, whatever its lengths there; a window whose every row failed is a column of nulls. Other
+    output failed, and a Parquet file held pickled rows). A per-token output (at a row path in ``varying``, the run
+    result's) and a row of two or more dimensions are a list in every window, whatever their lengths there, so that
+    windows type them alike; a window whose every row failed is a column of nulls. Other
     rows (dicts, Python values, and arrays the store's encoding refuses: inner shapes or dtypes that differ between
     rows, complex numbers) stay numpy's, as where no row can fail.
 
@@ -73,7 +74,7 @@ def output_column(rows: list[Any], *, nullable: bool) -> np.ndarray | pa.Array:
     try:
         columns = Columns.of(first)
         parts = [columns.parts(rows)]
-        fields = columns.fit(parts, varying=columns.names if np.ndim(first) >= 2 else ())
+        fields = columns.fit(parts, varying=columns.names if np.ndim(first) >= 2 else columns.at(varying))
     except (TypeError, ValueError):  # rows the store's encoding refuses (kinds, dtypes or inner shapes that differ)
         return numpy_column(rows)
     return columns.table(parts, list(fields.values())).column(0).combine_chunks()

@@ -304,16 +304,11 @@ class DynamicBatchPredictor(WindowMemory):
         texts = texts.tolist() if hasattr(texts, "tolist") else list(texts)
         if self.store is not None:
             return self._run_stored(batch, names, is_frame, texts)
-        if not texts:
-            results: list[Any] = []
-            failures: dict[int, str] = {}
-        else:
-            result, _ = self._run_window(texts)
-            results, failures = list(result), result.failures
-        columns = {self.output_column: output_column(results, nullable=self.skips)}
+        result = self._run_window(texts)[0] if texts else RunResult()
+        columns = {self.output_column: output_column(list(result), nullable=self.skips, varying=result.varying)}
         if self.skips:
             errors = np.full(len(texts), "", dtype=object)
-            for p, cause in failures.items():
+            for p, cause in result.failures.items():
                 errors[p] = cause
             columns[self.error_column] = errors
         if is_frame:
