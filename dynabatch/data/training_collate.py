@@ -7,11 +7,14 @@ stay short:
 
 * ``input_ids`` with the pad token, on the tokenizer's padding side;
 * ``attention_mask`` built from the rows' lengths (or padded with 0 if given);
-* ``labels`` / ``label_ids`` sequences with ``-100`` (ignored by the loss),
-  on the same side; with ``labels_from="input_ids"`` (causal LM) the labels are
+* ``labels`` / ``label_ids`` / ``label`` sequences with ``-100`` (ignored by
+  the loss), on the same side (a token-classification ``label`` is renamed
+  ``labels`` below, so its padding must be -100 too, as transformers'
+  ``DataCollatorForTokenClassification`` pads it); with ``labels_from="input_ids"`` (causal LM) the labels are
   a copy of the input ids with the padding, and only the padding, at -100;
 * every other sequence field (``token_type_ids``, ...) with 0 (or ``pad_values``);
-* numbers and equal-shape tensors (a class label) stacked; a ``label`` or
+* numbers and equal-shape tensors (a class label, a float vector) stacked,
+  their dtype kept: only integer (or bool) 1-D sequences are token ids to pad; a ``label`` or
   ``label_ids`` field is renamed ``labels`` (what models take), as
   ``transformers.DataCollatorWithPadding`` does.
 
@@ -42,15 +45,23 @@ __all__ = ["LABEL_PAD_ID", "TrainingCollator"]
 LABEL_PAD_ID = -100
 """The label the cross-entropy losses of torch and transformers ignore."""
 
-_LABEL_KEYS = ("labels", "label_ids")
+_LABEL_KEYS = ("labels", "label_ids", "label")
 
 
 def _as_ids(key: str, value: Any) -> np.ndarray | None:
-    """A 1-D int array for a sequence field, ``None`` for a scalar or other value."""
+    """A 1-D int array for a sequence field, ``None`` for a scalar or other value.
+
+    A 1-D tensor or array of floats is not token ids: casting it would cut
+    every value to an integer, so it is stacked as it is (``None``).
+    """
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu().numpy().astype(np.int64) if value.dim() == 1 else None
+        if value.dim() != 1 or value.is_floating_point() or value.is_complex():
+            return None
+        return value.detach().cpu().numpy().astype(np.int64)
     if isinstance(value, np.ndarray):
-        return value.astype(np.int64) if value.ndim == 1 else None
+        if value.ndim != 1 or not (np.issubdtype(value.dtype, np.integer) or value.dtype == np.bool_):
+            return None
+        return value.astype(np.int64)
     if isinstance(value, (list, tuple)):
         array = np.asarray(value)
         if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
@@ -164,8 +175,12 @@ class TrainingCollator:
                 batch[key], masks[key] = self._pad(ids, self._pad_value(key))  # type: ignore[arg-type]
             elif any(r is not None for r in ids):
                 raise bad_value(f"features[...][{key!r}]", "a sequence in every row or in none", values)
-            elif all(isinstance(v, torch.Tensor) for v in values):
-                batch[key] = torch.stack(values)
+            elif all(isinstance(v, (torch.Tensor, np.ndarray)) for v in values):
+                shapes = sorted({tuple(v.shape) for v in values})
+                if len(shapes) > 1:  # only int token-id sequences are padded
+                    raise bad_value(f"features[...][{key!r}]", "tensors of one shape to stack (only integer 1-D "
+                                    "sequences are padded, as token ids)", shapes)
+                batch[key] = torch.stack([torch.as_tensor(v) for v in values])
             else:
                 batch[key] = torch.tensor(values)
         for key in ("label", "label_ids"):  # the names datasets use; models take ``labels``

@@ -53,6 +53,21 @@ def test_matches_the_tokenizers_own_padding(tokenizer):
     assert torch.equal(ours["attention_mask"], theirs["attention_mask"])
 
 
+def test_a_token_label_sequence_pads_with_the_label_pad_and_float_tensors_keep_their_values():
+    # A token-classification "label" becomes "labels": its padding must be ignored by the loss, not class 0
+    # (transformers' DataCollatorForTokenClassification pads it with -100 too).
+    collate = TrainingCollator(pad_token_id=0)
+    batch = collate([{"input_ids": [1, 2, 3], "label": [4, 5, 6]}, {"input_ids": [1], "label": [7]}])
+    assert batch["labels"].tolist() == [[4, 5, 6], [7, -100, -100]] and "label" not in batch
+    # A float vector per row is stacked as it is, never cut to integer token ids.
+    for make in (torch.tensor, np.array):
+        batch = collate([{"input_ids": [1, 2], "w": make([0.5, 1.5])}, {"input_ids": [1], "w": make([2.75, 3.25])}])
+        assert batch["w"].dtype.is_floating_point and batch["w"].tolist() == [[0.5, 1.5], [2.75, 3.25]]
+    with pytest.raises(ValueError, match=r"features\[...\]\['w'\] should be tensors of one shape to stack "
+                                         r"\(only integer 1-D sequences are padded, as token ids\), but got .*\(1,\), \(2,\)"):
+        collate([{"input_ids": [1], "w": torch.tensor([0.5, 1.5])}, {"input_ids": [1], "w": torch.tensor([2.7])}])
+
+
 @pytest.mark.parametrize(
     "make, error, match",
     [
