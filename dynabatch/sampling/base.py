@@ -20,7 +20,8 @@ the :class:`~dynabatch.sampling.smart.SmartBatchSampler`, the multi-task
   and ``rank`` default to the process group when one is initialised; the
   batches with the most samples are split until every rank gets the same
   number, then dealt in steps of consecutive batches. Nothing is dropped or
-  repeated; a dataset with fewer samples than ranks is refused. ``shard=False``
+  repeated; an epoch whose samples cannot make as many batches for every rank
+  (fewer samples than ranks, or one-sample batches that cannot be split) is refused. ``shard=False``
   yields every rank's batches, step by step (the batch for rank 0, then rank 1,
   ...), for a wrapper that deals batch ``i`` to rank ``i % num_replicas``
   (accelerate's ``BatchSamplerShard``, which the HF ``Trainer`` puts in front

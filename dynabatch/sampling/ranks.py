@@ -176,7 +176,9 @@ def split_for_replicas(
         split: ``split(batch, k)``: the batch in ``k`` non-empty parts.
 
     Raises:
-        ValueError: fewer samples than batches needed (a rank would get nothing).
+        ValueError: fewer samples than batches needed (a rank would get nothing): fewer samples than
+            ranks, or batches too small to split into a multiple of ``num_replicas`` (7 batches of one
+            sample for 2 ranks); the message names the largest ``num_replicas`` that works.
 
     Example:
         >>> import numpy as np
@@ -184,17 +186,27 @@ def split_for_replicas(
         [[0, 1], [2, 3], [4]]
     """
     num_replicas = check_positive_int("num_replicas", num_replicas)
-    target = max(len(batches), min_batches * num_replicas)
-    missing = target + (-target) % num_replicas - len(batches)
+    missing = _batches_needed(len(batches), num_replicas, min_batches) - len(batches)
     if len(batches) == 0 or missing == 0:
         return list(batches)
     sizes = [samples(b) for b in batches]
     total = sum(sizes)
-    if total < len(batches) + missing:
+    needed = len(batches) + missing
+    if total < needed:
+        # Not only fewer samples than ranks: 7 batches of one sample each cannot make 8 for 2 ranks either,
+        # since batches are split (a part keeps every constraint) but never merged (a merge may break one).
+        largest = next((k for k in range(num_replicas - 1, 0, -1)
+                        if _batches_needed(len(batches), k, min_batches) <= total), 0)
+        if not largest:  # even one rank cannot have min_batches batches: the floor is what is too high
+            raise bad_value("min_batches", f"at most {total // num_replicas} for {total} samples on {num_replicas} "
+                            "ranks (a batch holds at least one sample)", min_batches)
+        floor = f", min_batches={min_batches}" if min_batches else ""
         raise bad_value(
             "num_replicas",
-            f"at most the number of samples ({total}) so that every rank gets {(len(batches) + missing) // num_replicas}"
-            " batches",
+            f"at most {largest} for {total} samples in {len(batches)} "
+            f"batch{'es' if len(batches) > 1 else ''}: {num_replicas} ranks need {needed} batches "
+            f"({needed // num_replicas} each{floor}) of at least one sample, and batches are only split, never "
+            "merged or padded",
             num_replicas,
         )
     pieces = [1] * len(batches)
@@ -212,6 +224,12 @@ def split_for_replicas(
     for batch, count in zip(batches, pieces):
         out.extend(split(batch, count) if count > 1 else [batch])
     return out
+
+
+def _batches_needed(planned: int, num_replicas: int, min_batches: int) -> int:
+    """The batches ``split_for_replicas`` makes of ``planned``: a multiple of ``num_replicas``, ``min_batches`` each."""
+    target = max(planned, min_batches * num_replicas)
+    return target + (-target) % num_replicas
 
 
 def order_steps(num_batches: int, num_replicas: int, *, shuffle: bool, seed: int, epoch: int) -> np.ndarray:

@@ -62,7 +62,7 @@ def test_every_rank_gets_the_same_number_of_batches_and_every_sample_once(sizes,
     total = int(edges[-1])
     needed = len(batches) + (-len(batches)) % world
     if total < needed:
-        with pytest.raises(ValueError, match="num_replicas should be at most the number of samples"):
+        with pytest.raises(ValueError, match=r"num_replicas should be at most \d+ for \d+ samples in \d+ batch"):
             split_for_replicas(batches, world)
         return
     out = split_for_replicas(batches, world)
@@ -72,3 +72,17 @@ def test_every_rank_gets_the_same_number_of_batches_and_every_sample_once(sizes,
     assert len({len(s) for s in shares}) == 1
     flat = [int(i) for s in shares for b in s for i in np.concatenate(out[b] if grouped else [out[b]])]
     assert sorted(flat) == list(range(total))
+
+
+def test_batches_too_small_to_split_for_the_ranks_are_refused_naming_the_rule_and_the_largest_world():
+    # 7 samples for 2 ranks, but 7 batches of one sample (each a whole budget): 8 batches cannot be made.
+    # "at most the number of samples (7)" was the old rule, which num_replicas=2 keeps.
+    single = [np.array([i]) for i in range(7)]
+    with pytest.raises(ValueError, match=r"^num_replicas should be at most 1 for 7 samples in 7 batches: 2 ranks need "
+                                         r"8 batches \(4 each\) of at least one sample, and batches are only split, "
+                                         r"never merged or padded, but got num_replicas=2$"):
+        split_for_replicas(single, 2)
+    assert len(split_for_replicas(single, 7)) == 7
+    # A floor that even one rank cannot reach names min_batches, not num_replicas.
+    with pytest.raises(ValueError, match=r"^min_batches should be at most 2 for 2 samples on 1 ranks"):
+        split_for_replicas([np.arange(2)], 1, 3)

@@ -232,6 +232,6 @@ def test_every_rank_gets_a_step_with_samples_or_a_clear_error():
     dealt = [split_step(step) for step in steps]
     assert len(dealt) % 3 == 0 and all(any(micro) for micro in dealt)
     assert sorted(i for step in dealt for micro in step for i in micro) == [0, 1, 2]
-    with pytest.raises(ValueError, match=r"num_replicas should be at most the number of samples \(3\)"):
+    with pytest.raises(ValueError, match=r"num_replicas should be at most 3 for 3 samples in 2 batches"):
         step_sampler(["a"] * 3, np.array([5, 5, 5]), rows=1, target_batch_size=2, task_diversity_weight=0.0,
                      seed=0, world_size=4)
