@@ -14,7 +14,8 @@ does for a whole batch, with the same fields:
 * optionally ``attention_mask``, a 4D block-diagonal causal mask of shape
   ``(rows, 1, width, width)``: ``"float"`` (0 where a token may attend,
   the dtype's minimum elsewhere: what eager attention adds to its scores and
-  sdpa accepts) or ``"bool"`` (True where it may attend: sdpa). transformers
+  sdpa accepts) or ``"bool"`` (True where it may attend: sdpa only; eager adds it to
+  its scores as 0 and 1, masking nothing). transformers
   5.x passes a 4D mask through unchanged, so a packed row then gives exactly
   the logits of its sequences run one by one, on CPU too.
 

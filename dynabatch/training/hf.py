@@ -101,7 +101,7 @@ from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, get_last_
 
 from dynabatch._validation import bad_type, bad_value, check_bool
 from dynabatch.data.collate import batch_shape, take_rows
-from dynabatch.data.packing import PackedDataset
+from dynabatch.data.packing import PackedCollator, PackedDataset
 from dynabatch.memory.shape import ModelShape
 from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.training._eval_batches import EvalBatchSampler, eval_lengths, in_order
@@ -232,6 +232,22 @@ class BatchSamplerTrainerMixin:
             raise bad_value("train_batch_sampler", "built with num_replicas=1 in a single process",
                             f"a sampler with num_replicas={sampler.num_replicas}")
 
+    def _check_packed_mask(self) -> None:
+        """Refuses a boolean block mask for a model with eager attention, which would read it wrong.
+
+        Eager attention adds the 4D mask to its scores: a ``bool`` mask adds 1 or 0 instead of
+        masking, so every sequence of a packed row attends to the others and the loss is silently
+        that of one long sequence (sdpa reads a bool mask as allowed / not allowed).
+        """
+        collator = self.data_collator
+        if not (isinstance(collator, PackedCollator) and collator.block_mask == "bool"):
+            return
+        attention = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
+        if attention == "eager":
+            raise bad_value("data_collator.block_mask", "'float' for a model with eager attention (eager adds a "
+                            "bool mask to its scores as 0 and 1, so the sequences of a packed row would attend to "
+                            "each other; 'bool' is for sdpa)", collator.block_mask)
+
     def _epochs_to_plan(self) -> int:
         args, sampler = self.args, self.train_batch_sampler
         if args.max_steps and args.max_steps > 0:
@@ -245,6 +261,7 @@ class BatchSamplerTrainerMixin:
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         self._check_sampler_world()
+        self._check_packed_mask()
         sampler = self.train_batch_sampler
         sampler.set_min_batches(0)
         sampler.set_min_batches(sampler.max_len(self._epochs_to_plan()))

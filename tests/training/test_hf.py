@@ -262,3 +262,30 @@ def test_accelerate_deals_every_sample_once_whatever_the_batch_sizes():
             dealt = [i for r in range(2) for batch in BatchSamplerShard(_AnySize(sampler), 2, r)
                      for b in batch for i in b]
             assert len(dealt) == len(set(dealt)) == 203 - sampler.num_samples_dropped
+
+
+def test_refuses_a_bool_block_mask_for_a_model_with_eager_attention(tokens, tmp_path):
+    # Eager attention adds the 4D mask to its scores: a bool mask adds 0/1 and masks nothing, so a packed row's
+    # sequences attend to each other (a random-weight GPT-2's logits moved by 0.1) and the loss is silently wrong.
+    from torch.utils.data import RandomSampler
+    from transformers import TrainingArguments
+
+    from dynabatch.data.packing import PackedCollator
+    from dynabatch.sampling.multipack import MultipackBatchSampler
+    from dynabatch.training.hf import BatchSamplerTrainer
+
+    sampler = MultipackBatchSampler(RandomSampler(range(N_ROWS)), batch_size=2, batch_max_len=96,
+                                    lengths=tokens.lengths["input_ids"], drop_last=False)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], remove_unused_columns=False,
+                             save_strategy="no", disable_tqdm=True)
+    for attention, block_mask in (("eager", "bool"), ("eager", "float"), ("sdpa", "bool")):
+        model = _gpt2(200)
+        model.set_attn_implementation(attention)
+        trainer = BatchSamplerTrainer(model=model, args=args, train_dataset=tokens.dataset, train_batch_sampler=sampler,
+                                      data_collator=PackedCollator(block_mask=block_mask))
+        if (attention, block_mask) == ("eager", "bool"):
+            with pytest.raises(ValueError, match=r"^data_collator.block_mask should be 'float' for a model with eager "
+                                                 r"attention .*but got data_collator.block_mask='bool'$"):
+                trainer.get_train_dataloader()
+        else:
+            assert len(trainer.get_train_dataloader()) == len(sampler)
