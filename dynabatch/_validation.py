@@ -184,7 +184,10 @@ def check_lengths(name: str, value: Any, *, fields: bool = False, positive: bool
         raise bad_type(name, rule, value)
     if hasattr(value, "detach") and hasattr(value, "numpy"):  # a torch tensor
         value = value.detach().cpu().numpy()
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except ValueError:  # ragged rows (key fields of unequal counts): numpy's message names no argument
+        raise bad_value(name, f"{rule}, every row with as many fields", value) from None
     if arr.size == 0:
         width = arr.shape[1] if fields and arr.ndim == 2 else None
         return np.zeros((0, width) if width else 0, dtype=np.int64)

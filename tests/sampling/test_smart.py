@@ -75,6 +75,11 @@ def test_lengths_as_mapping_2d_and_errors():
         as_lengths({"a": [1, 2], "b": [1]})
     with pytest.raises(TypeError, match="lengths should be a 1-D or 2-D"):
         as_lengths(5)
+    # ragged key fields: numpy's own "inhomogeneous shape" error named no argument
+    with pytest.raises(ValueError, match=r"^lengths should be a 1-D or 2-D \(one column per key field\) sequence of "
+                                         r"integer token lengths, every row with as many fields, but got "
+                                         r"lengths=\[\[1, 2\], \[3\]\]$"):
+        SmartBatchSampler([[1, 2], [3]], FixedBatchSize(2))
     with pytest.raises(ValueError, match="window_batches should be a positive integer"):
         SmartBatchSampler([1, 2], FixedBatchSize(2), window_batches=0)
     assert plan_constrained([], FixedBatchSize(2)) == []
