@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from dynabatch._background import Ahead
-from dynabatch._validation import brief
+from dynabatch._validation import bad_value, brief, first_few
 from dynabatch.data.collate import Batch
 from dynabatch.data.input_hashes import token_store_hashes
 from dynabatch.sampling.ranks import deal, split_for_replicas
@@ -54,7 +54,18 @@ def positions_of(batch: Any, loader: Any) -> np.ndarray:
             f".indices, the input positions of their rows), but got loader={brief(loader)} yielding a batch "
             f"of type {type(batch).__name__}" + ("" if indices is None else " (not a dict of tensors)")
         )
-    return torch.as_tensor(indices).detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
+    indices = torch.as_tensor(indices).detach().cpu()
+    if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+        raise TypeError(f"batch.indices should be integer input positions, but got batch.indices of dtype "
+                        f"{indices.dtype}")
+    positions = indices.numpy().astype(np.int64, copy=False).reshape(-1)
+    if positions.size and positions.min() < 0:  # a result kept at -1 would stand for the last input
+        raise bad_value("batch.indices", "input positions (integers >= 0)", positions.tolist())
+    rows = getattr(batch.get("input_ids"), "shape", (positions.size,))[:1]
+    if rows and rows[0] != positions.size:
+        raise ValueError(f"batch.indices should name one input position per row of the batch ({rows[0]} rows), but "
+                         f"got {positions.size} positions")
+    return positions
 
 
 class Source:
@@ -81,6 +92,7 @@ class Source:
         self._mine: Any = None  # this rank's items: dealt in lockstep, or its claimed chunks planned as they come
         self._stops = [plan.stream.pause] if self.streamed else []  # close(): the stream's, read-ahead's, feed's
         self._seen = -1  # the largest input position handed out (a plain iterable's inputs are those it names)
+        self._given = np.zeros(0, dtype=bool)  # the positions a plain iterable's batches named so far
 
     def share(self, ranks: str, rank: int, world_size: int) -> None:
         """Keeps only this rank's share of the batches under ``ranks`` (``"single"``: every batch): ``"lockstep"``,
@@ -123,8 +135,27 @@ class Source:
         return (self._saw(item) for item in items)
 
     def _saw(self, item: Item) -> Item:
-        if item.positions.size:
-            self._seen = max(self._seen, int(item.positions.max()))
+        """Notes the positions of a plain iterable's batch; one named before (by it or an earlier batch) is refused:
+        its second result would replace the first, and two inputs would come back as one (loaders chained, each
+        numbering its inputs from 0)."""
+        positions = item.positions
+        if not positions.size:
+            return item
+        top = int(positions.max())
+        if top >= self._given.size:  # grown by doubling: a bit per input, not a set of every position
+            self._given = np.concatenate([self._given, np.zeros(max(top + 1, 2 * self._given.size)
+                                                                - self._given.size, dtype=bool)])
+        unique, counts = np.unique(positions, return_counts=True)
+        again = np.union1d(unique[counts > 1], positions[self._given[positions]])
+        if again.size:
+            raise ValueError(
+                f"loader should name each input position once (batch.indices), but got input positions "
+                f"{first_few(again.tolist())} again in batch {item.number}: its result would replace the other, and "
+                "an input would be lost; loaders chained one after the other each number their inputs from 0: run "
+                "each loader on its own, or give every input its own position"
+            )
+        self._given[positions] = True
+        self._seen = max(self._seen, top)
         return item
 
     @property

@@ -5,6 +5,7 @@ Models are real where they matter (see conftest.py); failures are injected into 
 """
 
 import errno
+import itertools
 import math
 import threading
 import time
@@ -15,6 +16,7 @@ import torch
 from runner_helpers import _lengths, _load
 
 from dynabatch import IncompleteRunError, build_dynamic_batch_dataloader, run
+from dynabatch.data.collate import take_rows
 from dynabatch.inference.store_writer import CommitPolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -214,9 +216,38 @@ def test_inputs_neither_returned_nor_failed_raise_naming_them(tokenizer, texts):
     assert raised.value.missing == [gap] and raised.value.partial[gap] is None
 
 
-def _without(batch, position):
-    from dynabatch.data.collate import take_rows
+def test_an_iterable_that_names_a_position_twice_is_refused_naming_it(tokenizer, texts, tmp_path):
+    # Two loaders chained each number their inputs from 0: the second's result for a position replaced the first's,
+    # so 40 inputs came back as 20 results and nothing said so (in memory, on two devices, and in a store)
+    first, second = _load(texts[:20], tokenizer), _load(texts[20:40], tokenizer)
+    again = (r"^loader should name each input position once \(batch.indices\), but got input positions [0-9, .]+ "
+             r"again in batch \d+: its result would replace the other")
+    for kwargs in ({}, {"output_path": tmp_path / "store"}):
+        with pytest.raises(ValueError, match=again):
+            run(_lengths, itertools.chain(first, second), progress=False, **kwargs)
+    with pytest.raises(ValueError, match=again):
+        run(loader=itertools.chain(first, second), make_fn=lambda device: _lengths, devices=TWO, progress=False)
+    batch = next(iter(first))
+    twice = [take_rows(batch, [0, 0, 1])]  # one batch naming a position twice
+    with pytest.raises(ValueError, match=rf"^loader should name each input position once \(batch.indices\), but got "
+                                         rf"input positions {batch.indices[0].item()} again in batch 0"):
+        run(_lengths, twice, progress=False)
+    negative = take_rows(batch, [0])
+    negative.indices = torch.tensor([-1])  # a result kept at -1 would stand for the last input
+    with pytest.raises(ValueError, match=r"^batch.indices should be input positions \(integers >= 0\), but got "
+                                         r"batch.indices=\[-1\]"):
+        run(_lengths, [negative], progress=False)
+    negative.indices = torch.tensor([0.5])
+    with pytest.raises(TypeError, match=r"^batch.indices should be integer input positions, but got batch.indices of "
+                                        r"dtype torch.float32"):
+        run(_lengths, [negative], progress=False)
+    negative.indices = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=r"^batch.indices should name one input position per row of the batch "
+                                         r"\(1 rows\), but got 2 positions"):
+        run(_lengths, [negative], progress=False)
 
+
+def _without(batch, position):
     keep = [i for i, p in enumerate(batch.indices.tolist()) if p != position]
     return take_rows(batch, keep)
 
