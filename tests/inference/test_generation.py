@@ -167,6 +167,32 @@ def test_prompts_of_mixed_kinds_are_refused(llama, chat_tokenizer):
         dynabatch.generate(lambda b: b, chat_tokenizer, ["a"], progress=False)
 
 
+def test_a_prompt_of_no_token_is_refused_naming_it(llama, chat_tokenizer):
+    # model.generate fails on an empty prompt alone (IndexError) and, batched with others, gave a reply made from
+    # padding alone: which one depended on batch_size. Ids are refused as given, texts once tokenized (no BOS added).
+    empty = r"^prompts\[{0}\] should be at least one token \(generate continues a prompt.* \(positions {0}\)"
+    for batch_size in (1, 3):
+        with pytest.raises(ValueError, match=empty.format(2)):
+            dynabatch.generate(llama, chat_tokenizer, [[1, 5], [1, 6, 7], []], batch_size=batch_size,
+                               max_new_tokens=2, progress=False)
+    no_bos = copy.deepcopy(chat_tokenizer)
+    no_bos.add_bos_token = False
+    assert no_bos("")["input_ids"] == []
+    with pytest.raises(ValueError, match=empty.format(1)):
+        dynabatch.generate(llama, no_bos, ["In the beginning", "", "And God said"], max_new_tokens=2,
+                           progress=False)
+    # a streamed loader's batches (more than STREAM_ABOVE prompts) meet it as they run: one row set aside
+    from dynabatch.inference.generation import generation_loader, reply_function
+
+    kwargs = {"max_new_tokens": 2, "do_sample": False}
+    padder, options = generation_loader(llama, no_bos, kwargs)
+    loader = dynabatch.build_dynamic_batch_dataloader(["In the beginning", "", "And"], padder, 2, 32, stream=True,
+                                                      progress=False, **options)
+    replies = dynabatch.run(reply_function(llama, no_bos, kwargs), loader, on_error="skip", progress=False)
+    assert replies.failed == [1] and "prompts[1] should be at least one token" in replies.failures[1]
+    assert replies[0] is not None and replies[2] is not None
+
+
 def test_chat_prompts_need_a_chat_template(llama, llama_tokenizer):
     tok = copy.deepcopy(llama_tokenizer)
     tok.pad_token = tok.eos_token
