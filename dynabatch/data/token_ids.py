@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections.abc
 import itertools
 import logging
+import sys
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ import numpy as np
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.tokenization import TokenizedTexts
 
-__all__ = ["are_token_ids", "store_token_ids"]
+__all__ = ["are_token_ids", "split_bad_rows", "store_token_ids"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +32,69 @@ def _is_id_row(item: Any) -> bool:
     return isinstance(item, _ID_ROW_TYPES) or (hasattr(item, "ndim") and hasattr(item, "tolist"))  # a tensor
 
 
+def _missing(item: Any) -> bool:
+    """``None``, a float NaN (pandas' missing value in a column of objects) or pandas' ``NA``."""
+    return item is None or (isinstance(item, float) and item != item) or type(item).__name__ == "NAType"
+
+
+def _by_position(texts: Any) -> Any:
+    """``texts`` as a sequence read by position: a pandas Series' values (``series[0]`` reads the label 0) and a 1-D
+    numpy array of objects as lists; any other value as it is."""
+    if "pandas" in sys.modules and isinstance(texts, sys.modules["pandas"].Series):
+        return texts.tolist()
+    if isinstance(texts, np.ndarray) and texts.ndim == 1 and texts.dtype == object:
+        return texts.tolist()
+    return texts
+
+
 def are_token_ids(texts: Any) -> bool:
-    """Whether ``texts`` holds pre-tokenized rows (its first item a list, tuple, array or tensor of ids), not str.
+    """Whether ``texts`` holds pre-tokenized rows (its first item that is not missing a list, tuple, array or tensor
+    of ids), not str: a list or other sequence, a pandas Series or a 1-D numpy array of objects.
 
     Example:
-        >>> are_token_ids([[101, 7592, 102]]), are_token_ids(["hello"])
-        (True, False)
+        >>> import pandas as pd
+        >>> are_token_ids([[101, 7592, 102]]), are_token_ids(["hello"]), are_token_ids(pd.Series([None, [101]]))
+        (True, False, True)
     """
-    if isinstance(texts, (str, bytes)) or not isinstance(texts, collections.abc.Sequence) or not len(texts):
+    if "pandas" in sys.modules and isinstance(texts, sys.modules["pandas"].Series):
+        if texts.dtype != object:  # a column of numbers or of pandas' string dtype
+            return False
+    elif isinstance(texts, np.ndarray):
+        if texts.ndim != 1 or texts.dtype != object:
+            return False
+    elif isinstance(texts, (str, bytes)) or not isinstance(texts, collections.abc.Sequence):
         return False
-    return _is_id_row(texts[0])
+    for item in texts:  # by position; the first present item tells (a missing one is a bad input of either kind)
+        if not _missing(item):
+            return _is_id_row(item)
+    return False
+
+
+def split_bad_rows(texts: Any, on_bad_input: str = "raise") -> tuple[list, np.ndarray]:
+    """``(rows, bad)``: pre-tokenized ``texts`` as a list with ``[]`` in place of every item that is not a row of ids
+    (``None``, a pandas NaN, a str), and the ``int64`` positions of those items, which ``on_bad_input="raise"``
+    refuses with a ``TypeError`` naming how many there are and the first ten positions (as for texts).
+
+    Example:
+        >>> rows, bad = split_bad_rows([[1, 2], None, [3]], on_bad_input="skip")
+        >>> rows, bad.tolist()
+        ([[1, 2], [], [3]], [1])
+    """
+    rows = list(_by_position(texts))
+    bad = np.flatnonzero(np.fromiter((not _is_id_row(row) for row in rows), dtype=bool, count=len(rows)))
+    if bad.size and on_bad_input == "raise":
+        first = int(bad[0])
+        shown = ", ".join(map(str, bad[:10].tolist())) + (", ..." if bad.size > 10 else "")
+        raise TypeError(f"{bad_type(f'texts[{first}]', 'a row of int token ids, like the other rows', rows[first])}; "
+                        f"{bad.size} of {len(rows)} rows are not rows of token ids (positions {shown}): clean them, or "
+                        "build the loader with on_bad_input='skip' to skip them (their results are None)")
+    if bad.size:
+        logger.warning("skipping %d of %d rows that are not rows of token ids (positions %s%s): their results are "
+                       "None", bad.size, len(rows), ", ".join(map(str, bad[:10].tolist())),
+                       ", ..." if bad.size > 10 else "")
+    for position in bad.tolist():
+        rows[position] = []
+    return rows, bad
 
 
 def _flat_ids(rows: list[Any]) -> tuple[np.ndarray, np.ndarray]:
@@ -90,6 +144,7 @@ def store_token_ids(
         >>> store_token_ids([[1, 5, 6, 2]], 3, truncation_side="left").row(0).tolist()
         [5, 6, 2]
     """
+    texts = _by_position(texts)
     if isinstance(texts, (str, bytes)) or not isinstance(texts, collections.abc.Sequence):
         raise bad_type("texts", _IDS_RULE, texts)
     if not len(texts):

@@ -35,7 +35,7 @@ from dynabatch.data.collate import TokenCollator, pad_token_id_of
 from dynabatch.data.ids import check_ids
 from dynabatch.data.streaming import TokenStream
 from dynabatch.data.text_source import TextSource, check_on_bad_input, is_text_source, open_texts
-from dynabatch.data.token_ids import are_token_ids, store_token_ids
+from dynabatch.data.token_ids import are_token_ids, split_bad_rows, store_token_ids
 from dynabatch.data.tokenization import check_length_fits, check_tokenizer, check_tokenizer_kwargs, tokenize_texts
 from dynabatch.data.workers import available_cores
 from dynabatch.memory.shape import check_position_limit, resolve_model_shape
@@ -47,6 +47,11 @@ from dynabatch.sampling.planner import BatchPlanner, PlanSettings
 __all__ = ["STREAM_ABOVE", "LoaderPlan", "build_dynamic_batch_dataloader", "plan_of"]
 
 logger = logging.getLogger(__name__)
+
+BAD_TEXT = "bad input: not a str (the loader skipped it, on_bad_input='skip')"
+"""The cause of a skipped text (``run``'s ``BAD_INPUT``)."""
+BAD_ROW = "bad input: not a row of token ids (the loader skipped it, on_bad_input='skip')"
+"""The cause of a skipped item of pre-tokenized texts."""
 
 STREAM_ABOVE = 16_384
 """``stream=None`` streams a list of more texts than this (tokenizing it whole first would keep the device waiting)."""
@@ -64,6 +69,7 @@ class LoaderPlan:
         ids: the texts' ids (a ``pyarrow`` array), or ``None``.
         skipped: positions of the bad inputs planned into no batch (``on_bad_input="skip"``).
         stream: a streaming loader's :class:`~dynabatch.data.streaming.TokenStream`, else ``None``.
+        bad_input: the cause ``run`` records for each skipped input.
     """
 
     planner: Any
@@ -73,6 +79,7 @@ class LoaderPlan:
     ids: Any
     skipped: np.ndarray
     stream: Any = None
+    bad_input: str = BAD_TEXT
 
 
 def plan_of(loader: Any) -> LoaderPlan | None:
@@ -129,7 +136,8 @@ def _streaming_loader(source: TextSource, skipped: np.ndarray, ids: Any, tokeniz
 
 
 def _eager_loader(tokenized: Any, texts: list[str] | None, skipped: np.ndarray, ids: Any, tokenizer: Any,
-                  settings: PlanSettings, estimator: Any, shuffle: bool, seed: int, num_workers: int) -> DataLoader:
+                  settings: PlanSettings, estimator: Any, shuffle: bool, seed: int, num_workers: int,
+                  bad_input: str = BAD_TEXT) -> DataLoader:
     """The eager shape: the whole token store planned at once (any order, workers); the dataset's item i is i."""
     n = len(tokenized)
     id_array = check_ids(ids, n)
@@ -144,7 +152,8 @@ def _eager_loader(tokenized: Any, texts: list[str] | None, skipped: np.ndarray, 
     if num_workers > cores:
         logger.info("num_workers=%d capped at the %d available cores (torch warns above it)", num_workers, cores)
     loader = DataLoader(range(n), batch_sampler=sampler, collate_fn=collator, num_workers=min(num_workers, cores))
-    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, collator, n, id_array, skipped)
+    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, collator, n, id_array, skipped,
+                                                   bad_input=bad_input)
     return loader
 
 
@@ -235,10 +244,11 @@ def build_dynamic_batch_dataloader(
     if model is not None:
         check_position_limit(model, settings.max_input_token_length)
     if token_ids:
-        tokenized = store_token_ids(texts, max_input_token_length,
+        rows, skipped = split_bad_rows(texts, on_bad_input)
+        tokenized = store_token_ids(rows, max_input_token_length,
                                     truncation_side=getattr(tokenizer, "truncation_side", "right"))
-        return _eager_loader(tokenized, None, np.zeros(0, dtype=np.int64), ids, tokenizer, settings, estimator,
-                             shuffle, seed, num_workers)
+        return _eager_loader(tokenized, None, skipped, ids, tokenizer, settings, estimator, shuffle, seed,
+                             num_workers, bad_input=BAD_ROW)
     check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
     source, skipped = open_texts(texts, on_bad_input)
     if streaming:

@@ -36,7 +36,7 @@ from dynabatch.data.collate import Batch
 from dynabatch.inference.build import Builder
 from dynabatch.inference.distributed import Lockstep, job_token
 from dynabatch.inference.execute import BatchOutOfMemoryError, Executor, Failures
-from dynabatch.inference.loader import plan_of
+from dynabatch.inference.loader import BAD_TEXT, plan_of
 from dynabatch.inference.loop import Stages, WorkerParts, run_workers
 from dynabatch.inference.meter import Meter, TextCosts, background_shares
 from dynabatch.inference.options import RunOptions, check_run_options, resolve_options
@@ -53,8 +53,8 @@ __all__ = ["BAD_INPUT", "BatchOutOfMemoryError", "IncompleteRunError", "RunResul
 
 logger = logging.getLogger(__name__)
 
-BAD_INPUT = "bad input: not a str (the loader skipped it, on_bad_input='skip')"
-"""The cause of an input the loader planned into no batch."""
+BAD_INPUT = BAD_TEXT
+"""The cause of a text the loader planned into no batch (a pre-tokenized item: ``loader.BAD_ROW``)."""
 
 
 class IncompleteRunError(RuntimeError):
@@ -159,7 +159,7 @@ def _run(source: Source, sink: MemorySink | StoreSink, options: RunOptions) -> R
         if skipped.size and options.rank == 0:  # rank 0 answers for the inputs the loader planned into no batch
             writer = sink.writer("rank0.loader")
             try:
-                writer.fail(skipped, None, [BAD_INPUT] * len(skipped))
+                writer.fail(skipped, None, [plan.bad_input] * len(skipped))
             finally:
                 writer.close()
         report = _execute(source, scheduler, builder, sink, options, skipped, stored)

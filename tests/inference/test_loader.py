@@ -677,6 +677,31 @@ def test_pre_tokenized_texts_give_the_batches_of_their_texts(tokenizer, texts):
         _load(ids, tokenizer, add_special_tokens=False)
 
 
+def test_pre_tokenized_rows_in_a_pandas_series_or_with_missing_rows_follow_on_bad_input(tokenizer, texts):
+    # A Series (or object array) of id rows was read as texts ("texts[0] should be a str"), and with
+    # on_bad_input="skip" a missing row (None, pandas' NaN) still raised a TypeError: the option was ignored
+    import pandas as pd
+
+    from dynabatch import run
+
+    ids = tokenizer(texts[:12], truncation=True, max_length=MAX_LEN)["input_ids"]
+    rows = np.empty(len(ids), dtype=object)
+    rows[:] = ids
+    want = [len(row) for row in ids]
+    for given in (pd.Series(ids, index=range(100, 112)), rows):
+        got = run(lambda b: b["attention_mask"].sum(1), _load(given, tokenizer), progress=False)
+        assert [int(n) for n in got] == want and got.failed == []
+    dirty = pd.Series([None, *ids[1:5], float("nan"), *ids[6:]])  # the first row missing too
+    with pytest.raises(TypeError, match=r"^texts\[0\] should be a row of int token ids, like the other rows, but got "
+                                        r"texts\[0\]=None of type NoneType; 2 of 12 rows are not rows of token ids "
+                                        r"\(positions 0, 5\): clean them, or build the loader with "
+                                        r"on_bad_input='skip'"):
+        _load(dirty, tokenizer)
+    got = run(lambda b: b["attention_mask"].sum(1), _load(dirty, tokenizer, on_bad_input="skip"), progress=False)
+    assert got.failed == [0, 5] and got[0] is None and [int(got[i]) for i in range(1, 5)] == want[1:5]
+    assert got.failures[5] == "bad input: not a row of token ids (the loader skipped it, on_bad_input='skip')"
+
+
 def test_a_limit_above_the_model_positions_is_refused_when_the_loader_is_built(llama_tokenizer, texts):
     from transformers import BertConfig, GPT2Config
 
