@@ -238,6 +238,7 @@ def build_dynamic_batch_dataloader(
     if tokenize_cores is not None:
         check_positive_int("tokenize_cores", tokenize_cores)
     check_bool("shuffle", shuffle)
+    check_bool("progress", progress)  # as run checks it: a truthy "no" would show the bar
     estimator = choose_estimator(classifier, memory_model, max_memory=max_memory, memory_margin=memory_margin,
                                  granularity=granularity, model=model, refit_memory_model=refit_memory_model)
     pad_token_id_of(tokenizer)  # refuse a tokenizer without pad token before tokenizing

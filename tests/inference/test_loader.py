@@ -429,6 +429,8 @@ def test_bad_num_workers_and_shuffle(tokenizer, texts):
         _load(texts[:10], tokenizer, num_workers=1.0)
     with pytest.raises(TypeError, match=r"^shuffle should be a bool, but got shuffle='yes' of type str$"):
         _load(texts[:10], tokenizer, shuffle="yes")
+    with pytest.raises(TypeError, match=r"^progress should be a bool, but got progress='no' of type str$"):
+        _load(texts[:10], tokenizer, progress="no")  # was taken as truthy: the bar showed, as run refused it
 
 
 def test_tokenize_cores_is_its_own_argument(tokenizer, texts):
