@@ -117,9 +117,18 @@ def add_run_arguments(p: argparse.ArgumentParser, what: str, batch_size: int, de
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """``--report`` and ``--plot`` can be written (and matplotlib imports for ``--plot``)."""
+    """``--report`` and ``--plot`` lie outside the store's folder, can be written (and matplotlib imports for
+    ``--plot``)."""
     from dynabatch.cli._checks import check_plot, check_writable
 
+    store = os.path.join(os.path.realpath(args.output), "")
+    for flag, path in (("--report", args.report), ("--plot", args.plot)):
+        # the store's folder holds its own files alone: the run would write the file there, and the same command
+        # again would refuse the folder as no store (checked first: the folder may not be made yet)
+        if path is not None and os.path.realpath(path).startswith(store):
+            raise ValueError(f"{flag} should be a file outside the output folder (the store holds its own files "
+                             f"alone: a rerun would refuse it), but got {flag}={str(path)!r} inside "
+                             f"output={args.output!r}")
     if args.report is not None:
         check_writable("--report", args.report)
     check_plot(args.plot)

@@ -103,3 +103,16 @@ def test_an_absolute_budget_below_one_row_is_one_line_naming_the_flag_before_any
 def test_max_memory_none_is_the_relative_rule(inputs, capsys):
     assert main([*inputs["embed"], "--max-memory", "none", "--no-progress"]) == 0
     assert "2 of 2 texts stored" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--report", "--plot"])
+@pytest.mark.parametrize("command", ["embed", "generate"])
+def test_a_report_or_plot_inside_the_output_folder_is_refused_before_any_model_loads(
+        inputs, command, flag, tmp_path, capsys, no_model_loads):
+    # written there, it made the store's folder one the same command refused ("holding 1 other entries")
+    (tmp_path / "out").mkdir()
+    inside = tmp_path / "out" / "sub" / "run.json"
+    line = _one_line([*inputs[command], flag, str(inside)], capsys, command)
+    assert line == (f"{flag} should be a file outside the output folder (the store holds its own files alone: a rerun "
+                    f"would refuse it), but got {flag}={str(inside)!r} inside output={str(tmp_path / 'out')!r}")
+    assert list((tmp_path / "out").iterdir()) == []
