@@ -8,7 +8,8 @@
 Prompts are a column of strings (``--text-column``; a text file's lines), or
 chat conversations (``--messages-column``: each row a list of
 ``{"role": ..., "content": ...}`` messages, rendered by the tokenizer's chat
-template). Replies come from :func:`dynabatch.generate` (a decoder-only or
+template; a message without a role or a content, or with either null, is
+refused naming its row, before any weights load). Replies come from :func:`dynabatch.generate` (a decoder-only or
 encoder-decoder ``transformers`` model): each prompt's reply alone, the prompt
 not repeated, ending at its first EOS; greedy unless ``--sample``. The store
 holds ``id`` (with ``--id-column``; else rows are keyed by ``position``, the
@@ -131,10 +132,19 @@ def _prompts(args: argparse.Namespace, corpus: Any, tokenizer: Any) -> list[Any]
                         args.messages_column)
     conversations = corpus.values(args.messages_column, "--messages-column")
     for i, conversation in enumerate(conversations):
-        if not conversation or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in conversation):
-            raise ValueError(f"--messages-column should hold lists of {{'role': ..., 'content': ...}} messages, but "
-                             f"got row {i}: {json.dumps(conversation)[:200]}")
+        if not conversation or not all(map(_is_message, conversation)):
+            raise ValueError(f"--messages-column should hold lists of {{'role': ..., 'content': ...}} messages (a "
+                             f"role and a content in each, neither missing nor null), but got row {i}: "
+                             f"{json.dumps(conversation)[:200]}")
     return conversations
+
+
+def _is_message(message: Any) -> bool:
+    """A chat message: a str role and a content. A table gives every message each key any message of the column
+    has, a missing one as null (JSONL and Parquet alike): a null content is a missing one, which a chat template
+    renders as an empty turn, so the reply would answer another prompt (an assistant's tool call alone has none)."""
+    return (isinstance(message, dict) and isinstance(message.get("role"), str)
+            and (message.get("content") is not None or message.get("tool_calls") is not None))
 
 
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:

@@ -46,7 +46,9 @@ def test_killed_mid_run_then_rerun_stores_each_prompts_own_greedy_reply_once(
     assert table.column("output").to_pylist() == _alone(gpt2_dir, prompts, 6)
 
 
-def test_chat_conversations_are_rendered_by_the_chat_template(gpt2_dir, tmp_path, capsys):
+@pytest.fixture()
+def chat(gpt2_dir, tmp_path):
+    """The tiny GPT-2 with a chat template."""
     from transformers import AutoTokenizer
 
     chat = tmp_path / "chat-model"
@@ -56,6 +58,13 @@ def test_chat_conversations_are_rendered_by_the_chat_template(gpt2_dir, tmp_path
     tokenizer = AutoTokenizer.from_pretrained(chat)
     tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     tokenizer.save_pretrained(chat)
+    return chat
+
+
+def test_chat_conversations_are_rendered_by_the_chat_template(chat, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat)
     conversations = [[{"role": "user", "content": "In the beginning"}],
                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "And God said"}]]
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
@@ -73,6 +82,24 @@ def test_chat_conversations_are_rendered_by_the_chat_template(gpt2_dir, tmp_path
                                  do_sample=False, pad_token_id=0)[0, ids["input_ids"].shape[1]:].tolist()
             new = new[: new.index(102) + 1] if 102 in new else new  # a reply ends at its first EOS
             assert reply == tokenizer.decode(new, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None}, {"content": "And God said"},
+                                     {"role": None, "content": "And God said"}])
+def test_a_message_without_a_role_or_a_content_is_refused_naming_its_row_before_any_model_loads(
+        chat, tmp_path, capsys, no_model_loads, message):
+    # pyarrow reads a message lacking a key as that key null: the template rendered it as an empty turn
+    rows = [[{"role": "user", "content": "In the beginning"}], [message]]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in rows))
+    with pytest.raises(SystemExit) as info:
+        main(["generate", str(tmp_path / "chats.jsonl"), str(tmp_path / "replies"), "--model", str(chat),
+              "--messages-column", "messages", "--max-new-tokens", "4", "--no-progress"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("dynabatch generate: error: --messages-column should hold lists of {'role': ..., "
+                          "'content': ...} messages (a role and a content in each, neither missing nor null), but "
+                          "got row 1: [{"), err
+    assert not (tmp_path / "replies").exists()
 
 
 def test_sampling_options_without_sample_and_a_prompt_limit_past_the_positions_are_refused(gpt2_dir, tmp_path,
