@@ -227,7 +227,7 @@ def open_store(output: Output, corpus: Any, args: argparse.Namespace, key: str) 
     """The ids of ``--id-column`` (``None`` without it), and ``output``'s store opened under ``key`` for the corpus,
     before its texts are read: a store another job writes is refused now."""
     ids = corpus.ids(args.id_column) if args.id_column is not None else None
-    output.open(key=key, n=len(corpus), ids=ids)
+    output.open(key=key, n=len(corpus), ids=ids, id_column=args.id_column)
     return ids
 
 

@@ -80,8 +80,9 @@ def _make_folders(path: str) -> str | None:
     return top
 
 
-def _stored_key(path: str) -> str | None:
-    """The key a store's first readable shard was written under (``None``: no shard)."""
+def _stored(path: str) -> tuple[dict, Any]:
+    """What a store's first readable shard was written under (its metadata: ``key``, ``keyed_by``) and its schema
+    (``({}, None)``: no shard)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -91,10 +92,30 @@ def _stored_key(path: str) -> str | None:
         if not (name.startswith("part-") and name.endswith(".parquet")):
             continue
         try:
-            meta = (pq.read_schema(os.path.join(path, name)).metadata or {}).get(META)
+            schema = pq.read_schema(os.path.join(path, name))
         except (OSError, pa.ArrowException):
             continue
-        return json.loads(meta).get("key") if meta else None
+        meta = (schema.metadata or {}).get(META)
+        return (json.loads(meta) if meta else {}), schema
+    return {}, None
+
+
+def _other_ids(path: str, ids: Any, id_column: str | None) -> str | None:
+    """How this job's ``--id-column`` (``ids``: its ids) differs from the keying of the store at ``path`` (by id or
+    by position, and the ids' type), in flags; ``None``: it does not, or no shard tells."""
+    meta, schema = _stored(path)
+    there = meta.get("keyed_by")
+    got = f"--id-column={id_column!r}" if id_column is not None else "no --id-column"
+    same = "pass the --id-column of the job that wrote it, or use another output folder"
+    if there is not None and there != ("id" if ids is not None else "position"):
+        if there == "position":
+            return (f"--id-column should be left out (the store keys its rows by position) to resume output={path!r}, "
+                    f"but got {got}: leave it out, or use another output folder to key rows by id")
+        return (f"--id-column should be given (the store keys its rows by id) to resume output={path!r}, but got "
+                f"{got}: {same}")
+    if there == "id" and ids is not None and "id" in schema.names and schema.field("id").type != ids.type:
+        return (f"--id-column should name ids of type {schema.field('id').type}, the ids the store at output={path!r} "
+                f"keys its rows by, to resume it, but got {got} holding ids of type {ids.type}: {same}")
     return None
 
 
@@ -198,13 +219,14 @@ class Output:
             raise ValueError(f"output should be a folder this user can write, but got output={path!r}: "
                              f"{exc.strerror}") from exc
 
-    def open(self, *, key: str, n: int, ids: Any) -> None:
-        """Opens the store for a run over ``n`` inputs (``ids``: their ids) computed as ``key`` says, held for this
-        job (its lock taken).
+    def open(self, *, key: str, n: int, ids: Any, id_column: str | None = None) -> None:
+        """Opens the store for a run over ``n`` inputs (``ids``: their ids, of the column ``id_column``) computed as
+        ``key`` says, held for this job (its lock taken).
 
         Raises:
             ValueError: another live job is writing it (that job named), or it holds rows computed otherwise (the
-                differences named), of other keying, or other files.
+                differences named), keyed otherwise (by id or by position, or ids of another type: ``--id-column``
+                named), or other files.
         """
         try:
             self.store = _open_store(self.path, key=key, n=n, ids=ids)
@@ -213,12 +235,16 @@ class Output:
             raise ValueError(f"output should be a store no other job is writing, but got output={self.path!r}: "
                              f"{_first_line(exc)}; wait for that job to end, or use another output folder") from exc
         except ValueError as exc:
-            stored = _stored_key(self.path) if os.path.isdir(self.path) else None
+            stored = _stored(self.path)[0].get("key") if os.path.isdir(self.path) else None
             if stored is not None and stored != key:
                 raise ValueError(f"output should be a new folder, or the store of this same job to resume it, but got "
                                  f"output={self.path!r} holding rows computed otherwise ({_differences(stored, key)}): "
                                  f"use another output folder for this job, or delete {self.path!r} to compute it "
                                  "again") from exc
+            # the store's own words name the library's ids= and output_path: this job's are --id-column and output
+            other = _other_ids(self.path, ids, id_column) if stored is not None else None
+            if other is not None:
+                raise ValueError(other) from exc
             raise ValueError(f"output should be a new folder, or the store of this same job to resume it, but got "
                              f"output={self.path!r}: {_first_line(exc)}") from exc
         self.before = np.array(self.store.done, dtype=bool)

@@ -48,6 +48,45 @@ def test_a_store_computed_otherwise_is_refused_naming_each_difference(tmp_path):
         f"another output folder for this job, or delete {str(tmp_path / 'store')!r} to compute it again")
 
 
+def _write_ids(path, key, ids):
+    """A store keyed by ``ids`` (a pyarrow array), holding the first one's row."""
+    store = open_store(path, key=key, n=len(ids), ids=ids)
+    store.check_inputs(np.zeros(0, np.int64), np.zeros(0, np.uint64))
+    writer = store.writer("test", ids=ids)
+    writer.write(np.array([0]), [torch.ones(2)], np.zeros(1, np.uint64))
+    writer.close()
+    store.close()
+
+
+def test_a_store_keyed_otherwise_is_refused_naming_the_id_column_never_the_librarys_ids(tmp_path):
+    import pyarrow as pa
+
+    # the store's own words were "the loader's ids should be ... use the same ids, or another output_path"
+    key, path = "embed model=aaaa pooling=mean", tmp_path / "by-position"
+    _write(path, key, [0])
+    with pytest.raises(ValueError) as info:
+        Output(path).open(key=key, n=5, ids=pa.array(list("abcde")), id_column="name")
+    assert str(info.value) == (
+        f"--id-column should be left out (the store keys its rows by position) to resume output={str(path)!r}, but got "
+        "--id-column='name': leave it out, or use another output folder to key rows by id")
+    path = tmp_path / "by-id"
+    _write_ids(path, key, pa.array([7, 8, 9]))
+    same = "pass the --id-column of the job that wrote it, or use another output folder"
+    with pytest.raises(ValueError) as info:
+        Output(path).open(key=key, n=3, ids=None)
+    assert str(info.value) == (f"--id-column should be given (the store keys its rows by id) to resume "
+                               f"output={str(path)!r}, but got no --id-column: {same}")
+    with pytest.raises(ValueError) as info:
+        Output(path).open(key=key, n=3, ids=pa.array(["7", "8", "9"]), id_column="name")
+    assert str(info.value) == (f"--id-column should name ids of type int64, the ids the store at output={str(path)!r} "
+                               f"keys its rows by, to resume it, but got --id-column='name' holding ids of type "
+                               f"string: {same}")
+    output = Output(path)
+    output.open(key=key, n=3, ids=pa.array([9, 8, 7]), id_column="name")  # the same ids, in another order
+    assert output.store.done.tolist() == [False, False, True]
+    output.close()
+
+
 def test_tally_counts_what_the_store_holds_stored_before_and_stored_now(tmp_path):
     key = "embed model=aaaa pooling=mean"
     _write(tmp_path / "store", key, [0, 1])
