@@ -495,8 +495,9 @@ class Corpus:
         """The ids of ``column`` as one Arrow array (str or int64), each text's own (unique, none missing)."""
         flag = self.naming.ids if flag is None else flag
         self.require(flag, column, ("string", "integer"))
+        rows = len(self)  # a CSV's rows are counted here, first: a file of no rows is the input's refusal, not the ids'
         try:
-            return check_ids(self.column(column), len(self))
+            return check_ids(self.column(column), rows)
         except ValueError as exc:
             raise ValueError(f"{flag}={column!r}: {exc}") from exc
 

@@ -88,6 +88,15 @@ def test_refusals_name_the_librarys_arguments(tmp_path):
         read_texts(tmp_path / "docs.jsonl", column="title")
 
 
+def test_a_csv_of_its_header_alone_is_refused_as_an_input_of_no_rows_when_its_ids_are_read_first(tmp_path):
+    # its rows are counted when first read: by the ids, the refusal was "id_column='id': source should hold ..."
+    (tmp_path / "docs.csv").write_text("id,text\n")
+    corpus = open_corpus(tmp_path / "docs.csv")
+    with pytest.raises(ValueError, match=r"^source should hold at least one text, but got source='.*docs.csv' with no "
+                                         r"rows$"):
+        corpus.ids("id")
+
+
 def test_a_malformed_jsonl_line_is_named_by_its_line(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text('{"text": "a"}\n{"text": "b"}\n{"text": "no end\n')
