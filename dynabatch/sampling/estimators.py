@@ -416,8 +416,13 @@ def check_token_cap(sorted_lengths: np.ndarray, settings: PlanSettings, *, relat
     rows = min(settings.batch_size, len(sorted_lengths)) if relative else 1
     width = int(settings.width(int(sorted_lengths[0])))
     if rows * width > settings.max_tokens:
-        what = (f"the first batch, the batch_size={rows} longest texts {width} tokens wide" if relative
-                else f"the longest text, {width} tokens wide")
+        if not relative:
+            what = f"the longest text, {width} tokens wide"
+        elif rows < settings.batch_size:  # every text: never named as a batch_size the caller did not pass
+            what = (f"the first batch, all {rows} texts (fewer than batch_size={settings.batch_size}), the longest "
+                    f"{width} tokens wide")
+        else:
+            what = f"the first batch, the batch_size={rows} longest texts {width} tokens wide"
         raise bad_value("max_tokens", f"at least {rows} x {width} = {rows * width} padded tokens ({what}); pass "
                         "a larger max_tokens, a smaller batch_size or a smaller max_input_token_length",
                         settings.max_tokens)

@@ -372,6 +372,11 @@ def test_a_token_cap_below_the_first_batch_is_refused_with_what_to_do():
                                          r"got max_tokens=200$"):
         BatchPlanner(lengths, PlanSettings(2, 128, pad_to_multiple_of=8, max_tokens=200))
     BatchPlanner(lengths, PlanSettings(2, 128, pad_to_multiple_of=8, max_tokens=208))  # exactly the first batch
+    # fewer texts than batch_size: the first batch is every text, never said to be "the batch_size=4 longest texts"
+    with pytest.raises(ValueError, match=r"^max_tokens should be at least 4 x 104 = 416 padded tokens \(the first "
+                                         r"batch, all 4 texts \(fewer than batch_size=16\), the longest 104 tokens "
+                                         r"wide\); pass a larger max_tokens"):
+        BatchPlanner(lengths, PlanSettings(16, 128, pad_to_multiple_of=8, max_tokens=200))
 
 
 def test_plan_settings_are_validated_once_and_frozen():
