@@ -85,12 +85,17 @@ FLAGS = {
 
 _NONE = {"--max-memory": "none"}  # a flag's word for the library's None, where it has one
 _NAMED = re.compile(r"(?<![\w.-])(" + "|".join(FLAGS) + r")(=None\b)?(?!\w)")
+_STORE = (("output_path=", "output="), ("another output_path", "another output folder"),
+          (", or give the loader ids= to key rows by id (a grown or reordered corpus)",
+           " (with --id-column, a grown or reordered corpus reruns only its new ids)"))
+"""The run's refusals of its store (``output_path``, the command's ``OUTPUT``), in the command's words."""
 
 
 def as_flags(message: str) -> str:
     """A library refusal of one of :data:`FLAGS` (the library's template starts with the argument's name) with
     each of them named by its flag (``max_tokens=3`` is ``--max-batch-tokens=3``; ``max_memory=None`` is
-    ``--max-memory=none``); any other message (a command's own, in flags already) as it is.
+    ``--max-memory=none``); a refusal of the run's store (``output_path``) naming the command's ``output`` and
+    ``--id-column``; any other message (a command's own, in flags already) as it is.
 
     Example:
         >>> as_flags("max_tokens should be at least 30 x 9 = 270 padded tokens (the batch_size=30 longest texts); "
@@ -98,7 +103,15 @@ def as_flags(message: str) -> str:
         '--max-batch-tokens should be at least 30 x 9 = 270 padded tokens (the --batch-size=30 longest texts); pass a larger --max-batch-tokens, or --max-memory=none, but got --max-batch-tokens=3'
         >>> as_flags("--temperature should be given with --sample (greedy decoding has no temperature)")
         '--temperature should be given with --sample (greedy decoding has no temperature)'
+        >>> as_flags("output_path='out' should hold results of these inputs at their positions, but got 1 stored "
+        ...          "rows computed from other inputs (positions 0): ...; use another output_path, or give the loader "
+        ...          "ids= to key rows by id (a grown or reordered corpus)")
+        "output='out' should hold results of these inputs at their positions, but got 1 stored rows computed from other inputs (positions 0): ...; use another output folder (with --id-column, a grown or reordered corpus reruns only its new ids)"
     """
+    if message.startswith("output_path"):  # the store the command opened at OUTPUT, and the ids of --id-column
+        for library, command in _STORE:
+            message = message.replace(library, command)
+        return message
     if message.split(" ", 1)[0] not in FLAGS:
         return message
 

@@ -502,3 +502,23 @@ def test_a_new_output_folder_is_taken_back_when_a_later_check_fails(bert_dir, co
     assert _refused(["embed", str(corpus), str(out), "--model", str(bert_dir), "--max-length", "100"],
                     capsys).startswith("--max-length should be at most the model's max_position_embeddings=64")
     assert not (tmp_path / "new").exists()
+
+
+def test_a_rerun_on_other_texts_at_the_stored_positions_is_one_line_naming_output_and_id_column(
+        bert_dir, texts, tmp_path, capsys):
+    # the store's own words named the library's output_path and "give the loader ids=", which the command has not
+    docs, out = tmp_path / "docs.txt", tmp_path / "out"
+    docs.write_text("\n".join(texts[:4]) + "\n", encoding="utf-8")
+    argv = ["embed", str(docs), str(out), "--model", str(bert_dir), "--no-progress"]
+    assert main(argv) == 0
+    docs.write_text("\n".join([texts[10], *texts[:4]]) + "\n", encoding="utf-8")  # a line put first
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(argv)  # refused by the run, once the model has loaded (its "Loading weights" bar: this process's)
+    lines = [line for line in re.split(r"[\r\n]+", capsys.readouterr().err) if line and "Loading weights" not in line]
+    assert info.value.code == 2 and len(lines) == 1, lines
+    line = lines[0].removeprefix("dynabatch embed: error: ")
+    assert line.startswith(f"output={str(out)!r} should hold results of these inputs at their positions, but got "), line
+    assert line.endswith("; use another output folder (with --id-column, a grown or reordered corpus reruns only its "
+                         "new ids)"), line
+    assert "output_path" not in line and "loader" not in line, line
