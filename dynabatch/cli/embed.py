@@ -199,11 +199,23 @@ def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) 
     if args.prompt_name is not None and args.prompt_name not in st.prompts:
         raise bad_value("--prompt-name", f"one of the model's prompts {sorted(st.prompts)}", args.prompt_name)
     try:  # the run's own checks (its tokenization, what every batch shares), on the weightless model
-        corpus_embedder(st, prompt_name=args.prompt_name, prompt=args.prompt)
+        tokenizer = corpus_embedder(st, prompt_name=args.prompt_name, prompt=args.prompt)[0]
     except ValueError as exc:
         raise ValueError(f"--model should be a sentence-transformers model that runs on dynamic batches (or be given "
                          f"--pooling mean, cls or last), but got --model={args.model!r}: {exc}") from exc
+    # what the model's tokenization adds to every text (special tokens, the prompt), at the folder's own length: a
+    # length that holds no more keeps no token of any text, and every vector is the same (a transformers folder is
+    # refused so by its tokenizer's special tokens: _max_length)
+    added = len(next(iter(tokenizer([""]).values()))[0])
     length = args.max_length if args.max_length is not None else st.max_seq_length
+    if length is not None and length <= added:
+        what = "its special tokens and the prompt" if _prompt_of(st, args) else "its special tokens"
+        if args.max_length is not None:
+            raise bad_value("--max-length", f"at least {added + 1} (the model's tokenization adds {added} tokens to "
+                            f"every text: {what})", args.max_length)
+        raise bad_value("--max-length", f"given above {added}: the max_seq_length={length} sentence-transformers "
+                        f"reads from the folder holds only the tokens its tokenization adds to every text ({what})",
+                        None)
     if length is None:
         found = position_limit(config)
         if found is None:
@@ -221,11 +233,19 @@ def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) 
     return length, corpus_embedder(st, prompt_name=args.prompt_name, prompt=args.prompt)[0]
 
 
+def _prompt_of(st: Any, args: argparse.Namespace) -> str | None:
+    """The prompt the run prepends (``--prompt``, ``--prompt-name``'s, else the model's default), as ``encode``."""
+    if args.prompt is not None:
+        return args.prompt
+    name = args.prompt_name if args.prompt_name is not None else st.default_prompt_name
+    return st.prompts.get(name) if name is not None else None
+
+
 def _max_length(args: argparse.Namespace, config: Any, folder: str, tokenizer: Any) -> int:
     """``--max-length``, or a transformers model's own limit (a sentence-transformers folder's saved
     ``max_seq_length``, its positions, its tokenizer's ``model_max_length``: the smallest); refused above the
-    positions or the tokenizer's."""
-    from dynabatch.data.tokenization import model_max_length
+    positions or the tokenizer's, or with no room for a text after the special tokens."""
+    from dynabatch.data.tokenization import check_length_fits, model_max_length
     from dynabatch.memory.calibrate import check_model_max_length, check_positions
     from dynabatch.memory.shape import position_limit
 
@@ -241,6 +261,7 @@ def _max_length(args: argparse.Namespace, config: Any, folder: str, tokenizer: A
         length = min(limits)
     check_positions(config, length, 0, length_name="--max-length")
     check_model_max_length(tokenizer, length, length_name="--max-length")
+    check_length_fits(tokenizer, length, {})  # room for a text after the special tokens: the loader's rule, now
     return length
 
 

@@ -441,6 +441,30 @@ def test_a_max_length_above_the_models_positions_is_refused(bert_dir, corpus, tm
                                "--max-length=100"
 
 
+@pytest.fixture()
+def prompted_folder(st_model_folder):
+    """A sentence-transformers folder with a prompt (made before ``no_model_loads``)."""
+    return st_model_folder(max_seq_length=16, prompts={"query": "query: "})
+
+
+def test_a_max_length_holding_no_token_of_a_text_is_refused_for_a_sentence_transformers_folder_too(
+        bert_dir, prompted_folder, corpus, tmp_path, capsys, no_model_loads):
+    # sentence-transformers cut every text to [CLS] [SEP] (or to the prompt): every vector the same, and 1 failed
+    # in the run's planner ("lengths should be at most max_input_token_length=1")
+    folder = prompted_folder
+    base = ["embed", str(corpus), str(tmp_path / "out"), "--model", str(folder)]
+    for length in ("1", "2"):
+        assert _refused([*base, "--max-length", length], capsys) == (
+            "--max-length should be at least 3 (the model's tokenization adds 2 tokens to every text: its special "
+            f"tokens), but got --max-length={length}")
+    assert _refused([*base, "--prompt-name", "query", "--max-length", "4"], capsys) == (
+        "--max-length should be at least 5 (the model's tokenization adds 4 tokens to every text: its special tokens "
+        "and the prompt), but got --max-length=4")
+    # a transformers folder: refused by the loader, once the weights had loaded
+    assert _refused([*base[:-1], str(bert_dir), "--max-length", "2"], capsys) == (
+        "--max-length should be at least 3 (the tokenizer adds 2 special tokens to every text), but got --max-length=2")
+
+
 def test_a_bad_input_from_the_console_is_one_line_and_exit_status_2(cli, tmp_path):
     import subprocess
 
