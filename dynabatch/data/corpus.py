@@ -22,8 +22,9 @@ never guessed from the contents:
   format), memory-mapped: its texts are read in place;
 * ``datasets``: a folder written by ``datasets.Dataset.save_to_disk`` (one split);
 * ``text``: a ``.txt`` file (any file with ``format="text"``), one document a
-  line (a blank line is an empty document, so row ``i`` is line ``i + 1``);
-  its one column is ``text``.
+  line (a blank line is an empty document, so row ``i`` is line ``i + 1``; a
+  byte order mark is dropped, as from a CSV or JSONL file); its one column is
+  ``text``.
 
 A file of another suffix is refused, naming the formats. A JSONL line or a CSV
 row that cannot be read is named by the line of the file it starts on (counted
@@ -469,7 +470,9 @@ class Corpus:
         return source
 
     def _lines(self) -> Iterator[str]:
-        with open(self.path, encoding="utf-8") as lines:  # universal newlines: "\r\n" ends a line too
+        # universal newlines: "\r\n" ends a line too; utf-8-sig: a byte order mark (Windows editors write one) is
+        # no part of the first line's text, as pyarrow reads a CSV or JSONL file
+        with open(self.path, encoding="utf-8-sig") as lines:
             for line in lines:
                 yield line.removesuffix("\n")
 

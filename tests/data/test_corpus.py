@@ -97,6 +97,16 @@ def test_a_csv_of_its_header_alone_is_refused_as_an_input_of_no_rows_when_its_id
         corpus.ids("id")
 
 
+def test_a_byte_order_mark_is_no_part_of_the_first_text_in_any_format(tmp_path):
+    # a text file's first line kept it ('\ufeffIn the beginning'), where pyarrow drops it from a CSV or JSONL file
+    bom = "\ufeff".encode()
+    (tmp_path / "docs.txt").write_bytes(bom + "In the beginning\nAnd God said\n".encode())
+    (tmp_path / "docs.csv").write_bytes(bom + b"text\nIn the beginning\n")
+    (tmp_path / "docs.jsonl").write_bytes(bom + b'{"text": "In the beginning"}\n')
+    for name in ("docs.txt", "docs.csv", "docs.jsonl"):
+        assert read_texts(tmp_path / name).take([0]) == ["In the beginning"], name
+
+
 def test_a_malformed_jsonl_line_is_named_by_its_line(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text('{"text": "a"}\n{"text": "b"}\n{"text": "no end\n')
