@@ -113,3 +113,10 @@ def test_a_malformed_jsonl_line_is_named_by_its_line(tmp_path):
     with pytest.raises(ValueError, match=r"^source should be a JSONL file \(one JSON object a line\), but got "
                                          r"source='.*docs.jsonl': line 3, column 10: Unterminated string"):
         read_texts(path)
+    # bytes that are not UTF-8 in a string: pyarrow reads them; the texts failed when taken ("'utf-8' codec can't
+    # decode byte 0xff in position 0"), naming no file and no line
+    path.write_bytes(b'{"text": "a"}\n{"text": "\xff\xfe"}\n')
+    with pytest.raises(ValueError, match=r"^source should be a JSONL file \(one JSON object a line\), but got "
+                                         r"source='.*docs.jsonl': line 2: not UTF-8 \(invalid start byte at byte "
+                                         r"10\)$"):
+        open_corpus(path)
