@@ -1,8 +1,9 @@
 """The output of a corpus job: its store, made, written to and opened before any model loads, and read after the run.
 
 * :meth:`Output.prepare`: the folder made (with its parents) and a probe file
-  written and removed in it: a folder this user cannot make or write is one
-  line before any model loads; :meth:`Output.checked` prepares it around the
+  written and removed in it: a folder this user cannot make or write, or one
+  inside another store (whose job would refuse it then), is one line before
+  any model loads; :meth:`Output.checked` prepares it around the
   checks that follow, taking it back if one fails;
 * :meth:`Output.open`: the store at it opened for the run, which writes into
   it (:attr:`Output.store`), taking the store's job lock: a store another live
@@ -98,6 +99,20 @@ def _stored(path: str) -> tuple[dict, Any]:
         meta = (schema.metadata or {}).get(META)
         return (json.loads(meta) if meta else {}), schema
     return {}, None
+
+
+def _store_around(path: str) -> str | None:
+    """The folder above ``path`` that holds a dynabatch store (a shard written under a key), if any: a corpus
+    folder of Parquet files named ``part-*`` is none."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while True:
+        with contextlib.suppress(OSError):
+            if _stored(folder)[0].get("key") is not None:
+                return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
 
 
 def _other_ids(path: str, ids: Any, id_column: str | None) -> str | None:
@@ -201,6 +216,9 @@ class Output:
         path = self.path
         if os.path.exists(path) and not os.path.isdir(path):
             raise bad_value("output", "a folder for the store, not a file", path)
+        if (outer := _store_around(path)) is not None:  # its folder in there: the outer store's job refuses it then
+            raise ValueError(f"output should be a folder outside any other store (a store's folder holds its own "
+                             f"files alone), but got output={path!r} inside the store {outer!r}")
         try:
             self.made = _make_folders(os.path.abspath(path))
         except OSError as exc:

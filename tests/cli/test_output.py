@@ -48,6 +48,25 @@ def test_a_store_computed_otherwise_is_refused_naming_each_difference(tmp_path):
         f"another output folder for this job, or delete {str(tmp_path / 'store')!r} to compute it again")
 
 
+def test_an_output_inside_another_store_is_refused_a_corpus_folder_of_part_files_is_none(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # the job ran, and the outer store's own job then refused its folder ("holding 1 other entries (inner)")
+    _write(tmp_path / "store", "embed model=aaaa", [0])
+    inner = tmp_path / "store" / "sub" / "inner"
+    with pytest.raises(ValueError) as info:
+        Output(inner).prepare()
+    assert str(info.value) == (f"output should be a folder outside any other store (a store's folder holds its own "
+                               f"files alone), but got output={str(inner)!r} inside the store "
+                               f"{str(tmp_path / 'store')!r}")
+    assert os.listdir(tmp_path / "store") != [] and not (tmp_path / "store" / "sub").exists()
+    (tmp_path / "corpus").mkdir()
+    pq.write_table(pa.table({"text": ["a"]}), tmp_path / "corpus" / "part-00000.parquet")  # as the demo names them
+    Output(tmp_path / "corpus" / "out").prepare()
+    assert (tmp_path / "corpus" / "out").is_dir()
+
+
 def _write_ids(path, key, ids):
     """A store keyed by ``ids`` (a pyarrow array), holding the first one's row."""
     store = open_store(path, key=key, n=len(ids), ids=ids)
