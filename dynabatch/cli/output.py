@@ -1,9 +1,9 @@
 """The output of a corpus job: its store, made, written to and opened before any model loads, and read after the run.
 
 * :meth:`Output.prepare`: the folder made (with its parents) and a probe file
-  written and removed in it: a folder this user cannot make or write, or one
-  inside another store (whose job would refuse it then), is one line before
-  any model loads; :meth:`Output.checked` prepares it around the
+  written and removed in it: a folder this user cannot make or write, one
+  inside another store (whose job would refuse it then), or one holding files
+  that are no store's, is one line before any model loads; :meth:`Output.checked` prepares it around the
   checks that follow, taking it back if one fails;
 * :meth:`Output.open`: the store at it opened for the run, which writes into
   it (:attr:`Output.store`), taking the store's job lock: a store another live
@@ -99,6 +99,16 @@ def _stored(path: str) -> tuple[dict, Any]:
         meta = (schema.metadata or {}).get(META)
         return (json.loads(meta) if meta else {}), schema
     return {}, None
+
+
+def _foreign(path: str) -> list[str]:
+    """The entries of the folder ``path`` that are no store's (the store's rule: shards, failure records, its
+    temporaries and job locks are its own), sorted; none where it is missing."""
+    from dynabatch.inference.store_lock import PREFIX
+    from dynabatch.inference.store_shards import FAILED, SET_ASIDE, TEMPORARY, is_shard
+
+    names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    return [n for n in names if not (is_shard(n) or n == FAILED or n.startswith((TEMPORARY, SET_ASIDE, PREFIX)))]
 
 
 def _store_around(path: str) -> str | None:
@@ -211,7 +221,8 @@ class Output:
         """Makes the folder (and its parents) and writes and removes a probe file in it.
 
         Raises:
-            ValueError: a file, or a folder this user cannot make or write (the reason named).
+            ValueError: a file, a folder this user cannot make or write (the reason named), one inside another
+                store, or one holding files that are no store's (named).
         """
         path = self.path
         if os.path.exists(path) and not os.path.isdir(path):
@@ -236,6 +247,10 @@ class Output:
             self.discard()
             raise ValueError(f"output should be a folder this user can write, but got output={path!r}: "
                              f"{exc.strerror}") from exc
+        if foreign := _foreign(path):  # the store refuses it too, once the model's files are hashed for the key
+            raise ValueError(f"output should be a new folder, or the store of this same job to resume it, but got "
+                             f"output={path!r} holding {len(foreign)} other entries ({first_few(foreign)}): use "
+                             "another output folder")
 
     def open(self, *, key: str, n: int, ids: Any, id_column: str | None = None) -> None:
         """Opens the store for a run over ``n`` inputs (``ids``: their ids, of the column ``id_column``) computed as

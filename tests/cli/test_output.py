@@ -67,6 +67,19 @@ def test_an_output_inside_another_store_is_refused_a_corpus_folder_of_part_files
     assert (tmp_path / "corpus" / "out").is_dir()
 
 
+def test_an_output_folder_holding_other_files_is_refused_before_the_store_opens(tmp_path):
+    # refused by the store, once the model's files were hashed for the key, in its words ("output_path should be")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError) as info:
+        Output(tmp_path / "data").prepare()
+    assert str(info.value) == (f"output should be a new folder, or the store of this same job to resume it, but got "
+                               f"output={str(tmp_path / 'data')!r} holding 1 other entries (notes.txt): use another "
+                               "output folder")
+    _write(tmp_path / "store", "embed model=aaaa", [0])
+    Output(tmp_path / "store").prepare()  # a store's own files: its shards, its failure records, its job lock
+
+
 def _write_ids(path, key, ids):
     """A store keyed by ``ids`` (a pyarrow array), holding the first one's row."""
     store = open_store(path, key=key, n=len(ids), ids=ids)
