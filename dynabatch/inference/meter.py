@@ -415,7 +415,9 @@ def name_bound(shares: dict[str, float], tokenize_share: float | None = None) ->
         return f"device-bound: the device was busy {device:.0%} of the run"
     if what == "tokenizing" and tokenize_share is not None:
         share = tokenize_share
-    hint = {"tokenizing": "; --tokenize-cores or more cores would help",
+    # tokenizing runs on every core this process may use already (a cap, tokenize_cores, is the caller's own; the
+    # command line has none): only more cores help
+    hint = {"tokenizing": "; more CPU cores would help",
             "writing the store": "; a faster disk for the output would help"}.get(what, "")
     bound = "store-bound" if what == "writing the store" else "host-bound"
     return f"{bound}: {what} took {share:.0%} of the wall while the device waited {1.0 - device:.0%}{hint}"

@@ -190,3 +190,24 @@ def test_laps_give_waits_on_the_background_threads_to_their_stage():
 ])
 def test_the_bound_is_named(shares, bound):
     assert name_bound(shares).startswith(bound)
+
+
+def test_a_bound_names_no_flag_the_commands_lack():
+    """The CLI prints the bound as it is: a flag it suggests must be one of the command's."""
+    import contextlib
+    import io
+    import re
+
+    from dynabatch.cli import parser
+
+    flags = set()
+    for command in ("embed", "generate"):
+        with contextlib.redirect_stdout(io.StringIO()) as out, pytest.raises(SystemExit):
+            parser().parse_args([command, "--help"])
+        flags |= set(re.findall(r"--[\w-]+", out.getvalue()))
+    assert "--batch-size" in flags
+    for shares in ({"device": 0.3, "wait tokenize": 0.6}, {"device": 0.3, "store": 0.6}, {"device": 0.1, "plan": 0.8},
+                   {"device": 0.2, "wait read": 0.7}, {"device": 0.2, "build": 0.7}):
+        line = name_bound(shares, tokenize_share=0.9)
+        assert set(re.findall(r"--[\w-]+", line)) <= flags, line
+    assert name_bound({"device": 0.3, "wait tokenize": 0.6}).endswith("; more CPU cores would help")
