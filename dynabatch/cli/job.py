@@ -503,6 +503,11 @@ def summary(command: str, report: Any, tally: Tally, *, output: str, what: str, 
                   f"one, {report.pre_split_batches} split before running")]
         if report.bound is not None:
             lines.append(f"  bound      {report.bound}{ran}")
+    if tally.others:  # a reader of the whole store (the read-it line) reads them too: never a silent extra row
+        keys = "ids" if tally.ids is not None else "positions"
+        lines.append(f"  others     {tally.others:,} rows stored besides one per input of this corpus (of inputs not in "
+                     f"it: an earlier, other corpus'), read by whatever reads the whole store: keep this corpus' "
+                     f"{keys} when you read it, or use another output folder for this corpus alone")
     lines += [f"  store      {os.path.abspath(output)} (Parquet, one row per input: {', '.join(columns)})",
               (f"  read it    pyarrow.dataset.dataset({output!r}).to_table(columns={columns!r})  (or pandas, polars, "
               "datasets)")]

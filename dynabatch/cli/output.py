@@ -203,6 +203,7 @@ class Tally(Accounting):
 
         failed = sorted(self.failures)
         return {"inputs": self.n, "stored": self.stored, "stored_before": self.before, "stored_now": self.now,
+                "other_rows": self.others,
                 "failed": [{**entry, "cause": self.failures[entry["position"]]} for entry in inputs(failed)],
                 "missing": inputs([int(p) for p in self.missing])}
 
@@ -326,5 +327,6 @@ class Output:
         accounting = getattr(result, "accounting", None)
         if accounting is None or accounting.n != n:
             located = self.store.located(n)
-            accounting = account(n, located.where >= 0, located.failures, before=self.before, ids=located.ids)
+            accounting = account(n, located.where >= 0, located.failures, before=self.before, ids=located.ids,
+                                 rows=sum(located.counts))
         return Tally(**{f.name: getattr(accounting, f.name) for f in fields(accounting)})  # no copy

@@ -38,7 +38,9 @@ class Accounting:
 
     ``stored``: inputs with a row; ``before``: of them, those held before the run (``now``: the others);
     ``failures``: input position -> cause, of the inputs without a row; ``missing``: positions with neither (a run
-    raises for them); ``ids``: the inputs' ids (``None``: keyed by position).
+    raises for them); ``ids``: the inputs' ids (``None``: keyed by position); ``others``: rows a results store holds
+    besides one per input (of inputs of an earlier, other corpus, or an input's second copy), which a reader of the
+    whole store reads too.
     """
 
     n: int
@@ -48,13 +50,15 @@ class Accounting:
     failures: dict[int, str]
     missing: np.ndarray
     ids: Any = None
+    others: int = 0
 
 
 def account(n: int, held: np.ndarray, failures: Mapping[int, str], *, before: np.ndarray | None = None,
-            ids: Any = None, elsewhere: bool = False) -> Accounting:
+            ids: Any = None, elsewhere: bool = False, rows: int | None = None) -> Accounting:
     """The one accountant: what a run over ``n`` inputs accounts for, from which inputs have a row (``held``), the
     causes of those that failed (``failures``; those with a row since are left out) and which were held before the
-    run (``before``); ``elsewhere``: inputs held neither way are another rank's to account for.
+    run (``before``); ``elsewhere``: inputs held neither way are another rank's to account for; ``rows``: every row
+    a results store holds (``None``: only the inputs').
 
     Example:
         >>> import numpy as np
@@ -68,7 +72,9 @@ def account(n: int, held: np.ndarray, failures: Mapping[int, str], *, before: np
     failures = {int(p): str(c) for p, c in sorted(failures.items()) if 0 <= p < n and not held[p]}
     before = held & (before if before is not None and len(before) == n else np.zeros(n, dtype=bool))
     missing = np.zeros(0, dtype=np.int64) if elsewhere else np.setdiff1d(np.flatnonzero(~held), list(failures))
-    return Accounting(n, int(held.sum()), int(before.sum()), int((held & ~before).sum()), failures, missing, ids)
+    others = 0 if rows is None else rows - int(held.sum())
+    return Accounting(n, int(held.sum()), int(before.sum()), int((held & ~before).sum()), failures, missing, ids,
+                      others)
 
 
 class _Stacking:
@@ -152,7 +158,7 @@ class StoredRunResult(Sequence, _Stacking):
         self._starts = np.concatenate([[0], np.cumsum(located.counts, dtype=np.int64)])
         self.report = report if report is not None else RunReport()
         self.accounting = account(len(self._where), self._where >= 0, located.failures, before=before,
-                                  ids=located.ids)
+                                  ids=located.ids, rows=int(self._starts[-1]))
         self.failures = self.accounting.failures
         self.failed = list(self.failures)
         self._shard: tuple[int, Any] = (-1, None)  # the last shard read, and its output columns

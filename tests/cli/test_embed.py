@@ -221,6 +221,25 @@ def test_the_same_model_files_under_another_folder_resume_the_store(bert_dir, te
     assert not any(line.startswith(("  padding", "  memory", "  bound")) for line in again.splitlines())
 
 
+def test_a_smaller_corpus_is_told_of_the_rows_of_other_inputs_its_store_holds(bert_dir, texts, tmp_path, capsys,
+                                                                               write_corpus):
+    ids = [f"doc-{i}" for i in range(12)]
+    out, report = tmp_path / "store", tmp_path / "report.json"
+
+    def embed(corpus):
+        return main(["embed", str(corpus), str(out), "--model", str(bert_dir), "--id-column", "id", "--no-progress",
+                     "--report", str(report)])
+
+    (tmp_path / "all").mkdir(), (tmp_path / "part").mkdir()
+    assert embed(write_corpus(tmp_path / "all", texts[:12], ids)) == 0
+    assert "  others " not in capsys.readouterr().out and json.loads(report.read_text())["store"]["other_rows"] == 0
+    assert embed(write_corpus(tmp_path / "part", texts[:8], ids[:8])) == 0
+    shown = capsys.readouterr().out
+    assert f"8 of 8 texts stored in {out} (0 run now, 8 stored before)" in shown
+    assert "\n  others     4 rows stored besides one per input of this corpus" in shown  # read-it reads all 12
+    assert ds.dataset(out).count_rows() == 12 and json.loads(report.read_text())["store"]["other_rows"] == 4
+
+
 def _same_as_encode(folder, texts, out, max_length):
     """The stored vectors are ``model.encode``'s, on texts longer than the max length (cosine above 0.9999)."""
     from sentence_transformers import SentenceTransformer

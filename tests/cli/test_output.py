@@ -130,8 +130,9 @@ def test_tally_counts_what_the_store_holds_stored_before_and_stored_now(tmp_path
     writer.close()
     tally = output.tally(5)
     assert (tally.n, tally.stored, tally.before, tally.now, tally.missing.tolist()) == (5, 3, 2, 1, [2, 4])
-    assert tally.to_dict() == {"inputs": 5, "stored": 3, "stored_before": 2, "stored_now": 1, "failed": [],
-                               "missing": [{"position": 2}, {"position": 4}]}
+    assert tally.to_dict() == {"inputs": 5, "stored": 3, "stored_before": 2, "stored_now": 1, "other_rows": 0,
+                               "failed": [], "missing": [{"position": 2}, {"position": 4}]}
+    assert output.tally(2).others == 1  # position 3's row: no input of a corpus of 2
     output.close()
 
 

@@ -157,6 +157,7 @@ def test_a_grown_and_reordered_corpus_with_ids_runs_only_the_new_ids(tokenizer, 
     subset = run(_summary, _load([texts[i] for i in part], tokenizer, ids=[ids[i] for i in part]), output_path=path,
                  progress=False)
     assert subset.report.rows == 0 and len(subset) == len(part)
+    assert subset.accounting.others == 90 - len(part) and grown.accounting.others == 0  # rows of other inputs
     _same(subset, [grown[order.index(i)] for i in part])
     with pytest.raises(ValueError, match=r"the loader's ids should be of type string, as the ids of the results at "
                        r"output_path='.*', but got ids of type int64"):
