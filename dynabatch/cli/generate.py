@@ -17,7 +17,7 @@ prompt's row in the input) and ``output`` (the reply);
 its key names the model, the dtype, the length limits and every generation
 option, so the same command again generates only the prompts not stored.
 
-Sampled replies (``--sample``) are drawn from a generator seeded by ``--seed``;
+Sampled replies (``--sample``) are drawn from a generator seeded by ``--seed`` (0 unless given; refused without ``--sample``);
 they depend on which prompts share a batch, as with any batched sampling, so
 a resumed run's new replies are not those an uninterrupted run would draw.
 
@@ -65,14 +65,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--temperature", type=float, default=None, help="with --sample (default: the model's)")
     p.add_argument("--top-p", type=float, default=None, help="with --sample (default: the model's)")
     p.add_argument("--top-k", type=int, default=None, help="with --sample (default: the model's)")
-    p.add_argument("--seed", type=int, default=0, help="seeds sampling (default: 0)")
+    p.add_argument("--seed", type=int, default=None, help="with --sample: seeds sampling (default: 0)")
     p.add_argument("--max-length", type=int, default=None,
                    help="prompt tokens at most (default: the model's positions less --max-new-tokens)")
     job.add_run_arguments(p, "prompt", 16, "the device (default: the first GPU, else the CPU)")
 
 
 def _check_sampling(args: argparse.Namespace) -> dict[str, Any]:
-    """The generation options: greedy, or sampling with the options given (each checked)."""
+    """The generation options: greedy, or sampling with the options given (each checked); ``args.seed`` resolved
+    (0 unless given)."""
+    if args.seed is not None and not args.sample:  # a seed greedy decoding would ignore, silently
+        raise bad_value("--seed", "given with --sample (greedy decoding draws nothing to seed)", args.seed)
+    args.seed = 0 if args.seed is None else args.seed
     if not _SEEDS[0] <= args.seed < _SEEDS[1]:
         raise bad_value("--seed", f"an integer in [{_SEEDS[0]}, {_SEEDS[1]}) (the seeds torch takes)", args.seed)
     options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.sample}

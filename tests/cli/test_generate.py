@@ -110,6 +110,8 @@ def test_sampling_options_without_sample_and_a_prompt_limit_past_the_positions_a
         ([*base, "--temperature", "0.7"],
          ("--temperature should be given with --sample (greedy decoding has no temperature, top-p or top-k), but got "
          "--temperature=0.7")),
+        ([*base, "--seed", "3"], "--seed should be given with --sample (greedy decoding draws nothing to seed), but got "
+         "--seed=3"),
         ([*base, "--max-length", "40", "--max-new-tokens", "32"],
          ("--max-length should be at most 32: the model's max_position_embeddings=64 positions hold the prompt and the "
          "--max-new-tokens=32 new tokens, but got --max-length=40")),
