@@ -466,7 +466,10 @@ class Corpus:
             source = source_of(self.dataset, column=column)
         else:
             source = source_of(self.files or self.table, column=column, chunk_size=chunk_size)
-        missing = source.bad()
+        try:
+            missing = source.bad()
+        except ValueError as exc:  # bytes that are not UTF-8 in an Arrow file or a dataset, read in place: say where
+            raise ValueError(f"{flag}={column!r} of {self.name}={self.path!r}: {exc}") from None
         if missing.size:
             raise ValueError(f"{flag} should name a column without missing texts, but got {flag}={column!r} with "
                              f"{missing.size} missing (null) texts, at rows {first_few(missing)}: fill or drop them")

@@ -47,6 +47,28 @@ SPILL_ROWS = 8192
 """Texts per Arrow record batch when an iterable or Parquet files are read in."""
 
 
+def _check_utf8(strings: Any, where: str, first: int = 0) -> None:
+    """Refuses (``ValueError``) an Arrow string array holding bytes that are not UTF-8, naming the first such row
+    (``where``: what holds it; ``first``: the array's first row's number there).
+
+    Arrow takes a Parquet, Arrow or ``datasets`` file's string bytes as they are: such a text failed only when it was
+    taken, with Python's decode error naming neither file nor row.
+    """
+    import pyarrow as pa
+
+    try:
+        strings.validate(full=True)
+    except pa.ArrowInvalid:
+        for row, raw in enumerate(strings.cast(pa.large_binary()).to_pylist()):  # the error path alone
+            try:
+                raw is None or raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"texts should be UTF-8 text, but got {where} holding bytes that are not UTF-8 at row "
+                                 f"{first + row} ({exc.reason} at byte {exc.start}: {raw[:40]!r}): write it as UTF-8"
+                                 ) from None
+        raise
+
+
 def _is_arrow_strings(values: Any) -> bool:
     pa = sys.modules.get("pyarrow")
     if pa is None or not isinstance(values, (pa.Array, pa.ChunkedArray)):
@@ -115,6 +137,8 @@ class TextSource:
             else:
                 import pyarrow.compute as pc
 
+                for chunk, start in zip(self.arrow.chunks, self._starts):
+                    _check_utf8(chunk, "the texts", int(start))
                 lengths = pc.fill_null(pc.utf8_length(self.arrow), -1)
                 self._chars = np.concatenate([c.to_numpy(zero_copy_only=False) for c in lengths.chunks]
                                              ).astype(np.int64)
@@ -336,7 +360,10 @@ def _read_parquet(paths: list[str], column: str, chunk_size: int) -> TextSource:
             kind = file.schema_arrow.field(column).type
             if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
                 raise bad_type("column", f"a column of strings (in {Path(path).name} it is {kind})", column)
+            row = 0
             for batch in file.iter_batches(batch_size=chunk_size, columns=[column], use_threads=False):
+                _check_utf8(batch.column(0), f"{Path(path).name}'s column {column!r}", row)
+                row += batch.num_rows
                 yield pa.record_batch([batch.column(0).cast(pa.large_string())], schema=schema)
 
     return _spill(batches(), schema)

@@ -107,6 +107,15 @@ def test_a_byte_order_mark_is_no_part_of_the_first_text_in_any_format(tmp_path):
         assert read_texts(tmp_path / name).take([0]) == ["In the beginning"], name
 
 
+def test_an_arrow_file_holding_bytes_that_are_not_utf8_is_refused_naming_its_column_file_and_row(tmp_path):
+    raw = pa.array([b"In the beginning", b"\xff\xfe"], pa.binary())
+    feather.write_feather(pa.table({"text": pa.Array.from_buffers(pa.string(), 2, raw.buffers())}),
+                          tmp_path / "docs.arrow")
+    with pytest.raises(ValueError, match=r"^column='text' of source='.*docs.arrow': texts should be UTF-8 text, but "
+                                         r"got the texts holding bytes that are not UTF-8 at row 1 "):
+        open_corpus(tmp_path / "docs.arrow").texts("text")
+
+
 def test_a_malformed_jsonl_line_is_named_by_its_line(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_text('{"text": "a"}\n{"text": "b"}\n{"text": "no end\n')

@@ -90,6 +90,27 @@ def test_parquet_column_of_numbers_is_refused(tmp_path):
         read_texts([tmp_path / "n.parquet"])
 
 
+def _not_utf8(texts):
+    """A string array whose bytes are ``texts``' as given (Arrow does not check them when a file is read)."""
+    raw = pa.array(texts, pa.binary())
+    return pa.Array.from_buffers(pa.string(), len(raw), raw.buffers())
+
+
+def test_bytes_that_are_not_utf8_are_refused_naming_the_row_in_every_kind_of_arrow_source(tmp_path):
+    from dynabatch.data.text_source import source_of
+
+    strings = _not_utf8([b"In the beginning", b"God", b"\xff\xfe created", b"the heaven"])
+    pq.write_table(pa.table({"text": strings}), tmp_path / "a.parquet")
+    with pytest.raises(ValueError, match=r"^texts should be UTF-8 text, but got a.parquet's column 'text' holding "
+                       r"bytes that are not UTF-8 at row 2 \(invalid start byte at byte 0: b'\\xff\\xfe created'\)"):
+        source_of(tmp_path / "a.parquet", chunk_size=2)  # row 2: the second record batch's first
+    for arrow in (strings, pa.chunked_array([strings[:1], strings[1:]]), pa.table({"text": strings})):
+        with pytest.raises(ValueError, match=r"^texts should be UTF-8 text, but got the texts holding bytes that are "
+                           r"not UTF-8 at row 2 "):
+            source_of(arrow).char_lengths()  # an Arrow array, a chunked one, a table's column, read in place
+    assert source_of(_not_utf8([b"caf\xc3\xa9", b"ok"])).char_lengths().tolist() == [4, 2]  # UTF-8: as before
+
+
 def test_a_spilled_source_hands_its_pages_back_after_each_record_batch_read():
     # A read maps the file's cached pages around it (64 KB), so rows scattered over a whole file would map most of it
     # before one hand-back at the end: the resident memory of a take would grow with the corpus.
