@@ -27,6 +27,7 @@ from dynabatch._validation import bad_type, bad_value, brief, first_few
 __all__ = ["check_ids"]
 
 _RULE = "a sequence of str or of int, one per text (a list, numpy array, pandas Series or Arrow array)"
+_INT64 = "ints in int64's range [-2**63, 2**63) (a store keys rows by int64 ids)"
 
 
 def _as_arrow(ids: Any) -> Any:
@@ -44,7 +45,16 @@ def _as_arrow(ids: Any) -> Any:
         return pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
         kinds = sorted({type(v).__name__ for v in (values.tolist() if isinstance(values, np.ndarray) else values)})
+        if isinstance(exc, OverflowError) and kinds == ["int"]:  # ints past 2**64: Arrow holds none of them
+            raise _out_of_range(values) from None
         raise TypeError(f"ids should be {_RULE}, but got ids={brief(ids)} holding {', '.join(kinds)} values") from exc
+
+
+def _out_of_range(values: Any) -> ValueError:
+    """The refusal of int ids outside int64's range, naming the first such id and its position."""
+    position, value = next((p, v) for p, v in enumerate(values) if v is not None and not -(2**63) <= int(v) < 2**63)
+    return ValueError(f"ids should be {_INT64}, but got id {int(value)} at position {position}: give such ids as "
+                      "str")
 
 
 def check_ids(ids: Any, n: int) -> Any:
@@ -52,7 +62,8 @@ def check_ids(ids: Any, n: int) -> Any:
 
     Raises:
         TypeError: ``ids`` is not a sequence of str or of int (floats, bools, mixed types).
-        ValueError: not one id per text, a missing (null) id, or an id given to several texts.
+        ValueError: not one id per text, a missing (null) id, an int id outside int64's range, or an id given to
+            several texts.
     """
     if ids is None:
         return None
@@ -63,7 +74,10 @@ def check_ids(ids: Any, n: int) -> Any:
     if pa.types.is_string(array.type) or pa.types.is_large_string(array.type):
         array = array.cast(pa.string())
     elif pa.types.is_integer(array.type):
-        array = array.cast(pa.int64())
+        try:
+            array = array.cast(pa.int64())
+        except pa.ArrowInvalid:  # uint64 ids of 2**63 or more
+            raise _out_of_range(array.to_pylist()) from None
     elif not pa.types.is_null(array.type):
         raise TypeError(f"ids should be {_RULE}, but got ids={brief(ids)} of Arrow type {array.type}")
     if len(array) != n:

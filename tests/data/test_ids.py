@@ -32,3 +32,19 @@ def test_ids_become_one_arrow_array():
 def test_bad_ids_are_named(ids, n, error, match):
     with pytest.raises(error, match=match):
         check_ids(ids, n)
+
+
+@pytest.mark.parametrize("ids,position,value", [
+    (pa.array([5, 2**63 + 1], pa.uint64()), 1, 2**63 + 1),  # a Parquet uint64 column
+    (np.array([2**63, 5], dtype=np.uint64), 0, 2**63),
+    ([2**63 + 1, 5], 0, 2**63 + 1),  # Python ints Arrow reads as uint64
+    ([1, 2**64 + 3], 1, 2**64 + 3),  # and past uint64
+    ([-(2**63) - 1, 2], 0, -(2**63) - 1),
+])
+def test_int_ids_outside_int64_are_refused_naming_the_range_the_id_and_its_position(ids, position, value):
+    # Arrow's own words were "Integer value 9223372036854775809 not in range: 0 to 9223372036854775807", or a
+    # TypeError saying ints are no ids
+    with pytest.raises(ValueError, match=rf"^ids should be ints in int64's range \[-2\*\*63, 2\*\*63\) \(a store keys "
+                       rf"rows by int64 ids\), but got id {value} at position {position}: give such ids as str$"):
+        check_ids(ids, 2)
+    assert check_ids([2**63 - 1, -(2**63)], 2).type == pa.int64()  # the range's ends
