@@ -69,7 +69,8 @@ class Store:
     by position or by ``ids`` (``keyed_by="id"`` without ids: the inputs are the ids stored), held for ``job`` (one
     string for every process of a job; ``None``: this open alone) until :meth:`close` or until dropped; ``verify``:
     every shard read whole, checksums verified. Attributes: ``done`` (which inputs it holds), ``n``, ``ids``,
-    ``columns``, ``schema``, ``files`` (in the order rows are numbered).
+    ``columns``, ``schema``, ``files`` (in the order rows are numbered), ``repeated`` (the inputs stored more than
+    once, their positions among ``ids``: read as their first copy).
 
     Raises:
         StoreBusyError: another live job writes the store (``.holder`` names it).
@@ -234,7 +235,8 @@ class Store:
         if inside.size < target.size:
             logger.info("output_path=%r: %d stored rows are not inputs of this run", self.path,
                         target.size - inside.size)
-        unique, at = np.unique(target[inside], return_index=True)  # one stored row per input: the first found
+        unique, at, copies = np.unique(target[inside], return_index=True, return_counts=True)  # the first found
+        self.repeated = unique[copies > 1]  # inputs stored more than once, for a caller that must refuse them
         if unique.size < inside.size:
             logger.warning("output_path=%r: %d inputs are stored more than once; reading the first copy", self.path,
                            inside.size - unique.size)

@@ -729,3 +729,17 @@ def test_map_texts_refuses_a_store_of_another_key(ray_cluster, held_out, tmp_pat
     with pytest.raises(TypeError, match="id_column should be a column name \\(a non-empty str\\), but got "
                                         "id_column=None"):
         map_texts(ds, Sums, output_path=store, id_column=None, **options)
+
+
+def test_map_texts_refuses_an_id_in_two_windows_once_both_are_stored(ray_cluster, held_out, tmp_path):
+    """Each window checks its own ids, and each actor the ids stored when it started: an id in two windows runs in
+    both, here from two texts, and the store keeps both copies. The driver, which sees every window, refuses it."""
+    store = tmp_path / "store"
+    ids = [0, 1, 2, 3, 4, 2]  # id 2 in both windows of 3 rows, under two texts
+    ds = ray_cluster.data.from_items([{"id": i, "text": t} for i, t in zip(ids, held_out)], override_num_blocks=2)
+    with pytest.raises(ValueError, match=re.escape("id_column='id' should hold ids unique in the dataset (each row's "
+                                                   "result is stored under its id), but got 1 ids in more than one row "
+                                                   "(2): each of their rows ran and output_path=")):
+        map_texts(ds, Sums, batch_size=4, max_input_token_length=MAX_LEN, window=3, actors=1, output_path=store,
+                  key="sums", learn_memory=False)
+    assert sorted(_stored(store)[1]) == [0, 1, 2, 2, 3, 4]  # what the message says the store holds

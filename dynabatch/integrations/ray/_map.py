@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int, first_few
 from dynabatch.integrations.ray._store import SUMMARY, check_store_options, open_store
 from dynabatch.integrations.ray.predictor import DynamicBatchPredictor
 from dynabatch.memory.device import device_count
@@ -194,14 +194,18 @@ def map_texts(
                          **remote)
     if store is not None:
         try:  # the driver holds the store for the job while the actors write into it
-            return _run_stored(out, store, key)
+            return _run_stored(out, store, key, id_column)
         finally:
             store.close(job_done=True)  # and gives it up with every actor's hold
     return out.drop_columns([chars]) if sort_by_length else out
 
 
-def _run_stored(out: Any, opened: Any, key: str | None) -> Any:
-    """Runs the job (each window commits its rows to the store) and returns a dataset reading the whole store."""
+def _run_stored(out: Any, opened: Any, key: str | None, id_column: str) -> Any:
+    """Runs the job (each window commits its rows to the store) and returns a dataset reading the whole store.
+
+    Raises:
+        ValueError: ``id_column`` gave one id to rows of more than one window: each window ran and stored it.
+    """
     import ray.data
 
     totals = dict.fromkeys(SUMMARY, 0)
@@ -212,6 +216,7 @@ def _run_stored(out: Any, opened: Any, key: str | None) -> Any:
                 "%d of them without a result (not stored: a rerun tries them again)", opened.path, len(opened.ids),
                 totals["rows"], totals["held"], totals["ran"], totals["failed"])
     store = open_store(opened.path, key)
+    _refuse_repeated_ids(store, opened, id_column)
     store.settle()  # one schema in every shard: Ray reads each shard on its own
     store.close()
     if store.columns is None:
@@ -227,3 +232,21 @@ def _run_stored(out: Any, opened: Any, key: str | None) -> Any:
 
     return ray.data.from_items([{"file": file} for file in store.files]).map_batches(
         read, batch_size=1, batch_format="pyarrow")
+
+
+def _refuse_repeated_ids(store: Any, opened: Any, id_column: str) -> None:
+    """Refuses (``ValueError``) ids this job stored more than once, ``store`` read after it, ``opened`` before.
+
+    Each window checks its own ids only, and each actor knows the ids stored when it started: an id in two windows
+    runs in both and is stored twice, its copies maybe from different texts, the store reading the first copy.
+    Only the driver sees every window, once they are stored.
+    """
+    before = set(opened.ids.take(pa.array(opened.repeated, pa.int64())).to_pylist()) if len(opened.repeated) else set()
+    repeated = [i for i in store.ids.take(pa.array(store.repeated, pa.int64())).to_pylist() if i not in before]
+    if repeated:
+        store.close()
+        raise ValueError(
+            f"id_column={id_column!r} should hold ids unique in the dataset (each row's result is stored under its "
+            f"id), but got {len(repeated)} ids in more than one row ({first_few(sorted(repeated))}): each of their "
+            f"rows ran and output_path={store.path!r} now holds a copy of each (read as the first found); give every "
+            "row its own id, and use another output_path")
