@@ -561,6 +561,20 @@ def test_a_window_without_the_text_column_or_with_the_output_column_is_refused(t
         predictor(["a"])
 
 
+def test_with_on_bad_input_skip_a_text_that_is_not_a_str_is_reported_in_the_error_column(tokenizer):
+    """The loader skips it and its result is None: without on_oom / on_error="skip" there was no error column to say
+    why, and the None made a column of objects that Ray cannot join to another window's column of vectors."""
+    cls = type("Lengths", (DynamicBatchPredictor,),
+               {"setup": lambda self: (tokenizer, lambda b: b["attention_mask"].sum(1, keepdim=True).float())})
+    predictor = cls(batch_size=8, max_input_token_length=MAX_LEN, learn_memory=False,
+                    loader_kwargs={"on_bad_input": "skip"})
+    out = predictor({"id": np.arange(3), "text": np.array(["a b", None, "c"], dtype=object)})
+    assert out["error"].tolist() == ["", "bad input: not a str (the loader skipped it, on_bad_input='skip')", ""]
+    assert out["output"].type == pa.list_(pa.float32(), 1) and out["output"].to_pylist() == [[4.0], None, [3.0]]
+    clean = predictor({"id": np.arange(1), "text": np.array(["a"], dtype=object)})  # a window without a bad text
+    assert clean["output"].type == out["output"].type and clean["error"].tolist() == [""]
+
+
 def test_default_window_and_map_texts_arguments():
     pytest.importorskip("ray")
     assert default_window(16) == 1024 and default_window(100) == 6400 and default_window(1000) == 16384

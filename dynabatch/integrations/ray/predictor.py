@@ -83,10 +83,12 @@ class DynamicBatchPredictor(WindowMemory):
             one row each (stacked into a tensor column when they share a
             shape); ``generate`` token ids lose their padding as in
             :func:`dynabatch.run`, each row its own length (an object column).
-        error_column: with ``on_oom="skip"`` or ``on_error="skip"``, a str
-            column added beside the results: ``""`` for every row that ran, its
-            cause for a row set aside (``"out of memory alone: ..."``, or the
-            error ``fn`` raised on it alone; its result is ``None``).
+        error_column: with ``on_oom="skip"``, ``on_error="skip"`` or
+            ``loader_kwargs={"on_bad_input": "skip"}``, a str column added
+            beside the results: ``""`` for every row that ran, its cause for a
+            row set aside (``"out of memory alone: ..."``, the error ``fn``
+            raised on it alone, or ``"bad input: not a str ..."``; its result
+            is ``None``).
         on_oom: ``"raise"`` (a row that runs out of memory on its own raises
             :class:`~dynabatch.inference.execute.BatchOutOfMemoryError`, which
             fails the window and the job) or ``"skip"`` (it is reported in
@@ -112,6 +114,9 @@ class DynamicBatchPredictor(WindowMemory):
         loader_kwargs: more keywords for ``build_dynamic_batch_dataloader``
             (``model_shape``, ``threshold``, ``memory_margin``, tokenizer
             keywords such as ``return_token_type_ids=False``), except those set here.
+            ``on_bad_input="skip"``: a text that is not a str (a null) gets
+            ``None`` and its cause in ``error_column``, as a row ``on_error="skip"``
+            sets aside.
         calibrate_kwargs: more keywords for :func:`dynabatch.calibrate`
             (``texts``, ``max_probes``, ``limit_bytes``, ...), with ``calibrate=True``.
         run_kwargs: more keywords for :func:`dynabatch.run` (``token_outputs``,
@@ -207,7 +212,10 @@ class DynamicBatchPredictor(WindowMemory):
         if self.output_column == self.text_column:
             raise bad_value("output_column", f"another column than text_column={text_column!r}", output_column)
         check_run_options(device, on_oom, memory, on_error)
-        skips = on_oom == "skip" or on_error == "skip"
+        self.loader_kwargs = check_options("loader_kwargs", loader_kwargs, _LOADER_OWN)
+        # A text the loader skips (on_bad_input="skip") gets None as a row that failed does: reported alike, with its
+        # cause, in a column that a window with such a row and one without type alike.
+        skips = on_oom == "skip" or on_error == "skip" or self.loader_kwargs.get("on_bad_input") == "skip"
         if skips and self.error_column in (self.text_column, self.output_column):
             raise bad_value("error_column", "another column than text_column and output_column", error_column)
         self.on_oom, self.on_error, self.skips = on_oom, on_error, skips
@@ -225,7 +233,6 @@ class DynamicBatchPredictor(WindowMemory):
         self.memory = memory
         self.learn_memory = learn_memory
         self.inference_mode = inference_mode
-        self.loader_kwargs = check_options("loader_kwargs", loader_kwargs, _LOADER_OWN)
         if calibrate_kwargs is not None and not calibrate:
             raise bad_value("calibrate_kwargs", "None without calibrate=True", calibrate_kwargs)
         self.calibrate_kwargs = check_options("calibrate_kwargs", calibrate_kwargs, _CALIBRATE_OWN)
