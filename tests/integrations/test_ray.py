@@ -575,6 +575,23 @@ def test_with_on_bad_input_skip_a_text_that_is_not_a_str_is_reported_in_the_erro
     assert clean["output"].type == out["output"].type and clean["error"].tolist() == [""]
 
 
+def test_a_window_with_a_text_that_is_not_a_str_is_refused_naming_the_column_rows_and_ids(tokenizer):
+    """The loader's own error named its ``texts`` argument and told to build the loader, which a ``map_batches``
+    user never did: this one names the column, the window's rows and their ids, and the predictor's option."""
+    import pandas as pd
+
+    cls = type("Lengths", (DynamicBatchPredictor,), {"setup": lambda self: (tokenizer, lambda b: b["input_ids"])})
+    predictor = cls(batch_size=8, max_input_token_length=MAX_LEN, learn_memory=False, text_column="body")
+    message = ("text_column='body' should hold a str in every row, but got 2 of the window's 4 rows without one "
+               "(window rows 1, 3, ids doc-1, doc-3; the first: {} of type {}): clean them, or pass "
+               "loader_kwargs={{'on_bad_input': 'skip'}} to get None and the cause in error_column='error' for each")
+    ids = np.array([f"doc-{i}" for i in range(4)], dtype=object)
+    with pytest.raises(TypeError, match=re.escape(message.format("None", "NoneType"))):
+        predictor({"id": ids, "body": np.array(["a", None, "b", 3], dtype=object)})
+    with pytest.raises(TypeError, match=re.escape(message.format("nan", "float"))):  # a pandas window's null
+        predictor(pd.DataFrame({"id": ids, "body": ["a", np.nan, "b", None]}, index=[7, 8, 9, 10]))
+
+
 def test_default_window_and_map_texts_arguments():
     pytest.importorskip("ray")
     assert default_window(16) == 1024 and default_window(100) == 6400 and default_window(1000) == 16384

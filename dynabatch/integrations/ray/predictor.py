@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int, first_few
 from dynabatch.inference.execute import BatchOutOfMemoryError
 from dynabatch.inference.loader import plan_of
 from dynabatch.inference.report import RunReport
@@ -116,7 +116,7 @@ class DynamicBatchPredictor(WindowMemory):
             keywords such as ``return_token_type_ids=False``), except those set here.
             ``on_bad_input="skip"``: a text that is not a str (a null) gets
             ``None`` and its cause in ``error_column``, as a row ``on_error="skip"``
-            sets aside.
+            sets aside; else such a text fails the window, naming its row.
         calibrate_kwargs: more keywords for :func:`dynabatch.calibrate`
             (``texts``, ``max_probes``, ``limit_bytes``, ...), with ``calibrate=True``.
         run_kwargs: more keywords for :func:`dynabatch.run` (``token_outputs``,
@@ -309,6 +309,7 @@ class DynamicBatchPredictor(WindowMemory):
                 raise bad_value(name, f"a column the batch does not have already {names}", column)
         texts = batch[self.text_column]
         texts = texts.tolist() if hasattr(texts, "tolist") else list(texts)
+        self._check_texts(batch, names, texts)
         if self.store is not None:
             return self._run_stored(batch, names, is_frame, texts)
         result = self._run_window(texts)[0] if texts else RunResult()
@@ -323,6 +324,28 @@ class DynamicBatchPredictor(WindowMemory):
         out = dict(batch)
         out.update(columns)
         return out
+
+    def _check_texts(self, batch: Any, names: list[str], texts: list[Any]) -> None:
+        """Refuses a window with texts that are not str (nulls), naming the column, rows and ids, unless the loader
+        skips them (``loader_kwargs={"on_bad_input": "skip"}``).
+
+        The loader's own error names its ``texts`` argument and positions, which a ``map_batches`` user never passed:
+        this one names what they did pass, and where to find the rows.
+        """
+        if self.loader_kwargs.get("on_bad_input") == "skip":
+            return
+        bad = [i for i, text in enumerate(texts) if not isinstance(text, str)]
+        if not bad:
+            return
+        where = f"window rows {first_few(bad)}"
+        if self.id_column in names:
+            ids = batch[self.id_column]
+            where += f", ids {first_few([ids[i] for i in bad] if not hasattr(ids, 'iloc') else ids.iloc[bad].tolist())}"
+        first = texts[bad[0]]
+        raise TypeError(f"text_column={self.text_column!r} should hold a str in every row, but got {len(bad)} of the "
+                        f"window's {len(texts)} rows without one ({where}; the first: {first!r} of type "
+                        f"{type(first).__name__}): clean them, or pass loader_kwargs={{'on_bad_input': 'skip'}} to "
+                        f"get None and the cause in error_column={self.error_column!r} for each")
 
     def _run_stored(self, batch: Any, names: list[str], is_frame: bool, texts: list[Any]) -> Any:
         """Runs the window's rows the store does not hold and commits them; one summary row (:data:`SUMMARY`)."""
