@@ -774,3 +774,25 @@ def test_map_texts_refuses_an_id_in_two_windows_once_both_are_stored(ray_cluster
         map_texts(ds, Sums, batch_size=4, max_input_token_length=MAX_LEN, window=3, actors=1, output_path=store,
                   key="sums", learn_memory=False)
     assert sorted(_stored(store)[1]) == [0, 1, 2, 2, 3, 4]  # what the message says the store holds
+
+
+def test_map_texts_refuses_columns_the_dataset_lacks_or_has_before_any_actor_starts(ray_cluster, tmp_path):
+    """The actors check each window too, but only once their model is loaded, and Ray wraps the error in its own."""
+    ds = ray_cluster.data.from_items([{"key": "a", "body": "In the beginning", "output": 1}])
+    options = {"batch_size": 4, "max_input_token_length": MAX_LEN}
+    with pytest.raises(ValueError, match=re.escape("text_column should be a column of the dataset ['key', 'body', "
+                                                   "'output'], but got text_column='text'")):
+        map_texts(ds, Sums, sort_by_length=True, **options)  # before the sort, which would fail on it in Ray
+    with pytest.raises(ValueError, match=re.escape("output_column should be a column the dataset does not have "
+                                                   "already ['key', 'body', 'output'], but got "
+                                                   "output_column='output'")):
+        map_texts(ds, Sums, text_column="body", **options)
+    with pytest.raises(ValueError, match=re.escape("id_column should be a column of the dataset ['key', 'body', "
+                                                   "'output'] (each row's id, with output_path), but got "
+                                                   "id_column='id'")):
+        map_texts(ds, Sums, text_column="body", output_column="vector", output_path=tmp_path / "store", key="k",
+                  **options)
+    assert not (tmp_path / "store").exists()  # refused before the store is opened
+    with pytest.raises(TypeError, match="text_column should be a column name \\(a non-empty str\\), but got "
+                                        "text_column=3"):
+        map_texts(ds, Sums, text_column=3, **options)

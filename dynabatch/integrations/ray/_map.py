@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int, first_few
+from dynabatch.integrations.ray._columns import check_column
 from dynabatch.integrations.ray._store import SUMMARY, check_store_options, open_store
 from dynabatch.integrations.ray.predictor import DynamicBatchPredictor
 from dynabatch.memory.device import device_count
@@ -122,7 +123,10 @@ def map_texts(
         output; tensors as Arrow lists).
 
     Raises:
-        TypeError, ValueError: a bad argument; with ``output_path``, a store
+        TypeError, ValueError: a bad argument (a ``text_column`` or, with
+            ``output_path``, an ``id_column`` the dataset lacks, or an
+            ``output_column`` it has, refused here where the dataset's schema
+            is known without running it); with ``output_path``, a store
             of another ``key`` or of other ids' type, not a dynabatch store, or
             held rows computed from other inputs than the dataset's (the job
             fails with the ``ValueError``).
@@ -167,6 +171,8 @@ def map_texts(
     if num_gpus and "device" not in predictor_kwargs:
         predictor_kwargs["device"] = "cuda"
     text_column = predictor_kwargs.get("text_column", "text")
+    _check_columns(ds, text_column, predictor_kwargs.get("output_column", "output"),
+                   id_column if output_path is not None else None)
     kwargs = dict(predictor_kwargs, batch_size=batch_size, max_input_token_length=max_input_token_length)
     store = None
     if output_path is not None:
@@ -198,6 +204,28 @@ def map_texts(
         finally:
             store.close(job_done=True)  # and gives it up with every actor's hold
     return out.drop_columns([chars]) if sort_by_length else out
+
+
+def _check_columns(ds: Any, text_column: Any, output_column: Any, id_column: str | None) -> None:
+    """Refuses a dataset without ``text_column`` (or, with a store, ``id_column``) or with ``output_column`` already,
+    where its schema is known without running it (``read_parquet``, ``from_items``, ...; else the first window
+    checks).
+
+    Each actor checks its windows too, but only once it has loaded its model, and the error comes back wrapped in
+    Ray's task error: here it is the caller's, before any actor starts or the store is opened.
+    """
+    schema = ds.schema(fetch_if_missing=False)
+    if schema is None:
+        return
+    names = [str(name) for name in schema.names]
+    check_column("text_column", text_column)
+    check_column("output_column", output_column)
+    if text_column not in names:
+        raise bad_value("text_column", f"a column of the dataset {names}", text_column)
+    if id_column is not None and id_column not in names:
+        raise bad_value("id_column", f"a column of the dataset {names} (each row's id, with output_path)", id_column)
+    if output_column in names:
+        raise bad_value("output_column", f"a column the dataset does not have already {names}", output_column)
 
 
 def _run_stored(out: Any, opened: Any, key: str | None, id_column: str) -> Any:
