@@ -793,6 +793,9 @@ def test_map_texts_refuses_columns_the_dataset_lacks_or_has_before_any_actor_sta
         map_texts(ds, Sums, text_column="body", output_column="vector", output_path=tmp_path / "store", key="k",
                   **options)
     assert not (tmp_path / "store").exists()  # refused before the store is opened
+    with pytest.raises(TypeError, match=re.escape("text_column should be a column of str (Arrow string), but got "
+                                                  "text_column='key' of type int64")):
+        map_texts(ray_cluster.data.from_items([{"key": 1}]), Sums, text_column="key", sort_by_length=True, **options)
     with pytest.raises(TypeError, match="text_column should be a column name \\(a non-empty str\\), but got "
                                         "text_column=3"):
         map_texts(ds, Sums, text_column=3, **options)

@@ -207,9 +207,9 @@ def map_texts(
 
 
 def _check_columns(ds: Any, text_column: Any, output_column: Any, id_column: str | None) -> None:
-    """Refuses a dataset without ``text_column`` (or, with a store, ``id_column``) or with ``output_column`` already,
-    where its schema is known without running it (``read_parquet``, ``from_items``, ...; else the first window
-    checks).
+    """Refuses a dataset without ``text_column`` (or, with a store, ``id_column``), with a ``text_column`` of another
+    type than str, or with ``output_column`` already, where its schema is known without running it
+    (``read_parquet``, ``from_items``, ...; else the first window checks).
 
     Each actor checks its windows too, but only once it has loaded its model, and the error comes back wrapped in
     Ray's task error: here it is the caller's, before any actor starts or the store is opened.
@@ -222,10 +222,22 @@ def _check_columns(ds: Any, text_column: Any, output_column: Any, id_column: str
     check_column("output_column", output_column)
     if text_column not in names:
         raise bad_value("text_column", f"a column of the dataset {names}", text_column)
+    kind = schema.types[names.index(text_column)]
+    if isinstance(kind, pa.DataType) and not _holds_str(kind):
+        # Not one row could be a str: every window would fail (with sort_by_length, the sort first, on its length).
+        raise TypeError(f"text_column should be a column of str (Arrow string), but got text_column={text_column!r} "
+                        f"of type {kind}")
     if id_column is not None and id_column not in names:
         raise bad_value("id_column", f"a column of the dataset {names} (each row's id, with output_path)", id_column)
     if output_column in names:
         raise bad_value("output_column", f"a column the dataset does not have already {names}", output_column)
+
+
+def _holds_str(kind: pa.DataType) -> bool:
+    """Whether an Arrow column of type ``kind`` holds str rows (null: no value yet, which the windows check)."""
+    is_view = getattr(pa.types, "is_string_view", None)  # pyarrow >= 16
+    return (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
+            or bool(is_view and is_view(kind)))
 
 
 def _run_stored(out: Any, opened: Any, key: str | None, id_column: str) -> Any:
