@@ -164,7 +164,9 @@ def test_every_workers_stages_add_up_to_its_wall(tokenizer, texts, devices):
         assert sum(sum(r.stages.values()) for r in records) <= worker["wall"] + 1e-9
     assert sum(report.stage_shares.values()) == pytest.approx(1.0)
     assert report.bound.split(":")[0] in ("device-bound", "host-bound", "store-bound")
-    assert report.wall_seconds >= max(w["wall"] for w in report.workers.values()) * 0.5
+    # every batch lies inside the run's wall (a worker's own wall also holds its start and its end after the last
+    # batch, ~40% of these few-ms runs: no share of it is a bound)
+    assert report.seconds <= report.wall_seconds <= max(w["wall"] for w in report.workers.values()) + 1.0
     finished = [r.finished for r in report.records]
     assert all(f is not None and f > 0 for f in finished)
 
