@@ -73,7 +73,8 @@ class Sizing:
         """The parts a call of ``rows`` x ``width`` is split into before it runs, or ``None`` to run it: halves when it
         is as large as a shape that ran out of memory (on the lane, or ``failed`` while the item ran); else, guarded,
         the fewest equal parts under the rows a call of that width may have: ``first_rows`` before any peak is
-        measured, then the most the peaks bound under the budget, never more than out-of-memory errors allow."""
+        measured, then the most the peaks bound under the budget (one, where every call measured as wide peaked above
+        an absolute budget), never more than out-of-memory errors allow."""
         if rows < 2:
             return None
         shape = dominating([*self.failed, *failed], rows, width)
@@ -82,10 +83,19 @@ class Sizing:
         if not self.guarded:
             return None
         budget = self.feedback.budget
-        bounded = self.first_rows if budget is None else self.feedback.max_rows(width, budget)  # 0: none as wide
+        bounded = self.first_rows if budget is None else self.feedback.max_rows(width, budget)  # 0: none bound
+        over = not bounded and budget is not None and self.feedback.row_bound(width) is not None
+        if over:
+            # max_rows is 0 both where nothing as wide was measured (no bound: the call runs) and where every call
+            # as wide peaked above the budget (an absolute max_memory under the plan's first batch): the latter
+            # bounds no rows under it, so rows run alone, as measured mode plans them, never whole above it
+            bounded = 1
         cap = min((c for c in (bounded, self.feedback.oom_cap(width)) if c), default=None)
         if cap is None or rows <= cap:
             return None
+        if over and cap == 1:
+            return Split(equal_parts(rows, cap), f"every call measured at least as wide peaked above the budget of "
+                         f"{budget:,.0f} bytes: rows alone")
         return Split(equal_parts(rows, cap), f"the measured peaks and out-of-memory errors keep at most {cap} rows "
                      "of that width")
 

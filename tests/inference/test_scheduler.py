@@ -75,6 +75,23 @@ def test_guarded_mode_caps_calls_by_the_first_batch_then_by_the_lanes_measured_p
     assert sizing.measure(4, 48)
 
 
+def test_guarded_mode_runs_rows_alone_where_calls_as_wide_peaked_above_an_absolute_budget(tokenizer, texts):
+    # No memory model: the plan's first batch is the classifier's, and here it peaks at twice max_memory. Its peak
+    # bounds no rows under the budget; the calls after it were run whole above it (max_rows' 0 read as "no bound").
+    loader = _load(texts, tokenizer, max_memory="50KB")
+    scheduler = _scheduler(loader, memory="guarded")
+    lane = scheduler.lane("cpu")  # the absolute budget is read on the lane's device
+    assert lane.feedback.budget == 50_000
+    item = scheduler.next(lane)
+    scheduler.update(lane, Outcome(item, measured=[(4, 48, 98_304)]))
+    sizing = scheduler.next(lane).sizing
+    split = sizing.split(4, 48)
+    assert split.sizes == [1, 1, 1, 1] and "peaked above the budget of 50,000 bytes: rows alone" in split.reason
+    assert sizing.split(4, 64) is None  # wider than every measured call: nothing bounds it
+    scheduler.update(lane, Outcome(item, measured=[(1, 48, 20_000)]))  # a row alone fits: the peaks bound 2 rows
+    assert scheduler.next(lane).sizing.split(4, 48).sizes == [2, 2]
+
+
 def test_rows_a_failed_device_left_are_put_back_and_run_first(tokenizer, texts):
     loader = _load(texts, tokenizer)
     scheduler = _scheduler(loader)
