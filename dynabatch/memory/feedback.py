@@ -110,6 +110,7 @@ class MemoryFeedback:
         self._n = 0
         self.oom = OutOfMemoryLimit()
         self._warned_zero = False
+        self._warned_over = False
         self.set_budget(budget)
 
     def set_budget(self, budget: float | None) -> None:
@@ -171,6 +172,8 @@ class MemoryFeedback:
                                    "batches on the device the model is on (run(..., device=...))")
                 return
             self.budget = top
+        elif self.absolute and not self._warned_over:
+            self._warn_over_budget(measured)
         self.row_bytes_ = max(peak / rows for rows, _, peak in measured)
         end = self._n + len(measured)
         if end > self._table.shape[1]:
@@ -182,6 +185,22 @@ class MemoryFeedback:
         if self.oom.failed_bytes is not None:  # measured successes raise what out-of-memory errors lowered
             for rows, width, _ in measured:
                 self.oom.observe_success(rows, self.row_bound(width))
+
+    def _warn_over_budget(self, measured: list[tuple[int, float, float]]) -> None:
+        """Warns (once) of a measured call that peaked above the absolute budget: later calls are sized under it
+        where the measured peaks bound rows under it, but rows alone run whatever they peak at, so a budget under one
+        row would otherwise be exceeded silently (a memory model refuses such a budget when the run starts; without
+        one only the peaks can tell)."""
+        over = [(rows, width, peak) for rows, width, peak in measured if peak > self.budget]
+        if not over:
+            return
+        self._warned_over = True
+        rows, width, peak = max(over, key=lambda call: call[2])
+        shape = f"{rows} row{'s' if rows != 1 else ''}" + (f" x {width:.0f} tokens" if math.isfinite(width) else "")
+        logger.warning("a call of %s peaked at %s bytes, above the absolute budget of %s bytes (max_memory): later "
+                       "calls are sized under it where the measured peaks allow, rows alone otherwise, whatever they "
+                       "peak at; pass a larger max_memory, or max_memory=None (warned once)", shape, f"{peak:,.0f}",
+                       f"{self.budget:,.0f}")
 
     def observe_out_of_memory(self, rows: int, width: float) -> None:
         """Records a call of ``rows`` x padded ``width`` that ran out of memory, predicted at :meth:`row_bound`

@@ -3,6 +3,8 @@
 How measured mode sizes batches from this bound is tested with the planner (tests/sampling/test_planner.py).
 """
 
+import logging
+
 import pytest
 
 from dynabatch.memory.feedback import MemoryFeedback
@@ -88,3 +90,21 @@ def test_an_absolute_budget_is_set_before_any_batch_and_the_first_peak_does_not_
         relative.set_budget(10_000)
     with pytest.raises(ValueError, match=r"^budget should be None or a finite number of bytes > 0, but got budget=0$"):
         MemoryFeedback(budget=0)
+
+
+def test_a_call_measured_above_an_absolute_budget_is_warned_of_once(caplog):
+    # Without a memory model nothing refuses a max_memory under one row: rows ran alone above it, silently.
+    fb = MemoryFeedback(budget=1_000)
+    with caplog.at_level(logging.WARNING, logger="dynabatch.memory.feedback"):
+        fb.observe(rows=4, padded_length=32, peak_bytes=900)  # under the budget: nothing to say
+        assert caplog.text == ""
+        fb.observe_parts([(2, 32, 24_576), (1, 16, 12_288)])
+        fb.observe(rows=1, padded_length=8, peak_bytes=6_000)
+    assert caplog.text.count("above the absolute budget") == 1
+    assert ("a call of 2 rows x 32 tokens peaked at 24,576 bytes, above the absolute budget of 1,000 bytes "
+            "(max_memory)") in caplog.text and "pass a larger max_memory" in caplog.text
+    relative = MemoryFeedback()  # the first peak is the budget: later peaks above it are not the user's budget
+    with caplog.at_level(logging.WARNING, logger="dynabatch.memory.feedback"):
+        relative.observe(rows=4, padded_length=32, peak_bytes=900)
+        relative.observe(rows=8, padded_length=32, peak_bytes=1_800)
+    assert caplog.text.count("above the absolute budget") == 1
