@@ -72,6 +72,8 @@ def _check_options(args: argparse.Namespace) -> Any:
         raise bad_value("--tokenizer", "a local tokenizer folder", args.tokenizer)
     if args.texts is not None and not args.texts.is_file():
         raise bad_value("--texts", "a text file", str(args.texts))
+    if args.seed < 0:  # calibrate() refuses it too, but only once the model is loaded
+        raise bad_value("--seed", "a non-negative integer", args.seed)
     check_writable("--output", args.output)
     check_plot(args.plot)
     check_device("--device", args.device)

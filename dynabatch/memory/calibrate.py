@@ -73,7 +73,7 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_non_negative_int, check_positive_int
 from dynabatch.data.collate import Batch
 from dynabatch.data.tokenization import validate_texts
 from dynabatch.memory._calibrate_checks import (
@@ -161,7 +161,7 @@ def calibrate(
             (probes above it run out of memory and are recorded as such).
         cleanup: called after every probe, before garbage collection.
         pad_to_multiple_of, tokenizer_kwargs: as given to the loader.
-        seed: seeds the token ids and the pool of texts (a local generator).
+        seed: seeds the token ids and the pool of texts (a local generator); an int >= 0.
         progress: show a tqdm progress bar.
 
     Returns:
@@ -193,6 +193,8 @@ def calibrate(
         raise bad_value("tolerance", "a positive number", tolerance)
     if limit_bytes is not None:
         limit_bytes = check_positive_int("limit_bytes", limit_bytes)
+    # numpy's generator would refuse it only at its first draw, without naming seed ("expected non-negative integer")
+    seed = check_non_negative_int("seed", int(seed) if isinstance(seed, np.integer) else seed)
     if cleanup is not None and not callable(cleanup):
         raise bad_type("cleanup", "a callable or None", cleanup)
     grid = check_probe_lengths(lengths, max_input_token_length)

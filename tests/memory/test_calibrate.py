@@ -123,6 +123,11 @@ def test_bad_arguments(tokenizer):
         calibrate(known_work, tokenizer, lengths=[4, 32], **kwargs)
     with pytest.raises(TypeError, match="measure_memory should be 'auto' or a device"):
         calibrate(known_work, tokenizer, measure_memory=3, **kwargs)
+    # numpy's own refusal named no argument ("expected non-negative integer"), and took a bool
+    with pytest.raises(ValueError, match="seed should be a non-negative integer, but got seed=-1"):
+        calibrate(known_work, tokenizer, seed=-1, **kwargs)
+    with pytest.raises(TypeError, match="seed should be a non-negative integer, but got seed=True of type bool"):
+        calibrate(known_work, tokenizer, seed=True, **kwargs)
 
 
 def test_real_minilm_forward_calibrates_in_seconds(tokenizer):
