@@ -60,8 +60,9 @@ def add_parser(sub: Any) -> None:
     cal.set_defaults(command=calibrate_command, parser=cal)
 
 
-def _check_options(args: argparse.Namespace) -> Any:
-    """Every check that needs no model weights, before any is loaded; returns the model's config."""
+def _check_options(args: argparse.Namespace) -> tuple[Any, list[str] | None]:
+    """Every check that needs no model weights, before any is loaded; returns the model's config and the texts of
+    ``--texts`` (``None`` without it)."""
     import torch
 
     from dynabatch.memory.calibrate import check_positions
@@ -82,7 +83,21 @@ def _check_options(args: argparse.Namespace) -> Any:
     config = check_model_folder("--model", args.model)
     new_tokens = args.max_new_tokens if args.task == "generate" else 0
     check_positions(config, args.max_length, new_tokens, length_name="--max-length", new_name="--max-new-tokens")
-    return config
+    texts = None if args.texts is None else _read_texts(args.texts)  # last: the cheap checks fail first
+    return config, texts
+
+
+def _read_texts(path: Path) -> list[str]:
+    """The non-blank lines of ``--texts``; a file without any, or not UTF-8, is refused naming the flag (read after
+    the model loaded, calibrate() would name its own argument, texts=[], or the codec's error would)."""
+    try:
+        texts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as exc:
+        raise bad_value("--texts", f"a UTF-8 text file, one text a line (byte {exc.start} is not UTF-8)",
+                        str(path)) from None
+    if not texts:
+        raise bad_value("--texts", "a text file with at least one text (a non-blank line)", str(path))
+    return texts
 
 
 def _load(args: argparse.Namespace, parser: argparse.ArgumentParser, config: Any) -> tuple[Any, Any]:
@@ -174,16 +189,13 @@ def plot(mm: Any, path: Path) -> None:
 def calibrate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with refusing(parser):
-        config = _check_options(args)
+        config, texts = _check_options(args)
     import torch
 
     from dynabatch.memory.calibrate import calibrate
 
     if args.threads is not None or torch.device(args.device).type == "cpu":
         torch.set_num_threads(args.threads or 1)
-    texts = None
-    if args.texts is not None:
-        texts = [line for line in args.texts.read_text(encoding="utf-8").splitlines() if line.strip()]
     model, tokenizer = _load(args, parser, config)
     work, cleanup = _work(model, args)
     try:

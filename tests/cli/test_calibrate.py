@@ -68,6 +68,9 @@ def test_bad_inputs_fail_in_seconds_before_any_probe(gpt2_dir, tmp_path, capsys,
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (wide / name).write_bytes((gpt2_dir / name).read_bytes())
     out = str(tmp_path / "mm.json")
+    blank, latin = tmp_path / "blank.txt", tmp_path / "latin.txt"  # --texts was read only once the model loaded
+    blank.write_text("\n  \n\n", encoding="utf-8")
+    latin.write_bytes("caf\u00e9 au lait\n".encode("latin-1"))
     base = ["calibrate", "--model", str(gpt2_dir), "--batch-size", "2", "--no-progress"]
     cases = [
         ([*base, "--max-length", "48", "--max-new-tokens", "32", "-o", out],
@@ -82,6 +85,10 @@ def test_bad_inputs_fail_in_seconds_before_any_probe(gpt2_dir, tmp_path, capsys,
          "--device should be a valid torch device such as 'cpu' or 'cuda:0', but got --device='gpu'"),
         ([*base, "--max-length", "16", "-o", out, "--seed", "-1"],
          "--seed should be a non-negative integer, but got --seed=-1"),
+        ([*base, "--max-length", "16", "--max-new-tokens", "4", "-o", out, "--texts", str(blank)],
+         f"--texts should be a text file with at least one text (a non-blank line), but got --texts='{blank}'"),
+        ([*base, "--max-length", "16", "--max-new-tokens", "4", "-o", out, "--texts", str(latin)],
+         f"--texts should be a UTF-8 text file, one text a line (byte 3 is not UTF-8), but got --texts='{latin}'"),
     ]
     for argv, message in cases:
         start = time.perf_counter()
