@@ -123,6 +123,9 @@ def test_bad_arguments(tokenizer):
         calibrate(known_work, tokenizer, lengths=[4, 32], **kwargs)
     with pytest.raises(TypeError, match="measure_memory should be 'auto' or a device"):
         calibrate(known_work, tokenizer, measure_memory=3, **kwargs)
+    with pytest.raises(ValueError, match="budget_bytes should be None or a finite positive number of bytes, but got "
+                                         "budget_bytes=inf"):
+        calibrate(known_work, tokenizer, budget_bytes=float("inf"), **kwargs)
     # numpy's own refusal named no argument ("expected non-negative integer"), and took a bool
     with pytest.raises(ValueError, match="seed should be a non-negative integer, but got seed=-1"):
         calibrate(known_work, tokenizer, seed=-1, **kwargs)
