@@ -226,6 +226,13 @@ def _resolve_memory(memory: str, plan: Any, ranks: str, targets: tuple) -> tuple
         raise bad_value("memory", f"'guarded', 'record' or 'off' here ({why})", memory)
     if memory != "off" and not can_measure:
         raise bad_value("memory", f"'off' on {where}, whose memory cannot be measured", memory)
+    estimator = getattr(getattr(plan, "planner", None), "estimator", None)
+    if memory != "measured" and getattr(estimator, "refit", False) is True:
+        # only the planner of measured mode gives peaks to the loader's memory model: in another mode the model
+        # asked to be refitted in place would be left as built, and the caller saving it would not know
+        logger.warning("run: the loader's refit_memory_model=True, but memory=%r: only measured mode refits its "
+                       "memory_model (from the peaks it re-plans by); this run leaves the model as built (pass "
+                       "memory='measured' with a loader in plan order to refine it)", memory)
     if memory == "off":
         return memory, False, (None,) * len(targets)
     sparse = memory in ("measured", "guarded") and all(r.type == "cpu" for r in running)

@@ -1,6 +1,7 @@
 """``run`` on real batches of real texts: memory measurement and measured mode. Models are real (see conftest.py); nothing of dynabatch is mocked.
 """
 
+import logging
 
 import pytest
 import torch
@@ -155,6 +156,22 @@ def test_a_run_leaves_the_memory_model_as_built_and_runs_again_with_the_same_pla
         plans.append(calls)
     assert (_fitted(mm) == before) is not refit
     assert (plans[0] == plans[1]) is not refit
+
+
+@pytest.mark.parametrize("memory", ["guarded", "record", "off"])
+def test_refit_memory_model_outside_measured_mode_is_warned_of(tokenizer, minilm, texts, memory, caplog):
+    # Only measured mode's planner refits the loader's memory model; another mode left it as built, silently.
+    mm = _probed(minilm, scale=1 / 3)
+    before = _fitted(mm)
+    loader = _load(texts[:12], tokenizer, batch_size=4, memory_model=mm, refit_memory_model=True)
+    with caplog.at_level(logging.WARNING, logger="dynabatch.inference"):
+        result = run(_lengths, loader, memory=memory, progress=False)
+    assert result.failed == [] and _fitted(mm) == before
+    assert f"refit_memory_model=True, but memory='{memory}': only measured mode refits" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dynabatch.inference"):
+        run(_lengths, loader, memory="measured", progress=False)
+    assert "refit_memory_model" not in caplog.text
 
 
 def test_refit_memory_model_is_a_bool_with_a_memory_model(tokenizer, texts):
