@@ -123,10 +123,18 @@ def from_dict(cls: type, data: Any) -> Any:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise bad_value("data", f"a document with format={FORMAT!r}",
                         data.get("format") if isinstance(data, dict) else data)
+    probes = data.get("probes")
+    # save() writes every probe of a fitted model, and the fit is made again from them: a document without
+    # them loaded as an empty model, whose first predict() said to build it with MemoryModel.load
+    if not (isinstance(probes, list) and probes and all(
+            isinstance(p, dict) and all(k in p for k in _PROBE_FIELDS[:4]) for p in probes)):
+        shown = f"<{len(probes)} probes>" if isinstance(probes, list) else probes
+        raise bad_value("data", "a document with at least one probe, each with rows, padded_length, peak_bytes and "
+                        "out_of_memory (as MemoryModel.save writes them)", shown)
     mm = cls(device=data.get("device"), model=data.get("model"), knots=data.get("knots"),
              metadata=data.get("metadata"))
     mm.versions = dict(data.get("versions") or {})
-    for p in data.get("probes", []):
+    for p in probes:
         extra = {k: v for k, v in p.items() if k not in _PROBE_FIELDS}
         mm._add(p["rows"], p["padded_length"], p["peak_bytes"], bool(p["out_of_memory"]),
                 p.get("source", "user"), extra)
@@ -140,7 +148,10 @@ def load(cls: type, path: str | Path, model: Any = None, device: Any = None) -> 
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise bad_value("path", "a JSON file written by MemoryModel.save", str(path)) from exc
-    mm = from_dict(cls, data)
+    try:
+        mm = from_dict(cls, data)
+    except ValueError as exc:  # the document's own rule, for the file named
+        raise bad_value("path", f"a JSON file written by MemoryModel.save ({exc})", str(path)) from exc
     current = library_versions()
     changed = {k: (v, current.get(k)) for k, v in mm.versions.items() if k in ("torch", "transformers")
                and current.get(k) != v}

@@ -165,6 +165,19 @@ def test_bad_input():
         MemoryModel.load("/nonexistent/mm.json")
 
 
+def test_a_file_without_its_probes_is_refused_when_loaded(tmp_path):
+    # The fit is made again from the probes: without them the file loaded as an empty model, and its first
+    # predict() said the model had no measured point, to be built with MemoryModel.load.
+    fitted().save(tmp_path / "mm.json")
+    data = json.loads((tmp_path / "mm.json").read_text())
+    for probes, shown in (([], "'<0 probes>'"), (None, "None"), ([{"rows": 4}], "'<1 probes>'")):
+        (tmp_path / "bad.json").write_text(json.dumps({**data, "probes": probes}))
+        with pytest.raises(ValueError, match=rf"^path should be a JSON file written by MemoryModel.save \(data "
+                                             rf"should be a document with at least one probe, .* but got "
+                                             rf"data={shown}\), but got path='.*bad.json'$"):
+            MemoryModel.load(tmp_path / "bad.json")
+
+
 def test_describe_model():
     assert describe_model(None) is None
     with pytest.raises(TypeError, match="model should be a torch module"):
