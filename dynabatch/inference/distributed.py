@@ -22,8 +22,8 @@ from dynabatch.inference.outputs import to_cpu
 from dynabatch.sampling.chunked_planner import ChunkedPlanner
 from dynabatch.sampling.ranks import reduce_across_ranks, resolve_world
 
-__all__ = ["CLAIM_CHUNK", "Lockstep", "check_same_batches", "chunk_claims", "claimed_planner", "gather_results",
-           "job_token", "world"]
+__all__ = ["CLAIM_CHUNK", "Lockstep", "RankFailedError", "check_same_batches", "chunk_claims", "claimed_planner",
+           "gather_results", "job_token", "share_outcome", "world"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,53 @@ _CLAIM_COUNTERS = itertools.count()  # one counter per run(ranks='claim') call, 
 
 CLAIM_CHUNK = 2048
 """Texts per chunk ranks claim of a loader planned up front (a streaming loader's chunks are its own)."""
+
+
+class RankFailedError(RuntimeError):
+    """Another rank's run raised (``rank``: the first such rank; ``causes``: each failed rank's error, in brief): raised
+    on every rank that did not fail itself, so that none waits for ever in a collective the failed rank never joins."""
+
+    def __init__(self, message: str, *, rank: int = -1, causes: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.rank, self.causes = rank, dict(causes or {})
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self),), {"rank": self.rank, "causes": self.causes}
+
+
+def _round(pending: float, error: BaseException | None) -> float:
+    """Collective: the most ``pending`` work of any rank, after every rank learnt whether one failed (``error``: this
+    rank's; then the failed ranks' errors are sent to every rank, and each raises: a failed rank its own error, the
+    others :class:`RankFailedError`). Lockstep rounds and :func:`share_outcome` send the same two values, so a rank
+    that fails between two rounds meets the others at their next one, wherever they are."""
+    rank, size = world()
+    most, failed = reduce_across_ranks([float(pending), float(rank + 1 if error is not None else 0)], "max")
+    if not failed:
+        return most
+    causes: list = [None] * size
+    torch.distributed.all_gather_object(causes, None if error is None else brief_error(error))
+    if error is not None:
+        raise error
+    failed_ranks = {r: cause for r, cause in enumerate(causes) if cause is not None}
+    first = min(failed_ranks)
+    raise RankFailedError(
+        f"run should end on every rank together, but rank {first} of {size} raised {failed_ranks[first]}"
+        + (f" (ranks {sorted(failed_ranks)} failed)" if len(failed_ranks) > 1 else "")
+        + f"; rank {rank} stopped too (with output_path, the rows stored so far are kept and a rerun runs only the "
+        "rows missing). See that rank's log for the traceback", rank=first, causes=failed_ranks)
+
+
+def share_outcome(error: BaseException | None) -> None:
+    """Collective, once per run on every rank of ``ranks="lockstep"`` or ``"claim"``, after its last batch or as it
+    fails: raises ``error`` on this rank, or :class:`RankFailedError` here when another rank failed; returns when no
+    rank did. ``error`` a :class:`RankFailedError` (this rank learnt of another's failure in a round): raised as it
+    is, the failure was shared already."""
+    if isinstance(error, RankFailedError):
+        raise error
+    if world()[1] > 1:
+        _round(0, error)
+    if error is not None:
+        raise error
 
 
 def world() -> tuple[int, int]:
@@ -209,7 +256,8 @@ class Lockstep:
     """Drives one rank's executor in rounds, so that ranks running ``fn`` with collectives inside stay matched: each
     round every rank makes exactly one call that completes, its item's next piece or, when it has none left while
     another rank has (one collective says so), a stand-in call on one row (its result dropped): the first row that
-    ran, or before any did the first row planned (``stand_in(item)`` where every row of the step is stored)."""
+    ran, or before any did the first row planned (``stand_in(item)`` where every row of the step is stored). A rank
+    that raises joins the others' next round through :func:`share_outcome`, so that every rank raises."""
 
     def __init__(self, stand_in: Any) -> None:
         self._stand_in_for = stand_in
@@ -221,7 +269,7 @@ class Lockstep:
         it, in rounds with the other ranks."""
         if self._stand_in is None:
             self._stand_in = self._stand_in_for(item) if built is None else built.padding.take(built.batch, [0])
-        while reduce_across_ranks([float(executor.pending)], "max")[0] > 0:  # collective: whether any rank has work
+        while _round(executor.pending, None) > 0:  # collective: whether any rank has work, or failed (then raises)
             piece = None
             while piece is None and executor.pending:
                 piece = executor.step()

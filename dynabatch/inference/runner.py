@@ -34,7 +34,7 @@ from dynabatch._background import stage_seconds
 from dynabatch._validation import bad_type, first_few
 from dynabatch.data.collate import Batch
 from dynabatch.inference.build import Builder
-from dynabatch.inference.distributed import Lockstep, job_token
+from dynabatch.inference.distributed import Lockstep, job_token, share_outcome
 from dynabatch.inference.execute import BatchOutOfMemoryError, Executor, Failures
 from dynabatch.inference.loader import BAD_TEXT, plan_of
 from dynabatch.inference.loop import Stages, WorkerParts, run_workers
@@ -150,19 +150,15 @@ def _run(source: Source, sink: MemorySink | StoreSink, options: RunOptions) -> R
             sink.check_inputs(*inputs)
         logger.info("the store holds %d of this run's rows: they are not run again", int(stored.sum()))
     try:
-        source.share(options.ranks, options.rank, options.world_size)
-        scheduler = Scheduler(source, memory=options.memory, sparse=options.sparse, stored=stored,
-                              read_ahead=options.prefetch)
-        builder = Builder(plan, source.loader, pad_token_id=options.pad_token_id,
-                          pinned=any(pins_memory(t) for t in options.targets), hashes=isinstance(sink, StoreSink))
-        skipped = plan.skipped if plan is not None else np.zeros(0, dtype=np.int64)
-        if skipped.size and options.rank == 0:  # rank 0 answers for the inputs the loader planned into no batch
-            writer = sink.writer("rank0.loader")
-            try:
-                writer.fail(skipped, None, [plan.bad_input] * len(skipped))
-            finally:
-                writer.close()
-        report = _execute(source, scheduler, builder, sink, options, skipped, stored)
+        try:
+            report = _share_and_execute(source, sink, options, stored)
+        except Exception as exc:
+            if options.ranks == "single":
+                raise
+            share_outcome(exc)  # raises exc here and RankFailedError on the others: none waits for this rank
+            raise
+        if options.ranks != "single":
+            share_outcome(None)  # raises RankFailedError where another rank failed (its rows were not all run)
     finally:
         source.close()
     if options.output_path is not None and options.ranks != "single":
@@ -178,6 +174,25 @@ def _run(source: Source, sink: MemorySink | StoreSink, options: RunOptions) -> R
             "out, or their rows were lost on the way to the sink; with output_path, a rerun runs only them",
             missing=missing.tolist(), partial=result)
     return result
+
+
+def _share_and_execute(source: Source, sink: MemorySink | StoreSink, options: RunOptions,
+                       stored: np.ndarray | None) -> RunReport:
+    """This rank's share of the batches, run into the sink (rank 0 also lists the inputs the loader skipped)."""
+    plan = source.plan
+    source.share(options.ranks, options.rank, options.world_size)
+    scheduler = Scheduler(source, memory=options.memory, sparse=options.sparse, stored=stored,
+                          read_ahead=options.prefetch)
+    builder = Builder(plan, source.loader, pad_token_id=options.pad_token_id,
+                      pinned=any(pins_memory(t) for t in options.targets), hashes=isinstance(sink, StoreSink))
+    skipped = plan.skipped if plan is not None else np.zeros(0, dtype=np.int64)
+    if skipped.size and options.rank == 0:  # rank 0 answers for the inputs the loader planned into no batch
+        writer = sink.writer("rank0.loader")
+        try:
+            writer.fail(skipped, None, [plan.bad_input] * len(skipped))
+        finally:
+            writer.close()
+    return _execute(source, scheduler, builder, sink, options, skipped, stored)
 
 
 def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: MemorySink | StoreSink,

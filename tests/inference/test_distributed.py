@@ -191,6 +191,30 @@ _WORKER = textwrap.dedent(
         "calls": [[len(b.indices), peak(b) / first] for b in seen], "pre_split": result.report.pre_split_batches,
         "plan_max": max(peak(collate(b)) for b in long_loader.plan.sampler.batches) / first,
     }
+
+    # fn raises on rank 1 (on_error="raise"): rank 1 raises its error, rank 0 a RankFailedError naming it, none
+    # waits for ever in a collective, and the group is still in step for what follows (the next run, the barrier).
+    import time
+
+    import dynabatch.inference.distributed as distributed
+
+    def failing(batch):
+        if rank == 1:
+            raise RuntimeError("injected on rank 1")
+        time.sleep(0.05)  # claiming: rank 1 claims a chunk before rank 0 has claimed them all
+        return batch["input_ids"].sum(dim=1)
+
+    distributed.CLAIM_CHUNK, chunk = 16, distributed.CLAIM_CHUNK
+    report["rank_failed"] = {}
+    for mode, where in (("lockstep", None), ("claim", None), ("claim", os.path.join(out, "failed-store"))):
+        try:
+            run(failing, loader, ranks=mode, output_path=where, key="sum" if where else None, progress=False)
+            report["rank_failed"][f"{mode} {where is not None}"] = None
+        except Exception as exc:
+            report["rank_failed"][f"{mode} {where is not None}"] = [type(exc).__name__, str(exc).split("\\n")[0]]
+    distributed.CLAIM_CHUNK = chunk
+    report["after_rank_failed"] = [None if r is None else int(r) for r in run(lambda b: b["input_ids"].sum(dim=1),
+                                                                              loader, progress=False)]
     dist.barrier()
     dist.destroy_process_group()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -329,6 +353,21 @@ def test_two_gloo_ranks_stay_in_lockstep_through_an_out_of_memory_split(two_rank
     assert rank0["calls"] == rank1["calls"]  # the collective inside fn ran as often on both: nobody hung
     assert rank0["rows"] == expected  # rank 0 gathered every row, exact
     assert rank0["ran"] + rank1["ran"] == 200
+
+
+def test_two_gloo_ranks_raise_together_when_fn_raises_on_one_rank(two_ranks):
+    rank0, rank1 = (r["rank_failed"] for r in two_ranks)
+    assert set(rank0) == set(rank1) == {"lockstep False", "claim False", "claim True"}
+    for case in rank0:
+        assert rank1[case] == ["RuntimeError", "injected on rank 1"], case  # rank 1 raises fn's own error
+        kind, message = rank0[case]
+        assert kind == "RankFailedError", case
+        expected = (r"run should end on every rank together, but rank 1 of 2 raised RuntimeError: injected on rank 1; "
+                    r"rank 0 stopped too \(with output_path, the rows stored so far are kept and a rerun runs only the "
+                    r"rows missing\)\. See that rank's log for the traceback")
+        assert re.fullmatch(expected, message), case
+    assert two_ranks[0]["after_rank_failed"] == two_ranks[0]["runner"]  # still in step: the next run gathers all
+    assert two_ranks[1]["after_rank_failed"] is not None
 
 
 def test_two_gloo_ranks_split_batches_their_measured_peaks_bound_above_the_first(two_ranks, tokenizer):
