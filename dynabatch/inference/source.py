@@ -15,7 +15,7 @@ from dynabatch._background import Ahead
 from dynabatch._validation import bad_value, brief, first_few
 from dynabatch.data.collate import Batch
 from dynabatch.data.input_hashes import token_store_hashes
-from dynabatch.sampling.ranks import deal, split_for_replicas
+from dynabatch.sampling.ranks import _batches_needed, deal, split_for_replicas
 
 __all__ = ["Item", "Source", "positions_of"]
 
@@ -43,6 +43,23 @@ class Item:
         """The item with only its rows at ``keep`` (row numbers); ``whole``: a batch of its own (a rank's share)."""
         rows = None if self.batch is None else keep if self.rows is None else self.rows[keep]
         return Item(self.number, self.positions[keep], self.batch, rows, whole=whole, crashes=self.crashes)
+
+
+def _too_few_for_lockstep(items: list[Item], world_size: int) -> ValueError:
+    """The error for a plan whose batches cannot be split into an equal number for every rank (fewer inputs than
+    ranks, or 3 one-input batches for 2): it names ``ranks``, what the user chose, not the sharing routine's
+    ``num_replicas``, and what works instead."""
+    inputs = sum(len(item.positions) for item in items)
+    largest = next(k for k in range(world_size - 1, 0, -1) if _batches_needed(len(items), k, 0) <= inputs)
+    return bad_value(
+        "ranks",
+        f"'claim' (an fn without collectives), or 'lockstep' on at most {largest} "
+        f"process{'es' if largest > 1 else ''}, for {inputs} input{'s' if inputs != 1 else ''} in "
+        f"{len(items)} batch{'es' if len(items) != 1 else ''}: 'lockstep' gives each of the {world_size} ranks the "
+        f"same number of batches ({_batches_needed(len(items), world_size, 0)} in all), each of at least one input, "
+        "and batches are only split, never merged or padded",
+        "lockstep",
+    )
 
 
 def positions_of(batch: Any, loader: Any) -> np.ndarray:
@@ -112,7 +129,10 @@ class Source:
         elif ranks == "lockstep":
             items = list(self.items())
             check_same_batches([i.positions for i in items])
-            shares = split_for_replicas(items, world_size, samples=lambda item: len(item.positions), split=split)
+            try:
+                shares = split_for_replicas(items, world_size, samples=lambda item: len(item.positions), split=split)
+            except ValueError as exc:  # raised alike on every rank (each holds the whole plan): none is left waiting
+                raise _too_few_for_lockstep(items, world_size) from exc
             self._mine, self.known, self.lockstep = deal(shares, world_size, rank), True, True
             for number, item in enumerate(self._mine):
                 item.number = number

@@ -115,3 +115,16 @@ def test_lockstep_shares_deal_every_batch_to_one_rank(tokenizer, texts):
         shares.append([p for item in items for p in item.positions.tolist()])
     assert sorted(shares[0] + shares[1]) == list(range(len(texts)))
     assert abs(len(shares[0]) - len(shares[1])) < len(texts) // 2
+
+
+@pytest.mark.parametrize("n, batch_size, ranks, largest, needed", [(1, 4, 2, 1, 2), (3, 1, 2, 1, 4), (3, 1, 4, 3, 4)])
+def test_lockstep_refuses_a_plan_too_small_for_the_ranks_naming_ranks(tokenizer, texts, n, batch_size, ranks, largest,
+                                                                      needed):
+    # 1 input for 2 ranks, or 3 one-input batches for 2 or 4: no equal share of batches of at least one input each.
+    loader = _load(texts[:n], tokenizer, batch_size=batch_size)
+    with pytest.raises(ValueError, match=(
+            rf"^ranks should be 'claim' \(an fn without collectives\), or 'lockstep' on at most {largest} "
+            rf"process(es)?, for {n} inputs? in {n} batch(es)?: 'lockstep' gives each of the {ranks} ranks the same "
+            rf"number of batches \({needed} in all\), each of at least one input, and batches are only split, never "
+            r"merged or padded, but got ranks='lockstep'$")):
+        Source(loader, loader.plan).share("lockstep", 0, ranks)
