@@ -297,7 +297,10 @@ class Meter:
     def estimate(self) -> Estimate:
         """The figures the display shows, now."""
         now = self.clock()
-        return Estimate(self.rows * self.scale, self.total_rows, now - self.started,
+        done = self.rows * self.scale  # ranks claiming alike: an estimate, over the total where they did not
+        if self.total_rows is not None:  # (one rank claimed a small corpus's only chunk: 14/7 rows on 2 ranks)
+            done = min(done, self.total_rows)
+        return Estimate(done, self.total_rows, now - self.started,
                         self._recent("rows", "seconds", self.scale), self._recent("tokens", "seconds", self.scale),
                         self._seconds_left(now))
 
@@ -331,8 +334,8 @@ class Meter:
         done = f"{int(e.rows_done):,}/{e.rows_total:,}" if e.rows_total is not None else f"{int(e.rows_done):,}"
         if final:
             seconds = (self.last or self.clock()) - self.started
-            texts = self.rows * self.scale / seconds if seconds > 0 and self.rows else None
-            tokens = self.tokens * self.scale / seconds if seconds > 0 and self.rows else None
+            texts = e.rows_done / seconds if seconds > 0 and self.rows else None
+            tokens = self.tokens * e.rows_done / self.rows / seconds if seconds > 0 and self.rows else None
             return (f"{self.desc}: {done} rows in {_clock_text(seconds)}, {_rate(texts, 'texts')}, "
                     f"{_rate(tokens, 'tokens')}")
         share = ""

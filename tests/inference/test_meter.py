@@ -97,6 +97,18 @@ def test_ranks_claiming_alike_count_for_every_rank():
     assert estimate.seconds_left == pytest.approx(2.0)  # 4 rows left, 2 per rank at 1 s each
 
 
+def test_ranks_claiming_unalike_never_show_more_rows_than_run():
+    # 7 rows in one chunk, claimed by this rank alone: counting it for 2 ranks must not show 14/7.
+    clock = _Clock()
+    stream = io.StringIO()
+    meter = Meter(TextCosts(np.full(7, 10), exact=True), total_rows=7, scale=2, clock=clock, stream=stream)
+    clock.now = 1.0
+    meter.add(np.arange(7), rows=7, padded_tokens=70, real_tokens=70, width=10)
+    assert meter.estimate().rows_done == 7
+    assert meter.line(final=True) == "dynabatch: 7/7 rows in 0:01, 7 texts/s, 70 tokens/s"
+    meter.close()
+
+
 class _Terminal(io.StringIO):
     def isatty(self):
         return True
