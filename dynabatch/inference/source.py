@@ -15,7 +15,7 @@ from dynabatch._background import Ahead
 from dynabatch._validation import bad_value, brief, first_few
 from dynabatch.data.collate import Batch
 from dynabatch.data.input_hashes import token_store_hashes
-from dynabatch.sampling.ranks import _batches_needed, deal, split_for_replicas
+from dynabatch.sampling.ranks import batches_needed, deal, most_replicas, split_for_replicas
 
 __all__ = ["Item", "Source", "positions_of"]
 
@@ -50,13 +50,13 @@ def _too_few_for_lockstep(items: list[Item], world_size: int) -> ValueError:
     ranks, or 3 one-input batches for 2): it names ``ranks``, what the user chose, not the sharing routine's
     ``num_replicas``, and what works instead."""
     inputs = sum(len(item.positions) for item in items)
-    largest = next(k for k in range(world_size - 1, 0, -1) if _batches_needed(len(items), k, 0) <= inputs)
+    largest = most_replicas(len(items), inputs, world_size)
     return bad_value(
         "ranks",
         f"'claim' (an fn without collectives), or 'lockstep' on at most {largest} "
         f"process{'es' if largest > 1 else ''}, for {inputs} input{'s' if inputs != 1 else ''} in "
         f"{len(items)} batch{'es' if len(items) != 1 else ''}: 'lockstep' gives each of the {world_size} ranks the "
-        f"same number of batches ({_batches_needed(len(items), world_size, 0)} in all), each of at least one input, "
+        f"same number of batches ({batches_needed(len(items), world_size)} in all), each of at least one input, "
         "and batches are only split, never merged or padded",
         "lockstep",
     )

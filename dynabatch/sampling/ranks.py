@@ -46,7 +46,9 @@ from dynabatch._validation import bad_value, check_non_negative_int, check_posit
 
 __all__ = [
     "batch_samples",
+    "batches_needed",
     "deal",
+    "most_replicas",
     "order_steps",
     "process_group",
     "reduce_across_ranks",
@@ -186,7 +188,7 @@ def split_for_replicas(
         [[0, 1], [2, 3], [4]]
     """
     num_replicas = check_positive_int("num_replicas", num_replicas)
-    missing = _batches_needed(len(batches), num_replicas, min_batches) - len(batches)
+    missing = batches_needed(len(batches), num_replicas, min_batches) - len(batches)
     if len(batches) == 0 or missing == 0:
         return list(batches)
     sizes = [samples(b) for b in batches]
@@ -195,8 +197,7 @@ def split_for_replicas(
     if total < needed:
         # Not only fewer samples than ranks: 7 batches of one sample each cannot make 8 for 2 ranks either,
         # since batches are split (a part keeps every constraint) but never merged (a merge may break one).
-        largest = next((k for k in range(num_replicas - 1, 0, -1)
-                        if _batches_needed(len(batches), k, min_batches) <= total), 0)
+        largest = most_replicas(len(batches), total, num_replicas, min_batches)
         if not largest:  # even one rank cannot have min_batches batches: the floor is what is too high
             raise bad_value("min_batches", f"at most {total // num_replicas} for {total} samples on {num_replicas} "
                             "ranks (a batch holds at least one sample)", min_batches)
@@ -226,10 +227,29 @@ def split_for_replicas(
     return out
 
 
-def _batches_needed(planned: int, num_replicas: int, min_batches: int) -> int:
-    """The batches ``split_for_replicas`` makes of ``planned``: a multiple of ``num_replicas``, ``min_batches`` each."""
+def batches_needed(planned: int, num_replicas: int, min_batches: int = 0) -> int:
+    """The batches :func:`split_for_replicas` makes of ``planned``: a multiple of ``num_replicas``, ``min_batches``
+    each at least.
+
+    Example:
+        >>> from dynabatch.sampling.ranks import batches_needed
+        >>> batches_needed(7, 2), batches_needed(3, 4, min_batches=2)
+        (8, 8)
+    """
     target = max(planned, min_batches * num_replicas)
     return target + (-target) % num_replicas
+
+
+def most_replicas(planned: int, samples: int, num_replicas: int, min_batches: int = 0) -> int:
+    """The most ranks below ``num_replicas`` that ``planned`` batches of ``samples`` samples in all can be shared
+    among (:func:`split_for_replicas` only splits batches, into parts of one sample at least); 0: none.
+
+    Example:
+        >>> from dynabatch.sampling.ranks import most_replicas
+        >>> most_replicas(7, 7, 2), most_replicas(3, 5, 8)  # 7 one-sample batches for 2 ranks; 5 samples, 8 ranks
+        (1, 5)
+    """
+    return next((k for k in range(num_replicas - 1, 0, -1) if batches_needed(planned, k, min_batches) <= samples), 0)
 
 
 def order_steps(num_batches: int, num_replicas: int, *, shuffle: bool, seed: int, epoch: int) -> np.ndarray:
