@@ -73,7 +73,8 @@ What the hook takes care of:
   from the measured peaks of the prediction steps before it so that it stays
   under the first batch's peak (measured mode, as ``dynabatch.run``); predictions,
   labels and ``compute_metrics`` come in dataset order, and ``eval_loss``
-  weighs each batch by its rows.
+  weighs each batch by the items its loss is a mean over (rows, or labelled
+  tokens for per-token labels).
   :class:`Seq2SeqBatchSamplerTrainer` does the same for ``Seq2SeqTrainer``
   (``predict_with_generate`` included). One process; ``eval_batches="fixed"``
   keeps the ``Trainer``'s own batches.
@@ -194,8 +195,8 @@ class BatchSamplerTrainerMixin:
             longest rows first, later batches grown as rows get shorter while the
             measured peaks stay under the first batch's, see
             :mod:`dynabatch.training._eval_batches`), with predictions, labels and
-            ``compute_metrics`` in dataset order and ``eval_loss`` the row-weighted
-            mean of the batches' losses; one process. ``"fixed"``: the ``Trainer``'s own batches.
+            ``compute_metrics`` in dataset order and ``eval_loss`` the mean of the batches'
+            losses weighted by their items (rows, or labelled tokens for per-token labels); one process. ``"fixed"``: the ``Trainer``'s own batches.
         *args, **kwargs: the ``Trainer``'s own.
     """
 
@@ -216,7 +217,7 @@ class BatchSamplerTrainerMixin:
         self._divides_by_count: bool | None = None  # whether the model's loss follows num_items_in_batch
         self.eval_batches = eval_batches
         self._eval_sampler: EvalBatchSampler | None = None  # the planned batches being evaluated
-        self._eval_losses: list[tuple[float, int]] = []  # (loss, rows) of each of their batches
+        self._eval_losses: list[tuple[float, int, int]] = []  # (loss, items it is a mean over, rows) of each batch
         self.add_callback(_FollowEpochs(train_batch_sampler))
 
     def _check_sampler_world(self) -> None:
@@ -449,7 +450,7 @@ class BatchSamplerTrainerMixin:
     def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool, ignore_keys: Any = None,
                         **kwargs: Any) -> Any:
         """The ``Trainer``'s step; on planned batches measured (its peak sizes the batches after it) and its loss kept
-        with the batch's rows (for ``eval_loss``)."""
+        with the items it is a mean over (for ``eval_loss``)."""
         sampler = self._eval_sampler
         if sampler is None:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys, **kwargs)
@@ -457,8 +458,8 @@ class BatchSamplerTrainerMixin:
         with sampler.measuring(rows, int(inputs[getattr(self.model, "main_input_name", "input_ids")].shape[-1])):
             loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only,
                                                            ignore_keys=ignore_keys, **kwargs)
-        if loss is not None:
-            self._eval_losses.append((float(loss.detach().float().mean()), rows))
+        if loss is not None:  # weighed by what the loss is a mean over, so that eval_loss is not the batches'
+            self._eval_losses.append((float(loss.detach().float().mean()), self._items(inputs), rows))
         return loss, logits, labels
 
     def evaluation_loop(self, dataloader: DataLoader, description: str, prediction_loss_only: bool | None = None,
@@ -472,11 +473,17 @@ class BatchSamplerTrainerMixin:
         def inverse() -> np.ndarray:  # dataset order from the order the batches came in (known once they have)
             return np.argsort(sampler.order(), kind="stable")
 
+        def row_losses() -> np.ndarray:  # each row's batch loss, as the rows came
+            # The Trainer repeats each batch's loss eval_batch_size times, not the batch's rows: on planned batches
+            # its losses would not be one per row (fewer or more than the dataset's), so they are built here.
+            return np.repeat(np.asarray([loss for loss, _, _ in self._eval_losses], dtype=np.float32),
+                             [rows for _, _, rows in self._eval_losses])
+
         compute = self.compute_metrics
         if compute is not None and not self.args.batch_eval_metrics:  # per-batch metrics see batches as they come
             self.compute_metrics = lambda p: compute(EvalPrediction(
                 in_order(p.predictions, inverse()), in_order(p.label_ids, inverse()), in_order(p.inputs, inverse()),
-                p.losses))
+                None if p.losses is None else in_order(row_losses(), inverse())))
         self._eval_sampler, self._eval_losses = sampler, []
         try:
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
@@ -486,9 +493,15 @@ class BatchSamplerTrainerMixin:
             losses, self._eval_losses, self._eval_sampler = self._eval_losses, [], None
         logger.debug("%s: %d of its batches measured", description, sampler.measured_calls)
         metrics = dict(output.metrics or {})
-        losses = [(loss, rows) for loss, rows in losses if np.isfinite(loss) or not self.args.logging_nan_inf_filter]
-        if losses:  # each batch weighs by its rows (the Trainer weighs every batch as eval_batch_size rows)
-            metrics[f"{metric_key_prefix}_loss"] = sum(loss * rows for loss, rows in losses) / sum(r for _, r in losses)
+        losses = [(loss, items) for loss, items, _ in losses
+                  if np.isfinite(loss) or not self.args.logging_nan_inf_filter]
+        # Each batch weighs by the items its loss is a mean over (its rows for a per-row label, its labelled tokens
+        # for per-token labels): the mean over the dataset's items, whatever the batches (which follow measured
+        # memory). The Trainer weighs every batch as eval_batch_size rows, so its eval_loss of a per-token loss
+        # depends on which rows share a batch.
+        if losses and sum(items for _, items in losses) > 0:
+            metrics[f"{metric_key_prefix}_loss"] = (sum(loss * items for loss, items in losses)
+                                                    / sum(items for _, items in losses))
         return EvalLoopOutput(predictions=in_order(output.predictions, inverse()),
                               label_ids=in_order(output.label_ids, inverse()), metrics=metrics,
                               num_samples=output.num_samples)

@@ -123,6 +123,60 @@ def test_dynamic_evaluation_refuses_what_it_cannot_put_back_in_order(tokenizer, 
         trainer.evaluate()
 
 
+def test_eval_loss_of_a_per_token_loss_is_the_mean_over_labelled_tokens_whatever_the_batches(tokenizer, labelled,
+                                                                                               tmp_path):
+    # A token classifier's loss is a mean over its batch's labelled tokens: weighed by rows, eval_loss would follow
+    # which rows share a batch (and so the measured memory); weighed by labelled tokens it is the dataset's mean.
+    from transformers import BertConfig, BertForTokenClassification, DataCollatorForTokenClassification
+
+    from dynabatch.training.hf import BatchSamplerTrainer
+
+    tokens, _ = labelled
+    dataset = tokens.dataset.map(lambda r: {"labels": [i % 2 if i % 3 else -100 for i in range(len(r["input_ids"]))]})
+    dataset = dataset.remove_columns(["label"])
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=2)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = BertForTokenClassification(config).eval()
+    trainer = BatchSamplerTrainer(model=model, args=_args(tmp_path), data_collator=DataCollatorForTokenClassification(
+        tokenizer), train_batch_sampler=SmartBatchSampler(tokens.lengths, TokenBudget(512)))
+    prediction = trainer.predict(dataset)
+    labelled_tokens = prediction.label_ids != -100
+    log_p = torch.log_softmax(torch.from_numpy(prediction.predictions[labelled_tokens]), -1)
+    targets = torch.from_numpy(prediction.label_ids[labelled_tokens]).long()
+    mean = float(-log_p[torch.arange(len(targets)), targets].mean())
+    assert prediction.metrics["test_loss"] == pytest.approx(mean, abs=1e-5)
+
+
+def test_compute_metrics_sees_each_row_loss_in_dataset_order(tokenizer, labelled, tmp_path):
+    # include_for_metrics=["loss"]: one loss per row (its batch's), put back in dataset order with the predictions.
+    from dynabatch.training.hf import BatchSamplerTrainer
+
+    tokens, labels = labelled
+    dataset = tokens.dataset.add_column("row", list(range(N_ROWS)))
+    batches, seen = [], []
+
+    def collate(features):
+        batches.append([f["row"] for f in features])
+        return TrainingCollator(tokenizer)([{k: v for k, v in f.items() if k != "row"} for f in features])
+
+    def keep(prediction):
+        seen.append(prediction)
+        return {}
+
+    trainer = BatchSamplerTrainer(model=_classifier(tokenizer), args=_args(tmp_path, include_for_metrics=["loss"]),
+                                  data_collator=collate, compute_metrics=keep,
+                                  train_batch_sampler=SmartBatchSampler(tokens.lengths, TokenBudget(512)))
+    trainer.evaluate(dataset)
+    prediction = seen[0]
+    log_p = torch.log_softmax(torch.from_numpy(prediction.predictions), -1)
+    row_losses = -log_p[torch.arange(N_ROWS), torch.from_numpy(labels).long()]
+    assert len(batches) > 1 and np.array_equal(prediction.label_ids, labels)
+    for batch in batches:  # each row carries its own batch's mean loss
+        assert np.allclose(prediction.losses[batch], float(row_losses[batch].mean()), atol=1e-5)
+
+
 def _strip(row, pad):
     """A generated row without the padding of its batch (pad after its tokens) and of the gathering (-100)."""
     row = [int(t) for t in row if t != -100]
