@@ -136,11 +136,13 @@ def pack_dataset(
         raise bad_value("dataset", "a dataset with at least one list column", dataset)
     form = dict(dataset.format)
     form.update(form.pop("format_kwargs", {}))
-    packed = dataset.with_format("arrow").map(
-        _pack_table, batched=True, batch_size=None,
-        fn_kwargs={"seq_length": seq_length, "bin_size": bin_size, "group_size": group_size,
-                   "algorithm": algorithm, "seed": seed, "oversized": oversized},
-        desc=f"Packing into rows of {seq_length} tokens")
+    options = {"seq_length": seq_length, "bin_size": bin_size, "group_size": group_size, "algorithm": algorithm,
+               "seed": seed, "oversized": oversized}
+    if dataset.num_rows == 0:  # map calls no function on no rows: the result would lack seq_lengths
+        packed = datasets.Dataset(_pack_table(dataset.with_format("arrow")[:], **options))
+    else:
+        packed = dataset.with_format("arrow").map(_pack_table, batched=True, batch_size=None, fn_kwargs=options,
+                                                  desc=f"Packing into rows of {seq_length} tokens")
     if form.get("columns") is not None:
         form["columns"] = [*form["columns"], "seq_lengths"]
     return packed.with_format(**form)

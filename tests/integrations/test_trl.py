@@ -97,6 +97,16 @@ def test_bad_input_is_named():
         pack_dataset(empty, 0)
 
 
+def test_a_dataset_of_no_rows_packs_into_no_rows_with_seq_lengths():
+    # datasets' map calls no function on no rows (TRL's own pack_dataset fails on it, naming seq_lengths)
+    data = datasets.Dataset.from_dict({"input_ids": [[1, 2]], "labels": [[1, 2]]}).select([]).with_format("torch")
+    packed = pack_dataset(data, 4)
+    assert packed.num_rows == 0 and packed.column_names == ["input_ids", "labels", "seq_lengths"]
+    assert packed.format["type"] == "torch"
+    with pytest.raises(TypeError, match=r"dataset\['text'\] should be a list column"):
+        pack_dataset(datasets.Dataset.from_dict({"input_ids": [[1]], "text": ["a"]}).select([]), 4)
+
+
 def test_sft_trainer_trains_on_the_packed_rows_every_sample_once_per_epoch(tokenized, tokenizer, tmp_path, one_thread):
     from transformers import LlamaConfig, LlamaForCausalLM
 
