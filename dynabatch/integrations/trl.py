@@ -108,7 +108,7 @@ def pack_dataset(
         TypeError: ``dataset`` is not a Dataset, or a column is not a list column.
         ValueError: an empty example, columns of different lengths in one
             example, an example longer than ``seq_length`` (``oversized="error"``),
-            or a bad argument.
+            a ``seq_lengths`` column (an already packed dataset), or a bad argument.
 
     Example:
         >>> from datasets import Dataset
@@ -134,6 +134,10 @@ def pack_dataset(
         raise bad_value("oversized", "'error' or 'truncate'", oversized)
     if not dataset.column_names:
         raise bad_value("dataset", "a dataset with at least one list column", dataset)
+    if "seq_lengths" in dataset.column_names:  # the output's column: packing it as tokens would mix the two
+        raise bad_value("dataset.column_names", "without 'seq_lengths' (a packed dataset's column: "
+                        "dataset.remove_columns(['seq_lengths']) packs its rows again as whole examples)",
+                        dataset.column_names)
     form = dict(dataset.format)
     form.update(form.pop("format_kwargs", {}))
     options = {"seq_length": seq_length, "bin_size": bin_size, "group_size": group_size, "algorithm": algorithm,

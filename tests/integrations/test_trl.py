@@ -95,6 +95,10 @@ def test_bad_input_is_named():
         pack_dataset([[1, 2]], 4)
     with pytest.raises(ValueError, match="seq_length should be a positive integer, but got seq_length=0"):
         pack_dataset(empty, 0)
+    packed = pack_dataset(data.select_columns(["input_ids"]), 8)
+    with pytest.raises(ValueError, match=r"dataset.column_names should be without 'seq_lengths' \(a packed dataset's "
+                       r"column: .*, but got dataset.column_names=\['input_ids', 'seq_lengths'\]"):
+        pack_dataset(packed, 16)
 
 
 def test_a_dataset_of_no_rows_packs_into_no_rows_with_seq_lengths():
