@@ -184,12 +184,13 @@ class Ahead:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._pull, name=self._name, daemon=True)
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
         """Stops pulling after the item in progress, and waits for the thread to end (so that no thread of the
-        library outlives the run that started it)."""
+        library outlives the run that started it); without ``wait``, returns at once (a finalizer, which may run on
+        any thread, even one the item in progress waits for)."""
         self._stop.set()
         self._done = True
-        if self._thread.ident is not None and self._thread is not threading.current_thread():
+        if wait and self._thread.ident is not None and self._thread is not threading.current_thread():
             self._thread.join()
 
 

@@ -368,6 +368,23 @@ def _in_order(n: int, parts: list[tuple[np.ndarray, TokenizedTexts]]) -> Tokeniz
     return TokenizedTexts(flat.pop("input_ids"), offsets, flat)
 
 
+def _tokenized(stream: TokenStream, claims: Iterator[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The chunks ``claims`` names, tokenized; the process's worker processes released at the end, whether every
+    chunk claimed is tokenized, the tokenizer raised, or the feed was dropped part-way (the generator closed, on the
+    feed's thread as it ends): no process waits for more."""
+    try:
+        for k in claims:
+            yield stream.tokenize(k)
+    finally:
+        stream.release_workers()
+
+
+def _abandoned(chunks: Ahead) -> None:
+    """A feed's finalizer: its thread stops after the chunk in progress, without waiting for it (a finalizer may run
+    on the thread that holds the tokenizer the chunk waits for)."""
+    chunks.close(wait=False)
+
+
 class ChunkFeed:
     """Chunks tokenized in a background thread, handed out in the order they were claimed.
 
@@ -388,12 +405,12 @@ class ChunkFeed:
     def __init__(self, stream: TokenStream, claims: Iterator[int], *, ahead: int | None = AHEAD) -> None:
         self.stream = stream
         self._longest = 0
-        self._chunks = Ahead(self._tokenized(claims), depth=ahead, name="dynabatch-tokenize")
-
-    def _tokenized(self, claims: Iterator[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        for k in claims:
-            yield self.stream.tokenize(k)
-        self.stream.release_workers()  # every chunk claimed is tokenized: no process waits for more
+        # The thread pulls from a generator that holds the stream, not this feed: a feed dropped part-way (a plain
+        # loop broke out of the loader, then dropped it) is collected, and its finalizer stops the thread, which
+        # would otherwise wait for room forever, holding the stream (a tokenizer copy, the chunks' tokens)
+        self._chunks = Ahead(_tokenized(stream, claims), depth=ahead, name="dynabatch-tokenize")
+        finalizer = weakref.finalize(self, _abandoned, self._chunks)
+        finalizer.atexit = False  # at exit the thread is a daemon, and release_pool runs anyway
 
     def start(self) -> None:
         """Starts tokenizing (the first :meth:`next` does, so a feed no one reads tokenizes nothing)."""

@@ -171,3 +171,36 @@ def test_streamed_on_every_core_equals_one_thread_and_leaves_no_process(tokenize
     assert multiprocessing.active_children() == []
     assert np.array_equal(many.offsets, one.offsets) and np.array_equal(many.input_ids, one.input_ids)
     assert np.array_equal(many.extras["token_type_ids"], one.extras["token_type_ids"])
+
+
+def test_a_feed_dropped_part_way_ends_its_thread_frees_the_stream_and_leaves_no_process(tokenizer, monkeypatch,
+                                                                                       texts):
+    # A plain loop that breaks out of a streaming loader, then drops it: nothing of the stream may stay behind.
+    import gc
+    import multiprocessing
+    import threading
+    import time
+    import weakref
+
+    from dynabatch.data import tokenization, workers
+
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)
+    monkeypatch.setattr(workers, "IDLE_CORE", -1.0)  # a busy machine: workers still join
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.setattr(tokenization, "fast_backend", lambda *args: None)  # its own call: processes where 2 cores
+    stream = TokenStream(TextSource(texts), tokenizer, 32, first_chunk=64, chunk_size=64, tokenize_cores=2)
+    feed = stream.feed(iter(range(stream.n_chunks)), ahead=1)
+    feed.next()
+    if workers.available_cores() >= 2:
+        assert multiprocessing.active_children()  # the chunks are tokenized by worker processes
+    alive = weakref.ref(stream)
+    del stream, feed
+    gc.collect()
+    deadline = time.monotonic() + 5.0
+    while (alive() is not None or any(t.name == "dynabatch-tokenize" for t in threading.enumerate())
+           or multiprocessing.active_children()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        gc.collect()
+    assert alive() is None, "the dropped feed's thread keeps its stream (tokenizer copy, tokens) alive"
+    assert not any(t.name == "dynabatch-tokenize" for t in threading.enumerate())
+    assert multiprocessing.active_children() == []
