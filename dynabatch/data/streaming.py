@@ -221,7 +221,7 @@ class TokenStream:
         """The tokens of the texts at ``positions``, as the eager loader tokenizes them (one mechanism:
         :class:`~dynabatch.data.tokenization.ParallelTokenizer`, and its backend rule); ``later``: the work of the
         chunks still to come, as a multiple of this one's (the cost rule weighs it)."""
-        return self._tokenize(self.source.take(positions), later=later)
+        return self._tokenize(self.source.take(positions), later=later, positions=positions)
 
     def consumed(self, positions: Any) -> None:
         """Marks the rows at ``positions`` finished (run and stored, or already stored, or failed): once every row

@@ -568,10 +568,25 @@ class ParallelTokenizer:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(cores={self.cores}, backend={self._encoder.backend})"
 
-    def __call__(self, items: list[str], *, progress: bool = False, later: float = 0.0) -> TokenizedTexts:
+    def __call__(self, items: list[str], *, progress: bool = False, later: float = 0.0,
+                 positions: Any = None) -> TokenizedTexts:
         """The token store of ``items`` (a list of str, already validated); ``later``: the work of the calls still
         to come for the same job (a stream's later chunks), as a multiple of this call's, which the cost rule of
-        worker processes weighs with this call's rest (:class:`~dynabatch.data.workers.Pieces`)."""
+        worker processes weighs with this call's rest (:class:`~dynabatch.data.workers.Pieces`); ``positions``: the
+        input position of each item (a stream's chunk), which an error names (``None``: the items' own).
+
+        Raises:
+            ValueError: a text holds a lone surrogate (:func:`_check_encodable`), where the tokenizer failed on it.
+        """
+        try:
+            return self._tokenized(items, progress=progress, later=later)
+        except Exception as exc:
+            # A fast tokenizer refuses a text that is not valid Unicode with a TypeError naming neither the text nor
+            # its position; checking every text up front would cost a copy of the corpus: only a failed call looks
+            _check_encodable(items, positions, exc)
+            raise
+
+    def _tokenized(self, items: list[str], *, progress: bool, later: float) -> TokenizedTexts:
         from tqdm.auto import tqdm
 
         mechanism = choose_mechanism(backend=self._encoder.backend, cores=self.cores)
@@ -617,6 +632,22 @@ class ParallelTokenizer:
     def close(self) -> None:
         """Kept for callers that end their tokenizer: the worker processes are the process's, shared by every
         tokenizer (:func:`~dynabatch.data.workers.release_pool` ends them)."""
+
+
+def _check_encodable(items: list[str], positions: Any, cause: BaseException) -> None:
+    """Raises a ``ValueError`` from ``cause`` naming the first text that does not encode as UTF-8 (a lone surrogate,
+    e.g. from bytes decoded with ``errors="surrogateescape"``), by its input position (``positions[i]`` of item
+    ``i``, else ``i``); returns where every text encodes (``cause`` is the tokenizer's own error)."""
+    for i, text in enumerate(items):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            where = i if positions is None else int(positions[i])
+            raise ValueError(
+                f"texts[{where}] should be text that encodes as UTF-8, but got texts[{where}]={text[:40]!r} holding "
+                f"{exc.reason} at character {exc.start}, which the tokenizer refused ({type(cause).__name__}: "
+                f"{cause}): clean it (e.g. text.encode('utf-8', 'replace').decode())"
+            ) from cause
 
 
 def _shown(flats: Any, bar: Any) -> Iterator[Any]:

@@ -204,3 +204,10 @@ def test_a_feed_dropped_part_way_ends_its_thread_frees_the_stream_and_leaves_no_
     assert alive() is None, "the dropped feed's thread keeps its stream (tokenizer copy, tokens) alive"
     assert not any(t.name == "dynabatch-tokenize" for t in threading.enumerate())
     assert multiprocessing.active_children() == []
+
+
+def test_a_text_with_a_lone_surrogate_is_named_by_its_input_position_not_its_row_in_the_chunk(tokenizer):
+    texts = ["a b c"] * 5 + ["d \ud800"] + ["e f g h i j k"] * 3
+    stream = TokenStream(TextSource(texts), tokenizer, 16, first_chunk=4, chunk_size=8)
+    with pytest.raises(ValueError, match=r"^texts\[5\] should be text that encodes as UTF-8"):
+        stream.tokenized
