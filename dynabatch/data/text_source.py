@@ -38,7 +38,8 @@ import numpy as np
 
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
-from dynabatch.data.tokenization import as_items, plain_text, report_skipped, split_bad_texts, validate_texts
+from dynabatch.data.tokenization import (as_items, check_encodable, plain_text, report_skipped, split_bad_texts,
+                                         validate_texts)
 
 __all__ = ["SPILL_ROWS", "TextSource", "check_on_bad_input", "is_text_source", "open_texts", "parquet_paths",
            "source_of"]
@@ -340,8 +341,13 @@ def source_of(source: Any, column: str = "text", *, chunk_size: int = SPILL_ROWS
             bad = next((i for i, t in enumerate(chunk) if t is not None and not isinstance(t, str)), None)
             if bad is not None:
                 raise bad_type(f"texts[{done + bad}]", "a str (or None, a bad input)", chunk[bad])
+            try:
+                array = pa.array(chunk, pa.large_string())
+            except UnicodeEncodeError as exc:  # a lone surrogate: pyarrow names neither the text nor its position
+                check_encodable(chunk, range(done, done + len(chunk)), exc, "pyarrow")
+                raise
             done += len(chunk)
-            yield pa.record_batch([pa.array(chunk, pa.large_string())], schema=schema)
+            yield pa.record_batch([array], schema=schema)
 
     return _spill(batches(), schema)
 

@@ -65,9 +65,9 @@ from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.workers import Pieces, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
 
 __all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "PIECE_TOKENS", "TOKENS_PER_CALL", "TRIM_TOKENS",
-           "ParallelTokenizer", "TokenizedTexts", "accepted_keywords", "as_items", "check_length_fits",
-           "check_tokenizer", "check_tokenizer_kwargs", "fast_backend", "model_max_length", "plain_text",
-           "report_skipped", "split_bad_texts", "tokenize_texts", "validate_texts"]
+           "ParallelTokenizer", "TokenizedTexts", "accepted_keywords", "as_items", "check_encodable",
+           "check_length_fits", "check_tokenizer", "check_tokenizer_kwargs", "fast_backend", "model_max_length",
+           "plain_text", "report_skipped", "split_bad_texts", "tokenize_texts", "validate_texts"]
 
 logger = logging.getLogger(__name__)
 
@@ -576,14 +576,14 @@ class ParallelTokenizer:
         input position of each item (a stream's chunk), which an error names (``None``: the items' own).
 
         Raises:
-            ValueError: a text holds a lone surrogate (:func:`_check_encodable`), where the tokenizer failed on it.
+            ValueError: a text holds a lone surrogate (:func:`check_encodable`), where the tokenizer failed on it.
         """
         try:
             return self._tokenized(items, progress=progress, later=later)
         except Exception as exc:
             # A fast tokenizer refuses a text that is not valid Unicode with a TypeError naming neither the text nor
             # its position; checking every text up front would cost a copy of the corpus: only a failed call looks
-            _check_encodable(items, positions, exc)
+            check_encodable(items, positions, exc)
             raise
 
     def _tokenized(self, items: list[str], *, progress: bool, later: float) -> TokenizedTexts:
@@ -634,10 +634,11 @@ class ParallelTokenizer:
         tokenizer (:func:`~dynabatch.data.workers.release_pool` ends them)."""
 
 
-def _check_encodable(items: list[str], positions: Any, cause: BaseException) -> None:
+def check_encodable(items: list[str], positions: Any, cause: BaseException,
+                    refused_by: str = "the tokenizer") -> None:
     """Raises a ``ValueError`` from ``cause`` naming the first text that does not encode as UTF-8 (a lone surrogate,
     e.g. from bytes decoded with ``errors="surrogateescape"``), by its input position (``positions[i]`` of item
-    ``i``, else ``i``); returns where every text encodes (``cause`` is the tokenizer's own error)."""
+    ``i``, else ``i``); returns where every text encodes (``cause`` is ``refused_by``'s own error)."""
     for i, text in enumerate(items):
         try:
             text.encode("utf-8")
@@ -645,7 +646,7 @@ def _check_encodable(items: list[str], positions: Any, cause: BaseException) -> 
             where = i if positions is None else int(positions[i])
             raise ValueError(
                 f"texts[{where}] should be text that encodes as UTF-8, but got texts[{where}]={text[:40]!r} holding "
-                f"{exc.reason} at character {exc.start}, which the tokenizer refused ({type(cause).__name__}: "
+                f"{exc.reason} at character {exc.start}, which {refused_by} refused ({type(cause).__name__}: "
                 f"{cause}): clean it (e.g. text.encode('utf-8', 'replace').decode())"
             ) from cause
 

@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dynabatch import read_texts
-from dynabatch.data.text_source import TextSource, is_text_source
+from dynabatch.data.text_source import TextSource, is_text_source, source_of
 
 TEXTS = ["In the beginning", "", "And God said, Let there be light", "é€"]
 
@@ -127,3 +127,9 @@ def test_a_spilled_source_hands_its_pages_back_after_each_record_batch_read():
     assert source.take([95, 5, 55, 6]) == ["text 95", "text 5", "text 55", "text 6"]
     assert spy.calls == 3  # once per record batch read
     source.close()
+
+
+def test_an_iterable_with_a_lone_surrogate_is_refused_naming_its_position():
+    texts = iter(["a", "b", "c \ud800 d"])  # pyarrow's bare UnicodeEncodeError named neither text nor position
+    with pytest.raises(ValueError, match=r"^texts\[2\] should be text that encodes as UTF-8, .* which pyarrow refused"):
+        source_of(texts, chunk_size=2)
