@@ -213,8 +213,14 @@ def check_tokenizer_kwargs(tokenizer: Any, tokenizer_kwargs: dict[str, Any], cal
     for key, value in tokenizer_kwargs.items():
         if key in accepted:
             continue
-        close = difflib.get_close_matches(key, sorted(own | accepted), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        setting = getattr(type(tokenizer), key, None) if isinstance(key, str) else None
+        if isinstance(setting, str) or (key in getattr(tokenizer, "__dict__", {}) and not callable(setting)):
+            # a setting of the tokenizer object (truncation_side, padding_side), which its call ignores silently
+            # (transformers 5 drops the keyword): the tokenizer applies it where it is set
+            hint = f" (set it on the tokenizer instead: tokenizer.{key} = {value!r})"
+        else:  # the keywords dynabatch refuses are no hint
+            close = difflib.get_close_matches(key, sorted((own | accepted) - set(FORBIDDEN_TOKENIZER_KWARGS)), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise TypeError(
             f"{caller.__name__}() got an unexpected keyword argument {key!r}{hint}: extra keywords "
             f"go to the tokenizer, and {type(tokenizer).__name__} does not take it; "

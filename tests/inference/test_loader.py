@@ -637,6 +637,16 @@ def test_a_misspelt_keyword_is_named_not_swallowed(tokenizer, texts):
         _load(texts[:10], tokenizer, frobnicate=1)
 
 
+def test_a_tokenizer_setting_passed_as_a_keyword_says_to_set_it_on_the_tokenizer(tokenizer, texts):
+    # The tokenizer's call drops truncation_side silently; the hint named 'truncation', a keyword dynabatch refuses
+    with pytest.raises(TypeError, match=r"^build_dynamic_batch_dataloader\(\) got an unexpected keyword argument "
+                                        r"'truncation_side' \(set it on the tokenizer instead: "
+                                        r"tokenizer.truncation_side = 'left'\): extra keywords go to the tokenizer"):
+        _load(texts[:10], tokenizer, truncation_side="left")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'truncate': extra keywords"):  # no hint
+        _load(texts[:10], tokenizer, truncate=True)
+
+
 def test_a_dataframe_is_named_by_type_and_shape_not_printed(tokenizer, texts):
     pandas = pytest.importorskip("pandas")
     frame = pandas.DataFrame({"text": texts, "n": range(len(texts))})
