@@ -156,7 +156,9 @@ class TokenStream:
         self._freed = np.zeros(len(sizes), dtype=bool)  # every row consumed (since it was last tokenized)
         self._lock = threading.Lock()
         self._feeds: list = []  # weak references to the feeds tokenizing for it, paused together
-        self._tokenizing = threading.Lock()  # one chunk at a time on the private tokenizer
+        # One chunk at a time on the private tokenizer; reentrant: a dropped feed's generator, closed by the garbage
+        # collector on whatever thread runs it (one tokenizing for this stream, say), releases the workers under it
+        self._tokenizing = threading.RLock()
 
     @property
     def n_chunks(self) -> int:

@@ -211,3 +211,27 @@ def test_a_text_with_a_lone_surrogate_is_named_by_its_input_position_not_its_row
     stream = TokenStream(TextSource(texts), tokenizer, 16, first_chunk=4, chunk_size=8)
     with pytest.raises(ValueError, match=r"^texts\[5\] should be text that encodes as UTF-8"):
         stream.tokenized
+
+
+def test_a_paused_feed_collected_while_this_thread_tokenizes_for_its_stream_does_not_deadlock(tokenizer, texts):
+    # Its generator's finally releases the workers under the stream's tokenizing lock, on the collecting thread
+    import gc
+    import threading
+
+    stream = TokenStream(TextSource(texts), tokenizer, 32, first_chunk=64, chunk_size=64)
+    feed = stream.feed(iter(range(stream.n_chunks)), ahead=1)
+    feed.next()
+    stream.pause()
+    feed.cycle = feed  # left to the cyclic collector, which may run on any allocation
+    del feed
+    encode = stream._encode
+
+    def collecting(*args, **kwargs):
+        gc.collect()
+        return encode(*args, **kwargs)
+
+    stream._encode = collecting
+    thread = threading.Thread(target=lambda: stream.tokenized, daemon=True)
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive(), "the collected feed's generator waited for the lock its own thread holds"
