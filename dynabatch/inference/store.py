@@ -47,8 +47,8 @@ from dynabatch._malloc import trim
 from dynabatch._validation import bad_value, first_few
 from dynabatch.inference.columns import Columns, same_field, widen
 from dynabatch.inference.store_lock import PREFIX, JobLock, StoreBusyError
-from dynabatch.inference.store_shards import (FAILED, FORMAT, META, SET_ASIDE, TEMPORARY, covered, is_dead, is_shard,
-                                              read_whole, remove, write_whole)
+from dynabatch.inference.store_shards import (CHECK, FAILED, FORMAT, META, SET_ASIDE, TEMPORARY, TornFooter, checked_meta,
+                                              covered, footer_check, is_dead, is_shard, read_whole, remove, write_whole)
 from dynabatch.inference.store_writer import StoreWriter
 
 __all__ = ["FAILED", "FORMAT", "META", "Located", "Store", "StoreBusyError", "StoreWriter", "open_store"]
@@ -160,7 +160,7 @@ class Store:
             table = read_whole(file, None if verify else [self.keyed_by, "cause" if failures else "input_hash"])
         except FileNotFoundError:  # merged by another writer of this job meanwhile
             return None
-        except (OSError, pa.ArrowException) as exc:  # torn, or a page failing its checksum
+        except (OSError, pa.ArrowException, TornFooter) as exc:  # torn, a page or the footer failing its checksum
             name = os.path.basename(file)
             logger.warning("output_path=%r: %s cannot be read (%s); moving it to %s%s.torn, its rows run again",
                            self.path, name, str(exc).splitlines()[0][:120], SET_ASIDE, name)
@@ -192,7 +192,13 @@ class Store:
 
     def _check(self, schema: pa.Schema, name: str) -> dict:
         """A shard's metadata; refuses a Parquet file dynabatch did not write, or another format, key or keying."""
-        meta = json.loads((schema.metadata or {}).get(META, b"null"))
+        meta = checked_meta(schema.metadata, schema.names)
+        try:
+            meta = json.loads(meta) if meta is not None else None
+        except ValueError as exc:  # not JSON, not UTF-8: a flipped byte in a footer written before CHECK was
+            raise TornFooter(f"its metadata is not JSON ({exc})") from None
+        if meta is not None and not (isinstance(meta, dict) and {"format", "key", "keyed_by"} <= meta.keys()):
+            raise TornFooter(f"its metadata is not a dynabatch shard's ({str(meta)[:60]})")
         if meta is None:
             raise ValueError(f"output_path should be a dynabatch results store, but got output_path={self.path!r} "
                              f"holding {name}, a Parquet file dynabatch did not write; use another directory")
@@ -310,19 +316,21 @@ class Store:
                 self._fixed.update(name for name, field in fitted.items() if not pa.types.is_null(field.type))
             return list(fitted.values())
 
-    def _metadata(self) -> dict[bytes, str]:
-        """A shard's schema metadata: format, key, keying and the rows' structure, under ``META``."""
+    def _metadata(self, names: list[str]) -> dict[bytes, bytes]:
+        """The schema metadata of a shard of columns ``names``: format, key, keying and the rows' structure, under
+        ``META``, and their checksum with the column names, under ``CHECK`` (the footer has no checksum of its own)."""
         meta = {"format": FORMAT, "key": self.key, "keyed_by": self.keyed_by}
         if self.columns is not None:
             meta.update(tree=self.columns.tree, kinds=dict(self.columns.kinds))
-        return {META: json.dumps(meta)}
+        encoded = json.dumps(meta).encode()
+        return {META: encoded, CHECK: footer_check(encoded, names)}
 
     def shard(self, positions: np.ndarray, hashes: np.ndarray, ids: pa.Array | None, outputs: pa.Table) -> pa.Table:
         """A shard's table: the key columns (``position`` or ``id``, ``input_hash``) of rows of input ``positions``
         (``ids``: the writer's own, which positions index), then ``outputs``, with the shard's metadata."""
         key = pa.array(positions) if self.keyed_by == "position" else (self.ids if ids is None else ids).take(positions)
-        schema = pa.schema([(self.keyed_by, key.type), ("input_hash", pa.uint64()), *outputs.schema],
-                           metadata=self._metadata())
+        fields = [pa.field(self.keyed_by, key.type), pa.field("input_hash", pa.uint64()), *outputs.schema]
+        schema = pa.schema(fields, metadata=self._metadata([field.name for field in fields]))
         return pa.Table.from_arrays([key, pa.array(hashes, pa.uint64()), *outputs.columns], schema=schema)
 
     def retyped(self, schema: pa.Schema) -> pa.Schema:
@@ -331,7 +339,8 @@ class Store:
         with self._lock:
             stored = [self._fields[n] if n in self._fixed else pa.field(n, pa.null()) for n in self.columns.names]
             keys = [field for field in schema if field.name not in self.columns.names]
-            return pa.schema([*keys, *stored], metadata=self._metadata())
+            fields = [*keys, *stored]
+            return pa.schema(fields, metadata=self._metadata([field.name for field in fields]))
 
     def check_held(self) -> None:
         """Refuses a commit once the store is no longer held by this job (:class:`StoreBusyError`)."""

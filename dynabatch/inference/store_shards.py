@@ -19,19 +19,25 @@ import os
 import re
 import socket
 import time
+import zlib
 from collections.abc import Collection
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["FAILED", "FORMAT", "HOST", "META", "RETRY_SECONDS", "SET_ASIDE", "TEMPORARY", "WRITE_ATTEMPTS", "covered",
-           "gone", "is_dead", "is_shard", "read_whole", "remove", "shard_name", "write_whole"]
+__all__ = ["CHECK", "FAILED", "FORMAT", "HOST", "META", "RETRY_SECONDS", "SET_ASIDE", "TEMPORARY", "WRITE_ATTEMPTS",
+           "TornFooter", "checked_meta", "covered", "footer_check", "gone", "is_dead", "is_shard", "read_whole", "remove",
+           "shard_name", "write_whole"]
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "dynabatch.store/3"
 META = b"dynabatch"  # the key of a shard's metadata: format, key, keying and the rows' structure
+# The key of the CRC-32 of that metadata and the column names: Parquet's page checksums cover the pages, not the footer
+# that holds them, so a flipped byte there would otherwise refuse the whole store (another key, a missing column) or
+# fail to parse, where a damaged page sets its shard aside.
+CHECK = b"dynabatch.crc32"
 WRITE_ATTEMPTS = 5  # tries of a shard write that fails (a full disk, an I/O error) before the error is raised,
 RETRY_SECONDS = 0.5  # the wait before the second, doubled before each later one (7.5 s in all)
 FAILED = "_failed"  # the folder of failure records: readers of the store's folder (pyarrow.dataset) skip it
@@ -45,6 +51,25 @@ _LASTING = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR,
 def shard_name(writer: str, first: int, last: int | None = None) -> str:
     """The file name of ``writer``'s shard ``first`` (merged up to ``last``)."""
     return f"part-{writer}-{first:05d}{'' if last is None or last == first else f'-{last:05d}'}.parquet"
+
+
+class TornFooter(ValueError):
+    """A shard's footer (its schema and metadata, which no page checksum covers) is damaged: set aside as torn."""
+
+
+def footer_check(meta: bytes, names: list[str]) -> bytes:
+    """The :data:`CHECK` value of a shard whose :data:`META` is ``meta`` and whose columns are ``names``."""
+    return str(zlib.crc32(b"\0".join([meta, *(name.encode() for name in names)]))).encode()
+
+
+def checked_meta(metadata: dict[bytes, bytes] | None, names: list[str]) -> bytes | None:
+    """A shard's :data:`META` (``None``: a Parquet file dynabatch did not write), verified against its :data:`CHECK`
+    where it has one (shards written before it have none); raises :class:`TornFooter` where they disagree."""
+    metadata = metadata or {}
+    meta, check = metadata.get(META), metadata.get(CHECK)
+    if check is not None and (meta is None or footer_check(meta, names) != check):
+        raise TornFooter(f"its footer fails its checksum ({CHECK.decode()})")
+    return meta
 
 
 def is_shard(name: str) -> bool:

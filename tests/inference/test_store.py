@@ -345,6 +345,28 @@ def test_what_is_not_a_store_is_refused(tmp_path):
         open_store(tmp_path, key="k")
 
 
+@pytest.mark.parametrize("damage", [b'"key": "k"', b'"format"', b"position"])  # another key, not JSON, no key column
+def test_a_shard_whose_footer_has_a_flipped_byte_is_set_aside_not_refusing_the_store(tmp_path, caplog, damage):
+    import base64
+    import re
+
+    _write(tmp_path, [torch.ones(3)] * 2).close()
+    shard = next(tmp_path.glob("part-*.parquet"))
+    data = shard.read_bytes()
+    # The schema and metadata readers take are the footer's ARROW:schema (base64), which no page checksum covers.
+    at = data.index(b"ARROW:schema")  # then the base64 of an IPC message, which starts with its continuation marker
+    encoded = re.compile(rb"/////[A-Za-z0-9+/]*=*").search(data, at).group()
+    schema = bytearray(base64.b64decode(encoded))
+    schema[schema.index(damage) + len(damage) - 2] ^= 0x01
+    flipped = base64.b64encode(bytes(schema))
+    assert len(flipped) == len(encoded)
+    shard.write_bytes(data.replace(encoded, flipped))
+    store = open_store(tmp_path, key="k", n=2)
+    assert not store.done.any()  # its rows run again, not a refusal naming another key, nor a KeyError
+    assert (tmp_path / f".torn-{shard.name}.torn").exists() and f"{shard.name} cannot be read" in caplog.text
+    store.close()
+
+
 # --- failure records, commits that never drop rows, early commits, merged shards -----------------------------------
 
 
