@@ -47,8 +47,9 @@ from dynabatch._malloc import trim
 from dynabatch._validation import bad_value, first_few
 from dynabatch.inference.columns import Columns, same_field, widen
 from dynabatch.inference.store_lock import PREFIX, JobLock, StoreBusyError
-from dynabatch.inference.store_shards import (CHECK, FAILED, FORMAT, META, SET_ASIDE, TEMPORARY, TornFooter, checked_meta,
-                                              covered, footer_check, is_dead, is_shard, read_whole, remove, write_whole)
+from dynabatch.inference.store_shards import (CHECK, FAILED, FORMAT, MERGING, META, SET_ASIDE, TEMPORARY, TornFooter,
+                                              checked_meta, covered, footer_check, is_dead, is_shard, merged_name,
+                                              read_whole, remove, rename, write_whole)
 from dynabatch.inference.store_writer import StoreWriter
 
 __all__ = ["FAILED", "FORMAT", "META", "Located", "Store", "StoreBusyError", "StoreWriter", "open_store"]
@@ -123,7 +124,7 @@ class Store:
         """Indexes the shards and failure records not seen yet."""
         with self._lock:
             names = sorted(os.listdir(self.path))
-            ours = (TEMPORARY, SET_ASIDE, PREFIX)
+            ours = (TEMPORARY, MERGING, SET_ASIDE, PREFIX)
             foreign = [n for n in names if not (is_shard(n) or n == FAILED or n.startswith(ours))]
             if foreign:
                 raise ValueError(f"output_path should be a new or empty directory, or a dynabatch results store, but "
@@ -137,6 +138,12 @@ class Store:
 
     def _index(self, folder: str, names: list[str], index: dict, verify: bool) -> None:
         """Brings ``index`` (shards or failure records, by file) up to the files of ``folder``."""
+        finished = [n for n in names if self.lock.held and is_dead(n, MERGING)]
+        for name in finished:  # a killed writer's merged shard, hidden while its parts were removed: it holds their rows
+            logger.warning("output_path=%r: renaming %s to %s, a merge a killed run did not finish", self.path, name,
+                           merged_name(name))
+            rename(os.path.join(folder, name), merged_name(name))
+        names = sorted(os.listdir(folder)) if finished else names
         merged = covered(names) if self.lock.held else set()
         for name in names:
             why = "a shard a killed run did not finish" if is_dead(name) else \

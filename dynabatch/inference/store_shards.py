@@ -26,9 +26,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-__all__ = ["CHECK", "FAILED", "FORMAT", "HOST", "META", "RETRY_SECONDS", "SET_ASIDE", "TEMPORARY", "WRITE_ATTEMPTS",
-           "TornFooter", "checked_meta", "covered", "footer_check", "gone", "is_dead", "is_shard", "read_whole", "remove",
-           "shard_name", "write_whole"]
+__all__ = ["CHECK", "FAILED", "FORMAT", "HOST", "MERGING", "META", "RETRY_SECONDS", "SET_ASIDE", "TEMPORARY",
+           "WRITE_ATTEMPTS", "TornFooter", "checked_meta", "covered", "footer_check", "gone", "is_dead",
+           "is_shard", "merged_name", "merging_name", "read_whole", "remove", "rename", "shard_name", "write_whole"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,9 @@ WRITE_ATTEMPTS = 5  # tries of a shard write that fails (a full disk, an I/O err
 RETRY_SECONDS = 0.5  # the wait before the second, doubled before each later one (7.5 s in all)
 FAILED = "_failed"  # the folder of failure records: readers of the store's folder (pyarrow.dataset) skip it
 TEMPORARY = ".tmp-"  # a shard being written: .tmp-<host>-<pid>-<shard>.tmp, renamed into place once whole
+# A merged shard while its parts are removed: .merge-<host>-<pid>-<shard>.merge, renamed into place after, so that a
+# reader of the folder never reads a row both in its part and in the merged shard (it may miss them meanwhile).
+MERGING = ".merge-"
 SET_ASIDE = ".torn-"  # a shard that cannot be read: .torn-<shard>.torn, kept until its rows are stored again
 HOST = socket.gethostname().replace("-", "_").replace(".", "_")
 _SHARD = re.compile(r"part-(?P<writer>[\w.]+)-(?P<first>\d+)(?:-(?P<last>\d+))?\.parquet")  # -<last>: merged
@@ -89,6 +92,13 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def rename(file: str, name: str) -> None:
+    """Renames ``file`` to ``name`` in its folder, the rename fsynced so that it survives a crash."""
+    folder = os.path.dirname(file)
+    os.replace(file, os.path.join(folder, name))
+    _fsync(folder)
+
+
 def gone(pid: int) -> bool:
     """Whether no process ``pid`` runs on this machine (another user's process runs)."""
     try:
@@ -100,10 +110,21 @@ def gone(pid: int) -> bool:
     return False
 
 
-def is_dead(name: str) -> bool:
-    """Whether ``name`` is the temporary shard of a killed writer on this host (``.tmp-<host>-<pid>-...``)."""
-    pid = name.split("-", 3)[2] if name.startswith(f"{TEMPORARY}{HOST}-") and name.count("-") >= 3 else ""
+def is_dead(name: str, prefix: str = TEMPORARY) -> bool:
+    """Whether ``name`` is the temporary shard (``prefix``: or merged shard, :data:`MERGING`) of a killed writer on this
+    host (``<prefix><host>-<pid>-...``)."""
+    pid = name.split("-", 3)[2] if name.startswith(f"{prefix}{HOST}-") and name.count("-") >= 3 else ""
     return pid.isdigit() and gone(int(pid))
+
+
+def merging_name(shard: str) -> str:
+    """The hidden name of merged ``shard`` while this process removes its parts."""
+    return f"{MERGING}{HOST}-{os.getpid()}-{shard}.merge"
+
+
+def merged_name(name: str) -> str:
+    """The shard name of a merged shard's hidden name (:func:`merging_name`)."""
+    return name.split("-", 3)[3].removesuffix(".merge")
 
 
 def write_whole(folder: str, name: str, table: pa.Table, **options: Any) -> None:

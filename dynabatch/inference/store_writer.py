@@ -25,7 +25,8 @@ import pyarrow as pa
 from dynabatch._background import Worker
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_value
-from dynabatch.inference.store_shards import FAILED, read_whole, remove, shard_name, write_whole
+from dynabatch.inference.store_shards import (FAILED, merged_name, merging_name, read_whole, remove, rename, shard_name,
+                                              write_whole)
 
 __all__ = ["COMMIT", "NONE_ROW", "CommitPolicy", "StoreWriter"]
 
@@ -220,15 +221,20 @@ class StoreWriter:
             del spans[-compact:]
             first, last, size = merging[0][0], merging[-1][1], sum(span[2] for span in merging)
             parts = [shard_name(self.name, a, b) for a, b, _, _ in merging]
+            merged = shard_name(self.name, first, last)
             try:
-                for folder in (self.store.path, os.path.join(self.store.path, FAILED)):
-                    self._merge(folder, parts, shard_name(self.name, first, last))
+                written = [self._merge(folder, parts, merged)
+                           for folder in (self.store.path, os.path.join(self.store.path, FAILED))]
             except OSError as exc:  # the small shards hold every row still: a slower store to open, nothing lost
                 logger.warning("output_path=%r: merging %d small shards failed (%s); they stay as they are",
                                self.store.path, len(parts), exc)
                 spans.clear()
                 return
+            # The merged shards are hidden until their parts are gone: a reader of the folder meanwhile misses these
+            # rows rather than reading them twice. A crash between: the next open on this host renames them in place.
             self._remove(parts)
+            for hidden in filter(None, written):
+                rename(hidden, merged_name(os.path.basename(hidden)))
             spans.append((first, last, size, merging[0][3] + 1))
         if size >= self.policy.bytes:  # a full shard: the older, smaller ones merge no more
             spans.clear()
@@ -239,10 +245,13 @@ class StoreWriter:
             for name in parts:
                 remove(os.path.join(folder, name))
 
-    def _merge(self, folder: str, parts: list[str], merged: str) -> None:
-        """Writes the ``parts`` of ``folder`` that exist as one file ``merged`` (rows cast to the store's fields)."""
+    def _merge(self, folder: str, parts: list[str], merged: str) -> str | None:
+        """Writes the ``parts`` of ``folder`` that exist as one file ``merged`` (rows cast to the store's fields), under
+        its hidden name (:func:`merging_name`), which it returns (``None``: no part existed)."""
         files = [os.path.join(folder, p) for p in parts]
         tables = [read_whole(file) for file in files if os.path.exists(file)]
-        if tables:
-            schema = self.store.retyped(tables[0].schema) if folder == self.store.path else tables[0].schema
-            write_whole(folder, merged, pa.concat_tables([t.cast(schema) for t in tables]))
+        if not tables:
+            return None
+        schema = self.store.retyped(tables[0].schema) if folder == self.store.path else tables[0].schema
+        write_whole(folder, merging_name(merged), pa.concat_tables([t.cast(schema) for t in tables]))
+        return os.path.join(folder, merging_name(merged))

@@ -512,6 +512,42 @@ def test_small_shards_are_merged_and_a_crash_between_steps_leaves_each_row_once(
     assert [float(r[0]) for r in StoredRunResult(reopened.located(6))] == [0, 1, 2, 3, 4, 5]
 
 
+def test_a_reader_during_a_merge_reads_no_row_twice_and_a_merge_a_kill_cut_short_is_finished(tmp_path, monkeypatch):
+    import os
+
+    import pyarrow.dataset as ds
+
+    from dynabatch.inference import store_writer
+
+    monkeypatch.setattr("dynabatch.inference.store_writer.COMMIT", CommitPolicy(rows=1, compact=4))  # shard per row
+    seen, remove = [], store_writer.StoreWriter._remove
+
+    def crashing(self, parts):  # a reader looks just before the parts go; then a kill after the first two went
+        seen.append(ds.dataset(tmp_path).to_table().column("position").to_pylist())
+        remove(self, parts[:2])
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(store_writer.StoreWriter, "_remove", crashing)
+    store = open_store(tmp_path, key="k", n=4)
+    writer = store.writer("0")
+    for p in range(4):
+        writer.write(np.array([p]), [torch.full((2,), float(p))], _hashes(1, salt=p))
+    with pytest.raises(RuntimeError, match="killed"):
+        writer.close()
+    store.close()
+    monkeypatch.undo()
+    assert seen == [[0, 1, 2, 3]]  # the merged shard of 0-3 not read beside its parts
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (hidden,) = tmp_path.glob(".merge-*")  # the killed writer's: its pid no longer runs
+    hidden.rename(tmp_path / hidden.name.replace(f"-{os.getpid()}-", f"-{dead.pid}-"))
+    assert sorted(ds.dataset(tmp_path).to_table().column("position").to_pylist()) == [2, 3]  # the merged one hidden
+    reopened = open_store(tmp_path, key="k", n=4)  # renamed in place, the parts it holds removed: each row once
+    assert reopened.done.all() and not list(tmp_path.glob(".merge-*"))
+    assert sorted(ds.dataset(tmp_path).to_table().column("position").to_pylist()) == list(range(4))
+    assert [float(r[0]) for r in StoredRunResult(reopened.located(4))] == [0, 1, 2, 3]
+
+
 def test_a_shard_committed_full_is_never_merged_however_small_its_file(tmp_path, monkeypatch):
     # Zeros compress to a Parquet file a small fraction of their 64 KiB of Arrow data: judged by the file, every shard
     # would read as small and be merged (16 at a time in a real run: their whole data read back and written again).
