@@ -48,8 +48,8 @@ from dynabatch._validation import bad_value, first_few
 from dynabatch.inference.columns import Columns, same_field, widen
 from dynabatch.inference.store_lock import PREFIX, JobLock, StoreBusyError
 from dynabatch.inference.store_shards import (CHECK, FAILED, FORMAT, MERGING, META, SET_ASIDE, TEMPORARY, TornFooter,
-                                              checked_meta, covered, footer_check, is_dead, is_shard, merged_name,
-                                              read_whole, remove, rename, write_whole)
+                                              checked_meta, covered, footer_check, is_dead, is_shard, later_shard,
+                                              merged_name, read_whole, remove, rename, write_whole)
 from dynabatch.inference.store_writer import StoreWriter
 
 __all__ = ["FAILED", "FORMAT", "META", "Located", "Store", "StoreBusyError", "StoreWriter", "open_store"]
@@ -140,6 +140,12 @@ class Store:
         """Brings ``index`` (shards or failure records, by file) up to the files of ``folder``."""
         finished = [n for n in names if self.lock.held and is_dead(n, MERGING)]
         for name in finished:  # a killed writer's merged shard, hidden while its parts were removed: it holds their rows
+            later = later_shard(merged_name(name), names)
+            if later is not None:  # a run since ran the removed parts' rows again: renamed now, they would be twice
+                logger.warning("output_path=%r: removing %s, a merge a killed run did not finish, whose rows a later "
+                               "run (%s) ran again", self.path, name, later)
+                remove(os.path.join(folder, name))
+                continue
             logger.warning("output_path=%r: renaming %s to %s, a merge a killed run did not finish", self.path, name,
                            merged_name(name))
             rename(os.path.join(folder, name), merged_name(name))

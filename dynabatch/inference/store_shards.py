@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 __all__ = ["CHECK", "FAILED", "FORMAT", "HOST", "MERGING", "META", "RETRY_SECONDS", "SET_ASIDE", "TEMPORARY",
            "WRITE_ATTEMPTS", "TornFooter", "checked_meta", "covered", "footer_check", "gone", "is_dead",
-           "is_shard", "merged_name", "merging_name", "read_whole", "remove", "rename", "shard_name", "write_whole"]
+           "is_shard", "later_shard", "merged_name", "merging_name", "read_whole", "remove", "rename", "shard_name", "write_whole"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ MERGING = ".merge-"
 SET_ASIDE = ".torn-"  # a shard that cannot be read: .torn-<shard>.torn, kept until its rows are stored again
 HOST = socket.gethostname().replace("-", "_").replace(".", "_")
 _SHARD = re.compile(r"part-(?P<writer>[\w.]+)-(?P<first>\d+)(?:-(?P<last>\d+))?\.parquet")  # -<last>: merged
+_RUN = re.compile(r"\d{8}T\d{12}")  # the time a writer's run opened the store, first in its name
 _LASTING = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG)
 
 
@@ -125,6 +126,17 @@ def merging_name(shard: str) -> str:
 def merged_name(name: str) -> str:
     """The shard name of a merged shard's hidden name (:func:`merging_name`)."""
     return name.split("-", 3)[3].removesuffix(".merge")
+
+
+def later_shard(shard: str, names: Collection[str]) -> str | None:
+    """A shard among ``names`` of a run that opened the store after ``shard``'s (``None``: none, or not known): its
+    writer names start with the run's time (``Store.run``)."""
+    match = _SHARD.fullmatch(shard)
+    run = _RUN.match(match["writer"]) if match else None
+    if run is None:
+        return None
+    return next((n for n in names if (m := _SHARD.fullmatch(n)) and (r := _RUN.match(m["writer"])) and
+                 r[0] > run[0]), None)
 
 
 def write_whole(folder: str, name: str, table: pa.Table, **options: Any) -> None:

@@ -512,7 +512,9 @@ def test_small_shards_are_merged_and_a_crash_between_steps_leaves_each_row_once(
     assert [float(r[0]) for r in StoredRunResult(reopened.located(6))] == [0, 1, 2, 3, 4, 5]
 
 
-def test_a_reader_during_a_merge_reads_no_row_twice_and_a_merge_a_kill_cut_short_is_finished(tmp_path, monkeypatch):
+@pytest.mark.parametrize("later_run", [False, True])
+def test_a_reader_during_a_merge_reads_no_row_twice_and_a_merge_a_kill_cut_short_is_finished(tmp_path, monkeypatch,
+                                                                                               caplog, later_run):
     import os
 
     import pyarrow.dataset as ds
@@ -542,6 +544,16 @@ def test_a_reader_during_a_merge_reads_no_row_twice_and_a_merge_a_kill_cut_short
     (hidden,) = tmp_path.glob(".merge-*")  # the killed writer's: its pid no longer runs
     hidden.rename(tmp_path / hidden.name.replace(f"-{os.getpid()}-", f"-{dead.pid}-"))
     assert sorted(ds.dataset(tmp_path).to_table().column("position").to_pylist()) == [2, 3]  # the merged one hidden
+    if later_run:  # a run on another host (the killed writer's lies on this one) ran 0 and 1 again since
+        (elsewhere,) = tmp_path.glob(".merge-*")
+        away = elsewhere.rename(tmp_path / elsewhere.name.replace(f".merge-{HOST}-", ".merge-elsewhere-"))
+        _write(tmp_path, [torch.zeros(2)] * 2, positions=[0, 1], n=4).close()
+        away.rename(elsewhere)  # opened on its host again: it would hold 0 and 1 a second time
+        reopened = open_store(tmp_path, key="k", n=4)
+        assert not list(tmp_path.glob(".merge-*")) and f"{elsewhere.name}, a merge a killed run" in caplog.text
+        assert sorted(ds.dataset(tmp_path).to_table().column("position").to_pylist()) == list(range(4))
+        assert [float(r[0]) for r in StoredRunResult(reopened.located(4))] == [0, 0, 2, 3]
+        return
     reopened = open_store(tmp_path, key="k", n=4)  # renamed in place, the parts it holds removed: each row once
     assert reopened.done.all() and not list(tmp_path.glob(".merge-*"))
     assert sorted(ds.dataset(tmp_path).to_table().column("position").to_pylist()) == list(range(4))
