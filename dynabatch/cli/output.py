@@ -108,7 +108,8 @@ def _foreign(path: str) -> list[str]:
     from dynabatch.inference.store_shards import FAILED, MERGING, SET_ASIDE, TEMPORARY, is_shard
 
     names = sorted(os.listdir(path)) if os.path.isdir(path) else []
-    return [n for n in names if not (is_shard(n) or n == FAILED or n.startswith((TEMPORARY, MERGING, SET_ASIDE, PREFIX)))]
+    ours = (TEMPORARY, MERGING, SET_ASIDE, PREFIX)
+    return [n for n in names if not (is_shard(n) or n == FAILED or n.startswith(ours))]
 
 
 def _store_around(path: str) -> str | None:

@@ -139,7 +139,7 @@ class Store:
     def _index(self, folder: str, names: list[str], index: dict, verify: bool) -> None:
         """Brings ``index`` (shards or failure records, by file) up to the files of ``folder``."""
         finished = [n for n in names if self.lock.held and is_dead(n, MERGING)]
-        for name in finished:  # a killed writer's merged shard, hidden while its parts were removed: it holds their rows
+        for name in finished:  # a killed writer's merged shard, hidden while its parts were removed: holds their rows
             later = later_shard(merged_name(name), names)
             if later is not None:  # a run since ran the removed parts' rows again: renamed now, they would be twice
                 logger.warning("output_path=%r: removing %s, a merge a killed run did not finish, whose rows a later "

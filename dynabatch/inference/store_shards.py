@@ -27,8 +27,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 __all__ = ["CHECK", "FAILED", "FORMAT", "HOST", "MERGING", "META", "RETRY_SECONDS", "SET_ASIDE", "TEMPORARY",
-           "WRITE_ATTEMPTS", "TornFooter", "checked_meta", "covered", "footer_check", "gone", "is_dead",
-           "is_shard", "later_shard", "merged_name", "merging_name", "read_whole", "remove", "rename", "shard_name", "write_whole"]
+           "WRITE_ATTEMPTS", "TornFooter", "checked_meta", "covered", "footer_check", "gone", "is_dead", "is_shard",
+           "later_shard", "merged_name", "merging_name", "read_whole", "remove", "rename", "shard_name", "write_whole"]
 
 logger = logging.getLogger(__name__)
 
