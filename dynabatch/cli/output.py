@@ -104,12 +104,9 @@ def _stored(path: str) -> tuple[dict, Any]:
 def _foreign(path: str) -> list[str]:
     """The entries of the folder ``path`` that are no store's (the store's rule: shards, failure records, its
     temporaries and job locks are its own), sorted; none where it is missing."""
-    from dynabatch.inference.store_lock import PREFIX
-    from dynabatch.inference.store_shards import FAILED, MERGING, SET_ASIDE, TEMPORARY, is_shard
+    from dynabatch.inference.store import foreign_entries
 
-    names = sorted(os.listdir(path)) if os.path.isdir(path) else []
-    ours = (TEMPORARY, MERGING, SET_ASIDE, PREFIX)
-    return [n for n in names if not (is_shard(n) or n == FAILED or n.startswith(ours))]
+    return foreign_entries(sorted(os.listdir(path))) if os.path.isdir(path) else []
 
 
 def _store_around(path: str) -> str | None:

@@ -52,9 +52,17 @@ from dynabatch.inference.store_shards import (CHECK, FAILED, FORMAT, MERGING, ME
                                               merged_name, read_whole, remove, rename, write_whole)
 from dynabatch.inference.store_writer import StoreWriter
 
-__all__ = ["FAILED", "FORMAT", "META", "Located", "Store", "StoreBusyError", "StoreWriter", "open_store"]
+__all__ = ["FAILED", "FORMAT", "META", "Located", "Store", "StoreBusyError", "StoreWriter", "foreign_entries",
+           "open_store"]
 
 logger = logging.getLogger(__name__)
+
+
+def foreign_entries(names: list[str]) -> list[str]:
+    """The entries of a store's folder (``names``) that are not the store's own: its shards, failure records,
+    temporaries, merges in progress, torn shards set aside and job locks are."""
+    ours = (TEMPORARY, MERGING, SET_ASIDE, PREFIX)
+    return [n for n in names if not (is_shard(n) or n == FAILED or n.startswith(ours))]
 
 
 def _key(key: str | None) -> str:
@@ -124,9 +132,7 @@ class Store:
         """Indexes the shards and failure records not seen yet."""
         with self._lock:
             names = sorted(os.listdir(self.path))
-            ours = (TEMPORARY, MERGING, SET_ASIDE, PREFIX)
-            foreign = [n for n in names if not (is_shard(n) or n == FAILED or n.startswith(ours))]
-            if foreign:
+            if foreign := foreign_entries(names):
                 raise ValueError(f"output_path should be a new or empty directory, or a dynabatch results store, but "
                                  f"got output_path={self.path!r} holding {len(foreign)} other entries "
                                  f"({first_few(foreign)}); use another directory")

@@ -148,8 +148,7 @@ def write_whole(folder: str, name: str, table: pa.Table, **options: Any) -> None
         try:
             pq.write_table(table, temp, write_page_checksum=True, use_dictionary=dictionary, **options)
             _fsync(temp)
-            os.replace(temp, final)
-            _fsync(folder)  # the rename survives a crash
+            rename(temp, name)
             return
         except OSError as exc:
             with contextlib.suppress(OSError):
