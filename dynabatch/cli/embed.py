@@ -192,7 +192,7 @@ def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) 
     (:func:`~dynabatch.integrations.sentence_transformers.corpus_embedder`'s checks); ``--max-length``, or the max
     length sentence-transformers runs the folder at (``st``: it as :func:`_sentence_transformer` read it), refused
     above its positions. Returns that length and the model's own tokenization at it (the run's loader's)."""
-    from dynabatch.integrations.sentence_transformers import corpus_embedder
+    from dynabatch.integrations.sentence_transformers import corpus_embedder, resolve_prompt
     from dynabatch.memory.calibrate import check_positions
     from dynabatch.memory.shape import position_limit
 
@@ -209,7 +209,8 @@ def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) 
     added = len(next(iter(tokenizer([""]).values()))[0])
     length = args.max_length if args.max_length is not None else st.max_seq_length
     if length is not None and length <= added:
-        what = "its special tokens and the prompt" if _prompt_of(st, args) else "its special tokens"
+        prompt = resolve_prompt(st, args.prompt, args.prompt_name)
+        what = "its special tokens and the prompt" if prompt else "its special tokens"
         if args.max_length is not None:
             raise bad_value("--max-length", f"at least {added + 1} (the model's tokenization adds {added} tokens to "
                             f"every text: {what})", args.max_length)
@@ -231,14 +232,6 @@ def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) 
                         "folder is above the model's positions", None) from exc
     st.max_seq_length = length
     return length, corpus_embedder(st, prompt_name=args.prompt_name, prompt=args.prompt)[0]
-
-
-def _prompt_of(st: Any, args: argparse.Namespace) -> str | None:
-    """The prompt the run prepends (``--prompt``, ``--prompt-name``'s, else the model's default), as ``encode``."""
-    if args.prompt is not None:
-        return args.prompt
-    name = args.prompt_name if args.prompt_name is not None else st.default_prompt_name
-    return st.prompts.get(name) if name is not None else None
 
 
 def _max_length(args: argparse.Namespace, config: Any, folder: str, tokenizer: Any) -> int:

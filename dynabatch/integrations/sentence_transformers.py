@@ -59,7 +59,7 @@ from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.runner import run
 from dynabatch.memory.shape import position_limit
 
-__all__ = ["corpus_embedder", "encode", "make_dynamic"]
+__all__ = ["corpus_embedder", "encode", "make_dynamic", "resolve_prompt"]
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def _as_inputs(model: Any, sentences: Any) -> tuple[list[Any], bool]:
     return (sentences if isinstance(sentences, list) else list(sentences)), False
 
 
-def _resolve_prompt(model: Any, prompt: str | None, prompt_name: str | None) -> str | None:
+def resolve_prompt(model: Any, prompt: str | None, prompt_name: str | None) -> str | None:
     """The prompt as ``model.encode`` resolves it (``prompt``, else ``prompts[prompt_name]``, else the default)."""
     if prompt is not None:
         return prompt
@@ -329,7 +329,7 @@ def corpus_embedder(model: Any, *, prompt_name: str | None = None, prompt: str |
     if reason is not None:
         raise ValueError(f"model should run its inputs on dynamic batches, but {reason}: call model.encode for it")
     limit, cut = _length_limit(model)
-    preprocessor = _Preprocessor(model, _resolve_prompt(model, prompt, prompt_name), cut, {})
+    preprocessor = _Preprocessor(model, resolve_prompt(model, prompt, prompt_name), cut, {})
     constants = preprocessor.constants  # what every batch shares (prompt_length): values, read once
     model.eval()
 
@@ -413,7 +413,7 @@ def encode(
     model.eval()
     truncate_dim = truncate_dim if truncate_dim is not None else model.truncate_dim
     progress = _show_progress(show_progress_bar)
-    rows = _run_rows(model, inputs, _resolve_prompt(model, prompt, prompt_name), batch_size, output_value,
+    rows = _run_rows(model, inputs, resolve_prompt(model, prompt, prompt_name), batch_size, output_value,
                      normalize_embeddings, truncate_dim, target,
                      progress, {"on_oom": on_oom, "memory": memory}, kwargs, devices)
     if output_value != "sentence_embedding":
