@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
-from dynabatch.data.tokenization import TokenizedTexts
+from dynabatch.data.tokenization import TokenizedTexts, bad_input_error, log_skipped
 
 __all__ = ["are_token_ids", "split_bad_rows", "store_token_ids"]
 
@@ -84,14 +84,9 @@ def split_bad_rows(texts: Any, on_bad_input: str = "raise") -> tuple[list, np.nd
     bad = np.flatnonzero(np.fromiter((not _is_id_row(row) for row in rows), dtype=bool, count=len(rows)))
     if bad.size and on_bad_input == "raise":
         first = int(bad[0])
-        shown = ", ".join(map(str, bad[:10].tolist())) + (", ..." if bad.size > 10 else "")
-        raise TypeError(f"{bad_type(f'texts[{first}]', 'a row of int token ids, like the other rows', rows[first])}; "
-                        f"{bad.size} of {len(rows)} rows are not rows of token ids (positions {shown}): clean them, or "
-                        "build the loader with on_bad_input='skip' to skip them (their results are None)")
-    if bad.size:
-        logger.warning("skipping %d of %d rows that are not rows of token ids (positions %s%s): their results are "
-                       "None", bad.size, len(rows), ", ".join(map(str, bad[:10].tolist())),
-                       ", ..." if bad.size > 10 else "")
+        refusal = bad_type(f"texts[{first}]", "a row of int token ids, like the other rows", rows[first])
+        raise bad_input_error(refusal, bad, len(rows), "rows are not rows of token ids")
+    log_skipped(bad, len(rows), "rows that are not rows of token ids")
     for position in bad.tolist():
         rows[position] = []
     return rows, bad

@@ -65,9 +65,10 @@ from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.workers import Pieces, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
 
 __all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "PIECE_TOKENS", "TOKENS_PER_CALL", "TRIM_TOKENS",
-           "ParallelTokenizer", "TokenizedTexts", "accepted_keywords", "as_items", "check_encodable",
-           "check_length_fits", "check_tokenizer", "check_tokenizer_kwargs", "fast_backend", "model_max_length",
-           "plain_text", "report_skipped", "split_bad_texts", "tokenize_texts", "validate_texts"]
+           "ParallelTokenizer", "TokenizedTexts", "accepted_keywords", "as_items", "bad_input_error",
+           "check_encodable", "check_length_fits", "check_tokenizer", "check_tokenizer_kwargs", "fast_backend",
+           "log_skipped", "model_max_length", "plain_text", "report_skipped", "split_bad_texts", "tokenize_texts",
+           "validate_texts"]
 
 logger = logging.getLogger(__name__)
 
@@ -380,9 +381,27 @@ def report_skipped(skipped: np.ndarray, n: int) -> None:
     """Refuses ``n`` texts of which none is a str; logs the positions of the ones skipped (their results are None)."""
     if skipped.size == n:
         raise ValueError(f"texts should hold at least one str, but got {n} texts none of which is a str")
+    log_skipped(skipped, n, "texts that are not str")
+
+
+def _positions(bad: np.ndarray) -> str:
+    """The first :data:`_SHOWN_BAD` of the positions ``bad``, for a message."""
+    return ", ".join(map(str, bad[:_SHOWN_BAD].tolist())) + (", ..." if bad.size > _SHOWN_BAD else "")
+
+
+def log_skipped(skipped: np.ndarray, n: int, what: str) -> None:
+    """Logs the positions of the ``skipped`` of ``n`` inputs (``what`` they are: ``"texts that are not str"``), whose
+    results are None (``on_bad_input="skip"``)."""
     if skipped.size:
-        logger.warning("skipping %d of %d texts that are not str (positions %s%s): their results are None",
-                       skipped.size, n, ", ".join(map(str, skipped[:10].tolist())), ", ..." if skipped.size > 10 else "")
+        logger.warning("skipping %d of %d %s (positions %s): their results are None", skipped.size, n, what,
+                       _positions(skipped))
+
+
+def bad_input_error(refusal: str, bad: np.ndarray, n: int, what: str) -> TypeError:
+    """The refusal of the ``bad`` of ``n`` inputs under ``on_bad_input="raise"``: ``refusal`` (the first one's own),
+    how many there are (``what`` they are: ``"texts are not str"``) and where, and what to do."""
+    return TypeError(f"{refusal}; {bad.size} of {n} {what} (positions {_positions(bad)}): clean them, or build the "
+                     "loader with on_bad_input='skip' to skip them (their results are None)")
 
 
 def validate_texts(texts: Any) -> list[str]:
@@ -402,10 +421,7 @@ def validate_texts(texts: Any) -> list[str]:
     if bad.size:
         raw = as_items(texts)
         first = int(bad[0])
-        shown = ", ".join(str(p) for p in bad[:_SHOWN_BAD].tolist()) + (", ..." if bad.size > _SHOWN_BAD else "")
-        error = bad_type(f"texts[{first}]", "a str", raw[first])
-        raise TypeError(f"{error}; {bad.size} of {len(raw)} texts are not str (positions {shown}): clean them, or "
-                        "build the loader with on_bad_input='skip' to skip them (their results are None)")
+        raise bad_input_error(bad_type(f"texts[{first}]", "a str", raw[first]), bad, len(raw), "texts are not str")
     return items
 
 

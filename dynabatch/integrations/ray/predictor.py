@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int, first_few
+from dynabatch.data.tokenization import split_bad_texts
 from dynabatch.inference.execute import BatchOutOfMemoryError
 from dynabatch.inference.loader import plan_of
 from dynabatch.inference.report import RunReport
@@ -332,9 +333,9 @@ class DynamicBatchPredictor(WindowMemory):
         The loader's own error names its ``texts`` argument and positions, which a ``map_batches`` user never passed:
         this one names what they did pass, and where to find the rows.
         """
-        if self.loader_kwargs.get("on_bad_input") == "skip":
+        if self.loader_kwargs.get("on_bad_input") == "skip" or not texts:
             return
-        bad = [i for i, text in enumerate(texts) if not isinstance(text, str)]
+        bad = split_bad_texts(texts)[1].tolist()  # the loader's own rule, at C speed where every text is a str
         if not bad:
             return
         where = f"window rows {first_few(bad)}"
