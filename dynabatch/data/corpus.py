@@ -366,8 +366,8 @@ class Corpus:
             return
         try:
             self.table = pyarrow.json.read_json(self.path)
-            # pyarrow reads bytes that are not UTF-8 inside a JSON string into the string column as they are: they
-            # failed only when a text was taken, with Python's decode error naming no file and no line
+            # pyarrow reads bytes that are not UTF-8 inside a JSON string into the string column as they are; only
+            # here can they be named by file and line (taking such a text raises Python's decode error, naming neither)
             self.table.validate(full=True)
         except (OSError, pa.ArrowException) as exc:
             fault = _jsonl_fault(self.path, kinds="Column(/" in str(exc)) \

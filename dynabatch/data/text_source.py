@@ -52,8 +52,8 @@ def _check_utf8(strings: Any, where: str, first: int = 0) -> None:
     """Refuses (``ValueError``) an Arrow string array holding bytes that are not UTF-8, naming the first such row
     (``where``: what holds it; ``first``: the array's first row's number there).
 
-    Arrow takes a Parquet, Arrow or ``datasets`` file's string bytes as they are: such a text failed only when it was
-    taken, with Python's decode error naming neither file nor row.
+    Arrow takes a Parquet, Arrow or ``datasets`` file's string bytes as they are; taking such a text raises Python's
+    decode error, which names neither file nor row.
     """
     import pyarrow as pa
 

@@ -124,8 +124,8 @@ def from_dict(cls: type, data: Any) -> Any:
         raise bad_value("data", f"a document with format={FORMAT!r}",
                         data.get("format") if isinstance(data, dict) else data)
     probes = data.get("probes")
-    # save() writes every probe of a fitted model, and the fit is made again from them: a document without
-    # them loaded as an empty model, whose first predict() said to build it with MemoryModel.load
+    # save() writes every probe of a fitted model, and the fit is made again from them: a document without them
+    # would make an empty model, whose first predict() fails
     if not (isinstance(probes, list) and probes and all(
             isinstance(p, dict) and all(k in p for k in _PROBE_FIELDS[:4]) for p in probes)):
         shown = f"<{len(probes)} probes>" if isinstance(probes, list) else probes

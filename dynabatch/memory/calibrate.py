@@ -186,8 +186,8 @@ def calibrate(
     max_probes = check_positive_int("max_probes", max_probes)
     if isinstance(memory_margin, bool) or not isinstance(memory_margin, (int, float)) or not 0 <= memory_margin < 1:
         raise bad_value("memory_margin", "a number in [0, 1)", memory_margin)
-    # finite too: an infinite budget passed this check and was refused only after the base probes had run, as
-    # max_memory (the budget the probes aim at is parsed as one)
+    # finite too: the budget the probes aim at is parsed as a max_memory, which refuses an infinite one only after
+    # the base probes have run
     if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float))
                                      or not (budget_bytes > 0 and math.isfinite(budget_bytes))):
         raise bad_value("budget_bytes", "None or a finite positive number of bytes", budget_bytes)
