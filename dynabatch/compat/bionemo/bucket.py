@@ -353,14 +353,15 @@ class BucketBatchSampler(Sampler[List[int]]):
         Mid-epoch (an iterator of this sampler has started and not finished), the
         state is the epoch's start (generator state and bucket orders) and the
         number of batches yielded so far; otherwise it is the start of the next
-        epoch. With a ``DataLoader`` that prefetches (``num_workers > 0``), set
+        epoch, or, after :meth:`load_state_dict`, the loaded position (so a
+        state saved again before iterating still resumes there). With a ``DataLoader`` that prefetches (``num_workers > 0``), set
         ``"batches_yielded"`` to the number of batches actually consumed. An
         extra of dynabatch's (bionemo has no state); base batch samplers are
         assumed to be deterministic given their index list (as
         ``BatchSampler`` and ``SizeAwareBatchSampler`` are).
         """
-        if self._epoch_start is None:
-            return {"epoch_start": self._snapshot(), "batches_yielded": 0, "num_samples": self.num_samples}
+        if self._epoch_start is None:  # between epochs: the coming one, after the batches a loaded state skips
+            return {"epoch_start": self._snapshot(), "batches_yielded": self._skip, "num_samples": self.num_samples}
         return {"epoch_start": self._epoch_start, "batches_yielded": self._yielded, "num_samples": self.num_samples}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:

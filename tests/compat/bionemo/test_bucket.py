@@ -299,6 +299,23 @@ def test_resume_mid_epoch_loses_and_repeats_nothing(base, stop_after):
     assert list(restored) == list(reference)  # and the epoch after follows as without the interruption
 
 
+def test_state_dict_right_after_load_state_dict_keeps_the_position():
+    """A checkpoint saved after resuming, before iterating, still resumes after the batches already yielded."""
+    reference = _resume_sampler()
+    epochs = [list(reference), list(reference)]
+    sampler = _resume_sampler()
+    list(sampler)
+    it = iter(sampler)
+    seen = [next(it) for _ in range(4)]
+    resumed = _resume_sampler(seed=99)
+    resumed.load_state_dict(sampler.state_dict())
+    state = resumed.state_dict()  # saved again before the resumed epoch starts
+    assert state["batches_yielded"] == 4
+    again = _resume_sampler(seed=98)
+    again.load_state_dict(state)
+    assert seen + list(again) == epochs[1]
+
+
 def test_state_dict_between_epochs_starts_the_next_epoch():
     reference = _resume_sampler()
     epochs = [list(reference), list(reference)]
