@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ from dynabatch._validation import (
     bad_value,
     check_fraction,
     check_lengths,
+    check_non_negative_int,
     check_positive_int,
     check_positive_number,
 )
@@ -61,6 +63,15 @@ logger = logging.getLogger(__name__)
 
 _SIZE_FIELDS = ("length", "seq_length", "num_tokens")
 
+def _size(name: str, value: Any) -> int:
+    """A sample's size from its metadata: a non-negative integer (numpy and 0-d tensor integers too)."""
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise bad_type(name, "a non-negative integer size", value) from None
+    return check_non_negative_int(name, value)
+
+
 def read_task_metadata(dataset: Any, size_field: str | None = None) -> tuple[list[Hashable], np.ndarray]:
     """Task type and size of every sample of ``dataset``.
 
@@ -70,7 +81,8 @@ def read_task_metadata(dataset: Any, size_field: str | None = None) -> tuple[lis
     the sample's ``input_ids``, else 1.
 
     Raises:
-        ValueError: a sample's metadata has no ``task_type`` (its index is named).
+        ValueError: a sample's metadata has no ``task_type``, or a negative size (its index is named).
+        TypeError: a size that is not an integer (a float such as 3.7 is not cut to 3).
     """
     if dataset is None or not hasattr(dataset, "__len__"):
         raise bad_type("dataset", "a sized dataset (or pass task_types= and lengths=)", dataset)
@@ -86,11 +98,11 @@ def read_task_metadata(dataset: Any, size_field: str | None = None) -> tuple[lis
         if size_field is not None:
             if size_field not in meta:
                 raise bad_value(f"{source}({idx})", f"a dict with the size_field {size_field!r}", meta)
-            sizes[idx] = int(meta[size_field])
+            sizes[idx] = _size(f"{source}({idx})[{size_field!r}]", meta[size_field])
             continue
         key = next((k for k in _SIZE_FIELDS if k in meta), None)
         if key is not None:
-            sizes[idx] = int(meta[key])
+            sizes[idx] = _size(f"{source}({idx})[{key!r}]", meta[key])
         elif not has_meta and "input_ids" in meta:
             sizes[idx] = len(meta["input_ids"])
         elif has_meta:

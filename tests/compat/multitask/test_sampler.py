@@ -82,6 +82,14 @@ def test_bad_input_names_argument_and_value(predictor):
     with pytest.raises(ValueError, match=r"dataset.get_sample_metadata\(0\) should be a dict with a 'task_type' key, "
                                          r"but got dataset.get_sample_metadata\(0\)=\{'num_images': 1\}"):
         MemoryAwareBatchSampler(bad, 4, 3000)
+    for size, error, rule in ((3.7, TypeError, "a non-negative integer size"), ("12", TypeError, "a non-negative"),
+                              (-3, ValueError, "a non-negative integer")):  # never cut to 3, nor planned as negative
+        bad.get_sample_metadata = lambda idx, size=size: {"task_type": "T1", "length": size}
+        with pytest.raises(error, match=rf"dataset.get_sample_metadata\(0\)\['length'\] should be {rule}"):
+            MemoryAwareBatchSampler(bad, 4, 3000)
+    bad.get_sample_metadata = lambda idx: {"task_type": "T1", "num_images": 1.5}
+    with pytest.raises(TypeError, match=r"dataset.get_sample_metadata\(0\)\['num_images'\] should be a non-negative"):
+        MemoryAwareBatchSampler(bad, 4, 3000, size_field="num_images")
     unmeasured = MemoryAwareBatchSampler(None, 4, 3000, task_types=["T1", "T9"], lengths=[3, 4], predictor=predictor)
     assert not unmeasured.calibrated  # T9 has no measurement: batches of batch_size, and a warning says why
     with pytest.raises(ValueError, match=r"task_diversity_weight should be a number in \[0, 1\]"):
