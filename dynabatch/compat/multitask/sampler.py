@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,7 @@ import numpy as np
 from dynabatch._validation import (
     bad_type,
     bad_value,
+    check_bool,
     check_fraction,
     check_lengths,
     check_non_negative_int,
@@ -183,6 +184,8 @@ class MemoryAwareBatchSampler(PlannedBatchSampler):
         if task_types is None:
             tasks, sizes = read_task_metadata(dataset, size_field)
         else:
+            if isinstance(task_types, (str, bytes)) or not isinstance(task_types, Iterable):
+                raise bad_type("task_types", "a sequence of task types, one per sample", task_types)
             tasks = list(task_types)
             sizes = np.ones(len(tasks), dtype=np.int64) if lengths is None else check_lengths("lengths", lengths)
             if len(sizes) != len(tasks):
@@ -197,7 +200,7 @@ class MemoryAwareBatchSampler(PlannedBatchSampler):
         if predictor is not None and not isinstance(predictor, MemoryPredictor):
             raise bad_type("predictor", "a MemoryPredictor or None", predictor)
         self.predictor = predictor
-        self.is_training = bool(is_training)
+        self.is_training = check_bool("is_training", is_training)
         unmeasured = [t for t in self.task_names if predictor is None or not predictor.has_measurement(t, is_training)]
         self.calibrated = self.budget is not None and not unmeasured
         self.batch_bytes: BatchBytes | None = None

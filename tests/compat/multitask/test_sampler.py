@@ -90,6 +90,11 @@ def test_bad_input_names_argument_and_value(predictor):
     bad.get_sample_metadata = lambda idx: {"task_type": "T1", "num_images": 1.5}
     with pytest.raises(TypeError, match=r"dataset.get_sample_metadata\(0\)\['num_images'\] should be a non-negative"):
         MemoryAwareBatchSampler(bad, 4, 3000, size_field="num_images")
+    with pytest.raises(TypeError, match=r"task_types should be a sequence of task types, one per sample, but got "
+                                        r"task_types='T1' of type str"):
+        MemoryAwareBatchSampler(None, 4, 3000, task_types="T1")  # not two tasks 'T' and '1'
+    with pytest.raises(TypeError, match=r"is_training should be a bool, but got is_training='no'"):
+        MemoryAwareBatchSampler(data, 4, 3000, is_training="no")  # not read as True
     unmeasured = MemoryAwareBatchSampler(None, 4, 3000, task_types=["T1", "T9"], lengths=[3, 4], predictor=predictor)
     assert not unmeasured.calibrated  # T9 has no measurement: batches of batch_size, and a warning says why
     with pytest.raises(ValueError, match=r"task_diversity_weight should be a number in \[0, 1\]"):
