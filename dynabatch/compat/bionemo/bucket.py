@@ -368,9 +368,14 @@ class BucketBatchSampler(Sampler[List[int]]):
         """Restores a :meth:`state_dict`: the next iterator resumes after its ``batches_yielded`` batches.
 
         Raises:
-            ValueError: the state is of a sampler over other elements or buckets.
+            ValueError: the state is of a sampler over other elements or buckets, or (when the base
+                batch sampler class has ``__len__``) has yielded more batches than an epoch has.
+            TypeError: ``state_dict`` is not a dict (the error is a ValueError too).
         """
-        start = state_dict.get("epoch_start") if isinstance(state_dict, dict) else None
+        if not isinstance(state_dict, dict):
+            raise ArgumentError(f"state_dict should be a dict from BucketBatchSampler.state_dict(), but got "
+                                f"state_dict={described(state_dict)}")
+        start = state_dict.get("epoch_start")
         orders = start.get("bucket_element_indices") if isinstance(start, dict) else None
         mine = [sorted(indices) for indices in self.bucket_element_indices]
         if orders is None or [sorted(o) for o in orders] != mine or state_dict.get("num_samples") != self.num_samples:
@@ -379,6 +384,13 @@ class BucketBatchSampler(Sampler[List[int]]):
         skip = state_dict.get("batches_yielded", 0)
         if isinstance(skip, bool) or not isinstance(skip, numbers.Integral) or skip < 0:
             raise ValueError(f"state_dict['batches_yielded'] should be a non-negative int, but got {skip!r}")
+        try:
+            available = len(self)
+        except TypeError:  # a base batch sampler without __len__ (SizeAwareBatchSampler): unknown until built
+            available = None
+        if available is not None and skip > available:
+            raise ValueError(f"state_dict['batches_yielded'] should be at most {available} (the batches of an "
+                             f"epoch), but got {skip!r}")
         for indices, order in zip(self.bucket_element_indices, orders):
             indices[:] = order  # in place: the base samplers hold these lists
         if start["generator"] is not None:

@@ -335,6 +335,13 @@ def test_load_state_dict_refuses_a_state_of_other_elements():
         other.load_state_dict(state)
     with pytest.raises(ValueError, match="batches_yielded'\\] should be a non-negative int"):
         _resume_sampler().load_state_dict({**state, "batches_yielded": -1})
+    epoch = len(_resume_sampler())
+    with pytest.raises(ValueError, match=rf"batches_yielded'\] should be at most {epoch} \(the batches of an epoch\), "
+                                         rf"but got {epoch + 1}"):
+        _resume_sampler().load_state_dict({**state, "batches_yielded": epoch + 1})  # not an empty epoch
+    with pytest.raises(TypeError, match=r"state_dict should be a dict from BucketBatchSampler.state_dict\(\), but got "
+                                        r"state_dict=\[\] of type list"):
+        _resume_sampler().load_state_dict([])
 
 
 def test_set_epoch_makes_an_epoch_depend_only_on_the_seed_and_the_epoch():
