@@ -44,7 +44,7 @@ from dynabatch._validation import (
     check_positive_int,
 )
 from dynabatch.sampling._ffd_kernels import bins_to_lists, pack, sequential_offsets, shuffle_noise
-from dynabatch.sampling.ffd import NO_LIMIT, check_algorithm, check_fits, pack_arrays
+from dynabatch.sampling.ffd import NO_LIMIT, check_algorithm, check_fits, check_start_method, pack_arrays
 from dynabatch.sampling.multipack import MultipackBatchSampler
 from dynabatch.sampling.ranks import deal
 
@@ -215,6 +215,7 @@ def pack_parallel(
         raise bad_type("safe_mode", "a bool", safe_mode)
     algorithm = check_algorithm(algorithm)
     seed = check_non_negative_int("seed", seed)
+    mp_start_method = check_start_method(mp_start_method)
     check_fits("sequence_lengths", lengths, capacity)
     flat, offsets = pack_arrays(lengths, capacity, group_size, bin_size, processes, mp_start_method,
                                 algorithm=algorithm, seed=seed)

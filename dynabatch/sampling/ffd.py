@@ -32,10 +32,10 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value
+from dynabatch._validation import bad_type, bad_value, check_choice
 from dynabatch.sampling._ffd_kernels import ALGORITHMS, pack, shuffle_noise
 
-__all__ = ["NO_LIMIT", "check_algorithm", "check_fits", "pack_arrays"]
+__all__ = ["NO_LIMIT", "START_METHODS", "check_algorithm", "check_fits", "check_start_method", "pack_arrays"]
 
 LOG = logging.getLogger(__name__)
 
@@ -57,6 +57,20 @@ def check_algorithm(algorithm: Any) -> str:
     if algorithm not in ALGORITHMS:
         raise bad_value("algorithm", rule, algorithm)
     return algorithm
+
+
+START_METHODS = ("fork", "spawn", "forkserver")
+
+
+def check_start_method(mp_start_method: Any) -> str | None:
+    """Returns ``mp_start_method`` if it is ``None`` or a multiprocessing start method's name.
+
+    A name this platform lacks (``"fork"`` on Windows) is accepted here: :func:`pack_arrays` warns and
+    uses the default there; a name no platform has is a typo, refused before any packing.
+    """
+    if mp_start_method is not None:
+        check_choice("mp_start_method", mp_start_method, START_METHODS)
+    return mp_start_method
 
 
 def _pack_chunk(args: tuple[np.ndarray, int, int, int, str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

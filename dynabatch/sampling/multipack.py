@@ -78,7 +78,7 @@ from dynabatch._validation import (
 )
 from dynabatch.sampling._ffd_kernels import bins_to_lists, sequential_offsets
 from dynabatch.sampling.base import PlannedBatchSampler
-from dynabatch.sampling.ffd import check_algorithm, check_fits, pack_arrays
+from dynabatch.sampling.ffd import check_algorithm, check_fits, check_start_method, pack_arrays
 from dynabatch.sampling.ranks import reduce_across_ranks
 from dynabatch.sampling.smart import as_lengths
 
@@ -187,7 +187,7 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
         self.bin_size = check_positive_int("bin_size", bin_size)
         self.num_processes = None if num_processes is None else check_positive_int("num_processes", num_processes)
         self.safe_mode = safe_mode
-        self.mp_start_method = mp_start_method
+        self.mp_start_method = check_start_method(mp_start_method)
         self.algorithm = check_algorithm(kwargs.get("algorithm", "auto"))
         self.oversized = kwargs.get("oversized", "error")
         if self.oversized not in ("error", "truncate"):

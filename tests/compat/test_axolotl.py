@@ -158,3 +158,5 @@ def test_functions_refuse_bad_input():
         pack_group(np.array([3]), 0, 10, 1, 5, algorithm=None)
     with pytest.raises(ValueError, match="seed should be a non-negative integer, but got seed=-1"):
         pack_group(np.array([3]), 0, 10, 1, 5, seed=-1)
+    with pytest.raises(ValueError, match=r"mp_start_method should be one of .*, but got mp_start_method='x'"):
+        pack_parallel(np.array([3, 4]), 10, group_size=1, bin_size=5, num_processes=2, mp_start_method="x")

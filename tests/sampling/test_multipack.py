@@ -237,6 +237,9 @@ def test_oversized_sequence_errors_or_truncates():
         ({"rank": 2, "num_replicas": 2}, ValueError, r"rank should be in \[0, num_replicas=2\), but got rank=2"),
         ({"algorithm": "first-fit"}, ValueError,
          "algorithm should be 'auto', 'ffd' or 'shuffled', but got algorithm='first-fit'"),
+        ({"mp_start_method": "spwan"}, ValueError, r"mp_start_method should be one of \('fork', 'spawn', "
+         r"'forkserver'\), but got mp_start_method='spwan'"),
+        ({"mp_start_method": 1}, TypeError, "mp_start_method should be one of"),
     ],
 )
 def test_bad_input_is_named(kwargs, error, match):
