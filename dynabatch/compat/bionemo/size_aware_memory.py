@@ -64,7 +64,6 @@ import torch
 from dynabatch._validation import bad_type, bad_value, check_lengths, check_positive_int, check_positive_number
 from dynabatch.memory.budget import MemoryBudget
 from dynabatch.memory.model import MemoryModel
-from dynabatch.memory.oom import failed_cap
 
 __all__ = ["MemorySizeof", "bucket_memory_kwargs", "fit_memory_model"]
 
@@ -155,7 +154,9 @@ class MemorySizeof:
     exact. Given a :class:`~dynabatch.memory.budget.MemoryBudget`, its budget,
     margin, padding rule and failed shapes apply: an element at least as wide as
     a shape that ran out of memory costs enough that fewer rows than that shape
-    fit.
+    fit. Likewise where the model predicts more than ``F(L) + r * S(L)`` (beyond
+    the rows it measured it extrapolates conservatively), :meth:`max_total_size`
+    raises the sizes so that no more rows fit than the budget allows at ``L``.
 
     Args:
         memory_model: a fitted :class:`~dynabatch.memory.model.MemoryModel`, or a
@@ -198,12 +199,15 @@ class MemorySizeof:
         self._longest_fixed = float(fixed.max()) if fixed.size else 0.0
         self._per_row = self._sizes(None).tolist()
 
-    def _sizes(self, room: float | None) -> np.ndarray:
-        """Each element's size; with ``room`` (the limit), raised where a failed shape caps the rows below
-        what the bytes alone allow, so no more rows than the cap fit in ``room``."""
+    def _sizes(self, room: float | None, budget_bytes: float = 0.0) -> np.ndarray:
+        """Each element's size; with ``room`` (the limit under ``budget_bytes``), raised where the budget allows
+        fewer rows at its width than the bytes per row alone would (a shape that ran out of memory, or a model
+        that predicts more than ``F + r * S`` beyond the rows it measured), so no more rows than that fit in
+        ``room``."""
         sizes = self._per_row_bytes.copy()
-        if room is not None and self.budget.failed_shapes and sizes.size:
-            cap = failed_cap(self._distinct, self.budget.failed_shapes).astype(np.float64)
+        if room is not None and sizes.size:
+            limit = budget_bytes / (1.0 - self.budget.memory_margin)  # rows_allowed takes the margin off again
+            cap = self.budget.rows_allowed(self._distinct, max_memory=limit).astype(np.float64)
             sizes = np.maximum(sizes, np.where(cap > 0, _size_for_rows(room, cap), np.inf))
         return sizes[self._inverse] if sizes.size else sizes
 
@@ -236,8 +240,7 @@ class MemorySizeof:
         if not room > 0:
             raise bad_value("budget_bytes", f"above the fixed bytes of the longest batch ({self._longest_fixed:.0f})",
                             budget_bytes)
-        if self.budget.failed_shapes:
-            self._per_row = self._sizes(room).tolist()
+        self._per_row = self._sizes(room, budget).tolist()
         return room
 
 

@@ -83,6 +83,21 @@ def test_size_aware_batch_sampler_with_fixed_padding_stays_under_the_budget(mode
     assert all(_peak(len(b) + 1, 64) > budget for b in batches[:-1])  # full batches
 
 
+def test_memory_sizeof_keeps_batches_beyond_the_measured_rows_within_the_budget():
+    # measured up to 4 rows: the model predicts more than F + r * S for many more rows (it extrapolates
+    # conservatively), so the sizes must not let the sum of per-row bytes admit more rows than the budget allows
+    shapes = [(r, n) for r in (1, 2, 4) for n in (8, 16, 32, 64)]
+    mm = fit_memory_model(shapes, [_peak(r, n) for r, n in shapes], device="cpu")
+    budget = 200_000
+    quiet = MemoryBudget(mm, budget, memory_margin=0.0)  # predicts without the model's extrapolation warning
+    allowed = int(quiet.rows_allowed(64))
+    sizeof = MemorySizeof(mm, [64] * 100, padded_length=64)
+    batches = list(SizeAwareBatchSampler(range(100), sizeof, sizeof.max_total_size(budget)))
+    assert [i for b in batches for i in b] == list(range(100))
+    assert max(len(b) for b in batches) == allowed  # full batches of what the budget allows, not more
+    assert all(quiet.predict_at(len(b), 64) <= budget for b in batches)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     lengths=st.lists(st.integers(min_value=1, max_value=64), min_size=1, max_size=60),
