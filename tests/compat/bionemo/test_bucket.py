@@ -316,6 +316,37 @@ def test_state_dict_right_after_load_state_dict_keeps_the_position():
     assert seen + list(again) == epochs[1]
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    values=st.lists(st.integers(min_value=0, max_value=30), min_size=1, max_size=60),
+    batch_sizes=st.lists(st.integers(min_value=1, max_value=6), min_size=3, max_size=3),
+    drop_last=st.booleans(),
+    shuffle=st.booleans(),
+    epoch=st.integers(min_value=0, max_value=3),
+    data=st.data(),
+)
+def test_property_resume_anywhere_and_save_again_gives_exactly_the_rest(values, batch_sizes, drop_last, shuffle,
+                                                                         epoch, data):
+    def make(seed):
+        sampler = _bbs(torch.tensor(values), torch.tensor([0, 8, 20, 31]), batch_sizes=batch_sizes, shuffle=shuffle,
+                       base_batch_sampler_shared_kwargs={"drop_last": drop_last},
+                       generator=torch.Generator().manual_seed(seed))
+        sampler.set_epoch(epoch)
+        return sampler
+
+    full = list(make(1))
+    assert len(full) == len(make(1))
+    stop = data.draw(st.integers(min_value=0, max_value=len(full)))
+    sampler = make(1)
+    it = iter(sampler)
+    seen = [next(it) for _ in range(stop)]
+    resumed = make(2)
+    resumed.load_state_dict(sampler.state_dict())
+    again = make(3)
+    again.load_state_dict(resumed.state_dict())  # saved again before the resumed epoch starts
+    assert seen + list(again) == full
+
+
 def test_state_dict_between_epochs_starts_the_next_epoch():
     reference = _resume_sampler()
     epochs = [list(reference), list(reference)]
