@@ -88,9 +88,14 @@ def render_chats(tokenizer: Any, conversations: Sequence[Any], chat_template_kwa
 
 
 def _setting(model: Any, generate_kwargs: dict[str, Any], name: str) -> Any:
-    """A setting of the call: its argument, else the model's generation config's; ``None`` if unset."""
-    value = generate_kwargs.get(name)
-    return getattr(getattr(model, "generation_config", None), name, None) if value is None else value
+    """A setting of the call, by ``model.generate``'s precedence: its argument, else that of the ``generation_config``
+    it was given, else the model's generation config's; ``None`` if unset."""
+    if generate_kwargs.get(name) is not None:
+        return generate_kwargs[name]
+    for config in (generate_kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+        if getattr(config, name, None) is not None:
+            return getattr(config, name)
+    return None
 
 
 def _new_tokens(model: Any, generate_kwargs: dict[str, Any]) -> int:
@@ -147,7 +152,7 @@ def generation_loader(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any
     no special tokens added to rendered chats (``chat``: the template holds its own)."""
     encoder_decoder = _check_model(model)
     shape = ModelShape.from_model(model, max_new_tokens=_new_tokens(model, generate_kwargs),
-                                  num_beams=generate_kwargs.get("num_beams", 1))
+                                  num_beams=_setting(model, generate_kwargs, "num_beams") or 1)
     options: dict[str, Any] = {"model_shape": shape, **({"add_special_tokens": False} if chat else {})}
     if encoder_decoder or getattr(tokenizer, "padding_side", "left") == "left":
         return tokenizer, options
@@ -162,10 +167,10 @@ def reply_function(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], 
     reply alone (the rules of :mod:`~dynabatch.inference.generation`), decoded unless ``return_ids``;
     ``padding_id``: the batches' pad id, dropped from the end of a row that can end without EOS."""
     encoder_decoder = _check_model(model)
-    returns = check_positive_int("num_return_sequences", generate_kwargs.get("num_return_sequences", 1))
+    returns = check_positive_int("num_return_sequences", _setting(model, generate_kwargs, "num_return_sequences") or 1)
     eos = _setting(model, generate_kwargs, "eos_token_id")  # an int, a list of them or a tensor
     eos_ids = set() if eos is None else {int(e) for e in torch.as_tensor(eos).reshape(-1).tolist()}
-    stops_early = any(generate_kwargs.get(name) is not None for name in _STOPS_WITHOUT_EOS)
+    stops_early = any(_setting(model, generate_kwargs, name) is not None for name in _STOPS_WITHOUT_EOS)
     pad_token_id = padding_id if stops_early else None  # else rows without EOS are whole
 
     def replies(batch: Any) -> PerRow:
@@ -263,9 +268,9 @@ def generate(
     budget = {}  # the relative rule, unless max_memory is an absolute budget on device: planned by the footprint
     if is_absolute(max_memory, device):  # max_length (generate's own limit) counts the prompt too: this errs high
         footprint = Footprint.from_model(
-            model, max_new_tokens=new_tokens or int(_setting(model, {}, "max_length") or 20),
-            num_beams=generate_kwargs.get("num_beams") or 1,
-            num_return_sequences=generate_kwargs.get("num_return_sequences") or 1)
+            model, max_new_tokens=new_tokens or int(_setting(model, generate_kwargs, "max_length") or 20),
+            num_beams=_setting(model, generate_kwargs, "num_beams") or 1,
+            num_return_sequences=_setting(model, generate_kwargs, "num_return_sequences") or 1)
         budget = {"memory_model": footprint, "max_memory": max_memory}
     padder, options = generation_loader(model, tokenizer, generate_kwargs, chat=kind == "chat")
     loader = build_dynamic_batch_dataloader(texts, padder, batch_size, max_input_token_length, num_workers=0,

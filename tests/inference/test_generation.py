@@ -111,6 +111,27 @@ def test_chat_prompts_are_rendered_once_with_one_bos_and_equal_generating_alone(
         assert ids[p] == alone.tolist(), f"chat {p}"
 
 
+def test_a_generation_config_given_sets_eos_and_returns_as_model_generate_reads_it(llama, chat_tokenizer, frequent,
+                                                                                  prompts):
+    # generate_kwargs' generation_config= was not read: replies were cut at the model's EOS (2) instead of its EOS,
+    # and its num_return_sequences=2 failed as a PerRow of twice the batch's rows.
+    from transformers import GenerationConfig
+
+    tok = chat_tokenizer
+    config = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=frequent, pad_token_id=2)
+    ids = dynabatch.generate(llama, tok, prompts[:8], return_ids=True, batch_size=4, generation_config=config,
+                             progress=False)
+    for p, prompt in enumerate(prompts[:8]):
+        inputs = tok(prompt, return_tensors="pt")
+        with torch.no_grad():
+            alone = llama.generate(**inputs, generation_config=config)[0, inputs["input_ids"].shape[1]:]
+        assert ids[p] == alone.tolist(), f"prompt {p}: {prompt!r}"
+    assert any(len(reply) < NEW for reply in ids)  # some ended at the config's EOS
+    beams = GenerationConfig(max_new_tokens=2, do_sample=False, num_beams=2, num_return_sequences=2, pad_token_id=2)
+    replies = dynabatch.generate(llama, tok, prompts[:3], generation_config=beams, progress=False)
+    assert [len(r) for r in replies] == [2, 2, 2] and all(isinstance(r[0], str) for r in replies)
+
+
 def test_pre_tokenized_prompts_are_taken_as_they_are(llama, chat_tokenizer, frequent, prompts):
     tok = chat_tokenizer
     rows = [tok(prompt)["input_ids"] for prompt in prompts]
