@@ -90,18 +90,41 @@ def render_chats(tokenizer: Any, conversations: Sequence[Any], chat_template_kwa
 def _setting(model: Any, generate_kwargs: dict[str, Any], name: str) -> Any:
     """A setting of the call, by ``model.generate``'s precedence: its argument, else that of the ``generation_config``
     it was given, else the model's generation config's; ``None`` if unset."""
+    return _found(model, generate_kwargs, name)[1]
+
+
+def _found(model: Any, generate_kwargs: dict[str, Any], name: str) -> tuple[str, Any]:
+    """``(where, value)`` of :func:`_setting`: ``where`` names it as a message should (``name``,
+    ``generation_config.name`` or ``model.generation_config.name``)."""
     if generate_kwargs.get(name) is not None:
-        return generate_kwargs[name]
-    for config in (generate_kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+        return name, generate_kwargs[name]
+    for where, config in (("generation_config", generate_kwargs.get("generation_config")),
+                          ("model.generation_config", getattr(model, "generation_config", None))):
         if getattr(config, name, None) is not None:
-            return getattr(config, name)
-    return None
+            return f"{where}.{name}", getattr(config, name)
+    return name, None
 
 
-def _new_tokens(model: Any, generate_kwargs: dict[str, Any]) -> int:
-    """The call's ``max_new_tokens``; 0 if unset."""
+_DEFAULT_NEW_TOKENS = 20  # model.generate's when no length is set: max_length 20 past the prompt
+_COUNT_THE_PROMPT = {"max_length": "max_new_tokens", "min_length": "min_new_tokens"}  # each, and its per-reply twin
+
+
+def _new_tokens(model: Any, generate_kwargs: dict[str, Any], encoder_decoder: bool) -> int:
+    """The call's ``max_new_tokens``: unset, ``generate``'s default on a decoder-only model, else 0.
+
+    A decoder-only model's ``max_length`` and ``min_length`` count the prompt, which a batch pads to its longest
+    row: a reply's length would depend on its batch, so either, unless its ``*_new_tokens`` twin is set, is refused.
+    """
+    for total, new in () if encoder_decoder else _COUNT_THE_PROMPT.items():  # a decoder's counts its own tokens
+        where, value = _found(model, generate_kwargs, total)
+        if value and _setting(model, generate_kwargs, new) is None:
+            raise bad_value(where, f"unset on a decoder-only model unless {new} is set: it counts the prompt, "
+                            "which a batch pads to its longest row, so a reply's length would depend on its batch "
+                            f"(give {new}, the tokens of each reply)", value)
     value = _setting(model, generate_kwargs, "max_new_tokens")
-    return 0 if value is None else check_positive_int("max_new_tokens", value)
+    if value is not None:
+        return check_positive_int("max_new_tokens", value)
+    return 0 if encoder_decoder else _DEFAULT_NEW_TOKENS
 
 
 def _default_limit(model: Any, tokenizer: Any, new_tokens: int, encoder_decoder: bool) -> int:
@@ -151,7 +174,7 @@ def generation_loader(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any
     padding on the left for a decoder-only model) and its keywords: the model's shape through the new tokens, and
     no special tokens added to rendered chats (``chat``: the template holds its own)."""
     encoder_decoder = _check_model(model)
-    shape = ModelShape.from_model(model, max_new_tokens=_new_tokens(model, generate_kwargs),
+    shape = ModelShape.from_model(model, max_new_tokens=_new_tokens(model, generate_kwargs, encoder_decoder),
                                   num_beams=_setting(model, generate_kwargs, "num_beams") or 1)
     options: dict[str, Any] = {"model_shape": shape, **({"add_special_tokens": False} if chat else {})}
     if encoder_decoder or getattr(tokenizer, "padding_side", "left") == "left":
@@ -234,7 +257,7 @@ def generate(
             refined by measured peaks), read on ``device`` as the call starts: ``"auto"`` (90% of a GPU's free memory,
             the relative rule on the CPU), ``"80%"``, ``"20GB"``, ``"20GiB"`` or bytes; ``None``: the relative rule.
         max_input_token_length: prompts are truncated to it; ``None``: the smaller of the model's positions (less
-            ``max_new_tokens`` on a decoder-only model) and the tokenizer's ``model_max_length``.
+            ``max_new_tokens``, 20 unset, on a decoder-only model) and the tokenizer's ``model_max_length``.
         chat_template_kwargs: more arguments of ``apply_chat_template`` (e.g. ``{"enable_thinking": False}``).
         device: where batches run; ``None``: the model's device.
         ids: one stable id per prompt (str or int, unique; a store keys its rows by them), or ``None``: the loader's.
@@ -249,14 +272,15 @@ def generate(
     Raises:
         TypeError: a model without ``generate``, or prompts of mixed or unknown kinds.
         ValueError: chat prompts with a tokenizer without chat template, a prompt limit (plus the new tokens)
-            above the model's positions, or a prompt of no token.
+            above the model's positions, a prompt of no token, or a decoder-only model's ``max_length`` or
+            ``min_length`` (they count the padded prompt) without ``max_new_tokens`` or ``min_new_tokens``.
     """
     encoder_decoder = _check_model(model)
     check_tokenizer(tokenizer)
     check_max_memory(max_memory)
     kind = _prompt_kind(prompts)
     check_bool("return_ids", return_ids)
-    new_tokens = _new_tokens(model, generate_kwargs)
+    new_tokens = _new_tokens(model, generate_kwargs, encoder_decoder)
     fn = reply_function(model, tokenizer, generate_kwargs, return_ids=return_ids,  # the loader pads with this pad id
                         skip_special_tokens=skip_special_tokens, padding_id=tokenizer.pad_token_id)
     if max_input_token_length is None:

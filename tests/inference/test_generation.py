@@ -235,6 +235,30 @@ def test_a_limit_above_the_model_positions_is_refused_before_anything_runs(llama
     assert len(reply[0]) == 16
 
 
+def test_lengths_that_count_the_padded_prompt_are_refused_and_none_set_is_20_new_tokens(llama, chat_tokenizer):
+    # max_length/min_length count the prompt, padded to the batch's longest: "In the beginning" got 8 new tokens
+    # beside a longer prompt and 19 alone. Unset, generate's 20 new tokens were not counted: a prompt cut to the
+    # model's 96 positions left none, and the run failed in model.generate.
+    tok, short = chat_tokenizer, "In the beginning"
+    prompts = [short, "And God said, Let there be light: and there was light " * 20]
+    with pytest.raises(ValueError, match=r"^max_length should be unset on a decoder-only model unless max_new_tokens "
+                       r"is set: it counts the prompt.*\(give max_new_tokens, .*but got max_length=25$"):
+        dynabatch.generate(llama, tok, prompts, max_length=25, progress=False)
+    with pytest.raises(ValueError, match=r"^min_length should be unset .* unless min_new_tokens is set.*=12$"):
+        dynabatch.generate(llama, tok, prompts, max_new_tokens=4, min_length=12, progress=False)
+    model = copy.deepcopy(llama)
+    model.generation_config.max_length = 25
+    with pytest.raises(ValueError, match=r"^model.generation_config.max_length should be unset .*=25$"):
+        dynabatch.generate(model, tok, prompts, progress=False)
+    replies = dynabatch.generate(model, tok, prompts, return_ids=True, max_new_tokens=3, progress=False)
+    assert [len(r) <= 3 for r in replies] == [True, True]  # max_new_tokens given: max_length is not read
+    replies = dynabatch.generate(llama, tok, prompts, return_ids=True, suppress_tokens=[2], progress=False)
+    inputs = tok(short, return_tensors="pt")
+    with torch.no_grad():
+        alone = llama.generate(**inputs, suppress_tokens=[2], pad_token_id=2)[0, inputs["input_ids"].shape[1]:]
+    assert replies[0] == alone.tolist() and len(alone) == 20 and len(replies[1]) == 20
+
+
 def test_an_absolute_budget_is_passed_through_as_given_and_judged_by_the_run(llama, chat_tokenizer, prompts):
     # generate resolves no budget itself: the loader and the run read max_memory as the user wrote it
     with pytest.raises(ValueError, match=r"^max_memory should be at least one row of the longest text .* but got "
