@@ -137,6 +137,9 @@ less max_new_tokens=32 that generate adds), but got max_input_token_length=48
         f", {value - usable} of them reserved before the first token" if usable != value else "")
     encoder_decoder = bool(getattr(getattr(model, "config", model), "is_encoder_decoder", False))
     if max_new_tokens and not encoder_decoder:
+        if max_new_tokens >= usable:  # no room left for a prompt: the limit itself is not what to change
+            raise bad_value("max_new_tokens", f"at most {usable - 1} ({where}, which hold the prompt too: one "
+                            "token at least)", max_new_tokens)
         if max_input_token_length + max_new_tokens > usable:
             raise bad_value("max_input_token_length", f"at most {usable - max_new_tokens} ({where}, less "
                             f"max_new_tokens={max_new_tokens} that generate adds)", max_input_token_length)

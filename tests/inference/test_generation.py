@@ -229,6 +229,10 @@ def test_a_limit_above_the_model_positions_is_refused_before_anything_runs(llama
                        r"but got max_input_token_length=80"):
         dynabatch.generate(llama, chat_tokenizer, ["a"], max_input_token_length=80, max_new_tokens=32,
                            progress=False)
+    # max_new_tokens that leave no position for a prompt are named (the message asked for a limit of -4)
+    with pytest.raises(ValueError, match=r"^max_new_tokens should be at most 95 \(the model's config."
+                       r"max_position_embeddings=96 positions, which hold the prompt too.*, but got max_new_tokens=100$"):
+        dynabatch.generate(llama, chat_tokenizer, ["a"], max_new_tokens=100, progress=False)
     # Without a limit given, the prompt is cut to what the positions leave for the reply.
     reply = dynabatch.generate(llama, chat_tokenizer, ["word " * 200], return_ids=True, max_new_tokens=16,
                                min_new_tokens=16, do_sample=False, progress=False)
