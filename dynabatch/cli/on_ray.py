@@ -162,7 +162,7 @@ class GenerateModel:
         model = auto.from_pretrained(self.folder, dtype=self.dtype).to(device).eval()
         torch.manual_seed(self.seed)  # the actor's own generator: sampling draws from it
         padder, loader = generation_loader(model, self.tokenizer, self.options, chat=self.chat)
-        return padder, reply_function(model, self.tokenizer, self.options, padding_id=padder.pad_token_id), \
+        return padder, reply_function(model, self.tokenizer, self.options), \
             self.limit, loader
 
 

@@ -138,18 +138,22 @@ def _default_limit(model: Any, tokenizer: Any, new_tokens: int, encoder_decoder:
     return max(1, min(limits))
 
 
-_STOPS_WITHOUT_EOS = ("stop_strings", "stopping_criteria", "max_time")  # generate arguments ending rows early
+_STOPS_WITHOUT_EOS = ("stopping_criteria", "max_time")  # generate arguments ending rows early, untold where
 
 
 def reply_ids(sequences: torch.Tensor, prompt_width: int, *, encoder_decoder: bool, eos_ids: set[int],
-              pad_token_id: int | None) -> list[list[int]]:
+              pad_token_id: int | None, stopped: torch.Tensor | None = None) -> list[list[int]]:
     """Each row's reply: the new tokens (decoder-only) or the decoder sequence (its start token kept), ended at the
-    first EOS (kept); a row without EOS loses its trailing pad ids when ``pad_token_id`` is given.
+    first EOS or the first token ``stopped`` marks (kept); a row without either loses its trailing pad ids when
+    ``pad_token_id`` is given. ``stopped``: a bool tensor of the new tokens' shape, True where a stop string ended.
 
     Example:
         >>> rows = torch.tensor([[0, 7, 8, 5, 2, 2], [0, 0, 9, 6, 3, 4]])  # prompt of width 3, EOS 2 == pad
         >>> reply_ids(rows, 3, encoder_decoder=False, eos_ids={2}, pad_token_id=None)
         [[5, 2], [6, 3, 4]]
+        >>> reply_ids(rows, 3, encoder_decoder=False, eos_ids={2}, pad_token_id=None,
+        ...           stopped=torch.tensor([[False, False, False], [False, True, False]]))
+        [[5, 2], [6, 3]]
         >>> reply_ids(torch.tensor([[0, 0, 0]]), 0, encoder_decoder=True, eos_ids={1}, pad_token_id=None)
         [[0, 0, 0]]
         >>> reply_ids(torch.tensor([[0, 5, 0]]), 0, encoder_decoder=True, eos_ids={1}, pad_token_id=0)
@@ -157,15 +161,30 @@ def reply_ids(sequences: torch.Tensor, prompt_width: int, *, encoder_decoder: bo
     """
     new = sequences if encoder_decoder else sequences[:, prompt_width:]
     first = 1 if encoder_decoder else 0  # the decoder start token never ends a reply
+    stops = [[False] * new.shape[1]] * len(new) if stopped is None else stopped.tolist()
     replies = []
-    for row in new.tolist():
-        end = next((i + 1 for i in range(first, len(row)) if row[i] in eos_ids), None)
+    for row, stop in zip(new.tolist(), stops):
+        end = next((i + 1 for i in range(first, len(row)) if row[i] in eos_ids or stop[i]), None)
         if end is None:
             end = len(row)
             while pad_token_id is not None and end > first and row[end - 1] == pad_token_id:
                 end -= 1
         replies.append(row[:end])
     return replies
+
+
+def _stop_strings(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any]) -> Callable[[torch.Tensor, int], Any]:
+    """``stopped(sequences, start)``: where each row's text first ended in one of the call's stop strings (the bool
+    tensor of :func:`reply_ids`; ``None`` without stop strings), by ``model.generate``'s own criterion, applied
+    to each length of the rows: a row it stopped is padded after, with a pad id the model may also generate."""
+    stop_strings = _setting(model, generate_kwargs, "stop_strings")
+    if not stop_strings:
+        return lambda sequences, start: None
+    from transformers import StopStringCriteria
+
+    criterion = StopStringCriteria(tokenizer, stop_strings)
+    return lambda sequences, start: torch.stack(
+        [criterion(sequences[:, : end + 1], None) for end in range(start, sequences.shape[1])], dim=1)
 
 
 def generation_loader(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], *,
@@ -185,26 +204,32 @@ def generation_loader(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any
 
 
 def reply_function(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], *, return_ids: bool = False,
-                   skip_special_tokens: bool = True, padding_id: int | None = None) -> Callable[[Any], PerRow]:
+                   skip_special_tokens: bool = True) -> Callable[[Any], PerRow]:
     """``fn(batch)`` for :func:`dynabatch.run`: ``model.generate`` on the batch with ``generate_kwargs``, each row's
-    reply alone (the rules of :mod:`~dynabatch.inference.generation`), decoded unless ``return_ids``;
-    ``padding_id``: the batches' pad id, dropped from the end of a row that can end without EOS."""
+    reply alone (the rules of :mod:`~dynabatch.inference.generation`), decoded unless ``return_ids``."""
     encoder_decoder = _check_model(model)
     returns = check_positive_int("num_return_sequences", _setting(model, generate_kwargs, "num_return_sequences") or 1)
     eos = _setting(model, generate_kwargs, "eos_token_id")  # an int, a list of them or a tensor
-    eos_ids = set() if eos is None else {int(e) for e in torch.as_tensor(eos).reshape(-1).tolist()}
+    eos_ids = [] if eos is None else [int(e) for e in torch.as_tensor(eos).reshape(-1).tolist()]
     stops_early = any(_setting(model, generate_kwargs, name) is not None for name in _STOPS_WITHOUT_EOS)
-    pad_token_id = padding_id if stops_early else None  # else rows without EOS are whole
+    fill = _setting(model, generate_kwargs, "pad_token_id")  # what generate pads a finished row with: its EOS unset
+    fill = eos_ids[0] if fill is None and eos_ids else fill
+    pad_token_id = fill if stops_early else None  # else rows without EOS are whole
+    stopped = _stop_strings(model, tokenizer, generate_kwargs)
+    # stop strings are matched on text: model.generate needs the tokenizer (which generate's own argument takes)
+    stop_tokenizer = {"tokenizer": tokenizer} if _setting(model, generate_kwargs, "stop_strings") else {}
 
     def replies(batch: Any) -> PerRow:
         empty = (batch["attention_mask"].sum(dim=1) == 0).nonzero().flatten()  # a streamed loader's, met as it runs
         if len(empty):
             indices = getattr(batch, "indices", None)
             raise _empty_prompt(empty.tolist() if indices is None else indices[empty].tolist())
-        out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **generate_kwargs)
+        out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **stop_tokenizer,
+                             **generate_kwargs)
         sequences = getattr(out, "sequences", out)  # return_dict_in_generate=True: the sequences alone
-        rows = reply_ids(sequences, batch["input_ids"].shape[1], encoder_decoder=encoder_decoder, eos_ids=eos_ids,
-                         pad_token_id=pad_token_id)
+        width = batch["input_ids"].shape[1]
+        rows = reply_ids(sequences, width, encoder_decoder=encoder_decoder, eos_ids=set(eos_ids),
+                         pad_token_id=pad_token_id, stopped=stopped(sequences, 0 if encoder_decoder else width))
         if not return_ids:
             rows = tokenizer.batch_decode(rows, skip_special_tokens=skip_special_tokens)
         if returns > 1:  # generate's rows come prompt by prompt, k each
@@ -281,8 +306,8 @@ def generate(
     kind = _prompt_kind(prompts)
     check_bool("return_ids", return_ids)
     new_tokens = _new_tokens(model, generate_kwargs, encoder_decoder)
-    fn = reply_function(model, tokenizer, generate_kwargs, return_ids=return_ids,  # the loader pads with this pad id
-                        skip_special_tokens=skip_special_tokens, padding_id=tokenizer.pad_token_id)
+    fn = reply_function(model, tokenizer, generate_kwargs, return_ids=return_ids,
+                        skip_special_tokens=skip_special_tokens)
     if max_input_token_length is None:
         max_input_token_length = _default_limit(model, tokenizer, new_tokens, encoder_decoder)
     max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)

@@ -132,6 +132,23 @@ def test_a_generation_config_given_sets_eos_and_returns_as_model_generate_reads_
     assert [len(r) for r in replies] == [2, 2, 2] and all(isinstance(r[0], str) for r in replies)
 
 
+def test_stop_strings_end_replies_where_generating_alone_ends_them(llama, chat_tokenizer, frequent, prompts):
+    # model.generate needs the tokenizer for stop strings, which generate's own argument took: every call failed.
+    # A row a stop string ended is then padded with generate's pad id: an EOS pad (2) was kept as the reply's EOS,
+    # and another pad id (0) was kept whole, where the prompt alone ends at the stop string.
+    tok = chat_tokenizer
+    stop = tok.decode([frequent]).strip()
+    for pad in (2, 0):
+        settings = {"max_new_tokens": NEW, "do_sample": False, "stop_strings": [stop], "pad_token_id": pad}
+        ids = dynabatch.generate(llama, tok, prompts[:8], return_ids=True, batch_size=4, progress=False, **settings)
+        for p, prompt in enumerate(prompts[:8]):
+            inputs = tok(prompt, return_tensors="pt")
+            with torch.no_grad():
+                alone = llama.generate(**inputs, tokenizer=tok, **settings)[0, inputs["input_ids"].shape[1]:]
+            assert ids[p] == alone.tolist(), f"pad {pad}, prompt {p}: {prompt!r}"
+        assert 0 < sum(len(reply) < NEW for reply in ids) < 8  # ended at different steps
+
+
 def test_pre_tokenized_prompts_are_taken_as_they_are(llama, chat_tokenizer, frequent, prompts):
     tok = chat_tokenizer
     rows = [tok(prompt)["input_ids"] for prompt in prompts]
