@@ -79,11 +79,13 @@ def _empty_prompt(positions: Sequence[int]) -> ValueError:
 
 
 def render_chats(tokenizer: Any, conversations: Sequence[Any], chat_template_kwargs: dict[str, Any]) -> list[str]:
-    """Each conversation rendered once by the tokenizer's chat template, ready for the reply."""
+    """Each conversation rendered once by the tokenizer's chat template, ready for the reply: with
+    ``add_generation_prompt=True`` unless ``chat_template_kwargs`` says otherwise or continues the final message."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_value("tokenizer.chat_template", "set for chat prompts (the template renders each "
                         "conversation; set tokenizer.chat_template)", getattr(tokenizer, "chat_template", None))
-    kwargs = {"add_generation_prompt": True, **chat_template_kwargs}
+    # a header for the reply, unless the reply continues the conversation's last message (the template refuses both)
+    kwargs = {"add_generation_prompt": not chat_template_kwargs.get("continue_final_message"), **chat_template_kwargs}
     return [tokenizer.apply_chat_template(list(c), tokenize=False, **kwargs) for c in conversations]
 
 

@@ -231,6 +231,20 @@ def test_a_prompt_of_no_token_is_refused_naming_it(llama, chat_tokenizer):
     assert replies[0] is not None and replies[2] is not None
 
 
+def test_a_chat_whose_final_message_is_continued_takes_no_generation_prompt(llama, chat_tokenizer):
+    # add_generation_prompt=True was always added: continue_final_message=True alone failed in apply_chat_template
+    # ("continue_final_message and add_generation_prompt are not compatible"), though the caller set only one.
+    from dynabatch.inference.generation import render_chats
+
+    chat = [{"role": "user", "content": "In the beginning"}, {"role": "assistant", "content": "God created"}]
+    rendered = render_chats(chat_tokenizer, [chat], {"continue_final_message": True})
+    assert rendered == [chat_tokenizer.apply_chat_template(chat, tokenize=False, continue_final_message=True)]
+    assert rendered[0].endswith("God created")
+    ids = dynabatch.generate(llama, chat_tokenizer, [chat], return_ids=True, max_new_tokens=2, progress=False,
+                             chat_template_kwargs={"continue_final_message": True})
+    assert len(ids[0]) >= 1
+
+
 def test_chat_prompts_need_a_chat_template(llama, llama_tokenizer):
     tok = copy.deepcopy(llama_tokenizer)
     tok.pad_token = tok.eos_token
