@@ -239,12 +239,14 @@ class _WorkerLoop:
         self.stages.scheduler.update(self.parts.lane, replace(outcome, unfinished=rest))
 
     def end(self) -> None:
-        """The worker ends: its builds ahead stopped, its writer closed (its rows committed), its laps summed."""
+        """The worker ends: its builds ahead stopped, its writer closed (its rows committed, the store's time), its
+        laps summed."""
         try:
             self.prefetcher.close()
         finally:
-            self.parts.writer.close()
             self.laps.lap("plan")
+            self.parts.writer.close()  # a store commits the rows it holds here: on a slow disk, much of the run
+            self.laps.lap("store")
             self.stages.report.workers[self.parts.name] = self.laps.summary()
 
 

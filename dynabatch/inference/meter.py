@@ -41,7 +41,8 @@ _SPECIAL_TOKENS = 2.0  # tokens a tokenizer adds to every text (BERT's [CLS] and
 _FINE_BINS = 1024  # sizes below this are binned exactly; above, geometrically
 _HALF_LIFE = 30.0  # seconds of run time: the half-life of the recent sums the display's rates are read from
 # the stage each background thread runs, by its name (another name is its own stage)
-_STAGE_OF_THREAD = {"dynabatch-tokenize": "tokenize", "dynabatch-prefetch": "build", "dynabatch-read-ahead": "read"}
+_STAGE_OF_THREAD = {"dynabatch-tokenize": "tokenize", "dynabatch-prefetch": "build", "dynabatch-read-ahead": "read",
+                    "dynabatch-store": "store"}
 
 
 class TextCosts:
@@ -412,7 +413,8 @@ def name_bound(shares: dict[str, float], tokenize_share: float | None = None) ->
     device = shares.get("device", 0.0)
     took = {"tokenizing": shares.get("wait tokenize", 0.0), "reading the input": shares.get("wait read", 0.0),
             "building batches": shares.get("build", 0.0) + shares.get("wait build", 0.0),
-            "planning batches": shares.get("plan", 0.0), "writing the store": shares.get("store", 0.0)}
+            "planning batches": shares.get("plan", 0.0),
+            "writing the store": shares.get("store", 0.0) + shares.get("wait store", 0.0)}
     what, share = max(took.items(), key=lambda kv: kv[1])
     if device >= share:
         return f"device-bound: the device was busy {device:.0%} of the run"

@@ -103,7 +103,8 @@ class RunReport:
         rebuilt_batches: batches built ahead that a measured peak re-sized since, so built again.
         workers: per worker, its loop's wall seconds and where they went (``{"wall": s, "stages": {stage: s}}``).
         wall_seconds: the run's wall time, from its first stage to its last batch.
-        background: the share of the wall each background stage worked (``"tokenize"``, ``"build"``, ``"read"``).
+        background: the share of the wall each background stage worked (``"tokenize"``, ``"build"``, ``"read"``,
+            ``"store"``).
         accounting_seconds: the CPU seconds keeping these figures and the display took.
     """
 

@@ -225,3 +225,23 @@ def test_a_bound_names_no_flag_the_commands_lack():
         line = name_bound(shares, tokenize_share=0.9)
         assert set(re.findall(r"--[\w-]+", line)) <= flags, line
     assert name_bound({"device": 0.3, "wait tokenize": 0.6}).endswith("; more CPU cores would help")
+
+
+def test_a_store_slow_to_commit_at_the_end_is_named_the_bound(tmp_path, tokenizer, texts, monkeypatch):
+    # Rows commit as the writer closes (no shard fills, no timed flush due): a slow disk makes that close the bulk of
+    # the run, the store's time, never "planning batches".
+    from dynabatch.inference import store_writer
+
+    monkeypatch.setattr(store_writer, "COMMIT", store_writer.CommitPolicy(first_seconds=600, seconds=600))
+    commit = store_writer.StoreWriter._commit
+
+    def slow_commit(self, taken, seq):
+        time.sleep(1.0)
+        return commit(self, taken, seq)
+
+    monkeypatch.setattr(store_writer.StoreWriter, "_commit", slow_commit)
+    report = run(_lengths, _load(texts, tokenizer), output_path=tmp_path / "store", key="k", memory="off",
+                 progress=False).report
+    assert report.bound.startswith("store-bound: writing the store took"), report.stage_shares
+    assert report.stage_shares["store"] > 0.5 and not any(stage.startswith("wait dynabatch") for stage in
+                                                            report.stage_shares)
