@@ -102,7 +102,8 @@ class RunReport:
         device_budgets: with several devices, each device's own budget (its first measured peak).
         rebuilt_batches: batches built ahead that a measured peak re-sized since, so built again.
         workers: per worker, its loop's wall seconds and where they went (``{"wall": s, "stages": {stage: s}}``).
-        wall_seconds: the run's wall time, from its first stage to its last batch.
+        wall_seconds: the run's wall time, from its first stage to the end of its workers (their rows handed to the
+            sink: a store's committed).
         background: the share of the wall each background stage worked (``"tokenize"``, ``"build"``, ``"read"``,
             ``"store"``).
         accounting_seconds: the CPU seconds keeping these figures and the display took.

@@ -231,7 +231,7 @@ def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: Memor
     def report() -> RunReport:
         merged = stages.report
         merged.skipped_inputs = len(skipped)
-        merged.wall_seconds = (meter.last or meter.clock()) - meter.started
+        merged.wall_seconds = meter.clock() - meter.started  # the workers ended: their rows handed on, committed
         merged.background = background_shares(background, merged.wall_seconds)
         merged.accounting_seconds = meter.accounting
         return merged

@@ -227,21 +227,37 @@ def test_a_bound_names_no_flag_the_commands_lack():
     assert name_bound({"device": 0.3, "wait tokenize": 0.6}).endswith("; more CPU cores would help")
 
 
-def test_a_store_slow_to_commit_at_the_end_is_named_the_bound(tmp_path, tokenizer, texts, monkeypatch):
-    # Rows commit as the writer closes (no shard fills, no timed flush due): a slow disk makes that close the bulk of
-    # the run, the store's time, never "planning batches".
+@pytest.fixture
+def slow_commit(monkeypatch):
+    """Rows commit as the writer closes (no shard fills, no timed flush is due), each commit taking a second: a slow
+    disk, whose time is mostly the writer's close at the end of the run."""
     from dynabatch.inference import store_writer
 
     monkeypatch.setattr(store_writer, "COMMIT", store_writer.CommitPolicy(first_seconds=600, seconds=600))
     commit = store_writer.StoreWriter._commit
 
-    def slow_commit(self, taken, seq):
+    def slow(self, taken, seq):
         time.sleep(1.0)
         return commit(self, taken, seq)
 
-    monkeypatch.setattr(store_writer.StoreWriter, "_commit", slow_commit)
-    report = run(_lengths, _load(texts, tokenizer), output_path=tmp_path / "store", key="k", memory="off",
-                 progress=False).report
+    monkeypatch.setattr(store_writer.StoreWriter, "_commit", slow)
+
+
+def _stored_report(texts, tokenizer, path):
+    return run(_lengths, _load(texts, tokenizer), output_path=path, key="k", memory="off", progress=False).report
+
+
+def test_a_store_slow_to_commit_at_the_end_is_named_the_bound(tmp_path, tokenizer, texts, slow_commit):
+    # the writer's close is the store's time, never "planning batches"
+    report = _stored_report(texts, tokenizer, tmp_path / "store")
     assert report.bound.startswith("store-bound: writing the store took"), report.stage_shares
     assert report.stage_shares["store"] > 0.5 and not any(stage.startswith("wait dynabatch") for stage in
                                                             report.stage_shares)
+
+
+def test_the_runs_wall_holds_the_stores_last_commit(tmp_path, tokenizer, texts, slow_commit):
+    # the wall runs to the workers' end (their rows committed): no background share above the whole wall
+    report = _stored_report(texts, tokenizer, tmp_path / "store")
+    (worker,) = report.workers.values()
+    assert report.wall_seconds >= worker["wall"] > 1.0
+    assert 0.5 < report.background["store"] <= 1.0, report.background
