@@ -195,6 +195,25 @@ def _share_and_execute(source: Source, sink: MemorySink | StoreSink, options: Ru
     return _execute(source, scheduler, builder, sink, options, skipped, stored)
 
 
+def _meter(source: Source, options: RunOptions, skipped: np.ndarray, stored: np.ndarray | None) -> Meter:
+    """The run's meter, over the inputs that run now: neither skipped nor stored; under ranks claiming chunks, the
+    whole corpus (this rank counting for every rank); in lockstep, this rank's dealt share, shown as the rank's."""
+    n, desc = source.n_inputs, "dynabatch"
+    runs, held = None, stored
+    if n is not None:  # a store opened for n inputs holds n flags (open_sink refuses another n)
+        runs = np.ones(n, dtype=bool) if stored is None else ~stored
+        runs[skipped] = False
+        if (dealt := source.dealt(n)) is not None:  # the ranks run their shares in rounds: this one's sets the pace
+            runs &= dealt
+            held = None if stored is None else stored & dealt
+            n, desc = int(dealt.sum()), f"dynabatch rank {options.rank}"
+    sizes = source.text_sizes()  # what the time left is counted in: the plan's token lengths, a stream's characters
+    costs = None if sizes is None else TextCosts(sizes[0], exact=sizes[1], max_length=sizes[2], runs=runs)
+    return Meter(costs, total_rows=None if runs is None else int(runs.sum()), scale=source.scale,
+                 stream=sys.stderr if options.progress else None, stored=0 if held is None else int(held.sum()),
+                 inputs=n, desc=desc)
+
+
 def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: MemorySink | StoreSink,
              options: RunOptions, skipped: np.ndarray, stored: np.ndarray | None) -> RunReport:
     """Runs the scheduler's items on every target (a worker each) into the sink; returns the report. Each worker's
@@ -202,16 +221,7 @@ def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: Memor
     splitter = RowSplitter(builder.pad_token_id, options.token_outputs, builder.padding.side)  # fn's rule, for the run
     failures = Failures(options.on_oom, options.on_error, None if source.plan is None else source.plan.ids)
     background = stage_seconds()
-    n = source.n_inputs
-    runs = None  # the inputs that run now: neither skipped nor stored (under ranks claiming chunks, the whole corpus)
-    if n is not None:  # a store opened for n inputs holds n flags (open_sink refuses another n)
-        runs = np.ones(n, dtype=bool) if stored is None else ~stored
-        runs[skipped] = False
-    sizes = source.text_sizes()  # what the time left is counted in: the plan's token lengths, a stream's characters
-    costs = None if sizes is None else TextCosts(sizes[0], exact=sizes[1], max_length=sizes[2], runs=runs)
-    meter = Meter(costs, total_rows=None if runs is None else int(runs.sum()), scale=source.scale,
-                  stream=sys.stderr if options.progress else None, stored=0 if stored is None else int(stored.sum()),
-                  inputs=n)
+    meter = _meter(source, options, skipped, stored)
     names = [str(t) for t in options.targets]
     names = [f"{name} (worker {i})" if names.count(name) > 1 else name for i, name in enumerate(names)]
     stages = Stages(source, scheduler, builder, sink, meter, threading.Event(), options.prefetch,

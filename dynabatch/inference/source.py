@@ -140,6 +140,16 @@ class Source:
                         len(self._mine), sum(len(i.positions) for i in self._mine), len(items),
                         sum(len(i.positions) for i in items))
 
+    def dealt(self, n: int) -> np.ndarray | None:
+        """Under ``ranks="lockstep"``, which of the ``n`` input positions this rank's batches hold (``None``: not in
+        lockstep)."""
+        if not self.lockstep:
+            return None
+        mine = np.zeros(n, dtype=bool)
+        for item in self._mine:
+            mine[item.positions] = True
+        return mine
+
     def items(self, *, read_ahead: int = 0) -> Iterator[Item]:
         """Every batch of this rank in the loader's order: a plan's as input positions, a plain iterable's with its
         tensors, read up to ``read_ahead`` batches ahead in a background thread (stopped by :meth:`close`)."""

@@ -128,6 +128,28 @@ _WORKER = textwrap.dedent(
     except ValueError as exc:
         report["per_rank_share"] = str(exc)
 
+    # The display in lockstep: each rank shows its own dealt share, named, its time left what that share costs.
+    import contextlib
+    import io
+
+    import dynabatch.inference.runner as runner_module
+
+    shown, costs_at_start, meter_class = io.StringIO(), [], runner_module.Meter
+
+    class KeptMeter(meter_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            costs_at_start.append(self.costs.left())
+
+    runner_module.Meter = KeptMeter
+    try:
+        with contextlib.redirect_stderr(shown):
+            ran = run(lambda b: b["input_ids"].sum(dim=1), loader, ranks="lockstep").report.rows
+    finally:
+        runner_module.Meter = meter_class
+    report["display"] = {"lines": shown.getvalue().splitlines(), "ran": ran, "costs": costs_at_start[0],
+                         "lengths": [int(x) for x in loader.plan.collator.tokenized.lengths]}
+
     # One results store for both ranks: each writes its own shards, and each rank's result reads the whole store.
     store = os.path.join(out, "store")
     stored = run(lambda b: b["input_ids"].sum(dim=1), loader, output_path=store, key="sum", progress=False)
@@ -330,6 +352,18 @@ def test_two_gloo_ranks_give_none_for_bad_inputs_skipped(two_ranks, tokenizer):
     rank0, rank1 = (r["skipped"] for r in two_ranks)
     assert rank0["gathered"] == {"rows": expected, "failed": [5, 31]}  # rank 0 gathers every row
     assert rank0["stored"] == rank1["stored"] == {"rows": expected, "failed": [5, 31]}
+
+
+def test_two_gloo_ranks_in_lockstep_each_show_their_own_share(two_ranks):
+    # each rank runs its dealt share in rounds with the other: its rows reach its share's total, and the time left
+    # counts that share's texts (not the whole corpus at this rank's pace: twice the time on two ranks)
+    shares = [r["display"] for r in two_ranks]
+    assert sum(s["ran"] for s in shares) == 200 and 0 < shares[0]["ran"] < 200
+    for rank, share in enumerate(shares):
+        ran = share["ran"]
+        assert share["lines"][-1].startswith(f"dynabatch rank {rank}: {ran}/{ran} rows in"), share["lines"]
+        assert share["costs"][1] == ran
+    assert sum(s["costs"][0] for s in shares) == sum(shares[0]["lengths"])
 
 
 def test_two_gloo_ranks_refuse_a_loader_already_split_per_rank(two_ranks):
