@@ -40,12 +40,25 @@ import torch
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.collate import pad_token_id_of, padded_width
 
-__all__ = ["LABEL_PAD_ID", "TrainingCollator"]
+__all__ = ["LABEL_KEYS", "LABEL_PAD_ID", "TrainingCollator", "name_labels"]
 
 LABEL_PAD_ID = -100
 """The label the cross-entropy losses of torch and transformers ignore."""
 
-_LABEL_KEYS = ("labels", "label_ids", "label")
+LABEL_KEYS = ("labels", "label_ids", "label")
+"""The label fields: their sequences are padded with the label pad id (-100), not 0."""
+
+
+def name_labels(batch: dict[str, Any]) -> dict[str, Any]:
+    """Renames a ``label`` or ``label_ids`` field ``labels`` (what models take), in place.
+
+    The names datasets use, renamed as ``transformers.DataCollatorWithPadding``
+    does; a batch that has ``labels`` already keeps its fields as they are.
+    """
+    for key in ("label", "label_ids"):
+        if key in batch and "labels" not in batch:
+            batch["labels"] = batch.pop(key)
+    return batch
 
 
 def _as_ids(key: str, value: Any) -> np.ndarray | None:
@@ -138,7 +151,7 @@ class TrainingCollator:
                 f"pad_to_multiple_of={self.pad_to_multiple_of}, labels_from={self.labels_from!r})")
 
     def _pad_value(self, key: str) -> int:
-        if key in _LABEL_KEYS:
+        if key in LABEL_KEYS:
             return self.label_pad_token_id
         if key in ("input_ids", "decoder_input_ids"):
             return self.pad_token_id
@@ -183,9 +196,7 @@ class TrainingCollator:
                 batch[key] = torch.stack([torch.as_tensor(v) for v in values])
             else:
                 batch[key] = torch.tensor(values)
-        for key in ("label", "label_ids"):  # the names datasets use; models take ``labels``
-            if key in batch and "labels" not in batch:
-                batch["labels"] = batch.pop(key)
+        name_labels(batch)
         if "attention_mask" not in batch and "input_ids" in masks:
             batch["attention_mask"] = torch.from_numpy(masks["input_ids"].astype(np.int64))
         if self.labels_from is not None and "labels" not in batch:

@@ -3,10 +3,14 @@
 Samples of a multi-task dataset carry different fields and lengths. The
 collator pads every variable-length field (lists of numbers or 1-D tensors) to
 the batch's longest, stacks equal-shape tensors and numbers, and keeps
-strings and other metadata (``task_type`` first of all) as lists. It is not
-:class:`~dynabatch.data.training_collate.TrainingCollator`, which takes only
-int token-id fields, the same keys in every row, and renames or derives
-``labels``: here fields may be missing (metadata), float and kept as strings.
+strings and other metadata (``task_type`` first of all) as lists. Labels
+follow :class:`~dynabatch.data.training_collate.TrainingCollator`'s rule: a
+``labels``, ``label_ids`` or ``label`` sequence is padded with -100 (ignored by
+the loss), and ``label`` or ``label_ids`` is renamed ``labels`` (what the model
+and ``DynamicBatchingTrainer`` take); scalar labels are stacked as they are.
+It is not that collator, which takes only int token-id fields and the same
+keys in every row: here fields may be missing (metadata), float and kept as
+strings.
 
 Example:
     >>> from dynabatch.compat.multitask.collate import HeterogeneousCollator
@@ -31,14 +35,12 @@ import torch
 
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.collate import padded_width
-from dynabatch.data.training_collate import LABEL_PAD_ID
+from dynabatch.data.training_collate import LABEL_KEYS, LABEL_PAD_ID, name_labels
 
 __all__ = ["METADATA_KEYS", "HeterogeneousCollator"]
 
 METADATA_KEYS = ("task_type",)
 """Fields always kept as lists, whatever their values."""
-
-_LABEL_KEYS = ("labels", "label_ids")
 
 
 def _is_sequence_field(value: Any) -> bool:
@@ -58,13 +60,15 @@ class HeterogeneousCollator:
         tokenizer: gives ``pad_token_id`` and ``padding_side`` (optional if
             ``pad_token_id`` is given).
         pad_token_id: pads ``input_ids``; overrides the tokenizer's.
-        label_pad_id: pads ``labels`` (``-100``: ignored by the loss).
+        label_pad_id: pads ``labels``, ``label_ids`` and ``label`` (``-100``:
+            ignored by the loss).
         pad_to_multiple_of: round padded lengths up to a multiple of this.
         padding_side: ``"right"`` or ``"left"``; the tokenizer's by default.
         metadata_keys: fields kept as lists whatever their values.
 
     Padding values: ``input_ids`` the pad token, labels ``label_pad_id``,
-    every other sequence field 0. An ``attention_mask`` is added when the
+    every other sequence field 0; ``label`` or ``label_ids`` is renamed
+    ``labels`` unless the samples have ``labels``. An ``attention_mask`` is added when the
     samples have ``input_ids`` but no mask. A field missing from some samples
     is an error naming the field, except metadata, which becomes ``None``.
     """
@@ -99,7 +103,7 @@ class HeterogeneousCollator:
     def _pad_value(self, key: str) -> int:
         if key == "input_ids":
             return self.pad_token_id
-        if key in _LABEL_KEYS:
+        if key in LABEL_KEYS:
             return self.label_pad_id
         return 0
 
@@ -136,7 +140,7 @@ class HeterogeneousCollator:
         if "input_ids" in batch and isinstance(batch["input_ids"], torch.Tensor) and "attention_mask" not in batch:
             lengths = [len(f["input_ids"]) for f in features]
             batch["attention_mask"] = self._pad("attention_mask", [[1] * n for n in lengths])
-        return batch
+        return name_labels(batch)
 
     def _collate_field(self, key: str, values: list[Any]) -> Any:
         if all(_is_sequence_field(v) for v in values):

@@ -63,3 +63,13 @@ def test_monitor_seed_calls_write_files_that_parse(tmp_path):
                                        "training_curves.png", "training_curves_memory.png", "training_report.json"]
     with pytest.raises(TypeError, match=r"metrics should be a BatchMetrics"):
         monitor.record_batch({"loss": 1.0})
+
+
+def test_collator_label_sequence_pads_with_minus_100_and_is_named_labels():
+    collate = HeterogeneousCollator(pad_token_id=0)
+    tagged = collate([{"input_ids": [5, 6, 7], "label": [0, 2, 1]}, {"input_ids": [8], "label": [1]}])
+    assert "label" not in tagged and tagged["labels"].tolist() == [[0, 2, 1], [1, -100, -100]]
+    ids = collate([{"input_ids": [5, 6], "label_ids": [3, 4]}, {"input_ids": [8], "label_ids": [0]}])
+    assert ids["labels"].tolist() == [[3, 4], [0, -100]]
+    classes = collate([{"input_ids": [5, 6], "label": 0}, {"input_ids": [8], "label": 1}])
+    assert classes["labels"].tolist() == [0, 1] and classes["input_ids"].tolist() == [[5, 6], [8, 0]]
