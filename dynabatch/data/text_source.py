@@ -38,7 +38,7 @@ import numpy as np
 
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int
-from dynabatch.data.tokenization import (as_items, check_encodable, plain_text, report_skipped, split_bad_texts,
+from dynabatch.data.tokenization import (as_items, check_encodable, log_skipped, plain_text, split_bad_texts,
                                          validate_texts)
 
 __all__ = ["SPILL_ROWS", "TextSource", "check_on_bad_input", "is_text_source", "open_texts", "parquet_paths",
@@ -213,7 +213,7 @@ def open_texts(texts: Any, on_bad_input: str = "raise") -> tuple[TextSource, np.
 
     Raises:
         TypeError: texts of no such kind, or bad inputs with ``on_bad_input="raise"``.
-        ValueError: no texts, none of them a str, or a bad ``on_bad_input``.
+        ValueError: no texts, or a bad ``on_bad_input``.
 
     Example:
         >>> source, bad = open_texts(["a", None, "b"], on_bad_input="skip")
@@ -229,7 +229,7 @@ def open_texts(texts: Any, on_bad_input: str = "raise") -> tuple[TextSource, np.
         raise TypeError(f"texts should hold only str, but got {bad.size} of {len(source)} missing (null) texts "
                         f"(positions {', '.join(map(str, bad[:10].tolist()))}{', ...' if bad.size > 10 else ''}): "
                         "clean them, or build the loader with on_bad_input='skip' (their results are None)")
-    report_skipped(bad, len(source))
+    log_skipped(bad, len(source), "texts that are not str")  # all of them, too: no batch runs, each is listed failed
     return source, bad
 
 

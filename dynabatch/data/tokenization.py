@@ -67,7 +67,7 @@ from dynabatch.data.workers import Pieces, available_cores, choose_mechanism, gu
 __all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "PIECE_TOKENS", "TOKENS_PER_CALL", "TRIM_TOKENS",
            "ParallelTokenizer", "TokenizedTexts", "accepted_keywords", "as_items", "bad_input_error",
            "check_encodable", "check_length_fits", "check_tokenizer", "check_tokenizer_kwargs", "fast_backend",
-           "log_skipped", "model_max_length", "plain_text", "report_skipped", "split_bad_texts", "tokenize_texts",
+           "log_skipped", "model_max_length", "plain_text", "split_bad_texts", "tokenize_texts",
            "validate_texts"]
 
 logger = logging.getLogger(__name__)
@@ -375,13 +375,6 @@ def plain_text(item: Any) -> str:
     if type(item) is str:
         return item
     return str.__str__(item) if isinstance(item, str) else ""
-
-
-def report_skipped(skipped: np.ndarray, n: int) -> None:
-    """Refuses ``n`` texts of which none is a str; logs the positions of the ones skipped (their results are None)."""
-    if skipped.size == n:
-        raise ValueError(f"texts should hold at least one str, but got {n} texts none of which is a str")
-    log_skipped(skipped, n, "texts that are not str")
 
 
 def _positions(bad: np.ndarray) -> str:

@@ -146,7 +146,7 @@ def _eager_loader(tokenized: Any, texts: list[str] | None, skipped: np.ndarray, 
     sampler = DynamicBatchSampler(batches, shuffle=shuffle, seed=seed)
     collator = TokenCollator.from_tokenizer(tokenized, tokenizer, texts=texts,
                                             pad_to_multiple_of=settings.pad_to_multiple_of)
-    sizes = [len(b) for b in batches]
+    sizes = [len(b) for b in batches] or [0]  # none when every text is a bad input, skipped
     logger.info("planned %d texts into %d batches (first %d rows, largest %d)", n, len(batches), sizes[0], max(sizes))
     cores = available_cores()
     if num_workers > cores:

@@ -315,8 +315,14 @@ def test_bad_inputs_skipped_are_planned_into_no_batch(tokenizer, texts, caplog):
         _load(dirty, tokenizer, on_bad_input="drop")
     with pytest.raises(TypeError, match=r"^on_bad_input should be 'raise' or 'skip', but got on_bad_input=None"):
         _load(dirty, tokenizer, on_bad_input=None)
-    with pytest.raises(ValueError, match=r"^texts should hold at least one str, but got 2 texts none of which is a str"):
-        _load([None, 3], tokenizer, on_bad_input="skip")
+
+
+@pytest.mark.parametrize("n, stream", [(2, False), (2, True), (600, True)])  # 600: past the stream's first chunk
+def test_with_skip_and_every_text_bad_the_plan_has_no_batch_and_every_position_skipped(tokenizer, caplog, n, stream):
+    # the loader refused: "texts should hold at least one str", where skip promises every input listed failed
+    loader = _load([None, 3] * (n // 2), tokenizer, on_bad_input="skip", stream=stream)
+    assert loader.plan.skipped.tolist() == list(range(n)) and list(loader) == []
+    assert f"skipping {n} of {n} texts that are not str (positions 0, 1" in caplog.text
 
 
 def test_ids_are_one_per_text_and_carried_by_the_plan(tokenizer, texts):

@@ -146,6 +146,19 @@ def test_bad_inputs_are_in_failures_with_their_cause(tokenizer, texts):
     assert result.failures == {10: BAD_INPUT} and result.failed == [10]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_with_skip_and_every_input_bad_run_lists_every_input_failed_and_runs_no_batch(tokenizer, tmp_path, stream):
+    from dynabatch.inference.runner import BAD_INPUT
+
+    calls = []
+    fn = lambda b: calls.append(b) or _lengths(b)  # noqa: E731
+    for path in (None, tmp_path / "store"):
+        loader = _load([None, 3, b"x"], tokenizer, on_bad_input="skip", ids=["a", "b", "c"], stream=stream)
+        result = run(fn, loader, output_path=path, progress=False)
+        assert list(result) == [None] * 3 and result.failed == [0, 1, 2] and result.failures[2] == BAD_INPUT
+        assert result.report.skipped_inputs == 3 and calls == []
+
+
 # --- a worker's error that is not a device failure stops the run, several devices included -------------------------
 
 

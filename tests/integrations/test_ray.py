@@ -573,6 +573,9 @@ def test_with_on_bad_input_skip_a_text_that_is_not_a_str_is_reported_in_the_erro
     assert out["output"].type == pa.list_(pa.float32(), 1) and out["output"].to_pylist() == [[4.0], None, [3.0]]
     clean = predictor({"id": np.arange(1), "text": np.array(["a"], dtype=object)})  # a window without a bad text
     assert clean["output"].type == out["output"].type and clean["error"].tolist() == [""]
+    # a window of none but bad texts: no batch to run (the predictor's probe of its first batch stopped the window)
+    nulls = predictor({"id": np.arange(2), "text": np.array([None, None], dtype=object)})
+    assert nulls["output"].type == pa.null() and nulls["error"].tolist() == [out["error"][1]] * 2
 
 
 def test_a_window_with_a_text_that_is_not_a_str_is_refused_naming_the_column_rows_and_ids(tokenizer):

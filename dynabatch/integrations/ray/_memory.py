@@ -122,7 +122,10 @@ class WindowMemory:
         except BudgetTooSmallError:  # the reference bytes hold no row of this window's longest text: planned anew
             loader = None
         probe = loader if loader is not None else self._loader(texts, "relative")
-        width = int(next(iter(probe))["input_ids"].shape[1])  # longest first: the window's longest text
+        first = next(iter(probe), None)  # longest first: the window's longest text
+        if first is None:  # every text of the window a bad input, skipped: no batch to run, nothing to learn
+            return probe, plan, 0
+        width = int(first["input_ids"].shape[1])
         if plan == "relative":
             return loader, plan, width
         territory = self.memory_model.measured_length_
