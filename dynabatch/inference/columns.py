@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-__all__ = ["RESERVED", "Columns", "as_numpy", "numpy_column", "same_field", "widen"]
+__all__ = ["RESERVED", "Columns", "arrow_names", "as_numpy", "numpy_column", "same_field", "widen"]
 
 RESERVED = ("position", "id", "input_hash")  # the store's own columns
 _SCALARS = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.string()}
@@ -265,6 +265,30 @@ def _inner_dims(kind: pa.DataType) -> tuple[int, ...] | None:
     """An array column's dimensions after the first (``None``: not an array column of rows with a first dimension)."""
     varies, dims, _ = _layout(kind)
     return tuple(dims) if varies else tuple(dims[1:]) if dims else None
+
+
+def _named(kind: pa.DataType) -> pa.DataType:
+    if pa.types.is_struct(kind):
+        return pa.struct([field.with_type(_named(field.type)) for field in kind])
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)):
+        return kind
+    value = kind.value_field
+    item = pa.field("item", _named(value.type), nullable=value.nullable, metadata=value.metadata)
+    if pa.types.is_fixed_size_list(kind):
+        return pa.list_(item, kind.list_size)
+    return pa.large_list(item) if pa.types.is_large_list(kind) else pa.list_(item)
+
+
+def arrow_names(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with every list's items named as Arrow names them (``item``), whatever the Parquet file it was read
+    from named them (its writer names them ``element``): a store's columns read back typed as the rows were.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> arrow_names(pa.schema([("v", pa.list_(pa.field("element", pa.float32()), 2))])).field("v").type
+        FixedSizeListType(fixed_size_list<item: float>[2])
+    """
+    return pa.schema([field.with_type(_named(field.type)) for field in schema], metadata=schema.metadata)
 
 
 def same_field(a: pa.Field, b: pa.Field) -> bool:

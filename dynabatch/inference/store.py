@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_value, first_few
-from dynabatch.inference.columns import Columns, same_field, widen
+from dynabatch.inference.columns import Columns, arrow_names, same_field, widen
 from dynabatch.inference.store_lock import PREFIX, JobLock, StoreBusyError
 from dynabatch.inference.store_shards import (CHECK, FAILED, FORMAT, MERGING, META, SET_ASIDE, TEMPORARY, TornFooter,
                                               checked_meta, covered, footer_check, is_dead, is_shard, later_shard,
@@ -174,7 +174,7 @@ class Store:
     def _read(self, file: str, verify: bool, *, failures: bool) -> Any:
         """One shard's (or failure record file's) index entry; ``None``: gone, or torn and set aside."""
         try:
-            schema = pq.read_schema(file)
+            schema = arrow_names(pq.read_schema(file))  # its lists' items named as the rows written name them
             meta = self._check(schema, os.path.basename(file))
             table = read_whole(file, None if verify else [self.keyed_by, "cause" if failures else "input_hash"])
         except FileNotFoundError:  # merged by another writer of this job meanwhile

@@ -86,6 +86,22 @@ def test_numpy_stack_and_to_arrow_agree_between_memory_and_store(both, texts):
     assert table_memory.column("label").to_pylist() == table_stored.column("label").to_pylist()
 
 
+@pytest.mark.parametrize("fn, kwargs, kind", [
+    (lambda b: b["attention_mask"][:, :2].float(), {}, "fixed_size_list<item: float>[2]"),
+    (lambda b: b["input_ids"].float() / 3, {"token_outputs": "per_token"}, "list<item: float>"),
+    (lambda b: b["attention_mask"][:, :2, None].repeat(1, 1, 3).float(), {}, "list<item: "
+     "fixed_size_list<item: float>[3]>")])
+def test_a_resumed_runs_to_arrow_has_the_schema_of_a_fresh_run(tokenizer, texts, tmp_path, fn, kwargs, kind):
+    """A store read back from its files named list items ``element`` (Parquet's), the rows in memory ``item``."""
+    loader = _load(texts[:8], tokenizer)
+    fresh = run(fn, loader, progress=False, **kwargs).to_arrow()
+    run(fn, loader, output_path=tmp_path, progress=False, **kwargs)
+    resumed = run(fn, loader, output_path=tmp_path, progress=False, **kwargs)  # every row read back from the files
+    assert resumed.report.rows == 0 and str(resumed.to_arrow().schema.field("output").type) == kind
+    assert resumed.to_arrow().schema.to_string(show_field_metadata=True) == fresh.schema.to_string(
+        show_field_metadata=True) and resumed.to_arrow().equals(fresh)
+
+
 def test_per_token_rows_of_equal_lengths_are_lists_in_memory_as_in_the_store(tokenizer, tmp_path):
     """Arrow types a per-token output by what it is, not by whether its rows' lengths happen to be equal."""
     loader = _load(["one two three"] * 3 + ["four five six"] * 3, tokenizer)  # every text of one length
