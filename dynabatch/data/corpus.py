@@ -68,7 +68,7 @@ import re
 import shutil
 import tempfile
 import weakref
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,6 +167,24 @@ def _jsonl_fault(path: str, *, kinds: bool) -> str | None:
             except UnicodeDecodeError as exc:
                 return f"line {number}: not UTF-8 ({exc.reason} at byte {exc.start})"
     return None
+
+
+_BLOCK = 1 << 20  # pyarrow's CSV and JSON readers' default block, in bytes
+_LARGEST_BLOCK = (1 << 31) - 1  # the largest block pyarrow takes (an int32)
+
+
+def _in_blocks(read: Callable[[int], Any], path: str) -> Any:
+    """``read(block_size)``, again with blocks four times larger while a row straddles two (pyarrow parses whole
+    rows within a block: a document longer than its default block, a book on one JSONL line, is refused with "try
+    to increase block size"); a block holding the whole file, or the largest, is the last try."""
+    size = _BLOCK
+    while True:
+        try:
+            return read(size)
+        except pa.ArrowInvalid as exc:
+            if "straddl" not in str(exc) or size >= min(os.path.getsize(path), _LARGEST_BLOCK):
+                raise
+            size = min(size * 4, _LARGEST_BLOCK)
 
 
 def _is_glob(path: str) -> bool:
@@ -305,7 +323,9 @@ class Corpus:
 
         for file in self._file_list(f"{self.format.upper()} files ({', '.join(self._suffixes())})"):
             try:
-                names = csv.open_csv(file, parse_options=self._csv_options()).schema.names
+                names = _in_blocks(lambda size, f=file: csv.open_csv(
+                    f, read_options=csv.ReadOptions(block_size=size), parse_options=self._csv_options()).schema.names,
+                    file)
             except (OSError, pa.ArrowException) as exc:
                 raise self._refusal(file, exc) from exc
             self._add_file(file, pa.schema([(n, pa.large_string()) for n in names]))
@@ -329,12 +349,19 @@ class Corpus:
             kept = [n for n in names if self.keep is None or n in self.keep]
             convert = csv.ConvertOptions(column_types={n: pa.large_string() for n in names}, include_columns=kept)
             target = os.path.join(self._scratch, f"{i:06d}.parquet")
-            try:
-                reader = csv.open_csv(file, parse_options=self._csv_options(), convert_options=convert)
+
+            def write(size: int, file: str = file, convert: Any = convert, target: str = target) -> int:
+                reader = csv.open_csv(file, read_options=csv.ReadOptions(block_size=size),
+                                      parse_options=self._csv_options(), convert_options=convert)
+                rows = 0
                 with pq.ParquetWriter(target, reader.schema) as writer:
                     for batch in reader:
                         writer.write_batch(batch)
-                        self.rows += batch.num_rows
+                        rows += batch.num_rows
+                return rows
+
+            try:
+                self.rows += _in_blocks(write, file)
             except (OSError, pa.ArrowException) as exc:
                 raise self._refusal(file, exc) from exc
             self.files.append(target)
@@ -365,7 +392,8 @@ class Corpus:
         if os.path.getsize(self.path) == 0:
             return
         try:
-            self.table = pyarrow.json.read_json(self.path)
+            self.table = _in_blocks(lambda size: pyarrow.json.read_json(
+                self.path, read_options=pyarrow.json.ReadOptions(block_size=size)), self.path)
             # pyarrow reads bytes that are not UTF-8 inside a JSON string into the string column as they are; only
             # here can they be named by file and line (taking such a text raises Python's decode error, naming neither)
             self.table.validate(full=True)

@@ -129,3 +129,17 @@ def test_a_malformed_jsonl_line_is_named_by_its_line(tmp_path):
                                          r"source='.*docs.jsonl': line 2: not UTF-8 \(invalid start byte at byte "
                                          r"10\)$"):
         open_corpus(path)
+
+
+@pytest.mark.parametrize("name", ["long.csv", "long.tsv", "long.jsonl"])
+def test_a_document_longer_than_pyarrows_block_is_read(tmp_path, name):
+    # pyarrow parses rows within 1 MiB blocks: a row over two of them was refused, "try to increase block size?"
+    long = "In the beginning " * 200_000  # 3.4 MB on one line
+    path = tmp_path / name
+    if name.endswith(".jsonl"):
+        path.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(["a", long, "b"])))
+    else:
+        sep = "\t" if name.endswith(".tsv") else ","
+        path.write_text(f"id{sep}text\n0{sep}a\n1{sep}{long}\n2{sep}b\n")
+    texts = read_texts(str(path))
+    assert len(texts) == 3 and texts.take([0, 1, 2]) == ["a", long, "b"]
