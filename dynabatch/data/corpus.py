@@ -472,6 +472,10 @@ class Corpus:
             others = f", and {more} more files do" if more else ""
             raise bad_value(flag, f"a column of every file of the input ({file!r} lacks it{others}; its columns: "
                             f"{names})", column)
+        twice = next(((f, names) for f, names in self.file_columns if names.count(column) > 1), None)
+        if twice is not None:  # which of them is meant? pyarrow cannot pick one either
+            raise bad_value(flag, f"a column named once in every file of the input ({twice[0]!r} has "
+                            f"{twice[1].count(column)} named so; its columns: {twice[1]}): rename all but one", column)
         kind = self.columns[column]
         checks = {"string": lambda t: pa.types.is_string(t) or pa.types.is_large_string(t),
                   "integer": pa.types.is_integer,

@@ -143,3 +143,20 @@ def test_a_document_longer_than_pyarrows_block_is_read(tmp_path, name):
         path.write_text(f"id{sep}text\n0{sep}a\n1{sep}{long}\n2{sep}b\n")
     texts = read_texts(str(path))
     assert len(texts) == 3 and texts.take([0, 1, 2]) == ["a", long, "b"]
+
+
+def test_a_column_named_twice_in_a_file_is_refused_naming_the_file(tmp_path):
+    # a CSV or Parquet file with two columns of one name failed with pyarrow's KeyError (the texts) or its "Multiple
+    # matches for FieldRef" (the ids)
+    (tmp_path / "twice.csv").write_text("id,text,id\n1,a,2\n")
+    pq.write_table(pa.Table.from_arrays([pa.array(["a"]), pa.array(["b"])], names=["text", "text"]),
+                   tmp_path / "twice.parquet")
+    with pytest.raises(ValueError, match=r"^column should be a column named once in every file of the input \('.*twi"
+                       r"ce.parquet' has 2 named so; its columns: \['text', 'text'\]\): rename all but one, but got "
+                       r"column='text'$"):
+        read_texts(str(tmp_path / "twice.parquet"))
+    corpus = open_corpus(str(tmp_path / "twice.csv"))
+    assert corpus.texts("text").take([0]) == ["a"]  # the other column named twice is not read
+    with pytest.raises(ValueError, match=r"^id_column should be a column named once in every file .* \['id', 'text', "
+                       r"'id'\]\): rename all but one, but got id_column='id'$"):
+        corpus.ids("id")
