@@ -61,6 +61,7 @@ Example:
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import os
@@ -115,6 +116,24 @@ def _unreadable(name: str, path: str, what: str, exc: BaseException, detail: str
     """``path`` (the argument ``name``) refused as not ``what``: ``detail``, else the first line of the error reading
     it raised."""
     return ValueError(f"{name} should be {what}, but got {name}={path!r}: {detail or _first_line(exc)}")
+
+
+_WIDE = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+         (codecs.BOM_UTF16_BE, "UTF-16"))  # UTF-32's little-endian mark starts with UTF-16's: it is tried first
+
+
+def _not_utf8(path: str) -> str | None:
+    """Why the text file ``path`` is not UTF-8 where its start tells (a UTF-16 or UTF-32 byte order mark, or a NUL
+    in every other byte: UTF-16 of mostly ASCII text); ``None`` otherwise. pyarrow's CSV reader splits such a file's
+    bytes into rows anyway, and blamed a row's number of values."""
+    with open(path, "rb") as file:
+        start = file.read(4096)
+    wide = next((name for mark, name in _WIDE if start.startswith(mark)), None)
+    if wide is not None:
+        return f"{wide} text (it starts with a {wide} byte order mark), not UTF-8: save it as UTF-8"
+    if len(start) >= 4 and max(start[0::2].count(0), start[1::2].count(0)) > len(start) // 4:
+        return "UTF-16 text (a NUL in every other byte), not UTF-8: save it as UTF-8"
+    return None
 
 
 _JSONL_RULE = "a JSONL file (one JSON object a line)"
@@ -368,8 +387,10 @@ class Corpus:
 
     def _refusal(self, file: str, exc: BaseException) -> ValueError:
         """``file`` refused, naming the line of its first ragged row where pyarrow's error names only its text."""
-        line = self._ragged_line(file) if "Expected" in str(exc) else None
-        return _unreadable(self.name, file, self._table_rule(), exc, line and f"line {line}: {_first_line(exc)}")
+        wide = _not_utf8(file) if isinstance(exc, pa.ArrowException) else None
+        line = self._ragged_line(file) if "Expected" in str(exc) and wide is None else None
+        return _unreadable(self.name, file, self._table_rule(), exc,
+                           wide or line and f"line {line}: {_first_line(exc)}")
 
     def _ragged_line(self, file: str) -> int | None:
         """The line (from 1) where the first row of ``file`` with another number of values than its first row
@@ -400,6 +421,7 @@ class Corpus:
         except (OSError, pa.ArrowException) as exc:
             fault = _jsonl_fault(self.path, kinds="Column(/" in str(exc)) \
                 if isinstance(exc, pa.ArrowException) else None
+            fault = fault and _not_utf8(self.path) or fault
             raise _unreadable(self.name, self.path, _JSONL_RULE, exc, fault or _without_block_row(exc)) from exc
         self.columns = dict(zip(self.table.schema.names, self.table.schema.types))
         self.rows = self.table.num_rows
@@ -442,7 +464,8 @@ class Corpus:
         try:
             self.lines = source_of(self._lines())  # read once here: the rows are the lines
         except (UnicodeDecodeError, OSError) as exc:
-            raise _unreadable(self.name, self.path, "a UTF-8 text file, one document a line", exc) from exc
+            wide = _not_utf8(self.path) if isinstance(exc, UnicodeDecodeError) else None
+            raise _unreadable(self.name, self.path, "a UTF-8 text file, one document a line", exc, wide) from exc
         self.rows = len(self.lines)
 
     def _check_file(self) -> None:

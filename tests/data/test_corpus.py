@@ -160,3 +160,17 @@ def test_a_column_named_twice_in_a_file_is_refused_naming_the_file(tmp_path):
     with pytest.raises(ValueError, match=r"^id_column should be a column named once in every file .* \['id', 'text', "
                        r"'id'\]\): rename all but one, but got id_column='id'$"):
         corpus.ids("id")
+
+
+@pytest.mark.parametrize("name, encoding", [("excel.tsv", "utf-16"), ("docs.csv", "utf-16-le"), ("docs.jsonl", "utf-16"),
+                                            ("docs.txt", "utf-32")])
+def test_a_utf16_or_utf32_file_is_refused_as_not_utf8(tmp_path, name, encoding):
+    # Excel's "Unicode text" is UTF-16 TSV: its refusal blamed "line 3: CSV parse error: Expected 2 columns, got 1"
+    body = {".tsv": "id\ttext\n1\thello\n", ".csv": "id,text\n1,hello\n", ".jsonl": '{"text": "hello"}\n',
+            ".txt": "hello\n"}[(tmp_path / name).suffix]
+    (tmp_path / name).write_bytes(body.encode(encoding))
+    wide = "UTF-16" if encoding.startswith("utf-16") else "UTF-32"
+    mark = "a NUL in every other byte" if encoding.endswith("-le") else f"it starts with a {wide} byte order mark"
+    with pytest.raises(ValueError, match=rf"got source='.*{name}': {wide} text \({mark}\), not UTF-8: save it as "
+                       r"UTF-8$"):
+        read_texts(str(tmp_path / name))
