@@ -399,11 +399,14 @@ class Corpus:
 
         with open(file, encoding="utf-8", errors="replace", newline="") as lines:
             reader, start, columns = csv.reader(lines, delimiter=_DELIMITERS[self.format]), 1, None
-            for row in reader:
-                columns = columns or len(row)
-                if row and len(row) != columns:  # pyarrow skips empty lines, as csv gives them: []
-                    return start
-                start = reader.line_num + 1
+            try:
+                for row in reader:
+                    columns = columns or len(row)
+                    if row and len(row) != columns:  # pyarrow skips empty lines, as csv gives them: []
+                        return start
+                    start = reader.line_num + 1
+            except csv.Error:  # a value past csv's field size limit (a long document), which pyarrow reads
+                return None
         return None
 
     def _open_jsonl(self) -> None:

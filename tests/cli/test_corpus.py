@@ -38,6 +38,9 @@ def test_a_tsv_folder_and_a_csv_glob_read_every_file_in_sorted_order(tmp_path):
     ('id,text\n1,"a\nb"\n\n2,x\n3,"q\nr",z\n', ("input should be a UTF-8 CSV file: a first line naming the columns, "
                                                "then as many values a row, but got input={path!r}: line 6: CSV parse "
                                                'error: Expected 2 columns, got 3: 3,"q')),  # lines in values, blank
+    ("id,text\n1," + "x" * 200_000 + "\n2,a,b\n", ("input should be a UTF-8 CSV file: a first line naming the columns, "
+                                                  "then as many values a row, but got input={path!r}: CSV parse error: "
+                                                  "Expected 2 columns, got 3: 2,a,b")),  # past csv's field size limit
 ])
 def test_an_empty_or_ragged_csv_is_refused_naming_the_file(tmp_path, content, message):
     path = tmp_path / "docs.csv"
