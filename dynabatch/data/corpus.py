@@ -77,7 +77,7 @@ import pyarrow as pa
 
 from dynabatch._validation import bad_value, check_positive_int, first_few
 from dynabatch.data.ids import check_ids
-from dynabatch.data.text_source import SPILL_ROWS, TextSource, source_of
+from dynabatch.data.text_source import SPILL_ROWS, TextSource, is_text_type, source_of
 
 __all__ = ["FORMATS", "LIBRARY", "Corpus", "Naming", "open_corpus", "read_texts"]
 
@@ -503,10 +503,10 @@ class Corpus:
             raise bad_value(flag, f"a column named once in every file of the input ({twice[0]!r} has "
                             f"{twice[1].count(column)} named so; its columns: {twice[1]}): rename all but one", column)
         kind = self.columns[column]
-        checks = {"string": lambda t: pa.types.is_string(t) or pa.types.is_large_string(t),
-                  "integer": pa.types.is_integer,
+        value = kind.value_type if pa.types.is_dictionary(kind) else kind  # pandas' categorical: its values count
+        checks = {"string": is_text_type, "integer": pa.types.is_integer,
                   "list": lambda t: pa.types.is_list(t) or pa.types.is_large_list(t)}
-        if not any(checks[k](kind) for k in kinds):
+        if not any(checks[k](value) for k in kinds):
             raise bad_value(flag, f"a column of {' or '.join(kinds)} values (the input's {column!r} holds {kind})",
                             column)
         return kind

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch._validation import bad_type, bad_value, brief, first_few
+from dynabatch.data.text_source import is_text_type
 
 __all__ = ["check_ids"]
 
@@ -71,7 +72,9 @@ def check_ids(ids: Any, n: int) -> Any:
     import pyarrow.compute as pc
 
     array = _as_arrow(ids)
-    if pa.types.is_string(array.type) or pa.types.is_large_string(array.type):
+    if pa.types.is_dictionary(array.type):  # pandas' categorical: its values are the ids
+        array = array.cast(array.type.value_type)
+    if is_text_type(array.type):
         array = array.cast(pa.string())
     elif pa.types.is_integer(array.type):
         try:

@@ -41,8 +41,8 @@ from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.tokenization import (as_items, check_encodable, log_skipped, plain_text, split_bad_texts,
                                          validate_texts)
 
-__all__ = ["SPILL_ROWS", "TextSource", "check_on_bad_input", "is_text_source", "open_texts", "parquet_paths",
-           "source_of"]
+__all__ = ["SPILL_ROWS", "TextSource", "check_on_bad_input", "is_text_source", "is_text_type", "open_texts",
+           "parquet_paths", "source_of"]
 
 SPILL_ROWS = 8192
 """Texts per Arrow record batch when an iterable or Parquet files are read in."""
@@ -70,11 +70,23 @@ def _check_utf8(strings: Any, where: str, first: int = 0) -> None:
         raise
 
 
+def is_text_type(kind: Any) -> bool:
+    """Whether the Arrow type ``kind`` holds texts: ``string``, ``large_string``, ``string_view`` (polars' strings,
+    in its Arrow files) or a dictionary of them (pandas' categorical, in its Parquet files); each is read as
+    ``large_string``."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    is_view = getattr(pa.types, "is_string_view", None)  # pyarrow >= 16
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or bool(is_view and is_view(kind))
+
+
 def _is_arrow_strings(values: Any) -> bool:
     pa = sys.modules.get("pyarrow")
     if pa is None or not isinstance(values, (pa.Array, pa.ChunkedArray)):
         return False
-    return pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+    return is_text_type(values.type)
 
 
 def _is_dataset(values: Any) -> bool:
@@ -109,6 +121,8 @@ class TextSource:
             import pyarrow as pa
 
             self.arrow = texts if isinstance(texts, pa.ChunkedArray) else pa.chunked_array([texts])
+            if not (pa.types.is_string(texts.type) or pa.types.is_large_string(texts.type)):
+                self.arrow = self.arrow.cast(pa.large_string())  # a view or dictionary: Arrow's compute reads these
             self.items: list | None = None
             self.n = len(self.arrow)
             if not self.n:
@@ -364,7 +378,7 @@ def _read_parquet(paths: list[str], column: str, chunk_size: int) -> TextSource:
             if column not in file.schema_arrow.names:
                 raise bad_value("column", f"a column of {Path(path).name} {file.schema_arrow.names}", column)
             kind = file.schema_arrow.field(column).type
-            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            if not is_text_type(kind):
                 raise bad_type("column", f"a column of strings (in {Path(path).name} it is {kind})", column)
             row = 0
             for batch in file.iter_batches(batch_size=chunk_size, columns=[column], use_threads=False):

@@ -174,3 +174,21 @@ def test_a_utf16_or_utf32_file_is_refused_as_not_utf8(tmp_path, name, encoding):
     with pytest.raises(ValueError, match=rf"got source='.*{name}': {wide} text \({mark}\), not UTF-8: save it as "
                        r"UTF-8$"):
         read_texts(str(tmp_path / name))
+
+
+def test_string_views_and_dictionaries_of_strings_are_texts_and_ids(tmp_path):
+    # polars writes its strings to Arrow files as string_view, pandas its categoricals to Parquet as dictionaries:
+    # both were refused, "column should be a column of string values (the input's 'text' holds string_view)"
+    from dynabatch.data.ids import check_ids
+    from dynabatch.data.text_source import source_of
+
+    feather.write_feather(pa.table({"text": pa.array(["a b", "c"], pa.string_view())}), tmp_path / "views.arrow")
+    categorical = pa.table({"id": pa.array(["x", "y", "z"]).dictionary_encode(),
+                            "text": pa.array(["a b", "a b", "c"]).dictionary_encode()})
+    pq.write_table(categorical, tmp_path / "cat.parquet")
+    assert read_texts(str(tmp_path / "views.arrow")).take([0, 1]) == ["a b", "c"]
+    corpus = open_corpus(str(tmp_path / "cat.parquet"))
+    assert corpus.texts("text").take([0, 1, 2]) == ["a b", "a b", "c"] and corpus.ids("id").to_pylist() == ["x", "y", "z"]
+    view = source_of(pa.array(["de", None], pa.string_view()))
+    assert view.char_lengths().tolist() == [2, -1] and view.bad().tolist() == [1]
+    assert check_ids(pa.array([7, 3]).dictionary_encode(), 2).type == pa.int64()

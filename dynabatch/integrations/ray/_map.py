@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int, first_few
+from dynabatch.data.text_source import is_text_type
 from dynabatch.integrations.ray._columns import check_column
 from dynabatch.integrations.ray._store import SUMMARY, check_store_options, open_store
 from dynabatch.integrations.ray.predictor import DynamicBatchPredictor
@@ -235,9 +236,7 @@ def _check_columns(ds: Any, text_column: Any, output_column: Any, id_column: str
 
 def _holds_str(kind: pa.DataType) -> bool:
     """Whether an Arrow column of type ``kind`` holds str rows (null: no value yet, which the windows check)."""
-    is_view = getattr(pa.types, "is_string_view", None)  # pyarrow >= 16
-    return (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
-            or bool(is_view and is_view(kind)))
+    return is_text_type(kind) or pa.types.is_null(kind)
 
 
 def _run_stored(out: Any, opened: Any, key: str | None, id_column: str) -> Any:
