@@ -93,19 +93,27 @@ def split_bad_rows(texts: Any, on_bad_input: str = "raise") -> tuple[list, np.nd
 
 
 def _flat_ids(rows: list[Any]) -> tuple[np.ndarray, np.ndarray]:
-    """Every row's ids in one int64 array, and the rows' lengths; a TypeError names the first bad row."""
+    """Every row's ids in one integer array, and the rows' lengths; a TypeError names the first bad row."""
     for i, row in enumerate(rows):
         if not _is_id_row(row):
             raise bad_type(f"texts[{i}]", "a row of int token ids, like texts[0]", row)
     rows = [row.tolist() if not isinstance(row, (list, tuple)) else row for row in rows]  # arrays, tensors
     lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-    flat = np.array(list(itertools.chain.from_iterable(rows)))
+    ids = list(itertools.chain.from_iterable(rows))
+    try:
+        flat = np.array(ids)
+    except ValueError:  # ids that are themselves sequences, of several lengths
+        flat = None
+    if flat is None or flat.ndim != 1:  # ids that are sequences (rows of rows): the loop below names the first
+        flat = np.empty(len(ids), dtype=object)
+        for k, value in enumerate(ids):
+            flat[k] = value
     if flat.size and (flat.dtype == bool or not np.issubdtype(flat.dtype, np.integer)):
         for i, row in enumerate(rows):
             for j, value in enumerate(row):
                 if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                     raise bad_type(f"texts[{i}][{j}]", "an int token id", value)
-    return flat.astype(np.int64, copy=False), lengths
+    return flat, lengths  # its ints as they are (uint64, Python ints): checked for range before any cast
 
 
 def store_token_ids(

@@ -39,3 +39,16 @@ def test_bad_pre_tokenized_rows_name_the_first_bad_id():
         store_token_ids([[1, 2], "and"], 8)
     with pytest.raises(ValueError, match="truncation_side should be 'right' or 'left', but got truncation_side='up'"):
         store_token_ids([[1, 2]], 8, truncation_side="up")
+
+
+def test_rows_of_rows_and_uint64_ids_are_refused_naming_the_id():
+    # rows holding rows of one length were stored as rows of length 1 holding 2-D "ids"; of several lengths they
+    # raised numpy's "inhomogeneous shape"; a uint64 id of 2**63 was named as -9223372036854775808
+    for rows in ([[[1, 2]], [[3, 4]]], [[[1, 2]], [[3]]], [torch.tensor([[1, 2]])]):
+        with pytest.raises(TypeError, match=r"^texts\[0\]\[0\] should be an int token id, but got texts\[0\]\[0\]=\[1, "
+                                            r"2\] of type list$"):
+            store_token_ids(rows, 8)
+    with pytest.raises(ValueError, match=r"^texts\[1\]\[0\] should be a token id in \[0, 2\*\*31\), but got "
+                                         r"texts\[1\]\[0\]=9223372036854775808$"):
+        store_token_ids([np.array([5], np.uint64), np.array([2**63], np.uint64)], 8)
+    assert store_token_ids([np.array([7, 2**31 - 1], np.uint64)], 8).row(0).tolist() == [7, 2**31 - 1]
