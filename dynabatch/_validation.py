@@ -9,8 +9,10 @@ type, its size and the start of its repr.
 
 from __future__ import annotations
 
+import difflib
 import numbers
 import reprlib
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,7 @@ __all__ = [
     "check_non_negative_int",
     "check_positive_int",
     "check_positive_number",
+    "did_you_mean",
     "first_few",
 ]
 
@@ -87,6 +90,18 @@ def first_few(values, n: int = 5) -> str:
         ('3, 1, 4, 1, 5, ...', 'a')
     """
     return ", ".join(map(str, values[:n])) + (", ..." if len(values) > n else "")
+
+
+def did_you_mean(name: Any, names: Iterable[str]) -> str:
+    """For a message on a misspelt ``name``: ``" (did you mean 'x'?)"`` with the closest of ``names``, else ``""``.
+
+    Example:
+        >>> from dynabatch._validation import did_you_mean
+        >>> did_you_mean("batchsize", ["batch_size", "device"]), did_you_mean("zzz", ["batch_size"])
+        (" (did you mean 'batch_size'?)", '')
+    """
+    close = difflib.get_close_matches(name, sorted(names), n=1) if isinstance(name, str) else []
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _got(name: str, value: Any) -> str:

@@ -45,7 +45,6 @@ Example:
 from __future__ import annotations
 
 import collections.abc
-import difflib
 import inspect
 import itertools
 import json
@@ -61,7 +60,7 @@ import numpy as np
 
 from dynabatch._background import ordered_map
 from dynabatch._malloc import trim
-from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_positive_int, did_you_mean
 from dynabatch.data.workers import Pieces, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
 
 __all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "PIECE_TOKENS", "TOKENS_PER_CALL", "TRIM_TOKENS",
@@ -220,8 +219,7 @@ def check_tokenizer_kwargs(tokenizer: Any, tokenizer_kwargs: dict[str, Any], cal
             # (transformers 5 drops the keyword): the tokenizer applies it where it is set
             hint = f" (set it on the tokenizer instead: tokenizer.{key} = {value!r})"
         else:  # the keywords dynabatch refuses are no hint
-            close = difflib.get_close_matches(key, sorted((own | accepted) - set(FORBIDDEN_TOKENIZER_KWARGS)), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = did_you_mean(key, (own | accepted) - set(FORBIDDEN_TOKENIZER_KWARGS))
         raise TypeError(
             f"{caller.__name__}() got an unexpected keyword argument {key!r}{hint}: extra keywords "
             f"go to the tokenizer, and {type(tokenizer).__name__} does not take it; "

@@ -779,6 +779,22 @@ def test_map_texts_refuses_an_id_in_two_windows_once_both_are_stored(ray_cluster
     assert sorted(_stored(store)[1]) == [0, 1, 2, 2, 3, 4]  # what the message says the store holds
 
 
+def test_map_texts_refuses_a_keyword_the_predictor_does_not_take_before_any_actor_starts(ray_cluster, tmp_path):
+    """Each actor's constructor raised it, and Ray said so 2-4 s later as the actor's death (ActorDiedError)."""
+    ds = ray_cluster.data.from_items([{"id": 0, "text": "In the beginning"}])
+    options = {"batch_size": 4, "max_input_token_length": MAX_LEN}
+    with pytest.raises(TypeError, match=re.escape(
+            "map_texts() got an unexpected keyword argument 'text_colum' for Sums() (did you mean 'text_column'?): "
+            "the keywords map_texts does not take itself go to the predictor, which takes batch_size, calibrate, ")) \
+            as caught:
+        map_texts(ds, Sums, text_colum="body", **options)  # before the columns: not "a column the dataset lacks"
+    assert ", fail_at, " in str(caught.value) and str(caught.value).endswith("; but got text_colum='body'")
+    with pytest.raises(TypeError, match=re.escape("PoisonedSums.__init__() should get the keyword argument 'poison', "
+                                                  "but map_texts() got none: pass poison=... to map_texts()")):
+        map_texts(ds, PoisonedSums, output_path=tmp_path / "store", key="sums", **options)
+    assert not (tmp_path / "store").exists()  # refused before the store is opened
+
+
 def test_map_texts_refuses_columns_the_dataset_lacks_or_has_before_any_actor_starts(ray_cluster, tmp_path):
     """The actors check each window too, but only once their model is loaded, and Ray wraps the error in its own."""
     ds = ray_cluster.data.from_items([{"key": "a", "body": "In the beginning", "output": 1}])

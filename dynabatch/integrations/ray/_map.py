@@ -14,7 +14,7 @@ from dynabatch._validation import bad_type, bad_value, check_bool, check_positiv
 from dynabatch.data.text_source import is_text_type
 from dynabatch.integrations.ray._columns import check_column
 from dynabatch.integrations.ray._store import SUMMARY, check_store_options, open_store
-from dynabatch.integrations.ray.predictor import DynamicBatchPredictor
+from dynabatch.integrations.ray.predictor import DynamicBatchPredictor, check_constructor
 from dynabatch.memory.device import device_count
 
 __all__ = ["default_window", "map_texts"]
@@ -113,7 +113,10 @@ def map_texts(
         id_column: with ``output_path``, the column of each row's id (str or
             int, unique in the dataset and stable across reruns).
         **predictor_kwargs: the predictor's other arguments (``text_column``,
-            ``output_column``, ``on_oom``, ``calibrate``, ...).
+            ``output_column``, ``on_oom``, ``calibrate``, ...); one the
+            predictor does not take (a subclass: those its ``__init__``
+            names, then, where it takes ``**kwargs``, those its base takes),
+            or one it requires and lacks, is refused here (``TypeError``).
 
     Returns:
         Without ``output_path``: the mapped ``ray.data.Dataset`` (lazy, as
@@ -171,14 +174,18 @@ def map_texts(
     compute = ray.data.ActorPoolStrategy(**pool, max_tasks_in_flight_per_actor=1)
     if num_gpus and "device" not in predictor_kwargs:
         predictor_kwargs["device"] = "cuda"
+    kwargs = dict(predictor_kwargs, batch_size=batch_size, max_input_token_length=max_input_token_length)
+    stored = {} if output_path is None else {"output_path": output_path, "key": key, "id_column": id_column}
+    # Here, not in each actor: an actor whose constructor raises dies, and Ray says so seconds later. Before the
+    # columns: a misspelt text_column is named as such, not as a column the dataset lacks.
+    check_constructor(predictor_cls, {**kwargs, **stored}, "map_texts")
     text_column = predictor_kwargs.get("text_column", "text")
     _check_columns(ds, text_column, predictor_kwargs.get("output_column", "output"),
                    id_column if output_path is not None else None)
-    kwargs = dict(predictor_kwargs, batch_size=batch_size, max_input_token_length=max_input_token_length)
     store = None
     if output_path is not None:
         store = open_store(output_path, key)  # refuses another key here, before any actor starts
-        kwargs.update(output_path=store.path, key=key, id_column=id_column)
+        kwargs.update(stored, output_path=store.path)
     remote = dict(ray_remote_args or {})
     if num_gpus:
         remote["num_gpus"] = num_gpus

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int, first_few
+from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int, brief, did_you_mean, first_few
 from dynabatch.data.tokenization import split_bad_texts
 from dynabatch.inference.execute import BatchOutOfMemoryError
 from dynabatch.inference.loader import plan_of
@@ -21,7 +23,7 @@ from dynabatch.integrations.ray._memory import WindowMemory
 from dynabatch.integrations.ray._store import SUMMARY, WindowStore, check_store_options
 from dynabatch.memory.model import MemoryModel
 
-__all__ = ["DynamicBatchPredictor"]
+__all__ = ["DynamicBatchPredictor", "check_constructor"]
 
 logger = logging.getLogger(__name__)
 
@@ -407,3 +409,49 @@ class DynamicBatchPredictor(WindowMemory):
             self._learn(result.report, plan, width)
         self.window_done(result.report, plan)
         return result, plan_of(loader).collator.tokenized
+
+
+def check_constructor(cls: type, kwargs: Mapping[str, Any], caller: str) -> None:
+    """Refuses (``TypeError``) the keywords that ``cls(**kwargs)`` would refuse in every actor: one that no
+    ``__init__`` of ``cls`` takes (named, with the closest it takes and all it takes), or one that one requires and
+    ``kwargs`` lack. ``caller`` passed ``kwargs`` on. Called on the driver: an actor whose constructor raises dies,
+    and Ray says so seconds later, as an ``ActorDiedError`` holding the traceback.
+
+    The keywords taken are those named by each ``__init__`` of ``cls``'s classes in turn, from ``cls`` on to the
+    first one without ``**kwargs`` (``DynamicBatchPredictor``'s at the latest): an ``__init__`` taking ``**kwargs``
+    is taken to pass them on to the next, as a subclass's passes them to ``super().__init__``.
+
+    Example:
+        >>> from dynabatch.integrations.ray.predictor import DynamicBatchPredictor, check_constructor
+        >>> try:
+        ...     check_constructor(DynamicBatchPredictor, {"batch_size": 8, "max_lenght": 64}, "map_texts")
+        ... except TypeError as exc:
+        ...     print(str(exc).split(":")[0])
+        map_texts() got an unexpected keyword argument 'max_lenght' for DynamicBatchPredictor()
+    """
+    taken: set[str] = set()
+    lacking: list[tuple[str, str]] = []  # (class, keyword) of each required keyword kwargs lack
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        try:
+            parameters = list(inspect.signature(klass.__init__).parameters.values())[1:]  # after self
+        except (TypeError, ValueError):  # no signature to read (a C type): it may take anything
+            return
+        named = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        taken.update(p.name for p in named)
+        lacking += [(klass.__name__, p.name) for p in named if p.default is p.empty and p.name not in kwargs]
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    else:  # every __init__ takes **kwargs: any keyword may be taken
+        return
+    for name, value in kwargs.items():
+        if name not in taken:
+            raise TypeError(
+                f"{caller}() got an unexpected keyword argument {name!r} for {cls.__name__}(){did_you_mean(name, taken)}"
+                f": the keywords {caller} does not take itself go to the predictor, which takes "
+                f"{', '.join(sorted(taken))}; but got {name}={brief(value)}")
+    if lacking:
+        owner, name = lacking[0]
+        raise TypeError(f"{owner}.__init__() should get the keyword argument {name!r}, but {caller}() got none: "
+                        f"pass {name}=... to {caller}(), which passes it on")
