@@ -27,7 +27,8 @@ import torch
 
 import dynabatch
 from dynabatch import BatchOutOfMemoryError, MemoryModel
-from dynabatch.integrations.ray import PLANS, DynamicBatchPredictor, default_window, map_texts, to_column
+from dynabatch.integrations.ray import (PLANS, DynamicBatchPredictor, default_window, map_texts, stored_results,
+                                       to_column)
 
 MAX_LEN = 64
 ROOT = Path(dynabatch.__file__).resolve().parents[1]
@@ -737,6 +738,7 @@ def test_a_killed_map_texts_job_reruns_only_the_rows_its_output_does_not_hold(ra
     assert _ran(record) == collections.Counter(t for i, t in zip(ids, held_out) if i not in held)  # the rest only
     assert not temp.exists() and (store / f".torn-{torn.name}.torn").exists()
     rows = out.take_all()  # what map_texts returns: the store, read by Ray
+    assert sorted(map(str, stored_results(store, key="sums").take_all())) == sorted(map(str, rows))  # as read later
     assert sorted(row["id"] for row in rows) == sorted(ids) and all(sorted(row) == ["id", "output"] for row in rows)
     assert sorted(_stored(store)[1]) == sorted(ids)  # every id stored exactly once
     uninterrupted = Sums(batch_size=4, max_input_token_length=MAX_LEN, learn_memory=False)(
@@ -777,6 +779,13 @@ def test_map_texts_refuses_an_id_in_two_windows_once_both_are_stored(ray_cluster
         map_texts(ds, Sums, batch_size=4, max_input_token_length=MAX_LEN, window=3, actors=1, output_path=store,
                   key="sums", learn_memory=False)
     assert sorted(_stored(store)[1]) == [0, 1, 2, 2, 3, 4]  # what the message says the store holds
+    # A job run with map_batches has no driver step: the store's reader refuses it (a Parquet read reads both).
+    with pytest.raises(ValueError, match=re.escape("but got 1 ids in more than one row (2): each of their rows ran")):
+        stored_results(store, key="sums")
+    with pytest.raises(ValueError, match="output_path should be the directory of a results store \(the "
+                                         "predictors' output_path\), but got output_path=.*misspelt"):
+        stored_results(tmp_path / "misspelt", key="sums")  # not made: it would read as a store of no rows
+    assert not (tmp_path / "misspelt").exists()
 
 
 def test_map_texts_refuses_a_keyword_the_predictor_does_not_take_before_any_actor_starts(ray_cluster, tmp_path):

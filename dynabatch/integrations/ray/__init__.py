@@ -46,7 +46,9 @@ that runs out of memory even alone raises
 which fails the job) or is reported in an error column (``on_oom="skip"``).
 A job killed as a whole resumes with ``map_texts(..., output_path=..., key=...)``:
 each window commits its rows to :func:`dynabatch.run`'s results store, keyed by
-the dataset's id column, and a rerun runs only the ids the store does not hold.
+the dataset's id column, and a rerun runs only the ids the store does not hold. A job
+run with ``map_batches`` and ``output_path`` is read with :func:`stored_results`, which
+refuses an id two windows stored (what ``map_texts`` does once its job has run).
 
 Ray is optional (the ``ray`` extra, ``pip install -e ".[ray]"``): this module imports without
 it, and only :func:`map_texts` imports ``ray``. Nothing in dynabatch imports
@@ -54,8 +56,8 @@ this module.
 """
 
 from dynabatch.inference.columns import numpy_column as to_column
-from dynabatch.integrations.ray._map import default_window, map_texts
+from dynabatch.integrations.ray._map import default_window, map_texts, stored_results
 from dynabatch.integrations.ray._memory import PLANS
 from dynabatch.integrations.ray.predictor import DynamicBatchPredictor
 
-__all__ = ["PLANS", "DynamicBatchPredictor", "default_window", "map_texts", "to_column"]
+__all__ = ["PLANS", "DynamicBatchPredictor", "default_window", "map_texts", "stored_results", "to_column"]

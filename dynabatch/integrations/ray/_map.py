@@ -17,7 +17,7 @@ from dynabatch.integrations.ray._store import SUMMARY, check_store_options, open
 from dynabatch.integrations.ray.predictor import DynamicBatchPredictor, check_constructor
 from dynabatch.memory.device import device_count
 
-__all__ = ["default_window", "map_texts"]
+__all__ = ["default_window", "map_texts", "stored_results"]
 
 logger = logging.getLogger(__name__)
 
@@ -250,7 +250,8 @@ def _run_stored(out: Any, opened: Any, key: str | None, id_column: str) -> Any:
     """Runs the job (each window commits its rows to the store) and returns a dataset reading the whole store.
 
     Raises:
-        ValueError: ``id_column`` gave one id to rows of more than one window: each window ran and stored it.
+        ValueError: ``id_column`` gave one id to rows of more than one window: each window ran and stored it
+            (:func:`_read_store`).
     """
     import ray.data
 
@@ -261,8 +262,68 @@ def _run_stored(out: Any, opened: Any, key: str | None, id_column: str) -> Any:
     logger.info("map_texts: output_path=%r held %d rows before; of this dataset's %d rows, %d were held, %d ran now, "
                 "%d of them without a result (not stored: a rerun tries them again)", opened.path, len(opened.ids),
                 totals["rows"], totals["held"], totals["ran"], totals["failed"])
-    store = open_store(opened.path, key)
-    _refuse_repeated_ids(store, opened, id_column)
+    return _read_store(open_store(opened.path, key), id_column, known=_repeated(opened))
+
+
+def stored_results(output_path: str | os.PathLike, *, key: str | None, id_column: str = "id") -> Any:
+    """The results store predictors wrote (``output_path``), checked and read as a ``ray.data.Dataset``, once their
+    job has finished: what ``map_texts(..., output_path=...)`` returns, for a job run with ``ds.map_batches``.
+
+    Each window checks its own ids only, and each actor the ids stored when it started: an id in rows of two
+    windows runs in both and is stored twice, maybe from two texts. ``map_texts`` checks the store when its job has
+    run; after a ``map_batches`` job, nothing but this does (a plain Parquet read of the store reads both copies).
+
+    Args:
+        output_path: the store's directory (the predictors' ``output_path``).
+        key: the predictors' ``key``; a store of another key is refused.
+        id_column: the predictors' ``id_column``, for the message.
+
+    Returns:
+        A dataset of one row per stored id: the ids in a column ``id`` and the output as the store holds it (one
+        column per output; tensors as Arrow lists).
+
+    Raises:
+        ValueError: ids stored more than once (naming them), a store of another ``key``, or no dynabatch store.
+
+    Example:
+        After a job without ``map_texts`` (``Embed`` as in :mod:`dynabatch.integrations.ray`)::
+
+            ds.map_batches(Embed, fn_constructor_kwargs=dict(batch_size=16, max_input_token_length=256,
+                           output_path="embeddings/", key="minilm cls 256"), batch_size=4096,
+                           compute=ray.data.ActorPoolStrategy(size=2)).materialize()   # one summary row a window
+            out = stored_results("embeddings/", key="minilm cls 256")
+    """
+    rule = "the directory of a results store (the predictors' output_path)"
+    if not isinstance(output_path, (str, os.PathLike)):
+        raise bad_type("output_path", rule, output_path)
+    check_store_options(output_path, key, id_column)
+    if not os.path.isdir(output_path):  # not made here: a misspelt path would read as a store of no rows
+        raise bad_value("output_path", rule, output_path)
+    return _read_store(open_store(output_path, key), id_column, known=set())
+
+
+def _repeated(store: Any) -> set[Any]:
+    """The ids ``store`` holds more than one row of."""
+    return set(store.ids.take(pa.array(store.repeated, pa.int64())).to_pylist()) if len(store.repeated) else set()
+
+
+def _read_store(store: Any, id_column: str, *, known: set[Any]) -> Any:
+    """A dataset reading ``store`` (opened for it, closed here), refusing (``ValueError``) ids it holds more than one
+    row of, except those ``known`` (stored twice before this job).
+
+    Only a reader of the whole store sees every window's ids, once they are stored: an id in two windows ran in
+    both, and the store holds both copies, maybe from different texts, reading the first.
+    """
+    import ray.data
+
+    repeated = sorted(_repeated(store) - known)
+    if repeated:
+        store.close()
+        raise ValueError(
+            f"id_column={id_column!r} should hold ids unique in the dataset (each row's result is stored under its "
+            f"id), but got {len(repeated)} ids in more than one row ({first_few(repeated)}): each of their "
+            f"rows ran and output_path={store.path!r} now holds a copy of each (read as the first found); give every "
+            "row its own id, and use another output_path")
     store.settle()  # one schema in every shard: Ray reads each shard on its own
     store.close()
     if store.columns is None:
@@ -278,21 +339,3 @@ def _run_stored(out: Any, opened: Any, key: str | None, id_column: str) -> Any:
 
     return ray.data.from_items([{"file": file} for file in store.files]).map_batches(
         read, batch_size=1, batch_format="pyarrow")
-
-
-def _refuse_repeated_ids(store: Any, opened: Any, id_column: str) -> None:
-    """Refuses (``ValueError``) ids this job stored more than once, ``store`` read after it, ``opened`` before.
-
-    Each window checks its own ids only, and each actor knows the ids stored when it started: an id in two windows
-    runs in both and is stored twice, its copies maybe from different texts, the store reading the first copy.
-    Only the driver sees every window, once they are stored.
-    """
-    before = set(opened.ids.take(pa.array(opened.repeated, pa.int64())).to_pylist()) if len(opened.repeated) else set()
-    repeated = [i for i in store.ids.take(pa.array(store.repeated, pa.int64())).to_pylist() if i not in before]
-    if repeated:
-        store.close()
-        raise ValueError(
-            f"id_column={id_column!r} should hold ids unique in the dataset (each row's result is stored under its "
-            f"id), but got {len(repeated)} ids in more than one row ({first_few(sorted(repeated))}): each of their "
-            f"rows ran and output_path={store.path!r} now holds a copy of each (read as the first found); give every "
-            "row its own id, and use another output_path")
