@@ -769,21 +769,23 @@ def test_map_texts_refuses_a_store_of_another_key(ray_cluster, held_out, tmp_pat
 
 def test_map_texts_refuses_an_id_in_two_windows_once_both_are_stored(ray_cluster, held_out, tmp_path):
     """Each window checks its own ids, and each actor the ids stored when it started: an id in two windows runs in
-    both, here from two texts, and the store keeps both copies. The driver, which sees every window, refuses it."""
+    both, here from two texts, and the store keeps both copies. The driver, which sees every window, refuses it.
+    Windows 1 and 3 hold the same ids in the same order, of other texts: the 3rd replaced the 1st's shard (named
+    after its ids), silently, before shards were named after their inputs too."""
     store = tmp_path / "store"
-    ids = [0, 1, 2, 3, 4, 2]  # id 2 in both windows of 3 rows, under two texts
-    ds = ray_cluster.data.from_items([{"id": i, "text": t} for i, t in zip(ids, held_out)], override_num_blocks=2)
+    ids = [0, 1, 2, 3, 4, 2, 0, 1, 2]  # windows of 3 rows: id 2 in all three, ids 0 to 2 in the 1st and the 3rd
+    ds = ray_cluster.data.from_items([{"id": i, "text": t} for i, t in zip(ids, held_out)], override_num_blocks=3)
     with pytest.raises(ValueError, match=re.escape("id_column='id' should hold ids unique in the dataset (each row's "
-                                                   "result is stored under its id), but got 1 ids in more than one row "
-                                                   "(2): each of their rows ran and output_path=")):
+                                                   "result is stored under its id), but got 3 ids in more than one row "
+                                                   "(0, 1, 2): each of their rows ran and output_path=")):
         map_texts(ds, Sums, batch_size=4, max_input_token_length=MAX_LEN, window=3, actors=1, output_path=store,
                   key="sums", learn_memory=False)
-    assert sorted(_stored(store)[1]) == [0, 1, 2, 2, 3, 4]  # what the message says the store holds
+    assert sorted(_stored(store)[1]) == [0, 0, 1, 1, 2, 2, 2, 3, 4]  # what the message says the store holds
     # A job run with map_batches has no driver step: the store's reader refuses it (a Parquet read reads both).
-    with pytest.raises(ValueError, match=re.escape("but got 1 ids in more than one row (2): each of their rows ran")):
+    with pytest.raises(ValueError, match=re.escape("but got 3 ids in more than one row (0, 1, 2): each of their")):
         stored_results(store, key="sums")
-    with pytest.raises(ValueError, match="output_path should be the directory of a results store \(the "
-                                         "predictors' output_path\), but got output_path=.*misspelt"):
+    with pytest.raises(ValueError, match="output_path should be the directory of a results store \\(the "
+                                         "predictors' output_path\\), but got output_path=.*misspelt"):
         stored_results(tmp_path / "misspelt", key="sums")  # not made: it would read as a store of no rows
     assert not (tmp_path / "misspelt").exists()
 

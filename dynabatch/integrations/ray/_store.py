@@ -7,8 +7,10 @@ row with its id, its input hash and the output columns, every shard naming the
 rows whose id the store does not hold yet, checks that the rows it holds were
 computed from the same inputs (their input hashes, from the window's texts
 tokenized as the loader tokenizes them), and commits the rows it ran as one
-shard named after their ids, so that a window Ray runs again (an actor that
-died after committing it) replaces its shard instead of adding a second copy.
+shard named after their ids and input hashes, so that a window Ray runs again
+(an actor that died after committing it) replaces its shard instead of adding a
+second copy, while the same ids of other texts (an id in two windows) do not
+replace the first window's rows.
 
 Example:
     >>> import tempfile
@@ -166,8 +168,10 @@ class WindowStore:
         if not len(results):
             return 0
         values = ids.to_numpy() if pa.types.is_integer(ids.type) else ids.to_pylist()
-        name = "w" + fingerprint(self.key, values)  # the same rows, written again, replace their shard
         hashes = token_store_hashes(tokenized)
+        # The same rows written again (a window Ray runs again) replace their shard; the same ids of other inputs
+        # (an id in two windows) do not, so that the store holds both copies for its reader to refuse.
+        name = "w" + fingerprint(self.key, values, hashes)
         if self.keyed_by == "position":
             writer, where = self.store.writer(name, exact=True), np.asarray(values, dtype=np.int64)
         else:
