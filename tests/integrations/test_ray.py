@@ -765,6 +765,17 @@ def test_map_texts_refuses_a_store_of_another_key(ray_cluster, held_out, tmp_pat
     with pytest.raises(TypeError, match="id_column should be a column name \\(a non-empty str\\), but got "
                                         "id_column=None"):
         map_texts(ds, Sums, output_path=store, id_column=None, **options)
+    # Ids of the other type than the store's, or of neither type: refused before any actor starts (each window
+    # refused them, once its actor had loaded the model, wrapped in Ray's task error).
+    named = ray_cluster.data.from_items([{"id": f"doc-{i}", "text": t} for i, t in enumerate(held_out[:3])])
+    with pytest.raises(ValueError, match=re.escape("the id_column='id' column should hold ids of type int64, as the "
+                                                   f"ids of the results at output_path={str(store)!r}, but got ids of "
+                                                   "type string: use the same ids")):
+        map_texts(named, Sums, output_path=store, key="minilm cls 64", **options)
+    halves = ray_cluster.data.from_items([{"id": i + 0.5, "text": t} for i, t in enumerate(held_out[:3])])
+    with pytest.raises(TypeError, match=re.escape("id_column should be a column of str or int ids (Arrow string or "
+                                                  "integer), but got id_column='id' of type double")):
+        map_texts(halves, Sums, output_path=store, key="minilm cls 64", **options)
 
 
 def test_map_texts_refuses_an_id_in_two_windows_once_both_are_stored(ray_cluster, held_out, tmp_path):

@@ -13,7 +13,7 @@ import pyarrow as pa
 from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int, first_few
 from dynabatch.data.text_source import is_text_type
 from dynabatch.integrations.ray._columns import check_column
-from dynabatch.integrations.ray._store import SUMMARY, check_store_options, open_store
+from dynabatch.integrations.ray._store import SUMMARY, check_id_type, check_store_options, open_store
 from dynabatch.integrations.ray.predictor import DynamicBatchPredictor, check_constructor
 from dynabatch.memory.device import device_count
 
@@ -180,11 +180,17 @@ def map_texts(
     # columns: a misspelt text_column is named as such, not as a column the dataset lacks.
     check_constructor(predictor_cls, {**kwargs, **stored}, "map_texts")
     text_column = predictor_kwargs.get("text_column", "text")
-    _check_columns(ds, text_column, predictor_kwargs.get("output_column", "output"),
-                   id_column if output_path is not None else None)
+    ids = _check_columns(ds, text_column, predictor_kwargs.get("output_column", "output"),
+                         id_column if output_path is not None else None)
     store = None
     if output_path is not None:
         store = open_store(output_path, key)  # refuses another key here, before any actor starts
+        if ids is not None:
+            try:
+                check_id_type(store, ids, id_column)  # as each window would, once its actor has loaded the model
+            except ValueError:
+                store.close()
+                raise
         kwargs.update(stored, output_path=store.path)
     remote = dict(ray_remote_args or {})
     if num_gpus:
@@ -214,17 +220,18 @@ def map_texts(
     return out.drop_columns([chars]) if sort_by_length else out
 
 
-def _check_columns(ds: Any, text_column: Any, output_column: Any, id_column: str | None) -> None:
+def _check_columns(ds: Any, text_column: Any, output_column: Any, id_column: str | None) -> Any:
     """Refuses a dataset without ``text_column`` (or, with a store, ``id_column``), with a ``text_column`` of another
-    type than str, or with ``output_column`` already, where its schema is known without running it
-    (``read_parquet``, ``from_items``, ...; else the first window checks).
+    type than str or an ``id_column`` of other types than str and int, or with ``output_column`` already, where its
+    schema is known without running it (``read_parquet``, ``from_items``, ...; else the first window checks).
+    Returns the Arrow type the windows' ids will have (``None``: not known here).
 
     Each actor checks its windows too, but only once it has loaded its model, and the error comes back wrapped in
     Ray's task error: here it is the caller's, before any actor starts or the store is opened.
     """
     schema = ds.schema(fetch_if_missing=False)
     if schema is None:
-        return
+        return None
     names = [str(name) for name in schema.names]
     check_column("text_column", text_column)
     check_column("output_column", output_column)
@@ -237,8 +244,15 @@ def _check_columns(ds: Any, text_column: Any, output_column: Any, id_column: str
                         f"of type {kind}")
     if id_column is not None and id_column not in names:
         raise bad_value("id_column", f"a column of the dataset {names} (each row's id, with output_path)", id_column)
+    ids = schema.types[names.index(id_column)] if id_column is not None else None
+    if isinstance(ids, pa.DataType) and not (pa.types.is_integer(ids) or _holds_str(ids)):
+        raise TypeError(f"id_column should be a column of str or int ids (Arrow string or integer), but got "
+                        f"id_column={id_column!r} of type {ids}")
     if output_column in names:
         raise bad_value("output_column", f"a column the dataset does not have already {names}", output_column)
+    if not isinstance(ids, pa.DataType) or pa.types.is_null(ids):
+        return None
+    return pa.int64() if pa.types.is_integer(ids) else pa.string()  # the window's ids, as check_ids makes them
 
 
 def _holds_str(kind: pa.DataType) -> bool:

@@ -39,7 +39,7 @@ from dynabatch.inference.store import Store
 from dynabatch.inference.store import open_store as open_results_store
 from dynabatch.integrations.ray._columns import check_column
 
-__all__ = ["SUMMARY", "WindowStore", "check_store_options"]
+__all__ = ["SUMMARY", "WindowStore", "check_id_type", "check_store_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,15 @@ def check_store_options(output_path: Any, key: Any, id_column: Any, keyed_by: An
             raise (bad_type if not isinstance(value, str) else bad_value)(name, "None or a non-empty str", value)
         if output_path is None:
             raise bad_value(name, "None without output_path", value)
+
+
+def check_id_type(store: Store, kind: Any, id_column: str) -> None:
+    """Refuses (``ValueError``) ids of Arrow type ``kind`` (``string`` or ``int64``, as :func:`check_ids` makes
+    them) for a ``store`` keyed by ids of the other type; a store holding no ids takes either."""
+    if len(store.ids) and kind != store.ids.type:
+        raise ValueError(f"the id_column={id_column!r} column should hold ids of type {store.ids.type}, as the ids "
+                         f"of the results at output_path={store.path!r}, but got ids of type {kind}: use the same "
+                         "ids")
 
 
 def open_store(output_path: Any, key: str | None, *, verify: bool = True, keyed_by: str = "id",
@@ -127,11 +136,8 @@ class WindowStore:
                 raise bad_value("id_column", "a column of int positions >= 0 with keyed_by='position'",
                                 self.id_column)
             return ids
-        stored = self.store.ids.type
-        if len(ids) and len(self.store.ids) and ids.type != stored:
-            raise ValueError(f"the id_column={self.id_column!r} column should hold ids of type {stored}, as the ids "
-                             f"of the results at output_path={self.path!r}, but got ids of type {ids.type}: use the "
-                             "same ids")
+        if len(ids):
+            check_id_type(self.store, ids.type, self.id_column)
         return ids
 
     def held(self, ids: Any) -> tuple[np.ndarray, np.ndarray]:
