@@ -68,7 +68,7 @@ from dynabatch._malloc import trim
 from dynabatch._validation import bad_value, check_positive_int
 from dynabatch.data.collate import Batch, TokenCollator, pad_token_id_of
 from dynabatch.data.text_source import TextSource
-from dynabatch.data.tokenization import ParallelTokenizer, TokenizedTexts
+from dynabatch.data.tokenization import ParallelTokenizer, TokenizedTexts, split_no_token
 from dynabatch.data.workers import release_pool
 
 __all__ = ["ChunkFeed", "TokenStream"]
@@ -97,6 +97,9 @@ class TokenStream:
         tokenizer: the tokenizer (copied: the copy runs in the background).
         max_input_token_length: the truncation limit, in tokens.
         skip: input positions to tokenize and plan nowhere (bad inputs skipped).
+        on_bad_input: a text of no token once tokenized, a bad input found as its chunk is tokenized: ``"raise"``
+            refuses it there (:func:`~dynabatch.data.tokenization.split_no_token`), ``"skip"`` plans it nowhere
+            and lists it in :attr:`no_token`.
         first_chunk: texts of the first chunk; later chunks double up to ``chunk_size``.
         chunk_size: texts of a later chunk, at most.
         pad_to_multiple_of: rounds each batch's width up.
@@ -113,14 +116,15 @@ class TokenStream:
     """
 
     def __init__(self, source: TextSource, tokenizer: Any, max_input_token_length: int, *, skip: Any = None,
-                 first_chunk: int = FIRST_CHUNK, chunk_size: int = CHUNK_SIZE, pad_to_multiple_of: int | None = None,
-                 with_texts: bool = True, tokenize_cores: int | None = None, **tokenizer_kwargs: Any) -> None:
+                 on_bad_input: str = "raise", first_chunk: int = FIRST_CHUNK, chunk_size: int = CHUNK_SIZE,
+                 pad_to_multiple_of: int | None = None, with_texts: bool = True, tokenize_cores: int | None = None, **tokenizer_kwargs: Any) -> None:
         first_chunk = check_positive_int("first_chunk", first_chunk)
         chunk_size = max(first_chunk, check_positive_int("chunk_size", chunk_size))
         self.source, self.n = source, len(source)
         self.max_input_token_length = max_input_token_length
         self.tokenizer_kwargs = tokenizer_kwargs
         self.with_texts = with_texts
+        self.on_bad_input = on_bad_input
         self.pad_token_id = pad_token_id_of(tokenizer)
         self.padding_side = getattr(tokenizer, "padding_side", "right")
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -152,6 +156,7 @@ class TokenStream:
                              else np.zeros(0, dtype=np.int64))
         self._held: dict[int, TokenCollator] = {}  # the chunks whose tokens are held
         self._consumed = np.zeros(self.n, dtype=bool)
+        self._no_token = np.zeros(self.n, dtype=bool)  # texts of no token found so far (skipped: planned nowhere)
         self._left = np.asarray(sizes, dtype=np.int64)  # rows of each chunk not consumed yet
         self._freed = np.zeros(len(sizes), dtype=bool)  # every row consumed (since it was last tokenized)
         self._lock = threading.Lock()
@@ -185,8 +190,17 @@ class TokenStream:
         return self.order[self.starts[k] : self.starts[k + 1]]
 
     def tokenize(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Tokenizes chunk ``k`` unless its tokens are held; returns its input positions and their token lengths."""
-        return self.chunk_positions(k), self._chunk(k).tokenized.lengths
+        """Tokenizes chunk ``k`` unless its tokens are held; returns its input positions and their token lengths,
+        but those of no token (bad inputs, skipped: planned nowhere)."""
+        positions, lengths = self.chunk_positions(k), self._chunk(k).tokenized.lengths
+        kept = lengths > 0
+        return (positions, lengths) if kept.all() else (positions[kept], lengths[kept])
+
+    @property
+    def no_token(self) -> np.ndarray:
+        """The input positions of the texts of no token found so far (``on_bad_input="skip"``), sorted."""
+        with self._lock:
+            return np.flatnonzero(self._no_token)
 
     def _chunk(self, k: int) -> TokenCollator:
         """Chunk ``k``'s collator: held, else tokenized now and held (a freed chunk's rows count as not consumed
@@ -201,13 +215,21 @@ class TokenStream:
             if collator is not None:
                 return collator
             positions = self.chunk_positions(k)
-            collator = TokenCollator.from_tokenizer(self._encode(positions, self.later_work(k)), self._template,
-                                                    pad_to_multiple_of=self.pad_to_multiple_of)
+            tokens = self._encode(positions, self.later_work(k))
+            if not self.tokenizations[k]:  # a text of no token is a bad input, known only now (logged once)
+                empty = split_no_token(tokens.lengths, self.on_bad_input, lambda i: self.source.take([i])[0],
+                                       positions=positions)
+            collator = TokenCollator.from_tokenizer(tokens, self._template, pad_to_multiple_of=self.pad_to_multiple_of)
             with self._lock:
+                if not self.tokenizations[k]:
+                    self._no_token[empty] = True
                 if self._freed[k]:
                     self._consumed[positions] = False
                     self._left[k] = len(positions)
                     self._freed[k] = False
+                empty = positions[self._no_token[positions] & ~self._consumed[positions]]  # never run: done
+                self._consumed[empty] = True
+                self._left[k] -= len(empty)
                 self._held[k] = collator
                 self.tokenizations[k] += 1
             trim()  # the chunk's encodings are freed: give their heap back, so memory grows with the tokens only

@@ -63,10 +63,10 @@ from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int, did_you_mean
 from dynabatch.data.workers import Pieces, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
 
-__all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "PIECE_TOKENS", "TOKENS_PER_CALL", "TRIM_TOKENS",
-           "ParallelTokenizer", "TokenizedTexts", "accepted_keywords", "as_items", "bad_input_error",
+__all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "PIECE_TOKENS", "TOKENS_PER_CALL",
+           "TRIM_TOKENS", "ParallelTokenizer", "TokenizedTexts", "accepted_keywords", "as_items", "bad_input_error",
            "check_encodable", "check_length_fits", "check_tokenizer", "check_tokenizer_kwargs", "fast_backend",
-           "log_skipped", "model_max_length", "plain_text", "split_bad_texts", "tokenize_texts",
+           "log_skipped", "model_max_length", "plain_text", "split_bad_texts", "split_no_token", "tokenize_texts",
            "validate_texts"]
 
 logger = logging.getLogger(__name__)
@@ -388,11 +388,46 @@ def log_skipped(skipped: np.ndarray, n: int, what: str) -> None:
                        _positions(skipped))
 
 
-def bad_input_error(refusal: str, bad: np.ndarray, n: int, what: str) -> TypeError:
+def bad_input_error(refusal: str, bad: np.ndarray, n: int, what: str, *, fix: str = "clean them",
+                    error: type[Exception] = TypeError) -> Exception:
     """The refusal of the ``bad`` of ``n`` inputs under ``on_bad_input="raise"``: ``refusal`` (the first one's own),
-    how many there are (``what`` they are: ``"texts are not str"``) and where, and what to do."""
-    return TypeError(f"{refusal}; {bad.size} of {n} {what} (positions {_positions(bad)}): clean them, or build the "
-                     "loader with on_bad_input='skip' to skip them (their results are None)")
+    how many there are (``what`` they are: ``"texts are not str"``) and where, and what to do (``fix``, or skip them),
+    as an ``error`` (a ``TypeError`` for items of another type, a ``ValueError`` for values)."""
+    return error(f"{refusal}; {bad.size} of {n} {what} (positions {_positions(bad)}): {fix}, or build the "
+                 "loader with on_bad_input='skip' to skip them (their results are None)")
+
+
+# what each text (or pre-tokenized row) must hold: a bad input otherwise, by on_bad_input
+_NO_TOKEN_RULE = ("at least one token (a row of no token is padding alone: a mean pooling divides by zero, "
+                  "generate continues nothing)")
+
+
+def split_no_token(lengths: np.ndarray, on_bad_input: str, item: Callable[[int], Any], *, positions: Any = None,
+                   skipped: Any = None, what: str = "texts") -> np.ndarray:
+    """The input positions of the rows of no token (``lengths[i] == 0``; row ``i`` is input ``positions[i]``, else
+    ``i``; the ``skipped`` ones, bad already, left out): bad inputs, known only once tokenized. ``"raise"`` refuses
+    them with a ``ValueError`` naming the first (``item(position)``: its input) and what to do; ``"skip"`` logs
+    them, and the caller plans them into no batch.
+
+    Example:
+        >>> split_no_token(np.array([2, 0, 0, 3]), "skip", ["a", "", None, "b"].__getitem__, skipped=[2]).tolist()
+        [1]
+    """
+    empty = np.flatnonzero(np.asarray(lengths) == 0)
+    counted = what
+    if positions is not None:  # a chunk of the inputs (a stream's): sorted, and counted among the chunk's
+        empty, counted = np.sort(np.asarray(positions, dtype=np.int64)[empty]), f"{what} of its chunk"
+    if skipped is not None and len(skipped):
+        empty = np.setdiff1d(empty, skipped)
+    n = len(lengths)
+    if empty.size and on_bad_input == "raise":
+        first = int(empty[0])
+        refusal = bad_value(f"{what}[{first}]", _NO_TOKEN_RULE, item(first))
+        raise bad_input_error(f"{refusal}, of no token", empty, n, f"{counted} hold no token", error=ValueError,
+                              fix="keep the tokenizer's special tokens (add_special_tokens=True, a BOS), or leave "
+                              "out or fill the empty texts")
+    log_skipped(empty, n, f"{counted} that hold no token")
+    return empty
 
 
 def validate_texts(texts: Any) -> list[str]:

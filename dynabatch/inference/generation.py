@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int, first_few
+from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int
 from dynabatch.data.token_ids import are_token_ids
 from dynabatch.data.tokenization import check_tokenizer, model_max_length
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
@@ -64,18 +64,7 @@ def _prompt_kind(prompts: Any) -> str:
     for i, prompt in enumerate(prompts):
         if _kind(prompt) != kind:
             raise bad_type(f"prompts[{i}]", f"a prompt of the kind of prompts[0] ({kind})", prompt)
-        if kind == "ids" and not len(prompt):
-            raise _empty_prompt([i])
     return kind
-
-
-def _empty_prompt(positions: Sequence[int]) -> ValueError:
-    """The error for prompts of no token: ``model.generate`` fails on one alone (an ``IndexError`` from the model), and
-    in a batch its row is padding alone, so the run failed or gave a reply to nothing, by the batch it fell in."""
-    return ValueError(f"prompts[{positions[0]}] should be at least one token (generate continues a prompt: alone, an "
-                      "empty one fails in model.generate, and in a batch its reply is made from padding alone), but "
-                      f"got {len(positions)} prompt{'s' if len(positions) > 1 else ''} of no token (positions "
-                      f"{first_few(list(positions))}): leave them out, or give them a token (a BOS)")
 
 
 def render_chats(tokenizer: Any, conversations: Sequence[Any], chat_template_kwargs: dict[str, Any]) -> list[str]:
@@ -222,10 +211,6 @@ def reply_function(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], 
     stop_tokenizer = {"tokenizer": tokenizer} if _setting(model, generate_kwargs, "stop_strings") else {}
 
     def replies(batch: Any) -> PerRow:
-        empty = (batch["attention_mask"].sum(dim=1) == 0).nonzero().flatten()  # a streamed loader's, met as it runs
-        if len(empty):
-            indices = getattr(batch, "indices", None)
-            raise _empty_prompt(empty.tolist() if indices is None else indices[empty].tolist())
         out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **stop_tokenizer,
                              **generate_kwargs)
         sequences = getattr(out, "sequences", out)  # return_dict_in_generate=True: the sequences alone
@@ -326,10 +311,6 @@ def generate(
     padder, options = generation_loader(model, tokenizer, generate_kwargs, chat=kind == "chat")
     loader = build_dynamic_batch_dataloader(texts, padder, batch_size, max_input_token_length, num_workers=0,
                                             progress=progress, ids=ids, **budget, **options)
-    if loader.plan.stream is None:  # texts that tokenize to nothing (no BOS), refused before any reply runs
-        empty = (loader.plan.collator.tokenized.lengths == 0).nonzero()[0]
-        if empty.size:
-            raise _empty_prompt(empty.tolist())
     with torch.inference_mode():
         return run(fn, loader, device=device, output_path=output_path, key=key, on_oom=on_oom, on_error=on_error,
                    memory=memory, progress=progress)

@@ -22,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,8 @@ from dynabatch.data.ids import check_ids
 from dynabatch.data.streaming import TokenStream
 from dynabatch.data.text_source import TextSource, check_on_bad_input, is_text_source, open_texts
 from dynabatch.data.token_ids import are_token_ids, split_bad_rows, store_token_ids
-from dynabatch.data.tokenization import check_length_fits, check_tokenizer, check_tokenizer_kwargs, tokenize_texts
+from dynabatch.data.tokenization import (check_length_fits, check_tokenizer, check_tokenizer_kwargs, split_no_token,
+                                         tokenize_texts)
 from dynabatch.data.workers import available_cores
 from dynabatch.memory.shape import check_position_limit, resolve_model_shape
 from dynabatch.sampling.chunked_planner import ChunkedPlanner
@@ -52,6 +53,8 @@ BAD_TEXT = "bad input: not a str (the loader skipped it, on_bad_input='skip')"
 """The cause of a skipped text (``run``'s ``BAD_INPUT``)."""
 BAD_ROW = "bad input: not a row of token ids (the loader skipped it, on_bad_input='skip')"
 """The cause of a skipped item of pre-tokenized texts."""
+NO_TOKEN = "bad input: no token once tokenized (the loader skipped it, on_bad_input='skip')"
+"""The cause of a skipped text (or pre-tokenized row) of no token."""
 
 STREAM_ABOVE = 16_384
 """``stream=None`` streams a list of more texts than this (tokenizing it whole first would keep the device waiting)."""
@@ -69,7 +72,9 @@ class LoaderPlan:
         ids: the texts' ids (a ``pyarrow`` array), or ``None``.
         skipped: positions of the bad inputs planned into no batch (``on_bad_input="skip"``).
         stream: a streaming loader's :class:`~dynabatch.data.streaming.TokenStream`, else ``None``.
-        bad_input: the cause ``run`` records for each skipped input.
+        bad_input: the cause ``run`` records for each skipped input, but those of ``no_token``.
+        no_token: the skipped inputs of no token once tokenized (:data:`NO_TOKEN`); a stream finds its own as it
+            tokenizes each chunk (``stream.no_token``).
     """
 
     planner: Any
@@ -80,6 +85,11 @@ class LoaderPlan:
     skipped: np.ndarray
     stream: Any = None
     bad_input: str = BAD_TEXT
+    no_token: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    def causes(self, positions: np.ndarray) -> list[str]:
+        """The cause ``run`` records for each skipped input at ``positions``."""
+        return [NO_TOKEN if empty else self.bad_input for empty in np.isin(positions, self.no_token).tolist()]
 
 
 def plan_of(loader: Any) -> LoaderPlan | None:
@@ -115,11 +125,11 @@ def _streams(texts: Any, stream: Any, shuffle: bool, token_ids: bool) -> bool:
 
 
 def _streaming_loader(source: TextSource, skipped: np.ndarray, ids: Any, tokenizer: Any, settings: PlanSettings,
-                      estimator: Any, num_workers: int, tokenize_cores: int | None, tokenizer_kwargs: dict
-                      ) -> DataLoader:
+                      estimator: Any, num_workers: int, tokenize_cores: int | None, tokenizer_kwargs: dict,
+                      on_bad_input: str) -> DataLoader:
     """The streamed shape, built in this process (the stream's thread cannot be pickled): a plain loop consumes each
     batch's rows, so a chunk's tokens are freed once its batches are built (``run`` frees them itself)."""
-    stream = TokenStream(source, tokenizer, settings.max_input_token_length, skip=skipped,
+    stream = TokenStream(source, tokenizer, settings.max_input_token_length, skip=skipped, on_bad_input=on_bad_input,
                          first_chunk=max(token_streaming.FIRST_CHUNK, 4 * settings.batch_size),
                          chunk_size=token_streaming.CHUNK_SIZE, pad_to_multiple_of=settings.pad_to_multiple_of,
                          tokenize_cores=tokenize_cores, **tokenizer_kwargs)
@@ -135,10 +145,14 @@ def _streaming_loader(source: TextSource, skipped: np.ndarray, ids: Any, tokeniz
     return loader
 
 
-def _eager_loader(tokenized: Any, texts: list[str] | None, skipped: np.ndarray, ids: Any, tokenizer: Any,
+def _eager_loader(tokenized: Any, texts: list | None, skipped: np.ndarray, ids: Any, tokenizer: Any,
                   settings: PlanSettings, estimator: Any, shuffle: bool, seed: int, num_workers: int,
-                  bad_input: str = BAD_TEXT) -> DataLoader:
-    """The eager shape: the whole token store planned at once (any order, workers); the dataset's item i is i."""
+                  on_bad_input: str, bad_input: str = BAD_TEXT, rows: list | None = None) -> DataLoader:
+    """The eager shape: the whole token store planned at once (any order, workers); the dataset's item i is i. The
+    rows of no token (``texts`` or pre-tokenized ``rows``) are bad inputs, by ``on_bad_input``."""
+    no_token = split_no_token(tokenized.lengths, on_bad_input, (texts if rows is None else rows).__getitem__,
+                              skipped=skipped)
+    skipped = np.union1d(skipped, no_token) if no_token.size else skipped
     n = len(tokenized)
     id_array = check_ids(ids, n)
     planner = BatchPlanner(tokenized.lengths, settings, estimator, skip=skipped)
@@ -153,7 +167,7 @@ def _eager_loader(tokenized: Any, texts: list[str] | None, skipped: np.ndarray, 
         logger.info("num_workers=%d capped at the %d available cores (torch warns above it)", num_workers, cores)
     loader = DataLoader(range(n), batch_sampler=sampler, collate_fn=collator, num_workers=min(num_workers, cores))
     loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, collator, n, id_array, skipped,
-                                                   bad_input=bad_input)
+                                                   bad_input=bad_input, no_token=no_token)
     return loader
 
 
@@ -213,7 +227,8 @@ def build_dynamic_batch_dataloader(
         max_tokens: padded tokens per batch at most (with the memory rule, the smaller wins); ``None``: no cap.
         max_growth: in ``run``'s measured mode, a batch has at most this many times the rows of the one before (>= 1).
         ids: one stable id per text (str or int, unique), or ``None``: a results store then keys rows by id.
-        on_bad_input: ``"raise"`` a ``TypeError`` naming the items that are not str, or ``"skip"`` them (no batch).
+        on_bad_input: ``"raise"`` a ``TypeError`` naming the items that are not str (a ``ValueError`` for texts or
+            rows of no token once tokenized: streamed, as their chunk is), or ``"skip"`` them (no batch).
         stream: tokenize and plan chunk by chunk as batches run; ``None``: above :data:`STREAM_ABOVE` texts, and for
             texts from files, a dataset or an iterator. Not with ``shuffle`` nor pre-tokenized texts.
         tokenize_cores: cores to tokenize on, at most (the tokens are the same); ``None``: every core it may use.
@@ -249,12 +264,12 @@ def build_dynamic_batch_dataloader(
         tokenized = store_token_ids(rows, max_input_token_length,
                                     truncation_side=getattr(tokenizer, "truncation_side", "right"))
         return _eager_loader(tokenized, None, skipped, ids, tokenizer, settings, estimator, shuffle, seed,
-                             num_workers, bad_input=BAD_ROW)
+                             num_workers, on_bad_input, bad_input=BAD_ROW, rows=rows)
     check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
     source, skipped = open_texts(texts, on_bad_input)
     if streaming:
         return _streaming_loader(source, skipped, ids, tokenizer, settings, estimator, num_workers, tokenize_cores,
-                                 tokenizer_kwargs)
+                                 tokenizer_kwargs, on_bad_input)
     items = source.texts()
     # What the plan needs loads beside the tokenizer (a process's first plan reads the classifier's trees): the
     # tokenizer's own call releases the GIL, and on one thread it leaves the other cores idle
@@ -267,4 +282,5 @@ def build_dynamic_batch_dataloader(
         preparing.close(cancel=True)
         raise
     preparing.close()  # raises what loading it raised
-    return _eager_loader(tokenized, items, skipped, ids, tokenizer, settings, estimator, shuffle, seed, num_workers)
+    return _eager_loader(tokenized, items, skipped, ids, tokenizer, settings, estimator, shuffle, seed, num_workers,
+                         on_bad_input)

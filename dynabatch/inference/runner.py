@@ -36,7 +36,7 @@ from dynabatch.data.collate import Batch
 from dynabatch.inference.build import Builder
 from dynabatch.inference.distributed import Lockstep, job_token, share_outcome
 from dynabatch.inference.execute import BatchOutOfMemoryError, Executor, Failures
-from dynabatch.inference.loader import BAD_TEXT, plan_of
+from dynabatch.inference.loader import BAD_TEXT, NO_TOKEN, plan_of
 from dynabatch.inference.loop import Stages, WorkerParts, run_workers
 from dynabatch.inference.meter import Meter, TextCosts, background_shares
 from dynabatch.inference.options import RunOptions, check_run_options, resolve_options
@@ -186,13 +186,28 @@ def _share_and_execute(source: Source, sink: MemorySink | StoreSink, options: Ru
     builder = Builder(plan, source.loader, pad_token_id=options.pad_token_id,
                       pinned=any(pins_memory(t) for t in options.targets), hashes=isinstance(sink, StoreSink))
     skipped = plan.skipped if plan is not None else np.zeros(0, dtype=np.int64)
-    if skipped.size and options.rank == 0:  # rank 0 answers for the inputs the loader planned into no batch
-        writer = sink.writer("rank0.loader")
-        try:
-            writer.fail(skipped, None, [plan.bad_input] * len(skipped))
-        finally:
-            writer.close()
-    return _execute(source, scheduler, builder, sink, options, skipped, stored)
+    if options.rank == 0:  # rank 0 answers for the inputs the loader planned into no batch
+        _fail_skipped(sink, "rank0.loader", skipped, plan)
+    report = _execute(source, scheduler, builder, sink, options, skipped, stored)
+    if source.streamed and (options.rank == 0 or options.ranks == "claim"):
+        # a stream's texts of no token, found as their chunks were tokenized (each rank claiming tokenizes its own
+        # chunks; in lockstep every rank tokenizes every chunk, and rank 0 answers)
+        found = np.setdiff1d(plan.stream.no_token, skipped)
+        _fail_skipped(sink, f"rank{options.rank}.no_token", found, plan, NO_TOKEN)
+        report.skipped_inputs += len(found)
+    return report
+
+
+def _fail_skipped(sink: MemorySink | StoreSink, name: str, positions: np.ndarray, plan: Any,
+                  cause: str | None = None) -> None:
+    """Lists the inputs at ``positions`` failed, with ``cause`` (``None``: the plan's cause of each)."""
+    if not positions.size:
+        return
+    writer = sink.writer(name)
+    try:
+        writer.fail(positions, None, plan.causes(positions) if cause is None else [cause] * len(positions))
+    finally:
+        writer.close()
 
 
 def _meter(source: Source, options: RunOptions, skipped: np.ndarray, stored: np.ndarray | None) -> Meter:

@@ -43,6 +43,23 @@ def test_rows_of_a_chunk_not_tokenized_yet_are_tokenized_for_their_batch(tokeniz
     assert batch["input_ids"][0].tolist() == eager.row(0).tolist() and stream.held_chunks == [stream.chunk_of[0]]
 
 
+@pytest.mark.parametrize("tokenize_cores", [1, 2])
+def test_texts_of_no_token_are_refused_or_planned_nowhere_as_their_chunk_is_tokenized(tokenizer, tokenize_cores):
+    def stream(on_bad_input):
+        return TokenStream(TextSource(["a b c", "", "  ", "d"]), tokenizer, 8, on_bad_input=on_bad_input,
+                           first_chunk=2, chunk_size=2, tokenize_cores=tokenize_cores, add_special_tokens=False)
+
+    skipping = stream("skip")
+    feed = skipping.feed(iter(range(skipping.n_chunks)))
+    assert [(p.tolist(), n.tolist()) for p, n in iter(feed.next, None)] == [([0], [3]), ([3], [1])]
+    assert skipping.no_token.tolist() == [1, 2]
+    skipping.consumed([0, 3])  # the rows of no token count as done: both chunks' tokens are freed
+    assert skipping.held_chunks == []
+    with pytest.raises(ValueError, match=r"^texts\[2\] should be at least one token .* texts\[2\]='  ', of no token; "
+                                         r"1 of 2 texts of its chunk hold no token \(positions 2\)"):
+        stream("raise").feed(iter([0])).next()
+
+
 def test_skipped_rows_are_planned_nowhere_and_refused_in_a_batch(tokenizer):
     stream = TokenStream(TextSource(["a b", None, "c"]), tokenizer, 8, skip=[1])
     with pytest.raises(ValueError, match=r"^positions should be rows planned into batches, but got 1 skipped "

@@ -207,8 +207,9 @@ def test_prompts_of_mixed_kinds_are_refused(llama, chat_tokenizer):
 
 def test_a_prompt_of_no_token_is_refused_naming_it(llama, chat_tokenizer):
     # model.generate fails on an empty prompt alone (IndexError) and, batched with others, gave a reply made from
-    # padding alone: which one depended on batch_size. Ids are refused as given, texts once tokenized (no BOS added).
-    empty = r"^prompts\[{0}\] should be at least one token \(generate continues a prompt.* \(positions {0}\)"
+    # padding alone: which one depended on batch_size. The loader's rule refuses it: ids as given, texts once tokenized
+    # (no BOS added).
+    empty = r"^texts\[{0}\] should be at least one token \(a row of no token.* \(positions {0}\): keep the tokenizer"
     for batch_size in (1, 3):
         with pytest.raises(ValueError, match=empty.format(2)):
             dynabatch.generate(llama, chat_tokenizer, [[1, 5], [1, 6, 7], []], batch_size=batch_size,
@@ -219,16 +220,21 @@ def test_a_prompt_of_no_token_is_refused_naming_it(llama, chat_tokenizer):
     with pytest.raises(ValueError, match=empty.format(1)):
         dynabatch.generate(llama, no_bos, ["In the beginning", "", "And God said"], max_new_tokens=2,
                            progress=False)
-    # a streamed loader's batches (more than STREAM_ABOVE prompts) meet it as they run: one row set aside
+    # a streamed loader (more than STREAM_ABOVE prompts) finds it as its chunk is tokenized: refused, or set aside
     from dynabatch.inference.generation import generation_loader, reply_function
 
     kwargs = {"max_new_tokens": 2, "do_sample": False}
     padder, options = generation_loader(llama, no_bos, kwargs)
-    loader = dynabatch.build_dynamic_batch_dataloader(["In the beginning", "", "And"], padder, 2, 32, stream=True,
-                                                      progress=False, **options)
-    replies = dynabatch.run(reply_function(llama, no_bos, kwargs), loader, on_error="skip", progress=False)
-    assert replies.failed == [1] and "prompts[1] should be at least one token" in replies.failures[1]
-    assert replies[0] is not None and replies[2] is not None
+    for on_bad_input in ("raise", "skip"):
+        loader = dynabatch.build_dynamic_batch_dataloader(["In the beginning", "", "And"], padder, 2, 32, stream=True,
+                                                          progress=False, on_bad_input=on_bad_input, **options)
+        if on_bad_input == "raise":
+            with pytest.raises(ValueError, match=empty.format(1)):
+                dynabatch.run(reply_function(llama, no_bos, kwargs), loader, progress=False)
+            continue
+        replies = dynabatch.run(reply_function(llama, no_bos, kwargs), loader, progress=False)
+        assert replies.failed == [1] and "no token" in replies.failures[1]
+        assert replies[0] is not None and replies[2] is not None
 
 
 def test_a_chat_whose_final_message_is_continued_takes_no_generation_prompt(llama, chat_tokenizer):

@@ -133,7 +133,9 @@ def test_the_batch_is_tensors_only_and_knows_its_texts(texts, batches):
 
 
 def test_tokenizer_kwargs_apply_to_planning_and_collating(tokenizer, texts):
-    # A limit no text reaches, so that dropping the special tokens shrinks every row by exactly 2.
+    # A limit no text reaches, so that dropping the special tokens shrinks every row by exactly 2; without them an
+    # empty text holds no token (a bad input), so they are left out.
+    texts = [t for t in texts if t]
     limit = 256
     with_special = _lengths(tokenizer, texts, limit)
     assert max(with_special) < limit
@@ -323,6 +325,38 @@ def test_with_skip_and_every_text_bad_the_plan_has_no_batch_and_every_position_s
     loader = _load([None, 3] * (n // 2), tokenizer, on_bad_input="skip", stream=stream)
     assert loader.plan.skipped.tolist() == list(range(n)) and list(loader) == []
     assert f"skipping {n} of {n} texts that are not str (positions 0, 1" in caplog.text
+
+
+@pytest.mark.parametrize("stream", [False, True, None])  # None: streamed above STREAM_ABOVE (set to 3 here)
+def test_a_text_of_no_token_is_a_bad_input_by_on_bad_input(tokenizer, caplog, monkeypatch, stream):
+    # planned into a batch of width 0: a mean pooling stored NaN and the run reported success
+    from dynabatch import run
+    from dynabatch.inference import loader as loader_module
+
+    monkeypatch.setattr(loader_module, "STREAM_ABOVE", 3)
+    texts = ["", "hello world", None, "   ", "a b c d"]
+    with pytest.raises(ValueError, match=r"^texts\[0\] should be at least one token \(a row of no token is padding "
+                                         r"alone.*but got texts\[0\]='', of no token; 2 of .* hold no token "
+                                         r"\(positions 0, 3\): keep the tokenizer's special tokens"):
+        run(len, _load(["x" if t is None else t for t in texts], tokenizer, add_special_tokens=False, stream=stream), progress=False)
+    loader = _load(texts, tokenizer, add_special_tokens=False, stream=stream, on_bad_input="skip")
+    assert (loader.plan.stream is not None) == (stream is not False)
+
+    def mean(batch):
+        mask = batch["attention_mask"].float()
+        return mask.sum(1, keepdim=True) / mask.sum(1, keepdim=True)
+
+    got = run(mean, loader, progress=False)
+    assert got.failed == [0, 2, 3] and got.report.skipped_inputs == 3
+    assert got[1].tolist() == got[4].tolist() == [1.0]
+    assert got.failures[0] == got.failures[3] == "bad input: no token once tokenized (the loader skipped it, " \
+                                                 "on_bad_input='skip')"
+    assert "not a str" in got.failures[2] and "that hold no token (positions 0, 3)" in caplog.text
+    # pre-tokenized rows of no token follow the same rule
+    with pytest.raises(ValueError, match=r"^texts\[1\] should be at least one token .* texts\[1\]=\[\], of no token"):
+        _load([[101, 102], [], [7]], tokenizer)
+    got = run(mean, _load([[101, 102], [], [7]], tokenizer, on_bad_input="skip"), progress=False)
+    assert got.failed == [1] and "no token" in got.failures[1]
 
 
 def test_ids_are_one_per_text_and_carried_by_the_plan(tokenizer, texts):
