@@ -23,14 +23,15 @@ import re
 import signal
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 from dynabatch._validation import bad_value
 
-__all__ = ["DTYPES", "FLAGS", "INTERRUPTED", "TERMINATED", "Parser", "Terminated", "as_flags", "check_device_names",
-           "check_dtype", "check_model_folder", "check_plot", "check_positive", "check_writable", "extra", "refusing",
-           "stop_on_sigterm", "stopped_by"]
+__all__ = ["DTYPES", "FLAGS", "INTERRUPTED", "TERMINATED", "DefaultsFormatter", "Parser", "Terminated", "Tie",
+           "as_flags", "check_device_names", "check_dtype", "check_model_folder", "check_plot", "check_positive",
+           "check_writable", "extra", "flag_of", "refusing", "settle", "stop_on_sigterm", "stopped_by"]
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 INTERRUPTED = 130
@@ -131,11 +132,73 @@ def extra(name: str) -> str:
     return f"pip install '{DISTRIBUTION}[{name}]'"
 
 
+def flag_of(name: str) -> str:
+    """The flag of an option's name in the parsed arguments (``max_new_tokens`` is ``--max-new-tokens``)."""
+    return f"--{name.replace('_', '-')}"
+
+
+@dataclass(frozen=True)
+class Tie:
+    """What an option of :meth:`Parser.add_tied` means something only beside: ``needs`` (``(name, value)``: it is
+    given only where the option ``name`` holds ``value``, ``True`` for a switch) or ``excludes`` (``name``: it is
+    given only where that option is left out); ``why``: the reason its refusal says; ``default``: its value where
+    it is left out."""
+
+    default: Any = None
+    needs: tuple[str, Any] | None = None
+    excludes: str | None = None
+    why: str = ""
+
+
 class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line on stderr (``prog: error: message``), exit status 2."""
+    """An ``ArgumentParser`` whose errors are one line on stderr (``prog: error: message``), exit status 2, and
+    whose tied options (:meth:`add_tied`) tell a given value from their default (:func:`settle`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ties: dict[str, Tie] = {}
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message.splitlines()[0] if message else 'bad arguments'}\n")
+
+    def add_tied(self, *flags: str, tie: Tie, help: str, **kwargs: Any) -> argparse.Action:  # noqa: A002
+        """An option that means something only beside another (``tie``): its parser default is ``None``, so
+        that :func:`settle` tells it given from left out before it sets ``tie.default``; the help names that
+        default."""
+        said = f" (default: {tie.default})" if tie.default is not None else ""
+        action = self.add_argument(*flags, default=None, help=help + said, **kwargs)
+        self.ties[action.dest] = tie
+        return action
+
+
+def settle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuses a tied option (:meth:`Parser.add_tied`) given where it means nothing: beside the option it excludes,
+    or without the value of the one it needs; then sets those left out to their defaults. The one place the
+    command line resolves them, before any other check reads them."""
+    ties = getattr(parser, "ties", {})
+    for name, tie in ties.items():
+        value = getattr(args, name)
+        if value is None:
+            continue
+        if tie.excludes is not None and (other := getattr(args, tie.excludes)) is not None:
+            flag, against = flag_of(name), flag_of(tie.excludes)
+            raise ValueError(f"{flag} should be left out with {against} ({tie.why}), but got {flag}={value!r} and "
+                             f"{against}={other!r}")
+        if tie.needs is not None and getattr(args, tie.needs[0]) != tie.needs[1]:
+            wanted, holds = flag_of(tie.needs[0]), tie.needs[1]
+            raise bad_value(flag_of(name), f"given with {wanted}{'' if holds is True else f' {holds}'} ({tie.why})",
+                            value)
+    for name, tie in ties.items():
+        if getattr(args, name) is None:
+            setattr(args, name, tie.default)
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help naming each option's default, but where it is ``None``: such an option's help says what it means
+    (a tied option's, :meth:`Parser.add_tied`, names its default itself)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 @contextlib.contextmanager
@@ -153,8 +216,7 @@ def check_positive(args: argparse.Namespace, *names: str) -> None:
     for name in names:
         value = getattr(args, name)
         if value is not None and value < 1:
-            flag = f"--{name.replace('_', '-')}"
-            raise bad_value(flag, "a positive integer", value)
+            raise bad_value(flag_of(name), "a positive integer", value)
 
 
 def check_writable(flag: str, path: Path) -> None:

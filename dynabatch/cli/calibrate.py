@@ -28,7 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from dynabatch._validation import bad_value
-from dynabatch.cli._checks import check_model_folder, check_plot, check_positive, check_writable, refusing
+from dynabatch.cli._checks import (
+    DefaultsFormatter,
+    Tie,
+    check_model_folder,
+    check_plot,
+    check_positive,
+    check_writable,
+    refusing,
+    settle,
+)
 
 __all__ = ["TASKS", "add_parser", "calibrate_command", "plot"]
 
@@ -39,12 +48,15 @@ def add_parser(sub: Any) -> None:
     """The ``calibrate`` subcommand's options."""
     cal = sub.add_parser("calibrate", help="measure a model on probe batches and save its memory model as JSON",
                          description=__doc__.split("\n\n")[0].strip("` "),
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                         formatter_class=DefaultsFormatter)
     cal.add_argument("--model", required=True, help="a local Hugging Face model folder (offline)")
     cal.add_argument("--tokenizer", default=None, help="tokenizer folder; default: --model")
     cal.add_argument("--task", choices=TASKS, default="generate")
-    cal.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per row (--task generate)")
-    cal.add_argument("--num-beams", type=int, default=1, help="beams of generate (--task generate)")
+    generating = ("task", "generate")
+    cal.add_tied("--max-new-tokens", type=int, tie=Tie(default=64, needs=generating, why="a forward or a training "
+                 "step generates no tokens"), help="tokens generated per row, with --task generate")
+    cal.add_tied("--num-beams", type=int, tie=Tie(default=1, needs=generating, why="a forward or a training step "
+                 "has no beams"), help="beams of generate, with --task generate")
     cal.add_argument("--batch-size", type=int, required=True, help="rows of the loader's first batch")
     cal.add_argument("--max-length", type=int, required=True, help="the loader's max_input_token_length")
     cal.add_argument("-o", "--output", type=Path, required=True, help="where to write the memory model (JSON)")
@@ -52,8 +64,8 @@ def add_parser(sub: Any) -> None:
     cal.add_argument("--device", default="cpu", help="where the model runs and is measured ('cpu', 'cuda:0')")
     cal.add_argument("--dtype", default=None, help="load the weights in this dtype (e.g. bfloat16)")
     cal.add_argument("--texts", type=Path, default=None, help="a text file, one text a line, to draw probes from")
-    cal.add_argument("--max-probes", type=int, default=40)
-    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--max-probes", type=int, default=40, help="probes measured at most (the base ones always run)")
+    cal.add_argument("--seed", type=int, default=0, help="seeds the probes' token ids and their draw of --texts")
     cal.add_argument("--threads", type=int, default=None,
                      help="torch CPU threads (default: 1 with a CPU --device, torch's default otherwise)")
     cal.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -189,6 +201,7 @@ def plot(mm: Any, path: Path) -> None:
 def calibrate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with refusing(parser):
+        settle(args, parser)
         config, texts = _check_options(args)
     import torch
 

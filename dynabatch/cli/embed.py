@@ -49,6 +49,7 @@ from typing import Any
 from dynabatch._validation import bad_value
 from dynabatch.cli import job
 from dynabatch.cli._checks import (
+    Tie,
     check_dtype,
     check_model_folder,
     check_positive,
@@ -89,7 +90,9 @@ def add_parser(sub: Any) -> None:
                    help="auto (default): a sentence-transformers folder's own modules, else mean; or mean, cls or last "
                    "token of a transformers model")
     p.add_argument("--normalize", action="store_true", help="scale every vector to unit length")
-    p.add_argument("--prompt-name", default=None, help="a sentence-transformers model's prompt (e.g. query)")
+    p.add_tied("--prompt-name", tie=Tie(excludes="prompt", why="--prompt is the prompt itself, --prompt-name names "
+                                        "one the model saved: give one"),
+               help="a sentence-transformers model's prompt (e.g. query)")
     p.add_argument("--prompt", default=None, help="a prompt prepended to every text (sentence-transformers)")
     p.add_argument("--max-length", type=int, default=None,
                    help="tokens per text at most (default: the model's own: a sentence-transformers folder's "

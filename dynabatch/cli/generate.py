@@ -38,7 +38,7 @@ import numpy as np
 
 from dynabatch._validation import bad_value
 from dynabatch.cli import job
-from dynabatch.cli._checks import check_dtype, check_model_folder, check_positive
+from dynabatch.cli._checks import Tie, check_dtype, check_model_folder, check_positive, flag_of
 from dynabatch.cli.output import Output
 
 __all__ = ["add_parser", "generate_command"]
@@ -58,25 +58,25 @@ def add_parser(sub: Any) -> None:
                            "store (resumable)", description=_DESCRIPTION, examples=_EXAMPLES, item="prompt",
                            rows="replies")
     p.add_argument("--model", required=True, help="a local transformers model folder (causal or seq2seq LM)")
-    p.add_argument("--messages-column", default=None,
-                   help="a column of chat conversations (lists of {role, content}) instead of --text-column")
+    p.add_tied("--messages-column", tie=Tie(excludes="text_column", why="the prompts are one column, the texts of "
+                                             "--text-column or the conversations of --messages-column: give one"),
+               help="a column of chat conversations (lists of {role, content}) instead of --text-column")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply at most (default: 128)")
     p.add_argument("--sample", action="store_true", help="sample (default: greedy decoding)")
-    p.add_argument("--temperature", type=float, default=None, help="with --sample (default: the model's)")
-    p.add_argument("--top-p", type=float, default=None, help="with --sample (default: the model's)")
-    p.add_argument("--top-k", type=int, default=None, help="with --sample (default: the model's)")
-    p.add_argument("--seed", type=int, default=None, help="with --sample: seeds sampling (default: 0)")
+    sampling = Tie(needs=("sample", True), why="greedy decoding has no temperature, top-p or top-k")
+    p.add_tied("--temperature", type=float, tie=sampling, help="with --sample (default: the model's)")
+    p.add_tied("--top-p", type=float, tie=sampling, help="with --sample (default: the model's)")
+    p.add_tied("--top-k", type=int, tie=sampling, help="with --sample (default: the model's)")
+    p.add_tied("--seed", type=int, tie=Tie(default=0, needs=("sample", True), why="greedy decoding draws nothing to "
+                                           "seed"), help="with --sample: seeds sampling")
     p.add_argument("--max-length", type=int, default=None,
                    help="prompt tokens at most (default: the model's positions less --max-new-tokens)")
     job.add_run_arguments(p, "prompt", 16, "the device (default: the first GPU, else the CPU)")
 
 
 def _check_sampling(args: argparse.Namespace) -> dict[str, Any]:
-    """The generation options: greedy, or sampling with the options given (each checked); ``args.seed`` resolved
-    (0 unless given)."""
-    if args.seed is not None and not args.sample:  # a seed greedy decoding would ignore, silently
-        raise bad_value("--seed", "given with --sample (greedy decoding draws nothing to seed)", args.seed)
-    args.seed = 0 if args.seed is None else args.seed
+    """The generation options: greedy, or sampling with the options given (each checked; given without
+    ``--sample``, they were refused by their tie, :meth:`~dynabatch.cli._checks.Parser.add_tied`)."""
     if not _SEEDS[0] <= args.seed < _SEEDS[1]:
         raise bad_value("--seed", f"an integer in [{_SEEDS[0]}, {_SEEDS[1]}) (the seeds torch takes)", args.seed)
     options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.sample}
@@ -84,9 +84,7 @@ def _check_sampling(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name)
         if value is None:
             continue
-        flag = f"--{name.replace('_', '-')}"
-        if not args.sample:
-            raise bad_value(flag, "given with --sample (greedy decoding has no temperature, top-p or top-k)", value)
+        flag = flag_of(name)
         if name == "temperature" and not 0 < value < math.inf or name == "top_p" and not 0 < value <= 1:
             raise bad_value(flag, "a finite number above 0" if name == "temperature" else "a number in (0, 1]", value)
         options[name] = value

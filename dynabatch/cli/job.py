@@ -45,6 +45,7 @@ from typing import Any
 
 from dynabatch._digest import FileDigests, fingerprint
 from dynabatch._validation import bad_value
+from dynabatch.cli._checks import Parser
 from dynabatch.cli.output import Output, Tally
 
 __all__ = ["MODEL_IDENTITY", "Placement", "add_input_arguments", "add_run_arguments", "check_first_batch",
@@ -59,7 +60,7 @@ MODEL_IDENTITY = "v2"
 
 
 def command_parser(sub: Any, name: str, command: Callable[..., int], *, help: str, description: str,  # noqa: A002
-                   examples: str, item: str, rows: str) -> argparse.ArgumentParser:
+                   examples: str, item: str, rows: str) -> Parser:
     """A corpus command's parser (``item``: "document", "prompt"; ``rows``: what the store keys, "rows", "replies"):
     its input, its store and ``--id-column``; the command adds its own options, then :func:`add_run_arguments`."""
     p = sub.add_parser(name, help=help, description=description, epilog=examples,
@@ -71,14 +72,15 @@ def command_parser(sub: Any, name: str, command: Callable[..., int], *, help: st
     return p
 
 
-def add_input_arguments(p: argparse.ArgumentParser, what: str) -> None:
+def add_input_arguments(p: Parser, what: str) -> None:
     """The corpus in (``what``: "document", "prompt") and the store out."""
+    from dynabatch.cli._checks import Tie
     from dynabatch.data.corpus import FORMATS, SUFFIXES
 
     p.add_argument("input", help=f"a file, a folder or a glob of files ({', '.join(SUFFIXES)}), or a datasets folder "
                    f"(save_to_disk); a .txt file is one {what} a line")
     p.add_argument("output", help="the store: a new folder, or this job's folder to resume it")
-    p.add_argument("--text-column", default="text", help=f"the column of {what}s (default: text)")
+    p.add_tied("--text-column", tie=Tie(default="text"), help=f"the column of {what}s")
     p.add_argument("--format", choices=FORMATS, default="auto",
                    help=f"the input's format (default: auto, told by the suffix; --format text reads any file as one "
                    f"{what} a line)")
@@ -176,11 +178,13 @@ def check_first_batch(texts: Any, tokenizer: Any, *, config: Any, dtype: Any, de
 def prepared(command: str, args: argparse.Namespace, parser: argparse.ArgumentParser,
              prepare: Callable[[argparse.Namespace], Any]) -> Any:
     """``prepare(args)``: every check of a ``command`` job and its store opened, before any weights load; a refusal
-    is one line, exit status 2 (``--ray`` checked first, where given)."""
-    from dynabatch.cli._checks import refusing
+    is one line, exit status 2 (the tied options settled first, :func:`~dynabatch.cli._checks.settle`, then
+    ``--ray`` checked, where given)."""
+    from dynabatch.cli._checks import refusing, settle
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with refusing(parser):
+        settle(args, parser)
         if args.ray is not None:
             from dynabatch.cli import on_ray  # Ray's path (torch and the actors' predictor): only when asked for
 

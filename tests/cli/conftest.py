@@ -250,3 +250,18 @@ def no_model_loads(monkeypatch):
     for auto in (transformers.AutoModel, transformers.AutoModelForCausalLM, transformers.AutoModelForSeq2SeqLM):
         monkeypatch.setattr(auto, "from_pretrained", refused(auto.from_pretrained))
     monkeypatch.setattr(sentence_transformers, "SentenceTransformer", refused(sentence_transformers.SentenceTransformer))
+
+
+@pytest.fixture()
+def no_model_read(monkeypatch):
+    """Reading anything of a model's folder (its config, its tokenizer, its modules on the meta device) fails the
+    test: a bad option or corpus must be refused before (the imports and reads take seconds)."""
+    import sentence_transformers
+    import transformers
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the model's folder was read before the bad input was refused")
+
+    for auto in (transformers.AutoConfig, transformers.AutoTokenizer):
+        monkeypatch.setattr(auto, "from_pretrained", refused)
+    monkeypatch.setattr(sentence_transformers, "SentenceTransformer", refused)

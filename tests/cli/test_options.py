@@ -116,3 +116,30 @@ def test_a_report_or_plot_inside_the_output_folder_is_refused_before_any_model_l
     assert line == (f"{flag} should be a file outside the output folder (the store holds its own files alone: a rerun "
                     f"would refuse it), but got {flag}={str(inside)!r} inside output={str(tmp_path / 'out')!r}")
     assert list((tmp_path / "out").iterdir()) == []
+
+
+# (command, flags, the refusal): an option that means something only beside another, given where it means nothing
+TIED = [
+    ("generate", ["--messages-column", "messages", "--text-column", "text"],
+     "--messages-column should be left out with --text-column (the prompts are one column, the texts of --text-column "
+     "or the conversations of --messages-column: give one), but got --messages-column='messages' and "
+     "--text-column='text'"),
+    ("embed", ["--prompt", "query: ", "--prompt-name", "query"],
+     "--prompt-name should be left out with --prompt (--prompt is the prompt itself, --prompt-name names one the model "
+     "saved: give one), but got --prompt-name='query' and --prompt='query: '"),
+    ("calibrate", ["--task", "forward", "--num-beams", "4"],
+     "--num-beams should be given with --task generate (a forward or a training step has no beams), but got "
+     "--num-beams=4"),
+    ("calibrate", ["--task", "train", "--max-new-tokens", "64"],
+     "--max-new-tokens should be given with --task generate (a forward or a training step generates no tokens), but "
+     "got --max-new-tokens=64"),
+]
+
+
+@pytest.mark.parametrize(("command", "flags", "said"), TIED, ids=[" ".join(case[1]) for case in TIED])
+def test_an_option_given_where_it_means_nothing_is_refused_even_at_its_default_value(
+        inputs, bert_dir, tmp_path, capsys, no_model_read, command, flags, said):
+    calibrate = ["calibrate", "--model", str(bert_dir), "--batch-size", "2", "--max-length", "8", "-o",
+                 str(tmp_path / "mm.json")]
+    argv = calibrate if command == "calibrate" else inputs[command]
+    assert _one_line([*argv, *flags], capsys, command) == said
