@@ -266,6 +266,7 @@ def _prepare(args: argparse.Namespace) -> _Job:
     weights load."""
     check_positive(args, "max_batch_tokens")
     corpus = job.open_input(args, "--text-column", args.text_column, ("string",))
+    ids, texts = job.read_input(corpus, args, lambda c: c.texts(args.text_column))  # read once (memory-mapped)
     with Output(args.output).checked() as output:  # made and written to: the next thing a user fixes
         place = job.place_job(args)
         folder, name = _model_folder(args.model)
@@ -288,8 +289,7 @@ def _prepare(args: argparse.Namespace) -> _Job:
         if pooling == _ST:
             settings["prompt"] = json.dumps(args.prompt) if args.prompt is not None else args.prompt_name
         key = job.job_key("embed", folder, **settings)
-        ids = job.open_store(output, corpus, args, key)
-        texts = corpus.texts(args.text_column)  # read once (into one memory-mapped file)
+        job.open_store(output, args, key, len(texts), ids)
         job.check_first_batch(texts, loader_tokenizer, config=config, dtype=dtype,
                               device=place.devices[0], max_memory=args.max_memory, batch_size=args.batch_size,
                               max_length=max_length, max_tokens=args.max_batch_tokens)

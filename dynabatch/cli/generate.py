@@ -125,13 +125,11 @@ def _prompt_limit(args: argparse.Namespace, config: Any, tokenizer: Any) -> int:
     return length
 
 
-def _prompts(args: argparse.Namespace, corpus: Any, tokenizer: Any) -> list[Any]:
+def _prompts(args: argparse.Namespace, corpus: Any) -> list[Any]:
+    """The prompts: the texts of ``--text-column``, or the conversations of ``--messages-column``, each checked."""
     if args.messages_column is None:
         texts = corpus.texts(args.text_column)
         return texts.take(np.arange(len(texts)))
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad_value("--messages-column", "given with a model whose tokenizer has a chat template",
-                        args.messages_column)
     conversations = corpus.values(args.messages_column, "--messages-column")
     for i, conversation in enumerate(conversations):
         if not conversation or not all(map(_is_message, conversation)):
@@ -157,19 +155,22 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         corpus = job.open_input(args, "--text-column", args.text_column, ("string",))
     else:
         corpus = job.open_input(args, "--messages-column", args.messages_column, ("list",))
+    ids, prompts = job.read_input(corpus, args, lambda c: _prompts(args, c))
     with Output(args.output).checked() as output:  # made and written to: the next thing a user fixes
         place = job.place_job(args, one_device="one device (generate runs on one device, or one rank per GPU under "
                               "torchrun)")
         config = check_model_folder("--model", args.model)
         dtype = check_dtype(args.dtype, place.accelerated)
         tokenizer = _tokenizer(args.model)
+        if args.messages_column is not None and not getattr(tokenizer, "chat_template", None):
+            raise bad_value("--messages-column", "given with a model whose tokenizer has a chat template",
+                            args.messages_column)
         max_length = _prompt_limit(args, config, tokenizer)
         settings = {"dtype": str(dtype).removeprefix("torch."), "max_length": max_length,
                     "prompts": "messages" if args.messages_column is not None else "text",
                     **{k: v for k, v in options.items()}, **({"seed": args.seed} if args.sample else {})}
         key = job.job_key("generate", args.model, **settings)
-        ids = job.open_store(output, corpus, args, key)
-        prompts = _prompts(args, corpus, tokenizer)
+        job.open_store(output, args, key, len(prompts), ids)
         job.check_first_batch(prompts if args.messages_column is None else None, tokenizer, config=config,
                               dtype=dtype, device=place.devices[0], max_memory=args.max_memory,
                               batch_size=args.batch_size, max_length=max_length, max_new_tokens=args.max_new_tokens)

@@ -20,9 +20,10 @@ its own (its options, its model, its call):
 
 * :func:`command_parser` (then the command's options, then :func:`add_run_arguments`);
 * :func:`prepared` runs the command's checks in one line's refusal: :func:`open_input`
-  (the shared option checks, the corpus and its columns), :func:`place_job`
-  (the devices and ``--max-memory`` there), :func:`open_store` (the ids, the
-  store opened under the job's key), :func:`check_first_batch`;
+  (the shared option checks, the corpus and its columns), :func:`read_input`
+  (its ids and inputs, read and checked), :func:`place_job` (the devices and
+  ``--max-memory`` there), :func:`open_store` (the store opened under the
+  job's key), :func:`check_first_batch`;
 * :func:`running` around the model's load and the run, :func:`conclude` the
   run accounted and summed up: the exit status.
 """
@@ -50,7 +51,7 @@ from dynabatch.cli.output import Output, Tally
 
 __all__ = ["MODEL_IDENTITY", "Placement", "add_input_arguments", "add_run_arguments", "check_first_batch",
            "check_outputs", "command_parser", "conclude", "digest_cache", "finish", "job_key", "model_digest",
-           "model_files", "open_input", "open_store", "place_job", "placement", "prepared", "process_group",
+           "model_files", "open_input", "open_store", "place_job", "placement", "prepared", "process_group", "read_input",
            "run_accounted", "run_job", "running", "sampled_identity", "summary"]
 
 logger = logging.getLogger(__name__)
@@ -227,12 +228,19 @@ def place_job(args: argparse.Namespace, *, one_device: str | None = None) -> Pla
     return place
 
 
-def open_store(output: Output, corpus: Any, args: argparse.Namespace, key: str) -> Any:
-    """The ids of ``--id-column`` (``None`` without it), and ``output``'s store opened under ``key`` for the corpus,
-    before its texts are read: a store another job writes is refused now."""
+def read_input(corpus: Any, args: argparse.Namespace, read: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """``(ids, inputs)``: the ids of ``--id-column`` (``None`` without it) and ``read(corpus)``, the command's inputs,
+    read right after :func:`open_input`, before the output folder, the devices and the model (whose imports and
+    folder reads take seconds): the checks of the corpus's values (a ragged CSV row, missing or repeated ids,
+    missing texts, bad conversations) refuse it in the time of the one read the run needs anyway."""
     ids = corpus.ids(args.id_column) if args.id_column is not None else None
-    output.open(key=key, n=len(corpus), ids=ids, id_column=args.id_column)
-    return ids
+    return ids, read(corpus)
+
+
+def open_store(output: Output, args: argparse.Namespace, key: str, n: int, ids: Any) -> None:
+    """``output``'s store opened under ``key`` for the ``n`` inputs (``ids``: of ``--id-column``); a store another
+    job writes, or one of rows computed otherwise, is refused now."""
+    output.open(key=key, n=n, ids=ids, id_column=args.id_column)
 
 
 @contextlib.contextmanager

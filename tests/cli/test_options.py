@@ -118,6 +118,30 @@ def test_a_report_or_plot_inside_the_output_folder_is_refused_before_any_model_l
     assert list((tmp_path / "out").iterdir()) == []
 
 
+_CONVERSATIONS = '{"id": 1, "text": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
+# (command, what the corpus file holds, the flags beside it, what the line says): each refused by reading its values
+BAD_CORPORA = [(command, *case) for command in ("embed", "generate") for case in [
+    ('{"id": 1, "text": "a"}\n{"id": 2, "text": null}\n', [],
+     "--text-column should name a column without missing texts, but got --text-column='text' with 1 missing (null) "
+     "texts, at rows 1: fill or drop them"),
+    ('{"id": 1, "text": "a"}\n{"id": 1, "text": "b"}\n', ["--id-column", "id"],
+     "--id-column='id': ids should be unique (one stable id per text), but got 1 id given to several texts (first: 1 "
+     "at positions 0, 1)"),
+]] + [("generate", _CONVERSATIONS + '{"id": 2, "text": "b", "messages": [{"role": "user"}]}\n',
+       ["--messages-column", "messages"], "--messages-column should hold lists of {'role': ..., 'content': ...} "
+       "messages (a role and a content in each, neither missing nor null), but got row 1: ")]
+
+
+@pytest.mark.parametrize(("command", "rows", "flags", "said"), BAD_CORPORA,
+                         ids=[f"{case[0]} {case[3][:14]}" for case in BAD_CORPORA])
+def test_a_bad_corpus_value_is_refused_before_the_output_or_the_models_folder_is_touched(
+        inputs, tmp_path, capsys, no_model_read, command, rows, flags, said):
+    (tmp_path / "docs.jsonl").write_text(rows)
+    argv = [command, str(tmp_path / "docs.jsonl"), *inputs[command][2:], *flags]
+    assert _one_line(argv, capsys, command).startswith(said)
+    assert not (tmp_path / "out").exists()
+
+
 # (command, flags, the refusal): an option that means something only beside another, given where it means nothing
 TIED = [
     ("generate", ["--messages-column", "messages", "--text-column", "text"],
