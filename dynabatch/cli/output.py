@@ -220,10 +220,12 @@ class Output:
         """Makes the folder (and its parents) and writes and removes a probe file in it.
 
         Raises:
-            ValueError: a file, a folder this user cannot make or write (the reason named), one inside another
-                store, or one holding files that are no store's (named).
+            ValueError: an empty or blank path, a file, a folder this user cannot make or write (the reason named),
+                one inside another store, or one holding files that are no store's (named).
         """
         path = self.path
+        if not path.strip():  # "" would be the working folder to some calls and no folder to others
+            raise bad_value("output", "a folder for the store (a path: not empty or blank)", path)
         if os.path.exists(path) and not os.path.isdir(path):
             raise bad_value("output", "a folder for the store, not a file", path)
         if (outer := _store_around(path)) is not None:  # its folder in there: the outer store's job refuses it then
