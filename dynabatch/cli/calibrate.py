@@ -90,8 +90,9 @@ def _check_options(args: argparse.Namespace) -> tuple[Any, list[str] | None]:
     check_writable("--output", args.output)
     check_plot(args.plot)
     check_device("--device", args.device)
-    if args.dtype is not None and not isinstance(getattr(torch, args.dtype, None), torch.dtype):
-        raise bad_value("--dtype", "a torch dtype such as float16 or bfloat16", args.dtype)
+    dtype = getattr(torch, args.dtype, None) if args.dtype is not None else torch.float32
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):  # transformers refuses others at the load
+        raise bad_value("--dtype", "a floating-point torch dtype such as float16 or bfloat16", args.dtype)
     config = check_model_folder("--model", args.model)
     new_tokens = args.max_new_tokens if args.task == "generate" else 0
     check_positions(config, args.max_length, new_tokens, length_name="--max-length", new_name="--max-new-tokens")
