@@ -47,11 +47,14 @@ TASKS = ("generate", "forward", "train")
 def add_parser(sub: Any) -> None:
     """The ``calibrate`` subcommand's options."""
     cal = sub.add_parser("calibrate", help="measure a model on probe batches and save its memory model as JSON",
-                         description=__doc__.split("\n\n")[0].strip("` "),
+                         description="Measures a local model on probe batches (nothing is downloaded) and writes its "
+                         "memory model as JSON, for dynabatch's planners to keep batches under a device's memory.",
                          formatter_class=DefaultsFormatter)
     cal.add_argument("--model", required=True, help="a local Hugging Face model folder (offline)")
     cal.add_argument("--tokenizer", default=None, help="tokenizer folder; default: --model")
-    cal.add_argument("--task", choices=TASKS, default="generate")
+    cal.add_argument("--task", choices=TASKS, default="generate",
+                     help="what a probe runs: generate (greedy model.generate of --max-new-tokens tokens), forward "
+                     "(model(**batch)) or train (a forward with labels and loss.backward())")
     generating = ("task", "generate")
     cal.add_tied("--max-new-tokens", type=int, tie=Tie(default=64, needs=generating, why="a forward or a training "
                  "step generates no tokens"), help="tokens generated per row, with --task generate")

@@ -122,3 +122,14 @@ def test_help_and_a_bad_option_answer_before_torch_is_imported(argv, cli, comman
     assert done.stdout.splitlines()[-1] == f"exit {status} False", done.stdout[-2000:] + done.stderr[-2000:]
     if status:
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_every_option_of_every_command_says_in_its_help_what_it_does():
+    from dynabatch.cli import parser
+
+    commands = next(a for a in parser()._actions if a.choices).choices  # the subcommands' parsers
+    for name, command in commands.items():
+        text = command.format_help()
+        assert "``" not in text and "(default: None)" not in text, (name, text)  # no reST, no default of nothing
+        bare = [a.option_strings or a.dest for a in command._actions if not (a.help or "").strip()]
+        assert not bare, (name, bare)
