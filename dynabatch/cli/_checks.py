@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import os
 import re
 import signal
@@ -30,8 +31,9 @@ from typing import Any, NoReturn
 from dynabatch._validation import bad_value
 
 __all__ = ["DTYPES", "FLAGS", "INTERRUPTED", "TERMINATED", "DefaultsFormatter", "Parser", "Terminated", "Tie",
-           "as_flags", "check_device_names", "check_dtype", "check_model_folder", "check_plot", "check_positive",
-           "check_writable", "extra", "flag_of", "refusing", "settle", "stop_on_sigterm", "stopped_by"]
+           "as_flags", "check_device_names", "check_dtype", "check_model_folder", "check_outputs_apart", "check_plot",
+           "check_positive", "check_writable", "extra", "flag_of", "refusing", "settle", "stop_on_sigterm",
+           "stopped_by"]
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 INTERRUPTED = 130
@@ -236,6 +238,34 @@ def check_writable(flag: str, path: Path) -> None:
     except OSError as exc:
         raise ValueError(f"{flag} should be a file this user can write, but got {flag}={value!r} "
                          f"({exc.strerror})") from exc
+
+
+def _reads(path: str, source: str) -> bool:
+    """Whether an input ``source`` (a file, a folder, a glob) holds the file ``path`` (a real path), or would once it
+    is written."""
+    if any(c in source for c in "*?["):
+        return fnmatch.fnmatch(path, os.path.abspath(source))
+    there = os.path.realpath(source)
+    return path == there or os.path.isdir(there) and path.startswith(os.path.join(there, ""))
+
+
+def check_outputs_apart(outputs: dict[str, Path | None], inputs: dict[str, Any]) -> None:
+    """Each file an option writes (``outputs``: flag to path, ``None`` where not given) is none of the others' and
+    lies outside each input the command reads (``inputs``: name to a file, folder or glob): writing it there would
+    overwrite what another option wrote, or the input itself."""
+    written: dict[str, str] = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real in written:
+            raise ValueError(f"{flag} should be another file than {written[real]} (each writes its own file), but got "
+                             f"{flag}={str(path)!r}")
+        written[real] = flag
+        for name, source in inputs.items():
+            if source is not None and _reads(real, str(source)):
+                raise ValueError(f"{flag} should be a file outside {name} (the command reads it: writing there would "
+                                 f"overwrite or add to it), but got {flag}={str(path)!r} and {name}={str(source)!r}")
 
 
 def check_plot(path: Path | None) -> None:

@@ -32,6 +32,7 @@ from dynabatch.cli._checks import (
     DefaultsFormatter,
     Tie,
     check_model_folder,
+    check_outputs_apart,
     check_plot,
     check_positive,
     check_writable,
@@ -90,6 +91,7 @@ def _check_options(args: argparse.Namespace) -> tuple[Any, list[str] | None]:
         raise bad_value("--texts", "a text file", str(args.texts))
     if args.seed < 0:  # calibrate() refuses it too, but only once the model is loaded
         raise bad_value("--seed", "a non-negative integer", args.seed)
+    check_outputs_apart({"--output": args.output, "--plot": args.plot}, {"--texts": args.texts})
     check_writable("--output", args.output)
     check_plot(args.plot)
     check_device("--device", args.device)

@@ -120,9 +120,9 @@ def add_run_arguments(p: argparse.ArgumentParser, what: str, batch_size: int, de
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """``--report`` and ``--plot`` lie outside the store's folder, can be written (and matplotlib imports for
-    ``--plot``)."""
-    from dynabatch.cli._checks import check_plot, check_writable
+    """``--report`` and ``--plot`` lie outside the store's folder and the input, are two files, can be written (and
+    matplotlib imports for ``--plot``)."""
+    from dynabatch.cli._checks import check_outputs_apart, check_plot, check_writable
 
     store = os.path.join(os.path.realpath(args.output), "")
     for flag, path in (("--report", args.report), ("--plot", args.plot)):
@@ -132,6 +132,7 @@ def check_outputs(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} should be a file outside the output folder (the store holds its own files "
                              f"alone: a rerun would refuse it), but got {flag}={str(path)!r} inside "
                              f"output={args.output!r}")
+    check_outputs_apart({"--report": args.report, "--plot": args.plot}, {"input": args.input})
     if args.report is not None:
         check_writable("--report", args.report)
     check_plot(args.plot)

@@ -167,3 +167,17 @@ def test_an_option_given_where_it_means_nothing_is_refused_even_at_its_default_v
                  str(tmp_path / "mm.json")]
     argv = calibrate if command == "calibrate" else inputs[command]
     assert _one_line([*argv, *flags], capsys, command) == said
+
+
+@pytest.mark.parametrize("command", ["embed", "generate"])
+def test_a_report_or_plot_onto_the_input_or_onto_each_other_is_refused_before_anything_is_written(
+        inputs, command, tmp_path, capsys, no_model_read):
+    # the run wrote the report over the corpus it had read, and the plot over the report, without a word
+    corpus = str(tmp_path / "docs.txt")
+    line = _one_line([*inputs[command], "--report", corpus], capsys, command)
+    assert line == (f"--report should be a file outside input (the command reads it: writing there would overwrite or "
+                    f"add to it), but got --report={corpus!r} and input={corpus!r}")
+    both = str(tmp_path / "run.png")
+    line = _one_line([*inputs[command], "--report", both, "--plot", both], capsys, command)
+    assert line == f"--plot should be another file than --report (each writes its own file), but got --plot={both!r}"
+    assert (tmp_path / "docs.txt").read_text().startswith("In the beginning") and not (tmp_path / "out").exists()
