@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 
 from dynabatch._validation import bad_value
 
-__all__ = ["DTYPES", "FLAGS", "INTERRUPTED", "TERMINATED", "DefaultsFormatter", "Parser", "Terminated", "Tie",
+__all__ = ["DTYPES", "FLAGS", "INTERRUPTED", "TERMINATED", "WEIGHTS", "DefaultsFormatter", "Parser", "Terminated", "Tie",
            "as_flags", "check_device_names", "check_dtype", "check_model_folder", "check_outputs_apart", "check_plot",
            "check_positive", "check_writable", "extra", "flag_of", "refusing", "settle", "stop_on_sigterm",
            "stopped_by"]
@@ -280,17 +280,28 @@ def check_plot(path: Path | None) -> None:
                          f"--plot={str(path)!r} and {exc}") from exc
 
 
+WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+"""The suffixes of the files a model's weights are saved in (an index of shards ends in ``.json``: its shards in
+these)."""
+
+
 def check_model_folder(flag: str, folder: str) -> Any:
-    """A local Hugging Face model folder: its config (read, no weights)."""
+    """A local Hugging Face model folder: its config (read, no weights), and a file of weights in it or a folder
+    under it (a sentence-transformers module's) found by name."""
     from transformers import AutoConfig
 
     if not Path(folder).is_dir():
         raise bad_value(flag, "a local model folder (nothing is downloaded)", folder)
     try:
-        return AutoConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as exc:
         raise ValueError(f"{flag} should be a Hugging Face model folder (with a config.json), but got "
                          f"{flag}={folder!r}: {str(exc).splitlines()[0]}") from exc
+    if not any(path.suffix in WEIGHTS and path.is_file() for path in Path(folder).rglob("*")):
+        raise ValueError(f"{flag} should be a model folder holding its weights (a {' or '.join(WEIGHTS[:2])} file; "
+                         f"the load refuses it otherwise), but got {flag}={folder!r} with no file named "
+                         f"*{', *'.join(WEIGHTS)}")
+    return config
 
 
 def check_dtype(value: str, accelerated: bool) -> Any:

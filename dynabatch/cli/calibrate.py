@@ -12,8 +12,9 @@ probe). The fit table is printed; ``--plot`` draws measured against predicted
 peaks (needs the ``plot`` extra, matplotlib).
 
 Every option is checked before the model is loaded: the output paths can be
-written, matplotlib imports for ``--plot``, the device exists, the model's
-positions hold ``--max-length`` plus ``--max-new-tokens`` and the tokenizer's
+written (two files, neither ``--texts``), matplotlib imports for ``--plot``, the
+device exists, the model's folder holds a weights file, its positions hold
+``--max-length`` plus ``--max-new-tokens`` and the tokenizer's
 ``model_max_length`` holds ``--max-length``; a bad one is a one-line error.
 On the CPU the probes run on one torch thread unless ``--threads`` says
 otherwise: a probe is many small ops, and on a shared machine more threads

@@ -65,6 +65,7 @@ def test_bad_inputs_fail_in_seconds_before_any_probe(gpt2_dir, tmp_path, capsys,
 
     wide = tmp_path / "wide"
     GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=4096).save_pretrained(wide)
+    (wide / "model.safetensors").write_bytes(b"")  # a weights file by name: the check refuses before any is read
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (wide / name).write_bytes((gpt2_dir / name).read_bytes())
     out = str(tmp_path / "mm.json")

@@ -181,3 +181,19 @@ def test_a_report_or_plot_onto_the_input_or_onto_each_other_is_refused_before_an
     line = _one_line([*inputs[command], "--report", both, "--plot", both], capsys, command)
     assert line == f"--plot should be another file than --report (each writes its own file), but got --plot={both!r}"
     assert (tmp_path / "docs.txt").read_text().startswith("In the beginning") and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["embed", "generate", "calibrate"])
+def test_a_model_folder_without_weights_is_one_line_before_any_model_loads(
+        inputs, command, bert_dir, gpt2_dir, tmp_path, capsys, no_model_loads):
+    # its config and tokenizer passed every check, then the load raised OSError with a traceback, exit status 1
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for file in (gpt2_dir if command == "generate" else bert_dir).iterdir():
+        if file.suffix == ".json":
+            (bare / file.name).write_bytes(file.read_bytes())
+    argv = (["calibrate", "--batch-size", "2", "--max-length", "8", "-o", str(tmp_path / "mm.json")]
+            if command == "calibrate" else inputs[command][:3])
+    line = _one_line([*argv, "--model", str(bare)], capsys, command)
+    assert line.startswith(f"--model should be a model folder holding its weights (a .safetensors or .bin file; the "
+                           f"load refuses it otherwise), but got --model={str(bare)!r} with no file named "), line
