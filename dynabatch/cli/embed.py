@@ -284,6 +284,7 @@ def _prepare(args: argparse.Namespace) -> _Job:
                 tokenizer.pad_token = tokenizer.eos_token  # pooling reads the attention mask: padding never counts
             max_length = _max_length(args, config, folder, tokenizer)
             loader_tokenizer = tokenizer
+        job.check_tokens(texts, loader_tokenizer, max_length, ids, "--text-column", args.text_column)
         settings = {"pooling": pooling, "normalize": args.normalize, "dtype": str(dtype).removeprefix("torch."),
                     "max_length": max_length}
         if pooling == _ST:

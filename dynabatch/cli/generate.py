@@ -125,11 +125,11 @@ def _prompt_limit(args: argparse.Namespace, config: Any, tokenizer: Any) -> int:
     return length
 
 
-def _prompts(args: argparse.Namespace, corpus: Any) -> list[Any]:
-    """The prompts: the texts of ``--text-column``, or the conversations of ``--messages-column``, each checked."""
+def _prompts(args: argparse.Namespace, corpus: Any) -> Any:
+    """The prompts: the texts of ``--text-column`` (a TextSource), or the conversations of ``--messages-column``,
+    each checked."""
     if args.messages_column is None:
-        texts = corpus.texts(args.text_column)
-        return texts.take(np.arange(len(texts)))
+        return corpus.texts(args.text_column)  # taken once the model's tokenizer has judged them (_prepare)
     conversations = corpus.values(args.messages_column, "--messages-column")
     for i, conversation in enumerate(conversations):
         if not conversation or not all(map(_is_message, conversation)):
@@ -166,6 +166,9 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
             raise bad_value("--messages-column", "given with a model whose tokenizer has a chat template",
                             args.messages_column)
         max_length = _prompt_limit(args, config, tokenizer)
+        if args.messages_column is None:
+            job.check_tokens(prompts, tokenizer, max_length, ids, "--text-column", args.text_column)
+            prompts = prompts.take(np.arange(len(prompts)))
         settings = {"dtype": str(dtype).removeprefix("torch."), "max_length": max_length,
                     "prompts": "messages" if args.messages_column is not None else "text",
                     **{k: v for k, v in options.items()}, **({"seed": args.seed} if args.sample else {})}

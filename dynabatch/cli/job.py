@@ -23,7 +23,7 @@ its own (its options, its model, its call):
   (the shared option checks, the corpus and its columns), :func:`read_input`
   (its ids and inputs, read and checked), :func:`place_job` (the devices and
   ``--max-memory`` there), :func:`open_store` (the store opened under the
-  job's key), :func:`check_first_batch`;
+  job's key), :func:`check_tokens` (no text of no token), :func:`check_first_batch`;
 * :func:`running` around the model's load and the run, :func:`conclude` the
   run accounted and summed up: the exit status.
 """
@@ -45,12 +45,12 @@ from typing import Any
 
 
 from dynabatch._digest import FileDigests, fingerprint
-from dynabatch._validation import bad_value
+from dynabatch._validation import bad_value, first_few
 from dynabatch.cli._checks import Parser
 from dynabatch.cli.output import Output, Tally
 
 __all__ = ["MODEL_IDENTITY", "Placement", "add_input_arguments", "add_run_arguments", "check_first_batch",
-           "check_outputs", "command_parser", "conclude", "digest_cache", "finish", "job_key", "model_digest",
+           "check_outputs", "check_tokens", "command_parser", "conclude", "digest_cache", "finish", "job_key", "model_digest",
            "model_files", "open_input", "open_store", "place_job", "placement", "prepared", "process_group", "read_input",
            "run_accounted", "run_job", "running", "sampled_identity", "summary"]
 
@@ -175,6 +175,33 @@ def check_first_batch(texts: Any, tokenizer: Any, *, config: Any, dtype: Any, de
         tokenize = ParallelTokenizer(copy.deepcopy(tokenizer), max_length, {}, cores=1)  # as the stream does
         lengths = tokenize(source.take(first)).lengths
     BatchPlanner(lengths, PlanSettings(batch_size, max_length, max_tokens=max_tokens), estimator).sizes()
+
+
+def check_tokens(texts: Any, tokenizer: Any, max_length: int, ids: Any, flag: str, column: str) -> None:
+    """Refuses, before any weights load, the texts of ``flag`` (``column``) that the loader's tokenization of
+    ``tokenizer`` turns into no token: the loader's bad input, which a stream finds only as it tokenizes the chunk
+    (the shortest texts, last: after most of the corpus ran and was stored). The candidates, texts empty or
+    whitespace only (:meth:`~dynabatch.data.text_source.TextSource.blank`), are tokenized once each, as the loader
+    does; a tokenizer adding special tokens to every text refuses none. Rows are named by position, and by their
+    ``ids`` (``--id-column``) where given."""
+    import copy
+
+    import numpy as np
+
+    from dynabatch.data.tokenization import ParallelTokenizer
+
+    positions, distinct, which = texts.blank()
+    if not distinct:
+        return
+    lengths = ParallelTokenizer(copy.deepcopy(tokenizer), max_length, {}, cores=1)(distinct).lengths
+    bad = positions[np.isin(which, np.flatnonzero(lengths == 0))]
+    if not bad.size:
+        return
+    named = f" (--id-column {first_few([repr(i) for i in ids.take(bad[:6]).to_pylist()])})" if ids is not None else ""
+    raise ValueError(f"{flag} should name a column of texts that each hold a token once tokenized (the model's "
+                     f"tokenizer adds no special token to a text: an empty one would be padding alone), but got "
+                     f"{flag}={column!r} with {bad.size} texts of no token (empty or whitespace only), at rows "
+                     f"{first_few(bad.tolist())}{named}: fill or drop them")
 
 
 def prepared(command: str, args: argparse.Namespace, parser: argparse.ArgumentParser,

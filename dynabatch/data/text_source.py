@@ -164,6 +164,33 @@ class TextSource:
         """The ``int64`` positions of items that are not str."""
         return np.flatnonzero(self.char_lengths() < 0)
 
+    def blank(self) -> tuple[np.ndarray, list[str], np.ndarray]:
+        """The texts that are empty or whitespace only (those a tokenizer adding no special token may give no token):
+        ``(positions, distinct, which)``: their ``int64`` positions, the distinct such texts, and the index into
+        ``distinct`` of each position's text. An Arrow source is read by Arrow's compute (no Python str per row).
+
+        Example:
+            >>> positions, distinct, which = source_of(iter(["a", "", " ", "", None])).blank()
+            >>> positions.tolist(), distinct, which.tolist()
+            ([1, 2, 3], ['', ' '], [0, 1, 0])
+        """
+        if self.items is not None:  # Python objects already: one pass over them
+            positions = np.flatnonzero([isinstance(t, str) and not t.strip() for t in self.items])
+            texts = [plain_text(self.items[i]) for i in positions.tolist()]
+            distinct = list(dict.fromkeys(texts))
+            index = {text: k for k, text in enumerate(distinct)}
+            return positions, distinct, np.array([index[t] for t in texts], dtype=np.int64)
+        import pyarrow.compute as pc
+
+        self.char_lengths()  # the bytes checked as UTF-8 first: Arrow's compute reads them as such
+        mask = pc.fill_null(pc.or_(pc.equal(pc.utf8_length(self.arrow), 0), pc.utf8_is_space(self.arrow)), False)
+        found = self.arrow.filter(mask)
+        distinct = pc.unique(found)
+        which = pc.index_in(found, value_set=distinct)
+        positions = np.flatnonzero(np.concatenate([c.to_numpy(zero_copy_only=False) for c in mask.chunks]))
+        which = np.concatenate([np.zeros(0, dtype=np.int64)] + [c.to_numpy(zero_copy_only=False) for c in which.chunks])
+        return positions.astype(np.int64), distinct.to_pylist(), which.astype(np.int64)
+
     def texts(self) -> list[str]:
         """Every text as a Python str, in input order (``""`` for an item that is not a str): a list source's own
         list when it holds only str."""

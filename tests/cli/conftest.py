@@ -70,6 +70,28 @@ def gpt2_dir(tmp_path_factory, tokenizer):
     return folder
 
 
+@pytest.fixture(scope="session")
+def no_bos_llama_dir(tmp_path_factory, llama_tokenizer):
+    """A tiny random-weight Llama (hidden size 32, 64 positions) whose Llama-2 tokenizer adds no BOS (nor any special
+    token): an empty text is no token. Saved once."""
+    import copy
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama-no-bos")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(vocab_size=len(llama_tokenizer), hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=64)
+                         ).save_pretrained(folder)
+    no_bos = copy.deepcopy(llama_tokenizer)
+    no_bos.add_bos_token = False
+    no_bos.save_pretrained(folder)
+    assert AutoTokenizer.from_pretrained(folder)([""])["input_ids"] == [[]]  # the reload keeps it
+    return folder
+
+
 # How sentence-transformers versions 2 to 5 saved a folder (the files each wrote; version 6 is the installed one, which
 # saves its own). Each layout pools its own way, so that pooling and Normalize are read from the folder too.
 _POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")

@@ -484,6 +484,29 @@ def test_a_max_length_holding_no_token_of_a_text_is_refused_for_a_sentence_trans
         "--max-length should be at least 3 (the tokenizer adds 2 special tokens to every text), but got --max-length=2")
 
 
+def test_an_empty_text_of_no_token_is_refused_naming_its_row_and_id_before_the_weights_load(
+        no_bos_llama_dir, bert_dir, tmp_path, capsys, write_corpus, no_model_loads):
+    # the stream found it only when its chunk (the shortest texts: the last) was tokenized: most of the corpus ran
+    # and was stored, then exit status 2 naming texts[i] and on_bad_input='skip', no flag of the command
+    docs = ["In the beginning", "", "   ", "God created", ""]
+    corpus = write_corpus(tmp_path, docs, [f"d{i}" for i in range(5)])
+    base = ["embed", str(corpus), str(tmp_path / "out"), "--model", str(no_bos_llama_dir)]
+    rule = ("--text-column should name a column of texts that each hold a token once tokenized (the model's tokenizer "
+            "adds no special token to a text: an empty one would be padding alone), but got --text-column='text' with "
+            "2 texts of no token (empty or whitespace only), at rows 1, 4")
+    assert _refused([*base, "--id-column", "id"], capsys) == f"{rule} (--id-column 'd1', 'd4'): fill or drop them"
+    assert _refused(base, capsys) == f"{rule}: fill or drop them"  # "   " is a token of this tokenizer: kept
+    assert not (tmp_path / "out").exists()
+    from transformers import AutoTokenizer
+
+    from dynabatch.cli.job import check_tokens
+    from dynabatch.data.text_source import source_of
+
+    # a tokenizer adding special tokens ([CLS] [SEP]) to every text gives an empty one tokens: none is refused
+    assert check_tokens(source_of(iter(docs)), AutoTokenizer.from_pretrained(bert_dir), 64, None, "--text-column",
+                        "text") is None
+
+
 def test_a_bad_input_from_the_console_is_one_line_and_exit_status_2(cli, tmp_path):
     import subprocess
 

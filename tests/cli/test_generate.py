@@ -102,6 +102,22 @@ def test_a_message_without_a_role_or_a_content_is_refused_naming_its_row_before_
     assert not (tmp_path / "replies").exists()
 
 
+def test_an_empty_prompt_of_no_token_is_refused_naming_its_row_before_the_weights_load(
+        no_bos_llama_dir, tmp_path, capsys, no_model_loads):
+    # a stream (many prompts) found it as its chunk was tokenized, the last: after the rest ran and was stored
+    (tmp_path / "prompts.txt").write_text("In the beginning\n\nGod created\n")
+    with pytest.raises(SystemExit) as info:
+        main(["generate", str(tmp_path / "prompts.txt"), str(tmp_path / "replies"), "--model", str(no_bos_llama_dir),
+              "--max-new-tokens", "4", "--no-progress"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1, err
+    assert err == ("dynabatch generate: error: --text-column should name a column of texts that each hold a token once "
+                   "tokenized (the model's tokenizer adds no special token to a text: an empty one would be padding "
+                   "alone), but got --text-column='text' with 1 texts of no token (empty or whitespace only), at rows "
+                   "1: fill or drop them\n")
+    assert not (tmp_path / "replies").exists()
+
+
 def test_sampling_options_without_sample_and_a_prompt_limit_past_the_positions_are_refused(gpt2_dir, tmp_path,
                                                                                           capsys):
     (tmp_path / "p.txt").write_text("In the beginning\n")

@@ -90,6 +90,14 @@ def test_parquet_column_of_numbers_is_refused(tmp_path):
         read_texts([tmp_path / "n.parquet"])
 
 
+def test_blank_finds_the_empty_and_whitespace_only_texts_of_every_kind_of_source():
+    texts = ["a", "", " \t", "", None, "b "]
+    for source in (TextSource(texts), source_of(iter(texts)), source_of(pa.array(texts, pa.large_string()))):
+        positions, distinct, which = source.blank()
+        assert positions.tolist() == [1, 2, 3] and [distinct[k] for k in which] == ["", " \t", ""]
+        assert sorted(distinct) == ["", " \t"]
+
+
 def _not_utf8(texts):
     """A string array whose bytes are ``texts``' as given (Arrow does not check them when a file is read)."""
     raw = pa.array(texts, pa.binary())
