@@ -353,20 +353,25 @@ def source_of(source: Any, column: str = "text", *, chunk_size: int = SPILL_ROWS
     chunk_size = check_positive_int("chunk_size", chunk_size)
     if isinstance(source, TextSource):
         return source
+    holder = None  # what holds the column: a dataset's (its feature named) or a table's
     if _is_dataset(source):
         if column not in source.column_names:
             raise bad_value("column", f"a column of the dataset {source.column_names}", column)
+        holder = f"the dataset's column {column!r} holds {source.features[column]}, Arrow type"
         if getattr(source, "_indices", None) is not None:  # a select or shuffle view: its rows, in its order
             source = source.flatten_indices()
         source = source.data.table
     if isinstance(source, pa.Table):
         if column not in source.column_names:
             raise bad_value("column", f"a column of the table {source.column_names}", column)
+        holder = holder or f"the table's column {column!r} holds Arrow type"
         source = source.column(column)
     if _is_arrow_strings(source):
         return TextSource(source)
+    if holder is not None and not is_text_type(source.type):
+        raise bad_type("column", f"a column of strings ({holder} {source.type})", column)
     if isinstance(source, (pa.Array, pa.ChunkedArray)):
-        raise bad_type("source", "an Arrow array of strings", source)
+        raise bad_type("source", f"an Arrow array of strings (it holds Arrow type {source.type})", source)
     paths = parquet_paths(source)
     if paths is not None:
         return _read_parquet(paths, column, chunk_size)

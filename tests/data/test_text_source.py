@@ -65,7 +65,7 @@ def test_what_streams():
     [
         (pa.table({"text": ["a"]}), {"column": "body"}, ValueError,
          r"^column should be a column of the table \['text'\], but got column='body'$"),
-        (pa.array([1, 2]), {}, TypeError, r"^source should be an Arrow array of strings"),
+        (pa.array([1, 2]), {}, TypeError, r"^source should be an Arrow array of strings \(it holds Arrow type int64\)"),
         (iter(["a", 3]), {}, TypeError,
          r"^texts\[1\] should be a str \(or None, a bad input\), but got texts\[1\]=3 of type int$"),
         (iter([]), {}, ValueError, r"^source should hold at least one text, but got none$"),
@@ -88,6 +88,25 @@ def test_parquet_column_of_numbers_is_refused(tmp_path):
         read_texts(tmp_path / "n.parquet")
     with pytest.raises(TypeError, match=r"^column should be a column of strings \(in n.parquet it is int64\)"):
         read_texts([tmp_path / "n.parquet"])
+
+
+def test_a_dataset_column_of_labels_lists_or_bytes_is_refused_naming_the_column_and_its_type():
+    # "source should be an Arrow array of strings, but got source=<ChunkedArray of 2 items>": neither named
+    import datasets
+
+    features = datasets.Features({"label": datasets.ClassLabel(names=["no", "yes"]),
+                                  "tags": datasets.Sequence(datasets.Value("string")), "raw": datasets.Value("binary")})
+    dataset = datasets.Dataset.from_dict({"label": [0, 1], "tags": [["a"], ["b"]], "raw": [b"a", b"b"]},
+                                         features=features)
+    for column, feature in (("label", r"ClassLabel\(names=\['no', 'yes'\]\), Arrow type int64"),
+                            ("tags", r"(List|Sequence)\(.*\), Arrow type list<item: string>"),
+                            ("raw", r"Value\('binary'\), Arrow type binary")):
+        with pytest.raises(TypeError, match=rf"^column should be a column of strings \(the dataset's column "
+                                            rf"'{column}' holds {feature}\), but got column='{column}'"):
+            read_texts(dataset, column)
+    with pytest.raises(TypeError, match=r"^column should be a column of strings \(the table's column 'n' holds Arrow "
+                                        r"type int64\), but got column='n'"):
+        read_texts(pa.table({"n": [1, 2]}), "n")
 
 
 def test_blank_finds_the_empty_and_whitespace_only_texts_of_every_kind_of_source():
