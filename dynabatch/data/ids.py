@@ -43,7 +43,7 @@ def _as_arrow(ids: Any) -> Any:
         raise bad_type("ids", _RULE, ids)
     values = ids if isinstance(ids, (list, np.ndarray)) else ids.tolist() if hasattr(ids, "tolist") else list(ids)
     try:
-        return pa.array(values)
+        return pa.array(values, from_pandas=True)  # a NaN (pandas' missing value) is a null: a missing id
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
         kinds = sorted({type(v).__name__ for v in (values.tolist() if isinstance(values, np.ndarray) else values)})
         if isinstance(exc, OverflowError) and kinds == ["int"]:  # ints past 2**64: Arrow holds none of them
@@ -56,6 +56,22 @@ def _out_of_range(values: Any) -> ValueError:
     position, value = next((p, v) for p, v in enumerate(values) if v is not None and not -(2**63) <= int(v) < 2**63)
     return ValueError(f"ids should be {_INT64}, but got id {int(value)} at position {position}: give such ids as "
                       "str")
+
+
+def _whole(array: Any) -> bool:
+    """Whether the float ``array`` holds missing values and whole numbers alone: ints that pandas turned into
+    floats to hold a NaN (a missing id)."""
+    import pyarrow.compute as pc
+
+    values = array.drop_null()
+    return bool(array.null_count) and pc.all(pc.equal(pc.floor(values), values)).as_py() is not False
+
+
+def _missing(array: Any) -> ValueError:
+    """The refusal of the missing (null: None, NaN) ids of ``array``, naming their positions."""
+    missing = np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))
+    return ValueError(f"ids should give every text an id, but got {missing.size} missing (None, NaN) at positions "
+                      f"{first_few(missing)}")
 
 
 def check_ids(ids: Any, n: int) -> Any:
@@ -81,14 +97,16 @@ def check_ids(ids: Any, n: int) -> Any:
             array = array.cast(pa.int64())
         except pa.ArrowInvalid:  # uint64 ids of 2**63 or more
             raise _out_of_range(array.to_pylist()) from None
+    elif pa.types.is_floating(array.type) and _whole(array):  # pandas' int column holding a missing id (NaN)
+        raise _missing(array)
     elif not pa.types.is_null(array.type):
-        raise TypeError(f"ids should be {_RULE}, but got ids={brief(ids)} of Arrow type {array.type}")
+        column = getattr(ids, "column_name", None)  # a datasets column: its name and feature
+        named = f" (column {column!r}, a datasets {ids.features})" if column is not None else ""
+        raise TypeError(f"ids should be {_RULE}, but got ids={brief(ids)} of Arrow type {array.type}{named}")
     if len(array) != n:
         raise bad_value("len(ids)", f"len(texts)={n}, one id per text", len(array))
     if array.null_count:
-        missing = np.flatnonzero(array.is_null().to_numpy(zero_copy_only=False))
-        raise ValueError(f"ids should give every text an id, but got {missing.size} missing (None) at positions "
-                         f"{first_few(missing)}")
+        raise _missing(array)
     unique = pc.unique(array)
     if len(unique) == n:
         return array

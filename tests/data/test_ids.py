@@ -24,7 +24,7 @@ def test_ids_become_one_arrow_array():
     ([True, False], 2, TypeError, r"of Arrow type bool"),
     ([1, "a"], 2, TypeError, r"ids should be .*, but got ids=\[1, 'a'\] holding int, str values"),
     (["a"], 2, ValueError, r"^len\(ids\) should be len\(texts\)=2, one id per text, but got len\(ids\)=1$"),
-    (["a", None], 2, ValueError, r"^ids should give every text an id, but got 1 missing \(None\) at positions 1$"),
+    (["a", None], 2, ValueError, r"^ids should give every text an id, but got 1 missing \(None, NaN\) at positions 1$"),
     (["a", "b", "a", "c", "c", "a"], 6, ValueError,
      (r"^ids should be unique \(one stable id per text\), but got 2 ids given to several texts \(first: 'a' at "
       r"positions 0, 2, 5\)$")),
@@ -32,6 +32,24 @@ def test_ids_become_one_arrow_array():
 def test_bad_ids_are_named(ids, n, error, match):
     with pytest.raises(error, match=match):
         check_ids(ids, n)
+
+
+@pytest.mark.parametrize("ids", [pd.Series([4, np.nan, 7]), pd.Series([4, None, 7], dtype="Int64"),
+                                 pd.Series(["a", None, "c"]), [4.0, float("nan"), 7.0], pa.array([4.0, None, 7.0])])
+def test_a_missing_id_in_a_pandas_column_is_named_at_its_position(ids):
+    # pandas holds an int column's missing value as NaN, in floats: refused as "of Arrow type double", not as missing
+    with pytest.raises(ValueError, match=r"^ids should give every text an id, but got 1 missing \(None, NaN\) at "
+                                         r"positions 1$"):
+        check_ids(ids, 3)
+
+
+def test_a_datasets_column_of_lists_or_bytes_is_refused_naming_the_column_and_its_feature():
+    import datasets
+
+    dataset = datasets.Dataset.from_dict({"tags": [["a"], ["b"]], "raw": [b"a", b"b"]})
+    for column, kind in (("tags", "list<item: string>"), ("raw", "binary")):
+        with pytest.raises(TypeError, match=rf"of Arrow type {kind} \(column '{column}', a datasets "):
+            check_ids(dataset[column], 2)
 
 
 @pytest.mark.parametrize("ids,position,value", [
