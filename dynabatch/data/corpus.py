@@ -188,6 +188,7 @@ def _jsonl_fault(path: str, *, kinds: bool) -> str | None:
     return None
 
 
+_SURROGATE = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, as errors="surrogateescape" reads it
 _BLOCK = 1 << 20  # pyarrow's CSV and JSON readers' default block, in bytes
 _LARGEST_BLOCK = (1 << 31) - 1  # the largest block pyarrow takes (an int32)
 
@@ -386,24 +387,31 @@ class Corpus:
             self.files.append(target)
 
     def _refusal(self, file: str, exc: BaseException) -> ValueError:
-        """``file`` refused, naming the line of its first ragged row where pyarrow's error names only its text."""
+        """``file`` refused, naming the line of its first ragged row, or of its first value that is not UTF-8, where
+        pyarrow's error names only its text (or the column's number)."""
         wide = _not_utf8(file) if isinstance(exc, pa.ArrowException) else None
-        line = self._ragged_line(file) if "Expected" in str(exc) and wide is None else None
-        return _unreadable(self.name, file, self._table_rule(), exc,
-                           wide or line and f"line {line}: {_first_line(exc)}")
+        fault = self._bad_row(file, exc) if ("Expected" in str(exc) or "UTF8" in str(exc)) and wide is None else None
+        return _unreadable(self.name, file, self._table_rule(), exc, wide or fault)
 
-    def _ragged_line(self, file: str) -> int | None:
-        """The line (from 1) where the first row of ``file`` with another number of values than its first row
-        starts; ``None`` if Python's ``csv`` reads none. One row at a time."""
+    def _bad_row(self, file: str, exc: BaseException) -> str | None:
+        """Where the first row of ``file`` that pyarrow refused (``exc``) starts (lines from 1), and why: another
+        number of values than its first row, or a value of a column the job reads holding bytes that are not UTF-8;
+        ``None`` if Python's ``csv`` finds none. One row at a time."""
         import csv
 
-        with open(file, encoding="utf-8", errors="replace", newline="") as lines:
-            reader, start, columns = csv.reader(lines, delimiter=_DELIMITERS[self.format]), 1, None
+        with open(file, encoding="utf-8", errors="surrogateescape", newline="") as lines:  # a bad byte: a surrogate
+            reader, start, names = csv.reader(lines, delimiter=_DELIMITERS[self.format]), 1, None
             try:
                 for row in reader:
-                    columns = columns or len(row)
-                    if row and len(row) != columns:  # pyarrow skips empty lines, as csv gives them: []
-                        return start
+                    names = names or row
+                    if row and len(row) != len(names):  # pyarrow skips empty lines, as csv gives them: []
+                        return f"line {start}: {_first_line(exc)}"
+                    bad = next(((n, v) for n, v in zip(names, row) if (self.keep is None or n in self.keep)
+                                and not v.isascii() and _SURROGATE.search(v)), None)
+                    if bad is not None and start > 1:
+                        raw = bad[1].encode("utf-8", "surrogateescape")
+                        return (f"line {start}: column {bad[0]!r} holds bytes that are not UTF-8 ({raw[:40]!r}): save "
+                                "the file as UTF-8")
                     start = reader.line_num + 1
             except csv.Error:  # a value past csv's field size limit (a long document), which pyarrow reads
                 return None

@@ -131,6 +131,16 @@ def test_a_malformed_jsonl_line_is_named_by_its_line(tmp_path):
         open_corpus(path)
 
 
+def test_a_latin1_csv_is_refused_naming_the_line_and_column_of_its_first_bad_value(tmp_path):
+    # pyarrow's "In CSV column #1: CSV conversion error to large_string: invalid UTF8 data" named no line
+    path = tmp_path / "docs.csv"
+    path.write_bytes('id,text\n1,"two\nlines"\n2,caf\xe9\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"^source should be a UTF-8 CSV file: .*, but got source='.*docs.csv': line 4: "
+                                         r"column 'text' holds bytes that are not UTF-8 \(b'caf\\xe9'\): save the "
+                                         r"file as UTF-8$"):
+        read_texts(path)
+
+
 @pytest.mark.parametrize("name", ["long.csv", "long.tsv", "long.jsonl"])
 def test_a_document_longer_than_pyarrows_block_is_read(tmp_path, name):
     # pyarrow parses rows within 1 MiB blocks: a row over two of them was refused, "try to increase block size?"
