@@ -22,12 +22,13 @@ Example:
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int, did_you_mean
 from dynabatch.data.token_ids import are_token_ids
 from dynabatch.data.tokenization import check_tokenizer, model_max_length
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
@@ -39,7 +40,7 @@ from dynabatch.memory.footprint import Footprint
 from dynabatch.memory.shape import ModelShape, check_position_limit, position_limit
 from dynabatch.memory.units import check_max_memory
 
-__all__ = ["generate", "generation_loader", "render_chats", "reply_function"]
+__all__ = ["check_generate_kwargs", "generate", "generation_loader", "render_chats", "reply_function"]
 
 _PROMPTS_RULE = ("a non-empty list of prompts, all of one kind: str, chat conversations (lists of "
                  "{'role': ..., 'content': ...} dicts) or pre-tokenized ids (lists of int)")
@@ -129,6 +130,72 @@ def _default_limit(model: Any, tokenizer: Any, new_tokens: int, encoder_decoder:
     return max(1, min(limits))
 
 
+_FROM_PROMPTS = ("input_ids", "attention_mask")  # what each batch gives model.generate itself
+_TAKEN_BY_GENERATE = ("tokenizer", "assistant_tokenizer", "trust_remote_code")  # its **kwargs it takes as its own
+
+
+def check_generate_kwargs(model: Any, generate_kwargs: dict[str, Any]) -> None:
+    """Refuses, before any batch runs, a keyword ``model.generate`` would refuse in every batch (where ``on_error``
+    would first split the batch row by row): a name that is neither a ``GenerationConfig`` field, nor an argument of
+    ``generate``, nor a model input (a ``TypeError`` with the closest name), or a value ``GenerationConfig``'s own
+    ``validate`` refuses (a ``ValueError`` naming it). Only a transformers model's ``generate`` is read: a wrapper's
+    own ``generate`` says what it takes."""
+    from transformers import GenerationConfig, GenerationMixin
+
+    if not isinstance(model, GenerationMixin):
+        return
+    for name in _FROM_PROMPTS:
+        if name in generate_kwargs:
+            raise bad_type(name, "left out: each batch gives model.generate the prompts' own", generate_kwargs[name])
+    own = set(inspect.signature(type(model).generate).parameters) | set(_TAKEN_BY_GENERATE)
+    settings = {k: v for k, v in generate_kwargs.items() if k not in own}
+    base = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None) or GenerationConfig()
+    fields = {k for k in settings if not callable(getattr(base, k, None)) and hasattr(base, k)}
+    inputs = _model_inputs(model)
+    unknown = [name for name in settings if name not in fields | inputs]
+    if unknown:
+        name = unknown[0]
+        raise TypeError(f"generate() got an unexpected keyword argument {name!r}"
+                        f"{did_you_mean(name, set(base.to_dict()) | inputs | own)}: it is no GenerationConfig field, "
+                        f"no argument of {type(model).__name__}.generate and no input of the model; but got "
+                        f"{name}={settings[name]!r}")
+    _check_values(base, {k: settings[k] for k in fields})
+
+
+def _model_inputs(model: Any) -> set[str]:
+    """What ``model.generate`` passes on to the model: the arguments of its ``forward`` and
+    ``prepare_inputs_for_generation`` (and of its encoder's ``forward``), and the attention keywords every
+    transformers model takes."""
+    functions = [model.forward, getattr(model, "prepare_inputs_for_generation", None)]
+    if getattr(model.config, "is_encoder_decoder", False) and callable(getattr(model, "get_encoder", None)):
+        functions.append(model.get_encoder().forward)
+    names = {n for f in functions if callable(f) for n in inspect.signature(f).parameters}
+    try:
+        from transformers.utils import TransformersKwargs
+    except ImportError:  # older transformers: the models name them in forward
+        return names
+    return names | set(TransformersKwargs.__optional_keys__)
+
+
+def _check_values(base: Any, settings: dict[str, Any]) -> None:
+    """``base`` updated with ``settings`` as ``model.generate`` updates it, its refusal raised naming the keyword
+    (the first that ``validate`` refuses alone, else every one given)."""
+    try:
+        copy.deepcopy(base).update(**settings)
+        return
+    except (ValueError, TypeError) as error:
+        refused = error
+    for name, value in settings.items():
+        try:
+            copy.deepcopy(base).update(**{name: value})
+        except (ValueError, TypeError):
+            break
+    else:
+        name, value = ", ".join(settings), settings
+    rule = f"what transformers' GenerationConfig.validate takes ({str(refused).strip()})"
+    raise (bad_type if isinstance(refused, TypeError) else bad_value)(name, rule, value) from refused
+
+
 _STOPS_WITHOUT_EOS = ("stopping_criteria", "max_time")  # generate arguments ending rows early, untold where
 
 
@@ -197,8 +264,10 @@ def generation_loader(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any
 def reply_function(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], *, return_ids: bool = False,
                    skip_special_tokens: bool = True) -> Callable[[Any], PerRow]:
     """``fn(batch)`` for :func:`dynabatch.run`: ``model.generate`` on the batch with ``generate_kwargs``, each row's
-    reply alone (the rules of :mod:`~dynabatch.inference.generation`), decoded unless ``return_ids``."""
+    reply alone (the rules of :mod:`~dynabatch.inference.generation`), decoded unless ``return_ids``; its keywords
+    checked first (:func:`check_generate_kwargs`)."""
     encoder_decoder = _check_model(model)
+    check_generate_kwargs(model, generate_kwargs)
     returns = check_positive_int("num_return_sequences", _setting(model, generate_kwargs, "num_return_sequences") or 1)
     eos = _setting(model, generate_kwargs, "eos_token_id")  # an int, a list of them or a tensor
     eos_ids = [] if eos is None else [int(e) for e in torch.as_tensor(eos).reshape(-1).tolist()]
@@ -282,8 +351,9 @@ def generate(
         prompt, with ``.report``.
 
     Raises:
-        TypeError: a model without ``generate``, or prompts of mixed or unknown kinds.
-        ValueError: chat prompts with a tokenizer without chat template, a prompt limit (plus the new tokens)
+        TypeError: a model without ``generate``, prompts of mixed or unknown kinds, or a keyword ``model.generate``
+            takes not (:func:`check_generate_kwargs`).
+        ValueError: a keyword's value ``GenerationConfig.validate`` refuses, chat prompts with a tokenizer without chat template, a prompt limit (plus the new tokens)
             above the model's positions, a prompt of no token, or a decoder-only model's ``max_length`` or
             ``min_length`` (they count the padded prompt) without ``max_new_tokens`` or ``min_new_tokens``.
     """

@@ -205,6 +205,36 @@ def test_prompts_of_mixed_kinds_are_refused(llama, chat_tokenizer):
         dynabatch.generate(lambda b: b, chat_tokenizer, ["a"], progress=False)
 
 
+def test_a_keyword_model_generate_refuses_is_refused_before_any_batch_runs(llama, chat_tokenizer, monkeypatch):
+    # A misspelt keyword or a value GenerationConfig refuses failed only inside model.generate, in every batch:
+    # on_error's isolation first split the batch row by row (5 calls of 16 prompts) before raising transformers' error.
+    calls = []
+    monkeypatch.setattr(llama, "generate", lambda **kwargs: calls.append(kwargs))
+    prompts = ["In the beginning"] * 16
+    with pytest.raises(TypeError, match=r"^generate\(\) got an unexpected keyword argument 'temprature' \(did you "
+                       r"mean 'temperature'\?\): it is no GenerationConfig field, no argument of "
+                       r"LlamaForCausalLM.generate and no input of the model; but got temprature=0.7$"):
+        dynabatch.generate(llama, chat_tokenizer, prompts, max_new_tokens=2, temprature=0.7, progress=False)
+    with pytest.raises(ValueError, match=r"^num_return_sequences should be what transformers' GenerationConfig."
+                       r"validate takes \(Greedy methods .*\), but got num_return_sequences=2$"):
+        dynabatch.generate(llama, chat_tokenizer, prompts, max_new_tokens=2, do_sample=False,
+                           num_return_sequences=2, progress=False)
+    with pytest.raises(ValueError, match=r"^cache_implementation should be .*Invalid `cache_implementation`"):
+        dynabatch.generate(llama, chat_tokenizer, prompts, max_new_tokens=2, cache_implementation="bogus",
+                           progress=False)
+    with pytest.raises(TypeError, match=r"^attention_mask should be left out: each batch gives model.generate"):
+        dynabatch.generate(llama, chat_tokenizer, prompts, max_new_tokens=2, attention_mask=None, progress=False)
+    assert calls == []
+    monkeypatch.undo()
+    # what model.generate takes passes: its arguments, the fields of a config, a model input
+    from transformers import LogitsProcessorList
+
+    replies = dynabatch.generate(llama, chat_tokenizer, prompts[:2], max_new_tokens=2, do_sample=True,
+                                 num_return_sequences=2, logits_processor=LogitsProcessorList(), position_ids=None,
+                                 output_attentions=False, progress=False)
+    assert [len(r) for r in replies] == [2, 2]
+
+
 def test_a_prompt_of_no_token_is_refused_naming_it(llama, chat_tokenizer):
     # model.generate fails on an empty prompt alone (IndexError) and, batched with others, gave a reply made from
     # padding alone: which one depended on batch_size. The loader's rule refuses it: ids as given, texts once tokenized
