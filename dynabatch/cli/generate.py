@@ -11,7 +11,9 @@ chat conversations (``--messages-column``: each row a list of
 template; a message without a role or a content, or with either null, is
 refused naming its row, before any weights load). Replies come from :func:`dynabatch.generate` (a decoder-only or
 encoder-decoder ``transformers`` model): each prompt's reply alone, the prompt
-not repeated, ending at its first EOS; greedy unless ``--sample``. The store
+not repeated, ending at its first EOS; greedy unless ``--sample``; ``--min-new-tokens`` tokens at least where
+given. A decoder-only folder whose ``generation_config.json`` sets ``min_length`` (it counts the prompt, padded to
+its batch's longest) is refused before any weights load, unless ``--min-new-tokens`` is given. The store
 holds ``id`` (with ``--id-column``; else rows are keyed by ``position``, the
 prompt's row in the input) and ``output`` (the reply);
 its key names the model, the dtype, the length limits and every generation
@@ -62,6 +64,9 @@ def add_parser(sub: Any) -> None:
                                              "--text-column or the conversations of --messages-column: give one"),
                help="a column of chat conversations (lists of {role, content}) instead of --text-column")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per reply at most (default: 128)")
+    p.add_argument("--min-new-tokens", type=int, default=None,
+                   help="tokens per reply at least (default: the model's; a min_length of its generation_config.json, "
+                   "which counts the prompt, is refused unless this is given)")
     p.add_argument("--sample", action="store_true", help="sample (default: greedy decoding)")
     sampling = Tie(needs=("sample", True), why="greedy decoding has no temperature, top-p or top-k")
     p.add_tied("--temperature", type=float, tie=sampling, help="with --sample (default: the model's)")
@@ -80,6 +85,10 @@ def _check_sampling(args: argparse.Namespace) -> dict[str, Any]:
     if not _SEEDS[0] <= args.seed < _SEEDS[1]:
         raise bad_value("--seed", f"an integer in [{_SEEDS[0]}, {_SEEDS[1]}) (the seeds torch takes)", args.seed)
     options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.sample}
+    if args.min_new_tokens is not None:
+        if args.min_new_tokens > args.max_new_tokens:
+            raise bad_value("--min-new-tokens", f"at most --max-new-tokens={args.max_new_tokens}", args.min_new_tokens)
+        options["min_new_tokens"] = args.min_new_tokens
     for name in _SAMPLING:
         value = getattr(args, name)
         if value is None:
@@ -89,6 +98,31 @@ def _check_sampling(args: argparse.Namespace) -> dict[str, Any]:
             raise bad_value(flag, "a finite number above 0" if name == "temperature" else "a number in (0, 1]", value)
         options[name] = value
     return options
+
+
+def _check_lengths(folder: str, config: Any, options: dict[str, Any]) -> None:
+    """A decoder-only model's generation config, read from the folder as its load reads it (``generation_config.json``,
+    else ``config.json``; no weights), sets no length that counts the prompt beside the options, by the library's rule
+    (:func:`~dynabatch.inference.generation.counting_the_prompt`)."""
+    from transformers import GenerationConfig
+
+    from dynabatch.inference.generation import counting_the_prompt
+
+    if getattr(config, "is_encoder_decoder", False):
+        return
+    file = "generation_config.json" if (Path(folder) / "generation_config.json").is_file() else "config.json"
+    try:
+        generation_config = GenerationConfig.from_pretrained(folder, config_file_name=file)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--model's {file} should be a generation config transformers reads, but got "
+                         f"--model={folder!r}: {str(exc).splitlines()[0]}") from exc
+    found = counting_the_prompt(generation_config, options, where="")
+    if found is not None:
+        setting, new, value = found
+        raise ValueError(f"--model's {file} should set no {setting} (it counts the prompt, which a batch pads to its "
+                         f"longest row, so a reply's length would depend on its batch): give {flag_of(new)} (the "
+                         f"tokens of each reply), or remove {setting} from {Path(folder) / file}; but got "
+                         f"{setting}={value!r} in --model={folder!r}")
 
 
 def _tokenizer(folder: str) -> Any:
@@ -149,7 +183,7 @@ def _is_message(message: Any) -> bool:
 
 def _prepare(args: argparse.Namespace) -> dict[str, Any]:
     """Every check of a generate job, and the store opened (its job lock taken); no weights load."""
-    check_positive(args, "max_new_tokens", "top_k")
+    check_positive(args, "max_new_tokens", "min_new_tokens", "top_k")
     options = _check_sampling(args)
     if args.messages_column is None:
         corpus = job.open_input(args, "--text-column", args.text_column, ("string",))
@@ -160,6 +194,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         place = job.place_job(args, one_device="one device (generate runs on one device, or one rank per GPU under "
                               "torchrun)")
         config = check_model_folder("--model", args.model)
+        _check_lengths(args.model, config, options)
         dtype = check_dtype(args.dtype, place.accelerated)
         tokenizer = _tokenizer(args.model)
         if args.messages_column is not None and not getattr(tokenizer, "chat_template", None):

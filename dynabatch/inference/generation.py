@@ -40,7 +40,7 @@ from dynabatch.memory.footprint import Footprint
 from dynabatch.memory.shape import ModelShape, check_position_limit, position_limit
 from dynabatch.memory.units import check_max_memory
 
-__all__ = ["check_generate_kwargs", "generate", "generation_loader", "render_chats", "reply_function"]
+__all__ = ["check_generate_kwargs", "counting_the_prompt", "generate", "generation_loader", "render_chats", "reply_function"]
 
 _PROMPTS_RULE = ("a non-empty list of prompts, all of one kind: str, chat conversations (lists of "
                  "{'role': ..., 'content': ...} dicts) or pre-tokenized ids (lists of int)")
@@ -82,18 +82,18 @@ def render_chats(tokenizer: Any, conversations: Sequence[Any], chat_template_kwa
 def _setting(model: Any, generate_kwargs: dict[str, Any], name: str) -> Any:
     """A setting of the call, by ``model.generate``'s precedence: its argument, else that of the ``generation_config``
     it was given, else the model's generation config's; ``None`` if unset."""
-    return _found(model, generate_kwargs, name)[1]
+    return _found(getattr(model, "generation_config", None), generate_kwargs, name)[1]
 
 
-def _found(model: Any, generate_kwargs: dict[str, Any], name: str) -> tuple[str, Any]:
-    """``(where, value)`` of :func:`_setting`: ``where`` names it as a message should (``name``,
-    ``generation_config.name`` or ``model.generation_config.name``)."""
+def _found(model_config: Any, generate_kwargs: dict[str, Any], name: str,
+           where: str = "model.generation_config.") -> tuple[str, Any]:
+    """``(where, value)`` of :func:`_setting`, ``model_config`` the model's generation config: ``where`` names it as
+    a message should (``name``, ``generation_config.name`` or, by the ``where`` given, ``model.generation_config.name``)."""
     if generate_kwargs.get(name) is not None:
         return name, generate_kwargs[name]
-    for where, config in (("generation_config", generate_kwargs.get("generation_config")),
-                          ("model.generation_config", getattr(model, "generation_config", None))):
+    for prefix, config in (("generation_config.", generate_kwargs.get("generation_config")), (where, model_config)):
         if getattr(config, name, None) is not None:
-            return f"{where}.{name}", getattr(config, name)
+            return f"{prefix}{name}", getattr(config, name)
     return name, None
 
 
@@ -101,18 +101,38 @@ _DEFAULT_NEW_TOKENS = 20  # model.generate's when no length is set: max_length 2
 _COUNT_THE_PROMPT = {"max_length": "max_new_tokens", "min_length": "min_new_tokens"}  # each, and its per-reply twin
 
 
-def _new_tokens(model: Any, generate_kwargs: dict[str, Any], encoder_decoder: bool) -> int:
-    """The call's ``max_new_tokens``: unset, ``generate``'s default on a decoder-only model, else 0.
+def counting_the_prompt(model_config: Any, generate_kwargs: dict[str, Any],
+                        where: str = "model.generation_config.") -> tuple[str, str, Any] | None:
+    """The rule of a decoder-only model's lengths: ``max_length`` and ``min_length`` count the prompt, which a batch
+    pads to its longest row, so a reply's length would depend on its batch; either set (given, in the
+    ``generation_config=`` given or in ``model_config``, the model's generation config, named by ``where``) without
+    its ``*_new_tokens`` twin is refused. Returns the first so set, ``(where it is set, its twin, its value)``, else
+    ``None``.
 
-    A decoder-only model's ``max_length`` and ``min_length`` count the prompt, which a batch pads to its longest
-    row: a reply's length would depend on its batch, so either, unless its ``*_new_tokens`` twin is set, is refused.
+    Example:
+        >>> from transformers import GenerationConfig
+        >>> counting_the_prompt(GenerationConfig(min_length=5), {"max_new_tokens": 8})
+        ('model.generation_config.min_length', 'min_new_tokens', 5)
+        >>> counting_the_prompt(GenerationConfig(min_length=5), {"min_new_tokens": 2}) is None
+        True
     """
-    for total, new in () if encoder_decoder else _COUNT_THE_PROMPT.items():  # a decoder's counts its own tokens
-        where, value = _found(model, generate_kwargs, total)
-        if value and _setting(model, generate_kwargs, new) is None:
-            raise bad_value(where, f"unset on a decoder-only model unless {new} is set: it counts the prompt, "
-                            "which a batch pads to its longest row, so a reply's length would depend on its batch "
-                            f"(give {new}, the tokens of each reply)", value)
+    for total, new in _COUNT_THE_PROMPT.items():
+        place, value = _found(model_config, generate_kwargs, total, where)
+        if value and _found(model_config, generate_kwargs, new)[1] is None:
+            return place, new, value
+    return None
+
+
+def _new_tokens(model: Any, generate_kwargs: dict[str, Any], encoder_decoder: bool) -> int:
+    """The call's ``max_new_tokens``: unset, ``generate``'s default on a decoder-only model, else 0. A decoder-only
+    model's lengths that count the prompt are refused (:func:`counting_the_prompt`); an encoder-decoder's count
+    its decoder's own tokens."""
+    found = None if encoder_decoder else counting_the_prompt(getattr(model, "generation_config", None), generate_kwargs)
+    if found is not None:
+        where, new, value = found
+        raise bad_value(where, f"unset on a decoder-only model unless {new} is set: it counts the prompt, which a "
+                        "batch pads to its longest row, so a reply's length would depend on its batch "
+                        f"(give {new}, the tokens of each reply)", value)
     value = _setting(model, generate_kwargs, "max_new_tokens")
     if value is not None:
         return check_positive_int("max_new_tokens", value)

@@ -196,3 +196,38 @@ def test_id_column_keys_replies_by_id_and_a_rerun_on_a_reordered_grown_input_run
     assert sorted(table.column("id").to_pylist()) == sorted(r["id"] for r in rows)  # every id once
     by_id = dict(zip(table.column("id").to_pylist(), table.column("output").to_pylist()))
     assert [by_id[f"p{i}"] for i in range(12)] == _alone(gpt2_dir, prompts, 3)
+
+
+def test_a_length_counting_the_prompt_in_the_folders_generation_config_is_refused_before_the_model_loads(
+        gpt2_dir, tmp_path, capsys, monkeypatch):
+    # generation_config.json's min_length (it counts the padded prompt) was refused by dynabatch.generate only once
+    # the weights had loaded, naming model.generation_config.min_length and min_new_tokens, which the command had no
+    # flag for. It is read from the folder first, by the library's rule, and --min-new-tokens gets around it.
+    import transformers
+
+    folder = tmp_path / "min-length-model"
+    folder.mkdir()
+    for file in gpt2_dir.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    settings = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**settings, "min_length": 5}))
+    (tmp_path / "p.txt").write_text("In the beginning\nAnd God said, Let there be light\n")
+    out = tmp_path / "replies"
+    command = ["generate", str(tmp_path / "p.txt"), str(out), "--model", str(folder), "--max-new-tokens", "3",
+               "--no-progress"]
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(SystemExit) as info:
+        main(command)
+    assert info.value.code == 2 and not out.exists()
+    assert capsys.readouterr().err == (
+        "dynabatch generate: error: --model's generation_config.json should set no min_length (it counts the prompt, "
+        "which a batch pads to its longest row, so a reply's length would depend on its batch): give "
+        f"--min-new-tokens (the tokens of each reply), or remove min_length from {folder / 'generation_config.json'}; "
+        f"but got min_length=5 in --model={str(folder)!r}\n")
+    with pytest.raises(SystemExit):
+        main([*command, "--min-new-tokens", "4"])
+    assert "--min-new-tokens should be at most --max-new-tokens=3, but got --min-new-tokens=4" in capsys.readouterr().err
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
+    assert main([*command, "--min-new-tokens", "3"]) == 0
+    assert "2 of 2 replies stored" in capsys.readouterr().out

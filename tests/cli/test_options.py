@@ -30,6 +30,7 @@ BAD = [(command, flag, value, said) for command in ("embed", "generate") for fla
     ("embed", "--max-batch-tokens", "0", "should be a positive integer, but got --max-batch-tokens=0"),
     ("embed", "--max-batch-tokens", "1.5", None),
     ("generate", "--max-new-tokens", "0", "should be a positive integer, but got --max-new-tokens=0"),
+    ("generate", "--min-new-tokens", "0", "should be a positive integer, but got --min-new-tokens=0"),
     ("generate", "--top-k", "0", None),
     ("generate", "--top-p", "1.5", "should be a number in (0, 1], but got --top-p=1.5"),
     ("generate", "--temperature", "inf", "should be a finite number above 0, but got --temperature=inf"),
