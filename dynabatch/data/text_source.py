@@ -269,7 +269,7 @@ def open_texts(texts: Any, on_bad_input: str = "raise") -> tuple[TextSource, np.
             validate_texts(source.items)  # the one message for items that are not str
         raise TypeError(f"texts should hold only str, but got {bad.size} of {len(source)} missing (null) texts "
                         f"(positions {', '.join(map(str, bad[:10].tolist()))}{', ...' if bad.size > 10 else ''}): "
-                        "clean them, or build the loader with on_bad_input='skip' (their results are None)")
+                        "clean them, or pass on_bad_input='skip' to skip them (their results are None)")
     log_skipped(bad, len(source), "texts that are not str")  # all of them, too: no batch runs, each is listed failed
     return source, bad
 

@@ -393,8 +393,8 @@ def bad_input_error(refusal: str, bad: np.ndarray, n: int, what: str, *, fix: st
     """The refusal of the ``bad`` of ``n`` inputs under ``on_bad_input="raise"``: ``refusal`` (the first one's own),
     how many there are (``what`` they are: ``"texts are not str"``) and where, and what to do (``fix``, or skip them),
     as an ``error`` (a ``TypeError`` for items of another type, a ``ValueError`` for values)."""
-    return error(f"{refusal}; {bad.size} of {n} {what} (positions {_positions(bad)}): {fix}, or build the "
-                 "loader with on_bad_input='skip' to skip them (their results are None)")
+    return error(f"{refusal}; {bad.size} of {n} {what} (positions {_positions(bad)}): {fix}, or pass "
+                 "on_bad_input='skip' to skip them (their results are None)")
 
 
 # what each text (or pre-tokenized row) must hold: a bad input otherwise, by on_bad_input

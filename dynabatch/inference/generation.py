@@ -339,6 +339,7 @@ def generate(
     key: Any = None,
     on_oom: str = "raise",
     on_error: str = "raise",
+    on_bad_input: str = "raise",
     memory: str = "auto",
     progress: bool = True,
     **generate_kwargs: Any,
@@ -363,6 +364,9 @@ def generate(
         device: where batches run; ``None``: the model's device.
         ids: one stable id per prompt (str or int, unique; a store keys its rows by them), or ``None``: the loader's.
         output_path, key, on_oom, on_error, memory, progress: :func:`dynabatch.run`'s.
+        on_bad_input: a prompt of no token (``[]``, or a text that tokenizes to nothing with a tokenizer that adds no
+            BOS): ``"raise"`` refuses it (a ``ValueError`` naming its position, ``texts[i]``: the prompt, a chat
+            rendered), ``"skip"`` lists it failed (``None``, its cause in ``.failures``) and replies to the others.
         **generate_kwargs: passed to every ``model.generate`` call (``max_new_tokens``, ``do_sample``, ...); with
             ``num_return_sequences=k > 1`` each prompt's result is a list of ``k`` replies.
 
@@ -374,7 +378,7 @@ def generate(
         TypeError: a model without ``generate``, prompts of mixed or unknown kinds, or a keyword ``model.generate``
             takes not (:func:`check_generate_kwargs`).
         ValueError: a keyword's value ``GenerationConfig.validate`` refuses, chat prompts with a tokenizer without chat template, a prompt limit (plus the new tokens)
-            above the model's positions, a prompt of no token, or a decoder-only model's ``max_length`` or
+            above the model's positions, a prompt of no token (``on_bad_input="raise"``), or a decoder-only model's ``max_length`` or
             ``min_length`` (they count the padded prompt) without ``max_new_tokens`` or ``min_new_tokens``.
     """
     encoder_decoder = _check_model(model)
@@ -400,7 +404,8 @@ def generate(
         budget = {"memory_model": footprint, "max_memory": max_memory}
     padder, options = generation_loader(model, tokenizer, generate_kwargs, chat=kind == "chat")
     loader = build_dynamic_batch_dataloader(texts, padder, batch_size, max_input_token_length, num_workers=0,
-                                            progress=progress, ids=ids, **budget, **options)
+                                            progress=progress, ids=ids, on_bad_input=on_bad_input, **budget,
+                                            **options)
     with torch.inference_mode():
         return run(fn, loader, device=device, output_path=output_path, key=key, on_oom=on_oom, on_error=on_error,
                    memory=memory, progress=progress)

@@ -321,7 +321,7 @@ def test_validate_texts_refuses_empty():
 
 def test_validate_texts_names_how_many_items_are_not_str_and_the_first_ten():
     with pytest.raises(TypeError, match=r"^texts\[3\] should be a str, but got texts\[3\]=None of type NoneType; 2 of 5 "
-                       r"texts are not str \(positions 3, 4\): clean them, or build the loader with "
+                       r"texts are not str \(positions 3, 4\): clean them, or pass "
                        r"on_bad_input='skip' to skip them \(their results are None\)$"):
         validate_texts(["a", "b", "", None, 5])
     with pytest.raises(TypeError, match=r"texts\[1\] should be a str, but got texts\[1\]=nan of type float; 1 of 2"):

@@ -267,6 +267,25 @@ def test_a_prompt_of_no_token_is_refused_naming_it(llama, chat_tokenizer):
         assert replies[0] is not None and replies[2] is not None
 
 
+def test_a_prompt_of_no_token_is_skipped_with_on_bad_input_skip_and_the_refusal_says_so(llama, chat_tokenizer):
+    # The refusal told generate's caller to "build the loader with on_bad_input='skip'": generate builds the loader
+    # itself and took no on_bad_input. It takes one now, and a prompt skipped is listed failed as run lists it.
+    no_bos = copy.deepcopy(chat_tokenizer)
+    no_bos.add_bos_token = False
+    prompts = ["In the beginning", "", "And God said"]
+    kwargs = {"max_new_tokens": 2, "do_sample": False, "return_ids": True, "progress": False}
+    with pytest.raises(ValueError, match=r"^texts\[1\] should be at least one token .*: keep the tokenizer's special "
+                       r"tokens .*, or pass on_bad_input='skip' to skip them \(their results are None\)$"):
+        dynabatch.generate(llama, no_bos, prompts, **kwargs)
+    replies = dynabatch.generate(llama, no_bos, prompts, on_bad_input="skip", **kwargs)
+    assert replies.failed == [1] and "no token" in replies.failures[1] and replies[1] is None
+    assert [replies[0], replies[2]] == list(dynabatch.generate(llama, no_bos, prompts[::2], **kwargs))
+    ids = dynabatch.generate(llama, no_bos, [[1, 5], []], on_bad_input="skip", **kwargs)
+    assert ids.failed == [1] and len(ids[0]) == 2
+    with pytest.raises(ValueError, match=r"^on_bad_input should be 'raise' or 'skip', but got on_bad_input='drop'$"):
+        dynabatch.generate(llama, no_bos, prompts, on_bad_input="drop", **kwargs)
+
+
 def test_a_chat_whose_final_message_is_continued_takes_no_generation_prompt(llama, chat_tokenizer):
     # add_generation_prompt=True was always added: continue_final_message=True alone failed in apply_chat_template
     # ("continue_final_message and add_generation_prompt are not compatible"), though the caller set only one.

@@ -299,7 +299,8 @@ def test_a_generator_of_texts_is_read_once_and_streamed(tokenizer, texts):
 
 def test_a_non_str_item_is_named_by_position(tokenizer):
     with pytest.raises(TypeError, match=r"^texts\[2\] should be a str, but got texts\[2\]=3 of type int; 1 of 4 texts "
-                       r"are not str \(positions 2\): clean them, or build the loader with on_bad_input='skip'"):
+                       r"are not str \(positions 2\): clean them, or pass on_bad_input='skip' to skip "
+                       r"them"):
         _load(["a", "b", 3, "d"], tokenizer)
     with pytest.raises(TypeError, match=r"^texts\[1\] should be a str, but got texts\[1\]=None of type NoneType; 1 of 2"):
         _load(["a", None], tokenizer)
@@ -746,7 +747,7 @@ def test_pre_tokenized_rows_in_a_pandas_series_or_with_missing_rows_follow_on_ba
     dirty = pd.Series([None, *ids[1:5], float("nan"), *ids[6:]])  # the first row missing too
     with pytest.raises(TypeError, match=r"^texts\[0\] should be a row of int token ids, like the other rows, but got "
                                         r"texts\[0\]=None of type NoneType; 2 of 12 rows are not rows of token ids "
-                                        r"\(positions 0, 5\): clean them, or build the loader with "
+                                        r"\(positions 0, 5\): clean them, or pass "
                                         r"on_bad_input='skip'"):
         _load(dirty, tokenizer)
     got = run(lambda b: b["attention_mask"].sum(1), _load(dirty, tokenizer, on_bad_input="skip"), progress=False)
