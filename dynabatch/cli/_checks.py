@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from dynabatch._distribution import extra
 from dynabatch._validation import bad_value
 
 __all__ = ["DTYPES", "FLAGS", "INTERRUPTED", "TERMINATED", "WEIGHTS", "DefaultsFormatter", "Parser", "Terminated", "Tie",
@@ -125,13 +126,6 @@ def as_flags(message: str) -> str:
         return f"{name}={_NONE[name]}" if name in _NONE else f"no {name}"
 
     return _NAMED.sub(flag, message)
-
-
-def extra(name: str) -> str:
-    """The install command of one of this library's extras (for messages)."""
-    from dynabatch._distribution import DISTRIBUTION
-
-    return f"pip install '{DISTRIBUTION}[{name}]'"
 
 
 def flag_of(name: str) -> str:

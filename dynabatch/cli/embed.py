@@ -136,8 +136,9 @@ def _model_folder(value: str | None) -> tuple[str, str]:
 
         return minilm_path(), "all-MiniLM-L6-v2"
     except ImportError as exc:
-        raise ValueError(f"--model should be given, or the demo's all-MiniLM-L6-v2 installed ({extra('examples')}), "
-                         f"but got no --model and {exc}") from exc
+        # exc names the extra that installs it (dynabatch.demo's import_extra)
+        raise ValueError(f"--model should be given, or the demo's all-MiniLM-L6-v2 installed, but got no --model and "
+                         f"{exc}") from exc
 
 
 def _sentence_transformer(folder: str) -> Any:

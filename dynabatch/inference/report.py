@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch._distribution import import_extra
 from dynabatch._validation import bad_type
 from dynabatch.inference.meter import name_bound
 from dynabatch.memory.features import SPIKE_RATIO
@@ -219,16 +220,12 @@ class RunReport:
         stage, over the run's seconds.
 
         Raises:
-            ImportError: matplotlib is not installed.
+            ModuleNotFoundError: matplotlib is not installed (the ``plot`` extra).
         """
         _check_path(path)
-        try:
-            from matplotlib.figure import Figure
-        except ImportError as exc:
-            raise ImportError("RunReport.plot needs matplotlib, which is not installed: pip install matplotlib"
-                              ) from exc
+        figure = import_extra("matplotlib.figure", "plot", "RunReport.plot")
 
-        fig = Figure(figsize=(9, 11), layout="constrained")  # no pyplot: no global state, any backend
+        fig = figure.Figure(figsize=(9, 11), layout="constrained")  # no pyplot: no global state, any backend
         ax_rows, ax_pad, ax_mem, ax_wall = fig.subplots(4, 1, height_ratios=[1, 1, 1, 1.1])
         ax_rows.sharex(ax_mem)
         ax_pad.sharex(ax_mem)

@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch._distribution import import_extra
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int, check_positive_int
 from dynabatch.sampling.ffd import NO_LIMIT, check_algorithm, pack_arrays
 
@@ -117,7 +118,7 @@ def pack_dataset(
         >>> packed[:]
         {'input_ids': [[4, 5, 6, 3], [1, 2]], 'labels': [[4, 5, 6, 3], [-100, 2]], 'seq_lengths': [[3, 1], [2]]}
     """
-    import datasets
+    datasets = import_extra("datasets", "trl", "dynabatch.integrations.trl.pack_dataset")
 
     if isinstance(dataset, datasets.DatasetDict):
         return datasets.DatasetDict({name: pack_dataset(split, seq_length, bin_size=bin_size, group_size=group_size,

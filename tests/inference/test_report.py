@@ -148,6 +148,6 @@ def test_plot_of_a_real_run(tokenizer, tmp_path):
 def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    with pytest.raises(ImportError, match=r"RunReport.plot needs matplotlib, which is not installed: pip install "
-                                          r"matplotlib$"):
+    with pytest.raises(ModuleNotFoundError, match=r"RunReport.plot needs matplotlib, which is not installed: "
+                                                  r"pip install 'torch-dynabatch\[plot\]'$"):
         _report().plot(tmp_path / "x.png")

@@ -39,6 +39,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynabatch._distribution import import_extra
 from dynabatch._validation import bad_type, check_non_negative_int
 
 __all__ = ["BatchMetrics", "DynamicBatchingMonitor"]
@@ -207,10 +208,10 @@ class DynamicBatchingMonitor:
         return report
 
     def _figure(self, rows: int, cols: int = 1, height: float = 3.0):
+        figure = import_extra("matplotlib.figure", "train", "DynamicBatchingMonitor's training curves")
         from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
 
-        fig = Figure(figsize=(7.5 if cols == 1 else 11.0, height * rows))
+        fig = figure.Figure(figsize=(7.5 if cols == 1 else 11.0, height * rows))
         FigureCanvasAgg(fig)
         return fig
 

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from dynabatch._distribution import import_extra
 from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int, first_few
 from dynabatch.data.text_source import is_text_type
 from dynabatch.integrations.ray._columns import check_column
@@ -144,6 +145,7 @@ def map_texts(
                             output_path="embeddings/", key="all-MiniLM-L6-v2 cls 256")
             out.take(1)                                    # [{"id": ..., "output": [...]}]
     """
+    import_extra("ray.data", "ray", "dynabatch.integrations.ray.map_texts")  # names the extra where Ray is missing
     import ray.data
 
     if not (isinstance(predictor_cls, type) and issubclass(predictor_cls, DynamicBatchPredictor)):
@@ -307,6 +309,7 @@ def stored_results(output_path: str | os.PathLike, *, key: str | None, id_column
                            compute=ray.data.ActorPoolStrategy(size=2)).materialize()   # one summary row a window
             out = stored_results("embeddings/", key="minilm cls 256")
     """
+    import_extra("ray.data", "ray", "dynabatch.integrations.ray.stored_results")
     rule = "the directory of a results store (the predictors' output_path)"
     if not isinstance(output_path, (str, os.PathLike)):
         raise bad_type("output_path", rule, output_path)
