@@ -98,13 +98,23 @@ def test_pip_install_e_from_a_fresh_copy_gives_the_console_script(tmp_path):
     assert done.stdout.startswith("usage: dynabatch embed [-h]") and "--id-column" in done.stdout
 
 
-def test_every_extra_with_sentence_transformers_has_what_dynabatch_embed_reads_its_folders_with():
+def _extras() -> dict[str, set[str]]:
+    """Each extra of pyproject.toml and the names of the packages it installs."""
     tomllib = pytest.importorskip("tomllib")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    names = {extra: {re.split(r"[\[<>=!~;@ ]", r)[0] for r in reqs} for extra, reqs in extras.items()}
+    return {extra: {re.split(r"[\[<>=!~;@ ]", r)[0] for r in reqs} for extra, reqs in extras.items()}
+
+
+def test_every_extra_with_sentence_transformers_has_what_dynabatch_embed_reads_its_folders_with():
+    names = _extras()
     running = [extra for extra, reqs in names.items() if "sentence-transformers" in reqs]
     assert "examples" in running  # the README's first command: dynabatch embed's default model
     assert [extra for extra in running if "accelerate" not in names[extra]] == []  # device_map="meta" needs it
+
+
+
+def test_the_train_extra_has_what_tokenize_source_reads_with():
+    assert "datasets" in _extras()["train"]  # training.md's Trainer examples tokenize with it
 
 
 def _monitor_plot(tmp_path):
@@ -150,6 +160,7 @@ _NEEDS_AN_EXTRA = {
     "integrations.ray.map_texts": (_ray("map_texts"), ["ray", "ray.data"], "ray"),
     "integrations.ray.stored_results": (_ray("stored_results"), ["ray", "ray.data"], "ray"),
     "integrations.trl.pack_dataset": (_trl_pack, ["datasets"], "trl"),
+    "tokenize_source": (lambda tmp_path: __import__("dynabatch").tokenize_source(["a b"], str.split), ["datasets"], "train"),
     "multitask monitor plots": (_monitor_plot, ["matplotlib", "matplotlib.figure"], "train"),
 }
 

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch._distribution import import_extra
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 
 __all__ = ["TokenizedSource", "read_source", "tokenize_source"]
@@ -70,7 +71,7 @@ def read_source(source: Any, *, fields: Sequence[str] = ()) -> Any:
         TypeError: ``source`` is none of the accepted kinds.
         ValueError: a file missing or of an unknown format, or a field missing.
     """
-    import datasets
+    datasets = import_extra("datasets", "train", "dynabatch.tokenize_source")
 
     if isinstance(source, datasets.Dataset):
         dataset = source
