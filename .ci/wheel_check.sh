@@ -3,6 +3,8 @@
 # packages, nothing of the checkout on the path), then runs what the README runs with each install:
 #   - the bare package: `import dynabatch` and the README's Python API (build_dynamic_batch_dataloader, run) on a
 #     tokenizer and model made in memory (no extra installs a model);
+#   - still bare: every module of the wheel imports, and each call that needs an extra (the demo's, Ray's, TRL's,
+#     the plots) fails naming the extra to install (.ci/extras_absent_check.py);
 #   - then the `examples` extra added (the README's first command, docs/howto-embed-a-corpus.md): the README's corpus
 #     job lines as written, read from README.md's "## The corpus job: one command" block, so this cannot drift.
 # Any line that fails fails CI, naming the line.
@@ -30,6 +32,9 @@ python3 -m venv "$work/env"
 # --no-compile: bytecode is written as modules are imported (compiling all of torch's costs minutes)
 "$work/env/bin/pip" install -q --no-compile "$pin" "$wheel"
 (cd "$work" && env -u PYTHONPATH "$work/env/bin/python" "$repo/.ci/bare_api_check.py")
+# every module imports without an extra, and each call needing one names it (seconds: nothing more to install)
+say "the bare package without an extra: every module imports, and each call that needs an extra names it"
+(cd "$work" && env -u PYTHONPATH "$work/env/bin/python" "$repo/.ci/extras_absent_check.py")
 
 # the extra on top of the bare install (one torch install, not two): what `pip install wheel[examples]` resolves to
 say "the examples extra: the README's corpus job, line by line"
