@@ -117,6 +117,10 @@ def test_the_train_extra_has_what_tokenize_source_reads_with():
     assert "datasets" in _extras()["train"]  # training.md's Trainer examples tokenize with it
 
 
+def test_the_benchmarks_extra_has_what_the_packing_benchmarks_read_with():
+    assert "datasets" in _extras()["benchmarks"]  # benchmarks/packing.py and training_batching.py (docs/benchmarks.md)
+
+
 def _monitor_plot(tmp_path):
     from dynabatch.compat.multitask import BatchMetrics, DynamicBatchingMonitor
 
