@@ -496,6 +496,9 @@ def run_on_ray(command: str, *, model: Callable[[Any], tuple[Any, Callable, int,
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars, context.print_on_execution_start = False, False
         context.max_consecutive_actor_init_deaths = ACTOR_START_DEATHS
+        # An actor's own error as raised (Ray's task error wrapping it, which _cause opens), not Ray Data's
+        # UserCodeException, whose cause does not reach the driver: a stale row is the command's one line, exit 2.
+        context.raise_original_map_exception = True
         actors, gpus, line = _cluster(args.ray)
         with refusing(parser):
             ds = _read(args, text_column) if text_column is not None else None

@@ -305,6 +305,23 @@ def test_on_ray_the_same_rows_are_stored_and_a_store_of_one_machine_resumes_ther
     assert f"{n} of {n} texts stored in {store} (60 run now, 60 stored before)" in out
     _same(_rows(store, "position"), want)
 
+    # A text changed under a stored row, on Ray: the command's one line and exit status 2, as on one machine (not
+    # Ray's task error, exit 1, saying to run it again); the store as it was.
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(whole)
+    (tmp_path / "changed").mkdir()
+    pq.write_table(table.set_column(1, "text", [["another text"] + table.column("text").to_pylist()[1:]]),
+                   tmp_path / "changed" / "part-0.parquet")
+    with pytest.raises(SystemExit) as info:
+        main(["embed", str(tmp_path / "changed"), str(store), "--model", str(bert_dir), "--ray", address,
+              "--batch-size", "4", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert info.value.code == 2 and err[-1].startswith(f"dynabatch embed: error: output={str(store)!r} should hold "
+                                                       "results of these inputs at their positions, but got 1 stored "
+                                                       "rows computed from other inputs (positions 0)"), err[-3:]
+    _same(_rows(store, "position"), want)
+
 
 @on_cluster
 def test_read_by_rays_readers_an_actor_killed_after_committing_its_window_stores_nothing_twice(
