@@ -213,6 +213,23 @@ class ClusterPlacement(job.Placement):
         return self.cluster
 
 
+# How long the driver waits for an address of --ray (or RAY_ADDRESS) to take a connection before it refuses it.
+CONNECT_SECONDS = 10
+
+
+def _answers(address: str) -> None:
+    """Raises ``ConnectionError`` where nothing takes a connection at ``address`` (``host:port`` or
+    ``ray://host:port``; ``auto`` and ``local`` are not addresses): ``ray.init`` waits minutes there before it says
+    so."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_SECONDS).close()
+    except OSError as exc:
+        raise ConnectionError(f"nothing answers at {host}:{port} ({type(exc).__name__}: {exc})") from exc
+
+
 def _connect(address: str) -> bool:
     """Ray initialized at ``address`` (``auto``: the running cluster, else a local one); whether this call started
     it (a process that initialized Ray itself keeps its own)."""
@@ -222,6 +239,7 @@ def _connect(address: str) -> bool:
         return False
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
     try:
+        _answers(address if address != "auto" else os.environ.get("RAY_ADDRESS", "auto"))  # auto reads RAY_ADDRESS
         if address != "auto":
             ray.init(address=address, **quiet)
             return True
@@ -231,8 +249,9 @@ def _connect(address: str) -> bool:
             ray.init(include_dashboard=False, **quiet)
     except (ConnectionError, ValueError, RuntimeError) as exc:
         text = str(exc).strip().splitlines()
-        raise ValueError(f"--ray should be auto or the address of a running Ray cluster, but got --ray={address!r}: "
-                         f"{type(exc).__name__}: {text[0] if text else ''}") from exc
+        env = f" (RAY_ADDRESS={os.environ['RAY_ADDRESS']!r})" if address == "auto" and "RAY_ADDRESS" in os.environ else ""
+        raise ValueError(f"--ray should be auto or the address of a running Ray cluster, but got --ray={address!r}"
+                         f"{env}: {type(exc).__name__}: {text[0] if text else ''}") from exc
     return True
 
 

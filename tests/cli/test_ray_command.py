@@ -264,6 +264,14 @@ def test_a_second_job_or_a_bad_input_is_refused_before_ray_is_reached(corpora, b
     assert info.value.code == 2 and capsys.readouterr().err == (
         "dynabatch generate: error: --id-column should be a column of the input ['id', 'text'], but got "
         "--id-column='missing'\n")
+    # An address where nothing answers: refused at once (ray.init waits minutes there), the store left unmade.
+    port = _free_port()
+    with pytest.raises(SystemExit) as info:
+        main(["embed", str(corpora / "whole"), str(tmp_path / "new"), "--model", str(bert_dir), "--ray",
+              f"127.0.0.1:{port}"])
+    assert info.value.code == 2 and capsys.readouterr().err.startswith(
+        f"dynabatch embed: error: --ray should be auto or the address of a running Ray cluster, but got "
+        f"--ray='127.0.0.1:{port}': ConnectionError: nothing answers at 127.0.0.1:{port} (ConnectionRefusedError")
     import ray
 
     assert not ray.is_initialized()  # refused before Ray was reached (this module's Ray starts after this test)
