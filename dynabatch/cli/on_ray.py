@@ -27,7 +27,7 @@ takes it, such as ``ray://head:10001`` or ``head:6379``):
   checked (tokenized, their hashes compared) and not run again; each window's
   new rows are one shard named after its rows, so a window Ray runs again (an
   actor killed mid-window, restarted) replaces its shard: no row twice;
-* one actor per GPU of the cluster, or one per CPU without GPUs;
+* one actor per GPU of the cluster, or one per CPU without GPUs, but no more than the corpus has windows;
 * the same meter (:class:`~dynabatch.inference.meter.Meter`: rows, time left,
   texts/s and tokens/s, a window at a time), summary (its bound line from the
   actors' stages) and exit status, all read from what the store holds.
@@ -255,16 +255,21 @@ def _connect(address: str) -> bool:
     return True
 
 
-def _cluster(address: str) -> tuple[int, float, str]:
-    """``(actors, GPUs per actor, the summary's line)``: one actor per GPU of the cluster, else one per CPU."""
+def _cluster(address: str, n: int, batch_size: int) -> tuple[int, float, int, str]:
+    """``(actors, GPUs per actor, rows per window, the summary's line)`` for ``n`` rows: one actor per GPU of the
+    cluster, else one per CPU, but no more actors than windows (:func:`window_rows`): an actor without a window
+    would hold its GPU or CPU and load the model for nothing, and Ray warns of the pool it cannot fill."""
     import ray
 
     resources = ray.cluster_resources()
     cpus, gpus = int(resources.get("CPU", 1)), int(resources.get("GPU", 0))
     nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
     actors, per = (gpus, 1.0) if gpus else (max(1, cpus), 0.0)
+    window = window_rows(n, actors, batch_size)
+    actors = min(actors, -(-n // window))
     each = "a GPU" if gpus else "a CPU"
-    return actors, per, f"Ray cluster {address} ({nodes} nodes, {cpus} CPUs, {gpus} GPUs): {actors} actors, {each} each"
+    return actors, per, window, (f"Ray cluster {address} ({nodes} nodes, {cpus} CPUs, {gpus} GPUs): {actors} "
+                                 f"actor{'s' if actors > 1 else ''}, {each} each")
 
 
 def _texts(texts: Any, positions: np.ndarray) -> pa.Array:
@@ -518,7 +523,7 @@ def run_on_ray(command: str, *, model: Callable[[Any], tuple[Any, Callable, int,
         # An actor's own error as raised (Ray's task error wrapping it, which _cause opens), not Ray Data's
         # UserCodeException, whose cause does not reach the driver: a stale row is the command's one line, exit 2.
         context.raise_original_map_exception = True
-        actors, gpus, line = _cluster(args.ray)
+        actors, gpus, window, line = _cluster(args.ray, len(texts), args.batch_size)
         with refusing(parser):
             ds = _read(args, text_column) if text_column is not None else None
         keyed = "id" if ids is not None else "position"
@@ -528,7 +533,7 @@ def run_on_ray(command: str, *, model: Callable[[Any], tuple[Any, Callable, int,
                            "output_path": os.path.abspath(output.path),  # actors run in their own folders
                            "id_column": keyed, "keyed_by": keyed, "job": output.store.lock.job,
                            "report_column": _REPORT},
-                          actors, gpus, window_rows(len(texts), actors, args.batch_size), len(texts),
+                          actors, gpus, window, len(texts),
                           int(output.before.sum()) if output.before is not None else 0)
         logger.info("%s: windows of %d rows on %s, read by %s", command, windows.window, line,
                     "Ray's readers" if ds is not None else "the driver")

@@ -330,6 +330,15 @@ def test_on_ray_the_same_rows_are_stored_and_a_store_of_one_machine_resumes_ther
                                                        "rows computed from other inputs (positions 0)"), err[-3:]
     _same(_rows(store, "position"), want)
 
+    # A corpus of one row: one window, so one actor (not an actor per CPU, the others loading the model for
+    # nothing); its vector one machine's.
+    (tmp_path / "one").mkdir()
+    pq.write_table(table.slice(0, 1), tmp_path / "one" / "part-0.parquet")
+    out = _embed(capsys, tmp_path / "one", tmp_path / "one-store", "--model", bert_dir, "--ray", address)
+    assert "1 of 1 texts stored" in out and f"on Ray cluster {address} (1 nodes, 2 CPUs, 0 GPUs): 1 actor, a CPU " \
+                                            "each" in out
+    _same(_rows(tmp_path / "one-store", "position"), {0: want[0]})
+
 
 @on_cluster
 def test_read_by_rays_readers_an_actor_killed_after_committing_its_window_stores_nothing_twice(
