@@ -104,7 +104,8 @@ def add_run_arguments(p: argparse.ArgumentParser, what: str, batch_size: int, de
     p.add_argument("--max-memory", default="auto", type=_memory_option,
                    help="the memory every batch is planned under, read once the model is loaded: auto (default: 90%% "
                    "of a GPU's free memory; on the CPU, none), none (no budget: no batch above the first batch's "
-                   "measured peak), a percentage of a GPU's free memory (80%%), a size (20GB, 20GiB) or bytes")
+                   "measured peak), a percentage of a GPU's free memory (80%%), a size (20GB, 20GiB) or bytes; "
+                   "auto alone with --ray")
     p.add_argument("--on-oom", choices=("raise", "skip"), default="raise",
                    help=f"a {what} that runs out of memory alone: stop (default), or skip it (a rerun retries it)")
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise",

@@ -80,7 +80,7 @@ _WINDOWS_PER_ACTOR = 4  # a small corpus is cut into at least this many windows 
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Refuses ``--ray`` where it does not apply: without Ray installed, with ``--devices`` (Ray places the actors),
-    an absolute ``--max-memory`` (each actor plans under the peak it measured) or under ``torchrun``."""
+    a ``--max-memory`` but ``auto`` (each actor plans under the peak it measured) or under ``torchrun``."""
     if args.ray is None:
         return
     import importlib.util

@@ -250,6 +250,7 @@ def test_a_second_job_or_a_bad_input_is_refused_before_ray_is_reached(corpora, b
             ([corpora / "whole", tmp_path / "new", "--devices", "cpu"], "--devices should be left out with --ray "
              "(Ray places one actor per GPU, or per CPU without GPUs), but got --devices='cpu'"),
             ([corpora / "whole", tmp_path / "new", "--max-memory", "2GB"], "--max-memory should be auto with --ray"),
+            ([corpora / "whole", tmp_path / "new", "--max-memory", "80%"], "--max-memory should be auto with --ray"),
         ]:
             with pytest.raises(SystemExit) as info:
                 main(["embed", *map(str, argv), "--model", str(bert_dir), "--ray", "auto"])
