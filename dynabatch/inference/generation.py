@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -36,11 +38,15 @@ from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.results import RunResult, StoredRunResult
 from dynabatch.inference.runner import run
 from dynabatch.memory.budget import is_absolute
+from dynabatch.memory.device import known_backend
 from dynabatch.memory.footprint import Footprint
+from dynabatch.memory.measure import track_peak_memory
 from dynabatch.memory.shape import ModelShape, check_position_limit, position_limit
 from dynabatch.memory.units import check_max_memory
 
 __all__ = ["check_generate_kwargs", "counting_the_prompt", "generate", "generation_loader", "render_chats", "reply_function"]
+
+logger = logging.getLogger(__name__)
 
 _PROMPTS_RULE = ("a non-empty list of prompts, all of one kind: str, chat conversations (lists of "
                  "{'role': ..., 'content': ...} dicts) or pre-tokenized ids (lists of int)")
@@ -315,6 +321,34 @@ def reply_function(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], 
     return replies
 
 
+def _footprint(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], new_tokens: int, device: Any) -> Footprint:
+    """The :class:`~dynabatch.memory.footprint.Footprint` of the call, its ``step_bytes`` measured on ``device``:
+    what a decoding step's logits processors, sampling and beam search hold a prompt besides the prior (none for
+    plain greedy; several vocabulary-wide copies for top-p sampling), as the slope of two calls of 2 and 4
+    one-token prompts of 2 new tokens over the prior's (the RNG left as it was). An encoder-decoder's
+    ``max_length`` (generate's own limit, unset ``max_new_tokens``) counts the start token too: this errs high."""
+    settings = {"num_beams": _setting(model, generate_kwargs, "num_beams") or 1,
+                "num_return_sequences": _setting(model, generate_kwargs, "num_return_sequences") or 1}
+    max_new_tokens = new_tokens or int(_setting(model, generate_kwargs, "max_length") or _DEFAULT_NEW_TOKENS)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    if not getattr(known_backend(dev.type), "measurable", False):
+        return Footprint.from_model(model, max_new_tokens=max_new_tokens, **settings)
+    prior = Footprint.from_model(model, max_new_tokens=2, **settings)
+    stop_tokenizer = {"tokenizer": tokenizer} if _setting(model, generate_kwargs, "stop_strings") else {}
+    peaks = []
+    with torch.random.fork_rng(devices=[] if dev.type == "cpu" else [dev], device_type=dev.type), \
+            torch.inference_mode():
+        for rows in (2, 4):
+            ids = torch.full((rows, 1), int(getattr(tokenizer, "pad_token_id", 0) or 0), device=dev)
+            with track_peak_memory(dev) as mem:
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **stop_tokenizer,
+                               **{**generate_kwargs, "max_new_tokens": 2})
+            peaks.append(mem.peak_bytes or 0)
+    step_bytes = max(0, math.ceil((peaks[1] - peaks[0]) / 2 - float(prior.row_bytes(1))))
+    logger.debug("generate: a decoding step holds %d bytes a prompt besides the footprint's prior", step_bytes)
+    return Footprint.from_model(model, max_new_tokens=max_new_tokens, step_bytes=step_bytes, **settings)
+
+
 def _check_model(model: Any) -> bool:
     """Whether ``model`` is an encoder-decoder; refuses an object without ``generate``."""
     if not callable(getattr(model, "generate", None)):
@@ -356,7 +390,7 @@ def generate(
         batch_size: under the relative rule (the CPU, or ``max_memory=None``), rows of the first (longest) batch,
             later batches grown under its measured peak; an absolute budget sizes every batch itself.
         max_memory: what every batch is planned under (the model's :class:`~dynabatch.memory.footprint.Footprint`,
-            refined by measured peaks), read on ``device`` as the call starts: ``"auto"`` (90% of a GPU's free memory,
+            its step's copies of the logits measured by two small calls first, refined by measured peaks), read on ``device`` as the call starts: ``"auto"`` (90% of a GPU's free memory,
             the relative rule on the CPU), ``"80%"``, ``"20GB"``, ``"20GiB"`` or bytes; ``None``: the relative rule.
         max_input_token_length: prompts are truncated to it; ``None``: the smaller of the model's positions (less
             ``max_new_tokens``, 20 unset, on a decoder-only model) and the tokenizer's ``model_max_length``.
@@ -396,12 +430,9 @@ def generate(
     texts = render_chats(tokenizer, prompts, dict(chat_template_kwargs or {})) if kind == "chat" else prompts
     device = getattr(model, "device", None) if device is None else device
     budget = {}  # the relative rule, unless max_memory is an absolute budget on device: planned by the footprint
-    if is_absolute(max_memory, device):  # max_length (generate's own limit) counts the prompt too: this errs high
-        footprint = Footprint.from_model(
-            model, max_new_tokens=new_tokens or int(_setting(model, generate_kwargs, "max_length") or 20),
-            num_beams=_setting(model, generate_kwargs, "num_beams") or 1,
-            num_return_sequences=_setting(model, generate_kwargs, "num_return_sequences") or 1)
-        budget = {"memory_model": footprint, "max_memory": max_memory}
+    if is_absolute(max_memory, device):
+        budget = {"memory_model": _footprint(model, tokenizer, generate_kwargs, new_tokens, device),
+                  "max_memory": max_memory}
     padder, options = generation_loader(model, tokenizer, generate_kwargs, chat=kind == "chat")
     loader = build_dynamic_batch_dataloader(texts, padder, batch_size, max_input_token_length, num_workers=0,
                                             progress=progress, ids=ids, on_bad_input=on_bad_input, **budget,

@@ -19,7 +19,9 @@ config and the call's settings, per row (every term grows with the rows):
   model's own, a float32 copy and the processed scores: ``vocab * (dtype + 8)``
   bytes a row); an encoder-decoder keeps the encoder's output and its
   cross-attention keys and values over ``width`` positions besides. Beams and
-  ``num_return_sequences`` multiply the rows the decoder holds.
+  ``num_return_sequences`` multiply the rows the decoder holds; what the call's
+  logits processors, sampling and beam search copy of a step's logits besides
+  (``step_bytes``, which ``dynabatch.generate`` measures) adds to a step.
 
 The peak of a call is the larger of the prompt's forward and a decoding step,
 each with what it holds then. On the CPU's storage tracker (float32, sdpa),
@@ -211,6 +213,9 @@ class Footprint:
         dims: the model's :class:`ModelDims`.
         max_new_tokens: tokens ``generate`` adds a row; 0 for a forward call.
         rows_per_prompt: rows the decoder holds a prompt (``num_beams``, or ``num_return_sequences``).
+        step_bytes: bytes a prompt's rows hold at a decoding step besides the prior's (what the call's logits
+            processors, sampling and beam search copy of the logits: ``generate`` measures it, as the slope of two
+            small calls over the prior's); 0 for a forward call.
 
     Attributes:
         scales_: per phase (the prompt's forward, a decoding step), the largest measured peak over the prior's
@@ -218,24 +223,27 @@ class Footprint:
         failed_shapes: the ``(rows, width)`` shapes that ran out of memory.
     """
 
-    def __init__(self, dims: ModelDims, *, max_new_tokens: int = 0, rows_per_prompt: int = 1) -> None:
+    def __init__(self, dims: ModelDims, *, max_new_tokens: int = 0, rows_per_prompt: int = 1,
+                 step_bytes: int = 0) -> None:
         if not isinstance(dims, ModelDims):
             raise bad_type("dims", "a ModelDims (ModelDims.from_model(model))", dims)
         self.dims = dims
         self.max_new_tokens = check_non_negative_int("max_new_tokens", max_new_tokens)
         self.rows_per_prompt = check_positive_int("rows_per_prompt", rows_per_prompt)
+        self.step_bytes = check_non_negative_int("step_bytes", step_bytes)
         self.scales_ = [1.0, 1.0]
         self._measured = [False, False]
         self.failed_shapes: list[tuple[int, int]] = []
 
     @classmethod
     def from_model(cls, model: Any, *, max_new_tokens: int = 0, num_beams: int = 1, num_return_sequences: int = 1,
-                   dtype: Any = None) -> Footprint:
+                   dtype: Any = None, step_bytes: int = 0) -> Footprint:
         """The footprint of ``model`` (a transformers model or config) for a forward call (``max_new_tokens=0``)
-        or a ``generate`` call of these settings."""
+        or a ``generate`` call of these settings (``step_bytes``: the class's)."""
         rows = max(check_positive_int("num_beams", num_beams), check_positive_int("num_return_sequences",
                                                                                    num_return_sequences))
-        return cls(ModelDims.from_model(model, dtype), max_new_tokens=max_new_tokens, rows_per_prompt=rows)
+        return cls(ModelDims.from_model(model, dtype), max_new_tokens=max_new_tokens, rows_per_prompt=rows,
+                   step_bytes=step_bytes)
 
     # -- the prior ---------------------------------------------------------------------------------
     def phase_bytes(self, width: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -254,9 +262,9 @@ class Footprint:
         step_kv = d.kv_bytes() * (1 + 1 / d.layers)  # a token's keys and values, one layer's copied as a step grows it
         if d.encoder_decoder:  # the encoder's output and every decoder layer's cross-attention keys and values
             held = width * k * d.dtype_bytes * d.hidden * (1 + 2 * d.layers)
-            return layer, held + k * ((self.max_new_tokens + 1) * step_kv + logits)
+            return layer, held + k * ((self.max_new_tokens + 1) * step_kv + logits) + self.step_bytes
         prompt = k * (width * d.kv_bytes() + np.maximum(layer, d.vocab * (own + 4)))
-        return prompt, k * ((width + self.max_new_tokens) * step_kv + logits)
+        return prompt, k * ((width + self.max_new_tokens) * step_kv + logits) + self.step_bytes
 
     def row_bytes(self, width: Any) -> np.ndarray:
         """Predicted bytes a row at padded ``width``: the larger phase, each scaled by what was measured."""
@@ -310,12 +318,13 @@ class Footprint:
 
     def key(self) -> tuple[Any, ...]:
         """What identifies the predictions in a fingerprint."""
-        return ("Footprint", self.dims, self.max_new_tokens, self.rows_per_prompt, tuple(self.scales_),
-                sorted(self.failed_shapes))
+        return ("Footprint", self.dims, self.max_new_tokens, self.rows_per_prompt, self.step_bytes,
+                tuple(self.scales_), sorted(self.failed_shapes))
 
     def __repr__(self) -> str:
         return (f"Footprint({self.dims!r}, max_new_tokens={self.max_new_tokens}, "
-                f"rows_per_prompt={self.rows_per_prompt}, scales_={[round(s, 3) for s in self.scales_]})")
+                f"rows_per_prompt={self.rows_per_prompt}, step_bytes={self.step_bytes}, "
+                f"scales_={[round(s, 3) for s in self.scales_]})")
 
 
 def _counts(name: str, value: Any) -> np.ndarray:

@@ -359,6 +359,31 @@ def test_an_absolute_budget_is_passed_through_as_given_and_judged_by_the_run(lla
     assert len(replies) == len(prompts) and replies.report.batches >= 1
 
 
+@pytest.mark.parametrize("settings", [{"num_beams": 4}, {"min_new_tokens": 2}, {"do_sample": True, "top_p": 0.9}])
+def test_under_an_absolute_budget_no_call_peaks_above_it_whatever_copies_of_the_logits_the_call_makes(
+        llama, chat_tokenizer, prompts, settings):
+    # beam search, logits processors and sampling copy a step's logits 2-4 times over plain greedy: the first
+    # batch, planned before any peak is measured, ran at 2.5x the budget when the footprint counted greedy's
+    from dynabatch.memory.measure import track_peak_memory
+
+    peaks, generate = [], llama.generate
+
+    def measured(**kwargs):
+        with track_peak_memory("cpu") as mem:
+            out = generate(**kwargs)
+        peaks.append(mem.peak_bytes)
+        return out
+
+    llama.generate = measured
+    try:
+        replies = dynabatch.generate(llama, chat_tokenizer, prompts, return_ids=True, max_memory="12MB",
+                                     max_new_tokens=2, progress=False, **settings)
+    finally:
+        del llama.generate
+    assert all(len(reply) == 2 for reply in replies) and replies.report.oom_events == 0
+    assert max(peaks) <= 12e6, peaks
+
+
 def test_replies_resume_from_the_store_and_another_key_is_refused(llama, chat_tokenizer, frequent, prompts, tmp_path):
     kwargs = {"batch_size": 4, "max_new_tokens": NEW, "do_sample": False, "eos_token_id": frequent, "progress": False}
     store = tmp_path / "replies"
