@@ -96,7 +96,7 @@ def _examples(row: Any, r: int) -> list[Mapping[str, Any]]:
     if isinstance(row, Mapping):
         if "input_ids" not in row:
             raise bad_value(f"features[{r}]", "a bin with 'input_ids'", sorted(row))
-        columns = [k for k in ("input_ids", "labels") if k in row]
+        columns = [k for k in ("input_ids", "labels", "attention_mask") if k in row]
         return [dict(zip(columns, values)) for values in zip(*(row[k] for k in columns))]
     if isinstance(row, Sequence) and not isinstance(row, (str, bytes)):
         for i, example in enumerate(row):
@@ -124,6 +124,8 @@ class PackedCollator:
     Called with a list of bins (each a list of example dicts with
     ``input_ids`` and optionally ``labels``, or a dict of lists). A plain list
     of example dicts is one bin, as ``DataCollatorWithFlattening`` takes it.
+    An example's own ``attention_mask`` must be all ones (a padded example is
+    refused: its padding would be trained on); other fields are not read.
     """
 
     def __init__(
@@ -167,6 +169,7 @@ class PackedCollator:
             if len(targets) != len(tokens):
                 raise bad_value(f"features[{r}][{i}]['labels']", f"as long as its input_ids ({len(tokens)})",
                                 f"{len(targets)} labels")
+            self._check_unpadded(example, f"features[{r}][{i}]['attention_mask']")
             if self.max_length is not None:
                 tokens, targets = tokens[: self.max_length], targets[: self.max_length]
             if not tokens:
@@ -175,6 +178,14 @@ class PackedCollator:
             labels += [self.separator_id, *targets[1:]]
             lengths.append(len(tokens))
         return ids, labels, lengths
+
+    @staticmethod
+    def _check_unpadded(example: Mapping[str, Any], name: str) -> None:
+        """Refuses an example whose own ``attention_mask`` hides tokens: packed, they would be trained on."""
+        mask = example.get("attention_mask")
+        if mask is not None and 0 in _ids(mask, name):
+            raise bad_value(name, "all ones (a packed row attends to every token of its sequences: tokenize "
+                            "without padding, or strip it)", f"{_ids(mask, name).count(0)} zeros")
 
     def __call__(self, features: Sequence[Any]) -> dict[str, Any]:
         if isinstance(features, (str, bytes)) or not isinstance(features, Sequence) or not features:

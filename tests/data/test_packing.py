@@ -55,6 +55,15 @@ def test_truncation_and_bad_input():
         PackedCollator(block_mask="4d")
     with pytest.raises(ValueError, match=r"features\[0\]\[0\]\['labels'\] should be as long as its input_ids \(2\)"):
         PackedCollator()([[{"input_ids": [1, 2], "labels": [1]}]])
+    # a padded example's masked tokens would be packed as real ones, attended to and trained on
+    padded = {"input_ids": [5, 6, 0, 0], "attention_mask": [1, 1, 0, 0]}
+    with pytest.raises(ValueError, match=r"features\[0\]\[1\]\['attention_mask'\] should be all ones .*"
+                                         r"tokenize without padding.*but got .*2 zeros"):
+        PackedCollator()([[{"input_ids": [1, 2]}, padded]])
+    with pytest.raises(ValueError, match=r"features\[0\]\[0\]\['attention_mask'\] should be all ones"):
+        PackedCollator()([{k: [v] for k, v in padded.items()}])  # a bin as a dict of lists
+    unpadded = PackedCollator()([[{"input_ids": [1, 2], "attention_mask": [1, 1]}]])
+    assert unpadded["input_ids"].tolist() == [[1, 2]]
     with pytest.raises(TypeError, match=r"features\[1\] should be a bin"):
         PackedCollator()([[{"input_ids": [1]}], 5])
     with pytest.raises(TypeError, match="features should be a non-empty list of bins"):
