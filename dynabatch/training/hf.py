@@ -234,17 +234,24 @@ class BatchSamplerTrainerMixin:
                             f"a sampler with num_replicas={sampler.num_replicas}")
 
     def _check_packed_mask(self) -> None:
-        """Refuses a boolean block mask for a model with eager attention, which would read it wrong.
+        """Refuses a packed collation the model would read wrong (the loss silently that of one row).
 
-        Eager attention adds the 4D mask to its scores: a ``bool`` mask adds 1 or 0 instead of
-        masking, so every sequence of a packed row attends to the others and the loss is silently
-        that of one long sequence (sdpa reads a bool mask as allowed / not allowed).
+        The collator's block mask is causal and its labels are for next-token prediction: a model whose every
+        attention layer is bidirectional (``is_causal=False``: BERT-style encoders) would read the rows wrong.
+        Eager attention adds the 4D mask to its scores: a ``bool`` mask adds 1 or 0 instead of masking, so
+        every sequence of a packed row attends to the others and the loss is silently that of one long
+        sequence (sdpa reads a bool mask as allowed / not allowed).
         """
         collator = self.data_collator
-        if not (isinstance(collator, PackedCollator) and collator.block_mask == "bool"):
+        if not isinstance(collator, PackedCollator):
             return
+        causal = {m.is_causal for m in self.model.modules() if isinstance(getattr(m, "is_causal", None), bool)}
+        if causal == {False}:  # a bidirectional encoder: the causal block mask and shifted labels would be wrong
+            raise bad_value("model", "a causal LM when the data_collator is a PackedCollator (its rows are for causal "
+                            "attention and next-token labels; every attention layer of this model is bidirectional)",
+                            type(self.model).__name__)
         attention = getattr(getattr(self.model, "config", None), "_attn_implementation", None)
-        if attention == "eager":
+        if collator.block_mask == "bool" and attention == "eager":
             raise bad_value("data_collator.block_mask", "'float' for a model with eager attention (eager adds a "
                             "bool mask to its scores as 0 and 1, so the sequences of a packed row would attend to "
                             "each other; 'bool' is for sdpa)", collator.block_mask)

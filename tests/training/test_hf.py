@@ -289,3 +289,13 @@ def test_refuses_a_bool_block_mask_for_a_model_with_eager_attention(tokens, tmp_
                 trainer.get_train_dataloader()
         else:
             assert len(trainer.get_train_dataloader()) == len(sampler)
+    # A bidirectional encoder under the causal block mask: its packed logits moved by 3e-3 from its sequences alone
+    from transformers import BertConfig, BertForMaskedLM
+
+    encoder = BertForMaskedLM(BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=64))
+    trainer = BatchSamplerTrainer(model=encoder, args=args, train_dataset=tokens.dataset, train_batch_sampler=sampler,
+                                  data_collator=PackedCollator(block_mask="float"))
+    with pytest.raises(ValueError, match=r"^model should be a causal LM when the data_collator is a PackedCollator .*"
+                                         r"bidirectional\), but got model='BertForMaskedLM'$"):
+        trainer.get_train_dataloader()
