@@ -33,8 +33,11 @@ Pass it to ``SFTTrainer`` with TRL's packing turned off and padding-free on::
 shuffled sampler visits every packed row, hence every sample, once per
 epoch. With flash-attention the model reads TRL's ``cu_seq_lens``; with sdpa or
 eager, transformers derives the block-diagonal mask from the restarting
-``position_ids`` (no ``attention_mask`` is passed in padding-free mode), so
-the sequences of a row never attend to each other on CPU either
+``position_ids`` (no ``attention_mask`` is passed in padding-free mode) for
+models whose mask reads them (Llama, Qwen2, Mistral, GPT-2, given
+``use_cache=False`` as ``SFTTrainer`` passes; not OPT or Bloom: use
+flash-attention for those), so the sequences of a row never attend to each
+other on CPU either
 (``tests/integrations/test_trl.py`` checks a packed row's loss against its sequences run one
 by one).
 
