@@ -256,6 +256,20 @@ class BatchSamplerTrainerMixin:
                             "bool mask to its scores as 0 and 1, so the sequences of a packed row would attend to "
                             "each other; 'bool' is for sdpa)", collator.block_mask)
 
+    def _check_packed_width(self) -> None:
+        """Refuses a collator that would not cut what a truncating packing sampler counts as cut.
+
+        ``MultipackBatchSampler(oversized="truncate")`` plans a longer sequence as ``batch_max_len``
+        tokens; a ``PackedCollator`` without that ``max_length`` would pack it whole, in rows wider than planned.
+        """
+        collator, sampler = self.data_collator, self.train_batch_sampler
+        if not isinstance(collator, PackedCollator) or getattr(sampler, "oversized", None) != "truncate":
+            return
+        if collator.max_length is None or collator.max_length > sampler.batch_max_len:
+            raise bad_value("data_collator.max_length", f"at most batch_max_len={sampler.batch_max_len} (the "
+                            "sampler's oversized='truncate' plans a longer sequence as cut to it: pass "
+                            f"PackedCollator(max_length={sampler.batch_max_len}))", collator.max_length)
+
     def _epochs_to_plan(self) -> int:
         args, sampler = self.args, self.train_batch_sampler
         if args.max_steps and args.max_steps > 0:
@@ -270,6 +284,7 @@ class BatchSamplerTrainerMixin:
             raise ValueError("Trainer: training requires a train_dataset.")
         self._check_sampler_world()
         self._check_packed_mask()
+        self._check_packed_width()
         sampler = self.train_batch_sampler
         sampler.set_min_batches(0)
         sampler.set_min_batches(sampler.max_len(self._epochs_to_plan()))

@@ -299,3 +299,28 @@ def test_refuses_a_bool_block_mask_for_a_model_with_eager_attention(tokens, tmp_
     with pytest.raises(ValueError, match=r"^model should be a causal LM when the data_collator is a PackedCollator .*"
                                          r"bidirectional\), but got model='BertForMaskedLM'$"):
         trainer.get_train_dataloader()
+
+
+def test_refuses_a_collator_that_would_not_cut_what_a_truncating_packer_plans_cut(tokens, tmp_path):
+    # oversized="truncate" plans a 48-token row as 16 tokens: packed whole, rows would be 3x wider than planned
+    from transformers import TrainingArguments
+
+    from dynabatch.data.packing import PackedCollator
+    from dynabatch.sampling.multipack import MultipackBatchSampler
+    from dynabatch.training.hf import BatchSamplerTrainer
+
+    sampler = MultipackBatchSampler(list(range(N_ROWS)), batch_size=2, batch_max_len=16,
+                                    lengths=tokens.lengths["input_ids"], drop_last=False, oversized="truncate")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], remove_unused_columns=False,
+                             save_strategy="no", disable_tqdm=True)
+    for max_length in (None, 17, 16):
+        trainer = BatchSamplerTrainer(model=_gpt2(200), args=args, train_dataset=tokens.dataset,
+                                      train_batch_sampler=sampler,
+                                      data_collator=PackedCollator(block_mask="float", max_length=max_length))
+        if max_length == 16:
+            batch = next(iter(trainer.get_train_dataloader()))
+            assert batch["input_ids"].shape[1] <= 16
+        else:
+            with pytest.raises(ValueError, match=r"^data_collator.max_length should be at most batch_max_len=16 .*"
+                                                 rf"PackedCollator\(max_length=16\)\), but got .*={max_length}$"):
+                trainer.get_train_dataloader()
