@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dynabatch._validation import bad_value, check_positive_int
+from dynabatch._validation import bad_value, check_positive_int, did_you_mean
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.runner import run
@@ -222,6 +222,18 @@ def _check_arguments(output_value: Any, precision: Any, batch_size: Any, device:
                         "device)", pool)
 
 
+def _check_model_kwargs(model: Any, kwargs: dict[str, Any]) -> None:
+    """``kwargs`` refused as ``model.encode`` refuses them (a keyword the model does not use): passed on unchecked,
+    a misspelt argument (``normalise_embeddings``) would be dropped by ``preprocess`` and the vectors differ."""
+    taken = {"task", "processing_kwargs", *model.get_model_kwargs()}
+    unknown = sorted(set(kwargs) - taken)
+    if unknown:
+        name = unknown[0]
+        raise TypeError(f"encode() got an unexpected keyword argument {name!r}"
+                        f"{did_you_mean(name, taken | set(inspect.signature(encode).parameters))}: it is no argument "
+                        f"of encode and no keyword of the model ({sorted(taken)}); but got {name}={kwargs[name]!r}")
+
+
 def _as_inputs(model: Any, sentences: Any) -> tuple[list[Any], bool]:
     singular = model.is_singular_input(sentences)
     if singular:
@@ -380,8 +392,8 @@ def encode(
             every device at once (the model moved to the first, a copy on each other accelerator).
         pool, chunk_size: ``pool`` must be ``None`` (one device); ``chunk_size`` is not used.
         on_oom, memory: :func:`dynabatch.run`'s.
-        **kwargs: the model's own keywords (``task``, ``processing_kwargs``), passed to
-            its ``preprocess`` and forward as ``encode`` passes them.
+        **kwargs: the model's own keywords (``task``, ``processing_kwargs``, ``model.get_model_kwargs()``),
+            passed to its ``preprocess`` and forward as ``encode`` passes them; any other is refused.
 
     Returns:
         What ``model.encode`` returns: a 2-D numpy array (``convert_to_numpy``),
@@ -390,6 +402,7 @@ def encode(
         per-row tensors / dicts; the row alone for a single str.
 
     Raises:
+        TypeError: a keyword that is no argument of ``encode`` and no keyword of the model.
         ValueError: inputs or a model that do not run on dynamic batches (the
             reason named: use ``model.encode``), several devices, a ``pool``,
             or a bad ``output_value``, ``precision``, ``prompt_name`` or ``batch_size``.
@@ -397,6 +410,7 @@ def encode(
     from sentence_transformers.util import quantize_embeddings
 
     _check_arguments(output_value, precision, batch_size, device, pool)
+    _check_model_kwargs(model, kwargs)
     if convert_to_tensor:
         convert_to_numpy = False
     if output_value != "sentence_embedding":

@@ -147,6 +147,16 @@ def test_what_does_not_run_on_dynamic_batches_is_refused_naming_why(minilm, text
     assert isinstance(empty, np.ndarray) and empty.size == 0
 
 
+def test_a_keyword_neither_encode_nor_the_model_takes_is_refused_naming_it(minilm, texts, monkeypatch):
+    # model.encode refuses it too; passed on to preprocess, it was dropped and the vectors left unnormalized
+    monkeypatch.setattr(minilm, "forward", None)  # refused before any batch runs
+    for inputs in (texts[:2], []):
+        with pytest.raises(TypeError, match=r"encode\(\) got an unexpected keyword argument 'normalise_embeddings' "
+                           r"\(did you mean 'normalize_embeddings'\?\): it is no argument of encode and no keyword of "
+                           r"the model \(\['processing_kwargs', 'task'\]\); but got normalise_embeddings=True"):
+            dst.encode(minilm, inputs, normalise_embeddings=True)
+
+
 def test_a_list_of_devices_gives_model_encode_vectors(minilm, texts):
     expected = minilm.encode(texts[:40], batch_size=8)
     got = dst.encode(minilm, texts[:40], batch_size=8, device=["cpu", "cpu"])
