@@ -64,7 +64,7 @@ __all__ = ["corpus_embedder", "encode", "make_dynamic", "resolve_prompt"]
 logger = logging.getLogger(__name__)
 
 _UNPADDED = {"common": {"return_tensors": None}, "text": {"padding": False}}  # rows as lists: dynabatch pads
-_PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary")
+_PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary", None)  # None: float32, as model.encode reads it
 _OUTPUTS = ("sentence_embedding", "token_embeddings", None)
 
 
@@ -434,7 +434,7 @@ def encode(
         embeddings: Any = [_on(row, target) for row in rows]
     else:
         embeddings = torch.stack(list(rows)).to(target)
-        if precision != "float32":
+        if precision not in ("float32", None):
             embeddings = quantize_embeddings(embeddings, precision=precision)
         if convert_to_tensor:
             embeddings = torch.as_tensor(embeddings)

@@ -80,6 +80,8 @@ def test_quantized_precisions_have_model_encode_type_and_values(minilm, texts):
 
     floats = dst.encode(minilm, texts, batch_size=32, convert_to_tensor=True)
     want_floats = minilm.encode(texts, batch_size=32, convert_to_tensor=True)
+    unquantized = dst.encode(minilm, texts, batch_size=32, convert_to_tensor=True, precision=None)  # model.encode's
+    assert torch.equal(unquantized, floats) and torch.allclose(unquantized, want_floats, atol=TOL)
     for precision in ("int8", "ubinary"):
         want = minilm.encode(texts[:4], batch_size=32, precision=precision)
         got = dst.encode(minilm, texts, batch_size=32, precision=precision)
@@ -138,7 +140,7 @@ def test_what_does_not_run_on_dynamic_batches_is_refused_naming_why(minilm, text
     with pytest.raises(ValueError, match="pool should be None"):
         dst.encode(minilm, texts[:2], pool={"processes": []})
     with pytest.raises(ValueError, match=r"precision should be one of \('float32', 'int8', 'uint8', 'binary', "
-                       r"'ubinary'\), but got precision='int4'"):
+                       r"'ubinary', None\), but got precision='int4'"):
         dst.encode(minilm, texts[:2], precision="int4")
     with pytest.raises(ValueError, match=r"model should run its inputs on dynamic batches, but inputs\[1\] is a "
                        r"tuple, not a str: call model.encode for it"):
