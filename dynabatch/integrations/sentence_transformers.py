@@ -404,7 +404,7 @@ def encode(
     Raises:
         TypeError: a keyword that is no argument of ``encode`` and no keyword of the model.
         ValueError: inputs or a model that do not run on dynamic batches (the
-            reason named: use ``model.encode``), several devices, a ``pool``,
+            reason named: use ``model.encode``), an empty list of devices, a ``pool``,
             or a bad ``output_value``, ``precision``, ``prompt_name`` or ``batch_size``.
     """
     from sentence_transformers.util import quantize_embeddings
