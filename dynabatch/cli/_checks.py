@@ -33,7 +33,7 @@ from dynabatch._validation import bad_value
 
 __all__ = ["DTYPES", "FLAGS", "INTERRUPTED", "TERMINATED", "WEIGHTS", "DefaultsFormatter", "Parser", "Terminated", "Tie",
            "as_flags", "check_device_names", "check_dtype", "check_model_folder", "check_outputs_apart", "check_plot",
-           "check_positive", "check_writable", "extra", "flag_of", "refusing", "settle", "stop_on_sigterm",
+           "check_positive", "check_writable", "flag_of", "refusing", "settle", "stop_on_sigterm",
            "stopped_by"]
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")

@@ -46,6 +46,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dynabatch._distribution import extra
 from dynabatch._validation import bad_value
 from dynabatch.cli import job
 from dynabatch.cli._checks import (
@@ -53,7 +54,6 @@ from dynabatch.cli._checks import (
     check_dtype,
     check_model_folder,
     check_positive,
-    extra,
     refusing,
 )
 from dynabatch.cli.output import Output

@@ -61,9 +61,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from dynabatch._distribution import extra
 from dynabatch._validation import bad_value
 from dynabatch.cli import job
-from dynabatch.cli._checks import extra, refusing
+from dynabatch.cli._checks import refusing
 from dynabatch.cli.output import Output
 from dynabatch.inference.report import RunReport
 from dynabatch.inference.results import RunResult
