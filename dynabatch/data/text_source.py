@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from dynabatch._malloc import trim
-from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch._validation import bad_type, bad_value, check_positive_int, first_few
 from dynabatch.data.tokenization import (as_items, check_encodable, log_skipped, plain_text, split_bad_texts,
                                          validate_texts)
 
@@ -268,7 +268,7 @@ def open_texts(texts: Any, on_bad_input: str = "raise") -> tuple[TextSource, np.
         if source.items is not None:
             validate_texts(source.items)  # the one message for items that are not str
         raise TypeError(f"texts should hold only str, but got {bad.size} of {len(source)} missing (null) texts "
-                        f"(positions {', '.join(map(str, bad[:10].tolist()))}{', ...' if bad.size > 10 else ''}): "
+                        f"(positions {first_few(bad, 10)}): "
                         "clean them, or pass on_bad_input='skip' to skip them (their results are None)")
     log_skipped(bad, len(source), "texts that are not str")  # all of them, too: no batch runs, each is listed failed
     return source, bad

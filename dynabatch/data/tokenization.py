@@ -60,7 +60,7 @@ import numpy as np
 
 from dynabatch._background import ordered_map
 from dynabatch._malloc import trim
-from dynabatch._validation import bad_type, bad_value, check_positive_int, did_you_mean
+from dynabatch._validation import bad_type, bad_value, check_positive_int, did_you_mean, first_few
 from dynabatch.data.workers import Pieces, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
 
 __all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "PIECE_TOKENS", "TOKENS_PER_CALL",
@@ -377,7 +377,7 @@ def plain_text(item: Any) -> str:
 
 def _positions(bad: np.ndarray) -> str:
     """The first :data:`_SHOWN_BAD` of the positions ``bad``, for a message."""
-    return ", ".join(map(str, bad[:_SHOWN_BAD].tolist())) + (", ..." if bad.size > _SHOWN_BAD else "")
+    return first_few(bad, _SHOWN_BAD)  # an array: only the first few become str
 
 
 def log_skipped(skipped: np.ndarray, n: int, what: str) -> None:
