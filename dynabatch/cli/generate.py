@@ -81,7 +81,7 @@ def add_parser(sub: Any) -> None:
 
 def _check_sampling(args: argparse.Namespace) -> dict[str, Any]:
     """The generation options: greedy, or sampling with the options given (each checked; given without
-    ``--sample``, they were refused by their tie, :meth:`~dynabatch.cli._checks.Parser.add_tied`)."""
+    ``--sample``, they are refused before, by their tie, :meth:`~dynabatch.cli._checks.Parser.add_tied`)."""
     if not _SEEDS[0] <= args.seed < _SEEDS[1]:
         raise bad_value("--seed", f"an integer in [{_SEEDS[0]}, {_SEEDS[1]}) (the seeds torch takes)", args.seed)
     options: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": args.sample}

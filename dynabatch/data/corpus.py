@@ -125,7 +125,7 @@ _WIDE = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (code
 def _not_utf8(path: str) -> str | None:
     """Why the text file ``path`` is not UTF-8 where its start tells (a UTF-16 or UTF-32 byte order mark, or a NUL
     in every other byte: UTF-16 of mostly ASCII text); ``None`` otherwise. pyarrow's CSV reader splits such a file's
-    bytes into rows anyway, and blamed a row's number of values."""
+    bytes into rows anyway, and its error blames a row's number of values: this says why instead."""
     with open(path, "rb") as file:
         start = file.read(4096)
     wide = next((name for mark, name in _WIDE if start.startswith(mark)), None)
