@@ -112,7 +112,6 @@ def test_every_extra_with_sentence_transformers_has_what_dynabatch_embed_reads_i
     assert [extra for extra in running if "accelerate" not in names[extra]] == []  # device_map="meta" needs it
 
 
-
 def test_the_train_extra_has_what_tokenize_source_reads_with():
     assert "datasets" in _extras()["train"]  # training.md's Trainer examples tokenize with it
 

@@ -80,7 +80,6 @@ def test_an_output_folder_holding_other_files_is_refused_before_the_store_opens(
     Output(tmp_path / "store").prepare()  # a store's own files: its shards, its failure records, its job lock
 
 
-
 @pytest.mark.parametrize("blank", ["", "  "])
 def test_an_empty_or_blank_output_is_refused_before_anything_is_made(tmp_path, monkeypatch, blank):
     # "" was the working folder to the probe and no folder to the store, which then raised FileNotFoundError: ''
@@ -89,6 +88,7 @@ def test_an_empty_or_blank_output_is_refused_before_anything_is_made(tmp_path, m
                                          f"but got output='{blank}'$"):
         Output(blank).prepare()
     assert list(tmp_path.iterdir()) == []
+
 
 def _write_ids(path, key, ids):
     """A store keyed by ``ids`` (a pyarrow array), holding the first one's row."""

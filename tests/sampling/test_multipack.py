@@ -299,7 +299,6 @@ def test_min_batches_for_loops_that_fix_the_steps_once(n, world, batch_size, ext
         assert seen == list(range(n))  # nothing lost or repeated by the extra batches
 
 
-
 def test_max_len_is_per_rank_when_the_trainer_deals_the_batches():
     # shard=False (HF Trainer's accelerate deals batch i to rank i % world): len() counts both ranks' batches,
     # max_len() what one rank gets, so set_min_batches(max_len) adds no batches (packed_finetune.py relies on it)

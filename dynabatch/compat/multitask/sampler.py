@@ -64,6 +64,7 @@ logger = logging.getLogger(__name__)
 
 _SIZE_FIELDS = ("length", "seq_length", "num_tokens")
 
+
 def _size(name: str, value: Any) -> int:
     """A sample's size from its metadata: a non-negative integer (numpy and 0-d tensor integers too)."""
     try:
