@@ -124,9 +124,19 @@ def counting_the_prompt(model_config: Any, generate_kwargs: dict[str, Any],
     """
     for total, new in _COUNT_THE_PROMPT.items():
         place, value = _found(model_config, generate_kwargs, total, where)
+        if place != total and value == _class_default(total):  # a config's own default, set by no one (4.x: 20)
+            continue
         if value and _found(model_config, generate_kwargs, new)[1] is None:
             return place, new, value
     return None
+
+
+def _class_default(name: str) -> Any:
+    """``GenerationConfig``'s default of ``name``: transformers 4.x fills ``max_length=20`` into every config, which
+    says nothing of the model (5.x leaves it ``None``)."""
+    from transformers import GenerationConfig
+
+    return getattr(GenerationConfig(), name, None)
 
 
 def _new_tokens(model: Any, generate_kwargs: dict[str, Any], encoder_decoder: bool) -> int:
@@ -421,6 +431,9 @@ def generate(
     kind = _prompt_kind(prompts)
     check_bool("return_ids", return_ids)
     new_tokens = _new_tokens(model, generate_kwargs, encoder_decoder)
+    if not encoder_decoder and _setting(model, generate_kwargs, "max_new_tokens") is None:
+        # the default said outright: a config's max_length (4.x's 20) would count the padded prompt
+        generate_kwargs = {**generate_kwargs, "max_new_tokens": new_tokens}
     fn = reply_function(model, tokenizer, generate_kwargs, return_ids=return_ids,
                         skip_special_tokens=skip_special_tokens)
     if max_input_token_length is None:

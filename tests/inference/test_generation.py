@@ -349,6 +349,28 @@ def test_lengths_that_count_the_padded_prompt_are_refused_and_none_set_is_20_new
     assert replies[0] == alone.tolist() and len(alone) == 20 and len(replies[1]) == 20
 
 
+def test_a_max_length_every_config_holds_by_default_is_unset_and_20_new_tokens_are_asked(llama, chat_tokenizer,
+                                                                                         monkeypatch):
+    # transformers 4.x fills max_length=20 into every GenerationConfig (5.x leaves None): read as the model's own
+    # setting, it refused every call without max_new_tokens; left to model.generate, it counted the padded prompt
+    import transformers
+
+    class FilledIn(transformers.GenerationConfig):
+        def __init__(self, **kwargs):
+            kwargs.setdefault("max_length", 20)
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(transformers, "GenerationConfig", FilledIn)
+    model = copy.deepcopy(llama)
+    model.generation_config.max_length = 20
+    prompts = ["In the beginning", "And God said, Let there be light: and there was light " * 3]
+    replies = dynabatch.generate(model, chat_tokenizer, prompts, return_ids=True, suppress_tokens=[2], progress=False)
+    assert [len(r) for r in replies] == [20, 20]  # 20 new tokens each, whatever the padded prompt
+    model.generation_config.max_length = 30  # the folder's own setting: refused as before
+    with pytest.raises(ValueError, match=r"^model.generation_config.max_length should be unset .*=30$"):
+        dynabatch.generate(model, chat_tokenizer, prompts, progress=False)
+
+
 def test_an_absolute_budget_is_passed_through_as_given_and_judged_by_the_run(llama, chat_tokenizer, prompts):
     # generate resolves no budget itself: the loader and the run read max_memory as the user wrote it
     with pytest.raises(ValueError, match=r"^max_memory should be at least one row of the longest text .* but got "
