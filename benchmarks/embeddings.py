@@ -77,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     texts = held_out_texts(args.n)
     methods = {
         "model.encode": lambda: model.encode(texts, batch_size=args.batch_size),
-        "dynabatch encode": lambda: encode(model, texts, batch_size=args.batch_size, progress=False),
+        "dynabatch encode": lambda: encode(model, texts, batch_size=args.batch_size, show_progress_bar=False),
     }
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     warm = {"model.encode": lambda: model.encode(texts[:256], batch_size=args.batch_size),
-            "dynabatch encode": lambda: encode(model, texts[:256], batch_size=args.batch_size, progress=False)}
+            "dynabatch encode": lambda: encode(model, texts[:256], batch_size=args.batch_size, show_progress_bar=False)}
     for name, call in warm.items():  # first calls, imports, and (CUDA) a young process's slow first seconds
         warm_until_stable(call, cap_s=20.0 if cuda else 1.0, sync=sync, name=name)
 

@@ -1,4 +1,5 @@
 import logging
+import multiprocessing
 import os
 import threading
 import time
@@ -660,7 +661,14 @@ class DyingInWorkers(WorkersFirst):
         if os.getpid() != _TEST_PROCESS:
             super().__call__(text, *args, **kwargs)
             os._exit(1)
-        return super().__call__(text, *args, **kwargs)
+        result = super().__call__(text, *args, **kwargs)
+        # once a worker answered, this process goes on only when it is gone: else this process can end the call
+        # before the death reaches it (a busy machine), and the call's warning and fallback go unseen
+        deadline = time.monotonic() + 30
+        while self.calls > 1 and time.monotonic() < deadline and any(
+                p.name == "dynabatch-tokenizer" for p in multiprocessing.active_children()):
+            time.sleep(0.01)
+        return result
 
 
 @two_cores
