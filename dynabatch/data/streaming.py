@@ -216,20 +216,21 @@ class TokenStream:
                 return collator
             positions = self.chunk_positions(k)
             tokens = self._encode(positions, self.later_work(k))
-            if not self.tokenizations[k]:  # a text of no token is a bad input, known only now (logged once)
-                empty = split_no_token(tokens.lengths, self.on_bad_input, lambda i: self.source.take([i])[0],
-                                       positions=positions)
+            first_time = not self.tokenizations[k]
+            if first_time:  # a text of no token is a bad input, known only now (logged once)
+                no_token = split_no_token(tokens.lengths, self.on_bad_input, lambda i: self.source.take([i])[0],
+                                          positions=positions)
             collator = TokenCollator.from_tokenizer(tokens, self._template, pad_to_multiple_of=self.pad_to_multiple_of)
             with self._lock:
-                if not self.tokenizations[k]:
-                    self._no_token[empty] = True
+                if first_time:
+                    self._no_token[no_token] = True
                 if self._freed[k]:
                     self._consumed[positions] = False
                     self._left[k] = len(positions)
                     self._freed[k] = False
-                empty = positions[self._no_token[positions] & ~self._consumed[positions]]  # never run: done
-                self._consumed[empty] = True
-                self._left[k] -= len(empty)
+                never_run = positions[self._no_token[positions] & ~self._consumed[positions]]  # planned nowhere: done
+                self._consumed[never_run] = True
+                self._left[k] -= len(never_run)
                 self._held[k] = collator
                 self.tokenizations[k] += 1
             trim()  # the chunk's encodings are freed: give their heap back, so memory grows with the tokens only

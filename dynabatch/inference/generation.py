@@ -281,6 +281,12 @@ def _stop_strings(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any]) -
         [criterion(sequences[:, : end + 1], None) for end in range(start, sequences.shape[1])], dim=1)
 
 
+def _stop_tokenizer(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What ``model.generate`` takes besides the call's keywords: stop strings are matched on text, so it needs the
+    tokenizer (which ``generate``'s own argument of that name takes before it could reach ``generate_kwargs``)."""
+    return {"tokenizer": tokenizer} if _setting(model, generate_kwargs, "stop_strings") else {}
+
+
 def generation_loader(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], *,
                       chat: bool = False) -> tuple[Any, dict[str, Any]]:
     """What the loader of a ``generate`` call takes besides the texts: the tokenizer that pads its batches (a copy
@@ -312,8 +318,7 @@ def reply_function(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], 
     fill = eos_ids[0] if fill is None and eos_ids else fill
     pad_token_id = fill if stops_early else None  # else rows without EOS are whole
     stopped = _stop_strings(model, tokenizer, generate_kwargs)
-    # stop strings are matched on text: model.generate needs the tokenizer (which generate's own argument takes)
-    stop_tokenizer = {"tokenizer": tokenizer} if _setting(model, generate_kwargs, "stop_strings") else {}
+    stop_tokenizer = _stop_tokenizer(model, tokenizer, generate_kwargs)
 
     def replies(batch: Any) -> PerRow:
         out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **stop_tokenizer,
@@ -344,7 +349,7 @@ def _footprint(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], new_
     if not getattr(known_backend(dev.type), "measurable", False):
         return Footprint.from_model(model, max_new_tokens=max_new_tokens, **settings)
     prior = Footprint.from_model(model, max_new_tokens=2, **settings)
-    stop_tokenizer = {"tokenizer": tokenizer} if _setting(model, generate_kwargs, "stop_strings") else {}
+    stop_tokenizer = _stop_tokenizer(model, tokenizer, generate_kwargs)
     peaks = []
     with torch.random.fork_rng(devices=[] if dev.type == "cpu" else [dev], device_type=dev.type), \
             torch.inference_mode():
