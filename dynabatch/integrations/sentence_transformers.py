@@ -27,7 +27,7 @@ per-token values of ``output_value=None``) are cut to each row's own tokens
 (where ``model.encode`` keeps a left-padded row's padding, which depends on
 the batch); ``device`` takes one device or a list of them (``["cuda:0", "cuda:1"]``: a model copy
 per device, run through :func:`dynabatch.run`'s ``devices=``, threads not processes), and
-``pool`` is refused.
+``pool`` and ``chunk_size`` (sentence-transformers' worker processes) are refused.
 
 ``sentence_transformers`` is imported when a function runs: importing this module does not need it.
 
@@ -209,7 +209,8 @@ def _row_outputs(features: dict[str, Any], output_value: str | None, normalize: 
     return out
 
 
-def _check_arguments(output_value: Any, precision: Any, batch_size: Any, device: Any, pool: Any) -> None:
+def _check_arguments(output_value: Any, precision: Any, batch_size: Any, device: Any, pool: Any, chunk_size: Any,
+                     tokenize_cores: Any) -> None:
     if output_value not in _OUTPUTS:
         raise bad_value("output_value", f"one of {_OUTPUTS}", output_value)
     if precision not in _PRECISIONS:
@@ -220,6 +221,12 @@ def _check_arguments(output_value: Any, precision: Any, batch_size: Any, device:
     if pool is not None:
         raise bad_value("pool", "None (a multi-process pool is sentence-transformers' own; dynabatch runs one "
                         "device)", pool)
+    if chunk_size is not None:  # sentence-transformers' inputs per worker process, where dynabatch runs none
+        raise bad_value("chunk_size", "None (sentence-transformers' inputs sent to a worker process at a time; "
+                        "dynabatch runs no worker process: every device takes the next batch as it ends one, so "
+                        "pass no chunk_size)", chunk_size)
+    if tokenize_cores is not None:  # the loader's rule, checked before the model moves or an empty list returns
+        check_positive_int("tokenize_cores", tokenize_cores)
 
 
 def _check_model_kwargs(model: Any, kwargs: dict[str, Any]) -> None:
@@ -263,14 +270,16 @@ def _show_progress(show_progress_bar: bool | None) -> bool:
 
 def _run_rows(model: Any, inputs: list[str], prompt: str | None, batch_size: int, output_value: str | None,
               normalize: bool, truncate_dim: int | None, device: torch.device, progress: bool,
-              run_options: dict[str, Any], kwargs: dict[str, Any], devices: list | None = None) -> list[Any]:
+              run_options: dict[str, Any], kwargs: dict[str, Any], devices: list | None = None,
+              tokenize_cores: int | None = None) -> list[Any]:
     """One result per input, in input order, from the model run on dynamic batches."""
     planning_limit, cut = _length_limit(model)
     preprocessor = _Preprocessor(model, prompt, cut, kwargs)
     planning_limit = preprocessor.processing["text"].get("max_length") or planning_limit  # a call's own limit
     constants = preprocessor.constants  # what every batch shares (prompt_length): values, read once
     loader = build_dynamic_batch_dataloader(inputs, preprocessor, batch_size, planning_limit, num_workers=0,
-                                            progress=progress, model=model.transformers_model)
+                                            progress=progress, model=model.transformers_model,
+                                            tokenize_cores=tokenize_cores)
     forward_kwargs = dict(kwargs)
     forward_kwargs.pop("processing_kwargs", None)
 
@@ -377,6 +386,7 @@ def encode(
     *,
     on_oom: str = "raise",
     memory: str = "auto",
+    tokenize_cores: int | None = None,
     **kwargs: Any,
 ) -> Any:
     """``model.encode(sentences, ...)`` on dynamic batches: the same arguments, the same return value.
@@ -390,8 +400,11 @@ def encode(
         batch_size: rows of the first (longest) batch; later batches grow under its measured peak.
         device: one device (the model is moved there, as ``encode`` does); ``None``: the model's; a list:
             every device at once (the model moved to the first, a copy on each other accelerator).
-        pool, chunk_size: ``pool`` must be ``None`` (one device); ``chunk_size`` is not used.
+        pool, chunk_size: both ``None``: sentence-transformers' worker processes (a pool, the inputs sent to a
+            process at a time) are its own; every device here takes the next batch as it ends one.
         on_oom, memory: :func:`dynabatch.run`'s.
+        tokenize_cores: cores to tokenize the texts on, at most (the loader's; the vectors are the same);
+            ``None``: every core this process may use.
         **kwargs: the model's own keywords (``task``, ``processing_kwargs``, ``model.get_model_kwargs()``),
             passed to its ``preprocess`` and forward as ``encode`` passes them; any other is refused.
 
@@ -404,12 +417,12 @@ def encode(
     Raises:
         TypeError: a keyword that is no argument of ``encode`` and no keyword of the model.
         ValueError: inputs or a model that do not run on dynamic batches (the
-            reason named: use ``model.encode``), an empty list of devices, a ``pool``,
-            or a bad ``output_value``, ``precision``, ``prompt_name`` or ``batch_size``.
+            reason named: use ``model.encode``), an empty list of devices, a ``pool``, a ``chunk_size``,
+            or a bad ``output_value``, ``precision``, ``prompt_name``, ``batch_size`` or ``tokenize_cores``.
     """
     from sentence_transformers.util import quantize_embeddings
 
-    _check_arguments(output_value, precision, batch_size, device, pool)
+    _check_arguments(output_value, precision, batch_size, device, pool, chunk_size, tokenize_cores)
     _check_model_kwargs(model, kwargs)
     if convert_to_tensor:
         convert_to_numpy = False
@@ -429,7 +442,7 @@ def encode(
     progress = _show_progress(show_progress_bar)
     rows = _run_rows(model, inputs, resolve_prompt(model, prompt, prompt_name), batch_size, output_value,
                      normalize_embeddings, truncate_dim, target,
-                     progress, {"on_oom": on_oom, "memory": memory}, kwargs, devices)
+                     progress, {"on_oom": on_oom, "memory": memory}, kwargs, devices, tokenize_cores)
     if output_value != "sentence_embedding":
         embeddings: Any = [_on(row, target) for row in rows]
     else:
@@ -516,7 +529,7 @@ def make_dynamic(model: Any, **options: Any) -> Any:
 
     Args:
         model: a ``sentence_transformers.SentenceTransformer``.
-        **options: :func:`dynabatch.run` options for every call (``on_oom``, ``memory``).
+        **options: :func:`encode`'s own options for every call (``on_oom``, ``memory``, ``tokenize_cores``).
 
     Example:
         >>> from sentence_transformers import SentenceTransformer
@@ -526,8 +539,9 @@ def make_dynamic(model: Any, **options: Any) -> Any:
         >>> model.encode(["In the beginning", "And God said"]).shape
         (2, 384)
     """
-    unknown = sorted(set(options) - {"on_oom", "memory"})
+    unknown = sorted(set(options) - {"on_oom", "memory", "tokenize_cores"})
     if unknown:
-        raise TypeError(f"make_dynamic() got unexpected keyword arguments {unknown}: it takes on_oom and memory")
+        raise TypeError(f"make_dynamic() got unexpected keyword arguments {unknown}: it takes on_oom, memory and "
+                        "tokenize_cores")
     model.encode = _DynamicEncode(model, options)
     return model

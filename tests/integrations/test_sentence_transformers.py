@@ -139,6 +139,11 @@ def test_what_does_not_run_on_dynamic_batches_is_refused_naming_why(minilm, text
         dst.encode(minilm, texts[:2], device=[])
     with pytest.raises(ValueError, match="pool should be None"):
         dst.encode(minilm, texts[:2], pool={"processes": []})
+    for inputs in (texts[:2], []):  # refused, not dropped: sentence-transformers sends a worker process its chunks
+        with pytest.raises(ValueError, match=r"^chunk_size should be None \(sentence-transformers' inputs sent to a "
+                           r"worker process at a time; dynabatch runs no worker process: every device takes the next "
+                           r"batch as it ends one, so pass no chunk_size\), but got chunk_size=16$"):
+            dst.encode(minilm, inputs, device=["cpu", "cpu"], chunk_size=16)
     with pytest.raises(ValueError, match=r"precision should be one of \('float32', 'int8', 'uint8', 'binary', "
                        r"'ubinary', None\), but got precision='int4'"):
         dst.encode(minilm, texts[:2], precision="int4")
@@ -157,6 +162,31 @@ def test_a_keyword_neither_encode_nor_the_model_takes_is_refused_naming_it(minil
                            r"\(did you mean 'normalize_embeddings'\?\): it is no argument of encode and no keyword of "
                            r"the model \(\['processing_kwargs', 'task'\]\); but got normalise_embeddings=True"):
             dst.encode(minilm, inputs, normalise_embeddings=True)
+
+
+def test_tokenize_cores_reaches_the_loader_and_keeps_model_encode_vectors(minilm, texts, monkeypatch):
+    built = []
+    real = dst.build_dynamic_batch_dataloader
+
+    def loader(*args, **kwargs):  # the real loader, its tokenize_cores noted
+        built.append(kwargs.get("tokenize_cores"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dst, "build_dynamic_batch_dataloader", loader)
+    want = minilm.encode(texts[:40], batch_size=8)
+    for cores in (1, 2, None):
+        got = dst.encode(minilm, texts[:40], batch_size=8, tokenize_cores=cores)
+        assert np.abs(got - want).max() < TOL, cores
+    assert built == [1, 2, None]
+    dynamic = dst.make_dynamic(copy.deepcopy(minilm), tokenize_cores=1)  # every call's option
+    assert np.abs(dynamic.encode(texts[:40], batch_size=8) - want).max() < TOL and built[-1] == 1
+    for inputs in (texts[:2], []):  # the loader's rule, before the model moves or an empty list returns
+        with pytest.raises(ValueError, match=r"^tokenize_cores should be a positive integer, but got "
+                           r"tokenize_cores=0$"):
+            dst.encode(minilm, inputs, tokenize_cores=0)
+    with pytest.raises(TypeError, match=r"^make_dynamic\(\) got unexpected keyword arguments \['cores'\]: it "
+                       r"takes on_oom, memory and tokenize_cores$"):
+        dst.make_dynamic(minilm, cores=1)
 
 
 def test_a_list_of_devices_gives_model_encode_vectors(minilm, texts):
