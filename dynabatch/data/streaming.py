@@ -173,6 +173,12 @@ class TokenStream:
         return f"{type(self).__name__}(texts={self.n}, chunks={self.n_chunks}, held={self.held_chunks})"
 
     @property
+    def cores(self) -> int:
+        """The cores its chunks are tokenized on, at most: ``tokenize_cores``, capped at the cores this process may
+        use (:func:`~dynabatch.data.workers.available_cores`)."""
+        return self._tokenize.cores
+
+    @property
     def held_chunks(self) -> list[int]:
         """The chunks whose tokens are held now (tokenized, and not every row consumed yet)."""
         with self._lock:

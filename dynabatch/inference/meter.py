@@ -24,7 +24,7 @@ import math
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -399,9 +399,11 @@ def _bar(fraction: float, width: int = 20) -> str:
     return ("█" * whole + (" ▏▎▍▌▋▊▉"[int((filled - whole) * 8)] if whole < width else "")).ljust(width)
 
 
-def name_bound(shares: dict[str, float], tokenize_share: float | None = None) -> str:
+def name_bound(shares: dict[str, float], tokenize_share: float | None = None, *,
+               tokenize_cores: Sequence[int] | None = None) -> str:
     """The one line that names what bound a run, from the shares of its wall by stage (``tokenize_share``: how much
-    of the wall the tokenizing thread worked).
+    of the wall the tokenizing thread worked; ``tokenize_cores``: ``[cores it was allowed, cores this process may
+    use]``, where a cap below the process's cores is what to raise before buying cores).
 
     Example:
         >>> from dynabatch.inference.meter import name_bound
@@ -409,6 +411,8 @@ def name_bound(shares: dict[str, float], tokenize_share: float | None = None) ->
         'device-bound: the device was busy 94% of the run'
         >>> name_bound({"device": 0.40, "wait tokenize": 0.55}, tokenize_share=0.61).split(";")[0]
         'host-bound: tokenizing took 61% of the wall while the device waited 60%'
+        >>> name_bound({"device": 0.40, "wait tokenize": 0.55}, tokenize_cores=[1, 8]).split("; ")[1]
+        'raise tokenize_cores (now 1 of 8 cores)'
     """
     device = shares.get("device", 0.0)
     took = {"tokenizing": shares.get("wait tokenize", 0.0), "reading the input": shares.get("wait read", 0.0),
@@ -420,10 +424,10 @@ def name_bound(shares: dict[str, float], tokenize_share: float | None = None) ->
         return f"device-bound: the device was busy {device:.0%} of the run"
     if what == "tokenizing" and tokenize_share is not None:
         share = tokenize_share
-    # tokenizing runs on every core this process may use already (a cap, tokenize_cores, is the caller's own; the
-    # command line has none): only more cores help
-    hint = {"tokenizing": "; more CPU cores would help",
+    hint = {"tokenizing": "; more CPU cores would help",  # it ran on every core this process may use
             "writing the store": "; a faster disk for the output would help"}.get(what, "")
+    if what == "tokenizing" and tokenize_cores is not None and tokenize_cores[0] < tokenize_cores[1]:
+        hint = f"; raise tokenize_cores (now {tokenize_cores[0]} of {tokenize_cores[1]} cores)"  # the caller's cap
     bound = "store-bound" if what == "writing the store" else "host-bound"
     return f"{bound}: {what} took {share:.0%} of the wall while the device waited {1.0 - device:.0%}{hint}"
 

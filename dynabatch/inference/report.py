@@ -107,6 +107,9 @@ class RunReport:
             sink: a store's committed).
         background: the share of the wall each background stage worked (``"tokenize"``, ``"build"``, ``"read"``,
             ``"store"``).
+        tokenize_cores: ``[cores the run's tokenizing was allowed, cores this process may use]`` where it tokenized
+            (a streaming loader's chunks; the first is ``tokenize_cores`` where that is fewer), which the bound's
+            advice names; ``None`` where every input was tokenized before the run.
         accounting_seconds: the CPU seconds keeping these figures and the display took.
     """
 
@@ -118,6 +121,7 @@ class RunReport:
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)
     wall_seconds: float | None = None
     background: dict[str, float] = field(default_factory=dict)
+    tokenize_cores: list[int] | None = None
     accounting_seconds: float = 0.0
 
     # totals over the records, and rates
@@ -180,15 +184,17 @@ class RunReport:
         """One line naming what bound the run (:func:`~dynabatch.inference.meter.name_bound`); ``None`` when no
         worker was timed or no batch ran (a resumed run with nothing left: the loop's wait bound no device)."""
         shares = self.stage_shares
-        return name_bound(shares, self.background.get("tokenize")) if shares and self.records else None
+        if not shares or not self.records:
+            return None
+        return name_bound(shares, self.background.get("tokenize"), tokenize_cores=self.tokenize_cores)
 
     def summary(self) -> dict[str, Any]:
         """The summary figures as a dict (JSON-ready)."""
         names = ("rows", "batches", "seconds", "rows_per_s", "tokens_per_s", "real_tokens", "padded_tokens",
                  "padding_efficiency", "oom_events", "oom_splits", "pre_split_batches", "failed_rows", "error_rows",
                  "skipped_inputs", "budget_bytes", "device_budgets", "rebuilt_batches", "max_peak_ratio",
-                 "batches_over_budget", "wall_seconds", "bound", "stage_shares", "background", "workers",
-                 "accounting_seconds")
+                 "batches_over_budget", "wall_seconds", "bound", "stage_shares", "background", "tokenize_cores",
+                 "workers", "accounting_seconds")
         return {name: getattr(self, name) for name in names}
 
     def to_json(self, path: str | os.PathLike) -> None:

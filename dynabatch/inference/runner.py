@@ -258,6 +258,7 @@ def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: Memor
         merged.skipped_inputs = len(skipped)
         merged.wall_seconds = meter.clock() - meter.started  # the workers ended: their rows handed on, committed
         merged.background = background_shares(background, merged.wall_seconds)
+        merged.tokenize_cores = source.tokenize_cores
         merged.accounting_seconds = meter.accounting
         return merged
 

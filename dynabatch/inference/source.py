@@ -15,6 +15,7 @@ from dynabatch._background import Ahead
 from dynabatch._validation import bad_value, brief, first_few
 from dynabatch.data.collate import Batch
 from dynabatch.data.input_hashes import token_store_hashes
+from dynabatch.data.workers import available_cores
 from dynabatch.sampling.ranks import batches_needed, deal, most_replicas, split_for_replicas
 
 __all__ = ["Item", "Source", "positions_of"]
@@ -192,6 +193,12 @@ class Source:
     def total_inputs(self) -> int:
         """How many inputs the run has: the loader's, or (a plain iterable) the largest position named so far + 1."""
         return self.n_inputs if self.n_inputs is not None else self._seen + 1
+
+    @property
+    def tokenize_cores(self) -> list[int] | None:
+        """``[cores the run's tokenizing may use, cores this process may use]``, where the run tokenizes (a streamed
+        plan's chunks); ``None`` where every input was tokenized before the run."""
+        return [self.plan.stream.cores, available_cores()] if self.streamed else None
 
     def text_sizes(self) -> tuple[np.ndarray, bool, int | None] | None:
         """Every input's size before it runs (what the time left is weighted by): ``(sizes, exact, max_length)``, a

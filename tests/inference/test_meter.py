@@ -227,6 +227,25 @@ def test_a_bound_names_no_flag_the_commands_lack():
     assert name_bound({"device": 0.3, "wait tokenize": 0.6}).endswith("; more CPU cores would help")
 
 
+def test_the_tokenizing_advice_names_the_cap_where_the_cap_is_the_limit():
+    tokenizing = {"device": 0.3, "wait tokenize": 0.6}
+    assert name_bound(tokenizing, tokenize_cores=[2, 16]).endswith("; raise tokenize_cores (now 2 of 16 cores)")
+    assert name_bound(tokenizing, tokenize_cores=[16, 16]).endswith("; more CPU cores would help")
+    assert name_bound({"device": 0.3, "store": 0.6}, tokenize_cores=[2, 16]).endswith(
+        "; a faster disk for the output would help")  # another stage's bound: the cap is not what to raise
+
+
+@pytest.mark.parametrize("cores", [1, None])
+def test_the_report_knows_the_cores_a_streamed_run_tokenized_on(tokenizer, texts, cores):
+    from dynabatch.data.workers import available_cores
+
+    streamed = run(_lengths, _load(texts, tokenizer, stream=True, tokenize_cores=cores), progress=False).report
+    assert streamed.tokenize_cores == [cores or available_cores(), available_cores()]
+    assert streamed.summary()["tokenize_cores"] == streamed.tokenize_cores
+    tokenized_before = run(_lengths, _load(texts, tokenizer, tokenize_cores=cores), progress=False).report
+    assert tokenized_before.tokenize_cores is None  # the run tokenized nothing: no cap bound it
+
+
 @pytest.fixture
 def slow_commit(monkeypatch):
     """Rows commit as the writer closes (no shard fills, no timed flush is due), each commit taking a second: a slow

@@ -70,6 +70,7 @@ def test_summary_figures_of_a_hand_built_report():
         "bound": None,
         "stage_shares": {},
         "background": {},
+        "tokenize_cores": None,
         "workers": {},
         "accounting_seconds": 0.0,
     }
@@ -92,6 +93,20 @@ def test_no_bound_is_named_where_no_batch_ran():
     assert waited.stage_shares and waited.bound is None and waited.summary()["bound"] is None
     waited.records.append(BatchRecord(batch=0, rows=1, width=4, real_tokens=4, padded_tokens=4, seconds=0.1))
     assert waited.bound.startswith("host-bound: tokenizing took 96% of the wall")
+
+
+@pytest.mark.parametrize("cores,advice", [([1, 4], "raise tokenize_cores (now 1 of 4 cores)"),
+                                          ([4, 4], "more CPU cores would help"),
+                                          (None, "more CPU cores would help")])
+def test_a_tokenizing_bound_advises_the_cap_where_the_cap_is_below_the_cores(tmp_path, cores, advice):
+    # A caller's tokenize_cores below the process's cores is the limit to raise; at the process's cores, only more help
+    waited = RunReport([BatchRecord(batch=0, rows=1, width=4, real_tokens=4, padded_tokens=4, seconds=0.1)],
+                       workers={"cpu": {"wall": 2.0, "stages": {"wait tokenize": 1.5, "device": 0.5}}},
+                       background={"tokenize": 0.9}, tokenize_cores=cores)
+    assert waited.bound == f"host-bound: tokenizing took 90% of the wall while the device waited 75%; {advice}"
+    waited.to_json(tmp_path / "report.json")
+    again = RunReport.from_json(tmp_path / "report.json")
+    assert again.tokenize_cores == cores and again.bound == waited.bound
 
 
 def test_json_round_trip(tmp_path):
