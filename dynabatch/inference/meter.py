@@ -241,13 +241,17 @@ class Meter:
         stored: rows a store held before the run (a resumed run says so first, of ``inputs`` in all).
         clock: the time (tests).
         desc: the display's name.
+        claiming_rank: under ranks claiming chunks, this rank's number: its closing line counts the rows this rank
+            ran, named (what the other ranks ran is theirs to say; the live line's estimate counts them as its own).
     """
 
     def __init__(self, costs: TextCosts | None, *, total_rows: int | None, scale: int = 1,
                  stream: TextIO | None = None, stored: int = 0, inputs: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter, desc: str = "dynabatch") -> None:
+                 clock: Callable[[], float] = time.perf_counter, desc: str = "dynabatch",
+                 claiming_rank: int | None = None) -> None:
         self.costs, self.total_rows, self.scale = costs, total_rows, scale
-        self.stream, self.clock, self.desc = stream, clock, desc
+        self.stream, self.clock, self.desc, self.claiming_rank = stream, clock, desc, claiming_rank
+        self.drained = False  # every item this worker's loop was given ran: a claiming rank found no chunk left
         self.model = TimeModel()
         self.recent = dict.fromkeys(("rows", "tokens", "padded", "batches", "seconds"), 0.0)  # weighted by age
         self.rows = self.tokens = 0
@@ -333,6 +337,8 @@ class Meter:
         """The display's line now (``final``: the closing one, with the run's average rates)."""
         e = self.estimate()
         done = f"{int(e.rows_done):,}/{e.rows_total:,}" if e.rows_total is not None else f"{int(e.rows_done):,}"
+        if final and self.claiming_rank is not None:
+            return self._claimed_line(e.rows_total)
         if final:
             seconds = (self.last or self.clock()) - self.started
             texts = e.rows_done / seconds if seconds > 0 and self.rows else None
@@ -348,6 +354,17 @@ class Meter:
         left = f", {_clock_text(e.seconds_left)} left" if e.seconds_left is not None else ""
         return (f"{self.desc}: {share}{done} rows, {_clock_text(e.elapsed)} elapsed{left}, "
                 f"{_rate(e.texts_per_s, 'texts')}, {_rate(e.tokens_per_s, 'tokens')}")
+
+    def _claimed_line(self, total: int | None) -> str:
+        """A claiming rank's closing line: the rows it ran of the whole, at its own rates; ``drained``: it ends
+        because no chunk is left to claim (a rank that claimed none ran 0 rows, and is done)."""
+        seconds = (self.last or self.clock()) - self.started
+        texts = self.rows / seconds if seconds > 0 and self.rows else None
+        tokens = self.tokens / seconds if seconds > 0 and self.rows else None
+        of = f" of {total:,}" if total is not None else ""
+        return (f"{self.desc} rank {self.claiming_rank}: {self.rows:,}{of} rows ran on this rank in "
+                f"{_clock_text(seconds)}, {_rate(texts, 'texts')}, {_rate(tokens, 'tokens')}"
+                + ("; no chunk left to claim" if self.drained else ""))
 
     def _show(self, now: float) -> None:
         self._shown_at = now

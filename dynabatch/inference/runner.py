@@ -212,7 +212,8 @@ def _fail_skipped(sink: MemorySink | StoreSink, name: str, positions: np.ndarray
 
 def _meter(source: Source, options: RunOptions, skipped: np.ndarray, stored: np.ndarray | None) -> Meter:
     """The run's meter, over the inputs that run now: neither skipped nor stored; under ranks claiming chunks, the
-    whole corpus (this rank counting for every rank); in lockstep, this rank's dealt share, shown as the rank's."""
+    whole corpus (this rank counting for every rank), its closing line this rank's own rows, named; in lockstep, this
+    rank's dealt share, shown as the rank's."""
     n, desc = source.n_inputs, "dynabatch"
     runs, held = None, stored
     if n is not None:  # a store opened for n inputs holds n flags (open_sink refuses another n)
@@ -226,7 +227,7 @@ def _meter(source: Source, options: RunOptions, skipped: np.ndarray, stored: np.
     costs = None if sizes is None else TextCosts(sizes[0], exact=sizes[1], max_length=sizes[2], runs=runs)
     return Meter(costs, total_rows=None if runs is None else int(runs.sum()), scale=source.scale,
                  stream=sys.stderr if options.progress else None, stored=0 if held is None else int(held.sum()),
-                 inputs=n, desc=desc)
+                 inputs=n, desc=desc, claiming_rank=options.rank if source.scale > 1 else None)
 
 
 def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: MemorySink | StoreSink,
@@ -264,6 +265,7 @@ def _execute(source: Source, scheduler: Scheduler, builder: Builder, sink: Memor
 
     try:
         run_workers(options.targets, start_worker, stages)  # each worker's writer closed as it ends
+        meter.drained = True  # every item ran: under ranks="claim", the counter had no chunk left for this rank
     except BatchOutOfMemoryError as exc:
         exc.partial = sink.result(source.total_inputs, report=report(), gather=False)[0]
         raise

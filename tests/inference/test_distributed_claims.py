@@ -6,7 +6,7 @@ import pytest
 
 _WORKER = textwrap.dedent(
     """
-    import json, os, sys
+    import contextlib, io, json, os, sys
 
     import torch
     import torch.distributed as dist
@@ -47,6 +47,14 @@ _WORKER = textwrap.dedent(
         }
     gathered = dynabatch.run(fn, loader, ranks="claim", progress=False)  # no store: rank 0 gathers
     report["gathered"] = [None if x is None else int(x) for x in gathered]
+    report["one_chunk"] = {}
+    for name, stream in (("stream", True), ("planned", False)):  # 40 texts: one chunk, claimed by one rank
+        small = dynabatch.build_dynamic_batch_dataloader(texts[:40], tokenizer, batch_size=4, max_input_token_length=64,
+                                                         num_workers=0, stream=stream, progress=False)
+        shown = io.StringIO()
+        with contextlib.redirect_stderr(shown):
+            ran = dynabatch.run(fn, small, ranks="claim").report.rows
+        report["one_chunk"][name] = {"ran": ran, "lines": shown.getvalue().splitlines()}
     dist.barrier()
     dist.destroy_process_group()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -97,3 +105,17 @@ def test_claiming_ranks_tokenize_only_the_chunks_they_claim(claimed):
 def test_claiming_ranks_without_a_store_gather_on_rank_0(claimed, expected):
     assert claimed[0]["gathered"] == expected
     assert sum(x is not None for x in claimed[1]["gathered"]) < len(expected)
+
+
+@pytest.mark.parametrize("name", ["stream", "planned"])
+def test_a_rank_that_claims_no_chunk_shows_it_ran_none_and_is_done(claimed, name):
+    # One chunk: one rank claims it, the other finds the counter past the last chunk at its first claim. Each closing
+    # line counts the rank's own rows (the whole corpus it never reaches was "0/40 rows" on the rank that ran none)
+    shares = [rank["one_chunk"][name] for rank in claimed]
+    assert sorted(share["ran"] for share in shares) == [0, 40]
+    for rank, share in enumerate(shares):
+        assert share["lines"][-1].startswith(f"dynabatch rank {rank}: {share['ran']} of 40 rows ran on this rank "
+                                             "in "), share["lines"]
+        assert share["lines"][-1].endswith("; no chunk left to claim"), share["lines"]
+    idle = next(share for share in shares if share["ran"] == 0)
+    assert len(idle["lines"]) == 1 and "- texts/s, - tokens/s" in idle["lines"][0]  # done at once, no wait shown

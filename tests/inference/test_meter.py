@@ -109,6 +109,23 @@ def test_ranks_claiming_unalike_never_show_more_rows_than_run():
     meter.close()
 
 
+def test_a_claiming_rank_closes_with_its_own_rows_named():
+    # 7 rows in one chunk on 2 ranks: the rank that ran it and the rank that found no chunk left each say what they ran
+    clock = _Clock()
+    ran, idle = (Meter(TextCosts(np.full(7, 10), exact=True), total_rows=7, scale=2, clock=clock, claiming_rank=rank)
+                 for rank in (0, 1))
+    clock.now = 2.0
+    ran.add(np.arange(7), rows=7, padded_tokens=70, real_tokens=70, width=10)
+    ran.drained = idle.drained = True
+    assert ran.line(final=True) == ("dynabatch rank 0: 7 of 7 rows ran on this rank in 0:02, 4 texts/s, 35 tokens/s; "
+                                    "no chunk left to claim")
+    assert idle.line(final=True) == ("dynabatch rank 1: 0 of 7 rows ran on this rank in 0:02, - texts/s, - tokens/s; "
+                                     "no chunk left to claim")
+    idle.drained = False  # stopped by an error: its chunks were not all run
+    assert idle.line(final=True).endswith("- tokens/s")
+    assert ran.line().startswith("dynabatch: 100% 7/7 rows")  # the live line: still the estimate of the whole
+
+
 class _Terminal(io.StringIO):
     def isatty(self):
         return True
