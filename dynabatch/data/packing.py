@@ -21,10 +21,13 @@ does for a whole batch, with the same fields:
 
 Rows shorter than the widest are padded with ``pad_token_id``; the padding is
 its own "sequence" (positions from 0, labels -100, attending only to itself),
-so it never touches real tokens. Without ``block_mask`` only flash-attention
-(which reads ``cu_seq_lens``) keeps the sequences of a row apart: with eager or
-sdpa attention a row is then one long causal sequence (the logits of its later
-sequences change), so pass ``block_mask`` there.
+so it never touches real tokens. Without ``block_mask`` the sequences of a row
+are kept apart only by what the model reads of the other fields: flash-attention
+reads ``cu_seq_lens``, and transformers splits the causal mask at restarting
+``position_ids`` for some models (when no cache is built), not for others, which
+then read a row as one long causal sequence (the logits of its later sequences
+change). :meth:`PackedCollator.check_sequences_apart` runs a model on a tiny
+packed row to tell which it does, and refuses it if it does not.
 
 Example:
     >>> from dynabatch.data.packing import PackedCollator
@@ -38,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,6 +51,10 @@ from torch.utils.data import DataLoader, Dataset
 from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int
 
 __all__ = ["PackedCollator", "PackedDataset", "packed_dataloader"]
+
+logger = logging.getLogger(__name__)
+
+_PROBE_LENGTH = 8  # tokens of each sequence of check_sequences_apart's row: two forwards of 16 tokens
 
 
 class PackedDataset(Dataset):
@@ -219,6 +227,84 @@ class PackedCollator:
             batch["attention_mask"] = self._mask(segments, width)
         return batch
 
+    def check_sequences_apart(self, model: Any) -> None:
+        """Refuses a model that would let the sequences of one of this collator's rows attend to each other.
+
+        With ``block_mask`` the mask keeps them apart and nothing is run. Without it, whether the model reads the
+        row's ``position_ids`` (or flash-attention's ``cu_seq_lens``) as sequence boundaries is seen, not looked
+        up: one row of two sequences ``[A, B]`` is collated and run, then ``[A', B]`` (``A'`` other tokens, as
+        many), and ``B``'s logits must be the same. They are compared exactly: on a model that keeps them apart
+        ``A`` reaches ``B`` only through attention weights that are exactly 0, and the same kernels run on the
+        same shapes, so ``B``'s logits came out bit for bit equal on every random-weight Llama, Qwen2, Mistral,
+        GPT-2 and GPT-NeoX tried on the CPU (fp32 and bf16, eager and sdpa), while a model that does not keep
+        them apart moved them by as little as 1.4e-3 in fp32 and one rounding step in bf16 (a one-layer
+        random-weight Bloom), which a tolerance of a rounding step would pass. The forwards run as
+        ``model(**row)`` (no labels) under ``torch.no_grad`` on the device of the model's first parameter, in
+        eval mode (no dropout; each module's mode is restored after).
+
+        Args:
+            model: the model to train on this collator's rows, with ``get_input_embeddings()`` or
+                ``config.vocab_size`` (the probe's tokens are drawn below it).
+
+        Raises:
+            ValueError: ``B``'s logits depend on ``A``; the message says what to do.
+            TypeError: the model's vocabulary size cannot be found.
+        """
+        if self.block_mask is not None:
+            return
+        name = type(model).__name__
+        moved = self._probe(model)
+        if moved == 0.0:
+            logger.info("%s keeps the sequences of a packed row apart without a block mask", name)
+            return
+        # A model that splits a row at its position_ids only without a cache (Llama, GPT-2, ... in transformers
+        # 5.x) builds one when its config says use_cache=True: the message says so only where that is the cause.
+        cache = (getattr(getattr(model, "config", None), "use_cache", None) is True
+                 and self._probe(model, use_cache=False) == 0.0)
+        raise bad_value(
+            "block_mask", f"'float' (eager or sdpa attention) or 'bool' (sdpa) for {name}: without a block mask "
+            "the sequences packed into one row would attend to each other (the logits of a packed sequence moved "
+            f"by {moved:.3g} when the sequence before it in the row changed"
+            + ("; its config has use_cache=True, and transformers splits a row at its restarting position_ids "
+               "only when no cache is built: set model.config.use_cache = False, as the HF Trainer does by "
+               "default" if cache else "")
+            + "). Pass PackedCollator(block_mask='float') if the model takes a 4D attention_mask, load it with "
+            "attn_implementation='flash_attention_2' if it supports that, or do not pack", self.block_mask)
+
+    def _probe(self, model: Any, **forward: Any) -> float:
+        """How far ``B``'s logits in the row ``[A, B]`` move when ``A`` changes: 0.0 where they are bit for bit equal.
+
+        Run under ``torch.no_grad`` in eval mode (each module's mode is restored after), on the device of the
+        model's first parameter, with ``forward`` added to the row's fields.
+        """
+        vocab = _vocab_size(model)
+        n = min(_PROBE_LENGTH, self.max_length or _PROBE_LENGTH)
+        first, shared = torch.randint(vocab, (2, n), generator=torch.Generator().manual_seed(0)).tolist()
+        other = [(token + max(1, vocab // 2)) % vocab for token in first]  # a different token at every place
+        parameter = next(iter(model.parameters()), None)
+        device = parameter.device if parameter is not None else torch.device("cpu")
+        modes = [(module, module.training) for module in model.modules()]  # a submodule kept in eval stays so
+        model.eval()
+        try:
+            with torch.no_grad():
+                seen = [self._probe_logits(model, [before, shared], device, forward)[n: 2 * n]
+                        for before in (first, other)]
+        finally:
+            for module, training in modes:
+                module.training = training
+        if torch.equal(seen[0], seen[1]):
+            return 0.0
+        return float((seen[0].float() - seen[1].float()).abs().max().nan_to_num(float("inf")))
+
+    def _probe_logits(self, model: Any, sequences: list[list[int]], device: torch.device,
+                      forward: dict[str, Any]) -> torch.Tensor:
+        """The logits of one row of ``sequences`` as this collator packs it (labels left out)."""
+        row = self([[{"input_ids": ids} for ids in sequences]])
+        row.pop("labels")
+        out = model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in row.items()}, **forward)
+        logits = getattr(out, "logits", None)
+        return (out[0] if logits is None else logits)[0]
+
     def _mask(self, segments: list[list[int]], width: int) -> torch.Tensor:
         seq = torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in segments])
         causal = torch.ones(width, width, dtype=torch.bool).tril()
@@ -228,6 +314,20 @@ class PackedCollator:
             return allowed
         mask = torch.zeros(allowed.shape, dtype=self.mask_dtype)
         return mask.masked_fill_(~allowed, torch.finfo(self.mask_dtype).min)
+
+
+def _vocab_size(model: Any) -> int:
+    """The number of token ids ``model`` takes: its input embeddings' rows, else ``config.vocab_size``."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        embeddings = get() if callable(get) else None
+    except NotImplementedError:  # transformers' default for a model that does not say
+        embeddings = None
+    size = getattr(embeddings, "num_embeddings", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(size, int) or size < 2:
+        raise bad_type("model", "a model with get_input_embeddings() or config.vocab_size (the packing check draws "
+                       "its tokens below it; or pass the collator a block_mask)", model)
+    return size
 
 
 def packed_dataloader(dataset: Any, batch_sampler: Any, collator: PackedCollator, **kwargs: Any) -> DataLoader:

@@ -67,6 +67,13 @@ What the hook takes care of:
   logged once). ``split_on_oom=False`` turns it off: an out-of-memory error
   then ends the run, and DDP synchronises as usual.
 
+* **Packed rows without a block mask.** A ``PackedCollator(block_mask=None)``
+  leaves it to the model to keep a row's sequences apart (flash-attention's
+  ``cu_seq_lens``, or a mask split at the restarting ``position_ids``); at the
+  first training step, before any optimizer step, the model is run on one
+  tiny packed row twice (:meth:`~dynabatch.data.packing.PackedCollator.check_sequences_apart`)
+  and refused if one sequence's logits move with the sequence before it.
+
 * **Evaluation and prediction.** ``evaluate()`` and ``predict()`` run on the
   inference planner's batches (``eval_batches="dynamic"``, the default): the
   ``per_device_eval_batch_size`` longest rows first, each later batch sized
@@ -215,6 +222,7 @@ class BatchSamplerTrainerMixin:
         """What the out-of-memory errors of training taught (``num_out_of_memory``, the sizes that ran)."""
         self._loss_share = 1.0  # the share of its micro-batch's loss a part of it carries (see training_step)
         self._divides_by_count: bool | None = None  # whether the model's loss follows num_items_in_batch
+        self._packing_checked = False  # whether the first training step checked a packed collator against the model
         self.eval_batches = eval_batches
         self._eval_sampler: EvalBatchSampler | None = None  # the planned batches being evaluated
         self._eval_losses: list[tuple[float, int, int]] = []  # (loss, items it is a mean over, rows) of each batch
@@ -255,6 +263,20 @@ class BatchSamplerTrainerMixin:
             raise bad_value("data_collator.block_mask", "'float' for a model with eager attention (eager adds a "
                             "bool mask to its scores as 0 and 1, so the sequences of a packed row would attend to "
                             "each other; 'bool' is for sdpa)", collator.block_mask)
+
+    def _check_packed_attention(self) -> None:
+        """At the first training step, refuses a model that would let a packed row's sequences attend to each other.
+
+        Without a block mask only the model can keep them apart (:meth:`PackedCollator.check_sequences_apart`
+        runs it on a tiny packed row to see whether it does). It runs here, before any optimizer step, on the
+        model as training runs it: prepared (on its device, its forward under accelerate's autocast) and with the
+        ``use_cache`` the ``Trainer`` set in its config.
+        """
+        if self._packing_checked:
+            return
+        if isinstance(self.data_collator, PackedCollator):
+            self.data_collator.check_sequences_apart(self.model)
+        self._packing_checked = True
 
     def _check_packed_width(self) -> None:
         """Refuses a collator that would not cut what a truncating packing sampler counts as cut.
@@ -379,6 +401,7 @@ class BatchSamplerTrainerMixin:
         classifier's, most encoder-decoders'), each part's loss is scaled by its
         share of the micro-batch's items (:meth:`_loss_spans_the_step`).
         """
+        self._check_packed_attention()
         if not self._guarding():
             return super().training_step(model, inputs, num_items_in_batch)
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.args.world_size > 1

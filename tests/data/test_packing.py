@@ -127,3 +127,86 @@ def test_packed_dataset_gives_bins_and_items():
     assert data[torch.tensor(1)] == {"input_ids": [2, 3]} and len(data) == 2
     with pytest.raises(TypeError, match="dataset should be an indexable dataset with a length"):
         PackedDataset(5)
+
+
+# --------------------------------------------------------------------------- whether a model keeps packed rows apart
+
+
+def _tiny_causal_lm(family, attention):
+    """A random-weight one-layer causal LM of ``family`` with ``attention``, cache off as the HF Trainer sets it."""
+    import transformers
+
+    common = {"vocab_size": VOCAB, "use_cache": False}
+    decoder = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    configs = {
+        "llama": ("LlamaForCausalLM", "LlamaConfig", {**decoder, "num_key_value_heads": 1}),
+        "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", {**decoder, "num_key_value_heads": 1}),
+        "mistral": ("MistralForCausalLM", "MistralConfig", {**decoder, "num_key_value_heads": 1}),
+        "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", {**decoder, "max_position_embeddings": 64}),
+        "gpt2": ("GPT2LMHeadModel", "GPT2Config", {"n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 64}),
+        "opt": ("OPTForCausalLM", "OPTConfig", {"hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 1,
+                                                "num_attention_heads": 2, "word_embed_proj_dim": 32,
+                                                "max_position_embeddings": 64}),
+        "bloom": ("BloomForCausalLM", "BloomConfig", {"hidden_size": 32, "n_layer": 1, "n_head": 2}),
+    }
+    model_class, config_class, settings = configs[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**common, **settings, attn_implementation=attention)
+    return getattr(transformers, model_class)(config)
+
+
+# Bloom has eager attention only. These random weights move a packed sequence's logits by 0.05 (OPT) and 1.4e-3
+# (Bloom; in bf16 2e-3, one rounding step) when the sequence before it changes; the others keep them bit for bit.
+_FAMILIES = [(family, attention, "float32", keeps_apart)
+             for family, keeps_apart in (("llama", True), ("qwen2", True), ("mistral", True), ("gpt2", True),
+                                         ("gpt_neox", True), ("opt", False), ("bloom", False))
+             for attention in ("sdpa", "eager") if (family, attention) != ("bloom", "sdpa")]
+_FAMILIES += [("llama", "sdpa", "bfloat16", True), ("bloom", "eager", "bfloat16", False)]
+
+
+@pytest.mark.parametrize(("family", "attention", "dtype", "keeps_apart"), _FAMILIES)
+def test_check_sequences_apart_tells_the_models_that_keep_packed_sequences_apart(family, attention, dtype,
+                                                                               keeps_apart):
+    model = _tiny_causal_lm(family, attention).to(getattr(torch, dtype))
+    name = type(model).__name__
+    if keeps_apart:
+        PackedCollator().check_sequences_apart(model)
+    else:
+        with pytest.raises(ValueError, match=rf"^block_mask should be 'float' \(eager or sdpa attention\) or 'bool' "
+                                             rf"\(sdpa\) for {name}: without a block mask the sequences packed into "
+                                             r"one row would attend to each other \(the logits of a packed sequence "
+                                             r"moved by [0-9.e-]+ when the sequence before it in the row changed\)\. "
+                                             r"Pass PackedCollator\(block_mask='float'\) .*flash_attention_2.*or do "
+                                             r"not pack, but got block_mask=None$"):
+            PackedCollator().check_sequences_apart(model)
+
+
+def test_check_sequences_apart_restores_the_mode_and_names_a_cache_as_the_cause():
+    model = _tiny_causal_lm("llama", "sdpa").train()
+    model.model.norm.eval()  # a submodule the user put in eval mode stays so
+    PackedCollator(max_length=4, pad_to_multiple_of=16).check_sequences_apart(model)  # rows of 4 + 4 + padding
+    assert model.training and model.model.layers[0].training and not model.model.norm.training
+    # Built with a cache, Llama's mask no longer splits the row at its restarting position_ids
+    model.config.use_cache = True
+    with pytest.raises(ValueError, match=r"for LlamaForCausalLM: .*; its config has use_cache=True, and transformers "
+                                         r"splits a row .*: set model.config.use_cache = False, as the HF Trainer"):
+        PackedCollator().check_sequences_apart(model)
+    assert model.training and model.model.layers[0].training and not model.model.norm.training
+    with pytest.raises(TypeError, match=r"^model should be a model with get_input_embeddings\(\) or "
+                                        r"config.vocab_size .*but got model=.*Linear"):
+        PackedCollator().check_sequences_apart(torch.nn.Linear(2, 2))
+
+
+def test_a_block_mask_keeps_packed_sequences_apart_without_a_check():
+    model = _tiny_causal_lm("opt", "sdpa").eval()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    collate = PackedCollator(block_mask="float")
+    collate.check_sequences_apart(model)
+    assert forwards == []  # nothing to check: the mask keeps them apart
+    shared = [5, 6, 7]
+    with torch.no_grad():
+        logits = [model(**{k: v for k, v in collate([[{"input_ids": first}, {"input_ids": shared}]]).items()
+                           if k != "labels"}).logits[0, 3:]
+                  for first in ([1, 2, 3], [8, 9, 10])]
+    assert torch.equal(logits[0], logits[1])

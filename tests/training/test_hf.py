@@ -301,6 +301,46 @@ def test_refuses_a_bool_block_mask_for_a_model_with_eager_attention(tokens, tmp_
         trainer.get_train_dataloader()
 
 
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_a_model_that_lets_packed_sequences_attend_to_each_other_is_refused_before_the_first_optimizer_step(
+        tokenizer, tokens, tmp_path, family):
+    # Without a block mask OPT reads a packed row as one sequence (its packed logits move with the sequence before);
+    # Llama splits the row at its restarting position_ids when no cache is built, which the Trainer's use_cache=False
+    # (its default, set in the model's config) gives: trained on, though its config says use_cache=True.
+    from torch.utils.data import RandomSampler
+    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM, TrainingArguments
+
+    from dynabatch.data.packing import PackedCollator
+    from dynabatch.sampling.multipack import MultipackBatchSampler
+    from dynabatch.training.hf import BatchSamplerTrainer
+
+    torch.manual_seed(0)
+    if family == "opt":
+        model = OPTForCausalLM(OPTConfig(vocab_size=len(tokenizer), hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+                                         num_attention_heads=2, word_embed_proj_dim=32, max_position_embeddings=96))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    assert model.config.use_cache
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    sampler = MultipackBatchSampler(RandomSampler(range(N_ROWS)), batch_size=2, batch_max_len=96,
+                                    lengths=tokens.lengths["input_ids"], drop_last=False)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], remove_unused_columns=False,
+                             save_strategy="no", disable_tqdm=True, max_steps=1, learning_rate=1e-2)
+    trainer = BatchSamplerTrainer(model=model, args=args, train_dataset=tokens.dataset, train_batch_sampler=sampler,
+                                  data_collator=PackedCollator(pad_token_id=tokenizer.pad_token_id))
+    if family == "llama":
+        trainer.train()
+        assert trainer.state.global_step == 1 and not torch.equal(model.model.norm.weight, before["model.norm.weight"])
+        return
+    with pytest.raises(ValueError, match=r"^block_mask should be 'float' .*for OPTForCausalLM: without a block mask "
+                                         r"the sequences packed into one row would attend to each other .*or do not "
+                                         r"pack, but got block_mask=None$"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # no optimizer step ran
+
+
 def test_refuses_a_collator_that_would_not_cut_what_a_truncating_packer_plans_cut(tokens, tmp_path):
     # oversized="truncate" plans a 48-token row as 16 tokens: packed whole, rows would be 3x wider than planned
     from transformers import TrainingArguments
