@@ -41,9 +41,6 @@ class RankFailedError(RuntimeError):
         super().__init__(message)
         self.rank, self.causes = rank, dict(causes or {})
 
-    def __reduce__(self) -> tuple:
-        return type(self), (str(self),), {"rank": self.rank, "causes": self.causes}
-
 
 def _round(pending: float, error: BaseException | None) -> float:
     """Collective: the most ``pending`` work of any rank, after every rank learnt whether one failed (``error``: this

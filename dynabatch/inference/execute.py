@@ -37,9 +37,6 @@ class BatchOutOfMemoryError(RuntimeError):
         super().__init__(message)
         self.position, self.partial = position, partial
 
-    def __reduce__(self) -> tuple:
-        return type(self), (str(self),), {"position": self.position, "partial": self.partial}
-
 
 def explain_index_errors(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """``fn``, with torch's bare ``IndexError: index out of range in self`` from an embedding lookup (rows longer than

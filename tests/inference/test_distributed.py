@@ -1,5 +1,6 @@
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dynabatch.inference.distributed import gather_results, world
+from dynabatch.inference.distributed import RankFailedError, gather_results, world
 
 REPO = Path(__file__).resolve().parents[2]
 from dynabatch.inference.runner import run  # noqa: E402
@@ -20,6 +21,12 @@ from dynabatch.inference.runner import run  # noqa: E402
 
 def test_world_without_a_process_group():
     assert world() == (0, 1)
+
+
+def test_rank_failed_error_pickles_with_its_rank_and_causes():
+    """It crosses processes (a launcher's, Ray's) whole: its message, the first failed rank and every cause."""
+    error = pickle.loads(pickle.dumps(RankFailedError("rank 1 of 2 raised", rank=1, causes={1: "ValueError: bad"})))
+    assert (str(error), error.rank, error.causes) == ("rank 1 of 2 raised", 1, {1: "ValueError: bad"})
 
 
 def test_gather_in_one_process_reorders():
