@@ -174,8 +174,7 @@ class Source:
             return item
         top = int(positions.max())
         if top >= self._given.size:  # grown by doubling: a bit per input, not a set of every position
-            self._given = np.concatenate([self._given, np.zeros(max(top + 1, 2 * self._given.size)
-                                                                - self._given.size, dtype=bool)])
+            self._given = np.pad(self._given, (0, max(top + 1, 2 * self._given.size) - self._given.size))
         unique, counts = np.unique(positions, return_counts=True)
         again = np.union1d(unique[counts > 1], positions[self._given[positions]])
         if again.size:
