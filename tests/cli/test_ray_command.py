@@ -237,11 +237,19 @@ def reference(corpora, bert_dir, tmp_path_factory):
 def test_a_second_job_or_a_bad_input_is_refused_before_ray_is_reached(corpora, bert_dir, tmp_path, capsys):
     from dynabatch.inference.store_lock import JobLock
 
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     store = tmp_path / "held"
     store.mkdir()
+    (tmp_path / "repeated").mkdir()  # an id given to two rows: refused as on one machine, before any actor runs
+    pq.write_table(pa.table({"id": ["doc-0", "doc-1", "doc-0"], "text": ["a", "b", "c"]}),
+                   tmp_path / "repeated" / "part-0.parquet")
     other = JobLock(str(store), "another job")
     try:
         for argv, message in [
+            ([tmp_path / "repeated", tmp_path / "new", "--id-column", "id"], "--id-column='id': ids should be unique "
+             "(one stable id per text), but got 1 id given to several texts (first: 'doc-0' at positions 0, 2)"),
             ([corpora / "whole", store, "--id-column", "id"], "output should be a store no other job is writing, "
              f"but got output={str(store)!r}: output_path={str(store)!r} should be written by one job at a time, "
              f"but another job is writing it (host {socket.gethostname()}"),

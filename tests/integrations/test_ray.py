@@ -778,22 +778,43 @@ def test_map_texts_refuses_a_store_of_another_key(ray_cluster, held_out, tmp_pat
         map_texts(halves, Sums, output_path=store, key="minilm cls 64", **options)
 
 
-def test_map_texts_refuses_an_id_in_two_windows_once_both_are_stored(ray_cluster, held_out, tmp_path):
-    """Each window checks its own ids, and each actor the ids stored when it started: an id in two windows runs in
-    both, here from two texts, and the store keeps both copies. The driver, which sees every window, refuses it.
-    Windows 1 and 3 hold the same ids in the same order, of other texts: the 3rd replaced the 1st's shard (named
-    after its ids), silently, before shards were named after their inputs too."""
-    store = tmp_path / "store"
+def test_map_texts_refuses_an_id_given_to_two_rows_before_any_actor_runs(ray_cluster, held_out, tmp_path):
+    """Each window checks its own ids, and each actor the ids stored when it started: an id in two windows ran in
+    both, each copy stored from its own text, and the job failed only once both were stored, reading the store. The
+    driver reads the dataset's ids first and refuses them by the rule of dynabatch.run and the command line."""
+    store, record = tmp_path / "store", tmp_path / "record"
+    record.mkdir()
     ids = [0, 1, 2, 3, 4, 2, 0, 1, 2]  # windows of 3 rows: id 2 in all three, ids 0 to 2 in the 1st and the 3rd
     ds = ray_cluster.data.from_items([{"id": i, "text": t} for i, t in zip(ids, held_out)], override_num_blocks=3)
-    with pytest.raises(ValueError, match=re.escape("id_column='id' should hold ids unique in the dataset (each row's "
-                                                   "result is stored under its id), but got 3 ids in more than one row "
-                                                   "(0, 1, 2): each of their rows ran and output_path=")):
+    with pytest.raises(ValueError, match=re.escape("id_column='id': ids should be unique (one stable id per text), "
+                                                   "but got 3 ids given to several texts (first: 0 at positions 0, "
+                                                   "6)")):
         map_texts(ds, Sums, batch_size=4, max_input_token_length=MAX_LEN, window=3, actors=1, output_path=store,
-                  key="sums", learn_memory=False)
-    assert sorted(_stored(store)[1]) == [0, 0, 1, 1, 2, 2, 2, 3, 4]  # what the message says the store holds
-    # A job run with map_batches has no driver step: the store's reader refuses it (a Parquet read reads both).
-    with pytest.raises(ValueError, match=re.escape("but got 3 ids in more than one row (0, 1, 2): each of their")):
+                  key="sums", learn_memory=False, record=str(record))
+    assert not store.exists() and not list(record.iterdir())  # no store made, no row run
+    # A dataset whose columns Ray knows only by running it: the read names the id column it lacks (the first
+    # window did, once its actor had loaded the model, wrapped in Ray's task error).
+    unknown = ray_cluster.data.from_items([{"text": t} for t in held_out[:3]]).map(lambda row: row)
+    with pytest.raises(ValueError, match=re.escape("id_column should be a column of the dataset ['text'] (each row's "
+                                                   "id, with output_path), but got id_column='id'")):
+        map_texts(unknown, Sums, batch_size=4, max_input_token_length=MAX_LEN, output_path=store, key="sums")
+    assert not store.exists()
+
+
+def test_stored_results_refuses_an_id_two_windows_stored(ray_cluster, held_out, tmp_path):
+    """A job run with map_batches has no driver step of dynabatch: two actors whose windows share ids, each
+    window run before the other's shard was stored, store both copies; the store's reader refuses them (a plain
+    Parquet read reads both)."""
+    store = tmp_path / "store"
+    options = {"batch_size": 4, "max_input_token_length": MAX_LEN, "learn_memory": False, "output_path": store,
+               "key": "sums"}
+    first, second = Sums(**options), Sums(**options)  # two actors, both started before either window was stored
+    first({"id": np.arange(3), "text": np.array(held_out[:3], dtype=object)})
+    second({"id": np.arange(1, 4), "text": np.array(held_out[3:6], dtype=object)})
+    assert sorted(_stored(store)[1]) == [0, 1, 1, 2, 2, 3]
+    with pytest.raises(ValueError, match=re.escape("id_column='id' should hold ids unique in the dataset (each row's "
+                                                   "result is stored under its id), but got 2 ids in more than one "
+                                                   "row (1, 2): each of their rows ran and output_path=")):
         stored_results(store, key="sums")
     with pytest.raises(ValueError, match="output_path should be the directory of a results store \\(the "
                                          "predictors' output_path\\), but got output_path=.*misspelt"):

@@ -46,9 +46,10 @@ that runs out of memory even alone raises
 which fails the job) or is reported in an error column (``on_oom="skip"``).
 A job killed as a whole resumes with ``map_texts(..., output_path=..., key=...)``:
 each window commits its rows to :func:`dynabatch.run`'s results store, keyed by
-the dataset's id column, and a rerun runs only the ids the store does not hold. A job
+the dataset's id column (read by the driver first: an id given to two rows is refused before any
+actor runs), and a rerun runs only the ids the store does not hold. A job
 run with ``map_batches`` and ``output_path`` is read with :func:`stored_results`, which
-refuses an id two windows stored (what ``map_texts`` does once its job has run).
+refuses an id two windows stored (each window checks only its own ids).
 
 Ray is optional (the ``ray`` extra, ``pip install -e ".[ray]"``): this module imports without
 it, and only :func:`map_texts` imports ``ray``. Nothing in dynabatch imports

@@ -14,7 +14,7 @@ from dynabatch._distribution import import_extra
 from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int, first_few
 from dynabatch.data.text_source import is_text_type
 from dynabatch.integrations.ray._columns import check_column
-from dynabatch.integrations.ray._store import SUMMARY, check_id_type, check_store_options, open_store
+from dynabatch.integrations.ray._store import SUMMARY, check_id_type, check_store_options, column_ids, open_store
 from dynabatch.integrations.ray.predictor import DynamicBatchPredictor, check_constructor
 from dynabatch.memory.device import device_count
 
@@ -112,7 +112,11 @@ def map_texts(
             revision, the settings); a store written with another key is
             refused, naming both keys (``None`` is a key too).
         id_column: with ``output_path``, the column of each row's id (str or
-            int, unique in the dataset and stable across reruns).
+            int, unique in the dataset and stable across reruns). The
+            driver reads this column once, before any actor starts, and
+            refuses an id given to two rows or missing, as
+            :func:`dynabatch.run` refuses its ``ids``: each window checks
+            only its own rows, and an id in two windows would run in both.
         **predictor_kwargs: the predictor's other arguments (``text_column``,
             ``output_column``, ``on_oom``, ``calibrate``, ...); one the
             predictor does not take (a subclass: those its ``__init__``
@@ -131,7 +135,8 @@ def map_texts(
         TypeError, ValueError: a bad argument (a ``text_column`` or, with
             ``output_path``, an ``id_column`` the dataset lacks, or an
             ``output_column`` it has, refused here where the dataset's schema
-            is known without running it); with ``output_path``, a store
+            is known without running it); with ``output_path``, ids
+            repeated or missing (refused before any actor starts), a store
             of another ``key`` or of other ids' type, not a dynabatch store, or
             held rows computed from other inputs than the dataset's (the job
             fails with the ``ValueError``).
@@ -182,17 +187,17 @@ def map_texts(
     # columns: a misspelt text_column is named as such, not as a column the dataset lacks.
     check_constructor(predictor_cls, {**kwargs, **stored}, "map_texts")
     text_column = predictor_kwargs.get("text_column", "text")
-    ids = _check_columns(ds, text_column, predictor_kwargs.get("output_column", "output"),
-                         id_column if output_path is not None else None)
+    _check_columns(ds, text_column, predictor_kwargs.get("output_column", "output"),
+                   id_column if output_path is not None else None)
     store = None
     if output_path is not None:
+        ids = _dataset_ids(ds, id_column)  # before the store is opened: a refused dataset makes nothing
         store = open_store(output_path, key)  # refuses another key here, before any actor starts
-        if ids is not None:
-            try:
-                check_id_type(store, ids, id_column)  # as each window would, once its actor has loaded the model
-            except ValueError:
-                store.close()
-                raise
+        try:
+            check_id_type(store, ids.type, id_column)  # as each window would, once its actor has loaded the model
+        except ValueError:
+            store.close()
+            raise
         kwargs.update(stored, output_path=store.path)
     remote = dict(ray_remote_args or {})
     if num_gpus:
@@ -222,11 +227,11 @@ def map_texts(
     return out.drop_columns([chars]) if sort_by_length else out
 
 
-def _check_columns(ds: Any, text_column: Any, output_column: Any, id_column: str | None) -> Any:
+def _check_columns(ds: Any, text_column: Any, output_column: Any, id_column: str | None) -> None:
     """Refuses a dataset without ``text_column`` (or, with a store, ``id_column``), with a ``text_column`` of another
     type than str or an ``id_column`` of other types than str and int, or with ``output_column`` already, where its
-    schema is known without running it (``read_parquet``, ``from_items``, ...; else the first window checks).
-    Returns the Arrow type the windows' ids will have (``None``: not known here).
+    schema is known without running it (``read_parquet``, ``from_items``, ...; else the first window checks, and
+    :func:`_dataset_ids` the ``id_column``).
 
     Each actor checks its windows too, but only once it has loaded its model, and the error comes back wrapped in
     Ray's task error: here it is the caller's, before any actor starts or the store is opened.
@@ -245,16 +250,52 @@ def _check_columns(ds: Any, text_column: Any, output_column: Any, id_column: str
         raise TypeError(f"text_column should be a column of str (Arrow string), but got text_column={text_column!r} "
                         f"of type {kind}")
     if id_column is not None and id_column not in names:
-        raise bad_value("id_column", f"a column of the dataset {names} (each row's id, with output_path)", id_column)
+        raise _lacks_id_column(names, id_column)
     ids = schema.types[names.index(id_column)] if id_column is not None else None
     if isinstance(ids, pa.DataType) and not (pa.types.is_integer(ids) or _holds_str(ids)):
         raise TypeError(f"id_column should be a column of str or int ids (Arrow string or integer), but got "
                         f"id_column={id_column!r} of type {ids}")
     if output_column in names:
         raise bad_value("output_column", f"a column the dataset does not have already {names}", output_column)
-    if not isinstance(ids, pa.DataType) or pa.types.is_null(ids):
-        return None
-    return pa.int64() if pa.types.is_integer(ids) else pa.string()  # the window's ids, as check_ids makes them
+
+
+def _lacks_id_column(names: list[str], id_column: str) -> ValueError:
+    return bad_value("id_column", f"a column of the dataset {names} (each row's id, with output_path)", id_column)
+
+
+def _dataset_ids(ds: Any, id_column: str) -> pa.Array:
+    """The dataset's ids, read once here in its order and checked by :func:`column_ids` (the rule of
+    :func:`dynabatch.run` and the command line): an id given to two rows is refused before any actor runs,
+    naming the id and its rows' positions in the dataset.
+
+    Each window checks only its own ids, and each actor the ids stored when it started: an id in two windows that run
+    at the same time would run in both and be stored twice, found only by a reader of the whole store. The read moves
+    the id column alone to this process (``id_column``'s values, not the texts) and holds it, as the command line
+    holds its ``--id-column``.
+    """
+
+    def id_only(table: Any) -> Any:  # nested: pickled by value, so the tasks do not import dynabatch
+        if id_column in table.column_names:
+            return pa.table({"id": table.column(id_column)})
+        return pa.table({"lacking": pa.array([list(table.column_names)])})  # the block's columns, for the message
+
+    options = ds.context.execution_options
+    before, options.preserve_order = options.preserve_order, True  # positions in the dataset's own order
+    try:
+        tables = list(ds.map_batches(id_only, batch_format="pyarrow", batch_size=None)
+                      .iter_batches(batch_size=None, batch_format="pyarrow"))
+    finally:
+        options.preserve_order = before
+    lacking = next((t.column("lacking")[0].as_py() for t in tables if "lacking" in t.column_names), None)
+    if lacking is not None:
+        raise _lacks_id_column(lacking, id_column)
+    try:
+        ids = pa.concat_tables(tables, promote_options="permissive").column("id") if tables else pa.array([])
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:  # blocks of str ids and of int ids
+        kinds = sorted({str(t.schema.field("id").type) for t in tables})
+        raise TypeError(f"id_column={id_column!r}: ids should be of one type, str or int, in every row, but got "
+                        f"ids of types {', '.join(kinds)}") from exc
+    return column_ids(ids, id_column)
 
 
 def _holds_str(kind: pa.DataType) -> bool:
@@ -266,8 +307,9 @@ def _run_stored(out: Any, opened: Any, key: str | None, id_column: str) -> Any:
     """Runs the job (each window commits its rows to the store) and returns a dataset reading the whole store.
 
     Raises:
-        ValueError: ``id_column`` gave one id to rows of more than one window: each window ran and stored it
-            (:func:`_read_store`).
+        ValueError: the store holds an id twice that it did not before (:func:`_read_store`): the dataset's ids,
+            read and checked before the job, were not those its windows ran (a dataset that reads differently
+            each time).
     """
     import ray.data
 
@@ -286,8 +328,9 @@ def stored_results(output_path: str | os.PathLike, *, key: str | None, id_column
     job has finished: what ``map_texts(..., output_path=...)`` returns, for a job run with ``ds.map_batches``.
 
     Each window checks its own ids only, and each actor the ids stored when it started: an id in rows of two
-    windows runs in both and is stored twice, maybe from two texts. ``map_texts`` checks the store when its job has
-    run; after a ``map_batches`` job, nothing but this does (a plain Parquet read of the store reads both copies).
+    windows runs in both and is stored twice, maybe from two texts. ``map_texts`` reads the dataset's ids and refuses
+    such an id before any actor runs; after a ``map_batches`` job, nothing but this does (a plain Parquet read of the
+    store reads both copies).
 
     Args:
         output_path: the store's directory (the predictors' ``output_path``).

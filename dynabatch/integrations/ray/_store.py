@@ -39,7 +39,7 @@ from dynabatch.inference.store import Store
 from dynabatch.inference.store import open_store as open_results_store
 from dynabatch.integrations.ray._columns import check_column
 
-__all__ = ["SUMMARY", "WindowStore", "check_id_type", "check_store_options"]
+__all__ = ["SUMMARY", "WindowStore", "check_id_type", "check_store_options", "column_ids"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,23 @@ def check_store_options(output_path: Any, key: Any, id_column: Any, keyed_by: An
             raise (bad_type if not isinstance(value, str) else bad_value)(name, "None or a non-empty str", value)
         if output_path is None:
             raise bad_value(name, "None without output_path", value)
+
+
+def column_ids(values: Any, id_column: str) -> Any:
+    """``values``, the ``id_column`` column of a window or a whole dataset, checked by :func:`check_ids` (the one rule
+    of ids, :func:`dynabatch.run`'s and the command line's: one unique str or int per row, none missing); its refusal
+    names the column first, as the command line's names ``--id-column``.
+
+    Example:
+        >>> column_ids([3, None], "doc")
+        Traceback (most recent call last):
+        ...
+        ValueError: id_column='doc': ids should give every text an id, but got 1 missing (None, NaN) at positions 1
+    """
+    try:
+        return check_ids(values, len(values))
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"id_column={id_column!r}: {exc}") from exc
 
 
 def check_id_type(store: Store, kind: Any, id_column: str) -> None:
@@ -124,10 +141,7 @@ class WindowStore:
     def window_ids(self, values: Any) -> Any:
         """The window's ids as an Arrow array, checked: one unique str or int per row, of the stored ids' type (or,
         keyed by position, int positions >= 0)."""
-        try:
-            ids = check_ids(values, len(values))
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"{exc} (the id_column={self.id_column!r} column)") from exc
+        ids = column_ids(values, self.id_column)
         if self.keyed_by == "position":
             import pyarrow as pa
             import pyarrow.compute as pc
