@@ -596,6 +596,45 @@ def test_a_window_with_a_text_that_is_not_a_str_is_refused_naming_the_column_row
         predictor(pd.DataFrame({"id": ids, "body": ["a", np.nan, "b", None]}, index=[7, 8, 9, 10]))
 
 
+class Supplied(PoisonedSums):
+    """A subclass that supplies its base's required keyword (``poison``) to ``super().__init__`` itself."""
+
+    def __init__(self, **kwargs):
+        super().__init__(poison="no such text", **kwargs)
+
+
+class Fixed(Sums):
+    """A subclass whose own ``__init__`` takes no ``**kwargs``: it sets its base's keywords itself."""
+
+    def __init__(self, *, label, learn=False):
+        self.label = label
+        super().__init__(batch_size=4, max_input_token_length=MAX_LEN, learn_memory=learn)
+
+
+def test_check_constructor_reads_the_class_own_signature_and_its_bases_only_through_kwargs():
+    """A base's required keyword that the subclass supplies itself was counted as lacking: the keywords a subclass
+    requires are its own __init__'s; its bases' add only what it takes, where it passes **kwargs on."""
+    from dynabatch.integrations.ray.predictor import check_constructor
+
+    sizes = {"batch_size": 4, "max_input_token_length": MAX_LEN}
+    check_constructor(Supplied, sizes, "map_texts")  # refused before: PoisonedSums requires poison
+    Supplied(**sizes, learn_memory=False)  # as an actor builds it
+    with pytest.raises(TypeError, match=re.escape("map_texts() got an unexpected keyword argument 'poision' for "
+                                                  "Supplied() (did you mean 'poison'?)")):
+        check_constructor(Supplied, {**sizes, "poision": "x"}, "map_texts")  # the bases' keywords, through **kwargs
+    check_constructor(Fixed, {"label": "a", "learn": True}, "map_texts")
+    with pytest.raises(TypeError, match=re.escape("map_texts() got an unexpected keyword argument 'batch_size' for "
+                                                  "Fixed(): the keywords map_texts does not take itself go to the "
+                                                  "predictor, which takes label, learn; but got batch_size=4")):
+        check_constructor(Fixed, {"label": "a", **sizes}, "map_texts")  # no **kwargs: its bases' are not taken
+    with pytest.raises(TypeError, match=re.escape("Fixed.__init__() should get the keyword argument 'label', but "
+                                                  "map_texts() got none: pass label=... to map_texts()")):
+        check_constructor(Fixed, {}, "map_texts")
+    inherited = type("Inherited", (Fixed,), {})  # no __init__ of its own: Fixed's
+    with pytest.raises(TypeError, match=re.escape("Fixed.__init__() should get the keyword argument 'label'")):
+        check_constructor(inherited, {"learn": True}, "map_texts")
+
+
 def test_default_window_and_map_texts_arguments():
     pytest.importorskip("ray")
     assert default_window(16) == 1024 and default_window(100) == 6400 and default_window(1000) == 16384

@@ -121,7 +121,8 @@ def map_texts(
             ``output_column``, ``on_oom``, ``calibrate``, ...); one the
             predictor does not take (a subclass: those its ``__init__``
             names, then, where it takes ``**kwargs``, those its base takes),
-            or one it requires and lacks, is refused here (``TypeError``).
+            or one its own ``__init__`` requires and lacks, is refused here
+            (``TypeError``).
 
     Returns:
         Without ``output_path``: the mapped ``ray.data.Dataset`` (lazy, as

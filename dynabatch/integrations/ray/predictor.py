@@ -412,14 +412,16 @@ class DynamicBatchPredictor(WindowMemory):
 
 
 def check_constructor(cls: type, kwargs: Mapping[str, Any], caller: str) -> None:
-    """Refuses (``TypeError``) the keywords that ``cls(**kwargs)`` would refuse in every actor: one that no
-    ``__init__`` of ``cls`` takes (named, with the closest it takes and all it takes), or one that one requires and
+    """Refuses (``TypeError``) the keywords that ``cls(**kwargs)`` would refuse in every actor: one that ``cls`` does
+    not take (named, with the closest it takes and all it takes), or one that its own ``__init__`` requires and
     ``kwargs`` lack. ``caller`` passed ``kwargs`` on. Called on the driver: an actor whose constructor raises dies,
     and Ray says so seconds later, as an ``ActorDiedError`` holding the traceback.
 
-    The keywords taken are those named by each ``__init__`` of ``cls``'s classes in turn, from ``cls`` on to the
-    first one without ``**kwargs`` (``DynamicBatchPredictor``'s at the latest): an ``__init__`` taking ``**kwargs``
-    is taken to pass them on to the next, as a subclass's passes them to ``super().__init__``.
+    ``cls``'s own signature (``inspect.signature(cls)``: its most-derived ``__init__``) says what it takes and
+    requires. Where it takes ``**kwargs``, they are taken to be passed on to ``super().__init__``: the keywords
+    named by its bases' ``__init__`` in turn, to the first without ``**kwargs`` (``DynamicBatchPredictor``'s at
+    the latest), are taken too. A base's required keyword is not asked of ``kwargs``: the subclass may supply it to
+    ``super().__init__`` itself (an actor refuses one it does not).
 
     Example:
         >>> from dynabatch.integrations.ray.predictor import DynamicBatchPredictor, check_constructor
@@ -429,22 +431,18 @@ def check_constructor(cls: type, kwargs: Mapping[str, Any], caller: str) -> None
         ...     print(str(exc).split(":")[0])
         map_texts() got an unexpected keyword argument 'max_lenght' for DynamicBatchPredictor()
     """
-    taken: set[str] = set()
-    lacking: list[tuple[str, str]] = []  # (class, keyword) of each required keyword kwargs lack
-    for klass in cls.__mro__:
-        if "__init__" not in vars(klass):
-            continue
-        try:
-            parameters = list(inspect.signature(klass.__init__).parameters.values())[1:]  # after self
-        except (TypeError, ValueError):  # no signature to read (a C type): it may take anything
-            return
-        named = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        taken.update(p.name for p in named)
-        lacking += [(klass.__name__, p.name) for p in named if p.default is p.empty and p.name not in kwargs]
-        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
-            break
-    else:  # every __init__ takes **kwargs: any keyword may be taken
+    owner = next((klass for klass in cls.__mro__ if "__init__" in vars(klass)), cls)  # whose __init__ cls runs
+    try:
+        own = list(inspect.signature(cls).parameters.values())
+    except (TypeError, ValueError):  # no signature to read (a C type): it may take anything
         return
+    named = [p for p in own if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    taken = {p.name for p in named}
+    lacking = [p.name for p in named if p.default is p.empty and p.name not in kwargs]
+    if any(p.kind is p.VAR_KEYWORD for p in own):  # passed on to super().__init__: the bases' keywords are taken
+        bases = cls.__mro__[cls.__mro__.index(owner) + 1:]
+        if not _passed_on(bases, taken):
+            return  # every __init__ takes **kwargs: any keyword may be taken
     for name, value in kwargs.items():
         if name not in taken:
             raise TypeError(
@@ -452,6 +450,21 @@ def check_constructor(cls: type, kwargs: Mapping[str, Any], caller: str) -> None
                 f": the keywords {caller} does not take itself go to the predictor, which takes "
                 f"{', '.join(sorted(taken))}; but got {name}={brief(value)}")
     if lacking:
-        owner, name = lacking[0]
-        raise TypeError(f"{owner}.__init__() should get the keyword argument {name!r}, but {caller}() got none: "
-                        f"pass {name}=... to {caller}(), which passes it on")
+        raise TypeError(f"{owner.__name__}.__init__() should get the keyword argument {lacking[0]!r}, but {caller}() "
+                        f"got none: pass {lacking[0]}=... to {caller}(), which passes it on")
+
+
+def _passed_on(bases: tuple[type, ...], taken: set[str]) -> bool:
+    """Adds to ``taken`` the keywords of the ``__init__`` of ``bases`` in turn, to the first without ``**kwargs``;
+    whether there was one (else every keyword may be taken)."""
+    for klass in bases:
+        if "__init__" not in vars(klass):
+            continue
+        try:
+            parameters = list(inspect.signature(klass.__init__).parameters.values())[1:]  # after self
+        except (TypeError, ValueError):  # no signature to read (a C type): it may take anything
+            return False
+        taken.update(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            return True
+    return False
