@@ -66,7 +66,7 @@ from dynabatch._validation import bad_value
 from dynabatch.cli import job
 from dynabatch.cli._checks import refusing
 from dynabatch.cli.output import Output
-from dynabatch.inference.report import RunReport
+from dynabatch.inference.report import BatchRecord, RunReport
 from dynabatch.inference.results import RunResult
 from dynabatch.integrations.ray import DynamicBatchPredictor, default_window
 
@@ -170,8 +170,8 @@ class GenerateModel:
 class CommandPredictor(DynamicBatchPredictor):
     """The predictor of a command's job: its model loaded by :class:`ActorModel` or :class:`GenerateModel`
     (``model``); each window's report tagged with the actor that ran it (host and process): its batches, and its
-    wall (the window's planning and tokenizing, ``"plan"``, beside the run's stages), so that the summary reads the
-    busiest actor's time and names what bound the actors."""
+    wall (the window's planning and tokenizing, ``"plan"``, beside the run's stages) and when its run began, so that
+    the summary reads the busiest actor's time and names what bound the actors (:func:`_job_report`)."""
 
     def __init__(self, *, model: Callable[[Any], tuple[Any, Callable, int, dict[str, Any]]], **kwargs: Any) -> None:
         self.model = model
@@ -198,7 +198,9 @@ class CommandPredictor(DynamicBatchPredictor):
                 stages[stage] = stages.get(stage, 0.0) + seconds
         wall = time.perf_counter() - self.began
         stages["plan"] = stages.get("plan", 0.0) + max(0.0, wall - sum(stages.values()))
-        report.workers = {self.actor: {"wall": sum(stages.values()), "stages": stages}}
+        # "began": when the window's run began (the clock's time), which its batches' finished are counted from
+        report.workers = {self.actor: {"wall": sum(stages.values()), "stages": stages,
+                                       "began": time.time() - (report.wall_seconds or 0.0)}}
         if self.windows == 1:  # its first window: the actor's start with it, for the driver's log
             report.workers[self.actor]["loaded"] = self.loaded
         super().window_done(report, plan)
@@ -404,18 +406,62 @@ def _died(error: BaseException) -> DeadActorError:
     return DeadActorError(f"an actor of the job died: {said or type(error).__name__}")
 
 
-def _job_report(reports: list[RunReport]) -> RunReport:
-    """The windows' reports as one: every batch (tagged with its actor), each actor's wall and stages summed over
-    its windows, the first measured budget."""
+def _job_report(reports: list[RunReport], *, wall_seconds: float, sent: float, accounting: float) -> RunReport:
+    """The windows' reports as the job's one: every batch (tagged with its actor) on the job's clock
+    (:func:`_on_job_clock`); each actor's wall and stages summed over its windows, and its first measured peak
+    (``device_budgets``, as each device's in a run on several); the background stages' shares
+    (:func:`_background_shares`); the windows' skipped inputs, rebuilt batches and accounting seconds summed.
+
+    ``wall_seconds``: the driver's, from sending the windows to the last one back (stored: a window commits its rows
+    before it returns); ``sent``: the clock's time (``time.time()``) it sent them; ``accounting``: the driver's own
+    accounting seconds (its meter's)."""
     workers: dict[str, dict[str, Any]] = {}
+    budgets: dict[str, int] = {}
+    records: list[BatchRecord] = []
     for report in reports:
         for actor, worker in report.workers.items():
             into = workers.setdefault(actor, {"wall": 0.0, "stages": {}})
             into["wall"] += worker["wall"]
             for stage, seconds in worker["stages"].items():
                 into["stages"][stage] = into["stages"].get(stage, 0.0) + seconds
+            if report.budget_bytes is not None:
+                budgets.setdefault(actor, report.budget_bytes)
+        records += _on_job_clock(report, max((r.batch for r in records), default=-1) + 1, sent)
     budget = next((r.budget_bytes for r in reports if r.budget_bytes is not None), None)
-    return RunReport([record for r in reports for record in r.records], budget_bytes=budget, workers=workers)
+    return RunReport(records, budget_bytes=budget, device_budgets=budgets, workers=workers, wall_seconds=wall_seconds,
+                     background=_background_shares(reports, workers),
+                     skipped_inputs=sum(r.skipped_inputs for r in reports),
+                     rebuilt_batches=sum(r.rebuilt_batches for r in reports),
+                     accounting_seconds=accounting + sum(r.accounting_seconds for r in reports))
+
+
+def _on_job_clock(report: RunReport, first: int, sent: float) -> list[BatchRecord]:
+    """A window's batches numbered on from ``first`` (each window numbers its own from 0), and each one's
+    ``finished`` counted from ``sent``, the clock's time the driver sent the windows, where the window says when its
+    run began (``None`` where not): one machine's clock, comparable on one node (across nodes, to their clocks'
+    difference)."""
+    began = next((worker["began"] for worker in report.workers.values() if "began" in worker), None)
+    return [dataclasses.replace(record, batch=first + record.batch,
+                                finished=None if began is None or record.finished is None
+                                else began - sent + record.finished) for record in report.records]
+
+
+def _background_shares(reports: list[RunReport], workers: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Each background stage's share of the job's wall as :attr:`RunReport.stage_shares` counts the stages': its
+    working seconds in each actor (each window's share of its run's wall, in seconds) over that actor's wall,
+    averaged over the actors."""
+    worked: dict[str, dict[str, float]] = {}
+    for report in reports:
+        for actor in report.workers:
+            into = worked.setdefault(actor, {})
+            for stage, share in report.background.items():
+                into[stage] = into.get(stage, 0.0) + share * (report.wall_seconds or 0.0)
+    timed = [actor for actor, worker in workers.items() if worker["wall"]]
+    shares: dict[str, float] = {}
+    for actor in timed:
+        for stage, seconds in worked.get(actor, {}).items():
+            shares[stage] = shares.get(stage, 0.0) + seconds / workers[actor]["wall"] / len(timed)
+    return shares
 
 
 @dataclass
@@ -447,10 +493,11 @@ def _run_windows(ds: Any, windows: Windows, *, progress: bool) -> RunResult:
     meter = Meter(None, total_rows=windows.n - windows.before, stream=sys.stderr if progress else None,
                   stored=windows.before, inputs=windows.n)
     reports: list[RunReport] = []
-    rows, began, sent, first = 0, time.perf_counter(), time.time(), None
+    rows, began, sent, first, last = 0, time.perf_counter(), time.time(), None, 0.0
     try:
         for summary in out.iter_batches(batch_size=None, batch_format="numpy"):
-            first = first if first is not None else time.perf_counter() - began  # the actors' start, and a window
+            last = time.perf_counter() - began  # a window back: its rows stored (committed before it returns)
+            first = first if first is not None else last  # the actors' start, and a window
             for window_rows_, ran, text in zip(summary["rows"], summary["ran"], summary[_REPORT]):
                 reports.append(RunReport.from_dict(json.loads(text)))
                 rows += int(window_rows_)
@@ -463,11 +510,11 @@ def _run_windows(ds: Any, windows: Windows, *, progress: bool) -> RunResult:
         raise cause from exc
     finally:
         meter.close()
-    report = _job_report(reports)
+    report = _job_report(reports, wall_seconds=last, sent=sent, accounting=meter.accounting)
     loads = [w["loaded"] for r in reports for w in r.workers.values() if "loaded" in w]
     logger.info("windows: the first back %.1f s after they were sent, the last %.1f s; the busiest actor's windows "
                 "took %.1f s; the actors began loading their model %s s after, loading took %s s (one machine's "
-                "clock: comparable on one node)", first or 0.0, time.perf_counter() - began,
+                "clock: comparable on one node)", first or 0.0, last,
                 max((w["wall"] for w in report.workers.values()), default=0.0),
                 ", ".join(f"{start - sent:.1f}" for start, _ in loads),
                 ", ".join(f"{end - start:.1f}" for start, end in loads))

@@ -13,6 +13,7 @@ The actors are killed by a hook the Ray workers load (a ``sitecustomize`` module
 """
 
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -409,10 +410,19 @@ def test_generate_on_ray_stores_the_same_replies_and_its_store_resumes_on_one_ma
     # loses a new job's actors before they start ("cancelled before it started running"; docs/ray.md).
     die.with_name("die.start").write_text("")
     die.with_name("die.slow").write_text("")
+    began = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "dynabatch", "generate", str(tmp_path / "half"), str(tmp_path / "ids"),
                            *map(str, model), "--ray", "auto", "--max-new-tokens", "6", "--batch-size", "4",
-                           "--no-progress"], capture_output=True, text=True, timeout=600, check=False)
+                           "--no-progress", "--report", str(tmp_path / "report.json")], capture_output=True, text=True,
+                          timeout=600, check=False)
+    took = time.perf_counter() - began
     assert done.returncode == 0, done.stderr[-3000:]
+    # The job's report: its wall the driver's (null before), its batches numbered and timed on the job's clock.
+    report = json.loads((tmp_path / "report.json").read_text())
+    wall, batches = report["summary"]["wall_seconds"], report["batches"]
+    assert 0 < wall < took and report["summary"]["accounting_seconds"] > 0
+    assert sorted(b["batch"] for b in batches) == list(range(len(batches))) and sum(b["rows"] for b in batches) == 20
+    assert all(0 < b["finished"] <= wall for b in batches)
     out = done.stdout
     assert not die.with_name("die.start").exists() and not die.with_name("die.slow").exists()
     assert "20 of 20 replies stored" in out and "on Ray cluster auto (1 nodes" in out and "greedy" in out
@@ -518,3 +528,37 @@ def test_a_job_stopped_for_an_actor_whose_process_ended_runs_its_windows_once_mo
     with pytest.raises(on_ray.DeadActorError, match="OSError: no model$"):
         on_ray._run_job("ds", windows, progress=False)
     assert len(calls) == 1
+
+
+def test_the_job_report_holds_the_driver_wall_and_the_windows_figures_on_the_job_clock():
+    """The job's report was the windows' batches and actors' walls alone: wall_seconds null (the summary's figures
+    read from it), each window's batches numbered from 0 and timed from its own start (a plot drew every window at
+    the job's start), and the windows' budgets, background stages, skipped inputs, rebuilt batches and accounting
+    seconds dropped. Three windows of two actors, their figures chosen to add up exactly."""
+    from dynabatch.cli import on_ray
+    from dynabatch.inference.report import BatchRecord, RunReport
+
+    sent = 1000.0
+
+    def window(actor, finished, budget, wall, began, run_wall, background, **figures):
+        records = [BatchRecord(batch=i, rows=2, width=4, real_tokens=6, padded_tokens=8, seconds=0.5,
+                               finished=f, device=actor) for i, f in enumerate(finished)]
+        workers = {actor: {"wall": wall, "stages": {"device": wall}, "began": sent + began}}
+        return RunReport(records, budget_bytes=budget, workers=workers, wall_seconds=run_wall, background=background,
+                         **figures)
+
+    reports = [window("a", [1.0, 2.0], 100, 4.0, 10.0, 2.5, {"tokenize": 0.4}, skipped_inputs=1, rebuilt_batches=2,
+                      accounting_seconds=0.1),
+               window("b", [0.5], 300, 2.0, 11.0, 2.0, {"tokenize": 0.5, "store": 0.25}, accounting_seconds=0.2),
+               window("a", [1.5], 200, 4.0, 20.0, 4.0, {"tokenize": 0.25}, accounting_seconds=0.1)]
+    job = on_ray._job_report(reports, wall_seconds=25.0, sent=sent, accounting=0.05)
+    assert job.wall_seconds == 25.0  # the driver's: sending the windows to the last one back
+    assert [(r.batch, r.finished, r.device) for r in job.records] == [(0, 11.0, "a"), (1, 12.0, "a"), (2, 11.5, "b"),
+                                                                       (3, 21.5, "a")]
+    assert job.budget_bytes == 100 and job.device_budgets == {"a": 100, "b": 300}  # each actor's first peak
+    # Each actor's background seconds (share x its run's wall) over its wall, averaged over the actors: a's
+    # tokenizing 1 + 1 s of 8 s, b's 1 s of 2 s and its store 0.5 s of 2 s.
+    assert job.background == pytest.approx({"tokenize": (2 / 8 + 1 / 2) / 2, "store": 0.5 / 2 / 2})
+    assert job.workers == {"a": {"wall": 8.0, "stages": {"device": 8.0}}, "b": {"wall": 2.0, "stages": {"device": 2.0}}}
+    assert (job.skipped_inputs, job.rebuilt_batches) == (1, 2)
+    assert job.accounting_seconds == pytest.approx(0.45)  # the windows' and the driver's
