@@ -25,6 +25,7 @@ import copy
 import inspect
 import logging
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -267,6 +268,44 @@ def reply_ids(sequences: torch.Tensor, prompt_width: int, *, encoder_decoder: bo
     return replies
 
 
+_PROMPT_CONTEXT = 5  # prompt tokens a reply is decoded after: vLLM's incremental detokenizer starts from as many
+
+
+def reply_texts(tokenizer: Any, replies: list[list[int]], contexts: list[list[int]] | None = None, *,
+                skip_special_tokens: bool = True) -> list[str]:
+    """Each reply's text: the text decoding it after its ``contexts`` (its prompt's last tokens) adds to theirs, from
+    where ``decode(context + reply)`` first differs from ``decode(context)``; ``contexts=None`` (an encoder-decoder's
+    replies, which continue no prompt): each decoded alone. A reply decoded alone loses the space that begins it with
+    a SentencePiece tokenizer (Llama, Mistral: decode strips the first token's "▁"), so that prompt + reply read
+    "Helloworld"; a byte-level BPE's (GPT-2's) decodes the same either way. Two ``batch_decode`` calls.
+
+    Example:
+        >>> from tokenizers import Tokenizer, decoders, models
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> pieces = Tokenizer(models.WordLevel({"<unk>": 0, "▁Hello": 1, "▁world": 2}, unk_token="<unk>"))
+        >>> pieces.decoder = decoders.Metaspace()  # SentencePiece's: each "▁" a space, the text's first dropped
+        >>> tokenizer = PreTrainedTokenizerFast(tokenizer_object=pieces)
+        >>> tokenizer.batch_decode([[2]]), reply_texts(tokenizer, [[2]], [[1]])
+        (['world'], [' world'])
+    """
+    if contexts is None:
+        return tokenizer.batch_decode(replies, skip_special_tokens=skip_special_tokens)
+    before = tokenizer.batch_decode(contexts, skip_special_tokens=skip_special_tokens)
+    whole = tokenizer.batch_decode([c + r for c, r in zip(contexts, replies)], skip_special_tokens=skip_special_tokens)
+    # where decoding the reply changes the context's own text (a character its bytes complete), the reply starts there
+    return [text[len(start) if text.startswith(start) else len(os.path.commonprefix([start, text])):]
+            for start, text in zip(before, whole)]
+
+
+def _prompt_contexts(batch: Any, returns: int) -> list[list[int]]:
+    """The last ``_PROMPT_CONTEXT`` tokens of each prompt of a batch padded on the left (``generation_loader``'s),
+    once per reply of it (``returns``)."""
+    ids = batch["input_ids"][:, -_PROMPT_CONTEXT:].tolist()
+    real = batch["attention_mask"][:, -_PROMPT_CONTEXT:].tolist()
+    contexts = [[token for token, kept in zip(row, mask) if kept] for row, mask in zip(ids, real)]
+    return [context for context in contexts for _ in range(returns)]
+
+
 def _stop_strings(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any]) -> Callable[[torch.Tensor, int], Any]:
     """``stopped(sequences, start)``: where each row's text first ended in one of the call's stop strings (the bool
     tensor of :func:`reply_ids`; ``None`` without stop strings), by ``model.generate``'s own criterion, applied
@@ -306,8 +345,9 @@ def generation_loader(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any
 def reply_function(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], *, return_ids: bool = False,
                    skip_special_tokens: bool = True) -> Callable[[Any], PerRow]:
     """``fn(batch)`` for :func:`dynabatch.run`: ``model.generate`` on the batch with ``generate_kwargs``, each row's
-    reply alone (the rules of :mod:`~dynabatch.inference.generation`), decoded unless ``return_ids``; its keywords
-    checked first (:func:`check_generate_kwargs`)."""
+    reply alone (the rules of :mod:`~dynabatch.inference.generation`), decoded (:func:`reply_texts`: a decoder-only
+    reply after its prompt's last tokens) unless ``return_ids``; its keywords checked first
+    (:func:`check_generate_kwargs`)."""
     encoder_decoder = _check_model(model)
     check_generate_kwargs(model, generate_kwargs)
     returns = check_positive_int("num_return_sequences", _setting(model, generate_kwargs, "num_return_sequences") or 1)
@@ -328,7 +368,8 @@ def reply_function(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], 
         rows = reply_ids(sequences, width, encoder_decoder=encoder_decoder, eos_ids=set(eos_ids),
                          pad_token_id=pad_token_id, stopped=stopped(sequences, 0 if encoder_decoder else width))
         if not return_ids:
-            rows = tokenizer.batch_decode(rows, skip_special_tokens=skip_special_tokens)
+            rows = reply_texts(tokenizer, rows, None if encoder_decoder else _prompt_contexts(batch, returns),
+                               skip_special_tokens=skip_special_tokens)
         if returns > 1:  # generate's rows come prompt by prompt, k each
             rows = [rows[i : i + returns] for i in range(0, len(rows), returns)]
         return PerRow(rows)
@@ -401,7 +442,9 @@ def generate(
         prompts: all str, all chat conversations (lists of message dicts, rendered by ``apply_chat_template``) or all
             pre-tokenized ids (lists of int, taken as they are).
         return_ids: return each reply's token ids (a list of int, its EOS kept) instead of the decoded string.
-        skip_special_tokens: passed to ``tokenizer.batch_decode``.
+        skip_special_tokens: passed to ``tokenizer.batch_decode``, which decodes a decoder-only model's reply after
+            its prompt's last tokens: its text is what it adds to theirs, so prompt + reply read as the whole (a
+            SentencePiece reply keeps the space that begins it).
         batch_size: under the relative rule (the CPU, or ``max_memory=None``), rows of the first (longest) batch,
             later batches grown under its measured peak; an absolute budget sizes every batch itself.
         max_memory: what every batch is planned under (the model's :class:`~dynabatch.memory.footprint.Footprint`,

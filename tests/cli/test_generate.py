@@ -11,8 +11,16 @@ import torch
 from dynabatch.cli import main
 
 
+def _added(tokenizer, prompt, new):
+    """The text the ids ``new`` add after the ids ``prompt``: a reply's text (decoded alone, a WordPiece reply that
+    starts a word would lose its space)."""
+    before, whole = (tokenizer.decode(ids, skip_special_tokens=True) for ids in (prompt, prompt + new))
+    assert whole.startswith(before)
+    return whole[len(before):]
+
+
 def _alone(folder, prompts, max_new_tokens):
-    """Each prompt's greedy reply, generated alone: the new tokens up to the first EOS (kept), decoded."""
+    """Each prompt's greedy reply, generated alone: the new tokens up to the first EOS (kept), as text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -24,7 +32,7 @@ def _alone(folder, prompts, max_new_tokens):
                                  max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)[0, ids["input_ids"].shape[1]:].tolist()
             end = next((i for i, t in enumerate(new) if t == model.generation_config.eos_token_id), len(new) - 1)
-            replies.append(tokenizer.decode(new[: end + 1], skip_special_tokens=True))
+            replies.append(_added(tokenizer, ids["input_ids"][0].tolist(), new[: end + 1]))
     return replies
 
 
@@ -81,7 +89,7 @@ def test_chat_conversations_are_rendered_by_the_chat_template(chat, tmp_path, ca
             new = model.generate(input_ids=ids["input_ids"], attention_mask=ids["attention_mask"], max_new_tokens=4,
                                  do_sample=False, pad_token_id=0)[0, ids["input_ids"].shape[1]:].tolist()
             new = new[: new.index(102) + 1] if 102 in new else new  # a reply ends at its first EOS
-            assert reply == tokenizer.decode(new, skip_special_tokens=True)
+            assert reply == _added(tokenizer, ids["input_ids"][0].tolist(), new)
 
 
 @pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None}, {"content": "And God said"},

@@ -5,6 +5,7 @@ models built from configs; nothing of dynabatch is mocked.
 """
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -78,12 +79,61 @@ def test_decoder_only_string_replies_equal_generating_each_prompt_alone(llama, c
         inputs = tok(prompt, return_tensors="pt")
         alone = _alone(llama, inputs, eos_token_id=frequent, pad_token_id=frequent)[inputs["input_ids"].shape[1]:]
         assert ids[p] == alone.tolist(), f"prompt {p}: {prompt!r}"
-        assert texts[p] == tok.decode(alone, skip_special_tokens=True)
+        prompt_ids = inputs["input_ids"][0].tolist()  # the prompt and its reply read as the two decoded whole
+        assert tok.decode(prompt_ids, skip_special_tokens=True) + texts[p] == tok.decode(
+            prompt_ids + alone.tolist(), skip_special_tokens=True), f"prompt {p}: {prompt!r}"
         ended += len(ids[p]) < NEW
         if len(ids[p]) < NEW:
             assert ids[p][-1] == frequent and ids[p].count(frequent) == 1  # its EOS (== pad) kept, once
     assert 0 < ended < len(prompts)  # replies of one batch end at different steps
     assert ids.report.rows == len(prompts) and ids.report.batches < len(prompts)
+
+
+@pytest.fixture(scope="module")
+def byte_level():
+    """A GPT-2-style byte-level BPE tokenizer (trained here on KJV verses, 600 tokens; pad = EOS) and a tiny
+    random-weight GPT-2 over it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    from dynabatch.demo import kjv_passages
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(kjv_passages()[:3000], trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=96,
+                                           pad_token_id=0, bos_token_id=0, eos_token_id=0)).eval()
+    return tok, model
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_string_reply_is_the_text_the_model_added_after_the_prompt_its_leading_space_kept(
+        llama, chat_tokenizer, frequent, prompts, byte_level, skip_special_tokens):
+    # Each reply's ids were decoded alone: the Llama tokenizer's decode strips the "▁" of a text's first token, so
+    # prompt + reply read "Helloworld". A reply is decoded after its prompt's last tokens now, as vLLM decodes.
+    with_bos = [*prompts, ""]  # "" is the BOS alone: a context of a special token, which skip_special_tokens drops
+    kwargs = {"batch_size": 4, "max_new_tokens": NEW, "do_sample": False, "progress": False}
+    decode = functools.partial(chat_tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    for returns, settings in ((1, {"eos_token_id": frequent}), (2, {"num_beams": 2, "num_return_sequences": 2})):
+        ids = dynabatch.generate(llama, chat_tokenizer, with_bos, return_ids=True, **kwargs, **settings)
+        texts = dynabatch.generate(llama, chat_tokenizer, with_bos, skip_special_tokens=skip_special_tokens,
+                                   **kwargs, **settings)
+        if returns > 1:  # each prompt's list of replies, flat
+            ids, texts = [r for replies in ids for r in replies], [t for replies in texts for t in replies]
+        for n, (reply, text) in enumerate(zip(ids, texts)):
+            prompt = chat_tokenizer(with_bos[n // returns])["input_ids"]
+            assert decode(prompt) + text == decode(prompt + reply), f"reply {n}: {text!r}"
+        assert sum(text.startswith(" ") for text in texts) >= len(texts) // 4  # many replies start with a word
+    # a byte-level BPE (GPT-2's) decodes a reply the same alone: its replies are as they were
+    tok, model = byte_level
+    ids = dynabatch.generate(model, tok, prompts, return_ids=True, **kwargs)
+    texts = dynabatch.generate(model, tok, prompts, skip_special_tokens=skip_special_tokens, **kwargs)
+    assert list(texts) == tok.batch_decode(list(ids), skip_special_tokens=skip_special_tokens)
+    assert any("\ufffd" in text for text in texts)  # replies of stray bytes among them, decoded as they were
 
 
 def test_chat_prompts_are_rendered_once_with_one_bos_and_equal_generating_alone(llama, chat_tokenizer, frequent,
