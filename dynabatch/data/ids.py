@@ -74,8 +74,9 @@ def _missing(array: Any) -> ValueError:
                       f"{first_few(missing)}")
 
 
-def check_ids(ids: Any, n: int) -> Any:
-    """``ids`` as a ``pyarrow`` ``string`` or ``int64`` array of ``n`` unique values (``None`` stays ``None``).
+def check_ids(ids: Any, n: int, *, texts_name: str = "texts") -> Any:
+    """``ids`` as a ``pyarrow`` ``string`` or ``int64`` array of ``n`` unique values (``None`` stays ``None``), one
+    per item of the caller's argument ``texts_name`` (which a refused length names).
 
     Raises:
         TypeError: ``ids`` is not a sequence of str or of int (floats, bools, mixed types).
@@ -104,7 +105,7 @@ def check_ids(ids: Any, n: int) -> Any:
         named = f" (column {column!r}, a datasets {ids.features})" if column is not None else ""
         raise TypeError(f"ids should be {_RULE}, but got ids={brief(ids)} of Arrow type {array.type}{named}")
     if len(array) != n:
-        raise bad_value("len(ids)", f"len(texts)={n}, one id per text", len(array))
+        raise bad_value("len(ids)", f"len({texts_name})={n}, one id per text", len(array))
     if array.null_count:
         raise _missing(array)
     unique = pc.unique(array)

@@ -106,6 +106,8 @@ class TokenStream:
         with_texts: give each batch its texts (``batch.texts``).
         tokenize_cores: cores to tokenize on, at most (``None``: every core this process may use; see
             :class:`~dynabatch.data.tokenization.ParallelTokenizer`).
+        texts_name: what an error calls the texts (the caller's own argument holding them: ``dynabatch.generate``'s
+            ``"prompts"``).
         **tokenizer_kwargs: passed to every tokenizer call.
 
     It acts as the loader's collator: ``stream(positions)`` builds a batch, and
@@ -117,7 +119,8 @@ class TokenStream:
 
     def __init__(self, source: TextSource, tokenizer: Any, max_input_token_length: int, *, skip: Any = None,
                  on_bad_input: str = "raise", first_chunk: int = FIRST_CHUNK, chunk_size: int = CHUNK_SIZE,
-                 pad_to_multiple_of: int | None = None, with_texts: bool = True, tokenize_cores: int | None = None, **tokenizer_kwargs: Any) -> None:
+                 pad_to_multiple_of: int | None = None, with_texts: bool = True, tokenize_cores: int | None = None,
+                 texts_name: str = "texts", **tokenizer_kwargs: Any) -> None:
         first_chunk = check_positive_int("first_chunk", first_chunk)
         chunk_size = max(first_chunk, check_positive_int("chunk_size", chunk_size))
         self.source, self.n = source, len(source)
@@ -125,6 +128,7 @@ class TokenStream:
         self.tokenizer_kwargs = tokenizer_kwargs
         self.with_texts = with_texts
         self.on_bad_input = on_bad_input
+        self.texts_name = texts_name
         self.pad_token_id = pad_token_id_of(tokenizer)
         self.padding_side = getattr(tokenizer, "padding_side", "right")
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -132,7 +136,7 @@ class TokenStream:
         self._template = tokenizer
         # A private copy, tokenizing on every core (worker processes, where used, run until pause or the feed's end).
         self._tokenize = ParallelTokenizer(copy.deepcopy(tokenizer), max_input_token_length, tokenizer_kwargs,
-                                           cores=tokenize_cores)
+                                           cores=tokenize_cores, texts_name=texts_name)
         chars = source.char_lengths()
         if skip is not None and len(skip):
             chars = chars.copy()
@@ -225,7 +229,7 @@ class TokenStream:
             first_time = not self.tokenizations[k]
             if first_time:  # a text of no token is a bad input, known only now (logged once)
                 no_token = split_no_token(tokens.lengths, self.on_bad_input, lambda i: self.source.take([i])[0],
-                                          positions=positions)
+                                          positions=positions, texts_name=self.texts_name)
             collator = TokenCollator.from_tokenizer(tokens, self._template, pad_to_multiple_of=self.pad_to_multiple_of)
             with self._lock:
                 if first_time:

@@ -70,10 +70,12 @@ def are_token_ids(texts: Any) -> bool:
     return False
 
 
-def split_bad_rows(texts: Any, on_bad_input: str = "raise") -> tuple[list, np.ndarray]:
+def split_bad_rows(texts: Any, on_bad_input: str = "raise", *,
+                   texts_name: str = "texts") -> tuple[list, np.ndarray]:
     """``(rows, bad)``: pre-tokenized ``texts`` as a list with ``[]`` in place of every item that is not a row of ids
     (``None``, a pandas NaN, a str), and the ``int64`` positions of those items, which ``on_bad_input="raise"``
-    refuses with a ``TypeError`` naming how many there are and the first ten positions (as for texts).
+    refuses with a ``TypeError`` naming the first (as ``texts_name[i]``: the caller's argument), how many there are
+    and the first ten positions (as for texts).
 
     Example:
         >>> rows, bad = split_bad_rows([[1, 2], None, [3]], on_bad_input="skip")
@@ -84,7 +86,7 @@ def split_bad_rows(texts: Any, on_bad_input: str = "raise") -> tuple[list, np.nd
     bad = np.flatnonzero(np.fromiter((not _is_id_row(row) for row in rows), dtype=bool, count=len(rows)))
     if bad.size and on_bad_input == "raise":
         first = int(bad[0])
-        refusal = bad_type(f"texts[{first}]", "a row of int token ids, like the other rows", rows[first])
+        refusal = bad_type(f"{texts_name}[{first}]", "a row of int token ids, like the other rows", rows[first])
         raise bad_input_error(refusal, bad, len(rows), "rows are not rows of token ids")
     log_skipped(bad, len(rows), "rows that are not rows of token ids")
     for position in bad.tolist():
@@ -92,11 +94,12 @@ def split_bad_rows(texts: Any, on_bad_input: str = "raise") -> tuple[list, np.nd
     return rows, bad
 
 
-def _flat_ids(rows: list[Any]) -> tuple[np.ndarray, np.ndarray]:
-    """Every row's ids in one integer array, and the rows' lengths; a TypeError names the first bad row."""
+def _flat_ids(rows: list[Any], texts_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Every row's ids in one integer array, and the rows' lengths; a TypeError names the first bad row (of the
+    caller's argument ``texts_name``)."""
     for i, row in enumerate(rows):
         if not _is_id_row(row):
-            raise bad_type(f"texts[{i}]", "a row of int token ids, like texts[0]", row)
+            raise bad_type(f"{texts_name}[{i}]", f"a row of int token ids, like {texts_name}[0]", row)
     rows = [row.tolist() if not isinstance(row, (list, tuple)) else row for row in rows]  # arrays, tensors
     lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     ids = list(itertools.chain.from_iterable(rows))
@@ -112,12 +115,12 @@ def _flat_ids(rows: list[Any]) -> tuple[np.ndarray, np.ndarray]:
         for i, row in enumerate(rows):
             for j, value in enumerate(row):
                 if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                    raise bad_type(f"texts[{i}][{j}]", "an int token id", value)
+                    raise bad_type(f"{texts_name}[{i}][{j}]", "an int token id", value)
     return flat, lengths  # its ints as they are (uint64, Python ints): checked for range before any cast
 
 
 def store_token_ids(
-    texts: Any, max_input_token_length: int, *, truncation_side: str = "right"
+    texts: Any, max_input_token_length: int, *, truncation_side: str = "right", texts_name: str = "texts"
 ) -> TokenizedTexts:
     """Pre-tokenized rows into the token store, truncated to ``max_input_token_length`` as a tokenizer truncates.
 
@@ -130,6 +133,8 @@ def store_token_ids(
             integer numpy arrays or tensors (a sequence of them, not mixed with str).
         max_input_token_length: the truncation limit, in tokens.
         truncation_side: ``"right"`` or ``"left"``.
+        texts_name: what an error calls ``texts`` (the caller's own argument holding them: ``dynabatch.generate``'s
+            ``"prompts"``).
 
     Returns:
         The token store, without extras.
@@ -149,18 +154,18 @@ def store_token_ids(
     """
     texts = _by_position(texts)
     if isinstance(texts, (str, bytes)) or not isinstance(texts, collections.abc.Sequence):
-        raise bad_type("texts", _IDS_RULE, texts)
+        raise bad_type(texts_name, _IDS_RULE, texts)
     if not len(texts):
-        raise bad_value("texts", _IDS_RULE, texts)
+        raise bad_value(texts_name, _IDS_RULE, texts)
     max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
     if truncation_side not in ("right", "left"):
         raise bad_value("truncation_side", "'right' or 'left'", truncation_side)
-    flat, lengths = _flat_ids(list(texts))
+    flat, lengths = _flat_ids(list(texts), texts_name)
     if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(np.int32).max):
         at = int(np.flatnonzero((flat < 0) | (flat > np.iinfo(np.int32).max))[0])
         row = int(np.searchsorted(np.cumsum(lengths), at, side="right"))
         column = at - int(lengths[:row].sum())
-        raise bad_value(f"texts[{row}][{column}]", "a token id in [0, 2**31)", int(flat[at]))
+        raise bad_value(f"{texts_name}[{row}][{column}]", "a token id in [0, 2**31)", int(flat[at]))
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     kept = np.minimum(lengths, max_input_token_length)
     if truncation_side == "left":

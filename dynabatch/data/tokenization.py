@@ -403,29 +403,30 @@ _NO_TOKEN_RULE = ("at least one token (a row of no token is padding alone: a mea
 
 
 def split_no_token(lengths: np.ndarray, on_bad_input: str, item: Callable[[int], Any], *, positions: Any = None,
-                   skipped: Any = None, what: str = "texts") -> np.ndarray:
+                   skipped: Any = None, texts_name: str = "texts") -> np.ndarray:
     """The input positions of the rows of no token (``lengths[i] == 0``; row ``i`` is input ``positions[i]``, else
     ``i``; the ``skipped`` ones, bad already, left out): bad inputs, known only once tokenized. ``"raise"`` refuses
-    them with a ``ValueError`` naming the first (``item(position)``: its input) and what to do; ``"skip"`` logs
-    them, and the caller plans them into no batch.
+    them with a ``ValueError`` naming the first (``item(position)``: its input, as ``texts_name[position]``: the
+    caller's argument that holds the inputs) and what to do; ``"skip"`` logs them, and the caller plans them into
+    no batch.
 
     Example:
         >>> split_no_token(np.array([2, 0, 0, 3]), "skip", ["a", "", None, "b"].__getitem__, skipped=[2]).tolist()
         [1]
     """
     empty = np.flatnonzero(np.asarray(lengths) == 0)
-    counted = what
+    counted = texts_name
     if positions is not None:  # a chunk of the inputs (a stream's): sorted, and counted among the chunk's
-        empty, counted = np.sort(np.asarray(positions, dtype=np.int64)[empty]), f"{what} of its chunk"
+        empty, counted = np.sort(np.asarray(positions, dtype=np.int64)[empty]), f"{texts_name} of its chunk"
     if skipped is not None and len(skipped):
         empty = np.setdiff1d(empty, skipped)
     n = len(lengths)
     if empty.size and on_bad_input == "raise":
         first = int(empty[0])
-        refusal = bad_value(f"{what}[{first}]", _NO_TOKEN_RULE, item(first))
+        refusal = bad_value(f"{texts_name}[{first}]", _NO_TOKEN_RULE, item(first))
         raise bad_input_error(f"{refusal}, of no token", empty, n, f"{counted} hold no token", error=ValueError,
                               fix="keep the tokenizer's special tokens (add_special_tokens=True, a BOS), or leave "
-                              "out or fill the empty texts")
+                              f"out or fill the empty {texts_name}")
     log_skipped(empty, n, f"{counted} that hold no token")
     return empty
 
@@ -587,6 +588,7 @@ class ParallelTokenizer:
         cores: cores to use at most; ``None``: every core this process may use
             (:func:`~dynabatch.data.workers.available_cores`).
         chunk_size: texts per tokenizer call, see :func:`tokenize_texts`.
+        texts_name: what an error calls the texts (see :func:`tokenize_texts`).
 
     Each call picks its mechanism (:func:`~dynabatch.data.workers.choose_mechanism`):
     the backend's own threads where the backend rule holds, or a thread of ours
@@ -600,7 +602,8 @@ class ParallelTokenizer:
     """
 
     def __init__(self, tokenizer: Any, max_input_token_length: int, tokenizer_kwargs: dict[str, Any], *,
-                 cores: int | None = None, chunk_size: int | None = None) -> None:
+                 cores: int | None = None, chunk_size: int | None = None, texts_name: str = "texts") -> None:
+        self.texts_name = texts_name
         self.max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
         _check_tokenizer_kwargs(tokenizer_kwargs)
         self._default_size = chunk_size is None  # a size given is each call's; the default one is cut finer to share
@@ -631,7 +634,7 @@ class ParallelTokenizer:
         except Exception as exc:
             # A fast tokenizer refuses a text that is not valid Unicode with a TypeError naming neither the text nor
             # its position; checking every text up front would cost a copy of the corpus: only a failed call looks
-            check_encodable(items, positions, exc)
+            check_encodable(items, positions, exc, texts_name=self.texts_name)
             raise
 
     def _tokenized(self, items: list[str], *, progress: bool, later: float) -> TokenizedTexts:
@@ -683,17 +686,19 @@ class ParallelTokenizer:
 
 
 def check_encodable(items: list[str], positions: Any, cause: BaseException,
-                    refused_by: str = "the tokenizer") -> None:
+                    refused_by: str = "the tokenizer", *, texts_name: str = "texts") -> None:
     """Raises a ``ValueError`` from ``cause`` naming the first text that does not encode as UTF-8 (a lone surrogate,
     e.g. from bytes decoded with ``errors="surrogateescape"``), by its input position (``positions[i]`` of item
-    ``i``, else ``i``); returns where every text encodes (``cause`` is ``refused_by``'s own error)."""
+    ``i``, else ``i``) in the caller's argument ``texts_name``; returns where every text encodes (``cause`` is
+    ``refused_by``'s own error)."""
     for i, text in enumerate(items):
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
             where = i if positions is None else int(positions[i])
             raise ValueError(
-                f"texts[{where}] should be text that encodes as UTF-8, but got texts[{where}]={text[:40]!r} holding "
+                f"{texts_name}[{where}] should be text that encodes as UTF-8, but got {texts_name}[{where}]="
+                f"{text[:40]!r} holding "
                 f"{exc.reason} at character {exc.start}, which {refused_by} refused ({type(cause).__name__}: "
                 f"{cause}): clean it (e.g. text.encode('utf-8', 'replace').decode())"
             ) from cause
@@ -746,6 +751,7 @@ def tokenize_texts(
     chunk_size: int | None = None,
     progress: bool = True,
     tokenize_cores: int | None = None,
+    texts_name: str = "texts",
     **tokenizer_kwargs: Any,
 ) -> TokenizedTexts:
     """Tokenizes every text once, truncated to ``max_input_token_length`` tokens, on every core.
@@ -774,6 +780,8 @@ def tokenize_texts(
         tokenize_cores: cores to tokenize on, at most; ``None``: every core
             this process may use (``len(os.sched_getaffinity(0))``); ``1``: this
             thread alone (see :mod:`dynabatch.data.workers`).
+        texts_name: what an error calls ``texts`` (the caller's own argument
+            holding them: ``dynabatch.generate``'s ``"prompts"``).
         **tokenizer_kwargs: passed to every tokenizer call, and to be applied
             the same way when batches are built; the arguments the loader owns
             (:data:`FORBIDDEN_TOKENIZER_KWARGS`) are refused.
@@ -796,5 +804,5 @@ def tokenize_texts(
             tokenizer,
         )
     tokenize = ParallelTokenizer(tokenizer, max_input_token_length, tokenizer_kwargs, cores=tokenize_cores,
-                                 chunk_size=chunk_size)
+                                 chunk_size=chunk_size, texts_name=texts_name)
     return tokenize(items, progress=progress)

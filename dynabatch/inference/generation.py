@@ -457,7 +457,7 @@ def generate(
         ids: one stable id per prompt (str or int, unique; a store keys its rows by them), or ``None``: the loader's.
         output_path, key, on_oom, on_error, memory, progress: :func:`dynabatch.run`'s.
         on_bad_input: a prompt of no token (``[]``, or a text that tokenizes to nothing with a tokenizer that adds no
-            BOS): ``"raise"`` refuses it (a ``ValueError`` naming its position, ``texts[i]``: the prompt, a chat
+            BOS): ``"raise"`` refuses it (a ``ValueError`` naming its position, ``prompts[i]``: the prompt, a chat as
             rendered), ``"skip"`` lists it failed (``None``, its cause in ``.failures``) and replies to the others.
         **generate_kwargs: passed to every ``model.generate`` call (``max_new_tokens``, ``do_sample``, ...); with
             ``num_return_sequences=k > 1`` each prompt's result is a list of ``k`` replies.
@@ -496,8 +496,8 @@ def generate(
                   "max_memory": max_memory}
     padder, options = generation_loader(model, tokenizer, generate_kwargs, chat=kind == "chat")
     loader = build_dynamic_batch_dataloader(texts, padder, batch_size, max_input_token_length, num_workers=0,
-                                            progress=progress, ids=ids, on_bad_input=on_bad_input, **budget,
-                                            **options)
+                                            progress=progress, ids=ids, on_bad_input=on_bad_input,
+                                            texts_name="prompts", **budget, **options)
     with torch.inference_mode():
         return run(fn, loader, device=device, output_path=output_path, key=key, on_oom=on_oom, on_error=on_error,
                    memory=memory, progress=progress)

@@ -126,35 +126,37 @@ def _streams(texts: Any, stream: Any, shuffle: bool, token_ids: bool) -> bool:
 
 def _streaming_loader(source: TextSource, skipped: np.ndarray, ids: Any, tokenizer: Any, settings: PlanSettings,
                       estimator: Any, num_workers: int, tokenize_cores: int | None, tokenizer_kwargs: dict,
-                      on_bad_input: str) -> DataLoader:
+                      on_bad_input: str, texts_name: str) -> DataLoader:
     """The streamed shape, built in this process (the stream's thread cannot be pickled): a plain loop consumes each
     batch's rows, so a chunk's tokens are freed once its batches are built (``run`` frees them itself)."""
     stream = TokenStream(source, tokenizer, settings.max_input_token_length, skip=skipped, on_bad_input=on_bad_input,
                          first_chunk=max(token_streaming.FIRST_CHUNK, 4 * settings.batch_size),
                          chunk_size=token_streaming.CHUNK_SIZE, pad_to_multiple_of=settings.pad_to_multiple_of,
-                         tokenize_cores=tokenize_cores, **tokenizer_kwargs)
+                         tokenize_cores=tokenize_cores, texts_name=texts_name, **tokenizer_kwargs)
     planner = ChunkedPlanner(stream.feed(iter(range(stream.n_chunks))).next, settings, estimator)
     sampler = StreamingBatchSampler(planner)
     if num_workers:
         logger.info("stream: batches are built in this process (num_workers=%d not used)", num_workers)
     loader = DataLoader(range(stream.n), batch_sampler=sampler, collate_fn=stream.collate_and_consume,
                         num_workers=0)
-    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, stream, stream.n, check_ids(ids, stream.n),
-                                                   skipped, stream)
+    loader.plan = sampler.loader_plan = LoaderPlan(planner, sampler, stream, stream.n,
+                                                   check_ids(ids, stream.n, texts_name=texts_name), skipped, stream)
     logger.info("streaming %d texts in %d chunks, longest first", stream.n, stream.n_chunks)
     return loader
 
 
 def _eager_loader(tokenized: Any, texts: list | None, skipped: np.ndarray, ids: Any, tokenizer: Any,
                   settings: PlanSettings, estimator: Any, shuffle: bool, seed: int, num_workers: int,
-                  on_bad_input: str, bad_input: str = BAD_TEXT, rows: list | None = None) -> DataLoader:
+                  on_bad_input: str, texts_name: str, bad_input: str = BAD_TEXT,
+                  rows: list | None = None) -> DataLoader:
     """The eager shape: the whole token store planned at once (any order, workers); the dataset's item i is i. The
-    rows of no token (``texts`` or pre-tokenized ``rows``) are bad inputs, by ``on_bad_input``."""
+    rows of no token (``texts`` or pre-tokenized ``rows``) are bad inputs, by ``on_bad_input``; errors call the
+    texts ``texts_name``."""
     no_token = split_no_token(tokenized.lengths, on_bad_input, (texts if rows is None else rows).__getitem__,
-                              skipped=skipped)
+                              skipped=skipped, texts_name=texts_name)
     skipped = np.union1d(skipped, no_token) if no_token.size else skipped
     n = len(tokenized)
-    id_array = check_ids(ids, n)
+    id_array = check_ids(ids, n, texts_name=texts_name)
     planner = BatchPlanner(tokenized.lengths, settings, estimator, skip=skipped)
     batches = planner.batches()
     sampler = DynamicBatchSampler(batches, shuffle=shuffle, seed=seed)
@@ -199,6 +201,7 @@ def build_dynamic_batch_dataloader(
     on_bad_input: str = "raise",
     stream: bool | None = None,
     tokenize_cores: int | None = None,
+    texts_name: str = "texts",
     **tokenizer_kwargs: Any,
 ) -> DataLoader:
     """Builds a DataLoader whose batches grow as texts get shorter, under the first batch's peak memory.
@@ -232,6 +235,8 @@ def build_dynamic_batch_dataloader(
         stream: tokenize and plan chunk by chunk as batches run; ``None``: above :data:`STREAM_ABOVE` texts, and for
             texts from files, a dataset or an iterator. Not with ``shuffle`` nor pre-tokenized texts.
         tokenize_cores: cores to tokenize on, at most (the tokens are the same); ``None``: every core it may use.
+        texts_name: what errors about the texts call them (a function that builds the loader from its own argument
+            names that argument: ``dynabatch.generate``'s ``"prompts"``).
         **tokenizer_kwargs: passed to the tokenizer (``pad_to_multiple_of`` rounds each batch's width up).
 
     Returns:
@@ -239,6 +244,10 @@ def build_dynamic_batch_dataloader(
         :class:`~dynabatch.data.collate.Batch` for ``model(**batch)``, with its input positions as ``.indices``.
     """
     check_on_bad_input(on_bad_input)
+    if not isinstance(texts_name, str):
+        raise bad_type("texts_name", "a str, the name of an argument (such as 'prompts')", texts_name)
+    if not texts_name.isidentifier():
+        raise bad_value("texts_name", "the name of an argument (such as 'prompts')", texts_name)
     token_ids = not is_text_source(texts) and are_token_ids(texts)
     streaming = _streams(texts, stream, shuffle, token_ids)
     check_tokenizer(tokenizer)
@@ -260,16 +269,16 @@ def build_dynamic_batch_dataloader(
     if model is not None:
         check_position_limit(model, settings.max_input_token_length)
     if token_ids:
-        rows, skipped = split_bad_rows(texts, on_bad_input)
-        tokenized = store_token_ids(rows, max_input_token_length,
+        rows, skipped = split_bad_rows(texts, on_bad_input, texts_name=texts_name)
+        tokenized = store_token_ids(rows, max_input_token_length, texts_name=texts_name,
                                     truncation_side=getattr(tokenizer, "truncation_side", "right"))
         return _eager_loader(tokenized, None, skipped, ids, tokenizer, settings, estimator, shuffle, seed,
-                             num_workers, on_bad_input, bad_input=BAD_ROW, rows=rows)
+                             num_workers, on_bad_input, texts_name, bad_input=BAD_ROW, rows=rows)
     check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
     source, skipped = open_texts(texts, on_bad_input)
     if streaming:
         return _streaming_loader(source, skipped, ids, tokenizer, settings, estimator, num_workers, tokenize_cores,
-                                 tokenizer_kwargs, on_bad_input)
+                                 tokenizer_kwargs, on_bad_input, texts_name)
     items = source.texts()
     # What the plan needs loads beside the tokenizer (a process's first plan reads the classifier's trees): the
     # tokenizer's own call releases the GIL, and on one thread it leaves the other cores idle
@@ -277,10 +286,10 @@ def build_dynamic_batch_dataloader(
     preparing.submit(estimator.prepare, settings)
     try:
         tokenized = tokenize_texts(items, tokenizer, max_input_token_length, progress=progress,
-                                   tokenize_cores=tokenize_cores, **tokenizer_kwargs)
+                                   tokenize_cores=tokenize_cores, texts_name=texts_name, **tokenizer_kwargs)
     except BaseException:
         preparing.close(cancel=True)
         raise
     preparing.close()  # raises what loading it raised
     return _eager_loader(tokenized, items, skipped, ids, tokenizer, settings, estimator, shuffle, seed, num_workers,
-                         on_bad_input)
+                         on_bad_input, texts_name)

@@ -285,11 +285,12 @@ def test_a_keyword_model_generate_refuses_is_refused_before_any_batch_runs(llama
     assert [len(r) for r in replies] == [2, 2]
 
 
-def test_a_prompt_of_no_token_is_refused_naming_it(llama, chat_tokenizer):
+def test_a_prompt_of_no_token_is_refused_naming_it(llama, chat_tokenizer, monkeypatch):
     # model.generate fails on an empty prompt alone (IndexError) and, batched with others, gave a reply made from
     # padding alone: which one depended on batch_size. The loader's rule refuses it: ids as given, texts once tokenized
-    # (no BOS added).
-    empty = r"^texts\[{0}\] should be at least one token \(a row of no token.* \(positions {0}\): keep the tokenizer"
+    # (no BOS added). It named the loader's argument, texts[i]: generate's caller passed prompts.
+    empty = (r"^prompts\[{0}\] should be at least one token \(a row of no token.* 1 of 3 prompts( of its chunk)? hold "
+             r"no token \(positions {0}\): keep the tokenizer.* or fill the empty prompts, or pass on_bad_input='skip'")
     for batch_size in (1, 3):
         with pytest.raises(ValueError, match=empty.format(2)):
             dynabatch.generate(llama, chat_tokenizer, [[1, 5], [1, 6, 7], []], batch_size=batch_size,
@@ -301,20 +302,35 @@ def test_a_prompt_of_no_token_is_refused_naming_it(llama, chat_tokenizer):
         dynabatch.generate(llama, no_bos, ["In the beginning", "", "And God said"], max_new_tokens=2,
                            progress=False)
     # a streamed loader (more than STREAM_ABOVE prompts) finds it as its chunk is tokenized: refused, or set aside
-    from dynabatch.inference.generation import generation_loader, reply_function
+    from dynabatch.inference import loader
 
-    kwargs = {"max_new_tokens": 2, "do_sample": False}
-    padder, options = generation_loader(llama, no_bos, kwargs)
-    for on_bad_input in ("raise", "skip"):
-        loader = dynabatch.build_dynamic_batch_dataloader(["In the beginning", "", "And"], padder, 2, 32, stream=True,
-                                                          progress=False, on_bad_input=on_bad_input, **options)
-        if on_bad_input == "raise":
-            with pytest.raises(ValueError, match=empty.format(1)):
-                dynabatch.run(reply_function(llama, no_bos, kwargs), loader, progress=False)
-            continue
-        replies = dynabatch.run(reply_function(llama, no_bos, kwargs), loader, progress=False)
-        assert replies.failed == [1] and "no token" in replies.failures[1]
-        assert replies[0] is not None and replies[2] is not None
+    monkeypatch.setattr(loader, "STREAM_ABOVE", 2)
+    kwargs = {"batch_size": 2, "max_new_tokens": 2, "do_sample": False, "progress": False}
+    with pytest.raises(ValueError, match=empty.format(1)):
+        dynabatch.generate(llama, no_bos, ["In the beginning", "", "And"], **kwargs)
+    replies = dynabatch.generate(llama, no_bos, ["In the beginning", "", "And"], on_bad_input="skip", **kwargs)
+    assert replies.failed == [1] and "no token" in replies.failures[1]
+    assert replies[0] is not None and replies[2] is not None
+
+
+def test_every_refusal_of_a_prompt_names_it_as_prompts_not_as_the_loaders_texts(llama, chat_tokenizer, monkeypatch):
+    # generate's loader checks the prompts, and its messages named its own argument, texts[i]
+    monkeypatch.setattr(llama, "generate", lambda **kwargs: pytest.fail("no batch runs"))
+    kwargs = {"max_new_tokens": 2, "progress": False}
+    with pytest.raises(ValueError, match=r"^prompts\[1\] should be text that encodes as UTF-8, but got prompts\[1\]="
+                                         r"'And \\ud800' holding surrogates not allowed"):
+        dynabatch.generate(llama, chat_tokenizer, ["In the beginning", "And \ud800"], **kwargs)
+    with pytest.raises(TypeError, match=r"^prompts\[1\] should be a row of int token ids, like the other rows, but got "
+                                        r"prompts\[1\]=None of type NoneType; 1 of 2 rows are not rows of token ids"):
+        dynabatch.generate(llama, chat_tokenizer, [[1, 5], None], **kwargs)
+    with pytest.raises(TypeError, match=r"^prompts\[0\]\[1\] should be an int token id, but got prompts\[0\]\[1\]=2.5"):
+        dynabatch.generate(llama, chat_tokenizer, [[1, 2.5]], **kwargs)
+    with pytest.raises(ValueError, match=r"^prompts\[0\]\[1\] should be a token id in \[0, 2\*\*31\), but got "
+                                         r"prompts\[0\]\[1\]=-3$"):
+        dynabatch.generate(llama, chat_tokenizer, [[1, -3]], **kwargs)
+    with pytest.raises(ValueError, match=r"^len\(ids\) should be len\(prompts\)=2, one id per text, but got "
+                                         r"len\(ids\)=1$"):
+        dynabatch.generate(llama, chat_tokenizer, ["In the beginning", "And"], ids=["a"], **kwargs)
 
 
 def test_a_prompt_of_no_token_is_skipped_with_on_bad_input_skip_and_the_refusal_says_so(llama, chat_tokenizer):
@@ -324,7 +340,7 @@ def test_a_prompt_of_no_token_is_skipped_with_on_bad_input_skip_and_the_refusal_
     no_bos.add_bos_token = False
     prompts = ["In the beginning", "", "And God said"]
     kwargs = {"max_new_tokens": 2, "do_sample": False, "return_ids": True, "progress": False}
-    with pytest.raises(ValueError, match=r"^texts\[1\] should be at least one token .*: keep the tokenizer's special "
+    with pytest.raises(ValueError, match=r"^prompts\[1\] should be at least one token .*: keep the tokenizer's special "
                        r"tokens .*, or pass on_bad_input='skip' to skip them \(their results are None\)$"):
         dynabatch.generate(llama, no_bos, prompts, **kwargs)
     replies = dynabatch.generate(llama, no_bos, prompts, on_bad_input="skip", **kwargs)

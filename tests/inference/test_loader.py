@@ -360,6 +360,19 @@ def test_a_text_of_no_token_is_a_bad_input_by_on_bad_input(tokenizer, caplog, mo
     assert got.failed == [1] and "no token" in got.failures[1]
 
 
+def test_texts_name_is_what_errors_call_the_texts(tokenizer):
+    # a function building the loader from its own argument (generate's prompts) names that argument
+    with pytest.raises(ValueError, match=r"^prompts\[1\] should be at least one token .* 1 of 2 prompts hold no token "
+                                         r"\(positions 1\): .* fill the empty prompts, or pass on_bad_input='skip'"):
+        _load(["hello", ""], tokenizer, add_special_tokens=False, texts_name="prompts")
+    with pytest.raises(TypeError, match=r"^texts_name should be a str, the name of an argument \(such as 'prompts'\), "
+                                        r"but got texts_name=3 of type int$"):
+        _load(["hello"], tokenizer, texts_name=3)
+    with pytest.raises(ValueError, match=r"^texts_name should be the name of an argument \(such as 'prompts'\), but "
+                                         r"got texts_name='my prompts'$"):
+        _load(["hello"], tokenizer, texts_name="my prompts")
+
+
 def test_ids_are_one_per_text_and_carried_by_the_plan(tokenizer, texts):
     loader = _load(texts[:5], tokenizer, ids=[10, 11, 12, 13, 14])
     assert loader.plan.ids.to_pylist() == [10, 11, 12, 13, 14]
