@@ -227,6 +227,21 @@ class PackedCollator:
             batch["attention_mask"] = self._mask(segments, width)
         return batch
 
+    def one_per_row(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Collates a list of examples one per row, unpacked: what evaluation and prediction need.
+
+        A plain list of examples given to the collator is one bin, packed into one row; an evaluation batch so
+        packed gives one prediction for the whole batch, not one per example, in a row as wide as its examples
+        together. Here each example is a bin of its own (its row padded to the widest, the padding its own
+        segment), so ``labels``, logits and the loss are those of the examples run one by one.
+
+        Example:
+            >>> batch = PackedCollator(pad_token_id=0).one_per_row([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+            >>> batch["input_ids"].tolist(), batch["labels"].tolist()
+            ([[1, 2, 3], [4, 5, 0]], [[-100, 2, 3], [-100, 5, -100]])
+        """
+        return self([[example] for example in features])
+
     def check_sequences_apart(self, model: Any) -> None:
         """Refuses a model that would let the sequences of one of this collator's rows attend to each other.
 

@@ -84,7 +84,8 @@ What the hook takes care of:
   tokens for per-token labels).
   :class:`Seq2SeqBatchSamplerTrainer` does the same for ``Seq2SeqTrainer``
   (``predict_with_generate`` included). One process; ``eval_batches="fixed"``
-  keeps the ``Trainer``'s own batches.
+  keeps the ``Trainer``'s own batches. Under either, a ``PackedCollator``
+  collates each example on a row of its own (one prediction per example).
 
 DeepSpeed runs through the same path (the ``Trainer`` prepares the loader with
 accelerate), see ``docs/distributed.md``.
@@ -439,13 +440,34 @@ class BatchSamplerTrainerMixin:
         """The evaluation DataLoader on planned batches (``eval_batches="dynamic"``), else the ``Trainer``'s."""
         dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset
         dataset = self.eval_dataset if dataset is None else dataset
-        planned = None if dataset is None else self._planned_loader(dataset, "Evaluation")
-        return planned if planned is not None else super().get_eval_dataloader(eval_dataset)
+        with self._collating_one_per_row():
+            planned = None if dataset is None else self._planned_loader(dataset, "Evaluation")
+            return planned if planned is not None else super().get_eval_dataloader(eval_dataset)
 
     def get_test_dataloader(self, test_dataset: Any) -> DataLoader:
         """The prediction DataLoader on planned batches (``eval_batches="dynamic"``), else the ``Trainer``'s."""
-        planned = self._planned_loader(test_dataset, "test")
-        return planned if planned is not None else super().get_test_dataloader(test_dataset)
+        with self._collating_one_per_row():
+            planned = self._planned_loader(test_dataset, "test")
+            return planned if planned is not None else super().get_test_dataloader(test_dataset)
+
+    @contextlib.contextmanager
+    def _collating_one_per_row(self) -> Iterator[None]:
+        """Evaluation and prediction loaders built here collate a ``PackedCollator``'s examples one per row.
+
+        An evaluation batch is a plain list of examples, which the collator would pack into one row: one
+        prediction for the whole batch (``predict()`` and ``compute_metrics`` would see rows that are not the
+        dataset's, and planned batches could not be put back in order), in a row as wide as all its examples
+        (neither the planner's rows nor the training's ``batch_max_len``). The ``Trainer`` builds its loaders
+        from ``self.data_collator``, so it is :meth:`~dynabatch.data.packing.PackedCollator.one_per_row` while
+        they are built.
+        """
+        collator = self.data_collator
+        if isinstance(collator, PackedCollator):
+            self.data_collator = collator.one_per_row
+        try:
+            yield
+        finally:
+            self.data_collator = collator
 
     def _eval_shape(self) -> ModelShape | None:
         """What the planner may know of the model and the call (``generate``'s new tokens when predicting with it)."""

@@ -177,6 +177,41 @@ def test_compute_metrics_sees_each_row_loss_in_dataset_order(tokenizer, labelled
         assert np.allclose(prediction.losses[batch], float(row_losses[batch].mean()), atol=1e-5)
 
 
+@pytest.mark.parametrize("eval_batches", ["dynamic", "fixed"])
+def test_a_packed_collator_evaluates_each_example_on_a_row_of_its_own(tokenizer, texts, tmp_path, eval_batches):
+    # A PackedCollator packs a plain list of examples into one row: each evaluation batch became one row as wide as
+    # its examples together, and predict() gave 2 rows for 12 examples (planned batches silently left out of order).
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dynabatch.data.packing import PackedCollator
+    from dynabatch.training.hf import BatchSamplerTrainer
+
+    tokens = tokenize_source([{"text": t} for t in texts[:12]], tokenizer, max_length=32, progress=False)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+    trainer = BatchSamplerTrainer(
+        model=model, args=_args(tmp_path), eval_batches=eval_batches,
+        data_collator=PackedCollator(pad_token_id=tokenizer.pad_token_id, block_mask="float"),
+        train_batch_sampler=SmartBatchSampler(tokens.lengths, TokenBudget(512)),
+        preprocess_logits_for_metrics=lambda logits, labels: logits[..., :8])
+    prediction = trainer.predict(tokens.dataset)
+    ids = tokens.dataset["input_ids"]
+    assert prediction.predictions.shape[0] == prediction.label_ids.shape[0] == len(ids)
+    alone = []
+    with torch.no_grad():
+        for i, row in enumerate(ids):  # each example in dataset order, its logits and labels as run alone
+            out = model(input_ids=torch.tensor([row]), labels=torch.tensor([row]))
+            assert np.abs(prediction.predictions[i, :len(row)] - out.logits[0, :, :8].numpy()).max() < 1e-5
+            assert prediction.label_ids[i, 1:len(row)].tolist() == row[1:]
+            alone.append((float(out.loss), len(row) - 1))
+    if eval_batches == "dynamic":  # the mean over the labelled tokens, as training counts its loss
+        reference = sum(loss * n for loss, n in alone) / sum(n for _, n in alone)
+        assert prediction.metrics["test_loss"] == pytest.approx(reference, abs=1e-5)
+
+
 def _strip(row, pad):
     """A generated row without the padding of its batch (pad after its tokens) and of the gathering (-100)."""
     row = [int(t) for t in row if t != -100]
