@@ -459,10 +459,12 @@ class BatchSamplerTrainerMixin:
         dataset's, and planned batches could not be put back in order), in a row as wide as all its examples
         (neither the planner's rows nor the training's ``batch_max_len``). The ``Trainer`` builds its loaders
         from ``self.data_collator``, so it is :meth:`~dynabatch.data.packing.PackedCollator.one_per_row` while
-        they are built.
+        they are built. A collation the training would refuse for this model is refused here too
+        (:meth:`_check_packed_mask`): one sequence per row, it is as wrong.
         """
         collator = self.data_collator
         if isinstance(collator, PackedCollator):
+            self._check_packed_mask()
             self.data_collator = collator.one_per_row
         try:
             yield

@@ -264,7 +264,7 @@ def test_accelerate_deals_every_sample_once_whatever_the_batch_sizes():
             assert len(dealt) == len(set(dealt)) == 203 - sampler.num_samples_dropped
 
 
-def test_refuses_a_bool_block_mask_for_a_model_with_eager_attention(tokens, tmp_path):
+def test_refuses_a_bool_block_mask_for_a_model_with_eager_attention(tokenizer, tokens, tmp_path):
     # Eager attention adds the 4D mask to its scores: a bool mask adds 0/1 and masks nothing, so a packed row's
     # sequences attend to each other (a random-weight GPT-2's logits moved by 0.1) and the loss is silently wrong.
     from torch.utils.data import RandomSampler
@@ -279,26 +279,29 @@ def test_refuses_a_bool_block_mask_for_a_model_with_eager_attention(tokens, tmp_
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], remove_unused_columns=False,
                              save_strategy="no", disable_tqdm=True)
     for attention, block_mask in (("eager", "bool"), ("eager", "float"), ("sdpa", "bool")):
-        model = _gpt2(200)
+        model = _gpt2(len(tokenizer))
         model.set_attn_implementation(attention)
         trainer = BatchSamplerTrainer(model=model, args=args, train_dataset=tokens.dataset, train_batch_sampler=sampler,
                                       data_collator=PackedCollator(block_mask=block_mask))
+        # Evaluation too (one sequence per row, eager reads the bool mask as none: a Llama's eval logits moved by 0.4)
         if (attention, block_mask) == ("eager", "bool"):
-            with pytest.raises(ValueError, match=r"^data_collator.block_mask should be 'float' for a model with eager "
-                                                 r"attention .*but got data_collator.block_mask='bool'$"):
-                trainer.get_train_dataloader()
+            for refused in (trainer.get_train_dataloader, lambda: trainer.evaluate(tokens.dataset.select(range(4)))):
+                with pytest.raises(ValueError, match=r"^data_collator.block_mask should be 'float' for a model with "
+                                                     r"eager attention .*but got data_collator.block_mask='bool'$"):
+                    refused()
         else:
             assert len(trainer.get_train_dataloader()) == len(sampler)
     # A bidirectional encoder under the causal block mask: its packed logits moved by 3e-3 from its sequences alone
     from transformers import BertConfig, BertForMaskedLM
 
-    encoder = BertForMaskedLM(BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                         intermediate_size=64))
+    encoder = BertForMaskedLM(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, intermediate_size=64))
     trainer = BatchSamplerTrainer(model=encoder, args=args, train_dataset=tokens.dataset, train_batch_sampler=sampler,
                                   data_collator=PackedCollator(block_mask="float"))
-    with pytest.raises(ValueError, match=r"^model should be a causal LM when the data_collator is a PackedCollator .*"
-                                         r"bidirectional\), but got model='BertForMaskedLM'$"):
-        trainer.get_train_dataloader()
+    for refused in (trainer.get_train_dataloader, lambda: trainer.predict(tokens.dataset.select(range(4)))):
+        with pytest.raises(ValueError, match=r"^model should be a causal LM when the data_collator is a PackedCollator "
+                                             r".*bidirectional\), but got model='BertForMaskedLM'$"):
+            refused()
 
 
 @pytest.mark.parametrize("family", ["opt", "llama"])
