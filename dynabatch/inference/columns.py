@@ -261,10 +261,9 @@ def _described(field: pa.Field, kind: str | None) -> str:
     return f"{dtype} {str(tuple(['n', *dims] if varies else dims)).replace(chr(39), '')}"
 
 
-def _inner_dims(kind: pa.DataType) -> tuple[int, ...] | None:
-    """An array column's dimensions after the first (``None``: not an array column of rows with a first dimension)."""
-    varies, dims, _ = _layout(kind)
-    return tuple(dims) if varies else tuple(dims[1:]) if dims else None
+def _items(kind: pa.DataType) -> pa.DataType | None:
+    """The type of a row's items after its first dimension (``None``: not an array column of rows with one)."""
+    return kind.value_type if pa.types.is_list(kind) or pa.types.is_fixed_size_list(kind) else None
 
 
 def _named(kind: pa.DataType) -> pa.DataType:
@@ -312,12 +311,10 @@ def widen(stored: pa.Field, new: pa.Field, kind: str | None = None) -> pa.Field:
     for a, b in ((stored, new), (new, stored)):
         if pa.types.is_null(a.type) or a.type == pa.list_(pa.null()) and pa.types.is_list(b.type):
             return b
-    (_, _, value), inner = _layout(stored.type), _inner_dims(stored.type)
-    if inner is not None and inner == _inner_dims(new.type) and _layout(new.type)[2] == value \
-            and pa.types.is_floating(value) and stored.metadata == new.metadata:  # vectors of other lengths
-        for size in reversed(inner):
-            value = pa.list_(value, size)
-        return pa.field(stored.name, pa.list_(value), metadata=stored.metadata)
+    items = _items(stored.type)
+    if items is not None and items == _items(new.type) and pa.types.is_floating(_layout(items)[2]) \
+            and stored.metadata == new.metadata:  # vectors of other lengths
+        return pa.field(stored.name, pa.list_(items), metadata=stored.metadata)
     raise TypeError(f"{stored.name} should keep one type in every row with output_path set "
                     f"({_described(stored, kind)}, as in the rows stored or written before), but got "
                     f"{_described(new, kind)}: convert it (e.g. float(x)), or use another output_path")
