@@ -267,20 +267,16 @@ def _items(kind: pa.DataType) -> pa.DataType | None:
 
 
 def _named(kind: pa.DataType) -> pa.DataType:
-    if pa.types.is_struct(kind):
-        return pa.struct([field.with_type(_named(field.type)) for field in kind])
-    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)):
+    if _items(kind) is None:
         return kind
-    value = kind.value_field
-    item = pa.field("item", _named(value.type), nullable=value.nullable, metadata=value.metadata)
-    if pa.types.is_fixed_size_list(kind):
-        return pa.list_(item, kind.list_size)
-    return pa.large_list(item) if pa.types.is_large_list(kind) else pa.list_(item)
+    item = kind.value_field.with_name("item").with_type(_named(kind.value_type))
+    return pa.list_(item, kind.list_size) if pa.types.is_fixed_size_list(kind) else pa.list_(item)
 
 
 def arrow_names(schema: pa.Schema) -> pa.Schema:
-    """``schema`` with every list's items named as Arrow names them (``item``), whatever the Parquet file it was read
-    from named them (its writer names them ``element``): a store's columns read back typed as the rows were.
+    """``schema`` with the items of every list and fixed-size list (the list types a store writes) named as Arrow
+    names them (``item``), whatever the Parquet file it was read from named them (its writer names them
+    ``element``): a store's columns read back typed as the rows were.
 
     Example:
         >>> import pyarrow as pa
