@@ -335,21 +335,20 @@ class Store:
                 self._fixed.update(name for name, field in fitted.items() if not pa.types.is_null(field.type))
             return list(fitted.values())
 
-    def _metadata(self, names: list[str]) -> dict[bytes, bytes]:
-        """The schema metadata of a shard of columns ``names``: format, key, keying and the rows' structure, under
-        ``META``, and their checksum with the column names, under ``CHECK`` (the footer has no checksum of its own)."""
+    def _schema(self, fields: list[pa.Field]) -> pa.Schema:
+        """A shard's schema of ``fields``, its metadata: format, key, keying and the rows' structure, under ``META``,
+        and their checksum with the column names, under ``CHECK`` (the footer has no checksum of its own)."""
         meta = {"format": FORMAT, "key": self.key, "keyed_by": self.keyed_by}
         if self.columns is not None:
             meta.update(tree=self.columns.tree, kinds=dict(self.columns.kinds))
         encoded = json.dumps(meta).encode()
-        return {META: encoded, CHECK: footer_check(encoded, names)}
+        return pa.schema(fields, metadata={META: encoded, CHECK: footer_check(encoded, [f.name for f in fields])})
 
     def shard(self, positions: np.ndarray, hashes: np.ndarray, ids: pa.Array | None, outputs: pa.Table) -> pa.Table:
         """A shard's table: the key columns (``position`` or ``id``, ``input_hash``) of rows of input ``positions``
         (``ids``: the writer's own, which positions index), then ``outputs``, with the shard's metadata."""
         key = pa.array(positions) if self.keyed_by == "position" else (self.ids if ids is None else ids).take(positions)
-        fields = [pa.field(self.keyed_by, key.type), pa.field("input_hash", pa.uint64()), *outputs.schema]
-        schema = pa.schema(fields, metadata=self._metadata([field.name for field in fields]))
+        schema = self._schema([pa.field(self.keyed_by, key.type), pa.field("input_hash", pa.uint64()), *outputs.schema])
         return pa.Table.from_arrays([key, pa.array(hashes, pa.uint64()), *outputs.columns], schema=schema)
 
     def retyped(self, schema: pa.Schema) -> pa.Schema:
@@ -358,8 +357,7 @@ class Store:
         with self._lock:
             stored = [self._fields[n] if n in self._fixed else pa.field(n, pa.null()) for n in self.columns.names]
             keys = [field for field in schema if field.name not in self.columns.names]
-            fields = [*keys, *stored]
-            return pa.schema(fields, metadata=self._metadata([field.name for field in fields]))
+            return self._schema([*keys, *stored])
 
     def check_held(self) -> None:
         """Refuses a commit once the store is no longer held by this job (:class:`StoreBusyError`)."""
