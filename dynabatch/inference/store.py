@@ -212,15 +212,15 @@ class Store:
     def _check(self, schema: pa.Schema, name: str) -> dict:
         """A shard's metadata; refuses a Parquet file dynabatch did not write, or another format, key or keying."""
         meta = checked_meta(schema.metadata, schema.names)
-        try:
-            meta = json.loads(meta) if meta is not None else None
-        except ValueError as exc:  # not JSON, not UTF-8: a flipped byte in a footer written before CHECK was
-            raise TornFooter(f"its metadata is not JSON ({exc})") from None
-        if meta is not None and not (isinstance(meta, dict) and {"format", "key", "keyed_by"} <= meta.keys()):
-            raise TornFooter(f"its metadata is not a dynabatch shard's ({str(meta)[:60]})")
         if meta is None:
             raise ValueError(f"output_path should be a dynabatch results store, but got output_path={self.path!r} "
                              f"holding {name}, a Parquet file dynabatch did not write; use another directory")
+        try:
+            meta = json.loads(meta)
+        except ValueError as exc:  # not JSON, not UTF-8: a flipped byte in a footer written before CHECK was
+            raise TornFooter(f"its metadata is not JSON ({exc})") from None
+        if not (isinstance(meta, dict) and {"format", "key", "keyed_by"} <= meta.keys()):
+            raise TornFooter(f"its metadata is not a dynabatch shard's ({str(meta)[:60]})")
         if meta["format"] != FORMAT:
             raise ValueError(f"output_path={self.path!r} should hold results in dynabatch's format {FORMAT!r}, but got "
                              f"{meta['format']!r}: read it with the dynabatch that wrote it, or use a new directory")
