@@ -30,6 +30,7 @@ import datetime
 import json
 import logging
 import os
+import pathlib
 import re
 import threading
 import uuid
@@ -397,12 +398,11 @@ class Store:
             self.settle()
             ids, where, _ = self._locate(n)
             if n and self.lock.held and (where >= 0).all():  # the shards set aside are stored again: removed
-                for folder in (self.path, os.path.join(self.path, FAILED)):
-                    for name in os.listdir(folder) if os.path.isdir(folder) else ():
-                        if name.startswith(SET_ASIDE):
-                            logger.info("output_path=%r: removing %s, set aside: every input is stored again",
-                                        self.path, name)
-                            remove(os.path.join(folder, name))
+                folder = pathlib.Path(self.path)
+                for torn in [*folder.glob(f"{SET_ASIDE}*"), *folder.joinpath(FAILED).glob(f"{SET_ASIDE}*")]:
+                    logger.info("output_path=%r: removing %s, set aside: every input is stored again", self.path,
+                                torn.name)
+                    remove(torn)
             files = self.files
             return Located(self.path, files, [len(self._shards[f].keys) for f in files], where, self.columns,
                            self.schema, ids, self._failures_at(where, ids))
