@@ -122,11 +122,11 @@ def _part(values: list, name: str) -> _Part:
     if bad is not None or 0 < len(lists) < len(present):
         raise TypeError(f"{name} should be storable in Arrow with output_path set ({_STORABLE}), but got {name} of "
                         f"type {type(bad if bad is not None else present[0]).__name__}")
-    kinds = sorted({type(item).__name__ for item in items if item is not None})
-    if len(kinds) > 1:  # Arrow would store 2.5 as 2 in an int column
-        raise TypeError(f"{name} should be values of one type in every row with output_path set, but got {kinds}: "
-                        "convert them (e.g. float(x))")
-    kind = next((t for k, t in _SCALARS.items() if [k.__name__] == kinds), pa.null())
+    types = {type(item) for item in items if item is not None}
+    if len(types) > 1:  # Arrow would store 2.5 as 2 in an int column
+        raise TypeError(f"{name} should be values of one type in every row with output_path set, but got "
+                        f"{sorted(kind.__name__ for kind in types)}: convert them (e.g. float(x))")
+    kind = _SCALARS[types.pop()] if types else pa.null()
     try:
         return _Part(len(values), "python", values=pa.array(values, type=pa.list_(kind) if lists else kind))
     except (pa.ArrowInvalid, OverflowError) as exc:
