@@ -70,11 +70,10 @@ def account(n: int, held: np.ndarray, failures: Mapping[int, str], *, before: np
     """
     held = np.asarray(held, dtype=bool)
     failures = {int(p): str(c) for p, c in sorted(failures.items()) if 0 <= p < n and not held[p]}
-    before = held & (before if before is not None and len(before) == n else np.zeros(n, dtype=bool))
+    stored = int(held.sum())
+    kept = int((held & before).sum()) if before is not None and len(before) == n else 0  # stored before the run
     missing = np.zeros(0, dtype=np.int64) if elsewhere else np.setdiff1d(np.flatnonzero(~held), list(failures))
-    others = 0 if rows is None else rows - int(held.sum())
-    return Accounting(n, int(held.sum()), int(before.sum()), int((held & ~before).sum()), failures, missing, ids,
-                      others)
+    return Accounting(n, stored, kept, stored - kept, failures, missing, ids, 0 if rows is None else rows - stored)
 
 
 class _Stacking:
