@@ -185,9 +185,11 @@ def test_every_workers_stages_add_up_to_its_wall(tokenizer, texts, devices):
         result = run(make_fn=lambda device: _lengths, loader=loader, devices=devices, progress=False)
     report = result.report
     assert len(report.workers) == (1 if devices is None else 2)
-    for worker in report.workers.values():
+    ran = {r.device for r in report.records}
+    for name, worker in report.workers.items():
         assert sum(worker["stages"].values()) == pytest.approx(worker["wall"], rel=1e-9)
-        assert worker["stages"]["device"] > 0
+        if name in ran or devices is None:  # of two workers on a loaded machine, one may get no batch
+            assert worker["stages"]["device"] > 0
     for name, worker in report.workers.items():
         records = [r for r in report.records if r.device in (None, name)]
         assert sum(sum(r.stages.values()) for r in records) <= worker["wall"] + 1e-9

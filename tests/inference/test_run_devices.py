@@ -13,7 +13,7 @@ def _on(device_log):
     """``make_fn``: records which thread made the fn for which device, and which device ran each batch."""
 
     def make_fn(device):
-        device_log.append((str(device), threading.get_ident()))
+        device_log.append((str(device), threading.current_thread()))  # the object: an ended thread's ident is reused
 
         def fn(batch):
             assert batch["input_ids"].device.type == device.type
@@ -30,7 +30,7 @@ def test_two_devices_give_every_row_once_in_input_order(texts, tokenizer):
     both = run(make_fn=_on(made), loader=_load(texts, tokenizer), devices=["cpu", "cpu"], progress=False)
     assert len(both) == len(texts) and both.failed == []
     assert all(torch.equal(a, b) for a, b in zip(alone, both))
-    assert sorted(d for d, _ in made) == ["cpu", "cpu"] and len({t for _, t in made}) == 2  # one thread each
+    assert sorted(d for d, _ in made) == ["cpu", "cpu"] and len({id(t) for _, t in made}) == 2  # one thread each
     workers = {"cpu (worker 0)", "cpu (worker 1)"}  # one device named twice: each worker its own name
     ran = {r.device for r in both.report.records}
     assert ran <= workers and both.report.rows == len(texts)
