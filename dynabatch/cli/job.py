@@ -181,17 +181,18 @@ def check_first_batch(texts: Any, tokenizer: Any, *, config: Any, dtype: Any, de
 def check_tokens(texts: Any, tokenizer: Any, max_length: int, ids: Any, flag: str, column: str) -> None:
     """Refuses, before any weights load, the texts of ``flag`` (``column``) that the loader's tokenization of
     ``tokenizer`` turns into no token: the loader's bad input, which a stream finds only as it tokenizes the chunk
-    (the shortest texts, last: after most of the corpus ran and was stored). The candidates, texts empty or
-    whitespace only (:meth:`~dynabatch.data.text_source.TextSource.blank`), are tokenized once each, as the loader
-    does; a tokenizer adding special tokens to every text refuses none. Rows are named by position, and by their
-    ``ids`` (``--id-column``) where given."""
+    (the shortest texts, last: after most of the corpus ran and was stored). The candidates, texts empty or of
+    characters a tokenizer's normalizer may drop alone (whitespace, control, zero-width, combining:
+    :meth:`~dynabatch.data.text_source.TextSource.no_token_candidates`, one RE2 pass of Arrow's), are tokenized once
+    each, as the loader does; a tokenizer adding special tokens to every text refuses none. Rows are named by
+    position, and by their ``ids`` (``--id-column``) where given."""
     import copy
 
     import numpy as np
 
     from dynabatch.data.tokenization import ParallelTokenizer
 
-    positions, distinct, which = texts.blank()
+    positions, distinct, which = texts.no_token_candidates()
     if not distinct:
         return
     lengths = ParallelTokenizer(copy.deepcopy(tokenizer), max_length, {}, cores=1)(distinct).lengths
@@ -201,8 +202,9 @@ def check_tokens(texts: Any, tokenizer: Any, max_length: int, ids: Any, flag: st
     named = f" (--id-column {first_few([repr(i) for i in ids.take(bad[:6]).to_pylist()])})" if ids is not None else ""
     raise ValueError(f"{flag} should name a column of texts that each hold a token once tokenized (the model's "
                      f"tokenizer adds no special token to a text: an empty one would be padding alone), but got "
-                     f"{flag}={column!r} with {bad.size} texts of no token (empty or whitespace only), at rows "
-                     f"{first_few(bad.tolist())}{named}: fill or drop them")
+                     f"{flag}={column!r} with {bad.size} texts of no token (empty, or of characters its tokenizer "
+                     f"drops: whitespace, control, zero-width), at rows {first_few(bad.tolist())}{named}: fill or "
+                     "drop them")
 
 
 def prepared(command: str, args: argparse.Namespace, parser: argparse.ArgumentParser,

@@ -29,6 +29,7 @@ import os
 import shutil
 import sys
 import tempfile
+import unicodedata
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
@@ -41,11 +42,22 @@ from dynabatch._validation import bad_type, bad_value, check_positive_int, first
 from dynabatch.data.tokenization import (as_items, check_encodable, log_skipped, plain_text, split_bad_texts,
                                          validate_texts)
 
-__all__ = ["SPILL_ROWS", "TextSource", "check_on_bad_input", "is_text_source", "is_text_type", "open_texts",
+__all__ = ["DROPPABLE", "SPILL_ROWS", "TextSource", "check_on_bad_input", "is_text_source", "is_text_type", "open_texts",
            "parquet_paths", "source_of"]
 
 SPILL_ROWS = 8192
 """Texts per Arrow record batch when an iterable or Parquet files are read in."""
+
+DROPPABLE = r"[\p{C}\p{M}\p{Z}\x{FFFD}]"
+"""The characters a tokenizer's normalizer may drop, as an RE2 class: the Unicode categories C (control, format such
+as U+200B and U+FEFF, private use), M (combining marks: accents stripped) and Z (separators: every whitespace but
+the ASCII controls, which are C), and U+FFFD. A text of these alone may tokenize to no token
+(:meth:`TextSource.no_token_candidates`)."""
+
+
+def _droppable(char: str) -> bool:
+    """Whether ``char`` is of :data:`DROPPABLE` (by Python's Unicode tables; unassigned code points too)."""
+    return char == "\ufffd" or unicodedata.category(char)[0] in "CMZ"
 
 
 def _check_utf8(strings: Any, where: str, first: int = 0) -> None:
@@ -164,18 +176,21 @@ class TextSource:
         """The ``int64`` positions of items that are not str."""
         return np.flatnonzero(self.char_lengths() < 0)
 
-    def blank(self) -> tuple[np.ndarray, list[str], np.ndarray]:
-        """The texts that are empty or whitespace only (those a tokenizer adding no special token may give no token):
-        ``(positions, distinct, which)``: their ``int64`` positions, the distinct such texts, and the index into
-        ``distinct`` of each position's text. An Arrow source is read by Arrow's compute (no Python str per row).
+    def no_token_candidates(self) -> tuple[np.ndarray, list[str], np.ndarray]:
+        """The texts a tokenizer may turn into no token: those of :data:`DROPPABLE` characters alone (or none), which
+        a tokenizer's normalizer may strip to nothing (BERT's drops control, format, private-use, combining and
+        separator characters and U+FFFD: a zero-width space alone is no token). ``(positions, distinct, which)``:
+        their ``int64`` positions, the distinct such texts, and the index into ``distinct`` of each position's
+        text. An Arrow source is read by Arrow's compute (RE2, no Python str per row).
 
         Example:
-            >>> positions, distinct, which = source_of(iter(["a", "", " ", "", None])).blank()
+            >>> source = source_of(iter(["a", "", " ", "\u200b", None, "e\u0301", "\u200b"]))
+            >>> positions, distinct, which = source.no_token_candidates()
             >>> positions.tolist(), distinct, which.tolist()
-            ([1, 2, 3], ['', ' '], [0, 1, 0])
+            ([1, 2, 3, 6], ['', ' ', '\u200b'], [0, 1, 2, 2])
         """
         if self.items is not None:  # Python objects already: one pass over them
-            positions = np.flatnonzero([isinstance(t, str) and not t.strip() for t in self.items])
+            positions = np.flatnonzero([isinstance(t, str) and all(map(_droppable, t)) for t in self.items])
             texts = [plain_text(self.items[i]) for i in positions.tolist()]
             distinct = list(dict.fromkeys(texts))
             index = {text: k for k, text in enumerate(distinct)}
@@ -183,7 +198,7 @@ class TextSource:
         import pyarrow.compute as pc
 
         self.char_lengths()  # the bytes checked as UTF-8 first: Arrow's compute reads them as such
-        mask = pc.fill_null(pc.or_(pc.equal(pc.utf8_length(self.arrow), 0), pc.utf8_is_space(self.arrow)), False)
+        mask = pc.fill_null(pc.match_substring_regex(self.arrow, f"^{DROPPABLE}*$"), False)
         found = self.arrow.filter(mask)
         distinct = pc.unique(found)
         which = pc.index_in(found, value_set=distinct)

@@ -92,6 +92,29 @@ def no_bos_llama_dir(tmp_path_factory, llama_tokenizer):
     return folder
 
 
+@pytest.fixture(scope="session")
+def no_special_bert_dir(tmp_path_factory, bert_dir, tokenizer):
+    """The tiny BERT whose tokenizer (MiniLM's WordPiece and BERT normalizer) adds no special token: a tokenizer.json
+    without a post-processor, read back as a plain fast tokenizer. Its normalizer drops control, zero-width and
+    combining characters, so a text of those alone is no token. Saved once."""
+    import copy
+
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-bert-no-special")
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(bert_dir / name, folder / name)
+    plain = copy.deepcopy(tokenizer)
+    plain.backend_tokenizer.post_processor = processors.Sequence([])
+    plain.save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # BertTokenizer would rebuild [CLS] ... [SEP] on load
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert AutoTokenizer.from_pretrained(folder)(["", "a"])["input_ids"] == [[], [1037]]  # the reload keeps it
+    return folder
+
+
 # How sentence-transformers versions 2 to 5 saved a folder (the files each wrote; version 6 is the installed one, which
 # saves its own). Each layout pools its own way, so that pooling and Normalize are read from the folder too.
 _POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")

@@ -493,7 +493,8 @@ def test_an_empty_text_of_no_token_is_refused_naming_its_row_and_id_before_the_w
     base = ["embed", str(corpus), str(tmp_path / "out"), "--model", str(no_bos_llama_dir)]
     rule = ("--text-column should name a column of texts that each hold a token once tokenized (the model's tokenizer "
             "adds no special token to a text: an empty one would be padding alone), but got --text-column='text' with "
-            "2 texts of no token (empty or whitespace only), at rows 1, 4")
+            "2 texts of no token (empty, or of characters its tokenizer drops: whitespace, control, zero-width), at "
+            "rows 1, 4")
     assert _refused([*base, "--id-column", "id"], capsys) == f"{rule} (--id-column 'd1', 'd4'): fill or drop them"
     assert _refused(base, capsys) == f"{rule}: fill or drop them"  # "   " is a token of this tokenizer: kept
     assert not (tmp_path / "out").exists()
@@ -505,6 +506,26 @@ def test_an_empty_text_of_no_token_is_refused_naming_its_row_and_id_before_the_w
     # a tokenizer adding special tokens ([CLS] [SEP]) to every text gives an empty one tokens: none is refused
     assert check_tokens(source_of(iter(docs)), AutoTokenizer.from_pretrained(bert_dir), 64, None, "--text-column",
                         "text") is None
+
+
+def test_a_text_its_tokenizer_strips_to_nothing_is_refused_before_the_weights_load(
+        no_special_bert_dir, tmp_path, capsys, write_corpus, no_model_loads):
+    # BERT's normalizer drops control, zero-width (format) and combining characters: with no special token added,
+    # these texts are no token, which only the empty and whitespace-only candidates missed (found mid-run, streamed)
+    from transformers import AutoTokenizer
+
+    stripped = ["\u200b", "\ufeff\x01\x7f", "\u0301\u00a0\u3000", "\ufffd\u2028"]
+    docs = ["In the beginning", *stripped, "e\u0301", "God created"]
+    loader_tokenizer = AutoTokenizer.from_pretrained(no_special_bert_dir)  # as the CLI reads it, called as the loader
+    assert [len(ids) for ids in loader_tokenizer(docs)["input_ids"]] == [3, 0, 0, 0, 0, 1, 2]
+    corpus = write_corpus(tmp_path, docs, [f"d{i}" for i in range(len(docs))])
+    argv = ["embed", str(corpus), str(tmp_path / "out"), "--model", str(no_special_bert_dir), "--id-column", "id"]
+    assert _refused(argv, capsys) == (
+        "--text-column should name a column of texts that each hold a token once tokenized (the model's tokenizer "
+        "adds no special token to a text: an empty one would be padding alone), but got --text-column='text' with 4 "
+        "texts of no token (empty, or of characters its tokenizer drops: whitespace, control, zero-width), at rows "
+        "1, 2, 3, 4 (--id-column 'd1', 'd2', 'd3', 'd4'): fill or drop them")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_bad_input_from_the_console_is_one_line_and_exit_status_2(cli, tmp_path):

@@ -121,8 +121,8 @@ def test_an_empty_prompt_of_no_token_is_refused_naming_its_row_before_the_weight
     assert info.value.code == 2 and err.count("\n") == 1, err
     assert err == ("dynabatch generate: error: --text-column should name a column of texts that each hold a token once "
                    "tokenized (the model's tokenizer adds no special token to a text: an empty one would be padding "
-                   "alone), but got --text-column='text' with 1 texts of no token (empty or whitespace only), at rows "
-                   "1: fill or drop them\n")
+                   "alone), but got --text-column='text' with 1 texts of no token (empty, or of characters its "
+                   "tokenizer drops: whitespace, control, zero-width), at rows 1: fill or drop them\n")
     assert not (tmp_path / "replies").exists()
 
 

@@ -109,12 +109,14 @@ def test_a_dataset_column_of_labels_lists_or_bytes_is_refused_naming_the_column_
         read_texts(pa.table({"n": [1, 2]}), "n")
 
 
-def test_blank_finds_the_empty_and_whitespace_only_texts_of_every_kind_of_source():
-    texts = ["a", "", " \t", "", None, "b "]
+def test_no_token_candidates_are_the_texts_of_droppable_characters_alone_in_every_kind_of_source():
+    # whitespace, controls, zero-width (format), combining marks, private use, U+FFFD: a normalizer may drop each
+    dropped = ["", " \t", "\u200b", "\ufeff\x01", "\u0301\u00a0", "\ue000\u3000", "\ufffd\u2028"]
+    texts = ["a", *dropped, None, "b ", "e\u0301", "\u200bx", ""]
     for source in (TextSource(texts), source_of(iter(texts)), source_of(pa.array(texts, pa.large_string()))):
-        positions, distinct, which = source.blank()
-        assert positions.tolist() == [1, 2, 3] and [distinct[k] for k in which] == ["", " \t", ""]
-        assert sorted(distinct) == ["", " \t"]
+        positions, distinct, which = source.no_token_candidates()
+        assert positions.tolist() == [*range(1, 8), 12] and [distinct[k] for k in which] == [*dropped, ""]
+        assert sorted(distinct) == sorted(dropped)
 
 
 def _not_utf8(texts):
