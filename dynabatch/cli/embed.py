@@ -25,7 +25,8 @@ the command runs offline after install. The store holds ``id`` (with
 ``--id-column``; else rows are keyed by ``position``), ``position`` and
 ``output`` (the vector, in ``--dtype``); its key is what computed the rows (a
 digest of the model's files, wherever they lie, the pooling, the dtype, the
-length limit and the prompt), so the same command again resumes, the same
+length limit and the prompt's text, whichever flag or the model's default
+names it), so the same command again resumes, the same
 model files under another folder too, and another model or setting is refused,
 naming what differs.
 
@@ -191,11 +192,13 @@ def _pooling(args: argparse.Namespace, folder: str) -> str:
     return pooling
 
 
-def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) -> tuple[int, Any]:
+def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) -> tuple[int, Any, str | None]:
     """``--prompt-name`` checked against the model's prompts, the model against what runs on dynamic batches
     (:func:`~dynabatch.integrations.sentence_transformers.corpus_embedder`'s checks); ``--max-length``, or the max
     length sentence-transformers runs the folder at (``st``: it as :func:`_sentence_transformer` read it), refused
-    above its positions. Returns that length and the model's own tokenization at it (the run's loader's)."""
+    above its positions. Returns that length, the model's own tokenization at it (the run's loader's) and the prompt
+    it prepends to every text, as ``model.encode`` resolves ``--prompt``, ``--prompt-name`` and the model's
+    ``default_prompt_name`` (``None``: none)."""
     from dynabatch.integrations.sentence_transformers import corpus_embedder, resolve_prompt
     from dynabatch.memory.calibrate import check_positions
     from dynabatch.memory.shape import position_limit
@@ -212,8 +215,8 @@ def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) 
     # refused so by its tokenizer's special tokens: _max_length)
     added = len(next(iter(tokenizer([""]).values()))[0])
     length = args.max_length if args.max_length is not None else st.max_seq_length
+    prompt = resolve_prompt(st, args.prompt, args.prompt_name)
     if length is not None and length <= added:
-        prompt = resolve_prompt(st, args.prompt, args.prompt_name)
         what = "its special tokens and the prompt" if prompt else "its special tokens"
         if args.max_length is not None:
             raise bad_value("--max-length", f"at least {added + 1} (the model's tokenization adds {added} tokens to "
@@ -235,7 +238,7 @@ def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) 
         raise bad_value("--max-length", f"given: the max_seq_length={length} sentence-transformers reads from the "
                         "folder is above the model's positions", None) from exc
     st.max_seq_length = length
-    return length, corpus_embedder(st, prompt_name=args.prompt_name, prompt=args.prompt)[0]
+    return length, corpus_embedder(st, prompt_name=args.prompt_name, prompt=args.prompt)[0], prompt
 
 
 def _max_length(args: argparse.Namespace, config: Any, folder: str, tokenizer: Any) -> int:
@@ -274,9 +277,10 @@ def _prepare(args: argparse.Namespace) -> _Job:
         config = check_model_folder("--model", folder)
         pooling = _pooling(args, folder)
         dtype = check_dtype(args.dtype, place.accelerated)
-        tokenizer = None
+        tokenizer = prompt = None
         if pooling == _ST:
-            max_length, loader_tokenizer = _check_sentence_transformer(args, config, _sentence_transformer(folder))
+            max_length, loader_tokenizer, prompt = _check_sentence_transformer(args, config,
+                                                                               _sentence_transformer(folder))
         else:
             from transformers import AutoTokenizer
 
@@ -288,8 +292,8 @@ def _prepare(args: argparse.Namespace) -> _Job:
         job.check_tokens(texts, loader_tokenizer, max_length, ids, "--text-column", args.text_column)
         settings = {"pooling": pooling, "normalize": args.normalize, "dtype": str(dtype).removeprefix("torch."),
                     "max_length": max_length}
-        if pooling == _ST:
-            settings["prompt"] = json.dumps(args.prompt) if args.prompt is not None else args.prompt_name
+        if pooling == _ST:  # the prompt applied, whichever flag (or the model's default) names it: the rows' own
+            settings["prompt"] = json.dumps(prompt) if prompt is not None else None
         key = job.job_key("embed", folder, **settings)
         job.open_store(output, args, key, len(texts), ids)
         job.check_first_batch(texts, loader_tokenizer, config=config, dtype=dtype,

@@ -17,7 +17,8 @@ its batch's longest) is refused before any weights load, unless ``--min-new-toke
 holds ``id`` (with ``--id-column``; else rows are keyed by ``position``, the
 prompt's row in the input) and ``output`` (the reply);
 its key names the model, the dtype, the length limits and every generation
-option, so the same command again generates only the prompts not stored.
+option as ``model.generate`` applies it (a flag left to the model's generation config and the same value given
+are one job), so the same command again generates only the prompts not stored.
 
 Sampled replies (``--sample``) are drawn from a generator seeded by ``--seed`` (0 unless given; refused without ``--sample``);
 they depend on which prompts share a batch, as with any batched sampling, so
@@ -100,22 +101,43 @@ def _check_sampling(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
-def _check_lengths(folder: str, config: Any, options: dict[str, Any]) -> None:
-    """A decoder-only model's generation config, read from the folder as its load reads it (``generation_config.json``,
-    else ``config.json``; no weights), sets no length that counts the prompt beside the options, by the library's rule
-    (:func:`~dynabatch.inference.generation.counting_the_prompt`)."""
+def _generation_config_file(folder: str) -> str:
+    """The file the model's load reads its generation config from: ``generation_config.json``, else ``config.json``."""
+    return "generation_config.json" if (Path(folder) / "generation_config.json").is_file() else "config.json"
+
+
+def _generation_config(folder: str) -> Any:
+    """The model's generation config, read from the folder as its load reads it (no weights)."""
     from transformers import GenerationConfig
 
+    file = _generation_config_file(folder)
+    try:
+        return GenerationConfig.from_pretrained(folder, config_file_name=file)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--model's {file} should be a generation config transformers reads, but got "
+                         f"--model={folder!r}: {str(exc).splitlines()[0]}") from exc
+
+
+def _applied_options(generation_config: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The generation options as the store's key holds them: the values ``model.generate`` applies
+    (:func:`~dynabatch.inference.generation.applied_setting`), so that a flag left to the model's default and the
+    same value given are one job; ``--min-new-tokens`` where one applies, the sampling options when sampling."""
+    from dynabatch.inference.generation import applied_setting
+
+    names = ("min_new_tokens", *(_SAMPLING if options["do_sample"] else ()))
+    applied = {name: applied_setting(generation_config, options, name) for name in names}
+    return {"max_new_tokens": options["max_new_tokens"], "do_sample": options["do_sample"],
+            **{name: value for name, value in applied.items() if value is not None}}
+
+
+def _check_lengths(folder: str, config: Any, generation_config: Any, options: dict[str, Any]) -> None:
+    """A decoder-only model's ``generation_config`` (:func:`_generation_config`) sets no length that counts the prompt
+    beside the options, by the library's rule (:func:`~dynabatch.inference.generation.counting_the_prompt`)."""
     from dynabatch.inference.generation import counting_the_prompt
 
     if getattr(config, "is_encoder_decoder", False):
         return
-    file = "generation_config.json" if (Path(folder) / "generation_config.json").is_file() else "config.json"
-    try:
-        generation_config = GenerationConfig.from_pretrained(folder, config_file_name=file)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--model's {file} should be a generation config transformers reads, but got "
-                         f"--model={folder!r}: {str(exc).splitlines()[0]}") from exc
+    file = _generation_config_file(folder)
     found = counting_the_prompt(generation_config, options, where="")
     if found is not None:
         setting, new, value = found
@@ -194,7 +216,8 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         place = job.place_job(args, one_device="one device (generate runs on one device, or one rank per GPU under "
                               "torchrun)")
         config = check_model_folder("--model", args.model)
-        _check_lengths(args.model, config, options)
+        generation_config = _generation_config(args.model)
+        _check_lengths(args.model, config, generation_config, options)
         dtype = check_dtype(args.dtype, place.accelerated)
         tokenizer = _tokenizer(args.model)
         if args.messages_column is not None and not getattr(tokenizer, "chat_template", None):
@@ -206,7 +229,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
             prompts = prompts.take(np.arange(len(prompts)))
         settings = {"dtype": str(dtype).removeprefix("torch."), "max_length": max_length,
                     "prompts": "messages" if args.messages_column is not None else "text",
-                    **{k: v for k, v in options.items()}, **({"seed": args.seed} if args.sample else {})}
+                    **_applied_options(generation_config, options), **({"seed": args.seed} if args.sample else {})}
         key = job.job_key("generate", args.model, **settings)
         job.open_store(output, args, key, len(prompts), ids)
         job.check_first_batch(prompts if args.messages_column is None else None, tokenizer, config=config,

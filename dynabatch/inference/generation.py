@@ -45,7 +45,8 @@ from dynabatch.memory.measure import track_peak_memory
 from dynabatch.memory.shape import ModelShape, check_position_limit, position_limit
 from dynabatch.memory.units import check_max_memory
 
-__all__ = ["check_generate_kwargs", "counting_the_prompt", "generate", "generation_loader", "render_chats", "reply_function"]
+__all__ = ["applied_setting", "check_generate_kwargs", "counting_the_prompt", "generate", "generation_loader",
+           "render_chats", "reply_function"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,32 @@ def _found(model_config: Any, generate_kwargs: dict[str, Any], name: str,
         if getattr(config, name, None) is not None:
             return f"{prefix}{name}", getattr(config, name)
     return name, None
+
+
+def applied_setting(model_config: Any, generate_kwargs: dict[str, Any], name: str) -> Any:
+    """The value of ``name`` that ``model.generate`` applies: its argument in ``generate_kwargs``, else that of the
+    ``generation_config`` given there, else ``model_config``'s (the model's generation config), else transformers'
+    own default (what ``generate`` fills into a field no one set); ``None`` where there is none.
+
+    Example:
+        >>> from transformers import GenerationConfig
+        >>> config = GenerationConfig(temperature=0.7)
+        >>> [applied_setting(config, {"top_k": 5}, name) for name in ("top_k", "temperature", "top_p")]
+        [5, 0.7, 1.0]
+    """
+    value = _found(model_config, generate_kwargs, name)[1]
+    return value if value is not None else _generate_default(name)
+
+
+def _generate_default(name: str) -> Any:
+    """What ``model.generate`` applies for a field no one set: transformers 5.x leaves it ``None`` in every config and
+    fills in its documented defaults (``GenerationConfig._get_default_generation_params``) as it generates; 4.x's
+    configs hold their class defaults."""
+    from transformers import GenerationConfig
+
+    filled = getattr(GenerationConfig, "_get_default_generation_params", None)
+    value = filled().get(name) if callable(filled) else None
+    return value if value is not None else _class_default(name)
 
 
 _DEFAULT_NEW_TOKENS = 20  # model.generate's when no length is set: max_length 20 past the prompt

@@ -454,6 +454,24 @@ def test_a_store_keyed_by_the_earlier_sampled_identity_is_refused_saying_how_to_
         f"{str(out)!r} to compute it again")
 
 
+def test_the_models_default_prompt_named_or_given_resumes_its_store_and_another_prompt_is_refused(
+        st_model_folder, corpus, tmp_path, capsys):
+    # the key held the flag as given: no --prompt-name (the model's default, query) and --prompt-name query were two
+    # jobs, though the same prompt computed the rows; it holds the prompt applied
+    folder = st_model_folder(prompts={"query": "query: ", "passage": "passage: "}, default_prompt_name="query")
+    out = tmp_path / "out"
+    argv = ["embed", str(corpus), str(out), "--model", str(folder), "--id-column", "id", "--no-progress"]
+    assert main(argv) == 0
+    for same in (["--prompt-name", "query"], ["--prompt", "query: "]):
+        capsys.readouterr()
+        assert main([*argv, *same]) == 0
+        assert f"6 of 6 texts stored in {out} (0 run now, 6 stored before)" in capsys.readouterr().out
+    assert _refused([*argv, "--prompt-name", "passage"], capsys) == (
+        f"output should be a new folder, or the store of this same job to resume it, but got output={str(out)!r} "
+        'holding rows computed otherwise (prompt="query: " there, prompt="passage: " here): use another output folder '
+        f"for this job, or delete {str(out)!r} to compute it again")
+
+
 def test_a_max_length_above_the_models_positions_is_refused(bert_dir, corpus, tmp_path, capsys, no_model_loads):
     assert _refused(["embed", str(corpus), str(tmp_path / "out"), "--model", str(bert_dir), "--max-length", "100"],
                     capsys) == "--max-length should be at most the model's max_position_embeddings=64, but got " \

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pyarrow.dataset as ds
 import pytest
@@ -204,6 +205,28 @@ def test_id_column_keys_replies_by_id_and_a_rerun_on_a_reordered_grown_input_run
     assert sorted(table.column("id").to_pylist()) == sorted(r["id"] for r in rows)  # every id once
     by_id = dict(zip(table.column("id").to_pylist(), table.column("output").to_pylist()))
     assert [by_id[f"p{i}"] for i in range(12)] == _alone(gpt2_dir, prompts, 3)
+
+
+def test_a_flag_left_to_the_models_generation_config_and_the_same_value_given_are_one_job(gpt2_dir, tmp_path, capsys):
+    # the key held the flags as given: --temperature 0.7 and none (the model's 0.7) were two jobs, as were
+    # --min-new-tokens 2 and none (the model's 2), and --top-p 1.0 and none (transformers' default): it holds the
+    # values model.generate applies
+    folder = tmp_path / "sampling-model"
+    shutil.copytree(gpt2_dir, folder)
+    settings = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**settings, "temperature": 0.7, "min_new_tokens": 2}))
+    (tmp_path / "p.txt").write_text("In the beginning\nAnd God said, Let there be light\n")
+    out = tmp_path / "replies"
+    argv = ["generate", str(tmp_path / "p.txt"), str(out), "--model", str(folder), "--max-new-tokens", "3", "--sample",
+            "--no-progress"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main([*argv, "--temperature", "0.7", "--min-new-tokens", "2", "--top-p", "1.0", "--top-k", "50"]) == 0
+    assert f"2 of 2 replies stored in {out} (0 run now, 2 stored before)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--temperature", "0.9"])
+    assert info.value.code == 2
+    assert "holding rows computed otherwise (temperature=0.7 there, temperature=0.9 here)" in capsys.readouterr().err
 
 
 def test_a_length_counting_the_prompt_in_the_folders_generation_config_is_refused_before_the_model_loads(

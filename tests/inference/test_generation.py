@@ -564,3 +564,17 @@ def test_on_a_device_of_a_given_size_the_calls_fill_it_within_1_2x_the_fewest_fo
     found = (f"{report.batches} calls ({[r.rows for r in report.records]} rows), {len(forwards)} forwards; the fewest: "
              f"{fewest_calls} calls, {fewest_forwards} forwards")  # 4 calls, 48 forwards each (2026-11-29)
     assert fewest_calls >= 3 and len(forwards) <= 1.2 * fewest_forwards, found
+
+
+def test_applied_setting_is_the_argument_else_the_configs_given_else_the_models_else_transformers_default():
+    from transformers import GenerationConfig
+
+    from dynabatch.inference.generation import applied_setting
+
+    model = GenerationConfig(temperature=0.7, top_k=20)
+    given = {"top_k": 5, "generation_config": GenerationConfig(top_p=0.9)}
+    assert [applied_setting(model, given, name) for name in ("top_k", "top_p", "temperature")] == [5, 0.9, 0.7]
+    # unset everywhere: what model.generate fills in (transformers 5 leaves the field None in every config)
+    unset = GenerationConfig()
+    assert [applied_setting(unset, {}, name) for name in ("temperature", "top_p", "top_k")] == [1.0, 1.0, 50]
+    assert applied_setting(unset, {}, "min_new_tokens") is None
