@@ -296,6 +296,7 @@ def _prepare(args: argparse.Namespace) -> _Job:
             settings["prompt"] = json.dumps(prompt) if prompt is not None else None
         key = job.job_key("embed", folder, **settings)
         job.open_store(output, args, key, len(texts), ids)
+        job.check_stored_inputs(output, texts, loader_tokenizer, max_length)
         job.check_first_batch(texts, loader_tokenizer, config=config, dtype=dtype,
                               device=place.devices[0], max_memory=args.max_memory, batch_size=args.batch_size,
                               max_length=max_length, max_tokens=args.max_batch_tokens)

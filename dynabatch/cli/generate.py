@@ -226,12 +226,14 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         max_length = _prompt_limit(args, config, tokenizer)
         if args.messages_column is None:
             job.check_tokens(prompts, tokenizer, max_length, ids, "--text-column", args.text_column)
-            prompts = prompts.take(np.arange(len(prompts)))
         settings = {"dtype": str(dtype).removeprefix("torch."), "max_length": max_length,
                     "prompts": "messages" if args.messages_column is not None else "text",
                     **_applied_options(generation_config, options), **({"seed": args.seed} if args.sample else {})}
         key = job.job_key("generate", args.model, **settings)
         job.open_store(output, args, key, len(prompts), ids)
+        if args.messages_column is None:  # rendered chats are the run's to check, as it renders them
+            job.check_stored_inputs(output, prompts, tokenizer, max_length)
+            prompts = prompts.take(np.arange(len(prompts)))
         job.check_first_batch(prompts if args.messages_column is None else None, tokenizer, config=config,
                               dtype=dtype, device=place.devices[0], max_memory=args.max_memory,
                               batch_size=args.batch_size, max_length=max_length, max_new_tokens=args.max_new_tokens)

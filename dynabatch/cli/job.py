@@ -23,7 +23,8 @@ its own (its options, its model, its call):
   (the shared option checks, the corpus and its columns), :func:`read_input`
   (its ids and inputs, read and checked), :func:`place_job` (the devices and
   ``--max-memory`` there), :func:`open_store` (the store opened under the
-  job's key), :func:`check_tokens` (no text of no token), :func:`check_first_batch`;
+  job's key), :func:`check_stored_inputs` (its rows computed from these texts),
+  :func:`check_tokens` (no text of no token), :func:`check_first_batch`;
 * :func:`running` around the model's load and the run, :func:`conclude` the
   run accounted and summed up: the exit status.
 """
@@ -49,10 +50,11 @@ from dynabatch._validation import bad_value, first_few
 from dynabatch.cli._checks import Parser
 from dynabatch.cli.output import Output, Tally
 
-__all__ = ["MODEL_IDENTITY", "Placement", "add_input_arguments", "add_run_arguments", "check_first_batch",
-           "check_outputs", "check_tokens", "command_parser", "conclude", "digest_cache", "finish", "job_key", "model_digest",
-           "model_files", "open_input", "open_store", "place_job", "placement", "prepared", "process_group", "read_input",
-           "run_accounted", "run_job", "running", "sampled_identity", "summary"]
+__all__ = ["MODEL_IDENTITY", "STORED_PIECE", "Placement", "add_input_arguments", "add_run_arguments",
+           "check_first_batch", "check_outputs", "check_stored_inputs", "check_tokens", "command_parser", "conclude",
+           "digest_cache", "finish", "job_key", "model_digest", "model_files", "open_input", "open_store", "place_job",
+           "placement", "prepared", "process_group", "read_input", "run_accounted", "run_job", "running",
+           "sampled_identity", "summary"]
 
 logger = logging.getLogger(__name__)
 
@@ -272,6 +274,33 @@ def open_store(output: Output, args: argparse.Namespace, key: str, n: int, ids: 
     """``output``'s store opened under ``key`` for the ``n`` inputs (``ids``: of ``--id-column``); a store another
     job writes, or one of rows computed otherwise, is refused now."""
     output.open(key=key, n=n, ids=ids, id_column=args.id_column)
+
+
+STORED_PIECE = 65_536
+"""Stored texts tokenized at a time by :func:`check_stored_inputs`: their tokens are dropped after each piece (the
+hashes kept, 8 bytes a row), so a store of millions of rows is checked in flat memory."""
+
+
+def check_stored_inputs(output: Output, texts: Any, tokenizer: Any, max_length: int) -> None:
+    """Refuses, before any weights load, a store whose rows were computed from other texts at the same ids or
+    positions (another ``--text-column``, an edited or reordered corpus): the texts of the rows ``output``'s store
+    holds are tokenized as the loader tokenizes them (``tokenizer`` at ``max_length``), in pieces of
+    :data:`STORED_PIECE`, and their input hashes checked by the store's own rule
+    (:meth:`~dynabatch.inference.store.Store.check_inputs`), which the run would apply only once the model loaded."""
+    import copy
+
+    import numpy as np
+
+    from dynabatch.data.input_hashes import token_store_hashes
+    from dynabatch.data.tokenization import ParallelTokenizer
+
+    stored = np.flatnonzero(output.store.done)
+    if not stored.size:
+        return
+    tokenize = ParallelTokenizer(copy.deepcopy(tokenizer), max_length, {})  # as the loader does, on every core
+    hashes = np.concatenate([token_store_hashes(tokenize(texts.take(piece), positions=piece))
+                             for piece in np.array_split(stored, -(-stored.size // STORED_PIECE))])
+    output.store.check_inputs(stored, hashes)
 
 
 @contextlib.contextmanager

@@ -145,7 +145,9 @@ def _run(source: Source, sink: MemorySink | StoreSink, options: RunOptions) -> R
     """The stages, from the resume check to the accounted result."""
     plan, stored = source.plan, sink.stored
     if stored is not None and stored.any():  # a resumed run: the inputs the store holds, checked before any batch
-        inputs = source.input_hashes(np.flatnonzero(stored))  # None for a plain iterable (checked as it is built)
+        unchecked = sink.unchecked()  # rows its caller checked already (the command line's) are not hashed again
+        # None for a plain iterable of batches: its rows are checked as they are built
+        inputs = source.input_hashes(unchecked) if unchecked.size else None
         if inputs is not None:
             sink.check_inputs(*inputs)
         logger.info("the store holds %d of this run's rows: they are not run again", int(stored.sum()))

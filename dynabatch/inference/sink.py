@@ -88,12 +88,13 @@ class MemorySink:
 
 class StoreSink:
     """Rows written to the results store at ``output_path`` (:mod:`dynabatch.inference.store`) and read back;
-    ``stored``: the inputs it held before the run (not run again); ``check_inputs`` and ``writer``: the store's own."""
+    ``stored``: the inputs it held before the run (not run again); ``unchecked``, ``check_inputs`` and ``writer``:
+    the store's own."""
 
     def __init__(self, store: Any, *, owned: bool = True) -> None:
         self.store, self.owned = store, owned  # owned: opened by the run (else its caller closes it)
         self.stored = store.done
-        self.check_inputs, self.writer = store.check_inputs, store.writer
+        self.unchecked, self.check_inputs, self.writer = store.unchecked, store.check_inputs, store.writer
 
     def result(self, n: int, *, report: RunReport | None = None,
                gather: bool = True) -> tuple[StoredRunResult, np.ndarray]:

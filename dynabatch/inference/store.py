@@ -283,6 +283,12 @@ class Store:
         causes = pa.concat_arrays([self._failed[f][1] for f in files])
         return dict(zip(positions.tolist(), causes.take(pa.array(latest[first])).to_pylist()))
 
+    def unchecked(self) -> np.ndarray:
+        """The ``int64`` positions of the stored rows not yet checked against this run's inputs (:meth:`check_inputs`):
+        a run hashes only these, so that a caller who checked them before (the command line, before its model
+        loads) costs no second tokenization of them."""
+        return np.flatnonzero(self.done & ~self._checked)
+
     def check_inputs(self, positions: np.ndarray, hashes: np.ndarray) -> None:
         """Refuses (``ValueError``) stored rows whose input hash differs from this run's ``hashes`` at ``positions``."""
         positions = np.asarray(positions, dtype=np.int64)

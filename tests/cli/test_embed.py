@@ -609,6 +609,26 @@ def test_a_new_output_folder_is_taken_back_when_a_later_check_fails(bert_dir, co
     assert not (tmp_path / "new").exists()
 
 
+def test_a_rerun_on_another_text_column_under_the_stored_ids_is_refused_before_the_weights_load(
+        bert_dir, texts, tmp_path, capsys, monkeypatch):
+    # the stored rows' input hashes told it only once the run began: after the model had loaded
+    (tmp_path / "corpus").mkdir()
+    ids = [f"d{i}" for i in range(6)]
+    pq.write_table(pa.table({"id": ids, "text": texts[:6], "title": texts[6:12]}), tmp_path / "corpus" / "a.parquet")
+    out = tmp_path / "out"
+    argv = ["embed", str(tmp_path / "corpus"), str(out), "--model", str(bert_dir), "--id-column", "id", "--no-progress"]
+    assert main([*argv, "--text-column", "text"]) == 0
+    capsys.readouterr()
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", lambda *a, **k: pytest.fail("a model loaded"))
+    err = _refused([*argv, "--text-column", "title"], capsys)
+    assert err.startswith(f"output={str(out)!r} should hold results of these inputs at their ids, but got 6 stored "
+                          "rows computed from other inputs (ids d0, d1, d2, d3, d4, ...): the texts, their order, the "
+                          "tokenizer or its settings differ from the run that stored them (key='embed model="), err
+    assert err.endswith("); use another output folder"), err
+
+
 def test_a_rerun_on_other_texts_at_the_stored_positions_is_one_line_naming_output_and_id_column(
         bert_dir, texts, tmp_path, capsys):
     # the store's own words named the library's output_path and "give the loader ids=", which the command has not
@@ -619,7 +639,7 @@ def test_a_rerun_on_other_texts_at_the_stored_positions_is_one_line_naming_outpu
     docs.write_text("\n".join([texts[10], *texts[:4]]) + "\n", encoding="utf-8")  # a line put first
     capsys.readouterr()
     with pytest.raises(SystemExit) as info:
-        main(argv)  # refused by the run, once the model has loaded (its "Loading weights" bar: this process's)
+        main(argv)  # refused before the model loads (job.check_stored_inputs)
     lines = [line for line in re.split(r"[\r\n]+", capsys.readouterr().err) if line and "Loading weights" not in line]
     assert info.value.code == 2 and len(lines) == 1, lines
     line = lines[0].removeprefix("dynabatch embed: error: ")

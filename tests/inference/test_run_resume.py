@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.dataset as ds
 import pytest
 import torch
-from runner_helpers import _fails_at, _lengths, _load
+from runner_helpers import MAX_LEN, _fails_at, _lengths, _load
 
 from dynabatch import BatchOutOfMemoryError, run
 from dynabatch.inference.store_writer import CommitPolicy
@@ -205,6 +205,52 @@ def test_a_run_writes_into_the_store_its_caller_opened(tokenizer, texts, tmp_pat
         run(_summary, loader, output_path=again, progress=False)
     assert run(_summary, _load(texts[:10], tokenizer, ids=ids[:10]), output_path=again, progress=False).report.rows == 0
     again.close()
+
+
+def test_stored_rows_the_caller_checked_are_not_tokenized_again_by_the_run(tokenizer, texts, tmp_path):
+    # the command line checks the stored rows' input hashes before its model loads; the run hashed them all again
+    import copy
+    import shutil
+
+    import pyarrow as pa
+
+    from dynabatch.data.input_hashes import token_store_hashes
+    from dynabatch.data.text_source import source_of
+    from dynabatch.data.tokenization import ParallelTokenizer
+    from dynabatch.inference.store import open_store
+
+    seen = []
+
+    class Counting(type(tokenizer)):  # the texts each call tokenizes (its own call: the backend rule's)
+        def __call__(self, batch, *args, **kwargs):
+            seen.extend(batch)
+            return super().__call__(batch, *args, **kwargs)
+
+    counting = copy.deepcopy(tokenizer)
+    counting.__class__ = Counting
+    ids = [f"doc-{i}" for i in range(40)]
+
+    def streamed(n):
+        return _load(source_of(pa.array(texts[:n], pa.large_string())), counting, ids=ids[:n], stream=True,
+                     progress=False)
+
+    run(_summary, streamed(30), output_path=tmp_path / "a", key="k", progress=False)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    tokenized = {}
+    for folder, caller_checks in (("a", False), ("b", True)):
+        loader = streamed(40)
+        store = open_store(tmp_path / folder, key="k", ids=loader.plan.ids)
+        assert store.unchecked().tolist() == list(range(30))
+        if caller_checks:  # as the loader tokenizes them (its tokenizer, limit and keywords)
+            tokens = ParallelTokenizer(copy.deepcopy(tokenizer), MAX_LEN, {})(texts[:30])
+            store.check_inputs(np.arange(30), token_store_hashes(tokens))
+            assert not store.unchecked().size
+        seen.clear()
+        assert run(_summary, loader, output_path=store, progress=False).report.rows == 10
+        tokenized[folder] = len(seen)
+        store.close()
+    assert tokenized["a"] - tokenized["b"] == 30  # the 30 stored texts, hashed once: by the caller
+    assert sorted(_stored(tmp_path / "a", "id")) == sorted(_stored(tmp_path / "b", "id")) == sorted(ids)
 
 
 def test_resume_with_a_lower_batch_size_runs_only_the_missing_shard(tokenizer, texts, tmp_path, small_shards):
