@@ -104,7 +104,9 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
             ``SequentialSampler(ds)`` or a list); it must cover as many items as
             ``lengths``. A ``RandomSampler`` becomes a seeded permutation per
             epoch (see the module docs); any other sampler is iterated each
-            epoch (its ``set_epoch`` is called) and should be deterministic.
+            epoch (its ``set_epoch`` is called) and should be deterministic. A
+            ``DistributedSampler`` over several ranks is refused: this sampler
+            shares the batches among ranks itself (``num_replicas``, ``rank``).
         batch_size: Number of bins per batch.
         batch_max_len: Bin capacity in tokens (maximum sequence length).
         lengths: Sequence lengths indexed like the dataset, in the forms every sampler takes: 1-D,
@@ -223,10 +225,16 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
 
     def _check_sampler(self, sampler: Any) -> None:
         if isinstance(sampler, DistributedSampler):
+            if sampler.num_replicas > 1:
+                # Each rank would pack only its own share, into its own number of batches: DDP would wait forever
+                # on the rank with fewer (and with num_replicas > 1 here too, the share would be split again).
+                raise bad_value("sampler", "an order of the whole dataset (RandomSampler, SequentialSampler or a "
+                                "list of indices), not a DistributedSampler over several ranks: "
+                                "MultipackBatchSampler shares its batches among the ranks itself (num_replicas, "
+                                "rank), every rank the same number, while each rank's share of a DistributedSampler "
+                                "packs into its own number of batches", f"<DistributedSampler over "
+                                f"num_replicas={sampler.num_replicas}, rank={sampler.rank}>")
             size = len(sampler.dataset)  # type: ignore[arg-type]
-            if self.num_replicas > 1 and self.shard:
-                LOG.warning("a DistributedSampler already splits the data per rank: pass num_replicas=1 "
-                            "so MultipackBatchSampler does not split it again")
         elif hasattr(sampler, "__len__"):
             size = len(sampler)
         else:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import RandomSampler, SequentialSampler
+from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
 from dynabatch.sampling.ffd import pack_arrays
 from dynabatch.sampling.multipack import MultipackBatchSampler
@@ -262,6 +262,19 @@ def test_algorithm_keyword_plans_each_epoch_order_with_that_packer():
     ffd = _sampler(lengths, 1, 128, bin_size=12, algorithm="ffd")
     with pytest.raises(ValueError, match="state should come from a sampler over the same lengths"):
         _sampler(lengths, 1, 128, bin_size=12).load_state_dict(ffd.state_dict())
+
+
+def test_a_distributed_sampler_over_several_ranks_is_refused():
+    # Each rank's DistributedSampler share (51 and 51 of 101 here) packed into 10 and 12 batches: DDP would hang on
+    # the rank with fewer. The sampler shares its batches among ranks itself, so the share is refused.
+    lengths = np.random.default_rng(1).integers(1, 100, 101)
+    for rank in range(2):
+        share = DistributedSampler(range(101), num_replicas=2, rank=rank, seed=0)
+        with pytest.raises(ValueError, match=r"sampler should be an order of the whole dataset .* not a "
+                           r"DistributedSampler over several ranks.*num_replicas=2, rank=" + str(rank)):
+            MultipackBatchSampler(share, 2, 128, lengths, drop_last=False, num_replicas=1)
+    whole = DistributedSampler(range(101), num_replicas=1, rank=0, seed=0)  # one rank: the whole dataset, kept
+    assert sorted(_flat(MultipackBatchSampler(whole, 2, 128, lengths, drop_last=False))) == list(range(101))
 
 
 def test_unknown_keyword_is_ignored_with_a_warning(caplog):
