@@ -64,7 +64,7 @@ def check_single_samples_fit(
     task_ids: np.ndarray,
     lengths: np.ndarray,
     batch_bytes: BatchBytes,
-    max_bytes: float,
+    max_bytes: float | MemoryBudget,
     *,
     name: str = "max_bytes",
     value: object = None,
@@ -73,10 +73,14 @@ def check_single_samples_fit(
 ) -> None:
     """Raises ValueError naming the task whose longest sample alone is predicted above ``max_bytes``.
 
-    ``name``/``value`` are the argument the user gave (``value`` defaults to
+    ``max_bytes`` is a number of bytes or a :class:`~dynabatch.memory.budget.MemoryBudget`, whose
+    ``allows`` must also take the sample alone (not as wide as a shape that ran out of memory
+    on one row). ``name``/``value`` are the argument the user gave (``value`` defaults to
     ``max_bytes``), ``task_names[k]`` names task ``k`` and ``unit`` is the
     (label, bytes) the message uses.
     """
+    budget = max_bytes if isinstance(max_bytes, MemoryBudget) else None
+    limit = budget.budget_bytes if budget is not None else max_bytes
     num_tasks = int(task_ids.max()) + 1 if task_ids.size else 0
     for task in range(num_tasks):
         mine = lengths[task_ids == task]
@@ -85,12 +89,19 @@ def check_single_samples_fit(
         counts = np.zeros(num_tasks, dtype=np.int64)
         counts[task] = 1
         need = batch_bytes(counts, int(mine.max()))
-        if need > max_bytes:
-            label = task_names[task] if task_names is not None else task
+        label = task_names[task] if task_names is not None else task
+        given = limit if value is None else value
+        if need > limit:
             raise ValueError(
                 f"{name} should be at least what one sample needs (task {label!r} at length {int(mine.max())} "
                 f"needs {need / unit[1]:.4g} {unit[0]} within the margin), "
-                f"but got {name}={max_bytes if value is None else value!r}"
+                f"but got {name}={given!r}"
+            )
+        if budget is not None and not bool(budget.allows(1, int(mine.max()), need)):
+            raise ValueError(
+                f"{name} should allow one sample alone (task {label!r} at length {int(mine.max())} is at least "
+                f"as large as a shape that ran out of memory, of {budget.failed_shapes} (rows, width)), "
+                f"but got {name}={given!r}"
             )
 
 
@@ -169,8 +180,8 @@ def plan_memory_aware_batches(
         The batches; every position in ``range(len(task_ids))`` appears exactly once.
 
     Raises:
-        ValueError: a sample alone is predicted above the budget (its task is named),
-            or the arguments are out of range.
+        ValueError: a sample alone is predicted above the budget, or is as large as a shape
+            the budget saw run out of memory (its task is named), or the arguments are out of range.
     """
     task_ids = check_lengths("task_ids", task_ids, what="task ids")
     lengths = check_lengths("lengths", lengths)
@@ -192,7 +203,7 @@ def plan_memory_aware_batches(
     rng = np.random.default_rng([check_non_negative_int("seed", seed), check_non_negative_int("epoch", epoch)])
     if task_ids.size == 0:
         return []
-    check_single_samples_fit(task_ids, lengths, batch_bytes, budget.budget_bytes,
+    check_single_samples_fit(task_ids, lengths, batch_bytes, budget,
                              name="budget", value=budget.max_memory)
 
     num_tasks = int(task_ids.max()) + 1

@@ -208,7 +208,7 @@ class MemoryAwareBatchSampler(PlannedBatchSampler):
         if self.calibrated:
             self.batch_bytes = predictor.batch_memory_function(self.task_names, self.is_training)
             check_single_samples_fit(
-                self.task_ids, self.lengths, self.batch_bytes, self.budget.budget_bytes,
+                self.task_ids, self.lengths, self.batch_bytes, self.budget,
                 name="max_memory_mb", value=max_memory_mb, task_names=self.task_names, unit=("MB", MB),
             )
         elif self.task_names and self.budget is not None:
