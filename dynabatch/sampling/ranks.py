@@ -1,8 +1,9 @@
 """Ranks: the world, one reduction over it, and the one routine that deals batches to ranks in equal steps.
 
-Every batch sampler of dynabatch, the packer's sequential allocator and
-:func:`dynabatch.run` under ``torch.distributed`` share an epoch's batches among
-``num_replicas`` ranks the same way:
+Every batch sampler of dynabatch and :func:`dynabatch.run` under
+``torch.distributed`` share an epoch's batches among ``num_replicas`` ranks the
+same way (axolotl's ``allocate_sequentially`` in :mod:`dynabatch.compat.axolotl`
+only deals its bins, as axolotl's does: ranks may get different counts):
 
 1. :func:`split_for_replicas` splits the batches holding the most samples
    until their number is a multiple of ``num_replicas`` (and at least
