@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dynabatch._validation import bad_value
+from dynabatch._validation import check_choice
 
 __all__ = ["NORMALIZATIONS", "count_items", "per_sample_losses", "weighted_loss_sum"]
 
@@ -39,9 +39,9 @@ NORMALIZATIONS = ("tokens", "samples")
 
 
 def check_normalization(value: object) -> str:
-    """Returns ``value`` if it is one of :data:`NORMALIZATIONS`."""
-    if value not in NORMALIZATIONS:
-        raise bad_value("batch_size_normalizer", "'tokens' or 'samples'", value)
+    """Returns ``value`` if it is one of :data:`NORMALIZATIONS`: a ``TypeError`` for a non-str (such as a normalizer
+    object, which the multi-task system's docs pass), a ``ValueError`` for another string."""
+    check_choice("batch_size_normalizer", value, NORMALIZATIONS)
     return value  # type: ignore[return-value]
 
 

@@ -90,5 +90,16 @@ def test_sequence_classification_labels_are_one_item_per_row():
 
 
 def test_bad_normalizer_is_named():
-    with pytest.raises(ValueError, match=r"batch_size_normalizer should be 'tokens' or 'samples', but got batch_size_normalizer='rows'"):
+    with pytest.raises(ValueError, match=r"batch_size_normalizer should be one of \('tokens', 'samples'\), but got "
+                       r"batch_size_normalizer='rows'$"):
         check_normalization("rows")
+
+
+def test_a_normalizer_object_is_a_type_error():
+    # the multi-task system's quick reference passes batch_size_normalizer=normalizer, an object
+    class Normalizer:
+        pass
+
+    with pytest.raises(TypeError, match=r"batch_size_normalizer should be one of \('tokens', 'samples'\), but got "
+                       r"batch_size_normalizer=.* of type Normalizer$"):
+        check_normalization(Normalizer())
