@@ -88,6 +88,14 @@ class Batch(dict):
         self.indices = indices
         self.texts = texts
 
+    def __missing__(self, key: Any) -> Any:
+        # dynabatch 0.1.6 documented a "texts" key; here the rows' texts and positions are attributes, so that
+        # model(**batch) takes the mapping as it is: a lookup of either key says where it is
+        if key in ("texts", "indices"):
+            raise KeyError(f"{key!r} is not a key of a dynabatch Batch (the mapping holds only tensors, so "
+                           f"model(**batch) takes it): read batch.{key}")
+        raise KeyError(key)
+
     def to(self, device: str | torch.device, non_blocking: bool = False) -> Batch:
         """Returns a new batch with every tensor of the mapping moved to ``device``.
 

@@ -115,6 +115,17 @@ def test_indices_and_texts(tokens, texts):
     assert TokenCollator(tokens, pad_token_id=0)(POSITIONS).texts is None
 
 
+def test_the_texts_key_of_dynabatch_016_points_to_the_attribute(tokens, texts):
+    # 0.1.6 documented batch["texts"]; the mapping now holds tensors only (model(**batch)), the texts are batch.texts
+    batch = TokenCollator(tokens, pad_token_id=0, texts=texts)(POSITIONS)
+    for key in ("texts", "indices"):
+        with pytest.raises(KeyError, match=rf"'{key}' is not a key of a dynabatch Batch .* read batch\.{key}"):
+            batch[key]
+        assert key not in batch and batch.get(key) is None
+    with pytest.raises(KeyError, match=r"^'labels'$"):
+        batch["labels"]
+
+
 def test_accepts_tensor_and_array_positions(tokens):
     collate = TokenCollator(tokens, pad_token_id=0)
     expected = collate(POSITIONS)["input_ids"]
