@@ -47,8 +47,9 @@ def non_monotone():
 
 def reference_sizes(lengths, batch_size, max_len, clf, threshold=0.025, start=1.0, end=6.0, steps=50, shape=None,
                     max_tokens=None):
-    """The spike rule of dynabatch 0.1.6, batch by batch, with every candidate asked, then at most ``max_tokens``
-    padded tokens: what the planner must equal."""
+    """The spike rule of dynabatch 0.1.6 with the differences docs/planner.md lists (a safe prefix, candidates capped
+    at the texts that remain before they are asked), batch by batch, with every candidate asked, then at most
+    ``max_tokens`` padded tokens: what the planner must equal."""
     n = len(lengths)
     prefix = np.concatenate([[0], np.cumsum(lengths)])
     first = min(batch_size, n)
@@ -620,3 +621,23 @@ def test_a_run_budget_smaller_than_one_row_is_refused_when_the_run_starts():
                                          r"predicted for 1 x 64 tokens, planned to 0\.9 of the budget\); here 5,000 "
                                          r"bytes"):
         planner.budget_on("cpu")
+
+
+class RowsTimesLongest:
+    """A spike classifier monotone in rows: the probability rises with rows x longest row relative to the first
+    batch (batch_size_diff x token_size_diff), steeply around 1."""
+
+    classes_ = np.array([0, 1])
+
+    def predict_proba(self, features):
+        load = features[:, 6] * features[:, 3]  # batch_size_diff x token_size_diff
+        p = 1 / (1 + np.exp(-12 * (load - 1)))
+        return np.stack([1 - p, p], axis=1)
+
+
+def test_a_tail_candidate_is_asked_at_the_rows_that_remain_not_at_its_full_size():
+    # 61 texts of 100 tokens, batch_size=30, 31 left: 0.1.6 asked about its candidate of 34 rows (unsafe), took 30
+    # and left 1 (30, 30, 1); capped at the 31 that remain the candidate is safe (p = 0.598 <= 0.6)
+    sizes = [len(b) for b in plan_batches(np.full(61, 100), batch_size=30, max_input_token_length=128,
+                                          threshold=0.6, classifier=RowsTimesLongest())]
+    assert sizes == [30, 31]
