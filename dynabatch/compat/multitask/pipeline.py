@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import logging
 import os
+from collections import Counter
 from collections.abc import Hashable
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 from dynabatch._validation import bad_type, bad_value
 from dynabatch.compat.multitask.monitor import DynamicBatchingMonitor
 from dynabatch.compat.multitask.oom_guardian import GradientCheckpointManager, OOMGuardian
-from dynabatch.compat.multitask.predictor import MemoryPredictor
+from dynabatch.compat.multitask.predictor import MemoryPredictor, task_shares
 from dynabatch.compat.multitask.sampler import read_task_metadata
 from dynabatch.compat.multitask.trainer import DynamicBatchingTrainer
 from dynabatch.memory.device import default_device
@@ -33,6 +34,25 @@ from dynabatch.memory.device import default_device
 __all__ = ["DynamicBatchingTrainingPipeline", "HeterogeneousTrainingConfig"]
 
 logger = logging.getLogger(__name__)
+
+
+_MIX_TOLERANCE = 0.05  # a share of the data's task mix: what rounding a described mix such as 0.4 / 0.3 / 0.3 needs
+
+
+def _check_task_mix(task_distribution: Any, tasks: list[Hashable]) -> None:
+    """Refuses a ``task_distribution`` that is not the data's own mix, which the batches follow: a given mix the run
+    did not train on would be a setting silently ignored."""
+    name = "config.task_distribution"
+    given = dict(zip(task_distribution, task_shares(name, task_distribution).tolist()))
+    data = {task: 0.0 for task in given} | {task: n / len(tasks) for task, n in Counter(tasks).items()}
+    unknown = [task for task in given if task not in set(tasks)]
+    if unknown:
+        raise bad_value(name, f"a dict over the data's tasks (unknown: {unknown})", task_distribution)
+    if max(abs(given.get(task, 0.0) - share) for task, share in data.items()) > _MIX_TOLERANCE:
+        mix = {task: round(share, 3) for task, share in data.items()}
+        raise bad_value(name, f"the data's own task mix, which the batches follow, within {_MIX_TOLERANCE} of each "
+                        f"share ({mix}; resample the dataset to train on another mix, or leave task_distribution=None)",
+                        task_distribution)
 
 
 @dataclasses.dataclass
@@ -43,7 +63,10 @@ class HeterogeneousTrainingConfig:
     "30GB" limit). ``task_distribution`` and ``initial_task_loss_weights``
     default to ``None``: the tasks found in the data, each weighing 1.0 (its
     docs' example values are for their tasks T1-T3). ``max_steps=-1`` lets
-    ``num_epochs`` decide (its docs show 10000 for long runs).
+    ``num_epochs`` decide (its docs show 10000 for long runs). The batches
+    follow the data's own task mix: a ``task_distribution`` given describes it,
+    and :meth:`DynamicBatchingTrainingPipeline.train` refuses one whose shares are
+    more than 0.05 from the data's (resample the dataset to change the mix).
     ``simulate_memory_limit`` (CPU only) makes going over ``max_memory_mb`` a
     real out-of-memory error.
     """
@@ -168,9 +191,7 @@ class DynamicBatchingTrainingPipeline:
         c = self.config
         tasks, lengths = read_task_metadata(train_dataset)
         if c.task_distribution is not None:
-            unknown = [t for t in c.task_distribution if t not in set(tasks)]
-            if unknown:
-                raise bad_value("config.task_distribution", f"a dict over the data's tasks (unknown: {unknown})", c.task_distribution)
+            _check_task_mix(c.task_distribution, tasks)
         if c.enable_gradient_checkpointing:
             GradientCheckpointManager.enable_gradient_checkpointing(self.model)
         self.guardian = self._guardian()

@@ -305,6 +305,25 @@ class MemoryPredictor:
         return predictor
 
 
+def task_shares(name: str, task_distribution: Any) -> np.ndarray:
+    """The fractions of ``task_distribution`` (task type -> fraction), in its order, scaled to sum to 1.
+
+    Raises:
+        TypeError: not a non-empty dict.
+        ValueError: a fraction negative or not finite, or none positive.
+
+    Example:
+        >>> task_shares("task_distribution", {"T1": 2, "T2": 1, "T3": 1}).tolist()
+        [0.5, 0.25, 0.25]
+    """
+    if not isinstance(task_distribution, dict) or not task_distribution:
+        raise bad_type(name, "a non-empty dict of task type -> fraction", task_distribution)
+    shares = np.array(list(task_distribution.values()), dtype=np.float64)
+    if np.any(~np.isfinite(shares)) or np.any(shares < 0) or shares.sum() <= 0:
+        raise bad_value(name, "non-negative fractions with a positive sum", task_distribution)
+    return shares / shares.sum()
+
+
 def estimate_training_memory(
     num_samples: int,
     task_distribution: dict[Hashable, float],
@@ -331,12 +350,7 @@ def estimate_training_memory(
     num_samples = check_positive_int("num_samples", num_samples)
     batch_size = check_positive_int("batch_size", batch_size)
     num_epochs = check_positive_int("num_epochs", num_epochs)
-    if not isinstance(task_distribution, dict) or not task_distribution:
-        raise bad_type("task_distribution", "a non-empty dict of task type -> fraction", task_distribution)
-    shares = np.array(list(task_distribution.values()), dtype=np.float64)
-    if np.any(~np.isfinite(shares)) or np.any(shares < 0) or shares.sum() <= 0:
-        raise bad_value("task_distribution", "non-negative fractions with a positive sum", task_distribution)
-    shares = shares / shares.sum()
+    shares = task_shares("task_distribution", task_distribution)
     tasks = list(task_distribution)
     samples_per_task = dict(zip(tasks, np.round(shares * num_samples).astype(int).tolist()))
     batches = math.ceil(num_samples / batch_size)

@@ -48,12 +48,31 @@ def test_the_pipeline_calibrates_to_the_guardians_budget_in_mb_of_a_million_byte
     assert pipeline.calibration_budget() == guardian.usable_bytes() == 30000 * MB * 0.9 == 27 * 10**9
 
 
+@pytest.mark.parametrize("mix", [{"joke": 0.4, "verse": 0.3, "passage": 0.3}, {"joke": 0.5, "verse": 0.5}])
+def test_a_task_distribution_other_than_the_datas_mix_is_refused_before_training(example, tokenizer, dataset, mix,
+                                                                                 tmp_path):
+    # the batches follow the data's mix (a third each here): another mix given would be a setting silently ignored
+    model = example.build_model(tokenizer, hidden=32, max_length=32)
+    pipeline = DynamicBatchingTrainingPipeline(_config(tmp_path, 30000, task_distribution=mix), model, tokenizer)
+    with pytest.raises(ValueError, match=r"config.task_distribution should be the data's own task mix, which the "
+                                         r"batches follow, within 0.05 of each share \(\{'joke': 0.333, 'verse': "
+                                         r"0.333, 'passage': 0.333\}; resample the dataset to train on another mix, "
+                                         r"or leave task_distribution=None\), but got config.task_distribution="):
+        pipeline.train(dataset)
+    assert pipeline.trainer is None
+    unknown = DynamicBatchingTrainingPipeline(_config(tmp_path, 30000, task_distribution={"T9": 1.0}), model,
+                                              tokenizer)
+    with pytest.raises(ValueError, match=r"a dict over the data's tasks \(unknown: \['T9'\]\)"):
+        unknown.train(dataset)
+
+
 def test_pipeline_trains_within_a_measured_budget_and_resumes_without_repeating(
     one_thread, example, tokenizer, dataset, tmp_path
 ):
     model = example.build_model(tokenizer, hidden=32, max_length=32)
     budget = example.measured_budget_mb(model, dataset, rows=4)  # a step on the 4 longest samples, measured
-    pipeline = DynamicBatchingTrainingPipeline(_config(tmp_path, budget), model, tokenizer)
+    mix = {"joke": 1.0, "verse": 1.0, "passage": 1.0}  # the data's own: a third each, as fractions of any scale
+    pipeline = DynamicBatchingTrainingPipeline(_config(tmp_path, budget, task_distribution=mix), model, tokenizer)
     result = pipeline.train(dataset)
     trainer = pipeline.trainer
     assert pipeline.calibration_budget() == pipeline.guardian.usable_bytes()  # probes fill what the guardian allows
