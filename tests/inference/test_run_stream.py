@@ -192,6 +192,35 @@ def test_two_devices_share_one_stream(small_chunks, texts, tokenizer, expected):
     assert [int(x) for x in result] == expected
 
 
+def test_an_interrupted_run_on_two_devices_stores_exactly_the_rows_that_finished_and_a_rerun_the_rest(
+        small_chunks, texts, tokenizer, expected, tmp_path):
+    ids = [f"doc-{i}" for i in range(len(texts))]
+    finished, calls, lock = [], [], threading.Lock()
+
+    def make_fn(device):
+        def fn(batch):  # interrupted once six calls, over both devices, have begun
+            with lock:
+                if len(calls) >= 6:
+                    raise RuntimeError("interrupted")
+                calls.append(1)
+            rows = _sums(batch)
+            with lock:
+                finished.extend(batch.indices.tolist())
+            return rows
+
+        return fn
+
+    path = tmp_path / "store"
+    with pytest.raises(RuntimeError, match="interrupted"):
+        dynabatch.run(make_fn=make_fn, loader=_load(texts, tokenizer, ids=ids), devices=["cpu", "cpu"],
+                      output_path=path, progress=False)
+    stored = pq.read_table(path, columns=["id"]).column("id").to_pylist()
+    assert sorted(stored) == sorted(ids[p] for p in finished) and len(finished) < len(texts)
+    again = dynabatch.run(_sums, _load(texts, tokenizer, ids=ids), output_path=path, progress=False)
+    assert again.report.rows == len(texts) - len(finished) and [int(x) for x in again] == expected
+    assert sorted(pq.read_table(path, columns=["id"]).column("id").to_pylist()) == sorted(ids)
+
+
 def test_plain_iteration_and_len(small_chunks, texts, tokenizer):
     loader = _load(texts, tokenizer)
     first = [b["input_ids"] for b in loader]
