@@ -1,6 +1,7 @@
 """The bare package (no extra) as a user without an extra meets it: every module of the wheel imports (what needs
 an extra imports it lazily), and each call that needs an extra, made here, fails naming the extra to install
-(``pip install 'torch-dynabatch[ray]'``), not with a bare ModuleNotFoundError from inside dynabatch. Run by
+(``pip install 'torch-dynabatch[ray]'``), not with a bare ModuleNotFoundError from inside dynabatch; each command's
+``--help`` runs, and a command line needing an extra refuses in one line naming it, not a traceback. Run by
 .ci/wheel_check.sh in the bare install's clean virtual environment, before any extra is added."""
 
 import importlib
@@ -55,3 +56,34 @@ for what, (call, extra) in calls.items():
         print(f"{what}: {exc}")
     else:
         raise AssertionError(f"{what} ran without the {extra} extra: is it installed in the bare environment?")
+
+# The command lines as a user without an extra meets them: each command's --help, from the console script the wheel
+# installs; and each command that needs an extra refuses in one line naming it (exit status 2, no traceback).
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+script = str(Path(sys.executable).with_name("dynabatch"))
+for command in ([script], [script, "embed"], [script, "generate"], [script, "calibrate"],
+                [sys.executable, "-m", "dynabatch.demo"]):
+    done = subprocess.run([*command, "--help"], capture_output=True, text=True, cwd=folder)
+    assert done.returncode == 0 and done.stdout.startswith("usage: "), f"{command} --help: {done.stderr[-2000:]}"
+print("dynabatch, dynabatch embed|generate|calibrate and python -m dynabatch.demo: --help")
+Path(folder, "corpus").mkdir()
+Path(folder, "corpus", "part.csv").write_text("id,text\n1,in the beginning\n", encoding="utf-8")
+refusals = {  # each command line, and the extra its refusal names
+    "python -m dynabatch.demo corpus corpus/ --rows 100": ([sys.executable, "-m", "dynabatch.demo", "corpus",
+                                                             "demo-corpus/", "--rows", "100"], "examples"),
+    "python -m dynabatch.demo chat-model my-model": ([sys.executable, "-m", "dynabatch.demo", "chat-model",
+                                                       "my-model"], "examples"),
+    "dynabatch embed (the demo's model)": ([script, "embed", "corpus/", "embeddings/", "--id-column", "id"],
+                                           "examples"),
+    "dynabatch embed --plot": ([script, "embed", "corpus/", "embeddings/", "--model", ".", "--plot", "b.png"], "plot"),
+    "dynabatch embed --ray": ([script, "embed", "corpus/", "embeddings/", "--model", ".", "--ray", "auto"], "ray"),
+}
+for what, (command, extra) in refusals.items():
+    done = subprocess.run(command, capture_output=True, text=True, cwd=folder)
+    said = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and "Traceback" not in done.stderr and f"torch-dynabatch[{extra}]" in said[-1], (
+        f"{what} without the {extra} extra: exit status {done.returncode}, {done.stderr[-2000:]!r}")
+    print(f"{what}: {said[-1]}")

@@ -4,7 +4,8 @@
 #   - the bare package: `import dynabatch` and the README's Python API (build_dynamic_batch_dataloader, run) on a
 #     tokenizer and model made in memory (no extra installs a model);
 #   - still bare: every module of the wheel imports, and each call that needs an extra (the demo's, Ray's, TRL's,
-#     the plots) fails naming the extra to install (.ci/extras_absent_check.py);
+#     the plots) fails naming the extra to install; each command's --help runs, and each command line that needs an
+#     extra refuses in one line naming it (.ci/extras_absent_check.py);
 #   - then the `examples` extra added (the README's first command, docs/howto-embed-a-corpus.md): the README's corpus
 #     job lines as written, read from README.md's "## The corpus job: one command" block, so this cannot drift.
 # Any line that fails fails CI, naming the line.

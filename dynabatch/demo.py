@@ -296,13 +296,31 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat-model", help="a tiny random-weight Llama with the Llama-2 tokenizer and a chat template")
     p.add_argument("folder")
     p.add_argument("--seed", type=int, default=0, help="seeds the random weights (default: 0)")
+    for command in sub.choices.values():
+        command.set_defaults(parser=command)  # a refusal names the command: python -m dynabatch.demo corpus: error
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m dynabatch.demo corpus|chats|chat-model PATH``: writes a demo input or model; returns 0."""
+    """``python -m dynabatch.demo corpus|chats|chat-model PATH``: writes a demo input or model; returns 0.
+
+    A refusal (a missing ``examples`` extra, a bad ``--rows`` or folder) is one line naming the extra or the flag,
+    exit status 2, as ``dynabatch``'s own commands refuse: not a traceback ending in it.
+    """
     args = _parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        _make(args)
+    except ModuleNotFoundError as exc:  # import_extra's message names the extra to install
+        args.parser.error(str(exc))
+    except (ValueError, TypeError) as exc:  # the demo's own checks name the arguments: rows, rows_per_file, folder
+        args.parser.error(re.sub(r"\b(rows_per_file|rows)\b(?= should|=)", lambda m: "--" + m[1].replace("_", "-"),
+                            str(exc)))
+    return 0
+
+
+def _make(args: argparse.Namespace) -> None:
+    """Writes what ``args`` asks for and says where."""
     if args.what == "corpus":
         paths = corpus(args.folder, args.rows, rows_per_file=args.rows_per_file)
         print(f"{args.rows:,} KJV passages in {len(paths)} Parquet file(s) in {args.folder} (columns id, text)")
@@ -317,7 +335,6 @@ def main(argv: list[str] | None = None) -> int:
         folder = chat_model(args.folder, seed=args.seed)
         size = sum(f.stat().st_size for f in Path(folder).iterdir()) / 1e6
         print(f"saved {folder} ({size:.1f} MB; random weights: its replies are noise)")
-    return 0
 
 
 if __name__ == "__main__":

@@ -32,3 +32,26 @@ def test_corpus_and_chats_take_rows_from_the_passages_in_order(tmp_path):
         demo.corpus(tmp_path / "all", rows=24_409)
     with pytest.raises(TypeError, match=r"rows should be a positive integer"):
         demo.chats(tmp_path / "c.jsonl", rows=2.5)
+
+
+def test_the_demo_command_refuses_in_one_line_naming_the_extra_or_the_flag(tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setenv("DYNABATCH_CACHE_DIR", str(tmp_path / "cache"))  # no Llama-2 tokenizer cached: it is read
+    monkeypatch.setitem(sys.modules, "tinycoder", None)  # as where the examples extra is not installed
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["chat-model", str(tmp_path / "model")])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == ("python -m dynabatch.demo chat-model: error: dynabatch.demo.llama2_tokenizer_path() needs "
+                     "tinycoder, which is not installed: pip install 'torch-dynabatch[examples]'")
+    assert "Traceback" not in capsys.readouterr().err
+    for argv, message in ((["corpus", str(tmp_path / "c"), "--rows", "0"], "--rows should be a positive integer"),
+                          (["corpus", str(tmp_path / "c"), "--rows-per-file", "0"],
+                           "--rows-per-file should be a positive integer"),
+                          (["chats", str(tmp_path / "c.jsonl"), "--rows", "24409"],
+                           "--rows should be at most the 24,408 KJV passages, but got --rows=24409")):
+        with pytest.raises(SystemExit, match="2"):
+            demo.main(argv)
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "c").exists() and not (tmp_path / "c.jsonl").exists()
