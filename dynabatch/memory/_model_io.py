@@ -11,6 +11,7 @@ import importlib.metadata
 import json
 import logging
 import math
+import os
 import platform
 import warnings
 from pathlib import Path
@@ -161,6 +162,23 @@ def load(cls: type, path: str | Path, model: Any = None, device: Any = None) -> 
     return mm
 
 
+def same_name(given: str, recorded: str) -> bool:
+    """Whether two models' names name the same model: equal, or one local folder spelt two ways (the file of
+    ``dynabatch calibrate --model ./my-model`` holds ``./my-model``; ``from_pretrained("my-model")`` names it
+    ``my-model``, an absolute path names it by that).
+
+    Example:
+        >>> same_name("./my-model", "my-model"), same_name("org/model", "org/other")
+        (True, False)
+    """
+    if os.path.normpath(given) == os.path.normpath(recorded):
+        return True
+    try:  # a relative name is read from this process's folder, where the recorded one may no longer resolve
+        return os.path.samefile(given, recorded)
+    except OSError:  # a hub name, or a folder that is not here
+        return False
+
+
 def check(mm: Any, model: Any = None, device: Any = None, stacklevel: int = 3) -> list[str]:
     """Warns (and returns the messages) where ``model`` or ``device`` differ from what was calibrated."""
     problems = []
@@ -172,8 +190,10 @@ def check(mm: Any, model: Any = None, device: Any = None, stacklevel: int = 3) -
                             f"on ({mm.device!r}); its peaks may not hold there: calibrate on this device")
     if model is not None and mm.model_info is not None:
         given = describe_model(model)
-        differ = [k for k in ("name", "class", "parameters", "dtype")
+        differ = [k for k in ("class", "parameters", "dtype")
                   if k in given and k in mm.model_info and given[k] != mm.model_info[k]]
+        if "name" in given and "name" in mm.model_info and not same_name(given["name"], mm.model_info["name"]):
+            differ.insert(0, "name")
         if differ:
             mine = {k: mm.model_info[k] for k in differ}
             theirs = {k: given[k] for k in differ}

@@ -247,3 +247,17 @@ def test_a_gigabyte_fit_predicts_no_probe_under_its_peak(caplog):
     assert "least squares instead" not in caplog.text
     assert (mm.predict(rows, lengths) >= peaks * (1 - 1e-9)).all()
     assert float(mm.predict(8, 512)) == pytest.approx(2169279488, rel=1e-6)  # the reference shape, as measured
+
+
+def test_loading_for_the_same_model_folder_spelt_another_way_does_not_warn(tmp_path, monkeypatch):
+    # dynabatch calibrate --model ./my-model records "./my-model"; from_pretrained("my-model") names it "my-model"
+    (tmp_path / "my-model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "mm.json"
+    fitted(model="./my-model").save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in ("my-model", "my-model/", str(tmp_path / "my-model")):
+            assert MemoryModel.load(path).check(model=name) == []
+    with pytest.warns(UserWarning, match=r"model=\{'name': 'other-model'\} differs .*\{'name': './my-model'\}"):
+        MemoryModel.load(path, model="other-model")
