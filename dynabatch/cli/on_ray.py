@@ -418,6 +418,7 @@ def _job_report(reports: list[RunReport], *, wall_seconds: float, sent: float, a
     workers: dict[str, dict[str, Any]] = {}
     budgets: dict[str, int] = {}
     records: list[BatchRecord] = []
+    batch = 0  # the next window's first batch number
     for report in reports:
         for actor, worker in report.workers.items():
             into = workers.setdefault(actor, {"wall": 0.0, "stages": {}})
@@ -426,7 +427,9 @@ def _job_report(reports: list[RunReport], *, wall_seconds: float, sent: float, a
                 into["stages"][stage] = into["stages"].get(stage, 0.0) + seconds
             if report.budget_bytes is not None:
                 budgets.setdefault(actor, report.budget_bytes)
-        records += _on_job_clock(report, max((r.batch for r in records), default=-1) + 1, sent)
+        window = _on_job_clock(report, batch, sent)
+        batch = max((record.batch + 1 for record in window), default=batch)
+        records += window
     budget = next((r.budget_bytes for r in reports if r.budget_bytes is not None), None)
     return RunReport(records, budget_bytes=budget, device_budgets=budgets, workers=workers, wall_seconds=wall_seconds,
                      background=_background_shares(reports, workers),
