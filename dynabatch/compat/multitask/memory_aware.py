@@ -64,23 +64,22 @@ def check_single_samples_fit(
     task_ids: np.ndarray,
     lengths: np.ndarray,
     batch_bytes: BatchBytes,
-    max_bytes: float | MemoryBudget,
+    budget: MemoryBudget,
     *,
-    name: str = "max_bytes",
+    name: str = "budget",
     value: object = None,
     task_names: list | None = None,
     unit: tuple[str, float] = ("bytes", 1.0),
 ) -> None:
-    """Raises ValueError naming the task whose longest sample alone is predicted above ``max_bytes``.
+    """Raises ValueError naming the task whose longest sample alone ``budget`` does not allow: predicted above its
+    bytes, or (``allows``) not narrower than a shape that ran out of memory on one row.
 
-    ``max_bytes`` is a number of bytes or a :class:`~dynabatch.memory.budget.MemoryBudget`, whose
-    ``allows`` must also take the sample alone (not as wide as a shape that ran out of memory
-    on one row). ``name``/``value`` are the argument the user gave (``value`` defaults to
-    ``max_bytes``), ``task_names[k]`` names task ``k`` and ``unit`` is the
+    ``name``/``value`` are the argument the user gave (``value`` defaults to
+    the budget's bytes), ``task_names[k]`` names task ``k`` and ``unit`` is the
     (label, bytes) the message uses.
     """
-    budget = max_bytes if isinstance(max_bytes, MemoryBudget) else None
-    limit = budget.budget_bytes if budget is not None else max_bytes
+    limit = budget.budget_bytes
+    given = limit if value is None else value
     num_tasks = int(task_ids.max()) + 1 if task_ids.size else 0
     for task in range(num_tasks):
         mine = lengths[task_ids == task]
@@ -90,14 +89,13 @@ def check_single_samples_fit(
         counts[task] = 1
         need = batch_bytes(counts, int(mine.max()))
         label = task_names[task] if task_names is not None else task
-        given = limit if value is None else value
         if need > limit:
             raise ValueError(
                 f"{name} should be at least what one sample needs (task {label!r} at length {int(mine.max())} "
                 f"needs {need / unit[1]:.4g} {unit[0]} within the margin), "
                 f"but got {name}={given!r}"
             )
-        if budget is not None and not bool(budget.allows(1, int(mine.max()), need)):
+        if not bool(budget.allows(1, int(mine.max()), need)):
             raise ValueError(
                 f"{name} should allow one sample alone (task {label!r} at length {int(mine.max())} is at least "
                 f"as large as a shape that ran out of memory, of {budget.failed_shapes} (rows, width)), "
