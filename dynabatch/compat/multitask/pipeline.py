@@ -44,10 +44,11 @@ def _check_task_mix(task_distribution: Any, tasks: list[Hashable]) -> None:
     did not train on would be a setting silently ignored."""
     name = "config.task_distribution"
     given = dict(zip(task_distribution, task_shares(name, task_distribution).tolist()))
-    data = {task: 0.0 for task in given} | {task: n / len(tasks) for task, n in Counter(tasks).items()}
-    unknown = [task for task in given if task not in set(tasks)]
+    counts = Counter(tasks)
+    unknown = [task for task in given if task not in counts]
     if unknown:
         raise bad_value(name, f"a dict over the data's tasks (unknown: {unknown})", task_distribution)
+    data = {task: counts[task] / len(tasks) for task in [*given, *counts]}  # the given tasks first, as the message
     if max(abs(given.get(task, 0.0) - share) for task, share in data.items()) > _MIX_TOLERANCE:
         mix = {task: round(share, 3) for task, share in data.items()}
         raise bad_value(name, f"the data's own task mix, which the batches follow, within {_MIX_TOLERANCE} of each "

@@ -49,7 +49,7 @@ from dynabatch.data.collate import batch_shape
 from dynabatch.memory.oom import call_guarded
 from dynabatch.memory.units import GB, MB
 
-__all__ = ["MemoryPredictor", "estimate_training_memory", "last_measured_predictor"]
+__all__ = ["MemoryPredictor", "estimate_training_memory", "last_measured_predictor", "task_shares"]
 
 logger = logging.getLogger(__name__)
 
