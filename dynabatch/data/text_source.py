@@ -42,8 +42,8 @@ from dynabatch._validation import bad_type, bad_value, check_positive_int, first
 from dynabatch.data.tokenization import (as_items, check_encodable, log_skipped, plain_text, split_bad_texts,
                                          validate_texts)
 
-__all__ = ["DROPPABLE", "SPILL_ROWS", "TextSource", "check_on_bad_input", "is_text_source", "is_text_type", "open_texts",
-           "parquet_paths", "source_of"]
+__all__ = ["DROPPABLE", "SPILL_ROWS", "TextSource", "check_on_bad_input", "is_text_source", "is_text_type",
+           "open_texts", "parquet_paths", "source_of"]
 
 SPILL_ROWS = 8192
 """Texts per Arrow record batch when an iterable or Parquet files are read in."""

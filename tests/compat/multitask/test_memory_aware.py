@@ -98,7 +98,8 @@ def test_a_sample_alone_as_large_as_a_failed_shape_is_refused():
     # One row 10 wide ran out of memory: the sample of length 12 was planned alone anyway, a batch sure to fail.
     budget = MemoryBudget(None, 1000, memory_margin=0.0, failed_shapes=[(1, 10)])
     with pytest.raises(ValueError, match=r"budget should allow one sample alone \(task 0 at length 12 is at least as "
-                       r"large as a shape that ran out of memory, of \[\(1, 10\)\] \(rows, width\)\), but got budget=1000.0"):
+                       r"large as a shape that ran out of memory, of \[\(1, 10\)\] \(rows, width\)\), but got "
+                       r"budget=1000.0"):
         plan_memory_aware_batches(np.zeros(3, np.int64), np.array([5, 12, 3]), _linear([1]), budget, batch_size=4)
     budget = MemoryBudget(None, 1000, memory_margin=0.0, failed_shapes=[(2, 10)])  # one row still fits: planned
     plan = plan_memory_aware_batches(np.zeros(3, np.int64), np.array([5, 12, 3]), _linear([1]), budget, batch_size=4)
