@@ -56,8 +56,10 @@ the ASCII controls, which are C), and U+FFFD. A text of these alone may tokenize
 
 
 def _droppable(char: str) -> bool:
-    """Whether ``char`` is of :data:`DROPPABLE` (by Python's Unicode tables; unassigned code points too)."""
-    return char == "\ufffd" or unicodedata.category(char)[0] in "CMZ"
+    """Whether ``char`` is of :data:`DROPPABLE`, by Python's Unicode tables: unassigned code points (Cn) are not, as
+    RE2's class does not hold them, so a list and an Arrow array of the same texts have the same candidates."""
+    category = unicodedata.category(char)
+    return char == "\ufffd" or (category[0] in "CMZ" and category != "Cn")
 
 
 def _check_utf8(strings: Any, where: str, first: int = 0) -> None:
