@@ -15,7 +15,7 @@ from dynabatch._background import Ahead
 from dynabatch._validation import bad_value, brief, first_few
 from dynabatch.data.collate import Batch
 from dynabatch.data.input_hashes import token_store_hashes
-from dynabatch.data.workers import available_cores
+from dynabatch.data.workers import available_cores, release_pool
 from dynabatch.sampling.ranks import batches_needed, deal, most_replicas, split_for_replicas
 
 __all__ = ["Item", "Source", "positions_of"]
@@ -108,7 +108,9 @@ class Source:
         self.known = plan is not None and not self.streamed
         self.lockstep, self.scale = False, 1
         self._mine: Any = None  # this rank's items: dealt in lockstep, or its claimed chunks planned as they come
-        self._stops = [plan.stream.pause] if self.streamed else []  # close(): the stream's, read-ahead's, feed's
+        # close(): the stream's (its thread and the tokenizer worker processes), read-ahead's, feed's; an eager
+        # loader's build may have started worker processes, kept for the next build until a run ends
+        self._stops = [plan.stream.pause] if self.streamed else [release_pool]
         self._seen = -1  # the largest input position handed out (a plain iterable's inputs are those it names)
         self._given = np.zeros(0, dtype=bool)  # the positions a plain iterable's batches named so far
 
@@ -226,7 +228,7 @@ class Source:
 
     def close(self) -> None:
         """Stops reading ahead and tokenizing (after the batch or chunk in progress; a later use of the loader goes
-        on where it stopped)."""
+        on where it stopped), and ends the process's tokenizer worker processes (a later call starts them again)."""
         for stop in self._stops:
             stop()
 

@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 
+import _processes
 import pytest
 import torch
 from runner_helpers import MAX_LEN, _lengths, _load
@@ -156,6 +157,36 @@ def test_ctrl_c_on_two_devices_stops_every_thread_and_keeps_the_finished_rows(to
     assert 0 < len(texts) - done.report.rows < len(texts)  # the rows finished before Ctrl-C were committed
     want = run(_lengths, _load(texts, tokenizer), progress=False)
     assert all(torch.equal(a, b) for a, b in zip(done, want))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task") or len(os.sched_getaffinity(0)) < 2,
+                    reason="reads /proc; workers need two cores")
+@pytest.mark.parametrize("ends", ["returns", "raises"])
+def test_the_tokenizer_worker_processes_an_eager_loader_started_end_with_the_run(texts, monkeypatch, ends):
+    # Found by SIGINT mid-run of a 20,000-text eager loader (a slow tokenizer): its worker was still this process's
+    # child after run raised KeyboardInterrupt, and after a run that returned, until the interpreter exited
+    from transformers import BertTokenizerLegacy
+
+    from dynabatch.data import workers
+    from dynabatch.demo import minilm_path
+
+    monkeypatch.setattr(workers, "POOL_MIN_SECONDS", 0)  # workers for a corpus this small
+    before = set(_processes.descendants([os.getpid()]))
+    loader = _load(texts * 4, BertTokenizerLegacy.from_pretrained(minilm_path()), stream=False, tokenize_cores=2,
+                   progress=False)
+    started = set(_processes.descendants([os.getpid()])) - before
+    assert started, "the build started no tokenizer worker: the test tests nothing"
+
+    def fn(batch):
+        if ends == "raises":
+            raise RuntimeError("fn fails")
+        return _lengths(batch)
+
+    try:
+        run(fn, loader, progress=False)
+    except RuntimeError:
+        assert ends == "raises"
+    assert not started & set(_processes.descendants([os.getpid()]))  # ended and reaped as run returns
 
 
 @pytest.mark.parametrize("memory", ["off", "record", "guarded"])
