@@ -45,6 +45,7 @@ Example:
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import inspect
 import itertools
 import json
@@ -659,7 +660,9 @@ class ParallelTokenizer:
                                     alone_size=self.chunk_size)
         else:
             flats = (self._encoder.encode(chunk) for chunk in chunks)
-        with tqdm(total=len(items), desc="tokenizing", unit="text", disable=not progress) as bar:
+        # no bar at all where none is shown: tqdm starts its monitor thread with its first bar, a disabled one too,
+        # and keeps it for the process's life (a thread a run with progress=False would leave behind)
+        with tqdm(total=len(items), desc="tokenizing", unit="text") if progress else contextlib.nullcontext() as bar:
             tokens = _assemble(_shown(flats, bar), len(items))
         if pieces is not None:
             self._workers_allowed = not (pieces.unpicklable or pieces.failed or pieces.lost)
@@ -705,10 +708,11 @@ def check_encodable(items: list[str], positions: Any, cause: BaseException,
 
 
 def _shown(flats: Any, bar: Any) -> Iterator[Any]:
-    """``flats`` as they come, each counted on the progress ``bar`` by its texts."""
+    """``flats`` as they come, each counted on the progress ``bar`` by its texts (``None``: no bar)."""
     for flat in flats:
         yield flat
-        bar.update(len(flat[1]))
+        if bar is not None:
+            bar.update(len(flat[1]))
 
 
 def _assemble(flats: Any, n: int) -> TokenizedTexts:
