@@ -410,14 +410,20 @@ def process_group(place: Placement) -> Iterator[None]:
 
 def model_files(folder: str) -> list[Path]:
     """The files of a model folder that make its identity: every file but ``.md`` and hidden ones (a hub cache's
-    ``.cache`` folder, an editor's backups), in path order."""
+    ``.cache`` folder, an editor's backups), in path order, under the names the folder gives them. A linked folder
+    in it (a sentence-transformers module's ``2_Dense`` linked to where it was trained) is read through, as the
+    model's load reads it; a link back to a folder it is in (a loop) is not."""
     root = Path(folder)
     files = []
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        name = path.relative_to(root).as_posix()
-        if not (name.startswith(".") or "/." in name or name.endswith(".md")):
-            files.append(path)
-    return files
+    within = {os.fspath(root): {os.path.realpath(root)}}  # each folder walked: the real folders it lies in
+    for where, folders, names in os.walk(root, followlinks=True):
+        outer = within.pop(where)
+        kept = [f for f in folders if not f.startswith(".") and os.path.realpath(os.path.join(where, f)) not in outer]
+        within.update({os.path.join(where, f): outer | {os.path.realpath(os.path.join(where, f))} for f in kept})
+        folders[:] = kept
+        files += [Path(where, name) for name in names if not name.startswith(".") and not name.endswith(".md")
+                  and os.path.isfile(os.path.join(where, name))]
+    return sorted(files)
 
 
 def digest_cache() -> Path:

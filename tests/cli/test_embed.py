@@ -435,6 +435,27 @@ def test_weights_saved_over_with_one_byte_changed_are_another_model_refused_on_a
         rf"\(--model\)\): use another output folder for this job, or delete {where} to compute it again", err), err
 
 
+def test_a_module_folder_linked_into_the_model_is_part_of_its_identity_so_its_changed_weights_are_refused(
+        st_model_folder, corpus, tmp_path, capsys):
+    # the identity walked the folder without following linked folders: a Dense module linked from where it was
+    # trained was never read, and its weights saved over resumed the store with other vectors
+    from safetensors.torch import load_file, save_file
+
+    model, out, dense = tmp_path / "model", tmp_path / "out", tmp_path / "dense"
+    shutil.copytree(st_model_folder(dense=True), model)
+    (linked,) = model.glob("*_Dense")
+    shutil.move(linked, dense)
+    linked.symlink_to(dense, target_is_directory=True)
+    argv = ["embed", str(corpus), str(out), "--model", str(model), "--id-column", "id", "--no-progress"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    (weights,) = dense.glob("*.safetensors")
+    tensors = load_file(weights)
+    save_file({name: tensor * 2 for name, tensor in tensors.items()}, weights)
+    assert re.search(r"holding rows computed otherwise \(model files of digest v2\.[0-9a-f]{16} there, "
+                     r"v2\.[0-9a-f]{16} here \(--model\)\)", _refused(argv, capsys))
+
+
 def test_a_store_keyed_by_the_earlier_sampled_identity_is_refused_saying_how_to_go_on(
         bert_dir, corpus, tmp_path, capsys, monkeypatch):
     from dynabatch.cli import job
