@@ -108,7 +108,9 @@ def run(
         on_oom: a row out of memory on its own (larger batches are halved and retried): ``"raise"`` or ``"skip"``.
         on_error: a batch ``fn`` raises on is halved until such rows are alone: ``"raise"`` or ``"skip"`` them.
         output_path: a directory for the results store (or an opened store); a rerun runs only the rows not stored.
-        key: with ``output_path``, what computed the rows (model, revision, settings).
+        key: with ``output_path``, what computed the rows (model, revision, settings): the one record of what ``fn``
+            computes with, which ``run`` cannot see; a rerun under another key is refused, one without a key on a
+            store without one resumes it whatever model ``fn`` calls.
         token_outputs: how a tensor as wide as the batch is read: ``"auto"``, ``"per_token"``, ``"generated"``,
             ``"whole"``.
         pad_token_id: the pad id stripped from generated rows; ``None``: the loader's collator's.
