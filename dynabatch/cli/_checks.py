@@ -258,7 +258,7 @@ def check_outputs_apart(outputs: dict[str, Path | None], inputs: dict[str, Any])
         written[real] = flag
         for name, source in inputs.items():
             if source is not None and _reads(real, str(source)):
-                raise ValueError(f"{flag} should be a file outside {name} (the command reads it: writing there would "
+                raise ValueError(f"{flag} should lie outside {name} (the command reads it: writing there would "
                                  f"overwrite or add to it), but got {flag}={str(path)!r} and {name}={str(source)!r}")
 
 

@@ -124,7 +124,8 @@ def add_run_arguments(p: argparse.ArgumentParser, what: str, batch_size: int, de
 
 def check_outputs(args: argparse.Namespace) -> None:
     """``--report`` and ``--plot`` lie outside the store's folder and the input, are two files, can be written (and
-    matplotlib imports for ``--plot``)."""
+    matplotlib imports for ``--plot``); they and the store lie outside a ``--model`` folder, whose every file is the
+    model's identity (a store written there would refuse its own resume as another model's)."""
     from dynabatch.cli._checks import check_outputs_apart, check_plot, check_writable
 
     store = os.path.join(os.path.realpath(args.output), "")
@@ -136,6 +137,9 @@ def check_outputs(args: argparse.Namespace) -> None:
                              f"alone: a rerun would refuse it), but got {flag}={str(path)!r} inside "
                              f"output={args.output!r}")
     check_outputs_apart({"--report": args.report, "--plot": args.plot}, {"input": args.input})
+    model = getattr(args, "model", None)
+    if model is not None and os.path.isdir(model):  # its files are the model's identity: one written there changes it
+        check_outputs_apart({"OUTPUT": args.output, "--report": args.report, "--plot": args.plot}, {"--model": model})
     if args.report is not None:
         check_writable("--report", args.report)
     check_plot(args.plot)

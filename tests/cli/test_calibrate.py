@@ -85,7 +85,7 @@ def test_bad_inputs_fail_in_seconds_before_any_probe(gpt2_dir, tmp_path, capsys,
         ([*base, "--max-length", "16", "-o", out, "--device", "gpu"],
          "--device should be a valid torch device such as 'cpu' or 'cuda:0', but got --device='gpu'"),
         ([*base, "--max-length", "16", "--max-new-tokens", "4", "-o", str(blank), "--texts", str(blank)],
-         f"--output should be a file outside --texts (the command reads it: writing there would overwrite or add to "
+         f"--output should lie outside --texts (the command reads it: writing there would overwrite or add to "
          f"it), but got --output='{blank}' and --texts='{blank}'"),
         ([*base, "--max-length", "16", "-o", out, "--dtype", "int8"],  # the load raised, with a traceback
          "--dtype should be a floating-point torch dtype such as float16 or bfloat16, but got --dtype='int8'"),

@@ -4,6 +4,7 @@ budget by the first batch's tokens and the model's config."""
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import pytest
@@ -119,6 +120,26 @@ def test_a_report_or_plot_inside_the_output_folder_is_refused_before_any_model_l
     assert list((tmp_path / "out").iterdir()) == []
 
 
+@pytest.mark.parametrize("command", ["embed", "generate"])
+def test_a_store_or_report_inside_the_model_folder_is_refused_before_any_model_loads(
+        inputs, command, tmp_path, capsys, no_model_loads):
+    # every file of the model folder is its identity: a store written there changed it, so each rerun refused the
+    # store as another model's and the job could never resume
+    model = tmp_path / "model"
+    model.mkdir()
+    for file in pathlib.Path(inputs[command][4]).iterdir():
+        if file.is_file():
+            (model / file.name).write_bytes(file.read_bytes())
+    argv = [*inputs[command][:2], str(model / "out"), "--model", str(model), *inputs[command][5:]]
+    line = _one_line(argv, capsys, command)
+    assert line == (f"OUTPUT should lie outside --model (the command reads it: writing there would overwrite or "
+                    f"add to it), but got OUTPUT={str(model / 'out')!r} and --model={str(model)!r}")
+    report = str(model / "run.json")
+    line = _one_line([*inputs[command], "--model", str(model), "--report", report], capsys, command)
+    assert line.startswith(f"--report should lie outside --model "), line
+    assert not (model / "out").exists() and not (model / "run.json").exists()
+
+
 _CONVERSATIONS = '{"id": 1, "text": "a", "messages": [{"role": "user", "content": "hi"}]}\n'
 # (command, what the corpus file holds, the flags beside it, what the line says): each refused by reading its values
 BAD_CORPORA = [(command, *case) for command in ("embed", "generate") for case in [
@@ -176,7 +197,7 @@ def test_a_report_or_plot_onto_the_input_or_onto_each_other_is_refused_before_an
     # the run wrote the report over the corpus it had read, and the plot over the report, without a word
     corpus = str(tmp_path / "docs.txt")
     line = _one_line([*inputs[command], "--report", corpus], capsys, command)
-    assert line == (f"--report should be a file outside input (the command reads it: writing there would overwrite or "
+    assert line == (f"--report should lie outside input (the command reads it: writing there would overwrite or "
                     f"add to it), but got --report={corpus!r} and input={corpus!r}")
     both = str(tmp_path / "run.png")
     line = _one_line([*inputs[command], "--report", both, "--plot", both], capsys, command)
