@@ -71,6 +71,7 @@ for command in ([script], [script, "embed"], [script, "generate"], [script, "cal
 print("dynabatch, dynabatch embed|generate|calibrate and python -m dynabatch.demo: --help")
 Path(folder, "corpus").mkdir()
 Path(folder, "corpus", "part.csv").write_text("id,text\n1,in the beginning\n", encoding="utf-8")
+Path(folder, "model").mkdir()  # a folder the store does not lie in (its files are the model's identity)
 refusals = {  # each command line, and the extra its refusal names
     "python -m dynabatch.demo corpus corpus/ --rows 100": ([sys.executable, "-m", "dynabatch.demo", "corpus",
                                                              "demo-corpus/", "--rows", "100"], "examples"),
@@ -78,8 +79,9 @@ refusals = {  # each command line, and the extra its refusal names
                                                        "my-model"], "examples"),
     "dynabatch embed (the demo's model)": ([script, "embed", "corpus/", "embeddings/", "--id-column", "id"],
                                            "examples"),
-    "dynabatch embed --plot": ([script, "embed", "corpus/", "embeddings/", "--model", ".", "--plot", "b.png"], "plot"),
-    "dynabatch embed --ray": ([script, "embed", "corpus/", "embeddings/", "--model", ".", "--ray", "auto"], "ray"),
+    "dynabatch embed --plot": ([script, "embed", "corpus/", "embeddings/", "--model", "model", "--plot", "b.png"],
+                               "plot"),
+    "dynabatch embed --ray": ([script, "embed", "corpus/", "embeddings/", "--model", "model", "--ray", "auto"], "ray"),
 }
 for what, (command, extra) in refusals.items():
     done = subprocess.run(command, capture_output=True, text=True, cwd=folder)
