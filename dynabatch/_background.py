@@ -50,7 +50,7 @@ from typing import Any
 
 from dynabatch._validation import check_positive_int
 
-__all__ = ["Ahead", "Ticker", "Worker", "ordered_map", "run_in_threads", "stage_seconds", "waited"]
+__all__ = ["Ahead", "StopRequested", "Ticker", "Worker", "ordered_map", "run_in_threads", "stage_seconds", "waited"]
 
 _END = object()
 _POLL = 0.1  # seconds a wait blocks at a time: a stop request (or Ctrl-C in the caller) is seen this soon
@@ -99,21 +99,34 @@ def stage_seconds() -> dict[str, tuple[float, float]]:
         return {name: (working, blocked) for name, (working, blocked) in _STAGES.items()}
 
 
+class StopRequested(BaseException):
+    """Raised by work that watches a stop event (an :class:`Ahead`'s ``stop``) when it is set part-way through: the
+    work in progress is dropped, to be done again when it is asked for again. Not an ``Exception``: no handler of
+    errors takes a stop for a failure."""
+
+
 class Ahead:
     """Pulls ``items`` in a daemon thread, at most ``depth`` ahead of :meth:`next` (``None``: no bound).
 
     The thread starts at the first :meth:`next` (or :meth:`start`), so an
     ``Ahead`` no one reads pulls nothing. Items must not be ``None``:
     :meth:`next` returns ``None`` at the end.
+
+    ``stop``: the event :meth:`pause` and :meth:`close` set (cleared when a paused thread starts again), for items
+    whose one item is long work that watches it: they yield :attr:`STOPPED` when they dropped the item in progress
+    at its request (:class:`StopRequested`), and go on with that item when the thread starts again, so a pause waits
+    for a part of the item, not the whole of it.
     """
 
     NOT_READY = object()
+    STOPPED = object()
 
-    def __init__(self, items: Iterable[Any], *, depth: int | None, name: str) -> None:
+    def __init__(self, items: Iterable[Any], *, depth: int | None, name: str,
+                 stop: threading.Event | None = None) -> None:
         self._items = iter(items)
         self._name = name
         self._queue: queue.Queue = queue.Queue(maxsize=depth or 0)
-        self._stop = threading.Event()
+        self._stop = threading.Event() if stop is None else stop
         self._done = False
         self._held: list = []  # an item pulled while pausing, put first when the thread starts again
         self._thread = threading.Thread(target=self._pull, name=name, daemon=True)
@@ -146,6 +159,8 @@ class Ahead:
                 _add_stage(self._name, time.perf_counter() - start, 0.0)
                 if item is _END:
                     break
+                if item is self.STOPPED:  # the item in progress dropped at the stop: the items go on from it
+                    return
                 if not self._put(item):
                     self._held.append(item)  # kept for the thread that resumes
                     return
@@ -175,19 +190,19 @@ class Ahead:
         return None if got is _END else got
 
     def pause(self) -> None:
-        """Stops the thread after the item in progress (kept) and waits for it; the next :meth:`next` starts
-        another one where this one left off."""
+        """Stops the thread after the item in progress (kept; or dropped part-way by items that watch ``stop``, and
+        done again) and waits for it; the next :meth:`next` starts another one where this one left off."""
         if self._thread.ident is None or self._done:
             return
         self._stop.set()
         self._thread.join()
-        self._stop = threading.Event()
+        self._stop.clear()  # the one event, which the items may hold
         self._thread = threading.Thread(target=self._pull, name=self._name, daemon=True)
 
     def close(self, *, wait: bool = True) -> None:
-        """Stops pulling after the item in progress, and waits for the thread to end (so that no thread of the
-        library outlives the run that started it); without ``wait``, returns at once (a finalizer, which may run on
-        any thread, even one the item in progress waits for)."""
+        """Stops pulling after the item in progress (or part-way, see ``stop``), and waits for the thread to end (so
+        that no thread of the library outlives the run that started it); without ``wait``, returns at once (a
+        finalizer, which may run on any thread, even one the item in progress waits for)."""
         self._stop.set()
         self._done = True
         if wait and self._thread.ident is not None and self._thread is not threading.current_thread():

@@ -62,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._background import Ahead
+from dynabatch._background import Ahead, StopRequested
 from dynabatch._digest import row_hashes
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_value, check_positive_int
@@ -199,10 +199,11 @@ class TokenStream:
         """The input positions of chunk ``k``, longest by characters first."""
         return self.order[self.starts[k] : self.starts[k + 1]]
 
-    def tokenize(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def tokenize(self, k: int, *, stop: threading.Event | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Tokenizes chunk ``k`` unless its tokens are held; returns its input positions and their token lengths,
-        but those of no token (bad inputs, skipped: planned nowhere)."""
-        positions, lengths = self.chunk_positions(k), self._chunk(k).tokenized.lengths
+        but those of no token (bad inputs, skipped: planned nowhere). ``stop``: watched between the tokenizer's
+        pieces; once set, raises :class:`~dynabatch._background.StopRequested` with nothing of the chunk kept."""
+        positions, lengths = self.chunk_positions(k), self._chunk(k, stop).tokenized.lengths
         kept = lengths > 0
         return (positions, lengths) if kept.all() else (positions[kept], lengths[kept])
 
@@ -212,9 +213,9 @@ class TokenStream:
         with self._lock:
             return np.flatnonzero(self._no_token)
 
-    def _chunk(self, k: int) -> TokenCollator:
-        """Chunk ``k``'s collator: held, else tokenized now and held (a freed chunk's rows count as not consumed
-        again: a new pass over them)."""
+    def _chunk(self, k: int, stop: threading.Event | None = None) -> TokenCollator:
+        """Chunk ``k``'s collator: held, else tokenized now (``stop``: see :meth:`tokenize`) and held (a freed
+        chunk's rows count as not consumed again: a new pass over them)."""
         with self._lock:
             collator = self._held.get(k)
         if collator is not None:  # never waits for the chunk the background thread is tokenizing
@@ -225,7 +226,7 @@ class TokenStream:
             if collator is not None:
                 return collator
             positions = self.chunk_positions(k)
-            tokens = self._encode(positions, self.later_work(k))
+            tokens = self._encode(positions, self.later_work(k), stop)
             first_time = not self.tokenizations[k]
             if first_time:  # a text of no token is a bad input, known only now (logged once)
                 no_token = split_no_token(tokens.lengths, self.on_bad_input, lambda i: self.source.take([i])[0],
@@ -252,11 +253,11 @@ class TokenStream:
         coming[k] = False
         return float(self._chunk_chars[coming].sum()) / max(1.0, float(self._chunk_chars[k]))
 
-    def _encode(self, positions: np.ndarray, later: float = 0.0) -> TokenizedTexts:
+    def _encode(self, positions: np.ndarray, later: float = 0.0, stop: threading.Event | None = None) -> TokenizedTexts:
         """The tokens of the texts at ``positions``, as the eager loader tokenizes them (one mechanism:
         :class:`~dynabatch.data.tokenization.ParallelTokenizer`, and its backend rule); ``later``: the work of the
-        chunks still to come, as a multiple of this one's (the cost rule weighs it)."""
-        return self._tokenize(self.source.take(positions), later=later, positions=positions)
+        chunks still to come, as a multiple of this one's (the cost rule weighs it); ``stop``: see :meth:`tokenize`."""
+        return self._tokenize(self.source.take(positions), later=later, positions=positions, stop=stop)
 
     def consumed(self, positions: Any) -> None:
         """Marks the rows at ``positions`` finished (run and stored, or already stored, or failed): once every row
@@ -403,19 +404,31 @@ def _in_order(n: int, parts: list[tuple[np.ndarray, TokenizedTexts]]) -> Tokeniz
     return TokenizedTexts(flat.pop("input_ids"), offsets, flat)
 
 
-def _tokenized(stream: TokenStream, claims: Iterator[int]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def _tokenized(stream: TokenStream, claims: Iterator[int],
+               stop: threading.Event) -> Iterator[tuple[np.ndarray, np.ndarray] | object]:
     """The chunks ``claims`` names, tokenized; the process's worker processes released at the end, whether every
     chunk claimed is tokenized, the tokenizer raised, or the feed was dropped part-way (the generator closed, on the
-    feed's thread as it ends): no process waits for more."""
+    feed's thread as it ends): no process waits for more.
+
+    A pause (``stop`` set) part-way through chunk ``k`` drops its pieces tokenized so far and yields
+    :attr:`Ahead.STOPPED <dynabatch._background.Ahead.STOPPED>`: the claim on ``k`` is kept here, and ``k`` tokenized
+    again when the feed goes on, so no claimed chunk is lost or handed out twice (Ctrl-C waits for one piece of
+    the tokenizer, not a chunk of thousands of texts)."""
     try:
         for k in claims:
-            yield stream.tokenize(k)
+            chunk: Any = Ahead.STOPPED
+            while chunk is Ahead.STOPPED:
+                try:
+                    chunk = stream.tokenize(k, stop=stop)
+                except StopRequested:
+                    pass  # yielded outside the handler: a generator paused there would keep the error and its frames
+                yield chunk
     finally:
         stream.release_workers()
 
 
 def _abandoned(chunks: Ahead) -> None:
-    """A feed's finalizer: its thread stops after the chunk in progress, without waiting for it (a finalizer may run
+    """A feed's finalizer: its thread stops after the piece in progress, without waiting for it (a finalizer may run
     on the thread that holds the tokenizer the chunk waits for)."""
     chunks.close(wait=False)
 
@@ -443,7 +456,8 @@ class ChunkFeed:
         # The thread pulls from a generator that holds the stream, not this feed: a feed dropped part-way (a plain
         # loop broke out of the loader, then dropped it) is collected, and its finalizer stops the thread, which
         # would otherwise wait for room forever, holding the stream (a tokenizer copy, the chunks' tokens)
-        self._chunks = Ahead(_tokenized(stream, claims), depth=ahead, name="dynabatch-tokenize")
+        stop = threading.Event()  # the thread's, set by pause and close: the tokenizer stops between its pieces
+        self._chunks = Ahead(_tokenized(stream, claims, stop), depth=ahead, name="dynabatch-tokenize", stop=stop)
         finalizer = weakref.finalize(self, _abandoned, self._chunks)
         finalizer.atexit = False  # at exit the thread is a daemon, and release_pool runs anyway
 
@@ -467,9 +481,10 @@ class ChunkFeed:
         return got
 
     def pause(self) -> None:
-        """Stops tokenizing after the chunk in progress (its thread ends); the next :meth:`next` goes on."""
+        """Stops tokenizing after the tokenizer's piece in progress (its thread ends; the chunk in progress is
+        tokenized again); the next :meth:`next` goes on."""
         self._chunks.pause()
 
     def close(self) -> None:
-        """Stops tokenizing after the chunk in progress."""
+        """Stops tokenizing after the tokenizer's piece in progress."""
         self._chunks.close()

@@ -52,6 +52,7 @@ import json
 import logging
 import operator
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -59,7 +60,7 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._background import ordered_map
+from dynabatch._background import StopRequested, ordered_map
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int, did_you_mean, first_few
 from dynabatch.data.workers import Pieces, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
@@ -621,24 +622,27 @@ class ParallelTokenizer:
         return f"{type(self).__name__}(cores={self.cores}, backend={self._encoder.backend})"
 
     def __call__(self, items: list[str], *, progress: bool = False, later: float = 0.0,
-                 positions: Any = None) -> TokenizedTexts:
+                 positions: Any = None, stop: threading.Event | None = None) -> TokenizedTexts:
         """The token store of ``items`` (a list of str, already validated); ``later``: the work of the calls still
         to come for the same job (a stream's later chunks), as a multiple of this call's, which the cost rule of
         worker processes weighs with this call's rest (:class:`~dynabatch.data.workers.Pieces`); ``positions``: the
-        input position of each item (a stream's chunk), which an error names (``None``: the items' own).
+        input position of each item (a stream's chunk), which an error names (``None``: the items' own); ``stop``:
+        an event watched between pieces (a stream's tokenizing thread, paused), so a stop waits for one piece.
 
         Raises:
             ValueError: a text holds a lone surrogate (:func:`check_encodable`), where the tokenizer failed on it.
+            StopRequested: ``stop`` was set before the last piece (nothing is kept of the call).
         """
         try:
-            return self._tokenized(items, progress=progress, later=later)
+            return self._tokenized(items, progress=progress, later=later, stop=stop)
         except Exception as exc:
             # A fast tokenizer refuses a text that is not valid Unicode with a TypeError naming neither the text nor
             # its position; checking every text up front would cost a copy of the corpus: only a failed call looks
             check_encodable(items, positions, exc, texts_name=self.texts_name)
             raise
 
-    def _tokenized(self, items: list[str], *, progress: bool, later: float) -> TokenizedTexts:
+    def _tokenized(self, items: list[str], *, progress: bool, later: float,
+                   stop: threading.Event | None) -> TokenizedTexts:
         from tqdm.auto import tqdm
 
         mechanism = choose_mechanism(backend=self._encoder.backend, cores=self.cores)
@@ -663,7 +667,7 @@ class ParallelTokenizer:
         # no bar at all where none is shown: tqdm starts its monitor thread with its first bar, a disabled one too,
         # and keeps it for the process's life (a thread a run with progress=False would leave behind)
         with tqdm(total=len(items), desc="tokenizing", unit="text") if progress else contextlib.nullcontext() as bar:
-            tokens = _assemble(_shown(flats, bar), len(items))
+            tokens = _assemble(_shown(flats, bar, stop), len(items))
         if pieces is not None:
             self._workers_allowed = not (pieces.unpicklable or pieces.failed or pieces.lost)
             mechanism = "processes" if pieces.used_workers else "one"
@@ -707,9 +711,17 @@ def check_encodable(items: list[str], positions: Any, cause: BaseException,
             ) from cause
 
 
-def _shown(flats: Any, bar: Any) -> Iterator[Any]:
-    """``flats`` as they come, each counted on the progress ``bar`` by its texts (``None``: no bar)."""
-    for flat in flats:
+def _shown(flats: Any, bar: Any, stop: threading.Event | None = None) -> Iterator[Any]:
+    """``flats`` as they come, each counted on the progress ``bar`` by its texts (``None``: no bar); raises
+    :class:`~dynabatch._background.StopRequested` before the next piece once ``stop`` is set (every mechanism's
+    pieces pass here, so a stop waits for the piece in progress, not the call)."""
+    flats = iter(flats)
+    while True:
+        if stop is not None and stop.is_set():
+            raise StopRequested("stopped part-way through a tokenizer call, at the caller's request")
+        flat = next(flats, None)
+        if flat is None:
+            return
         yield flat
         if bar is not None:
             bar.update(len(flat[1]))

@@ -252,3 +252,50 @@ def test_a_paused_feed_collected_while_this_thread_tokenizes_for_its_stream_does
     thread.start()
     thread.join(20)
     assert not thread.is_alive(), "the collected feed's generator waited for the lock its own thread holds"
+
+
+def test_a_pause_part_way_through_a_chunk_waits_for_one_piece_and_the_chunk_is_tokenized_again_on_resume(
+        tokenizer, monkeypatch):
+    # Ctrl-C in a run pauses its stream: its thread stops between the tokenizer's pieces, not at the end of a chunk
+    # of thousands of texts (seconds with a slow tokenizer), and the chunk dropped part-way keeps its claim
+    import copy
+    import threading
+    import time
+
+    from dynabatch.data import tokenization
+
+    monkeypatch.setattr(tokenization, "TOKENS_PER_CALL", 64 * 32)  # pieces of 64 texts at 32 tokens
+    delay, started, handed = [0.0], threading.Event(), []
+
+    class Slow(type(tokenizer)):  # its own call (no fast backend): one call per piece, on the stream's thread
+        def __call__(self, text=None, *args, **kwargs):
+            if threading.current_thread().name == "dynabatch-tokenize" and delay[0]:
+                started.set()
+                time.sleep(delay[0])
+            return super().__call__(text, *args, **kwargs)
+
+    def claims():  # as a counter shared by ranks hands them out; chunk 2's four pieces take 1.5 s each
+        for k in (0, 2, 1, 3):
+            delay[0] = 1.5 if k == 2 else delay[0]
+            handed.append(k)
+            yield k
+
+    slow = copy.deepcopy(tokenizer)
+    slow.__class__ = Slow
+    texts = vary_lengths(kjv_passages(), n=600, max_words=48, seed=5)
+    stream = TokenStream(TextSource(texts), slow, 32, first_chunk=64, chunk_size=256, tokenize_cores=1)
+    assert np.diff(stream.starts).tolist() == [64, 128, 256, 152]
+    feed = stream.feed(claims(), ahead=1)
+    assert feed.next()[0].tolist() == stream.chunk_positions(0).tolist()
+    assert started.wait(10)  # chunk 2's first piece is being tokenized
+    begun = time.monotonic()
+    stream.pause()
+    waited = time.monotonic() - begun
+    assert waited < 3.0, f"the pause waited {waited:.1f} s: for the whole chunk (6 s), not its piece (1.5 s)"
+    assert handed == [0, 2] and stream.tokenizations.tolist() == [1, 0, 0, 0]  # chunk 2 claimed, nothing of it kept
+    delay[0] = 0.0
+    rest = [(p.tolist(), n.tolist()) for p, n in iter(feed.next, None)]  # the feed goes on from chunk 2, each once
+    eager = tokenize_texts(texts, tokenizer, 32, progress=False)
+    assert rest == [(stream.chunk_positions(k).tolist(), eager.lengths[stream.chunk_positions(k)].tolist())
+                    for k in (2, 1, 3)]
+    assert handed == [0, 2, 1, 3] and stream.tokenizations.tolist() == [1, 1, 1, 1]

@@ -44,10 +44,10 @@ def test_the_first_batch_runs_when_only_the_first_chunk_is_tokenized(small_chunk
     gate = threading.Event()
     tokenize = token_streaming.TokenStream.tokenize
 
-    def gated(stream, k):  # every chunk after the first waits until the first batch has run
+    def gated(stream, k, **kwargs):  # every chunk after the first waits until the first batch has run
         if k > 0 and not gate.wait(60):
             raise RuntimeError("the first batch never ran")
-        return tokenize(stream, k)
+        return tokenize(stream, k, **kwargs)
 
     monkeypatch.setattr(token_streaming.TokenStream, "tokenize", gated)
     loader = _load(texts, tokenizer)
@@ -218,6 +218,46 @@ def test_an_interrupted_run_on_two_devices_stores_exactly_the_rows_that_finished
     assert sorted(stored) == sorted(ids[p] for p in finished) and len(finished) < len(texts)
     again = dynabatch.run(_sums, _load(texts, tokenizer, ids=ids), output_path=path, progress=False)
     assert again.report.rows == len(texts) - len(finished) and [int(x) for x in again] == expected
+    assert sorted(pq.read_table(path, columns=["id"]).column("id").to_pylist()) == sorted(ids)
+
+
+def test_ctrl_c_in_a_streamed_run_waits_for_one_piece_of_the_tokenizer_and_a_rerun_stores_every_row_once(
+        texts, tokenizer, expected, tmp_path, monkeypatch):
+    # Ctrl-C (KeyboardInterrupt in fn, on the main thread) while the stream's thread tokenizes a chunk of four slow
+    # pieces: run raises once the piece in progress is done, not the chunk (6 s)
+    import copy
+    import time
+
+    from dynabatch.data import tokenization
+
+    monkeypatch.setattr(token_streaming, "FIRST_CHUNK", 192)
+    monkeypatch.setattr(tokenization, "TOKENS_PER_CALL", 64 * 64)  # pieces of 64 texts at 64 tokens
+    delay, loaders = [1.5], []
+
+    class Slow(type(tokenizer)):  # its own call (no fast backend): one call per piece, on the stream's thread slow
+        def __call__(self, text=None, *args, **kwargs):  # from chunk 1 on (chunk 0's tokens are held)
+            if threading.current_thread().name == "dynabatch-tokenize" and loaders[0].plan.stream.tokenizations[0]:
+                time.sleep(delay[0])
+            return super().__call__(text, *args, **kwargs)
+
+    slow = copy.deepcopy(tokenizer)
+    slow.__class__ = Slow
+    ids, path, interrupted = [f"doc-{i}" for i in range(len(texts))], tmp_path / "store", []
+
+    def fn(batch):  # the first batch runs as chunk 1 (208 texts, 4 pieces of 1.5 s) begins
+        interrupted.append(time.monotonic())
+        raise KeyboardInterrupt
+
+    loaders.append(_load(texts, slow, ids=ids, tokenize_cores=1))
+    assert np.diff(loaders[0].plan.stream.starts).tolist() == [192, 208]
+    with pytest.raises(KeyboardInterrupt):
+        dynabatch.run(fn, loaders[0], output_path=path, progress=False)
+    waited = time.monotonic() - interrupted[0]
+    assert waited < 3.0, f"run raised {waited:.1f} s after Ctrl-C: it waited for the chunk (6 s), not its piece (1.5 s)"
+    assert not any(t.name == "dynabatch-tokenize" for t in threading.enumerate())
+    delay[0] = 0.0
+    again = dynabatch.run(_sums, _load(texts, slow, ids=ids, tokenize_cores=1), output_path=path, progress=False)
+    assert again.report.rows == len(texts) and [int(x) for x in again] == expected
     assert sorted(pq.read_table(path, columns=["id"]).column("id").to_pylist()) == sorted(ids)
 
 
