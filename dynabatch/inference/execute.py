@@ -152,7 +152,7 @@ class Executor:
         """Starts ``item`` (``built``: its tensors; ``None`` when the store holds every row of it)."""
         record = None if built is None else BatchRecord(
             batch=item.number, rows=len(item.positions), width=batch_shape(built.batch)[1],
-            real_tokens=real_tokens(built.batch), padded_tokens=0, seconds=0.0)  # kept once a row finished
+            real_tokens=0, padded_tokens=0, seconds=0.0)  # kept once a row finished
         self._outcome, self._built, self._start = Outcome(item, record=record), built, time.perf_counter()
         self._stack, self._finished = [] if built is None else [built.batch], []  # the finished pieces' positions
         self._raised: tuple[int, Exception, np.ndarray] | None = None  # on_error="raise": the piece fn raised on
@@ -301,6 +301,9 @@ class Executor:
                                       whole=False, crashes=outcome.item.crashes)
         if count := len(outcome.positions) + len(outcome.failed):  # rows finished or set aside
             outcome.record.rows = count
+            # the real tokens of the pieces that ran to completion, as padded_tokens counts theirs: rows set aside
+            # ran none (counting the whole batch's gave a padding share above 100%)
+            outcome.record.real_tokens = outcome.tokens
             outcome.record.seconds = time.perf_counter() - self._start
         else:
             outcome.record = None

@@ -41,7 +41,7 @@ class BatchRecord:
         batch: the batch's number in the plan (the loader's order).
         rows: rows of the batch as planned (the rows it ran, when a resumed run ran only some).
         width: its padded length, in tokens.
-        real_tokens: tokens that are not padding (the attention mask's sum).
+        real_tokens: tokens that are not padding (the attention mask's sum) of the rows that ran to completion.
         padded_tokens: tokens of the padded tensors that ran to completion (less than ``rows * width`` when split).
         seconds: wall time of the batch, failed attempts and splits included.
         peak_bytes: the largest peak activation memory of its calls, ``None`` unless memory was measured.

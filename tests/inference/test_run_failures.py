@@ -125,6 +125,9 @@ def test_on_error_skip_sets_the_rows_fn_raises_on_aside_with_the_errors_text(tok
     assert result.failures == {3: "ValueError: cannot process input 3", 40: "ValueError: cannot process input 40"}
     assert result.report.error_rows == 2 and result.report.rows == len(texts)  # every input once
     want = run(_lengths, _load(texts, tokenizer), progress=False)
+    # the tokens counted real are those of the rows that ran to completion, as the padded ones are: a share <= 1
+    stored_tokens = sum(int(row[0]) for p, row in enumerate(want) if p not in (3, 40))
+    assert result.report.real_tokens == stored_tokens <= result.report.padded_tokens
     assert all(torch.equal(a, b) for p, (a, b) in enumerate(zip(result, want)) if p not in (3, 40))
 
 
