@@ -553,23 +553,38 @@ def _rate(value: float | None, unit: str) -> str:
     return f"{value:,.0f} {unit}/s" if value is not None else f"- {unit}/s"
 
 
-def _failed_lines(tally: Tally, what: str) -> list[str]:
+def _failed_lines(tally: Tally, what: str, report_path: Path | None) -> list[str]:
+    """The failed and missing inputs, the first few named; where each failure's cause is listed (``report_path``:
+    ``--report``'s file, ``None`` when not given)."""
     lines = []
     if tally.failures:
         failed = sorted(tally.failures)
         causes = "; ".join(f"{name!r}: {tally.failures[p][:120]}" for p, name in zip(failed[:3], tally.names(failed[:3])))
-        lines.append(f"  failed     {len(failed):,} {what} listed failed, each with its cause in --report "
-                     f"({causes}{'; ...' if len(failed) > 3 else ''}): the same command again retries them")
+        listed = f"each with its cause in {report_path}" if report_path is not None else \
+            "--report FILE lists each with its cause"
+        lines.append(f"  failed     {len(failed):,} {what} listed failed ({causes}{'; ...' if len(failed) > 3 else ''})"
+                     f": {listed}; the same command again retries them")
     if tally.missing.size:
         lines.append(f"  missing    {tally.missing.size:,} {what} neither stored nor listed failed "
                      f"({tally.shown(tally.missing)}): the same command again runs them")
     return lines
 
 
+def _read_it(output: str, columns: list[str]) -> str:
+    """How to read the store: its rows lie in the order they were stored (longest texts first, shard by shard), so
+    a store keyed by position is sorted by it; one keyed by id is matched to the corpus by id."""
+    read = f"pyarrow.dataset.dataset({output!r}).to_table(columns={columns!r})"
+    if columns[0] == "position":
+        return f"  read it    {read}.sort_by('position')  (input order; or pandas, polars, datasets)"
+    return (f"  read it    {read}  (rows in the order stored, not the input's: match them to the corpus by id; or "
+            "pandas, polars, datasets)")
+
+
 def summary(command: str, report: Any, tally: Tally, *, output: str, what: str, model: str, place: Placement,
-            seconds: float, columns: list[str]) -> str:
+            seconds: float, columns: list[str], report_path: Path | None = None) -> str:
     """The screen after a job: what the store holds (``tally``), time, throughput, padding, out-of-memory events
-    (``report``: this process's run; ``None`` when the run ended without one), how to read the store."""
+    (``report``: this process's run; ``None`` when the run ended without one), how to read the store, what failed
+    (``report_path``: ``--report``'s file, where each failure is listed)."""
     lines = [(f"dynabatch {command}: {tally.stored:,} of {tally.n:,} {what} stored in {output} ({tally.now:,} run "
              f"now, {tally.before:,} stored before)"),
              f"  model      {model}, on {place.describe()}"]
@@ -591,9 +606,8 @@ def summary(command: str, report: Any, tally: Tally, *, output: str, what: str, 
                      f"it: an earlier, other corpus'), read by whatever reads the whole store: keep this corpus' "
                      f"{keys} when you read it, or use another output folder for this corpus alone")
     lines += [f"  store      {os.path.abspath(output)} (Parquet, one row per input: {', '.join(columns)})",
-              (f"  read it    pyarrow.dataset.dataset({output!r}).to_table(columns={columns!r})  (or pandas, polars, "
-              "datasets)")]
-    return "\n".join(lines + _failed_lines(tally, what))
+              _read_it(output, columns)]
+    return "\n".join(lines + _failed_lines(tally, what, report_path))
 
 
 def _write_report(path: Path, report: Any, tally: Tally) -> None:
@@ -623,7 +637,7 @@ def finish(command: str, result: Any, tally: Tally, error: BaseException | None,
         written.append(str(path))
     if place.main:
         print(summary(command, report, tally, output=args.output, what=what, model=model, place=place,
-                      seconds=time.perf_counter() - start, columns=columns))
+                      seconds=time.perf_counter() - start, columns=columns, report_path=args.report))
         for path in written:
             print(f"  wrote      {path}")
     sys.stdout.flush()

@@ -318,11 +318,40 @@ def test_a_poison_text_is_named_or_set_aside_with_on_error_skip_and_a_rerun_retr
     skipped = run_command([*command, "--on-error", "skip", "--report", str(report)], hook=hook,
                           hook_in=tmp_path / "hook").stdout
     assert f"29 of 30 texts stored in {out}" in skipped and "'doc-7': " in skipped
+    assert f"each with its cause in {report}; the same command again retries them" in skipped
     failures = json.loads(report.read_text())["store"]["failed"]
     assert [(f["id"], f["position"]) for f in failures] == [("doc-7", 7)]
     assert "cannot process this input" in failures[0]["cause"]
     again = run_command(command).stdout  # the model no longer raises: the text set aside is retried
     assert f"30 of 30 texts stored in {out} (1 run now, 29 stored before)" in again
+
+
+def test_the_summarys_read_it_line_reads_a_position_keyed_store_in_input_order(bert_dir, texts, tmp_path, capsys):
+    # the line read the rows in the order they were stored (longest texts first), which it did not say: a user's
+    # np.stack of its vectors gave them out of input order
+    import pyarrow
+
+    (tmp_path / "docs.txt").write_text("\n".join(texts[:40]) + "\n", encoding="utf-8")
+    out = tmp_path / "out"
+    assert main(["embed", str(tmp_path / "docs.txt"), str(out), "--model", str(bert_dir), "--no-progress"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  read it"))
+    table = eval(line.removeprefix("  read it").strip().split("  (")[0], {"pyarrow": pyarrow})  # as the line says
+    assert table.column("position").to_pylist() == list(range(40)) and "(input order;" in line
+
+
+def test_the_summary_says_where_each_failed_input_is_listed_with_its_cause():
+    # it said "each with its cause in --report" of a run given no --report
+    from dynabatch.cli import job
+    from dynabatch.cli.output import Tally
+
+    tally = Tally(n=3, stored=2, before=0, now=2, failures={1: "ValueError: no"}, missing=np.zeros(0, np.int64))
+    shown = {"output": "out", "what": "texts", "model": "m", "place": job.Placement(0, 1, [torch.device("cpu")]),
+             "seconds": 1.0, "columns": ["position", "output"]}
+    failed = job.summary("embed", None, tally, **shown).splitlines()[-1]
+    assert failed == ("  failed     1 texts listed failed (1: ValueError: no): --report FILE lists each with its "
+                      "cause; the same command again retries them")
+    failed = job.summary("embed", None, tally, **shown, report_path=Path("r.json")).splitlines()[-1]
+    assert "(1: ValueError: no): each with its cause in r.json; the same" in failed
 
 
 @pytest.mark.slow
