@@ -397,14 +397,15 @@ def embed_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         finally:
             spec.output.end()
     with job.running(place, spec.output):
-        tokenizer, limit, make_fn, model = _load(spec, args)
-        with refusing(parser):  # what only the loaded model can judge: one line, naming the flags
-            loader = build_dynamic_batch_dataloader(spec.texts, tokenizer, args.batch_size, limit, ids=spec.ids,
-                                                    model=model, max_memory=args.max_memory, stream=True,
-                                                    **_loader_options(args, limit), num_workers=0, progress=False)
-        return job.conclude(
-            "embed", lambda: job.run_job(make_fn, loader, place, spec.output, key=spec.key, on_oom=args.on_oom,
-                                         on_error=args.on_error, token_outputs="whole",
-                                         progress=place.main and not args.no_progress),
-            args, parser, place, spec.output, n=len(spec.texts), start=start, model=spec.describe(limit),
-            what="texts", keyed=spec.ids is not None)
+        call, limit = None, spec.max_length
+        if not job.all_stored(spec.output):  # a finished job's rerun loads no model to run nothing
+            tokenizer, limit, make_fn, model = _load(spec, args)
+            with refusing(parser):  # what only the loaded model can judge: one line, naming the flags
+                loader = build_dynamic_batch_dataloader(spec.texts, tokenizer, args.batch_size, limit, ids=spec.ids,
+                                                        model=model, max_memory=args.max_memory, stream=True,
+                                                        **_loader_options(args, limit), num_workers=0, progress=False)
+            call = lambda: job.run_job(make_fn, loader, place, spec.output, key=spec.key,  # noqa: E731
+                                       on_oom=args.on_oom, on_error=args.on_error, token_outputs="whole",
+                                       progress=place.main and not args.no_progress)
+        return job.conclude("embed", call, args, parser, place, spec.output, n=len(spec.texts), start=start,
+                            model=spec.describe(limit), what="texts", keyed=spec.ids is not None)

@@ -259,18 +259,19 @@ def generate_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         finally:
             output.end()
     with job.running(place, output):
-        auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
-        model = auto.from_pretrained(args.model, dtype=spec["dtype"]).to(place.devices[0]).eval()
-        torch.manual_seed(args.seed)  # this process's own generator: sampling draws from it
+        call = None
+        if not job.all_stored(output):  # a finished job's rerun loads no model to run nothing
+            auto = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+            model = auto.from_pretrained(args.model, dtype=spec["dtype"]).to(place.devices[0]).eval()
+            torch.manual_seed(args.seed)  # this process's own generator: sampling draws from it
+            call = lambda: generate(model, spec["tokenizer"], spec["prompts"], batch_size=args.batch_size,  # noqa: E731
+                                    max_memory=args.max_memory, max_input_token_length=spec["max_length"],
+                                    device=place.devices[0], ids=spec["ids"], output_path=output.store,
+                                    key=spec["key"], on_oom=args.on_oom, on_error=args.on_error,
+                                    progress=place.main and not args.no_progress,
+                                    pad_token_id=spec["tokenizer"].pad_token_id, **spec["options"])
         model_line = (f"{Path(args.model).resolve().name}, {str(spec['dtype']).removeprefix('torch.')}, prompts "
                       f"of {spec['max_length']} tokens at most, {args.max_new_tokens} new tokens at most, "
                       + ("sampled" if args.sample else "greedy"))
-        return job.conclude(
-            "generate", lambda: generate(model, spec["tokenizer"], spec["prompts"], batch_size=args.batch_size,
-                                         max_memory=args.max_memory, max_input_token_length=spec["max_length"],
-                                         device=place.devices[0], ids=spec["ids"], output_path=output.store,
-                                         key=spec["key"], on_oom=args.on_oom, on_error=args.on_error,
-                                         progress=place.main and not args.no_progress,
-                                         pad_token_id=spec["tokenizer"].pad_token_id, **spec["options"]),
-            args, parser, place, output, n=len(spec["prompts"]), start=start, model=model_line, what="replies",
-            keyed=spec["ids"] is not None)
+        return job.conclude("generate", call, args, parser, place, output, n=len(spec["prompts"]), start=start,
+                            model=model_line, what="replies", keyed=spec["ids"] is not None)

@@ -51,7 +51,7 @@ from dynabatch.cli._checks import Parser
 from dynabatch.cli.output import Output, Tally
 
 __all__ = ["MODEL_IDENTITY", "STORED_PIECE", "Placement", "add_input_arguments", "add_run_arguments",
-           "check_first_batch", "check_outputs", "check_stored_inputs", "check_tokens", "command_parser", "conclude",
+           "all_stored", "check_first_batch", "check_outputs", "check_stored_inputs", "check_tokens", "command_parser", "conclude",
            "digest_cache", "finish", "job_key", "model_digest", "model_files", "open_input", "open_store", "place_job",
            "placement", "prepared", "process_group", "read_input", "run_accounted", "run_job", "running",
            "sampled_identity", "summary"]
@@ -318,12 +318,27 @@ def running(place: Placement, output: Output) -> Iterator[None]:
         output.end()
 
 
-def conclude(command: str, call: Callable[[], Any], args: argparse.Namespace, parser: argparse.ArgumentParser,
+def all_stored(output: Output) -> bool:
+    """Whether ``output``'s store held every input when it was opened (none failed, none missing): a rerun of a
+    finished job, which loads no model to run nothing (:func:`conclude` with no call)."""
+    return output.before is not None and bool(output.before.all())
+
+
+def _nothing_to_run() -> Any:
+    """The run of a job whose store holds every input: no batch."""
+    from dynabatch.inference.results import RunResult
+
+    return RunResult()
+
+
+def conclude(command: str, call: Callable[[], Any] | None, args: argparse.Namespace, parser: argparse.ArgumentParser,
              place: Placement, output: Output, *, n: int, start: float, model: str, what: str, keyed: bool) -> int:
-    """Runs ``call()`` (the run of the ``n`` inputs into ``output``'s store) and ends the job: what the store holds
-    (:func:`run_accounted`), ``--report``, ``--plot`` and the summary (:func:`finish`); returns the exit status.
-    ``keyed``: rows keyed by ``--id-column`` (else by position)."""
+    """Runs ``call()`` (the run of the ``n`` inputs into ``output``'s store; ``None`` where :func:`all_stored`: no
+    model was loaded) and ends the job: what the store holds (:func:`run_accounted`), ``--report``, ``--plot`` and
+    the summary (:func:`finish`); returns the exit status. ``keyed``: rows keyed by ``--id-column`` (else by
+    position)."""
     output.started = True
+    call = call if call is not None else _nothing_to_run
     result, tally, error = run_accounted(call, output, n, parser, what=what, on_error=args.on_error)
     return finish(command, result, tally, error, args, place, start=start, model=model, what=what,
                   columns=["id" if keyed else "position", "output"])
@@ -589,7 +604,8 @@ def summary(command: str, report: Any, tally: Tally, *, output: str, what: str, 
              f"now, {tally.before:,} stored before)"),
              f"  model      {model}, on {place.describe()}"]
     if report is not None and not report.batches:  # nothing left to run: no rate, padding or bound to speak of
-        lines.append(f"  time       {seconds:.1f} s in all; no batch ran")
+        done = "nothing to run: every one was stored before" if tally.before == tally.n else "no batch ran"
+        lines.append(f"  time       {seconds:.1f} s in all; {done}")
     elif report is not None:
         efficiency = f"{report.padding_efficiency:.0%}" if report.padding_efficiency is not None else "-"
         ran = f" (rank {place.rank}'s)" if place.world > 1 else ""

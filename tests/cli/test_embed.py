@@ -217,8 +217,19 @@ def test_the_same_model_files_under_another_folder_resume_the_store(bert_dir, te
     again = run_command([*cli, "embed", str(tmp_path / "docs.txt"), str(out), "--model", str(elsewhere),
                          "--no-progress"]).stdout
     assert f"20 of 20 texts stored in {out} (0 run now, 20 stored before)" in again
-    assert "s in all; no batch ran\n" in again  # no rate, padding, memory or bound of a run that ran nothing
+    assert "s in all; nothing to run: every one was stored before\n" in again  # no rate, padding, memory or bound
     assert not any(line.startswith(("  padding", "  memory", "  bound")) for line in again.splitlines())
+
+
+def test_a_finished_jobs_rerun_loads_no_model_and_says_nothing_was_left(bert_dir, corpus, tmp_path, capsys, request):
+    # it loaded the weights (seconds to minutes of a real model) to run no batch
+    argv = ["embed", str(corpus), str(tmp_path / "out"), "--model", str(bert_dir), "--id-column", "id",
+            "--no-progress"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    request.getfixturevalue("no_model_loads")
+    assert main(argv) == 0
+    assert "6 of 6 texts stored" in (said := capsys.readouterr().out) and "nothing to run: every one was stored" in said
 
 
 def test_a_smaller_corpus_is_told_of_the_rows_of_other_inputs_its_store_holds(bert_dir, texts, tmp_path, capsys,
