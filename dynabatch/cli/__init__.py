@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -35,7 +36,11 @@ def parser() -> Parser:
     from dynabatch import __version__
     from dynabatch._distribution import DISTRIBUTION
 
-    top = Parser(prog="dynabatch", description="dynabatch: memory-safe dynamic batches, from the command line")
+    from dynabatch.cli.job import EXIT_STATUSES
+
+    top = Parser(prog="dynabatch", description="dynabatch: memory-safe dynamic batches, from the command line",
+                 epilog=f"dynabatch COMMAND --help tells a command's options and examples.\n\n{EXIT_STATUSES}",
+                 formatter_class=argparse.RawDescriptionHelpFormatter)
     top.add_argument("--version", action="version", version=f"dynabatch {__version__} ({DISTRIBUTION})")
     sub = top.add_subparsers(title="commands", required=True, metavar="COMMAND", parser_class=Parser)
     embed.add_parser(sub)

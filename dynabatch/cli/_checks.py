@@ -189,12 +189,14 @@ def settle(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             setattr(args, name, tie.default)
 
 
-class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Help naming each option's default, but where it is ``None``: such an option's help says what it means
-    (a tied option's, :meth:`Parser.add_tied`, names its default itself)."""
+class DefaultsFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Help naming each option's default, but where it is ``None`` (such an option's help says what it means; a tied
+    option's, :meth:`Parser.add_tied`, names its default itself) or the option is a flag (off unless given); the
+    description and the examples after the options kept as written."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
+        plain = action.default is None or action.nargs == 0
+        return action.help if plain else super()._get_help_string(action)
 
 
 @contextlib.contextmanager

@@ -46,12 +46,20 @@ __all__ = ["TASKS", "add_parser", "calibrate_command", "plot"]
 TASKS = ("generate", "forward", "train")
 
 
+_EXAMPLES = """examples:
+  dynabatch calibrate --model ./my-model --batch-size 16 --max-length 512 -o memory.json --device cuda:0
+  dynabatch calibrate --model ./encoder --task forward --batch-size 64 --max-length 256 -o memory.json
+
+exit status: 0 the memory model written; 1 an error while measuring (its traceback); 2 a bad option, refused in one
+line on stderr"""
+
+
 def add_parser(sub: Any) -> None:
     """The ``calibrate`` subcommand's options."""
     cal = sub.add_parser("calibrate", help="measure a model on probe batches and save its memory model as JSON",
                          description="Measures a local model on probe batches (nothing is downloaded) and writes its "
                          "memory model as JSON, for dynabatch's planners to keep batches under a device's memory.",
-                         formatter_class=DefaultsFormatter)
+                         epilog=_EXAMPLES, formatter_class=DefaultsFormatter)
     cal.add_argument("--model", required=True, help="a local Hugging Face model folder (offline)")
     cal.add_argument("--tokenizer", default=None, help="tokenizer folder; default: --model")
     cal.add_argument("--task", choices=TASKS, default="generate",
@@ -67,8 +75,8 @@ def add_parser(sub: Any) -> None:
     cal.add_argument("-o", "--output", type=Path, required=True, help="where to write the memory model (JSON)")
     cal.add_argument("--plot", type=Path, default=None, help="write predicted vs measured peaks as a PNG")
     cal.add_argument("--device", default="cpu", help="where the model runs and is measured ('cpu', 'cuda:0')")
-    cal.add_argument("--dtype", default=None, help="load the weights in this dtype (e.g. bfloat16)")
-    cal.add_argument("--texts", type=Path, default=None, help="a text file, one text a line, to draw probes from")
+    cal.add_argument("--dtype", default=None, help="load the weights in this dtype (e.g. bfloat16; default: float32)")
+    cal.add_argument("--texts", type=Path, default=None, help="a text file, one text a line, to draw probes from (default: probes of random token ids)")
     cal.add_argument("--max-probes", type=int, default=40, help="probes measured at most (the base ones always run)")
     cal.add_argument("--seed", type=int, default=0, help="seeds the probes' token ids and their draw of --texts")
     cal.add_argument("--threads", type=int, default=None,

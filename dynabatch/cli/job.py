@@ -50,13 +50,20 @@ from dynabatch._validation import bad_value, first_few
 from dynabatch.cli._checks import Parser
 from dynabatch.cli.output import Output, Tally
 
-__all__ = ["MODEL_IDENTITY", "STORED_PIECE", "Placement", "add_input_arguments", "add_run_arguments",
+__all__ = ["EXIT_STATUSES", "MODEL_IDENTITY", "STORED_PIECE", "Placement", "add_input_arguments", "add_run_arguments",
            "all_stored", "check_first_batch", "check_outputs", "check_stored_inputs", "check_tokens", "command_parser", "conclude",
            "digest_cache", "finish", "job_key", "model_digest", "model_files", "open_input", "open_store", "place_job",
            "placement", "prepared", "process_group", "read_input", "run_accounted", "run_job", "running",
            "sampled_identity", "summary"]
 
 logger = logging.getLogger(__name__)
+
+EXIT_STATUSES = """exit status:
+  0    every input stored, or listed failed with its cause (--on-oom skip, --on-error skip; the summary names them)
+  1    an input neither stored nor listed failed, or the run stopped on an error (the same command runs the rest)
+  2    a bad option or input, refused in one line on stderr (before any model loads where it can be told then)
+  130  Ctrl-C; 143 SIGTERM (the rows that finished are kept: the same command resumes)"""
+"""The exit statuses of the corpus commands, as their help (and ``dynabatch --help``) says them."""
 
 MODEL_IDENTITY = "v2"
 """The form of a job key's ``model=``: ``v2.`` and a digest of every byte of the model's files."""
@@ -66,7 +73,7 @@ def command_parser(sub: Any, name: str, command: Callable[..., int], *, help: st
                    examples: str, item: str, rows: str) -> Parser:
     """A corpus command's parser (``item``: "document", "prompt"; ``rows``: what the store keys, "rows", "replies"):
     its input, its store and ``--id-column``; the command adds its own options, then :func:`add_run_arguments`."""
-    p = sub.add_parser(name, help=help, description=description, epilog=examples,
+    p = sub.add_parser(name, help=help, description=description, epilog=f"{examples}\n\n{EXIT_STATUSES}",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_input_arguments(p, item)
     p.add_argument("--id-column", default=None,

@@ -133,3 +133,19 @@ def test_every_option_of_every_command_says_in_its_help_what_it_does():
         assert "``" not in text and "(default: None)" not in text, (name, text)  # no reST, no default of nothing
         bare = [a.option_strings or a.dest for a in command._actions if not (a.help or "").strip()]
         assert not bare, (name, bare)
+
+
+def test_every_help_says_the_exit_statuses_and_calibrate_its_examples_and_defaults():
+    # no help said what an exit status meant (is 0 with failed rows a success?), calibrate's had no example, no
+    # default for --dtype and --texts, and "(default: False)" for a flag
+    from dynabatch.cli import parser
+
+    top = parser()
+    commands = next(a for a in top._actions if a.choices).choices
+    assert "exit status:\n  0    every input stored" in top.format_help()
+    for name in ("embed", "generate"):
+        assert "\n  130  Ctrl-C; 143 SIGTERM" in commands[name].format_help(), name
+    calibrate = commands["calibrate"].format_help()
+    assert "examples:\n  dynabatch calibrate --model" in calibrate and "exit status: 0 the memory model" in calibrate
+    assert "default: float32)" in calibrate and "(default: probes of random token ids)" in calibrate
+    assert "(default: False)" not in calibrate
