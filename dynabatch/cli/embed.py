@@ -295,7 +295,7 @@ def _prepare(args: argparse.Namespace) -> _Job:
         if pooling == _ST:  # the prompt applied, whichever flag (or the model's default) names it: the rows' own
             settings["prompt"] = json.dumps(prompt) if prompt is not None else None
         key = job.job_key("embed", folder, **settings)
-        job.open_store(output, args, key, len(texts), ids)
+        key = job.open_store(output, args, key, len(texts), ids)
         job.check_stored_inputs(output, texts, loader_tokenizer, max_length)
         job.check_first_batch(texts, loader_tokenizer, config=config, dtype=dtype,
                               device=place.devices[0], max_memory=args.max_memory, batch_size=args.batch_size,

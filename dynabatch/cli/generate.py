@@ -230,7 +230,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
                     "prompts": "messages" if args.messages_column is not None else "text",
                     **_applied_options(generation_config, options), **({"seed": args.seed} if args.sample else {})}
         key = job.job_key("generate", args.model, **settings)
-        job.open_store(output, args, key, len(prompts), ids)
+        key = job.open_store(output, args, key, len(prompts), ids)
         if args.messages_column is None:  # rendered chats are the run's to check, as it renders them
             job.check_stored_inputs(output, prompts, tokenizer, max_length)
             prompts = prompts.take(np.arange(len(prompts)))

@@ -48,7 +48,7 @@ from typing import Any
 from dynabatch._digest import FileDigests, fingerprint
 from dynabatch._validation import bad_value, first_few
 from dynabatch.cli._checks import Parser
-from dynabatch.cli.output import Output, Tally
+from dynabatch.cli.output import KEY_FORM, Output, Tally
 
 __all__ = ["EXIT_STATUSES", "MODEL_IDENTITY", "STORED_PIECE", "Placement", "add_input_arguments", "add_run_arguments",
            "all_stored", "check_first_batch", "check_outputs", "check_stored_inputs", "check_tokens", "command_parser", "conclude",
@@ -281,10 +281,11 @@ def read_input(corpus: Any, args: argparse.Namespace, read: Callable[[Any], Any]
     return ids, read(corpus)
 
 
-def open_store(output: Output, args: argparse.Namespace, key: str, n: int, ids: Any) -> None:
+def open_store(output: Output, args: argparse.Namespace, key: str, n: int, ids: Any) -> str:
     """``output``'s store opened under ``key`` for the ``n`` inputs (``ids``: of ``--id-column``); a store another
-    job writes, or one of rows computed otherwise, is refused now."""
-    output.open(key=key, n=n, ids=ids, id_column=args.id_column)
+    job writes, or one of rows computed otherwise, is refused now. Returns the key the run is to pass: ``key``, or
+    this job's key as the store holds it, written before keys said their form (:meth:`Output.open`)."""
+    return output.open(key=key, n=n, ids=ids, id_column=args.id_column)
 
 
 STORED_PIECE = 65_536
@@ -490,10 +491,12 @@ def sampled_identity(digest: str) -> bool:
 
 
 def job_key(command: str, model_folder: str, **settings: Any) -> str:
-    """The store's key: ``"embed model=DIGEST pooling=mean ..."``: what computed the rows (the model's files, every
-    setting that changes a row), never where the model lies; read by a person."""
+    """The store's key: ``"embed key_form=2 model=DIGEST pooling=mean ..."``: the key's form
+    (:data:`~dynabatch.cli.output.KEY_FORM`: a store keyed in an earlier form is refused saying so), then what
+    computed the rows (the model's files, every setting that changes a row, as applied), never where the model
+    lies; read by a person."""
     named = " ".join(f"{k}={v}" for k, v in settings.items())
-    return f"{command} model={model_digest(model_folder)} {named}"
+    return f"{command} key_form={KEY_FORM} model={model_digest(model_folder)} {named}"
 
 
 def run_job(make_fn: Callable[[torch.device], Callable], loader: Any, place: Placement, output: Output,

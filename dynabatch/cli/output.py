@@ -40,7 +40,13 @@ from dynabatch._validation import bad_value, first_few
 from dynabatch.inference.results import Accounting, account
 from dynabatch.inference.store_lock import StoreBusyError
 
-__all__ = ["Output", "Tally"]
+__all__ = ["KEY_FORM", "Output", "Tally"]
+
+KEY_FORM = 2
+"""The form of a job key (:func:`dynabatch.cli.job.job_key`), its ``key_form=``: 2 holds every setting as applied (the
+prompt's text, the generation settings ``model.generate`` applies). A key without ``key_form=`` was written by an
+earlier dynabatch: before form 2 the key held the prompt and generation flags as typed, and form 2's first keys were
+written without the field (a store of one of them equal to this job's key resumes: :func:`_held_key`)."""
 
 _SETTING = re.compile(r'(\S+?)=("(?:[^"\\]|\\.)*"|\S*)')  # name=value; a JSON string value may hold spaces
 
@@ -148,10 +154,44 @@ def _settings(key: str) -> dict[str, str]:
     return {"command": command, **dict(_SETTING.findall(rest))}
 
 
+def _key_form(key: str) -> int | None:
+    """A command line's job key's ``key_form`` (0: written before the field); ``None``: no command line's key (no
+    ``model=``: the library's ``key=``)."""
+    settings = _settings(key)
+    form = settings.get("key_form", "0")
+    return int(form) if "model" in settings and form.isdigit() else None
+
+
+def _held_key(path: str, key: str) -> str:
+    """The key to open the store at ``path`` under: this job's ``key``, or the store's where that is ``key`` without
+    its ``key_form`` (written by the dynabatch whose keys were of form :data:`KEY_FORM` before they said so: the same
+    job, whose rows resume under the key they were stored with)."""
+    command, _, rest = key.partition(" ")
+    unmarked = f"{command} {rest.removeprefix(f'key_form={KEY_FORM} ')}"
+    stored = _stored(path)[0].get("key") if unmarked != key and os.path.isdir(path) else None
+    return stored if stored == unmarked else key
+
+
+def _computed_otherwise(path: str, stored: str, key: str) -> str:
+    """The refusal of the store at ``path``, whose key ``stored`` is not this job's ``key``: what differs, and where
+    the store's key is of an earlier form (:data:`KEY_FORM`), that an earlier dynabatch wrote it and how to go on."""
+    got = f"output should be a new folder, or the store of this same job to resume it, but got output={path!r}"
+    there, here = _key_form(stored), _key_form(key)
+    if there is None or here is None or there >= here:
+        return (f"{got} holding rows computed otherwise ({_differences(stored, key)}): use another output folder for "
+                f"this job, or delete {path!r} to compute it again")
+    form = f"key_form={there}" if there else "no key_form"
+    return (f"{got} written by an earlier dynabatch, whose job key had another form ({form} there, key_form={here} "
+            f"here: a key of an earlier form may hold the prompt and the generation settings as the flags were typed, "
+            f"not as applied), its key differing ({_differences(stored, key)}): use another output folder for this "
+            f"job, or resume the store with the dynabatch version that wrote it")
+
+
 def _differences(stored: str, key: str) -> str:
-    """What differs between the key of a store and this job's, read by a person."""
+    """What differs between the key of a store and this job's, read by a person (the keys' form aside:
+    :func:`_computed_otherwise` says it)."""
     there, here = _settings(stored), _settings(key)
-    names = [n for n in dict.fromkeys([*there, *here]) if there.get(n) != here.get(n)]
+    names = [n for n in dict.fromkeys([*there, *here]) if there.get(n) != here.get(n) and n != "key_form"]
     if "model" in names:
         from dynabatch.cli.job import sampled_identity
 
@@ -253,15 +293,17 @@ class Output:
                              f"output={path!r} holding {len(foreign)} other entries ({first_few(foreign)}): use "
                              "another output folder")
 
-    def open(self, *, key: str, n: int, ids: Any, id_column: str | None = None) -> None:
+    def open(self, *, key: str, n: int, ids: Any, id_column: str | None = None) -> str:
         """Opens the store for a run over ``n`` inputs (``ids``: their ids, of the column ``id_column``) computed as
-        ``key`` says, held for this job (its lock taken).
+        ``key`` says, held for this job (its lock taken); returns the key it is held under, the run's: ``key``, or a
+        store's key of this job written before keys said their form (:func:`_held_key`).
 
         Raises:
             ValueError: another live job is writing it (that job named), or it holds rows computed otherwise (the
-                differences named), keyed otherwise (by id or by position, or ids of another type: ``--id-column``
-                named), or other files.
+                differences named; a store's key of an earlier form said to be one), keyed otherwise (by id or by
+                position, or ids of another type: ``--id-column`` named), or other files.
         """
+        key = _held_key(self.path, key)
         try:
             self.store = _open_store(self.path, key=key, n=n, ids=ids)
         except StoreBusyError as exc:
@@ -271,10 +313,7 @@ class Output:
         except ValueError as exc:
             stored = _stored(self.path)[0].get("key") if os.path.isdir(self.path) else None
             if stored is not None and stored != key:
-                raise ValueError(f"output should be a new folder, or the store of this same job to resume it, but got "
-                                 f"output={self.path!r} holding rows computed otherwise ({_differences(stored, key)}): "
-                                 f"use another output folder for this job, or delete {self.path!r} to compute it "
-                                 "again") from exc
+                raise ValueError(_computed_otherwise(self.path, stored, key)) from exc
             # the store's own words name the library's ids= and output_path: this job's are --id-column and output
             other = _other_ids(self.path, ids, id_column) if stored is not None else None
             if other is not None:
@@ -282,6 +321,7 @@ class Output:
             raise ValueError(f"output should be a new folder, or the store of this same job to resume it, but got "
                              f"output={self.path!r}: {_first_line(exc)}") from exc
         self.before = np.array(self.store.done, dtype=bool)
+        return key
 
     @contextlib.contextmanager
     def checked(self) -> Iterator[Output]:

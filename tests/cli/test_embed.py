@@ -533,6 +533,46 @@ def test_the_models_default_prompt_named_or_given_resumes_its_store_and_another_
         f"for this job, or delete {str(out)!r} to compute it again")
 
 
+def _unmarked_key(command, model_folder, **settings):
+    """A job key as dynabatch wrote it before keys said their form (no key_form)."""
+    from dynabatch.cli import job
+
+    return f"{command} model={job.model_digest(model_folder)} " + " ".join(f"{k}={v}" for k, v in settings.items())
+
+
+def test_a_store_keyed_in_the_earlier_form_is_refused_saying_so_and_this_forms_unmarked_store_resumes(
+        st_model_folder, texts, write_corpus, tmp_path, capsys, monkeypatch):
+    # the key changed form (the prompt's text, where it held --prompt-name as typed) and said nothing of it: the
+    # previous release's store was refused as "holding rows computed otherwise" alone, the cause untold
+    from dynabatch.cli import job
+
+    folder = st_model_folder(prompts={"query": "query: "}, default_prompt_name="query")
+    corpus, out = write_corpus(tmp_path, texts[:6], [f"d{i}" for i in range(6)]), tmp_path / "out"
+    argv = ["embed", str(corpus), str(out), "--model", str(folder), "--id-column", "id", "--no-progress"]
+    with monkeypatch.context() as earlier:  # the previous release's key of --prompt-name query
+        earlier.setattr(job, "job_key", lambda *a, **settings: _unmarked_key(*a, **{**settings, "prompt": "query"}))
+        assert main([*argv, "--prompt-name", "query"]) == 0
+    capsys.readouterr()
+    assert _refused([*argv, "--prompt-name", "query"], capsys) == (
+        f"output should be a new folder, or the store of this same job to resume it, but got output={str(out)!r} "
+        "written by an earlier dynabatch, whose job key had another form (no key_form there, key_form=2 here: a key of "
+        "an earlier form may hold the prompt and the generation settings as the flags were typed, not as applied), "
+        'its key differing (prompt=query there, prompt="query: " here): use another output folder for this job, or '
+        "resume the store with the dynabatch version that wrote it")
+    # a store of this form written before keys said so (no key_form), a part of the corpus: resumed and completed
+    shutil.rmtree(out)
+    (tmp_path / "few").mkdir()
+    few = write_corpus(tmp_path / "few", texts[:3], [f"d{i}" for i in range(3)])
+    with monkeypatch.context() as unmarked:
+        unmarked.setattr(job, "job_key", _unmarked_key)
+        assert main(["embed", str(few), *argv[2:]]) == 0
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert f"6 of 6 texts stored in {out} (3 run now, 3 stored before)" in capsys.readouterr().out
+    assert main(argv) == 0
+    assert f"6 of 6 texts stored in {out} (0 run now, 6 stored before)" in capsys.readouterr().out
+
+
 def test_a_max_length_above_the_models_positions_is_refused(bert_dir, corpus, tmp_path, capsys, no_model_loads):
     assert _refused(["embed", str(corpus), str(tmp_path / "out"), "--model", str(bert_dir), "--max-length", "100"],
                     capsys) == "--max-length should be at most the model's max_position_embeddings=64, but got " \
@@ -686,7 +726,7 @@ def test_a_rerun_on_another_text_column_under_the_stored_ids_is_refused_before_t
     err = _refused([*argv, "--text-column", "title"], capsys)
     assert err.startswith(f"output={str(out)!r} should hold results of these inputs at their ids, but got 6 stored "
                           "rows computed from other inputs (ids d0, d1, d2, d3, d4, ...): the texts, their order, the "
-                          "tokenizer or its settings differ from the run that stored them (key='embed model="), err
+                          "tokenizer or its settings differ from the run that stored them (key='embed key_form=2 model="), err
     assert err.endswith("); use another output folder"), err
 
 

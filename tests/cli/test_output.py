@@ -48,6 +48,39 @@ def test_a_store_computed_otherwise_is_refused_naming_each_difference(tmp_path):
         f"another output folder for this job, or delete {str(tmp_path / 'store')!r} to compute it again")
 
 
+def test_a_store_keyed_in_an_earlier_form_is_refused_saying_so_and_one_of_this_form_unmarked_resumes(tmp_path):
+    # keys held no form: a store of the previous release's (the prompt as its flag was typed) was refused as "holding
+    # rows computed otherwise" alone, not saying the key's form was the cause
+    path = str(tmp_path / "earlier")
+    _write(path, "embed model=aaaa pooling=sentence-transformers prompt=query", [0])
+    with pytest.raises(ValueError) as info:
+        Output(path).open(key='embed key_form=2 model=aaaa pooling=sentence-transformers prompt="query: "', n=5,
+                          ids=None)
+    assert str(info.value) == (
+        f"output should be a new folder, or the store of this same job to resume it, but got output={path!r} written "
+        "by an earlier dynabatch, whose job key had another form (no key_form there, key_form=2 here: a key of an "
+        "earlier form may hold the prompt and the generation settings as the flags were typed, not as applied), its "
+        "key differing (prompt=query there, prompt=\"query: \" here): use another output folder for this job, or "
+        "resume the store with the dynabatch version that wrote it")
+    # the keys of form 2 written before they said so: the same job, resumed under the key the rows were stored with
+    path, unmarked = str(tmp_path / "unmarked"), "embed model=aaaa pooling=mean"
+    _write(path, unmarked, [0])
+    output = Output(path)
+    assert output.open(key="embed key_form=2 model=aaaa pooling=mean", n=5, ids=None) == unmarked
+    assert output.store.done.tolist() == [True, False, False, False, False]
+    output.store.check_inputs(np.array([0]), np.zeros(1, dtype=np.uint64))
+    writer = output.store.writer("test")
+    writer.write(np.array([1, 2]), [torch.ones(2), torch.ones(2)], np.zeros(2, np.uint64))
+    writer.close()
+    output.close()
+    again = Output(path)
+    assert again.open(key="embed key_form=2 model=aaaa pooling=mean", n=5, ids=None) == unmarked
+    assert again.store.done.tolist() == [True, True, True, False, False]
+    again.close()
+    with pytest.raises(ValueError, match=r"holding rows computed otherwise \(no dtype there, dtype=float16 here\)"):
+        Output(path).open(key="embed model=aaaa pooling=mean dtype=float16", n=5, ids=None)  # both unmarked: no form
+
+
 def test_an_output_inside_another_store_is_refused_a_corpus_folder_of_part_files_is_none(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
