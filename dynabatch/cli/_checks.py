@@ -33,7 +33,7 @@ from dynabatch._validation import bad_value
 
 __all__ = ["DTYPES", "FLAGS", "INTERRUPTED", "TERMINATED", "WEIGHTS", "DefaultsFormatter", "Parser", "Terminated", "Tie",
            "as_flags", "check_device_names", "check_dtype", "check_model_folder", "check_outputs_apart", "check_plot",
-           "check_positive", "check_writable", "flag_of", "refusing", "settle", "stop_on_sigterm",
+           "check_positive", "check_writable", "flag_of", "model_files", "refusing", "settle", "stop_on_sigterm",
            "stopped_by"]
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -281,9 +281,29 @@ WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".
 these)."""
 
 
+def model_files(folder: str) -> list[Path]:
+    """The files of a model folder that make its identity: every file but ``.md`` and hidden ones (a hub cache's
+    ``.cache`` folder, an editor's backups), in path order, under the names the folder gives them. A linked folder
+    in it (a sentence-transformers module's ``2_Dense`` linked to where it was trained) is read through, as the
+    model's load reads it; a link back to a folder it is in (a loop) is not. The one walk of a model folder: its
+    identity (:func:`dynabatch.cli.job.model_digest`) and its weights (:func:`check_model_folder`)."""
+    root = Path(folder)
+    files = []
+    within = {os.fspath(root): {os.path.realpath(root)}}  # each folder walked: the real folders it lies in
+    for where, folders, names in os.walk(root, followlinks=True):
+        outer = within.pop(where)
+        kept = [f for f in folders if not f.startswith(".") and os.path.realpath(os.path.join(where, f)) not in outer]
+        within.update({os.path.join(where, f): outer | {os.path.realpath(os.path.join(where, f))} for f in kept})
+        folders[:] = kept
+        files += [Path(where, name) for name in names if not name.startswith(".") and not name.endswith(".md")
+                  and os.path.isfile(os.path.join(where, name))]
+    return sorted(files)
+
+
 def check_model_folder(flag: str, folder: str) -> Any:
-    """A local Hugging Face model folder: its config (read, no weights), and a file of weights in it or a folder
-    under it (a sentence-transformers module's) found by name."""
+    """A local Hugging Face model folder: its config (read, no weights), and a file of weights among its files
+    (:func:`model_files`: in it or a folder under it, a sentence-transformers module's, linked folders read through)
+    found by name."""
     from transformers import AutoConfig
 
     if not Path(folder).is_dir():
@@ -293,7 +313,7 @@ def check_model_folder(flag: str, folder: str) -> Any:
     except (OSError, ValueError) as exc:
         raise ValueError(f"{flag} should be a Hugging Face model folder (with a config.json), but got "
                          f"{flag}={folder!r}: {str(exc).splitlines()[0]}") from exc
-    if not any(path.suffix in WEIGHTS and path.is_file() for path in Path(folder).rglob("*")):
+    if not any(path.suffix in WEIGHTS for path in model_files(folder)):
         raise ValueError(f"{flag} should be a model folder holding its weights (a {' or '.join(WEIGHTS[:2])} file; "
                          f"the load refuses it otherwise), but got {flag}={folder!r} with no file named "
                          f"*{', *'.join(WEIGHTS)}")

@@ -47,12 +47,12 @@ from typing import Any
 
 from dynabatch._digest import FileDigests, fingerprint
 from dynabatch._validation import bad_value, first_few
-from dynabatch.cli._checks import Parser
+from dynabatch.cli._checks import Parser, model_files
 from dynabatch.cli.output import KEY_FORM, Output, Tally
 
 __all__ = ["EXIT_STATUSES", "MODEL_IDENTITY", "STORED_PIECE", "Placement", "add_input_arguments", "add_run_arguments",
-           "all_stored", "check_first_batch", "check_outputs", "check_stored_inputs", "check_tokens", "command_parser", "conclude",
-           "digest_cache", "finish", "job_key", "model_digest", "model_files", "open_input", "open_store", "place_job",
+           "all_stored", "check_first_batch", "check_outputs", "check_stored_inputs", "check_tokens", "command_parser",
+           "conclude", "digest_cache", "finish", "job_key", "model_digest", "open_input", "open_store", "place_job",
            "placement", "prepared", "process_group", "read_input", "run_accounted", "run_job", "running",
            "sampled_identity", "summary"]
 
@@ -433,24 +433,6 @@ def process_group(place: Placement) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def model_files(folder: str) -> list[Path]:
-    """The files of a model folder that make its identity: every file but ``.md`` and hidden ones (a hub cache's
-    ``.cache`` folder, an editor's backups), in path order, under the names the folder gives them. A linked folder
-    in it (a sentence-transformers module's ``2_Dense`` linked to where it was trained) is read through, as the
-    model's load reads it; a link back to a folder it is in (a loop) is not."""
-    root = Path(folder)
-    files = []
-    within = {os.fspath(root): {os.path.realpath(root)}}  # each folder walked: the real folders it lies in
-    for where, folders, names in os.walk(root, followlinks=True):
-        outer = within.pop(where)
-        kept = [f for f in folders if not f.startswith(".") and os.path.realpath(os.path.join(where, f)) not in outer]
-        within.update({os.path.join(where, f): outer | {os.path.realpath(os.path.join(where, f))} for f in kept})
-        folders[:] = kept
-        files += [Path(where, name) for name in names if not name.startswith(".") and not name.endswith(".md")
-                  and os.path.isfile(os.path.join(where, name))]
-    return sorted(files)
 
 
 def digest_cache() -> Path:

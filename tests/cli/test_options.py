@@ -205,6 +205,26 @@ def test_a_report_or_plot_onto_the_input_or_onto_each_other_is_refused_before_an
     assert (tmp_path / "docs.txt").read_text().startswith("In the beginning") and not (tmp_path / "out").exists()
 
 
+def test_weights_in_a_folder_linked_into_the_model_are_found_as_its_identity_reads_them(bert_dir, tmp_path):
+    # the weights check walked with Path.rglob, which does not follow linked folders, where the model's identity reads
+    # through them: a folder whose weights lie only in a linked module folder was refused as holding none
+    import shutil
+
+    from dynabatch.cli._checks import check_model_folder
+
+    model, module = tmp_path / "model", tmp_path / "trained" / "0_Transformer"
+    model.mkdir()
+    module.mkdir(parents=True)
+    for file in bert_dir.iterdir():
+        shutil.copy(file, (module if file.suffix == ".safetensors" else model) / file.name)
+    (model / "0_Transformer").symlink_to(module, target_is_directory=True)
+    assert check_model_folder("--model", str(model)).hidden_size == 32
+    from dynabatch.cli._checks import model_files  # the one walk of both
+
+    assert [p.relative_to(model).as_posix() for p in model_files(str(model)) if p.suffix == ".safetensors"] == [
+        "0_Transformer/model.safetensors"]
+
+
 @pytest.mark.parametrize("command", ["embed", "generate", "calibrate"])
 def test_a_model_folder_without_weights_is_one_line_before_any_model_loads(
         inputs, command, bert_dir, gpt2_dir, tmp_path, capsys, no_model_loads):
