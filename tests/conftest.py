@@ -103,6 +103,25 @@ def docs_runner(tmp_path_factory, demo_cache, warm):
 
 
 @pytest.fixture(scope="session")
+def threads_left():
+    """``threads_left(code)``: the names of the Python threads alive once ``code`` has run in a fresh interpreter
+    (this checkout on its path, offline), sorted. A fresh one: a thread a library starts once per process and keeps
+    (tqdm's monitor, started with its first bar, a disabled one too) runs in the test process from whichever earlier
+    test started it."""
+    import subprocess
+
+    def run(code: str) -> list[str]:
+        script = f"{code}\nimport threading\nprint(json.dumps(sorted(t.name for t in threading.enumerate())))\n"
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), HF_HUB_OFFLINE="1")
+        done = subprocess.run([sys.executable, "-c", "import json\n" + script], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     """The real all-MiniLM-L6-v2 WordPiece fast tokenizer (tests copy it before changing it)."""
     from transformers import AutoTokenizer

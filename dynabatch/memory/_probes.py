@@ -143,7 +143,7 @@ class Prober:
     def __init__(self, work: Callable[[Batch], Any], tokenizer: Any, pool: list[str], max_length: int, *, device: Any,
                  memory_device: torch.device, limit_bytes: int | None, cleanup: Callable[[], None] | None,
                  pad_to_multiple_of: int | None, tokenizer_kwargs: dict[str, Any], model: MemoryModel,
-                 bar: Any, hooked: torch.nn.Module | None, steps: int | None) -> None:
+                 bar: Any | None, hooked: torch.nn.Module | None, steps: int | None) -> None:
         self.work = work
         self.tokenizer = tokenizer
         self.pool = pool
@@ -165,6 +165,11 @@ class Prober:
         self.failed: list[tuple[int, int]] = []
         self.measured = 0
         self.run_ = 0
+
+    def expect(self) -> None:
+        """One more probe in the progress bar's total (``bar``: ``None`` where no bar is shown)."""
+        if self.bar is not None:
+            self.bar.total += 1
 
     def batch(self, rows: int, length: int) -> Batch:
         if length not in self.collators:
@@ -275,6 +280,7 @@ class Prober:
         seconds = round(time.perf_counter() - start, 3)
         self.model.observe(rows, width, peak, out_of_memory=oom, source=f"calibrate:{phase}", seconds=seconds)
         self.measured += not oom
-        self.bar.update(1)
-        self.bar.set_postfix_str(f"{rows}x{width} {'OOM' if oom else f'{peak / MB:.1f} MB'}")
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"{rows}x{width} {'OOM' if oom else f'{peak / MB:.1f} MB'}")
         return None if oom else peak

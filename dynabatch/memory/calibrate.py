@@ -64,6 +64,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -227,14 +228,16 @@ def calibrate(
         "seed": seed})
     from tqdm.auto import tqdm
 
-    with tqdm(total=len(grid), desc="calibrating", unit="probe", disable=not progress) as bar:
+    # no bar at all where none is shown: tqdm starts its monitor thread with its first bar, a disabled one too, and
+    # keeps it for the process's life (a thread a calibration with progress=False would leave behind)
+    with tqdm(total=len(grid), desc="calibrating", unit="probe") if progress else contextlib.nullcontext() as bar:
         prober = Prober(work, tokenizer, pool, max_input_token_length, device=device, memory_device=memory_device,
                          limit_bytes=limit_bytes, cleanup=cleanup, pad_to_multiple_of=pad_to_multiple_of,
                          tokenizer_kwargs=tokenizer_kwargs, model=mm, bar=bar, hooked=hooked, steps=max_new_tokens)
         prober.warm_up(min(batch_size, 2), grid[0])
         for length in grid:
             prober.probe(batch_size, length, "base")
-        bar.total += 1
+        prober.expect()
         prober.probe(4 * batch_size, grid[0], "base")  # a second row count: what a row costs vs the constant
         if not prober.measured:
             raise RuntimeError(
@@ -275,7 +278,7 @@ def _grow(prober: Prober, mm: MemoryModel, grid: list[int], batch_size: int, mem
             return
         rows = rows_at(length)
         if abs(rows - batch_size) > 0.1 * batch_size:
-            prober.bar.total += 1
+            prober.expect()
             prober.probe(rows, length, "budget")
     pending = list(pairwise(grid))
     while pending and prober.run_ < max_probes:
@@ -286,7 +289,7 @@ def _grow(prober: Prober, mm: MemoryModel, grid: list[int], batch_size: int, mem
         rows = rows_at(middle)
         expected = float(mm.predict_unchecked(np.array(float(rows)), np.array(float(middle))))
         mm.knots = sorted(set(mm.knots or []) | {middle})
-        prober.bar.total += 1
+        prober.expect()
         peak = prober.probe(rows, middle, "refine")
         if peak is not None and abs(expected / max(peak, 1) - 1) > tolerance:
             pending += [(low, middle), (middle, high)]

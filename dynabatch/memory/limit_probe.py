@@ -150,7 +150,8 @@ def probe_limit(
 
     start = time.perf_counter()
     cap = contextlib.nullcontext() if simulated else backend.capped(dev, limit_bytes)
-    with tqdm(desc="probing the limit", unit="step", disable=not progress) as bar, cap:
+    # no bar where none is shown: tqdm's first bar, a disabled one too, starts its monitor thread for the process's life
+    with tqdm(desc="probing the limit", unit="step") if progress else contextlib.nullcontext() as bar, cap:
         prober = Prober(work, tokenizer, pool, max_input_token_length, device=device, memory_device=dev,
                         limit_bytes=int(limit_bytes - resident_bytes) if simulated else None, cleanup=cleanup,
                         pad_to_multiple_of=None, tokenizer_kwargs={}, model=mm, bar=bar, hooked=None, steps=None)

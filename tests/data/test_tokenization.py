@@ -212,30 +212,20 @@ def test_progress_bar_is_on_by_default_and_turns_off(tokenizer, capsys):
 
 
 _NO_BAR = """
-import threading
-
 from transformers import AutoTokenizer
 
 from dynabatch import tokenize_texts
 from dynabatch.demo import minilm_path
 
 tokenize_texts(["In the beginning"], AutoTokenizer.from_pretrained(minilm_path()), 16, progress=False)
-print(sorted(thread.name for thread in threading.enumerate()))
 """
 
 
-def test_no_progress_bar_leaves_no_thread_of_tqdm(tokenizer):
+def test_no_progress_bar_leaves_no_thread_of_tqdm(threads_left):
     # Found by the kill probe: after run(..., progress=False) returned, threading.enumerate() held tqdm_monitor, the
     # daemon thread tqdm starts with its first bar (a disabled one too) and keeps for the process's life. A fresh
     # interpreter: one bar of any earlier test in this process would have started it
-    import subprocess
-    import sys
-
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=repo, HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-c", _NO_BAR], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "['MainThread']"
+    assert threads_left(_NO_BAR) == ["MainThread"]
 
 # --- errors -----------------------------------------------------------------------------------------
 

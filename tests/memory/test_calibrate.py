@@ -300,3 +300,21 @@ def test_bad_inputs_fail_before_any_probe(tokenizer, tiny_gpt2, monkeypatch):
                                              rf"is False.*, but got {name}='cuda:0'"):
             calibrate(work, tokenizer, **{name: "cuda:0"}, **kwargs)
     assert calls == []  # work never ran
+
+
+_NO_BAR = """
+import torch
+from transformers import AutoTokenizer
+
+from dynabatch import calibrate
+from dynabatch.demo import minilm_path
+
+calibrate(lambda batch: torch.ones(batch["input_ids"].numel(), 8).sum(), AutoTokenizer.from_pretrained(minilm_path()),
+          batch_size=2, max_input_token_length=16, max_probes=8, progress=False)
+"""
+
+
+def test_no_progress_bar_leaves_no_thread_of_tqdm(threads_left):
+    # a disabled bar was made where progress=False: tqdm starts its monitor thread with its first bar, a disabled one
+    # too, and keeps it for the process's life (as tokenizing did, eb72896). A fresh interpreter, as no bar ran there
+    assert threads_left(_NO_BAR) == ["MainThread"]

@@ -82,3 +82,27 @@ def test_on_cuda_the_allocator_is_capped_at_the_limit_for_the_search():
         assert 100 <= rows * width <= 200
     beyond = torch.empty(2 * limit, dtype=torch.uint8, device=device)  # the cap is gone after the search
     del held, beyond
+
+
+_NO_BAR = """
+import torch
+from transformers import AutoTokenizer
+
+from dynabatch.demo import minilm_path
+from dynabatch.memory.limit_probe import probe_limit
+
+
+def work(batch):  # a device of 200 padded tokens a call
+    if batch["input_ids"].numel() > 200:
+        raise torch.OutOfMemoryError("injected: more than the device holds")
+
+
+probe_limit(work, AutoTokenizer.from_pretrained(minilm_path()), limit_bytes=1e9, max_input_token_length=16,
+            progress=False)
+"""
+
+
+def test_no_progress_bar_leaves_no_thread_of_tqdm(threads_left):
+    # a disabled bar was made where progress=False: tqdm starts its monitor thread with its first bar, a disabled one
+    # too, and keeps it for the process's life (as tokenizing did, eb72896). A fresh interpreter, as no bar ran there
+    assert threads_left(_NO_BAR) == ["MainThread"]
