@@ -557,6 +557,10 @@ def run_on_ray(command: str, *, model: Callable[[Any], tuple[Any, Callable, int,
     as the command read it; ``key``: the store's job key; ``what``: the rows' name (``"texts"``); ``run_options``:
     more keywords of :func:`dynabatch.run`; ``text_column``: the input's column of texts where Ray's readers may
     read it (:func:`_read`; ``None``: the driver sends ``texts``)."""
+    if job.all_stored(output):  # a finished job's rerun starts no Ray and no actor to run nothing
+        place = ClusterPlacement(0, 1, [torch.device("cpu")], cluster=f"no Ray started (--ray={args.ray!r})")
+        return job.conclude(command, None, args, parser, place, output, n=len(texts), start=start, model=model_line,
+                            what=what, keyed=ids is not None)
     import ray
     import ray.data
 

@@ -288,6 +288,28 @@ def test_a_second_job_or_a_bad_input_is_refused_before_ray_is_reached(corpora, b
     assert not (tmp_path / "new").exists()
 
 
+def test_a_finished_jobs_rerun_on_ray_starts_no_ray_and_says_nothing_was_left(corpora, bert_dir, gpt2_dir, tmp_path,
+                                                                               capsys, monkeypatch):
+    # it started Ray (a local cluster, or a connection) and its actors, each loading the model, to run no window
+    import ray
+
+    def refused(*args, **kwargs):
+        raise AssertionError("Ray was started for a job with nothing to run")
+
+    for command, model, what in (("embed", bert_dir, "texts"), ("generate", gpt2_dir, "replies")):
+        argv = [command, str(corpora / "half"), str(tmp_path / command), "--model", str(model), "--id-column", "id",
+                "--batch-size", "4", "--no-progress", *(["--max-new-tokens", "2"] if command == "generate" else [])]
+        assert main(argv) == 0  # on one machine: every input stored
+        capsys.readouterr()
+        with monkeypatch.context() as patched:
+            patched.setattr(ray, "init", refused)
+            assert main([*argv, "--ray", "auto"]) == 0
+        said = capsys.readouterr().out
+        assert f"60 of 60 {what} stored in {tmp_path / command} (0 run now, 60 stored before)" in said, said
+        assert "nothing to run: every one was stored before" in said and "on no Ray started (--ray='auto')" in said
+        assert not ray.is_initialized() and not list((tmp_path / command).glob(".lock-*"))
+
+
 def _by_position(rows):
     """A store keyed by ids ``doc-i`` read as keyed by position ``i``."""
     return {int(key.removeprefix("doc-")): value for key, value in rows[0].items()}, rows[1]
