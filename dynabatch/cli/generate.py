@@ -231,8 +231,10 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
                     **_applied_options(generation_config, options), **({"seed": args.seed} if args.sample else {})}
         key = job.job_key("generate", args.model, **settings)
         key = job.open_store(output, args, key, len(prompts), ids)
-        if args.messages_column is None:  # rendered chats are the run's to check, as it renders them
-            job.check_stored_inputs(output, prompts, tokenizer, max_length)
+        # chats rendered with no keyword of the template's, as the run renders them (generate's and on_ray's)
+        job.check_stored_inputs(output, prompts, tokenizer, max_length,
+                                chat_template_kwargs=None if args.messages_column is None else {})
+        if args.messages_column is None:
             prompts = prompts.take(np.arange(len(prompts)))
         job.check_first_batch(prompts if args.messages_column is None else None, tokenizer, config=config,
                               dtype=dtype, device=place.devices[0], max_memory=args.max_memory,

@@ -293,12 +293,15 @@ STORED_PIECE = 65_536
 hashes kept, 8 bytes a row), so a store of millions of rows is checked in flat memory."""
 
 
-def check_stored_inputs(output: Output, texts: Any, tokenizer: Any, max_length: int) -> None:
+def check_stored_inputs(output: Output, texts: Any, tokenizer: Any, max_length: int, *,
+                        chat_template_kwargs: dict[str, Any] | None = None) -> None:
     """Refuses, before any weights load, a store whose rows were computed from other texts at the same ids or
-    positions (another ``--text-column``, an edited or reordered corpus): the texts of the rows ``output``'s store
-    holds are tokenized as the loader tokenizes them (``tokenizer`` at ``max_length``), in pieces of
-    :data:`STORED_PIECE`, and their input hashes checked by the store's own rule
-    (:meth:`~dynabatch.inference.store.Store.check_inputs`), which the run would apply only once the model loaded."""
+    positions (another ``--text-column`` or ``--messages-column``, an edited or reordered corpus): the texts of the
+    rows ``output``'s store holds are tokenized as the loader tokenizes them (``tokenizer`` at ``max_length``), in
+    pieces of :data:`STORED_PIECE`, and their input hashes checked by the store's own rule
+    (:meth:`~dynabatch.inference.store.Store.check_inputs`), which the run would apply only once the model loaded.
+    ``texts``: a :class:`~dynabatch.data.text_source.TextSource`, or, where ``chat_template_kwargs`` is given, the
+    chat conversations, rendered and tokenized as :func:`dynabatch.generate` does with those keywords."""
     import copy
 
     import numpy as np
@@ -309,10 +312,26 @@ def check_stored_inputs(output: Output, texts: Any, tokenizer: Any, max_length: 
     stored = np.flatnonzero(output.store.done)
     if not stored.size:
         return
-    tokenize = ParallelTokenizer(copy.deepcopy(tokenizer), max_length, {})  # as the loader does, on every core
-    hashes = np.concatenate([token_store_hashes(tokenize(texts.take(piece), positions=piece))
+    take, tokenizer_kwargs = (texts.take, {}) if chat_template_kwargs is None else _chat_taker(texts, tokenizer,
+                                                                                               chat_template_kwargs)
+    # as the loader does, on every core
+    tokenize = ParallelTokenizer(copy.deepcopy(tokenizer), max_length, tokenizer_kwargs)
+    hashes = np.concatenate([token_store_hashes(tokenize(take(piece), positions=piece))
                              for piece in np.array_split(stored, -(-stored.size // STORED_PIECE))])
     output.store.check_inputs(stored, hashes)
+
+
+def _chat_taker(conversations: list, tokenizer: Any,
+                chat_template_kwargs: dict[str, Any]) -> tuple[Callable[[Any], list[str]], dict[str, Any]]:
+    """``(take, tokenizer_kwargs)`` of :func:`check_stored_inputs` for chats: ``take(rows)`` the texts
+    :func:`dynabatch.generate` renders for the conversations at ``rows`` (only those, a piece at a time), and the
+    keywords its loader tokenizes them with."""
+    from dynabatch.inference.generation import RENDERED_CHAT_TOKENIZER_KWARGS, render_chats
+
+    def take(rows: Any) -> list[str]:
+        return render_chats(tokenizer, [conversations[i] for i in rows.tolist()], chat_template_kwargs)
+
+    return take, dict(RENDERED_CHAT_TOKENIZER_KWARGS)
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -45,8 +46,8 @@ from dynabatch.memory.measure import track_peak_memory
 from dynabatch.memory.shape import ModelShape, check_position_limit, position_limit
 from dynabatch.memory.units import check_max_memory
 
-__all__ = ["applied_setting", "check_generate_kwargs", "counting_the_prompt", "generate", "generation_loader",
-           "render_chats", "reply_function"]
+__all__ = ["RENDERED_CHAT_TOKENIZER_KWARGS", "applied_setting", "check_generate_kwargs", "counting_the_prompt",
+           "generate", "generation_loader", "render_chats", "reply_function"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,10 @@ def render_chats(tokenizer: Any, conversations: Sequence[Any], chat_template_kwa
     # a header for the reply, unless the reply continues the conversation's last message (the template refuses both)
     kwargs = {"add_generation_prompt": not chat_template_kwargs.get("continue_final_message"), **chat_template_kwargs}
     return [tokenizer.apply_chat_template(list(c), tokenize=False, **kwargs) for c in conversations]
+
+
+RENDERED_CHAT_TOKENIZER_KWARGS: Mapping[str, Any] = MappingProxyType({"add_special_tokens": False})
+"""How chats rendered by :func:`render_chats` are tokenized: no special token added (the template holds its own)."""
 
 
 def _setting(model: Any, generate_kwargs: dict[str, Any], name: str) -> Any:
@@ -361,7 +366,7 @@ def generation_loader(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any
     encoder_decoder = _check_model(model)
     shape = ModelShape.from_model(model, max_new_tokens=_new_tokens(model, generate_kwargs, encoder_decoder),
                                   num_beams=_setting(model, generate_kwargs, "num_beams") or 1)
-    options: dict[str, Any] = {"model_shape": shape, **({"add_special_tokens": False} if chat else {})}
+    options: dict[str, Any] = {"model_shape": shape, **(RENDERED_CHAT_TOKENIZER_KWARGS if chat else {})}
     if encoder_decoder or getattr(tokenizer, "padding_side", "left") == "left":
         return tokenizer, options
     left = copy.copy(tokenizer)  # the caller's tokenizer is left as it is

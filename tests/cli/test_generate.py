@@ -93,6 +93,48 @@ def test_chat_conversations_are_rendered_by_the_chat_template(chat, tmp_path, ca
             assert reply == _added(tokenizer, ids["input_ids"][0].tolist(), new)
 
 
+def _chats(path, conversations):
+    """``path`` a JSONL of the ``conversations`` under ids c0, c1, ...: its rows ``{"id": ..., "messages": ...}``."""
+    path.write_text("".join(json.dumps({"id": f"c{i}", "messages": c}) + "\n" for i, c in enumerate(conversations)))
+    return path
+
+
+_CONVERSATIONS = [[{"role": "user", "content": "In the beginning"}],
+                  [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "And God said"}],
+                  [{"role": "user", "content": "Let there be light"}]]
+
+
+def test_a_rerun_of_a_chat_job_on_more_conversations_resumes_its_stored_rows(chat, tmp_path, capsys):
+    # the stored chats' hashes, checked before the model loads, are those the run's loader computes: rendered by
+    # the template and tokenized without special tokens (MiniLM's tokenizer would add [CLS] and [SEP])
+    out = tmp_path / "replies"
+    argv = ["--model", str(chat), "--messages-column", "messages", "--id-column", "id", "--max-new-tokens", "3",
+            "--no-progress"]
+    assert main(["generate", str(_chats(tmp_path / "first.jsonl", _CONVERSATIONS[:2])), str(out), *argv]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(_chats(tmp_path / "grown.jsonl", _CONVERSATIONS)), str(out), *argv]) == 0
+    assert f"3 of 3 replies stored in {out} (1 run now, 2 stored before)" in capsys.readouterr().out
+
+
+def test_a_rerun_on_another_conversation_at_a_stored_id_is_refused_before_any_model_loads(
+        chat, tmp_path, capsys, request):
+    # the stored chats' hashes were checked only by the run, once the model had loaded
+    out = tmp_path / "replies"
+    argv = ["--model", str(chat), "--messages-column", "messages", "--id-column", "id", "--max-new-tokens", "3",
+            "--no-progress"]
+    assert main(["generate", str(_chats(tmp_path / "first.jsonl", _CONVERSATIONS[:2])), str(out), *argv]) == 0
+    capsys.readouterr()
+    request.getfixturevalue("no_model_loads")
+    other = [_CONVERSATIONS[0], [{"role": "user", "content": "And God said"}], _CONVERSATIONS[2]]  # c1's system gone
+    with pytest.raises(SystemExit) as info:
+        main(["generate", str(_chats(tmp_path / "edited.jsonl", other)), str(out), *argv])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"dynabatch generate: error: output={str(out)!r} should hold results of these inputs at "
+                          "their ids, but got 1 stored rows computed from other inputs (ids c1): the texts, their "
+                          "order, the tokenizer or its settings differ from the run that stored them"), err
+
+
 @pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None}, {"content": "And God said"},
                                      {"role": None, "content": "And God said"}])
 def test_a_message_without_a_role_or_a_content_is_refused_naming_its_row_before_any_model_loads(
