@@ -50,7 +50,8 @@ from typing import Any
 
 from dynabatch._validation import check_positive_int
 
-__all__ = ["Ahead", "StopRequested", "Ticker", "Worker", "ordered_map", "run_in_threads", "stage_seconds", "waited"]
+__all__ = ["Ahead", "StopRequested", "Ticker", "Worker", "ordered_map", "progress_bar", "run_in_threads", "stage_seconds",
+           "waited"]
 
 _END = object()
 _POLL = 0.1  # seconds a wait blocks at a time: a stop request (or Ctrl-C in the caller) is seen this soon
@@ -97,6 +98,23 @@ def stage_seconds() -> dict[str, tuple[float, float]]:
     this process (threads of one name add up: every run's tokenizing thread is ``"dynabatch-tokenize"``)."""
     with _STAGES_LOCK:
         return {name: (working, blocked) for name, (working, blocked) in _STAGES.items()}
+
+
+def progress_bar(shown: bool, **tqdm_kwargs: Any) -> contextlib.AbstractContextManager:
+    """A tqdm bar made with ``tqdm_kwargs`` where it is ``shown``, else a context of ``None`` (no bar at all): tqdm
+    starts its monitor thread with its first bar, a disabled one too, and keeps it for the process's life, a thread
+    a call that shows nothing would leave behind.
+
+    Example:
+        >>> with progress_bar(False, total=3) as bar:
+        ...     bar is None
+        True
+    """
+    if not shown:
+        return contextlib.nullcontext()
+    from tqdm.auto import tqdm
+
+    return tqdm(**tqdm_kwargs)
 
 
 class StopRequested(BaseException):

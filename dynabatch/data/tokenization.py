@@ -45,7 +45,6 @@ Example:
 from __future__ import annotations
 
 import collections.abc
-import contextlib
 import inspect
 import itertools
 import json
@@ -60,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._background import StopRequested, ordered_map
+from dynabatch._background import StopRequested, ordered_map, progress_bar
 from dynabatch._malloc import trim
 from dynabatch._validation import bad_type, bad_value, check_positive_int, did_you_mean, first_few
 from dynabatch.data.workers import Pieces, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
@@ -643,8 +642,6 @@ class ParallelTokenizer:
 
     def _tokenized(self, items: list[str], *, progress: bool, later: float,
                    stop: threading.Event | None) -> TokenizedTexts:
-        from tqdm.auto import tqdm
-
         mechanism = choose_mechanism(backend=self._encoder.backend, cores=self.cores)
         if mechanism == "shared" and not self._workers_allowed:
             mechanism = "one"  # no worker joins this tokenizer's calls (they failed or lost): whole chunks
@@ -664,9 +661,7 @@ class ParallelTokenizer:
                                     alone_size=self.chunk_size)
         else:
             flats = (self._encoder.encode(chunk) for chunk in chunks)
-        # no bar at all where none is shown: tqdm starts its monitor thread with its first bar, a disabled one too,
-        # and keeps it for the process's life (a thread a run with progress=False would leave behind)
-        with tqdm(total=len(items), desc="tokenizing", unit="text") if progress else contextlib.nullcontext() as bar:
+        with progress_bar(progress, total=len(items), desc="tokenizing", unit="text") as bar:
             tokens = _assemble(_shown(flats, bar, stop), len(items))
         if pieces is not None:
             self._workers_allowed = not (pieces.unpicklable or pieces.failed or pieces.lost)

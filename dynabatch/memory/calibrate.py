@@ -64,7 +64,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -74,6 +73,7 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch._background import progress_bar
 from dynabatch._validation import bad_type, bad_value, check_non_negative_int, check_positive_int
 from dynabatch.data.collate import Batch
 from dynabatch.data.tokenization import validate_texts
@@ -226,11 +226,7 @@ def calibrate(
         "batch_size": batch_size, "max_input_token_length": max_input_token_length,
         "memory_margin": float(memory_margin), "texts": "vocabulary" if texts is None else "user texts",
         "seed": seed})
-    from tqdm.auto import tqdm
-
-    # no bar at all where none is shown: tqdm starts its monitor thread with its first bar, a disabled one too, and
-    # keeps it for the process's life (a thread a calibration with progress=False would leave behind)
-    with tqdm(total=len(grid), desc="calibrating", unit="probe") if progress else contextlib.nullcontext() as bar:
+    with progress_bar(progress, total=len(grid), desc="calibrating", unit="probe") as bar:
         prober = Prober(work, tokenizer, pool, max_input_token_length, device=device, memory_device=memory_device,
                          limit_bytes=limit_bytes, cleanup=cleanup, pad_to_multiple_of=pad_to_multiple_of,
                          tokenizer_kwargs=tokenizer_kwargs, model=mm, bar=bar, hooked=hooked, steps=max_new_tokens)

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from dynabatch._background import progress_bar
 from dynabatch._validation import bad_type, bad_value, check_positive_int
 from dynabatch.data.collate import Batch
 from dynabatch.memory._calibrate_checks import (
@@ -146,12 +147,9 @@ def probe_limit(
             else long_texts(list(texts), tokenizer, max_input_token_length, rng, {}))
     mm = MemoryModel(device=dev, model=model, knots=grid, metadata={
         "limit_bytes": float(limit_bytes), "resident_bytes": float(resident_bytes), "tolerance": tolerance})
-    from tqdm.auto import tqdm
-
     start = time.perf_counter()
     cap = contextlib.nullcontext() if simulated else backend.capped(dev, limit_bytes)
-    # no bar where none is shown: tqdm's first bar, a disabled one too, starts its monitor thread for the process's life
-    with tqdm(desc="probing the limit", unit="step") if progress else contextlib.nullcontext() as bar, cap:
+    with progress_bar(progress, desc="probing the limit", unit="step") as bar, cap:
         prober = Prober(work, tokenizer, pool, max_input_token_length, device=device, memory_device=dev,
                         limit_bytes=int(limit_bytes - resident_bytes) if simulated else None, cleanup=cleanup,
                         pad_to_multiple_of=None, tokenizer_kwargs={}, model=mm, bar=bar, hooked=None, steps=None)
