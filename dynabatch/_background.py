@@ -50,8 +50,8 @@ from typing import Any
 
 from dynabatch._validation import check_positive_int
 
-__all__ = ["Ahead", "StopRequested", "Ticker", "Worker", "ordered_map", "progress_bar", "run_in_threads", "stage_seconds",
-           "waited"]
+__all__ = ["Ahead", "StopRequested", "Ticker", "Worker", "ordered_map", "progress_bar", "run_in_threads",
+           "stage_seconds", "waited"]
 
 _END = object()
 _POLL = 0.1  # seconds a wait blocks at a time: a stop request (or Ctrl-C in the caller) is seen this soon

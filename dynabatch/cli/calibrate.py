@@ -76,7 +76,8 @@ def add_parser(sub: Any) -> None:
     cal.add_argument("--plot", type=Path, default=None, help="write predicted vs measured peaks as a PNG")
     cal.add_argument("--device", default="cpu", help="where the model runs and is measured ('cpu', 'cuda:0')")
     cal.add_argument("--dtype", default=None, help="load the weights in this dtype (e.g. bfloat16; default: float32)")
-    cal.add_argument("--texts", type=Path, default=None, help="a text file, one text a line, to draw probes from (default: probes of random token ids)")
+    cal.add_argument("--texts", type=Path, default=None,
+                     help="a text file, one text a line, to draw probes from (default: probes of random token ids)")
     cal.add_argument("--max-probes", type=int, default=40, help="probes measured at most (the base ones always run)")
     cal.add_argument("--seed", type=int, default=0, help="seeds the probes' token ids and their draw of --texts")
     cal.add_argument("--threads", type=int, default=None,

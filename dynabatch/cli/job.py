@@ -585,7 +585,8 @@ def _failed_lines(tally: Tally, what: str, report_path: Path | None) -> list[str
     lines = []
     if tally.failures:
         failed = sorted(tally.failures)
-        causes = "; ".join(f"{name!r}: {tally.failures[p][:120]}" for p, name in zip(failed[:3], tally.names(failed[:3])))
+        named = failed[:3]
+        causes = "; ".join(f"{name!r}: {tally.failures[p][:120]}" for p, name in zip(named, tally.names(named)))
         listed = f"each with its cause in {report_path}" if report_path is not None else \
             "--report FILE lists each with its cause"
         lines.append(f"  failed     {len(failed):,} {what} listed failed ({causes}{'; ...' if len(failed) > 3 else ''})"

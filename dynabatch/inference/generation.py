@@ -101,7 +101,8 @@ def _setting(model: Any, generate_kwargs: dict[str, Any], name: str) -> Any:
 def _found(model_config: Any, generate_kwargs: dict[str, Any], name: str,
            where: str = "model.generation_config.") -> tuple[str, Any]:
     """``(where, value)`` of :func:`_setting`, ``model_config`` the model's generation config: ``where`` names it as
-    a message should (``name``, ``generation_config.name`` or, by the ``where`` given, ``model.generation_config.name``)."""
+    a message should (``name``, ``generation_config.name`` or, by the ``where`` given,
+    ``model.generation_config.name``)."""
     if generate_kwargs.get(name) is not None:
         return name, generate_kwargs[name]
     for prefix, config in (("generation_config.", generate_kwargs.get("generation_config")), (where, model_config)):
@@ -480,8 +481,9 @@ def generate(
         batch_size: under the relative rule (the CPU, or ``max_memory=None``), rows of the first (longest) batch,
             later batches grown under its measured peak; an absolute budget sizes every batch itself.
         max_memory: what every batch is planned under (the model's :class:`~dynabatch.memory.footprint.Footprint`,
-            its step's copies of the logits measured by two small calls first, refined by measured peaks), read on ``device`` as the call starts: ``"auto"`` (90% of a GPU's free memory,
-            the relative rule on the CPU), ``"80%"``, ``"20GB"``, ``"20GiB"`` or bytes; ``None``: the relative rule.
+            its step's copies of the logits measured by two small calls first, refined by measured peaks), read on
+            ``device`` as the call starts: ``"auto"`` (90% of a GPU's free memory, the relative rule on the CPU),
+            ``"80%"``, ``"20GB"``, ``"20GiB"`` or bytes; ``None``: the relative rule.
         max_input_token_length: prompts are truncated to it; ``None``: the smaller of the model's positions (less
             ``max_new_tokens``, 20 unset, on a decoder-only model) and the tokenizer's ``model_max_length``.
         chat_template_kwargs: more arguments of ``apply_chat_template`` (e.g. ``{"enable_thinking": False}``).
@@ -501,9 +503,10 @@ def generate(
     Raises:
         TypeError: a model without ``generate``, prompts of mixed or unknown kinds, or a keyword ``model.generate``
             takes not (:func:`check_generate_kwargs`).
-        ValueError: a keyword's value ``GenerationConfig.validate`` refuses, chat prompts with a tokenizer without chat template, a prompt limit (plus the new tokens)
-            above the model's positions, a prompt of no token (``on_bad_input="raise"``), or a decoder-only model's ``max_length`` or
-            ``min_length`` (they count the padded prompt) without ``max_new_tokens`` or ``min_new_tokens``.
+        ValueError: a keyword's value ``GenerationConfig.validate`` refuses, chat prompts with a tokenizer without chat
+            template, a prompt limit (plus the new tokens) above the model's positions, a prompt of no token
+            (``on_bad_input="raise"``), or a decoder-only model's ``max_length`` or ``min_length`` (they count the
+            padded prompt) without ``max_new_tokens`` or ``min_new_tokens``.
     """
     encoder_decoder = _check_model(model)
     check_tokenizer(tokenizer)
