@@ -17,7 +17,9 @@ never guessed from the contents:
   Python's ``csv`` module and pandas write them). A CSV has no types: every
   value is read as a string (ids too: ``007`` stays ``'007'``), an empty value
   as an empty string;
-* ``jsonl``: a ``.jsonl``, ``.ndjson`` or ``.json`` file, one JSON object a line;
+* ``jsonl``: a ``.jsonl``, ``.ndjson`` or ``.json`` file, one JSON object a line
+  (a blank line is none; a string is read as written, one that looks like a
+  date too);
 * ``arrow``: an Arrow IPC file (``.arrow``, ``.feather``; the file or the stream
   format), memory-mapped: its texts are read in place;
 * ``datasets``: a folder written by ``datasets.Dataset.save_to_disk`` (one split);
@@ -205,6 +207,20 @@ def _in_blocks(read: Callable[[int], Any], path: str) -> Any:
             if "straddl" not in str(exc) or size >= min(os.path.getsize(path), _LARGEST_BLOCK):
                 raise
             size = min(size * 4, _LARGEST_BLOCK)
+
+
+def _strings_for_dates(kind: pa.DataType) -> pa.DataType:
+    """``kind`` with every timestamp in it a string: pyarrow's JSON reader takes a column (or a chat message's field)
+    whose strings all look like dates (``"2024-01-01"``) for timestamps, which would refuse such texts and ids and
+    turn such a message's content into a ``datetime``; a JSON file holds strings there, read as written."""
+    if pa.types.is_timestamp(kind):
+        return pa.string()
+    if pa.types.is_struct(kind):
+        return pa.struct([field.with_type(_strings_for_dates(field.type)) for field in kind])
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        value = kind.value_field.with_type(_strings_for_dates(kind.value_type))
+        return pa.list_(value) if pa.types.is_list(kind) else pa.large_list(value)
+    return kind
 
 
 def _is_glob(path: str) -> bool:
@@ -423,9 +439,16 @@ class Corpus:
         self._check_file()
         if os.path.getsize(self.path) == 0:
             return
+        def read(schema: pa.Schema | None) -> pa.Table:
+            return _in_blocks(lambda size: pyarrow.json.read_json(
+                self.path, read_options=pyarrow.json.ReadOptions(block_size=size),
+                parse_options=pyarrow.json.ParseOptions(explicit_schema=schema)), self.path)
+
         try:
-            self.table = _in_blocks(lambda size: pyarrow.json.read_json(
-                self.path, read_options=pyarrow.json.ReadOptions(block_size=size)), self.path)
+            self.table = read(None)
+            as_written = pa.schema([field.with_type(_strings_for_dates(field.type)) for field in self.table.schema])
+            if as_written != self.table.schema:  # a column of date-like strings, read again as the strings they are
+                self.table = read(as_written)
             # pyarrow reads bytes that are not UTF-8 inside a JSON string into the string column as they are; only
             # here can they be named by file and line (taking such a text raises Python's decode error, naming neither)
             self.table.validate(full=True)

@@ -202,3 +202,18 @@ def test_string_views_and_dictionaries_of_strings_are_texts_and_ids(tmp_path):
     view = source_of(pa.array(["de", None], pa.string_view()))
     assert view.char_lengths().tolist() == [2, -1] and view.bad().tolist() == [1]
     assert check_ids(pa.array([7, 3]).dictionary_encode(), 2).type == pa.int64()
+
+
+def test_jsonl_strings_that_look_like_dates_are_read_as_the_strings_written(tmp_path):
+    # pyarrow's JSON reader took such a column for timestamp[s]: the texts and ids were refused as "holds
+    # timestamp[s]" and a chat message's content came back a datetime
+    path = tmp_path / "docs.jsonl"
+    rows = [{"id": "2024-01-01T10:00:00Z", "text": "2024-01-01",
+             "messages": [{"role": "user", "content": "2024-01-02 10:00"}]},
+            {"id": "2024-01-02T10:00:00Z", "text": "2024-03-04",
+             "messages": [{"role": "user", "content": "1999-12-31"}]}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert read_texts(path).take([0, 1]) == ["2024-01-01", "2024-03-04"]
+    corpus = open_corpus(path)
+    assert corpus.ids("id").to_pylist() == ["2024-01-01T10:00:00Z", "2024-01-02T10:00:00Z"]
+    assert corpus.values("messages", "messages") == [row["messages"] for row in rows]
