@@ -473,7 +473,7 @@ class Corpus:
                 self.table = pa.ipc.open_stream(mapped).read_all()
         except (OSError, pa.ArrowException) as exc:
             raise _unreadable(self.name, self.path, "an Arrow IPC file (.arrow, .feather)", exc) from exc
-        self.columns = dict(zip(self.table.schema.names, self.table.schema.types))
+        self._add_file(self.path, self.table.schema)  # its columns, a name given twice among them found by require()
         self.rows = self.table.num_rows
 
     def _open_datasets(self) -> None:

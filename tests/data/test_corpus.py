@@ -172,6 +172,18 @@ def test_a_column_named_twice_in_a_file_is_refused_naming_the_file(tmp_path):
         corpus.ids("id")
 
 
+def test_a_column_named_twice_in_an_arrow_file_is_refused_naming_the_file(tmp_path):
+    # an Arrow IPC file's columns were not checked so: its texts failed with pyarrow's bare KeyError 'Field "text"
+    # exists 2 times in schema', naming neither the argument nor the file
+    table = pa.Table.from_arrays([pa.array(["a"]), pa.array([1]), pa.array(["b"])], names=["text", "id", "text"])
+    feather.write_feather(table, tmp_path / "twice.feather")
+    with pytest.raises(ValueError, match=r"^column should be a column named once in every file of the input \('.*twi"
+                       r"ce.feather' has 2 named so; its columns: \['text', 'id', 'text'\]\): rename all but one, "
+                       r"but got column='text'$"):
+        read_texts(tmp_path / "twice.feather")
+    assert open_corpus(tmp_path / "twice.feather").ids("id").to_pylist() == [1]  # the column named once is read
+
+
 @pytest.mark.parametrize("name, encoding", [("excel.tsv", "utf-16"), ("docs.csv", "utf-16-le"), ("docs.jsonl", "utf-16"),
                                             ("docs.txt", "utf-32")])
 def test_a_utf16_or_utf32_file_is_refused_as_not_utf8(tmp_path, name, encoding):
