@@ -85,10 +85,11 @@ def command_parser(sub: Any, name: str, command: Callable[..., int], *, help: st
 def add_input_arguments(p: Parser, what: str) -> None:
     """The corpus in (``what``: "document", "prompt") and the store out."""
     from dynabatch.cli._checks import Tie
-    from dynabatch.data.corpus import FORMATS, SUFFIXES
+    from dynabatch.data.corpus import COMPRESSIONS, FORMATS, SUFFIXES
 
-    p.add_argument("input", help=f"a file, a folder or a glob of files ({', '.join(SUFFIXES)}), or a datasets folder "
-                   f"(save_to_disk); a .txt file is one {what} a line")
+    p.add_argument("input", help=f"a file, a folder or a glob of files ({', '.join(SUFFIXES)}; a CSV, TSV, JSONL or "
+                   f"text file compressed too: {', '.join(COMPRESSIONS)}), or a datasets folder (save_to_disk); a .txt "
+                   f"file is one {what} a line")
     p.add_argument("output", help="the store: a new folder, or this job's folder to resume it")
     p.add_tied("--text-column", tie=Tie(default="text"), help=f"the column of {what}s")
     p.add_argument("--format", choices=FORMATS, default="auto",

@@ -28,7 +28,9 @@ never guessed from the contents:
   byte order mark is dropped, as from a CSV or JSONL file); its one column is
   ``text``.
 
-A file of another suffix is refused, naming the formats. A JSONL line or a CSV
+A CSV, TSV, JSONL or text file may be compressed, told by a last suffix of
+:data:`COMPRESSIONS` (``docs.jsonl.gz``; a folder or glob's files too). A file
+of another suffix is refused, naming the formats. A JSONL line or a CSV
 row that cannot be read is named by the line of the file it starts on (counted
 from the file's start, not from the block pyarrow was reading). A folder or glob
 never reads the files under ``exclude``, a job's own output folder, wherever
@@ -65,6 +67,7 @@ from __future__ import annotations
 
 import codecs
 import glob
+import io
 import json
 import os
 import re
@@ -73,7 +76,7 @@ import tempfile
 import weakref
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 
@@ -87,10 +90,15 @@ FORMATS = ("auto", "parquet", "csv", "tsv", "jsonl", "arrow", "text", "datasets"
 SUFFIXES = {".parquet": "parquet", ".csv": "csv", ".tsv": "tsv", ".tab": "tsv", ".jsonl": "jsonl",
             ".ndjson": "jsonl", ".json": "jsonl", ".arrow": "arrow", ".feather": "arrow", ".txt": "text"}
 """The suffixes that tell a file's format."""
+COMPRESSIONS = (".gz", ".bz2", ".zst", ".lz4")
+"""The last suffixes of a compressed CSV, TSV, JSONL or text file (``docs.jsonl.gz``): pyarrow's CSV and JSON readers
+decompress such a file as they read it (told by that suffix), and so does every other reading of its bytes here."""
+_STREAMED = ("csv", "tsv", "jsonl", "text")  # the formats read as a stream of bytes: compressed ones too
 _FILE_SETS = ("parquet", "csv", "tsv")  # the formats a folder or a glob may hold
 _DELIMITERS = {"csv": ",", "tsv": "\t"}
 _NAMED = [f"{kind} (one document a line)" if kind == "text" else kind for kind in FORMATS[1:]]
-_FORMAT_HELP = f"{', '.join(_NAMED[:-1])} or {_NAMED[-1]}; suffixes {', '.join(SUFFIXES)}"
+_FORMAT_HELP = (f"{', '.join(_NAMED[:-1])} or {_NAMED[-1]}; suffixes {', '.join(SUFFIXES)} (a CSV, TSV, JSONL or "
+                f"text file's followed by {', '.join(COMPRESSIONS)} where it is compressed)")
 
 
 @dataclass(frozen=True)
@@ -128,7 +136,7 @@ def _not_utf8(path: str) -> str | None:
     """Why the text file ``path`` is not UTF-8 where its start tells (a UTF-16 or UTF-32 byte order mark, or a NUL
     in every other byte: UTF-16 of mostly ASCII text); ``None`` otherwise. pyarrow's CSV reader splits such a file's
     bytes into rows anyway, and its error blames a row's number of values: this says why instead."""
-    with open(path, "rb") as file:
+    with _bytes_of(path) as file:
         start = file.read(4096)
     wide = next((name for mark, name in _WIDE if start.startswith(mark)), None)
     if wide is not None:
@@ -172,7 +180,7 @@ def _jsonl_fault(path: str, *, kinds: bool) -> str | None:
     (pyarrow's "Column(/name) changed from" error; slower: every value is visited).
     """
     decoder, seen = json.JSONDecoder(), {}
-    with open(path, "rb") as lines:
+    with _bytes_of(path) as lines:
         for number, raw in enumerate(lines, start=1):
             try:
                 line, end = raw.decode("utf-8").strip(), 0
@@ -204,7 +212,8 @@ def _in_blocks(read: Callable[[int], Any], path: str) -> Any:
         try:
             return read(size)
         except pa.ArrowInvalid as exc:
-            if "straddl" not in str(exc) or size >= min(os.path.getsize(path), _LARGEST_BLOCK):
+            whole = _LARGEST_BLOCK if _is_compressed(path) else os.path.getsize(path)
+            if "straddl" not in str(exc) or size >= min(whole, _LARGEST_BLOCK):
                 raise
             size = min(size * 4, _LARGEST_BLOCK)
 
@@ -227,8 +236,30 @@ def _is_glob(path: str) -> bool:
     return any(c in path for c in "*?[")
 
 
+def _is_compressed(path: str) -> bool:
+    return os.path.splitext(path)[1].lower() in COMPRESSIONS
+
+
+def _bytes_of(path: str) -> BinaryIO:
+    """The file ``path`` opened for its bytes, decompressed where its suffix names a compression (as pyarrow's
+    readers read it)."""
+    return io.BufferedReader(pa.input_stream(path)) if _is_compressed(path) else open(path, "rb")
+
+
+def _is_empty(path: str) -> bool:
+    """Whether the file ``path`` holds no bytes (a compressed one: none once decompressed)."""
+    if not _is_compressed(path):
+        return not os.path.getsize(path)
+    with _bytes_of(path) as file:
+        return not file.read(1)
+
+
 def _suffix_format(path: str) -> str | None:
-    return SUFFIXES.get(os.path.splitext(path)[1].lower())
+    root, suffix = os.path.splitext(path)
+    if suffix.lower() not in COMPRESSIONS:
+        return SUFFIXES.get(suffix.lower())
+    kind = SUFFIXES.get(os.path.splitext(root)[1].lower())
+    return kind if kind in _STREAMED else None
 
 
 def _outside(paths: list[str], exclude: str | None) -> list[str]:
@@ -415,7 +446,8 @@ class Corpus:
         ``None`` if Python's ``csv`` finds none. One row at a time."""
         import csv
 
-        with open(file, encoding="utf-8", errors="surrogateescape", newline="") as lines:  # a bad byte: a surrogate
+        bytes_read = _bytes_of(file)  # a byte that is not UTF-8 is read as a surrogate
+        with io.TextIOWrapper(bytes_read, encoding="utf-8", errors="surrogateescape", newline="") as lines:
             reader, start, names = csv.reader(lines, delimiter=_DELIMITERS[self.format]), 1, None
             try:
                 for row in reader:
@@ -437,7 +469,7 @@ class Corpus:
         import pyarrow.json
 
         self._check_file()
-        if os.path.getsize(self.path) == 0:
+        if _is_empty(self.path):
             return
         def read(schema: pa.Schema | None) -> pa.Table:
             return _in_blocks(lambda size: pyarrow.json.read_json(
@@ -493,7 +525,7 @@ class Corpus:
     def _open_text(self) -> None:
         self._check_file()
         self.columns = {"text": pa.large_string()}
-        if not os.path.getsize(self.path):
+        if _is_empty(self.path):
             return
         try:
             self.lines = source_of(self._lines())  # read once here: the rows are the lines
@@ -567,7 +599,7 @@ class Corpus:
     def _lines(self) -> Iterator[str]:
         # universal newlines: "\r\n" ends a line too; utf-8-sig: a byte order mark (Windows editors write one) is
         # no part of the first line's text, as pyarrow reads a CSV or JSONL file
-        with open(self.path, encoding="utf-8-sig") as lines:
+        with io.TextIOWrapper(_bytes_of(self.path), encoding="utf-8-sig") as lines:
             for line in lines:
                 yield line.removesuffix("\n")
 

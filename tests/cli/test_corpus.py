@@ -90,7 +90,9 @@ def test_an_unknown_suffix_is_refused_naming_the_formats_and_format_text_reads_l
     path.write_text("id,text\n1,hello world\n")
     with pytest.raises(ValueError, match=r"input should be a file whose suffix names its format, or given --format "
                                          r"parquet, csv, tsv, jsonl, arrow, text \(one document a line\) or datasets; "
-                                         r"suffixes \.parquet, \.csv, .*\.txt, but got input="):
+                                         r"suffixes \.parquet, \.csv, .*\.txt \(a CSV, TSV, JSONL or text file's "
+                                         r"followed by \.gz, \.bz2, \.zst, \.lz4 where it is compressed\), but got "
+                                         r"input="):
         open_corpus(str(path))
     lines = open_corpus(str(path), "text")
     assert len(lines) == 2 and lines.texts("text").take([0]) == ["id,text"]

@@ -72,7 +72,9 @@ def test_refusals_name_the_librarys_arguments(tmp_path):
     (tmp_path / "docs.dat").write_text("a text\n")
     with pytest.raises(ValueError, match=r"^source should be a file whose suffix names its format, or given format "
                                          r"parquet, csv, tsv, jsonl, arrow, text \(one document a line\) or datasets; "
-                                         rf"suffixes {', '.join(SUFFIXES)}, but got source="):
+                                         rf"suffixes {', '.join(SUFFIXES)} \(a CSV, TSV, JSONL or text file's "
+                                         r"followed by \.gz, \.bz2, \.zst, \.lz4 where it is compressed\), but got "
+                                         r"source="):
         read_texts(tmp_path / "docs.dat")
     assert read_texts(tmp_path / "docs.dat", format="text").take([0]) == ["a text"]  # named, never guessed
     with pytest.raises(ValueError, match=r"^format should be one of \("):
@@ -182,6 +184,40 @@ def test_a_column_named_twice_in_an_arrow_file_is_refused_naming_the_file(tmp_pa
                        r"but got column='text'$"):
         read_texts(tmp_path / "twice.feather")
     assert open_corpus(tmp_path / "twice.feather").ids("id").to_pylist() == [1]  # the column named once is read
+
+
+def test_a_compressed_csv_tsv_jsonl_or_text_file_is_read_as_its_suffixes_say(tmp_path):
+    # docs.csv.gz was refused as a file whose suffix names no format (though format="csv" read it: pyarrow decompresses
+    # by the suffix), a folder of them as holding no CSV files, and format="text" read the compressed bytes as UTF-8
+    import bz2
+    import gzip
+
+    (tmp_path / "docs.csv.gz").write_bytes(gzip.compress(b"\xef\xbb\xbfid,text\r\n1,A\r\n2,\"B\nb\"\r\n"))
+    (tmp_path / "docs.jsonl.bz2").write_bytes(bz2.compress(b'{"text": "A"}\n\n{"text": "B"}\n'))
+    (tmp_path / "docs.txt.zst").write_bytes(pa.compress(b"\xef\xbb\xbfA\r\n\nB\n", "zstd", asbytes=True))
+    assert read_texts(tmp_path / "docs.csv.gz").take([0, 1]) == ["A", "B\nb"]
+    assert read_texts(tmp_path / "docs.jsonl.bz2").take([0, 1]) == ["A", "B"]
+    assert read_texts(tmp_path / "docs.txt.zst").take([0, 1, 2]) == ["A", "", "B"]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "1.csv.gz").write_bytes(gzip.compress(b"text\nA\n"))
+    (folder / "2.csv").write_text("text\nB\n")
+    assert read_texts(folder).take([0, 1]) == ["A", "B"]
+    # the line of a fault is counted in the decompressed file; an empty one is a file of no rows
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(b'{"text": "A"}\n{"text": "B"}\n{"text":\n'))
+    with pytest.raises(ValueError, match=r"source='.*bad.jsonl.gz': line 3, column 9: Expecting value$"):
+        read_texts(tmp_path / "bad.jsonl.gz")
+    (tmp_path / "ragged.tsv.gz").write_bytes(gzip.compress(b"text\tid\nA\t1\nB\n"))
+    with pytest.raises(ValueError, match=r"source='.*ragged.tsv.gz': line 3: CSV parse error: Expected 2 columns"):
+        read_texts(tmp_path / "ragged.tsv.gz")
+    (tmp_path / "empty.txt.gz").write_bytes(gzip.compress(b""))
+    with pytest.raises(ValueError, match=r"^source should hold at least one text, but got source='.*empty.txt.gz' "
+                                         r"with no rows$"):
+        read_texts(tmp_path / "empty.txt.gz")
+    (tmp_path / "docs.parquet.gz").write_bytes(gzip.compress(b"PAR1"))
+    with pytest.raises(ValueError, match=r"a CSV, TSV, JSONL or text file's followed by \.gz, \.bz2, \.zst, \.lz4 "
+                                         r"where it is compressed\), but got source='.*docs.parquet.gz'$"):
+        read_texts(tmp_path / "docs.parquet.gz")
 
 
 @pytest.mark.parametrize("name, encoding", [("excel.tsv", "utf-16"), ("docs.csv", "utf-16-le"), ("docs.jsonl", "utf-16"),
