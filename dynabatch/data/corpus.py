@@ -393,7 +393,7 @@ class Corpus:
                 names = _in_blocks(lambda size, f=file: csv.open_csv(
                     f, read_options=csv.ReadOptions(block_size=size), parse_options=self._csv_options()).schema.names,
                     file)
-            except (OSError, pa.ArrowException) as exc:
+            except (OSError, pa.ArrowException, UnicodeDecodeError) as exc:
                 raise self._refusal(file, exc) from exc
             self._add_file(file, pa.schema([(n, pa.large_string()) for n in names]))
         self.rows = None
@@ -436,8 +436,11 @@ class Corpus:
     def _refusal(self, file: str, exc: BaseException) -> ValueError:
         """``file`` refused, naming the line of its first ragged row, or of its first value that is not UTF-8, where
         pyarrow's error names only its text (or the column's number)."""
-        wide = _not_utf8(file) if isinstance(exc, pa.ArrowException) else None
+        wide = None if isinstance(exc, OSError) else _not_utf8(file)
         fault = self._bad_row(file, exc) if ("Expected" in str(exc) or "UTF8" in str(exc)) and wide is None else None
+        if isinstance(exc, UnicodeDecodeError):  # pyarrow decoding the first line's column names
+            fault = (f"line 1: a column name holds bytes that are not UTF-8 ({exc.object[:40]!r}): save the file as "
+                     "UTF-8")
         return _unreadable(self.name, file, self._table_rule(), exc, wide or fault)
 
     def _bad_row(self, file: str, exc: BaseException) -> str | None:
@@ -471,6 +474,7 @@ class Corpus:
         self._check_file()
         if _is_empty(self.path):
             return
+
         def read(schema: pa.Schema | None) -> pa.Table:
             return _in_blocks(lambda size: pyarrow.json.read_json(
                 self.path, read_options=pyarrow.json.ReadOptions(block_size=size),
@@ -484,12 +488,11 @@ class Corpus:
             # pyarrow reads bytes that are not UTF-8 inside a JSON string into the string column as they are; only
             # here can they be named by file and line (taking such a text raises Python's decode error, naming neither)
             self.table.validate(full=True)
-        except (OSError, pa.ArrowException) as exc:
-            fault = _jsonl_fault(self.path, kinds="Column(/" in str(exc)) \
-                if isinstance(exc, pa.ArrowException) else None
+            self.columns = dict(zip(self.table.schema.names, self.table.schema.types))  # a key not UTF-8: decode error
+        except (OSError, pa.ArrowException, UnicodeDecodeError) as exc:
+            fault = None if isinstance(exc, OSError) else _jsonl_fault(self.path, kinds="Column(/" in str(exc))
             fault = fault and _not_utf8(self.path) or fault
             raise _unreadable(self.name, self.path, _JSONL_RULE, exc, fault or _without_block_row(exc)) from exc
-        self.columns = dict(zip(self.table.schema.names, self.table.schema.types))
         self.rows = self.table.num_rows
 
     def _open_arrow(self) -> None:

@@ -220,6 +220,24 @@ def test_a_compressed_csv_tsv_jsonl_or_text_file_is_read_as_its_suffixes_say(tmp
         read_texts(tmp_path / "docs.parquet.gz")
 
 
+def test_a_column_name_that_is_not_utf8_is_refused_naming_the_file_and_line(tmp_path):
+    # pyarrow decodes a CSV's first line, or a JSONL file's keys, only when its schema's names are asked for: the
+    # bare UnicodeDecodeError raised there named neither the argument, the file nor its line
+    (tmp_path / "latin.csv").write_bytes("café,text\n1,a\n".encode("latin-1"))
+    (tmp_path / "latin.jsonl").write_bytes('{"café": 1, "text": "a"}\n'.encode("latin-1"))
+    (tmp_path / "short.csv").write_bytes("text\na\n".encode("utf-16"))  # too short for a ragged row
+    with pytest.raises(ValueError, match=r"^source should be a UTF-8 CSV file: .* but got source='.*latin.csv': line "
+                                         r"1: a column name holds bytes that are not UTF-8 \(b'caf\\xe9'\): save the "
+                                         r"file as UTF-8$"):
+        read_texts(tmp_path / "latin.csv")
+    with pytest.raises(ValueError, match=r"^source should be a JSONL file .* but got source='.*latin.jsonl': line 1: "
+                                         r"not UTF-8 \(invalid continuation byte at byte 5\)$"):
+        read_texts(tmp_path / "latin.jsonl")
+    with pytest.raises(ValueError, match=r"source='.*short.csv': UTF-16 text \(it starts with a UTF-16 byte order "
+                                         r"mark\), not UTF-8: save it as UTF-8$"):
+        read_texts(tmp_path / "short.csv")
+
+
 @pytest.mark.parametrize("name, encoding", [("excel.tsv", "utf-16"), ("docs.csv", "utf-16-le"), ("docs.jsonl", "utf-16"),
                                             ("docs.txt", "utf-32")])
 def test_a_utf16_or_utf32_file_is_refused_as_not_utf8(tmp_path, name, encoding):
