@@ -351,8 +351,8 @@ def source_of(source: Any, column: str = "text", *, chunk_size: int = SPILL_ROWS
         source: Parquet files (a path, a directory, a glob such as
             ``"corpus/*.parquet"``, or a list of them), read a row group at a
             time; a ``datasets.Dataset`` (its ``column``, memory-mapped as
-            ``datasets`` keeps it); a ``pyarrow.Table`` (its ``column``) or
-            string array; or any iterable of str (a generator, a file's lines),
+            ``datasets`` keeps it); a ``pyarrow.Table`` or pandas ``DataFrame``
+            (its ``column``) or string array; or any iterable of str (a generator, a file's lines),
             read ``chunk_size`` texts at a time. Files and iterables are
             written once into one Arrow file in a temporary directory, removed
             with the source.
@@ -378,6 +378,14 @@ def source_of(source: Any, column: str = "text", *, chunk_size: int = SPILL_ROWS
         if getattr(source, "_indices", None) is not None:  # a select or shuffle view: its rows, in its order
             source = source.flatten_indices()
         source = source.data.table
+    if "pandas" in sys.modules and isinstance(source, sys.modules["pandas"].DataFrame):  # iterated: its column names
+        if column not in source.columns:
+            raise bad_value("column", f"a column of the frame {list(source.columns)}", column)
+        holder = f"the frame's column {column!r} holds Arrow type"
+        try:
+            source = pa.array(source[column], from_pandas=True)  # a NaN (pandas' missing value): a null, a bad input
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise bad_type("column", f"a column of str (the frame's {column!r}: {exc})", column) from None
     if isinstance(source, pa.Table):
         if column not in source.column_names:
             raise bad_value("column", f"a column of the table {source.column_names}", column)

@@ -174,3 +174,19 @@ def test_an_iterable_with_a_lone_surrogate_is_refused_naming_its_position():
     texts = iter(["a", "b", "c \ud800 d"])  # pyarrow's bare UnicodeEncodeError named neither text nor position
     with pytest.raises(ValueError, match=r"^texts\[2\] should be text that encodes as UTF-8, .* which pyarrow refused"):
         source_of(texts, chunk_size=2)
+
+
+def test_a_pandas_frame_gives_its_columns_texts_not_its_column_names():
+    # iterated as "any iterable of str", a DataFrame gave its column names: read_texts(frame) was ['id', 'text']
+    import pandas as pd
+
+    frame = pd.DataFrame({"id": [7, 3, 5], "text": ["In the beginning", None, "God"]})
+    source = read_texts(frame)
+    assert len(source) == 3 and source.take([0, 2]) == ["In the beginning", "God"]
+    assert source.bad().tolist() == [1]  # a missing text is a bad input, as an Arrow table's null is
+    with pytest.raises(ValueError, match=r"^column should be a column of the frame \['id', 'text'\], but got "
+                                         r"column='body'$"):
+        source_of(frame, "body")
+    with pytest.raises(TypeError, match=r"^column should be a column of strings \(the frame's column 'id' holds Arrow "
+                                        r"type int64\), but got column='id'"):
+        source_of(frame, "id")
