@@ -674,11 +674,11 @@ def read_texts(source: Any, column: str = "text", *, format: str = "auto",  # no
 
     Args:
         source: a path (a file, a folder, a glob such as ``"corpus/*.parquet"``) in any of :data:`FORMATS`, told
-            by its suffix (or ``format``); a list of Parquet files; a ``datasets.Dataset`` (its ``column``,
-            memory-mapped as ``datasets`` keeps it); a ``pyarrow.Table`` or pandas ``DataFrame`` (its ``column``)
-            or string array; or any iterable of str (a generator, a file's lines), read ``chunk_size`` texts at a
-            time. Files and iterables are written once into one Arrow file in a temporary directory, removed with
-            the source.
+            by its suffix (or ``format``); a list of Parquet files (a list of str is one: texts go as an
+            iterator); a ``datasets.Dataset`` (its ``column``, memory-mapped as ``datasets`` keeps it); a
+            ``pyarrow.Table`` or pandas ``DataFrame`` (its ``column``) or string array; or any iterable of str (a
+            generator, a file's lines), read ``chunk_size`` texts at a time. Files and iterables are written once
+            into one Arrow file in a temporary directory, removed with the source.
         column: the text column of a file, table or dataset (a text file's lines are ``"text"``).
         format: one of :data:`FORMATS`, for a path (``"auto"``: its suffix says; never guessed from the contents).
         chunk_size: texts read in at a time (an iterable's held as Python objects, a Parquet file's decoded).

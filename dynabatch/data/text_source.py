@@ -335,7 +335,8 @@ def parquet_paths(source: Any) -> list[str] | None:
         elif os.path.isfile(name):
             paths.append(name)
         else:
-            raise bad_value("source", "existing Parquet files, directories of them, or globs", name)
+            texts = "" if names is not source else " (a list of str names paths: texts go as iter(texts))"
+            raise bad_value("source", f"existing Parquet files, directories of them, or globs{texts}", name)
     if not paths:
         raise bad_value("source", "paths that match at least one Parquet file", names)
     if bad := [p for p in paths if not p.endswith(".parquet")]:

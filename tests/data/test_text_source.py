@@ -190,3 +190,12 @@ def test_a_pandas_frame_gives_its_columns_texts_not_its_column_names():
     with pytest.raises(TypeError, match=r"^column should be a column of strings \(the frame's column 'id' holds Arrow "
                                         r"type int64\), but got column='id'"):
         source_of(frame, "id")
+
+
+def test_a_list_of_texts_given_to_read_texts_is_refused_saying_how_to_pass_texts():
+    # a list of str is a list of Parquet paths; the refusal named only paths, not why texts in a list were taken so
+    with pytest.raises(ValueError, match=r"^source should be existing Parquet files, directories of them, or globs "
+                                         r"\(a list of str names paths: texts go as iter\(texts\)\), but got "
+                                         r"source='In the beginning'$"):
+        read_texts(["In the beginning", "God"])
+    assert read_texts(iter(["In the beginning", "God"])).take([1]) == ["God"]
