@@ -196,6 +196,22 @@ def test_a_csv_is_read_as_a_table_never_as_lines_of_text(bert_dir, texts, tmp_pa
     _check_every_id_once(out, ids, _alone(bert_dir, rows))  # the header and raw lines are no documents
 
 
+def test_a_gzipped_jsonl_of_date_ids_stores_each_row_under_its_own_id(bert_dir, texts, tmp_path, capsys):
+    # a docs.jsonl.gz was refused as a file of no known format, and ids that look like dates as timestamp[s]; the
+    # blank lines and the byte order mark are no rows and no part of a text
+    import gzip
+
+    rows, ids = list(texts[:10]), [f"2024-01-{day:02d}" for day in range(1, 11)]
+    lines = [json.dumps({"id": i, "text": t}) for i, t in zip(ids, rows)]
+    lines.insert(4, "")
+    (tmp_path / "docs.jsonl.gz").write_bytes(gzip.compress(("\ufeff" + "\r\n".join(lines) + "\r\n\r\n").encode()))
+    out = tmp_path / "store"
+    assert main(["embed", str(tmp_path / "docs.jsonl.gz"), str(out), "--model", str(bert_dir), "--id-column", "id",
+                 "--no-progress"]) == 0
+    assert f"10 of 10 texts stored in {out}" in capsys.readouterr().out
+    _check_every_id_once(out, ids, _alone(bert_dir, rows))
+
+
 def test_a_store_inside_its_corpus_folder_is_never_read_as_corpus(bert_dir, texts, tmp_path, cli, write_corpus,
                                                                  capsys, run_command):
     ids = [f"doc-{i}" for i in range(24)]
