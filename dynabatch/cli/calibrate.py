@@ -77,7 +77,8 @@ def add_parser(sub: Any) -> None:
     cal.add_argument("--device", default="cpu", help="where the model runs and is measured ('cpu', 'cuda:0')")
     cal.add_argument("--dtype", default=None, help="load the weights in this dtype (e.g. bfloat16; default: float32)")
     cal.add_argument("--texts", type=Path, default=None,
-                     help="a text file, one text a line, to draw probes from (default: probes of random token ids)")
+                     help="a text file, one text a line (read as the other commands' --format text; blank lines "
+                     "skipped), to draw probes from (default: probes of random token ids)")
     cal.add_argument("--max-probes", type=int, default=40, help="probes measured at most (the base ones always run)")
     cal.add_argument("--seed", type=int, default=0, help="seeds the probes' token ids and their draw of --texts")
     cal.add_argument("--threads", type=int, default=None,
@@ -116,13 +117,14 @@ def _check_options(args: argparse.Namespace) -> tuple[Any, list[str] | None]:
 
 
 def _read_texts(path: Path) -> list[str]:
-    """The non-blank lines of ``--texts``; a file without any, or not UTF-8, is refused naming the flag (read after
-    the model loaded, calibrate() would name its own argument, texts=[], or the codec's error would)."""
-    try:
-        texts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except UnicodeDecodeError as exc:
-        raise bad_value("--texts", f"a UTF-8 text file, one text a line (byte {exc.start} is not UTF-8)",
-                        str(path)) from None
+    """The non-blank lines of ``--texts``, read as every command reads a text file (``--format text``: a byte order
+    mark dropped, a line ended by ``\\n``, ``\\r\\n`` or ``\\r`` alone); a file without any, or not UTF-8, is refused
+    naming the flag (read after the model loaded, calibrate() would name its own argument, texts=[], or the codec's
+    error would)."""
+    from dynabatch.data.corpus import Naming, open_corpus
+
+    lines = open_corpus(path, "text", naming=Naming(input="--texts")).texts("text")
+    texts = [line for line in lines.take(range(len(lines))) if line.strip()]
     if not texts:
         raise bad_value("--texts", "a text file with at least one text (a non-blank line)", str(path))
     return texts

@@ -50,6 +50,29 @@ def test_bad_options(gpt2_dir, tmp_path, capsys):
     assert "invalid choice: 'fly'" in capsys.readouterr().err
 
 
+def test_texts_are_the_non_blank_lines_the_format_layer_reads(gpt2_dir, tmp_path, monkeypatch):
+    # --texts was read by its own splitlines(): a byte order mark stayed in the first text, and a form feed or U+2028
+    # inside a line split it in two, where every command's text file (--format text) reads one line
+    import dynabatch.memory.calibrate
+
+    drawn = []
+
+    class Drawn(Exception):
+        pass
+
+    def capture(*args, texts=None, **kwargs):
+        drawn.extend(texts)
+        raise Drawn
+
+    monkeypatch.setattr(dynabatch.memory.calibrate, "calibrate", capture)
+    path = tmp_path / "texts.txt"
+    path.write_bytes("\ufeffIn the beginning\r\n\r\n  \rGod\x0csaid\nlet\u2028there be\n".encode())
+    with pytest.raises(Drawn):
+        main(["calibrate", "--model", str(gpt2_dir), "--batch-size", "2", "--max-length", "16", "--max-new-tokens",
+              "4", "--no-progress", "-o", str(tmp_path / "mm.json"), "--texts", str(path)])
+    assert drawn == ["In the beginning", "God\x0csaid", "let\u2028there be"]
+
+
 def test_bad_inputs_fail_in_seconds_before_any_probe(gpt2_dir, tmp_path, capsys, monkeypatch):
     import sys
     import time
@@ -94,7 +117,8 @@ def test_bad_inputs_fail_in_seconds_before_any_probe(gpt2_dir, tmp_path, capsys,
         ([*base, "--max-length", "16", "--max-new-tokens", "4", "-o", out, "--texts", str(blank)],
          f"--texts should be a text file with at least one text (a non-blank line), but got --texts='{blank}'"),
         ([*base, "--max-length", "16", "--max-new-tokens", "4", "-o", out, "--texts", str(latin)],
-         f"--texts should be a UTF-8 text file, one text a line (byte 3 is not UTF-8), but got --texts='{latin}'"),
+         f"--texts should be a UTF-8 text file, one document a line, but got --texts='{latin}': 'utf-8' codec can't "
+         "decode byte 0xe9 in position 3"),
     ]
     for argv, message in cases:
         start = time.perf_counter()
