@@ -16,7 +16,8 @@ never guessed from the contents:
   (quoted values may hold the delimiter, quotes doubled, and line breaks, as
   Python's ``csv`` module and pandas write them). A CSV has no types: every
   value is read as a string (ids too: ``007`` stays ``'007'``), an empty value
-  as an empty string;
+  as an empty string; a quoted value never closed is refused, naming the line
+  it starts on (read to the file's end, it would hold the rows after it);
 * ``jsonl``: a ``.jsonl``, ``.ndjson`` or ``.json`` file, one JSON object a line
   (a blank line is none; a string is read as written, one that looks like a
   date too);
@@ -122,7 +123,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _unreadable(name: str, path: str, what: str, exc: BaseException, detail: str | None = None) -> ValueError:
+def _unreadable(name: str, path: str, what: str, exc: BaseException | None, detail: str | None = None) -> ValueError:
     """``path`` (the argument ``name``) refused as not ``what``: ``detail``, else the first line of the error reading
     it raised."""
     return ValueError(f"{name} should be {what}, but got {name}={path!r}: {detail or _first_line(exc)}")
@@ -230,6 +231,41 @@ def _strings_for_dates(kind: pa.DataType) -> pa.DataType:
         value = kind.value_field.with_type(_strings_for_dates(kind.value_type))
         return pa.list_(value) if pa.types.is_list(kind) else pa.large_list(value)
     return kind
+
+
+def _quotes_pair_up(path: str) -> bool:
+    """Whether the file ``path`` holds an even number of ``"`` (counted a block at a time, at the speed of a read)."""
+    count = 0
+    with _bytes_of(path) as file:
+        while chunk := file.read(_BLOCK):
+            count += chunk.count(b'"')
+    return count % 2 == 0
+
+
+def _unclosed_quote(path: str, delimiter: str) -> int | None:
+    """The line (from 1) where a quoted value of the CSV file ``path`` starts that is never closed, or ``None``:
+    pyarrow, as Python's ``csv``, reads such a value to the file's end, the rows after it too, without an error.
+    Read line by line only where the file's quotes do not pair up (a value left open makes their number odd)."""
+    if _quotes_pair_up(path):
+        return None
+    opening = re.compile(f'(?:^|(?<={re.escape(delimiter)}))"')  # a quote opens a value only at its start
+    opened = None  # the line the open value starts on
+    with io.TextIOWrapper(_bytes_of(path), encoding="utf-8-sig", errors="surrogateescape", newline="") as lines:
+        for number, line in enumerate(lines, start=1):
+            at = 0
+            while True:
+                if opened is None:
+                    found = opening.search(line, at)
+                    if found is None:
+                        break
+                    opened, at = number, found.end()
+                    continue
+                end = line.find('"', at)
+                if end < 0:
+                    break
+                doubled = line.startswith('"', end + 1)  # "" in a quoted value: one quote of it
+                opened, at = (opened, end + 2) if doubled else (None, end + 1)
+    return opened
 
 
 def _is_glob(path: str) -> bool:
@@ -431,6 +467,10 @@ class Corpus:
                 self.rows += _in_blocks(write, file)
             except (OSError, pa.ArrowException) as exc:
                 raise self._refusal(file, exc) from exc
+            if (line := _unclosed_quote(file, _DELIMITERS[self.format])) is not None:
+                raise _unreadable(self.name, file, self._table_rule(), None, f'line {line}: a quoted value starts here '
+                                  'and is never closed, so the rest of the file would be read into it: close it with '
+                                  'a ", or double a " inside a value ("")')
             self.files.append(target)
 
     def _refusal(self, file: str, exc: BaseException) -> ValueError:

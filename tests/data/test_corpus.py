@@ -238,6 +238,26 @@ def test_a_column_name_that_is_not_utf8_is_refused_naming_the_file_and_line(tmp_
         read_texts(tmp_path / "short.csv")
 
 
+@pytest.mark.parametrize("name", ["docs.csv", "docs.tsv", "docs.csv.gz"])
+def test_a_quoted_value_never_closed_is_refused_naming_its_line_not_read_with_the_rows_after_it(tmp_path, name):
+    # pyarrow (as Python's csv) read the open value to the file's end: rows 3 and 4 were silently one text of row 2
+    import gzip
+
+    sep = "\t" if ".tsv" in name else ","
+    body = f'id{sep}text\r\n1{sep}"quoted, ""twice""\nover two lines"\r\n2{sep}"Let there be\r\n3{sep}C\r\n4{sep}D\r\n'
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(body.encode()) if name.endswith(".gz") else body.encode())
+    with pytest.raises(ValueError, match=rf"^source should be a UTF-8 {name[5:8].upper()} file: .*, but got "
+                                         rf"source='.*{name}': line 4: a quoted value starts here and is never "
+                                         r'closed, so the rest of the file would be read into it: close it with a ", '
+                                         r'or double a " inside a value \(""\)$'):
+        read_texts(path)
+    # a quote inside an unquoted value is a character of it, as pyarrow and Python's csv read it: no open value
+    path.write_bytes(f'id{sep}text\n1{sep}5" tall\n2{sep}"a\nb"\n'.encode())
+    path = path.rename(tmp_path / name.removesuffix(".gz"))
+    assert open_corpus(path).texts("text").take([0, 1]) == ['5" tall', "a\nb"]
+
+
 @pytest.mark.parametrize("name, encoding", [("excel.tsv", "utf-16"), ("docs.csv", "utf-16-le"), ("docs.jsonl", "utf-16"),
                                             ("docs.txt", "utf-32")])
 def test_a_utf16_or_utf32_file_is_refused_as_not_utf8(tmp_path, name, encoding):
