@@ -97,6 +97,7 @@ decompress such a file as they read it (told by that suffix), and so does every 
 _STREAMED = ("csv", "tsv", "jsonl", "text")  # the formats read as a stream of bytes: compressed ones too
 _FILE_SETS = ("parquet", "csv", "tsv")  # the formats a folder or a glob may hold
 _DELIMITERS = {"csv": ",", "tsv": "\t"}
+_ONE_FILE = "a JSONL, Arrow or text input is one file, named as it is"
 _NAMED = [f"{kind} (one document a line)" if kind == "text" else kind for kind in FORMATS[1:]]
 _FORMAT_HELP = (f"{', '.join(_NAMED[:-1])} or {_NAMED[-1]}; suffixes {', '.join(SUFFIXES)} (a CSV, TSV, JSONL or "
                 f"text file's followed by {', '.join(COMPRESSIONS)} where it is compressed)")
@@ -323,13 +324,15 @@ def _format_of(path: str, exclude: str | None, naming: Naming) -> str:
         if {"state.json", "dataset_info.json"} <= names or "dataset_dict.json" in names:
             return "datasets"
     if os.path.isdir(path) or _is_glob(path):
-        kinds = sorted({k for k in map(_suffix_format, _listed(path, exclude)) if k in _FILE_SETS})
+        found = {k for k in map(_suffix_format, _listed(path, exclude)) if k is not None}
+        kinds = sorted(found & set(_FILE_SETS))
         if len(kinds) == 1:
             return kinds[0]
         what = "a folder" if os.path.isdir(path) else "a glob"
         outside = f" outside {naming.excluded}" if exclude is not None else ""
+        alone = f"it holds {' and '.join(sorted(found))} files: {_ONE_FILE}" if found else f"or pass {naming.format}"
         rule = (f"{what} of files of one format (it holds {' and '.join(kinds)} files: pass {naming.format})" if kinds
-                else f"{what} holding .parquet, .csv or .tsv files{outside} (or pass {naming.format})")
+                else f"{what} holding .parquet, .csv or .tsv files{outside} ({alone})")
         raise bad_value(naming.input, rule, path)
     kind = _suffix_format(path)
     if kind is None:
@@ -578,6 +581,9 @@ class Corpus:
         self.rows = len(self.lines)
 
     def _check_file(self) -> None:
+        if os.path.isdir(self.path) or _is_glob(self.path) and not os.path.exists(self.path):
+            raise bad_value(self.name, f"one file in format {self.format!r} (a folder or a glob holds Parquet, CSV "
+                            "or TSV files)", self.path)
         if not os.path.isfile(self.path):
             raise bad_value(self.name, "an existing file, folder or glob", self.path)
         if not os.access(self.path, os.R_OK):

@@ -131,3 +131,19 @@ def test_a_file_lacking_the_text_column_is_named(tmp_path):
     assert str(info.value) == (f"--text-column should be a column of every file of the input "
                                f"({str(tmp_path / 'b.parquet')!r} lacks it; its columns: ['id']), but got "
                                "--text-column='text'")
+
+
+def test_a_folder_or_glob_of_jsonl_or_text_files_is_refused_saying_such_an_input_is_one_file(tmp_path):
+    # the folder was refused "(or pass --format)", and with --format jsonl as "an existing file, folder or glob",
+    # though it exists: neither said that a JSONL, Arrow or text input is one file
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n')
+    (tmp_path / "b.txt").write_text("b\n")
+    with pytest.raises(ValueError, match=r"^input should be a folder holding \.parquet, \.csv or \.tsv files \(it "
+                                         r"holds jsonl and text files: a JSONL, Arrow or text input is one file, named "
+                                         r"as it is\), but got input="):
+        open_corpus(str(tmp_path))
+    for path, fmt in [(tmp_path, "jsonl"), (tmp_path / "*.jsonl", "jsonl"), (tmp_path / "*.txt", "text")]:
+        with pytest.raises(ValueError, match=rf"^input should be one file in format '{fmt}' \(a folder or a glob holds "
+                                             r"Parquet, CSV or TSV files\), but got input="):
+            open_corpus(str(path), fmt)
+    assert open_corpus(str(tmp_path / "a.jsonl"), "jsonl").texts("text").take([0]) == ["a"]
