@@ -16,7 +16,8 @@ never guessed from the contents:
   (quoted values may hold the delimiter, quotes doubled, and line breaks, as
   Python's ``csv`` module and pandas write them). A CSV has no types: every
   value is read as a string (ids too: ``007`` stays ``'007'``), an empty value
-  as an empty string; a quoted value never closed is refused, naming the line
+  as an empty string, a blank line as no row (an empty text of a one-column
+  CSV is written ``""``, as ``csv`` and pandas do); a quoted value never closed is refused, naming the line
   it starts on (read to the file's end, it would hold the rows after it);
 * ``jsonl``: a ``.jsonl``, ``.ndjson`` or ``.json`` file, one JSON object a line
   (a blank line is none; a string is read as written, one that looks like a

@@ -303,3 +303,13 @@ def test_jsonl_strings_that_look_like_dates_are_read_as_the_strings_written(tmp_
     corpus = open_corpus(path)
     assert corpus.ids("id").to_pylist() == ["2024-01-01T10:00:00Z", "2024-01-02T10:00:00Z"]
     assert corpus.values("messages", "messages") == [row["messages"] for row in rows]
+
+
+def test_blank_lines_are_no_rows_of_a_csv_or_jsonl_file_and_empty_documents_of_a_text_file(tmp_path):
+    # the rule the docs state, the same as Python's csv (and pandas) and json.loads line by line read them
+    (tmp_path / "docs.csv").write_text('text\na\n\n""\n  \nb\n')
+    (tmp_path / "docs.jsonl").write_text('{"text": "a"}\n\n  \n{"text": ""}\n')
+    (tmp_path / "docs.txt").write_text("a\n\n  \nb\n")
+    assert read_texts(tmp_path / "docs.csv").take(range(4)) == ["a", "", "  ", "b"]
+    assert len(read_texts(tmp_path / "docs.jsonl")) == 2
+    assert read_texts(tmp_path / "docs.txt").take(range(4)) == ["a", "", "  ", "b"]
