@@ -571,22 +571,37 @@ _shared: WorkerPool | None = None
 def shared_pool(workers: int) -> WorkerPool | None:
     """This process's worker pool with at least ``workers`` workers, started at the first call that needs it and kept
     for the next (loaders built one after another share it) until :func:`release_pool`, interpreter exit, or this
-    process's end; ``None`` where no pool can run: in a daemonic process (a DataLoader worker), or one that is busy
-    with another thread's call (the caller tokenizes alone)."""
+    process's end; ``None`` where no pool can run: in a daemonic process (a DataLoader worker). A call that will use it
+    takes it with :func:`_claimed_pool` instead."""
+    with _shared_lock:
+        return _current_pool(workers)
+
+
+def _claimed_pool(workers: int) -> WorkerPool | None:
+    """:func:`shared_pool`, its :attr:`~WorkerPool.lock` taken for the caller (who releases it), in the one step under
+    the module's lock: a pool taken apart from its lock could be closed in between by another thread's
+    :func:`release_pool` (a run ending there), and the call would meet a closed pool. ``None`` where no pool can run,
+    or where another thread's call is using it (the caller tokenizes alone)."""
+    with _shared_lock:
+        pool = _current_pool(workers)
+        return pool if pool is not None and pool.lock.acquire(blocking=False) else None
+
+
+def _current_pool(workers: int) -> WorkerPool | None:
+    """:func:`shared_pool`'s pool; the caller holds ``_shared_lock``."""
     global _shared
     if multiprocessing.current_process().daemon:
         return None
-    with _shared_lock:
-        if _shared is not None and _shared.owner != os.getpid():  # inherited without a fork hook: not ours to end
-            _shared.forget()
-            _shared = None
-        if _shared is not None and _shared.workers < workers and _shared.lock.acquire(blocking=False):
-            _shared.lock.release()  # too few workers (a cap raised, a worker died): a new pool, none in use
-            _shared.close()
-            _shared = None
-        if _shared is None:
-            _shared = WorkerPool(workers)
-        return _shared
+    if _shared is not None and _shared.owner != os.getpid():  # inherited without a fork hook: not ours to end
+        _shared.forget()
+        _shared = None
+    if _shared is not None and _shared.workers < workers and _shared.lock.acquire(blocking=False):
+        _shared.lock.release()  # too few workers (a cap raised, a worker died): a new pool, none in use
+        _shared.close()
+        _shared = None
+    if _shared is None:
+        _shared = WorkerPool(workers)
+    return _shared
 
 
 def release_pool() -> None:
@@ -703,10 +718,7 @@ class Pieces:
                          "thread; %s cores idle beside it", rest, 100 * elsewhere,
                          "unknown" if idle_beside is None else f"{idle_beside:.2f}")
             return None
-        pool = shared_pool(self.cores - 1)
-        if pool is None or not pool.lock.acquire(blocking=False):
-            return None
-        return pool
+        return _claimed_pool(self.cores - 1)
 
     def _shared(self, pool: WorkerPool, per_text: float) -> Iterator[Any]:
         try:

@@ -7,6 +7,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -258,6 +259,36 @@ class _Local:
 
     def __reduce__(self):
         raise pickle.PicklingError("no")
+
+
+class _ReleasedMeanwhile:
+    """A pool's lock whose first take lets another thread's :func:`release_pool` (a run ending there) run first, for
+    as long as it needs (at most a second): the moment between a call finding the pool and taking it."""
+
+    def __init__(self, lock):
+        self.lock, self.releaser = lock, None
+
+    def acquire(self, blocking=True, timeout=-1):
+        if self.releaser is None:
+            self.releaser = threading.Thread(target=release_pool)
+            self.releaser.start()
+            self.releaser.join(1.0)
+        return self.lock.acquire(blocking, timeout)
+
+    def release(self):
+        self.lock.release()
+
+
+def test_a_run_ending_in_another_thread_as_a_call_takes_the_pool_does_not_close_it_under_the_call(sleeping_pieces):
+    # The pool was found, then taken, in two steps: another thread's release_pool in between closed it, and the
+    # call raised "the worker pool is closed" out of the tokenizing (found probing two runs in two threads)
+    pool = workers.shared_pool(2)
+    pool.lock = _ReleasedMeanwhile(pool.lock)
+    pieces = [[k] for k in range(6)]
+    shared = Pieces(_slow, 2, pieces, cores=3)
+    assert list(shared) == [[2 * k] for k in range(6)] and shared.used_workers == 2
+    pool.lock.releaser.join()  # it found the pool in use: the pool is kept, and ends at the next release_pool
+    assert workers.shared_pool(2) is pool
 
 
 def test_a_closed_pool_refuses_work():
