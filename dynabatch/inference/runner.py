@@ -20,23 +20,24 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from dynabatch._background import stage_seconds
-from dynabatch._validation import bad_type, first_few
+from dynabatch._validation import bad_type, brief, first_few
 from dynabatch.data.collate import Batch
 from dynabatch.inference.build import Builder
 from dynabatch.inference.distributed import Lockstep, job_token, share_outcome
 from dynabatch.inference.execute import BatchOutOfMemoryError, Executor, Failures
-from dynabatch.inference.loader import BAD_TEXT, NO_TOKEN, plan_of
+from dynabatch.inference.loader import BAD_TEXT, NO_TOKEN, LoaderPlan, plan_of
 from dynabatch.inference.loop import Stages, WorkerParts, run_workers
 from dynabatch.inference.meter import Meter, TextCosts, background_shares
 from dynabatch.inference.options import RunOptions, check_run_options, resolve_options
@@ -133,14 +134,41 @@ def run(
                               ranks=ranks, on_oom=on_oom, on_error=on_error, output_path=output_path, key=key,
                               token_outputs=token_outputs, pad_token_id=pad_token_id, prefetch=prefetch,
                               progress=progress)
-    source = Source(loader, plan)  # job: one token for this job's ranks (a collective), for the store's job lock
-    sink = open_sink(options.output_path, key=options.key, n=source.n_inputs,
-                     ids=None if plan is None else plan.ids, gather=options.ranks != "single",
-                     job=None if options.output_path is None or options.ranks == "single" else job_token())
+    with _one_run_of(plan, loader):
+        source = Source(loader, plan)  # job: one token for this job's ranks (a collective), for the store's job lock
+        sink = open_sink(options.output_path, key=options.key, n=source.n_inputs,
+                         ids=None if plan is None else plan.ids, gather=options.ranks != "single",
+                         job=None if options.output_path is None or options.ranks == "single" else job_token())
+        try:
+            return _run(source, sink, options)
+        finally:
+            sink.end()
+
+
+_plans_running: set[int] = set()  # id() of the loader plans a run of this process is running (each held alive by it)
+_plans_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _one_run_of(plan: LoaderPlan | None, loader: Any) -> Iterator[None]:
+    """Holds ``plan`` for this run: a second run of the same loader while this one runs (in another thread, or in
+    ``fn``) is refused. Measured mode hands out the plan's batches from the one pass of its planner, which the runs
+    would share: each would run part of the batches, and both lose the rest (``IncompleteRunError``)."""
+    if plan is None:  # an iterable of batches: each run iterates it itself
+        yield
+        return
+    with _plans_lock:
+        if id(plan) in _plans_running:
+            raise ValueError(f"loader should be run by one run at a time (the runs would share its plan's one pass: "
+                             f"each would run part of its batches and lose the rest), but got loader={brief(loader)} "
+                             "while another run of it has not ended (in another thread, or in fn): build a loader "
+                             "for each run, or run them one after the other")
+        _plans_running.add(id(plan))
     try:
-        return _run(source, sink, options)
+        yield
     finally:
-        sink.end()
+        with _plans_lock:
+            _plans_running.discard(id(plan))
 
 
 def _run(source: Source, sink: MemorySink | StoreSink, options: RunOptions) -> RunResult | StoredRunResult:

@@ -2,6 +2,8 @@
 """
 
 import pickle
+import re
+import threading
 
 import pytest
 import torch
@@ -64,3 +66,39 @@ def test_run_result_pickles_with_its_report(tokenizer, texts):
     again = pickle.loads(pickle.dumps(result))
     assert isinstance(again, RunResult) and isinstance(again.report, RunReport)
     assert again.report.rows == 10 and again.failed == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_loader_is_run_by_one_run_at_a_time(tokenizer, texts, stream):
+    # Two runs of one loader at once (in two threads, or one in fn) shared its plan's one pass in measured mode (the
+    # default where memory can be measured): each ran part of the batches, and both raised IncompleteRunError (found
+    # probing two runs in two threads of one process). The second is refused; the first, and later runs, complete.
+    loader = _load(texts, tokenizer, stream=stream)
+    want = torch.stack(list(run(_lengths, _load(texts, tokenizer), memory="off", progress=False)))  # another loader
+    refused, first_batch, second_tried = [], threading.Event(), threading.Event()
+    message = r"loader should be run by one run at a time .* while another run of it has not ended"
+
+    def in_thread():
+        first_batch.wait()
+        try:
+            run(_lengths, loader, memory="measured", progress=False)
+        except ValueError as exc:
+            refused.append(str(exc))
+        second_tried.set()
+
+    def nested(batch):
+        if not first_batch.is_set():
+            first_batch.set()
+            second_tried.wait(60)
+            with pytest.raises(ValueError, match=message):
+                run(_lengths, loader, progress=False)
+        return _lengths(batch)
+
+    other = threading.Thread(target=in_thread)
+    other.start()
+    result = run(nested, loader, memory="measured", progress=False)
+    other.join()
+    assert len(refused) == 1 and re.search(message, refused[0])
+    assert torch.equal(torch.stack(list(result)), want) and result.failed == []
+    again = run(_lengths, loader, memory="measured", progress=False)
+    assert torch.equal(torch.stack(list(again)), want)
