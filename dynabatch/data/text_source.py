@@ -258,7 +258,7 @@ def check_on_bad_input(on_bad_input: Any) -> str:
     return on_bad_input
 
 
-def open_texts(texts: Any, on_bad_input: str = "raise") -> tuple[TextSource, np.ndarray]:
+def open_texts(texts: Any, on_bad_input: str = "raise", *, name: str = "texts") -> tuple[TextSource, np.ndarray]:
     """The loader's texts as a :class:`TextSource` and the ``int64`` positions of its bad inputs (items that are not
     str: ``None``, a pandas NaN, bytes; Arrow nulls): the one place that reads texts in and applies ``on_bad_input``.
 
@@ -268,6 +268,7 @@ def open_texts(texts: Any, on_bad_input: str = "raise") -> tuple[TextSource, np.
             an Arrow string array, an iterator, a :class:`TextSource`).
         on_bad_input: ``"raise"`` a ``TypeError`` naming how many bad inputs
             there are and the first ten positions, or ``"skip"`` them (logged).
+        name: what an error about an iterable of no text calls ``texts`` (the caller's argument).
 
     Raises:
         TypeError: texts of no such kind, or bad inputs with ``on_bad_input="raise"``.
@@ -279,7 +280,7 @@ def open_texts(texts: Any, on_bad_input: str = "raise") -> tuple[TextSource, np.
         (3, [1], ['a', '', 'b'])
     """
     check_on_bad_input(on_bad_input)
-    source = source_of(texts) if is_text_source(texts) else TextSource(texts)
+    source = source_of(texts, name=name) if is_text_source(texts) else TextSource(texts)
     bad = source.bad()
     if bad.size and on_bad_input == "raise":
         if source.items is not None:
@@ -291,10 +292,11 @@ def open_texts(texts: Any, on_bad_input: str = "raise") -> tuple[TextSource, np.
     return source, bad
 
 
-def _spill(batches: Iterable[Any], schema: Any) -> TextSource:
+def _spill(batches: Iterable[Any], schema: Any, empty: str) -> TextSource:
     """Writes record batches of one ``text`` column to an Arrow IPC file in a new temporary directory and returns a
     :class:`TextSource` over it, memory-mapped (its character lengths read as the batches are written, so opening it
-    touches no text); the directory goes with the source."""
+    touches no text); the directory goes with the source. ``empty``: the ``ValueError``'s message where the batches
+    hold no text."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -309,7 +311,7 @@ def _spill(batches: Iterable[Any], schema: Any) -> TextSource:
             trim()  # the batch's buffers: Arrow's allocator and the C heap keep them otherwise
     if not sum(map(len, chars)):
         shutil.rmtree(folder, ignore_errors=True)
-        raise ValueError("source should hold at least one text, but got none")
+        raise ValueError(empty)
     with open(path, "rb") as file:
         mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
     table = pa.ipc.open_file(pa.py_buffer(mapped)).read_all()  # zero-copy: views of the map
@@ -344,7 +346,7 @@ def parquet_paths(source: Any) -> list[str] | None:
     return paths
 
 
-def source_of(source: Any, column: str = "text", *, chunk_size: int = SPILL_ROWS) -> TextSource:
+def source_of(source: Any, column: str = "text", *, chunk_size: int = SPILL_ROWS, name: str = "source") -> TextSource:
     """Texts in memory or in Parquet files, as a :class:`TextSource` the loader streams from, never all as Python
     str (:func:`dynabatch.read_texts` reads every format of files, through this for what they hold).
 
@@ -359,6 +361,7 @@ def source_of(source: Any, column: str = "text", *, chunk_size: int = SPILL_ROWS
             with the source.
         column: the text column of a file, table or dataset.
         chunk_size: texts read in at a time (an iterable's held as Python objects, a Parquet file's decoded).
+        name: what the error about an iterable of no text calls it (the caller's argument).
 
     Raises:
         TypeError: a source of none of these kinds, or a column that is not strings.
@@ -421,7 +424,10 @@ def source_of(source: Any, column: str = "text", *, chunk_size: int = SPILL_ROWS
             done += len(chunk)
             yield pa.record_batch([array], schema=schema)
 
-    return _spill(batches(), schema)
+    # an iterator (a generator) yields its texts once: the one a loader was built from yields none the second time
+    return _spill(batches(), schema, f"{name} should hold at least one text, but got an iterable that yielded none "
+                  "(an iterator or generator yields its texts once: one read already yields nothing; make a new one, or "
+                  "pass a list)")
 
 
 def _read_parquet(paths: list[str], column: str, chunk_size: int) -> TextSource:
@@ -444,4 +450,4 @@ def _read_parquet(paths: list[str], column: str, chunk_size: int) -> TextSource:
                 row += batch.num_rows
                 yield pa.record_batch([batch.column(0).cast(pa.large_string())], schema=schema)
 
-    return _spill(batches(), schema)
+    return _spill(batches(), schema, "source should hold at least one text, but got none")

@@ -275,7 +275,7 @@ def build_dynamic_batch_dataloader(
         return _eager_loader(tokenized, None, skipped, ids, tokenizer, settings, estimator, shuffle, seed,
                              num_workers, on_bad_input, texts_name, bad_input=BAD_ROW, rows=rows)
     check_length_fits(tokenizer, settings.max_input_token_length, tokenizer_kwargs)
-    source, skipped = open_texts(texts, on_bad_input)
+    source, skipped = open_texts(texts, on_bad_input, name=texts_name)
     if streaming:
         return _streaming_loader(source, skipped, ids, tokenizer, settings, estimator, num_workers, tokenize_cores,
                                  tokenizer_kwargs, on_bad_input, texts_name)

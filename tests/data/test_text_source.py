@@ -70,7 +70,8 @@ def test_what_streams():
         (pa.array([1, 2]), {}, TypeError, r"^source should be an Arrow array of strings \(it holds Arrow type int64\)"),
         (iter(["a", 3]), {}, TypeError,
          r"^texts\[1\] should be a str \(or None, a bad input\), but got texts\[1\]=3 of type int$"),
-        (iter([]), {}, ValueError, r"^source should hold at least one text, but got none$"),
+        (iter([]), {}, ValueError, r"^source should hold at least one text, but got an iterable that yielded none "
+                                   r"\(an iterator or generator yields its texts once"),
         ("missing.parquet", {}, ValueError, r"^source should be an existing file, folder or glob, but got "
                                             r"source='missing.parquet'$"),
         (["missing.parquet"], {}, ValueError, r"^source should be existing Parquet files"),

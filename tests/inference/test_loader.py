@@ -284,6 +284,18 @@ def test_empty_texts(tokenizer):
         _load((), tokenizer)
 
 
+@pytest.mark.parametrize("stream", [None, True, False])
+def test_a_generator_read_once_already_is_refused_naming_texts_and_why(tokenizer, stream):
+    # A second loader built from the generator the first one read: the error named source (read_texts' argument, not
+    # this function's) and said nothing of a generator yielding its texts once (found probing a generator of texts
+    # read twice)
+    texts = (text for text in ["In the beginning", "And God said"])
+    assert sum(len(b.indices) for b in _load(texts, tokenizer, stream=stream)) == 2
+    with pytest.raises(ValueError, match=r"^texts should hold at least one text, but got an iterable that yielded "
+                                         r"none \(an iterator or generator yields its texts once: .*make a new one"):
+        _load(texts, tokenizer, stream=stream)
+
+
 def test_texts_of_the_wrong_type(tokenizer):
     with pytest.raises(TypeError, match=r"^texts should be a list of str \(or a tuple, pandas Series, numpy array or other non-str sequence of str\), but got texts='In the beginning' of type str$"):
         _load("In the beginning", tokenizer)
