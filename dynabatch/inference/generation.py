@@ -93,8 +93,8 @@ RENDERED_CHAT_TOKENIZER_KWARGS: Mapping[str, Any] = MappingProxyType({"add_speci
 
 
 def _setting(model: Any, generate_kwargs: dict[str, Any], name: str) -> Any:
-    """A setting of the call, by ``model.generate``'s precedence: its argument, else that of the ``generation_config``
-    it was given, else the model's generation config's; ``None`` if unset."""
+    """A setting of the call, by ``model.generate``'s precedence: its argument (``None`` given unsets it), else that of
+    the ``generation_config`` it was given, else the model's generation config's; ``None`` if unset."""
     return _found(getattr(model, "generation_config", None), generate_kwargs, name)[1]
 
 
@@ -102,8 +102,9 @@ def _found(model_config: Any, generate_kwargs: dict[str, Any], name: str,
            where: str = "model.generation_config.") -> tuple[str, Any]:
     """``(where, value)`` of :func:`_setting`, ``model_config`` the model's generation config: ``where`` names it as
     a message should (``name``, ``generation_config.name`` or, by the ``where`` given,
-    ``model.generation_config.name``)."""
-    if generate_kwargs.get(name) is not None:
+    ``model.generation_config.name``). An argument given as ``None`` is the value: ``generate`` sets its config's
+    field to it (``eos_token_id=None``: no EOS, whatever the configs say)."""
+    if name in generate_kwargs:
         return name, generate_kwargs[name]
     for prefix, config in (("generation_config.", generate_kwargs.get("generation_config")), (where, model_config)):
         if getattr(config, name, None) is not None:

@@ -181,6 +181,26 @@ def test_a_generation_config_given_sets_eos_and_returns_as_model_generate_reads_
     replies = dynabatch.generate(llama, tok, prompts[:3], generation_config=beams, progress=False)
     assert [len(r) for r in replies] == [2, 2, 2] and all(isinstance(r[0], str) for r in replies)
 
+def test_a_setting_given_as_none_unsets_the_models_as_model_generate_reads_it(llama, chat_tokenizer, frequent,
+                                                                             prompts):
+    # eos_token_id=None was read as unset: replies were cut at the model's EOS, where generate, which sets its config's
+    # field to the None given, runs every prompt alone to max_new_tokens.
+    tok = chat_tokenizer
+    model = copy.deepcopy(llama)
+    model.generation_config.eos_token_id = frequent
+    settings = {"max_new_tokens": NEW, "do_sample": False, "eos_token_id": None, "pad_token_id": 2}
+    ids = dynabatch.generate(model, tok, prompts[:8], return_ids=True, batch_size=4, progress=False, **settings)
+    ended = 0
+    for p, prompt in enumerate(prompts[:8]):
+        inputs = tok(prompt, return_tensors="pt")
+        with torch.no_grad():
+            alone = model.generate(**inputs, **settings)[0, inputs["input_ids"].shape[1]:].tolist()
+            width = inputs["input_ids"].shape[1] + NEW
+            ended += model.generate(**inputs, **{**settings, "eos_token_id": frequent}).shape[1] < width
+        assert ids[p] == alone, f"prompt {p}: {prompt!r}"
+    assert ended  # the model's EOS would have ended some
+
+
 
 def test_stop_strings_end_replies_where_generating_alone_ends_them(llama, chat_tokenizer, frequent, prompts):
     # model.generate needs the tokenizer for stop strings, which generate's own argument took: every call failed.
