@@ -267,6 +267,22 @@ def _check_values(base: Any, settings: dict[str, Any]) -> None:
     raise (bad_type if isinstance(refused, TypeError) else bad_value)(name, rule, value) from refused
 
 
+_PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
+
+
+def _check_replies_only(model: Any, generate_kwargs: dict[str, Any]) -> None:
+    """Refuses a setting asking ``model.generate`` for more than the sequences (its per-step scores, logits, attentions
+    or hidden states), wherever set (:func:`_setting`'s precedence): a reply is built from the sequences alone, so
+    they would be computed, held on the device and dropped without a word; :func:`dynabatch.run` with one's own
+    ``fn`` keeps them."""
+    for name in _PER_STEP_OUTPUTS:
+        where, value = _found(getattr(model, "generation_config", None), generate_kwargs, name)
+        if value:
+            raise bad_value(where, "unset or False: dynabatch.generate returns each prompt's reply (its ids or text), "
+                            "not generate's per-step outputs, which are of the padded batch (call dynabatch.run "
+                            "with your own fn calling model.generate to keep them)", value)
+
+
 _STOPS_WITHOUT_EOS = ("stopping_criteria", "max_time")  # generate arguments ending rows early, untold where
 
 
@@ -381,9 +397,10 @@ def reply_function(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], 
     """``fn(batch)`` for :func:`dynabatch.run`: ``model.generate`` on the batch with ``generate_kwargs``, each row's
     reply alone (the rules of :mod:`~dynabatch.inference.generation`), decoded (:func:`reply_texts`: a decoder-only
     reply after its prompt's last tokens) unless ``return_ids``; its keywords checked first
-    (:func:`check_generate_kwargs`)."""
+    (:func:`check_generate_kwargs`, :func:`_check_replies_only`)."""
     encoder_decoder = _check_model(model)
     check_generate_kwargs(model, generate_kwargs)
+    _check_replies_only(model, generate_kwargs)
     returns = check_positive_int("num_return_sequences", _setting(model, generate_kwargs, "num_return_sequences") or 1)
     eos = _setting(model, generate_kwargs, "eos_token_id")  # an int, a list of them or a tensor
     eos_ids = [] if eos is None else [int(e) for e in torch.as_tensor(eos).reshape(-1).tolist()]
@@ -504,10 +521,12 @@ def generate(
     Raises:
         TypeError: a model without ``generate``, prompts of mixed or unknown kinds, or a keyword ``model.generate``
             takes not (:func:`check_generate_kwargs`).
-        ValueError: a keyword's value ``GenerationConfig.validate`` refuses, chat prompts with a tokenizer without chat
-            template, a prompt limit (plus the new tokens) above the model's positions, a prompt of no token
-            (``on_bad_input="raise"``), or a decoder-only model's ``max_length`` or ``min_length`` (they count the
-            padded prompt) without ``max_new_tokens`` or ``min_new_tokens``.
+        ValueError: a keyword's value ``GenerationConfig.validate`` refuses, per-step outputs asked for
+            (``output_scores``, ``output_logits``, ``output_attentions``, ``output_hidden_states``: a reply holds
+            none), chat prompts with a tokenizer without chat template, a prompt limit (plus the new tokens) above
+            the model's positions, a prompt of no token (``on_bad_input="raise"``), or a decoder-only model's
+            ``max_length`` or ``min_length`` (they count the padded prompt) without ``max_new_tokens`` or
+            ``min_new_tokens``.
     """
     encoder_decoder = _check_model(model)
     check_tokenizer(tokenizer)

@@ -304,6 +304,26 @@ def test_a_keyword_model_generate_refuses_is_refused_before_any_batch_runs(llama
                                  output_attentions=False, progress=False)
     assert [len(r) for r in replies] == [2, 2]
 
+def test_per_step_outputs_asked_for_are_refused_before_any_batch_runs_as_no_reply_holds_them(llama, chat_tokenizer,
+                                                                                             monkeypatch):
+    # output_scores=True (return_dict_in_generate=True) ran: generate computed and held every step's scores, and the
+    # replies, built from the sequences alone, dropped them without a word.
+    from transformers import GenerationConfig
+
+    calls = []
+    monkeypatch.setattr(llama, "generate", lambda **kwargs: calls.append(kwargs))
+    for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        with pytest.raises(ValueError, match=rf"^{name} should be unset or False: dynabatch.generate returns each "
+                           rf"prompt's reply \(its ids or text\), not generate's per-step outputs.*, but got "
+                           rf"{name}=True$"):
+            dynabatch.generate(llama, chat_tokenizer, ["In the beginning"], max_new_tokens=2,
+                               return_dict_in_generate=True, progress=False, **{name: True})
+    config = GenerationConfig(max_new_tokens=2, return_dict_in_generate=True, output_scores=True)
+    with pytest.raises(ValueError, match=r"^generation_config.output_scores should be unset or False"):
+        dynabatch.generate(llama, chat_tokenizer, ["In the beginning"], generation_config=config, progress=False)
+    assert calls == []
+
+
 
 def test_a_prompt_of_no_token_is_refused_naming_it(llama, chat_tokenizer, monkeypatch):
     # model.generate fails on an empty prompt alone (IndexError) and, batched with others, gave a reply made from
