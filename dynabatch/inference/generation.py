@@ -283,6 +283,21 @@ def _check_replies_only(model: Any, generate_kwargs: dict[str, Any]) -> None:
                             "with your own fn calling model.generate to keep them)", value)
 
 
+_ONE_PROMPT_AT_A_TIME = ("streamer", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
+
+
+def _check_batchable(model: Any, generate_kwargs: dict[str, Any]) -> None:
+    """Refuses, before any batch runs, a setting ``model.generate`` takes on one prompt at a time alone: a streamer
+    (transformers' raise on a batch of two) and assisted generation (an assistant model, prompt lookup, early exit
+    or multi-token prediction: "only supported for batch_size = 1"). Every batch would fail, each first split row by
+    row by ``on_error``'s isolation."""
+    for name in _ONE_PROMPT_AT_A_TIME:
+        where, value = _found(getattr(model, "generation_config", None), generate_kwargs, name)
+        if value is not None and value is not False:
+            raise bad_value(where, "left out: model.generate takes it on one prompt at a time (a batch of one), and "
+                            "dynabatch.generate batches prompts (call model.generate on each prompt for it)", value)
+
+
 _STOPS_WITHOUT_EOS = ("stopping_criteria", "max_time")  # generate arguments ending rows early, untold where
 
 
@@ -397,10 +412,11 @@ def reply_function(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], 
     """``fn(batch)`` for :func:`dynabatch.run`: ``model.generate`` on the batch with ``generate_kwargs``, each row's
     reply alone (the rules of :mod:`~dynabatch.inference.generation`), decoded (:func:`reply_texts`: a decoder-only
     reply after its prompt's last tokens) unless ``return_ids``; its keywords checked first
-    (:func:`check_generate_kwargs`, :func:`_check_replies_only`)."""
+    (:func:`check_generate_kwargs`, :func:`_check_replies_only`, :func:`_check_batchable`)."""
     encoder_decoder = _check_model(model)
     check_generate_kwargs(model, generate_kwargs)
     _check_replies_only(model, generate_kwargs)
+    _check_batchable(model, generate_kwargs)
     returns = check_positive_int("num_return_sequences", _setting(model, generate_kwargs, "num_return_sequences") or 1)
     eos = _setting(model, generate_kwargs, "eos_token_id")  # an int, a list of them or a tensor
     eos_ids = [] if eos is None else [int(e) for e in torch.as_tensor(eos).reshape(-1).tolist()]
@@ -523,10 +539,11 @@ def generate(
             takes not (:func:`check_generate_kwargs`).
         ValueError: a keyword's value ``GenerationConfig.validate`` refuses, per-step outputs asked for
             (``output_scores``, ``output_logits``, ``output_attentions``, ``output_hidden_states``: a reply holds
-            none), chat prompts with a tokenizer without chat template, a prompt limit (plus the new tokens) above
-            the model's positions, a prompt of no token (``on_bad_input="raise"``), or a decoder-only model's
-            ``max_length`` or ``min_length`` (they count the padded prompt) without ``max_new_tokens`` or
-            ``min_new_tokens``.
+            none), a setting ``model.generate`` takes on one prompt alone (``streamer``, ``assistant_model``,
+            ``prompt_lookup_num_tokens``), chat prompts with a tokenizer without chat template, a prompt limit
+            (plus the new tokens) above the model's positions, a prompt of no token (``on_bad_input="raise"``), or
+            a decoder-only model's ``max_length`` or ``min_length`` (they count the padded prompt) without
+            ``max_new_tokens`` or ``min_new_tokens``.
     """
     encoder_decoder = _check_model(model)
     check_tokenizer(tokenizer)

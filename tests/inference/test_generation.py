@@ -325,6 +325,26 @@ def test_per_step_outputs_asked_for_are_refused_before_any_batch_runs_as_no_repl
 
 
 
+def test_a_setting_generate_takes_on_one_prompt_alone_is_refused_before_any_batch_runs(llama, chat_tokenizer,
+                                                                                       monkeypatch):
+    # A streamer or assisted generation failed in every batch ("TextStreamer only supports batch size 1", "assisted
+    # generate is only supported for batch_size = 1"), each split row by row by on_error's isolation first.
+    from transformers import GenerationConfig, TextStreamer
+
+    calls = []
+    monkeypatch.setattr(llama, "generate", lambda **kwargs: calls.append(kwargs))
+    prompts = ["In the beginning", "And God said"]
+    for name, value in (("streamer", TextStreamer(chat_tokenizer)), ("assistant_model", llama),
+                        ("prompt_lookup_num_tokens", 3)):
+        with pytest.raises(ValueError, match=rf"^{name} should be left out: model.generate takes it on one prompt at "
+                           r"a time \(a batch of one\), and dynabatch.generate batches prompts \(call model.generate "
+                           rf"on each prompt for it\), but got {name}="):
+            dynabatch.generate(llama, chat_tokenizer, prompts, max_new_tokens=2, progress=False, **{name: value})
+    config = GenerationConfig(max_new_tokens=2, prompt_lookup_num_tokens=3)
+    with pytest.raises(ValueError, match=r"^generation_config.prompt_lookup_num_tokens should be left out"):
+        dynabatch.generate(llama, chat_tokenizer, prompts, generation_config=config, progress=False)
+    assert calls == []
+
 def test_a_prompt_of_no_token_is_refused_naming_it(llama, chat_tokenizer, monkeypatch):
     # model.generate fails on an empty prompt alone (IndexError) and, batched with others, gave a reply made from
     # padding alone: which one depended on batch_size. The loader's rule refuses it: ids as given, texts once tokenized
