@@ -1,7 +1,8 @@
 """``dynabatch.generate``: replies to many prompts from ``model.generate``, through :func:`dynabatch.run`.
 
 Prompts (strings, chat conversations or pre-tokenized ids) are tokenized once into dynabatch's loader, and each
-prompt's reply is returned alone, in input order, equal to the reply of generating that prompt alone. The rules
+prompt's reply is returned alone, in input order, equal to the reply of generating that prompt alone (greedy or beam
+search; a sampled reply depends on the batch it ran in). The rules
 (prompts, padding, replies, limits) are in ``docs/integrations.md``; why few, large calls pay, in ``docs/memory.md``.
 
 Example:
@@ -528,7 +529,8 @@ def generate(
             BOS): ``"raise"`` refuses it (a ``ValueError`` naming its position, ``prompts[i]``: the prompt, a chat as
             rendered), ``"skip"`` lists it failed (``None``, its cause in ``.failures``) and replies to the others.
         **generate_kwargs: passed to every ``model.generate`` call (``max_new_tokens``, ``do_sample``, ...); with
-            ``num_return_sequences=k > 1`` each prompt's result is a list of ``k`` replies.
+            ``num_return_sequences=k > 1`` each prompt's result is a list of ``k`` replies. A sampled reply
+            (``do_sample=True``) is drawn with its batch's, so it depends on the batch it ran in, not on a seed alone.
 
     Returns:
         A :class:`~dynabatch.inference.results.RunResult` (a ``StoredRunResult`` with ``output_path``): one reply per
