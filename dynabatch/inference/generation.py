@@ -89,6 +89,22 @@ def render_chats(tokenizer: Any, conversations: Sequence[Any], chat_template_kwa
     return [tokenizer.apply_chat_template(list(c), tokenize=False, **kwargs) for c in conversations]
 
 
+def _template_kwargs(chat_template_kwargs: Any, kind: str) -> dict[str, Any]:
+    """``chat_template_kwargs`` as a dict, checked: a mapping, given only for chat prompts (the one kind the template
+    renders: with strings or ids it would be dropped without a word)."""
+    if chat_template_kwargs is None:
+        return {}
+    if not isinstance(chat_template_kwargs, Mapping):
+        raise bad_type("chat_template_kwargs", "a dict of apply_chat_template's arguments, or None",
+                       chat_template_kwargs)
+    if chat_template_kwargs and kind != "chat":
+        given = "strings" if kind == "text" else "pre-tokenized ids"
+        raise bad_value("chat_template_kwargs", f"None or empty with prompts of {given} (the chat template renders "
+                        "chat conversations alone: give the prompts as lists of {'role': ..., 'content': ...} "
+                        "messages, or leave it out)", chat_template_kwargs)
+    return dict(chat_template_kwargs)
+
+
 RENDERED_CHAT_TOKENIZER_KWARGS: Mapping[str, Any] = MappingProxyType({"add_special_tokens": False})
 """How chats rendered by :func:`render_chats` are tokenized: no special token added (the template holds its own)."""
 
@@ -521,7 +537,8 @@ def generate(
             ``"80%"``, ``"20GB"``, ``"20GiB"`` or bytes; ``None``: the relative rule.
         max_input_token_length: prompts are truncated to it; ``None``: the smaller of the model's positions (less
             ``max_new_tokens``, 20 unset, on a decoder-only model) and the tokenizer's ``model_max_length``.
-        chat_template_kwargs: more arguments of ``apply_chat_template`` (e.g. ``{"enable_thinking": False}``).
+        chat_template_kwargs: more arguments of ``apply_chat_template`` (e.g. ``{"enable_thinking": False}``), for
+            chat prompts (refused with strings or ids, which no template renders).
         device: where batches run; ``None``: the model's device.
         ids: one stable id per prompt (str or int, unique; a store keys its rows by them), or ``None``: the loader's.
         output_path, key, on_oom, on_error, memory, progress: :func:`dynabatch.run`'s.
@@ -551,6 +568,7 @@ def generate(
     check_tokenizer(tokenizer)
     check_max_memory(max_memory)
     kind = _prompt_kind(prompts)
+    template_kwargs = _template_kwargs(chat_template_kwargs, kind)
     check_bool("return_ids", return_ids)
     new_tokens = _new_tokens(model, generate_kwargs, encoder_decoder)
     if not encoder_decoder and _setting(model, generate_kwargs, "max_new_tokens") is None:
@@ -562,7 +580,7 @@ def generate(
         max_input_token_length = _default_limit(model, tokenizer, new_tokens, encoder_decoder)
     max_input_token_length = check_positive_int("max_input_token_length", max_input_token_length)
     check_position_limit(model, max_input_token_length, max_new_tokens=new_tokens)
-    texts = render_chats(tokenizer, prompts, dict(chat_template_kwargs or {})) if kind == "chat" else prompts
+    texts = render_chats(tokenizer, prompts, template_kwargs) if kind == "chat" else prompts
     device = getattr(model, "device", None) if device is None else device
     budget = {}  # the relative rule, unless max_memory is an absolute budget on device: planned by the footprint
     if is_absolute(max_memory, device):

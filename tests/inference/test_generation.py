@@ -426,6 +426,24 @@ def test_a_chat_whose_final_message_is_continued_takes_no_generation_prompt(llam
     assert len(ids[0]) >= 1
 
 
+def test_chat_template_kwargs_with_prompts_no_template_renders_are_refused_before_any_batch_runs(
+        llama, chat_tokenizer, monkeypatch):
+    # chat_template_kwargs given with strings or ids was dropped without a word: {"add_generation_prompt": False}
+    # or {"enable_thinking": False} changed nothing, and the replies came as if it were not given.
+    calls = []
+    monkeypatch.setattr(llama, "generate", lambda **kwargs: calls.append(kwargs))
+    for prompts, given in ((["In the beginning"], "strings"), ([[1, 512, 278]], "pre-tokenized ids")):
+        with pytest.raises(ValueError, match=rf"^chat_template_kwargs should be None or empty with prompts of {given} "
+                           r"\(the chat template renders chat conversations alone: .*\), but got "
+                           r"chat_template_kwargs=\{'enable_thinking': False\}$"):
+            dynabatch.generate(llama, chat_tokenizer, prompts, max_new_tokens=2, progress=False,
+                               chat_template_kwargs={"enable_thinking": False})
+    with pytest.raises(TypeError, match=r"^chat_template_kwargs should be a dict of apply_chat_template's arguments, "
+                       r"or None, but got .* of type list$"):
+        dynabatch.generate(llama, chat_tokenizer, ["In the beginning"], max_new_tokens=2, progress=False,
+                           chat_template_kwargs=[("enable_thinking", False)])
+    assert calls == []
+
 def test_chat_prompts_need_a_chat_template(llama, llama_tokenizer):
     tok = copy.deepcopy(llama_tokenizer)
     tok.pad_token = tok.eos_token
