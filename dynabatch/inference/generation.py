@@ -554,8 +554,9 @@ def generate(
         prompt, with ``.report``.
 
     Raises:
-        TypeError: a model without ``generate``, prompts of mixed or unknown kinds, or a keyword ``model.generate``
-            takes not (:func:`check_generate_kwargs`).
+        TypeError: a model without ``generate``, prompts of mixed or unknown kinds, ``return_ids`` or
+            ``skip_special_tokens`` not a bool, or a keyword ``model.generate`` takes not
+            (:func:`check_generate_kwargs`).
         ValueError: a keyword's value ``GenerationConfig.validate`` refuses, per-step outputs asked for
             (``output_scores``, ``output_logits``, ``output_attentions``, ``output_hidden_states``: a reply holds
             none), a setting ``model.generate`` takes on one prompt alone (``streamer``, ``assistant_model``,
@@ -570,6 +571,7 @@ def generate(
     kind = _prompt_kind(prompts)
     template_kwargs = _template_kwargs(chat_template_kwargs, kind)
     check_bool("return_ids", return_ids)
+    check_bool("skip_special_tokens", skip_special_tokens)
     new_tokens = _new_tokens(model, generate_kwargs, encoder_decoder)
     if not encoder_decoder and _setting(model, generate_kwargs, "max_new_tokens") is None:
         # the default said outright: a config's max_length (4.x's 20) would count the padded prompt

@@ -444,6 +444,18 @@ def test_chat_template_kwargs_with_prompts_no_template_renders_are_refused_befor
                            chat_template_kwargs=[("enable_thinking", False)])
     assert calls == []
 
+def test_skip_special_tokens_not_a_bool_is_refused_before_any_batch_runs(llama, chat_tokenizer, monkeypatch):
+    # skip_special_tokens="False" went to batch_decode, which took the str as true: the special tokens it was asked
+    # to keep were dropped.
+    calls = []
+    monkeypatch.setattr(llama, "generate", lambda **kwargs: calls.append(kwargs))
+    for value in ("False", 0, None):
+        with pytest.raises(TypeError, match=rf"^skip_special_tokens should be a bool, but got "
+                           rf"skip_special_tokens={value!r} of type {type(value).__name__}$"):
+            dynabatch.generate(llama, chat_tokenizer, ["In the beginning"], max_new_tokens=2, progress=False,
+                               skip_special_tokens=value)
+    assert calls == []
+
 def test_chat_prompts_need_a_chat_template(llama, llama_tokenizer):
     tok = copy.deepcopy(llama_tokenizer)
     tok.pad_token = tok.eos_token
