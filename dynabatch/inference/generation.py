@@ -535,7 +535,8 @@ def generate(
             its step's copies of the logits measured by two small calls first, refined by measured peaks), read on
             ``device`` as the call starts: ``"auto"`` (90% of a GPU's free memory, the relative rule on the CPU),
             ``"80%"``, ``"20GB"``, ``"20GiB"`` or bytes; ``None``: the relative rule.
-        max_input_token_length: prompts are truncated to it; ``None``: the smaller of the model's positions (less
+        max_input_token_length: prompts are truncated to it (on the tokenizer's ``truncation_side``: the right
+            cuts a chat's generation prompt); ``None``: the smaller of the model's positions (less
             ``max_new_tokens``, 20 unset, on a decoder-only model) and the tokenizer's ``model_max_length``.
         chat_template_kwargs: more arguments of ``apply_chat_template`` (e.g. ``{"enable_thinking": False}``), for
             chat prompts (refused with strings or ids, which no template renders).

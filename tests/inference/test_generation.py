@@ -481,6 +481,23 @@ def test_a_limit_above_the_model_positions_is_refused_before_anything_runs(llama
     assert len(reply[0]) == 16
 
 
+def test_a_prompt_past_the_limit_is_truncated_on_the_tokenizers_truncation_side(llama, chat_tokenizer, frequent,
+                                                                               prompts):
+    # The rule docs/integrations.md states (Limits): the right side cuts a prompt's end, the left keeps it.
+    long = [p for p in prompts if len(chat_tokenizer(p)["input_ids"]) > 12][:4]
+    assert len(long) == 4
+    for side in ("right", "left"):
+        tok = copy.deepcopy(chat_tokenizer)
+        tok.truncation_side = side
+        ids = dynabatch.generate(llama, tok, long, return_ids=True, max_input_token_length=12, max_new_tokens=NEW,
+                                 do_sample=False, eos_token_id=frequent, progress=False)
+        for p, prompt in enumerate(long):
+            kept = tok(prompt, truncation=True, max_length=12, return_tensors="pt")["input_ids"]  # BOS kept
+            assert kept[0, -1] == tok(prompt)["input_ids"][-1 if side == "left" else 11]
+            alone = _alone(llama, {"input_ids": kept, "attention_mask": torch.ones_like(kept)},
+                           eos_token_id=frequent, pad_token_id=frequent)[12:]
+            assert ids[p] == alone.tolist(), f"{side}, prompt {p}"
+
 def test_lengths_that_count_the_padded_prompt_are_refused_and_none_set_is_20_new_tokens(llama, chat_tokenizer):
     # max_length/min_length count the prompt, padded to the batch's longest: "In the beginning" got 8 new tokens
     # beside a longer prompt and 19 alone. Unset, generate's 20 new tokens were not counted: a prompt cut to the
