@@ -13,7 +13,8 @@ refused naming its row, before any weights load). Replies come from :func:`dynab
 encoder-decoder ``transformers`` model): each prompt's reply alone, the prompt
 not repeated, ending at its first EOS; greedy unless ``--sample``; ``--min-new-tokens`` tokens at least where
 given. A decoder-only folder whose ``generation_config.json`` sets ``min_length`` (it counts the prompt, padded to
-its batch's longest) is refused before any weights load, unless ``--min-new-tokens`` is given. The store
+its batch's longest) is refused before any weights load, unless ``--min-new-tokens`` is given, as is a setting
+of it that :func:`dynabatch.generate` refuses beside the options (``num_return_sequences: 2`` when greedy). The store
 holds ``id`` (with ``--id-column``; else rows are keyed by ``position``, the
 prompt's row in the input) and ``output`` (the reply);
 its key names the model, the dtype, the length limits and every generation
@@ -147,6 +148,22 @@ def _check_lengths(folder: str, config: Any, generation_config: Any, options: di
                          f"{setting}={value!r} in --model={folder!r}")
 
 
+def _check_settings(folder: str, generation_config: Any, options: dict[str, Any]) -> None:
+    """The options on the model's ``generation_config`` (:func:`_generation_config`) are settings
+    :func:`dynabatch.generate` takes (:func:`~dynabatch.inference.generation.check_generation_settings`): its refusal
+    is said before any weights load, naming the file (a greedy run of a folder that sets ``num_return_sequences=2``,
+    ``output_scores`` or ``prompt_lookup_num_tokens``)."""
+    from dynabatch.inference.generation import check_generation_settings
+
+    file = _generation_config_file(folder)
+    try:
+        check_generation_settings(generation_config, options, where="")
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"--model's {file} should hold settings model.generate takes with the options given, but "
+                         f"{exc} (with {Path(folder) / file}): change the options (--sample) or the file, or use "
+                         f"another model folder; --model={folder!r}") from exc
+
+
 def _tokenizer(folder: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -218,6 +235,7 @@ def _prepare(args: argparse.Namespace) -> dict[str, Any]:
         config = check_model_folder("--model", args.model)
         generation_config = _generation_config(args.model)
         _check_lengths(args.model, config, generation_config, options)
+        _check_settings(args.model, generation_config, options)
         dtype = check_dtype(args.dtype, place.accelerated)
         tokenizer = _tokenizer(args.model)
         if args.messages_column is not None and not getattr(tokenizer, "chat_template", None):

@@ -47,8 +47,8 @@ from dynabatch.memory.measure import track_peak_memory
 from dynabatch.memory.shape import ModelShape, check_position_limit, position_limit
 from dynabatch.memory.units import check_max_memory
 
-__all__ = ["RENDERED_CHAT_TOKENIZER_KWARGS", "applied_setting", "check_generate_kwargs", "counting_the_prompt",
-           "generate", "generation_loader", "render_chats", "reply_function"]
+__all__ = ["RENDERED_CHAT_TOKENIZER_KWARGS", "applied_setting", "check_generate_kwargs", "check_generation_settings",
+           "counting_the_prompt", "generate", "generation_loader", "render_chats", "reply_function"]
 
 logger = logging.getLogger(__name__)
 
@@ -287,13 +287,38 @@ def _check_values(base: Any, settings: dict[str, Any]) -> None:
 _PER_STEP_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
-def _check_replies_only(model: Any, generate_kwargs: dict[str, Any]) -> None:
+def check_generation_settings(model_config: Any, settings: dict[str, Any],
+                              where: str = "model.generation_config.") -> None:
+    """The checks of :func:`reply_function` that need no model, for a command to make before any weights load:
+    ``settings`` on ``model_config`` (the model's generation config, named by ``where`` as :func:`_found` names it)
+    as ``GenerationConfig.validate`` takes them, no per-step output asked for (:func:`_check_replies_only`) and no
+    setting taken on one prompt alone (:func:`_check_batchable`).
+
+    Example:
+        >>> from transformers import GenerationConfig
+        >>> sampled_twice = GenerationConfig(do_sample=True, num_return_sequences=2)
+        >>> check_generation_settings(sampled_twice, {"do_sample": True, "max_new_tokens": 4}, where="")
+        >>> try:
+        ...     check_generation_settings(sampled_twice, {"do_sample": False}, where="")
+        ... except ValueError as refused:
+        ...     print(str(refused).split(" (")[0])
+        do_sample should be what transformers' GenerationConfig.validate takes
+    """
+    from transformers import GenerationConfig
+
+    base = model_config if model_config is not None else GenerationConfig()
+    _check_values(base, {k: v for k, v in settings.items() if hasattr(base, k) and not callable(getattr(base, k))})
+    _check_replies_only(model_config, settings, where)
+    _check_batchable(model_config, settings, where)
+
+
+def _check_replies_only(model_config: Any, generate_kwargs: dict[str, Any], where: str) -> None:
     """Refuses a setting asking ``model.generate`` for more than the sequences (its per-step scores, logits, attentions
     or hidden states), wherever set (:func:`_setting`'s precedence): a reply is built from the sequences alone, so
     they would be computed, held on the device and dropped without a word; :func:`dynabatch.run` with one's own
     ``fn`` keeps them."""
     for name in _PER_STEP_OUTPUTS:
-        where, value = _found(getattr(model, "generation_config", None), generate_kwargs, name)
+        where, value = _found(model_config, generate_kwargs, name, where)
         if value:
             raise bad_value(where, "unset or False: dynabatch.generate returns each prompt's reply (its ids or text), "
                             "not generate's per-step outputs, which are of the padded batch (call dynabatch.run "
@@ -303,13 +328,13 @@ def _check_replies_only(model: Any, generate_kwargs: dict[str, Any]) -> None:
 _ONE_PROMPT_AT_A_TIME = ("streamer", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")
 
 
-def _check_batchable(model: Any, generate_kwargs: dict[str, Any]) -> None:
+def _check_batchable(model_config: Any, generate_kwargs: dict[str, Any], where: str) -> None:
     """Refuses, before any batch runs, a setting ``model.generate`` takes on one prompt at a time alone: a streamer
     (transformers' raise on a batch of two) and assisted generation (an assistant model, prompt lookup, early exit
     or multi-token prediction: "only supported for batch_size = 1"). Every batch would fail, each first split row by
     row by ``on_error``'s isolation."""
     for name in _ONE_PROMPT_AT_A_TIME:
-        where, value = _found(getattr(model, "generation_config", None), generate_kwargs, name)
+        where, value = _found(model_config, generate_kwargs, name, where)
         if value is not None and value is not False:
             raise bad_value(where, "left out: model.generate takes it on one prompt at a time (a batch of one), and "
                             "dynabatch.generate batches prompts (call model.generate on each prompt for it)", value)
@@ -432,8 +457,9 @@ def reply_function(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], 
     (:func:`check_generate_kwargs`, :func:`_check_replies_only`, :func:`_check_batchable`)."""
     encoder_decoder = _check_model(model)
     check_generate_kwargs(model, generate_kwargs)
-    _check_replies_only(model, generate_kwargs)
-    _check_batchable(model, generate_kwargs)
+    model_config = getattr(model, "generation_config", None)
+    _check_replies_only(model_config, generate_kwargs, "model.generation_config.")
+    _check_batchable(model_config, generate_kwargs, "model.generation_config.")
     returns = check_positive_int("num_return_sequences", _setting(model, generate_kwargs, "num_return_sequences") or 1)
     eos = _setting(model, generate_kwargs, "eos_token_id")  # an int, a list of them or a tensor
     eos_ids = [] if eos is None else [int(e) for e in torch.as_tensor(eos).reshape(-1).tolist()]

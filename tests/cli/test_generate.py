@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pyarrow.dataset as ds
@@ -307,3 +308,34 @@ def test_a_length_counting_the_prompt_in_the_folders_generation_config_is_refuse
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
     assert main([*command, "--min-new-tokens", "3"]) == 0
     assert "2 of 2 replies stored" in capsys.readouterr().out
+
+
+def test_settings_of_the_folders_generation_config_generate_refuses_are_refused_before_the_model_loads(
+        gpt2_dir, tmp_path, capsys, monkeypatch):
+    # A generation_config.json that sets num_return_sequences=2 (refused by GenerationConfig.validate with greedy
+    # decoding) or output_scores (refused by dynabatch.generate) was refused only once the weights had loaded, naming
+    # do_sample or model.generation_config.output_scores, which the command has no flag for.
+    import transformers
+
+    (tmp_path / "p.txt").write_text("In the beginning\nAnd God said, Let there be light\n")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded"))
+    for extra, flags, said in (({"do_sample": True, "num_return_sequences": 2}, [],
+                                r"do_sample should be what transformers' GenerationConfig.validate takes \(Greedy "
+                                r"methods .*\), but got do_sample=False"),
+                               ({"output_scores": True}, ["--sample"], r"output_scores should be unset or False: "
+                                r"dynabatch.generate returns each prompt's reply .*, but got output_scores=True")):
+        folder = tmp_path / f"model-{len(flags)}"
+        shutil.copytree(gpt2_dir, folder)
+        settings = json.loads((folder / "generation_config.json").read_text())
+        (folder / "generation_config.json").write_text(json.dumps({**settings, **extra}))
+        out = tmp_path / f"replies-{len(flags)}"
+        with pytest.raises(SystemExit) as info:
+            main(["generate", str(tmp_path / "p.txt"), str(out), "--model", str(folder), "--max-new-tokens", "3",
+                  "--no-progress", *flags])
+        assert info.value.code == 2 and not out.exists()
+        err = capsys.readouterr().err
+        assert re.fullmatch(r"dynabatch generate: error: --model's generation_config.json should hold settings "
+                            rf"model.generate takes with the options given, but {said} \(with "
+                            rf"{re.escape(str(folder / 'generation_config.json'))}\): change the options \(--sample\) "
+                            rf"or the file, or use another model folder; --model={re.escape(repr(str(folder)))}\n",
+                            err), err
