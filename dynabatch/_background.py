@@ -21,10 +21,12 @@ job in progress, even while it waits for room) and joins it, so no thread outliv
 included. Waits in the caller's thread are timed, so Ctrl-C reaches it.
 
 Every stage that runs here is timed, once, in this module (the run's bottleneck report reads it,
-:mod:`dynabatch.inference.meter`): :func:`stage_seconds` gives, per thread name, the seconds its thread spent
-working and the seconds it waited for room ahead of its consumer; :func:`waited` gives, for the calling thread, the
-seconds it waited on each thread name (for an item not ready, or for room to hand a job). The counters add up over
-the process's life; a reader takes differences.
+:mod:`dynabatch.inference.meter`): :func:`stage_seconds` gives, per thread name, the seconds the run's threads spent
+working and the seconds they waited for room ahead of their consumer; :func:`waited` gives, for the calling thread,
+the seconds it waited on each thread name (for an item not ready, or for room to hand a job). The stage seconds are
+the run's own: :func:`timing_stages` gives the calling thread a counter of its own, which every thread started here
+carries from the thread that started it, so two runs at once in one process (in two threads) never count each
+other's threads; threads started outside it are not timed. The counters add up; a reader takes differences.
 
 Example:
     >>> from dynabatch._background import Ahead, Worker
@@ -51,31 +53,80 @@ from typing import Any
 from dynabatch._validation import check_positive_int
 
 __all__ = ["Ahead", "StopRequested", "Ticker", "Worker", "ordered_map", "progress_bar", "run_in_threads",
-           "stage_seconds", "waited"]
+           "stage_seconds", "timing_stages", "waited"]
 
 _END = object()
 _POLL = 0.1  # seconds a wait blocks at a time: a stop request (or Ctrl-C in the caller) is seen this soon
 
 
-class _Waits(threading.local):
+class _StageTimes:
+    """One run's stage seconds: thread name -> [seconds working, seconds waiting for room], added to by its threads."""
+
     def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
+        self.lock = threading.Lock()
+        self.seconds: dict[str, list[float]] = {}
 
 
-_WAITS = _Waits()  # per calling thread: name of what it waited on -> seconds
-_STAGES: dict[str, list[float]] = {}  # thread name -> [seconds working, seconds waiting for room]
-_STAGES_LOCK = threading.Lock()
+class _PerThread(threading.local):
+    def __init__(self) -> None:
+        self.waits: dict[str, float] = {}  # name of what this thread waited on -> seconds
+        self.stages: _StageTimes | None = None  # the run's counter this thread adds its stage seconds to
+
+
+_THREAD = _PerThread()
+
+
+class _Thread(threading.Thread):
+    """Every thread this module starts: a daemon that carries the stage counter of the thread that started it (at
+    :meth:`start`, so a thread made ahead of its run still counts for the run that starts it)."""
+
+    def __init__(self, target: Callable[[], Any], name: str) -> None:
+        super().__init__(target=target, name=name, daemon=True)
+        self.stages: _StageTimes | None = None
+
+    def start(self) -> None:
+        self.stages = _THREAD.stages
+        super().start()
+
+    def run(self) -> None:
+        _THREAD.stages = self.stages
+        super().run()
 
 
 def _add_wait(name: str, seconds: float) -> None:
-    _WAITS.seconds[name] = _WAITS.seconds.get(name, 0.0) + seconds
+    _THREAD.waits[name] = _THREAD.waits.get(name, 0.0) + seconds
 
 
 def _add_stage(name: str, working: float, blocked: float) -> None:
-    with _STAGES_LOCK:
-        entry = _STAGES.setdefault(name, [0.0, 0.0])
+    stages = _THREAD.stages
+    if stages is None:  # a thread started outside any timed run: no run's report holds it
+        return
+    with stages.lock:
+        entry = stages.seconds.setdefault(name, [0.0, 0.0])
         entry[0] += working
         entry[1] += blocked
+
+
+@contextlib.contextmanager
+def timing_stages() -> Iterator[None]:
+    """Within the block, :func:`stage_seconds` in the calling thread counts the seconds of the threads started here
+    from it (and from those threads, and so on), from zero: one run's stages, none of another run's at the same time
+    in another thread. A block within another times its own threads apart; the outer counter is the calling
+    thread's again after it.
+
+    Example:
+        >>> from dynabatch._background import Worker, stage_seconds, timing_stages
+        >>> with timing_stages():
+        ...     worker = Worker(depth=1, name="example-timed")
+        ...     worker.submit(time.sleep, 0.05); worker.close()
+        ...     stage_seconds()["example-timed"][0] > 0.02
+        True
+    """
+    outer, _THREAD.stages = _THREAD.stages, _StageTimes()
+    try:
+        yield
+    finally:
+        _THREAD.stages = outer
 
 
 def waited() -> dict[str, float]:
@@ -90,14 +141,17 @@ def waited() -> dict[str, float]:
         True
         >>> worker.close()
     """
-    return dict(_WAITS.seconds)
+    return dict(_THREAD.waits)
 
 
 def stage_seconds() -> dict[str, tuple[float, float]]:
     """Per background thread name, ``(seconds working, seconds waiting for room ahead of its consumer)`` so far in
-    this process (threads of one name add up: every run's tokenizing thread is ``"dynabatch-tokenize"``)."""
-    with _STAGES_LOCK:
-        return {name: (working, blocked) for name, (working, blocked) in _STAGES.items()}
+    the calling thread's :func:`timing_stages` block (threads of one name add up); outside any, empty."""
+    stages = _THREAD.stages
+    if stages is None:
+        return {}
+    with stages.lock:
+        return {name: (working, blocked) for name, (working, blocked) in stages.seconds.items()}
 
 
 def progress_bar(shown: bool, **tqdm_kwargs: Any) -> contextlib.AbstractContextManager:
@@ -147,7 +201,7 @@ class Ahead:
         self._stop = threading.Event() if stop is None else stop
         self._done = False
         self._held: list = []  # an item pulled while pausing, put first when the thread starts again
-        self._thread = threading.Thread(target=self._pull, name=name, daemon=True)
+        self._thread = _Thread(self._pull, name)
 
     def start(self) -> None:
         if self._thread.ident is None:
@@ -215,7 +269,7 @@ class Ahead:
         self._stop.set()
         self._thread.join()
         self._stop.clear()  # the one event, which the items may hold
-        self._thread = threading.Thread(target=self._pull, name=self._name, daemon=True)
+        self._thread = _Thread(self._pull, self._name)
 
     def close(self, *, wait: bool = True) -> None:
         """Stops pulling after the item in progress (or part-way, see ``stop``), and waits for the thread to end (so
@@ -253,7 +307,7 @@ class Worker:
         self._idle = threading.Condition()
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: _Thread | None = None
 
     def check(self) -> None:
         """Raises the error a job (or the flush) met and not raised yet, if any."""
@@ -264,7 +318,7 @@ class Worker:
     def start(self) -> None:
         """Starts the thread now (with a ``flush``: the timed flushes begin before the first job)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread = _Thread(self._run, self._name)
             self._thread.start()
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -362,7 +416,7 @@ class Ticker:
         self._fn, self._seconds = fn, seconds
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._tick, name=name, daemon=True)
+        self._thread = _Thread(self._tick, name)
 
     def start(self) -> None:
         if self._thread.ident is None:
@@ -394,7 +448,7 @@ def _joined(targets: Sequence[Callable[[], Any]], stop: threading.Event, names: 
     """The stop-and-join protocol of :func:`run_in_threads` and :func:`ordered_map`: a daemon thread per target
     (``names``: theirs), started; on leaving the block, however it is left (done, an error, Ctrl-C, a generator
     closed early), ``stop`` set, then every thread that started joined (each ends its work in progress first)."""
-    threads = [threading.Thread(target=target, name=name, daemon=True) for target, name in zip(targets, names)]
+    threads = [_Thread(target, name) for target, name in zip(targets, names)]
     try:
         for thread in threads:
             thread.start()

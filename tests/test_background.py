@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from dynabatch._background import Ahead, Worker
+from dynabatch._background import Ahead, Worker, ordered_map, run_in_threads, stage_seconds, timing_stages
 
 
 def _alive(name: str) -> bool:
@@ -218,3 +218,46 @@ def test_ordered_map_runs_its_items_on_several_threads_at_once():
         return threading.current_thread().name
 
     assert set(ordered_map(meet, [0, 1, 2], threads=2, name="test-map-two")) == {"test-map-two"}
+
+
+def test_each_timed_block_counts_only_the_threads_started_from_it_at_once_in_two_threads():
+    # two runs at once in one process: each thread's block sleeps in threads of the same names, the other's at the
+    # same time; each block's stage seconds are its own threads' (the first's 0.3 s, the second's 0.03 s, a name)
+    seen, both = {}, threading.Barrier(2)
+
+    def timed(key, seconds):
+        def job():
+            with timing_stages():
+                both.wait(10)  # both blocks open at once
+                ahead = Ahead((time.sleep(seconds) or i for i in range(3)), depth=1, name="test-stage-ahead")
+                worker = Worker(name="test-stage-worker")
+                while (item := ahead.next()) is not None:
+                    worker.submit(time.sleep, seconds)
+                worker.close()
+                list(ordered_map(time.sleep, [seconds] * 3, threads=2, name="test-stage-map"))
+                both.wait(10)  # the other's threads have done all their work too
+                seen[key] = stage_seconds()
+        return job
+
+    run_in_threads([timed("slow", 0.1), timed("fast", 0.01)], threading.Event(), names=["slow", "fast"])
+    for key, low, high in [("slow", 0.28, 0.6), ("fast", 0.025, 0.25)]:
+        assert set(seen[key]) == {"test-stage-ahead", "test-stage-worker", "test-stage-map"}
+        for name, (working, _) in seen[key].items():
+            assert low <= working < high, (key, name, seen[key])
+    assert stage_seconds() == {}  # outside any block: none timed
+
+
+def test_a_thread_counts_for_the_block_that_starts_it_and_an_inner_block_for_itself():
+    ahead = Ahead(iter([1, 2]), depth=None, name="test-made-before")  # made outside: its thread starts in the block
+    with timing_stages():
+        worker = Worker(name="test-outer")
+        worker.submit(time.sleep, 0.05)
+        with timing_stages():
+            assert ahead.next() == 1
+            inner = Worker(name="test-inner")
+            inner.submit(time.sleep, 0.05)
+            inner.close()
+            assert set(stage_seconds()) == {"test-made-before", "test-inner"}
+        worker.close()  # a job of the outer block's thread, run while the inner block was open
+        ahead.close()
+        assert set(stage_seconds()) == {"test-outer"} and stage_seconds()["test-outer"][0] >= 0.04

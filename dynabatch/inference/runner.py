@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dynabatch._background import stage_seconds
+from dynabatch._background import stage_seconds, timing_stages
 from dynabatch._validation import bad_type, brief, first_few
 from dynabatch.data.collate import Batch
 from dynabatch.inference.build import Builder
@@ -134,7 +134,8 @@ def run(
                               ranks=ranks, on_oom=on_oom, on_error=on_error, output_path=output_path, key=key,
                               token_outputs=token_outputs, pad_token_id=pad_token_id, prefetch=prefetch,
                               progress=progress)
-    with _one_run_of(plan, loader):
+    # the run's own stage counter: its threads' seconds, none of another run's at the same time (the report's)
+    with _one_run_of(plan, loader), timing_stages():
         source = Source(loader, plan)  # job: one token for this job's ranks (a collective), for the store's job lock
         sink = open_sink(options.output_path, key=options.key, n=source.n_inputs,
                          ids=None if plan is None else plan.ids, gather=options.ranks != "single",

@@ -299,3 +299,52 @@ def test_the_runs_wall_holds_the_stores_last_commit(tmp_path, tokenizer, texts, 
     (worker,) = report.workers.values()
     assert report.wall_seconds >= worker["wall"] > 1.0
     assert 0.5 < report.background["store"] <= 1.0, report.background
+
+
+def test_two_runs_at_once_each_report_only_their_own_threads_stages(tokenizer, texts, monkeypatch):
+    # an eager run beside a streamed one: the streamed run's tokenizing thread works while the eager run runs (its fn
+    # waits for the streamed run to end), and only the streamed run's report holds it
+    import threading
+
+    import dynabatch.data.streaming as streaming
+    from dynabatch._background import run_in_threads
+
+    monkeypatch.setattr(streaming, "FIRST_CHUNK", 16)
+    monkeypatch.setattr(streaming, "CHUNK_SIZE", 16)
+    eager_running, streamed_done, slept = threading.Event(), threading.Event(), []
+    tokenize = streaming.TokenStream.tokenize
+
+    def slow(stream, k, **kwargs):  # the streamed run's chunks after the first: tokenized while the eager run runs
+        if k > 0:
+            assert eager_running.wait(60), "the eager run never ran"
+            time.sleep(0.05)
+            slept.append(0.05)
+        return tokenize(stream, k, **kwargs)
+
+    def waits_for_the_streamed_run(batch):
+        eager_running.set()
+        assert streamed_done.wait(60), "the streamed run never ended"
+        return _lengths(batch)
+
+    monkeypatch.setattr(streaming.TokenStream, "tokenize", slow)
+    alone = run(_lengths, _load(texts, tokenizer, progress=False), memory="off", progress=False).report.background
+    reports = {}
+
+    def streamed():
+        try:
+            reports["streamed"] = run(_lengths, _load(texts, tokenizer, stream=True, progress=False), memory="off",
+                                      progress=False).report
+        finally:
+            streamed_done.set()
+
+    def eager():
+        reports["eager"] = run(waits_for_the_streamed_run, _load(texts, tokenizer, progress=False), memory="off",
+                               progress=False).report
+
+    run_in_threads([streamed, eager], threading.Event(), names=["test-streamed", "test-eager"])
+    assert len(slept) > 2 and "tokenize" not in alone
+    assert reports["eager"].background.keys() <= alone.keys(), reports["eager"].background  # none of the other's
+    streamed_report = reports["streamed"]
+    # its own counted: every slowed chunk, but up to three (the feed's two ahead and one in progress) tokenized
+    # before its stages' clock started, if the eager run's first batch came first
+    assert streamed_report.background["tokenize"] * streamed_report.wall_seconds >= sum(slept) - 3 * 0.05
