@@ -106,7 +106,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
 from transformers.trainer_pt_utils import find_batch_size
-from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, get_last_checkpoint
+from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, get_last_checkpoint, unwrap_peft_model
 
 from dynabatch._validation import bad_type, bad_value, check_bool
 from dynabatch.data.collate import batch_shape, take_rows
@@ -115,7 +115,7 @@ from dynabatch.memory.shape import ModelShape
 from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.training._eval_batches import EvalBatchSampler, eval_lengths, in_order
 from dynabatch.training.gradients import sync_gradients
-from dynabatch.training.loss import count_items
+from dynabatch.training.loss import count_items, shifts_labels
 from dynabatch.training.step_guard import StepGuard, guarded_step
 
 __all__ = ["SAMPLER_STATE_FILE", "BatchSamplerTrainer", "BatchSamplerTrainerMixin", "Seq2SeqBatchSamplerTrainer"]
@@ -217,6 +217,11 @@ class BatchSamplerTrainerMixin:
         if eval_batches not in _EVAL_BATCHES:
             raise bad_value("eval_batches", f"one of {_EVAL_BATCHES}", eval_batches)
         super().__init__(*args, **kwargs)
+        # The Trainer counts a step's targets (num_items_in_batch) on shifted labels only for the causal LMs its
+        # loss_type names: a GPT-2's step would be divided by its targets plus its rows, a bias that varies with the
+        # rows each planned step holds.
+        self._loss_shifts_labels = bool(getattr(self, "_loss_shifts_labels", False)) or shifts_labels(
+            unwrap_peft_model(self.model))
         self.train_batch_sampler = train_batch_sampler
         self.split_on_oom = split_on_oom
         self.oom_guardian = StepGuard()

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from dynabatch._validation import check_choice
 
-__all__ = ["NORMALIZATIONS", "count_items", "per_sample_losses", "weighted_loss_sum"]
+__all__ = ["NORMALIZATIONS", "count_items", "per_sample_losses", "shifts_labels", "weighted_loss_sum"]
 
 NORMALIZATIONS = ("tokens", "samples")
 
@@ -43,6 +43,25 @@ def check_normalization(value: object) -> str:
     object, which the multi-task system's docs pass), a ``ValueError`` for another string."""
     check_choice("batch_size_normalizer", value, NORMALIZATIONS)
     return value  # type: ignore[return-value]
+
+
+def shifts_labels(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s loss shifts its labels by one (a causal LM's next-token loss), so a row's first label is
+    never a target.
+
+    True for a decoder-only class among transformers' causal LMs, and for a model whose ``loss_type`` is
+    ``ForCausalLM`` (the rule the HF ``Trainer`` itself reads). The ``Trainer``'s rule alone misses causal LMs whose
+    class name does not end in ``ForCausalLM`` (``GPT2LMHeadModel``: its ``loss_type`` is ``None``, though its loss is
+    the shifted one), and counting their unshifted labels adds a row's first token to every row: a step's loss
+    divided by its targets plus its rows, a bias that varies with the rows each planned step holds.
+    """
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False  # its decoder reads right-shifted decoder_input_ids: every label is a target
+    causal_class = type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return causal_class or LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
 
 
 def _labels_for_loss(labels: torch.Tensor, shift: bool) -> torch.Tensor:

@@ -117,6 +117,35 @@ def test_resuming_mid_epoch_replays_the_rest_of_the_plan(tokenizer, tokens, tmp_
         third.train(resume_from_checkpoint=True)
 
 
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_an_accumulated_step_of_a_gpt2_has_the_gradient_of_its_rows_in_one_batch(tokenizer, tokens, tmp_path,
+                                                                                one_thread, accumulation):
+    """The step's loss is the mean over its target tokens, as one batch of its rows gives it: a GPT-2's
+    ``loss_type`` is None, so the Trainer alone counted its unshifted labels (targets plus rows: 3.6% off here)."""
+    import copy
+
+    from transformers import TrainerCallback
+
+    class Gradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    grads = []
+    sampler = SmartBatchSampler(tokens.lengths, TokenBudget(300, 16), window_batches=2, seed=1)
+    trainer, collate = _trainer(tokenizer, tokens, tmp_path, sampler, max_steps=1, optim="sgd", max_grad_norm=0,
+                                gradient_accumulation_steps=accumulation)
+    reference = copy.deepcopy(trainer.model)
+    trainer.add_callback(Gradients())
+    trainer.train()
+    step = collate.batches[:accumulation]
+    assert len({len(b) for b in step}) == accumulation  # micro-batches of different rows
+    one_batch = collate.collate([{"input_ids": tokens.dataset[r]["input_ids"]} for b in step for r in b])
+    reference.zero_grad()
+    reference(**one_batch).loss.backward()  # the mean over the rows' target tokens
+    for name, param in reference.named_parameters():
+        assert torch.allclose(grads[0][name], param.grad, rtol=1e-4, atol=1e-7), name
+
+
 def test_refuses_a_sampler_sharded_for_another_world(tokenizer, tokens, tmp_path):
     trainer, _ = _trainer(tokenizer, tokens, tmp_path, _sampler(tokens, num_replicas=2, rank=0))
     with pytest.raises(ValueError, match="train_batch_sampler should be built with num_replicas=1 in a single"):

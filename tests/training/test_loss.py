@@ -9,6 +9,7 @@ from dynabatch.training.loss import (
     check_normalization,
     count_items,
     per_sample_losses,
+    shifts_labels,
     weighted_loss_sum,
 )
 
@@ -103,3 +104,21 @@ def test_a_normalizer_object_is_a_type_error():
     with pytest.raises(TypeError, match=r"batch_size_normalizer should be one of \('tokens', 'samples'\), but got "
                        r"batch_size_normalizer=.* of type Normalizer$"):
         check_normalization(Normalizer())
+
+
+def test_shifts_labels_for_every_causal_lm_and_no_other_model():
+    """GPT-2's loss_type is None (the HF Trainer's own rule misses it), yet its loss is the shifted one."""
+    from transformers import (BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                              LlamaForCausalLM, MarianConfig, MarianMTModel)
+
+    small = {"vocab_size": 64}
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=8, n_layer=1, n_head=2, **small))
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, **small))
+    bert = BertForSequenceClassification(BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                                    intermediate_size=16, **small))
+    marian = MarianMTModel(MarianConfig(d_model=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                                        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16,
+                                        decoder_start_token_id=0, pad_token_id=0, **small))
+    assert gpt2.loss_type is None
+    assert [shifts_labels(m) for m in (gpt2, llama, bert, marian)] == [True, True, False, False]

@@ -66,6 +66,7 @@ from dynabatch.training.loss import (
     check_normalization,
     count_items,
     per_sample_losses,
+    shifts_labels,
     weighted_loss_sum,
 )
 from dynabatch.training.step_guard import guarded_step
@@ -257,14 +258,8 @@ class DynamicBatchingTrainer(Trainer):
     def _shift(self) -> bool:
         """Causal LM labels are shifted (what HF's own loss does for these models)."""
         if self._shifts is None:
-            from transformers.models.auto.modeling_auto import (
-                MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-            )
-
             model = self.accelerator.unwrap_model(self.model)
-            causal = model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-            encoder_decoder = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
-            self._shifts = bool(getattr(self, "_loss_shifts_labels", False) or (causal and not encoder_decoder))
+            self._shifts = bool(getattr(self, "_loss_shifts_labels", False) or shifts_labels(model))
         return self._shifts
 
     def _micro_loss(self, model: torch.nn.Module, batch: dict[str, Any]):
