@@ -49,6 +49,12 @@ What the hook takes care of:
   (``dynabatch_sampler.json``) with ``batches_done`` the batches of the epoch
   *trained* (every rank's, when accelerate deals them), not those the loader
   had read ahead; resuming with other data or settings is refused.
+* **Gradient accumulation.** An optimizer step's loss is the mean over the
+  items of all its micro-batches, whatever their sizes: a loss that is its
+  micro-batch's own mean (a classifier's) is weighed by the micro-batch's items
+  over the step's (:meth:`~BatchSamplerTrainerMixin._share_of_the_step`), where
+  the ``Trainer`` alone would divide such means by the micro-batches, or sum
+  them for a model that takes ``num_items_in_batch`` and ignores it.
 * **Out of memory** (``split_on_oom=True``, the default). Every micro-batch
   runs through the one out-of-memory guard
   (:func:`~dynabatch.training.step_guard.guarded_step`): one that runs out
@@ -116,7 +122,7 @@ from dynabatch.sampling.base import PlannedBatchSampler
 from dynabatch.training._eval_batches import EvalBatchSampler, eval_lengths, in_order
 from dynabatch.training.gradients import sync_gradients
 from dynabatch.training.loss import count_items, shifts_labels
-from dynabatch.training.step_guard import StepGuard, guarded_step
+from dynabatch.training.step_guard import BATCH_WIDE_FIELDS, StepGuard, guarded_step
 
 __all__ = ["SAMPLER_STATE_FILE", "BatchSamplerTrainer", "BatchSamplerTrainerMixin", "Seq2SeqBatchSamplerTrainer"]
 
@@ -226,7 +232,8 @@ class BatchSamplerTrainerMixin:
         self.split_on_oom = split_on_oom
         self.oom_guardian = StepGuard()
         """What the out-of-memory errors of training taught (``num_out_of_memory``, the sizes that ran)."""
-        self._loss_share = 1.0  # the share of its micro-batch's loss a part of it carries (see training_step)
+        self._loss_share = 1.0  # the factor on a micro-batch's (or a part's) loss: its share of the step
+        self._window_items: int | None = None  # the items of the optimizer step's micro-batches (get_batch_samples)
         self._divides_by_count: bool | None = None  # whether the model's loss follows num_items_in_batch
         self._packing_checked = False  # whether the first training step checked a packed collator against the model
         self.eval_batches = eval_batches
@@ -370,9 +377,14 @@ class BatchSamplerTrainerMixin:
         return self._divides_by_count
 
     def _loss_follows_the_count(self, model: Any, batch: Any) -> bool:
-        """Whether the model's loss of one row halves when ``num_items_in_batch`` doubles (no gradient, eval mode)."""
-        rows = [take_rows(batch, [i], trim=False) for i in range(batch_shape(batch)[0])]
-        row = max(rows, key=self._items)  # a row with targets
+        """Whether the model's loss of one row halves when ``num_items_in_batch`` doubles (no gradient, eval mode).
+
+        A packed batch with flash-attention's batch-wide fields cannot be cut into rows: it is run whole.
+        """
+        row = batch
+        if not any(key in batch for key in BATCH_WIDE_FIELDS):
+            rows = [take_rows(batch, [i], trim=False) for i in range(batch_shape(batch)[0])]
+            row = max(rows, key=self._items)  # a row with targets
         training = model.training
         model.eval()
         try:
@@ -383,9 +395,9 @@ class BatchSamplerTrainerMixin:
         finally:
             model.train(training)
         follows = one == 0.0 or abs(one - 2 * two) <= 1e-3 * abs(one)
-        logger.info("the model's loss %s num_items_in_batch: the parts of a split micro-batch carry %s",
+        logger.info("the model's loss %s num_items_in_batch: micro-batches and their parts carry %s",
                     "divides by" if follows else "ignores",
-                    "their own losses" if follows else "their share of its mean")
+                    "their own losses" if follows else "their items' share of the step's")
         return follows
 
     def _items(self, batch: Any) -> int:
@@ -397,31 +409,67 @@ class BatchSamplerTrainerMixin:
         return count_items(labels, shift=not shifted and bool(getattr(self, "_loss_shifts_labels", False)),
                            normalization="tokens")
 
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        """The ``Trainer``'s micro-batches of one optimizer step; their items are counted for :meth:`_share_of_the_step`."""
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._window_items = sum(max(self._items(batch), 1) for batch in batch_samples) or None
+        return batch_samples, num_items_in_batch
+
+    def _trainer_divides_by_accumulation(self, num_items_in_batch: Any) -> bool:
+        """Whether the ``Trainer``'s own step divides the loss by its micro-batches (its rule, ``loss_is_scaled_for_ga``)."""
+        if self.loss_is_scaled_for_ga is not None:
+            return not self.loss_is_scaled_for_ga
+        scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
+        return not scaled
+
+    def _share_of_the_step(self, model: Any, inputs: Any, part: Any, num_items_in_batch: Any) -> float:
+        """The factor on the loss of ``part`` (a micro-batch, or a part of one split on out of memory) that makes the
+        optimizer step's gradient the mean over the items of all its micro-batches.
+
+        A loss divided by ``num_items_in_batch`` (a causal or masked LM's) needs none. A loss that is its
+        micro-batch's own mean (a classifier's, most encoder-decoders') would weigh the items of a small micro-batch
+        more than those of a large one, and planned micro-batches differ in size: each carries its items over the
+        step's (those :meth:`get_batch_samples` counted, times the micro-batches the ``Trainer`` divides by; or
+        ``num_items_in_batch``, all ranks' with ``average_tokens_across_devices``, where the ``Trainer`` takes the loss
+        for one divided by it and does not divide). Outside the ``Trainer``'s loop (no step counted) a part carries
+        its share of its micro-batch.
+        """
+        window = getattr(self, "_window_items", None)
+        if (part is inputs and (window is None or window == max(self._items(inputs), 1))
+                and self.args.world_size == 1):
+            return 1.0  # the step's only micro-batch, whole: whatever the loss, it is the step's mean
+        if self._loss_spans_the_step(model, inputs, num_items_in_batch):
+            return 1.0
+        items = self._items(part)
+        if window is None:
+            return items / max(self._items(inputs), 1)
+        if self._trainer_divides_by_accumulation(num_items_in_batch):
+            return items * self.current_gradient_accumulation_steps / window
+        return items / max(float(num_items_in_batch), 1.0)
+
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         """The ``Trainer``'s step, through the out-of-memory guard (``split_on_oom``, see the module).
 
         A part of a split micro-batch runs the ``Trainer``'s own step. Where the
         loss is a sum over the whole optimizer step's items divided by
-        ``num_items_in_batch`` (causal and masked LMs given it) the parts' losses
+        ``num_items_in_batch`` (causal and masked LMs given it) the losses
         add up as they are; where it is a mean over the micro-batch (a
-        classifier's, most encoder-decoders'), each part's loss is scaled by its
-        share of the micro-batch's items (:meth:`_loss_spans_the_step`).
+        classifier's, most encoder-decoders'), each micro-batch's or part's loss is
+        scaled by its share of the step's items (:meth:`_share_of_the_step`).
         """
         self._check_packed_attention()
-        if not self._guarding():
-            return super().training_step(model, inputs, num_items_in_batch)
-        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.args.world_size > 1
-        synced = ddp and model.require_backward_grad_sync  # the optimizer step's last micro-batch
-        whole = max(self._items(inputs), 1)
 
         def step(part: Any) -> torch.Tensor:
-            split = part is not inputs and not self._loss_spans_the_step(model, inputs, num_items_in_batch)
-            self._loss_share = self._items(part) / whole if split else 1.0
+            self._loss_share = self._share_of_the_step(model, inputs, part, num_items_in_batch)
             try:
                 return super(BatchSamplerTrainerMixin, self).training_step(model, part, num_items_in_batch)
             finally:
                 self._loss_share = 1.0
 
+        if not self._guarding():
+            return step(inputs)
+        ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel) and self.args.world_size > 1
+        synced = ddp and model.require_backward_grad_sync  # the optimizer step's last micro-batch
         params = [p for p in model.parameters() if p.requires_grad]
         with self.accelerator.no_sync(model) if ddp else contextlib.nullcontext():
             result = guarded_step(step, inputs, params, guardian=self.oom_guardian)
@@ -431,7 +479,7 @@ class BatchSamplerTrainerMixin:
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None,
                      **kwargs: Any) -> Any:
-        """The ``Trainer``'s loss; for a part of a split micro-batch, its share of the micro-batch's mean."""
+        """The ``Trainer``'s loss; in training, times its share of the step (:meth:`_share_of_the_step`)."""
         out = super().compute_loss(model, inputs, return_outputs=return_outputs,
                                    num_items_in_batch=num_items_in_batch, **kwargs)
         share = self._loss_share

@@ -146,6 +146,51 @@ def test_an_accumulated_step_of_a_gpt2_has_the_gradient_of_its_rows_in_one_batch
         assert torch.allclose(grads[0][name], param.grad, rtol=1e-4, atol=1e-7), name
 
 
+@pytest.mark.parametrize("accumulation", [2, 3])
+def test_an_accumulated_step_of_a_classifier_has_the_gradient_of_its_rows_in_one_batch(tokenizer, tmp_path, one_thread,
+                                                                                     accumulation):
+    """A classifier's loss is its micro-batch's mean, and it ignores num_items_in_batch: the Trainer summed the
+    micro-batches' means (the step's gradient 3.4x off at 2 micro-batches of 9 and 2 rows, 11.8x at 3); each
+    micro-batch now carries its rows' share of the step."""
+    import copy
+
+    from transformers import BertConfig, BertForSequenceClassification, TrainerCallback, TrainingArguments
+
+    from dynabatch.training.hf import BatchSamplerTrainer
+
+    rows = [{"text": t, "label": i % 2, "row": i} for i, t in enumerate(kjv_passages()[:40])]
+    labelled = tokenize_source(rows, tokenizer, max_length=40, keep=["label", "row"], progress=False)
+    collate, batches, grads = TrainingCollator(tokenizer), [], []
+
+    def recording(features):
+        batches.append([f["row"] for f in features])
+        return collate([{k: v for k, v in f.items() if k != "row"} for f in features])
+
+    class Gradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=64, num_labels=2,
+                                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    reference = copy.deepcopy(model)
+    args = TrainingArguments(str(tmp_path), max_steps=1, use_cpu=True, report_to=[], remove_unused_columns=False,
+                             save_strategy="no", log_level="error", seed=0, disable_tqdm=True, optim="sgd",
+                             max_grad_norm=0, gradient_accumulation_steps=accumulation)
+    sampler = SmartBatchSampler(labelled.lengths, TokenBudget(300, 16), window_batches=2, seed=1)
+    trainer = BatchSamplerTrainer(model=model, args=args, train_dataset=labelled.dataset, data_collator=recording,
+                                  train_batch_sampler=sampler, callbacks=[Gradients()])
+    trainer.train()
+    step = batches[:accumulation]
+    assert len({len(b) for b in step}) == accumulation  # micro-batches of different rows
+    one_batch = collate([{k: v for k, v in labelled.dataset[r].items() if k != "row"} for b in step for r in b])
+    reference.zero_grad()
+    reference(**one_batch).loss.backward()  # the mean over the step's rows
+    for name, param in reference.named_parameters():
+        assert torch.allclose(grads[0][name], param.grad, rtol=1e-4, atol=1e-7), name
+
+
 def test_refuses_a_sampler_sharded_for_another_world(tokenizer, tokens, tmp_path):
     trainer, _ = _trainer(tokenizer, tokens, tmp_path, _sampler(tokens, num_replicas=2, rank=0))
     with pytest.raises(ValueError, match="train_batch_sampler should be built with num_replicas=1 in a single"):
