@@ -149,6 +149,31 @@ def test_eval_loss_of_a_per_token_loss_is_the_mean_over_labelled_tokens_whatever
     assert prediction.metrics["test_loss"] == pytest.approx(mean, abs=1e-5)
 
 
+def test_eval_loss_of_a_gpt2_is_the_mean_over_its_target_tokens(tokenizer, texts, tmp_path):
+    # GPT-2's loss_type is None: the Trainer alone counted its targets unshifted (a row's first label too), so its
+    # loss was divided by targets plus rows and weighed by them: 4.2% under the mean here.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dynabatch.training.hf import BatchSamplerTrainer
+
+    tokens = tokenize_source(texts, tokenizer, max_length=64, progress=False)
+    collate = TrainingCollator(tokenizer, labels_from="input_ids")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2,
+                                           n_positions=64)).eval()
+    summed, targets = 0.0, 0
+    with torch.no_grad():
+        for row in tokens.dataset:  # each row alone: the shifted cross-entropy over its real tokens
+            labels = torch.tensor([row["input_ids"]])
+            logits = model(input_ids=labels).logits[0, :-1]
+            summed += float(torch.nn.functional.cross_entropy(logits, labels[0, 1:], reduction="sum"))
+            targets += labels.shape[1] - 1
+    trainer = BatchSamplerTrainer(model=model, args=_args(tmp_path), data_collator=collate,
+                                  train_batch_sampler=SmartBatchSampler(tokens.lengths, TokenBudget(512)))
+    assert trainer.evaluate(tokens.dataset)["eval_loss"] == pytest.approx(summed / targets, rel=1e-5)
+
+
 def test_compute_metrics_sees_each_row_loss_in_dataset_order(tokenizer, labelled, tmp_path):
     # include_for_metrics=["loss"]: one loss per row (its batch's), put back in dataset order with the predictions.
     from dynabatch.training.hf import BatchSamplerTrainer
