@@ -191,6 +191,71 @@ def test_an_accumulated_step_of_a_classifier_has_the_gradient_of_its_rows_in_one
         assert torch.allclose(grads[0][name], param.grad, rtol=1e-4, atol=1e-7), name
 
 
+_CLASSIFIER_WORKER = textwrap.dedent(
+    """
+    import copy, json, os, sys
+
+    import torch
+    from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassification, TrainerCallback,
+                              TrainingArguments)
+
+    from dynabatch import BatchSamplerTrainer, SmartBatchSampler, TokenBudget, TrainingCollator, tokenize_source
+    from dynabatch.demo import kjv_passages, minilm_path
+
+    rank, out = int(sys.argv[1]), sys.argv[2]
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    rows = [{"text": t, "label": i % 2, "row": i} for i, t in enumerate(kjv_passages()[:41])]
+    tokens = tokenize_source(rows, tokenizer, max_length=40, keep=["label", "row"], progress=False)
+    collate, batches, grads = TrainingCollator(tokenizer), [], []
+
+    def recording(features):
+        batches.append([f["row"] for f in features])
+        return collate([{k: v for k, v in f.items() if k != "row"} for f in features])
+
+    class Gradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.append({n: p.grad.tolist() for n, p in model.named_parameters() if n.startswith("classifier")})
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                                     num_attention_heads=2, intermediate_size=64, num_labels=2,
+                                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    args = TrainingArguments(out, max_steps=1, use_cpu=True, report_to=[], remove_unused_columns=False,
+                             save_strategy="no", log_level="error", seed=0, disable_tqdm=True, optim="sgd",
+                             max_grad_norm=0, gradient_accumulation_steps=2, ddp_backend="gloo")
+    sampler = SmartBatchSampler(tokens.lengths, TokenBudget(300, 16), window_batches=2, seed=1, num_replicas=2,
+                                shard=False)
+    BatchSamplerTrainer(model=model, args=args, train_dataset=tokens.dataset, data_collator=recording,
+                        train_batch_sampler=sampler, callbacks=[Gradients()]).train()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"step": batches[:2], "grads": grads[0]}, f)
+    """
+)
+
+
+@pytest.mark.slow
+def test_an_accumulated_classifier_step_on_two_ranks_has_the_gradient_of_all_their_rows_in_one_batch(
+        tokenizer, tmp_path, run_two_ranks, one_thread):
+    """Each rank's micro-batches carry their rows' share of all ranks' (average_tokens_across_devices): DDP's
+    mean is the mean over every row of the step, as one process would compute it on their union."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    reports = run_two_ranks(_CLASSIFIER_WORKER, tmp_path, timeout=300)
+    assert reports[0]["grads"] == reports[1]["grads"]
+    rows = [r for report in reports for batch in report["step"] for r in batch]
+    assert len(rows) == len(set(rows)) and len({len(b) for report in reports for b in report["step"]}) > 1
+    labelled = tokenize_source([{"text": t, "label": i % 2} for i, t in enumerate(kjv_passages()[:41])], tokenizer,
+                               max_length=40, keep=["label"], progress=False)
+    torch.manual_seed(0)
+    reference = BertForSequenceClassification(BertConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    reference(**TrainingCollator(tokenizer)([labelled.dataset[r] for r in rows])).loss.backward()
+    for name, param in reference.named_parameters():
+        if name.startswith("classifier"):
+            assert torch.allclose(torch.tensor(reports[0]["grads"][name]), param.grad, rtol=1e-4, atol=1e-7), name
+
+
 def test_refuses_a_sampler_sharded_for_another_world(tokenizer, tokens, tmp_path):
     trainer, _ = _trainer(tokenizer, tokens, tmp_path, _sampler(tokens, num_replicas=2, rank=0))
     with pytest.raises(ValueError, match="train_batch_sampler should be built with num_replicas=1 in a single"):
