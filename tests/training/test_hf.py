@@ -146,19 +146,23 @@ def test_an_accumulated_step_of_a_gpt2_has_the_gradient_of_its_rows_in_one_batch
         assert torch.allclose(grads[0][name], param.grad, rtol=1e-4, atol=1e-7), name
 
 
-@pytest.mark.parametrize("accumulation", [2, 3])
-def test_an_accumulated_step_of_a_classifier_has_the_gradient_of_its_rows_in_one_batch(tokenizer, tmp_path, one_thread,
-                                                                                     accumulation):
-    """A classifier's loss is its micro-batch's mean, and it ignores num_items_in_batch: the Trainer summed the
-    micro-batches' means (the step's gradient 3.4x off at 2 micro-batches of 9 and 2 rows, 11.8x at 3); each
-    micro-batch now carries its rows' share of the step."""
-    import copy
+def _bert_classifier(vocab_size):
+    from transformers import BertConfig, BertForSequenceClassification
 
-    from transformers import BertConfig, BertForSequenceClassification, TrainerCallback, TrainingArguments
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=64, num_labels=2,
+                                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
+def _classifier_step(tokenizer, out, accumulation, n_rows, **sharding):
+    """One optimizer step of a random-weight BERT classifier under the hook (SGD, no clipping), on planned batches
+    of KJV passages labelled i % 2: (the rows of its micro-batches, the gradients at the optimizer step, the data)."""
+    from transformers import TrainerCallback, TrainingArguments
 
     from dynabatch.training.hf import BatchSamplerTrainer
 
-    rows = [{"text": t, "label": i % 2, "row": i} for i, t in enumerate(kjv_passages()[:40])]
+    rows = [{"text": t, "label": i % 2, "row": i} for i, t in enumerate(kjv_passages()[:n_rows])]
     labelled = tokenize_source(rows, tokenizer, max_length=40, keep=["label", "row"], progress=False)
     collate, batches, grads = TrainingCollator(tokenizer), [], []
 
@@ -170,65 +174,52 @@ def test_an_accumulated_step_of_a_classifier_has_the_gradient_of_its_rows_in_one
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
 
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
-                                                     num_attention_heads=2, intermediate_size=64, num_labels=2,
-                                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
-    reference = copy.deepcopy(model)
-    args = TrainingArguments(str(tmp_path), max_steps=1, use_cpu=True, report_to=[], remove_unused_columns=False,
+    args = TrainingArguments(str(out), max_steps=1, use_cpu=True, report_to=[], remove_unused_columns=False,
                              save_strategy="no", log_level="error", seed=0, disable_tqdm=True, optim="sgd",
-                             max_grad_norm=0, gradient_accumulation_steps=accumulation)
-    sampler = SmartBatchSampler(labelled.lengths, TokenBudget(300, 16), window_batches=2, seed=1)
-    trainer = BatchSamplerTrainer(model=model, args=args, train_dataset=labelled.dataset, data_collator=recording,
-                                  train_batch_sampler=sampler, callbacks=[Gradients()])
-    trainer.train()
-    step = batches[:accumulation]
+                             max_grad_norm=0, gradient_accumulation_steps=accumulation,
+                             ddp_backend="gloo" if sharding else None)
+    sampler = SmartBatchSampler(labelled.lengths, TokenBudget(300, 16), window_batches=2, seed=1, **sharding)
+    BatchSamplerTrainer(model=_bert_classifier(len(tokenizer)), args=args, train_dataset=labelled.dataset,
+                        data_collator=recording, train_batch_sampler=sampler, callbacks=[Gradients()]).train()
+    return batches[:accumulation], grads[0], labelled
+
+
+def _gradient_of_one_batch(tokenizer, labelled, rows):
+    reference = _bert_classifier(len(tokenizer))
+    one_batch = TrainingCollator(tokenizer)([{k: v for k, v in labelled.dataset[r].items() if k != "row"}
+                                             for r in rows])
+    reference(**one_batch).loss.backward()  # the mean over the rows
+    return {name: param.grad for name, param in reference.named_parameters()}
+
+
+@pytest.mark.parametrize("accumulation", [2, 3])
+def test_an_accumulated_step_of_a_classifier_has_the_gradient_of_its_rows_in_one_batch(tokenizer, tmp_path, one_thread,
+                                                                                     accumulation):
+    """A classifier's loss is its micro-batch's mean, and it ignores num_items_in_batch: the Trainer summed the
+    micro-batches' means (the step's gradient 3.4x off at 2 micro-batches of 9 and 2 rows, 11.8x at 3); each
+    micro-batch now carries its rows' share of the step."""
+    step, grads, labelled = _classifier_step(tokenizer, tmp_path, accumulation, 40)
     assert len({len(b) for b in step}) == accumulation  # micro-batches of different rows
-    one_batch = collate([{k: v for k, v in labelled.dataset[r].items() if k != "row"} for b in step for r in b])
-    reference.zero_grad()
-    reference(**one_batch).loss.backward()  # the mean over the step's rows
-    for name, param in reference.named_parameters():
-        assert torch.allclose(grads[0][name], param.grad, rtol=1e-4, atol=1e-7), name
+    for name, grad in _gradient_of_one_batch(tokenizer, labelled, [r for b in step for r in b]).items():
+        assert torch.allclose(grads[name], grad, rtol=1e-4, atol=1e-7), name
 
 
 _CLASSIFIER_WORKER = textwrap.dedent(
     """
-    import copy, json, os, sys
+    import importlib.util, json, os, sys
 
-    import torch
-    from transformers import (AutoTokenizer, BertConfig, BertForSequenceClassification, TrainerCallback,
-                              TrainingArguments)
+    from transformers import AutoTokenizer
 
-    from dynabatch import BatchSamplerTrainer, SmartBatchSampler, TokenBudget, TrainingCollator, tokenize_source
-    from dynabatch.demo import kjv_passages, minilm_path
+    from dynabatch.demo import minilm_path
 
     rank, out = int(sys.argv[1]), sys.argv[2]
-    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
-    rows = [{"text": t, "label": i % 2, "row": i} for i, t in enumerate(kjv_passages()[:41])]
-    tokens = tokenize_source(rows, tokenizer, max_length=40, keep=["label", "row"], progress=False)
-    collate, batches, grads = TrainingCollator(tokenizer), [], []
-
-    def recording(features):
-        batches.append([f["row"] for f in features])
-        return collate([{k: v for k, v in f.items() if k != "row"} for f in features])
-
-    class Gradients(TrainerCallback):
-        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            grads.append({n: p.grad.tolist() for n, p in model.named_parameters() if n.startswith("classifier")})
-
-    torch.manual_seed(0)
-    model = BertForSequenceClassification(BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
-                                                     num_attention_heads=2, intermediate_size=64, num_labels=2,
-                                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
-    args = TrainingArguments(out, max_steps=1, use_cpu=True, report_to=[], remove_unused_columns=False,
-                             save_strategy="no", log_level="error", seed=0, disable_tqdm=True, optim="sgd",
-                             max_grad_norm=0, gradient_accumulation_steps=2, ddp_backend="gloo")
-    sampler = SmartBatchSampler(tokens.lengths, TokenBudget(300, 16), window_batches=2, seed=1, num_replicas=2,
-                                shard=False)
-    BatchSamplerTrainer(model=model, args=args, train_dataset=tokens.dataset, data_collator=recording,
-                        train_batch_sampler=sampler, callbacks=[Gradients()]).train()
+    spec = importlib.util.spec_from_file_location("hf_tests", os.path.join("tests", "training", "test_hf.py"))
+    tests = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tests)
+    step, grads, _ = tests._classifier_step(AutoTokenizer.from_pretrained(minilm_path()), out, 2, 41,
+                                            num_replicas=2, shard=False)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"step": batches[:2], "grads": grads[0]}, f)
+        json.dump({"step": step, "grads": {n: g.tolist() for n, g in grads.items() if n.startswith("classifier")}}, f)
     """
 )
 
@@ -238,22 +229,15 @@ def test_an_accumulated_classifier_step_on_two_ranks_has_the_gradient_of_all_the
         tokenizer, tmp_path, run_two_ranks, one_thread):
     """Each rank's micro-batches carry their rows' share of all ranks' (average_tokens_across_devices): DDP's
     mean is the mean over every row of the step, as one process would compute it on their union."""
-    from transformers import BertConfig, BertForSequenceClassification
-
     reports = run_two_ranks(_CLASSIFIER_WORKER, tmp_path, timeout=300)
     assert reports[0]["grads"] == reports[1]["grads"]
     rows = [r for report in reports for batch in report["step"] for r in batch]
     assert len(rows) == len(set(rows)) and len({len(b) for report in reports for b in report["step"]}) > 1
-    labelled = tokenize_source([{"text": t, "label": i % 2} for i, t in enumerate(kjv_passages()[:41])], tokenizer,
-                               max_length=40, keep=["label"], progress=False)
-    torch.manual_seed(0)
-    reference = BertForSequenceClassification(BertConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-        num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
-    reference(**TrainingCollator(tokenizer)([labelled.dataset[r] for r in rows])).loss.backward()
-    for name, param in reference.named_parameters():
+    labelled = tokenize_source([{"text": t, "label": i % 2, "row": i} for i, t in enumerate(kjv_passages()[:41])],
+                               tokenizer, max_length=40, keep=["label", "row"], progress=False)
+    for name, grad in _gradient_of_one_batch(tokenizer, labelled, rows).items():
         if name.startswith("classifier"):
-            assert torch.allclose(torch.tensor(reports[0]["grads"][name]), param.grad, rtol=1e-4, atol=1e-7), name
+            assert torch.allclose(torch.tensor(reports[0]["grads"][name]), grad, rtol=1e-4, atol=1e-7), name
 
 
 def test_refuses_a_sampler_sharded_for_another_world(tokenizer, tokens, tmp_path):
