@@ -104,7 +104,8 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
             ``SequentialSampler(ds)`` or a list); it must cover as many items as
             ``lengths``. A ``RandomSampler`` becomes a seeded permutation per
             epoch (see the module docs); any other sampler is iterated each
-            epoch (its ``set_epoch`` is called) and should be deterministic. A
+            epoch (its ``set_epoch`` is called) and must give one permutation of
+            the dataset, the same on every pass (else ``ValueError`` when built). A
             ``DistributedSampler`` over several ranks is refused: this sampler
             shares the batches among ranks itself (``num_replicas``, ``rank``).
         batch_size: Number of bins per batch.
@@ -207,6 +208,7 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
         self.len_across_ranks: int | None = None
         self._last_order: tuple[int, np.ndarray] | None = None  # the last epoch planned and the sampler's order
         self._stats_epoch: int | None = None
+        self._order(self.epoch)  # a sampler that is not a fixed permutation of the dataset is refused now
 
     # ----------------------------------------------------------------- validation
 
@@ -252,10 +254,30 @@ class MultipackBatchSampler(PlannedBatchSampler, BatchSampler):
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         order = np.fromiter((int(i) for i in sampler), dtype=np.int64)
-        if order.size and (order.min() < 0 or order.max() >= self.lengths.size):
-            bad = order[(order < 0) | (order >= self.lengths.size)][0]
-            raise bad_value("sampler", f"yielding indices in [0, {self.lengths.size})", f"index {bad}")
+        self._check_order(order)
+        # The plan is made more than once an epoch (len(), max_len(), a saved state): an order that changes between
+        # two passes gives a plan other than the one counted (a Trainer's steps per epoch) and cannot be resumed.
+        if not np.array_equal(order, np.fromiter((int(i) for i in sampler), dtype=np.int64)):
+            raise bad_value("sampler", "deterministic in an epoch (the same order every time it is iterated, as a "
+                            "list of indices, a SequentialSampler or a DistributedSampler, seeded by its epoch; a "
+                            "torch generator draws a new order each pass): for a shuffle pass a RandomSampler without "
+                            "replacement, which this sampler permutes by seed and epoch",
+                            f"<{type(sampler).__name__} that gave two orders in epoch {epoch}>")
         return order
+
+    def _check_order(self, order: np.ndarray) -> None:
+        """Refuses an order that is not a permutation of the dataset: an index out of range, missing or repeated."""
+        n = self.lengths.size
+        if order.size and (order.min() < 0 or order.max() >= n):
+            bad = order[(order < 0) | (order >= n)][0]
+            raise bad_value("sampler", f"yielding indices in [0, {n})", f"index {bad}")
+        counts = np.bincount(order, minlength=n)
+        if order.size != n or (counts != 1).any():
+            repeated, missing = np.flatnonzero(counts > 1), np.flatnonzero(counts == 0)
+            raise bad_value("sampler", f"an order of the dataset yielding each of its {n} indices once (every "
+                            "sample packed once an epoch; a sampler with replacement repeats some and leaves others "
+                            "out)", f"<{order.size} indices, {repeated.size} repeated (first {repeated[:1].tolist()}), "
+                            f"{missing.size} missing (first {missing[:1].tolist()})>")
 
     def _plan_bins(self, order: np.ndarray, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The epoch's bins: dataset indices ``items`` and each bin's ``starts`` / ``ends`` into them."""

@@ -463,3 +463,30 @@ def test_every_lengths_form_of_the_other_samplers_is_taken(tokenizer):
     with pytest.raises(ValueError, match=r"lengths\['input_ids'\]\[0\] should be a positive length, but got "
                        r"lengths\['input_ids'\]\[0\]=0"):
         packed({"input_ids": np.r_[0, plain[1:]]})
+
+
+def test_a_sampler_that_is_not_one_fixed_permutation_is_refused_when_the_sampler_is_built():
+    # Such an order packed some samples twice and others never, or (unseeded) planned other batches each time the
+    # plan was made: len() and max_len() counted one plan and iteration yielded another (117 batches against the
+    # 115 a Trainer fixed from len(), in one of 20 tries).
+    import torch
+    from torch.utils.data import SubsetRandomSampler
+
+    lengths = np.random.default_rng(0).integers(1, 60, size=40)
+    with pytest.raises(ValueError, match=r"sampler should be deterministic in an epoch \(the same order every time it "
+                                         r"is iterated.*but got sampler='<SubsetRandomSampler that gave two orders in "
+                                         r"epoch 0>'"):
+        MultipackBatchSampler(SubsetRandomSampler(range(40)), 2, 64, lengths)
+    with pytest.raises(ValueError, match=r"sampler should be an order of the dataset yielding each of its 40 indices "
+                                         r"once .*but got sampler='<40 indices, 1 repeated \(first \[3\]\), 1 missing "
+                                         r"\(first \[39\]\)>'"):
+        MultipackBatchSampler([*range(39), 3], 2, 64, lengths)
+    with pytest.raises(ValueError, match=r"sampler should be an order of the dataset yielding each of its 40 indices"):
+        MultipackBatchSampler(RandomSampler(range(40), replacement=True, generator=torch.Generator().manual_seed(1)),
+                              2, 64, lengths)
+    with pytest.raises(ValueError, match="sampler should be deterministic in an epoch"):  # a generator: new each pass
+        MultipackBatchSampler(SubsetRandomSampler(range(40), generator=torch.Generator().manual_seed(1)), 2, 64,
+                              lengths)
+    seeded = MultipackBatchSampler(DistributedSampler(range(40), num_replicas=1, rank=0, seed=3), 2, 64, lengths,
+                                   drop_last=False)
+    assert sorted(_flat(list(seeded))) == list(range(40))
