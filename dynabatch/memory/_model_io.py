@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value
+from dynabatch._validation import bad_type, bad_value, check_bool
 from dynabatch.memory.units import MB
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,13 @@ def from_dict(cls: type, data: Any) -> Any:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise bad_value("data", f"a document with format={FORMAT!r}",
                         data.get("format") if isinstance(data, dict) else data)
+    version = data.get("format_version")
+    # A document of another layout read as this one would give another model without a word (its probes' fields
+    # may mean other things); there is only version 1 so far, so any other was written by another dynabatch.
+    if type(version) is not int or version != FORMAT_VERSION:
+        raise bad_value("data", f"a document of format_version={FORMAT_VERSION}, the one this dynabatch reads "
+                        "(calibrate again with this dynabatch, or load the file with the dynabatch that wrote it)",
+                        version)
     probes = data.get("probes")
     # save() writes every probe of a fitted model, and the fit is made again from them: a document without them
     # would make an empty model, whose first predict() fails
@@ -135,9 +142,11 @@ def from_dict(cls: type, data: Any) -> Any:
     mm = cls(device=data.get("device"), model=data.get("model"), knots=data.get("knots"),
              metadata=data.get("metadata"))
     mm.versions = dict(data.get("versions") or {})
-    for p in probes:
+    for i, p in enumerate(probes):
         extra = {k: v for k, v in p.items() if k not in _PROBE_FIELDS}
-        mm._add(p["rows"], p["padded_length"], p["peak_bytes"], bool(p["out_of_memory"]),
+        # as written (true or false): bool() of a hand-edited "false" is True, a silent out-of-memory point
+        out_of_memory = check_bool(f"probes[{i}]['out_of_memory']", p["out_of_memory"])
+        mm._add(p["rows"], p["padded_length"], p["peak_bytes"], out_of_memory,
                 p.get("source", "user"), extra)
     mm._refit()
     return mm
@@ -151,7 +160,7 @@ def load(cls: type, path: str | Path, model: Any = None, device: Any = None) -> 
         raise bad_value("path", "a JSON file written by MemoryModel.save", str(path)) from exc
     try:
         mm = from_dict(cls, data)
-    except ValueError as exc:  # the document's own rule, for the file named
+    except (TypeError, ValueError) as exc:  # the document's own rule, for the file named
         raise bad_value("path", f"a JSON file written by MemoryModel.save ({exc})", str(path)) from exc
     current = library_versions()
     changed = {k: (v, current.get(k)) for k, v in mm.versions.items() if k in ("torch", "transformers")

@@ -165,17 +165,51 @@ def test_bad_input():
         MemoryModel.load("/nonexistent/mm.json")
 
 
+def saved_document(tmp_path):
+    fitted().save(tmp_path / "mm.json")
+    return json.loads((tmp_path / "mm.json").read_text())
+
+
+def refused_on_load(tmp_path, document, why):
+    """Loading ``document`` is refused with the path's message, saying ``why`` (a regular expression)."""
+    (tmp_path / "bad.json").write_text(json.dumps(document))
+    with pytest.raises(ValueError, match=rf"^path should be a JSON file written by MemoryModel.save \({why}\), "
+                                         rf"but got path='.*bad.json'$"):
+        MemoryModel.load(tmp_path / "bad.json")
+
+
 def test_a_file_without_its_probes_is_refused_when_loaded(tmp_path):
     # The fit is made again from the probes: without them the file loaded as an empty model, and its first
     # predict() said the model had no measured point, to be built with MemoryModel.load.
-    fitted().save(tmp_path / "mm.json")
-    data = json.loads((tmp_path / "mm.json").read_text())
+    data = saved_document(tmp_path)
     for probes, shown in (([], "'<0 probes>'"), (None, "None"), ([{"rows": 4}], "'<1 probes>'")):
-        (tmp_path / "bad.json").write_text(json.dumps({**data, "probes": probes}))
-        with pytest.raises(ValueError, match=rf"^path should be a JSON file written by MemoryModel.save \(data "
-                                             rf"should be a document with at least one probe, .* but got "
-                                             rf"data={shown}\), but got path='.*bad.json'$"):
-            MemoryModel.load(tmp_path / "bad.json")
+        refused_on_load(tmp_path, {**data, "probes": probes},
+                        rf"data should be a document with at least one probe, .* but got data={shown}")
+
+
+def test_a_file_of_another_format_version_is_refused_when_loaded(tmp_path):
+    # format_version was written and never read: a file of another layout (a later dynabatch's, or one without the
+    # field) loaded as version 1 and planned with whatever its fields meant there, without a word.
+    data = saved_document(tmp_path)
+    assert data["format_version"] == 1
+    rule = (r"data should be a document of format_version=1, the one this dynabatch reads \(calibrate again with "
+            r"this dynabatch, or load the file with the dynabatch that wrote it\)")
+    for version, shown in ((2, "2"), ("1", "'1'"), (True, "True")):
+        refused_on_load(tmp_path, {**data, "format_version": version}, rf"{rule}, but got data={shown}")
+    refused_on_load(tmp_path, {k: v for k, v in data.items() if k != "format_version"}, rf"{rule}, but got data=None")
+
+
+def test_a_hand_edited_probe_is_refused_naming_its_field(tmp_path):
+    # out_of_memory went through bool(): a probe edited to "false" loaded as out of memory, a failed shape capping
+    # every plan at its length and longer. A probe's rows of another type: a TypeError naming rows, not the file.
+    data = saved_document(tmp_path)
+    for field, value, rule in (("out_of_memory", "false", r"probes\[3\]\['out_of_memory'\] should be a bool"),
+                               ("rows", "16", "rows should be a positive integer")):
+        probes = [dict(p) for p in data["probes"]]
+        probes[3][field] = value
+        refused_on_load(tmp_path, {**data, "probes": probes}, rf"{rule}, but got .*'{value}' of type str")
+    with pytest.raises(TypeError, match=r"probes\[3\]\['out_of_memory'\] should be a bool"):
+        MemoryModel.from_dict({**data, "probes": probes[:3] + [{**probes[3], "rows": 16, "out_of_memory": 0}]})
 
 
 def test_describe_model():
