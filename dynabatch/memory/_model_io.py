@@ -115,8 +115,18 @@ def to_dict(mm: Any) -> dict[str, Any]:
 
 
 def save(mm: Any, path: str | Path) -> None:
-    """Writes :func:`to_dict` as JSON."""
-    Path(path).write_text(json.dumps(to_dict(mm), indent=1) + "\n", encoding="utf-8")
+    """Writes :func:`to_dict` as JSON, whole or not at all.
+
+    The document goes to a file beside ``path`` renamed over it once written: a save interrupted (Ctrl-C, a kill, a
+    full disk) leaves the file as it was, where writing in place had emptied the last good calibration first.
+    """
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        partial.write_text(json.dumps(to_dict(mm), indent=1) + "\n", encoding="utf-8")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)  # written and renamed: gone already
 
 
 def from_dict(cls: type, data: Any) -> Any:

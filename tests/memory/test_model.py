@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +16,8 @@ import torch
 
 from dynabatch import MemoryModel
 from dynabatch.memory.model import describe_model
+
+REPO = Path(__file__).resolve().parents[2]
 
 GRID = [(r, L) for L in (4, 8, 16, 32, 64, 128, 256) for r in (16, 48)]
 
@@ -210,6 +216,33 @@ def test_a_hand_edited_probe_is_refused_naming_its_field(tmp_path):
         refused_on_load(tmp_path, {**data, "probes": probes}, rf"{rule}, but got .*'{value}' of type str")
     with pytest.raises(TypeError, match=r"probes\[3\]\['out_of_memory'\] should be a bool"):
         MemoryModel.from_dict({**data, "probes": probes[:3] + [{**probes[3], "rows": 16, "out_of_memory": 0}]})
+
+
+def test_a_save_cut_short_leaves_the_file_it_replaces_whole(tmp_path):
+    # save() wrote in place: a save cut short (here the file size limit, as a full disk or a kill mid-write) emptied
+    # the last good calibration first and left half a document. A process of its own: the limit is per process.
+    fitted().save(tmp_path / "mm.json")
+    before = (tmp_path / "mm.json").read_text()
+    bigger = fitted(metadata={"note": "x" * 2 * len(before)})
+    (tmp_path / "bigger.json").write_text(json.dumps(bigger.to_dict()))
+    script = f"""
+import resource, signal
+from dynabatch import MemoryModel
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
+bigger = MemoryModel.load({str(tmp_path / "bigger.json")!r})
+resource.setrlimit(resource.RLIMIT_FSIZE, ({len(before) + 100}, resource.RLIM_INFINITY))
+try:
+    bigger.save({str(tmp_path / "mm.json")!r})
+except OSError as exc:
+    print("cut short:", exc.errno)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0 and "cut short: 27" in done.stdout, done.stderr[-2000:]  # 27: EFBIG
+    assert (tmp_path / "mm.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bigger.json", "mm.json"]  # no temporary file left
+    bigger.save(tmp_path / "mm.json")
+    assert MemoryModel.load(tmp_path / "mm.json").metadata == bigger.metadata
 
 
 def test_describe_model():
