@@ -53,19 +53,31 @@ def vocabulary_texts(tokenizer: Any, n_tokens: int, rng: np.random.Generator) ->
 
 def long_texts(texts: list[str], tokenizer: Any, length: int, rng: np.random.Generator,
                 tokenizer_kwargs: dict[str, Any]) -> list[str]:
-    """A pool of texts each reaching ``length`` tokens, joining consecutive user texts where needed."""
+    """A pool of texts each reaching ``length`` tokens, joining consecutive user texts (round again as often as needed).
+
+    Raises:
+        ValueError: the texts hold too few tokens to reach ``length`` at all (only empty or blank ones, say).
+    """
     pool = []
-    starts = rng.integers(0, len(texts), size=POOL)
-    for start in starts.tolist():
-        parts, i = [], start
-        while len(parts) < 4 * len(texts):
-            parts.append(texts[i % len(texts)])
-            i += 1
-            if len(parts) % 8 == 0 or len(parts) == len(texts):
-                joined = " ".join(parts)
-                if tokenize_texts([joined], tokenizer, length, progress=False, **tokenizer_kwargs).lengths[0] >= length:
-                    break
-        pool.append(" ".join(parts))
+    # Texts of a word or two reach a long length only after many rounds; a text adds a token at least unless it is
+    # blank, so past this many parts the texts cannot reach it. Checked at doublings: a few tokenizations per text.
+    most_parts = 4 * len(texts) + 2 * length
+    for start in rng.integers(0, len(texts), size=POOL).tolist():
+        parts, check_at = [], 1
+        while True:
+            parts.append(texts[(start + len(parts)) % len(texts)])
+            if len(parts) < min(check_at, most_parts):
+                continue
+            joined = " ".join(parts)
+            reached = tokenize_texts([joined], tokenizer, length, progress=False, **tokenizer_kwargs).lengths[0]
+            if reached >= length:
+                break
+            if len(parts) >= most_parts:
+                raise bad_value("texts", f"texts that, joined, reach max_input_token_length={length} tokens (the "
+                                f"longest probe; {len(parts)} of them joined made {reached}): give longer texts, or "
+                                "texts=None to draw token ids from the vocabulary", f"<{len(texts)} texts>")
+            check_at *= 2
+        pool.append(joined)
     return pool
 
 

@@ -45,7 +45,9 @@ to within the 512-byte blocks of the tracker (high rather than low).
 
 A warm-up call (not measured) runs first. Token ids are drawn with a local,
 seeded generator from the tokenizer's vocabulary (special tokens excluded), or
-come from your own ``texts`` when given (joined to reach the longest length).
+come from your own ``texts`` when given (joined, round again as often as
+needed, to reach the longest length; texts too bare to reach it, blank
+ones, are refused).
 
 Example:
     >>> import torch

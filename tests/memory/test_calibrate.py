@@ -73,6 +73,27 @@ def test_probes_look_like_loader_batches(tokenizer):
     assert widths[0] == 4 and widths[-1] == 32
 
 
+def test_short_texts_are_joined_to_the_longest_probe(tokenizer):
+    # Texts were joined 4 rounds at most: one text of two words made probes of 10 tokens at most for a
+    # max_input_token_length of 64, and the model fitted there warned only when the loader's batches of 64 tokens
+    # came, saying to calibrate with a larger max_input_token_length (it was 64 already).
+    calls = []
+
+    def work(batch):
+        calls.append(batch["input_ids"].shape)
+        return known_work(batch)
+
+    mm = calibrate(work, tokenizer, batch_size=4, max_input_token_length=64, texts=["hello world"], progress=False)
+    assert mm.measured_length_ == 64 and {p["padded_length"] for p in mm.probes_} >= set(probe_lengths(64))
+    calls.clear()
+    with pytest.raises(ValueError, match=r"^texts should be texts that, joined, reach max_input_token_length=64 "
+                                         r"tokens \(the longest probe; 136 of them joined made 2\): give longer "
+                                         r"texts, or texts=None to draw token ids from the vocabulary, but got "
+                                         r"texts='<2 texts>'$"):
+        calibrate(work, tokenizer, batch_size=4, max_input_token_length=64, texts=["", "  "], progress=False)
+    assert calls == []  # refused before any probe
+
+
 def test_out_of_memory_probes_are_data_not_a_crash(tokenizer):
     limit = known_peak(8, 64) + 512  # the (8 rows, 128 tokens) probe cannot fit: a smaller simulated device
     mm = calibrate(known_work, tokenizer, batch_size=8, max_input_token_length=128, limit_bytes=limit,
