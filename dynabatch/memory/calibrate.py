@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import time
 from collections.abc import Callable
 from itertools import pairwise
@@ -76,9 +77,16 @@ from typing import Any
 import numpy as np
 
 from dynabatch._background import progress_bar
-from dynabatch._validation import bad_type, bad_value, check_non_negative_int, check_positive_int
+from dynabatch._validation import (
+    bad_type,
+    bad_value,
+    check_bool,
+    check_non_negative_int,
+    check_positive_int,
+    check_positive_number,
+)
 from dynabatch.data.collate import Batch
-from dynabatch.data.tokenization import validate_texts
+from dynabatch.data.tokenization import check_tokenizer_kwargs, validate_texts
 from dynabatch.memory._calibrate_checks import (
     check_model_max_length,
     check_positions,
@@ -89,7 +97,7 @@ from dynabatch.memory._calibrate_checks import (
     probe_lengths,
 )
 from dynabatch.memory._probes import Prober, long_texts, vocabulary_texts
-from dynabatch.memory.budget import MemoryBudget
+from dynabatch.memory.budget import MemoryBudget, check_memory_margin
 from dynabatch.memory.measure import check_device
 from dynabatch.memory.model import MemoryModel
 
@@ -187,15 +195,11 @@ def calibrate(
     if max_new_tokens is not None:
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
     max_probes = check_positive_int("max_probes", max_probes)
-    if isinstance(memory_margin, bool) or not isinstance(memory_margin, (int, float)) or not 0 <= memory_margin < 1:
-        raise bad_value("memory_margin", "a number in [0, 1)", memory_margin)
-    # finite too: the budget the probes aim at is parsed as a max_memory, which refuses an infinite one only after
-    # the base probes have run
-    if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float))
-                                     or not (budget_bytes > 0 and math.isfinite(budget_bytes))):
-        raise bad_value("budget_bytes", "None or a finite positive number of bytes", budget_bytes)
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance > 0:
-        raise bad_value("tolerance", "a positive number", tolerance)
+    memory_margin = check_memory_margin(memory_margin)
+    if budget_bytes is not None:
+        budget_bytes = _check_budget_bytes(budget_bytes)
+    tolerance = check_positive_number("tolerance", tolerance)
+    check_bool("progress", progress)  # as the loader checks it: a truthy "no" would show the bar
     if limit_bytes is not None:
         limit_bytes = check_positive_int("limit_bytes", limit_bytes)
     # numpy's generator would refuse it only at its first draw, without naming seed ("expected non-negative integer")
@@ -210,7 +214,11 @@ def calibrate(
     memory_device = measure_device(measure_memory, device, model)
     if limit_bytes is not None and memory_device.type != "cpu":
         raise bad_value("limit_bytes", "None when measuring a CUDA device (its own memory is the limit)", limit_bytes)
+    if tokenizer_kwargs is not None and not isinstance(tokenizer_kwargs, dict):
+        raise bad_type("tokenizer_kwargs", "None or a dict of the tokenizer's keywords, as given to the loader",
+                       tokenizer_kwargs)
     tokenizer_kwargs = dict(tokenizer_kwargs or {})
+    check_tokenizer_kwargs(tokenizer, tokenizer_kwargs, calibrate)  # a misspelt one vanished into the tokenizer call
     user_texts = None if texts is None else validate_texts(texts)
     hooked = hookable(model)
     if max_new_tokens is not None and hooked is None:
@@ -252,6 +260,17 @@ def calibrate(
     logger.info("calibrated on %d probes in %.1f s; leave-one-out error %.1f%%", prober.run_,
                 mm.metadata["seconds"], 100 * mm.loo_error_)
     return mm
+
+
+def _check_budget_bytes(budget_bytes: Any) -> float:
+    # finite too: the budget the probes aim at is parsed as a max_memory, which refuses an infinite one only after
+    # the base probes have run
+    rule = "None or a finite positive number of bytes"
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Real):
+        raise bad_type("budget_bytes", rule, budget_bytes)
+    if not (budget_bytes > 0 and math.isfinite(budget_bytes)):
+        raise bad_value("budget_bytes", rule, budget_bytes)
+    return float(budget_bytes)
 
 
 def _grow(prober: Prober, mm: MemoryModel, grid: list[int], batch_size: int, memory_margin: float,

@@ -308,6 +308,22 @@ def test_bad_inputs_fail_before_any_probe(tokenizer, tiny_gpt2, monkeypatch):
         (TypeError, r"texts should be a list of str .*; of a mapping, pass its texts "
                     r"\(e.g. list\(texts.values\(\)\)\), but got texts=<dict of 2000 items: .*> of type dict",
          dict(texts={f"t{i}": "word " * 80 for i in range(2000)})),
+        # A wrong type was a ValueError, a numpy float32 tolerance refused, a truthy progress="no" showed the bar,
+        # tokenizer_kwargs other than a dict failed in dict(), and a misspelt tokenizer keyword vanished into the
+        # tokenizer call (the loader refuses it, so the probes were not tokenized as its batches)
+        (TypeError, r"memory_margin should be a number in \[0, 1\), but got memory_margin='0.1' of type str",
+         dict(memory_margin="0.1")),
+        (TypeError, r"budget_bytes should be None or a finite positive number of bytes, but got budget_bytes='1GB' "
+                    r"of type str", dict(budget_bytes="1GB")),
+        (TypeError, r"tolerance should be a positive number, but got tolerance='0.1' of type str",
+         dict(tolerance="0.1")),
+        (ValueError, r"tolerance should be a positive number, but got tolerance=np.float32\(0.0\)",
+         dict(tolerance=np.float32(0))),
+        (TypeError, r"progress should be a bool, but got progress='no' of type str", dict(progress="no")),
+        (TypeError, r"tokenizer_kwargs should be None or a dict of the tokenizer's keywords, as given to the loader, "
+                    r"but got tokenizer_kwargs='x' of type str", dict(tokenizer_kwargs="x")),
+        (TypeError, r"calibrate\(\) got an unexpected keyword argument 'add_special_token' \(did you mean "
+                    r"'add_special_tokens'\?\)", dict(tokenizer_kwargs={"add_special_token": False})),
     ]
     for error, match, changes in cases:
         arguments = {**kwargs, **changes}
@@ -321,6 +337,7 @@ def test_bad_inputs_fail_before_any_probe(tokenizer, tiny_gpt2, monkeypatch):
                                              rf"is False.*, but got {name}='cuda:0'"):
             calibrate(work, tokenizer, **{name: "cuda:0"}, **kwargs)
     assert calls == []  # work never ran
+    calibrate(known_work, tokenizer, tolerance=np.float32(0.5), **kwargs)  # a numpy float is a number
 
 
 _NO_BAR = """
