@@ -42,9 +42,12 @@ def library_versions() -> dict[str, str]:
 
 
 def describe_model(model: Any) -> dict[str, Any] | None:
-    """What identifies a model in a saved memory model: name, class, parameter count and dtype.
+    """What identifies a model in a saved memory model: name, class, parameter count, dtype and attention.
 
-    ``model`` is a torch module (a ``transformers`` model), a name, or ``None``.
+    ``model`` is a torch module (a ``transformers`` model), a name, or ``None``. ``attention`` is a
+    ``transformers`` config's attention implementation (``"sdpa"``, ``"eager"``, ``"flash_attention_2"``): one
+    model's peaks differ by it (eager attention holds every row's ``length x length`` scores), so it is recorded
+    where the config says it.
 
     Example:
         >>> import torch
@@ -62,12 +65,16 @@ def describe_model(model: Any) -> dict[str, Any] | None:
         raise bad_type("model", "a torch module (e.g. a transformers model), a name, or None", model)
     config = getattr(model, "config", None)
     name = getattr(config, "_name_or_path", "") or type(model).__name__
-    return {
+    described = {
         "name": str(name),
         "class": type(model).__name__,
         "parameters": int(sum(p.numel() for p in params)),
         "dtype": str(params[0].dtype) if params else None,
     }
+    attention = getattr(config, "_attn_implementation", None)
+    if isinstance(attention, str):
+        described["attention"] = attention
+    return described
 
 
 def report(mm: Any) -> str:
@@ -209,7 +216,7 @@ def check(mm: Any, model: Any = None, device: Any = None, stacklevel: int = 3) -
                             f"on ({mm.device!r}); its peaks may not hold there: calibrate on this device")
     if model is not None and mm.model_info is not None:
         given = describe_model(model)
-        differ = [k for k in ("class", "parameters", "dtype")
+        differ = [k for k in ("class", "parameters", "dtype", "attention")  # a file without one compares the rest
                   if k in given and k in mm.model_info and given[k] != mm.model_info[k]]
         if "name" in given and "name" in mm.model_info and not same_name(given["name"], mm.model_info["name"]):
             differ.insert(0, "name")

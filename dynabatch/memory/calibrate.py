@@ -156,7 +156,7 @@ def calibrate(
             ids from the tokenizer's vocabulary.
         device: where to move each probe batch before ``work`` (not measured).
         model: the model ``work`` runs, recorded in the saved file (name,
-            class, parameters, dtype) so that loading it for another model
+            class, parameters, dtype, attention) so that loading it for another model
             warns; its config's positions are checked, and its forward calls
             are the decoding steps counted for ``max_new_tokens``.
         lengths: the base probe lengths; ``None`` for :func:`probe_lengths`.
