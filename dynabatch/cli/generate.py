@@ -23,7 +23,8 @@ are one job), so the same command again generates only the prompts not stored.
 
 Sampled replies (``--sample``) are drawn from a generator seeded by ``--seed`` (0 unless given; refused without ``--sample``);
 they depend on which prompts share a batch, as with any batched sampling, so
-a resumed run's new replies are not those an uninterrupted run would draw.
+a resumed run's new replies are not those an uninterrupted run would draw, and on Ray (``--ray``) two runs of one
+job draw differently (an actor's batches depend on the windows it ran before).
 
 It runs on one device (the first GPU, else the CPU; ``--devices`` names
 another), or under ``torchrun`` one rank per GPU.
