@@ -50,8 +50,10 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -241,6 +243,7 @@ def _connect(address: str) -> bool:
     if ray.is_initialized():
         return False
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
+    command_sigterm = signal.getsignal(signal.SIGTERM)
     try:
         _answers(address if address != "auto" else os.environ.get("RAY_ADDRESS", "auto"))  # auto reads RAY_ADDRESS
         if address != "auto":
@@ -255,6 +258,11 @@ def _connect(address: str) -> bool:
         env = f" (RAY_ADDRESS={os.environ['RAY_ADDRESS']!r})" if address == "auto" and "RAY_ADDRESS" in os.environ else ""
         raise ValueError(f"--ray should be auto or the address of a running Ray cluster, but got --ray={address!r}"
                          f"{env}: {type(exc).__name__}: {text[0] if text else ''}") from exc
+    finally:
+        # ray.init sets its own SIGTERM handler (sys.exit(15)), which ended the job with no line and exit status 15:
+        # the command's is put back, so that SIGTERM stops a job on Ray as on one machine (what the store kept, 143).
+        if command_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, command_sigterm)
     return True
 
 

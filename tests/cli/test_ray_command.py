@@ -455,6 +455,36 @@ def test_generate_on_ray_stores_the_same_replies_and_its_store_resumes_on_one_ma
     assert _replies(tmp_path / "ids", "id") == want
 
 
+
+
+@on_cluster
+def test_a_job_on_ray_sigtermed_stops_as_on_one_machine_saying_what_the_store_kept(cluster, bert_dir, texts, tmp_path):
+    """SIGTERM (a scheduler's stop) stops a --ray job as it stops one machine's: one line of what the store kept, exit
+    status 143. ray.init set its own SIGTERM handler (sys.exit(15)) over the command's: the job ended with exit status
+    15 (-6 on a local Ray) and no line (found by a probe SIGTERMing the driver on a local 2-CPU cluster)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    address, env, die = cluster
+    pq.write_table(pa.table({"id": [f"doc-{i}" for i in range(8)], "text": texts[:8]}), tmp_path / "corpus.parquet")
+    store = tmp_path / "store"
+    die.with_name("die.slow").write_text("")  # the job's one actor takes 10 minutes to start: the driver waits on it
+    driver = subprocess.Popen(_command(tmp_path / "corpus.parquet", store, bert_dir, address), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not die.with_name("die.slow.claimed").exists() and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        driver.send_signal(signal.SIGTERM)
+        _, err = driver.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(driver.pid, signal.SIGKILL)
+        with contextlib.suppress(FileNotFoundError):
+            die.with_name("die.slow.claimed").unlink()
+    assert driver.returncode == 143, err[-3000:]
+    assert f"embed: stopped (SIGTERM): 0 of 8 texts stored in {store}; the same command resumes" in err, err[-3000:]
+
 def _command(corpus, store, model, address):
     return [sys.executable, "-m", "dynabatch", "embed", str(corpus), str(store), "--model", str(model),
             "--id-column", "id", "--batch-size", "4", "--no-progress", "--ray", address]
