@@ -393,10 +393,11 @@ class Sums(DynamicBatchPredictor):
 
 
 class PoisonedSums(Sums):
-    """Sums on a simulated device where any batch holding ``poison`` runs out of memory, even alone."""
+    """Sums on a simulated device where any batch holding ``poison`` runs out of memory, even alone (or raises
+    ``RuntimeError(error)``, where ``error`` is given: a model failing on that input)."""
 
-    def __init__(self, *, poison, **kwargs):
-        self.poison = poison
+    def __init__(self, *, poison, error=None, **kwargs):
+        self.poison, self.error = poison, error
         super().__init__(**kwargs)
 
     def setup(self):
@@ -404,7 +405,7 @@ class PoisonedSums(Sums):
 
         def fn(batch):
             if self.poison in batch.texts:
-                raise torch.OutOfMemoryError(OOM)
+                raise torch.OutOfMemoryError(OOM) if self.error is None else RuntimeError(self.error)
             return sums(batch)
 
         return tokenizer, fn
@@ -479,6 +480,21 @@ def test_a_row_without_a_result_is_not_stored_and_a_rerun_tries_it_again(held_ou
     with pytest.raises(BatchOutOfMemoryError, match="row 7 of this window ran out of memory on its own .*pass "
                                                     "on_oom='skip' to leave it unstored"):
         PoisonedSums(**options)(window)  # the rerun runs row 7 alone: it fails again, named by its window row
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_row_fn_raises_on_is_named_by_its_id_and_window_row_not_as_another_input(held_out, tmp_path):
+    # run's note named the row by its place among the texts the window ran ("input position 2", no id): on the
+    # command line, `dynabatch embed --ray` blamed input position 2 for the row of id kjv-00050 (found by a probe)
+    ids = np.array([f"doc-{i}" for i in range(10)], dtype=object)
+    window = {"id": ids, "text": np.array(held_out[:10], dtype=object)}
+    options = {"batch_size": 4, "max_input_token_length": MAX_LEN, "learn_memory": False, "output_path": tmp_path,
+               "key": "sums"}
+    Sums(**options)({"id": ids[:5], "text": window["text"][:5]})  # rows 0-4 held: row 7 is the third row it runs
+    with pytest.raises(RuntimeError, match="cannot process this input") as raised:
+        PoisonedSums(poison=held_out[7], error="cannot process this input", **options)(window)
+    note = " ".join(raised.value.__notes__)
+    assert "raised on window row 7 (id doc-7), alone" in note and "input position" not in note, note
 
 
 def test_to_column_stacks_equal_shapes_and_keeps_the_rest_as_objects():

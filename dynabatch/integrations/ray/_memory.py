@@ -89,8 +89,10 @@ class WindowMemory:
         return tokenize_texts(texts, self.tokenizer, self.max_input_token_length, progress=False,
                               **self._tokenizer_kwargs())
 
-    def _loader(self, texts: list[str], plan: str) -> Any:
+    def _loader(self, texts: list[str], plan: str, ids: Any = None) -> Any:
         options = dict(self.loader_kwargs)
+        if ids is not None:  # the rows' own ids, which run's errors name beside each row
+            options["ids"] = ids
         if plan != "relative":
             options["memory_model"] = self.memory_model
         if plan == "measured":
@@ -114,14 +116,15 @@ class WindowMemory:
             return "measured"
         return "model-relative"
 
-    def _plan(self, texts: list[str]) -> tuple[Any, str, int]:
-        """The window's loader, how it was planned, and its longest padded length."""
+    def _plan(self, texts: list[str], ids: Any = None) -> tuple[Any, str, int]:
+        """The window's loader (of ``texts``, with their ``ids``, or none), how it was planned, and its longest padded
+        length."""
         plan = self._first_plan()
         try:
-            loader = self._loader(texts, plan)
+            loader = self._loader(texts, plan, ids)
         except BudgetTooSmallError:  # the reference bytes hold no row of this window's longest text: planned anew
             loader = None
-        probe = loader if loader is not None else self._loader(texts, "relative")
+        probe = loader if loader is not None else self._loader(texts, "relative", ids)
         first = next(iter(probe), None)  # longest first: the window's longest text
         if first is None:  # every text of the window a bad input, skipped: no batch to run, nothing to learn
             return probe, plan, 0
@@ -136,7 +139,7 @@ class WindowMemory:
         logger.info("window's longest text pads to %d tokens, beyond what was measured (model up to %d, reference "
                     "batch %s): planned %s to its own first batch", width, territory, self.reference_width, replan)
         self.replans += 1
-        return (probe if replan == "relative" else self._loader(texts, replan)), replan, width
+        return (probe if replan == "relative" else self._loader(texts, replan, ids)), replan, width
 
     # -- memory knowledge --------------------------------------------------------
     def _learn(self, report: RunReport, plan: str, width: int) -> None:

@@ -6,6 +6,7 @@ import inspect
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -362,7 +363,7 @@ class DynamicBatchPredictor(WindowMemory):
         failed: list[int] = []
         report = RunReport()
         if todo.size:
-            result, tokenized = self._run_window([texts[i] for i in todo], todo)
+            result, tokenized = self._run_window([texts[i] for i in todo], todo, ids.take(todo))
             failed, report = result.failed, result.report
             self.store.write(ids.take(todo), list(result), result.failures, tokenized)
         summary: dict[str, list[Any]] = dict(zip(SUMMARY, ([len(texts)], [int(held.sum())], [int(todo.size)],
@@ -389,10 +390,10 @@ class DynamicBatchPredictor(WindowMemory):
             options["memory"] = "measured" if plan == "relative" else "record"
         return options
 
-    def _run_window(self, texts: list[str], rows: np.ndarray | None = None) -> tuple[RunResult, Any]:
-        """The results of ``texts`` (the window's rows ``rows``; ``None``: all of them), and their token store (as
-        the loader tokenized them)."""
-        loader, plan, width = self._plan(texts)
+    def _run_window(self, texts: list[str], rows: np.ndarray | None = None, ids: Any = None) -> tuple[RunResult, Any]:
+        """The results of ``texts`` (the window's rows ``rows``; ``None``: all of them; their ids ``ids``, or none),
+        and their token store (as the loader tokenized them)."""
+        loader, plan, width = self._plan(texts, ids)
         with self._grad_mode():
             try:
                 result = run(self.fn, loader, **self._run_options(plan))
@@ -404,11 +405,34 @@ class DynamicBatchPredictor(WindowMemory):
                 raise BatchOutOfMemoryError(
                     f"row {row} of this window ran out of memory on its own (text {text[:80]!r}); pass "
                     f"on_oom='skip' to {instead} instead", position=row) from exc
+            except Exception as exc:
+                _as_window_rows(exc, rows)
+                raise
         self.windows += 1
         if self._learning:
             self._learn(result.report, plan, width)
         self.window_done(result.report, plan)
         return result, plan_of(loader).collator.tokenized
+
+
+# run's note names rows by input position: "input position 2", "input positions 2, 5, 9, ...".
+_INPUT_POSITIONS = re.compile(r"input position(s?) (\d+(?:, \d+)*)")
+
+
+def _as_window_rows(error: BaseException, rows: np.ndarray | None) -> None:
+    """``run``'s note on ``error`` names rows by their input positions, which here are their places among the texts
+    the window ran (``rows``: their rows of the window; ``None``: all of them, in order): named as the window's rows
+    instead (Ray's rows carry no place in the job's input; the note names their ids where the window has them), so
+    that no other input is blamed."""
+
+    def window_rows(match: re.Match) -> str:
+        places = [int(p) for p in match.group(2).split(", ")]
+        return f"window row{match.group(1)} " + ", ".join(str(int(rows[p]) if rows is not None else p) for p in places)
+
+    notes = getattr(error, "__notes__", None)
+    if notes:
+        error.__notes__ = [_INPUT_POSITIONS.sub(window_rows, note) if note.startswith("dynabatch.run:") else note
+                           for note in notes]
 
 
 def check_constructor(cls: type, kwargs: Mapping[str, Any], caller: str) -> None:
