@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int, did_you_mean
+from dynabatch._validation import bad_type, bad_value, check_bool, check_positive_int, did_you_mean, first_few
 from dynabatch.data.token_ids import are_token_ids
-from dynabatch.data.tokenization import check_tokenizer, model_max_length
+from dynabatch.data.tokenization import check_tokenizer, model_max_length, tokenize_texts
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.results import RunResult, StoredRunResult
@@ -515,6 +515,43 @@ def _footprint(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], new_
     return Footprint.from_model(model, max_new_tokens=max_new_tokens, step_bytes=step_bytes, **settings)
 
 
+def _noting_full_rows(fn: Callable[[Any], PerRow], limit: int, full: set[int]) -> Callable[[Any], PerRow]:
+    """``fn``, noting in ``full`` the input positions of its batch's rows of ``limit`` tokens: the only prompts the
+    loader may have truncated (a batch narrower than the limit holds none, and costs no look at its mask)."""
+    def noted(batch: Any) -> PerRow:
+        indices = getattr(batch, "indices", None)
+        if indices is not None and batch["input_ids"].shape[1] >= limit:
+            at_limit = (batch["attention_mask"].sum(dim=1) == limit).cpu()
+            full.update(indices[at_limit].tolist())
+        return fn(batch)
+
+    return noted
+
+
+def _truncated(prompts: Sequence[Any], texts: Sequence[Any], kind: str, tokenizer: Any, limit: int,
+               full: set[int]) -> list[int]:
+    """The positions among ``full`` (prompts of ``limit`` tokens as the loader stored them) of the prompts that were
+    longer, in order: pre-tokenized ids by their length, texts tokenized again as the loader tokenized them, to
+    ``limit + 1`` tokens (a text of more than ``limit`` keeps ``limit + 1``)."""
+    positions = sorted(full)
+    if kind == "ids" or not positions:
+        return [p for p in positions if len(prompts[p]) > limit]
+    kwargs = RENDERED_CHAT_TOKENIZER_KWARGS if kind == "chat" else {}
+    lengths = tokenize_texts([texts[p] for p in positions], tokenizer, limit + 1, progress=False, tokenize_cores=1,
+                             texts_name="prompts", **kwargs).lengths
+    return [p for p, length in zip(positions, lengths.tolist()) if length > limit]
+
+
+def _warn_truncated(positions: list[int], limit: int, side: str) -> None:
+    """One warning naming the prompts truncated to ``limit`` tokens on ``side``, and what keeps them whole."""
+    lost = ("their ends (a chat's generation prompt with them: its reply continues the cut text)" if side == "right"
+            else "their beginnings")
+    logger.warning("%d prompts (prompts[%s]) were longer than max_input_token_length=%d tokens and were truncated on "
+                   "the tokenizer's truncation_side=%r, losing %s; set tokenizer.truncation_side='left' to keep their "
+                   "ends, give a larger max_input_token_length, or leave them out", len(positions),
+                   first_few(positions), limit, side, lost)
+
+
 def _check_model(model: Any) -> bool:
     """Whether ``model`` is an encoder-decoder; refuses an object without ``generate``."""
     if not callable(getattr(model, "generate", None)):
@@ -562,7 +599,8 @@ def generate(
             ``device`` as the call starts: ``"auto"`` (90% of a GPU's free memory, the relative rule on the CPU),
             ``"80%"``, ``"20GB"``, ``"20GiB"`` or bytes; ``None``: the relative rule.
         max_input_token_length: prompts are truncated to it (on the tokenizer's ``truncation_side``: the right
-            cuts a chat's generation prompt); ``None``: the smaller of the model's positions (less
+            cuts a chat's generation prompt), with one warning naming them, counted in
+            ``.report.truncated_inputs``; ``None``: the smaller of the model's positions (less
             ``max_new_tokens``, 20 unset, on a decoder-only model) and the tokenizer's ``model_max_length``.
         chat_template_kwargs: more arguments of ``apply_chat_template`` (e.g. ``{"enable_thinking": False}``), for
             chat prompts (refused with strings or ids, which no template renders).
@@ -619,6 +657,13 @@ def generate(
     loader = build_dynamic_batch_dataloader(texts, padder, batch_size, max_input_token_length, num_workers=0,
                                             progress=progress, ids=ids, on_bad_input=on_bad_input,
                                             texts_name="prompts", **budget, **options)
+    full: set[int] = set()
     with torch.inference_mode():
-        return run(fn, loader, device=device, output_path=output_path, key=key, on_oom=on_oom, on_error=on_error,
-                   memory=memory, progress=progress)
+        result = run(_noting_full_rows(fn, max_input_token_length, full), loader, device=device,
+                     output_path=output_path, key=key, on_oom=on_oom, on_error=on_error, memory=memory,
+                     progress=progress)
+    truncated = _truncated(prompts, texts, kind, padder, max_input_token_length, full)
+    if truncated:
+        _warn_truncated(truncated, max_input_token_length, getattr(padder, "truncation_side", "right"))
+    result.report.truncated_inputs = len(truncated)
+    return result

@@ -100,6 +100,8 @@ class RunReport:
         budget_bytes: the first batch's peak bytes, the budget later batches are measured against (``None``: not
             measured).
         skipped_inputs: inputs the loader skipped as bad (``on_bad_input="skip"``).
+        truncated_inputs: inputs that ran cut to the loader's ``max_input_token_length`` (counted by
+            :func:`dynabatch.generate`, whose reply to a cut prompt is to the cut text; 0 elsewhere).
         device_budgets: with several devices, each device's own budget (its first measured peak).
         rebuilt_batches: batches built ahead that a measured peak re-sized since, so built again.
         workers: per worker, its loop's wall seconds and where they went (``{"wall": s, "stages": {stage: s}}``).
@@ -116,6 +118,7 @@ class RunReport:
     records: list[BatchRecord] = field(default_factory=list)
     budget_bytes: int | None = None
     skipped_inputs: int = 0
+    truncated_inputs: int = 0
     device_budgets: dict[str, int] = field(default_factory=dict)
     rebuilt_batches: int = 0
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -192,7 +195,7 @@ class RunReport:
         """The summary figures as a dict (JSON-ready)."""
         names = ("rows", "batches", "seconds", "rows_per_s", "tokens_per_s", "real_tokens", "padded_tokens",
                  "padding_efficiency", "oom_events", "oom_splits", "pre_split_batches", "failed_rows", "error_rows",
-                 "skipped_inputs", "budget_bytes", "device_budgets", "rebuilt_batches", "max_peak_ratio",
+                 "skipped_inputs", "truncated_inputs", "budget_bytes", "device_budgets", "rebuilt_batches", "max_peak_ratio",
                  "batches_over_budget", "wall_seconds", "bound", "stage_shares", "background", "tokenize_cores",
                  "workers", "accounting_seconds")
         return {name: getattr(self, name) for name in names}

@@ -229,6 +229,18 @@ def test_a_prompt_whose_generate_raises_is_named_or_set_aside_with_on_error_skip
     assert f"5 of 5 replies stored in {out} (1 run now, 4 stored before)" in capsys.readouterr().out
 
 
+def test_the_summary_counts_the_prompts_cut_to_max_length(gpt2_dir, tmp_path, capsys):
+    prompts = ["In the beginning", "And God said unto Moses, I AM THAT I AM: and he said, Thus shalt thou say",
+               "Let there be light"]
+    (tmp_path / "p.txt").write_text("\n".join(prompts) + "\n")
+    command = ["generate", str(tmp_path / "p.txt"), str(tmp_path / "replies"), "--model", str(gpt2_dir),
+               "--max-new-tokens", "2", "--max-length", "8", "--no-progress"]
+    assert main(command) == 0
+    said = capsys.readouterr().out
+    assert ("  truncated  1 of the inputs were longer than --max-length tokens, cut to it on the tokenizer's "
+            "truncation_side (their outputs are of the cut text)") in said, said
+
+
 def test_id_column_keys_replies_by_id_and_a_rerun_on_a_reordered_grown_input_runs_only_new_ids(
         gpt2_dir, texts, tmp_path, capsys):
     prompts = [" ".join(t.split()[:8]) for t in texts[:12]]

@@ -6,6 +6,8 @@ models built from configs; nothing of dynabatch is mocked.
 
 import copy
 import functools
+import logging
+import re
 
 import numpy as np
 import pytest
@@ -497,6 +499,38 @@ def test_a_prompt_past_the_limit_is_truncated_on_the_tokenizers_truncation_side(
             alone = _alone(llama, {"input_ids": kept, "attention_mask": torch.ones_like(kept)},
                            eos_token_id=frequent, pad_token_id=frequent)[12:]
             assert ids[p] == alone.tolist(), f"{side}, prompt {p}"
+
+
+def _truncation_warnings(caplog, run):
+    """``run()``'s result and the warnings generate logged of it."""
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dynabatch.inference.generation"):
+        result = run()
+    return result, [r.getMessage() for r in caplog.records if r.name == "dynabatch.inference.generation"]
+
+
+def test_prompts_past_the_limit_are_named_in_one_warning_and_counted_in_the_report(llama, chat_tokenizer, prompts,
+                                                                                  caplog):
+    # A prompt of exactly the limit is no truncated prompt; one longer is, on either side, as text, chat or ids
+    count = lambda text: len(chat_tokenizer(text)["input_ids"])  # noqa: E731
+    long = [p for p in prompts if count(p) > 12][:2]
+    at_limit = next(t for p in prompts for k in range(1, 30) if count(t := " ".join(p.split()[:k])) == 12)
+    texts = ["In the beginning", long[0], at_limit, long[1]]
+    chats = [[{"role": "user", "content": text}] for text in (long[0], "Amen")]
+    options = {"max_input_token_length": 12, "max_new_tokens": 2, "do_sample": False, "progress": False}
+    for side in ("right", "left"):
+        tok = copy.deepcopy(chat_tokenizer)
+        tok.truncation_side = side
+        result, logged = _truncation_warnings(caplog, lambda: dynabatch.generate(llama, tok, texts, **options))
+        assert result.report.truncated_inputs == 2 and len(logged) == 1
+        assert re.match(rf"2 prompts \(prompts\[1, 3\]\) were longer than max_input_token_length=12 tokens and were "
+                        rf"truncated on the tokenizer's truncation_side='{side}'", logged[0])
+        assert "set tokenizer.truncation_side='left' to keep their ends" in logged[0]
+        for kind in (chats, [chat_tokenizer(text)["input_ids"] for text in texts]):
+            result, logged = _truncation_warnings(caplog, lambda: dynabatch.generate(llama, tok, kind, **options))
+            assert result.report.truncated_inputs == len(kind) // 2 and len(logged) == 1, side
+    result, logged = _truncation_warnings(caplog, lambda: dynabatch.generate(llama, tok, texts[::2], **options))
+    assert result.report.truncated_inputs == 0 and logged == []
 
 def test_lengths_that_count_the_padded_prompt_are_refused_and_none_set_is_20_new_tokens(llama, chat_tokenizer):
     # max_length/min_length count the prompt, padded to the batch's longest: "In the beginning" got 8 new tokens

@@ -61,6 +61,7 @@ def test_summary_figures_of_a_hand_built_report():
         "failed_rows": 1,
         "error_rows": 0,
         "skipped_inputs": 0,
+        "truncated_inputs": 0,
         "budget_bytes": 2000,
         "device_budgets": {},
         "rebuilt_batches": 0,
