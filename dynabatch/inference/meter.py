@@ -253,10 +253,13 @@ class Meter:
         self.stream, self.clock, self.desc, self.claiming_rank = stream, clock, desc, claiming_rank
         self.drained = False  # every item this worker's loop was given ran: a claiming rank found no chunk left
         self.model = TimeModel()
-        self.recent = dict.fromkeys(("rows", "tokens", "padded", "batches", "seconds"), 0.0)  # weighted by age
+        # weighted by age; "busy": the seconds each batch took its worker (from its worker's batch before), "paced":
+        # the wall those batches took (from any batch before): several workers (run's devices) run busy/paced at once
+        self.recent = dict.fromkeys(("rows", "tokens", "padded", "batches", "seconds", "busy", "paced"), 0.0)
         self.rows = self.tokens = 0
         self.started = clock()
         self.last: float | None = None  # when the last batch finished
+        self._last_of: dict[Any, float] = {}  # when each worker's last batch finished
         self.accounting = 0.0  # CPU seconds spent in add() and the display: the meter's own cost
         self.terminal = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
         self._lock = threading.Lock()
@@ -271,21 +274,26 @@ class Meter:
             self._ticker.start()
 
     def add(self, positions: np.ndarray | None, *, rows: int, padded_tokens: int, real_tokens: int,
-            width: int | None = None) -> None:
-        """A batch finished: ``rows`` (finished or set aside) at input ``positions``, its padded and real tokens
-        and its width."""
+            width: int | None = None, worker: Any = None) -> None:
+        """A batch finished: ``rows`` (finished or set aside) at input ``positions``, its padded and real tokens,
+        its width, and the worker that ran it (any name, the same for each of its batches).
+
+        The time model is fitted on each worker's own time per batch: on several workers the wall between two
+        batches says nothing of either (a pair that ends together is 0 s apart, the next pair a batch's time)."""
         start = time.thread_time()
         with self._lock:
             now = self.clock()
             interval = now - (self.last if self.last is not None else self.started)
-            if self.last is not None:  # the first interval holds the start-up: left out of the fit
-                self.model.add(seconds=interval, padded_tokens=padded_tokens, rows=rows)
-            self.last = now
+            busy = paced = 0.0
+            if worker in self._last_of:  # a worker's first batch holds the start-up: left out of the fit
+                busy, paced = now - self._last_of[worker], interval
+                self.model.add(seconds=busy, padded_tokens=padded_tokens, rows=rows)
+            self.last = self._last_of[worker] = now
             self.rows += rows
             self.tokens += real_tokens
             keep = 0.5 ** (interval / _HALF_LIFE)
             for name, value in (("rows", rows), ("tokens", real_tokens), ("padded", padded_tokens), ("batches", 1),
-                                ("seconds", interval)):
+                                ("seconds", interval), ("busy", busy), ("paced", paced)):
                 self.recent[name] = keep * self.recent[name] + value
             if self.costs is not None and positions is not None and len(positions):
                 if width is not None:
@@ -322,14 +330,15 @@ class Meter:
             if rows <= 0:
                 return 0.0
             padded = tokens * (self._recent("padded", "tokens") or 1.0)
-            if not self.model.batches:  # one batch so far: its own pace, start-up included
+            if not self.model.batches:  # no worker's second batch yet: the pace so far, start-up included
                 seconds = self.recent["seconds"] * padded / max(self.recent["padded"], 1)
             else:  # batches left: the geometric mean of as many as the recent batches' padded tokens make and as
                 # many as their rows make (batches hold fewer tokens and more rows as texts shorten)
                 by_tokens = padded / (self._recent("padded", "batches") or 1.0)
                 by_rows = rows / (self._recent("rows", "batches") or 1.0)
                 batches = min(max(math.sqrt(by_tokens * by_rows), 1.0), rows)
-                seconds = self.model.seconds(batches=batches, padded_tokens=padded, rows=rows)
+                at_once = self._recent("busy", "paced") or 1.0  # the workers' batches running at once
+                seconds = self.model.seconds(batches=batches, padded_tokens=padded, rows=rows) / at_once
         return max(0.0, seconds / self.scale - (now - self.last))
 
     # -- the display ---------------------------------------------------------------------------------------------

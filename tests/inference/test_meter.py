@@ -348,3 +348,26 @@ def test_two_runs_at_once_each_report_only_their_own_threads_stages(tokenizer, t
     # its own counted: every slowed chunk, but up to three (the feed's two ahead and one in progress) tokenized
     # before its stages' clock started, if the eager run's first batch came first
     assert streamed_report.background["tokenize"] * streamed_report.wall_seconds >= sum(slept) - 3 * 0.05
+
+
+def test_the_time_left_of_batches_on_two_workers_at_once():
+    # 256 texts, longest first, on two workers at once (run(devices=[...])): each worker takes the next batch when
+    # free, a batch taking 0.05 s + 0.001 s per token, so the batches finish in near pairs (one a moment after the
+    # other, then none for a batch's time). Through the run the time left is the wall to the last batch's end.
+    widths = np.repeat(np.linspace(200, 10, 32).astype(int), 8)
+    batches = [(list(range(i, i + 8)), int(widths[i])) for i in range(0, 256, 8)]
+    free, finished = [0.0, 0.003], []
+    for number, (positions, width) in enumerate(batches):
+        worker = int(np.argmin(free))
+        free[worker] += 0.05 + 0.001 * 8 * width
+        finished.append((free[worker], number, worker))
+    finished.sort()
+    clock = _Clock()
+    meter = Meter(TextCosts(widths, exact=True), total_rows=256, clock=clock)
+    for count, (end, number, worker) in enumerate(finished, start=1):
+        positions, width = batches[number]
+        clock.now = end
+        meter.add(np.array(positions), rows=8, padded_tokens=8 * width, real_tokens=8 * width, width=width,
+                  worker=worker)
+        if count in (8, 12, 16, 20, 24):  # a quarter of the batches and on
+            assert meter.estimate().seconds_left == pytest.approx(finished[-1][0] - end, rel=0.15), count
