@@ -221,7 +221,8 @@ class _WorkerLoop:
         if stages.meter is not None:
             done = np.concatenate([outcome.positions, failed])
             stages.meter.add(done, rows=len(done), real_tokens=outcome.tokens, padded_tokens=record.padded_tokens,
-                             width=record.width, worker=self.parts.name)
+                             width=record.width, worker=self.parts.name,
+                             whole=not (record.oom_events or record.error_rows))
 
     def _put_back(self, outcome: Outcome, exc: BaseException) -> None:
         """Puts the unfinished rows of an item whose device failed back once (``exc`` raised on their second)."""

@@ -274,12 +274,15 @@ class Meter:
             self._ticker.start()
 
     def add(self, positions: np.ndarray | None, *, rows: int, padded_tokens: int, real_tokens: int,
-            width: int | None = None, worker: Any = None) -> None:
+            width: int | None = None, worker: Any = None, whole: bool = True) -> None:
         """A batch finished: ``rows`` (finished or set aside) at input ``positions``, its padded and real tokens,
-        its width, and the worker that ran it (any name, the same for each of its batches).
+        its width, the worker that ran it (any name, the same for each of its batches), and whether it ran
+        ``whole`` (not halved to find a row that raised or ran out of memory).
 
         The time model is fitted on each worker's own time per batch: on several workers the wall between two
-        batches says nothing of either (a pair that ends together is 0 s apart, the next pair a batch's time)."""
+        batches says nothing of either (a pair that ends together is 0 s apart, the next pair a batch's time). A
+        batch not run whole is left out of it: its time holds every call of its halves, its padded tokens only
+        those of the rows that finished (one such batch among the first, alike ones put the time on the rows)."""
         start = time.thread_time()
         with self._lock:
             now = self.clock()
@@ -287,7 +290,8 @@ class Meter:
             busy = paced = 0.0
             if worker in self._last_of:  # a worker's first batch holds the start-up: left out of the fit
                 busy, paced = now - self._last_of[worker], interval
-                self.model.add(seconds=busy, padded_tokens=padded_tokens, rows=rows)
+                if whole:
+                    self.model.add(seconds=busy, padded_tokens=padded_tokens, rows=rows)
             self.last = self._last_of[worker] = now
             self.rows += rows
             self.tokens += real_tokens

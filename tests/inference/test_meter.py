@@ -371,3 +371,22 @@ def test_the_time_left_of_batches_on_two_workers_at_once():
                   worker=worker)
         if count in (8, 12, 16, 20, 24):  # a quarter of the batches and on
             assert meter.estimate().seconds_left == pytest.approx(finished[-1][0] - end, rel=0.15), count
+
+
+def test_a_batch_halved_to_find_a_failing_row_is_left_out_of_the_time_model():
+    # 256 texts, longest first, batches of 8 taking 0.05 s + 0.001 s per token; batches 1 and 5 each hold a row that
+    # raises: the batch is called whole, then in halves down to the row (2.75x its time), and only its 7 rows that
+    # finished count as padded tokens. From a quarter of the batches on, the time left is the true one.
+    widths = np.repeat(np.linspace(200, 10, 32).astype(int), 8)
+    batches = [(list(range(i, i + 8)), int(widths[i])) for i in range(0, 256, 8)]
+    halved = {1, 5}
+    ends = np.cumsum([(0.05 + 0.001 * 8 * w) * (2.75 if n in halved else 1.0) for n, (_, w) in enumerate(batches)])
+    clock = _Clock()
+    meter = Meter(TextCosts(widths, exact=True), total_rows=256, clock=clock)
+    for number, (positions, width) in enumerate(batches):
+        clock.now = ends[number]
+        finished = 7 if number in halved else 8
+        meter.add(np.array(positions), rows=8, padded_tokens=finished * width, real_tokens=finished * width,
+                  width=width, whole=number not in halved)
+        if number + 1 in (8, 12, 16, 24):
+            assert meter.estimate().seconds_left == pytest.approx(ends[-1] - ends[number], rel=0.05), number
