@@ -19,7 +19,7 @@ from dynabatch.inference.build import Built
 from dynabatch.inference.outputs import RowSplitter
 from dynabatch.inference.report import BatchRecord
 from dynabatch.inference.source import Item
-from dynabatch.memory.device import is_device_failure, is_out_of_memory_error
+from dynabatch.memory.device import backend_of, is_device_failure, is_out_of_memory_error
 from dynabatch.memory.oom import Attempt, call_guarded, split_sizes
 
 __all__ = ["BatchOutOfMemoryError", "Executor", "Failures", "Outcome", "explain_index_errors"]
@@ -147,6 +147,8 @@ class Executor:
         self._prepare = None if copier is None else (
             lambda b: Batch(copier(b), indices=b.indices, texts=getattr(b, "texts", None)))
         self._stack: list[Batch] = []  # the item in progress's pieces left to run, the last one next
+        if memory_device is not None:  # as the worker starts: not in its first batch's device time
+            backend_of(memory_device).prime_peak_tracker(memory_device)
 
     def start(self, item: Item, built: Built | None) -> None:
         """Starts ``item`` (``built``: its tensors; ``None`` when the store holds every row of it)."""

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 __all__ = ["BLOCK_BYTES", "StorageTracker", "round_block"]
 
 _ONE_BLOCK_AT_A_TIME = threading.RLock()  # torch's Python dispatch in two threads at once can crash (see above)
+_PRIMED = False  # a tracker ran an op in this process (StorageTracker.prime)
 
 BLOCK_BYTES = 512
 """CUDA's caching allocator hands out blocks in multiples of 512 bytes."""
@@ -88,6 +89,16 @@ class StorageTracker(TorchDispatchMode):
         # during a tracked BERT forward). The frees are counted before the next op's storages, as they happened.
         self._freed: list[_Watch] = []
         self._lock = threading.RLock()  # a storage freed on another thread
+
+    @classmethod
+    def prime(cls) -> None:
+        """Runs one op under a tracker, once a process: torch imports its dispatch machinery (``torch._dynamo``,
+        2-4 s on a CPU) at the first op any dispatch mode sees, which a run would time as its first batch's."""
+        global _PRIMED
+        if not _PRIMED:
+            with cls():
+                torch.zeros(1).add_(1)
+            _PRIMED = True
 
     # -- bookkeeping -------------------------------------------------------
     @property

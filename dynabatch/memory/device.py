@@ -185,6 +185,10 @@ class DeviceBackend:
         raise bad_value("device", "a device whose memory can be measured "
                         f"({', '.join(repr(b.type) for b in backends() if b.measurable)})", str(device))
 
+    def prime_peak_tracker(self, device: torch.device) -> None:
+        """Pays ahead what this process's first :meth:`peak_tracker` costs once (nothing here), so that the first
+        measured call of a run, timed as the device's, does not."""
+
     def capped(self, device: torch.device, limit_bytes: float) -> contextlib.AbstractContextManager[None]:
         """A context in which this process may hold at most ``limit_bytes`` on ``device``: beyond, an allocation
         raises the device's out-of-memory error, as on a device of that size."""
@@ -467,6 +471,9 @@ class CpuBackend(DeviceBackend):
 
     def peak_tracker(self, device: torch.device, limit_bytes: int | None = None) -> StorageTracker:
         return StorageTracker(limit_bytes=limit_bytes)
+
+    def prime_peak_tracker(self, device: torch.device) -> None:
+        StorageTracker.prime()
 
     @contextlib.contextmanager
     def capped(self, device: torch.device, limit_bytes: float) -> Iterator[None]:

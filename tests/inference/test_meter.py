@@ -390,3 +390,38 @@ def test_a_batch_halved_to_find_a_failing_row_is_left_out_of_the_time_model():
                   width=width, whole=number not in halved)
         if number + 1 in (8, 12, 16, 24):
             assert meter.estimate().seconds_left == pytest.approx(ends[-1] - ends[number], rel=0.05), number
+
+
+_FIRST_BATCH = """
+import json, sys, time
+from transformers import AutoTokenizer
+import dynabatch
+from dynabatch.demo import minilm_path
+
+seen = []
+
+def fn(batch):
+    seen.append("torch._dynamo" in sys.modules)
+    return batch["attention_mask"].sum(1, keepdim=True).float()
+
+loader = dynabatch.build_dynamic_batch_dataloader(["a few words here"] * 8 + ["short"] * 8,
+    AutoTokenizer.from_pretrained(minilm_path()), batch_size=4, max_input_token_length=16, num_workers=0)
+result = dynabatch.run(fn, loader, progress=False)
+print(json.dumps({"imported": seen[0], "device": result.report.records[0].stages["device"]}))
+"""
+
+
+def test_the_first_batchs_device_time_holds_no_one_time_import_of_the_cpu_memory_tracker():
+    # On the CPU each measured call runs under a torch dispatch mode, whose first op in a process imports torch's
+    # dispatch machinery (torch._dynamo, 2-4 s on a loaded CPU): paid as the worker starts, not as the first batch's
+    # device time, which the bottleneck report reads (a 7 s tokenizer-bound run was named device-bound by it).
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", _FIRST_BATCH], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["imported"] and got["device"] < 1.0, got
