@@ -265,15 +265,21 @@ def check_outputs_apart(outputs: dict[str, Path | None], inputs: dict[str, Any])
 
 
 def check_plot(path: Path | None) -> None:
-    """``--plot`` can be written and matplotlib imports."""
+    """``--plot`` can be written, matplotlib imports, and its suffix is a format matplotlib writes (none: its
+    default, PNG): a file matplotlib cannot write was found only once the run had ended, as a traceback."""
     if path is None:
         return
     check_writable("--plot", path)
     try:
-        import matplotlib  # noqa: F401
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as exc:
         raise ValueError(f"--plot should be given with matplotlib installed ({extra('plot')}), but got "
                          f"--plot={str(path)!r} and {exc}") from exc
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix and suffix not in formats:
+        raise bad_value("--plot", f"a file of a format matplotlib writes ({', '.join('.' + f for f in formats)})",
+                        str(path))
 
 
 WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")

@@ -121,6 +121,18 @@ def test_a_report_or_plot_inside_the_output_folder_is_refused_before_any_model_l
 
 
 @pytest.mark.parametrize("command", ["embed", "generate"])
+def test_a_plot_of_a_format_matplotlib_cannot_write_is_refused_before_any_model_loads(
+        inputs, command, tmp_path, capsys, no_model_loads):
+    # it was taken, the whole job ran, and matplotlib's ValueError ended the command as a traceback, exit status 1,
+    # with no summary
+    plot = str(tmp_path / "batches.txt")
+    line = _one_line([*inputs[command], "--plot", plot], capsys, command)
+    assert line.startswith("--plot should be a file of a format matplotlib writes (.eps, ") and ".png" in line, line
+    assert line.endswith(f", but got --plot={plot!r}"), line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["embed", "generate"])
 def test_a_store_or_report_inside_the_model_folder_is_refused_before_any_model_loads(
         inputs, command, tmp_path, capsys, no_model_loads):
     # every file of the model folder is its identity: a store written there changed it, so each rerun refused the
