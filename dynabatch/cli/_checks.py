@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import fnmatch
 import os
 import re
@@ -151,11 +152,29 @@ class Parser(argparse.ArgumentParser):
     whose tied options (:meth:`add_tied`) tell a given value from their default (:func:`settle`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.flags: list[str] = []  # every long option, for the likely one of a misspelled option
         super().__init__(*args, **kwargs)
         self.ties: dict[str, Tie] = {}
 
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        self.flags += [flag for flag in action.option_strings if flag.startswith("--")]
+        return action
+
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message.splitlines()[0] if message else 'bad arguments'}\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        """As argparse's, but an option no parser knows is refused by the command's own parser (argparse names the
+        top one: ``dynabatch: error``), with the command's option it is likely a misspelling of."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            where = getattr(parsed, "parser", self)  # the command's parser (each command sets it)
+            close = {flag for extra in extras if extra.startswith("--")
+                     for flag in difflib.get_close_matches(extra.split("=", 1)[0], where.flags, n=1, cutoff=0.75)}
+            hint = f" (did you mean {' or '.join(sorted(close))}?)" if close else ""
+            where.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return parsed
 
     def add_tied(self, *flags: str, tie: Tie, help: str, **kwargs: Any) -> argparse.Action:  # noqa: A002
         """An option that means something only beside another (``tie``): its parser default is ``None``, so

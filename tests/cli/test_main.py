@@ -124,6 +124,24 @@ def test_help_and_a_bad_option_answer_before_torch_is_imported(argv, cli, comman
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+@pytest.mark.parametrize(("argv", "line"), [
+    (["embed", "c.txt", "out/", "--normalise"],
+     "dynabatch embed: error: unrecognized arguments: --normalise (did you mean --normalize?)"),
+    (["embed", "c.txt", "out/", "--on-eror", "skip"],
+     "dynabatch embed: error: unrecognized arguments: --on-eror skip (did you mean --on-error?)"),
+    (["generate", "p.txt", "out/", "--model", "m", "--max-new-tokns=4"],
+     "dynabatch generate: error: unrecognized arguments: --max-new-tokns=4 (did you mean --max-new-tokens?)"),
+    (["calibrate", "--model", "m", "--batch-size", "2", "--max-length", "8", "-o", "m.json", "--plto", "p.png"],
+     "dynabatch calibrate: error: unrecognized arguments: --plto p.png (did you mean --plot?)"),
+    (["embed", "c.txt", "out/", "--xyz"], "dynabatch embed: error: unrecognized arguments: --xyz"),
+])
+def test_an_unknown_option_is_refused_by_its_command_with_the_option_it_likely_misspells(argv, line, capsys):
+    # argparse said "dynabatch: error: unrecognized arguments: --normalise": the top parser's name, and no hint
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2 and capsys.readouterr().err == line + "\n"
+
+
 def test_every_option_of_every_command_says_in_its_help_what_it_does():
     from dynabatch.cli import parser
 
