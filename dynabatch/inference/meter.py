@@ -38,6 +38,10 @@ LOG_EVERY = 15.0  # seconds between the plain lines of the display where its str
 REDRAW_EVERY = 1.0  # seconds between redraws of the terminal line while nothing finishes
 _CHARS_PER_TOKEN = 4.0  # a streamed plan's rate before any batch that was not cut at the max length ran
 _SPECIAL_TOKENS = 2.0  # tokens a tokenizer adds to every text (BERT's [CLS] and [SEP]), until fitted
+# the share of the rows' size apart from the characters' the batches must show before tokens per row are fitted:
+# the first batches, all of long texts, hardly differ in characters per row, and a fit of three such put 88-144
+# tokens on every row (the tokenizer adds 2), the time left of the short texts after them 2-3x the truth
+_APART = 0.01
 _FINE_BINS = 1024  # sizes below this are binned exactly; above, geometrically
 _HALF_LIFE = 30.0  # seconds of run time: the half-life of the recent sums the display's rates are read from
 # the stage each background thread runs, by its name (another name is its own stage)
@@ -84,8 +88,8 @@ class TextCosts:
         chars, rows = float(self.sizes[positions].sum()), float(len(positions))
         self._fit += (chars * chars, chars * rows, rows * rows, chars * real_tokens, rows * real_tokens)
         cc, cr, rr, ct, rt = self._fit
-        det = cc * rr - cr * cr
-        rate, special = ((ct * rr - cr * rt) / det, (cc * rt - cr * ct) / det) if det > 1e-9 * cc * rr else (0, -1)
+        det = cc * rr - cr * cr  # over cc * rr: the share of the rows' size apart from the characters'
+        rate, special = ((ct * rr - cr * rt) / det, (cc * rt - cr * ct) / det) if det > _APART * cc * rr else (0, -1)
         if rate <= 0 or special < 0:  # one width so far, or a fit the data cannot pin: the rate at the default
             special = min(_SPECIAL_TOKENS, rt / rr)
             rate = max(ct - special * cr, 0.0) / cc if cc else self.rate

@@ -425,3 +425,20 @@ def test_the_first_batchs_device_time_holds_no_one_time_import_of_the_cpu_memory
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["imported"] and got["device"] < 1.0, got
+
+
+def test_batches_alike_in_characters_per_row_fit_no_tokens_per_row():
+    # A stream's first batches are all of long texts (here 880-1,000 characters), their characters per row alike,
+    # while the tokenizer's rate varies by text (0.23 tokens a character, +-10%): fitting tokens per row on three of
+    # them put 144 on every row (the tokenizer adds 2), and the tokens left of the 2,000 short texts after them
+    # were 3.2x the truth. Such batches keep the default per row; the tokens left are the truth's.
+    rng = np.random.default_rng(4)
+    chars = np.concatenate([rng.integers(880, 1000, 60), rng.integers(20, 400, 2000)])
+    tokens = np.round(chars * 0.23 * rng.uniform(0.9, 1.1, len(chars))).astype(int) + 2
+    costs = TextCosts(chars, exact=False, max_length=256)
+    for start in (0, 20, 40):
+        positions = np.arange(start, start + 20)
+        costs.done(positions)
+        costs.learn(positions, real_tokens=int(tokens[positions].sum()), width=int(tokens[positions].max()))
+    assert costs.special == pytest.approx(2.0)
+    assert costs.left()[0] == pytest.approx(tokens[60:].sum(), rel=0.05)
