@@ -290,6 +290,7 @@ def check_plot(path: Path | None) -> None:
         return
     check_writable("--plot", path)
     try:
+        import matplotlib  # noqa: F401  (itself first: a submodule already imported is found without it)
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as exc:
         raise ValueError(f"--plot should be given with matplotlib installed ({extra('plot')}), but got "
