@@ -16,7 +16,9 @@ model's own; they match ``model.encode``'s within float rounding.
 run this way, unchanged for the caller.
 
 What runs on dynamic batches: a ``SentenceTransformer`` whose first module is
-a ``Transformer`` with a tokenizer, on str inputs. Other inputs (pairs, images,
+a ``Transformer`` with a tokenizer, on str inputs. sentence-transformers' other
+kinds (``SparseEncoder``, ``MultiVectorEncoder``, ``CrossEncoder``) are refused
+by every function here with a ``TypeError`` naming what to call instead. Other inputs (pairs, images,
 chat messages) and models (a ``Router`` first, chat-template backbones,
 flash-attention flattening, which has no padding to save, ColBERT query
 expansion) are refused by :func:`encode`, naming the reason; a model made
@@ -53,7 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dynabatch._validation import bad_value, check_positive_int, did_you_mean
+from dynabatch._validation import bad_type, bad_value, check_positive_int, did_you_mean
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.runner import run
@@ -66,6 +68,22 @@ logger = logging.getLogger(__name__)
 _UNPADDED = {"common": {"return_tensors": None}, "text": {"padding": False}}  # rows as lists: dynabatch pads
 _PRECISIONS = ("float32", "int8", "uint8", "binary", "ubinary", None)  # None: float32, as model.encode reads it
 _OUTPUTS = ("sentence_embedding", "token_embeddings", None)
+
+
+_OTHER_KINDS = ("call model.encode for a SparseEncoder or a MultiVectorEncoder, model.predict or model.rank for a "
+                "CrossEncoder")
+
+
+def _check_model(model: Any) -> None:
+    """Refuses a model that is no ``SentenceTransformer``: sentence-transformers' other kinds (``SparseEncoder``,
+    ``MultiVectorEncoder``, ``CrossEncoder``) give what dynabatch does not build (sparse vectors, a vector per token,
+    scores of pairs), and run on dynamic batches they failed late (a ``KeyError`` after the first batch ran, an
+    ``AttributeError``) or, made dynamic, lost the ``encode`` they had."""
+    from sentence_transformers.sentence_transformer.model import SentenceTransformer  # the class, wherever re-exported
+
+    if not isinstance(model, SentenceTransformer):
+        raise bad_type("model", f"a sentence_transformers.SentenceTransformer (dynabatch runs its dense sentence "
+                       f"embeddings; {_OTHER_KINDS})", model)
 
 
 def _unsupported(model: Any, inputs: list[Any]) -> str | None:
@@ -330,6 +348,8 @@ def corpus_embedder(model: Any, *, prompt_name: str | None = None, prompt: str |
         own device, a copy on any other), for ``run(..., token_outputs="whole")``.
 
     Raises:
+        TypeError: a model that is no ``SentenceTransformer`` (a ``SparseEncoder``, ``CrossEncoder``,
+            ``MultiVectorEncoder``).
         ValueError: a model that does not run on dynamic batches (the reason named), or a ``prompt_name``
             the model has no prompt for.
 
@@ -346,6 +366,7 @@ def corpus_embedder(model: Any, *, prompt_name: str | None = None, prompt: str |
         >>> bool((rows.numpy() - model.encode(texts)).__abs__().max() < 1e-5)
         True
     """
+    _check_model(model)
     reason = _unsupported(model, [])
     if reason is not None:
         raise ValueError(f"model should run its inputs on dynamic batches, but {reason}: call model.encode for it")
@@ -415,13 +436,16 @@ def encode(
         per-row tensors / dicts; the row alone for a single str.
 
     Raises:
-        TypeError: a keyword that is no argument of ``encode`` and no keyword of the model.
+        TypeError: a model that is no ``SentenceTransformer`` (a ``SparseEncoder``, ``CrossEncoder``,
+            ``MultiVectorEncoder``: what to call instead named), or a keyword that is no argument of ``encode``
+            and no keyword of the model.
         ValueError: inputs or a model that do not run on dynamic batches (the
             reason named: use ``model.encode``), an empty list of devices, a ``pool``, a ``chunk_size``,
             or a bad ``output_value``, ``precision``, ``prompt_name``, ``batch_size`` or ``tokenize_cores``.
     """
     from sentence_transformers.util import quantize_embeddings
 
+    _check_model(model)
     _check_arguments(output_value, precision, batch_size, device, pool, chunk_size, tokenize_cores)
     _check_model_kwargs(model, kwargs)
     if convert_to_tensor:
@@ -531,6 +555,10 @@ def make_dynamic(model: Any, **options: Any) -> Any:
         model: a ``sentence_transformers.SentenceTransformer``.
         **options: :func:`encode`'s own options for every call (``on_oom``, ``memory``, ``tokenize_cores``).
 
+    Raises:
+        TypeError: an option it does not take, or a model that is no ``SentenceTransformer`` (a
+            ``SparseEncoder``, ``CrossEncoder``, ``MultiVectorEncoder``: its ``encode`` is left as it was).
+
     Example:
         >>> from sentence_transformers import SentenceTransformer
         >>> from dynabatch.demo import minilm_path
@@ -543,5 +571,6 @@ def make_dynamic(model: Any, **options: Any) -> Any:
     if unknown:
         raise TypeError(f"make_dynamic() got unexpected keyword arguments {unknown}: it takes on_oom, memory and "
                         "tokenize_cores")
+    _check_model(model)
     model.encode = _DynamicEncode(model, options)
     return model

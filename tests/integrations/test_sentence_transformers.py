@@ -203,3 +203,28 @@ def test_show_progress_bar_turns_the_bar_on_and_off(minilm, texts, show, capsys)
     encode(minilm, texts[:8], batch_size=4, show_progress_bar=show)
     bar = "dynabatch" in capsys.readouterr().err  # tqdm writes its bar, named after the run, to stderr
     assert bar is show
+
+
+def test_sentence_transformers_other_kinds_of_model_are_refused_naming_what_to_call(bert_dir, texts):
+    # a SparseEncoder raised AttributeError (no truncate_dim) and, made dynamic, lost its encode; a MultiVectorEncoder
+    # ran its first batch and raised KeyError 'sentence_embedding'; a CrossEncoder's texts were one "pair"
+    from sentence_transformers import CrossEncoder, MultiVectorEncoder, SparseEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+    sparse = SparseEncoder(modules=[Transformer(str(bert_dir), transformer_task="fill-mask", max_seq_length=16),
+                                    SpladePooling("max")], device="cpu")
+    models = (sparse, MultiVectorEncoder(modules=[Transformer(str(bert_dir), max_seq_length=16)], device="cpu"),
+              CrossEncoder(str(bert_dir), device="cpu", num_labels=1))
+    for model in models:
+        name = type(model).__name__
+        rule = (r"^model should be a sentence_transformers.SentenceTransformer \(dynabatch runs its dense sentence "
+                r"embeddings; call model.encode for a SparseEncoder or a MultiVectorEncoder, model.predict or "
+                rf"model.rank for a CrossEncoder\), but got model=<{name}.* of type {name}$")
+        for call in (lambda: dst.encode(model, texts[:4]), lambda: dst.corpus_embedder(model),
+                     lambda: dst.make_dynamic(model)):
+            with pytest.raises(TypeError, match=rule):
+                call()
+        assert "encode" not in vars(model)  # make_dynamic left it as it was
+    want = sparse.encode(texts[:4])
+    assert want.is_sparse and torch.equal(sparse.encode(texts[:4]).to_dense(), want.to_dense())
