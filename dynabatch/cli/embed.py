@@ -170,15 +170,50 @@ def _sentence_transformer(folder: str) -> Any:
             transformers_logging.enable_progress_bar()
 
 
+def _saved_json(folder: str, name: str) -> Any:
+    """A sentence-transformers file of the folder as JSON; ``None`` where it is missing or unreadable (what
+    sentence-transformers then makes of the folder is said where it loads it)."""
+    path = Path(folder) / name
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
 def _saved_max_seq_length(folder: str) -> int | None:
     """The ``max_seq_length`` a sentence-transformers folder's ``sentence_bert_config.json`` keeps (versions up to
     5.3 write it there), for a folder run as a transformers ``AutoModel``."""
-    path = Path(folder) / "sentence_bert_config.json"
-    trained = json.loads(path.read_text(encoding="utf-8")).get("max_seq_length") if path.is_file() else None
+    saved = _saved_json(folder, "sentence_bert_config.json")
+    trained = saved.get("max_seq_length") if isinstance(saved, dict) else None
     return trained if isinstance(trained, int) and not isinstance(trained, bool) and trained > 0 else None
 
 
+def _check_sentence_transformer_folder(folder: str) -> None:
+    """Refuses a sentence-transformers folder whose own model is not what ``SentenceTransformer(folder).encode`` runs:
+    another kind (``model_type`` in its ``config_sentence_transformers.json``: a ``SparseEncoder``, ``CrossEncoder``,
+    ``MultiVectorEncoder``), which ``SentenceTransformer`` converts with a warning to its transformer and a mean
+    pooling (the sparse head, the classifier dropped), or a ``Router`` first (a route per task; the command names
+    none)."""
+    config = _saved_json(folder, "config_sentence_transformers.json")
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if kind not in (None, "SentenceTransformer"):
+        method = "predict or .rank" if kind == "CrossEncoder" else "encode"
+        raise ValueError(f"--model should be a SentenceTransformer folder (or be given --pooling mean, cls or last to "
+                         f"pool its transformer's outputs), but got --model={folder!r}, a {kind} (the model_type of "
+                         f"its config_sentence_transformers.json): call sentence_transformers.{kind}(folder).{method} "
+                         "for it")
+    modules = _saved_json(folder, "modules.json")
+    first = modules[0] if isinstance(modules, list) and modules and isinstance(modules[0], dict) else {}
+    if str(first.get("type", "")).rsplit(".", 1)[-1] == "Router":
+        raise ValueError(f"--model should be a sentence-transformers folder whose first module is a Transformer, but "
+                         f"got --model={folder!r}, whose first module is a Router (a route per task, such as query "
+                         "and document, which the command does not choose): call model.encode_query or "
+                         "model.encode_document for it")
+
+
 def _pooling(args: argparse.Namespace, folder: str) -> str:
+    """``--pooling`` (``auto``: sentence-transformers' own for a folder with ``modules.json``, else ``mean``), with
+    the flags and the folder checked for it."""
     is_st = (Path(folder) / "modules.json").is_file()
     pooling = (_ST if is_st else "mean") if args.pooling == "auto" else args.pooling
     if pooling == _ST and importlib.util.find_spec("sentence_transformers") is None:
@@ -189,6 +224,8 @@ def _pooling(args: argparse.Namespace, folder: str) -> str:
         flag = "--prompt" if args.prompt is not None else "--prompt-name"
         raise bad_value(flag, "given with a sentence-transformers model (--pooling auto on a folder with "
                         "modules.json)", args.prompt if args.prompt is not None else args.prompt_name)
+    if pooling == _ST:
+        _check_sentence_transformer_folder(folder)
     return pooling
 
 
@@ -274,8 +311,8 @@ def _prepare(args: argparse.Namespace) -> _Job:
     with Output(args.output).checked() as output:  # made and written to: the next thing a user fixes
         place = job.place_job(args)
         folder, name = _model_folder(args.model)
+        pooling = _pooling(args, folder)  # first: a sentence-transformers folder may have no config.json of its own
         config = check_model_folder("--model", folder)
-        pooling = _pooling(args, folder)
         dtype = check_dtype(args.dtype, place.accelerated)
         tokenizer = prompt = None
         if pooling == _ST:

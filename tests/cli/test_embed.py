@@ -764,3 +764,49 @@ def test_a_rerun_on_other_texts_at_the_stored_positions_is_one_line_naming_outpu
     assert line.endswith("; use another output folder (with --id-column, a grown or reordered corpus reruns only its "
                          "new ids)"), line
     assert "output_path" not in line and "loader" not in line, line
+
+
+@pytest.fixture()
+def other_kinds(bert_dir, tmp_path_factory):
+    """Folders sentence-transformers saves that are no ``SentenceTransformer``: ``{kind: folder}`` of a SparseEncoder,
+    a CrossEncoder, a MultiVectorEncoder, and a SentenceTransformer whose first module is a query/document Router
+    (made before ``no_model_loads``)."""
+    from sentence_transformers import CrossEncoder, MultiVectorEncoder, SentenceTransformer, SparseEncoder
+    from sentence_transformers.base.modules import Router, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+    def route(pooling):
+        return [Transformer(str(bert_dir), max_seq_length=16), Pooling(32, pooling_mode=pooling)]
+
+    models = {"SparseEncoder": SparseEncoder(modules=[Transformer(str(bert_dir), transformer_task="fill-mask"),
+                                                      SpladePooling("max")], device="cpu"),
+              "CrossEncoder": CrossEncoder(str(bert_dir), num_labels=1, device="cpu"),
+              "MultiVectorEncoder": MultiVectorEncoder(modules=[Transformer(str(bert_dir))], device="cpu"),
+              "Router": SentenceTransformer(modules=[Router.for_query_document(route("mean"), route("cls"))],
+                                            device="cpu")}
+    folders = {}
+    for kind, model in models.items():
+        folders[kind] = tmp_path_factory.mktemp(kind.lower()) / "model"
+        model.save(str(folders[kind]))
+    return folders
+
+
+def test_a_sentence_transformers_folder_of_another_kind_or_a_router_first_is_refused_before_any_weights_load(
+        other_kinds, corpus, tmp_path, capsys, no_model_loads):
+    # SentenceTransformer(folder) converted the first three with a warning (their transformer and a mean pooling: the
+    # sparse head, the classifier dropped) and the command stored those vectors; a Router first was told to be "a
+    # Hugging Face model folder (with a config.json)"
+    for kind, method in (("SparseEncoder", "encode"), ("CrossEncoder", "predict or .rank"),
+                         ("MultiVectorEncoder", "encode")):
+        folder = str(other_kinds[kind])
+        assert _refused(["embed", str(corpus), str(tmp_path / "out"), "--model", folder], capsys) == (
+            f"--model should be a SentenceTransformer folder (or be given --pooling mean, cls or last to pool its "
+            f"transformer's outputs), but got --model={folder!r}, a {kind} (the model_type of its "
+            f"config_sentence_transformers.json): call sentence_transformers.{kind}(folder).{method} for it")
+    folder = str(other_kinds["Router"])
+    assert _refused(["embed", str(corpus), str(tmp_path / "out"), "--model", folder], capsys) == (
+        f"--model should be a sentence-transformers folder whose first module is a Transformer, but got "
+        f"--model={folder!r}, whose first module is a Router (a route per task, such as query and document, which "
+        "the command does not choose): call model.encode_query or model.encode_document for it")
+    assert not (tmp_path / "out").exists()
