@@ -233,6 +233,9 @@ def _check_arguments(output_value: Any, precision: Any, batch_size: Any, device:
         raise bad_value("output_value", f"one of {_OUTPUTS}", output_value)
     if precision not in _PRECISIONS:
         raise bad_value("precision", f"one of {_PRECISIONS}", precision)
+    if output_value is None and precision not in ("float32", None):  # model.encode raises, once every batch ran
+        raise bad_value("precision", "'float32' or None with output_value=None (sentence-transformers' "
+                        "quantize_embeddings takes no per-row dicts: model.encode raises on them)", precision)
     check_positive_int("batch_size", batch_size)
     if isinstance(device, (list, tuple)) and not device:
         raise bad_value("device", "None, a device, or a list of at least one device", device)
@@ -433,7 +436,7 @@ def encode(
         What ``model.encode`` returns: a 2-D numpy array (``convert_to_numpy``),
         one tensor (``convert_to_tensor``, on the model's device), a list of
         tensors, or for ``output_value="token_embeddings"`` / ``None`` a list of
-        per-row tensors / dicts; the row alone for a single str.
+        per-row tensors (numpy arrays, quantized, for a ``precision``) / dicts; the row alone for a single str.
 
     Raises:
         TypeError: a model that is no ``SentenceTransformer`` (a ``SparseEncoder``, ``CrossEncoder``,
@@ -441,7 +444,8 @@ def encode(
             and no keyword of the model.
         ValueError: inputs or a model that do not run on dynamic batches (the
             reason named: use ``model.encode``), an empty list of devices, a ``pool``, a ``chunk_size``,
-            or a bad ``output_value``, ``precision``, ``prompt_name``, ``batch_size`` or ``tokenize_cores``.
+            or a bad ``output_value``, ``precision`` (any but float32 with ``output_value=None``), ``prompt_name``,
+            ``batch_size`` or ``tokenize_cores``.
     """
     from sentence_transformers.util import quantize_embeddings
 
@@ -471,8 +475,9 @@ def encode(
         embeddings: Any = [_on(row, target) for row in rows]
     else:
         embeddings = torch.stack(list(rows)).to(target)
-        if precision not in ("float32", None):
-            embeddings = quantize_embeddings(embeddings, precision=precision)
+    if precision not in ("float32", None):  # token rows too: one numpy array each, calibrated over every token
+        embeddings = quantize_embeddings(embeddings, precision=precision)
+    if output_value == "sentence_embedding":
         if convert_to_tensor:
             embeddings = torch.as_tensor(embeddings)
         elif convert_to_numpy:

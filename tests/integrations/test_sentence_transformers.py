@@ -91,6 +91,30 @@ def test_quantized_precisions_have_model_encode_type_and_values(minilm, texts):
         assert np.abs(got.astype(np.int64) - near).max() <= 1  # float rounding at a bucket's edge at most
 
 
+@pytest.mark.parametrize("precision", ["int8", "uint8", "binary", "ubinary"])
+def test_token_embeddings_are_quantized_as_model_encode_quantizes_them(minilm, texts, precision):
+    # precision was dropped for token_embeddings (float32 rows, where model.encode gives one quantized numpy array a
+    # row, calibrated over every token of every row)
+    some = texts[:30]
+    want = minilm.encode(some, batch_size=8, output_value="token_embeddings", precision=precision)
+    got = dst.encode(minilm, some, batch_size=8, output_value="token_embeddings", precision=precision)
+    assert type(got) is list and len(got) == len(want)
+    for a, b in zip(got, want):
+        assert isinstance(a, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
+        assert np.abs(a.astype(np.int64) - b.astype(np.int64)).max() <= 1  # float rounding at a bucket's edge
+    one = dst.encode(minilm, some[3], output_value="token_embeddings", precision=precision)
+    assert isinstance(one, np.ndarray) and one.dtype == want[3].dtype and one.shape == want[3].shape
+
+
+def test_a_precision_with_output_value_none_is_refused_before_any_batch_runs(minilm, texts, monkeypatch):
+    # model.encode raises once every batch ran (quantize_embeddings takes no dicts); the precision was dropped
+    monkeypatch.setattr(minilm, "forward", None)  # refused before any batch runs
+    with pytest.raises(ValueError, match=r"^precision should be 'float32' or None with output_value=None "
+                       r"\(sentence-transformers' quantize_embeddings takes no per-row dicts: model.encode raises on "
+                       r"them\), but got precision='int8'$"):
+        dst.encode(minilm, texts[:4], output_value=None, precision="int8")
+
+
 @pytest.mark.parametrize("mode", ["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"])
 def test_every_pooling_mode_of_the_model_gives_model_encode_vectors(bert_dir, texts, mode):
     from sentence_transformers import SentenceTransformer
