@@ -24,10 +24,11 @@ flash-attention flattening, which has no padding to save, ColBERT query
 expansion) are refused by :func:`encode`, naming the reason; a model made
 dynamic passes them to its original ``encode``, with a warning once.
 
-Differences from ``model.encode``, by rule: ``token_embeddings`` (and the
-per-token values of ``output_value=None``) are cut to each row's own tokens
-(where ``model.encode`` keeps a left-padded row's padding, which depends on
-the batch); ``device`` takes one device or a list of them (``["cuda:0", "cuda:1"]``: a model copy
+Differences from ``model.encode``, by rule: the per-token values of
+``output_value=None`` are cut to each row's own tokens, where ``model.encode``
+keeps the padding of the row's batch, right or left, whose width depends on
+the batch (``token_embeddings`` are the row's own tokens in both, cut by the
+attention mask); ``device`` takes one device or a list of them (``["cuda:0", "cuda:1"]``: a model copy
 per device, run through :func:`dynabatch.run`'s ``devices=``, threads not processes), and
 ``pool`` and ``chunk_size`` (sentence-transformers' worker processes) are refused.
 
