@@ -60,7 +60,7 @@ from dynabatch._validation import bad_type, bad_value, check_positive_int, did_y
 from dynabatch.inference.loader import build_dynamic_batch_dataloader
 from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.runner import run
-from dynabatch.memory.shape import position_limit
+from dynabatch.memory.shape import check_position_limit, position_limit
 
 __all__ = ["corpus_embedder", "encode", "make_dynamic", "resolve_prompt"]
 
@@ -297,7 +297,11 @@ def _run_rows(model: Any, inputs: list[str], prompt: str | None, batch_size: int
     """One result per input, in input order, from the model run on dynamic batches."""
     planning_limit, cut = _length_limit(model)
     preprocessor = _Preprocessor(model, prompt, cut, kwargs)
-    planning_limit = preprocessor.processing["text"].get("max_length") or planning_limit  # a call's own limit
+    called = ((kwargs.get("processing_kwargs") or {}).get("text") or {}).get("max_length")  # a call's own limit
+    planning_limit = called or planning_limit
+    # named as the caller set it: the loader would name its own max_input_token_length, no argument of encode
+    name = "processing_kwargs['text']['max_length']" if called else "model.max_seq_length"
+    check_position_limit(model[0].auto_model, planning_limit, length_name=name)
     constants = preprocessor.constants  # what every batch shares (prompt_length): values, read once
     loader = build_dynamic_batch_dataloader(inputs, preprocessor, batch_size, planning_limit, num_workers=0,
                                             progress=progress, model=model.transformers_model,

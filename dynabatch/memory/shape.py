@@ -111,12 +111,14 @@ def position_limit(model: Any) -> tuple[str, int, int] | None:
     return None
 
 
-def check_position_limit(model: Any, max_input_token_length: int, *, max_new_tokens: int = 0) -> None:
+def check_position_limit(model: Any, max_input_token_length: int, *, max_new_tokens: int = 0,
+                         length_name: str = "max_input_token_length") -> None:
     """Refuses a length limit the model cannot embed, naming the config field and its value.
 
     A decoder-only model embeds the prompt and the ``max_new_tokens`` that
     ``generate`` adds; an encoder-decoder model embeds the input in its
     encoder and the decoder start token plus the new tokens in its decoder.
+    ``length_name`` is what the message calls the limit (the setting its caller read it from).
 
     Raises:
         ValueError: the limit (with the new tokens) is above the model's positions.
@@ -141,11 +143,11 @@ less max_new_tokens=32 that generate adds), but got max_input_token_length=48
             raise bad_value("max_new_tokens", f"at most {usable - 1} ({where}, which hold the prompt too: one "
                             "token at least)", max_new_tokens)
         if max_input_token_length + max_new_tokens > usable:
-            raise bad_value("max_input_token_length", f"at most {usable - max_new_tokens} ({where}, less "
+            raise bad_value(length_name, f"at most {usable - max_new_tokens} ({where}, less "
                             f"max_new_tokens={max_new_tokens} that generate adds)", max_input_token_length)
         return
     if max_input_token_length > usable:
-        raise bad_value("max_input_token_length", f"at most {usable} ({where})", max_input_token_length)
+        raise bad_value(length_name, f"at most {usable} ({where})", max_input_token_length)
     if max_new_tokens + 1 > usable:
         raise bad_value("max_new_tokens", f"at most {usable - 1} ({where}, one for the decoder start token)",
                         max_new_tokens)

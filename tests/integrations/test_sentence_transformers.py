@@ -252,3 +252,21 @@ def test_sentence_transformers_other_kinds_of_model_are_refused_naming_what_to_c
         assert "encode" not in vars(model)  # make_dynamic left it as it was
     want = sparse.encode(texts[:4])
     assert want.is_sparse and torch.equal(sparse.encode(texts[:4]).to_dense(), want.to_dense())
+
+
+def test_a_max_length_above_the_models_positions_is_refused_naming_the_setting_it_came_from(bert_dir, texts,
+                                                                                            monkeypatch):
+    # the loader refused it naming its own max_input_token_length, which encode takes no argument of (corpus_embedder
+    # returns the limit its caller passes the loader as max_input_token_length: named so there)
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(bert_dir), device="cpu")  # 64 positions
+    monkeypatch.setattr(model, "forward", None)  # refused before any batch runs
+    model.max_seq_length = 100
+    rule = r"should be at most 64 \(the model's config.max_position_embeddings=64 positions\), but got "
+    with pytest.raises(ValueError, match=rf"^model.max_seq_length {rule}model.max_seq_length=100$"):
+        dst.encode(model, texts[:4])
+    model.max_seq_length = 32
+    with pytest.raises(ValueError, match=rf"^processing_kwargs\['text'\]\['max_length'\] {rule}"
+                       r"processing_kwargs\['text'\]\['max_length'\]=80$"):
+        dst.encode(model, texts[:4], processing_kwargs={"text": {"max_length": 80}})
