@@ -166,6 +166,16 @@ class _Preprocessor:
                              "call model.encode for it")
         self.constants = first
 
+    def limit(self, planned: int) -> int:
+        """The longest row ``preprocess`` gives: its truncation is the model's own (its Transformer's
+        ``processing_kwargs`` or ``query_length`` may set a ``max_length`` other than ``max_seq_length``), so it is
+        read from a row of more words than ``planned`` and the model's positions, as tokenized; ``planned`` where
+        that row is not cut."""
+        found = position_limit(self.model[0].auto_model)
+        words = max(planned, found[2] if found else 0) + 8
+        length = len(self._split([" ".join(["a"] * words)])[0]["input_ids"][0])
+        return length if length < words else planned
+
     def _split(self, texts: list[str]) -> tuple[dict[str, list], dict[str, Any]]:
         """``preprocess``'s output for ``texts``: ``(rows, the values besides rows)``."""
         out = self.model.preprocess(texts, prompt=self.prompt, processing_kwargs=self.processing, **self.kwargs)
@@ -302,6 +312,7 @@ def _run_rows(model: Any, inputs: list[str], prompt: str | None, batch_size: int
     # named as the caller set it: the loader would name its own max_input_token_length, no argument of encode
     name = "processing_kwargs['text']['max_length']" if called else "model.max_seq_length"
     check_position_limit(model[0].auto_model, planning_limit, length_name=name)
+    planning_limit = preprocessor.limit(planning_limit)
     constants = preprocessor.constants  # what every batch shares (prompt_length): values, read once
     loader = build_dynamic_batch_dataloader(inputs, preprocessor, batch_size, planning_limit, num_workers=0,
                                             progress=progress, model=model.transformers_model,
@@ -380,6 +391,7 @@ def corpus_embedder(model: Any, *, prompt_name: str | None = None, prompt: str |
         raise ValueError(f"model should run its inputs on dynamic batches, but {reason}: call model.encode for it")
     limit, cut = _length_limit(model)
     preprocessor = _Preprocessor(model, resolve_prompt(model, prompt, prompt_name), cut, {})
+    limit = preprocessor.limit(limit)
     constants = preprocessor.constants  # what every batch shares (prompt_length): values, read once
     model.eval()
 

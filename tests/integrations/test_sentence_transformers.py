@@ -270,3 +270,22 @@ def test_a_max_length_above_the_models_positions_is_refused_naming_the_setting_i
     with pytest.raises(ValueError, match=rf"^processing_kwargs\['text'\]\['max_length'\] {rule}"
                        r"processing_kwargs\['text'\]\['max_length'\]=80$"):
         dst.encode(model, texts[:4], processing_kwargs={"text": {"max_length": 80}})
+
+
+@pytest.mark.parametrize("length", [8, 40])
+def test_a_transformer_cutting_at_its_own_max_length_gives_model_encode_vectors(bert_dir, texts, length):
+    # a Transformer's processing_kwargs (or query_length, for task="query") cut rows at their own max_length, not at
+    # max_seq_length=16: above it the loader refused the rows ('lengths should be at most max_input_token_length=16')
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    for setting, call in (({"processing_kwargs": {"text": {"max_length": length}}}, {}),
+                          ({"query_length": length}, {"task": "query"})):
+        body = Transformer(str(bert_dir), max_seq_length=16, **setting)
+        model = SentenceTransformer(modules=[body, Pooling(32, pooling_mode="mean")], device="cpu")
+        want = model.encode(texts, batch_size=64, **call)
+        got = dst.encode(model, texts, batch_size=8, **call)
+        assert np.abs(got - want).max() < TOL, setting
+        if not call:
+            assert dst.corpus_embedder(model)[1] == length
