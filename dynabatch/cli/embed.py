@@ -238,12 +238,11 @@ def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) 
     ``default_prompt_name`` (``None``: none)."""
     from dynabatch.integrations.sentence_transformers import corpus_embedder, resolve_prompt
     from dynabatch.memory.calibrate import check_positions
-    from dynabatch.memory.shape import position_limit
 
     if args.prompt_name is not None and args.prompt_name not in st.prompts:
         raise bad_value("--prompt-name", f"one of the model's prompts {sorted(st.prompts)}", args.prompt_name)
     try:  # the run's own checks (its tokenization, what every batch shares), on the weightless model
-        tokenizer = corpus_embedder(st, prompt_name=args.prompt_name, prompt=args.prompt)[0]
+        tokenizer, cut_at, _ = corpus_embedder(st, prompt_name=args.prompt_name, prompt=args.prompt)
     except ValueError as exc:
         raise ValueError(f"--model should be a sentence-transformers model that runs on dynamic batches (or be given "
                          f"--pooling mean, cls or last), but got --model={args.model!r}: {exc}") from exc
@@ -251,9 +250,9 @@ def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) 
     # length that holds no more keeps no token of any text, and every vector is the same (a transformers folder is
     # refused so by its tokenizer's special tokens: _max_length)
     added = len(next(iter(tokenizer([""]).values()))[0])
-    length = args.max_length if args.max_length is not None else st.max_seq_length
+    length = args.max_length if args.max_length is not None else cut_at  # the longest row the model's own cut gives
     prompt = resolve_prompt(st, args.prompt, args.prompt_name)
-    if length is not None and length <= added:
+    if length <= added:
         what = "its special tokens and the prompt" if prompt else "its special tokens"
         if args.max_length is not None:
             raise bad_value("--max-length", f"at least {added + 1} (the model's tokenization adds {added} tokens to "
@@ -261,12 +260,6 @@ def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) 
         raise bad_value("--max-length", f"given above {added}: the max_seq_length={length} sentence-transformers "
                         f"reads from the folder holds only the tokens its tokenization adds to every text ({what})",
                         None)
-    if length is None:
-        found = position_limit(config)
-        if found is None:
-            raise bad_value("--max-length", "given: the model's folder, config and tokenizer set no length limit",
-                            None)
-        length = found[2]
     try:
         check_positions(config, length, 0, length_name="--max-length")
     except ValueError as exc:
@@ -274,8 +267,18 @@ def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) 
             raise
         raise bad_value("--max-length", f"given: the max_seq_length={length} sentence-transformers reads from the "
                         "folder is above the model's positions", None) from exc
-    st.max_seq_length = length
+    _cut_at(st, length)
     return length, corpus_embedder(st, prompt_name=args.prompt_name, prompt=args.prompt)[0], prompt
+
+
+def _cut_at(model: Any, length: int) -> None:
+    """Sets a sentence-transformers model to cut every row at ``length``: its ``max_seq_length`` and, where its
+    Transformer sets a text ``max_length`` of its own (``processing_kwargs``, which ``preprocess`` applies over
+    ``max_seq_length``), that one too: else ``--max-length`` was silently not applied to such a folder."""
+    model.max_seq_length = length
+    own = getattr(model[0], "processing_kwargs", None)
+    if isinstance(own, dict) and isinstance(own.get("text"), dict) and "max_length" in own["text"]:
+        own["text"]["max_length"] = length
 
 
 def _max_length(args: argparse.Namespace, config: Any, folder: str, tokenizer: Any) -> int:
@@ -390,7 +393,7 @@ def _load(spec: _Job, args: argparse.Namespace) -> tuple[Any, int, Any, Any]:
         from dynabatch.integrations.sentence_transformers import corpus_embedder
 
         model = SentenceTransformer(spec.folder, device=str(first), model_kwargs={"dtype": spec.dtype})
-        model.max_seq_length = spec.max_length
+        _cut_at(model, spec.max_length)
         tokenizer, limit, make_fn = corpus_embedder(model, prompt_name=args.prompt_name, prompt=args.prompt,
                                                     normalize_embeddings=args.normalize)
         return tokenizer, limit, make_fn, model.transformers_model

@@ -309,6 +309,32 @@ def test_a_folder_saved_by_sentence_transformers_2_to_5_runs_as_sentence_transfo
     _same_as_encode(folder, long_texts, out, 16)
 
 
+def test_a_folder_whose_transformer_cuts_at_its_own_max_length_runs_at_it_and_max_length_applies_to_it(
+        bert_dir, long_texts, tmp_path, capsys):
+    # its Transformer's processing_kwargs cut at 40 where max_seq_length is 16: the command planned for 16 and the
+    # loader refused every longer row; and --max-length set max_seq_length alone, which preprocess does not apply
+    # over the Transformer's own max_length: --max-length 12 stored the vectors cut at 40
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    folder = tmp_path / "model"
+    body = Transformer(str(bert_dir), max_seq_length=16, processing_kwargs={"text": {"max_length": 40}})
+    SentenceTransformer(modules=[body, Pooling(32, pooling_mode="mean")], device="cpu").save(str(folder))
+    model = SentenceTransformer(str(folder), device="cpu")
+    (tmp_path / "docs.txt").write_text("\n".join(long_texts) + "\n", encoding="utf-8")
+    for length, call in ((None, {}), (12, {"processing_kwargs": {"text": {"max_length": 12}}})):
+        out = tmp_path / f"store-{length}"
+        flags = [] if length is None else ["--max-length", str(length)]
+        capsys.readouterr()
+        assert main(["embed", str(tmp_path / "docs.txt"), str(out), "--model", str(folder), "--no-progress",
+                     *flags]) == 0
+        assert f"float32, max length {length or 40}, on cpu" in capsys.readouterr().out
+        want = model.encode(long_texts, **call)
+        stored = ds.dataset(out).to_table().sort_by("position").column("output").to_numpy(zero_copy_only=False)
+        assert np.abs(np.stack(stored) - want).max() < 1e-5, length
+
+
 def test_a_worker_whose_writes_fail_ends_the_job_non_zero_naming_what_is_missing(
         bert_dir, texts, tmp_path, cli, write_corpus, run_command):
     rows, ids = texts[:48], [f"doc-{i}" for i in range(48)]
