@@ -169,12 +169,20 @@ class _Preprocessor:
     def limit(self, planned: int) -> int:
         """The longest row ``preprocess`` gives: its truncation is the model's own (its Transformer's
         ``processing_kwargs`` or ``query_length`` may set a ``max_length`` other than ``max_seq_length``), so it is
-        read from a row of more words than ``planned`` and the model's positions, as tokenized; ``planned`` where
-        that row is not cut."""
-        found = position_limit(self.model[0].auto_model)
-        words = max(planned, found[2] if found else 0) + 8
-        length = len(self._split([" ".join(["a"] * words)])[0]["input_ids"][0])
-        return length if length < words else planned
+        read from a row of more words than ``planned`` (then, where that is not cut, than the model's positions: a
+        long probe, which costs a model of 128k positions a quarter of a second, only where needed), as tokenized;
+        ``planned`` where no probe is cut, or where the Transformer sets no length of its own (no probe runs)."""
+        first = self.model[0]
+        own = (getattr(first, "processing_kwargs", None) or {}).get("text") or {}
+        if "max_length" not in own and all(getattr(first, name, None) is None
+                                           for name in ("query_length", "document_length")):
+            return planned  # preprocess cuts at max_seq_length, the positions (cut) or the call's own max_length
+        found = position_limit(first.auto_model)
+        for words in sorted({planned + 8, max(planned, found[2] if found else 0) + 8}):
+            length = len(self._split([" ".join(["a"] * words)])[0]["input_ids"][0])
+            if length < words:
+                return length
+        return planned
 
     def _split(self, texts: list[str]) -> tuple[dict[str, list], dict[str, Any]]:
         """``preprocess``'s output for ``texts``: ``(rows, the values besides rows)``."""
