@@ -40,10 +40,9 @@ from dynabatch.cli._checks import (
     refusing,
     settle,
 )
+from dynabatch.memory import TASKS
 
 __all__ = ["TASKS", "add_parser", "calibrate_command", "plot"]
-
-TASKS = ("generate", "forward", "train")
 
 
 _EXAMPLES = """examples:

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from dynabatch._validation import bad_type, bad_value, check_bool
+from dynabatch._validation import bad_type, bad_value, check_bool, check_choice, check_non_negative_int
+from dynabatch.memory import TASKS
 from dynabatch.memory.units import MB
 
 logger = logging.getLogger(__name__)
@@ -169,8 +170,11 @@ def from_dict(cls: type, data: Any) -> Any:
     return mm
 
 
-def load(cls: type, path: str | Path, model: Any = None, device: Any = None) -> Any:
-    """Reads a file :func:`save` wrote; warns if it was made for another ``model`` or ``device``."""
+def load(cls: type, path: str | Path, model: Any = None, device: Any = None, task: str | None = None,
+         max_new_tokens: int | None = None) -> Any:
+    """Reads a file :func:`save` wrote; warns if it was made for another ``model``, ``device``, ``task`` or fewer
+    ``max_new_tokens`` (see :func:`check`)."""
+    check_setting(task, max_new_tokens)
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
@@ -184,7 +188,7 @@ def load(cls: type, path: str | Path, model: Any = None, device: Any = None) -> 
                and current.get(k) != v}
     if changed:
         logger.info("memory model %s was measured with %s; installed now: %s", path, changed, current)
-    check(mm, model=model, device=device, stacklevel=4)
+    check(mm, model=model, device=device, task=task, max_new_tokens=max_new_tokens, stacklevel=4)
     return mm
 
 
@@ -205,8 +209,54 @@ def same_name(given: str, recorded: str) -> bool:
         return False
 
 
-def check(mm: Any, model: Any = None, device: Any = None, stacklevel: int = 3) -> list[str]:
-    """Warns (and returns the messages) where ``model`` or ``device`` differ from what was calibrated."""
+def check_setting(task: Any, max_new_tokens: Any) -> None:
+    """Refuses a ``task`` not of :data:`TASKS`, or ``max_new_tokens`` (``None`` or an int >= 0) with a task that
+    generates none (as ``dynabatch calibrate`` refuses ``--max-new-tokens`` without ``--task generate``)."""
+    if task is not None:
+        check_choice("task", task, TASKS)
+    if max_new_tokens is not None:
+        check_non_negative_int("max_new_tokens", max_new_tokens)
+        if max_new_tokens and task not in (None, "generate"):
+            raise bad_value("max_new_tokens", f"None or 0 with task={task!r} (a forward or a training step "
+                            "generates no tokens)", max_new_tokens)
+
+
+def calibrated_setting(mm: Any) -> tuple[str | None, int | None]:
+    """The task and new tokens per row ``mm`` was calibrated for, ``None`` where its metadata does not say.
+
+    ``dynabatch calibrate`` records both; :func:`dynabatch.calibrate` records ``max_new_tokens`` only (its work is
+    yours), given for work that generates, so a positive one there means ``generate``.
+    """
+    recorded = mm.metadata.get("max_new_tokens")
+    new_tokens = recorded if isinstance(recorded, int) and not isinstance(recorded, bool) else None
+    task = mm.metadata.get("task")
+    if task not in TASKS:
+        task = "generate" if new_tokens else None
+    return task, new_tokens
+
+
+def setting_problems(mm: Any, task: str | None, max_new_tokens: int | None) -> list[str]:
+    """What differs between the run's ``task`` and ``max_new_tokens`` and those ``mm`` was calibrated for: another
+    task, or more new tokens (a longer KV cache than measured). Fewer new tokens over-predict: no problem."""
+    calibrated_task, calibrated_tokens = calibrated_setting(mm)
+    new_tokens = f" --max-new-tokens {max_new_tokens}" if max_new_tokens else ""
+    advice = f"calibrate for this setting (dynabatch calibrate ... --task {task or 'generate'}{new_tokens})"
+    if task is not None and calibrated_task is not None and task != calibrated_task:
+        return [f"task={task!r} differs from the task the memory model was calibrated for ({calibrated_task!r}): "
+                f"its peaks are of other work; {advice}"]
+    if (max_new_tokens is not None and calibrated_tokens is not None and task in (None, "generate")
+            and max_new_tokens > calibrated_tokens):
+        return [f"max_new_tokens={max_new_tokens} exceeds the max_new_tokens the memory model was calibrated for "
+                f"({calibrated_tokens}): its peaks under-predict the longer KV cache; {advice}"]
+    return []
+
+
+def check(mm: Any, model: Any = None, device: Any = None, task: str | None = None,
+          max_new_tokens: int | None = None, stacklevel: int = 3) -> list[str]:
+    """Warns (and returns the messages) where ``model``, ``device``, ``task`` or ``max_new_tokens`` differ from what
+    was calibrated: another model or device type, another task, or more new tokens than calibrated. What the file
+    does not record (a file saved before it was, a task of your own work) is not compared."""
+    check_setting(task, max_new_tokens)
     problems = []
     if device is not None and mm.device is not None:
         import torch
@@ -225,6 +275,7 @@ def check(mm: Any, model: Any = None, device: Any = None, stacklevel: int = 3) -
             theirs = {k: given[k] for k in differ}
             problems.append(f"model={theirs} differs from the model the memory model was measured on "
                             f"({mine}): calibrate for this model")
+    problems += setting_problems(mm, task, max_new_tokens)
     for problem in problems:
         warnings.warn(problem, UserWarning, stacklevel=stacklevel)
     return problems

@@ -351,10 +351,25 @@ class MemoryModel:
         return _model_io.from_dict(cls, data)
 
     @classmethod
-    def load(cls, path: str | Path, *, model: Any = None, device: Any = None) -> MemoryModel:
-        """Reads a model :meth:`save` wrote; warns if it was made for another ``model`` or ``device``."""
-        return _model_io.load(cls, path, model=model, device=device)
+    def load(cls, path: str | Path, *, model: Any = None, device: Any = None, task: str | None = None,
+             max_new_tokens: int | None = None) -> MemoryModel:
+        """Reads a model :meth:`save` wrote; warns as :meth:`check` does if it was made for another ``model``,
+        ``device`` or ``task``, or fewer ``max_new_tokens``."""
+        return _model_io.load(cls, path, model=model, device=device, task=task, max_new_tokens=max_new_tokens)
 
-    def check(self, model: Any = None, device: Any = None) -> list[str]:
-        """Warns (and returns the messages) where ``model`` or ``device`` differ from what was calibrated."""
-        return _model_io.check(self, model=model, device=device)
+    def check(self, model: Any = None, device: Any = None, *, task: str | None = None,
+              max_new_tokens: int | None = None) -> list[str]:
+        """Warns (and returns the messages) where the run differs from what was calibrated.
+
+        Args:
+            model: the run's model: another name, class, parameter count, dtype or attention warns.
+            device: the run's device: another device type warns.
+            task: the run's work, one of ``"generate"``, ``"forward"``, ``"train"``: another than the file's warns.
+            max_new_tokens: a generate run's new tokens per row: more than calibrated warns (a longer KV cache
+                than measured); fewer over-predict and pass.
+
+        Raises:
+            TypeError: ``task`` not a str or ``max_new_tokens`` not an int.
+            ValueError: ``task`` not one of them, or ``max_new_tokens`` below 0 or above 0 with another task.
+        """
+        return _model_io.check(self, model=model, device=device, task=task, max_new_tokens=max_new_tokens)

@@ -166,6 +166,38 @@ def test_loading_for_another_attention_implementation_warns(tmp_path):
         MemoryModel.load(tmp_path / "older.json", model=eager)
 
 
+def test_loading_for_another_task_or_more_new_tokens_warns(tmp_path):
+    # A file records the task and new tokens it was calibrated for, but load compared neither: one calibrated for
+    # 64 new tokens planned a run of 256 (a KV cache four times as long), or a forward's for generate, silently.
+    path = tmp_path / "mm.json"
+    fitted(metadata={"task": "generate", "max_new_tokens": 64}).save(path)
+    advice = r"calibrate for this setting \(dynabatch calibrate \.\.\. --task generate --max-new-tokens 256\)$"
+    with pytest.warns(UserWarning, match=r"^max_new_tokens=256 exceeds the max_new_tokens the memory model was "
+                                         r"calibrated for \(64\): its peaks under-predict the longer KV cache; " + advice):
+        MemoryModel.load(path, task="generate", max_new_tokens=256)
+    with pytest.warns(UserWarning, match=r"^task='forward' differs from the task the memory model was calibrated "
+                                         r"for \('generate'\)"):
+        assert len(MemoryModel.load(path).check(task="forward")) == 1
+    fitted(metadata={"task": "forward", "max_new_tokens": 0}).save(tmp_path / "forward.json")
+    with pytest.warns(UserWarning, match=r"^task='generate' differs .* \('forward'\): .*; " + advice):
+        MemoryModel.load(tmp_path / "forward.json", task="generate", max_new_tokens=256)
+    fitted(metadata={"max_new_tokens": 64}).save(tmp_path / "library.json")  # dynabatch.calibrate's: generate
+    with pytest.warns(UserWarning, match=r"^task='train' differs .* \('generate'\)"):
+        MemoryModel.load(tmp_path / "library.json", task="train")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # fewer new tokens than calibrated over-predict: safe; a file without the fields compares nothing
+        assert MemoryModel.load(path, task="generate", max_new_tokens=16).check(max_new_tokens=64) == []
+        fitted().save(tmp_path / "older.json")
+        MemoryModel.load(tmp_path / "older.json", task="generate", max_new_tokens=256)
+    with pytest.raises(ValueError, match=r"task should be one of \('generate', 'forward', 'train'\)"):
+        MemoryModel.load(path, task="embed")
+    with pytest.raises(ValueError, match=r"max_new_tokens should be None or 0 with task='forward'"):
+        MemoryModel.load(path, task="forward", max_new_tokens=8)
+    with pytest.raises(TypeError, match="max_new_tokens should be a non-negative integer"):
+        MemoryModel.load(path).check(max_new_tokens=6.5)
+
+
 def test_extrapolation_warns_once():
     mm = fitted()
     with pytest.warns(UserWarning, match=r"padded_length=512 beyond the longest probed \(256\)"):
