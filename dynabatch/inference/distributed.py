@@ -207,21 +207,31 @@ def job_token() -> str | None:
     return token[0]
 
 
-def check_same_batches(batches: Sequence[np.ndarray]) -> None:
+def check_same_batches(batches: Sequence[np.ndarray], inputs: Any = None) -> None:
     """Collective: raises the same ``ValueError`` on every rank unless all ranks hold the same batches (a digest of
-    their positions): :func:`dynabatch.run` shares them among the ranks itself."""
+    their positions) of the same inputs (a digest of ``inputs``: what identifies them, such as every input's token
+    hash): :func:`dynabatch.run` shares them among the ranks itself, and a rank's rows computed from other texts (or
+    by another tokenizer) would be mixed in with the others' unseen."""
     _, size = world()
     if size == 1:
         return
     everyone: list = [None] * size
     digest = fingerprint([np.asarray(b, dtype=np.int64) for b in batches])
-    torch.distributed.all_gather_object(everyone, (len(batches), digest))
-    other = next((r for r, mine in enumerate(everyone) if mine != everyone[0]), None)
+    torch.distributed.all_gather_object(everyone, (len(batches), digest, fingerprint(inputs)))
+    other = next((r for r, mine in enumerate(everyone) if mine[:2] != everyone[0][:2]), None)
     if other is not None:
         raise ValueError(
             "loader should yield the same batches on every rank (run shares them among the ranks itself), but "
             f"got {everyone[other][0]} batches on rank {other} and {everyone[0][0]} on rank 0 that differ; pass "
             "every rank the whole loader, not its own share"
+        )
+    other = next((r for r, mine in enumerate(everyone) if mine[2] != everyone[0][2]), None)
+    if other is not None:
+        raise ValueError(
+            "loader should hold the same inputs on every rank (each rank runs its share of them, and rank 0 gets "
+            f"every rank's rows), but got inputs on rank {other} that differ from rank 0's (other texts, or tokens "
+            "of another tokenizer) in the same batches; build every rank's loader from the same texts with the same "
+            "tokenizer and settings"
         )
 
 
@@ -235,11 +245,12 @@ def chunk_claims(n_chunks: int) -> Iterator[int]:
         yield k
 
 
-def claimed_planner(plan: Any) -> tuple[ChunkedPlanner, Any]:
+def claimed_planner(plan: Any, inputs: Any) -> tuple[ChunkedPlanner, Any]:
     """This rank's planner under ``run(ranks="claim")``: the chunks it claims, planned (a streaming loader's also
-    tokenized) as they come; with the stream's feed to close, or ``None``."""
+    tokenized) as they come; with the stream's feed to close, or ``None``. ``inputs``: what identifies the plan's
+    inputs, checked alike on every rank (:func:`check_same_batches`)."""
     planner, stream = plan.planner, plan.stream
-    check_same_batches([stream.order if stream is not None else planner.order])
+    check_same_batches([stream.order if stream is not None else planner.order], inputs)
     if stream is not None:
         feed = stream.feed(chunk_claims(stream.n_chunks), ahead=1)
         return ChunkedPlanner(feed.next, planner.settings, planner.estimator), feed

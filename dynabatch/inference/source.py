@@ -124,14 +124,14 @@ class Source:
             return [item.keep(keep, whole=True) for keep in np.array_split(np.arange(len(item.positions)), parts)]
 
         if ranks == "claim":
-            self.planner, feed = claimed_planner(self.plan)
+            self.planner, feed = claimed_planner(self.plan, self.identity())
             if feed is not None:
                 self._stops.append(feed.close)
             self._mine, self.known = (Item(n, b) for n, b in enumerate(self.planner.iter_batches())), False
             self.scale = world_size
         elif ranks == "lockstep":
             items = list(self.items())
-            check_same_batches([i.positions for i in items])
+            check_same_batches([i.positions for i in items], self.identity())
             try:
                 shares = split_for_replicas(items, world_size, samples=lambda item: len(item.positions), split=split)
             except ValueError as exc:  # raised alike on every rank (each holds the whole plan): none is left waiting
@@ -142,6 +142,17 @@ class Source:
             logger.info("rank %d of %d: %d batches (%d rows) of %d batches (%d rows)", rank, world_size,
                         len(self._mine), sum(len(i.positions) for i in self._mine), len(items),
                         sum(len(i.positions) for i in items))
+
+    def identity(self) -> np.ndarray | None:
+        """What identifies this run's inputs before any runs, for the ranks to check they hold the same ones: a plan's
+        every input's token hash; a streamed plan's texts' lengths in characters (its tokens are made as chunks are
+        claimed, each on one rank: texts of the same lengths that differ pass); ``None`` for an iterable of
+        batches."""
+        if self.plan is None:
+            return None
+        if self.streamed:
+            return self.plan.stream.source.char_lengths()
+        return token_store_hashes(self.plan.collator.tokenized)
 
     def dealt(self, n: int) -> np.ndarray | None:
         """Under ``ranks="lockstep"``, which of the ``n`` input positions this rank's batches hold (``None``: not in

@@ -134,6 +134,19 @@ _WORKER = textwrap.dedent(
         report["per_rank_share"] = None
     except ValueError as exc:
         report["per_rank_share"] = str(exc)
+    # Rank 1's loader of other texts with the same token lengths (" the " read " and "): the same batches, other
+    # inputs; refused on every rank in both modes, not rows of two corpora mixed in rank 0's result.
+    others = [t.replace(" the ", " and ") for t in texts] if rank == 1 else texts
+    other_loader = dynabatch.build_dynamic_batch_dataloader(others, tokenizer, batch_size=4,
+                                                            max_input_token_length=64, num_workers=0)
+    report["inputs_differ"] = {"same_batches": [b.tolist() for b in other_loader.plan.sampler.batches]
+                               == [b.tolist() for b in loader.plan.sampler.batches]}
+    for mode in ("lockstep", "claim"):
+        try:
+            run(lambda b: b["input_ids"].sum(dim=1), other_loader, ranks=mode, progress=False)
+            report["inputs_differ"][mode] = None
+        except ValueError as exc:
+            report["inputs_differ"][mode] = str(exc)
 
     # The display in lockstep: each rank shows its own dealt share, named, its time left what that share costs.
     import contextlib
@@ -379,6 +392,16 @@ def test_two_gloo_ranks_refuse_a_loader_already_split_per_rank(two_ranks):
     assert re.fullmatch(r"loader should yield the same batches on every rank \(run shares them among the ranks "
                         r"itself\), but got \d+ batches on rank 1 and \d+ on rank 0 that differ; pass every rank "
                         r"the whole loader, not its own share", messages[0])
+
+
+def test_two_gloo_ranks_refuse_loaders_of_other_inputs_in_the_same_batches(two_ranks):
+    differ = [r["inputs_differ"] for r in two_ranks]
+    assert differ[0] == differ[1]
+    assert differ[0]["same_batches"]  # the positions alone match: the check must look at the inputs
+    for mode in ("lockstep", "claim"):
+        assert re.fullmatch(r"loader should hold the same inputs on every rank .*but got inputs on rank 1 that differ "
+                            r"from rank 0's \(other texts, or tokens of another tokenizer\).*same tokenizer and "
+                            r"settings", differ[0][mode]), differ[0][mode]
 
 
 def test_two_gloo_ranks_stay_in_lockstep_through_an_out_of_memory_split(two_ranks, tokenizer):
