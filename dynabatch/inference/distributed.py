@@ -207,9 +207,10 @@ def job_token() -> str | None:
     return token[0]
 
 
-def check_same_batches(batches: Sequence[np.ndarray], inputs: Any = None) -> None:
-    """Collective: raises the same ``ValueError`` on every rank unless all ranks hold the same batches (a digest of
-    their positions) of the same inputs (a digest of ``inputs``: what identifies them, such as every input's token
+def check_same_batches(ranks: str, batches: Sequence[np.ndarray], inputs: Any = None) -> None:
+    """Collective: raises the same ``ValueError`` on every rank unless all ranks share the work the same way (``ranks``:
+    ``"lockstep"`` or ``"claim"``; ranks that differ would wait for ever in collectives the others never make) and
+    hold the same batches (a digest of their positions) of the same inputs (a digest of ``inputs``: what identifies them, such as every input's token
     hash): :func:`dynabatch.run` shares them among the ranks itself, and a rank's rows computed from other texts (or
     by another tokenizer) would be mixed in with the others' unseen."""
     _, size = world()
@@ -217,7 +218,11 @@ def check_same_batches(batches: Sequence[np.ndarray], inputs: Any = None) -> Non
         return
     everyone: list = [None] * size
     digest = fingerprint([np.asarray(b, dtype=np.int64) for b in batches])
-    torch.distributed.all_gather_object(everyone, (len(batches), digest, fingerprint(inputs)))
+    torch.distributed.all_gather_object(everyone, (len(batches), digest, fingerprint(inputs), ranks))
+    other = next((r for r, mine in enumerate(everyone) if mine[3] != everyone[0][3]), None)
+    if other is not None:
+        raise ValueError(f"ranks should be the same on every rank, but got ranks={everyone[other][3]!r} on rank "
+                         f"{other} and ranks={everyone[0][3]!r} on rank 0; pass every rank the same ranks")
     other = next((r for r, mine in enumerate(everyone) if mine[:2] != everyone[0][:2]), None)
     if other is not None:
         raise ValueError(
@@ -250,7 +255,7 @@ def claimed_planner(plan: Any, inputs: Any) -> tuple[ChunkedPlanner, Any]:
     tokenized) as they come; with the stream's feed to close, or ``None``. ``inputs``: what identifies the plan's
     inputs, checked alike on every rank (:func:`check_same_batches`)."""
     planner, stream = plan.planner, plan.stream
-    check_same_batches([stream.order if stream is not None else planner.order], inputs)
+    check_same_batches("claim", [stream.order if stream is not None else planner.order], inputs)
     if stream is not None:
         feed = stream.feed(chunk_claims(stream.n_chunks), ahead=1)
         return ChunkedPlanner(feed.next, planner.settings, planner.estimator), feed

@@ -131,7 +131,7 @@ class Source:
             self.scale = world_size
         elif ranks == "lockstep":
             items = list(self.items())
-            check_same_batches([i.positions for i in items], self.identity())
+            check_same_batches("lockstep", [i.positions for i in items], self.identity())
             try:
                 shares = split_for_replicas(items, world_size, samples=lambda item: len(item.positions), split=split)
             except ValueError as exc:  # raised alike on every rank (each holds the whole plan): none is left waiting

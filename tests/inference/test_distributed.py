@@ -147,6 +147,15 @@ _WORKER = textwrap.dedent(
             report["inputs_differ"][mode] = None
         except ValueError as exc:
             report["inputs_differ"][mode] = str(exc)
+    # Rank 0 in lockstep, rank 1 claiming, 3 texts in one batch (the same positions either way): refused on both,
+    # not each waiting for ever in a collective the other never makes.
+    one_batch = dynabatch.build_dynamic_batch_dataloader(texts[:3], tokenizer, batch_size=4, max_input_token_length=64,
+                                                         num_workers=0)
+    try:
+        run(lambda b: b["input_ids"].sum(dim=1), one_batch, ranks=("lockstep", "claim")[rank], progress=False)
+        report["modes_differ"] = None
+    except ValueError as exc:
+        report["modes_differ"] = str(exc)
 
     # The display in lockstep: each rank shows its own dealt share, named, its time left what that share costs.
     import contextlib
@@ -402,6 +411,12 @@ def test_two_gloo_ranks_refuse_loaders_of_other_inputs_in_the_same_batches(two_r
         assert re.fullmatch(r"loader should hold the same inputs on every rank .*but got inputs on rank 1 that differ "
                             r"from rank 0's \(other texts, or tokens of another tokenizer\).*same tokenizer and "
                             r"settings", differ[0][mode]), differ[0][mode]
+
+
+def test_two_gloo_ranks_refuse_ranks_that_differ_between_them(two_ranks):
+    assert two_ranks[0]["modes_differ"] == two_ranks[1]["modes_differ"] == (
+        "ranks should be the same on every rank, but got ranks='claim' on rank 1 and ranks='lockstep' on rank 0; "
+        "pass every rank the same ranks")
 
 
 def test_two_gloo_ranks_stay_in_lockstep_through_an_out_of_memory_split(two_ranks, tokenizer):
