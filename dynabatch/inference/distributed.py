@@ -207,9 +207,10 @@ def job_token() -> str | None:
     return token[0]
 
 
-def check_same_batches(ranks: str, batches: Sequence[np.ndarray], inputs: Any = None) -> None:
+def check_same_batches(ranks: str, batches: Sequence[np.ndarray], inputs: Any = None, *, store: bool = False) -> None:
     """Collective: raises the same ``ValueError`` on every rank unless all ranks share the work the same way (``ranks``:
-    ``"lockstep"`` or ``"claim"``; ranks that differ would wait for ever in collectives the others never make) and
+    ``"lockstep"`` or ``"claim"``; ``store``: whether the rows go to a results store, else rank 0 gathers them; ranks
+    that differ would wait for ever in collectives the others never make) and
     hold the same batches (a digest of their positions) of the same inputs (a digest of ``inputs``: what identifies them, such as every input's token
     hash): :func:`dynabatch.run` shares them among the ranks itself, and a rank's rows computed from other texts (or
     by another tokenizer) would be mixed in with the others' unseen."""
@@ -218,11 +219,18 @@ def check_same_batches(ranks: str, batches: Sequence[np.ndarray], inputs: Any = 
         return
     everyone: list = [None] * size
     digest = fingerprint([np.asarray(b, dtype=np.int64) for b in batches])
-    torch.distributed.all_gather_object(everyone, (len(batches), digest, fingerprint(inputs), ranks))
+    torch.distributed.all_gather_object(everyone, (len(batches), digest, fingerprint(inputs), ranks, store))
     other = next((r for r, mine in enumerate(everyone) if mine[3] != everyone[0][3]), None)
     if other is not None:
         raise ValueError(f"ranks should be the same on every rank, but got ranks={everyone[other][3]!r} on rank "
                          f"{other} and ranks={everyone[0][3]!r} on rank 0; pass every rank the same ranks")
+    other = next((r for r, mine in enumerate(everyone) if mine[4] != everyone[0][4]), None)
+    if other is not None:
+        given = {True: "given", False: "None"}
+        raise ValueError(
+            "output_path should be given on every rank or on none (with it every rank writes into the store, without "
+            f"it rank 0 gathers every rank's rows), but got output_path {given[everyone[other][4]]} on rank {other} "
+            f"and {given[everyone[0][4]]} on rank 0; pass every rank the same output_path")
     other = next((r for r, mine in enumerate(everyone) if mine[:2] != everyone[0][:2]), None)
     if other is not None:
         raise ValueError(
@@ -250,12 +258,12 @@ def chunk_claims(n_chunks: int) -> Iterator[int]:
         yield k
 
 
-def claimed_planner(plan: Any, inputs: Any) -> tuple[ChunkedPlanner, Any]:
+def claimed_planner(plan: Any, inputs: Any, *, store: bool) -> tuple[ChunkedPlanner, Any]:
     """This rank's planner under ``run(ranks="claim")``: the chunks it claims, planned (a streaming loader's also
     tokenized) as they come; with the stream's feed to close, or ``None``. ``inputs``: what identifies the plan's
-    inputs, checked alike on every rank (:func:`check_same_batches`)."""
+    inputs, and ``store`` whether rows go to a results store, checked alike on every rank (:func:`check_same_batches`)."""
     planner, stream = plan.planner, plan.stream
-    check_same_batches("claim", [stream.order if stream is not None else planner.order], inputs)
+    check_same_batches("claim", [stream.order if stream is not None else planner.order], inputs, store=store)
     if stream is not None:
         feed = stream.feed(chunk_claims(stream.n_chunks), ahead=1)
         return ChunkedPlanner(feed.next, planner.settings, planner.estimator), feed

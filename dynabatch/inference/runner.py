@@ -136,10 +136,13 @@ def run(
                               progress=progress)
     # the run's own stage counter: its threads' seconds, none of another run's at the same time (the report's)
     with _one_run_of(plan, loader), timing_stages():
-        source = Source(loader, plan)  # job: one token for this job's ranks (a collective), for the store's job lock
+        source = Source(loader, plan)
+        # one token for this job's ranks, for the store's job lock: a collective (but under torchrun), so made on
+        # every rank, with a store or not, for a rank without one to reach the check that refuses it (share)
+        job = None if options.ranks == "single" else job_token()
         sink = open_sink(options.output_path, key=options.key, n=source.n_inputs,
                          ids=None if plan is None else plan.ids, gather=options.ranks != "single",
-                         job=None if options.output_path is None or options.ranks == "single" else job_token())
+                         job=None if options.output_path is None else job)
         try:
             return _run(source, sink, options)
         finally:
@@ -213,7 +216,7 @@ def _share_and_execute(source: Source, sink: MemorySink | StoreSink, options: Ru
                        stored: np.ndarray | None) -> RunReport:
     """This rank's share of the batches, run into the sink (rank 0 also lists the inputs the loader skipped)."""
     plan = source.plan
-    source.share(options.ranks, options.rank, options.world_size)
+    source.share(options.ranks, options.rank, options.world_size, store=options.output_path is not None)
     scheduler = Scheduler(source, memory=options.memory, sparse=options.sparse, stored=stored,
                           read_ahead=options.prefetch)
     builder = Builder(plan, source.loader, pad_token_id=options.pad_token_id,

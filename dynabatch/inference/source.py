@@ -114,8 +114,9 @@ class Source:
         self._seen = -1  # the largest input position handed out (a plain iterable's inputs are those it names)
         self._given = np.zeros(0, dtype=bool)  # the positions a plain iterable's batches named so far
 
-    def share(self, ranks: str, rank: int, world_size: int) -> None:
-        """Keeps only this rank's share of the batches under ``ranks`` (``"single"``: every batch): ``"lockstep"``,
+    def share(self, ranks: str, rank: int, world_size: int, *, store: bool = False) -> None:
+        """Keeps only this rank's share of the batches under ``ranks`` (``"single"``: every batch; ``store``: the rows go
+        to a results store, checked alike on every rank): ``"lockstep"``,
         every rank the same number of batches of the whole plan, dealt (:mod:`dynabatch.sampling.ranks`) and numbered
         from 0; ``"claim"``, the chunks of the plan this rank claims (a streamed plan tokenizes only those)."""
         from dynabatch.inference.distributed import check_same_batches, claimed_planner
@@ -124,14 +125,14 @@ class Source:
             return [item.keep(keep, whole=True) for keep in np.array_split(np.arange(len(item.positions)), parts)]
 
         if ranks == "claim":
-            self.planner, feed = claimed_planner(self.plan, self.identity())
+            self.planner, feed = claimed_planner(self.plan, self.identity(), store=store)
             if feed is not None:
                 self._stops.append(feed.close)
             self._mine, self.known = (Item(n, b) for n, b in enumerate(self.planner.iter_batches())), False
             self.scale = world_size
         elif ranks == "lockstep":
             items = list(self.items())
-            check_same_batches("lockstep", [i.positions for i in items], self.identity())
+            check_same_batches("lockstep", [i.positions for i in items], self.identity(), store=store)
             try:
                 shares = split_for_replicas(items, world_size, samples=lambda item: len(item.positions), split=split)
             except ValueError as exc:  # raised alike on every rank (each holds the whole plan): none is left waiting

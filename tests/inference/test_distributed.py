@@ -156,6 +156,16 @@ _WORKER = textwrap.dedent(
         report["modes_differ"] = None
     except ValueError as exc:
         report["modes_differ"] = str(exc)
+    # output_path on rank 0 only (rank 0 would write into the store, rank 1 wait to gather into rank 0): refused on
+    # both, in either mode, not each waiting for ever in a collective the other never makes.
+    report["store_on_one_rank"] = {}
+    for mode in ("lockstep", "claim"):
+        try:
+            run(lambda b: b["input_ids"].sum(dim=1), loader, ranks=mode, progress=False,
+                output_path=os.path.join(out, f"one-rank-{mode}") if rank == 0 else None)
+            report["store_on_one_rank"][mode] = None
+        except ValueError as exc:
+            report["store_on_one_rank"][mode] = str(exc)
 
     # The display in lockstep: each rank shows its own dealt share, named, its time left what that share costs.
     import contextlib
@@ -417,6 +427,16 @@ def test_two_gloo_ranks_refuse_ranks_that_differ_between_them(two_ranks):
     assert two_ranks[0]["modes_differ"] == two_ranks[1]["modes_differ"] == (
         "ranks should be the same on every rank, but got ranks='claim' on rank 1 and ranks='lockstep' on rank 0; "
         "pass every rank the same ranks")
+
+
+def test_two_gloo_ranks_refuse_output_path_on_one_rank_only(two_ranks):
+    messages = [r["store_on_one_rank"] for r in two_ranks]
+    assert messages[0] == messages[1]
+    for mode in ("lockstep", "claim"):
+        assert messages[0][mode] == (
+            "output_path should be given on every rank or on none (with it every rank writes into the store, without it "
+            "rank 0 gathers every rank's rows), but got output_path None on rank 1 and given on rank 0; pass every rank "
+            "the same output_path")
 
 
 def test_two_gloo_ranks_stay_in_lockstep_through_an_out_of_memory_split(two_ranks, tokenizer):
