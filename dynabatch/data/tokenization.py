@@ -76,6 +76,7 @@ FORBIDDEN_TOKENIZER_KWARGS: dict[str, str] = {
     "max_length": "dynabatch sets it from max_input_token_length",
     "truncation": "dynabatch always truncates to max_input_token_length",
     "padding": "dynabatch pads each batch itself",
+    "padding_side": "dynabatch pads each batch on the tokenizer's side: set tokenizer.padding_side instead",
     "pad_to_multiple_of": "set it on the collator instead",
     "return_tensors": "dynabatch builds the tensors of each batch itself",
     "return_attention_mask": "dynabatch builds the attention mask of each batch itself",
@@ -216,7 +217,7 @@ def check_tokenizer_kwargs(tokenizer: Any, tokenizer_kwargs: dict[str, Any], cal
             continue
         setting = getattr(type(tokenizer), key, None) if isinstance(key, str) else None
         if isinstance(setting, str) or (key in getattr(tokenizer, "__dict__", {}) and not callable(setting)):
-            # a setting of the tokenizer object (truncation_side, padding_side), which its call ignores silently
+            # a setting of the tokenizer object (truncation_side), which its call ignores silently
             # (transformers 5 drops the keyword): the tokenizer applies it where it is set
             hint = f" (set it on the tokenizer instead: tokenizer.{key} = {value!r})"
         else:  # the keywords dynabatch refuses are no hint

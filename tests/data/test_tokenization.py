@@ -236,6 +236,12 @@ def test_loader_owned_kwargs_are_refused(tokenizer, key):
         tokenize_texts(["a"], tokenizer, MAX_LEN, **{key: 10})
 
 
+def test_padding_side_as_a_keyword_is_refused_naming_the_tokenizers_setting(tokenizer):
+    # the call takes padding_side and ignores it (padding=False); the batches were padded on tokenizer.padding_side
+    with pytest.raises(ValueError, match=r"^tokenizer_kwargs should not set 'padding_side' \(dynabatch pads each batch on the tokenizer's side: set tokenizer.padding_side instead\), but got tokenizer_kwargs=\{'padding_side': 'left'\}$"):
+        tokenize_texts(["a"], tokenizer, MAX_LEN, padding_side="left")
+
+
 def test_max_length_message_names_the_limit_argument(tokenizer):
     with pytest.raises(ValueError, match=r"^tokenizer_kwargs should not set 'max_length' \(dynabatch sets it from max_input_token_length\), but got tokenizer_kwargs=\{'max_length': 10\}$"):
         tokenize_texts(["a"], tokenizer, MAX_LEN, max_length=10)
