@@ -630,16 +630,32 @@ class ParallelTokenizer:
         an event watched between pieces (a stream's tokenizing thread, paused), so a stop waits for one piece.
 
         Raises:
-            ValueError: a text holds a lone surrogate (:func:`check_encodable`), where the tokenizer failed on it.
+            ValueError: a text holds a lone surrogate (:func:`check_encodable`), where the tokenizer failed on it; a
+                row is longer than ``max_input_token_length`` (the tokenizer's call ignored ``max_length``).
             StopRequested: ``stop`` was set before the last piece (nothing is kept of the call).
         """
         try:
-            return self._tokenized(items, progress=progress, later=later, stop=stop)
+            tokens = self._tokenized(items, progress=progress, later=later, stop=stop)
         except Exception as exc:
             # A fast tokenizer refuses a text that is not valid Unicode with a TypeError naming neither the text nor
             # its position; checking every text up front would cost a copy of the corpus: only a failed call looks
             check_encodable(items, positions, exc, texts_name=self.texts_name)
             raise
+        self._check_truncated(tokens, positions)
+        return tokens
+
+    def _check_truncated(self, tokens: TokenizedTexts, positions: Any) -> None:
+        """Refuses rows longer than the limit, naming the first by its input position: a callable whose call ignores
+        ``truncation``/``max_length`` was otherwise refused by the planner, as ``lengths`` that name no text."""
+        longer = tokens.lengths > self.max_input_token_length
+        if not longer.any():
+            return
+        first = int(np.argmax(longer))
+        where = first if positions is None else int(positions[first])
+        limit = self.max_input_token_length
+        raise bad_value(f"len(tokenizer({self.texts_name}[{where}])['input_ids'])",
+                        f"at most max_input_token_length={limit} (the tokenizer is called with truncation=True, "
+                        f"max_length={limit}: make its call honour them)", int(tokens.lengths[first]))
 
     def _tokenized(self, items: list[str], *, progress: bool, later: float,
                    stop: threading.Event | None) -> TokenizedTexts:
@@ -781,7 +797,7 @@ def tokenize_texts(
         texts: the texts, see :func:`validate_texts`.
         tokenizer: a Hugging Face tokenizer, or any callable that takes a list
             of str and returns a mapping whose ``"input_ids"`` holds one list
-            of ids per text.
+            of ids per text, of at most ``max_length`` ids.
         max_input_token_length: the truncation limit, in tokens.
         chunk_size: texts per tokenizer call; ``None``: as many as hold
             :data:`TOKENS_PER_CALL` tokens at the limit (64 to 8,192 texts).
@@ -806,7 +822,8 @@ def tokenize_texts(
         TypeError: bad ``texts``, a non-callable ``tokenizer``, or a tokenizer
             that does not return a mapping with ``"input_ids"``.
         ValueError: empty ``texts``, a non-positive limit, chunk size or core
-            count, or a refused key in ``tokenizer_kwargs``.
+            count, a refused key in ``tokenizer_kwargs``, or a row longer than
+            the limit (a tokenizer call that does not truncate).
     """
     items = validate_texts(texts)
     if not callable(tokenizer):

@@ -176,13 +176,13 @@ def test_one_batched_call_per_chunk_with_the_loader_arguments():
         calls.append((list(batch), kwargs))
         return {"input_ids": [[1] * len(t) for t in batch], "length": [len(t) for t in batch]}
 
-    tokens = tokenize_texts(["a", "bb", "ccc", "dddd", "e"], fake, 3, chunk_size=2, add_special_tokens=False)
+    tokens = tokenize_texts(["a", "bb", "ccc", "dddd", "e"], fake, 4, chunk_size=2, add_special_tokens=False)
     assert [batch for batch, _ in calls] == [["a", "bb"], ["ccc", "dddd"], ["e"]]
     assert calls[0][1] == {
-        "truncation": True, "max_length": 3, "padding": False, "return_attention_mask": False,
+        "truncation": True, "max_length": 4, "padding": False, "return_attention_mask": False,
         "add_special_tokens": False,
     }
-    assert tokens.lengths.tolist() == [1, 2, 3, 4, 1]  # the fake ignores truncation
+    assert tokens.lengths.tolist() == [1, 2, 3, 4, 1]
     assert tokens.extras == {}  # "length" is one value per text, not per token
 
 
@@ -271,6 +271,23 @@ def test_a_tokenizer_that_returns_no_mapping():
 def test_a_tokenizer_that_returns_no_input_ids():
     with pytest.raises(ValueError, match=r"tokenizer\(texts\)\.keys\(\) should be a collection including 'input_ids', but got tokenizer\(texts\)\.keys\(\)=\['ids'\]"):
         tokenize_texts(["a"], lambda batch, **kw: {"ids": [[1]]}, MAX_LEN)
+
+
+class Untruncated:
+    """A callable tokenizer that ignores ``truncation`` and ``max_length``."""
+
+    def __call__(self, texts, **kwargs):
+        return {"input_ids": [[1] * (len(t) + 1) for t in texts]}
+
+
+def test_a_tokenizer_that_does_not_truncate_is_named_with_the_first_long_text():
+    # it was the planner's "lengths should be at most max_input_token_length=4 ..., but got lengths=6": no text named
+    rule = (r"should be at most max_input_token_length=4 \(the tokenizer is called with truncation=True, max_length=4: "
+            r"make its call honour them\), but got ")
+    with pytest.raises(ValueError, match=rf"^len\(tokenizer\(prompts\[1\]\)\['input_ids'\]\) {rule}"):
+        tokenize_texts(["ab", "abcde", "abcdefgh"], Untruncated(), 4, progress=False, texts_name="prompts")
+    with pytest.raises(ValueError, match=r"^len\(tokenizer\(texts\[7\]\)\['input_ids'\]\) should be at most "):
+        ParallelTokenizer(Untruncated(), 4, {}, cores=1)(["a", "abcde"], positions=np.array([3, 7]))  # a chunk's
 
 
 def test_a_tokenizer_that_returns_the_wrong_number_of_rows():
