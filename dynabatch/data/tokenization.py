@@ -61,7 +61,7 @@ import numpy as np
 
 from dynabatch._background import StopRequested, ordered_map, progress_bar
 from dynabatch._malloc import trim
-from dynabatch._validation import bad_type, bad_value, check_positive_int, did_you_mean, first_few
+from dynabatch._validation import bad_type, bad_value, brief, check_positive_int, did_you_mean, first_few
 from dynabatch.data.workers import Pieces, available_cores, choose_mechanism, guard_forks, tokenizers_parallelism
 
 __all__ = ["CALL_PATH", "FORBIDDEN_TOKENIZER_KWARGS", "PIECE_TOKENS", "TOKENS_PER_CALL",
@@ -82,6 +82,10 @@ FORBIDDEN_TOKENIZER_KWARGS: dict[str, str] = {
     "return_attention_mask": "dynabatch builds the attention mask of each batch itself",
     "return_overflowing_tokens": "dynabatch keeps one row per text",
     "is_split_into_words": "dynabatch takes one str per text",
+    "text_pair": "dynabatch takes one str per text, and reorders the texts by length: pass each pair tokenized, as a "
+                 "row of token ids",
+    "text_target": "dynabatch batches the texts' own token ids only: tokenize the targets yourself",
+    "text_pair_target": "dynabatch batches the texts' own token ids only: tokenize the targets yourself",
 }
 """Tokenizer arguments the loader owns, with the reason each is refused."""
 
@@ -459,7 +463,7 @@ def _check_tokenizer_kwargs(tokenizer_kwargs: dict[str, Any]) -> None:
         if key in tokenizer_kwargs:
             raise ValueError(
                 f"tokenizer_kwargs should not set {key!r} ({reason}), "
-                f"but got tokenizer_kwargs={tokenizer_kwargs!r}"
+                f"but got tokenizer_kwargs={brief(tokenizer_kwargs)}"  # a list of pairs is not printed whole
             )
 
 

@@ -242,6 +242,18 @@ def test_padding_side_as_a_keyword_is_refused_naming_the_tokenizers_setting(toke
         tokenize_texts(["a"], tokenizer, MAX_LEN, padding_side="left")
 
 
+@pytest.mark.parametrize("key, reason", [("text_pair", "dynabatch takes one str per text, and reorders"),
+                                         ("text_target", "dynabatch batches the texts' own token ids only"),
+                                         ("text_pair_target", "dynabatch batches the texts' own token ids only")])
+def test_pairs_and_targets_are_refused(tokenizer, key, reason):
+    # a stream paired each chunk (sorted by length) with the whole list in input order: wrong ids, silently; the
+    # targets' rows were dropped
+    with pytest.raises(ValueError, match=rf"^tokenizer_kwargs should not set '{key}' \({reason}"):
+        tokenize_texts(["f", "a b c"], tokenizer, MAX_LEN, progress=False, **{key: ["x", "y y"]})
+    with pytest.raises(ValueError, match=r"but got tokenizer_kwargs=<dict of 1 item: \{'text_pair': \['x', 'x', .*\]\}>$"):
+        tokenize_texts(["a"] * 1000, tokenizer, MAX_LEN, progress=False, text_pair=["x"] * 1000)  # not all of it
+
+
 def test_max_length_message_names_the_limit_argument(tokenizer):
     with pytest.raises(ValueError, match=r"^tokenizer_kwargs should not set 'max_length' \(dynabatch sets it from max_input_token_length\), but got tokenizer_kwargs=\{'max_length': 10\}$"):
         tokenize_texts(["a"], tokenizer, MAX_LEN, max_length=10)
