@@ -86,6 +86,8 @@ FORBIDDEN_TOKENIZER_KWARGS: dict[str, str] = {
                  "row of token ids",
     "text_target": "dynabatch batches the texts' own token ids only: tokenize the targets yourself",
     "text_pair_target": "dynabatch batches the texts' own token ids only: tokenize the targets yourself",
+    "tokenizer_kwargs": "pass each tokenizer keyword as a keyword of its own, such as add_special_tokens=False: "
+                        "dynabatch checks and applies them one by one",
 }
 """Tokenizer arguments the loader owns, with the reason each is refused."""
 

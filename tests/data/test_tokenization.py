@@ -254,6 +254,13 @@ def test_pairs_and_targets_are_refused(tokenizer, key, reason):
         tokenize_texts(["a"] * 1000, tokenizer, MAX_LEN, progress=False, text_pair=["x"] * 1000)  # not all of it
 
 
+def test_a_nested_tokenizer_kwargs_dict_is_refused(tokenizer):
+    # the call merged it, past every check: padding_side was ignored, add_special_tokens=False unseen by the limit's
+    with pytest.raises(ValueError, match=r"^tokenizer_kwargs should not set 'tokenizer_kwargs' \(pass each tokenizer "
+                                         r"keyword as a keyword of its own, such as add_special_tokens=False: "):
+        tokenize_texts(["a"], tokenizer, MAX_LEN, progress=False, tokenizer_kwargs={"padding_side": "left"})
+
+
 def test_max_length_message_names_the_limit_argument(tokenizer):
     with pytest.raises(ValueError, match=r"^tokenizer_kwargs should not set 'max_length' \(dynabatch sets it from max_input_token_length\), but got tokenizer_kwargs=\{'max_length': 10\}$"):
         tokenize_texts(["a"], tokenizer, MAX_LEN, max_length=10)
