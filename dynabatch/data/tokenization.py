@@ -652,7 +652,8 @@ class ParallelTokenizer:
 
     def _check_truncated(self, tokens: TokenizedTexts, positions: Any) -> None:
         """Refuses rows longer than the limit, naming the first by its input position: a callable whose call ignores
-        ``truncation``/``max_length`` was otherwise refused by the planner, as ``lengths`` that name no text."""
+        ``truncation``/``max_length``, or a limit below the special tokens a tokenizer adds (which it keeps), was
+        otherwise refused by the planner, as ``lengths`` that name no text."""
         longer = tokens.lengths > self.max_input_token_length
         if not longer.any():
             return
@@ -661,7 +662,8 @@ class ParallelTokenizer:
         limit = self.max_input_token_length
         raise bad_value(f"len(tokenizer({self.texts_name}[{where}])['input_ids'])",
                         f"at most max_input_token_length={limit} (the tokenizer is called with truncation=True, "
-                        f"max_length={limit}: make its call honour them)", int(tokens.lengths[first]))
+                        f"max_length={limit}: make its call honour them, and pass a limit above the special tokens it "
+                        "adds)", int(tokens.lengths[first]))
 
     def _tokenized(self, items: list[str], *, progress: bool, later: float,
                    stop: threading.Event | None) -> TokenizedTexts:

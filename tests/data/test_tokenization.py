@@ -299,14 +299,16 @@ class Untruncated:
         return {"input_ids": [[1] * (len(t) + 1) for t in texts]}
 
 
-def test_a_tokenizer_that_does_not_truncate_is_named_with_the_first_long_text():
+def test_a_tokenizer_that_does_not_truncate_is_named_with_the_first_long_text(tokenizer):
     # it was the planner's "lengths should be at most max_input_token_length=4 ..., but got lengths=6": no text named
     rule = (r"should be at most max_input_token_length=4 \(the tokenizer is called with truncation=True, max_length=4: "
-            r"make its call honour them\), but got ")
+            r"make its call honour them, and pass a limit above the special tokens it adds\), but got ")
     with pytest.raises(ValueError, match=rf"^len\(tokenizer\(prompts\[1\]\)\['input_ids'\]\) {rule}"):
         tokenize_texts(["ab", "abcde", "abcdefgh"], Untruncated(), 4, progress=False, texts_name="prompts")
     with pytest.raises(ValueError, match=r"^len\(tokenizer\(texts\[7\]\)\['input_ids'\]\) should be at most "):
         ParallelTokenizer(Untruncated(), 4, {}, cores=1)(["a", "abcde"], positions=np.array([3, 7]))  # a chunk's
+    with pytest.raises(ValueError, match=r"^len\(tokenizer\(texts\[0\]\)\['input_ids'\]\) .* above the special tokens it adds\), but got "):
+        tokenize_texts(["a b"], tokenizer, 1, progress=False)  # the specials kept (the loader refuses it first)
 
 
 def test_a_tokenizer_that_returns_the_wrong_number_of_rows():
