@@ -814,8 +814,8 @@ def tokenize_texts(
             so a bounded call keeps that transient small.
         progress: show a tqdm progress bar over the chunks.
         tokenize_cores: cores to tokenize on, at most; ``None``: every core
-            this process may use (``len(os.sched_getaffinity(0))``); ``1``: this
-            thread alone (see :mod:`dynabatch.data.workers`).
+            this process may use (``len(os.sched_getaffinity(0))``, fewer under a
+            cgroup CPU quota); ``1``: this thread alone (see :mod:`dynabatch.data.workers`).
         texts_name: what an error calls ``texts`` (the caller's own argument
             holding them: ``dynabatch.generate``'s ``"prompts"``).
         **tokenizer_kwargs: passed to every tokenizer call, and to be applied

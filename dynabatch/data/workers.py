@@ -2,7 +2,8 @@
 
 The tokenize stage (:mod:`dynabatch.data.tokenization`) runs on the cores this
 process may use, ``len(os.sched_getaffinity(0))`` (not ``os.cpu_count()``: a
-process pinned by ``taskset``, a container's CPU set), shared among the ranks of
+process pinned by ``taskset``, a container's CPU set), fewer where its cgroup's
+CPU quota allows fewer (a container's ``--cpus``), shared among the ranks of
 a ``torchrun`` job on this node (``LOCAL_WORLD_SIZE``) and capped by the
 ``tokenize_cores`` argument of the loader (:func:`available_cores`). It spreads
 the work one of four ways, chosen by :func:`choose_mechanism`:
@@ -85,8 +86,8 @@ from dynabatch._digest import fingerprint
 from dynabatch._validation import check_positive_int
 
 __all__ = ["BUSY_FACTOR", "ENV_VARIABLE", "IDLE_CORE", "POOL_MIN_SECONDS", "WORKERS_LOSE_BELOW", "Pieces", "WorkerPool",
-           "available_cores", "choose_mechanism", "guard_forks", "idle_seconds", "local_ranks", "release_pool",
-           "shared_pool", "tokenizers_parallelism"]
+           "available_cores", "cgroup_cores", "choose_mechanism", "guard_forks", "idle_seconds", "local_ranks",
+           "release_pool", "shared_pool", "tokenizers_parallelism"]
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +129,10 @@ def local_ranks() -> int:
 
 
 def available_cores(limit: int | None = None) -> int:
-    """The cores this process may use (``os.sched_getaffinity``; ``os.cpu_count()`` where it does not exist), at most
-    ``limit`` when given. Where the process is not pinned (its affinity is every core) and torchrun runs several ranks
-    on this node, each gets its share (``cores // LOCAL_WORLD_SIZE``, at least 1): ranks tokenize at the same time.
+    """The cores this process may use (``os.sched_getaffinity``; ``os.cpu_count()`` where it does not exist), fewer
+    where its cgroup's CPU quota allows fewer (:func:`cgroup_cores`), at most ``limit`` when given. Where the process
+    is not pinned (its affinity is every core) and torchrun runs several ranks on this node, each gets its share
+    (``cores // LOCAL_WORLD_SIZE``, at least 1): ranks tokenize at the same time.
 
     Raises:
         TypeError / ValueError: a ``limit`` that is not a positive int.
@@ -139,11 +141,69 @@ def available_cores(limit: int | None = None) -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    if cores >= (os.cpu_count() or cores):
+    pinned = cores < (os.cpu_count() or cores)
+    cores = min(cores, cgroup_cores() or cores)
+    if not pinned:
         cores = max(1, cores // local_ranks())
     if limit is None:
         return cores
     return min(cores, check_positive_int("tokenize_cores", limit))
+
+
+_PROC_CGROUP = "/proc/self/cgroup"
+_MOUNTINFO = "/proc/self/mountinfo"
+
+
+def cgroup_cores() -> int | None:
+    """The cores this process's cgroup CPU quota (a container's ``--cpus``, a Kubernetes CPU limit, systemd's
+    ``CPUQuota``) lets it keep busy: the smallest ``quota // period`` (at least 1) of its cgroup and the cgroups above
+    it (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` and ``cpu.cfs_period_us``), as Rust's
+    ``available_parallelism`` counts them for the tokenizer's own thread pool; ``None`` where none is set or it cannot
+    be read (not Linux). The affinity does not show a quota: a process limited to 2 CPUs of a 64-core host sees 64."""
+    try:
+        with open(_PROC_CGROUP) as file:
+            groups = [line.rstrip("\n").split(":", 2) for line in file]
+        with open(_MOUNTINFO) as file:
+            mounts = [line.split() for line in file]
+    except OSError:
+        return None
+    limits = []
+    for fields in mounts:  # mount id, parent, dev, root, mount point, options..., "-", fs type, source, super options
+        if "-" not in fields:
+            continue
+        kind, options = fields[fields.index("-") + 1], fields[-1].split(",")
+        version = 2 if kind == "cgroup2" else 1 if kind == "cgroup" and "cpu" in options else None
+        for group in groups:
+            if len(group) == 3 and version == (2 if group[0] == "0" and not group[1] else 1) and (
+                    version == 2 or "cpu" in group[1].split(",")):
+                limits += _quota_cores(fields[4], fields[3], group[2], version)
+    return min(limits) if limits else None
+
+
+def _quota_cores(mount_point: str, mount_root: str, group: str, version: int) -> list[int]:
+    """The cores each quota set from ``group`` up to the mount's root allows (see :func:`cgroup_cores`)."""
+    if mount_root != "/" and group.startswith(mount_root):  # a container's mount of its own subtree
+        group = group[len(mount_root):]
+    path = os.path.join(mount_point, group.lstrip("/"))
+    limits = []
+    while True:
+        try:
+            if version == 2:
+                with open(os.path.join(path, "cpu.max")) as file:
+                    quota, period = file.read().split()[:2]
+            else:
+                with open(os.path.join(path, "cpu.cfs_quota_us")) as file:
+                    quota = file.read().strip()
+                with open(os.path.join(path, "cpu.cfs_period_us")) as file:
+                    period = file.read().strip()
+            if quota not in ("max", "-1") and int(period) > 0:
+                limits.append(max(1, int(quota) // int(period)))
+        except (OSError, ValueError):  # no such file at this level (the mount's root), or unreadable
+            pass
+        above = os.path.dirname(path.rstrip("/"))
+        if os.path.normpath(path) == os.path.normpath(mount_point) or above == path:
+            return limits
+        path = above
 
 
 def idle_seconds() -> float | None:

@@ -71,6 +71,51 @@ def test_torchrun_ranks_on_one_node_share_its_cores(monkeypatch, ranks, expected
     assert available_cores() == 2
 
 
+def _cgroup_tree(tmp_path, version, limits, mount_root="/"):
+    """A cgroup mount under ``tmp_path`` whose groups ``a`` and ``a/b`` (this process's) set ``limits`` (quota, period;
+    ``None``: unlimited), with the ``/proc/self`` files that point there."""
+    mount = tmp_path / "cgroup"
+    for group, limit in zip(["a", "a/b"], limits):
+        folder = mount / group
+        folder.mkdir(parents=True)
+        quota, period = limit or ("max" if version == 2 else "-1", 100000)
+        if version == 2:
+            (folder / "cpu.max").write_text(f"{quota} {period}\n")
+        else:
+            (folder / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+            (folder / "cpu.cfs_period_us").write_text(f"{period}\n")
+    own = mount_root.rstrip("/") + "/a/b"
+    (tmp_path / "cgroup-of-self").write_text("0::" + own + "\n" if version == 2 else
+                                             "4:cpu,cpuacct:" + own + "\n3:memory:/elsewhere\n0::/\n")
+    kind, options = ("cgroup2", "rw") if version == 2 else ("cgroup", "rw,cpu,cpuacct")
+    (tmp_path / "mountinfo").write_text(f"31 23 0:28 / /sys rw - sysfs sysfs rw\n"
+                                        f"32 31 0:29 {mount_root} {mount} rw,relatime - {kind} cgroup {options}\n")
+    return tmp_path / "cgroup-of-self", tmp_path / "mountinfo"
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("limits, expected", [([None, None], 8), ([(200000, 100000), None], 2),
+                                              ([(600000, 100000), (350000, 100000)], 3), ([None, (50000, 100000)], 1)])
+def test_a_cgroup_cpu_quota_caps_the_cores(monkeypatch, tmp_path, version, limits, expected):
+    # A container's --cpus shows in no affinity: 8 cores seen, a quota of 2 CPUs; found by timing a slow tokenizer in
+    # a 1-CPU cgroup on 2 cores, where the workers started on the core it may not use and lost to one thread
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cgroup, mountinfo = _cgroup_tree(tmp_path, version, limits, mount_root="/" if version == 2 else "/kubepods")
+    monkeypatch.setattr(workers, "_PROC_CGROUP", str(cgroup), raising=False)
+    monkeypatch.setattr(workers, "_MOUNTINFO", str(mountinfo), raising=False)
+    assert available_cores() == expected and available_cores(2) == min(2, expected)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # ranks share what the quota leaves
+    assert available_cores() == max(1, expected // 2)
+
+
+def test_no_cgroup_to_read_leaves_the_affinity(monkeypatch, tmp_path):
+    monkeypatch.setattr(workers, "_PROC_CGROUP", str(tmp_path / "absent"))
+    assert workers.cgroup_cores() is None
+    assert available_cores() <= len(os.sched_getaffinity(0))
+
+
 @pytest.fixture(autouse=True)
 def _no_pool_left():
     yield
