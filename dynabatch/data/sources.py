@@ -45,6 +45,7 @@ import numpy as np
 
 from dynabatch._distribution import import_extra
 from dynabatch._validation import bad_type, bad_value, check_positive_int
+from dynabatch.data.workers import available_cores
 
 __all__ = ["TokenizedSource", "read_source", "tokenize_source"]
 
@@ -135,7 +136,9 @@ def _tokenize_batch(batch: dict[str, list[Any]], *, tokenizer: Any, fields: dict
 def _auto_num_proc(tokenizer: Any, rows: int) -> int:
     if getattr(tokenizer, "is_fast", False):
         return 1
-    return max(1, min(os.cpu_count() or 1, rows // _ROWS_PER_PROCESS))
+    # the cores this process may use (taskset, a cgroup quota, a torchrun rank's share), not the machine's: a
+    # process per machine core on fewer cores ran 1.5-2.2x slower than one
+    return max(1, min(available_cores(), rows // _ROWS_PER_PROCESS))
 
 
 def tokenize_source(
@@ -163,8 +166,10 @@ def tokenize_source(
             included); ``None`` keeps whole texts.
         keep: other columns to carry over unchanged (e.g. a class ``label``).
         num_proc: tokenizing processes (``datasets.map``); ``None`` picks 1 for
-            a fast tokenizer and, for a slow one, up to the CPU count with at
-            least 2,000 rows per process.
+            a fast tokenizer and, for a slow one, up to the cores this process
+            may use (``tokenize_cores``'s count in ``docs/inference.md``: the
+            affinity, a cgroup quota, a torchrun rank's share) with at least
+            2,000 rows per process.
         batch_size: rows per tokenizer call.
         add_special_tokens: passed to the tokenizer.
         progress: show ``datasets``' progress bar.

@@ -1,4 +1,6 @@
 import json
+import logging
+import os
 
 import numpy as np
 import pandas as pd
@@ -68,6 +70,20 @@ def test_several_processes_give_what_one_gives(tokenizer):
     two = tokenize_source(texts, slow_tokenizer, max_length=32, num_proc=2)
     assert two.dataset["input_ids"] == one.dataset["input_ids"]
     np.testing.assert_array_equal(two.lengths["input_ids"], one.lengths["input_ids"])
+
+
+def _lengths_as_ids(texts, **kwargs):  # a tokenizer that is not fast: the automatic num_proc applies
+    return {"input_ids": [[1] * len(text) for text in texts]}
+
+
+def test_a_slow_tokenizer_gets_a_process_per_core_this_process_may_use(monkeypatch, caplog):
+    # The machine's count was taken: under taskset -c 0 on 2 cores, 6,000 rows of a slow BERT tokenizer ran in 2
+    # processes on the one core, 6.0-7.2 s against 2.8-4.8 s in one
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # pinned to one core
+    with caplog.at_level(logging.DEBUG, logger="dynabatch.data.sources"):
+        tokenize_source(["ab"] * 4000, _lengths_as_ids, progress=False)
+    assert "in 1 process(es)" in caplog.text
 
 
 def test_lengths_follow_a_selected_view(tokenizer):
