@@ -130,24 +130,36 @@ def local_ranks() -> int:
 
 def available_cores(limit: int | None = None) -> int:
     """The cores this process may use (``os.sched_getaffinity``; ``os.cpu_count()`` where it does not exist), fewer
-    where its cgroup's CPU quota allows fewer (:func:`cgroup_cores`), at most ``limit`` when given. Where the process
-    is not pinned (its affinity is every core) and torchrun runs several ranks on this node, each gets its share
+    where its cgroup's CPU quota allows fewer (:func:`cgroup_cores`), at most ``limit`` when given. Where torchrun runs
+    several ranks on this node and this one is not pinned to cores of its own (its affinity is its launcher's: the
+    machine's, or a container's or Slurm job's CPU set that holds every rank), each gets its share
     (``cores // LOCAL_WORLD_SIZE``, at least 1): ranks tokenize at the same time.
 
     Raises:
         TypeError / ValueError: a ``limit`` that is not a positive int.
     """
     try:
-        cores = len(os.sched_getaffinity(0))
+        affinity = os.sched_getaffinity(0)
     except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    pinned = cores < (os.cpu_count() or cores)
+        affinity = None
+    cores = (os.cpu_count() or 1) if affinity is None else len(affinity)
+    pinned = affinity is not None and _pinned_apart(affinity)
     cores = min(cores, cgroup_cores() or cores)
     if not pinned:
         cores = max(1, cores // local_ranks())
     if limit is None:
         return cores
     return min(cores, check_positive_int("tokenize_cores", limit))
+
+
+def _pinned_apart(affinity: set[int]) -> bool:
+    """Whether this process was pinned to cores of its own: its affinity is narrower than its parent's (a launcher
+    that binds each rank, such as torchrun's ``--numa-binding``), or than the machine where the parent's cannot be
+    read. A CPU set the launcher shares with every rank (a container's, a Slurm job's) is no pinning apart."""
+    try:
+        return affinity < os.sched_getaffinity(os.getppid())
+    except OSError:  # the parent is gone or not ours to read
+        return len(affinity) < (os.cpu_count() or len(affinity))
 
 
 _PROC_CGROUP = "/proc/self/cgroup"

@@ -67,8 +67,35 @@ def test_torchrun_ranks_on_one_node_share_its_cores(monkeypatch, ranks, expected
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
     assert available_cores() == expected and available_cores(3) == min(3, expected)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # a rank pinned to its cores keeps them
-    assert available_cores() == 2
+    parent = os.getppid()  # the launcher (torchrun's agent)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)) if pid == parent else {0, 1})
+    assert available_cores() == 2  # a rank pinned to cores of its own keeps them
+
+
+@pytest.mark.parametrize("ranks, expected", [(None, 4), ("2", 2), ("8", 1)])
+def test_torchrun_ranks_share_a_cpu_set_they_were_launched_in(monkeypatch, ranks, expected):
+    # A container's or Slurm job's CPU set (4 of the host's 8 cores) is the launcher's too: each rank took all 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    if ranks is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+    assert available_cores() == expected
+
+
+def test_a_parent_gone_leaves_the_machines_cores_to_tell_pinning(monkeypatch):
+    def affinity(pid):
+        if pid:
+            raise ProcessLookupError(pid)
+        return {0, 1}
+
+    monkeypatch.setattr(os, "sched_getaffinity", affinity)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert available_cores() == 2  # narrower than the machine: pinned
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert available_cores() == 1
 
 
 def _cgroup_tree(tmp_path, version, limits, mount_root="/"):
