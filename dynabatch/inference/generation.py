@@ -318,9 +318,9 @@ def _check_replies_only(model_config: Any, generate_kwargs: dict[str, Any], wher
     they would be computed, held on the device and dropped without a word; :func:`dynabatch.run` with one's own
     ``fn`` keeps them."""
     for name in _PER_STEP_OUTPUTS:
-        where, value = _found(model_config, generate_kwargs, name, where)
+        place, value = _found(model_config, generate_kwargs, name, where)
         if value:
-            raise bad_value(where, "unset or False: dynabatch.generate returns each prompt's reply (its ids or text), "
+            raise bad_value(place, "unset or False: dynabatch.generate returns each prompt's reply (its ids or text), "
                             "not generate's per-step outputs, which are of the padded batch (call dynabatch.run "
                             "with your own fn calling model.generate to keep them)", value)
 
@@ -334,9 +334,9 @@ def _check_batchable(model_config: Any, generate_kwargs: dict[str, Any], where: 
     or multi-token prediction: "only supported for batch_size = 1"). Every batch would fail, each first split row by
     row by ``on_error``'s isolation."""
     for name in _ONE_PROMPT_AT_A_TIME:
-        where, value = _found(model_config, generate_kwargs, name, where)
+        place, value = _found(model_config, generate_kwargs, name, where)
         if value is not None and value is not False:
-            raise bad_value(where, "left out: model.generate takes it on one prompt at a time (a batch of one), and "
+            raise bad_value(place, "left out: model.generate takes it on one prompt at a time (a batch of one), and "
                             "dynabatch.generate batches prompts (call model.generate on each prompt for it)", value)
 
 

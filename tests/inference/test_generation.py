@@ -347,6 +347,24 @@ def test_a_setting_generate_takes_on_one_prompt_alone_is_refused_before_any_batc
         dynabatch.generate(llama, chat_tokenizer, prompts, generation_config=config, progress=False)
     assert calls == []
 
+def test_a_refused_setting_of_the_models_generation_config_is_named_by_its_own_field(llama, chat_tokenizer,
+                                                                                      monkeypatch):
+    # Both checks rebound the prefix they name a field by to the field before it, so a setting of the model's
+    # generation config past the first of the names checked was named 'output_scoresoutput_logits' (or
+    # 'assistant_modelprompt_lookup_num_tokens'), not model.generation_config.output_logits. Found by review.
+    calls = []
+    monkeypatch.setattr(llama, "generate", lambda **kwargs: calls.append(kwargs))
+    for name, value, said in (("output_hidden_states", True, "should be unset or False"),
+                              ("prompt_lookup_num_tokens", 3, "should be left out")):
+        monkeypatch.setattr(llama.generation_config, name, value)
+        with pytest.raises(ValueError, match=rf"^model\.generation_config\.{name} {said}: .*, but got "
+                           rf"model\.generation_config\.{name}={value}$"):
+            dynabatch.generate(llama, chat_tokenizer, ["In the beginning"], max_new_tokens=2, progress=False)
+        monkeypatch.undo()
+        monkeypatch.setattr(llama, "generate", lambda **kwargs: calls.append(kwargs))
+    assert calls == []
+
+
 def test_a_prompt_of_no_token_is_refused_naming_it(llama, chat_tokenizer, monkeypatch):
     # model.generate fails on an empty prompt alone (IndexError) and, batched with others, gave a reply made from
     # padding alone: which one depended on batch_size. The loader's rule refuses it: ids as given, texts once tokenized
