@@ -239,10 +239,14 @@ def setting_problems(mm: Any, task: str | None, max_new_tokens: int | None) -> l
     """What differs between the run's ``task`` and ``max_new_tokens`` and those ``mm`` was calibrated for: another
     task, or more new tokens (a longer KV cache than measured). Fewer new tokens over-predict: no problem."""
     calibrated_task, calibrated_tokens = calibrated_setting(mm)
+    # new tokens given without a task are a generate run's (check_setting refuses them with another task), as a
+    # file's are in calibrated_setting: a forward file loaded for max_new_tokens=256 alone is of other work too
+    run_task = task if task is not None else ("generate" if max_new_tokens else None)
+    given = f"task={task!r}" if task is not None else f"max_new_tokens={max_new_tokens} (a generate run)"
     new_tokens = f" --max-new-tokens {max_new_tokens}" if max_new_tokens else ""
-    advice = f"calibrate for this setting (dynabatch calibrate ... --task {task or 'generate'}{new_tokens})"
-    if task is not None and calibrated_task is not None and task != calibrated_task:
-        return [f"task={task!r} differs from the task the memory model was calibrated for ({calibrated_task!r}): "
+    advice = f"calibrate for this setting (dynabatch calibrate ... --task {run_task or 'generate'}{new_tokens})"
+    if run_task is not None and calibrated_task is not None and run_task != calibrated_task:
+        return [f"{given} differs from the task the memory model was calibrated for ({calibrated_task!r}): "
                 f"its peaks are of other work; {advice}"]
     if (max_new_tokens is not None and calibrated_tokens is not None and task in (None, "generate")
             and max_new_tokens > calibrated_tokens):

@@ -181,6 +181,10 @@ def test_loading_for_another_task_or_more_new_tokens_warns(tmp_path):
     fitted(metadata={"task": "forward", "max_new_tokens": 0}).save(tmp_path / "forward.json")
     with pytest.warns(UserWarning, match=r"^task='generate' differs .* \('forward'\): .*; " + advice):
         MemoryModel.load(tmp_path / "forward.json", task="generate", max_new_tokens=256)
+    # new tokens without a task are a generate run's: a forward file was loaded for them without a word (review)
+    with pytest.warns(UserWarning, match=r"^max_new_tokens=256 \(a generate run\) differs from the task the memory "
+                                         r"model was calibrated for \('forward'\): .*; " + advice):
+        MemoryModel.load(tmp_path / "forward.json", max_new_tokens=256)
     fitted(metadata={"max_new_tokens": 64}).save(tmp_path / "library.json")  # dynabatch.calibrate's: generate
     with pytest.warns(UserWarning, match=r"^task='train' differs .* \('generate'\)"):
         MemoryModel.load(tmp_path / "library.json", task="train")
