@@ -630,9 +630,9 @@ def summary(command: str, report: Any, tally: Tally, *, output: str, what: str, 
         if report.bound is not None:
             lines.append(f"  bound      {report.bound}{ran}")
     if report is not None and report.truncated_inputs:  # counted by dynabatch.generate, whose warning names them
-        lines.append(f"  truncated  {report.truncated_inputs:,} of the inputs were longer than --max-length tokens, cut to "
-                     "it on the tokenizer's truncation_side (their outputs are of the cut text): a larger --max-length "
-                     "keeps them whole, or leave them out")
+        lines.append(f"  truncated  {report.truncated_inputs:,} of the inputs were longer than --max-length tokens, "
+                     "cut to it on the tokenizer's truncation_side (their outputs are of the cut text): a larger "
+                     "--max-length keeps them whole, or leave them out")
     if tally.others:  # a reader of the whole store (the read-it line) reads them too: never a silent extra row
         keys = "ids" if tally.ids is not None else "positions"
         lines.append(f"  others     {tally.others:,} rows stored besides one per input of this corpus (of inputs not in "

@@ -426,8 +426,8 @@ def source_of(source: Any, column: str = "text", *, chunk_size: int = SPILL_ROWS
 
     # an iterator (a generator) yields its texts once: the one a loader was built from yields none the second time
     return _spill(batches(), schema, f"{name} should hold at least one text, but got an iterable that yielded none "
-                  "(an iterator or generator yields its texts once: one read already yields nothing; make a new one, or "
-                  "pass a list)")
+                  "(an iterator or generator yields its texts once: one read already yields nothing; make a new one, "
+                  "or pass a list)")
 
 
 def _read_parquet(paths: list[str], column: str, chunk_size: int) -> TextSource:

@@ -210,8 +210,8 @@ def job_token() -> str | None:
 def check_same_batches(ranks: str, batches: Sequence[np.ndarray], inputs: Any = None, *, store: bool = False) -> None:
     """Collective: raises the same ``ValueError`` on every rank unless all ranks share the work the same way (``ranks``:
     ``"lockstep"`` or ``"claim"``; ``store``: whether the rows go to a results store, else rank 0 gathers them; ranks
-    that differ would wait for ever in collectives the others never make) and
-    hold the same batches (a digest of their positions) of the same inputs (a digest of ``inputs``: what identifies them, such as every input's token
+    that differ would wait for ever in collectives the others never make) and hold the same batches (a digest of
+    their positions) of the same inputs (a digest of ``inputs``: what identifies them, such as every input's token
     hash): :func:`dynabatch.run` shares them among the ranks itself, and a rank's rows computed from other texts (or
     by another tokenizer) would be mixed in with the others' unseen."""
     _, size = world()
@@ -261,7 +261,8 @@ def chunk_claims(n_chunks: int) -> Iterator[int]:
 def claimed_planner(plan: Any, inputs: Any, *, store: bool) -> tuple[ChunkedPlanner, Any]:
     """This rank's planner under ``run(ranks="claim")``: the chunks it claims, planned (a streaming loader's also
     tokenized) as they come; with the stream's feed to close, or ``None``. ``inputs``: what identifies the plan's
-    inputs, and ``store`` whether rows go to a results store, checked alike on every rank (:func:`check_same_batches`)."""
+    inputs, and ``store`` whether rows go to a results store, checked alike on every rank
+    (:func:`check_same_batches`)."""
     planner, stream = plan.planner, plan.stream
     check_same_batches("claim", [stream.order if stream is not None else planner.order], inputs, store=store)
     if stream is not None:

@@ -195,7 +195,8 @@ class RunReport:
         """The summary figures as a dict (JSON-ready)."""
         names = ("rows", "batches", "seconds", "rows_per_s", "tokens_per_s", "real_tokens", "padded_tokens",
                  "padding_efficiency", "oom_events", "oom_splits", "pre_split_batches", "failed_rows", "error_rows",
-                 "skipped_inputs", "truncated_inputs", "budget_bytes", "device_budgets", "rebuilt_batches", "max_peak_ratio",
+                 "skipped_inputs", "truncated_inputs", "budget_bytes", "device_budgets", "rebuilt_batches",
+                 "max_peak_ratio",
                  "batches_over_budget", "wall_seconds", "bound", "stage_shares", "background", "tokenize_cores",
                  "workers", "accounting_seconds")
         return {name: getattr(self, name) for name in names}

@@ -115,10 +115,10 @@ class Source:
         self._given = np.zeros(0, dtype=bool)  # the positions a plain iterable's batches named so far
 
     def share(self, ranks: str, rank: int, world_size: int, *, store: bool = False) -> None:
-        """Keeps only this rank's share of the batches under ``ranks`` (``"single"``: every batch; ``store``: the rows go
-        to a results store, checked alike on every rank): ``"lockstep"``,
-        every rank the same number of batches of the whole plan, dealt (:mod:`dynabatch.sampling.ranks`) and numbered
-        from 0; ``"claim"``, the chunks of the plan this rank claims (a streamed plan tokenizes only those)."""
+        """Keeps only this rank's share of the batches under ``ranks`` (``"single"``: every batch; ``store``: the rows
+        go to a results store, checked alike on every rank): ``"lockstep"``, every rank the same number of batches of
+        the whole plan, dealt (:mod:`dynabatch.sampling.ranks`) and numbered from 0; ``"claim"``, the chunks of the
+        plan this rank claims (a streamed plan tokenizes only those)."""
         from dynabatch.inference.distributed import check_same_batches, claimed_planner
 
         def split(item: Item, parts: int) -> list[Item]:

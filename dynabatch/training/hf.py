@@ -410,16 +410,19 @@ class BatchSamplerTrainerMixin:
                            normalization="tokens")
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
-        """The ``Trainer``'s micro-batches of one optimizer step; their items are counted for :meth:`_share_of_the_step`."""
+        """The ``Trainer``'s micro-batches of one optimizer step; their items are counted for
+        :meth:`_share_of_the_step`."""
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._window_items = sum(max(self._items(batch), 1) for batch in batch_samples) or None
         return batch_samples, num_items_in_batch
 
     def _trainer_divides_by_accumulation(self, num_items_in_batch: Any) -> bool:
-        """Whether the ``Trainer``'s own step divides the loss by its micro-batches (its rule, ``loss_is_scaled_for_ga``)."""
+        """Whether the ``Trainer``'s own step divides the loss by its micro-batches (its rule,
+        ``loss_is_scaled_for_ga``)."""
         if self.loss_is_scaled_for_ga is not None:
             return not self.loss_is_scaled_for_ga
-        scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
+        scaled = ((self.model_accepts_loss_kwargs and num_items_in_batch is not None)
+                  or self.compute_loss_func is not None)
         return not scaled
 
     def _share_of_the_step(self, model: Any, inputs: Any, part: Any, num_items_in_batch: Any) -> float:
