@@ -59,24 +59,24 @@ def long_texts(texts: list[str], tokenizer: Any, length: int, rng: np.random.Gen
         ValueError: the texts hold too few tokens to reach ``length`` at all (only empty or blank ones, say).
     """
     pool = []
-    # Texts of a word or two reach a long length only after many rounds; a text adds a token at least unless it is
-    # blank, so past this many parts the texts cannot reach it. Checked at doublings: a few tokenizations per text.
-    most_parts = 4 * len(texts) + 2 * length
+    # Texts of a word or two reach a long length only after many rounds of them. Checked at doublings (a few
+    # tokenizations per text); texts that added no token over a whole round since the last check (blank ones) never
+    # reach it. A bound on the parts instead (one token a text) refused texts that do, where most are blank.
     for start in rng.integers(0, len(texts), size=POOL).tolist():
-        parts, check_at = [], 1
+        parts, check_at, last = [], 1, (0, 0)  # last: (parts, tokens) at the last check
         while True:
             parts.append(texts[(start + len(parts)) % len(texts)])
-            if len(parts) < min(check_at, most_parts):
+            if len(parts) < check_at:
                 continue
             joined = " ".join(parts)
             reached = tokenize_texts([joined], tokenizer, length, progress=False, **tokenizer_kwargs).lengths[0]
             if reached >= length:
                 break
-            if len(parts) >= most_parts:
+            if len(parts) - last[0] >= len(texts) and reached <= last[1]:
                 raise bad_value("texts", f"texts that, joined, reach max_input_token_length={length} tokens (the "
                                 f"longest probe; {len(parts)} of them joined made {reached}): give longer texts, or "
                                 "texts=None to draw token ids from the vocabulary", f"<{len(texts)} texts>")
-            check_at *= 2
+            last, check_at = (len(parts), reached), check_at * 2
         pool.append(joined)
     return pool
 

@@ -87,11 +87,15 @@ def test_short_texts_are_joined_to_the_longest_probe(tokenizer):
     assert mm.measured_length_ == 64 and {p["padded_length"] for p in mm.probes_} >= set(probe_lengths(64))
     calls.clear()
     with pytest.raises(ValueError, match=r"^texts should be texts that, joined, reach max_input_token_length=64 "
-                                         r"tokens \(the longest probe; 136 of them joined made 2\): give longer "
+                                         r"tokens \(the longest probe; 4 of them joined made 2\): give longer "
                                          r"texts, or texts=None to draw token ids from the vocabulary, but got "
                                          r"texts='<2 texts>'$"):
         calibrate(work, tokenizer, batch_size=4, max_input_token_length=64, texts=["", "  "], progress=False)
     assert calls == []  # refused before any probe
+    # texts that reach it, most of them blank: a bound of one token a text refused them (168 joined made 19)
+    mm = calibrate(work, tokenizer, batch_size=4, max_input_token_length=64, texts=[""] * 9 + ["word"],
+                   progress=False)
+    assert mm.measured_length_ == 64
 
 
 def test_out_of_memory_probes_are_data_not_a_crash(tokenizer):
