@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import platform
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,8 @@ def save(mm: Any, path: str | Path) -> None:
     full disk) leaves the file as it was, where writing in place had emptied the last good calibration first.
     """
     path = Path(path)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # a name of this call's own: two saves of one path at once (two threads) would write and rename one file
+    partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         partial.write_text(json.dumps(to_dict(mm), indent=1) + "\n", encoding="utf-8")
         os.replace(partial, path)

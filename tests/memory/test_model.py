@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -303,6 +304,35 @@ except OSError as exc:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bigger.json", "mm.json"]  # no temporary file left
     bigger.save(tmp_path / "mm.json")
     assert MemoryModel.load(tmp_path / "mm.json").metadata == bigger.metadata
+
+
+def test_two_saves_of_one_path_at_once_each_write_whole(tmp_path, monkeypatch):
+    # The file beside the path was named by the process alone: two threads saving one path wrote the same file,
+    # and the second rename found it gone (FileNotFoundError) after the first had renamed the other's document.
+    # Found by review. Both saves reach their rename before either makes it.
+    both, rename, raised = threading.Barrier(2, timeout=10), os.replace, []
+
+    def replace_when_both_wrote(src, dst):
+        both.wait()
+        rename(src, dst)
+
+    def save(model):
+        try:
+            model.save(tmp_path / "mm.json")
+        except OSError as exc:
+            raised.append(exc)
+
+    monkeypatch.setattr(os, "replace", replace_when_both_wrote)
+    models = [fitted(metadata={"which": k}) for k in range(2)]
+    threads = [threading.Thread(target=save, args=(m,)) for m in models]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    monkeypatch.undo()
+    assert raised == []
+    assert MemoryModel.load(tmp_path / "mm.json").metadata["which"] in (0, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mm.json"]
 
 
 def test_describe_model():
