@@ -620,12 +620,13 @@ def generate(
 
     Raises:
         TypeError: a model without ``generate``, prompts of mixed or unknown kinds, ``return_ids`` or
-            ``skip_special_tokens`` not a bool, or a keyword ``model.generate`` takes not
-            (:func:`check_generate_kwargs`).
+            ``skip_special_tokens`` not a bool, ``chat_template_kwargs`` not a mapping, or a keyword
+            ``model.generate`` takes not (:func:`check_generate_kwargs`).
         ValueError: a keyword's value ``GenerationConfig.validate`` refuses, per-step outputs asked for
             (``output_scores``, ``output_logits``, ``output_attentions``, ``output_hidden_states``: a reply holds
             none), a setting ``model.generate`` takes on one prompt alone (``streamer``, ``assistant_model``,
-            ``prompt_lookup_num_tokens``), chat prompts with a tokenizer without chat template, a prompt limit
+            ``prompt_lookup_num_tokens``), a non-empty ``chat_template_kwargs`` with prompts of strings or ids,
+            chat prompts with a tokenizer without chat template, a prompt limit
             (plus the new tokens) above the model's positions, a prompt of no token (``on_bad_input="raise"``), or
             a decoder-only model's ``max_length`` or ``min_length`` (they count the padded prompt) without
             ``max_new_tokens`` or ``min_new_tokens``.
