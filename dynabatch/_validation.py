@@ -10,6 +10,7 @@ type, its size and the start of its repr.
 from __future__ import annotations
 
 import difflib
+import math
 import numbers
 import reprlib
 from collections.abc import Iterable
@@ -153,12 +154,13 @@ def check_non_negative_int(name: str, value: Any) -> int:
     return _check_int(name, value, "a non-negative integer", 0)
 
 
-def check_positive_number(name: str, value: Any) -> float:
-    """Returns ``value`` as float if it is a real number > 0 (bool is refused)."""
-    rule = "a positive number"
+def check_positive_number(name: str, value: Any, *, finite: bool = False, rule: str | None = None) -> float:
+    """Returns ``value`` as float if it is a real number > 0 (bool is refused), and not infinite with ``finite``
+    (a number of bytes); ``rule``: what the message says it should be, where the caller says it otherwise."""
+    rule = rule or ("a finite positive number" if finite else "a positive number")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise bad_type(name, rule, value)
-    if not value > 0:  # also refuses NaN
+    if not (value > 0 and (not finite or math.isfinite(value))):  # also refuses NaN
         raise bad_value(name, rule, value)
     return float(value)
 

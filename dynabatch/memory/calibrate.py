@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 import time
 from collections.abc import Callable
 from itertools import pairwise
@@ -196,8 +195,10 @@ def calibrate(
         max_new_tokens = check_positive_int("max_new_tokens", max_new_tokens)
     max_probes = check_positive_int("max_probes", max_probes)
     memory_margin = check_memory_margin(memory_margin)
-    if budget_bytes is not None:
-        budget_bytes = _check_budget_bytes(budget_bytes)
+    if budget_bytes is not None:  # finite too: the budget the probes aim at is parsed as a max_memory, which refuses
+        # an infinite one only after the base probes have run
+        budget_bytes = check_positive_number("budget_bytes", budget_bytes, finite=True,
+                                             rule="None or a finite positive number of bytes")
     tolerance = check_positive_number("tolerance", tolerance)
     check_bool("progress", progress)  # as the loader checks it: a truthy "no" would show the bar
     if limit_bytes is not None:
@@ -260,17 +261,6 @@ def calibrate(
     logger.info("calibrated on %d probes in %.1f s; leave-one-out error %.1f%%", prober.run_,
                 mm.metadata["seconds"], 100 * mm.loo_error_)
     return mm
-
-
-def _check_budget_bytes(budget_bytes: Any) -> float:
-    # finite too: the budget the probes aim at is parsed as a max_memory, which refuses an infinite one only after
-    # the base probes have run
-    rule = "None or a finite positive number of bytes"
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Real):
-        raise bad_type("budget_bytes", rule, budget_bytes)
-    if not (budget_bytes > 0 and math.isfinite(budget_bytes)):
-        raise bad_value("budget_bytes", rule, budget_bytes)
-    return float(budget_bytes)
 
 
 def _grow(prober: Prober, mm: MemoryModel, grid: list[int], batch_size: int, memory_margin: float,

@@ -68,7 +68,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dynabatch._validation import bad_value, check_bool, check_non_negative_int
+from dynabatch._validation import bad_value, check_bool, check_non_negative_int, check_positive_number
 from dynabatch.memory.budget import rows_under
 from dynabatch.memory.oom import OutOfMemoryLimit
 
@@ -118,8 +118,7 @@ class MemoryFeedback:
         the relative rule); set before any batch is measured."""
         if budget is None:
             return
-        if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not (budget > 0 and math.isfinite(budget)):
-            raise bad_value("budget", "None or a finite number of bytes > 0", budget)
+        check_positive_number("budget", budget, finite=True, rule="None or a finite number of bytes > 0")
         if self._n and not self.absolute:
             raise RuntimeError("MemoryFeedback.set_budget after a batch was measured: the first peak is the budget")
         self.budget, self.absolute = float(budget), True

@@ -90,6 +90,12 @@ def test_an_absolute_budget_is_set_before_any_batch_and_the_first_peak_does_not_
         relative.set_budget(10_000)
     with pytest.raises(ValueError, match=r"^budget should be None or a finite number of bytes > 0, but got budget=0$"):
         MemoryFeedback(budget=0)
+    # a type is a TypeError (it was a ValueError: the check was its own, beside check_positive_number; review)
+    with pytest.raises(TypeError, match=r"^budget should be None or a finite number of bytes > 0, but got "
+                                        r"budget='1GB'"):
+        MemoryFeedback(budget="1GB")
+    with pytest.raises(ValueError, match=r"^budget should be None or a finite number of bytes > 0, but got budget=inf"):
+        MemoryFeedback(budget=float("inf"))
 
 
 def test_a_call_measured_above_an_absolute_budget_is_warned_of_once(caplog):
