@@ -74,6 +74,7 @@ __all__ = [
     "XpuBackend",
     "backend_of",
     "backends",
+    "causes",
     "copier",
     "default_accelerator",
     "default_device",
@@ -539,10 +540,35 @@ def make_current(device: Any) -> None:
 
 
 def is_out_of_memory_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is an out-of-memory error: ``torch.OutOfMemoryError``, or any backend's message."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return any(b.is_out_of_memory(exc) for b in _BACKENDS.values())
+    """Whether ``exc`` is an out-of-memory error: ``torch.OutOfMemoryError``, or any backend's message, or an error
+    raised from one (``raise ... from error``: a model wrapper that names its own failure keeps the out-of-memory
+    error as its ``__cause__``; smaller calls fit all the same).
+
+    Example:
+        >>> import torch
+        >>> try:
+        ...     try:
+        ...         raise torch.OutOfMemoryError("CUDA out of memory")
+        ...     except torch.OutOfMemoryError as oom:
+        ...         raise RuntimeError("the model's forward failed") from oom
+        ... except RuntimeError as wrapped:
+        ...     is_out_of_memory_error(wrapped)
+        True
+    """
+    for error in causes(exc):
+        if isinstance(error, torch.OutOfMemoryError) or any(b.is_out_of_memory(error) for b in _BACKENDS.values()):
+            return True
+    return False
+
+
+def causes(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the errors it was raised from (``__cause__``, ``raise ... from``), in that order; a chain that
+    loops back is cut."""
+    chain: list[BaseException] = []
+    while exc is not None and all(exc is not seen for seen in chain):
+        chain.append(exc)
+        exc = exc.__cause__
+    return chain
 
 
 def is_device_failure(exc: BaseException) -> bool:

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dynabatch.memory.device import backend_of, free_memory, is_out_of_memory_error
+from dynabatch.memory.device import backend_of, causes, free_memory, is_out_of_memory_error
 
 __all__ = [
     "LIMIT_RISE",
@@ -123,7 +123,9 @@ def call_guarded(
     except Exception as exc:
         if not is_out_of_memory_error(exc):
             raise
-        error = exc.with_traceback(None)  # the traceback's frames hold the failed call's tensors
+        for raised in causes(exc):  # each traceback's frames hold the failed call's tensors (a wrapper's too)
+            raised.with_traceback(None)
+        error = exc
     finally:
         args = ()
         if cleanup is not None:

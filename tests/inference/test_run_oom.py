@@ -111,6 +111,30 @@ def test_a_single_row_that_fails_is_skipped(tokenizer, texts, caplog):
     assert f"input position {position} ran out of memory on its own" in caplog.text
 
 
+
+def test_an_out_of_memory_error_a_wrapper_raised_from_splits_the_batch(tokenizer, texts):
+    # It was fn's error: the run raised it (on_error="raise"), or set aside rows that fit alone, counting no split.
+    loader = _load(texts, tokenizer)
+    want = run(_lengths, loader, progress=False)
+    over = _oom_over(_lengths, 2)
+    got = run(lambda b: _call_wrapping(over, b), loader, memory="off", progress=False)
+    assert got.failed == [] and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert got.report.oom_splits == got.report.oom_events > 0 and got.report.error_rows == 0
+    position = int(loader.batch_sampler.batches[1][0])
+    fails = _fails_at(_lengths, position)
+    wrapped = run(lambda b: _call_wrapping(fails, b), loader, on_oom="skip", progress=False)
+    assert wrapped.failed == [position] and wrapped.report.failed_rows == 1
+    assert wrapped.failures[position].startswith("out of memory alone: RuntimeError: the model's forward failed")
+
+
+def _call_wrapping(fn, batch):
+    """``fn(batch)`` as a model wrapper calls it: its own error raised from an out-of-memory one."""
+    try:
+        return fn(batch)
+    except torch.OutOfMemoryError as error:
+        raise RuntimeError("the model's forward failed") from error
+
+
 # --- learning from out-of-memory errors --------------------------------------------------------------------
 
 
