@@ -91,9 +91,10 @@ class Failures:
 class Outcome:
     """What running an item gave, a value: the input ``positions`` finished and their ``rows`` (results, in that
     order), the inputs set aside (``failed``: position -> cause), the ``measured`` calls ``(rows, width, peak bytes)``,
-    the ``(rows, width)`` of each call that ran ``out_of_memory``, the ``unfinished`` rows as an item (the run
-    stopped, or a call raised), the real ``tokens`` finished, the ``record`` (``None`` when no row finished or was set
-    aside), ``seconds`` by stage (``"device"``: copy, call, rows back) and which rows are ``varying`` in length."""
+    the ``(rows, width)`` of each call that ran ``out_of_memory`` (but those a row set aside alone explains), the
+    ``unfinished`` rows as an item (the run stopped, or a call raised), the real ``tokens`` finished, the ``record``
+    (``None`` when no row finished or was set aside), ``seconds`` by stage (``"device"``: copy, call, rows back) and
+    which rows are ``varying`` in length."""
 
     item: Item
     positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -157,6 +158,7 @@ class Executor:
             real_tokens=0, padded_tokens=0, seconds=0.0)  # kept once a row finished
         self._outcome, self._built, self._start = Outcome(item, record=record), built, time.perf_counter()
         self._stack, self._finished = [] if built is None else [built.batch], []  # the finished pieces' positions
+        self._oom_positions: list[np.ndarray] = []  # the positions of each piece in outcome.out_of_memory
         self._raised: tuple[int, Exception, np.ndarray] | None = None  # on_error="raise": the piece fn raised on
         # (its stack depth, the error, its positions) while its halves are tried to find the row it raises on
 
@@ -270,6 +272,7 @@ class Executor:
         outcome, piece, number = self._outcome, self._stack[-1], self._outcome.item.number
         outcome.record.oom_events += 1
         outcome.out_of_memory.append((rows, width))
+        self._oom_positions.append(piece.indices.numpy())
         if rows > 1:
             sizes = split_sizes(rows)
             logger.warning("batch %d: %d rows x %d tokens ran out of memory (%s); retrying as %s rows",
@@ -288,6 +291,16 @@ class Executor:
         outcome.record.failed_rows += 1
         self._stack.pop()
         outcome.failed[position] = f"out of memory alone: {brief_error(error)}"
+        self._forget_failures_of(position)
+
+    def _forget_failures_of(self, position: int) -> None:
+        """Drops the out-of-memory shapes of the pieces that held ``position``, a row that failed alone: that row, not
+        their size, explains them. As evidence of the device's limit they would hold every later call under one
+        row of that row's cost (one row at its width, and any two rows at any width: the failed call's cost a row
+        is a floor), so that one text too large for the device ran the rest of the run one row at a time."""
+        keep = [i for i, positions in enumerate(self._oom_positions) if position not in positions]
+        self._outcome.out_of_memory = [self._outcome.out_of_memory[i] for i in keep]
+        self._oom_positions = [self._oom_positions[i] for i in keep]
 
     def outcome(self) -> Outcome:
         """Ends the item started, however its steps ended: what it gave, the pieces not run its ``unfinished`` rows."""

@@ -176,6 +176,19 @@ def test_after_out_of_memory_errors_measured_mode_plans_under_the_lower_limit(ro
     assert max(rows[failed[-1] + 1 :]) == 24  # ... and the batches after the last error grew to the most that fit
 
 
+
+def test_a_row_too_large_alone_teaches_no_limit(tokenizer, texts):
+    # Its batch's errors and its own were taken as the device's limit: every later batch ran one row at a time.
+    loader = _load(texts, tokenizer)
+    want = run(_lengths, loader, progress=False)  # measured mode
+    position = int(loader.batch_sampler.batches[1][0])
+    got = run(_fails_at(_lengths, position), loader, on_oom="skip", progress=False)
+    assert got.failed == [position] and got.report.failed_rows == 1
+    assert all(torch.equal(got[p], want[p]) for p in range(len(texts)) if p != position)
+    sizes, plain = [r.rows for r in got.report.records], [r.rows for r in want.report.records]
+    assert sizes == plain, (sizes, plain)
+
+
 def test_after_out_of_memory_errors_guarded_mode_caps_rows_under_the_lower_limit(row_limited):
     loader, encode, want = row_limited
     order, collate = loader.plan.planner.order, loader.plan.collator
