@@ -572,8 +572,8 @@ def causes(exc: BaseException) -> list[BaseException]:
 
 
 def is_device_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` says a device failed (``torch.AcceleratorError``, or any backend's runtime error text), not
-    the work on it. An out-of-memory error is never one: smaller calls fit.
+    """Whether ``exc`` says a device failed (``torch.AcceleratorError``, or any backend's runtime error text, or an
+    error raised from one), not the work on it. An out-of-memory error is never one: smaller calls fit.
 
     Example:
         >>> import torch
@@ -585,9 +585,12 @@ def is_device_failure(exc: BaseException) -> bool:
     if is_out_of_memory_error(exc):
         return False
     accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(exc, accelerator_error):
-        return True
-    return any(b.is_device_failure(exc) for b in _BACKENDS.values())
+    for error in causes(exc):  # a wrapper's error raised from the runtime's is the device's failure too
+        if accelerator_error is not None and isinstance(error, accelerator_error):
+            return True
+        if any(b.is_device_failure(error) for b in _BACKENDS.values()):
+            return True
+    return False
 
 
 def free_memory() -> None:

@@ -328,6 +328,12 @@ def test_the_cpu_and_no_device_copy_plainly():
     assert torch.equal(move(batch)["input_ids"], batch["input_ids"])
 
 
+def _raised_from(error, cause):
+    """``error`` as ``raise error from cause`` leaves it."""
+    error.__cause__ = cause
+    return error
+
+
 @pytest.mark.parametrize(
     ("error", "failed"),
     [
@@ -338,6 +344,11 @@ def test_the_cpu_and_no_device_copy_plainly():
         (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
         (ValueError("cannot process this input"), False),  # the work's error, not the device's
         (OSError(28, "No space left on device"), False),
+        # a model wrapper's error raised from the runtime's (it was the work's error: a run set its rows aside on
+        # a device that fails every later call, where a device failure moves them to another device)
+        (_raised_from(RuntimeError("the model failed"), RuntimeError("CUDA error: device-side assert triggered")), True),
+        (_raised_from(RuntimeError("the model failed"), torch.OutOfMemoryError("CUDA out of memory")), False),
+        (_raised_from(RuntimeError("bad row"), ValueError("cannot process this input")), False),
     ],
 )
 def test_a_device_failure_is_the_runtimes_error_never_out_of_memory_nor_the_works(error, failed):
