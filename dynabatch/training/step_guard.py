@@ -161,7 +161,8 @@ def guarded_step(
         measure_on: measure each part's peak on this device (``None``: don't).
 
     Raises:
-        torch.OutOfMemoryError: a single row does not fit.
+        torch.OutOfMemoryError: a single row does not fit, or the error came after every parameter's gradient had
+            arrived (parts would add the gradient twice).
     """
     params = [p for p in parameters if p.requires_grad]
     result = GuardedResult()
@@ -220,6 +221,12 @@ def _run(step, batch, params, guardian, task_types, measure_on, result: GuardedR
         raise attempt.error
     done = [p for p in params if id(p) in fired]
     todo = [p for p in params if id(p) not in fired]
+    if done and not todo:  # its parts, every parameter frozen, could only fail in their backward
+        attempt.error.add_note(f"dynabatch: out of memory on {rows} rows x {length} after every parameter's gradient "
+                               "had arrived (after the backward): the gradient of these rows is complete, so running "
+                               "them again in parts cannot help and would add it twice; free memory after the "
+                               "backward in the step, or lower the batch size")
+        raise attempt.error
     sizes = split_sizes(rows)
     logger.warning("out of memory on %d rows x %d; running it as %s rows", rows, length, " + ".join(map(str, sizes)))
     if guardian is not None:

@@ -121,6 +121,25 @@ def test_a_single_row_that_does_not_fit_raises(gpt2):
     gpt2.zero_grad(set_to_none=True)
 
 
+
+def test_an_error_after_every_gradient_arrived_raises_it_and_adds_no_gradient():
+    # The parts ran with every parameter frozen: their backward raised "element 0 of tensors does not require grad".
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    batch = {"input_ids": torch.randn(6, 4), "attention_mask": torch.ones(6, 4, dtype=torch.long)}
+
+    def step(part):
+        model(part["input_ids"]).sum().backward()
+        if len(part["input_ids"]) == 6:
+            raise torch.OutOfMemoryError("out of memory logging the step")
+
+    with pytest.raises(torch.OutOfMemoryError, match="logging the step") as info:
+        guarded_step(step, batch, list(model.parameters()), guardian=StepGuard())
+    assert any("after every parameter's gradient had arrived" in note for note in info.value.__notes__)
+    assert torch.allclose(model.weight.grad, batch["input_ids"].sum(0, keepdim=True))  # the rows' gradient, once
+    assert all(p.requires_grad for p in model.parameters())
+
+
 def test_split_rows_trims_right_padding_and_keeps_lists():
     parts = split_rows(_batch(), [5, 3])
     assert [p["input_ids"].shape for p in parts] == [(5, 24), (3, 14)]
