@@ -148,6 +148,7 @@ class Executor:
         self._prepare = None if copier is None else (
             lambda b: Batch(copier(b), indices=b.indices, texts=getattr(b, "texts", None)))
         self._stack: list[Batch] = []  # the item in progress's pieces left to run, the last one next
+        self._widest_ran = 0  # the widest call that ran on this worker: a row failing alone narrower is its own fault
         if memory_device is not None:  # as the worker starts: not in its first batch's device time
             backend_of(memory_device).prime_peak_tracker(memory_device)
 
@@ -190,6 +191,7 @@ class Executor:
                 self._fn_failed(attempt.error)
             return None
         stack.pop()
+        self._widest_ran = max(self._widest_ran, width)
         if attempt.peak_bytes is not None:
             record.peak_bytes = max(record.peak_bytes or 0, attempt.peak_bytes)
             outcome.measured.append((rows, width, attempt.peak_bytes))
@@ -291,13 +293,16 @@ class Executor:
         outcome.record.failed_rows += 1
         self._stack.pop()
         outcome.failed[position] = f"out of memory alone: {brief_error(error)}"
-        self._forget_failures_of(position)
+        if self._widest_ran >= width:
+            self._forget_failures_of(position)
 
     def _forget_failures_of(self, position: int) -> None:
-        """Drops the out-of-memory shapes of the pieces that held ``position``, a row that failed alone: that row, not
-        their size, explains them. As evidence of the device's limit they would hold every later call under one
-        row of that row's cost (one row at its width, and any two rows at any width: the failed call's cost a row
-        is a floor), so that one text too large for the device ran the rest of the run one row at a time."""
+        """Drops the out-of-memory shapes of the pieces that held ``position``, a row that failed alone where a call
+        at least as wide ran: that row, not their size, explains them. As evidence of the device's limit they would
+        hold every later call under one row of that row's cost (one row at its width, and any two rows at any width:
+        the failed call's cost a row is a floor), so that one text too large for the device ran the rest of the run
+        one row at a time. Where nothing as wide ran, the width may be what fails: they are kept, so later rows as
+        wide run alone at once rather than fail in halves first."""
         keep = [i for i, positions in enumerate(self._oom_positions) if position not in positions]
         self._outcome.out_of_memory = [self._outcome.out_of_memory[i] for i in keep]
         self._oom_positions = [self._oom_positions[i] for i in keep]

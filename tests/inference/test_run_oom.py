@@ -187,6 +187,13 @@ def test_a_row_too_large_alone_teaches_no_limit(tokenizer, texts):
     assert all(torch.equal(got[p], want[p]) for p in range(len(texts)) if p != position)
     sizes, plain = [r.rows for r in got.report.records], [r.rows for r in want.report.records]
     assert sizes == plain, (sizes, plain)
+    # Rows too wide for the device, where nothing as wide ran: the width may be what fails, so later rows as
+    # wide run alone at once, not in halves first.
+    wide = _oom_over(_lengths, 0)
+    got = run(lambda b: wide(b) if b["input_ids"].shape[1] >= 40 else _lengths(b), loader, on_oom="skip",
+              progress=False)
+    assert got.report.failed_rows == len(got.failed) > 10
+    assert got.report.oom_events <= 1.5 * got.report.failed_rows, (got.report.oom_events, got.report.failed_rows)
 
 
 def test_after_out_of_memory_errors_guarded_mode_caps_rows_under_the_lower_limit(row_limited):
