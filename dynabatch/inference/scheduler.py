@@ -179,8 +179,8 @@ class Scheduler:
 
     def update(self, lane: Sizing, outcome: Any) -> None:
         """What ``lane``'s worker saw running an item (an :class:`~dynabatch.inference.execute.Outcome`): its shapes
-        that ran out of memory, its measured calls (measured mode learns only from an item that ran whole), and its
-        unfinished rows (put back, run first)."""
+        that ran out of memory, its measured calls (measured mode learns only from an item that ran whole, guarded
+        mode sets its budget only from one), and its unfinished rows (put back, run first)."""
         with self._lock:
             for shape in outcome.out_of_memory:
                 lane.failed.append(shape)
@@ -190,7 +190,10 @@ class Scheduler:
                     lane.feedback.observe_out_of_memory(*shape)
             if outcome.unfinished is not None:
                 self._retry.append(outcome.unfinished)
-            if outcome.measured and self._planner is None and lane.feedback is not None:
+            if outcome.measured and self._planner is None and lane.feedback is not None and (
+                    outcome.item.whole or lane.feedback.budget is not None):
+                # the budget is the first batch's peak as planned: the rows a store left of a batch, or a failed
+                # device left, peak lower (guarded, a rerun whose first batch was one row left ran every row alone)
                 lane.feedback.observe_parts(outcome.measured)
             elif outcome.measured and self._planner is not None and outcome.item.whole:
                 self._planner.observe_parts(outcome.measured, lane.cursor)

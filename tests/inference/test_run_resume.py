@@ -267,6 +267,20 @@ def test_resume_with_a_lower_batch_size_runs_only_the_missing_shard(tokenizer, t
     assert sorted(_stored(path)) == list(range(len(texts)))
 
 
+
+def test_a_guarded_rerun_whose_first_batch_is_rows_left_runs_batches_as_planned(tokenizer, texts, tmp_path):
+    # The rows left of the first batch set the budget: every later batch was split into rows alone.
+    loader = _load(texts, tokenizer)
+    with pytest.raises(BatchOutOfMemoryError):  # the first batch's last row: its other rows are stored
+        run(_fails_at(_lengths, int(loader.batch_sampler.batches[0][-1])), loader, memory="guarded",
+            output_path=tmp_path / "s", progress=False)
+    calls = []
+    rows = run(lambda b: calls.append(len(b.indices)) or _lengths(b), loader, memory="guarded",
+               output_path=tmp_path / "s", progress=False)
+    assert calls[0] == 1 and calls[1:] == [len(b) for b in loader.batch_sampler.batches[1:]]
+    assert rows.report.pre_split_batches == 0 and all(r is not None for r in rows)
+
+
 def test_resume_with_a_plain_iterable_of_batches(tokenizer, texts, tmp_path, small_shards):
     batches = list(_load(texts[:30], tokenizer))
     path = tmp_path / "store"
