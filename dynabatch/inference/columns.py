@@ -105,8 +105,9 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _misfit(name: str, dtype: str, shape: tuple, got_dtype: str, got_shape: tuple, where: str) -> str:
+    varies = " (n: any length)" if "n" in shape else ""
     return (f"{name} should have dtype {dtype} and shape {str(tuple(shape)).replace(chr(39), '')} in every row, "
-            f"{where} (n: any length), but got dtype {got_dtype} and shape {got_shape}")
+            f"{where}{varies}, but got dtype {got_dtype} and shape {got_shape}")
 
 
 def _part(values: list, name: str) -> _Part:
@@ -179,7 +180,10 @@ def _conform(part: _Part, field: pa.Field, kind: str | None, name: str) -> None:
         row = (int(lengths[wrong[0] if len(wrong) else 0]), *part.inner) if part.inner is not None else ()
         raise ValueError(_misfit(name, dtype, ("n", *dims) if varies else dims, part.dtype, row, "as stored") + (
             "; a float vector is stored with a fixed length when it has one length in every row of the first shard, "
-            "unless declared varying (a per-token output)" if len(wrong) else ""))
+            "unless declared varying (a per-token output): for rows whose length varies (padded to their batch's "
+            "width), return dynabatch.PerRow(list(output)) from the first batch on (a list column, each row its own "
+            "length), or pad every row to one length" if len(wrong) else
+            "; convert it to that type, or use another output_path for rows of another type"))
 
 
 def _array(parts: list[_Part], field: pa.Field, kind: str | None) -> pa.Array:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from runner_helpers import MAX_LEN, _fails_at, _lengths, _load
 
-from dynabatch import BatchOutOfMemoryError, run
+from dynabatch import BatchOutOfMemoryError, PerRow, run
 from dynabatch.inference.store_writer import CommitPolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -570,3 +570,17 @@ def test_every_documented_reader_reads_each_stored_row_once_after_a_kill_a_torn_
     assert not list(path.glob(".torn-*"))  # every input stored: the set-aside shard is removed
     for form, read in _read_ids(path, cache / "2").items():
         assert read is None if form[1:] == ("folder", "polars") else sorted(read) == sorted(ids), form
+
+
+def test_rows_padded_to_their_batchs_width_are_refused_saying_how_to_store_them(tokenizer, texts, tmp_path,
+                                                                                  monkeypatch):
+    monkeypatch.setattr("dynabatch.inference.store_writer.COMMIT", CommitPolicy(rows=4))  # the first batch: a shard
+    padded = lambda b: b["input_ids"].float()  # each row as wide as its batch: (48,), then (45,), ...
+    with pytest.raises(ValueError, match=r"shape \(48,\) in every row, as stored, but got dtype float32 and shape "
+                       r"\(\d+,\); .* return dynabatch.PerRow\(list\(output\)\) from the first batch on"):
+        run(padded, _load(texts, tokenizer), output_path=tmp_path / "fixed", token_outputs="whole", progress=False)
+    per_row = lambda b: PerRow(list(padded(b)))
+    stored = run(per_row, _load(texts, tokenizer), output_path=tmp_path / "varying", progress=False)
+    in_memory = run(padded, _load(texts, tokenizer), token_outputs="whole", progress=False)
+    assert len({len(row) for row in stored}) > 1
+    assert all(torch.equal(a, b) for a, b in zip(in_memory, stored, strict=True))

@@ -185,8 +185,8 @@ def test_rows_written_come_back_and_the_store_says_which_inputs_it_holds(tmp_pat
 def test_a_float_vector_of_one_length_in_the_first_shard_is_fixed_unless_declared_varying(tmp_path):
     same = [torch.ones(5) for _ in range(4)]  # per-token scores of four rows all cut to 5 tokens, say
     _write(tmp_path / "fixed", same)
-    with pytest.raises(ValueError, match=r"output should have dtype float32 and shape \(5,\) in every row, as stored "
-                       r"\(n: any length\), but got dtype float32 and shape \(2,\); a float vector is stored with a "
+    with pytest.raises(ValueError, match=r"output should have dtype float32 and shape \(5,\) in every row, as stored, "
+                       r"but got dtype float32 and shape \(2,\); a float vector is stored with a "
                        r"fixed length when it has one length in every row of the first shard, unless declared"):
         _write(tmp_path / "fixed", [torch.ones(2)], positions=[4])
     store = open_store(tmp_path / "declared", key="k", n=6)
@@ -249,7 +249,8 @@ def test_rows_that_do_not_fit_the_stored_columns_are_refused(tmp_path):
     _write(tmp_path, [{"a": torch.ones(4), "b": 2}])
     for rows, error, message in [
         ([{"a": torch.ones(4, dtype=torch.float16), "b": 2}], ValueError, (r"a should have dtype float32 and shape "
-         r"\(4,\) in every row, as stored \(n: any length\), but got dtype float16")),
+         r"\(4,\) in every row, as stored, but got dtype float16 and shape \(4,\); convert it to that type, or use "
+         r"another output_path")),
         ([{"a": torch.ones(4)}], ValueError, (r"output should be a dict with keys \['a', 'b'\] in every row, as stored, "
          r"but got \['a'\]")),
         ([{"a": torch.ones(4), "b": 2.5}], TypeError, (r"b should be values of one type in every row with output_path "
