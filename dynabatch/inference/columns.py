@@ -63,7 +63,11 @@ def _gather(node: Any, values: list, name: str, out: dict[str, list]) -> None:
             want = f"a dict with keys {keys}" if kind == "dict" else f"a {kind} of {len(keys)} items"
             got = list(value) if isinstance(value, Mapping) else type(value).__name__ + (
                 f" of {len(value)} items" if isinstance(value, (list, tuple)) else "")
-            raise ValueError(f"{name} should be {want} in every row, as stored, but got {got}")
+            hint = "" if kind != "list" or not isinstance(value, list) else (
+                ": a row that is a list of lists, tensors or dicts is stored as one column per item; for a number "
+                "of items that varies by row, return each row as one tensor (e.g. torch.tensor(spans), of shape "
+                "(items, 2)) or as a list of numbers or str")
+            raise ValueError(f"{name} should be {want} in every row, as stored, but got {got}{hint}")
     for key, child in items:
         _gather(child, [value[key] for value in values], f"{name}[{key!r}]", out)
 

@@ -155,6 +155,9 @@ def test_what_arrow_cannot_hold_is_refused_by_name():
     with pytest.raises(ValueError, match=r"output should have dtype float32 and shape \(n, 2\) in every row, in the "
                        r"same batch \(n: any length\), but got dtype float32 and shape \(2, 3\)"):
         _table([torch.ones(1, 2), torch.ones(2, 3)])
+    with pytest.raises(ValueError, match=r"output should be a list of 1 items in every row, as stored, but got list "
+                       r"of 2 items: a row that is a list of lists, .* return each row as one tensor"):
+        _table([[[0, 3]], [[0, 3], [5, 7]]])  # entity spans, a number per row
 
 
 @settings(max_examples=40, deadline=None)
