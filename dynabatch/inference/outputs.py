@@ -78,6 +78,16 @@ def _holds_batched(value: Any, n: int) -> bool:
     return any(_batch_first(v, n) for v in items) and all(_batch_first(v, n) or v is None for v in items)
 
 
+def _batch_first_hint(value: torch.Tensor | np.ndarray, n: int, name: str) -> str:
+    """What to do with a tensor whose dimension 0 is not the batch's rows: move the dimension that is (a
+    sequence-first model's ``(W, n, H)``), or return rows (a value of the whole batch goes beside them)."""
+    dims = [d for d in range(1, value.ndim) if value.shape[d] == n]
+    if dims:
+        return f": its dimension {dims[0]} has {n}; move it first (e.g. {name}.transpose(0, {dims[0]}))"
+    return (": return one row per batch row (a value of the whole batch, such as a loss, is left out when it "
+            "stands beside the rows in a dict or tuple), or dynabatch.PerRow(items) with one item per row")
+
+
 def _is_integer(value: torch.Tensor | np.ndarray) -> bool:
     if isinstance(value, np.ndarray):
         return np.issubdtype(value.dtype, np.integer)
@@ -175,8 +185,8 @@ class RowSplitter:
                 return self._tensor_rows(value, view, name)
             if field and value.ndim == 0:
                 return None
-            raise bad_value(f"{name}.shape", f"a batch dimension first ({n} rows, one per batch row)",
-                            tuple(value.shape))
+            raise ValueError(str(bad_value(f"{name}.shape", f"a batch dimension first ({n} rows, one per batch row)",
+                                           tuple(value.shape))) + _batch_first_hint(value, n, name))
         if isinstance(value, Mapping):
             columns = {key: self._split(item, view, f"{name}[{key!r}]", field=True) for key, item in value.items()}
             columns = {key: column for key, column in columns.items() if column is not None}

@@ -185,8 +185,12 @@ def test_one_item_per_row_and_what_is_refused():
     assert [r.tolist() for r in split_rows(PerRow(square), RIGHT)] == [t.tolist() for t in square]
     with pytest.raises(ValueError, match=r"len\(fn\(batch\)\) should be 2 \(a PerRow holds one item per batch row\)"):
         split_rows(PerRow(["a"]), RIGHT)
-    with pytest.raises(ValueError, match=r"fn\(batch\)\.shape should be a batch dimension first \(2 rows"):
+    with pytest.raises(ValueError, match=r"fn\(batch\)\.shape should be a batch dimension first \(2 rows.*, but "
+                       r"got fn\(batch\)\.shape=\(3, 5\): return one row per batch row .*dynabatch\.PerRow"):
         split_rows(torch.zeros(3, 5), RIGHT)
+    with pytest.raises(ValueError, match=r"shape=\(3, 2, 4\): its dimension 1 has 2; move it first \(e\.g\. "
+                       r"fn\(batch\)\.transpose\(0, 1\)\)$"):  # a sequence-first model's (W, n, H)
+        split_rows(torch.zeros(3, 2, 4), RIGHT)
     with pytest.raises(ValueError, match=r"len\(fn\(batch\)\) should be 2 \(one item per batch row\)"):
         split_rows(["a", "b", "c"], RIGHT)
     with pytest.raises(ValueError, match=r"fn\(batch\)\[1\] should be a tensor with a batch dimension first"):
