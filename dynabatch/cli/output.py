@@ -290,8 +290,8 @@ class Output:
                              f"{exc.strerror}") from exc
         if foreign := _foreign(path):  # the store refuses it too, once the model's files are hashed for the key
             raise ValueError(f"output should be a new folder, or the store of this same job to resume it, but got "
-                             f"output={path!r} holding {len(foreign)} other entries ({first_few(foreign)}): use "
-                             "another output folder")
+                             f"output={path!r} holding {len(foreign)} other entries ({first_few(foreign)}): remove "
+                             "them, or use another output folder")
 
     def open(self, *, key: str, n: int, ids: Any, id_column: str | None = None) -> str:
         """Opens the store for a run over ``n`` inputs (``ids``: their ids, of the column ``id_column``) computed as

@@ -61,9 +61,13 @@ logger = logging.getLogger(__name__)
 
 def foreign_entries(names: list[str]) -> list[str]:
     """The entries of a store's folder (``names``) that are not the store's own: its shards, failure records,
-    temporaries, merges in progress, torn shards set aside and job locks are."""
+    temporaries, merges in progress, torn shards set aside and job locks are. In a folder that holds a store, a hidden
+    entry not named ``.parquet`` (macOS's ``.DS_Store``, an editor's backup) is left alone too: no reader of the store
+    reads it (pyarrow.dataset skips hidden names; a ``*.parquet`` glob does not match it)."""
     ours = (TEMPORARY, MERGING, SET_ASIDE, PREFIX)
-    return [n for n in names if not (is_shard(n) or n == FAILED or n.startswith(ours))]
+    store = FAILED in names or any(map(is_shard, names))
+    return [n for n in names if not (is_shard(n) or n == FAILED or n.startswith(ours)
+                                     or store and n.startswith(".") and not n.endswith(".parquet"))]
 
 
 def _key(key: str | None) -> str:
@@ -136,7 +140,7 @@ class Store:
             if foreign := foreign_entries(names):
                 raise ValueError(f"output_path should be a new or empty directory, or a dynabatch results store, but "
                                  f"got output_path={self.path!r} holding {len(foreign)} other entries "
-                                 f"({first_few(foreign)}); use another directory")
+                                 f"({first_few(foreign)}); remove them, or use another directory")
             self._index(self.path, names, self._shards, verify)
             if FAILED in names:
                 failed = os.path.join(self.path, FAILED)

@@ -107,8 +107,8 @@ def test_an_output_folder_holding_other_files_is_refused_before_the_store_opens(
     with pytest.raises(ValueError) as info:
         Output(tmp_path / "data").prepare()
     assert str(info.value) == (f"output should be a new folder, or the store of this same job to resume it, but got "
-                               f"output={str(tmp_path / 'data')!r} holding 1 other entries (notes.txt): use another "
-                               "output folder")
+                               f"output={str(tmp_path / 'data')!r} holding 1 other entries (notes.txt): remove them, "
+                               "or use another output folder")
     _write(tmp_path / "store", "embed model=aaaa", [0])
     Output(tmp_path / "store").prepare()  # a store's own files: its shards, its failure records, its job lock
 

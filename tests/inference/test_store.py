@@ -248,6 +248,17 @@ def test_a_real_type_change_is_refused_at_the_write_that_shows_it_naming_the_col
         _write(tmp_path, [{"label": "four"}], positions=[4], n=6)
 
 
+def test_a_hidden_file_dropped_into_a_store_is_left_alone_as_its_readers_skip_it(tmp_path):
+    _write(tmp_path, [torch.ones(2)] * 2, n=3).close()
+    (tmp_path / ".DS_Store").write_bytes(b"Bud1")  # macOS's Finder writes one into every folder it shows
+    store = open_store(tmp_path, key="k", n=3)
+    assert store.done.tolist() == [True, True, False] and pq.read_table(tmp_path).num_rows == 2
+    store.close()
+    pq.write_table(pa.table({"x": [1]}), tmp_path / ".x.parquet")  # a glob of *.parquet may read it: refused
+    with pytest.raises(ValueError, match=r"holding 1 other entries \(\.x\.parquet\); remove them"):
+        open_store(tmp_path, key="k")
+
+
 def test_rows_that_do_not_fit_the_stored_columns_are_refused(tmp_path):
     _write(tmp_path, [{"a": torch.ones(4), "b": 2}])
     for rows, error, message in [
@@ -341,7 +352,11 @@ def test_close_commits_or_drops_the_buffer_and_its_thread_has_stopped(tmp_path, 
 def test_what_is_not_a_store_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match=r"output_path should be a new or empty directory, or a dynabatch results "
-                       r"store, but got output_path='.*' holding 1 other entries \(notes\.txt\)"):
+                       r"store, but got output_path='.*' holding 1 other entries \(notes\.txt\); remove them, or use "
+                       r"another directory"):
+        open_store(tmp_path, key="k")
+    (tmp_path / ".DS_Store").write_bytes(b"Bud1")  # hidden: no store here to leave it alone in
+    with pytest.raises(ValueError, match=r"holding 2 other entries \(\.DS_Store, notes\.txt\)"):
         open_store(tmp_path, key="k")
     (tmp_path / "notes.txt").unlink()
     pq.write_table(pa.table({"x": [1]}), tmp_path / "part-x.parquet")
