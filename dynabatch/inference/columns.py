@@ -67,6 +67,9 @@ def _gather(node: Any, values: list, name: str, out: dict[str, list]) -> None:
                 ": a row that is a list of lists, tensors or dicts is stored as one column per item; for a number "
                 "of items that varies by row, return each row as one tensor (e.g. torch.tensor(spans), of shape "
                 "(items, 2)) or as a list of numbers or str")
+            if kind == "dict" and isinstance(value, Mapping) and sorted(value) == sorted(keys):
+                hint = ": the same keys in another order, which a row read back would change; give every row's " \
+                       "keys in one order"
             raise ValueError(f"{name} should be {want} in every row, as stored, but got {got}{hint}")
     for key, child in items:
         _gather(child, [value[key] for value in values], f"{name}[{key!r}]", out)

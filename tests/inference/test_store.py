@@ -158,6 +158,9 @@ def test_what_arrow_cannot_hold_is_refused_by_name():
     with pytest.raises(ValueError, match=r"output should be a list of 1 items in every row, as stored, but got list "
                        r"of 2 items: a row that is a list of lists, .* return each row as one tensor"):
         _table([[[0, 3]], [[0, 3], [5, 7]]])  # entity spans, a number per row
+    with pytest.raises(ValueError, match=r"output should be a dict with keys \['a', 'b'\] in every row, as stored, "
+                       r"but got \['b', 'a'\]: the same keys in another order, .*; give every row's keys in one order$"):
+        _table([{"a": 1, "b": 2}, {"b": 2, "a": 1}])
 
 
 @settings(max_examples=40, deadline=None)
