@@ -148,7 +148,9 @@ def _array_part(values: list, present: list, name: str) -> _Part:
     if bad is not None:
         raise TypeError(f"{name} should be {_KINDS['tensor' if tensor else 'ndarray']} or None in every row, as in "
                         f"its first row, but got {type(bad).__name__}")
-    arrays = present if tensor else [np.asarray(v) for v in present]
+    # Arrow holds one byte order: a numpy array of the other (">f4" on a little-endian machine) is stored in this one's.
+    arrays = present if tensor else [np.asarray(v).astype(np.asarray(v).dtype.newbyteorder("="), copy=False)
+                                     for v in present]
     dtype, shape = str(arrays[0].dtype).removeprefix("torch."), tuple(arrays[0].shape)
     if (arrays[0].dtype.is_complex if tensor else arrays[0].dtype.kind not in "biuf") or dtype.startswith("float8"):
         raise TypeError(f"{name} should be storable in Arrow with output_path set (numbers or bools), but got {name} "

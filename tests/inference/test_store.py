@@ -118,6 +118,17 @@ def test_containers_scalars_lists_and_numpy_rows():
     assert table.column_names == ["output_0", "output_1"] and isinstance(columns.rows(table)[0], list)
 
 
+def test_numpy_rows_of_the_other_byte_order_are_stored_in_this_machines():
+    swapped = ">" if np.little_endian else "<"  # arrays read from a file written on another machine, say
+    rows = [{"vec": np.arange(3, dtype=swapped + "f4") + p, "ids": np.arange(p + 1, dtype=swapped + "i8")}
+            for p in range(3)]
+    columns, table = _table(rows)
+    assert [str(table.schema.field(n).type) for n in ("vec", "ids")] == ["fixed_size_list<item: float>[3]",
+                                                                         "list<item: int64>"]
+    _equal([{key: value.astype(value.dtype.newbyteorder("=")) for key, value in row.items()} for row in rows],
+           columns.rows(table))
+
+
 def test_stacking_every_row():
     rows = [{"vec": torch.randn(3).to(torch.bfloat16), "n": p, "ids": torch.tensor([p, p])} for p in range(4)]
     columns, table = _table(rows)
