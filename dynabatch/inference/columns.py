@@ -153,8 +153,10 @@ def _array_part(values: list, present: list, name: str) -> _Part:
                                      for v in present]
     dtype, shape = str(arrays[0].dtype).removeprefix("torch."), tuple(arrays[0].shape)
     if (arrays[0].dtype.is_complex if tensor else arrays[0].dtype.kind not in "biuf") or dtype.startswith("float8"):
+        strings = not tensor and arrays[0].dtype.kind in "USO"
         raise TypeError(f"{name} should be storable in Arrow with output_path set (numbers or bools), but got {name} "
-                        f"of dtype {dtype}")
+                        f"of dtype {dtype}: " + ("return a list of str (array.tolist()), stored as str" if strings
+                                                  else "convert it to a dtype of numbers (e.g. float32)"))
     for a in arrays:
         if a.dtype != arrays[0].dtype or a.ndim != len(shape) or tuple(a.shape[1:]) != shape[1:]:
             raise ValueError(_misfit(name, dtype, ("n", *shape[1:]) if shape else (),

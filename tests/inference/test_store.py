@@ -153,8 +153,10 @@ def test_what_arrow_cannot_hold_is_refused_by_name():
                        r"got output of type object$"):
         _table([object(), object()])
     with pytest.raises(TypeError, match=r"output should be storable in Arrow with output_path set \(numbers or "
-                       r"bools\), but got output of dtype complex64"):
+                       r"bools\), but got output of dtype complex64: convert it to a dtype of numbers"):
         _table([torch.ones(2, dtype=torch.complex64)])
+    with pytest.raises(TypeError, match=r"output of dtype <U5: return a list of str \(array\.tolist\(\)\)"):
+        _table(list(np.array(["label", "other"])[:, None]))  # a numpy array of labels, one per row
     with pytest.raises(TypeError, match=r"output keys should be str with output_path set \(column names\), but got "
                        r"key 1 of type int"):
         _table([{1: torch.ones(1)}])
