@@ -250,7 +250,7 @@ class Output:
     """The store of a corpus job at ``path`` (a folder)."""
 
     def __init__(self, path: Any) -> None:
-        self.path = os.fspath(path)
+        self.path = os.path.expanduser(os.fspath(path))  # as the store reads it ("~" quoted past the shell)
         self.made: str | None = None  # the top-most folder this job made, taken back if a later check fails
         self.store: Any = None
         self.before: np.ndarray | None = None

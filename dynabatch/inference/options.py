@@ -71,7 +71,7 @@ def check_store_arguments(output_path: Any, key: Any) -> None:
         raise bad_type("output_path", "None, a str or an os.PathLike (a directory for the results store), or the "
                        "store opened for the run (open_store)", output_path)
     if output_path is not None:
-        _refuse_jsonl(os.fspath(output_path))
+        _refuse_jsonl(os.path.expanduser(os.fspath(output_path)))
     if key is not None and not isinstance(key, str):
         raise bad_type("key", "None or a str naming the model, revision and settings", key)
     if key is not None and output_path is None:

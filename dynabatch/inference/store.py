@@ -94,7 +94,8 @@ class Store:
 
     def __init__(self, path: Any, *, key: str | None, n: int | None = None, ids: pa.Array | None = None,
                  job: str | None = None, keyed_by: str | None = None, verify: bool = True) -> None:
-        path = os.fspath(path)
+        # "~" is the home directory, as pyarrow (which writes the shards) and pandas read it: one folder for both.
+        path = os.path.expanduser(os.fspath(path))
         if os.path.exists(path) and not os.path.isdir(path):  # a socket, a device
             raise bad_value("output_path", "a directory (a Parquet results store)", path)
         os.makedirs(path, exist_ok=True)

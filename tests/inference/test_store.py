@@ -264,6 +264,13 @@ def test_a_real_type_change_is_refused_at_the_write_that_shows_it_naming_the_col
         _write(tmp_path, [{"label": "four"}], positions=[4], n=6)
 
 
+def test_a_path_under_the_home_directory_is_one_folder_for_the_store_and_its_shards(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)  # a literal "~" folder would be made here
+    _write("~/results", [torch.ones(2)] * 2).close()  # pyarrow writes the shards to $HOME/results
+    assert pq.read_table(tmp_path / "home" / "results").num_rows == 2 and not (tmp_path / "~").exists()
+
+
 def test_a_hidden_file_dropped_into_a_store_is_left_alone_as_its_readers_skip_it(tmp_path):
     _write(tmp_path, [torch.ones(2)] * 2, n=3).close()
     (tmp_path / ".DS_Store").write_bytes(b"Bud1")  # macOS's Finder writes one into every folder it shows
