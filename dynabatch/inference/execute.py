@@ -312,7 +312,8 @@ class Executor:
         outcome, stack, self._stack = self._outcome, self._stack, []
         if self._finished:
             outcome.positions = np.concatenate(self._finished)
-            outcome.varying = self._splitter.varying(outcome.rows[0])
+            # Every row's paths: a row whose value is None at a path says nothing of how that path is read.
+            outcome.varying = list({tuple(path) for row in outcome.rows for path in self._splitter.varying(row)})
         if stack:
             batch = self._built.batch
             rows_left = np.flatnonzero(np.isin(batch.indices.numpy(),

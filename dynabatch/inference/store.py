@@ -107,6 +107,7 @@ class Store:
         self.columns: Columns | None = None
         self._fields: dict[str, pa.Field] = {}  # each output column's field: as stored, widened by rows written
         self._fixed: set[str] = set()  # columns typed by a committed shard (not null)
+        self._varied: dict[str, bool] = {}  # whether run read a column's rows as varying (per token, one per row)
         self._shards: dict[str, _Shard] = {}
         self._failed: dict[str, tuple[pa.Array, pa.Array]] = {}  # failure records: keys and causes per file
         self._lock = threading.RLock()
@@ -202,6 +203,7 @@ class Store:
         """Takes a shard's rows' structure, kinds and fields into the store's (widened where writers raced)."""
         self.columns = self.columns or Columns(meta["tree"], meta["kinds"])
         self.columns.kinds = {**meta["kinds"], **self.columns.kinds}
+        self._varied = {**meta.get("varied", {}), **self._varied}  # shards of earlier versions: not known
         for name in self.columns.names:
             before = self._fields.get(name)
             try:
@@ -324,7 +326,7 @@ class Store:
             self._writers += 1
         return StoreWriter(self, name if exact else f"{self.run}_{name}", ids)
 
-    def admit(self, rows: Sequence[Any], varying: Collection[tuple]) -> dict:
+    def admit(self, rows: Sequence[Any], varying: Collection[tuple] | None) -> dict:
         """Each column's values of ``rows``, fitted to the store's fields before they are buffered; a
         ``RuntimeError`` before :meth:`check_inputs`."""
         if self._unchecked:
@@ -334,25 +336,44 @@ class Store:
         with self._lock:
             self.columns = self.columns or Columns.of(rows[0])
         parts = self.columns.parts(rows)  # the rows joined into columns outside the lock: writers convert at once
-        self.fit([parts], varying)
+        self.fit([parts], varying or (), check=varying is not None)
         return parts
 
-    def fit(self, parts: list[dict], varying: Collection[tuple], *, fix: bool = False) -> list[pa.Field]:
+    def fit(self, parts: list[dict], varying: Collection[tuple], *, fix: bool = False,
+            check: bool = True) -> list[pa.Field]:
         """The output fields holding ``parts`` and the rows before them (widening those no shard typed yet;
-        ``varying``: the row paths of per-token tensors); ``fix``: a shard's, typing its columns for every later one."""
+        ``varying``: the row paths of per-token tensors; ``check``: whether they are known, to check against the rows
+        stored); ``fix``: a shard's, typing its columns for every later one."""
         with self._lock:
-            fitted = self.columns.fit(parts, self._fields, self._fixed, self.columns.at(varying))
+            declared = self.columns.at(varying)
+            if check:
+                self._check_reading([n for n in self.columns.names if any(p[n].kind is not None for p in parts)],
+                                    declared)
+            fitted = self.columns.fit(parts, self._fields, self._fixed, declared)
             self._fields.update(fitted)
             if fix:
                 self._fixed.update(name for name, field in fitted.items() if not pa.types.is_null(field.type))
             return list(fitted.values())
+
+    def _check_reading(self, names: list[str], declared: set[str]) -> None:
+        """Refuses rows of a column read otherwise than the rows stored (cut per token, or given one per row, against
+        kept whole as the batch gave them): another ``fn`` or ``token_outputs``, whose rows the types can hide."""
+        for name in names:
+            if self._varied.setdefault(name, name in declared) != (name in declared):
+                said = {True: "each its own length (cut per token by the attention mask, generated ids, or given one "
+                              "per row)", False: "whole (each row as its batch gave it)"}
+                raise ValueError(
+                    f"{name} should be read as the rows stored at output_path={self.path!r} were, "
+                    f"{said[self._varied[name]]}, but got rows read {said[name in declared]}: fn's output or "
+                    "token_outputs differ from the run that stored them, and the two would mix in one column; use the "
+                    "same fn and token_outputs, or another output_path")
 
     def _schema(self, fields: list[pa.Field]) -> pa.Schema:
         """A shard's schema of ``fields``, its metadata: format, key, keying and the rows' structure, under ``META``,
         and their checksum with the column names, under ``CHECK`` (the footer has no checksum of its own)."""
         meta = {"format": FORMAT, "key": self.key, "keyed_by": self.keyed_by}
         if self.columns is not None:
-            meta.update(tree=self.columns.tree, kinds=dict(self.columns.kinds))
+            meta.update(tree=self.columns.tree, kinds=dict(self.columns.kinds), varied=dict(self._varied))
         encoded = json.dumps(meta).encode()
         return pa.schema(fields, metadata={META: encoded, CHECK: footer_check(encoded, [f.name for f in fields])})
 

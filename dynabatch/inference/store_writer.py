@@ -75,6 +75,7 @@ class StoreWriter:
         self.buffer: list[_Entry] = []  # in the order written, not a shard yet
         self.sealed: list[list[_Entry]] = []  # whole shards not committed yet, in order (a failed one first again)
         self._varying: set[tuple] = set()
+        self._reading_known = True  # every write said which paths vary (a Ray window's does not)
         self._guard = threading.Lock()
         self._stalled = False  # a commit failed for good: none more until close() tries again
         self._closed = False
@@ -83,19 +84,22 @@ class StoreWriter:
         self._spans: list[tuple[int, int, int, int]] = []
 
     # -- the caller's side -------------------------------------------------------------------------------------------
-    def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray, varying: Collection[tuple] = ()) -> None:
+    def write(self, positions: np.ndarray, rows: list, hashes: np.ndarray,
+              varying: Collection[tuple] | None = None) -> None:
         """Adds rows (``rows[i]`` of input ``positions[i]``, input hash ``hashes[i]``; a ``None`` row is recorded
-        failed, :data:`NONE_ROW`); ``varying``: row paths of per-token tensors, stored as lists. Raises for a row the
+        failed, :data:`NONE_ROW`); ``varying``: row paths of per-token tensors, stored as lists (``None``: not known,
+        and not checked against the rows stored). Raises for a row the
         store's columns cannot hold (nothing of the call kept), and an error of an earlier commit that failed."""
         if self._worker is not None:
             self._worker.check()
         positions = np.asarray(positions, dtype=np.int64)
         hashes = np.asarray(hashes if hashes is not None else np.zeros(len(rows)), dtype=np.uint64)
         keep = np.fromiter((row is not None for row in rows), dtype=bool, count=len(rows))
+        self._reading_known &= varying is not None
         if keep.any():
             parts = self.store.admit([row for row in rows if row is not None], varying)
             size = positions.nbytes * 2 + sum(p.values.nbytes for p in parts.values() if p.values is not None)
-            self._add(_Entry(positions[keep], hashes[keep], parts, None, size), varying)
+            self._add(_Entry(positions[keep], hashes[keep], parts, None, size), varying or ())
         if not keep.all():
             self.fail(positions[~keep], hashes[~keep], [NONE_ROW] * int((~keep).sum()))
 
@@ -199,7 +203,7 @@ class StoreWriter:
             write_whole(os.path.join(store.path, FAILED), name, self._table(failures, causes))
         if not batches:
             return 0
-        fields = store.fit([b.parts for b in batches], self._varying, fix=True)
+        fields = store.fit([b.parts for b in batches], self._varying, fix=True, check=self._reading_known)
         table = self._table(batches, store.columns.table([b.parts for b in batches], fields))
         write_whole(store.path, name, table, write_statistics=[store.keyed_by])
         del table

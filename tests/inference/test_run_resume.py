@@ -584,3 +584,15 @@ def test_rows_padded_to_their_batchs_width_are_refused_saying_how_to_store_them(
     in_memory = run(padded, _load(texts, tokenizer), token_outputs="whole", progress=False)
     assert len({len(row) for row in stored}) > 1
     assert all(torch.equal(a, b) for a, b in zip(in_memory, stored, strict=True))
+
+
+def test_a_rerun_reading_rows_otherwise_than_the_stored_ones_is_refused_not_mixed(tokenizer, tmp_path):
+    texts = ["one two three four five six"] * 2 + ["one two three four five"] * 2 + ["one two three"] * 8
+    queries = lambda b: b["input_ids"][:, :1, None].float().expand(-1, 8, 4).clone()  # 8 per row, as wide as batch 1
+    with pytest.raises(ValueError, match=r"as at its first batch \(width 8, where it was read as per-token"):
+        run(queries, _load(texts, tokenizer, batch_size=4), output_path=tmp_path, progress=False)  # batch 1 stored
+    with pytest.raises(ValueError, match=r"^output should be read as the rows stored at output_path='.*' were, each "
+                       r"its own length \(cut per token .*\), but got rows read whole .*; use the same fn and "
+                       r"token_outputs, or another output_path$"):  # it stored batch 1's rows cut to 7 and 8 tokens
+        run(queries, _load(texts, tokenizer, batch_size=4), output_path=tmp_path, token_outputs="whole",
+            progress=False)
