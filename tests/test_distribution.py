@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from dynabatch._distribution import DISTRIBUTION, OTHER, other_installs
 
@@ -118,6 +119,46 @@ def test_the_train_extra_has_what_tokenize_source_reads_with():
 
 def test_the_benchmarks_extra_has_what_the_packing_benchmarks_read_with():
     assert "datasets" in _extras()["benchmarks"]  # benchmarks/packing.py and training_batching.py (docs/benchmarks.md)
+
+
+def _floors() -> dict[str, list[Version]]:
+    """Each package pyproject.toml installs (dependencies and every extra) and the floors (``>=``) it names."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    floors: dict[str, list[Version]] = {}
+    for line in [*project["dependencies"], *(r for reqs in project["optional-dependencies"].values() for r in reqs)]:
+        requirement = Requirement(line)
+        floors.setdefault(requirement.name, []).extend(
+            Version(s.version) for s in requirement.specifier if s.operator == ">=")
+    return floors
+
+
+def _transformers_needs(name: str) -> Version:
+    """The floor the installed transformers declares for ``name`` with PyTorch (its ``torch`` extra)."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    for line in requires("transformers") or []:
+        requirement = Requirement(line)
+        if requirement.name == name and requirement.marker and requirement.marker.evaluate({"extra": "torch"}):
+            return max(Version(s.version) for s in requirement.specifier if s.operator == ">=")
+    raise AssertionError(f"transformers declares no {name} floor in its torch extra")
+
+
+def test_every_floor_gives_what_the_code_and_transformers_call():
+    from transformers import Trainer
+
+    floors = _floors()
+    # dynabatch.training's Trainer reads loss_is_scaled_for_ga unguarded; transformers added it in 5.19 (5.18's
+    # Trainer has no such attribute: an AttributeError at the first accumulated step)
+    assert hasattr(Trainer, "loss_is_scaled_for_ga") and min(floors["transformers"]) >= Version("5.19")
+    # transformers disables PyTorch below its floor, and its Trainer refuses accelerate below its own: the newest
+    # transformers is what pip installs beside an older torch or accelerate that the floor here lets stay
+    assert min(floors["torch"]) >= _transformers_needs("torch")
+    assert min(floors["accelerate"]) >= _transformers_needs("accelerate")
 
 
 def _monitor_plot(tmp_path):
