@@ -161,6 +161,18 @@ def test_every_floor_gives_what_the_code_and_transformers_call():
     assert min(floors["accelerate"]) >= _transformers_needs("accelerate")
 
 
+def test_the_datasets_floor_works_beside_the_pandas_and_huggingface_hub_installed_here():
+    import huggingface_hub
+    import pandas
+
+    floor = min(_floors()["datasets"])
+    # datasets 2.15 and older import huggingface_hub.HfFolder, which huggingface_hub 1.0 removed (transformers
+    # 5.19 needs huggingface_hub 1.31): `import datasets` fails
+    assert Version(huggingface_hub.__version__) < Version("1.0") or floor >= Version("2.16")
+    # datasets 2.17 and older pass read_csv(verbose=...), which pandas 3 removed: tokenize_source of a CSV fails
+    assert Version(pandas.__version__) < Version("3.0") or floor >= Version("2.18")
+
+
 def _monitor_plot(tmp_path):
     from dynabatch.compat.multitask import BatchMetrics, DynamicBatchingMonitor
 
