@@ -137,6 +137,10 @@ class ActorModel:
         tokenizer, limit, make_fn, model = self.load(spec, self.args)
         return tokenizer, make_fn(device), limit, {**self.loader_options(self.args, limit), "model": model}
 
+    def truncated(self) -> int:
+        """How many inputs of the actor's last window were truncated: none counted (as on one machine)."""
+        return 0
+
 
 @dataclass
 class GenerateModel:
@@ -151,12 +155,13 @@ class GenerateModel:
     options: dict[str, Any]  # model.generate's keywords, as the command passes them
     chat: bool  # prompts rendered by the chat template on the driver: no special tokens added again
     seed: int
+    truncation: Any = None  # the actor's TruncatedPrompts, made where it loads the model
 
     def __call__(self, device: Any) -> tuple[Any, Callable, int, dict[str, Any]]:
         """``(tokenizer, fn, limit, loader keywords)`` on ``device`` (``None``: the CPU)."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-        from dynabatch.inference.generation import generation_loader, reply_function
+        from dynabatch.inference.generation import TruncatedPrompts, generation_loader, reply_function
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         device = torch.device(device or "cpu")
@@ -165,8 +170,14 @@ class GenerateModel:
         model = auto.from_pretrained(self.folder, dtype=self.dtype).to(device).eval()
         torch.manual_seed(self.seed)  # the actor's own generator: sampling draws from it
         padder, loader = generation_loader(model, self.tokenizer, self.options, chat=self.chat)
-        return padder, reply_function(model, self.tokenizer, self.options), \
-            self.limit, loader
+        self.truncation = TruncatedPrompts(padder, self.limit, "chat" if self.chat else "text")
+        # stream=False: a window's batches carry their texts (a streamed one's do not), which the truncation reads
+        fn = self.truncation.noting(reply_function(model, self.tokenizer, self.options))
+        return padder, fn, self.limit, {**loader, "stream": False}
+
+    def truncated(self) -> int:
+        """How many prompts of the actor's last window were longer than the limit (and truncated), forgotten then."""
+        return len(self.truncation.take()) if self.truncation is not None else 0
 
 
 class CommandPredictor(DynamicBatchPredictor):
@@ -192,6 +203,7 @@ class CommandPredictor(DynamicBatchPredictor):
         return super().__call__(batch)
 
     def window_done(self, report: RunReport, plan: str) -> None:
+        report.truncated_inputs = self.model.truncated()  # as dynabatch.generate counts them on one machine
         for record in report.records:
             record.device = self.actor
         stages: dict[str, float] = {}
@@ -418,7 +430,8 @@ def _job_report(reports: list[RunReport], *, wall_seconds: float, sent: float, a
     """The windows' reports as the job's one: every batch (tagged with its actor) on the job's clock
     (:func:`_on_job_clock`); each actor's wall and stages summed over its windows, and its first measured peak
     (``device_budgets``, as each device's in a run on several); the background stages' shares
-    (:func:`_background_shares`); the windows' skipped inputs, rebuilt batches and accounting seconds summed.
+    (:func:`_background_shares`); the windows' skipped inputs, rebuilt batches, truncated inputs and accounting
+    seconds summed.
 
     ``wall_seconds``: the driver's, from sending the windows to the last one back (stored: a window commits its rows
     before it returns); ``sent``: the clock's time (``time.time()``) it sent them; ``accounting``: the driver's own
@@ -443,6 +456,7 @@ def _job_report(reports: list[RunReport], *, wall_seconds: float, sent: float, a
                      background=_background_shares(reports, workers),
                      skipped_inputs=sum(r.skipped_inputs for r in reports),
                      rebuilt_batches=sum(r.rebuilt_batches for r in reports),
+                     truncated_inputs=sum(r.truncated_inputs for r in reports),
                      accounting_seconds=accounting + sum(r.accounting_seconds for r in reports))
 
 

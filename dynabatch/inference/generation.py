@@ -48,7 +48,8 @@ from dynabatch.memory.shape import ModelShape, check_position_limit, position_li
 from dynabatch.memory.units import check_max_memory
 
 __all__ = ["RENDERED_CHAT_TOKENIZER_KWARGS", "applied_setting", "check_generate_kwargs", "check_generation_settings",
-           "counting_the_prompt", "generate", "generation_loader", "render_chats", "reply_function"]
+           "counting_the_prompt", "generate", "generation_loader", "render_chats", "reply_function",
+           "TruncatedPrompts"]
 
 logger = logging.getLogger(__name__)
 
@@ -515,31 +516,50 @@ def _footprint(model: Any, tokenizer: Any, generate_kwargs: dict[str, Any], new_
     return Footprint.from_model(model, max_new_tokens=max_new_tokens, step_bytes=step_bytes, **settings)
 
 
-def _noting_full_rows(fn: Callable[[Any], PerRow], limit: int, full: set[int]) -> Callable[[Any], PerRow]:
-    """``fn``, noting in ``full`` the input positions of its batch's rows of ``limit`` tokens: the only prompts the
-    loader may have truncated (a batch narrower than the limit holds none, and costs no look at its mask)."""
-    def noted(batch: Any) -> PerRow:
-        indices = getattr(batch, "indices", None)
-        if indices is not None and batch["input_ids"].shape[1] >= limit:
-            at_limit = (batch["attention_mask"].sum(dim=1) == limit).cpu()
-            full.update(indices[at_limit].tolist())
-        return fn(batch)
+class TruncatedPrompts:
+    """Which prompts the loader truncated to ``limit`` tokens. :meth:`noting` wraps a run's ``fn`` to note its
+    batches' rows of ``limit`` tokens, the only prompts the loader may have truncated (a batch narrower than the limit
+    holds none, and costs no look at its mask), with their texts where the batch carries them; :meth:`take`, after
+    the run, tells which of them were longer and forgets them, so that one object serves run after run (each window
+    of a Ray actor: ``dynabatch generate --ray``).
 
-    return noted
+    Args:
+        tokenizer: the tokenizer that padded the batches, which tokenizes the noted texts again as the loader did.
+        limit: the loader's ``max_input_token_length``.
+        kind: the prompts' kind: ``"ids"`` (pre-tokenized: their lengths tell), ``"chat"`` (rendered conversations,
+            tokenized without special tokens added) or ``"text"``.
+    """
 
+    def __init__(self, tokenizer: Any, limit: int, kind: str = "text") -> None:
+        self.tokenizer, self.limit, self.kind = tokenizer, limit, kind
+        self.full: dict[int, Any] = {}  # input position -> its text as the batch carried it (None: it carried none)
 
-def _truncated(prompts: Sequence[Any], texts: Sequence[Any], kind: str, tokenizer: Any, limit: int,
-               full: set[int]) -> list[int]:
-    """The positions among ``full`` (prompts of ``limit`` tokens as the loader stored them) of the prompts that were
-    longer, in order: pre-tokenized ids by their length, texts tokenized again as the loader tokenized them, to
-    ``limit + 1`` tokens (a text of more than ``limit`` keeps ``limit + 1``)."""
-    positions = sorted(full)
-    if kind == "ids" or not positions:
-        return [p for p in positions if len(prompts[p]) > limit]
-    kwargs = RENDERED_CHAT_TOKENIZER_KWARGS if kind == "chat" else {}
-    lengths = tokenize_texts([texts[p] for p in positions], tokenizer, limit + 1, progress=False, tokenize_cores=1,
-                             texts_name="prompts", **kwargs).lengths
-    return [p for p, length in zip(positions, lengths.tolist()) if length > limit]
+    def noting(self, fn: Callable[[Any], PerRow]) -> Callable[[Any], PerRow]:
+        """``fn``, noting each batch's rows of ``limit`` tokens by input position."""
+        def noted(batch: Any) -> PerRow:
+            indices = getattr(batch, "indices", None)
+            if indices is not None and batch["input_ids"].shape[1] >= self.limit:
+                at_limit = (batch["attention_mask"].sum(dim=1) == self.limit).cpu()
+                texts = getattr(batch, "texts", None)
+                for row in at_limit.nonzero().flatten().tolist():
+                    self.full[int(indices[row])] = None if texts is None else texts[row]
+            return fn(batch)
+
+        return noted
+
+    def take(self, prompts: Sequence[Any] | None = None) -> list[int]:
+        """The positions, in order, of the noted prompts that were longer than ``limit``, forgotten then: a noted
+        prompt's text as its batch carried it, else ``prompts[position]`` (the run's texts, or its token ids);
+        texts are tokenized again to ``limit + 1`` tokens (a text of more than ``limit`` keeps ``limit + 1``)."""
+        full, self.full = self.full, {}
+        positions = sorted(full)
+        seen = [full[p] if full[p] is not None else prompts[p] for p in positions]
+        if self.kind == "ids" or not positions:
+            return [p for p, ids in zip(positions, seen) if len(ids) > self.limit]
+        kwargs = RENDERED_CHAT_TOKENIZER_KWARGS if self.kind == "chat" else {}
+        lengths = tokenize_texts(seen, self.tokenizer, self.limit + 1, progress=False, tokenize_cores=1,
+                                 texts_name="prompts", **kwargs).lengths
+        return [p for p, length in zip(positions, lengths.tolist()) if length > self.limit]
 
 
 def _warn_truncated(positions: list[int], limit: int, side: str) -> None:
@@ -658,12 +678,12 @@ def generate(
     loader = build_dynamic_batch_dataloader(texts, padder, batch_size, max_input_token_length, num_workers=0,
                                             progress=progress, ids=ids, on_bad_input=on_bad_input,
                                             texts_name="prompts", **budget, **options)
-    full: set[int] = set()
+    truncation = TruncatedPrompts(padder, max_input_token_length, kind)
     with torch.inference_mode():
-        result = run(_noting_full_rows(fn, max_input_token_length, full), loader, device=device,
+        result = run(truncation.noting(fn), loader, device=device,
                      output_path=output_path, key=key, on_oom=on_oom, on_error=on_error, memory=memory,
                      progress=progress)
-    truncated = _truncated(prompts, texts, kind, padder, max_input_token_length, full)
+    truncated = truncation.take(prompts if kind == "ids" else texts)
     if truncated:
         _warn_truncated(truncated, max_input_token_length, getattr(padder, "truncation_side", "right"))
     result.report.truncated_inputs = len(truncated)

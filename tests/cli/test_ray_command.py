@@ -614,3 +614,32 @@ def test_the_job_report_holds_the_driver_wall_and_the_windows_figures_on_the_job
     assert job.workers == {"a": {"wall": 8.0, "stages": {"device": 8.0}}, "b": {"wall": 2.0, "stages": {"device": 2.0}}}
     assert (job.skipped_inputs, job.rebuilt_batches) == (1, 2)
     assert job.accounting_seconds == pytest.approx(0.45)  # the windows' and the driver's
+
+
+def test_generate_on_ray_counts_the_prompts_truncated_past_max_length_as_one_machine_does(gpt2_dir, texts, tokenizer):
+    """The actors ran reply_function alone: prompts cut to --max-length were not counted (0, and no summary line),
+    where dynabatch.generate counts them. Here: an actor's predictor (no cluster) on two windows of prompts, some
+    longer than the limit of 12 tokens, counts each window's own; the job's report sums the windows'."""
+    from transformers import AutoTokenizer
+
+    from dynabatch.cli import on_ray
+
+    pad = AutoTokenizer.from_pretrained(gpt2_dir)
+    limit = 12
+    model = on_ray.GenerateModel(str(gpt2_dir), None, pad, limit, {"max_new_tokens": 2, "do_sample": False,
+                                                                 "pad_token_id": pad.pad_token_id}, False, 0)
+    reports = []
+
+    class Predictor(on_ray.CommandPredictor):
+        def window_done(self, report, plan):
+            super().window_done(report, plan)
+            reports.append(report)
+
+    predictor = Predictor(model=model, batch_size=4, max_input_token_length=1)
+    lengths = [len(ids) for ids in tokenizer(texts[:40])["input_ids"]]
+    for window in (texts[:20], texts[20:40]):
+        predictor({"text": np.array(window, dtype=object)})
+    want = [sum(n > limit for n in lengths[:20]), sum(n > limit for n in lengths[20:])]
+    assert 0 < min(want) and max(lengths) > limit >= min(lengths)  # both sides of the limit in each window
+    assert [r.truncated_inputs for r in reports] == want
+    assert on_ray._job_report(reports, wall_seconds=1.0, sent=0.0, accounting=0.0).truncated_inputs == sum(want)
