@@ -236,11 +236,20 @@ def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) 
     above its positions. Returns that length, the model's own tokenization at it (the run's loader's) and the prompt
     it prepends to every text, as ``model.encode`` resolves ``--prompt``, ``--prompt-name`` and the model's
     ``default_prompt_name`` (``None``: none)."""
-    from dynabatch.integrations.sentence_transformers import corpus_embedder, resolve_prompt
+    from dynabatch.integrations.sentence_transformers import corpus_embedder, length_limit, resolve_prompt
     from dynabatch.memory.calibrate import check_positions
 
     if args.prompt_name is not None and args.prompt_name not in st.prompts:
         raise bad_value("--prompt-name", f"one of the model's prompts {sorted(st.prompts)}", args.prompt_name)
+    if args.max_length is not None:  # the model cut at it first: one of no length limit of its own runs at it
+        check_positions(config, args.max_length, 0, length_name="--max-length")
+        _cut_at(st, args.max_length)
+    else:
+        try:
+            length_limit(st)
+        except ValueError as exc:
+            raise bad_value("--max-length", "given: the model's folder, config and tokenizer set no length limit "
+                            "(no max_seq_length, no positions, as a relative-position encoder's)", None) from exc
     try:  # the run's own checks (its tokenization, what every batch shares), on the weightless model
         tokenizer, cut_at, _ = corpus_embedder(st, prompt_name=args.prompt_name, prompt=args.prompt)
     except ValueError as exc:

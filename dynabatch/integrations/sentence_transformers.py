@@ -62,7 +62,7 @@ from dynabatch.inference.outputs import PerRow
 from dynabatch.inference.runner import run
 from dynabatch.memory.shape import check_position_limit, position_limit
 
-__all__ = ["corpus_embedder", "encode", "make_dynamic", "resolve_prompt"]
+__all__ = ["corpus_embedder", "encode", "length_limit", "make_dynamic", "resolve_prompt"]
 
 logger = logging.getLogger(__name__)
 
@@ -208,8 +208,13 @@ class _Preprocessor:
         return clone
 
 
-def _length_limit(model: Any) -> tuple[int, int | None]:
-    """``(planning limit, truncation limit or None)``: the model's ``max_seq_length``, else its positions."""
+def length_limit(model: Any) -> tuple[int, int | None]:
+    """``(planning limit, truncation limit or None)``: the model's ``max_seq_length``, else its positions.
+
+    Raises:
+        ValueError: a model of neither (a relative-position encoder whose tokenizer sets no ``model_max_length``):
+            set ``model.max_seq_length``.
+    """
     limit = model.max_seq_length
     if isinstance(limit, int) and 0 < limit < 10**9:
         return limit, None
@@ -313,7 +318,7 @@ def _run_rows(model: Any, inputs: list[str], prompt: str | None, batch_size: int
               run_options: dict[str, Any], kwargs: dict[str, Any], devices: list | None = None,
               tokenize_cores: int | None = None) -> list[Any]:
     """One result per input, in input order, from the model run on dynamic batches."""
-    planning_limit, cut = _length_limit(model)
+    planning_limit, cut = length_limit(model)
     preprocessor = _Preprocessor(model, prompt, cut, kwargs)
     called = ((kwargs.get("processing_kwargs") or {}).get("text") or {}).get("max_length")  # a call's own limit
     planning_limit = called or planning_limit
@@ -397,7 +402,7 @@ def corpus_embedder(model: Any, *, prompt_name: str | None = None, prompt: str |
     reason = _unsupported(model, [])
     if reason is not None:
         raise ValueError(f"model should run its inputs on dynamic batches, but {reason}: call model.encode for it")
-    limit, cut = _length_limit(model)
+    limit, cut = length_limit(model)
     preprocessor = _Preprocessor(model, resolve_prompt(model, prompt, prompt_name), cut, {})
     limit = preprocessor.limit(limit)
     constants = preprocessor.constants  # what every batch shares (prompt_length): values, read once

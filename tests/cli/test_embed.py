@@ -335,6 +335,41 @@ def test_a_folder_whose_transformer_cuts_at_its_own_max_length_runs_at_it_and_ma
         assert np.abs(np.stack(stored) - want).max() < 1e-5, length
 
 
+def test_a_folder_of_no_length_limit_runs_at_max_length_and_without_it_is_refused_naming_it(
+        tokenizer, long_texts, tmp_path, capsys):
+    # a relative-position encoder (T5's: no positions in its config) whose tokenizer sets no model_max_length: the
+    # model's own limit was read before --max-length was applied, so '--max-length 12' was refused, naming
+    # model.max_seq_length
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+    from transformers import T5Config, T5EncoderModel
+
+    encoder, folder = tmp_path / "t5", tmp_path / "model"
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        T5EncoderModel(T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                num_heads=2)).save_pretrained(encoder)
+    unlimited = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)  # the shared one stays as it is
+    unlimited.model_max_length = int(1e30)
+    unlimited.save_pretrained(encoder)
+    SentenceTransformer(modules=[Transformer(str(encoder)), Pooling(32, pooling_mode="mean")],
+                        device="cpu").save(str(folder))
+    model = SentenceTransformer(str(folder), device="cpu")
+    assert model.max_seq_length > 10**9  # no limit of its own
+    (tmp_path / "docs.txt").write_text("\n".join(long_texts) + "\n", encoding="utf-8")
+    argv = ["embed", str(tmp_path / "docs.txt"), "--model", str(folder), "--no-progress"]
+    assert main([*argv, str(tmp_path / "store"), "--max-length", "12"]) == 0
+    assert "float32, max length 12, on cpu" in capsys.readouterr().out
+    model.max_seq_length = 12
+    want = model.encode(long_texts)
+    stored = ds.dataset(tmp_path / "store").to_table().sort_by("position").column("output").to_numpy(
+        zero_copy_only=False)
+    assert np.abs(np.stack(stored) - want).max() < 1e-5
+    assert _refused([*argv, str(tmp_path / "refused")], capsys).startswith(
+        "--max-length should be given: the model's folder, config and tokenizer set no length limit")
+
+
 def test_a_worker_whose_writes_fail_ends_the_job_non_zero_naming_what_is_missing(
         bert_dir, texts, tmp_path, cli, write_corpus, run_command):
     rows, ids = texts[:48], [f"doc-{i}" for i in range(48)]
