@@ -555,10 +555,20 @@ def is_out_of_memory_error(exc: BaseException) -> bool:
         ...     is_out_of_memory_error(wrapped)
         True
     """
-    for error in causes(exc):
-        if isinstance(error, torch.OutOfMemoryError) or any(b.is_out_of_memory(error) for b in _BACKENDS.values()):
-            return True
-    return False
+    return any(map(_says_out_of_memory, causes(exc)))
+
+
+def _says_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` itself (not what it was raised from) is an out-of-memory error."""
+    return isinstance(error, torch.OutOfMemoryError) or any(b.is_out_of_memory(error) for b in _BACKENDS.values())
+
+
+def _says_device_failed(error: BaseException) -> bool:
+    """Whether ``error`` itself (not what it was raised from) names a device's failure (checked after out of memory)."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return any(b.is_device_failure(error) for b in _BACKENDS.values())
 
 
 def causes(exc: BaseException) -> list[BaseException]:
@@ -582,15 +592,8 @@ def is_device_failure(exc: BaseException) -> bool:
         >>> is_device_failure(torch.OutOfMemoryError("CUDA out of memory")), is_device_failure(ValueError("bad row"))
         (False, False)
     """
-    if is_out_of_memory_error(exc):
-        return False
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    for error in causes(exc):  # a wrapper's error raised from the runtime's is the device's failure too
-        if accelerator_error is not None and isinstance(error, accelerator_error):
-            return True
-        if any(b.is_device_failure(error) for b in _BACKENDS.values()):
-            return True
-    return False
+    chain = causes(exc)  # a wrapper's error raised from the runtime's is the device's failure too
+    return not any(map(_says_out_of_memory, chain)) and any(map(_says_device_failed, chain))
 
 
 def free_memory() -> None:
