@@ -220,25 +220,29 @@ def check_same_batches(ranks: str, batches: Sequence[np.ndarray], inputs: Any = 
     everyone: list = [None] * size
     digest = fingerprint([np.asarray(b, dtype=np.int64) for b in batches])
     torch.distributed.all_gather_object(everyone, (len(batches), digest, fingerprint(inputs), ranks, store))
-    other = next((r for r, mine in enumerate(everyone) if mine[3] != everyone[0][3]), None)
+
+    def differs(fact: slice | int) -> int | None:  # the first rank whose ``fact`` (of the gathered) is not rank 0's
+        return next((r for r, mine in enumerate(everyone) if mine[fact] != everyone[0][fact]), None)
+
+    other = differs(3)
     if other is not None:
         raise ValueError(f"ranks should be the same on every rank, but got ranks={everyone[other][3]!r} on rank "
                          f"{other} and ranks={everyone[0][3]!r} on rank 0; pass every rank the same ranks")
-    other = next((r for r, mine in enumerate(everyone) if mine[4] != everyone[0][4]), None)
+    other = differs(4)
     if other is not None:
         given = {True: "given", False: "None"}
         raise ValueError(
             "output_path should be given on every rank or on none (with it every rank writes into the store, without "
             f"it rank 0 gathers every rank's rows), but got output_path {given[everyone[other][4]]} on rank {other} "
             f"and {given[everyone[0][4]]} on rank 0; pass every rank the same output_path")
-    other = next((r for r, mine in enumerate(everyone) if mine[:2] != everyone[0][:2]), None)
+    other = differs(slice(2))
     if other is not None:
         raise ValueError(
             "loader should yield the same batches on every rank (run shares them among the ranks itself), but "
             f"got {everyone[other][0]} batches on rank {other} and {everyone[0][0]} on rank 0 that differ; pass "
             "every rank the whole loader, not its own share"
         )
-    other = next((r for r, mine in enumerate(everyone) if mine[2] != everyone[0][2]), None)
+    other = differs(2)
     if other is not None:
         raise ValueError(
             "loader should hold the same inputs on every rank (each rank runs its share of them, and rank 0 gets "
