@@ -269,15 +269,15 @@ def _check_sentence_transformer(args: argparse.Namespace, config: Any, st: Any) 
         raise bad_value("--max-length", f"given above {added}: the max_seq_length={length} sentence-transformers "
                         f"reads from the folder holds only the tokens its tokenization adds to every text ({what})",
                         None)
-    try:
-        check_positions(config, length, 0, length_name="--max-length")
-    except ValueError as exc:
-        if args.max_length is not None:
-            raise
-        raise bad_value("--max-length", f"given: the max_seq_length={length} sentence-transformers reads from the "
-                        "folder is above the model's positions", None) from exc
-    _cut_at(st, length)
-    return length, corpus_embedder(st, prompt_name=args.prompt_name, prompt=args.prompt)[0], prompt
+    if args.max_length is None:  # a given one was checked and applied before the first corpus_embedder above
+        try:
+            check_positions(config, length, 0, length_name="--max-length")
+        except ValueError as exc:
+            raise bad_value("--max-length", f"given: the max_seq_length={length} sentence-transformers reads from "
+                            "the folder is above the model's positions", None) from exc
+        _cut_at(st, length)
+        tokenizer = corpus_embedder(st, prompt_name=args.prompt_name, prompt=args.prompt)[0]
+    return length, tokenizer, prompt
 
 
 def _cut_at(model: Any, length: int) -> None:

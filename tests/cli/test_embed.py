@@ -336,7 +336,7 @@ def test_a_folder_whose_transformer_cuts_at_its_own_max_length_runs_at_it_and_ma
 
 
 def test_a_folder_of_no_length_limit_runs_at_max_length_and_without_it_is_refused_naming_it(
-        tokenizer, long_texts, tmp_path, capsys):
+        tokenizer, long_texts, tmp_path, capsys, monkeypatch):
     # a relative-position encoder (T5's: no positions in its config) whose tokenizer sets no model_max_length: the
     # model's own limit was read before --max-length was applied, so '--max-length 12' was refused, naming
     # model.max_seq_length
@@ -359,8 +359,14 @@ def test_a_folder_of_no_length_limit_runs_at_max_length_and_without_it_is_refuse
     assert model.max_seq_length > 10**9  # no limit of its own
     (tmp_path / "docs.txt").write_text("\n".join(long_texts) + "\n", encoding="utf-8")
     argv = ["embed", str(tmp_path / "docs.txt"), "--model", str(folder), "--no-progress"]
+    import dynabatch.memory.calibrate as calibrate
+
+    checked, check_positions = [], calibrate.check_positions
+    monkeypatch.setattr(calibrate, "check_positions", lambda config, length, *a, **k: (
+        checked.append(length), check_positions(config, length, *a, **k))[1])
     assert main([*argv, str(tmp_path / "store"), "--max-length", "12"]) == 0
     assert "float32, max length 12, on cpu" in capsys.readouterr().out
+    assert checked == [12]  # a given --max-length is checked against the positions once, before the model is cut
     model.max_seq_length = 12
     want = model.encode(long_texts)
     stored = ds.dataset(tmp_path / "store").to_table().sort_by("position").column("output").to_numpy(
