@@ -235,21 +235,34 @@ def _strings_for_dates(kind: pa.DataType) -> pa.DataType:
     return kind
 
 
-def _quotes_pair_up(path: str) -> bool:
-    """Whether the file ``path`` holds an even number of ``"`` (counted a block at a time, at the speed of a read)."""
-    count = 0
-    with _bytes_of(path) as file:
-        while chunk := file.read(_BLOCK):
-            count += chunk.count(b'"')
-    return count % 2 == 0
+class _QuoteCount(io.RawIOBase):
+    """The bytes of the file ``path`` as pyarrow's CSV reader reads them by its path (:func:`pyarrow.input_stream`,
+    decompressed where its suffix names a compression), their ``"`` counted on the way: the pass that converts the
+    file tells whether they pair up, which a second read would otherwise (decompressing it again)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self._stream = pa.input_stream(path)
+        self.quotes = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._stream.read(None if size < 0 else size)
+        self.quotes += data.count(b'"')
+        return data
+
+    def close(self) -> None:
+        self._stream.close()
+        super().close()
 
 
 def _unclosed_quote(path: str, delimiter: str) -> int | None:
     """The line (from 1) where a quoted value of the CSV file ``path`` starts that is never closed, or ``None``:
     pyarrow, as Python's ``csv``, reads such a value to the file's end, the rows after it too, without an error.
-    Read line by line only where the file's quotes do not pair up (a value left open makes their number odd)."""
-    if _quotes_pair_up(path):
-        return None
+    Read line by line, by a caller that found the file's quotes do not pair up (a value left open makes their number
+    odd: :class:`_QuoteCount`)."""
     opening = re.compile(f'(?:^|(?<={re.escape(delimiter)}))"')  # a quote opens a value only at its start
     opened = None  # the line the open value starts on
     with io.TextIOWrapper(_bytes_of(path), encoding="utf-8-sig", errors="surrogateescape", newline="") as lines:
@@ -457,21 +470,24 @@ class Corpus:
             convert = csv.ConvertOptions(column_types={n: pa.large_string() for n in names}, include_columns=kept)
             target = os.path.join(self._scratch, f"{i:06d}.parquet")
 
-            def write(size: int, file: str = file, convert: Any = convert, target: str = target) -> int:
-                reader = csv.open_csv(file, read_options=csv.ReadOptions(block_size=size),
-                                      parse_options=self._csv_options(), convert_options=convert)
-                rows = 0
-                with pq.ParquetWriter(target, reader.schema) as writer:
-                    for batch in reader:
-                        writer.write_batch(batch)
-                        rows += batch.num_rows
-                return rows
+            def write(size: int, file: str = file, convert: Any = convert, target: str = target) -> tuple[int, int]:
+                """The file's rows written to ``target``, and the ``"`` its bytes hold."""
+                with _QuoteCount(file) as source:
+                    reader = csv.open_csv(source, read_options=csv.ReadOptions(block_size=size),
+                                          parse_options=self._csv_options(), convert_options=convert)
+                    rows = 0
+                    with pq.ParquetWriter(target, reader.schema) as writer:
+                        for batch in reader:
+                            writer.write_batch(batch)
+                            rows += batch.num_rows
+                return rows, source.quotes
 
             try:
-                self.rows += _in_blocks(write, file)
+                rows, quotes = _in_blocks(write, file)
             except (OSError, pa.ArrowException) as exc:
                 raise self._refusal(file, exc) from exc
-            if (line := _unclosed_quote(file, _DELIMITERS[self.format])) is not None:
+            self.rows += rows
+            if quotes % 2 and (line := _unclosed_quote(file, _DELIMITERS[self.format])) is not None:
                 raise _unreadable(self.name, file, self._table_rule(), None, f'line {line}: a quoted value starts here '
                                   'and is never closed, so the rest of the file would be read into it: close it with '
                                   'a ", or double a " inside a value ("")')
