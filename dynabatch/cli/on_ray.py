@@ -171,9 +171,8 @@ class GenerateModel:
         torch.manual_seed(self.seed)  # the actor's own generator: sampling draws from it
         padder, loader = generation_loader(model, self.tokenizer, self.options, chat=self.chat)
         self.truncation = TruncatedPrompts(padder, self.limit, "chat" if self.chat else "text")
-        # stream=False: a window's batches carry their texts (a streamed one's do not), which the truncation reads
-        fn = self.truncation.noting(reply_function(model, self.tokenizer, self.options))
-        return padder, fn, self.limit, {**loader, "stream": False}
+        fn = self.truncation.noting(reply_function(model, self.tokenizer, self.options))  # batches carry their texts
+        return padder, fn, self.limit, loader
 
     def truncated(self) -> int:
         """How many prompts of the actor's last window were longer than the limit (and truncated), forgotten then."""

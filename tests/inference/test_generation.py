@@ -737,3 +737,20 @@ def test_applied_setting_is_the_argument_else_the_configs_given_else_the_models_
     unset = GenerationConfig()
     assert [applied_setting(unset, {}, name) for name in ("temperature", "top_p", "top_k")] == [1.0, 1.0, 50]
     assert applied_setting(unset, {}, "min_new_tokens") is None
+
+
+def test_truncated_prompts_reads_the_texts_a_streamed_batch_carries_as_an_eager_one(chat_tokenizer, prompts):
+    # A Ray actor's TruncatedPrompts takes no prompts: it reads each noted row's text from its batch, which a
+    # streamed loader's batches carry as an eager one's do, so neither needs the other's shape.
+    from dynabatch.inference.generation import TruncatedPrompts
+    from dynabatch.inference.loader import build_dynamic_batch_dataloader
+
+    texts = list(prompts[:24])
+    want = [p for p, text in enumerate(texts) if len(chat_tokenizer(text)["input_ids"]) > 12]
+    assert 0 < len(want) < len(texts)
+    for stream in (True, False):
+        loader = build_dynamic_batch_dataloader(texts, chat_tokenizer, 4, 12, stream=stream, progress=False)
+        truncation = TruncatedPrompts(chat_tokenizer, 12)
+        dynabatch.run(truncation.noting(lambda batch: [0] * len(batch["input_ids"])), loader, progress=False)
+        assert truncation.take() == want, stream
+        assert truncation.take() == [], stream  # forgotten once taken
