@@ -239,16 +239,21 @@ def check_generate_kwargs(model: Any, generate_kwargs: dict[str, Any]) -> None:
     own = set(inspect.signature(type(model).generate).parameters) | set(_TAKEN_BY_GENERATE)
     settings = {k: v for k, v in generate_kwargs.items() if k not in own}
     base = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None) or GenerationConfig()
-    fields = {k for k in settings if not callable(getattr(base, k, None)) and hasattr(base, k)}
+    fields = _config_fields(base, settings)
     inputs = _model_inputs(model)
-    unknown = [name for name in settings if name not in fields | inputs]
+    unknown = [name for name in settings if name not in fields.keys() | inputs]
     if unknown:
         name = unknown[0]
         raise TypeError(f"generate() got an unexpected keyword argument {name!r}"
                         f"{did_you_mean(name, set(base.to_dict()) | inputs | own)}: it is no GenerationConfig field, "
                         f"no argument of {type(model).__name__}.generate and no input of the model; but got "
                         f"{name}={settings[name]!r}")
-    _check_values(base, {k: settings[k] for k in fields})
+    _check_values(base, fields)
+
+
+def _config_fields(base: Any, settings: dict[str, Any]) -> dict[str, Any]:
+    """The ``settings`` that are fields of the generation config ``base`` (not its methods), in their order."""
+    return {k: v for k, v in settings.items() if hasattr(base, k) and not callable(getattr(base, k))}
 
 
 def _model_inputs(model: Any) -> set[str]:
@@ -308,7 +313,7 @@ def check_generation_settings(model_config: Any, settings: dict[str, Any],
     from transformers import GenerationConfig
 
     base = model_config if model_config is not None else GenerationConfig()
-    _check_values(base, {k: v for k, v in settings.items() if hasattr(base, k) and not callable(getattr(base, k))})
+    _check_values(base, _config_fields(base, settings))
     _check_replies_only(model_config, settings, where)
     _check_batchable(model_config, settings, where)
 
